@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run the whole test suite on CPU.
+# Triton kernels run through the interpreter (TRITON_INTERPRET=1) when no GPU is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+if ! command -v nvidia-smi >/dev/null 2>&1; then export TRITON_INTERPRET=1; fi
+python -m pytest -q "$@"

@@ -1,0 +1,34 @@
+"""The dense PyTorch FFN path against transformers' LlamaMLP and hand-computed stats."""
+
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from twell.nn import SparseGatedMLP
+
+
+def test_matches_llama_mlp_and_stats():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=40, num_attention_heads=2, hidden_act="relu")
+    ref = LlamaMLP(cfg).double()
+    ours = SparseGatedMLP(16, 40).double()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    y = ours(x)
+    torch.testing.assert_close(y, ref(x), rtol=0, atol=1e-12)
+    g = torch.relu(x @ ref.gate_proj.weight.T)
+    h = g * (x @ ref.up_proj.weight.T)
+    st = ours.last_stats
+    assert st.n_tokens == 10
+    torch.testing.assert_close(st.l1.double(), h.abs().sum(-1).mean(), rtol=1e-6, atol=0)
+    act = (g > 0).reshape(10, 40)
+    assert st.nnz_sum.item() == act.sum().item()
+    assert st.nnz_max.item() == act.sum(-1).max().item()
+    assert torch.equal(st.active_counts, act.sum(0).int())
+
+
+def test_rejects_unknown_impl():
+    import pytest
+
+    with pytest.raises(ValueError, match="ffn impl"):
+        SparseGatedMLP(8, 16, impl="cuda")

@@ -1,0 +1,5 @@
+"""Thin ``nn.Module`` wrappers around the TwELL ops."""
+
+from twell.nn.mlp import FFN_IMPLS, SparseGatedMLP
+
+__all__ = ["FFN_IMPLS", "SparseGatedMLP"]

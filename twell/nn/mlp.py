@@ -1,0 +1,137 @@
+"""ReLU-gated FFN with activation statistics, dense (PyTorch) or sparse (TwELL).
+
+Shape legend: B batch, T sequence, D model width (hidden_size), H FFN width
+(intermediate_size), N = B*T tokens.
+
+Source: arXiv 2603.23198 (FFN definition and L1 regularizer; see
+``shared/PAPER.md``). The gated FFN is exactly transformers' ``LlamaMLP`` with
+``hidden_act="relu"``::
+
+    h = relu(x Wg^T) * (x Wu^T)        (gated)
+    h = relu(x Wu^T)                   (non-gated)
+    y = h Wd^T
+
+Parameter names ``gate_proj``/``up_proj``/``down_proj`` match ``LlamaMLP`` so a
+checkpoint of a model using this module loads into stock ``LlamaForCausalLM``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from twell.stats import FFNStats, stats_from_activations
+
+FFN_IMPLS = ("torch", "twell", "auto")
+
+
+def gated_ffn_torch(
+    x_ND: torch.Tensor,
+    w_gate_HD: torch.Tensor | None,
+    w_up_HD: torch.Tensor,
+    w_down_DH: torch.Tensor,
+    *,
+    with_stats: bool = True,
+) -> tuple[torch.Tensor, FFNStats | None]:
+    """Dense PyTorch reference of the (gated or non-gated) ReLU FFN.
+
+    Args:
+        x_ND: (N, D) input, float (autocast applies as usual).
+        w_gate_HD: (H, D) gate weight, or None for the non-gated FFN.
+        w_up_HD: (H, D) up weight.
+        w_down_DH: (D, H) down weight.
+        with_stats: also return :class:`FFNStats` (the L1 term keeps its graph).
+
+    Returns:
+        (y_ND, stats or None), y in the autocast / input dtype.
+    """
+    if w_gate_HD is not None:
+        g_NH = F.relu(F.linear(x_ND, w_gate_HD))
+        h_NH = g_NH * F.linear(x_ND, w_up_HD)
+    else:
+        g_NH = h_NH = F.relu(F.linear(x_ND, w_up_HD))
+    y_ND = F.linear(h_NH, w_down_DH)
+    stats = stats_from_activations(h_NH, g_NH > 0) if with_stats else None
+    return y_ND, stats
+
+
+class SparseGatedMLP(nn.Module):
+    """Drop-in replacement for ``LlamaMLP`` (relu) that reports sparsity stats.
+
+    Args:
+        hidden_size: D, model width.
+        intermediate_size: H, FFN width.
+        gated: gated FFN (``relu(gate) * up``) if True, else ``relu(up)``
+            (the non-gated variant has no ``gate_proj``).
+        impl: ``"torch"`` (dense PyTorch), ``"twell"`` (TwELL Triton kernels)
+            or ``"auto"`` (per call, TwELL when the layer's measured density
+            makes it faster, else dense).
+
+    Attributes:
+        collect_stats: when True (default) every forward stores an
+            :class:`FFNStats` in ``self.last_stats`` for the trainer's
+            sparsity tracker; set False for inference.
+        last_stats: the most recent call's stats (or None).
+
+    Forward: x (B, T, D) or (N, D) -> y of the same leading shape.
+
+    Raises:
+        ValueError: unknown ``impl`` or non-positive sizes.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, gated: bool = True, impl: str = "torch"
+    ) -> None:
+        super().__init__()
+        if hidden_size <= 0 or intermediate_size <= 0:
+            raise ValueError(
+                f"hidden_size and intermediate_size must be positive; got {hidden_size}, "
+                f"{intermediate_size}"
+            )
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.gated = gated
+        if gated:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.impl = impl
+        self.collect_stats = True
+        self.last_stats: FFNStats | None = None
+
+    @property
+    def impl(self) -> str:
+        return self._impl
+
+    @impl.setter
+    def impl(self, value: str) -> None:
+        if value not in FFN_IMPLS:
+            raise ValueError(f"ffn impl must be one of {FFN_IMPLS}; got {value!r}")
+        self._impl = value
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"gated={self.gated}, impl={self.impl}"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x_ND = x.reshape(-1, x.shape[-1])
+        w_gate = self.gate_proj.weight if self.gated else None
+        impl = self.impl
+        if impl == "torch":
+            y_ND, stats = gated_ffn_torch(
+                x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
+                with_stats=self.collect_stats,
+            )
+        else:
+            from twell.ops.ffn import sparse_ffn  # lazy: triton is optional on CPU
+
+            y_ND, stats = sparse_ffn(
+                x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
+                with_stats=self.collect_stats, mode=impl,
+            )
+        self.last_stats = stats
+        return y_ND.reshape(*lead, y_ND.shape[-1])

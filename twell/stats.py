@@ -1,0 +1,76 @@
+"""Per-call activation statistics of a ReLU-gated FFN.
+
+Shape legend: N = tokens (all leading dims flattened), H = FFN hidden width.
+
+Every FFN implementation (``torch``, ``twell``) returns these alongside its
+output, computed from quantities the forward already holds (the ReLU'd gate
+and ``h``), so the L1 term, L0 and dead-neuron tracking cost no extra pass
+over N x H beyond the one the L1 term itself needs.
+
+Source: arXiv 2603.23198, the L1 regularizer and its metrics (see
+``shared/PAPER.md``, "The L1 regularizer").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class FFNStats:
+    """Activation statistics of one FFN call.
+
+    Attributes:
+        l1: scalar fp32 tensor, **differentiable**: mean over the N tokens of
+            ``sum_j |h_j|`` (the per-layer L1 term of the paper, code's
+            normalisation: no division by H).
+        nnz_sum: scalar fp32 tensor, detached: total number of active hidden
+            units summed over the N tokens (L0 of the call = nnz_sum / N).
+            A unit is active when its ReLU'd gate is > 0 (``h != 0``).
+        nnz_max: scalar fp32 tensor, detached: the largest number of active
+            units of any single token.
+        active_counts: (H,) int32 tensor, detached: for each hidden unit, the
+            number of tokens in which it was active (for dead-neuron tracking).
+        n_tokens: N, a Python int.
+    """
+
+    l1: torch.Tensor
+    nnz_sum: torch.Tensor
+    nnz_max: torch.Tensor
+    active_counts: torch.Tensor
+    n_tokens: int
+
+    @property
+    def l0(self) -> torch.Tensor:
+        """Mean active hidden units per token (scalar fp32 tensor)."""
+        return self.nnz_sum / max(self.n_tokens, 1)
+
+
+def stats_from_activations(h_NH: torch.Tensor, active_NH: torch.Tensor) -> FFNStats:
+    """Build :class:`FFNStats` from the FFN hidden activations.
+
+    Args:
+        h_NH: (N, H) hidden activations ``relu(x Wg^T) * (x Wu^T)`` (any float
+            dtype; the L1 sum is accumulated in fp32). Gradient flows to it
+            through ``l1``.
+        active_NH: (N, H) bool, ``relu(gate) > 0``.
+
+    Returns:
+        FFNStats for the N tokens.
+    """
+    if h_NH.dim() != 2 or active_NH.shape != h_NH.shape:
+        raise ValueError(
+            f"h_NH must be 2-D and active_NH the same shape; got {tuple(h_NH.shape)} "
+            f"and {tuple(active_NH.shape)}"
+        )
+    n = h_NH.shape[0]
+    l1_N = torch.linalg.vector_norm(h_NH, ord=1, dim=-1, dtype=torch.float32)
+    l1 = l1_N.mean() if n > 0 else l1_N.sum()
+    with torch.no_grad():
+        nnz_N = active_NH.sum(-1, dtype=torch.int32)
+        counts_H = active_NH.sum(0, dtype=torch.int32)
+        nnz_sum = nnz_N.sum().float()
+        nnz_max = nnz_N.max().float() if n > 0 else nnz_sum.new_zeros(())
+    return FFNStats(l1=l1, nnz_sum=nnz_sum, nnz_max=nnz_max, active_counts=counts_H, n_tokens=n)
