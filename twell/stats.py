@@ -23,7 +23,7 @@ class FFNStats:
     """Activation statistics of one FFN call.
 
     Attributes:
-        l1: scalar fp32 tensor, **differentiable**: mean over the N tokens of
+        l1: scalar tensor (fp32, or fp64 for fp64 input), **differentiable**: mean over the N tokens of
             ``sum_j |h_j|`` (the per-layer L1 term of the paper, code's
             normalisation: no division by H).
         nnz_sum: scalar fp32 tensor, detached: total number of active hidden
@@ -66,7 +66,8 @@ def stats_from_activations(h_NH: torch.Tensor, active_NH: torch.Tensor) -> FFNSt
             f"and {tuple(active_NH.shape)}"
         )
     n = h_NH.shape[0]
-    l1_N = torch.linalg.vector_norm(h_NH, ord=1, dim=-1, dtype=torch.float32)
+    acc = torch.promote_types(h_NH.dtype, torch.float32)  # fp32 accumulation at least
+    l1_N = torch.linalg.vector_norm(h_NH, ord=1, dim=-1, dtype=acc)
     l1 = l1_N.mean() if n > 0 else l1_N.sum()
     with torch.no_grad():
         nnz_N = active_NH.sum(-1, dtype=torch.int32)
