@@ -32,3 +32,36 @@ def test_rejects_unknown_impl():
 
     with pytest.raises(ValueError, match="ffn impl"):
         SparseGatedMLP(8, 16, impl="cuda")
+
+
+def test_convert_llama_keeps_logits_and_keys():
+    from transformers import LlamaForCausalLM
+
+    from twell.nn import convert_mlps
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_hidden_layers=2, vocab_size=100, hidden_act="relu")
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 100, (2, 7))
+    keys = set(model.state_dict())
+    with torch.no_grad():
+        ref = model(ids).logits
+    assert convert_mlps(model) == 2
+    assert isinstance(model.model.layers[0].mlp, SparseGatedMLP)
+    assert set(model.state_dict()) == keys
+    with torch.no_grad():
+        out = model(ids).logits
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+
+
+def test_convert_refuses_silu():
+    import pytest
+    from transformers import LlamaForCausalLM
+
+    from twell.nn import convert_mlps
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_hidden_layers=1, vocab_size=100, hidden_act="silu")
+    with pytest.raises(ValueError, match="not ReLU"):
+        convert_mlps(LlamaForCausalLM(cfg))
