@@ -1,0 +1,478 @@
+"""Sparse training path of the ReLU-gated FFN: hybrid ELL + dense backup, forward and backward.
+
+Shape legend: N tokens, D model width, H FFN width, K ELL width, KC ELL capacity, R dense-backup
+rows (tokens with more than KC active units).
+
+Math (arXiv 2603.23198; ``shared/PAPER.md``, "Hybrid (training)")::
+
+    g = relu(x Wg^T)            dense gate GEMM (cuBLAS) + ReLU + compaction (Triton)
+    u = x . Wu[col]             SDDMM, only at the non-zeros of g
+    h = g * u                   never stored: recomputed from the ELL values g, u
+    y = sum_k h Wd^T[col]       SpMM
+    l1 = mean_n sum_j |h_nj|    from the SDDMM (per-row sums), differentiable
+
+    dh = dy . Wd^T[col] + (dL/dl1 / N) sign(h)      SDDMM at the non-zeros
+    dg = dh * u,  du = dh * g                         (relu' = 0 off the non-zeros)
+    dx = sum_k dg Wg[col] + du Wu[col]                SpMM through both weights at once
+    dWg[c] = sum dg x[n], dWu[c] = sum du x[n]        transposed SpMM, one gather of x (CSC via sort)
+    dWd^T[c] = sum h dy[n]
+
+Rows with more than KC non-zeros (the ELL capacity) go whole to the dense backup: their g and u
+(R x H each) are computed with cuBLAS and saved, their gradients are dense matmuls. Nothing is
+dropped at any density: when more than ``dense_row_fraction`` of the rows are heavy, every row
+goes to the dense backup (the call is then the dense FFN plus one compaction pass).
+
+Saved for backward: x, the three weights, the ELL part (col int32, g, u: N x K), the row lengths,
+the indices of the heavy rows and their dense g and u. No N x H tensor outside the backup rows.
+
+Host synchronisation: exactly one per forward call (reading R and the widest light row, which
+size the backup and the ELL width); none in backward (R and K are carried by the saved tensors'
+shapes). With gradient checkpointing the recomputed forward syncs once more.
+
+Backends: Triton kernels on CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``); a pure
+PyTorch implementation of the same sparse math everywhere else (CPU users are never broken),
+and for float64.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from twell.stats import FFNStats
+
+# ELL capacity as a fraction of H: a row denser than this is cheaper as a dense row (cost model:
+# ~7 gathers of a 2*D-byte row per non-zero at ~9 TB/s vs ~8 dense GEMM rows at ~680 TFLOP/s on
+# H200 breaks even near 1.5-2% of H). 0.0227 * 5632 -> 128, the paper's width.
+DEFAULT_MAX_ROW_DENSITY = 0.0227
+# More heavy rows than this fraction of N: run the whole call through the dense backup.
+DEFAULT_DENSE_ROW_FRACTION = 0.5
+BACKENDS = ("auto", "triton", "torch")
+_CHUNK_ELEMS = 1 << 22  # torch backend: rows per chunk chosen so a gathered (n, K, D) block fits
+
+
+def default_ell_capacity(h: int) -> int:
+    """ELL capacity KC for FFN width ``h``: ``ceil(0.0227 h)`` rounded up to 16, within [16, h]."""
+    return max(1, min(h, max(16, 16 * math.ceil(math.ceil(DEFAULT_MAX_ROW_DENSITY * h) / 16))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure-PyTorch backend: the same sparse math as the Triton kernels (chunked gathers).
+
+
+def _rows_per_chunk(k: int, d: int) -> int:
+    return max(1, _CHUNK_ELEMS // max(1, k * d))
+
+
+def _t_compact(g_NH: torch.Tensor, kc: int):
+    act = g_NH > 0
+    nnz = act.sum(1, dtype=torch.int32)
+    counts = act.sum(0, dtype=torch.int32)
+    pos = act.cumsum(1) - 1
+    keep = act & (pos < kc)
+    rows, cols = keep.nonzero(as_tuple=True)
+    col = torch.zeros((g_NH.shape[0], kc), dtype=torch.int32, device=g_NH.device)
+    val = torch.zeros((g_NH.shape[0], kc), dtype=g_NH.dtype, device=g_NH.device)
+    col[rows, pos[rows, cols]] = cols.int()
+    val[rows, pos[rows, cols]] = g_NH[rows, cols]
+    return col, val, nnz, counts
+
+
+def _valid(nnz_N: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.arange(k, device=nnz_N.device)[None, :] < nnz_N[:, None]
+
+
+def _t_sddmm(a_ND, w_HD, col_NK):
+    """v[n, k] = a[n] . w[col[n, k]] (fp32 or fp64 accumulation), chunked over rows."""
+    n, k = col_NK.shape
+    acc = torch.promote_types(a_ND.dtype, torch.float32)
+    out = torch.empty((n, k), dtype=acc, device=a_ND.device)
+    step = _rows_per_chunk(k, a_ND.shape[1])
+    for s in range(0, n, step):
+        w = w_HD[col_NK[s:s + step].long()].to(acc)  # (n', K, D)
+        out[s:s + step] = torch.einsum("nkd,nd->nk", w, a_ND[s:s + step].to(acc))
+    return out
+
+
+def _t_sddmm_fwd(x_ND, w_up_HD, col_NK, g_NK, nnz_N):
+    valid = _valid(nnz_N, col_NK.shape[1])
+    u = (_t_sddmm(x_ND, w_up_HD, col_NK) * valid).to(x_ND.dtype)
+    acc = torch.promote_types(x_ND.dtype, torch.float32)
+    l1 = (g_NK.to(acc) * u.to(acc) * valid).abs().sum(1)
+    return u, l1
+
+
+def _t_sddmm_bwd(dy_ND, w_down_t_HD, col_NK, g_NK, u_NK, nnz_N, l1_scale):
+    valid = _valid(nnz_N, col_NK.shape[1])
+    acc = torch.promote_types(dy_ND.dtype, torch.float32)
+    u = u_NK.to(acc)
+    dh = _t_sddmm(dy_ND, w_down_t_HD, col_NK) + l1_scale.to(acc) * torch.sign(u)
+    return dh * u * valid, dh * g_NK.to(acc) * valid
+
+
+def _t_spmm(out_ND, w1_HD, w2_HD, col_NK, a_NK, b_NK, nnz_N):
+    n, k = col_NK.shape
+    acc = torch.promote_types(out_ND.dtype, torch.float32)
+    valid = _valid(nnz_N, k)
+    a = a_NK.to(acc) * valid
+    b = b_NK.to(acc) * valid
+    step = _rows_per_chunk(k, out_ND.shape[1])
+    for s in range(0, n, step):
+        c = col_NK[s:s + step].long()
+        if w2_HD is None:
+            r = torch.einsum("nk,nkd->nd", a[s:s + step] * b[s:s + step], w1_HD[c].to(acc))
+        else:
+            r = torch.einsum("nk,nkd->nd", a[s:s + step], w1_HD[c].to(acc))
+            r += torch.einsum("nk,nkd->nd", b[s:s + step], w2_HD[c].to(acc))
+        out_ND[s:s + step] = r.to(out_ND.dtype)
+    return out_ND
+
+
+def _t_dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g_NK, u_NK):
+    h, d = dwg_HD.shape
+    k = max(dg_NK.shape[1], 1)
+    acc = torch.promote_types(dwg_HD.dtype, torch.float32)
+    bufs = [torch.zeros((h, d), dtype=acc, device=x_ND.device) for _ in range(3)]
+    col_of = torch.repeat_interleave(
+        torch.arange(h, device=x_ND.device), colptr[1:] - colptr[:-1]
+    )  # column of each CSC entry
+    perm = perm[: col_of.numel()]  # drop the invalid slots (sorted last)
+    step = max(1, _CHUNK_ELEMS // max(d, 1))
+    hh = g_NK.to(acc) * u_NK.to(acc)
+    for s in range(0, perm.numel(), step):
+        e = perm[s:s + step]
+        c = col_of[s:s + step]
+        n = e // k
+        xr = x_ND[n].to(acc)
+        bufs[0].index_add_(0, c, dg_NK.reshape(-1)[e].to(acc)[:, None] * xr)
+        bufs[1].index_add_(0, c, du_NK.reshape(-1)[e].to(acc)[:, None] * xr)
+        bufs[2].index_add_(0, c, hh.reshape(-1)[e][:, None] * dy_ND[n].to(acc))
+    for out, buf, add in zip((dwg_HD, dwu_HD, dwdt_HD), bufs, adds or (None,) * 3):
+        if add is not None:
+            buf += add.to(acc)
+        out.copy_(buf)
+
+
+class _TorchBackend:
+    compact = staticmethod(_t_compact)
+    sddmm_fwd = staticmethod(_t_sddmm_fwd)
+    sddmm_bwd = staticmethod(_t_sddmm_bwd)
+    spmm = staticmethod(_t_spmm)
+    dw = staticmethod(_t_dw)
+
+
+def _backend(x: torch.Tensor, backend: str):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if backend == "torch":
+        return _TorchBackend
+    usable = x.dtype != torch.float64 and (
+        x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    )
+    if backend == "triton" and not usable:
+        raise ValueError(
+            "backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1) of a "
+            f"float dtype other than float64; got {x.device.type} {x.dtype}. Use backend='auto'."
+        )
+    if usable:
+        try:
+            from twell.ops import sparse_train_triton as tk
+        except ImportError:  # triton missing: fall back unless explicitly asked for
+            if backend == "triton":
+                raise
+            return _TorchBackend
+        return tk
+    return _TorchBackend
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward and backward bodies (shared by both backends).
+
+
+def _heavy_indices(heavy_N: torch.Tensor, r: int) -> torch.Tensor:
+    try:  # no host sync: the size is known
+        return torch.nonzero_static(heavy_N, size=r).reshape(-1)
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return torch.argsort(heavy_N.to(torch.int8), descending=True, stable=True)[:r]
+
+
+def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backend: str):
+    be = _backend(x, backend)
+    n, d = x.shape
+    h = wg.shape[0]
+    kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    g_NH = torch.matmul(x, wg.t())  # (N, H) pre-activation; freed before the sparse part
+    col_buf, val_buf, nnz_N, counts_H = be.compact(g_NH, kc)
+    heavy_N = nnz_N > kc
+    # The one host sync of the call: backup rows R and the widest light row (the ELL width K).
+    r, k = (int(v) for v in torch.stack(
+        [heavy_N.sum(), torch.where(heavy_N, 0, nnz_N).max()]
+    ).tolist())
+    all_dense = r > dense_row_fraction * n
+    if all_dense:
+        r, k = n, 0
+    nnz_eff = torch.zeros_like(nnz_N) if all_dense else torch.where(heavy_N, 0, nnz_N)
+    col = col_buf[:, :k].contiguous()
+    gv = val_buf[:, :k].contiguous()
+    del col_buf, val_buf
+    if all_dense:
+        heavy_idx = torch.arange(n, device=x.device)
+        u = gv.new_empty((n, 0))
+        l1_light = torch.zeros((), dtype=acc, device=x.device)
+    else:
+        heavy_idx = _heavy_indices(heavy_N, r)
+        y = torch.empty((n, d), dtype=x.dtype, device=x.device)
+        u, l1_N = be.sddmm_fwd(x, wu, col, gv, nnz_eff)
+        be.spmm(y, wd.t().contiguous(), None, col, gv, u, nnz_eff)
+        l1_light = l1_N.sum(dtype=acc)
+    if r > 0:
+        if all_dense:
+            g_R, x_R = g_NH.relu_(), x
+        else:
+            g_R, x_R = g_NH[heavy_idx].relu_(), x[heavy_idx]
+        del g_NH
+        u_R = torch.matmul(x_R, wu.t())
+        h_R = g_R * u_R
+        y_R = torch.matmul(h_R, wd.t())
+        l1_heavy = torch.linalg.vector_norm(h_R, ord=1, dtype=acc)
+        del h_R
+        if all_dense:
+            y = y_R
+        else:
+            y.index_copy_(0, heavy_idx, y_R)
+    else:
+        del g_NH
+        g_R, u_R = x.new_empty((0, h)), x.new_empty((0, h))
+        l1_heavy = 0.0
+    l1 = (l1_light + l1_heavy) / max(n, 1)
+    return y, l1, nnz_N, counts_H, nnz_eff, col, gv, u, heavy_idx, g_R, u_R
+
+
+def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, backend):
+    be = _backend(x, backend)
+    n, d = x.shape
+    h = wg.shape[0]
+    k = col.shape[1]
+    r = heavy_idx.shape[0]
+    dy = dy.to(x.dtype).contiguous()
+    scale = (dl1 / max(n, 1)).reshape(())
+    all_dense = r == n and n > 0
+    adds = None
+    if r > 0:
+        dy_R = dy if all_dense else dy[heavy_idx]
+        x_R = x if all_dense else x[heavy_idx]
+        h_R = g_R * u_R
+        dh_R = torch.matmul(dy_R, wd)  # (R, H)
+        dh_R = dh_R + (scale * torch.sign(h_R)).to(dh_R.dtype)
+        dg_R = dh_R * u_R * (g_R > 0)
+        du_R = dh_R * g_R
+        dx_R = torch.matmul(dg_R, wg) + torch.matmul(du_R, wu)
+        adds = (
+            torch.matmul(dg_R.t(), x_R),
+            torch.matmul(du_R.t(), x_R),
+            torch.matmul(h_R.t(), dy_R),
+        )
+        if all_dense:
+            return (dx_R, adds[0].to(wg.dtype), adds[1].to(wu.dtype),
+                    adds[2].t().to(wd.dtype).contiguous())
+    dx = torch.empty_like(x)
+    dwg = torch.empty_like(wg)
+    dwu = torch.empty_like(wu)
+    dwdt = torch.empty((h, d), dtype=wd.dtype, device=wd.device)
+    dg, du = be.sddmm_bwd(dy, wd.t().contiguous(), col, gv, u, nnz_eff, scale)
+    be.spmm(dx, wg, wu, col, dg, du, nnz_eff)
+    # CSC order of the light entries: stable sort of the column ids (invalid slots -> H, last).
+    keys = torch.where(_valid(nnz_eff, k), col, h).reshape(-1)
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    colptr = torch.searchsorted(
+        sorted_keys, torch.arange(h + 1, dtype=keys.dtype, device=keys.device)
+    )
+    be.dw(dwg, dwu, dwdt, adds, x, dy, perm, colptr, dg, du, gv, u)
+    if r > 0:
+        dx.index_copy_(0, heavy_idx, dx_R.to(dx.dtype))
+    return dx, dwg, dwu, dwdt.t().contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration (custom_op + fake + autograd: traceable by torch.compile).
+
+
+@torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())
+def _ffn_train_fwd(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    ell_capacity: int,
+    dense_row_fraction: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns y, l1, nnz_N, counts_H, then the saved state: nnz_eff, col, g, u, heavy_idx,
+    g_R, u_R (see ``_fwd_body``)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return _fwd_body(x, w_gate, w_up, w_down, ell_capacity, dense_row_fraction, backend)
+
+
+@_ffn_train_fwd.register_fake
+def _ffn_train_fwd_fake(x, w_gate, w_up, w_down, ell_capacity, dense_row_fraction, backend):
+    ctx = torch.library.get_ctx()
+    n, d = x.shape
+    h = w_gate.shape[0]
+    k = ctx.new_dynamic_size()  # ELL width: measured
+    r = ctx.new_dynamic_size()  # dense-backup rows: measured
+    acc = torch.promote_types(x.dtype, torch.float32)
+    i32 = dict(dtype=torch.int32)
+    return (
+        x.new_empty((n, d)), x.new_empty((), dtype=acc), x.new_empty((n,), **i32),
+        x.new_empty((h,), **i32), x.new_empty((n,), **i32), x.new_empty((n, k), **i32),
+        x.new_empty((n, k)), x.new_empty((n, k)), x.new_empty((r,), dtype=torch.int64),
+        x.new_empty((r, h)), x.new_empty((r, h)),
+    )
+
+
+@torch.library.custom_op("twell::ffn_train_bwd", mutates_args=())
+def _ffn_train_bwd(
+    dy: torch.Tensor,
+    dl1: torch.Tensor,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    nnz_eff: torch.Tensor,
+    col: torch.Tensor,
+    g: torch.Tensor,
+    u: torch.Tensor,
+    heavy_idx: torch.Tensor,
+    g_R: torch.Tensor,
+    u_R: torch.Tensor,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dx, dWg, dWu, dWd (see ``_bwd_body``)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return _bwd_body(dy, dl1, x, w_gate, w_up, w_down, nnz_eff, col, g, u, heavy_idx,
+                         g_R, u_R, backend)
+
+
+@_ffn_train_bwd.register_fake
+def _ffn_train_bwd_fake(dy, dl1, x, w_gate, w_up, w_down, *rest):
+    return (torch.empty_like(x), torch.empty_like(w_gate), torch.empty_like(w_up),
+            torch.empty_like(w_down))
+
+
+def _setup_context(ctx, inputs, output):
+    x, wg, wu, wd, _, _, backend = inputs
+    ctx.backend = backend
+    ctx.save_for_backward(x, wg, wu, wd, *output[4:])
+    ctx.mark_non_differentiable(*output[2:])
+
+
+def _backward(ctx, dy, dl1, *_unused):
+    x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(x[:, : wd.shape[0]])
+    if dl1 is None:
+        dl1 = torch.zeros((), dtype=torch.float32, device=x.device)
+    dx, dwg, dwu, dwd = _ffn_train_bwd(
+        dy, dl1, x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, ctx.backend
+    )
+    return dx, dwg, dwu, dwd, None, None, None
+
+
+torch.library.register_autograd("twell::ffn_train_fwd", _backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point.
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def sparse_ffn_train(
+    x_ND: torch.Tensor,
+    w_gate_HD: torch.Tensor,
+    w_up_HD: torch.Tensor,
+    w_down_DH: torch.Tensor,
+    *,
+    with_stats: bool = True,
+    ell_capacity: int = 0,
+    dense_row_fraction: float = DEFAULT_DENSE_ROW_FRACTION,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, FFNStats | None]:
+    """Gated ReLU FFN ``y = (relu(x Wg^T) * (x Wu^T)) Wd^T`` on the sparse training path.
+
+    Source: arXiv 2603.23198, hybrid ELL + dense-backup training kernels (``shared/PAPER.md``).
+    Same results as ``twell.nn.mlp.gated_ffn_torch`` (up to summation order); gradients flow to
+    x and all three weights, and to the L1 term through ``stats.l1``.
+
+    Args:
+        x_ND: (N, D) float input (CUDA: Triton kernels; CPU: PyTorch, or the Triton
+            interpreter with ``TRITON_INTERPRET=1``). Under autocast, x and the weights are
+            cast to the autocast dtype (fp32 master weights get fp32 gradients).
+        w_gate_HD: (H, D) gate weight (the non-gated FFN is not supported here).
+        w_up_HD: (H, D) up weight.
+        w_down_DH: (D, H) down weight.
+        with_stats: also return :class:`FFNStats` (l1 differentiable; nnz_sum, nnz_max and
+            active_counts from the compaction counts, detached).
+        ell_capacity: KC, ELL slots per row; rows with more non-zeros go to the dense backup.
+            0 (default) = ``default_ell_capacity(H)`` (128 at H = 5632).
+        dense_row_fraction: if more than this fraction of the rows is heavy, the whole call
+            runs through the dense backup.
+        backend: ``"auto"`` (Triton when usable, else PyTorch), ``"triton"`` or ``"torch"``.
+
+    Returns:
+        (y_ND in the compute dtype, FFNStats or None).
+
+    Raises:
+        ValueError: a shape, dtype, device or option mismatch (the message names it).
+    """
+    if w_gate_HD is None:
+        raise ValueError("sparse_ffn_train needs w_gate_HD (gated FFN); use impl='torch' for "
+                         "the non-gated FFN")
+    if x_ND.dim() != 2:
+        raise ValueError(f"x_ND must be 2-D (N, D); got shape {tuple(x_ND.shape)}")
+    n, d = x_ND.shape
+    h = w_gate_HD.shape[0]
+    if w_gate_HD.shape != (h, d) or w_up_HD.shape != (h, d) or w_down_DH.shape != (d, h):
+        raise ValueError(
+            f"weights must be w_gate_HD (H, D), w_up_HD (H, D), w_down_DH (D, H) with D = {d}; "
+            f"got {tuple(w_gate_HD.shape)}, {tuple(w_up_HD.shape)}, {tuple(w_down_DH.shape)}"
+        )
+    if not x_ND.is_floating_point():
+        raise ValueError(f"x_ND must be floating point; got {x_ND.dtype}")
+    devs = {t.device for t in (x_ND, w_gate_HD, w_up_HD, w_down_DH)}
+    if len(devs) != 1:
+        raise ValueError(f"x and the weights must be on one device; got {sorted(map(str, devs))}")
+    if ell_capacity < 0 or not 0.0 <= dense_row_fraction <= 1.0:
+        raise ValueError(
+            f"ell_capacity must be >= 0 (0 = default) and dense_row_fraction in [0, 1]; got "
+            f"{ell_capacity}, {dense_row_fraction}"
+        )
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    dt = _autocast_dtype(x_ND.device.type)
+    if dt is None:
+        dt = x_ND.dtype
+    x, wg, wu, wd = (t.to(dt) for t in (x_ND, w_gate_HD, w_up_HD, w_down_DH))
+    x = x.contiguous()
+    wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
+    if n == 0:
+        from twell.nn.mlp import gated_ffn_torch
+
+        return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats)
+    out = _ffn_train_fwd(x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend)
+    y, l1, nnz_N = out[0], out[1], out[2]
+    if not with_stats:
+        return y, None
+    with torch.no_grad():
+        nnz_sum = nnz_N.sum().float()
+        nnz_max = nnz_N.max().float()
+    stats = FFNStats(l1=l1, nnz_sum=nnz_sum, nnz_max=nnz_max, active_counts=out[3], n_tokens=n)
+    return y, stats

@@ -1,0 +1,373 @@
+"""Triton kernels of the hybrid (ELL + dense backup) training path of the ReLU-gated FFN.
+
+Shape legend: N tokens, D model width, H FFN width, K ELL width (slots per row), KC ELL
+capacity (the widest K allowed), J entries of one column in CSC order.
+
+Layout (arXiv 2603.23198, "Hybrid (training)", see ``shared/PAPER.md``): row n of the ELL part
+holds its non-zeros in slots ``k < nnz[n]``::
+
+    col_NK[n, k]  int32   hidden unit (column) of the k-th non-zero of row n, ascending
+    g_NK[n, k]    dtype   relu(gate)[n, col] (> 0)
+    u_NK[n, k]    dtype   up[n, col] = x[n] . Wu[col]
+
+Slots ``k >= nnz[n]`` are never read (their contents are undefined). Rows with more non-zeros
+than the capacity go to the dense backup (handled with cuBLAS by the caller) and have
+``nnz[n] = 0`` here, so every kernel below skips them.
+
+All kernels accumulate in fp32 and index with int64 (no wrap past 2^31 elements or 65,536 tokens).
+The launchers check contiguity and dtypes; the math lives in the kernel docstrings.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _compact_kernel(
+    g_ptr,  # (N, H) gate pre-activation x Wg^T, row-major, any float dtype
+    col_ptr,  # (N, KC) int32 out: columns of the first KC non-zeros of each row
+    val_ptr,  # (N, KC) out, dtype of g: relu(g) at those columns
+    nnz_ptr,  # (N,) int32 out: non-zeros of each row (all of them, also past KC)
+    counts_ptr,  # (H,) int32 in/out, zeroed by the launcher: tokens in which each unit is active
+    N,  # rows
+    H,  # columns
+    stride_g,  # row stride of g (elements)
+    KC,  # ELL capacity (slots per row)
+    BLOCK_N: tl.constexpr,  # rows per program
+    BLOCK_H: tl.constexpr,  # columns per step (power of two)
+):
+    """ReLU + compaction: per row, slot ``pos = #(active columns before c)`` gets (c, g[n, c]).
+
+    active[n, c] = g[n, c] > 0; nnz[n] = sum_c active; counts[c] += sum_n active (atomics, one
+    vector per program and column block, only where non-zero).
+    """
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mrow = rows < N
+    rows64 = rows.to(tl.int64)
+    base = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        mcol = cols < H
+        m = mrow[:, None] & mcol[None, :]
+        g = tl.load(g_ptr + rows64[:, None] * stride_g + cols[None, :], mask=m, other=0.0)
+        act = g > 0
+        a = act.to(tl.int32)
+        pos = base[:, None] + tl.cumsum(a, axis=1) - 1
+        keep = act & (pos < KC)
+        dst = rows64[:, None] * KC + pos
+        tl.store(col_ptr + dst, tl.broadcast_to(cols[None, :], [BLOCK_N, BLOCK_H]), mask=keep)
+        tl.store(val_ptr + dst, g, mask=keep)
+        base += tl.sum(a, axis=1)
+        cnt = tl.sum(a, axis=0)
+        tl.atomic_add(counts_ptr + cols, cnt, mask=mcol & (cnt > 0))
+    tl.store(nnz_ptr + rows, base, mask=mrow)
+
+
+@triton.jit
+def _sddmm_kernel(
+    a_ptr,  # (N, D) row operand: x (forward) or dy (backward)
+    w_ptr,  # (H, D) weight rows gathered per non-zero: Wu (forward) or Wd^T (backward)
+    col_ptr,  # (N, K) int32 ELL columns
+    g_ptr,  # (N, K) relu(gate) at the non-zeros
+    u_ptr,  # (N, K) up value at the non-zeros: written (forward) or read (backward)
+    nnz_ptr,  # (N,) int32 ELL row lengths (0 for dense-backup rows)
+    dg_ptr,  # (N, K) fp32 out (backward): dL/dgate at the non-zeros
+    du_ptr,  # (N, K) fp32 out (backward): dL/dup at the non-zeros
+    l1_ptr,  # forward: (N,) fp32 out, sum_k |h[n, k]|; backward: (1,) fp32 in, dL/dl1 / N
+    D,  # model width
+    K,  # ELL width (row stride of the (N, K) operands)
+    stride_a,  # row stride of a
+    stride_w,  # row stride of w
+    BACKWARD: tl.constexpr,  # False: forward up-projection; True: backward dh
+    BLOCK_K: tl.constexpr,  # slots per step
+    BLOCK_D: tl.constexpr,  # model-width chunk
+):
+    """SDDMM at the ELL non-zeros: ``v[n, k] = a[n] . w[col[n, k]]``.
+
+    Forward (a = x, w = Wu): u = v (stored in u's dtype), l1[n] = sum_k |g * u|.
+    Backward (a = dy, w = Wd^T): dh = v + (dL/dl1 / N) * sign(h), sign(h) = sign(u) as g > 0;
+    dg = dh * u, du = dh * g (relu' = 1 at the non-zeros, 0 elsewhere).
+    """
+    n = tl.program_id(0).to(tl.int64)
+    nnz = tl.load(nnz_ptr + n)
+    l1acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    if BACKWARD:
+        scale = tl.load(l1_ptr)
+    for k0 in range(0, nnz, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < nnz
+        cols = tl.load(col_ptr + n * K + offs_k, mask=mk, other=0).to(tl.int64)
+        acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            md = offs_d < D
+            a = tl.load(a_ptr + n * stride_a + offs_d, mask=md, other=0.0).to(tl.float32)
+            w = tl.load(
+                w_ptr + cols[:, None] * stride_w + offs_d[None, :],
+                mask=mk[:, None] & md[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc += w * a[None, :]
+        v = tl.sum(acc, axis=1)
+        g = tl.load(g_ptr + n * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+        if BACKWARD:
+            u = tl.load(u_ptr + n * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+            sgn = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))
+            dh = v + scale * sgn
+            tl.store(dg_ptr + n * K + offs_k, dh * u, mask=mk)
+            tl.store(du_ptr + n * K + offs_k, dh * g, mask=mk)
+        else:
+            u_st = v.to(u_ptr.dtype.element_ty)
+            tl.store(u_ptr + n * K + offs_k, u_st, mask=mk)
+            l1acc += tl.abs(g * u_st.to(tl.float32))
+    if not BACKWARD:
+        tl.store(l1_ptr + n, tl.sum(l1acc, axis=0))
+
+
+@triton.jit
+def _spmm_kernel(
+    out_ptr,  # (N, D) out
+    w1_ptr,  # (H, D) weight rows: Wd^T (forward) or Wg (backward dx)
+    w2_ptr,  # (H, D) weight rows: unused (forward) or Wu (backward dx)
+    col_ptr,  # (N, K) int32 ELL columns
+    a_ptr,  # (N, K) coefficient: g (forward) or dg (backward)
+    b_ptr,  # (N, K) coefficient: u (forward) or du (backward)
+    nnz_ptr,  # (N,) int32 ELL row lengths
+    D,  # model width
+    K,  # ELL width
+    stride_out,  # row stride of out
+    stride_w1,  # row stride of w1
+    stride_w2,  # row stride of w2
+    TWO_WEIGHTS: tl.constexpr,  # False: out = sum (a*b) w1; True: out = sum a w1 + b w2
+    BLOCK_K: tl.constexpr,  # slots per step
+    BLOCK_D: tl.constexpr,  # model-width chunk of one program
+):
+    """SpMM ELL x dense: ``out[n, d] = sum_{k < nnz[n]} coef[n, k] * w[col[n, k], d]``.
+
+    Forward down-projection: coef = g * u = h, w = Wd^T, so y = h Wd^T.
+    Backward dx: out = sum_k dg * Wg[col] + du * Wu[col] (one pass, both weights).
+    Rows with nnz = 0 (dense-backup rows, all-zero rows) are written as zeros.
+    """
+    n = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    md = offs_d < D
+    nnz = tl.load(nnz_ptr + n)
+    acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+    for k0 in range(0, nnz, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < nnz
+        cols = tl.load(col_ptr + n * K + offs_k, mask=mk, other=0).to(tl.int64)
+        a = tl.load(a_ptr + n * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + n * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+        m2 = mk[:, None] & md[None, :]
+        w1 = tl.load(w1_ptr + cols[:, None] * stride_w1 + offs_d[None, :], mask=m2, other=0.0)
+        if TWO_WEIGHTS:
+            w2 = tl.load(w2_ptr + cols[:, None] * stride_w2 + offs_d[None, :], mask=m2, other=0.0)
+            acc += a[:, None] * w1.to(tl.float32) + b[:, None] * w2.to(tl.float32)
+        else:
+            acc += (a * b)[:, None] * w1.to(tl.float32)
+    out = tl.sum(acc, axis=0)
+    tl.store(out_ptr + n * stride_out + offs_d, out.to(out_ptr.dtype.element_ty), mask=md)
+
+
+@triton.jit
+def _dw_kernel(
+    dwg_ptr,  # (H, D) out: dL/dWg
+    dwu_ptr,  # (H, D) out: dL/dWu
+    dwdt_ptr,  # (H, D) out: dL/dWd^T
+    addg_ptr,  # (H, D) dense-backup part of dWg (read when HAS_ADD)
+    addu_ptr,  # (H, D) dense-backup part of dWu
+    addd_ptr,  # (H, D) dense-backup part of dWd^T
+    x_ptr,  # (N, D) input
+    dy_ptr,  # (N, D) upstream gradient
+    perm_ptr,  # (NNZ,) int64 flat ELL index n*K + k, grouped by column (CSC order)
+    colptr_ptr,  # (H + 1,) int64: column c owns perm[colptr[c]:colptr[c+1]]
+    dg_ptr,  # (N, K) fp32 dL/dgate at the non-zeros
+    du_ptr,  # (N, K) fp32 dL/dup at the non-zeros
+    g_ptr,  # (N, K) relu(gate)
+    u_ptr,  # (N, K) up
+    D,  # model width
+    K,  # ELL width
+    stride_x,  # row stride of x
+    stride_dy,  # row stride of dy
+    stride_w,  # row stride of the (H, D) outputs and adds
+    HAS_ADD: tl.constexpr,  # add the dense-backup contributions
+    BLOCK_J: tl.constexpr,  # entries per step
+    BLOCK_D: tl.constexpr,  # model-width chunk of one program
+):
+    """Transposed SpMM (per hidden unit c, over the entries (n, k) with col[n, k] = c)::
+
+        dWg[c]   = sum dg[n, k] x[n]      dWu[c] = sum du[n, k] x[n]   (one gather of x)
+        dWd^T[c] = sum g[n, k] u[n, k] dy[n]
+
+    fp32 accumulation; deterministic (one program owns each output element, CSC order fixed).
+    """
+    c = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    md = offs_d < D
+    start = tl.load(colptr_ptr + c)
+    end = tl.load(colptr_ptr + c + 1)
+    accg = tl.zeros([BLOCK_J, BLOCK_D], dtype=tl.float32)
+    accu = tl.zeros([BLOCK_J, BLOCK_D], dtype=tl.float32)
+    accd = tl.zeros([BLOCK_J, BLOCK_D], dtype=tl.float32)
+    for j0 in range(start, end, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        mj = offs_j < end
+        e = tl.load(perm_ptr + offs_j, mask=mj, other=0)
+        n = e // K
+        dg = tl.load(dg_ptr + e, mask=mj, other=0.0)
+        du = tl.load(du_ptr + e, mask=mj, other=0.0)
+        h = tl.load(g_ptr + e, mask=mj, other=0.0).to(tl.float32) * tl.load(
+            u_ptr + e, mask=mj, other=0.0
+        ).to(tl.float32)
+        m2 = mj[:, None] & md[None, :]
+        xr = tl.load(x_ptr + n[:, None] * stride_x + offs_d[None, :], mask=m2, other=0.0)
+        dyr = tl.load(dy_ptr + n[:, None] * stride_dy + offs_d[None, :], mask=m2, other=0.0)
+        xr = xr.to(tl.float32)
+        accg += dg[:, None] * xr
+        accu += du[:, None] * xr
+        accd += h[:, None] * dyr.to(tl.float32)
+    rg = tl.sum(accg, axis=0)
+    ru = tl.sum(accu, axis=0)
+    rd = tl.sum(accd, axis=0)
+    off = c * stride_w + offs_d
+    if HAS_ADD:
+        rg += tl.load(addg_ptr + off, mask=md, other=0.0).to(tl.float32)
+        ru += tl.load(addu_ptr + off, mask=md, other=0.0).to(tl.float32)
+        rd += tl.load(addd_ptr + off, mask=md, other=0.0).to(tl.float32)
+    tl.store(dwg_ptr + off, rg.to(dwg_ptr.dtype.element_ty), mask=md)
+    tl.store(dwu_ptr + off, ru.to(dwu_ptr.dtype.element_ty), mask=md)
+    tl.store(dwdt_ptr + off, rd.to(dwdt_ptr.dtype.element_ty), mask=md)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers. Block sizes: untuned first choices (no H200 measurement yet); BLOCK_D is capped by
+# the next power of two of D so small/odd D (tests) waste little.
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (call .contiguous())")
+
+
+def compact(g_NH: torch.Tensor, kc: int):
+    """ReLU + ELL compaction of the gate pre-activation.
+
+    Args:
+        g_NH: (N, H) contiguous gate pre-activation ``x Wg^T``.
+        kc: ELL capacity (slots per row), >= 1.
+
+    Returns:
+        col_NKC (int32), val_NKC (g's dtype; relu(g) at the columns), nnz_N (int32, all
+        non-zeros of the row, also those past kc), counts_H (int32, tokens per active unit).
+    """
+    n, h = g_NH.shape
+    _check("g_NH", g_NH, (n, h))
+    col = torch.empty((n, kc), dtype=torch.int32, device=g_NH.device)
+    val = torch.empty((n, kc), dtype=g_NH.dtype, device=g_NH.device)
+    nnz = torch.empty((n,), dtype=torch.int32, device=g_NH.device)
+    counts = torch.zeros((h,), dtype=torch.int32, device=g_NH.device)
+    if n == 0:
+        return col, val, nnz, counts
+    block_n = 16
+    block_h = _pow2(h, 16, 256)
+    _compact_kernel[(triton.cdiv(n, block_n),)](
+        g_NH, col, val, nnz, counts, n, h, g_NH.stride(0), kc,
+        BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4,
+    )
+    return col, val, nnz, counts
+
+
+def sddmm_fwd(x_ND, w_up_HD, col_NK, g_NK, nnz_N):
+    """u[n, k] = x[n] . Wu[col[n, k]] for k < nnz[n]; returns (u_NK in x's dtype, l1_N fp32)."""
+    n, d = x_ND.shape
+    k = col_NK.shape[1]
+    _check("x_ND", x_ND, (n, d))
+    _check("w_up_HD", w_up_HD, (w_up_HD.shape[0], d))
+    _check("col_NK", col_NK, (n, k), torch.int32)
+    _check("g_NK", g_NK, (n, k))
+    u = torch.empty((n, k), dtype=x_ND.dtype, device=x_ND.device)
+    l1 = torch.zeros((n,), dtype=torch.float32, device=x_ND.device)
+    if n == 0 or k == 0:
+        return u, l1
+    block_d = _pow2(d, 16, 256)
+    _sddmm_kernel[(n,)](
+        x_ND, w_up_HD, col_NK, g_NK, u, nnz_N, u, u, l1, d, k, x_ND.stride(0),
+        w_up_HD.stride(0), BACKWARD=False, BLOCK_K=16, BLOCK_D=block_d, num_warps=4,
+    )
+    return u, l1
+
+
+def sddmm_bwd(dy_ND, w_down_t_HD, col_NK, g_NK, u_NK, nnz_N, l1_scale):
+    """dh = dy[n] . Wd^T[col] + l1_scale * sign(u); returns (dg_NK, du_NK) fp32."""
+    n, d = dy_ND.shape
+    k = col_NK.shape[1]
+    _check("dy_ND", dy_ND, (n, d))
+    _check("w_down_t_HD", w_down_t_HD, (w_down_t_HD.shape[0], d))
+    _check("u_NK", u_NK, (n, k))
+    dg = torch.empty((n, k), dtype=torch.float32, device=dy_ND.device)
+    du = torch.empty((n, k), dtype=torch.float32, device=dy_ND.device)
+    if n == 0 or k == 0:
+        return dg, du
+    scale = l1_scale.reshape(1).to(torch.float32).contiguous()
+    block_d = _pow2(d, 16, 256)
+    _sddmm_kernel[(n,)](
+        dy_ND, w_down_t_HD, col_NK, g_NK, u_NK, nnz_N, dg, du, scale, d, k, dy_ND.stride(0),
+        w_down_t_HD.stride(0), BACKWARD=True, BLOCK_K=16, BLOCK_D=block_d, num_warps=4,
+    )
+    return dg, du
+
+
+def spmm(out_ND, w1_HD, w2_HD, col_NK, a_NK, b_NK, nnz_N):
+    """out[n] = sum_k a*b*w1[col] (w2 None) or sum_k a*w1[col] + b*w2[col]; writes every row."""
+    n, d = out_ND.shape
+    k = col_NK.shape[1]
+    _check("out_ND", out_ND, (n, d))
+    _check("w1_HD", w1_HD, (w1_HD.shape[0], d))
+    if n == 0:
+        return out_ND
+    if k == 0:
+        return out_ND.zero_()
+    two = w2_HD is not None
+    if two:
+        _check("w2_HD", w2_HD, tuple(w1_HD.shape))
+    block_d = _pow2(d, 16, 256)
+    _spmm_kernel[(n, triton.cdiv(d, block_d))](
+        out_ND, w1_HD, w2_HD if two else w1_HD, col_NK, a_NK, b_NK, nnz_N, d, k,
+        out_ND.stride(0), w1_HD.stride(0), (w2_HD if two else w1_HD).stride(0),
+        TWO_WEIGHTS=two, BLOCK_K=16, BLOCK_D=block_d, num_warps=4,
+    )
+    return out_ND
+
+
+def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g_NK, u_NK):
+    """Weight gradients from the CSC-ordered ELL entries (see ``_dw_kernel``), plus ``adds``
+    (a triple of (H, D) dense-backup contributions, or None). Writes all three outputs."""
+    h, d = dwg_HD.shape
+    k = dg_NK.shape[1]
+    for name, t in (("dwg_HD", dwg_HD), ("dwu_HD", dwu_HD), ("dwdt_HD", dwdt_HD)):
+        _check(name, t, (h, d))
+    _check("perm", perm, (perm.shape[0],), torch.int64)
+    _check("colptr", colptr, (h + 1,), torch.int64)
+    if h == 0 or d == 0:
+        return
+    has_add = adds is not None
+    ag, au, ad = adds if has_add else (dwg_HD, dwu_HD, dwdt_HD)
+    block_d = _pow2(d, 16, 128)
+    _dw_kernel[(h, triton.cdiv(d, block_d))](
+        dwg_HD, dwu_HD, dwdt_HD, ag, au, ad, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g_NK, u_NK,
+        d, max(k, 1), x_ND.stride(0), dy_ND.stride(0), dwg_HD.stride(0),
+        HAS_ADD=has_add, BLOCK_J=16, BLOCK_D=block_d, num_warps=4,
+    )
