@@ -1,0 +1,292 @@
+"""Sparse training path of the gated FFN (hybrid ELL + dense backup) against fp64 dense autograd.
+
+Reference: ``twell.nn.mlp.gated_ffn_torch`` in float64 with PyTorch autograd; loss
+``sum(y * dy) + c * l1``. Both backends are checked: the pure-PyTorch one in float64 (tight
+tolerance) and the Triton kernels in float32 (on CPU through ``TRITON_INTERPRET=1``, set below when
+no GPU is present). Shape legend: N tokens, D model width, H FFN width.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+from twell.nn.mlp import gated_ffn_torch  # noqa: E402
+from twell.ops import sparse_train  # noqa: E402
+from twell.ops.sparse_train import sparse_ffn_train  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _triton_usable() -> bool:
+    x = torch.zeros(1, 1, device=DEV)
+    return sparse_train._backend(x, "auto") is not sparse_train._TorchBackend
+
+
+needs_triton = pytest.mark.skipif(not _triton_usable(), reason="Triton (or its interpreter) absent")
+
+
+def make_inputs(n, d, h, *, threshold=1.5, seed=0, hot=0, zero_rows=()):
+    """fp64 inputs whose gate is active with a density set by ``threshold``.
+
+    x[:, 0] = 1 is a constant feature and Wg[:, 0] = -threshold the ReLU threshold (the
+    benchmark's construction). ``hot`` units get +threshold instead: active in every token.
+    ``zero_rows`` tokens are all zero: no active unit at all.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    x[:, 0] = 1.0
+    wg = torch.randn(h, d, generator=gen, dtype=torch.float64) / d**0.5
+    wg[:, 0] = -threshold
+    wg[:hot, 0] = 4.0 * threshold
+    wu = torch.randn(h, d, generator=gen, dtype=torch.float64) / d**0.5
+    wd = torch.randn(d, h, generator=gen, dtype=torch.float64) / h**0.5
+    for r in zero_rows:
+        x[r] = 0.0
+    dy = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    return x, wg, wu, wd, dy
+
+
+def n_heavy(x, wg, cap):
+    """Rows with more active units than the ELL capacity ``cap`` (they go to the dense backup)."""
+    return int((((x @ wg.T) > 0).sum(1) > cap).sum())
+
+
+def reference(x, wg, wu, wd, dy, l1_coeff):
+    """fp64 dense autograd: (y, stats, [dx, dWg, dWu, dWd])."""
+    ins = [t.detach().double().clone().requires_grad_() for t in (x, wg, wu, wd)]
+    y, st = gated_ffn_torch(*ins, with_stats=True)
+    ((y * dy.double()).sum() + l1_coeff * st.l1).backward()
+    return y.detach(), st, [t.grad for t in ins]
+
+
+def run_ours(x, wg, wu, wd, dy, l1_coeff, dtype, **kw):
+    ins = [t.detach().to(DEV, dtype).clone().requires_grad_() for t in (x, wg, wu, wd)]
+    y, st = sparse_ffn_train(*ins, with_stats=True, **kw)
+    ((y * dy.to(DEV, y.dtype)).sum() + l1_coeff * st.l1).backward()
+    return y.detach(), st, [t.grad for t in ins]
+
+
+def assert_close(name, got, ref, rel):
+    """Max-abs error relative to the reference's max-abs; prints where it differs most."""
+    got = got.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    err = (got - ref).abs()
+    scale = max(ref.abs().max().item(), 1e-30)
+    if err.numel() and err.max().item() > rel * scale:
+        idx = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+        raise AssertionError(
+            f"{name}: max |diff| {err.max().item():.3e} at {idx} (got {got[idx].item():.6g}, "
+            f"ref {ref[idx].item():.6g}); allowed {rel:.1e} x max|ref| = {rel * scale:.3e}"
+        )
+
+
+def check_case(x, wg, wu, wd, dy, *, l1_coeff, dtype, rel, **kw):
+    y_r, st_r, g_r = reference(x, wg, wu, wd, dy, l1_coeff)
+    y, st, g = run_ours(x, wg, wu, wd, dy, l1_coeff, dtype, **kw)
+    assert_close("y", y, y_r, rel)
+    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), g, g_r):
+        assert_close(name, a, b, rel)
+    # stats: counts are exact, l1 to the dtype's precision
+    assert st.n_tokens == x.shape[0]
+    assert st.nnz_sum.item() == st_r.nnz_sum.item()
+    assert st.nnz_max.item() == st_r.nnz_max.item()
+    assert st.active_counts.dtype == torch.int32
+    assert torch.equal(st.active_counts.cpu(), st_r.active_counts)
+    assert abs(st.l1.item() - st_r.l1.item()) <= rel * max(st_r.l1.item(), 1e-30) + 1e-30
+    return st
+
+
+# --- PyTorch backend, float64: the sparse math itself, many shapes -------------------------
+
+@pytest.mark.parametrize("n", [1, 7, 33])
+@pytest.mark.parametrize("d", [16, 40])
+@pytest.mark.parametrize("h", [64, 300])
+@pytest.mark.parametrize("l1_coeff", [0.0, 0.5])
+@pytest.mark.parametrize("cap", ["all_light", "mixed"])
+def test_torch_backend_fp64(n, d, h, l1_coeff, cap):
+    x, wg, wu, wd, dy = make_inputs(n, d, h, threshold=1.5, seed=n + d + h)
+    kw = dict(ell_capacity=h if cap == "all_light" else h // 16, dense_row_fraction=1.0)
+    if cap == "mixed" and n > 1:
+        assert 0 < n_heavy(x, wg, h // 16) < n  # both ELL rows and dense-backup rows
+    st = check_case(x, wg, wu, wd, dy, l1_coeff=l1_coeff, dtype=torch.float64, rel=1e-10,
+                    backend="torch", **kw)
+    assert st.nnz_sum.item() > 0
+
+
+# --- Triton kernels, float32 ----------------------------------------------------------------
+
+TRITON_CASES = [  # (n, d, h, ell_capacity, dense_row_fraction, l1_coeff)
+    (1, 16, 64, 64, 1.0, 0.5),
+    (7, 16, 64, 4, 1.0, 0.5),  # rows above capacity mixed with light rows
+    (33, 40, 300, 300, 1.0, 0.0),  # all rows in ELL
+    (33, 40, 300, 20, 1.0, 0.5),  # mixed, odd widths
+    (33, 40, 300, 10, 0.5, 0.5),  # policy: too many heavy rows -> all through the dense backup
+    (33, 40, 300, 0, 0.5, 0.5),  # default capacity and policy
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("n,d,h,cap,frac,l1_coeff", TRITON_CASES)
+def test_triton_fp32(n, d, h, cap, frac, l1_coeff):
+    x, wg, wu, wd, dy = make_inputs(n, d, h, threshold=1.5, seed=3 * n + h)
+    if (cap, frac) == (20, 1.0) or (n, cap) == (7, 4):
+        assert 0 < n_heavy(x, wg, cap) < n
+    if frac == 0.5 and cap:
+        assert n_heavy(x, wg, cap) > n // 2
+    check_case(x, wg, wu, wd, dy, l1_coeff=l1_coeff, dtype=torch.float32, rel=2e-5,
+               ell_capacity=cap, dense_row_fraction=frac, backend="triton")
+
+
+# --- Edge cases, both backends ---------------------------------------------------------------
+
+BACKEND_DTYPES = [("torch", torch.float64, 1e-10),
+                  pytest.param("triton", torch.float32, 2e-5, marks=needs_triton)]
+
+
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+def test_hot_neurons_and_zero_rows(backend, dtype, rel):
+    """Units active in every token (long CSC columns) and tokens with no active unit."""
+    x, wg, wu, wd, dy = make_inputs(21, 24, 96, threshold=1.5, seed=5, hot=3, zero_rows=(0, 4))
+    st = check_case(x, wg, wu, wd, dy, l1_coeff=0.3, dtype=dtype, rel=rel, backend=backend,
+                    ell_capacity=8, dense_row_fraction=1.0)
+    assert (st.active_counts[:3] == 19).all()  # hot units: every non-zero token
+    _, _, g = run_ours(x, wg, wu, wd, dy, 0.3, dtype, backend=backend, ell_capacity=8,
+                       dense_row_fraction=1.0)
+    assert g[0][0].abs().max().item() == 0.0  # zero token: no active unit, no gradient
+
+
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+@pytest.mark.parametrize("frac", [1.0, 0.5])
+def test_every_row_heavy(backend, dtype, rel, frac):
+    """Capacity 1 with ~25% density: every row overflows; nothing may be dropped."""
+    x, wg, wu, wd, dy = make_inputs(9, 16, 64, threshold=0.7, seed=7)
+    st = check_case(x, wg, wu, wd, dy, l1_coeff=0.5, dtype=dtype, rel=rel, backend=backend,
+                    ell_capacity=1, dense_row_fraction=frac)
+    assert st.nnz_max.item() > 1
+
+
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+def test_no_active_unit_at_all(backend, dtype, rel):
+    x, wg, wu, wd, dy = make_inputs(5, 16, 64, threshold=1e3, seed=8)
+    y, st, g = run_ours(x, wg, wu, wd, dy, 0.5, dtype, backend=backend)
+    assert y.abs().max().item() == 0.0 and st.nnz_sum.item() == 0 and st.l1.item() == 0.0
+    for t in g:
+        assert t.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+def test_zero_upstream_gradient(backend, dtype, rel):
+    """dy = 0: without L1 every gradient is exactly 0; with L1 only the L1 term remains."""
+    x, wg, wu, wd, _ = make_inputs(11, 16, 64, threshold=1.5, seed=9)
+    dy = torch.zeros(11, 16, dtype=torch.float64)
+    _, _, g = run_ours(x, wg, wu, wd, dy, 0.0, dtype, backend=backend, ell_capacity=4,
+                       dense_row_fraction=1.0)
+    for t in g:
+        assert t.abs().max().item() == 0.0
+    check_case(x, wg, wu, wd, dy, l1_coeff=0.7, dtype=dtype, rel=rel, backend=backend,
+               ell_capacity=4, dense_row_fraction=1.0)
+
+
+def test_l1_unused_gives_no_l1_gradient():
+    """with_stats=False (or l1 not in the loss): gradients of sum(y * dy) alone."""
+    x, wg, wu, wd, dy = make_inputs(7, 16, 64, seed=10)
+    _, _, g_r = reference(x, wg, wu, wd, dy, 0.0)
+    ins = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    y, st = sparse_ffn_train(*ins, with_stats=False, backend="torch", ell_capacity=4)
+    assert st is None
+    (y * dy).sum().backward()
+    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), [t.grad for t in ins], g_r):
+        assert_close(name, a, b, 1e-10)
+
+
+# --- Framework integration ---------------------------------------------------------------------
+
+def _loss_fn(backend):
+    def f(x, wg, wu, wd, dy):
+        y, st = sparse_ffn_train(x, wg, wu, wd, backend=backend, ell_capacity=4,
+                                 dense_row_fraction=1.0)
+        return (y * dy).sum() + 0.5 * st.l1
+    return f
+
+
+def _grads(f, x, wg, wu, wd, dy, dtype=torch.float32):
+    ins = [t.to(dtype).clone().requires_grad_() for t in (x, wg, wu, wd)]
+    f(*ins, dy.to(dtype)).backward()
+    return [t.grad.double() for t in ins]
+
+
+def test_torch_compile_fullgraph():
+    """The op traces (fake impl with measured K and R as unbacked sizes) and matches eager."""
+    x, wg, wu, wd, dy = make_inputs(7, 16, 64, seed=11)
+    torch._dynamo.reset()
+    compiled = torch.compile(_loss_fn("torch"), backend="aot_eager", fullgraph=True)
+    _, _, g_r = reference(x, wg, wu, wd, dy, 0.5)
+    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), _grads(compiled, x, wg, wu, wd, dy), g_r):
+        assert_close(name, a, b, 1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=needs_triton)])
+def test_checkpoint_non_reentrant(backend):
+    from torch.utils.checkpoint import checkpoint
+
+    x, wg, wu, wd, dy = make_inputs(13, 16, 64, seed=12)
+    f = _loss_fn(backend)
+
+    def ck(*a):
+        return checkpoint(f, *a, use_reentrant=False)
+
+    _, _, g_r = reference(x, wg, wu, wd, dy, 0.5)
+    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), _grads(ck, x, wg, wu, wd, dy), g_r):
+        assert_close(name, a, b, 2e-5)
+
+
+def test_bf16_autocast_fp32_master_weights():
+    """Under autocast the op computes in bf16 and fp32 weights receive fp32 gradients that agree
+    with the dense path under the same autocast (both bf16-rounded)."""
+    x, wg, wu, wd, dy = make_inputs(16, 32, 128, threshold=1.0, seed=13)
+    out = {}
+    for impl in ("dense", "sparse"):
+        ins = [t.float().clone().requires_grad_() for t in (x, wg, wu, wd)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if impl == "dense":
+                y, st = gated_ffn_torch(*ins)
+            else:
+                y, st = sparse_ffn_train(*ins, backend="torch", ell_capacity=16,
+                                         dense_row_fraction=1.0)
+            assert y.dtype == torch.bfloat16
+            ((y.float() * dy.float()).sum() + 0.5 * st.l1).backward()
+        assert all(t.grad.dtype == torch.float32 for t in ins)
+        out[impl] = (y, [t.grad for t in ins])
+    assert_close("y", out["sparse"][0], out["dense"][0], 3e-2)
+    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), out["sparse"][1], out["dense"][1]):
+        assert_close(name, a, b, 3e-2)
+
+
+def test_opcheck():
+    x, wg, wu, wd, _ = make_inputs(7, 16, 64, seed=14)
+    args = tuple(t.float() for t in (x, wg, wu, wd)) + (4, 1.0, "torch")
+    torch.library.opcheck(sparse_train._ffn_train_fwd, args)
+
+
+def test_bad_inputs_name_the_argument():
+    x, wg, wu, wd, _ = make_inputs(3, 16, 64)
+    with pytest.raises(ValueError, match="w_down_DH"):
+        sparse_ffn_train(x, wg, wu, wd.t())
+    with pytest.raises(ValueError, match="x_ND must be 2-D"):
+        sparse_ffn_train(x[None], wg, wu, wd)
+    with pytest.raises(ValueError, match="w_gate_HD"):
+        sparse_ffn_train(x, None, wu, wd)
+    with pytest.raises(ValueError, match="ell_capacity"):
+        sparse_ffn_train(x, wg, wu, wd, ell_capacity=-1)
+    with pytest.raises(ValueError, match="backend"):
+        sparse_ffn_train(x, wg, wu, wd, backend="cuda")
+
+
+def test_default_capacity_matches_paper_width():
+    assert sparse_train.default_ell_capacity(5632) == 128
+    assert sparse_train.default_ell_capacity(8) == 8
