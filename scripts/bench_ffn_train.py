@@ -139,7 +139,7 @@ def peak_extra_mb(run):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--d", type=int, default=2048)
     ap.add_argument("--h", type=int, default=5632)
@@ -147,6 +147,8 @@ def main():
     ap.add_argument("--dists", default="iid,heavy")
     ap.add_argument("--variants", default="dense,sparse,sparse_ell")
     ap.add_argument("--quick", action="store_true", help="fewer timing repetitions")
+    ap.add_argument("--profile", action="store_true",
+                    help="print a torch.profiler kernel table of the sparse step per case, no timing")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_ffn_train.py needs a CUDA GPU")
@@ -170,6 +172,21 @@ def main():
             l0 = st_bf.nnz_sum.item() / n
             nnz_max = int(st_bf.nnz_max.item())
             ell_cap = max(16, 16 * math.ceil(nnz_max / 16))
+            if args.profile:
+                run = step_fn("sparse", x, wg, wu, wd, dy, ell_cap)[0]
+                for _ in range(3):
+                    run()
+                torch.cuda.synchronize()
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                    for _ in range(5):
+                        run()
+                    torch.cuda.synchronize()
+                print(f"## profile {dist} {dens} (5 steps)")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22,
+                                                max_name_column_width=60))
+                continue
             dense_ms = None
             dense_mb = None
             for variant in args.variants.split(","):

@@ -155,7 +155,21 @@ def _t_dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK
         out.copy_(buf)
 
 
+def _t_backup_fwd(g_RH, u_RH):
+    g_RH.relu_()
+    h = g_RH * u_RH
+    return h, torch.linalg.vector_norm(h, ord=1, dtype=torch.promote_types(h.dtype, torch.float32))
+
+
+def _t_backup_bwd(dh_RH, g_RH, u_RH, l1_scale):
+    h = g_RH * u_RH
+    dh = dh_RH + (l1_scale * torch.sign(h)).to(dh_RH.dtype)
+    return dh * u_RH * (g_RH > 0), dh * g_RH, h
+
+
 class _TorchBackend:
+    backup_fwd = staticmethod(_t_backup_fwd)
+    backup_bwd = staticmethod(_t_backup_bwd)
     compact = staticmethod(_t_compact)
     sddmm_fwd = staticmethod(_t_sddmm_fwd)
     sddmm_bwd = staticmethod(_t_sddmm_bwd)
@@ -230,14 +244,13 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         l1_light = l1_N.sum(dtype=acc)
     if r > 0:
         if all_dense:
-            g_R, x_R = g_NH.relu_(), x
+            g_R, x_R = g_NH, x
         else:
-            g_R, x_R = g_NH[heavy_idx].relu_(), x[heavy_idx]
+            g_R, x_R = g_NH[heavy_idx], x[heavy_idx]
         del g_NH
         u_R = torch.matmul(x_R, wu.t())
-        h_R = g_R * u_R
+        h_R, l1_heavy = be.backup_fwd(g_R, u_R)  # g_R <- relu(g_R) in place
         y_R = torch.matmul(h_R, wd.t())
-        l1_heavy = torch.linalg.vector_norm(h_R, ord=1, dtype=acc)
         del h_R
         if all_dense:
             y = y_R
@@ -264,20 +277,17 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     if r > 0:
         dy_R = dy if all_dense else dy[heavy_idx]
         x_R = x if all_dense else x[heavy_idx]
-        h_R = g_R * u_R
-        dh_R = torch.matmul(dy_R, wd)  # (R, H)
-        dh_R = dh_R + (scale * torch.sign(h_R)).to(dh_R.dtype)
-        dg_R = dh_R * u_R * (g_R > 0)
-        du_R = dh_R * g_R
-        dx_R = torch.matmul(dg_R, wg) + torch.matmul(du_R, wu)
+        dg_R, du_R, h_R = be.backup_bwd(torch.matmul(dy_R, wd), g_R, u_R, scale)
+        dx_R = torch.matmul(dg_R, wg)
+        dx_R.addmm_(du_R, wu)
+        if all_dense:
+            return (dx_R, torch.matmul(dg_R.t(), x_R), torch.matmul(du_R.t(), x_R),
+                    torch.matmul(dy_R.t(), h_R))
         adds = (
             torch.matmul(dg_R.t(), x_R),
             torch.matmul(du_R.t(), x_R),
             torch.matmul(h_R.t(), dy_R),
         )
-        if all_dense:
-            return (dx_R, adds[0].to(wg.dtype), adds[1].to(wu.dtype),
-                    adds[2].t().to(wd.dtype).contiguous())
     dx = torch.empty_like(x)
     dwg = torch.empty_like(wg)
     dwu = torch.empty_like(wu)
