@@ -14,9 +14,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from twell.nn.mlp import gated_ffn_torch  # noqa: E402
-from twell.ops import sparse_train  # noqa: E402
-from twell.ops.sparse_train import sparse_ffn_train  # noqa: E402
+from twell.nn.mlp import gated_ffn_torch
+from twell.ops import sparse_train
+from twell.ops.sparse_train import sparse_ffn_train
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
