@@ -55,7 +55,11 @@ def _pack_tile_epilogue(
     if FP16_VALUES:
         bits = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     else:
-        bits = v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        # fp32 -> bf16 round-to-nearest-even in integer ops: identical on GPU and in the
+        # interpreter (whose float cast truncates); NaN -> canonical 0x7FC0
+        b = v.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+        bits = tl.where(v != v, 0x7FC0, r)
     word = (bits << 16) | cols[None, :]
     base = tw_ptr + (rows.to(tl.int64) * n_tile + tile) * W
     tl.store(base[:, None] + pos, word, mask=active & (pos < W))
@@ -103,6 +107,7 @@ def _gate_gemm_pack_kernel(
     FP16_VALUES: tl.constexpr,
     STATS: tl.constexpr,
     IEEE: tl.constexpr,          # fp32 inputs: exact fp32 dot (tests), else tensor cores
+    UPCAST: tl.constexpr,        # interpreter only: its tl.dot multiplies bf16 bit patterns
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -134,6 +139,9 @@ def _gate_gemm_pack_kernel(
         k_mask = offs_k < D - k * BLOCK_K
         a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -249,6 +257,7 @@ def gate_gemm_pack(
             x_MD, w_HD, tw, spill, colcnt, m, h, d, t,
             x_MD.stride(0), w_HD.stride(0), spill.stride(0),
             W=w, FP16_VALUES=vdt == torch.float16, STATS=stats, IEEE=x_MD.dtype == torch.float32,
+            UPCAST=(not x_MD.is_cuda) and x_MD.dtype == torch.bfloat16,
             BLOCK_M=block_m, BLOCK_K=block_k, GROUP_M=group_m,
             num_warps=num_warps, num_stages=num_stages,
         )
