@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from twell.format import TwELL
+from twell.ops.twell_pack import f32_to_bf16_bits
 
 
 @triton.jit
@@ -78,6 +79,7 @@ def _twell_ffn_kernel(
     BLOCK_D: tl.constexpr,      # D slice per program (>= D when GATED)
     NB: tl.constexpr,           # slots per step
     ROWS: tl.constexpr,         # rows per program
+    OUT_BF16: tl.constexpr,     # y is bf16
 ):
     """y[r, d-slice] for ROWS rows (grid: (cdiv(M, ROWS), cdiv(D, BLOCK_D)))."""
     pid = tl.program_id(0)
@@ -121,7 +123,11 @@ def _twell_ffn_kernel(
                         valid = ~(g <= 0) & in_h
                         acc, l1 = _accumulate(acc, l1, x, cols, g, valid, offs_d, d_mask, wu_ptr,
                                               wdt_ptr, stride_wu, stride_wd, GATED)
-            tl.store(y_ptr + r64 * stride_ym + offs_d, acc.to(y_ptr.dtype.element_ty), mask=d_mask)
+            if OUT_BF16:  # explicit RNE: the interpreter's float cast truncates
+                yv = f32_to_bf16_bits(acc).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            else:
+                yv = acc.to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + r64 * stride_ym + offs_d, yv, mask=d_mask)
             if STATS:
                 if pid_d == 0:
                     tl.store(l1_ptr + r, l1)
@@ -208,7 +214,8 @@ def twell_ffn_apply(
             m, h, d, t,
             xa.stride(0), dense_MH.stride(0), y.stride(0), wa.stride(0), w_down_t_HD.stride(0),
             W=w, GATED=gated, FP16_VALUES=tw.value_dtype == torch.float16, STATS=stats,
-            BLOCK_D=block_d, NB=nb, ROWS=rows, num_warps=num_warps,
+            BLOCK_D=block_d, NB=nb, ROWS=rows, OUT_BF16=out_dtype == torch.bfloat16,
+            num_warps=num_warps,
         )
     return y, (l1 if stats else None)
 

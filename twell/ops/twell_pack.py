@@ -28,6 +28,17 @@ from twell.format import TILE, TwELL, check_width, n_tiles, value_dtype_for, wor
 
 
 @triton.jit
+def f32_to_bf16_bits(v):
+    """fp32 -> bf16 bit pattern (int32 in [0, 65535]), round-to-nearest-even, NaN -> 0x7FC0.
+
+    Integer ops, so the GPU and the interpreter (whose float cast truncates) agree.
+    """
+    b = v.to(tl.int32, bitcast=True)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+    return tl.where(v != v, 0x7FC0, r)
+
+
+@triton.jit
 def _pack_tile_epilogue(
     v,            # (BLOCK_M, 256) fp32 pre-activation of one row block x one tile
     rows,         # (BLOCK_M,) int32 row indices
@@ -55,11 +66,7 @@ def _pack_tile_epilogue(
     if FP16_VALUES:
         bits = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     else:
-        # fp32 -> bf16 round-to-nearest-even in integer ops: identical on GPU and in the
-        # interpreter (whose float cast truncates); NaN -> canonical 0x7FC0
-        b = v.to(tl.int32, bitcast=True)
-        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-        bits = tl.where(v != v, 0x7FC0, r)
+        bits = f32_to_bf16_bits(v)  # RNE, same bits on GPU and in the interpreter
     word = (bits << 16) | cols[None, :]
     base = tw_ptr + (rows.to(tl.int64) * n_tile + tile) * W
     tl.store(base[:, None] + pos, word, mask=active & (pos < W))
