@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from twell.ops.ffn import TwELLState, sparse_ffn  # noqa: E402
+from twell.ops.ffn import TwELLState, sparse_ffn
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
@@ -244,10 +244,10 @@ def time_config(args, m, d, h, density, heavy, gated, label="synthetic", inputs=
             try:
                 if name == "auto":
                     st = TwELLState(density_threshold=args.threshold)
-                    fn = lambda: sparse_ffn(x, wg, wu, wd, with_stats=False, mode="auto", state=st)  # noqa: E731
+                    fn = lambda st=st: sparse_ffn(x, wg, wu, wd, with_stats=False, mode="auto", state=st)
                 else:
                     st = variant_state(VARIANTS[name])
-                    fn = lambda: sparse_ffn(x, wg, wu, wd, with_stats=False, state=st)  # noqa: E731
+                    fn = lambda st=st: sparse_ffn(x, wg, wu, wd, with_stats=False, state=st)
                 y, _ = fn()
                 fn()
                 if ON_GPU:

@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from twell.format import (
-    TILE, TwELL, TwELLFormatError, pack, unpack, validate, value_dtype_for, words_per_tile,
+    TILE,
+    TwELL,
+    TwELLFormatError,
+    pack,
+    unpack,
+    validate,
+    value_dtype_for,
+    words_per_tile,
 )
 
 

@@ -15,17 +15,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from twell.format import TILE, pack, validate, words_per_tile  # noqa: E402
+from twell.format import TILE, pack, validate, words_per_tile
 
 triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and not triton.knobs.runtime.interpret:
     pytest.skip("no CUDA and triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
 
-from twell.ops.ffn import TwELLState, sparse_ffn  # noqa: E402
-from twell.ops.twell_ffn import twell_ffn_apply  # noqa: E402
-from twell.ops.twell_pack import gate_gemm_pack, pack_dense  # noqa: E402
+from twell.ops.ffn import TwELLState, sparse_ffn
+from twell.ops.twell_ffn import twell_ffn_apply
+from twell.ops.twell_pack import gate_gemm_pack, pack_dense
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -292,7 +292,7 @@ def test_down_t_cache_invalidated_on_weight_update():
     with torch.no_grad():
         y1, _ = sparse_ffn(x, wg, wu, wd, state=st, with_stats=False)
         cached = st._wdt
-        y1b, _ = sparse_ffn(x, wg, wu, wd, state=st, with_stats=False)
+        sparse_ffn(x, wg, wu, wd, state=st, with_stats=False)
         assert st._wdt is cached  # reused
         wd.mul_(2.0)
         y2, _ = sparse_ffn(x, wg, wu, wd, state=st, with_stats=False)

@@ -137,14 +137,14 @@ def _triton_ok(t: torch.Tensor) -> bool:
     try:
         from triton import knobs
         return bool(knobs.runtime.interpret)
-    except Exception:  # triton missing or too old: reference path
+    except (ImportError, AttributeError):  # triton missing or too old: reference path
         return False
 
 
 def _check(x_ND, w_gate_HD, w_up_HD, w_down_DH) -> None:
     if x_ND.dim() != 2:
         raise ValueError(f"x_ND must be 2-D (N, D); got {tuple(x_ND.shape)}")
-    n, d = x_ND.shape
+    d = x_ND.shape[1]
     h = w_up_HD.shape[0]
     if w_up_HD.shape != (h, d) or (w_gate_HD is not None and w_gate_HD.shape != (h, d)):
         raise ValueError(
@@ -249,9 +249,8 @@ def sparse_ffn(
     else:
         w_down_DH_c = w_down_DH
     _check(x_ND, w_gate_HD, w_up_HD, w_down_DH_c)
-    n = x_ND.shape[0]
     h = w_up_HD.shape[0]
-    if n == 0:
+    if x_ND.shape[0] == 0:
         state.last_info = FFNInfo("twell")
         y = x_ND.new_empty(0, w_down_DH.shape[0])
         return y, (_empty_stats(x_ND, h) if with_stats else None)

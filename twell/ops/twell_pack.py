@@ -35,7 +35,7 @@ def f32_to_bf16_bits(v):
     """
     b = v.to(tl.int32, bitcast=True)
     r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-    return tl.where(v != v, 0x7FC0, r)
+    return tl.where(v != v, 0x7FC0, r)  # noqa: PLR0124 (NaN test)
 
 
 @triton.jit
@@ -142,7 +142,7 @@ def _gate_gemm_pack_kernel(
     a_ptrs = x_ptr + rows_c[:, None] * stride_xm + offs_k[None, :]
     b_ptrs = w_ptr + cols_c[None, :] * stride_wh + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, 256), dtype=tl.float32)
-    for k in range(0, tl.cdiv(D, BLOCK_K)):
+    for k in range(tl.cdiv(D, BLOCK_K)):
         k_mask = offs_k < D - k * BLOCK_K
         a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
