@@ -104,8 +104,12 @@ class TwELLState:
         counter (bumped by every in-place update: optimizer steps,
         ``load_state_dict``, ``copy_``).
         """
+        try:
+            version = w_down_DH._version
+        except RuntimeError:  # inference tensors have no version counter: key on storage only
+            version = None
         key = (w_down_DH.data_ptr(), tuple(w_down_DH.shape), w_down_DH.dtype, w_down_DH.device,
-               w_down_DH._version, dtype)
+               version, dtype)
         if self._wdt is None or self._wdt_key != key:
             with torch.no_grad():
                 self._wdt = w_down_DH.detach().T.to(dtype).contiguous()
