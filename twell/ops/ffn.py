@@ -23,6 +23,12 @@ Paths, chosen per call:
   the previous call through a pinned host copy and a CUDA event (no host
   sync on the calling path); the first call goes TwELL.
 
+NaN/inf: a non-finite input row makes its gates NaN/inf, which count as active
+(``not (g <= 0)``), so they propagate to y (such a row overflows its tiles and
+takes the dense tile path). Inactive units are exact zeros: unlike dense
+``0 * inf = NaN``, a non-finite up/down weight at an *inactive* unit does not
+reach y (as in the paper's kernels).
+
 Overflow: a (row, tile) with more active units than the TwELL capacity is
 computed densely inside the consumer (never dropped or double-counted);
 ``FFNInfo.overflow_rows`` counts the rows that took that path.
