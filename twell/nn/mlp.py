@@ -73,6 +73,11 @@ class SparseGatedMLP(nn.Module):
             :class:`FFNStats` in ``self.last_stats`` for the trainer's
             sparsity tracker; set False for inference.
         last_stats: the most recent call's stats (or None).
+        twell_state: per-layer :class:`twell.ops.ffn.TwELLState` for the
+            sparse paths (cached ``Wd^T``, density for ``"auto"``, TwELL
+            factor and producer choice), created on first sparse call.
+        last_info: :class:`twell.ops.ffn.FFNInfo` of the last sparse call
+            (path taken, density, overflow rows computed densely), or None.
 
     Forward: x (B, T, D) or (N, D) -> y of the same leading shape.
 
@@ -99,6 +104,12 @@ class SparseGatedMLP(nn.Module):
         self.impl = impl
         self.collect_stats = True
         self.last_stats: FFNStats | None = None
+        self.twell_state = None  # twell.ops.ffn.TwELLState, created lazily (triton optional)
+
+    @property
+    def last_info(self):
+        """FFNInfo of the last sparse call (None before one)."""
+        return None if self.twell_state is None else self.twell_state.last_info
 
     @property
     def impl(self) -> str:
@@ -127,11 +138,13 @@ class SparseGatedMLP(nn.Module):
                 with_stats=self.collect_stats,
             )
         else:
-            from twell.ops.ffn import sparse_ffn  # lazy: triton is optional on CPU
+            from twell.ops.ffn import TwELLState, sparse_ffn  # lazy: triton is optional on CPU
 
+            if self.twell_state is None:
+                self.twell_state = TwELLState()
             y_ND, stats = sparse_ffn(
                 x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
-                with_stats=self.collect_stats, mode=impl,
+                with_stats=self.collect_stats, mode=impl, state=self.twell_state,
             )
         self.last_stats = stats
         return y_ND.reshape(*lead, y_ND.shape[-1])

@@ -1,0 +1,131 @@
+"""TwELL format (twell.format): hand-computed words, round trips, overflow, validator."""
+
+import pytest
+import torch
+
+from twell.format import (
+    TILE,
+    TwELL,
+    TwELLFormatError,
+    pack,
+    unpack,
+    validate,
+    value_dtype_for,
+    words_per_tile,
+)
+
+
+def _u32(w: int) -> int:
+    return w & 0xFFFFFFFF
+
+
+def test_hand_computed_words():
+    # one row, H = 300 (2 tiles: 256 + 44 columns)
+    a = torch.zeros(1, 300)
+    a[0, 3] = 1.0          # bf16 0x3F80
+    a[0, 7] = -2.0         # inactive
+    a[0, 255] = 2.0        # bf16 0x4000
+    a[0, 256] = 0.5        # bf16 0x3F00, tile 1
+    a[0, 299] = float("nan")  # active (relu(NaN) = NaN)
+    tw = pack(a, factor=8)
+    assert tw.data.shape == (1, 2, 32) and tw.data.dtype == torch.int32
+    d = tw.data[0]
+    assert d[0, 0].item() == 2 and d[1, 0].item() == 2
+    assert _u32(d[0, 1].item()) == (0x3F80 << 16) | 3
+    assert _u32(d[0, 2].item()) == (0x4000 << 16) | 255
+    assert _u32(d[1, 1].item()) == (0x3F00 << 16) | 256
+    nan_bits = _u32(d[1, 2].item()) >> 16  # any bf16 NaN pattern (CPU torch writes 0xFFFF)
+    assert nan_bits & 0x7F80 == 0x7F80 and nan_bits & 0x7F and _u32(d[1, 2].item()) & 0xFFFF == 299
+    assert int(d[0, 3:].abs().sum()) == 0  # reference zeros the unused slots
+
+
+def test_active_semantics_inf_zero_negzero():
+    a = torch.tensor([[float("inf"), float("-inf"), 0.0, -0.0, 1e-30, float("nan"), -1.0]])
+    tw = pack(a)
+    assert tw.counts.tolist() == [[3]]  # +inf, 1e-30 (bf16 keeps it), NaN
+    out = unpack(tw)
+    assert out[0, 0] == float("inf") and out[0, 4] > 0 and torch.isnan(out[0, 5])
+    assert (out[0, [1, 2, 3, 6]] == 0).all()
+
+
+@pytest.mark.parametrize("factor", [8, 4, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip(factor, dtype):
+    torch.manual_seed(factor)
+    m, h = 37, 777  # odd: partial last tile
+    cap = words_per_tile(factor) - 1
+    a = torch.randn(m, h).to(dtype)
+    keep = torch.rand(m, h) < 0.5 * cap / TILE  # overflow odds < 1e-4
+    a = torch.where(keep, a.abs() + 0.01, -a.abs())
+    tw = pack(a, factor)
+    assert tw.value_dtype == value_dtype_for(dtype)
+    info = validate(tw)
+    assert info["overflow_tiles"] == 0 and info["nnz"] == int(keep.sum())
+    expect = torch.where(keep, a.to(tw.value_dtype), torch.zeros((), dtype=tw.value_dtype))
+    assert torch.equal(unpack(tw), expect)
+    assert torch.equal(tw.nnz_per_row(), keep.sum(1).int())
+
+
+@pytest.mark.parametrize("factor", [8, 4, 2])
+def test_overflow_counts_exact_and_never_silent(factor):
+    cap = words_per_tile(factor) - 1
+    m, h = 6, 512
+    a = -torch.ones(m, h)
+    n_act = [0, cap, cap + 1, 100, 256, 17]
+    for r, k in enumerate(n_act):
+        a[r, 256 : 256 + k] = torch.arange(1, k + 1, dtype=torch.float32)
+    tw = pack(a, factor)
+    assert tw.counts[:, 1].tolist() == n_act  # exact, beyond capacity too
+    expect_ovf = [k > cap for k in n_act]
+    assert tw.overflow_rows().tolist() == expect_ovf
+    info = validate(tw)
+    assert info["overflow_rows"] == sum(expect_ovf)
+    if any(expect_ovf):
+        with pytest.raises(TwELLFormatError, match="exceed the capacity"):
+            unpack(tw)
+    full = unpack(tw, dense_MH=a)
+    torch.testing.assert_close(full.float(), a.clamp_min(0), rtol=0, atol=0)
+
+
+def test_validator_catches_corruption():
+    torch.manual_seed(0)
+    a = torch.randn(4, 300).clamp_min(2.0) - 2.0  # ~2% active: no overflow
+    a[:, :8] = 1.0
+    good = pack(a)
+    validate(good)
+
+    def corrupt(fn):
+        d = good.data.clone()
+        fn(d)
+        return TwELL(d, good.n_cols, good.factor, good.value_dtype)
+
+    with pytest.raises(TwELLFormatError, match="outside"):
+        validate(corrupt(lambda d: d[1, 1, 0].fill_(45)))  # last tile holds 44 columns
+    with pytest.raises(TwELLFormatError, match="outside"):
+        validate(corrupt(lambda d: d[2, 0, 0].fill_(-1)))
+    with pytest.raises(TwELLFormatError, match="outside its tile"):
+        validate(corrupt(lambda d: d[0, 0, 1].fill_((0x3F80 << 16) | 260)))
+    with pytest.raises(TwELLFormatError, match="ascending"):
+        validate(corrupt(lambda d: d[0, 0, 2].copy_(d[0, 0, 1])))
+    with pytest.raises(TwELLFormatError, match="negative"):
+        validate(corrupt(lambda d: d[0, 0, 1].fill_(((0xBF80 << 16) | 0) - (1 << 32))))
+    with pytest.raises(TwELLFormatError, match="int32"):
+        validate(TwELL(good.data.long(), good.n_cols))
+    with pytest.raises(TwELLFormatError, match=r"\(M, 2, 32\)"):
+        validate(TwELL(good.data[:, :, :16].contiguous(), good.n_cols))
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="65535"):
+        pack(torch.ones(1, 65536))
+    with pytest.raises(ValueError, match="factor"):
+        pack(torch.ones(1, 8), factor=16)
+    with pytest.raises(ValueError, match="2-D"):
+        pack(torch.ones(8))
+
+
+def test_empty_rows():
+    tw = pack(torch.empty(0, 300))
+    assert tw.data.shape == (0, 2, 32)
+    assert validate(tw)["nnz"] == 0
+    assert unpack(tw).shape == (0, 300)

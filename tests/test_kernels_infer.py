@@ -1,0 +1,373 @@
+"""TwELL inference kernels (twell.ops.twell_pack / twell_ffn / ffn) against fp64 references.
+
+On a machine without CUDA the Triton kernels run in the interpreter
+(TRITON_INTERPRET=1, set here before triton is imported if the caller did
+not). Shapes are small and odd; the full shape sweep is in
+``scripts/bench_ffn.py --check`` on the GPU.
+
+``ffn_reference_fp64`` is also the reference of ``scripts/bench_ffn.py``.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+from twell.format import TILE, pack, validate, words_per_tile
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and not triton.knobs.runtime.interpret:
+    pytest.skip("no CUDA and triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+
+from twell.ops.ffn import TwELLState, sparse_ffn
+from twell.ops.twell_ffn import twell_ffn_apply
+from twell.ops.twell_pack import gate_gemm_pack, pack_dense
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def ffn_reference_fp64(x_ND, w_gate_HD, w_up_HD, w_down_DH, *, pre_NH=None, factor=None,
+                       value_dtype=None):
+    """fp64 gated (or non-gated) ReLU FFN.
+
+    With ``factor`` given, it models the TwELL storage exactly: the gate (or
+    non-gated h) of non-overflowed tiles is rounded to ``value_dtype``
+    (bf16/fp16), overflowed tiles use ``pre_NH`` unrounded. ``pre_NH`` (the
+    pre-activation as the kernel sees it, e.g. cuBLAS' bf16 output) decides
+    which units are active; default: fp64 ``x W^T``.
+
+    Returns (y_ND fp64, h_NH fp64, active_NH bool).
+    """
+    x, wu, wd = (t.double() for t in (x_ND, w_up_HD, w_down_DH))
+    w_in = w_gate_HD.double() if w_gate_HD is not None else wu
+    pre = (x @ w_in.T) if pre_NH is None else pre_NH.double()
+    active = ~(pre <= 0)
+    g = torch.where(active, pre, torch.zeros((), dtype=torch.float64))
+    if factor is not None:
+        n, h = pre.shape
+        t = (h + TILE - 1) // TILE
+        cnt = torch.nn.functional.pad(active, (0, t * TILE - h)).view(n, t, TILE).sum(-1)
+        ovf = (cnt > words_per_tile(factor) - 1).repeat_interleave(TILE, 1)[:, :h]
+        rounded = g.to(value_dtype).double()
+        g = torch.where(ovf, g, rounded)
+    h_NH = g * (x @ wu.T) if w_gate_HD is not None else g
+    return h_NH @ wd.T, h_NH, active
+
+
+def assert_close_verbose(out, ref, rtol, atol, what=""):
+    """assert_close that also reports where the largest error is and the error scale."""
+    out, ref = out.double(), ref.double()
+    err = (out - ref).abs()
+    finite = torch.isfinite(ref)
+    if finite.any():
+        i = torch.nonzero(err == err[finite].max())[0].tolist() if err[finite].numel() else None
+        msg = f"{what}: max |err| {err[finite].max().item():.3e} at {i}, max |ref| {ref[finite].abs().max().item():.3e}"
+    else:
+        msg = what
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol, equal_nan=True, msg=msg)
+
+
+def make_ffn(n, d, h, dtype, density, *, seed=0, heavy=False, grid=False, gated=True):
+    """Inputs whose ReLU density is set by a constant input feature with a negative gate weight.
+
+    x[:, 0] = 1 and Wg[:, 0] = -threshold, so the gate fires when the rest of
+    the dot exceeds the threshold (a normal quantile for the density).
+    heavy: per-row thresholds vary so some rows are ~10x denser.
+    grid: values on a dyadic grid so fp32 products/sums are exact.
+    gated=False: the threshold goes on Wu (the non-gated FFN's ReLU input).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    if grid:
+        x = torch.randint(-3, 4, (n, d), generator=gen).double() / 4
+        wg = torch.randint(-3, 4, (h, d), generator=gen).double() / 8
+        wu = torch.randint(-3, 4, (h, d), generator=gen).double() / 8
+        wd = torch.randint(-3, 4, (d, h), generator=gen).double() / 8
+        x[:, 0] = 1.0
+        std = (wg[:, 1:] ** 2).sum(1).mean().sqrt() * x[:, 1:].std()
+        q = torch.distributions.Normal(0, 1).icdf(torch.tensor(1 - density)).item()
+        wg[:, 0] = -torch.round(q * std * 8) / 8
+    else:
+        x = torch.randn(n, d, generator=gen, dtype=torch.float64)
+        wg = torch.randn(h, d, generator=gen, dtype=torch.float64) / d ** 0.5
+        wu = torch.randn(h, d, generator=gen, dtype=torch.float64) / d ** 0.5
+        wd = torch.randn(d, h, generator=gen, dtype=torch.float64) / h ** 0.5
+        q = torch.distributions.Normal(0, 1).icdf(torch.tensor(1 - density)).item()
+        x[:, 0] = 1.0
+        wg[:, 0] = -q
+        if heavy:  # every third row has a lower threshold: several times the mean non-zeros
+            x[:: 3, 0] = 0.6
+    if not gated:
+        wu[:, 0] = wg[:, 0]
+    return [t.to(dtype).to(DEV) for t in (x, wg, wu, wd)]
+
+
+# ---------------------------------------------------------------- producers
+
+
+@pytest.mark.parametrize("factor", [8, 4, 2])
+def test_pack_dense_matches_reference_pack(factor):
+    torch.manual_seed(factor)
+    m, h = 37, 777
+    cap = words_per_tile(factor) - 1
+    a = torch.randn(m, h)
+    a = torch.where(torch.rand(m, h) < 0.4 * cap / TILE, a.abs() + 0.01, -a.abs())
+    # crafted tiles: empty row, full row, tiles with cap, cap+1, 100, 256 (partial) actives
+    a[0] = -1.0
+    a[1] = 1.0
+    for r, k in zip(range(2, 7), (cap, cap + 1, 100, 256, 255)):
+        a[r, :TILE] = -1.0
+        a[r, :k] = torch.arange(1.0, k + 1)
+    a[7, 3] = float("nan")
+    a[8, :] = float("nan")
+    a = a.to(DEV)
+    tw, colcnt = pack_dense(a, factor, stats=True)
+    ref = pack(a.cpu(), factor)
+    assert torch.equal(tw.counts.cpu(), ref.counts)
+    valid, cols, vals, _ = ref.slots()
+    _, gcols, gvals, _ = tw.slots()
+    assert torch.equal(gcols.cpu()[valid], cols[valid])
+    torch.testing.assert_close(gvals.cpu()[valid], vals[valid], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(colcnt.cpu(), (~(a.cpu() <= 0)).sum(0, dtype=torch.int32))
+    info = validate(tw)
+    assert info["overflow_rows"] == int((ref.counts > cap).any(1).sum()) >= 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gate_gemm_pack(dtype):
+    # grid inputs: the fp32 gate is exact, so counts/columns must match exactly
+    n, d, h = 70, 40, 520
+    x, wg, _, _ = make_ffn(n, d, h, torch.float32, 0.05, seed=1, grid=True)
+    x[5, 1:] = 3.0  # a dense row: overflows several tiles
+    x, wg = x.to(dtype), wg.to(dtype)
+    tw, spill, colcnt = gate_gemm_pack(x, wg, 8, stats=True, block_m=32, block_k=16, num_warps=4)
+    pre = x.double() @ wg.double().T
+    ref = pack(pre.to(dtype).cpu(), 8)
+    assert torch.equal(tw.counts.cpu(), ref.counts)
+    valid, _, _, _ = ref.slots()
+    assert torch.equal(tw.data[:, :, 1:].cpu()[valid], ref.data[:, :, 1:][valid])
+    assert torch.equal(colcnt.cpu(), (~(pre <= 0)).sum(0, dtype=torch.int32).cpu())
+    ovf = ref.overflow_tiles().repeat_interleave(TILE, 1)[:, :h]
+    assert ovf.any()
+    torch.testing.assert_close(spill.cpu()[ovf].double(), pre.cpu()[ovf], rtol=1e-2, atol=0)
+
+
+# ---------------------------------------------------------------- consumer / full op
+
+
+@pytest.mark.parametrize(
+    "n,d,h,gated,impl,nb,rows",
+    [
+        (7, 64, 256, True, "two_pass", 2, 1),
+        (33, 40, 300, True, "fused", 1, 3),
+        (1, 64, 1408, True, "two_pass", 4, 1),
+        (19, 36, 300, False, "two_pass", 2, 2),
+        (12, 64, 520, False, "fused", 1, 1),
+    ],
+)
+def test_ffn_matches_fp64_exact_grid(n, d, h, gated, impl, nb, rows):
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.04, seed=n, grid=True, gated=gated)
+    x[n // 2, 1:] = 2.0  # a very dense row (overflowed tiles -> dense path)
+    x[0, 1:] = -3.0      # most gates off
+    st = TwELLState(gate_impl=impl)
+    st.consumer_kwargs = {"nb": nb, "rows": rows}
+    y, stats = sparse_ffn(x, wg if gated else None, wu, wd, state=st)
+    y_ref, h_ref, act = ffn_reference_fp64(x, wg if gated else None, wu, wd, factor=8,
+                                           value_dtype=torch.bfloat16)
+    assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-5, what=f"y {impl}")
+    assert stats.n_tokens == n
+    assert stats.nnz_sum.item() == act.sum().item()
+    assert stats.nnz_max.item() == act.sum(1).max().item()
+    assert torch.equal(stats.active_counts.cpu(), act.sum(0).int().cpu())
+    torch.testing.assert_close(stats.l1.double().cpu(), h_ref.abs().sum(1).mean().cpu(), rtol=1e-5,
+                               atol=0)
+    info = st.last_info
+    assert info.path == "twell"
+    n_ovf_rows = int(info.overflow_rows)
+    assert n_ovf_rows >= 1  # the dense row took the dense path and was counted
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+def test_ffn_half_precision(dtype, rtol):
+    n, d, h = 13, 72, 600
+    x, wg, wu, wd = make_ffn(n, d, h, dtype, 0.03, seed=3, heavy=True)
+    y, _ = sparse_ffn(x, wg, wu, wd)
+    assert y.dtype == dtype
+    pre = x @ wg.T  # the kernel's gate (torch matmul in dtype: cuBLAS on GPU)
+    y_ref, _, _ = ffn_reference_fp64(x, wg, wu, wd, pre_NH=pre, factor=8, value_dtype=dtype)
+    scale = y_ref.abs().max()
+    assert_close_verbose(y, y_ref, rtol=rtol, atol=rtol * scale, what=str(dtype))
+
+
+def test_overflow_tiles_all_capacities_dense_path_counted():
+    # rows with 0, 31, 32, 64, 128, 255, 256 actives in tile 0 (factor 8: 31 fit)
+    ks = [0, 31, 32, 64, 128, 255, 256]
+    n, h = len(ks), 300
+    gen = torch.Generator().manual_seed(5)
+    # row r: x = [1, 0, e_r]; unit j is on for row r iff j < ks[r] (gate 1 or 1 - 2 = -1)
+    x = torch.zeros(n, n + 2)
+    x[:, 0] = 1.0
+    wg = torch.zeros(h, n + 2)
+    wg[:, 0] = 1.0
+    for r, k in enumerate(ks):
+        x[r, 2 + r] = 1.0
+        wg[k:, 2 + r] = -2.0  # units >= k off for row r
+    wg[TILE:, 0] = -1.0      # tile 1 (44 columns) off everywhere
+    wu = torch.randn(h, n + 2, generator=gen)
+    wd = torch.randn(n + 2, h, generator=gen)
+    x, wg, wu, wd = (t.to(DEV) for t in (x, wg, wu, wd))
+    for factor in (8, 2):
+        st = TwELLState(factor=factor)
+        y, stats = sparse_ffn(x, wg, wu, wd, state=st)
+        y_ref, _, act = ffn_reference_fp64(x, wg, wu, wd, factor=factor, value_dtype=torch.bfloat16)
+        assert act.sum(1).tolist() == ks
+        assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-5, what=f"factor {factor}")
+        cap = words_per_tile(factor) - 1
+        assert int(st.last_info.overflow_rows) == sum(k > cap for k in ks)
+        assert stats.nnz_max.item() == 256
+
+
+def test_nan_inf_propagate():
+    n, d, h = 6, 32, 300
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=7)
+    x[2, 5] = float("nan")
+    x[4, 7] = float("inf")
+    y, stats = sparse_ffn(x, wg, wu, wd)
+    y_torch = torch.relu(x @ wg.T) * (x @ wu.T) @ wd.T
+    assert torch.isnan(y[2]).all() and torch.isnan(y_torch[2]).all()
+    assert torch.equal(torch.isfinite(y[4]), torch.isfinite(y_torch[4]))
+    assert not torch.isfinite(y[4]).all()
+    ok = [0, 1, 3, 5]
+    y_ref, _, _ = ffn_reference_fp64(x[ok], wg, wu, wd, factor=8, value_dtype=torch.bfloat16)
+    assert_close_verbose(y[ok], y_ref, rtol=1e-4, atol=1e-5, what="finite rows")
+    assert stats.nnz_max.item() >= h // 3  # NaN row: NaN gates count as active
+
+
+def test_noncontiguous_and_empty_and_errors():
+    n, d, h = 9, 48, 300
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=9)
+    big = torch.zeros(n, 2 * d, device=DEV)
+    big[:, ::2] = x
+    xs = big[:, ::2]
+    assert not xs.is_contiguous()
+    y1, _ = sparse_ffn(xs, wg, wu, wd, with_stats=False)
+    y2, _ = sparse_ffn(x, wg, wu, wd, with_stats=False)
+    torch.testing.assert_close(y1, y2, rtol=0, atol=0)
+    # transposed-view weight (non-contiguous down weight)
+    y3, _ = sparse_ffn(x, wg, wu, wd.T.contiguous().T, with_stats=False)
+    torch.testing.assert_close(y3, y2, rtol=0, atol=0)
+    y0, st0 = sparse_ffn(x[:0], wg, wu, wd)
+    assert y0.shape == (0, d) and st0.n_tokens == 0 and st0.active_counts.shape == (h,)
+    with pytest.raises(ValueError, match="dtype"):
+        sparse_ffn(x.double(), wg, wu, wd)
+    with pytest.raises(ValueError, match="w_down_DH"):
+        sparse_ffn(x, wg, wu, wd.T.contiguous())
+    with pytest.raises(ValueError, match="mode"):
+        sparse_ffn(x, wg, wu, wd, mode="fast")
+    with pytest.raises(ValueError, match="share a dtype"):
+        sparse_ffn(x, wg.half(), wu, wd)
+
+
+def test_apply_rejects_bad_operands():
+    tw = pack(torch.ones(3, 300))
+    wdt = torch.zeros(300, 16)
+    dense = torch.zeros(3, 300)
+    with pytest.raises(ValueError, match="both"):
+        twell_ffn_apply(tw, dense, wdt, x_MD=torch.zeros(3, 16))
+    with pytest.raises(ValueError, match="unit column stride"):
+        twell_ffn_apply(tw, dense, torch.zeros(16, 300).T)
+    with pytest.raises(ValueError, match="whole row"):
+        twell_ffn_apply(tw, dense, wdt, x_MD=torch.zeros(3, 16), w_up_HD=torch.zeros(300, 16),
+                        block_d=8)
+
+
+def test_down_t_cache_invalidated_on_weight_update():
+    n, d, h = 5, 32, 256
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=11)
+    wd = torch.nn.Parameter(wd)
+    st = TwELLState()
+    with torch.no_grad():
+        y1, _ = sparse_ffn(x, wg, wu, wd, state=st, with_stats=False)
+        cached = st._wdt
+        sparse_ffn(x, wg, wu, wd, state=st, with_stats=False)
+        assert st._wdt is cached  # reused
+        wd.mul_(2.0)
+        y2, _ = sparse_ffn(x, wg, wu, wd, state=st, with_stats=False)
+    torch.testing.assert_close(y2, 2 * y1, rtol=1e-6, atol=1e-6)
+
+
+def test_auto_mode_switches_on_measured_density():
+    n, d, h = 8, 32, 300
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=13)
+    st = TwELLState(density_threshold=0.2)
+    y_a, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    assert st.last_info.path == "twell"          # first call: no measurement yet
+    sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    assert st.last_info.path == "twell"          # 5% < 20%
+    st.density_threshold = 0.01
+    y_b, stats = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    assert st.last_info.path == "dense"          # 5% > 1%
+    torch.testing.assert_close(y_b, y_a, rtol=1e-2, atol=1e-3)
+    assert stats is not None and stats.n_tokens == n
+
+
+def test_grad_path_hands_off_to_training_kernels():
+    n, d, h = 4, 16, 256
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=2)
+    x.requires_grad_(True)
+    try:
+        import twell.ops.sparse_train  # noqa: F401
+    except ImportError:
+        with pytest.raises(NotImplementedError, match="sparse_train"):
+            sparse_ffn(x, wg, wu, wd)
+    else:
+        y, _ = sparse_ffn(x, wg, wu, wd)
+        assert y.requires_grad
+
+
+def test_cpu_reference_path_matches_kernels(monkeypatch):
+    import twell.ops.ffn as ffn_mod
+
+    n, d, h = 11, 40, 300
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.08, seed=4, heavy=True)
+    y_k, s_k = sparse_ffn(x.cpu(), wg.cpu(), wu.cpu(), wd.cpu())
+    monkeypatch.setattr(ffn_mod, "_triton_ok", lambda t: False)
+    st = TwELLState()
+    y_r, s_r = sparse_ffn(x.cpu(), wg.cpu(), wu.cpu(), wd.cpu(), state=st)
+    assert st.last_info.path == "twell-torch"
+    torch.testing.assert_close(y_r, y_k.cpu(), rtol=1e-5, atol=1e-5)
+    assert s_r.nnz_sum == s_k.nnz_sum and torch.equal(s_r.active_counts, s_k.active_counts.cpu())
+    torch.testing.assert_close(s_r.l1, s_k.l1.cpu(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_converted_tiny_llama_logits_match_dense():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from twell.nn import SparseGatedMLP, convert_mlps
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=48, intermediate_size=300, num_attention_heads=4,
+                      num_hidden_layers=2, vocab_size=97, hidden_act="relu")
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sparse like an L1-trained model: 90% of units dead (zero gate row)
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.weight[torch.rand(300) < 0.9] = 0.0
+    model = model.to(torch.bfloat16).to(DEV)
+    ids = torch.randint(0, 97, (2, 9), device=DEV)
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        ref64 = model.double()(ids).logits
+        model.to(torch.bfloat16)
+        assert convert_mlps(model, "twell") == 2
+        out = model(ids).logits.float()
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp, SparseGatedMLP) and mlp.last_info.path == "twell"
+    assert 0 < float(mlp.last_info.density) < 0.1
+    err_dense = (ref.double() - ref64).abs().max().item()
+    err_twell = (out.double() - ref64).abs().max().item()
+    assert err_twell <= 1.5 * err_dense + 1e-3, (err_twell, err_dense)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0.05)

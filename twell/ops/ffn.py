@@ -1,0 +1,321 @@
+"""The sparse FFN entry point: ``sparse_ffn`` (TwELL inference, dense fallback, training hand-off).
+
+Shape legend: N tokens, D model width, H FFN width.
+
+    gated:      y = (relu(x Wg^T) * (x Wu^T)) Wd^T
+    non-gated:  y = relu(x Wu^T) Wd^T
+
+Source: arXiv 2603.23198, TwELL inference (two kernels per FFN: gate GEMM +
+pack, then the fused up + down projection at the non-zeros).
+
+Paths, chosen per call:
+
+* ``"twell"`` inference (no gradient needed): producer (two-pass cuBLAS gate
+  + Triton pack, or the fused Triton gate GEMM + pack) then the Triton
+  consumer. Triton runs on CUDA tensors, or on CPU tensors when
+  ``TRITON_INTERPRET=1`` was set before import; otherwise the pure-PyTorch
+  reference of the same format (``twell.ops.reference``) runs, so CPU users
+  get the same results.
+* gradient needed: ``twell.ops.sparse_train.sparse_ffn_train`` (written
+  separately; a clear NotImplementedError if absent).
+* ``mode="auto"``: dense cuBLAS when the layer's last measured density is
+  above ``TwELLState.density_threshold``, else TwELL. The density comes from
+  the previous call through a pinned host copy and a CUDA event (no host
+  sync on the calling path); the first call goes TwELL.
+
+NaN/inf: a non-finite input row makes its gates NaN/inf, which count as active
+(``not (g <= 0)``), so they propagate to y (such a row overflows its tiles and
+takes the dense tile path). Inactive units are exact zeros: unlike dense
+``0 * inf = NaN``, a non-finite up/down weight at an *inactive* unit does not
+reach y (as in the paper's kernels).
+
+Overflow: a (row, tile) with more active units than the TwELL capacity is
+computed densely inside the consumer (never dropped or double-counted);
+``FFNInfo.overflow_rows`` counts the rows that took that path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from twell.format import check_width, words_per_tile
+from twell.stats import FFNStats
+
+# Density (non-zeros / (N*H)) above which "auto" runs dense cuBLAS.
+# PREDICTION, to be replaced by the measured crossover of scripts/bench_ffn.py
+# (BENCHMARKS.md): from the H200 calibration, TwELL ~= 0.63 ms (gate + pack) +
+# 0.0141 ms per active unit per token at N=16384, D=2048, H=5632, against
+# 1.69 ms dense, i.e. a crossover near 74 units/token = 1.3% density.
+DEFAULT_DENSITY_THRESHOLD = float(os.environ.get("TWELL_AUTO_DENSITY", "0.013"))
+GATE_IMPLS = ("two_pass", "fused")
+DEFAULT_GATE_IMPL = os.environ.get("TWELL_GATE_IMPL", "two_pass")
+
+
+@dataclass
+class FFNInfo:
+    """What one ``sparse_ffn`` call did (device tensors: reading them syncs).
+
+    Attributes:
+        path: "twell" (Triton kernels), "twell-torch" (PyTorch reference of
+            the format), "dense" (cuBLAS) or "train" (training kernels).
+        density: scalar fp32 tensor, active units / (N * H) (None if unknown).
+        overflow_rows: scalar int tensor, rows with at least one tile over
+            capacity, computed densely for those tiles (None on dense paths).
+        overflow_tiles: scalar int tensor, (row, tile) pairs over capacity.
+    """
+
+    path: str
+    density: torch.Tensor | None = None
+    overflow_rows: torch.Tensor | None = None
+    overflow_tiles: torch.Tensor | None = None
+
+
+class TwELLState:
+    """Per-layer state of the sparse FFN (held by ``SparseGatedMLP``; never global).
+
+    Attributes:
+        factor: TwELL compression factor (8, 4 or 2).
+        gate_impl: "two_pass" or "fused" producer.
+        density_threshold: "auto" goes dense above this density.
+        density: last measured density (Python float) or None.
+        last_info: :class:`FFNInfo` of the last call.
+        consumer_kwargs: launch shape overrides for the consumer kernel.
+    """
+
+    def __init__(self, factor: int = 8, gate_impl: str | None = None,
+                 density_threshold: float | None = None) -> None:
+        words_per_tile(factor)
+        self.factor = factor
+        self.gate_impl = gate_impl or DEFAULT_GATE_IMPL
+        if self.gate_impl not in GATE_IMPLS:
+            raise ValueError(f"gate_impl must be one of {GATE_IMPLS}; got {self.gate_impl!r}")
+        self.density_threshold = (DEFAULT_DENSITY_THRESHOLD if density_threshold is None
+                                  else density_threshold)
+        self.density: float | None = None
+        self.last_info: FFNInfo | None = None
+        self.consumer_kwargs: dict = {}
+        self._wdt: torch.Tensor | None = None
+        self._wdt_key: tuple | None = None
+        self._dens_host: torch.Tensor | None = None
+        self._dens_event = None
+
+    def down_t(self, w_down_DH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(H, D) contiguous copy of ``w_down_DH.T`` in ``dtype``, cached until the weight changes.
+
+        The key is the storage pointer, shape, dtype and the tensor's version
+        counter (bumped by every in-place update: optimizer steps,
+        ``load_state_dict``, ``copy_``).
+        """
+        try:
+            version = w_down_DH._version
+        except RuntimeError:  # inference tensors have no version counter: key on storage only
+            version = None
+        key = (w_down_DH.data_ptr(), tuple(w_down_DH.shape), w_down_DH.dtype, w_down_DH.device,
+               version, dtype)
+        if self._wdt is None or self._wdt_key != key:
+            with torch.no_grad():
+                self._wdt = w_down_DH.detach().T.to(dtype).contiguous()
+            self._wdt_key = key
+        return self._wdt
+
+    def record_density(self, dens: torch.Tensor) -> None:
+        """Store this call's density for the next call's dispatch without a host sync."""
+        if dens.is_cuda:
+            if self._dens_host is None:
+                self._dens_host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            self._dens_host.copy_(dens.detach(), non_blocking=True)
+            self._dens_event = torch.cuda.Event()
+            self._dens_event.record()
+        else:
+            self.density = float(dens)
+
+    def poll_density(self) -> float | None:
+        """The latest density whose copy has landed (never blocks)."""
+        if self._dens_event is not None and self._dens_event.query():
+            self.density = float(self._dens_host)
+            self._dens_event = None
+        return self.density
+
+
+def _triton_ok(t: torch.Tensor) -> bool:
+    if t.is_cuda:
+        return True
+    try:
+        from triton import knobs
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):  # triton missing or too old: reference path
+        return False
+
+
+def _check(x_ND, w_gate_HD, w_up_HD, w_down_DH) -> None:
+    if x_ND.dim() != 2:
+        raise ValueError(f"x_ND must be 2-D (N, D); got {tuple(x_ND.shape)}")
+    d = x_ND.shape[1]
+    h = w_up_HD.shape[0]
+    if w_up_HD.shape != (h, d) or (w_gate_HD is not None and w_gate_HD.shape != (h, d)):
+        raise ValueError(
+            f"w_up_HD/w_gate_HD must be (H, D={d}); got {tuple(w_up_HD.shape)}, "
+            f"{None if w_gate_HD is None else tuple(w_gate_HD.shape)}"
+        )
+    if w_down_DH.shape != (d, h):
+        raise ValueError(f"w_down_DH must be (D={d}, H={h}); got {tuple(w_down_DH.shape)}")
+    check_width(h)
+    ws = [w for w in (w_gate_HD, w_up_HD, w_down_DH) if w is not None]
+    if x_ND.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x_ND dtype must be float16, bfloat16 or float32; got {x_ND.dtype}")
+    if any(w.dtype != x_ND.dtype for w in ws):
+        raise ValueError(
+            f"x_ND ({x_ND.dtype}) and the weights ({[w.dtype for w in ws]}) must share a dtype "
+            "(or run under torch.autocast)"
+        )
+    if any(w.device != x_ND.device for w in ws):
+        raise ValueError(f"x_ND and the weights must be on one device; got {x_ND.device}, "
+                         f"{[w.device for w in ws]}")
+
+
+def _dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats):
+    from twell.stats import stats_from_activations
+
+    pre = F.linear(x_ND, w_gate_HD if w_gate_HD is not None else w_up_HD)
+    g = F.relu(pre)
+    h = g * F.linear(x_ND, w_up_HD) if w_gate_HD is not None else g
+    y = F.linear(h, w_down_DH)
+    if with_stats:
+        stats = stats_from_activations(h, g > 0)
+        dens = stats.nnz_sum / max(pre.numel(), 1)
+    else:  # 1/16 of the rows is enough to steer "auto"
+        stats = None
+        dens = (pre[::16] > 0).float().mean() if pre.numel() else pre.new_zeros((), dtype=torch.float32)
+    return y, stats, dens.float()
+
+
+def _empty_stats(x_ND, h):
+    z = torch.zeros((), dtype=torch.float32, device=x_ND.device)
+    return FFNStats(l1=z, nnz_sum=z.clone(), nnz_max=z.clone(),
+                    active_counts=torch.zeros(h, dtype=torch.int32, device=x_ND.device), n_tokens=0)
+
+
+def sparse_ffn(
+    x_ND: torch.Tensor,
+    w_gate_HD: torch.Tensor | None,
+    w_up_HD: torch.Tensor,
+    w_down_DH: torch.Tensor,
+    *,
+    with_stats: bool = True,
+    mode: str = "twell",
+    state: TwELLState | None = None,
+) -> tuple[torch.Tensor, FFNStats | None]:
+    """ReLU(-gated) FFN through TwELL, with sparsity statistics.
+
+    Args:
+        x_ND: (N, D) fp16/bf16/fp32 (any strides). Under ``torch.autocast``
+            x and the weights are cast to the autocast dtype.
+        w_gate_HD: (H, D) gate weight, or None for the non-gated FFN.
+        w_up_HD: (H, D) up weight.
+        w_down_DH: (D, H) down weight (``down_proj.weight``).
+        with_stats: also return :class:`FFNStats` (l1 = mean over rows of
+            sum |h|; nnz and per-column active counts from the TwELL counts).
+            Inference stats carry no gradient. NaN gates count as active here.
+        mode: "twell" (always TwELL) or "auto" (dense above the density
+            threshold, see module docstring).
+        state: per-layer :class:`TwELLState` (cached ``Wd^T``, density for
+            "auto", ``last_info``); a throwaway one when None.
+
+    Returns:
+        ``(y_ND, stats or None)``; y in x's (or autocast) dtype. The call's
+        :class:`FFNInfo` is ``state.last_info``.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, mode, or H >= 65536.
+        NotImplementedError: a gradient is needed and the training kernels
+            (``twell.ops.sparse_train``) are not available.
+    """
+    if mode not in ("twell", "auto"):
+        raise ValueError(f"sparse_ffn mode must be 'twell' or 'auto'; got {mode!r}")
+    ws = [w for w in (w_gate_HD, w_up_HD, w_down_DH) if w is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in [x_ND, *ws]):
+        try:
+            from twell.ops.sparse_train import sparse_ffn_train
+        except ImportError as e:
+            raise NotImplementedError(
+                "sparse_ffn with gradients needs twell.ops.sparse_train.sparse_ffn_train, which is "
+                f"not available ({e}). Use impl='torch' for training, or run under torch.no_grad()."
+            ) from e
+        if state is not None:
+            state.last_info = FFNInfo("train")
+        return sparse_ffn_train(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats=with_stats)
+
+    state = state if state is not None else TwELLState()
+    if torch.is_autocast_enabled(x_ND.device.type):
+        dt = torch.get_autocast_dtype(x_ND.device.type)
+        x_ND = x_ND.to(dt)
+        w_gate_HD = None if w_gate_HD is None else w_gate_HD.to(dt)
+        w_up_HD = w_up_HD.to(dt)
+        w_down_DH_c = w_down_DH.to(dt)
+    else:
+        w_down_DH_c = w_down_DH
+    _check(x_ND, w_gate_HD, w_up_HD, w_down_DH_c)
+    h = w_up_HD.shape[0]
+    if x_ND.shape[0] == 0:
+        state.last_info = FFNInfo("twell")
+        y = x_ND.new_empty(0, w_down_DH.shape[0])
+        return y, (_empty_stats(x_ND, h) if with_stats else None)
+
+    with torch.autocast(x_ND.device.type, enabled=False):
+        if mode == "auto":
+            dens = state.poll_density()
+            if dens is not None and dens > state.density_threshold:
+                y, stats, d = _dense(x_ND, w_gate_HD, w_up_HD, w_down_DH_c, with_stats)
+                state.record_density(d)
+                state.last_info = FFNInfo("dense", density=d)
+                return y, stats
+        return _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c.dtype, with_stats, state)
+
+
+def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state):
+    gated = w_gate_HD is not None
+    n, h = x_ND.shape[0], w_up_HD.shape[0]
+    if not _triton_ok(x_ND):
+        from twell.ops.reference import twell_ffn_torch
+
+        wd = w_down_DH.to(wdt_dtype)
+        r = twell_ffn_torch(x_ND, w_gate_HD, w_up_HD, wd, factor=state.factor)
+        tw, l1_rows, colcnt, path = r["tw"], r["l1_rows"], r["active_counts"], "twell-torch"
+        y = r["y"]
+    else:
+        from twell.ops.twell_ffn import twell_ffn_apply
+        from twell.ops.twell_pack import gate_gemm_pack, pack_dense
+
+        x_ND = x_ND if x_ND.stride(1) == 1 else x_ND.contiguous()
+        w_in = w_gate_HD if gated else w_up_HD
+        if state.gate_impl == "fused":
+            tw, dense, colcnt = gate_gemm_pack(x_ND, w_in, state.factor, stats=with_stats)
+        else:
+            dense = F.linear(x_ND, w_in)  # cuBLAS on GPU
+            tw, colcnt = pack_dense(dense, state.factor, stats=with_stats)
+        wdt = state.down_t(w_down_DH, wdt_dtype)
+        y, l1_rows = twell_ffn_apply(
+            tw, dense, wdt, x_MD=x_ND if gated else None, w_up_HD=w_up_HD if gated else None,
+            stats=with_stats, out_dtype=x_ND.dtype, **state.consumer_kwargs,
+        )
+        path = "twell"
+    counts = tw.counts
+    nnz_row = counts.sum(1, dtype=torch.int32)
+    nnz_sum = nnz_row.sum().float()
+    dens = nnz_sum / float(n * h)
+    ovf = counts > tw.capacity
+    state.record_density(dens)
+    state.last_info = FFNInfo(path, density=dens, overflow_rows=ovf.any(1).sum(),
+                              overflow_tiles=ovf.sum())
+    stats = None
+    if with_stats:
+        stats = FFNStats(l1=l1_rows.mean(), nnz_sum=nnz_sum, nnz_max=nnz_row.max().float(),
+                         active_counts=colcnt, n_tokens=n)
+    return y, stats
+
+
+__all__ = ["DEFAULT_DENSITY_THRESHOLD", "FFNInfo", "TwELLState", "sparse_ffn"]

@@ -1,0 +1,76 @@
+"""Pure-PyTorch TwELL FFN: the CPU path without Triton and the kernels' test oracle.
+
+Shape legend: N tokens, D model width, H FFN width.
+
+Same format and same overflow rule as the Triton kernels (``twell.format``):
+pack the gate pre-activation, compute the up projection only at the usable
+slots, scatter-add ``h * WdT_c`` into y; overflowed (row, tile) pairs are
+computed densely from the pre-activation of that tile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from twell.format import TILE, pack
+
+
+def twell_ffn_torch(
+    x_ND: torch.Tensor,
+    w_gate_HD: torch.Tensor | None,
+    w_up_HD: torch.Tensor,
+    w_down_DH: torch.Tensor,
+    *,
+    factor: int = 8,
+) -> dict:
+    """Reference sparse FFN through the TwELL format, in PyTorch.
+
+    Args:
+        x_ND: (N, D) float input; weights (H, D), (H, D), (D, H), same dtype.
+        w_gate_HD: None for the non-gated FFN (``h = relu(x Wu^T)``).
+        factor: TwELL compression factor.
+
+    Returns:
+        dict with ``y`` (N, D) in x's dtype (fp32 accumulation, fp64 for
+        fp64 input), ``tw`` (the TwELL), ``l1_rows`` (N,) fp32 sum |h|,
+        ``active_counts`` (H,) int32, ``overflow_rows`` (N,) bool.
+    """
+    acc_dt = torch.promote_types(x_ND.dtype, torch.float32)
+    gated = w_gate_HD is not None
+    pre = x_ND @ (w_gate_HD if gated else w_up_HD).T  # (N, H) in x's dtype, like cuBLAS
+    n, h = pre.shape
+    tw = pack(pre, factor)
+    valid, cols, vals, _ = tw.slots()
+    rows = torch.arange(n, device=x_ND.device).view(n, 1, 1).expand_as(cols)[valid]
+    c = cols[valid]
+    v = vals[valid].to(acc_dt)
+    if gated:
+        u = (x_ND[rows].to(acc_dt) * w_up_HD[c].to(acc_dt)).sum(-1)
+        hv = v * u
+    else:
+        hv = v
+    wdt = w_down_DH.T.to(acc_dt)
+    y = torch.zeros(n, w_down_DH.shape[0], dtype=acc_dt, device=x_ND.device)
+    y.index_add_(0, rows, hv[:, None] * wdt[c])
+    l1 = torch.zeros(n, dtype=acc_dt, device=x_ND.device).index_add_(0, rows, hv.abs())
+    ovf_t = tw.overflow_tiles()
+    ovf_r = ovf_t.any(1)
+    if bool(ovf_r.any()):
+        r = ovf_r.nonzero().squeeze(1)
+        col_ovf = ovf_t[r].repeat_interleave(TILE, dim=1)[:, :h]
+        g = pre[r].to(acc_dt)
+        act = ~(g <= 0) & col_ovf
+        if gated:
+            hd = torch.where(act, g * (x_ND[r].to(acc_dt) @ w_up_HD.T.to(acc_dt)), 0.0)
+        else:
+            hd = torch.where(act, g, 0.0)
+        y[r] += hd @ wdt
+        l1[r] += hd.abs().sum(-1)
+    counts = (~(pre <= 0)).sum(0, dtype=torch.int32)
+    return {
+        "y": y.to(x_ND.dtype), "tw": tw, "l1_rows": l1.float(), "active_counts": counts,
+        "overflow_rows": ovf_r,
+    }
+
+
+__all__ = ["twell_ffn_torch"]

@@ -1,0 +1,223 @@
+"""Consumer of TwELL: fused sparse up projection + down projection (inference).
+
+Shape legend: M rows (tokens), D model width, H FFN width, T = ceil(H/256)
+tiles, W = 256/factor words per (row, tile), NB slots handled per step.
+
+Math (arXiv 2603.23198, TwELL inference path, "fused up-projection at the
+non-zeros and down-projection"), per row r, over the active set A_r:
+
+    gated:      y_r = sum_{c in A_r} g_rc * (x_r . Wu_c) * WdT_c
+    non-gated:  y_r = sum_{c in A_r} h_rc * WdT_c          (h = relu(x Wu^T) packed)
+
+with Wu (H, D) row-major and WdT = Wd^T (H, D) contiguous, so every non-zero
+gathers two contiguous D-rows (4 KiB each at D = 2048, bf16). Accumulation is
+fp32 in registers over the full D of the row; nothing of size M x H is
+written. An overflowed (row, tile) (count > W-1) is computed from the dense
+pre-activation ``dense[r, 256t : 256t+256]`` instead of its slots, NB columns
+at a time, gathering weight rows only where active (masked loads fetch
+nothing), so overflow costs time but never correctness.
+
+Performance notes: the work is a gather of 2 * nnz weight rows per token;
+``shared/PAPER.md`` measured such gathers at 9-10 TB/s when Wu/WdT sit in
+L2. NB > 1 issues NB independent row gathers per step (more bytes in
+flight per program), ROWS > 1 amortises the x row load and program start.
+Defaults chosen in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from twell.format import TwELL
+from twell.ops.twell_pack import f32_to_bf16_bits
+
+
+@triton.jit
+def _accumulate(
+    acc,          # (BLOCK_D,) fp32 running y row slice
+    l1,           # fp32 scalar running sum |h|
+    x,            # (BLOCK_D,) fp32 x row (GATED)
+    cols,         # (NB,) int32 hidden indices
+    v,            # (NB,) fp32 gate value (GATED) or h value (non-gated)
+    valid,        # (NB,) bool
+    offs_d, d_mask,
+    wu_ptr, wdt_ptr, stride_wu, stride_wd,
+    GATED: tl.constexpr,
+):
+    """acc += sum_k h_k * WdT[cols_k, d]; h_k = v_k * (x . Wu[cols_k]) (gated) or v_k."""
+    c64 = cols.to(tl.int64)
+    m2 = valid[:, None] & d_mask[None, :]
+    if GATED:
+        wu = tl.load(wu_ptr + c64[:, None] * stride_wu + offs_d[None, :], mask=m2, other=0.0)
+        u = tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+        h = tl.where(valid, v * u, 0.0)
+    else:
+        h = tl.where(valid, v, 0.0)
+    wd = tl.load(wdt_ptr + c64[:, None] * stride_wd + offs_d[None, :], mask=m2, other=0.0)
+    acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
+    l1 += tl.sum(tl.abs(h), axis=0)
+    return acc, l1
+
+
+@triton.jit
+def _twell_ffn_kernel(
+    x_ptr,        # (M, D) input rows (GATED), unit column stride
+    tw_ptr,       # (M, T, W) int32 TwELL of the gate (GATED) or of h (non-gated)
+    dense_ptr,    # (M, H) dense pre-activation, read only for overflowed tiles
+    wu_ptr,       # (H, D) up weight (GATED)
+    wdt_ptr,      # (H, D) down weight transposed, unit column stride
+    y_ptr,        # (M, D) out
+    l1_ptr,       # (M,) fp32 out: sum_c |h_rc| (STATS)
+    M, H, D, n_tile,
+    stride_xm, stride_dm, stride_ym, stride_wu, stride_wd,
+    W: tl.constexpr,            # words per (row, tile)
+    GATED: tl.constexpr,
+    FP16_VALUES: tl.constexpr,  # value half of a word is fp16 (else bf16)
+    STATS: tl.constexpr,
+    BLOCK_D: tl.constexpr,      # D slice per program (>= D when GATED)
+    NB: tl.constexpr,           # slots per step
+    ROWS: tl.constexpr,         # rows per program
+    OUT_BF16: tl.constexpr,     # y is bf16
+):
+    """y[r, d-slice] for ROWS rows (grid: (cdiv(M, ROWS), cdiv(D, BLOCK_D)))."""
+    pid = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    offs_nb = tl.arange(0, NB)
+    for i in tl.static_range(ROWS):
+        r = pid * ROWS + i
+        if r < M:
+            r64 = r.to(tl.int64)
+            acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            l1 = tl.sum(acc, axis=0)  # fp32 scalar 0
+            if GATED:
+                x = tl.load(x_ptr + r64 * stride_xm + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+            else:
+                x = acc
+            for t in range(n_tile):
+                base = tw_ptr + (r64 * n_tile + t) * W
+                cnt = tl.load(base)
+                if cnt < W:
+                    for s in range(0, cnt, NB):
+                        slot = s + offs_nb
+                        valid = slot < cnt
+                        wrd = tl.load(base + 1 + slot, mask=valid, other=0)
+                        cols = wrd & 0xFFFF
+                        if FP16_VALUES:
+                            v = ((wrd >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+                            v = v.to(tl.float32)
+                        else:
+                            v = (wrd & -65536).to(tl.float32, bitcast=True)  # bf16 -> fp32 exactly
+                        acc, l1 = _accumulate(acc, l1, x, cols, v, valid, offs_d, d_mask, wu_ptr,
+                                              wdt_ptr, stride_wu, stride_wd, GATED)
+                else:
+                    # overflowed tile: dense pre-activation, NB columns at a time
+                    for j in range(0, 256, NB):
+                        cols = t * 256 + j + offs_nb
+                        in_h = cols < H
+                        g = tl.load(dense_ptr + r64 * stride_dm + cols, mask=in_h, other=0.0)
+                        g = g.to(tl.float32)
+                        valid = ~(g <= 0) & in_h
+                        acc, l1 = _accumulate(acc, l1, x, cols, g, valid, offs_d, d_mask, wu_ptr,
+                                              wdt_ptr, stride_wu, stride_wd, GATED)
+            if OUT_BF16:  # explicit RNE: the interpreter's float cast truncates
+                yv = f32_to_bf16_bits(acc).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            else:
+                yv = acc.to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + r64 * stride_ym + offs_d, yv, mask=d_mask)
+            if STATS:  # noqa: SIM102 (constexpr guard around a runtime branch)
+                if pid_d == 0:
+                    tl.store(l1_ptr + r, l1)
+
+
+def twell_ffn_apply(
+    tw: TwELL,
+    dense_MH: torch.Tensor,
+    w_down_t_HD: torch.Tensor,
+    *,
+    x_MD: torch.Tensor | None = None,
+    w_up_HD: torch.Tensor | None = None,
+    stats: bool = False,
+    out_dtype: torch.dtype | None = None,
+    nb: int = 2,
+    rows: int = 1,
+    block_d: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the TwELL consumer: y = (h from TwELL) @ Wd^T, h gated by the up projection.
+
+    Args:
+        tw: TwELL of the gate pre-activation (gated) or of ``x Wu^T``
+            (non-gated), (M, T, W).
+        dense_MH: (M, H) dense pre-activation, unit column stride; read only
+            at overflowed tiles (may be otherwise uninitialised).
+        w_down_t_HD: (H, D) = ``down_proj.weight.T.contiguous()``.
+        x_MD: (M, D) input, required for the gated FFN (None: non-gated).
+        w_up_HD: (H, D) up weight, required with ``x_MD``.
+        stats: also return the per-row L1 ``sum_c |h_rc|`` (M,) fp32.
+        out_dtype: y dtype (default x's / the weights' dtype).
+        nb, rows, block_d, num_warps: launch shape (see module notes);
+            ``block_d`` < D splits D across programs (non-gated only).
+
+    Returns:
+        ``(y_MD, l1_M or None)``.
+
+    Raises:
+        ValueError: inconsistent shapes/dtypes/devices, unsupported D split.
+    """
+    m, t, w = tw.data.shape
+    h = tw.n_cols
+    gated = x_MD is not None
+    if gated != (w_up_HD is not None):
+        raise ValueError("x_MD and w_up_HD must both be given (gated FFN) or both be None")
+    if w_down_t_HD.dim() != 2 or w_down_t_HD.shape[0] != h:
+        raise ValueError(f"w_down_t_HD must be (H={h}, D); got {tuple(w_down_t_HD.shape)}")
+    d = w_down_t_HD.shape[1]
+    if w_down_t_HD.stride(1) != 1:
+        raise ValueError("w_down_t_HD must have unit column stride: pass down_proj.weight.T.contiguous()")
+    if dense_MH.shape != (m, h) or dense_MH.stride(1) != 1:
+        raise ValueError(f"dense_MH must be ({m}, {h}) with unit column stride; got {tuple(dense_MH.shape)}")
+    if gated:
+        if x_MD.shape != (m, d) or w_up_HD.shape != (h, d):
+            raise ValueError(
+                f"x_MD must be ({m}, {d}) and w_up_HD ({h}, {d}); got {tuple(x_MD.shape)}, "
+                f"{tuple(w_up_HD.shape)}"
+            )
+        x_MD = x_MD if x_MD.stride(1) == 1 else x_MD.contiguous()
+        w_up_HD = w_up_HD if w_up_HD.stride(1) == 1 else w_up_HD.contiguous()
+    devs = {tw.data.device, dense_MH.device, w_down_t_HD.device}
+    if gated:
+        devs |= {x_MD.device, w_up_HD.device}
+    if len(devs) != 1:
+        raise ValueError(f"all operands must be on one device; got {devs}")
+    full_d = triton.next_power_of_2(d)
+    if block_d is None:
+        block_d = full_d
+    if gated and block_d < d:
+        raise ValueError(f"the gated consumer needs the whole row: block_d={block_d} < D={d}")
+    if block_d > 16384:
+        raise ValueError(f"D={d} too large for the register-resident row (max 16384)")
+    if num_warps is None:
+        num_warps = max(1, min(16, block_d * nb // 1024))
+    out_dtype = out_dtype or (x_MD.dtype if gated else w_down_t_HD.dtype)
+    y = torch.empty(m, d, dtype=out_dtype, device=w_down_t_HD.device)
+    l1 = torch.empty(m if stats else 1, dtype=torch.float32, device=y.device)
+    if m > 0:
+        grid = (triton.cdiv(m, rows), triton.cdiv(d, block_d))
+        xa = x_MD if gated else y  # placeholders keep the signature fixed
+        wa = w_up_HD if gated else w_down_t_HD
+        _twell_ffn_kernel[grid](
+            xa, tw.data, dense_MH, wa, w_down_t_HD, y, l1,
+            m, h, d, t,
+            xa.stride(0), dense_MH.stride(0), y.stride(0), wa.stride(0), w_down_t_HD.stride(0),
+            W=w, GATED=gated, FP16_VALUES=tw.value_dtype == torch.float16, STATS=stats,
+            BLOCK_D=block_d, NB=nb, ROWS=rows, OUT_BF16=out_dtype == torch.bfloat16,
+            num_warps=num_warps,
+        )
+    return y, (l1 if stats else None)
+
+
+__all__ = ["twell_ffn_apply"]

@@ -1,0 +1,274 @@
+"""Producers of TwELL: ReLU + pack of a dense gate, and the fused gate GEMM + pack.
+
+Shape legend: M rows (tokens), D model width, H FFN width, T = ceil(H/256)
+tiles, W = 256/factor words per (row, tile). Layout: ``twell.format``.
+
+Two designs (arXiv 2603.23198 writes TwELL from the gate GEMM's epilogue;
+``shared/PAPER.md`` "Calibration" measured that a plain Triton epilogue costs
++60% over the GEMM while a dense bf16 round trip of M x H costs ~0.1 ms):
+
+* two-pass (default): ``g = x @ Wg^T`` by cuBLAS (torch), then
+  :func:`pack_dense` reads the bf16 rows once and writes TwELL. The dense
+  gate stays in memory and the consumer reads it for overflowed tiles only.
+* fused: :func:`gate_gemm_pack`, a Triton GEMM whose 128 x 256 (BLOCK_M x
+  tile) accumulator is packed in the epilogue; the dense tile is written
+  (to a lazily allocated ``spill`` buffer) only for overflowed (row, tile).
+
+``scripts/bench_ffn.py`` times both; see BENCHMARKS.md for which is default
+and why.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from twell.format import TILE, TwELL, check_width, n_tiles, value_dtype_for, words_per_tile
+
+
+@triton.jit
+def f32_to_bf16_bits(v):
+    """fp32 -> bf16 bit pattern (int32 in [0, 65535]), round-to-nearest-even, NaN -> 0x7FC0.
+
+    Integer ops, so the GPU and the interpreter (whose float cast truncates) agree.
+    """
+    b = v.to(tl.int32, bitcast=True)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+    return tl.where(v != v, 0x7FC0, r)  # noqa: PLR0124 (NaN test)
+
+
+@triton.jit
+def _pack_tile_epilogue(
+    v,            # (BLOCK_M, 256) fp32 pre-activation of one row block x one tile
+    rows,         # (BLOCK_M,) int32 row indices
+    cols,         # (256,) int32 global column indices of the tile
+    row_mask,     # (BLOCK_M,) rows < M
+    col_mask,     # (256,) cols < H
+    tile,         # tile index t
+    tw_ptr,       # TwELL int32 (M, T, W)
+    colcnt_ptr,   # (H,) int32 active counts per column (STATS only)
+    n_tile,       # T
+    W: tl.constexpr,            # words per (row, tile)
+    FP16_VALUES: tl.constexpr,  # value half is fp16 (else bf16)
+    STATS: tl.constexpr,        # accumulate per-column active counts
+):
+    """Write the TwELL words of one (row block, tile); returns the (BLOCK_M,) counts.
+
+    active = not (v <= 0) (NaN active); slot of an active entry = inclusive
+    cumsum of the active mask along the tile (1-based word index); entries
+    past the capacity W-1 are not written (the count stays exact).
+    """
+    active = ~(v <= 0) & row_mask[:, None] & col_mask[None, :]
+    a32 = active.to(tl.int32)
+    cnt = tl.sum(a32, axis=1)
+    pos = tl.cumsum(a32, axis=1)
+    if FP16_VALUES:
+        bits = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        bits = f32_to_bf16_bits(v)  # RNE, same bits on GPU and in the interpreter
+    word = (bits << 16) | cols[None, :]
+    base = tw_ptr + (rows.to(tl.int64) * n_tile + tile) * W
+    tl.store(base[:, None] + pos, word, mask=active & (pos < W))
+    tl.store(base, cnt, mask=row_mask)
+    if STATS:
+        tl.atomic_add(colcnt_ptr + cols, tl.sum(a32, axis=0), mask=col_mask)
+    return cnt
+
+
+@triton.jit
+def _pack_dense_kernel(
+    g_ptr,        # (M, H) dense pre-activation, unit column stride
+    tw_ptr,       # (M, T, W) int32 out
+    colcnt_ptr,   # (H,) int32 out (STATS)
+    M, H, n_tile,
+    stride_gm,    # row stride of g
+    W: tl.constexpr,
+    FP16_VALUES: tl.constexpr,
+    STATS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """ReLU + pack: TwELL[r, t] from g[r, 256t : 256t+256] for a BLOCK_M row block."""
+    pid_m = tl.program_id(0)
+    tile = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile * 256 + tl.arange(0, 256)
+    row_mask = rows < M
+    col_mask = cols < H
+    g = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_gm + cols[None, :],
+                mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+    _pack_tile_epilogue(g.to(tl.float32), rows, cols, row_mask, col_mask, tile, tw_ptr, colcnt_ptr,
+                        n_tile, W, FP16_VALUES, STATS)
+
+
+@triton.jit
+def _gate_gemm_pack_kernel(
+    x_ptr,        # (M, D) input rows, unit column stride
+    w_ptr,        # (H, D) gate weight, unit column stride
+    tw_ptr,       # (M, T, W) int32 out
+    spill_ptr,    # (M, H) dense out, written only for overflowed (row, tile)
+    colcnt_ptr,   # (H,) int32 out (STATS)
+    M, H, D, n_tile,
+    stride_xm, stride_wh, stride_sm,
+    W: tl.constexpr,
+    FP16_VALUES: tl.constexpr,
+    STATS: tl.constexpr,
+    IEEE: tl.constexpr,          # fp32 inputs: exact fp32 dot (tests), else tensor cores
+    UPCAST: tl.constexpr,        # interpreter only: its tl.dot multiplies bf16 bit patterns
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """g = x @ Wg^T for a (BLOCK_M x 256) block, then ReLU + pack in the epilogue.
+
+    Grouped program ordering as in the Triton matmul tutorial; fp32 accumulation.
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_in_group = GROUP_M * n_tile
+    group_id = pid // num_in_group
+    first_m = group_id * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % num_in_group) % group_size)
+    tile = (pid % num_in_group) // group_size
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile * 256 + tl.arange(0, 256)
+    row_mask = rows < M
+    col_mask = cols < H
+    rows_c = tl.where(row_mask, rows, 0).to(tl.int64)   # clamp: unmasked loads in the main loop
+    cols_c = tl.where(col_mask, cols, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + rows_c[:, None] * stride_xm + offs_k[None, :]
+    b_ptrs = w_ptr + cols_c[None, :] * stride_wh + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, 256), dtype=tl.float32)
+    for k in range(tl.cdiv(D, BLOCK_K)):
+        k_mask = offs_k < D - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    cnt = _pack_tile_epilogue(acc, rows, cols, row_mask, col_mask, tile, tw_ptr, colcnt_ptr, n_tile,
+                              W, FP16_VALUES, STATS)
+    ovf = (cnt > W - 1) & row_mask
+    s_ptrs = spill_ptr + rows_c[:, None] * stride_sm + cols[None, :]
+    tl.store(s_ptrs, acc.to(spill_ptr.dtype.element_ty), mask=ovf[:, None] & col_mask[None, :])
+
+
+def _check_dense(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D; got shape {tuple(t.shape)}")
+    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{name} must be float16, bfloat16 or float32; got {t.dtype}")
+
+
+def pack_dense(
+    g_MH: torch.Tensor,
+    factor: int = 8,
+    *,
+    stats: bool = False,
+    block_m: int = 16,
+    num_warps: int = 4,
+) -> tuple[TwELL, torch.Tensor | None]:
+    """Triton ReLU + pack of a dense pre-activation (second pass of the two-pass design).
+
+    Args:
+        g_MH: (M, H) fp16/bf16/fp32, unit column stride (any row stride).
+        factor: TwELL compression factor (8, 4, 2).
+        stats: also return per-column active counts.
+        block_m: rows per program (power of 2).
+
+    Returns:
+        ``(TwELL, active_counts (H,) int32 or None)``; values in
+        ``value_dtype_for(g.dtype)``.
+
+    Raises:
+        ValueError: bad rank/dtype, H >= 65536, bad factor.
+    """
+    _check_dense("g_MH", g_MH)
+    m, h = g_MH.shape
+    check_width(h)
+    w = words_per_tile(factor)
+    if g_MH.stride(1) != 1:
+        g_MH = g_MH.contiguous()
+    t = n_tiles(h)
+    vdt = value_dtype_for(g_MH.dtype)
+    tw = torch.empty(m, t, w, dtype=torch.int32, device=g_MH.device)
+    colcnt = torch.zeros(h if stats else 1, dtype=torch.int32, device=g_MH.device)
+    if m > 0:
+        grid = (triton.cdiv(m, block_m), t)
+        _pack_dense_kernel[grid](
+            g_MH, tw, colcnt, m, h, t, g_MH.stride(0),
+            W=w, FP16_VALUES=vdt == torch.float16, STATS=stats, BLOCK_M=block_m,
+            num_warps=num_warps,
+        )
+    return TwELL(tw, h, factor, vdt), (colcnt if stats else None)
+
+
+def gate_gemm_pack(
+    x_MD: torch.Tensor,
+    w_HD: torch.Tensor,
+    factor: int = 8,
+    *,
+    stats: bool = False,
+    block_m: int = 64,
+    block_k: int = 64,
+    group_m: int = 8,
+    num_warps: int = 8,
+    num_stages: int = 3,
+) -> tuple[TwELL, torch.Tensor, torch.Tensor | None]:
+    """Fused gate GEMM + ReLU + pack (one Triton kernel, paper's inference producer).
+
+    Args:
+        x_MD: (M, D) activations; w_HD: (H, D) gate (or, non-gated, up)
+            weight; same dtype (fp16/bf16/fp32), unit column stride.
+        factor: TwELL compression factor.
+        stats: also return per-column active counts.
+
+    Returns:
+        ``(TwELL, spill_MH, active_counts or None)``: ``spill_MH`` (M, H) in
+        x's dtype holds the dense pre-activation of overflowed (row, tile)
+        pairs only (the rest is uninitialised memory, never read).
+
+    Raises:
+        ValueError: shape/dtype mismatch, H >= 65536.
+    """
+    _check_dense("x_MD", x_MD)
+    _check_dense("w_HD", w_HD)
+    if x_MD.dtype != w_HD.dtype or x_MD.shape[1] != w_HD.shape[1]:
+        raise ValueError(
+            f"x_MD {tuple(x_MD.shape)} {x_MD.dtype} and w_HD {tuple(w_HD.shape)} {w_HD.dtype} must "
+            "share dtype and D"
+        )
+    m, d = x_MD.shape
+    h = w_HD.shape[0]
+    check_width(h)
+    w = words_per_tile(factor)
+    x_MD = x_MD if x_MD.stride(1) == 1 else x_MD.contiguous()
+    w_HD = w_HD if w_HD.stride(1) == 1 else w_HD.contiguous()
+    t = n_tiles(h)
+    vdt = value_dtype_for(x_MD.dtype)
+    tw = torch.empty(m, t, w, dtype=torch.int32, device=x_MD.device)
+    spill = torch.empty(m, h, dtype=x_MD.dtype, device=x_MD.device)
+    colcnt = torch.zeros(h if stats else 1, dtype=torch.int32, device=x_MD.device)
+    if m > 0:
+        grid = (triton.cdiv(m, block_m) * t,)
+        _gate_gemm_pack_kernel[grid](
+            x_MD, w_HD, tw, spill, colcnt, m, h, d, t,
+            x_MD.stride(0), w_HD.stride(0), spill.stride(0),
+            W=w, FP16_VALUES=vdt == torch.float16, STATS=stats, IEEE=x_MD.dtype == torch.float32,
+            UPCAST=(not x_MD.is_cuda) and x_MD.dtype == torch.bfloat16,
+            BLOCK_M=block_m, BLOCK_K=block_k, GROUP_M=group_m,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    return TwELL(tw, h, factor, vdt), spill, (colcnt if stats else None)
+
+
+__all__ = ["TILE", "gate_gemm_pack", "pack_dense"]
