@@ -243,3 +243,21 @@ def test_build_spec_hash_changes_with_content():
     assert a.dirname() == BuildSpec("offline_mix", sources=["sotu"]).dirname()
     assert a.dirname() != BuildSpec("offline_mix", sources=["sotu"], val_fraction=0.02).dirname()
     assert a.dirname() != BuildSpec("offline_mix", sources=["moby_dick"]).dirname()
+
+
+def test_cli_build_info_verify(tmp_path, byte_tok, capsys):
+    from train.data.cli import main
+
+    paths, _ = make_inputs(tmp_path)
+    args = ["--source", "files", "--paths", *paths, "--text-field", "content", "--tokenizer", byte_tok,
+            "--cache-dir", str(tmp_path / "c"), "--no-decontaminate", "--num-proc", "1"]
+    assert main(["build", "--quiet", *args]) == 0
+    out = capsys.readouterr().out
+    assert "decontamination" in out and "train:" in out
+    assert main(["build", "--quiet", *args]) == 0
+    assert "up to date" in capsys.readouterr().out
+    assert main(["verify", *args]) == 0
+    assert "match the manifest" in capsys.readouterr().out
+    assert main(["list"]) == 0
+    listed = capsys.readouterr().out
+    assert "linux-doc-6.1" in listed and "shakespeare" not in listed

@@ -336,6 +336,7 @@ def _build(spec: BuildSpec, out: Path, *, num_proc: int, eval_index, progress: b
         }
         manifest["build_seconds"] = round(time.time() - t0, 1)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
