@@ -52,6 +52,11 @@ MEASURED (one H200, torch 2.11, triton 3.6, --quick, commit 0d661a0 = this file'
     ~1.2 TB/s of gathered rows), _dw_kernel 1.6 ms, _sddmm_kernel 0.56 ms (fwd + bwd, ~4 TB/s),
     _compact_kernel 0.49 ms, gate GEMM 0.48 ms, sort 0.06 ms. A per-token SpMM looping over D
     was NOT faster, and 4-row compaction / 256-wide dW chunks were slower (reverted).
+
+PREDICTIONS for the second-generation kernels (kopt-train, written before any GPU run; details
+and reasoning in BENCHMARKS.md, training section): per step at 0.3 % i.i.d. compaction 0.49 ->
+~0.08 ms, SpMM y + dx 2.69 -> ~0.9 ms, dW 1.60 -> ~0.7 ms; sparse fwd+bwd ~3.5 ms (~1.4x, target
+2.5x still missed), 1 % ~6 ms (~0.85x, missed), 3 / 10 % dense fallback ~0.97x (target 0.95x met).
 """
 
 from __future__ import annotations
