@@ -195,9 +195,9 @@ def test_kernel_config_rejects_bad_values():
         pass
     with pytest.raises(ValueError, match="unknown key"), tk.kernel_config(spmm_blockk=8):
         pass
-    with pytest.raises(ValueError, match="dw_block_d must be a positive int"):
-        with tk.kernel_config(dw_block_d=0):
-            pass
+    with pytest.raises(ValueError, match="dw_block_d must be a positive int"), \
+            tk.kernel_config(dw_block_d=0):
+        pass
     assert tk.CONFIG["spmm"] == "rows"  # restored after the failed attempts
 
 
