@@ -1,7 +1,8 @@
 """Benchmark the sparse training FFN (hybrid ELL + dense backup) against dense cuBLAS on one GPU.
 
-    python scripts/bench_ffn_train.py                 # full run (~2-3 min on an H200)
+    python scripts/bench_ffn_train.py                 # parts + full run (~3 min on an H200)
     python scripts/bench_ffn_train.py --quick         # fewer repetitions
+    python scripts/bench_ffn_train.py --parts-only    # per-kernel old vs new only (~1 min)
     OUT=/some/dir python scripts/bench_ffn_train.py   # also writes $OUT/bench_ffn_train.csv
 
 One FFN forward + backward (y, dx, dWg, dWu, dWd; the L1 term in the loss), M = 16384 tokens,
@@ -19,9 +20,17 @@ allocated before the step, grads of the step included). A failing variant is rep
 raised. Variants:
 
     dense       torch bf16 gate / up / relu*mul / down with autograd, no L1 (the baseline)
-    sparse      sparse_ffn_train with its default policy (ELL capacity 128, dense fallback)
+    sparse_old  sparse_ffn_train, default policy, FIRST-generation kernels (compact v1, spmm
+                tiled, dw tiled: the kernels measured in runs A/B of BENCHMARKS.md)
+    sparse      sparse_ffn_train with its default policy and the default (second-generation)
+                kernels (ELL capacity 128, dense fallback)
     sparse_ell  sparse_ffn_train forced through the ELL path (capacity >= the widest row), to
                 show the raw sparse kernels at every density
+
+PARTS (before the full runs, i.i.d. 0.3 % and 1 %, heavy 0.3 %): every Triton kernel of the
+sparse path timed alone, first generation next to the second and a few launch shapes, on the
+same ELL state; each output is first checked against the PyTorch backend in fp32 (compaction:
+exact equality). Columns: ms, speedup over the first generation, effective TB/s of gathered rows.
 
 Targets (issue 6): sparse >= 2.5x dense at 0.3 %, >= 1.5x at 1 %, >= 0.95x at 3 % and 10 %;
 peak extra memory <= 0.5x dense at <= 1 %.
@@ -43,6 +52,11 @@ MEASURED (one H200, torch 2.11, triton 3.6, --quick, commit 0d661a0 = this file'
     ~1.2 TB/s of gathered rows), _dw_kernel 1.6 ms, _sddmm_kernel 0.56 ms (fwd + bwd, ~4 TB/s),
     _compact_kernel 0.49 ms, gate GEMM 0.48 ms, sort 0.06 ms. A per-token SpMM looping over D
     was NOT faster, and 4-row compaction / 256-wide dW chunks were slower (reverted).
+
+PREDICTIONS for the second-generation kernels (kopt-train, written before any GPU run; details
+and reasoning in BENCHMARKS.md, training section): per step at 0.3 % i.i.d. compaction 0.49 ->
+~0.08 ms, SpMM y + dx 2.69 -> ~0.9 ms, dW 1.60 -> ~0.7 ms; sparse fwd+bwd ~3.5 ms (~1.4x, target
+2.5x still missed), 1 % ~6 ms (~0.85x, missed), 3 / 10 % dense fallback ~0.97x (target 0.95x met).
 """
 
 from __future__ import annotations
@@ -61,7 +75,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from twell.nn.mlp import gated_ffn_torch
+from twell.ops import sparse_train
+from twell.ops import sparse_train_triton as tk
 from twell.ops.sparse_train import sparse_ffn_train
+from twell.ops.sparse_train_triton import kernel_config
 
 L1_COEFF_PER_TOKEN = 0.2  # loss = sum(y*dy) + c*l1 with c = 0.2 N: L1 grad comparable to dy's
 
@@ -94,26 +111,40 @@ def make_case(n, d, h, density, dist, seed=0, device="cuda"):
     return [t.bfloat16().contiguous() for t in (x, wg, wu, wd, dy)]
 
 
+GEN1 = {"compact": "v1", "spmm": "tiled", "dw": "tiled"}  # first-generation kernels
+
+
 def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
     """Returns a closure running one forward + backward and returning (y, grads, stats)."""
     ins = [t.detach().clone().requires_grad_() for t in (x, wg, wu, wd)]
     c = L1_COEFF_PER_TOKEN * x.shape[0]
+    cfg = GEN1 if variant == "sparse_old" else {}
 
     def run():
+        with kernel_config(**cfg):
+            return _run()
+
+    def fwd():
+        with kernel_config(**cfg):
+            return _fwd()
+
+    def _run():
         if variant == "dense":
             y, st = gated_ffn_torch(*ins, with_stats=False)
             outs, gouts = [y], [dy]
         else:
-            kw = {} if variant == "sparse" else dict(ell_capacity=ell_cap, dense_row_fraction=1.0)
+            kw = ({} if variant in ("sparse", "sparse_old")
+                  else {"ell_capacity": ell_cap, "dense_row_fraction": 1.0})
             y, st = sparse_ffn_train(*ins, with_stats=True, **kw)
             outs, gouts = [y, st.l1], [dy, torch.full_like(st.l1, c)]
         grads = torch.autograd.grad(outs, ins, gouts)
         return y, grads, st
 
-    def fwd():
+    def _fwd():
         if variant == "dense":
             return gated_ffn_torch(*ins, with_stats=False)
-        kw = {} if variant == "sparse" else dict(ell_capacity=ell_cap, dense_row_fraction=1.0)
+        kw = ({} if variant in ("sparse", "sparse_old")
+              else {"ell_capacity": ell_cap, "dense_row_fraction": 1.0})
         return sparse_ffn_train(*ins, with_stats=True, **kw)
 
     return run, fwd
@@ -146,6 +177,121 @@ def peak_extra_mb(run):
     del out
     return peak / 2**20
 
+# Per-kernel launch shapes timed in the parts table: (label, kernel_config overrides).
+PART_SHAPES = {
+    "compact": [("v1", {"compact": "v1"}), ("v2 n32 (default)", {"compact": "v2"}),
+                ("v2 n16", {"compact": "v2", "compact_block_n": 16}),
+                ("v2 n64", {"compact": "v2", "compact_block_n": 64})],
+    "spmm_y": [("tiled", {"spmm": "tiled"}), ("rows k8 w8 (default)", {"spmm": "rows"}),
+               ("rows k16 w8", {"spmm": "rows", "spmm_block_k": 16}),
+               ("rows k4 w4", {"spmm": "rows", "spmm_block_k": 4, "spmm_warps": 4}),
+               ("rows k8 d1024 w4", {"spmm": "rows", "spmm_block_d": 1024, "spmm_warps": 4})],
+    "spmm_dx": [("tiled", {"spmm": "tiled"}), ("rows k4 w8 (default)", {"spmm": "rows"}),
+                ("rows k8 w8", {"spmm": "rows", "spmm_block_k2": 8}),
+                ("rows k2 w4", {"spmm": "rows", "spmm_block_k2": 2, "spmm_warps": 4}),
+                ("rows k4 d1024 w4", {"spmm": "rows", "spmm_block_d": 1024, "spmm_warps": 4})],
+    "dw": [("tiled", {"dw": "tiled"}), ("cols j8 d512 w2 (default)", {"dw": "cols"}),
+           ("cols j16 d512 w2", {"dw": "cols", "dw_block_j": 16}),
+           ("cols j8 d1024 w4", {"dw": "cols", "dw_block_d": 1024, "dw_warps": 4}),
+           ("cols j8 d256 w1", {"dw": "cols", "dw_block_d": 256, "dw_warps": 1}),
+           ("cols j4 d2048 w8", {"dw": "cols", "dw_block_j": 4, "dw_block_d": 2048, "dw_warps": 8})],
+}
+
+
+def parts(x, wg, wu, wd, dy, rep, label):
+    """Times each Triton kernel of the sparse path alone (old vs new launch shapes) on one ELL
+    state built from (x, wg); checks each output first. Returns rows for the CSV."""
+    import triton.testing
+
+    n, d = x.shape
+    h = wg.shape[0]
+    st = sparse_train
+    out_rows = []
+    with torch.no_grad():
+        gate = x @ wg.t()
+        kc = st.default_ell_capacity(h)  # as in the sparse path: heavier rows -> dense backup
+        col_r, val_r, nnz_r, cnt_r = st._t_compact(gate, kc)
+        nnz = torch.where(nnz_r > kc, 0, nnz_r)
+        k = max(1, int(nnz.max()))
+        col, gv = col_r[:, :k].contiguous(), val_r[:, :k].contiguous()
+        nnz_total = int(nnz.sum())
+        wdt = wd.t().contiguous()
+        # SDDMM outputs from the PyTorch backend: zeros in the unused slots (the Triton SDDMM
+        # leaves them undefined, and the fp32 references multiply them by a 0/1 mask)
+        u, _ = st._t_sddmm_fwd(x, wu, col, gv, nnz)
+        scale = torch.tensor(0.2, device=x.device)
+        dg, du = st._t_sddmm_bwd(dy, wdt, col, gv, u, nnz, scale)
+        keys = torch.where(st._valid(nnz, k), col, h).reshape(-1)
+        sk, perm = torch.sort(keys, stable=True)
+        colptr = torch.searchsorted(sk, torch.arange(h + 1, dtype=keys.dtype, device=x.device))
+        # fp32 references from the PyTorch backend (independent code)
+        ref_y = st._t_spmm(torch.empty(n, d, device=x.device), wdt, None, col, gv, u, nnz)
+        ref_dx = st._t_spmm(torch.empty(n, d, device=x.device), wg, wu, col, dg, du, nnz)
+        ref_dw = [torch.empty(h, d, device=x.device) for _ in range(3)]
+        st._t_dw(*ref_dw, None, x, dy, perm, colptr, dg, du, gv, u)
+        print(f"## parts {label}: K={k} ELL nnz/token={nnz_total / n:.1f} "
+              f"(dense-backup rows {int((nnz_r > kc).sum())})", flush=True)
+
+        def rel(a, b):
+            return (torch.linalg.vector_norm(a.float() - b.float())
+                    / torch.linalg.vector_norm(b.float()).clamp_min(1e-30)).item()
+
+        row_bytes = 2 * d  # one bf16 row of D
+        jobs = {
+            "compact": (lambda: tk.compact(gate, kc), None, n * h * 2),
+            "spmm_y": (lambda: tk.spmm(torch.empty_like(x), wdt, None, col, gv, u, nnz),
+                       ref_y, nnz_total * row_bytes),
+            "spmm_dx": (lambda: tk.spmm(torch.empty_like(x), wg, wu, col, dg, du, nnz),
+                        ref_dx, 2 * nnz_total * row_bytes),
+            "dw": (None, ref_dw, 2 * nnz_total * row_bytes),
+        }
+        dw_out = [torch.empty_like(wg) for _ in range(3)]
+
+        def run_dw():
+            tk.dw(*dw_out, None, x, dy, perm, colptr, dg, du, gv, u)
+            return dw_out
+
+        base_ms = {}
+        for part, shapes in PART_SHAPES.items():
+            fn, ref, nbytes = jobs[part]
+            fn = run_dw if part == "dw" else fn
+            for name, cfg in shapes:
+                row = {"dist": label, "part": part, "shape": name, "status": "ok"}
+                try:
+                    with kernel_config(**cfg):
+                        out = fn()
+                        torch.cuda.synchronize()
+                        if part == "compact":
+                            c2, v2, nz2, ct2 = out
+                            val_ok = st._valid(torch.clamp(nz2, max=kc), kc)
+                            ok = (torch.equal(nz2, nnz_r) and torch.equal(ct2, cnt_r)
+                                  and torch.equal(c2[val_ok], col_r[val_ok])
+                                  and torch.equal(v2[val_ok], val_r[val_ok]))
+                            row["err"] = "exact" if ok else "MISMATCH"
+                            if not ok:
+                                row["status"] = "WRONG"
+                        else:
+                            outs = out if isinstance(out, list) else [out]
+                            refs = ref if isinstance(ref, list) else [ref]
+                            e = max(rel(a, b) for a, b in zip(outs, refs))
+                            row["err"] = f"{e:.1e}"
+                            if not e < 1e-2:
+                                row["status"] = "WRONG"
+                        ms = triton.testing.do_bench(fn, warmup=10, rep=rep)
+                    row["ms"] = round(ms, 4)
+                    base_ms.setdefault(part, ms)
+                    row["vs_gen1"] = round(base_ms[part] / ms, 2)
+                    row["TB/s"] = round(nbytes / ms / 1e9, 2)
+                except Exception as ex:  # report, don't crash
+                    row["status"] = f"FAILED: {type(ex).__name__}: {str(ex)[:160]}"
+                    traceback.print_exc()
+                print(f"   {part:8s} {name:28s} {row.get('ms', ''):>8} ms  x{row.get('vs_gen1', '')}"
+                      f"  {row.get('TB/s', '')} TB/s  err {row.get('err', '')}  {row['status']}",
+                      flush=True)
+                out_rows.append(row)
+    torch.cuda.empty_cache()
+    return out_rows
+
 
 def main():
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
@@ -154,7 +300,10 @@ def main():
     ap.add_argument("--h", type=int, default=5632)
     ap.add_argument("--densities", default="0.003,0.01,0.03,0.1")
     ap.add_argument("--dists", default="iid,heavy")
-    ap.add_argument("--variants", default="dense,sparse,sparse_ell")
+    ap.add_argument("--variants", default="dense,sparse_old,sparse,sparse_ell")
+    ap.add_argument("--parts", default="iid:0.003,iid:0.01,heavy:0.003",
+                    help="dist:density cases of the per-kernel table ('' = none)")
+    ap.add_argument("--parts-only", action="store_true", help="only the per-kernel table")
     ap.add_argument("--quick", action="store_true", help="fewer timing repetitions")
     ap.add_argument("--profile", action="store_true",
                     help="print a torch.profiler kernel table of the sparse step per case, no timing")
@@ -165,12 +314,28 @@ def main():
 
     torch.set_grad_enabled(True)
     n, d, h = args.tokens, args.d, args.h
-    rep = 60 if args.quick else 200
+    rep = 40 if args.quick else 100
     dense_flops = 9 * 2 * n * d * h  # 3 GEMMs forward, 6 backward
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton "
           f"{triton.__version__}  N={n} D={d} H={h} bf16", flush=True)
     rows = []
     t_start = time.time()
+    part_rows = []
+    for case in filter(None, args.parts.split(",")):
+        dist, dens = case.split(":")
+        x, wg, wu, wd, dy = make_case(n, d, h, float(dens), dist)
+        part_rows += parts(x, wg, wu, wd, dy, max(20, rep // 2), f"{dist} {dens}")
+        del x, wg, wu, wd, dy
+    print(f"# parts done at {time.time() - t_start:.0f} s", flush=True)
+    out = os.environ.get("OUT")
+    if out and part_rows:
+        keys = sorted({k for r in part_rows for k in r})
+        with open(Path(out) / "bench_ffn_train_parts.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(part_rows)
+    if args.parts_only:
+        return
     for dist in args.dists.split(","):
         for dens in (float(v) for v in args.densities.split(",")):
             x, wg, wu, wd, dy = make_case(n, d, h, dens, dist)
@@ -199,8 +364,8 @@ def main():
             dense_ms = None
             dense_mb = None
             for variant in args.variants.split(","):
-                row = dict(dist=dist, density=dens, l0=round(l0, 1), nnz_max=nnz_max,
-                           variant=variant, status="ok")
+                row = {"dist": dist, "density": dens, "l0": round(l0, 1), "nnz_max": nnz_max,
+                           "variant": variant, "status": "ok"}
                 try:
                     run, fwd = step_fn(variant, x, wg, wu, wd, dy, ell_cap)
                     y, grads, st = run()

@@ -110,7 +110,7 @@ def check_case(x, wg, wu, wd, dy, *, l1_coeff, dtype, rel, **kw):
 @pytest.mark.parametrize("cap", ["all_light", "mixed"])
 def test_torch_backend_fp64(n, d, h, l1_coeff, cap):
     x, wg, wu, wd, dy = make_inputs(n, d, h, threshold=1.5, seed=n + d + h)
-    kw = dict(ell_capacity=h if cap == "all_light" else h // 16, dense_row_fraction=1.0)
+    kw = {"ell_capacity": h if cap == "all_light" else h // 16, "dense_row_fraction": 1.0}
     if cap == "mixed" and n > 1:
         assert 0 < n_heavy(x, wg, h // 16) < n  # both ELL rows and dense-backup rows
     st = check_case(x, wg, wu, wd, dy, l1_coeff=l1_coeff, dtype=torch.float64, rel=1e-10,
@@ -140,6 +140,65 @@ def test_triton_fp32(n, d, h, cap, frac, l1_coeff):
         assert n_heavy(x, wg, cap) > n // 2
     check_case(x, wg, wu, wd, dy, l1_coeff=l1_coeff, dtype=torch.float32, rel=2e-5,
                ell_capacity=cap, dense_row_fraction=frac, backend="triton")
+
+
+# Kernel variants: the first generation (kept for side-by-side benchmarks) and the second with
+# tiny blocks, so every loop runs several steps and D is split over several programs (D = 40 in
+# slices of 16; 2 slots / entries per step; 4 rows per compaction program).
+KERNEL_CONFIGS = {
+    "gen1": {"compact": "v1", "spmm": "tiled", "dw": "tiled"},
+    "gen2_small": {"compact_block_n": 4, "spmm_block_k": 2, "spmm_block_k2": 2, "spmm_block_d": 16,
+                       "dw_block_j": 2, "dw_block_d": 16},
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("config", sorted(KERNEL_CONFIGS))
+@pytest.mark.parametrize("case", ["mixed", "hot"])
+def test_triton_kernel_variants(config, case):
+    from twell.ops.sparse_train_triton import kernel_config
+
+    if case == "mixed":  # heavy rows + light rows of up to ~40 slots, odd N, D, H
+        x, wg, wu, wd, dy = make_inputs(33, 40, 300, threshold=1.5, seed=21)
+        kw = {"ell_capacity": 20, "dense_row_fraction": 1.0}
+        assert 0 < n_heavy(x, wg, 20) < 33
+    else:  # units active in every non-zero token (long CSC columns), all-zero tokens
+        x, wg, wu, wd, dy = make_inputs(21, 40, 96, threshold=1.5, seed=22, hot=3,
+                                        zero_rows=(0, 4))
+        kw = {"ell_capacity": 48, "dense_row_fraction": 1.0}
+    with kernel_config(**KERNEL_CONFIGS[config]):
+        check_case(x, wg, wu, wd, dy, l1_coeff=0.5, dtype=torch.float32, rel=2e-5,
+                   backend="triton", **kw)
+
+
+@needs_triton
+def test_compact_counts_match_torch():
+    """Compaction v2 (partial counts, prefetch) and v1 equal the PyTorch compaction exactly,
+    including rows above capacity and H not a multiple of the column block."""
+    from twell.ops import sparse_train_triton as tk
+
+    x, wg, _, _, _ = make_inputs(37, 24, 300, threshold=1.2, seed=23, zero_rows=(3,))
+    g = (x @ wg.T).float().to(DEV)
+    col_r, val_r, nnz_r, cnt_r = sparse_train._t_compact(g, 16)
+    assert (nnz_r > 16).any() and (nnz_r == 0).any()
+    for variant, block_n in (("v1", 32), ("v2", 32), ("v2", 4)):
+        with tk.kernel_config(compact=variant, compact_block_n=block_n):
+            col, val, nnz, cnt = tk.compact(g, 16)
+        assert torch.equal(nnz, nnz_r) and torch.equal(cnt, cnt_r), variant
+        valid = sparse_train._valid(torch.clamp(nnz_r, max=16), 16)
+        assert torch.equal(col[valid], col_r[valid]) and torch.equal(val[valid], val_r[valid])
+
+
+def test_kernel_config_rejects_bad_values():
+    tk = pytest.importorskip("twell.ops.sparse_train_triton")
+    with pytest.raises(ValueError, match="spmm must be one of"), tk.kernel_config(spmm="fast"):
+        pass
+    with pytest.raises(ValueError, match="unknown key"), tk.kernel_config(spmm_blockk=8):
+        pass
+    with pytest.raises(ValueError, match="dw_block_d must be a positive int"), \
+            tk.kernel_config(dw_block_d=0):
+        pass
+    assert tk.CONFIG["spmm"] == "rows"  # restored after the failed attempts
 
 
 # --- Edge cases, both backends ---------------------------------------------------------------

@@ -20,6 +20,8 @@ The launchers check contiguity and dtypes; the math lives in the kernel docstrin
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -245,8 +247,238 @@ def _dw_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Launchers. Block sizes: untuned first choices (no H200 measurement yet); BLOCK_D is capped by
-# the next power of two of D so small/odd D (tests) waste little.
+# Second-generation kernels (kopt-train). The first-generation kernels above stay callable
+# (``kernel_config(compact="v1", spmm="tiled", dw="tiled")``) so one GPU run measures both.
+#
+# H200 profile of the first generation at 0.3 % (M 16384, D 2048, H 5632): SpMM 2.69 ms at
+# ~1.2 TB/s of gathered rows, dW 1.60 ms, compaction 0.49 ms, against an SDDMM at ~4 TB/s on the
+# same rows. Common causes: short programs made of dependent loads (col -> weight row) with
+# little in flight, 2-D fp32 accumulators limiting occupancy, and per-step acq_rel atomics.
+
+
+@triton.jit
+def _compact2_kernel(
+    g_ptr,  # (N, H) gate pre-activation x Wg^T, row-major, any float dtype
+    col_ptr,  # (N, KC) int32 out: columns of the first KC non-zeros of each row
+    val_ptr,  # (N, KC) out, dtype of g: relu(g) at those columns
+    nnz_ptr,  # (N,) int32 out: non-zeros of each row (all of them, also past KC)
+    cpart_ptr,  # (cdiv(N, BLOCK_N), H) int32 out: active rows per (row block, column)
+    N,  # rows
+    H,  # columns
+    stride_g,  # row stride of g (elements)
+    KC,  # ELL capacity (slots per row)
+    BLOCK_N: tl.constexpr,  # rows per program
+    BLOCK_H: tl.constexpr,  # columns per step (power of two)
+):
+    """Same outputs as ``_compact_kernel`` except the column counts, which are written as
+    per-program partials (plain stores, summed by the launcher) instead of atomics.
+
+    The next column block's load is issued before the current block is scanned (manual
+    software pipelining: one gate tile always in flight). With bf16 and BLOCK_H = 256 a warp
+    holds one row of the tile, so the row scan (``tl.cumsum``) stays inside a warp.
+    """
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mrow = rows < N
+    rows64 = rows.to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    base = tl.zeros([BLOCK_N], dtype=tl.int32)
+    gp = g_ptr + rows64[:, None] * stride_g
+    g = tl.load(gp + offs_h[None, :], mask=mrow[:, None] & (offs_h < H)[None, :], other=0.0)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + offs_h
+        nxt = cols + BLOCK_H
+        g_next = tl.load(gp + nxt[None, :], mask=mrow[:, None] & (nxt < H)[None, :], other=0.0)
+        act = g > 0
+        a = act.to(tl.int32)
+        pos = base[:, None] + tl.cumsum(a, axis=1) - 1
+        keep = act & (pos < KC)
+        dst = rows64[:, None] * KC + pos
+        tl.store(col_ptr + dst, tl.broadcast_to(cols[None, :], [BLOCK_N, BLOCK_H]), mask=keep)
+        tl.store(val_ptr + dst, g, mask=keep)
+        base += tl.sum(a, axis=1)
+        tl.store(cpart_ptr + pid.to(tl.int64) * H + cols, tl.sum(a, axis=0), mask=cols < H)
+        g = g_next
+    tl.store(nnz_ptr + rows, base, mask=mrow)
+
+
+@triton.jit
+def _spmm_rows_kernel(
+    out_ptr,  # (N, D) out
+    w1_ptr,  # (H, D) weight rows: Wd^T (forward) or Wg (backward dx)
+    w2_ptr,  # (H, D) weight rows: unused (forward) or Wu (backward dx)
+    col_ptr,  # (N, K) int32 ELL columns
+    a_ptr,  # (N, K) coefficient: g (forward) or dg (backward)
+    b_ptr,  # (N, K) coefficient: u (forward) or du (backward)
+    nnz_ptr,  # (N,) int32 ELL row lengths
+    D,  # model width
+    K,  # ELL width
+    stride_out,  # row stride of out
+    stride_w1,  # row stride of w1
+    stride_w2,  # row stride of w2
+    TWO_WEIGHTS: tl.constexpr,  # False: out = sum (a*b) w1; True: out = sum a w1 + b w2
+    BLOCK_K: tl.constexpr,  # slots per step
+    BLOCK_D: tl.constexpr,  # model-width slice of one program (the whole row when >= D)
+):
+    """Row-wise SpMM, same math as ``_spmm_kernel``, structured like the inference consumer
+    (``twell_ffn.py``): one program per (row, D slice), normally the whole D row, a 1-D fp32
+    accumulator, each step gathers BLOCK_K weight rows and reduces them at once (the slot axis
+    is held inside each thread, so the reduction needs no shared memory), and the next step's
+    columns and coefficients are loaded before this step's rows are used (one index load in
+    flight behind the gathers instead of a dependent load at the head of every step).
+    """
+    n = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    md = offs_d < D
+    nnz = tl.load(nnz_ptr + n)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    row = n * K
+    mk = offs_k < nnz
+    cols = tl.load(col_ptr + row + offs_k, mask=mk, other=0).to(tl.int64)
+    a = tl.load(a_ptr + row + offs_k, mask=mk, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row + offs_k, mask=mk, other=0.0).to(tl.float32)
+    for k0 in range(0, nnz, BLOCK_K):
+        mk = (k0 + offs_k) < nnz
+        m2 = mk[:, None] & md[None, :]
+        w1 = tl.load(w1_ptr + cols[:, None] * stride_w1 + offs_d[None, :], mask=m2, other=0.0)
+        if TWO_WEIGHTS:
+            w2 = tl.load(w2_ptr + cols[:, None] * stride_w2 + offs_d[None, :], mask=m2, other=0.0)
+        nk = k0 + BLOCK_K + offs_k
+        mk_n = nk < nnz
+        cols_n = tl.load(col_ptr + row + nk, mask=mk_n, other=0).to(tl.int64)
+        a_n = tl.load(a_ptr + row + nk, mask=mk_n, other=0.0).to(tl.float32)
+        b_n = tl.load(b_ptr + row + nk, mask=mk_n, other=0.0).to(tl.float32)
+        if TWO_WEIGHTS:
+            acc += tl.sum(a[:, None] * w1.to(tl.float32) + b[:, None] * w2.to(tl.float32), axis=0)
+        else:
+            acc += tl.sum((a * b)[:, None] * w1.to(tl.float32), axis=0)
+        cols, a, b = cols_n, a_n, b_n
+    tl.store(out_ptr + n * stride_out + offs_d, acc.to(out_ptr.dtype.element_ty), mask=md)
+
+
+@triton.jit
+def _dw_cols_kernel(
+    dwg_ptr,  # (H, D) out: dL/dWg
+    dwu_ptr,  # (H, D) out: dL/dWu
+    dwdt_ptr,  # (H, D) out: dL/dWd^T
+    addg_ptr,  # (H, D) dense-backup part of dWg (read when HAS_ADD)
+    addu_ptr,  # (H, D) dense-backup part of dWu
+    addd_ptr,  # (H, D) dense-backup part of dWd^T
+    x_ptr,  # (N, D) input
+    dy_ptr,  # (N, D) upstream gradient
+    perm_ptr,  # (NNZ,) int64 flat ELL index n*K + k, grouped by column (CSC order)
+    colptr_ptr,  # (H + 1,) int64: column c owns perm[colptr[c]:colptr[c+1]]
+    order_ptr,  # (H,) int64: columns, longest first (programs start in this order)
+    dg_ptr,  # (N, K) fp32 dL/dgate at the non-zeros
+    du_ptr,  # (N, K) fp32 dL/dup at the non-zeros
+    g_ptr,  # (N, K) relu(gate)
+    u_ptr,  # (N, K) up
+    D,  # model width
+    K,  # ELL width
+    N_DCHUNK,  # cdiv(D, BLOCK_D)
+    stride_x,  # row stride of x
+    stride_dy,  # row stride of dy
+    stride_w,  # row stride of the (H, D) outputs and adds
+    HAS_ADD: tl.constexpr,  # add the dense-backup contributions
+    BLOCK_J: tl.constexpr,  # entries per step
+    BLOCK_D: tl.constexpr,  # model-width slice of one program
+):
+    """Same math as ``_dw_kernel`` (deterministic: one program per output slice, fixed order).
+
+    Differences: 1-D fp32 accumulators (the entry axis is reduced every step inside each
+    thread: with BLOCK_D >= 256 * num_warps the warps split D, not the entries), far fewer
+    registers and so more programs and gathers in flight per SM; the next step's entry indices
+    are loaded behind this step's x/dy gathers; programs are issued longest column first
+    (``order``) so that hot units do not start last and form the tail.
+    """
+    pid = tl.program_id(0)
+    c = tl.load(order_ptr + pid // N_DCHUNK).to(tl.int64)
+    offs_d = (pid % N_DCHUNK) * BLOCK_D + tl.arange(0, BLOCK_D)
+    md = offs_d < D
+    start = tl.load(colptr_ptr + c)
+    end = tl.load(colptr_ptr + c + 1)
+    accg = tl.zeros([BLOCK_D], dtype=tl.float32)
+    accu = tl.zeros([BLOCK_D], dtype=tl.float32)
+    accd = tl.zeros([BLOCK_D], dtype=tl.float32)
+    offs = tl.arange(0, BLOCK_J)
+    e = tl.load(perm_ptr + start + offs, mask=(start + offs) < end, other=0)
+    for j0 in range(start, end, BLOCK_J):
+        mj = (j0 + offs) < end
+        n = e // K
+        m2 = mj[:, None] & md[None, :]
+        xr = tl.load(x_ptr + n[:, None] * stride_x + offs_d[None, :], mask=m2, other=0.0)
+        dyr = tl.load(dy_ptr + n[:, None] * stride_dy + offs_d[None, :], mask=m2, other=0.0)
+        dg = tl.load(dg_ptr + e, mask=mj, other=0.0)
+        du = tl.load(du_ptr + e, mask=mj, other=0.0)
+        h = tl.load(g_ptr + e, mask=mj, other=0.0).to(tl.float32) * tl.load(
+            u_ptr + e, mask=mj, other=0.0
+        ).to(tl.float32)
+        nj = j0 + BLOCK_J + offs
+        e = tl.load(perm_ptr + nj, mask=nj < end, other=0)
+        xf = xr.to(tl.float32)
+        accg += tl.sum(dg[:, None] * xf, axis=0)
+        accu += tl.sum(du[:, None] * xf, axis=0)
+        accd += tl.sum(h[:, None] * dyr.to(tl.float32), axis=0)
+    off = c * stride_w + offs_d
+    if HAS_ADD:
+        accg += tl.load(addg_ptr + off, mask=md, other=0.0).to(tl.float32)
+        accu += tl.load(addu_ptr + off, mask=md, other=0.0).to(tl.float32)
+        accd += tl.load(addd_ptr + off, mask=md, other=0.0).to(tl.float32)
+    tl.store(dwg_ptr + off, accg.to(dwg_ptr.dtype.element_ty), mask=md)
+    tl.store(dwu_ptr + off, accu.to(dwu_ptr.dtype.element_ty), mask=md)
+    tl.store(dwdt_ptr + off, accd.to(dwdt_ptr.dtype.element_ty), mask=md)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers. BLOCK_D is capped by the next power of two of D so small/odd D (tests) waste little.
+#
+# Kernel variants and launch shapes (``CONFIG``; change with ``kernel_config``):
+#   compact  "v2" (default) partial-count stores, prefetch | "v1" first generation (atomics)
+#   spmm     "rows" (default) whole-D row programs, 1-D acc | "tiled" first generation
+#   dw       "cols" (default) 1-D accs, longest column first | "tiled" first generation
+# The defaults are predictions (BENCHMARKS.md, training section), not yet H200 measurements.
+
+_DEFAULT_CONFIG = {
+    "compact": "v2",
+    "compact_block_n": 32,  # rows per program (v2); 8 warps, one warp per tile row
+    "spmm": "rows",
+    "spmm_block_k": 8,  # slots per step, one weight (forward y = h Wd^T)
+    "spmm_block_k2": 4,  # slots per step, two weights (backward dx)
+    "spmm_block_d": 2048,  # D slice per program (rows); the whole row at D <= 2048
+    "spmm_warps": 8,
+    "dw": "cols",
+    "dw_block_j": 8,  # entries per step (cols)
+    "dw_block_d": 512,  # D slice per program (cols); >= 256 * dw_warps keeps the reduction in-thread
+    "dw_warps": 2,
+}
+CONFIG = dict(_DEFAULT_CONFIG)
+_CHOICES = {"compact": ("v1", "v2"), "spmm": ("tiled", "rows"), "dw": ("tiled", "cols")}
+
+
+@contextlib.contextmanager
+def kernel_config(**overrides):
+    """Temporarily select kernel variants / launch shapes (keys of ``CONFIG``), e.g.
+    ``with kernel_config(spmm="tiled"): ...`` runs the first-generation SpMM. Not thread-safe
+    (a module-level setting, meant for benchmarks and tests).
+
+    Raises:
+        ValueError: an unknown key, an unknown variant name, or a non-positive size.
+    """
+    for key, val in overrides.items():
+        if key not in CONFIG:
+            raise ValueError(f"kernel_config: unknown key {key!r}; known: {sorted(CONFIG)}")
+        if key in _CHOICES and val not in _CHOICES[key]:
+            raise ValueError(f"kernel_config: {key} must be one of {_CHOICES[key]}; got {val!r}")
+        if key not in _CHOICES and (not isinstance(val, int) or val < 1):
+            raise ValueError(f"kernel_config: {key} must be a positive int; got {val!r}")
+    saved = dict(CONFIG)
+    CONFIG.update(overrides)
+    try:
+        yield CONFIG
+    finally:
+        CONFIG.clear()
+        CONFIG.update(saved)
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -281,12 +513,22 @@ def compact(g_NH: torch.Tensor, kc: int):
     counts = torch.zeros((h,), dtype=torch.int32, device=g_NH.device)
     if n == 0:
         return col, val, nnz, counts
-    block_n = 16
     block_h = _pow2(h, 16, 256)
-    _compact_kernel[(triton.cdiv(n, block_n),)](
-        g_NH, col, val, nnz, counts, n, h, g_NH.stride(0), kc,
-        BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4,
+    if CONFIG["compact"] == "v1":
+        block_n = 16
+        _compact_kernel[(triton.cdiv(n, block_n),)](
+            g_NH, col, val, nnz, counts, n, h, g_NH.stride(0), kc,
+            BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4,
+        )
+        return col, val, nnz, counts
+    block_n = _pow2(min(n, CONFIG["compact_block_n"]), 1, 1024)
+    nprog = triton.cdiv(n, block_n)
+    cpart = torch.empty((nprog, h), dtype=torch.int32, device=g_NH.device)
+    _compact2_kernel[(nprog,)](
+        g_NH, col, val, nnz, cpart, n, h, g_NH.stride(0), kc,
+        BLOCK_N=block_n, BLOCK_H=block_h, num_warps=8,
     )
+    torch.sum(cpart, 0, dtype=torch.int32, out=counts)
     return col, val, nnz, counts
 
 
@@ -343,11 +585,22 @@ def spmm(out_ND, w1_HD, w2_HD, col_NK, a_NK, b_NK, nnz_N):
     two = w2_HD is not None
     if two:
         _check("w2_HD", w2_HD, tuple(w1_HD.shape))
-    block_d = _pow2(d, 16, 256)
-    _spmm_kernel[(n, triton.cdiv(d, block_d))](
-        out_ND, w1_HD, w2_HD if two else w1_HD, col_NK, a_NK, b_NK, nnz_N, d, k,
-        out_ND.stride(0), w1_HD.stride(0), (w2_HD if two else w1_HD).stride(0),
-        TWO_WEIGHTS=two, BLOCK_K=16, BLOCK_D=block_d, num_warps=4,
+    w2 = w2_HD if two else w1_HD
+    if CONFIG["spmm"] == "tiled":
+        block_d = _pow2(d, 16, 256)
+        _spmm_kernel[(n, triton.cdiv(d, block_d))](
+            out_ND, w1_HD, w2, col_NK, a_NK, b_NK, nnz_N, d, k,
+            out_ND.stride(0), w1_HD.stride(0), w2.stride(0),
+            TWO_WEIGHTS=two, BLOCK_K=16, BLOCK_D=block_d, num_warps=4,
+        )
+        return out_ND
+    block_d = _pow2(d, 16, CONFIG["spmm_block_d"])
+    block_k = CONFIG["spmm_block_k2" if two else "spmm_block_k"]
+    _spmm_rows_kernel[(n, triton.cdiv(d, block_d))](
+        out_ND, w1_HD, w2, col_NK, a_NK, b_NK, nnz_N, d, k,
+        out_ND.stride(0), w1_HD.stride(0), w2.stride(0),
+        TWO_WEIGHTS=two, BLOCK_K=block_k, BLOCK_D=block_d,
+        num_warps=max(1, min(CONFIG["spmm_warps"], block_d // 256)),
     )
     return out_ND
 
@@ -365,11 +618,22 @@ def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g
         return
     has_add = adds is not None
     ag, au, ad = adds if has_add else (dwg_HD, dwu_HD, dwdt_HD)
-    block_d = _pow2(d, 16, 128)
-    _dw_kernel[(h, triton.cdiv(d, block_d))](
-        dwg_HD, dwu_HD, dwdt_HD, ag, au, ad, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g_NK, u_NK,
-        d, max(k, 1), x_ND.stride(0), dy_ND.stride(0), dwg_HD.stride(0),
-        HAS_ADD=has_add, BLOCK_J=16, BLOCK_D=block_d, num_warps=4,
+    if CONFIG["dw"] == "tiled":
+        block_d = _pow2(d, 16, 128)
+        _dw_kernel[(h, triton.cdiv(d, block_d))](
+            dwg_HD, dwu_HD, dwdt_HD, ag, au, ad, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g_NK,
+            u_NK, d, max(k, 1), x_ND.stride(0), dy_ND.stride(0), dwg_HD.stride(0),
+            HAS_ADD=has_add, BLOCK_J=16, BLOCK_D=block_d, num_warps=4,
+        )
+        return
+    block_d = _pow2(d, 16, CONFIG["dw_block_d"])
+    n_dchunk = triton.cdiv(d, block_d)
+    order = torch.argsort(colptr[1:] - colptr[:-1], descending=True)  # longest column first
+    _dw_cols_kernel[(h * n_dchunk,)](
+        dwg_HD, dwu_HD, dwdt_HD, ag, au, ad, x_ND, dy_ND, perm, colptr, order, dg_NK, du_NK,
+        g_NK, u_NK, d, max(k, 1), n_dchunk, x_ND.stride(0), dy_ND.stride(0), dwg_HD.stride(0),
+        HAS_ADD=has_add, BLOCK_J=CONFIG["dw_block_j"], BLOCK_D=block_d,
+        num_warps=max(1, min(CONFIG["dw_warps"], block_d // 256)),
     )
 
 
