@@ -1,0 +1,284 @@
+"""Packed, shuffled, rank-sharded, resumable blocks over a uint16 token stream.
+
+Legend: B = micro-batch size (blocks per batch), T = seq_len (tokens per block).
+
+Packing (the usual GPT pretraining recipe, e.g. nanoGPT/OLMo): documents are joined into one
+uint16 stream with ``eos_id`` between them (the corpus builder writes ``doc EOS doc EOS ...``);
+the stream is cut into ``n_blocks = n_tokens // T`` consecutive, non-overlapping blocks. The
+``n_tokens % T`` tokens after the last whole block (the *tail*, fewer than T tokens) are never
+served. Blocks may start or end inside a document; there is no padding and no attention mask.
+
+Order: epoch ``e`` visits the blocks in the permutation drawn from ``SeedSequence([seed, e])``.
+Rank ``r`` of ``W`` takes ``perm[r::W][:n_blocks // W]`` (equal counts; the at most ``W-1``
+blocks left over differ from epoch to epoch). Each rank reads its list as one endless stream
+over epochs, ``B`` blocks per batch; a batch may straddle an epoch boundary. The position is a
+single counter (blocks consumed by this rank), so resume is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STATE_VERSION = 1
+
+
+class DataError(RuntimeError):
+    """Corpus/token files are missing, truncated, corrupted or inconsistent; names the file."""
+
+
+def open_token_file(path: str | Path, expected_tokens: int | None = None) -> np.ndarray:
+    """Memory-map a uint16 token file read-only.
+
+    Args:
+        path: ``.npy`` (must hold a 1-D uint16 array) or raw little-endian uint16 (any other suffix).
+        expected_tokens: if given, the file must hold exactly this many tokens.
+
+    Returns:
+        1-D ``np.uint16`` memmap, shape ``(n_tokens,)``.
+
+    Raises:
+        DataError: missing file, odd byte size, wrong dtype/rank, or wrong token count.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"token file {p} does not exist")
+    if p.suffix == ".npy":
+        try:
+            arr = np.load(p, mmap_mode="r")
+        except ValueError as e:  # truncated .npy: header promises more bytes than present
+            raise DataError(f"token file {p} is truncated or corrupted: {e}") from e
+        if arr.dtype != np.uint16 or arr.ndim != 1:
+            raise DataError(f"token file {p} holds {arr.dtype} of shape {arr.shape}; need 1-D uint16")
+    else:
+        size = p.stat().st_size
+        if size % 2:
+            raise DataError(f"token file {p} has {size} bytes, not a multiple of 2: truncated uint16 stream")
+        arr = np.memmap(p, dtype="<u2", mode="r") if size else np.zeros(0, np.uint16)
+    if expected_tokens is not None and arr.shape[0] != expected_tokens:
+        raise DataError(
+            f"token file {p} holds {arr.shape[0]} tokens but the manifest says {expected_tokens}: "
+            "truncated or replaced; rebuild the corpus (twell-data build --force)"
+        )
+    return arr
+
+
+class TokenStream:
+    """Read-only concatenation of 1-D uint16 token arrays, addressed as one stream.
+
+    Args:
+        arrays: the pieces, in order (e.g. memmaps from :func:`open_token_file`).
+        names: a name per piece, for messages.
+    """
+
+    def __init__(self, arrays: Sequence[np.ndarray], names: Sequence[str] | None = None):
+        self.arrays = list(arrays)
+        self.names = list(names) if names is not None else [f"array{i}" for i in range(len(arrays))]
+        lens = np.array([a.shape[0] for a in self.arrays], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(lens)])  # (n_pieces + 1,)
+
+    @classmethod
+    def from_files(cls, paths: Sequence[str | Path]) -> TokenStream:
+        """Open every file with :func:`open_token_file` and concatenate them in the given order."""
+        return cls([open_token_file(p) for p in paths], [str(p) for p in paths])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the stream as a new uint16 array, shape ``(length,)``."""
+        if start < 0 or start + length > len(self):
+            raise IndexError(f"read [{start}, {start + length}) outside stream of {len(self)} tokens")
+        out = np.empty(length, dtype=np.uint16)
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        done = 0
+        while done < length:
+            off = start + done - int(self.starts[i])
+            n = min(length - done, self.arrays[i].shape[0] - off)
+            out[done:done + n] = self.arrays[i][off:off + n]
+            done += n
+            i += 1
+        return out
+
+    def split(self, at: int) -> tuple[TokenStream, TokenStream]:
+        """Two streams: tokens ``[0, at)`` and ``[at, len)`` (views, no copy)."""
+        if not 0 <= at <= len(self):
+            raise IndexError(f"split point {at} outside stream of {len(self)} tokens")
+        head, tail, hn, tn = [], [], [], []
+        for a, name, s in zip(self.arrays, self.names, self.starts[:-1]):
+            cut = min(max(at - int(s), 0), a.shape[0])
+            if cut:
+                head.append(a[:cut]), hn.append(name)
+            if cut < a.shape[0]:
+                tail.append(a[cut:]), tn.append(name)
+        return TokenStream(head, hn), TokenStream(tail, tn)
+
+    def max_id(self, chunk: int = 1 << 24) -> int:
+        """Largest token id in the stream (one pass; -1 if empty)."""
+        m = -1
+        for a in self.arrays:
+            for s in range(0, a.shape[0], chunk):
+                m = max(m, int(a[s:s + chunk].max()))
+        return m
+
+
+class BlockSampler:
+    """Which blocks rank ``rank`` reads, in order: see the module docstring for the rule.
+
+    Args:
+        n_blocks: whole blocks in the stream.
+        seed: shuffle seed; epoch ``e`` uses ``np.random.default_rng([seed, e])``.
+        rank, world_size: this process's data-parallel rank and the number of ranks.
+
+    Raises:
+        ValueError: fewer blocks than ranks, or a rank outside ``[0, world_size)``.
+    """
+
+    def __init__(self, n_blocks: int, seed: int, rank: int = 0, world_size: int = 1):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size); got rank={rank}, world_size={world_size}")
+        if n_blocks < world_size:
+            raise ValueError(
+                f"the data has {n_blocks} blocks, fewer than world_size={world_size}: "
+                "use more data or a smaller seq_len"
+            )
+        self.n_blocks, self.seed, self.rank, self.world_size = n_blocks, seed, rank, world_size
+        self.per_rank = n_blocks // world_size
+        self._cache: tuple[int, np.ndarray] | None = None
+
+    def epoch_blocks(self, epoch: int) -> np.ndarray:
+        """Block indices of this rank in epoch ``epoch``, int64 shape ``(per_rank,)``."""
+        if self._cache is None or self._cache[0] != epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_blocks)
+            self._cache = (epoch, perm[self.rank::self.world_size][: self.per_rank])
+        return self._cache[1]
+
+    def blocks(self, consumed: int, count: int) -> np.ndarray:
+        """The ``count`` block indices following the first ``consumed`` of this rank's endless stream."""
+        out = np.empty(count, dtype=np.int64)
+        done = 0
+        while done < count:
+            epoch, idx = divmod(consumed + done, self.per_rank)
+            n = min(count - done, self.per_rank - idx)
+            out[done:done + n] = self.epoch_blocks(epoch)[idx:idx + n]
+            done += n
+        return out
+
+
+class DataModule:
+    """Training and validation batches for one data-parallel rank (see module docstring).
+
+    Attributes:
+        tokenizer: ``transformers.PreTrainedTokenizerFast`` (save it with checkpoints), or None for
+            the ``tokens`` source.
+        vocab_size: tokenizer vocabulary size (ids are in ``[0, vocab_size)``); a model with a
+            smaller vocabulary must be refused by the trainer.
+        eos_id: document separator id.
+        seq_len, micro_batch, seed, rank, world_size: as given to :func:`build_datamodule`.
+        info: provenance (source, manifest path, token counts) for logging.
+
+    Batches are ``torch.int64`` tensors of shape ``(B, T)`` on the CPU; labels are the inputs
+    (HF causal LMs shift internally).
+    """
+
+    def __init__(self, train: TokenStream, val: TokenStream | None, *, seq_len: int, micro_batch: int,
+                 seed: int, rank: int = 0, world_size: int = 1, tokenizer=None, vocab_size: int,
+                 eos_id: int, fingerprint: str, info: dict | None = None):
+        if seq_len < 1 or micro_batch < 1:
+            raise ValueError(f"seq_len and micro_batch must be >= 1; got {seq_len}, {micro_batch}")
+        self.train_stream, self.val_stream = train, val
+        self.seq_len, self.micro_batch, self.seed = seq_len, micro_batch, seed
+        self.rank, self.world_size = rank, world_size
+        self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id
+        self.fingerprint = fingerprint
+        self.info = dict(info or {})
+        self.n_blocks = len(train) // seq_len
+        if self.n_blocks < world_size:
+            raise ValueError(
+                f"training data has {len(train)} tokens = {self.n_blocks} blocks of seq_len={seq_len}, "
+                f"fewer than world_size={world_size}: use more data or a smaller seq_len"
+            )
+        self.sampler = BlockSampler(self.n_blocks, seed, rank, world_size)
+        self.blocks_consumed = 0  # blocks of this rank's endless stream already yielded
+
+    # -- training -------------------------------------------------------------------------------
+    @property
+    def blocks_per_epoch(self) -> int:
+        """Blocks this rank sees per epoch (``n_blocks // world_size``)."""
+        return self.sampler.per_rank
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next block to be yielded (0-based)."""
+        return self.blocks_consumed // self.sampler.per_rank
+
+    def _gather(self, stream: TokenStream, block_ids: np.ndarray) -> torch.Tensor:
+        T = self.seq_len
+        x_BT = np.stack([stream.read(int(b) * T, T) for b in block_ids])
+        return torch.from_numpy(x_BT.astype(np.int64))
+
+    def train_batches(self) -> Iterator[torch.Tensor]:
+        """Endless iterator of training batches, int64 ``(B, T)``, starting at the saved position.
+
+        The position advances when a batch is yielded, so ``state_dict()`` taken after using a
+        batch resumes with the next one. No prefetching (nothing is lost on checkpoint).
+        """
+        while True:
+            ids = self.sampler.blocks(self.blocks_consumed, self.micro_batch)
+            batch = self._gather(self.train_stream, ids)
+            self.blocks_consumed += self.micro_batch
+            yield batch
+
+    def state_dict(self) -> dict:
+        """Exact data position: the next ``train_batches()`` batch after :meth:`load_state_dict`.
+
+        Rank-independent (every rank consumes the same number of blocks), so one copy serves all.
+        """
+        return {
+            "version": STATE_VERSION, "blocks_consumed": self.blocks_consumed,
+            "seq_len": self.seq_len, "seed": self.seed, "world_size": self.world_size,
+            "n_blocks": self.n_blocks, "fingerprint": self.fingerprint,
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore the position from :meth:`state_dict`.
+
+        Raises:
+            ValueError: the state was saved with different data (fingerprint, n_blocks), seq_len,
+                seed or world_size, so the same position would mean different blocks.
+        """
+        if d.get("version") != STATE_VERSION:
+            raise ValueError(f"data state version {d.get('version')!r} unsupported (expected {STATE_VERSION})")
+        for key in ("fingerprint", "n_blocks", "seq_len", "seed", "world_size"):
+            if d[key] != getattr(self, key):
+                raise ValueError(
+                    f"data state was saved with {key}={d[key]!r} but this run has {getattr(self, key)!r}: "
+                    "resume with the same data, seq_len, seed and world_size"
+                )
+        self.blocks_consumed = int(d["blocks_consumed"])
+
+    # -- validation -----------------------------------------------------------------------------
+    def val_batches(self, max_batches: int | None = None) -> Iterator[torch.Tensor]:
+        """Held-out blocks in stream order, int64 ``(B, T)``; the same every call.
+
+        Rank ``r`` takes every ``world_size``-th block starting at ``r`` (equal counts); the last
+        batch may hold fewer than ``B`` blocks. Yields nothing if there is no validation data.
+        """
+        if self.val_stream is None:
+            return
+        n = len(self.val_stream) // self.seq_len
+        mine = np.arange(self.rank, n - n % self.world_size, self.world_size)
+        for i, s in enumerate(range(0, len(mine), self.micro_batch)):
+            if max_batches is not None and i >= max_batches:
+                return
+            yield self._gather(self.val_stream, mine[s:s + self.micro_batch])
+
+    @property
+    def val_blocks(self) -> int:
+        """Validation blocks of this rank."""
+        if self.val_stream is None:
+            return 0
+        return (len(self.val_stream) // self.seq_len) // self.world_size
