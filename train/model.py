@@ -127,3 +127,13 @@ def _load_safetensors(model: nn.Module, d: Path) -> None:
     if missing or unexpected:
         raise ValueError(f"{d}: weights do not match the config: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
+
+
+def enable_grad_checkpointing(model) -> None:
+    """Recompute each decoder layer in backward, non-reentrant (the L1 side output of every FFN
+    keeps its graph). transformers >= 5.2x calls it ``activation_checkpointing_enable``."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -67,7 +67,7 @@ def l1_penalty(stats: list[FFNStats]) -> tuple[torch.Tensor, SparsityStats]:
     if not stats or any(s is None for s in stats):
         raise ValueError("no FFN stats: every SparseGatedMLP needs collect_stats=True during "
                          "training (the L1 term is computed from them)")
-    l1_L = torch.stack([s.l1.float() for s in stats])
+    l1_L = torch.stack([s.l1 for s in stats])  # fp32 (fp64 for fp64 models)
     sparsity = SparsityStats(
         l1_L=l1_L.detach(),
         nnz_sum_L=torch.stack([s.nnz_sum for s in stats]),
@@ -140,9 +140,9 @@ class DeadNeuronTracker:
         return None if self.dead_LH is None else self.dead_LH.float().mean(1)
 
     def state_dict(self) -> dict:
-        return {"window_tokens": self.window_tokens, "counts_LH": self.counts_LH.cpu(),
+        return {"window_tokens": self.window_tokens, "counts_LH": self.counts_LH.cpu().clone(),
                 "seen": self.seen, "windows": self.windows,
-                "dead_LH": None if self.dead_LH is None else self.dead_LH.cpu()}
+                "dead_LH": None if self.dead_LH is None else self.dead_LH.cpu().clone()}
 
     def load_state_dict(self, d: dict) -> None:
         if tuple(d["counts_LH"].shape) != tuple(self.counts_LH.shape):

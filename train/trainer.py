@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from train import checkpoint as ckpt_io
 from train.config import ConfigError, TrainConfig
-from train.model import build_model, ffn_modules
+from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.sparsity import (DeadNeuronTracker, collect_stats, l1_coeff_at, l1_penalty,
                             reinit_dead_gates)
 
@@ -112,7 +112,7 @@ class Trainer:
 
         model = build_model(cfg.model)
         if t.grad_checkpointing:  # non-reentrant: the L1 side output keeps its graph
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_grad_checkpointing(model)
         self.mlps = ffn_modules(model)
         self.n_params = sum(p.numel() for p in model.parameters())
         if t.compile:
