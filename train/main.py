@@ -11,6 +11,7 @@ The run directory is Hydra's run dir (``hydra.run.dir``; default ``runs/<date>/<
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from train.config import ConfigError, TrainConfig, register_configs
 
 register_configs()
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
@@ -39,7 +41,7 @@ def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
         trainer.close()
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="train")
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def _main(cfg: DictConfig) -> float | None:
     from train.trainer import NonFiniteLossError
 
