@@ -247,6 +247,9 @@ class Trainer:
         rank_state = {"rng": ckpt_io.rng_state(), "data": self.data.state_dict()}
         torch.save(rank_state, tmp / f"rank{acc.process_index}.pt")
         if self.is_main:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # no "Writing model shards" bar inside ours
             acc.unwrap_model(self.model).save_pretrained(tmp)
             if getattr(self.data, "tokenizer", None) is not None:
                 self.data.tokenizer.save_pretrained(tmp)
