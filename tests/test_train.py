@@ -133,3 +133,23 @@ def test_cli_run_and_multirun(tokens, tmp_path):
                                                            .read_text())["sparsity"]["l1_coeff"])
                     for i in (0, 1))
     assert coeffs == [0.0, 1e-2]
+
+
+def test_in_loop_eval_calls_evals_evaluate(tokens, tmp_path, monkeypatch):
+    """eval.every_steps / eval.at_end call evals.evaluate(model, tokenizer, ...) and log it."""
+    import types
+
+    calls = []
+
+    def fake_evaluate(model, tokenizer, tasks, limit, batch_size, device):
+        calls.append((model.training, tasks, limit, batch_size))
+        return {"tasks": {"piqa": {"acc": 0.5, "acc_norm": 0.6, "primary": 0.6, "n": 4}},
+                "mean": 0.6, "protocol": {}}
+
+    monkeypatch.setitem(sys.modules, "evals", types.SimpleNamespace(evaluate=fake_evaluate))
+    cfg = tiny_config(tokens, **{"trainer.max_steps": 5, "eval.every_steps": 2,
+                                 "eval.at_end": True, "eval.tasks": ["piqa"], "eval.limit": 4})
+    summary, _ = _run(cfg, tmp_path / "run")
+    assert calls == [(False, ("piqa",), 4, 16)] * 3  # steps 2, 4 and the end (5)
+    assert [r["step"] for r in read_metrics(tmp_path / "run", "eval")] == [2, 4, 5]
+    assert summary["eval"]["eval_mean"] == 0.6 and summary["eval"]["eval_piqa"] == 0.6

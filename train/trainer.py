@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import secrets
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -213,7 +214,7 @@ class Trainer:
             print("wandb is not installed; logging to metrics.jsonl only")
             return None
         id_file = self.run_dir / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id)
         try:
             return wandb.init(project=lg.wandb_project, name=lg.run_name or self.run_dir.name,
