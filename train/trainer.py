@@ -277,7 +277,7 @@ class Trainer:
             raise ConfigError(f"checkpoint {path} was written by {meta['world_size']} ranks, this "
                               f"run has {self.acc.num_processes}; resume with the same world size.")
         model = self.acc.unwrap_model(self.model)
-        state = load_file(str(path / "model.safetensors"), device=str(self.device))
+        state = load_file(str(path / "model.safetensors"))  # to CPU; copied into place
         missing, unexpected = model.load_state_dict(state, strict=False)
         if [k for k in missing if k != "lm_head.weight"] or unexpected:
             raise ValueError(f"{path}: model weights do not match: {missing[:3]} {unexpected[:3]}")
@@ -296,7 +296,7 @@ class Trainer:
                 kept = [ln for ln in self.metrics_path.read_text().splitlines()
                         if ln.strip() and json.loads(ln).get("step", 0) <= self.step]
             self.metrics_path.write_text("".join(ln + "\n" for ln in kept))
-            print(f"resumed from {path} at step {self.step}")
+            self._print(f"resumed from {path} at step {self.step}")
 
     # ---------------------------------------------------------------- the loop
 
@@ -481,10 +481,11 @@ class Trainer:
                 m = self.log_metrics(interval)
                 interval = self._new_interval()
                 bar.set_postfix(loss=f"{m['loss']:.3f}", l0=f"{m['l0_mean']:.1f}")
-                bar.write(self._format(m))
+                self._print(self._format(m), bar)
             if (t.val_every and self.step % t.val_every == 0) or self.step == t.max_steps:
                 v = self.validate()
-                bar.write(f"step {self.step}: val_loss {v['val_loss']:.4f} val_l0 {v['val_l0']:.1f}")
+                self._print(f"step {self.step}: val_loss {v['val_loss']:.4f} "
+                            f"val_l0 {v['val_l0']:.1f}", bar)
             if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
                 self.evaluate()
             if (t.save_every and self.step % t.save_every == 0) or last:
@@ -500,6 +501,10 @@ class Trainer:
                   f"metrics:    {summary['paths']['metrics']}\n"
                   f"summary:    {self.run_dir / 'summary.json'}")
         return summary
+
+    def _print(self, line: str, bar=None) -> None:
+        if self.is_main:
+            (bar.write if bar is not None else print)(line)
 
     @staticmethod
     def _format(m: dict) -> str:
