@@ -153,3 +153,35 @@ def test_in_loop_eval_calls_evals_evaluate(tokens, tmp_path, monkeypatch):
     assert calls == [(False, ("piqa",), 4, 16)] * 3  # steps 2, 4 and the end (5)
     assert [r["step"] for r in read_metrics(tmp_path / "run", "eval")] == [2, 4, 5]
     assert summary["eval"]["eval_mean"] == 0.6 and summary["eval"]["eval_piqa"] == 0.6
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_is_exact(tokens, tmp_path):
+    """Data-parallel path on CPU (torchrun, gloo): per-rank data/RNG state, reduced metrics and
+    dead-neuron counts; resuming from step 3 reproduces steps 4-6 of the straight run."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = ["data=tokens", f"data.paths=[{tokens}]", "data.vocab_size=64", "trainer.cpu=true",
+            "logging.wandb_mode=disabled", "trainer.num_threads=1", "trainer.val_batches=1",
+            "trainer.progress=false", "model.vocab_size=64", "model.hidden_size=32",
+            "model.intermediate_size=64", "model.num_heads=2", "model.num_layers=2",
+            "model.seq_len=32", "trainer.global_batch=16", "trainer.micro_batch=4",
+            "trainer.log_every=1", "trainer.save_every=3", "trainer.max_steps=6",
+            "sparsity.l1_coeff=3.0", "sparsity.reinit_dead=true"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "-m", "train"]
+    for extra in ([f"hydra.run.dir={tmp_path / 'a'}"],
+                  [f"hydra.run.dir={tmp_path / 'b'}",
+                   f"trainer.resume={tmp_path / 'a' / 'checkpoints' / 'step3'}"]):
+        r = subprocess.run(torchrun + args + extra, cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = tmp_path / "a" / "checkpoints" / "step6"
+    assert (ckpt / "rank0.pt").is_file() and (ckpt / "rank1.pt").is_file()
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["world_size"] == 2
+    a = read_metrics(tmp_path / "a")
+    b = read_metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [4, 5, 6]
+    for ra, rb in zip(a[3:], b):
+        for key in ("loss", "l0_mean", "nnz_max", "grad_norm"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-6), (ra["step"], key)
+        assert ra["dead_frac"] == rb["dead_frac"]
