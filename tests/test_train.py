@@ -74,6 +74,9 @@ def test_resume_is_exact(tokens, tmp_path):
     assert any(r["dead_frac"] for r in a)  # the re-init path was exercised
     assert [p.name for p in list_checkpoints(tmp_path / "split")] == ["step10", "step15", "step20"]
     assert t2.state_dict()["step"] == 20 and t2.state_dict()["tokens_seen"] == 20 * 8 * 32
+    again, _ = _run(tiny_config(tokens, **over), tmp_path / "split")  # finished: nothing to do
+    assert again["step"] == 20 and again["final_train_ce"] == b[-1]["ce"]
+    assert len(read_metrics(tmp_path / "split")) == 20
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tokens, tmp_path):

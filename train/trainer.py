@@ -128,10 +128,11 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self.tokens_seen = 0  # global training tokens consumed
         self.train_time = 0.0  # seconds spent in train steps (all runs of this job)
-        self.last = {}  # latest logged metrics (for summary.json)
+        self.last: dict = {}  # latest logged metrics (for summary.json)
         self.last_val: dict = {}
         self.last_eval: dict = {}
         self.last_ckpt: Path | None = None
+        self.wandb = None
         if resume_from is not None:
             self.resume(resume_from)
         elif self.is_main:
@@ -293,10 +294,22 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.config_dict))
             kept = []
             if self.metrics_path.is_file():
-                kept = [ln for ln in self.metrics_path.read_text().splitlines()
-                        if ln.strip() and json.loads(ln).get("step", 0) <= self.step]
-            self.metrics_path.write_text("".join(ln + "\n" for ln in kept))
-            self._print(f"resumed from {path} at step {self.step}")
+                kept = [json.loads(ln) for ln in self.metrics_path.read_text().splitlines()
+                        if ln.strip()]
+                kept = [r for r in kept if r.get("step", 0) <= self.step]
+            self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            for r in kept:  # the latest numbers, for summary.json of an already finished run
+                kind = r.pop("kind", "train")
+                if kind == "train":
+                    self.last = r
+                elif kind == "val":
+                    self.last_val = r
+                elif kind == "eval":
+                    self.last_eval = r
+            saved = OmegaConf.to_container(OmegaConf.load(path / "train_config.yaml"))
+            changed = config_diff(saved, self.config_dict)
+            self._print(f"resumed from {path} at step {self.step}"
+                        + (f" (config changed: {'; '.join(changed)})" if changed else ""))
 
     # ---------------------------------------------------------------- the loop
 
@@ -429,8 +442,8 @@ class Trainer:
             tot = self.acc.reduce(tot, "sum")
         ce_sum, nb, l0_sum = tot.tolist()
         self.model.train()
-        m = {"step": self.step, "val_loss": ce_sum / max(nb, 1), "val_l0": l0_sum / max(nb, 1),
-             "val_batches": int(nb)}
+        m = {"step": self.step, "val_loss": ce_sum / nb if nb else None,
+             "val_l0": l0_sum / nb if nb else None, "val_batches": int(nb)}
         self.last_val = m
         self._write(m, "val")
         return m
@@ -484,8 +497,9 @@ class Trainer:
                 self._print(self._format(m), bar)
             if (t.val_every and self.step % t.val_every == 0) or self.step == t.max_steps:
                 v = self.validate()
-                self._print(f"step {self.step}: val_loss {v['val_loss']:.4f} "
-                            f"val_l0 {v['val_l0']:.1f}", bar)
+                if v["val_batches"]:
+                    self._print(f"step {self.step}: val_loss {v['val_loss']:.4f} "
+                                f"val_l0 {v['val_l0']:.1f}", bar)
             if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
                 self.evaluate()
             if (t.save_every and self.step % t.save_every == 0) or last:
