@@ -6,8 +6,14 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from tests.train_utils import tiny_config, write_tokens
-from train.config import (ConfigError, ModelConfig, OptimConfig, SparsityConfig, TrainConfig,
-                          TrainerConfig)
+from train.config import (
+    ConfigError,
+    ModelConfig,
+    OptimConfig,
+    SparsityConfig,
+    TrainConfig,
+    TrainerConfig,
+)
 from train.main import CONFIG_DIR
 
 

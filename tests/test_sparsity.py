@@ -7,8 +7,13 @@ import torch
 
 from train.config import ModelConfig, SparsityConfig
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
-from train.sparsity import (DeadNeuronTracker, collect_stats, l1_coeff_at, l1_penalty,
-                            reinit_dead_gates)
+from train.sparsity import (
+    DeadNeuronTracker,
+    collect_stats,
+    l1_coeff_at,
+    l1_penalty,
+    reinit_dead_gates,
+)
 from twell.stats import stats_from_activations
 
 
@@ -50,7 +55,7 @@ def test_l1_and_grad_match_fp64_reference(gated, grad_ckpt):
     for h in hooks:
         h.remove()
     xs = xs[:3]  # the first forward (checkpointing may not re-run it here)
-    l1, sp = l1_penalty(collect_stats(mlps))
+    l1, _ = l1_penalty(collect_stats(mlps))
     ref_layers = []
     for m, x in zip(mlps, xs):  # independent fp64 formula on the captured FFN inputs
         x_ND = x.reshape(-1, 16)

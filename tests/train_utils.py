@@ -6,8 +6,14 @@ from pathlib import Path
 
 import numpy as np
 
-from train.config import (LoggingConfig, ModelConfig, OptimConfig, SparsityConfig, TrainConfig,
-                          TrainerConfig)
+from train.config import (
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    SparsityConfig,
+    TrainConfig,
+    TrainerConfig,
+)
 from train.data import DataConfig
 
 VOCAB = 64

@@ -30,8 +30,13 @@ from omegaconf import OmegaConf
 from train import checkpoint as ckpt_io
 from train.config import ConfigError, TrainConfig
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
-from train.sparsity import (DeadNeuronTracker, collect_stats, l1_coeff_at, l1_penalty,
-                            reinit_dead_gates)
+from train.sparsity import (
+    DeadNeuronTracker,
+    collect_stats,
+    l1_coeff_at,
+    l1_penalty,
+    reinit_dead_gates,
+)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -196,8 +201,10 @@ class Trainer:
             lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
 
     def _build_scheduler(self, optimizer):
-        from transformers import (get_constant_schedule_with_warmup,
-                                  get_cosine_with_min_lr_schedule_with_warmup)
+        from transformers import (
+            get_constant_schedule_with_warmup,
+            get_cosine_with_min_lr_schedule_with_warmup,
+        )
 
         o = self.cfg.optim
         if o.schedule == "constant":
@@ -221,7 +228,7 @@ class Trainer:
             return wandb.init(project=lg.wandb_project, name=lg.run_name or self.run_dir.name,
                               dir=str(self.run_dir), mode=lg.wandb_mode, config=self.config_dict,
                               id=run_id, resume="allow")
-        except Exception as e:  # logging must not kill a training run
+        except Exception as e:  # noqa: BLE001  (logging must not kill a training run)
             print(f"wandb.init failed ({e}); logging to metrics.jsonl only")
             return None
 
