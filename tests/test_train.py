@@ -190,3 +190,16 @@ def test_two_ranks_resume_is_exact(tokens, tmp_path):
         for key in ("loss", "l0_mean", "nnz_max", "grad_norm"):
             assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-6), (ra["step"], key)
         assert ra["dead_frac"] == rb["dead_frac"]
+
+
+def test_bf16_autocast_keeps_fp32_master_weights(tokens, tmp_path):
+    """precision=bf16 (autocast; here on CPU) after an fp32 run in the same process (Hydra -m)."""
+    _run(tiny_config(tokens, **{"trainer.max_steps": 1}), tmp_path / "fp32")
+    summary, t = _run(tiny_config(tokens, **{"trainer.max_steps": 3, "trainer.precision": "bf16",
+                                             "sparsity.l1_coeff": 1.0}), tmp_path / "bf16")
+    assert t.acc.mixed_precision == "bf16" and summary["precision"] == "bf16"
+    assert {p.dtype for p in t.model.parameters()} == {torch.float32}
+    assert all(v.dtype == torch.float32 for st in t.optimizer.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.dim() > 0)
+    r = read_metrics(tmp_path / "bf16")[-1]
+    assert math.isfinite(r["loss"]) and r["l1"] > 0 and r["ce"] < math.log(64) + 0.5

@@ -94,6 +94,10 @@ class Trainer:
         if precision == "auto":
             precision = "bf16" if (torch.cuda.is_available() and not t.cpu) else "fp32"
         self.precision = precision
+        from accelerate.state import AcceleratorState
+
+        if AcceleratorState._shared_state:  # an earlier run in this process (Hydra -m, tests)
+            AcceleratorState._reset_state()  # keeps the process group; lets precision differ
         self.acc = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no", cpu=t.cpu)
         self.accum = cfg.check_world(self.acc.num_processes)
         self.is_main = self.acc.is_main_process
