@@ -1,0 +1,125 @@
+"""Config validation: every bad input gives a one-line ConfigError naming the key and the fix;
+the YAML tree composes and is validated against the dataclasses."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from tests.train_utils import tiny_config, write_tokens
+from train.config import (
+    ConfigError,
+    ModelConfig,
+    OptimConfig,
+    SparsityConfig,
+    TrainConfig,
+    TrainerConfig,
+)
+from train.main import CONFIG_DIR
+
+
+def _one_line(err) -> str:
+    msg = str(err.value)
+    assert "\n" not in msg
+    return msg
+
+
+@pytest.mark.parametrize("build, key", [
+    (lambda: TrainerConfig(global_batch=10, micro_batch=4), "trainer.global_batch"),
+    (lambda: ModelConfig(hidden_size=100, num_heads=3), "model.num_heads"),
+    (lambda: ModelConfig(ffn_impl="cuda"), "model.ffn_impl"),
+    (lambda: SparsityConfig(l1_coeff=-1e-5), "sparsity.l1_coeff"),
+    (lambda: SparsityConfig(l1_coeff=float("nan")), "sparsity.l1_coeff"),
+    (lambda: OptimConfig(lr=float("nan")), "optim.lr"),
+    (lambda: OptimConfig(lr=-1.0), "optim.lr"),
+    (lambda: OptimConfig(weight_decay=-0.1), "optim.weight_decay"),
+    (lambda: OptimConfig(grad_clip=float("inf")), "optim.grad_clip"),
+    (lambda: OptimConfig(betas=[0.9, 1.5]), "optim.betas"),
+    (lambda: SparsityConfig(reinit_lambda=2.0), "sparsity.reinit_lambda"),
+    (lambda: SparsityConfig(schedule="linear_warmup", warmup_start=10, warmup_end=5),
+     "sparsity.warmup_end"),
+    (lambda: TrainerConfig(precision="fp8"), "trainer.precision"),
+])
+def test_bad_values(build, key):
+    with pytest.raises(ConfigError) as err:
+        build()
+    assert key in _one_line(err)
+
+
+def test_global_batch_vs_world_size():
+    cfg = TrainConfig(trainer=TrainerConfig(global_batch=24, micro_batch=4))
+    assert cfg.check_world(1) == 6 and cfg.check_world(3) == 2
+    with pytest.raises(ConfigError) as err:
+        cfg.check_world(4)
+    msg = _one_line(err)
+    assert "trainer.global_batch=24" in msg and "world size 4" in msg and "multiple of 16" in msg
+
+
+def test_tokenizer_vocab_larger_than_model(tmp_path):
+    from train.trainer import Trainer
+
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=5000)
+    cfg = tiny_config(tok, **{"model.vocab_size": 32})
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg, tmp_path / "run")
+    assert "model.vocab_size>=64" in _one_line(err)
+
+
+def test_run_dir_of_another_run_is_refused(tmp_path):
+    from train.trainer import Trainer
+
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=5000)
+    run = tmp_path / "run"
+    t = Trainer(tiny_config(tok, **{"trainer.max_steps": 1}), run)
+    t.train()
+    other = tiny_config(tok, **{"trainer.max_steps": 1, "sparsity.l1_coeff": 0.1,
+                                "trainer.resume": "never"})
+    with pytest.raises(ConfigError) as err:
+        Trainer(other, run)
+    msg = _one_line(err)
+    assert "different run's config" in msg and "sparsity.l1_coeff" in msg and "hydra.run.dir" in msg
+    # a checkpoint of another model shape is refused too, even with resume=auto
+    with pytest.raises(ConfigError) as err:
+        Trainer(tiny_config(tok, **{"model.num_layers": 3}), run)
+    assert "model.num_layers" in _one_line(err)
+    with pytest.raises(ConfigError, match="trainer.resume"):
+        Trainer(tiny_config(tok, **{"trainer.resume": str(tmp_path / "nope")}), tmp_path / "r2")
+
+
+def _compose(overrides):
+    import train.main  # noqa: F401  (registers the schema)
+
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def test_default_and_paper_recipes_compose():
+    cfg = OmegaConf.to_object(_compose([]))
+    assert cfg.model.name == "tiny" and cfg.model.vocab_size == 49152
+    assert cfg.data.source == "offline_mix" and cfg.sparsity.l1_coeff == 2e-5
+    for name, layers, steps in [("0p5b", 8, 10_000), ("1b", 18, 20_000), ("1p5b", 28, 30_000),
+                                ("2b", 38, 40_000)]:
+        c = OmegaConf.to_object(_compose([f"experiment=paper_{name}"]))
+        assert (c.model.hidden_size, c.model.intermediate_size, c.model.num_heads) == (2048, 5632, 32)
+        assert (c.model.num_layers, c.model.seq_len, c.model.vocab_size) == (layers, 2048, 49152)
+        assert c.trainer.max_steps == steps and c.trainer.global_batch == 512
+        assert c.trainer.global_batch * c.model.seq_len == 1_048_576
+        assert c.sparsity.l1_coeff == 2e-5 and c.sparsity.schedule == "constant"
+        o = c.optim
+        assert (o.lr, list(o.betas), o.eps, o.weight_decay, o.warmup_steps, o.schedule,
+                o.grad_clip) == (1e-3, [0.9, 0.95], 1e-8, 0.1, 600, "cosine", 1.0)
+        assert c.trainer.grad_checkpointing and c.trainer.seed == 42
+        assert c.model.rope_theta == 1e5 and c.data.source == "fineweb_edu"
+    for group in ["model=small_l2", "model=small_l12", "sparsity=warmup", "sparsity=l1_reinit",
+                  "sparsity=dense", "eval=end", "trainer=gpu"]:
+        OmegaConf.to_object(_compose([group]))
+
+
+def test_unknown_keys_and_types_are_errors():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        _compose(["model.hiden_size=64"])
+    with pytest.raises(ConfigCompositionException):
+        _compose(["trainer.max_steps=many"])
+    with pytest.raises(ConfigError, match="model.ffn_impl"):
+        OmegaConf.to_object(_compose(["model.ffn_impl=cuda"]))

@@ -1,0 +1,205 @@
+"""End-to-end trainer behaviour on a tiny model and a learnable synthetic token stream (CPU, fp32)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train_utils import read_metrics, tiny_config, write_tokens
+from train.checkpoint import latest_checkpoint, list_checkpoints
+from train.trainer import NonFiniteLossError, Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return write_tokens(tmp_path_factory.mktemp("tok") / "train.bin")
+
+
+def _run(cfg, run_dir, **kw):
+    t = Trainer(cfg, run_dir)
+    try:
+        return t.train(**kw), t
+    finally:
+        t.close()
+
+
+@pytest.mark.slow
+def test_loss_falls_and_l1_makes_sparser(tokens, tmp_path):
+    over = {"trainer.max_steps": 50, "trainer.log_every": 5, "trainer.val_every": 25}
+    dense, _ = _run(tiny_config(tokens, **over), tmp_path / "dense")
+    sparse, _ = _run(tiny_config(tokens, **over, **{"sparsity.l1_coeff": 1.0}), tmp_path / "l1")
+    rows = read_metrics(tmp_path / "dense")
+    assert rows[0]["ce"] > math.log(64) - 0.3  # starts near uniform
+    assert dense["final_train_ce"] < rows[0]["ce"] - 1.0  # learns the successor table
+    assert dense["val_loss"] < rows[0]["ce"] - 1.0
+    assert sparse["l0_mean"] < 0.5 * dense["l0_mean"]
+    # summary and metrics carry what the brief asks for
+    s = json.loads((tmp_path / "l1" / "summary.json").read_text())
+    for key in ("final_train_ce", "val_loss", "l0_mean", "dead_pct", "tokens_per_s", "params",
+                "tokens_seen"):
+        assert s[key] is not None, key
+    assert s["tokens_seen"] == 50 * 8 * 32
+    assert Path(s["paths"]["checkpoint"]).name == "step50"
+    r = read_metrics(tmp_path / "l1")[-1]
+    assert len(r["l0_layers"]) == 2 and r["l0_min"] <= r["l0_mean"] <= r["l0_max"] <= r["nnz_max"]
+    assert 0 <= r["dead_frac"] <= 1 and r["lr"] > 0 and r["grad_norm"] > 0
+    assert read_metrics(tmp_path / "l1", "val")[-1]["step"] == 50
+
+
+def test_resume_is_exact(tokens, tmp_path):
+    """20 steps straight == 10 steps, stop, resume to 20 (losses, L0, dead fractions)."""
+    over = {"trainer.max_steps": 20, "trainer.save_every": 5, "trainer.keep_last": 3,
+            "sparsity.l1_coeff": 3.0, "sparsity.reinit_dead": True, "sparsity.reinit_lambda": 0.5,
+            # a dead-neuron window of 3 steps: the checkpoint at step 10 is mid-window
+            "sparsity.dead_window_tokens": 3 * 8 * 32}
+    _run(tiny_config(tokens, **over), tmp_path / "straight")
+    _run(tiny_config(tokens, **over), tmp_path / "split", stop_at_step=10)
+    assert not (tmp_path / "split" / "summary.json").exists()
+    assert latest_checkpoint(tmp_path / "split").name == "step10"
+    _, t2 = _run(tiny_config(tokens, **over), tmp_path / "split")  # resume=auto
+    a = read_metrics(tmp_path / "straight")
+    b = read_metrics(tmp_path / "split")
+    assert [r["step"] for r in b] == list(range(1, 21))
+    for ra, rb in zip(a, b):
+        for key in ("loss", "ce", "l1", "l0_mean", "nnz_max", "grad_norm", "lr"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-6), (ra["step"], key)
+        assert ra["dead_frac"] == rb["dead_frac"]
+    assert any(r["dead_frac"] for r in a)  # the re-init path was exercised
+    assert [p.name for p in list_checkpoints(tmp_path / "split")] == ["step10", "step15", "step20"]
+    assert t2.state_dict()["step"] == 20 and t2.state_dict()["tokens_seen"] == 20 * 8 * 32
+    again, _ = _run(tiny_config(tokens, **over), tmp_path / "split")  # finished: nothing to do
+    assert again["step"] == 20 and again["final_train_ce"] == b[-1]["ce"]
+    assert len(read_metrics(tmp_path / "split")) == 20
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tokens, tmp_path):
+    cfg = tiny_config(tokens, **{"trainer.max_steps": 10, "trainer.save_every": 2})
+    t = Trainer(cfg, tmp_path / "run")
+    t.train(stop_at_step=4)
+    with torch.no_grad():
+        t.model.model.embed_tokens.weight[:, 0] = float("nan")
+    with pytest.raises(NonFiniteLossError, match="at step 5") as err:
+        t.train()
+    assert "step4" in str(err.value)
+    assert latest_checkpoint(tmp_path / "run").name == "step4"
+    from train.model import load_model
+
+    good = load_model(latest_checkpoint(tmp_path / "run"))
+    assert all(torch.isfinite(p).all() for p in good.parameters())
+
+
+def test_grad_checkpointing_gives_same_losses(tokens, tmp_path):
+    over = {"trainer.max_steps": 4, "sparsity.l1_coeff": 0.05}
+    _run(tiny_config(tokens, **over), tmp_path / "a")
+    _run(tiny_config(tokens, **over, **{"trainer.grad_checkpointing": True}), tmp_path / "b")
+    for ra, rb in zip(read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_cli_run_and_multirun(tokens, tmp_path):
+    """`python -m train` (= twell-train) with the brief's exact keys, then a 2-value sweep."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    data = ["data=tokens", f"data.paths=[{tokens}]", "data.vocab_size=64",
+            "logging.wandb_mode=disabled", "trainer.num_threads=1", "trainer.val_batches=1",
+            "trainer.progress=false"]
+    small = ["model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=64",
+             "model.num_heads=2", "model.seq_len=32", "trainer.global_batch=4",
+             "trainer.micro_batch=4"]
+    run_dir = tmp_path / "one"
+    cmd = [sys.executable, "-m", "train", "model=tiny", "trainer.max_steps=20",
+           "sparsity.l1_coeff=2e-5", f"hydra.run.dir={run_dir}", *small, *data]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["step"] == 20 and (run_dir / "config.yaml").is_file()
+    assert f"checkpoint: {run_dir}/checkpoints/step20" in r.stdout
+    # a bad value: one line on stderr, exit code 2
+    bad = subprocess.run(cmd[:-len(small) - len(data)] + small + data + ["model.num_heads=3"],
+                         cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "ConfigError: model.hidden_size=32 is not divisible" in bad.stderr
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "train", "-m", "sparsity.l1_coeff=0,1e-2", "trainer.max_steps=2",
+           f"hydra.sweep.dir={sweep}", *small, *data]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from omegaconf import OmegaConf
+
+    coeffs = []
+    for job in (0, 1):  # each job has its own directory with config, summary and checkpoint
+        assert (sweep / str(job) / "summary.json").is_file()
+        coeffs.append(OmegaConf.load(sweep / str(job) / "config.yaml").sparsity.l1_coeff)
+    assert coeffs == [0.0, 1e-2]
+
+
+def test_in_loop_eval_calls_evals_evaluate(tokens, tmp_path, monkeypatch):
+    """eval.every_steps / eval.at_end call evals.evaluate(model, tokenizer, ...) and log it."""
+    import types
+
+    calls = []
+
+    def fake_evaluate(model, tokenizer, tasks, limit, batch_size, device):
+        calls.append((model.training, tasks, limit, batch_size))
+        return {"tasks": {"piqa": {"acc": 0.5, "acc_norm": 0.6, "primary": 0.6, "n": 4}},
+                "mean": 0.6, "protocol": {}}
+
+    monkeypatch.setitem(sys.modules, "evals", types.SimpleNamespace(evaluate=fake_evaluate))
+    cfg = tiny_config(tokens, **{"trainer.max_steps": 5, "eval.every_steps": 2,
+                                 "eval.at_end": True, "eval.tasks": ["piqa"], "eval.limit": 4})
+    summary, _ = _run(cfg, tmp_path / "run")
+    assert calls == [(False, ("piqa",), 4, 16)] * 3  # steps 2, 4 and the end (5)
+    assert [r["step"] for r in read_metrics(tmp_path / "run", "eval")] == [2, 4, 5]
+    assert summary["eval"]["eval_mean"] == 0.6 and summary["eval"]["eval_piqa"] == 0.6
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_is_exact(tokens, tmp_path):
+    """Data-parallel path on CPU (torchrun, gloo): per-rank data/RNG state, reduced metrics and
+    dead-neuron counts; resuming from step 3 reproduces steps 4-6 of the straight run."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = ["data=tokens", f"data.paths=[{tokens}]", "data.vocab_size=64", "trainer.cpu=true",
+            "logging.wandb_mode=disabled", "trainer.num_threads=1", "trainer.val_batches=1",
+            "trainer.progress=false", "model.vocab_size=64", "model.hidden_size=32",
+            "model.intermediate_size=64", "model.num_heads=2", "model.num_layers=2",
+            "model.seq_len=32", "trainer.global_batch=16", "trainer.micro_batch=4",
+            "trainer.log_every=1", "trainer.save_every=3", "trainer.max_steps=6",
+            "sparsity.l1_coeff=3.0", "sparsity.reinit_dead=true"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "-m", "train"]
+    for extra in ([f"hydra.run.dir={tmp_path / 'a'}"],
+                  [f"hydra.run.dir={tmp_path / 'b'}",
+                   f"trainer.resume={tmp_path / 'a' / 'checkpoints' / 'step3'}"]):
+        r = subprocess.run(torchrun + args + extra, cwd=ROOT, env=env, check=False, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = tmp_path / "a" / "checkpoints" / "step6"
+    assert (ckpt / "rank0.pt").is_file() and (ckpt / "rank1.pt").is_file()
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["world_size"] == 2
+    a = read_metrics(tmp_path / "a")
+    b = read_metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [4, 5, 6]
+    for ra, rb in zip(a[3:], b):
+        for key in ("loss", "l0_mean", "nnz_max", "grad_norm"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-6), (ra["step"], key)
+        assert ra["dead_frac"] == rb["dead_frac"]
+
+
+def test_bf16_autocast_keeps_fp32_master_weights(tokens, tmp_path):
+    """precision=bf16 (autocast; here on CPU) after an fp32 run in the same process (Hydra -m)."""
+    _run(tiny_config(tokens, **{"trainer.max_steps": 1}), tmp_path / "fp32")
+    summary, t = _run(tiny_config(tokens, **{"trainer.max_steps": 3, "trainer.precision": "bf16",
+                                             "sparsity.l1_coeff": 1.0}), tmp_path / "bf16")
+    assert t.acc.mixed_precision == "bf16" and summary["precision"] == "bf16"
+    assert {p.dtype for p in t.model.parameters()} == {torch.float32}
+    assert all(v.dtype == torch.float32 for st in t.optimizer.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.dim() > 0)
+    r = read_metrics(tmp_path / "bf16")[-1]
+    assert math.isfinite(r["loss"]) and r["l1"] > 0 and r["ce"] < math.log(64) + 0.5

@@ -1,0 +1,74 @@
+"""Shared helpers of the trainer tests: a learnable synthetic token file and tiny configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from train.config import (
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    SparsityConfig,
+    TrainConfig,
+    TrainerConfig,
+)
+from train.data import DataConfig
+
+VOCAB = 64
+
+
+def write_tokens(path: Path, n_tokens: int = 40_000, vocab: int = VOCAB, seed: int = 0) -> Path:
+    """uint16 token stream of documents following a fixed random successor table (id 0 = EOS).
+
+    Each document starts at a random id and then mostly follows ``nxt[cur]`` (90%), otherwise a
+    random id: a model can learn it quickly, CE falls well below ln(vocab).
+    """
+    rng = np.random.default_rng(seed)
+    nxt = rng.permutation(np.arange(1, vocab))
+    nxt = np.concatenate([[1], nxt])  # nxt[cur], never 0 inside a document
+    out = np.empty(n_tokens, dtype=np.uint16)
+    i = 0
+    while i < n_tokens:
+        length = int(rng.integers(20, 120))
+        cur = int(rng.integers(1, vocab))
+        for _ in range(length):
+            if i >= n_tokens:
+                break
+            out[i] = cur
+            i += 1
+            cur = int(nxt[cur]) if rng.random() < 0.9 else int(rng.integers(1, vocab))
+        if i < n_tokens:
+            out[i] = 0
+            i += 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out.tofile(path)
+    return path
+
+
+def tiny_config(tokens: Path, **over) -> TrainConfig:
+    """A tiny fp32 CPU config on ``tokens``; ``over`` maps 'group.key' to a value."""
+    cfg = TrainConfig(
+        model=ModelConfig(name="test", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                          num_layers=2, num_heads=2, seq_len=32),
+        optim=OptimConfig(lr=3e-3, warmup_steps=2),
+        sparsity=SparsityConfig(l1_coeff=0.0),
+        data=DataConfig(source="tokens", paths=[str(tokens)], vocab_size=VOCAB, val_fraction=0.05),
+        trainer=TrainerConfig(max_steps=10, global_batch=8, micro_batch=4, precision="fp32",
+                              cpu=True, num_threads=1, log_every=1, val_every=0, val_batches=2,
+                              save_every=0, progress=False),
+        logging=LoggingConfig(wandb_mode="disabled"),
+    )
+    for key, value in over.items():
+        group, field = key.split(".")
+        setattr(getattr(cfg, group), field, value)
+        getattr(cfg, group).__post_init__()
+    return cfg
+
+
+def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    import json
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]

@@ -1,0 +1,315 @@
+"""Typed configuration of a training run (Hydra structured configs).
+
+Each component owns a small dataclass; every field has a one-line docstring under it and
+cross-field checks live in ``__post_init__``, which raises :class:`ConfigError` with one line
+that names the key and the fix. :func:`register_configs` stores the top-level schema in Hydra's
+ConfigStore as ``train_schema``; ``configs/train.yaml`` lists it first in its defaults, so every
+YAML file of every group is merged into a typed node: unknown keys and wrong types are errors.
+
+The YAML tree (``configs/``) mirrors these classes: ``model/``, ``optim/``, ``sparsity/``,
+``data/`` (owned by the data module), ``trainer/``, ``logging/``, ``eval/``, ``experiment/``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from train.data import DataConfig
+
+FFN_IMPLS = ("torch", "twell", "auto")  # same names as twell.nn.FFN_IMPLS (kept in sync by a test)
+PRECISIONS = ("auto", "bf16", "fp32")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the key and the fix."""
+
+
+def _check_finite_nonneg(name: str, value: float) -> None:
+    if value is None or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name} must be a finite number >= 0; got {value}. Set {name}=<value >= 0>.")
+
+
+def _check_positive_int(name: str, value: int) -> None:
+    if value is None or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1; got {value}. Set {name}=<int >= 1>.")
+
+
+@dataclass
+class ModelConfig:
+    """Llama-style decoder with a ReLU-gated FFN (arXiv 2603.23198, "Model and recipe")."""
+
+    name: str = "tiny"
+    """Label of the shape (the YAML file name); informational."""
+    vocab_size: int = 49152
+    """Embedding rows; must be >= the tokenizer's vocabulary (SmolLM2: 49152)."""
+    hidden_size: int = 128
+    """D, model width."""
+    intermediate_size: int = 352
+    """H, FFN width (paper: 5632 gated, 8192 non-gated)."""
+    num_layers: int = 4
+    """Decoder layers (paper: 8 / 18 / 28 / 38 for 0.5B / 1B / 1.5B / 2B)."""
+    num_heads: int = 4
+    """Attention heads; hidden_size must be divisible by it (head dim = hidden_size / num_heads)."""
+    num_kv_heads: int | None = None
+    """Key/value heads (GQA); null = num_heads (the paper uses no GQA)."""
+    seq_len: int = 256
+    """Context length of training blocks (= max_position_embeddings)."""
+    rope_theta: float = 100000.0
+    """RoPE base (the paper's code and checkpoints use 1e5)."""
+    rms_norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Std of the normal weight init (LlamaConfig.initializer_range)."""
+    gated: bool = True
+    """Gated FFN relu(x Wg^T) * (x Wu^T); false = non-gated relu(x Wu^T) (no gate_proj)."""
+    ffn_impl: str = "torch"
+    """FFN implementation: torch (dense PyTorch) | twell (TwELL Triton kernels) | auto."""
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                    "seq_len"):
+            _check_positive_int(f"model.{key}", getattr(self, key))
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads="
+                f"{self.num_heads}; pick num_heads dividing hidden_size (head dim = hidden/heads)."
+            )
+        kv = self.num_kv_heads
+        if kv is not None and (kv < 1 or self.num_heads % kv):
+            raise ConfigError(
+                f"model.num_kv_heads={kv} must be >= 1 and divide model.num_heads={self.num_heads}"
+                "; set it to a divisor of num_heads or null."
+            )
+        if self.ffn_impl not in FFN_IMPLS:
+            raise ConfigError(
+                f"model.ffn_impl={self.ffn_impl!r} is unknown; use one of {', '.join(FFN_IMPLS)}."
+            )
+        for key in ("rope_theta", "rms_norm_eps", "init_std"):
+            _check_finite_nonneg(f"model.{key}", getattr(self, key))
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay (paper: lr 1e-3, betas (0.9, 0.95), wd 0.1)."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.0
+    """Final lr as a fraction of the peak at the end of the cosine (0 = decay to zero)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices (embeddings, projections), not to norms."""
+    warmup_steps: int = 600
+    """Optimizer steps of linear lr warmup from 0."""
+    schedule: str = "cosine"
+    """cosine (to min_lr_ratio at trainer.max_steps) | constant (after warmup)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 = no clipping (the norm is still logged)."""
+    fused: bool | None = None
+    """Fused AdamW kernel; null = on GPU only."""
+
+    def __post_init__(self) -> None:
+        for key in ("lr", "min_lr_ratio", "eps", "weight_decay", "grad_clip"):
+            _check_finite_nonneg(f"optim.{key}", getattr(self, key))
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(
+                f"optim.betas must be two numbers in [0, 1); got {list(self.betas)}. "
+                "Set optim.betas=[0.9,0.95]."
+            )
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps must be >= 0; got {self.warmup_steps}.")
+        if self.schedule not in ("cosine", "constant"):
+            raise ConfigError(
+                f"optim.schedule={self.schedule!r} is unknown; use cosine or constant."
+            )
+
+
+@dataclass
+class SparsityConfig:
+    """L1 activation-sparsity regularizer and dead-neuron handling (paper, "The L1 regularizer")."""
+
+    l1_coeff: float = 2e-5
+    """Coefficient of the L1 term: loss = CE + l1_coeff * L1 (paper: 2e-5; 0 = dense baseline)."""
+    schedule: str = "constant"
+    """constant (from step 0) | linear_warmup (0 until warmup_start, full at warmup_end)."""
+    warmup_start: int = 0
+    """linear_warmup: last optimizer step with coefficient 0."""
+    warmup_end: int = 0
+    """linear_warmup: first optimizer step at the full coefficient."""
+    dead_window_tokens: int = 0
+    """Tokens a unit must stay inactive to count as dead; 0 = one optimizer step's tokens."""
+    reinit_dead: bool = False
+    """After each dead-neuron window (default: each step), pull dead gate rows towards a fresh init."""
+    reinit_lambda: float = 0.1
+    """Re-init mix: Wg[j] <- (1 - lambda) Wg[j] + lambda * N(0, std^2) (paper: 0.1)."""
+    reinit_std: float = 0.02
+    """Std of the re-init noise (paper: 0.02)."""
+
+    def __post_init__(self) -> None:
+        for key in ("l1_coeff", "reinit_std"):
+            _check_finite_nonneg(f"sparsity.{key}", getattr(self, key))
+        lam = self.reinit_lambda
+        if lam is None or not (0 <= lam <= 1):
+            raise ConfigError(f"sparsity.reinit_lambda must be in [0, 1]; got {lam}.")
+        if self.schedule not in ("constant", "linear_warmup"):
+            raise ConfigError(
+                f"sparsity.schedule={self.schedule!r} is unknown; use constant or linear_warmup."
+            )
+        if self.schedule == "linear_warmup" and not 0 <= self.warmup_start < self.warmup_end:
+            raise ConfigError(
+                "sparsity.schedule=linear_warmup needs 0 <= sparsity.warmup_start < "
+                f"sparsity.warmup_end; got {self.warmup_start}, {self.warmup_end}."
+            )
+        if self.dead_window_tokens < 0:
+            raise ConfigError(
+                f"sparsity.dead_window_tokens must be >= 0 (0 = one step); got "
+                f"{self.dead_window_tokens}."
+            )
+
+
+@dataclass
+class TrainerConfig:
+    """Loop, batch, precision, checkpoint and resume settings."""
+
+    max_steps: int = 300
+    """Optimizer steps of the run (also the length of the cosine schedule)."""
+    global_batch: int = 16
+    """Sequences per optimizer step over all ranks; accumulation = global / (micro * world)."""
+    micro_batch: int = 16
+    """Sequences per forward/backward on one rank."""
+    precision: str = "auto"
+    """auto (bf16 autocast on GPU, fp32 on CPU) | bf16 (autocast, fp32 master weights) | fp32."""
+    cpu: bool = False
+    """Force CPU even when a GPU is present."""
+    num_threads: int | None = None
+    """torch CPU threads (torch.set_num_threads); null = torch's default."""
+    grad_checkpointing: bool = False
+    """Recompute each decoder layer in backward (non-reentrant, keeps the L1 term's graph)."""
+    compile: bool = False
+    """torch.compile the model."""
+    seed: int = 42
+    """Seed of python, numpy and torch RNGs (model init, data order)."""
+    log_every: int = 10
+    """Log train metrics every N optimizer steps (one host sync per log)."""
+    val_every: int = 100
+    """Validation loss every N steps (0 = only at the end)."""
+    val_batches: int = 8
+    """Micro-batches of held-out data per validation (per rank)."""
+    save_every: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Complete checkpoints kept in run_dir/checkpoints (older ones are deleted)."""
+    resume: str = "auto"
+    """auto (continue from the newest complete checkpoint in the run dir, if any) | never |
+    a path to a step{N} checkpoint folder."""
+    progress: bool = True
+    """Show a progress bar (tqdm) with ETA on the main process."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_steps", "global_batch", "micro_batch", "log_every", "val_batches",
+                    "keep_last"):
+            _check_positive_int(f"trainer.{key}", getattr(self, key))
+        if self.global_batch % self.micro_batch:
+            raise ConfigError(
+                f"trainer.global_batch={self.global_batch} is not divisible by trainer.micro_batch="
+                f"{self.micro_batch}; set global_batch to a multiple of micro_batch x world size."
+            )
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"trainer.precision={self.precision!r} is unknown; use one of {', '.join(PRECISIONS)}."
+            )
+        for key in ("val_every", "save_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"trainer.{key} must be >= 0 (0 = only at the end).")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"trainer.num_threads must be >= 1 or null; got {self.num_threads}.")
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go: progress bar, run_dir/metrics.jsonl (always) and wandb (optional)."""
+
+    wandb_mode: str = "offline"
+    """offline (default, sync later with `wandb sync`) | online | disabled."""
+    wandb_project: str = "twell"
+    """wandb project name."""
+    run_name: str | None = None
+    """wandb run name; null = the run directory's name."""
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in WANDB_MODES:
+            raise ConfigError(
+                f"logging.wandb_mode={self.wandb_mode!r} is unknown; use one of "
+                f"{', '.join(WANDB_MODES)}."
+            )
+
+
+@dataclass
+class EvalConfig:
+    """In-loop downstream evaluation through ``evals.evaluate`` (imported only when enabled)."""
+
+    every_steps: int = 0
+    """Run the evals every N optimizer steps (0 = off)."""
+    at_end: bool = False
+    """Run the evals after the last step."""
+    tasks: list[str] = field(default_factory=lambda: ["all"])
+    """Task names, or ["all"] for the seven paper tasks."""
+    limit: int | None = None
+    """Examples per task (null = all)."""
+    batch_size: int = 16
+    """Sequences per scoring forward."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError(f"eval.every_steps must be >= 0 (0 = off); got {self.every_steps}.")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"eval.limit must be >= 1 or null; got {self.limit}.")
+        _check_positive_int("eval.batch_size", self.batch_size)
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps > 0 or self.at_end
+
+
+@dataclass
+class TrainConfig:
+    """A whole run: ``twell-train`` composes it from ``configs/train.yaml`` and the overrides."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sparsity: SparsityConfig = field(default_factory=SparsityConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def check_world(self, world_size: int) -> int:
+        """Gradient-accumulation steps for ``world_size`` ranks; ConfigError if it does not divide."""
+        t = self.trainer
+        per_step = t.micro_batch * world_size
+        if t.global_batch % per_step:
+            raise ConfigError(
+                f"trainer.global_batch={t.global_batch} is not divisible by trainer.micro_batch="
+                f"{t.micro_batch} x world size {world_size}; set global_batch to a multiple of "
+                f"{per_step} or change micro_batch."
+            )
+        return t.global_batch // per_step
+
+
+def register_configs() -> None:
+    """Store the schema (``train_schema``) and the data group's schema in Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    try:  # the data module's own group schema (`defaults: [base_data]` in configs/data/*.yaml)
+        from train.data import register_configs as register_data
+
+        register_data(cs)
+    except ImportError:
+        pass

@@ -1,0 +1,62 @@
+"""``twell-train`` / ``python -m train``: compose the config, build the trainer, train.
+
+    twell-train                                        # tiny model, offline corpus, CPU (< 5 min)
+    twell-train model=tiny trainer.max_steps=20 sparsity.l1_coeff=2e-5 hydra.run.dir=DIR
+    twell-train -m sparsity.l1_coeff=0,1e-5,2e-5       # sweep: one run directory per value
+    accelerate launch -m train experiment=paper_0p5b   # the paper recipe on a GPU node
+
+The run directory is Hydra's run dir (``hydra.run.dir``; default ``runs/<date>/<time>``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from train.config import ConfigError, TrainConfig, register_configs
+
+register_configs()
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
+    """Train one run from a composed config; returns the summary dict."""
+    from train.trainer import Trainer
+
+    if run_dir is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        run_dir = HydraConfig.get().runtime.output_dir
+    try:
+        tcfg: TrainConfig = OmegaConf.to_object(cfg)  # runs every __post_init__ check
+    except ValueError as e:  # ConfigError and the data config's checks: one line, no traceback
+        raise ConfigError(str(e)) from None
+    trainer = Trainer(tcfg, run_dir)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
+def _main(cfg: DictConfig) -> float | None:
+    from train.trainer import NonFiniteLossError
+
+    try:
+        summary = run(cfg)
+    except (ConfigError, NonFiniteLossError) as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(2)
+    return summary.get("val_loss")  # what a Hydra sweeper would minimise
+
+
+def cli() -> None:
+    """Console entry point ``twell-train`` (Hydra parses sys.argv)."""
+    _main()
+
+
+if __name__ == "__main__":
+    cli()
