@@ -19,9 +19,20 @@ nothing), so overflow costs time but never correctness.
 
 Performance notes: the work is a gather of 2 * nnz weight rows per token;
 ``shared/PAPER.md`` measured such gathers at 9-10 TB/s when Wu/WdT sit in
-L2. NB > 1 issues NB independent row gathers per step (more bytes in
-flight per program), ROWS > 1 amortises the x row load and program start.
-Defaults chosen in BENCHMARKS.md.
+L2. Two kernels (``version``):
+
+* v1 ``_twell_ffn_kernel`` walks the T tiles of a row one by one (a
+  dependent count load per tile, a dependent word load per step; a step of
+  NB slots is per tile, so mostly masked at ~1 non-zero per tile). Run 1 on
+  the H200: ~0.26 ms fixed + 0.0144 ms per non-zero per row at M = 16384.
+* v2 ``_twell_ffn_v2_kernel`` (default) treats the row's non-zeros as one
+  flat list: counts in one vector load, (tile, slot) of flat index k from
+  the counts' cumsum, K words per vector load, NB non-zeros per step taken
+  from registers (see its docstring).
+
+NB > 1 issues NB independent row gathers per step (more bytes in flight
+per program), ROWS > 1 amortises program start. Defaults and measurements:
+BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -364,9 +375,9 @@ def twell_ffn_apply(
         wa = w_up_HD if gated else w_down_t_HD
         args = (xa, tw.data, dense_MH, wa, w_down_t_HD, y, l1, m, h, d, t,
                 xa.stride(0), dense_MH.stride(0), y.stride(0), wa.stride(0), w_down_t_HD.stride(0))
-        meta = dict(W=w, GATED=gated, FP16_VALUES=tw.value_dtype == torch.float16, STATS=stats,
-                    BLOCK_D=block_d, NB=nb, ROWS=rows, OUT_BF16=out_dtype == torch.bfloat16,
-                    num_warps=num_warps)
+        meta = {"W": w, "GATED": gated, "FP16_VALUES": tw.value_dtype == torch.float16,
+                "STATS": stats, "BLOCK_D": block_d, "NB": nb, "ROWS": rows,
+                "OUT_BF16": out_dtype == torch.bfloat16, "num_warps": num_warps}
         if version == 1:
             _twell_ffn_kernel[grid](*args, **meta)
         else:
