@@ -8,8 +8,14 @@
 
 Shape legend: M tokens, D model width, H FFN width.
 
+Variants: the default (v2 pack + v2 consumer), ``twell2p_v1`` (the first
+kernels, at their fastest measured launch shape), one-part-old mixes, the
+fused producer, and v2 launch-shape sweeps (see VARIANTS; BENCHMARKS.md).
+The summary ends with new/old time ratios (default vs v1, pack and consumer
+parts vs their v1).
+
 Phase 1 (correctness, every variant, GPU): each variant (producer two-pass /
-fused x factor 8/4/2 x gated / non-gated, consumer launch shapes) over the
+fused x factor 8/4 x gated / non-gated, pack/consumer versions and launch shapes) over the
 shape sweep M in {1,7,128,300,4096}, D in {64,576,2048}, H in {256,1408,5632,8192}
 (full product for the default variant, a subset for the others), relative
 error against an fp32 dense reference next to the dense bf16 path's error;
@@ -125,20 +131,34 @@ def variant_state(v):
     st = TwELLState(factor=v.get("factor", 8), gate_impl=v.get("gate", "two_pass"),
                     density_threshold=v.get("threshold"))
     st.consumer_kwargs = dict(v.get("consumer", {}))
+    st.pack_kwargs = dict(v.get("pack", {}))
     return st
 
 
+# v1 = the kernels of the first H200 run (docs/bench/bench_infer.log), kept callable for the
+# old/new ratio; "twell2p_v1" runs them at v1's fastest measured launch shape (consumer nb=1).
+V1 = {"pack": {"version": 1}, "consumer": {"version": 1, "nb": 1}}
 VARIANTS = {
-    "twell2p_f8": {"gate": "two_pass", "factor": 8},
+    "twell2p_f8": {"gate": "two_pass", "factor": 8},          # default: v2 pack + v2 consumer nb=2
+    "twell2p_v1": {"gate": "two_pass", **V1},
     "twellfu_f8": {"gate": "fused", "factor": 8},
+    # one part old, the other new: which change the gain comes from
+    "twell2p_pkv1": {"gate": "two_pass", "pack": V1["pack"]},
+    "twell2p_cv1": {"gate": "two_pass", "consumer": V1["consumer"]},
     "twell2p_f4": {"gate": "two_pass", "factor": 4},
-    "twell2p_f2": {"gate": "two_pass", "factor": 2},
+    # v2 consumer launch shapes (nb non-zeros per step, warps, prefetch = next rows gathered early)
     "twell2p_nb1": {"gate": "two_pass", "consumer": {"nb": 1}},
-    "twell2p_nb4": {"gate": "two_pass", "consumer": {"nb": 4}},
-    "twell2p_nb2r2": {"gate": "two_pass", "consumer": {"nb": 2, "rows": 2}},
+    "twell2p_nb4": {"gate": "two_pass", "consumer": {"nb": 4, "num_warps": 4}},
+    "twell2p_nb2pf": {"gate": "two_pass", "consumer": {"nb": 2, "prefetch": True}},
+    "twell2p_nb1pf": {"gate": "two_pass", "consumer": {"nb": 1, "prefetch": True}},
     "twell2p_nb2w8": {"gate": "two_pass", "consumer": {"nb": 2, "num_warps": 8}},
-    "twell2p_nb4w8": {"gate": "two_pass", "consumer": {"nb": 4, "num_warps": 8}},
+    "twell2p_nb2r2": {"gate": "two_pass", "consumer": {"nb": 2, "rows": 2}},
+    # v2 pack shapes (rows per block, warps, programs per SM)
+    "twell2p_pk32w8": {"gate": "two_pass", "pack": {"block_m": 32, "num_warps": 8}},
+    "twell2p_pk8w4": {"gate": "two_pass", "pack": {"block_m": 8, "num_warps": 4}},
+    "twell2p_pk16p16": {"gate": "two_pass", "pack": {"programs_per_sm": 16}},
 }
+ALWAYS = ("twell2p_f8", "twell2p_v1", "twellfu_f8")  # timed at every configuration
 
 
 # ------------------------------------------------------------------ phase 1: correctness
@@ -175,7 +195,7 @@ def phase_check(args):
     for name in VARIANTS:
         if name != "twell2p_f8":
             plan += [(name, s, True) for s in sub]
-    plan += [("twellfu_f8", s, False) for s in sub]
+    plan += [("twellfu_f8", s, False) for s in sub] + [("twell2p_v1", s, False) for s in sub]
     for name, (m, d, h), gated in plan:
         for density, heavy in ((0.01, False), (0.03, True)):
             try:
@@ -237,9 +257,9 @@ def time_config(args, m, d, h, density, heavy, gated, label="synthetic", inputs=
         out.append({**base, "variant": "dense", "ms": t_dense[0], "q20": t_dense[1],
                     "q80": t_dense[2], "speedup": 1.0, "tflops": dfl / t_dense[0] / 1e9,
                     "rel_err": e_dense, "status": "ok"})
-        variants = ["twell2p_f8", "twellfu_f8", "auto"]
+        variants = [*ALWAYS, "auto"]
         if args.sweep_consumer:
-            variants += [n for n in VARIANTS if n not in ("twell2p_f8", "twellfu_f8")]
+            variants += [n for n in VARIANTS if n not in ALWAYS]
         for name in variants:
             try:
                 if name == "auto":
@@ -273,13 +293,13 @@ def time_config(args, m, d, h, density, heavy, gated, label="synthetic", inputs=
             w_in = wg if gated else wu
             parts["part_gate_cublas"] = lambda: x @ w_in.T
             parts["part_pack"] = lambda: pack_dense(pre, 8)
+            parts["part_pack_v1"] = lambda: pack_dense(pre, 8, **V1["pack"])
             parts["part_gemm_pack_fused"] = lambda: gate_gemm_pack(x, w_in, 8)
             tw, _ = pack_dense(pre, 8)
             wdt = wd.T.contiguous()
-            if gated:
-                parts["part_consumer"] = lambda: twell_ffn_apply(tw, pre, wdt, x_MD=x, w_up_HD=wu)
-            else:
-                parts["part_consumer"] = lambda: twell_ffn_apply(tw, pre, wdt)
+            up = {"x_MD": x, "w_up_HD": wu} if gated else {}
+            parts["part_consumer"] = lambda: twell_ffn_apply(tw, pre, wdt, **up)
+            parts["part_consumer_v1"] = lambda: twell_ffn_apply(tw, pre, wdt, **up, **V1["consumer"])
         except Exception as ex:  # noqa: BLE001
             out.append({**base, "variant": "parts", "status": f"ERROR {type(ex).__name__}: {ex}"})
         for pname, fn in parts.items():
@@ -415,15 +435,19 @@ def main():
                 and r.get("H") == 5632 and r.get("gated") and r.get("speedup", 2) < 1.0]
         print(f"\nauto threshold suggestion: TwELL won up to density {max(win) if win else 'none'}, "
               f"lost from {min(lose) if lose else 'none'} (set TWELL_AUTO_DENSITY between)")
-        for a, b in (("twell2p_f8", "twellfu_f8"),):
-            pa = [r for r in speed if r.get("variant") == a and "ms" in r]
-            pb = {(r["M"], r["H"], r["density_target"], r["heavy"], r["gated"]): r["ms"]
-                  for r in speed if r.get("variant") == b and "ms" in r}
-            ratio = [r["ms"] / pb[k] for r in pa
-                     if (k := (r["M"], r["H"], r["density_target"], r["heavy"], r["gated"])) in pb]
+        def key(r):
+            return (r["M"], r["H"], r["density_target"], r["heavy"], r["gated"])
+
+        print("\n== time ratios a / b (<1: a faster), per config (M H dens% hv) and median")
+        for a, b in (("twell2p_f8", "twell2p_v1"), ("part_pack", "part_pack_v1"),
+                     ("part_consumer", "part_consumer_v1"), ("twell2p_f8", "twellfu_f8")):
+            pb = {key(r): r["ms"] for r in speed if r.get("variant") == b and "ms" in r}
+            ratio = [(key(r), r["ms"] / pb[key(r)]) for r in speed
+                     if r.get("variant") == a and "ms" in r and key(r) in pb]
             if ratio:
-                print(f"pack variants: {a} / {b} time ratio, median over configs: "
-                      f"{statistics.median(ratio):.2f} (<1: two-pass faster)")
+                per = " ".join(f"{k[0]}/{k[1]}/{100 * k[2]:g}{'hv' if k[3] else ''}:{v:.2f}"
+                               for k, v in ratio)
+                print(f"{a} / {b}: median {statistics.median(v for _, v in ratio):.2f} | {per}")
     n_bad = sum(1 for r in checks if r["status"] != "PASS") + sum(
         1 for r in speed if r.get("status") not in ("ok",))
     print(f"\ntotal {time.time() - t_start:.0f}s; {n_bad} failed/erroring entries; CSV: "

@@ -108,8 +108,21 @@ def make_ffn(n, d, h, dtype, density, *, seed=0, heavy=False, grid=False, gated=
 # ---------------------------------------------------------------- producers
 
 
-@pytest.mark.parametrize("factor", [8, 4, 2])
-def test_pack_dense_matches_reference_pack(factor):
+@pytest.mark.parametrize(
+    "factor,version,dtype,launch",
+    [
+        (8, 1, torch.float32, {}),
+        (4, 1, torch.float32, {}),
+        (2, 1, torch.float32, {}),
+        # v2: one program walks 5 blocks of 8 rows (last one partial) / two row stripes
+        (8, 2, torch.float32, {"block_m": 8, "programs_per_sm": 1}),
+        (4, 2, torch.float32, {"block_m": 16, "programs_per_sm": 2}),
+        (2, 2, torch.float32, {}),
+        (8, 2, torch.bfloat16, {"block_m": 8, "programs_per_sm": 2}),  # 16-bit input: bits kept
+        (8, 2, torch.float16, {}),
+    ],
+)
+def test_pack_dense_matches_reference_pack(factor, version, dtype, launch):
     torch.manual_seed(factor)
     m, h = 37, 777
     cap = words_per_tile(factor) - 1
@@ -123,9 +136,12 @@ def test_pack_dense_matches_reference_pack(factor):
         a[r, :k] = torch.arange(1.0, k + 1)
     a[7, 3] = float("nan")
     a[8, :] = float("nan")
-    a = a.to(DEV)
-    tw, colcnt = pack_dense(a, factor, stats=True)
+    a[9, 4] = -float("nan")  # a NaN with the sign bit: still active (not (a <= 0))
+    a[10, 5] = -0.0
+    a = a.to(dtype).to(DEV)
+    tw, colcnt = pack_dense(a, factor, stats=True, version=version, **launch)
     ref = pack(a.cpu(), factor)
+    assert tw.value_dtype == ref.value_dtype
     assert torch.equal(tw.counts.cpu(), ref.counts)
     valid, cols, vals, _ = ref.slots()
     _, gcols, gvals, _ = tw.slots()
@@ -159,21 +175,24 @@ def test_fused_gate_gemm_pack(dtype):
 
 
 @pytest.mark.parametrize(
-    "n,d,h,gated,impl,nb,rows",
+    "n,d,h,gated,impl,consumer",
     [
-        (7, 64, 256, True, "two_pass", 2, 1),
-        (33, 40, 300, True, "fused", 1, 3),
-        (1, 64, 1408, True, "two_pass", 4, 1),
-        (19, 36, 300, False, "two_pass", 2, 2),
-        (12, 64, 520, False, "fused", 1, 1),
+        (7, 64, 256, True, "two_pass", {"nb": 2}),
+        (33, 40, 300, True, "fused", {"nb": 1, "rows": 3}),
+        (1, 64, 1408, True, "two_pass", {"nb": 4, "k": 4, "prefetch": True}),
+        (19, 36, 300, False, "two_pass", {"nb": 2, "rows": 2, "k": 2}),
+        (12, 64, 520, False, "fused", {"nb": 1, "prefetch": True}),
+        (9, 40, 520, True, "two_pass", {"version": 1, "nb": 2}),
+        (9, 40, 520, False, "two_pass", {"version": 1, "nb": 1, "rows": 2}),
     ],
 )
-def test_ffn_matches_fp64_exact_grid(n, d, h, gated, impl, nb, rows):
+def test_ffn_matches_fp64_exact_grid(n, d, h, gated, impl, consumer):
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.04, seed=n, grid=True, gated=gated)
     x[n // 2, 1:] = 2.0  # a very dense row (overflowed tiles -> dense path)
     x[0, 1:] = -3.0      # most gates off
     st = TwELLState(gate_impl=impl)
-    st.consumer_kwargs = {"nb": nb, "rows": rows}
+    st.consumer_kwargs = dict(consumer)
+    st.pack_kwargs = {"version": consumer.get("version", 2)} if impl == "two_pass" else {}
     y, stats = sparse_ffn(x, wg if gated else None, wu, wd, state=st)
     y_ref, h_ref, act = ffn_reference_fp64(x, wg if gated else None, wu, wd, factor=8,
                                            value_dtype=torch.bfloat16)
@@ -271,6 +290,57 @@ def test_noncontiguous_and_empty_and_errors():
         sparse_ffn(x, wg.half(), wu, wd)
 
 
+CONSUMER_LAUNCHES = [
+    {"version": 1, "nb": 1},
+    {"version": 1, "nb": 4, "rows": 2},
+    {"version": 2},                                    # default: nb 2, k 32
+    {"version": 2, "nb": 1, "k": 2},                   # many K-batches per row
+    {"version": 2, "nb": 2, "k": 4, "prefetch": True},
+    {"version": 2, "nb": 4, "k": 8, "prefetch": True, "rows": 3},
+]
+
+
+@pytest.mark.parametrize("launch", CONSUMER_LAUNCHES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_consumer_launches_match_fp64_on_crafted_rows(launch):
+    """twell_ffn_apply alone, every consumer version / launch shape, gated and non-gated.
+
+    Rows: all-zero; fully dense (every tile overflowed); exactly at capacity in tile 0 plus
+    entries in the partial last tile; one overflowed tile between listed ones (list order
+    must skip it); a single non-zero in the last column; random sparse rows.
+    """
+    gen = torch.Generator().manual_seed(21)
+    m, d, h = 8, 24, 700  # 3 tiles, the last one 188 columns wide
+    pre = torch.randn(m, h, generator=gen, dtype=torch.float64)
+    pre = torch.where(torch.rand(m, h, generator=gen) < 0.03, pre.abs() + 0.1, -pre.abs())
+    pre[0] = -1.0
+    pre[1] = pre[1].abs() + 0.1
+    pre[2] = -1.0
+    pre[2, :31] = 0.5
+    pre[2, 600:604] = 2.0
+    pre[3] = -1.0
+    pre[3, 3] = 1.0
+    pre[3, 256:300] = 0.25       # tile 1 overflowed (44 > 31)
+    pre[3, [520, 699]] = 4.0
+    pre[4] = -1.0
+    pre[4, h - 1] = 3.0
+    pre = pre.to(torch.bfloat16).float()  # bf16-exact: the TwELL values are the dense values
+    x = torch.randn(m, d, generator=gen)
+    wu = torch.randn(h, d, generator=gen)
+    wdt = torch.randn(h, d, generator=gen)
+    pre, x, wu, wdt = (t.to(DEV) for t in (pre, x, wu, wdt))
+    tw = pack(pre, 8)
+    assert int(tw.overflow_tiles().sum()) == 3 + 1 and int(tw.counts[2, 0]) == 31
+    g = torch.relu(pre).double()
+    for gated in (True, False):
+        h_ref = g * (x.double() @ wu.double().T) if gated else g
+        y_ref = h_ref @ wdt.double()
+        up = {"x_MD": x, "w_up_HD": wu} if gated else {}
+        y, l1 = twell_ffn_apply(tw, pre, wdt, stats=True, **up, **launch)
+        assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-4, what=f"y gated={gated} {launch}")
+        torch.testing.assert_close(l1.double(), h_ref.abs().sum(1), rtol=1e-5, atol=1e-6)
+        assert y[0].abs().max().item() == 0.0 and l1[0].item() == 0.0
+
+
 def test_apply_rejects_bad_operands():
     tw = pack(torch.ones(3, 300))
     wdt = torch.zeros(300, 16)
@@ -282,6 +352,12 @@ def test_apply_rejects_bad_operands():
     with pytest.raises(ValueError, match="whole row"):
         twell_ffn_apply(tw, dense, wdt, x_MD=torch.zeros(3, 16), w_up_HD=torch.zeros(300, 16),
                         block_d=8)
+    with pytest.raises(ValueError, match="version"):
+        twell_ffn_apply(tw, dense, wdt, version=3)
+    with pytest.raises(ValueError, match="powers of 2"):
+        twell_ffn_apply(tw, dense, wdt, nb=4, k=2)
+    with pytest.raises(ValueError, match="version"):
+        pack_dense(dense, version=0)
 
 
 def test_down_t_cache_invalidated_on_weight_update():

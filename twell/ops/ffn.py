@@ -46,11 +46,11 @@ from twell.format import check_width, words_per_tile
 from twell.stats import FFNStats
 
 # Density (non-zeros / (N*H)) above which "auto" runs dense cuBLAS.
-# PREDICTION, to be replaced by the measured crossover of scripts/bench_ffn.py
-# (BENCHMARKS.md): from the H200 calibration, TwELL ~= 0.63 ms (gate + pack) +
-# 0.0141 ms per active unit per token at N=16384, D=2048, H=5632, against
-# 1.69 ms dense, i.e. a crossover near 74 units/token = 1.3% density.
-DEFAULT_DENSITY_THRESHOLD = float(os.environ.get("TWELL_AUTO_DENSITY", "0.013"))
+# MEASURED (docs/bench/bench_infer.log, H200, N=16384, D=2048, H=5632, v1 kernels): TwELL won up to
+# density 0.0030 (1.25x) and lost from 0.0099 (0.94x); 0.006 sits between. To be re-derived from
+# scripts/bench_ffn.py (it prints the crossover) once the v2 pack/consumer are measured: the v2
+# prediction in BENCHMARKS.md puts the crossover near 1.2 %. Override: TWELL_AUTO_DENSITY.
+DEFAULT_DENSITY_THRESHOLD = float(os.environ.get("TWELL_AUTO_DENSITY", "0.006"))
 GATE_IMPLS = ("two_pass", "fused")
 DEFAULT_GATE_IMPL = os.environ.get("TWELL_GATE_IMPL", "two_pass")
 
@@ -83,7 +83,10 @@ class TwELLState:
         density_threshold: "auto" goes dense above this density.
         density: last measured density (Python float) or None.
         last_info: :class:`FFNInfo` of the last call.
-        consumer_kwargs: launch shape overrides for the consumer kernel.
+        consumer_kwargs: overrides for the consumer (``twell_ffn_apply``:
+            version, nb, rows, num_warps, k, prefetch).
+        pack_kwargs: overrides for the two-pass packer (``pack_dense``:
+            version, block_m, num_warps, programs_per_sm).
     """
 
     def __init__(self, factor: int = 8, gate_impl: str | None = None,
@@ -98,6 +101,7 @@ class TwELLState:
         self.density: float | None = None
         self.last_info: FFNInfo | None = None
         self.consumer_kwargs: dict = {}
+        self.pack_kwargs: dict = {}
         self._wdt: torch.Tensor | None = None
         self._wdt_key: tuple | None = None
         self._dens_host: torch.Tensor | None = None
@@ -296,7 +300,7 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state):
             tw, dense, colcnt = gate_gemm_pack(x_ND, w_in, state.factor, stats=with_stats)
         else:
             dense = F.linear(x_ND, w_in)  # cuBLAS on GPU
-            tw, colcnt = pack_dense(dense, state.factor, stats=with_stats)
+            tw, colcnt = pack_dense(dense, state.factor, stats=with_stats, **state.pack_kwargs)
         wdt = state.down_t(w_down_DH, wdt_dtype)
         y, l1_rows = twell_ffn_apply(
             tw, dense, wdt, x_MD=x_ND if gated else None, w_up_HD=w_up_HD if gated else None,

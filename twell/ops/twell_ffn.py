@@ -19,9 +19,20 @@ nothing), so overflow costs time but never correctness.
 
 Performance notes: the work is a gather of 2 * nnz weight rows per token;
 ``shared/PAPER.md`` measured such gathers at 9-10 TB/s when Wu/WdT sit in
-L2. NB > 1 issues NB independent row gathers per step (more bytes in
-flight per program), ROWS > 1 amortises the x row load and program start.
-Defaults chosen in BENCHMARKS.md.
+L2. Two kernels (``version``):
+
+* v1 ``_twell_ffn_kernel`` walks the T tiles of a row one by one (a
+  dependent count load per tile, a dependent word load per step; a step of
+  NB slots is per tile, so mostly masked at ~1 non-zero per tile). Run 1 on
+  the H200: ~0.26 ms fixed + 0.0144 ms per non-zero per row at M = 16384.
+* v2 ``_twell_ffn_v2_kernel`` (default) treats the row's non-zeros as one
+  flat list: counts in one vector load, (tile, slot) of flat index k from
+  the counts' cumsum, K words per vector load, NB non-zeros per step taken
+  from registers (see its docstring).
+
+NB > 1 issues NB independent row gathers per step (more bytes in flight
+per program), ROWS > 1 amortises program start. Defaults and measurements:
+BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -133,6 +144,140 @@ def _twell_ffn_kernel(
                     tl.store(l1_ptr + r, l1)
 
 
+@triton.jit
+def _decode(wrd, FP16_VALUES: tl.constexpr):
+    """Slot words -> (column int32, value fp32)."""
+    cols = wrd & 0xFFFF
+    if FP16_VALUES:
+        v = ((wrd >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        v = (wrd & -65536).to(tl.float32, bitcast=True)  # bf16 -> fp32 exactly
+    return cols, v
+
+
+@triton.jit
+def _load_rows(cols, valid, offs_d, d_mask, wu_ptr, wdt_ptr, stride_wu, stride_wd, GATED: tl.constexpr):
+    """Issue the gathers of Wu[cols] (GATED) and WdT[cols]: (NB, BLOCK_D) each, both before any use."""
+    c64 = cols.to(tl.int64)
+    m2 = valid[:, None] & d_mask[None, :]
+    wd = tl.load(wdt_ptr + c64[:, None] * stride_wd + offs_d[None, :], mask=m2, other=0.0)
+    if GATED:
+        wu = tl.load(wu_ptr + c64[:, None] * stride_wu + offs_d[None, :], mask=m2, other=0.0)
+    else:
+        wu = wd  # unused
+    return wu, wd
+
+
+@triton.jit
+def _twell_ffn_v2_kernel(
+    x_ptr, tw_ptr, dense_ptr, wu_ptr, wdt_ptr, y_ptr, l1_ptr,   # as in _twell_ffn_kernel
+    M, H, D, n_tile,
+    stride_xm, stride_dm, stride_ym, stride_wu, stride_wd,
+    W: tl.constexpr,
+    GATED: tl.constexpr,
+    FP16_VALUES: tl.constexpr,
+    STATS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NB: tl.constexpr,           # non-zeros per step
+    ROWS: tl.constexpr,         # rows per program
+    OUT_BF16: tl.constexpr,
+    T_PAD: tl.constexpr,        # next power of 2 >= T
+    K: tl.constexpr,            # slot words fetched per batch (power of 2, >= NB)
+    PREFETCH: tl.constexpr,     # issue the next step's row gathers before this step's math
+):
+    """v2 consumer: the row's non-zeros as one flat list, NB per step.
+
+    v1 walks the T tiles one by one (T dependent count loads per row, and an
+    NB-wide step that is mostly masked when a tile holds ~1 non-zero). Here:
+    one vector load of the row's T counts; their inclusive cumsum ``incl``
+    maps flat index k to (tile = #{t : incl_t <= k}, slot = k - incl_{tile-1});
+    K slot words are fetched in one vector load; steps of NB take NB words
+    from registers (no memory access between the count load and the weight
+    gathers but that one word load per K non-zeros). Overflowed tiles are
+    left out of the list (count 0) and done afterwards from the dense gate.
+    """
+    pid = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    offs_nb = tl.arange(0, NB)
+    offs_k = tl.arange(0, K)
+    offs_t = tl.arange(0, T_PAD)
+    for i in tl.static_range(ROWS):
+        r = pid * ROWS + i
+        if r < M:
+            r64 = r.to(tl.int64)
+            row_tw = tw_ptr + r64 * n_tile * W
+            cnt = tl.load(row_tw + offs_t * W, mask=offs_t < n_tile, other=0)
+            ovf = cnt >= W
+            eff = tl.where(ovf, 0, cnt)
+            incl = tl.cumsum(eff, axis=0)
+            total = tl.sum(eff, axis=0)
+            n_ovf = tl.sum(ovf.to(tl.int32), axis=0)
+            acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            l1 = tl.sum(acc, axis=0)  # fp32 scalar 0
+            if GATED:
+                x = tl.load(x_ptr + r64 * stride_xm + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+            else:
+                x = acc
+            for s0 in range(0, total, K):
+                kk = s0 + offs_k
+                le = incl[None, :] <= kk[:, None]                      # (K, T_PAD)
+                tile_k = tl.sum(le.to(tl.int32), axis=1)
+                before = tl.sum(tl.where(le, eff[None, :], 0), axis=1)
+                wrds = tl.load(row_tw + tile_k * W + 1 + (kk - before), mask=kk < total, other=0)
+                n_here = tl.minimum(total - s0, K)
+                # step j takes words j .. j+NB-1 of the batch (one-hot select: exact for int32)
+                sel = offs_k[None, :] == offs_nb[:, None]
+                cols, v = _decode(tl.sum(tl.where(sel, wrds[None, :], 0), axis=1), FP16_VALUES)
+                valid = offs_nb < n_here
+                if PREFETCH:
+                    wu, wd = _load_rows(cols, valid, offs_d, d_mask, wu_ptr, wdt_ptr, stride_wu,
+                                        stride_wd, GATED)
+                for j in range(0, n_here, NB):
+                    if PREFETCH:
+                        cur_wu = wu
+                        cur_wd = wd
+                    else:
+                        cur_wu, cur_wd = _load_rows(cols, valid, offs_d, d_mask, wu_ptr, wdt_ptr,
+                                                    stride_wu, stride_wd, GATED)
+                    cur_v = v
+                    cur_valid = valid
+                    nxt = j + NB + offs_nb
+                    sel = offs_k[None, :] == nxt[:, None]
+                    cols, v = _decode(tl.sum(tl.where(sel, wrds[None, :], 0), axis=1), FP16_VALUES)
+                    valid = nxt < n_here
+                    if PREFETCH:
+                        wu, wd = _load_rows(cols, valid, offs_d, d_mask, wu_ptr, wdt_ptr, stride_wu,
+                                            stride_wd, GATED)
+                    if GATED:
+                        u = tl.sum(cur_wu.to(tl.float32) * x[None, :], axis=1)
+                        hv = tl.where(cur_valid, cur_v * u, 0.0)
+                    else:
+                        hv = tl.where(cur_valid, cur_v, 0.0)
+                    acc += tl.sum(hv[:, None] * cur_wd.to(tl.float32), axis=0)
+                    l1 += tl.sum(tl.abs(hv), axis=0)
+            if n_ovf > 0:  # overflowed tiles: dense pre-activation, NB columns at a time
+                for t in range(n_tile):
+                    if tl.load(row_tw + t * W) >= W:
+                        for jj in range(0, 256, NB):
+                            cols = t * 256 + jj + offs_nb
+                            in_h = cols < H
+                            g = tl.load(dense_ptr + r64 * stride_dm + cols, mask=in_h, other=0.0)
+                            g = g.to(tl.float32)
+                            ok = ~(g <= 0) & in_h
+                            acc, l1 = _accumulate(acc, l1, x, cols, g, ok, offs_d, d_mask, wu_ptr,
+                                                  wdt_ptr, stride_wu, stride_wd, GATED)
+            if OUT_BF16:  # explicit RNE: the interpreter's float cast truncates
+                yv = f32_to_bf16_bits(acc).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            else:
+                yv = acc.to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + r64 * stride_ym + offs_d, yv, mask=d_mask)
+            if STATS:  # noqa: SIM102 (constexpr guard around a runtime branch)
+                if pid_d == 0:
+                    tl.store(l1_ptr + r, l1)
+
+
 def twell_ffn_apply(
     tw: TwELL,
     dense_MH: torch.Tensor,
@@ -142,10 +287,13 @@ def twell_ffn_apply(
     w_up_HD: torch.Tensor | None = None,
     stats: bool = False,
     out_dtype: torch.dtype | None = None,
-    nb: int = 2,
+    version: int = 2,
+    nb: int | None = None,
     rows: int = 1,
     block_d: int | None = None,
     num_warps: int | None = None,
+    k: int = 32,
+    prefetch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the TwELL consumer: y = (h from TwELL) @ Wd^T, h gated by the up projection.
 
@@ -159,15 +307,31 @@ def twell_ffn_apply(
         w_up_HD: (H, D) up weight, required with ``x_MD``.
         stats: also return the per-row L1 ``sum_c |h_rc|`` (M,) fp32.
         out_dtype: y dtype (default x's / the weights' dtype).
+        version: 2 (default): the row's non-zeros as one flat list (one
+            vector load of the T counts, K slot words per vector load, NB
+            non-zeros per step); 1: the first kernel (walks the tiles one by
+            one), kept for the benchmark's old/new ratio.
         nb, rows, block_d, num_warps: launch shape (see module notes);
             ``block_d`` < D splits D across programs (non-gated only).
+            Defaults: v2 nb=2, v1 nb=1 (v1's fastest at 0.3 % density on the
+            H200, docs/bench/bench_infer.log); warps = block_d * nb / 1024.
+        k, prefetch: v2 only: words per batch (power of 2 >= nb) and
+            whether the next step's weight rows are gathered before this
+            step's math (double-buffered registers).
 
     Returns:
         ``(y_MD, l1_M or None)``.
 
     Raises:
-        ValueError: inconsistent shapes/dtypes/devices, unsupported D split.
+        ValueError: inconsistent shapes/dtypes/devices, unsupported D split,
+            bad version / nb / k.
     """
+    if version not in CONSUMER_VERSIONS:
+        raise ValueError(f"twell_ffn_apply version must be one of {CONSUMER_VERSIONS}; got {version!r}")
+    if nb is None:
+        nb = 2 if version == 2 else 1
+    if nb < 1 or nb & (nb - 1) or k < nb or k & (k - 1):
+        raise ValueError(f"nb and k must be powers of 2 with k >= nb; got nb={nb}, k={k}")
     m, t, w = tw.data.shape
     h = tw.n_cols
     gated = x_MD is not None
@@ -209,15 +373,19 @@ def twell_ffn_apply(
         grid = (triton.cdiv(m, rows), triton.cdiv(d, block_d))
         xa = x_MD if gated else y  # placeholders keep the signature fixed
         wa = w_up_HD if gated else w_down_t_HD
-        _twell_ffn_kernel[grid](
-            xa, tw.data, dense_MH, wa, w_down_t_HD, y, l1,
-            m, h, d, t,
-            xa.stride(0), dense_MH.stride(0), y.stride(0), wa.stride(0), w_down_t_HD.stride(0),
-            W=w, GATED=gated, FP16_VALUES=tw.value_dtype == torch.float16, STATS=stats,
-            BLOCK_D=block_d, NB=nb, ROWS=rows, OUT_BF16=out_dtype == torch.bfloat16,
-            num_warps=num_warps,
-        )
+        args = (xa, tw.data, dense_MH, wa, w_down_t_HD, y, l1, m, h, d, t,
+                xa.stride(0), dense_MH.stride(0), y.stride(0), wa.stride(0), w_down_t_HD.stride(0))
+        meta = {"W": w, "GATED": gated, "FP16_VALUES": tw.value_dtype == torch.float16,
+                "STATS": stats, "BLOCK_D": block_d, "NB": nb, "ROWS": rows,
+                "OUT_BF16": out_dtype == torch.bfloat16, "num_warps": num_warps}
+        if version == 1:
+            _twell_ffn_kernel[grid](*args, **meta)
+        else:
+            _twell_ffn_v2_kernel[grid](*args, **meta, T_PAD=max(2, triton.next_power_of_2(t)), K=k,
+                                       PREFETCH=prefetch)
     return y, (l1 if stats else None)
 
 
-__all__ = ["twell_ffn_apply"]
+CONSUMER_VERSIONS = (1, 2)
+
+__all__ = ["CONSUMER_VERSIONS", "twell_ffn_apply"]
