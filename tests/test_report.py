@@ -1,0 +1,303 @@
+"""twell-report and scripts/scaling_study.py on run directories written by real tiny CPU runs.
+
+Three runs are trained in-process (tests/train_utils.py's synthetic token stream, a 2-layer
+32-wide model, 6 steps): dense (L1 0), L1 and L1 + dead-gate re-init. ``evals.evaluate`` is
+replaced by a stub returning fixed scores so the trainer's real eval path (kind=eval line and
+summary["eval"]) is exercised without the task data. Other cases are copies of these runs with
+one file edited (no summary, other tokens seen, other data, another FFN impl).
+"""
+
+import csv
+import io
+import json
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train_utils import tiny_config, write_tokens
+from train import report
+from train.report import (
+    TASKS,
+    IncompleteRunError,
+    MismatchError,
+    ReportError,
+    build_report,
+    l0_by_position,
+    load_run,
+)
+from train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+SCORES = {t: 0.25 + 0.01 * i for i, t in enumerate(TASKS)}  # the stub's primary scores
+
+
+def _fake_evaluate(model, tokenizer, tasks="all", limit=None, batch_size=16, device=None):
+    out = {t: {"acc": s, "acc_norm": s, "primary": s, "n": limit} for t, s in SCORES.items()}
+    return {"tasks": out, "mean": sum(SCORES.values()) / len(SCORES), "protocol": {}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    tokens = write_tokens(root / "tok" / "train.bin", n_tokens=20_000)
+    fake = types.ModuleType("evals")
+    fake.evaluate = _fake_evaluate
+    saved = sys.modules.get("evals")
+    sys.modules["evals"] = fake
+    over = {"trainer.max_steps": 6, "trainer.log_every": 1, "trainer.val_every": 0,
+            "eval.at_end": True, "eval.limit": 7}
+    variants = {"dense": {}, "l1": {"sparsity.l1_coeff": 0.5},
+                "l1_reinit": {"sparsity.l1_coeff": 0.5, "sparsity.reinit_dead": True}}
+    try:
+        for name, extra in variants.items():
+            t = Trainer(tiny_config(tokens, **over, **extra), root / "study" / name)
+            try:
+                t.train()
+            finally:
+                t.close()
+    finally:
+        if saved is None:
+            sys.modules.pop("evals", None)
+        else:
+            sys.modules["evals"] = saved
+    return root / "study"
+
+
+def _copy(runs: Path, name: str, tmp_path: Path, as_name: str) -> Path:
+    dst = tmp_path / "study" / as_name
+    shutil.copytree(runs / name, dst)
+    return dst
+
+
+def _edit_json(path: Path, **changes) -> None:
+    d = json.loads(path.read_text())
+    d.update(changes)
+    path.write_text(json.dumps(d))
+
+
+def test_table_values_equal_the_files(runs):
+    rep = build_report([str(runs)])
+    assert [r["run"] for r in rep.rows] and {r["run"] for r in rep.rows} == {
+        "dense", "l1", "l1_reinit"}
+    for row in rep.rows:
+        d = runs / row["run"]
+        s = json.loads((d / "summary.json").read_text())
+        lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+        train = [x for x in lines if x["kind"] == "train"]
+        ev = [x for x in lines if x["kind"] == "eval"][-1]
+        assert row["train_ce"] == s["final_train_ce"] == train[-1]["ce"]
+        assert row["val_loss"] == s["val_loss"] is not None
+        assert row["l0_mean"] == s["l0_mean"] == train[-1]["l0_mean"]
+        assert row["l0_layer_max"] == max(train[-1]["l0_layers"])
+        assert row["nnz_max"] == s["nnz_max"]
+        assert row["dead_pct"] == pytest.approx(100 * train[-1]["dead_frac"])
+        assert row["tokens_M"] == pytest.approx(6 * 8 * 32 / 1e6)
+        assert row["params_M"] == pytest.approx(s["params"] / 1e6)
+        # params = emb 64x32 + 2 layers x (4 x 32^2 attn + 3 x 32 x 64 FFN + 2 x 32 norms) + 32
+        assert s["params"] == 64 * 32 + 2 * (4 * 32 * 32 + 3 * 32 * 64 + 64) + 32
+        assert row["nonemb_params_M"] == pytest.approx((s["params"] - 64 * 32) / 1e6)
+        assert row["layers"] == 2 and row["size"] == "test" and row["ffn_impl"] == "torch"
+        for t in TASKS:
+            assert row[f"acc_{t}"] == pytest.approx(100 * SCORES[t])
+            assert ev[f"eval_{t}"] == SCORES[t]
+        assert row["acc_mean"] == pytest.approx(100 * sum(SCORES.values()) / 7)
+    by = {r["run"]: r for r in rep.rows}
+    assert (by["dense"]["variant"], by["l1"]["variant"], by["l1_reinit"]["variant"]) == (
+        "dense", "l1", "l1_reinit")
+    assert by["dense"]["l1_coeff"] == 0.0 and by["l1"]["l1_coeff"] == 0.5
+    assert by["l1"]["l0_mean"] < by["dense"]["l0_mean"]  # the penalty bites even in 6 steps
+    # markdown and CSV carry the same numbers
+    md = rep.markdown()
+    assert f"| {by['l1']['val_loss']:.4f} |" in md and "| 25.0 | 26.0 |" in md
+    rows = list(csv.DictReader(io.StringIO(report.csv_text(rep.rows))))
+    assert [r["run"] for r in rows] == [r["run"] for r in rep.rows]
+    for r in rows:
+        assert float(r["val_loss"]) == by[r["run"]]["val_loss"]
+        assert float(r["acc_piqa"]) == pytest.approx(100 * SCORES["piqa"])
+    # the sparsity-variant table pairs l1_reinit with the plain L1 run of the same config
+    assert len(rep.variant_rows) == 1
+    v = rep.variant_rows[0]
+    assert v["variant"] == "l1_reinit" and v["runs"] == "l1 / l1_reinit"
+    assert v["l0_mean"] == f"{report._fmt(by['l1']['l0_mean'])} -> " \
+                           f"{report._fmt(by['l1_reinit']['l0_mean'])}"
+
+
+def test_eval_from_metrics_when_summary_has_none(runs, tmp_path):
+    d = _copy(runs, "l1", tmp_path, "l1")
+    _edit_json(d / "summary.json", eval=None)
+    row = report.run_row(load_run(d))
+    assert row["acc_hellaswag"] == pytest.approx(100 * SCORES["hellaswag"])
+    assert row["acc_mean"] == pytest.approx(100 * sum(SCORES.values()) / 7)
+
+
+def test_plots_and_outputs_are_written(runs, tmp_path):
+    rep = build_report([str(runs / "*")], position_batches=1, device="cpu",
+                       plot_dir=tmp_path / "plots")
+    names = sorted(p.name for p in rep.plots)
+    assert names == sorted(["l0_vs_size.png", "acc_loss_vs_l1.png", "l0_per_layer.png",
+                            "train_ce.png", "l0_by_position.png"])
+    for p in rep.plots:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    files = report.write_outputs(rep, tmp_path / "out", image_prefix="scaling/")
+    md = files["markdown"].read_text()
+    assert "![l0_vs_size](scaling/l0_vs_size.png)" in md
+    pos = json.loads(files["position"].read_text())
+    assert set(pos) == {"dense", "l1", "l1_reinit"}
+    assert len(pos["l1"]["l0_LT"]) == 2 and len(pos["l1"]["l0_LT"][0]) == 32
+
+
+def test_l0_by_position_matches_the_ffn_stats(runs):
+    """Mean over positions of the hooked count == the FFN's own L0 (FFNStats) on the same batch."""
+    from omegaconf import OmegaConf
+
+    from train.checkpoint import latest_checkpoint
+    from train.data import DataConfig, build_datamodule
+    from train.model import ffn_modules, load_model
+
+    d = runs / "l1"
+    l0_LT, n = l0_by_position(d, batches=2, device="cpu")
+    assert l0_LT.shape == (2, 32) and n == 8  # 2 micro-batches of 4 sequences
+    cfg = OmegaConf.load(d / "config.yaml")
+    data = build_datamodule(DataConfig(**OmegaConf.to_container(cfg.data)), seq_len=32,
+                            micro_batch=4, seed=42)
+    model = load_model(latest_checkpoint(d))
+    mlps = ffn_modules(model)
+    nnz_L = torch.zeros(2, dtype=torch.float64)
+    tokens = 0
+    with torch.no_grad():
+        for ids in data.val_batches(2):
+            model(input_ids=ids)
+            nnz_L += torch.stack([m.last_stats.nnz_sum for m in mlps]).double()
+            tokens += ids.numel()
+    torch.testing.assert_close(torch.from_numpy(l0_LT.mean(1)), nnz_L / tokens, rtol=1e-12,
+                               atol=1e-9)
+    assert (l0_LT >= 0).all() and (l0_LT <= 64).all()
+
+
+def test_incomplete_run_is_named(runs, tmp_path, capsys):
+    for name in ("dense", "l1"):
+        _copy(runs, name, tmp_path, name)
+    bad = tmp_path / "study" / "l1"
+    (bad / "summary.json").unlink()
+    with pytest.raises(IncompleteRunError, match=rf"{bad}: incomplete run: no summary\.json "
+                                                 r"\(last logged step 6 of 6\)"):
+        build_report([str(tmp_path / "study")])
+    assert report.main([str(tmp_path / "study")]) == 2
+    assert f"IncompleteRunError: {bad}: incomplete run" in capsys.readouterr().err
+    rep = build_report([str(tmp_path / "study")], skip_incomplete=True)
+    assert [r["run"] for r in rep.rows] == ["dense"]
+    assert rep.skipped[0][0] == bad and f"`{bad}`" in rep.markdown()
+    # a summary short of max_steps is incomplete too
+    _edit_json(tmp_path / "study" / "dense" / "summary.json", step=3)
+    with pytest.raises(IncompleteRunError, match="at step 3 of trainer.max_steps=6"):
+        load_run(tmp_path / "study" / "dense")
+
+
+def test_mismatched_runs_are_named(runs, tmp_path):
+    _copy(runs, "dense", tmp_path, "a")
+    b = _copy(runs, "l1", tmp_path, "b")
+    build_report([str(tmp_path / "study")])  # equal: fine
+    _edit_json(b / "summary.json", tokens_seen=999)
+    with pytest.raises(MismatchError, match=rf"tokens seen differs: .*a: 1536 vs {b}: 999"):
+        build_report([str(tmp_path / "study")])
+    assert len(build_report([str(tmp_path / "study")], allow_mismatch=True).rows) == 2
+    _edit_json(b / "summary.json", tokens_seen=1536)
+    cfg = (b / "config.yaml").read_text()
+    (b / "config.yaml").write_text(cfg.replace("seq_len: 32", "seq_len: 16"))
+    with pytest.raises(MismatchError, match=rf"seq_len differs: .* vs {b}: 16"):
+        build_report([str(tmp_path / "study")])
+    (b / "config.yaml").write_text(cfg.replace("val_fraction: 0.05", "val_fraction: 0.1"))
+    with pytest.raises(MismatchError, match=rf"data differs: .*{b}: {{'val_fraction': 0.1}}"):
+        build_report([str(tmp_path / "study")])
+
+
+def test_bad_paths_raise(tmp_path):
+    with pytest.raises(ReportError, match="no such file"):
+        report.find_runs([str(tmp_path / "nope")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportError, match="no run directory"):
+        report.find_runs([str(tmp_path / "empty")])
+
+
+def test_ffn_pair_differences(runs, tmp_path):
+    """A copy of a run relabelled model.ffn_impl=twell, with hand-made differences."""
+    ref = _copy(runs, "l1", tmp_path, "torch")
+    tw = _copy(runs, "l1", tmp_path, "twell")
+    (tw / "config.yaml").write_text((tw / "config.yaml").read_text().replace(
+        "ffn_impl: torch", "ffn_impl: twell"))
+    lines = [json.loads(x) for x in (tw / "metrics.jsonl").read_text().splitlines()]
+    for x in lines:
+        if x["kind"] == "train" and x["step"] == 4:
+            x["loss"] += 0.125
+        if x["kind"] == "train" and x["step"] == 6:
+            x["dead_layers"] = [d + 2 / 64 for d in x["dead_layers"]]  # 2 more dead units/layer
+    (tw / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    s = json.loads((ref / "summary.json").read_text())
+    _edit_json(tw / "summary.json", l0_mean=s["l0_mean"] * 1.1,
+               tokens_per_s=s["tokens_per_s"] * 2)
+    rep = build_report([str(tmp_path / "study")])
+    assert len(rep.ffn_rows) == 1 and rep.variant_rows == []
+    r = rep.ffn_rows[0]
+    assert r["steps_compared"] == 6 and r["at_step"] == 4
+    assert r["max_abs_loss_diff"] == pytest.approx(0.125, abs=1e-12)
+    assert r["l0_rel_diff"] == pytest.approx(0.1)
+    assert r["dead_diff"] == 4 and r["speed_ratio"] == pytest.approx(2.0)
+    assert "## FFN implementations" in rep.markdown()
+
+
+def _study_cmd(tokens: Path, tmp_path: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "scripts" / "scaling_study.py"), "--cpu", "--sizes",
+            "tiny", "--l1", "0,0.5", "--steps", "2", "--micro-batch", "2", "--global-batch", "2",
+            "--seq-len", "32", "--val-batches", "1", "--eval-limit", "0", "--variants", "none",
+            "--ffn-pair", "none", "--position-batches", "1", "--position-l1", "0.5",
+            "--study-dir", str(tmp_path / "study"), "--out", str(tmp_path / "out"), *extra,
+            "model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=64",
+            "model.num_layers=2", "model.num_heads=2", "data=tokens",
+            f"data.paths=[{tokens}]", "data.vocab_size=64", "data.val_fraction=0.05"]
+
+
+@pytest.mark.slow
+def test_scaling_study_cpu_smoke(tmp_path):
+    """Two 2-step CPU runs through the whole script: outputs, statuses, table, position L0."""
+    import tarfile
+
+    tokens = write_tokens(tmp_path / "tok.bin", n_tokens=20_000)
+    res = subprocess.run(_study_cmd(tokens, tmp_path), cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["plots.tar.gz", "runs.csv", "runs.json",
+                                                      "scaling.md"]
+    data = json.loads((out / "runs.json").read_text())
+    assert [r["status"] for r in data["runs"]] == ["done", "done"]
+    for r in data["runs"]:
+        s = json.loads((tmp_path / "study" / r["name"] / "summary.json").read_text())
+        assert r["summary"]["val_loss"] == s["val_loss"] and r["curve"]["step"] == [1, 2]
+    pos = [r for r in data["runs"] if "l0_by_position" in r]
+    assert [r["name"] for r in pos] == ["tiny_l1_0.5"]
+    rows = list(csv.DictReader(io.StringIO((out / "runs.csv").read_text())))
+    assert sorted(r["run"] for r in rows) == ["tiny_l1_0", "tiny_l1_0.5"]
+    assert all(float(r["tokens_M"]) * 1e6 == pytest.approx(2 * 2 * 32) for r in rows)
+    with tarfile.open(out / "plots.tar.gz") as tar:
+        assert "scaling/l0_by_position.png" in tar.getnames()
+    assert "| tiny_l1_0.5 | ok | 0.5 |" in res.stdout
+    assert "## Runs" in (out / "scaling.md").read_text()
+
+
+@pytest.mark.slow
+def test_scaling_study_wall_guard_kills_and_reports(tmp_path):
+    tokens = write_tokens(tmp_path / "tok.bin", n_tokens=20_000)
+    res = subprocess.run(_study_cmd(tokens, tmp_path, "--max-wall", "1", "--parallel", "1"),
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((tmp_path / "out" / "runs.json").read_text())
+    status = [r["status"] for r in data["runs"]]
+    assert status == ["killed by the 1 s wall-clock guard",
+                      "not started before the 1 s wall-clock guard"]
+    assert data["study"]["report_error"]
+    assert "did not finish" in (tmp_path / "out" / "scaling.md").read_text()

@@ -1,0 +1,744 @@
+"""``twell-report``: collect training runs into tables (markdown, CSV) and plots (PNG).
+
+    twell-report runs/scaling                       # every run dir found under it
+    twell-report 'runs/multirun/2026-12-01/*' --out report/ --position-batches 2
+    twell-report runs/a runs/b --skip-incomplete    # list unfinished runs instead of failing
+
+A run directory is what ``twell-train`` writes (README "Training"): ``config.yaml``,
+``metrics.jsonl`` (kind=train|val|eval lines), ``summary.json`` (written only when the run reached
+``trainer.max_steps``) and ``checkpoints/step{N}/``. The report reproduces the paper's scaling
+table (arXiv 2603.23198, "Results": non-zeros per token fall with model size at L1 = 2e-5, 39 ->
+29 -> 24 from 0.5B to 2B) on any family of runs:
+
+- one row per run: size, layers, params, tokens, L1 coefficient, sparsity variant, FFN impl,
+  final train CE, validation loss, L0 (mean over layers and the most active layer), max non-zeros
+  of any token, dead %, the seven task scores (percent, the task's primary metric) and their
+  mean, tokens/s;
+- variant pairs: runs that differ only in ``sparsity.*`` from a plain constant-L1 run (dead-gate
+  re-init ``sparsity=l1_reinit``, ``sparsity=warmup``): L0, dead %, val loss, accuracy side by side;
+- FFN pairs: runs that differ only in ``model.ffn_impl`` (``twell`` vs ``torch``, same seed):
+  max |loss difference| over the logged steps, relative final L0 difference, dead-unit difference;
+- plots: L0 vs model size per L1, mean accuracy and validation loss vs L1 per size, per-layer L0
+  profile, train CE curves and (``--position-batches N``) L0 vs token position, measured from
+  each run's final checkpoint on N validation micro-batches (the trainer does not log it).
+
+Errors name the run directory: :class:`IncompleteRunError` (no summary.json: crashed, killed or
+still running), :class:`MismatchError` (runs compared on different data, tokens seen or seq_len).
+
+Shape legend: L layers, T sequence positions, H FFN width, B sequences, D model width.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import io
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TASKS = ("hellaswag", "commonsense_qa", "piqa", "winogrande", "arc_easy", "arc_challenge",
+         "openbookqa")  # evals.tasks.ALL_TASKS, the paper's seven (its order)
+TASK_SHORT = {"hellaswag": "HS", "commonsense_qa": "CSQA", "piqa": "PIQA", "winogrande": "WG",
+              "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "openbookqa": "OBQA"}
+# data keys that do not change which tokens a run sees
+_DATA_IGNORE = ("cache_dir", "build_if_missing", "verify", "num_proc")
+
+
+class ReportError(ValueError):
+    """A run directory the report cannot use; the message names the directory and the fix."""
+
+
+class IncompleteRunError(ReportError):
+    """The run has no summary.json (it crashed, was killed or is still running)."""
+
+
+class MismatchError(ReportError):
+    """Runs being compared saw different data, numbers of tokens or sequence lengths."""
+
+
+@dataclass
+class Run:
+    """One finished run directory, parsed.
+
+    Attributes:
+        dir: the run directory.
+        config: the resolved config (``config.yaml``) as a nested dict.
+        summary: ``summary.json``.
+        train / val / evals: the kind=train / val / eval lines of ``metrics.jsonl``, in order.
+    """
+
+    dir: Path
+    config: dict
+    summary: dict
+    train: list[dict] = field(default_factory=list)
+    val: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.dir.name
+
+    @property
+    def eval(self) -> dict | None:
+        """The final eval result (``eval_mean``, ``eval_<task>`` fractions) or None."""
+        return self.summary.get("eval") or (self.evals[-1] if self.evals else None)
+
+    @property
+    def variant(self) -> str:
+        """Sparsity variant: dense (L1 = 0), l1 (constant), l1_reinit, warmup."""
+        sp = self.config.get("sparsity", {})
+        if sp.get("schedule") == "linear_warmup":
+            name = "warmup"
+        elif not sp.get("l1_coeff"):
+            name = "dense"
+        else:
+            name = "l1"
+        return name + ("_reinit" if sp.get("reinit_dead") else "")
+
+
+# ---------------------------------------------------------------- finding and loading runs
+
+
+def _is_run_dir(p: Path) -> bool:
+    return (p / "config.yaml").is_file() and (p / "metrics.jsonl").exists()
+
+
+def find_runs(paths: list[str]) -> list[Path]:
+    """Run directories named by ``paths`` (each a run dir, a glob, or a parent searched recursively).
+
+    Raises:
+        ReportError: a path matches nothing, or holds no run directory.
+    """
+    found: list[Path] = []
+    for spec in paths:
+        matches = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
+        if not matches or not all(Path(m).exists() for m in matches):
+            raise ReportError(f"{spec}: no such file or directory; pass run directories, their "
+                              "parent, or a glob")
+        for m in map(Path, matches):
+            if not m.is_dir():
+                continue
+            if _is_run_dir(m):
+                found.append(m)
+                continue
+            sub = sorted({c.parent for c in m.rglob("config.yaml")
+                          if _is_run_dir(c.parent) and "checkpoints" not in c.parts})
+            if not sub:
+                raise ReportError(f"{m}: no run directory (config.yaml + metrics.jsonl) in or "
+                                  "under it")
+            found.extend(sub)
+    unique = list(dict.fromkeys(p.resolve() for p in found))
+    if not unique:
+        raise ReportError(f"no run directories in {paths}")
+    return unique
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ReportError(f"{path}:{i}: not JSON ({e}); the file is damaged") from None
+    return rows
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """Parse one run directory.
+
+    Raises:
+        ReportError: not a run directory (no config.yaml).
+        IncompleteRunError: no summary.json, or a summary of fewer steps than ``max_steps``.
+    """
+    from omegaconf import OmegaConf
+
+    d = Path(run_dir)
+    if not (d / "config.yaml").is_file():
+        raise ReportError(f"{d}: no config.yaml; not a twell-train run directory")
+    config = OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=True)
+    rows = _read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
+    by_kind: dict[str, list[dict]] = {"train": [], "val": [], "eval": []}
+    for r in rows:
+        by_kind.setdefault(r.get("kind", "train"), []).append(r)
+    max_steps = config.get("trainer", {}).get("max_steps")
+    if not (d / "summary.json").is_file():
+        last = by_kind["train"][-1]["step"] if by_kind["train"] else 0
+        raise IncompleteRunError(
+            f"{d}: incomplete run: no summary.json (last logged step {last} of {max_steps}); it "
+            "crashed, was killed or is still running: rerun the same command to resume it, or "
+            "leave it out (--skip-incomplete)")
+    summary = json.loads((d / "summary.json").read_text())
+    if max_steps is not None and summary.get("step", 0) < max_steps:
+        raise IncompleteRunError(f"{d}: incomplete run: summary.json is at step "
+                                 f"{summary.get('step')} of trainer.max_steps={max_steps}")
+    return Run(d, config, summary, by_kind["train"], by_kind["val"], by_kind["eval"])
+
+
+def load_runs(run_dirs: list[Path], *, skip_incomplete: bool = False
+              ) -> tuple[list[Run], list[tuple[Path, str]]]:
+    """Load every run; incomplete ones raise, or with ``skip_incomplete`` come back as
+    ``(dir, reason)`` in the second list."""
+    runs, skipped = [], []
+    for d in run_dirs:
+        try:
+            runs.append(load_run(d))
+        except IncompleteRunError as e:
+            if not skip_incomplete:
+                raise
+            skipped.append((Path(d), str(e)))
+    return runs, skipped
+
+
+def comparison_key(run: Run) -> dict:
+    """What must be equal for runs to be compared: data, tokens seen, sequence length."""
+    data = {k: v for k, v in run.config.get("data", {}).items() if k not in _DATA_IGNORE}
+    return {"data": data, "tokens seen": run.summary.get("tokens_seen"),
+            "seq_len": run.config.get("model", {}).get("seq_len")}
+
+
+def check_comparable(runs: list[Run]) -> None:
+    """Raise :class:`MismatchError` naming the first run whose data, tokens seen or seq_len differ
+    from the first run's."""
+    if not runs:
+        return
+    ref = comparison_key(runs[0])
+    for r in runs[1:]:
+        key = comparison_key(r)
+        for what in ref:
+            if key[what] != ref[what]:
+                a, b = ref[what], key[what]
+                if what == "data":
+                    diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+                    a = {k: a.get(k) for k in diff}
+                    b = {k: b.get(k) for k in diff}
+                raise MismatchError(
+                    f"runs are not comparable: {what} differs: {runs[0].dir}: {a} vs {r.dir}: {b}"
+                    "; compare runs trained on the same data, tokens and seq_len (or pass "
+                    "--allow-mismatch)")
+
+
+# ---------------------------------------------------------------- the table
+
+
+COLUMNS = (["run", "size", "layers", "params_M", "nonemb_params_M", "tokens_M", "l1_coeff",
+            "variant", "ffn_impl", "seed", "train_ce", "val_loss", "l0_mean", "l0_layer_max",
+            "nnz_max", "dead_pct"] + [f"acc_{t}" for t in TASKS] + ["acc_mean", "tokens_per_s"])
+
+
+def run_row(run: Run) -> dict:
+    """One table row of a run (accuracies in percent; None where the run has no value)."""
+    s, m, cfg = run.summary, run.config.get("model", {}), run.config
+    l0_layers = s.get("l0_layers") or []
+    ev = run.eval or {}
+    params = s.get("params")
+    emb = m.get("vocab_size", 0) * m.get("hidden_size", 0)  # tied: counted once in params
+
+    def pct(v):
+        return None if v is None else 100.0 * v
+
+    return {
+        "run": run.name,
+        "size": m.get("name"),
+        "layers": m.get("num_layers"),
+        "params_M": None if params is None else params / 1e6,
+        "nonemb_params_M": None if params is None else (params - emb) / 1e6,
+        "tokens_M": None if s.get("tokens_seen") is None else s["tokens_seen"] / 1e6,
+        "l1_coeff": cfg.get("sparsity", {}).get("l1_coeff"),
+        "variant": run.variant,
+        "ffn_impl": m.get("ffn_impl", "torch"),
+        "seed": cfg.get("trainer", {}).get("seed"),
+        "train_ce": s.get("final_train_ce"),
+        "val_loss": s.get("val_loss"),
+        "l0_mean": s.get("l0_mean"),
+        "l0_layer_max": max(l0_layers) if l0_layers else None,
+        "nnz_max": s.get("nnz_max"),
+        "dead_pct": s.get("dead_pct"),
+        **{f"acc_{t}": pct(ev.get(f"eval_{t}")) for t in TASKS},
+        "acc_mean": pct(ev.get("eval_mean")),
+        "tokens_per_s": s.get("tokens_per_s"),
+    }
+
+
+def sort_key(row: dict):
+    return (row["nonemb_params_M"] or 0, row["variant"], row["ffn_impl"], row["l1_coeff"] or 0,
+            row["run"])
+
+
+def _fmt(v, col: str = "") -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        if col == "l1_coeff":
+            return "0" if v == 0 else f"{v:.3g}"
+        if col == "tokens_per_s":
+            return f"{v:,.0f}"
+        if col in ("train_ce", "val_loss"):
+            return f"{v:.4f}"
+        if col.endswith("_M"):
+            return f"{v:.1f}" if abs(v) >= 1 else f"{v:.3g}"
+        return f"{v:.1f}" if abs(v) >= 10 or col.startswith("acc_") else f"{v:.3g}"
+    return str(v)
+
+
+_HEAD = {"run": "run", "size": "size", "layers": "layers", "params_M": "params (M)",
+         "nonemb_params_M": "non-emb. (M)", "tokens_M": "tokens (M)", "l1_coeff": "L1",
+         "variant": "sparsity", "ffn_impl": "FFN", "seed": "seed", "train_ce": "train CE",
+         "val_loss": "val loss", "l0_mean": "L0 mean", "l0_layer_max": "L0 max layer",
+         "nnz_max": "max nnz/token", "dead_pct": "dead %", "acc_mean": "mean acc",
+         "tokens_per_s": "tok/s", **{f"acc_{t}": TASK_SHORT[t] for t in TASKS}}
+
+
+def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """A GitHub markdown table of ``rows`` (dicts) over ``columns`` (default :data:`COLUMNS`)."""
+    cols = list(columns or COLUMNS)
+    out = ["| " + " | ".join(_HEAD.get(c, c) for c in cols) + " |",
+           "|" + "|".join("---" for _ in cols) + "|"]
+    out += ["| " + " | ".join(_fmt(r.get(c), c) for c in cols) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def csv_text(rows: list[dict]) -> str:
+    """All :data:`COLUMNS` as CSV (full precision; accuracies in percent; empty = no value)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({c: "" if r.get(c) is None else r[c] for c in COLUMNS})
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------- pairs
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _config_diff(a: Run, b: Run) -> set[str]:
+    fa, fb = _flat(a.config), _flat(b.config)
+    return {k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k)}
+
+
+def variant_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
+    """(baseline, variant) pairs: configs differ only in ``sparsity.*``, the baseline is a plain
+    constant-L1 run and the variant is l1_reinit / warmup (same coefficient preferred)."""
+    pairs = []
+    bases = [r for r in runs if r.variant == "l1"]
+    for v in runs:
+        if v.variant in ("l1", "dense"):
+            continue
+        cands = [b for b in bases if all(k.startswith("sparsity.") for k in _config_diff(b, v))]
+        if not cands:
+            continue
+        coeff = v.config["sparsity"]["l1_coeff"]
+        cands.sort(key=lambda b: abs(math.log(b.config["sparsity"]["l1_coeff"] / coeff))
+                   if coeff else 0.0)
+        pairs.append((cands[0], v))
+    return pairs
+
+
+def variant_rows(pairs: list[tuple[Run, Run]]) -> list[dict]:
+    """One row per (baseline, variant) pair: L0, dead %, val loss, mean accuracy of both."""
+    out = []
+    for b, v in pairs:
+        rb, rv = run_row(b), run_row(v)
+        out.append({"size": rv["size"], "variant": rv["variant"],
+                    "l1": f"{_fmt(rb['l1_coeff'], 'l1_coeff')} -> {_fmt(rv['l1_coeff'], 'l1_coeff')}",
+                    **{k: f"{_fmt(rb[k], k)} -> {_fmt(rv[k], k)}"
+                       for k in ("l0_mean", "dead_pct", "val_loss", "acc_mean")},
+                    "runs": f"{b.name} / {v.name}"})
+    return out
+
+
+def ffn_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
+    """(torch, other impl) pairs whose configs differ only in ``model.ffn_impl``."""
+    pairs = []
+    for a in runs:
+        if a.config["model"].get("ffn_impl", "torch") != "torch":
+            continue
+        for b in runs:
+            if b is not a and _config_diff(a, b) == {"model.ffn_impl"}:
+                pairs.append((a, b))
+    return pairs
+
+
+def ffn_pair_row(ref: Run, other: Run) -> dict:
+    """Issue-6 check of one FFN pair: max |loss difference| over the steps both logged, final L0
+    relative difference, dead units (count) difference, val loss and tokens/s of both."""
+    loss_a = {r["step"]: r["loss"] for r in ref.train}
+    loss_b = {r["step"]: r["loss"] for r in other.train}
+    common = sorted(set(loss_a) & set(loss_b))
+    max_diff = max((abs(loss_a[s] - loss_b[s]) for s in common), default=None)
+    worst = max(common, key=lambda s: abs(loss_a[s] - loss_b[s])) if common else None
+    H = ref.config["model"]["intermediate_size"]
+
+    def dead_units(run):
+        layers = run.train[-1].get("dead_layers") if run.train else None
+        return None if layers is None else round(sum(layers) * H)
+
+    la, lb = ref.summary.get("l0_mean"), other.summary.get("l0_mean")
+    da, db = dead_units(ref), dead_units(other)
+    ta, tb = ref.summary.get("tokens_per_s"), other.summary.get("tokens_per_s")
+    return {
+        "size": ref.config["model"].get("name"),
+        "impls": f"torch vs {other.config['model'].get('ffn_impl')}",
+        "steps_compared": len(common),
+        "max_abs_loss_diff": max_diff,
+        "at_step": worst,
+        "l0_torch": la, "l0_other": lb,
+        "l0_rel_diff": None if not la or lb is None else abs(lb - la) / la,
+        "dead_torch": da, "dead_other": db,
+        "dead_diff": None if da is None or db is None else db - da,
+        "val_loss_torch": ref.summary.get("val_loss"), "val_loss_other": other.summary.get("val_loss"),
+        "speed_ratio": None if not ta or tb is None else tb / ta,
+        "runs": f"{ref.name} / {other.name}",
+    }
+
+
+# ---------------------------------------------------------------- L0 per token position
+
+
+def l0_by_position(run_dir: str | Path, *, batches: int = 2, device: str | None = None,
+                   checkpoint: str | Path | None = None):
+    """Mean active FFN units per token position, per layer, from a run's final checkpoint.
+
+    Loads the checkpoint with :func:`train.model.load_model`, feeds ``batches`` validation
+    micro-batches of the run's own data (``config.yaml``'s data section, seq_len, micro-batch and
+    seed) and, through a forward pre-hook on every ``SparseGatedMLP``, counts ``relu(x Wg^T) > 0``
+    (``x Wu^T`` for the non-gated FFN) per token: the same test the FFN's own stats use.
+    On CUDA the forward runs under bf16 autocast when the run trained in bf16.
+
+    Args:
+        run_dir: a finished run directory.
+        batches: validation micro-batches to average over (>= 1).
+        device: ``cpu`` / ``cuda`` / None (CUDA if available).
+        checkpoint: a ``step{N}`` folder; default the newest complete one of the run.
+
+    Returns:
+        ``(l0_LT, n_seqs)``: float64 numpy array (L, T), mean active units at each position over
+        the ``n_seqs`` sequences seen.
+
+    Raises:
+        ReportError: no checkpoint, no validation data, or ``batches`` < 1.
+    """
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from omegaconf import OmegaConf
+    from transformers.utils import logging as hf_logging
+
+    from train.checkpoint import latest_checkpoint
+    from train.data import DataConfig, build_datamodule
+    from train.model import ffn_modules, load_model
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar per run
+    d = Path(run_dir)
+    if batches < 1:
+        raise ReportError(f"batches must be >= 1 for the L0-by-position measurement; got {batches}")
+    try:
+        ckpt = Path(checkpoint) if checkpoint else latest_checkpoint(d)
+    except FileNotFoundError as e:
+        raise ReportError(f"{d}: no checkpoint to measure L0 by position ({e})") from None
+    cfg = OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=True)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_model(ckpt).to(dev)
+    data = build_datamodule(DataConfig(**cfg["data"]), seq_len=cfg["model"]["seq_len"],
+                            micro_batch=cfg["trainer"]["micro_batch"], seed=cfg["trainer"]["seed"])
+    mlps = ffn_modules(model)
+    for m in mlps:
+        m.collect_stats = False
+    T = cfg["model"]["seq_len"]
+    sums_LT = torch.zeros(len(mlps), T, dtype=torch.float64, device=dev)
+    current: list = [None] * len(mlps)
+
+    def make_hook(i, mlp):
+        def hook(_module, args):
+            x_BTD = args[0]
+            w_HD = mlp.gate_proj.weight if mlp.gated else mlp.up_proj.weight
+            current[i] = (F.linear(x_BTD, w_HD) > 0).sum(-1, dtype=torch.int64)  # (B, T)
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(i, m)) for i, m in enumerate(mlps)]
+    bf16 = dev.type == "cuda" and cfg["trainer"].get("precision") in ("auto", "bf16")
+    n_seqs = 0
+    try:
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+            for ids_BT in data.val_batches(batches):
+                ids_BT = ids_BT.to(dev)
+                model(input_ids=ids_BT)
+                sums_LT[:, :ids_BT.shape[1]] += torch.stack(current).sum(1).double()
+                n_seqs += ids_BT.shape[0]
+    finally:
+        for h in handles:
+            h.remove()
+    if n_seqs == 0:
+        raise ReportError(f"{d}: the run's data has no validation batches; cannot measure L0 "
+                          "by position")
+    return (sums_LT / n_seqs).cpu().numpy().astype(np.float64), n_seqs
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _symlog_x(ax, values):
+    pos = sorted(v for v in values if v > 0)
+    if pos:
+        ax.set_xscale("symlog", linthresh=pos[0] / 2)
+    ax.set_xticks(sorted(set(values)))
+    ax.set_xticklabels([_fmt(float(v), "l1_coeff") for v in sorted(set(values))])
+
+
+def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None) -> list[Path]:
+    """PNG plots (matplotlib, Agg) into ``out_dir``; returns the files written.
+
+    ``l0_vs_size.png`` (final L0 vs non-embedding params, one line per L1, plain-L1/dense runs,
+    torch FFN), ``acc_loss_vs_l1.png`` (mean accuracy and validation loss vs L1, one line per
+    size), ``l0_per_layer.png`` (per-layer L0 of every run), ``train_ce.png`` (CE curves) and,
+    when ``position`` maps run names to (L, T) arrays, ``l0_by_position.png``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    rows = {r.name: run_row(r) for r in runs}
+    plain = [r for r in runs if r.variant in ("l1", "dense")
+             and r.config["model"].get("ffn_impl", "torch") == "torch"]
+
+    def save(fig, name):
+        p = out_dir / name
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+
+    # L0 vs model size, one line per L1 coefficient
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for coeff in sorted({rows[r.name]["l1_coeff"] for r in plain}):
+        pts = sorted((rows[r.name]["nonemb_params_M"], rows[r.name]["l0_mean"], rows[r.name]["layers"])
+                     for r in plain if rows[r.name]["l1_coeff"] == coeff
+                     and rows[r.name]["l0_mean"] is not None)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-",
+                    label=f"L1 = {_fmt(float(coeff), 'l1_coeff')}")
+            for x, y, layers in pts:
+                ax.annotate(f"{layers}L", (x, y), textcoords="offset points", xytext=(3, 3),
+                            fontsize=7)
+    ax.set_xlabel("non-embedding parameters (M)")
+    ax.set_ylabel("L0: active FFN units per token (final, mean over layers)")
+    ax.set_yscale("log")
+    ax.set_title("Active units vs model size")
+    ax.legend(fontsize=8)
+    save(fig, "l0_vs_size.png")
+
+    # mean accuracy and validation loss vs L1, one line per size
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    sizes = sorted({(rows[r.name]["nonemb_params_M"], rows[r.name]["size"]) for r in plain})
+    for _, size in sizes:
+        rs = sorted((rows[r.name] for r in plain if rows[r.name]["size"] == size),
+                    key=lambda x: x["l1_coeff"])
+        xs = [x["l1_coeff"] for x in rs]
+        acc = [(x["l1_coeff"], x["acc_mean"]) for x in rs if x["acc_mean"] is not None]
+        if acc:
+            ax1.plot(*zip(*acc), "o-", label=size)
+        vl = [(x["l1_coeff"], x["val_loss"]) for x in rs if x["val_loss"] is not None]
+        if vl:
+            ax2.plot(*zip(*vl), "o-", label=size)
+        _symlog_x(ax1, xs)
+        _symlog_x(ax2, xs)
+    ax1.set_xlabel("L1 coefficient")
+    ax1.set_ylabel("mean accuracy, 7 tasks (%)")
+    ax1.set_title("Downstream accuracy vs L1")
+    ax2.set_xlabel("L1 coefficient")
+    ax2.set_ylabel("validation loss (CE)")
+    ax2.set_title("Validation loss vs L1")
+    for ax in (ax1, ax2):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no values (evals off?)", ha="center", transform=ax.transAxes)
+    save(fig, "acc_loss_vs_l1.png")
+
+    # per-layer L0 profile, one panel per L1 coefficient
+    coeffs = sorted({rows[r.name]["l1_coeff"] for r in runs})
+    fig, axes = plt.subplots(1, len(coeffs), figsize=(4.2 * len(coeffs), 3.8), squeeze=False)
+    for ax, coeff in zip(axes[0], coeffs):
+        for r in runs:
+            row = rows[r.name]
+            layers = r.summary.get("l0_layers")
+            if row["l1_coeff"] != coeff or not layers:
+                continue
+            label = row["size"] + ("" if row["variant"] in ("l1", "dense") else f" {row['variant']}") \
+                + ("" if row["ffn_impl"] == "torch" else f" {row['ffn_impl']}")
+            ax.plot(range(len(layers)), layers, "o-", ms=3, label=label)
+        ax.set_xlabel("layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("L0 (active units per token)")
+        ax.set_yscale("log")
+        ax.set_title(f"L1 = {_fmt(float(coeff), 'l1_coeff')}")
+        ax.legend(fontsize=7)
+    save(fig, "l0_per_layer.png")
+
+    # train CE curves
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        if r.train:
+            ax.plot([x["tokens"] / 1e6 for x in r.train], [x["ce"] for x in r.train], lw=1,
+                    label=r.name)
+    ax.set_xlabel("tokens (M)")
+    ax.set_ylabel("train CE")
+    ax.set_title("Training curves")
+    ax.legend(fontsize=6, ncol=2)
+    save(fig, "train_ce.png")
+
+    if position:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, (l0_LT, n) in position.items():
+            mean_T = l0_LT.mean(0)
+            ax.plot(range(1, len(mean_T) + 1), mean_T, lw=1, label=f"{name} ({n} seqs)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("token position in the sequence")
+        ax.set_ylabel("L0 (mean over layers)")
+        ax.set_title("Active units vs token position")
+        ax.legend(fontsize=7)
+        save(fig, "l0_by_position.png")
+    return written
+
+
+# ---------------------------------------------------------------- the whole report
+
+
+@dataclass
+class Report:
+    """The collected runs, their rows and pairs; ``markdown()`` renders it."""
+
+    runs: list[Run]
+    rows: list[dict]
+    skipped: list[tuple[Path, str]]
+    variant_rows: list[dict]
+    ffn_rows: list[dict]
+    position: dict
+    plots: list[Path] = field(default_factory=list)
+
+    def markdown(self, image_prefix: str = "") -> str:
+        md = ["## Runs", "", markdown_table(self.rows),
+              ("L0: mean active FFN units per token (final logged step; `L0 mean` averages the "
+              "layers, `L0 max layer` is the most active layer); dead %: units inactive over a "
+              "whole optimizer step's tokens; task scores: percent, each task's primary metric "
+              "(acc or acc_norm); tok/s: training tokens per second of the run."), ""]
+        if self.variant_rows:
+            md += ["## Sparsity variants (baseline -> variant)", "",
+                   markdown_table(self.variant_rows, ["size", "variant", "l1", "l0_mean",
+                                                      "dead_pct", "val_loss", "acc_mean", "runs"]),
+                   ""]
+        if self.ffn_rows:
+            cols = ["size", "impls", "steps_compared", "max_abs_loss_diff", "at_step", "l0_torch",
+                    "l0_other", "l0_rel_diff", "dead_torch", "dead_other", "dead_diff",
+                    "val_loss_torch", "val_loss_other", "speed_ratio", "runs"]
+            md += ["## FFN implementations (same seed and config)", "", markdown_table(
+                [{k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in r.items()}
+                 for r in self.ffn_rows], cols), ""]
+        if self.skipped:
+            md += ["## Incomplete runs (left out)", ""]
+            md += [f"- `{d}`: {why}" for d, why in self.skipped] + [""]
+        if self.plots:
+            md += ["## Plots", ""]
+            md += [f"![{p.stem}]({image_prefix}{p.name})" for p in self.plots] + [""]
+        return "\n".join(md)
+
+
+def build_report(paths: list[str], *, skip_incomplete: bool = False, allow_mismatch: bool = False,
+                 position_batches: int = 0, position_l1: float | None = None,
+                 device: str | None = None, plot_dir: Path | None = None) -> Report:
+    """Collect runs, check them, compute the rows, pairs, optional L0-by-position, plots.
+
+    Raises:
+        ReportError / IncompleteRunError / MismatchError: naming the run directory.
+    """
+    runs, skipped = load_runs(find_runs(paths), skip_incomplete=skip_incomplete)
+    if not runs:
+        raise ReportError("no finished run to report: " + "; ".join(w for _, w in skipped))
+    if not allow_mismatch:
+        check_comparable(runs)
+    runs.sort(key=lambda r: sort_key(run_row(r)))
+    position = {}
+    if position_batches:
+        for r in runs:
+            if position_l1 is not None and not math.isclose(
+                    r.config["sparsity"]["l1_coeff"], position_l1, rel_tol=1e-9, abs_tol=1e-15):
+                continue
+            position[r.name] = l0_by_position(r.dir, batches=position_batches, device=device)
+    rep = Report(runs, [run_row(r) for r in runs], skipped, variant_rows(variant_pairs(runs)),
+                 [ffn_pair_row(a, b) for a, b in ffn_pairs(runs)], position)
+    if plot_dir is not None:
+        rep.plots = write_plots(runs, plot_dir, position or None)
+    return rep
+
+
+def write_outputs(rep: Report, out_dir: Path, image_prefix: str = "") -> dict[str, Path]:
+    """``report.md``, ``runs.csv``, ``position_l0.json`` (if measured) into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"markdown": out_dir / "report.md", "csv": out_dir / "runs.csv"}
+    files["markdown"].write_text(rep.markdown(image_prefix))
+    files["csv"].write_text(csv_text(rep.rows))
+    if rep.position:
+        files["position"] = out_dir / "position_l0.json"
+        files["position"].write_text(json.dumps(
+            {k: {"n_seqs": n, "l0_LT": [[round(float(x), 3) for x in row] for row in a]}
+             for k, (a, n) in rep.position.items()}))
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point ``twell-report``."""
+    p = argparse.ArgumentParser(prog="twell-report", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run directories, their parents, or globs")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write report.md, runs.csv and the PNGs here (default: print only)")
+    p.add_argument("--image-prefix", default="", help="prefix of the image links in report.md")
+    p.add_argument("--skip-incomplete", action="store_true",
+                   help="list unfinished runs instead of failing on them")
+    p.add_argument("--allow-mismatch", action="store_true",
+                   help="report runs trained on different data/tokens/seq_len together")
+    p.add_argument("--position-batches", type=int, default=0,
+                   help="measure L0 per token position on N validation micro-batches per run "
+                        "(loads each final checkpoint; 0 = off)")
+    p.add_argument("--position-l1", type=float, default=None,
+                   help="measure L0 by position only for runs at this L1 coefficient")
+    p.add_argument("--device", default=None, help="device of the position measurement")
+    p.add_argument("--csv", action="store_true", help="print CSV instead of markdown")
+    a = p.parse_args(argv)
+    try:
+        rep = build_report(a.runs, skip_incomplete=a.skip_incomplete,
+                           allow_mismatch=a.allow_mismatch, position_batches=a.position_batches,
+                           position_l1=a.position_l1, device=a.device, plot_dir=a.out)
+    except ReportError as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if a.out is not None:
+        files = write_outputs(rep, a.out, a.image_prefix)
+        print("\n".join(f"{k}: {v}" for k, v in files.items()))
+        print("\n".join(f"plot: {p}" for p in rep.plots))
+    print(csv_text(rep.rows) if a.csv else rep.markdown(a.image_prefix))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
