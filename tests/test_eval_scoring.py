@@ -15,15 +15,14 @@ V = 128  # toy vocabulary: one id per ASCII character
 
 
 class CharTokenizer:
-    """Toy tokenizer: one token per ASCII character; id 0 (NUL) is BOS = EOS."""
+    """Toy tokenizer: one token per character (ASCII code; others folded into 1..127); id 0 is BOS = EOS."""
 
     name_or_path = "toy-char"
     bos_token_id = 0
     eos_token_id = 0
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = [ord(c) for c in text]
-        assert all(0 < i < V for i in ids), text
+        ids = [ord(c) if 0 < ord(c) < V else 1 + ord(c) % (V - 1) for c in text]
         return ([0] if add_special_tokens else []) + ids
 
     def convert_ids_to_tokens(self, i: int) -> str:
@@ -225,3 +224,21 @@ def test_bad_arguments():
 
     with pytest.raises(TypeError, match="expected logits"):
         score_requests(Bad(), [([1], [2])])
+
+
+def test_evaluate_restores_mode_and_checks_arguments():
+    from evals import evaluate
+
+    m = NextCharModel().train()
+    res = evaluate(m, CharTokenizer(), tasks="openbookqa,winogrande", limit=3, batch_size=2)
+    assert m.training  # restored after the eval
+    assert list(res["tasks"]) == ["openbookqa", "winogrande"]
+    assert res["tasks"]["openbookqa"]["n"] == 3 and res["protocol"]["limit"] == 3
+    assert res["mean"] == pytest.approx((res["tasks"]["openbookqa"]["acc_norm"]
+                                         + res["tasks"]["winogrande"]["acc"]) / 2)
+    with pytest.raises(ValueError, match="unknown"):
+        evaluate(m, CharTokenizer(), tasks=["arc"])
+    with pytest.raises(ValueError, match="limit"):
+        evaluate(m, CharTokenizer(), tasks="piqa", limit=0)
+    with pytest.raises(ValueError, match="move the model"):
+        evaluate(m, CharTokenizer(), tasks="piqa", limit=1, device="meta")
