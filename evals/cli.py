@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from evals.harness import evaluate, resolve_tasks
-    from evals.models import convert_ffns, load_checkpoint, load_gguf
+    from evals.models import convert_ffns, load_checkpoint, load_gguf, smollm2_gguf_path
 
     resolve_tasks(args.tasks)  # fail before loading a model
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model, tok = load_gguf(args.gguf, dtype=args.dtype or "float32")
         convert_ffns(model, args.ffn_impl)
-        src = Path(args.gguf)
+        src = smollm2_gguf_path() if args.gguf == "smollm2" else Path(args.gguf)
     model.to(device)
     load_s = time.time() - t0
     res = evaluate(model, tok, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
