@@ -1,0 +1,279 @@
+"""``evaluate``: the seven zero-shot cloze tasks on any causal LM (dense or sparse).
+
+Usage (in-loop or from a script)::
+
+    from evals import evaluate
+    res = evaluate(model, tokenizer, tasks="all", limit=None, batch_size=16)
+    res["tasks"]["arc_easy"]["acc"], res["mean"], res["protocol"]
+
+Protocol (recorded in every result): 0 shots; cloze formulation with the prompt formats
+of :mod:`evals.tasks`; every choice scored by the summed log-likelihood of its
+continuation; ``acc`` = argmax of the sum, ``acc_norm`` = argmax of the sum divided by
+the choice's length in characters (lm-eval's ``acc_norm``; ties go to the first choice);
+each task's primary metric per :data:`evals.tasks.TASKS`; ``mean`` = unweighted mean of
+the primary metrics of the tasks run. A document-start prefix token is put before each
+context (:func:`evals.scoring.resolve_prefix_token`). ``limit=N`` takes the first N rows
+of each validation set in file order; malformed rows among them are skipped and counted.
+
+Source: arXiv 2603.23198, Section "Experiments" (seven zero-shot tasks).
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from evals.data import load_rows
+from evals.scoring import encode_pair, model_device, resolve_prefix_token, score_requests
+from evals.tasks import ALL_TASKS, TARGET_DELIMITER, TASKS, Item, MalformedItem
+
+MAX_SKIPPED_LISTED = 20
+
+
+def resolve_tasks(tasks: str | Sequence[str]) -> list[str]:
+    """``"all"``, ``"a,b"`` or a list -> list of task names (ValueError on unknown/duplicate)."""
+    if isinstance(tasks, str):
+        tasks = list(ALL_TASKS) if tasks == "all" else [t.strip() for t in tasks.split(",")]
+    tasks = [t for t in tasks if t]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"tasks: unknown {unknown or tasks!r}; use 'all' or some of {list(ALL_TASKS)}")
+    if len(set(tasks)) != len(tasks):
+        raise ValueError(f"tasks: duplicates in {tasks}")
+    return list(tasks)
+
+
+def build_items(task: str, rows: list[dict], tokenizer=None, prefix_id: int | None = None):
+    """Turn raw rows into items (and token requests if ``tokenizer`` is given).
+
+    Returns:
+        ``(items, requests, skipped)``: ``items`` a list of ``(row_index, Item)``;
+        ``requests`` per item a list of ``(context_ids, continuation_ids)`` per choice
+        (empty list if no tokenizer); ``skipped`` a list of ``{"row", "reason"}``.
+    """
+    spec = TASKS[task]
+    items, requests, skipped = [], [], []
+    for i, row in enumerate(rows):
+        try:
+            item: Item = spec.build(row)
+            reqs = []
+            if tokenizer is not None:
+                for ctx, cont in zip(item.contexts, item.continuations, strict=True):
+                    try:
+                        reqs.append(encode_pair(tokenizer, ctx, cont, prefix_id))
+                    except ValueError as e:
+                        raise MalformedItem(str(e)) from None
+        except MalformedItem as e:
+            skipped.append({"row": i, "reason": str(e)})
+            continue
+        items.append((i, item))
+        requests.append(reqs)
+    return items, requests, skipped
+
+
+def _stderr(correct: list[bool]) -> float:
+    n = len(correct)
+    if n < 2:
+        return float("nan")
+    p = sum(correct) / n
+    return math.sqrt(p * (1 - p) / (n - 1))
+
+
+def _argmax(xs: list[float]) -> int:
+    best = 0
+    for i, x in enumerate(xs):
+        if x > xs[best]:
+            best = i
+    return best
+
+
+def score_task(model, tokenizer, name: str, rows: list[dict], *, prefix_id: int | None,
+               batch_size: int = 16, device=None, max_length: int | None = None,
+               padding_side: str = "right", pad_id: int = 0, progress: bool = False,
+               log_samples: bool = False) -> dict:
+    """Score one task on the given raw rows (no data loading; the model's mode is untouched).
+
+    Returns the per-task dict of :func:`evaluate` without ``dataset``/``seconds``.
+
+    Raises:
+        ValueError: no valid item among ``rows``.
+    """
+    items, reqs, skipped = build_items(name, rows, tokenizer, prefix_id)
+    if not items:
+        raise ValueError(f"task {name}: no valid item among {len(rows)} rows "
+                         f"(first reasons: {skipped[:3]})")
+    flat = [r for rs in reqs for r in rs]
+    lls = score_requests(model, flat, batch_size=batch_size, device=device,
+                         max_length=max_length, padding_side=padding_side,
+                         pad_id=pad_id, progress=progress)
+    ok, ok_norm, samples, k = [], [], [], 0
+    for (row_i, item), rs in zip(items, reqs, strict=True):
+        ll = lls[k:k + len(rs)]
+        k += len(rs)
+        pred = _argmax(ll)
+        pred_norm = _argmax([v / n for v, n in zip(ll, item.norm_lengths, strict=True)])
+        ok.append(pred == item.label)
+        ok_norm.append(pred_norm == item.label)
+        if log_samples:
+            samples.append({"row": row_i, "label": item.label, "lls": ll,
+                            "pred": pred, "pred_norm": pred_norm})
+    spec = TASKS[name]
+    res = {
+        "acc": sum(ok) / len(ok),
+        "acc_norm": sum(ok_norm) / len(ok_norm),
+        "acc_stderr": _stderr(ok),
+        "acc_norm_stderr": _stderr(ok_norm),
+        "primary_metric": spec.primary,
+        "n": len(items),
+        "n_rows": len(rows),
+        "n_requests": len(flat),
+        "n_skipped": len(skipped),
+        "skipped": skipped[:MAX_SKIPPED_LISTED],
+    }
+    res["primary"] = res[spec.primary]
+    if log_samples:
+        res["samples"] = samples
+    if skipped:
+        warnings.warn(f"{name}: skipped {len(skipped)} malformed rows (first: {skipped[0]})",
+                      stacklevel=3)
+    return res
+
+
+def evaluate(
+    model,
+    tokenizer,
+    tasks: str | Sequence[str] = "all",
+    limit: int | None = None,
+    batch_size: int = 16,
+    device: torch.device | str | None = None,
+    *,
+    prefix_token: int | str | None = "auto",
+    max_length: int | None = None,
+    padding_side: str = "right",
+    progress: bool = False,
+    log_samples: bool = False,
+    cache=None,
+) -> dict:
+    """Zero-shot cloze accuracy on the seven tasks.
+
+    Args:
+        model: causal LM; called as ``model(input_ids_BT)`` and must return logits
+            ``(B, T, V)`` (tensor, tuple or ``.logits``). Put in eval mode for the call and
+            restored to its previous mode after; no gradients are kept.
+        tokenizer: transformers tokenizer of the model (``encode``, ``bos/eos_token_id``).
+        tasks: ``"all"``, a comma-separated string, or a list of names from
+            :data:`evals.tasks.ALL_TASKS`.
+        limit: score only the first ``limit`` rows of each task (None: all).
+        batch_size: sequences per forward.
+        device: input device; default the model's device. The model is not moved.
+        prefix_token: see :func:`evals.scoring.resolve_prefix_token` (default ``"auto"``:
+            BOS, else EOS id; twell's SmolLM2 tokenizer: 0).
+        max_length: longest input (default ``model.config.max_position_embeddings``).
+        padding_side: ``"right"`` (plain ``model(input_ids)``) or ``"left"``.
+        progress: tqdm bars.
+        log_samples: also return per item ``{"row", "label", "lls", "pred", "pred_norm"}``
+            under ``"samples"`` of each task (``lls``: summed log-likelihood per choice).
+        cache: cache root for the data (default ``$TWELL_CACHE`` or ``~/.cache/twell``).
+
+    Returns:
+        ``{"tasks": {name: {"acc", "acc_norm", "acc_stderr", "acc_norm_stderr", "primary",
+        "primary_metric", "n", "n_rows", "n_skipped", "skipped", "dataset", "seconds"}},
+        "mean": float, "protocol": {...}}``. Accuracies are fractions in [0, 1]; ``n`` is the
+        number of items scored; ``skipped`` lists at most 20 malformed rows with reasons.
+
+    Raises:
+        ValueError: unknown task, ``limit`` < 1, ``batch_size`` < 1, a model on another
+            device than ``device``, or a task with no valid item.
+    """
+    names = resolve_tasks(tasks)
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive int or None, got {limit!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    mdev = model_device(model)
+    dev = torch.device(device) if device is not None else mdev
+    if dev.type != mdev.type or (dev.index is not None and mdev.index is not None
+                                 and dev.index != mdev.index):
+        raise ValueError(f"device={dev} but the model is on {mdev}; move the model first "
+                         "(model.to(device)) or pass device=None")
+    prefix_id = resolve_prefix_token(tokenizer, prefix_token)
+    pad_id = prefix_id if prefix_id is not None else (getattr(tokenizer, "eos_token_id", 0) or 0)
+
+    was_training = getattr(model, "training", False)
+    if hasattr(model, "eval"):
+        model.eval()
+    results: dict[str, dict] = {}
+    try:
+        for name in names:
+            t0 = time.perf_counter()
+            rows, source = load_rows(name, cache)
+            rows = rows[:limit] if limit is not None else rows
+            res = score_task(model, tokenizer, name, rows, prefix_id=prefix_id,
+                             batch_size=batch_size, device=dev, max_length=max_length,
+                             padding_side=padding_side, pad_id=pad_id, progress=progress,
+                             log_samples=log_samples)
+            res["dataset"] = source
+            res["seconds"] = round(time.perf_counter() - t0, 3)
+            results[name] = res
+    finally:
+        if hasattr(model, "train"):
+            model.train(was_training)
+
+    return {
+        "tasks": results,
+        "mean": sum(r["primary"] for r in results.values()) / len(results),
+        "protocol": protocol(model, tokenizer, names, limit, prefix_id, batch_size,
+                             padding_side, max_length),
+    }
+
+
+def protocol(model, tokenizer, names, limit, prefix_id, batch_size, padding_side,
+             max_length) -> dict:
+    """The evaluation protocol as a JSON-able dict (recorded with every result)."""
+    import transformers
+
+    prefix_text = None
+    if prefix_id is not None and hasattr(tokenizer, "convert_ids_to_tokens"):
+        prefix_text = tokenizer.convert_ids_to_tokens(prefix_id)
+    params = None
+    try:
+        params = sum(p.numel() for p in model.parameters())
+        dtype = str(next(model.parameters()).dtype)
+    except (StopIteration, AttributeError):
+        dtype = None
+    return {
+        "tasks": names,
+        "shots": 0,
+        "formulation": "cloze: each choice scored by the summed log-likelihood of "
+                       f"{TARGET_DELIMITER!r} + choice after the context (evals/tasks.py)",
+        "normalisation": "acc: argmax of summed log-likelihood; acc_norm: argmax of summed "
+                         "log-likelihood / len(choice) in characters, without the leading "
+                         "space (lm-eval acc_norm); WinoGrande: partial evaluation, "
+                         "acc_norm == acc",
+        "primary_metrics": {n: TASKS[n].primary for n in names},
+        "mean": "unweighted mean of the primary metric over the tasks run",
+        "prefix_token": {"id": prefix_id, "token": prefix_text,
+                         "rule": "prepended to every context; 'auto' = tokenizer BOS id, "
+                                 "else EOS id; the tokenizer's own special tokens are not "
+                                 "added"},
+        "tokenization": "lm-eval split: enc(context + continuation)[len(enc(context)):], "
+                        "trailing context whitespace moved to the continuation",
+        "tokenizer": {"name": getattr(tokenizer, "name_or_path", None),
+                      "class": type(tokenizer).__name__,
+                      "vocab_size": len(tokenizer) if hasattr(tokenizer, "__len__") else None},
+        "limit": limit,
+        "limit_rule": "first N rows of each validation set, file order; malformed rows skipped",
+        "batch_size": batch_size,
+        "padding_side": padding_side,
+        "max_length": max_length if max_length is not None else getattr(
+            getattr(model, "config", None), "max_position_embeddings", None),
+        "model": {"class": type(model).__name__, "parameters": params, "dtype": dtype,
+                  "device": str(model_device(model))},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+    }

@@ -1,0 +1,233 @@
+"""The seven zero-shot cloze tasks: prompt formats, label mapping, item validation.
+
+All prompt formats live in this file. They follow lm-evaluation-harness (v0.4.x, task
+YAMLs ``arc_easy``, ``arc_challenge``, ``hellaswag``, ``piqa``, ``winogrande``,
+``openbookqa``), which are also the formats of the paper's evaluation (arXiv 2603.23198,
+Section "Experiments": seven zero-shot tasks, log-likelihood of each answer).
+
+Cloze formulation: each answer ``choice`` is scored by the summed log-likelihood of the
+continuation ``" " + choice`` (the target delimiter is one space) after the context.
+
+==============  =====================================================  ==================================  =========
+task            context                                                continuations                       primary
+==============  =====================================================  ==================================  =========
+hellaswag       ``pre(activity_label + ": " + ctx_a + " " +``          ``" " + pre(ending)`` x 4            acc_norm
+                ``ctx_b.capitalize())``
+commonsense_qa  ``"Question: {question}\\nAnswer:"``                    ``" " + choices.text[i]`` x 5        acc
+piqa            ``"Question: {goal}\\nAnswer:"``                        ``" " + sol1``, ``" " + sol2``       acc_norm
+winogrande      ``sentence[:blank] + option_k`` (one context per        ``" " + sentence[blank+1:].strip()``  acc
+                option: *partial evaluation*)                          (the same for both options)
+arc_easy        ``"Question: {question}\\nAnswer:"``                    ``" " + choices.text[i]``            acc_norm
+arc_challenge   ``"Question: {question}\\nAnswer:"``                    ``" " + choices.text[i]``            acc_norm
+openbookqa      ``question_stem``                                      ``" " + choices.text[i]``            acc_norm
+==============  =====================================================  ==================================  =========
+
+``pre`` is lm-eval's HellaSwag cleanup: strip, ``" [title]" -> ". "``, drop ``[...]``,
+``"  " -> " "``. CommonsenseQA has no cloze task in lm-eval (its ``commonsense_qa`` task
+is multiple-choice letters); we use the ARC cloze format, as OLMo's ``csqa`` rc variant
+does. Labels: ARC/OBQA/CSQA ``answerKey`` is looked up in ``choices.label`` (so ARC's
+rows labelled ``'1'..'4'`` map by position, exactly like letters); HellaSwag ``int(label)``;
+PIQA ``label``; WinoGrande ``answer`` ``'1'/'2'`` -> 0/1.
+
+Primary metric per task (as lm-eval/OLMo papers usually report): ``acc_norm`` for
+HellaSwag, PIQA, ARC-Easy, ARC-Challenge and OpenBookQA; ``acc`` for WinoGrande (both
+continuations are identical, so ``acc_norm == acc``) and CommonsenseQA.
+
+Malformed rows (missing/out-of-range label, empty or missing choice, no blank in a
+WinoGrande sentence, duplicate choice labels) raise :class:`MalformedItem` in the
+builder and are skipped and counted by :func:`evals.evaluate`, never guessed at.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+TARGET_DELIMITER = " "
+
+
+class MalformedItem(ValueError):
+    """A dataset row that cannot be turned into a well-defined item (reason in the message)."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One multiple-choice question in cloze form.
+
+    Attributes:
+        contexts: one context string per choice (all equal except for WinoGrande).
+        continuations: one continuation per choice, each starting with the target
+            delimiter (``" "``); its log-likelihood given the context is the score.
+        label: index of the correct choice in ``continuations``.
+        norm_lengths: characters used by ``acc_norm`` for each choice: ``len(choice)``
+            without the delimiter (lm-eval's ``acc_norm``).
+    """
+
+    contexts: tuple[str, ...]
+    continuations: tuple[str, ...]
+    label: int
+    norm_lengths: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A task: where its data are and how a raw row becomes an :class:`Item`."""
+
+    name: str
+    primary: str  # "acc" or "acc_norm"
+    build: Callable[[dict], Item]
+    description: str
+
+
+def _require_str(row: dict, key: str) -> str:
+    v = row.get(key)
+    if not isinstance(v, str) or not v.strip():
+        raise MalformedItem(f"field {key!r} is missing or empty (got {v!r})")
+    return v
+
+
+def _same_context_item(context: str, choices: list[str], label: int) -> Item:
+    if len(choices) < 2:
+        raise MalformedItem(f"needs at least 2 choices, got {len(choices)}")
+    for i, c in enumerate(choices):
+        if not isinstance(c, str) or not c.strip():
+            raise MalformedItem(f"choice {i} is missing or empty (got {c!r})")
+    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(choices):
+        raise MalformedItem(f"label {label!r} out of range for {len(choices)} choices")
+    return Item(
+        contexts=(context,) * len(choices),
+        continuations=tuple(TARGET_DELIMITER + c for c in choices),
+        label=label,
+        norm_lengths=tuple(len(c) for c in choices),
+    )
+
+
+def _lettered(row: dict, key: str = "answerKey") -> tuple[list[str], int]:
+    """Choices and gold index of an ARC/OBQA/CSQA row (``answerKey`` in ``choices.label``)."""
+    ch = row.get("choices")
+    if not isinstance(ch, dict) or not isinstance(ch.get("text"), list) or not isinstance(
+        ch.get("label"), list
+    ):
+        raise MalformedItem(f"field 'choices' must hold 'text' and 'label' lists (got {ch!r})")
+    texts, labels = ch["text"], [str(x).strip() for x in ch["label"]]
+    if len(texts) != len(labels):
+        raise MalformedItem(f"{len(texts)} choice texts but {len(labels)} choice labels")
+    if len(set(labels)) != len(labels):
+        raise MalformedItem(f"duplicate choice labels {labels}")
+    key_v = row.get(key)
+    if key_v is None or not str(key_v).strip():
+        raise MalformedItem(f"field {key!r} (the gold label) is missing")
+    key_v = str(key_v).strip()
+    if key_v not in labels:
+        raise MalformedItem(f"{key}={key_v!r} is not one of the choice labels {labels}")
+    return texts, labels.index(key_v)
+
+
+# ---------------------------------------------------------------- HellaSwag
+def hellaswag_preprocess(text: str) -> str:
+    """lm-eval's HellaSwag text cleanup (WikiHow bracket artefacts)."""
+    text = text.strip()
+    text = text.replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    text = text.replace("  ", " ")
+    return text
+
+
+def build_hellaswag(row: dict) -> Item:
+    ctx_a = row.get("ctx_a")
+    ctx_b = row.get("ctx_b")
+    if not isinstance(ctx_a, str) or not isinstance(ctx_b, str) or not (ctx_a + ctx_b).strip():
+        raise MalformedItem("fields 'ctx_a'/'ctx_b' are missing or empty")
+    act = row.get("activity_label")
+    if not isinstance(act, str):
+        raise MalformedItem("field 'activity_label' is missing")
+    ctx = ctx_a + " " + ctx_b.capitalize()
+    query = hellaswag_preprocess(act + ": " + ctx)
+    endings = row.get("endings")
+    if not isinstance(endings, list):
+        raise MalformedItem(f"field 'endings' must be a list (got {endings!r})")
+    choices = [hellaswag_preprocess(e) if isinstance(e, str) else e for e in endings]
+    lab = row.get("label")
+    if lab is None or str(lab).strip() == "":
+        raise MalformedItem("field 'label' is missing")
+    try:
+        label = int(str(lab).strip())
+    except ValueError:
+        raise MalformedItem(f"label {lab!r} is not an integer") from None
+    return _same_context_item(query, choices, label)
+
+
+# ---------------------------------------------------------------- CommonsenseQA
+def build_commonsense_qa(row: dict) -> Item:
+    q = _require_str(row, "question")
+    texts, label = _lettered(row)
+    return _same_context_item(f"Question: {q}\nAnswer:", texts, label)
+
+
+# ---------------------------------------------------------------- PIQA
+def build_piqa(row: dict) -> Item:
+    goal = _require_str(row, "goal")
+    lab = row.get("label")
+    if lab is None or isinstance(lab, bool):
+        raise MalformedItem(f"field 'label' is missing (got {lab!r})")
+    try:
+        label = int(lab)
+    except (TypeError, ValueError):
+        raise MalformedItem(f"label {lab!r} is not an integer") from None
+    return _same_context_item(f"Question: {goal}\nAnswer:", [row.get("sol1"), row.get("sol2")], label)
+
+
+# ---------------------------------------------------------------- WinoGrande
+def build_winogrande(row: dict) -> Item:
+    """Partial evaluation: context = sentence up to the blank with the option filled in;
+    the scored continuation is the rest of the sentence (same for both options)."""
+    sentence = _require_str(row, "sentence")
+    if sentence.count("_") != 1:
+        raise MalformedItem(f"sentence must contain exactly one '_' blank: {sentence!r}")
+    opts = [row.get("option1"), row.get("option2")]
+    for i, o in enumerate(opts):
+        if not isinstance(o, str) or not o.strip():
+            raise MalformedItem(f"option{i + 1} is missing or empty (got {o!r})")
+    ans = row.get("answer")
+    if str(ans).strip() not in ("1", "2"):
+        raise MalformedItem(f"answer must be '1' or '2' (got {ans!r})")
+    idx = sentence.index("_")
+    suffix = sentence[idx + 1:].strip()
+    if not suffix:
+        raise MalformedItem(f"nothing follows the blank to score: {sentence!r}")
+    cont = TARGET_DELIMITER + suffix
+    return Item(
+        contexts=tuple(sentence[:idx] + o for o in opts),
+        continuations=(cont, cont),
+        label=int(str(ans).strip()) - 1,
+        norm_lengths=(len(suffix), len(suffix)),
+    )
+
+
+# ---------------------------------------------------------------- ARC / OpenBookQA
+def build_arc(row: dict) -> Item:
+    q = _require_str(row, "question")
+    texts, label = _lettered(row)
+    return _same_context_item(f"Question: {q}\nAnswer:", texts, label)
+
+
+def build_openbookqa(row: dict) -> Item:
+    q = _require_str(row, "question_stem")
+    texts, label = _lettered(row)
+    return _same_context_item(q, texts, label)
+
+
+TASKS: dict[str, TaskSpec] = {
+    t.name: t
+    for t in (
+        TaskSpec("hellaswag", "acc_norm", build_hellaswag, "HellaSwag (validation, 10042)"),
+        TaskSpec("commonsense_qa", "acc", build_commonsense_qa, "CommonsenseQA (validation, 1221)"),
+        TaskSpec("piqa", "acc_norm", build_piqa, "PIQA (validation, 1838)"),
+        TaskSpec("winogrande", "acc", build_winogrande, "WinoGrande XL (validation, 1267)"),
+        TaskSpec("arc_easy", "acc_norm", build_arc, "ARC-Easy (validation, 570)"),
+        TaskSpec("arc_challenge", "acc_norm", build_arc, "ARC-Challenge (validation, 299)"),
+        TaskSpec("openbookqa", "acc_norm", build_openbookqa, "OpenBookQA main (validation, 500)"),
+    )
+}
+ALL_TASKS: tuple[str, ...] = tuple(TASKS)
