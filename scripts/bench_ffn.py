@@ -8,7 +8,7 @@
 
 Shape legend: M tokens, D model width, H FFN width.
 
-Variants: the default (v2 pack + v2 consumer), ``twell2p_v1`` (the first
+Variants: ``twell2p_f8`` (v2 pack + v2 consumer; the library default went back to v1 after run 2), ``twell2p_v1`` (the first
 kernels, at their fastest measured launch shape), one-part-old mixes, the
 fused producer, and v2 launch-shape sweeps (see VARIANTS; BENCHMARKS.md).
 The summary ends with new/old time ratios (default vs v1, pack and consumer
@@ -139,7 +139,7 @@ def variant_state(v):
 # old/new ratio; "twell2p_v1" runs them at v1's fastest measured launch shape (consumer nb=1).
 V1 = {"pack": {"version": 1}, "consumer": {"version": 1, "nb": 1}}
 VARIANTS = {
-    "twell2p_f8": {"gate": "two_pass", "factor": 8},          # default: v2 pack + v2 consumer nb=2
+    "twell2p_f8": {"gate": "two_pass", "factor": 8},          # v2 pack + v2 consumer nb=2 (library default is v1 since run 2)
     "twell2p_v1": {"gate": "two_pass", **V1},
     "twellfu_f8": {"gate": "fused", "factor": 8},
     # one part old, the other new: which change the gain comes from
