@@ -379,6 +379,7 @@ def test_auto_mode_switches_on_measured_density():
     n, d, h = 8, 32, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=13)
     st = TwELLState(density_threshold=0.2)
+    st.min_rows = 0  # this test is about density; the row-count rule is tested below
     y_a, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
     assert st.last_info.path == "twell"          # first call: no measurement yet
     sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
@@ -388,6 +389,19 @@ def test_auto_mode_switches_on_measured_density():
     assert st.last_info.path == "dense"          # 5% > 1%
     torch.testing.assert_close(y_b, y_a, rtol=1e-2, atol=1e-3)
     assert stats is not None and stats.n_tokens == n
+
+
+def test_auto_mode_goes_dense_for_few_rows():
+    n, d, h = 8, 32, 300
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=14)
+    st = TwELLState(density_threshold=0.5)
+    st.min_rows = n + 1  # fewer rows than min_rows: dense even at low density
+    y_d, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    assert st.last_info.path == "dense"
+    st.min_rows = n
+    y_t, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    assert st.last_info.path == "twell"
+    torch.testing.assert_close(y_d, y_t, rtol=1e-2, atol=1e-3)
 
 
 def test_grad_path_hands_off_to_training_kernels():

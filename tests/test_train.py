@@ -108,7 +108,7 @@ def test_grad_checkpointing_gives_same_losses(tokens, tmp_path):
 def test_cli_run_and_multirun(tokens, tmp_path):
     """`python -m train` (= twell-train) with the brief's exact keys, then a 2-value sweep."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
-    data = ["data=tokens", f"data.paths=[{tokens}]", "data.vocab_size=64",
+    data = ["data=tokens", f"data.paths=[{tokens}]", "data.vocab_size=64", "eval=disabled",
             "logging.wandb_mode=disabled", "trainer.num_threads=1", "trainer.val_batches=1",
             "trainer.progress=false"]
     small = ["model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=64",
@@ -166,6 +166,7 @@ def test_two_ranks_resume_is_exact(tokens, tmp_path):
     dead-neuron counts; resuming from step 3 reproduces steps 4-6 of the straight run."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     args = ["data=tokens", f"data.paths=[{tokens}]", "data.vocab_size=64", "trainer.cpu=true",
+            "eval=disabled",
             "logging.wandb_mode=disabled", "trainer.num_threads=1", "trainer.val_batches=1",
             "trainer.progress=false", "model.vocab_size=64", "model.hidden_size=32",
             "model.intermediate_size=64", "model.num_heads=2", "model.num_layers=2",
@@ -203,3 +204,12 @@ def test_bf16_autocast_keeps_fp32_master_weights(tokens, tmp_path):
                if torch.is_tensor(v) and v.dim() > 0)
     r = read_metrics(tmp_path / "bf16")[-1]
     assert math.isfinite(r["loss"]) and r["l1"] > 0 and r["ce"] < math.log(64) + 0.5
+
+
+def test_eval_without_tokenizer_is_refused(tokens, tmp_path):
+    """eval at the end needs a tokenizer: the tokens source has none, so the run refuses to start."""
+    from train.config import ConfigError
+
+    cfg = tiny_config(tokens, **{"eval.at_end": True})
+    with pytest.raises(ConfigError, match="eval=disabled"):
+        Trainer(cfg, tmp_path / "r")

@@ -120,6 +120,13 @@ class Trainer:
                 f"{cfg.data.tokenizer!r}) is larger than model.vocab_size={cfg.model.vocab_size}; "
                 f"set model.vocab_size>={self.data.vocab_size}.")
 
+        e = cfg.eval
+        if (e.at_end or e.every_steps) and getattr(self.data, "tokenizer", None) is None:
+            raise ConfigError(
+                f"eval is on (eval.at_end={e.at_end}, eval.every_steps={e.every_steps}) but "
+                f"data.source={cfg.data.source!r} has no tokenizer to score the tasks with; "
+                "set eval=disabled or use a data source with a tokenizer.")
+
         model = build_model(cfg.model)
         if t.grad_checkpointing:  # non-reentrant: the L1 side output keeps its graph
             enable_grad_checkpointing(model)

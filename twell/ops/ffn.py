@@ -19,7 +19,8 @@ Paths, chosen per call:
 * gradient needed: ``twell.ops.sparse_train.sparse_ffn_train`` (written
   separately; a clear NotImplementedError if absent).
 * ``mode="auto"``: dense cuBLAS when the layer's last measured density is
-  above ``TwELLState.density_threshold``, else TwELL. The density comes from
+  above ``TwELLState.density_threshold`` or the call has fewer than
+  ``TwELLState.min_rows`` token rows, else TwELL. The density comes from
   the previous call through a pinned host copy and a CUDA event (no host
   sync on the calling path); the first call goes TwELL.
 
@@ -47,10 +48,12 @@ from twell.stats import FFNStats
 
 # Density (non-zeros / (N*H)) above which "auto" runs dense cuBLAS.
 # MEASURED (docs/bench/bench_infer.log, H200, N=16384, D=2048, H=5632, v1 kernels): TwELL won up to
-# density 0.0030 (1.25x) and lost from 0.0099 (0.94x); 0.006 sits between. To be re-derived from
-# scripts/bench_ffn.py (it prints the crossover) once the v2 pack/consumer are measured: the v2
-# prediction in BENCHMARKS.md puts the crossover near 1.2 %. Override: TWELL_AUTO_DENSITY.
+# density 0.0030 (1.25x) and lost from 0.0099 (0.94x); 0.006 sits between. Run 2 (v2 kernels)
+# gave the same crossover (0.3 %: 1.30x, 1 %: 0.85x). Override: TWELL_AUTO_DENSITY.
 DEFAULT_DENSITY_THRESHOLD = float(os.environ.get("TWELL_AUTO_DENSITY", "0.006"))
+# Run 2 (H200): at M=2048 TwELL lost at every density (0.3 %: 0.62x, 1 %: 0.58x); at M=16384
+# it won at <= 0.3 %. Below this many rows "auto" goes dense. Override: TWELL_AUTO_MIN_ROWS.
+DEFAULT_MIN_ROWS = int(os.environ.get("TWELL_AUTO_MIN_ROWS", "8192"))
 GATE_IMPLS = ("two_pass", "fused")
 DEFAULT_GATE_IMPL = os.environ.get("TWELL_GATE_IMPL", "two_pass")
 
@@ -81,6 +84,8 @@ class TwELLState:
         factor: TwELL compression factor (8, 4 or 2).
         gate_impl: "two_pass" or "fused" producer.
         density_threshold: "auto" goes dense above this density.
+        min_rows: "auto" goes dense for calls with fewer token rows than this (launch- and
+            bookkeeping-bound: at M=2048 TwELL ran 0.62x of dense even at 0.3 %).
         density: last measured density (Python float) or None.
         last_info: :class:`FFNInfo` of the last call.
         consumer_kwargs: overrides for the consumer (``twell_ffn_apply``:
@@ -98,13 +103,14 @@ class TwELLState:
             raise ValueError(f"gate_impl must be one of {GATE_IMPLS}; got {self.gate_impl!r}")
         self.density_threshold = (DEFAULT_DENSITY_THRESHOLD if density_threshold is None
                                   else density_threshold)
+        self.min_rows = DEFAULT_MIN_ROWS
         self.density: float | None = None
         self.last_info: FFNInfo | None = None
-        # Defaults measured on one H200 (docs/bench/run2, M=16384 D=2048 H=5632, i.i.d.): the v1
-        # pack and v1 consumer (nb=1) beat the v2 kernels: total 1.288 vs 1.324 ms at 0.3 %,
-        # 1.927 vs 2.039 ms at 1 %; part_pack v2/v1 = 1.07 (median over configs).
-        self.consumer_kwargs: dict = {"version": 1}
-        self.pack_kwargs: dict = {"version": 1}
+        # Default kernels (v2 pack + v2 consumer) per run 2 on one H200 (docs/bench/run2,
+        # M=16384 D=2048 H=5632): v2 wins at 0.1 % (1.67x vs 1.59x) and on heavy-tailed rows
+        # (0.3 %: 1.18x vs 1.09x; 1 %: 4.08 vs 5.38 ms); v1 wins i.i.d. 0.3 % (1.34x vs 1.30x).
+        self.consumer_kwargs: dict = {}
+        self.pack_kwargs: dict = {}
         self._wdt: torch.Tensor | None = None
         self._wdt_key: tuple | None = None
         self._dens_host: torch.Tensor | None = None
@@ -275,7 +281,9 @@ def sparse_ffn(
     with torch.autocast(x_ND.device.type, enabled=False):
         if mode == "auto":
             dens = state.poll_density()
-            if dens is not None and dens > state.density_threshold:
+            if (dens is not None and dens > state.density_threshold) or (
+                x_ND.shape[0] < state.min_rows
+            ):
                 y, stats, d = _dense(x_ND, w_gate_HD, w_up_HD, w_down_DH_c, with_stats)
                 state.record_density(d)
                 state.last_info = FFNInfo("dense", density=d)

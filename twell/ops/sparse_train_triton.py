@@ -443,10 +443,13 @@ _DEFAULT_CONFIG = {
     "compact": "v2",
     "compact_block_n": 32,  # rows per program (v2); 8 warps, one warp per tile row
     "spmm": "rows",
-    "spmm_block_k": 8,  # slots per step, one weight (forward y = h Wd^T)
-    "spmm_block_k2": 4,  # slots per step, two weights (backward dx)
+    # SpMM launch shape measured on one H200 (docs/bench/run2/bench_train2.log, N=16384 D=2048
+    # H=5632): y k4 w4 0.148 ms vs k8 w8 0.193 ms at 0.3 %, 0.423 vs 0.487 at 1 %; dx k2 w4
+    # 0.276 vs 0.320 ms at 0.3 %, 0.827 vs 0.870 at 1 % (same ranking on heavy-tailed rows).
+    "spmm_block_k": 4,  # slots per step, one weight (forward y = h Wd^T)
+    "spmm_block_k2": 2,  # slots per step, two weights (backward dx)
     "spmm_block_d": 2048,  # D slice per program (rows); the whole row at D <= 2048
-    "spmm_warps": 8,
+    "spmm_warps": 4,
     "dw": "cols",
     "dw_block_j": 8,  # entries per step (cols)
     "dw_block_d": 512,  # D slice per program (cols); >= 256 * dw_warps keeps the reduction in-thread
