@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train_utils import tiny_config, write_tokens
+from tests.train_utils import datamodule_with_stub_tokenizer, tiny_config, write_tokens
 from train import report
 from train.report import (
     TASKS,
@@ -55,7 +55,8 @@ def runs(tmp_path_factory):
                 "l1_reinit": {"sparsity.l1_coeff": 0.5, "sparsity.reinit_dead": True}}
     try:
         for name, extra in variants.items():
-            t = Trainer(tiny_config(tokens, **over, **extra), root / "study" / name)
+            cfg = tiny_config(tokens, **over, **extra)
+            t = Trainer(cfg, root / "study" / name, datamodule=datamodule_with_stub_tokenizer(cfg))
             try:
                 t.train()
             finally:

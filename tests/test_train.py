@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train_utils import read_metrics, tiny_config, write_tokens
+from tests.train_utils import (
+    datamodule_with_stub_tokenizer,
+    read_metrics,
+    tiny_config,
+    write_tokens,
+)
 from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.trainer import NonFiniteLossError, Trainer
 
@@ -22,8 +27,8 @@ def tokens(tmp_path_factory):
     return write_tokens(tmp_path_factory.mktemp("tok") / "train.bin")
 
 
-def _run(cfg, run_dir, **kw):
-    t = Trainer(cfg, run_dir)
+def _run(cfg, run_dir, datamodule=None, **kw):
+    t = Trainer(cfg, run_dir, datamodule=datamodule)
     try:
         return t.train(**kw), t
     finally:
@@ -154,7 +159,7 @@ def test_in_loop_eval_calls_evals_evaluate(tokens, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "evals", types.SimpleNamespace(evaluate=fake_evaluate))
     cfg = tiny_config(tokens, **{"trainer.max_steps": 5, "eval.every_steps": 2,
                                  "eval.at_end": True, "eval.tasks": ["piqa"], "eval.limit": 4})
-    summary, _ = _run(cfg, tmp_path / "run")
+    summary, _ = _run(cfg, tmp_path / "run", datamodule=datamodule_with_stub_tokenizer(cfg))
     assert calls == [(False, ("piqa",), 4, 16)] * 3  # steps 2, 4 and the end (5)
     assert [r["step"] for r in read_metrics(tmp_path / "run", "eval")] == [2, 4, 5]
     assert summary["eval"]["eval_mean"] == 0.6 and summary["eval"]["eval_piqa"] == 0.6

@@ -36,3 +36,29 @@ def test_twell_training_matches_torch_every_step(tokens, tmp_path):
         assert a["dead_frac"] == b["dead_frac"]
     # the run really learned something and the L1 term was live
     assert ref[-1]["ce"] < ref[0]["ce"]
+
+
+def test_auto_picks_training_path_per_layer_from_l0(tokens, tmp_path):
+    """model.ffn_impl=auto: each layer's training path follows its logged L0 against the
+    threshold (twell.ops.sparse_train.train_path_for_density), is logged, and survives resume."""
+    import twell.ops.sparse_train as st
+
+    over = {"trainer.max_steps": 2, "trainer.save_every": 1, "model.ffn_impl": "auto"}
+    rows = _losses(tiny_config(tokens, **over), tmp_path / "a")
+    for r in rows:  # a random-init ReLU FFN is ~50 % dense: every layer goes dense
+        assert r["ffn_paths"] == [st.train_path_for_density(l0 / 64) for l0 in r["l0_layers"]]
+        assert r["ffn_paths"] == ["torch", "torch"]
+    assert st.train_path_for_density(0.003) == "twell"
+    assert st.train_path_for_density(0.5, threshold=0.6) == "twell"
+    with pytest.raises(ValueError, match="density"):
+        st.train_path_for_density(float("nan"))
+    # the choice is part of the trainer state (resume continues with the same paths)
+    t = Trainer(tiny_config(tokens, **over), tmp_path / "a")
+    try:
+        t.mlps[0].train_path = "twell"
+        sd = t.state_dict()
+        t.mlps[0].train_path = "torch"
+        t.load_state_dict(sd)
+        assert t.mlps[0].train_path == "twell"
+    finally:
+        t.close()

@@ -72,3 +72,21 @@ def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
 
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def datamodule_with_stub_tokenizer(cfg: TrainConfig):
+    """The tokens-source datamodule of ``cfg`` with a stand-in ``tokenizer`` attribute, for tests
+    that replace ``evals.evaluate`` by a stub (the trainer refuses evals without a tokenizer)."""
+    from train.data import build_datamodule
+
+    dm = build_datamodule(cfg.data, seq_len=cfg.model.seq_len, micro_batch=cfg.trainer.micro_batch,
+                          seed=cfg.trainer.seed)
+    dm.tokenizer = _StubTokenizer()
+    return dm
+
+
+class _StubTokenizer:
+    """Stands in for a tokenizer where ``evals.evaluate`` is stubbed; checkpoints save nothing."""
+
+    def save_pretrained(self, path) -> None:
+        pass

@@ -248,13 +248,16 @@ class Trainer:
     def state_dict(self) -> dict:
         """Trainer state (step, tokens seen, timing, sparsity tracker) for checkpoints."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "train_time": self.train_time,
-                "sparsity": self.tracker.state_dict()}
+                "sparsity": self.tracker.state_dict(),
+                "ffn_train_paths": [m.train_path for m in self.mlps]}  # impl=auto's choices
 
     def load_state_dict(self, d: dict) -> None:
         self.step = int(d["step"])
         self.tokens_seen = int(d["tokens_seen"])
         self.train_time = float(d["train_time"])
         self.tracker.load_state_dict(d["sparsity"])
+        for m, path in zip(self.mlps, d.get("ffn_train_paths", [])):
+            m.train_path = path
 
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step{N}/`` atomically (all ranks call this)."""
@@ -427,9 +430,27 @@ class Trainer:
             "tokens_per_s": interval["tokens"] / max(interval["time"], 1e-9),
             "peak_mem_gb": _peak_memory_gb(self.device),
         }
+        paths = self._update_auto_paths(l0_L)
+        if paths is not None:
+            m["ffn_paths"] = paths
         self.last = m
         self._write(m)
         return m
+
+    def _update_auto_paths(self, l0_L: list[float]) -> list[str] | None:
+        """``model.ffn_impl=auto``: choose each layer's training path (sparse kernels or dense)
+        from its measured L0 (host values already synced for logging: no extra sync); the
+        choice holds until the next log step. Returns the paths per layer (None unless auto)."""
+        if self.cfg.model.ffn_impl != "auto":
+            return None
+        from twell.ops.sparse_train import train_path_for_density
+
+        paths = []
+        for mlp, l0 in zip(self.mlps, l0_L):
+            mlp.train_path = (train_path_for_density(min(l0 / mlp.intermediate_size, 1.0))
+                              if mlp.gated else "torch")  # sparse training is gated-only
+            paths.append(mlp.train_path)
+        return paths
 
     def _write(self, m: dict, prefix: str = "train") -> None:
         if not self.is_main:

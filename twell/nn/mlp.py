@@ -65,8 +65,9 @@ class SparseGatedMLP(nn.Module):
         gated: gated FFN (``relu(gate) * up``) if True, else ``relu(up)``
             (the non-gated variant has no ``gate_proj``).
         impl: ``"torch"`` (dense PyTorch), ``"twell"`` (TwELL Triton kernels)
-            or ``"auto"`` (per call, TwELL when the layer's measured density
-            makes it faster, else dense).
+            or ``"auto"`` (inference: per call, TwELL when the layer's measured density
+            makes it faster, else dense; training: per layer and optimizer step, from
+            ``train_path``, which the trainer sets from the layer's measured L0).
 
     Attributes:
         collect_stats: when True (default) every forward stores an
@@ -105,6 +106,11 @@ class SparseGatedMLP(nn.Module):
         self.collect_stats = True
         self.last_stats: FFNStats | None = None
         self.twell_state = None  # twell.ops.ffn.TwELLState, created lazily (triton optional)
+        # impl="auto" with gradients: "twell" or "torch", set between optimizer steps by the
+        # trainer from this layer's measured L0 (twell.ops.sparse_train.train_path_for_density);
+        # fixed within a step, so a checkpointed forward and its recomputation agree. Starts
+        # dense: a freshly initialised ReLU FFN has ~50 % of its units active.
+        self.train_path = "torch"
 
     @property
     def last_info(self):
@@ -132,6 +138,8 @@ class SparseGatedMLP(nn.Module):
         x_ND = x.reshape(-1, x.shape[-1])
         w_gate = self.gate_proj.weight if self.gated else None
         impl = self.impl
+        if impl == "auto" and self.train_path == "torch" and torch.is_grad_enabled():
+            impl = "torch"
         if impl == "torch":
             y_ND, stats = gated_ffn_torch(
                 x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,

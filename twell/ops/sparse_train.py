@@ -43,6 +43,28 @@ import torch
 
 from twell.stats import FFNStats
 
+# Training "auto" rule (per layer, decided between optimizer steps from the layer's measured L0):
+# the sparse training path only when the layer's density (L0 / H) is at most this.
+# MEASURED (docs/bench/run2/bench_train2.log, H200, N=16384, D=2048, H=5632, fwd+bwd vs dense
+# cuBLAS in the same run): sparse 1.15x at 0.3 % i.i.d., 0.81x at 1 % i.i.d.; heavy-tailed rows
+# 1.04-1.05x at 0.3-1 %. Override: TWELL_TRAIN_AUTO_DENSITY.
+DEFAULT_TRAIN_DENSITY_THRESHOLD = float(os.environ.get("TWELL_TRAIN_AUTO_DENSITY", "0.005"))
+
+
+def train_path_for_density(density: float, threshold: float | None = None) -> str:
+    """Path of ``impl="auto"`` in training for a layer of measured density (L0 / H, a fraction).
+
+    Returns ``"twell"`` (sparse training kernels) when ``density <= threshold`` (default
+    :data:`DEFAULT_TRAIN_DENSITY_THRESHOLD`), else ``"torch"`` (dense cuBLAS).
+
+    Raises:
+        ValueError: density outside [0, 1] or NaN.
+    """
+    if not 0.0 <= density <= 1.0:
+        raise ValueError(f"density must be a fraction in [0, 1]; got {density}")
+    t = DEFAULT_TRAIN_DENSITY_THRESHOLD if threshold is None else threshold
+    return "twell" if density <= t else "torch"
+
 # ELL capacity as a fraction of H: a row denser than this is cheaper as a dense row (cost model:
 # ~7 gathers of a 2*D-byte row per non-zero at ~9 TB/s vs ~8 dense GEMM rows at ~680 TFLOP/s on
 # H200 breaks even near 1.5-2% of H). 0.0227 * 5632 -> 128, the paper's width.
