@@ -282,7 +282,7 @@ def parts(x, wg, wu, wd, dy, rep, label):
                     base_ms.setdefault(part, ms)
                     row["vs_gen1"] = round(base_ms[part] / ms, 2)
                     row["TB/s"] = round(nbytes / ms / 1e9, 2)
-                except Exception as ex:  # report, don't crash
+                except Exception as ex:  # noqa: BLE001 (report, do not crash)
                     row["status"] = f"FAILED: {type(ex).__name__}: {str(ex)[:160]}"
                     traceback.print_exc()
                 print(f"   {part:8s} {name:28s} {row.get('ms', ''):>8} ms  x{row.get('vs_gen1', '')}"
@@ -402,7 +402,7 @@ def main():
                     if dense_ms:
                         row["speedup"] = round(dense_ms / full[0], 3)
                         row["mem_vs_dense"] = round(row["peak_extra_mb"] / dense_mb, 3)
-                except Exception as e:  # report, don't crash
+                except Exception as e:  # noqa: BLE001 (report, do not crash)
                     row["status"] = f"FAILED: {type(e).__name__}: {str(e)[:200]}"
                     traceback.print_exc()
                 rows.append(row)

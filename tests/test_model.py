@@ -12,8 +12,8 @@ from train.model import build_model, ffn_modules, load_model
 from twell.nn import FFN_IMPLS as NN_IMPLS
 from twell.nn import SparseGatedMLP
 
-CFG = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4,
-           seq_len=16)
+CFG = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 40, "num_layers": 2, "num_heads": 4,
+           "seq_len": 16}
 
 
 def test_paper_config_facts():

@@ -22,24 +22,24 @@ GATED_KEY = "twell_gated"  # extra LlamaConfig attribute saved in config.json
 
 def llama_config(cfg) -> LlamaConfig:
     """Build the ``LlamaConfig`` of a :class:`train.config.ModelConfig`."""
-    kw = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
-        hidden_act="relu",
-        max_position_embeddings=cfg.seq_len,
-        initializer_range=cfg.init_std,
-        rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        mlp_bias=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-    )
+    kw = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads or cfg.num_heads,
+        "hidden_act": "relu",
+        "max_position_embeddings": cfg.seq_len,
+        "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "use_cache": False,
+    }
     kw[GATED_KEY] = bool(cfg.gated)
     config = LlamaConfig(**kw)
     # transformers >= 5 keeps RoPE settings in `rope_parameters`; 4.x reads `rope_theta`.

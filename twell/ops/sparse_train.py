@@ -357,7 +357,7 @@ def _ffn_train_fwd_fake(x, w_gate, w_up, w_down, ell_capacity, dense_row_fractio
     k = ctx.new_dynamic_size()  # ELL width: measured
     r = ctx.new_dynamic_size()  # dense-backup rows: measured
     acc = torch.promote_types(x.dtype, torch.float32)
-    i32 = dict(dtype=torch.int32)
+    i32 = {"dtype": torch.int32}
     return (
         x.new_empty((n, d)), x.new_empty((), dtype=acc), x.new_empty((n,), **i32),
         x.new_empty((h,), **i32), x.new_empty((n,), **i32), x.new_empty((n, k), **i32),
