@@ -3,6 +3,7 @@
 # Both sides run at nice 19 with one torch thread each, concurrently, one JSON per task as it ends.
 #
 #   bash evals/lmeval_crosscheck/run.sh OUT [TASKS]
+#   PREFIX=none bash evals/lmeval_crosscheck/run.sh OUT arc_easy   # no prefix token (lm-eval's default)
 #
 # Needs: the project venv (PY, default /work/main/.venv/bin/python) and a separate venv with
 # lm-eval (LMEVAL_PY, default /work/venv-lmeval/bin/python), made with
@@ -13,6 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: run.sh OUT [TASKS]}
 TASKS=${2:-arc_easy,arc_challenge,openbookqa,piqa,hellaswag:1000,winogrande,commonsense_qa}
+PREFIX=${PREFIX:-0}  # token id put before every context (0 = <|endoftext|>), or none
 PY=${PY:-/work/main/.venv/bin/python}
 LMEVAL_PY=${LMEVAL_PY:-/work/venv-lmeval/bin/python}
 mkdir -p "$OUT"
@@ -20,10 +22,10 @@ GGUF=$(PYTHONPATH=. "$PY" -c "from evals.models import smollm2_gguf_path; print(
 PYTHONPATH=. "$PY" -m evals.data > "$OUT/data.jsonl"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 PYTHONPATH=. nice -n 19 "$PY" evals/lmeval_crosscheck/run_ours.py --out "$OUT" --gguf "$GGUF" \
-    --tasks "$TASKS" --prefix-token 0 > "$OUT/ours.log" 2>&1 &
+    --tasks "$TASKS" --prefix-token "$PREFIX" > "$OUT/ours.log" 2>&1 &
 echo "ours pid $!"
 nice -n 19 "$LMEVAL_PY" evals/lmeval_crosscheck/run_lmeval.py --out "$OUT" --gguf "$GGUF" \
-    --tasks "$TASKS" --prefix-token 0 > "$OUT/lmeval.log" 2>&1 &
+    --tasks "$TASKS" --prefix-token "$PREFIX" > "$OUT/lmeval.log" 2>&1 &
 echo "lm-eval pid $!"
 { lscpu | grep -E "Model name|^CPU\(s\)"; nproc; } > "$OUT/machine.txt"
 wait
