@@ -1,6 +1,6 @@
 """``twell-eval``: evaluate a checkpoint or GGUF model on the seven zero-shot tasks.
 
-    twell-eval checkpoint=runs/x/step1000/hf tasks=all limit=500
+    twell-eval checkpoint=runs/x/checkpoints/step1000 tasks=all limit=500
     twell-eval gguf=smollm2 tasks=arc_easy,piqa device=cpu threads=2
     twell-eval checkpoint=PATH ffn_impl=twell device=cuda out=eval_results name=sparse-1b
 
@@ -124,7 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         for f in fields(EvalArgs):
             print(f"  {f.name}={f.default!r}")
         return 0
-    args = parse_args(argv)
+    try:
+        return _run(parse_args(argv))
+    except (FileNotFoundError, ValueError, OSError) as e:  # bad path, task or checkpoint
+        print(f"twell-eval: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: EvalArgs) -> int:
     import torch
 
     from evals.harness import evaluate, resolve_tasks
@@ -153,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     res["protocol"]["cli_args"] = dataclasses.asdict(args)
     name = args.name or (src.stem if src.suffix == ".gguf" else
                          "-".join(p for p in src.resolve().parts[-2:] if p not in ("/", "")))
+    if not args.name and args.ffn_impl not in ("torch", "none"):
+        name += f"-{args.ffn_impl}"  # torch and twell results of one checkpoint side by side
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(res, name)

@@ -123,3 +123,17 @@ def test_unknown_keys_and_types_are_errors():
         _compose(["trainer.max_steps=many"])
     with pytest.raises(ConfigError, match="model.ffn_impl"):
         OmegaConf.to_object(_compose(["model.ffn_impl=cuda"]))
+
+
+@pytest.mark.parametrize("override,key", [("+trainer.foo=1", "trainer.foo"),
+                                          ("+trainer.max_step=5", "trainer.max_step"),
+                                          ("+extra=1", "extra")])
+def test_added_unknown_keys_are_refused(override, key, tmp_path):
+    """Hydra accepts ``+key=value`` even with a schema; the run refuses it in one line."""
+    from train.main import run
+
+    cfg = _compose([override])
+    with pytest.raises(ConfigError) as err:
+        run(cfg, run_dir=str(tmp_path / "r"))
+    assert key in _one_line(err) and "spelling" in _one_line(err)
+    assert not (tmp_path / "r").exists()  # refused before anything was written

@@ -76,7 +76,7 @@ def test_cli_ffn_conversion(checkpoint):
         load_checkpoint(checkpoint, ffn_impl="fast")
 
 
-def test_cli_argument_errors(tmp_path):
+def test_cli_argument_errors(tmp_path, capsys):
     a = parse_args(["gguf=x.gguf", "limit=none", "batch_size=8", "progress=false"])
     assert a.limit is None and a.batch_size == 8 and a.progress is False
     assert parse_args(["checkpoint=c", "limit=5"]).limit == 5
@@ -90,7 +90,10 @@ def test_cli_argument_errors(tmp_path):
         parse_args(["checkpoint"])
     with pytest.raises(SystemExit, match="batch_size"):
         parse_args(["checkpoint=c", "batch_size=big"])
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        main([f"checkpoint={tmp_path}", "progress=false"])
-    with pytest.raises(ValueError, match="unknown"):
-        main([f"checkpoint={tmp_path}", "tasks=arc", "progress=false"])
+    # a bad checkpoint or task name: exit code 2 and one line on stderr naming the problem
+    assert main([f"checkpoint={tmp_path}", "progress=false"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "FileNotFoundError" in err[0] and "config.json" in err[0]
+    assert main([f"checkpoint={tmp_path}", "tasks=arc", "progress=false"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ValueError" in err[0] and "unknown" in err[0]

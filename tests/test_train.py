@@ -151,7 +151,7 @@ def test_in_loop_eval_calls_evals_evaluate(tokens, tmp_path, monkeypatch):
 
     calls = []
 
-    def fake_evaluate(model, tokenizer, tasks, limit, batch_size, device):
+    def fake_evaluate(model, tokenizer, tasks, limit, batch_size, device, **kw):
         calls.append((model.training, tasks, limit, batch_size))
         return {"tasks": {"piqa": {"acc": 0.5, "acc_norm": 0.6, "primary": 0.6, "n": 4}},
                 "mean": 0.6, "protocol": {}}
@@ -163,6 +163,10 @@ def test_in_loop_eval_calls_evals_evaluate(tokens, tmp_path, monkeypatch):
     assert calls == [(False, ("piqa",), 4, 16)] * 3  # steps 2, 4 and the end (5)
     assert [r["step"] for r in read_metrics(tmp_path / "run", "eval")] == [2, 4, 5]
     assert summary["eval"]["eval_mean"] == 0.6 and summary["eval"]["eval_piqa"] == 0.6
+    # re-running the finished run resumes at the end: no second evaluation, no duplicate row
+    _run(cfg, tmp_path / "run", datamodule=datamodule_with_stub_tokenizer(cfg))
+    assert len(calls) == 3
+    assert [r["step"] for r in read_metrics(tmp_path / "run", "eval")] == [2, 4, 5]
 
 
 @pytest.mark.slow

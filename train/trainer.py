@@ -497,13 +497,17 @@ class Trainer:
             tasks = "all" if list(e.tasks) == ["all"] else tuple(e.tasks)
             model = self.acc.unwrap_model(self.model)
             model.eval()
+            self._print(f"step {self.step}: evaluating {tasks} (limit {e.limit})")
             out = evaluate(model, self.data.tokenizer, tasks=tasks, limit=e.limit,
-                           batch_size=e.batch_size, device=self.device)
+                           batch_size=e.batch_size, device=self.device,
+                           progress=self.cfg.trainer.progress)
             model.train()
             result = {"step": self.step, "eval_mean": out["mean"],
                       **{f"eval_{k}": v["primary"] for k, v in out["tasks"].items()}}
             self.last_eval = result
             self._write(result, "eval")
+            self._print(f"step {self.step}: eval mean {100 * out['mean']:.1f} | " + " ".join(
+                f"{k} {100 * v['primary']:.1f}" for k, v in out["tasks"].items()))
         self.acc.wait_for_everyone()
         return result
 
@@ -544,15 +548,13 @@ class Trainer:
             if (t.save_every and self.step % t.save_every == 0) or last:
                 self.save_checkpoint()
         bar.close()
-        if self.step >= t.max_steps and cfg.eval.at_end and not (
+        done = self.last_eval is not None and self.last_eval.get("step") == self.step
+        if self.step >= t.max_steps and cfg.eval.at_end and not done and not (
                 cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0):
             self.evaluate()
         summary = self.summary()
         if self.is_main and self.step >= t.max_steps:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            print(f"checkpoint: {summary['paths']['checkpoint']}\n"
-                  f"metrics:    {summary['paths']['metrics']}\n"
-                  f"summary:    {self.run_dir / 'summary.json'}")
         return summary
 
     def _print(self, line: str, bar=None) -> None:

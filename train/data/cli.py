@@ -50,7 +50,19 @@ def _summary(corpus_dir, m: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``twell-data`` / ``python -m train.data``; returns the exit status."""
+    """Entry point of ``twell-data`` / ``python -m train.data``; returns the exit status
+    (2 with one line on stderr for a data or fetch error: the message names the file)."""
+    from train.data.fetch import FetchError
+    from train.data.packing import DataError
+
+    try:
+        return _main(argv)
+    except (DataError, FetchError, ValueError) as e:
+        print(f"twell-data: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="twell-data", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
