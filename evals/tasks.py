@@ -135,6 +135,8 @@ def hellaswag_preprocess(text: str) -> str:
 
 
 def build_hellaswag(row: dict) -> Item:
+    """HellaSwag row -> Item: context ``pre(activity_label: ctx_a ctx_b.capitalize())``, 4 endings;
+    raises MalformedItem on a missing context, ending or label."""
     ctx_a = row.get("ctx_a")
     ctx_b = row.get("ctx_b")
     if not isinstance(ctx_a, str) or not isinstance(ctx_b, str) or not (ctx_a + ctx_b).strip():
@@ -160,6 +162,7 @@ def build_hellaswag(row: dict) -> Item:
 
 # ---------------------------------------------------------------- CommonsenseQA
 def build_commonsense_qa(row: dict) -> Item:
+    """CommonsenseQA row -> Item in the ARC cloze format (``Question: q\nAnswer:``), 5 choices."""
     q = _require_str(row, "question")
     texts, label = _lettered(row)
     return _same_context_item(f"Question: {q}\nAnswer:", texts, label)
@@ -167,6 +170,7 @@ def build_commonsense_qa(row: dict) -> Item:
 
 # ---------------------------------------------------------------- PIQA
 def build_piqa(row: dict) -> Item:
+    """PIQA row -> Item: ``Question: goal\nAnswer:``, choices sol1/sol2, label 0/1."""
     goal = _require_str(row, "goal")
     lab = row.get("label")
     if lab is None or isinstance(lab, bool):
@@ -207,12 +211,15 @@ def build_winogrande(row: dict) -> Item:
 
 # ---------------------------------------------------------------- ARC / OpenBookQA
 def build_arc(row: dict) -> Item:
+    """ARC-Easy/Challenge row -> Item: ``Question: q\nAnswer:``; answerKey looked up in the
+    row's own choice labels (letters or '1'-'4')."""
     q = _require_str(row, "question")
     texts, label = _lettered(row)
     return _same_context_item(f"Question: {q}\nAnswer:", texts, label)
 
 
 def build_openbookqa(row: dict) -> Item:
+    """OpenBookQA row -> Item: context = question_stem (lm-eval's format), 4 choices."""
     q = _require_str(row, "question_stem")
     texts, label = _lettered(row)
     return _same_context_item(q, texts, label)

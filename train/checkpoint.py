@@ -34,6 +34,7 @@ _STEP_RE = re.compile(r"^step(\d+)$")
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
+    """``<run_dir>/checkpoints``, the folder holding the ``step{N}/`` checkpoints."""
     return Path(run_dir) / "checkpoints"
 
 
@@ -74,6 +75,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore the python, numpy, torch (and CUDA, if saved and present) RNG states saved in a
+    checkpoint's ``rank{r}.pt``; raises KeyError if a CPU state is missing."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -82,6 +85,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def tmp_path(final: Path) -> Path:
+    """The temporary sibling (``.stepN.tmp``) a checkpoint is written to before the rename."""
     return final.parent / f".{final.name}.tmp"
 
 
@@ -124,4 +128,6 @@ def finish(tmp: Path, final: Path, *, step: int, world_size: int, keep_last: int
 
 
 def read_metadata(ckpt: str | Path) -> dict:
+    """The ``metadata.json`` of a checkpoint folder (format version, step, tokens seen, ...);
+    raises FileNotFoundError for an incomplete checkpoint."""
     return json.loads((Path(ckpt) / "metadata.json").read_text())

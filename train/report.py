@@ -266,6 +266,7 @@ def run_row(run: Run) -> dict:
 
 
 def sort_key(row: dict):
+    """Table order: model size, then sparsity variant, FFN impl, L1 coefficient, run name."""
     return (row["nonemb_params_M"] or 0, row["variant"], row["ffn_impl"], row["l1_coeff"] or 0,
             row["run"])
 

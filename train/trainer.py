@@ -44,6 +44,7 @@ class NonFiniteLossError(RuntimeError):
 
 
 def config_to_dict(cfg: TrainConfig) -> dict:
+    """The resolved config as plain containers (what ``config.yaml`` and checkpoints store)."""
     return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
