@@ -261,3 +261,12 @@ def test_cli_build_info_verify(tmp_path, byte_tok, capsys):
     assert main(["list"]) == 0
     listed = capsys.readouterr().out
     assert "linux-doc-6.1" in listed and "shakespeare" not in listed
+    # a corrupted shard: `verify` exits 2 with one line naming the file (no traceback)
+    corpus = next((tmp_path / "c").glob("files-*"))
+    shard = next(corpus.glob("train_*.bin"))
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1
+    shard.write_bytes(bytes(raw))
+    assert main(["verify", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and shard.name in err[0] and "DataError" in err[0]

@@ -222,3 +222,10 @@ def test_eval_without_tokenizer_is_refused(tokens, tmp_path):
     cfg = tiny_config(tokens, **{"eval.at_end": True})
     with pytest.raises(ConfigError, match="eval=disabled"):
         Trainer(cfg, tmp_path / "r")
+
+
+def test_warmup_longer_than_run_warns(tokens, tmp_path, capsys):
+    Trainer(tiny_config(tokens, **{"trainer.max_steps": 2, "optim.warmup_steps": 5}),
+            tmp_path / "w").close()
+    err = capsys.readouterr().err
+    assert "optim.warmup_steps=5 >= trainer.max_steps=2" in err

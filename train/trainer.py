@@ -18,6 +18,7 @@ import json
 import math
 import resource
 import secrets
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -104,6 +105,11 @@ class Trainer:
         self.is_main = self.acc.is_main_process
         self.device = self.acc.device
         self.config_dict = config_to_dict(cfg)
+        if cfg.optim.warmup_steps >= t.max_steps and self.is_main:
+            print(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} >= trainer.max_steps="
+                  f"{t.max_steps}: the learning rate never reaches optim.lr (peak "
+                  f"{cfg.optim.lr * t.max_steps / max(cfg.optim.warmup_steps, 1):.2e}); lower "
+                  "optim.warmup_steps.", file=sys.stderr)
         resume_from = self._check_run_dir()
 
         set_seed(t.seed)
