@@ -16,8 +16,8 @@ Paths, chosen per call:
   ``TRITON_INTERPRET=1`` was set before import; otherwise the pure-PyTorch
   reference of the same format (``twell.ops.reference``) runs, so CPU users
   get the same results.
-* gradient needed: ``twell.ops.sparse_train.sparse_ffn_train`` (written
-  separately; a clear NotImplementedError if absent).
+* gradient needed: ``twell.ops.sparse_train.sparse_ffn_train`` (the hybrid ELL
+  training path; gated FFNs only, it raises ValueError for a non-gated one).
 * ``mode="auto"``: dense cuBLAS when the layer's last measured density is
   above ``TwELLState.density_threshold`` or the call has fewer than
   ``TwELLState.min_rows`` token rows, else TwELL. The density comes from
@@ -244,20 +244,15 @@ def sparse_ffn(
 
     Raises:
         ValueError: bad shapes, dtypes, devices, mode, or H >= 65536.
-        NotImplementedError: a gradient is needed and the training kernels
-            (``twell.ops.sparse_train``) are not available.
+        ValueError: also a gradient is needed for a non-gated FFN (the sparse training path
+            is gated-only; use impl="torch").
     """
     if mode not in ("twell", "auto"):
         raise ValueError(f"sparse_ffn mode must be 'twell' or 'auto'; got {mode!r}")
     ws = [w for w in (w_gate_HD, w_up_HD, w_down_DH) if w is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in [x_ND, *ws]):
-        try:
-            from twell.ops.sparse_train import sparse_ffn_train
-        except ImportError as e:
-            raise NotImplementedError(
-                "sparse_ffn with gradients needs twell.ops.sparse_train.sparse_ffn_train, which is "
-                f"not available ({e}). Use impl='torch' for training, or run under torch.no_grad()."
-            ) from e
+        from twell.ops.sparse_train import sparse_ffn_train  # triton imported lazily inside
+
         if state is not None:
             state.last_info = FFNInfo("train")
         return sparse_ffn_train(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats=with_stats)
