@@ -137,3 +137,12 @@ def test_added_unknown_keys_are_refused(override, key, tmp_path):
         run(cfg, run_dir=str(tmp_path / "r"))
     assert key in _one_line(err) and "spelling" in _one_line(err)
     assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_twell_training_needs_the_gated_ffn():
+    from train.config import ModelConfig
+
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(gated=False, ffn_impl="twell")
+    assert "model.ffn_impl=twell" in _one_line(err) and "model.gated=false" in _one_line(err)
+    assert ModelConfig(gated=False, ffn_impl="auto").ffn_impl == "auto"

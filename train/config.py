@@ -86,6 +86,11 @@ class ModelConfig:
             raise ConfigError(
                 f"model.ffn_impl={self.ffn_impl!r} is unknown; use one of {', '.join(FFN_IMPLS)}."
             )
+        if self.ffn_impl == "twell" and not self.gated:
+            raise ConfigError(
+                "model.ffn_impl=twell trains only the gated FFN (the sparse training kernels need "
+                "gate_proj); with model.gated=false use model.ffn_impl=torch or auto."
+            )
         for key in ("rope_theta", "rms_norm_eps", "init_std"):
             _check_finite_nonneg(f"model.{key}", getattr(self, key))
 
