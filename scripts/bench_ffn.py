@@ -138,27 +138,34 @@ def variant_state(v):
 # v1 = the kernels of the first H200 run (docs/bench/bench_infer.log), kept callable for the
 # old/new ratio; "twell2p_v1" runs them at v1's fastest measured launch shape (consumer nb=1).
 V1 = {"pack": {"version": 1}, "consumer": {"version": 1, "nb": 1}}
+V2 = {"pack": {"version": 2}, "consumer": {"version": 2, "nb": 2}}     # run-2 defaults
+V3 = {"pack": {"version": 3}, "consumer": {"version": 2, "nb": 4, "num_warps": 4}}  # run E candidate
 VARIANTS = {
-    "twell2p_f8": {"gate": "two_pass", "factor": 8},          # v2 pack + v2 consumer nb=2 (library default is v1 since run 2)
+    "twell2p_f8": {"gate": "two_pass", "factor": 8, **V2},   # v2 pack + v2 consumer nb=2
     "twell2p_v1": {"gate": "two_pass", **V1},
-    "twellfu_f8": {"gate": "fused", "factor": 8},
-    # one part old, the other new: which change the gain comes from
-    "twell2p_pkv1": {"gate": "two_pass", "pack": V1["pack"]},
-    "twell2p_cv1": {"gate": "two_pass", "consumer": V1["consumer"]},
-    "twell2p_f4": {"gate": "two_pass", "factor": 4},
-    # v2 consumer launch shapes (nb non-zeros per step, warps, prefetch = next rows gathered early)
-    "twell2p_nb1": {"gate": "two_pass", "consumer": {"nb": 1}},
-    "twell2p_nb4": {"gate": "two_pass", "consumer": {"nb": 4, "num_warps": 4}},
-    "twell2p_nb2pf": {"gate": "two_pass", "consumer": {"nb": 2, "prefetch": True}},
-    "twell2p_nb1pf": {"gate": "two_pass", "consumer": {"nb": 1, "prefetch": True}},
-    "twell2p_nb2w8": {"gate": "two_pass", "consumer": {"nb": 2, "num_warps": 8}},
-    "twell2p_nb2r2": {"gate": "two_pass", "consumer": {"nb": 2, "rows": 2}},
-    # v2 pack shapes (rows per block, warps, programs per SM)
-    "twell2p_pk32w8": {"gate": "two_pass", "pack": {"block_m": 32, "num_warps": 8}},
-    "twell2p_pk8w4": {"gate": "two_pass", "pack": {"block_m": 8, "num_warps": 4}},
-    "twell2p_pk16p16": {"gate": "two_pass", "pack": {"programs_per_sm": 16}},
+    "twell2p_v3": {"gate": "two_pass", **V3},                 # v3 pack + consumer nb=4, 4 warps
+    "twellfu_f8": {"gate": "fused", "factor": 8, "consumer": V2["consumer"]},
+    "twell2p_f4": {"gate": "two_pass", "factor": 4, **V3},
+    # pack v3 shapes (rows per block = warps, programs per SM) with the v3 consumer
+    "twell2p_p3w8": {"gate": "two_pass", "pack": {"version": 3, "num_warps": 8},
+                     "consumer": V3["consumer"]},
+    "twell2p_p3w2": {"gate": "two_pass", "pack": {"version": 3, "num_warps": 2},
+                     "consumer": V3["consumer"]},
+    "twell2p_p3pps4": {"gate": "two_pass", "pack": {"version": 3, "programs_per_sm": 4},
+                       "consumer": V3["consumer"]},
+    "twell2p_p3pps16": {"gate": "two_pass", "pack": {"version": 3, "programs_per_sm": 16},
+                        "consumer": V3["consumer"]},
+    # consumer launch shapes with the v3 pack (nb non-zeros per step, warps, rows, prefetch)
+    "twell2p_p3nb1": {"gate": "two_pass", "pack": V3["pack"], "consumer": {"nb": 1, "num_warps": 2}},
+    "twell2p_p3nb4w8": {"gate": "two_pass", "pack": V3["pack"], "consumer": {"nb": 4, "num_warps": 8}},
+    "twell2p_p3nb8w8": {"gate": "two_pass", "pack": V3["pack"], "consumer": {"nb": 8, "num_warps": 8}},
+    "twell2p_p3nb4r2": {"gate": "two_pass", "pack": V3["pack"],
+                        "consumer": {"nb": 4, "num_warps": 4, "rows": 2}},
+    "twell2p_p3nb4pf": {"gate": "two_pass", "pack": V3["pack"],
+                        "consumer": {"nb": 4, "num_warps": 4, "prefetch": True}},
 }
-ALWAYS = ("twell2p_f8", "twell2p_v1", "twellfu_f8")  # timed at every configuration
+ALWAYS = ("twell2p_f8", "twell2p_v1", "twell2p_v3", "twellfu_f8")  # timed at every configuration
+CANDIDATE = "twell2p_v3"  # the auto-threshold suggestion is computed for this variant
 
 
 # ------------------------------------------------------------------ phase 1: correctness
@@ -292,7 +299,7 @@ def time_config(args, m, d, h, density, heavy, gated, label="synthetic", inputs=
         try:
             w_in = wg if gated else wu
             parts["part_gate_cublas"] = lambda: x @ w_in.T
-            parts["part_pack"] = lambda: pack_dense(pre, 8)
+            parts["part_pack"] = lambda: pack_dense(pre, 8)  # library default
             parts["part_pack_v1"] = lambda: pack_dense(pre, 8, **V1["pack"])
             parts["part_gemm_pack_fused"] = lambda: gate_gemm_pack(x, w_in, 8)
             tw, _ = pack_dense(pre, 8)
@@ -300,6 +307,10 @@ def time_config(args, m, d, h, density, heavy, gated, label="synthetic", inputs=
             up = {"x_MD": x, "w_up_HD": wu} if gated else {}
             parts["part_consumer"] = lambda: twell_ffn_apply(tw, pre, wdt, **up)
             parts["part_consumer_v1"] = lambda: twell_ffn_apply(tw, pre, wdt, **up, **V1["consumer"])
+            parts["part_pack_v2"] = lambda: pack_dense(pre, 8, **V2["pack"])
+            parts["part_pack_v3"] = lambda: pack_dense(pre, 8, **V3["pack"])
+            parts["part_consumer_v2nb2"] = lambda: twell_ffn_apply(tw, pre, wdt, **up, **V2["consumer"])
+            parts["part_consumer_v3"] = lambda: twell_ffn_apply(tw, pre, wdt, **up, **V3["consumer"])
         except Exception as ex:  # noqa: BLE001
             out.append({**base, "variant": "parts", "status": f"ERROR {type(ex).__name__}: {ex}"})
         for pname, fn in parts.items():
@@ -428,19 +439,20 @@ def main():
                   f"{fmt(r.get('tflops', ''), '.0f'):>7} {fmt(r.get('rel_err', ''), '.2e'):>8} "
                   f"{fmt(r.get('rel_err_dense', ''), '.2e'):>9} {r.get('status', '')}")
         # measured crossover for "auto": highest density where two-pass TwELL beats dense
-        win = [r["density"] for r in speed if r.get("variant") == "twell2p_f8" and r.get("M") == 16384
+        win = [r["density"] for r in speed if r.get("variant") == CANDIDATE and r.get("M") == 16384
                and r.get("H") == 5632 and r.get("gated") and r.get("speedup", 0) >= 1.0
                and r.get("status") == "ok"]
-        lose = [r["density"] for r in speed if r.get("variant") == "twell2p_f8" and r.get("M") == 16384
+        lose = [r["density"] for r in speed if r.get("variant") == CANDIDATE and r.get("M") == 16384
                 and r.get("H") == 5632 and r.get("gated") and r.get("speedup", 2) < 1.0]
-        print(f"\nauto threshold suggestion: TwELL won up to density {max(win) if win else 'none'}, "
+        print(f"\nauto threshold suggestion ({CANDIDATE}): TwELL won up to density {max(win) if win else 'none'}, "
               f"lost from {min(lose) if lose else 'none'} (set TWELL_AUTO_DENSITY between)")
         def key(r):
             return (r["M"], r["H"], r["density_target"], r["heavy"], r["gated"])
 
         print("\n== time ratios a / b (<1: a faster), per config (M H dens% hv) and median")
-        for a, b in (("twell2p_f8", "twell2p_v1"), ("part_pack", "part_pack_v1"),
-                     ("part_consumer", "part_consumer_v1"), ("twell2p_f8", "twellfu_f8")):
+        for a, b in (("twell2p_v3", "twell2p_f8"), ("twell2p_f8", "twell2p_v1"),
+                     ("part_pack_v3", "part_pack_v2"), ("part_consumer_v3", "part_consumer_v2nb2"),
+                     ("twell2p_f8", "twellfu_f8")):
             pb = {key(r): r["ms"] for r in speed if r.get("variant") == b and "ms" in r}
             ratio = [(key(r), r["ms"] / pb[key(r)]) for r in speed
                      if r.get("variant") == a and "ms" in r and key(r) in pb]

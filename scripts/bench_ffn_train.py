@@ -112,13 +112,21 @@ def make_case(n, d, h, density, dist, seed=0, device="cuda"):
 
 
 GEN1 = {"compact": "v1", "spmm": "tiled", "dw": "tiled"}  # first-generation kernels
+# Kernel configs per variant (on top of the library defaults); every "sparse*" variant runs the
+# default policy (ELL capacity 128 + dense backup) except sparse_ell.
+VARIANT_CFG = {
+    "sparse_old": GEN1,
+    "sparse_c3": {"compact": "v3"},                          # compaction v3, 4 rows (warps)
+    "sparse_c3n8": {"compact": "v3", "compact3_block_n": 8},
+    "sparse_c3n2": {"compact": "v3", "compact3_block_n": 2},
+}
 
 
 def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
     """Returns a closure running one forward + backward and returning (y, grads, stats)."""
     ins = [t.detach().clone().requires_grad_() for t in (x, wg, wu, wd)]
     c = L1_COEFF_PER_TOKEN * x.shape[0]
-    cfg = GEN1 if variant == "sparse_old" else {}
+    cfg = VARIANT_CFG.get(variant, {})
 
     def run():
         with kernel_config(**cfg):
@@ -132,8 +140,11 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
         if variant == "dense":
             y, st = gated_ffn_torch(*ins, with_stats=False)
             outs, gouts = [y], [dy]
+        elif variant == "dense_stats":  # the trainer's torch path: stats and the L1 term too
+            y, st = gated_ffn_torch(*ins, with_stats=True)
+            outs, gouts = [y, st.l1], [dy, torch.full_like(st.l1, c)]
         else:
-            kw = ({} if variant in ("sparse", "sparse_old")
+            kw = ({} if variant != "sparse_ell"
                   else {"ell_capacity": ell_cap, "dense_row_fraction": 1.0})
             y, st = sparse_ffn_train(*ins, with_stats=True, **kw)
             outs, gouts = [y, st.l1], [dy, torch.full_like(st.l1, c)]
@@ -141,9 +152,9 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
         return y, grads, st
 
     def _fwd():
-        if variant == "dense":
-            return gated_ffn_torch(*ins, with_stats=False)
-        kw = ({} if variant in ("sparse", "sparse_old")
+        if variant in ("dense", "dense_stats"):
+            return gated_ffn_torch(*ins, with_stats=variant == "dense_stats")
+        kw = ({} if variant != "sparse_ell"
               else {"ell_capacity": ell_cap, "dense_row_fraction": 1.0})
         return sparse_ffn_train(*ins, with_stats=True, **kw)
 
@@ -178,23 +189,31 @@ def peak_extra_mb(run):
     return peak / 2**20
 
 # Per-kernel launch shapes timed in the parts table: (label, kernel_config overrides).
+# Per-kernel launch shapes timed in the parts table; the first row of each part is the ratio's
+# base (column "vs_gen1" = first row's time / this row's time). Every config is spelled out (the
+# run-C labels named shapes that the defaults had since changed).
+_C2 = {"compact": "v2", "compact_block_n": 32}
 PART_SHAPES = {
-    "compact": [("v1", {"compact": "v1"}), ("v2 n32 (default)", {"compact": "v2"}),
-                ("v2 n16", {"compact": "v2", "compact_block_n": 16}),
-                ("v2 n64", {"compact": "v2", "compact_block_n": 64})],
-    "spmm_y": [("tiled", {"spmm": "tiled"}), ("rows k8 w8 (default)", {"spmm": "rows"}),
-               ("rows k16 w8", {"spmm": "rows", "spmm_block_k": 16}),
-               ("rows k4 w4", {"spmm": "rows", "spmm_block_k": 4, "spmm_warps": 4}),
-               ("rows k8 d1024 w4", {"spmm": "rows", "spmm_block_d": 1024, "spmm_warps": 4})],
-    "spmm_dx": [("tiled", {"spmm": "tiled"}), ("rows k4 w8 (default)", {"spmm": "rows"}),
-                ("rows k8 w8", {"spmm": "rows", "spmm_block_k2": 8}),
-                ("rows k2 w4", {"spmm": "rows", "spmm_block_k2": 2, "spmm_warps": 4}),
-                ("rows k4 d1024 w4", {"spmm": "rows", "spmm_block_d": 1024, "spmm_warps": 4})],
-    "dw": [("tiled", {"dw": "tiled"}), ("cols j8 d512 w2 (default)", {"dw": "cols"}),
-           ("cols j16 d512 w2", {"dw": "cols", "dw_block_j": 16}),
-           ("cols j8 d1024 w4", {"dw": "cols", "dw_block_d": 1024, "dw_warps": 4}),
-           ("cols j8 d256 w1", {"dw": "cols", "dw_block_d": 256, "dw_warps": 1}),
-           ("cols j4 d2048 w8", {"dw": "cols", "dw_block_j": 4, "dw_block_d": 2048, "dw_warps": 8})],
+    "compact": [("v2 n32 w8 (run D default)", _C2)]
+    + [(f"v3 n{b} w{b}", {"compact": "v3", "compact3_block_n": b}) for b in (1, 2, 4, 8, 16)],
+    "sddmm_u": [("k16 d256 w4 (default)", {"sddmm_block_k": 16, "sddmm_block_d": 256,
+                                           "sddmm_warps": 4}),
+                ("k8 d256 w4", {"sddmm_block_k": 8, "sddmm_block_d": 256, "sddmm_warps": 4}),
+                ("k16 d512 w4", {"sddmm_block_k": 16, "sddmm_block_d": 512, "sddmm_warps": 4}),
+                ("k32 d128 w4", {"sddmm_block_k": 32, "sddmm_block_d": 128, "sddmm_warps": 4}),
+                ("k16 d256 w2", {"sddmm_block_k": 16, "sddmm_block_d": 256, "sddmm_warps": 2}),
+                ("k8 d512 w8", {"sddmm_block_k": 8, "sddmm_block_d": 512, "sddmm_warps": 8})],
+    "spmm_y": [("rows k4 w4 (default)", {"spmm": "rows", "spmm_block_k": 4, "spmm_warps": 4}),
+               ("rows k8 w8", {"spmm": "rows", "spmm_block_k": 8, "spmm_warps": 8}),
+               ("rows k2 w4", {"spmm": "rows", "spmm_block_k": 2, "spmm_warps": 4})],
+    "spmm_dx": [("rows k2 w4 (default)", {"spmm": "rows", "spmm_block_k2": 2, "spmm_warps": 4}),
+                ("rows k4 w8", {"spmm": "rows", "spmm_block_k2": 4, "spmm_warps": 8}),
+                ("rows k1 w4", {"spmm": "rows", "spmm_block_k2": 1, "spmm_warps": 4})],
+    "dw": [("cols j8 d512 w2 (default)", {"dw": "cols", "dw_block_j": 8, "dw_block_d": 512,
+                                          "dw_warps": 2}),
+           ("cols j4 d2048 w8", {"dw": "cols", "dw_block_j": 4, "dw_block_d": 2048, "dw_warps": 8}),
+           ("cols j4 d1024 w4", {"dw": "cols", "dw_block_j": 4, "dw_block_d": 1024, "dw_warps": 4}),
+           ("cols j2 d2048 w8", {"dw": "cols", "dw_block_j": 2, "dw_block_d": 2048, "dw_warps": 8})],
 }
 
 
@@ -239,6 +258,7 @@ def parts(x, wg, wu, wd, dy, rep, label):
         row_bytes = 2 * d  # one bf16 row of D
         jobs = {
             "compact": (lambda: tk.compact(gate, kc), None, n * h * 2),
+            "sddmm_u": (lambda: tk.sddmm_fwd(x, wu, col, gv, nnz)[0], u, nnz_total * row_bytes),
             "spmm_y": (lambda: tk.spmm(torch.empty_like(x), wdt, None, col, gv, u, nnz),
                        ref_y, nnz_total * row_bytes),
             "spmm_dx": (lambda: tk.spmm(torch.empty_like(x), wg, wu, col, dg, du, nnz),
@@ -272,6 +292,8 @@ def parts(x, wg, wu, wd, dy, rep, label):
                                 row["status"] = "WRONG"
                         else:
                             outs = out if isinstance(out, list) else [out]
+                            if part == "sddmm_u":  # slots past nnz are undefined: compare valid
+                                outs = [torch.where(st._valid(nnz, k), out, 0)]
                             refs = ref if isinstance(ref, list) else [ref]
                             e = max(rel(a, b) for a, b in zip(outs, refs))
                             row["err"] = f"{e:.1e}"
@@ -347,7 +369,8 @@ def main():
             nnz_max = int(st_bf.nnz_max.item())
             ell_cap = max(16, 16 * math.ceil(nnz_max / 16))
             if args.profile:
-                run = step_fn("sparse", x, wg, wu, wd, dy, ell_cap)[0]
+                pv = next(v for v in args.variants.split(",") if v.startswith("sparse"))
+                run = step_fn(pv, x, wg, wu, wd, dy, ell_cap)[0]
                 for _ in range(3):
                     run()
                 torch.cuda.synchronize()
@@ -357,7 +380,7 @@ def main():
                     for _ in range(5):
                         run()
                     torch.cuda.synchronize()
-                print(f"## profile {dist} {dens} (5 steps)")
+                print(f"## profile {pv} {dist} {dens} (5 steps)")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22,
                                                 max_name_column_width=60))
                 continue
@@ -366,16 +389,21 @@ def main():
             for variant in args.variants.split(","):
                 row = {"dist": dist, "density": dens, "l0": round(l0, 1), "nnz_max": nnz_max,
                            "variant": variant, "status": "ok"}
+                run_as = variant
+                if variant == "auto":  # the trainer's ffn_impl=auto rule on this layer's L0
+                    path = sparse_train.train_path_for_density(l0 / h)
+                    run_as = "sparse" if path == "twell" else "dense_stats"
+                    row["variant"] = f"auto[{path}]"
                 try:
-                    run, fwd = step_fn(variant, x, wg, wu, wd, dy, ell_cap)
+                    run, fwd = step_fn(run_as, x, wg, wu, wd, dy, ell_cap)
                     y, grads, st = run()
-                    ref = ref_no if variant == "dense" else ref_l1
+                    ref = ref_no if run_as == "dense" else ref_l1
                     ref_dense = ref_no
                     errs = [rel_err(a, b) for a, b in zip([y, *grads], ref)]
                     names = ("y", "dx", "dWg", "dWu", "dWd")
                     for nm, e in zip(names, errs):
                         row[f"err_{nm}"] = f"{e:.2e}"
-                    if variant != "dense":
+                    if run_as != "dense":
                         # bf16 dense path's own error (no L1) sets the yardstick
                         _, gdense, _ = step_fn("dense", x, wg, wu, wd, dy, ell_cap)[0]()
                         yd = gated_ffn_torch(x, wg, wu, wd, with_stats=False)[0]

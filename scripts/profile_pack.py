@@ -1,5 +1,5 @@
-"""Profile target for `ncu`: one call each of the TwELL pack (v1, v2) and the training
-compaction (v2) at M=16384, H=5632, 0.3 % density, bf16 (GPU only).
+"""Profile target for `ncu`: one call each of the TwELL pack (v1, v2, v3) and the training
+compaction (v2, v3) at M=16384, H=5632, 0.3 % density, bf16 (GPU only).
 
     ncu --clock-control none --kernel-name regex:"pack|compact" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis python scripts/profile_pack.py
@@ -20,11 +20,13 @@ def main() -> None:
     # relu(g) > 0 with probability `dens`: a shifted normal
     thr = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1 - dens)).item()
     g = (torch.randn(m, h, device="cuda") - thr).to(torch.bfloat16)
-    for version in (1, 2):
+    for version in (1, 2, 3):
         pack_dense(g, 8, stats=True, version=version)
-    stt.compact(g, 128)
+    for variant in ("v2", "v3"):
+        with stt.kernel_config(compact=variant):
+            stt.compact(g, 128)
     torch.cuda.synchronize()
-    print("profiled: pack v1, pack v2, compact v2")
+    print("profiled: pack v1, v2, v3; compact v2, v3")
 
 
 if __name__ == "__main__":

@@ -149,6 +149,7 @@ KERNEL_CONFIGS = {
     "gen1": {"compact": "v1", "spmm": "tiled", "dw": "tiled"},
     "gen2_small": {"compact_block_n": 4, "spmm_block_k": 2, "spmm_block_k2": 2, "spmm_block_d": 16,
                        "dw_block_j": 2, "dw_block_d": 16},
+    "gen3": {"compact": "v3", "compact3_block_n": 2},
 }
 
 
@@ -173,7 +174,8 @@ def test_triton_kernel_variants(config, case):
 
 @needs_triton
 def test_compact_counts_match_torch():
-    """Compaction v2 (partial counts, prefetch) and v1 equal the PyTorch compaction exactly,
+    """Compaction v3 (one row per warp, relaxed atomics), v2 (partial counts, prefetch) and v1
+    equal the PyTorch compaction exactly,
     including rows above capacity and H not a multiple of the column block."""
     from twell.ops import sparse_train_triton as tk
 
@@ -181,8 +183,8 @@ def test_compact_counts_match_torch():
     g = (x @ wg.T).float().to(DEV)
     col_r, val_r, nnz_r, cnt_r = sparse_train._t_compact(g, 16)
     assert (nnz_r > 16).any() and (nnz_r == 0).any()
-    for variant, block_n in (("v1", 32), ("v2", 32), ("v2", 4)):
-        with tk.kernel_config(compact=variant, compact_block_n=block_n):
+    for variant, block_n in (("v1", 32), ("v2", 32), ("v2", 4), ("v3", 4), ("v3", 1), ("v3", 8)):
+        with tk.kernel_config(compact=variant, compact_block_n=block_n, compact3_block_n=block_n):
             col, val, nnz, cnt = tk.compact(g, 16)
         assert torch.equal(nnz, nnz_r) and torch.equal(cnt, cnt_r), variant
         valid = sparse_train._valid(torch.clamp(nnz_r, max=16), 16)

@@ -20,13 +20,15 @@ Math (arXiv 2603.23198; ``shared/PAPER.md``, "Hybrid (training)")::
 Rows with more than KC non-zeros (the ELL capacity) go whole to the dense backup: their g and u
 (R x H each) are computed with cuBLAS and saved, their gradients are dense matmuls. Nothing is
 dropped at any density: when more than ``dense_row_fraction`` of the rows are heavy, every row
-goes to the dense backup (the call is then the dense FFN plus one compaction pass).
+goes to the dense backup (the call is then the dense FFN plus one compaction pass and the ELL
+kernels' pass over the light rows, whose results are discarded).
 
 Saved for backward: x, the three weights, the ELL part (col int32, g, u: N x K), the row lengths,
 the indices of the heavy rows and their dense g and u. No N x H tensor outside the backup rows.
 
 Host synchronisation: exactly one per forward call (reading R and the widest light row, which
-size the backup and the ELL width); none in backward (R and K are carried by the saved tensors'
+size the backup and the ELL width), issued after the ELL kernels (which run at the capacity
+width KC) are queued, so the GPU is busy while the host waits; none in backward (R and K are carried by the saved tensors'
 shapes). With gradient checkpointing the recomputed forward syncs once more.
 
 Backends: Triton kernels on CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``); a pure
@@ -118,8 +120,15 @@ def _t_sddmm(a_ND, w_HD, col_NK):
     return out
 
 
+def _t_width(nnz_N: torch.Tensor, k: int) -> int:
+    """Slots actually used (the forward passes capacity-wide buffers; gathers stop at the widest row)."""
+    return min(k, int(nnz_N.max())) if nnz_N.numel() else 0
+
+
 def _t_sddmm_fwd(x_ND, w_up_HD, col_NK, g_NK, nnz_N):
-    valid = _valid(nnz_N, col_NK.shape[1])
+    kk = _t_width(nnz_N, col_NK.shape[1])
+    col_NK, g_NK = col_NK[:, :kk], g_NK[:, :kk]
+    valid = _valid(nnz_N, kk)
     u = (_t_sddmm(x_ND, w_up_HD, col_NK) * valid).to(x_ND.dtype)
     acc = torch.promote_types(x_ND.dtype, torch.float32)
     l1 = (g_NK.to(acc) * u.to(acc) * valid).abs().sum(1)
@@ -135,7 +144,9 @@ def _t_sddmm_bwd(dy_ND, w_down_t_HD, col_NK, g_NK, u_NK, nnz_N, l1_scale):
 
 
 def _t_spmm(out_ND, w1_HD, w2_HD, col_NK, a_NK, b_NK, nnz_N):
-    n, k = col_NK.shape
+    k = _t_width(nnz_N, col_NK.shape[1])
+    col_NK, a_NK, b_NK = col_NK[:, :k], a_NK[:, :k], b_NK[:, :k]
+    n = col_NK.shape[0]
     acc = torch.promote_types(out_ND.dtype, torch.float32)
     valid = _valid(nnz_N, k)
     a = a_NK.to(acc) * valid
@@ -243,26 +254,31 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     g_NH = torch.matmul(x, wg.t())  # (N, H) pre-activation; freed before the sparse part
     col_buf, val_buf, nnz_N, counts_H = be.compact(g_NH, kc)
     heavy_N = nnz_N > kc
+    nnz_eff = torch.where(heavy_N, 0, nnz_N)
+    # The ELL part runs at the full capacity width and is queued *before* the host sync below,
+    # so the GPU works through the SDDMM and SpMM while the host waits (with the sync first, the
+    # GPU sat idle while the host launched them).
+    y = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    u_buf, l1_N = be.sddmm_fwd(x, wu, col_buf, val_buf, nnz_eff)
+    be.spmm(y, wd.t().contiguous(), None, col_buf, val_buf, u_buf, nnz_eff)
     # The one host sync of the call: backup rows R and the widest light row (the ELL width K).
     r, k = (int(v) for v in torch.stack(
-        [heavy_N.sum(), torch.where(heavy_N, 0, nnz_N).max()]
+        [heavy_N.sum(), nnz_eff.max() if n > 0 else heavy_N.sum()]
     ).tolist())
     all_dense = r > dense_row_fraction * n
-    if all_dense:
+    if all_dense:  # the ELL results are discarded: every row is recomputed densely below
         r, k = n, 0
-    nnz_eff = torch.zeros_like(nnz_N) if all_dense else torch.where(heavy_N, 0, nnz_N)
+        nnz_eff = torch.zeros_like(nnz_N)
+    # Saved for backward at the width K actually used (K sizes the backward's sort).
     col = col_buf[:, :k].contiguous()
     gv = val_buf[:, :k].contiguous()
-    del col_buf, val_buf
+    u = u_buf[:, :k].contiguous()
+    del col_buf, val_buf, u_buf
     if all_dense:
         heavy_idx = torch.arange(n, device=x.device)
-        u = gv.new_empty((n, 0))
         l1_light = torch.zeros((), dtype=acc, device=x.device)
     else:
         heavy_idx = _heavy_indices(heavy_N, r)
-        y = torch.empty((n, d), dtype=x.dtype, device=x.device)
-        u, l1_N = be.sddmm_fwd(x, wu, col, gv, nnz_eff)
-        be.spmm(y, wd.t().contiguous(), None, col, gv, u, nnz_eff)
         l1_light = l1_N.sum(dtype=acc)
     if r > 0:
         if all_dense:

@@ -303,6 +303,57 @@ def _compact2_kernel(
 
 
 @triton.jit
+def _compact3_kernel(
+    g_ptr,  # (N, H) gate pre-activation x Wg^T, row-major, any float dtype
+    col_ptr,  # (N, KC) int32 out: columns of the first KC non-zeros of each row
+    val_ptr,  # (N, KC) out, dtype of g: relu(g) at those columns
+    nnz_ptr,  # (N,) int32 out: non-zeros of each row (all of them, also past KC)
+    counts_ptr,  # (H,) int32 in/out, zeroed by the launcher: tokens in which each unit is active
+    N,  # rows
+    H,  # columns
+    stride_g,  # row stride of g (elements)
+    KC,  # ELL capacity (slots per row)
+    BLOCK_N: tl.constexpr,  # rows per program: one per warp
+    BLOCK_H: tl.constexpr,  # columns per step (power of two, 256 for bf16 rows)
+):
+    """Same outputs as ``_compact_kernel``; v3 (see BENCHMARKS.md, ncu of v2).
+
+    v2 held a 32 x 256 tile plus its prefetched successor on 8 warps (32 values per thread):
+    255 registers, 12.5 % occupancy, DRAM < 10 %. Here each warp owns one row (8 values per
+    thread at bf16, the row scan stays inside the warp), two column blocks are in flight while
+    one is scanned, and the per-column counts are relaxed atomics issued only for columns active
+    in the block (no fence, no partial-count buffer to sum afterwards).
+    """
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mrow = rows < N
+    rows64 = rows.to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    base = tl.zeros([BLOCK_N], dtype=tl.int32)
+    gp = g_ptr + rows64[:, None] * stride_g
+    g1 = tl.load(gp + offs_h[None, :], mask=mrow[:, None] & (offs_h < H)[None, :], other=0.0)
+    c2 = offs_h + BLOCK_H
+    g2 = tl.load(gp + c2[None, :], mask=mrow[:, None] & (c2 < H)[None, :], other=0.0)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + offs_h
+        g = g1
+        g1 = g2
+        c2 = cols + 2 * BLOCK_H
+        g2 = tl.load(gp + c2[None, :], mask=mrow[:, None] & (c2 < H)[None, :], other=0.0)
+        act = g > 0
+        a = act.to(tl.int32)
+        pos = base[:, None] + tl.cumsum(a, axis=1) - 1
+        keep = act & (pos < KC)
+        dst = rows64[:, None] * KC + pos
+        tl.store(col_ptr + dst, tl.broadcast_to(cols[None, :], [BLOCK_N, BLOCK_H]), mask=keep)
+        tl.store(val_ptr + dst, g, mask=keep)
+        base += tl.sum(a, axis=1)
+        cnt = tl.sum(a, axis=0)
+        tl.atomic_add(counts_ptr + cols, cnt, mask=(cols < H) & (cnt > 0), sem="relaxed")
+    tl.store(nnz_ptr + rows, base, mask=mrow)
+
+
+@triton.jit
 def _spmm_rows_kernel(
     out_ptr,  # (N, D) out
     w1_ptr,  # (H, D) weight rows: Wd^T (forward) or Wg (backward dx)
@@ -435,6 +486,7 @@ def _dw_cols_kernel(
 #
 # Kernel variants and launch shapes (``CONFIG``; change with ``kernel_config``):
 #   compact  "v2" (default) partial-count stores, prefetch | "v1" first generation (atomics)
+#            | "v3" one row per warp, two column blocks in flight, relaxed atomics
 #   spmm     "rows" (default) whole-D row programs, 1-D acc | "tiled" first generation
 #   dw       "cols" (default) 1-D accs, longest column first | "tiled" first generation
 # The defaults are predictions (BENCHMARKS.md, training section), not yet H200 measurements.
@@ -442,6 +494,10 @@ def _dw_cols_kernel(
 _DEFAULT_CONFIG = {
     "compact": "v2",
     "compact_block_n": 32,  # rows per program (v2); 8 warps, one warp per tile row
+    "compact3_block_n": 4,  # rows per program (v3) = warps: one row per warp
+    "sddmm_block_k": 16,  # slots per step (SDDMM, forward u and backward dh)
+    "sddmm_block_d": 256,  # model-width chunk per step (SDDMM)
+    "sddmm_warps": 4,
     "spmm": "rows",
     # SpMM launch shape measured on one H200 (docs/bench/run2/bench_train2.log, N=16384 D=2048
     # H=5632): y k4 w4 0.148 ms vs k8 w8 0.193 ms at 0.3 %, 0.423 vs 0.487 at 1 %; dx k2 w4
@@ -456,7 +512,7 @@ _DEFAULT_CONFIG = {
     "dw_warps": 2,
 }
 CONFIG = dict(_DEFAULT_CONFIG)
-_CHOICES = {"compact": ("v1", "v2"), "spmm": ("tiled", "rows"), "dw": ("tiled", "cols")}
+_CHOICES = {"compact": ("v1", "v2", "v3"), "spmm": ("tiled", "rows"), "dw": ("tiled", "cols")}
 
 
 @contextlib.contextmanager
@@ -524,6 +580,13 @@ def compact(g_NH: torch.Tensor, kc: int):
             BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4,
         )
         return col, val, nnz, counts
+    if CONFIG["compact"] == "v3":
+        block_n = _pow2(CONFIG["compact3_block_n"], 1, 16)
+        _compact3_kernel[(triton.cdiv(n, block_n),)](
+            g_NH, col, val, nnz, counts, n, h, g_NH.stride(0), kc,
+            BLOCK_N=block_n, BLOCK_H=block_h, num_warps=block_n,
+        )
+        return col, val, nnz, counts
     block_n = _pow2(min(n, CONFIG["compact_block_n"]), 1, 1024)
     nprog = triton.cdiv(n, block_n)
     cpart = torch.empty((nprog, h), dtype=torch.int32, device=g_NH.device)
@@ -547,10 +610,11 @@ def sddmm_fwd(x_ND, w_up_HD, col_NK, g_NK, nnz_N):
     l1 = torch.zeros((n,), dtype=torch.float32, device=x_ND.device)
     if n == 0 or k == 0:
         return u, l1
-    block_d = _pow2(d, 16, 256)
+    block_d = _pow2(d, 16, CONFIG["sddmm_block_d"])
     _sddmm_kernel[(n,)](
         x_ND, w_up_HD, col_NK, g_NK, u, nnz_N, u, u, l1, d, k, x_ND.stride(0),
-        w_up_HD.stride(0), BACKWARD=False, BLOCK_K=16, BLOCK_D=block_d, num_warps=4,
+        w_up_HD.stride(0), BACKWARD=False, BLOCK_K=CONFIG["sddmm_block_k"], BLOCK_D=block_d,
+        num_warps=CONFIG["sddmm_warps"],
     )
     return u, l1
 
@@ -567,10 +631,11 @@ def sddmm_bwd(dy_ND, w_down_t_HD, col_NK, g_NK, u_NK, nnz_N, l1_scale):
     if n == 0 or k == 0:
         return dg, du
     scale = l1_scale.reshape(1).to(torch.float32).contiguous()
-    block_d = _pow2(d, 16, 256)
+    block_d = _pow2(d, 16, CONFIG["sddmm_block_d"])
     _sddmm_kernel[(n,)](
         dy_ND, w_down_t_HD, col_NK, g_NK, u_NK, nnz_N, dg, du, scale, d, k, dy_ND.stride(0),
-        w_down_t_HD.stride(0), BACKWARD=True, BLOCK_K=16, BLOCK_D=block_d, num_warps=4,
+        w_down_t_HD.stride(0), BACKWARD=True, BLOCK_K=CONFIG["sddmm_block_k"], BLOCK_D=block_d,
+        num_warps=CONFIG["sddmm_warps"],
     )
     return dg, du
 
