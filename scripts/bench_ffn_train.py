@@ -116,9 +116,9 @@ GEN1 = {"compact": "v1", "spmm": "tiled", "dw": "tiled"}  # first-generation ker
 # default policy (ELL capacity 128 + dense backup) except sparse_ell.
 VARIANT_CFG = {
     "sparse_old": GEN1,
-    "sparse_c3": {"compact": "v3"},                          # compaction v3, 4 rows (warps)
-    "sparse_c3n8": {"compact": "v3", "compact3_block_n": 8},
-    "sparse_c3n2": {"compact": "v3", "compact3_block_n": 2},
+    # run-D kernel shapes (compaction v2, SDDMM k16, dW j8 d512 w2): the previous version
+    "sparse_runD": {"compact": "v2", "sddmm_block_k": 16, "dw_block_j": 8, "dw_block_d": 512,
+                    "dw_warps": 2},
 }
 
 
@@ -189,31 +189,38 @@ def peak_extra_mb(run):
     return peak / 2**20
 
 # Per-kernel launch shapes timed in the parts table: (label, kernel_config overrides).
-# Per-kernel launch shapes timed in the parts table; the first row of each part is the ratio's
-# base (column "vs_gen1" = first row's time / this row's time). Every config is spelled out (the
+# Per-kernel launch shapes timed in the parts table; the first row of each part (the current
+# default) is the ratio's base (column "vs_gen1" = first row's time / this row's time). Every config is spelled out (the
 # run-C labels named shapes that the defaults had since changed).
 _C2 = {"compact": "v2", "compact_block_n": 32}
+
+
+def _c3(n, w):
+    return (f"v3 n{n} w{w}", {"compact": "v3", "compact3_block_n": n, "compact3_warps": w})
+
+
+def _sd(k, d, w):
+    return (f"k{k} d{d} w{w}", {"sddmm_block_k": k, "sddmm_block_d": d, "sddmm_warps": w})
+
+
+def _dw(j, d, w):
+    return (f"cols j{j} d{d} w{w}", {"dw": "cols", "dw_block_j": j, "dw_block_d": d, "dw_warps": w})
+
+
+def _sp(key, k, w):
+    return (f"rows k{k} w{w}", {"spmm": "rows", key: k, "spmm_warps": w})
+
+
 PART_SHAPES = {
-    "compact": [("v2 n32 w8 (run D default)", _C2)]
-    + [(f"v3 n{b} w{b}", {"compact": "v3", "compact3_block_n": b}) for b in (1, 2, 4, 8, 16)],
-    "sddmm_u": [("k16 d256 w4 (default)", {"sddmm_block_k": 16, "sddmm_block_d": 256,
-                                           "sddmm_warps": 4}),
-                ("k8 d256 w4", {"sddmm_block_k": 8, "sddmm_block_d": 256, "sddmm_warps": 4}),
-                ("k16 d512 w4", {"sddmm_block_k": 16, "sddmm_block_d": 512, "sddmm_warps": 4}),
-                ("k32 d128 w4", {"sddmm_block_k": 32, "sddmm_block_d": 128, "sddmm_warps": 4}),
-                ("k16 d256 w2", {"sddmm_block_k": 16, "sddmm_block_d": 256, "sddmm_warps": 2}),
-                ("k8 d512 w8", {"sddmm_block_k": 8, "sddmm_block_d": 512, "sddmm_warps": 8})],
-    "spmm_y": [("rows k4 w4 (default)", {"spmm": "rows", "spmm_block_k": 4, "spmm_warps": 4}),
-               ("rows k8 w8", {"spmm": "rows", "spmm_block_k": 8, "spmm_warps": 8}),
-               ("rows k2 w4", {"spmm": "rows", "spmm_block_k": 2, "spmm_warps": 4})],
-    "spmm_dx": [("rows k2 w4 (default)", {"spmm": "rows", "spmm_block_k2": 2, "spmm_warps": 4}),
-                ("rows k4 w8", {"spmm": "rows", "spmm_block_k2": 4, "spmm_warps": 8}),
-                ("rows k1 w4", {"spmm": "rows", "spmm_block_k2": 1, "spmm_warps": 4})],
-    "dw": [("cols j8 d512 w2 (default)", {"dw": "cols", "dw_block_j": 8, "dw_block_d": 512,
-                                          "dw_warps": 2}),
-           ("cols j4 d2048 w8", {"dw": "cols", "dw_block_j": 4, "dw_block_d": 2048, "dw_warps": 8}),
-           ("cols j4 d1024 w4", {"dw": "cols", "dw_block_j": 4, "dw_block_d": 1024, "dw_warps": 4}),
-           ("cols j2 d2048 w8", {"dw": "cols", "dw_block_j": 2, "dw_block_d": 2048, "dw_warps": 8})],
+    "compact": [_c3(1, 1), ("v2 n32 w8 (run D)", _C2), _c3(2, 1), _c3(4, 1), _c3(8, 1), _c3(2, 2)],
+    "sddmm_u": [_sd(8, 256, 4), _sd(16, 256, 4), _sd(8, 256, 2), _sd(8, 256, 1), _sd(4, 256, 1),
+                _sd(4, 512, 2), _sd(8, 512, 2), _sd(16, 256, 2)],
+    "spmm_y": [_sp("spmm_block_k", 4, 4), _sp("spmm_block_k", 2, 4), _sp("spmm_block_k", 4, 2),
+               _sp("spmm_block_k", 2, 2), _sp("spmm_block_k", 8, 4)],
+    "spmm_dx": [_sp("spmm_block_k2", 2, 4), _sp("spmm_block_k2", 1, 4), _sp("spmm_block_k2", 2, 2),
+                _sp("spmm_block_k2", 1, 2), _sp("spmm_block_k2", 4, 4)],
+    "dw": [_dw(4, 1024, 4), _dw(8, 512, 2), _dw(2, 2048, 8), _dw(2, 1024, 4), _dw(4, 512, 2),
+           _dw(2, 512, 2), _dw(1, 2048, 8)],
 }
 
 

@@ -127,6 +127,10 @@ def make_ffn(n, d, h, dtype, density, *, seed=0, heavy=False, grid=False, gated=
         (4, 3, torch.bfloat16, {"block_m": 4, "programs_per_sm": 1}),
         (2, 3, torch.float16, {"block_m": 8, "num_warps": 8, "programs_per_sm": 2}),
         (8, 3, torch.bfloat16, {}),
+        # v4: row-block programs over all tiles (two in flight): one row on one warp, 4 rows
+        (8, 4, torch.bfloat16, {"num_warps": 1}),
+        (4, 4, torch.float32, {"block_m": 4, "num_warps": 2}),
+        (2, 4, torch.float16, {"num_warps": 1}),
     ],
 )
 def test_pack_dense_matches_reference_pack(factor, version, dtype, launch):

@@ -149,7 +149,8 @@ KERNEL_CONFIGS = {
     "gen1": {"compact": "v1", "spmm": "tiled", "dw": "tiled"},
     "gen2_small": {"compact_block_n": 4, "spmm_block_k": 2, "spmm_block_k2": 2, "spmm_block_d": 16,
                        "dw_block_j": 2, "dw_block_d": 16},
-    "gen3": {"compact": "v3", "compact3_block_n": 2},
+    "gen2": {"compact": "v2"},
+    "gen3_2rows": {"compact": "v3", "compact3_block_n": 2, "compact3_warps": 2},
 }
 
 
@@ -183,8 +184,10 @@ def test_compact_counts_match_torch():
     g = (x @ wg.T).float().to(DEV)
     col_r, val_r, nnz_r, cnt_r = sparse_train._t_compact(g, 16)
     assert (nnz_r > 16).any() and (nnz_r == 0).any()
-    for variant, block_n in (("v1", 32), ("v2", 32), ("v2", 4), ("v3", 4), ("v3", 1), ("v3", 8)):
-        with tk.kernel_config(compact=variant, compact_block_n=block_n, compact3_block_n=block_n):
+    for variant, block_n, warps in (("v1", 32, 1), ("v2", 32, 1), ("v2", 4, 1), ("v3", 1, 1),
+                                    ("v3", 4, 1), ("v3", 4, 4), ("v3", 8, 2)):
+        with tk.kernel_config(compact=variant, compact_block_n=block_n, compact3_block_n=block_n,
+                              compact3_warps=warps):
             col, val, nnz, cnt = tk.compact(g, 16)
         assert torch.equal(nnz, nnz_r) and torch.equal(cnt, cnt_r), variant
         valid = sparse_train._valid(torch.clamp(nnz_r, max=16), 16)

@@ -20,15 +20,15 @@ Math (arXiv 2603.23198; ``shared/PAPER.md``, "Hybrid (training)")::
 Rows with more than KC non-zeros (the ELL capacity) go whole to the dense backup: their g and u
 (R x H each) are computed with cuBLAS and saved, their gradients are dense matmuls. Nothing is
 dropped at any density: when more than ``dense_row_fraction`` of the rows are heavy, every row
-goes to the dense backup (the call is then the dense FFN plus one compaction pass and the ELL
-kernels' pass over the light rows, whose results are discarded).
+goes to the dense backup (the call is then the dense FFN plus one compaction pass).
 
 Saved for backward: x, the three weights, the ELL part (col int32, g, u: N x K), the row lengths,
-the indices of the heavy rows and their dense g and u. No N x H tensor outside the backup rows.
+the indices of the heavy rows and their dense g and u, and the (H, D) copy of Wd^T made for the
+forward's SpMM (the backward's SDDMM gathers the same rows; saving it costs one weight copy of
+memory and saves one transpose per step). No N x H tensor outside the backup rows.
 
 Host synchronisation: exactly one per forward call (reading R and the widest light row, which
-size the backup and the ELL width), issued after the ELL kernels (which run at the capacity
-width KC) are queued, so the GPU is busy while the host waits; none in backward (R and K are carried by the saved tensors'
+size the backup and the ELL width); none in backward (R and K are carried by the saved tensors'
 shapes). With gradient checkpointing the recomputed forward syncs once more.
 
 Backends: Triton kernels on CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``); a pure
@@ -120,15 +120,8 @@ def _t_sddmm(a_ND, w_HD, col_NK):
     return out
 
 
-def _t_width(nnz_N: torch.Tensor, k: int) -> int:
-    """Slots actually used (the forward passes capacity-wide buffers; gathers stop at the widest row)."""
-    return min(k, int(nnz_N.max())) if nnz_N.numel() else 0
-
-
 def _t_sddmm_fwd(x_ND, w_up_HD, col_NK, g_NK, nnz_N):
-    kk = _t_width(nnz_N, col_NK.shape[1])
-    col_NK, g_NK = col_NK[:, :kk], g_NK[:, :kk]
-    valid = _valid(nnz_N, kk)
+    valid = _valid(nnz_N, col_NK.shape[1])
     u = (_t_sddmm(x_ND, w_up_HD, col_NK) * valid).to(x_ND.dtype)
     acc = torch.promote_types(x_ND.dtype, torch.float32)
     l1 = (g_NK.to(acc) * u.to(acc) * valid).abs().sum(1)
@@ -144,9 +137,7 @@ def _t_sddmm_bwd(dy_ND, w_down_t_HD, col_NK, g_NK, u_NK, nnz_N, l1_scale):
 
 
 def _t_spmm(out_ND, w1_HD, w2_HD, col_NK, a_NK, b_NK, nnz_N):
-    k = _t_width(nnz_N, col_NK.shape[1])
-    col_NK, a_NK, b_NK = col_NK[:, :k], a_NK[:, :k], b_NK[:, :k]
-    n = col_NK.shape[0]
+    n, k = col_NK.shape
     acc = torch.promote_types(out_ND.dtype, torch.float32)
     valid = _valid(nnz_N, k)
     a = a_NK.to(acc) * valid
@@ -254,31 +245,30 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     g_NH = torch.matmul(x, wg.t())  # (N, H) pre-activation; freed before the sparse part
     col_buf, val_buf, nnz_N, counts_H = be.compact(g_NH, kc)
     heavy_N = nnz_N > kc
-    nnz_eff = torch.where(heavy_N, 0, nnz_N)
-    # The ELL part runs at the full capacity width and is queued *before* the host sync below,
-    # so the GPU works through the SDDMM and SpMM while the host waits (with the sync first, the
-    # GPU sat idle while the host launched them).
-    y = torch.empty((n, d), dtype=x.dtype, device=x.device)
-    u_buf, l1_N = be.sddmm_fwd(x, wu, col_buf, val_buf, nnz_eff)
-    be.spmm(y, wd.t().contiguous(), None, col_buf, val_buf, u_buf, nnz_eff)
     # The one host sync of the call: backup rows R and the widest light row (the ELL width K).
     r, k = (int(v) for v in torch.stack(
-        [heavy_N.sum(), nnz_eff.max() if n > 0 else heavy_N.sum()]
+        [heavy_N.sum(), torch.where(heavy_N, 0, nnz_N).max()]
     ).tolist())
     all_dense = r > dense_row_fraction * n
-    if all_dense:  # the ELL results are discarded: every row is recomputed densely below
+    if all_dense:
         r, k = n, 0
-        nnz_eff = torch.zeros_like(nnz_N)
-    # Saved for backward at the width K actually used (K sizes the backward's sort).
+    nnz_eff = torch.zeros_like(nnz_N) if all_dense else torch.where(heavy_N, 0, nnz_N)
     col = col_buf[:, :k].contiguous()
     gv = val_buf[:, :k].contiguous()
-    u = u_buf[:, :k].contiguous()
-    del col_buf, val_buf, u_buf
+    del col_buf, val_buf
     if all_dense:
         heavy_idx = torch.arange(n, device=x.device)
+        u = gv.new_empty((n, 0))
+        wdt = wd.new_empty((0, d))  # the dense backward does not use it
         l1_light = torch.zeros((), dtype=acc, device=x.device)
     else:
         heavy_idx = _heavy_indices(heavy_N, r)
+        y = torch.empty((n, d), dtype=x.dtype, device=x.device)
+        u, l1_N = be.sddmm_fwd(x, wu, col, gv, nnz_eff)
+        wdt = wd.t().contiguous()  # (H, D) rows for the SpMM here and the SDDMM in backward
+        if wdt.data_ptr() == wd.data_ptr():  # wd was a transposed view: an output must not alias
+            wdt = wdt.clone()
+        be.spmm(y, wdt, None, col, gv, u, nnz_eff)
         l1_light = l1_N.sum(dtype=acc)
     if r > 0:
         if all_dense:
@@ -299,10 +289,10 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         g_R, u_R = x.new_empty((0, h)), x.new_empty((0, h))
         l1_heavy = 0.0
     l1 = (l1_light + l1_heavy) / max(n, 1)
-    return y, l1, nnz_N, counts_H, nnz_eff, col, gv, u, heavy_idx, g_R, u_R
+    return y, l1, nnz_N, counts_H, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt
 
 
-def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, backend):
+def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt, backend):
     be = _backend(x, backend)
     n, d = x.shape
     h = wg.shape[0]
@@ -330,7 +320,7 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     dwg = torch.empty_like(wg)
     dwu = torch.empty_like(wu)
     dwdt = torch.empty((h, d), dtype=wd.dtype, device=wd.device)
-    dg, du = be.sddmm_bwd(dy, wd.t().contiguous(), col, gv, u, nnz_eff, scale)
+    dg, du = be.sddmm_bwd(dy, wdt, col, gv, u, nnz_eff, scale)
     be.spmm(dx, wg, wu, col, dg, du, nnz_eff)
     # CSC order of the light entries: stable sort of the column ids (invalid slots -> H, last).
     keys = torch.where(_valid(nnz_eff, k), col, h).reshape(-1)
@@ -358,9 +348,9 @@ def _ffn_train_fwd(
     dense_row_fraction: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns y, l1, nnz_N, counts_H, then the saved state: nnz_eff, col, g, u, heavy_idx,
-    g_R, u_R (see ``_fwd_body``)."""
+    g_R, u_R, Wd^T (see ``_fwd_body``)."""
     with torch.autocast(x.device.type, enabled=False):
         return _fwd_body(x, w_gate, w_up, w_down, ell_capacity, dense_row_fraction, backend)
 
@@ -379,6 +369,7 @@ def _ffn_train_fwd_fake(x, w_gate, w_up, w_down, ell_capacity, dense_row_fractio
         x.new_empty((h,), **i32), x.new_empty((n,), **i32), x.new_empty((n, k), **i32),
         x.new_empty((n, k)), x.new_empty((n, k)), x.new_empty((r,), dtype=torch.int64),
         x.new_empty((r, h)), x.new_empty((r, h)),
+        w_down.new_empty((ctx.new_dynamic_size(), d)),  # Wd^T (H, D), or (0, D) if all dense
     )
 
 
@@ -397,12 +388,13 @@ def _ffn_train_bwd(
     heavy_idx: torch.Tensor,
     g_R: torch.Tensor,
     u_R: torch.Tensor,
+    w_down_t: torch.Tensor,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns dx, dWg, dWu, dWd (see ``_bwd_body``)."""
     with torch.autocast(x.device.type, enabled=False):
         return _bwd_body(dy, dl1, x, w_gate, w_up, w_down, nnz_eff, col, g, u, heavy_idx,
-                         g_R, u_R, backend)
+                         g_R, u_R, w_down_t, backend)
 
 
 @_ffn_train_bwd.register_fake
@@ -419,13 +411,13 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, dl1, *_unused):
-    x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R = ctx.saved_tensors
+    x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros_like(x[:, : wd.shape[0]])
     if dl1 is None:
         dl1 = torch.zeros((), dtype=torch.float32, device=x.device)
     dx, dwg, dwu, dwd = _ffn_train_bwd(
-        dy, dl1, x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, ctx.backend
+        dy, dl1, x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt, ctx.backend
     )
     return dx, dwg, dwu, dwd, None, None, None
 

@@ -313,16 +313,18 @@ def _compact3_kernel(
     H,  # columns
     stride_g,  # row stride of g (elements)
     KC,  # ELL capacity (slots per row)
-    BLOCK_N: tl.constexpr,  # rows per program: one per warp
+    BLOCK_N: tl.constexpr,  # rows per program (default 1, on one warp)
     BLOCK_H: tl.constexpr,  # columns per step (power of two, 256 for bf16 rows)
 ):
-    """Same outputs as ``_compact_kernel``; v3 (see BENCHMARKS.md, ncu of v2).
+    """Same outputs as ``_compact_kernel``; v3 (see BENCHMARKS.md, ncu of v2 and run E).
 
     v2 held a 32 x 256 tile plus its prefetched successor on 8 warps (32 values per thread):
-    255 registers, 12.5 % occupancy, DRAM < 10 %. Here each warp owns one row (8 values per
-    thread at bf16, the row scan stays inside the warp), two column blocks are in flight while
-    one is scanned, and the per-column counts are relaxed atomics issued only for columns active
-    in the block (no fence, no partial-count buffer to sum afterwards).
+    255 registers, 12.5 % occupancy, DRAM < 10 %. Here a program is one row on one warp by
+    default (8 values per thread at bf16: the row scan and the column counts stay inside the
+    warp, no shared memory or barrier per step; with more rows on more warps the per-step
+    column-count reduction crosses warps, and run E measured that 2-4x slower), two column blocks
+    are in flight while one is scanned, and the per-column counts are relaxed atomics issued only
+    for columns active in the block (no fence, no partial-count buffer to sum afterwards).
     """
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -485,17 +487,22 @@ def _dw_cols_kernel(
 # Launchers. BLOCK_D is capped by the next power of two of D so small/odd D (tests) waste little.
 #
 # Kernel variants and launch shapes (``CONFIG``; change with ``kernel_config``):
-#   compact  "v2" (default) partial-count stores, prefetch | "v1" first generation (atomics)
-#            | "v3" one row per warp, two column blocks in flight, relaxed atomics
+#   compact  "v3" (default) one row per one-warp program, two column blocks in flight, relaxed
+#            atomics | "v2" partial-count stores, prefetch | "v1" first generation (atomics)
 #   spmm     "rows" (default) whole-D row programs, 1-D acc | "tiled" first generation
 #   dw       "cols" (default) 1-D accs, longest column first | "tiled" first generation
 # The defaults are predictions (BENCHMARKS.md, training section), not yet H200 measurements.
 
 _DEFAULT_CONFIG = {
-    "compact": "v2",
+    "compact": "v3",  # run E, 0.3 %: v3 (one row per one-warp program) 0.22 ms, v2 0.45 ms
     "compact_block_n": 32,  # rows per program (v2); 8 warps, one warp per tile row
-    "compact3_block_n": 4,  # rows per program (v3) = warps: one row per warp
-    "sddmm_block_k": 16,  # slots per step (SDDMM, forward u and backward dh)
+    # Run E (H200, 0.3 %): v3 with one row on one warp 0.22 ms; 2 rows on 2 warps 0.67, 4 on 4
+    # warps 1.02 (cross-warp column-count reductions each step), v2 0.45.
+    "compact3_block_n": 1,  # rows per program (v3)
+    "compact3_warps": 1,  # warps per program (v3), at most compact3_block_n
+    # SDDMM (run E, forward u at 0.3 / 1 % / heavy 0.3 %): k8 d256 w4 0.222 / 0.547 / 0.128 ms
+    # vs the earlier fixed k16 d256 w4 0.311 / 0.739 / 0.171 ms.
+    "sddmm_block_k": 8,  # slots per step (SDDMM, forward u and backward dh)
     "sddmm_block_d": 256,  # model-width chunk per step (SDDMM)
     "sddmm_warps": 4,
     "spmm": "rows",
@@ -507,9 +514,11 @@ _DEFAULT_CONFIG = {
     "spmm_block_d": 2048,  # D slice per program (rows); the whole row at D <= 2048
     "spmm_warps": 4,
     "dw": "cols",
-    "dw_block_j": 8,  # entries per step (cols)
-    "dw_block_d": 512,  # D slice per program (cols); >= 256 * dw_warps keeps the reduction in-thread
-    "dw_warps": 2,
+    # dW (run E, 0.3 % / 1 % / heavy 0.3 %): j4 d1024 w4 0.577 / 1.461 / 0.284 ms vs j8 d512 w2
+    # 0.676 / 1.690 / 0.288 (j2 d2048 w8 won at 0.3 % but lost on heavy rows: 0.372).
+    "dw_block_j": 4,  # entries per step (cols)
+    "dw_block_d": 1024,  # D slice per program (cols); >= 256 * dw_warps keeps the reduction in-thread
+    "dw_warps": 4,
 }
 CONFIG = dict(_DEFAULT_CONFIG)
 _CHOICES = {"compact": ("v1", "v2", "v3"), "spmm": ("tiled", "rows"), "dw": ("tiled", "cols")}
@@ -584,7 +593,7 @@ def compact(g_NH: torch.Tensor, kc: int):
         block_n = _pow2(CONFIG["compact3_block_n"], 1, 16)
         _compact3_kernel[(triton.cdiv(n, block_n),)](
             g_NH, col, val, nnz, counts, n, h, g_NH.stride(0), kc,
-            BLOCK_N=block_n, BLOCK_H=block_h, num_warps=block_n,
+            BLOCK_N=block_n, BLOCK_H=block_h, num_warps=min(CONFIG["compact3_warps"], block_n),
         )
         return col, val, nnz, counts
     block_n = _pow2(min(n, CONFIG["compact_block_n"]), 1, 1024)

@@ -226,6 +226,45 @@ def _pack_dense_v3_kernel(
 
 
 @triton.jit
+def _pack_dense_v4_kernel(
+    g_ptr,        # (M, H) dense pre-activation, unit column stride
+    tw_ptr,       # (M, T, W) int32 out
+    colcnt_ptr,   # (H,) int32 out (STATS)
+    M, H, n_tile,
+    stride_gm,    # row stride of g
+    W: tl.constexpr,
+    VALUE_MODE: tl.constexpr,   # 0: g is bf16/fp16, keep its 16 bits; 1: fp32 -> bf16 RNE
+    STATS: tl.constexpr,
+    BLOCK_M: tl.constexpr,      # rows per program (default 1, on one warp)
+):
+    """ReLU + pack, v4: one program per row block walking all T tiles, two tiles in flight.
+
+    The structure of the training compaction v3 (run E: one row per one-warp program was 2x
+    faster than 32-row blocks on 8 warps): the scan of a 256-column tile stays inside one warp
+    and nothing crosses warps per step (per-column counts, when asked for, are relaxed atomics
+    only for columns active in the block).
+    """
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    offs = tl.arange(0, 256)
+    gp = g_ptr + rows.to(tl.int64)[:, None] * stride_gm
+    g1 = tl.load(gp + offs[None, :], mask=row_mask[:, None] & (offs < H)[None, :], other=0.0)
+    c2 = offs + 256
+    g2 = tl.load(gp + c2[None, :], mask=row_mask[:, None] & (c2 < H)[None, :], other=0.0)
+    for t in range(0, n_tile):
+        cols = t * 256 + offs
+        g = g1
+        g1 = g2
+        c2 = cols + 512
+        g2 = tl.load(gp + c2[None, :], mask=row_mask[:, None] & (c2 < H)[None, :], other=0.0)
+        a32 = _pack_block(g, rows, cols, row_mask, cols < H, t, tw_ptr, n_tile, W, VALUE_MODE)
+        if STATS:
+            cnt = tl.sum(a32, axis=0)
+            tl.atomic_add(colcnt_ptr + cols, cnt, mask=(cols < H) & (cnt > 0), sem="relaxed")
+
+
+@triton.jit
 def _gate_gemm_pack_kernel(
     x_ptr,        # (M, D) input rows, unit column stride
     w_ptr,        # (H, D) gate weight, unit column stride
@@ -304,7 +343,7 @@ def _n_sm(device: torch.device) -> int:
 
 
 _N_SM: dict[int, int] = {}
-PACK_VERSIONS = (1, 2, 3)
+PACK_VERSIONS = (1, 2, 3, 4)
 
 
 def pack_dense(
@@ -327,10 +366,12 @@ def pack_dense(
             stripe, tile), that prefetch their next row block and keep
             per-column counts in registers; 3: v2's structure with one row
             per warp per block and two blocks in flight (fewer registers,
-            more warps per SM); 1: the first kernel (one program per 16-row
+            more warps per SM); 4: one program per row block walking all
+            tiles with two in flight (the training compaction's v3 structure;
+            use ``num_warps=1``); 1: the first kernel (one program per 16-row
             block and tile), kept for the benchmark's old/new ratio.
-        block_m: rows per block (power of 2); default 16 (v1, v2) or
-            ``num_warps`` (v3).
+        block_m: rows per block (power of 2); default 16 (v1, v2),
+            ``num_warps`` (v3) or 1 (v4).
         num_warps: warps per program.
         programs_per_sm: v2 only: about this many programs per SM in total
             (grid = (P, T) with P = ceil(SMs * programs_per_sm / T) row stripes).
@@ -354,7 +395,7 @@ def pack_dense(
     t = n_tiles(h)
     vdt = value_dtype_for(g_MH.dtype)
     if block_m is None:
-        block_m = num_warps if version == 3 else 16
+        block_m = {3: num_warps, 4: 1}.get(version, 16)
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"pack_dense block_m must be a power of 2; got {block_m}")
     tw = torch.empty(m, t, w, dtype=torch.int32, device=g_MH.device)
@@ -365,6 +406,12 @@ def pack_dense(
             g_MH, tw, colcnt, m, h, t, g_MH.stride(0),
             W=w, FP16_VALUES=vdt == torch.float16, STATS=stats, BLOCK_M=block_m,
             num_warps=num_warps,
+        )
+    elif m > 0 and version == 4:
+        _pack_dense_v4_kernel[(triton.cdiv(m, block_m),)](
+            g_MH, tw, colcnt, m, h, t, g_MH.stride(0),
+            W=w, VALUE_MODE=1 if g_MH.dtype == torch.float32 else 0, STATS=stats,
+            BLOCK_M=block_m, num_warps=num_warps,
         )
     elif m > 0:
         n_blk = triton.cdiv(m, block_m)
