@@ -28,7 +28,7 @@ logged to ``metrics.jsonl``), ``trainer.resume=never`` and ``hydra.run.dir``; it
 ``eval=disabled``, ``logging.wandb_mode=disabled``, ``trainer.progress=false`` and
 ``trainer.val_every=0`` (validation at the end only), which the extra overrides may change.
 With ``trainer.global_batch == trainer.micro_batch``, A and C take one micro-step per optimizer
-step and B two (gradient accumulation 2). Use a micro-batch >= 2 (it is halved for B).
+step and B two (gradient accumulation 2). Use an even micro-batch (it is halved for B).
 Size of the GPU command above: 300 steps x 16 x 1024 = 4.9 M tokens per run (small_l4: 4
 layers, width 768, FFN 2048, 28 M non-embedding parameters). Its wall time on the H200 was not
 measured when this script was written (CPU-only session); expect minutes per run, the twell
@@ -537,9 +537,9 @@ def main(argv=None) -> int:
     try:  # refuse a bad configuration before the first run starts
         cfg = compose_config([*DEFAULTS, *user, f"trainer.max_steps={a.steps}"])
         micro, world = cfg.trainer.micro_batch, 1
-        if micro < 2:
-            raise ConfigError(f"trainer.micro_batch={micro} cannot be halved for run B; set "
-                              "trainer.micro_batch >= 2 (and trainer.global_batch a multiple)")
+        if micro < 2 or micro % 2:
+            raise ConfigError(f"trainer.micro_batch={micro} cannot be halved for run B; set an "
+                              "even trainer.micro_batch >= 2 (trainer.global_batch a multiple)")
         specs = plan(user, a.steps, micro)
         accum = {}
         for s in specs:

@@ -187,6 +187,9 @@ def test_bad_configuration_is_refused_before_any_run(tmp_path, capsys):
     rc = cf.main(["--smoke", "--out", str(tmp_path / "o"), "--runs-dir", str(tmp_path / "r"),
                   "trainer.micro_batch=1", "trainer.global_batch=8"])
     assert rc == 2 and "cannot be halved" in capsys.readouterr().err
+    rc = cf.main(["--smoke", "--out", str(tmp_path / "o"), "--runs-dir", str(tmp_path / "r3"),
+                  "trainer.micro_batch=3", "trainer.global_batch=6"])
+    assert rc == 2 and "even trainer.micro_batch" in capsys.readouterr().err
     rc = cf.main(["--smoke", "--out", str(tmp_path / "o"), "--runs-dir", str(tmp_path / "r2"),
                   "+trainer.bogus=1"])
     assert rc == 2 and "unknown key trainer.bogus" in capsys.readouterr().err
