@@ -1,0 +1,85 @@
+"""Worker of the data-parallel ``model.ffn_impl`` tests (``tests/test_train_ddp_twell.py``).
+
+Run under ``torchrun --nproc_per_node W -m tests.ddp_worker ...`` (gloo on CPU) or as a plain
+``python -m tests.ddp_worker ...`` (one process). It trains the tiny test model
+(:func:`tests.train_utils.tiny_config` plus ``--over`` key=JSON-value pairs) for ``--steps``
+optimizer steps through the real :class:`train.trainer.Trainer`, with
+``trainer.max_steps = steps + 1`` and ``train(stop_at_step=steps)``, so the end-of-run
+validation (the TwELL *inference* kernels, ~30 s per call in the Triton interpreter) is skipped.
+
+It writes into ``--run-dir`` (besides the trainer's own metrics.jsonl and checkpoint):
+
+* ``params_rank{r}.pt``: every rank's full parameter dict after the last step (fp32, CPU), and
+  ``init_params.pt`` (rank 0: the parameters before the first step).
+* ``ffn_calls_rank{r}.json``: one record per sparse training forward of this rank:
+  ``{"n": token rows, "heavy": rows sent to the dense backup, "light": rows on the ELL path,
+  "backend": module that ran the kernels}`` (empty for ``model.ffn_impl=torch``), so a test
+  can check that both the sparse (ELL) kernels and the dense backup actually ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def _record_sparse_calls(calls: list[dict]) -> None:
+    """Observe every sparse training forward (wraps ``twell.ops.sparse_train._fwd_body``, which
+    the ``twell::ffn_train_fwd`` custom op looks up at call time; results are unchanged)."""
+    import twell.ops.sparse_train as st
+
+    body = st._fwd_body
+
+    def recording_body(x, wg, wu, wd, ell_capacity, dense_row_fraction, backend):
+        out = body(x, wg, wu, wd, ell_capacity, dense_row_fraction, backend)
+        nnz_eff, heavy_idx = out[4], out[8]
+        calls.append({"n": int(x.shape[0]), "heavy": int(heavy_idx.shape[0]),
+                      "light": int((nnz_eff > 0).sum()),
+                      "backend": st._backend(x, backend).__name__})
+        return out
+
+    st._fwd_body = recording_body
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=Path, required=True, help="uint16 token file (write_tokens)")
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps to train")
+    p.add_argument("--over", nargs="*", default=[],
+                   help="group.key=JSON value overrides of tiny_config, e.g. trainer.micro_batch=4")
+    a = p.parse_args(argv)
+
+    from tests.train_utils import tiny_config
+    from train.trainer import Trainer
+
+    over = {}
+    for item in a.over:
+        key, value = item.split("=", 1)
+        over[key] = json.loads(value)
+    over["trainer.max_steps"] = a.steps + 1  # stop one short: no end-of-run validation
+    cfg = tiny_config(a.tokens, **over)
+    calls: list[dict] = []
+    if cfg.model.ffn_impl != "torch":
+        _record_sparse_calls(calls)
+    t = Trainer(cfg, a.run_dir)
+    try:
+        rank = t.acc.process_index
+        model = t.acc.unwrap_model(t.model)
+        if rank == 0:
+            torch.save({k: v.detach().clone() for k, v in model.named_parameters()},
+                       a.run_dir / "init_params.pt")
+        t.train(stop_at_step=a.steps)
+        torch.save({k: v.detach().clone() for k, v in model.named_parameters()},
+                   a.run_dir / f"params_rank{rank}.pt")
+        (a.run_dir / f"ffn_calls_rank{rank}.json").write_text(json.dumps(calls))
+        t.acc.wait_for_everyone()
+    finally:
+        t.close()
+
+
+if __name__ == "__main__":
+    main()
