@@ -139,32 +139,35 @@ def variant_state(v):
 # old/new ratio; "twell2p_v1" runs them at v1's fastest measured launch shape (consumer nb=1).
 V1 = {"pack": {"version": 1}, "consumer": {"version": 1, "nb": 1}}
 V2 = {"pack": {"version": 2}, "consumer": {"version": 2, "nb": 2}}     # run-2 defaults
-V3 = {"pack": {"version": 3}, "consumer": {"version": 2, "nb": 4, "num_warps": 4}}  # run E candidate
+# run-F candidate: pack v4 (one row per one-warp program, like the training compaction v3 that
+# run E measured 2x faster than v2) + the v2 consumer at nb 4 on 4 warps (run E's best shape)
+V3 = {"pack": {"version": 4, "num_warps": 1}, "consumer": {"version": 2, "nb": 4, "num_warps": 4}}
 VARIANTS = {
     "twell2p_f8": {"gate": "two_pass", "factor": 8, **V2},   # v2 pack + v2 consumer nb=2
     "twell2p_v1": {"gate": "two_pass", **V1},
-    "twell2p_v3": {"gate": "two_pass", **V3},                 # v3 pack + consumer nb=4, 4 warps
-    "twellfu_f8": {"gate": "fused", "factor": 8, "consumer": V2["consumer"]},
+    "twell2p_v3": {"gate": "two_pass", **V3},                 # the candidate (see V3)
+    "twellfu_f8": {"gate": "fused", "factor": 8, "consumer": V3["consumer"]},
     "twell2p_f4": {"gate": "two_pass", "factor": 4, **V3},
-    # pack v3 shapes (rows per block = warps, programs per SM) with the v3 consumer
-    "twell2p_p3w8": {"gate": "two_pass", "pack": {"version": 3, "num_warps": 8},
-                     "consumer": V3["consumer"]},
+    # run E's best end-to-end pack shape (v3, 2 rows on 2 warps) with the candidate consumer
     "twell2p_p3w2": {"gate": "two_pass", "pack": {"version": 3, "num_warps": 2},
                      "consumer": V3["consumer"]},
-    "twell2p_p3pps4": {"gate": "two_pass", "pack": {"version": 3, "programs_per_sm": 4},
-                       "consumer": V3["consumer"]},
-    "twell2p_p3pps16": {"gate": "two_pass", "pack": {"version": 3, "programs_per_sm": 16},
-                        "consumer": V3["consumer"]},
-    # consumer launch shapes with the v3 pack (nb non-zeros per step, warps, rows, prefetch)
-    "twell2p_p3nb1": {"gate": "two_pass", "pack": V3["pack"], "consumer": {"nb": 1, "num_warps": 2}},
-    "twell2p_p3nb4w8": {"gate": "two_pass", "pack": V3["pack"], "consumer": {"nb": 4, "num_warps": 8}},
-    "twell2p_p3nb8w8": {"gate": "two_pass", "pack": V3["pack"], "consumer": {"nb": 8, "num_warps": 8}},
-    "twell2p_p3nb4r2": {"gate": "two_pass", "pack": V3["pack"],
+    "twell2p_p4nb4r2": {"gate": "two_pass", "pack": V3["pack"],
                         "consumer": {"nb": 4, "num_warps": 4, "rows": 2}},
-    "twell2p_p3nb4pf": {"gate": "two_pass", "pack": V3["pack"],
-                        "consumer": {"nb": 4, "num_warps": 4, "prefetch": True}},
 }
 ALWAYS = ("twell2p_f8", "twell2p_v1", "twell2p_v3", "twellfu_f8")  # timed at every configuration
+# launch-shape sweeps of the two kernels alone (parts), at the sweep configurations only
+PACK_SWEEP = {
+    "v3_m1w1_p32": {"version": 3, "num_warps": 1, "programs_per_sm": 32},
+    "v3_m2w1_p32": {"version": 3, "block_m": 2, "num_warps": 1, "programs_per_sm": 32},
+    "v3_m2w2_p16": {"version": 3, "num_warps": 2, "programs_per_sm": 16},
+    "v4_m2w1": {"version": 4, "block_m": 2, "num_warps": 1},
+    "v4_m2w2": {"version": 4, "block_m": 2, "num_warps": 2},
+    "v4_m4w1": {"version": 4, "block_m": 4, "num_warps": 1},
+}
+CONSUMER_SWEEP = {
+    f"nb{nb}w{w}": {"version": 2, "nb": nb, "num_warps": w}
+    for nb, w in ((4, 2), (2, 2), (2, 1), (1, 1), (1, 2), (8, 4), (8, 8))
+}
 CANDIDATE = "twell2p_v3"  # the auto-threshold suggestion is computed for this variant
 
 
@@ -311,6 +314,11 @@ def time_config(args, m, d, h, density, heavy, gated, label="synthetic", inputs=
             parts["part_pack_v3"] = lambda: pack_dense(pre, 8, **V3["pack"])
             parts["part_consumer_v2nb2"] = lambda: twell_ffn_apply(tw, pre, wdt, **up, **V2["consumer"])
             parts["part_consumer_v3"] = lambda: twell_ffn_apply(tw, pre, wdt, **up, **V3["consumer"])
+            if args.sweep_consumer:
+                for nm, kw in PACK_SWEEP.items():
+                    parts[f"part_pack_{nm}"] = lambda kw=kw: pack_dense(pre, 8, **kw)
+                for nm, kw in CONSUMER_SWEEP.items():
+                    parts[f"part_consumer_{nm}"] = lambda kw=kw: twell_ffn_apply(tw, pre, wdt, **up, **kw)
         except Exception as ex:  # noqa: BLE001
             out.append({**base, "variant": "parts", "status": f"ERROR {type(ex).__name__}: {ex}"})
         for pname, fn in parts.items():
