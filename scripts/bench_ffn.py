@@ -139,8 +139,8 @@ def variant_state(v):
 # old/new ratio; "twell2p_v1" runs them at v1's fastest measured launch shape (consumer nb=1).
 V1 = {"pack": {"version": 1}, "consumer": {"version": 1, "nb": 1}}
 V2 = {"pack": {"version": 2}, "consumer": {"version": 2, "nb": 2}}     # run-2 defaults
-# run-F candidate: pack v4 (one row per one-warp program, like the training compaction v3 that
-# run E measured 2x faster than v2) + the v2 consumer at nb 4 on 4 warps (run E's best shape)
+# the library defaults since run F: pack v4 (one row per one-warp program, like the training
+# compaction v3 that run E measured 2x faster than v2) + the v2 consumer at nb 4 on 4 warps
 V3 = {"pack": {"version": 4, "num_warps": 1}, "consumer": {"version": 2, "nb": 4, "num_warps": 4}}
 VARIANTS = {
     "twell2p_f8": {"gate": "two_pass", "factor": 8, **V2},   # v2 pack + v2 consumer nb=2

@@ -336,6 +336,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer timing repetitions")
     ap.add_argument("--profile", action="store_true",
                     help="print a torch.profiler kernel table of the sparse step per case, no timing")
+    ap.add_argument("--trace", default=None,
+                    help="with --profile: also write a Chrome trace (JSON) to this path")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_ffn_train.py needs a CUDA GPU")
@@ -390,6 +392,9 @@ def main():
                 print(f"## profile {pv} {dist} {dens} (5 steps)")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22,
                                                 max_name_column_width=60))
+                if args.trace:
+                    prof.export_chrome_trace(args.trace)
+                    print(f"# chrome trace: {args.trace}")
                 continue
             dense_ms = None
             dense_mb = None

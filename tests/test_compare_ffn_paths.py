@@ -30,8 +30,8 @@ cf = _load_script()
 
 
 def _rows(losses, l0=40.0, dead_layers=(0.0, 0.0)):
-    """Train rows as the trainer logs them: steps 1.., the given losses, a final L0 and dead
-    fractions per layer (only the last row's L0 / dead fractions matter to the criteria)."""
+    """Train rows as the trainer logs them: steps 1.., the given losses, a constant L0 (the L0
+    criterion averages the last 50 steps) and dead fractions per layer (the last row's count)."""
     return [{"kind": "train", "step": i + 1, "loss": v, "ce": v, "l0_mean": l0,
              "dead_layers": list(dead_layers), "dead_frac": sum(dead_layers) / len(dead_layers)}
             for i, v in enumerate(losses)]
@@ -111,6 +111,12 @@ def test_loss_criterion_pass_at_the_limit_and_fail_above():
     assert _criterion(_compare(noise=0.0, diff=0.0), "loss")["passed"]
     zero = _compare(noise=0.0, diff=2 ** -20)
     assert not _criterion(zero, "loss")["passed"] and zero["loss"]["ratio"] == math.inf
+
+
+def test_final_l0_is_the_mean_of_the_last_steps():
+    rows = [{"l0_mean": float(v)} for v in range(1, 101)]  # 1..100
+    assert cf.final_l0(rows, 50) == sum(range(51, 101)) / 50  # 75.5
+    assert cf.final_l0(rows[:10], 50) == 5.5  # fewer rows than the window: all of them
 
 
 def test_l0_criterion_within_five_percent_either_side():
@@ -232,7 +238,10 @@ def test_smoke_run_end_to_end(tmp_path):
     ac = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, c))
     assert res["loss"]["noise_AB"]["max_abs"] == ab and res["loss"]["twell_AC"]["max_abs"] == ac
     assert 0 < ab < 1e-4 and ac < 1e-4  # fp32: rounding-level differences, but not none
-    assert res["l0"]["A"] == a[-1]["l0_mean"] and res["l0"]["C"] == c[-1]["l0_mean"]
+    mean = lambda rs: sum(x["l0_mean"] for x in rs[-50:]) / len(rs[-50:])
+    assert res["l0"]["A"] == pytest.approx(mean(a), rel=1e-12)
+    assert res["l0"]["C"] == pytest.approx(mean(c), rel=1e-12)
+    assert res["l0"]["l0_last"]["A"] == a[-1]["l0_mean"]
     assert res["dead"]["units"] == 2 * 64
     assert res["dead"]["A"] == round(sum(a[-1]["dead_layers"]) * 64)
     assert [k["passed"] for k in res["criteria"]][1:] == [True, True]  # L0 and dead: same path

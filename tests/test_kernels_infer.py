@@ -402,6 +402,31 @@ def test_auto_mode_switches_on_measured_density():
     assert stats is not None and stats.n_tokens == n
 
 
+def test_auto_dense_path_rechecks_density_periodically():
+    """On the dense path "auto" measures the density on every DENSE_RECHECK_EVERY-th call only,
+    and returns to TwELL at the first re-measurement after the activations became sparse."""
+    from twell.ops.ffn import DENSE_RECHECK_EVERY
+
+    n, d, h = 8, 32, 300
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.3, seed=15)  # ~30 % active
+    xs, wgs, wus, wds = make_ffn(n, d, h, torch.float32, 0.002, seed=15)  # almost none
+    st = TwELLState(density_threshold=0.1)
+    st.min_rows = 0
+    sparse_ffn(x, wg, wu, wd, mode="auto", state=st, with_stats=False)  # TwELL, measures 30 %
+    assert st.last_info.path == "twell" and st.density > 0.1
+    sparse_ffn(x, wg, wu, wd, mode="auto", state=st, with_stats=False)  # dense call 0: measures
+    assert st.last_info.path == "dense" and st.density > 0.1
+    paths = []
+    for _ in range(DENSE_RECHECK_EVERY):  # sparse inputs from now on
+        sparse_ffn(xs, wgs, wus, wds, mode="auto", state=st, with_stats=False)
+        paths.append(st.last_info.path)
+    # dense calls 1..15 keep the stale 30 %; call 16 re-measures (~0.2 %); the next is TwELL
+    assert paths == ["dense"] * DENSE_RECHECK_EVERY and st.density < 0.1
+    sparse_ffn(xs, wgs, wus, wds, mode="auto", state=st, with_stats=False)
+    assert st.last_info.path == "twell"
+    assert st.dense_calls == DENSE_RECHECK_EVERY + 1
+
+
 def test_auto_mode_goes_dense_for_few_rows():
     n, d, h = 8, 32, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=14)

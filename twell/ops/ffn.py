@@ -77,6 +77,9 @@ class FFNInfo:
     overflow_tiles: torch.Tensor | None = None
 
 
+DENSE_RECHECK_EVERY = 16  # "auto" on the dense path re-measures the density every this many calls
+
+
 class TwELLState:
     """Per-layer state of the sparse FFN (held by ``SparseGatedMLP``; never global).
 
@@ -87,6 +90,8 @@ class TwELLState:
         min_rows: "auto" goes dense for calls with fewer token rows than this (launch- and
             bookkeeping-bound: at M=2048 TwELL ran 0.62x of dense even at 0.3 %).
         density: last measured density (Python float) or None.
+        dense_calls: calls that "auto" sent to the dense path (the density is measured on every
+            ``DENSE_RECHECK_EVERY``-th of them, and on every TwELL call).
         last_info: :class:`FFNInfo` of the last call.
         consumer_kwargs: overrides for the consumer (``twell_ffn_apply``:
             version, nb, rows, num_warps, k, prefetch).
@@ -105,10 +110,11 @@ class TwELLState:
                                   else density_threshold)
         self.min_rows = DEFAULT_MIN_ROWS
         self.density: float | None = None
+        self.dense_calls = 0
         self.last_info: FFNInfo | None = None
-        # Default kernels (v2 pack + v2 consumer) per run 2 on one H200 (docs/bench/run2,
-        # M=16384 D=2048 H=5632): v2 wins at 0.1 % (1.67x vs 1.59x) and on heavy-tailed rows
-        # (0.3 %: 1.18x vs 1.09x; 1 %: 4.08 vs 5.38 ms); v1 wins i.i.d. 0.3 % (1.34x vs 1.30x).
+        # Default kernels: pack v4 (one row per one-warp program) + consumer v2 at nb 4 on 4
+        # warps, per runs E/F on one H200 (BENCHMARKS.md; M=16384 D=2048 H=5632: 1.53x at 0.3 %,
+        # 1.74x at 0.1 %, 1.46x heavy-tailed 0.3 %, vs 1.34x / 1.66x / 1.16x for run 2's v2/v2).
         self.consumer_kwargs: dict = {}
         self.pack_kwargs: dict = {}
         self._wdt: torch.Tensor | None = None
@@ -190,7 +196,7 @@ def _check(x_ND, w_gate_HD, w_up_HD, w_down_DH) -> None:
                          f"{[w.device for w in ws]}")
 
 
-def _dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats):
+def _dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, measure=True):
     from twell.stats import stats_from_activations
 
     pre = F.linear(x_ND, w_gate_HD if w_gate_HD is not None else w_up_HD)
@@ -200,9 +206,11 @@ def _dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats):
     if with_stats:
         stats = stats_from_activations(h, g > 0)
         dens = stats.nnz_sum / max(pre.numel(), 1)
-    else:  # 1/16 of the rows is enough to steer "auto"
+    elif measure:  # 1/16 of the rows is enough to steer "auto"
         stats = None
         dens = (pre[::16] > 0).float().mean() if pre.numel() else pre.new_zeros((), dtype=torch.float32)
+    else:
+        return y, None, None
     return y, stats, dens.float()
 
 
@@ -279,8 +287,13 @@ def sparse_ffn(
             if (dens is not None and dens > state.density_threshold) or (
                 x_ND.shape[0] < state.min_rows
             ):
-                y, stats, d = _dense(x_ND, w_gate_HD, w_up_HD, w_down_DH_c, with_stats)
-                state.record_density(d)
+                # on the dense path the density is re-measured every DENSE_RECHECK_EVERY-th call
+                # (run E: measuring it every call cost 1-4 % of the dense FFN)
+                measure = state.density is None or state.dense_calls % DENSE_RECHECK_EVERY == 0
+                state.dense_calls += 1
+                y, stats, d = _dense(x_ND, w_gate_HD, w_up_HD, w_down_DH_c, with_stats, measure)
+                if d is not None:
+                    state.record_density(d)
                 state.last_info = FFNInfo("dense", density=d)
                 return y, stats
         return _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c.dtype, with_stats, state)
@@ -328,4 +341,4 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state):
     return y, stats
 
 
-__all__ = ["DEFAULT_DENSITY_THRESHOLD", "FFNInfo", "TwELLState", "sparse_ffn"]
+__all__ = ["DEFAULT_DENSITY_THRESHOLD", "DENSE_RECHECK_EVERY", "FFNInfo", "TwELLState", "sparse_ffn"]

@@ -22,14 +22,18 @@ Rows with more than KC non-zeros (the ELL capacity) go whole to the dense backup
 dropped at any density: when more than ``dense_row_fraction`` of the rows are heavy, every row
 goes to the dense backup (the call is then the dense FFN plus one compaction pass).
 
-Saved for backward: x, the three weights, the ELL part (col int32, g, u: N x K), the row lengths,
-the indices of the heavy rows and their dense g and u, and the (H, D) copy of Wd^T made for the
-forward's SpMM (the backward's SDDMM gathers the same rows; saving it costs one weight copy of
-memory and saves one transpose per step). No N x H tensor outside the backup rows.
+Saved for backward: x, the three weights, the ELL part at its capacity width (col int32, g, u:
+N x KC; slots past a row's length are never read), the row lengths, the indices of the heavy rows
+and their dense g and u, the (H, D) copy of Wd^T made for the forward's SpMM (the backward's
+SDDMM gathers the same rows: one transpose per step instead of two), and the CSC order of the ELL
+entries (perm, colptr, and the dW kernel's longest-column-first order), built in the forward
+while the GPU runs the SDDMM and SpMM so that the backward launches little besides its kernels.
+No N x H tensor outside the backup rows.
 
-Host synchronisation: exactly one per forward call (reading R and the widest light row, which
-size the backup and the ELL width); none in backward (R and K are carried by the saved tensors'
-shapes). With gradient checkpointing the recomputed forward syncs once more.
+Host synchronisation: exactly one per forward call (reading R and the number of ELL entries,
+which size the backup and the CSC order), placed right after the compaction; none in backward
+(R and the entry count are carried by the saved tensors' shapes). With gradient checkpointing
+the recomputed forward syncs once more.
 
 Backends: Triton kernels on CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``); a pure
 PyTorch implementation of the same sparse math everywhere else (CPU users are never broken),
@@ -120,28 +124,45 @@ def _t_sddmm(a_ND, w_HD, col_NK):
     return out
 
 
+def _t_width(nnz_N: torch.Tensor, k: int) -> int:
+    """Slots in use (the ELL buffers are capacity-wide; the PyTorch backend gathers only these)."""
+    return min(k, int(nnz_N.max())) if nnz_N.numel() else 0
+
+
+def _t_pad(v_NK: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.nn.functional.pad(v_NK, (0, k - v_NK.shape[1]))
+
+
 def _t_sddmm_fwd(x_ND, w_up_HD, col_NK, g_NK, nnz_N):
-    valid = _valid(nnz_N, col_NK.shape[1])
+    k = col_NK.shape[1]
+    kk = _t_width(nnz_N, k)
+    col_NK, g_NK = col_NK[:, :kk], g_NK[:, :kk]
+    valid = _valid(nnz_N, kk)
     u = (_t_sddmm(x_ND, w_up_HD, col_NK) * valid).to(x_ND.dtype)
     acc = torch.promote_types(x_ND.dtype, torch.float32)
     l1 = (g_NK.to(acc) * u.to(acc) * valid).abs().sum(1)
-    return u, l1
+    return _t_pad(u, k), l1
 
 
 def _t_sddmm_bwd(dy_ND, w_down_t_HD, col_NK, g_NK, u_NK, nnz_N, l1_scale):
-    valid = _valid(nnz_N, col_NK.shape[1])
+    k = col_NK.shape[1]
+    kk = _t_width(nnz_N, k)
+    col_NK, g_NK, u_NK = col_NK[:, :kk], g_NK[:, :kk], u_NK[:, :kk]
+    valid = _valid(nnz_N, kk)
     acc = torch.promote_types(dy_ND.dtype, torch.float32)
-    u = u_NK.to(acc)
+    u = torch.where(valid, u_NK.to(acc), 0)
     dh = _t_sddmm(dy_ND, w_down_t_HD, col_NK) + l1_scale.to(acc) * torch.sign(u)
-    return dh * u * valid, dh * g_NK.to(acc) * valid
+    return _t_pad(dh * u * valid, k), _t_pad(dh * torch.where(valid, g_NK.to(acc), 0), k)
 
 
 def _t_spmm(out_ND, w1_HD, w2_HD, col_NK, a_NK, b_NK, nnz_N):
-    n, k = col_NK.shape
+    k = _t_width(nnz_N, col_NK.shape[1])
+    col_NK, a_NK, b_NK = col_NK[:, :k], a_NK[:, :k], b_NK[:, :k]
+    n = col_NK.shape[0]
     acc = torch.promote_types(out_ND.dtype, torch.float32)
     valid = _valid(nnz_N, k)
-    a = a_NK.to(acc) * valid
-    b = b_NK.to(acc) * valid
+    a = torch.where(valid, a_NK.to(acc), 0)
+    b = torch.where(valid, b_NK.to(acc), 0)
     step = _rows_per_chunk(k, out_ND.shape[1])
     for s in range(0, n, step):
         c = col_NK[s:s + step].long()
@@ -154,7 +175,8 @@ def _t_spmm(out_ND, w1_HD, w2_HD, col_NK, a_NK, b_NK, nnz_N):
     return out_ND
 
 
-def _t_dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g_NK, u_NK):
+def _t_dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g_NK, u_NK,
+          order=None):  # order: the Triton launch order, unused here
     h, d = dwg_HD.shape
     k = max(dg_NK.shape[1], 1)
     acc = torch.promote_types(dwg_HD.dtype, torch.float32)
@@ -243,33 +265,40 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)
     acc = torch.promote_types(x.dtype, torch.float32)
     g_NH = torch.matmul(x, wg.t())  # (N, H) pre-activation; freed before the sparse part
-    col_buf, val_buf, nnz_N, counts_H = be.compact(g_NH, kc)
+    col, gv, nnz_N, counts_H = be.compact(g_NH, kc)  # ELL buffers at the full capacity KC
     heavy_N = nnz_N > kc
-    # The one host sync of the call: backup rows R and the widest light row (the ELL width K).
-    r, k = (int(v) for v in torch.stack(
-        [heavy_N.sum(), torch.where(heavy_N, 0, nnz_N).max()]
-    ).tolist())
+    nnz_eff = torch.where(heavy_N, 0, nnz_N)
+    wdt = wd.t().contiguous()  # (H, D) rows for the SpMM here and the SDDMM in backward
+    if wdt.data_ptr() == wd.data_ptr():  # wd was a transposed view: an output must not alias
+        wdt = wdt.clone()
+    # The one host sync of the call: backup rows R and the ELL entries in use. Everything the
+    # host can queue without R comes before it; right after it the SDDMM and SpMM are launched
+    # first, so the GPU idles only for the few host steps in between (run E: a sync placed
+    # after them drained the GPU while the host went on to the backward).
+    r, total = (int(v) for v in torch.stack([heavy_N.sum(), nnz_eff.sum()]).tolist())
     all_dense = r > dense_row_fraction * n
     if all_dense:
-        r, k = n, 0
-    nnz_eff = torch.zeros_like(nnz_N) if all_dense else torch.where(heavy_N, 0, nnz_N)
-    col = col_buf[:, :k].contiguous()
-    gv = val_buf[:, :k].contiguous()
-    del col_buf, val_buf
-    if all_dense:
+        r, total = n, 0
+        nnz_eff = torch.zeros_like(nnz_N)
         heavy_idx = torch.arange(n, device=x.device)
-        u = gv.new_empty((n, 0))
-        wdt = wd.new_empty((0, d))  # the dense backward does not use it
+        u = gv.new_empty(gv.shape)  # never read: every row is on the dense backup
         l1_light = torch.zeros((), dtype=acc, device=x.device)
     else:
-        heavy_idx = _heavy_indices(heavy_N, r)
         y = torch.empty((n, d), dtype=x.dtype, device=x.device)
         u, l1_N = be.sddmm_fwd(x, wu, col, gv, nnz_eff)
-        wdt = wd.t().contiguous()  # (H, D) rows for the SpMM here and the SDDMM in backward
-        if wdt.data_ptr() == wd.data_ptr():  # wd was a transposed view: an output must not alias
-            wdt = wdt.clone()
         be.spmm(y, wdt, None, col, gv, u, nnz_eff)
+        heavy_idx = _heavy_indices(heavy_N, r)
         l1_light = l1_N.sum(dtype=acc)
+    # CSC order of the ELL entries for the backward's weight gradients, made here while the GPU
+    # runs the SDDMM / SpMM (the backward then launches only its kernels): stable sort of the
+    # column ids, unused slots keyed H (sorted last, then cut off at the known entry count).
+    keys = torch.where(_valid(nnz_eff, kc), col, h).reshape(-1)
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    perm = perm[:total].clone()
+    colptr = torch.searchsorted(sorted_keys[:total],
+                                torch.arange(h + 1, dtype=keys.dtype, device=keys.device))
+    del sorted_keys, keys
+    order = torch.argsort(colptr[1:] - colptr[:-1], descending=True)  # dW: longest column first
     if r > 0:
         if all_dense:
             g_R, x_R = g_NH, x
@@ -289,14 +318,15 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         g_R, u_R = x.new_empty((0, h)), x.new_empty((0, h))
         l1_heavy = 0.0
     l1 = (l1_light + l1_heavy) / max(n, 1)
-    return y, l1, nnz_N, counts_H, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt
+    return (y, l1, nnz_N, counts_H, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
+            order)
 
 
-def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt, backend):
+def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
+              order, backend):
     be = _backend(x, backend)
     n, d = x.shape
     h = wg.shape[0]
-    k = col.shape[1]
     r = heavy_idx.shape[0]
     dy = dy.to(x.dtype).contiguous()
     scale = (dl1 / max(n, 1)).reshape(())
@@ -322,13 +352,7 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     dwdt = torch.empty((h, d), dtype=wd.dtype, device=wd.device)
     dg, du = be.sddmm_bwd(dy, wdt, col, gv, u, nnz_eff, scale)
     be.spmm(dx, wg, wu, col, dg, du, nnz_eff)
-    # CSC order of the light entries: stable sort of the column ids (invalid slots -> H, last).
-    keys = torch.where(_valid(nnz_eff, k), col, h).reshape(-1)
-    sorted_keys, perm = torch.sort(keys, stable=True)
-    colptr = torch.searchsorted(
-        sorted_keys, torch.arange(h + 1, dtype=keys.dtype, device=keys.device)
-    )
-    be.dw(dwg, dwu, dwdt, adds, x, dy, perm, colptr, dg, du, gv, u)
+    be.dw(dwg, dwu, dwdt, adds, x, dy, perm, colptr, dg, du, gv, u, order=order)
     if r > 0:
         dx.index_copy_(0, heavy_idx, dx_R.to(dx.dtype))
     return dx, dwg, dwu, dwdt.t().contiguous()
@@ -348,9 +372,11 @@ def _ffn_train_fwd(
     dense_row_fraction: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns y, l1, nnz_N, counts_H, then the saved state: nnz_eff, col, g, u, heavy_idx,
-    g_R, u_R, Wd^T (see ``_fwd_body``)."""
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns y, l1, nnz_N, counts_H, then the saved state: nnz_eff, col, g, u (N x KC),
+    heavy_idx, g_R, u_R, Wd^T, and the CSC order of the ELL entries: perm, colptr, order
+    (see ``_fwd_body``)."""
     with torch.autocast(x.device.type, enabled=False):
         return _fwd_body(x, w_gate, w_up, w_down, ell_capacity, dense_row_fraction, backend)
 
@@ -360,16 +386,18 @@ def _ffn_train_fwd_fake(x, w_gate, w_up, w_down, ell_capacity, dense_row_fractio
     ctx = torch.library.get_ctx()
     n, d = x.shape
     h = w_gate.shape[0]
-    k = ctx.new_dynamic_size()  # ELL width: measured
+    k = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)  # ELL capacity KC
     r = ctx.new_dynamic_size()  # dense-backup rows: measured
+    nnz = ctx.new_dynamic_size()  # ELL entries in use: measured
     acc = torch.promote_types(x.dtype, torch.float32)
     i32 = {"dtype": torch.int32}
+    i64 = {"dtype": torch.int64}
     return (
         x.new_empty((n, d)), x.new_empty((), dtype=acc), x.new_empty((n,), **i32),
         x.new_empty((h,), **i32), x.new_empty((n,), **i32), x.new_empty((n, k), **i32),
-        x.new_empty((n, k)), x.new_empty((n, k)), x.new_empty((r,), dtype=torch.int64),
-        x.new_empty((r, h)), x.new_empty((r, h)),
-        w_down.new_empty((ctx.new_dynamic_size(), d)),  # Wd^T (H, D), or (0, D) if all dense
+        x.new_empty((n, k)), x.new_empty((n, k)), x.new_empty((r,), **i64),
+        x.new_empty((r, h)), x.new_empty((r, h)), w_down.new_empty((h, d)),
+        x.new_empty((nnz,), **i64), x.new_empty((h + 1,), **i64), x.new_empty((h,), **i64),
     )
 
 
@@ -389,12 +417,15 @@ def _ffn_train_bwd(
     g_R: torch.Tensor,
     u_R: torch.Tensor,
     w_down_t: torch.Tensor,
+    perm: torch.Tensor,
+    colptr: torch.Tensor,
+    order: torch.Tensor,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns dx, dWg, dWu, dWd (see ``_bwd_body``)."""
     with torch.autocast(x.device.type, enabled=False):
         return _bwd_body(dy, dl1, x, w_gate, w_up, w_down, nnz_eff, col, g, u, heavy_idx,
-                         g_R, u_R, w_down_t, backend)
+                         g_R, u_R, w_down_t, perm, colptr, order, backend)
 
 
 @_ffn_train_bwd.register_fake
@@ -411,13 +442,15 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, dl1, *_unused):
-    x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt = ctx.saved_tensors
+    (x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
+     order) = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros_like(x[:, : wd.shape[0]])
     if dl1 is None:
         dl1 = torch.zeros((), dtype=torch.float32, device=x.device)
     dx, dwg, dwu, dwd = _ffn_train_bwd(
-        dy, dl1, x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt, ctx.backend
+        dy, dl1, x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
+        order, ctx.backend,
     )
     return dx, dwg, dwu, dwd, None, None, None
 

@@ -500,11 +500,11 @@ _DEFAULT_CONFIG = {
     # warps 1.02 (cross-warp column-count reductions each step), v2 0.45.
     "compact3_block_n": 1,  # rows per program (v3)
     "compact3_warps": 1,  # warps per program (v3), at most compact3_block_n
-    # SDDMM (run E, forward u at 0.3 / 1 % / heavy 0.3 %): k8 d256 w4 0.222 / 0.547 / 0.128 ms
-    # vs the earlier fixed k16 d256 w4 0.311 / 0.739 / 0.171 ms.
+    # SDDMM (forward u at 0.3 / 1 % / heavy 0.3 %): run E k8 d256 w4 0.222 / 0.547 / 0.128 ms vs
+    # the earlier fixed k16 d256 w4 0.311 / 0.739 / 0.171; run F k8 d256 w1 0.172 / 0.479 / 0.136.
     "sddmm_block_k": 8,  # slots per step (SDDMM, forward u and backward dh)
     "sddmm_block_d": 256,  # model-width chunk per step (SDDMM)
-    "sddmm_warps": 4,
+    "sddmm_warps": 1,
     "spmm": "rows",
     # SpMM launch shape measured on one H200 (docs/bench/run2/bench_train2.log, N=16384 D=2048
     # H=5632): y k4 w4 0.148 ms vs k8 w8 0.193 ms at 0.3 %, 0.423 vs 0.487 at 1 %; dx k2 w4
@@ -682,7 +682,8 @@ def spmm(out_ND, w1_HD, w2_HD, col_NK, a_NK, b_NK, nnz_N):
     return out_ND
 
 
-def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g_NK, u_NK):
+def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g_NK, u_NK,
+       order=None):
     """Weight gradients from the CSC-ordered ELL entries (see ``_dw_kernel``), plus ``adds``
     (a triple of (H, D) dense-backup contributions, or None). Writes all three outputs."""
     h, d = dwg_HD.shape
@@ -705,7 +706,8 @@ def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g
         return
     block_d = _pow2(d, 16, CONFIG["dw_block_d"])
     n_dchunk = triton.cdiv(d, block_d)
-    order = torch.argsort(colptr[1:] - colptr[:-1], descending=True)  # longest column first
+    if order is None:  # longest column first (the training forward passes it precomputed)
+        order = torch.argsort(colptr[1:] - colptr[:-1], descending=True)
     _dw_cols_kernel[(h * n_dchunk,)](
         dwg_HD, dwu_HD, dwdt_HD, ag, au, ad, x_ND, dy_ND, perm, colptr, order, dg_NK, du_NK,
         g_NK, u_NK, d, max(k, 1), n_dchunk, x_ND.stride(0), dy_ND.stride(0), dwg_HD.stride(0),

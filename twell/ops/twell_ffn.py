@@ -313,8 +313,9 @@ def twell_ffn_apply(
             one), kept for the benchmark's old/new ratio.
         nb, rows, block_d, num_warps: launch shape (see module notes);
             ``block_d`` < D splits D across programs (non-gated only).
-            Defaults: v2 nb=2, v1 nb=1 (v1's fastest at 0.3 % density on the
-            H200, docs/bench/bench_infer.log); warps = block_d * nb / 1024.
+            Defaults: v2 nb=4 on 4 warps (runs E and F on the H200: 0.349 ms
+            vs 0.499 at nb=2, M 16384, 0.3 %), v1 nb=1 (v1's fastest,
+            docs/bench/bench_infer.log); otherwise warps = block_d * nb / 1024.
         k, prefetch: v2 only: words per batch (power of 2 >= nb) and
             whether the next step's weight rows are gathered before this
             step's math (double-buffered registers).
@@ -329,7 +330,7 @@ def twell_ffn_apply(
     if version not in CONSUMER_VERSIONS:
         raise ValueError(f"twell_ffn_apply version must be one of {CONSUMER_VERSIONS}; got {version!r}")
     if nb is None:
-        nb = 2 if version == 2 else 1
+        nb = 4 if version == 2 else 1
     if nb < 1 or nb & (nb - 1) or k < nb or k & (k - 1):
         raise ValueError(f"nb and k must be powers of 2 with k >= nb; got nb={nb}, k={k}")
     m, t, w = tw.data.shape
@@ -364,8 +365,8 @@ def twell_ffn_apply(
         raise ValueError(f"the gated consumer needs the whole row: block_d={block_d} < D={d}")
     if block_d > 16384:
         raise ValueError(f"D={d} too large for the register-resident row (max 16384)")
-    if num_warps is None:
-        num_warps = max(1, min(16, block_d * nb // 1024))
+    if num_warps is None:  # v2 at nb 4: 4 warps (run E/F, H200: 0.349 ms vs 0.499 at nb 2)
+        num_warps = 4 if version == 2 and nb == 4 else max(1, min(16, block_d * nb // 1024))
     out_dtype = out_dtype or (x_MD.dtype if gated else w_down_t_HD.dtype)
     y = torch.empty(m, d, dtype=out_dtype, device=w_down_t_HD.device)
     l1 = torch.empty(m if stats else 1, dtype=torch.float32, device=y.device)
