@@ -412,18 +412,20 @@ def test_auto_dense_path_rechecks_density_periodically():
     xs, wgs, wus, wds = make_ffn(n, d, h, torch.float32, 0.002, seed=15)  # almost none
     st = TwELLState(density_threshold=0.1)
     st.min_rows = 0
-    sparse_ffn(x, wg, wu, wd, mode="auto", state=st, with_stats=False)  # TwELL, measures 30 %
-    assert st.last_info.path == "twell" and st.density > 0.1
-    sparse_ffn(x, wg, wu, wd, mode="auto", state=st, with_stats=False)  # dense call 0: measures
-    assert st.last_info.path == "dense" and st.density > 0.1
-    paths = []
-    for _ in range(DENSE_RECHECK_EVERY):  # sparse inputs from now on
-        sparse_ffn(xs, wgs, wus, wds, mode="auto", state=st, with_stats=False)
-        paths.append(st.last_info.path)
-    # dense calls 1..15 keep the stale 30 %; call 16 re-measures (~0.2 %); the next is TwELL
+
+    def call(*ins):  # one call, then let its (asynchronous on CUDA) density copy land
+        sparse_ffn(*ins, mode="auto", state=st, with_stats=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        st.poll_density()
+        return st.last_info.path
+
+    assert call(x, wg, wu, wd) == "twell" and st.density > 0.1  # measures 30 %
+    assert call(x, wg, wu, wd) == "dense" and st.density > 0.1  # dense call 0: measures
+    # sparse inputs from now on: dense calls 1..15 keep the stale 30 %, call 16 re-measures
+    paths = [call(xs, wgs, wus, wds) for _ in range(DENSE_RECHECK_EVERY)]
     assert paths == ["dense"] * DENSE_RECHECK_EVERY and st.density < 0.1
-    sparse_ffn(xs, wgs, wus, wds, mode="auto", state=st, with_stats=False)
-    assert st.last_info.path == "twell"
+    assert call(xs, wgs, wus, wds) == "twell"
     assert st.dense_calls == DENSE_RECHECK_EVERY + 1
 
 

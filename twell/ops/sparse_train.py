@@ -31,7 +31,8 @@ while the GPU runs the SDDMM and SpMM so that the backward launches little besid
 No N x H tensor outside the backup rows.
 
 Host synchronisation: exactly one per forward call (reading R and the number of ELL entries,
-which size the backup and the CSC order), placed right after the compaction; none in backward
+which size the backup and the CSC order). On CUDA it waits on an event recorded after those two
+counts while the SDDMM and SpMM, queued before the wait, keep the GPU busy; none in backward
 (R and the entry count are carried by the saved tensors' shapes). With gradient checkpointing
 the recomputed forward syncs once more.
 
@@ -51,10 +52,15 @@ from twell.stats import FFNStats
 
 # Training "auto" rule (per layer, decided between optimizer steps from the layer's measured L0):
 # the sparse training path only when the layer's density (L0 / H) is at most this.
-# MEASURED (docs/bench/run2/bench_train2.log, H200, N=16384, D=2048, H=5632, fwd+bwd vs dense
-# cuBLAS in the same run): sparse 1.15x at 0.3 % i.i.d., 0.81x at 1 % i.i.d.; heavy-tailed rows
-# 1.04-1.05x at 0.3-1 %. Override: TWELL_TRAIN_AUTO_DENSITY.
-DEFAULT_TRAIN_DENSITY_THRESHOLD = float(os.environ.get("TWELL_TRAIN_AUTO_DENSITY", "0.005"))
+# MEASURED (run G, docs/bench/run6/train.log, H200, N=16384, D=2048, H=5632, fwd+bwd with the L1
+# term): the alternative is the trainer's torch path *with* its L1 statistics, not bare cuBLAS,
+# and this op (its ELL kernels, or its own dense fallback when most rows are heavy) beat it at
+# every measured density: i.i.d. 0.3 / 1 / 3 / 10 %: 3.11 / 5.05 / 5.70 / 5.94 ms vs about
+# 6.4-6.6 ms; heavy-tailed 3.77 / 3.62 / 4.73 / 5.73 vs 6.36-6.43. 10 % is the densest case
+# measured, so the threshold stops there (a fresh model is ~50 % dense: torch until L1 bites).
+# Cost: peak memory in the op's fallback is 1.56x dense vs 1.2x for the torch path.
+# Override: TWELL_TRAIN_AUTO_DENSITY.
+DEFAULT_TRAIN_DENSITY_THRESHOLD = float(os.environ.get("TWELL_TRAIN_AUTO_DENSITY", "0.10"))
 
 
 def train_path_for_density(density: float, threshold: float | None = None) -> str:
@@ -258,6 +264,14 @@ def _heavy_indices(heavy_N: torch.Tensor, r: int) -> torch.Tensor:
         return torch.argsort(heavy_N.to(torch.int8), descending=True, stable=True)[:r]
 
 
+def _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff):
+    """SDDMM (u at the ELL non-zeros, per-row L1) and SpMM (y = h Wd^T) of the light rows."""
+    y = torch.empty((x.shape[0], wdt.shape[1]), dtype=x.dtype, device=x.device)
+    u, l1_N = be.sddmm_fwd(x, wu, col, gv, nnz_eff)
+    be.spmm(y, wdt, None, col, gv, u, nnz_eff)
+    return y, u, l1_N
+
+
 def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backend: str):
     be = _backend(x, backend)
     n, d = x.shape
@@ -271,11 +285,23 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     wdt = wd.t().contiguous()  # (H, D) rows for the SpMM here and the SDDMM in backward
     if wdt.data_ptr() == wd.data_ptr():  # wd was a transposed view: an output must not alias
         wdt = wdt.clone()
-    # The one host sync of the call: backup rows R and the ELL entries in use. Everything the
-    # host can queue without R comes before it; right after it the SDDMM and SpMM are launched
-    # first, so the GPU idles only for the few host steps in between (run E: a sync placed
-    # after them drained the GPU while the host went on to the backward).
-    r, total = (int(v) for v in torch.stack([heavy_N.sum(), nnz_eff.sum()]).tolist())
+    # The one host sync of the call reads R (backup rows) and the ELL entries in use. On CUDA it
+    # waits on an event recorded right after the two counts, not on the whole stream: the SDDMM
+    # and SpMM (which need no host value) are queued before the wait and keep the GPU busy while
+    # the host reads the counts and queues the rest. (Run E: a stream-wide sync placed after
+    # them drained the GPU; run G: a sync before them left ~0.2 ms idle before the SDDMM.)
+    counts_dev = torch.stack([heavy_N.sum(), nnz_eff.sum()])
+    early = x.is_cuda
+    if early:
+        counts_host = torch.empty(2, dtype=counts_dev.dtype, pin_memory=True)
+        counts_host.copy_(counts_dev, non_blocking=True)
+        counts_ready = torch.cuda.Event()
+        counts_ready.record()
+        y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)  # discarded if all rows go dense
+        counts_ready.synchronize()
+        r, total = (int(v) for v in counts_host.tolist())
+    else:
+        r, total = (int(v) for v in counts_dev.tolist())
     all_dense = r > dense_row_fraction * n
     if all_dense:
         r, total = n, 0
@@ -284,9 +310,8 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         u = gv.new_empty(gv.shape)  # never read: every row is on the dense backup
         l1_light = torch.zeros((), dtype=acc, device=x.device)
     else:
-        y = torch.empty((n, d), dtype=x.dtype, device=x.device)
-        u, l1_N = be.sddmm_fwd(x, wu, col, gv, nnz_eff)
-        be.spmm(y, wdt, None, col, gv, u, nnz_eff)
+        if not early:
+            y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)
         heavy_idx = _heavy_indices(heavy_N, r)
         l1_light = l1_N.sum(dtype=acc)
     # CSC order of the ELL entries for the backward's weight gradients, made here while the GPU
@@ -303,7 +328,8 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         colptr = torch.searchsorted(sorted_keys[:total],
                                     torch.arange(h + 1, dtype=keys.dtype, device=keys.device))
         del sorted_keys, keys
-        order = torch.argsort(colptr[1:] - colptr[:-1], descending=True)  # dW: longest first
+        lengths = (colptr[1:] - colptr[:-1]).to(torch.int32)  # int32 keys: half the radix passes
+        order = torch.argsort(lengths, descending=True)  # dW: longest column first
     if r > 0:
         if all_dense:
             g_R, x_R = g_NH, x
@@ -444,6 +470,9 @@ def _setup_context(ctx, inputs, output):
     ctx.backend = backend
     ctx.save_for_backward(x, wg, wu, wd, *output[4:])
     ctx.mark_non_differentiable(*output[2:])
+    # the 13 non-differentiable outputs reach backward as None instead of zero-filled tensors
+    # (run G's trace: ~11 fill kernels and their allocations per step)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, dl1, *_unused):
