@@ -142,6 +142,8 @@ def _run(args: EvalArgs) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device}: no CUDA device here; use device=cpu (or leave it unset)")
     t0 = time.time()
     if args.checkpoint:
         model, tok = load_checkpoint(args.checkpoint, ffn_impl=args.ffn_impl, dtype=args.dtype,

@@ -8,11 +8,12 @@
 
 Shape legend: M tokens, D model width, H FFN width.
 
-Variants: ``twell2p_f8`` (v2 pack + v2 consumer; the library default went back to v1 after run 2), ``twell2p_v1`` (the first
-kernels, at their fastest measured launch shape), one-part-old mixes, the
-fused producer, and v2 launch-shape sweeps (see VARIANTS; BENCHMARKS.md).
-The summary ends with new/old time ratios (default vs v1, pack and consumer
-parts vs their v1).
+Variants (see VARIANTS): ``twell2p_v3`` (the library defaults since run F: pack v4 on one warp +
+consumer v2 at nb 4 on 4 warps), ``twell2p_f8`` (run 2's defaults: pack v2 + consumer nb 2),
+``twell2p_v1`` (the first kernels, at their fastest measured launch shape), the fused producer,
+factor 4, and launch-shape sweeps of the pack and the consumer alone (``part_pack_*``,
+``part_consumer_*``, at 0.3 / 1 % i.i.d.). The summary ends with time ratios (defaults vs run 2's,
+run 2's vs v1, pack and consumer parts, two-pass vs fused).
 
 Phase 1 (correctness, every variant, GPU): each variant (producer two-pass /
 fused x factor 8/4 x gated / non-gated, pack/consumer versions and launch shapes) over the
@@ -311,9 +312,9 @@ def time_config(args, m, d, h, density, heavy, gated, label="synthetic", inputs=
             parts["part_consumer"] = lambda: twell_ffn_apply(tw, pre, wdt, **up)
             parts["part_consumer_v1"] = lambda: twell_ffn_apply(tw, pre, wdt, **up, **V1["consumer"])
             parts["part_pack_v2"] = lambda: pack_dense(pre, 8, **V2["pack"])
-            parts["part_pack_v3"] = lambda: pack_dense(pre, 8, **V3["pack"])
+            parts["part_pack_v4"] = lambda: pack_dense(pre, 8, **V3["pack"])
             parts["part_consumer_v2nb2"] = lambda: twell_ffn_apply(tw, pre, wdt, **up, **V2["consumer"])
-            parts["part_consumer_v3"] = lambda: twell_ffn_apply(tw, pre, wdt, **up, **V3["consumer"])
+            parts["part_consumer_nb4w4"] = lambda: twell_ffn_apply(tw, pre, wdt, **up, **V3["consumer"])
             if args.sweep_consumer:
                 for nm, kw in PACK_SWEEP.items():
                     parts[f"part_pack_{nm}"] = lambda kw=kw: pack_dense(pre, 8, **kw)
@@ -459,7 +460,7 @@ def main():
 
         print("\n== time ratios a / b (<1: a faster), per config (M H dens% hv) and median")
         for a, b in (("twell2p_v3", "twell2p_f8"), ("twell2p_f8", "twell2p_v1"),
-                     ("part_pack_v3", "part_pack_v2"), ("part_consumer_v3", "part_consumer_v2nb2"),
+                     ("part_pack_v4", "part_pack_v2"), ("part_consumer_nb4w4", "part_consumer_v2nb2"),
                      ("twell2p_f8", "twellfu_f8")):
             pb = {key(r): r["ms"] for r in speed if r.get("variant") == b and "ms" in r}
             ratio = [(key(r), r["ms"] / pb[key(r)]) for r in speed

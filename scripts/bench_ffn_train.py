@@ -20,12 +20,16 @@ allocated before the step, grads of the step included). A failing variant is rep
 raised. Variants:
 
     dense       torch bf16 gate / up / relu*mul / down with autograd, no L1 (the baseline)
+    dense_stats the trainer's torch path: the same plus the L1 term and activation statistics
     sparse_old  sparse_ffn_train, default policy, FIRST-generation kernels (compact v1, spmm
                 tiled, dw tiled: the kernels measured in runs A/B of BENCHMARKS.md)
-    sparse      sparse_ffn_train with its default policy and the default (second-generation)
-                kernels (ELL capacity 128, dense fallback)
+    sparse_runD sparse_ffn_train with run D's kernel shapes (compaction v2, SDDMM k16, dW j8
+                d512 w2) in the current code
+    sparse      sparse_ffn_train with its default policy and the current default kernels
+                (ELL capacity 128, dense fallback; see _DEFAULT_CONFIG)
     sparse_ell  sparse_ffn_train forced through the ELL path (capacity >= the widest row), to
                 show the raw sparse kernels at every density
+    auto        the trainer's ffn_impl=auto rule on the case's L0: sparse or dense_stats
 
 PARTS (before the full runs, i.i.d. 0.3 % and 1 %, heavy 0.3 %): every Triton kernel of the
 sparse path timed alone, first generation next to the second and a few launch shapes, on the
@@ -324,12 +328,15 @@ def parts(x, wg, wu, wd, dy, rep, label):
 
 def main():
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--d", type=int, default=2048)
-    ap.add_argument("--h", type=int, default=5632)
-    ap.add_argument("--densities", default="0.003,0.01,0.03,0.1")
-    ap.add_argument("--dists", default="iid,heavy")
-    ap.add_argument("--variants", default="dense,sparse_old,sparse,sparse_ell")
+    ap.add_argument("--tokens", type=int, default=16384, help="N, token rows (default 16384)")
+    ap.add_argument("--d", type=int, default=2048, help="D, model width (default 2048)")
+    ap.add_argument("--h", type=int, default=5632, help="H, FFN width (default 5632)")
+    ap.add_argument("--densities", default="0.003,0.01,0.03,0.1",
+                    help="comma-separated fractions of active units (default 0.003,0.01,0.03,0.1)")
+    ap.add_argument("--dists", default="iid,heavy", help="iid and/or heavy (comma-separated)")
+    ap.add_argument("--variants", default="dense,sparse_old,sparse,sparse_ell",
+                    help="comma-separated: dense, dense_stats, sparse_old, sparse_runD, sparse, "
+                         "sparse_ell, auto (see the module docstring)")
     ap.add_argument("--parts", default="iid:0.003,iid:0.01,heavy:0.003",
                     help="dist:density cases of the per-kernel table ('' = none)")
     ap.add_argument("--parts-only", action="store_true", help="only the per-kernel table")

@@ -522,10 +522,15 @@ def parse_args(argv=None):
         if _key(o) in CONTROLLED:
             p.error(f"{_key(o)} is set by this script for each run; remove {o!r}")
         if _key(o) == "trainer.max_steps":
-            steps_over = int(o.split("=", 1)[1])
+            raw = o.split("=", 1)[1]
+            try:
+                steps_over = int(raw)
+            except ValueError:
+                p.error(f"trainer.max_steps={raw!r}: not an integer")
     if a.steps is not None and steps_over is not None and a.steps != steps_over:
         p.error(f"--steps {a.steps} and trainer.max_steps={steps_over} disagree; give one")
-    a.steps = a.steps or steps_over or (8 if a.smoke else 300)
+    if a.steps is None:  # "is None", not "or": an explicit 0 must reach the check below
+        a.steps = steps_over if steps_over is not None else (8 if a.smoke else 300)
     if a.steps < 1:
         p.error("--steps must be >= 1")
     a.overrides = [o for o in a.overrides if _key(o) != "trainer.max_steps"]

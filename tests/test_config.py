@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 from tests.train_utils import tiny_config, write_tokens
 from train.config import (
     ConfigError,
+    EvalConfig,
     ModelConfig,
     OptimConfig,
     SparsityConfig,
@@ -35,6 +36,9 @@ def _one_line(err) -> str:
     (lambda: OptimConfig(grad_clip=float("inf")), "optim.grad_clip"),
     (lambda: OptimConfig(betas=[0.9, 1.5]), "optim.betas"),
     (lambda: SparsityConfig(reinit_lambda=2.0), "sparsity.reinit_lambda"),
+    (lambda: EvalConfig(tasks=["nope"]), "eval.tasks"),  # refused before training, not after
+    (lambda: EvalConfig(tasks=["piqa", "piqa"]), "eval.tasks"),
+    (lambda: EvalConfig(tasks=[]), "eval.tasks"),
     (lambda: SparsityConfig(schedule="linear_warmup", warmup_start=10, warmup_end=5),
      "sparsity.warmup_end"),
     (lambda: TrainerConfig(precision="fp8"), "trainer.precision"),

@@ -3,7 +3,7 @@
 On a machine without CUDA the Triton kernels run in the interpreter
 (TRITON_INTERPRET=1, set here before triton is imported if the caller did
 not). Shapes are small and odd; the full shape sweep is in
-``scripts/bench_ffn.py --check`` on the GPU.
+``scripts/bench_ffn.py --check-only`` on the GPU.
 
 ``ffn_reference_fp64`` is also the reference of ``scripts/bench_ffn.py``.
 """

@@ -275,6 +275,16 @@ class EvalConfig:
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"eval.limit must be >= 1 or null; got {self.limit}.")
         _check_positive_int("eval.batch_size", self.batch_size)
+        if list(self.tasks) != ["all"]:  # checked now, not after training (a user-test finding)
+            from evals.tasks import ALL_TASKS  # task table only: no model or data code
+
+            names = [str(t) for t in self.tasks]
+            unknown = [t for t in names if t not in ALL_TASKS]
+            if unknown or not names or len(set(names)) != len(names):
+                raise ConfigError(
+                    f"eval.tasks={names}: unknown {unknown} or empty/duplicated; use [all] or "
+                    f"distinct names from {list(ALL_TASKS)}."
+                )
 
     @property
     def enabled(self) -> bool:

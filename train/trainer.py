@@ -110,6 +110,11 @@ class Trainer:
                   f"{t.max_steps}: the learning rate never reaches optim.lr (peak "
                   f"{cfg.optim.lr * t.max_steps / max(cfg.optim.warmup_steps, 1):.2e}); lower "
                   "optim.warmup_steps.", file=sys.stderr)
+        if (self.device.type == "cpu" and not t.cpu and t.global_batch >= 64
+                and self.is_main):  # e.g. trainer=gpu on a machine without a GPU
+            print(f"warning: no GPU found; training {t.max_steps} steps of "
+                  f"{t.global_batch} x {cfg.model.seq_len} tokens on the CPU. For a CPU run use "
+                  "trainer=cpu.", file=sys.stderr)
         resume_from = self._check_run_dir()
 
         set_seed(t.seed)

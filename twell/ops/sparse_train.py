@@ -274,7 +274,7 @@ def _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff):
 
 def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backend: str):
     be = _backend(x, backend)
-    n, d = x.shape
+    n = x.shape[0]
     h = wg.shape[0]
     kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)
     acc = torch.promote_types(x.dtype, torch.float32)

@@ -491,7 +491,8 @@ def _dw_cols_kernel(
 #            atomics | "v2" partial-count stores, prefetch | "v1" first generation (atomics)
 #   spmm     "rows" (default) whole-D row programs, 1-D acc | "tiled" first generation
 #   dw       "cols" (default) 1-D accs, longest column first | "tiled" first generation
-# The defaults are predictions (BENCHMARKS.md, training section), not yet H200 measurements.
+# The defaults below are the best shapes measured on one H200 (runs C-H, BENCHMARKS.md); each
+# entry's comment quotes the measurement.
 
 _DEFAULT_CONFIG = {
     "compact": "v3",  # run E, 0.3 %: v3 (one row per one-warp program) 0.22 ms, v2 0.45 ms
