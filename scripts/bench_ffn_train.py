@@ -121,6 +121,7 @@ GEN1 = {"compact": "v1", "spmm": "tiled", "dw": "tiled"}  # first-generation ker
 VARIANT_CFG = {
     "sparse_old": GEN1,
     # run-D kernel shapes (compaction v2, SDDMM k16, dW j8 d512 w2): the previous version
+    "sparse_c4": {"compact": "v4"},  # compaction skipping all-zero blocks
     "sparse_runD": {"compact": "v2", "sddmm_block_k": 16, "dw_block_j": 8, "dw_block_d": 512,
                     "dw_warps": 2},
 }
@@ -216,7 +217,8 @@ def _sp(key, k, w):
 
 
 PART_SHAPES = {
-    "compact": [_c3(1, 1), ("v2 n32 w8 (run D)", _C2), _c3(2, 1), _c3(4, 1), _c3(8, 1), _c3(2, 2)],
+    "compact": [_c3(1, 1), ("v4 n1 w1 (skips empty blocks)", {"compact": "v4"}),
+                ("v2 n32 w8 (run D)", _C2), _c3(2, 1), _c3(4, 1), _c3(8, 1), _c3(2, 2)],
     "sddmm_u": [_sd(8, 256, 4), _sd(16, 256, 4), _sd(8, 256, 2), _sd(8, 256, 1), _sd(4, 256, 1),
                 _sd(4, 512, 2), _sd(8, 512, 2), _sd(16, 256, 2)],
     "spmm_y": [_sp("spmm_block_k", 4, 4), _sp("spmm_block_k", 2, 4), _sp("spmm_block_k", 4, 2),

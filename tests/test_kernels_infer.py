@@ -131,6 +131,9 @@ def make_ffn(n, d, h, dtype, density, *, seed=0, heavy=False, grid=False, gated=
         (8, 4, torch.bfloat16, {"num_warps": 1}),
         (4, 4, torch.float32, {"block_m": 4, "num_warps": 2}),
         (2, 4, torch.float16, {"num_warps": 1}),
+        # v5: v4 skipping all-zero blocks (rows 0 and every mostly-negative tile hit the skip)
+        (8, 5, torch.bfloat16, {}),
+        (4, 5, torch.float32, {"block_m": 2, "num_warps": 2}),
     ],
 )
 def test_pack_dense_matches_reference_pack(factor, version, dtype, launch):

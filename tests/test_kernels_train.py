@@ -151,6 +151,7 @@ KERNEL_CONFIGS = {
                        "dw_block_j": 2, "dw_block_d": 16},
     "gen2": {"compact": "v2"},
     "gen3_2rows": {"compact": "v3", "compact3_block_n": 2, "compact3_warps": 2},
+    "compact_v4": {"compact": "v4"},
 }
 
 
@@ -185,7 +186,8 @@ def test_compact_counts_match_torch():
     col_r, val_r, nnz_r, cnt_r = sparse_train._t_compact(g, 16)
     assert (nnz_r > 16).any() and (nnz_r == 0).any()
     for variant, block_n, warps in (("v1", 32, 1), ("v2", 32, 1), ("v2", 4, 1), ("v3", 1, 1),
-                                    ("v3", 4, 1), ("v3", 4, 4), ("v3", 8, 2)):
+                                    ("v3", 4, 1), ("v3", 4, 4), ("v3", 8, 2), ("v4", 1, 1),
+                                    ("v4", 4, 2)):
         with tk.kernel_config(compact=variant, compact_block_n=block_n, compact3_block_n=block_n,
                               compact3_warps=warps):
             col, val, nnz, cnt = tk.compact(g, 16)

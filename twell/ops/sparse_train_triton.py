@@ -315,6 +315,7 @@ def _compact3_kernel(
     KC,  # ELL capacity (slots per row)
     BLOCK_N: tl.constexpr,  # rows per program (default 1, on one warp)
     BLOCK_H: tl.constexpr,  # columns per step (power of two, 256 for bf16 rows)
+    SKIP_EMPTY: tl.constexpr = False,  # "v4": no scan / stores / atomics for an all-zero block
 ):
     """Same outputs as ``_compact_kernel``; v3 (see BENCHMARKS.md, ncu of v2 and run E).
 
@@ -344,14 +345,27 @@ def _compact3_kernel(
         g2 = tl.load(gp + c2[None, :], mask=mrow[:, None] & (c2 < H)[None, :], other=0.0)
         act = g > 0
         a = act.to(tl.int32)
-        pos = base[:, None] + tl.cumsum(a, axis=1) - 1
-        keep = act & (pos < KC)
-        dst = rows64[:, None] * KC + pos
-        tl.store(col_ptr + dst, tl.broadcast_to(cols[None, :], [BLOCK_N, BLOCK_H]), mask=keep)
-        tl.store(val_ptr + dst, g, mask=keep)
-        base += tl.sum(a, axis=1)
-        cnt = tl.sum(a, axis=0)
-        tl.atomic_add(counts_ptr + cols, cnt, mask=(cols < H) & (cnt > 0), sem="relaxed")
+        if SKIP_EMPTY:
+            per_row = tl.sum(a, axis=1)
+            if tl.sum(per_row, axis=0) > 0:
+                pos = base[:, None] + tl.cumsum(a, axis=1) - 1
+                keep = act & (pos < KC)
+                dst = rows64[:, None] * KC + pos
+                tl.store(col_ptr + dst, tl.broadcast_to(cols[None, :], [BLOCK_N, BLOCK_H]),
+                         mask=keep)
+                tl.store(val_ptr + dst, g, mask=keep)
+                base += per_row
+                cnt = tl.sum(a, axis=0)
+                tl.atomic_add(counts_ptr + cols, cnt, mask=(cols < H) & (cnt > 0), sem="relaxed")
+        else:
+            pos = base[:, None] + tl.cumsum(a, axis=1) - 1
+            keep = act & (pos < KC)
+            dst = rows64[:, None] * KC + pos
+            tl.store(col_ptr + dst, tl.broadcast_to(cols[None, :], [BLOCK_N, BLOCK_H]), mask=keep)
+            tl.store(val_ptr + dst, g, mask=keep)
+            base += tl.sum(a, axis=1)
+            cnt = tl.sum(a, axis=0)
+            tl.atomic_add(counts_ptr + cols, cnt, mask=(cols < H) & (cnt > 0), sem="relaxed")
     tl.store(nnz_ptr + rows, base, mask=mrow)
 
 
@@ -487,15 +501,18 @@ def _dw_cols_kernel(
 # Launchers. BLOCK_D is capped by the next power of two of D so small/odd D (tests) waste little.
 #
 # Kernel variants and launch shapes (``CONFIG``; change with ``kernel_config``):
-#   compact  "v3" (default) one row per one-warp program, two column blocks in flight, relaxed
-#            atomics | "v2" partial-count stores, prefetch | "v1" first generation (atomics)
+#   compact  "v4" (default) "v3" skipping all-zero blocks | "v3" one row per one-warp program,
+#            two column blocks in flight, relaxed atomics | "v2" partial-count stores, prefetch |
+#            "v1" first generation (atomics)
 #   spmm     "rows" (default) whole-D row programs, 1-D acc | "tiled" first generation
 #   dw       "cols" (default) 1-D accs, longest column first | "tiled" first generation
 # The defaults below are the best shapes measured on one H200 (runs C-H, BENCHMARKS.md); each
 # entry's comment quotes the measurement.
 
 _DEFAULT_CONFIG = {
-    "compact": "v3",  # run E, 0.3 %: v3 (one row per one-warp program) 0.22 ms, v2 0.45 ms
+    # run E, 0.3 %: v3 (one row per one-warp program) 0.22 ms, v2 0.45 ms; run I: v4 (v3 that
+    # skips all-zero blocks) 0.205 / 0.230 ms at 1 / 3 % vs v3's 0.226 / 0.236
+    "compact": "v4",
     "compact_block_n": 32,  # rows per program (v2); 8 warps, one warp per tile row
     # Run E (H200, 0.3 %): v3 with one row on one warp 0.22 ms; 2 rows on 2 warps 0.67, 4 on 4
     # warps 1.02 (cross-warp column-count reductions each step), v2 0.45.
@@ -522,7 +539,7 @@ _DEFAULT_CONFIG = {
     "dw_warps": 4,
 }
 CONFIG = dict(_DEFAULT_CONFIG)
-_CHOICES = {"compact": ("v1", "v2", "v3"), "spmm": ("tiled", "rows"), "dw": ("tiled", "cols")}
+_CHOICES = {"compact": ("v1", "v2", "v3", "v4"), "spmm": ("tiled", "rows"), "dw": ("tiled", "cols")}
 
 
 @contextlib.contextmanager
@@ -590,11 +607,12 @@ def compact(g_NH: torch.Tensor, kc: int):
             BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4,
         )
         return col, val, nnz, counts
-    if CONFIG["compact"] == "v3":
+    if CONFIG["compact"] in ("v3", "v4"):
         block_n = _pow2(CONFIG["compact3_block_n"], 1, 16)
         _compact3_kernel[(triton.cdiv(n, block_n),)](
             g_NH, col, val, nnz, counts, n, h, g_NH.stride(0), kc,
-            BLOCK_N=block_n, BLOCK_H=block_h, num_warps=min(CONFIG["compact3_warps"], block_n),
+            BLOCK_N=block_n, BLOCK_H=block_h, SKIP_EMPTY=CONFIG["compact"] == "v4",
+            num_warps=min(CONFIG["compact3_warps"], block_n),
         )
         return col, val, nnz, counts
     block_n = _pow2(min(n, CONFIG["compact_block_n"]), 1, 1024)
