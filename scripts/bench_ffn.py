@@ -148,7 +148,8 @@ V3 = {"pack": {"version": 4, "num_warps": 1}, "consumer": {"version": 2, "nb": 4
 VARIANTS = {
     "twell2p_f8": {"gate": "two_pass", "factor": 8, **V2},   # v2 pack + v2 consumer nb=2
     "twell2p_v1": {"gate": "two_pass", **V1},
-    "twell2p_v3": {"gate": "two_pass", **V3},                 # the candidate (see V3)
+    "twell2p_v3": {"gate": "two_pass", **V3},                 # run F's defaults (see V3)
+    "twell2p_v5": {"gate": "two_pass", "pack": {"version": 5}, "consumer": V3["consumer"]},  # now
     "twellfu_f8": {"gate": "fused", "factor": 8, "consumer": V3["consumer"]},
     "twell2p_f4": {"gate": "two_pass", "factor": 4, **V3},
     # run E's best end-to-end pack shape (v3, 2 rows on 2 warps) with the candidate consumer
@@ -157,7 +158,7 @@ VARIANTS = {
     "twell2p_p4nb4r2": {"gate": "two_pass", "pack": V3["pack"],
                         "consumer": {"nb": 4, "num_warps": 4, "rows": 2}},
 }
-ALWAYS = ("twell2p_f8", "twell2p_v1", "twell2p_v3", "twellfu_f8")  # timed at every configuration
+ALWAYS = ("twell2p_f8", "twell2p_v1", "twell2p_v3", "twell2p_v5", "twellfu_f8")  # at every config
 # launch-shape sweeps of the two kernels alone (parts), at the sweep configurations only
 PACK_SWEEP = {
     "v3_m1w1_p32": {"version": 3, "num_warps": 1, "programs_per_sm": 32},
@@ -349,6 +350,8 @@ def phase_speed(args):
             cfgs += [(131072, 2048, 5632, dd, False, True) for dd in (0.003, 0.01, 0.03)]
             cfgs += [(16384, 2048, 8192, dd, False, True) for dd in (0.003, 0.01)]
             cfgs += [(16384, 2048, 8192, dd, True, False) for dd in (0.003, 0.01)]
+    if args.main_only and not args.smoke:  # the headline shape at the targets' densities, i.i.d.
+        cfgs = [(16384, 2048, 5632, dd, False, True) for dd in (0.001, 0.003, 0.01)]
     for i, (m, d, h, dd, hv, gated) in enumerate(cfgs):
         sweep = args.sweep_consumer if (m, d, h, gated) == (16384, 2048, 5632, True) and \
             dd in (0.003, 0.01) and not hv else False
@@ -399,6 +402,8 @@ def main():
     ap.add_argument("--acts", default=None, help="torch.save'd dict x, w_gate|None, w_up, w_down")
     ap.add_argument("--no-check", action="store_true", help="skip phase 1")
     ap.add_argument("--check-only", action="store_true", help="skip phase 2")
+    ap.add_argument("--main-only", action="store_true",
+                    help="phase 2 at M=16384, H=5632 gated, i.i.d. 0.1 / 0.3 / 1 %% only")
     ap.add_argument("--no-sweep", dest="sweep_consumer", action="store_false",
                     help="skip the consumer launch-shape sweep")
     ap.add_argument("--threshold", type=float, default=None, help="auto-mode density threshold")
