@@ -393,7 +393,7 @@ def pack_dense(
             block and tile), kept for the benchmark's old/new ratio.
         block_m: rows per block (power of 2); default 16 (v1, v2),
             ``num_warps`` (v3) or 1 (v4).
-        num_warps: warps per program; default 1 for v4, else 4.
+        num_warps: warps per program; default 1 for v4 and v5, else 4.
         programs_per_sm: v2 only: about this many programs per SM in total
             (grid = (P, T) with P = ceil(SMs * programs_per_sm / T) row stripes).
 
