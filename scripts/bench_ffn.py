@@ -152,18 +152,13 @@ VARIANTS = {
     "twell2p_v5": {"gate": "two_pass", "pack": {"version": 5}, "consumer": V3["consumer"]},  # now
     "twellfu_f8": {"gate": "fused", "factor": 8, "consumer": V3["consumer"]},
     "twell2p_f4": {"gate": "two_pass", "factor": 4, **V3},
-    # run E's best end-to-end pack shape (v3, 2 rows on 2 warps) with the candidate consumer
-    "twell2p_p3w2": {"gate": "two_pass", "pack": {"version": 3, "num_warps": 2},
-                     "consumer": V3["consumer"]},
     "twell2p_p4nb4r2": {"gate": "two_pass", "pack": V3["pack"],
                         "consumer": {"nb": 4, "num_warps": 4, "rows": 2}},
 }
 ALWAYS = ("twell2p_f8", "twell2p_v1", "twell2p_v3", "twell2p_v5", "twellfu_f8")  # at every config
 # launch-shape sweeps of the two kernels alone (parts), at the sweep configurations only
 PACK_SWEEP = {
-    "v3_m1w1_p32": {"version": 3, "num_warps": 1, "programs_per_sm": 32},
-    "v3_m2w1_p32": {"version": 3, "block_m": 2, "num_warps": 1, "programs_per_sm": 32},
-    "v3_m2w2_p16": {"version": 3, "num_warps": 2, "programs_per_sm": 16},
+    "v5_m2w2": {"version": 5, "block_m": 2, "num_warps": 2},
     "v4_m2w1": {"version": 4, "block_m": 2, "num_warps": 1},
     "v4_m2w2": {"version": 4, "block_m": 2, "num_warps": 2},
     "v4_m4w1": {"version": 4, "block_m": 4, "num_warps": 1},

@@ -120,13 +120,6 @@ def make_ffn(n, d, h, dtype, density, *, seed=0, heavy=False, grid=False, gated=
         (2, 2, torch.float32, {}),
         (8, 2, torch.bfloat16, {"block_m": 8, "programs_per_sm": 2}),  # 16-bit input: bits kept
         (8, 2, torch.float16, {}),
-        # v3: one row per warp, two blocks in flight (interpreter: 4 "SMs", so 1 or 2 row
-        # stripes over the 4 tiles): 37 one-row blocks in one stripe, 4-row blocks (10, the last
-        # partial), 8-row blocks in 2 stripes, the default (4 warps, 8 per SM)
-        (8, 3, torch.float32, {"num_warps": 1, "programs_per_sm": 1}),
-        (4, 3, torch.bfloat16, {"block_m": 4, "programs_per_sm": 1}),
-        (2, 3, torch.float16, {"block_m": 8, "num_warps": 8, "programs_per_sm": 2}),
-        (8, 3, torch.bfloat16, {}),
         # v4: row-block programs over all tiles (two in flight): one row on one warp, 4 rows
         (8, 4, torch.bfloat16, {"num_warps": 1}),
         (4, 4, torch.float32, {"block_m": 4, "num_warps": 2}),

@@ -303,6 +303,23 @@ def _compact2_kernel(
 
 
 @triton.jit
+def _compact_block(g, act, base, rows64, cols, col_ptr, val_ptr, counts_ptr, H, KC,
+                   BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Append one (rows x BLOCK_H) block's active entries to the rows' ELL slots from ``base``
+    on (entries past KC are not written; ``base`` keeps counting), add the block's per-column
+    counts (relaxed atomics, only where non-zero); returns the new per-row counts."""
+    a = act.to(tl.int32)
+    pos = base[:, None] + tl.cumsum(a, axis=1) - 1
+    keep = act & (pos < KC)
+    dst = rows64[:, None] * KC + pos
+    tl.store(col_ptr + dst, tl.broadcast_to(cols[None, :], [BLOCK_N, BLOCK_H]), mask=keep)
+    tl.store(val_ptr + dst, g, mask=keep)
+    cnt = tl.sum(a, axis=0)
+    tl.atomic_add(counts_ptr + cols, cnt, mask=(cols < H) & (cnt > 0), sem="relaxed")
+    return base + tl.sum(a, axis=1)
+
+
+@triton.jit
 def _compact3_kernel(
     g_ptr,  # (N, H) gate pre-activation x Wg^T, row-major, any float dtype
     col_ptr,  # (N, KC) int32 out: columns of the first KC non-zeros of each row
@@ -344,28 +361,13 @@ def _compact3_kernel(
         c2 = cols + 2 * BLOCK_H
         g2 = tl.load(gp + c2[None, :], mask=mrow[:, None] & (c2 < H)[None, :], other=0.0)
         act = g > 0
-        a = act.to(tl.int32)
         if SKIP_EMPTY:
-            per_row = tl.sum(a, axis=1)
-            if tl.sum(per_row, axis=0) > 0:
-                pos = base[:, None] + tl.cumsum(a, axis=1) - 1
-                keep = act & (pos < KC)
-                dst = rows64[:, None] * KC + pos
-                tl.store(col_ptr + dst, tl.broadcast_to(cols[None, :], [BLOCK_N, BLOCK_H]),
-                         mask=keep)
-                tl.store(val_ptr + dst, g, mask=keep)
-                base += per_row
-                cnt = tl.sum(a, axis=0)
-                tl.atomic_add(counts_ptr + cols, cnt, mask=(cols < H) & (cnt > 0), sem="relaxed")
+            if tl.sum(tl.sum(act.to(tl.int32), axis=1), axis=0) > 0:
+                base = _compact_block(g, act, base, rows64, cols, col_ptr, val_ptr, counts_ptr,
+                                      H, KC, BLOCK_N, BLOCK_H)
         else:
-            pos = base[:, None] + tl.cumsum(a, axis=1) - 1
-            keep = act & (pos < KC)
-            dst = rows64[:, None] * KC + pos
-            tl.store(col_ptr + dst, tl.broadcast_to(cols[None, :], [BLOCK_N, BLOCK_H]), mask=keep)
-            tl.store(val_ptr + dst, g, mask=keep)
-            base += tl.sum(a, axis=1)
-            cnt = tl.sum(a, axis=0)
-            tl.atomic_add(counts_ptr + cols, cnt, mask=(cols < H) & (cnt > 0), sem="relaxed")
+            base = _compact_block(g, act, base, rows64, cols, col_ptr, val_ptr, counts_ptr, H, KC,
+                                  BLOCK_N, BLOCK_H)
     tl.store(nnz_ptr + rows, base, mask=mrow)
 
 

@@ -144,85 +144,32 @@ def _pack_dense_v2_kernel(
         row_mask = rows < M
         active = ~(g.to(tl.float32) <= 0) & row_mask[:, None] & col_mask[None, :]
         a32 = active.to(tl.int32)
-        cnt = tl.sum(a32, axis=1)
-        pos = tl.cumsum(a32, axis=1)
-        if VALUE_MODE == 0:
-            bits = g.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        else:
-            bits = f32_to_bf16_bits(g.to(tl.float32))
-        word = (bits << 16) | cols[None, :]
         base = tw_ptr + (rows.to(tl.int64) * n_tile + tile) * W
-        tl.store(base[:, None] + pos, word, mask=active & (pos < W))
-        tl.store(base, cnt, mask=row_mask)
-        if STATS:
+        tl.store(base, tl.sum(a32, axis=1), mask=row_mask)
+        _pack_words(g, active, cols, base, colcnt_ptr, H, W, VALUE_MODE, False)
+        if STATS:  # summed in registers over the program's blocks, one atomic per column at the end
             colacc += tl.sum(a32, axis=0)
     if STATS:
         tl.atomic_add(colcnt_ptr + cols, colacc, mask=col_mask)
 
 
 @triton.jit
-def _pack_block(g, rows, cols, row_mask, col_mask, tile, tw_ptr, n_tile,
-                W: tl.constexpr, VALUE_MODE: tl.constexpr):
-    """Pack one (rows x 256-column tile) block of the pre-activation; returns the int32 active mask."""
-    active = ~(g.to(tl.float32) <= 0) & row_mask[:, None] & col_mask[None, :]
+def _pack_words(g, active, cols, wbase, colcnt_ptr, H,
+                W: tl.constexpr, VALUE_MODE: tl.constexpr, STATS: tl.constexpr):
+    """Write the slot words of one (rows x 256-column tile) block whose count words are at
+    ``wbase`` (written by the caller): slot = inclusive cumsum of ``active`` along the tile,
+    entries past the capacity W - 1 not written; with STATS, per-column counts (relaxed
+    atomics, only for columns active in the block)."""
     a32 = active.to(tl.int32)
     pos = tl.cumsum(a32, axis=1)
     if VALUE_MODE == 0:
         bits = g.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     else:
         bits = f32_to_bf16_bits(g.to(tl.float32))
-    base = tw_ptr + (rows.to(tl.int64) * n_tile + tile) * W
-    tl.store(base[:, None] + pos, (bits << 16) | cols[None, :], mask=active & (pos < W))
-    tl.store(base, tl.sum(a32, axis=1), mask=row_mask)
-    return a32
-
-
-@triton.jit
-def _pack_dense_v3_kernel(
-    g_ptr,        # (M, H) dense pre-activation, unit column stride
-    tw_ptr,       # (M, T, W) int32 out
-    colcnt_ptr,   # (H,) int32 out (STATS)
-    M, H, n_tile, n_prog_m,
-    stride_gm,    # row stride of g
-    W: tl.constexpr,
-    VALUE_MODE: tl.constexpr,   # 0: g is bf16/fp16, keep its 16 bits; 1: fp32 -> bf16 RNE
-    STATS: tl.constexpr,
-    BLOCK_M: tl.constexpr,      # rows per block: one per warp (8 values per thread at bf16)
-):
-    """ReLU + pack, v3: v2's persistent (row stripe, tile) programs with small blocks and two loads in flight.
-
-    ncu on v1/v2 (BENCHMARKS.md) showed 197-255 registers per thread at 16 x 256 blocks on 4
-    warps (32 values per thread, plus the prefetched block), one or two programs per SM, DRAM
-    under 10 %: latency-bound. Here a block is one row per warp (8 bf16 values per thread; the
-    row scan stays inside a warp), and the loads of the next *two* blocks are in flight while a
-    block is scanned and stored, so more warps fit per SM and each keeps two loads outstanding.
-    Per-column counts are summed in registers and added with one relaxed atomic per column.
-    """
-    pid_m = tl.program_id(0)
-    tile = tl.program_id(1)
-    cols = tile * 256 + tl.arange(0, 256)
-    col_mask = cols < H
-    offs_m = tl.arange(0, BLOCK_M)
-    colacc = tl.zeros((256,), dtype=tl.int32)
-    step = n_prog_m * BLOCK_M
-    rows = pid_m * BLOCK_M + offs_m
-    g1 = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_gm + cols[None, :],
-                 mask=(rows < M)[:, None] & col_mask[None, :], other=0.0)
-    r2 = rows + step
-    g2 = tl.load(g_ptr + r2.to(tl.int64)[:, None] * stride_gm + cols[None, :],
-                 mask=(r2 < M)[:, None] & col_mask[None, :], other=0.0)
-    for r0 in range(pid_m * BLOCK_M, M, step):
-        rows = r0 + offs_m
-        g = g1
-        g1 = g2
-        r2 = rows + 2 * step  # the program's block after next
-        g2 = tl.load(g_ptr + r2.to(tl.int64)[:, None] * stride_gm + cols[None, :],
-                     mask=(r2 < M)[:, None] & col_mask[None, :], other=0.0)
-        a32 = _pack_block(g, rows, cols, rows < M, col_mask, tile, tw_ptr, n_tile, W, VALUE_MODE)
-        if STATS:
-            colacc += tl.sum(a32, axis=0)
+    tl.store(wbase[:, None] + pos, (bits << 16) | cols[None, :], mask=active & (pos < W))
     if STATS:
-        tl.atomic_add(colcnt_ptr + cols, colacc, mask=col_mask & (colacc > 0), sem="relaxed")
+        cnt = tl.sum(a32, axis=0)
+        tl.atomic_add(colcnt_ptr + cols, cnt, mask=(cols < H) & (cnt > 0), sem="relaxed")
 
 
 @triton.jit
@@ -263,23 +210,15 @@ def _pack_dense_v4_kernel(
         g1 = g2
         c2 = cols + 512
         g2 = tl.load(gp + c2[None, :], mask=row_mask[:, None] & (c2 < H)[None, :], other=0.0)
+        active = ~(g.to(tl.float32) <= 0) & row_mask[:, None] & (cols < H)[None, :]
+        per_row = tl.sum(active.to(tl.int32), axis=1)
+        wbase = tw_ptr + (rows.to(tl.int64) * n_tile + t) * W
+        tl.store(wbase, per_row, mask=row_mask)  # count words: exact, also past capacity
         if SKIP_EMPTY:
-            active = ~(g.to(tl.float32) <= 0) & row_mask[:, None] & (cols < H)[None, :]
-            a32 = active.to(tl.int32)
-            per_row = tl.sum(a32, axis=1)
             if tl.sum(per_row, axis=0) > 0:
-                _pack_block(g, rows, cols, row_mask, cols < H, t, tw_ptr, n_tile, W, VALUE_MODE)
-                if STATS:
-                    cnt = tl.sum(a32, axis=0)
-                    tl.atomic_add(colcnt_ptr + cols, cnt, mask=(cols < H) & (cnt > 0),
-                                  sem="relaxed")
-            else:
-                tl.store(tw_ptr + (rows.to(tl.int64) * n_tile + t) * W, per_row, mask=row_mask)
+                _pack_words(g, active, cols, wbase, colcnt_ptr, H, W, VALUE_MODE, STATS)
         else:
-            a32 = _pack_block(g, rows, cols, row_mask, cols < H, t, tw_ptr, n_tile, W, VALUE_MODE)
-            if STATS:
-                cnt = tl.sum(a32, axis=0)
-                tl.atomic_add(colcnt_ptr + cols, cnt, mask=(cols < H) & (cnt > 0), sem="relaxed")
+            _pack_words(g, active, cols, wbase, colcnt_ptr, H, W, VALUE_MODE, STATS)
 
 
 @triton.jit
@@ -361,7 +300,7 @@ def _n_sm(device: torch.device) -> int:
 
 
 _N_SM: dict[int, int] = {}
-PACK_VERSIONS = (1, 2, 3, 4, 5)
+PACK_VERSIONS = (1, 2, 4, 5)  # v3 (persistent, one row per warp) measured in runs E/F, removed
 
 
 def pack_dense(
@@ -387,12 +326,12 @@ def pack_dense(
             0.217 ms vs 0.259 for v2 and 0.255 for v1);
             2: persistent programs, one per (row-block
             stripe, tile), that prefetch their next row block and keep
-            per-column counts in registers; 3: v2's structure with one row
-            per warp per block and two blocks in flight (fewer registers,
-            more warps per SM); 1: the first kernel (one program per 16-row
-            block and tile), kept for the benchmark's old/new ratio.
-        block_m: rows per block (power of 2); default 16 (v1, v2),
-            ``num_warps`` (v3) or 1 (v4).
+            per-column counts in registers; 1: the first kernel (one program
+            per 16-row block and tile), kept for the benchmark's old/new ratio.
+            (A v3, v2 with one row per warp, was measured in runs E/F and
+            removed: no faster than v4.)
+        block_m: rows per block (power of 2); default 16 (v1, v2) or 1
+            (v4, v5).
         num_warps: warps per program; default 1 for v4 and v5, else 4.
         programs_per_sm: v2 only: about this many programs per SM in total
             (grid = (P, T) with P = ceil(SMs * programs_per_sm / T) row stripes).
@@ -418,7 +357,7 @@ def pack_dense(
     if num_warps is None:
         num_warps = 1 if version in (4, 5) else 4
     if block_m is None:
-        block_m = {3: num_warps, 4: 1, 5: 1}.get(version, 16)
+        block_m = 1 if version in (4, 5) else 16
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"pack_dense block_m must be a power of 2; got {block_m}")
     tw = torch.empty(m, t, w, dtype=torch.int32, device=g_MH.device)
@@ -439,8 +378,7 @@ def pack_dense(
     elif m > 0:
         n_blk = triton.cdiv(m, block_m)
         n_prog_m = max(1, min(n_blk, triton.cdiv(_n_sm(g_MH.device) * programs_per_sm, t)))
-        kernel = _pack_dense_v2_kernel if version == 2 else _pack_dense_v3_kernel
-        kernel[(n_prog_m, t)](
+        _pack_dense_v2_kernel[(n_prog_m, t)](
             g_MH, tw, colcnt, m, h, t, n_prog_m, g_MH.stride(0),
             W=w, VALUE_MODE=1 if g_MH.dtype == torch.float32 else 0, STATS=stats,
             BLOCK_M=block_m, num_warps=num_warps,
