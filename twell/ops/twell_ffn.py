@@ -73,6 +73,35 @@ def _accumulate(
 
 
 @triton.jit
+def _overflow_tile(acc, l1, x, t, r64, dense_ptr, stride_dm, H, offs_nb, offs_d, d_mask,
+                   wu_ptr, wdt_ptr, stride_wu, stride_wd, GATED: tl.constexpr, NB: tl.constexpr):
+    """An overflowed (row, tile): its 256 columns from the dense pre-activation, NB at a time
+    (weight rows gathered only where active); returns the updated (acc, l1)."""
+    for j in range(0, 256, NB):
+        cols = t * 256 + j + offs_nb
+        in_h = cols < H
+        g = tl.load(dense_ptr + r64 * stride_dm + cols, mask=in_h, other=0.0).to(tl.float32)
+        acc, l1 = _accumulate(acc, l1, x, cols, g, ~(g <= 0) & in_h, offs_d, d_mask, wu_ptr,
+                              wdt_ptr, stride_wu, stride_wd, GATED)
+    return acc, l1
+
+
+@triton.jit
+def _store_row(acc, l1, y_ptr, l1_ptr, r, r64, stride_ym, offs_d, d_mask, pid_d,
+               OUT_BF16: tl.constexpr, STATS: tl.constexpr):
+    """Store one output row slice (bf16 by explicit round-to-nearest-even: the interpreter's
+    float cast truncates) and, from the first D slice, the row's L1."""
+    if OUT_BF16:
+        yv = f32_to_bf16_bits(acc).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        yv = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + r64 * stride_ym + offs_d, yv, mask=d_mask)
+    if STATS:  # noqa: SIM102 (constexpr guard around a runtime branch)
+        if pid_d == 0:
+            tl.store(l1_ptr + r, l1)
+
+
+@triton.jit
 def _twell_ffn_kernel(
     x_ptr,        # (M, D) input rows (GATED), unit column stride
     tw_ptr,       # (M, T, W) int32 TwELL of the gate (GATED) or of h (non-gated)
@@ -125,23 +154,11 @@ def _twell_ffn_kernel(
                         acc, l1 = _accumulate(acc, l1, x, cols, v, valid, offs_d, d_mask, wu_ptr,
                                               wdt_ptr, stride_wu, stride_wd, GATED)
                 else:
-                    # overflowed tile: dense pre-activation, NB columns at a time
-                    for j in range(0, 256, NB):
-                        cols = t * 256 + j + offs_nb
-                        in_h = cols < H
-                        g = tl.load(dense_ptr + r64 * stride_dm + cols, mask=in_h, other=0.0)
-                        g = g.to(tl.float32)
-                        valid = ~(g <= 0) & in_h
-                        acc, l1 = _accumulate(acc, l1, x, cols, g, valid, offs_d, d_mask, wu_ptr,
-                                              wdt_ptr, stride_wu, stride_wd, GATED)
-            if OUT_BF16:  # explicit RNE: the interpreter's float cast truncates
-                yv = f32_to_bf16_bits(acc).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            else:
-                yv = acc.to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + r64 * stride_ym + offs_d, yv, mask=d_mask)
-            if STATS:  # noqa: SIM102 (constexpr guard around a runtime branch)
-                if pid_d == 0:
-                    tl.store(l1_ptr + r, l1)
+                    acc, l1 = _overflow_tile(acc, l1, x, t, r64, dense_ptr, stride_dm, H, offs_nb,
+                                             offs_d, d_mask, wu_ptr, wdt_ptr, stride_wu,
+                                             stride_wd, GATED, NB)
+            _store_row(acc, l1, y_ptr, l1_ptr, r, r64, stride_ym, offs_d, d_mask, pid_d,
+                       OUT_BF16, STATS)
 
 
 @triton.jit
@@ -260,22 +277,11 @@ def _twell_ffn_v2_kernel(
             if n_ovf > 0:  # overflowed tiles: dense pre-activation, NB columns at a time
                 for t in range(n_tile):
                     if tl.load(row_tw + t * W) >= W:
-                        for jj in range(0, 256, NB):
-                            cols = t * 256 + jj + offs_nb
-                            in_h = cols < H
-                            g = tl.load(dense_ptr + r64 * stride_dm + cols, mask=in_h, other=0.0)
-                            g = g.to(tl.float32)
-                            ok = ~(g <= 0) & in_h
-                            acc, l1 = _accumulate(acc, l1, x, cols, g, ok, offs_d, d_mask, wu_ptr,
-                                                  wdt_ptr, stride_wu, stride_wd, GATED)
-            if OUT_BF16:  # explicit RNE: the interpreter's float cast truncates
-                yv = f32_to_bf16_bits(acc).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            else:
-                yv = acc.to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + r64 * stride_ym + offs_d, yv, mask=d_mask)
-            if STATS:  # noqa: SIM102 (constexpr guard around a runtime branch)
-                if pid_d == 0:
-                    tl.store(l1_ptr + r, l1)
+                        acc, l1 = _overflow_tile(acc, l1, x, t, r64, dense_ptr, stride_dm, H,
+                                                 offs_nb, offs_d, d_mask, wu_ptr, wdt_ptr,
+                                                 stride_wu, stride_wd, GATED, NB)
+            _store_row(acc, l1, y_ptr, l1_ptr, r, r64, stride_ym, offs_d, d_mask, pid_d,
+                       OUT_BF16, STATS)
 
 
 def twell_ffn_apply(
