@@ -365,6 +365,10 @@ def test_apply_rejects_bad_operands():
         twell_ffn_apply(tw, dense, wdt, nb=4, k=2)
     with pytest.raises(ValueError, match="version"):
         pack_dense(dense, version=0)
+    with pytest.raises(ValueError, match="version"):
+        pack_dense(dense, version=3)  # removed after run J
+    with pytest.raises(ValueError, match="block_m"):
+        pack_dense(dense, block_m=3)
 
 
 def test_down_t_cache_invalidated_on_weight_update():
