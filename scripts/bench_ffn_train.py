@@ -21,6 +21,8 @@ raised. Variants:
 
     dense       torch bf16 gate / up / relu*mul / down with autograd, no L1 (the baseline)
     dense_stats the trainer's torch path: the same plus the L1 term and activation statistics
+    dense_mode  dense_ffn_train (ffn_impl=auto above its threshold): cuBLAS + one fused
+                elementwise pass each way, statistics and the L1 term included
     sparse_old  sparse_ffn_train, default policy, FIRST-generation kernels (compact v1, spmm
                 tiled, dw tiled: the kernels measured in runs A/B of BENCHMARKS.md)
     sparse_runD sparse_ffn_train with run D's kernel shapes (compaction v2, SDDMM k16, dW j8
@@ -29,7 +31,9 @@ raised. Variants:
                 (ELL capacity 128, dense fallback; see _DEFAULT_CONFIG)
     sparse_ell  sparse_ffn_train forced through the ELL path (capacity >= the widest row), to
                 show the raw sparse kernels at every density
-    auto        the trainer's ffn_impl=auto rule on the case's L0: sparse or dense_stats
+    auto        the trainer's ffn_impl=auto rule on the case's L0: sparse or dense_mode
+    sparse_late sparse with the CSC sort queued after the forward's host wait (runs E-J)
+    sparse_dwo* sparse with the dW grid's D slice outermost, slices of 1024 / 512 / 256
 
 PARTS (before the full runs, i.i.d. 0.3 % and 1 %, heavy 0.3 %): every Triton kernel of the
 sparse path timed alone, first generation next to the second and a few launch shapes, on the
@@ -124,7 +128,13 @@ VARIANT_CFG = {
     "sparse_c3": {"compact": "v3"},  # compaction without the all-zero-block skip (run H's default)
     "sparse_runD": {"compact": "v2", "sddmm_block_k": 16, "dw_block_j": 8, "dw_block_d": 512,
                     "dw_warps": 2},
+    # dW grid with the D slice outermost (a slice of x and dy at a time in L2)
+    "sparse_dwo1024": {"dw_d_outer": 1, "dw_block_d": 1024, "dw_warps": 4},
+    "sparse_dwo512": {"dw_d_outer": 1, "dw_block_d": 512, "dw_warps": 2},
+    "sparse_dwo256": {"dw_d_outer": 1, "dw_block_d": 256, "dw_warps": 1},
 }
+# sparse_late: the CSC sort queued after the forward's host wait, as in runs E-J (previous version)
+LATE_CSC = ("sparse_late",)
 
 
 def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
@@ -134,12 +144,20 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
     cfg = VARIANT_CFG.get(variant, {})
 
     def run():
-        with kernel_config(**cfg):
-            return _run()
+        sparse_train.CSC_BEFORE_SYNC = variant not in LATE_CSC
+        try:
+            with kernel_config(**cfg):
+                return _run()
+        finally:
+            sparse_train.CSC_BEFORE_SYNC = True
 
     def fwd():
-        with kernel_config(**cfg):
-            return _fwd()
+        sparse_train.CSC_BEFORE_SYNC = variant not in LATE_CSC
+        try:
+            with kernel_config(**cfg):
+                return _fwd()
+        finally:
+            sparse_train.CSC_BEFORE_SYNC = True
 
     def _run():
         if variant == "dense":
@@ -147,6 +165,9 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
             outs, gouts = [y], [dy]
         elif variant == "dense_stats":  # the trainer's torch path: stats and the L1 term too
             y, st = gated_ffn_torch(*ins, with_stats=True)
+            outs, gouts = [y, st.l1], [dy, torch.full_like(st.l1, c)]
+        elif variant == "dense_mode":  # dense_ffn_train: cuBLAS + fused passes, stats, L1 term
+            y, st = sparse_train.dense_ffn_train(*ins, with_stats=True)
             outs, gouts = [y, st.l1], [dy, torch.full_like(st.l1, c)]
         else:
             kw = ({} if variant != "sparse_ell"
@@ -159,6 +180,8 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
     def _fwd():
         if variant in ("dense", "dense_stats"):
             return gated_ffn_torch(*ins, with_stats=variant == "dense_stats")
+        if variant == "dense_mode":
+            return sparse_train.dense_ffn_train(*ins, with_stats=True)
         kw = ({} if variant != "sparse_ell"
               else {"ell_capacity": ell_cap, "dense_row_fraction": 1.0})
         return sparse_ffn_train(*ins, with_stats=True, **kw)
@@ -212,6 +235,11 @@ def _dw(j, d, w):
     return (f"cols j{j} d{d} w{w}", {"dw": "cols", "dw_block_j": j, "dw_block_d": d, "dw_warps": w})
 
 
+def _dwo(j, d, w):
+    return (f"cols j{j} d{d} w{w} D-outer",
+            {"dw": "cols", "dw_block_j": j, "dw_block_d": d, "dw_warps": w, "dw_d_outer": 1})
+
+
 def _sp(key, k, w):
     return (f"rows k{k} w{w}", {"spmm": "rows", key: k, "spmm_warps": w})
 
@@ -225,8 +253,8 @@ PART_SHAPES = {
                _sp("spmm_block_k", 2, 2), _sp("spmm_block_k", 8, 4)],
     "spmm_dx": [_sp("spmm_block_k2", 2, 4), _sp("spmm_block_k2", 1, 4), _sp("spmm_block_k2", 2, 2),
                 _sp("spmm_block_k2", 1, 2), _sp("spmm_block_k2", 4, 4)],
-    "dw": [_dw(4, 1024, 4), _dw(8, 512, 2), _dw(2, 2048, 8), _dw(2, 1024, 4), _dw(4, 512, 2),
-           _dw(2, 512, 2), _dw(1, 2048, 8)],
+    "dw": [_dw(4, 1024, 4), _dwo(4, 1024, 4), _dwo(4, 512, 2), _dwo(8, 512, 2), _dwo(4, 256, 1),
+           _dwo(8, 256, 1), _dw(4, 512, 2), _dw(2, 2048, 8)],
 }
 
 
@@ -413,7 +441,7 @@ def main():
                 run_as = variant
                 if variant == "auto":  # the trainer's ffn_impl=auto rule on this layer's L0
                     path = sparse_train.train_path_for_density(l0 / h)
-                    run_as = "sparse" if path == "twell" else "dense_stats"
+                    run_as = "sparse" if path == "twell" else "dense_mode"
                     row["variant"] = f"auto[{path}]"
                 try:
                     run, fwd = step_fn(run_as, x, wg, wu, wd, dy, ell_cap)

@@ -499,3 +499,30 @@ def test_converted_tiny_llama_logits_match_dense():
     err_twell = (out.double() - ref64).abs().max().item()
     assert err_twell <= 1.5 * err_dense + 1e-3, (err_twell, err_dense)
     torch.testing.assert_close(out, ref, rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("with_stats", [True, False])
+def test_dense_path_fused_pass_matches_pytorch(with_stats):
+    """The gated dense path ("auto" above its threshold) runs one fused Triton pass for
+    relu(g) * u and the statistics; y and the stats equal the PyTorch dense reference (odd N, H
+    not a multiple of the column block, an all-zero token)."""
+    from twell.nn.mlp import gated_ffn_torch
+    from twell.ops import ffn as ffn_mod
+
+    n, d, h = 37, 40, 300
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.3, seed=31)
+    x[5] = 0.0
+    y_ref, st_ref = gated_ffn_torch(x.double(), wg.double(), wu.double(), wd.double())
+    y, st, dens = ffn_mod._dense(x, wg, wu, wd, with_stats, measure=True)
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
+    assert abs(float(dens) - st_ref.nnz_sum.item() / (n * h)) < 1e-7
+    if with_stats:
+        assert torch.equal(st.active_counts.cpu(), st_ref.active_counts.cpu())
+        assert st.nnz_sum.item() == st_ref.nnz_sum.item()
+        assert st.nnz_max.item() == st_ref.nnz_max.item()
+        assert abs(st.l1.item() - st_ref.l1.item()) <= 1e-5 * st_ref.l1.item()
+    else:
+        assert st is None
+    y2, st2, d2 = ffn_mod._dense(x, wg, wu, wd, False, measure=False)
+    assert st2 is None and d2 is None
+    torch.testing.assert_close(y2, y)

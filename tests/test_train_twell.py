@@ -45,10 +45,17 @@ def test_auto_picks_training_path_per_layer_from_l0(tokens, tmp_path):
 
     over = {"trainer.max_steps": 2, "trainer.save_every": 1, "model.ffn_impl": "auto"}
     rows = _losses(tiny_config(tokens, **over), tmp_path / "a")
-    for r in rows:  # a random-init ReLU FFN is ~50 % dense: every layer goes dense
+    for r in rows:  # a random-init ReLU FFN is ~50 % dense: every layer goes to dense mode
         assert r["ffn_paths"] == [st.train_path_for_density(l0 / 64) for l0 in r["l0_layers"]]
-        assert r["ffn_paths"] == ["torch", "torch"]
+        assert r["ffn_paths"] == ["dense", "dense"]
+    # dense mode (fused elementwise passes) follows the PyTorch path step for step (fp32)
+    ref = _losses(tiny_config(tokens, **{**over, "model.ffn_impl": "torch"}), tmp_path / "t")
+    for a, b in zip(rows, ref):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a["step"], a["loss"], b["loss"])
+        assert abs(a["l0_mean"] - b["l0_mean"]) < 1e-3 * max(1.0, b["l0_mean"])
+        assert a["dead_frac"] == b["dead_frac"]
     assert st.train_path_for_density(0.003) == "twell"
+    assert st.train_path_for_density(0.5) == "dense"
     assert st.train_path_for_density(0.5, threshold=0.6) == "twell"
     with pytest.raises(ValueError, match="density"):
         st.train_path_for_density(float("nan"))

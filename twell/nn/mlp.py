@@ -67,7 +67,8 @@ class SparseGatedMLP(nn.Module):
         impl: ``"torch"`` (dense PyTorch), ``"twell"`` (TwELL Triton kernels)
             or ``"auto"`` (inference: per call, TwELL when the layer's measured density
             makes it faster, else dense; training: per layer and optimizer step, from
-            ``train_path``, which the trainer sets from the layer's measured L0).
+            ``train_path``, which the trainer sets from the layer's measured L0: the ELL
+            training kernels, or dense mode, cuBLAS with fused elementwise passes).
 
     Attributes:
         collect_stats: when True (default) every forward stores an
@@ -106,11 +107,13 @@ class SparseGatedMLP(nn.Module):
         self.collect_stats = True
         self.last_stats: FFNStats | None = None
         self.twell_state = None  # twell.ops.ffn.TwELLState, created lazily (triton optional)
-        # impl="auto" with gradients: "twell" or "torch", set between optimizer steps by the
-        # trainer from this layer's measured L0 (twell.ops.sparse_train.train_path_for_density);
-        # fixed within a step, so a checkpointed forward and its recomputation agree. Starts
-        # dense: a freshly initialised ReLU FFN has ~50 % of its units active.
-        self.train_path = "torch"
+        # impl="auto" with gradients: "twell" (ELL kernels) or "dense" (dense mode:
+        # twell.ops.sparse_train.dense_ffn_train), set between optimizer steps by the trainer
+        # from this layer's measured L0 (twell.ops.sparse_train.train_path_for_density); fixed
+        # within a step, so a checkpointed forward and its recomputation agree. Starts dense: a
+        # freshly initialised ReLU FFN has ~50 % of its units active. ("torch" is also accepted:
+        # the plain PyTorch path.)
+        self.train_path = "dense"
 
     @property
     def last_info(self):
@@ -138,9 +141,16 @@ class SparseGatedMLP(nn.Module):
         x_ND = x.reshape(-1, x.shape[-1])
         w_gate = self.gate_proj.weight if self.gated else None
         impl = self.impl
-        if impl == "auto" and self.train_path == "torch" and torch.is_grad_enabled():
-            impl = "torch"
-        if impl == "torch":
+        if impl == "auto" and self.train_path != "twell" and torch.is_grad_enabled():
+            impl = self.train_path if self.gated else "torch"
+        if impl == "dense":  # training dense mode: cuBLAS + fused elementwise passes and stats
+            from twell.ops.sparse_train import dense_ffn_train  # lazy: triton is optional
+
+            y_ND, stats = dense_ffn_train(
+                x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
+                with_stats=self.collect_stats,
+            )
+        elif impl == "torch":
             y_ND, stats = gated_ffn_torch(
                 x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
                 with_stats=self.collect_stats,

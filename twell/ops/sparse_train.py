@@ -51,23 +51,23 @@ import torch
 from twell.stats import FFNStats
 
 # Training "auto" rule (per layer, decided between optimizer steps from the layer's measured L0):
-# the sparse training path only when the layer's density (L0 / H) is at most this.
-# MEASURED (run G, docs/bench/run6/train.log, H200, N=16384, D=2048, H=5632, fwd+bwd with the L1
-# term): the alternative is the trainer's torch path *with* its L1 statistics, not bare cuBLAS,
-# and this op (its ELL kernels, or its own dense fallback when most rows are heavy) beat it at
-# every measured density: i.i.d. 0.3 / 1 / 3 / 10 %: 3.11 / 5.05 / 5.70 / 5.94 ms vs about
-# 6.4-6.6 ms; heavy-tailed 3.77 / 3.62 / 4.73 / 5.73 vs 6.36-6.43. 10 % is the densest case
-# measured, so the threshold stops there (a fresh model is ~50 % dense: torch until L1 bites).
-# Cost: peak memory in the op's fallback is 1.56x dense vs 1.2x for the torch path.
-# Override: TWELL_TRAIN_AUTO_DENSITY.
-DEFAULT_TRAIN_DENSITY_THRESHOLD = float(os.environ.get("TWELL_TRAIN_AUTO_DENSITY", "0.10"))
+# the ELL training kernels when the layer's density (L0 / H) is at most this, else dense mode
+# (``dense_ffn_train``: cuBLAS products, one fused elementwise pass each way).
+# MEASURED before dense mode existed (run H, H200, N=16384, D=2048, H=5632, fwd+bwd with the L1
+# term, against bare cuBLAS): ELL path 1.58x / 1.03x at 0.3 / 1 % i.i.d., its all-dense
+# fallback 0.94x / 0.91x at 3 / 10 % (i.i.d. rows at 3 % mostly exceed the ELL capacity of
+# 128); heavy-tailed rows 1.66x / 1.39x / 1.16x / 0.93x at 0.3 / 1 / 3 / 10 %. Dense mode is
+# predicted at ~1.0x (no compaction, no host sync), so the crossover sits between 1 and 3 %:
+# 2 %. Re-measured in run K (BENCHMARKS.md). Override: TWELL_TRAIN_AUTO_DENSITY.
+DEFAULT_TRAIN_DENSITY_THRESHOLD = float(os.environ.get("TWELL_TRAIN_AUTO_DENSITY", "0.02"))
 
 
 def train_path_for_density(density: float, threshold: float | None = None) -> str:
     """Path of ``impl="auto"`` in training for a layer of measured density (L0 / H, a fraction).
 
-    Returns ``"twell"`` (sparse training kernels) when ``density <= threshold`` (default
-    :data:`DEFAULT_TRAIN_DENSITY_THRESHOLD`), else ``"torch"`` (dense cuBLAS).
+    Returns ``"twell"`` (the ELL training kernels, :func:`sparse_ffn_train`) when
+    ``density <= threshold`` (default :data:`DEFAULT_TRAIN_DENSITY_THRESHOLD`), else ``"dense"``
+    (:func:`dense_ffn_train`).
 
     Raises:
         ValueError: density outside [0, 1] or NaN.
@@ -75,7 +75,7 @@ def train_path_for_density(density: float, threshold: float | None = None) -> st
     if not 0.0 <= density <= 1.0:
         raise ValueError(f"density must be a fraction in [0, 1]; got {density}")
     t = DEFAULT_TRAIN_DENSITY_THRESHOLD if threshold is None else threshold
-    return "twell" if density <= t else "torch"
+    return "twell" if density <= t else "dense"
 
 # ELL capacity as a fraction of H: a row denser than this is cheaper as a dense row (cost model:
 # ~7 gathers of a 2*D-byte row per non-zero at ~9 TB/s vs ~8 dense GEMM rows at ~680 TFLOP/s on
@@ -112,6 +112,20 @@ def _t_compact(g_NH: torch.Tensor, kc: int):
     col[rows, pos[rows, cols]] = cols.int()
     val[rows, pos[rows, cols]] = g_NH[rows, cols]
     return col, val, nnz, counts
+
+
+def _t_compact_heavy(g_NH: torch.Tensor, kc: int):
+    col, val, nnz, counts = _t_compact(g_NH, kc)
+    heavy = nnz > kc
+    return col, val, nnz, counts, torch.where(heavy, 0, nnz), heavy.sum(dtype=torch.int32)[None]
+
+
+def _t_dense_fwd(g_NH: torch.Tensor, u_NH: torch.Tensor):
+    act = g_NH > 0
+    h = g_NH.clamp(min=0) * u_NH
+    acc = torch.promote_types(h.dtype, torch.float32)
+    return (h, torch.linalg.vector_norm(h, ord=1, dim=1, dtype=acc), act.sum(1, dtype=torch.int32),
+            act.sum(0, dtype=torch.int32))
 
 
 def _valid(nnz_N: torch.Tensor, k: int) -> torch.Tensor:
@@ -214,6 +228,7 @@ def _t_backup_fwd(g_RH, u_RH):
 
 
 def _t_backup_bwd(dh_RH, g_RH, u_RH, l1_scale):
+    g_RH = g_RH.clamp(min=0)  # dense mode saves the raw pre-activation
     h = g_RH * u_RH
     dh = dh_RH + (l1_scale * torch.sign(h)).to(dh_RH.dtype)
     return dh * u_RH * (g_RH > 0), dh * g_RH, h
@@ -223,6 +238,8 @@ class _TorchBackend:
     backup_fwd = staticmethod(_t_backup_fwd)
     backup_bwd = staticmethod(_t_backup_bwd)
     compact = staticmethod(_t_compact)
+    compact_heavy = staticmethod(_t_compact_heavy)
+    dense_fwd = staticmethod(_t_dense_fwd)
     sddmm_fwd = staticmethod(_t_sddmm_fwd)
     sddmm_bwd = staticmethod(_t_sddmm_bwd)
     spmm = staticmethod(_t_spmm)
@@ -272,6 +289,33 @@ def _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff):
     return y, u, l1_N
 
 
+# Queue the CSC order (sort, searchsorted, argsort) before the forward's one host wait, not after
+# it: the GPU then has the SDDMM, SpMM and sort queued while the host waits, and the host has
+# almost nothing left to launch after it. False restores the order of runs E-J (for benchmarks).
+CSC_BEFORE_SYNC = True
+
+
+def _csc_order(col: torch.Tensor, nnz_eff: torch.Tensor, kc: int, h: int):
+    """CSC order of the ELL entries, for the weight-gradient kernel.
+
+    Args:
+        col: (N, KC) int32 ELL columns; nnz_eff: (N,) int32 slots in use per row.
+
+    Returns:
+        perm: (N*KC,) int64 flat ELL indices ``n*KC + k`` sorted by column (stable: row order
+            within a column); the unused slots come last. colptr: (H+1,) int64, column c owns
+            ``perm[colptr[c]:colptr[c+1]]`` (``colptr[H]`` = entries in use). order: (H,) int64,
+            the columns longest first (the dW kernel's launch order).
+    """
+    keys = torch.where(_valid(nnz_eff, kc), col, h).reshape(-1)  # unused slots keyed H: last
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    colptr = torch.searchsorted(sorted_keys,
+                                torch.arange(h + 1, dtype=keys.dtype, device=keys.device))
+    del sorted_keys, keys
+    lengths = (colptr[1:] - colptr[:-1]).to(torch.int32)  # int32 keys: half the radix passes
+    return perm, colptr, torch.argsort(lengths, descending=True)
+
+
 def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backend: str):
     be = _backend(x, backend)
     n = x.shape[0]
@@ -279,57 +323,51 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)
     acc = torch.promote_types(x.dtype, torch.float32)
     g_NH = torch.matmul(x, wg.t())  # (N, H) pre-activation; freed before the sparse part
-    col, gv, nnz_N, counts_H = be.compact(g_NH, kc)  # ELL buffers at the full capacity KC
-    heavy_N = nnz_N > kc
-    nnz_eff = torch.where(heavy_N, 0, nnz_N)
+    # ELL buffers at the full capacity KC; nnz_eff = nnz_N, or 0 for a heavy row (> KC
+    # non-zeros: dense backup); n_heavy = the number of heavy rows (device, (1,))
+    col, gv, nnz_N, counts_H, nnz_eff, n_heavy = be.compact_heavy(g_NH, kc)
     wdt = wd.t().contiguous()  # (H, D) rows for the SpMM here and the SDDMM in backward
     if wdt.data_ptr() == wd.data_ptr():  # wd was a transposed view: an output must not alias
         wdt = wdt.clone()
-    # The one host sync of the call reads R (backup rows) and the ELL entries in use. On CUDA it
-    # waits on an event recorded right after the two counts, not on the whole stream: the SDDMM
-    # and SpMM (which need no host value) are queued before the wait and keep the GPU busy while
-    # the host reads the counts and queues the rest. (Run E: a stream-wide sync placed after
-    # them drained the GPU; run G: a sync before them left ~0.2 ms idle before the SDDMM.)
-    counts_dev = torch.stack([heavy_N.sum(), nnz_eff.sum()])
+    # The one host sync of the call reads R, the number of heavy rows (it sizes the backup). On
+    # CUDA it waits on an event recorded right after the compaction, not on the whole stream:
+    # the SDDMM, SpMM and CSC sort (which need no host value) are queued before the wait and
+    # keep the GPU busy while the host reads R and queues the rest. (Run E: a stream-wide sync
+    # after them drained the GPU; run G: a sync before them left ~0.2 ms idle.)
     early = x.is_cuda
+    csc = None
     if early:
-        counts_host = torch.empty(2, dtype=counts_dev.dtype, pin_memory=True)
-        counts_host.copy_(counts_dev, non_blocking=True)
-        counts_ready = torch.cuda.Event()
-        counts_ready.record()
+        r_host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        r_host.copy_(n_heavy, non_blocking=True)
+        r_ready = torch.cuda.Event()
+        r_ready.record()
         y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)  # discarded if all rows go dense
-        counts_ready.synchronize()
-        r, total = (int(v) for v in counts_host.tolist())
+        if CSC_BEFORE_SYNC:
+            csc = _csc_order(col, nnz_eff, kc, h)
+        r_ready.synchronize()
+        r = int(r_host[0])
     else:
-        r, total = (int(v) for v in counts_dev.tolist())
+        r = int(n_heavy[0])
     all_dense = r > dense_row_fraction * n
     if all_dense:
-        r, total = n, 0
+        r = n
         nnz_eff = torch.zeros_like(nnz_N)
         heavy_idx = torch.arange(n, device=x.device)
         u = gv.new_empty(gv.shape)  # never read: every row is on the dense backup
         l1_light = torch.zeros((), dtype=acc, device=x.device)
+        if csc is None:  # never read either (the backward returns before the dW kernel)
+            csc = (torch.empty((n * kc,), dtype=torch.int64, device=x.device),
+                   torch.zeros((h + 1,), dtype=torch.int64, device=x.device),
+                   torch.arange(h, device=x.device))
     else:
         if not early:
             y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)
-        heavy_idx = _heavy_indices(heavy_N, r)
+        if csc is None:
+            csc = _csc_order(col, nnz_eff, kc, h)
+        heavy_idx = (_heavy_indices(nnz_N > kc, r) if r > 0
+                     else torch.empty((0,), dtype=torch.int64, device=x.device))
         l1_light = l1_N.sum(dtype=acc)
-    # CSC order of the ELL entries for the backward's weight gradients, made here while the GPU
-    # runs the SDDMM / SpMM (the backward then launches only its kernels): stable sort of the
-    # column ids, unused slots keyed H (sorted last, then cut off at the known entry count).
-    if all_dense:  # no ELL entries (run G: sorting the empty slots cost the fallback ~3 %)
-        perm = torch.empty((0,), dtype=torch.int64, device=x.device)
-        colptr = torch.zeros((h + 1,), dtype=torch.int64, device=x.device)
-        order = torch.arange(h, device=x.device)
-    else:
-        keys = torch.where(_valid(nnz_eff, kc), col, h).reshape(-1)
-        sorted_keys, perm = torch.sort(keys, stable=True)
-        perm = perm[:total].clone()
-        colptr = torch.searchsorted(sorted_keys[:total],
-                                    torch.arange(h + 1, dtype=keys.dtype, device=keys.device))
-        del sorted_keys, keys
-        lengths = (colptr[1:] - colptr[:-1]).to(torch.int32)  # int32 keys: half the radix passes
-        order = torch.argsort(lengths, descending=True)  # dW: longest column first
+    perm, colptr, order = csc
     if r > 0:
         if all_dense:
             g_R, x_R = g_NH, x
@@ -353,6 +391,17 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
             order)
 
 
+def _dense_bwd(be, dy, scale, x, wg, wu, wd, g, u, wd_transposed: bool = False):
+    """Backward of the dense FFN rows: g (relu'd or raw pre-activation) and u of those rows,
+    dy their upstream gradient. Returns dx, dWg, dWu and dWd (D, H), or its transpose (H, D)
+    contiguous when ``wd_transposed``."""
+    dg, du, h_ = be.backup_bwd(torch.matmul(dy, wd), g, u, scale)
+    dx = torch.matmul(dg, wg)
+    dx.addmm_(du, wu)
+    dwd = torch.matmul(h_.t(), dy) if wd_transposed else torch.matmul(dy.t(), h_)
+    return dx, torch.matmul(dg.t(), x), torch.matmul(du.t(), x), dwd
+
+
 def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
               order, backend):
     be = _backend(x, backend)
@@ -366,17 +415,11 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     if r > 0:
         dy_R = dy if all_dense else dy[heavy_idx]
         x_R = x if all_dense else x[heavy_idx]
-        dg_R, du_R, h_R = be.backup_bwd(torch.matmul(dy_R, wd), g_R, u_R, scale)
-        dx_R = torch.matmul(dg_R, wg)
-        dx_R.addmm_(du_R, wu)
+        dx_R, dwg_R, dwu_R, dwd_R = _dense_bwd(be, dy_R, scale, x_R, wg, wu, wd, g_R, u_R,
+                                               wd_transposed=not all_dense)
         if all_dense:
-            return (dx_R, torch.matmul(dg_R.t(), x_R), torch.matmul(du_R.t(), x_R),
-                    torch.matmul(dy_R.t(), h_R))
-        adds = (
-            torch.matmul(dg_R.t(), x_R),
-            torch.matmul(du_R.t(), x_R),
-            torch.matmul(h_R.t(), dy_R),
-        )
+            return dx_R, dwg_R, dwu_R, dwd_R
+        adds = (dwg_R, dwu_R, dwd_R)  # (H, D) each: the dW kernel adds them
     dx = torch.empty_like(x)
     dwg = torch.empty_like(wg)
     dwu = torch.empty_like(wu)
@@ -419,7 +462,6 @@ def _ffn_train_fwd_fake(x, w_gate, w_up, w_down, ell_capacity, dense_row_fractio
     h = w_gate.shape[0]
     k = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)  # ELL capacity KC
     r = ctx.new_dynamic_size()  # dense-backup rows: measured
-    nnz = ctx.new_dynamic_size()  # ELL entries in use: measured
     acc = torch.promote_types(x.dtype, torch.float32)
     i32 = {"dtype": torch.int32}
     i64 = {"dtype": torch.int64}
@@ -428,7 +470,7 @@ def _ffn_train_fwd_fake(x, w_gate, w_up, w_down, ell_capacity, dense_row_fractio
         x.new_empty((h,), **i32), x.new_empty((n,), **i32), x.new_empty((n, k), **i32),
         x.new_empty((n, k)), x.new_empty((n, k)), x.new_empty((r,), **i64),
         x.new_empty((r, h)), x.new_empty((r, h)), w_down.new_empty((h, d)),
-        x.new_empty((nnz,), **i64), x.new_empty((h + 1,), **i64), x.new_empty((h,), **i64),
+        x.new_empty((n * k,), **i64), x.new_empty((h + 1,), **i64), x.new_empty((h,), **i64),
     )
 
 
@@ -492,6 +534,82 @@ def _backward(ctx, dy, dl1, *_unused):
 torch.library.register_autograd("twell::ffn_train_fwd", _backward, setup_context=_setup_context)
 
 
+# Dense mode: the same FFN with cuBLAS products and one fused elementwise pass each way (h, the
+# per-row L1 / L0 and the per-unit counts forward; the L1 gradient folded into dg / du
+# backward). For layers too dense for the ELL path: no compaction, no host sync, and x's gate
+# pre-activation and up projection are all it saves (the autograd baseline keeps three N x H).
+
+
+def _dense_fwd_body(x, wg, wu, wd, backend):
+    be = _backend(x, backend)
+    n = x.shape[0]
+    g = torch.matmul(x, wg.t())
+    u = torch.matmul(x, wu.t())
+    h, l1_N, nnz_N, counts_H = be.dense_fwd(g, u)
+    y = torch.matmul(h, wd.t())
+    del h
+    l1 = l1_N.sum(dtype=torch.promote_types(x.dtype, torch.float32)) / max(n, 1)
+    return y, l1, nnz_N, counts_H, g, u
+
+
+@torch.library.custom_op("twell::ffn_dense_train_fwd", mutates_args=())
+def _ffn_dense_train_fwd(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns y, l1, nnz_N, counts_H, then the saved gate pre-activation g and up u (N x H)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return _dense_fwd_body(x, w_gate, w_up, w_down, backend)
+
+
+@_ffn_dense_train_fwd.register_fake
+def _ffn_dense_train_fwd_fake(x, w_gate, w_up, w_down, backend):
+    n, d = x.shape
+    h = w_gate.shape[0]
+    i32 = {"dtype": torch.int32}
+    return (x.new_empty((n, d)), x.new_empty((), dtype=torch.promote_types(x.dtype, torch.float32)),
+            x.new_empty((n,), **i32), x.new_empty((h,), **i32), x.new_empty((n, h)),
+            x.new_empty((n, h)))
+
+
+@torch.library.custom_op("twell::ffn_dense_train_bwd", mutates_args=())
+def _ffn_dense_train_bwd(
+    dy: torch.Tensor, dl1: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+    w_down: torch.Tensor, g: torch.Tensor, u: torch.Tensor, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dx, dWg, dWu, dWd."""
+    with torch.autocast(x.device.type, enabled=False):
+        scale = (dl1 / max(x.shape[0], 1)).reshape(())
+        return _dense_bwd(_backend(x, backend), dy.to(x.dtype).contiguous(), scale, x, w_gate,
+                          w_up, w_down, g, u)
+
+
+@_ffn_dense_train_bwd.register_fake
+def _ffn_dense_train_bwd_fake(dy, dl1, x, w_gate, w_up, w_down, *rest):
+    return (torch.empty_like(x), torch.empty_like(w_gate), torch.empty_like(w_up),
+            torch.empty_like(w_down))
+
+
+def _dense_setup_context(ctx, inputs, output):
+    x, wg, wu, wd, backend = inputs
+    ctx.backend = backend
+    ctx.save_for_backward(x, wg, wu, wd, output[4], output[5])
+    ctx.mark_non_differentiable(*output[2:])
+    ctx.set_materialize_grads(False)
+
+
+def _dense_backward(ctx, dy, dl1, *_unused):
+    x, wg, wu, wd, g, u = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(x[:, : wd.shape[0]])
+    if dl1 is None:
+        dl1 = torch.zeros((), dtype=torch.float32, device=x.device)
+    return (*_ffn_dense_train_bwd(dy, dl1, x, wg, wu, wd, g, u, ctx.backend), None)
+
+
+torch.library.register_autograd("twell::ffn_dense_train_fwd", _dense_backward,
+                                setup_context=_dense_setup_context)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public entry point.
 
@@ -500,6 +618,44 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     if not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
+
+
+def _check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend: str, fn: str) -> None:
+    if w_gate_HD is None:
+        raise ValueError(f"{fn} needs w_gate_HD (gated FFN); use impl='torch' for the non-gated "
+                         "FFN")
+    if x_ND.dim() != 2:
+        raise ValueError(f"{fn}: x_ND must be 2-D (N, D); got shape {tuple(x_ND.shape)}")
+    d = x_ND.shape[1]
+    h = w_gate_HD.shape[0]
+    if w_gate_HD.shape != (h, d) or w_up_HD.shape != (h, d) or w_down_DH.shape != (d, h):
+        raise ValueError(
+            f"{fn}: weights must be w_gate_HD (H, D), w_up_HD (H, D), w_down_DH (D, H) with D = "
+            f"{d}; got {tuple(w_gate_HD.shape)}, {tuple(w_up_HD.shape)}, {tuple(w_down_DH.shape)}"
+        )
+    if not x_ND.is_floating_point():
+        raise ValueError(f"{fn}: x_ND must be floating point; got {x_ND.dtype}")
+    devs = {t.device for t in (x_ND, w_gate_HD, w_up_HD, w_down_DH)}
+    if len(devs) != 1:
+        raise ValueError(f"{fn}: x and the weights must be on one device; got "
+                         f"{sorted(map(str, devs))}")
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}; got {backend!r}")
+
+
+def _cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH):
+    dt = _autocast_dtype(x_ND.device.type)
+    if dt is None:
+        dt = x_ND.dtype
+    return tuple(t.to(dt).contiguous() for t in (x_ND, w_gate_HD, w_up_HD, w_down_DH))
+
+
+def _stats(out, n: int) -> FFNStats:
+    y, l1, nnz_N, counts_H = out[0], out[1], out[2], out[3]
+    with torch.no_grad():
+        nnz_sum = nnz_N.sum().float()
+        nnz_max = nnz_N.max().float()
+    return FFNStats(l1=l1, nnz_sum=nnz_sum, nnz_max=nnz_max, active_counts=counts_H, n_tokens=n)
 
 
 def sparse_ffn_train(
@@ -540,46 +696,59 @@ def sparse_ffn_train(
     Raises:
         ValueError: a shape, dtype, device or option mismatch (the message names it).
     """
-    if w_gate_HD is None:
-        raise ValueError("sparse_ffn_train needs w_gate_HD (gated FFN); use impl='torch' for "
-                         "the non-gated FFN")
-    if x_ND.dim() != 2:
-        raise ValueError(f"x_ND must be 2-D (N, D); got shape {tuple(x_ND.shape)}")
-    n, d = x_ND.shape
-    h = w_gate_HD.shape[0]
-    if w_gate_HD.shape != (h, d) or w_up_HD.shape != (h, d) or w_down_DH.shape != (d, h):
-        raise ValueError(
-            f"weights must be w_gate_HD (H, D), w_up_HD (H, D), w_down_DH (D, H) with D = {d}; "
-            f"got {tuple(w_gate_HD.shape)}, {tuple(w_up_HD.shape)}, {tuple(w_down_DH.shape)}"
-        )
-    if not x_ND.is_floating_point():
-        raise ValueError(f"x_ND must be floating point; got {x_ND.dtype}")
-    devs = {t.device for t in (x_ND, w_gate_HD, w_up_HD, w_down_DH)}
-    if len(devs) != 1:
-        raise ValueError(f"x and the weights must be on one device; got {sorted(map(str, devs))}")
+    _check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend, "sparse_ffn_train")
     if ell_capacity < 0 or not 0.0 <= dense_row_fraction <= 1.0:
         raise ValueError(
             f"ell_capacity must be >= 0 (0 = default) and dense_row_fraction in [0, 1]; got "
             f"{ell_capacity}, {dense_row_fraction}"
         )
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    dt = _autocast_dtype(x_ND.device.type)
-    if dt is None:
-        dt = x_ND.dtype
-    x, wg, wu, wd = (t.to(dt) for t in (x_ND, w_gate_HD, w_up_HD, w_down_DH))
-    x = x.contiguous()
-    wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
+    x, wg, wu, wd = _cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH)
+    n = x.shape[0]
     if n == 0:
         from twell.nn.mlp import gated_ffn_torch
 
         return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats)
     out = _ffn_train_fwd(x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend)
-    y, l1, nnz_N = out[0], out[1], out[2]
-    if not with_stats:
-        return y, None
-    with torch.no_grad():
-        nnz_sum = nnz_N.sum().float()
-        nnz_max = nnz_N.max().float()
-    stats = FFNStats(l1=l1, nnz_sum=nnz_sum, nnz_max=nnz_max, active_counts=out[3], n_tokens=n)
-    return y, stats
+    return out[0], (_stats(out, n) if with_stats else None)
+
+
+def dense_ffn_train(
+    x_ND: torch.Tensor,
+    w_gate_HD: torch.Tensor,
+    w_up_HD: torch.Tensor,
+    w_down_DH: torch.Tensor,
+    *,
+    with_stats: bool = True,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, FFNStats | None]:
+    """Gated ReLU FFN for training in *dense mode*: cuBLAS products plus one fused elementwise
+    pass each way, with the same statistics and L1 gradient as :func:`sparse_ffn_train`.
+
+    For layers too dense for the ELL path (``model.ffn_impl=auto`` sends a layer here when its
+    measured density is above :data:`DEFAULT_TRAIN_DENSITY_THRESHOLD`). Forward: g = x Wg^T and
+    u = x Wu^T (cuBLAS), one pass for h = relu(g) * u, the per-row sum |h| and L0 and the
+    per-unit active counts, y = h Wd^T. Backward: dh = dy Wd (cuBLAS), one pass for
+    dg = (dh + s sign(h)) u [g > 0], du = (dh + s sign(h)) relu(g) and h (s = dL/dl1 / N),
+    then cuBLAS for dx and the three weight gradients. dg and du are stored in the compute
+    dtype for cuBLAS, so under bf16 the L1 term's share of the weight gradients is rounded as
+    on the PyTorch path (~15 % kept in ``test_l1_gradient_is_not_rounded_away_under_bf16_autocast``;
+    the ELL path keeps it in fp32). Saved for backward: x, the weights, g and u (two N x H tensors; PyTorch autograd
+    of the same FFN keeps three). No host synchronisation.
+
+    Source: arXiv 2603.23198 (FFN and L1 regularizer); the dense counterpart of the hybrid
+    training kernels.
+
+    Args, returns: as :func:`sparse_ffn_train` (no ELL options); stats from the fused pass.
+
+    Raises:
+        ValueError: a shape, dtype, device or option mismatch (the message names it).
+    """
+    _check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend, "dense_ffn_train")
+    x, wg, wu, wd = _cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH)
+    n = x.shape[0]
+    if n == 0:
+        from twell.nn.mlp import gated_ffn_torch
+
+        return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats)
+    out = _ffn_dense_train_fwd(x, wg, wu, wd, backend)
+    return out[0], (_stats(out, n) if with_stats else None)

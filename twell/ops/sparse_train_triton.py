@@ -333,6 +333,9 @@ def _compact3_kernel(
     BLOCK_N: tl.constexpr,  # rows per program (default 1, on one warp)
     BLOCK_H: tl.constexpr,  # columns per step (power of two, 256 for bf16 rows)
     SKIP_EMPTY: tl.constexpr = False,  # "v4": no scan / stores / atomics for an all-zero block
+    nnz_eff_ptr=None,  # (N,) int32 out (HEAVY): nnz, or 0 for a row above KC (dense-backup row)
+    heavy_ptr=None,  # (1,) int32 in/out (HEAVY), zeroed by the launcher: rows above KC
+    HEAVY: tl.constexpr = False,  # also write nnz_eff and count the heavy rows
 ):
     """Same outputs as ``_compact_kernel``; v3 (see BENCHMARKS.md, ncu of v2 and run E).
 
@@ -369,6 +372,11 @@ def _compact3_kernel(
             base = _compact_block(g, act, base, rows64, cols, col_ptr, val_ptr, counts_ptr, H, KC,
                                   BLOCK_N, BLOCK_H)
     tl.store(nnz_ptr + rows, base, mask=mrow)
+    if HEAVY:  # the training forward's bookkeeping, folded in (was 4 small PyTorch kernels)
+        heavy = (base > KC) & mrow
+        tl.store(nnz_eff_ptr + rows, tl.where(heavy, 0, base), mask=mrow)
+        tl.atomic_add(heavy_ptr + rows * 0, tl.full([BLOCK_N], 1, tl.int32), mask=heavy,
+                      sem="relaxed")
 
 
 @triton.jit
@@ -452,6 +460,8 @@ def _dw_cols_kernel(
     HAS_ADD: tl.constexpr,  # add the dense-backup contributions
     BLOCK_J: tl.constexpr,  # entries per step
     BLOCK_D: tl.constexpr,  # model-width slice of one program
+    H=0,  # columns (read when D_OUTER)
+    D_OUTER: tl.constexpr = False,  # grid order: D slice outermost, then columns
 ):
     """Same math as ``_dw_kernel`` (deterministic: one program per output slice, fixed order).
 
@@ -462,8 +472,12 @@ def _dw_cols_kernel(
     (``order``) so that hot units do not start last and form the tail.
     """
     pid = tl.program_id(0)
-    c = tl.load(order_ptr + pid // N_DCHUNK).to(tl.int64)
-    offs_d = (pid % N_DCHUNK) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if D_OUTER:  # programs of one D slice run together: that slice of x and dy stays in L2
+        c = tl.load(order_ptr + pid % H).to(tl.int64)
+        offs_d = (pid // H) * BLOCK_D + tl.arange(0, BLOCK_D)
+    else:
+        c = tl.load(order_ptr + pid // N_DCHUNK).to(tl.int64)
+        offs_d = (pid % N_DCHUNK) * BLOCK_D + tl.arange(0, BLOCK_D)
     md = offs_d < D
     start = tl.load(colptr_ptr + c)
     end = tl.load(colptr_ptr + c + 1)
@@ -539,6 +553,13 @@ _DEFAULT_CONFIG = {
     "dw_block_j": 4,  # entries per step (cols)
     "dw_block_d": 1024,  # D slice per program (cols); >= 256 * dw_warps keeps the reduction in-thread
     "dw_warps": 4,
+    # dW grid order: 0 = a column's D slices side by side (the whole of x and dy is the working
+    # set), 1 = D slice outermost (a slice of x and dy at a time: 32 MiB at d512, fits the L2)
+    "dw_d_outer": 0,
+    # dense-mode elementwise pass (dense_fwd): rows per program, columns per step, warps
+    "dense_block_n": 16,
+    "dense_block_h": 256,
+    "dense_warps": 4,
 }
 CONFIG = dict(_DEFAULT_CONFIG)
 _CHOICES = {"compact": ("v1", "v2", "v3", "v4"), "spmm": ("tiled", "rows"), "dw": ("tiled", "cols")}
@@ -558,6 +579,8 @@ def kernel_config(**overrides):
             raise ValueError(f"kernel_config: unknown key {key!r}; known: {sorted(CONFIG)}")
         if key in _CHOICES and val not in _CHOICES[key]:
             raise ValueError(f"kernel_config: {key} must be one of {_CHOICES[key]}; got {val!r}")
+        if key == "dw_d_outer" and val in (0, 1):
+            continue
         if key not in _CHOICES and (not isinstance(val, int) or val < 1):
             raise ValueError(f"kernel_config: {key} must be a positive int; got {val!r}")
     saved = dict(CONFIG)
@@ -626,6 +649,39 @@ def compact(g_NH: torch.Tensor, kc: int):
     )
     torch.sum(cpart, 0, dtype=torch.int32, out=counts)
     return col, val, nnz, counts
+
+
+def compact_heavy(g_NH: torch.Tensor, kc: int):
+    """:func:`compact` plus the training forward's heavy-row bookkeeping.
+
+    Returns:
+        col_NKC, val_NKC, nnz_N, counts_H as :func:`compact`, then nnz_eff_N (int32: nnz_N, or 0
+        where nnz_N > kc, i.e. the row goes to the dense backup) and n_heavy (int32 (1,): the
+        number of such rows). Compaction v3 / v4 write the last two from the kernel; v1 / v2 with
+        PyTorch ops.
+    """
+    n = g_NH.shape[0]
+    if CONFIG["compact"] not in ("v3", "v4") or n == 0:
+        col, val, nnz, counts = compact(g_NH, kc)
+        heavy = nnz > kc
+        return col, val, nnz, counts, torch.where(heavy, 0, nnz), heavy.sum(dtype=torch.int32)[None]
+    h = g_NH.shape[1]
+    _check("g_NH", g_NH, (n, h))
+    dev = g_NH.device
+    col = torch.empty((n, kc), dtype=torch.int32, device=dev)
+    val = torch.empty((n, kc), dtype=g_NH.dtype, device=dev)
+    nnz = torch.empty((n,), dtype=torch.int32, device=dev)
+    nnz_eff = torch.empty((n,), dtype=torch.int32, device=dev)
+    zeros = torch.zeros((h + 1,), dtype=torch.int32, device=dev)  # one fill: counts + n_heavy
+    counts, n_heavy = zeros[:h], zeros[h:]
+    block_n = _pow2(CONFIG["compact3_block_n"], 1, 16)
+    _compact3_kernel[(triton.cdiv(n, block_n),)](
+        g_NH, col, val, nnz, counts, n, h, g_NH.stride(0), kc,
+        BLOCK_N=block_n, BLOCK_H=_pow2(h, 16, 256), SKIP_EMPTY=CONFIG["compact"] == "v4",
+        nnz_eff_ptr=nnz_eff, heavy_ptr=n_heavy, HEAVY=True,
+        num_warps=min(CONFIG["compact3_warps"], block_n),
+    )
+    return col, val, nnz, counts, nnz_eff, n_heavy
 
 
 def sddmm_fwd(x_ND, w_up_HD, col_NK, g_NK, nnz_N):
@@ -732,7 +788,8 @@ def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g
     _dw_cols_kernel[(h * n_dchunk,)](
         dwg_HD, dwu_HD, dwdt_HD, ag, au, ad, x_ND, dy_ND, perm, colptr, order, dg_NK, du_NK,
         g_NK, u_NK, d, max(k, 1), n_dchunk, x_ND.stride(0), dy_ND.stride(0), dwg_HD.stride(0),
-        HAS_ADD=has_add, BLOCK_J=CONFIG["dw_block_j"], BLOCK_D=block_d,
+        HAS_ADD=has_add, BLOCK_J=CONFIG["dw_block_j"], BLOCK_D=block_d, H=h,
+        D_OUTER=bool(CONFIG["dw_d_outer"]),
         num_warps=max(1, min(CONFIG["dw_warps"], block_d // 256)),
     )
 
@@ -766,7 +823,7 @@ def _backup_fwd_kernel(
 @triton.jit
 def _backup_bwd_kernel(
     dh_ptr,  # (R*H,) in: dy Wd; out: dg (in place)
-    g_ptr,  # (R*H,) relu(gate)
+    g_ptr,  # (R*H,) relu(gate) or the gate pre-activation (relu applied on load)
     u_ptr,  # (R*H,) up
     du_ptr,  # (R*H,) out: du
     h_ptr,  # (R*H,) out: h = g * u (for dWd)
@@ -780,7 +837,8 @@ def _backup_bwd_kernel(
     m = offs < numel
     s = tl.load(scale_ptr)
     dh = tl.load(dh_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    # relu on load: the op's fallback saves relu(g), dense mode the raw pre-activation
+    g = tl.maximum(tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32), 0.0)
     u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
     h = (g * u).to(h_ptr.dtype.element_ty)
     hf = h.to(tl.float32)
@@ -788,6 +846,91 @@ def _backup_bwd_kernel(
     tl.store(dh_ptr + offs, tl.where(g > 0, dh * u, 0.0).to(dh_ptr.dtype.element_ty), mask=m)
     tl.store(du_ptr + offs, (dh * g).to(du_ptr.dtype.element_ty), mask=m)
     tl.store(h_ptr + offs, h, mask=m)
+
+
+@triton.jit
+def _dense_fwd_kernel(
+    g_ptr,  # (N, H) gate pre-activation (read only)
+    u_ptr,  # (N, H) up
+    h_ptr,  # (N, H) out: h = relu(g) * u (dtype of h)
+    l1_ptr,  # (N,) fp32 out: sum_j |h_nj| (of the rounded h)
+    nnz_ptr,  # (N,) int32 out: active units of the row (g > 0)
+    cpart_ptr,  # (cdiv(N, BLOCK_N), H) int32 out: active tokens per unit within this row block
+    N,  # rows
+    H,  # columns
+    BLOCK_N: tl.constexpr,  # rows per program
+    BLOCK_H: tl.constexpr,  # columns per step
+    STATS: tl.constexpr = True,  # False: h only (l1 / nnz / cpart not written)
+):
+    """Dense-mode forward elementwise pass: h, per-row L1 and L0, per-block column counts.
+
+    One pass over g and u (the dense baseline's ReLU and multiply are two, and its L1 / L0 /
+    count statistics several more). Deterministic: per-row sums in registers in column order,
+    per-block column counts stored (no atomics) and summed by the launcher.
+    """
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mrow = rows < N
+    base = rows.to(tl.int64)[:, None] * H
+    l1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    nnz = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        m = mrow[:, None] & (cols < H)[None, :]
+        off = base + cols[None, :]
+        g = tl.load(g_ptr + off, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + off, mask=m, other=0.0).to(tl.float32)
+        act = g > 0
+        h = (tl.maximum(g, 0.0) * u).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + off, h, mask=m)
+        if STATS:
+            l1 += tl.sum(tl.abs(h.to(tl.float32)), axis=1)
+            a = act.to(tl.int32)
+            nnz += tl.sum(a, axis=1)
+            tl.store(cpart_ptr + pid.to(tl.int64) * H + cols, tl.sum(a, axis=0), mask=cols < H)
+    if STATS:
+        tl.store(l1_ptr + rows, l1, mask=mrow)
+        tl.store(nnz_ptr + rows, nnz, mask=mrow)
+
+
+def dense_fwd(g_NH: torch.Tensor, u_NH: torch.Tensor, stats: bool = True):
+    """Dense-mode elementwise forward (``_dense_fwd_kernel``); g is not modified.
+
+    Args:
+        g_NH: (N, H) gate pre-activation ``x Wg^T``; u_NH: (N, H) up projection, same dtype.
+        stats: False skips the statistics (the last three outputs are then None).
+
+    Returns:
+        h_NH (g's dtype, ``relu(g) * u`` computed in fp32 and rounded once), l1_N (fp32, sum |h|
+        per row), nnz_N (int32, active units per row), counts_H (int32, active tokens per unit).
+    """
+    n, h = g_NH.shape
+    _check("g_NH", g_NH, (n, h))
+    _check("u_NH", u_NH, (n, h))
+    dev = g_NH.device
+    out = torch.empty_like(g_NH)
+    if n == 0 or h == 0:
+        if not stats:
+            return out, None, None, None
+        return (out, torch.zeros((n,), dtype=torch.float32, device=dev),
+                torch.zeros((n,), dtype=torch.int32, device=dev),
+                torch.zeros((h,), dtype=torch.int32, device=dev))
+    block_n = CONFIG["dense_block_n"]
+    nprog = triton.cdiv(n, block_n)
+    if stats:
+        l1 = torch.empty((n,), dtype=torch.float32, device=dev)
+        nnz = torch.empty((n,), dtype=torch.int32, device=dev)
+        cpart = torch.empty((nprog, h), dtype=torch.int32, device=dev)
+    else:
+        l1 = nnz = cpart = out  # never written
+    _dense_fwd_kernel[(nprog,)](
+        g_NH, u_NH, out, l1, nnz, cpart, n, h, BLOCK_N=block_n,
+        BLOCK_H=_pow2(h, 16, CONFIG["dense_block_h"]), STATS=stats,
+        num_warps=CONFIG["dense_warps"],
+    )
+    if not stats:
+        return out, None, None, None
+    return out, l1, nnz, cpart.sum(0, dtype=torch.int32)
 
 
 _EW_BLOCK = 4096
