@@ -346,7 +346,7 @@ def phase_speed(args):
             cfgs += [(16384, 2048, 8192, dd, False, True) for dd in (0.003, 0.01)]
             cfgs += [(16384, 2048, 8192, dd, True, False) for dd in (0.003, 0.01)]
     if args.main_only and not args.smoke:  # the headline shape at the targets' densities, i.i.d.
-        cfgs = [(16384, 2048, 5632, dd, False, True) for dd in (0.001, 0.003, 0.01)]
+        cfgs = [(16384, 2048, 5632, dd, False, True) for dd in (0.001, 0.003, 0.01, 0.03, 0.1)]
     for i, (m, d, h, dd, hv, gated) in enumerate(cfgs):
         sweep = args.sweep_consumer if (m, d, h, gated) == (16384, 2048, 5632, True) and \
             dd in (0.003, 0.01) and not hv else False
