@@ -31,7 +31,8 @@ raised. Variants:
                 (ELL capacity 128, dense fallback; see _DEFAULT_CONFIG)
     sparse_ell  sparse_ffn_train forced through the ELL path (capacity >= the widest row), to
                 show the raw sparse kernels at every density
-    auto        the trainer's ffn_impl=auto rule on the case's L0: sparse or dense_mode
+    auto        the trainer's ffn_impl=auto rule on the case's L0 and heavy-row fraction:
+                sparse or dense_mode
     sparse_late sparse with the CSC sort queued after the forward's host wait (runs E-J)
     sparse_dwo* sparse with the dW grid's D slice outermost, slices of 1024 / 512 / 256
 
@@ -440,7 +441,8 @@ def main():
                            "variant": variant, "status": "ok"}
                 run_as = variant
                 if variant == "auto":  # the trainer's ffn_impl=auto rule on this layer's L0
-                    path = sparse_train.train_path_for_density(l0 / h)
+                    path = sparse_train.train_path_for_density(
+                        l0 / h, heavy_fraction=st_bf.heavy_rows.item() / n)
                     run_as = "sparse" if path == "twell" else "dense_mode"
                     row["variant"] = f"auto[{path}]"
                 try:

@@ -482,3 +482,21 @@ def test_dense_mode_bad_inputs_name_the_argument():
         sparse_train.dense_ffn_train(x, wg, wu, wd.t())
     with pytest.raises(ValueError, match="dense_ffn_train needs w_gate_HD"):
         sparse_train.dense_ffn_train(x, None, wu, wd)
+
+
+def test_heavy_rows_statistic_counts_tokens_above_the_ell_capacity():
+    """FFNStats.heavy_rows (read by ffn_impl=auto): tokens with more active units than the ELL
+    capacity in effect, equal on the sparse path, dense mode and the PyTorch path."""
+    from twell.stats import default_ell_capacity
+
+    x, wg, wu, wd, _ = make_inputs(33, 40, 300, threshold=0.8, seed=41, zero_rows=(2,))
+    nnz = ((x @ wg.T) > 0).sum(1)
+    kc = default_ell_capacity(300)
+    assert 0 < int((nnz > kc).sum()) < 33  # some heavy rows, not all
+    _, st_t = gated_ffn_torch(x, wg, wu, wd)
+    _, st_d = sparse_train.dense_ffn_train(x, wg, wu, wd, backend="torch")
+    _, st_s = sparse_ffn_train(x, wg, wu, wd, backend="torch", dense_row_fraction=1.0)
+    for st in (st_t, st_d, st_s):
+        assert st.heavy_rows.item() == int((nnz > kc).sum())
+    _, st_c = sparse_ffn_train(x, wg, wu, wd, backend="torch", ell_capacity=4)
+    assert st_c.heavy_rows.item() == int((nnz > 4).sum())

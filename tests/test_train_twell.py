@@ -46,7 +46,10 @@ def test_auto_picks_training_path_per_layer_from_l0(tokens, tmp_path):
     over = {"trainer.max_steps": 2, "trainer.save_every": 1, "model.ffn_impl": "auto"}
     rows = _losses(tiny_config(tokens, **over), tmp_path / "a")
     for r in rows:  # a random-init ReLU FFN is ~50 % dense: every layer goes to dense mode
-        assert r["ffn_paths"] == [st.train_path_for_density(l0 / 64) for l0 in r["l0_layers"]]
+        assert r["ffn_paths"] == [st.train_path_for_density(l0 / 64, heavy_fraction=hv)
+                                  for l0, hv in zip(r["l0_layers"], r["heavy_frac_layers"])]
+        # ELL capacity 16 at H = 64: at ~50 % density nearly every token is a heavy row
+        assert all(hv > 0.5 for hv in r["heavy_frac_layers"])
         assert r["ffn_paths"] == ["dense", "dense"]
     # dense mode (fused elementwise passes) follows the PyTorch path step for step (fp32)
     ref = _losses(tiny_config(tokens, **{**over, "model.ffn_impl": "torch"}), tmp_path / "t")
@@ -56,6 +59,12 @@ def test_auto_picks_training_path_per_layer_from_l0(tokens, tmp_path):
         assert a["dead_frac"] == b["dead_frac"]
     assert st.train_path_for_density(0.003) == "twell"
     assert st.train_path_for_density(0.5) == "dense"
+    # density alone cannot tell i.i.d. 3 % (rows above the ELL capacity: dense mode wins) from
+    # heavy-tailed 3 % (a few heavy rows: the ELL path wins); the heavy-row fraction does
+    assert st.train_path_for_density(0.03, heavy_fraction=0.9) == "dense"
+    assert st.train_path_for_density(0.03, heavy_fraction=0.02) == "twell"
+    with pytest.raises(ValueError, match="heavy_fraction"):
+        st.train_path_for_density(0.01, heavy_fraction=1.5)
     assert st.train_path_for_density(0.5, threshold=0.6) == "twell"
     with pytest.raises(ValueError, match="density"):
         st.train_path_for_density(float("nan"))

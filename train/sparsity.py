@@ -37,6 +37,8 @@ class SparsityStats:
         nnz_max_L: (L,) fp32, most active units of any single token, per layer.
         active_LH: (L, H) int32, tokens in which each unit was active.
         n_tokens: tokens of the forward (per layer).
+        heavy_L: (L,) fp32, tokens above the ELL capacity per layer (``FFNStats.heavy_rows``;
+            0 where a path did not measure it).
     """
 
     l1_L: torch.Tensor
@@ -44,6 +46,7 @@ class SparsityStats:
     nnz_max_L: torch.Tensor
     active_LH: torch.Tensor
     n_tokens: int
+    heavy_L: torch.Tensor | None = None
 
     @property
     def l0_L(self) -> torch.Tensor:
@@ -74,6 +77,8 @@ def l1_penalty(stats: list[FFNStats]) -> tuple[torch.Tensor, SparsityStats]:
         nnz_max_L=torch.stack([s.nnz_max for s in stats]),
         active_LH=torch.stack([s.active_counts for s in stats]),
         n_tokens=stats[0].n_tokens,
+        heavy_L=torch.stack([s.heavy_rows if s.heavy_rows is not None
+                             else torch.zeros_like(s.nnz_sum) for s in stats]),
     )
     return l1_L.mean(), sparsity
 

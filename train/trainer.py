@@ -351,6 +351,7 @@ class Trainer:
         return {"loss": torch.zeros((), device=dev), "ce": torch.zeros((), device=dev),
                 "l1": torch.zeros((), device=dev), "micro": 0, "steps": 0, "tokens": 0,
                 "nnz_sum_L": torch.zeros(L, device=dev), "nnz_max_L": torch.zeros(L, device=dev),
+                "heavy_L": torch.zeros(L, device=dev),
                 "ffn_tokens": 0, "time": 0.0}
 
     def train_step(self, batches, interval: dict) -> None:
@@ -373,6 +374,7 @@ class Trainer:
             interval["ce"] += ce.detach()
             interval["l1"] += l1.detach()
             interval["nnz_sum_L"] += sp.nnz_sum_L
+            interval["heavy_L"] += sp.heavy_L
             interval["nnz_max_L"] = torch.maximum(interval["nnz_max_L"], sp.nnz_max_L)
             interval["ffn_tokens"] += sp.n_tokens
             active_LH += sp.active_LH
@@ -413,15 +415,17 @@ class Trainer:
         """Reduce the interval's metrics over ranks (host sync) and write them everywhere."""
         acc, L = self.acc, self.cfg.model.num_layers
         sums = torch.cat([torch.stack([interval["loss"], interval["ce"], interval["l1"]]),
-                          interval["nnz_sum_L"]])
+                          interval["nnz_sum_L"], interval["heavy_L"]])
         nnz_max_L = interval["nnz_max_L"]
         if acc.num_processes > 1:
-            sums = acc.reduce(sums, "sum") / torch.tensor([acc.num_processes] * 3 + [1] * L,
+            sums = acc.reduce(sums, "sum") / torch.tensor([acc.num_processes] * 3 + [1] * 2 * L,
                                                           device=sums.device)
             nnz_max_L = acc.reduce(nnz_max_L.contiguous(), "max")
         sums = sums.tolist()  # host sync
         n = interval["micro"]
-        l0_L = [v / (interval["ffn_tokens"] * acc.num_processes) for v in sums[3:]]
+        ffn_tokens = interval["ffn_tokens"] * acc.num_processes
+        l0_L = [v / ffn_tokens for v in sums[3:3 + L]]
+        heavy_L = [v / ffn_tokens for v in sums[3 + L:]]
         dead = self.tracker.dead_fraction_L
         m = {
             "step": self.step,
@@ -442,24 +446,27 @@ class Trainer:
             "tokens_per_s": interval["tokens"] / max(interval["time"], 1e-9),
             "peak_mem_gb": _peak_memory_gb(self.device),
         }
-        paths = self._update_auto_paths(l0_L)
+        paths = self._update_auto_paths(l0_L, heavy_L)
         if paths is not None:
             m["ffn_paths"] = paths
+            m["heavy_frac_layers"] = heavy_L
         self.last = m
         self._write(m)
         return m
 
-    def _update_auto_paths(self, l0_L: list[float]) -> list[str] | None:
-        """``model.ffn_impl=auto``: choose each layer's training path (sparse kernels or dense)
-        from its measured L0 (host values already synced for logging: no extra sync); the
-        choice holds until the next log step. Returns the paths per layer (None unless auto)."""
+    def _update_auto_paths(self, l0_L: list[float], heavy_L: list[float]) -> list[str] | None:
+        """``model.ffn_impl=auto``: choose each layer's training path (ELL kernels or dense
+        mode) from its measured L0 and heavy-row fraction (host values already synced for
+        logging: no extra sync); the choice holds until the next log step. Returns the paths per
+        layer (None unless auto)."""
         if self.cfg.model.ffn_impl != "auto":
             return None
         from twell.ops.sparse_train import train_path_for_density
 
         paths = []
-        for mlp, l0 in zip(self.mlps, l0_L):
-            mlp.train_path = (train_path_for_density(min(l0 / mlp.intermediate_size, 1.0))
+        for mlp, l0, heavy in zip(self.mlps, l0_L, heavy_L):
+            mlp.train_path = (train_path_for_density(min(l0 / mlp.intermediate_size, 1.0),
+                                                     heavy_fraction=min(max(heavy, 0.0), 1.0))
                               if mlp.gated else "torch")  # sparse training is gated-only
             paths.append(mlp.train_path)
         return paths

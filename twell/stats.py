@@ -13,9 +13,21 @@ Source: arXiv 2603.23198, the L1 regularizer and its metrics (see
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+# ELL capacity of the hybrid training layout as a fraction of H: a row denser than this is cheaper
+# as a dense row (cost model: ~7 gathers of a 2*D-byte row per non-zero at ~9 TB/s vs ~8 dense
+# GEMM rows at ~680 TFLOP/s on H200 breaks even near 1.5-2% of H). 0.0227 * 5632 -> 128, the
+# paper's width. Tokens above it are "heavy rows" (FFNStats.heavy_rows).
+DEFAULT_MAX_ROW_DENSITY = 0.0227
+
+
+def default_ell_capacity(h: int) -> int:
+    """ELL capacity KC for FFN width ``h``: ``ceil(0.0227 h)`` rounded up to 16, within [16, h]."""
+    return max(1, min(h, max(16, 16 * math.ceil(math.ceil(DEFAULT_MAX_ROW_DENSITY * h) / 16))))
 
 
 @dataclass
@@ -34,6 +46,10 @@ class FFNStats:
         active_counts: (H,) int32 tensor, detached: for each hidden unit, the
             number of tokens in which it was active (for dead-neuron tracking).
         n_tokens: N, a Python int.
+        heavy_rows: scalar fp32 tensor, detached, or None when not measured (inference): tokens
+            with more active units than the hybrid training layout's ELL capacity (the capacity
+            the sparse path ran with, else ``default_ell_capacity(H)``); the sparse training
+            path computes them densely. ``model.ffn_impl=auto`` reads it.
     """
 
     l1: torch.Tensor
@@ -41,6 +57,7 @@ class FFNStats:
     nnz_max: torch.Tensor
     active_counts: torch.Tensor
     n_tokens: int
+    heavy_rows: torch.Tensor | None = None
 
     @property
     def l0(self) -> torch.Tensor:
@@ -74,4 +91,6 @@ def stats_from_activations(h_NH: torch.Tensor, active_NH: torch.Tensor) -> FFNSt
         counts_H = active_NH.sum(0, dtype=torch.int32)
         nnz_sum = nnz_N.sum().float()
         nnz_max = nnz_N.max().float() if n > 0 else nnz_sum.new_zeros(())
-    return FFNStats(l1=l1, nnz_sum=nnz_sum, nnz_max=nnz_max, active_counts=counts_H, n_tokens=n)
+        heavy = (nnz_N > default_ell_capacity(h_NH.shape[1])).sum().float()
+    return FFNStats(l1=l1, nnz_sum=nnz_sum, nnz_max=nnz_max, active_counts=counts_H, n_tokens=n,
+                    heavy_rows=heavy)

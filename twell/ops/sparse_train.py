@@ -43,53 +43,54 @@ and for float64.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 
-from twell.stats import FFNStats
+from twell.stats import DEFAULT_MAX_ROW_DENSITY, FFNStats, default_ell_capacity  # noqa: F401
 
-# Training "auto" rule (per layer, decided between optimizer steps from the layer's measured L0):
-# the ELL training kernels when the layer's density (L0 / H) is at most this, else dense mode
-# (``dense_ffn_train``: cuBLAS products, one fused elementwise pass each way).
-# MEASURED before dense mode existed (run H, H200, N=16384, D=2048, H=5632, fwd+bwd with the L1
-# term, against bare cuBLAS): ELL path 1.58x / 1.03x at 0.3 / 1 % i.i.d., its all-dense
-# fallback 0.94x / 0.91x at 3 / 10 % (i.i.d. rows at 3 % mostly exceed the ELL capacity of
-# 128); heavy-tailed rows 1.66x / 1.39x / 1.16x / 0.93x at 0.3 / 1 / 3 / 10 %. Dense mode is
-# predicted at ~1.0x (no compaction, no host sync), so the crossover sits between 1 and 3 %:
-# 2 %. Re-measured in run K (BENCHMARKS.md). Override: TWELL_TRAIN_AUTO_DENSITY.
-DEFAULT_TRAIN_DENSITY_THRESHOLD = float(os.environ.get("TWELL_TRAIN_AUTO_DENSITY", "0.02"))
+# Training "auto" rule (per layer, decided between optimizer steps from the layer's measured
+# statistics): the ELL training kernels when the layer's density (L0 / H) is at most
+# DEFAULT_TRAIN_DENSITY_THRESHOLD and at most DEFAULT_TRAIN_HEAVY_FRACTION of its tokens are heavy
+# rows (more non-zeros than the ELL capacity: the op computes those densely, and above half of
+# them it runs the whole call densely); else dense mode (``dense_ffn_train``: cuBLAS products, one
+# fused elementwise pass each way, statistics and L1 term included).
+# MEASURED (run K, docs/bench/run9/, H200, N=16384, D=2048, H=5632, fwd+bwd with the L1 term,
+# against bare cuBLAS in the same run): ELL path 1.86x / 1.01x at 0.3 / 1 % i.i.d. (no heavy
+# rows) vs dense mode 1.01x / 0.96x; at 3 / 10 % i.i.d. nearly every row is heavy and the op's
+# own fallback ran 0.93x / 0.90x vs dense mode 1.03x / 0.99x; heavy-tailed rows (a few % heavy)
+# 1.48x / 1.32x / 1.20x at 0.3 / 1 / 3 % vs dense mode ~1.02x, and at heavy-tailed 10 % (most
+# rows heavy) 0.87x vs 1.00x. Density alone cannot tell i.i.d. 3 % (dense wins) from heavy-tailed
+# 3 % (ELL wins); the heavy-row fraction can. 10 % is the densest case measured. Overrides:
+# TWELL_TRAIN_AUTO_DENSITY, TWELL_TRAIN_AUTO_HEAVY.
+DEFAULT_TRAIN_DENSITY_THRESHOLD = float(os.environ.get("TWELL_TRAIN_AUTO_DENSITY", "0.10"))
+DEFAULT_TRAIN_HEAVY_FRACTION = float(os.environ.get("TWELL_TRAIN_AUTO_HEAVY", "0.25"))
 
 
-def train_path_for_density(density: float, threshold: float | None = None) -> str:
-    """Path of ``impl="auto"`` in training for a layer of measured density (L0 / H, a fraction).
+def train_path_for_density(density: float, threshold: float | None = None,
+                           heavy_fraction: float = 0.0) -> str:
+    """Path of ``impl="auto"`` in training for a layer of measured density (L0 / H, a fraction)
+    and heavy-row fraction (tokens above the ELL capacity / tokens, ``FFNStats.heavy_rows``).
 
     Returns ``"twell"`` (the ELL training kernels, :func:`sparse_ffn_train`) when
-    ``density <= threshold`` (default :data:`DEFAULT_TRAIN_DENSITY_THRESHOLD`), else ``"dense"``
-    (:func:`dense_ffn_train`).
+    ``density <= threshold`` (default :data:`DEFAULT_TRAIN_DENSITY_THRESHOLD`) and
+    ``heavy_fraction <= DEFAULT_TRAIN_HEAVY_FRACTION``, else ``"dense"`` (:func:`dense_ffn_train`).
 
     Raises:
-        ValueError: density outside [0, 1] or NaN.
+        ValueError: density or heavy_fraction outside [0, 1] or NaN.
     """
     if not 0.0 <= density <= 1.0:
         raise ValueError(f"density must be a fraction in [0, 1]; got {density}")
+    if not 0.0 <= heavy_fraction <= 1.0:
+        raise ValueError(f"heavy_fraction must be a fraction in [0, 1]; got {heavy_fraction}")
     t = DEFAULT_TRAIN_DENSITY_THRESHOLD if threshold is None else threshold
-    return "twell" if density <= t else "dense"
+    ok = density <= t and heavy_fraction <= DEFAULT_TRAIN_HEAVY_FRACTION
+    return "twell" if ok else "dense"
 
-# ELL capacity as a fraction of H: a row denser than this is cheaper as a dense row (cost model:
-# ~7 gathers of a 2*D-byte row per non-zero at ~9 TB/s vs ~8 dense GEMM rows at ~680 TFLOP/s on
-# H200 breaks even near 1.5-2% of H). 0.0227 * 5632 -> 128, the paper's width.
-DEFAULT_MAX_ROW_DENSITY = 0.0227
 # More heavy rows than this fraction of N: run the whole call through the dense backup.
 DEFAULT_DENSE_ROW_FRACTION = 0.5
 BACKENDS = ("auto", "triton", "torch")
 _CHUNK_ELEMS = 1 << 22  # torch backend: rows per chunk chosen so a gathered (n, K, D) block fits
-
-
-def default_ell_capacity(h: int) -> int:
-    """ELL capacity KC for FFN width ``h``: ``ceil(0.0227 h)`` rounded up to 16, within [16, h]."""
-    return max(1, min(h, max(16, 16 * math.ceil(math.ceil(DEFAULT_MAX_ROW_DENSITY * h) / 16))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -650,12 +651,14 @@ def _cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH):
     return tuple(t.to(dt).contiguous() for t in (x_ND, w_gate_HD, w_up_HD, w_down_DH))
 
 
-def _stats(out, n: int) -> FFNStats:
+def _stats(out, n: int, kc: int) -> FFNStats:
     y, l1, nnz_N, counts_H = out[0], out[1], out[2], out[3]
     with torch.no_grad():
         nnz_sum = nnz_N.sum().float()
         nnz_max = nnz_N.max().float()
-    return FFNStats(l1=l1, nnz_sum=nnz_sum, nnz_max=nnz_max, active_counts=counts_H, n_tokens=n)
+        heavy = (nnz_N > kc).sum().float()
+    return FFNStats(l1=l1, nnz_sum=nnz_sum, nnz_max=nnz_max, active_counts=counts_H, n_tokens=n,
+                    heavy_rows=heavy)
 
 
 def sparse_ffn_train(
@@ -709,7 +712,8 @@ def sparse_ffn_train(
 
         return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats)
     out = _ffn_train_fwd(x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend)
-    return out[0], (_stats(out, n) if with_stats else None)
+    kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(wg.shape[0])
+    return out[0], (_stats(out, n, kc) if with_stats else None)
 
 
 def dense_ffn_train(
@@ -751,4 +755,4 @@ def dense_ffn_train(
 
         return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats)
     out = _ffn_dense_train_fwd(x, wg, wu, wd, backend)
-    return out[0], (_stats(out, n) if with_stats else None)
+    return out[0], (_stats(out, n, default_ell_capacity(wg.shape[0])) if with_stats else None)
