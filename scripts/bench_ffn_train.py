@@ -33,6 +33,8 @@ raised. Variants:
                 show the raw sparse kernels at every density
     auto        the trainer's ffn_impl=auto rule on the case's L0 and heavy-row fraction:
                 sparse or dense_mode
+    sparse_nosync sparse with no host sync: dense-backup capacity from the first call's
+                heavy-row count x 1.25 + 16 (the trainer's model.ffn_host_sync=step)
     sparse_late sparse with the CSC sort queued after the forward's host wait (runs E-J)
     sparse_dwo* sparse with the dW grid's D slice outermost, slices of 1024 / 512 / 256
 
@@ -160,6 +162,19 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
         finally:
             sparse_train.CSC_BEFORE_SYNC = True
 
+    cap = {"rows": -1}  # sparse_nosync: the dense-backup capacity, set from the first call
+
+    def _kw():
+        if variant == "sparse_ell":
+            return {"ell_capacity": ell_cap, "dense_row_fraction": 1.0}
+        if variant == "sparse_nosync":
+            return {"backup_rows": cap["rows"]}
+        return {}
+
+    def _note(st):
+        if variant == "sparse_nosync" and cap["rows"] < 0:  # as the trainer: max x 1.25 + 16
+            cap["rows"] = int(math.ceil(1.25 * st.heavy_rows.item())) + 16
+
     def _run():
         if variant == "dense":
             y, st = gated_ffn_torch(*ins, with_stats=False)
@@ -171,9 +186,8 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
             y, st = sparse_train.dense_ffn_train(*ins, with_stats=True)
             outs, gouts = [y, st.l1], [dy, torch.full_like(st.l1, c)]
         else:
-            kw = ({} if variant != "sparse_ell"
-                  else {"ell_capacity": ell_cap, "dense_row_fraction": 1.0})
-            y, st = sparse_ffn_train(*ins, with_stats=True, **kw)
+            y, st = sparse_ffn_train(*ins, with_stats=True, **_kw())
+            _note(st)
             outs, gouts = [y, st.l1], [dy, torch.full_like(st.l1, c)]
         grads = torch.autograd.grad(outs, ins, gouts)
         return y, grads, st
@@ -183,9 +197,9 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
             return gated_ffn_torch(*ins, with_stats=variant == "dense_stats")
         if variant == "dense_mode":
             return sparse_train.dense_ffn_train(*ins, with_stats=True)
-        kw = ({} if variant != "sparse_ell"
-              else {"ell_capacity": ell_cap, "dense_row_fraction": 1.0})
-        return sparse_ffn_train(*ins, with_stats=True, **kw)
+        y, st = sparse_ffn_train(*ins, with_stats=True, **_kw())
+        _note(st)
+        return y, st
 
     return run, fwd
 
@@ -438,12 +452,13 @@ def main():
             dense_mb = None
             for variant in args.variants.split(","):
                 row = {"dist": dist, "density": dens, "l0": round(l0, 1), "nnz_max": nnz_max,
+                       "heavy_frac": round(st_bf.heavy_rows.item() / n, 4),
                            "variant": variant, "status": "ok"}
                 run_as = variant
                 if variant == "auto":  # the trainer's ffn_impl=auto rule on this layer's L0
                     path = sparse_train.train_path_for_density(
                         l0 / h, heavy_fraction=st_bf.heavy_rows.item() / n)
-                    run_as = "sparse" if path == "twell" else "dense_mode"
+                    run_as = "sparse_nosync" if path == "twell" else "dense_mode"
                     row["variant"] = f"auto[{path}]"
                 try:
                     run, fwd = step_fn(run_as, x, wg, wu, wd, dy, ell_cap)
@@ -489,7 +504,7 @@ def main():
                 torch.cuda.empty_cache()
             del x, wg, wu, wd, dy, ref_l1, ref_no
     print(f"# total {time.time() - t_start:.0f} s")
-    cols = ["dist", "density", "l0", "nnz_max", "variant", "fwd_ms", "full_ms", "speedup",
+    cols = ["dist", "density", "l0", "nnz_max", "heavy_frac", "variant", "fwd_ms", "full_ms", "speedup",
             "peak_extra_mb", "mem_vs_dense", "status"]
     print("\n" + " | ".join(f"{c:>10}" for c in cols))
     for r in rows:

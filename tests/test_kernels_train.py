@@ -500,3 +500,63 @@ def test_heavy_rows_statistic_counts_tokens_above_the_ell_capacity():
         assert st.heavy_rows.item() == int((nnz > kc).sum())
     _, st_c = sparse_ffn_train(x, wg, wu, wd, backend="torch", ell_capacity=4)
     assert st_c.heavy_rows.item() == int((nnz > 4).sum())
+
+
+# --- no-sync mode (backup_rows >= 0): the dense backup's capacity comes from the caller ------
+
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+@pytest.mark.parametrize("extra", [0, 5])
+def test_nosync_backup_capacity_exact_when_it_holds_the_heavy_rows(backend, dtype, rel, extra):
+    """With a capacity >= R (the heavy rows), the no-sync forward and backward equal fp64
+    autograd: the heavy rows fill the backup in row order, the unused rows (extra) add zeros."""
+    x, wg, wu, wd, dy = make_inputs(33, 40, 300, threshold=1.5, seed=21)
+    r = n_heavy(x, wg, 20)
+    assert 0 < r < 33
+    st = check_case(x, wg, wu, wd, dy, l1_coeff=0.5, dtype=dtype, rel=rel, ell_capacity=20,
+                    backend=backend, backup_rows=r + extra)
+    assert st.heavy_rows.item() == r
+
+
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+def test_nosync_without_heavy_rows_and_with_too_small_a_capacity(backend, dtype, rel):
+    """No heavy row: any capacity (0, or all padding) is exact. Capacity below R: the stats
+    report the true R (> capacity) so the caller sees that the call must be redone, and the
+    output of the rows left out is not the reference's (nothing hides it)."""
+    x, wg, wu, wd, dy = make_inputs(33, 40, 300, threshold=1.5, seed=21)
+    for cap in (0, 3):
+        check_case(x, wg, wu, wd, dy, l1_coeff=0.5, dtype=dtype, rel=rel, ell_capacity=64,
+                   backend=backend, backup_rows=cap)
+    r = n_heavy(x, wg, 20)
+    y_r, _, _ = reference(x, wg, wu, wd, dy, 0.5)
+    y, st, _ = run_ours(x, wg, wu, wd, dy, 0.5, dtype, ell_capacity=20, backend=backend,
+                        backup_rows=r - 2)
+    assert st.heavy_rows.item() == r > r - 2
+    bad_rows = ((y.double().cpu() - y_r).abs().amax(1) > 1e-3 * y_r.abs().max()).sum().item()
+    assert bad_rows == 2
+
+
+def test_nosync_traces_with_static_shapes_and_checkpoints():
+    from torch.utils.checkpoint import checkpoint
+
+    x, wg, wu, wd, dy = make_inputs(13, 16, 64, seed=12, threshold=0.5)
+    r = n_heavy(x, wg, 16)
+    assert r > 0
+
+    def f(x, wg, wu, wd, dy):
+        y, st = sparse_ffn_train(x, wg, wu, wd, backend="torch", ell_capacity=16,
+                                 backup_rows=r + 1)
+        return (y * dy).sum() + 0.5 * st.l1
+
+    _, _, g_r = reference(x, wg, wu, wd, dy, 0.5)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), _grads(compiled, x, wg, wu, wd, dy), g_r):
+        assert_close(name, a, b, 1e-5)
+
+    def ck(*a):
+        return checkpoint(f, *a, use_reentrant=False)
+
+    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), _grads(ck, x, wg, wu, wd, dy), g_r):
+        assert_close(name, a, b, 2e-5)
+    with pytest.raises(ValueError, match="with_stats"):
+        sparse_ffn_train(x, wg, wu, wd, with_stats=False, backup_rows=2)

@@ -78,3 +78,40 @@ def test_auto_picks_training_path_per_layer_from_l0(tokens, tmp_path):
         assert t.mlps[0].train_path == "twell"
     finally:
         t.close()
+
+
+@pytest.mark.slow
+def test_backup_capacity_check_redoes_an_overflowed_step_exactly(tokens, tmp_path):
+    """model.ffn_host_sync=step: with every layer's dense-backup capacity forced to 0 before each
+    step (the tiny model's rows are all heavy at ~50 % density), every step overflows, is redone
+    with per-call measurement, and the run's losses equal the ffn_host_sync=call run's; the
+    redone steps are logged."""
+    over = {"trainer.max_steps": 2, "sparsity.l1_coeff": 0.5, "model.ffn_impl": "twell"}
+    ref = _losses(tiny_config(tokens, **over, **{"model.ffn_host_sync": "call"}), tmp_path / "c")
+    t = Trainer(tiny_config(tokens, **over), tmp_path / "s")
+    orig = t.train_step
+
+    def forced(batches, interval):
+        for mlp in t.mlps:
+            mlp.backup_rows = 0
+        orig(batches, interval)
+        # most rows heavy: the next capacity is "measure per call"
+        assert all(mlp.backup_rows == -1 for mlp in t.mlps)
+
+    t.train_step = forced
+    try:
+        t.train()
+    finally:
+        t.close()
+    got = read_metrics(tmp_path / "s")
+    assert sum(r.get("ffn_backup_redos", 0) for r in got) == 2
+    for a, b in zip(got, ref):
+        assert a["loss"] == b["loss"] and a["l0_mean"] == b["l0_mean"], (a["step"], a, b)
+
+
+def test_ffn_host_sync_is_validated():
+    from train.config import ConfigError, TrainConfig, ModelConfig
+
+    with pytest.raises(ConfigError, match="ffn_host_sync"):
+        ModelConfig(ffn_host_sync="never")
+    assert TrainConfig().model.ffn_host_sync == "step"

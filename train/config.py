@@ -66,6 +66,11 @@ class ModelConfig:
     """Gated FFN relu(x Wg^T) * (x Wu^T); false = non-gated relu(x Wu^T) (no gate_proj)."""
     ffn_impl: str = "torch"
     """FFN implementation: torch (dense PyTorch) | twell (TwELL Triton kernels) | auto."""
+    ffn_host_sync: str = "step"
+    """Sparse training path (twell, or auto's ELL layers): step = no host sync per layer, the
+    dense-backup capacity comes from the previous step's heavy-row counts and is checked once per
+    optimizer step (a step that exceeded it is redone measuring per call, so nothing is lost);
+    call = measure per FFN call (one host sync per layer and call)."""
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -85,6 +90,11 @@ class ModelConfig:
         if self.ffn_impl not in FFN_IMPLS:
             raise ConfigError(
                 f"model.ffn_impl={self.ffn_impl!r} is unknown; use one of {', '.join(FFN_IMPLS)}."
+            )
+        if self.ffn_host_sync not in ("step", "call"):
+            raise ConfigError(
+                f"model.ffn_host_sync={self.ffn_host_sync!r} is unknown; use step (check the "
+                "dense-backup capacity once per optimizer step) or call (measure per FFN call)."
             )
         if self.ffn_impl == "twell" and not self.gated:
             raise ConfigError(

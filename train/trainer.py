@@ -38,6 +38,7 @@ from train.sparsity import (
     l1_penalty,
     reinit_dead_gates,
 )
+from twell.ops.sparse_train import DEFAULT_DENSE_ROW_FRACTION
 
 
 class NonFiniteLossError(RuntimeError):
@@ -261,7 +262,10 @@ class Trainer:
         """Trainer state (step, tokens seen, timing, sparsity tracker) for checkpoints."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "train_time": self.train_time,
                 "sparsity": self.tracker.state_dict(),
-                "ffn_train_paths": [m.train_path for m in self.mlps]}  # impl=auto's choices
+                "ffn_train_paths": [m.train_path for m in self.mlps],  # impl=auto's choices
+                # sparse path's dense-backup capacities (they pick the backup GEMMs' shapes, so
+                # an exact resume needs them)
+                "ffn_backup_rows": [m.backup_rows for m in self.mlps]}
 
     def load_state_dict(self, d: dict) -> None:
         self.step = int(d["step"])
@@ -270,6 +274,8 @@ class Trainer:
         self.tracker.load_state_dict(d["sparsity"])
         for m, path in zip(self.mlps, d.get("ffn_train_paths", [])):
             m.train_path = path
+        for m, rows in zip(self.mlps, d.get("ffn_backup_rows", [])):
+            m.backup_rows = int(rows)
 
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step{N}/`` atomically (all ranks call this)."""
@@ -354,43 +360,94 @@ class Trainer:
                 "heavy_L": torch.zeros(L, device=dev),
                 "ffn_tokens": 0, "time": 0.0}
 
-    def train_step(self, batches, interval: dict) -> None:
-        """One optimizer step over ``accum`` micro-batches; accumulates metrics in ``interval``."""
+    def _uses_ell(self, mlp) -> bool:
+        """Does this FFN run the sparse (ELL) training path this step?"""
+        impl = self.cfg.model.ffn_impl
+        return mlp.gated and (impl == "twell" or (impl == "auto" and mlp.train_path == "twell"))
+
+    def _micro_steps(self, ids: list, coeff: float) -> dict:
+        """Forward + backward of the step's micro-batches; returns the step's metric sums."""
         cfg, acc, model = self.cfg, self.acc, self.model
-        coeff = l1_coeff_at(self.step, cfg.sparsity)
-        lr = self.scheduler.get_last_lr()[0]
-        step_loss = torch.zeros((), device=self.device)
-        active_LH = torch.zeros(cfg.model.num_layers, cfg.model.intermediate_size,
-                                dtype=torch.int64, device=self.device)
-        for micro in range(self.accum):
-            ids_BT = next(batches).to(self.device, non_blocking=True)  # (B, T) token ids
+        L, dev = cfg.model.num_layers, self.device
+        m = {"loss": torch.zeros((), device=dev), "ce": torch.zeros((), device=dev),
+             "l1": torch.zeros((), device=dev), "nnz_sum_L": torch.zeros(L, device=dev),
+             "heavy_L": torch.zeros(L, device=dev), "heavy_max_L": torch.zeros(L, device=dev),
+             "nnz_max_L": torch.zeros(L, device=dev), "ffn_tokens": 0, "micro_tokens": 0,
+             "active_LH": torch.zeros(L, cfg.model.intermediate_size, dtype=torch.int64,
+                                      device=dev)}
+        for micro, ids_cpu in enumerate(ids):
+            ids_BT = ids_cpu.to(dev, non_blocking=True)  # (B, T) token ids
             sync = micro == self.accum - 1  # DDP all-reduces gradients on the last micro-step
             with nullcontext() if sync else acc.no_sync(model):
                 ce = model(input_ids=ids_BT, labels=ids_BT).loss  # mean over B*(T-1) targets
                 l1, sp = l1_penalty(collect_stats(self.mlps))
                 loss = ce + coeff * l1
                 acc.backward(loss / self.accum)
-            step_loss += loss.detach()
-            interval["ce"] += ce.detach()
-            interval["l1"] += l1.detach()
-            interval["nnz_sum_L"] += sp.nnz_sum_L
-            interval["heavy_L"] += sp.heavy_L
-            interval["nnz_max_L"] = torch.maximum(interval["nnz_max_L"], sp.nnz_max_L)
-            interval["ffn_tokens"] += sp.n_tokens
-            active_LH += sp.active_LH
-        interval["loss"] += step_loss
-        interval["micro"] += self.accum
+            m["loss"] += loss.detach()
+            m["ce"] += ce.detach()
+            m["l1"] += l1.detach()
+            m["nnz_sum_L"] += sp.nnz_sum_L
+            m["heavy_L"] += sp.heavy_L
+            m["heavy_max_L"] = torch.maximum(m["heavy_max_L"], sp.heavy_L)
+            m["nnz_max_L"] = torch.maximum(m["nnz_max_L"], sp.nnz_max_L)
+            m["ffn_tokens"] += sp.n_tokens
+            m["active_LH"] += sp.active_LH
+            m["micro_tokens"] = sp.n_tokens
+        return m
 
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
-        bad = (~torch.isfinite(step_loss) | ~torch.isfinite(grad_norm)).float()
-        if acc.num_processes > 1:
-            bad = acc.reduce(bad, "sum")
-        if bad.item():  # host sync, once per optimizer step
-            raise NonFiniteLossError(
-                f"non-finite loss or gradient at step {self.step + 1} (loss "
-                f"{step_loss.item() / self.accum:.4g}, grad norm {grad_norm.item():.4g}); the step "
-                f"was not applied; last good checkpoint: {self.last_ckpt or 'none'}")
+    def train_step(self, batches, interval: dict) -> None:
+        """One optimizer step over ``accum`` micro-batches; accumulates metrics in ``interval``.
+
+        Host synchronisation: once, after the backward of the last micro-batch (non-finite check
+        and, on the sparse training path with ``model.ffn_host_sync=step``, the dense-backup
+        capacity check). A step in which some layer had more heavy rows than its capacity is
+        redone with per-call measurement (its results are discarded before the optimizer sees
+        them); the next capacities are the step's heavy-row maxima x 1.25 + 16.
+        """
+        cfg, acc, model = self.cfg, self.acc, self.model
+        coeff = l1_coeff_at(self.step, cfg.sparsity)
+        lr = self.scheduler.get_last_lr()[0]
+        ids = [next(batches) for _ in range(self.accum)]  # kept until the step is accepted
+        for attempt in range(2):
+            capped = [self._uses_ell(mlp) and mlp.backup_rows >= 0 for mlp in self.mlps]
+            caps = [mlp.backup_rows for mlp in self.mlps]
+            m = self._micro_steps(ids, coeff)
+            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+            grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
+            bad = (~torch.isfinite(m["loss"]) | ~torch.isfinite(grad_norm)).float()
+            heavy_max_L = m["heavy_max_L"]
+            if acc.num_processes > 1:
+                bad = acc.reduce(bad, "sum")
+                heavy_max_L = acc.reduce(heavy_max_L.contiguous(), "max")
+            host = torch.cat([bad.reshape(1), heavy_max_L]).tolist()  # the step's one host sync
+            if host[0]:
+                raise NonFiniteLossError(
+                    f"non-finite loss or gradient at step {self.step + 1} (loss "
+                    f"{m['loss'].item() / self.accum:.4g}, grad norm {grad_norm.item():.4g}); the "
+                    f"step was not applied; last good checkpoint: {self.last_ckpt or 'none'}")
+            heavy_max = host[1:]
+            n_micro = max(m["micro_tokens"], 1)
+            over = [i for i, (c, cap, hv) in enumerate(zip(capped, caps, heavy_max))
+                    if c and hv > min(cap, n_micro - 1)]
+            # next step's capacities: measure per call after an overflow, with ffn_host_sync=call,
+            # or where most rows are heavy (the op then runs the whole call densely, which needs
+            # the measurement); else the step's maximum with a margin
+            for mlp, hv in zip(self.mlps, heavy_max):
+                measure = (over or cfg.model.ffn_host_sync == "call"
+                           or hv > DEFAULT_DENSE_ROW_FRACTION * n_micro)
+                mlp.backup_rows = -1 if measure else int(math.ceil(1.25 * hv)) + 16
+            if not over:
+                break
+            self.optimizer.zero_grad(set_to_none=True)  # discard; redo measuring per call
+            interval["backup_redos"] = interval.get("backup_redos", 0) + 1
+            self._print(f"step {self.step + 1}: layers {over} had more heavy rows than their "
+                        f"dense-backup capacity; redoing the step with per-call measurement")
+        for k in ("loss", "ce", "l1", "nnz_sum_L", "heavy_L"):
+            interval[k] += m[k]
+        interval["nnz_max_L"] = torch.maximum(interval["nnz_max_L"], m["nnz_max_L"])
+        interval["ffn_tokens"] += m["ffn_tokens"]
+        interval["micro"] += self.accum
+        active_LH = m["active_LH"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -446,6 +503,8 @@ class Trainer:
             "tokens_per_s": interval["tokens"] / max(interval["time"], 1e-9),
             "peak_mem_gb": _peak_memory_gb(self.device),
         }
+        if interval.get("backup_redos"):
+            m["ffn_backup_redos"] = interval["backup_redos"]  # steps redone (capacity exceeded)
         paths = self._update_auto_paths(l0_L, heavy_L)
         if paths is not None:
             m["ffn_paths"] = paths

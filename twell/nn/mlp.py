@@ -114,6 +114,11 @@ class SparseGatedMLP(nn.Module):
         # freshly initialised ReLU FFN has ~50 % of its units active. ("torch" is also accepted:
         # the plain PyTorch path.)
         self.train_path = "dense"
+        # sparse training path: dense-backup rows (twell.ops.sparse_train.sparse_ffn_train's
+        # backup_rows). -1 = measure per call (one host sync); >= 0 = that capacity, no sync
+        # (the trainer sets it per step from the heavy-row counts and redoes a step that
+        # exceeded it). Fixed within a step, like train_path.
+        self.backup_rows = -1
 
     @property
     def last_info(self):
@@ -163,6 +168,7 @@ class SparseGatedMLP(nn.Module):
             y_ND, stats = sparse_ffn(
                 x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
                 with_stats=self.collect_stats, mode=impl, state=self.twell_state,
+                backup_rows=self.backup_rows if self.collect_stats else -1,
             )
         self.last_stats = stats
         return y_ND.reshape(*lead, y_ND.shape[-1])

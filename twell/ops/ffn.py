@@ -255,6 +255,7 @@ def sparse_ffn(
     with_stats: bool = True,
     mode: str = "twell",
     state: TwELLState | None = None,
+    backup_rows: int = -1,
 ) -> tuple[torch.Tensor, FFNStats | None]:
     """ReLU(-gated) FFN through TwELL, with sparsity statistics.
 
@@ -271,6 +272,9 @@ def sparse_ffn(
             threshold, see module docstring).
         state: per-layer :class:`TwELLState` (cached ``Wd^T``, density for
             "auto", ``last_info``); a throwaway one when None.
+        backup_rows: training path only: ``sparse_ffn_train``'s dense-backup capacity
+            (-1 = measured per call with one host sync; >= 0 = no sync, the caller checks
+            ``stats.heavy_rows`` against it).
 
     Returns:
         ``(y_ND, stats or None)``; y in x's (or autocast) dtype. The call's
@@ -289,7 +293,8 @@ def sparse_ffn(
 
         if state is not None:
             state.last_info = FFNInfo("train")
-        return sparse_ffn_train(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats=with_stats)
+        return sparse_ffn_train(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats=with_stats,
+                                backup_rows=backup_rows)
 
     state = state if state is not None else TwELLState()
     if torch.is_autocast_enabled(x_ND.device.type):

@@ -61,10 +61,13 @@ from twell.stats import DEFAULT_MAX_ROW_DENSITY, FFNStats, default_ell_capacity 
 # own fallback ran 0.93x / 0.90x vs dense mode 1.03x / 0.99x; heavy-tailed rows (a few % heavy)
 # 1.48x / 1.32x / 1.20x at 0.3 / 1 / 3 % vs dense mode ~1.02x, and at heavy-tailed 10 % (most
 # rows heavy) 0.87x vs 1.00x. Density alone cannot tell i.i.d. 3 % (dense wins) from heavy-tailed
-# 3 % (ELL wins); the heavy-row fraction can. 10 % is the densest case measured. Overrides:
-# TWELL_TRAIN_AUTO_DENSITY, TWELL_TRAIN_AUTO_HEAVY.
+# 3 % (ELL wins); the heavy-row fraction can. Run L (docs/bench/run10/): with the limit at 25 %
+# heavy-tailed 3 % went to dense mode (0.995x) where the ELL path ran 1.09x, so the limit is now
+# the op's own fallback point, DEFAULT_DENSE_ROW_FRACTION (50 %): auto goes dense exactly where
+# the op would. 10 % is the densest case measured. Overrides: TWELL_TRAIN_AUTO_DENSITY,
+# TWELL_TRAIN_AUTO_HEAVY.
 DEFAULT_TRAIN_DENSITY_THRESHOLD = float(os.environ.get("TWELL_TRAIN_AUTO_DENSITY", "0.10"))
-DEFAULT_TRAIN_HEAVY_FRACTION = float(os.environ.get("TWELL_TRAIN_AUTO_HEAVY", "0.25"))
+DEFAULT_TRAIN_HEAVY_FRACTION = float(os.environ.get("TWELL_TRAIN_AUTO_HEAVY", "0.5"))
 
 
 def train_path_for_density(density: float, threshold: float | None = None,
@@ -317,7 +320,14 @@ def _csc_order(col: torch.Tensor, nnz_eff: torch.Tensor, kc: int, h: int):
     return perm, colptr, torch.argsort(lengths, descending=True)
 
 
-def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backend: str):
+def _backup_capacity(backup_rows: int, n: int) -> int:
+    """Rows of the dense backup in the no-sync mode: the caller's capacity, at most N - 1 (so a
+    backward can tell it from the all-dense fallback, whose backup is all N rows)."""
+    return max(0, min(backup_rows, n - 1))
+
+
+def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backend: str,
+              backup_rows: int = -1):
     be = _backend(x, backend)
     n = x.shape[0]
     h = wg.shape[0]
@@ -330,6 +340,9 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     wdt = wd.t().contiguous()  # (H, D) rows for the SpMM here and the SDDMM in backward
     if wdt.data_ptr() == wd.data_ptr():  # wd was a transposed view: an output must not alias
         wdt = wdt.clone()
+    if backup_rows >= 0:
+        return _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_eff,
+                           wdt, _backup_capacity(backup_rows, n))
     # The one host sync of the call reads R, the number of heavy rows (it sizes the backup). On
     # CUDA it waits on an event recorded right after the compaction, not on the whole stream:
     # the SDDMM, SpMM and CSC sort (which need no host value) are queued before the wait and
@@ -392,6 +405,37 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
             order)
 
 
+def _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_eff, wdt, r_cap):
+    """The forward with no host synchronisation: the dense backup has ``r_cap`` rows, chosen by
+    the caller from earlier measurements. The heavy rows fill it in row order; its unused rows
+    (index N, clamped to N - 1 for the gathers) get a zero gate, so they add exact zeros to y
+    (and, in backward, to dx and the weight gradients). Heavy rows beyond ``r_cap`` would be
+    wrong (their ELL part is empty): the caller must compare ``FFNStats.heavy_rows`` (or the
+    returned count) with ``r_cap`` before using the step, and redo it in the measuring mode."""
+    n, h = g_NH.shape
+    y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)
+    perm, colptr, order = _csc_order(col, nnz_eff, kc, h)
+    l1 = l1_N.sum(dtype=acc)
+    if r_cap > 0:
+        idx = torch.nonzero_static(nnz_N > kc, size=r_cap, fill_value=n).reshape(-1)
+        used = (idx < n)[:, None]
+        heavy_idx = idx.clamp(max=n - 1)
+        g_R = torch.where(used, g_NH[heavy_idx], 0)
+        del g_NH
+        u_R = torch.matmul(x[heavy_idx], wu.t())
+        h_R, l1_heavy = be.backup_fwd(g_R, u_R)  # g_R <- relu(g_R) in place
+        # heavy rows have an empty ELL part (y = 0 there), unused rows add h = 0: exact sums
+        y.index_add_(0, heavy_idx, torch.matmul(h_R, wd.t()))
+        del h_R
+        l1 = l1 + l1_heavy
+    else:
+        del g_NH
+        heavy_idx = torch.empty((0,), dtype=torch.int64, device=x.device)
+        g_R, u_R = x.new_empty((0, h)), x.new_empty((0, h))
+    return (y, l1 / max(n, 1), nnz_N, counts_H, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt,
+            perm, colptr, order)
+
+
 def _dense_bwd(be, dy, scale, x, wg, wu, wd, g, u, wd_transposed: bool = False):
     """Backward of the dense FFN rows: g (relu'd or raw pre-activation) and u of those rows,
     dy their upstream gradient. Returns dx, dWg, dWu and dWd (D, H), or its transpose (H, D)
@@ -428,8 +472,8 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     dg, du = be.sddmm_bwd(dy, wdt, col, gv, u, nnz_eff, scale)
     be.spmm(dx, wg, wu, col, dg, du, nnz_eff)
     be.dw(dwg, dwu, dwdt, adds, x, dy, perm, colptr, dg, du, gv, u, order=order)
-    if r > 0:
-        dx.index_copy_(0, heavy_idx, dx_R.to(dx.dtype))
+    if r > 0:  # heavy rows: their ELL part is empty (dx = 0 there); unused backup rows add 0
+        dx.index_add_(0, heavy_idx, dx_R.to(dx.dtype))
     return dx, dwg, dwu, dwdt.t().contiguous()
 
 
@@ -446,6 +490,7 @@ def _ffn_train_fwd(
     ell_capacity: int,
     dense_row_fraction: float,
     backend: str,
+    backup_rows: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -453,16 +498,19 @@ def _ffn_train_fwd(
     heavy_idx, g_R, u_R, Wd^T, and the CSC order of the ELL entries: perm, colptr, order
     (see ``_fwd_body``)."""
     with torch.autocast(x.device.type, enabled=False):
-        return _fwd_body(x, w_gate, w_up, w_down, ell_capacity, dense_row_fraction, backend)
+        return _fwd_body(x, w_gate, w_up, w_down, ell_capacity, dense_row_fraction, backend,
+                         backup_rows)
 
 
 @_ffn_train_fwd.register_fake
-def _ffn_train_fwd_fake(x, w_gate, w_up, w_down, ell_capacity, dense_row_fraction, backend):
+def _ffn_train_fwd_fake(x, w_gate, w_up, w_down, ell_capacity, dense_row_fraction, backend,
+                        backup_rows=-1):
     ctx = torch.library.get_ctx()
     n, d = x.shape
     h = w_gate.shape[0]
     k = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)  # ELL capacity KC
-    r = ctx.new_dynamic_size()  # dense-backup rows: measured
+    # dense-backup rows: the given capacity, or measured
+    r = _backup_capacity(backup_rows, n) if backup_rows >= 0 else ctx.new_dynamic_size()
     acc = torch.promote_types(x.dtype, torch.float32)
     i32 = {"dtype": torch.int32}
     i64 = {"dtype": torch.int64}
@@ -509,7 +557,7 @@ def _ffn_train_bwd_fake(dy, dl1, x, w_gate, w_up, w_down, *rest):
 
 
 def _setup_context(ctx, inputs, output):
-    x, wg, wu, wd, _, _, backend = inputs
+    x, wg, wu, wd, _, _, backend = inputs[:7]
     ctx.backend = backend
     ctx.save_for_backward(x, wg, wu, wd, *output[4:])
     ctx.mark_non_differentiable(*output[2:])
@@ -529,7 +577,7 @@ def _backward(ctx, dy, dl1, *_unused):
         dy, dl1, x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
         order, ctx.backend,
     )
-    return dx, dwg, dwu, dwd, None, None, None
+    return dx, dwg, dwu, dwd, None, None, None, None
 
 
 torch.library.register_autograd("twell::ffn_train_fwd", _backward, setup_context=_setup_context)
@@ -671,6 +719,7 @@ def sparse_ffn_train(
     ell_capacity: int = 0,
     dense_row_fraction: float = DEFAULT_DENSE_ROW_FRACTION,
     backend: str = "auto",
+    backup_rows: int = -1,
 ) -> tuple[torch.Tensor, FFNStats | None]:
     """Gated ReLU FFN ``y = (relu(x Wg^T) * (x Wu^T)) Wd^T`` on the sparse training path.
 
@@ -692,6 +741,14 @@ def sparse_ffn_train(
         dense_row_fraction: if more than this fraction of the rows is heavy, the whole call
             runs through the dense backup.
         backend: ``"auto"`` (Triton when usable, else PyTorch), ``"triton"`` or ``"torch"``.
+        backup_rows: -1 (default): measure R, the number of heavy rows, with one host
+            synchronisation per call and size the dense backup to it (exact on every input;
+            above ``dense_row_fraction`` every row goes dense). ``>= 0``: **no host
+            synchronisation**; the backup has ``min(backup_rows, N - 1)`` rows (the caller's
+            capacity, e.g. from the previous step's ``FFNStats.heavy_rows``) and no all-dense
+            fallback. The result is exact when ``stats.heavy_rows <= min(backup_rows, N - 1)``;
+            otherwise the rows beyond the capacity are wrong, and the caller must discard the
+            call's results and redo it with -1 (the trainer does, once per optimizer step).
 
     Returns:
         (y_ND in the compute dtype, FFNStats or None).
@@ -700,6 +757,9 @@ def sparse_ffn_train(
         ValueError: a shape, dtype, device or option mismatch (the message names it).
     """
     _check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend, "sparse_ffn_train")
+    if backup_rows >= 0 and not with_stats:
+        raise ValueError("sparse_ffn_train: backup_rows >= 0 needs with_stats=True (the caller "
+                         "checks stats.heavy_rows against the capacity)")
     if ell_capacity < 0 or not 0.0 <= dense_row_fraction <= 1.0:
         raise ValueError(
             f"ell_capacity must be >= 0 (0 = default) and dense_row_fraction in [0, 1]; got "
@@ -711,7 +771,8 @@ def sparse_ffn_train(
         from twell.nn.mlp import gated_ffn_torch
 
         return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats)
-    out = _ffn_train_fwd(x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend)
+    out = _ffn_train_fwd(x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend,
+                         int(backup_rows))
     kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(wg.shape[0])
     return out[0], (_stats(out, n, kc) if with_stats else None)
 
