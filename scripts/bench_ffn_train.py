@@ -86,6 +86,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from twell.nn.mlp import gated_ffn_torch
+from twell.ops.sparse_train import backup_capacity_for
 from twell.ops import sparse_train
 from twell.ops import sparse_train_triton as tk
 from twell.ops.sparse_train import sparse_ffn_train
@@ -172,8 +173,8 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
         return {}
 
     def _note(st):
-        if variant == "sparse_nosync" and cap["rows"] < 0:  # as the trainer: max x 1.25 + 16
-            cap["rows"] = int(math.ceil(1.25 * st.heavy_rows.item())) + 16
+        if variant == "sparse_nosync" and cap["rows"] < 0:  # as the trainer
+            cap["rows"] = backup_capacity_for(st.heavy_rows.item())
 
     def _run():
         if variant == "dense":
@@ -202,6 +203,39 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
         return y, st
 
     return run, fwd
+
+
+def stack_times(x, wg, wu, wd, dy, layers, rep):
+    """Median ms of ``layers`` FFN layers in sequence, forward + backward (one weight set reused;
+    x <- x + 1e-3 * ffn(x) keeps the density), dense vs the sparse op with its per-call host sync
+    vs the no-sync mode: a per-layer sync stops the host from queueing the next layers."""
+    import triton.testing
+
+    ins = [t.detach().clone().requires_grad_() for t in (x, wg, wu, wd)]
+    c = L1_COEFF_PER_TOKEN * x.shape[0]
+    caps = {}
+
+    def run(kind):
+        h = ins[0]
+        l1 = 0.0
+        for i in range(layers):
+            if kind == "dense":
+                y, st = gated_ffn_torch(h, *ins[1:], with_stats=False)
+            else:
+                rows = caps.get(i, -1) if kind == "nosync" else -1
+                y, st = sparse_ffn_train(h, *ins[1:], with_stats=True, backup_rows=rows)
+                if kind == "nosync" and i not in caps:
+                    caps[i] = backup_capacity_for(st.heavy_rows.item())
+                l1 = l1 + st.l1
+            h = h + 1e-3 * y
+        loss = (h * dy).sum() + (c * l1 if kind != "dense" else 0.0)
+        return torch.autograd.grad(loss, ins)
+
+    out = {}
+    for kind in ("dense", "sync", "nosync"):
+        run(kind)
+        out[kind] = triton.testing.do_bench(lambda k=kind: run(k), warmup=10, rep=rep)
+    return out
 
 
 def reference_fp32(x, wg, wu, wd, dy, with_l1):
@@ -386,6 +420,9 @@ def main():
                     help="dist:density cases of the per-kernel table ('' = none)")
     ap.add_argument("--parts-only", action="store_true", help="only the per-kernel table")
     ap.add_argument("--quick", action="store_true", help="fewer timing repetitions")
+    ap.add_argument("--stack", type=int, default=0,
+                    help="also time this many FFN layers in sequence (dense / per-call sync / "
+                         "no-sync) per case")
     ap.add_argument("--profile", action="store_true",
                     help="print a torch.profiler kernel table of the sparse step per case, no timing")
     ap.add_argument("--trace", default=None,
@@ -402,6 +439,7 @@ def main():
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton "
           f"{triton.__version__}  N={n} D={d} H={h} bf16", flush=True)
     rows = []
+    stack_rows = []
     t_start = time.time()
     part_rows = []
     for case in filter(None, args.parts.split(",")):
@@ -502,8 +540,19 @@ def main():
                 rows.append(row)
                 print({k: v for k, v in row.items()}, flush=True)
                 torch.cuda.empty_cache()
+            if args.stack > 0:
+                t = stack_times(x, wg, wu, wd, dy, args.stack, rep)
+                stack_rows.append({"dist": dist, "density": dens, "layers": args.stack,
+                                   **{f"{k}_ms": round(v, 3) for k, v in t.items()},
+                                   "sync_speedup": round(t["dense"] / t["sync"], 3),
+                                   "nosync_speedup": round(t["dense"] / t["nosync"], 3)})
+                print(stack_rows[-1], flush=True)
             del x, wg, wu, wd, dy, ref_l1, ref_no
     print(f"# total {time.time() - t_start:.0f} s")
+    if stack_rows:
+        print("\n## stacks: ms of L layers fwd+bwd; speedup over dense")
+        for r in stack_rows:
+            print(r)
     cols = ["dist", "density", "l0", "nnz_max", "heavy_frac", "variant", "fwd_ms", "full_ms", "speedup",
             "peak_extra_mb", "mem_vs_dense", "status"]
     print("\n" + " | ".join(f"{c:>10}" for c in cols))

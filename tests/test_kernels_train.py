@@ -560,3 +560,10 @@ def test_nosync_traces_with_static_shapes_and_checkpoints():
         assert_close(name, a, b, 2e-5)
     with pytest.raises(ValueError, match="with_stats"):
         sparse_ffn_train(x, wg, wu, wd, with_stats=False, backup_rows=2)
+
+
+def test_backup_capacity_for_measured_heavy_rows():
+    """No heavy row: capacity 0 (no backup work at all); else 1.25 x the count + 16 rows."""
+    assert sparse_train.backup_capacity_for(0) == 0
+    assert sparse_train.backup_capacity_for(1) == 18
+    assert sparse_train.backup_capacity_for(100.0) == 141

@@ -38,7 +38,7 @@ from train.sparsity import (
     l1_penalty,
     reinit_dead_gates,
 )
-from twell.ops.sparse_train import DEFAULT_DENSE_ROW_FRACTION
+from twell.ops.sparse_train import DEFAULT_DENSE_ROW_FRACTION, backup_capacity_for
 
 
 class NonFiniteLossError(RuntimeError):
@@ -402,7 +402,8 @@ class Trainer:
         and, on the sparse training path with ``model.ffn_host_sync=step``, the dense-backup
         capacity check). A step in which some layer had more heavy rows than its capacity is
         redone with per-call measurement (its results are discarded before the optimizer sees
-        them); the next capacities are the step's heavy-row maxima x 1.25 + 16.
+        them); the next capacities come from the step's heavy-row maxima
+        (``twell.ops.sparse_train.backup_capacity_for``: 0 when none, else x 1.25 + 16).
         """
         cfg, acc, model = self.cfg, self.acc, self.model
         coeff = l1_coeff_at(self.step, cfg.sparsity)
@@ -435,7 +436,7 @@ class Trainer:
             for mlp, hv in zip(self.mlps, heavy_max):
                 measure = (over or cfg.model.ffn_host_sync == "call"
                            or hv > DEFAULT_DENSE_ROW_FRACTION * n_micro)
-                mlp.backup_rows = -1 if measure else int(math.ceil(1.25 * hv)) + 16
+                mlp.backup_rows = -1 if measure else backup_capacity_for(hv)
             if not over:
                 break
             self.optimizer.zero_grad(set_to_none=True)  # discard; redo measuring per call

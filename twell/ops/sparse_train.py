@@ -43,6 +43,7 @@ and for float64.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -318,6 +319,14 @@ def _csc_order(col: torch.Tensor, nnz_eff: torch.Tensor, kc: int, h: int):
     del sorted_keys, keys
     lengths = (colptr[1:] - colptr[:-1]).to(torch.int32)  # int32 keys: half the radix passes
     return perm, colptr, torch.argsort(lengths, descending=True)
+
+
+def backup_capacity_for(heavy_rows: float) -> int:
+    """No-sync dense-backup capacity for the next call(s) from a measured heavy-row count
+    (``FFNStats.heavy_rows``, the maximum over the calls it should cover): 0 when no row was
+    heavy (the backup then costs nothing), else ``ceil(1.25 R) + 16``."""
+    r = float(heavy_rows)
+    return 0 if r <= 0 else int(math.ceil(1.25 * r)) + 16
 
 
 def _backup_capacity(backup_rows: int, n: int) -> int:
