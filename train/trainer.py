@@ -41,6 +41,9 @@ from train.sparsity import (
 from twell.ops.sparse_train import DEFAULT_DENSE_ROW_FRACTION, backup_capacity_for
 
 
+BACKUP_WINDOW = 16  # steps of heavy-row counts behind each no-sync dense-backup capacity
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became NaN/inf; the run stops before applying that step."""
 
@@ -144,6 +147,8 @@ class Trainer:
         if t.grad_checkpointing:  # non-reentrant: the L1 side output keeps its graph
             enable_grad_checkpointing(model)
         self.mlps = ffn_modules(model)
+        # per layer, the heavy-row maxima of the last BACKUP_WINDOW steps (no-sync capacities)
+        self.heavy_hist: list[list[float]] = [[] for _ in self.mlps]
         self.n_params = sum(p.numel() for p in model.parameters())
         if t.compile:
             model.compile()
@@ -265,7 +270,8 @@ class Trainer:
                 "ffn_train_paths": [m.train_path for m in self.mlps],  # impl=auto's choices
                 # sparse path's dense-backup capacities (they pick the backup GEMMs' shapes, so
                 # an exact resume needs them)
-                "ffn_backup_rows": [m.backup_rows for m in self.mlps]}
+                "ffn_backup_rows": [m.backup_rows for m in self.mlps],
+                "ffn_heavy_hist": [list(h) for h in self.heavy_hist]}
 
     def load_state_dict(self, d: dict) -> None:
         self.step = int(d["step"])
@@ -276,6 +282,8 @@ class Trainer:
             m.train_path = path
         for m, rows in zip(self.mlps, d.get("ffn_backup_rows", [])):
             m.backup_rows = int(rows)
+        for i, hist in enumerate(d.get("ffn_heavy_hist", [])[: len(self.heavy_hist)]):
+            self.heavy_hist[i] = [float(v) for v in hist]
 
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step{N}/`` atomically (all ranks call this)."""
@@ -402,8 +410,9 @@ class Trainer:
         and, on the sparse training path with ``model.ffn_host_sync=step``, the dense-backup
         capacity check). A step in which some layer had more heavy rows than its capacity is
         redone with per-call measurement (its results are discarded before the optimizer sees
-        them); the next capacities come from the step's heavy-row maxima
-        (``twell.ops.sparse_train.backup_capacity_for``: 0 when none, else x 1.25 + 16).
+        them); the next capacities come from the heavy-row maxima of the last
+        ``BACKUP_WINDOW`` steps (``twell.ops.sparse_train.backup_capacity_for``: 0 when none,
+        else x 1.25 + 16).
         """
         cfg, acc, model = self.cfg, self.acc, self.model
         coeff = l1_coeff_at(self.step, cfg.sparsity)
@@ -430,16 +439,23 @@ class Trainer:
             n_micro = max(m["micro_tokens"], 1)
             over = [i for i, (c, cap, hv) in enumerate(zip(capped, caps, heavy_max))
                     if c and hv > min(cap, n_micro - 1)]
-            # next step's capacities: measure per call after an overflow, with ffn_host_sync=call,
-            # or where most rows are heavy (the op then runs the whole call densely, which needs
-            # the measurement); else the step's maximum with a margin
-            for mlp, hv in zip(self.mlps, heavy_max):
-                measure = (over or cfg.model.ffn_host_sync == "call"
-                           or hv > DEFAULT_DENSE_ROW_FRACTION * n_micro)
-                mlp.backup_rows = -1 if measure else backup_capacity_for(hv)
-            if not over:
+            if over:  # discard this attempt; redo it measuring per call
+                for mlp in self.mlps:
+                    mlp.backup_rows = -1
+            else:
+                # next step's capacities: measure per call with ffn_host_sync=call or where most
+                # rows are heavy (the op then runs the whole call densely, which needs the
+                # measurement); else the largest count of the last BACKUP_WINDOW steps with a
+                # margin (one step's count alone made a tiny GPU run redo 50 of 120 steps: a
+                # few heavy tokens come and go from batch to batch)
+                for mlp, hist, hv in zip(self.mlps, self.heavy_hist, heavy_max):
+                    hist.append(hv)
+                    del hist[:-BACKUP_WINDOW]
+                    measure = (cfg.model.ffn_host_sync == "call"
+                               or hv > DEFAULT_DENSE_ROW_FRACTION * n_micro)
+                    mlp.backup_rows = -1 if measure else backup_capacity_for(max(hist))
                 break
-            self.optimizer.zero_grad(set_to_none=True)  # discard; redo measuring per call
+            self.optimizer.zero_grad(set_to_none=True)
             interval["backup_redos"] = interval.get("backup_redos", 0) + 1
             self._print(f"step {self.step + 1}: layers {over} had more heavy rows than their "
                         f"dense-backup capacity; redoing the step with per-call measurement")
