@@ -4,6 +4,7 @@
     python scripts/bench_ffn_train.py --quick         # fewer repetitions
     python scripts/bench_ffn_train.py --parts-only    # per-kernel old vs new only (~1 min)
     OUT=/some/dir python scripts/bench_ffn_train.py   # also writes $OUT/bench_ffn_train.csv
+    python scripts/bench_ffn_train.py --stack 8       # + 8 layers in sequence: sync vs no-sync
 
 One FFN forward + backward (y, dx, dWg, dWu, dWd; the L1 term in the loss), M = 16384 tokens,
 D = 2048, H = 5632, bf16, for densities 0.3 / 1 / 3 / 10 % of active units, i.i.d. and
