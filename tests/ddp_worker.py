@@ -12,8 +12,9 @@ It writes into ``--run-dir`` (besides the trainer's own metrics.jsonl and checkp
 * ``params_rank{r}.pt``: every rank's full parameter dict after the last step (fp32, CPU), and
   ``init_params.pt`` (rank 0: the parameters before the first step).
 * ``ffn_calls_rank{r}.json``: one record per sparse training forward of this rank:
-  ``{"n": token rows, "heavy": rows sent to the dense backup, "light": rows on the ELL path,
-  "backend": module that ran the kernels}`` (empty for ``model.ffn_impl=torch``), so a test
+  ``{"n": token rows, "heavy": rows sent to the dense backup (all of them in the op's all-dense
+  fallback, else the rows above the ELL capacity), "light": rows on the ELL path, "backup_rows":
+  the no-sync capacity passed (-1: measured per call), "backend": module that ran the kernels}`` (empty for ``model.ffn_impl=torch``), so a test
   can check that both the sparse (ELL) kernels and the dense backup actually ran.
 """
 
@@ -33,11 +34,15 @@ def _record_sparse_calls(calls: list[dict]) -> None:
 
     body = st._fwd_body
 
-    def recording_body(x, wg, wu, wd, ell_capacity, dense_row_fraction, backend):
-        out = body(x, wg, wu, wd, ell_capacity, dense_row_fraction, backend)
-        nnz_eff, heavy_idx = out[4], out[8]
-        calls.append({"n": int(x.shape[0]), "heavy": int(heavy_idx.shape[0]),
+    def recording_body(x, wg, wu, wd, ell_capacity, dense_row_fraction, backend, *rest):
+        out = body(x, wg, wu, wd, ell_capacity, dense_row_fraction, backend, *rest)
+        nnz_eff, nnz_N = out[4], out[2]
+        kc = ell_capacity if ell_capacity > 0 else st.default_ell_capacity(wg.shape[0])
+        all_dense = out[8].shape[0] == x.shape[0]  # the op's fallback: every row on the backup
+        calls.append({"n": int(x.shape[0]),
+                      "heavy": int(x.shape[0]) if all_dense else int((nnz_N > kc).sum()),
                       "light": int((nnz_eff > 0).sum()),
+                      "backup_rows": int(rest[0]) if rest else -1,
                       "backend": st._backend(x, backend).__name__})
         return out
 

@@ -85,6 +85,11 @@ def test_run_dir_of_another_run_is_refused(tmp_path):
     with pytest.raises(ConfigError) as err:
         Trainer(tiny_config(tok, **{"model.num_layers": 3}), run)
     assert "model.num_layers" in _one_line(err)
+    # the FFN path and its host-sync mode are not the model's shape: such a resume is allowed
+    t = Trainer(tiny_config(tok, **{"trainer.max_steps": 2, "model.ffn_host_sync": "call",
+                                    "model.ffn_impl": "auto"}), run)
+    assert t.step == 1
+    t.close()
     with pytest.raises(ConfigError, match="trainer.resume"):
         Trainer(tiny_config(tok, **{"trainer.resume": str(tmp_path / "nope")}), tmp_path / "r2")
 

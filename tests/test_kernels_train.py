@@ -207,6 +207,15 @@ def test_kernel_config_rejects_bad_values():
     with pytest.raises(ValueError, match="dw_block_d must be a positive int"), \
             tk.kernel_config(dw_block_d=0):
         pass
+    with pytest.raises(ValueError, match="dense_block_n must be a power of 2"), \
+            tk.kernel_config(dense_block_n=12):
+        pass
+    for bad in (2, -1):
+        with pytest.raises(ValueError, match="dw_d_outer must be 0 or 1"), \
+                tk.kernel_config(dw_d_outer=bad):
+            pass
+    with tk.kernel_config(dw_d_outer=0):
+        pass
     assert tk.CONFIG["spmm"] == "rows"  # restored after the failed attempts
 
 
@@ -567,3 +576,18 @@ def test_backup_capacity_for_measured_heavy_rows():
     assert sparse_train.backup_capacity_for(0) == 0
     assert sparse_train.backup_capacity_for(1) == 18
     assert sparse_train.backup_capacity_for(100.0) == 141
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_dense_mode_propagates_a_nan_gate_like_pytorch(backend):
+    """A NaN confined to one gate weight row makes that unit's gate NaN in every token:
+    relu(NaN) * u = NaN reaches y as on the PyTorch path (a GPU max(g, 0) would return 0 and
+    hide it)."""
+    x, wg, wu, wd, _ = make_inputs(9, 16, 64, threshold=0.5, seed=51)
+    wg = wg.clone()
+    wg[3, 5] = float("nan")
+    y_ref, _ = gated_ffn_torch(x.float(), wg.float(), wu.float(), wd.float(), with_stats=False)
+    y, _ = sparse_train.dense_ffn_train(*(t.float().to(DEV) for t in (x, wg, wu, wd)),
+                                        backend=backend)
+    assert torch.isnan(y_ref).all()
+    assert torch.equal(torch.isnan(y.cpu()), torch.isnan(y_ref))

@@ -91,6 +91,10 @@ def test_two_ranks_twell_matches_one_process_and_torch(tmp_path):
             assert {c["backend"] for c in calls} == {"twell.ops.sparse_train_triton"}
             assert all(c["light"] > 0 and c["heavy"] > 0 for c in calls), calls
             assert all(c["n"] == (64 if name == "ddp_twell" else 128) for c in calls)
+            # step 1 measures per call; step 2 runs without host sync, its dense-backup capacity
+            # (the same on every rank: the step's maximum over ranks) holding the heavy rows
+            assert [c["backup_rows"] for c in calls[:2]] == [-1, -1]
+            assert all(c["backup_rows"] >= c["heavy"] for c in calls[2:]), calls
     assert not json.loads((tmp_path / "one_torch" / "ffn_calls_rank0.json").read_text())
 
     # same initial weights everywhere (the comparison starts from one point)

@@ -109,9 +109,17 @@ def test_backup_capacity_check_redoes_an_overflowed_step_exactly(tokens, tmp_pat
         assert a["loss"] == b["loss"] and a["l0_mean"] == b["l0_mean"], (a["step"], a, b)
 
 
-def test_ffn_host_sync_is_validated():
-    from train.config import ConfigError, TrainConfig, ModelConfig
+def test_ffn_host_sync_is_validated_and_compile_measures_per_call(tokens, tmp_path):
+    from train.config import ConfigError, ModelConfig, TrainConfig
 
     with pytest.raises(ConfigError, match="ffn_host_sync"):
         ModelConfig(ffn_host_sync="never")
     assert TrainConfig().model.ffn_host_sync == "step"
+    # under torch.compile a capacity changing from step to step would recompile the model
+    for compile_, nosync in ((False, True), (True, False)):
+        t = Trainer(tiny_config(tokens, **{"model.ffn_impl": "twell",
+                                           "trainer.compile": compile_}), tmp_path / str(compile_))
+        try:
+            assert t.nosync_backup is nosync
+        finally:
+            t.close()

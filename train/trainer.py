@@ -150,7 +150,14 @@ class Trainer:
         # per layer, the heavy-row maxima of the last BACKUP_WINDOW steps (no-sync capacities)
         self.heavy_hist: list[list[float]] = [[] for _ in self.mlps]
         self.n_params = sum(p.numel() for p in model.parameters())
+        # no-sync dense-backup capacities change from step to step; as integer arguments they
+        # would make torch.compile recompile the model for each new value (and fall back to
+        # eager after its recompile limit), so a compiled model measures per call instead
+        self.nosync_backup = cfg.model.ffn_host_sync == "step" and not t.compile
         if t.compile:
+            if cfg.model.ffn_host_sync == "step" and cfg.model.ffn_impl != "torch":
+                self._print("trainer.compile=true: the sparse training path measures its dense "
+                            "backup per call (model.ffn_host_sync=step applies to eager runs)")
             model.compile()
         optimizer = self._build_optimizer(model)
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
@@ -205,7 +212,7 @@ class Trainer:
         if found is not None:
             saved = OmegaConf.to_container(OmegaConf.load(found / "train_config.yaml"))
             diff = [d for d in config_diff(saved, self.config_dict) if d.startswith("model.")
-                    and not d.startswith("model.ffn_impl")]
+                    and not d.startswith(("model.ffn_impl", "model.ffn_host_sync"))]
             if diff:
                 raise ConfigError(f"checkpoint {found} has another model shape ({'; '.join(diff[:3])})"
                                   "; use the same model config or a new hydra.run.dir.")
@@ -412,7 +419,8 @@ class Trainer:
         redone with per-call measurement (its results are discarded before the optimizer sees
         them); the next capacities come from the heavy-row maxima of the last
         ``BACKUP_WINDOW`` steps (``twell.ops.sparse_train.backup_capacity_for``: 0 when none,
-        else x 1.25 + 16).
+        else x 1.25 + 16), except for layers with more than half of their rows heavy and under
+        ``trainer.compile``, which measure per call.
         """
         cfg, acc, model = self.cfg, self.acc, self.model
         coeff = l1_coeff_at(self.step, cfg.sparsity)
@@ -451,7 +459,7 @@ class Trainer:
                 for mlp, hist, hv in zip(self.mlps, self.heavy_hist, heavy_max):
                     hist.append(hv)
                     del hist[:-BACKUP_WINDOW]
-                    measure = (cfg.model.ffn_host_sync == "call"
+                    measure = (not self.nosync_backup
                                or hv > DEFAULT_DENSE_ROW_FRACTION * n_micro)
                     mlp.backup_rows = -1 if measure else backup_capacity_for(max(hist))
                 break

@@ -67,8 +67,9 @@ class SparseGatedMLP(nn.Module):
         impl: ``"torch"`` (dense PyTorch), ``"twell"`` (TwELL Triton kernels)
             or ``"auto"`` (inference: per call, TwELL when the layer's measured density
             makes it faster, else dense; training: per layer and optimizer step, from
-            ``train_path``, which the trainer sets from the layer's measured L0: the ELL
-            training kernels, or dense mode, cuBLAS with fused elementwise passes).
+            ``train_path``, which the trainer sets from the layer's measured L0 and heavy-row
+            fraction: the ELL training kernels, or dense mode, cuBLAS with fused elementwise
+            passes).
 
     Attributes:
         collect_stats: when True (default) every forward stores an
@@ -109,7 +110,8 @@ class SparseGatedMLP(nn.Module):
         self.twell_state = None  # twell.ops.ffn.TwELLState, created lazily (triton optional)
         # impl="auto" with gradients: "twell" (ELL kernels) or "dense" (dense mode:
         # twell.ops.sparse_train.dense_ffn_train), set between optimizer steps by the trainer
-        # from this layer's measured L0 (twell.ops.sparse_train.train_path_for_density); fixed
+        # from this layer's measured L0 and heavy-row fraction
+        # (twell.ops.sparse_train.train_path_for_density); fixed
         # within a step, so a checkpointed forward and its recomputation agree. Starts dense: a
         # freshly initialised ReLU FFN has ~50 % of its units active. ("torch" is also accepted:
         # the plain PyTorch path.)

@@ -18,9 +18,13 @@ Math (arXiv 2603.23198; ``shared/PAPER.md``, "Hybrid (training)")::
     dWd^T[c] = sum h dy[n]
 
 Rows with more than KC non-zeros (the ELL capacity) go whole to the dense backup: their g and u
-(R x H each) are computed with cuBLAS and saved, their gradients are dense matmuls. Nothing is
-dropped at any density: when more than ``dense_row_fraction`` of the rows are heavy, every row
-goes to the dense backup (the call is then the dense FFN plus one compaction pass).
+(R x H each) are computed with cuBLAS and saved, their gradients are dense matmuls. In the
+default, measuring mode nothing is dropped at any density: when more than
+``dense_row_fraction`` of the rows are heavy, every row goes to the dense backup (the call is
+then the dense FFN plus one compaction pass). In the no-sync mode (``backup_rows >= 0``) the
+backup has the caller's capacity and no all-dense fallback; heavy rows beyond it would be wrong,
+so the caller checks ``FFNStats.heavy_rows`` against the capacity before using the results and
+redoes the call measuring (the trainer does, once per optimizer step, ``model.ffn_host_sync``).
 
 Saved for backward: x, the three weights, the ELL part at its capacity width (col int32, g, u:
 N x KC; slots past a row's length are never read), the row lengths, the indices of the heavy rows
@@ -30,11 +34,11 @@ entries (perm, colptr, and the dW kernel's longest-column-first order), built in
 while the GPU runs the SDDMM and SpMM so that the backward launches little besides its kernels.
 No N x H tensor outside the backup rows.
 
-Host synchronisation: exactly one per forward call (reading R and the number of ELL entries,
-which size the backup and the CSC order). On CUDA it waits on an event recorded after those two
-counts while the SDDMM and SpMM, queued before the wait, keep the GPU busy; none in backward
-(R and the entry count are carried by the saved tensors' shapes). With gradient checkpointing
-the recomputed forward syncs once more.
+Host synchronisation: measuring mode (``backup_rows=-1``), exactly one per forward call (reading
+R, which sizes the backup). On CUDA it waits on an event recorded right after the compaction
+while the SDDMM, SpMM and CSC sort, queued before the wait, keep the GPU busy; none in backward
+(R is carried by the saved tensors' shapes). With gradient checkpointing the recomputed forward
+syncs once more. No-sync mode (``backup_rows >= 0``): none.
 
 Backends: Triton kernels on CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``); a pure
 PyTorch implementation of the same sparse math everywhere else (CPU users are never broken),
@@ -766,6 +770,9 @@ def sparse_ffn_train(
         ValueError: a shape, dtype, device or option mismatch (the message names it).
     """
     _check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend, "sparse_ffn_train")
+    if backup_rows < -1:
+        raise ValueError(f"sparse_ffn_train: backup_rows must be -1 (measure per call) or a "
+                         f"capacity >= 0; got {backup_rows}")
     if backup_rows >= 0 and not with_stats:
         raise ValueError("sparse_ffn_train: backup_rows >= 0 needs with_stats=True (the caller "
                          "checks stats.heavy_rows against the capacity)")
@@ -799,7 +806,9 @@ def dense_ffn_train(
     pass each way, with the same statistics and L1 gradient as :func:`sparse_ffn_train`.
 
     For layers too dense for the ELL path (``model.ffn_impl=auto`` sends a layer here when its
-    measured density is above :data:`DEFAULT_TRAIN_DENSITY_THRESHOLD`). Forward: g = x Wg^T and
+    measured density is above :data:`DEFAULT_TRAIN_DENSITY_THRESHOLD` or more than
+    :data:`DEFAULT_TRAIN_HEAVY_FRACTION` of its tokens are heavy rows; see
+    :func:`train_path_for_density`). Forward: g = x Wg^T and
     u = x Wu^T (cuBLAS), one pass for h = relu(g) * u, the per-row sum |h| and L0 and the
     per-unit active counts, y = h Wd^T. Backward: dh = dy Wd (cuBLAS), one pass for
     dg = (dh + s sign(h)) u [g > 0], du = (dh + s sign(h)) relu(g) and h (s = dL/dl1 / N),

@@ -562,6 +562,9 @@ _DEFAULT_CONFIG = {
     "dense_warps": 4,
 }
 CONFIG = dict(_DEFAULT_CONFIG)
+# sizes used directly as tl.arange extents (others are rounded up to a power of 2 by _pow2)
+_POW2_KEYS = ("dense_block_n", "dense_block_h", "sddmm_block_k", "spmm_block_k", "spmm_block_k2",
+              "dw_block_j")
 _CHOICES = {"compact": ("v1", "v2", "v3", "v4"), "spmm": ("tiled", "rows"), "dw": ("tiled", "cols")}
 
 
@@ -579,10 +582,15 @@ def kernel_config(**overrides):
             raise ValueError(f"kernel_config: unknown key {key!r}; known: {sorted(CONFIG)}")
         if key in _CHOICES and val not in _CHOICES[key]:
             raise ValueError(f"kernel_config: {key} must be one of {_CHOICES[key]}; got {val!r}")
-        if key == "dw_d_outer" and val in (0, 1):
+        if key == "dw_d_outer":
+            if val not in (0, 1):
+                raise ValueError(f"kernel_config: dw_d_outer must be 0 or 1; got {val!r}")
             continue
         if key not in _CHOICES and (not isinstance(val, int) or val < 1):
             raise ValueError(f"kernel_config: {key} must be a positive int; got {val!r}")
+        if key in _POW2_KEYS and val & (val - 1):
+            raise ValueError(f"kernel_config: {key} must be a power of 2 (a Triton block size); "
+                             f"got {val!r}")
     saved = dict(CONFIG)
     CONFIG.update(overrides)
     try:
@@ -812,7 +820,8 @@ def _backup_fwd_kernel(
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
-    g = tl.maximum(tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32), 0.0)
+    g = tl.maximum(tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32), 0.0,
+                   propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) = NaN, as in PyTorch
     u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
     h = (g * u).to(h_ptr.dtype.element_ty)
     tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=m)
@@ -838,7 +847,8 @@ def _backup_bwd_kernel(
     s = tl.load(scale_ptr)
     dh = tl.load(dh_ptr + offs, mask=m, other=0.0).to(tl.float32)
     # relu on load: the op's fallback saves relu(g), dense mode the raw pre-activation
-    g = tl.maximum(tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32), 0.0)
+    g = tl.maximum(tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32), 0.0,
+                   propagate_nan=tl.PropagateNan.ALL)  # relu(NaN) = NaN, as in PyTorch
     u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
     h = (g * u).to(h_ptr.dtype.element_ty)
     hf = h.to(tl.float32)
@@ -881,7 +891,8 @@ def _dense_fwd_kernel(
         g = tl.load(g_ptr + off, mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + off, mask=m, other=0.0).to(tl.float32)
         act = g > 0
-        h = (tl.maximum(g, 0.0) * u).to(h_ptr.dtype.element_ty)
+        # relu(NaN) = NaN as in PyTorch (the GPU max would return 0: a NaN gate would vanish)
+        h = (tl.maximum(g, 0.0, propagate_nan=tl.PropagateNan.ALL) * u).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + off, h, mask=m)
         if STATS:
             l1 += tl.sum(tl.abs(h.to(tl.float32)), axis=1)
