@@ -229,3 +229,33 @@ def test_warmup_longer_than_run_warns(tokens, tmp_path, capsys):
             tmp_path / "w").close()
     err = capsys.readouterr().err
     assert "optim.warmup_steps=5 >= trainer.max_steps=2" in err
+
+
+def test_record_acts_saves_a_layer_input_for_the_inference_bench(tokens, tmp_path):
+    """scripts/record_acts.py: the recorded x is the FFN input of the chosen layer (its density
+    recomputed from x and the saved gate weight matches the printed one), in bench_ffn's format."""
+    import importlib.util
+
+    import torch
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "record_acts.py"
+    spec = importlib.util.spec_from_file_location("record_acts", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    record = mod.main
+
+    run = tmp_path / "run"
+    t = Trainer(tiny_config(tokens, **{"trainer.max_steps": 1}), run)
+    t.train()
+    t.close()
+    ckpt = next((run / "checkpoints").glob("step*"))
+    meta = record([str(ckpt), str(tokens), "--layer", "1", "--tokens", "512",
+                   "--out", str(tmp_path / "acts.pt")])
+    blob = torch.load(tmp_path / "acts.pt")
+    d, h = t.cfg.model.hidden_size, t.cfg.model.intermediate_size
+    assert blob["x"].shape == (512, d) and blob["x"].dtype == torch.bfloat16
+    assert blob["w_gate"].shape == blob["w_up"].shape == (h, d) and blob["w_down"].shape == (d, h)
+    dens = ((blob["x"].float() @ blob["w_gate"].float().t()) > 0).float().mean().item()
+    assert abs(dens - meta["density"]) < 0.02 and 0 < meta["density"] < 1
+    with pytest.raises(SystemExit, match="--layer"):
+        record([str(ckpt), str(tokens), "--layer", "9", "--out", str(tmp_path / "b.pt")])
