@@ -390,7 +390,7 @@ def test_auto_mode_switches_on_measured_density():
     n, d, h = 8, 32, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=13)
     st = TwELLState(density_threshold=0.2)
-    st.min_rows = 0  # this test is about density; the row-count rule is tested below
+    st.min_rows = st.min_flops = 0  # this test is about density; the size rules are below
     y_a, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
     assert st.last_info.path == "twell"          # first call: no measurement yet
     sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
@@ -411,7 +411,7 @@ def test_auto_dense_path_rechecks_density_periodically():
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.3, seed=15)  # ~30 % active
     xs, wgs, wus, wds = make_ffn(n, d, h, torch.float32, 0.002, seed=15)  # almost none
     st = TwELLState(density_threshold=0.1)
-    st.min_rows = 0
+    st.min_rows = st.min_flops = 0
 
     def call(*ins):  # one call, then let its (asynchronous on CUDA) density copy land
         sparse_ffn(*ins, mode="auto", state=st, with_stats=False)
@@ -433,6 +433,7 @@ def test_auto_mode_goes_dense_for_few_rows():
     n, d, h = 8, 32, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=14)
     st = TwELLState(density_threshold=0.5)
+    st.min_flops = 0
     st.min_rows = n + 1  # fewer rows than min_rows: dense even at low density
     y_d, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
     assert st.last_info.path == "dense"
@@ -526,3 +527,18 @@ def test_dense_path_fused_pass_matches_pytorch(with_stats):
     y2, st2, d2 = ffn_mod._dense(x, wg, wu, wd, False, measure=False)
     assert st2 is None and d2 is None
     torch.testing.assert_close(y2, y)
+
+
+def test_auto_mode_goes_dense_for_a_small_ffn():
+    """Fewer dense FLOPs (6 M D H) than TwELLState.min_flops: dense even at low density and
+    many rows (run Q: a small model's layer ran 0.60-0.84x of dense on TwELL)."""
+    n, d, h = 8, 32, 300
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=14)
+    st = TwELLState(density_threshold=0.5)
+    st.min_rows = 0
+    st.min_flops = 6 * n * d * h + 1
+    sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    assert st.last_info.path == "dense"
+    st.min_flops = 6 * n * d * h
+    sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    assert st.last_info.path == "twell"

@@ -20,7 +20,8 @@ Paths, chosen per call:
   training path; gated FFNs only, it raises ValueError for a non-gated one).
 * ``mode="auto"``: dense cuBLAS when the layer's last measured density is
   above ``TwELLState.density_threshold`` or the call has fewer than
-  ``TwELLState.min_rows`` token rows, else TwELL. The density comes from
+  ``TwELLState.min_rows`` token rows or fewer dense FLOPs than ``TwELLState.min_flops``, else
+  TwELL. The density comes from
   the previous call through a pinned host copy and a CUDA event (no host
   sync on the calling path); the first call goes TwELL.
 
@@ -54,6 +55,13 @@ DEFAULT_DENSITY_THRESHOLD = float(os.environ.get("TWELL_AUTO_DENSITY", "0.006"))
 # Run 2 (H200): at M=2048 TwELL lost at every density (0.3 %: 0.62x, 1 %: 0.58x); at M=16384
 # it won at <= 0.3 %. Below this many rows "auto" goes dense. Override: TWELL_AUTO_MIN_ROWS.
 DEFAULT_MIN_ROWS = int(os.environ.get("TWELL_AUTO_MIN_ROWS", "8192"))
+# Run Q (docs/bench/run14, H200): real activations of a framework-trained small_l4 layer
+# (M 16384, D 768, H 2048, density 0.25 %): dense 0.308 ms, TwELL 0.37-0.52 ms (0.60-0.84x) although
+# its kernels sum to 0.24 ms: a call this small is launch- and bookkeeping-bound. "auto" also goes
+# dense when the dense FFN's FLOPs (6 M D H; 2 M D H x 2 non-gated) are below this (3e11 ~ 0.45 ms
+# of cuBLAS; the headline shape at M 8192 is 5.7e11, at M 2048, which lost in run 2, 1.4e11).
+# Override: TWELL_AUTO_MIN_FLOPS.
+DEFAULT_MIN_FLOPS = float(os.environ.get("TWELL_AUTO_MIN_FLOPS", "3e11"))
 GATE_IMPLS = ("two_pass", "fused")
 DEFAULT_GATE_IMPL = os.environ.get("TWELL_GATE_IMPL", "two_pass")
 
@@ -87,6 +95,8 @@ class TwELLState:
         factor: TwELL compression factor (8, 4 or 2).
         gate_impl: "two_pass" or "fused" producer.
         density_threshold: "auto" goes dense above this density.
+        min_flops: "auto" goes dense for calls whose dense FFN has fewer FLOPs than this
+            (launch-bound: run Q, a small model's layer ran 0.60-0.84x at 0.25 % density).
         min_rows: "auto" goes dense for calls with fewer token rows than this (launch- and
             bookkeeping-bound: at M=2048 TwELL ran 0.62x of dense even at 0.3 %).
         density: last measured density (Python float) or None.
@@ -109,6 +119,7 @@ class TwELLState:
         self.density_threshold = (DEFAULT_DENSITY_THRESHOLD if density_threshold is None
                                   else density_threshold)
         self.min_rows = DEFAULT_MIN_ROWS
+        self.min_flops = DEFAULT_MIN_FLOPS
         self.density: float | None = None
         self.dense_calls = 0
         self.last_info: FFNInfo | None = None
@@ -317,6 +328,7 @@ def sparse_ffn(
             dens = state.poll_density()
             if (dens is not None and dens > state.density_threshold) or (
                 x_ND.shape[0] < state.min_rows
+                or (6 if w_gate_HD is not None else 4) * x_ND.numel() * h < state.min_flops
             ):
                 # on the dense path the density is re-measured every DENSE_RECHECK_EVERY-th call
                 # (run E: measuring it every call cost 1-4 % of the dense FFN)
