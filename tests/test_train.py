@@ -156,6 +156,8 @@ def test_in_loop_eval_calls_evals_evaluate(tokens, tmp_path, monkeypatch):
         return {"tasks": {"piqa": {"acc": 0.5, "acc_norm": 0.6, "primary": 0.6, "n": 4}},
                 "mean": 0.6, "protocol": {}}
 
+    import evals.tasks  # noqa: F401  (the config checks eval.tasks against it: load it first)
+
     monkeypatch.setitem(sys.modules, "evals", types.SimpleNamespace(evaluate=fake_evaluate))
     cfg = tiny_config(tokens, **{"trainer.max_steps": 5, "eval.every_steps": 2,
                                  "eval.at_end": True, "eval.tasks": ["piqa"], "eval.limit": 4})

@@ -433,17 +433,21 @@ class Trainer:
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
             grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
             bad = (~torch.isfinite(m["loss"]) | ~torch.isfinite(grad_norm)).float()
-            heavy_max_L = m["heavy_max_L"]
+            heavy_max_L, nnz_L, heavy_L = m["heavy_max_L"], m["nnz_sum_L"], m["heavy_L"]
             if acc.num_processes > 1:
                 bad = acc.reduce(bad, "sum")
                 heavy_max_L = acc.reduce(heavy_max_L.contiguous(), "max")
-            host = torch.cat([bad.reshape(1), heavy_max_L]).tolist()  # the step's one host sync
+                nnz_L = acc.reduce(nnz_L.contiguous(), "sum")
+                heavy_L = acc.reduce(heavy_L.contiguous(), "sum")
+            L = len(self.mlps)
+            # the step's one host sync: non-finite check, backup capacities, auto's statistics
+            host = torch.cat([bad.reshape(1), heavy_max_L, nnz_L, heavy_L]).tolist()
             if host[0]:
                 raise NonFiniteLossError(
                     f"non-finite loss or gradient at step {self.step + 1} (loss "
                     f"{m['loss'].item() / self.accum:.4g}, grad norm {grad_norm.item():.4g}); the "
                     f"step was not applied; last good checkpoint: {self.last_ckpt or 'none'}")
-            heavy_max = host[1:]
+            heavy_max = host[1:1 + L]
             n_micro = max(m["micro_tokens"], 1)
             over = [i for i, (c, cap, hv) in enumerate(zip(capped, caps, heavy_max))
                     if c and hv > min(cap, n_micro - 1)]
@@ -462,6 +466,9 @@ class Trainer:
                     measure = (not self.nosync_backup
                                or hv > DEFAULT_DENSE_ROW_FRACTION * n_micro)
                     mlp.backup_rows = -1 if measure else backup_capacity_for(max(hist))
+                toks = max(m["ffn_tokens"] * acc.num_processes, 1)
+                self._update_auto_paths([v / toks for v in host[1 + L:1 + 2 * L]],
+                                        [v / toks for v in host[1 + 2 * L:]])
                 break
             self.optimizer.zero_grad(set_to_none=True)
             interval["backup_redos"] = interval.get("backup_redos", 0) + 1
@@ -530,30 +537,26 @@ class Trainer:
         }
         if interval.get("backup_redos"):
             m["ffn_backup_redos"] = interval["backup_redos"]  # steps redone (capacity exceeded)
-        paths = self._update_auto_paths(l0_L, heavy_L)
-        if paths is not None:
-            m["ffn_paths"] = paths
+        if self.cfg.model.ffn_impl == "auto":  # the paths chosen for the next step
+            m["ffn_paths"] = [mlp.train_path for mlp in self.mlps]
             m["heavy_frac_layers"] = heavy_L
         self.last = m
         self._write(m)
         return m
 
-    def _update_auto_paths(self, l0_L: list[float], heavy_L: list[float]) -> list[str] | None:
+    def _update_auto_paths(self, l0_L: list[float], heavy_L: list[float]) -> None:
         """``model.ffn_impl=auto``: choose each layer's training path (ELL kernels or dense
-        mode) from its measured L0 and heavy-row fraction (host values already synced for
-        logging: no extra sync); the choice holds until the next log step. Returns the paths per
-        layer (None unless auto)."""
+        mode) for the next step from this step's L0 and heavy-row fraction (host values of the
+        step's one sync: no extra sync). Decided after every optimizer step, so a run resumed
+        from a checkpoint takes the same paths as an uninterrupted one (they are trainer state)."""
         if self.cfg.model.ffn_impl != "auto":
-            return None
+            return
         from twell.ops.sparse_train import train_path_for_density
 
-        paths = []
         for mlp, l0, heavy in zip(self.mlps, l0_L, heavy_L):
             mlp.train_path = (train_path_for_density(min(l0 / mlp.intermediate_size, 1.0),
                                                      heavy_fraction=min(max(heavy, 0.0), 1.0))
                               if mlp.gated else "torch")  # sparse training is gated-only
-            paths.append(mlp.train_path)
-        return paths
 
     def _write(self, m: dict, prefix: str = "train") -> None:
         if not self.is_main:
