@@ -148,21 +148,19 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
     c = L1_COEFF_PER_TOKEN * x.shape[0]
     cfg = VARIANT_CFG.get(variant, {})
 
-    def run():
+    def configured(fn):  # the variant's kernel shapes and CSC placement around one call
         sparse_train.CSC_BEFORE_SYNC = variant not in LATE_CSC
         try:
             with kernel_config(**cfg):
-                return _run()
+                return fn()
         finally:
             sparse_train.CSC_BEFORE_SYNC = True
 
+    def run():
+        return configured(_run)
+
     def fwd():
-        sparse_train.CSC_BEFORE_SYNC = variant not in LATE_CSC
-        try:
-            with kernel_config(**cfg):
-                return _fwd()
-        finally:
-            sparse_train.CSC_BEFORE_SYNC = True
+        return configured(_fwd)
 
     cap = {"rows": -1}  # sparse_nosync: the dense-backup capacity, set from the first call
 

@@ -462,8 +462,6 @@ def test_dense_mode_triton_fp32(block, n, d, h):
 
 
 def test_dense_mode_opcheck_compile_and_checkpoint():
-    from torch.utils.checkpoint import checkpoint
-
     x, wg, wu, wd, dy = make_inputs(7, 16, 64, seed=14)
     args = tuple(t.float() for t in (x, wg, wu, wd)) + ("torch",)
     torch.library.opcheck(sparse_train._ffn_dense_train_fwd, args)
@@ -472,17 +470,7 @@ def test_dense_mode_opcheck_compile_and_checkpoint():
         y, st = sparse_train.dense_ffn_train(x, wg, wu, wd, backend="torch")
         return (y * dy).sum() + 0.5 * st.l1
 
-    _, _, g_r = reference(x, wg, wu, wd, dy, 0.5)
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), _grads(compiled, x, wg, wu, wd, dy), g_r):
-        assert_close(name, a, b, 1e-5)
-
-    def ck(*a):
-        return checkpoint(f, *a, use_reentrant=False)
-
-    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), _grads(ck, x, wg, wu, wd, dy), g_r):
-        assert_close(name, a, b, 2e-5)
+    _check_compiled_and_checkpointed(f, x, wg, wu, wd, dy)
 
 
 def test_dense_mode_bad_inputs_name_the_argument():
@@ -545,8 +533,6 @@ def test_nosync_without_heavy_rows_and_with_too_small_a_capacity(backend, dtype,
 
 
 def test_nosync_traces_with_static_shapes_and_checkpoints():
-    from torch.utils.checkpoint import checkpoint
-
     x, wg, wu, wd, dy = make_inputs(13, 16, 64, seed=12, threshold=0.5)
     r = n_heavy(x, wg, 16)
     assert r > 0
@@ -556,17 +542,7 @@ def test_nosync_traces_with_static_shapes_and_checkpoints():
                                  backup_rows=r + 1)
         return (y * dy).sum() + 0.5 * st.l1
 
-    _, _, g_r = reference(x, wg, wu, wd, dy, 0.5)
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), _grads(compiled, x, wg, wu, wd, dy), g_r):
-        assert_close(name, a, b, 1e-5)
-
-    def ck(*a):
-        return checkpoint(f, *a, use_reentrant=False)
-
-    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), _grads(ck, x, wg, wu, wd, dy), g_r):
-        assert_close(name, a, b, 2e-5)
+    _check_compiled_and_checkpointed(f, x, wg, wu, wd, dy)
     with pytest.raises(ValueError, match="with_stats"):
         sparse_ffn_train(x, wg, wu, wd, with_stats=False, backup_rows=2)
 
@@ -591,3 +567,21 @@ def test_dense_mode_propagates_a_nan_gate_like_pytorch(backend):
                                         backend=backend)
     assert torch.isnan(y_ref).all()
     assert torch.equal(torch.isnan(y.cpu()), torch.isnan(y_ref))
+
+
+def _check_compiled_and_checkpointed(f, x, wg, wu, wd, dy):
+    """f(x, wg, wu, wd, dy) -> loss with L1 coefficient 0.5: its gradients under
+    torch.compile(fullgraph, aot_eager) and under non-reentrant checkpointing match fp64 autograd."""
+    from torch.utils.checkpoint import checkpoint
+
+    _, _, g_r = reference(x, wg, wu, wd, dy, 0.5)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), _grads(compiled, x, wg, wu, wd, dy), g_r):
+        assert_close(name, a, b, 1e-5)
+
+    def ck(*a):
+        return checkpoint(f, *a, use_reentrant=False)
+
+    for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), _grads(ck, x, wg, wu, wd, dy), g_r):
+        assert_close(name, a, b, 2e-5)
