@@ -87,10 +87,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from twell.nn.mlp import gated_ffn_torch
-from twell.ops.sparse_train import backup_capacity_for
 from twell.ops import sparse_train
 from twell.ops import sparse_train_triton as tk
-from twell.ops.sparse_train import sparse_ffn_train
+from twell.ops.sparse_train import backup_capacity_for, sparse_ffn_train
 from twell.ops.sparse_train_triton import kernel_config
 
 L1_COEFF_PER_TOKEN = 0.2  # loss = sum(y*dy) + c*l1 with c = 0.2 N: L1 grad comparable to dy's

@@ -40,7 +40,6 @@ from train.sparsity import (
 )
 from twell.ops.sparse_train import DEFAULT_DENSE_ROW_FRACTION, backup_capacity_for
 
-
 BACKUP_WINDOW = 16  # steps of heavy-row counts behind each no-sync dense-backup capacity
 
 

@@ -330,7 +330,7 @@ def backup_capacity_for(heavy_rows: float) -> int:
     (``FFNStats.heavy_rows``, the maximum over the calls it should cover): 0 when no row was
     heavy (the backup then costs nothing), else ``ceil(1.25 R) + 16``."""
     r = float(heavy_rows)
-    return 0 if r <= 0 else int(math.ceil(1.25 * r)) + 16
+    return 0 if r <= 0 else math.ceil(1.25 * r) + 16
 
 
 def _backup_capacity(backup_rows: int, n: int) -> int:
@@ -713,7 +713,7 @@ def _cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH):
 
 
 def _stats(out, n: int, kc: int) -> FFNStats:
-    y, l1, nnz_N, counts_H = out[0], out[1], out[2], out[3]
+    l1, nnz_N, counts_H = out[1], out[2], out[3]
     with torch.no_grad():
         nnz_sum = nnz_N.sum().float()
         nnz_max = nnz_N.max().float()
