@@ -26,7 +26,9 @@ DEFAULT_MAX_ROW_DENSITY = 0.0227
 
 
 def default_ell_capacity(h: int) -> int:
-    """ELL capacity KC for FFN width ``h``: ``ceil(0.0227 h)`` rounded up to 16, within [16, h]."""
+    """ELL capacity KC (slots per token row, int) for FFN width ``h`` (int, units):
+    ``ceil(0.0227 h)`` rounded up to 16, within [16, h] (at most h); 128 at h = 5632, the
+    paper's ELL width (arXiv 2603.23198, "Hybrid (training)"). Raises nothing."""
     return max(1, min(h, max(16, 16 * math.ceil(math.ceil(DEFAULT_MAX_ROW_DENSITY * h) / 16))))
 
 

@@ -326,9 +326,17 @@ def _csc_order(col: torch.Tensor, nnz_eff: torch.Tensor, kc: int, h: int):
 
 
 def backup_capacity_for(heavy_rows: float) -> int:
-    """No-sync dense-backup capacity for the next call(s) from a measured heavy-row count
-    (``FFNStats.heavy_rows``, the maximum over the calls it should cover): 0 when no row was
-    heavy (the backup then costs nothing), else ``ceil(1.25 R) + 16``."""
+    """No-sync dense-backup capacity for the next call(s) from a measured heavy-row count.
+
+    Args:
+        heavy_rows: R, tokens above the ELL capacity (``FFNStats.heavy_rows``; a float or int,
+            the maximum over the calls the capacity should cover).
+
+    Returns:
+        Rows (int): 0 when no row was heavy (the backup then costs nothing), else
+        ``ceil(1.25 R) + 16``. Source: the hybrid layout's dense backup (arXiv 2603.23198,
+        "Hybrid (training)"); the margin is ours (run O, BENCHMARKS.md).
+    """
     r = float(heavy_rows)
     return 0 if r <= 0 else math.ceil(1.25 * r) + 16
 

@@ -662,11 +662,18 @@ def compact(g_NH: torch.Tensor, kc: int):
 def compact_heavy(g_NH: torch.Tensor, kc: int):
     """:func:`compact` plus the training forward's heavy-row bookkeeping.
 
+    Args:
+        g_NH: (N, H) contiguous gate pre-activation ``x Wg^T`` (fp16 / bf16 / fp32).
+        kc: ELL capacity (slots per row), >= 1.
+
     Returns:
         col_NKC, val_NKC, nnz_N, counts_H as :func:`compact`, then nnz_eff_N (int32: nnz_N, or 0
         where nnz_N > kc, i.e. the row goes to the dense backup) and n_heavy (int32 (1,): the
         number of such rows). Compaction v3 / v4 write the last two from the kernel; v1 / v2 with
-        PyTorch ops.
+        PyTorch ops. Source: the hybrid layout (arXiv 2603.23198, "Hybrid (training)").
+
+    Raises:
+        ValueError: g_NH not 2-D contiguous.
     """
     n = g_NH.shape[0]
     if CONFIG["compact"] not in ("v3", "v4") or n == 0:
@@ -912,8 +919,12 @@ def dense_fwd(g_NH: torch.Tensor, u_NH: torch.Tensor, stats: bool = True):
         stats: False skips the statistics (the last three outputs are then None).
 
     Returns:
-        h_NH (g's dtype, ``relu(g) * u`` computed in fp32 and rounded once), l1_N (fp32, sum |h|
-        per row), nnz_N (int32, active units per row), counts_H (int32, active tokens per unit).
+        h_NH (g's dtype, ``relu(g) * u`` computed in fp32 and rounded once; relu(NaN) = NaN),
+        l1_N (fp32, sum |h| per row), nnz_N (int32, active units per row), counts_H (int32,
+        active tokens per unit). Source: the FFN and L1 term of arXiv 2603.23198.
+
+    Raises:
+        ValueError: g_NH / u_NH not of one (N, H) shape or not contiguous.
     """
     n, h = g_NH.shape
     _check("g_NH", g_NH, (n, h))
