@@ -91,8 +91,27 @@ def stats_from_activations(h_NH: torch.Tensor, active_NH: torch.Tensor) -> FFNSt
     with torch.no_grad():
         nnz_N = active_NH.sum(-1, dtype=torch.int32)
         counts_H = active_NH.sum(0, dtype=torch.int32)
+    return stats_from_counts(l1, nnz_N, counts_H, default_ell_capacity(h_NH.shape[1]))
+
+
+def stats_from_counts(l1: torch.Tensor, nnz_N: torch.Tensor, counts_H: torch.Tensor,
+                      ell_capacity: int | None = None) -> FFNStats:
+    """Build :class:`FFNStats` from per-token and per-unit counts (what the kernels produce).
+
+    Args:
+        l1: scalar fp32 (or fp64) tensor, mean over tokens of ``sum_j |h_j|`` (keeps its graph).
+        nnz_N: (N,) int tensor, active units per token.
+        counts_H: (H,) int32 tensor, active tokens per unit.
+        ell_capacity: when given, ``heavy_rows`` counts the tokens above it; else None.
+
+    Returns:
+        FFNStats for the N tokens (nnz_max 0 when N = 0). Source: arXiv 2603.23198, the L1
+        regularizer and its metrics.
+    """
+    n = nnz_N.shape[0]
+    with torch.no_grad():
         nnz_sum = nnz_N.sum().float()
         nnz_max = nnz_N.max().float() if n > 0 else nnz_sum.new_zeros(())
-        heavy = (nnz_N > default_ell_capacity(h_NH.shape[1])).sum().float()
+        heavy = None if ell_capacity is None else (nnz_N > ell_capacity).sum().float()
     return FFNStats(l1=l1, nnz_sum=nnz_sum, nnz_max=nnz_max, active_counts=counts_H, n_tokens=n,
                     heavy_rows=heavy)

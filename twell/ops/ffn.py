@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from twell.format import check_width, words_per_tile
-from twell.stats import FFNStats
+from twell.stats import FFNStats, stats_from_counts
 
 # Density (non-zeros / (N*H)) above which "auto" runs dense cuBLAS.
 # MEASURED (docs/bench/bench_infer.log, H200, N=16384, D=2048, H=5632, v1 kernels): TwELL won up to
@@ -243,11 +243,8 @@ def _dense_fused(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, measure):
         return y, None, None
     nnz_sum = nnz_N.sum().float()
     dens = nnz_sum / max(n * h, 1)
-    stats = None
-    if with_stats:
-        stats = FFNStats(l1=l1_N.mean() if n else l1_N.sum(), nnz_sum=nnz_sum,
-                         nnz_max=nnz_N.max().float() if n else nnz_sum.new_zeros(()),
-                         active_counts=counts, n_tokens=n)
+    stats = (stats_from_counts(l1_N.mean() if n else l1_N.sum(), nnz_N, counts)
+             if with_stats else None)
     return y, stats, dens
 
 

@@ -52,7 +52,12 @@ import os
 
 import torch
 
-from twell.stats import DEFAULT_MAX_ROW_DENSITY, FFNStats, default_ell_capacity  # noqa: F401
+from twell.stats import (  # noqa: F401 (DEFAULT_MAX_ROW_DENSITY re-exported)
+    DEFAULT_MAX_ROW_DENSITY,
+    FFNStats,
+    default_ell_capacity,
+    stats_from_counts,
+)
 
 # Training "auto" rule (per layer, decided between optimizer steps from the layer's measured
 # statistics): the ELL training kernels when the layer's density (L0 / H) is at most
@@ -720,14 +725,8 @@ def _cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH):
     return tuple(t.to(dt).contiguous() for t in (x_ND, w_gate_HD, w_up_HD, w_down_DH))
 
 
-def _stats(out, n: int, kc: int) -> FFNStats:
-    l1, nnz_N, counts_H = out[1], out[2], out[3]
-    with torch.no_grad():
-        nnz_sum = nnz_N.sum().float()
-        nnz_max = nnz_N.max().float()
-        heavy = (nnz_N > kc).sum().float()
-    return FFNStats(l1=l1, nnz_sum=nnz_sum, nnz_max=nnz_max, active_counts=counts_H, n_tokens=n,
-                    heavy_rows=heavy)
+def _stats(out, kc: int) -> FFNStats:
+    return stats_from_counts(out[1], out[2], out[3], kc)
 
 
 def sparse_ffn_train(
@@ -798,7 +797,7 @@ def sparse_ffn_train(
     out = _ffn_train_fwd(x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend,
                          int(backup_rows))
     kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(wg.shape[0])
-    return out[0], (_stats(out, n, kc) if with_stats else None)
+    return out[0], (_stats(out, kc) if with_stats else None)
 
 
 def dense_ffn_train(
@@ -842,4 +841,4 @@ def dense_ffn_train(
 
         return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats)
     out = _ffn_dense_train_fwd(x, wg, wu, wd, backend)
-    return out[0], (_stats(out, n, default_ell_capacity(wg.shape[0])) if with_stats else None)
+    return out[0], (_stats(out, default_ell_capacity(wg.shape[0])) if with_stats else None)
