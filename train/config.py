@@ -211,6 +211,10 @@ class TrainerConfig:
     """Seed of python, numpy and torch RNGs (model init, data order)."""
     log_every: int = 10
     """Log train metrics every N optimizer steps (one host sync per log)."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device, the denominator of the logged MFU; null = by device name
+    for bf16 runs (H100 SXM / H200 989, H100 PCIe 756, A100 312: train/metrics.py); on CPU, for
+    fp32 runs or an unlisted GPU MFU is not logged unless this is set."""
     val_every: int = 100
     """Validation loss every N steps (0 = only at the end)."""
     val_batches: int = 8
@@ -241,6 +245,10 @@ class TrainerConfig:
         for key in ("val_every", "save_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key} must be >= 0 (0 = only at the end).")
+        if self.peak_tflops is not None and not (math.isfinite(self.peak_tflops)
+                                                 and self.peak_tflops > 0):
+            raise ConfigError(f"trainer.peak_tflops must be a number > 0 (TFLOP/s of one device) "
+                              f"or null (by device name); got {self.peak_tflops}.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"trainer.num_threads must be >= 1 or null; got {self.num_threads}.")
 

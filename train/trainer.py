@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 
 from train import checkpoint as ckpt_io
 from train.config import ConfigError, TrainConfig
+from train.metrics import device_peak_flops, flops_per_token, mfu
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.sparsity import (
     DeadNeuronTracker,
@@ -71,9 +72,19 @@ def config_diff(a: dict, b: dict, ignore: tuple[str, ...] = ("trainer.resume",))
 
 
 def _peak_memory_gb(device: torch.device) -> float:
+    """Peak memory in GiB since the last :func:`_reset_peak_memory` (CUDA: bytes allocated by
+    tensors, ``torch.cuda.max_memory_allocated``). CPU: the process's peak resident set size
+    since it started (``ru_maxrss``), which cannot be reset, so every interval reports the run's
+    maximum so far."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB (RSS)
+
+
+def _reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory interval (CUDA only; a no-op on CPU, see _peak_memory_gb)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 class Trainer:
@@ -149,6 +160,9 @@ class Trainer:
         # per layer, the heavy-row maxima of the last BACKUP_WINDOW steps (no-sync capacities)
         self.heavy_hist: list[list[float]] = [[] for _ in self.mlps]
         self.n_params = sum(p.numel() for p in model.parameters())
+        # MFU denominators (train/metrics.py): None on CPU / fp32 / unknown GPU -> MFU not logged
+        self.peak_flops = device_peak_flops(self.device, precision, t.peak_tflops)
+        self.peak_mem_run = 0.0  # GiB, largest interval peak of this process (peak_mem_gb_run)
         # no-sync dense-backup capacities change from step to step; as integer arguments they
         # would make torch.compile recompile the model for each new value (and fall back to
         # eager after its recompile limit), so a compiled model measures per call instead
@@ -515,6 +529,11 @@ class Trainer:
         l0_L = [v / ffn_tokens for v in sums[3:3 + L]]
         heavy_L = [v / ffn_tokens for v in sums[3 + L:]]
         dead = self.tracker.dead_fraction_L
+        tok_s = interval["tokens"] / max(interval["time"], 1e-9)  # global tokens/s
+        tok_s_dev = tok_s / acc.num_processes
+        peak_mem = _peak_memory_gb(self.device)  # this interval's peak (CUDA); then a new one
+        _reset_peak_memory(self.device)
+        self.peak_mem_run = max(self.peak_mem_run, peak_mem)
         m = {
             "step": self.step,
             "tokens": self.tokens_seen,
@@ -531,8 +550,12 @@ class Trainer:
             "dead_layers": None if dead is None else dead.tolist(),
             "lr": interval["lr"],
             "grad_norm": interval["grad_norm"].item(),
-            "tokens_per_s": interval["tokens"] / max(interval["time"], 1e-9),
-            "peak_mem_gb": _peak_memory_gb(self.device),
+            "tokens_per_s": tok_s,
+            # dense model FLOPs, and useful FLOPs at this interval's L0 (train/metrics.py)
+            "mfu": mfu(flops_per_token(self.cfg.model), tok_s_dev, self.peak_flops),
+            "mfu_useful": mfu(flops_per_token(self.cfg.model, l0_L), tok_s_dev, self.peak_flops),
+            "peak_mem_gb": peak_mem,
+            "peak_mem_gb_run": self.peak_mem_run,
         }
         if interval.get("backup_redos"):
             m["ffn_backup_redos"] = interval["backup_redos"]  # steps redone (capacity exceeded)
@@ -669,10 +692,13 @@ class Trainer:
     @staticmethod
     def _format(m: dict) -> str:
         dead = "n/a" if m["dead_frac"] is None else f"{100 * m['dead_frac']:.1f}%"
+        util = "" if m.get("mfu") is None else (
+            f" mfu {100 * m['mfu']:.1f}% (useful {100 * m['mfu_useful']:.1f}%)")
         return (f"step {m['step']}: loss {m['loss']:.4f} ce {m['ce']:.4f} l1 {m['l1']:.3g} "
                 f"l0 {m['l0_mean']:.1f} [{m['l0_min']:.1f}-{m['l0_max']:.1f}] max {m['nnz_max']:.0f}"
                 f" dead {dead} lr {m['lr']:.3g} gnorm {m['grad_norm']:.3g} "
-                f"{m['tokens_per_s']:.0f} tok/s mem {m['peak_mem_gb']:.2f} GB")
+                f"{m['tokens_per_s']:.0f} tok/s{util} mem {m['peak_mem_gb']:.2f} GB "
+                f"(run {m['peak_mem_gb_run']:.2f})")
 
     def summary(self) -> dict:
         """Final numbers of the run (what summary.json holds)."""

@@ -1,0 +1,120 @@
+"""Throughput metrics: the MFU formula (hand-computed and counted by torch's FlopCounterMode) and
+the trainer's per-interval peak memory (readers faked, so the interval logic is what is tested)."""
+
+import pytest
+import torch
+
+import train.trainer as trainer_mod
+from tests.train_utils import read_metrics, tiny_config, write_tokens
+from train.config import ConfigError, ModelConfig, TrainerConfig
+from train.metrics import device_peak_flops, flops_per_token, matmul_params, mfu
+from train.trainer import Trainer
+
+
+def _tiny_model_cfg(**kw):
+    return ModelConfig(name="t", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=2, seq_len=32, **kw)
+
+
+def test_flops_per_token_hand_computed():
+    c = _tiny_model_cfg()
+    # per layer: attention q, k, v, o 4 x 32 x 32 = 4096; gated FFN 3 x 32 x 64 = 6144
+    # two layers 20480, LM head 64 x 32 = 2048 -> N_matmul 22528
+    assert matmul_params(c) == 22528
+    # 6 N = 135168; attention 12 L D T = 12 x 2 x 32 x 32 = 24576
+    assert flops_per_token(c) == 159744
+    # useful at L0 16 and 32 of H = 64: the up and down products skip 3/4 and 1/2 of the units:
+    # 6 x 32 x 64 x 2 x (0.75 + 0.5) = 30720
+    assert flops_per_token(c, [16, 32]) == 159744 - 30720
+    assert flops_per_token(c, [64, 64]) == flops_per_token(c)  # fully dense: nothing skipped
+    ng = _tiny_model_cfg(gated=False)  # FFN 2 D H, only the down product is sparse
+    assert flops_per_token(ng) == 6 * (2 * (4096 + 2 * 32 * 64) + 2048) + 24576
+    assert flops_per_token(ng, [0, 0]) == flops_per_token(ng) - 6 * 32 * 64 * 2
+    gqa = _tiny_model_cfg(num_kv_heads=1)  # k and v project to one head of 16
+    assert matmul_params(gqa) == 22528 - 2 * 2 * 32 * 16
+    with pytest.raises(ValueError, match="layers"):
+        flops_per_token(c, [1.0])
+    # MFU: 159744 FLOPs/token at 1e6 tokens/s on a 1 TFLOP/s device
+    assert mfu(159744, 1e6, 1e12) == pytest.approx(0.159744)
+    assert mfu(159744, 1e6, None) is None
+
+
+def test_dense_flops_match_flop_counter_of_a_training_step():
+    """An independent count: torch's FlopCounterMode over forward + backward of the real model
+    (eager attention, so the score products are counted as the matmuls they are)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from train.model import build_model
+
+    c = _tiny_model_cfg()
+    torch.manual_seed(0)
+    model = build_model(c)
+    model.set_attn_implementation("eager")
+    ids = torch.randint(0, 64, (2, c.seq_len))
+    with FlopCounterMode(display=False) as fc:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert fc.get_total_flops() == flops_per_token(c) * ids.numel()
+
+
+def test_device_peak_flops():
+    cpu = torch.device("cpu")
+    assert device_peak_flops(cpu, "fp32") is None
+    assert device_peak_flops(cpu, "bf16") is None
+    assert device_peak_flops(cpu, "fp32", 10.0) == 10e12
+    with pytest.raises(ConfigError, match="trainer.peak_tflops"):
+        TrainerConfig(peak_tflops=0.0)
+
+
+def _fake_memory(monkeypatch, used_at_step: dict[int, float]):
+    """Readers of a fake device whose peak since the last reset is the largest usage of the steps
+    run since; ``resets`` counts the resets."""
+    state = {"peak": 0.0, "resets": 0}
+    step = Trainer.train_step
+
+    def step_and_use(self, batches, interval):
+        step(self, batches, interval)
+        state["peak"] = max(state["peak"], used_at_step[self.step])
+
+    def reset(_device):
+        state["peak"] = 0.0
+        state["resets"] += 1
+
+    monkeypatch.setattr(Trainer, "train_step", step_and_use)
+    monkeypatch.setattr(trainer_mod, "_peak_memory_gb", lambda _device: state["peak"])
+    monkeypatch.setattr(trainer_mod, "_reset_peak_memory", reset)
+    return state
+
+
+def test_peak_memory_per_log_interval_and_run_maximum(tmp_path, monkeypatch):
+    tokens = write_tokens(tmp_path / "t.bin", n_tokens=20_000)
+    state = _fake_memory(monkeypatch, {1: 5.0, 2: 1.0, 3: 2.0, 4: 1.5, 5: 3.0, 6: 0.5})
+    cfg = tiny_config(tokens, **{"trainer.max_steps": 6, "trainer.log_every": 2})
+    t = Trainer(cfg, tmp_path / "run")
+    t.train()
+    t.close()
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [2, 4, 6]
+    # a high first interval (model set-up, dense start) does not hide the later, lower ones
+    assert [r["peak_mem_gb"] for r in rows] == [5.0, 2.0, 3.0]
+    assert [r["peak_mem_gb_run"] for r in rows] == [5.0, 5.0, 5.0]
+    assert state["resets"] == 3
+    # tokens/s and MFU keys are in every line; no MFU on CPU (no peak rate known)
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None and r["mfu_useful"] is None
+               for r in rows)
+
+
+def test_mfu_logged_with_a_configured_peak(tmp_path):
+    tokens = write_tokens(tmp_path / "t.bin", n_tokens=20_000)
+    cfg = tiny_config(tokens, **{"trainer.max_steps": 2, "trainer.peak_tflops": 1e-3,
+                                 "sparsity.l1_coeff": 0.5})
+    t = Trainer(cfg, tmp_path / "run")
+    t.train()
+    line = Trainer._format(t.last)
+    t.close()
+    for r in read_metrics(tmp_path / "run"):
+        want = flops_per_token(cfg.model) * r["tokens_per_s"] / 1e9
+        assert r["mfu"] == pytest.approx(want, rel=1e-9)
+        useful = flops_per_token(cfg.model, r["l0_layers"]) * r["tokens_per_s"] / 1e9
+        assert r["mfu_useful"] == pytest.approx(useful, rel=1e-9)
+        assert r["mfu_useful"] <= r["mfu"]
+    assert "mfu" in line and "tok/s" in line and "(run " in line
