@@ -60,12 +60,15 @@ Time box: ``--deadline`` seconds for the whole run (default 480); training stops
 ``--train-budget`` seconds; each later measurement is skipped (and named) when its estimated time
 does not fit. Order: micro-batch 8 of every path, the forward, the profile, the larger micro-batches.
 
-Output under ``--out`` (default $OUT, else docs/model_bench): ``bench_model.csv`` (one row per
-size, path and micro-batch, rewritten after every measurement), ``sparsity_profile.csv``,
-``bench_model.md`` (the paper's Table 1 layout, then every row), ``bench_*.png``,
-``train_<size>.jsonl`` (stage 1's metrics), ``profile_<size>_<path>.csv`` and
-``kernels_<size>_<path>.csv`` (``--profile``: ms per step by category; the top 25 kernels).
-The short table printed last is the markdown's first table.
+Output under ``--out`` (default $OUT, else docs/model_bench), at most 6 files plus 3 PNGs (the
+device returns 8 files; ``--no-plots``, then ``--report`` on the CPU): ``bench_model.csv`` (one
+row per size, path and micro-batch, rewritten after every measurement),
+``sparsity_profile.csv``, ``bench_meta.json`` (checks, stage 1's log lines, auto's paths,
+skipped stages), ``bench_model.md`` (the paper's Table 1 layout, then every row),
+``profile.csv`` and ``profile_kernels.csv`` (``--profile``: ms per step by category; the top 25
+kernels), ``bench_throughput.png``, ``bench_memory.png``, ``bench_l0.png``. The short table
+printed last is the markdown's first table. ``--acts-dir`` files are ~130 MB per layer at 1.5B
+(too large to come back from the device): use them in the same call.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ CSV_COLUMNS = [
 PROFILE_COLUMNS = ["size", "layer", "tokens", "l0", "l0_max", "dead_pct", "hot1_share",
                    "heavy_frac"]
 BREAKDOWN_COLUMNS = ["size", "path", "category", "ms_per_step", "share"]
+KERNEL_COLUMNS = ["size", "path", "kernel", "category", "ms_per_step", "calls_per_step"]
 
 
 # ---------------------------------------------------------------- small helpers
@@ -801,7 +805,7 @@ def rows_table(rows: list[dict]) -> str:
 
 
 def write_report(out: Path, rows: list[dict], prof: list[dict], breakdown: list[dict],
-                 meta: dict | None = None) -> str:
+                 meta: dict | None = None, plot: bool = True) -> str:
     """Markdown (``bench_model.md``) and PNG plots from the rows; returns the summary table."""
     add_ratios(rows)
     table = summary_table(rows, prof)
@@ -827,10 +831,12 @@ def write_report(out: Path, rows: list[dict], prof: list[dict], breakdown: list[
                f"{100 * b['share']:.1f} % |" for b in breakdown]
         md.append("")
     (out / "bench_model.md").write_text("\n".join(md))
+    if not plot:
+        return table
     try:
         plots(out, rows, prof)
     except ImportError as e:
-        log(f"plots skipped ({e})")
+        log(f"plots skipped ({e}); render them elsewhere with --report")
     return table
 
 
@@ -865,7 +871,7 @@ def plots(out: Path, rows: list[dict], prof: list[dict]) -> None:
                   if r.get("fwd_tok_per_ms") not in (None, "")]
             if fw:
                 ax[1].bar([n for n, _ in fw], [v for _, v in fw], color="tab:green")
-            ax[1].set_title(f"{size}: forward (bf16, decoder)")
+            ax[1].set_title(f"{size}: forward (decoder stack, --fwd-batch)")
             for a in ax:
                 a.tick_params(axis="x", rotation=30)
         fig.tight_layout()
@@ -914,14 +920,12 @@ def report_mode(src: Path, out: Path) -> str:
         sys.exit(f"--report {src}: no bench_model.csv there (run the benchmark first)")
     rows = read_csv(csv_path)
     prof = read_csv(src / "sparsity_profile.csv") if (src / "sparsity_profile.csv").is_file() else []
-    br = []
-    for p in sorted(src.glob("profile_*.csv")):
-        br += read_csv(p)
+    br = read_csv(src / "profile.csv") if (src / "profile.csv").is_file() else []
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "bench_model.csv", CSV_COLUMNS)
     meta_p = src / "bench_meta.json"
     meta = json.loads(meta_p.read_text()) if meta_p.is_file() else None
-    return write_report(out, rows, prof, br, meta)
+    return write_report(out, rows, prof, br, meta, plot=True)
 
 
 # ---------------------------------------------------------------- profile
@@ -1152,6 +1156,8 @@ def parse_args(argv=None):
     p.add_argument("--deadline", type=float, default=480.0, help="seconds for the whole run")
     p.add_argument("--out", type=Path, default=None, help="output dir ($OUT or docs/model_bench)")
     p.add_argument("--work-dir", type=Path, default=None, help="trainer run dirs (a temp dir)")
+    p.add_argument("--no-plots", dest="plots", action="store_false",
+                   help="no PNGs (render them later with --report; the device returns 8 files)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (tests)")
     p.add_argument("--report", type=Path, default=None, metavar="DIR",
                    help="only rebuild the markdown and plots from DIR's CSVs")
@@ -1193,6 +1199,7 @@ class Bench:
         self.rows: list[dict] = []
         self.prof: list[dict] = []
         self.breakdown: list[dict] = []
+        self.kernels: list[dict] = []
         self.meta: dict = {}
         a.out.mkdir(parents=True, exist_ok=True)
 
@@ -1206,6 +1213,9 @@ class Bench:
         write_csv(self.rows, self.a.out / "bench_model.csv", CSV_COLUMNS)
         if self.prof:
             write_csv(self.prof, self.a.out / "sparsity_profile.csv", PROFILE_COLUMNS)
+        if self.breakdown:
+            write_csv(self.breakdown, self.a.out / "profile.csv", BREAKDOWN_COLUMNS)
+            write_csv(self.kernels, self.a.out / "profile_kernels.csv", KERNEL_COLUMNS)
         (self.a.out / "bench_meta.json").write_text(json.dumps(self.meta, indent=1, default=str))
 
 
@@ -1237,11 +1247,12 @@ def run_size(bench: Bench, size: str, clock: Clock, energy: Energy, work: Path,
         f"(budget {a.train_budget:.0f} s)")
     res = train_sparse(tr, a.train_steps, a.log_every, min(a.train_budget, clock.left() - 60))
     step_s8 = (a.micro * cfg1.model.seq_len) / max(res["last"].get("tokens_per_s") or 1.0, 1e-9)
-    if (tr.run_dir / "metrics.jsonl").is_file():
-        (a.out / f"train_{size}.jsonl").write_text((tr.run_dir / "metrics.jsonl").read_text())
+    log_rows = []
+    if (tr.run_dir / "metrics.jsonl").is_file():  # stage 1's log lines (kept in bench_meta.json)
+        log_rows = [json.loads(x) for x in (tr.run_dir / "metrics.jsonl").read_text().splitlines()
+                    if x.strip()]
     bench.meta[f"{size}_stage1"] = {"steps": res["steps"], "seconds": round(res["seconds"], 1),
-                                    "last": {k: v for k, v in res["last"].items()
-                                             if not isinstance(v, list)}}
+                                    "metrics": log_rows}
     dm = tr.data
     model1 = tr.acc.unwrap_model(tr.model)
     seq = cfg1.model.seq_len
@@ -1468,7 +1479,12 @@ def run_size(bench: Bench, size: str, clock: Clock, energy: Energy, work: Path,
     n_fwd = len(set(a.paths) | {bp for _n, bp, _e in a.variant_specs})
     fwd_est = 2 * build_s[0] + n_fwd * (a.fwd_steps + 2) * step_s8 * a.fwd_batch / a.micro / 3
     if clock.fits(fwd_est, f"{size} forward"):
-        fwd = measure_forward(a, cfg1.model, weights, fwd_ids, dev, bf16)
+        try:
+            fwd = measure_forward(a, cfg1.model, weights, fwd_ids, dev, bf16)
+        except Exception as e:  # noqa: BLE001  (keep the training rows and go on)
+            log(f"{size} forward FAILED: {type(e).__name__}: {e}")
+            fwd = {}
+        free_memory()
         for name, bp, _extra in specs:
             v = fwd.get(name, fwd.get(bp))
             if v is None:
@@ -1501,14 +1517,11 @@ def run_size(bench: Bench, size: str, clock: Clock, energy: Energy, work: Path,
                 log(f"{size} profile {name} FAILED: {type(e).__name__}: {e}")
                 continue
             bench.meta[f"{size}_profile_{name}"] = {"step_ms": step_ms, "profiled_step_ms": prof_ms}
-            rows = [{"size": size, "path": name, "category": c, "ms_per_step": v,
-                     "share": v / step_ms} for c, v in per_step.items()]
-            bench.breakdown += rows
-            write_csv(rows, a.out / f"profile_{size}_{name}.csv", BREAKDOWN_COLUMNS)
-            write_csv([{"size": size, "path": name, "kernel": n, "category": c, "ms_per_step": ms,
-                        "calls_per_step": k} for ms, k, n, c in top],
-                      a.out / f"kernels_{size}_{name}.csv",
-                      ["size", "path", "kernel", "category", "ms_per_step", "calls_per_step"])
+            bench.breakdown += [{"size": size, "path": name, "category": c, "ms_per_step": v,
+                                 "share": v / step_ms} for c, v in per_step.items()]
+            bench.kernels += [{"size": size, "path": name, "kernel": n, "category": c,
+                               "ms_per_step": ms, "calls_per_step": k} for ms, k, n, c in top]
+            bench.flush()
             log(f"{size} profile {name}: {step_ms:.1f} ms/step ({prof_ms:.1f} under the profiler): "
                 + ", ".join(
                 f"{c} {v:.1f}" for c, v in sorted(per_step.items(), key=lambda kv: -kv[1]) if v))
@@ -1599,7 +1612,8 @@ def main(argv=None) -> int:
     bench.meta["skipped"] = clock.skipped
     bench.meta["wall_s"] = round(clock.elapsed(), 1)
     bench.flush()
-    table = write_report(a.out, bench.rows, bench.prof, bench.breakdown, bench.meta)
+    table = write_report(a.out, bench.rows, bench.prof, bench.breakdown, bench.meta,
+                         plot=a.plots)
     write_csv(bench.rows, a.out / "bench_model.csv", CSV_COLUMNS)
     if clock.skipped:
         print("skipped: " + "; ".join(clock.skipped))

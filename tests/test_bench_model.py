@@ -156,15 +156,20 @@ def test_smoke_run_end_to_end(tmp_path):
     assert meta["smoke_checks"]["logits_rel_err"] < 1e-5
     assert meta["smoke_stage1"]["steps"] == 6 and not meta["skipped"]
     # stage 1's log lines carry the new metrics
-    train = [json.loads(x) for x in (out / "train_smoke.jsonl").read_text().splitlines()]
+    train = meta["smoke_stage1"]["metrics"]
+    assert train[-1]["step"] == 6
     assert {"peak_mem_gb", "peak_mem_gb_run", "mfu", "mfu_useful", "tokens_per_s"} <= set(train[-1])
     # recorded activations: low / median / high L0 layers of 2 = both layers
     acts = sorted((tmp_path / "acts").glob("acts_smoke_l*.pt"))
     assert [a.name for a in acts] == ["acts_smoke_l0.pt", "acts_smoke_l1.pt"]
     # profile breakdown: shares of one step's wall time, summing to ~1 with idle/host
-    br = bm.read_csv(out / "profile_smoke_auto.csv")
+    br = bm.read_csv(out / "profile.csv")
+    assert {b["path"] for b in br} == {"auto", "ell"}
+    br = [b for b in br if b["path"] == "auto"]
     assert {b["category"] for b in br} == set(bm.CATEGORIES)
     assert sum(b["share"] for b in br) == pytest.approx(1.0, abs=0.05)
+    assert len(bm.read_csv(out / "profile_kernels.csv")) > 5
+    assert len(list(out.iterdir())) <= 9  # 6 files + 3 plots (the device returns 8 files)
     for png in ("bench_throughput.png", "bench_l0.png"):
         assert (out / png).stat().st_size > 1000
     md = (out / "bench_model.md").read_text()
