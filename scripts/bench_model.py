@@ -931,10 +931,19 @@ def report_mode(src: Path, out: Path) -> str:
 # ---------------------------------------------------------------- profile
 
 
-CATEGORIES = ("ffn_gemm", "ffn_sparse_and_fused", "attention_sdpa", "attention_proj_gemm",
+# Profile categories: ffn_gemm = cuBLAS products inside the FFN (the gate GEMM on the ELL path;
+# gate, up and down in dense mode / torch; forward, recomputation and backward); ffn_sparse_and_
+# elementwise = the FFN's other kernels (TwELL / sparse-training Triton kernels, fused or PyTorch
+# elementwise passes); attention_* = inside self_attn (SDPA kernels, q/k/v/o products, RoPE and
+# the rest); lm_head_loss = the LM head product and the cross-entropy; optimizer = AdamW, zero_grad
+# and the gradient clip; casts = dtype conversions (aten::_to_copy: autocast's weight casts);
+# elementwise_norm_other = norms, residual adds, embedding, gradient accumulation; unattributed =
+# device time no op claimed; idle_host = step time with the device idle (host work, syncs).
+CATEGORIES = ("ffn_gemm", "ffn_sparse_and_elementwise", "attention_sdpa", "attention_proj_gemm",
               "attention_other", "lm_head_loss", "optimizer", "casts", "elementwise_norm_other",
               "unattributed", "idle_host")
-_GEMM = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "s16816", "mma_")
+_GEMM = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "s16816", "mma_",
+         "aten::mm", "aten::addmm", "aten::bmm")  # device kernel names; CPU op names
 _SDPA = ("flash", "fmha", "attention", "sdpa", "efficient")
 _LOSS = ("cross_entropy", "log_softmax", "nll_loss", "logsumexp", "fused_linear_cross")
 
@@ -984,7 +993,7 @@ def categorise(kernel: str, chain: list[str], scopes: set[str]) -> str:
     if any(n in ("aten::_to_copy", "aten::to") for n in names):
         return "casts"
     if "ffn" in scopes or any(n.startswith("twell::") for n in names):
-        return "ffn_gemm" if any(g in k for g in _GEMM) else "ffn_sparse_and_fused"
+        return "ffn_gemm" if any(g in k for g in _GEMM) else "ffn_sparse_and_elementwise"
     if "attn" in scopes:
         if any(s in k for s in _SDPA) or any("attention" in n for n in names):
             return "attention_sdpa"
@@ -1061,8 +1070,8 @@ def summarise_profile(events, n_steps: int, wall_ms: float, on_gpu: bool) -> tup
             busy_ms += (t - max(s, end)) / 1e3
             end = t
     else:
-        for e in cpu_events:
-            if not e.cpu_children and not e.name.startswith(("bench::", "autograd::engine")):
+        for e in cpu_events:  # every op's own time once (a scope's own time is host overhead)
+            if not e.name.startswith(("bench::", "autograd::engine", "Optimizer.")):
                 charge(e.name, e, e.self_cpu_time_total)
         busy_ms = sum(v for k, v in totals.items() if k != "idle_host")
     if on_gpu:  # kernels no op claimed (e.g. a launch outside any profiled op)

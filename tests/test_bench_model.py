@@ -90,7 +90,7 @@ def test_parse_variants_and_refused_overrides():
 def test_profile_categories():
     c = bm.categorise
     assert c("sm90_xmma_gemm_bf16", ["aten::mm", "aten::linear"], {"ffn"}) == "ffn_gemm"
-    assert c("_spmm_kernel", ["twell::ffn_train_fwd"], set()) == "ffn_sparse_and_fused"
+    assert c("_spmm_kernel", ["twell::ffn_train_fwd"], set()) == "ffn_sparse_and_elementwise"
     assert c("flash_fwd_kernel", ["aten::_flash_attention_forward"], {"attn"}) == "attention_sdpa"
     assert c("nvjet_tst_128x256", ["aten::mm"], {"attn", "decoder"}) == "attention_proj_gemm"
     assert c("nvjet_tst", ["aten::mm"], {"causal_lm"}) == "lm_head_loss"
