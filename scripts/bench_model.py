@@ -58,7 +58,8 @@ path's training-forward loss on one held-out batch against ``hf``'s bf16 loss, w
 
 Time box: ``--deadline`` seconds for the whole run (default 480); training stops at
 ``--train-budget`` seconds; each later measurement is skipped (and named) when its estimated time
-does not fit. Order: micro-batch 8 of every path, the forward, the profile, the larger micro-batches.
+does not fit. Order: micro-batch 8 of every path, the forward, the profile, the larger
+micro-batches.
 
 Output under ``--out`` (default $OUT, else docs/model_bench), at most 6 files plus 3 PNGs (the
 device returns 8 files; ``--no-plots``, then ``--report`` on the CPU): ``bench_model.csv`` (one
@@ -857,7 +858,8 @@ def plots(out: Path, rows: list[dict], prof: list[dict]) -> None:
 
     def sel(size):
         return [r for r in rows if r["size"] == size and r.get("micro_batch") not in (None, "")
-                and int(r["micro_batch"]) == eq[size] and r.get("train_tok_per_ms") not in (None, "")]
+                and int(r["micro_batch"]) == eq[size]
+                and r.get("train_tok_per_ms") not in (None, "")]
 
     if any(sel(s) for s in sizes):
         fig, axes = plt.subplots(len(sizes), 2, figsize=(11, 3.2 * len(sizes)), squeeze=False)
@@ -919,7 +921,8 @@ def report_mode(src: Path, out: Path) -> str:
     if not csv_path.is_file():
         sys.exit(f"--report {src}: no bench_model.csv there (run the benchmark first)")
     rows = read_csv(csv_path)
-    prof = read_csv(src / "sparsity_profile.csv") if (src / "sparsity_profile.csv").is_file() else []
+    prof_p = src / "sparsity_profile.csv"
+    prof = read_csv(prof_p) if prof_p.is_file() else []
     br = read_csv(src / "profile.csv") if (src / "profile.csv").is_file() else []
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "bench_model.csv", CSV_COLUMNS)
@@ -1172,9 +1175,10 @@ def parse_args(argv=None):
                    help="only rebuild the markdown and plots from DIR's CSVs")
     a = p.parse_args(argv)
     smoke = a.smoke
-    defaults = {"train_steps": (6, 200), "warmup_steps": (2, 10), "micro": (4, 8), "steps": (2, 10), "warmup": (1, 3),
-                "steps_large": (1, 3), "micro_list": ("4,8", "8,16,32"), "fwd_batch": (4, 16),
-                "fwd_steps": (2, 8), "profile_tokens": (256, 65536)}
+    defaults = {  # (--smoke, GPU)
+        "train_steps": (6, 200), "warmup_steps": (2, 10), "micro": (4, 8), "steps": (2, 10),
+        "warmup": (1, 3), "steps_large": (1, 3), "micro_list": ("4,8", "8,16,32"),
+        "fwd_batch": (4, 16), "fwd_steps": (2, 8), "profile_tokens": (256, 65536)}
     for k, (s, g) in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, s if smoke else g)
