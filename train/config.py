@@ -20,6 +20,7 @@ from train.data import DataConfig
 FFN_IMPLS = ("torch", "twell", "auto")  # same names as twell.nn.FFN_IMPLS (kept in sync by a test)
 PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("offline", "online", "disabled")
+CHECKPOINT_FFN_MODES = ("always", "auto", "never")  # = train.recompute.CHECKPOINT_FFN_MODES
 
 
 class ConfigError(ValueError):
@@ -205,6 +206,11 @@ class TrainerConfig:
     """torch CPU threads (torch.set_num_threads); null = torch's default."""
     grad_checkpointing: bool = False
     """Recompute each decoder layer in backward (non-reentrant, keeps the L1 term's graph)."""
+    checkpoint_ffn: str = "always"
+    """With grad_checkpointing: always (recompute whole layers) | auto (layers whose FFN trains
+    on the sparse ELL path recompute only attention; their FFN runs once and keeps its compact
+    state: no second gate GEMM, ~130 MB more per layer at 1.5B) | never (every layer, dense FFNs
+    included: they then keep N x H activations). See train/recompute.py."""
     compile: bool = False
     """torch.compile the model."""
     seed: int = 42
@@ -241,6 +247,18 @@ class TrainerConfig:
         for key in ("val_every", "save_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key} must be >= 0 (0 = only at the end).")
+        if self.checkpoint_ffn not in CHECKPOINT_FFN_MODES:
+            raise ConfigError(
+                f"trainer.checkpoint_ffn={self.checkpoint_ffn!r} is unknown; use one of "
+                f"{', '.join(CHECKPOINT_FFN_MODES)}.")
+        if self.checkpoint_ffn != "always" and not self.grad_checkpointing:
+            raise ConfigError(
+                f"trainer.checkpoint_ffn={self.checkpoint_ffn} needs trainer.grad_checkpointing="
+                "true (without checkpointing nothing is recomputed); set both or drop it.")
+        if self.checkpoint_ffn != "always" and self.compile:
+            raise ConfigError(
+                f"trainer.checkpoint_ffn={self.checkpoint_ffn} is not supported with "
+                "trainer.compile=true (its saved-tensor hooks are eager-only); use one of them.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"trainer.num_threads must be >= 1 or null; got {self.num_threads}.")
 

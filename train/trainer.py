@@ -144,7 +144,7 @@ class Trainer:
 
         model = build_model(cfg.model)
         if t.grad_checkpointing:  # non-reentrant: the L1 side output keeps its graph
-            enable_grad_checkpointing(model)
+            enable_grad_checkpointing(model, t.checkpoint_ffn)
         self.mlps = ffn_modules(model)
         # per layer, the heavy-row maxima of the last BACKUP_WINDOW steps (no-sync capacities)
         self.heavy_hist: list[list[float]] = [[] for _ in self.mlps]
