@@ -213,6 +213,10 @@ class TrainerConfig:
     included: they then keep N x H activations). See train/recompute.py."""
     compile: bool = False
     """torch.compile the model."""
+    fused_ce: bool = False
+    """LM head + cross-entropy in 4096-row chunks with the gradients made in forward
+    (train/loss.py): no (tokens x vocab) logits; same loss as transformers' (mean over the
+    shifted targets), bf16 noise apart."""
     seed: int = 42
     """Seed of python, numpy and torch RNGs (model init, data order)."""
     log_every: int = 10
@@ -259,6 +263,9 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.checkpoint_ffn={self.checkpoint_ffn} is not supported with "
                 "trainer.compile=true (its saved-tensor hooks are eager-only); use one of them.")
+        if self.fused_ce and self.compile:
+            raise ConfigError("trainer.fused_ce=true is not supported with trainer.compile=true "
+                              "yet (untested under torch.compile); use one of them.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"trainer.num_threads must be >= 1 or null; got {self.num_threads}.")
 

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 
 from train import checkpoint as ckpt_io
 from train.config import ConfigError, TrainConfig
+from train.loss import use_fused_cross_entropy
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.sparsity import (
     DeadNeuronTracker,
@@ -145,6 +146,8 @@ class Trainer:
         model = build_model(cfg.model)
         if t.grad_checkpointing:  # non-reentrant: the L1 side output keeps its graph
             enable_grad_checkpointing(model, t.checkpoint_ffn)
+        if t.fused_ce:  # model(input_ids, labels).loss without the (tokens x vocab) logits
+            use_fused_cross_entropy(model)
         self.mlps = ffn_modules(model)
         # per layer, the heavy-row maxima of the last BACKUP_WINDOW steps (no-sync capacities)
         self.heavy_hist: list[list[float]] = [[] for _ in self.mlps]
