@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import AutocastKwargs, set_seed
 from omegaconf import OmegaConf
 
 from train import checkpoint as ckpt_io
@@ -104,7 +104,11 @@ class Trainer:
 
         if AcceleratorState._shared_state:  # an earlier run in this process (Hydra -m, tests)
             AcceleratorState._reset_state()  # keeps the process group; lets precision differ
-        self.acc = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no", cpu=t.cpu)
+        # autocast_cache=false: no weight cast outlives its use (under checkpointing the cache
+        # otherwise holds every layer's bf16 weights until the forward ends; it never hits)
+        handlers = [] if t.autocast_cache else [AutocastKwargs(cache_enabled=False)]
+        self.acc = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no", cpu=t.cpu,
+                               kwargs_handlers=handlers)
         self.accum = cfg.check_world(self.acc.num_processes)
         self.is_main = self.acc.is_main_process
         self.device = self.acc.device
