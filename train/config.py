@@ -21,6 +21,7 @@ FFN_IMPLS = ("torch", "twell", "auto")  # same names as twell.nn.FFN_IMPLS (kept
 PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("offline", "online", "disabled")
 CHECKPOINT_FFN_MODES = ("always", "auto", "never")  # = train.recompute.CHECKPOINT_FFN_MODES
+CAPACITY_RULES = ("window", "adaptive")  # = train.capacity.CAPACITY_RULES
 
 
 class ConfigError(ValueError):
@@ -213,6 +214,11 @@ class TrainerConfig:
     included: they then keep N x H activations). See train/recompute.py."""
     compile: bool = False
     """torch.compile the model."""
+    backup_capacity: str = "window"
+    """No-sync dense-backup capacities of the sparse path (model.ffn_host_sync=step): window
+    (1.25 x the largest heavy-row count of the last 16 steps + 16) | adaptive (last 128 steps,
+    a per-layer margin that grows 1.5x after each redo the layer caused and decays back to 1.25,
+    multiples of 64). See train/capacity.py and scripts/capacity_policy_sim.py."""
     autocast_cache: bool = True
     """bf16 autocast's cast cache (torch default). No weight is cast twice in one forward here
     (each layer uses each weight once; recomputation runs in its own autocast region), so the
@@ -268,6 +274,10 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.checkpoint_ffn={self.checkpoint_ffn} is not supported with "
                 "trainer.compile=true (its saved-tensor hooks are eager-only); use one of them.")
+        if self.backup_capacity not in CAPACITY_RULES:
+            raise ConfigError(
+                f"trainer.backup_capacity={self.backup_capacity!r} is unknown; use one of "
+                f"{', '.join(CAPACITY_RULES)}.")
         if self.fused_ce and self.compile:
             raise ConfigError("trainer.fused_ce=true is not supported with trainer.compile=true "
                               "yet (untested under torch.compile); use one of them.")
