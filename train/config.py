@@ -219,6 +219,11 @@ class TrainerConfig:
     (1.25 x the largest heavy-row count of the last 16 steps + 16) | adaptive (last 128 steps,
     a per-layer margin that grows 1.5x after each redo the layer caused and decays back to 1.25,
     multiples of 64). See train/capacity.py and scripts/capacity_policy_sim.py."""
+    dense_ffn_fused: bool = False
+    """Gated FFNs of model.ffn_impl=torch train in dense mode (dense_ffn_train: cuBLAS products
+    and one fused Triton pass each way for h, the L1 term and the statistics; what auto runs for
+    its dense layers) instead of PyTorch autograd with separate statistics passes; on CPU the
+    same math in PyTorch. Inference is unchanged."""
     autocast_cache: bool = True
     """bf16 autocast's cast cache (torch default). No weight is cast twice in one forward here
     (each layer uses each weight once; recomputation runs in its own autocast region), so the

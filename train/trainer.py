@@ -152,6 +152,9 @@ class Trainer:
         if t.fused_ce:  # model(input_ids, labels).loss without the (tokens x vocab) logits
             use_fused_cross_entropy(model)
         self.mlps = ffn_modules(model)
+        if t.dense_ffn_fused:  # impl=torch layers train in dense mode (fused passes + stats)
+            for mlp in self.mlps:
+                mlp.torch_train_path = "dense"
         # no-sync dense-backup capacities from past heavy-row maxima (trainer.backup_capacity)
         self.backup = BackupCapacity(len(self.mlps), t.backup_capacity)
         self.n_params = sum(p.numel() for p in model.parameters())
