@@ -229,6 +229,10 @@ class TrainerConfig:
     (each layer uses each weight once; recomputation runs in its own autocast region), so the
     cache never hits, but under gradient checkpointing it keeps every layer's bf16 weight casts
     alive until the forward (and the loss inside it) ends: ~2.9 GB at 1.5B. false frees them."""
+    compile_norms: bool = False
+    """torch.compile the RMSNorms only (one compiled function for all of them, training only):
+    inductor fuses their ~6 eager fp32 passes forward and ~10 backward into one each
+    (train/fusion.py). First step pays the compilation."""
     fused_ce: bool = False
     """LM head + cross-entropy in 4096-row chunks with the gradients made in forward
     (train/loss.py): no (tokens x vocab) logits; same loss as transformers' (mean over the
@@ -283,6 +287,9 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.backup_capacity={self.backup_capacity!r} is unknown; use one of "
                 f"{', '.join(CAPACITY_RULES)}.")
+        if self.compile_norms and self.compile:
+            raise ConfigError("trainer.compile_norms=true and trainer.compile=true: the whole "
+                              "model is compiled already; use one of them.")
         if self.fused_ce and self.compile:
             raise ConfigError("trainer.fused_ce=true is not supported with trainer.compile=true "
                               "yet (untested under torch.compile); use one of them.")

@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 from train import checkpoint as ckpt_io
 from train.capacity import BackupCapacity
 from train.config import ConfigError, TrainConfig
+from train.fusion import compile_norms
 from train.loss import use_fused_cross_entropy
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.sparsity import (
@@ -151,6 +152,8 @@ class Trainer:
             enable_grad_checkpointing(model, t.checkpoint_ffn)
         if t.fused_ce:  # model(input_ids, labels).loss without the (tokens x vocab) logits
             use_fused_cross_entropy(model)
+        if t.compile_norms:  # one compiled RMSNorm for every norm (training only)
+            compile_norms(model)
         self.mlps = ffn_modules(model)
         if t.dense_ffn_fused:  # impl=torch layers train in dense mode (fused passes + stats)
             for mlp in self.mlps:
