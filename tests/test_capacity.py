@@ -5,9 +5,8 @@ import math
 
 import pytest
 
-from train.capacity import BackupCapacity
+from train.capacity import CAPACITY_RULES, BackupCapacity
 from train.config import CAPACITY_RULES as CONFIG_RULES
-from train.capacity import CAPACITY_RULES
 
 
 def test_window_rule_is_todays():

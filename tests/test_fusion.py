@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import train.fusion as fusion
+from train import fusion
 from train.config import ModelConfig
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.sparsity import collect_stats, l1_penalty

@@ -114,7 +114,7 @@ def test_whole_model_loss_and_gradients_match_plain(autocast):
     torch.testing.assert_close(got_loss, ref_loss, rtol=1e-6 if not autocast else 1e-3, atol=0)
     for name, g in got.items():
         torch.testing.assert_close(g, ref[name], rtol=rtol, atol=atol,
-                                   msg=lambda m, n=name: _report(n, g, ref[n]))
+                                   msg=lambda m, n=name, g=g: _report(n, g, ref[n]))
     emb = "model.embed_tokens.weight"  # the tied matrix gets the LM head's and the lookup's parts
     assert (got[emb] != 0).sum() > got[emb].shape[1] * 10
 

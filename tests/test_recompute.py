@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from tests.train_utils import tiny_config, write_tokens
-from train.config import CHECKPOINT_FFN_MODES, ConfigError
+from train.config import CHECKPOINT_FFN_MODES, ConfigError, ModelConfig
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.recompute import CHECKPOINT_FFN_MODES as RECOMPUTE_MODES
 from train.recompute import _recast_weights, ffn_trains_sparse
 from train.sparsity import collect_stats, l1_penalty
-from train.config import ModelConfig
 
 # per layer: (impl, train_path): twell; auto on its ELL path; auto in dense mode; torch
 MIXED = [("twell", "dense"), ("auto", "twell"), ("auto", "dense"), ("torch", "dense")]
@@ -69,7 +68,7 @@ def test_selective_recompute_matches_full_and_no_checkpointing(autocast, torch_b
         for name, g in grads.items():
             assert g is not None and torch.isfinite(g).all(), (mode, name)
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-6, atol=1e-9,
-                                       msg=lambda m, n=name: f"{mode} {n}: {m}")
+                                       msg=lambda m, n=name, k=mode: f"{k} {n}: {m}")
         assert any(g.abs().max() > 0 for n, g in grads.items() if "gate_proj" in n)
 
 
