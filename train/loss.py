@@ -8,11 +8,11 @@ The plain path (transformers' ``LlamaForCausalLM`` with ``labels``) materialises
 V = 49152 that is 1.6 + 3.2 + 3.2 GB, and backward adds fp32 and bf16 gradients of the same
 size: the loss sets the activation peak of the step. Here, as in Liger-Kernel's
 FusedLinearCrossEntropy (design learned from it, code our own), the forward walks over C-row
-chunks: bf16 logits ``h_c W^T`` (C, V), fp32 log-sum-exp, the loss sum, and at once the
+chunks: bf16 logits ``h_c W^T`` (C, V), fp32 log-softmax, the loss sum, and at once the
 gradient ``(softmax - onehot) / count`` of the chunk's logits, from which it computes the
 gradient of the chunk's hidden states (C, D) and accumulates the LM-head weight gradient (V, D)
 in fp32. Backward only scales the two stored gradients by the upstream scalar. Nothing of size
-N x V is ever live; per chunk ~ (2 + 4 + 2) C V bytes.
+N x V is ever live; per chunk at most ~ (4 + 4) C V bytes (fp32 logits and log-softmax).
 
 Numerics follow the plain path under bf16 autocast: the same bf16 GEMMs for the logits and the
 two gradients, log-softmax in fp32, the logit gradient rounded to bf16 before its GEMMs; only the
@@ -34,7 +34,7 @@ import torch
 
 IGNORE_INDEX = -100  # transformers' label ignore index
 # Rows of logits computed at once. Decides the loss's transient memory: 4096 x 49152 x ~8 bytes
-# (bf16 logits, their fp32 softmax, bf16 gradient) = ~1.6 GB at the paper's vocabulary, against
+# (fp32 logits and their log-softmax, briefly both) = ~1.6 GB at the paper's vocabulary, against
 # ~10 GB for the full logits of 8 x 2048 tokens; 4 chunks of 4096 x 2048 x 49152 GEMMs per
 # micro-batch (large enough for cuBLAS). Not yet measured on the H200 (BENCHMARKS.md, to come).
 CE_CHUNK_ROWS = 4096
@@ -64,18 +64,18 @@ def _chunks(hidden_ND, weight_VD, target_N, ignore_index, compute_dtype, chunk_r
         v_C = valid_N[s:s + chunk_rows]
         t_C = torch.where(v_C, target_N[s:s + chunk_rows], 0)[:, None]  # (C, 1)
         logits_CV = h_CD @ w_VD.t()  # compute dtype, as the plain path's lm_head
-        z_CV = logits_CV.to(acc)  # fp32 (the same tensor in an fp32 run)
+        # fp32 log-softmax, as the plain path's F.cross_entropy of logits.float()
+        logp_CV = torch.log_softmax(logits_CV.to(acc), dim=-1)
         del logits_CV
-        lse_C = torch.logsumexp(z_CV, dim=-1)
-        loss_sum += torch.where(v_C, lse_C - z_CV.gather(1, t_C)[:, 0], 0).sum()
+        loss_sum -= torch.where(v_C, logp_CV.gather(1, t_C)[:, 0], 0).sum()
         if dh_ND is None and dw_VD is None:
             continue
         # d(mean loss)/d logits = (softmax - onehot(target)) / count on valid rows, in place
-        z_CV.sub_(lse_C[:, None]).exp_()
-        z_CV.scatter_add_(1, t_C, -v_C.to(acc)[:, None])
-        z_CV.mul_((v_C.to(acc) * inv)[:, None])  # ignored rows: 0 (NaN stays NaN)
-        g_CV = z_CV.to(compute_dtype)  # rounded like the plain path's logit gradient
-        del z_CV
+        p_CV = logp_CV.exp_()
+        p_CV.scatter_add_(1, t_C, -v_C.to(acc)[:, None])
+        p_CV.mul_((v_C.to(acc) * inv)[:, None])  # ignored rows: 0 (NaN stays NaN)
+        g_CV = p_CV.to(compute_dtype)  # rounded like the plain path's logit gradient
+        del logp_CV, p_CV
         if dh_ND is not None:
             dh_ND[s:s + chunk_rows] = (g_CV @ w_VD).to(hidden_ND.dtype)
         if dw_VD is not None:
