@@ -93,3 +93,17 @@ def test_trainer_checkpoints_the_rule_state(tmp_path, monkeypatch):
         assert r.step == 2 and r.backup.state_dict() == saved
     finally:
         r.close()
+
+
+def test_trainer_heavy_hist_is_the_rule_history(tmp_path):
+    from tests.train_utils import tiny_config, write_tokens
+    from train.trainer import Trainer
+
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=4_000)
+    t = Trainer(tiny_config(tok), tmp_path / "run")
+    try:
+        t.heavy_hist = [[float(i)] * 20 for i in range(len(t.mlps))]
+        assert t.backup.hist == [[float(i)] * 16 for i in range(len(t.mlps))]  # window: 16
+        assert t.heavy_hist is t.backup.hist
+    finally:
+        t.close()

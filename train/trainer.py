@@ -201,6 +201,16 @@ class Trainer:
         return self.cfg.trainer.global_batch * self.cfg.model.seq_len
 
     @property
+    def heavy_hist(self) -> list[list[float]]:
+        """Per layer, the heavy-row maxima behind the no-sync backup capacities (the history of
+        ``self.backup``; assignable, e.g. to reset it)."""
+        return self.backup.hist
+
+    @heavy_hist.setter
+    def heavy_hist(self, hist: list[list[float]]) -> None:
+        self.backup.hist = [[float(v) for v in h][-self.backup.window:] for h in hist]
+
+    @property
     def metrics_path(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
