@@ -20,6 +20,8 @@ from train.data import DataConfig
 FFN_IMPLS = ("torch", "twell", "auto")  # same names as twell.nn.FFN_IMPLS (kept in sync by a test)
 PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("offline", "online", "disabled")
+CHECKPOINT_FFN_MODES = ("always", "auto", "never")  # = train.recompute.CHECKPOINT_FFN_MODES
+CAPACITY_RULES = ("window", "adaptive")  # = train.capacity.CAPACITY_RULES
 
 
 class ConfigError(ValueError):
@@ -205,8 +207,36 @@ class TrainerConfig:
     """torch CPU threads (torch.set_num_threads); null = torch's default."""
     grad_checkpointing: bool = False
     """Recompute each decoder layer in backward (non-reentrant, keeps the L1 term's graph)."""
+    checkpoint_ffn: str = "always"
+    """With grad_checkpointing: always (recompute whole layers) | auto (layers whose FFN trains
+    on the sparse ELL path recompute only attention; their FFN runs once and keeps its compact
+    state: no second gate GEMM, ~130 MB more per layer at 1.5B) | never (every layer, dense FFNs
+    included: they then keep N x H activations). See train/recompute.py."""
     compile: bool = False
     """torch.compile the model."""
+    backup_capacity: str = "window"
+    """No-sync dense-backup capacities of the sparse path (model.ffn_host_sync=step): window
+    (1.25 x the largest heavy-row count of the last 16 steps + 16) | adaptive (last 128 steps,
+    a per-layer margin that grows 1.5x after each redo the layer caused and decays back to 1.25,
+    multiples of 64). See train/capacity.py and scripts/capacity_policy_sim.py."""
+    dense_ffn_fused: bool = False
+    """Gated FFNs of model.ffn_impl=torch train in dense mode (dense_ffn_train: cuBLAS products
+    and one fused Triton pass each way for h, the L1 term and the statistics; what auto runs for
+    its dense layers) instead of PyTorch autograd with separate statistics passes; on CPU the
+    same math in PyTorch. Inference is unchanged."""
+    autocast_cache: bool = True
+    """bf16 autocast's cast cache (torch default). No weight is cast twice in one forward here
+    (each layer uses each weight once; recomputation runs in its own autocast region), so the
+    cache never hits, but under gradient checkpointing it keeps every layer's bf16 weight casts
+    alive until the forward (and the loss inside it) ends: ~2.9 GB at 1.5B. false frees them."""
+    compile_norms: bool = False
+    """torch.compile the RMSNorms only (one compiled function for all of them, training only):
+    inductor fuses their ~6 eager fp32 passes forward and ~10 backward into one each
+    (train/fusion.py). First step pays the compilation."""
+    fused_ce: bool = False
+    """LM head + cross-entropy in 4096-row chunks with the gradients made in forward
+    (train/loss.py): no (tokens x vocab) logits; same loss as transformers' (mean over the
+    shifted targets), bf16 noise apart."""
     seed: int = 42
     """Seed of python, numpy and torch RNGs (model init, data order)."""
     log_every: int = 10
@@ -249,6 +279,28 @@ class TrainerConfig:
                                                  and self.peak_tflops > 0):
             raise ConfigError(f"trainer.peak_tflops must be a number > 0 (TFLOP/s of one device) "
                               f"or null (by device name); got {self.peak_tflops}.")
+        if self.checkpoint_ffn not in CHECKPOINT_FFN_MODES:
+            raise ConfigError(
+                f"trainer.checkpoint_ffn={self.checkpoint_ffn!r} is unknown; use one of "
+                f"{', '.join(CHECKPOINT_FFN_MODES)}.")
+        if self.checkpoint_ffn != "always" and not self.grad_checkpointing:
+            raise ConfigError(
+                f"trainer.checkpoint_ffn={self.checkpoint_ffn} needs trainer.grad_checkpointing="
+                "true (without checkpointing nothing is recomputed); set both or drop it.")
+        if self.checkpoint_ffn != "always" and self.compile:
+            raise ConfigError(
+                f"trainer.checkpoint_ffn={self.checkpoint_ffn} is not supported with "
+                "trainer.compile=true (its saved-tensor hooks are eager-only); use one of them.")
+        if self.backup_capacity not in CAPACITY_RULES:
+            raise ConfigError(
+                f"trainer.backup_capacity={self.backup_capacity!r} is unknown; use one of "
+                f"{', '.join(CAPACITY_RULES)}.")
+        if self.compile_norms and self.compile:
+            raise ConfigError("trainer.compile_norms=true and trainer.compile=true: the whole "
+                              "model is compiled already; use one of them.")
+        if self.fused_ce and self.compile:
+            raise ConfigError("trainer.fused_ce=true is not supported with trainer.compile=true "
+                              "yet (untested under torch.compile); use one of them.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"trainer.num_threads must be >= 1 or null; got {self.num_threads}.")
 

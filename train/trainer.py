@@ -25,11 +25,14 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import AutocastKwargs, set_seed
 from omegaconf import OmegaConf
 
 from train import checkpoint as ckpt_io
+from train.capacity import BackupCapacity
 from train.config import ConfigError, TrainConfig
+from train.fusion import compile_norms
+from train.loss import use_fused_cross_entropy
 from train.metrics import device_peak_flops, flops_per_token, mfu
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.sparsity import (
@@ -39,9 +42,7 @@ from train.sparsity import (
     l1_penalty,
     reinit_dead_gates,
 )
-from twell.ops.sparse_train import DEFAULT_DENSE_ROW_FRACTION, backup_capacity_for
-
-BACKUP_WINDOW = 16  # steps of heavy-row counts behind each no-sync dense-backup capacity
+from twell.ops.sparse_train import DEFAULT_DENSE_ROW_FRACTION
 
 
 class NonFiniteLossError(RuntimeError):
@@ -114,7 +115,11 @@ class Trainer:
 
         if AcceleratorState._shared_state:  # an earlier run in this process (Hydra -m, tests)
             AcceleratorState._reset_state()  # keeps the process group; lets precision differ
-        self.acc = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no", cpu=t.cpu)
+        # autocast_cache=false: no weight cast outlives its use (under checkpointing the cache
+        # otherwise holds every layer's bf16 weights until the forward ends; it never hits)
+        handlers = [] if t.autocast_cache else [AutocastKwargs(cache_enabled=False)]
+        self.acc = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no", cpu=t.cpu,
+                               kwargs_handlers=handlers)
         self.accum = cfg.check_world(self.acc.num_processes)
         self.is_main = self.acc.is_main_process
         self.device = self.acc.device
@@ -155,10 +160,17 @@ class Trainer:
 
         model = build_model(cfg.model)
         if t.grad_checkpointing:  # non-reentrant: the L1 side output keeps its graph
-            enable_grad_checkpointing(model)
+            enable_grad_checkpointing(model, t.checkpoint_ffn)
+        if t.fused_ce:  # model(input_ids, labels).loss without the (tokens x vocab) logits
+            use_fused_cross_entropy(model)
+        if t.compile_norms:  # one compiled RMSNorm for every norm (training only)
+            compile_norms(model)
         self.mlps = ffn_modules(model)
-        # per layer, the heavy-row maxima of the last BACKUP_WINDOW steps (no-sync capacities)
-        self.heavy_hist: list[list[float]] = [[] for _ in self.mlps]
+        if t.dense_ffn_fused:  # impl=torch layers train in dense mode (fused passes + stats)
+            for mlp in self.mlps:
+                mlp.torch_train_path = "dense"
+        # no-sync dense-backup capacities from past heavy-row maxima (trainer.backup_capacity)
+        self.backup = BackupCapacity(len(self.mlps), t.backup_capacity)
         self.n_params = sum(p.numel() for p in model.parameters())
         # MFU denominators (train/metrics.py): None on CPU / fp32 / unknown GPU -> MFU not logged
         self.peak_flops = device_peak_flops(self.device, precision, t.peak_tflops)
@@ -201,6 +213,16 @@ class Trainer:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.trainer.global_batch * self.cfg.model.seq_len
+
+    @property
+    def heavy_hist(self) -> list[list[float]]:
+        """Per layer, the heavy-row maxima behind the no-sync backup capacities (the history of
+        ``self.backup``; assignable, e.g. to reset it)."""
+        return self.backup.hist
+
+    @heavy_hist.setter
+    def heavy_hist(self, hist: list[list[float]]) -> None:
+        self.backup.hist = [[float(v) for v in h][-self.backup.window:] for h in hist]
 
     @property
     def metrics_path(self) -> Path:
@@ -291,7 +313,7 @@ class Trainer:
                 # sparse path's dense-backup capacities (they pick the backup GEMMs' shapes, so
                 # an exact resume needs them)
                 "ffn_backup_rows": [m.backup_rows for m in self.mlps],
-                "ffn_heavy_hist": [list(h) for h in self.heavy_hist]}
+                "ffn_backup_capacity": self.backup.state_dict()}
 
     def load_state_dict(self, d: dict) -> None:
         self.step = int(d["step"])
@@ -302,8 +324,10 @@ class Trainer:
             m.train_path = path
         for m, rows in zip(self.mlps, d.get("ffn_backup_rows", [])):
             m.backup_rows = int(rows)
-        for i, hist in enumerate(d.get("ffn_heavy_hist", [])[: len(self.heavy_hist)]):
-            self.heavy_hist[i] = [float(v) for v in hist]
+        if "ffn_backup_capacity" in d:
+            self.backup.load_state_dict(d["ffn_backup_capacity"])
+        elif "ffn_heavy_hist" in d:  # checkpoints written before train.capacity
+            self.backup.load_state_dict({"rule": "window", "hist": d["ffn_heavy_hist"]})
 
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step{N}/`` atomically (all ranks call this)."""
@@ -430,10 +454,9 @@ class Trainer:
         and, on the sparse training path with ``model.ffn_host_sync=step``, the dense-backup
         capacity check). A step in which some layer had more heavy rows than its capacity is
         redone with per-call measurement (its results are discarded before the optimizer sees
-        them); the next capacities come from the heavy-row maxima of the last
-        ``BACKUP_WINDOW`` steps (``twell.ops.sparse_train.backup_capacity_for``: 0 when none,
-        else x 1.25 + 16), except for layers with more than half of their rows heavy and under
-        ``trainer.compile``, which measure per call.
+        them); the next capacities come from past heavy-row maxima by the rule
+        ``trainer.backup_capacity`` (``train.capacity.BackupCapacity``), except for layers with
+        more than half of their rows heavy and under ``trainer.compile``, which measure per call.
         """
         cfg, acc, model = self.cfg, self.acc, self.model
         coeff = l1_coeff_at(self.step, cfg.sparsity)
@@ -465,20 +488,19 @@ class Trainer:
             over = [i for i, (c, cap, hv) in enumerate(zip(capped, caps, heavy_max))
                     if c and hv > min(cap, n_micro - 1)]
             if over:  # discard this attempt; redo it measuring per call
+                self.backup.overflowed(over)
                 for mlp in self.mlps:
                     mlp.backup_rows = -1
             else:
                 # next step's capacities: measure per call with ffn_host_sync=call or where most
                 # rows are heavy (the op then runs the whole call densely, which needs the
-                # measurement); else the largest count of the last BACKUP_WINDOW steps with a
-                # margin (one step's count alone made a tiny GPU run redo 50 of 120 steps: a
-                # few heavy tokens come and go from batch to batch)
-                for mlp, hist, hv in zip(self.mlps, self.heavy_hist, heavy_max):
-                    hist.append(hv)
-                    del hist[:-BACKUP_WINDOW]
+                # measurement); else the rule's capacity from past steps' counts (one step's
+                # count alone made a tiny GPU run redo 50 of 120 steps: a few heavy tokens come
+                # and go from batch to batch)
+                for mlp, hv, cap in zip(self.mlps, heavy_max, self.backup.update(heavy_max)):
                     measure = (not self.nosync_backup
                                or hv > DEFAULT_DENSE_ROW_FRACTION * n_micro)
-                    mlp.backup_rows = -1 if measure else backup_capacity_for(max(hist))
+                    mlp.backup_rows = -1 if measure else cap
                 toks = max(m["ffn_tokens"] * acc.num_processes, 1)
                 self._update_auto_paths([v / toks for v in host[1 + L:1 + 2 * L]],
                                         [v / toks for v in host[1 + 2 * L:]])

@@ -121,6 +121,11 @@ class SparseGatedMLP(nn.Module):
         # (the trainer sets it per step from the heavy-row counts and redoes a step that
         # exceeded it). Fixed within a step, like train_path.
         self.backup_rows = -1
+        # impl="torch" with gradients: "torch" (autograd through the PyTorch ops, the reference)
+        # or "dense" (dense mode, twell.ops.sparse_train.dense_ffn_train: the same FFN and
+        # statistics with one fused elementwise pass each way; gated FFNs only). The trainer
+        # sets it from trainer.dense_ffn_fused.
+        self.torch_train_path = "torch"
 
     @property
     def last_info(self):
@@ -150,6 +155,8 @@ class SparseGatedMLP(nn.Module):
         impl = self.impl
         if impl == "auto" and self.train_path != "twell" and torch.is_grad_enabled():
             impl = self.train_path if self.gated else "torch"
+        elif impl == "torch" and self.gated and torch.is_grad_enabled():
+            impl = self.torch_train_path
         if impl == "dense":  # training dense mode: cuBLAS + fused elementwise passes and stats
             from twell.ops.sparse_train import dense_ffn_train  # lazy: triton is optional
 

@@ -1,0 +1,153 @@
+"""Fused LM head + cross-entropy (``trainer.fused_ce``) against ``F.cross_entropy`` of the plain
+logits: odd sizes, ignored targets, upstream scaling, tied embeddings, bf16 autocast, NaN."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.train_utils import read_metrics, tiny_config, write_tokens
+from train.config import ModelConfig
+from train.loss import linear_cross_entropy, shift_labels, use_fused_cross_entropy
+from train.model import build_model
+
+
+def _case(n=37, d=24, v=101, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g) * 0.5
+    t = torch.randint(0, v, (n,), generator=g)
+    t[[3, 10, n - 1]] = -100  # ignored targets, the last one too
+    return h, w, t
+
+
+def _report(name, got, ref):
+    err = (got - ref).abs().max().item()
+    return f"{name}: max abs diff {err:.3g} (ref max {ref.abs().max().item():.3g})"
+
+
+@pytest.mark.parametrize("chunk", [8, 37, 64], ids=["chunks-of-8", "one-exact", "one-larger"])
+def test_matches_cross_entropy_of_plain_logits_fp32(chunk):
+    h, w, t = _case()
+    ref_h, ref_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = F.cross_entropy(ref_h @ ref_w.t(), t)
+    (0.25 * ref).backward()  # an upstream gradient that is not 1
+    got_h, got_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    got = linear_cross_entropy(got_h, got_w, t, chunk_rows=chunk)
+    (0.25 * got).backward()
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_h.grad, ref_h.grad, rtol=1e-5, atol=1e-6,
+                               msg=lambda m: _report("d hidden", got_h.grad, ref_h.grad))
+    torch.testing.assert_close(got_w.grad, ref_w.grad, rtol=1e-5, atol=1e-6,
+                               msg=lambda m: _report("d weight", got_w.grad, ref_w.grad))
+    # and against float64
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    (0.25 * F.cross_entropy(h64 @ w64.t(), t)).backward()
+    assert (got_h.grad.double() - h64.grad).abs().max() < 1e-6
+    assert (got_w.grad.double() - w64.grad).abs().max() < 1e-6
+    assert torch.isclose(got.double(), F.cross_entropy(h64 @ w64.t(), t), rtol=1e-6)
+
+
+def test_no_grad_loss_and_weight_only_gradient():
+    h, w, t = _case(seed=1)
+    ref = F.cross_entropy(h @ w.t(), t)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h, w, t, chunk_rows=5), ref,
+                                   rtol=1e-6, atol=1e-6)
+    w_ = w.clone().requires_grad_()  # hidden without grad: only the weight gradient is made
+    linear_cross_entropy(h, w_, t, chunk_rows=5).backward()
+    w2 = w.clone().requires_grad_()
+    F.cross_entropy(h @ w2.t(), t).backward()
+    torch.testing.assert_close(w_.grad, w2.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_nan_propagates_and_all_ignored_is_nan():
+    h, w, t = _case(seed=2)
+    h[5, 0] = float("nan")
+    hh = h.clone().requires_grad_()
+    loss = linear_cross_entropy(hh, w, t, chunk_rows=8)
+    loss.backward()
+    assert torch.isnan(loss) and torch.isnan(hh.grad[5]).all()
+    assert torch.isnan(linear_cross_entropy(h, w, torch.full_like(t, -100)))
+
+
+def test_second_backward_and_bad_shapes_raise():
+    h, w, t = _case(seed=3)
+    loss = linear_cross_entropy(h.requires_grad_(), w, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+    with pytest.raises(ValueError, match="share D"):
+        linear_cross_entropy(h, w[:, :5], t)
+    with pytest.raises(ValueError, match="target_N must be"):
+        linear_cross_entropy(h, w, t[:-1])
+    with pytest.raises(ValueError, match="chunk_rows"):
+        linear_cross_entropy(h, w, t, chunk_rows=0)
+
+
+def test_shift_labels_matches_transformers():
+    labels = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    assert shift_labels(labels).tolist() == [6, 7, -100, 9, 10, -100]
+
+
+def _model_grads(fused, autocast, seq_len=13):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=2, seq_len=seq_len)
+    model = build_model(cfg).train()
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+    if fused:
+        use_fused_cross_entropy(model, chunk_rows=7)  # 39 rows: 6 chunks, the last partial
+    ids = torch.randint(0, 97, (3, seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(input_ids=ids, labels=ids)
+    (out.loss * 0.5).backward()
+    assert (out.logits is None) == fused
+    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_whole_model_loss_and_gradients_match_plain(autocast):
+    ref_loss, ref = _model_grads(False, autocast)
+    got_loss, got = _model_grads(True, autocast)
+    # fp32: summation order only; bf16: the weight gradient is rounded per chunk (bf16 noise)
+    rtol, atol = (1e-5, 1e-7) if not autocast else (2e-2, 2e-4)
+    torch.testing.assert_close(got_loss, ref_loss, rtol=1e-6 if not autocast else 1e-3, atol=0)
+    for name, g in got.items():
+        torch.testing.assert_close(g, ref[name], rtol=rtol, atol=atol,
+                                   msg=lambda m, n=name, g=g: _report(n, g, ref[n]))
+    emb = "model.embed_tokens.weight"  # the tied matrix gets the LM head's and the lookup's parts
+    assert (got[emb] != 0).sum() > got[emb].shape[1] * 10
+
+
+def test_eval_forward_without_labels_is_untouched():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=2, seq_len=8)
+    model = build_model(cfg).eval()
+    ids = torch.randint(0, 97, (2, 8))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        use_fused_cross_entropy(model)
+        torch.testing.assert_close(model(input_ids=ids).logits, ref, rtol=0, atol=0)
+        val = model(input_ids=ids, labels=ids).loss  # validation: chunked, no gradients
+        plain = F.cross_entropy(ref[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
+        torch.testing.assert_close(val, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_trainer_fused_ce_gives_the_same_losses(tmp_path):
+    from train.trainer import Trainer
+
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
+    runs = {}
+    for fused in (False, True):
+        cfg = tiny_config(tok, **{"trainer.max_steps": 3, "sparsity.l1_coeff": 0.05,
+                                  "trainer.fused_ce": fused})
+        t = Trainer(cfg, tmp_path / str(fused))
+        try:
+            t.train()
+        finally:
+            t.close()
+        runs[fused] = read_metrics(tmp_path / str(fused))
+    for a, b in zip(runs[True], runs[False]):
+        assert a["ce"] == pytest.approx(b["ce"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

@@ -1,0 +1,148 @@
+"""Selective recomputation (``trainer.checkpoint_ffn``): the loss and every parameter gradient
+equal those of full checkpointing and of no checkpointing, for twell / auto / torch layers mixed
+in one model, fp32 and bf16 autocast; layers on the sparse path run their FFN once per step."""
+
+import pytest
+import torch
+
+from tests.train_utils import tiny_config, write_tokens
+from train.config import CHECKPOINT_FFN_MODES, ConfigError, ModelConfig
+from train.model import build_model, enable_grad_checkpointing, ffn_modules
+from train.recompute import CHECKPOINT_FFN_MODES as RECOMPUTE_MODES
+from train.recompute import _recast_weights, ffn_trains_sparse
+from train.sparsity import collect_stats, l1_penalty
+
+# per layer: (impl, train_path): twell; auto on its ELL path; auto in dense mode; torch
+MIXED = [("twell", "dense"), ("auto", "twell"), ("auto", "dense"), ("torch", "dense")]
+
+
+def _model(checkpoint):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                      num_heads=2, seq_len=16)
+    model = build_model(cfg).train()
+    mlps = ffn_modules(model)
+    for mlp, (impl, path) in zip(mlps, MIXED):
+        mlp.impl, mlp.train_path = impl, path
+        with torch.no_grad():  # 24 live units of 64: ~12 active per token around the ELL
+            mlp.gate_proj.weight[24:] = 0  # capacity (16), so light and heavy rows both occur
+    if checkpoint is not None:
+        enable_grad_checkpointing(model, checkpoint)
+    return model, mlps
+
+
+def _step(checkpoint, autocast):
+    """Loss CE + 0.3 L1 and all gradients of one micro-step; FFN forward calls per layer."""
+    model, mlps = _model(checkpoint)
+    calls = [0] * len(mlps)
+    for i, mlp in enumerate(mlps):  # counts every FFN forward (each runs one gate GEMM)
+        mlp.register_forward_pre_hook(lambda mod, args, i=i: calls.__setitem__(i, calls[i] + 1))
+    ids = torch.randint(1, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ce = model(input_ids=ids, labels=ids).loss
+        l1, _ = l1_penalty(collect_stats(mlps))
+        loss = ce + 0.3 * l1
+    loss.backward()
+    heavy = [float(m.last_stats.heavy_rows) for m in mlps[:2]]  # the ELL layers
+    assert max(heavy) > 0 and max(heavy) < ids.numel() / 2, heavy  # light and heavy ELL rows
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, calls
+
+
+@pytest.fixture
+def torch_backend(monkeypatch):
+    """The sparse training op's PyTorch backend (the same math as its Triton kernels, which
+    tests/test_kernels_train.py checks): what is tested here is the recomputation, fast."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_selective_recompute_matches_full_and_no_checkpointing(autocast, torch_backend):
+    ref_loss, ref_grads, ref_calls = _step(None, autocast)
+    assert ref_calls == [1, 1, 1, 1]
+    expected_calls = {"always": [2, 2, 2, 2], "auto": [1, 1, 2, 2], "never": [1, 1, 1, 1]}
+    for mode in CHECKPOINT_FFN_MODES:
+        loss, grads, calls = _step(mode, autocast)
+        assert calls == expected_calls[mode], (mode, calls)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        assert grads.keys() == ref_grads.keys()
+        for name, g in grads.items():
+            assert g is not None and torch.isfinite(g).all(), (mode, name)
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-6, atol=1e-9,
+                                       msg=lambda m, n=name, k=mode: f"{k} {n}: {m}")
+        assert any(g.abs().max() > 0 for n, g in grads.items() if "gate_proj" in n)
+
+
+def test_ffn_trains_sparse_follows_impl_and_train_path():
+    _, mlps = _model(None)
+    assert [ffn_trains_sparse(m) for m in mlps] == [True, True, False, False]
+    mlps[2].train_path = "twell"  # auto switched this layer to the ELL path between steps
+    assert ffn_trains_sparse(mlps[2])
+
+
+def test_recast_weights_recasts_in_backward():
+    """The bf16 cast of a weight is not kept: backward recasts the fp32 parameter (so an
+    in-place change in between is caught rather than silently mixing two weights)."""
+    for op in ("linear", "mul"):  # linear saves the cast's transpose, mul the cast itself
+        w = torch.randn(3, 4, requires_grad=True)
+        x = torch.randn(3, 4, dtype=torch.bfloat16, requires_grad=True)
+        with _recast_weights([w]):
+            w16 = w.to(torch.bfloat16)
+            y = torch.nn.functional.linear(x, w16) if op == "linear" else x * w16
+        y.float().sum().backward(retain_graph=True)
+        ones = torch.ones_like(y)
+        ref = ones @ w16.detach() if op == "linear" else w16.detach()
+        torch.testing.assert_close(x.grad, ref, rtol=0, atol=0)
+        with torch.no_grad():
+            w.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified in place"):
+            y.float().sum().backward()
+
+
+def test_checkpoint_ffn_is_validated(tmp_path):
+    assert CHECKPOINT_FFN_MODES == RECOMPUTE_MODES
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=2000)
+    with pytest.raises(ConfigError, match="trainer.checkpoint_ffn='sometimes' is unknown"):
+        tiny_config(tok, **{"trainer.checkpoint_ffn": "sometimes"})
+    with pytest.raises(ConfigError, match="needs trainer.grad_checkpointing=true"):
+        tiny_config(tok, **{"trainer.checkpoint_ffn": "auto"})
+    cfg = tiny_config(tok, **{"trainer.grad_checkpointing": True})
+    cfg.trainer.checkpoint_ffn, cfg.trainer.compile = "auto", True
+    with pytest.raises(ConfigError, match="trainer.compile"):
+        cfg.trainer.__post_init__()
+
+
+def test_trainer_losses_equal_with_checkpoint_ffn_auto(tmp_path, torch_backend):
+    """Whole trainer, ffn_impl=twell (no-sync backup path), L1 on: the same losses and gradient
+    norms per step with checkpoint_ffn=auto as with always (fp32, same seed)."""
+    from tests.train_utils import read_metrics
+    from train.trainer import Trainer
+
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
+    runs = {}
+    for mode in ("always", "auto"):
+        cfg = tiny_config(tok, **{"trainer.max_steps": 3, "sparsity.l1_coeff": 0.5,
+                                  "model.ffn_impl": "twell", "trainer.grad_checkpointing": True,
+                                  "trainer.checkpoint_ffn": mode})
+        t = Trainer(cfg, tmp_path / mode)
+        try:
+            t.train()
+        finally:
+            t.close()
+        runs[mode] = read_metrics(tmp_path / mode)
+    assert len(runs["auto"]) == 3
+    for a, b in zip(runs["auto"], runs["always"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5, abs=0)
+        assert a["l0_mean"] == b["l0_mean"]
+
+
+def test_eval_mode_runs_transformers_forward():
+    """Inference is untouched: eval / no-grad forward gives the unpatched model's logits."""
+    ref, _ = _model(None)
+    got, mlps = _model("never")
+    for m in [*ffn_modules(ref), *mlps]:  # the layer's forward is under test, not the FFN's
+        m.impl = "torch"
+    ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(got.eval()(input_ids=ids).logits,
+                                   ref.eval()(input_ids=ids).logits, rtol=0, atol=0)
