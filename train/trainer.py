@@ -117,7 +117,8 @@ class Trainer:
     Args:
         cfg: the resolved :class:`train.config.TrainConfig`.
         run_dir: the run directory (Hydra's run dir): config.yaml, metrics.jsonl, summary.json,
-            checkpoints/step{N}/.
+            train.log (the printed lines), checkpoints/step{N}/, .lock (held by the main process
+            from construction through ``train``; ``close`` releases it).
         datamodule: a ready data module (tests); default ``build_datamodule(cfg.data, ...)``.
 
     Raises:
