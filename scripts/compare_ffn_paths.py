@@ -93,7 +93,7 @@ SMOKE_OVERRIDES = [
     "data=tokens", "data.vocab_size=64", "model.name=smoke", "model.vocab_size=64", "model.hidden_size=32",
     "model.intermediate_size=64", "model.num_heads=2", "model.num_layers=2", "model.seq_len=32",
     "trainer=cpu", "trainer.cpu=true", "trainer.num_threads=1", "trainer.global_batch=8",
-    "trainer.micro_batch=8", "trainer.val_batches=1", "trainer.save_every=0",
+    "trainer.micro_batch=8", "trainer.val_sequences=8", "trainer.save_every=0",
     "trainer.keep_last=1", "optim.warmup_steps=2", "sparsity.l1_coeff=0.05",
 ]
 
@@ -303,8 +303,8 @@ def _fmt(v, spec: str = ".4g") -> str:
 def summary_rows(runs: list[RunData]) -> list[dict]:
     """One table row per run (final loss, L0, dead units, val loss, tokens/s, wall s).
 
-    val loss is the trainer's end-of-run validation on ``trainer.val_batches`` micro-batches, so
-    B (half the micro-batch) scores half as many held-out tokens: information, not a criterion.
+    val loss is the trainer's end-of-run validation on ``trainer.val_sequences`` held-out
+    sequences (the same ones for A, B and C): information, not a criterion.
     """
     rows = []
     for r in runs:
@@ -373,8 +373,8 @@ def markdown(result: dict, runs: list[RunData], meta: dict) -> str:
         "",
         "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
         *("| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows), "",
-        ("val loss: end-of-run validation on trainer.val_batches micro-batches (B's are half the "
-        "size); information only."), "",
+        ("val loss: end-of-run validation on the same trainer.val_sequences held-out sequences "
+         "for every run; information only."), "",
         *(f"- {line}" for line in diff_lines(result)), "",
         *(f"- **{k['line'].split()[0]}** {k['line'][6:]}" for k in result["criteria"]), "",
         f"Verdict: **{'PASS' if result['passed'] else 'FAIL'}**", "",
@@ -622,8 +622,8 @@ def main(argv=None) -> int:
     (a.out / "compare_ffn.md").write_text(markdown(result, runs, meta))
     print()
     print(text_table(summary_rows(runs)))
-    print("(val loss: end-of-run validation on trainer.val_batches micro-batches; B's are half "
-          "the size)")
+    print("(val loss: end-of-run validation on the same trainer.val_sequences held-out sequences "
+          "for every run)")
     print()
     for line in diff_lines(result):
         print(line)

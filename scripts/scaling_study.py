@@ -131,7 +131,7 @@ def common_overrides(a, study_dir: Path) -> list[str]:
         f"trainer.max_steps={a.steps}", f"trainer.global_batch={a.global_batch}",
         f"trainer.micro_batch={a.micro_batch}", f"model.seq_len={a.seq_len}",
         f"trainer.seed={a.seed}", "trainer.log_every=1", "trainer.val_every=0",
-        f"trainer.val_batches={a.val_batches}", "trainer.save_every=0", "trainer.keep_last=1",
+        f"trainer.val_sequences={a.val_sequences}", "trainer.save_every=0", "trainer.keep_last=1",
         "trainer.progress=false", "trainer.resume=never", "logging.wandb_mode=disabled",
     ]
     if a.cpu:
@@ -313,7 +313,8 @@ def parse_args(argv=None):
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--seed", type=int, default=42, help="seed of every run (init and data order)")
-    p.add_argument("--val-batches", type=int, default=16, help="validation micro-batches at the end")
+    p.add_argument("--val-sequences", type=int, default=64,
+                   help="held-out sequences of the validation at the end")
     p.add_argument("--eval-limit", type=int, default=300,
                    help="items per task of the end-of-training evals (0 = no evals)")
     p.add_argument("--eval-batch", type=int, default=32, help="sequences per eval forward")

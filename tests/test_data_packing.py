@@ -204,7 +204,7 @@ def test_bad_token_files_name_the_file(tmp_path):
         dm_for([str(tmp_path / "nothere.bin")], 8, 2)
     small = tmp_path / "small.bin"
     stream[:5].tofile(small)
-    with pytest.raises(ValueError, match="world_size"):
+    with pytest.raises(DataError, match="small.bin.*world_size"):
         dm_for([str(small)], 8, 2)
 
 

@@ -254,7 +254,7 @@ def test_ffn_pair_differences(runs, tmp_path):
 def _study_cmd(tokens: Path, tmp_path: Path, *extra: str) -> list[str]:
     return [sys.executable, str(ROOT / "scripts" / "scaling_study.py"), "--cpu", "--sizes",
             "tiny", "--l1", "0,0.5", "--steps", "2", "--micro-batch", "2", "--global-batch", "2",
-            "--seq-len", "32", "--val-batches", "1", "--eval-limit", "0", "--variants", "none",
+            "--seq-len", "32", "--val-sequences", "2", "--eval-limit", "0", "--variants", "none",
             "--ffn-pair", "none", "--position-batches", "1", "--position-l1", "0.5",
             "--study-dir", str(tmp_path / "study"), "--out", str(tmp_path / "out"), *extra,
             "model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=64",

@@ -114,7 +114,7 @@ def test_cli_run_and_multirun(tokens, tmp_path):
     """`python -m train` (= twell-train) with the brief's exact keys, then a 2-value sweep."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
     data = ["data=tokens", f"data.paths=[{tokens}]", "data.vocab_size=64", "eval=disabled",
-            "logging.wandb_mode=disabled", "trainer.num_threads=1", "trainer.val_batches=1",
+            "logging.wandb_mode=disabled", "trainer.num_threads=1", "trainer.val_sequences=4",
             "trainer.progress=false"]
     small = ["model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=64",
              "model.num_heads=2", "model.seq_len=32", "trainer.global_batch=4",
@@ -127,6 +127,10 @@ def test_cli_run_and_multirun(tokens, tmp_path):
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["step"] == 20 and (run_dir / "config.yaml").is_file()
     assert f"checkpoint: {run_dir}/checkpoints/step20" in r.stdout
+    last = r.stdout.strip().splitlines()[-1]  # the summary line comes last
+    assert last.startswith("done: step 20 | train CE ") and "tok/s" in last
+    log = (run_dir / "train.log").read_text()  # the printed lines, in the run dir
+    assert "step 20: loss" in log and last in log and not (run_dir / "main.log").exists()
     # a bad value: one line on stderr, exit code 2
     bad = subprocess.run(cmd[:-len(small) - len(data)] + small + data + ["model.num_heads=3"],
                          cwd=ROOT, env=env, check=False, capture_output=True, text=True, timeout=300)
@@ -178,7 +182,7 @@ def test_two_ranks_resume_is_exact(tokens, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     args = ["data=tokens", f"data.paths=[{tokens}]", "data.vocab_size=64", "trainer.cpu=true",
             "eval=disabled",
-            "logging.wandb_mode=disabled", "trainer.num_threads=1", "trainer.val_batches=1",
+            "logging.wandb_mode=disabled", "trainer.num_threads=1", "trainer.val_sequences=4",
             "trainer.progress=false", "model.vocab_size=64", "model.hidden_size=32",
             "model.intermediate_size=64", "model.num_heads=2", "model.num_layers=2",
             "model.seq_len=32", "trainer.global_batch=16", "trainer.micro_batch=4",
@@ -230,7 +234,7 @@ def test_warmup_longer_than_run_warns(tokens, tmp_path, capsys):
     Trainer(tiny_config(tokens, **{"trainer.max_steps": 2, "optim.warmup_steps": 5}),
             tmp_path / "w").close()
     err = capsys.readouterr().err
-    assert "optim.warmup_steps=5 >= trainer.max_steps=2" in err
+    assert "optim.warmup_steps=5 > trainer.max_steps=2" in err
 
 
 def test_record_acts_saves_a_layer_input_for_the_inference_bench(tokens, tmp_path):

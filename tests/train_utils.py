@@ -56,7 +56,7 @@ def tiny_config(tokens: Path, **over) -> TrainConfig:
         sparsity=SparsityConfig(l1_coeff=0.0),
         data=DataConfig(source="tokens", paths=[str(tokens)], vocab_size=VOCAB, val_fraction=0.05),
         trainer=TrainerConfig(max_steps=10, global_batch=8, micro_batch=4, precision="fp32",
-                              cpu=True, num_threads=1, log_every=1, val_every=0, val_batches=2,
+                              cpu=True, num_threads=1, log_every=1, val_every=0, val_sequences=8,
                               save_every=0, progress=False),
         logging=LoggingConfig(wandb_mode="disabled"),
     )

@@ -114,7 +114,8 @@ class OptimConfig:
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.0
-    """Final lr as a fraction of the peak at the end of the cosine (0 = decay to zero)."""
+    """lr at the end of the cosine as a fraction of the peak (0 = towards zero); the end is one
+    step past trainer.max_steps, so the last step still trains."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """AdamW (beta1, beta2)."""
     eps: float = 1e-8
@@ -122,9 +123,11 @@ class OptimConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices (embeddings, projections), not to norms."""
     warmup_steps: int = 600
-    """Optimizer steps of linear lr warmup from 0."""
+    """Optimizer steps of linear lr warmup: step s <= warmup_steps runs at lr * s / warmup_steps
+    (step 1 at lr / warmup_steps, none at 0)."""
     schedule: str = "cosine"
-    """cosine (to min_lr_ratio at trainer.max_steps) | constant (after warmup)."""
+    """cosine (from the peak at warmup_steps to min_lr_ratio one step past trainer.max_steps)
+    | constant (after warmup)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 = no clipping (the norm is still logged)."""
     fused: bool | None = None
@@ -247,20 +250,26 @@ class TrainerConfig:
     fp32 runs or an unlisted GPU MFU is not logged unless this is set."""
     val_every: int = 100
     """Validation loss every N steps (0 = only at the end)."""
-    val_batches: int = 8
-    """Micro-batches of held-out data per validation (per rank)."""
+    val_sequences: int = 128
+    """Held-out sequences per validation over all ranks (the first ones of the validation split,
+    rounded down to a multiple of the world size); CE is token-weighted, so the result does not
+    depend on the micro-batch. (Was trainer.val_batches, which counted micro-batches per rank.)"""
     save_every: int = 0
     """Checkpoint every N steps (0 = only at the end)."""
     keep_last: int = 2
     """Complete checkpoints kept in run_dir/checkpoints (older ones are deleted)."""
     resume: str = "auto"
-    """auto (continue from the newest complete checkpoint in the run dir, if any) | never |
-    a path to a step{N} checkpoint folder."""
+    """auto (continue the newest complete checkpoint in the run dir if its config matches up to
+    execution, logging, eval and save keys) | never | a step{N} checkpoint folder or a run dir
+    (its newest complete checkpoint), continued with this config."""
+    resume_allow_changes: bool = False
+    """Let a resume change optim.* or trainer.max_steps: the new values (param groups, lr
+    schedule) apply exactly from the next step; false = such a resume is refused."""
     progress: bool = True
     """Show a progress bar (tqdm) with ETA on the main process."""
 
     def __post_init__(self) -> None:
-        for key in ("max_steps", "global_batch", "micro_batch", "log_every", "val_batches",
+        for key in ("max_steps", "global_batch", "micro_batch", "log_every", "val_sequences",
                     "keep_last"):
             _check_positive_int(f"trainer.{key}", getattr(self, key))
         if self.global_batch % self.micro_batch:
@@ -386,15 +395,69 @@ class TrainConfig:
         return t.global_batch // per_step
 
 
+# keys that were renamed: the CLI's unknown-key message gives the new name and why
+RENAMED_KEYS = {
+    "trainer.val_batches": "trainer.val_sequences (it counts held-out sequences over all ranks, "
+                           "not micro-batches per rank)",
+}
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass (the attribute-docstring convention used
+    throughout this file), by field name, whitespace collapsed; read from the source (ast)."""
+    import ast
+    import inspect
+    import itertools
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for a, b in itertools.pairwise(body):
+        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+                and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+                and isinstance(b.value.value, str)):
+            docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+def help_template() -> str:
+    """``twell-train --help`` (Hydra's ``hydra.help.template``): usage, the config groups and
+    their options, then every key of every group with its value as composed with the command
+    line's overrides (OmegaConf interpolations, resolved when Hydra prints the help) and the
+    docstring of its dataclass field."""
+    import dataclasses
+
+    lines = [
+        "twell-train: pretrain a Llama-style decoder with a ReLU-gated FFN and an L1",
+        "activation-sparsity regularizer (arXiv 2603.23198).",
+        "",
+        "  twell-train [group=option ...] [group.key=value ...]   one run (hydra.run.dir=DIR)",
+        "  twell-train -m sparsity.l1_coeff=0,1e-5,2e-5            a sweep, one run dir per value",
+        "  twell-train [overrides] --cfg job                       print the composed config",
+        "  accelerate launch -m train experiment=paper_0p5b        the paper recipe on GPUs",
+        "",
+        "== Config groups (group=option; defaults in configs/train.yaml) ==",
+        "$APP_CONFIG_GROUPS",
+        "== Keys (group.key=value; value as composed with your overrides; train/config.py) ==",
+    ]
+    for group in dataclasses.fields(TrainConfig):
+        cls = group.default_factory().__class__
+        docs = field_docs(cls)
+        lines.append(f"{group.name}:")
+        for f in dataclasses.fields(cls):
+            doc = docs.get(f.name, "").replace("$", "$$")  # string.Template runs on it
+            lines.append(f"  {f.name}: ${{oc.select:{group.name}.{f.name},???}}  # {doc}")
+    lines += ["", "Hydra's own flags: --hydra-help. Source and README: the twell repository.", ""]
+    return "\n".join(lines)
+
+
 def register_configs() -> None:
-    """Store the schema (``train_schema``) and the data group's schema in Hydra's ConfigStore."""
+    """Store the schema (``train_schema``) and the help text (``hydra/help: twell``) in Hydra's
+    ConfigStore."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    try:  # the data module's own group schema (`defaults: [base_data]` in configs/data/*.yaml)
-        from train.data import register_configs as register_data
-
-        register_data(cs)
-    except ImportError:
-        pass
+    cs.store(group="hydra/help", name="twell", provider="twell",
+             node={"app_name": "twell-train", "header": "", "footer": "",
+                   "template": help_template()})

@@ -29,8 +29,9 @@ from accelerate.utils import AutocastKwargs, set_seed
 from omegaconf import OmegaConf
 
 from train import checkpoint as ckpt_io
+from train import rundir
 from train.capacity import BackupCapacity
-from train.config import ConfigError, TrainConfig
+from train.config import ConfigError, OptimConfig, TrainConfig
 from train.fusion import compile_norms
 from train.loss import use_fused_cross_entropy
 from train.metrics import device_peak_flops, flops_per_token, mfu
@@ -72,6 +73,40 @@ def config_diff(a: dict, b: dict, ignore: tuple[str, ...] = ("trainer.resume",))
     return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in keys if fa.get(k) != fb.get(k)]
 
 
+def lr_factor(step: int, o: OptimConfig, max_steps: int) -> float:
+    """Multiplier of ``optim.lr`` for optimizer step ``step`` (1-based).
+
+    Linear warmup ``step / warmup_steps`` for ``step <= warmup_steps`` (peak at step
+    ``warmup_steps``), then ``constant`` 1 or ``cosine`` from that peak towards ``min_lr_ratio``:
+    ``r + (1 - r) * (1 + cos(pi * (step - warmup) / (max_steps - warmup + 1))) / 2``.
+    Both ends are one step outside the run (factor 0 at step 0, ``min_lr_ratio`` at step
+    ``max_steps + 1``), so no step runs at lr 0: step 1 at ``lr / warmup_steps``, the last step
+    just above ``min_lr_ratio * lr`` (paper recipe: 600 warmup steps, then cosine).
+    """
+    w = o.warmup_steps
+    if step <= w:
+        return step / w
+    if o.schedule == "constant":
+        return 1.0
+    progress = min((step - w) / (max_steps - w + 1), 1.0)
+    r = o.min_lr_ratio
+    return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def summary_line(s: dict) -> str:
+    """The one-line end of a run (printed last by ``twell-train``): step, train CE, validation
+    loss, L0, dead %, eval mean (%, primary metric over the tasks) and tokens/s."""
+    def f(v, spec: str) -> str:
+        return "n/a" if v is None else format(v, spec)
+
+    ev = (s.get("eval") or {}).get("eval_mean")
+    return (f"done: step {s['step']} | train CE {f(s.get('final_train_ce'), '.4f')} | val loss "
+            f"{f(s.get('val_loss'), '.4f')} | L0 {f(s.get('l0_mean'), '.1f')} | dead "
+            f"{f(s.get('dead_pct'), '.1f')}% | eval mean "
+            f"{'n/a' if ev is None else format(100 * ev, '.1f')} | "
+            f"{f(s.get('tokens_per_s'), '.0f')} tok/s")
+
+
 def _peak_memory_gb(device: torch.device) -> float:
     """Peak memory in GiB since the last :func:`_reset_peak_memory` (CUDA: bytes allocated by
     tensors, ``torch.cuda.max_memory_allocated``). CPU: the process's peak resident set size
@@ -94,14 +129,33 @@ class Trainer:
     Args:
         cfg: the resolved :class:`train.config.TrainConfig`.
         run_dir: the run directory (Hydra's run dir): config.yaml, metrics.jsonl, summary.json,
-            checkpoints/step{N}/.
+            train.log (the printed lines), checkpoints/step{N}/, .lock (held by the main process
+            from construction through ``train``; ``close`` releases it).
         datamodule: a ready data module (tests); default ``build_datamodule(cfg.data, ...)``.
 
     Raises:
-        ConfigError: bad configuration (one line naming the key and the fix).
+        ConfigError: bad configuration, a resume the run dir does not allow (README, Resuming),
+            or a run dir locked by another process (one line naming the key and the fix).
     """
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, datamodule=None) -> None:
+        # the run dir is locked from the first check to close(); a construction that fails
+        # unlocks it and removes the directory if it made it and left nothing else there
+        self._lock: rundir.RunDirLock | None = None
+        self._log_lines: list[str] = []  # train.log lines waiting for the run dir to be set up
+        self._log_ready = False
+        made_dir = not Path(run_dir).exists()
+        try:
+            self._setup(cfg, run_dir, datamodule=datamodule)
+        except BaseException:
+            self._unlock()
+            d = Path(run_dir)
+            if made_dir and d.is_dir() and {p.name for p in d.iterdir()} <= {rundir.LOCK_FILE}:
+                (d / rundir.LOCK_FILE).unlink(missing_ok=True)
+                d.rmdir()
+            raise
+
+    def _setup(self, cfg: TrainConfig, run_dir: str | Path, *, datamodule=None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         t = cfg.trainer
@@ -124,16 +178,18 @@ class Trainer:
         self.is_main = self.acc.is_main_process
         self.device = self.acc.device
         self.config_dict = config_to_dict(cfg)
-        if cfg.optim.warmup_steps >= t.max_steps and self.is_main:
-            print(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} >= trainer.max_steps="
-                  f"{t.max_steps}: the learning rate never reaches optim.lr (peak "
-                  f"{cfg.optim.lr * t.max_steps / max(cfg.optim.warmup_steps, 1):.2e}); lower "
-                  "optim.warmup_steps.", file=sys.stderr)
+        if cfg.optim.warmup_steps > t.max_steps and self.is_main:
+            self._warn(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} > trainer.max_steps="
+                       f"{t.max_steps}: the learning rate never reaches optim.lr (peak "
+                       f"{cfg.optim.lr * t.max_steps / max(cfg.optim.warmup_steps, 1):.2e}); "
+                       "lower optim.warmup_steps.")
         if (self.device.type == "cpu" and not t.cpu and t.global_batch >= 64
                 and self.is_main):  # e.g. trainer=gpu on a machine without a GPU
-            print(f"warning: no GPU found; training {t.max_steps} steps of "
-                  f"{t.global_batch} x {cfg.model.seq_len} tokens on the CPU. For a CPU run use "
-                  "trainer=cpu.", file=sys.stderr)
+            self._warn(f"warning: no GPU found; training {t.max_steps} steps of "
+                       f"{t.global_batch} x {cfg.model.seq_len} tokens on the CPU. For a CPU run "
+                       "use trainer=cpu.")
+        if self.is_main:  # DDP: rank 0 holds the lock for the job (torchrun ends the others)
+            self._lock = rundir.RunDirLock(self.run_dir)
         resume_from = self._check_run_dir()
 
         set_seed(t.seed)
@@ -146,10 +202,15 @@ class Trainer:
                     rank=self.acc.process_index, world_size=self.acc.num_processes)
         self.data = datamodule
         if self.data.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(
-                f"tokenizer vocabulary ({self.data.vocab_size}, data.tokenizer="
-                f"{cfg.data.tokenizer!r}) is larger than model.vocab_size={cfg.model.vocab_size}; "
-                f"set model.vocab_size>={self.data.vocab_size}.")
+            if getattr(self.data, "tokenizer", None) is None:  # tokens source: ids from files
+                what = (f"data.vocab_size={cfg.data.vocab_size}" if cfg.data.vocab_size else
+                        f"the token files data.paths={list(cfg.data.paths)} hold ids up to "
+                        f"{self.data.vocab_size - 1}, so the vocabulary ({self.data.vocab_size})")
+            else:
+                what = (f"the tokenizer vocabulary ({self.data.vocab_size}, data.tokenizer="
+                        f"{cfg.data.tokenizer!r})")
+            raise ConfigError(f"{what} is larger than model.vocab_size={cfg.model.vocab_size}; "
+                              f"set model.vocab_size>={self.data.vocab_size}.")
 
         e = cfg.eval
         if (e.at_end or e.every_steps) and getattr(self.data, "tokenizer", None) is None:
@@ -205,6 +266,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.config_dict))
             self.metrics_path.write_text("")
+        self._log_ready = True
+        self._log()  # the lines printed so far
         self.acc.wait_for_everyone()
         self.wandb = self._init_wandb()
 
@@ -229,14 +292,12 @@ class Trainer:
         return self.run_dir / "metrics.jsonl"
 
     def _check_run_dir(self) -> Path | None:
-        """Which checkpoint to resume from (or None); refuse a directory of a different run."""
+        """Which checkpoint to resume from (or None); refuse a directory of a different run and
+        changes a resume does not allow (``train.rundir``: the resume rules)."""
         resume = self.cfg.trainer.resume
-        if resume not in ("auto", "never"):
-            path = Path(resume)
-            if not (path / "metadata.json").is_file():
-                raise ConfigError(f"trainer.resume={resume!r} is not a complete checkpoint folder "
-                                  "(no metadata.json); use auto, never or a step{N} folder.")
-            found = path
+        explicit = resume not in ("auto", "never")
+        if explicit:
+            found = rundir.resolve_resume(resume)
         else:
             found = None
             if resume == "auto":
@@ -247,10 +308,11 @@ class Trainer:
         if found is not None:
             saved = OmegaConf.to_container(OmegaConf.load(found / "train_config.yaml"))
             diff = [d for d in config_diff(saved, self.config_dict) if d.startswith("model.")
-                    and not d.startswith(("model.ffn_impl", "model.ffn_host_sync"))]
+                    and not d.startswith(("model.ffn_impl", "model.ffn_host_sync", "model.name"))]
             if diff:
                 raise ConfigError(f"checkpoint {found} has another model shape ({'; '.join(diff[:3])})"
                                   "; use the same model config or a new hydra.run.dir.")
+            self._check_resume_changes(found, saved, explicit)
             return found
         old = self.run_dir / "config.yaml"
         if old.is_file():
@@ -260,6 +322,29 @@ class Trainer:
                     f"{self.run_dir} holds a different run's config ({'; '.join(diff[:3])}) and "
                     "no checkpoint to resume; use a new hydra.run.dir or delete that directory.")
         return None
+
+    def _check_resume_changes(self, found: Path, saved: dict, explicit: bool) -> None:
+        """``trainer.resume=auto`` continues only the same run (config equal up to
+        ``rundir.RESUME_SAFE_KEYS``); an explicit path may change other keys, but the optimizer
+        and its schedule only with ``trainer.resume_allow_changes=true``."""
+        optim, other = rundir.split_changes(config_diff(saved, self.config_dict))
+        flag = "trainer.resume_allow_changes=true"
+        if not explicit and (optim or other):
+            run = found.parent.parent
+            raise ConfigError(
+                f"{self.run_dir} holds a run with another config (checkpoint {found.name}: "
+                f"{'; '.join((other + optim)[:4])}{'; ...' if len(other + optim) > 4 else ''}); to "
+                f"continue it with these values pass trainer.resume={run}"
+                + (f" {flag}" if optim else "") + ", or use a new hydra.run.dir.")
+        if optim and not self.cfg.trainer.resume_allow_changes:
+            raise ConfigError(
+                f"resuming {found} would change the optimizer or its schedule ({'; '.join(optim)})"
+                f"; add {flag} to apply the new values from step {self._ckpt_step(found) + 1}, "
+                "or drop these overrides.")
+
+    @staticmethod
+    def _ckpt_step(path: Path) -> int:
+        return int(ckpt_io.read_metadata(path)["step"])
 
     def _build_optimizer(self, model) -> torch.optim.Optimizer:
         o = self.cfg.optim
@@ -271,17 +356,14 @@ class Trainer:
              {"params": no_decay, "weight_decay": 0.0}],
             lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
 
-    def _build_scheduler(self, optimizer):
-        from transformers import (
-            get_constant_schedule_with_warmup,
-            get_cosine_with_min_lr_schedule_with_warmup,
-        )
-
-        o = self.cfg.optim
-        if o.schedule == "constant":
-            return get_constant_schedule_with_warmup(optimizer, o.warmup_steps)
-        return get_cosine_with_min_lr_schedule_with_warmup(
-            optimizer, o.warmup_steps, self.cfg.trainer.max_steps, min_lr_rate=o.min_lr_ratio)
+    def _build_scheduler(self, optimizer, steps_done: int = 0):
+        """``LambdaLR`` of :func:`lr_factor`: after ``k`` optimizer steps the groups' lr is
+        ``initial_lr * lr_factor(k + 1)``, the value step ``k + 1`` runs at. ``steps_done > 0``
+        builds it at that point of the schedule (a resume with changed optim values; the groups
+        must hold ``initial_lr``)."""
+        o, max_steps = self.cfg.optim, self.cfg.trainer.max_steps
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda k: lr_factor(k + 1, o, max_steps), last_epoch=steps_done - 1)
 
     def _init_wandb(self):
         lg = self.cfg.logging
@@ -290,17 +372,19 @@ class Trainer:
         try:
             import wandb
         except ImportError:
-            print("wandb is not installed; logging to metrics.jsonl only")
+            self._print("wandb is not installed; logging to metrics.jsonl only")
             return None
         id_file = self.run_dir / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id)
+        # offline: no banner and no history table at finish (the run's summary line comes last)
+        settings = wandb.Settings(silent=True) if lg.wandb_mode == "offline" else None
         try:
             return wandb.init(project=lg.wandb_project, name=lg.run_name or self.run_dir.name,
                               dir=str(self.run_dir), mode=lg.wandb_mode, config=self.config_dict,
-                              id=run_id, resume="allow")
+                              id=run_id, resume="allow", settings=settings)
         except Exception as e:  # noqa: BLE001  (logging must not kill a training run)
-            print(f"wandb.init failed ({e}); logging to metrics.jsonl only")
+            self._print(f"wandb.init failed ({e}); logging to metrics.jsonl only")
             return None
 
     # ---------------------------------------------------------------- state
@@ -376,8 +460,15 @@ class Trainer:
         self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
         self.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
+        if self.cfg.trainer.resume_allow_changes:
+            self._apply_optim_config()
         rank = torch.load(path / f"rank{self.acc.process_index}.pt", weights_only=False)
-        self.data.load_state_dict(rank["data"])
+        try:
+            self.data.load_state_dict(rank["data"])
+        except ValueError as e:  # another data set, seq_len or seed: the position means nothing
+            raise ConfigError(f"trainer.resume={path}: the checkpoint's data position does not "
+                              f"fit this run's data ({e}); resume with the checkpoint's data "
+                              "config or start a new run (a new hydra.run.dir).") from None
         ckpt_io.set_rng_state(rank["rng"])
         self.last_ckpt = path
         if self.is_main:  # drop metrics logged after the checkpoint (they will be redone)
@@ -401,6 +492,17 @@ class Trainer:
             changed = config_diff(saved, self.config_dict)
             self._print(f"resumed from {path} at step {self.step}"
                         + (f" (config changed: {'; '.join(changed)})" if changed else ""))
+
+    def _apply_optim_config(self) -> None:
+        """Resume with ``trainer.resume_allow_changes=true``: put this config's optim values
+        into the loaded optimizer's param groups (lr, weight decay of the matrices' group,
+        betas, eps) and rebuild the lr schedule at the checkpoint's step, so step N+1 runs at
+        the new schedule's value for step N+1 (a no-op when nothing changed)."""
+        o = self.cfg.optim
+        optimizer = self.scheduler.optimizer  # the torch optimizer under accelerate's wrapper
+        for group, wd in zip(optimizer.param_groups, (o.weight_decay, 0.0)):
+            group.update(initial_lr=o.lr, weight_decay=wd, betas=tuple(o.betas), eps=o.eps)
+        self.scheduler = self._build_scheduler(optimizer, steps_done=self.step)
 
     # ---------------------------------------------------------------- the loop
 
@@ -618,21 +720,33 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict:
-        """Mean CE and L0 on ``trainer.val_batches`` held-out micro-batches per rank."""
+        """Token-weighted mean CE and L0 (mean over layers) on the first
+        ``trainer.val_sequences`` held-out sequences (rounded down to a multiple of the world
+        size; each rank takes its equal share), so the result depends neither on the
+        micro-batch nor on how the sequences fall into batches. Fewer if the split is smaller."""
         self.model.eval()
         dev = self.device
-        tot = torch.zeros(3, device=dev)  # CE sum, batches, L0 sum (mean over layers)
-        for ids_BT in self.data.val_batches(self.cfg.trainer.val_batches):
-            ids_BT = ids_BT.to(dev)
-            ce = self.model(input_ids=ids_BT, labels=ids_BT).loss
+        share = self.cfg.trainer.val_sequences // self.acc.num_processes  # equal: same batches
+        sums = torch.zeros(2, dtype=torch.float64, device=dev)  # CE over targets, L0 over tokens
+        counts = [0, 0, 0]  # targets, FFN tokens, sequences (host ints)
+        left = share
+        for ids_BT in self.data.val_batches(-(-share // self.data.micro_batch)):
+            ids_BT = ids_BT[:left].to(dev)  # (B, T); the last batch may be cut to the share
+            left -= ids_BT.shape[0]
+            ce = self.model(input_ids=ids_BT, labels=ids_BT).loss  # mean over B*(T-1) targets
             _, sp = l1_penalty(collect_stats(self.mlps))
-            tot += torch.stack([ce.float(), torch.ones((), device=dev), sp.l0_L.mean()])
+            n_targets = ids_BT.shape[0] * (ids_BT.shape[1] - 1)
+            sums += torch.stack([ce.double() * n_targets, sp.l0_L.mean().double() * sp.n_tokens])
+            counts = [counts[0] + n_targets, counts[1] + sp.n_tokens, counts[2] + ids_BT.shape[0]]
+            if left <= 0:
+                break
+        tot = torch.cat([sums, torch.tensor(counts, dtype=torch.float64, device=dev)])
         if self.acc.num_processes > 1:
             tot = self.acc.reduce(tot, "sum")
-        ce_sum, nb, l0_sum = tot.tolist()
+        ce_sum, l0_sum, n_targets, n_tokens, n_seqs = tot.tolist()  # host sync
         self.model.train()
-        m = {"step": self.step, "val_loss": ce_sum / nb if nb else None,
-             "val_l0": l0_sum / nb if nb else None, "val_batches": int(nb)}
+        m = {"step": self.step, "val_loss": ce_sum / n_targets if n_targets else None,
+             "val_l0": l0_sum / n_tokens if n_tokens else None, "val_sequences": int(n_seqs)}
         self.last_val = m
         self._write(m, "val")
         return m
@@ -662,6 +776,16 @@ class Trainer:
         return result
 
     def train(self, stop_at_step: int | None = None) -> dict:
+        """:meth:`_train` holding the run dir's lock (taken again if an earlier ``train`` call
+        released it; released when it returns or raises)."""
+        if self.is_main and (self._lock is None or not self._lock.held):
+            self._lock = rundir.RunDirLock(self.run_dir)
+        try:
+            return self._train(stop_at_step)
+        finally:
+            self._unlock()
+
+    def _train(self, stop_at_step: int | None = None) -> dict:
         """Run until ``trainer.max_steps`` (or ``stop_at_step``, for interrupt tests); returns
         the summary (also written to run_dir/summary.json at the end of a full run)."""
         cfg, t = self.cfg, self.cfg.trainer
@@ -690,7 +814,7 @@ class Trainer:
                 self._print(self._format(m), bar)
             if (t.val_every and self.step % t.val_every == 0) or self.step == t.max_steps:
                 v = self.validate()
-                if v["val_batches"]:
+                if v["val_sequences"]:
                     self._print(f"step {self.step}: val_loss {v['val_loss']:.4f} "
                                 f"val_l0 {v['val_l0']:.1f}", bar)
             if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
@@ -708,8 +832,36 @@ class Trainer:
         return summary
 
     def _print(self, line: str, bar=None) -> None:
+        """Print on the main process (through the progress bar if any) and log to train.log."""
         if self.is_main:
             (bar.write if bar is not None else print)(line)
+            self._log(line)
+
+    def _warn(self, line: str) -> None:
+        print(line, file=sys.stderr)
+        self._log(line)
+
+    def _log(self, *lines: str) -> None:
+        """Append lines (timestamped) to run_dir/train.log on the main process; lines from
+        before the run dir is set up wait until it is."""
+        if not getattr(self, "is_main", True):
+            return
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        self._log_lines += [f"[{stamp}] {ln}\n" for ln in lines]
+        if self._log_ready and self._log_lines:
+            with (self.run_dir / "train.log").open("a") as f:
+                f.writelines(self._log_lines)
+            self._log_lines.clear()
+
+    def report(self, lines: list[str]) -> None:
+        """Print the run's closing lines (paths, summary line) and log them to train.log."""
+        if self.is_main:
+            print("\n".join(lines))
+            self._log(*lines)
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
 
     @staticmethod
     def _format(m: dict) -> str:
@@ -748,7 +900,9 @@ class Trainer:
         }
 
     def close(self) -> None:
+        """Finish wandb and release the run dir's lock (the trainer writes nothing after)."""
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+        self._unlock()
 

@@ -40,7 +40,8 @@ def build_datamodule(cfg: DataConfig, *, seq_len: int, micro_batch: int, seed: i
         DataModule (``fineweb_edu``: a streaming module with the same interface).
 
     Raises:
-        DataError: corpus/token files missing, truncated, corrupted or not matching the manifest.
+        DataError: corpus/token files missing, empty, truncated, corrupted, not matching the
+            manifest, or too short for one block (of ``seq_len``) per rank.
         ValueError: bad config values (named in the message).
     """
     if not isinstance(cfg, DataConfig):  # OmegaConf DictConfig / dict -> validated dataclass
@@ -71,15 +72,20 @@ def _tokens_module(cfg: DataConfig, **kw) -> DataModule:
     train = TokenStream.from_files(cfg.paths)
     desc = [(Path(p).name, a.shape[0]) for p, a in zip(cfg.paths, train.arrays)]
     seq_len = kw["seq_len"]
+    if len(train) == 0:
+        raise DataError(f"token files data.paths={list(cfg.paths)} are empty (0 tokens); give "
+                        "files holding uint16 token ids")
     if cfg.val_paths:
         val = TokenStream.from_files(cfg.val_paths)
     elif cfg.val_fraction > 0:
         n_blocks = len(train) // seq_len
         n_val = max(1, round(cfg.val_fraction * n_blocks))
         if n_val >= n_blocks:
-            raise ValueError(
-                f"{len(train)} tokens = {n_blocks} blocks of seq_len={seq_len}: too few to hold out "
-                f"val_fraction={cfg.val_fraction}; add data, set data.val_paths or val_fraction=0"
+            raise DataError(
+                f"token files data.paths={list(cfg.paths)} hold {len(train)} tokens = {n_blocks} "
+                f"blocks of model.seq_len={seq_len}: too few to hold out data.val_fraction="
+                f"{cfg.val_fraction}; add data, lower model.seq_len, or set data.val_paths or "
+                "data.val_fraction=0"
             )
         train, val = train.split((n_blocks - n_val) * seq_len)
     else:

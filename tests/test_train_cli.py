@@ -1,0 +1,151 @@
+"""``twell-train`` as a user runs it (issue 17): a misspelled key, a run that fails before
+training, ``--help``. Subprocesses that stop before training (a few seconds each)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+SMALL = ["model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=64",
+         "model.num_heads=2", "model.seq_len=32", "trainer.global_batch=4",
+         "trainer.micro_batch=4", "eval=disabled", "logging.wandb_mode=disabled",
+         "trainer.progress=false", "trainer.max_steps=1", "optim.warmup_steps=1"]
+
+
+def _train_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=ENV,
+                          check=False, capture_output=True, text=True, timeout=timeout)
+
+
+def _stderr_lines(r) -> list[str]:
+    return [ln for ln in r.stderr.splitlines() if ln.strip()]
+
+
+# ------------------------------------------------------------------ 5: a misspelled key
+
+
+def test_misspelled_key_gets_our_hint_not_hydras(tmp_path):
+    run_dir = tmp_path / "run"
+    r = _train_cli("sparsity.l1_coef=1e-3", f"hydra.run.dir={run_dir}")
+    assert r.returncode == 2, r.stderr
+    err = _stderr_lines(r)
+    assert len(err) == 1, err
+    assert err[0].startswith("ConfigError: unknown key sparsity.l1_coef; valid keys of sparsity: ")
+    assert err[0].endswith("did you mean sparsity.l1_coeff?")
+    assert "reinit_lambda" in err[0] and "+sparsity" not in r.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("override, want", [
+    ("sparsity.l1_coef=1e-3", "did you mean sparsity.l1_coeff?"),
+    ("+sparsity.l1_coef=1e-3", "did you mean sparsity.l1_coeff?"),  # '+' does not dodge it
+    ("trainer.max_step=3", "did you mean trainer.max_steps?"),
+    ("optim.learning_rate=1", "valid keys of optim: betas, eps,"),
+    ("trainr.max_steps=3", "unknown top-level key trainr; did you mean trainer?"),
+    ("model.hidden_size=64 trainer.val_batches=2", "renamed trainer.val_sequences"),
+])
+def test_override_check_names_the_key_and_the_closest_spelling(override, want):
+    from train.main import check_overrides
+
+    with pytest.raises(ConfigError) as err:
+        check_overrides(override.split())
+    assert want in str(err.value) and "\n" not in str(err.value)
+
+
+def test_override_check_lets_valid_overrides_through():
+    from train.main import check_overrides
+
+    check_overrides(["model=tiny", "experiment=paper_0p5b", "sparsity.l1_coeff=0,1e-5",
+                     "hydra.run.dir=x", "hydra/launcher=basic", "+hydra.job.env_set.A=1",
+                     "data.paths=[a.bin,b.bin]", "optim.betas=[0.9,0.95]", "~eval.limit",
+                     "-m", "--cfg", "job", "trainer.resume_allow_changes=true"])
+
+
+def test_unknown_added_key_in_run_gets_the_hint(tmp_path):
+    """``_reject_unknown_keys`` (keys added past the CLI check, e.g. by a Python caller)."""
+    from hydra import compose, initialize_config_dir
+
+    from train.main import CONFIG_DIR, run
+
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["+trainer.max_step=5"])
+    with pytest.raises(ConfigError, match=r"did you mean trainer\.max_steps\?"):
+        run(cfg, run_dir=str(tmp_path / "r"))
+
+
+# ------------------------------------------------------------------ 7 + 15: a run that fails early
+
+
+def test_failed_start_leaves_no_new_run_dir_and_one_line(tmp_path):
+    """An empty token file: DataError in one line, exit code 2, and the run dir Hydra made for
+    this attempt is removed."""
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    run_dir = tmp_path / "runs" / "new"
+    r = _train_cli("data=tokens", f"data.paths=[{empty}]", f"hydra.run.dir={run_dir}", *SMALL)
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = _stderr_lines(r)
+    assert len(err) == 1 and err[0].startswith("DataError: ") and str(empty) in err[0], err
+    assert not run_dir.exists()
+
+
+def test_only_a_run_dir_made_for_the_failed_attempt_is_removed(tmp_path):
+    """``RunDirCallback`` notes which dirs Hydra is about to create; ``remove_failed_run_dir``
+    removes only those, and only while they hold nothing but Hydra's files, the lock and log."""
+    from omegaconf import OmegaConf
+
+    from train.rundir import RunDirCallback, remove_failed_run_dir
+
+    def attempt(d, extra=None):  # what Hydra and a failed trainer leave
+        RunDirCallback().on_run_start(OmegaConf.create({"hydra": {"run": {"dir": str(d)}}}))
+        (d / ".hydra").mkdir(parents=True, exist_ok=True)
+        for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+            (d / ".hydra" / name).write_text("x")
+        (d / ".lock").write_text("")
+        (d / "train.log").write_text("a warning\n")
+        if extra:
+            (d / extra).write_text("mine")
+        return remove_failed_run_dir(d)
+
+    assert attempt(tmp_path / "new") and not (tmp_path / "new").exists()
+    old = tmp_path / "old"
+    old.mkdir()
+    assert not attempt(old) and (old / ".hydra").is_dir()  # existed before: left alone
+    assert not attempt(tmp_path / "new2", extra="notes.txt")  # holds something else: kept
+    assert (tmp_path / "new2" / "notes.txt").read_text() == "mine"
+    sweep = tmp_path / "sweep"  # -m: a sweep dir made for this sweep; job dirs inside it
+    RunDirCallback().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    (sweep / "0" / ".hydra").mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text("x")
+    assert remove_failed_run_dir(sweep / "0") and sweep.is_dir() and not (sweep / "0").exists()
+
+
+# ------------------------------------------------------------------ 9: help texts
+
+
+def test_train_help_lists_real_groups_and_documents_the_keys():
+    r = _train_cli("--help", "optim=adamw", timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "data: files, fineweb_edu, offline_mix, tokens" in out and "base_data" not in out
+    # every key with its current value (composed with the overrides) and its docstring
+    assert "  l1_coeff: 2e-05  # Coefficient of the L1 term" in out
+    assert "  lr: 0.001  # Peak learning rate." in out  # optim=adamw's value, not tiny's
+    assert "val_sequences" in out and "$TWELL_CACHE" in out
+
+
+def test_data_help_describes_itself_once_and_points_to_the_real_readme(capsys):
+    from train.data.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.count("build, inspect and verify") == 1
+    assert "DATA.md" not in out and "train/data/README.md" in out

@@ -1,0 +1,184 @@
+"""Run-directory rules: one process per run dir (a lock), what ``trainer.resume`` accepts, which
+config changes a resume allows, and the clean-up of a run that failed before it trained.
+
+Resume rules (README "Resuming"):
+
+- ``trainer.resume=auto`` continues the newest complete checkpoint of the run dir only if its
+  config equals this one up to :data:`RESUME_SAFE_KEYS` (how the run executes, logs, validates,
+  evaluates and saves); any other difference is a :class:`ConfigError` naming the keys, since
+  the directory then holds another run.
+- ``trainer.resume=PATH`` (a ``step{N}`` folder or a run dir: its newest complete checkpoint)
+  continues that checkpoint with this config, except that the model shape must match, the data
+  position must belong to the same data, and the optimizer / schedule keys
+  (:data:`RESUME_OPTIM_KEYS`) may differ only with ``trainer.resume_allow_changes=true``, which
+  applies them exactly from the next step (``Trainer.resume``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+
+from train import checkpoint as ckpt_io
+from train.config import ConfigError
+
+LOCK_FILE = ".lock"
+
+# Keys a resume may change without a word beyond the "config changed" note: how the run
+# executes (FFN path, precision, device, micro-batch, threads, compile, recomputation), logs,
+# validates, evaluates and saves. They change no weight, optimizer value or data position
+# (micro-batch and precision change the numbers only by rounding). Prefixes end with ".".
+RESUME_SAFE_KEYS = (
+    "trainer.resume", "trainer.resume_allow_changes", "trainer.progress", "trainer.log_every",
+    "trainer.val_every", "trainer.val_sequences", "trainer.val_batches", "trainer.save_every",
+    "trainer.keep_last", "trainer.num_threads", "trainer.compile", "trainer.grad_checkpointing",
+    "trainer.micro_batch", "trainer.precision", "trainer.cpu",
+    "model.name", "model.ffn_impl", "model.ffn_host_sync", "optim.fused",
+    "data.num_proc", "data.verify", "data.build_if_missing", "data.cache_dir",
+    "logging.", "eval.",
+)
+# Keys of the optimizer and its schedule (trainer.max_steps is the cosine's length): a resume
+# changes them only with trainer.resume_allow_changes=true (applied exactly, Trainer.resume).
+RESUME_OPTIM_KEYS = ("optim.lr", "optim.min_lr_ratio", "optim.betas", "optim.eps",
+                     "optim.weight_decay", "optim.warmup_steps", "optim.schedule",
+                     "optim.grad_clip", "trainer.max_steps")
+
+
+def _matches(key: str, names: tuple[str, ...]) -> bool:
+    return any(key == n or (n.endswith(".") and key.startswith(n)) for n in names)
+
+
+def split_changes(changes: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``config_diff`` lines ('key: a -> b') into (optimizer/schedule, other) changes,
+    dropping the :data:`RESUME_SAFE_KEYS`."""
+    optim, other = [], []
+    for c in changes:
+        key = c.split(":", 1)[0]
+        if _matches(key, RESUME_SAFE_KEYS):
+            continue
+        (optim if _matches(key, RESUME_OPTIM_KEYS) else other).append(c)
+    return optim, other
+
+
+def resolve_resume(resume: str) -> Path:
+    """The checkpoint folder ``trainer.resume=PATH`` names: a complete ``step{N}`` folder, or a
+    run dir (its newest complete checkpoint, as twell-eval takes it).
+
+    Raises:
+        ConfigError: the path does not exist, or is neither a complete checkpoint nor a run dir
+            holding one (one line naming the path and the fix).
+    """
+    path = Path(resume).expanduser()
+    if not path.exists():
+        raise ConfigError(f"trainer.resume={resume!r}: {path} does not exist; give an existing "
+                          "step{N} checkpoint folder or run dir, or use auto or never.")
+    if (path / "metadata.json").is_file():
+        return path
+    if ckpt_io.checkpoint_root(path).is_dir():
+        try:
+            return ckpt_io.latest_checkpoint(path)
+        except FileNotFoundError:
+            raise ConfigError(f"trainer.resume={resume!r}: the run dir holds no complete "
+                              f"checkpoint (no {ckpt_io.checkpoint_root(path)}/step{{N}}/"
+                              "metadata.json); give another checkpoint or use never.") from None
+    raise ConfigError(f"trainer.resume={resume!r} is neither a complete checkpoint folder (no "
+                      "metadata.json) nor a run dir with checkpoints/; give a step{N} folder or "
+                      "a run dir, or use auto or never.")
+
+
+class RunDirLock:
+    """An exclusive ``flock`` on ``run_dir/.lock`` for the life of a run (the main process).
+
+    The lock file holds the owner's PID; it is not deleted on release (deleting a lock file
+    lets a third process lock a new file while a second still holds the old one).
+
+    Raises:
+        ConfigError: another process holds the lock (names its PID and the lock file).
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / LOCK_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a+")  # noqa: SIM115  (held open for the run's life)
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.seek(0)
+            pid = self._f.read().strip() or "unknown"
+            self._f.close()
+            raise ConfigError(
+                f"run dir {self.path.parent} is in use by another twell-train process (PID "
+                f"{pid}, holding {self.path}); wait for it to end or use another hydra.run.dir."
+            ) from None
+        self._f.truncate(0)
+        self._f.write(str(os.getpid()))
+        self._f.flush()
+
+    @property
+    def held(self) -> bool:
+        return not self._f.closed
+
+    def release(self) -> None:
+        """Unlock (idempotent)."""
+        if self._f.closed:
+            return
+        self._f.truncate(0)
+        self._f.flush()
+        fcntl.flock(self._f, fcntl.LOCK_UN)
+        self._f.close()
+
+
+# ---------------------------------------------------------------- failed starts (Hydra runs)
+
+_HYDRA_FILES = {"config.yaml", "hydra.yaml", "overrides.yaml"}
+_NEW_DIRS: set[Path] = set()  # run dirs (or sweep dirs) that did not exist when Hydra started
+
+
+def holds_nothing_else(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds only what a run that never trained leaves: Hydra's ``.hydra/``,
+    the lock file and the text log."""
+    for p in run_dir.iterdir():
+        if p.name == ".hydra" and p.is_dir():
+            if {q.name for q in p.iterdir()} - _HYDRA_FILES:
+                return False
+        elif p.name not in (LOCK_FILE, "train.log", "main.log"):
+            return False
+    return True
+
+
+def remove_failed_run_dir(run_dir: str | Path) -> bool:
+    """Remove the run dir of an attempt that failed before training, if this process's Hydra
+    run created it (see :class:`RunDirCallback`) and it holds nothing else. Returns whether it
+    was removed; a directory that existed before is never touched."""
+    d = Path(run_dir).resolve()
+    created = d in _NEW_DIRS or d.parent in _NEW_DIRS
+    if not created or not d.is_dir() or not holds_nothing_else(d):
+        return False
+    shutil.rmtree(d)
+    if d.parent in _NEW_DIRS and d.parent.is_dir() and not any(d.parent.iterdir()):
+        d.parent.rmdir()  # a sweep dir made for this sweep, now empty
+    return True
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # Hydra is only needed by the CLI
+    Callback = object
+
+
+class RunDirCallback(Callback):
+    """Hydra callback (``hydra.callbacks`` in configs/train.yaml): notes whether the run dir
+    (``-m``: the sweep dir) exists before Hydra creates it, so a run that fails before training
+    removes only a directory made for it."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        d = Path(str(config.hydra.run.dir)).resolve()
+        if not d.exists():
+            _NEW_DIRS.add(d)
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        d = Path(str(config.hydra.sweep.dir)).resolve()
+        if not d.exists():
+            _NEW_DIRS.add(d)
