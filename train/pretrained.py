@@ -251,9 +251,24 @@ def load_source_model(src: PretrainedSource):
     from transformers import AutoModelForCausalLM
 
     if src.kind == "gguf":
-        return AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
-                                                    dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
+                                                     dtype=torch.float32)
+        return _drop_gguf_quantizer(model)
     return AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32)
+
+
+def _drop_gguf_quantizer(model):
+    """transformers (>= 5.x) keeps a GGUF "quantizer" on a model loaded from GGUF although the
+    weights are dequantised to plain tensors, and then refuses ``save_pretrained`` ("quantized
+    with gguf and is not serializable"). The model is an ordinary fp32 model: drop the marker."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    for attr in ("is_quantized", "quantization_method"):
+        if attr in vars(model):
+            setattr(model, attr, False if attr == "is_quantized" else None)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
 
 
 def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
