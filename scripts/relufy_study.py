@@ -24,7 +24,8 @@ returns what was done):
 2. the lr with the lowest sweep validation loss is used for every main run; the sweep's measured
    tokens/s (printed) fits the main runs' token budget into the wall time left (``--tokens`` is
    the most; ``--no-fit`` keeps it).
-3. concurrently: L1 = 0 (the dense ReLU baseline) and every ``--l1`` strength, the same tokens and
+3. concurrently: L1 = 0 (the dense ReLU baseline) and every ``--l1`` strength (default 3e-4, 1e-3,
+   3e-3, 1e-2), the same tokens and
    seed, validation and the seven tasks (full sets) at the end, through the project's trainer.
 4. export check on the sparse runs' final checkpoints: stock ``LlamaForCausalLM`` (relu) logits
    == twell's ``load_model`` logits, and ``twell-eval`` scores with ``ffn_impl=torch`` against
@@ -40,7 +41,7 @@ full pass of the seven tasks is 57,958 requests, 3.7 M tokens: ~15-30 s of token
 host (34 s on the 2-core dev machine) plus ~15-30 s of forwards. Plan of the default (~540 s):
 prepare ~30-40 s (GGUF dequantisation, saving the fp32 folder); stage 1 ~60-90 s (3 concurrent
 sweep runs of 1.5 M tokens + ~20 s start each; the two source evals, ~60-90 s, go on in the
-background); main ~330 s (4 concurrent runs of up to 8 M tokens, fitted to what is left from the
+background); main ~330 s (5 concurrent runs of up to 8 M tokens, fitted to what is left from the
 sweep's measured tokens/s, + start, validation, save and ~60 s of end evals); check ~30-40 s.
 
 Arguments: see ``--help``; extra ``key=value`` arguments are Hydra overrides for every run.
@@ -269,7 +270,7 @@ def train_proc(name: str, kind: str, a, source: Path, work: Path, *, lr: float, 
 def prepare(a, work: Path, state: dict) -> Path:
     """GGUF (or ``--source`` folder) -> the HF folder every run starts from; corpus opened once."""
     from train.data import build_datamodule
-    from train.pretrained import check_vocab, inspect, load_source_model
+    from train.pretrained import check_vocab, inspect_checkpoint, load_source_model
 
     global FFN_WIDTH
     cfg = compose(run_overrides(a, Path("smollm2")))
@@ -278,14 +279,14 @@ def prepare(a, work: Path, state: dict) -> Path:
     log(f"corpus: {dm.info.get('train_tokens')} train / {dm.info.get('val_tokens')} val tokens "
         f"({dm.info.get('corpus_dir', dm.info.get('source'))})")
     if a.source:
-        src = inspect(str(a.source))
+        src = inspect_checkpoint(str(a.source))
         FFN_WIDTH = int(src.config.intermediate_size)
         state["source"] = {"path": str(a.source), "format": src.kind, "hidden_act": src.hidden_act,
                            "vocab_check": check_vocab(src, dm.vocab_size,
                                                       getattr(dm, "tokenizer", None))}
         return Path(a.source)
     t = time.monotonic()
-    src = inspect(a.gguf)
+    src = inspect_checkpoint(a.gguf)
     vocab = check_vocab(src, dm.vocab_size, getattr(dm, "tokenizer", None))
     model = load_source_model(src)
     out = work / "source_hf"
@@ -582,7 +583,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward (memory: "
-                   "~15 GB a process at 8 x 1024; 4-6 processes share the GPU)")
+                   "~15 GB a process at 8 x 1024, estimated; 5-7 processes share the GPU)")
     p.add_argument("--val-batches", type=int, default=64,
                    help="validation micro-batches (64 x 8 x 1024 = all 517 held-out blocks)")
     p.add_argument("--seed", type=int, default=42)
@@ -591,8 +592,10 @@ def parse_args(argv=None):
     p.add_argument("--min-tokens", type=float, default=1e6,
                    help="smallest fitted budget; below it the main runs still get this many")
     p.add_argument("--no-fit", action="store_true", help="train --tokens whatever the time")
-    p.add_argument("--l1", type=_floats, default=_floats("3e-4,1e-3,3e-3"),
-                   help="L1 strengths of the sparse runs (the L1 = 0 baseline is always run)")
+    p.add_argument("--l1", type=_floats, default=_floats("3e-4,1e-3,3e-3,1e-2"),
+                   help="L1 strengths of the sparse runs (the L1 = 0 baseline is always run); "
+                        "a 30x span because the L0 they reach in a few M tokens from a "
+                        "pretrained model is not known in advance (docs/relufy.md, calibration)")
     p.add_argument("--lr", type=float, default=None, help="skip the sweep and use this lr")
     p.add_argument("--default-lr", type=float, default=3e-4,
                    help="lr if the sweep gives no result (configs/experiment/relufy_smollm2.yaml)")
@@ -712,7 +715,9 @@ def main(argv=None) -> int:
             ev_s = (1.5 * max(ev) if ev else 90.0) if a.eval_limit != 0 else 0.0
             waves = math.ceil(n_runs / a.parallel)
             budget = (left - 25.0 - waves * (st + ev_s)) / waves  # 25 s: stops, writes
-            fit = budget * agg / min(n_runs, a.parallel)
+            # x 0.9: the runs' validations (4 passes over the held-out blocks) are not in their
+            # tokens/s
+            fit = 0.9 * budget * agg / min(n_runs, a.parallel)
             tokens = max(a.min_tokens, min(a.tokens, fit))
             plan = {"aggregate_tokens_per_s": agg, "startup_s": st, "eval_s": ev_s,
                     "seconds_left": left, "train_seconds_per_run": budget, "fit_tokens": fit}

@@ -219,11 +219,11 @@ def test_resume_of_an_init_from_run_is_exact_and_does_not_reread_the_source(
 
 
 def test_tiny_gguf_relufied_equals_stock_relu_on_the_source_weights(tokens, silu_dir, tmp_path):
-    from train.pretrained import inspect
+    from train.pretrained import inspect_checkpoint
 
     gguf_path = write_tiny_gguf(tmp_path / "tiny.gguf", silu_dir,
                                 [f"t{i}" for i in range(VOCAB)], THETA)
-    src = inspect(str(gguf_path))
+    src = inspect_checkpoint(str(gguf_path))
     assert src.kind == "gguf" and src.hidden_act == "silu" and src.vocab["t5"] == 5
     t = _trainer(_cfg(tokens, gguf_path, hidden_act_from="silu"), tmp_path / "g")
     try:
@@ -248,9 +248,9 @@ def test_smollm2_shape_and_vocabulary_match_the_corpus_tokenizer():
     only, no weights."""
     from train.config import ModelConfig
     from train.data.tokenizer import load_tokenizer
-    from train.pretrained import check_vocab, fill_model_config, inspect
+    from train.pretrained import check_vocab, fill_model_config, inspect_checkpoint
 
-    src = inspect("smollm2")
+    src = inspect_checkpoint("smollm2")
     m = fill_model_config(ModelConfig(
         name="pretrained", init_from="smollm2", hidden_act_from="silu", seq_len=1024,
         **dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "num_layers",

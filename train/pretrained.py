@@ -42,7 +42,7 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 
 @dataclass
 class PretrainedSource:
-    """What :func:`inspect` read from a checkpoint (its config and vocabulary; no weights).
+    """What :func:`inspect_checkpoint` read from a checkpoint (its config and vocabulary; no weights).
 
     Attributes:
         spec: ``model.init_from`` as given.
@@ -104,7 +104,7 @@ def _read_vocab(path: Path, kind: str) -> dict[str, int] | None:
     return None
 
 
-def inspect(spec: str) -> PretrainedSource:
+def inspect_checkpoint(spec: str) -> PretrainedSource:
     """Read a checkpoint's config and vocabulary (cheap: no weights).
 
     Raises:
@@ -276,7 +276,7 @@ def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
 
     Args:
         mcfg: the filled ModelConfig (:func:`fill_model_config`); ``ffn_impl`` is used.
-        src: from :func:`inspect`.
+        src: from :func:`inspect_checkpoint`.
         load_weights: False when resuming (the run's own checkpoint is loaded over a
             randomly initialised model of the same shape; the source is not read).
 

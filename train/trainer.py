@@ -122,7 +122,7 @@ class Trainer:
         if cfg.model.init_from:
             from train import pretrained
 
-            self.init_src = pretrained.inspect(cfg.model.init_from)
+            self.init_src = pretrained.inspect_checkpoint(cfg.model.init_from)
             cfg.model = pretrained.fill_model_config(cfg.model, self.init_src)
         self.config_dict = config_to_dict(cfg)
         if cfg.optim.warmup_steps >= t.max_steps and self.is_main:
