@@ -285,3 +285,36 @@ def test_init_from_trains_on_the_sparse_paths_like_torch(tokens, relu_dir, tmp_p
     for a, b in zip(got, ref, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a["step"], a["loss"], b["loss"])
         assert abs(a["l0_mean"] - b["l0_mean"]) < 1e-3 * max(1.0, b["l0_mean"])
+
+
+def test_eval_at_start_scores_the_relufied_model_before_training(tokens, silu_dir, tmp_path,
+                                                                 monkeypatch):
+    """eval.at_start: evals.evaluate sees the model right after the switch (its logits are stock
+    LlamaForCausalLM(hidden_act=relu)'s on the source weights), then again at the end."""
+    import sys
+    import types
+
+    from tests.train_utils import datamodule_with_stub_tokenizer
+
+    seen = []
+
+    def fake_evaluate(model, tokenizer, tasks, limit, batch_size, device, **kw):
+        seen.append(_logits(model, IDS))
+        return {"tasks": {"piqa": {"primary": 0.5}}, "mean": 0.5, "protocol": {}}
+
+    import evals.tasks  # noqa: F401  (the config checks eval.tasks against it: load it first)
+
+    monkeypatch.setitem(sys.modules, "evals", types.SimpleNamespace(evaluate=fake_evaluate))
+    cfg = _cfg(tokens, silu_dir, hidden_act_from="silu")
+    cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=2)
+    cfg.eval = dataclasses.replace(cfg.eval, at_start=True, at_end=True, tasks=["piqa"])
+    t = _trainer(cfg, tmp_path / "r", datamodule=datamodule_with_stub_tokenizer(cfg))
+    try:
+        t.train()
+    finally:
+        t.close()
+    stock = LlamaForCausalLM.from_pretrained(silu_dir, hidden_act="relu", dtype=torch.float32)
+    assert len(seen) == 2
+    torch.testing.assert_close(seen[0], _logits(stock, IDS), rtol=0, atol=1e-5)
+    assert (seen[1] - seen[0]).abs().max() > 1e-4  # the end eval sees the trained weights
+    assert [r["step"] for r in read_metrics(tmp_path / "r", "eval")] == [0, 2]
