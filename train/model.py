@@ -33,7 +33,7 @@ def llama_config(cfg) -> LlamaConfig:
         "max_position_embeddings": cfg.seq_len,
         "initializer_range": cfg.init_std,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": cfg.tie_embeddings is not False,
         "attention_bias": False,
         "mlp_bias": False,
         "bos_token_id": 0,

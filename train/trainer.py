@@ -177,6 +177,12 @@ class Trainer:
         self.accum = cfg.check_world(self.acc.num_processes)
         self.is_main = self.acc.is_main_process
         self.device = self.acc.device
+        self.init_src = None  # model.init_from: the checkpoint's config; the shape comes from it
+        if cfg.model.init_from:
+            from train import pretrained
+
+            self.init_src = pretrained.inspect_checkpoint(cfg.model.init_from)
+            cfg.model = pretrained.fill_model_config(cfg.model, self.init_src)
         self.config_dict = config_to_dict(cfg)
         if cfg.optim.warmup_steps > t.max_steps and self.is_main:
             self._warn(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} > trainer.max_steps="
@@ -201,6 +207,9 @@ class Trainer:
                     cfg.data, seq_len=cfg.model.seq_len, micro_batch=t.micro_batch, seed=t.seed,
                     rank=self.acc.process_index, world_size=self.acc.num_processes)
         self.data = datamodule
+        if self.init_src is not None:
+            vocab_check = pretrained.check_vocab(self.init_src, self.data.vocab_size,
+                                                 getattr(self.data, "tokenizer", None))
         if self.data.vocab_size > cfg.model.vocab_size:
             if getattr(self.data, "tokenizer", None) is None:  # tokens source: ids from files
                 what = (f"data.vocab_size={cfg.data.vocab_size}" if cfg.data.vocab_size else
@@ -213,13 +222,23 @@ class Trainer:
                               f"set model.vocab_size>={self.data.vocab_size}.")
 
         e = cfg.eval
-        if (e.at_end or e.every_steps) and getattr(self.data, "tokenizer", None) is None:
+        if e.enabled and getattr(self.data, "tokenizer", None) is None:
             raise ConfigError(
-                f"eval is on (eval.at_end={e.at_end}, eval.every_steps={e.every_steps}) but "
+                f"eval is on (eval.at_end={e.at_end}, eval.every_steps={e.every_steps}, "
+                f"eval.at_start={e.at_start}) but "
                 f"data.source={cfg.data.source!r} has no tokenizer to score the tasks with; "
                 "set eval=disabled or use a data source with a tokenizer.")
 
-        model = build_model(cfg.model)
+        self.init_info = None
+        if self.init_src is not None:  # pretrained weights (not read when resuming)
+            model, switched = pretrained.build_model(cfg.model, self.init_src,
+                                                     load_weights=resume_from is None)
+            line, self.init_info = pretrained.describe(
+                cfg.model, self.init_src, vocab_check=vocab_check, switched=switched,
+                weights_loaded=resume_from is None)
+            self._print(line)
+        else:
+            model = build_model(cfg.model)
         if t.grad_checkpointing:  # non-reentrant: the L1 side output keeps its graph
             enable_grad_checkpointing(model, t.checkpoint_ffn)
         if t.fused_ce:  # model(input_ids, labels).loss without the (tokens x vocab) logits
@@ -266,6 +285,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.config_dict))
             self.metrics_path.write_text("")
+            if self.init_info is not None:
+                self._write({"step": 0, **self.init_info}, "init")
         self._log_ready = True
         self._log()  # the lines printed so far
         self.acc.wait_for_everyone()
@@ -799,6 +820,8 @@ class Trainer:
         bar = tqdm(total=t.max_steps, initial=self.step, unit="step", dynamic_ncols=True,
                    disable=not (self.is_main and t.progress))
         interval = self._new_interval()
+        if cfg.eval.at_start and self.step == 0:  # e.g. a relufied checkpoint before training
+            self.evaluate()
         while self.step < end:
             t0 = time.perf_counter()
             self.train_step(batches, interval)
@@ -894,6 +917,7 @@ class Trainer:
             "precision": self.precision,
             "world_size": self.acc.num_processes,
             "eval": self.last_eval or None,
+            "init": self.init_info,
             "paths": {"run_dir": str(self.run_dir), "config": str(self.run_dir / "config.yaml"),
                       "metrics": str(self.metrics_path),
                       "checkpoint": str(self.last_ckpt) if self.last_ckpt else None},
