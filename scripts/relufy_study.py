@@ -224,7 +224,7 @@ def run_overrides(a, source: Path) -> list[str]:
     """Overrides every training run (and eval-source's data/model view) shares."""
     over = ["experiment=relufy_smollm2", f"model.init_from={source}", "model.hidden_act_from=silu",
             f"model.seq_len={a.seq_len}", f"trainer.global_batch={a.global_batch}",
-            f"trainer.micro_batch={a.micro_batch}", f"trainer.val_batches={a.val_batches}",
+            f"trainer.micro_batch={a.micro_batch}", f"trainer.val_sequences={a.val_sequences}",
             f"trainer.seed={a.seed}", "trainer.progress=false", "trainer.resume=never",
             "trainer.save_every=0", "trainer.keep_last=1", "trainer.log_every=10",
             "logging.wandb_mode=disabled", "eval.at_start=false",
@@ -367,18 +367,23 @@ def eval_source_main(argv: list[str]) -> int:
     dm = build_datamodule(cfg.data, seq_len=cfg.model.seq_len, micro_batch=t.micro_batch,
                           seed=t.seed)
     ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if amp else torch.no_grad
-    ce_sum, nb, l0_sum, l1_sum = 0.0, 0, None, 0.0
+    ce_sum, nb, l0_sum, l1_sum, wsum = 0.0, 0, None, 0.0, 0.0
     with torch.no_grad():
-        for ids in dm.val_batches(t.val_batches):  # the trainer's validate(): mean of batch CEs
-            ids = ids.to(dev)
+        left = t.val_sequences  # the trainer's validate(): the first val_sequences sequences
+        for ids in dm.val_batches(-(-left // t.micro_batch)):  # token-weighted, as validate()
+            ids = ids[:left].to(dev)
+            left -= ids.shape[0]
+            if not ids.shape[0]:
+                break
             with ctx():
                 ce = model(input_ids=ids, labels=ids).loss.float().item()
-            ce_sum, nb = ce_sum + ce, nb + 1
+            w = ids.shape[0] / t.micro_batch  # a cut last batch weighs its share of targets
+            ce_sum, nb, wsum = ce_sum + ce * w, nb + 1, wsum + w
             if mlps:
                 l1, sp = l1_penalty(collect_stats(mlps))
                 l0_sum = sp.l0_L.double().cpu() + (0 if l0_sum is None else l0_sum)
                 l1_sum += float(l1)
-    res["val_loss"] = ce_sum / nb if nb else None
+    res["val_loss"] = ce_sum / wsum if nb else None
     res["val_batches"] = nb
     if l0_sum is not None:
         l0_L = (l0_sum / nb).tolist()
@@ -597,8 +602,8 @@ def parse_args(argv=None):
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward (memory: "
                    "~15 GB a process at 8 x 1024, estimated; 5-7 processes share the GPU)")
-    p.add_argument("--val-batches", type=int, default=64,
-                   help="validation micro-batches (64 x 8 x 1024 = all 517 held-out blocks)")
+    p.add_argument("--val-sequences", type=int, default=520,
+                   help="held-out sequences per validation (520: all 517 blocks of 1024 tokens)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--tokens", type=float, default=8e6, help="tokens per main run (the most; "
                    "fitted down to the wall time left unless --no-fit)")

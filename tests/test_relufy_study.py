@@ -44,7 +44,7 @@ def study(tmp_path_factory):
     cmd = [sys.executable, str(ROOT / "scripts" / "relufy_study.py"), "--cpu", "--gguf", str(gguf),
            "--gguf-sha256", "none",
            "--out", str(out), "--work", str(work), "--seq-len", "32", "--global-batch", "4",
-           "--micro-batch", "2", "--val-batches", "2", "--tokens", "256", "--no-fit",
+           "--micro-batch", "2", "--val-sequences", "4", "--tokens", "256", "--no-fit",
            "--sweep-lrs", "1e-3,1e-2", "--sweep-tokens", "128", "--l1", "0.5",
            "--eval-limit", "2", "--eval-batch", "8", "--check-impls", "auto", "--check-limit",
            "2", "--parallel", "3", "--max-wall", "900", "data.source=files",
@@ -74,10 +74,9 @@ def test_study_rows_sweep_plan_and_checks(study):
     sweep = state["sweep"]
     assert len(sweep) == 2 and state["plan"]["lr_from"] == "sweep"
     assert state["plan"]["lr"] == min(sweep, key=lambda r: r["val_loss"])["lr"]
-    # one sweep step at lr 0 (warmup from 0) leaves the weights as loaded: the trainer's
-    # validation loss equals the "right after the switch" row's (same blocks, same formula)
     assert all(r["steps"] == 1 for r in sweep)
-    assert sweep[0]["val_loss"] == pytest.approx(rows["relu_at_load"]["val_loss"], rel=1e-6)
+    # (the study's validation formula is checked against stock relu in the test below; the
+    # sweep's one step now runs at lr / warmup, so its loss is no longer the loaded model's)
     # export: stock LlamaForCausalLM (relu) == twell's load_model on the sparse checkpoint
     ex = state["check"]["export"]
     assert ex and ex[0]["hidden_act"] == "relu" and ex[0]["max_abs_logit_diff"] < 1e-5
@@ -90,7 +89,7 @@ def test_study_rows_sweep_plan_and_checks(study):
 @pytest.mark.slow
 def test_relu_at_load_val_loss_equals_stock_relu(study):
     """Independent reference: stock LlamaForCausalLM(hidden_act=relu) on the source weights, the
-    trainer's validation blocks (same corpus, seq_len, micro-batch, val_batches)."""
+    trainer's validation blocks (same corpus, seq_len, micro-batch, val_sequences)."""
     from train.data import DataConfig, build_datamodule
 
     state = json.loads((study["out"] / "runs.json").read_text())
