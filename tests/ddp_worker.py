@@ -22,8 +22,8 @@ It writes into ``--run-dir`` (besides the trainer's own metrics.jsonl and checkp
 * ``ffn_calls_rank{r}.json``: one record per sparse training forward of this rank:
   ``{"n": token rows, "heavy": rows sent to the dense backup (all of them in the op's all-dense
   fallback, else the rows above the ELL capacity), "light": rows on the ELL path, "backup_rows":
-  the no-sync capacity passed (-1: measured per call), "backend": module that ran the kernels, "w_type" / "w_shape": class and
-  shape of the gate weight the op received}`` (empty for ``model.ffn_impl=torch``), so a test
+  the no-sync capacity passed (-1: measured per call), "backend": module that ran the kernels, "w_type" / "w_shape" / "w_dtype":
+  class, shape and dtype of the gate weight the op received}`` (empty for ``model.ffn_impl=torch``), so a test
   can check that both the sparse (ELL) kernels and the dense backup actually ran, on unsharded
   weights.
 """
@@ -54,7 +54,8 @@ def _record_sparse_calls(calls: list[dict]) -> None:
                       "light": int((nnz_eff > 0).sum()),
                       "backup_rows": int(rest[0]) if rest else -1,
                       "backend": st._backend(x, backend).__name__,
-                      "w_type": type(wg).__name__, "w_shape": list(wg.shape)})
+                      "w_type": type(wg).__name__, "w_shape": list(wg.shape),
+                      "w_dtype": str(wg.dtype).removeprefix("torch.")})
         return out
 
     st._fwd_body = recording_body
