@@ -1,21 +1,31 @@
 """Worker of the data-parallel ``model.ffn_impl`` tests (``tests/test_train_ddp_twell.py``).
 
-Run under ``torchrun --nproc_per_node W -m tests.ddp_worker ...`` (gloo on CPU) or as a plain
+Run under ``torchrun --nproc_per_node W -m tests.ddp_worker ...`` (gloo on CPU; FSDP2 when the
+environment carries accelerate's ``ACCELERATE_USE_FSDP=true FSDP_VERSION=2 ...``, as
+``accelerate launch --config_file configs/accelerate/fsdp2.yaml`` exports) or as a plain
 ``python -m tests.ddp_worker ...`` (one process). It trains the tiny test model
-(:func:`tests.train_utils.tiny_config` plus ``--over`` key=JSON-value pairs) for ``--steps``
-optimizer steps through the real :class:`train.trainer.Trainer`, with
-``trainer.max_steps = steps + 1`` and ``train(stop_at_step=steps)``, so the end-of-run
-validation (the TwELL *inference* kernels, ~30 s per call in the Triton interpreter) is skipped.
+(:func:`tests.train_utils.tiny_config` plus ``--over`` key=JSON-value pairs) through the real
+:class:`train.trainer.Trainer`, with ``trainer.max_steps = steps + 1`` and
+``train(stop_at_step=...)`` (``--stop-at``, default ``--steps``; a checkpoint is written there),
+so the end-of-run validation (the TwELL *inference* kernels, ~30 s per call in the Triton
+interpreter) is skipped. ``--resume`` continues from a checkpoint folder (any world size);
+``--capacity C`` fixes every no-sync dense-backup capacity after the first step to C rows (to
+force a capacity overflow).
 
 It writes into ``--run-dir`` (besides the trainer's own metrics.jsonl and checkpoint):
 
-* ``params_rank{r}.pt``: every rank's full parameter dict after the last step (fp32, CPU), and
-  ``init_params.pt`` (rank 0: the parameters before the first step).
+* ``params_rank{r}.pt``: every rank's full parameter dict after the last step (fp32, CPU;
+  an FSDP model's gathered), and ``init_params.pt`` (rank 0: the parameters before the first
+  step).
+* ``batches_rank{r}.pt``: the training micro-batches this rank read, in order (int64 (B, T)).
+* ``shards_rank{r}.json``: each parameter's local shape on this rank (FSDP: its shard).
 * ``ffn_calls_rank{r}.json``: one record per sparse training forward of this rank:
   ``{"n": token rows, "heavy": rows sent to the dense backup (all of them in the op's all-dense
   fallback, else the rows above the ELL capacity), "light": rows on the ELL path, "backup_rows":
-  the no-sync capacity passed (-1: measured per call), "backend": module that ran the kernels}`` (empty for ``model.ffn_impl=torch``), so a test
-  can check that both the sparse (ELL) kernels and the dense backup actually ran.
+  the no-sync capacity passed (-1: measured per call), "backend": module that ran the kernels, "w_type" / "w_shape" / "w_dtype":
+  class, shape and dtype of the gate weight the op received}`` (empty for ``model.ffn_impl=torch``), so a test
+  can check that both the sparse (ELL) kernels and the dense backup actually ran, on unsharded
+  weights.
 """
 
 from __future__ import annotations
@@ -43,7 +53,9 @@ def _record_sparse_calls(calls: list[dict]) -> None:
                       "heavy": int(x.shape[0]) if all_dense else int((nnz_N > kc).sum()),
                       "light": int((nnz_eff > 0).sum()),
                       "backup_rows": int(rest[0]) if rest else -1,
-                      "backend": st._backend(x, backend).__name__})
+                      "backend": st._backend(x, backend).__name__,
+                      "w_type": type(wg).__name__, "w_shape": list(wg.shape),
+                      "w_dtype": str(wg.dtype).removeprefix("torch.")})
         return out
 
     st._fwd_body = recording_body
@@ -53,12 +65,17 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=Path, required=True, help="uint16 token file (write_tokens)")
     p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps to train")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps of the run")
+    p.add_argument("--stop-at", type=int, default=None, help="stop (and checkpoint) here")
+    p.add_argument("--resume", type=Path, default=None, help="step{N} checkpoint to resume")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="fixed no-sync dense-backup capacity (rows) after the first step")
     p.add_argument("--over", nargs="*", default=[],
                    help="group.key=JSON value overrides of tiny_config, e.g. trainer.micro_batch=4")
     a = p.parse_args(argv)
 
     from tests.train_utils import tiny_config
+    from train.parallel import plain
     from train.trainer import Trainer
 
     over = {}
@@ -66,6 +83,12 @@ def main(argv=None) -> None:
         key, value = item.split("=", 1)
         over[key] = json.loads(value)
     over["trainer.max_steps"] = a.steps + 1  # stop one short: no end-of-run validation
+    if a.resume is not None:
+        over["trainer.resume"] = str(a.resume)
+    if a.capacity is not None:
+        import train.capacity as capacity_mod
+
+        capacity_mod.backup_capacity_for = lambda heavy_rows: a.capacity
     cfg = tiny_config(a.tokens, **over)
     calls: list[dict] = []
     if cfg.model.ffn_impl != "torch":
@@ -74,13 +97,28 @@ def main(argv=None) -> None:
     try:
         rank = t.acc.process_index
         model = t.acc.unwrap_model(t.model)
+
+        def params():  # full tensors (a collective for FSDP: every rank calls it)
+            return {k: plain(v.detach()).clone() for k, v in model.named_parameters()}
+
+        init = params()
         if rank == 0:
-            torch.save({k: v.detach().clone() for k, v in model.named_parameters()},
-                       a.run_dir / "init_params.pt")
-        t.train(stop_at_step=a.steps)
-        torch.save({k: v.detach().clone() for k, v in model.named_parameters()},
-                   a.run_dir / f"params_rank{rank}.pt")
+            torch.save(init, a.run_dir / "init_params.pt")
+        batches = []
+        stream = t.data.train_batches
+
+        def recording_stream():
+            for x in stream():
+                batches.append(x.clone())
+                yield x
+
+        t.data.train_batches = recording_stream
+        t.train(stop_at_step=a.stop_at or a.steps)
+        torch.save(params(), a.run_dir / f"params_rank{rank}.pt")
+        torch.save(batches, a.run_dir / f"batches_rank{rank}.pt")
         (a.run_dir / f"ffn_calls_rank{rank}.json").write_text(json.dumps(calls))
+        (a.run_dir / f"shards_rank{rank}.json").write_text(json.dumps(
+            {k: list(getattr(v, "_local_tensor", v).shape) for k, v in model.named_parameters()}))
         t.acc.wait_for_everyone()
     finally:
         t.close()

@@ -96,27 +96,40 @@ def test_shuffle_is_deterministic_and_differs_per_epoch(tmp_path):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ranks_are_disjoint_equal_and_cover_the_epoch(tmp_path, world_size):
+def test_ranks_are_disjoint_and_read_the_global_stream(tmp_path, world_size):
+    """Rank r's j-th block of a micro-batch at position p is S[p + r + W*j] of the global stream
+    S = perm_0 ++ perm_1 (epochs of all blocks, whatever W): the ranks' batches are disjoint, each
+    epoch serves every block exactly once over all ranks (n_blocks % W != 0 here, so micro-batches
+    straddle the epoch end), and the W ranks together read what one process reads."""
     stream = make_stream(n_docs=41, seed=1)
     paths = write_files(tmp_path, stream, [250])
-    T, B = 9, 2
+    T, B = 8, 2  # 103 blocks
     n_blocks = len(stream) // T
-    per_rank = n_blocks // world_size
-    seen = []
+    assert n_blocks % world_size and n_blocks % (world_size * B)
+    steps = -(-2 * n_blocks // (world_size * B))  # a little over two epochs
+    per_rank = []
     for r in range(world_size):
-        dm = dm_for(paths, T, B, seed=7, rank=r, world_size=world_size)
-        assert dm.blocks_per_epoch == per_rank
-        it = dm.train_batches()
-        blocks = np.concatenate([next(it).numpy() for _ in range(-(-per_rank // B))])[:per_rank]
-        seen.append([block_index(stream, b.astype(np.uint16), T) for b in blocks])
-    flat = [i for s in seen for i in s]
-    assert len(flat) == len(set(flat)) == per_rank * world_size  # disjoint, equal counts
-    perm = np.random.default_rng([7, 0]).permutation(n_blocks)
-    assert set(flat) == set(perm[: per_rank * world_size])  # leftover: last n_blocks % W of perm
-    assert set(range(n_blocks)) - set(flat) == set(perm[per_rank * world_size:])
+        it = dm_for(paths, T, B, seed=7, rank=r, world_size=world_size).train_batches()
+        per_rank.append([[block_index(stream, b.astype(np.uint16), T) for b in next(it).numpy()]
+                         for _ in range(steps)])
+    one = dm_for(paths, T, world_size * B, seed=7).train_batches()
+    perm = [np.random.default_rng([7, e]).permutation(n_blocks) for e in range(3)]
+    S = np.concatenate(perm)
+    for k in range(steps):
+        got = [per_rank[r][k] for r in range(world_size)]
+        flat = [i for g in got for i in g]
+        want = [block_index(stream, b.astype(np.uint16), T) for b in next(one).numpy()]
+        p = k * world_size * B
+        assert flat and sorted(flat) == sorted(want) == sorted(S[p:p + world_size * B])
+        for r in range(world_size):
+            assert got[r] == [S[p + r + world_size * j] for j in range(B)]
+        assert len(set(flat)) == len(flat)  # disjoint within the step
+    order = [per_rank[r][k][j] for k in range(steps) for j in range(B) for r in range(world_size)]
+    assert sorted(order[:n_blocks]) == list(range(n_blocks))  # epoch 0: every block once
+    assert sorted(order[n_blocks:2 * n_blocks]) == list(range(n_blocks))  # and epoch 1
 
 
-@pytest.mark.parametrize("k", [1, 5, 11])  # 6 blocks per rank-epoch, B=3: batches straddle epoch ends
+@pytest.mark.parametrize("k", [1, 5, 11])  # 13 blocks, 2 ranks x B=3: batches straddle epoch ends
 def test_resume_yields_the_same_next_batches(tmp_path, k):
     stream = make_stream(n_docs=10, seed=2)
     paths = write_files(tmp_path, stream, [60])
@@ -133,7 +146,50 @@ def test_resume_yields_the_same_next_batches(tmp_path, k):
     for e in expected:
         torch.testing.assert_close(next(got), e, rtol=0, atol=0)
     assert fresh.state_dict() == ref.state_dict()
-    assert state["blocks_consumed"] == k * B
+    assert state["position"] == k * B * 2  # global: both ranks' blocks
+
+
+@pytest.mark.parametrize("new_world,new_B", [(1, 4), (1, 2), (4, 1), (2, 2)])
+def test_resume_on_another_number_of_ranks_continues_the_global_stream(tmp_path, new_world, new_B):
+    """2 ranks x B=2 for 5 micro-batches (position 20 of 17-block epochs), then any W x B reads
+    exactly the blocks one uninterrupted process reads next, step by step (4 blocks a step)."""
+    stream = make_stream(n_docs=12, seed=4)
+    paths = write_files(tmp_path, stream, [])
+    T = len(stream) // 17
+    old = [dm_for(paths, T, 2, seed=3, rank=r, world_size=2) for r in range(2)]
+    for dm in old:
+        it = dm.train_batches()
+        for _ in range(5):
+            next(it)
+    state = old[0].state_dict()
+    assert state == old[1].state_dict() and state["position"] == 20
+    ref = dm_for(paths, T, 4, seed=3)
+    ref.load_state_dict(state)
+    ref_it = ref.train_batches()
+    new = []
+    for r in range(new_world):
+        dm = dm_for(paths, T, new_B, seed=3, rank=r, world_size=new_world)
+        dm.load_state_dict(state)
+        new.append(dm.train_batches())
+    accum = 4 // (new_world * new_B)
+    for _ in range(6):
+        want = sorted(map(tuple, next(ref_it).numpy()))
+        got = sorted(tuple(x) for _ in range(accum) for it in new for x in next(it).numpy())
+        assert got == want
+
+
+def test_version1_state_converts_inside_the_first_epoch(tmp_path):
+    paths = write_files(tmp_path, make_stream(), [])
+    dm = dm_for(paths, 8, 2, rank=1, world_size=2)
+    v1 = {**dm.state_dict(), "version": 1, "blocks_consumed": 6}
+    v1.pop("position")
+    dm.load_state_dict(v1)
+    assert dm.position == 12
+    with pytest.raises(ValueError, match="past its first epoch"):
+        dm.load_state_dict({**v1, "blocks_consumed": dm.n_blocks // 2 + 1})
+    one = dm_for(paths, 8, 2)
+    one.load_state_dict({**v1, "world_size": 1, "blocks_consumed": 3 * dm.n_blocks + 1})
+    assert one.position == 3 * dm.n_blocks + 1  # one rank: the two orders are the same
 
 
 def test_resume_refuses_a_different_setup(tmp_path):
@@ -148,6 +204,7 @@ def test_resume_refuses_a_different_setup(tmp_path):
     with pytest.raises(ValueError, match="fingerprint|n_blocks"):
         dm_for(other, 8, 2).load_state_dict(state)
     dm_for(paths, 8, 5).load_state_dict(state)  # micro_batch may change: position is in blocks
+    dm_for(paths, 8, 2, rank=1, world_size=3).load_state_dict(state)  # and the world size
 
 
 def test_validation_split_and_val_batches(tmp_path):

@@ -5,13 +5,16 @@ Layout of ``step{N}/``::
     config.json, model.safetensors      model weights (``save_pretrained``; loads into
                                         LlamaForCausalLM / ``train.model.load_model``)
     tokenizer files                     if the data module has a tokenizer
-    optimizer.pt, scheduler.pt          torch state dicts
+    optimizer.pt, scheduler.pt          torch state dicts (the optimizer's in the unsharded
+                                        format with full tensors; FSDP gathers them on rank 0)
     trainer.pt                          trainer state (step, tokens seen, ...) and sparsity tracker
     rank{r}.pt                          per rank: RNG states (python, numpy, torch, cuda) and the
-                                        data position (datamodule.state_dict())
+                                        data position (datamodule.state_dict(): global, the same
+                                        in every file; a streamed source's is per rank)
     train_config.yaml                   resolved run config
-    metadata.json                       format version, step, world size, library versions;
-                                        written last: a folder without it is incomplete
+    metadata.json                       format version, step, world size (it may differ on
+                                        resume), library versions; written last: a folder
+                                        without it is incomplete
 
 The folder is written as ``.step{N}.tmp`` and renamed into place, so a crash never leaves a
 half-written ``step{N}``. Source of the layout: OLMo-core's ``train/checkpoint.py`` habit.

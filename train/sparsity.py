@@ -171,11 +171,19 @@ def reinit_dead_gates(
     For every layer l and dead unit j: ``W[j] <- (1 - lam) W[j] + lam * N(0, std^2)``, where W is
     ``gate_proj.weight`` (H, D), or ``up_proj.weight`` for the non-gated FFN (its ReLU input).
     Live rows are untouched. Noise is drawn for all rows (no host sync on the dead count);
-    ``generator`` (on the weights' device) makes it identical on every rank and on resume.
+    ``generator`` (on the weights' device) makes it identical on every rank and on resume. An
+    FSDP-sharded weight (a ``DTensor``) draws the same full noise and updates its own rows only,
+    so the result is the unsharded one.
     """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     for mlp, dead_H in zip(mlps, dead_LH):
         w_HD = mlp.gate_proj.weight if mlp.gated else mlp.up_proj.weight
-        noise_HD = torch.randn(w_HD.shape, generator=generator, device=w_HD.device,
+        noise_HD = torch.randn(tuple(w_HD.shape), generator=generator, device=w_HD.device,
                                dtype=torch.float32).to(w_HD.dtype) * std
+        dead_H1 = dead_H.to(w_HD.device)[:, None]
+        if isinstance(w_HD, DTensor):  # this rank's rows of the full tensors (no communication)
+            noise_HD, dead_H1 = (distribute_tensor(x, w_HD.device_mesh, w_HD.placements,
+                                                   src_data_rank=None) for x in (noise_HD, dead_H1))
         mixed_HD = w_HD * (1 - lam) + noise_HD * lam
-        w_HD.copy_(torch.where(dead_H.to(w_HD.device)[:, None], mixed_HD, w_HD))
+        w_HD.copy_(torch.where(dead_H1, mixed_HD, w_HD))

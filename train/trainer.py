@@ -29,7 +29,7 @@ from accelerate.utils import AutocastKwargs, set_seed
 from omegaconf import OmegaConf
 
 from train import checkpoint as ckpt_io
-from train import rundir
+from train import parallel, rundir
 from train.capacity import BackupCapacity
 from train.config import ConfigError, OptimConfig, TrainConfig
 from train.fusion import compile_norms
@@ -172,8 +172,12 @@ class Trainer:
         # autocast_cache=false: no weight cast outlives its use (under checkpointing the cache
         # otherwise holds every layer's bf16 weights until the forward ends; it never hits)
         handlers = [] if t.autocast_cache else [AutocastKwargs(cache_enabled=False)]
-        self.acc = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no", cpu=t.cpu,
-                               kwargs_handlers=handlers)
+        # FSDP2 when launched with configs/accelerate/fsdp2.yaml; the trainer shards the model
+        # itself (train/parallel.py), accelerate gives the process group and device
+        self.fsdp = parallel.fsdp_settings_from_env()
+        with parallel.hidden_from_accelerate() if self.fsdp else nullcontext():
+            self.acc = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no",
+                                   cpu=t.cpu, kwargs_handlers=handlers)
         self.accum = cfg.check_world(self.acc.num_processes)
         self.is_main = self.acc.is_main_process
         self.device = self.acc.device
@@ -239,7 +243,9 @@ class Trainer:
             self._print(line)
         else:
             model = build_model(cfg.model)
-        if t.grad_checkpointing:  # non-reentrant: the L1 side output keeps its graph
+        # non-reentrant: the L1 side output keeps its graph. The FSDP config's
+        # fsdp_activation_checkpointing means the same and is applied through the same call once
+        if t.grad_checkpointing or (self.fsdp and self.fsdp.activation_checkpointing):
             enable_grad_checkpointing(model, t.checkpoint_ffn)
         if t.fused_ce:  # model(input_ids, labels).loss without the (tokens x vocab) logits
             use_fused_cross_entropy(model)
@@ -259,13 +265,23 @@ class Trainer:
         # would make torch.compile recompile the model for each new value (and fall back to
         # eager after its recompile limit), so a compiled model measures per call instead
         self.nosync_backup = cfg.model.ffn_host_sync == "step" and not t.compile
+        if t.compile and self.fsdp:
+            raise ConfigError("trainer.compile=true with FSDP (configs/accelerate/fsdp2.yaml) is "
+                              "not supported; set trainer.compile=false or launch with ddp.yaml.")
         if t.compile:
             if cfg.model.ffn_host_sync == "step" and cfg.model.ffn_impl != "torch":
                 self._print("trainer.compile=true: the sparse training path measures its dense "
                             "backup per call (model.ffn_host_sync=step applies to eager runs)")
             model.compile()
-        optimizer = self._build_optimizer(model)
-        self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        if self.fsdp:  # shard first: the optimizer then holds the fp32 master shards
+            parallel.apply_fsdp2(model, self.fsdp, device=self.device,
+                                 world_size=self.acc.num_processes,
+                                 param_dtype=torch.bfloat16 if precision == "bf16" else None)
+            optimizer = self._build_optimizer(model)
+            self.model, self.optimizer = model, self.acc.prepare(optimizer)
+        else:
+            optimizer = self._build_optimizer(model)
+            self.model, self.optimizer = self.acc.prepare(model, optimizer)
         self.scheduler = self._build_scheduler(optimizer)  # stepped by hand, once per step
         self.tracker = DeadNeuronTracker(
             cfg.model.num_layers, cfg.model.intermediate_size,
@@ -435,8 +451,17 @@ class Trainer:
             self.backup.load_state_dict({"rule": "window", "hist": d["ffn_heavy_hist"]})
 
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step{N}/`` atomically (all ranks call this)."""
+        """Write ``checkpoints/step{N}/`` atomically (all ranks call this).
+
+        Model and optimizer state are full tensors in the unsharded formats (an FSDP model's are
+        gathered on rank 0), so the checkpoint resumes on any number of ranks, sharded or not.
+        """
         acc = self.acc
+        model = acc.unwrap_model(self.model)
+        sharded = parallel.is_sharded(model)
+        if sharded:  # gather on rank 0 (collectives: every rank takes part)
+            model_sd = parallel.model_state_dict(model)
+            optim_sd = parallel.optimizer_state_dict(model, self.optimizer.optimizer)
         final = ckpt_io.checkpoint_root(self.run_dir) / f"step{self.step}"
         tmp = ckpt_io.tmp_path(final)
         if self.is_main:
@@ -448,10 +473,10 @@ class Trainer:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # no "Writing model shards" bar inside ours
-            acc.unwrap_model(self.model).save_pretrained(tmp)
+            model.save_pretrained(tmp, **({"state_dict": model_sd} if sharded else {}))
             if getattr(self.data, "tokenizer", None) is not None:
                 self.data.tokenizer.save_pretrained(tmp)
-            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(optim_sd if sharded else self.optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
             torch.save(self.state_dict(), tmp / "trainer.pt")
             (tmp / "train_config.yaml").write_text(OmegaConf.to_yaml(self.config_dict))
@@ -466,31 +491,63 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         """Restore everything from a checkpoint folder: weights, optimizer, scheduler, trainer and
-        sparsity state, RNG states and this rank's data position."""
+        sparsity state, the data position and RNG states, on any number of ranks.
+
+        The global batch must be the one of the checkpoint (the data position and the schedules
+        count its steps); the world size, micro-batch and accumulation may change, and 1 process,
+        DDP and FSDP load each other's checkpoints. What continues exactly: the blocks of every
+        step (a global data position), the lr / L1 schedules, the optimizer state, the dead-unit
+        windows, auto's paths. The per-rank RNG states are restored only on the same world size
+        (elsewhere every rank is re-seeded from trainer.seed, the step and its rank): after
+        initialisation training draws no random numbers from them (no dropout; dead-unit
+        re-init has its own generator seeded by the step). The no-sync dense-backup capacities
+        count rows per FFN call, so a different micro-batch measures them again.
+        """
         from safetensors.torch import load_file
 
         meta = ckpt_io.read_metadata(path)
-        if meta["world_size"] != self.acc.num_processes:
-            raise ConfigError(f"checkpoint {path} was written by {meta['world_size']} ranks, this "
-                              f"run has {self.acc.num_processes}; resume with the same world size.")
+        t = self.cfg.trainer
+        saved_t = OmegaConf.load(path / "train_config.yaml").trainer
+        if saved_t.global_batch != t.global_batch:
+            raise ConfigError(f"checkpoint {path} was trained with trainer.global_batch="
+                              f"{saved_t.global_batch}, this run has {t.global_batch}; resume "
+                              "with the same global batch (any world size and micro-batch).")
         model = self.acc.unwrap_model(self.model)
         state = load_file(str(path / "model.safetensors"))  # to CPU; copied into place
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = parallel.load_model_state_dict(model, state)
         if [k for k in missing if k != "lm_head.weight"] or unexpected:
             raise ValueError(f"{path}: model weights do not match: {missing[:3]} {unexpected[:3]}")
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+        parallel.load_optimizer_state_dict(
+            model, self.optimizer.optimizer, torch.load(path / "optimizer.pt", weights_only=False))
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
         self.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
         if self.cfg.trainer.resume_allow_changes:
             self._apply_optim_config()
-        rank = torch.load(path / f"rank{self.acc.process_index}.pt", weights_only=False)
+        if saved_t.micro_batch != t.micro_batch:  # capacities are rows per FFN call
+            for m in self.mlps:
+                m.backup_rows = -1
+            self.heavy_hist = [[] for _ in self.mlps]
+        same_world = meta["world_size"] == self.acc.num_processes
+        # the data position is global (the same in every rank's file); a streamed source keeps
+        # per-rank state and refuses another world size
+        rank = torch.load(path / f"rank{self.acc.process_index if same_world else 0}.pt",
+                          weights_only=False)
         try:
             self.data.load_state_dict(rank["data"])
         except ValueError as e:  # another data set, seq_len or seed: the position means nothing
             raise ConfigError(f"trainer.resume={path}: the checkpoint's data position does not "
                               f"fit this run's data ({e}); resume with the checkpoint's data "
                               "config or start a new run (a new hydra.run.dir).") from None
-        ckpt_io.set_rng_state(rank["rng"])
+        position = getattr(self.data, "position", None)
+        if position is not None and position != self.step * t.global_batch:
+            raise ValueError(f"{path}: data position {position} blocks is not step {self.step} x "
+                             f"global batch {t.global_batch}: the checkpoint is inconsistent")
+        if same_world:
+            ckpt_io.set_rng_state(rank["rng"])
+        else:
+            set_seed(t.seed + self.step, device_specific=True)  # + rank
+            self._print(f"resuming a {meta['world_size']}-rank checkpoint on "
+                        f"{self.acc.num_processes} ranks (same global batch {t.global_batch})")
         self.last_ckpt = path
         if self.is_main:  # drop metrics logged after the checkpoint (they will be redone)
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -590,7 +647,7 @@ class Trainer:
             caps = [mlp.backup_rows for mlp in self.mlps]
             m = self._micro_steps(ids, coeff)
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-            grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
+            grad_norm = parallel.plain(acc.clip_grad_norm_(model.parameters(), max_norm))
             bad = (~torch.isfinite(m["loss"]) | ~torch.isfinite(grad_norm)).float()
             heavy_max_L, nnz_L, heavy_L = m["heavy_max_L"], m["nnz_sum_L"], m["heavy_L"]
             if acc.num_processes > 1:
@@ -745,6 +802,7 @@ class Trainer:
         ``trainer.val_sequences`` held-out sequences (rounded down to a multiple of the world
         size; each rank takes its equal share), so the result depends neither on the
         micro-batch nor on how the sequences fall into batches. Fewer if the split is smaller."""
+        self._clear_sharded_ffn_caches()
         self.model.eval()
         dev = self.device
         share = self.cfg.trainer.val_sequences // self.acc.num_processes  # equal: same batches
@@ -772,10 +830,21 @@ class Trainer:
         self._write(m, "val")
         return m
 
+    def _clear_sharded_ffn_caches(self) -> None:
+        """FSDP: the inference path's cached ``Wd^T`` is keyed on the weight's storage and
+        version, which FSDP2's re-gathered weights do not keep; drop it before each eval pass
+        (the weights are fixed within one)."""
+        if parallel.is_sharded(self.model):
+            for mlp in self.mlps:
+                if mlp.twell_state is not None:
+                    mlp.twell_state.clear_cache()
+
     def evaluate(self) -> dict:
-        """Downstream zero-shot evals (``evals.evaluate``) on the main process."""
+        """Downstream zero-shot evals (``evals.evaluate``) on the main process (on every rank of
+        an FSDP model, whose forward gathers weights from all of them; the main one logs)."""
         result = {}
-        if self.is_main:
+        self._clear_sharded_ffn_caches()
+        if self.is_main or parallel.is_sharded(self.model):
             from evals import evaluate
 
             e = self.cfg.eval
@@ -785,7 +854,7 @@ class Trainer:
             self._print(f"step {self.step}: evaluating {tasks} (limit {e.limit})")
             out = evaluate(model, self.data.tokenizer, tasks=tasks, limit=e.limit,
                            batch_size=e.batch_size, device=self.device,
-                           progress=self.cfg.trainer.progress)
+                           progress=self.cfg.trainer.progress and self.is_main)
             model.train()
             result = {"step": self.step, "eval_mean": out["mean"],
                       **{f"eval_{k}": v["primary"] for k, v in out["tasks"].items()}}

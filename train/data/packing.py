@@ -8,11 +8,16 @@ the stream is cut into ``n_blocks = n_tokens // T`` consecutive, non-overlapping
 ``n_tokens % T`` tokens after the last whole block (the *tail*, fewer than T tokens) are never
 served. Blocks may start or end inside a document; there is no padding and no attention mask.
 
-Order: epoch ``e`` visits the blocks in the permutation drawn from ``SeedSequence([seed, e])``.
-Rank ``r`` of ``W`` takes ``perm[r::W][:n_blocks // W]`` (equal counts; the at most ``W-1``
-blocks left over differ from epoch to epoch). Each rank reads its list as one endless stream
-over epochs, ``B`` blocks per batch; a batch may straddle an epoch boundary. The position is a
-single counter (blocks consumed by this rank), so resume is exact.
+Order: one global stream of blocks, the same for every number of ranks: epoch ``e`` visits all
+``n_blocks`` blocks in the permutation drawn from ``SeedSequence([seed, e])``, and the epochs
+follow each other (``S = perm_0 ++ perm_1 ++ ...``). The data position is global: ``position``
+= blocks of ``S`` consumed by all ranks together (``step * global_batch`` between optimizer
+steps). A micro-batch of ``B`` blocks on rank ``r`` of ``W`` takes ``S[position + r + W*j]``,
+``j < B``, and every rank then advances ``position`` by ``W * B``: the ``W`` ranks together
+read ``S[position : position + W*B]``, disjoint, and an optimizer step of ``global_batch``
+blocks reads the same blocks for any ``W`` and micro-batch split (only which rank and
+micro-batch holds a block changes). A micro-batch may straddle an epoch boundary. The state
+is that one counter, rank-independent, so a checkpoint resumes exactly on any number of ranks.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 1: per-rank counter of the rank's stream perm[r::W][:n_blocks // W]
 
 
 class DataError(RuntimeError):
@@ -146,25 +151,31 @@ class BlockSampler:
                 "use more data or a smaller seq_len"
             )
         self.n_blocks, self.seed, self.rank, self.world_size = n_blocks, seed, rank, world_size
-        self.per_rank = n_blocks // world_size
-        self._cache: tuple[int, np.ndarray] | None = None
+        self._cache: dict[int, np.ndarray] = {}
 
     def epoch_blocks(self, epoch: int) -> np.ndarray:
-        """Block indices of this rank in epoch ``epoch``, int64 shape ``(per_rank,)``."""
-        if self._cache is None or self._cache[0] != epoch:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_blocks)
-            self._cache = (epoch, perm[self.rank::self.world_size][: self.per_rank])
-        return self._cache[1]
+        """Block indices of epoch ``epoch`` of the global stream, int64 shape ``(n_blocks,)``."""
+        if epoch not in self._cache:
+            if len(self._cache) >= 2:  # a micro-batch spans at most a few epochs
+                self._cache.pop(min(self._cache))
+            self._cache[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_blocks)
+        return self._cache[epoch]
 
-    def blocks(self, consumed: int, count: int) -> np.ndarray:
-        """The ``count`` block indices following the first ``consumed`` of this rank's endless stream."""
-        out = np.empty(count, dtype=np.int64)
-        done = 0
-        while done < count:
-            epoch, idx = divmod(consumed + done, self.per_rank)
-            n = min(count - done, self.per_rank - idx)
-            out[done:done + n] = self.epoch_blocks(epoch)[idx:idx + n]
-            done += n
+    def global_blocks(self, position: int, count: int) -> np.ndarray:
+        """``S[position : position + count]`` of the global stream, int64 shape ``(count,)``."""
+        return self._at(position + np.arange(count, dtype=np.int64))
+
+    def blocks(self, position: int, count: int) -> np.ndarray:
+        """This rank's ``count`` blocks of the micro-batch that starts at global ``position``:
+        ``S[position + rank + world_size * j]``, int64 shape ``(count,)``."""
+        return self._at(position + self.rank + self.world_size * np.arange(count, dtype=np.int64))
+
+    def _at(self, pos: np.ndarray) -> np.ndarray:
+        epoch, idx = np.divmod(pos, self.n_blocks)
+        out = np.empty(pos.shape[0], dtype=np.int64)
+        for e in np.unique(epoch):
+            sel = epoch == e
+            out[sel] = self.epoch_blocks(int(e))[idx[sel]]
         return out
 
 
@@ -207,18 +218,18 @@ class DataModule:
                 f"{world_size}: add data or lower model.seq_len"
             )
         self.sampler = BlockSampler(self.n_blocks, seed, rank, world_size)
-        self.blocks_consumed = 0  # blocks of this rank's endless stream already yielded
+        self.position = 0  # global: blocks of the stream consumed by all ranks together
 
     # -- training -------------------------------------------------------------------------------
     @property
     def blocks_per_epoch(self) -> int:
-        """Blocks this rank sees per epoch (``n_blocks // world_size``)."""
-        return self.sampler.per_rank
+        """Blocks of one epoch of the global stream (``n_blocks``; about ``n_blocks / W`` per rank)."""
+        return self.n_blocks
 
     @property
     def epoch(self) -> int:
-        """Epoch of the next block to be yielded (0-based)."""
-        return self.blocks_consumed // self.sampler.per_rank
+        """Epoch of the next global block (0-based)."""
+        return self.position // self.n_blocks
 
     def _gather(self, stream: TokenStream, block_ids: np.ndarray) -> torch.Tensor:
         T = self.seq_len
@@ -228,42 +239,60 @@ class DataModule:
     def train_batches(self) -> Iterator[torch.Tensor]:
         """Endless iterator of training batches, int64 ``(B, T)``, starting at the saved position.
 
-        The position advances when a batch is yielded, so ``state_dict()`` taken after using a
-        batch resumes with the next one. No prefetching (nothing is lost on checkpoint).
+        The position advances (by ``world_size * B``, for all ranks) when a batch is yielded, so
+        ``state_dict()`` taken after using a batch resumes with the next one. No prefetching
+        (nothing is lost on checkpoint).
         """
         while True:
-            ids = self.sampler.blocks(self.blocks_consumed, self.micro_batch)
+            ids = self.sampler.blocks(self.position, self.micro_batch)
             batch = self._gather(self.train_stream, ids)
-            self.blocks_consumed += self.micro_batch
+            self.position += self.world_size * self.micro_batch
             yield batch
 
     def state_dict(self) -> dict:
         """Exact data position: the next ``train_batches()`` batch after :meth:`load_state_dict`.
 
-        Rank-independent (every rank consumes the same number of blocks), so one copy serves all.
+        Rank- and world-size-independent (the global position), so one copy serves every rank
+        of a resumed run with any number of ranks and any micro-batch.
         """
         return {
-            "version": STATE_VERSION, "blocks_consumed": self.blocks_consumed,
+            "version": STATE_VERSION, "position": self.position,
             "seq_len": self.seq_len, "seed": self.seed, "world_size": self.world_size,
             "n_blocks": self.n_blocks, "fingerprint": self.fingerprint,
         }
 
     def load_state_dict(self, d: dict) -> None:
-        """Restore the position from :meth:`state_dict`.
+        """Restore the position from :meth:`state_dict` (saved with any world size).
+
+        A version-1 state (per-rank counter ``blocks_consumed`` of the rank's stream
+        ``perm[r::W][:n_blocks // W]``) is converted to ``W * blocks_consumed``: exact for one rank
+        or inside the first epoch, where both orders agree.
 
         Raises:
-            ValueError: the state was saved with different data (fingerprint, n_blocks), seq_len,
-                seed or world_size, so the same position would mean different blocks.
+            ValueError: the state was saved with different data (fingerprint, n_blocks), seq_len
+                or seed, so the same position would mean different blocks; or a version-1 state
+                of several ranks past its first epoch.
         """
-        if d.get("version") != STATE_VERSION:
-            raise ValueError(f"data state version {d.get('version')!r} unsupported (expected {STATE_VERSION})")
-        for key in ("fingerprint", "n_blocks", "seq_len", "seed", "world_size"):
+        version = d.get("version")
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"data state version {version!r} unsupported (expected {STATE_VERSION})")
+        for key in ("fingerprint", "n_blocks", "seq_len", "seed"):
             if d[key] != getattr(self, key):
                 raise ValueError(
                     f"data state was saved with {key}={d[key]!r} but this run has {getattr(self, key)!r}: "
-                    "resume with the same data, seq_len, seed and world_size"
+                    "resume with the same data, seq_len and seed"
                 )
-        self.blocks_consumed = int(d["blocks_consumed"])
+        if version == 1:
+            w, c = int(d["world_size"]), int(d["blocks_consumed"])
+            if w > 1 and c > self.n_blocks // w:
+                raise ValueError(
+                    f"data state version 1 of {w} ranks is past its first epoch ({c} blocks per "
+                    f"rank > {self.n_blocks // w}); its order differs from version 2: resume it "
+                    "with the twell release that wrote it"
+                )
+            self.position = w * c
+        else:
+            self.position = int(d["position"])
 
     # -- validation -----------------------------------------------------------------------------
     def val_batches(self, max_batches: int | None = None) -> Iterator[torch.Tensor]:

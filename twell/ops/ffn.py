@@ -152,6 +152,12 @@ class TwELLState:
             self._wdt_key = key
         return self._wdt
 
+    def clear_cache(self) -> None:
+        """Drop the cached ``Wd^T``. Call it when the weight may have changed without its version
+        counter showing it: FSDP2 all-gathers the unsharded weight into fresh storage whose
+        version stays 0, and a reused allocation can repeat the pointer (train/parallel.py)."""
+        self._wdt = self._wdt_key = None
+
     def record_density(self, dens: torch.Tensor) -> None:
         """Store this call's density for the next call's dispatch without a host sync."""
         if dens.is_cuda:

@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Two-GPU acceptance run of issue 13 (DDP / FSDP2 against one GPU), on a machine with 2 GPUs:
+#
+#   bash scripts/multi_gpu_check.sh CORPUS_CACHE_DIR [OUT_DIR]
+#
+# CORPUS_CACHE_DIR is the folder holding the built offline corpus (data.cache_dir: the parent
+# of offline_mix-<hash>/, e.g. ~/.cache/twell/corpus); nothing is built or downloaded.
+# OUT_DIR (default runs/multi_gpu_check) receives the run directories and report.txt.
+#
+# 1. Sparsify: small_l4, 1 GPU, L1 1e-3, 400 steps of 16 x 1024 tokens (as run Q), checkpoints
+#    every 100 steps.
+# 2. From its step-300 checkpoint, 100 steps on 1 GPU (micro-batch 16) and on 2 GPUs with
+#    ddp.yaml (micro-batch 8 each: the same global batch), for model.ffn_impl=torch and auto;
+#    reported: the largest |loss difference| 2 GPUs vs 1 over the 100 steps, next to the
+#    1-GPU torch-vs-auto difference (the bf16 noise scale).
+# 3. The 2-GPU auto run's step-350 checkpoint resumed on 1 GPU to step 400: its losses against
+#    the 2-GPU run's own steps 351-400.
+# 4. tokens/s at the 1.5B shape (paper_1p5b, seq 2048, micro-batch 8, 2 micro-steps per step and
+#    GPU, 12 steps; the median of the logged rates after the first log): 2 GPUs (DDP and
+#    FSDP2) vs 1 GPU; target >= 1.85x.
+#
+# MGC_SMOKE=1: a dry run of every command on CPU (gloo) with a tiny model and 8 steps: checks
+# the command lines and the report, not the numbers.
+#
+# The GPU machine lacks hydra-core, omegaconf, datasets and wandb: install the carried wheels
+# first (python3 -m pip install --no-deps .devcarry/wheels/*.whl; docs/bench/run14/cmd_run_Q.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ $# -lt 1 ] || [ ! -d "$1" ]; then
+  echo "usage: bash scripts/multi_gpu_check.sh CORPUS_CACHE_DIR [OUT_DIR]" >&2; exit 2
+fi
+CORPUS=$(cd "$1" && pwd)
+OUT=${2:-runs/multi_gpu_check}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+# NVLink multicast off: NCCL (NVLS), torch symmetric memory and NVSHMEM (needed on the
+# multi-GPU H200 machines here)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+PY=${PYTHON:-python3}
+TOTAL=400 FROM=300 MID=350 BIG_STEPS=12 EXTRA=()  # steps: sparsify, compare from, resume at
+if [ "${MGC_SMOKE:-0}" = 1 ]; then
+  TOTAL=8 FROM=4 MID=6 BIG_STEPS=4
+  EXTRA=(trainer.cpu=true trainer.precision=fp32 trainer.grad_checkpointing=false
+         trainer.num_threads=1 model.hidden_size=64 model.intermediate_size=128
+         model.num_layers=2 model.num_heads=2 model.seq_len=64)
+  export OMP_NUM_THREADS=1
+fi
+ONE=("$PY" -m train)
+TWO_DDP=("$PY" -m accelerate.commands.launch --config_file configs/accelerate/ddp.yaml --num_processes 2 -m train)
+TWO_FSDP=("$PY" -m accelerate.commands.launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 -m train)
+DATA=(data=offline_mix "data.cache_dir=$CORPUS" data.build_if_missing=false)
+QUIET=(eval=disabled logging.wandb_mode=disabled trainer.progress=false trainer.val_every=0
+       trainer.val_sequences=8)
+SMALL=(model=small_l4 trainer=gpu optim=adamw optim.warmup_steps=30 sparsity.l1_coeff=1e-3
+       trainer.max_steps=$TOTAL trainer.global_batch=16 "${DATA[@]}" "${QUIET[@]}")
+
+run() {  # name, command...: log to $OUT/name.log, stop the script on failure
+  local name=$1; shift
+  echo "== $name: $* ${EXTRA[*]}" | tee "$OUT/$name.log"
+  if ! timeout 1200 "$@" "${EXTRA[@]}" >> "$OUT/$name.log" 2>&1; then
+    echo "$name failed; tail of $OUT/$name.log:" >&2; tail -30 "$OUT/$name.log" >&2; exit 1
+  fi
+}
+
+# 1. a framework-sparsified model
+run sparsify "${ONE[@]}" "${SMALL[@]}" trainer.micro_batch=16 trainer.log_every=50 \
+  trainer.save_every=$((TOTAL - FROM)) trainer.keep_last=5 trainer.resume=never \
+  "hydra.run.dir=$OUT/sparse"
+CK=$OUT/sparse/checkpoints/step$FROM
+
+# 2. 100 steps, 1 GPU vs 2 GPUs, torch and auto
+for impl in torch auto; do
+  run "one_$impl" "${ONE[@]}" "${SMALL[@]}" trainer.micro_batch=16 trainer.log_every=1 \
+    "model.ffn_impl=$impl" "trainer.resume=$CK" "hydra.run.dir=$OUT/one_$impl"
+  run "two_$impl" "${TWO_DDP[@]}" "${SMALL[@]}" trainer.micro_batch=8 trainer.log_every=1 \
+    trainer.save_every=$((MID - FROM)) trainer.keep_last=5 "model.ffn_impl=$impl" "trainer.resume=$CK" \
+    "hydra.run.dir=$OUT/two_$impl"
+done
+
+# 3. a 2-GPU checkpoint resumed on 1 GPU
+run resume_two_on_one "${ONE[@]}" "${SMALL[@]}" trainer.micro_batch=16 trainer.log_every=1 \
+  model.ffn_impl=auto "trainer.resume=$OUT/two_auto/checkpoints/step$MID" \
+  "hydra.run.dir=$OUT/resume_two_on_one"
+
+# 4. tokens/s at the 1.5B shape (run dirs deleted after: a 1.5B checkpoint is ~18 GB)
+BIG=(experiment=paper_1p5b "${DATA[@]}" "${QUIET[@]}" trainer.max_steps=$BIG_STEPS trainer.log_every=2
+     trainer.micro_batch=8 trainer.resume=never)
+run speed_one "${ONE[@]}" "${BIG[@]}" trainer.global_batch=16 "hydra.run.dir=$OUT/speed_one"
+run speed_ddp "${TWO_DDP[@]}" "${BIG[@]}" trainer.global_batch=32 "hydra.run.dir=$OUT/speed_ddp"
+run speed_fsdp "${TWO_FSDP[@]}" "${BIG[@]}" trainer.global_batch=32 "hydra.run.dir=$OUT/speed_fsdp"
+for d in speed_one speed_ddp speed_fsdp; do
+  cp "$OUT/$d/metrics.jsonl" "$OUT/$d.metrics.jsonl"; rm -rf "$OUT/$d"
+done
+
+"$PY" - "$OUT" <<'EOF' | tee "$OUT/report.txt"
+import json, statistics, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+
+def train(path):
+    rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    return {r["step"]: r for r in rows if r.get("kind") == "train"}
+
+def max_diff(a, b, key="loss"):
+    steps = sorted(set(a) & set(b))
+    assert steps, "no common steps"
+    d = max(abs(a[s][key] - b[s][key]) for s in steps)
+    return d, len(steps)
+
+runs = {n: train(out / n / "metrics.jsonl") for n in
+        ("one_torch", "two_torch", "one_auto", "two_auto", "resume_two_on_one")}
+for impl in ("torch", "auto"):
+    d, n = max_diff(runs[f"one_{impl}"], runs[f"two_{impl}"])
+    g, _ = max_diff(runs[f"one_{impl}"], runs[f"two_{impl}"], "grad_norm")
+    print(f"ffn_impl={impl}: 2 GPUs vs 1 GPU over {n} steps: max |loss diff| {d:.4g}, "
+          f"max |grad norm diff| {g:.4g}")
+d, n = max_diff(runs["one_torch"], runs["one_auto"])
+print(f"bf16 noise scale: 1 GPU torch vs auto over {n} steps: max |loss diff| {d:.4g}")
+last = runs["one_auto"][max(runs["one_auto"])]
+print(f"sparsity at step {last['step']} (1 GPU, auto): L0 {last['l0_mean']:.1f} of the FFN "
+      f"width, paths {last.get('ffn_paths')}")
+d, n = max_diff(runs["resume_two_on_one"], runs["two_auto"])
+print(f"2-GPU checkpoint resumed on 1 GPU: {n} steps, max |loss diff| vs the 2-GPU "
+      f"run {d:.4g} (vs 1 GPU straight: {max_diff(runs['resume_two_on_one'], runs['one_auto'])[0]:.4g})")
+speed = {}
+for n in ("speed_one", "speed_ddp", "speed_fsdp"):
+    rows = train(out / f"{n}.metrics.jsonl")
+    rates = [rows[s]["tokens_per_s"] for s in sorted(rows)][1:]  # the first log holds warmup
+    speed[n] = statistics.median(rates)
+    print(f"{n}: {speed[n]:.0f} tokens/s (median of {len(rates)} logs), peak "
+          f"{max(r['peak_mem_gb'] for r in rows.values()):.1f} GB")
+for n in ("speed_ddp", "speed_fsdp"):
+    print(f"1.5B tokens/s ratio {n[6:]} 2 GPUs / 1 GPU: {speed[n] / speed['speed_one']:.2f}x "
+          "(target >= 1.85x)")
+EOF
