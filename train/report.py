@@ -665,12 +665,15 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
     # per-layer L0 profile, one panel per L1 coefficient
     with_layers = [r for r in runs if r.summary.get("l0_layers")]
     coeffs = sorted({rows[r.dir]["l1_coeff"] for r in with_layers})
+    per_coeff = [sum(rows[r.dir]["l1_coeff"] == c for r in with_layers) for c in coeffs]
+    if coeffs and max(per_coeff) == 1:  # one run per L1 (a plain L1 sweep): one shared panel
+        coeffs = [None]
     if with_layers:
         fig, axes = plt.subplots(1, len(coeffs), figsize=(4.6 * len(coeffs), 3.8), squeeze=False)
         for ax, coeff in zip(axes[0], coeffs):
             vals = []
             for i, r in enumerate(with_layers):
-                if rows[r.dir]["l1_coeff"] != coeff:
+                if coeff is not None and rows[r.dir]["l1_coeff"] != coeff:
                     continue
                 layers = r.summary["l0_layers"]
                 vals += layers
@@ -679,7 +682,8 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylabel("L0 (active units per token, final)")
             _value_axis(ax, vals)
-            ax.set_title(f"L1 = {_fmt(float(coeff), 'l1_coeff')}")
+            ax.set_title("Final L0 per layer" if coeff is None
+                         else f"L1 = {_fmt(float(coeff), 'l1_coeff')}")
             ax.legend(fontsize=7)
         save(fig, "l0_per_layer.png")
 
@@ -711,10 +715,12 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
         ax_l0.set_ylabel("L0 (mean over layers)")
         _value_axis(ax_l0, l0_vals)
         if has_dead:
+            top = max((100 * x["dead_frac"] for r in curves for x in r.train
+                       if x.get("dead_frac") is not None), default=0.0)
             axes[0][2].set_title("Dead FFN units")
             axes[0][2].set_ylabel("dead units (mean over layers)")
             axes[0][2].yaxis.set_major_formatter(PercentFormatter(xmax=100))
-            axes[0][2].set_ylim(bottom=0)
+            axes[0][2].set_ylim(0, max(5.0, 1.1 * top))  # 0-5 % at least: none dead looks so
         for ax in axes[0]:
             ax.set_xlabel("optimizer step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -757,11 +763,15 @@ class Report:
     plot_notes: list[str] = field(default_factory=list)
 
     def markdown(self, image_prefix: str = "") -> str:
-        md = ["## Runs", "", markdown_table(self.rows),
+        acc_cols = [f"acc_{t}" for t in TASKS] + ["acc_mean"]
+        no_acc = all(r.get(c) is None for r in self.rows for c in acc_cols)
+        cols = [c for c in COLUMNS if not (no_acc and c in acc_cols)]
+        md = ["## Runs", "", markdown_table(self.rows, cols),
               ("L0: mean active FFN units per token (final logged step; `L0 mean` averages the "
               "layers, `L0 max layer` is the most active layer); dead %: units inactive over a "
               "whole optimizer step's tokens; task scores: percent, each task's primary metric "
-              "(acc or acc_norm); tok/s: training tokens per second of the run."), ""]
+              "(acc or acc_norm)" + (", not shown: no run has eval results" if no_acc else "")
+              + "; tok/s: training tokens per second of the run."), ""]
         if self.variant_rows:
             md += ["## Sparsity variants (baseline -> variant)", "",
                    markdown_table(self.variant_rows, ["size", "variant", "l1", "l0_mean",
