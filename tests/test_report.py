@@ -224,6 +224,10 @@ def test_plot_axes_are_plain_and_empty_panels_left_out(runs, tmp_path):
     want = [100 * x["dead_frac"] if x["dead_frac"] is not None else None for x in train]
     assert [None if math.isnan(v) else v for v in drawn["Dead FFN units"][1]] == want  # percent
     assert drawn["Train CE (x: validation loss)"][2] == [x["ce"] for x in train]  # every step
+    dense = [json.loads(x) for x in (tmp_path / "study" / "dense" / "metrics.jsonl").read_text()
+             .splitlines() if json.loads(x)["kind"] == "train"]
+    assert drawn["Train CE minus the first run's"][0] == pytest.approx(
+        [b["ce"] - a["ce"] for a, b in zip(dense, train, strict=True)], abs=1e-12)
 
 
 def test_l0_by_position_matches_the_ffn_stats(runs):

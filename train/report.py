@@ -577,7 +577,8 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
       needs two L1 values or more; the accuracy panel only when evals ran.
     - ``l0_per_layer.png``: per-layer final L0 of every run, one panel per L1.
     - ``train_curves.png``: train CE (with validation loss as crosses), L0 and dead units (%)
-      at every logged step.
+      at every logged step, and (two runs or more) each run's CE minus the first run's, which
+      separates curves that overlap.
     - ``l0_by_position.png``: when ``position`` maps run names to ((L, T), n) measurements.
     """
     import matplotlib
@@ -658,6 +659,7 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
             ax_of["acc"].yaxis.set_major_formatter(PercentFormatter(xmax=100))
             ax_of["acc"].set_title("Downstream accuracy vs L1")
         if "val" in ax_of:
+            _value_axis(ax_of["val"], [])  # plain labels: no "+1.01e1" offset
             ax_of["val"].set_ylabel("validation loss (CE)")
             ax_of["val"].set_title("Validation loss vs L1")
         save(fig, "acc_loss_vs_l1.png")
@@ -691,9 +693,17 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
     curves = [r for r in runs if r.train]
     if curves:
         has_dead = any(x.get("dead_frac") is not None for r in curves for x in r.train)
-        n = 3 if has_dead else 2
-        fig, axes = plt.subplots(1, n, figsize=(5.2 * n, 4), squeeze=False)
-        ax_ce, ax_l0 = axes[0][0], axes[0][1]
+        ref_ce = {x["step"]: x["ce"] for x in curves[0].train}
+        has_diff = len(curves) > 1 and any(x["step"] in ref_ce for r in curves[1:]
+                                           for x in r.train)
+        n = 2 + has_dead + has_diff
+        rows_, cols_ = (n + 1) // 2, 2
+        fig, grid = plt.subplots(rows_, cols_, figsize=(10.4, 4 * rows_), squeeze=False)
+        panels = list(grid.flat)
+        for extra in panels[n:]:
+            extra.remove()
+        panels = panels[:n]  # CE, L0, [dead], [CE difference]
+        ax_ce, ax_l0 = panels[0], panels[1]
         l0_vals = []
         for i, r in enumerate(curves):
             st = _style(i)
@@ -705,10 +715,16 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
             l0 = [x.get("l0_mean") for x in r.train]
             l0_vals += [v for v in l0 if v is not None]
             ax_l0.plot(steps, l0, lw=1, label=labels[r.dir], **st)
+            if has_diff and i > 0:  # curves that overlap in CE: their difference to the first
+                diff = [(x["step"], x["ce"] - ref_ce[x["step"]]) for x in r.train
+                        if x["step"] in ref_ce]
+                panels[-1].plot(*zip(*diff), lw=1, label=labels[r.dir], color=line.get_color(),
+                                 **st)
             if has_dead:
-                axes[0][2].plot(steps, [None if x.get("dead_frac") is None
+                panels[2].plot(steps, [None if x.get("dead_frac") is None
                                         else 100 * x["dead_frac"] for x in r.train],
                                 lw=1, label=labels[r.dir], **st)
+        _value_axis(ax_ce, [])
         ax_ce.set_title("Train CE (x: validation loss)")
         ax_ce.set_ylabel("cross-entropy (nats)")
         ax_l0.set_title("L0: active FFN units per token")
@@ -717,14 +733,20 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
         if has_dead:
             top = max((100 * x["dead_frac"] for r in curves for x in r.train
                        if x.get("dead_frac") is not None), default=0.0)
-            axes[0][2].set_title("Dead FFN units")
-            axes[0][2].set_ylabel("dead units (mean over layers)")
-            axes[0][2].yaxis.set_major_formatter(PercentFormatter(xmax=100))
-            axes[0][2].set_ylim(0, max(5.0, 1.1 * top))  # 0-5 % at least: none dead looks so
-        for ax in axes[0]:
+            panels[2].set_title("Dead FFN units")
+            panels[2].set_ylabel("dead units (mean over layers)")
+            panels[2].yaxis.set_major_formatter(PercentFormatter(xmax=100))
+            panels[2].set_ylim(0, max(5.0, 1.1 * top))  # 0-5 % at least: none dead looks so
+        if has_diff:
+            panels[-1].axhline(0, color="0.6", lw=0.8)
+            _value_axis(panels[-1], [])
+            panels[-1].set_title("Train CE minus the first run's")
+            panels[-1].set_ylabel(f"CE - CE({labels[curves[0].dir]})"[:60])
+            panels[-1].legend(fontsize=7)
+        for ax in panels:
             ax.set_xlabel("optimizer step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axes[0][0].legend(fontsize=7)
+        ax_ce.legend(fontsize=7)
         save(fig, "train_curves.png")
 
     if position:
