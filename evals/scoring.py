@@ -23,15 +23,17 @@ from collections.abc import Sequence
 import torch
 
 
-def resolve_prefix_token(tokenizer, prefix_token: int | str | None = "auto") -> int | None:
+def resolve_prefix_token(tokenizer, prefix_token: int | str | None = "none") -> int | None:
     """The token id put in front of every context, or ``None`` for no prefix.
 
     Args:
         tokenizer: a transformers tokenizer (``bos_token_id``/``eos_token_id`` are read).
-        prefix_token: ``"auto"`` (the tokenizer's BOS id if it has one, else its EOS id,
-            else no prefix; for twell's SmolLM2 tokenizer this is ``<|endoftext|>`` = 0,
-            the document separator the models were trained with), ``"none"``/``None`` (no
-            prefix), or an explicit token id.
+        prefix_token: ``"none"``/``None`` (the default: no prefix, as lm-evaluation-harness
+            does by default for Hugging Face models, ``add_bos_token=False``), ``"auto"`` (the
+            tokenizer's BOS id if it has one, else its EOS id, else no prefix; for twell's
+            SmolLM2 tokenizer this is ``<|endoftext|>`` = 0, the document separator the models
+            were trained with, but for SmolLM2-Instruct's GGUF tokenizer it is the chat marker
+            ``<|im_start|>`` = 1), or an explicit token id.
 
     Raises:
         ValueError: ``prefix_token`` is another string or a negative id.
@@ -116,6 +118,7 @@ def score_requests(
     padding_side: str = "right",
     pad_id: int = 0,
     progress: bool = False,
+    desc: str = "loglikelihood",
 ) -> list[float]:
     """Summed log-likelihood of each continuation given its context.
 
@@ -133,6 +136,7 @@ def score_requests(
             outputs at real positions do not see later padding) or ``"left"``.
         pad_id: token used for padding (its logits are never read).
         progress: show a tqdm bar.
+        desc: the bar's label (:func:`evals.harness.score_task` passes the task name).
 
     Returns:
         One float (natural-log likelihood, fp32 log-softmax summed in fp64) per request,
@@ -175,7 +179,7 @@ def score_requests(
     if progress:
         from tqdm.auto import tqdm
 
-        it = tqdm(batches, desc="loglikelihood", unit="batch")
+        it = tqdm(batches, desc=desc, unit="batch")
     for idx in it:
         T = len(seqs[idx[0]])
         B = len(idx)

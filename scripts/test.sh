@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 if ! command -v nvidia-smi >/dev/null 2>&1; then export TRITON_INTERPRET=1; fi
-python -m pytest -q "$@"
+# --durations=15: the slowest tests are listed at the end, so a slow one shows
+python -m pytest -q --durations=15 "$@"

@@ -56,12 +56,117 @@ def test_cli_all_tasks_tiny_checkpoint(checkpoint, tmp_path, capsys):
     want_mean = sum(r["primary"] for r in res["tasks"].values()) / 7
     assert res["mean"] == pytest.approx(want_mean)
     p = res["protocol"]
-    assert p["shots"] == 0 and p["limit"] == 3 and p["prefix_token"]["id"] == 0
-    assert p["prefix_token"]["token"] == "<|endoftext|>"
+    assert p["shots"] == 0 and p["limit"] == 3 and p["prefix_token"]["id"] is None
     assert p["source"]["ffn_impl"] == "torch"
     md = (tmp_path / "tiny.md").read_text()
     assert "| arc_easy | acc_norm |" in md and "**mean**" in md
+    assert "Prefix token: none (no token before the context; lm-eval's default)" in md
     assert "| winogrande | acc |" in capsys.readouterr().out
+
+
+def test_cli_prefix_token_recorded_and_printed(checkpoint, tmp_path, capsys):
+    """prefix_token=0 is applied, kept in the JSON and printed in the table."""
+    rc = main([f"checkpoint={checkpoint}", "tasks=arc_easy", "limit=2", "device=cpu",
+               f"out={tmp_path}", "name=p0", "progress=false", "prefix_token=0"])
+    assert rc == 0
+    p = json.loads((tmp_path / "p0.json").read_text())["protocol"]["prefix_token"]
+    assert p["id"] == 0 and p["token"] == "<|endoftext|>" and p["setting"] == "0"
+    assert "Prefix token: id 0 (<|endoftext|>) before every context." in capsys.readouterr().out
+
+
+def _fake_run(root, rel, checkpoint, steps, complete=None):
+    """A run directory ``root/rel`` holding copies of ``checkpoint`` as checkpoints/step{N}
+    (complete: with metadata.json, as train.checkpoint writes it last)."""
+    import shutil
+
+    run = root / rel
+    for s in steps:
+        d = run / "checkpoints" / f"step{s}"
+        shutil.copytree(checkpoint, d)
+        if complete is None or s in complete:
+            (d / "metadata.json").write_text(json.dumps({"step": s}))
+    return run
+
+
+def test_cli_results_of_two_runs_do_not_overwrite(checkpoint, tmp_path, capsys):
+    """Same step of two runs: two files named after the runs; a rerun gets a -2 suffix (the
+    first result is kept) and overwrite=true replaces."""
+    a = _fake_run(tmp_path / "runs", "resume", checkpoint, [10])
+    b = _fake_run(tmp_path / "runs", "multirun/2026-12-01/10-00-00/0", checkpoint, [10])
+    out = tmp_path / "out"
+    common = ["tasks=arc_easy", "limit=2", "device=cpu", f"out={out}", "progress=false"]
+    for run in (a, b, a):
+        assert main([f"checkpoint={run}/checkpoints/step10", *common]) == 0
+    names = sorted(p.name for p in out.glob("*.json"))
+    assert names == ["multirun-2026-12-01-10-00-00-0-step10.json", "resume-step10-2.json",
+                     "resume-step10.json"]
+    assert "resume-step10.json exists: wrote" in capsys.readouterr().out
+    first = json.loads((out / "resume-step10.json").read_text())
+    assert first["protocol"]["source"]["checkpoint"] == str((a / "checkpoints/step10").resolve())
+    (out / "resume-step10.json").write_text("{}")
+    assert main([f"checkpoint={a}/checkpoints/step10", *common, "overwrite=true"]) == 0
+    assert json.loads((out / "resume-step10.json").read_text())["tasks"]
+    assert len(list(out.glob("*.json"))) == 3
+
+
+def test_cli_run_dir_takes_newest_complete_checkpoint(checkpoint, tmp_path, capsys):
+    run = _fake_run(tmp_path / "runs", "r1", checkpoint, [10, 20, 30], complete=[10, 20])
+    out = tmp_path / "out"
+    for arg in (run, run / "checkpoints"):
+        assert main([f"checkpoint={arg}", "tasks=arc_easy", "limit=2", "device=cpu",
+                     f"out={out}", "progress=false", "overwrite=true"]) == 0
+        res = json.loads((out / "r1-step20.json").read_text())
+        assert res["protocol"]["source"]["checkpoint"].endswith("checkpoints/step20")
+        assert f"evaluating {run / 'checkpoints' / 'step20'}" in capsys.readouterr().out
+    empty = _fake_run(tmp_path / "runs", "r2", checkpoint, [5], complete=[])
+    assert main([f"checkpoint={empty}", "progress=false", f"out={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "without a complete checkpoint" in err[0]
+
+
+def test_cli_missing_checkpoint_path_says_it_does_not_exist(tmp_path, capsys):
+    assert main([f"checkpoint={tmp_path}/runs/nope/checkpoints/step10", "progress=false"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no such file or directory" in err[0] and "runs/nope" in err[0]
+    assert "save_pretrained" not in err[0]
+
+
+def test_cli_non_gated_checkpoint_loads_its_own_weights(tmp_path):
+    """A model.gated=false checkpoint has no gate_proj: twell-eval loads it with the trainer's
+    loader (no randomly invented weight), so two loads score identically and the logits equal
+    the training model's."""
+    from evals.models import load_checkpoint
+    from train.config import ModelConfig
+    from train.model import build_model
+
+    torch.manual_seed(0)
+    tok = _tiny_tokenizer()
+    mcfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=4, seq_len=64, gated=False)
+    trained = build_model(mcfg).eval()
+    d = tmp_path / "step1"
+    trained.save_pretrained(d)
+    tok.save_pretrained(d)
+    ids_BT = torch.tensor([tok.encode("Question: what is the answer?")])
+    with torch.no_grad():
+        want_BTV = trained(input_ids=ids_BT).logits
+        for seed in (1, 2):  # a random gate_proj would differ between these two loads
+            torch.manual_seed(seed)
+            model, _ = load_checkpoint(d)
+            assert not any(hasattr(layer.mlp, "gate_proj") and layer.mlp.gate_proj is not None
+                           for layer in model.model.layers)
+            torch.testing.assert_close(model(input_ids=ids_BT).logits, want_BTV,
+                                       rtol=0, atol=0)
+    scores = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        assert main([f"checkpoint={d}", "tasks=arc_easy", "limit=3", "device=cpu",
+                     f"out={tmp_path / 'out'}", f"name=s{seed}", "progress=false"]) == 0
+        res = json.loads((tmp_path / "out" / f"s{seed}.json").read_text())
+        scores.append({t: (r["acc"], r["acc_norm"]) for t, r in res["tasks"].items()})
+    assert scores[0] == scores[1]
+    with pytest.raises(ValueError, match="non-gated"):
+        load_checkpoint(d, ffn_impl="none")
 
 
 def test_cli_ffn_conversion(checkpoint):
@@ -94,6 +199,7 @@ def test_cli_argument_errors(tmp_path, capsys):
     assert main([f"checkpoint={tmp_path}", "progress=false"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "FileNotFoundError" in err[0] and "config.json" in err[0]
+    assert "run directory" in err[0]
     assert main([f"checkpoint={tmp_path}", "tasks=arc", "progress=false"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ValueError" in err[0] and "unknown" in err[0]

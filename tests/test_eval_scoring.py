@@ -134,6 +134,40 @@ def test_resolve_prefix_token():
         resolve_prefix_token(tok, "bos")
 
 
+def test_default_prefix_is_none_like_lm_eval():
+    """evaluate() puts no token before the context unless asked (lm-eval's default,
+    add_bos_token=False): the first input token of every sequence is the context's own."""
+    from evals import evaluate
+
+    class Recording(NextCharModel):
+        def forward(self, input_ids_BT):
+            self.first_ids += input_ids_BT[:, 0].tolist()
+            return super().forward(input_ids_BT)
+
+    tok = CharTokenizer()
+    assert resolve_prefix_token(tok) is None
+    first, proto = {}, {}
+    for p in ("default", "none", "0"):
+        m = Recording()
+        m.first_ids = []
+        res = evaluate(m, tok, tasks="openbookqa", limit=3,
+                       **({} if p == "default" else {"prefix_token": p}))
+        first[p], proto[p] = m.first_ids, res["protocol"]["prefix_token"]
+    assert len(first["default"]) == 12 and 0 not in first["default"]  # 3 items x 4 choices
+    assert first["default"] == first["none"] and set(first["0"]) == {0}
+    assert proto["default"]["id"] is None and proto["default"]["setting"] == "none"
+    assert proto["0"]["id"] == 0 and proto["0"]["setting"] == "0"
+
+
+def test_progress_bar_names_the_task(capsys):
+    """The tqdm bar of each task carries the task's name, not a bare 'loglikelihood'."""
+    from evals import evaluate
+
+    evaluate(NextCharModel(), CharTokenizer(), tasks="openbookqa,piqa", limit=2, progress=True)
+    err = capsys.readouterr().err
+    assert "openbookqa (1/2)" in err and "piqa (2/2)" in err
+
+
 def _tiny_llama(hidden_act="silu", vocab=97, seed=0, attn="eager"):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -10,6 +10,7 @@ one file edited (no summary, other tokens seen, other data, another FFN impl).
 import csv
 import io
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -140,16 +141,93 @@ def test_plots_and_outputs_are_written(runs, tmp_path):
     rep = build_report([str(runs / "*")], position_batches=1, device="cpu",
                        plot_dir=tmp_path / "plots")
     names = sorted(p.name for p in rep.plots)
-    assert names == sorted(["l0_vs_size.png", "acc_loss_vs_l1.png", "l0_per_layer.png",
-                            "train_ce.png", "l0_by_position.png"])
+    # one model size: no L0-vs-size plot (a single point), and the report says why
+    assert names == sorted(["acc_loss_vs_l1.png", "l0_per_layer.png", "train_curves.png",
+                            "l0_by_position.png"])
+    assert rep.plot_notes == ["l0_vs_size.png: not drawn (one model size; it needs two or more)"]
     for p in rep.plots:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
     files = report.write_outputs(rep, tmp_path / "out", image_prefix="scaling/")
     md = files["markdown"].read_text()
-    assert "![l0_vs_size](scaling/l0_vs_size.png)" in md
+    assert "![train_curves](scaling/train_curves.png)" in md and "- l0_vs_size.png: not" in md
     pos = json.loads(files["position"].read_text())
     assert set(pos) == {"dense", "l1", "l1_reinit"}
     assert len(pos["l1"]["l0_LT"]) == 2 and len(pos["l1"]["l0_LT"][0]) == 32
+
+
+def test_runs_are_labelled_by_what_differs(runs, tmp_path):
+    """A sweep's job-number directories (0, 1) are labelled by their differing config keys, in
+    the table and the plot legends; bookkeeping keys do not count; identical configs keep the
+    directory name."""
+    sweep = tmp_path / "multirun"
+    for job, name in (("0", "dense"), ("1", "l1")):
+        shutil.copytree(runs / name, sweep / job)
+    one = sweep / "1" / "config.yaml"
+    one.write_text(one.read_text().replace("progress: false", "progress: true"))
+    rep = build_report([str(sweep)])
+    assert [(r["run"], r["setting"]) for r in rep.rows] == [
+        ("0", "sparsity.l1_coeff=0"), ("1", "sparsity.l1_coeff=0.5")]
+    assert "| 0 | sparsity.l1_coeff=0 |" in rep.markdown()
+    three = report.load_runs([runs / "dense", runs / "l1", runs / "l1_reinit"])[0]
+    assert sorted(report.run_labels(three).values()) == [
+        "sparsity.l1_coeff=0, sparsity.reinit_dead=False",
+        "sparsity.l1_coeff=0.5, sparsity.reinit_dead=False",
+        "sparsity.l1_coeff=0.5, sparsity.reinit_dead=True"]
+    shutil.copytree(runs / "dense", sweep / "2")
+    same = report.load_runs([sweep / "0", sweep / "2"])[0]
+    assert sorted(report.run_labels(same).values()) == ["0", "2"]
+
+
+def test_plot_axes_are_plain_and_empty_panels_left_out(runs, tmp_path):
+    """Narrow ranges get a linear axis with plain tick labels (no 1.68x10^2 log minor labels),
+    wide ones a log axis labelled 1, 10, 100; without evals the accuracy panel is not drawn;
+    dead units are plotted in percent (0-100)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2)
+    a.plot([0, 1], [168, 181])
+    report._value_axis(a, [168, 181])
+    b.plot([0, 1], [1, 300])
+    report._value_axis(b, [1, 300])
+    fig.canvas.draw()
+    assert a.get_yscale() == "linear" and b.get_yscale() == "log"
+    texts = [t.get_text() for ax in (a, b) for t in ax.get_yticklabels(which="both")]
+    assert not any("times" in t or "^" in t or "e+" in t for t in texts), texts
+    assert {"1", "10", "100"} <= {t.get_text() for t in b.get_yticklabels()}
+    plt.close(fig)
+    for name in ("dense", "l1"):
+        d = _copy(runs, name, tmp_path, name)
+        _edit_json(d / "summary.json", eval=None)
+        lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines
+                                                 if x["kind"] != "eval"))
+    drawn = {}  # axes title -> y data of its lines, for every figure saved
+
+    def spy(fig, *a, **k):
+        for ax in fig.axes:
+            drawn[ax.get_title()] = [list(line.get_ydata()) for line in ax.lines]
+        return orig(fig, *a, **k)
+
+    orig = matplotlib.figure.Figure.savefig
+    matplotlib.figure.Figure.savefig = spy
+    try:
+        rep = build_report([str(tmp_path / "study")], plot_dir=tmp_path / "plots")
+    finally:
+        matplotlib.figure.Figure.savefig = orig
+    assert "acc_loss_vs_l1.png: no accuracy panel (no run has eval results)" in rep.plot_notes
+    assert "Validation loss vs L1" in drawn and "Downstream accuracy vs L1" not in drawn
+    train = [json.loads(x) for x in (tmp_path / "study" / "l1" / "metrics.jsonl").read_text()
+             .splitlines() if json.loads(x)["kind"] == "train"]
+    want = [100 * x["dead_frac"] if x["dead_frac"] is not None else None for x in train]
+    assert [None if math.isnan(v) else v for v in drawn["Dead FFN units"][1]] == want  # percent
+    assert drawn["Train CE (x: validation loss)"][2] == [x["ce"] for x in train]  # every step
+    dense = [json.loads(x) for x in (tmp_path / "study" / "dense" / "metrics.jsonl").read_text()
+             .splitlines() if json.loads(x)["kind"] == "train"]
+    assert drawn["Train CE minus the first run's"][0] == pytest.approx(
+        [b["ce"] - a["ce"] for a, b in zip(dense, train, strict=True)], abs=1e-12)
 
 
 def test_l0_by_position_matches_the_ffn_stats(runs):

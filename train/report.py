@@ -10,7 +10,8 @@ A run directory is what ``twell-train`` writes (README "Training"): ``config.yam
 table (arXiv 2603.23198, "Results": non-zeros per token fall with model size at L1 = 2e-5, 39 ->
 29 -> 24 from 0.5B to 2B) on any family of runs:
 
-- one row per run: size, layers, params, tokens, L1 coefficient, sparsity variant, FFN impl,
+- one row per run, labelled by what differs between the runs (:func:`run_labels`, e.g.
+  ``sparsity.l1_coeff=0.001``): size, layers, params, tokens, L1 coefficient, sparsity variant, FFN impl,
   final train CE, validation loss, L0 (mean over layers and the most active layer), max non-zeros
   of any token, dead %, the seven task scores (percent, the task's primary metric) and their
   mean, tokens/s;
@@ -18,9 +19,11 @@ table (arXiv 2603.23198, "Results": non-zeros per token fall with model size at 
   re-init ``sparsity=l1_reinit``, ``sparsity=warmup``): L0, dead %, val loss, accuracy side by side;
 - FFN pairs: runs that differ only in ``model.ffn_impl`` (``twell`` vs ``torch``, same seed):
   max |loss difference| over the logged steps, relative final L0 difference, dead-unit difference;
-- plots: L0 vs model size per L1, mean accuracy and validation loss vs L1 per size, per-layer L0
-  profile, train CE curves and (``--position-batches N``) L0 vs token position, measured from
-  each run's final checkpoint on N validation micro-batches (the trainer does not log it).
+- plots (runs labelled by what differs; a plot without data is left out and said so): L0 vs
+  model size per L1 (two sizes or more), mean accuracy and validation loss vs L1 per size (two
+  L1 values or more), per-layer L0 profile, training curves (CE, L0, dead % at every logged
+  step) and (``--position-batches N``) L0 vs token position, measured from each run's final
+  checkpoint on N validation micro-batches (the trainer does not log it).
 
 Errors name the run directory: :class:`IncompleteRunError` (no summary.json: crashed, killed or
 still running), :class:`MismatchError` (runs compared on different data, tokens seen or seq_len).
@@ -226,7 +229,7 @@ def check_comparable(runs: list[Run]) -> None:
 # ---------------------------------------------------------------- the table
 
 
-COLUMNS = (["run", "size", "layers", "params_M", "nonemb_params_M", "tokens_M", "l1_coeff",
+COLUMNS = (["run", "setting", "size", "layers", "params_M", "nonemb_params_M", "tokens_M", "l1_coeff",
             "variant", "ffn_impl", "seed", "train_ce", "val_loss", "l0_mean", "l0_layer_max",
             "nnz_max", "dead_pct"] + [f"acc_{t}" for t in TASKS] + ["acc_mean", "tokens_per_s"])
 
@@ -287,7 +290,7 @@ def _fmt(v, col: str = "") -> str:
     return str(v)
 
 
-_HEAD = {"run": "run", "size": "size", "layers": "layers", "params_M": "params (M)",
+_HEAD = {"run": "run", "setting": "differs", "size": "size", "layers": "layers", "params_M": "params (M)",
          "nonemb_params_M": "non-emb. (M)", "tokens_M": "tokens (M)", "l1_coeff": "L1",
          "variant": "sparsity", "ffn_impl": "FFN", "seed": "seed", "train_ce": "train CE",
          "val_loss": "val loss", "l0_mean": "L0 mean", "l0_layer_max": "L0 max layer",
@@ -330,6 +333,40 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def _config_diff(a: Run, b: Run) -> set[str]:
     fa, fb = _flat(a.config), _flat(b.config)
     return {k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k)}
+
+
+# config keys that do not tell runs apart (bookkeeping, not the recipe)
+_LABEL_IGNORE = ("logging.", "trainer.progress", "trainer.resume", "data.cache_dir",
+                 "data.build_if_missing", "data.verify", "data.num_proc")
+_MODEL_SHAPE = ("model.vocab_size", "model.hidden_size", "model.intermediate_size",
+                "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.seq_len")
+
+
+def _value_text(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def run_labels(runs: list[Run]) -> dict[Path, str]:
+    """A label per run directory naming what sets it apart: ``key=value`` for every config key
+    whose value differs between the runs (``sparsity.l1_coeff=0.001``), in key order.
+
+    Bookkeeping keys (logging, progress bars, resume, data cache) are left out, and so are the
+    shape keys of ``model`` when ``model.name`` already differs. Runs with identical configs (or
+    a single run) are labelled by their directory name; equal labels get it appended.
+    """
+    flats = {r.dir: {k: v for k, v in _flat(r.config).items() if not k.startswith(_LABEL_IGNORE)}
+             for r in runs}
+    keys = sorted({k for f in flats.values() for k in f
+                   if len({repr(g.get(k)) for g in flats.values()}) > 1})
+    if "model.name" in keys:
+        keys = [k for k in keys if k not in _MODEL_SHAPE]
+    labels = {r.dir: ", ".join(f"{k}={_value_text(flats[r.dir].get(k))}" for k in keys) or r.name
+              for r in runs}
+    counts: dict[str, int] = {}
+    for lab in labels.values():
+        counts[lab] = counts.get(lab, 0) + 1
+    return {d: (f"{lab} ({d.name})" if counts[lab] > 1 and lab != d.name else lab)
+            for d, lab in labels.items()}
 
 
 def variant_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
@@ -499,25 +536,63 @@ def _symlog_x(ax, values):
         ax.set_xscale("symlog", linthresh=pos[0] / 2)
     ax.set_xticks(sorted(set(values)))
     ax.set_xticklabels([_fmt(float(v), "l1_coeff") for v in sorted(set(values))])
+    ax.minorticks_off()
 
 
-def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None) -> list[Path]:
+def _value_axis(ax, values, axis: str = "y") -> None:
+    """Log scale when the positive ``values`` span at least a decade, else linear; tick labels
+    plain numbers (``168``, not ``1.68x10^2``)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    pos = [v for v in values if v is not None and v > 0]
+    a = ax.yaxis if axis == "y" else ax.xaxis
+    if pos and max(pos) >= 10 * min(pos):
+        (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
+        a.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        a.set_minor_formatter(NullFormatter())
+    else:
+        a.get_major_formatter().set_useOffset(False)
+
+
+_STYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "v", "D", "x", "+", "*")
+
+
+def _style(i: int) -> dict:
+    """Line style of the i-th run: overlapping curves stay distinguishable."""
+    return {"ls": _STYLES[i % len(_STYLES)], "marker": _MARKERS[i % len(_MARKERS)], "ms": 3}
+
+
+def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
+                notes: list[str] | None = None) -> list[Path]:
     """PNG plots (matplotlib, Agg) into ``out_dir``; returns the files written.
 
-    ``l0_vs_size.png`` (final L0 vs non-embedding params, one line per L1, plain-L1/dense runs,
-    torch FFN), ``acc_loss_vs_l1.png`` (mean accuracy and validation loss vs L1, one line per
-    size), ``l0_per_layer.png`` (per-layer L0 of every run), ``train_ce.png`` (CE curves) and,
-    when ``position`` maps run names to (L, T) arrays, ``l0_by_position.png``.
+    Runs are labelled by :func:`run_labels` (what differs between them). A plot or panel
+    without data to show is not drawn; ``notes`` (if given) receives one line per plot left
+    out and why.
+
+    - ``l0_vs_size.png``: final L0 vs non-embedding params, one line per L1 (plain-L1/dense
+      runs, torch FFN); needs two model sizes or more.
+    - ``acc_loss_vs_l1.png``: mean accuracy (%) and validation loss vs L1, one line per size;
+      needs two L1 values or more; the accuracy panel only when evals ran.
+    - ``l0_per_layer.png``: per-layer final L0 of every run, one panel per L1.
+    - ``train_curves.png``: train CE (with validation loss as crosses), L0 and dead units (%)
+      at every logged step, and (two runs or more) each run's CE minus the first run's, which
+      separates curves that overlap.
+    - ``l0_by_position.png``: when ``position`` maps run names to ((L, T), n) measurements.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    notes = [] if notes is None else notes
     written = []
-    rows = {r.name: run_row(r) for r in runs}
+    labels = run_labels(runs)
+    label_of_name = {r.name: labels[r.dir] for r in runs}
+    rows = {r.dir: run_row(r) for r in runs}
     plain = [r for r in runs if r.variant in ("l1", "dense")
              and r.config["model"].get("ffn_impl", "torch") == "torch"]
 
@@ -529,91 +604,162 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None) ->
         written.append(p)
 
     # L0 vs model size, one line per L1 coefficient
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for coeff in sorted({rows[r.name]["l1_coeff"] for r in plain}):
-        pts = sorted((rows[r.name]["nonemb_params_M"], rows[r.name]["l0_mean"], rows[r.name]["layers"])
-                     for r in plain if rows[r.name]["l1_coeff"] == coeff
-                     and rows[r.name]["l0_mean"] is not None)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-",
-                    label=f"L1 = {_fmt(float(coeff), 'l1_coeff')}")
-            for x, y, layers in pts:
-                ax.annotate(f"{layers}L", (x, y), textcoords="offset points", xytext=(3, 3),
-                            fontsize=7)
-    ax.set_xlabel("non-embedding parameters (M)")
-    ax.set_ylabel("L0: active FFN units per token (final, mean over layers)")
-    ax.set_yscale("log")
-    ax.set_title("Active units vs model size")
-    ax.legend(fontsize=8)
-    save(fig, "l0_vs_size.png")
+    sizes = sorted({(rows[r.dir]["nonemb_params_M"], rows[r.dir]["size"]) for r in plain})
+    if len(sizes) < 2:
+        notes.append("l0_vs_size.png: not drawn (one model size; it needs two or more)")
+    else:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        l0s = []
+        for coeff in sorted({rows[r.dir]["l1_coeff"] for r in plain}):
+            pts = sorted((rows[r.dir]["nonemb_params_M"], rows[r.dir]["l0_mean"],
+                          rows[r.dir]["layers"]) for r in plain
+                         if rows[r.dir]["l1_coeff"] == coeff and rows[r.dir]["l0_mean"] is not None)
+            if pts:
+                l0s += [p[1] for p in pts]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-",
+                        label=f"L1 = {_fmt(float(coeff), 'l1_coeff')}")
+                for x, y, layers in pts:
+                    ax.annotate(f"{layers}L", (x, y), textcoords="offset points", xytext=(3, 3),
+                                fontsize=7)
+        ax.set_xlabel("non-embedding parameters (M)")
+        ax.set_ylabel("L0: active FFN units per token\n(final, mean over layers)")
+        _value_axis(ax, l0s)
+        _value_axis(ax, [p[0] for p in sizes], "x")
+        ax.set_title("Active units vs model size")
+        ax.legend(fontsize=8)
+        save(fig, "l0_vs_size.png")
 
     # mean accuracy and validation loss vs L1, one line per size
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    sizes = sorted({(rows[r.name]["nonemb_params_M"], rows[r.name]["size"]) for r in plain})
-    for _, size in sizes:
-        rs = sorted((rows[r.name] for r in plain if rows[r.name]["size"] == size),
-                    key=lambda x: x["l1_coeff"])
-        xs = [x["l1_coeff"] for x in rs]
-        acc = [(x["l1_coeff"], x["acc_mean"]) for x in rs if x["acc_mean"] is not None]
-        if acc:
-            ax1.plot(*zip(*acc), "o-", label=size)
-        vl = [(x["l1_coeff"], x["val_loss"]) for x in rs if x["val_loss"] is not None]
-        if vl:
-            ax2.plot(*zip(*vl), "o-", label=size)
-        _symlog_x(ax1, xs)
-        _symlog_x(ax2, xs)
-    ax1.set_xlabel("L1 coefficient")
-    ax1.set_ylabel("mean accuracy, 7 tasks (%)")
-    ax1.set_title("Downstream accuracy vs L1")
-    ax2.set_xlabel("L1 coefficient")
-    ax2.set_ylabel("validation loss (CE)")
-    ax2.set_title("Validation loss vs L1")
-    for ax in (ax1, ax2):
-        if ax.get_legend_handles_labels()[0]:
+    coeffs_plain = sorted({rows[r.dir]["l1_coeff"] for r in plain})
+    has_acc = any(rows[r.dir]["acc_mean"] is not None for r in plain)
+    has_val = any(rows[r.dir]["val_loss"] is not None for r in plain)
+    if len(coeffs_plain) < 2 or not (has_acc or has_val):
+        notes.append("acc_loss_vs_l1.png: not drawn (" + (
+            "one L1 value; it needs two or more" if len(coeffs_plain) < 2
+            else "no accuracy or validation loss") + ")")
+    else:
+        panels = [p for p, has in (("acc", has_acc), ("val", has_val)) if has]
+        if not has_acc:
+            notes.append("acc_loss_vs_l1.png: no accuracy panel (no run has eval results)")
+        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+        ax_of = dict(zip(panels, axes[0]))
+        for _, size in sizes or [(None, rows[r.dir]["size"]) for r in plain[:1]]:
+            rs = sorted((rows[r.dir] for r in plain if rows[r.dir]["size"] == size),
+                        key=lambda x: x["l1_coeff"])
+            for panel, key in (("acc", "acc_mean"), ("val", "val_loss")):
+                pts = [(x["l1_coeff"], x[key]) for x in rs if x[key] is not None]
+                if panel in ax_of and pts:
+                    ax_of[panel].plot(*zip(*pts), "o-", label=size)
+        for panel, ax in ax_of.items():
+            _symlog_x(ax, coeffs_plain)
+            ax.set_xlabel("L1 coefficient")
             ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "no values (evals off?)", ha="center", transform=ax.transAxes)
-    save(fig, "acc_loss_vs_l1.png")
+        if "acc" in ax_of:
+            ax_of["acc"].set_ylabel("mean accuracy, 7 tasks")
+            ax_of["acc"].yaxis.set_major_formatter(PercentFormatter(xmax=100))
+            ax_of["acc"].set_title("Downstream accuracy vs L1")
+        if "val" in ax_of:
+            _value_axis(ax_of["val"], [])  # plain labels: no "+1.01e1" offset
+            ax_of["val"].set_ylabel("validation loss (CE)")
+            ax_of["val"].set_title("Validation loss vs L1")
+        save(fig, "acc_loss_vs_l1.png")
 
     # per-layer L0 profile, one panel per L1 coefficient
-    coeffs = sorted({rows[r.name]["l1_coeff"] for r in runs})
-    fig, axes = plt.subplots(1, len(coeffs), figsize=(4.2 * len(coeffs), 3.8), squeeze=False)
-    for ax, coeff in zip(axes[0], coeffs):
-        for r in runs:
-            row = rows[r.name]
-            layers = r.summary.get("l0_layers")
-            if row["l1_coeff"] != coeff or not layers:
-                continue
-            label = row["size"] + ("" if row["variant"] in ("l1", "dense") else f" {row['variant']}") \
-                + ("" if row["ffn_impl"] == "torch" else f" {row['ffn_impl']}")
-            ax.plot(range(len(layers)), layers, "o-", ms=3, label=label)
-        ax.set_xlabel("layer")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel("L0 (active units per token)")
-        ax.set_yscale("log")
-        ax.set_title(f"L1 = {_fmt(float(coeff), 'l1_coeff')}")
-        ax.legend(fontsize=7)
-    save(fig, "l0_per_layer.png")
+    with_layers = [r for r in runs if r.summary.get("l0_layers")]
+    coeffs = sorted({rows[r.dir]["l1_coeff"] for r in with_layers})
+    per_coeff = [sum(rows[r.dir]["l1_coeff"] == c for r in with_layers) for c in coeffs]
+    if coeffs and max(per_coeff) == 1:  # one run per L1 (a plain L1 sweep): one shared panel
+        coeffs = [None]
+    if with_layers:
+        fig, axes = plt.subplots(1, len(coeffs), figsize=(4.6 * len(coeffs), 3.8), squeeze=False)
+        for ax, coeff in zip(axes[0], coeffs):
+            vals = []
+            for i, r in enumerate(with_layers):
+                if coeff is not None and rows[r.dir]["l1_coeff"] != coeff:
+                    continue
+                layers = r.summary["l0_layers"]
+                vals += layers
+                ax.plot(range(len(layers)), layers, label=labels[r.dir], **_style(i))
+            ax.set_xlabel("layer")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_ylabel("L0 (active units per token, final)")
+            _value_axis(ax, vals)
+            ax.set_title("Final L0 per layer" if coeff is None
+                         else f"L1 = {_fmt(float(coeff), 'l1_coeff')}")
+            ax.legend(fontsize=7)
+        save(fig, "l0_per_layer.png")
 
-    # train CE curves
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in runs:
-        if r.train:
-            ax.plot([x["tokens"] / 1e6 for x in r.train], [x["ce"] for x in r.train], lw=1,
-                    label=r.name)
-    ax.set_xlabel("tokens (M)")
-    ax.set_ylabel("train CE")
-    ax.set_title("Training curves")
-    ax.legend(fontsize=6, ncol=2)
-    save(fig, "train_ce.png")
+    # training curves at every logged step: CE (+ validation), L0, dead units
+    curves = [r for r in runs if r.train]
+    if curves:
+        has_dead = any(x.get("dead_frac") is not None for r in curves for x in r.train)
+        ref_ce = {x["step"]: x["ce"] for x in curves[0].train}
+        has_diff = len(curves) > 1 and any(x["step"] in ref_ce for r in curves[1:]
+                                           for x in r.train)
+        n = 2 + has_dead + has_diff
+        rows_, cols_ = (n + 1) // 2, 2
+        fig, grid = plt.subplots(rows_, cols_, figsize=(10.4, 4 * rows_), squeeze=False)
+        panels = list(grid.flat)
+        for extra in panels[n:]:
+            extra.remove()
+        panels = panels[:n]  # CE, L0, [dead], [CE difference]
+        ax_ce, ax_l0 = panels[0], panels[1]
+        l0_vals = []
+        for i, r in enumerate(curves):
+            st = _style(i)
+            steps = [x["step"] for x in r.train]
+            line, = ax_ce.plot(steps, [x["ce"] for x in r.train], lw=1, label=labels[r.dir], **st)
+            val = [(x["step"], x["val_loss"]) for x in r.val if x.get("val_loss") is not None]
+            if val:
+                ax_ce.plot(*zip(*val), "x", color=line.get_color(), ms=7, mew=1.5)
+            l0 = [x.get("l0_mean") for x in r.train]
+            l0_vals += [v for v in l0 if v is not None]
+            ax_l0.plot(steps, l0, lw=1, label=labels[r.dir], **st)
+            if has_diff and i > 0:  # curves that overlap in CE: their difference to the first
+                diff = [(x["step"], x["ce"] - ref_ce[x["step"]]) for x in r.train
+                        if x["step"] in ref_ce]
+                panels[-1].plot(*zip(*diff), lw=1, label=labels[r.dir], color=line.get_color(),
+                                 **st)
+            if has_dead:
+                panels[2].plot(steps, [None if x.get("dead_frac") is None
+                                        else 100 * x["dead_frac"] for x in r.train],
+                                lw=1, label=labels[r.dir], **st)
+        _value_axis(ax_ce, [])
+        ax_ce.set_title("Train CE (x: validation loss)")
+        ax_ce.set_ylabel("cross-entropy (nats)")
+        ax_l0.set_title("L0: active FFN units per token")
+        ax_l0.set_ylabel("L0 (mean over layers)")
+        _value_axis(ax_l0, l0_vals)
+        if has_dead:
+            top = max((100 * x["dead_frac"] for r in curves for x in r.train
+                       if x.get("dead_frac") is not None), default=0.0)
+            panels[2].set_title("Dead FFN units")
+            panels[2].set_ylabel("dead units (mean over layers)")
+            panels[2].yaxis.set_major_formatter(PercentFormatter(xmax=100))
+            panels[2].set_ylim(0, max(5.0, 1.1 * top))  # 0-5 % at least: none dead looks so
+        if has_diff:
+            panels[-1].axhline(0, color="0.6", lw=0.8)
+            _value_axis(panels[-1], [])
+            panels[-1].set_title("Train CE minus the first run's")
+            panels[-1].set_ylabel(f"CE - CE({labels[curves[0].dir]})"[:60])
+            panels[-1].legend(fontsize=7)
+        for ax in panels:
+            ax.set_xlabel("optimizer step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax_ce.legend(fontsize=7)
+        save(fig, "train_curves.png")
 
     if position:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for name, (l0_LT, n) in position.items():
+        vals = []
+        for i, (name, (l0_LT, n)) in enumerate(position.items()):
             mean_T = l0_LT.mean(0)
-            ax.plot(range(1, len(mean_T) + 1), mean_T, lw=1, label=f"{name} ({n} seqs)")
+            vals += [float(v) for v in mean_T]
+            ax.plot(range(1, len(mean_T) + 1), mean_T, lw=1,
+                    label=f"{label_of_name.get(name, name)} ({n} seqs)", ls=_STYLES[i % 4])
         ax.set_xscale("log")
-        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        _value_axis(ax, vals)
         ax.set_xlabel("token position in the sequence")
         ax.set_ylabel("L0 (mean over layers)")
         ax.set_title("Active units vs token position")
@@ -636,13 +782,18 @@ class Report:
     ffn_rows: list[dict]
     position: dict
     plots: list[Path] = field(default_factory=list)
+    plot_notes: list[str] = field(default_factory=list)
 
     def markdown(self, image_prefix: str = "") -> str:
-        md = ["## Runs", "", markdown_table(self.rows),
+        acc_cols = [f"acc_{t}" for t in TASKS] + ["acc_mean"]
+        no_acc = all(r.get(c) is None for r in self.rows for c in acc_cols)
+        cols = [c for c in COLUMNS if not (no_acc and c in acc_cols)]
+        md = ["## Runs", "", markdown_table(self.rows, cols),
               ("L0: mean active FFN units per token (final logged step; `L0 mean` averages the "
               "layers, `L0 max layer` is the most active layer); dead %: units inactive over a "
               "whole optimizer step's tokens; task scores: percent, each task's primary metric "
-              "(acc or acc_norm); tok/s: training tokens per second of the run."), ""]
+              "(acc or acc_norm)" + (", not shown: no run has eval results" if no_acc else "")
+              + "; tok/s: training tokens per second of the run."), ""]
         if self.variant_rows:
             md += ["## Sparsity variants (baseline -> variant)", "",
                    markdown_table(self.variant_rows, ["size", "variant", "l1", "l0_mean",
@@ -661,6 +812,7 @@ class Report:
         if self.plots:
             md += ["## Plots", ""]
             md += [f"![{p.stem}]({image_prefix}{p.name})" for p in self.plots] + [""]
+            md += [f"- {n}" for n in self.plot_notes] + ([""] if self.plot_notes else [])
         return "\n".join(md)
 
 
@@ -685,10 +837,12 @@ def build_report(paths: list[str], *, skip_incomplete: bool = False, allow_misma
                     r.config["sparsity"]["l1_coeff"], position_l1, rel_tol=1e-9, abs_tol=1e-15):
                 continue
             position[r.name] = l0_by_position(r.dir, batches=position_batches, device=device)
-    rep = Report(runs, [run_row(r) for r in runs], skipped, variant_rows(variant_pairs(runs)),
+    labels = run_labels(runs)
+    rep = Report(runs, [{**run_row(r), "setting": labels[r.dir]} for r in runs], skipped,
+                 variant_rows(variant_pairs(runs)),
                  [ffn_pair_row(a, b) for a, b in ffn_pairs(runs)], position)
     if plot_dir is not None:
-        rep.plots = write_plots(runs, plot_dir, position or None)
+        rep.plots = write_plots(runs, plot_dir, position or None, notes=rep.plot_notes)
     return rep
 
 
