@@ -86,7 +86,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from twell.nn.mlp import gated_ffn_torch
+from twell.ops.reference import gated_ffn_torch
 from twell.ops import sparse_train
 from twell.ops import sparse_train_triton as tk
 from twell.ops.sparse_train import backup_capacity_for, sparse_ffn_train

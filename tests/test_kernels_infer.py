@@ -507,7 +507,7 @@ def test_dense_path_fused_pass_matches_pytorch(with_stats):
     """The gated dense path ("auto" above its threshold) runs one fused Triton pass for
     relu(g) * u and the statistics; y and the stats equal the PyTorch dense reference (odd N, H
     not a multiple of the column block, an all-zero token)."""
-    from twell.nn.mlp import gated_ffn_torch
+    from twell.ops.reference import gated_ffn_torch
     from twell.ops import ffn as ffn_mod
 
     n, d, h = 37, 40, 300

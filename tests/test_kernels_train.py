@@ -1,6 +1,6 @@
 """Sparse training path of the gated FFN (hybrid ELL + dense backup) against fp64 dense autograd.
 
-Reference: ``twell.nn.mlp.gated_ffn_torch`` in float64 with PyTorch autograd; loss
+Reference: ``twell.ops.reference.gated_ffn_torch`` in float64 with PyTorch autograd; loss
 ``sum(y * dy) + c * l1``. Both backends are checked: the pure-PyTorch one in float64 (tight
 tolerance) and the Triton kernels in float32 (on CPU through ``TRITON_INTERPRET=1``, set below when
 no GPU is present). Shape legend: N tokens, D model width, H FFN width.
@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from twell.nn.mlp import gated_ffn_torch
+from twell.ops.reference import gated_ffn_torch
 from twell.ops import sparse_train
 from twell.ops.sparse_train import sparse_ffn_train
 

@@ -18,42 +18,12 @@ checkpoint of a model using this module loads into stock ``LlamaForCausalLM``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from twell.stats import FFNStats, stats_from_activations
+from twell.ops.reference import gated_ffn_torch
+from twell.stats import FFNStats
 
 FFN_IMPLS = ("torch", "twell", "auto")
-
-
-def gated_ffn_torch(
-    x_ND: torch.Tensor,
-    w_gate_HD: torch.Tensor | None,
-    w_up_HD: torch.Tensor,
-    w_down_DH: torch.Tensor,
-    *,
-    with_stats: bool = True,
-) -> tuple[torch.Tensor, FFNStats | None]:
-    """Dense PyTorch reference of the (gated or non-gated) ReLU FFN.
-
-    Args:
-        x_ND: (N, D) input, float (autocast applies as usual).
-        w_gate_HD: (H, D) gate weight, or None for the non-gated FFN.
-        w_up_HD: (H, D) up weight.
-        w_down_DH: (D, H) down weight.
-        with_stats: also return :class:`FFNStats` (the L1 term keeps its graph).
-
-    Returns:
-        (y_ND, stats or None), y in the autocast / input dtype.
-    """
-    if w_gate_HD is not None:
-        g_NH = F.relu(F.linear(x_ND, w_gate_HD))
-        h_NH = g_NH * F.linear(x_ND, w_up_HD)
-    else:
-        g_NH = h_NH = F.relu(F.linear(x_ND, w_up_HD))
-    y_ND = F.linear(h_NH, w_down_DH)
-    stats = stats_from_activations(h_NH, g_NH > 0) if with_stats else None
-    return y_ND, stats
 
 
 class SparseGatedMLP(nn.Module):

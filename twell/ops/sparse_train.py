@@ -744,7 +744,7 @@ def sparse_ffn_train(
     """Gated ReLU FFN ``y = (relu(x Wg^T) * (x Wu^T)) Wd^T`` on the sparse training path.
 
     Source: arXiv 2603.23198, hybrid ELL + dense-backup training kernels (``shared/PAPER.md``).
-    Same results as ``twell.nn.mlp.gated_ffn_torch`` (up to summation order); gradients flow to
+    Same results as ``twell.ops.reference.gated_ffn_torch`` (up to summation order); gradients flow to
     x and all three weights, and to the L1 term through ``stats.l1``.
 
     Args:
@@ -791,7 +791,7 @@ def sparse_ffn_train(
     x, wg, wu, wd = _cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH)
     n = x.shape[0]
     if n == 0:
-        from twell.nn.mlp import gated_ffn_torch
+        from twell.ops.reference import gated_ffn_torch
 
         return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats)
     out = _ffn_train_fwd(x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend,
@@ -837,7 +837,7 @@ def dense_ffn_train(
     x, wg, wu, wd = _cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH)
     n = x.shape[0]
     if n == 0:
-        from twell.nn.mlp import gated_ffn_torch
+        from twell.ops.reference import gated_ffn_torch
 
         return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats)
     out = _ffn_dense_train_fwd(x, wg, wu, wd, backend)
