@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from train.data.decontam import EvalIndex
-from train.data.fetch import cache_root, fetch, sha256_file
+from offline.fetch import cache_root, fetch, sha256_file
 from train.data.packing import DataError
 from train.data.sources import SOURCES, Source
 from train.data.text import normalize
