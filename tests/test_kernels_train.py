@@ -14,8 +14,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from twell.ops.reference import gated_ffn_torch
 from twell.ops import sparse_train
+from twell.ops.reference import gated_ffn_torch
 from twell.ops.sparse_train import sparse_ffn_train
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,16 +142,15 @@ def test_triton_fp32(n, d, h, cap, frac, l1_coeff):
                ell_capacity=cap, dense_row_fraction=frac, backend="triton")
 
 
-# Kernel variants: the first generation (kept for side-by-side benchmarks) and the second with
-# tiny blocks, so every loop runs several steps and D is split over several programs (D = 40 in
-# slices of 16; 2 slots / entries per step; 4 rows per compaction program).
+# Launch shapes: the defaults, and tiny blocks so every loop runs several steps and D is split
+# over several programs (D = 40 in slices of 16; 2 slots / entries per step; 4 rows per
+# compaction program).
 KERNEL_CONFIGS = {
-    "gen1": {"compact": "v1", "spmm": "tiled", "dw": "tiled"},
-    "gen2_small": {"compact_block_n": 4, "spmm_block_k": 2, "spmm_block_k2": 2, "spmm_block_d": 16,
-                       "dw_block_j": 2, "dw_block_d": 16},
-    "gen2": {"compact": "v2"},
-    "gen3_2rows": {"compact": "v3", "compact3_block_n": 2, "compact3_warps": 2},
-    "compact_v4": {"compact": "v4"},
+    "default": {},
+    "small": {"compact_block_n": 4, "compact_warps": 2, "spmm_block_k": 2, "spmm_block_k2": 2,
+              "spmm_block_d": 16, "dw_block_j": 2, "dw_block_d": 16, "sddmm_block_k": 2,
+              "sddmm_block_d": 16},
+    "compact_2rows": {"compact_block_n": 2, "compact_warps": 2},
     # dW grid with the D slice outermost, D = 40 in three slices of 16
     "dw_d_outer": {"dw_d_outer": 1, "dw_block_d": 16, "dw_block_j": 2},
 }
@@ -178,29 +177,27 @@ def test_triton_kernel_variants(config, case):
 
 @needs_triton
 def test_compact_counts_match_torch():
-    """Compaction v3 (one row per warp, relaxed atomics), v2 (partial counts, prefetch) and v1
-    equal the PyTorch compaction exactly,
-    including rows above capacity and H not a multiple of the column block."""
+    """The compaction kernel at several rows / warps per program equals the PyTorch compaction
+    exactly, including rows above capacity, an all-zero row and H not a multiple of the column
+    block."""
     from twell.ops import sparse_train_triton as tk
 
     x, wg, _, _, _ = make_inputs(37, 24, 300, threshold=1.2, seed=23, zero_rows=(3,))
     g = (x @ wg.T).float().to(DEV)
     col_r, val_r, nnz_r, cnt_r = sparse_train._t_compact(g, 16)
     assert (nnz_r > 16).any() and (nnz_r == 0).any()
-    for variant, block_n, warps in (("v1", 32, 1), ("v2", 32, 1), ("v2", 4, 1), ("v3", 1, 1),
-                                    ("v3", 4, 1), ("v3", 4, 4), ("v3", 8, 2), ("v4", 1, 1),
-                                    ("v4", 4, 2)):
-        with tk.kernel_config(compact=variant, compact_block_n=block_n, compact3_block_n=block_n,
-                              compact3_warps=warps):
+    for block_n, warps in ((1, 1), (4, 1), (4, 4), (8, 2), (4, 2)):
+        with tk.kernel_config(compact_block_n=block_n, compact_warps=warps):
             col, val, nnz, cnt = tk.compact(g, 16)
-        assert torch.equal(nnz, nnz_r) and torch.equal(cnt, cnt_r), variant
+        assert torch.equal(nnz, nnz_r) and torch.equal(cnt, cnt_r), (block_n, warps)
         valid = sparse_train._valid(torch.clamp(nnz_r, max=16), 16)
         assert torch.equal(col[valid], col_r[valid]) and torch.equal(val[valid], val_r[valid])
 
 
 def test_kernel_config_rejects_bad_values():
     tk = pytest.importorskip("twell.ops.sparse_train_triton")
-    with pytest.raises(ValueError, match="spmm must be one of"), tk.kernel_config(spmm="fast"):
+    with pytest.raises(ValueError, match="sddmm_block_k must be a power of 2"), \
+            tk.kernel_config(sddmm_block_k=6):
         pass
     with pytest.raises(ValueError, match="unknown key"), tk.kernel_config(spmm_blockk=8):
         pass
@@ -216,7 +213,7 @@ def test_kernel_config_rejects_bad_values():
             pass
     with tk.kernel_config(dw_d_outer=0):
         pass
-    assert tk.CONFIG["spmm"] == "rows"  # restored after the failed attempts
+    assert tk.CONFIG == tk._DEFAULT_CONFIG  # restored after the failed attempts
 
 
 # --- Edge cases, both backends ---------------------------------------------------------------
@@ -419,21 +416,19 @@ def test_l1_gradient_is_not_rounded_away_under_bf16_autocast():
 
 @needs_triton
 def test_compact_heavy_bookkeeping_matches_torch():
-    """nnz_eff (0 on rows above capacity) and the heavy-row count, written by compaction v3 / v4's
-    kernel (v1 / v2 through PyTorch ops), equal the PyTorch backend's."""
+    """nnz_eff (0 on rows above capacity) and the heavy-row count, written by the compaction
+    kernel, equal the PyTorch backend's."""
     from twell.ops import sparse_train_triton as tk
 
     x, wg, _, _, _ = make_inputs(37, 24, 300, threshold=1.2, seed=23, zero_rows=(3,))
     g = (x @ wg.T).float().to(DEV)
     ref = sparse_train._t_compact_heavy(g, 16)
     assert 0 < int(ref[5]) < 37 and int(ref[5]) == int((ref[2] > 16).sum())
-    for variant, block_n, warps in (("v1", 32, 1), ("v2", 4, 1), ("v3", 1, 1), ("v4", 1, 1),
-                                    ("v4", 4, 2)):
-        with tk.kernel_config(compact=variant, compact_block_n=block_n, compact3_block_n=block_n,
-                              compact3_warps=warps):
+    for block_n, warps in ((1, 1), (4, 2)):
+        with tk.kernel_config(compact_block_n=block_n, compact_warps=warps):
             out = tk.compact_heavy(g, 16)
         for name, a, b in zip(("nnz", "counts", "nnz_eff", "n_heavy"), out[2:], ref[2:]):
-            assert torch.equal(a.cpu(), b.cpu()), (variant, name)
+            assert torch.equal(a.cpu(), b.cpu()), (block_n, name)
 
 
 # --- dense mode (dense_ffn_train): cuBLAS products, fused elementwise passes -----------------

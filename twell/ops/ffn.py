@@ -10,9 +10,8 @@ pack, then the fused up + down projection at the non-zeros).
 
 Paths, chosen per call:
 
-* ``"twell"`` inference (no gradient needed): producer (two-pass cuBLAS gate
-  + Triton pack, or the fused Triton gate GEMM + pack) then the Triton
-  consumer. Triton runs on CUDA tensors, or on CPU tensors when
+* ``"twell"`` inference (no gradient needed): producer (cuBLAS gate + Triton
+  pack) then the Triton consumer. Triton runs on CUDA tensors, or on CPU tensors when
   ``TRITON_INTERPRET=1`` was set before import; otherwise the pure-PyTorch
   reference of the same format (``twell.ops.reference``) runs, so CPU users
   get the same results.
@@ -62,8 +61,6 @@ DEFAULT_MIN_ROWS = int(os.environ.get("TWELL_AUTO_MIN_ROWS", "8192"))
 # of cuBLAS; the headline shape at M 8192 is 5.7e11, at M 2048, which lost in run 2, 1.4e11).
 # Override: TWELL_AUTO_MIN_FLOPS.
 DEFAULT_MIN_FLOPS = float(os.environ.get("TWELL_AUTO_MIN_FLOPS", "3e11"))
-GATE_IMPLS = ("two_pass", "fused")
-DEFAULT_GATE_IMPL = os.environ.get("TWELL_GATE_IMPL", "two_pass")
 
 
 @dataclass
@@ -93,7 +90,6 @@ class TwELLState:
 
     Attributes:
         factor: TwELL compression factor (8, 4 or 2).
-        gate_impl: "two_pass" or "fused" producer.
         density_threshold: "auto" goes dense above this density.
         min_flops: "auto" goes dense for calls whose dense FFN has fewer FLOPs than this
             (launch-bound: run Q, a small model's layer ran 0.60-0.84x at 0.25 % density).
@@ -104,18 +100,13 @@ class TwELLState:
             ``DENSE_RECHECK_EVERY``-th of them, and on every TwELL call).
         last_info: :class:`FFNInfo` of the last call.
         consumer_kwargs: overrides for the consumer (``twell_ffn_apply``:
-            version, nb, rows, num_warps, k, prefetch).
-        pack_kwargs: overrides for the two-pass packer (``pack_dense``:
-            version, block_m, num_warps, programs_per_sm).
+            nb, rows, num_warps, k, prefetch).
+        pack_kwargs: overrides for the packer (``pack_dense``: block_m, num_warps).
     """
 
-    def __init__(self, factor: int = 8, gate_impl: str | None = None,
-                 density_threshold: float | None = None) -> None:
+    def __init__(self, factor: int = 8, density_threshold: float | None = None) -> None:
         words_per_tile(factor)
         self.factor = factor
-        self.gate_impl = gate_impl or DEFAULT_GATE_IMPL
-        if self.gate_impl not in GATE_IMPLS:
-            raise ValueError(f"gate_impl must be one of {GATE_IMPLS}; got {self.gate_impl!r}")
         self.density_threshold = (DEFAULT_DENSITY_THRESHOLD if density_threshold is None
                                   else density_threshold)
         self.min_rows = DEFAULT_MIN_ROWS
@@ -123,9 +114,6 @@ class TwELLState:
         self.density: float | None = None
         self.dense_calls = 0
         self.last_info: FFNInfo | None = None
-        # Default kernels: pack v4 (one row per one-warp program) + consumer v2 at nb 4 on 4
-        # warps, per runs E/F on one H200 (BENCHMARKS.md; M=16384 D=2048 H=5632: 1.53x at 0.3 %,
-        # 1.74x at 0.1 %, 1.46x heavy-tailed 0.3 %, vs 1.34x / 1.66x / 1.16x for run 2's v2/v2).
         self.consumer_kwargs: dict = {}
         self.pack_kwargs: dict = {}
         self._wdt: torch.Tensor | None = None
@@ -351,15 +339,11 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state):
         y = r["y"]
     else:
         from twell.ops.twell_ffn import twell_ffn_apply
-        from twell.ops.twell_pack import gate_gemm_pack, pack_dense
+        from twell.ops.twell_pack import pack_dense
 
         x_ND = x_ND if x_ND.stride(1) == 1 else x_ND.contiguous()
-        w_in = w_gate_HD if gated else w_up_HD
-        if state.gate_impl == "fused":
-            tw, dense, colcnt = gate_gemm_pack(x_ND, w_in, state.factor, stats=with_stats)
-        else:
-            dense = F.linear(x_ND, w_in)  # cuBLAS on GPU
-            tw, colcnt = pack_dense(dense, state.factor, stats=with_stats, **state.pack_kwargs)
+        dense = F.linear(x_ND, w_gate_HD if gated else w_up_HD)  # cuBLAS on GPU
+        tw, colcnt = pack_dense(dense, state.factor, stats=with_stats, **state.pack_kwargs)
         wdt = state.down_t(w_down_DH, wdt_dtype)
         y, l1_rows = twell_ffn_apply(
             tw, dense, wdt, x_MD=x_ND if gated else None, w_up_HD=w_up_HD if gated else None,

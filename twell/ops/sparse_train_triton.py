@@ -28,48 +28,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _compact_kernel(
-    g_ptr,  # (N, H) gate pre-activation x Wg^T, row-major, any float dtype
-    col_ptr,  # (N, KC) int32 out: columns of the first KC non-zeros of each row
-    val_ptr,  # (N, KC) out, dtype of g: relu(g) at those columns
-    nnz_ptr,  # (N,) int32 out: non-zeros of each row (all of them, also past KC)
-    counts_ptr,  # (H,) int32 in/out, zeroed by the launcher: tokens in which each unit is active
-    N,  # rows
-    H,  # columns
-    stride_g,  # row stride of g (elements)
-    KC,  # ELL capacity (slots per row)
-    BLOCK_N: tl.constexpr,  # rows per program
-    BLOCK_H: tl.constexpr,  # columns per step (power of two)
-):
-    """ReLU + compaction: per row, slot ``pos = #(active columns before c)`` gets (c, g[n, c]).
-
-    active[n, c] = g[n, c] > 0; nnz[n] = sum_c active; counts[c] += sum_n active (atomics, one
-    vector per program and column block, only where non-zero).
-    """
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mrow = rows < N
-    rows64 = rows.to(tl.int64)
-    base = tl.zeros([BLOCK_N], dtype=tl.int32)
-    for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        mcol = cols < H
-        m = mrow[:, None] & mcol[None, :]
-        g = tl.load(g_ptr + rows64[:, None] * stride_g + cols[None, :], mask=m, other=0.0)
-        act = g > 0
-        a = act.to(tl.int32)
-        pos = base[:, None] + tl.cumsum(a, axis=1) - 1
-        keep = act & (pos < KC)
-        dst = rows64[:, None] * KC + pos
-        tl.store(col_ptr + dst, tl.broadcast_to(cols[None, :], [BLOCK_N, BLOCK_H]), mask=keep)
-        tl.store(val_ptr + dst, g, mask=keep)
-        base += tl.sum(a, axis=1)
-        cnt = tl.sum(a, axis=0)
-        tl.atomic_add(counts_ptr + cols, cnt, mask=mcol & (cnt > 0))
-    tl.store(nnz_ptr + rows, base, mask=mrow)
-
-
-@triton.jit
 def _sddmm_kernel(
     a_ptr,  # (N, D) row operand: x (forward) or dy (backward)
     w_ptr,  # (H, D) weight rows gathered per non-zero: Wu (forward) or Wd^T (backward)
@@ -129,179 +87,6 @@ def _sddmm_kernel(
     if not BACKWARD:
         tl.store(l1_ptr + n, tl.sum(l1acc, axis=0))
 
-
-@triton.jit
-def _spmm_kernel(
-    out_ptr,  # (N, D) out
-    w1_ptr,  # (H, D) weight rows: Wd^T (forward) or Wg (backward dx)
-    w2_ptr,  # (H, D) weight rows: unused (forward) or Wu (backward dx)
-    col_ptr,  # (N, K) int32 ELL columns
-    a_ptr,  # (N, K) coefficient: g (forward) or dg (backward)
-    b_ptr,  # (N, K) coefficient: u (forward) or du (backward)
-    nnz_ptr,  # (N,) int32 ELL row lengths
-    D,  # model width
-    K,  # ELL width
-    stride_out,  # row stride of out
-    stride_w1,  # row stride of w1
-    stride_w2,  # row stride of w2
-    TWO_WEIGHTS: tl.constexpr,  # False: out = sum (a*b) w1; True: out = sum a w1 + b w2
-    BLOCK_K: tl.constexpr,  # slots per step
-    BLOCK_D: tl.constexpr,  # model-width chunk of one program
-):
-    """SpMM ELL x dense: ``out[n, d] = sum_{k < nnz[n]} coef[n, k] * w[col[n, k], d]``.
-
-    Forward down-projection: coef = g * u = h, w = Wd^T, so y = h Wd^T.
-    Backward dx: out = sum_k dg * Wg[col] + du * Wu[col] (one pass, both weights).
-    Rows with nnz = 0 (dense-backup rows, all-zero rows) are written as zeros.
-    """
-    n = tl.program_id(0).to(tl.int64)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    md = offs_d < D
-    nnz = tl.load(nnz_ptr + n)
-    acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
-    for k0 in range(0, nnz, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mk = offs_k < nnz
-        cols = tl.load(col_ptr + n * K + offs_k, mask=mk, other=0).to(tl.int64)
-        a = tl.load(a_ptr + n * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + n * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-        m2 = mk[:, None] & md[None, :]
-        w1 = tl.load(w1_ptr + cols[:, None] * stride_w1 + offs_d[None, :], mask=m2, other=0.0)
-        if TWO_WEIGHTS:
-            w2 = tl.load(w2_ptr + cols[:, None] * stride_w2 + offs_d[None, :], mask=m2, other=0.0)
-            acc += a[:, None] * w1.to(tl.float32) + b[:, None] * w2.to(tl.float32)
-        else:
-            acc += (a * b)[:, None] * w1.to(tl.float32)
-    out = tl.sum(acc, axis=0)
-    tl.store(out_ptr + n * stride_out + offs_d, out.to(out_ptr.dtype.element_ty), mask=md)
-
-
-@triton.jit
-def _dw_kernel(
-    dwg_ptr,  # (H, D) out: dL/dWg
-    dwu_ptr,  # (H, D) out: dL/dWu
-    dwdt_ptr,  # (H, D) out: dL/dWd^T
-    addg_ptr,  # (H, D) dense-backup part of dWg (read when HAS_ADD)
-    addu_ptr,  # (H, D) dense-backup part of dWu
-    addd_ptr,  # (H, D) dense-backup part of dWd^T
-    x_ptr,  # (N, D) input
-    dy_ptr,  # (N, D) upstream gradient
-    perm_ptr,  # (NNZ,) int64 flat ELL index n*K + k, grouped by column (CSC order)
-    colptr_ptr,  # (H + 1,) int64: column c owns perm[colptr[c]:colptr[c+1]]
-    dg_ptr,  # (N, K) fp32 dL/dgate at the non-zeros
-    du_ptr,  # (N, K) fp32 dL/dup at the non-zeros
-    g_ptr,  # (N, K) relu(gate)
-    u_ptr,  # (N, K) up
-    D,  # model width
-    K,  # ELL width
-    stride_x,  # row stride of x
-    stride_dy,  # row stride of dy
-    stride_w,  # row stride of the (H, D) outputs and adds
-    HAS_ADD: tl.constexpr,  # add the dense-backup contributions
-    BLOCK_J: tl.constexpr,  # entries per step
-    BLOCK_D: tl.constexpr,  # model-width chunk of one program
-):
-    """Transposed SpMM (per hidden unit c, over the entries (n, k) with col[n, k] = c)::
-
-        dWg[c]   = sum dg[n, k] x[n]      dWu[c] = sum du[n, k] x[n]   (one gather of x)
-        dWd^T[c] = sum g[n, k] u[n, k] dy[n]
-
-    fp32 accumulation; deterministic (one program owns each output element, CSC order fixed).
-    """
-    c = tl.program_id(0).to(tl.int64)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    md = offs_d < D
-    start = tl.load(colptr_ptr + c)
-    end = tl.load(colptr_ptr + c + 1)
-    accg = tl.zeros([BLOCK_J, BLOCK_D], dtype=tl.float32)
-    accu = tl.zeros([BLOCK_J, BLOCK_D], dtype=tl.float32)
-    accd = tl.zeros([BLOCK_J, BLOCK_D], dtype=tl.float32)
-    for j0 in range(start, end, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        mj = offs_j < end
-        e = tl.load(perm_ptr + offs_j, mask=mj, other=0)
-        n = e // K
-        dg = tl.load(dg_ptr + e, mask=mj, other=0.0)
-        du = tl.load(du_ptr + e, mask=mj, other=0.0)
-        h = tl.load(g_ptr + e, mask=mj, other=0.0).to(tl.float32) * tl.load(
-            u_ptr + e, mask=mj, other=0.0
-        ).to(tl.float32)
-        m2 = mj[:, None] & md[None, :]
-        xr = tl.load(x_ptr + n[:, None] * stride_x + offs_d[None, :], mask=m2, other=0.0)
-        dyr = tl.load(dy_ptr + n[:, None] * stride_dy + offs_d[None, :], mask=m2, other=0.0)
-        xr = xr.to(tl.float32)
-        accg += dg[:, None] * xr
-        accu += du[:, None] * xr
-        accd += h[:, None] * dyr.to(tl.float32)
-    rg = tl.sum(accg, axis=0)
-    ru = tl.sum(accu, axis=0)
-    rd = tl.sum(accd, axis=0)
-    off = c * stride_w + offs_d
-    if HAS_ADD:
-        rg += tl.load(addg_ptr + off, mask=md, other=0.0).to(tl.float32)
-        ru += tl.load(addu_ptr + off, mask=md, other=0.0).to(tl.float32)
-        rd += tl.load(addd_ptr + off, mask=md, other=0.0).to(tl.float32)
-    tl.store(dwg_ptr + off, rg.to(dwg_ptr.dtype.element_ty), mask=md)
-    tl.store(dwu_ptr + off, ru.to(dwu_ptr.dtype.element_ty), mask=md)
-    tl.store(dwdt_ptr + off, rd.to(dwdt_ptr.dtype.element_ty), mask=md)
-
-
-# ---------------------------------------------------------------------------------------------
-# Second-generation kernels (kopt-train). The first-generation kernels above stay callable
-# (``kernel_config(compact="v1", spmm="tiled", dw="tiled")``) so one GPU run measures both.
-#
-# H200 profile of the first generation at 0.3 % (M 16384, D 2048, H 5632): SpMM 2.69 ms at
-# ~1.2 TB/s of gathered rows, dW 1.60 ms, compaction 0.49 ms, against an SDDMM at ~4 TB/s on the
-# same rows. Common causes: short programs made of dependent loads (col -> weight row) with
-# little in flight, 2-D fp32 accumulators limiting occupancy, and per-step acq_rel atomics.
-
-
-@triton.jit
-def _compact2_kernel(
-    g_ptr,  # (N, H) gate pre-activation x Wg^T, row-major, any float dtype
-    col_ptr,  # (N, KC) int32 out: columns of the first KC non-zeros of each row
-    val_ptr,  # (N, KC) out, dtype of g: relu(g) at those columns
-    nnz_ptr,  # (N,) int32 out: non-zeros of each row (all of them, also past KC)
-    cpart_ptr,  # (cdiv(N, BLOCK_N), H) int32 out: active rows per (row block, column)
-    N,  # rows
-    H,  # columns
-    stride_g,  # row stride of g (elements)
-    KC,  # ELL capacity (slots per row)
-    BLOCK_N: tl.constexpr,  # rows per program
-    BLOCK_H: tl.constexpr,  # columns per step (power of two)
-):
-    """Same outputs as ``_compact_kernel`` except the column counts, which are written as
-    per-program partials (plain stores, summed by the launcher) instead of atomics.
-
-    The next column block's load is issued before the current block is scanned (manual
-    software pipelining: one gate tile always in flight). With bf16 and BLOCK_H = 256 a warp
-    holds one row of the tile, so the row scan (``tl.cumsum``) stays inside a warp.
-    """
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mrow = rows < N
-    rows64 = rows.to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    base = tl.zeros([BLOCK_N], dtype=tl.int32)
-    gp = g_ptr + rows64[:, None] * stride_g
-    g = tl.load(gp + offs_h[None, :], mask=mrow[:, None] & (offs_h < H)[None, :], other=0.0)
-    for h0 in range(0, H, BLOCK_H):
-        cols = h0 + offs_h
-        nxt = cols + BLOCK_H
-        g_next = tl.load(gp + nxt[None, :], mask=mrow[:, None] & (nxt < H)[None, :], other=0.0)
-        act = g > 0
-        a = act.to(tl.int32)
-        pos = base[:, None] + tl.cumsum(a, axis=1) - 1
-        keep = act & (pos < KC)
-        dst = rows64[:, None] * KC + pos
-        tl.store(col_ptr + dst, tl.broadcast_to(cols[None, :], [BLOCK_N, BLOCK_H]), mask=keep)
-        tl.store(val_ptr + dst, g, mask=keep)
-        base += tl.sum(a, axis=1)
-        tl.store(cpart_ptr + pid.to(tl.int64) * H + cols, tl.sum(a, axis=0), mask=cols < H)
-        g = g_next
-    tl.store(nnz_ptr + rows, base, mask=mrow)
-
-
 @triton.jit
 def _compact_block(g, act, base, rows64, cols, col_ptr, val_ptr, counts_ptr, H, KC,
                    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -318,9 +103,8 @@ def _compact_block(g, act, base, rows64, cols, col_ptr, val_ptr, counts_ptr, H, 
     tl.atomic_add(counts_ptr + cols, cnt, mask=(cols < H) & (cnt > 0), sem="relaxed")
     return base + tl.sum(a, axis=1)
 
-
 @triton.jit
-def _compact3_kernel(
+def _compact_kernel(
     g_ptr,  # (N, H) gate pre-activation x Wg^T, row-major, any float dtype
     col_ptr,  # (N, KC) int32 out: columns of the first KC non-zeros of each row
     val_ptr,  # (N, KC) out, dtype of g: relu(g) at those columns
@@ -332,20 +116,21 @@ def _compact3_kernel(
     KC,  # ELL capacity (slots per row)
     BLOCK_N: tl.constexpr,  # rows per program (default 1, on one warp)
     BLOCK_H: tl.constexpr,  # columns per step (power of two, 256 for bf16 rows)
-    SKIP_EMPTY: tl.constexpr = False,  # "v4": no scan / stores / atomics for an all-zero block
     nnz_eff_ptr=None,  # (N,) int32 out (HEAVY): nnz, or 0 for a row above KC (dense-backup row)
     heavy_ptr=None,  # (1,) int32 in/out (HEAVY), zeroed by the launcher: rows above KC
     HEAVY: tl.constexpr = False,  # also write nnz_eff and count the heavy rows
 ):
-    """Same outputs as ``_compact_kernel``; v3 (see BENCHMARKS.md, ncu of v2 and run E).
+    """ReLU + compaction: per row, slot ``pos = #(active columns before c)`` gets (c, g[n, c]).
 
-    v2 held a 32 x 256 tile plus its prefetched successor on 8 warps (32 values per thread):
-    255 registers, 12.5 % occupancy, DRAM < 10 %. Here a program is one row on one warp by
-    default (8 values per thread at bf16: the row scan and the column counts stay inside the
-    warp, no shared memory or barrier per step; with more rows on more warps the per-step
-    column-count reduction crosses warps, and run E measured that 2-4x slower), two column blocks
-    are in flight while one is scanned, and the per-column counts are relaxed atomics issued only
-    for columns active in the block (no fence, no partial-count buffer to sum afterwards).
+    active[n, c] = g[n, c] > 0; nnz[n] = sum_c active (all of them, also past KC); counts[c] +=
+    sum_n active. With HEAVY also nnz_eff[n] = nnz[n], or 0 when nnz[n] > KC (the row goes to
+    the dense backup), and heavy += the number of such rows.
+
+    A program is one row on one warp by default (8 values per thread at bf16: the row scan and
+    the column counts stay inside the warp; more rows on more warps ran 2-4x slower, run E), two
+    column blocks are in flight while one is scanned, a block with no active entry is skipped
+    (no scan, stores or atomics), and the per-column counts are relaxed atomics issued only for
+    columns active in the block. BENCHMARKS.md, runs E and I.
     """
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -364,15 +149,11 @@ def _compact3_kernel(
         c2 = cols + 2 * BLOCK_H
         g2 = tl.load(gp + c2[None, :], mask=mrow[:, None] & (c2 < H)[None, :], other=0.0)
         act = g > 0
-        if SKIP_EMPTY:
-            if tl.sum(tl.sum(act.to(tl.int32), axis=1), axis=0) > 0:
-                base = _compact_block(g, act, base, rows64, cols, col_ptr, val_ptr, counts_ptr,
-                                      H, KC, BLOCK_N, BLOCK_H)
-        else:
-            base = _compact_block(g, act, base, rows64, cols, col_ptr, val_ptr, counts_ptr, H, KC,
-                                  BLOCK_N, BLOCK_H)
+        if tl.sum(tl.sum(act.to(tl.int32), axis=1), axis=0) > 0:  # skip all-zero blocks
+            base = _compact_block(g, act, base, rows64, cols, col_ptr, val_ptr, counts_ptr,
+                                  H, KC, BLOCK_N, BLOCK_H)
     tl.store(nnz_ptr + rows, base, mask=mrow)
-    if HEAVY:  # the training forward's bookkeeping, folded in (was 4 small PyTorch kernels)
+    if HEAVY:  # the training forward's heavy-row bookkeeping
         heavy = (base > KC) & mrow
         tl.store(nnz_eff_ptr + rows, tl.where(heavy, 0, base), mask=mrow)
         tl.atomic_add(heavy_ptr + rows * 0, tl.full([BLOCK_N], 1, tl.int32), mask=heavy,
@@ -380,7 +161,7 @@ def _compact3_kernel(
 
 
 @triton.jit
-def _spmm_rows_kernel(
+def _spmm_kernel(
     out_ptr,  # (N, D) out
     w1_ptr,  # (H, D) weight rows: Wd^T (forward) or Wg (backward dx)
     w2_ptr,  # (H, D) weight rows: unused (forward) or Wu (backward dx)
@@ -397,8 +178,14 @@ def _spmm_rows_kernel(
     BLOCK_K: tl.constexpr,  # slots per step
     BLOCK_D: tl.constexpr,  # model-width slice of one program (the whole row when >= D)
 ):
-    """Row-wise SpMM, same math as ``_spmm_kernel``, structured like the inference consumer
-    (``twell_ffn.py``): one program per (row, D slice), normally the whole D row, a 1-D fp32
+    """SpMM ELL x dense: ``out[n, d] = sum_{k < nnz[n]} coef[n, k] * w[col[n, k], d]``.
+
+    Forward down-projection: coef = g * u = h, w = Wd^T, so y = h Wd^T.
+    Backward dx: out = sum_k dg * Wg[col] + du * Wu[col] (one pass, both weights).
+    Rows with nnz = 0 (dense-backup rows, all-zero rows) are written as zeros.
+
+    Structured like the inference consumer (``twell_ffn.py``): one program per (row, D slice),
+    normally the whole D row, a 1-D fp32
     accumulator, each step gathers BLOCK_K weight rows and reduces them at once (the slot axis
     is held inside each thread, so the reduction needs no shared memory), and the next step's
     columns and coefficients are loaded before this step's rows are used (one index load in
@@ -435,7 +222,7 @@ def _spmm_rows_kernel(
 
 
 @triton.jit
-def _dw_cols_kernel(
+def _dw_kernel(
     dwg_ptr,  # (H, D) out: dL/dWg
     dwu_ptr,  # (H, D) out: dL/dWu
     dwdt_ptr,  # (H, D) out: dL/dWd^T
@@ -463,11 +250,14 @@ def _dw_cols_kernel(
     H=0,  # columns (read when D_OUTER)
     D_OUTER: tl.constexpr = False,  # grid order: D slice outermost, then columns
 ):
-    """Same math as ``_dw_kernel`` (deterministic: one program per output slice, fixed order).
+    """Transposed SpMM (per hidden unit c, over the entries (n, k) with col[n, k] = c)::
 
-    Differences: 1-D fp32 accumulators (the entry axis is reduced every step inside each
-    thread: with BLOCK_D >= 256 * num_warps the warps split D, not the entries), far fewer
-    registers and so more programs and gathers in flight per SM; the next step's entry indices
+        dWg[c]   = sum dg[n, k] x[n]      dWu[c] = sum du[n, k] x[n]   (one gather of x)
+        dWd^T[c] = sum g[n, k] u[n, k] dy[n]
+
+    fp32 accumulation; deterministic (one program owns each output slice, CSC order fixed).
+    1-D fp32 accumulators (the entry axis is reduced every step inside each thread: with
+    BLOCK_D >= 256 * num_warps the warps split D, not the entries); the next step's entry indices
     are loaded behind this step's x/dy gathers; programs are issued longest column first
     (``order``) so that hot units do not start last and form the tail.
     """
@@ -515,46 +305,31 @@ def _dw_cols_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # Launchers. BLOCK_D is capped by the next power of two of D so small/odd D (tests) waste little.
-#
-# Kernel variants and launch shapes (``CONFIG``; change with ``kernel_config``):
-#   compact  "v4" (default) "v3" skipping all-zero blocks | "v3" one row per one-warp program,
-#            two column blocks in flight, relaxed atomics | "v2" partial-count stores, prefetch |
-#            "v1" first generation (atomics)
-#   spmm     "rows" (default) whole-D row programs, 1-D acc | "tiled" first generation
-#   dw       "cols" (default) 1-D accs, longest column first | "tiled" first generation
-# The defaults below are the best shapes measured on one H200 (runs C-H, BENCHMARKS.md); each
-# entry's comment quotes the measurement.
+# Launch shapes (``CONFIG``; change with ``kernel_config``): each entry's comment gives the one
+# measurement behind its default (one H200, N 16384, D 2048, H 5632, i.i.d. 0.3 % unless said;
+# BENCHMARKS.md, the run named).
 
 _DEFAULT_CONFIG = {
-    # run E, 0.3 %: v3 (one row per one-warp program) 0.22 ms, v2 0.45 ms; run I: v4 (v3 that
-    # skips all-zero blocks) 0.205 / 0.230 ms at 1 / 3 % vs v3's 0.226 / 0.236
-    "compact": "v4",
-    "compact_block_n": 32,  # rows per program (v2); 8 warps, one warp per tile row
-    # Run E (H200, 0.3 %): v3 with one row on one warp 0.22 ms; 2 rows on 2 warps 0.67, 4 on 4
-    # warps 1.02 (cross-warp column-count reductions each step), v2 0.45.
-    "compact3_block_n": 1,  # rows per program (v3)
-    "compact3_warps": 1,  # warps per program (v3), at most compact3_block_n
-    # SDDMM (forward u at 0.3 / 1 % / heavy 0.3 %): run E k8 d256 w4 0.222 / 0.547 / 0.128 ms vs
-    # the earlier fixed k16 d256 w4 0.311 / 0.739 / 0.171; run F k8 d256 w1 0.172 / 0.479 / 0.136.
-    "sddmm_block_k": 8,  # slots per step (SDDMM, forward u and backward dh)
-    "sddmm_block_d": 256,  # model-width chunk per step (SDDMM)
+    # compaction rows per program and warps: 1 row on 1 warp 0.22 ms vs 2 rows on 2 warps 0.67 (run E)
+    "compact_block_n": 1,
+    "compact_warps": 1,  # at most compact_block_n
+    # SDDMM slots per step, model-width chunk, warps: k8 d256 w1 0.172 ms vs k8 w4 0.222 (run F)
+    "sddmm_block_k": 8,
+    "sddmm_block_d": 256,
     "sddmm_warps": 1,
-    "spmm": "rows",
-    # SpMM launch shape measured on one H200 (docs/bench/run2/bench_train2.log, N=16384 D=2048
-    # H=5632): y k4 w4 0.148 ms vs k8 w8 0.193 ms at 0.3 %, 0.423 vs 0.487 at 1 %; dx k2 w4
-    # 0.276 vs 0.320 ms at 0.3 %, 0.827 vs 0.870 at 1 % (same ranking on heavy-tailed rows).
-    "spmm_block_k": 4,  # slots per step, one weight (forward y = h Wd^T)
-    "spmm_block_k2": 2,  # slots per step, two weights (backward dx)
-    "spmm_block_d": 2048,  # D slice per program (rows); the whole row at D <= 2048
+    # SpMM slots per step for y (one weight) and dx (two): y k4 w4 0.148 ms vs k8 w8 0.193, dx k2 w4
+    # 0.276 vs 0.320 (run C); the D slice per program is the whole row at D <= 2048
+    "spmm_block_k": 4,
+    "spmm_block_k2": 2,
+    "spmm_block_d": 2048,
     "spmm_warps": 4,
-    "dw": "cols",
-    # dW (run E, 0.3 % / 1 % / heavy 0.3 %): j4 d1024 w4 0.577 / 1.461 / 0.284 ms vs j8 d512 w2
-    # 0.676 / 1.690 / 0.288 (j2 d2048 w8 won at 0.3 % but lost on heavy rows: 0.372).
-    "dw_block_j": 4,  # entries per step (cols)
-    "dw_block_d": 1024,  # D slice per program (cols); >= 256 * dw_warps keeps the reduction in-thread
+    # dW entries per step, D slice, warps: j4 d1024 w4 0.577 ms vs j8 d512 w2 0.676 (run E);
+    # >= 256 * dw_warps keeps the reduction in-thread
+    "dw_block_j": 4,
+    "dw_block_d": 1024,
     "dw_warps": 4,
-    # dW grid order: 0 = a column's D slices side by side (the whole of x and dy is the working
-    # set), 1 = D slice outermost (a slice of x and dy at a time: 32 MiB at d512, fits the L2)
+    # dW grid order, 1 = D slice outermost: 0.518 vs 0.578 ms i.i.d. but 0.345 vs 0.288 with hot
+    # units (run K), so off
     "dw_d_outer": 0,
     # dense-mode elementwise pass (dense_fwd): rows per program, columns per step, warps
     "dense_block_n": 16,
@@ -565,28 +340,25 @@ CONFIG = dict(_DEFAULT_CONFIG)
 # sizes used directly as tl.arange extents (others are rounded up to a power of 2 by _pow2)
 _POW2_KEYS = ("dense_block_n", "dense_block_h", "sddmm_block_k", "spmm_block_k", "spmm_block_k2",
               "dw_block_j")
-_CHOICES = {"compact": ("v1", "v2", "v3", "v4"), "spmm": ("tiled", "rows"), "dw": ("tiled", "cols")}
 
 
 @contextlib.contextmanager
 def kernel_config(**overrides):
-    """Temporarily select kernel variants / launch shapes (keys of ``CONFIG``), e.g.
-    ``with kernel_config(spmm="tiled"): ...`` runs the first-generation SpMM. Not thread-safe
-    (a module-level setting, meant for benchmarks and tests).
+    """Temporarily set launch shapes (keys of ``CONFIG``), e.g. ``with kernel_config(
+    spmm_block_k=8): ...``. Not thread-safe (a module-level setting, meant for benchmarks and
+    tests).
 
     Raises:
-        ValueError: an unknown key, an unknown variant name, or a non-positive size.
+        ValueError: an unknown key, a non-positive or non-power-of-2 size, dw_d_outer not 0 / 1.
     """
     for key, val in overrides.items():
         if key not in CONFIG:
             raise ValueError(f"kernel_config: unknown key {key!r}; known: {sorted(CONFIG)}")
-        if key in _CHOICES and val not in _CHOICES[key]:
-            raise ValueError(f"kernel_config: {key} must be one of {_CHOICES[key]}; got {val!r}")
         if key == "dw_d_outer":
             if val not in (0, 1):
                 raise ValueError(f"kernel_config: dw_d_outer must be 0 or 1; got {val!r}")
             continue
-        if key not in _CHOICES and (not isinstance(val, int) or val < 1):
+        if not isinstance(val, int) or val < 1:
             raise ValueError(f"kernel_config: {key} must be a positive int; got {val!r}")
         if key in _POW2_KEYS and val & (val - 1):
             raise ValueError(f"kernel_config: {key} must be a power of 2 (a Triton block size); "
@@ -612,55 +384,47 @@ def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None =
     if not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous (call .contiguous())")
 
+def _compact(g_NH: torch.Tensor, kc: int, heavy: bool):
+    n, h = g_NH.shape
+    _check("g_NH", g_NH, (n, h))
+    dev = g_NH.device
+    col = torch.empty((n, kc), dtype=torch.int32, device=dev)
+    val = torch.empty((n, kc), dtype=g_NH.dtype, device=dev)
+    nnz = torch.empty((n,), dtype=torch.int32, device=dev)
+    nnz_eff = torch.empty((n,), dtype=torch.int32, device=dev) if heavy else None
+    zeros = torch.zeros((h + 1,), dtype=torch.int32, device=dev)  # one fill: counts + n_heavy
+    counts, n_heavy = zeros[:h], zeros[h:]
+    if n > 0:
+        block_n = _pow2(CONFIG["compact_block_n"], 1, 16)
+        _compact_kernel[(triton.cdiv(n, block_n),)](
+            g_NH, col, val, nnz, counts, n, h, g_NH.stride(0), kc,
+            BLOCK_N=block_n, BLOCK_H=_pow2(h, 16, 256),
+            nnz_eff_ptr=nnz_eff, heavy_ptr=n_heavy, HEAVY=heavy,
+            num_warps=min(CONFIG["compact_warps"], block_n),
+        )
+    return col, val, nnz, counts, nnz_eff, n_heavy
+
 
 def compact(g_NH: torch.Tensor, kc: int):
-    """ReLU + ELL compaction of the gate pre-activation.
+    """ReLU + ELL compaction of the gate pre-activation (``_compact_kernel``).
 
     Args:
-        g_NH: (N, H) contiguous gate pre-activation ``x Wg^T``.
+        g_NH: (N, H) contiguous gate pre-activation ``x Wg^T`` (fp16 / bf16 / fp32).
         kc: ELL capacity (slots per row), >= 1.
 
     Returns:
         col_NKC (int32), val_NKC (g's dtype; relu(g) at the columns), nnz_N (int32, all
         non-zeros of the row, also those past kc), counts_H (int32, tokens per active unit).
+        Slots past a row's count are undefined.
+
+    Raises:
+        ValueError: g_NH not 2-D contiguous.
     """
-    n, h = g_NH.shape
-    _check("g_NH", g_NH, (n, h))
-    col = torch.empty((n, kc), dtype=torch.int32, device=g_NH.device)
-    val = torch.empty((n, kc), dtype=g_NH.dtype, device=g_NH.device)
-    nnz = torch.empty((n,), dtype=torch.int32, device=g_NH.device)
-    counts = torch.zeros((h,), dtype=torch.int32, device=g_NH.device)
-    if n == 0:
-        return col, val, nnz, counts
-    block_h = _pow2(h, 16, 256)
-    if CONFIG["compact"] == "v1":
-        block_n = 16
-        _compact_kernel[(triton.cdiv(n, block_n),)](
-            g_NH, col, val, nnz, counts, n, h, g_NH.stride(0), kc,
-            BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4,
-        )
-        return col, val, nnz, counts
-    if CONFIG["compact"] in ("v3", "v4"):
-        block_n = _pow2(CONFIG["compact3_block_n"], 1, 16)
-        _compact3_kernel[(triton.cdiv(n, block_n),)](
-            g_NH, col, val, nnz, counts, n, h, g_NH.stride(0), kc,
-            BLOCK_N=block_n, BLOCK_H=block_h, SKIP_EMPTY=CONFIG["compact"] == "v4",
-            num_warps=min(CONFIG["compact3_warps"], block_n),
-        )
-        return col, val, nnz, counts
-    block_n = _pow2(min(n, CONFIG["compact_block_n"]), 1, 1024)
-    nprog = triton.cdiv(n, block_n)
-    cpart = torch.empty((nprog, h), dtype=torch.int32, device=g_NH.device)
-    _compact2_kernel[(nprog,)](
-        g_NH, col, val, nnz, cpart, n, h, g_NH.stride(0), kc,
-        BLOCK_N=block_n, BLOCK_H=block_h, num_warps=8,
-    )
-    torch.sum(cpart, 0, dtype=torch.int32, out=counts)
-    return col, val, nnz, counts
+    return _compact(g_NH, kc, heavy=False)[:4]
 
 
 def compact_heavy(g_NH: torch.Tensor, kc: int):
-    """:func:`compact` plus the training forward's heavy-row bookkeeping.
+    """:func:`compact` plus the training forward's heavy-row bookkeeping, in the same kernel.
 
     Args:
         g_NH: (N, H) contiguous gate pre-activation ``x Wg^T`` (fp16 / bf16 / fp32).
@@ -669,34 +433,12 @@ def compact_heavy(g_NH: torch.Tensor, kc: int):
     Returns:
         col_NKC, val_NKC, nnz_N, counts_H as :func:`compact`, then nnz_eff_N (int32: nnz_N, or 0
         where nnz_N > kc, i.e. the row goes to the dense backup) and n_heavy (int32 (1,): the
-        number of such rows). Compaction v3 / v4 write the last two from the kernel; v1 / v2 with
-        PyTorch ops. Source: the hybrid layout (arXiv 2603.23198, "Hybrid (training)").
+        number of such rows). Source: the hybrid layout (arXiv 2603.23198, "Hybrid (training)").
 
     Raises:
         ValueError: g_NH not 2-D contiguous.
     """
-    n = g_NH.shape[0]
-    if CONFIG["compact"] not in ("v3", "v4") or n == 0:
-        col, val, nnz, counts = compact(g_NH, kc)
-        heavy = nnz > kc
-        return col, val, nnz, counts, torch.where(heavy, 0, nnz), heavy.sum(dtype=torch.int32)[None]
-    h = g_NH.shape[1]
-    _check("g_NH", g_NH, (n, h))
-    dev = g_NH.device
-    col = torch.empty((n, kc), dtype=torch.int32, device=dev)
-    val = torch.empty((n, kc), dtype=g_NH.dtype, device=dev)
-    nnz = torch.empty((n,), dtype=torch.int32, device=dev)
-    nnz_eff = torch.empty((n,), dtype=torch.int32, device=dev)
-    zeros = torch.zeros((h + 1,), dtype=torch.int32, device=dev)  # one fill: counts + n_heavy
-    counts, n_heavy = zeros[:h], zeros[h:]
-    block_n = _pow2(CONFIG["compact3_block_n"], 1, 16)
-    _compact3_kernel[(triton.cdiv(n, block_n),)](
-        g_NH, col, val, nnz, counts, n, h, g_NH.stride(0), kc,
-        BLOCK_N=block_n, BLOCK_H=_pow2(h, 16, 256), SKIP_EMPTY=CONFIG["compact"] == "v4",
-        nnz_eff_ptr=nnz_eff, heavy_ptr=n_heavy, HEAVY=True,
-        num_warps=min(CONFIG["compact3_warps"], block_n),
-    )
-    return col, val, nnz, counts, nnz_eff, n_heavy
+    return _compact(g_NH, kc, heavy=True)
 
 
 def sddmm_fwd(x_ND, w_up_HD, col_NK, g_NK, nnz_N):
@@ -755,17 +497,9 @@ def spmm(out_ND, w1_HD, w2_HD, col_NK, a_NK, b_NK, nnz_N):
     if two:
         _check("w2_HD", w2_HD, tuple(w1_HD.shape))
     w2 = w2_HD if two else w1_HD
-    if CONFIG["spmm"] == "tiled":
-        block_d = _pow2(d, 16, 256)
-        _spmm_kernel[(n, triton.cdiv(d, block_d))](
-            out_ND, w1_HD, w2, col_NK, a_NK, b_NK, nnz_N, d, k,
-            out_ND.stride(0), w1_HD.stride(0), w2.stride(0),
-            TWO_WEIGHTS=two, BLOCK_K=16, BLOCK_D=block_d, num_warps=4,
-        )
-        return out_ND
     block_d = _pow2(d, 16, CONFIG["spmm_block_d"])
     block_k = CONFIG["spmm_block_k2" if two else "spmm_block_k"]
-    _spmm_rows_kernel[(n, triton.cdiv(d, block_d))](
+    _spmm_kernel[(n, triton.cdiv(d, block_d))](
         out_ND, w1_HD, w2, col_NK, a_NK, b_NK, nnz_N, d, k,
         out_ND.stride(0), w1_HD.stride(0), w2.stride(0),
         TWO_WEIGHTS=two, BLOCK_K=block_k, BLOCK_D=block_d,
@@ -788,19 +522,11 @@ def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g
         return
     has_add = adds is not None
     ag, au, ad = adds if has_add else (dwg_HD, dwu_HD, dwdt_HD)
-    if CONFIG["dw"] == "tiled":
-        block_d = _pow2(d, 16, 128)
-        _dw_kernel[(h, triton.cdiv(d, block_d))](
-            dwg_HD, dwu_HD, dwdt_HD, ag, au, ad, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g_NK,
-            u_NK, d, max(k, 1), x_ND.stride(0), dy_ND.stride(0), dwg_HD.stride(0),
-            HAS_ADD=has_add, BLOCK_J=16, BLOCK_D=block_d, num_warps=4,
-        )
-        return
     block_d = _pow2(d, 16, CONFIG["dw_block_d"])
     n_dchunk = triton.cdiv(d, block_d)
     if order is None:  # longest column first (the training forward passes it precomputed)
         order = torch.argsort(colptr[1:] - colptr[:-1], descending=True)
-    _dw_cols_kernel[(h * n_dchunk,)](
+    _dw_kernel[(h * n_dchunk,)](
         dwg_HD, dwu_HD, dwdt_HD, ag, au, ad, x_ND, dy_ND, perm, colptr, order, dg_NK, du_NK,
         g_NK, u_NK, d, max(k, 1), n_dchunk, x_ND.stride(0), dy_ND.stride(0), dwg_HD.stride(0),
         HAS_ADD=has_add, BLOCK_J=CONFIG["dw_block_j"], BLOCK_D=block_d, H=h,
@@ -811,7 +537,7 @@ def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g
 
 # ---------------------------------------------------------------------------------------------
 # Dense-backup elementwise passes: one fused pass each instead of ~4 separate PyTorch ops (the
-# unfused version cost ~1.4 ms over dense at 10 % density on H200, M 16384, H 5632).
+# unfused version cost ~1.4 ms over dense at 10 % density on H200, M 16384, H 5632; run B).
 
 
 @triton.jit
