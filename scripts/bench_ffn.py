@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from twell.ops.ffn import TwELLState, sparse_ffn
+from twell.policy import FFNPolicy
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
@@ -129,7 +130,7 @@ def bench(fn, smoke=False):
 
 
 def variant_state(v):
-    st = TwELLState(factor=v.get("factor", 8), density_threshold=v.get("threshold"))
+    st = TwELLState(factor=v.get("factor", 8))
     st.consumer_kwargs = dict(v.get("consumer", {}))
     st.pack_kwargs = dict(v.get("pack", {}))
     return st
@@ -258,8 +259,9 @@ def time_config(args, m, d, h, density, heavy, gated, label="synthetic", inputs=
         for name in variants:
             try:
                 if name == "auto":
-                    st = TwELLState(density_threshold=args.threshold)
-                    fn = lambda st=st: sparse_ffn(x, wg, wu, wd, with_stats=False, mode="auto", state=st)
+                    st = TwELLState()
+                    fn = lambda st=st: sparse_ffn(x, wg, wu, wd, with_stats=False, mode="auto",
+                                                  state=st, policy=args.policy)
                 else:
                     st = variant_state(VARIANTS[name])
                     fn = lambda st=st: sparse_ffn(x, wg, wu, wd, with_stats=False, state=st)
@@ -380,10 +382,18 @@ def main():
                     help="phase 2 at M=16384, H=5632 gated, i.i.d. 0.1 / 0.3 / 1 %% only")
     ap.add_argument("--no-sweep", dest="sweep_consumer", action="store_false",
                     help="skip the consumer launch-shape sweep")
-    ap.add_argument("--threshold", type=float, default=None, help="auto-mode density threshold")
+    ap.add_argument("--threshold", type=float, default=None,
+                    help="auto's density threshold (FFNPolicy.infer_density_threshold; default: "
+                         "the policy's, or $TWELL_AUTO_DENSITY)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpreter code check)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
+    # auto's policy: the defaults, the TWELL_* environment overrides (FFNPolicy.from_env), then
+    # --threshold
+    args.policy = FFNPolicy.from_env()
+    if args.threshold is not None:
+        args.policy.infer_density_threshold = args.threshold
+    print(f"auto policy: {args.policy}")
     if not ON_GPU and not args.smoke:
         sys.exit("no CUDA device: run on a GPU, or pass --smoke with TRITON_INTERPRET=1 for a code check")
     torch.manual_seed(0)
@@ -435,7 +445,7 @@ def main():
         lose = [r["density"] for r in speed if r.get("variant") == CANDIDATE and r.get("M") == 16384
                 and r.get("H") == 5632 and r.get("gated") and r.get("speedup", 2) < 1.0]
         print(f"\nauto threshold suggestion ({CANDIDATE}): TwELL won up to density {max(win) if win else 'none'}, "
-              f"lost from {min(lose) if lose else 'none'} (set TWELL_AUTO_DENSITY between)")
+              f"lost from {min(lose) if lose else 'none'} (set FFNPolicy.infer_density_threshold between)")
         print("\n== defaults vs run K (recorded speedup over dense; M 16384, H 5632, gated, i.i.d.)")
         for r in speed:
             if (r.get("variant") == "twell" and "speedup" in r and r.get("M") == 16384

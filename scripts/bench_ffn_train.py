@@ -69,6 +69,7 @@ from twell.ops import sparse_train_triton as tk
 from twell.ops.reference import gated_ffn_torch
 from twell.ops.sparse_train import backup_capacity_for, sparse_ffn_train
 from twell.ops.sparse_train_triton import kernel_config
+from twell.policy import FFNPolicy
 
 L1_COEFF_PER_TOKEN = 0.2  # loss = sum(y*dy) + c*l1 with c = 0.2 N: L1 grad comparable to dy's
 
@@ -400,6 +401,9 @@ def main():
     import triton.testing
 
     torch.set_grad_enabled(True)
+    # variant "auto": the trainer's rule under the default policy with the TWELL_* overrides
+    policy = FFNPolicy.from_env()
+    print(f"# auto policy: {policy}")
     n, d, h = args.tokens, args.d, args.h
     rep = 40 if args.quick else 100
     dense_flops = 9 * 2 * n * d * h  # 3 GEMMs forward, 6 backward
@@ -461,8 +465,7 @@ def main():
                            "variant": variant, "status": "ok"}
                 run_as = variant
                 if variant == "auto":  # the trainer's ffn_impl=auto rule on this layer's L0
-                    path = sparse_train.train_path_for_density(
-                        l0 / h, heavy_fraction=st_bf.heavy_rows.item() / n)
+                    path = policy.train_path(l0 / h, st_bf.heavy_rows.item() / n)
                     run_as = "sparse_nosync" if path == "twell" else "dense_mode"
                     row["variant"] = f"auto[{path}]"
                 try:

@@ -26,6 +26,7 @@ if not torch.cuda.is_available() and not triton.knobs.runtime.interpret:
 from twell.ops.ffn import TwELLState, sparse_ffn
 from twell.ops.twell_ffn import twell_ffn_apply
 from twell.ops.twell_pack import pack_dense
+from twell.policy import FFNPolicy
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -354,14 +355,15 @@ def test_down_t_cache_invalidated_on_weight_update():
 def test_auto_mode_switches_on_measured_density():
     n, d, h = 8, 32, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=13)
-    st = TwELLState(density_threshold=0.2)
-    st.min_rows = st.min_flops = 0  # this test is about density; the size rules are below
-    y_a, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    st = TwELLState()
+    # this test is about density; the size rules are below
+    pol = FFNPolicy(infer_density_threshold=0.2, infer_min_rows=0, infer_min_flops=0)
+    y_a, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "twell"          # first call: no measurement yet
-    sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "twell"          # 5% < 20%
-    st.density_threshold = 0.01
-    y_b, stats = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    pol.infer_density_threshold = 0.01
+    y_b, stats = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "dense"          # 5% > 1%
     torch.testing.assert_close(y_b, y_a, rtol=1e-2, atol=1e-3)
     assert stats is not None and stats.n_tokens == n
@@ -375,11 +377,11 @@ def test_auto_dense_path_rechecks_density_periodically():
     n, d, h = 8, 32, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.3, seed=15)  # ~30 % active
     xs, wgs, wus, wds = make_ffn(n, d, h, torch.float32, 0.002, seed=15)  # almost none
-    st = TwELLState(density_threshold=0.1)
-    st.min_rows = st.min_flops = 0
+    st = TwELLState()
+    pol = FFNPolicy(infer_density_threshold=0.1, infer_min_rows=0, infer_min_flops=0)
 
     def call(*ins):  # one call, then let its (asynchronous on CUDA) density copy land
-        sparse_ffn(*ins, mode="auto", state=st, with_stats=False)
+        sparse_ffn(*ins, mode="auto", state=st, with_stats=False, policy=pol)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         st.poll_density()
@@ -397,13 +399,13 @@ def test_auto_dense_path_rechecks_density_periodically():
 def test_auto_mode_goes_dense_for_few_rows():
     n, d, h = 8, 32, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=14)
-    st = TwELLState(density_threshold=0.5)
-    st.min_flops = 0
-    st.min_rows = n + 1  # fewer rows than min_rows: dense even at low density
-    y_d, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    st = TwELLState()
+    # fewer rows than infer_min_rows: dense even at low density
+    pol = FFNPolicy(infer_density_threshold=0.5, infer_min_rows=n + 1, infer_min_flops=0)
+    y_d, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "dense"
-    st.min_rows = n
-    y_t, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    pol.infer_min_rows = n
+    y_t, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "twell"
     torch.testing.assert_close(y_d, y_t, rtol=1e-2, atol=1e-3)
 
@@ -495,15 +497,14 @@ def test_dense_path_fused_pass_matches_pytorch(with_stats):
 
 
 def test_auto_mode_goes_dense_for_a_small_ffn():
-    """Fewer dense FLOPs (6 M D H) than TwELLState.min_flops: dense even at low density and
+    """Fewer dense FLOPs (6 M D H) than FFNPolicy.infer_min_flops: dense even at low density and
     many rows (run Q: a small model's layer ran 0.60-0.84x of dense on TwELL)."""
     n, d, h = 8, 32, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=14)
-    st = TwELLState(density_threshold=0.5)
-    st.min_rows = 0
-    st.min_flops = 6 * n * d * h + 1
-    sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    st = TwELLState()
+    pol = FFNPolicy(infer_density_threshold=0.5, infer_min_rows=0, infer_min_flops=6 * n * d * h + 1)
+    sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "dense"
-    st.min_flops = 6 * n * d * h
-    sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    pol.infer_min_flops = 6 * n * d * h
+    sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "twell"

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from twell.ops.reference import gated_ffn_torch
+from twell.policy import FFNPolicy
 from twell.stats import FFNStats
 
 FFN_IMPLS = ("torch", "twell", "auto")
@@ -40,6 +41,9 @@ class SparseGatedMLP(nn.Module):
             ``train_path``, which the trainer sets from the layer's measured L0 and heavy-row
             fraction: the ELL training kernels, or dense mode, cuBLAS with fused elementwise
             passes).
+        policy: this layer's :class:`twell.policy.FFNPolicy` (``auto``'s thresholds, the
+            training layout's ELL capacity and all-dense fraction); the defaults when None.
+            Also an attribute: set it to change the layer's policy.
 
     Attributes:
         collect_stats: when True (default) every forward stores an
@@ -47,8 +51,8 @@ class SparseGatedMLP(nn.Module):
             sparsity tracker; set False for inference.
         last_stats: the most recent call's stats (or None).
         twell_state: per-layer :class:`twell.ops.ffn.TwELLState` for the
-            sparse paths (cached ``Wd^T``, density for ``"auto"``, TwELL
-            factor and producer choice), created on first sparse call.
+            sparse paths (cached ``Wd^T``, measured density for ``"auto"``, TwELL
+            factor), created on first sparse call.
         last_info: :class:`twell.ops.ffn.FFNInfo` of the last sparse call
             (path taken, density, overflow rows computed densely), or None.
 
@@ -59,7 +63,8 @@ class SparseGatedMLP(nn.Module):
     """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, *, gated: bool = True, impl: str = "torch"
+        self, hidden_size: int, intermediate_size: int, *, gated: bool = True, impl: str = "torch",
+        policy: FFNPolicy | None = None,
     ) -> None:
         super().__init__()
         if hidden_size <= 0 or intermediate_size <= 0:
@@ -75,13 +80,13 @@ class SparseGatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.impl = impl
+        self.policy = policy if policy is not None else FFNPolicy()
         self.collect_stats = True
         self.last_stats: FFNStats | None = None
         self.twell_state = None  # twell.ops.ffn.TwELLState, created lazily (triton optional)
         # impl="auto" with gradients: "twell" (ELL kernels) or "dense" (dense mode:
         # twell.ops.sparse_train.dense_ffn_train), set between optimizer steps by the trainer
-        # from this layer's measured L0 and heavy-row fraction
-        # (twell.ops.sparse_train.train_path_for_density); fixed
+        # from this layer's measured L0 and heavy-row fraction (self.policy.train_path); fixed
         # within a step, so a checkpointed forward and its recomputation agree. Starts dense: a
         # freshly initialised ReLU FFN has ~50 % of its units active. ("torch" is also accepted:
         # the plain PyTorch path.)
@@ -125,12 +130,12 @@ class SparseGatedMLP(nn.Module):
 
             y_ND, stats = dense_ffn_train(
                 x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
-                with_stats=self.collect_stats,
+                with_stats=self.collect_stats, ell_capacity=self.policy.ell_capacity,
             )
         elif impl == "torch":
             y_ND, stats = gated_ffn_torch(
                 x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
-                with_stats=self.collect_stats,
+                with_stats=self.collect_stats, ell_capacity=self.policy.ell_capacity,
             )
         else:
             from twell.ops.ffn import TwELLState, sparse_ffn  # lazy: triton is optional on CPU
@@ -140,7 +145,7 @@ class SparseGatedMLP(nn.Module):
             y_ND, stats = sparse_ffn(
                 x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
                 with_stats=self.collect_stats, mode=impl, state=self.twell_state,
-                backup_rows=self.backup_rows if self.collect_stats else -1,
+                policy=self.policy, backup_rows=self.backup_rows if self.collect_stats else -1,
             )
         self.last_stats = stats
         return y_ND.reshape(*lead, y_ND.shape[-1])

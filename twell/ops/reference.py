@@ -26,6 +26,7 @@ def gated_ffn_torch(
     w_down_DH: torch.Tensor,
     *,
     with_stats: bool = True,
+    ell_capacity: int = 0,
 ) -> tuple[torch.Tensor, FFNStats | None]:
     """Dense PyTorch reference of the (gated or non-gated) ReLU FFN.
 
@@ -35,6 +36,8 @@ def gated_ffn_torch(
         w_up_HD: (H, D) up weight.
         w_down_DH: (D, H) down weight.
         with_stats: also return :class:`FFNStats` (the L1 term keeps its graph).
+        ell_capacity: the capacity ``stats.heavy_rows`` counts against (0 =
+            ``twell.stats.default_ell_capacity(H)``).
 
     Returns:
         (y_ND, stats or None), y in the autocast / input dtype.
@@ -45,7 +48,7 @@ def gated_ffn_torch(
     else:
         g_NH = h_NH = F.relu(F.linear(x_ND, w_up_HD))
     y_ND = F.linear(h_NH, w_down_DH)
-    stats = stats_from_activations(h_NH, g_NH > 0) if with_stats else None
+    stats = stats_from_activations(h_NH, g_NH > 0, ell_capacity) if with_stats else None
     return y_ND, stats
 
 

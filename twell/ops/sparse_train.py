@@ -52,6 +52,7 @@ import os
 
 import torch
 
+from twell.policy import FFNPolicy
 from twell.stats import (  # noqa: F401 (DEFAULT_MAX_ROW_DENSITY re-exported)
     DEFAULT_MAX_ROW_DENSITY,
     FFNStats,
@@ -59,49 +60,20 @@ from twell.stats import (  # noqa: F401 (DEFAULT_MAX_ROW_DENSITY re-exported)
     stats_from_counts,
 )
 
-# Training "auto" rule (per layer, decided between optimizer steps from the layer's measured
-# statistics): the ELL training kernels when the layer's density (L0 / H) is at most
-# DEFAULT_TRAIN_DENSITY_THRESHOLD and at most DEFAULT_TRAIN_HEAVY_FRACTION of its tokens are heavy
-# rows (more non-zeros than the ELL capacity: the op computes those densely, and above half of
-# them it runs the whole call densely); else dense mode (``dense_ffn_train``: cuBLAS products, one
-# fused elementwise pass each way, statistics and L1 term included).
-# MEASURED (run K, docs/bench/run9/, H200, N=16384, D=2048, H=5632, fwd+bwd with the L1 term,
-# against bare cuBLAS in the same run): ELL path 1.86x / 1.01x at 0.3 / 1 % i.i.d. (no heavy
-# rows) vs dense mode 1.01x / 0.96x; at 3 / 10 % i.i.d. nearly every row is heavy and the op's
-# own fallback ran 0.93x / 0.90x vs dense mode 1.03x / 0.99x; heavy-tailed rows (a few % heavy)
-# 1.48x / 1.32x / 1.20x at 0.3 / 1 / 3 % vs dense mode ~1.02x, and at heavy-tailed 10 % (most
-# rows heavy) 0.87x vs 1.00x. Density alone cannot tell i.i.d. 3 % (dense wins) from heavy-tailed
-# 3 % (ELL wins); the heavy-row fraction can. Run L (docs/bench/run10/): with the limit at 25 %
-# heavy-tailed 3 % went to dense mode (0.995x) where the ELL path ran 1.09x, so the limit is now
-# the op's own fallback point, DEFAULT_DENSE_ROW_FRACTION (50 %): auto goes dense exactly where
-# the op would. 10 % is the densest case measured. Overrides: TWELL_TRAIN_AUTO_DENSITY,
-# TWELL_TRAIN_AUTO_HEAVY.
-DEFAULT_TRAIN_DENSITY_THRESHOLD = float(os.environ.get("TWELL_TRAIN_AUTO_DENSITY", "0.10"))
-DEFAULT_TRAIN_HEAVY_FRACTION = float(os.environ.get("TWELL_TRAIN_AUTO_HEAVY", "0.5"))
 
-
-def train_path_for_density(density: float, threshold: float | None = None,
-                           heavy_fraction: float = 0.0) -> str:
-    """Path of ``impl="auto"`` in training for a layer of measured density (L0 / H, a fraction)
-    and heavy-row fraction (tokens above the ELL capacity / tokens, ``FFNStats.heavy_rows``).
-
-    Returns ``"twell"`` (the ELL training kernels, :func:`sparse_ffn_train`) when
-    ``density <= threshold`` (default :data:`DEFAULT_TRAIN_DENSITY_THRESHOLD`) and
-    ``heavy_fraction <= DEFAULT_TRAIN_HEAVY_FRACTION``, else ``"dense"`` (:func:`dense_ffn_train`).
+def train_path_for_density(density: float, heavy_fraction: float = 0.0,
+                           policy: FFNPolicy | None = None) -> str:
+    """Path of ``impl="auto"`` in training for a layer of measured density (L0 / H) and
+    heavy-row fraction: :meth:`twell.policy.FFNPolicy.train_path` of ``policy`` (default: the
+    defaults). Returns ``"twell"`` (:func:`sparse_ffn_train`) or ``"dense"``
+    (:func:`dense_ffn_train`).
 
     Raises:
         ValueError: density or heavy_fraction outside [0, 1] or NaN.
     """
-    if not 0.0 <= density <= 1.0:
-        raise ValueError(f"density must be a fraction in [0, 1]; got {density}")
-    if not 0.0 <= heavy_fraction <= 1.0:
-        raise ValueError(f"heavy_fraction must be a fraction in [0, 1]; got {heavy_fraction}")
-    t = DEFAULT_TRAIN_DENSITY_THRESHOLD if threshold is None else threshold
-    ok = density <= t and heavy_fraction <= DEFAULT_TRAIN_HEAVY_FRACTION
-    return "twell" if ok else "dense"
+    return (policy if policy is not None else FFNPolicy()).train_path(density, heavy_fraction)
 
-# More heavy rows than this fraction of N: run the whole call through the dense backup.
-DEFAULT_DENSE_ROW_FRACTION = 0.5
+
 BACKENDS = ("auto", "triton", "torch")
 _CHUNK_ELEMS = 1 << 22  # torch backend: rows per chunk chosen so a gathered (n, K, D) block fits
 
@@ -731,10 +703,11 @@ def sparse_ffn_train(
     w_down_DH: torch.Tensor,
     *,
     with_stats: bool = True,
-    ell_capacity: int = 0,
-    dense_row_fraction: float = DEFAULT_DENSE_ROW_FRACTION,
+    ell_capacity: int | None = None,
+    dense_row_fraction: float | None = None,
     backend: str = "auto",
     backup_rows: int = -1,
+    policy: FFNPolicy | None = None,
 ) -> tuple[torch.Tensor, FFNStats | None]:
     """Gated ReLU FFN ``y = (relu(x Wg^T) * (x Wu^T)) Wd^T`` on the sparse training path.
 
@@ -752,9 +725,9 @@ def sparse_ffn_train(
         with_stats: also return :class:`FFNStats` (l1 differentiable; nnz_sum, nnz_max and
             active_counts from the compaction counts, detached).
         ell_capacity: KC, ELL slots per row; rows with more non-zeros go to the dense backup.
-            0 (default) = ``default_ell_capacity(H)`` (128 at H = 5632).
+            0 = ``default_ell_capacity(H)`` (128 at H = 5632); None = ``policy.ell_capacity``.
         dense_row_fraction: if more than this fraction of the rows is heavy, the whole call
-            runs through the dense backup.
+            runs through the dense backup; None = ``policy.dense_row_fraction``.
         backend: ``"auto"`` (Triton when usable, else PyTorch), ``"triton"`` or ``"torch"``.
         backup_rows: -1 (default): measure R, the number of heavy rows, with one host
             synchronisation per call and size the dense backup to it (exact on every input;
@@ -764,6 +737,8 @@ def sparse_ffn_train(
             fallback. The result is exact when ``stats.heavy_rows <= min(backup_rows, N - 1)``;
             otherwise the rows beyond the capacity are wrong, and the caller must discard the
             call's results and redo it with -1 (the trainer does, once per optimizer step).
+        policy: :class:`twell.policy.FFNPolicy` giving the capacity and fraction not passed
+            explicitly (default: the defaults).
 
     Returns:
         (y_ND in the compute dtype, FFNStats or None).
@@ -772,6 +747,10 @@ def sparse_ffn_train(
         ValueError: a shape, dtype, device or option mismatch (the message names it).
     """
     _check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend, "sparse_ffn_train")
+    policy = policy if policy is not None else FFNPolicy()
+    ell_capacity = policy.ell_capacity if ell_capacity is None else ell_capacity
+    if dense_row_fraction is None:
+        dense_row_fraction = policy.dense_row_fraction
     if backup_rows < -1:
         raise ValueError(f"sparse_ffn_train: backup_rows must be -1 (measure per call) or a "
                          f"capacity >= 0; got {backup_rows}")
@@ -788,7 +767,7 @@ def sparse_ffn_train(
     if n == 0:
         from twell.ops.reference import gated_ffn_torch
 
-        return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats)
+        return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats, ell_capacity=ell_capacity)
     out = _ffn_train_fwd(x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend,
                          int(backup_rows))
     kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(wg.shape[0])
@@ -803,14 +782,14 @@ def dense_ffn_train(
     *,
     with_stats: bool = True,
     backend: str = "auto",
+    ell_capacity: int = 0,
 ) -> tuple[torch.Tensor, FFNStats | None]:
     """Gated ReLU FFN for training in *dense mode*: cuBLAS products plus one fused elementwise
     pass each way, with the same statistics and L1 gradient as :func:`sparse_ffn_train`.
 
     For layers too dense for the ELL path (``model.ffn_impl=auto`` sends a layer here when its
-    measured density is above :data:`DEFAULT_TRAIN_DENSITY_THRESHOLD` or more than
-    :data:`DEFAULT_TRAIN_HEAVY_FRACTION` of its tokens are heavy rows; see
-    :func:`train_path_for_density`). Forward: g = x Wg^T and
+    measured density or heavy-row fraction is above the policy's limits; see
+    :meth:`twell.policy.FFNPolicy.train_path`). Forward: g = x Wg^T and
     u = x Wu^T (cuBLAS), one pass for h = relu(g) * u, the per-row sum |h| and L0 and the
     per-unit active counts, y = h Wd^T. Backward: dh = dy Wd (cuBLAS), one pass for
     dg = (dh + s sign(h)) u [g > 0], du = (dh + s sign(h)) relu(g) and h (s = dL/dl1 / N),
@@ -823,7 +802,8 @@ def dense_ffn_train(
     Source: arXiv 2603.23198 (FFN and L1 regularizer); the dense counterpart of the hybrid
     training kernels.
 
-    Args, returns: as :func:`sparse_ffn_train` (no ELL options); stats from the fused pass.
+    Args, returns: as :func:`sparse_ffn_train` (no ELL layout); stats from the fused pass;
+    ``ell_capacity`` only sets the capacity ``stats.heavy_rows`` counts against (0 = default).
 
     Raises:
         ValueError: a shape, dtype, device or option mismatch (the message names it).
@@ -834,6 +814,7 @@ def dense_ffn_train(
     if n == 0:
         from twell.ops.reference import gated_ffn_torch
 
-        return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats)
+        return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats, ell_capacity=ell_capacity)
     out = _ffn_dense_train_fwd(x, wg, wu, wd, backend)
-    return out[0], (_stats(out, default_ell_capacity(wg.shape[0])) if with_stats else None)
+    kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(wg.shape[0])
+    return out[0], (_stats(out, kc) if with_stats else None)
