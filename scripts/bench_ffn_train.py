@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from twell.ops import sparse_train
 from twell.ops import sparse_train_triton as tk
 from twell.ops.reference import gated_ffn_torch
+from twell.ops.reference import sparse_train_torch as rt
 from twell.ops.sparse_train import backup_capacity_for, sparse_ffn_train
 from twell.ops.sparse_train_triton import kernel_config
 from twell.policy import FFNPolicy
@@ -281,12 +282,11 @@ def parts(x, wg, wu, wd, dy, rep, label):
 
     n, d = x.shape
     h = wg.shape[0]
-    st = sparse_train
     out_rows = []
     with torch.no_grad():
         gate = x @ wg.t()
-        kc = st.default_ell_capacity(h)  # as in the sparse path: heavier rows -> dense backup
-        col_r, val_r, nnz_r, cnt_r = st._t_compact(gate, kc)
+        kc = sparse_train.default_ell_capacity(h)  # as in the sparse path: heavier rows -> dense backup
+        col_r, val_r, nnz_r, cnt_r = rt.compact(gate, kc)
         nnz = torch.where(nnz_r > kc, 0, nnz_r)
         k = max(1, int(nnz.max()))
         col, gv = col_r[:, :k].contiguous(), val_r[:, :k].contiguous()
@@ -294,17 +294,17 @@ def parts(x, wg, wu, wd, dy, rep, label):
         wdt = wd.t().contiguous()
         # SDDMM outputs from the PyTorch backend: zeros in the unused slots (the Triton SDDMM
         # leaves them undefined, and the fp32 references multiply them by a 0/1 mask)
-        u, _ = st._t_sddmm_fwd(x, wu, col, gv, nnz)
+        u, _ = rt.sddmm_fwd(x, wu, col, gv, nnz)
         scale = torch.tensor(0.2, device=x.device)
-        dg, du = st._t_sddmm_bwd(dy, wdt, col, gv, u, nnz, scale)
-        keys = torch.where(st._valid(nnz, k), col, h).reshape(-1)
+        dg, du = rt.sddmm_bwd(dy, wdt, col, gv, u, nnz, scale)
+        keys = torch.where(rt.valid_slots(nnz, k), col, h).reshape(-1)
         sk, perm = torch.sort(keys, stable=True)
         colptr = torch.searchsorted(sk, torch.arange(h + 1, dtype=keys.dtype, device=x.device))
         # fp32 references from the PyTorch backend (independent code)
-        ref_y = st._t_spmm(torch.empty(n, d, device=x.device), wdt, None, col, gv, u, nnz)
-        ref_dx = st._t_spmm(torch.empty(n, d, device=x.device), wg, wu, col, dg, du, nnz)
+        ref_y = rt.spmm(torch.empty(n, d, device=x.device), wdt, None, col, gv, u, nnz)
+        ref_dx = rt.spmm(torch.empty(n, d, device=x.device), wg, wu, col, dg, du, nnz)
         ref_dw = [torch.empty(h, d, device=x.device) for _ in range(3)]
-        st._t_dw(*ref_dw, None, x, dy, perm, colptr, dg, du, gv, u)
+        rt.dw(*ref_dw, None, x, dy, perm, colptr, dg, du, gv, u)
         print(f"## parts {label}: K={k} ELL nnz/token={nnz_total / n:.1f} "
               f"(dense-backup rows {int((nnz_r > kc).sum())})", flush=True)
 
@@ -340,7 +340,7 @@ def parts(x, wg, wu, wd, dy, rep, label):
                         torch.cuda.synchronize()
                         if part == "compact":
                             c2, v2, nz2, ct2 = out
-                            val_ok = st._valid(torch.clamp(nz2, max=kc), kc)
+                            val_ok = rt.valid_slots(torch.clamp(nz2, max=kc), kc)
                             ok = (torch.equal(nz2, nnz_r) and torch.equal(ct2, cnt_r)
                                   and torch.equal(c2[val_ok], col_r[val_ok])
                                   and torch.equal(v2[val_ok], val_r[val_ok]))
@@ -350,7 +350,7 @@ def parts(x, wg, wu, wd, dy, rep, label):
                         else:
                             outs = out if isinstance(out, list) else [out]
                             if part == "sddmm_u":  # slots past nnz are undefined: compare valid
-                                outs = [torch.where(st._valid(nnz, k), out, 0)]
+                                outs = [torch.where(rt.valid_slots(nnz, k), out, 0)]
                             refs = ref if isinstance(ref, list) else [ref]
                             e = max(rel(a, b) for a, b in zip(outs, refs))
                             row["err"] = f"{e:.1e}"

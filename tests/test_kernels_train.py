@@ -14,16 +14,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from twell.ops import sparse_train
-from twell.ops.reference import gated_ffn_torch
+from twell.ops import ffn_dense_train, ffn_train, sparse_train
+from twell.ops.reference import gated_ffn_torch, sparse_train_torch
 from twell.ops.sparse_train import sparse_ffn_train
+from twell.ops.train_backend import pick_backend
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _triton_usable() -> bool:
     x = torch.zeros(1, 1, device=DEV)
-    return sparse_train._backend(x, "auto") is not sparse_train._TorchBackend
+    return pick_backend(x, "auto") is not sparse_train_torch
 
 
 needs_triton = pytest.mark.skipif(not _triton_usable(), reason="Triton (or its interpreter) absent")
@@ -184,13 +185,13 @@ def test_compact_counts_match_torch():
 
     x, wg, _, _, _ = make_inputs(37, 24, 300, threshold=1.2, seed=23, zero_rows=(3,))
     g = (x @ wg.T).float().to(DEV)
-    col_r, val_r, nnz_r, cnt_r = sparse_train._t_compact(g, 16)
+    col_r, val_r, nnz_r, cnt_r = sparse_train_torch.compact(g, 16)
     assert (nnz_r > 16).any() and (nnz_r == 0).any()
     for block_n, warps in ((1, 1), (4, 1), (4, 4), (8, 2), (4, 2)):
         with tk.kernel_config(compact_block_n=block_n, compact_warps=warps):
             col, val, nnz, cnt = tk.compact(g, 16)
         assert torch.equal(nnz, nnz_r) and torch.equal(cnt, cnt_r), (block_n, warps)
-        valid = sparse_train._valid(torch.clamp(nnz_r, max=16), 16)
+        valid = sparse_train_torch.valid_slots(torch.clamp(nnz_r, max=16), 16)
         assert torch.equal(col[valid], col_r[valid]) and torch.equal(val[valid], val_r[valid])
 
 
@@ -344,7 +345,7 @@ def test_bf16_autocast_fp32_master_weights():
 def test_opcheck():
     x, wg, wu, wd, _ = make_inputs(7, 16, 64, seed=14)
     args = tuple(t.float() for t in (x, wg, wu, wd)) + (4, 1.0, "torch")
-    torch.library.opcheck(sparse_train._ffn_train_fwd, args)
+    torch.library.opcheck(ffn_train._ffn_train_fwd, args)
 
 
 def test_bad_inputs_name_the_argument():
@@ -422,7 +423,7 @@ def test_compact_heavy_bookkeeping_matches_torch():
 
     x, wg, _, _, _ = make_inputs(37, 24, 300, threshold=1.2, seed=23, zero_rows=(3,))
     g = (x @ wg.T).float().to(DEV)
-    ref = sparse_train._t_compact_heavy(g, 16)
+    ref = sparse_train_torch.compact_heavy(g, 16)
     assert 0 < int(ref[5]) < 37 and int(ref[5]) == int((ref[2] > 16).sum())
     for block_n, warps in ((1, 1), (4, 2)):
         with tk.kernel_config(compact_block_n=block_n, compact_warps=warps):
@@ -459,7 +460,7 @@ def test_dense_mode_triton_fp32(block, n, d, h):
 def test_dense_mode_opcheck_compile_and_checkpoint():
     x, wg, wu, wd, dy = make_inputs(7, 16, 64, seed=14)
     args = tuple(t.float() for t in (x, wg, wu, wd)) + ("torch",)
-    torch.library.opcheck(sparse_train._ffn_dense_train_fwd, args)
+    torch.library.opcheck(ffn_dense_train._ffn_dense_train_fwd, args)
 
     def f(x, wg, wu, wd, dy):
         y, st = sparse_train.dense_ffn_train(x, wg, wu, wd, backend="torch")

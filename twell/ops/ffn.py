@@ -195,7 +195,7 @@ def _dense_fused(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, measure):
     """Gated dense path with one fused Triton pass for ``h = relu(g) * u`` (and, when asked, the
     statistics: per-row sum |h| and L0, per-unit counts) instead of PyTorch's ReLU and multiply
     passes and its separate statistics reductions. Same outputs as the PyTorch dense path."""
-    from twell.ops.sparse_train_triton import dense_fwd
+    from twell.ops.elementwise import dense_fwd
 
     n, h = x_ND.shape[0], w_up_HD.shape[0]
     g = F.linear(x_ND, w_gate_HD)

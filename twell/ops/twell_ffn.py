@@ -103,6 +103,15 @@ def _decode(wrd, FP16_VALUES: tl.constexpr):
 
 
 @triton.jit
+def _take(wrds, idx, offs_k, n_here, FP16_VALUES: tl.constexpr):
+    """Words ``idx`` (NB,) of a batch of K slot words (a one-hot select: exact for int32) ->
+    (column int32, value fp32, valid = idx < n_here)."""
+    sel = offs_k[None, :] == idx[:, None]
+    cols, v = _decode(tl.sum(tl.where(sel, wrds[None, :], 0), axis=1), FP16_VALUES)
+    return cols, v, idx < n_here
+
+
+@triton.jit
 def _load_rows(cols, valid, offs_d, d_mask, wu_ptr, wdt_ptr, stride_wu, stride_wd, GATED: tl.constexpr):
     """Issue the gathers of Wu[cols] (GATED) and WdT[cols]: (NB, BLOCK_D) each, both before any use."""
     c64 = cols.to(tl.int64)
@@ -179,10 +188,8 @@ def _twell_ffn_kernel(
                 before = tl.sum(tl.where(le, eff[None, :], 0), axis=1)
                 wrds = tl.load(row_tw + tile_k * W + 1 + (kk - before), mask=kk < total, other=0)
                 n_here = tl.minimum(total - s0, K)
-                # step j takes words j .. j+NB-1 of the batch (one-hot select: exact for int32)
-                sel = offs_k[None, :] == offs_nb[:, None]
-                cols, v = _decode(tl.sum(tl.where(sel, wrds[None, :], 0), axis=1), FP16_VALUES)
-                valid = offs_nb < n_here
+                # step j takes words j .. j+NB-1 of the batch
+                cols, v, valid = _take(wrds, offs_nb, offs_k, n_here, FP16_VALUES)
                 if PREFETCH:
                     wu, wd = _load_rows(cols, valid, offs_d, d_mask, wu_ptr, wdt_ptr, stride_wu,
                                         stride_wd, GATED)
@@ -195,10 +202,7 @@ def _twell_ffn_kernel(
                                                     stride_wu, stride_wd, GATED)
                     cur_v = v
                     cur_valid = valid
-                    nxt = j + NB + offs_nb
-                    sel = offs_k[None, :] == nxt[:, None]
-                    cols, v = _decode(tl.sum(tl.where(sel, wrds[None, :], 0), axis=1), FP16_VALUES)
-                    valid = nxt < n_here
+                    cols, v, valid = _take(wrds, j + NB + offs_nb, offs_k, n_here, FP16_VALUES)
                     if PREFETCH:
                         wu, wd = _load_rows(cols, valid, offs_d, d_mask, wu_ptr, wdt_ptr, stride_wu,
                                             stride_wd, GATED)

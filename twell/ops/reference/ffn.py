@@ -19,15 +19,9 @@ from twell.format import TILE, pack
 from twell.stats import FFNStats, stats_from_activations
 
 
-def gated_ffn_torch(
-    x_ND: torch.Tensor,
-    w_gate_HD: torch.Tensor | None,
-    w_up_HD: torch.Tensor,
-    w_down_DH: torch.Tensor,
-    *,
-    with_stats: bool = True,
-    ell_capacity: int = 0,
-) -> tuple[torch.Tensor, FFNStats | None]:
+def gated_ffn_torch(x_ND: torch.Tensor, w_gate_HD: torch.Tensor | None, w_up_HD: torch.Tensor,
+                    w_down_DH: torch.Tensor, *, with_stats: bool = True,
+                    ell_capacity: int = 0) -> tuple[torch.Tensor, FFNStats | None]:
     """Dense PyTorch reference of the (gated or non-gated) ReLU FFN.
 
     Args:
