@@ -214,7 +214,9 @@ def test_kernel_config_rejects_bad_values():
             pass
     with tk.kernel_config(dw_d_outer=0):
         pass
-    assert tk.CONFIG == tk._DEFAULT_CONFIG  # restored after the failed attempts
+    from twell.ops.launch import _DEFAULT_CONFIG
+
+    assert tk.CONFIG == _DEFAULT_CONFIG  # restored after the failed attempts
 
 
 # --- Edge cases, both backends ---------------------------------------------------------------
