@@ -8,6 +8,7 @@ not). Shapes are small and odd; the full shape sweep is in
 ``ffn_reference_fp64`` is also the reference of ``scripts/bench_ffn.py``.
 """
 
+import math
 import os
 
 import torch
@@ -508,3 +509,33 @@ def test_auto_mode_goes_dense_for_a_small_ffn():
     pol.infer_min_flops = 6 * n * d * h
     sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "twell"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("path", ["twell", "twell-torch", "dense"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_nonfinite_input_row_propagates_on_every_inference_path(path, gated, value, monkeypatch):
+    """A NaN / inf in x[r]: y[r] is non-finite on the TwELL kernels, on their PyTorch reference
+    (no Triton) and on auto's dense path (the fused relu * u pass), like dense PyTorch; the
+    other rows are unchanged, and the statistics count the NaN row's gates as active."""
+    import twell.ops.ffn as ffn_mod
+
+    n, d, h = 6, 32, 300
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=7, gated=gated)
+    wg = wg if gated else None
+    x[2, 5] = value
+    if path == "twell-torch":
+        monkeypatch.setattr(ffn_mod, "_triton_ok", lambda t: False)
+    pol = FFNPolicy(infer_min_rows=0, infer_min_flops=0) if path != "dense" else FFNPolicy()
+    st = TwELLState()
+    y, stats = sparse_ffn(x, wg, wu, wd, mode="auto" if path == "dense" else "twell", state=st,
+                          policy=pol)
+    assert st.last_info.path == path
+    pre = x.double() @ (wg if gated else wu).double().T
+    y_torch = (torch.relu(pre) * (x.double() @ wu.double().T) if gated else torch.relu(pre)) @ wd.double().T
+    assert not torch.isfinite(y_torch[2]).any() and not torch.isfinite(y[2]).any(), y[2]
+    ok = [0, 1, 3, 4, 5]
+    assert torch.isfinite(y[ok]).all()
+    torch.testing.assert_close(y[ok].double(), y_torch[ok], rtol=2e-2, atol=2e-3)
+    if math.isnan(value):  # every gate of the row is NaN, counted active
+        assert stats.nnz_max.item() == h

@@ -583,3 +583,64 @@ def _check_compiled_and_checkpointed(f, x, wg, wu, wd, dy):
 
     for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), _grads(ck, x, wg, wu, wd, dy), g_r):
         assert_close(name, a, b, 2e-5)
+
+
+# --- non-finite inputs: NaN / inf in one input row reach that row's output and every gradient ---
+
+NONFINITE = [float("nan"), float("inf"), float("-inf")]
+# (path, backend, options): the heavy-row dense backup (a NaN row has every unit active: heavy),
+# the ELL kernels themselves (capacity H: the non-finite row stays in the ELL part), the op's
+# all-dense fallback, the no-sync mode with a capacity that holds the heavy rows, and dense mode
+TRAIN_PATHS = [("backup", {}), ("ell", {"ell_capacity": 64, "dense_row_fraction": 1.0}),
+               ("all_dense", {"dense_row_fraction": 0.0}), ("nosync", {"backup_rows": None}),
+               ("dense_mode", {})]
+
+
+def _nonfinite_case(value):
+    x, wg, wu, wd, dy = make_inputs(9, 16, 64, threshold=1.5, seed=61)
+    x = x.clone()
+    x[3, 5] = value  # row 3: every gate and up value is non-finite
+    return x, wg, wu, wd, dy
+
+
+def _reference_with_nonfinite(x, wg, wu, wd, dy, l1_coeff):
+    """fp64 dense autograd of sum(y * dy) + c * l1 (``reference`` asserts nothing: NaN allowed)."""
+    return reference(x, wg, wu, wd, dy, l1_coeff)
+
+
+@pytest.mark.parametrize("value", NONFINITE, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("path,opts", TRAIN_PATHS, ids=[p for p, _ in TRAIN_PATHS])
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+def test_nonfinite_input_row_reaches_its_output_and_every_gradient(backend, dtype, rel, path, opts,
+                                                                   value):
+    """A NaN / inf in x[r] gives, as fp64 dense PyTorch does: y[r] and dx[r] non-finite, a
+    non-finite L1 term, non-finite entries in dWg, dWu and dWd, and every other row of y and dx
+    unchanged. A NaN gate counts as active (``not (g <= 0)``), so a NaN row is heavy and takes
+    the dense backup; on the paths that run dense math for that row (dense backup, all-dense,
+    no-sync, dense mode) the non-finite pattern of every output equals the reference's. On the
+    ELL path inactive units are exact zeros (an -inf gate adds no 0 * inf), so only "contains
+    non-finite" is required of the weight gradients there."""
+    x, wg, wu, wd, dy = _nonfinite_case(value)
+    r, ok = 3, [i for i in range(9) if i != 3]
+    y_r, _, g_r = _reference_with_nonfinite(x, wg, wu, wd, dy, 0.5)
+    assert not torch.isfinite(y_r[r]).any() and torch.isfinite(y_r[ok]).all()
+    kw = dict(opts)
+    fn = sparse_train.dense_ffn_train if path == "dense_mode" else sparse_ffn_train
+    if path == "nosync":  # the capacity from a measuring call, as the trainer does
+        _, st0, _ = run_ours(x, wg, wu, wd, dy, 0.5, dtype, backend=backend)
+        kw["backup_rows"] = int(st0.heavy_rows.item())
+        assert kw["backup_rows"] >= 1
+    y, st, g = run_ours(x, wg, wu, wd, dy, 0.5, dtype, fn=fn, backend=backend, **kw)
+    y, g = y.cpu(), [t.cpu() for t in g]
+    assert not torch.isfinite(y[r]).any(), f"y[{r}] = {y[r]}"
+    assert not torch.isfinite(st.l1).item()
+    assert not torch.isfinite(g[0][r]).any(), f"dx[{r}] = {g[0][r]}"
+    assert_close("y (finite rows)", y[ok], y_r[ok], rel)
+    assert_close("dx (finite rows)", g[0][ok], g_r[0][ok], rel)
+    for name, a, b in zip(("dWg", "dWu", "dWd"), g[1:], g_r[1:]):
+        assert not torch.isfinite(a).all(), f"{name} is all finite"
+        if path != "ell":
+            assert torch.equal(torch.isfinite(a), torch.isfinite(b)), name
+    if path != "ell":
+        assert torch.equal(torch.isfinite(y), torch.isfinite(y_r))
+        assert torch.equal(torch.isfinite(g[0]), torch.isfinite(g_r[0]))

@@ -52,7 +52,7 @@ def _compact_kernel(
 ):
     """ReLU + compaction: per row, slot ``pos = #(active columns before c)`` gets (c, g[n, c]).
 
-    active[n, c] = g[n, c] > 0; nnz[n] = sum_c active (all of them, also past KC); counts[c] +=
+    active[n, c] = not (g[n, c] <= 0) (NaN active); nnz[n] = sum_c active (all of them, also past KC); counts[c] +=
     sum_n active. With HEAVY also nnz_eff[n] = nnz[n], or 0 when nnz[n] > KC (the row goes to
     the dense backup), and heavy += the number of such rows.
 
@@ -78,7 +78,7 @@ def _compact_kernel(
         g1 = g2
         c2 = cols + 2 * BLOCK_H
         g2 = tl.load(gp + c2[None, :], mask=mrow[:, None] & (c2 < H)[None, :], other=0.0)
-        act = g > 0
+        act = ~(g <= 0)  # NaN counts as active: a NaN row is heavy and reaches the backup
         if tl.sum(tl.sum(act.to(tl.int32), axis=1), axis=0) > 0:  # skip all-zero blocks
             base = _compact_block(g, act, base, rows64, cols, col_ptr, val_ptr, counts_ptr,
                                   H, KC, BLOCK_N, BLOCK_H)

@@ -52,7 +52,8 @@ def _backup_bwd_kernel(
     numel,  # R*H
     BLOCK: tl.constexpr,  # elements per program
 ):
-    """dh += scale * sign(h); dg = dh * u where g > 0 (else 0); du = dh * g; h = g * u."""
+    """dh += scale * sign(h) (sign(NaN) = 0, as PyTorch's L1 gradient); dg = dh * u where
+    relu(g) is not 0 (a NaN gate passes, as in PyTorch), else exactly 0; du = dh * g; h = g * u."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
@@ -65,7 +66,7 @@ def _backup_bwd_kernel(
     h = (g * u).to(h_ptr.dtype.element_ty)
     hf = h.to(tl.float32)
     dh += s * tl.where(hf > 0, 1.0, tl.where(hf < 0, -1.0, 0.0))
-    tl.store(dh_ptr + offs, tl.where(g > 0, dh * u, 0.0).to(dh_ptr.dtype.element_ty), mask=m)
+    tl.store(dh_ptr + offs, tl.where(g <= 0, 0.0, dh * u).to(dh_ptr.dtype.element_ty), mask=m)
     tl.store(du_ptr + offs, (dh * g).to(du_ptr.dtype.element_ty), mask=m)
     tl.store(h_ptr + offs, h, mask=m)
 
@@ -76,7 +77,7 @@ def _dense_fwd_kernel(
     u_ptr,  # (N, H) up
     h_ptr,  # (N, H) out: h = relu(g) * u (dtype of h)
     l1_ptr,  # (N,) fp32 out: sum_j |h_nj| (of the rounded h)
-    nnz_ptr,  # (N,) int32 out: active units of the row (g > 0)
+    nnz_ptr,  # (N,) int32 out: active units of the row (not (g <= 0): NaN active)
     cpart_ptr,  # (cdiv(N, BLOCK_N), H) int32 out: active tokens per unit within this row block
     N,  # rows
     H,  # columns
@@ -102,7 +103,7 @@ def _dense_fwd_kernel(
         off = base + cols[None, :]
         g = tl.load(g_ptr + off, mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + off, mask=m, other=0.0).to(tl.float32)
-        act = g > 0
+        act = ~(g <= 0)
         # relu(NaN) = NaN as in PyTorch (the GPU max would return 0: a NaN gate would vanish)
         h = (tl.maximum(g, 0.0, propagate_nan=tl.PropagateNan.ALL) * u).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + off, h, mask=m)

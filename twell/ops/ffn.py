@@ -181,11 +181,11 @@ def _dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, measure=True):
     h = g * F.linear(x_ND, w_up_HD) if w_gate_HD is not None else g
     y = F.linear(h, w_down_DH)
     if with_stats:
-        stats = stats_from_activations(h, g > 0)
+        stats = stats_from_activations(h, ~(g <= 0))
         dens = stats.nnz_sum / max(pre.numel(), 1)
     elif measure:  # 1/16 of the rows is enough to steer "auto"
         stats = None
-        dens = (pre[::16] > 0).float().mean() if pre.numel() else pre.new_zeros((), dtype=torch.float32)
+        dens = (~(pre[::16] <= 0)).float().mean() if pre.numel() else pre.new_zeros((), dtype=torch.float32)
     else:
         return y, None, None
     return y, stats, dens.float()

@@ -42,7 +42,7 @@ def gated_ffn_torch(x_ND: torch.Tensor, w_gate_HD: torch.Tensor | None, w_up_HD:
     else:
         g_NH = h_NH = F.relu(F.linear(x_ND, w_up_HD))
     y_ND = F.linear(h_NH, w_down_DH)
-    stats = stats_from_activations(h_NH, g_NH > 0, ell_capacity) if with_stats else None
+    stats = stats_from_activations(h_NH, ~(g_NH <= 0), ell_capacity) if with_stats else None
     return y_ND, stats
 
 

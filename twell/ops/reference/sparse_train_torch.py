@@ -20,7 +20,7 @@ def _rows_per_chunk(k: int, d: int) -> int:
 
 def compact(g_NH: torch.Tensor, kc: int):
     """ReLU + ELL compaction (as ``twell.ops.compact.compact``; unused slots are zero)."""
-    act = g_NH > 0
+    act = ~(g_NH <= 0)  # NaN counts as active
     nnz = act.sum(1, dtype=torch.int32)
     counts = act.sum(0, dtype=torch.int32)
     pos = act.cumsum(1) - 1
@@ -42,11 +42,17 @@ def compact_heavy(g_NH: torch.Tensor, kc: int):
 
 def dense_fwd(g_NH: torch.Tensor, u_NH: torch.Tensor):
     """Dense mode forward: (h = relu(g) * u, per-row sum |h|, per-row L0, per-unit counts)."""
-    act = g_NH > 0
+    act = ~(g_NH <= 0)
     h = g_NH.clamp(min=0) * u_NH
     acc = torch.promote_types(h.dtype, torch.float32)
     return (h, torch.linalg.vector_norm(h, ord=1, dim=1, dtype=acc), act.sum(1, dtype=torch.int32),
             act.sum(0, dtype=torch.int32))
+
+
+def _sign(t: torch.Tensor) -> torch.Tensor:
+    """sign(t) with sign(NaN) = 0: the L1 gradient of PyTorch's ``vector_norm(ord=1)`` (and of the
+    Triton kernels)."""
+    return (t > 0).to(t.dtype) - (t < 0).to(t.dtype)
 
 
 def valid_slots(nnz_N: torch.Tensor, k: int) -> torch.Tensor:
@@ -95,7 +101,7 @@ def sddmm_bwd(dy_ND, w_down_t_HD, col_NK, g_NK, u_NK, nnz_N, l1_scale):
     valid = valid_slots(nnz_N, kk)
     acc = torch.promote_types(dy_ND.dtype, torch.float32)
     u = torch.where(valid, u_NK.to(acc), 0)
-    dh = _gather_dot(dy_ND, w_down_t_HD, col_NK) + l1_scale.to(acc) * torch.sign(u)
+    dh = _gather_dot(dy_ND, w_down_t_HD, col_NK) + l1_scale.to(acc) * _sign(u)
     return _pad(dh * u * valid, k), _pad(dh * torch.where(valid, g_NK.to(acc), 0), k)
 
 
@@ -158,5 +164,5 @@ def backup_bwd(dh_RH, g_RH, u_RH, l1_scale):
     """Returns (dg, du, h) of the dense rows from dh = dy Wd (g relu'd or raw)."""
     g_RH = g_RH.clamp(min=0)  # dense mode saves the raw pre-activation
     h = g_RH * u_RH
-    dh = dh_RH + (l1_scale * torch.sign(h)).to(dh_RH.dtype)
-    return dh * u_RH * (g_RH > 0), dh * g_RH, h
+    dh = dh_RH + (l1_scale * _sign(h)).to(dh_RH.dtype)
+    return torch.where(g_RH <= 0, 0, dh * u_RH), dh * g_RH, h
