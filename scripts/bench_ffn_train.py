@@ -2,7 +2,7 @@
 
     python scripts/bench_ffn_train.py                 # parts + full run (~3 min on an H200)
     python scripts/bench_ffn_train.py --quick         # fewer repetitions
-    python scripts/bench_ffn_train.py --parts-only    # per-kernel old vs new only (~1 min)
+    python scripts/bench_ffn_train.py --parts-only    # per-kernel launch shapes only (~1 min)
     OUT=/some/dir python scripts/bench_ffn_train.py   # also writes $OUT/bench_ffn_train.csv
     python scripts/bench_ffn_train.py --stack 8       # + 8 layers in sequence: sync vs no-sync
 
@@ -24,10 +24,6 @@ raised. Variants:
     dense_stats the trainer's torch path: the same plus the L1 term and activation statistics
     dense_mode  dense_ffn_train (ffn_impl=auto above its threshold): cuBLAS + one fused
                 elementwise pass each way, statistics and the L1 term included
-    sparse_old  sparse_ffn_train, default policy, FIRST-generation kernels (compact v1, spmm
-                tiled, dw tiled: the kernels measured in runs A/B of BENCHMARKS.md)
-    sparse_runD sparse_ffn_train with run D's kernel shapes (compaction v2, SDDMM k16, dW j8
-                d512 w2) in the current code
     sparse      sparse_ffn_train with its default policy and the current default kernels
                 (ELL capacity 128, dense fallback; see _DEFAULT_CONFIG)
     sparse_ell  sparse_ffn_train forced through the ELL path (capacity >= the widest row), to
@@ -36,39 +32,21 @@ raised. Variants:
                 sparse or dense_mode
     sparse_nosync sparse with no host sync: dense-backup capacity from the first call's
                 heavy-row count x 1.25 + 16 (the trainer's model.ffn_host_sync=step)
-    sparse_late sparse with the CSC sort queued after the forward's host wait (runs E-J)
     sparse_dwo* sparse with the dW grid's D slice outermost, slices of 1024 / 512 / 256
 
+Superseded kernels (compaction v1-v3, the first SpMM and dW kernels, the CSC sort after the host
+wait) are deleted; their numbers are in BENCHMARKS.md (code at git commit 629013a), and the
+summary ends with ``sparse``'s speedup against the one recorded in run K.
+
 PARTS (before the full runs, i.i.d. 0.3 % and 1 %, heavy 0.3 %): every Triton kernel of the
-sparse path timed alone, first generation next to the second and a few launch shapes, on the
-same ELL state; each output is first checked against the PyTorch backend in fp32 (compaction:
-exact equality). Columns: ms, speedup over the first generation, effective TB/s of gathered rows.
+sparse path timed alone at several launch shapes, on the same ELL state; each output is first
+checked against the PyTorch backend in fp32 (compaction: exact equality). Columns: ms, speedup
+over the default shape (the first row of each kernel), effective TB/s of gathered rows.
 
 Targets (issue 6): sparse >= 2.5x dense at 0.3 %, >= 1.5x at 1 %, >= 0.95x at 3 % and 10 %;
 peak extra memory <= 0.5x dense at <= 1 %.
 
-PREDICTIONS (written before any GPU run; untuned first kernels, the paper's H200 calibration):
-    i.i.d.  0.3 %: fwd ~0.9 ms, fwd+bwd ~2.4 ms  -> ~2.1x   (target 2.5x: likely missed)
-    i.i.d.  1   %: fwd ~1.4 ms, fwd+bwd ~4.2 ms  -> ~1.2x   (target 1.5x: likely missed)
-    i.i.d.  3 / 10 %: default policy goes dense (rows > 128) -> ~0.93x; sparse_ell ~0.5x
-    peak extra memory at <= 1 %: ~0.3x dense
-
-MEASURED (one H200, torch 2.11, triton 3.6, --quick, commit 0d661a0 = this file's kernels):
-    dense fwd+bwd 4.8-5.1 ms (~680 TFLOP/s), peak extra 966 MB. All variants correct: rel. error
-    of y and every gradient 2-7e-3 vs fp32, same as dense bf16; stats counts equal the dense path.
-    sparse: iid 0.3 % 6.6 ms (0.77x), 1 % 9.2 ms (0.53x), 3 % 5.6 ms (0.90x, dense fallback),
-            10 % 5.7 ms (0.90x, fallback); heavy-tailed 0.3 % 0.81x, 1 % 0.68x, 3 % 0.60x,
-            10 % 0.90x. Peak extra memory 0.28x / 0.29x dense at 0.3 / 1 % i.i.d. (target met),
-            0.44x / 0.56x heavy-tailed, 1.49x in the dense fallback.
-    Speed targets MISSED. Profile at 0.3 % i.i.d. (per step): _spmm_kernel 2.7 ms (y + dx,
-    ~1.2 TB/s of gathered rows), _dw_kernel 1.6 ms, _sddmm_kernel 0.56 ms (fwd + bwd, ~4 TB/s),
-    _compact_kernel 0.49 ms, gate GEMM 0.48 ms, sort 0.06 ms. A per-token SpMM looping over D
-    was NOT faster, and 4-row compaction / 256-wide dW chunks were slower (reverted).
-
-PREDICTIONS for the second-generation kernels (kopt-train, written before any GPU run; details
-and reasoning in BENCHMARKS.md, training section): per step at 0.3 % i.i.d. compaction 0.49 ->
-~0.08 ms, SpMM y + dx 2.69 -> ~0.9 ms, dW 1.60 -> ~0.7 ms; sparse fwd+bwd ~3.5 ms (~1.4x, target
-2.5x still missed), 1 % ~6 ms (~0.85x, missed), 3 / 10 % dense fallback ~0.97x (target 0.95x met).
+Measured numbers and their history: BENCHMARKS.md, "Training FFN".
 """
 
 from __future__ import annotations
@@ -86,11 +64,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from twell.nn.mlp import gated_ffn_torch
 from twell.ops import sparse_train
 from twell.ops import sparse_train_triton as tk
+from twell.ops.reference import gated_ffn_torch
+from twell.ops.reference import sparse_train_torch as rt
 from twell.ops.sparse_train import backup_capacity_for, sparse_ffn_train
 from twell.ops.sparse_train_triton import kernel_config
+from twell.policy import FFNPolicy
 
 L1_COEFF_PER_TOKEN = 0.2  # loss = sum(y*dy) + c*l1 with c = 0.2 N: L1 grad comparable to dy's
 
@@ -123,22 +103,19 @@ def make_case(n, d, h, density, dist, seed=0, device="cuda"):
     return [t.bfloat16().contiguous() for t in (x, wg, wu, wd, dy)]
 
 
-GEN1 = {"compact": "v1", "spmm": "tiled", "dw": "tiled"}  # first-generation kernels
 # Kernel configs per variant (on top of the library defaults); every "sparse*" variant runs the
 # default policy (ELL capacity 128 + dense backup) except sparse_ell.
 VARIANT_CFG = {
-    "sparse_old": GEN1,
-    # run-D kernel shapes (compaction v2, SDDMM k16, dW j8 d512 w2): the previous version
-    "sparse_c3": {"compact": "v3"},  # compaction without the all-zero-block skip (run H's default)
-    "sparse_runD": {"compact": "v2", "sddmm_block_k": 16, "dw_block_j": 8, "dw_block_d": 512,
-                    "dw_warps": 2},
     # dW grid with the D slice outermost (a slice of x and dy at a time in L2)
     "sparse_dwo1024": {"dw_d_outer": 1, "dw_block_d": 1024, "dw_warps": 4},
     "sparse_dwo512": {"dw_d_outer": 1, "dw_block_d": 512, "dw_warps": 2},
     "sparse_dwo256": {"dw_d_outer": 1, "dw_block_d": 256, "dw_warps": 1},
 }
-# sparse_late: the CSC sort queued after the forward's host wait, as in runs E-J (previous version)
-LATE_CSC = ("sparse_late",)
+# ``sparse``'s speedup over dense fwd+bwd recorded in run K (BENCHMARKS.md, "Runs K, L, M"; N 16384,
+# D 2048, H 5632): the summary prints this run's against it.
+RECORDED_RUN_K = {("iid", 0.003): 1.86, ("iid", 0.01): 1.01, ("iid", 0.03): 0.93,
+                  ("iid", 0.1): 0.90, ("heavy", 0.003): 1.48, ("heavy", 0.01): 1.32,
+                  ("heavy", 0.03): 1.20, ("heavy", 0.1): 0.87}
 
 
 def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
@@ -147,13 +124,9 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
     c = L1_COEFF_PER_TOKEN * x.shape[0]
     cfg = VARIANT_CFG.get(variant, {})
 
-    def configured(fn):  # the variant's kernel shapes and CSC placement around one call
-        sparse_train.CSC_BEFORE_SYNC = variant not in LATE_CSC
-        try:
-            with kernel_config(**cfg):
-                return fn()
-        finally:
-            sparse_train.CSC_BEFORE_SYNC = True
+    def configured(fn):  # the variant's kernel shapes around one call
+        with kernel_config(**cfg):
+            return fn()
 
     def run():
         return configured(_run)
@@ -263,15 +236,13 @@ def peak_extra_mb(run):
     del out
     return peak / 2**20
 
-# Per-kernel launch shapes timed in the parts table: (label, kernel_config overrides).
-# Per-kernel launch shapes timed in the parts table; the first row of each part (the current
-# default) is the ratio's base (column "vs_gen1" = first row's time / this row's time). Every config is spelled out (the
-# run-C labels named shapes that the defaults had since changed).
-_C2 = {"compact": "v2", "compact_block_n": 32}
+# Per-kernel launch shapes timed in the parts table: (label, kernel_config overrides); the first
+# row of each part is the current default and the ratio's base (column "vs_default" = its time /
+# this row's time). Every config is spelled out.
 
 
-def _c3(n, w):
-    return (f"v3 n{n} w{w}", {"compact": "v3", "compact3_block_n": n, "compact3_warps": w})
+def _cp(n, w):
+    return (f"n{n} w{w}", {"compact_block_n": n, "compact_warps": w})
 
 
 def _sd(k, d, w):
@@ -279,22 +250,21 @@ def _sd(k, d, w):
 
 
 def _dw(j, d, w):
-    return (f"cols j{j} d{d} w{w}", {"dw": "cols", "dw_block_j": j, "dw_block_d": d, "dw_warps": w})
+    return (f"j{j} d{d} w{w}", {"dw_block_j": j, "dw_block_d": d, "dw_warps": w})
 
 
 def _dwo(j, d, w):
-    return (f"cols j{j} d{d} w{w} D-outer",
-            {"dw": "cols", "dw_block_j": j, "dw_block_d": d, "dw_warps": w, "dw_d_outer": 1})
+    return (f"j{j} d{d} w{w} D-outer",
+            {"dw_block_j": j, "dw_block_d": d, "dw_warps": w, "dw_d_outer": 1})
 
 
 def _sp(key, k, w):
-    return (f"rows k{k} w{w}", {"spmm": "rows", key: k, "spmm_warps": w})
+    return (f"k{k} w{w}", {key: k, "spmm_warps": w})
 
 
 PART_SHAPES = {
-    "compact": [_c3(1, 1), ("v4 n1 w1 (skips empty blocks)", {"compact": "v4"}),
-                ("v2 n32 w8 (run D)", _C2), _c3(2, 1), _c3(4, 1), _c3(8, 1), _c3(2, 2)],
-    "sddmm_u": [_sd(8, 256, 4), _sd(16, 256, 4), _sd(8, 256, 2), _sd(8, 256, 1), _sd(4, 256, 1),
+    "compact": [_cp(1, 1), _cp(2, 1), _cp(4, 1), _cp(8, 1), _cp(2, 2)],
+    "sddmm_u": [_sd(8, 256, 1), _sd(8, 256, 4), _sd(16, 256, 4), _sd(8, 256, 2), _sd(4, 256, 1),
                 _sd(4, 512, 2), _sd(8, 512, 2), _sd(16, 256, 2)],
     "spmm_y": [_sp("spmm_block_k", 4, 4), _sp("spmm_block_k", 2, 4), _sp("spmm_block_k", 4, 2),
                _sp("spmm_block_k", 2, 2), _sp("spmm_block_k", 8, 4)],
@@ -312,12 +282,11 @@ def parts(x, wg, wu, wd, dy, rep, label):
 
     n, d = x.shape
     h = wg.shape[0]
-    st = sparse_train
     out_rows = []
     with torch.no_grad():
         gate = x @ wg.t()
-        kc = st.default_ell_capacity(h)  # as in the sparse path: heavier rows -> dense backup
-        col_r, val_r, nnz_r, cnt_r = st._t_compact(gate, kc)
+        kc = sparse_train.default_ell_capacity(h)  # as in the sparse path: heavier rows -> dense backup
+        col_r, val_r, nnz_r, cnt_r = rt.compact(gate, kc)
         nnz = torch.where(nnz_r > kc, 0, nnz_r)
         k = max(1, int(nnz.max()))
         col, gv = col_r[:, :k].contiguous(), val_r[:, :k].contiguous()
@@ -325,17 +294,17 @@ def parts(x, wg, wu, wd, dy, rep, label):
         wdt = wd.t().contiguous()
         # SDDMM outputs from the PyTorch backend: zeros in the unused slots (the Triton SDDMM
         # leaves them undefined, and the fp32 references multiply them by a 0/1 mask)
-        u, _ = st._t_sddmm_fwd(x, wu, col, gv, nnz)
+        u, _ = rt.sddmm_fwd(x, wu, col, gv, nnz)
         scale = torch.tensor(0.2, device=x.device)
-        dg, du = st._t_sddmm_bwd(dy, wdt, col, gv, u, nnz, scale)
-        keys = torch.where(st._valid(nnz, k), col, h).reshape(-1)
+        dg, du = rt.sddmm_bwd(dy, wdt, col, gv, u, nnz, scale)
+        keys = torch.where(rt.valid_slots(nnz, k), col, h).reshape(-1)
         sk, perm = torch.sort(keys, stable=True)
         colptr = torch.searchsorted(sk, torch.arange(h + 1, dtype=keys.dtype, device=x.device))
         # fp32 references from the PyTorch backend (independent code)
-        ref_y = st._t_spmm(torch.empty(n, d, device=x.device), wdt, None, col, gv, u, nnz)
-        ref_dx = st._t_spmm(torch.empty(n, d, device=x.device), wg, wu, col, dg, du, nnz)
+        ref_y = rt.spmm(torch.empty(n, d, device=x.device), wdt, None, col, gv, u, nnz)
+        ref_dx = rt.spmm(torch.empty(n, d, device=x.device), wg, wu, col, dg, du, nnz)
         ref_dw = [torch.empty(h, d, device=x.device) for _ in range(3)]
-        st._t_dw(*ref_dw, None, x, dy, perm, colptr, dg, du, gv, u)
+        rt.dw(*ref_dw, None, x, dy, perm, colptr, dg, du, gv, u)
         print(f"## parts {label}: K={k} ELL nnz/token={nnz_total / n:.1f} "
               f"(dense-backup rows {int((nnz_r > kc).sum())})", flush=True)
 
@@ -371,7 +340,7 @@ def parts(x, wg, wu, wd, dy, rep, label):
                         torch.cuda.synchronize()
                         if part == "compact":
                             c2, v2, nz2, ct2 = out
-                            val_ok = st._valid(torch.clamp(nz2, max=kc), kc)
+                            val_ok = rt.valid_slots(torch.clamp(nz2, max=kc), kc)
                             ok = (torch.equal(nz2, nnz_r) and torch.equal(ct2, cnt_r)
                                   and torch.equal(c2[val_ok], col_r[val_ok])
                                   and torch.equal(v2[val_ok], val_r[val_ok]))
@@ -381,7 +350,7 @@ def parts(x, wg, wu, wd, dy, rep, label):
                         else:
                             outs = out if isinstance(out, list) else [out]
                             if part == "sddmm_u":  # slots past nnz are undefined: compare valid
-                                outs = [torch.where(st._valid(nnz, k), out, 0)]
+                                outs = [torch.where(rt.valid_slots(nnz, k), out, 0)]
                             refs = ref if isinstance(ref, list) else [ref]
                             e = max(rel(a, b) for a, b in zip(outs, refs))
                             row["err"] = f"{e:.1e}"
@@ -390,12 +359,12 @@ def parts(x, wg, wu, wd, dy, rep, label):
                         ms = triton.testing.do_bench(fn, warmup=10, rep=rep)
                     row["ms"] = round(ms, 4)
                     base_ms.setdefault(part, ms)
-                    row["vs_gen1"] = round(base_ms[part] / ms, 2)
+                    row["vs_default"] = round(base_ms[part] / ms, 2)
                     row["TB/s"] = round(nbytes / ms / 1e9, 2)
                 except Exception as ex:  # noqa: BLE001 (report, do not crash)
                     row["status"] = f"FAILED: {type(ex).__name__}: {str(ex)[:160]}"
                     traceback.print_exc()
-                print(f"   {part:8s} {name:28s} {row.get('ms', ''):>8} ms  x{row.get('vs_gen1', '')}"
+                print(f"   {part:8s} {name:28s} {row.get('ms', ''):>8} ms  x{row.get('vs_default', '')}"
                       f"  {row.get('TB/s', '')} TB/s  err {row.get('err', '')}  {row['status']}",
                       flush=True)
                 out_rows.append(row)
@@ -411,9 +380,10 @@ def main():
     ap.add_argument("--densities", default="0.003,0.01,0.03,0.1",
                     help="comma-separated fractions of active units (default 0.003,0.01,0.03,0.1)")
     ap.add_argument("--dists", default="iid,heavy", help="iid and/or heavy (comma-separated)")
-    ap.add_argument("--variants", default="dense,sparse_old,sparse,sparse_ell",
-                    help="comma-separated: dense, dense_stats, sparse_old, sparse_runD, sparse, "
-                         "sparse_ell, auto (see the module docstring)")
+    ap.add_argument("--variants", default="dense,sparse,sparse_ell",
+                    help="comma-separated: dense, dense_stats, dense_mode, sparse, sparse_ell, "
+                         "sparse_nosync, sparse_dwo1024 / 512 / 256, auto (see the module "
+                         "docstring)")
     ap.add_argument("--parts", default="iid:0.003,iid:0.01,heavy:0.003",
                     help="dist:density cases of the per-kernel table ('' = none)")
     ap.add_argument("--parts-only", action="store_true", help="only the per-kernel table")
@@ -431,6 +401,9 @@ def main():
     import triton.testing
 
     torch.set_grad_enabled(True)
+    # variant "auto": the trainer's rule under the default policy with the TWELL_* overrides
+    policy = FFNPolicy.from_env()
+    print(f"# auto policy: {policy}")
     n, d, h = args.tokens, args.d, args.h
     rep = 40 if args.quick else 100
     dense_flops = 9 * 2 * n * d * h  # 3 GEMMs forward, 6 backward
@@ -492,8 +465,7 @@ def main():
                            "variant": variant, "status": "ok"}
                 run_as = variant
                 if variant == "auto":  # the trainer's ffn_impl=auto rule on this layer's L0
-                    path = sparse_train.train_path_for_density(
-                        l0 / h, heavy_fraction=st_bf.heavy_rows.item() / n)
+                    path = policy.train_path(l0 / h, st_bf.heavy_rows.item() / n)
                     run_as = "sparse_nosync" if path == "twell" else "dense_mode"
                     row["variant"] = f"auto[{path}]"
                 try:
@@ -556,6 +528,12 @@ def main():
     print("\n" + " | ".join(f"{c:>10}" for c in cols))
     for r in rows:
         print(" | ".join(f"{r.get(c, '')!s:>10}" for c in cols))
+    print("\n## sparse vs run K (recorded speedup over dense fwd+bwd)")
+    for r in rows:
+        rec = RECORDED_RUN_K.get((r["dist"], r["density"]))
+        if r["variant"] == "sparse" and "speedup" in r and rec and (n, d, h) == (16384, 2048, 5632):
+            print(f"{r['dist']} {100 * r['density']:g} %: {r['speedup']:.2f}x now, {rec:.2f}x in "
+                  f"run K (ratio {r['speedup'] / rec:.2f})")
     out = os.environ.get("OUT")
     if out:
         keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in cols, k))

@@ -2,11 +2,12 @@
 
     ncu --clock-control none --kernel-name regex:"pack|compact" \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis python scripts/profile_pack.py
-    python scripts/profile_pack.py --time     # median ms per version at 0.3 / 1 / 3 %, outputs checked
+    python scripts/profile_pack.py --time     # median ms per launch shape at 0.3 / 1 / 3 %
 
-One call each of the TwELL pack (v1, v2, v4, v5) and the training compaction (v2-v4) at M=16384,
-H=5632, bf16. With ``--time``: each version timed with ``triton.testing.do_bench`` and its
-output compared with v4's (pack) / v3's (compaction): equal counts and words / columns.
+One call each of the TwELL pack and the training compaction at M=16384, H=5632, bf16. With
+``--time``: each launch shape timed with ``triton.testing.do_bench`` and its output compared with
+the default shape's (equal counts and words / columns), and the default against the times
+recorded in run I / J (BENCHMARKS.md; the superseded versions are at git commit 629013a).
 
 Why: run 2 (BENCHMARKS.md) measured both at ~0.27-0.45 ms for a 184 MB bf16 read, 5-7x their
 bandwidth floor; the counters say what limits them.
@@ -19,6 +20,14 @@ import torch
 from twell.ops import sparse_train_triton as stt
 from twell.ops.twell_pack import pack_dense
 
+# default kernels' ms recorded on one H200 (run J: pack at 0.3 %; run I: pack and compaction at
+# 1 / 3 %; run K: compaction at 0.3 %)
+RECORDED = {("pack", 0.003): 0.139, ("pack", 0.01): 0.195, ("pack", 0.03): 0.209,
+            ("compact", 0.003): 0.141, ("compact", 0.01): 0.205, ("compact", 0.03): 0.230}
+PACK_SHAPES = ({}, {"block_m": 2, "num_warps": 1}, {"block_m": 2, "num_warps": 2})
+COMPACT_SHAPES = ({}, {"compact_block_n": 2, "compact_warps": 1},
+                  {"compact_block_n": 2, "compact_warps": 2})
+
 
 def gate(m: int, h: int, dens: float) -> torch.Tensor:
     """relu(g) > 0 with probability ``dens``: a shifted normal, bf16."""
@@ -26,45 +35,51 @@ def gate(m: int, h: int, dens: float) -> torch.Tensor:
     return (torch.randn(m, h, device="cuda") - thr).to(torch.bfloat16)
 
 
+def _same_pack(tw, ref) -> bool:
+    valid, cols, _, _ = tw.slots()
+    rvalid, rcols, _, _ = ref.slots()
+    return (torch.equal(tw.counts, ref.counts) and torch.equal(valid, rvalid)
+            and torch.equal(cols[valid], rcols[rvalid]))
+
+
+def _same_compact(c, ref, kc) -> bool:
+    valid = torch.arange(kc, device="cuda")[None, :] < c[2].clamp(max=kc)[:, None]
+    return (torch.equal(c[2], ref[2]) and torch.equal(c[3], ref[3])
+            and torch.equal(c[0][valid], ref[0][valid]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--time", action="store_true", help="time every version instead of one call")
+    ap.add_argument("--time", action="store_true", help="time every launch shape instead of one call")
     args = ap.parse_args()
     torch.manual_seed(0)
-    m, h = 16384, 5632
+    m, h, kc = 16384, 5632, 128
     if not args.time:
         g = gate(m, h, 0.003)
-        for version in (1, 2, 4, 5):
-            pack_dense(g, 8, stats=True, version=version)
-        for variant in ("v2", "v3", "v4"):
-            with stt.kernel_config(compact=variant):
-                stt.compact(g, 128)
+        pack_dense(g, 8, stats=True)
+        stt.compact(g, kc)
         torch.cuda.synchronize()
-        print("profiled: pack v1, v2, v4, v5; compact v2, v3, v4")
+        print("profiled: pack, compact (default launch shapes)")
         return
     import triton.testing
 
     for dens in (0.003, 0.01, 0.03):
         g = gate(m, h, dens)
-        ref, _ = pack_dense(g, 8, version=4)
-        for version in (2, 4, 5):
-            tw, _ = pack_dense(g, 8, version=version)
-            valid, cols, _, _ = tw.slots()
-            rvalid, rcols, _, _ = ref.slots()
-            ok = (torch.equal(tw.counts, ref.counts) and torch.equal(valid, rvalid)
-                  and torch.equal(cols[valid], rcols[rvalid]))
-            ms = triton.testing.do_bench(lambda v=version, g=g: pack_dense(g, 8, version=v), rep=50)
-            print(f"density {dens:.3f} pack v{version}: {ms:.4f} ms  {'ok' if ok else 'MISMATCH'}")
-        with stt.kernel_config(compact="v3"):
-            c_ref = stt.compact(g, 128)
-        for variant in ("v2", "v3", "v4"):
-            with stt.kernel_config(compact=variant):
-                c = stt.compact(g, 128)
-                valid = torch.arange(128, device="cuda")[None, :] < c[2].clamp(max=128)[:, None]
-                ok = (torch.equal(c[2], c_ref[2]) and torch.equal(c[3], c_ref[3])
-                      and torch.equal(c[0][valid], c_ref[0][valid]))
-                ms = triton.testing.do_bench(lambda g=g: stt.compact(g, 128), rep=50)
-            print(f"density {dens:.3f} compact {variant}: {ms:.4f} ms  {'ok' if ok else 'MISMATCH'}")
+        ref, _ = pack_dense(g, 8)
+        for kw in PACK_SHAPES:
+            ok = _same_pack(pack_dense(g, 8, **kw)[0], ref)
+            ms = triton.testing.do_bench(lambda kw=kw, g=g: pack_dense(g, 8, **kw), rep=50)
+            rec = f"  (run I/J default: {RECORDED[('pack', dens)]:.3f} ms)" if not kw else ""
+            print(f"density {dens:.3f} pack {kw or 'default'}: {ms:.4f} ms  "
+                  f"{'ok' if ok else 'MISMATCH'}{rec}")
+        c_ref = stt.compact(g, kc)
+        for kw in COMPACT_SHAPES:
+            with stt.kernel_config(**kw):
+                ok = _same_compact(stt.compact(g, kc), c_ref, kc)
+                ms = triton.testing.do_bench(lambda g=g: stt.compact(g, kc), rep=50)
+            rec = f"  (run I/K default: {RECORDED[('compact', dens)]:.3f} ms)" if not kw else ""
+            print(f"density {dens:.3f} compact {kw or 'default'}: {ms:.4f} ms  "
+                  f"{'ok' if ok else 'MISMATCH'}{rec}")
 
 
 if __name__ == "__main__":

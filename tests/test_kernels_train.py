@@ -1,6 +1,6 @@
 """Sparse training path of the gated FFN (hybrid ELL + dense backup) against fp64 dense autograd.
 
-Reference: ``twell.nn.mlp.gated_ffn_torch`` in float64 with PyTorch autograd; loss
+Reference: ``twell.ops.reference.gated_ffn_torch`` in float64 with PyTorch autograd; loss
 ``sum(y * dy) + c * l1``. Both backends are checked: the pure-PyTorch one in float64 (tight
 tolerance) and the Triton kernels in float32 (on CPU through ``TRITON_INTERPRET=1``, set below when
 no GPU is present). Shape legend: N tokens, D model width, H FFN width.
@@ -14,16 +14,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from twell.nn.mlp import gated_ffn_torch
-from twell.ops import sparse_train
+from twell.ops import ffn_dense_train, ffn_train, sparse_train
+from twell.ops.reference import gated_ffn_torch, sparse_train_torch
 from twell.ops.sparse_train import sparse_ffn_train
+from twell.ops.train_backend import pick_backend
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _triton_usable() -> bool:
     x = torch.zeros(1, 1, device=DEV)
-    return sparse_train._backend(x, "auto") is not sparse_train._TorchBackend
+    return pick_backend(x, "auto") is not sparse_train_torch
 
 
 needs_triton = pytest.mark.skipif(not _triton_usable(), reason="Triton (or its interpreter) absent")
@@ -142,16 +143,15 @@ def test_triton_fp32(n, d, h, cap, frac, l1_coeff):
                ell_capacity=cap, dense_row_fraction=frac, backend="triton")
 
 
-# Kernel variants: the first generation (kept for side-by-side benchmarks) and the second with
-# tiny blocks, so every loop runs several steps and D is split over several programs (D = 40 in
-# slices of 16; 2 slots / entries per step; 4 rows per compaction program).
+# Launch shapes: the defaults, and tiny blocks so every loop runs several steps and D is split
+# over several programs (D = 40 in slices of 16; 2 slots / entries per step; 4 rows per
+# compaction program).
 KERNEL_CONFIGS = {
-    "gen1": {"compact": "v1", "spmm": "tiled", "dw": "tiled"},
-    "gen2_small": {"compact_block_n": 4, "spmm_block_k": 2, "spmm_block_k2": 2, "spmm_block_d": 16,
-                       "dw_block_j": 2, "dw_block_d": 16},
-    "gen2": {"compact": "v2"},
-    "gen3_2rows": {"compact": "v3", "compact3_block_n": 2, "compact3_warps": 2},
-    "compact_v4": {"compact": "v4"},
+    "default": {},
+    "small": {"compact_block_n": 4, "compact_warps": 2, "spmm_block_k": 2, "spmm_block_k2": 2,
+              "spmm_block_d": 16, "dw_block_j": 2, "dw_block_d": 16, "sddmm_block_k": 2,
+              "sddmm_block_d": 16},
+    "compact_2rows": {"compact_block_n": 2, "compact_warps": 2},
     # dW grid with the D slice outermost, D = 40 in three slices of 16
     "dw_d_outer": {"dw_d_outer": 1, "dw_block_d": 16, "dw_block_j": 2},
 }
@@ -178,29 +178,27 @@ def test_triton_kernel_variants(config, case):
 
 @needs_triton
 def test_compact_counts_match_torch():
-    """Compaction v3 (one row per warp, relaxed atomics), v2 (partial counts, prefetch) and v1
-    equal the PyTorch compaction exactly,
-    including rows above capacity and H not a multiple of the column block."""
+    """The compaction kernel at several rows / warps per program equals the PyTorch compaction
+    exactly, including rows above capacity, an all-zero row and H not a multiple of the column
+    block."""
     from twell.ops import sparse_train_triton as tk
 
     x, wg, _, _, _ = make_inputs(37, 24, 300, threshold=1.2, seed=23, zero_rows=(3,))
     g = (x @ wg.T).float().to(DEV)
-    col_r, val_r, nnz_r, cnt_r = sparse_train._t_compact(g, 16)
+    col_r, val_r, nnz_r, cnt_r = sparse_train_torch.compact(g, 16)
     assert (nnz_r > 16).any() and (nnz_r == 0).any()
-    for variant, block_n, warps in (("v1", 32, 1), ("v2", 32, 1), ("v2", 4, 1), ("v3", 1, 1),
-                                    ("v3", 4, 1), ("v3", 4, 4), ("v3", 8, 2), ("v4", 1, 1),
-                                    ("v4", 4, 2)):
-        with tk.kernel_config(compact=variant, compact_block_n=block_n, compact3_block_n=block_n,
-                              compact3_warps=warps):
+    for block_n, warps in ((1, 1), (4, 1), (4, 4), (8, 2), (4, 2)):
+        with tk.kernel_config(compact_block_n=block_n, compact_warps=warps):
             col, val, nnz, cnt = tk.compact(g, 16)
-        assert torch.equal(nnz, nnz_r) and torch.equal(cnt, cnt_r), variant
-        valid = sparse_train._valid(torch.clamp(nnz_r, max=16), 16)
+        assert torch.equal(nnz, nnz_r) and torch.equal(cnt, cnt_r), (block_n, warps)
+        valid = sparse_train_torch.valid_slots(torch.clamp(nnz_r, max=16), 16)
         assert torch.equal(col[valid], col_r[valid]) and torch.equal(val[valid], val_r[valid])
 
 
 def test_kernel_config_rejects_bad_values():
     tk = pytest.importorskip("twell.ops.sparse_train_triton")
-    with pytest.raises(ValueError, match="spmm must be one of"), tk.kernel_config(spmm="fast"):
+    with pytest.raises(ValueError, match="sddmm_block_k must be a power of 2"), \
+            tk.kernel_config(sddmm_block_k=6):
         pass
     with pytest.raises(ValueError, match="unknown key"), tk.kernel_config(spmm_blockk=8):
         pass
@@ -216,7 +214,9 @@ def test_kernel_config_rejects_bad_values():
             pass
     with tk.kernel_config(dw_d_outer=0):
         pass
-    assert tk.CONFIG["spmm"] == "rows"  # restored after the failed attempts
+    from twell.ops.launch import _DEFAULT_CONFIG
+
+    assert tk.CONFIG == _DEFAULT_CONFIG  # restored after the failed attempts
 
 
 # --- Edge cases, both backends ---------------------------------------------------------------
@@ -347,7 +347,7 @@ def test_bf16_autocast_fp32_master_weights():
 def test_opcheck():
     x, wg, wu, wd, _ = make_inputs(7, 16, 64, seed=14)
     args = tuple(t.float() for t in (x, wg, wu, wd)) + (4, 1.0, "torch")
-    torch.library.opcheck(sparse_train._ffn_train_fwd, args)
+    torch.library.opcheck(ffn_train._ffn_train_fwd, args)
 
 
 def test_bad_inputs_name_the_argument():
@@ -419,21 +419,19 @@ def test_l1_gradient_is_not_rounded_away_under_bf16_autocast():
 
 @needs_triton
 def test_compact_heavy_bookkeeping_matches_torch():
-    """nnz_eff (0 on rows above capacity) and the heavy-row count, written by compaction v3 / v4's
-    kernel (v1 / v2 through PyTorch ops), equal the PyTorch backend's."""
+    """nnz_eff (0 on rows above capacity) and the heavy-row count, written by the compaction
+    kernel, equal the PyTorch backend's."""
     from twell.ops import sparse_train_triton as tk
 
     x, wg, _, _, _ = make_inputs(37, 24, 300, threshold=1.2, seed=23, zero_rows=(3,))
     g = (x @ wg.T).float().to(DEV)
-    ref = sparse_train._t_compact_heavy(g, 16)
+    ref = sparse_train_torch.compact_heavy(g, 16)
     assert 0 < int(ref[5]) < 37 and int(ref[5]) == int((ref[2] > 16).sum())
-    for variant, block_n, warps in (("v1", 32, 1), ("v2", 4, 1), ("v3", 1, 1), ("v4", 1, 1),
-                                    ("v4", 4, 2)):
-        with tk.kernel_config(compact=variant, compact_block_n=block_n, compact3_block_n=block_n,
-                              compact3_warps=warps):
+    for block_n, warps in ((1, 1), (4, 2)):
+        with tk.kernel_config(compact_block_n=block_n, compact_warps=warps):
             out = tk.compact_heavy(g, 16)
         for name, a, b in zip(("nnz", "counts", "nnz_eff", "n_heavy"), out[2:], ref[2:]):
-            assert torch.equal(a.cpu(), b.cpu()), (variant, name)
+            assert torch.equal(a.cpu(), b.cpu()), (block_n, name)
 
 
 # --- dense mode (dense_ffn_train): cuBLAS products, fused elementwise passes -----------------
@@ -464,7 +462,7 @@ def test_dense_mode_triton_fp32(block, n, d, h):
 def test_dense_mode_opcheck_compile_and_checkpoint():
     x, wg, wu, wd, dy = make_inputs(7, 16, 64, seed=14)
     args = tuple(t.float() for t in (x, wg, wu, wd)) + ("torch",)
-    torch.library.opcheck(sparse_train._ffn_dense_train_fwd, args)
+    torch.library.opcheck(ffn_dense_train._ffn_dense_train_fwd, args)
 
     def f(x, wg, wu, wd, dy):
         y, st = sparse_train.dense_ffn_train(x, wg, wu, wd, backend="torch")
@@ -585,3 +583,64 @@ def _check_compiled_and_checkpointed(f, x, wg, wu, wd, dy):
 
     for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), _grads(ck, x, wg, wu, wd, dy), g_r):
         assert_close(name, a, b, 2e-5)
+
+
+# --- non-finite inputs: NaN / inf in one input row reach that row's output and every gradient ---
+
+NONFINITE = [float("nan"), float("inf"), float("-inf")]
+# (path, backend, options): the heavy-row dense backup (a NaN row has every unit active: heavy),
+# the ELL kernels themselves (capacity H: the non-finite row stays in the ELL part), the op's
+# all-dense fallback, the no-sync mode with a capacity that holds the heavy rows, and dense mode
+TRAIN_PATHS = [("backup", {}), ("ell", {"ell_capacity": 64, "dense_row_fraction": 1.0}),
+               ("all_dense", {"dense_row_fraction": 0.0}), ("nosync", {"backup_rows": None}),
+               ("dense_mode", {})]
+
+
+def _nonfinite_case(value):
+    x, wg, wu, wd, dy = make_inputs(9, 16, 64, threshold=1.5, seed=61)
+    x = x.clone()
+    x[3, 5] = value  # row 3: every gate and up value is non-finite
+    return x, wg, wu, wd, dy
+
+
+def _reference_with_nonfinite(x, wg, wu, wd, dy, l1_coeff):
+    """fp64 dense autograd of sum(y * dy) + c * l1 (``reference`` asserts nothing: NaN allowed)."""
+    return reference(x, wg, wu, wd, dy, l1_coeff)
+
+
+@pytest.mark.parametrize("value", NONFINITE, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("path,opts", TRAIN_PATHS, ids=[p for p, _ in TRAIN_PATHS])
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+def test_nonfinite_input_row_reaches_its_output_and_every_gradient(backend, dtype, rel, path, opts,
+                                                                   value):
+    """A NaN / inf in x[r] gives, as fp64 dense PyTorch does: y[r] and dx[r] non-finite, a
+    non-finite L1 term, non-finite entries in dWg, dWu and dWd, and every other row of y and dx
+    unchanged. A NaN gate counts as active (``not (g <= 0)``), so a NaN row is heavy and takes
+    the dense backup; on the paths that run dense math for that row (dense backup, all-dense,
+    no-sync, dense mode) the non-finite pattern of every output equals the reference's. On the
+    ELL path inactive units are exact zeros (an -inf gate adds no 0 * inf), so only "contains
+    non-finite" is required of the weight gradients there."""
+    x, wg, wu, wd, dy = _nonfinite_case(value)
+    r, ok = 3, [i for i in range(9) if i != 3]
+    y_r, _, g_r = _reference_with_nonfinite(x, wg, wu, wd, dy, 0.5)
+    assert not torch.isfinite(y_r[r]).any() and torch.isfinite(y_r[ok]).all()
+    kw = dict(opts)
+    fn = sparse_train.dense_ffn_train if path == "dense_mode" else sparse_ffn_train
+    if path == "nosync":  # the capacity from a measuring call, as the trainer does
+        _, st0, _ = run_ours(x, wg, wu, wd, dy, 0.5, dtype, backend=backend)
+        kw["backup_rows"] = int(st0.heavy_rows.item())
+        assert kw["backup_rows"] >= 1
+    y, st, g = run_ours(x, wg, wu, wd, dy, 0.5, dtype, fn=fn, backend=backend, **kw)
+    y, g = y.cpu(), [t.cpu() for t in g]
+    assert not torch.isfinite(y[r]).any(), f"y[{r}] = {y[r]}"
+    assert not torch.isfinite(st.l1).item()
+    assert not torch.isfinite(g[0][r]).any(), f"dx[{r}] = {g[0][r]}"
+    assert_close("y (finite rows)", y[ok], y_r[ok], rel)
+    assert_close("dx (finite rows)", g[0][ok], g_r[0][ok], rel)
+    for name, a, b in zip(("dWg", "dWu", "dWd"), g[1:], g_r[1:]):
+        assert not torch.isfinite(a).all(), f"{name} is all finite"
+        if path != "ell":
+            assert torch.equal(torch.isfinite(a), torch.isfinite(b)), name
+    if path != "ell":
+        assert torch.equal(torch.isfinite(y), torch.isfinite(y_r))
+        assert torch.equal(torch.isfinite(g[0]), torch.isfinite(g_r[0]))

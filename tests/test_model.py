@@ -1,7 +1,9 @@
 """The model builder: Llama config facts, stock-Llama compatibility of checkpoints, load_model."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,3 +89,72 @@ def test_import_twell_imports_neither_train_nor_evals():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# package (or subpackage) -> top-level names it must never import, lazily or not
+LAYERS = {"twell": ("train", "evals", "offline"), "twell.ops": ("twell.nn",),
+          "evals": ("train",), "offline": ("twell", "train", "evals")}
+
+
+def _imports(path: Path, root: Path = ROOT) -> set[str]:
+    """Every module a source file imports (top level and inside functions), as dotted names."""
+    mod = ".".join(path.relative_to(root).with_suffix("").parts)
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against the file's package
+                pkg = mod.split(".")[: -node.level]
+                base = ".".join(pkg + ([base] if base else []))
+            out |= {base} | {f"{base}.{a.name}" for a in node.names}
+    return out
+
+
+def _violations(pkg: str, banned: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    bad = []
+    for path in sorted((root / pkg.replace(".", "/")).rglob("*.py")):
+        for name in sorted(_imports(path, root)):
+            if any(name == b or name.startswith(b + ".") for b in banned):
+                bad.append(f"{path.relative_to(root)} imports {name}")
+    return bad
+
+
+@pytest.mark.parametrize("pkg", sorted(LAYERS))
+def test_import_layers_static(pkg):
+    """One-way imports, checked on the source (lazy imports inside functions included): twell
+    imports neither train, evals nor offline; twell.ops never imports twell.nn; evals never
+    imports train (only train imports evals); offline imports none of them."""
+    assert _violations(pkg, LAYERS[pkg]) == []
+
+
+def test_static_layer_check_sees_a_violation(tmp_path):
+    """The scanner finds top-level, function-level and relative imports (it can fail)."""
+    (tmp_path / "twell" / "ops").mkdir(parents=True)
+    (tmp_path / "evals").mkdir()
+    (tmp_path / "evals" / "a.py").write_text("import os\ndef g():\n    from train.data import x\n")
+    (tmp_path / "twell" / "ops" / "b.py").write_text("from ..nn import mlp\nimport twell.stats\n")
+    assert _violations("evals", ("train",), tmp_path) == [
+        "evals/a.py imports train.data", "evals/a.py imports train.data.x"]
+    assert _violations("twell.ops", ("twell.nn",), tmp_path) == [
+        "twell/ops/b.py imports twell.nn", "twell/ops/b.py imports twell.nn.mlp"]
+
+
+def test_import_layers_at_run_time():
+    """Importing every module of twell.ops loads no twell.nn, every module of twell neither train
+    nor evals, every module of evals no train (a fresh interpreter each, sys.modules checked)."""
+    def modules(pkg):
+        return [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+                for p in sorted((ROOT / pkg.replace(".", "/")).rglob("*.py"))
+                if "lmeval_crosscheck" not in p.parts]  # scripts run by hand, with lm-eval
+
+    for pkg, banned in (("twell.ops", ("twell.nn",)), ("twell", ("train", "evals")),
+                        ("evals", ("train",)), ("offline", ("twell", "train", "evals"))):
+        code = (f"import importlib, sys\nfor m in {modules(pkg)!r}: importlib.import_module(m)\n"
+                f"bad = [m for m in sys.modules if any(m == b or m.startswith(b + '.') "
+                f"for b in {banned!r})]\nprint(bad)\nsys.exit(1 if bad else 0)")
+        r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                           text=True, cwd=ROOT)
+        assert r.returncode == 0, f"{pkg}: " + r.stdout + r.stderr[-2000:]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from train.data.fetch import FetchError
+from offline.fetch import FetchError
 from train.data.tokenizer import SMOLLM2_VOCAB, check_vocab, load_tokenizer, smollm2_gguf
 
 TEXTS = [

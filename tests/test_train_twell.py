@@ -44,6 +44,7 @@ def test_auto_picks_training_path_per_layer_from_l0(tokens, tmp_path):
     """model.ffn_impl=auto: each layer's training path follows its logged L0 against the
     threshold (twell.ops.sparse_train.train_path_for_density), is logged, and survives resume."""
     import twell.ops.sparse_train as st
+    from twell.policy import FFNPolicy
 
     over = {"trainer.max_steps": 2, "trainer.save_every": 1, "model.ffn_impl": "auto"}
     rows = _losses(tiny_config(tokens, **over), tmp_path / "a")
@@ -67,7 +68,7 @@ def test_auto_picks_training_path_per_layer_from_l0(tokens, tmp_path):
     assert st.train_path_for_density(0.03, heavy_fraction=0.02) == "twell"
     with pytest.raises(ValueError, match="heavy_fraction"):
         st.train_path_for_density(0.01, heavy_fraction=1.5)
-    assert st.train_path_for_density(0.5, threshold=0.6) == "twell"
+    assert st.train_path_for_density(0.5, policy=FFNPolicy(train_density_threshold=0.6)) == "twell"
     with pytest.raises(ValueError, match="density"):
         st.train_path_for_density(float("nan"))
     # the choice is part of the trainer state (resume continues with the same paths)

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from train.data import DataConfig
+from twell.policy import FFNPolicy
 
 FFN_IMPLS = ("torch", "twell", "auto")  # same names as twell.nn.FFN_IMPLS (kept in sync by a test)
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -92,6 +93,11 @@ class ModelConfig:
     dense-backup capacity comes from the previous step's heavy-row counts and is checked once per
     optimizer step (a step that exceeded it is redone measuring per call, so nothing is lost);
     call = measure per FFN call (one host sync per layer and call)."""
+    ffn_policy: FFNPolicy = field(default_factory=FFNPolicy)
+    """Path policy of every FFN (twell.policy.FFNPolicy, each field documented there): auto's
+    thresholds (infer_density_threshold, infer_min_rows, infer_min_flops,
+    train_density_threshold, train_heavy_fraction) and the sparse training layout's
+    dense_row_fraction and ell_capacity (0 = default width)."""
 
     def __post_init__(self) -> None:
         if self.init_from is None:

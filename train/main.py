@@ -143,8 +143,8 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def _main(cfg: DictConfig) -> float | None:
+    from offline.fetch import FetchError
     from train.data import DataError
-    from train.data.fetch import FetchError
     from train.trainer import NonFiniteLossError
 
     try:

@@ -51,15 +51,15 @@ def llama_config(cfg) -> LlamaConfig:
     return config
 
 
-def _install_ffns(model: nn.Module, gated: bool, impl: str) -> list[SparseGatedMLP]:
+def _install_ffns(model: nn.Module, gated: bool, impl: str, policy=None) -> list[SparseGatedMLP]:
     """Swap every LlamaMLP for a SparseGatedMLP (gated: sharing weights; else up/down only)."""
     if gated:
-        convert_mlps(model, impl)
+        convert_mlps(model, impl, policy=policy)
     else:
         for layer in model.model.layers:
             old = layer.mlp
             new = SparseGatedMLP(old.up_proj.in_features, old.up_proj.out_features,
-                                 gated=False, impl=impl)
+                                 gated=False, impl=impl, policy=policy)
             new.to(device=old.up_proj.weight.device, dtype=old.up_proj.weight.dtype)
             new.up_proj.weight = old.up_proj.weight
             new.down_proj.weight = old.down_proj.weight
@@ -76,10 +76,11 @@ def build_model(cfg) -> LlamaForCausalLM:
     """A freshly initialised model for a :class:`train.config.ModelConfig` (fp32, on CPU).
 
     Seed torch before calling for a reproducible init. Returns a ``LlamaForCausalLM`` whose
-    ``model.layers[i].mlp`` are :class:`twell.nn.SparseGatedMLP` with ``impl=cfg.ffn_impl``.
+    ``model.layers[i].mlp`` are :class:`twell.nn.SparseGatedMLP` with ``impl=cfg.ffn_impl`` and
+    ``policy=cfg.ffn_policy``.
     """
     model = LlamaForCausalLM(llama_config(cfg))
-    _install_ffns(model, cfg.gated, cfg.ffn_impl)
+    _install_ffns(model, cfg.gated, cfg.ffn_impl, cfg.ffn_policy)
     return model
 
 

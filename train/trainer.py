@@ -43,7 +43,6 @@ from train.sparsity import (
     l1_penalty,
     reinit_dead_gates,
 )
-from twell.ops.sparse_train import DEFAULT_DENSE_ROW_FRACTION
 
 
 class NonFiniteLossError(RuntimeError):
@@ -679,7 +678,7 @@ class Trainer:
                 # and go from batch to batch)
                 for mlp, hv, cap in zip(self.mlps, heavy_max, self.backup.update(heavy_max)):
                     measure = (not self.nosync_backup
-                               or hv > DEFAULT_DENSE_ROW_FRACTION * n_micro)
+                               or hv > mlp.policy.dense_row_fraction * n_micro)
                     mlp.backup_rows = -1 if measure else cap
                 toks = max(m["ffn_tokens"] * acc.num_processes, 1)
                 self._update_auto_paths([v / toks for v in host[1 + L:1 + 2 * L]],
@@ -775,11 +774,9 @@ class Trainer:
         from a checkpoint takes the same paths as an uninterrupted one (they are trainer state)."""
         if self.cfg.model.ffn_impl != "auto":
             return
-        from twell.ops.sparse_train import train_path_for_density
-
         for mlp, l0, heavy in zip(self.mlps, l0_L, heavy_L):
-            mlp.train_path = (train_path_for_density(min(l0 / mlp.intermediate_size, 1.0),
-                                                     heavy_fraction=min(max(heavy, 0.0), 1.0))
+            mlp.train_path = (mlp.policy.train_path(min(l0 / mlp.intermediate_size, 1.0),
+                                                    min(max(heavy, 0.0), 1.0))
                               if mlp.gated else "torch")  # sparse training is gated-only
 
     def _write(self, m: dict, prefix: str = "train") -> None:

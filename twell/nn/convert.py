@@ -15,6 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from twell.nn.mlp import SparseGatedMLP
+from twell.policy import FFNPolicy
 
 
 def _is_llama_mlp(m: nn.Module) -> bool:
@@ -22,14 +23,18 @@ def _is_llama_mlp(m: nn.Module) -> bool:
     return all(isinstance(p, nn.Linear) and p.bias is None for p in parts)
 
 
-def convert_mlps(model: nn.Module, impl: str = "torch", *, check_relu: bool = True) -> int:
+def convert_mlps(model: nn.Module, impl: str = "torch", *, check_relu: bool = True,
+                 policy: FFNPolicy | None = None) -> int:
     """Replace every LlamaMLP-like FFN of ``model`` by a weight-sharing SparseGatedMLP.
 
-    Modules that already are ``SparseGatedMLP`` just get their ``impl`` set.
+    Modules that already are ``SparseGatedMLP`` just get their ``impl`` (and ``policy``, when
+    given) set.
 
     Args:
         model: the model, modified in place.
         impl: ``"torch"``, ``"twell"`` or ``"auto"`` (see :class:`SparseGatedMLP`).
+        policy: :class:`twell.policy.FFNPolicy` of every converted FFN (None: new modules get
+            the defaults, existing ones keep theirs).
         check_relu: refuse FFNs whose ``act_fn`` is not ReLU (the sparse path
             computes ``relu``; another activation would silently change outputs).
 
@@ -45,6 +50,8 @@ def convert_mlps(model: nn.Module, impl: str = "torch", *, check_relu: bool = Tr
         for name, child in list(parent.named_children()):
             if isinstance(child, SparseGatedMLP):
                 child.impl = impl
+                if policy is not None:
+                    child.policy = policy
                 count += 1
                 continue
             if not _is_llama_mlp(child):
@@ -57,7 +64,7 @@ def convert_mlps(model: nn.Module, impl: str = "torch", *, check_relu: bool = Tr
                 )
             d = child.gate_proj.in_features
             f = child.gate_proj.out_features
-            new = SparseGatedMLP(d, f, impl=impl).to(
+            new = SparseGatedMLP(d, f, impl=impl, policy=policy).to(
                 device=child.gate_proj.weight.device, dtype=child.gate_proj.weight.dtype
             )
             new.gate_proj.weight = child.gate_proj.weight

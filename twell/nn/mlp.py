@@ -18,42 +18,13 @@ checkpoint of a model using this module loads into stock ``LlamaForCausalLM``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from twell.stats import FFNStats, stats_from_activations
+from twell.ops.reference import gated_ffn_torch
+from twell.policy import FFNPolicy
+from twell.stats import FFNStats
 
 FFN_IMPLS = ("torch", "twell", "auto")
-
-
-def gated_ffn_torch(
-    x_ND: torch.Tensor,
-    w_gate_HD: torch.Tensor | None,
-    w_up_HD: torch.Tensor,
-    w_down_DH: torch.Tensor,
-    *,
-    with_stats: bool = True,
-) -> tuple[torch.Tensor, FFNStats | None]:
-    """Dense PyTorch reference of the (gated or non-gated) ReLU FFN.
-
-    Args:
-        x_ND: (N, D) input, float (autocast applies as usual).
-        w_gate_HD: (H, D) gate weight, or None for the non-gated FFN.
-        w_up_HD: (H, D) up weight.
-        w_down_DH: (D, H) down weight.
-        with_stats: also return :class:`FFNStats` (the L1 term keeps its graph).
-
-    Returns:
-        (y_ND, stats or None), y in the autocast / input dtype.
-    """
-    if w_gate_HD is not None:
-        g_NH = F.relu(F.linear(x_ND, w_gate_HD))
-        h_NH = g_NH * F.linear(x_ND, w_up_HD)
-    else:
-        g_NH = h_NH = F.relu(F.linear(x_ND, w_up_HD))
-    y_ND = F.linear(h_NH, w_down_DH)
-    stats = stats_from_activations(h_NH, g_NH > 0) if with_stats else None
-    return y_ND, stats
 
 
 class SparseGatedMLP(nn.Module):
@@ -70,6 +41,9 @@ class SparseGatedMLP(nn.Module):
             ``train_path``, which the trainer sets from the layer's measured L0 and heavy-row
             fraction: the ELL training kernels, or dense mode, cuBLAS with fused elementwise
             passes).
+        policy: this layer's :class:`twell.policy.FFNPolicy` (``auto``'s thresholds, the
+            training layout's ELL capacity and all-dense fraction); the defaults when None.
+            Also an attribute: set it to change the layer's policy.
 
     Attributes:
         collect_stats: when True (default) every forward stores an
@@ -77,8 +51,8 @@ class SparseGatedMLP(nn.Module):
             sparsity tracker; set False for inference.
         last_stats: the most recent call's stats (or None).
         twell_state: per-layer :class:`twell.ops.ffn.TwELLState` for the
-            sparse paths (cached ``Wd^T``, density for ``"auto"``, TwELL
-            factor and producer choice), created on first sparse call.
+            sparse paths (cached ``Wd^T``, measured density for ``"auto"``, TwELL
+            factor), created on first sparse call.
         last_info: :class:`twell.ops.ffn.FFNInfo` of the last sparse call
             (path taken, density, overflow rows computed densely), or None.
 
@@ -89,7 +63,8 @@ class SparseGatedMLP(nn.Module):
     """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, *, gated: bool = True, impl: str = "torch"
+        self, hidden_size: int, intermediate_size: int, *, gated: bool = True, impl: str = "torch",
+        policy: FFNPolicy | None = None,
     ) -> None:
         super().__init__()
         if hidden_size <= 0 or intermediate_size <= 0:
@@ -105,13 +80,13 @@ class SparseGatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.impl = impl
+        self.policy = policy if policy is not None else FFNPolicy()
         self.collect_stats = True
         self.last_stats: FFNStats | None = None
         self.twell_state = None  # twell.ops.ffn.TwELLState, created lazily (triton optional)
         # impl="auto" with gradients: "twell" (ELL kernels) or "dense" (dense mode:
         # twell.ops.sparse_train.dense_ffn_train), set between optimizer steps by the trainer
-        # from this layer's measured L0 and heavy-row fraction
-        # (twell.ops.sparse_train.train_path_for_density); fixed
+        # from this layer's measured L0 and heavy-row fraction (self.policy.train_path); fixed
         # within a step, so a checkpointed forward and its recomputation agree. Starts dense: a
         # freshly initialised ReLU FFN has ~50 % of its units active. ("torch" is also accepted:
         # the plain PyTorch path.)
@@ -162,12 +137,12 @@ class SparseGatedMLP(nn.Module):
 
             y_ND, stats = dense_ffn_train(
                 x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
-                with_stats=self.collect_stats,
+                with_stats=self.collect_stats, ell_capacity=self.policy.ell_capacity,
             )
         elif impl == "torch":
             y_ND, stats = gated_ffn_torch(
                 x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
-                with_stats=self.collect_stats,
+                with_stats=self.collect_stats, ell_capacity=self.policy.ell_capacity,
             )
         else:
             from twell.ops.ffn import TwELLState, sparse_ffn  # lazy: triton is optional on CPU
@@ -177,7 +152,7 @@ class SparseGatedMLP(nn.Module):
             y_ND, stats = sparse_ffn(
                 x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
                 with_stats=self.collect_stats, mode=impl, state=self.twell_state,
-                backup_rows=self.backup_rows if self.collect_stats else -1,
+                policy=self.policy, backup_rows=self.backup_rows if self.collect_stats else -1,
             )
         self.last_stats = stats
         return y_ND.reshape(*lead, y_ND.shape[-1])

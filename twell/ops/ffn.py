@@ -10,18 +10,17 @@ pack, then the fused up + down projection at the non-zeros).
 
 Paths, chosen per call:
 
-* ``"twell"`` inference (no gradient needed): producer (two-pass cuBLAS gate
-  + Triton pack, or the fused Triton gate GEMM + pack) then the Triton
-  consumer. Triton runs on CUDA tensors, or on CPU tensors when
+* ``"twell"`` inference (no gradient needed): producer (cuBLAS gate + Triton
+  pack) then the Triton consumer. Triton runs on CUDA tensors, or on CPU tensors when
   ``TRITON_INTERPRET=1`` was set before import; otherwise the pure-PyTorch
   reference of the same format (``twell.ops.reference``) runs, so CPU users
   get the same results.
 * gradient needed: ``twell.ops.sparse_train.sparse_ffn_train`` (the hybrid ELL
   training path; gated FFNs only, it raises ValueError for a non-gated one).
 * ``mode="auto"``: dense cuBLAS when the layer's last measured density is
-  above ``TwELLState.density_threshold`` or the call has fewer than
-  ``TwELLState.min_rows`` token rows or fewer dense FLOPs than ``TwELLState.min_flops``, else
-  TwELL. The density comes from
+  above ``policy.infer_density_threshold`` or the call has fewer than
+  ``policy.infer_min_rows`` token rows or fewer dense FLOPs than ``policy.infer_min_flops``
+  (:class:`twell.policy.FFNPolicy`), else TwELL. The density comes from
   the previous call through a pinned host copy and a CUDA event (no host
   sync on the calling path); the first call goes TwELL.
 
@@ -38,32 +37,14 @@ computed densely inside the consumer (never dropped or double-counted);
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from twell.format import check_width, words_per_tile
+from twell.policy import FFNPolicy
 from twell.stats import FFNStats, stats_from_counts
-
-# Density (non-zeros / (N*H)) above which "auto" runs dense cuBLAS.
-# MEASURED (docs/bench/bench_infer.log, H200, N=16384, D=2048, H=5632, v1 kernels): TwELL won up to
-# density 0.0030 (1.25x) and lost from 0.0099 (0.94x); 0.006 sits between. Run 2 (v2 kernels)
-# gave the same crossover (0.3 %: 1.30x, 1 %: 0.85x). Override: TWELL_AUTO_DENSITY.
-DEFAULT_DENSITY_THRESHOLD = float(os.environ.get("TWELL_AUTO_DENSITY", "0.006"))
-# Run 2 (H200): at M=2048 TwELL lost at every density (0.3 %: 0.62x, 1 %: 0.58x); at M=16384
-# it won at <= 0.3 %. Below this many rows "auto" goes dense. Override: TWELL_AUTO_MIN_ROWS.
-DEFAULT_MIN_ROWS = int(os.environ.get("TWELL_AUTO_MIN_ROWS", "8192"))
-# Run Q (docs/bench/run14, H200): real activations of a framework-trained small_l4 layer
-# (M 16384, D 768, H 2048, density 0.25 %): dense 0.308 ms, TwELL 0.37-0.52 ms (0.60-0.84x) although
-# its kernels sum to 0.24 ms: a call this small is launch- and bookkeeping-bound. "auto" also goes
-# dense when the dense FFN's FLOPs (6 M D H; 2 M D H x 2 non-gated) are below this (3e11 ~ 0.45 ms
-# of cuBLAS; the headline shape at M 8192 is 5.7e11, at M 2048, which lost in run 2, 1.4e11).
-# Override: TWELL_AUTO_MIN_FLOPS.
-DEFAULT_MIN_FLOPS = float(os.environ.get("TWELL_AUTO_MIN_FLOPS", "3e11"))
-GATE_IMPLS = ("two_pass", "fused")
-DEFAULT_GATE_IMPL = os.environ.get("TWELL_GATE_IMPL", "two_pass")
 
 
 @dataclass
@@ -89,43 +70,26 @@ DENSE_RECHECK_EVERY = 16  # "auto" on the dense path re-measures the density eve
 
 
 class TwELLState:
-    """Per-layer state of the sparse FFN (held by ``SparseGatedMLP``; never global).
+    """Per-layer measured state of the sparse FFN (held by ``SparseGatedMLP``; never global). The
+    thresholds that act on it are policy (:class:`twell.policy.FFNPolicy`, passed per call).
 
     Attributes:
         factor: TwELL compression factor (8, 4 or 2).
-        gate_impl: "two_pass" or "fused" producer.
-        density_threshold: "auto" goes dense above this density.
-        min_flops: "auto" goes dense for calls whose dense FFN has fewer FLOPs than this
-            (launch-bound: run Q, a small model's layer ran 0.60-0.84x at 0.25 % density).
-        min_rows: "auto" goes dense for calls with fewer token rows than this (launch- and
-            bookkeeping-bound: at M=2048 TwELL ran 0.62x of dense even at 0.3 %).
         density: last measured density (Python float) or None.
         dense_calls: calls that "auto" sent to the dense path (the density is measured on every
             ``DENSE_RECHECK_EVERY``-th of them, and on every TwELL call).
         last_info: :class:`FFNInfo` of the last call.
         consumer_kwargs: overrides for the consumer (``twell_ffn_apply``:
-            version, nb, rows, num_warps, k, prefetch).
-        pack_kwargs: overrides for the two-pass packer (``pack_dense``:
-            version, block_m, num_warps, programs_per_sm).
+            nb, rows, num_warps, k, prefetch).
+        pack_kwargs: overrides for the packer (``pack_dense``: block_m, num_warps).
     """
 
-    def __init__(self, factor: int = 8, gate_impl: str | None = None,
-                 density_threshold: float | None = None) -> None:
+    def __init__(self, factor: int = 8) -> None:
         words_per_tile(factor)
         self.factor = factor
-        self.gate_impl = gate_impl or DEFAULT_GATE_IMPL
-        if self.gate_impl not in GATE_IMPLS:
-            raise ValueError(f"gate_impl must be one of {GATE_IMPLS}; got {self.gate_impl!r}")
-        self.density_threshold = (DEFAULT_DENSITY_THRESHOLD if density_threshold is None
-                                  else density_threshold)
-        self.min_rows = DEFAULT_MIN_ROWS
-        self.min_flops = DEFAULT_MIN_FLOPS
         self.density: float | None = None
         self.dense_calls = 0
         self.last_info: FFNInfo | None = None
-        # Default kernels: pack v4 (one row per one-warp program) + consumer v2 at nb 4 on 4
-        # warps, per runs E/F on one H200 (BENCHMARKS.md; M=16384 D=2048 H=5632: 1.53x at 0.3 %,
-        # 1.74x at 0.1 %, 1.46x heavy-tailed 0.3 %, vs 1.34x / 1.66x / 1.16x for run 2's v2/v2).
         self.consumer_kwargs: dict = {}
         self.pack_kwargs: dict = {}
         self._wdt: torch.Tensor | None = None
@@ -223,11 +187,11 @@ def _dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, measure=True):
     h = g * F.linear(x_ND, w_up_HD) if w_gate_HD is not None else g
     y = F.linear(h, w_down_DH)
     if with_stats:
-        stats = stats_from_activations(h, g > 0)
+        stats = stats_from_activations(h, ~(g <= 0))
         dens = stats.nnz_sum / max(pre.numel(), 1)
     elif measure:  # 1/16 of the rows is enough to steer "auto"
         stats = None
-        dens = (pre[::16] > 0).float().mean() if pre.numel() else pre.new_zeros((), dtype=torch.float32)
+        dens = (~(pre[::16] <= 0)).float().mean() if pre.numel() else pre.new_zeros((), dtype=torch.float32)
     else:
         return y, None, None
     return y, stats, dens.float()
@@ -237,7 +201,7 @@ def _dense_fused(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, measure):
     """Gated dense path with one fused Triton pass for ``h = relu(g) * u`` (and, when asked, the
     statistics: per-row sum |h| and L0, per-unit counts) instead of PyTorch's ReLU and multiply
     passes and its separate statistics reductions. Same outputs as the PyTorch dense path."""
-    from twell.ops.sparse_train_triton import dense_fwd
+    from twell.ops.elementwise import dense_fwd
 
     n, h = x_ND.shape[0], w_up_HD.shape[0]
     g = F.linear(x_ND, w_gate_HD)
@@ -269,6 +233,7 @@ def sparse_ffn(
     with_stats: bool = True,
     mode: str = "twell",
     state: TwELLState | None = None,
+    policy: FFNPolicy | None = None,
     backup_rows: int = -1,
 ) -> tuple[torch.Tensor, FFNStats | None]:
     """ReLU(-gated) FFN through TwELL, with sparsity statistics.
@@ -286,6 +251,8 @@ def sparse_ffn(
             threshold, see module docstring).
         state: per-layer :class:`TwELLState` (cached ``Wd^T``, density for
             "auto", ``last_info``); a throwaway one when None.
+        policy: :class:`twell.policy.FFNPolicy` (``auto``'s thresholds; the training path's ELL
+            capacity and all-dense fraction); the defaults when None.
         backup_rows: training path only: ``sparse_ffn_train``'s dense-backup capacity
             (-1 = measured per call with one host sync; >= 0 = no sync, the caller checks
             ``stats.heavy_rows`` against it).
@@ -308,9 +275,10 @@ def sparse_ffn(
         if state is not None:
             state.last_info = FFNInfo("train")
         return sparse_ffn_train(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats=with_stats,
-                                backup_rows=backup_rows)
+                                backup_rows=backup_rows, policy=policy)
 
     state = state if state is not None else TwELLState()
+    policy = policy if policy is not None else FFNPolicy()
     if torch.is_autocast_enabled(x_ND.device.type):
         dt = torch.get_autocast_dtype(x_ND.device.type)
         x_ND = x_ND.to(dt)
@@ -328,11 +296,8 @@ def sparse_ffn(
 
     with torch.autocast(x_ND.device.type, enabled=False):
         if mode == "auto":
-            dens = state.poll_density()
-            if (dens is not None and dens > state.density_threshold) or (
-                x_ND.shape[0] < state.min_rows
-                or (6 if w_gate_HD is not None else 4) * x_ND.numel() * h < state.min_flops
-            ):
+            flops = (6 if w_gate_HD is not None else 4) * x_ND.numel() * h  # dense FFN
+            if policy.infer_dense(state.poll_density(), x_ND.shape[0], flops):
                 # on the dense path the density is re-measured every DENSE_RECHECK_EVERY-th call
                 # (run E: measuring it every call cost 1-4 % of the dense FFN)
                 measure = state.density is None or state.dense_calls % DENSE_RECHECK_EVERY == 0
@@ -357,15 +322,11 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state):
         y = r["y"]
     else:
         from twell.ops.twell_ffn import twell_ffn_apply
-        from twell.ops.twell_pack import gate_gemm_pack, pack_dense
+        from twell.ops.twell_pack import pack_dense
 
         x_ND = x_ND if x_ND.stride(1) == 1 else x_ND.contiguous()
-        w_in = w_gate_HD if gated else w_up_HD
-        if state.gate_impl == "fused":
-            tw, dense, colcnt = gate_gemm_pack(x_ND, w_in, state.factor, stats=with_stats)
-        else:
-            dense = F.linear(x_ND, w_in)  # cuBLAS on GPU
-            tw, colcnt = pack_dense(dense, state.factor, stats=with_stats, **state.pack_kwargs)
+        dense = F.linear(x_ND, w_gate_HD if gated else w_up_HD)  # cuBLAS on GPU
+        tw, colcnt = pack_dense(dense, state.factor, stats=with_stats, **state.pack_kwargs)
         wdt = state.down_t(w_down_DH, wdt_dtype)
         y, l1_rows = twell_ffn_apply(
             tw, dense, wdt, x_MD=x_ND if gated else None, w_up_HD=w_up_HD if gated else None,
@@ -387,4 +348,4 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state):
     return y, stats
 
 
-__all__ = ["DEFAULT_DENSITY_THRESHOLD", "DENSE_RECHECK_EVERY", "FFNInfo", "TwELLState", "sparse_ffn"]
+__all__ = ["DENSE_RECHECK_EVERY", "FFNInfo", "TwELLState", "sparse_ffn"]

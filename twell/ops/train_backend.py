@@ -1,0 +1,102 @@
+"""What the two training ops share: backend selection, argument checks and casts, the statistics
+of their outputs, and the backward of dense rows (dense mode, and the ELL op's dense backup).
+
+Shape legend: N tokens (R for dense rows), D model width, H FFN width.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from twell.ops.reference import sparse_train_torch as torch_backend
+from twell.stats import FFNStats, stats_from_counts
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def pick_backend(x: torch.Tensor, name: str):
+    """The backend module of a training call: the Triton kernels (``twell.ops.sparse_train_triton``)
+    for CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (read at call time), of a float
+    dtype other than float64; else the PyTorch backend (``twell.ops.reference.sparse_train_torch``).
+    ``name``: "auto", "triton" (raises when unusable) or "torch".
+
+    Raises:
+        ValueError: unknown name, or "triton" where it cannot run.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {name!r}")
+    if name == "torch":
+        return torch_backend
+    usable = x.dtype != torch.float64 and (
+        x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    )
+    if name == "triton" and not usable:
+        raise ValueError(
+            "backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1) of a "
+            f"float dtype other than float64; got {x.device.type} {x.dtype}. Use backend='auto'."
+        )
+    if usable:
+        try:
+            from twell.ops import sparse_train_triton
+        except ImportError:  # triton missing: fall back unless explicitly asked for
+            if name == "triton":
+                raise
+            return torch_backend
+        return sparse_train_triton
+    return torch_backend
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend: str, fn: str) -> None:
+    """Raise ValueError naming ``fn`` and the argument for a bad shape, dtype, device or backend."""
+    if w_gate_HD is None:
+        raise ValueError(f"{fn} needs w_gate_HD (gated FFN); use impl='torch' for the non-gated "
+                         "FFN")
+    if x_ND.dim() != 2:
+        raise ValueError(f"{fn}: x_ND must be 2-D (N, D); got shape {tuple(x_ND.shape)}")
+    d = x_ND.shape[1]
+    h = w_gate_HD.shape[0]
+    if w_gate_HD.shape != (h, d) or w_up_HD.shape != (h, d) or w_down_DH.shape != (d, h):
+        raise ValueError(
+            f"{fn}: weights must be w_gate_HD (H, D), w_up_HD (H, D), w_down_DH (D, H) with D = "
+            f"{d}; got {tuple(w_gate_HD.shape)}, {tuple(w_up_HD.shape)}, {tuple(w_down_DH.shape)}"
+        )
+    if not x_ND.is_floating_point():
+        raise ValueError(f"{fn}: x_ND must be floating point; got {x_ND.dtype}")
+    devs = {t.device for t in (x_ND, w_gate_HD, w_up_HD, w_down_DH)}
+    if len(devs) != 1:
+        raise ValueError(f"{fn}: x and the weights must be on one device; got "
+                         f"{sorted(map(str, devs))}")
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}; got {backend!r}")
+
+
+def cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH):
+    """x and the weights in the compute dtype (autocast's, else x's), contiguous."""
+    dt = _autocast_dtype(x_ND.device.type)
+    if dt is None:
+        dt = x_ND.dtype
+    return tuple(t.to(dt).contiguous() for t in (x_ND, w_gate_HD, w_up_HD, w_down_DH))
+
+
+def stats_of(out, kc: int) -> FFNStats:
+    """FFNStats of a training op's outputs (l1, nnz_N, counts_H at 1-3), heavy rows above ``kc``."""
+    return stats_from_counts(out[1], out[2], out[3], kc)
+
+
+def dense_rows_bwd(be, dy, scale, x, wg, wu, wd, g, u, wd_transposed: bool = False):
+    """Backward of the dense FFN rows: g (relu'd or raw pre-activation) and u of those rows,
+    dy their upstream gradient. Returns dx, dWg, dWu and dWd (D, H), or its transpose (H, D)
+    contiguous when ``wd_transposed``."""
+    dg, du, h_ = be.backup_bwd(torch.matmul(dy, wd), g, u, scale)
+    dx = torch.matmul(dg, wg)
+    dx.addmm_(du, wu)
+    dwd = torch.matmul(h_.t(), dy) if wd_transposed else torch.matmul(dy.t(), h_)
+    return dx, torch.matmul(dg.t(), x), torch.matmul(du.t(), x), dwd

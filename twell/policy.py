@@ -1,0 +1,134 @@
+"""Path policy of the sparse FFN: the ``auto`` thresholds and the training layout's capacities.
+
+Every :class:`twell.nn.SparseGatedMLP` holds one :class:`FFNPolicy` (``policy=``, per layer); the
+trainer builds it from ``model.ffn_policy`` (``train/config.py``), so it is in the run's resolved
+``config.yaml`` and can be set per run from YAML or the command line
+(``model.ffn_policy.infer_min_rows=4096``). Nothing is read from the environment at import:
+:meth:`FFNPolicy.from_env` reads the ``TWELL_*`` overrides when a caller asks for them (the
+benchmark scripts do).
+
+Each default carries the one measurement behind it (one H200, M 16384, D 2048, H 5632, bf16
+unless said); the run-by-run history is in ``BENCHMARKS.md``, "Policy defaults".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# FFNPolicy field -> the environment variable FFNPolicy.from_env reads for it
+ENV_OVERRIDES = {
+    "infer_density_threshold": "TWELL_AUTO_DENSITY",
+    "infer_min_rows": "TWELL_AUTO_MIN_ROWS",
+    "infer_min_flops": "TWELL_AUTO_MIN_FLOPS",
+    "train_density_threshold": "TWELL_TRAIN_AUTO_DENSITY",
+    "train_heavy_fraction": "TWELL_TRAIN_AUTO_HEAVY",
+}
+
+
+@dataclass
+class FFNPolicy:
+    """Which path an FFN call takes, and the sparse training layout's capacities.
+
+    Raises (on construction):
+        ValueError: a fraction outside [0, 1], a negative or non-finite threshold, or a negative
+            count; the message names the field.
+    """
+
+    infer_density_threshold: float = 0.006
+    """Inference ``auto``: dense cuBLAS when the layer's last measured density (active units /
+    (N H)) is above this. TwELL won at 0.3 % (1.30x) and lost at 1 % (0.85x) (run 2)."""
+    infer_min_rows: int = 8192
+    """Inference ``auto``: dense for calls with fewer token rows (M 2048 lost at every density,
+    0.65x at 0.3 %, launch-bound; run 2)."""
+    infer_min_flops: float = 3e11
+    """Inference ``auto``: dense when the dense FFN has fewer FLOPs (6 M D H gated, 4 M D H
+    non-gated; 3e11 ~ 0.45 ms of cuBLAS): a small_l4 layer (D 768, H 2048) at 0.25 % ran 0.60x on
+    TwELL, launch-bound (run Q)."""
+    train_density_threshold: float = 0.10
+    """Training ``auto``: the ELL kernels up to this density (L0 / H), else dense mode; 10 % is
+    the densest case measured (i.i.d. 10 %: dense mode 0.99x vs the ELL op's fallback 0.90x,
+    run K)."""
+    train_heavy_fraction: float = 0.5
+    """Training ``auto``: the ELL kernels only while at most this fraction of the tokens are heavy
+    rows (above the ELL capacity); heavy-tailed 3 % with 32 % heavy ran 1.11x on the ELL path
+    vs 1.00x in dense mode (run M)."""
+    dense_row_fraction: float = 0.5
+    """Sparse training op: when more than this fraction of a call's rows are heavy, the whole
+    call runs through the dense backup (the trainer then measures the backup per call)."""
+    ell_capacity: int = 0
+    """Sparse training op: ELL slots per token row (KC); rows with more active units go to the
+    dense backup. 0 = ``twell.stats.default_ell_capacity(H)`` (128 at H 5632, the paper's
+    width)."""
+
+    def __post_init__(self) -> None:
+        for name in ("infer_density_threshold", "train_density_threshold",
+                     "train_heavy_fraction", "dense_row_fraction"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0.0 <= v <= 1.0):
+                raise ValueError(f"FFNPolicy.{name} must be a fraction in [0, 1]; got {v!r}")
+        if not (isinstance(self.infer_min_flops, (int, float)) and math.isfinite(self.infer_min_flops)
+                and self.infer_min_flops >= 0):
+            raise ValueError(f"FFNPolicy.infer_min_flops must be a finite number >= 0; got "
+                             f"{self.infer_min_flops!r}")
+        for name in ("infer_min_rows", "ell_capacity"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"FFNPolicy.{name} must be an integer >= 0 (ell_capacity 0 = the "
+                                 f"default width); got {v!r}")
+
+    @classmethod
+    def from_env(cls, base: FFNPolicy | None = None,
+                 environ: Mapping[str, str] | None = None) -> FFNPolicy:
+        """``base`` (default: the defaults) with the ``TWELL_*`` overrides of ``environ`` (default
+        ``os.environ``) applied: the one place environment variables set policy
+        (:data:`ENV_OVERRIDES` lists them). Call it explicitly; nothing calls it at import.
+
+        Raises:
+            ValueError: a variable that does not parse as the field's type, or a bad value.
+        """
+        env = os.environ if environ is None else environ
+        base = cls() if base is None else base
+        kw = {}
+        for f in dataclasses.fields(cls):
+            var = ENV_OVERRIDES.get(f.name)
+            if var is None or var not in env:
+                continue
+            typ = int if isinstance(getattr(base, f.name), int) else float
+            try:
+                kw[f.name] = typ(env[var])
+            except ValueError:
+                raise ValueError(f"{var}={env[var]!r} is not a{'n integer' if typ is int else ' number'}"
+                                 f" (FFNPolicy.{f.name})") from None
+        return dataclasses.replace(base, **kw)
+
+    def train_path(self, density: float, heavy_fraction: float = 0.0) -> str:
+        """Training path of ``impl="auto"`` for a layer of measured density (L0 / H, a fraction)
+        and heavy-row fraction (tokens above the ELL capacity / tokens, ``FFNStats.heavy_rows``).
+
+        Returns ``"twell"`` (the ELL training kernels, ``twell.ops.sparse_train.sparse_ffn_train``)
+        when ``density <= train_density_threshold`` and ``heavy_fraction <=
+        train_heavy_fraction``, else ``"dense"`` (dense mode, ``dense_ffn_train``).
+
+        Raises:
+            ValueError: density or heavy_fraction outside [0, 1] or NaN.
+        """
+        if not 0.0 <= density <= 1.0:
+            raise ValueError(f"density must be a fraction in [0, 1]; got {density}")
+        if not 0.0 <= heavy_fraction <= 1.0:
+            raise ValueError(f"heavy_fraction must be a fraction in [0, 1]; got {heavy_fraction}")
+        ok = density <= self.train_density_threshold and heavy_fraction <= self.train_heavy_fraction
+        return "twell" if ok else "dense"
+
+    def infer_dense(self, density: float | None, n_rows: int, dense_flops: float) -> bool:
+        """Inference ``auto``: True when a call of ``n_rows`` token rows and ``dense_flops`` dense
+        FLOPs, on a layer whose last measured density is ``density`` (None: not measured yet),
+        goes to dense cuBLAS instead of TwELL."""
+        return ((density is not None and density > self.infer_density_threshold)
+                or n_rows < self.infer_min_rows or dense_flops < self.infer_min_flops)
+
+
+__all__ = ["ENV_OVERRIDES", "FFNPolicy"]
