@@ -5,6 +5,8 @@
     python scripts/bench_ffn_train.py --parts-only    # per-kernel launch shapes only (~1 min)
     OUT=/some/dir python scripts/bench_ffn_train.py   # also writes $OUT/bench_ffn_train.csv
     python scripts/bench_ffn_train.py --stack 8       # + 8 layers in sequence: sync vs no-sync
+    python scripts/bench_ffn_train.py --acts a.pt,b.pt --acts-iid --dists ''   # recorded layers
+                                      # (scripts/record_acts.py format) + i.i.d. at their density
 
 One FFN forward + backward (y, dx, dWg, dWu, dWd; the L1 term in the loss), M = 16384 tokens,
 D = 2048, H = 5632, bf16, for densities 0.3 / 1 / 3 / 10 % of active units, i.i.d. and
@@ -116,6 +118,24 @@ VARIANT_CFG = {
 RECORDED_RUN_K = {("iid", 0.003): 1.86, ("iid", 0.01): 1.01, ("iid", 0.03): 0.93,
                   ("iid", 0.1): 0.90, ("heavy", 0.003): 1.48, ("heavy", 0.01): 1.32,
                   ("heavy", 0.03): 1.20, ("heavy", 0.1): 0.87}
+
+
+def load_acts(path, seed=0, device="cuda"):
+    """A recorded layer (``scripts/record_acts.py``: x (N, D), w_gate, w_up (H, D), w_down (D, H))
+    as bf16 (x, wg, wu, wd, dy) with a seeded random upstream gradient dy, and its mean density
+    (fraction of relu(x Wg^T) > 0)."""
+    blob = torch.load(path, map_location=device)
+    if blob.get("w_gate") is None:
+        raise ValueError(f"{path}: a non-gated layer (the training op is gated-only)")
+    x = blob["x"].reshape(-1, blob["x"].shape[-1])
+    wg, wu, wd = blob["w_gate"], blob["w_up"], blob["w_down"]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dy = torch.randn(x.shape[0], x.shape[1], device=device, generator=gen)
+    ts = [t.to(device, torch.bfloat16).contiguous() for t in (x, wg, wu, wd, dy)]
+    with torch.no_grad():
+        dens = sum(((ts[0][i:i + 4096] @ ts[1].t()) > 0).sum().item()
+                   for i in range(0, ts[0].shape[0], 4096)) / (ts[0].shape[0] * ts[1].shape[0])
+    return ts, dens
 
 
 def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
@@ -387,6 +407,12 @@ def main():
     ap.add_argument("--parts", default="iid:0.003,iid:0.01,heavy:0.003",
                     help="dist:density cases of the per-kernel table ('' = none)")
     ap.add_argument("--parts-only", action="store_true", help="only the per-kernel table")
+    ap.add_argument("--acts", default="",
+                    help="comma-separated recorded layers (scripts/record_acts.py .pt files), "
+                         "timed with their own shape after the synthetic cases")
+    ap.add_argument("--acts-iid", action="store_true",
+                    help="with --acts: also an i.i.d. case at each recorded layer's mean density "
+                         "and shape (the target: recorded >= i.i.d. speedup)")
     ap.add_argument("--quick", action="store_true", help="fewer timing repetitions")
     ap.add_argument("--stack", type=int, default=0,
                     help="also time this many FFN layers in sequence (dense / per-call sync / "
@@ -428,9 +454,29 @@ def main():
             w.writerows(part_rows)
     if args.parts_only:
         return
-    for dist in args.dists.split(","):
-        for dens in (float(v) for v in args.densities.split(",")):
+    cases = [(dist, dens, None) for dist in filter(None, args.dists.split(","))
+             for dens in (float(v) for v in args.densities.split(","))]
+    for path in filter(None, args.acts.split(",")):
+        try:
+            _, dens = load_acts(path)
+        except Exception as e:  # noqa: BLE001 (report, do not crash)
+            print(f"--acts {path}: {type(e).__name__}: {e}; skipped", flush=True)
+            continue
+        cases.append((f"acts:{Path(path).stem}", round(dens, 5), path))
+        if args.acts_iid:
+            cases.append(("iid", round(dens, 5), f"iid-like:{path}"))
+    for dist, dens, src in cases:
+        if src is None:
             x, wg, wu, wd, dy = make_case(n, d, h, dens, dist)
+        elif src.startswith("iid-like:"):  # the recorded layer's shape, i.i.d. rows
+            (xa, *_), _ = load_acts(src.split(":", 1)[1])
+            x, wg, wu, wd, dy = make_case(xa.shape[0], xa.shape[1], h, dens, "iid")
+            del xa
+        else:
+            (x, wg, wu, wd, dy), _ = load_acts(src)
+        n, d, h = x.shape[0], x.shape[1], wg.shape[0]
+        dense_flops = 9 * 2 * n * d * h
+        if True:  # (one case; kept as a block so the body reads as before)
             ref_l1, st_ref = reference_fp32(x, wg, wu, wd, dy, True)
             ref_no, _ = reference_fp32(x, wg, wu, wd, dy, False)
             # bf16 dense stats (the path the trainer would otherwise use) for the stats check
