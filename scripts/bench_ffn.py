@@ -327,7 +327,9 @@ def phase_speed(args):
             cfgs += [(16384, 2048, 8192, dd, False, True) for dd in (0.003, 0.01)]
             cfgs += [(16384, 2048, 8192, dd, True, False) for dd in (0.003, 0.01)]
     if args.main_only and not args.smoke:  # the headline shape at the targets' densities, i.i.d.
-        cfgs = [(16384, 2048, 5632, dd, False, True) for dd in (0.001, 0.003, 0.01, 0.03, 0.1)]
+        dens = [float(v) for v in args.densities.split(",")] if args.densities else \
+            (0.001, 0.003, 0.01, 0.03, 0.1)
+        cfgs = [(16384, 2048, 5632, dd, False, True) for dd in dens]
     for i, (m, d, h, dd, hv, gated) in enumerate(cfgs):
         sweep = args.sweep_consumer if (m, d, h, gated) == (16384, 2048, 5632, True) and \
             dd in (0.003, 0.01) and not hv else False
@@ -340,17 +342,18 @@ def phase_speed(args):
                          "variant": "config", "status": f"ERROR {type(ex).__name__}: {ex}"})
         print(f"[speed {i + 1}/{len(cfgs)}] M={m} D={d} H={h} dens={dd} heavy={hv} gated={gated} "
               f"{time.time() - t0:.1f}s", flush=True)
-    if args.acts and os.path.exists(args.acts):
-        blob = torch.load(args.acts, map_location=DEV)
+    for path in filter(None, (args.acts or "").split(",")):
+        if not os.path.exists(path):
+            print(f"--acts {path}: not found, skipped")
+            continue
+        blob = torch.load(path, map_location=DEV)
         x = blob["x"].to(DEV, torch.bfloat16)
         x = x.reshape(-1, x.shape[-1])
         wg = blob.get("w_gate")
         ws = [None if wg is None else wg.to(DEV, torch.bfloat16),
               blob["w_up"].to(DEV, torch.bfloat16), blob["w_down"].to(DEV, torch.bfloat16)]
         rows += time_config(args, x.shape[0], x.shape[1], ws[1].shape[0], float("nan"), False,
-                            wg is not None, label=os.path.basename(args.acts), inputs=(x, *ws))
-    elif args.acts:
-        print(f"--acts {args.acts}: not found, skipped")
+                            wg is not None, label=os.path.basename(path), inputs=(x, *ws))
     return rows
 
 
@@ -375,7 +378,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="add M=131072 and more shapes")
     ap.add_argument("--quick", action="store_true", help="the default set (kept for clarity)")
-    ap.add_argument("--acts", default=None, help="torch.save'd dict x, w_gate|None, w_up, w_down")
+    ap.add_argument("--acts", default=None, help="comma-separated torch.save'd dicts x, w_gate|None, "
+                    "w_up, w_down (scripts/record_acts.py)")
+    ap.add_argument("--densities", default=None,
+                    help="with --main-only: the i.i.d. densities (comma-separated fractions)")
     ap.add_argument("--no-check", action="store_true", help="skip phase 1")
     ap.add_argument("--check-only", action="store_true", help="skip phase 2")
     ap.add_argument("--main-only", action="store_true",
