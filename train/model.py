@@ -9,15 +9,14 @@ same logits. The non-gated variant (``relu(x Wu^T)``, no ``gate_proj``) needs :f
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from twell.nn import SparseGatedMLP, convert_mlps
-
-GATED_KEY = "twell_gated"  # extra LlamaConfig attribute saved in config.json
+from twell.hf import (  # noqa: F401 (re-exported: train.model.load_model etc.)
+    GATED_KEY,
+    ffn_modules,
+    install_ffns,
+    load_model,
+)
 
 
 def llama_config(cfg) -> LlamaConfig:
@@ -51,27 +50,6 @@ def llama_config(cfg) -> LlamaConfig:
     return config
 
 
-def _install_ffns(model: nn.Module, gated: bool, impl: str, policy=None) -> list[SparseGatedMLP]:
-    """Swap every LlamaMLP for a SparseGatedMLP (gated: sharing weights; else up/down only)."""
-    if gated:
-        convert_mlps(model, impl, policy=policy)
-    else:
-        for layer in model.model.layers:
-            old = layer.mlp
-            new = SparseGatedMLP(old.up_proj.in_features, old.up_proj.out_features,
-                                 gated=False, impl=impl, policy=policy)
-            new.to(device=old.up_proj.weight.device, dtype=old.up_proj.weight.dtype)
-            new.up_proj.weight = old.up_proj.weight
-            new.down_proj.weight = old.down_proj.weight
-            layer.mlp = new
-    return ffn_modules(model)
-
-
-def ffn_modules(model: nn.Module) -> list[SparseGatedMLP]:
-    """The model's SparseGatedMLP modules in layer order."""
-    return [m for m in model.modules() if isinstance(m, SparseGatedMLP)]
-
-
 def build_model(cfg) -> LlamaForCausalLM:
     """A freshly initialised model for a :class:`train.config.ModelConfig` (fp32, on CPU).
 
@@ -80,54 +58,8 @@ def build_model(cfg) -> LlamaForCausalLM:
     ``policy=cfg.ffn_policy``.
     """
     model = LlamaForCausalLM(llama_config(cfg))
-    _install_ffns(model, cfg.gated, cfg.ffn_impl, cfg.ffn_policy)
+    install_ffns(model, cfg.gated, cfg.ffn_impl, cfg.ffn_policy)
     return model
-
-
-def load_model(checkpoint_dir: str | Path, ffn_impl: str = "torch", **from_pretrained_kw):
-    """Load a saved checkpoint (HF layout: config.json + safetensors) with SparseGatedMLP FFNs.
-
-    Args:
-        checkpoint_dir: a ``step{N}`` folder written by the trainer (or any ReLU Llama folder).
-        ffn_impl: ``torch`` | ``twell`` | ``auto`` (see :class:`twell.nn.SparseGatedMLP`).
-        **from_pretrained_kw: passed to ``LlamaForCausalLM.from_pretrained`` (e.g. ``dtype``,
-            ``device_map``) for gated models.
-
-    Returns:
-        ``LlamaForCausalLM`` in eval mode.
-
-    Raises:
-        FileNotFoundError: no config.json in ``checkpoint_dir``.
-        ValueError: unknown ``ffn_impl``; weights that do not match the config.
-    """
-    d = Path(checkpoint_dir)
-    if not (d / "config.json").is_file():
-        raise FileNotFoundError(f"{d}: no config.json; pass a step{{N}} checkpoint folder")
-    config = LlamaConfig.from_pretrained(d)
-    if getattr(config, GATED_KEY, True):
-        model = LlamaForCausalLM.from_pretrained(d, **from_pretrained_kw)
-        _install_ffns(model, True, ffn_impl)
-    else:  # no gate_proj: stock from_pretrained would invent one; load the tensors ourselves
-        model = LlamaForCausalLM(config)
-        _install_ffns(model, False, ffn_impl)
-        _load_safetensors(model, d)
-    return model.eval()
-
-
-def _load_safetensors(model: nn.Module, d: Path) -> None:
-    from safetensors.torch import load_file
-
-    index = d / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
-             if index.is_file() else ["model.safetensors"])
-    state = {}
-    for f in files:
-        state.update(load_file(str(d / f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
-    if missing or unexpected:
-        raise ValueError(f"{d}: weights do not match the config: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
 
 
 def enable_grad_checkpointing(model, checkpoint_ffn: str = "always") -> None:
