@@ -359,11 +359,17 @@ def test_auto_mode_switches_on_measured_density():
     st = TwELLState()
     # this test is about density; the size rules are below
     pol = FFNPolicy(infer_density_threshold=0.2, infer_min_rows=0, infer_min_flops=0)
+    def landed():  # on CUDA the density copy is asynchronous: "auto" uses it once it landed
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     y_a, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "twell"          # first call: no measurement yet
+    landed()
     sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "twell"          # 5% < 20%
     pol.infer_density_threshold = 0.01
+    landed()
     y_b, stats = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
     assert st.last_info.path == "dense"          # 5% > 1%
     torch.testing.assert_close(y_b, y_a, rtol=1e-2, atol=1e-3)
