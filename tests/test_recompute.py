@@ -103,12 +103,18 @@ def test_checkpoint_ffn_is_validated(tmp_path):
     tok = write_tokens(tmp_path / "t.bin", n_tokens=2000)
     with pytest.raises(ConfigError, match="trainer.checkpoint_ffn='sometimes' is unknown"):
         tiny_config(tok, **{"trainer.checkpoint_ffn": "sometimes"})
-    with pytest.raises(ConfigError, match="needs trainer.grad_checkpointing=true"):
-        tiny_config(tok, **{"trainer.checkpoint_ffn": "auto"})
+    with pytest.raises(ConfigError, match="checkpoint_ffn=never needs trainer.grad_checkpointing"):
+        tiny_config(tok, **{"trainer.checkpoint_ffn": "never"})
+    # auto without checkpointing has nothing to select (trainer=gpu sets it; a run that turns
+    # checkpointing off must still start)
+    assert tiny_config(tok, **{"trainer.checkpoint_ffn": "auto"}).trainer.checkpoint_ffn == "auto"
     cfg = tiny_config(tok, **{"trainer.grad_checkpointing": True})
-    cfg.trainer.checkpoint_ffn, cfg.trainer.compile = "auto", True
-    with pytest.raises(ConfigError, match="trainer.compile"):
-        cfg.trainer.__post_init__()
+    for key, value in [("checkpoint_ffn", "auto"), ("fused_ce", True)]:
+        cfg.trainer.checkpoint_ffn, cfg.trainer.fused_ce, cfg.trainer.compile = "always", False, True
+        cfg.trainer.__post_init__()  # compile alone is fine
+        setattr(cfg.trainer, key, value)
+        with pytest.raises(ConfigError, match="trainer.checkpoint_ffn=always trainer.fused_ce=false"):
+            cfg.trainer.__post_init__()
 
 
 def test_trainer_losses_equal_with_checkpoint_ffn_auto(tmp_path, torch_backend):

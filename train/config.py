@@ -254,7 +254,7 @@ class TrainerConfig:
     grad_checkpointing: bool = False
     """Recompute each decoder layer in backward (non-reentrant, keeps the L1 term's graph)."""
     checkpoint_ffn: str = "always"
-    """With grad_checkpointing: always (recompute whole layers) | auto (layers whose FFN trains
+    """With grad_checkpointing (no effect without it): always (recompute whole layers) | auto (layers whose FFN trains
     on the sparse ELL path recompute only attention; their FFN runs once and keeps its compact
     state: no second gate GEMM, ~130 MB more per layer at 1.5B) | never (every layer, dense FFNs
     included: they then keep N x H activations). See train/recompute.py."""
@@ -335,14 +335,16 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.checkpoint_ffn={self.checkpoint_ffn!r} is unknown; use one of "
                 f"{', '.join(CHECKPOINT_FFN_MODES)}.")
-        if self.checkpoint_ffn != "always" and not self.grad_checkpointing:
+        if self.checkpoint_ffn == "never" and not self.grad_checkpointing:
             raise ConfigError(
-                f"trainer.checkpoint_ffn={self.checkpoint_ffn} needs trainer.grad_checkpointing="
-                "true (without checkpointing nothing is recomputed); set both or drop it.")
-        if self.checkpoint_ffn != "always" and self.compile:
+                "trainer.checkpoint_ffn=never needs trainer.grad_checkpointing=true (without "
+                "checkpointing nothing is recomputed); set both or drop it.")
+        if self.compile and (self.checkpoint_ffn != "always" or self.fused_ce):
             raise ConfigError(
-                f"trainer.checkpoint_ffn={self.checkpoint_ffn} is not supported with "
-                "trainer.compile=true (its saved-tensor hooks are eager-only); use one of them.")
+                "trainer.compile=true does not support trainer.checkpoint_ffn="
+                f"{self.checkpoint_ffn} or trainer.fused_ce={str(self.fused_ce).lower()} (saved-"
+                "tensor hooks and the fused loss are eager-only): add "
+                "trainer.checkpoint_ffn=always trainer.fused_ce=false, or drop trainer.compile.")
         if self.backup_capacity not in CAPACITY_RULES:
             raise ConfigError(
                 f"trainer.backup_capacity={self.backup_capacity!r} is unknown; use one of "
@@ -350,9 +352,6 @@ class TrainerConfig:
         if self.compile_norms and self.compile:
             raise ConfigError("trainer.compile_norms=true and trainer.compile=true: the whole "
                               "model is compiled already; use one of them.")
-        if self.fused_ce and self.compile:
-            raise ConfigError("trainer.fused_ce=true is not supported with trainer.compile=true "
-                              "yet (untested under torch.compile); use one of them.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"trainer.num_threads must be >= 1 or null; got {self.num_threads}.")
 
