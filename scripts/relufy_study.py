@@ -615,7 +615,7 @@ def parse_args(argv=None):
                         "a 30x span because the L0 they reach in a few M tokens from a "
                         "pretrained model is not known in advance (docs/relufy.md, calibration)")
     p.add_argument("--lr", type=float, default=None, help="skip the sweep and use this lr")
-    p.add_argument("--default-lr", type=float, default=3e-4,
+    p.add_argument("--default-lr", type=float, default=1e-3,
                    help="lr if the sweep gives no result (configs/experiment/relufy_smollm2.yaml)")
     p.add_argument("--sweep-lrs", type=_floats, default=_floats("1e-4,3e-4,1e-3"))
     p.add_argument("--sweep-tokens", type=float, default=1.5e6, help="tokens per sweep run")
