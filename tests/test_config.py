@@ -84,7 +84,14 @@ def test_run_dir_of_another_run_is_refused(tmp_path):
     # a checkpoint of another model shape is refused too, even with resume=auto
     with pytest.raises(ConfigError) as err:
         Trainer(tiny_config(tok, **{"model.num_layers": 3}), run)
-    assert "model.num_layers" in _one_line(err)
+    assert "model.num_layers" in _one_line(err) and "a new hydra.run.dir" in _one_line(err)
+    # an explicit trainer.resume into a new run dir: the fix is another checkpoint, not a run dir
+    with pytest.raises(ConfigError) as err:
+        Trainer(tiny_config(tok, **{"model.num_layers": 3, "trainer.resume": str(run)}),
+                tmp_path / "r3")
+    msg = _one_line(err)
+    assert "model.num_layers" in msg and "another trainer.resume" in msg, msg
+    assert "hydra.run.dir" not in msg, msg
     # the FFN path and its host-sync mode are not the model's shape: such a resume is allowed
     t = Trainer(tiny_config(tok, **{"trainer.max_steps": 1, "model.ffn_host_sync": "call",
                                     "model.ffn_impl": "auto"}), run)

@@ -340,11 +340,14 @@ class TrainerConfig:
                 "trainer.checkpoint_ffn=never needs trainer.grad_checkpointing=true (without "
                 "checkpointing nothing is recomputed); set both or drop it.")
         if self.compile and (self.checkpoint_ffn != "always" or self.fused_ce):
+            # name only the keys in conflict (saved-tensor hooks and the fused loss are eager-only)
+            pairs = ([(f"trainer.checkpoint_ffn={self.checkpoint_ffn}",
+                       "trainer.checkpoint_ffn=always")] if self.checkpoint_ffn != "always" else [])
+            pairs += [("trainer.fused_ce=true", "trainer.fused_ce=false")] if self.fused_ce else []
             raise ConfigError(
-                "trainer.compile=true does not support trainer.checkpoint_ffn="
-                f"{self.checkpoint_ffn} or trainer.fused_ce={str(self.fused_ce).lower()} (saved-"
-                "tensor hooks and the fused loss are eager-only): add "
-                "trainer.checkpoint_ffn=always trainer.fused_ce=false, or drop trainer.compile.")
+                f"trainer.compile=true does not support {' or '.join(b for b, _ in pairs)} "
+                "(saved-tensor hooks and the fused loss are eager-only): add "
+                f"{' '.join(f for _, f in pairs)}, or drop trainer.compile.")
         if self.backup_capacity not in CAPACITY_RULES:
             raise ConfigError(
                 f"trainer.backup_capacity={self.backup_capacity!r} is unknown; use one of "

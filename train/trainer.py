@@ -346,8 +346,10 @@ class Trainer:
             diff = [d for d in config_diff(saved, self.config_dict) if d.startswith("model.")
                     and not d.startswith(("model.ffn_impl", "model.ffn_host_sync", "model.name"))]
             if diff:
+                other = ("another trainer.resume" if explicit  # the run dir is not the cause
+                         else "a new hydra.run.dir")
                 raise ConfigError(f"checkpoint {found} has another model shape ({'; '.join(diff[:3])})"
-                                  "; use the same model config or a new hydra.run.dir.")
+                                  f"; use the same model config or {other}.")
             self._check_resume_changes(found, saved, explicit)
             return found
         old = self.run_dir / "config.yaml"
