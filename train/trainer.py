@@ -28,6 +28,7 @@ from accelerate import Accelerator
 from accelerate.utils import AutocastKwargs, set_seed
 from omegaconf import OmegaConf
 
+from evals.scoring import ContinuationTooLong  # light (torch only); the harness loads lazily
 from train import checkpoint as ckpt_io
 from train import parallel, rundir
 from train.capacity import BackupCapacity
@@ -851,9 +852,17 @@ class Trainer:
             model = self.acc.unwrap_model(self.model)
             model.eval()
             self._print(f"step {self.step}: evaluating {tasks} (limit {e.limit})")
-            out = evaluate(model, self.data.tokenizer, tasks=tasks, limit=e.limit,
-                           batch_size=e.batch_size, device=self.device,
-                           progress=self.cfg.trainer.progress and self.is_main)
+            try:
+                out = evaluate(model, self.data.tokenizer, tasks=tasks, limit=e.limit,
+                               batch_size=e.batch_size, device=self.device,
+                               progress=self.cfg.trainer.progress and self.is_main)
+            except ContinuationTooLong as err:  # a short model.seq_len: one line, no traceback
+                raise ConfigError(
+                    f"eval at step {self.step}: {err.args[0].split(';')[0]}: model.seq_len="
+                    f"{self.cfg.model.seq_len} is too short for it; set model.seq_len>="
+                    f"{err.n_tokens}, eval.tasks without it, or eval=disabled (the same command "
+                    "with eval=disabled resumes from the newest checkpoint and writes "
+                    "summary.json)") from None
             model.train()
             result = {"step": self.step, "eval_mean": out["mean"],
                       **{f"eval_{k}": v["primary"] for k, v in out["tasks"].items()}}
