@@ -259,6 +259,19 @@ def test_eval_without_tokenizer_is_refused(tokens, tmp_path):
         Trainer(cfg, tmp_path / "r")
 
 
+def test_triton_interpreter_with_ffn_impl_twell_warns(tokens, tmp_path, capsys, monkeypatch):
+    """TRITON_INTERPRET=1 (what scripts/test.sh sets without a GPU) left set in a user's shell
+    makes a twell run crawl (a validation FFN call takes minutes): the trainer says so."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    Trainer(tiny_config(tokens, **{"model.ffn_impl": "twell"}), tmp_path / "i").close()
+    assert "TRITON_INTERPRET=1 runs model.ffn_impl=twell through the Triton interpreter" in (
+        capsys.readouterr().err)
+    for impl, env in [("torch", "1"), ("twell", "0")]:
+        monkeypatch.setenv("TRITON_INTERPRET", env)
+        Trainer(tiny_config(tokens, **{"model.ffn_impl": impl}), tmp_path / f"i{impl}").close()
+        assert "TRITON_INTERPRET" not in capsys.readouterr().err
+
+
 def test_warmup_longer_than_run_warns(tokens, tmp_path, capsys):
     Trainer(tiny_config(tokens, **{"trainer.max_steps": 2, "optim.warmup_steps": 5}),
             tmp_path / "w").close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import secrets
 import sys
@@ -198,6 +199,14 @@ class Trainer:
             self._warn(f"warning: no GPU found; training {t.max_steps} steps of "
                        f"{t.global_batch} x {cfg.model.seq_len} tokens on the CPU. For a CPU run "
                        "use trainer=cpu.")
+        if (self.device.type == "cpu" and cfg.model.ffn_impl == "twell" and self.is_main
+                and os.environ.get("TRITON_INTERPRET") == "1"):  # read as twell.ops reads it
+            # measured: 19 tok/s training (1150 without it) and ~200 s per validation FFN call
+            # of 512 tokens at the tiny shape, 2 cores; the interpreter is for the kernel tests
+            self._warn("warning: TRITON_INTERPRET=1 runs model.ffn_impl=twell through the Triton "
+                       "interpreter on the CPU: ~60x slower training and minutes per validation "
+                       "FFN call; unset TRITON_INTERPRET (the PyTorch version of the same sparse "
+                       "math runs) unless you are testing the kernels.")
         if self.is_main:  # DDP: rank 0 holds the lock for the job (torchrun ends the others)
             self._lock = rundir.RunDirLock(self.run_dir)
         resume_from = self._check_run_dir()
