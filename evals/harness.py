@@ -29,7 +29,13 @@ from collections.abc import Sequence
 import torch
 
 from evals.data import load_rows
-from evals.scoring import encode_pair, model_device, resolve_prefix_token, score_requests
+from evals.scoring import (
+    ContinuationTooLong,
+    encode_pair,
+    model_device,
+    resolve_prefix_token,
+    score_requests,
+)
 from evals.tasks import ALL_TASKS, TARGET_DELIMITER, TASKS, Item, MalformedItem
 
 MAX_SKIPPED_LISTED = 20
@@ -103,15 +109,25 @@ def score_task(model, tokenizer, name: str, rows: list[dict], *, prefix_id: int 
 
     Raises:
         ValueError: no valid item among ``rows``.
+        evals.scoring.ContinuationTooLong: a choice longer than the model's positions (the
+            message names the task and row).
     """
     items, reqs, skipped = build_items(name, rows, tokenizer, prefix_id)
     if not items:
         raise ValueError(f"task {name}: no valid item among {len(rows)} rows "
                          f"(first reasons: {skipped[:3]})")
     flat = [r for rs in reqs for r in rs]
-    lls = score_requests(model, flat, batch_size=batch_size, device=device,
-                         max_length=max_length, padding_side=padding_side,
-                         pad_id=pad_id, progress=progress, desc=desc or name)
+    try:
+        lls = score_requests(model, flat, batch_size=batch_size, device=device,
+                             max_length=max_length, padding_side=padding_side,
+                             pad_id=pad_id, progress=progress, desc=desc or name)
+    except ContinuationTooLong as e:  # name the task and its row, not the flat request index
+        row = [i for (i, _), rs in zip(items, reqs, strict=True) for _ in rs][e.request]
+        more = f" (the longest of {e.count} choices that do not)" if e.count > 1 else ""
+        raise ContinuationTooLong(
+            f"{name} row {row}: a choice of {e.n_tokens} tokens{more} does not fit the model's "
+            f"{e.max_length} positions (max_position_embeddings); score it with a longer-context "
+            "model or leave the task out", e.request, e.n_tokens, e.max_length, e.count) from None
     ok, ok_norm, samples, k = [], [], [], 0
     for (row_i, item), rs in zip(items, reqs, strict=True):
         ll = lls[k:k + len(rs)]
@@ -190,7 +206,9 @@ def evaluate(
 
     Raises:
         ValueError: unknown task, ``limit`` < 1, ``batch_size`` < 1, a model on another
-            device than ``device``, or a task with no valid item.
+            device than ``device``, or a task with no valid item;
+            ``evals.scoring.ContinuationTooLong`` (a ValueError) for a choice longer than the
+            model's positions (PIQA has choices of up to 231 SmolLM2 tokens).
     """
     names = resolve_tasks(tasks)
     if limit is not None and (not isinstance(limit, int) or limit < 1):

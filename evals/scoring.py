@@ -107,6 +107,19 @@ def model_device(model) -> torch.device:
         return torch.device("cpu")
 
 
+class ContinuationTooLong(ValueError):
+    """Continuations with more tokens than the model's longest input (``max_length``), which
+    cannot be scored (lm-evaluation-harness asserts the same). ``request`` is the index of the
+    longest of them, ``n_tokens`` its length (a model needs ``max_length >= n_tokens`` to score
+    them all), ``count`` how many requests are too long."""
+
+    def __init__(self, message: str, request: int, n_tokens: int, max_length: int,
+                 count: int = 1):
+        super().__init__(message)
+        self.request, self.n_tokens, self.max_length = request, n_tokens, max_length
+        self.count = count
+
+
 @torch.inference_mode()
 def score_requests(
     model,
@@ -145,6 +158,7 @@ def score_requests(
 
     Raises:
         ValueError: bad ``batch_size``/``padding_side``, or an empty context/continuation.
+        ContinuationTooLong: a continuation longer than ``max_length`` (a ValueError).
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be > 0, got {batch_size}")
@@ -158,16 +172,19 @@ def score_requests(
     # positions of the input predict the continuation tokens.
     seqs: list[list[int]] = []
     conts: list[list[int]] = []
+    if max_length is not None:
+        too_long = [i for i, (_, cont) in enumerate(requests) if len(cont) > max_length]
+        if too_long:
+            i = max(too_long, key=lambda j: len(requests[j][1]))
+            n = len(requests[i][1])
+            raise ContinuationTooLong(
+                f"request {i}: continuation of {n} tokens exceeds max_length {max_length} "
+                f"(the longest of {len(too_long)} that do)", i, n, max_length, len(too_long))
     for i, (ctx, cont) in enumerate(requests):
         if len(ctx) == 0 or len(cont) == 0:
             raise ValueError(f"request {i}: context and continuation must be non-empty")
         full = list(ctx) + list(cont)
         if max_length is not None:
-            if len(cont) > max_length:
-                raise ValueError(
-                    f"request {i}: continuation of {len(cont)} tokens exceeds max_length "
-                    f"{max_length}"
-                )
             full = full[-(max_length + 1):]
         seqs.append(full[:-1])
         conts.append(list(cont))

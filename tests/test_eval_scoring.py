@@ -230,6 +230,28 @@ def test_left_truncation_to_max_length():
         score_requests(model, [([1], list(range(1, 12)))], max_length=10)
 
 
+def test_a_choice_longer_than_the_model_names_its_task_and_row():
+    """A choice longer than max_length cannot be scored (as in lm-eval); the error names the task,
+    the row and both lengths (the trainer turns it into a one-line error naming model.seq_len)."""
+    from evals.scoring import ContinuationTooLong
+
+    rows = [{"question": "q?", "choices": {"text": ["ab", "b"], "label": ["A", "B"]},
+             "answerKey": "A"},
+            {"question": "q?", "choices": {"text": ["b", "x" * 11], "label": ["A", "B"]},
+             "answerKey": "A"},  # row 1, choice 2: " " + 11 characters = 12 tokens
+            {"question": "q?", "choices": {"text": ["y" * 10, "b"], "label": ["A", "B"]},
+             "answerKey": "A"}]  # row 2: 11 tokens, also too long, but not the longest
+    with pytest.raises(ContinuationTooLong) as e:
+        score_task(NextCharModel(), CharTokenizer(), "arc_easy", rows, prefix_id=0, max_length=10)
+    assert (e.value.n_tokens, e.value.max_length, e.value.request, e.value.count) == (12, 10, 3, 2)
+    assert str(e.value).startswith("arc_easy row 1: a choice of 12 tokens (the longest of 2 "
+                                   "choices that do not) does not fit the model's 10 positions")
+    assert isinstance(e.value, ValueError)  # twell-eval prints ValueErrors in one line
+    res = score_task(NextCharModel(), CharTokenizer(), "arc_easy", rows, prefix_id=0,
+                     max_length=12)  # 12 fits: the context is cut to the last token
+    assert res["n"] == 3
+
+
 def test_sparse_ffn_path_scores_like_dense():
     """convert_mlps (torch impl) keeps the scores: the scorer just calls model(input_ids)."""
     from twell.nn.convert import convert_mlps

@@ -175,6 +175,35 @@ def test_in_loop_eval_calls_evals_evaluate(tokens, tmp_path, monkeypatch):
     assert [r["step"] for r in read_metrics(tmp_path / "run", "eval")] == [2, 4, 5]
 
 
+def test_eval_continuation_longer_than_seq_len_stops_in_one_line(tokens, tmp_path, monkeypatch):
+    """A model.seq_len shorter than a task's longest choice (PIQA: 151 SmolLM2 tokens in its
+    first 200 rows) stops at the eval with one line naming model.seq_len and the fixes, after
+    the last checkpoint is written; rerunning with eval=disabled finishes the run."""
+    import evals.harness
+    from evals.scoring import ContinuationTooLong
+    from train.config import ConfigError
+
+    def too_long(*a, **kw):
+        raise ContinuationTooLong("piqa row 7: a choice of 151 tokens does not fit the model's 32 "
+                                  "positions (max_position_embeddings); score it with ...", 30,
+                                  151, 32)
+
+    monkeypatch.setattr(evals.harness, "evaluate", too_long)
+    cfg = tiny_config(tokens, **{"trainer.max_steps": 2, "eval.at_end": True,
+                                 "eval.tasks": ["piqa"], "eval.limit": 4})
+    with pytest.raises(ConfigError) as e:
+        _run(cfg, tmp_path / "run", datamodule=datamodule_with_stub_tokenizer(cfg))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("eval at step 2: piqa row 7: a choice of 151 tokens"), msg
+    assert "model.seq_len=32 is too short" in msg and "model.seq_len>=151" in msg, msg
+    assert "eval=disabled" in msg and "score it with" not in msg, msg
+    assert (tmp_path / "run" / "checkpoints" / "step2").is_dir()
+    assert not (tmp_path / "run" / "summary.json").exists()
+    cfg = tiny_config(tokens, **{"trainer.max_steps": 2, "eval.at_end": False})
+    summary, _ = _run(cfg, tmp_path / "run", datamodule=datamodule_with_stub_tokenizer(cfg))
+    assert summary["step"] == 2 and (tmp_path / "run" / "summary.json").is_file()
+
+
 @pytest.mark.slow
 def test_two_ranks_resume_is_exact(tokens, tmp_path):
     """Data-parallel path on CPU (torchrun, gloo): per-rank data/RNG state, reduced metrics and
@@ -228,6 +257,19 @@ def test_eval_without_tokenizer_is_refused(tokens, tmp_path):
     cfg = tiny_config(tokens, **{"eval.at_end": True})
     with pytest.raises(ConfigError, match="eval=disabled"):
         Trainer(cfg, tmp_path / "r")
+
+
+def test_triton_interpreter_with_ffn_impl_twell_warns(tokens, tmp_path, capsys, monkeypatch):
+    """TRITON_INTERPRET=1 (what scripts/test.sh sets without a GPU) left set in a user's shell
+    makes a twell run crawl (a validation FFN call takes minutes): the trainer says so."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    Trainer(tiny_config(tokens, **{"model.ffn_impl": "twell"}), tmp_path / "i").close()
+    assert "TRITON_INTERPRET=1 runs model.ffn_impl=twell through the Triton interpreter" in (
+        capsys.readouterr().err)
+    for impl, env in [("torch", "1"), ("twell", "0")]:
+        monkeypatch.setenv("TRITON_INTERPRET", env)
+        Trainer(tiny_config(tokens, **{"model.ffn_impl": impl}), tmp_path / f"i{impl}").close()
+        assert "TRITON_INTERPRET" not in capsys.readouterr().err
 
 
 def test_warmup_longer_than_run_warns(tokens, tmp_path, capsys):

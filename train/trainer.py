@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import secrets
 import sys
@@ -28,6 +29,7 @@ from accelerate import Accelerator
 from accelerate.utils import AutocastKwargs, set_seed
 from omegaconf import OmegaConf
 
+from evals.scoring import ContinuationTooLong  # light (torch only); the harness loads lazily
 from train import checkpoint as ckpt_io
 from train import parallel, rundir
 from train.capacity import BackupCapacity
@@ -197,6 +199,14 @@ class Trainer:
             self._warn(f"warning: no GPU found; training {t.max_steps} steps of "
                        f"{t.global_batch} x {cfg.model.seq_len} tokens on the CPU. For a CPU run "
                        "use trainer=cpu.")
+        if (self.device.type == "cpu" and cfg.model.ffn_impl == "twell" and self.is_main
+                and os.environ.get("TRITON_INTERPRET") == "1"):  # read as twell.ops reads it
+            # measured: 19 tok/s training (1150 without it) and ~200 s per validation FFN call
+            # of 512 tokens at the tiny shape, 2 cores; the interpreter is for the kernel tests
+            self._warn("warning: TRITON_INTERPRET=1 runs model.ffn_impl=twell through the Triton "
+                       "interpreter on the CPU: ~60x slower training and minutes per validation "
+                       "FFN call; unset TRITON_INTERPRET (the PyTorch version of the same sparse "
+                       "math runs) unless you are testing the kernels.")
         if self.is_main:  # DDP: rank 0 holds the lock for the job (torchrun ends the others)
             self._lock = rundir.RunDirLock(self.run_dir)
         resume_from = self._check_run_dir()
@@ -851,9 +861,17 @@ class Trainer:
             model = self.acc.unwrap_model(self.model)
             model.eval()
             self._print(f"step {self.step}: evaluating {tasks} (limit {e.limit})")
-            out = evaluate(model, self.data.tokenizer, tasks=tasks, limit=e.limit,
-                           batch_size=e.batch_size, device=self.device,
-                           progress=self.cfg.trainer.progress and self.is_main)
+            try:
+                out = evaluate(model, self.data.tokenizer, tasks=tasks, limit=e.limit,
+                               batch_size=e.batch_size, device=self.device,
+                               progress=self.cfg.trainer.progress and self.is_main)
+            except ContinuationTooLong as err:  # a short model.seq_len: one line, no traceback
+                raise ConfigError(
+                    f"eval at step {self.step}: {err.args[0].split(';')[0]}: model.seq_len="
+                    f"{self.cfg.model.seq_len} is too short for it; set model.seq_len>="
+                    f"{err.n_tokens}, eval.tasks without it, or eval=disabled (the same command "
+                    "with eval=disabled resumes from the newest checkpoint and writes "
+                    "summary.json)") from None
             model.train()
             result = {"step": self.step, "eval_mean": out["mean"],
                       **{f"eval_{k}": v["primary"] for k, v in out["tasks"].items()}}
