@@ -4,7 +4,7 @@ same outputs, statistics and gradients as the PyTorch autograd path, and the sam
 import pytest
 import torch
 
-from tests.train_utils import read_metrics, tiny_config, write_tokens
+from tests.train_utils import train_metrics_by_value
 from twell.nn import SparseGatedMLP
 from twell.nn.mlp import gated_ffn_torch
 
@@ -58,20 +58,10 @@ def test_inference_is_unchanged():
 
 
 def test_trainer_dense_ffn_fused_same_losses(tmp_path):
-    from train.trainer import Trainer
-
-    tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
-    runs = {}
-    for fused in (False, True):
-        cfg = tiny_config(tok, **{"trainer.max_steps": 3, "sparsity.l1_coeff": 0.05,
-                                  "trainer.dense_ffn_fused": fused})
-        t = Trainer(cfg, tmp_path / str(fused))
+    def check(t, fused):
         assert {m.torch_train_path for m in t.mlps} == {"dense" if fused else "torch"}
-        try:
-            t.train()
-        finally:
-            t.close()
-        runs[fused] = read_metrics(tmp_path / str(fused))
+
+    runs = train_metrics_by_value(tmp_path, "trainer.dense_ffn_fused", (False, True), check=check)
     for a, b in zip(runs[True], runs[False]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["l0_layers"] == pytest.approx(b["l0_layers"], rel=1e-6)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.train_utils import read_metrics, tiny_config, write_tokens
+from tests.train_utils import train_metrics_by_value
 from train.config import ModelConfig
 from train.loss import linear_cross_entropy, shift_labels, use_fused_cross_entropy
 from train.model import build_model
@@ -135,19 +135,7 @@ def test_eval_forward_without_labels_is_untouched():
 
 
 def test_trainer_fused_ce_gives_the_same_losses(tmp_path):
-    from train.trainer import Trainer
-
-    tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
-    runs = {}
-    for fused in (False, True):
-        cfg = tiny_config(tok, **{"trainer.max_steps": 3, "sparsity.l1_coeff": 0.05,
-                                  "trainer.fused_ce": fused})
-        t = Trainer(cfg, tmp_path / str(fused))
-        try:
-            t.train()
-        finally:
-            t.close()
-        runs[fused] = read_metrics(tmp_path / str(fused))
+    runs = train_metrics_by_value(tmp_path, "trainer.fused_ce", (False, True))
     for a, b in zip(runs[True], runs[False]):
         assert a["ce"] == pytest.approx(b["ce"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

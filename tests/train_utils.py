@@ -74,6 +74,28 @@ def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
+def train_metrics_by_value(tmp_path: Path, key: str, values, n_tokens: int = 8_000, check=None,
+                           **over) -> dict:
+    """Train the tiny config once per value of ``key`` (3 steps, L1 0.05 unless ``over`` says
+    otherwise) on the same synthetic tokens; returns ``{value: read_metrics(run_dir)}``.
+    ``check(trainer, value)`` runs on each built trainer before it trains."""
+    from train.trainer import Trainer
+
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=n_tokens)
+    over = {"trainer.max_steps": 3, "sparsity.l1_coeff": 0.05, **over}
+    runs = {}
+    for v in values:
+        t = Trainer(tiny_config(tok, **over, **{key: v}), tmp_path / str(v))
+        try:
+            if check is not None:
+                check(t, v)
+            t.train()
+        finally:
+            t.close()
+        runs[v] = read_metrics(tmp_path / str(v))
+    return runs
+
+
 def datamodule_with_stub_tokenizer(cfg: TrainConfig):
     """The tokens-source datamodule of ``cfg`` with a stand-in ``tokenizer`` attribute, for tests
     that replace ``evals.evaluate`` by a stub (the trainer refuses evals without a tokenizer)."""
