@@ -5,7 +5,6 @@ CSV's own measured columns, plus --report rebuilding the markdown from the CSVs.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,15 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.train_utils import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_model.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_model", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_model")
 
 
 bm = _load()

@@ -4,7 +4,6 @@ the whole script (three tiny CPU training runs, ~20 s) checked against the runs'
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -14,16 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.train_utils import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "compare_ffn_paths.py"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("compare_ffn_paths", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["compare_ffn_paths"] = mod  # dataclasses resolve annotations through it
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("compare_ffn_paths")
 
 
 cf = _load_script()

@@ -4,13 +4,14 @@ target lines against hand-computed points, the kept findings block, and the sing
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.train_utils import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "relufy_report.py"
@@ -20,10 +21,7 @@ WIDTH = 1000  # FFN width of the made-up source: 5 % = 50, 2 % = 20
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("relufy_report", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("relufy_report")
 
 
 rr = _load()

@@ -12,6 +12,7 @@ import torch
 
 from tests.train_utils import (
     datamodule_with_stub_tokenizer,
+    load_script,
     read_metrics,
     tiny_config,
     write_tokens,
@@ -282,15 +283,9 @@ def test_warmup_longer_than_run_warns(tokens, tmp_path, capsys):
 def test_record_acts_saves_a_layer_input_for_the_inference_bench(tokens, tmp_path):
     """scripts/record_acts.py: the recorded x is the FFN input of the chosen layer (its density
     recomputed from x and the saved gate weight matches the printed one), in bench_ffn's format."""
-    import importlib.util
-
     import torch
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "record_acts.py"
-    spec = importlib.util.spec_from_file_location("record_acts", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    record = mod.main
+    record = load_script("record_acts").main
 
     run = tmp_path / "run"
     t = Trainer(tiny_config(tokens, **{"trainer.max_steps": 1}), run)
