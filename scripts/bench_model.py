@@ -90,7 +90,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from train.profile import sparsity_profile  # noqa: E402  (per-layer rows of the held-out profile)
+from train.profile import sparsity_profile
 
 PATHS = ("hf", "torch", "dense_mode", "ell", "auto")
 IMPL = {"torch": "torch", "dense_mode": "auto", "ell": "twell", "auto": "auto"}  # model.ffn_impl
