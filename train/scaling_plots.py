@@ -73,13 +73,17 @@ def plot_l0_vs_size(results: list[dict], path: Path):
         return "no plain L1 rows"
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
+    color = {}
     for l1, rs in by.items():
-        ax.plot([r["row"]["layers"] for r in rs], [r["profile"]["l0_mean"] for r in rs], "o-",
-                label=f"L1 {l1_text(l1)}")
+        (line,) = ax.plot([r["row"]["layers"] for r in rs], [r["profile"]["l0_mean"] for r in rs],
+                          "o-", label=f"L1 {l1_text(l1)}")
+        color[l1] = line.get_color()
     for r in results:
         if r["row"]["reinit"]:
-            ax.plot(r["row"]["layers"], r["profile"]["l0_mean"], "s", mfc="none", color="gray",
-                    label=f"{_label(r['row']['size'])} re-init, L1 {l1_text(r['row']['l1_coeff'])}")
+            l1 = r["row"]["l1_coeff"]
+            ax.plot(r["row"]["layers"], r["profile"]["l0_mean"], "s", mfc="none", ms=9,
+                    color=color.get(l1, "gray"),
+                    label=f"{_label(r['row']['size'])} re-init, L1 {l1_text(l1)}")
     px, py = zip(*PAPER_POINTS.values())
     ax.plot(px, py, "k--", marker="x", label="paper (L1 2e-5, 10-40 B tokens)")
     layers = sorted({r["row"]["layers"] for r in results})
