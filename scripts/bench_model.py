@@ -90,6 +90,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from train.profile import sparsity_profile
+
 PATHS = ("hf", "torch", "dense_mode", "ell", "auto")
 IMPL = {"torch": "torch", "dense_mode": "auto", "ell": "twell", "auto": "auto"}  # model.ffn_impl
 DENSE_PATHS = ("torch", "dense_mode")
@@ -574,53 +576,6 @@ def train_sparse(tr, steps: int, log_every: int, budget_s: float) -> dict:
             log(f"stage 1 stopped at step {tr.step} of {steps}: --train-budget {budget_s:.0f} s")
             break
     return {"steps": tr.step, "seconds": time.monotonic() - t0, "last": last}
-
-
-def sparsity_profile(model, mlps, blocks, batch: int, dev, bf16: bool) -> list[dict]:
-    """Per-layer statistics of the decoder on ``blocks`` (eval, no grad, FFNs on the PyTorch
-    path so the counts are exact): L0, largest active units of a token, dead % (units active on
-    none of the tokens), share of the active entries held by the hottest 1 % of units, heavy
-    rows (tokens above the ELL capacity) as a fraction of the tokens."""
-    import torch
-
-    impls = [m.impl for m in mlps]
-    for m in mlps:
-        m.impl, m.collect_stats = "torch", True
-    L, H = len(mlps), mlps[0].intermediate_size
-    nnz = torch.zeros(L, dtype=torch.float64, device=dev)
-    nmax = torch.zeros(L, device=dev)
-    heavy = torch.zeros(L, dtype=torch.float64, device=dev)
-    counts = torch.zeros(L, H, dtype=torch.int64, device=dev)
-    tokens = 0
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            for s in range(0, blocks.shape[0], batch):
-                ids = blocks[s:s + batch].to(dev)
-                model.model(input_ids=ids)
-                for i, m in enumerate(mlps):
-                    st = m.last_stats
-                    nnz[i] += st.nnz_sum.double()
-                    nmax[i] = torch.maximum(nmax[i], st.nnz_max)
-                    counts[i] += st.active_counts.long()
-                    if st.heavy_rows is not None:
-                        heavy[i] += st.heavy_rows.double()
-                tokens += ids.numel()
-    finally:
-        for m, impl in zip(mlps, impls):
-            m.impl, m.last_stats = impl, None
-        model.train(was_training)
-    k = max(1, H // 100)
-    top = torch.topk(counts.double(), k, dim=1).values.sum(1)
-    share = top / counts.sum(1).double().clamp_min(1)
-    dead = (counts == 0).double().mean(1)
-    rows = []
-    for i in range(L):
-        rows.append({"layer": i, "tokens": tokens, "l0": nnz[i].item() / max(tokens, 1),
-                     "l0_max": nmax[i].item(), "dead_pct": 100 * dead[i].item(),
-                     "hot1_share": share[i].item(), "heavy_frac": heavy[i].item() / max(tokens, 1)})
-    return rows
 
 
 def pick_layers(profile: list[dict]) -> list[int]:

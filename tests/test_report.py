@@ -1,4 +1,5 @@
-"""twell-report and scripts/scaling_study.py on run directories written by real tiny CPU runs.
+"""twell-report on run directories written by real tiny CPU runs (the scaling study at the
+paper's sizes: tests/test_scaling.py).
 
 Three runs are trained in-process (tests/train_utils.py's synthetic token stream, a 2-layer
 32-wide model, 6 steps): dense (L1 0), L1 and L1 + dead-gate re-init. ``evals.evaluate`` is
@@ -12,7 +13,6 @@ import io
 import json
 import math
 import shutil
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -327,56 +327,3 @@ def test_ffn_pair_differences(runs, tmp_path):
     assert r["l0_rel_diff"] == pytest.approx(0.1)
     assert r["dead_diff"] == 4 and r["speed_ratio"] == pytest.approx(2.0)
     assert "## FFN implementations" in rep.markdown()
-
-
-def _study_cmd(tokens: Path, tmp_path: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(ROOT / "scripts" / "scaling_study.py"), "--cpu", "--sizes",
-            "tiny", "--l1", "0,0.5", "--steps", "2", "--micro-batch", "2", "--global-batch", "2",
-            "--seq-len", "32", "--val-sequences", "2", "--eval-limit", "0", "--variants", "none",
-            "--ffn-pair", "none", "--position-batches", "1", "--position-l1", "0.5",
-            "--study-dir", str(tmp_path / "study"), "--out", str(tmp_path / "out"), *extra,
-            "model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=64",
-            "model.num_layers=2", "model.num_heads=2", "data=tokens",
-            f"data.paths=[{tokens}]", "data.vocab_size=64", "data.val_fraction=0.05"]
-
-
-@pytest.mark.slow
-def test_scaling_study_cpu_smoke(tmp_path):
-    """Two 2-step CPU runs through the whole script: outputs, statuses, table, position L0."""
-    import tarfile
-
-    tokens = write_tokens(tmp_path / "tok.bin", n_tokens=20_000)
-    res = subprocess.run(_study_cmd(tokens, tmp_path), cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, check=False)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    out = tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir()) == ["plots.tar.gz", "runs.csv", "runs.json",
-                                                      "scaling.md"]
-    data = json.loads((out / "runs.json").read_text())
-    assert [r["status"] for r in data["runs"]] == ["done", "done"]
-    for r in data["runs"]:
-        s = json.loads((tmp_path / "study" / r["name"] / "summary.json").read_text())
-        assert r["summary"]["val_loss"] == s["val_loss"] and r["curve"]["step"] == [1, 2]
-    pos = [r for r in data["runs"] if "l0_by_position" in r]
-    assert [r["name"] for r in pos] == ["tiny_l1_0.5"]
-    rows = list(csv.DictReader(io.StringIO((out / "runs.csv").read_text())))
-    assert sorted(r["run"] for r in rows) == ["tiny_l1_0", "tiny_l1_0.5"]
-    assert all(float(r["tokens_M"]) * 1e6 == pytest.approx(2 * 2 * 32) for r in rows)
-    with tarfile.open(out / "plots.tar.gz") as tar:
-        assert "scaling/l0_by_position.png" in tar.getnames()
-    assert "| tiny_l1_0.5 | ok | 0.5 |" in res.stdout
-    assert "## Runs" in (out / "scaling.md").read_text()
-
-
-@pytest.mark.slow
-def test_scaling_study_wall_guard_kills_and_reports(tmp_path):
-    tokens = write_tokens(tmp_path / "tok.bin", n_tokens=20_000)
-    res = subprocess.run(_study_cmd(tokens, tmp_path, "--max-wall", "1", "--parallel", "1"),
-                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
-    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
-    data = json.loads((tmp_path / "out" / "runs.json").read_text())
-    status = [r["status"] for r in data["runs"]]
-    assert status == ["killed by the 1 s wall-clock guard",
-                      "not started before the 1 s wall-clock guard"]
-    assert data["study"]["report_error"]
-    assert "did not finish" in (tmp_path / "out" / "scaling.md").read_text()

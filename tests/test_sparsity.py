@@ -132,3 +132,103 @@ def test_reinit_dead_gates_hand_computed(gated):
                 assert torch.equal(w[j], w0[j])
         assert torch.equal(m.down_proj.weight.detach(), others[layer])
     assert math.isfinite(sum(getattr(m, name).weight.sum().item() for m in mlps))
+
+
+def test_dead_tracker_window_of_many_steps():
+    """The paper's window (~1M tokens) over steps of 16,384 tokens: 64 updates per window; a
+    unit active in any one step of the window is alive, the mask holds until the next closes."""
+    tr = DeadNeuronTracker(num_layers=1, hidden=3, window_tokens=1_048_576)
+    for step in range(1, 64):
+        active = torch.tensor([[int(step == 40), 0, 1]])  # unit 0 fires at step 40 only
+        assert tr.update(active, 16_384) is None, step
+    assert tr.dead_LH is None and tr.dead_fraction_L is None and tr.seen == 63 * 16_384
+    dead = tr.update(torch.tensor([[0, 0, 1]]), 16_384)  # step 64: 1,048,576 tokens
+    assert dead.tolist() == [[False, True, False]] and tr.windows == 1
+    for _ in range(63):  # second window: unit 0 never fires; the first window's mask stays
+        assert tr.update(torch.tensor([[0, 2, 0]]), 16_384) is None
+        assert tr.dead_fraction_L.tolist() == pytest.approx([1 / 3])
+    assert tr.update(torch.tensor([[0, 0, 0]]), 16_384).tolist() == [[True, False, True]]
+    # a window that is not a multiple of the step closes at the first step reaching it
+    tr = DeadNeuronTracker(num_layers=1, hidden=2, window_tokens=10)
+    assert tr.update(torch.tensor([[1, 0]]), 4) is None
+    assert tr.update(torch.tensor([[0, 0]]), 4) is None
+    assert tr.update(torch.tensor([[0, 0]]), 4).tolist() == [[False, True]]
+
+
+def _reinit_pair(tokens, tmp_path, state_for):
+    """Two tiny trainers on the same seed and data, with and without sparsity.reinit_dead, a
+    2-step dead-neuron window; ``state_for(trainer)`` prepares each before one step."""
+    from tests.train_utils import tiny_config
+    from train.trainer import Trainer
+
+    out = []
+    for reinit in (True, False):
+        cfg = tiny_config(tokens, **{"trainer.max_steps": 3, "sparsity.l1_coeff": 0.1,
+                                     "sparsity.reinit_dead": reinit,
+                                     "sparsity.dead_window_tokens": 2 * 8 * 32})
+        t = Trainer(cfg, tmp_path / f"reinit_{reinit}")
+        try:
+            state_for(t)
+            t.train(stop_at_step=1)
+        finally:
+            t.close()
+        out.append(t)
+    return out
+
+
+def test_l1_reinit_hits_exactly_the_tracker_dead_units(tmp_path):
+    """sparsity.reinit_dead in the trainer: a hand-made tracker state one step before its window
+    closes; gate rows that are zero never fire. Dead = zero rows whose window count was 0; only
+    those rows differ from the run without re-init, each by the rule's lam * N(0, std^2)."""
+    from tests.train_utils import write_tokens
+
+    tokens = write_tokens(tmp_path / "tok.bin", n_tokens=20_000)
+    zero_rows = [(0, 1), (0, 4), (1, 7)]
+    counts = torch.ones(2, 64, dtype=torch.int64)
+    counts[0, 1] = counts[1, 7] = 0  # (0, 4) was active earlier in the window: alive
+    want_dead = torch.zeros(2, 64, dtype=torch.bool)
+    want_dead[0, 1] = want_dead[1, 7] = True
+
+    def prepare(t):
+        with torch.no_grad():
+            for layer, j in zero_rows:
+                t.mlps[layer].gate_proj.weight[j].zero_()
+        t.tracker.load_state_dict({"window_tokens": 512, "counts_LH": counts.clone(),
+                                   "seen": 256, "windows": 0, "dead_LH": None})
+
+    a, b = _reinit_pair(tokens, tmp_path, prepare)
+    assert torch.equal(a.tracker.dead_LH.cpu(), want_dead)
+    assert torch.equal(b.tracker.dead_LH.cpu(), want_dead)
+    gen = torch.Generator().manual_seed(a.cfg.trainer.seed * 1_000_003 + 1)  # the trainer's seed
+    for layer, (ma, mb) in enumerate(zip(a.mlps, b.mlps)):
+        wa, wb = ma.gate_proj.weight.detach(), mb.gate_proj.weight.detach()
+        noise = torch.randn(tuple(wa.shape), generator=gen, dtype=torch.float32) * 0.02
+        for j in range(64):
+            if want_dead[layer, j]:
+                assert torch.equal(wb[j], torch.zeros_like(wb[j]))  # no gradient: stays zero
+                torch.testing.assert_close(wa[j], 0.9 * wb[j] + 0.1 * noise[j], rtol=0,
+                                           atol=1e-9)
+                assert wa[j].abs().max() > 0
+            else:
+                assert torch.equal(wa[j], wb[j]), (layer, j)
+    for (na, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        if "gate_proj" not in na:
+            assert torch.equal(pa, pb), na
+
+
+def test_l1_reinit_waits_for_the_window(tmp_path):
+    """A 2-step window: after step 1 no window has closed, so re-init changed nothing and
+    dead_frac is not logged yet."""
+    from tests.train_utils import read_metrics, write_tokens
+
+    tokens = write_tokens(tmp_path / "tok.bin", n_tokens=20_000)
+
+    def prepare(t):
+        with torch.no_grad():
+            t.mlps[0].gate_proj.weight[3].zero_()  # dead for sure, but the window is open
+
+    a, b = _reinit_pair(tokens, tmp_path, prepare)
+    assert a.tracker.dead_LH is None and a.tracker.seen == 256
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb)
+    assert [m["dead_frac"] for m in read_metrics(a.run_dir)] == [None]
