@@ -499,26 +499,26 @@ def test_resuming_an_init_from_run_does_not_need_the_source(tokens, saved, tmp_p
 # ------------------------------------------------------------------ 14: atomic JSON
 
 
-def test_summary_json_is_replaced_atomically(tokens, tmp_path, monkeypatch):
-    """A write that fails half-way (a full disk) leaves the previous summary.json whole."""
+@pytest.mark.parametrize("name", ["summary.json", "metrics.jsonl", "config.yaml"])
+def test_run_files_are_replaced_atomically(tokens, tmp_path, monkeypatch, name):
+    """A rewrite that fails half-way (a full disk) leaves the previous file whole: summary.json
+    of a finished run re-summarised, metrics.jsonl and config.yaml rewritten by a resume."""
     run = tmp_path / "run"
     _train(tiny_config(tokens, **{"trainer.max_steps": 2}), run)
-    before = (run / "summary.json").read_text()
+    before = (run / name).read_text()
     real = Path.write_text
 
     def half_then_full(self, text, *a, **kw):
-        if "summary.json" in self.name:
+        if name in self.name:
             real(self, text[: len(text) // 2], *a, **kw)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
         return real(self, text, *a, **kw)
 
     monkeypatch.setattr(Path, "write_text", half_then_full)
-    t = Trainer(tiny_config(tokens, **{"trainer.max_steps": 2}), run)  # finished: re-summarise
-    with pytest.raises(OSError):
-        t.train()
-    t.close()
-    assert (run / "summary.json").read_text() == before
-    assert sorted(p.name for p in run.iterdir() if "summary" in p.name) == ["summary.json"]
+    with pytest.raises(OSError):  # finished: the resume rewrites the files, train re-summarises
+        _train(tiny_config(tokens, **{"trainer.max_steps": 2}), run)
+    assert (run / name).read_text() == before
+    assert [p.name for p in run.iterdir() if name in p.name] == [name]  # no temp file left
 
 
 # ------------------------------------------------------------------ 23 / 24: closing line, progress

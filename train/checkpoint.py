@@ -81,8 +81,10 @@ def _encode(obj, tensors: dict, where: str):
         while name in tensors:
             name += "'"
         t = obj.detach().to("cpu").contiguous()
-        if any(t.numel() and t.data_ptr() == u.data_ptr() for u in tensors.values()):
-            t = t.clone()  # safetensors refuses tensors sharing memory
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and any(u.numel() and ptr == u.untyped_storage().data_ptr()
+                             for u in tensors.values()):
+            t = t.clone()  # safetensors refuses tensors that share a storage
         tensors[name] = t
         return {_TENSOR: name}
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -125,16 +127,21 @@ def _decode(obj, tensors: dict, used: set):
     return {k: _decode(v, tensors, used) for k, v in obj.items()}
 
 
-def write_json(path: str | Path, obj, **kw) -> None:
-    """Write ``obj`` as JSON atomically: a temp file in the same folder, then ``os.replace``, so
-    a reader (or a crash) never sees half a file. ``kw`` go to ``json.dumps``."""
+def write_atomic(path: str | Path, text: str) -> None:
+    """Replace a text file atomically: a temp file in the same folder, then ``os.replace``, so
+    a reader (or a crash, or a full disk) never sees half a file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(json.dumps(obj, **kw))
+        tmp.write_text(text)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_json(path: str | Path, obj, **kw) -> None:
+    """Write ``obj`` as JSON atomically (:func:`write_atomic`); ``kw`` go to ``json.dumps``."""
+    write_atomic(path, json.dumps(obj, **kw))
 
 
 def save_state(folder: str | Path, name: str, obj) -> None:

@@ -7,7 +7,8 @@
 One optimizer step (``train_step``) reads top to bottom: L1 coefficient, micro-steps
 (forward, CE + l1_coeff * L1, backward; no host sync), gradient clip, non-finite check (the one
 host sync per step), optimizer and scheduler step, dead-neuron window and optional re-init.
-Logging, validation, evaluation and checkpoints happen between steps in ``train``.
+Logging, validation, evaluation, checkpoints and a requested stop (SIGTERM / SIGINT:
+``train.interrupt``) happen between steps in ``train``.
 
 Shape legend: B micro-batch (sequences), T sequence length, L layers, H FFN width.
 """
@@ -20,6 +21,7 @@ import math
 import os
 import resource
 import secrets
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -343,7 +345,7 @@ class Trainer:
             self.resume(resume_from)
         elif self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.config_dict))
+            ckpt_io.write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config_dict))
             self.metrics_path.write_text("")
             if self.init_info is not None:
                 self._write({"step": 0, **self.init_info}, "init")
@@ -699,13 +701,13 @@ class Trainer:
         """Main process: rewrite config.yaml, drop metrics logged after the checkpoint (they will
         be redone), take the latest logged numbers (summary.json of an already finished run)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.config_dict))
+        ckpt_io.write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config_dict))
         kept = []
         if self.metrics_path.is_file():
             kept = [json.loads(ln) for ln in self.metrics_path.read_text().splitlines()
                     if ln.strip()]
             kept = [r for r in kept if r.get("step", 0) <= self.step]
-        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        ckpt_io.write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         for r in kept:
             kind = r.pop("kind", "train")
             if kind == "train":
@@ -1133,7 +1135,7 @@ class Trainer:
         """The exit code of a run that an interrupt ended (``twell-train`` calls this for the
         KeyboardInterrupt that left :meth:`train`): 130 for SIGINT, 143 for SIGTERM. Prints and
         logs the interrupt's line (where to resume) unless :meth:`_stop_on_signal` did."""
-        signum = e.signum if isinstance(e, TrainingInterrupted) else interrupt.signal.SIGINT
+        signum = e.signum if isinstance(e, TrainingInterrupted) else signal.SIGINT
         if not (isinstance(e, TrainingInterrupted) and e.reported):
             how = (f"received a second {interrupt.signal_name(signum)}: stopped at once"
                    if isinstance(e, TrainingInterrupted) else "interrupted")
