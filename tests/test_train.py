@@ -227,7 +227,7 @@ def test_two_ranks_resume_is_exact(tokens, tmp_path):
                            text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
     ckpt = tmp_path / "a" / "checkpoints" / "step6"
-    assert (ckpt / "rank0.pt").is_file() and (ckpt / "rank1.pt").is_file()
+    assert (ckpt / "rank0.json").is_file() and (ckpt / "rank1.json").is_file()
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["world_size"] == 2
     a = read_metrics(tmp_path / "a")
     b = read_metrics(tmp_path / "b")

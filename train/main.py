@@ -13,6 +13,7 @@ before it trains removes the run dir made for it (``train.rundir``).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,8 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
     """Train one run from a composed config; returns the summary dict."""
+    if os.environ.get("RANK", "0") == "0":  # a first line before the slow imports
+        print("twell-train: loading the trainer (transformers, accelerate) ...", flush=True)
     from train.trainer import Trainer
 
     if run_dir is None:
@@ -41,11 +44,8 @@ def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
     trainer = Trainer(tcfg, run_dir)
     try:
         summary = trainer.train()
-    except KeyboardInterrupt:
-        last = trainer.last_ckpt
-        print(f"interrupted at step {trainer.step}; last complete checkpoint: "
-              f"{last or 'none'}. Re-run the same command to resume.", file=sys.stderr)
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as e:  # SIGINT / SIGTERM: 130 / 143, the line says how to resume
+        raise SystemExit(trainer.interrupted(e)) from None
     finally:
         trainer.close()
     if trainer.is_main and "paths" in summary and (Path(run_dir) / "summary.json").is_file():

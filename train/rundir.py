@@ -3,15 +3,23 @@ config changes a resume allows, and the clean-up of a run that failed before it 
 
 Resume rules (README "Resuming"):
 
-- ``trainer.resume=auto`` continues the newest complete checkpoint of the run dir only if its
-  config equals this one up to :data:`RESUME_SAFE_KEYS` (how the run executes, logs, validates,
-  evaluates and saves); any other difference is a :class:`ConfigError` naming the keys, since
-  the directory then holds another run.
-- ``trainer.resume=PATH`` (a ``step{N}`` folder or a run dir: its newest complete checkpoint)
+- ``trainer.resume=auto`` continues the newest intact checkpoint of the run dir (a damaged newer
+  one is skipped with a warning naming it) only if its config equals this one up to
+  :data:`RESUME_SAFE_KEYS` (how the run executes, logs, validates, evaluates and saves); any
+  other difference is a :class:`ConfigError` naming the keys, since the directory then holds
+  another run.
+- ``trainer.resume=PATH`` (a ``step{N}`` folder or a run dir: its newest intact checkpoint)
   continues that checkpoint with this config, except that the model shape must match, the data
   position must belong to the same data, and the optimizer / schedule keys
   (:data:`RESUME_OPTIM_KEYS`) may differ only with ``trainer.resume_allow_changes=true``, which
-  applies them exactly from the next step (``Trainer.resume``).
+  applies them exactly from the next step (``Trainer.resume``). A damaged or incomplete named
+  checkpoint is refused in one line with the ways out.
+- One line of training per run dir: a PATH older than the run dir's newest checkpoint, or from
+  another run while the run dir holds checkpoints, would branch inside it (rotation and
+  ``auto`` would then mix the two lines), so it is refused: a branch gets its own
+  ``hydra.run.dir``. For the same reason ``trainer.resume=never`` is refused in a run dir that
+  holds checkpoints. Each checkpoint's ``metadata.json`` names its lineage and the checkpoint
+  its line branched from (``train.checkpoint.new_lineage``).
 """
 
 from __future__ import annotations
@@ -62,13 +70,14 @@ def split_changes(changes: list[str]) -> tuple[list[str], list[str]]:
     return optim, other
 
 
-def resolve_resume(resume: str) -> Path:
+def resolve_resume(resume: str, warn=None) -> Path:
     """The checkpoint folder ``trainer.resume=PATH`` names: a complete ``step{N}`` folder, or a
-    run dir (its newest complete checkpoint, as twell-eval takes it).
+    run dir (its newest intact checkpoint, SHA-256 checked; ``warn(line)`` for each damaged
+    newer one skipped).
 
     Raises:
         ConfigError: the path does not exist, or is neither a complete checkpoint nor a run dir
-            holding one (one line naming the path and the fix).
+            holding an intact one (one line naming the path and the fix).
     """
     path = Path(resume).expanduser()
     if not path.exists():
@@ -78,14 +87,100 @@ def resolve_resume(resume: str) -> Path:
         return path
     if ckpt_io.checkpoint_root(path).is_dir():
         try:
-            return ckpt_io.latest_checkpoint(path)
-        except FileNotFoundError:
-            raise ConfigError(f"trainer.resume={resume!r}: the run dir holds no complete "
-                              f"checkpoint (no {ckpt_io.checkpoint_root(path)}/step{{N}}/"
-                              "metadata.json); give another checkpoint or use never.") from None
+            return ckpt_io.latest_checkpoint(path, checksums=True, warn=warn)
+        except FileNotFoundError as e:
+            raise ConfigError(f"trainer.resume={resume!r}: the run dir holds no intact "
+                              f"checkpoint ({e}); give another checkpoint or use never.") from None
     raise ConfigError(f"trainer.resume={resume!r} is neither a complete checkpoint folder (no "
                       "metadata.json) nor a run dir with checkpoints/; give a step{N} folder or "
                       "a run dir, or use auto or never.")
+
+
+def _step(ckpt: Path) -> int:
+    return int(ckpt.name[len("step"):])
+
+
+def ways_out(ckpt: Path, problems: list[str]) -> str:
+    """The ways to go on from a damaged or incomplete checkpoint: an older intact checkpoint of
+    its run dir, and (if its model files are intact) a weights-only start with a fresh optimizer."""
+    older = [c for c in ckpt_io.list_checkpoints(ckpt.parent.parent)
+             if _step(c) < _step(ckpt) and not ckpt_io.verify(c, checksums=False)]
+    ways = [f"resume an older intact checkpoint (trainer.resume={older[-1]})"] if older else []
+    if not any(p.startswith(("model.safetensors", "config.json")) for p in problems):
+        ways.append(f"start from its weights alone with a fresh optimizer and schedule "
+                    f"(model.init_from={ckpt} in a new hydra.run.dir)")
+    return "; or ".join(ways) if ways else "start a new run (a new hydra.run.dir)"
+
+
+def _check_branch(run_dir: Path, path: Path, own: list[Path]) -> None:
+    """Refuse a resume that would put a second line of training into ``run_dir``."""
+    here = path.resolve()
+    others = [c for c in own if c.resolve() != here and not ckpt_io.verify(c, checksums=False)]
+    if here.parent.parent == run_dir.resolve():
+        others = [c for c in others if _step(c) > _step(path)]
+    if not others:
+        return
+    names = ", ".join(c.name for c in others[-3:])
+    raise ConfigError(
+        f"trainer.resume={path}: {run_dir} already holds newer or other checkpoints ({names}); "
+        f"training there would put a second line of training into it (rotation and "
+        f"trainer.resume=auto would mix them). To continue {run_dir}'s newest checkpoint pass "
+        f"trainer.resume=auto; to branch from {path.name}, give the branch a new hydra.run.dir "
+        f"({run_dir} stays as it is), or delete {names} under {ckpt_io.checkpoint_root(run_dir)} "
+        "first to discard them.")
+
+
+def check_new_line(run_dir: str | Path) -> None:
+    """``trainer.resume=never``: refuse a run dir that holds checkpoints (the new run's would mix
+    with them in rotation and ``auto``).
+
+    Raises:
+        ConfigError: one line naming the checkpoints and the fixes.
+    """
+    own = ckpt_io.list_checkpoints(run_dir)
+    if own:
+        raise ConfigError(
+            f"trainer.resume=never: {run_dir} holds checkpoints of an earlier run "
+            f"({', '.join(c.name for c in own[-3:])}); a new run there would mix with them. "
+            "Use a new hydra.run.dir, trainer.resume=auto to continue that run, or delete "
+            f"{ckpt_io.checkpoint_root(run_dir)} first.")
+
+
+def find_resume_checkpoint(run_dir: str | Path, resume: str, warn=None) -> Path | None:
+    """The checkpoint a run with ``trainer.resume=resume`` in ``run_dir`` continues (None: it
+    starts from scratch), verified against its metadata.json (sizes and SHA-256).
+
+    ``warn(line)`` gets a line for each damaged checkpoint skipped (``auto`` or a run dir).
+
+    Raises:
+        ConfigError: a PATH that would branch inside the run dir (see the module docstring);
+            a PATH that is not a checkpoint. (``never`` in a run dir with checkpoints:
+            :func:`check_new_line`.)
+        train.checkpoint.CheckpointError: the named checkpoint is damaged or incomplete, or
+            ``auto`` finds checkpoints but none intact (one line with the ways out).
+    """
+    run_dir = Path(run_dir)
+    own = ckpt_io.list_checkpoints(run_dir)
+    if resume == "never":
+        return None
+    if resume == "auto":
+        if not own:
+            return None
+        try:
+            return ckpt_io.latest_checkpoint(run_dir, checksums=True, warn=warn)
+        except FileNotFoundError as e:
+            newest = own[-1]
+            raise ckpt_io.CheckpointError(
+                f"trainer.resume=auto: {e}; {ways_out(newest, ckpt_io.verify(newest))}, or "
+                f"delete {ckpt_io.checkpoint_root(run_dir)} to start over.") from None
+    path = resolve_resume(resume, warn=warn)
+    problems = ckpt_io.verify(path)
+    if problems:
+        raise ckpt_io.CheckpointError(
+            f"trainer.resume={resume}: checkpoint {path} is damaged or incomplete "
+            f"({'; '.join(problems[:3])}); {ways_out(path, problems)}.")
+    _check_branch(run_dir, path, own)
+    return path
 
 
 class RunDirLock:

@@ -7,18 +7,21 @@
 One optimizer step (``train_step``) reads top to bottom: L1 coefficient, micro-steps
 (forward, CE + l1_coeff * L1, backward; no host sync), gradient clip, non-finite check (the one
 host sync per step), optimizer and scheduler step, dead-neuron window and optional re-init.
-Logging, validation, evaluation and checkpoints happen between steps in ``train``.
+Logging, validation, evaluation, checkpoints and a requested stop (SIGTERM / SIGINT:
+``train.interrupt``) happen between steps in ``train``.
 
 Shape legend: B micro-batch (sequences), T sequence length, L layers, H FFN width.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import resource
 import secrets
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -31,10 +34,11 @@ from omegaconf import OmegaConf
 
 from evals.scoring import ContinuationTooLong  # light (torch only); the harness loads lazily
 from train import checkpoint as ckpt_io
-from train import parallel, rundir
+from train import interrupt, parallel, rundir
 from train.capacity import BackupCapacity
 from train.config import ConfigError, OptimConfig, TrainConfig
 from train.fusion import compile_norms
+from train.interrupt import StopSignals, TrainingInterrupted
 from train.loss import use_fused_cross_entropy
 from train.metrics import device_peak_flops, flops_per_token, mfu
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
@@ -96,16 +100,29 @@ def lr_factor(step: int, o: OptimConfig, max_steps: int) -> float:
 
 def summary_line(s: dict) -> str:
     """The one-line end of a run (printed last by ``twell-train``): step, train CE, validation
-    loss, L0, dead %, eval mean (%, primary metric over the tasks) and tokens/s."""
+    loss, L0, dead % (n/a before a dead-unit window completed), eval mean (%, primary metric
+    over the tasks) and tokens/s of the last training segment (labelled with its steps when the
+    run was resumed)."""
     def f(v, spec: str) -> str:
         return "n/a" if v is None else format(v, spec)
 
     ev = (s.get("eval") or {}).get("eval_mean")
+    dead = s.get("dead_pct")
+    seg = s.get("segment_steps")
+    where = f" (steps {seg[0]}-{seg[1]})" if seg and seg[0] > 1 else ""  # a resumed segment
     return (f"done: step {s['step']} | train CE {f(s.get('final_train_ce'), '.4f')} | val loss "
             f"{f(s.get('val_loss'), '.4f')} | L0 {f(s.get('l0_mean'), '.1f')} | dead "
-            f"{f(s.get('dead_pct'), '.1f')}% | eval mean "
+            f"{'n/a' if dead is None else format(dead, '.1f') + '%'} | eval mean "
             f"{'n/a' if ev is None else format(100 * ev, '.1f')} | "
-            f"{f(s.get('tokens_per_s'), '.0f')} tok/s")
+            f"{f(s.get('tokens_per_s'), '.0f')} tok/s{where}")
+
+
+def _duration(seconds: float) -> str:
+    """``"1h02m"``, ``"3m05s"`` or ``"42s"``."""
+    s = round(max(seconds, 0.0))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def _peak_memory_gb(device: torch.device) -> float:
@@ -180,14 +197,21 @@ class Trainer:
             self.acc = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no",
                                    cpu=t.cpu, kwargs_handlers=handlers)
         self.accum = cfg.check_world(self.acc.num_processes)
+        # ranks agree on stops and failed saves through host-side all-reduces (no GPU sync):
+        # False = one process, None = the default group (gloo already), else a gloo group
+        self._host_group = False
+        if self.acc.num_processes > 1:
+            dist = torch.distributed
+            self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(
+                backend="gloo")
         self.is_main = self.acc.is_main_process
         self.device = self.acc.device
+        if self.is_main:  # DDP: rank 0 holds the lock for the job (torchrun ends the others)
+            self._lock = rundir.RunDirLock(self.run_dir)
+        resume_from = self._resume_checkpoint()
         self.init_src = None  # model.init_from: the checkpoint's config; the shape comes from it
         if cfg.model.init_from:
-            from train import pretrained
-
-            self.init_src = pretrained.inspect_checkpoint(cfg.model.init_from)
-            cfg.model = pretrained.fill_model_config(cfg.model, self.init_src)
+            self._inspect_init_from(resume_from)
         self.config_dict = config_to_dict(cfg)
         if cfg.optim.warmup_steps > t.max_steps and self.is_main:
             self._warn(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} > trainer.max_steps="
@@ -207,20 +231,22 @@ class Trainer:
                        "interpreter on the CPU: ~60x slower training and minutes per validation "
                        "FFN call; unset TRITON_INTERPRET (the PyTorch version of the same sparse "
                        "math runs) unless you are testing the kernels.")
-        if self.is_main:  # DDP: rank 0 holds the lock for the job (torchrun ends the others)
-            self._lock = rundir.RunDirLock(self.run_dir)
-        resume_from = self._check_run_dir()
+        self._check_resume_config(resume_from)
 
         set_seed(t.seed)
         if datamodule is None:
             from train.data import build_datamodule
 
+            self._print(f"run dir {self.run_dir}: loading data.source={cfg.data.source} (a "
+                        "first run builds or fetches it) ...")
             with self.acc.main_process_first():
                 datamodule = build_datamodule(
                     cfg.data, seq_len=cfg.model.seq_len, micro_batch=t.micro_batch, seed=t.seed,
                     rank=self.acc.process_index, world_size=self.acc.num_processes)
         self.data = datamodule
         if self.init_src is not None:
+            from train import pretrained
+
             vocab_check = pretrained.check_vocab(self.init_src, self.data.vocab_size,
                                                  getattr(self.data, "tokenizer", None))
         if self.data.vocab_size > cfg.model.vocab_size:
@@ -243,13 +269,16 @@ class Trainer:
                 "set eval=disabled or use a data source with a tokenizer.")
 
         self.init_info = None
-        if self.init_src is not None:  # pretrained weights (not read when resuming)
-            model, switched = pretrained.build_model(cfg.model, self.init_src,
-                                                     load_weights=resume_from is None)
+        if self.init_src is not None and resume_from is None:  # pretrained weights
+            model, switched = pretrained.build_model(cfg.model, self.init_src)
             line, self.init_info = pretrained.describe(
                 cfg.model, self.init_src, vocab_check=vocab_check, switched=switched,
-                weights_loaded=resume_from is None)
+                weights_loaded=True)
             self._print(line)
+        elif self.init_src is not None:  # resuming: the shape from the run's own checkpoint
+            model, _ = pretrained.build_model(cfg.model, self.init_src, load_weights=False)
+            self._print(f"model.init_from={cfg.model.init_from}: not read (resuming the run's "
+                        f"checkpoint {resume_from}, which holds the model)")
         else:
             model = build_model(cfg.model)
         # non-reentrant: the L1 side output keeps its graph. The FSDP config's
@@ -267,6 +296,9 @@ class Trainer:
         # no-sync dense-backup capacities from past heavy-row maxima (trainer.backup_capacity)
         self.backup = BackupCapacity(len(self.mlps), t.backup_capacity)
         self.n_params = sum(p.numel() for p in model.parameters())
+        self._print(f"model: {self.n_params / 1e6:.2f}M parameters, {cfg.model.num_layers} layers, "
+                    f"FFN {cfg.model.ffn_impl}; {precision} on {self.device} x "
+                    f"{self.acc.num_processes}")
         # MFU denominators (train/metrics.py): None on CPU / fp32 / unknown GPU -> MFU not logged
         self.peak_flops = device_peak_flops(self.device, precision, t.peak_tflops)
         self.peak_mem_run = 0.0  # GiB, largest interval peak of this process (peak_mem_gb_run)
@@ -303,12 +335,17 @@ class Trainer:
         self.last_val: dict = {}
         self.last_eval: dict = {}
         self.last_ckpt: Path | None = None
+        self.saved_step: int | None = None  # step of last_ckpt (a stop does not save it twice)
+        self.prev_segment: dict | None = None  # the checkpoint's last training segment
+        self.segment = self._new_segment()
+        self.lineage = ckpt_io.new_lineage()  # a resume continues or branches the checkpoint's
+        self.signals: StopSignals | None = None  # while train() runs
         self.wandb = None
         if resume_from is not None:
             self.resume(resume_from)
         elif self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.config_dict))
+            ckpt_io.write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config_dict))
             self.metrics_path.write_text("")
             if self.init_info is not None:
                 self._write({"step": 0, **self.init_info}, "init")
@@ -337,20 +374,53 @@ class Trainer:
     def metrics_path(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
-    def _check_run_dir(self) -> Path | None:
-        """Which checkpoint to resume from (or None); refuse a directory of a different run and
-        changes a resume does not allow (``train.rundir``: the resume rules)."""
-        resume = self.cfg.trainer.resume
-        explicit = resume not in ("auto", "never")
-        if explicit:
-            found = rundir.resolve_resume(resume)
-        else:
-            found = None
-            if resume == "auto":
-                try:
-                    found = ckpt_io.latest_checkpoint(self.run_dir)
-                except FileNotFoundError:
-                    pass
+    def _resume_checkpoint(self) -> Path | None:
+        """The verified checkpoint this run continues, or None (``rundir.find_resume_checkpoint``:
+        the resume, lineage and verification rules). The main process decides (it reads and
+        hashes the files) and tells the other ranks; a refusal is raised on every rank."""
+        found, error = None, None
+        if self.is_main:
+            try:
+                found = rundir.find_resume_checkpoint(self.run_dir, self.cfg.trainer.resume,
+                                                      warn=self._warn)
+            except ConfigError as e:
+                error = e
+        if self.acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            box = [None if found is None else str(found), None if error is None else str(error),
+                   isinstance(error, ckpt_io.CheckpointError)]
+            broadcast_object_list(box, from_process=0)
+            found = None if box[0] is None else Path(box[0])
+            if box[1] is not None and error is None:
+                error = (ckpt_io.CheckpointError if box[2] else ConfigError)(box[1])
+        if error is not None:
+            raise error
+        return found
+
+    def _inspect_init_from(self, resume_from: Path | None) -> None:
+        """``model.init_from``: read the source's config and fill the model shape from it. A
+        resumed run reads neither: its checkpoint holds the model (config.json, the resolved
+        model config), so the source may have moved or been deleted since."""
+        from train import pretrained
+
+        cfg = self.cfg
+        if resume_from is None:
+            self.init_src = pretrained.inspect_checkpoint(cfg.model.init_from)
+            cfg.model = pretrained.fill_model_config(cfg.model, self.init_src)
+            return
+        saved = OmegaConf.to_container(OmegaConf.load(resume_from / "train_config.yaml"))["model"]
+        fill = {f.name: saved[f.name] for f in dataclasses.fields(cfg.model)
+                if getattr(cfg.model, f.name) is None and f.name in saved}
+        cfg.model = dataclasses.replace(cfg.model, **fill)
+        self.init_src = pretrained.inspect_checkpoint(str(resume_from))
+
+    def _check_resume_config(self, found: Path | None) -> None:
+        """Refuse a checkpoint of another model shape, changes a resume does not allow, and a
+        run dir that holds a different run's config but no checkpoint, and
+        ``trainer.resume=never`` in a run dir with checkpoints (``train.rundir``: the resume
+        rules)."""
+        explicit = self.cfg.trainer.resume not in ("auto", "never")
         if found is not None:
             saved = OmegaConf.to_container(OmegaConf.load(found / "train_config.yaml"))
             diff = [d for d in config_diff(saved, self.config_dict) if d.startswith("model.")
@@ -361,7 +431,7 @@ class Trainer:
                 raise ConfigError(f"checkpoint {found} has another model shape ({'; '.join(diff[:3])})"
                                   f"; use the same model config or {other}.")
             self._check_resume_changes(found, saved, explicit)
-            return found
+            return
         old = self.run_dir / "config.yaml"
         if old.is_file():
             diff = config_diff(OmegaConf.to_container(OmegaConf.load(old)), self.config_dict)
@@ -369,7 +439,8 @@ class Trainer:
                 raise ConfigError(
                     f"{self.run_dir} holds a different run's config ({'; '.join(diff[:3])}) and "
                     "no checkpoint to resume; use a new hydra.run.dir or delete that directory.")
-        return None
+        if self.cfg.trainer.resume == "never":
+            rundir.check_new_line(self.run_dir)
 
     def _check_resume_changes(self, found: Path, saved: dict, explicit: bool) -> None:
         """``trainer.resume=auto`` continues only the same run (config equal up to
@@ -438,14 +509,17 @@ class Trainer:
     # ---------------------------------------------------------------- state
 
     def state_dict(self) -> dict:
-        """Trainer state (step, tokens seen, timing, sparsity tracker) for checkpoints."""
+        """Trainer state for checkpoints, plain data and tensors only (``ckpt_io.save_state``):
+        step, tokens seen, timing, the sparsity tracker, the FFN paths and backup capacities,
+        the init_from record and the last training segment (for the closing line's tokens/s)."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "train_time": self.train_time,
                 "sparsity": self.tracker.state_dict(),
                 "ffn_train_paths": [m.train_path for m in self.mlps],  # impl=auto's choices
                 # sparse path's dense-backup capacities (they pick the backup GEMMs' shapes, so
                 # an exact resume needs them)
                 "ffn_backup_rows": [m.backup_rows for m in self.mlps],
-                "ffn_backup_capacity": self.backup.state_dict()}
+                "ffn_backup_capacity": self.backup.state_dict(),
+                "init": self.init_info, "segment": self._last_segment()}
 
     def load_state_dict(self, d: dict) -> None:
         self.step = int(d["step"])
@@ -460,49 +534,106 @@ class Trainer:
             self.backup.load_state_dict(d["ffn_backup_capacity"])
         elif "ffn_heavy_hist" in d:  # checkpoints written before train.capacity
             self.backup.load_state_dict({"rule": "window", "hist": d["ffn_heavy_hist"]})
+        if d.get("init") is not None:
+            self.init_info = d["init"]
+        self.prev_segment = d.get("segment")
+        self.segment = self._new_segment()
+
+    def _new_segment(self) -> dict:
+        """What this process trains (the closing line's tokens/s): first step, steps, tokens,
+        seconds in train steps."""
+        return {"first_step": self.step + 1, "steps": 0, "tokens": 0, "time": 0.0}
+
+    def _last_segment(self) -> dict | None:
+        """This process's segment if it trained a step, else the checkpoint's last one."""
+        return dict(self.segment) if self.segment["steps"] else self.prev_segment
 
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step{N}/`` atomically (all ranks call this).
 
         Model and optimizer state are full tensors in the unsharded formats (an FSDP model's are
         gathered on rank 0), so the checkpoint resumes on any number of ranks, sharded or not.
+        Every stage (temp folder, files, metadata and rename) ends with the ranks agreeing that
+        it worked; if it failed anywhere, the temp folder is removed and every rank raises (a
+        full disk: one-line :class:`train.checkpoint.CheckpointError`).
         """
-        acc = self.acc
-        model = acc.unwrap_model(self.model)
+        model = self.acc.unwrap_model(self.model)
         sharded = parallel.is_sharded(model)
+        model_sd = optim_sd = None
         if sharded:  # gather on rank 0 (collectives: every rank takes part)
             model_sd = parallel.model_state_dict(model)
             optim_sd = parallel.optimizer_state_dict(model, self.optimizer.optimizer)
         final = ckpt_io.checkpoint_root(self.run_dir) / f"step{self.step}"
         tmp = ckpt_io.tmp_path(final)
-        if self.is_main:
-            ckpt_io.begin(self.run_dir, self.step)
-        acc.wait_for_everyone()
-        rank_state = {"rng": ckpt_io.rng_state(), "data": self.data.state_dict()}
-        torch.save(rank_state, tmp / f"rank{acc.process_index}.pt")
-        if self.is_main:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()  # no "Writing model shards" bar inside ours
-            model.save_pretrained(tmp, **({"state_dict": model_sd} if sharded else {}))
-            if getattr(self.data, "tokenizer", None) is not None:
-                self.data.tokenizer.save_pretrained(tmp)
-            torch.save(optim_sd if sharded else self.optimizer.state_dict(), tmp / "optimizer.pt")
-            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save(self.state_dict(), tmp / "trainer.pt")
-            (tmp / "train_config.yaml").write_text(OmegaConf.to_yaml(self.config_dict))
-        acc.wait_for_everyone()
-        if self.is_main:
-            ckpt_io.finish(tmp, final, step=self.step, world_size=acc.num_processes,
-                           keep_last=self.cfg.trainer.keep_last,
-                           extra={"tokens_seen": self.tokens_seen})
-        acc.wait_for_everyone()
-        self.last_ckpt = final
+        stages = [lambda: self.is_main and ckpt_io.begin(self.run_dir, self.step),
+                  lambda: self._write_checkpoint_files(tmp, model, model_sd, optim_sd),
+                  lambda: self.is_main and ckpt_io.finish(
+                      tmp, final, step=self.step, world_size=self.acc.num_processes,
+                      keep_last=self.cfg.trainer.keep_last, lineage=self.lineage,
+                      extra={"tokens_seen": self.tokens_seen})]
+        for stage in stages:
+            error = None
+            try:
+                stage()
+            except Exception as e:  # noqa: BLE001  (cleaned up and raised below, on every rank)
+                error = e
+            if self._any_rank(error is not None):
+                if error is None:
+                    error = ckpt_io.CheckpointError(
+                        f"checkpoint {final}: another rank failed to write its part (its error is "
+                        f"in its output); the partial {tmp} was removed")
+                raise ckpt_io.save_failure(error, tmp, final, previous=self.last_ckpt,
+                                           advice=self.resume_advice()) from None
+        self.last_ckpt, self.saved_step = final, self.step
         return final
+
+    def _write_checkpoint_files(self, tmp: Path, model, model_sd, optim_sd) -> None:
+        """Every rank: its RNG and data state; the main process: model, tokenizer, optimizer,
+        scheduler and trainer state, config (no pickle anywhere: ``ckpt_io.save_state``)."""
+        ckpt_io.save_state(tmp, f"rank{self.acc.process_index}",
+                           {"rng": ckpt_io.rng_state(), "data": self.data.state_dict()})
+        if not self.is_main:
+            return
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bar inside ours
+        model.save_pretrained(tmp, **({"state_dict": model_sd} if model_sd is not None else {}))
+        if getattr(self.data, "tokenizer", None) is not None:
+            self.data.tokenizer.save_pretrained(tmp)
+        ckpt_io.save_state(tmp, "optimizer",
+                           optim_sd if optim_sd is not None else self.optimizer.state_dict())
+        ckpt_io.save_state(tmp, "scheduler", self.scheduler.state_dict())
+        ckpt_io.save_state(tmp, "trainer", self.state_dict())
+        (tmp / "train_config.yaml").write_text(OmegaConf.to_yaml(self.config_dict))
+
+    def _any_rank(self, flag: int) -> int:
+        """The largest ``flag`` over ranks (a host-side all-reduce on the gloo group: no GPU
+        sync); ``flag`` itself on one process."""
+        if self._host_group is False:
+            return int(flag)
+        v = torch.tensor([int(flag)], dtype=torch.int64)
+        torch.distributed.all_reduce(v, op=torch.distributed.ReduceOp.MAX, group=self._host_group)
+        return int(v.item())
+
+    def _load_weights(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        f = path / "model.safetensors"
+        try:
+            state = load_file(str(f))  # to CPU; copied into place
+        except Exception as e:  # noqa: BLE001  (SafetensorError, OSError: one line)
+            raise ckpt_io.CheckpointError(
+                f"{f} is damaged ({e}); {rundir.ways_out(path, ['model.safetensors'])}") from None
+        model = self.acc.unwrap_model(self.model)
+        missing, unexpected = parallel.load_model_state_dict(model, state)
+        if [k for k in missing if k != "lm_head.weight"] or unexpected:
+            raise ckpt_io.CheckpointError(f"{f}: the weights do not match the model (missing "
+                                          f"{missing[:3]}, unexpected {unexpected[:3]})")
 
     def resume(self, path: Path) -> None:
         """Restore everything from a checkpoint folder: weights, optimizer, scheduler, trainer and
-        sparsity state, the data position and RNG states, on any number of ranks.
+        sparsity state, the data position and RNG states, on any number of ranks. Nothing in it
+        can run code (``ckpt_io.load_state``: safetensors and JSON).
 
         The global batch must be the one of the checkpoint (the data position and the schedules
         count its steps); the world size, micro-batch and accumulation may change, and 1 process,
@@ -512,10 +643,14 @@ class Trainer:
         (elsewhere every rank is re-seeded from trainer.seed, the step and its rank): after
         initialisation training draws no random numbers from them (no dropout; dead-unit
         re-init has its own generator seeded by the step). The no-sync dense-backup capacities
-        count rows per FFN call, so a different micro-batch measures them again.
-        """
-        from safetensors.torch import load_file
+        count rows per FFN call, so a different micro-batch measures them again. A checkpoint of
+        this run dir continues its lineage; one of another run dir starts a branch of it.
 
+        Raises:
+            ConfigError: another global batch, or a data position of other data.
+            train.checkpoint.CheckpointError: a state file is missing, damaged or holds a pickle
+                that is not plain data (one line naming the file).
+        """
         meta = ckpt_io.read_metadata(path)
         t = self.cfg.trainer
         saved_t = OmegaConf.load(path / "train_config.yaml").trainer
@@ -523,15 +658,12 @@ class Trainer:
             raise ConfigError(f"checkpoint {path} was trained with trainer.global_batch="
                               f"{saved_t.global_batch}, this run has {t.global_batch}; resume "
                               "with the same global batch (any world size and micro-batch).")
-        model = self.acc.unwrap_model(self.model)
-        state = load_file(str(path / "model.safetensors"))  # to CPU; copied into place
-        missing, unexpected = parallel.load_model_state_dict(model, state)
-        if [k for k in missing if k != "lm_head.weight"] or unexpected:
-            raise ValueError(f"{path}: model weights do not match: {missing[:3]} {unexpected[:3]}")
-        parallel.load_optimizer_state_dict(
-            model, self.optimizer.optimizer, torch.load(path / "optimizer.pt", weights_only=False))
-        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-        self.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
+        self._load_weights(path)
+        parallel.load_optimizer_state_dict(self.acc.unwrap_model(self.model),
+                                           self.optimizer.optimizer,
+                                           ckpt_io.load_state(path, "optimizer"))
+        self.scheduler.load_state_dict(ckpt_io.load_state(path, "scheduler"))
+        self.load_state_dict(ckpt_io.load_state(path, "trainer"))
         if self.cfg.trainer.resume_allow_changes:
             self._apply_optim_config()
         if saved_t.micro_batch != t.micro_batch:  # capacities are rows per FFN call
@@ -541,8 +673,7 @@ class Trainer:
         same_world = meta["world_size"] == self.acc.num_processes
         # the data position is global (the same in every rank's file); a streamed source keeps
         # per-rank state and refuses another world size
-        rank = torch.load(path / f"rank{self.acc.process_index if same_world else 0}.pt",
-                          weights_only=False)
+        rank = ckpt_io.load_state(path, f"rank{self.acc.process_index if same_world else 0}")
         try:
             self.data.load_state_dict(rank["data"])
         except ValueError as e:  # another data set, seq_len or seed: the position means nothing
@@ -559,28 +690,50 @@ class Trainer:
             set_seed(t.seed + self.step, device_specific=True)  # + rank
             self._print(f"resuming a {meta['world_size']}-rank checkpoint on "
                         f"{self.acc.num_processes} ranks (same global batch {t.global_batch})")
-        self.last_ckpt = path
-        if self.is_main:  # drop metrics logged after the checkpoint (they will be redone)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(self.config_dict))
-            kept = []
-            if self.metrics_path.is_file():
-                kept = [json.loads(ln) for ln in self.metrics_path.read_text().splitlines()
-                        if ln.strip()]
-                kept = [r for r in kept if r.get("step", 0) <= self.step]
-            self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            for r in kept:  # the latest numbers, for summary.json of an already finished run
-                kind = r.pop("kind", "train")
-                if kind == "train":
-                    self.last = r
-                elif kind == "val":
-                    self.last_val = r
-                elif kind == "eval":
-                    self.last_eval = r
-            saved = OmegaConf.to_container(OmegaConf.load(path / "train_config.yaml"))
-            changed = config_diff(saved, self.config_dict)
-            self._print(f"resumed from {path} at step {self.step}"
-                        + (f" (config changed: {'; '.join(changed)})" if changed else ""))
+        self.last_ckpt, self.saved_step = path, self.step
+        here = path.resolve().parent.parent == self.run_dir.resolve()
+        self.lineage = (meta["lineage"] if here and meta.get("lineage")
+                        else ckpt_io.new_lineage(None if here else path))
+        if self.is_main:
+            self._resume_run_files(path)
+
+    def _resume_run_files(self, path: Path) -> None:
+        """Main process: rewrite config.yaml, drop metrics logged after the checkpoint (they will
+        be redone), take the latest logged numbers (summary.json of an already finished run)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt_io.write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config_dict))
+        kept = []
+        if self.metrics_path.is_file():
+            kept = [json.loads(ln) for ln in self.metrics_path.read_text().splitlines()
+                    if ln.strip()]
+            kept = [r for r in kept if r.get("step", 0) <= self.step]
+        ckpt_io.write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        for r in kept:
+            kind = r.pop("kind", "train")
+            if kind == "train":
+                self.last = r
+            elif kind == "val":
+                self.last_val = r
+            elif kind == "eval":
+                self.last_eval = r
+        saved = OmegaConf.to_container(OmegaConf.load(path / "train_config.yaml"))
+        changed = config_diff(saved, self.config_dict)
+        self._print(f"resumed from {path} at step {self.step}"
+                    + (f" (config changed: {'; '.join(changed)})" if changed else ""))
+
+    def resume_advice(self) -> str:
+        """How to continue this run after it stopped: the exact ``trainer.resume`` that resumes
+        from its newest checkpoint (not the folder it was started from, whose resume would
+        drop the metrics logged since)."""
+        last, resume = self.last_ckpt, self.cfg.trainer.resume
+        if last is None:
+            return "no checkpoint was written; re-running the same command starts over"
+        if Path(last).resolve().parent.parent != self.run_dir.resolve():
+            return f"re-run the same command to resume from {last}"
+        if resume == "auto":
+            return f"re-run the same command to resume from {last}"
+        return (f"re-run the same command with trainer.resume=auto (instead of trainer.resume="
+                f"{resume}) to resume from {last}")
 
     def _apply_optim_config(self) -> None:
         """Resume with ``trainer.resume_allow_changes=true``: put this config's optim values
@@ -864,7 +1017,7 @@ class Trainer:
             try:
                 out = evaluate(model, self.data.tokenizer, tasks=tasks, limit=e.limit,
                                batch_size=e.batch_size, device=self.device,
-                               progress=self.cfg.trainer.progress and self.is_main)
+                               progress=self.show_bars)
             except ContinuationTooLong as err:  # a short model.seq_len: one line, no traceback
                 raise ConfigError(
                     f"eval at step {self.step}: {err.args[0].split(';')[0]}: model.seq_len="
@@ -884,13 +1037,24 @@ class Trainer:
 
     def train(self, stop_at_step: int | None = None) -> dict:
         """:meth:`_train` holding the run dir's lock (taken again if an earlier ``train`` call
-        released it; released when it returns or raises)."""
+        released it; released when it returns or raises) and handling SIGTERM / SIGINT
+        (:class:`train.interrupt.StopSignals`: the first one stops after the current optimizer
+        step with a checkpoint, raising :class:`train.interrupt.TrainingInterrupted`)."""
         if self.is_main and (self._lock is None or not self._lock.held):
             self._lock = rundir.RunDirLock(self.run_dir)
         try:
-            return self._train(stop_at_step)
+            with StopSignals(grace_s=interrupt.launcher_grace_s(), notify=self.is_main) as sig:
+                self.signals = sig
+                return self._train(stop_at_step)
         finally:
+            self.signals = None
             self._unlock()
+
+    @property
+    def show_bars(self) -> bool:
+        """Progress bars (tqdm) only on the main process, with ``trainer.progress=true`` and
+        stderr (where tqdm draws) a terminal; elsewhere each log line carries the ETA."""
+        return bool(self.is_main and self.cfg.trainer.progress and sys.stderr.isatty())
 
     def _train(self, stop_at_step: int | None = None) -> dict:
         """Run until ``trainer.max_steps`` (or ``stop_at_step``, for interrupt tests); returns
@@ -904,7 +1068,10 @@ class Trainer:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=t.max_steps, initial=self.step, unit="step", dynamic_ncols=True,
-                   disable=not (self.is_main and t.progress))
+                   disable=not self.show_bars)
+        if self.step < end:
+            self._print(f"training steps {self.step + 1}-{end} of {t.max_steps} "
+                        f"({t.global_batch} x {cfg.model.seq_len} tokens per step)", bar)
         interval = self._new_interval()
         if cfg.eval.at_start and self.step == 0:  # e.g. a relufied checkpoint before training
             self.evaluate()
@@ -914,13 +1081,15 @@ class Trainer:
             dt = time.perf_counter() - t0
             interval["time"] += dt
             self.train_time += dt
+            self.segment.update(steps=self.segment["steps"] + 1, time=self.segment["time"] + dt,
+                                tokens=self.segment["tokens"] + self.tokens_per_step)
             bar.update(1)
             last = self.step == end
             if self.step % t.log_every == 0 or last:
                 m = self.log_metrics(interval)
                 interval = self._new_interval()
                 bar.set_postfix(loss=f"{m['loss']:.3f}", l0=f"{m['l0_mean']:.1f}")
-                self._print(self._format(m), bar)
+                self._print(self._format(m) + ("" if self.show_bars else self._eta()), bar)
             if (t.val_every and self.step % t.val_every == 0) or self.step == t.max_steps:
                 v = self.validate()
                 if v["val_sequences"]:
@@ -930,6 +1099,10 @@ class Trainer:
                 self.evaluate()
             if (t.save_every and self.step % t.save_every == 0) or last:
                 self.save_checkpoint()
+            signum = self._any_rank(self.signals.signum if self.signals else 0)
+            if signum:  # every rank stops after the same step
+                bar.close()
+                self._stop_on_signal(signum)
         bar.close()
         done = self.last_eval is not None and self.last_eval.get("step") == self.step
         if self.step >= t.max_steps and cfg.eval.at_end and not done and not (
@@ -937,8 +1110,40 @@ class Trainer:
             self.evaluate()
         summary = self.summary()
         if self.is_main and self.step >= t.max_steps:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            ckpt_io.write_json(self.run_dir / "summary.json", summary, indent=2)
         return summary
+
+    def _eta(self) -> str:
+        """`` | step 20/40, eta 1m05s`` from this process's mean step time (log lines without a
+        progress bar)."""
+        seg, left = self.segment, self.cfg.trainer.max_steps - self.step
+        per = seg["time"] / max(seg["steps"], 1)
+        return f" | step {self.step}/{self.cfg.trainer.max_steps}, eta {_duration(per * left)}"
+
+    def _stop_on_signal(self, signum: int) -> None:
+        """After the step that a SIGTERM / SIGINT interrupted: checkpoint it (unless just saved),
+        print and log one line, raise :class:`train.interrupt.TrainingInterrupted`."""
+        if self.saved_step != self.step:
+            self.save_checkpoint()
+        name = interrupt.signal_name(signum)
+        line = (f"received {name} at step {self.step}: checkpoint written to {self.last_ckpt}; "
+                f"{self.resume_advice()} (exit code {interrupt.exit_code(signum)})")
+        self._print(line)
+        raise TrainingInterrupted(signum, line, reported=True)
+
+    def interrupted(self, e: KeyboardInterrupt) -> int:
+        """The exit code of a run that an interrupt ended (``twell-train`` calls this for the
+        KeyboardInterrupt that left :meth:`train`): 130 for SIGINT, 143 for SIGTERM. Prints and
+        logs the interrupt's line (where to resume) unless :meth:`_stop_on_signal` did."""
+        signum = e.signum if isinstance(e, TrainingInterrupted) else signal.SIGINT
+        if not (isinstance(e, TrainingInterrupted) and e.reported):
+            how = (f"received a second {interrupt.signal_name(signum)}: stopped at once"
+                   if isinstance(e, TrainingInterrupted) else "interrupted")
+            line = (f"{how} at step {self.step}; newest complete checkpoint: "
+                    f"{self.last_ckpt or 'none'}; {self.resume_advice()}")
+            print(line, file=sys.stderr)
+            self._log(line)
+        return interrupt.exit_code(signum)
 
     def _print(self, line: str, bar=None) -> None:
         """Print on the main process (through the progress bar if any) and log to train.log."""
@@ -984,8 +1189,10 @@ class Trainer:
                 f"(run {m['peak_mem_gb_run']:.2f})")
 
     def summary(self) -> dict:
-        """Final numbers of the run (what summary.json holds)."""
-        m = self.last
+        """Final numbers of the run (what summary.json holds). ``tokens_per_s`` is the last
+        training segment's (``segment_steps``: its first and last step), ``tokens_per_s_all``
+        the mean over every segment of a resumed run."""
+        m, seg = self.last, self._last_segment()
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
@@ -998,7 +1205,12 @@ class Trainer:
             "l0_layers": m.get("l0_layers"),
             "nnz_max": m.get("nnz_max"),
             "dead_pct": None if m.get("dead_frac") is None else 100 * m["dead_frac"],
-            "tokens_per_s": self.tokens_seen / self.train_time if self.train_time else None,
+            # the last training segment (this process's steps, or the checkpoint's last ones):
+            # the speed of the steps as they ran, not diluted by restarts
+            "tokens_per_s": seg["tokens"] / seg["time"] if seg and seg["time"] else None,
+            "segment_steps": [seg["first_step"], seg["first_step"] + seg["steps"] - 1]
+            if seg else None,
+            "tokens_per_s_all": self.tokens_seen / self.train_time if self.train_time else None,
             "train_time_s": self.train_time,
             "precision": self.precision,
             "world_size": self.acc.num_processes,

@@ -1,0 +1,98 @@
+"""Stopping a training run on SIGTERM or SIGINT without losing the steps since the last save.
+
+SLURM, Kubernetes, ``docker stop`` and ``timeout`` send SIGTERM before SIGKILL; Ctrl-C sends
+SIGINT. While :meth:`train.trainer.Trainer.train` runs, the first of either only sets a flag
+(:class:`StopSignals`); the trainer finishes the optimizer step it is in, writes a checkpoint,
+prints and logs one line and raises :class:`TrainingInterrupted`, and ``twell-train`` exits with
+the shell's code for the signal (:func:`exit_code`: 128 + the signal number, 143 for SIGTERM,
+130 for SIGINT). A second signal stops at once (no checkpoint). Under a launcher (torchrun,
+``accelerate launch``) each worker gets the signal twice, from the terminal or scheduler and
+forwarded by the launcher: a repeat within :func:`launcher_grace_s` of the first counts as the
+same one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Self
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def signal_name(signum: int) -> str:
+    """``"SIGTERM"`` for 15, ``"SIGINT"`` for 2."""
+    return signal.Signals(signum).name
+
+
+def exit_code(signum: int) -> int:
+    """The exit code a shell reports for a process ended by ``signum`` (128 + its number)."""
+    return 128 + int(signum)
+
+
+def launcher_grace_s() -> float:
+    """Seconds in which a repeated signal counts as the first: 2 under torchrun / accelerate
+    launch (``TORCHELASTIC_RUN_ID`` set: the launcher forwards the signal its workers already
+    got, milliseconds later), else 0 (a second Ctrl-C stops at once)."""
+    return 2.0 if "TORCHELASTIC_RUN_ID" in os.environ else 0.0
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """A run stopped on a signal.
+
+    Attributes:
+        signum: the signal (SIGTERM or SIGINT).
+        reported: whether its line (step, checkpoint, how to resume) is already printed and
+            logged (a stop after a step); False for a second signal, raised at once.
+        exit_code: 128 + signum.
+    """
+
+    def __init__(self, signum: int, message: str = "", *, reported: bool = False) -> None:
+        super().__init__(message or f"received {signal_name(signum)}")
+        self.signum = int(signum)
+        self.reported = reported
+        self.exit_code = exit_code(signum)
+
+
+class StopSignals:
+    """Context manager: while active, the first SIGTERM or SIGINT is recorded in ``signum``
+    (the trainer stops after the current step); a later one raises :class:`TrainingInterrupted`
+    at once, unless it comes within ``grace_s`` of the first. The previous handlers come back on
+    exit. Outside the main thread (where Python allows no handlers) it does nothing.
+
+    Args:
+        grace_s: seconds after the first signal in which another counts as the same one.
+        notify: write one line to stderr when the first signal arrives (the main process).
+    """
+
+    def __init__(self, grace_s: float = 0.0, notify: bool = True) -> None:
+        self.grace_s = grace_s
+        self.notify = notify
+        self.signum = 0
+        self._first = 0.0
+        self._old: dict = {}
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        now = time.monotonic()
+        if not self.signum:
+            self.signum, self._first = signum, now
+            if self.notify:  # os.write: no buffered stream is re-entered from a handler
+                os.write(2, f"\n{signal_name(signum)}: stopping after this optimizer step with a "
+                            "checkpoint; send it again to stop at once\n".encode())
+            return
+        if now - self._first < self.grace_s:
+            return
+        raise TrainingInterrupted(signum)
