@@ -291,6 +291,12 @@ class TrainerConfig:
     (eager-only) or FSDP (untested there), off elsewhere (CPU fp32 runs keep the reference loss).
     Measured with autocast_cache=false: no slower at 1.5B and 2B, 6.2-6.7 GB less peak memory
     (BENCHMARKS.md "Run R", "Runs T, T2")."""
+    lean_norms: bool | None = None
+    """RMSNorms that keep only their input and rsqrt for backward (the normalised rows are
+    recomputed) and, under autocast, return one bf16 output their consumers share
+    (train/norms.py): ~400 MB less per layer at 1.5B x 8 x 2048 without recomputation; fp32
+    results bitwise equal, bf16 within rounding. null = on for CUDA bf16 runs without
+    trainer.compile / compile_norms (inductor plans those norms itself)."""
     ce_chunk_rows: int = 4096
     """Rows of logits per chunk of the fused loss (= train.loss.CE_CHUNK_ROWS): its transient
     memory is ~8 x rows x vocab bytes (1.6 GB at 4096 x 49152)."""
@@ -388,6 +394,10 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.backup_capacity={self.backup_capacity!r} is unknown; use one of "
                 f"{', '.join(CAPACITY_RULES)}.")
+        if self.lean_norms and (self.compile or self.compile_norms):
+            key = "trainer.compile" if self.compile else "trainer.compile_norms"
+            raise ConfigError(f"trainer.lean_norms=true and {key}=true: compiled norms are "
+                              f"planned by inductor; set trainer.lean_norms=null or {key}=false.")
         if self.compile_norms and self.compile:
             raise ConfigError("trainer.compile_norms=true and trainer.compile=true: the whole "
                               "model is compiled already; use one of them.")

@@ -38,6 +38,7 @@ from train.fusion import compile_norms
 from train.loss import fused_ce_enabled, use_fused_cross_entropy
 from train.metrics import device_peak_flops, flops_per_token, mfu
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
+from train.norms import lean_norms, lean_norms_enabled
 from train.sparsity import (
     DeadNeuronTracker,
     collect_stats,
@@ -259,6 +260,9 @@ class Trainer:
         if fused_ce_enabled(t.fused_ce, device_type=self.device.type, precision=precision,
                             compile=t.compile, sharded=bool(self.fsdp)):
             use_fused_cross_entropy(model, t.ce_chunk_rows)  # no (tokens x vocab) logits
+        if lean_norms_enabled(t.lean_norms, device_type=self.device.type, precision=precision,
+                              compile=t.compile, compile_norms=t.compile_norms):
+            lean_norms(model)  # norms keep x and rsqrt only; one bf16 output (train/norms.py)
         if t.compile_norms:  # one compiled RMSNorm for every norm (training only)
             compile_norms(model)
         self.mlps = ffn_modules(model)
