@@ -16,7 +16,12 @@ save ``N x H`` tensors (two or three of them), so they keep full recomputation.
   its FFN and the second residual add outside any checkpoint; every other layer keeps the full
   checkpoint.
 * ``never``: every layer runs that way (dense FFNs then keep their ``N x H`` activations:
-  memory-hungry; for A/B runs at a micro-batch that fits).
+  memory-hungry; for A/B runs at a micro-batch that fits). The memory planner's ``attention``
+  mode (``train/memory.py``): its memory is largest at the start, while every FFN is dense,
+  where ``auto``'s grows as layers move to the ELL path.
+
+:func:`set_recompute` switches a model between these and no checkpointing (``none``), by the
+planner's names (:data:`RECOMPUTE_MODES`).
 
 Memory of one such layer's saved state (N tokens, D model width, H FFN width, KC ELL capacity,
 R dense-backup rows, bf16 autocast over fp32 weights), against full checkpointing's ``4 N D``
