@@ -115,6 +115,8 @@ def test_fastest_that_fits_wins_and_keeps_the_global_batch():
     line = describe(plan, T)
     assert "micro_batch 4 x 2048, recompute attention, accumulation 16" in line
     assert "attention 1: 33.0 GB" in line and "4*: 42.0 GB" in line and "warning" not in line
+    assert line.index("| probes none 1: 36.0 GB") < line.index("; attention 1:") < line.index(
+        "; full 1:")
 
 
 def test_pending_optimizer_state_counts_against_the_budget():

@@ -375,7 +375,7 @@ def describe(plan: Plan, seq_len: int) -> str:
     if plan.budget_gb is not None:
         head += f" of {plan.budget_gb:.1f} GB budget"
     head += f" ({plan.why})"
-    by_mode: dict[str, list[str]] = {}
+    by_mode: dict[str, list[str]] = {r: [] for r in RECOMPUTE_MODES}  # least recomputation first
     for c in plan.candidates:
         chosen = (c["micro_batch"], c["recompute"]) == (plan.micro_batch, plan.recompute)
         mark = "*" if chosen else ""
@@ -383,8 +383,8 @@ def describe(plan: Plan, seq_len: int) -> str:
                f"{c['peak_gb']:.1f} GB" + (f" {c['tok_per_ms']:.1f} tok/ms"
                                            if c["tok_per_ms"] is not None else ""))
         by_mode.setdefault(c["recompute"], []).append(f"{c['micro_batch']}{mark}: {val}")
-    if by_mode:
-        head += " | probes " + "; ".join(f"{r} " + ", ".join(v) for r, v in by_mode.items())
+    if plan.candidates:
+        head += " | probes " + "; ".join(f"{r} " + ", ".join(v) for r, v in by_mode.items() if v)
     if not plan.fits:
         head += " | warning: above trainer.memory_budget_gb"
     return head
