@@ -560,7 +560,7 @@ def main(argv=None) -> int:
     try:  # refuse a bad configuration before the first run starts
         cfg = compose_config([*DEFAULTS, *user, f"trainer.max_steps={a.steps}"])
         micro, world = cfg.trainer.micro_batch, 1
-        if micro < 2 or micro % 2:
+        if micro is None or micro < 2 or micro % 2:  # null: the memory planner's
             raise ConfigError(f"trainer.micro_batch={micro} cannot be halved for run B; set an "
                               "even trainer.micro_batch >= 2 (trainer.global_batch a multiple)")
         specs = plan(user, a.steps, micro)

@@ -22,8 +22,8 @@
 # MGC_SMOKE=1: a dry run of every command on CPU (gloo) with a tiny model and 8 steps: checks
 # the command lines and the report, not the numbers.
 #
-# The GPU machine lacks hydra-core, omegaconf, datasets and wandb: install the carried wheels
-# first (python3 -m pip install --no-deps .devcarry/wheels/*.whl; docs/bench/run14/cmd_run_Q.sh).
+# The GPU machine lacks hydra-core, omegaconf, datasets and wandb: carry .devcarry (built by
+# scripts/build_carry.sh) and source scripts/gpu_env.sh first (docs/model_bench/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ] || [ ! -d "$1" ]; then

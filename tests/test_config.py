@@ -42,6 +42,15 @@ def _one_line(err) -> str:
     (lambda: SparsityConfig(schedule="linear_warmup", warmup_start=10, warmup_end=5),
      "sparsity.warmup_end"),
     (lambda: TrainerConfig(precision="fp8"), "trainer.precision"),
+    (lambda: TrainerConfig(memory="on"), "trainer.memory"),
+    (lambda: TrainerConfig(micro_batch=None), "trainer.micro_batch"),  # null needs memory=auto
+    (lambda: TrainerConfig(grad_checkpointing=None), "trainer.grad_checkpointing"),
+    (lambda: TrainerConfig(memory="auto", memory_budget_gb=0.0), "trainer.memory_budget_gb"),
+    (lambda: TrainerConfig(memory="auto", memory_budget_gb=float("inf")),
+     "trainer.memory_budget_gb"),
+    (lambda: TrainerConfig(memory="auto", micro_batch=0), "trainer.micro_batch"),
+    (lambda: TrainerConfig(ce_chunk_rows=0), "trainer.ce_chunk_rows"),
+    (lambda: TrainerConfig(compile=True, fused_ce=True), "trainer.fused_ce"),
 ])
 def test_bad_values(build, key):
     with pytest.raises(ConfigError) as err:
@@ -56,6 +65,22 @@ def test_global_batch_vs_world_size():
         cfg.check_world(4)
     msg = _one_line(err)
     assert "trainer.global_batch=24" in msg and "world size 4" in msg and "multiple of 16" in msg
+    # null micro-batch (the planner's, trainer.memory=auto): the world size must divide
+    cfg = TrainConfig(trainer=TrainerConfig(global_batch=24, micro_batch=None, memory="auto"))
+    assert cfg.check_world(3) == 8  # one sequence per micro-step until the plan
+    with pytest.raises(ConfigError) as err:
+        cfg.check_world(5)
+    assert "trainer.global_batch=24" in _one_line(err) and "world size 5" in _one_line(err)
+
+
+def test_memory_planner_nulls_and_defaults():
+    t = TrainerConfig(memory="auto", micro_batch=None, grad_checkpointing=None,
+                      checkpoint_ffn=None, compile=True)  # compile: the planner keeps always
+    assert t.micro_batch is None and t.fused_ce is None  # null fused loss: auto (train/loss.py)
+    assert TrainerConfig().memory == "off" and TrainerConfig().ce_chunk_rows == 4096
+    assert TrainerConfig(checkpoint_ffn="never", grad_checkpointing=None, memory="auto")
+    with pytest.raises(ConfigError, match="checkpoint_ffn=never needs"):
+        TrainerConfig(checkpoint_ffn="never", grad_checkpointing=False, memory="auto")
 
 
 def test_tokenizer_vocab_larger_than_model(tmp_path):
@@ -123,11 +148,20 @@ def test_default_and_paper_recipes_compose():
         o = c.optim
         assert (o.lr, list(o.betas), o.eps, o.weight_decay, o.warmup_steps, o.schedule,
                 o.grad_clip) == (1e-3, [0.9, 0.95], 1e-8, 0.1, 600, "cosine", 1.0)
-        assert c.trainer.grad_checkpointing and c.trainer.seed == 42
+        # trainer=gpu: the memory planner picks micro-batch and recomputation (train/memory.py)
+        assert c.trainer.memory == "auto" and c.trainer.seed == 42
+        assert (c.trainer.micro_batch, c.trainer.grad_checkpointing,
+                c.trainer.checkpoint_ffn, c.trainer.fused_ce) == (None, None, None, None)
         assert c.model.rope_theta == 1e5 and c.data.source == "fineweb_edu"
     for group in ["model=small_l2", "model=small_l12", "sparsity=warmup", "sparsity=l1_reinit",
                   "sparsity=dense", "eval=end", "trainer=gpu"]:
         OmegaConf.to_object(_compose([group]))
+    c = OmegaConf.to_object(_compose(["experiment=paper_1p5b", "trainer.memory=off",
+                                      "trainer.micro_batch=8", "trainer.grad_checkpointing=true"]))
+    assert (c.trainer.memory, c.trainer.micro_batch, c.trainer.checkpoint_ffn) == ("off", 8, None)
+    assert OmegaConf.to_object(_compose([])).trainer.memory == "off"  # trainer=cpu
+    with pytest.raises(ConfigError, match="trainer.micro_batch=null"):
+        OmegaConf.to_object(_compose(["trainer=gpu", "trainer.memory=off"]))
 
 
 def test_unknown_keys_and_types_are_errors():

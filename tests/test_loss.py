@@ -6,8 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from tests.train_utils import train_metrics_by_value
+from train import loss as loss_mod
 from train.config import ModelConfig
-from train.loss import linear_cross_entropy, shift_labels, use_fused_cross_entropy
+from train.loss import (
+    CE_CHUNK_ROWS,
+    fused_ce_enabled,
+    linear_cross_entropy,
+    shift_labels,
+    use_fused_cross_entropy,
+)
 from train.model import build_model
 
 
@@ -139,3 +146,32 @@ def test_trainer_fused_ce_gives_the_same_losses(tmp_path):
     for a, b in zip(runs[True], runs[False]):
         assert a["ce"] == pytest.approx(b["ce"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_fused_ce_default_is_on_for_cuda_bf16_only():
+    def on(setting=None, device_type="cuda", precision="bf16", compile=False, sharded=False):
+        return fused_ce_enabled(setting, device_type=device_type, precision=precision,
+                                compile=compile, sharded=sharded)
+
+    assert on() and not on(device_type="cpu") and not on(precision="fp32")
+    assert not on(compile=True) and not on(sharded=True)
+    assert on(True, device_type="cpu", precision="fp32") and not on(False)  # as set
+
+
+def test_trainer_ce_chunk_rows_reaches_the_loss(tmp_path, monkeypatch):
+    from train.config import TrainerConfig
+
+    assert TrainerConfig().ce_chunk_rows == CE_CHUNK_ROWS
+    seen = []
+    orig = loss_mod.linear_cross_entropy
+
+    def spy(*args, **kw):
+        seen.append(kw["chunk_rows"])
+        return orig(*args, **kw)
+
+    monkeypatch.setattr(loss_mod, "linear_cross_entropy", spy)
+    runs = train_metrics_by_value(tmp_path, "trainer.ce_chunk_rows", (5, 4096),
+                                  **{"trainer.fused_ce": True})
+    assert set(seen) == {5, 4096}
+    for a, b in zip(runs[5], runs[4096], strict=True):  # 26 chunks of 128 rows against one
+        assert a["ce"] == pytest.approx(b["ce"], rel=1e-5)

@@ -9,7 +9,8 @@ from tests.train_utils import tiny_config, write_tokens
 from train.config import CHECKPOINT_FFN_MODES, ConfigError, ModelConfig
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.recompute import CHECKPOINT_FFN_MODES as RECOMPUTE_MODES
-from train.recompute import _recast_weights, ffn_trains_sparse
+from train.recompute import RECOMPUTE_MODES as PLANNER_MODES
+from train.recompute import _recast_weights, ffn_trains_sparse, set_recompute
 from train.sparsity import collect_stats, l1_penalty
 
 # per layer: (impl, train_path): twell; auto on its ELL path; auto in dense mode; torch
@@ -33,19 +34,26 @@ def _model(checkpoint):
 
 def _step(checkpoint, autocast):
     """Loss CE + 0.3 L1 and all gradients of one micro-step; FFN forward calls per layer."""
-    model, mlps = _model(checkpoint)
+    return _step_of(*_model(checkpoint), autocast)
+
+
+def _step_of(model, mlps, autocast):
     calls = [0] * len(mlps)
-    for i, mlp in enumerate(mlps):  # counts every FFN forward (each runs one gate GEMM)
-        mlp.register_forward_pre_hook(lambda mod, args, i=i: calls.__setitem__(i, calls[i] + 1))
+    hooks = [mlp.register_forward_pre_hook(  # counts every FFN forward (one gate GEMM each)
+        lambda mod, args, i=i: calls.__setitem__(i, calls[i] + 1)) for i, mlp in enumerate(mlps)]
     ids = torch.randint(1, 64, (3, 16), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         ce = model(input_ids=ids, labels=ids).loss
         l1, _ = l1_penalty(collect_stats(mlps))
         loss = ce + 0.3 * l1
     loss.backward()
+    for h in hooks:
+        h.remove()
     heavy = [float(m.last_stats.heavy_rows) for m in mlps[:2]]  # the ELL layers
     assert max(heavy) > 0 and max(heavy) < ids.numel() / 2, heavy  # light and heavy ELL rows
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, calls
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads, calls
 
 
 @pytest.fixture
@@ -70,6 +78,27 @@ def test_selective_recompute_matches_full_and_no_checkpointing(autocast, torch_b
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-6, atol=1e-9,
                                        msg=lambda m, n=name, k=mode: f"{k} {n}: {m}")
         assert any(g.abs().max() > 0 for n, g in grads.items() if "gate_proj" in n)
+
+
+def test_set_recompute_switches_modes_on_one_model(torch_backend):
+    """The memory planner probes several modes on one model: each switch takes effect (FFN calls
+    per step) and gives the same loss and gradients as no checkpointing."""
+    ref_loss, ref_grads, _ = _step(None, False)
+    model, mlps = _model(None)
+    expected = {"none": [1, 1, 1, 1], "attention": [1, 1, 1, 1], "attention_ell": [1, 1, 2, 2],
+                "full": [2, 2, 2, 2]}
+    assert set(expected) == set(PLANNER_MODES)
+    for mode in ("attention", "full", "none", "attention_ell", "full", "attention", "none"):
+        set_recompute(model, mode)
+        assert all(layer.gradient_checkpointing == (mode != "none") for layer in model.model.layers)
+        loss, grads, calls = _step_of(model, mlps, False)
+        assert calls == expected[mode], (mode, calls)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-6, atol=1e-9,
+                                       msg=lambda m, n=name, k=mode: f"{k} {n}: {m}")
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        set_recompute(model, "some")
 
 
 def test_ffn_trains_sparse_follows_impl_and_train_path():

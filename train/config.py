@@ -23,6 +23,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("offline", "online", "disabled")
 CHECKPOINT_FFN_MODES = ("always", "auto", "never")  # = train.recompute.CHECKPOINT_FFN_MODES
 CAPACITY_RULES = ("window", "adaptive")  # = train.capacity.CAPACITY_RULES
+MEMORY_MODES = ("auto", "off")  # trainer.memory (train/memory.py)
 
 
 # ModelConfig fields that model.init_from can fill (null = take it from the checkpoint)
@@ -243,21 +244,25 @@ class TrainerConfig:
     """Optimizer steps of the run (also the length of the cosine schedule)."""
     global_batch: int = 16
     """Sequences per optimizer step over all ranks; accumulation = global / (micro * world)."""
-    micro_batch: int = 16
-    """Sequences per forward/backward on one rank."""
+    micro_batch: int | None = 16
+    """Sequences per forward/backward on one rank; null = the memory planner picks it
+    (trainer.memory=auto: the fastest divisor of global_batch / world size that fits)."""
     precision: str = "auto"
     """auto (bf16 autocast on GPU, fp32 on CPU) | bf16 (autocast, fp32 master weights) | fp32."""
     cpu: bool = False
     """Force CPU even when a GPU is present."""
     num_threads: int | None = None
     """torch CPU threads (torch.set_num_threads); null = torch's default."""
-    grad_checkpointing: bool = False
-    """Recompute each decoder layer in backward (non-reentrant, keeps the L1 term's graph)."""
-    checkpoint_ffn: str = "always"
-    """With grad_checkpointing (no effect without it): always (recompute whole layers) | auto (layers whose FFN trains
-    on the sparse ELL path recompute only attention; their FFN runs once and keeps its compact
-    state: no second gate GEMM, ~130 MB more per layer at 1.5B) | never (every layer, dense FFNs
-    included: they then keep N x H activations). See train/recompute.py."""
+    grad_checkpointing: bool | None = False
+    """Recompute each decoder layer in backward (non-reentrant, keeps the L1 term's graph); null =
+    the memory planner decides (trainer.memory=auto: none, attention or full recomputation)."""
+    checkpoint_ffn: str | None = "always"
+    """With grad_checkpointing (no effect without it): null = the memory planner picks always or
+    never (trainer.memory=auto; always under trainer.memory=off) | always (recompute whole
+    layers) | auto (layers whose FFN trains on the sparse ELL path recompute only attention;
+    their FFN runs once and keeps its compact state: no second gate GEMM, ~130 MB more per
+    layer at 1.5B) | never (every layer, dense FFNs included: they then keep N x H
+    activations; the planner's "attention"). See train/recompute.py."""
     compile: bool = False
     """torch.compile the model."""
     backup_capacity: str = "window"
@@ -279,10 +284,32 @@ class TrainerConfig:
     """torch.compile the RMSNorms only (one compiled function for all of them, training only):
     inductor fuses their ~6 eager fp32 passes forward and ~10 backward into one each
     (train/fusion.py). First step pays the compilation."""
-    fused_ce: bool = False
-    """LM head + cross-entropy in 4096-row chunks with the gradients made in forward
-    (train/loss.py): no (tokens x vocab) logits; same loss as transformers' (mean over the
-    shifted targets), bf16 noise apart."""
+    fused_ce: bool | None = None
+    """LM head + cross-entropy in trainer.ce_chunk_rows-row chunks with the gradients made in
+    forward (train/loss.py): no (tokens x vocab) logits; same loss as transformers' (mean over
+    the shifted targets), bf16 noise apart. null = on for CUDA bf16 runs without trainer.compile
+    (eager-only) or FSDP (untested there), off elsewhere (CPU fp32 runs keep the reference loss).
+    Measured with autocast_cache=false: no slower at 1.5B and 2B, 6.2-6.7 GB less peak memory
+    (BENCHMARKS.md "Run R", "Runs T, T2")."""
+    lean_norms: bool | None = None
+    """RMSNorms that keep only their input and rsqrt for backward (the normalised rows are
+    recomputed) and, under autocast, return one bf16 output their consumers share
+    (train/norms.py): ~400 MB less per layer at 1.5B x 8 x 2048 without recomputation; fp32
+    results bitwise equal, bf16 within rounding. null = on for CUDA bf16 runs without
+    trainer.compile / compile_norms (inductor plans those norms itself)."""
+    ce_chunk_rows: int = 4096
+    """Rows of logits per chunk of the fused loss (= train.loss.CE_CHUNK_ROWS): its transient
+    memory is ~8 x rows x vocab bytes (1.6 GB at 4096 x 49152)."""
+    memory: str = "off"
+    """auto (trainer=gpu, experiment=paper_*): the memory planner (train/memory.py) measures a
+    few forward+backward probes per candidate at start and picks the micro-batch and how much to
+    recompute (none | attention | full) that fit trainer.memory_budget_gb and train fastest;
+    values set here (micro_batch, grad_checkpointing, checkpoint_ffn) are kept, only checked;
+    an out-of-memory error in a step steps down and redoes the step. off: the values as set."""
+    memory_budget_gb: float | None = None
+    """GiB of device memory the planner may plan for (peak allocated by tensors); null = the
+    device's memory (times its per-process fraction) less 8 % (at least 2 GiB) for allocator
+    fragmentation, the CUDA context and step-to-step variation (train.memory.default_budget_gb)."""
     seed: int = 42
     """Seed of python, numpy and torch RNGs (model init, data order)."""
     log_every: int = 10
@@ -312,10 +339,24 @@ class TrainerConfig:
     """Show a progress bar (tqdm) with ETA on the main process."""
 
     def __post_init__(self) -> None:
-        for key in ("max_steps", "global_batch", "micro_batch", "log_every", "val_sequences",
-                    "keep_last"):
+        for key in ("max_steps", "global_batch", "log_every", "val_sequences", "keep_last",
+                    "ce_chunk_rows"):
             _check_positive_int(f"trainer.{key}", getattr(self, key))
-        if self.global_batch % self.micro_batch:
+        if self.memory not in MEMORY_MODES:
+            raise ConfigError(f"trainer.memory={self.memory!r} is unknown; use one of "
+                              f"{', '.join(MEMORY_MODES)}.")
+        unset = [k for k in ("micro_batch", "grad_checkpointing") if getattr(self, k) is None]
+        if self.memory == "off" and unset:
+            raise ConfigError(
+                f"trainer.{unset[0]}=null means the memory planner decides, but trainer.memory=off"
+                f"; set trainer.{unset[0]}=<value> or trainer.memory=auto.")
+        b = self.memory_budget_gb
+        if b is not None and not (math.isfinite(b) and b > 0):
+            raise ConfigError(f"trainer.memory_budget_gb must be a number > 0 (GiB) or null (the "
+                              f"device's memory less a margin); got {b}.")
+        if self.micro_batch is not None:
+            _check_positive_int("trainer.micro_batch", self.micro_batch)
+        if self.micro_batch is not None and self.global_batch % self.micro_batch:
             raise ConfigError(
                 f"trainer.global_batch={self.global_batch} is not divisible by trainer.micro_batch="
                 f"{self.micro_batch}; set global_batch to a multiple of micro_batch x world size."
@@ -331,18 +372,19 @@ class TrainerConfig:
                                                  and self.peak_tflops > 0):
             raise ConfigError(f"trainer.peak_tflops must be a number > 0 (TFLOP/s of one device) "
                               f"or null (by device name); got {self.peak_tflops}.")
-        if self.checkpoint_ffn not in CHECKPOINT_FFN_MODES:
+        if self.checkpoint_ffn is not None and self.checkpoint_ffn not in CHECKPOINT_FFN_MODES:
             raise ConfigError(
                 f"trainer.checkpoint_ffn={self.checkpoint_ffn!r} is unknown; use one of "
-                f"{', '.join(CHECKPOINT_FFN_MODES)}.")
-        if self.checkpoint_ffn == "never" and not self.grad_checkpointing:
+                f"{', '.join(CHECKPOINT_FFN_MODES)} or null.")
+        if self.checkpoint_ffn == "never" and self.grad_checkpointing is False:
             raise ConfigError(
                 "trainer.checkpoint_ffn=never needs trainer.grad_checkpointing=true (without "
                 "checkpointing nothing is recomputed); set both or drop it.")
-        if self.compile and (self.checkpoint_ffn != "always" or self.fused_ce):
+        if self.compile and (self.checkpoint_ffn not in ("always", None) or self.fused_ce):
             # name only the keys in conflict (saved-tensor hooks and the fused loss are eager-only)
             pairs = ([(f"trainer.checkpoint_ffn={self.checkpoint_ffn}",
-                       "trainer.checkpoint_ffn=always")] if self.checkpoint_ffn != "always" else [])
+                       "trainer.checkpoint_ffn=always")]
+                     if self.checkpoint_ffn not in ("always", None) else [])
             pairs += [("trainer.fused_ce=true", "trainer.fused_ce=false")] if self.fused_ce else []
             raise ConfigError(
                 f"trainer.compile=true does not support {' or '.join(b for b, _ in pairs)} "
@@ -352,6 +394,10 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.backup_capacity={self.backup_capacity!r} is unknown; use one of "
                 f"{', '.join(CAPACITY_RULES)}.")
+        if self.lean_norms and (self.compile or self.compile_norms):
+            key = "trainer.compile" if self.compile else "trainer.compile_norms"
+            raise ConfigError(f"trainer.lean_norms=true and {key}=true: compiled norms are "
+                              f"planned by inductor; set trainer.lean_norms=null or {key}=false.")
         if self.compile_norms and self.compile:
             raise ConfigError("trainer.compile_norms=true and trainer.compile=true: the whole "
                               "model is compiled already; use one of them.")
@@ -433,7 +479,12 @@ class TrainConfig:
     def check_world(self, world_size: int) -> int:
         """Gradient-accumulation steps for ``world_size`` ranks; ConfigError if it does not divide."""
         t = self.trainer
-        per_step = t.micro_batch * world_size
+        if t.micro_batch is None and t.global_batch % world_size:
+            raise ConfigError(
+                f"trainer.global_batch={t.global_batch} is not divisible by the world size "
+                f"{world_size}; set global_batch to a multiple of {world_size}.")
+        # null micro-batch: the memory planner sets it after its probes (train/memory.py)
+        per_step = (t.micro_batch or 1) * world_size
         if t.global_batch % per_step:
             raise ConfigError(
                 f"trainer.global_batch={t.global_batch} is not divisible by trainer.micro_batch="

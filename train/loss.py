@@ -33,11 +33,26 @@ import types
 import torch
 
 IGNORE_INDEX = -100  # transformers' label ignore index
-# Rows of logits computed at once. Decides the loss's transient memory: 4096 x 49152 x ~8 bytes
-# (fp32 logits and their log-softmax, briefly both) = ~1.6 GB at the paper's vocabulary, against
-# ~10 GB for the full logits of 8 x 2048 tokens; 4 chunks of 4096 x 2048 x 49152 GEMMs per
-# micro-batch (large enough for cuBLAS). Not yet measured on the H200 (BENCHMARKS.md, to come).
+# Rows of logits computed at once (the default of trainer.ce_chunk_rows). Decides the loss's
+# transient memory: 4096 x 49152 x ~8 bytes (fp32 logits and their log-softmax, briefly both) =
+# ~1.6 GB at the paper's vocabulary, against ~10 GB for the full logits of 8 x 2048 tokens;
+# 4 chunks of 4096 x 2048 x 49152 GEMMs per micro-batch (large enough for cuBLAS). The chunk size
+# is not yet measured on the H200 (2048 / 4096 / 8192 to compare; BENCHMARKS.md, to come).
 CE_CHUNK_ROWS = 4096
+
+
+def fused_ce_enabled(setting: bool | None, *, device_type: str, precision: str, compile: bool,
+                     sharded: bool) -> bool:
+    """Whether a run uses :func:`use_fused_cross_entropy` (``trainer.fused_ce``).
+
+    ``setting`` true / false is taken as given; null (auto) is on for CUDA bf16 runs that are
+    neither compiled (``trainer.compile``: the fused loss is eager-only) nor FSDP-sharded (the LM
+    head weight is used outside its module's forward: untested), off elsewhere (CPU and fp32
+    runs keep transformers' loss). ``precision`` is the resolved one (bf16 | fp32).
+    """
+    if setting is not None:
+        return bool(setting)
+    return device_type == "cuda" and precision == "bf16" and not compile and not sharded
 
 
 def shift_labels(labels_BT: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

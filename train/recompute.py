@@ -16,7 +16,12 @@ save ``N x H`` tensors (two or three of them), so they keep full recomputation.
   its FFN and the second residual add outside any checkpoint; every other layer keeps the full
   checkpoint.
 * ``never``: every layer runs that way (dense FFNs then keep their ``N x H`` activations:
-  memory-hungry; for A/B runs at a micro-batch that fits).
+  memory-hungry; for A/B runs at a micro-batch that fits). The memory planner's ``attention``
+  mode (``train/memory.py``): its memory is largest at the start, while every FFN is dense,
+  where ``auto``'s grows as layers move to the ELL path.
+
+:func:`set_recompute` switches a model between these and no checkpointing (``none``), by the
+planner's names (:data:`RECOMPUTE_MODES`).
 
 Memory of one such layer's saved state (N tokens, D model width, H FFN width, KC ELL capacity,
 R dense-backup rows, bf16 autocast over fp32 weights), against full checkpointing's ``4 N D``
@@ -56,6 +61,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 CHECKPOINT_FFN_MODES = ("always", "auto", "never")
+# How much of each decoder layer the backward recomputes, from least to most (the memory
+# planner's vocabulary, train/memory.py): the trainer.checkpoint_ffn value of each, None = no
+# checkpointing (trainer.grad_checkpointing=false).
+RECOMPUTE_CHECKPOINT_FFN = {"none": None, "attention": "never", "attention_ell": "auto",
+                            "full": "always"}
+RECOMPUTE_MODES = tuple(RECOMPUTE_CHECKPOINT_FFN)
 # kwargs naming a KV cache in the decoder layers of transformers 4.56 - 5.x; training never uses
 # one (transformers' own checkpointing sets them to None as well)
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -121,7 +132,8 @@ def _selective_forward(self, hidden_states, *args, **kwargs):
     """
     full = self._twell_full_forward  # transformers' forward (checkpoints the whole layer)
     mode = self._twell_checkpoint_ffn
-    if not (self.training and torch.is_grad_enabled() and self.gradient_checkpointing) or (
+    if mode == "always" or not (self.training and torch.is_grad_enabled()
+                                and self.gradient_checkpointing) or (
             mode == "auto" and not ffn_trains_sparse(self.mlp)):
         return full(hidden_states, *args, **kwargs)
     bound = self._twell_signature.bind(hidden_states, *args, **kwargs).arguments
@@ -154,7 +166,10 @@ def enable_selective_recompute(model, mode: str) -> None:
     """
     if mode not in CHECKPOINT_FFN_MODES:
         raise ValueError(f"checkpoint_ffn must be one of {CHECKPOINT_FFN_MODES}; got {mode!r}")
-    if mode == "always":
+    if mode == "always":  # layers installed earlier (set_recompute) fall back to full layers
+        for layer in model.model.layers:
+            if hasattr(layer, "_twell_checkpoint_ffn"):
+                layer._twell_checkpoint_ffn = "always"
         return
     for i, layer in enumerate(model.model.layers):
         for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
@@ -170,3 +185,31 @@ def enable_selective_recompute(model, mode: str) -> None:
         layer._twell_checkpoint_ffn = mode
         layer._twell_full_forward = types.MethodType(cls_forward, layer)
         layer.forward = types.MethodType(_selective_forward, layer)
+
+
+def set_recompute(model, recompute: str) -> None:
+    """Make a transformers decoder recompute ``recompute`` of each layer in backward, whatever
+    was set before (the memory planner switches between its candidates with it).
+
+    Args:
+        model: a ``LlamaForCausalLM`` with ``SparseGatedMLP`` FFNs (not a DDP wrapper: pass
+            ``accelerator.unwrap_model(model)``).
+        recompute: one of :data:`RECOMPUTE_MODES`: ``none`` (no checkpointing), ``attention``
+            (every layer's attention half; ``checkpoint_ffn=never``), ``attention_ell`` (the
+            attention half of layers on the ELL path, whole other layers; ``checkpoint_ffn=auto``),
+            ``full`` (whole layers; ``checkpoint_ffn=always``).
+
+    Raises:
+        ValueError: unknown ``recompute``.
+    """
+    if recompute not in RECOMPUTE_CHECKPOINT_FFN:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}; got {recompute!r}")
+    mode = RECOMPUTE_CHECKPOINT_FFN[recompute]
+    if mode is None:
+        disable = (getattr(model, "activation_checkpointing_disable", None)
+                   or model.gradient_checkpointing_disable)
+        disable()
+        return
+    from train.model import enable_grad_checkpointing  # train.model imports this module lazily
+
+    enable_grad_checkpointing(model, mode)

@@ -493,7 +493,8 @@ def l0_by_position(run_dir: str | Path, *, batches: int = 2, device: str | None 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load_model(ckpt).to(dev)
     data = build_datamodule(DataConfig(**cfg["data"]), seq_len=cfg["model"]["seq_len"],
-                            micro_batch=cfg["trainer"]["micro_batch"], seed=cfg["trainer"]["seed"])
+                            micro_batch=cfg["trainer"]["micro_batch"] or 8,  # null: planned
+                            seed=cfg["trainer"]["seed"])
     mlps = ffn_modules(model)
     for m in mlps:
         m.collect_stats = False

@@ -35,14 +35,17 @@ from train.config import ConfigError
 LOCK_FILE = ".lock"
 
 # Keys a resume may change without a word beyond the "config changed" note: how the run
-# executes (FFN path, precision, device, micro-batch, threads, compile, recomputation), logs,
-# validates, evaluates and saves. They change no weight, optimizer value or data position
-# (micro-batch and precision change the numbers only by rounding). Prefixes end with ".".
+# executes (FFN path, precision, device, micro-batch, threads, compile, recomputation, the loss's
+# chunking, the memory planner), logs, validates, evaluates and saves. They change no weight,
+# optimizer value or data position (micro-batch and precision change the numbers only by
+# rounding). Prefixes end with ".".
 RESUME_SAFE_KEYS = (
     "trainer.resume", "trainer.resume_allow_changes", "trainer.progress", "trainer.log_every",
     "trainer.val_every", "trainer.val_sequences", "trainer.val_batches", "trainer.save_every",
     "trainer.keep_last", "trainer.num_threads", "trainer.compile", "trainer.grad_checkpointing",
-    "trainer.micro_batch", "trainer.precision", "trainer.cpu",
+    "trainer.micro_batch", "trainer.precision", "trainer.cpu", "trainer.checkpoint_ffn",
+    "trainer.fused_ce", "trainer.ce_chunk_rows", "trainer.lean_norms", "trainer.memory",
+    "trainer.memory_budget_gb",
     "model.name", "model.ffn_impl", "model.ffn_host_sync", "optim.fused",
     "data.num_proc", "data.verify", "data.build_if_missing", "data.cache_dir",
     "logging.", "eval.",

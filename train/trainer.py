@@ -34,14 +34,15 @@ from omegaconf import OmegaConf
 
 from evals.scoring import ContinuationTooLong  # light (torch only); the harness loads lazily
 from train import checkpoint as ckpt_io
-from train import interrupt, parallel, rundir
+from train import interrupt, memory, parallel, rundir
 from train.capacity import BackupCapacity
 from train.config import ConfigError, OptimConfig, TrainConfig
 from train.fusion import compile_norms
 from train.interrupt import StopSignals, TrainingInterrupted
-from train.loss import use_fused_cross_entropy
+from train.loss import fused_ce_enabled, use_fused_cross_entropy
 from train.metrics import device_peak_flops, flops_per_token, mfu
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
+from train.norms import lean_norms, lean_norms_enabled
 from train.sparsity import (
     DeadNeuronTracker,
     collect_stats,
@@ -241,8 +242,8 @@ class Trainer:
                         "first run builds or fetches it) ...")
             with self.acc.main_process_first():
                 datamodule = build_datamodule(
-                    cfg.data, seq_len=cfg.model.seq_len, micro_batch=t.micro_batch, seed=t.seed,
-                    rank=self.acc.process_index, world_size=self.acc.num_processes)
+                    cfg.data, seq_len=cfg.model.seq_len, micro_batch=t.micro_batch or 1,
+                    seed=t.seed, rank=self.acc.process_index, world_size=self.acc.num_processes)
         self.data = datamodule
         if self.init_src is not None:
             from train import pretrained
@@ -284,9 +285,13 @@ class Trainer:
         # non-reentrant: the L1 side output keeps its graph. The FSDP config's
         # fsdp_activation_checkpointing means the same and is applied through the same call once
         if t.grad_checkpointing or (self.fsdp and self.fsdp.activation_checkpointing):
-            enable_grad_checkpointing(model, t.checkpoint_ffn)
-        if t.fused_ce:  # model(input_ids, labels).loss without the (tokens x vocab) logits
-            use_fused_cross_entropy(model)
+            enable_grad_checkpointing(model, t.checkpoint_ffn or "always")
+        if fused_ce_enabled(t.fused_ce, device_type=self.device.type, precision=precision,
+                            compile=t.compile, sharded=bool(self.fsdp)):
+            use_fused_cross_entropy(model, t.ce_chunk_rows)  # no (tokens x vocab) logits
+        if lean_norms_enabled(t.lean_norms, device_type=self.device.type, precision=precision,
+                              compile=t.compile, compile_norms=t.compile_norms):
+            lean_norms(model)  # norms keep x and rsqrt only; one bf16 output (train/norms.py)
         if t.compile_norms:  # one compiled RMSNorm for every norm (training only)
             compile_norms(model)
         self.mlps = ffn_modules(model)
@@ -349,6 +354,10 @@ class Trainer:
             self.metrics_path.write_text("")
             if self.init_info is not None:
                 self._write({"step": 0, **self.init_info}, "init")
+        self.memory = memory.plan_memory(self)  # trainer.memory=auto: micro-batch, recomputation
+        if self.memory.line:
+            self._print(self.memory.line)
+            self._write(self.memory.record, "memory")
         self._log_ready = True
         self._log()  # the lines printed so far
         self.acc.wait_for_everyone()
@@ -1061,7 +1070,7 @@ class Trainer:
         the summary (also written to run_dir/summary.json at the end of a full run)."""
         cfg, t = self.cfg, self.cfg.trainer
         end = min(t.max_steps, stop_at_step or t.max_steps)
-        batches = iter(self.data.train_batches())
+        batches = self.memory.batches(iter(self.data.train_batches()))  # kept for a redo
         self.model.train()
         for m in self.mlps:
             m.collect_stats = True
@@ -1077,7 +1086,15 @@ class Trainer:
             self.evaluate()
         while self.step < end:
             t0 = time.perf_counter()
-            self.train_step(batches, interval)
+            try:
+                self.train_step(batches, interval)
+            except torch.cuda.OutOfMemoryError:  # trainer.memory=auto steps down (train/memory.py)
+                line = self.memory.step_down()
+                if line is None:
+                    raise
+                self._print(line, bar)
+                self._write(self.memory.record, "memory")
+                continue  # the same step again, from the same batches
             dt = time.perf_counter() - t0
             interval["time"] += dt
             self.train_time += dt
@@ -1216,6 +1233,7 @@ class Trainer:
             "world_size": self.acc.num_processes,
             "eval": self.last_eval or None,
             "init": self.init_info,
+            "memory": self.memory.record,
             "paths": {"run_dir": str(self.run_dir), "config": str(self.run_dir / "config.yaml"),
                       "metrics": str(self.metrics_path),
                       "checkpoint": str(self.last_ckpt) if self.last_ckpt else None},

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Build what a GPU bench carries to a bare GPU machine (the device tool's nvidia-h200: Python
+# 3.12, torch 2.11, triton 3.6, transformers, accelerate, numpy, pandas, pyarrow, fsspec there;
+# hydra-core, omegaconf, antlr4-python3-runtime, datasets, dill and multiprocess not):
+#
+#   .devcarry/wheels/      Python 3.12 manylinux x86_64 wheels of those six packages (pure Python)
+#   .devcarry/cache.tar.xz the offline corpus, its tokenizer and the eval sets ($TWELL_CACHE,
+#                          default ~/.cache/twell; built with `twell-data build` if missing)
+#
+# From a clean clone:
+#   bash scripts/setup.sh && bash scripts/build_carry.sh     # both (wheels | cache: one part)
+# then on the GPU machine, from the repository root: `. scripts/gpu_env.sh` (docs/model_bench).
+# .devcarry is git-ignored; the device tool carries it with `carry: [".devcarry"]`. The versions
+# are the ones this checkout's .venv holds (the tested ones); the whole carry must stay well
+# under the tool's 64 MiB (working tree included): the script stops above CARRY_LIMIT_MIB.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PART=${1:-all}
+OUT=.devcarry
+CACHE=${TWELL_CACHE:-$HOME/.cache/twell}
+CARRY_LIMIT_MIB=${CARRY_LIMIT_MIB:-48}
+PY=.venv/bin/python
+[ -x "$PY" ] || { echo "build_carry: no .venv; run bash scripts/setup.sh first" >&2; exit 1; }
+case "$PART" in all|wheels|cache) ;; *) echo "usage: $0 [all|wheels|cache]" >&2; exit 2;; esac
+
+version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
+
+if [ "$PART" != cache ]; then
+  # missing on the GPU image (/work/.library/device/KINDS.md lists what it holds): hydra-core and
+  # its two requirements; datasets and the two of its requirements the image lacks
+  WHEEL_PKGS=(hydra-core omegaconf datasets dill multiprocess)
+  SDIST_PKGS=(antlr4-python3-runtime)  # 4.9.3: an sdist only on PyPI, built here (pure Python)
+  rm -rf "$OUT/wheels" && mkdir -p "$OUT/wheels"
+  specs=()
+  for p in "${WHEEL_PKGS[@]}"; do specs+=("$p==$(version "$p")"); done
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 -d "$OUT/wheels" "${specs[@]}"
+  for p in "${SDIST_PKGS[@]}"; do
+    "$PY" -m pip wheel -q --no-deps -w "$OUT/wheels" "$p==$(version "$p")"
+  done
+  n=$(ls "$OUT"/wheels/*.whl | wc -l)
+  want=$(( ${#WHEEL_PKGS[@]} + ${#SDIST_PKGS[@]} ))
+  [ "$n" -eq "$want" ] || { echo "build_carry: $n wheels, expected $want (one per package)" >&2; exit 1; }
+  ls "$OUT"/wheels/*.whl | grep -v -- '-none-any.whl$' && {
+    echo "build_carry: a wheel above is not pure Python (check its platform tag)" >&2; exit 1; }
+  echo "wheels: $(ls "$OUT"/wheels | tr '\n' ' ')"
+fi
+
+if [ "$PART" != wheels ]; then
+  if ! ls "$CACHE"/corpus/*/manifest.json >/dev/null 2>&1; then
+    echo "build_carry: no corpus in $CACHE; building it (twell-data build)"
+    TWELL_CACHE="$CACHE" .venv/bin/twell-data build
+  fi
+  dirs=(corpus tokenizer)
+  [ -d "$CACHE/evals" ] && dirs+=(evals)  # extracted on first eval use; optional for benches
+  mkdir -p "$OUT"
+  tar -cf - -C "$CACHE" "${dirs[@]}" | xz -6 -T0 > "$OUT/cache.tar.xz.tmp"
+  mv "$OUT/cache.tar.xz.tmp" "$OUT/cache.tar.xz"
+  echo "cache: ${dirs[*]} from $CACHE"
+fi
+
+tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+carry=$(du -cb "$OUT" | tail -1 | cut -f1)
+total_mib=$(( (tree + carry) / 1048576 ))
+echo "carry: $(( carry / 1024 )) KiB in $OUT, working tree $(( tree / 1024 )) KiB: ${total_mib} MiB of 64"
+[ "$total_mib" -le "$CARRY_LIMIT_MIB" ] || {
+  echo "build_carry: ${total_mib} MiB is above CARRY_LIMIT_MIB=${CARRY_LIMIT_MIB}" >&2; exit 1; }

@@ -1,0 +1,410 @@
+"""The memory planner (``trainer.memory=auto``, train/memory.py): its choice on hand-made probe
+numbers (fits / does not fit, fastest wins, user values kept, accumulation kept, budget default),
+the step-down after an out-of-memory error, the batches a redone step reuses, the device probe
+on the CPU (state untouched), and the trainer end to end with an injected probe and an injected
+out-of-memory error (nothing lost)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.train_utils import read_metrics, tiny_config, write_tokens
+from train import memory
+from train.memory import (
+    OOM,
+    Candidate,
+    Measurement,
+    MemoryPlanner,
+    StepBatches,
+    default_budget_gb,
+    describe,
+    device_budget_gb,
+    micro_batches,
+    pending_optimizer_gb,
+    recompute_choices,
+)
+from train.trainer import Trainer
+
+T = 2048
+
+
+class FakeProbe:
+    """Peak ``a + b * micro`` GiB (out of memory above ``oom_gb``) and ``ms = c0 + c1 * micro``
+    per mode; records the candidates probed, in order."""
+
+    def __init__(self, lines, times, oom_gb=math.inf, bend=None):
+        self.lines, self.times, self.oom_gb, self.bend = lines, times, oom_gb, bend or {}
+        self.calls = []
+
+    def peak(self, c):
+        a, b = self.lines[c.recompute]
+        return a + b * c.micro_batch + self.bend.get(c, 0.0)
+
+    def __call__(self, c):
+        self.calls.append(c)
+        p = self.peak(c)
+        if p > self.oom_gb:
+            return OOM
+        c0, c1 = self.times[c.recompute]
+        return Measurement(p, c0 + c1 * c.micro_batch)
+
+
+# per mode: peak GiB = a + b * micro (activations shrink with recomputation); time = c0 + c1 * m
+LINES = {"none": (30.0, 6.0), "attention": (30.0, 3.0), "full": (30.0, 0.8)}
+TIMES = {"none": (20.0, 60.0), "attention": (20.0, 68.0), "full": (20.0, 80.0)}
+
+
+def _planner(probe, budget=100.0, **kw):
+    kw = {"batch_per_rank": 64, "seq_len": T, "budget_gb": budget, **kw}
+    return MemoryPlanner(probe, **kw)
+
+
+def test_micro_batches_and_recompute_choices():
+    assert micro_batches(12) == [1, 2, 3, 4, 6, 12]
+    assert micro_batches(1) == [1]
+    with pytest.raises(ValueError, match="batch_per_rank"):
+        micro_batches(0)
+    assert recompute_choices(None, None) == ("none", "attention", "full")
+    assert recompute_choices(None, None, compile=True) == ("none", "full")
+    assert recompute_choices(True, None) == ("attention", "full")
+    assert recompute_choices(False, "never") == ("none",)
+    assert recompute_choices(True, "auto") == ("attention_ell",)
+    assert recompute_choices(None, "always") == ("none", "full")
+    with pytest.raises(ValueError, match="checkpoint_ffn"):
+        recompute_choices(True, "sometimes")
+
+
+def test_budget_default_leaves_the_margin():
+    # 8 % of the device, at least 2 GiB: an H200's 140.4 GiB -> 129.17, a 10 GiB card -> 8
+    assert default_budget_gb(140.4) == pytest.approx(140.4 * 0.92)
+    assert default_budget_gb(10.0) == pytest.approx(8.0)
+    assert device_budget_gb(torch.device("cpu")) is None
+
+
+def test_pending_optimizer_state_is_two_moments_per_parameter_until_the_first_step():
+    lin = torch.nn.Linear(64, 32)  # 64 * 32 + 32 fp32 parameters
+    opt = torch.optim.AdamW(lin.parameters())
+    n = 64 * 32 + 32
+    assert pending_optimizer_gb(opt) == pytest.approx(2 * 4 * n / 2**30)
+    lin(torch.randn(3, 64)).sum().backward()
+    opt.step()
+    assert pending_optimizer_gb(opt) == 0.0
+
+
+def test_fastest_that_fits_wins_and_keeps_the_global_batch():
+    probe = FakeProbe(LINES, TIMES)
+    plan = _planner(probe).choose()
+    # fits 100 GiB: none up to micro 11 -> 8 (divisor of 64); attention up to 23 -> 16;
+    # full up to 87 -> 64. tokens/ms: none 8*T/500 = 32.8, attention 16*T/1108 = 29.6,
+    # full 64*T/5140 = 25.5
+    assert (plan.micro_batch, plan.recompute, plan.accum) == (8, "none", 8)
+    assert plan.micro_batch * plan.accum == 64 and plan.fits
+    assert plan.peak_gb == pytest.approx(30 + 6 * 8)
+    assert plan.tok_per_ms == pytest.approx(8 * T / (20 + 60 * 8))
+    # two slope probes per mode at the smallest micro-batches, then one confirmation each
+    assert probe.calls == [Candidate(1, "none"), Candidate(2, "none"), Candidate(8, "none"),
+                           Candidate(1, "attention"), Candidate(2, "attention"),
+                           Candidate(16, "attention"), Candidate(1, "full"), Candidate(2, "full"),
+                           Candidate(64, "full")]
+    # a smaller budget: none only fits micro 2, attention 4 (faster per token there)
+    times = {**TIMES, "attention": (20.0, 61.0)}
+    plan = _planner(FakeProbe(LINES, times), budget=45.0).choose()
+    assert (plan.micro_batch, plan.recompute, plan.accum) == (4, "attention", 16)
+    line = describe(plan, T)
+    assert "micro_batch 4 x 2048, recompute attention, accumulation 16" in line
+    assert "attention 1: 33.0 GB" in line and "4*: 42.0 GB" in line and "warning" not in line
+    assert line.index("| probes none 1: 36.0 GB") < line.index("; attention 1:") < line.index(
+        "; full 1:")
+
+
+def test_pending_optimizer_state_counts_against_the_budget():
+    plan = _planner(FakeProbe(LINES, TIMES), pending_gb=25.0).choose()
+    # 25 GiB of AdamW moments to come: none fits micro 4 (79 GiB), no longer 8 (103)
+    assert (plan.micro_batch, plan.recompute) == (4, "none")
+    assert plan.peak_gb == pytest.approx(30 + 6 * 4 + 25)
+
+
+def test_the_confirmation_probe_steps_down_when_the_line_is_wrong():
+    # micro 8 without recomputation peaks 30 GiB above the line (the line predicts 78 < 100)
+    probe = FakeProbe(LINES, TIMES, bend={Candidate(8, "none"): 30.0})
+    planner = _planner(probe, recompute=("none",))
+    plan = planner.choose()
+    assert (plan.micro_batch, plan.recompute) == (4, "none")
+    assert probe.calls == [Candidate(1, "none"), Candidate(2, "none"), Candidate(8, "none"),
+                           Candidate(4, "none")]
+    assert planner.step_peak_gb(Candidate(8, "none")) == pytest.approx(108.0)
+
+
+def test_slope_probes_start_at_the_loss_chunk():
+    probe = FakeProbe(LINES, TIMES)
+    _planner(probe, recompute=("none",), min_probe_tokens=4096).choose()
+    assert probe.calls[:2] == [Candidate(2, "none"), Candidate(4, "none")]
+
+
+def test_an_out_of_memory_probe_does_not_fit():
+    # the device runs out above 50 GiB although the budget says 100
+    probe = FakeProbe(LINES, TIMES, oom_gb=50.0)
+    plan = _planner(probe, recompute=("none",)).choose()
+    # line from micro 1, 2 predicts 8 fits; 8 runs out, 4 (54 GiB) runs out, 2 fits
+    assert (plan.micro_batch, plan.recompute) == (2, "none")
+    assert [c["peak_gb"] for c in plan.candidates] == [36.0, 42.0, None, None]
+    assert "4: oom" in describe(plan, T)
+
+
+def test_nothing_fits_takes_the_smallest_peak_and_warns():
+    plan = _planner(FakeProbe(LINES, TIMES), budget=20.0).choose()
+    assert (plan.micro_batch, plan.recompute, plan.fits) == (1, "full", False)
+    assert "nothing fits" in plan.why and "warning" in describe(plan, T)
+
+
+def test_every_probe_out_of_memory_is_an_error():
+    with pytest.raises(MemoryError, match="every probe ran out of memory"):
+        _planner(FakeProbe(LINES, TIMES, oom_gb=10.0)).choose()
+
+
+def test_user_values_are_kept_and_only_checked():
+    probe = FakeProbe(LINES, TIMES)
+    plan = _planner(probe, micro_batch=32).choose()  # recompute still the planner's
+    assert probe.calls == [Candidate(32, r) for r in ("none", "attention", "full")]
+    assert (plan.micro_batch, plan.recompute, plan.accum) == (32, "full", 2)  # only full fits
+    probe = FakeProbe(LINES, TIMES)
+    plan = _planner(probe, micro_batch=32, recompute=("none",)).choose()
+    assert probe.calls == [Candidate(32, "none")]  # one probe: does it fit?
+    assert (plan.micro_batch, plan.recompute, plan.fits) == (32, "none", False)
+    assert "set by the user" in plan.why and "warning" in describe(plan, T)
+    probe = FakeProbe(LINES, TIMES)
+    plan = _planner(probe, recompute=("full",)).choose()  # micro-batch the planner's
+    assert (plan.micro_batch, plan.recompute) == (64, "full")
+    assert {c.recompute for c in probe.calls} == {"full"}
+    with pytest.raises(ValueError, match="does not divide"):
+        _planner(probe, micro_batch=24)
+
+
+def test_step_down_halves_the_micro_batch_then_recomputes_more():
+    planner = _planner(FakeProbe(LINES, TIMES))
+    plan = planner.choose()
+    assert (plan.micro_batch, plan.recompute) == (8, "none")
+    steps = []
+    while (plan := planner.step_down()) is not None:
+        steps.append((plan.micro_batch, plan.recompute, plan.accum))
+    # smaller micro-batches first; at micro 1 the next recompute mode at the largest micro-batch
+    # its line fits within the budget (attention: 16, but not above the failed one's 1 -> 1)
+    assert steps == [(4, "none", 16), (2, "none", 32), (1, "none", 64), (1, "attention", 64),
+                     (1, "full", 64)]
+    # a user-set micro-batch stays: only the recomputation grows
+    planner = _planner(FakeProbe(LINES, TIMES), micro_batch=8)
+    planner.choose()
+    assert [(p.micro_batch, p.recompute) for p in iter(planner.step_down, None)] == [
+        (8, "attention"), (8, "full")]
+    planner = _planner(FakeProbe(LINES, TIMES), micro_batch=8, recompute=("full",))
+    planner.choose()
+    assert planner.step_down() is None
+
+
+def test_step_batches_replays_the_step_at_another_micro_batch():
+    rows = torch.arange(24).reshape(12, 2)  # 12 sequences of 2 tokens
+    step = [0]
+    it = StepBatches(iter(rows.split(4)), per_step=8, step=lambda: step[0])
+    first = [next(it), next(it)]  # step 1 drew 8 sequences in 2 batches of 4
+    assert it.step_at == 0
+    assert not it.rewind(3)  # 3 does not divide the step
+    assert it.rewind(2)
+    again = [next(it) for _ in range(4)]
+    assert torch.equal(torch.cat(again), torch.cat(first))
+    assert all(b.shape == (2, 2) for b in again)
+    step[0] = 1
+    nxt = next(it)  # the next step takes the next rows from the data module
+    assert torch.equal(nxt, rows[8:12]) and it.step_at == 1
+    assert not it.rewind(2)  # the step is not drawn whole
+
+
+# ------------------------------------------------------------------------------- trainer
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return write_tokens(tmp_path_factory.mktemp("tok") / "train.bin", n_tokens=8_000)
+
+
+def _auto_cfg(tokens, **over):
+    # memory first: micro_batch / grad_checkpointing null are only valid under memory=auto
+    return tiny_config(tokens, **{"trainer.memory": "auto", "trainer.micro_batch": None,
+                                  "trainer.grad_checkpointing": None,
+                                  "trainer.checkpoint_ffn": None, "trainer.max_steps": 4,
+                                  "sparsity.l1_coeff": 0.05, **over})
+
+
+def test_probe_runner_leaves_the_trainer_as_it_was(tokens, tmp_path):
+    tr = Trainer(tiny_config(tokens, **{"trainer.memory": "auto"}), tmp_path / "run")
+    try:
+        before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+        pos = tr.data.position
+        for m in tr.mlps:
+            m.backup_rows = 7
+        runner = memory.ProbeRunner(tr, timed_steps=1)
+        assert runner.ids_BT.shape == (8, 32)
+        assert runner.ids_BT.max() < 64 and runner.ids_BT.min() >= 0
+        layers = tr.model.model.layers
+        for c in (Candidate(2, "full"), Candidate(4, "none"), Candidate(1, "attention")):
+            m = runner(c)
+            assert math.isnan(m.peak_gb) and m.ms > 0 and not m.oom  # CPU: no peak counter
+            assert all(layer.gradient_checkpointing == (c.recompute != "none")
+                       for layer in layers)
+        assert all(torch.equal(v, before[k]) for k, v in tr.model.state_dict().items())
+        assert all(p.grad is None for p in tr.model.parameters())
+        assert not tr.optimizer.optimizer.state and tr.data.position == pos
+        assert [m.backup_rows for m in tr.mlps] == [7] * len(tr.mlps)
+    finally:
+        tr.close()
+
+
+def _fake_device_probe(lines, times, oom_gb=math.inf):
+    def make(trainer):
+        return FakeProbe(lines, times, oom_gb)
+    return make
+
+
+def test_trainer_trains_at_the_plan_and_records_it(tokens, tmp_path, monkeypatch):
+    # micro-batch 2 with attention recomputation is the fastest that fits 100 GiB (of 8 per step)
+    lines = {"none": (30.0, 40.0), "attention": (30.0, 20.0), "full": (30.0, 10.0)}
+    times = {"none": (1.0, 1.0), "attention": (1.0, 1.0), "full": (1.0, 1.5)}
+    monkeypatch.setattr(memory, "device_probe", _fake_device_probe(lines, times))
+    cfg = _auto_cfg(tokens, **{"trainer.memory_budget_gb": 100.0})
+    tr = Trainer(cfg, tmp_path / "auto")
+    try:
+        assert (tr.accum, tr.data.micro_batch) == (4, 2)
+        assert all(layer.gradient_checkpointing for layer in tr.model.model.layers)
+        summary = tr.train()
+    finally:
+        tr.close()
+    assert summary["memory"]["micro_batch"] == 2 and summary["memory"]["recompute"] == "attention"
+    saved = json.loads((tmp_path / "auto" / "summary.json").read_text())["memory"]
+    assert saved == summary["memory"] and saved["budget_gb"] == 100.0
+    rec = read_metrics(tmp_path / "auto", "memory")
+    assert len(rec) == 1 and rec[0]["accum"] == 4 and len(rec[0]["candidates"]) >= 6
+    log = (tmp_path / "auto" / "train.log").read_text()
+    assert "memory: micro_batch 2 x 32, recompute attention, accumulation 4" in log
+    # the same numbers as a run with those values set (recomputation changes no number)
+    ref = tiny_config(tokens, **{"trainer.micro_batch": 2, "trainer.max_steps": 4,
+                                 "sparsity.l1_coeff": 0.05})
+    Trainer(ref, tmp_path / "ref").train()
+    for a, b in zip(read_metrics(tmp_path / "auto"), read_metrics(tmp_path / "ref"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+def test_without_cuda_nothing_is_measured(tokens, tmp_path):
+    tr = Trainer(_auto_cfg(tokens), tmp_path / "cpu")
+    try:  # the largest divisor of 8 up to 8, no recomputation
+        assert tr.memory.plan.why == "no CUDA device to measure on"
+        assert (tr.accum, tr.data.micro_batch, tr.memory.plan.recompute) == (1, 8, "none")
+        assert not any(layer.gradient_checkpointing for layer in tr.model.model.layers)
+    finally:
+        tr.close()
+
+
+def _inject_oom(monkeypatch, at_step: int, where: str = "micro_steps"):
+    """Raise torch.cuda.OutOfMemoryError once, in the first attempt of step ``at_step``."""
+    state = {"raised": 0}
+    if where == "micro_steps":
+        orig = Trainer._micro_steps
+
+        def flaky(self, ids, coeff):
+            if self.step + 1 == at_step and not state["raised"]:
+                state["raised"] += 1
+                raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
+            return orig(self, ids, coeff)
+
+        monkeypatch.setattr(Trainer, "_micro_steps", flaky)
+    return state
+
+
+def test_out_of_memory_in_a_step_steps_down_and_loses_nothing(tokens, tmp_path, monkeypatch):
+    lines = {"none": (30.0, 10.0), "attention": (30.0, 5.0), "full": (30.0, 2.0)}
+    times = {"none": (1.0, 1.0), "attention": (1.0, 2.0), "full": (1.0, 3.0)}
+    monkeypatch.setattr(memory, "device_probe", _fake_device_probe(lines, times))
+    cfg = _auto_cfg(tokens, **{"trainer.memory_budget_gb": 100.0, "trainer.max_steps": 5})
+    state = _inject_oom(monkeypatch, at_step=3)
+    tr = Trainer(cfg, tmp_path / "oom")
+    try:
+        assert (tr.memory.plan.micro_batch, tr.memory.plan.recompute) == (4, "none")
+        summary = tr.train()
+        assert state["raised"] == 1 and tr.step == 5 and tr.tokens_seen == 5 * 8 * 32
+        assert (tr.accum, tr.data.micro_batch) == (4, 2) and tr.data.position == 5 * 8
+    finally:
+        tr.close()
+    assert summary["memory"]["micro_batch"] == 2 and "stepped down" in summary["memory"]["why"]
+    assert [r["micro_batch"] for r in read_metrics(tmp_path / "oom", "memory")] == [4, 2]
+    log = (tmp_path / "oom" / "train.log").read_text()
+    assert log.count("out of memory") == 1
+    assert ("step 3: out of memory at micro_batch 4, recompute none; now micro_batch 2, "
+            "recompute none, accumulation 4; redoing the step from the same batches") in log
+    # an uninterrupted run at micro-batch 4: the same steps on the same batches (steps 3-5 at
+    # micro-batch 2 sum the same gradients in another order: fp32 rounding)
+    monkeypatch.undo()
+    ref = tiny_config(tokens, **{"trainer.micro_batch": 4, "trainer.max_steps": 5,
+                                 "sparsity.l1_coeff": 0.05})
+    Trainer(ref, tmp_path / "ref").train()
+    got, want = read_metrics(tmp_path / "oom"), read_metrics(tmp_path / "ref")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    for a, b in zip(got, want, strict=True):
+        exact = a["step"] < 3
+        assert a["loss"] == (b["loss"] if exact else pytest.approx(b["loss"], rel=1e-5))
+        assert a["tokens"] == b["tokens"]
+
+
+def test_out_of_memory_propagates_when_nothing_can_step_down(tokens, tmp_path, monkeypatch):
+    # memory=off: the error is the user's, as before
+    _inject_oom(monkeypatch, at_step=2)
+    tr = Trainer(tiny_config(tokens, **{"trainer.max_steps": 3}), tmp_path / "off")
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="injected"):
+            tr.train()
+        assert tr.step == 1
+    finally:
+        tr.close()
+
+
+def test_out_of_memory_in_the_optimizer_step_propagates(tokens, tmp_path, monkeypatch):
+    """An update may be half applied: the step is not redone."""
+    lines = {"none": (30.0, 10.0), "attention": (30.0, 5.0), "full": (30.0, 2.0)}
+    times = {"none": (1.0, 1.0), "attention": (1.0, 2.0), "full": (1.0, 3.0)}
+    monkeypatch.setattr(memory, "device_probe", _fake_device_probe(lines, times))
+    tr = Trainer(_auto_cfg(tokens, **{"trainer.memory_budget_gb": 100.0}), tmp_path / "opt")
+
+    def hook(opt, args, kwargs):  # runs inside torch.optim's step wrapper
+        raise torch.cuda.OutOfMemoryError("injected in the optimizer")
+
+    tr.optimizer.optimizer.register_step_pre_hook(hook)
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="in the optimizer"):
+            tr.train()
+        assert tr.step == 0 and tr.data.micro_batch == 4
+    finally:
+        tr.close()
+
+
+def test_a_resumed_run_plans_again(tokens, tmp_path, monkeypatch):
+    """A run started with fixed values continues under the planner (the memory keys are
+    execution keys of a resume) at the planned micro-batch, from the checkpoint's data position."""
+    over = {"trainer.max_steps": 4, "sparsity.l1_coeff": 0.05}
+    first = Trainer(tiny_config(tokens, **over), tmp_path / "run")
+    first.train(stop_at_step=2)
+    first.close()
+    lines = {"none": (30.0, 10.0), "attention": (30.0, 5.0), "full": (30.0, 2.0)}
+    times = {"none": (1.0, 1.0), "attention": (1.0, 2.0), "full": (1.0, 3.0)}
+    monkeypatch.setattr(memory, "device_probe", _fake_device_probe(lines, times))
+    tr = Trainer(_auto_cfg(tokens, **{"trainer.memory_budget_gb": 45.0}), tmp_path / "run")
+    try:
+        assert tr.step == 2 and tr.data.position == 2 * 8
+        assert (tr.memory.plan.micro_batch, tr.memory.plan.recompute) == (1, "none")
+        assert tr.memory.planner.pending_gb == 0.0  # the optimizer state came with the checkpoint
+        tr.train()
+    finally:
+        tr.close()
+    Trainer(tiny_config(tokens, **over), tmp_path / "ref").train()
+    got, want = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "ref")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(got, want, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)

@@ -1,0 +1,671 @@
+"""The memory planner (``trainer.memory=auto``): the micro-batch and how much of each decoder
+layer to recompute, chosen from measurements of this model on this device so that the step fits
+``trainer.memory_budget_gb`` and trains fastest.
+
+Why: on one H200 every FFN path trained 1.27-1.32x faster without activation recomputation,
+and it fits at 1.5B and 2B (BENCHMARKS.md, "Memory planner"); which micro-batch and which
+recomputation fit depends on the model, the FFN path, the loss and the card, so it is measured.
+
+Candidates: ``micro_batch`` in the divisors of ``global_batch / world size`` (accumulation keeps
+``global_batch``) x ``recompute`` (:data:`train.recompute.RECOMPUTE_MODES`): ``none``;
+``attention`` (every layer recomputes its attention half, its FFN runs once outside:
+``checkpoint_ffn=never``); ``full`` (whole layers). ``attention_ell`` (``checkpoint_ffn=auto``:
+only layers on the ELL path skip their FFN's recomputation) is taken only when the user sets
+it: its memory grows as layers move to the ELL path during the run, so a probe at the start
+would under-estimate the later peak; ``attention`` keeps every FFN's state from the start, and
+an FFN's state only shrinks when it turns sparse.
+
+Peak-memory model (GiB, one rank): ``peak(B, r) = a_r + b_r B + pending``. ``a_r`` holds the
+weights, their gradients and whatever does not grow with the micro-batch (bf16 weight casts
+saved for backward, the loss's chunk), ``b_r`` the activations of one sequence, ``pending`` the
+AdamW moments not allocated yet (8 bytes per fp32 parameter before the first optimizer step:
+with the 4 + 4 of weights and gradients, 16 bytes a parameter on one GPU). ``a_r`` and ``b_r``
+come from two probes at the two smallest micro-batches of at least ``min_probe_tokens`` tokens
+(the fused loss's chunk: below it the chunk grows with the batch and the line's slope would be
+too steep); the largest micro-batch the line fits within the budget is then probed itself (the
+confirmation), stepping to the next smaller divisor while it does not fit.
+
+A probe (:class:`ProbeRunner`): forward and backward (CE + L1, as a training micro-step) of a
+fixed batch of real token ids (held-out sequences, repeated to the micro-batch), one warm-up and
+:data:`PROBE_TIMED_STEPS` timed with CUDA events, gradients accumulated over them as in an
+accumulating step, no optimizer step; weights, optimizer state, data position and the FFNs'
+per-step settings are left as they were (the gradients are set to None after). Peak:
+``torch.cuda.max_memory_allocated``; an out-of-memory error in a probe marks it "does not fit".
+
+Decision: per recompute mode its largest fitting micro-batch (confirmed by a probe); among those
+the fastest in measured tokens/ms of forward+backward (the optimizer step costs the same for
+every candidate of one global batch). Values the user set (``trainer.micro_batch``,
+``trainer.grad_checkpointing``, ``trainer.checkpoint_ffn``) restrict the candidates and are never
+overridden: with both set the planner only probes them and warns when they do not fit.
+
+During the run (:meth:`TrainerMemory.step_down`): an out-of-memory error inside a training step
+makes the planner step down (the next smaller micro-batch; at the smallest, or with the
+micro-batch set by the user, the next heavier recomputation), and the step is redone from the
+same batches (:class:`StepBatches`), so no data and no update is lost. One process only: under
+several ranks the error propagates (the other ranks wait in a collective).
+
+On a machine without CUDA nothing is measured: the user's values, else the largest micro-batch
+up to :data:`CPU_MICRO_BATCH` and no recomputation. Tests inject the probe
+(:class:`MemoryPlanner` takes any function ``Candidate -> Measurement``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from train.recompute import RECOMPUTE_CHECKPOINT_FFN, RECOMPUTE_MODES, set_recompute
+
+# the planner's own candidates (attention_ell only when the user sets checkpoint_ffn=auto)
+PLANNED_RECOMPUTE = ("none", "attention", "full")
+# Budget margin: 8 % of the device memory, at least 2 GiB. What max_memory_allocated does not see:
+# the caching allocator's fragmentation (reserved above allocated, a few % over a long run), the
+# CUDA context and the cuBLAS / NCCL / Triton memory outside PyTorch's allocator (~1 GiB), and the
+# step-to-step variation of the sparse path's dense backup (heavy rows differ by batch). On a
+# 140.4 GiB H200 the budget is 129.2 GiB, above the 127.6 GiB peak plain transformers ran at
+# (1.5B, micro-batch 16, no recomputation, BENCHMARKS.md "Memory planner").
+MARGIN_FRACTION = 0.08
+MARGIN_MIN_GB = 2.0
+PROBE_TIMED_STEPS = 2  # timed forward+backward per probe, after one warm-up
+PROBE_DISTINCT_SEQUENCES = 64  # held-out sequences in the probe batch (repeated beyond)
+CPU_MICRO_BATCH = 8  # no CUDA: largest micro-batch taken (trainer=cpu's)
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One configuration of a training micro-step."""
+
+    micro_batch: int
+    """Sequences per forward/backward on one rank."""
+    recompute: str
+    """One of :data:`train.recompute.RECOMPUTE_MODES`."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a probe of one :class:`Candidate` measured."""
+
+    peak_gb: float
+    """Peak GiB allocated during the probe (inf: out of memory; nan: not measurable, CPU)."""
+    ms: float
+    """Milliseconds per forward+backward of one micro-batch (median; nan if out of memory)."""
+
+    @property
+    def oom(self) -> bool:
+        return math.isinf(self.peak_gb)
+
+
+OOM = Measurement(math.inf, math.nan)
+
+
+@dataclass
+class Plan:
+    """The planner's choice (what ``metrics.jsonl``'s ``memory`` record and summary.json hold)."""
+
+    micro_batch: int
+    recompute: str
+    accum: int
+    """Micro-steps per optimizer step on one rank (global_batch / (micro_batch x world))."""
+    peak_gb: float | None
+    """Predicted peak GiB of a step (probe peak + optimizer state to come); None unmeasured."""
+    tok_per_ms: float | None
+    """Measured tokens/ms of forward+backward on one rank; None unmeasured."""
+    budget_gb: float | None
+    why: str
+    """Why this candidate: fastest that fits | set by the user | ..."""
+    fits: bool = True
+    candidates: list[dict] = field(default_factory=list)
+    """Every probe: micro_batch, recompute, peak_gb (None = out of memory), tok_per_ms."""
+
+
+def micro_batches(batch_per_rank: int) -> list[int]:
+    """The divisors of ``batch_per_rank`` (= global_batch / world size), ascending."""
+    if batch_per_rank < 1:
+        raise ValueError(f"batch_per_rank must be >= 1; got {batch_per_rank}")
+    return [m for m in range(1, batch_per_rank + 1) if batch_per_rank % m == 0]
+
+
+def recompute_choices(grad_checkpointing: bool | None, checkpoint_ffn: str | None, *,
+                      compile: bool = False) -> tuple[str, ...]:
+    """The recompute modes the planner may choose from, least recomputation first, given the
+    user's ``trainer.grad_checkpointing`` and ``trainer.checkpoint_ffn`` (null = the planner's
+    choice). ``compile``: the selective modes' saved-tensor hooks are eager-only, so under
+    ``trainer.compile`` only ``none`` and ``full``.
+
+    Raises:
+        ValueError: an unknown checkpoint_ffn.
+    """
+    by_ffn = {v: k for k, v in RECOMPUTE_CHECKPOINT_FFN.items() if v is not None}
+    if checkpoint_ffn is not None and checkpoint_ffn not in by_ffn:
+        raise ValueError(f"checkpoint_ffn must be one of {sorted(by_ffn)} or None; got "
+                         f"{checkpoint_ffn!r}")
+    if grad_checkpointing is False:
+        return ("none",)
+    if checkpoint_ffn is not None:
+        ckpt = (by_ffn[checkpoint_ffn],)
+    else:
+        ckpt = ("full",) if compile else ("attention", "full")
+    return ckpt if grad_checkpointing else ("none", *ckpt)
+
+
+def default_budget_gb(total_gb: float) -> float:
+    """The default budget of a device with ``total_gb`` GiB usable: less :data:`MARGIN_FRACTION`
+    of it, at least :data:`MARGIN_MIN_GB` (see their comment)."""
+    return total_gb - max(MARGIN_MIN_GB, MARGIN_FRACTION * total_gb)
+
+
+def device_budget_gb(device: torch.device) -> float | None:
+    """:func:`default_budget_gb` of a CUDA device's memory times its per-process fraction
+    (``torch.cuda.set_per_process_memory_fraction``: an 80 GB card emulated on a larger one);
+    None for other devices."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        total *= fraction(device)
+    return default_budget_gb(total)
+
+
+def pending_optimizer_gb(optimizer) -> float:
+    """GiB the optimizer will allocate at its first step: AdamW's two moments (the parameter's
+    dtype and local size) for each parameter that has no state yet (0 after a resume)."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+    n = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and not opt.state.get(p):
+                local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2: the shard
+                n += 2 * local.numel() * local.element_size()
+    return n / 2**30
+
+
+class MemoryPlanner:
+    """Chooses a :class:`Plan` from probes (the decision logic; see the module docstring).
+
+    Args:
+        probe: ``Candidate -> Measurement`` (on the device: :class:`ProbeRunner`; tests: fakes).
+        batch_per_rank: global_batch / world size (sequences per optimizer step on one rank).
+        seq_len: tokens per sequence (for tokens/ms).
+        budget_gb: GiB the predicted step peak must stay within.
+        pending_gb: GiB allocated after the probes (the optimizer state to come).
+        micro_batch: the user's micro-batch, or None (the planner's choice).
+        recompute: the allowed recompute modes (:func:`recompute_choices`).
+        min_probe_tokens: the smallest micro-batch of the two slope probes holds at least this
+            many tokens (the fused loss's chunk rows; 0 = the smallest divisor).
+
+    Raises:
+        ValueError: a user micro-batch that does not divide batch_per_rank, an unknown or empty
+            recompute, a budget that is not > 0.
+    """
+
+    def __init__(self, probe: Callable[[Candidate], Measurement], *, batch_per_rank: int,
+                 seq_len: int, budget_gb: float, pending_gb: float = 0.0,
+                 micro_batch: int | None = None,
+                 recompute: tuple[str, ...] = PLANNED_RECOMPUTE,
+                 min_probe_tokens: int = 0) -> None:
+        self.micros = micro_batches(batch_per_rank)
+        if micro_batch is not None and micro_batch not in self.micros:
+            raise ValueError(f"micro_batch={micro_batch} does not divide the {batch_per_rank} "
+                             "sequences per rank and step")
+        bad = [r for r in recompute if r not in RECOMPUTE_MODES]
+        if bad or not recompute:
+            raise ValueError(f"recompute must be a non-empty tuple of {RECOMPUTE_MODES}; got "
+                             f"{recompute!r}")
+        if not (budget_gb > 0 and math.isfinite(budget_gb)):
+            raise ValueError(f"budget_gb must be a finite number > 0; got {budget_gb}")
+        self.probe, self.batch_per_rank, self.seq_len = probe, batch_per_rank, seq_len
+        self.budget_gb, self.pending_gb = float(budget_gb), float(pending_gb)
+        self.user_micro = micro_batch
+        self.modes = tuple(r for r in RECOMPUTE_MODES if r in recompute)  # least first
+        self.min_probe_tokens = min_probe_tokens
+        self.measured: dict[Candidate, Measurement] = {}
+        self.lines: dict[str, tuple[float, float]] = {}  # recompute -> (a_r, b_r) of the model
+        self.plan: Plan | None = None
+
+    # -- measurements ---------------------------------------------------------------------------
+    def measure(self, c: Candidate) -> Measurement:
+        """The probe of ``c`` (each candidate is probed once)."""
+        if c not in self.measured:
+            self.measured[c] = self.probe(c)
+        return self.measured[c]
+
+    def step_peak_gb(self, c: Candidate) -> float | None:
+        """Predicted peak GiB of a training step of ``c``: measured if probed, else from its
+        mode's line; None when neither is known. inf = ran out of memory."""
+        m = self.measured.get(c)
+        if m is not None:
+            return m.peak_gb + self.pending_gb
+        if c.recompute in self.lines:
+            a, b = self.lines[c.recompute]
+            return a + b * c.micro_batch + self.pending_gb
+        return None
+
+    def fits(self, c: Candidate) -> bool:
+        p = self.step_peak_gb(c)
+        return p is not None and not math.isnan(p) and p <= self.budget_gb
+
+    def tok_per_ms(self, c: Candidate) -> float:
+        m = self.measured.get(c)
+        if m is None or m.oom or not m.ms > 0:
+            return math.nan
+        return c.micro_batch * self.seq_len / m.ms
+
+    # -- the decision ---------------------------------------------------------------------------
+    def _largest_fitting(self, r: str) -> Candidate | None:
+        """Mode ``r``'s largest micro-batch that fits, confirmed by a probe; None if none does."""
+        ms = self.micros
+        first = next((i for i, m in enumerate(ms) if m * self.seq_len >= self.min_probe_tokens),
+                     len(ms) - 1)
+        points = [Candidate(m, r) for m in ms[first:first + 2]]
+        for c in points:
+            self.measure(c)
+        ok = [c for c in points if self.fits(c)]
+        if not ok:  # the smallest probe point is already too big: walk down, probing
+            for m in reversed(ms[:first]):
+                c = Candidate(m, r)
+                self.measure(c)
+                if self.fits(c):
+                    return c
+            return None
+        if len(ok) < 2:  # one point fits (the other did not): nothing between them
+            return ok[-1]
+        (m1, p1), (m2, p2) = [(c.micro_batch, self.measured[c].peak_gb) for c in ok]
+        b = max((p2 - p1) / (m2 - m1), 0.0)
+        self.lines[r] = (p1 - b * m1, b)
+        for m in reversed(ms):  # the largest the line fits, confirmed by a probe (else lower)
+            if m <= m2:
+                break
+            c = Candidate(m, r)
+            if self.fits(c):  # predicted by the line
+                self.measure(c)
+                if self.fits(c):  # measured
+                    return c
+        return ok[-1]
+
+    def _choose(self) -> tuple[Candidate, str, bool]:
+        """(candidate, why, fits) before any step-down."""
+        if self.user_micro is not None:
+            options = [Candidate(self.user_micro, r) for r in self.modes]
+            for c in options:
+                self.measure(c)
+            why = ("micro_batch set by the user" if len(self.modes) > 1
+                   else "micro_batch and recompute set by the user")
+        else:
+            options = [c for c in map(self._largest_fitting, self.modes) if c is not None]
+            why = "fastest that fits"
+        fitting = [c for c in options if self.fits(c)]
+        if fitting:  # fastest; a tie goes to less recomputation (the earlier mode)
+            best = max(fitting, key=lambda c: (_num(self.tok_per_ms(c)),
+                                               -self.modes.index(c.recompute)))
+            return best, why, True
+        ran = [c for c, m in self.measured.items() if not m.oom]
+        if ran:
+            best = min(ran, key=lambda c: self.measured[c].peak_gb)
+            return best, f"{why}; nothing fits the budget: the smallest peak", False
+        if self.user_micro is not None or len(self.modes) == 1:  # the user's values stay
+            c = Candidate(self.user_micro or self.micros[0], self.modes[-1])
+            return c, f"{why}; out of memory in every probe", False
+        tried = ", ".join(f"{c.micro_batch} x {c.recompute}" for c in sorted(self.measured))
+        raise MemoryError(
+            f"trainer.memory=auto: every probe ran out of memory ({tried}); the model does not "
+            "train on this device: use more devices (FSDP) or a smaller model.")
+
+    def choose(self) -> Plan:
+        """Probe and decide; returns (and keeps in ``self.plan``) the :class:`Plan`."""
+        c, why, fits = self._choose()
+        self.plan = self._plan(c, why, fits)
+        return self.plan
+
+    def step_down(self) -> Plan | None:
+        """After an out-of-memory error at ``self.plan``: the next smaller micro-batch (not a
+        user-set one), else the next heavier recompute mode allowed (at the largest micro-batch
+        its line fits, else the same); None when there is nothing lower. No probe is run."""
+        cur = Candidate(self.plan.micro_batch, self.plan.recompute)
+        smaller = [m for m in self.micros if m < cur.micro_batch]
+        if self.user_micro is None and smaller:
+            new = Candidate(smaller[-1], cur.recompute)
+        else:
+            heavier = [r for r in self.modes
+                       if RECOMPUTE_MODES.index(r) > RECOMPUTE_MODES.index(cur.recompute)]
+            if not heavier:
+                return None
+            r = heavier[0]
+            fit = [m for m in self.micros if m <= cur.micro_batch and self.fits(Candidate(m, r))]
+            new = Candidate(fit[-1] if fit and self.user_micro is None else cur.micro_batch, r)
+        self.plan = self._plan(new, f"stepped down from micro_batch {cur.micro_batch}, recompute "
+                                    f"{cur.recompute} (out of memory in a step)", True)
+        return self.plan
+
+    def _plan(self, c: Candidate, why: str, fits: bool) -> Plan:
+        peak = self.step_peak_gb(c)
+        tok = self.tok_per_ms(c)
+        return Plan(c.micro_batch, c.recompute, self.batch_per_rank // c.micro_batch,
+                    None if peak is None or not math.isfinite(peak) else peak,
+                    None if math.isnan(tok) else tok, self.budget_gb, why, fits,
+                    candidates=[{"micro_batch": k.micro_batch, "recompute": k.recompute,
+                                 "peak_gb": None if v.oom else _round(v.peak_gb + self.pending_gb),
+                                 "tok_per_ms": _round(self.tok_per_ms(k))}
+                                for k, v in sorted(self.measured.items())])
+
+
+def _num(x: float) -> float:
+    return -math.inf if math.isnan(x) else x
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else round(x, 2)
+
+
+def describe(plan: Plan, seq_len: int) -> str:
+    """The planner's one log line: the choice, why, then every probe (step peak GiB, tokens/ms
+    of forward+backward; ``*`` the chosen one, ``oom`` ran out of memory)."""
+    head = (f"memory: micro_batch {plan.micro_batch} x {seq_len}, recompute {plan.recompute}, "
+            f"accumulation {plan.accum}")
+    if plan.peak_gb is not None:
+        head += f", step peak {plan.peak_gb:.1f} GB"
+    if plan.budget_gb is not None:
+        head += f" of {plan.budget_gb:.1f} GB budget"
+    head += f" ({plan.why})"
+    by_mode: dict[str, list[str]] = {r: [] for r in RECOMPUTE_MODES}  # least recomputation first
+    for c in plan.candidates:
+        chosen = (c["micro_batch"], c["recompute"]) == (plan.micro_batch, plan.recompute)
+        mark = "*" if chosen else ""
+        val = ("oom" if c["peak_gb"] is None else
+               f"{c['peak_gb']:.1f} GB" + (f" {c['tok_per_ms']:.1f} tok/ms"
+                                           if c["tok_per_ms"] is not None else ""))
+        by_mode.setdefault(c["recompute"], []).append(f"{c['micro_batch']}{mark}: {val}")
+    if plan.candidates:
+        head += " | probes " + "; ".join(f"{r} " + ", ".join(v) for r, v in by_mode.items() if v)
+    if not plan.fits:
+        head += " | warning: above trainer.memory_budget_gb"
+    return head
+
+
+# ---------------------------------------------------------------------------- on the trainer
+
+
+def probe_batch(data, n: int, vocab_size: int, seed: int) -> torch.Tensor:
+    """Probe token ids, int64 ``(n, T)``: up to :data:`PROBE_DISTINCT_SEQUENCES` held-out
+    sequences of ``data`` (``val_batches``) repeated to ``n`` rows; uniform random ids (seeded)
+    when there is no validation split. Reads no training batch (the data position stays)."""
+    rows, have = [], 0
+    for ids_BT in data.val_batches():
+        rows.append(ids_BT)
+        have += ids_BT.shape[0]
+        if have >= min(n, PROBE_DISTINCT_SEQUENCES):
+            break
+    if rows:
+        ids_BT = torch.cat(rows)[:PROBE_DISTINCT_SEQUENCES]
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        ids_BT = torch.randint(0, vocab_size, (1, data.seq_len), generator=gen)
+    reps = -(-n // ids_BT.shape[0])
+    return ids_BT.repeat(reps, 1)[:n]
+
+
+class ProbeRunner:
+    """The device probe of a :class:`train.trainer.Trainer` (see the module docstring).
+
+    ``runner(candidate)`` switches the model to the candidate's recomputation (the planner sets
+    the chosen one afterwards), runs one warm-up and ``timed_steps`` timed forward+backward
+    micro-steps of ``candidate.micro_batch`` probe sequences (accumulating gradients, no
+    optimizer step, no gradient all-reduce), sets the gradients to None and returns the
+    :class:`Measurement`, reduced over ranks (the largest peak and time). The FFNs measure their
+    dense backup per call during probes (``backup_rows = -1``; restored after).
+    """
+
+    def __init__(self, trainer, timed_steps: int = PROBE_TIMED_STEPS) -> None:
+        self.tr, self.timed_steps = trainer, timed_steps
+        t = trainer.cfg.trainer
+        self.ids_BT = probe_batch(trainer.data, t.global_batch // trainer.acc.num_processes,
+                                  trainer.cfg.model.vocab_size, t.seed)
+
+    def _micro_step(self, ids_BT: torch.Tensor) -> float:
+        """One forward+backward; its milliseconds (CUDA events on the GPU)."""
+        from train.sparsity import collect_stats, l1_coeff_at, l1_penalty
+
+        tr = self.tr
+        cuda = tr.device.type == "cuda"
+        coeff = l1_coeff_at(tr.step, tr.cfg.sparsity)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        sync = tr.acc.no_sync(tr.model) if tr.acc.num_processes > 1 else nullcontext()
+        with sync:
+            ce = tr.model(input_ids=ids_BT, labels=ids_BT).loss
+            l1, _ = l1_penalty(collect_stats(tr.mlps))
+            tr.acc.backward(ce + coeff * l1)
+        if not cuda:
+            return (time.perf_counter() - t0) * 1e3
+        end.record()
+        end.synchronize()  # host sync: the probe's time
+        return start.elapsed_time(end)
+
+    def __call__(self, c: Candidate) -> Measurement:
+        tr = self.tr
+        cuda = tr.device.type == "cuda"
+        set_recompute(tr.acc.unwrap_model(tr.model), c.recompute)
+        rows = [m.backup_rows for m in tr.mlps]
+        for m in tr.mlps:
+            m.backup_rows = -1
+        ids_BT = self.ids_BT[:c.micro_batch].to(tr.device)
+        if cuda:
+            torch.cuda.synchronize(tr.device)
+            torch.cuda.reset_peak_memory_stats(tr.device)
+        times, oom = [], False
+        try:
+            for i in range(1 + self.timed_steps):
+                ms = self._micro_step(ids_BT)
+                if i:
+                    times.append(ms)
+        except torch.cuda.OutOfMemoryError:
+            oom = True
+        finally:
+            tr.optimizer.zero_grad(set_to_none=True)
+            for m, r in zip(tr.mlps, rows):
+                m.backup_rows = r
+        if cuda:  # the failed probe's blocks (freed with the traceback) go back to the device
+            torch.cuda.empty_cache()
+        flag = torch.tensor([float(oom)], device=tr.device)
+        peak = torch.cuda.max_memory_allocated(tr.device) / 2**30 if cuda else math.nan
+        vals = torch.tensor([peak, statistics.median(times) if times else math.nan],
+                            dtype=torch.float64, device=tr.device)
+        if tr.acc.num_processes > 1:
+            flag, vals = tr.acc.reduce(flag, "max"), tr.acc.reduce(vals, "max")
+        if flag.item():  # host sync
+            if tr.acc.num_processes > 1:
+                raise MemoryError(
+                    f"trainer.memory=auto: a probe of micro_batch {c.micro_batch}, recompute "
+                    f"{c.recompute} ran out of memory on some rank; with several ranks the "
+                    "planner cannot recover: set trainer.micro_batch and "
+                    "trainer.grad_checkpointing.")
+            return OOM
+        peak_gb, ms = vals.tolist()
+        return Measurement(peak_gb, ms)
+
+
+def device_probe(trainer) -> Callable[[Candidate], Measurement] | None:
+    """The probe the planner uses for ``trainer``: a :class:`ProbeRunner` on CUDA, None on other
+    devices (nothing to measure peak memory with)."""
+    return ProbeRunner(trainer) if trainer.device.type == "cuda" else None
+
+
+class StepBatches:
+    """Training batches (an iterator of ``(B, T)`` tensors) that keeps those of the current
+    optimizer step until the next one begins, so that a step is redone from the same blocks at
+    another micro-batch (:meth:`rewind`).
+
+    Args:
+        batches: the data module's ``train_batches()``.
+        per_step: sequences one rank takes per optimizer step (global_batch / world size).
+        step: returns the trainer's optimizer step count (recorded when a step's first batch is
+            drawn, so that a step already applied is never redone).
+    """
+
+    def __init__(self, batches: Iterable[torch.Tensor], per_step: int,
+                 step: Callable[[], int]) -> None:
+        self.it, self.per_step, self.step = iter(batches), per_step, step
+        self.drawn: list[torch.Tensor] = []
+        self.n = 0  # sequences drawn for the current step
+        self.replay: deque[torch.Tensor] = deque()
+        self.step_at: int | None = None  # the trainer's step when the current step's draw began
+        self.fresh = False
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.n >= self.per_step:  # the previous step is complete: a new one begins
+            self.drawn, self.n = [], 0
+        if not self.drawn:
+            self.step_at = self.step()
+        if self.fresh and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the failed attempt's blocks back to the device first
+        self.fresh = False
+        ids_BT = self.replay.popleft() if self.replay else next(self.it)
+        self.drawn.append(ids_BT)
+        self.n += ids_BT.shape[0]
+        return ids_BT
+
+    def rewind(self, micro_batch: int) -> bool:
+        """Replay the current step's sequences as batches of ``micro_batch`` next; False (and
+        nothing changes) unless the step was drawn whole and nothing is waiting for replay."""
+        if self.n != self.per_step or self.replay or self.per_step % micro_batch:
+            return False
+        self.replay = deque(torch.cat(self.drawn).split(micro_batch))
+        self.drawn, self.n, self.fresh = [], 0, True
+        return True
+
+
+class TrainerMemory:
+    """What ``trainer.memory`` does for one trainer: its plan, the log line and record, and the
+    out-of-memory step-down (:func:`plan_memory` builds it).
+
+    Attributes:
+        planner: the :class:`MemoryPlanner` (None: ``trainer.memory=off`` or nothing measured).
+        plan: the current :class:`Plan` (None under ``trainer.memory=off``).
+        line: the last log line (None under off).
+        record: the plan as a dict for ``metrics.jsonl`` (``kind: memory``) and summary.json.
+    """
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.planner: MemoryPlanner | None = None
+        self.plan: Plan | None = None
+        self.line: str | None = None
+        self.record: dict | None = None
+        self._batches: StepBatches | None = None
+
+    def apply(self, plan: Plan) -> None:
+        """Make the trainer train at ``plan``: its accumulation, the data module's micro-batch,
+        the model's recomputation; the dense-backup capacities (rows per FFN call) are measured
+        again when the micro-batch changes."""
+        tr = self.trainer
+        changed = tr.data.micro_batch != plan.micro_batch
+        tr.accum = plan.accum
+        tr.data.micro_batch = plan.micro_batch
+        set_recompute(tr.acc.unwrap_model(tr.model), plan.recompute)
+        if changed:
+            for m in tr.mlps:
+                m.backup_rows = -1
+            tr.heavy_hist = [[] for _ in tr.mlps]
+        self.plan = plan
+        self.line = describe(plan, tr.cfg.model.seq_len)
+        self.record = {"step": tr.step, **asdict(plan)}
+
+    def batches(self, batches: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
+        """The training batches the loop should draw from: a :class:`StepBatches` over them
+        under ``trainer.memory=auto`` (redo after out of memory), else ``batches`` as they are."""
+        if self.plan is None:
+            return batches
+        tr = self.trainer
+        self._batches = StepBatches(batches, tr.cfg.trainer.global_batch // tr.acc.num_processes,
+                                    lambda: tr.step)
+        return self._batches
+
+    def step_down(self) -> str | None:
+        """Call inside ``except torch.cuda.OutOfMemoryError`` around ``trainer.train_step``:
+        picks a lower plan, applies it, rewinds the step's batches and sets the gradients to
+        None; returns the log line, or None when the error must propagate (``memory=off``, no
+        plan lower, several ranks, the step's update already applied: the error came from the
+        optimizer step or after it)."""
+        tr = self.trainer
+        if self.planner is None or tr.acc.num_processes > 1 or self._batches is None:
+            return None
+        if self._batches.step_at != tr.step or _raised_in_optimizer(sys.exc_info()[2]):
+            return None
+        old = self.plan
+        new = self.planner.step_down()
+        if new is None or not self._batches.rewind(new.micro_batch):
+            self.planner.plan = old
+            return None
+        tr.optimizer.zero_grad(set_to_none=True)
+        self.apply(new)
+        return (f"step {tr.step + 1}: out of memory at micro_batch {old.micro_batch}, recompute "
+                f"{old.recompute}; now micro_batch {new.micro_batch}, recompute {new.recompute}, "
+                f"accumulation {new.accum}; redoing the step from the same batches")
+
+
+def _raised_in_optimizer(tb) -> bool:
+    """Did the exception pass through ``torch.optim`` (an optimizer step, maybe half applied)?"""
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+        if "/torch/optim/" in name:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def plan_memory(trainer, probe: Callable[[Candidate], Measurement] | None = None
+                ) -> TrainerMemory:
+    """Plan ``trainer``'s micro-batch and recomputation (``trainer.memory=auto``) and apply it.
+
+    Called once at the end of the trainer's setup (after a resume, so probes see the trained
+    weights and the optimizer state). ``probe`` defaults to :func:`device_probe`; without one
+    (no CUDA) nothing is measured (module docstring). Returns the :class:`TrainerMemory`; under
+    ``trainer.memory=off`` it holds no plan and changes nothing.
+
+    Raises:
+        MemoryError: every probe ran out of memory.
+    """
+    tm = TrainerMemory(trainer)
+    t = trainer.cfg.trainer
+    if t.memory == "off":
+        return tm
+    world = trainer.acc.num_processes
+    per_rank = t.global_batch // world
+    fsdp_ckpt = bool(trainer.fsdp and trainer.fsdp.activation_checkpointing)
+    modes = recompute_choices(True if fsdp_ckpt else t.grad_checkpointing, t.checkpoint_ffn,
+                              compile=t.compile)
+    probe = probe if probe is not None else device_probe(trainer)
+    if probe is None:
+        micro = t.micro_batch or max(m for m in micro_batches(per_rank) if m <= CPU_MICRO_BATCH)
+        tm.apply(Plan(micro, modes[0], per_rank // micro, None, None, None,
+                      "no CUDA device to measure on"))
+        return tm
+    budget = t.memory_budget_gb or device_budget_gb(trainer.device)
+    if budget is None:
+        raise ValueError("plan_memory: no budget; set trainer.memory_budget_gb (no CUDA device)")
+    from train.loss import fused_ce_enabled
+
+    fused = fused_ce_enabled(t.fused_ce, device_type=trainer.device.type,
+                             precision=trainer.precision, compile=t.compile,
+                             sharded=bool(trainer.fsdp))
+    tm.planner = MemoryPlanner(
+        probe, batch_per_rank=per_rank, seq_len=trainer.cfg.model.seq_len, budget_gb=budget,
+        pending_gb=pending_optimizer_gb(trainer.optimizer), micro_batch=t.micro_batch,
+        recompute=modes, min_probe_tokens=t.ce_chunk_rows if fused else 0)
+    tm.apply(tm.planner.choose())
+    if trainer.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(trainer.device)  # the run's peaks, not the probes'
+    return tm
