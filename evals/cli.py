@@ -61,7 +61,7 @@ class EvalArgs:
     threads: int | None = None
     """torch CPU threads (default: torch's)."""
     progress: bool = True
-    """tqdm progress bars."""
+    """tqdm progress bars (false also hides transformers' weight-loading bar)."""
 
 
 def _convert(f: dataclasses.Field, raw: str):
@@ -158,6 +158,10 @@ def _run(args: EvalArgs) -> int:
     )
 
     resolve_tasks(args.tasks)  # fail before loading a model
+    if not args.progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
     if args.threads:
         torch.set_num_threads(args.threads)
