@@ -23,6 +23,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from train.config import RENAMED_KEYS, ConfigError, TrainConfig, register_configs
+from train.report import ERROR_FILE  # a failed run's one-line reason (twell-report reads it)
 
 register_configs()
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -144,7 +145,6 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
         raise ConfigError(unknown_key_message(None, extra[0], TrainConfig.__dataclass_fields__))
 
 
-ERROR_FILE = "error.txt"  # a failed run's one-line reason, in its run dir (twell-report reads it)
 _CREATED: set[Path] = set()  # folders Hydra is about to create for this invocation (StartCallback)
 _SWEEP: dict[str, list] = {"jobs": [], "failed": []}  # -m, Hydra's basic launcher: job overrides;
 # failed jobs as (job index, reason line, error file)
