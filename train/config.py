@@ -251,7 +251,9 @@ class TrainerConfig:
     precision: str = "auto"
     """auto (bf16 autocast on GPU, fp32 on CPU) | bf16 (autocast, fp32 master weights) | fp32."""
     cpu: bool = False
-    """Force CPU even when a GPU is present."""
+    """Train on the CPU even when a GPU is present. Several CPU processes (accelerate launch
+    --num_processes N ... on a machine without a GPU) need it too: they then train together
+    (DDP over gloo); without it the launch is refused."""
     num_threads: int | None = None
     """torch CPU threads (torch.set_num_threads); null = torch's default."""
     grad_checkpointing: bool = False

@@ -42,6 +42,9 @@ def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
         tcfg: TrainConfig = OmegaConf.to_object(cfg)  # runs every __post_init__ check
     except ValueError as e:  # ConfigError and the data config's checks: one line, no traceback
         raise ConfigError(str(e)) from None
+    from train.parallel import check_launch
+
+    check_launch(tcfg.trainer.cpu)  # a multi-process launch the accelerator would not join
     trainer = Trainer(tcfg, run_dir)
     try:
         summary = trainer.train()
