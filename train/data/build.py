@@ -1,6 +1,6 @@
 """Build a tokenized corpus: fetch -> extract -> de-duplicate -> decontaminate -> split -> tokenize -> shards.
 
-    twell-data build                      # all DATA.md sources into <cache>/corpus/offline_mix-<hash>/
+    twell-data build                      # all sources (sources.py) into <cache>/corpus/offline_mix-<hash>/
     twell-data build --sources sotu,moby_dick
 
 Output folder (``corpus_dir``): ``train_NNN.bin``/``val_NNN.bin`` raw little-endian uint16 token
