@@ -31,7 +31,8 @@ def _tracked_text_files() -> list[Path]:
 
 
 def test_pattern_finds_machine_paths_and_only_them():
-    hits = ["cd /work/main && x", "--out /root/out", "'/home/u/.cache'", "PY=/work/venv/bin/py"]
+    w, r, h = "/work", "/root", "/home"  # split: this file is tracked too
+    hits = [f"cd {w}/main && x", f"--out {r}/out", f"'{h}/u/.cache'", f"PY={w}/venv/bin/py"]
     misses = ["runs/x/checkpoints", "$WORK/evals", "~/.cache/twell", "https://x.org/home/a",
               "the work/ folder", "a/root/b"]
     assert all(MACHINE_PATH.search(s) for s in hits)
