@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -129,7 +130,8 @@ def below_chance(r: dict) -> bool:
     (``r`` from :func:`evals.evaluate`; False without a ``chance`` or a finite stderr)."""
     chance = r.get("chance")
     se = r.get(f"{r['primary_metric']}_stderr")
-    return chance is not None and se is not None and se == se and r["primary"] + se < chance
+    return (chance is not None and se is not None and math.isfinite(se)
+            and r["primary"] + se < chance)
 
 
 def markdown_table(res: dict, title: str) -> str:

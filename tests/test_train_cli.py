@@ -231,8 +231,8 @@ def test_a_failed_start_removes_the_folders_it_made_and_nothing_else(tmp_path):
     empty.mkdir()
     r = _train_cli("model.seq_len=1", f"hydra.run.dir={empty}")
     assert r.returncode == 2 and empty.is_dir()
-    assert _stderr_lines(r) == ["ConfigError: model.seq_len=1 leaves no next-token target in a "
-                                "block (the loss would be NaN); set model.seq_len>=2."]
+    assert _stderr_lines(r) == [("ConfigError: model.seq_len=1 leaves no next-token target in a "
+                                 "block (the loss would be NaN); set model.seq_len>=2.")]
 
 
 @pytest.fixture

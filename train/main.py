@@ -181,7 +181,7 @@ def _main(cfg: DictConfig) -> float | None:
             _SWEEP["jobs"].append(list(hc.overrides.task))
     try:
         summary = run(cfg, str(run_dir))
-    except Exception as e:  # noqa: BLE001  (reported below; only a sweep goes on)
+    except Exception as e:  # reported below; only a sweep goes on
         expected = isinstance(e, expected_errors())
         line = f"{type(e).__name__}: {' '.join(str(e).split())}"
         if expected:

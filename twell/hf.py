@@ -138,7 +138,7 @@ def check_gguf(path: str | Path) -> None:
     try:
         reader = GGUFReader(str(p))
         end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    except Exception as e:  # numpy reshape / struct / index errors on a short file
+    except Exception as e:  # noqa: BLE001  (numpy reshape / struct / index errors: a short file)
         raise CheckpointError(f"{p} is truncated or damaged ({size} bytes; the GGUF reader "
                               f"stopped: {type(e).__name__}: {e}); copy the file again.") from None
     if end > size:
