@@ -274,7 +274,9 @@ def check_writable(run_dir: str, key: str) -> None:
 
 def cli() -> None:
     """Console entry point ``twell-train`` (Hydra parses sys.argv). A ``-m`` sweep in which a job
-    failed ends with the list of failed jobs and exit code 2."""
+    failed ends with the list of failed jobs and exit code 2 (with Hydra's basic launcher, the
+    default, which runs the jobs in this process; under another launcher the reasons are in the
+    jobs' ``error.txt`` only)."""
     try:
         check_overrides(sys.argv[1:])
     except ConfigError as e:
