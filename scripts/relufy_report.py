@@ -29,7 +29,7 @@ TASKS = ("hellaswag", "commonsense_qa", "piqa", "winogrande", "arc_easy", "arc_c
          "openbookqa")
 SHORT = {"hellaswag": "HS", "commonsense_qa": "CSQA", "piqa": "PIQA", "winogrande": "WG",
          "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "openbookqa": "OBQA"}
-CORPUS_TOKENS = 18_650_289  # train split of the offline corpus (manifest, DATA.md)
+CORPUS_TOKENS = 18_650_289  # train split of the offline corpus (manifest, train/data/README.md)
 # Items per task, full validation sets (EVALS.md): the binomial standard error of a row's mean
 TASK_N = {"hellaswag": 10042, "commonsense_qa": 1221, "piqa": 1838, "winogrande": 1267,
           "arc_easy": 570, "arc_challenge": 299, "openbookqa": 500}

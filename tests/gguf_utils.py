@@ -16,8 +16,10 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_tiny_gguf(path: Path, hf_dir: Path, tokens: list[str], rope_theta: float) -> Path:
-    """An F32 llama GGUF of a saved LlamaForCausalLM, written with gguf.GGUFWriter."""
+def write_tiny_gguf(path: Path, hf_dir: Path, tokens: list[str], rope_theta: float,
+                    skip: tuple[str, ...] = ()) -> Path:
+    """An F32 llama GGUF of a saved LlamaForCausalLM, written with gguf.GGUFWriter; the GGUF
+    tensor names in ``skip`` (e.g. ``blk.0.ffn_gate.weight``) are left out."""
     from gguf import GGUFWriter
 
     m = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -49,7 +51,8 @@ def write_tiny_gguf(path: Path, hf_dir: Path, tokens: list[str], rope_theta: flo
                 t = _permute(t, c.num_attention_heads)
             elif gg == "attn_k":
                 t = _permute(t, c.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(t))
+            if f"blk.{i}.{gg}.weight" not in skip:
+                w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -51,11 +51,20 @@ def _one_line(err) -> str:
     (lambda: TrainerConfig(memory="auto", micro_batch=0), "trainer.micro_batch"),
     (lambda: TrainerConfig(ce_chunk_rows=0), "trainer.ce_chunk_rows"),
     (lambda: TrainerConfig(compile=True, fused_ce=True), "trainer.fused_ce"),
+    (lambda: ModelConfig(seq_len=1), "model.seq_len>=2"),  # no next-token target: NaN loss
+    (lambda: TrainerConfig(seed=-1), "trainer.seed"),  # numpy refuses it mid-setup
+    (lambda: TrainerConfig(seed=2**32), "trainer.seed"),
+    (lambda: TrainerConfig(seed=1.5), "trainer.seed"),
 ])
 def test_bad_values(build, key):
     with pytest.raises(ConfigError) as err:
         build()
     assert key in _one_line(err)
+
+
+def test_edge_values_that_are_fine():
+    assert ModelConfig(seq_len=2).seq_len == 2
+    assert TrainerConfig(seed=0).seed == 0 and TrainerConfig(seed=2**32 - 1).seed == 2**32 - 1
 
 
 def test_global_batch_vs_world_size():

@@ -270,3 +270,65 @@ def test_cli_build_info_verify(tmp_path, byte_tok, capsys):
     assert main(["verify", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and shard.name in err[0] and "DataError" in err[0]
+
+
+def test_latin1_input_is_named_with_byte_and_line(tmp_path):
+    """A Latin-1 jsonl (pyarrow's UnicodeDecodeError named no file): DataError naming the file,
+    the byte offset and line of the first non-UTF-8 byte, for any read-chunk boundary."""
+    from train.data.build import _files_docs, check_utf8
+
+    good = json.dumps({"text": "plain words here"}) + "\n"
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(good.encode() * 2 + (json.dumps({"text": "café"}, ensure_ascii=False)
+                                         + "\n").encode("latin-1"))
+    at = 2 * len(good.encode()) + len('{"text": "caf')  # the 0xe9 of é
+    for chunk in (1, 2, 5, 1 << 20):
+        with pytest.raises(DataError) as err:
+            check_utf8(bad, chunk=chunk)
+        msg = str(err.value)
+        assert f"{bad} is not UTF-8 text: byte {at} (line 3) is b'\\xe9'" in msg, msg
+        assert "\n" not in msg
+    with pytest.raises(DataError, match="not UTF-8"):
+        list(_files_docs(str(bad), "text", tmp_path / "cache"))
+    cut = tmp_path / "cut.txt"  # a UTF-8 file cut inside a 3-byte character
+    cut.write_bytes("ok ☕".encode()[:-1])
+    with pytest.raises(DataError, match=r"byte 3 \(line 1\) is b'\\xe2' \(unexpected end"):
+        check_utf8(cut, chunk=2)
+    fine = tmp_path / "fine.jsonl"
+    fine.write_text(json.dumps({"text": "café ☕ ünïcödé"}, ensure_ascii=False) + "\n")
+    for chunk in (1, 2, 3, 1 << 20):  # multi-byte characters across chunk boundaries pass
+        check_utf8(fine, chunk=chunk)
+
+
+def test_one_huge_document_still_gets_validation_blocks(tmp_path, byte_tok, capsys):
+    """A files corpus of one large .txt puts the whole document in one split (by hash); with
+    train only, validation comes from the last val_fraction of the training blocks (a warning
+    says so) instead of a run that ends with val loss n/a."""
+    text = "".join(f"Line {i} of the one big document, in plain words.\n" for i in range(400))
+    doc = tmp_path / "big.txt"
+    doc.write_text(text)
+    cfg = DataConfig(source="files", paths=[str(doc)], tokenizer=byte_tok, val_fraction=0.05,
+                     cache_dir=str(tmp_path / "cache"), decontaminate=False)
+    assert not is_val(norm_hash(text.strip()), 0.05)  # the document lands in train
+    dm = build_datamodule(cfg, seq_len=64, micro_batch=4, seed=0)
+    ids = np.asarray(expected_ids(text.strip()), dtype=np.int64)
+    n_blocks = len(ids) // 64
+    n_val = round(0.05 * n_blocks)
+    assert dm.n_blocks == n_blocks - n_val and dm.val_blocks == n_val and n_val >= 1
+    val = np.concatenate([b.numpy() for b in dm.val_batches()])
+    want = ids[(n_blocks - n_val) * 64:n_blocks * 64].reshape(n_val, 64)
+    np.testing.assert_array_equal(val, want)
+    assert dm.info["val_from"] == "training tail"
+    err = capsys.readouterr().err
+    assert f"validating on the last {n_val} of {n_blocks} training blocks" in err
+    # two ranks: at least one block each; rank 1 builds silently
+    dm1 = build_datamodule(cfg, seq_len=64, micro_batch=4, seed=0, rank=1, world_size=2)
+    assert dm1.val_blocks >= 1 and capsys.readouterr().err == ""
+
+
+def test_a_corpus_with_validation_blocks_keeps_its_split(tmp_path, byte_tok, capsys):
+    cfg, out, _ = build_small(tmp_path, byte_tok)
+    dm = build_datamodule(cfg, seq_len=16, micro_batch=3, seed=0)
+    m = json.loads((out / "manifest.json").read_text())
+    assert dm.info["val_from"] == "corpus" and "warning" not in capsys.readouterr().err
+    assert dm.n_blocks == m["splits"]["train"]["tokens"] // 16

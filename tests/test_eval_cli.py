@@ -185,8 +185,10 @@ def test_cli_argument_errors(tmp_path, capsys):
     a = parse_args(["gguf=x.gguf", "limit=none", "batch_size=8", "progress=false"])
     assert a.limit is None and a.batch_size == 8 and a.progress is False
     assert parse_args(["checkpoint=c", "limit=5"]).limit == 5
-    with pytest.raises(SystemExit, match="unknown key 'limt'"):
+    with pytest.raises(SystemExit, match="unknown key 'limt'; did you mean limit\\? keys: "):
         parse_args(["checkpoint=c", "limt=5"])
+    with pytest.raises(SystemExit, match="unknown key 'zzz'; remove it or fix its spelling"):
+        parse_args(["checkpoint=c", "zzz=5"])
     with pytest.raises(SystemExit, match="exactly one of"):
         parse_args(["tasks=all"])
     with pytest.raises(SystemExit, match="exactly one of"):
@@ -203,3 +205,45 @@ def test_cli_argument_errors(tmp_path, capsys):
     assert main([f"checkpoint={tmp_path}", "tasks=arc", "progress=false"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ValueError" in err[0] and "unknown" in err[0]
+
+
+def test_scores_below_chance_by_more_than_their_stderr_are_marked():
+    """An untrained model's 5 % on ARC-Easy (chance ~25 %) is marked and footnoted; a score
+    within one standard error of chance, or without a finite one, is not."""
+    from evals.cli import BELOW_CHANCE, BELOW_CHANCE_NOTE, below_chance, markdown_table
+
+    def task(primary, se, chance=0.25, metric="acc_norm"):
+        return {"primary": primary, "primary_metric": metric, "acc": primary, "acc_norm": primary,
+                f"{metric}_stderr": se, "chance": chance, "n": 40, "n_skipped": 0}
+
+    tasks = {"arc_easy": task(0.05, 0.035),            # 0.085 < 0.25: marked
+             "arc_challenge": task(0.22, 0.065),       # 0.285 >= 0.25: within one stderr
+             "piqa": task(0.30, 0.07, chance=0.5),     # 0.37 < 0.5: marked
+             "winogrande": task(0.0, float("nan"), chance=0.5, metric="acc")}  # n < 2: no stderr
+    assert [below_chance(r) for r in tasks.values()] == [True, False, True, False]
+    proto = {"prefix_token": {"id": None}, "limit": 40, "tokenizer": {"name": "t"},
+             "model": {"class": "M", "dtype": "float32", "device": "cpu"}}
+    md = markdown_table({"tasks": tasks, "mean": 0.14, "protocol": proto}, "t")
+    assert f"| arc_easy | acc_norm | 5.00{BELOW_CHANCE} | 25.00 |" in md
+    assert "| arc_challenge | acc_norm | 22.00 | 25.00 |" in md
+    assert f"| piqa | acc_norm | 30.00{BELOW_CHANCE} | 50.00 |" in md
+    assert md.count(BELOW_CHANCE) == 3 and BELOW_CHANCE_NOTE in md  # two marks + the note
+    tasks.pop("arc_easy"), tasks.pop("piqa")
+    assert BELOW_CHANCE not in markdown_table({"tasks": tasks, "mean": 0.1, "protocol": proto}, "t")
+
+
+def test_help_describes_every_key_in_one_line(capsys):
+    from dataclasses import fields
+
+    from evals.cli import EvalArgs
+
+    assert main(["help"]) == 0
+    out = capsys.readouterr().out
+    keys = out[out.index("Keys (key=default):"):].splitlines()[1:]
+    keys = [k for k in keys if k.strip()]
+    assert [k.split()[0].split("=")[0] for k in keys] == [f.name for f in fields(EvalArgs)]
+    by = {k.split()[0]: " ".join(k.split()[1:]) for k in keys}
+    assert by["limit=none"] == "first N rows of each task (``none`` = all)."
+    assert by["batch_size=16"] == "sequences per forward."
+    assert by["progress=true"].startswith("tqdm progress bars")
+    assert all(by.values())  # every key has its description

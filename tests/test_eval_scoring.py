@@ -107,6 +107,8 @@ def test_unigram_acc_vs_acc_norm_hand_computed():
     assert res["acc_norm"] == pytest.approx(2 / 3)
     assert res["primary"] == res["acc_norm"] and res["primary_metric"] == "acc_norm"
     assert res["n"] == 3 and res["n_skipped"] == 0
+    assert res["chance"] == pytest.approx((1 / 2 + 1 / 2 + 1 / 3) / 3)  # per item's choices
+    assert res["acc_norm_stderr"] == pytest.approx(math.sqrt(2 / 3 * 1 / 3 / 2))
 
 
 def test_encode_pair_lm_eval_split():

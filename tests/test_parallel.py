@@ -1,6 +1,7 @@
 """FSDP2 settings from accelerate's launcher variables (train/parallel.py): what the trainer
 honours, what it refuses (one line naming the YAML key), and the variables accelerate's launcher
-really exports for configs/accelerate/fsdp2.yaml. The sharded training itself runs in
+really exports for configs/accelerate/fsdp2.yaml; a multi-process launch on a machine without
+GPUs needs trainer.cpu=true. The sharded training itself runs in
 tests/test_train_multiprocess.py."""
 
 from __future__ import annotations
@@ -13,10 +14,53 @@ import pytest
 
 from tests.train_utils import tiny_config, write_tokens
 from train.config import ConfigError
-from train.parallel import FSDPSettings, fsdp_settings_from_env, hidden_from_accelerate
+from train.parallel import (
+    FSDPSettings,
+    check_launch,
+    fsdp_settings_from_env,
+    hidden_from_accelerate,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+
+
+def test_a_launch_the_accelerator_would_not_join_is_refused(monkeypatch):
+    """accelerate launch --num_processes 2 without a GPU and without trainer.cpu=true: each
+    rank would train alone (accelerate: distributed_type NO, 1 process); say so."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    two = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "1"}
+    with pytest.raises(ConfigError) as err:
+        check_launch(False, two)
+    msg = str(err.value)
+    assert msg.startswith("the launcher started 2 processes (WORLD_SIZE=2) but this machine has "
+                          "no GPU and trainer.cpu=false") and "add trainer.cpu=true" in msg
+    check_launch(True, two)  # DDP over gloo
+    check_launch(False, {})  # a plain process
+    check_launch(False, {"WORLD_SIZE": "1"})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"LOCAL_WORLD_SIZE=2\) but it has 1 GPU\(s\); launch "
+                                          r"with --num_processes 1"):
+        check_launch(False, two)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_launch(False, two)
+
+
+def test_the_cli_refuses_it_before_the_run_starts(tmp_path):
+    """Through twell-train (the launcher's variables set by hand on one CPU process)."""
+    import subprocess
+
+    if __import__("torch").cuda.is_available():
+        pytest.skip("the machine has a GPU")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    run_dir = tmp_path / "r"
+    r = subprocess.run([sys.executable, "-m", "train", f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300, check=False)
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(err) == 1 and "add trainer.cpu=true" in err[0], err
+    assert not run_dir.exists()
 
 
 def test_settings_from_env():

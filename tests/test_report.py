@@ -120,7 +120,7 @@ def test_table_values_equal_the_files(runs):
     assert [r["run"] for r in rows] == [r["run"] for r in rep.rows]
     for r in rows:
         assert float(r["val_loss"]) == by[r["run"]]["val_loss"]
-        assert float(r["acc_piqa"]) == pytest.approx(100 * SCORES["piqa"])
+        assert float(r["acc_norm_piqa"]) == pytest.approx(100 * SCORES["piqa"])  # its metric
     # the sparsity-variant table pairs l1_reinit with the plain L1 run of the same config
     assert len(rep.variant_rows) == 1
     v = rep.variant_rows[0]
@@ -275,6 +275,100 @@ def test_incomplete_run_is_named(runs, tmp_path, capsys):
     _edit_json(tmp_path / "study" / "dense" / "summary.json", step=3)
     with pytest.raises(IncompleteRunError, match="at step 3 of trainer.max_steps=6"):
         load_run(tmp_path / "study" / "dense")
+
+
+def test_failed_runs_get_the_hint_their_cause_calls_for(runs, tmp_path):
+    """A diverged run (error.txt from twell-train) is not fixed by rerunning; another failure
+    is named with its reason; without error.txt the run crashed or was killed: resume it."""
+    diverged = _copy(runs, "l1", tmp_path, "diverged")
+    failed = _copy(runs, "dense", tmp_path, "failed")
+    killed = _copy(runs, "l1_reinit", tmp_path, "killed")
+    for d in (diverged, failed, killed):
+        (d / "summary.json").unlink()
+    (diverged / "error.txt").write_text("NonFiniteLossError: non-finite loss or gradient at step "
+                                        "4 (loss 4.159, grad norm nan); the step was not applied\n")
+    (failed / "error.txt").write_text("DataError: corpus shard x.bin is corrupted\n")
+    why = {d.name: str(e.value) for d in (diverged, failed, killed)
+           for e in [pytest.raises(IncompleteRunError, load_run, d)]}
+    assert why["diverged"].startswith(f"{diverged}: diverged run (last logged step 6 of 6): "
+                                      "NonFiniteLossError: non-finite loss")
+    assert "diverges again" in why["diverged"] and "optim.lr" in why["diverged"]
+    assert "rerun the same command to resume" not in why["diverged"]
+    assert why["failed"] == (f"{failed}: failed run (last logged step 6 of 6): DataError: corpus "
+                             "shard x.bin is corrupted. Fix that and run it again, or leave it "
+                             "out (--skip-incomplete)")
+    assert "rerun the same command to resume it" in why["killed"]
+
+
+def test_damaged_summary_or_config_is_named(runs, tmp_path, capsys):
+    d = _copy(runs, "l1", tmp_path, "l1")
+    text = (d / "summary.json").read_text()
+    (d / "summary.json").write_text(text[:len(text) // 2])
+    with pytest.raises(IncompleteRunError, match=rf"^{d / 'summary.json'}: not valid JSON"):
+        load_run(d)
+    assert report.main([str(d)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(d / "summary.json") in err[0] and "damaged" in err[0]
+    rep = build_report([str(tmp_path / "study"), str(runs / "dense")], skip_incomplete=True)
+    assert [r["run"] for r in rep.rows] == ["dense"] and rep.skipped[0][0] == d
+    (d / "summary.json").write_text(text)
+    (d / "config.yaml").write_text("model: {name: [unclosed\n")
+    with pytest.raises(ReportError, match=rf"^{d / 'config.yaml'}: not a readable config"):
+        load_run(d)
+
+
+def test_l0_per_layer_table_and_csv_columns(runs):
+    """The per-layer L0 table README promises, and CSV columns named by each task's metric."""
+    from evals.tasks import TASKS as SPECS
+
+    rep = build_report([str(runs)])
+    md = rep.markdown()
+    table = md[md.index("## L0 per layer"):].split("\n\n")[1].splitlines()
+    assert table[0] == "| run | differs | layer 0 | layer 1 |"
+    for row in rep.rows:
+        layers = json.loads((runs / row["run"] / "summary.json").read_text())["l0_layers"]
+        assert len(layers) == 2
+        cells = f"| {row['run']} | {row['setting']} | " + " | ".join(
+            report._fmt(v, "layer") for v in layers) + " |"
+        assert cells in table
+    rows = list(csv.DictReader(io.StringIO(report.csv_text(rep.rows))))
+    head = list(rows[0])
+    assert [c for c in head if c.endswith(TASKS)] == [f"{SPECS[t].primary}_{t}" for t in TASKS]
+    assert "acc_norm_hellaswag" in head and "acc_winogrande" in head and "primary_mean" in head
+    by = {r["run"]: r for r in rep.rows}
+    for r in rows:
+        want = json.loads((runs / r["run"] / "summary.json").read_text())["l0_layers"]
+        assert [float(v) for v in r["l0_layers"].split(";")] == pytest.approx(want, rel=1e-5)
+        assert float(r["primary_mean"]) == pytest.approx(by[r["run"]]["acc_mean"])
+
+
+def test_labels_are_the_differing_overrides_and_long_ones_are_cut(runs, tmp_path):
+    """Runs started by twell-train carry .hydra/overrides.yaml: labelled by the overrides not
+    shared by all. Labels over MAX_LABEL characters are cut, numbered and listed in full."""
+    sweep = tmp_path / "sweep"
+    common = ["data=tokens", "trainer.max_steps=6", "hydra.run.dir=x", "logging.wandb_mode=off"]
+    for job, (name, own) in enumerate((("dense", "sparsity.l1_coeff=0"),
+                                       ("l1", "sparsity.l1_coeff=0.5"),
+                                       ("l1_reinit", "sparsity=l1_reinit"))):
+        d = sweep / str(job)
+        shutil.copytree(runs / name, d)
+        (d / ".hydra").mkdir(exist_ok=True)
+        (d / ".hydra" / "overrides.yaml").write_text(json.dumps([*common[:2], own, *common[2:]]))
+    rep = build_report([str(sweep)])
+    assert sorted(r["setting"] for r in rep.rows) == [
+        "sparsity.l1_coeff=0", "sparsity.l1_coeff=0.5", "sparsity=l1_reinit"]
+    assert rep.legend == []
+    long = "model.hidden_size=32 " + " ".join(f"optim.note{i}=value{i}" for i in range(6))
+    (sweep / "2" / ".hydra" / "overrides.yaml").write_text(json.dumps([*common, long]))
+    loaded = report.load_runs(sorted(sweep.iterdir()))[0]
+    labels = report.run_labels(loaded)
+    cut = labels[sweep / "2"]
+    assert len(cut) <= report.MAX_LABEL and cut.startswith("[3] model.hidden_size=32 optim.")
+    assert cut.endswith("\u2026") and labels[sweep / "0"] == "sparsity.l1_coeff=0"
+    assert report.label_legend(loaded) == [f"[3] {long}"]
+    rep = build_report([str(sweep)])
+    md = rep.markdown()
+    assert f"- [3] {long}" in md and f"| {cut} |" in md
 
 
 def test_mismatched_runs_are_named(runs, tmp_path):

@@ -1,5 +1,6 @@
-"""``twell-train`` as a user runs it (issue 17): a misspelled key, a run that fails before
-training, ``--help``. Subprocesses that stop before training (a few seconds each)."""
+"""``twell-train`` as a user runs it: a misspelled key, a run that fails before training (its
+folders removed), a read-only run dir, ``--help``, and ``-m`` sweeps in which jobs fail.
+Subprocesses; all but the sweeps stop before training."""
 
 import os
 import subprocess
@@ -149,3 +150,118 @@ def test_data_help_describes_itself_once_and_points_to_the_real_readme(capsys):
     out = capsys.readouterr().out
     assert out.count("build, inspect and verify") == 1
     assert "DATA.md" not in out and "train/data/README.md" in out
+
+
+# ------------------------------------------------------------------ sweeps, failed starts
+
+
+def _tokens(tmp_path):
+    from tests.train_utils import write_tokens
+
+    return write_tokens(tmp_path / "tok.bin", n_tokens=8_000)
+
+
+def test_sweep_runs_every_job_and_lists_the_failed_ones(tmp_path):
+    """-m over a good lr, a diverging one (1e30: NaN at step 2) and a config error (-1): every
+    job runs, each failed job's dir holds its reason in error.txt, the sweep ends with the
+    failed jobs (labelled by what differs) and exit 2."""
+    sweep = tmp_path / "sweep"
+    r = _train_cli("-m", "data=tokens", f"data.paths=[{_tokens(tmp_path)}]", *SMALL,
+                   "trainer.max_steps=2", "trainer.log_every=1", f"hydra.sweep.dir={sweep}",
+                   "optim.lr=5e-4,1e30,-1", timeout=600)
+    assert r.returncode == 2, r.stderr[-3000:]
+    jobs = {int(p.name): p for p in sweep.iterdir() if p.is_dir()}
+    assert sorted(jobs) == [0, 1, 2]
+    assert (jobs[0] / "summary.json").is_file() and not (jobs[0] / "error.txt").exists()
+    diverged = (jobs[1] / "error.txt").read_text()
+    assert diverged.startswith("NonFiniteLossError: non-finite loss or gradient at step 2")
+    assert diverged.count("\n") == 1 and not (jobs[1] / "summary.json").exists()
+    assert diverged.strip() in (jobs[1] / "train.log").read_text()
+    assert (jobs[2] / "error.txt").read_text().startswith("ConfigError: optim.lr must be")
+    tail = r.stderr[r.stderr.index("sweep: 2 of 3 jobs failed:"):].splitlines()
+    assert len(tail) == 3, tail
+    assert tail[1].startswith("  #1 optim.lr=1") and ": NonFiniteLossError: " in tail[1]
+    assert " trainer." not in tail[1]  # only the override that differs between the jobs
+    assert tail[2].startswith("  #2 optim.lr=-1: ConfigError: optim.lr must be")
+    assert tail[2].endswith(f"({jobs[2] / 'error.txt'})")
+
+
+def _injected_cli(tmp_path, *args, fail_seed: int):
+    """``twell-train`` with Trainer raising an unexpected RuntimeError for trainer.seed ==
+    ``fail_seed`` (a bug stand-in), through the real CLI entry point."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import sys\n"
+        "import train.trainer\n"
+        "init = train.trainer.Trainer.__init__\n"
+        "def init_or_fail(self, cfg, *a, **k):\n"
+        f"    if cfg.trainer.seed == {fail_seed}:\n"
+        "        raise RuntimeError('injected bug')\n"
+        "    init(self, cfg, *a, **k)\n"
+        "train.trainer.Trainer.__init__ = init_or_fail\n"
+        "from train.main import cli\n"
+        "cli()\n")
+    return subprocess.run([sys.executable, str(driver), *args], cwd=ROOT, env=ENV, check=False,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_an_unexpected_error_in_one_sweep_job_leaves_the_others_running(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = _injected_cli(tmp_path, "-m", "data=tokens", f"data.paths=[{_tokens(tmp_path)}]", *SMALL,
+                      f"hydra.sweep.dir={sweep}", "trainer.seed=1,7,3", fail_seed=7)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert (sweep / "0" / "summary.json").is_file() and (sweep / "2" / "summary.json").is_file()
+    assert (sweep / "1" / "error.txt").read_text() == "RuntimeError: injected bug\n"
+    assert "Traceback" in r.stderr  # a bug keeps its traceback
+    assert "sweep: 1 of 3 jobs failed:\n  #1 trainer.seed=7: RuntimeError: injected bug" in r.stderr
+
+
+def test_a_failed_start_removes_the_folders_it_made_and_nothing_else(tmp_path):
+    """An unexpected error before training (not only our one-line errors) removes the run dir
+    Hydra made and the parents made for it (runs/<date>/), never a folder that existed."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "keep.txt").write_text("mine")
+    run_dir = tmp_path / "runs" / "2026-12-01" / "10-00-00"
+    r = _injected_cli(tmp_path, "data=tokens", f"data.paths=[{_tokens(tmp_path)}]", *SMALL,
+                      f"hydra.run.dir={run_dir}", "trainer.seed=7", fail_seed=7)
+    assert r.returncode == 1 and "RuntimeError: injected bug" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "runs" / "2026-12-01").exists()
+    assert (tmp_path / "runs" / "keep.txt").read_text() == "mine"
+    empty = tmp_path / "empty"  # an existing empty folder as the run dir: left in place
+    empty.mkdir()
+    r = _train_cli("model.seq_len=1", f"hydra.run.dir={empty}")
+    assert r.returncode == 2 and empty.is_dir()
+    assert _stderr_lines(r) == [("ConfigError: model.seq_len=1 leaves no next-token target in a "
+                                 "block (the loss would be NaN); set model.seq_len>=2.")]
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder the process cannot write: a read-only tmpfs (as root), else chmod 555."""
+    import os
+
+    d = tmp_path / "ro"
+    d.mkdir()
+    if os.geteuid() == 0:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)],
+                           check=False, capture_output=True)
+        if r.returncode:
+            pytest.skip("running as root without mount: no read-only folder to test")
+        yield d
+        subprocess.run(["umount", str(d)], check=False)
+    else:
+        d.chmod(0o555)
+        yield d
+        d.chmod(0o755)
+
+
+def test_read_only_run_dir_is_one_line(read_only_dir):
+    for run_dir in (read_only_dir, read_only_dir / "runs" / "x"):
+        r = _train_cli(f"hydra.run.dir={run_dir}", "trainer.max_steps=1")
+        assert r.returncode == 2, r.stderr[-2000:]
+        err = _stderr_lines(r)
+        assert len(err) == 1 and "Traceback" not in r.stderr, err
+        assert err[0].startswith(f"ConfigError: the run dir {run_dir} cannot be written")
+        assert err[0].endswith("set hydra.run.dir to a writable folder.")
+    r = _train_cli("-m", f"hydra.sweep.dir={read_only_dir / 's'}", "trainer.seed=1,2")
+    assert r.returncode == 2 and "set hydra.sweep.dir to a writable folder." in r.stderr

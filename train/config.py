@@ -121,6 +121,9 @@ class ModelConfig:
                     "seq_len"):
             if getattr(self, key) is not None:
                 _check_positive_int(f"model.{key}", getattr(self, key))
+        if self.seq_len == 1:  # labels = inputs shifted by one: a 1-token block has no target
+            raise ConfigError("model.seq_len=1 leaves no next-token target in a block (the loss "
+                              "would be NaN); set model.seq_len>=2.")
         if self.hidden_size is not None and self.num_heads and self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads="
@@ -250,7 +253,9 @@ class TrainerConfig:
     precision: str = "auto"
     """auto (bf16 autocast on GPU, fp32 on CPU) | bf16 (autocast, fp32 master weights) | fp32."""
     cpu: bool = False
-    """Force CPU even when a GPU is present."""
+    """Train on the CPU even when a GPU is present. Several CPU processes (accelerate launch
+    --num_processes N ... on a machine without a GPU) need it too: they then train together
+    (DDP over gloo); without it the launch is refused."""
     num_threads: int | None = None
     """torch CPU threads (torch.set_num_threads); null = torch's default."""
     grad_checkpointing: bool | None = False
@@ -403,6 +408,10 @@ class TrainerConfig:
                               "model is compiled already; use one of them.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"trainer.num_threads must be >= 1 or null; got {self.num_threads}.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
+                not 0 <= self.seed < 2**32:  # numpy's legacy seeding (accelerate's set_seed)
+            raise ConfigError(f"trainer.seed must be an integer in [0, 2**32); got "
+                              f"{self.seed!r}. Set trainer.seed=<value >= 0>.")
 
 
 @dataclass

@@ -7,8 +7,11 @@
 
 The run directory is Hydra's run dir (``hydra.run.dir``; default ``runs/<date>/<time>``).
 Before Hydra composes the config, :func:`check_overrides` refuses a key the schema does not
-have (one line with the valid keys and the closest spelling, exit code 2); a run that fails
-before it trains removes the run dir made for it (``train.rundir``).
+have (one line with the valid keys and the closest spelling, exit code 2). A failed run prints
+one line and writes it to ``<run dir>/error.txt`` (exit code 2); one that fails before it trains
+removes the run dir and the folders made for it (``train.rundir``). In a ``-m`` sweep a failed
+job keeps its run dir with ``error.txt``, the other jobs run, and the sweep ends with the list of
+failed jobs (exit code 2).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from train.config import RENAMED_KEYS, ConfigError, TrainConfig, register_configs
+from train.report import ERROR_FILE  # a failed run's one-line reason (twell-report reads it)
 
 register_configs()
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -41,6 +45,9 @@ def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
         tcfg: TrainConfig = OmegaConf.to_object(cfg)  # runs every __post_init__ check
     except ValueError as e:  # ConfigError and the data config's checks: one line, no traceback
         raise ConfigError(str(e)) from None
+    from train.parallel import check_launch
+
+    check_launch(tcfg.trainer.cpu)  # a multi-process launch the accelerator would not join
     trainer = Trainer(tcfg, run_dir)
     try:
         summary = trainer.train()
@@ -141,49 +148,157 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
         raise ConfigError(unknown_key_message(None, extra[0], TrainConfig.__dataclass_fields__))
 
 
-@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
-def _main(cfg: DictConfig) -> float | None:
+_CREATED: set[Path] = set()  # folders Hydra is about to create for this invocation (StartCallback)
+_SWEEP: dict[str, list] = {"jobs": [], "failed": []}  # -m, Hydra's basic launcher: job overrides;
+# failed jobs as (job index, reason line, error file)
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """The errors a run reports in one line (exit code 2), without a traceback: bad config, bad
+    data or a failed fetch, a damaged checkpoint, a diverged run."""
     from offline.fetch import FetchError
     from train.data import DataError
     from train.trainer import NonFiniteLossError
+    from twell.hf import CheckpointError
 
+    return ConfigError, NonFiniteLossError, DataError, FetchError, CheckpointError
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
+def _main(cfg: DictConfig) -> float | None:
+    """One run (or one job of a ``-m`` sweep). A failure is one line on stderr (a traceback for
+    an unexpected error) and in ``<run dir>/error.txt``; a single run then exits 2, a sweep job
+    returns so the next job runs (:func:`cli` lists the failed jobs at the end)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    sweep = hc.mode == RunMode.MULTIRUN
+    run_dir = Path(hc.runtime.output_dir)
+    if _is_rank0():
+        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a rerun in the same dir starts clean
+        if sweep:
+            _SWEEP["jobs"].append(list(hc.overrides.task))
     try:
-        summary = run(cfg)
-    except (ConfigError, NonFiniteLossError, DataError, FetchError) as e:
-        line = f"{type(e).__name__}: {e}"
-        print(line, file=sys.stderr)
-        _after_failure(line)
-        sys.exit(2)
+        summary = run(cfg, str(run_dir))
+    except Exception as e:  # reported below; only a sweep goes on
+        expected = isinstance(e, expected_errors())
+        line = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        if expected:
+            print(line, file=sys.stderr)
+        elif sweep:  # a bug: its traceback stays visible, the other jobs still run
+            import traceback
+
+            traceback.print_exc()
+        _after_failure(run_dir, line, keep=sweep)
+        if sweep:
+            if _is_rank0():
+                _SWEEP["failed"].append((len(_SWEEP["jobs"]) - 1, line, run_dir / ERROR_FILE))
+            return None
+        if expected:
+            sys.exit(2)
+        raise
     return summary.get("val_loss")  # what a Hydra sweeper would minimise
 
 
-def _after_failure(line: str) -> None:
-    """A run that failed before it trained leaves no run dir behind (only one this invocation
-    made and that holds nothing but Hydra's files, the lock and the log); a run dir that stays
-    gets the error in its train.log. Rank 0 only."""
+def _is_rank0() -> bool:
     import os
-    import time
 
-    from hydra.core.hydra_config import HydraConfig
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _after_failure(run_dir: Path, line: str, *, keep: bool = False) -> None:
+    """After a failed run (rank 0 only): a run that failed before it trained leaves no run dir
+    behind (only one this invocation made, holding nothing but Hydra's files, the lock and the
+    log), nor the empty folders made for it (``runs/<date>/``); a run dir that stays (``keep``:
+    a sweep job's) gets the reason in ``error.txt`` and ``train.log``."""
+    import time
 
     from train.rundir import remove_failed_run_dir
 
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not _is_rank0():
         return
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if not remove_failed_run_dir(run_dir) and (run_dir / "train.log").is_file():
-        with (run_dir / "train.log").open("a") as f:
-            f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
+    if not keep and remove_failed_run_dir(run_dir):
+        parent = run_dir.resolve().parent
+        while parent in _CREATED and parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
+            parent = parent.parent
+        return
+    if not run_dir.is_dir():
+        return
+    try:
+        (run_dir / ERROR_FILE).write_text(line + "\n")
+        if (run_dir / "train.log").is_file():
+            with (run_dir / "train.log").open("a") as f:
+                f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
+    except OSError:  # a full or read-only disk: the line on stderr is all there is
+        pass
+
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover (hydra is imported above)
+    Callback = object
+
+
+class StartCallback(Callback):
+    """Hydra callback (``hydra.callbacks`` in configs/train.yaml), before Hydra creates the run
+    dir (``-m``: the sweep dir): a folder that cannot be written is one ConfigError line (exit
+    2) instead of Hydra's traceback, and every folder about to be created (``runs/<date>/``
+    too) is noted, so that a failed start removes what it made and nothing else."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        check_writable(str(config.hydra.run.dir), "hydra.run.dir")
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        check_writable(str(config.hydra.sweep.dir), "hydra.sweep.dir")
+
+
+def check_writable(run_dir: str, key: str) -> None:
+    """Exit 2 with one line when ``run_dir`` (or, if it does not exist yet, its nearest existing
+    parent) cannot be written; note the missing folders in between (:data:`_CREATED`)."""
+    import os
+
+    d = Path(run_dir).resolve()
+    p = d
+    while not p.exists():
+        _CREATED.add(p)
+        p = p.parent
+    if not (p.is_dir() and os.access(p, os.W_OK | os.X_OK)):
+        where = "it" if p == d else f"its parent {p}"
+        print(f"ConfigError: the run dir {d} cannot be written ({where} is "
+              f"{'read-only' if p.is_dir() else 'not a folder'}); set {key} to a writable "
+              "folder.", file=sys.stderr)
+        sys.exit(2)
 
 
 def cli() -> None:
-    """Console entry point ``twell-train`` (Hydra parses sys.argv)."""
+    """Console entry point ``twell-train`` (Hydra parses sys.argv). A ``-m`` sweep in which a job
+    failed ends with the list of failed jobs and exit code 2 (with Hydra's basic launcher, the
+    default, which runs the jobs in this process; under another launcher the reasons are in the
+    jobs' ``error.txt`` only)."""
     try:
         check_overrides(sys.argv[1:])
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
         sys.exit(2)
     _main()
+    if _SWEEP["failed"]:
+        print(sweep_failures(_SWEEP["jobs"], _SWEEP["failed"]), file=sys.stderr)
+        sys.exit(2)
+
+
+def sweep_failures(jobs: list[list[str]], failed: list[tuple[int, str, Path]]) -> str:
+    """The closing lines of a sweep with failed jobs: each by its number and the overrides that
+    differ between the sweep's jobs (all of them when only one job ran), its reason and the
+    file holding it."""
+    varying = [o for o in dict.fromkeys(o for job in jobs for o in job)
+               if not all(o in job for job in jobs)] if len(jobs) > 1 else None
+    lines = [f"sweep: {len(failed)} of {len(jobs)} jobs failed:"]
+    for i, line, where in failed:
+        label = " ".join(o for o in jobs[i] if varying is None or o in varying)
+        lines.append(f"  #{i} {label}: {line} ({where})")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,42 @@ from torch import nn
 from train.config import ConfigError
 
 
+def check_launch(cpu: bool, env=None) -> None:
+    """Refuse a multi-process launch whose processes would not join one run.
+
+    ``accelerate launch --num_processes N`` (and torchrun) set ``WORLD_SIZE=N``; on a machine
+    without a GPU accelerate forms the process group only with ``cpu=True``
+    (``trainer.cpu=true``: DDP over gloo), else every process becomes its own 1-process run in
+    the same run dir (measured: accelerate 1.15, ``distributed_type`` NO, ``num_processes`` 1
+    on each of 2 ranks). Called before the trainer is built (``train.main.run``).
+
+    Args:
+        cpu: ``trainer.cpu``.
+        env: the environment (default ``os.environ``).
+
+    Raises:
+        ConfigError: WORLD_SIZE > 1 without a CUDA device and without trainer.cpu=true, or more
+            processes on this machine (LOCAL_WORLD_SIZE) than it has GPUs.
+    """
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE") or 1)
+    if world <= 1 or cpu:
+        return
+    local = int(env.get("LOCAL_WORLD_SIZE") or world)
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise ConfigError(
+            f"the launcher started {world} processes (WORLD_SIZE={world}) but this machine has no "
+            "GPU and trainer.cpu=false, so each process would train alone as its own 1-process "
+            "run; add trainer.cpu=true to train them together on the CPU (DDP over gloo), or "
+            f"launch on a machine with {local} GPUs.")
+    if gpus < local:
+        raise ConfigError(
+            f"the launcher started {local} processes on this machine (LOCAL_WORLD_SIZE={local}) "
+            f"but it has {gpus} GPU(s); launch with --num_processes {gpus} (one per GPU), or add "
+            "trainer.cpu=true to train on the CPU.")
+
+
 @dataclass
 class FSDPSettings:
     """FSDP2 options the trainer honours (from the accelerate YAML's ``fsdp_config``)."""

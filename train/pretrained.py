@@ -104,18 +104,36 @@ def _read_vocab(path: Path, kind: str) -> dict[str, int] | None:
     return None
 
 
+def _checked(spec: str, fn, *args, **kw):
+    """``fn(*args, **kw)`` with a damaged file (:class:`twell.hf.CheckpointError`) reported as
+    the ConfigError of ``model.init_from``."""
+    from twell.hf import CheckpointError
+
+    try:
+        return fn(*args, **kw)
+    except CheckpointError as e:
+        raise ConfigError(f"model.init_from={spec!r}: {e}") from None
+
+
 def inspect_checkpoint(spec: str) -> PretrainedSource:
-    """Read a checkpoint's config and vocabulary (cheap: no weights).
+    """Read a checkpoint's config and vocabulary (cheap: no weights; the files are checked for
+    truncation: safetensors and GGUF headers, config.json).
 
     Raises:
-        ConfigError: bad path, not a Llama model, or an FFN with biases (SparseGatedMLP has none).
+        ConfigError: bad path, a truncated or damaged file, not a Llama model, or an FFN with
+            biases (SparseGatedMLP has none).
     """
     from transformers import AutoConfig
 
+    from twell.hf import check_gguf, read_config_json, tensor_names
+
     path, kind = resolve_path(spec)
     if kind == "gguf":
+        _checked(spec, check_gguf, path)
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     else:
+        _checked(spec, read_config_json, path)
+        _checked(spec, tensor_names, path)
         config = AutoConfig.from_pretrained(str(path))
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
@@ -246,15 +264,20 @@ def relufy(model) -> int:
 
 
 def load_source_model(src: PretrainedSource):
-    """The checkpoint as stored (its own activation), fp32, on CPU."""
+    """The checkpoint as stored (its own activation), fp32, on CPU.
+
+    Raises:
+        ConfigError: a weight is missing from the checkpoint or unexpected in it (named), or a
+            file is truncated (:func:`twell.hf.from_pretrained_strict`).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
-    if src.kind == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(src.path.parent), gguf_file=src.path.name,
-                                                     dtype=torch.float32)
-        return _drop_gguf_quantizer(model)
-    return AutoModelForCausalLM.from_pretrained(str(src.path), dtype=torch.float32)
+    from twell.hf import from_pretrained_strict
+
+    model = _checked(src.spec, from_pretrained_strict, AutoModelForCausalLM, src.path,
+                     dtype=torch.float32)
+    return _drop_gguf_quantizer(model) if src.kind == "gguf" else model
 
 
 def _drop_gguf_quantizer(model):
@@ -289,7 +312,7 @@ def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
     from twell.nn import convert_mlps
 
     if not src.gated:  # twell's non-gated checkpoints are ReLU already; they need its own loader
-        return load_model(src.path, ffn_impl=mcfg.ffn_impl).train(), 0
+        return _checked(src.spec, load_model, src.path, ffn_impl=mcfg.ffn_impl).train(), 0
     if load_weights:
         model = load_source_model(src)
         switched = relufy(model)

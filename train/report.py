@@ -25,8 +25,9 @@ table (arXiv 2603.23198, "Results": non-zeros per token fall with model size at 
   step) and (``--position-batches N``) L0 vs token position, measured from each run's final
   checkpoint on N validation micro-batches (the trainer does not log it).
 
-Errors name the run directory: :class:`IncompleteRunError` (no summary.json: crashed, killed or
-still running), :class:`MismatchError` (runs compared on different data, tokens seen or seq_len).
+Errors name the run directory: :class:`IncompleteRunError` (no or a damaged summary.json: with
+the hint its cause calls for, from ``error.txt``: diverged, failed, or crashed / killed / still
+running), :class:`MismatchError` (runs compared on different data, tokens seen or seq_len).
 
 Shape legend: L layers, T sequence positions, H FFN width, B sequences, D model width.
 """
@@ -49,6 +50,7 @@ TASK_SHORT = {"hellaswag": "HS", "commonsense_qa": "CSQA", "piqa": "PIQA", "wino
               "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "openbookqa": "OBQA"}
 # data keys that do not change which tokens a run sees
 _DATA_IGNORE = ("cache_dir", "build_if_missing", "verify", "num_proc")
+ERROR_FILE = "error.txt"  # a failed run's one-line reason in its run dir (written by twell-train)
 
 
 class ReportError(ValueError):
@@ -56,7 +58,8 @@ class ReportError(ValueError):
 
 
 class IncompleteRunError(ReportError):
-    """The run has no summary.json (it crashed, was killed or is still running)."""
+    """The run has no readable summary.json (it diverged, failed, crashed, was killed or is
+    still running; or the file was cut off)."""
 
 
 class MismatchError(ReportError):
@@ -164,23 +167,50 @@ def load_run(run_dir: str | Path) -> Run:
     d = Path(run_dir)
     if not (d / "config.yaml").is_file():
         raise ReportError(f"{d}: no config.yaml; not a twell-train run directory")
-    config = OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=True)
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=True)
+    except Exception as e:  # noqa: BLE001  (yaml's and OmegaConf's errors: a damaged file)
+        raise ReportError(f"{d / 'config.yaml'}: not a readable config ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())}); the file is damaged") from None
     rows = _read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
     by_kind: dict[str, list[dict]] = {"train": [], "val": [], "eval": []}
     for r in rows:
         by_kind.setdefault(r.get("kind", "train"), []).append(r)
     max_steps = config.get("trainer", {}).get("max_steps")
+    last = by_kind["train"][-1]["step"] if by_kind["train"] else 0
     if not (d / "summary.json").is_file():
-        last = by_kind["train"][-1]["step"] if by_kind["train"] else 0
+        raise IncompleteRunError(incomplete_reason(d, last, max_steps))
+    try:
+        summary = json.loads((d / "summary.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise IncompleteRunError(
-            f"{d}: incomplete run: no summary.json (last logged step {last} of {max_steps}); it "
-            "crashed, was killed or is still running: rerun the same command to resume it, or "
-            "leave it out (--skip-incomplete)")
-    summary = json.loads((d / "summary.json").read_text())
+            f"{d / 'summary.json'}: not valid JSON ({e}); the file is damaged (cut off while "
+            "written): rerun the same command to write it again from the run's last checkpoint, "
+            "or leave the run out (--skip-incomplete)") from None
     if max_steps is not None and summary.get("step", 0) < max_steps:
         raise IncompleteRunError(f"{d}: incomplete run: summary.json is at step "
                                  f"{summary.get('step')} of trainer.max_steps={max_steps}")
     return Run(d, config, summary, by_kind["train"], by_kind["val"], by_kind["eval"])
+
+
+def incomplete_reason(d: Path, last: int, max_steps) -> str:
+    """Why a run has no summary.json and what to do, by its cause: the reason twell-train wrote
+    to ``error.txt`` (a diverged run: rerunning repeats the divergence; another failure: fix
+    it), else a crashed, killed or still running run (rerunning resumes it)."""
+    err = d / ERROR_FILE
+    reason = " ".join(err.read_text(errors="replace").split()) if err.is_file() else ""
+    at = f"last logged step {last} of {max_steps}"
+    if reason.startswith("NonFiniteLossError"):
+        return (f"{d}: diverged run ({at}): {reason}. Rerunning the same command diverges "
+                "again: resume its last good checkpoint with a lower optim.lr (trainer.resume="
+                "<checkpoint> trainer.resume_allow_changes=true optim.lr=...) or start a new run "
+                "with a lower optim.lr or longer optim.warmup_steps, or leave it out "
+                "(--skip-incomplete)")
+    if reason:
+        return (f"{d}: failed run ({at}): {reason}. Fix that and run it again, or leave it out "
+                "(--skip-incomplete)")
+    return (f"{d}: incomplete run: no summary.json ({at}); it crashed, was killed or is still "
+            "running: rerun the same command to resume it, or leave it out (--skip-incomplete)")
 
 
 def load_runs(run_dirs: list[Path], *, skip_incomplete: bool = False
@@ -260,6 +290,7 @@ def run_row(run: Run) -> dict:
         "val_loss": s.get("val_loss"),
         "l0_mean": s.get("l0_mean"),
         "l0_layer_max": max(l0_layers) if l0_layers else None,
+        "l0_layers": list(l0_layers) or None,
         "nnz_max": s.get("nnz_max"),
         "dead_pct": s.get("dead_pct"),
         **{f"acc_{t}": pct(ev.get(f"eval_{t}")) for t in TASKS},
@@ -307,14 +338,40 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
+def csv_header() -> dict[str, str]:
+    """CSV column name per :data:`COLUMNS` key: a task's score column is named by its primary
+    metric (``acc_norm_hellaswag``, ``acc_winogrande``; :data:`evals.tasks.TASKS`), the mean of
+    them ``primary_mean``; ``l0_layers`` holds the final L0 of every layer, ``;``-separated."""
+    from evals.tasks import TASKS as TASK_SPECS
+
+    return {**{c: c for c in COLUMNS}, **{f"acc_{t}": f"{TASK_SPECS[t].primary}_{t}" for t in TASKS},
+            "acc_mean": "primary_mean", "l0_layers": "l0_layers"}
+
+
 def csv_text(rows: list[dict]) -> str:
-    """All :data:`COLUMNS` as CSV (full precision; accuracies in percent; empty = no value)."""
+    """All :data:`COLUMNS` and the per-layer L0 as CSV, headed by :func:`csv_header` (full
+    precision; accuracies in percent; empty = no value)."""
+    head = csv_header()
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
-    w.writeheader()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(head.values())
     for r in rows:
-        w.writerow({c: "" if r.get(c) is None else r[c] for c in COLUMNS})
+        w.writerow(["" if r.get(c) is None else
+                    ";".join(f"{v:g}" for v in r[c]) if c == "l0_layers" else r[c]
+                    for c in head])
     return buf.getvalue()
+
+
+def l0_layer_table(rows: list[dict]) -> str:
+    """Markdown table of the final L0 of every layer, one row per run (``rows`` from
+    :func:`run_row` with their ``setting`` labels); a run with fewer layers gets n/a."""
+    n = max((len(r["l0_layers"]) for r in rows if r.get("l0_layers")), default=0)
+    table = []
+    for r in rows:
+        layers = r.get("l0_layers") or []
+        table.append({"run": r["run"], "setting": r.get("setting"),
+                      **{f"layer {i}": layers[i] if i < len(layers) else None for i in range(n)}})
+    return markdown_table(table, ["run", "setting"] + [f"layer {i}" for i in range(n)])
 
 
 # ---------------------------------------------------------------- pairs
@@ -346,14 +403,34 @@ def _value_text(v) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def run_labels(runs: list[Run]) -> dict[Path, str]:
-    """A label per run directory naming what sets it apart: ``key=value`` for every config key
-    whose value differs between the runs (``sparsity.l1_coeff=0.001``), in key order.
+MAX_LABEL = 60  # characters of a run label in tables and legends; a longer one is cut, numbered,
+# and spelled out in the report's label legend
 
-    Bookkeeping keys (logging, progress bars, resume, data cache) are left out, and so are the
-    shape keys of ``model`` when ``model.name`` already differs. Runs with identical configs (or
-    a single run) are labelled by their directory name; equal labels get it appended.
-    """
+
+def _overrides(run: Run) -> list[str] | None:
+    """The run's command-line overrides (``.hydra/overrides.yaml``) without bookkeeping ones,
+    or None when it has none saved."""
+    from omegaconf import OmegaConf
+
+    f = run.dir / ".hydra" / "overrides.yaml"
+    try:
+        found = OmegaConf.to_container(OmegaConf.load(f)) if f.is_file() else None
+    except Exception:  # noqa: BLE001  (a damaged file: fall back to the config)
+        return None
+    if not isinstance(found, list):
+        return None
+    return [str(o) for o in found
+            if not str(o).lstrip("+~").startswith(("hydra.", *_LABEL_IGNORE))]
+
+
+def full_labels(runs: list[Run]) -> dict[Path, str]:
+    """A label per run directory naming what sets it apart, uncut (see :func:`run_labels`)."""
+    ovs = {r.dir: _overrides(r) for r in runs}
+    if len(runs) > 1 and all(v is not None for v in ovs.values()):
+        common = set.intersection(*(set(v) for v in ovs.values()))
+        by_overrides = {d: " ".join(o for o in v if o not in common) for d, v in ovs.items()}
+        if all(by_overrides.values()) and len(set(by_overrides.values())) == len(runs):
+            return by_overrides
     flats = {r.dir: {k: v for k, v in _flat(r.config).items() if not k.startswith(_LABEL_IGNORE)}
              for r in runs}
     keys = sorted({k for f in flats.values() for k in f
@@ -367,6 +444,31 @@ def run_labels(runs: list[Run]) -> dict[Path, str]:
         counts[lab] = counts.get(lab, 0) + 1
     return {d: (f"{lab} ({d.name})" if counts[lab] > 1 and lab != d.name else lab)
             for d, lab in labels.items()}
+
+
+def run_labels(runs: list[Run]) -> dict[Path, str]:
+    """A label per run directory naming what sets it apart, at most :data:`MAX_LABEL` long.
+
+    When every run was started by twell-train and their command lines tell them apart: the
+    overrides not shared by all of them (``model=small_l4 sparsity.l1_coeff=1e-3``). Otherwise
+    ``key=value`` for every config key whose value differs between the runs
+    (``sparsity.l1_coeff=0.001``), in key order: bookkeeping keys (logging, progress bars,
+    resume, data cache) are left out, and so are the shape keys of ``model`` when
+    ``model.name`` already differs; runs with identical configs (or a single run) are labelled
+    by their directory name, equal labels get it appended. A longer label is cut and numbered
+    (``[2] model.hidden_size=...``); :func:`label_legend` spells it out.
+    """
+    return {d: _cut(i, lab) for i, (d, lab) in enumerate(full_labels(runs).items(), 1)}
+
+
+def _cut(i: int, label: str) -> str:
+    return label if len(label) <= MAX_LABEL else f"[{i}] {label[:MAX_LABEL - 6].rstrip()}\u2026"
+
+
+def label_legend(runs: list[Run]) -> list[str]:
+    """``[i] full label`` for each label :func:`run_labels` cut (same numbering)."""
+    return [f"[{i}] {lab}" for i, lab in enumerate(full_labels(runs).values(), 1)
+            if len(lab) > MAX_LABEL]
 
 
 def variant_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
@@ -564,6 +666,18 @@ def _style(i: int) -> dict:
     return {"ls": _STYLES[i % len(_STYLES)], "marker": _MARKERS[i % len(_MARKERS)], "ms": 3}
 
 
+@dataclass
+class _PlotInput:
+    """What every plot stage reads: the runs, their labels and table rows, the plain runs
+    (constant L1 or dense, torch FFN) and their (non-embedding params, size name) pairs."""
+
+    runs: list[Run]
+    labels: dict[Path, str]
+    rows: dict[Path, dict]
+    plain: list[Run]
+    sizes: list[tuple]
+
+
 def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
                 notes: list[str] | None = None) -> list[Path]:
     """PNG plots (matplotlib, Agg) into ``out_dir``; returns the files written.
@@ -586,51 +700,68 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator, PercentFormatter
 
     out_dir.mkdir(parents=True, exist_ok=True)
     notes = [] if notes is None else notes
-    written = []
-    labels = run_labels(runs)
-    label_of_name = {r.name: labels[r.dir] for r in runs}
     rows = {r.dir: run_row(r) for r in runs}
     plain = [r for r in runs if r.variant in ("l1", "dense")
              and r.config["model"].get("ffn_impl", "torch") == "torch"]
-
-    def save(fig, name):
-        p = out_dir / name
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
-
-    # L0 vs model size, one line per L1 coefficient
     sizes = sorted({(rows[r.dir]["nonemb_params_M"], rows[r.dir]["size"]) for r in plain})
-    if len(sizes) < 2:
-        notes.append("l0_vs_size.png: not drawn (one model size; it needs two or more)")
-    else:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        l0s = []
-        for coeff in sorted({rows[r.dir]["l1_coeff"] for r in plain}):
-            pts = sorted((rows[r.dir]["nonemb_params_M"], rows[r.dir]["l0_mean"],
-                          rows[r.dir]["layers"]) for r in plain
-                         if rows[r.dir]["l1_coeff"] == coeff and rows[r.dir]["l0_mean"] is not None)
-            if pts:
-                l0s += [p[1] for p in pts]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-",
-                        label=f"L1 = {_fmt(float(coeff), 'l1_coeff')}")
-                for x, y, layers in pts:
-                    ax.annotate(f"{layers}L", (x, y), textcoords="offset points", xytext=(3, 3),
-                                fontsize=7)
-        ax.set_xlabel("non-embedding parameters (M)")
-        ax.set_ylabel("L0: active FFN units per token\n(final, mean over layers)")
-        _value_axis(ax, l0s)
-        _value_axis(ax, [p[0] for p in sizes], "x")
-        ax.set_title("Active units vs model size")
-        ax.legend(fontsize=8)
-        save(fig, "l0_vs_size.png")
+    inp = _PlotInput(runs, run_labels(runs), rows, plain, sizes)
+    stages = [("l0_vs_size.png", _plot_l0_vs_size), ("acc_loss_vs_l1.png", _plot_acc_loss_vs_l1),
+              ("l0_per_layer.png", _plot_l0_per_layer), ("train_curves.png", _plot_train_curves)]
+    if position:
+        stages.append(("l0_by_position.png",
+                       lambda inp, notes: _plot_l0_by_position(inp, position)))
+    written = []
+    for name, draw in stages:
+        fig = draw(inp, notes)
+        if fig is None:
+            continue
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        written.append(out_dir / name)
+    return written
 
-    # mean accuracy and validation loss vs L1, one line per size
+
+def _plot_l0_vs_size(inp: _PlotInput, notes: list[str]):
+    """L0 vs model size, one line per L1 coefficient (None: fewer than two sizes)."""
+    import matplotlib.pyplot as plt
+
+    rows, plain = inp.rows, inp.plain
+    if len(inp.sizes) < 2:
+        notes.append("l0_vs_size.png: not drawn (one model size; it needs two or more)")
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    l0s = []
+    for coeff in sorted({rows[r.dir]["l1_coeff"] for r in plain}):
+        pts = sorted((rows[r.dir]["nonemb_params_M"], rows[r.dir]["l0_mean"],
+                      rows[r.dir]["layers"]) for r in plain
+                     if rows[r.dir]["l1_coeff"] == coeff and rows[r.dir]["l0_mean"] is not None)
+        if pts:
+            l0s += [p[1] for p in pts]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-",
+                    label=f"L1 = {_fmt(float(coeff), 'l1_coeff')}")
+            for x, y, layers in pts:
+                ax.annotate(f"{layers}L", (x, y), textcoords="offset points", xytext=(3, 3),
+                            fontsize=7)
+    ax.set_xlabel("non-embedding parameters (M)")
+    ax.set_ylabel("L0: active FFN units per token\n(final, mean over layers)")
+    _value_axis(ax, l0s)
+    _value_axis(ax, [p[0] for p in inp.sizes], "x")
+    ax.set_title("Active units vs model size")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_acc_loss_vs_l1(inp: _PlotInput, notes: list[str]):
+    """Mean accuracy and validation loss vs L1, one line per size (None: one L1 value, or
+    neither accuracy nor validation loss)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
+
+    rows, plain = inp.rows, inp.plain
     coeffs_plain = sorted({rows[r.dir]["l1_coeff"] for r in plain})
     has_acc = any(rows[r.dir]["acc_mean"] is not None for r in plain)
     has_val = any(rows[r.dir]["val_loss"] is not None for r in plain)
@@ -638,135 +769,152 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
         notes.append("acc_loss_vs_l1.png: not drawn (" + (
             "one L1 value; it needs two or more" if len(coeffs_plain) < 2
             else "no accuracy or validation loss") + ")")
-    else:
-        panels = [p for p, has in (("acc", has_acc), ("val", has_val)) if has]
-        if not has_acc:
-            notes.append("acc_loss_vs_l1.png: no accuracy panel (no run has eval results)")
-        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-        ax_of = dict(zip(panels, axes[0]))
-        for _, size in sizes or [(None, rows[r.dir]["size"]) for r in plain[:1]]:
-            rs = sorted((rows[r.dir] for r in plain if rows[r.dir]["size"] == size),
-                        key=lambda x: x["l1_coeff"])
-            for panel, key in (("acc", "acc_mean"), ("val", "val_loss")):
-                pts = [(x["l1_coeff"], x[key]) for x in rs if x[key] is not None]
-                if panel in ax_of and pts:
-                    ax_of[panel].plot(*zip(*pts), "o-", label=size)
-        for panel, ax in ax_of.items():
-            _symlog_x(ax, coeffs_plain)
-            ax.set_xlabel("L1 coefficient")
-            ax.legend(fontsize=8)
-        if "acc" in ax_of:
-            ax_of["acc"].set_ylabel("mean accuracy, 7 tasks")
-            ax_of["acc"].yaxis.set_major_formatter(PercentFormatter(xmax=100))
-            ax_of["acc"].set_title("Downstream accuracy vs L1")
-        if "val" in ax_of:
-            _value_axis(ax_of["val"], [])  # plain labels: no "+1.01e1" offset
-            ax_of["val"].set_ylabel("validation loss (CE)")
-            ax_of["val"].set_title("Validation loss vs L1")
-        save(fig, "acc_loss_vs_l1.png")
+        return None
+    panels = [p for p, has in (("acc", has_acc), ("val", has_val)) if has]
+    if not has_acc:
+        notes.append("acc_loss_vs_l1.png: no accuracy panel (no run has eval results)")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    ax_of = dict(zip(panels, axes[0]))
+    for _, size in inp.sizes or [(None, rows[r.dir]["size"]) for r in plain[:1]]:
+        rs = sorted((rows[r.dir] for r in plain if rows[r.dir]["size"] == size),
+                    key=lambda x: x["l1_coeff"])
+        for panel, key in (("acc", "acc_mean"), ("val", "val_loss")):
+            pts = [(x["l1_coeff"], x[key]) for x in rs if x[key] is not None]
+            if panel in ax_of and pts:
+                ax_of[panel].plot(*zip(*pts), "o-", label=size)
+    for ax in ax_of.values():
+        _symlog_x(ax, coeffs_plain)
+        ax.set_xlabel("L1 coefficient")
+        ax.legend(fontsize=8)
+    if "acc" in ax_of:
+        ax_of["acc"].set_ylabel("mean accuracy, 7 tasks")
+        ax_of["acc"].yaxis.set_major_formatter(PercentFormatter(xmax=100))
+        ax_of["acc"].set_title("Downstream accuracy vs L1")
+    if "val" in ax_of:
+        _value_axis(ax_of["val"], [])  # plain labels: no "+1.01e1" offset
+        ax_of["val"].set_ylabel("validation loss (CE)")
+        ax_of["val"].set_title("Validation loss vs L1")
+    return fig
 
-    # per-layer L0 profile, one panel per L1 coefficient
-    with_layers = [r for r in runs if r.summary.get("l0_layers")]
+
+def _plot_l0_per_layer(inp: _PlotInput, notes: list[str]):
+    """Per-layer final L0, one panel per L1 coefficient (one shared panel for a plain sweep
+    with one run per L1); None when no run logged per-layer L0."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    rows = inp.rows
+    with_layers = [r for r in inp.runs if r.summary.get("l0_layers")]
+    if not with_layers:
+        return None
     coeffs = sorted({rows[r.dir]["l1_coeff"] for r in with_layers})
     per_coeff = [sum(rows[r.dir]["l1_coeff"] == c for r in with_layers) for c in coeffs]
-    if coeffs and max(per_coeff) == 1:  # one run per L1 (a plain L1 sweep): one shared panel
+    if max(per_coeff) == 1:  # one run per L1 (a plain L1 sweep): one shared panel
         coeffs = [None]
-    if with_layers:
-        fig, axes = plt.subplots(1, len(coeffs), figsize=(4.6 * len(coeffs), 3.8), squeeze=False)
-        for ax, coeff in zip(axes[0], coeffs):
-            vals = []
-            for i, r in enumerate(with_layers):
-                if coeff is not None and rows[r.dir]["l1_coeff"] != coeff:
-                    continue
-                layers = r.summary["l0_layers"]
-                vals += layers
-                ax.plot(range(len(layers)), layers, label=labels[r.dir], **_style(i))
-            ax.set_xlabel("layer")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_ylabel("L0 (active units per token, final)")
-            _value_axis(ax, vals)
-            ax.set_title("Final L0 per layer" if coeff is None
-                         else f"L1 = {_fmt(float(coeff), 'l1_coeff')}")
-            ax.legend(fontsize=7)
-        save(fig, "l0_per_layer.png")
-
-    # training curves at every logged step: CE (+ validation), L0, dead units
-    curves = [r for r in runs if r.train]
-    if curves:
-        has_dead = any(x.get("dead_frac") is not None for r in curves for x in r.train)
-        ref_ce = {x["step"]: x["ce"] for x in curves[0].train}
-        has_diff = len(curves) > 1 and any(x["step"] in ref_ce for r in curves[1:]
-                                           for x in r.train)
-        n = 2 + has_dead + has_diff
-        rows_, cols_ = (n + 1) // 2, 2
-        fig, grid = plt.subplots(rows_, cols_, figsize=(10.4, 4 * rows_), squeeze=False)
-        panels = list(grid.flat)
-        for extra in panels[n:]:
-            extra.remove()
-        panels = panels[:n]  # CE, L0, [dead], [CE difference]
-        ax_ce, ax_l0 = panels[0], panels[1]
-        l0_vals = []
-        for i, r in enumerate(curves):
-            st = _style(i)
-            steps = [x["step"] for x in r.train]
-            line, = ax_ce.plot(steps, [x["ce"] for x in r.train], lw=1, label=labels[r.dir], **st)
-            val = [(x["step"], x["val_loss"]) for x in r.val if x.get("val_loss") is not None]
-            if val:
-                ax_ce.plot(*zip(*val), "x", color=line.get_color(), ms=7, mew=1.5)
-            l0 = [x.get("l0_mean") for x in r.train]
-            l0_vals += [v for v in l0 if v is not None]
-            ax_l0.plot(steps, l0, lw=1, label=labels[r.dir], **st)
-            if has_diff and i > 0:  # curves that overlap in CE: their difference to the first
-                diff = [(x["step"], x["ce"] - ref_ce[x["step"]]) for x in r.train
-                        if x["step"] in ref_ce]
-                panels[-1].plot(*zip(*diff), lw=1, label=labels[r.dir], color=line.get_color(),
-                                 **st)
-            if has_dead:
-                panels[2].plot(steps, [None if x.get("dead_frac") is None
-                                        else 100 * x["dead_frac"] for x in r.train],
-                                lw=1, label=labels[r.dir], **st)
-        _value_axis(ax_ce, [])
-        ax_ce.set_title("Train CE (x: validation loss)")
-        ax_ce.set_ylabel("cross-entropy (nats)")
-        ax_l0.set_title("L0: active FFN units per token")
-        ax_l0.set_ylabel("L0 (mean over layers)")
-        _value_axis(ax_l0, l0_vals)
-        if has_dead:
-            top = max((100 * x["dead_frac"] for r in curves for x in r.train
-                       if x.get("dead_frac") is not None), default=0.0)
-            panels[2].set_title("Dead FFN units")
-            panels[2].set_ylabel("dead units (mean over layers)")
-            panels[2].yaxis.set_major_formatter(PercentFormatter(xmax=100))
-            panels[2].set_ylim(0, max(5.0, 1.1 * top))  # 0-5 % at least: none dead looks so
-        if has_diff:
-            panels[-1].axhline(0, color="0.6", lw=0.8)
-            _value_axis(panels[-1], [])
-            panels[-1].set_title("Train CE minus the first run's")
-            panels[-1].set_ylabel(f"CE - CE({labels[curves[0].dir]})"[:60])
-            panels[-1].legend(fontsize=7)
-        for ax in panels:
-            ax.set_xlabel("optimizer step")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax_ce.legend(fontsize=7)
-        save(fig, "train_curves.png")
-
-    if position:
-        fig, ax = plt.subplots(figsize=(7, 4))
+    fig, axes = plt.subplots(1, len(coeffs), figsize=(4.6 * len(coeffs), 3.8), squeeze=False)
+    for ax, coeff in zip(axes[0], coeffs):
         vals = []
-        for i, (name, (l0_LT, n)) in enumerate(position.items()):
-            mean_T = l0_LT.mean(0)
-            vals += [float(v) for v in mean_T]
-            ax.plot(range(1, len(mean_T) + 1), mean_T, lw=1,
-                    label=f"{label_of_name.get(name, name)} ({n} seqs)", ls=_STYLES[i % 4])
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        for i, r in enumerate(with_layers):
+            if coeff is not None and rows[r.dir]["l1_coeff"] != coeff:
+                continue
+            layers = r.summary["l0_layers"]
+            vals += layers
+            ax.plot(range(len(layers)), layers, label=inp.labels[r.dir], **_style(i))
+        ax.set_xlabel("layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("L0 (active units per token, final)")
         _value_axis(ax, vals)
-        ax.set_xlabel("token position in the sequence")
-        ax.set_ylabel("L0 (mean over layers)")
-        ax.set_title("Active units vs token position")
+        ax.set_title("Final L0 per layer" if coeff is None
+                     else f"L1 = {_fmt(float(coeff), 'l1_coeff')}")
         ax.legend(fontsize=7)
-        save(fig, "l0_by_position.png")
-    return written
+    return fig
+
+
+def _plot_train_curves(inp: _PlotInput, notes: list[str]):
+    """Train CE (+ validation), L0, dead units and the CE difference to the first run at every
+    logged step; None when no run logged a step."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+    labels = inp.labels
+    curves = [r for r in inp.runs if r.train]
+    if not curves:
+        return None
+    has_dead = any(x.get("dead_frac") is not None for r in curves for x in r.train)
+    ref_ce = {x["step"]: x["ce"] for x in curves[0].train}
+    has_diff = len(curves) > 1 and any(x["step"] in ref_ce for r in curves[1:] for x in r.train)
+    n = 2 + has_dead + has_diff
+    fig, grid = plt.subplots((n + 1) // 2, 2, figsize=(10.4, 4 * ((n + 1) // 2)), squeeze=False)
+    panels = list(grid.flat)
+    for extra in panels[n:]:
+        extra.remove()
+    panels = panels[:n]  # CE, L0, [dead], [CE difference]
+    ax_ce, ax_l0 = panels[0], panels[1]
+    l0_vals = []
+    for i, r in enumerate(curves):
+        st = _style(i)
+        steps = [x["step"] for x in r.train]
+        line, = ax_ce.plot(steps, [x["ce"] for x in r.train], lw=1, label=labels[r.dir], **st)
+        val = [(x["step"], x["val_loss"]) for x in r.val if x.get("val_loss") is not None]
+        if val:
+            ax_ce.plot(*zip(*val), "x", color=line.get_color(), ms=7, mew=1.5)
+        l0 = [x.get("l0_mean") for x in r.train]
+        l0_vals += [v for v in l0 if v is not None]
+        ax_l0.plot(steps, l0, lw=1, label=labels[r.dir], **st)
+        if has_diff and i > 0:  # curves that overlap in CE: their difference to the first
+            diff = [(x["step"], x["ce"] - ref_ce[x["step"]]) for x in r.train
+                    if x["step"] in ref_ce]
+            panels[-1].plot(*zip(*diff), lw=1, label=labels[r.dir], color=line.get_color(), **st)
+        if has_dead:
+            panels[2].plot(steps, [None if x.get("dead_frac") is None else 100 * x["dead_frac"]
+                                   for x in r.train], lw=1, label=labels[r.dir], **st)
+    _value_axis(ax_ce, [])
+    ax_ce.set_title("Train CE (x: validation loss)")
+    ax_ce.set_ylabel("cross-entropy (nats)")
+    ax_l0.set_title("L0: active FFN units per token")
+    ax_l0.set_ylabel("L0 (mean over layers)")
+    _value_axis(ax_l0, l0_vals)
+    if has_dead:
+        top = max((100 * x["dead_frac"] for r in curves for x in r.train
+                   if x.get("dead_frac") is not None), default=0.0)
+        panels[2].set_title("Dead FFN units")
+        panels[2].set_ylabel("dead units (mean over layers)")
+        panels[2].yaxis.set_major_formatter(PercentFormatter(xmax=100))
+        panels[2].set_ylim(0, max(5.0, 1.1 * top))  # 0-5 % at least: none dead looks so
+    if has_diff:
+        panels[-1].axhline(0, color="0.6", lw=0.8)
+        _value_axis(panels[-1], [])
+        panels[-1].set_title("Train CE minus the first run's")
+        panels[-1].set_ylabel(f"CE - CE({labels[curves[0].dir]})"[:60])
+        panels[-1].legend(fontsize=7)
+    for ax in panels:
+        ax.set_xlabel("optimizer step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_ce.legend(fontsize=7)
+    return fig
+
+
+def _plot_l0_by_position(inp: _PlotInput, position: dict):
+    """Mean L0 over layers vs token position, one line per measured run."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    label_of_name = {r.name: inp.labels[r.dir] for r in inp.runs}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    vals = []
+    for i, (name, (l0_LT, n)) in enumerate(position.items()):
+        mean_T = l0_LT.mean(0)
+        vals += [float(v) for v in mean_T]
+        ax.plot(range(1, len(mean_T) + 1), mean_T, lw=1,
+                label=f"{label_of_name.get(name, name)} ({n} seqs)", ls=_STYLES[i % 4])
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    _value_axis(ax, vals)
+    ax.set_xlabel("token position in the sequence")
+    ax.set_ylabel("L0 (mean over layers)")
+    ax.set_title("Active units vs token position")
+    ax.legend(fontsize=7)
+    return fig
 
 
 # ---------------------------------------------------------------- the whole report
@@ -784,6 +932,7 @@ class Report:
     position: dict
     plots: list[Path] = field(default_factory=list)
     plot_notes: list[str] = field(default_factory=list)
+    legend: list[str] = field(default_factory=list)  # the labels run_labels cut, in full
 
     def markdown(self, image_prefix: str = "") -> str:
         acc_cols = [f"acc_{t}" for t in TASKS] + ["acc_mean"]
@@ -795,6 +944,13 @@ class Report:
               "whole optimizer step's tokens; task scores: percent, each task's primary metric "
               "(acc or acc_norm)" + (", not shown: no run has eval results" if no_acc else "")
               + "; tok/s: training tokens per second of the run."), ""]
+        if self.legend:
+            md += [f"Labels cut at {MAX_LABEL} characters, in full:", ""]
+            md += [f"- {x}" for x in self.legend] + [""]
+        if any(r.get("l0_layers") for r in self.rows):
+            md += ["## L0 per layer", "", l0_layer_table(self.rows),
+                   "Final logged L0 (active FFN units per token) of each layer, layer 0 first.",
+                   ""]
         if self.variant_rows:
             md += ["## Sparsity variants (baseline -> variant)", "",
                    markdown_table(self.variant_rows, ["size", "variant", "l1", "l0_mean",
@@ -841,7 +997,8 @@ def build_report(paths: list[str], *, skip_incomplete: bool = False, allow_misma
     labels = run_labels(runs)
     rep = Report(runs, [{**run_row(r), "setting": labels[r.dir]} for r in runs], skipped,
                  variant_rows(variant_pairs(runs)),
-                 [ffn_pair_row(a, b) for a, b in ffn_pairs(runs)], position)
+                 [ffn_pair_row(a, b) for a, b in ffn_pairs(runs)], position,
+                 legend=label_legend(runs))
     if plot_dir is not None:
         rep.plots = write_plots(runs, plot_dir, position or None, notes=rep.plot_notes)
     return rep

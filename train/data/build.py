@@ -1,6 +1,6 @@
 """Build a tokenized corpus: fetch -> extract -> de-duplicate -> decontaminate -> split -> tokenize -> shards.
 
-    twell-data build                      # all DATA.md sources into <cache>/corpus/offline_mix-<hash>/
+    twell-data build                      # all sources (sources.py) into <cache>/corpus/offline_mix-<hash>/
     twell-data build --sources sotu,moby_dick
 
 Output folder (``corpus_dir``): ``train_NNN.bin``/``val_NNN.bin`` raw little-endian uint16 token
@@ -134,6 +134,8 @@ def _files_docs(path: str, text_field: str, cache: Path) -> Iterator[tuple[str, 
     if _is_blank(path):  # datasets would fail with "generator raised StopIteration"
         raise DataError(f"data.paths: {path} holds no documents (empty file); remove it from "
                         "data.paths or fill it")
+    if builder != "parquet":  # pyarrow's UnicodeDecodeError names neither file nor place
+        check_utf8(path)
     from datasets.exceptions import DatasetGenerationError
 
     try:
@@ -147,6 +149,38 @@ def _files_docs(path: str, text_field: str, cache: Path) -> Iterator[tuple[str, 
         raise DataError(f"{path} has no column {col!r} (columns: {ds.column_names}); set data.text_field")
     for i, t in enumerate(ds[col]):
         yield f"{Path(path).name}#{i}", t or ""
+
+
+def check_utf8(path: str | Path, chunk: int = 1 << 20) -> None:
+    """Refuse a text input (jsonl/json/txt, optionally ``.gz``) that is not UTF-8, naming the
+    file, the byte offset and line of the first bad byte and a conversion command.
+
+    Raises:
+        DataError: a byte sequence that is not UTF-8 (e.g. a Latin-1 ``é``, byte 0xe9).
+    """
+    import codecs
+    import gzip
+
+    dec = codecs.getincrementaldecoder("utf-8")()
+    offset, line = 0, 1  # bytes and newlines before the current block
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            pending = dec.getstate()[0]  # an incomplete sequence carried from the last block
+            try:
+                dec.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                data = pending + block
+                at = offset - len(pending) + e.start
+                line += data[:e.start].count(b"\n") - pending.count(b"\n")
+                raise DataError(
+                    f"data.paths: {path} is not UTF-8 text: byte {at} (line {line}) is "
+                    f"{data[e.start:e.start + 1]!r} ({e.reason}); convert the file to UTF-8 (e.g. "
+                    f"iconv -f latin1 -t utf-8 in > out) or remove it from data.paths") from None
+            if not block:
+                return
+            offset += len(block)
+            line += block.count(b"\n")
 
 
 def _is_blank(path: str, probe: int = 1 << 20) -> bool:

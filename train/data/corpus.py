@@ -82,6 +82,38 @@ def load_corpus_tokenizer(corpus_dir: str | Path, manifest: dict, verify: bool =
     return tok
 
 
+def hold_out_tail(train: TokenStream, val: TokenStream | None, val_fraction: float, seq_len: int,
+                  world_size: int, corpus_dir: Path, *, say: bool = True
+                  ) -> tuple[TokenStream, TokenStream | None]:
+    """Validation from the last ``val_fraction`` of the training blocks (at least one per rank),
+    for a corpus whose validation split holds less than one block of ``seq_len`` per rank.
+
+    The build assigns whole documents to a split by their hash, so a corpus of a few large
+    documents (one huge ``.txt``) can put all of them in train. Without this its run would log no
+    validation loss at all. With ``say``, one warning line on stderr says so. Returns
+    ``(train, val)``; ``val`` is unchanged when the training stream is too short to spare a block
+    per rank.
+    """
+    import sys
+
+    n_blocks = len(train) // seq_len
+    n_val = max(world_size, round(val_fraction * n_blocks))
+    have = 0 if val is None else len(val)
+    if n_val >= n_blocks:
+        if say:
+            print(f"warning: corpus {corpus_dir}: the validation split holds {have} tokens (less "
+                  f"than one block of model.seq_len={seq_len} per rank) and the {n_blocks} "
+                  "training blocks are too few to hold some out: the run logs no validation "
+                  "loss; add documents or lower model.seq_len.", file=sys.stderr)
+        return train, val
+    if say:
+        print(f"warning: corpus {corpus_dir}: the validation split holds {have} tokens (less than "
+              f"one block of model.seq_len={seq_len} per rank; the build splits whole documents by "
+              f"hash); validating on the last {n_val} of {n_blocks} training blocks instead "
+              f"(data.val_fraction={val_fraction}).", file=sys.stderr)
+    return train.split((n_blocks - n_val) * seq_len)
+
+
 def corpus_module(cfg, *, seq_len: int, micro_batch: int, seed: int, rank: int = 0,
                   world_size: int = 1) -> DataModule:
     """DataModule for ``offline_mix``/``files``: find (or build) the corpus, verify it, load it.
@@ -106,10 +138,16 @@ def corpus_module(cfg, *, seq_len: int, micro_batch: int, seed: int, rank: int =
     if train is None:
         raise DataError(f"corpus {corpus_dir} has no training tokens")
     val = open_split(corpus_dir, manifest, "val", cfg.verify)
+    val_from = "corpus"
+    if cfg.val_fraction > 0 and (val is None or len(val) // seq_len < world_size):
+        train, val = hold_out_tail(train, val, cfg.val_fraction, seq_len, world_size, corpus_dir,
+                                   say=rank == 0)
+        val_from = "training tail"
     tok = load_corpus_tokenizer(corpus_dir, manifest, cfg.verify)
     fingerprint = manifest["spec_hash"][:16] + "-" + "".join(s["sha256"][:4] for s in manifest["splits"]["train"]["shards"])
     info = {"source": cfg.source, "corpus_dir": str(corpus_dir), "train_tokens": len(train),
-            "val_tokens": len(val) if val is not None else 0, "manifest": str(corpus_dir / MANIFEST)}
+            "val_tokens": len(val) if val is not None else 0, "val_from": val_from,
+            "manifest": str(corpus_dir / MANIFEST)}
     return DataModule(train, val, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
                       world_size=world_size, tokenizer=tok, vocab_size=len(tok), eos_id=tok.eos_token_id,
                       fingerprint=fingerprint, info=info)

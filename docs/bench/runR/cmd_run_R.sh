@@ -7,7 +7,7 @@ set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .devcarry/wheels/*.whl 2>&1 | tail -1
 export PYTHONPATH=.:/tmp/site
-mkdir -p /tmp/twc /root/stash && tar -xJf .devcarry/cache.tar.xz -C /tmp/twc && cp .devcarry/gguf.part.aa /root/stash/
+mkdir -p /tmp/twc $HOME/stash && tar -xJf .devcarry/cache.tar.xz -C /tmp/twc && cp .devcarry/gguf.part.aa $HOME/stash/
 export TWELL_CACHE=/tmp/twc
 O=/tmp/runR; mkdir -p $O/bm /tmp/acts
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > $O/gpu.txt

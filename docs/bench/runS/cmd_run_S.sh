@@ -3,9 +3,9 @@
 # half), with the GPU kernel tests running beside it.
 set -u
 export PYTHONUNBUFFERED=1
-[ -f /root/stash/gguf.part.aa ] && [ -d /tmp/twc/corpus ] || { echo "COLD MACHINE: run R's stash is gone"; exit 3; }
+[ -f $HOME/stash/gguf.part.aa ] && [ -d /tmp/twc/corpus ] || { echo "COLD MACHINE: run R's stash is gone"; exit 3; }
 export PYTHONPATH=.:/tmp/site TWELL_CACHE=/tmp/twc
-cat /root/stash/gguf.part.aa .devcarry2/gguf.part.ab > /tmp/smollm2.gguf
+cat $HOME/stash/gguf.part.aa .devcarry2/gguf.part.ab > /tmp/smollm2.gguf
 O=/tmp/runS; mkdir -p $O/study
 (timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_train.py tests/test_kernels_infer.py \
   tests/test_format.py tests/test_mlp_torch.py tests/test_policy.py tests/test_loss.py tests/test_dense_ffn_fused.py \
