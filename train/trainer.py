@@ -35,7 +35,7 @@ from train import parallel, rundir
 from train.capacity import BackupCapacity
 from train.config import ConfigError, OptimConfig, TrainConfig
 from train.fusion import compile_norms
-from train.loss import use_fused_cross_entropy
+from train.loss import use_distillation, use_fused_cross_entropy
 from train.metrics import device_peak_flops, flops_per_token, mfu
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.sparsity import (
@@ -258,6 +258,17 @@ class Trainer:
             enable_grad_checkpointing(model, t.checkpoint_ffn)
         if t.fused_ce:  # model(input_ids, labels).loss without the (tokens x vocab) logits
             use_fused_cross_entropy(model)
+        self.teacher = None  # sparsity.distill_from: the frozen source model, the KL's target
+        if cfg.distill:
+            from train import pretrained
+
+            s, dtype = cfg.sparsity, torch.bfloat16 if precision == "bf16" else torch.float32
+            self.teacher = pretrained.build_teacher(self.init_src, self.device, dtype)
+            use_distillation(model, self.teacher, temperature=s.distill_temperature,
+                             kl_weight=s.distill_weight * s.distill_temperature ** 2)
+            self._print(f"distillation: teacher {self.init_src.spec} as stored (hidden_act "
+                        f"{self.init_src.hidden_act}, frozen, {dtype}), loss = CE + l1_coeff x L1"
+                        f" + {s.distill_weight:g} x {s.distill_temperature:g}^2 x KL")
         if t.compile_norms:  # one compiled RMSNorm for every norm (training only)
             compile_norms(model)
         self.mlps = ffn_modules(model)
@@ -622,10 +633,15 @@ class Trainer:
             ids_BT = ids_cpu.to(dev, non_blocking=True)  # (B, T) token ids
             sync = micro == self.accum - 1  # DDP all-reduces gradients on the last micro-step
             with nullcontext() if sync else acc.no_sync(model):
-                ce = model(input_ids=ids_BT, labels=ids_BT).loss  # mean over B*(T-1) targets
+                out = model(input_ids=ids_BT, labels=ids_BT)
+                ce = out.loss  # mean over B*(T-1) targets; distillation: CE + w T^2 KL
                 l1, sp = l1_penalty(collect_stats(self.mlps))
                 loss = ce + coeff * l1
                 acc.backward(loss / self.accum)
+            kl = getattr(out, "distill_kl", None)  # sparsity.distill_*: log CE and KL apart
+            if kl is not None:
+                ce = out.distill_ce
+                m["distill_kl"] = m.get("distill_kl", 0.0) + kl
             m["loss"] += loss.detach()
             m["ce"] += ce.detach()
             m["l1"] += l1.detach()
@@ -702,6 +718,8 @@ class Trainer:
                         f"dense-backup capacity; redoing the step with per-call measurement")
         for k in ("loss", "ce", "l1", "nnz_sum_L", "heavy_L"):
             interval[k] += m[k]
+        if "distill_kl" in m:
+            interval["distill_kl"] = interval.get("distill_kl", 0.0) + m["distill_kl"]
         interval["nnz_max_L"] = torch.maximum(interval["nnz_max_L"], m["nnz_max_L"])
         interval["ffn_tokens"] += m["ffn_tokens"]
         interval["micro"] += self.accum
@@ -772,6 +790,11 @@ class Trainer:
         }
         if interval.get("backup_redos"):
             m["ffn_backup_redos"] = interval["backup_redos"]  # steps redone (capacity exceeded)
+        if "distill_kl" in interval:  # KL(teacher || student) at the temperature, per target
+            kl = interval["distill_kl"]
+            if acc.num_processes > 1:
+                kl = acc.reduce(kl, "sum") / acc.num_processes
+            m["distill_kl"] = kl.item() / n
         if self.cfg.model.ffn_impl == "auto":  # the paths chosen for the next step
             m["ffn_paths"] = [mlp.train_path for mlp in self.mlps]
             m["heavy_frac_layers"] = heavy_L
@@ -977,7 +1000,8 @@ class Trainer:
         dead = "n/a" if m["dead_frac"] is None else f"{100 * m['dead_frac']:.1f}%"
         util = "" if m.get("mfu") is None else (
             f" mfu {100 * m['mfu']:.1f}% (useful {100 * m['mfu_useful']:.1f}%)")
-        return (f"step {m['step']}: loss {m['loss']:.4f} ce {m['ce']:.4f} l1 {m['l1']:.3g} "
+        kl = f" kl {m['distill_kl']:.4f}" if m.get("distill_kl") is not None else ""
+        return (f"step {m['step']}: loss {m['loss']:.4f} ce {m['ce']:.4f}{kl} l1 {m['l1']:.3g} "
                 f"l0 {m['l0_mean']:.1f} [{m['l0_min']:.1f}-{m['l0_max']:.1f}] max {m['nnz_max']:.0f}"
                 f" dead {dead} lr {m['lr']:.3g} gnorm {m['grad_norm']:.3g} "
                 f"{m['tokens_per_s']:.0f} tok/s{util} mem {m['peak_mem_gb']:.2f} GB "
