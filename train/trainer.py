@@ -108,6 +108,31 @@ def summary_line(s: dict) -> str:
             f"{f(s.get('tokens_per_s'), '.0f')} tok/s")
 
 
+def cpu_cost_warning(cfg: TrainConfig) -> str | None:
+    """The warning for a GPU-sized run about to train on the CPU, or None: a global batch of 64
+    or more sequences (when the CPU was not asked for with trainer.cpu), evals over the seven
+    tasks' full validation sets (eval.limit=null: ~58 k scoring requests per evaluation), or
+    trainer.compile; the line names what applies and the overrides that shrink it."""
+    t, e = cfg.trainer, cfg.eval
+    parts, fix = [], []
+    if t.global_batch >= 64 and not t.cpu:
+        parts.append(f"{t.max_steps} steps of {t.global_batch} x {cfg.model.seq_len} tokens")
+        fix.append("trainer.max_steps=20 trainer.global_batch=8 trainer.micro_batch=4")
+    if e.enabled and e.limit is None:
+        parts.append("evals on the full validation sets (eval.limit=null; ~58 k scoring requests "
+                     f"with all seven tasks) {'before and after' if e.at_start else 'after'} "
+                     "training")
+        fix.append("eval.limit=50 (or eval=disabled)")
+    if t.compile:
+        parts.append("torch.compile (minutes of compilation on a CPU)")
+        fix.append("trainer.compile=false")
+    if not parts:
+        return None
+    return ("warning: " + ("" if t.cpu else "no GPU found; ") + "this is a GPU-sized run ("
+            + "; ".join(parts) + ") and can take hours on the CPU. To shrink it: " + " ".join(fix)
+            + ".")
+
+
 def _peak_memory_gb(device: torch.device) -> float:
     """Peak memory in GiB since the last :func:`_reset_peak_memory` (CUDA: bytes allocated by
     tensors, ``torch.cuda.max_memory_allocated``). CPU: the process's peak resident set size
@@ -194,11 +219,9 @@ class Trainer:
                        f"{t.max_steps}: the learning rate never reaches optim.lr (peak "
                        f"{cfg.optim.lr * t.max_steps / max(cfg.optim.warmup_steps, 1):.2e}); "
                        "lower optim.warmup_steps.")
-        if (self.device.type == "cpu" and not t.cpu and t.global_batch >= 64
-                and self.is_main):  # e.g. trainer=gpu on a machine without a GPU
-            self._warn(f"warning: no GPU found; training {t.max_steps} steps of "
-                       f"{t.global_batch} x {cfg.model.seq_len} tokens on the CPU. For a CPU run "
-                       "use trainer=cpu.")
+        line = cpu_cost_warning(cfg) if self.device.type == "cpu" and self.is_main else None
+        if line:  # e.g. trainer=gpu or experiment=relufy_smollm2 on a machine without a GPU
+            self._warn(line)
         if (self.device.type == "cpu" and cfg.model.ffn_impl == "twell" and self.is_main
                 and os.environ.get("TRITON_INTERPRET") == "1"):  # read as twell.ops reads it
             # measured: 19 tok/s training (1150 without it) and ~200 s per validation FFN call
