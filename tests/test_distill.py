@@ -163,3 +163,27 @@ def test_distillation_under_compile_gives_the_eager_losses(tokens, silu_dir, tmp
     val = [json.loads(ln) for ln in (tmp_path / "compiled" / "metrics.jsonl").read_text()
            .splitlines() if '"kind": "val"' in ln]
     assert val and val[-1]["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-4)
+
+
+def test_a_checkpoint_saved_before_the_new_keys_still_resumes(tokens, silu_dir, tmp_path):
+    """A run dir whose saved configs lack model.hidden_act and sparsity.distill_* (written
+    before those keys existed) resumes with trainer.resume=auto: a missing key counts as its
+    default, the behaviour that run had; a key whose saved value differs still refuses."""
+    import yaml
+
+    from train.trainer import config_diff
+
+    c = _cfg(tokens, silu_dir, hidden_act_from="silu")
+    c.trainer = dataclasses.replace(c.trainer, max_steps=2, save_every=1)
+    summary, t = _run(c, tmp_path / "r", stop_at_step=1)
+    old = dict(t.config_dict)
+    old["model"] = {k: v for k, v in old["model"].items() if k != "hidden_act"}
+    old["sparsity"] = {k: v for k, v in old["sparsity"].items() if not k.startswith("distill")}
+    assert config_diff(old, t.config_dict) == []
+    for f in [tmp_path / "r" / "config.yaml",
+              *(tmp_path / "r" / "checkpoints").glob("step*/train_config.yaml")]:
+        f.write_text(yaml.safe_dump(old))
+    _run(c, tmp_path / "r")
+    assert [r["step"] for r in read_metrics(tmp_path / "r")] == [1, 2]
+    assert config_diff({**old, "model": {**old["model"], "hidden_act": "silu"}},
+                       t.config_dict) == ["model.hidden_act: 'silu' -> 'relu'"]

@@ -67,11 +67,28 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+_SCHEMA_DEFAULTS: dict | None = None
+
+
+def _schema_default(key: str):
+    """The schema's default of a dotted key (``TrainConfig()``), None if it has none."""
+    global _SCHEMA_DEFAULTS
+    if _SCHEMA_DEFAULTS is None:
+        _SCHEMA_DEFAULTS = _flatten(config_to_dict(TrainConfig()))
+    return _SCHEMA_DEFAULTS.get(key)
+
+
 def config_diff(a: dict, b: dict, ignore: tuple[str, ...] = ("trainer.resume",)) -> list[str]:
-    """Keys (dotted) whose values differ between two config dicts, as 'key: a -> b'."""
+    """Keys (dotted) whose values differ between two config dicts, as 'key: a -> b'. A key that
+    one of them lacks (a config saved before the key existed) counts as the schema's default,
+    the behaviour that run had."""
     fa, fb = _flatten(a), _flatten(b)
     keys = sorted((set(fa) | set(fb)) - set(ignore))
-    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in keys if fa.get(k) != fb.get(k)]
+
+    def get(f: dict, k: str):
+        return f[k] if k in f else _schema_default(k)
+
+    return [f"{k}: {get(fa, k)!r} -> {get(fb, k)!r}" for k in keys if get(fa, k) != get(fb, k)]
 
 
 def lr_factor(step: int, o: OptimConfig, max_steps: int) -> float:
