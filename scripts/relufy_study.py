@@ -137,7 +137,8 @@ def main(argv=None) -> int:
           f"{plan.steps} steps x {plan.tokens_per_step} = {plan.steps * plan.tokens_per_step / 1e6:.2f} "
           f"M tokens a row, lr {plan.lr:g}, L1 warmup {plan.l1_warmup}, distillation w "
           f"{plan.distill_weight:g} T {plan.distill_temperature:g}")
-    for speed in (a.tokens_per_s, TARGET_TOKENS_PER_S):
+    measured = study.measured_tokens_per_s()  # this study's finished rows, if any
+    for speed in ([measured] if measured else []) + [a.tokens_per_s, TARGET_TOKENS_PER_S]:
         print("estimate: " + estimate_line(estimate(plan, train, todo, speed,
                                                     study.tokens_done())))
     if a.dry_run:

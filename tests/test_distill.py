@@ -81,7 +81,9 @@ def _reference_step(cfg, src):
         kl.append(F.kl_div(F.log_softmax(z / T, -1), F.log_softmax(u / T, -1), log_target=True,
                            reduction="none").sum(-1).mean())
         l1.append(torch.stack([h.abs().sum(-1).mean() for h in hs]).mean())
-    mean = lambda xs: torch.stack(xs).mean().item()  # noqa: E731
+    def mean(xs):
+        return torch.stack(xs).mean().item()
+
     return mean(ce), mean(l1), mean(kl)
 
 
@@ -175,7 +177,7 @@ def test_a_checkpoint_saved_before_the_new_keys_still_resumes(tokens, silu_dir, 
 
     c = _cfg(tokens, silu_dir, hidden_act_from="silu")
     c.trainer = dataclasses.replace(c.trainer, max_steps=2, save_every=1)
-    summary, t = _run(c, tmp_path / "r", stop_at_step=1)
+    _, t = _run(c, tmp_path / "r", stop_at_step=1)
     old = dict(t.config_dict)
     old["model"] = {k: v for k, v in old["model"].items() if k != "hidden_act"}
     old["sparsity"] = {k: v for k, v in old["sparsity"].items() if not k.startswith("distill")}

@@ -192,7 +192,7 @@ def test_ce_kl_matches_fp64_kl_div_of_full_logits(chunk, temperature):
 def test_ce_kl_of_a_teacher_equal_to_the_student_is_zero_and_reduces_to_ce():
     h, w, t, _, _ = _kl_case(seed=4)
     loss, ce, kl = linear_cross_entropy_kl(h, w, t, h, w, kl_weight=3.0, chunk_rows=10)
-    assert abs(kl.item()) < 1e-6
+    assert abs(kl.item()) < 1e-6 and abs(loss.item() - ce.item()) < 1e-5
     torch.testing.assert_close(ce, F.cross_entropy(h @ w.t(), t), rtol=1e-6, atol=1e-6)
     # kl_weight 0: loss and gradients are the plain fused CE's
     a, b = h.clone().requires_grad_(), h.clone().requires_grad_()
@@ -209,6 +209,7 @@ def test_ce_kl_no_grad_nan_all_ignored_and_errors():
                                                chunk_rows=9)
     ref, ref_ce, ref_kl, _, _ = _kl_reference(h, w, t, th, tw, 1.5, 2.0)
     assert abs(loss.item() - ref.item()) < 1e-5 and abs(kl.item() - ref_kl.item()) < 1e-6
+    assert abs(ce.item() - ref_ce.item()) < 1e-5
     th_nan = th.clone()
     th_nan[5, 0] = float("nan")  # a valid row of the teacher: the KL is NaN
     hh = h.clone().requires_grad_()

@@ -276,3 +276,15 @@ def test_run_study_refuses_parallel_0(tmp_path):
     with pytest.raises(ValueError, match="parallel must be >= 1"):
         run_study(s, parallel=0)
     assert Path(tmp_path / "o").exists() is False  # nothing written before the check
+
+
+def test_measured_speed_is_the_median_of_the_plain_rows(tmp_path):
+    rows = [RowSpec("dense_relu", "dense_relu", 0.0), sparse_row(0.1, False),
+            sparse_row(0.2, False), sparse_row(0.1, True)]
+    s = Study(tmp_path / "out", tmp_path / "work", StudyPlan(), rows)
+    assert s.measured_tokens_per_s() is None
+    for name, speed in (("dense_relu", 3.0), ("l1_0.1", 1.0), ("l1_0.2", 2.0), ("l1_0.1_kd", 0.1)):
+        d = s.row_out(name)
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"tokens_per_s": speed}))
+    assert s.measured_tokens_per_s() == 2.0  # the distilled row's 0.1 is not in it

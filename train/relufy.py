@@ -474,6 +474,15 @@ class Study:
                 out[r.name] = float(rec.get("tokens") or 0)
         return out
 
+    def measured_tokens_per_s(self) -> float | None:
+        """The median training speed (summary.json's tokens/s) of this study's finished rows
+        without distillation, None before one (the estimate's speed once there is one)."""
+        speeds = sorted(s["tokens_per_s"] for n, v in self.state["rows"].items()
+                        if not v["spec"]["distill"] and v["spec"]["kind"] != "silu_original"
+                        for s in [_read_json(self.row_out(n) / "summary.json") or {}]
+                        if s.get("tokens_per_s"))
+        return speeds[len(speeds) // 2] if speeds else None
+
     # ------------------------------------------------------------------ jobs
 
     def train_job(self, row: RowSpec) -> Job:
@@ -771,8 +780,8 @@ def report_lines(study: Study) -> list[str]:
     left_train = [r for r in study.rows if r.trains and study.status(r) in ("new", "started")]
     left_score = [r for r in study.rows if study.status(r) != "scored"]
     if left_score:
-        est = estimate(study.plan, left_train, left_score, MEASURED_TOKENS_PER_S,
-                       study.tokens_done())
+        speed = study.measured_tokens_per_s() or MEASURED_TOKENS_PER_S
+        est = estimate(study.plan, left_train, left_score, speed, study.tokens_done())
         lines.append(f"left: {len(left_score)} row(s): {estimate_line(est)}")
     else:
         lines.append("all rows scored")
