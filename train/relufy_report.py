@@ -210,7 +210,9 @@ def setup_lines(plan: StudyPlan, rows: list[RowSpec]) -> list[str]:
          "width 1536: 86.8 k). Each row's tokens/s and MFU are in its `metrics.jsonl`."),
         (f"- **L1** (sparse rows: {', '.join(f'{v:g}' for v in l1s) or 'none'}): "
          f"`sparsity.schedule=linear_warmup`, 0 up to step {a}, full from step {max(a + 1, b)} "
-         f"(rows with L1 >= {plan.l1_warmup_min:g}), so CE recovers from the switch first."),
+         + ("(every sparse row" if not l1s or plan.l1_warmup_min <= l1s[0]
+            else f"(the rows with L1 >= {plan.l1_warmup_min:g}; constant below")
+         + "), so CE recovers from the switch first."),
         (f"- **Distillation** (`_kd` rows): `sparsity.distill_from=source`, the SiLU original "
          f"frozen in bf16, run on the same tokens in the same step; loss = CE + l1_coeff x L1 + "
          f"{plan.distill_weight:g} x {plan.distill_temperature:g}^2 x KL(teacher || student) at "
@@ -248,7 +250,9 @@ def running_lines(plan: StudyPlan, rows: list[RowSpec], state: dict | None) -> l
         ("On one H200, in pieces of at most 10 minutes (each piece one command; run it again "
          "until it prints `all rows scored`). The GPU-side environment comes from "
          "`scripts/gpu_env.sh` (TWELL_CACHE with the corpus, the extracted eval sets and the "
-         "SmolLM2 GGUF; the wheels):"), "",
+         "SmolLM2 GGUF; the wheels). `--gguf smollm2` finds the GGUF through TWELL_CACHE; give "
+         "its path (`--gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf`) if it was carried "
+         "elsewhere, and `--corpus-dir` for a corpus outside TWELL_CACHE:"), "",
         "```bash",
         "# each piece: the results folder of the pieces before it is carried in as $OUT/relufy",
         "source scripts/gpu_env.sh",
