@@ -173,6 +173,31 @@ def test_default_and_paper_recipes_compose():
         OmegaConf.to_object(_compose(["trainer=gpu", "trainer.memory=off"]))
 
 
+def test_relufy_recipe_is_the_gpu_recipe_and_warns_how_to_shrink_it_on_a_cpu():
+    """experiment=relufy_smollm2: compile, micro-batch = global batch = 64 x 1024, torch FFN,
+    >= 40 M tokens (2+ epochs of the corpus's 18.65 M); on a CPU the trainer's warning names the
+    GPU-sized parts and the overrides that shrink them (the shrunk command has none left)."""
+    from train.trainer import cpu_cost_warning
+
+    c = OmegaConf.to_object(_compose(["experiment=relufy_smollm2"]))
+    t = c.trainer
+    assert t.compile and t.micro_batch == t.global_batch == 64 and c.model.ffn_impl == "torch"
+    tokens = t.max_steps * t.global_batch * c.model.seq_len
+    assert tokens >= 40e6 and tokens / 18_650_289 > 2
+    assert c.sparsity.schedule == "linear_warmup" and c.eval.limit is None
+    line = cpu_cost_warning(c)
+    for part in ("no GPU found", "611 steps of 64 x 1024 tokens", "full validation sets",
+                 "torch.compile", "trainer.max_steps=20 trainer.global_batch=8",
+                 "eval.limit=50", "trainer.compile=false"):
+        assert part in line, part
+    small = OmegaConf.to_object(_compose([
+        "experiment=relufy_smollm2", "trainer.cpu=true", "trainer.compile=false",
+        "trainer.max_steps=20", "trainer.global_batch=8", "trainer.micro_batch=4",
+        "model.seq_len=256", "eval.limit=50"]))
+    assert cpu_cost_warning(small) is None
+    assert cpu_cost_warning(OmegaConf.to_object(_compose([]))) is None  # the CPU default
+
+
 def test_unknown_keys_and_types_are_errors():
     from hydra.errors import ConfigCompositionException
 

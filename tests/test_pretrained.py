@@ -1,7 +1,8 @@
 """model.init_from / model.hidden_act_from (train/pretrained.py): the shape comes from the
 checkpoint, the logits are the source model's (ReLU) or stock LlamaForCausalLM(hidden_act=relu)'s
 on the same weights (SiLU switched at load), GQA, shape-mismatch errors, vocabulary check, exact
-resume that does not re-read the source, export, and a GGUF written with gguf.GGUFWriter."""
+resume that does not re-read the source, export, a GGUF written with gguf.GGUFWriter, and the SiLU
+gate kept (model.hidden_act=silu: the fine-tuning control) with its export to stock SiLU."""
 
 import dataclasses
 import json
@@ -318,3 +319,73 @@ def test_eval_at_start_scores_the_relufied_model_before_training(tokens, silu_di
     torch.testing.assert_close(seen[0], _logits(stock, IDS), rtol=0, atol=1e-5)
     assert (seen[1] - seen[0]).abs().max() > 1e-4  # the end eval sees the trained weights
     assert [r["step"] for r in read_metrics(tmp_path / "r", "eval")] == [0, 2]
+
+
+def test_silu_kept_trains_resumes_and_loads_into_stock_silu(tokens, silu_dir, tmp_path):
+    """model.hidden_act=silu (the fine-tuning control): the model is the SiLU source (logits of
+    stock LlamaForCausalLM(hidden_act=silu)); 4 steps straight == 2, stop, resume to 4 (the
+    resumed model is built SiLU without the source); L0 counts h != 0 (= the FFN width, 80: SiLU
+    has no zeros), no unit is dead; the checkpoint loads into stock LlamaForCausalLM with
+    hidden_act=silu and gives the trained model's logits."""
+    def cfg():
+        c = _cfg(tokens, silu_dir, hidden_act="silu")
+        c.trainer = dataclasses.replace(c.trainer, max_steps=4, save_every=2, keep_last=2)
+        return c
+
+    t = _trainer(cfg(), tmp_path / "straight")
+    try:
+        model = t.acc.unwrap_model(t.model)
+        assert model.config.hidden_act == "silu" and t.init_info["act_switched"] is False
+        stock = LlamaForCausalLM.from_pretrained(silu_dir, dtype=torch.float32)
+        torch.testing.assert_close(_logits(model, IDS), _logits(stock, IDS), rtol=0, atol=0)
+        summary = t.train()
+    finally:
+        t.close()
+    for kw in ({"stop_at_step": 2}, {}):
+        t2 = _trainer(cfg(), tmp_path / "split")
+        try:
+            t2.train(**kw)
+        finally:
+            t2.close()
+    a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "ce", "l1", "grad_norm"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-6), (ra["step"], key)
+    assert all(r["l0_mean"] == 80 and r["l0_min"] == 80 for r in a)
+    assert a[-1]["dead_frac"] == 0.0 and summary["val_l0"] == 80
+    assert a[-1]["ce"] < a[0]["ce"]  # it trains
+    ckpt = Path(summary["paths"]["checkpoint"])
+    assert json.loads((ckpt / "config.json").read_text())["hidden_act"] == "silu"
+    exported = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    torch.testing.assert_close(_logits(t.acc.unwrap_model(t.model), IDS), _logits(exported, IDS),
+                               rtol=0, atol=0)
+    assert (_logits(exported, IDS) - _logits(stock, IDS)).abs().max() > 1e-4  # trained weights
+
+
+def test_silu_kept_config_errors(tokens, silu_dir, relu_dir, tmp_path):
+    with pytest.raises(ConfigError, match="it needs model.init_from"):
+        ModelConfig(hidden_act="silu")
+    with pytest.raises(ConfigError, match="model.hidden_act='gelu' is unknown"):
+        ModelConfig(hidden_act="gelu")
+    base = {**dict.fromkeys(SHAPE_NULL), "seq_len": 32}
+    with pytest.raises(ConfigError, match="set model.ffn_impl=torch"):
+        ModelConfig(init_from=str(silu_dir), hidden_act="silu", ffn_impl="auto", **base)
+    with pytest.raises(ConfigError, match="hidden_act_from='gelu'"):
+        ModelConfig(init_from=str(silu_dir), hidden_act="silu", hidden_act_from="gelu", **base)
+    with pytest.raises(ConfigError, match="has hidden_act='relu'"):  # nothing SiLU to keep
+        _trainer(_cfg(tokens, relu_dir, hidden_act="silu"), tmp_path / "x")
+    from train.config import TrainConfig, TrainerConfig
+
+    with pytest.raises(ConfigError, match="trainer.dense_ffn_fused=false"):
+        TrainConfig(model=ModelConfig(init_from=str(silu_dir), hidden_act="silu", **base),
+                    trainer=TrainerConfig(dense_ffn_fused=True))
+    # hidden_act_from=silu with hidden_act=silu only names the source's activation
+    t = _trainer(_cfg(tokens, silu_dir, hidden_act="silu", hidden_act_from="silu"), tmp_path / "y")
+    try:
+        assert t.acc.unwrap_model(t.model).config.hidden_act == "silu"
+    finally:
+        t.close()
+
+
+SHAPE_NULL = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "rope_theta", "rms_norm_eps", "tie_embeddings", "gated")

@@ -1,6 +1,7 @@
-"""scripts/relufy_report.py on hand-made study results (CPU, seconds): merging several results
-folders row by row (which row wins, the run each row came from, the rows left out), the computed
-target lines against hand-computed points, the kept findings block, and the single-folder doc."""
+"""train/relufy_report.py (docs/relufy.md) on hand-made study results: the table holds the CSV's
+numbers, the targets are computed from them, the plots and results.csv land next to the doc,
+a partial study says which rows are missing, the findings block survives a rewrite, the
+pending version has no number of a result, and scripts/relufy_report.py's errors."""
 
 from __future__ import annotations
 
@@ -11,182 +12,111 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_utils import load_script
+from train.relufy import RowSpec, Study, StudyPlan, default_rows, sparse_row
+from train.relufy_report import FINDINGS_BEGIN, FINDINGS_END, FINDINGS_PLACEHOLDER, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "relufy_report.py"
 TASKS = ("hellaswag", "commonsense_qa", "piqa", "winogrande", "arc_easy", "arc_challenge",
          "openbookqa")
-WIDTH = 1000  # FFN width of the made-up source: 5 % = 50, 2 % = 20
+PLAN = StudyPlan(tokens=128, global_batch=2, seq_len=32, micro_batch=2)
+# row -> (mean accuracy as a fraction, L0 of 64 units)
+MEANS = {"silu_original": (0.43, None), "dense_relu": (0.41, 20.0), "silu_control": (0.415, None),
+         "l1_0.1": (0.40, 3.0), "l1_0.1_kd": (0.405, 2.5)}
 
 
-def _load():
-    return load_script("relufy_report")
+def _study(tmp_path: Path, names=tuple(MEANS)) -> Path:
+    """An OUT folder as scripts/relufy_study.py leaves it, with the rows ``names`` scored."""
+    out = tmp_path / "out"
+    rows = [RowSpec("silu_original", "silu_original"), RowSpec("dense_relu", "dense_relu", 0.0),
+            RowSpec("silu_control", "silu_control", 0.0), sparse_row(0.1, False),
+            sparse_row(0.1, True)]
+    s = Study(out, tmp_path / "work", PLAN, rows)
+    s.state["source"] = {"ffn": 64}
+    s.state["invocations"] = [{"command": "python scripts/relufy_study.py --out OUT --cpu"}]
+    for name in names:
+        mean, l0 = MEANS[name]
+        d = out / "rows" / name
+        d.mkdir(parents=True)
+        (d / "score.json").write_text(json.dumps({"mean": mean, "val_loss": 2.5, "tasks": {
+            t: {"primary": mean, "n": 1000} for t in TASKS}}))
+        if name != "silu_original":
+            (d / "summary.json").write_text(json.dumps({
+                "step": PLAN.steps, "tokens_seen": 128, "val_loss": 2.0, "val_l0": l0,
+                "dead_pct": 0.5, "l0_layers": [l0 or 64.0, l0 or 64.0]}))
+    s.save()
+    return out
 
 
-rr = _load()
-
-
-def _row(name, mean, *, kind="main", status="done", l1=None, l0=None, tokens=3_637_248, val=2.0):
-    """A row whose seven task scores all equal ``mean`` (so the mean is exact)."""
-    r = {"name": name, "kind": kind, "status": status, "l1_coeff": l1, "tokens": tokens,
-         "l0": l0, "l0_pct": None if l0 is None else 100 * l0 / WIDTH, "dead_pct": 0.0,
-         "val_loss": val, "mean": mean, **{t: mean for t in TASKS}}
-    if kind == "main":
-        r["command"] = f"-m train sparsity.l1_coeff={l1} hydra.run.dir=runs/{name}"
-        r["l0_layers_train"] = [l0, l0]
-    return r
-
-
-def _state(rows, l1, command, *, sha="abc", check=None, check_impls=("twell", "auto")):
-    return {"meta": {"command": command, "started": "2026-12-01T00:00:00", "wall_s": 10.0,
-                     "env": {"TWELL_CACHE": "/tmp/twc"},
-                     "args": {"l1": list(l1), "eval_limit": None, "check_limit": 30,
-                              "check_impls": list(check_impls), "global_batch": 2,
-                              "seq_len": 8}},
-            "stages": {"main": {"status": "done", "seconds": 5.0}},
-            "plan": {"lr": 1e-3, "lr_from": "sweep", "steps": 3},
-            "sweep": [{"lr": 1e-3, "tokens": 48, "val_loss": 2.5, "status": "done"}],
-            "source": {"sha256": sha, "shape": {"ffn": WIDTH}}, "data": {"fingerprint": "f"},
-            "check": check or {}, "rows": rows}
-
-
-def _two_states():
-    refs = [_row("silu_original", 0.43, kind="reference"),
-            _row("relu_at_load", 0.30, kind="reference", l0=400.0, val=8.0)]
-    a = _state(refs + [_row("l1_0", 0.40, l1=0.0, l0=450.0),
-                       _row("l1_0.01", 0.395, l1=0.01, l0=300.0),
-                       _row("l1_0.5", 0.38, l1=0.5, status="failed (exit 1)", l0=None)],
-               [0.01, 0.5], "python scripts/relufy_study.py --out A",
-               check={"export": [{"run": "l1_0.01", "hidden_act": "relu",
-                                  "max_abs_logit_diff": 0.0}],
-                      "evals": {"torch": {"run": "l1_0.01", "mean": 0.25, "status": "done"},
-                                "auto": {"run": "l1_0.01", "mean": 0.25, "status": "done"}}})
-    b = _state([_row("silu_original", 0.42, kind="reference"),
-                _row("l1_0", 0.10, l1=0.0, l0=450.0, status="failed (exit 2)"),
-                _row("l1_0.5", 0.35, l1=0.5, l0=40.0, tokens=3_719_168),
-                _row("l1_0.1", 0.37, l1=0.1, l0=49.0, tokens=3_719_168),
-                _row("l1_2", 0.33, l1=2.0, l0=15.0, tokens=3_719_168, val=6.5)],
-               [0.1, 0.5, 2.0], "python scripts/relufy_study.py --out B --l1 0.1,0.5,2",
-               check_impls=())
-    b["rows"][1]["log_tail"] = "ConfigError: runs/l1_0 holds a different run's config.\nmore\n"
-    return a, b
-
-
-def test_merge_first_wins_failed_never_replaces_done_and_rows_are_tagged():
-    a, b = _two_states()
-    st = rr.merge([a, b], ["A", "B"])
-    rows = {r["name"]: r for r in st["rows"]}
-    # order: reference rows as first seen, then the trained rows by L1
-    assert [r["name"] for r in st["rows"]] == ["silu_original", "relu_at_load", "l1_0",
-                                               "l1_0.01", "l1_0.1", "l1_0.5", "l1_2"]
-    assert rows["silu_original"]["run"] == "A" and rows["silu_original"]["mean"] == 0.43
-    assert rows["l1_0"]["run"] == "A" and rows["l1_0"]["status"] == "done"  # B's failed one out
-    assert rows["l1_0.5"]["run"] == "B" and rows["l1_0.5"]["mean"] == 0.35  # A's failed gives way
-    assert rows["l1_0.1"]["run"] == "B" and rows["l1_0.01"]["run"] == "A"
-    dropped = {(d["name"], d["run"]): d for d in st["dropped"]}
-    assert set(dropped) == {("silu_original", "B"), ("l1_0", "B"), ("l1_0.5", "A")}
-    assert dropped[("l1_0", "B")]["kept_run"] == "A"
-    assert dropped[("l1_0.5", "A")]["status"] == "failed (exit 1)"
-    assert dropped[("l1_0.5", "A")]["kept_run"] == "B"
-    assert [r["label"] for r in st["runs"]] == ["A", "B"]
-    # the inputs are not modified
-    assert "run" not in a["rows"][0] and b["rows"][1]["status"] == "failed (exit 2)"
-
-
-def test_merge_of_one_state_keeps_its_rows():
-    a, _ = _two_states()
-    st = rr.merge([a], ["1"])
-    assert [r["name"] for r in st["rows"]] == [r["name"] for r in a["rows"]]
-    assert st["dropped"] == [] and all(r["run"] == "1" for r in st["rows"])
-
-
-def test_merge_refuses_mismatched_labels_and_different_sources():
-    a, b = _two_states()
-    with pytest.raises(ValueError, match="labels"):
-        rr.merge([a, b], ["A"])
-    with pytest.raises(ValueError, match="labels"):
-        rr.merge([a, b], ["A", "A"])
-    b["source"]["sha256"] = "other"
-    with pytest.raises(ValueError, match="source.sha256"):
-        rr.merge([a, b], ["A", "B"])
-
-
-def test_targets_on_merged_rows_hand_computed():
-    a, b = _two_states()
-    st = rr.merge([a, b], ["A", "B"])
-    lines = "\n".join(rr.targets(st["rows"], WIDTH, runs=st["runs"]))
-    # baseline 40.00 vs SiLU 43.00: -3.00 points; the switch cost 13, 10 of them won back (77 %)
-    assert "**-3.00 points** (40.00 vs 43.00)" in lines and "**not met**" in lines
-    assert "won back 77 %" in lines
-    # 1e-2 is the only run within 1 point (-0.50)
-    assert "Within 1 point of the dense ReLU baseline: L1 = 0.01 (-0.50 points" in lines
-    # moderate: the weakest L1 with L0 <= 50 is 0.1 (L0 49), 37 - 40 = -3 points, more tokens
-    assert ("L1 = 0.1, L0 49.0, **-3.00 points** vs the dense ReLU baseline (at 3.72 M tokens, "
-            "the baseline at 3.64 M)") in lines
-    # strongest: the weakest L1 with L0 <= 20 is 2 (L0 15): cost 40 - 33 = 7 points
-    assert "L1 = 2, L0 15.00, cost **7.00 points**" in lines and "val loss 6.50" in lines
-    assert "1 of the 4 sparse checkpoints checked" in lines
-    assert "torch 25.00 / auto 25.00 on l1_0.01 (30 items per task): spread 0 points" in lines
-
-
-def test_chance_mean_matches_the_choice_counts():
-    # 4, 5, 2, 2, 4, 4, 4 choices (ARC has a handful of 3- and 5-choice items)
-    assert rr.CHANCE_MEAN == pytest.approx((1 / 4 + 1 / 5 + 1 / 2 + 1 / 2 + 3 / 4) / 7, abs=2e-4)
-
-
-def _report(args, tmp):
-    res = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, check=False)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-
-
-def test_report_from_two_folders_keeps_the_findings_block(tmp_path):
-    a, b = _two_states()
-    for name, st in (("A", a), ("B", b)):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "runs.json").write_text(json.dumps(st))
-    doc = tmp_path / "doc" / "relufy.md"
-    _report([tmp_path / "A", tmp_path / "B", "--labels", "A,B", "--doc", doc], tmp_path)
+def test_doc_from_results_has_the_numbers_targets_plots_and_csv(tmp_path):
+    out = _study(tmp_path)
+    doc = tmp_path / "docs" / "relufy.md"
+    write_report(out, doc)
     text = doc.read_text()
-    assert "| from |" in text and "| **40.00** | run A |" in text
-    assert "| **35.00** | run B |" in text
-    assert "L1 = 0.5 (failed" not in text and "| **10.00** |" not in text  # left-out rows
-    assert "run B's (failed (exit 2), mean 10.00) is left out: ConfigError: runs/l1_0" in text
-    for st in (a, b):
-        assert "TWELL_CACHE=/tmp/twc " + st["meta"]["command"] in text
-    assert "FFN-path evals: not asked (`--check-impls none`)" in text
-    cmds = text[text.index("Each training run's exact command"):]
-    assert cmds.index("# run A\npython -m train sparsity.l1_coeff=0.0 ") < cmds.index(
-        "sparsity.l1_coeff=0.01 ") < cmds.index("# run B\npython -m train sparsity.l1_coeff=0.1 "
-                                                ) < cmds.index("sparsity.l1_coeff=2.0 ")
-    assert cmds.count("sparsity.l1_coeff=0.5 ") == 1  # B's row; A's failed one is left out
-    assert (doc.parent / "relufy" / "acc_vs_l0.png").stat().st_size > 1000
+    assert "**Status: 5 of 5 rows scored** (complete)" in text
+    # table: mean +- binomial stderr, sqrt(7 p (1 - p) / 1000) / 7 in points
+    se = 100 * (7 * 0.41 * 0.59 / 1000) ** 0.5 / 7
+    assert f"| **41.00** +- {se:.2f} |" in text
+    assert "| l1_0.1_kd | sparse | 0.1 | yes | 0.00 | 2.5 | 3.91 | 0.50 |" in text
+    assert "| silu_control | silu_control | 0 | no | 0.00 | SiLU: dense | - | - |" in text
+    # targets: 41.0 vs 41.5 = -0.50 (met); L0 <= 5 %: 3.0 / 64 = 4.69 % and 3.91 %: the
+    # sparsest within 1 point is l1_0.1_kd (-0.50); none <= 2 %: pending
+    assert "Dense ReLU within 1.0 point of the SiLU control: **met**: 41.00 vs 41.50: -0.50" in text
+    assert "the sparsest row within it: l1_0.1_kd (L0 2.5 = 3.91 %)" in text
+    assert "A row with L0 <= 2 % within 2.0 points of dense ReLU: pending" in text
+    assert (doc.parent / "relufy" / "results.csv").read_text() == (out / "results.csv").read_text()
+    for png in ("acc_vs_l0.png", "l0_layers.png"):
+        assert (doc.parent / "relufy" / png).stat().st_size > 5000
+    assert "python scripts/relufy_study.py --out OUT --cpu" in text  # the commands that ran
+    assert "# l1_0.1_kd\npython -m train experiment=relufy_smollm2 " in text
+    assert "sparsity.distill_from=source" in text and "bench/runS/relufy.md" in text
     # a rewrite keeps the hand-written block between the markers
-    body = "The findings, by hand.\n\nA second paragraph."
-    i, j = text.index(rr.FINDINGS_BEGIN), text.index(rr.FINDINGS_END)
-    doc.write_text(text[:i] + rr.FINDINGS_BEGIN + "\n" + body + "\n" + text[j:])
-    _report([tmp_path / "A", tmp_path / "B", "--labels", "A,B", "--doc", doc], tmp_path)
+    body = "Findings by hand.\n\nSecond paragraph."
+    i, j = text.index(FINDINGS_BEGIN), text.index(FINDINGS_END)
+    doc.write_text(text[:i] + FINDINGS_BEGIN + "\n" + body + "\n" + text[j:])
+    write_report(out, doc)
     again = doc.read_text()
-    assert rr.FINDINGS_BEGIN + "\n" + body + "\n" + rr.FINDINGS_END in again
-    assert rr.FINDINGS_PLACEHOLDER not in again
+    assert FINDINGS_BEGIN + "\n" + body + "\n" + FINDINGS_END in again
+    assert FINDINGS_PLACEHOLDER not in again
 
 
-def test_report_from_one_folder_has_no_run_column(tmp_path):
-    a, _ = _two_states()
-    (tmp_path / "A").mkdir()
-    (tmp_path / "A" / "runs.json").write_text(json.dumps(a))
+def test_partial_study_names_the_missing_rows(tmp_path):
+    out = _study(tmp_path, names=("silu_original", "dense_relu"))
     doc = tmp_path / "relufy.md"
-    _report([tmp_path / "A", "--doc", doc], tmp_path)
+    write_report(out, doc)
     text = doc.read_text()
-    assert "| from |" not in text and "- **This run**:" in text
-    assert f"from the results of `{a['meta']['command']}`" in text
-    assert "L1 = 0.5 (failed (exit 1))" in text  # one folder: its failed row stays in the table
-    assert rr.FINDINGS_PLACEHOLDER in text
+    assert "**Status: 2 of 5 rows scored** (not yet: silu_control, l1_0.1, l1_0.1_kd)" in text
+    assert "Dense ReLU within 1.0 point of the SiLU control: pending" in text
+    assert "| dense_relu | dense_relu |" in text and "| l1_0.1 |" not in text
 
 
-def test_report_names_a_folder_without_results(tmp_path):
-    res = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--doc",
-                          str(tmp_path / "x.md")], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, check=False)
-    assert res.returncode == 2 and f"no runs.json in {tmp_path}" in res.stderr
+def test_pending_doc_has_the_plan_and_no_result(tmp_path):
+    doc = tmp_path / "relufy.md"
+    write_report(None, doc)
+    text = doc.read_text()
+    assert "**Status: results pending the H200 run.**" in text
+    assert "_Pending: no row is scored yet._" in text and "+- " not in text
+    assert text.count("pending (") == 3  # the three targets
+    assert [f"`{r.name}`" in text for r in default_rows()] == [True] * 17
+    assert "40.04 M a row, 2.15 epochs" in text and "piece(s) of 10 min" in text
+    assert not (tmp_path / "relufy").exists()  # no plots, no CSV
+
+
+def test_report_script_writes_and_names_a_folder_without_results(tmp_path):
+    out = _study(tmp_path)
+    doc = tmp_path / "d.md"
+    ok = subprocess.run([sys.executable, str(ROOT / "scripts" / "relufy_report.py"), str(out),
+                         "--doc", str(doc)], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300, check=False)
+    assert ok.returncode == 0 and f"wrote {doc}" in ok.stdout and doc.is_file()
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "relufy_report.py"),
+                          str(tmp_path), "--doc", str(doc)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert bad.returncode == 2 and f"no study.json in {tmp_path}" in bad.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["x", "--pending"]])
+def test_report_script_needs_a_folder_or_pending(tmp_path, args):
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "relufy_report.py"), *args,
+                          "--doc", str(tmp_path / "d.md")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert res.returncode == 2 and "or --pending" in res.stderr

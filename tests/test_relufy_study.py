@@ -1,6 +1,8 @@
-"""scripts/relufy_study.py end to end on CPU (a tiny SiLU GGUF with SmolLM2's vocabulary, a tiny
-text corpus tokenized with the SmolLM2 tokenizer, 2 steps a run, 2 items per task), then
-scripts/relufy_report.py on its results."""
+"""scripts/relufy_study.py end to end on CPU: a tiny SiLU GGUF with SmolLM2's vocabulary, a tiny
+text corpus tokenized with the SmolLM2 tokenizer, 2 steps a row, 2 items a task. A first piece
+runs two rows; the second runs all five (the done ones skipped, two rows at a time); then the
+results, the checkpoints' activations, the SiLU original's validation loss against stock
+transformers, and scripts/relufy_report.py on the results (written to tmp, not docs/)."""
 
 import json
 import subprocess
@@ -12,8 +14,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.gguf_utils import write_tiny_gguf
+from train.relufy import CSV_COLUMNS, read_results
 
 ROOT = Path(__file__).resolve().parent.parent
+ROWS = ["silu_original", "silu_control", "dense_relu", "l1_0.5", "l1_0.5_kd"]
 
 
 def _corpus(path: Path) -> Path:
@@ -23,6 +27,13 @@ def _corpus(path: Path) -> Path:
         paras += [p.strip() for p in f.read_text().split("\n\n") if len(p.strip()) > 80]
     path.write_text("".join(json.dumps({"text": p}) + "\n" for p in paras[:300]))
     return path
+
+
+def _run(cmd):
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                         check=False)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
+    return res.stdout
 
 
 @pytest.fixture(scope="module")
@@ -41,84 +52,98 @@ def study(tmp_path_factory):
     gguf = write_tiny_gguf(tmp / "tiny.gguf", tmp / "hf", [t for t, _ in vocab], 1e5)
     corpus = _corpus(tmp / "docs.jsonl")
     out, work = tmp / "out", tmp / "work"
-    cmd = [sys.executable, str(ROOT / "scripts" / "relufy_study.py"), "--cpu", "--gguf", str(gguf),
-           "--gguf-sha256", "none",
-           "--out", str(out), "--work", str(work), "--seq-len", "32", "--global-batch", "4",
-           "--micro-batch", "2", "--val-sequences", "4", "--tokens", "256", "--no-fit",
-           "--sweep-lrs", "1e-3,1e-2", "--sweep-tokens", "128", "--l1", "0.5",
-           "--eval-limit", "2", "--eval-batch", "8", "--check-impls", "auto", "--check-limit",
-           "2", "--parallel", "3", "--max-wall", "900", "data.source=files",
-           f"data.paths=[{corpus}]", f"data.cache_dir={tmp / 'cache'}",
-           "data.decontaminate=false", "data.val_fraction=0.2", "data.num_proc=1",
-           "sparsity.dead_window_tokens=0"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500,
-                         check=False)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return {"out": out, "work": work, "hf": tmp / "hf", "stdout": res.stdout, "cmd": cmd}
+    base = [sys.executable, str(ROOT / "scripts" / "relufy_study.py"), "--cpu", "--gguf",
+            str(gguf), "--gguf-sha256", "none", "--out", str(out), "--work", str(work),
+            "--seq-len", "32", "--global-batch", "4", "--micro-batch", "2", "--val-sequences",
+            "4", "--tokens", "256", "--l1", "0.5", "--eval-limit", "2", "--eval-batch", "8",
+            "--save-every", "1", "--max-wall", "1500", "--min-start", "0",
+            "data.source=files", f"data.paths=[{corpus}]", f"data.cache_dir={tmp / 'cache'}",
+            "data.decontaminate=false", "data.val_fraction=0.2", "data.num_proc=1",
+            "sparsity.dead_window_tokens=0"]
+    first = _run(base + ["--rows", "silu_original,dense_relu"])
+    mtime = (out / "rows" / "dense_relu" / "score.json").stat().st_mtime_ns
+    second = _run(base + ["--parallel", "2"])
+    return {"out": out, "work": work, "hf": tmp / "hf", "first": first, "second": second,
+            "mtime": mtime, "corpus": corpus, "cache": tmp / "cache"}
 
 
 @pytest.mark.slow
-def test_study_rows_sweep_plan_and_checks(study):
-    state = json.loads((study["out"] / "runs.json").read_text())
-    assert all(s["status"] == "done" for s in state["stages"].values()), state["stages"]
-    rows = {r["name"]: r for r in state["rows"]}
-    assert list(rows) == ["silu_original", "relu_at_load", "l1_0", "l1_0.5"]
-    for r in rows.values():
-        assert r["status"] == "done" and 0 <= r["mean"] <= 1
-        assert all(0 <= r[t] <= 1 for t in state["meta"]["tasks"])
-    for name in ("l1_0", "l1_0.5"):
-        assert rows[name]["tokens"] == 256 and rows[name]["steps"] == 2
-        assert rows[name]["init"]["act_switched"] and rows[name]["lr"] == state["plan"]["lr"]
+def test_pieces_skip_done_rows_and_fill_the_results(study):
+    out = study["out"]
+    assert "plan: 2 rows (2 to do, 1 to train)" in study["first"]
+    assert "estimate: " in study["first"] and "piece(s) of 10 min" in study["first"]
+    assert "silu_original: done (scored), skipped" in study["second"]
+    assert "dense_relu: done (scored), skipped" in study["second"]
+    assert "started train:dense_relu" not in study["second"]
+    assert (out / "rows" / "dense_relu" / "score.json").stat().st_mtime_ns == study["mtime"]
+    assert "all rows scored" in study["second"]
+    assert (out / "results.csv").read_text().splitlines()[0] == ",".join(CSV_COLUMNS)
+    rows = {r["row"]: r for r in read_results(out / "results.csv")}
+    assert sorted(rows) == sorted(ROWS)
+    assert [rows[n]["kind"] for n in ROWS] == ["silu_original", "silu_control", "dense_relu",
+                                               "sparse", "sparse"]
+    for name, r in rows.items():
+        assert 0 <= r["mean"] <= 100 and r["stderr"] > 0, name
+        trained = name != "silu_original"
+        assert r["tokens_m"] == pytest.approx(256e-6 if trained else 0), name
+        assert r["val_loss"] > 0, name
+    for name in ("dense_relu", "l1_0.5", "l1_0.5_kd"):
         assert 0 <= rows[name]["l0"] <= 64 and rows[name]["dead_pct"] is not None
-    # the lr is the sweep's best validation loss
-    sweep = state["sweep"]
-    assert len(sweep) == 2 and state["plan"]["lr_from"] == "sweep"
-    assert state["plan"]["lr"] == min(sweep, key=lambda r: r["val_loss"])["lr"]
-    assert all(r["steps"] == 1 for r in sweep)
-    # (the study's validation formula is checked against stock relu in the test below; the
-    # sweep's one step now runs at lr / warmup, so its loss is no longer the loaded model's)
-    # export: stock LlamaForCausalLM (relu) == twell's load_model on the sparse checkpoint
-    ex = state["check"]["export"]
-    assert ex and ex[0]["hidden_act"] == "relu" and ex[0]["max_abs_logit_diff"] < 1e-5
-    ev = state["check"]["evals"]
-    assert ev["torch"]["mean"] == pytest.approx(ev["auto"]["mean"], abs=1e-9)
-    assert "measured" in study["stdout"] and (study["out"] / "runs.csv").is_file()
-    assert (study["out"] / "runs" / "l1_0.5" / "metrics.jsonl").is_file()
+        assert rows[name]["l0_pct"] == pytest.approx(100 * rows[name]["l0"] / 64, rel=1e-5)
+    for name in ("silu_original", "silu_control"):
+        assert rows[name]["l0"] is None and rows[name]["dead_pct"] is None
+    assert rows["l1_0.5_kd"]["distill"] == 1 and rows["l1_0.5"]["distill"] == 0
+    # the distilled row logged its KL; the sparse rows warmed their L1 up
+    kd = [json.loads(ln) for ln in (out / "rows" / "l1_0.5_kd" / "metrics.jsonl").read_text()
+          .splitlines()]
+    assert all(r["distill_kl"] >= 0 for r in kd if r["kind"] == "train")
+    cfg = (out / "rows" / "l1_0.5_kd" / "config.yaml").read_text()
+    assert "distill_from: source" in cfg and "schedule: linear_warmup" in cfg
+    state = json.loads((out / "study.json").read_text())
+    assert len(state["invocations"]) == 2 and state["source"]["hidden_act"] == "silu"
 
 
 @pytest.mark.slow
-def test_relu_at_load_val_loss_equals_stock_relu(study):
-    """Independent reference: stock LlamaForCausalLM(hidden_act=relu) on the source weights, the
+def test_checkpoints_load_into_stock_llama_with_their_activation(study):
+    from train.checkpoint import latest_checkpoint
+
+    for name, act in (("silu_control", "silu"), ("dense_relu", "relu"), ("l1_0.5_kd", "relu")):
+        ckpt = latest_checkpoint(study["work"] / "runs" / name)
+        m = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        assert m.config.hidden_act == act, name
+        score = json.loads((study["out"] / "rows" / name / "score.json").read_text())
+        assert score["hidden_act"] == act and score["checkpoint"] == str(ckpt)
+
+
+@pytest.mark.slow
+def test_silu_original_val_loss_equals_stock_silu(study):
+    """Independent reference: stock LlamaForCausalLM (SiLU) on the GGUF's source weights, the
     trainer's validation blocks (same corpus, seq_len, micro-batch, val_sequences)."""
     from train.data import DataConfig, build_datamodule
 
-    state = json.loads((study["out"] / "runs.json").read_text())
-    rows = {r["name"]: r for r in state["rows"]}
-    corpus = next(c.split("=", 1)[1] for c in study["cmd"] if c.startswith("data.paths="))
-    cache = next(c.split("=", 1)[1] for c in study["cmd"] if c.startswith("data.cache_dir="))
-    dm = build_datamodule(DataConfig(source="files", paths=[corpus.strip("[]")], cache_dir=cache,
-                                     decontaminate=False, val_fraction=0.2,
-                                     build_if_missing=False), seq_len=32, micro_batch=2, seed=42)
-    for name, act in (("relu_at_load", "relu"), ("silu_original", "silu")):
-        m = LlamaForCausalLM.from_pretrained(study["hf"], hidden_act=act, dtype=torch.float32)
-        with torch.no_grad():
-            ces = [m(input_ids=b, labels=b).loss.item() for b in dm.val_batches(2)]
-        assert rows[name]["val_loss"] == pytest.approx(sum(ces) / len(ces), rel=1e-5), name
+    dm = build_datamodule(DataConfig(source="files", paths=[str(study["corpus"])],
+                                     cache_dir=str(study["cache"]), decontaminate=False,
+                                     val_fraction=0.2, build_if_missing=False),
+                          seq_len=32, micro_batch=2, seed=42)
+    m = LlamaForCausalLM.from_pretrained(study["hf"], dtype=torch.float32)
+    with torch.no_grad():
+        ces = [m(input_ids=b, labels=b).loss.item() for b in dm.val_batches(2)]
+    score = json.loads((study["out"] / "rows" / "silu_original" / "score.json").read_text())
+    assert score["val_loss"] == pytest.approx(sum(ces) / len(ces), rel=1e-5)
 
 
 @pytest.mark.slow
-def test_report_writes_the_doc_and_plots(study, tmp_path):
-    doc = tmp_path / "relufy.md"
+def test_report_on_the_cpu_results(study, tmp_path):
+    doc = tmp_path / "docs" / "relufy.md"
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "relufy_report.py"),
                           str(study["out"]), "--doc", str(doc)], cwd=ROOT, capture_output=True,
                          text=True, timeout=300, check=False)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     text = doc.read_text()
-    state = json.loads((study["out"] / "runs.json").read_text())
-    rows = {r["name"]: r for r in state["rows"]}
-    for name in ("SiLU original", "ReLU at load", "L1 = 0", "L1 = 0.5"):
-        assert name in text, name
-    assert f"{100 * rows['l1_0']['mean']:.2f}" in text  # the table holds the file's numbers
-    assert state["meta"]["command"] in text
-    assert (tmp_path / "relufy" / "acc_vs_l0.png").stat().st_size > 1000
-    assert (tmp_path / "relufy" / "l0_layers.png").stat().st_size > 1000
+    rows = {r["row"]: r for r in read_results(study["out"] / "results.csv")}
+    assert "**Status: 5 of 5 rows scored** (complete)" in text
+    for name, r in rows.items():
+        assert f"| {name} | {r['kind']} |" in text and f"**{r['mean']:.2f}**" in text
+    assert "Dense ReLU within 1.0 point of the SiLU control: **" in text
+    assert (doc.parent / "relufy" / "results.csv").is_file()
+    assert (doc.parent / "relufy" / "acc_vs_l0.png").stat().st_size > 5000

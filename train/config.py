@@ -19,6 +19,8 @@ from train.data import DataConfig
 from twell.policy import FFNPolicy
 
 FFN_IMPLS = ("torch", "twell", "auto")  # same names as twell.nn.FFN_IMPLS (kept in sync by a test)
+HIDDEN_ACTS = ("relu", "silu")  # model.hidden_act
+DISTILL_SOURCES = ("source",)  # sparsity.distill_from
 PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("offline", "online", "disabled")
 CHECKPOINT_FFN_MODES = ("always", "auto", "never")  # = train.recompute.CHECKPOINT_FFN_MODES
@@ -86,7 +88,14 @@ class ModelConfig:
     hidden_act_from: str | None = None
     """init_from only: the checkpoint's FFN gate activation (e.g. ``silu``), switched to ReLU at
     load ("ReLUfication"; the model is LlamaForCausalLM with hidden_act=relu afterwards). null =
-    the checkpoint must already be ReLU (a SiLU one is refused)."""
+    the checkpoint must already be ReLU (a SiLU one is refused). With hidden_act=silu it only
+    names the checkpoint's activation (null or silu; nothing is switched)."""
+    hidden_act: str = "relu"
+    """FFN gate activation of the trained model: relu (twell's FFN, the default) | silu (init_from
+    a SiLU checkpoint only, kept as stored: the fine-tuning control of a ReLUfication study;
+    model.ffn_impl=torch only). A SiLU FFN has no zeros, so its logged L0 counts units with
+    h != 0 (about the FFN width) and dead units are about 0: sparsity statistics mean nothing
+    for it. Its checkpoints load into stock LlamaForCausalLM (hidden_act=silu)."""
     ffn_impl: str = "torch"
     """FFN implementation: torch (dense PyTorch) | twell (TwELL Triton kernels) | auto."""
     ffn_host_sync: str = "step"
@@ -117,6 +126,22 @@ class ModelConfig:
             raise ConfigError(
                 f"model.hidden_act_from={self.hidden_act_from!r}: name the checkpoint's non-ReLU "
                 "activation (e.g. silu), or leave it null for a ReLU checkpoint.")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"model.hidden_act={self.hidden_act!r} is unknown; use one of "
+                              f"{', '.join(HIDDEN_ACTS)}.")
+        if self.hidden_act == "silu":
+            if self.init_from is None:
+                raise ConfigError("model.hidden_act=silu keeps a pretrained SiLU checkpoint's "
+                                  "gate; it needs model.init_from=PATH (twell trains ReLU models "
+                                  "from scratch), or use model.hidden_act=relu.")
+            if self.hidden_act_from not in (None, "silu"):
+                raise ConfigError(f"model.hidden_act=silu keeps the checkpoint's SiLU gate, but "
+                                  f"model.hidden_act_from={self.hidden_act_from!r}; set "
+                                  "model.hidden_act_from=silu or null.")
+            if self.ffn_impl != "torch":
+                raise ConfigError(f"model.hidden_act=silu runs the dense PyTorch FFN only (the "
+                                  f"sparse kernels compute relu); got model.ffn_impl="
+                                  f"{self.ffn_impl}: set model.ffn_impl=torch.")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                     "seq_len"):
             if getattr(self, key) is not None:
@@ -216,10 +241,33 @@ class SparsityConfig:
     """Re-init mix: Wg[j] <- (1 - lambda) Wg[j] + lambda * N(0, std^2) (paper: 0.1)."""
     reinit_std: float = 0.02
     """Std of the re-init noise (paper: 0.02)."""
+    distill_from: str | None = None
+    """Distillation teacher: source (the model.init_from checkpoint as stored, e.g. the SiLU
+    original, frozen: bf16 on GPU, fp32 on CPU) | null (no distillation). On, the loss is
+    CE + l1_coeff * L1 + distill_weight * distill_temperature^2 * KL(teacher || student) at the
+    temperature, over the CE's targets, the teacher's forward in the same step without
+    gradients; the LM head, CE and KL run in row chunks (train/loss.py), so no (tokens x vocab)
+    logits are kept. The teacher is read from model.init_from again on resume."""
+    distill_weight: float = 0.0
+    """w of the distillation term (0 = off; needs distill_from)."""
+    distill_temperature: float = 1.0
+    """T of the distillation term: both softmaxes at T, the term scaled by T^2 (Hinton et al.
+    2015, so its gradient keeps its size as T changes)."""
 
     def __post_init__(self) -> None:
-        for key in ("l1_coeff", "reinit_std"):
+        for key in ("l1_coeff", "reinit_std", "distill_weight"):
             _check_finite_nonneg(f"sparsity.{key}", getattr(self, key))
+        if self.distill_from is not None and self.distill_from not in DISTILL_SOURCES:
+            raise ConfigError(f"sparsity.distill_from={self.distill_from!r} is unknown; use "
+                              f"{' or '.join(DISTILL_SOURCES)} (the model.init_from checkpoint) "
+                              "or null.")
+        if self.distill_weight > 0 and self.distill_from is None:
+            raise ConfigError(f"sparsity.distill_weight={self.distill_weight} needs a teacher; "
+                              "add sparsity.distill_from=source or set distill_weight=0.")
+        t = self.distill_temperature
+        if t is None or not math.isfinite(t) or t <= 0:
+            raise ConfigError(f"sparsity.distill_temperature must be a finite number > 0; got "
+                              f"{t}. Set sparsity.distill_temperature=1.0.")
         lam = self.reinit_lambda
         if lam is None or not (0 <= lam <= 1):
             raise ConfigError(f"sparsity.reinit_lambda must be in [0, 1]; got {lam}.")
@@ -484,6 +532,22 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        """Checks across groups (each group checks its own fields)."""
+        s, m = self.sparsity, self.model
+        if s.distill_from == "source" and m.init_from is None:
+            raise ConfigError("sparsity.distill_from=source distils from the model.init_from "
+                              "checkpoint, but model.init_from is not set; set it or "
+                              "sparsity.distill_from=null.")
+        if m.hidden_act == "silu" and self.trainer.dense_ffn_fused:
+            raise ConfigError("model.hidden_act=silu with trainer.dense_ffn_fused=true: dense "
+                              "mode computes relu; set trainer.dense_ffn_fused=false.")
+
+    @property
+    def distill(self) -> bool:
+        """Is distillation on (a teacher and a weight > 0)?"""
+        return self.sparsity.distill_from is not None and self.sparsity.distill_weight > 0
 
     def check_world(self, world_size: int) -> int:
         """Gradient-accumulation steps for ``world_size`` ranks; ConfigError if it does not divide."""

@@ -24,6 +24,11 @@ trainer writes load into stock ``LlamaForCausalLM`` and give the same logits.
 ReLUfication (Mirzadeh et al. 2023, "ReLU Strikes Back"): the gate's activation is replaced by
 ReLU and nothing else changes; the paper's FFN ``relu(x Wg^T) * (x Wu^T)`` (arXiv 2603.23198,
 "Model and recipe") is then trained on, with or without the L1 term.
+
+``model.hidden_act=silu`` keeps a SiLU checkpoint's gate instead (:class:`SiluGatedMLP`): the same
+fine-tuning without the switch, the control that separates the ReLU switch's cost from the
+fine-tuning data's. ``sparsity.distill_from=source``: :func:`build_teacher` loads the checkpoint
+as stored (frozen) as the distillation teacher.
 """
 
 from __future__ import annotations
@@ -34,7 +39,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
 from train.config import ConfigError
+from twell.nn import SparseGatedMLP
+from twell.stats import stats_from_activations
 
 SMOLLM2 = "smollm2"
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -199,6 +209,12 @@ def fill_model_config(mcfg, src: PretrainedSource):
                 f"model.{key}={user} disagrees with {where} ({key}={ckpt}); use model=pretrained "
                 f"(shape from the checkpoint) or set model.{key}={ckpt}.")
     act, want = src.hidden_act, mcfg.hidden_act_from
+    if mcfg.hidden_act == "silu":
+        if act != "silu" or not src.gated:
+            raise ConfigError(f"model.hidden_act=silu keeps a SiLU gate, but {where} has "
+                              f"hidden_act={act!r}{'' if src.gated else ' and no gate'}; use a "
+                              "SiLU Llama checkpoint or model.hidden_act=relu.")
+        return _replace(mcfg, fill, where)
     if act == "relu" and want is not None:
         raise ConfigError(f"model.hidden_act_from={want} but {where} is already ReLU "
                           "(hidden_act=relu); remove model.hidden_act_from.")
@@ -209,6 +225,10 @@ def fill_model_config(mcfg, src: PretrainedSource):
     if act != "relu" and want != act:
         raise ConfigError(f"model.hidden_act_from={want} but {where} has hidden_act={act!r}; "
                           f"set model.hidden_act_from={act}.")
+    return _replace(mcfg, fill, where)
+
+
+def _replace(mcfg, fill: dict, where: str):
     try:
         return dataclasses.replace(mcfg, **fill)
     except ValueError as e:  # a cross-field check (e.g. ffn_impl=twell on a non-gated checkpoint)
@@ -294,11 +314,62 @@ def _drop_gguf_quantizer(model):
     return model
 
 
+class SiluGatedMLP(SparseGatedMLP):
+    """``LlamaMLP`` with a SiLU gate, ``silu(x Wg^T) * (x Wu^T)``, reporting the trainer's FFN
+    statistics (``model.hidden_act=silu``: the fine-tuning control of a ReLUfication study).
+
+    The same parameters as :class:`twell.nn.SparseGatedMLP` (and ``LlamaMLP``), so checkpoints
+    load into stock ``LlamaForCausalLM`` with ``hidden_act="silu"``; the output is computed as
+    stock ``LlamaMLP`` computes it (same ops, same order), whatever ``impl`` or training path is
+    set. Statistics (:class:`twell.stats.FFNStats`): L1 = mean over tokens of ``sum_j |h_j|`` as
+    for ReLU; a unit counts as active where ``h != 0``, so L0 is about the FFN width and no unit
+    is dead: SiLU has no zeros.
+
+    Forward: x (B, T, D) or (N, D) -> y of the same leading shape, in the autocast / input dtype.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x_ND = x.reshape(-1, x.shape[-1])
+        h_NH = F.silu(F.linear(x_ND, self.gate_proj.weight)) * F.linear(x_ND, self.up_proj.weight)
+        y_ND = F.linear(h_NH, self.down_proj.weight)
+        self.last_stats = (stats_from_activations(h_NH, h_NH != 0, self.policy.ell_capacity)
+                           if self.collect_stats else None)
+        return y_ND.reshape(*lead, y_ND.shape[-1])
+
+
+def install_silu_ffns(model) -> list[SiluGatedMLP]:
+    """Swap every decoder layer's ``LlamaMLP`` of ``model`` (a ``LlamaForCausalLM`` whose
+    ``config.hidden_act`` is ``silu``) for a weight-sharing :class:`SiluGatedMLP`; returns them in
+    layer order.
+
+    Raises:
+        ValueError: the model's activation is not SiLU, or an FFN has no gate.
+    """
+    act = getattr(model.config, "hidden_act", None)
+    if act != "silu":
+        raise ValueError(f"install_silu_ffns: the model's hidden_act is {act!r}, not 'silu'")
+    out = []
+    for i, layer in enumerate(model.model.layers):
+        old = layer.mlp
+        if not all(hasattr(old, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError(f"layer {i}: FFN {type(old).__name__} is not a gated LlamaMLP")
+        new = SiluGatedMLP(old.gate_proj.in_features, old.gate_proj.out_features, impl="torch")
+        new.to(device=old.gate_proj.weight.device, dtype=old.gate_proj.weight.dtype)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(new, name).weight = getattr(old, name).weight
+        layer.mlp = new
+        out.append(new)
+    return out
+
+
 def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
-    """The training model of an ``init_from`` run: ReLU ``LlamaForCausalLM`` with SparseGatedMLPs.
+    """The training model of an ``init_from`` run: ``LlamaForCausalLM`` with SparseGatedMLPs
+    (ReLU), or with :class:`SiluGatedMLP` for ``model.hidden_act=silu`` (the SiLU gate kept).
 
     Args:
-        mcfg: the filled ModelConfig (:func:`fill_model_config`); ``ffn_impl`` is used.
+        mcfg: the filled ModelConfig (:func:`fill_model_config`); ``ffn_impl`` and
+            ``hidden_act`` are used.
         src: from :func:`inspect_checkpoint`.
         load_weights: False when resuming (the run's own checkpoint is loaded over a
             randomly initialised model of the same shape; the source is not read).
@@ -313,33 +384,49 @@ def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
 
     if not src.gated:  # twell's non-gated checkpoints are ReLU already; they need its own loader
         return _checked(src.spec, load_model, src.path, ffn_impl=mcfg.ffn_impl).train(), 0
+    act = mcfg.hidden_act
     if load_weights:
         model = load_source_model(src)
-        switched = relufy(model)
+        switched = relufy(model) if act == "relu" else 0
     else:
         config = copy.deepcopy(src.config)
-        config.hidden_act = "relu"
+        config.hidden_act = act
         model, switched = LlamaForCausalLM(config), 0
     model.config.use_cache = False
     setattr(model.config, GATED_KEY, True)
-    convert_mlps(model, mcfg.ffn_impl)
+    if act == "silu":
+        install_silu_ffns(model)
+    else:
+        convert_mlps(model, mcfg.ffn_impl)
     return model.train(), switched
+
+
+def build_teacher(src: PretrainedSource, device, dtype):
+    """The distillation teacher (``sparsity.distill_from=source``): the checkpoint as stored (its
+    own activation, e.g. the SiLU original), in eval mode, every parameter frozen
+    (``requires_grad=False``: no gradients, no optimizer state), on ``device`` in ``dtype``
+    (bf16 on GPU, fp32 on CPU). Stock transformers modules: nothing of twell's FFN."""
+    model = load_source_model(src)
+    model.config.use_cache = False
+    model.requires_grad_(False)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def describe(mcfg, src: PretrainedSource, *, vocab_check: str, switched: int,
              weights_loaded: bool) -> tuple[str, dict]:
     """The run-output line and the ``init`` record (metrics.jsonl, summary.json) of an
     init_from run. The record describes the run's start, the same in a resumed process."""
-    act = src.hidden_act
-    if weights_loaded and act != "relu" and switched != mcfg.num_layers:
+    act, to = src.hidden_act, mcfg.hidden_act
+    if weights_loaded and act != to and switched != mcfg.num_layers:
         raise ValueError(f"model.init_from={src.spec!r}: switched {switched} FFN activations to "
                          f"ReLU, expected one per layer ({mcfg.num_layers})")
     info = {"init_from": src.spec, "path": str(src.path), "format": src.kind,
-            "source_hidden_act": act, "hidden_act": "relu", "act_switched": act != "relu",
+            "source_hidden_act": act, "hidden_act": to, "act_switched": act != to,
             "vocab_check": vocab_check}
     kv = mcfg.num_kv_heads or mcfg.num_heads
-    switch = (f"gate activation {act} -> relu (model.hidden_act_from={act})" if act != "relu"
-              else "gate activation relu (as stored)")
+    switch = (f"gate activation {act} -> relu (model.hidden_act_from={act})" if act != to
+              else f"gate activation {to} (as stored" + (
+                  "; model.hidden_act=silu: dense FFN, L0 counts h != 0)" if to == "silu" else ")"))
     line = (f"init_from={src.spec} ({src.kind} {src.path}): {mcfg.num_layers} layers, hidden "
             f"{mcfg.hidden_size}, FFN {mcfg.intermediate_size}, {mcfg.num_heads} heads / {kv} KV "
             f"heads, vocab {mcfg.vocab_size} (tokenizer {vocab_check}); {switch}"

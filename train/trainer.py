@@ -39,7 +39,7 @@ from train.capacity import BackupCapacity
 from train.config import ConfigError, OptimConfig, TrainConfig
 from train.fusion import compile_norms
 from train.interrupt import StopSignals, TrainingInterrupted
-from train.loss import fused_ce_enabled, use_fused_cross_entropy
+from train.loss import fused_ce_enabled, use_distillation, use_fused_cross_entropy
 from train.metrics import device_peak_flops, flops_per_token, mfu
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.norms import lean_norms, lean_norms_enabled
@@ -72,11 +72,28 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+_SCHEMA_DEFAULTS: dict | None = None
+
+
+def _schema_default(key: str):
+    """The schema's default of a dotted key (``TrainConfig()``), None if it has none."""
+    global _SCHEMA_DEFAULTS
+    if _SCHEMA_DEFAULTS is None:
+        _SCHEMA_DEFAULTS = _flatten(config_to_dict(TrainConfig()))
+    return _SCHEMA_DEFAULTS.get(key)
+
+
 def config_diff(a: dict, b: dict, ignore: tuple[str, ...] = ("trainer.resume",)) -> list[str]:
-    """Keys (dotted) whose values differ between two config dicts, as 'key: a -> b'."""
+    """Keys (dotted) whose values differ between two config dicts, as 'key: a -> b'. A key that
+    one of them lacks (a config saved before the key existed) counts as the schema's default,
+    the behaviour that run had."""
     fa, fb = _flatten(a), _flatten(b)
     keys = sorted((set(fa) | set(fb)) - set(ignore))
-    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in keys if fa.get(k) != fb.get(k)]
+
+    def get(f: dict, k: str):
+        return f[k] if k in f else _schema_default(k)
+
+    return [f"{k}: {get(fa, k)!r} -> {get(fb, k)!r}" for k in keys if get(fa, k) != get(fb, k)]
 
 
 def lr_factor(step: int, o: OptimConfig, max_steps: int) -> float:
@@ -124,6 +141,31 @@ def _duration(seconds: float) -> str:
     if s >= 3600:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def cpu_cost_warning(cfg: TrainConfig) -> str | None:
+    """The warning for a GPU-sized run about to train on the CPU, or None: a global batch of 64
+    or more sequences (when the CPU was not asked for with trainer.cpu), evals over the seven
+    tasks' full validation sets (eval.limit=null: ~58 k scoring requests per evaluation), or
+    trainer.compile; the line names what applies and the overrides that shrink it."""
+    t, e = cfg.trainer, cfg.eval
+    parts, fix = [], []
+    if t.global_batch >= 64 and not t.cpu:
+        parts.append(f"{t.max_steps} steps of {t.global_batch} x {cfg.model.seq_len} tokens")
+        fix.append("trainer.max_steps=20 trainer.global_batch=8 trainer.micro_batch=4")
+    if e.enabled and e.limit is None:
+        parts.append("evals on the full validation sets (eval.limit=null; ~58 k scoring requests "
+                     f"with all seven tasks) {'before and after' if e.at_start else 'after'} "
+                     "training")
+        fix.append("eval.limit=50 (or eval=disabled)")
+    if t.compile:
+        parts.append("torch.compile (minutes of compilation on a CPU)")
+        fix.append("trainer.compile=false")
+    if not parts:
+        return None
+    return ("warning: " + ("" if t.cpu else "no GPU found; ") + "this is a GPU-sized run ("
+            + "; ".join(parts) + ") and can take hours on the CPU. To shrink it: " + " ".join(fix)
+            + ".")
 
 
 def _peak_memory_gb(device: torch.device) -> float:
@@ -219,11 +261,9 @@ class Trainer:
                        f"{t.max_steps}: the learning rate never reaches optim.lr (peak "
                        f"{cfg.optim.lr * t.max_steps / max(cfg.optim.warmup_steps, 1):.2e}); "
                        "lower optim.warmup_steps.")
-        if (self.device.type == "cpu" and not t.cpu and t.global_batch >= 64
-                and self.is_main):  # e.g. trainer=gpu on a machine without a GPU
-            self._warn(f"warning: no GPU found; training {t.max_steps} steps of "
-                       f"{t.global_batch} x {cfg.model.seq_len} tokens on the CPU. For a CPU run "
-                       "use trainer=cpu.")
+        line = cpu_cost_warning(cfg) if self.device.type == "cpu" and self.is_main else None
+        if line:  # e.g. trainer=gpu or experiment=relufy_smollm2 on a machine without a GPU
+            self._warn(line)
         if (self.device.type == "cpu" and cfg.model.ffn_impl == "twell" and self.is_main
                 and os.environ.get("TRITON_INTERPRET") == "1"):  # read as twell.ops reads it
             # measured: 19 tok/s training (1150 without it) and ~200 s per validation FFN call
@@ -292,6 +332,18 @@ class Trainer:
         if lean_norms_enabled(t.lean_norms, device_type=self.device.type, precision=precision,
                               compile=t.compile, compile_norms=t.compile_norms):
             lean_norms(model)  # norms keep x and rsqrt only; one bf16 output (train/norms.py)
+        self.teacher = None  # sparsity.distill_from: the frozen source model, the KL's target
+        if cfg.distill:
+            from train import pretrained
+
+            s, dtype = cfg.sparsity, torch.bfloat16 if precision == "bf16" else torch.float32
+            self.teacher = pretrained.build_teacher(self.init_src, self.device, dtype)
+            use_distillation(model, self.teacher, temperature=s.distill_temperature,
+                             kl_weight=s.distill_weight * s.distill_temperature ** 2,
+                             chunk_rows=t.ce_chunk_rows)
+            self._print(f"distillation: teacher {self.init_src.spec} as stored (hidden_act "
+                        f"{self.init_src.hidden_act}, frozen, {dtype}), loss = CE + l1_coeff x L1"
+                        f" + {s.distill_weight:g} x {s.distill_temperature:g}^2 x KL")
         if t.compile_norms:  # one compiled RMSNorm for every norm (training only)
             compile_norms(model)
         self.mlps = ffn_modules(model)
@@ -784,10 +836,15 @@ class Trainer:
             ids_BT = ids_cpu.to(dev, non_blocking=True)  # (B, T) token ids
             sync = micro == self.accum - 1  # DDP all-reduces gradients on the last micro-step
             with nullcontext() if sync else acc.no_sync(model):
-                ce = model(input_ids=ids_BT, labels=ids_BT).loss  # mean over B*(T-1) targets
+                out = model(input_ids=ids_BT, labels=ids_BT)
+                ce = out.loss  # mean over B*(T-1) targets; distillation: CE + w T^2 KL
                 l1, sp = l1_penalty(collect_stats(self.mlps))
                 loss = ce + coeff * l1
                 acc.backward(loss / self.accum)
+            kl = getattr(out, "distill_kl", None)  # sparsity.distill_*: log CE and KL apart
+            if kl is not None:
+                ce = out.distill_ce
+                m["distill_kl"] = m.get("distill_kl", 0.0) + kl
             m["loss"] += loss.detach()
             m["ce"] += ce.detach()
             m["l1"] += l1.detach()
@@ -864,6 +921,8 @@ class Trainer:
                         f"dense-backup capacity; redoing the step with per-call measurement")
         for k in ("loss", "ce", "l1", "nnz_sum_L", "heavy_L"):
             interval[k] += m[k]
+        if "distill_kl" in m:
+            interval["distill_kl"] = interval.get("distill_kl", 0.0) + m["distill_kl"]
         interval["nnz_max_L"] = torch.maximum(interval["nnz_max_L"], m["nnz_max_L"])
         interval["ffn_tokens"] += m["ffn_tokens"]
         interval["micro"] += self.accum
@@ -934,6 +993,11 @@ class Trainer:
         }
         if interval.get("backup_redos"):
             m["ffn_backup_redos"] = interval["backup_redos"]  # steps redone (capacity exceeded)
+        if "distill_kl" in interval:  # KL(teacher || student) at the temperature, per target
+            kl = interval["distill_kl"]
+            if acc.num_processes > 1:
+                kl = acc.reduce(kl, "sum") / acc.num_processes
+            m["distill_kl"] = kl.item() / n
         if self.cfg.model.ffn_impl == "auto":  # the paths chosen for the next step
             m["ffn_paths"] = [mlp.train_path for mlp in self.mlps]
             m["heavy_frac_layers"] = heavy_L
@@ -1199,7 +1263,8 @@ class Trainer:
         dead = "n/a" if m["dead_frac"] is None else f"{100 * m['dead_frac']:.1f}%"
         util = "" if m.get("mfu") is None else (
             f" mfu {100 * m['mfu']:.1f}% (useful {100 * m['mfu_useful']:.1f}%)")
-        return (f"step {m['step']}: loss {m['loss']:.4f} ce {m['ce']:.4f} l1 {m['l1']:.3g} "
+        kl = f" kl {m['distill_kl']:.4f}" if m.get("distill_kl") is not None else ""
+        return (f"step {m['step']}: loss {m['loss']:.4f} ce {m['ce']:.4f}{kl} l1 {m['l1']:.3g} "
                 f"l0 {m['l0_mean']:.1f} [{m['l0_min']:.1f}-{m['l0_max']:.1f}] max {m['nnz_max']:.0f}"
                 f" dead {dead} lr {m['lr']:.3g} gnorm {m['grad_norm']:.3g} "
                 f"{m['tokens_per_s']:.0f} tok/s{util} mem {m['peak_mem_gb']:.2f} GB "

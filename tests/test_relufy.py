@@ -1,0 +1,290 @@
+"""train/relufy.py without training: the rows and their order, each row's overrides (and that
+they compose into a valid config), the results row and CSV, the binomial standard error, the
+targets (met / missed / pending, hand-computed), the GPU-time estimate, a plan change refused,
+and the piece loop (run_study) on fake jobs: done rows skipped, a failed row reported with its
+log tail and retried, a row stopped by the deadline resumed in the next piece."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from train.jobs import Job
+from train.relufy import (
+    CSV_COLUMNS,
+    DISTILL_COST,
+    PIECE_START_S,
+    ROW_START_S,
+    SCORE_S,
+    RowSpec,
+    Study,
+    StudyPlan,
+    compose_config,
+    csv_text,
+    default_rows,
+    estimate,
+    evaluate_targets,
+    mean_stderr,
+    read_results,
+    result_row,
+    run_study,
+    select_rows,
+    sparse_row,
+)
+
+TASKS = ("hellaswag", "commonsense_qa", "piqa", "winogrande", "arc_easy", "arc_challenge",
+         "openbookqa")
+
+
+def test_default_rows_run_the_controls_then_l1_from_0p1_outwards():
+    names = [r.name for r in default_rows()]
+    assert names[:3] == ["silu_original", "dense_relu", "silu_control"]
+    l1 = [float(n.split("_")[1]) for n in names[3::2]]
+    assert l1 == [0.1, 0.14, 0.07, 0.05, 0.2, 0.3, 0.03]  # |log(l1 / 0.1)| ascending
+    assert names[3:5] == ["l1_0.1", "l1_0.1_kd"] and len(names) == 3 + 14
+    kinds = {r.name: r.kind for r in default_rows()}
+    assert kinds["silu_control"] == "silu_control" and kinds["l1_0.3_kd"] == "sparse"
+    assert not RowSpec("silu_original", "silu_original").trains
+    assert [r.name for r in select_rows(default_rows(), "l1_0.2_kd,dense_relu")] == [
+        "l1_0.2_kd", "dense_relu"]
+    with pytest.raises(ValueError, match="unknown or repeated.*silu_original"):
+        select_rows(default_rows(), "dense_relu,l1_9")
+    with pytest.raises(ValueError, match="unknown or repeated"):
+        select_rows(default_rows(), "dense_relu,dense_relu")
+    with pytest.raises(ValueError, match="> 0"):
+        sparse_row(0.0, False)
+
+
+def test_row_overrides_compose_into_the_recipe(tmp_path):
+    plan = StudyPlan()
+    assert plan.steps == 611 and plan.steps * plan.tokens_per_step >= 40e6
+    src = tmp_path / "source_hf"
+    by = {r.name: r for r in default_rows()}
+    cfgs = {n: compose_config(plan.train_overrides(by[n], src))
+            for n in ("dense_relu", "silu_control", "l1_0.2_kd")}
+    for c in cfgs.values():
+        assert c.model.init_from == str(src) and c.trainer.max_steps == 611
+        assert c.trainer.compile and c.trainer.micro_batch == c.trainer.global_batch == 64
+        assert c.optim.warmup_steps == 61 and c.trainer.resume == "auto"
+        assert not c.eval.at_end and not c.eval.at_start and c.trainer.save_every == 200
+    d, s, k = cfgs["dense_relu"], cfgs["silu_control"], cfgs["l1_0.2_kd"]
+    assert d.model.hidden_act == "relu" and d.sparsity.l1_coeff == 0 and not d.distill
+    assert d.sparsity.schedule == "constant"
+    assert s.model.hidden_act == "silu" and s.sparsity.l1_coeff == 0 and not s.distill
+    assert k.sparsity.l1_coeff == 0.2 and k.distill and k.sparsity.distill_from == "source"
+    assert (k.sparsity.schedule, k.sparsity.warmup_start, k.sparsity.warmup_end) == (
+        "linear_warmup", 61, 183)
+    # only rows at or above l1_warmup_min are warmed up; the CPU smoke test turns compile off
+    p2 = StudyPlan(l1_warmup_min=0.25, cpu=True, overrides=["data.num_proc=1"])
+    o = p2.train_overrides(by["l1_0.2"], src)
+    assert "sparsity.schedule=constant" in o and "trainer.compile=false" in o
+    assert o[-1] == "data.num_proc=1"
+    with pytest.raises(ValueError, match="not trained"):
+        plan.train_overrides(by["silu_original"], src)
+
+
+def _score(p=0.5, n=100):
+    return {"mean": p, "tasks": {t: {"primary": p, "n": n} for t in TASKS}}
+
+
+def test_mean_stderr_and_result_row_hand_computed():
+    # seven tasks at p = 0.5, n = 100: sqrt(7 * 0.25 / 100) / 7
+    assert mean_stderr(_score()["tasks"]) == pytest.approx(math.sqrt(0.0175) / 7, rel=1e-12)
+    tasks = {t: {"primary": 0.2 + 0.1 * i, "n": 50 + 10 * i} for i, t in enumerate(TASKS)}
+    ref = math.sqrt(sum((0.2 + 0.1 * i) * (0.8 - 0.1 * i) / (50 + 10 * i)
+                        for i in range(7))) / 7
+    assert mean_stderr(tasks) == pytest.approx(ref, rel=1e-12)
+    assert mean_stderr({t: v for t, v in tasks.items() if t != "piqa"}) is None
+    summary = {"tokens_seen": 40_042_496, "val_l0": 48.0, "dead_pct": 1.5, "val_loss": 2.1}
+    r = result_row(sparse_row(0.1, True), _score(0.4), summary, 1536)
+    assert (r["row"], r["kind"], r["l1_coeff"], r["distill"]) == ("l1_0.1_kd", "sparse", 0.1, 1)
+    assert r["tokens_m"] == pytest.approx(40.042496) and r["l0_pct"] == pytest.approx(3.125)
+    assert r["mean"] == pytest.approx(40.0) and r["csqa"] == pytest.approx(40.0)
+    assert r["stderr"] == pytest.approx(100 * math.sqrt(7 * 0.24 / 100) / 7)
+    silu = result_row(RowSpec("silu_control", "silu_control", 0.0), _score(), summary, 1536)
+    assert silu["l0"] is None and silu["dead_pct"] is None and silu["val_loss"] == 2.1
+    orig = result_row(RowSpec("silu_original", "silu_original"), {**_score(), "val_loss": 2.5},
+                      None, 1536)
+    assert orig["tokens_m"] == 0 and orig["val_loss"] == 2.5 and orig["distill"] is None
+
+
+def test_csv_round_trip_and_refuses_other_columns(tmp_path):
+    rows = [result_row(sparse_row(0.05, False), _score(0.41), {"tokens_seen": 100, "val_l0": 3.0,
+                                                                 "dead_pct": 0.0}, 64),
+            result_row(RowSpec("silu_original", "silu_original"), _score(), None, 64)]
+    f = tmp_path / "results.csv"
+    f.write_text(csv_text(rows))
+    assert f.read_text().splitlines()[0] == ",".join(CSV_COLUMNS)
+    back = read_results(f)
+    for a, b in zip(rows, back, strict=True):
+        assert (a["row"], a["kind"]) == (b["row"], b["kind"])
+        for k in CSV_COLUMNS[2:]:
+            assert (a[k] is None and b[k] is None) or a[k] == pytest.approx(b[k], rel=1e-5), k
+    f.write_text("row,kind\nx,y\n")
+    with pytest.raises(ValueError, match="results.csv: columns"):
+        read_results(f)
+
+
+def _res(row, kind, mean, l0_pct=None, stderr=0.5, l1=None, distill=0):
+    return {"row": row, "kind": kind, "mean": mean, "stderr": stderr, "l0_pct": l0_pct,
+            "l0": None if l0_pct is None else 15.36 * l0_pct, "l1_coeff": l1, "distill": distill}
+
+
+def _rows(kd2=37.5):
+    return [_res("silu_control", "silu_control", 40.0), _res("dense_relu", "dense_relu", 39.2),
+            _res("l1_0.05", "sparse", 39.0, 6.0, l1=0.05),
+            _res("l1_0.1", "sparse", 38.5, 4.0, l1=0.1),
+            _res("l1_0.1_kd", "sparse", 38.3, 3.0, l1=0.1, distill=1),
+            _res("l1_0.2", "sparse", 36.0, 1.5, l1=0.2),
+            _res("l1_0.2_kd", "sparse", kd2, 1.8, l1=0.2, distill=1)]
+
+
+def test_targets_met_missed_and_pending_hand_computed():
+    t1, t2, t3 = evaluate_targets(_rows())
+    # 39.2 - 40.0 = -0.80, stderr of the difference sqrt(0.5^2 + 0.5^2) = 0.71
+    assert t1.status == "met" and "39.20 vs 40.00: -0.80 +- 0.71 points" in t1.text
+    # L0 <= 5 %: 0.1 (-0.70), 0.1_kd (-0.90), 0.2 (-3.20), 0.2_kd (-1.70); within 1: the
+    # sparsest of 0.1 and 0.1_kd is 0.1_kd (3.0 %)
+    assert t2.status == "met" and "4 row(s) with L0 <= 5 %" in t2.text
+    assert "l1_0.1_kd (L0 46.1 = 3.00 %), mean 38.30 vs dense ReLU 39.20: -0.90 +- 0.71" in t2.text
+    # L0 <= 2 %: 0.2 (-3.20), 0.2_kd (-1.70): 0.2_kd within 2
+    assert t3.status == "met" and "l1_0.2_kd (L0 27.6 = 1.80 %)" in t3.text and "-1.70" in t3.text
+    _, _, t3 = evaluate_targets(_rows(kd2=37.0))  # -2.20: missed; the best of them reported
+    assert t3.status == "missed" and "the best of them: l1_0.2_kd" in t3.text
+    assert "-2.20 +- 0.71 points (target >= -2)" in t3.text
+    pending = evaluate_targets([r for r in _rows() if r["kind"] != "dense_relu"])
+    assert [t.status for t in pending] == ["pending"] * 3
+    only_base = evaluate_targets(_rows()[:3])  # no sparse row at L0 <= 5 % yet
+    assert [t.status for t in only_base] == ["met", "pending", "pending"]
+    lost = [r for r in _rows() if r["row"] not in ("l1_0.1", "l1_0.1_kd")]
+    assert evaluate_targets(lost)[1].status == "missed"  # 0.2's -3.2 and 0.2_kd's -1.7
+
+
+def test_estimate_hand_computed():
+    plan = StudyPlan(tokens=2 * 65536)  # 2 steps of 64 x 1024
+    rows = [sparse_row(0.1, False), sparse_row(0.1, True)]
+    score = rows + [RowSpec("silu_original", "silu_original")]
+    e = estimate(plan, rows, score, 65536.0)
+    train = 2.0 + 2.0 * DISTILL_COST
+    rest = train + 2 * ROW_START_S + 3 * SCORE_S
+    assert e["train_s"] == pytest.approx(train)
+    assert e["pieces"] == math.ceil(rest / (600 - PIECE_START_S))
+    assert e["total_s"] == pytest.approx(rest + PIECE_START_S * e["pieces"])
+    done = estimate(plan, rows, score, 65536.0, tokens_done={"l1_0.1": 65536.0})
+    assert done["train_s"] == pytest.approx(train - 1.0)
+    assert estimate(plan, [], [], 65536.0)["pieces"] == 0
+
+
+def test_a_plan_change_is_refused(tmp_path):
+    s = Study(tmp_path / "out", tmp_path / "work", StudyPlan(tokens=1e6), default_rows()[:2])
+    s.save()
+    with pytest.raises(ValueError, match=r"another plan \(tokens: 1000000.0 -> 2000000.0\)"):
+        Study(tmp_path / "out", tmp_path / "work", StudyPlan(tokens=2e6), default_rows()[:2])
+    again = Study.open(tmp_path / "out", tmp_path / "work")
+    assert [r.name for r in again.rows] == ["silu_original", "dense_relu"]
+
+
+# a stand-in for `python -m train`: a checkpoint, then (slow) a sleep, then the summary
+FAKE_TRAIN = """
+import json, pathlib, sys, time
+run, steps, mode = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+if mode == "fail":
+    print("ConfigError: boom (a made-up failure)", file=sys.stderr)
+    sys.exit(2)
+ck = run / "checkpoints" / f"step{steps}"
+ck.mkdir(parents=True, exist_ok=True)
+(ck / "metadata.json").write_text("{}")
+(run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "tokens": 64}) + "\\n")
+if mode == "slow":
+    time.sleep(120)
+(run / "summary.json").write_text(json.dumps({"step": steps, "tokens_seen": 128, "val_l0": 2.0,
+                                              "dead_pct": 0.0, "val_loss": 3.0,
+                                              "l0_layers": [2.0, 2.0]}))
+"""
+FAKE_SCORE = """
+import json, pathlib, sys
+out, names = pathlib.Path(sys.argv[1]), sys.argv[2].split(",")
+tasks = ["hellaswag", "commonsense_qa", "piqa", "winogrande", "arc_easy", "arc_challenge",
+         "openbookqa"]
+for n in names:
+    d = out / "rows" / n
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "score.json").write_text(json.dumps({"mean": 0.5, "tasks": {
+        t: {"primary": 0.5, "n": 100} for t in tasks}}))
+"""
+
+
+def _fake(study: Study, modes: dict[str, str]) -> None:
+    """Replace the study's job builders by the stand-ins (the real ones run the trainer)."""
+    def train_job(row):
+        d = study.run_dir(row.name)
+        return Job(f"train:{row.name}", [sys.executable, "-c", FAKE_TRAIN, str(d),
+                                         str(study.plan.steps), modes.get(row.name, "ok")],
+                   run_dir=d, log_path=study.work / "logs" / f"{row.name}.log")
+
+    def score_job(rows):
+        names = ",".join(r.name for r in rows)
+        return Job(f"score:{names}", [sys.executable, "-c", FAKE_SCORE, str(study.out), names],
+                   log_path=study.work / "logs" / "score.log")
+
+    study.train_job, study.score_job = train_job, score_job
+
+
+def test_run_study_skips_done_rows_reports_failures_and_resumes_a_stopped_row(tmp_path):
+    rows = [RowSpec("silu_original", "silu_original"), RowSpec("dense_relu", "dense_relu", 0.0),
+            sparse_row(0.1, False), sparse_row(0.2, False)]
+    plan = StudyPlan(tokens=128, global_batch=2, seq_len=32, micro_batch=2)
+    out, work = tmp_path / "out", tmp_path / "work"
+    logs: list[str] = []
+    s = Study(out, work, plan, rows)
+    _fake(s, {"l1_0.1": "fail", "l1_0.2": "slow"})
+    res = run_study(s, parallel=1, max_wall=45, min_start=0, grace_s=2, log=logs.append)
+    st = res["status"]
+    assert (st["silu_original"], st["dense_relu"]) == ("scored", "scored")
+    assert st["l1_0.1"] == "new" and st["l1_0.2"] == "started"  # failed; stopped at a checkpoint
+    assert res["failed"] == ["train:l1_0.1"]
+    state = json.loads((out / "study.json").read_text())
+    assert state["rows"]["l1_0.1"]["train"]["status"] == "failed (exit 2)"
+    assert "ConfigError: boom" in state["rows"]["l1_0.1"]["train"]["log_tail"]
+    assert any("ConfigError: boom" in m for m in logs)  # printed with the log tail
+    assert state["rows"]["l1_0.2"]["train"]["status"] == "stopped"
+    assert [r["row"] for r in read_results(out / "results.csv")] == ["silu_original",
+                                                                     "dense_relu"]
+    assert (out / "rows" / "dense_relu" / "summary.json").is_file()
+    # the next piece: the done rows are skipped, the failed one retried, the stopped one goes on
+    mtime = (out / "rows" / "dense_relu" / "score.json").stat().st_mtime_ns
+    logs.clear()
+    s2 = Study(out, work, plan, rows)
+    _fake(s2, {})
+    res = run_study(s2, parallel=2, max_wall=120, min_start=0, grace_s=2, log=logs.append)
+    assert set(res["status"].values()) == {"scored"} and not res["failed"]
+    assert "silu_original: done (scored), skipped" in logs
+    assert "dense_relu: done (scored), skipped" in logs
+    assert not any(m.startswith("started train:dense_relu") for m in logs)
+    assert (out / "rows" / "dense_relu" / "score.json").stat().st_mtime_ns == mtime
+    assert [r["row"] for r in read_results(out / "results.csv")] == [
+        "silu_original", "dense_relu", "l1_0.1", "l1_0.2"]
+    assert len(json.loads((out / "study.json").read_text())["invocations"]) == 2
+
+
+def test_run_study_refuses_parallel_0(tmp_path):
+    s = Study(tmp_path / "o", tmp_path / "w", StudyPlan(), default_rows()[:1])
+    with pytest.raises(ValueError, match="parallel must be >= 1"):
+        run_study(s, parallel=0)
+    assert Path(tmp_path / "o").exists() is False  # nothing written before the check
+
+
+def test_measured_speed_is_the_median_of_the_plain_rows(tmp_path):
+    rows = [RowSpec("dense_relu", "dense_relu", 0.0), sparse_row(0.1, False),
+            sparse_row(0.2, False), sparse_row(0.1, True)]
+    s = Study(tmp_path / "out", tmp_path / "work", StudyPlan(), rows)
+    assert s.measured_tokens_per_s() is None
+    for name, speed in (("dense_relu", 3.0), ("l1_0.1", 1.0), ("l1_0.2", 2.0), ("l1_0.1_kd", 0.1)):
+        d = s.row_out(name)
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"tokens_per_s": speed}))
+    assert s.measured_tokens_per_s() == 2.0  # the distilled row's 0.1 is not in it
