@@ -700,7 +700,7 @@ class FakeTimer:
         return None if self.hold else handle[1]
 
 
-MEASURED = dict(infer_min_rows=0, infer_min_flops=0, infer_density_threshold=0.5)
+MEASURED = {"infer_min_rows": 0, "infer_min_flops": 0, "infer_density_threshold": 0.5}
 
 
 def _measured_calls(st, pol, k, x, wg, wu, wd):

@@ -117,7 +117,7 @@ class FFNPolicy:
             raise ValueError(f"FFNPolicy.infer_remeasure_factor must be a finite number > 1; got "
                              f"{f!r}")
         if not isinstance(self.infer_measure, bool):
-            raise ValueError(f"FFNPolicy.infer_measure must be true or false; got "
+            raise ValueError(f"FFNPolicy.infer_measure must be true or false; got "  # noqa: TRY004
                              f"{self.infer_measure!r}")
 
     @classmethod

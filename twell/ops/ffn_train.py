@@ -173,7 +173,7 @@ def _hot_out(y, wdt, hot, fwd_S):
     """y += h_S Wd[:, S]^T (rows of the (H, D) Wd^T copy); returns the statistics' additions."""
     if fwd_S is None:
         return None
-    g_S, u_S, h_S, l1_S, nnz_S, cnt_S = fwd_S
+    _, _, h_S, l1_S, nnz_S, cnt_S = fwd_S
     y.addmm_(h_S, wdt.index_select(0, hot))
     return l1_S, nnz_S, cnt_S
 
