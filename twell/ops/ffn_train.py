@@ -203,8 +203,8 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         wdt = wdt.clone()
     g_S = _hot_split(g_NH, hot)  # hot units: a dense slice; g_NH keeps the cold ones
     # ELL buffers at the full capacity KC; nnz_eff = nnz_N, or 0 for a heavy row (> KC
-    # non-zeros: dense backup); n_heavy = the number of heavy rows (device, (1,)); all of the
-    # cold units
+    # non-zeros: dense backup); n_heavy = the number of heavy rows (device, (1,)); counted on
+    # the cold units
     col, gv, nnz_N, counts_H, nnz_eff, n_heavy = be.compact_heavy(g_NH, kc)
     n_heavy_out = n_heavy.clone()  # an output: must not alias counts_H (one buffer in Triton)
     if backup_rows >= 0:
