@@ -308,7 +308,7 @@ def summary_table(rows: list[dict]) -> str:
     """One line per case and kind: dense ms, then each op's speedup over dense (``*`` marks an
     op whose error is over the bound: the paper's op when it drops overflow)."""
     present = {r["op"] for r in rows}
-    ops = [o for o in dict.fromkeys(OPS["fwd"] + OPS["train"]) if o in present and o != "dense"]
+    ops = [o for o in dict.fromkeys(OPS["train"] + OPS["fwd"]) if o in present and o != "dense"]
     head = f"{'size':>6} {'layer':>6} {'dens %':>7} {'L0':>6} {'max':>5} {'heavy':>6} {'kind':>5} " \
            f"{'dense ms':>9} " + " ".join(f"{o:>12}" for o in ops)
     lines = [head]
