@@ -712,9 +712,14 @@ MEASURED = {"infer_min_rows": 0, "infer_min_flops": 0, "infer_density_threshold"
 
 
 def _measured_calls(st, pol, k, x, wg, wu, wd):
+    """k auto calls; each one's density copy has landed before the next (on CUDA it is
+    asynchronous), so the sequence of paths is the same on every device."""
     paths = []
     for _ in range(k):
         sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol, with_stats=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        st.poll_density()
         paths.append(st.last_info.path)
     return paths
 
