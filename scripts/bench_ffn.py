@@ -2,7 +2,7 @@
 
     python scripts/bench_ffn.py            # quick set (default, ~2-3 min on an H200)
     python scripts/bench_ffn.py --full     # adds M=131072 and more shapes
-    python scripts/bench_ffn.py --acts acts.pt   # also recorded activations (dict x, w_gate, w_up, w_down)
+    python scripts/bench_ffn.py --acts acts.safetensors   # also recorded layers (twell.nn.record)
     OUT=/some/dir python scripts/bench_ffn.py    # also writes CSVs there
     TRITON_INTERPRET=1 python scripts/bench_ffn.py --smoke   # CPU: tiny sizes, exercises the code only
 
@@ -46,6 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from twell.nn.record import load_ffn_layer
 from twell.ops.ffn import TwELLState, sparse_ffn
 from twell.policy import FFNPolicy
 
@@ -346,12 +347,11 @@ def phase_speed(args):
         if not os.path.exists(path):
             print(f"--acts {path}: not found, skipped")
             continue
-        blob = torch.load(path, map_location=DEV)
-        x = blob["x"].to(DEV, torch.bfloat16)
-        x = x.reshape(-1, x.shape[-1])
-        wg = blob.get("w_gate")
+        rec = load_ffn_layer(path, DEV)
+        x = rec.x.to(DEV, torch.bfloat16)
+        wg = rec.w_gate
         ws = [None if wg is None else wg.to(DEV, torch.bfloat16),
-              blob["w_up"].to(DEV, torch.bfloat16), blob["w_down"].to(DEV, torch.bfloat16)]
+              rec.w_up.to(DEV, torch.bfloat16), rec.w_down.to(DEV, torch.bfloat16)]
         rows += time_config(args, x.shape[0], x.shape[1], ws[1].shape[0], float("nan"), False,
                             wg is not None, label=os.path.basename(path), inputs=(x, *ws))
     return rows
@@ -378,8 +378,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="add M=131072 and more shapes")
     ap.add_argument("--quick", action="store_true", help="the default set (kept for clarity)")
-    ap.add_argument("--acts", default=None, help="comma-separated torch.save'd dicts x, w_gate|None, "
-                    "w_up, w_down (scripts/record_acts.py)")
+    ap.add_argument("--acts", default=None, help="comma-separated recorded layers (.safetensors "
+                    "of twell.nn.record, from scripts/record_acts.py)")
     ap.add_argument("--densities", default=None,
                     help="with --main-only: the i.i.d. densities (comma-separated fractions)")
     ap.add_argument("--no-check", action="store_true", help="skip phase 1")

@@ -5,8 +5,8 @@
     python scripts/bench_ffn_train.py --parts-only    # per-kernel launch shapes only (~1 min)
     OUT=/some/dir python scripts/bench_ffn_train.py   # also writes $OUT/bench_ffn_train.csv
     python scripts/bench_ffn_train.py --stack 8       # + 8 layers in sequence: sync vs no-sync
-    python scripts/bench_ffn_train.py --acts a.pt,b.pt --acts-iid --dists ''   # recorded layers
-                                      # (scripts/record_acts.py format) + i.i.d. at their density
+    python scripts/bench_ffn_train.py --acts a.safetensors,b.safetensors --acts-iid --dists ''  # recorded layers
+                                      # (twell.nn.record files) + i.i.d. at their density
 
 One FFN forward + backward (y, dx, dWg, dWu, dWd; the L1 term in the loss), M = 16384 tokens,
 D = 2048, H = 5632, bf16, for densities 0.3 / 1 / 3 / 10 % of active units, i.i.d. and
@@ -66,6 +66,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from twell.nn.record import load_ffn_layer
 from twell.ops import sparse_train
 from twell.ops import sparse_train_triton as tk
 from twell.ops.reference import gated_ffn_torch
@@ -121,14 +122,13 @@ RECORDED_RUN_K = {("iid", 0.003): 1.86, ("iid", 0.01): 1.01, ("iid", 0.03): 0.93
 
 
 def load_acts(path, seed=0, device="cuda"):
-    """A recorded layer (``scripts/record_acts.py``: x (N, D), w_gate, w_up (H, D), w_down (D, H))
+    """A recorded layer (``twell.nn.record``: x (N, D), w_gate, w_up (H, D), w_down (D, H))
     as bf16 (x, wg, wu, wd, dy) with a seeded random upstream gradient dy, and its mean density
     (fraction of relu(x Wg^T) > 0)."""
-    blob = torch.load(path, map_location=device)
-    if blob.get("w_gate") is None:
+    rec = load_ffn_layer(path, device)
+    if rec.w_gate is None:
         raise ValueError(f"{path}: a non-gated layer (the training op is gated-only)")
-    x = blob["x"].reshape(-1, blob["x"].shape[-1])
-    wg, wu, wd = blob["w_gate"], blob["w_up"], blob["w_down"]
+    x, wg, wu, wd = rec.x, rec.w_gate, rec.w_up, rec.w_down
     gen = torch.Generator(device=device).manual_seed(seed)
     dy = torch.randn(x.shape[0], x.shape[1], device=device, generator=gen)
     ts = [t.to(device, torch.bfloat16).contiguous() for t in (x, wg, wu, wd, dy)]
@@ -408,7 +408,7 @@ def main():
                     help="dist:density cases of the per-kernel table ('' = none)")
     ap.add_argument("--parts-only", action="store_true", help="only the per-kernel table")
     ap.add_argument("--acts", default="",
-                    help="comma-separated recorded layers (scripts/record_acts.py .pt files), "
+                    help="comma-separated recorded layers (twell.nn.record .safetensors), "
                          "timed with their own shape after the synthetic cases")
     ap.add_argument("--acts-iid", action="store_true",
                     help="with --acts: also an i.i.d. case at each recorded layer's mean density "

@@ -23,8 +23,8 @@ checkpoint is written: the model stays in memory). Then, on held-out blocks (the
 per-layer L0, largest active units of one token, dead units (never active on those tokens),
 heavy rows (more active units than the ELL capacity) and the share of the active entries held by
 the hottest 1 % of units (``sparsity_profile.csv``); ``--acts-dir``: the FFN inputs and weights of
-the layers with the lowest, median and highest L0 (``scripts/record_acts.py`` format, for
-``bench_ffn.py --acts`` / ``bench_ffn_train.py``).
+the layers with the lowest, median and highest L0 (``twell.nn.record``'s safetensors format,
+for ``bench_real_layers.py``, ``bench_ffn.py --acts`` / ``bench_ffn_train.py --acts``).
 
 Stage 2, the same trained weights for every path:
 
@@ -1239,7 +1239,7 @@ def run_size(bench: Bench, size: str, clock: Clock, energy: Energy, work: Path,
         f"{sum(r['dead_pct'] for r in prof) / len(prof):.1f} %, hot-1 % share "
         f"{100 * sum(r['hot1_share'] for r in prof) / len(prof):.1f} %")
     if a.acts_dir is not None:
-        from record_acts import record_layer
+        from twell.nn.record import ffn_input_stats, ffn_weights, record_ffn_inputs, save_ffn_layer
 
         n_blocks = max(1, a.acts_tokens // seq)
         blocks = vb[:n_blocks] if vb.shape[0] >= n_blocks else train_pool(dm, n_blocks)
@@ -1247,10 +1247,12 @@ def run_size(bench: Bench, size: str, clock: Clock, energy: Energy, work: Path,
         for m in tr.mlps:
             m.impl = "torch"
         model1.eval()
-        for layer in pick_layers(prof):
-            out = a.acts_dir / f"acts_{size}_l{layer}.pt"
-            meta = record_layer(model1, blocks, layer, out, source=f"bench_model {size}",
-                                batch=a.micro)
+        for layer, x in record_ffn_inputs(model1, blocks, pick_layers(prof), batch=a.micro).items():
+            wg, wu, wd = ffn_weights(model1, layer)
+            meta = {"size": size, "layer": layer, "source": f"bench_model {size}",
+                    **ffn_input_stats(x.to(dev), wg if wg is not None else wu)}
+            out = save_ffn_layer(a.acts_dir / f"acts_{size}_l{layer}.safetensors", x, wg, wu, wd,
+                                 meta)
             (a.acts_dir / f"acts_{size}_l{layer}.json").write_text(json.dumps(meta, indent=1))
             log(f"recorded layer {layer} -> {out}: L0 {meta['l0_mean']:.1f}, hot-1 % share "
                 f"{100 * meta['top1pct_unit_share']:.1f} %")

@@ -158,8 +158,8 @@ def test_smoke_run_end_to_end(tmp_path):
     assert train[-1]["step"] == 6
     assert {"peak_mem_gb", "peak_mem_gb_run", "mfu", "mfu_useful", "tokens_per_s"} <= set(train[-1])
     # recorded activations: low / median / high L0 layers of 2 = both layers
-    acts = sorted((tmp_path / "acts").glob("acts_smoke_l*.pt"))
-    assert [a.name for a in acts] == ["acts_smoke_l0.pt", "acts_smoke_l1.pt"]
+    acts = sorted((tmp_path / "acts").glob("acts_smoke_l*.safetensors"))
+    assert [a.name for a in acts] == ["acts_smoke_l0.safetensors", "acts_smoke_l1.safetensors"]
     # profile breakdown: shares of one step's wall time, summing to ~1 with idle/host
     br = bm.read_csv(out / "profile.csv")
     assert {b["path"] for b in br} == {"auto", "ell"}

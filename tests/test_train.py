@@ -12,7 +12,6 @@ import torch
 
 from tests.train_utils import (
     datamodule_with_stub_tokenizer,
-    load_script,
     read_metrics,
     tiny_config,
     write_tokens,
@@ -280,25 +279,49 @@ def test_warmup_longer_than_run_warns(tokens, tmp_path, capsys):
     assert "optim.warmup_steps=5 > trainer.max_steps=2" in err
 
 
-def test_record_acts_saves_a_layer_input_for_the_inference_bench(tokens, tmp_path):
-    """scripts/record_acts.py: the recorded x is the FFN input of the chosen layer (its density
-    recomputed from x and the saved gate weight matches the printed one), in bench_ffn's format."""
-    import torch
+def test_record_ffn_inputs_keeps_the_named_layers_input(tokens, tmp_path):
+    """twell.nn.record: the recorded x of each named layer is that layer's FFN input, equal to
+    what an independent forward hook on the same FFN captures (and not another layer's); the
+    saved file reads back with its weights and statistics."""
+    import numpy as np
 
-    record = load_script("record_acts").main
+    from train.model import load_model
+    from twell.nn.record import (
+        ffn_input_stats,
+        ffn_weights,
+        load_ffn_layer,
+        record_ffn_inputs,
+        save_ffn_layer,
+    )
 
     run = tmp_path / "run"
     t = Trainer(tiny_config(tokens, **{"trainer.max_steps": 1}), run)
     t.train()
     t.close()
-    ckpt = next((run / "checkpoints").glob("step*"))
-    meta = record([str(ckpt), str(tokens), "--layer", "1", "--tokens", "512",
-                   "--out", str(tmp_path / "acts.pt")])
-    blob = torch.load(tmp_path / "acts.pt")
-    d, h = t.cfg.model.hidden_size, t.cfg.model.intermediate_size
-    assert blob["x"].shape == (512, d) and blob["x"].dtype == torch.bfloat16
-    assert blob["w_gate"].shape == blob["w_up"].shape == (h, d) and blob["w_down"].shape == (d, h)
-    dens = ((blob["x"].float() @ blob["w_gate"].float().t()) > 0).float().mean().item()
-    assert abs(dens - meta["density"]) < 0.02 and 0 < meta["density"] < 1
-    with pytest.raises(SystemExit, match="--layer"):
-        record([str(ckpt), str(tokens), "--layer", "9", "--out", str(tmp_path / "b.pt")])
+    model = load_model(next((run / "checkpoints").glob("step*")), ffn_impl="torch").eval()
+    seq = model.config.max_position_embeddings
+    ids = np.memmap(tokens, dtype=np.uint16, mode="r")[: 3 * seq]
+    blocks = torch.from_numpy(np.asarray(ids, dtype=np.int64)).view(3, seq)
+    got = record_ffn_inputs(model, blocks, [1, 0], batch=2)
+    seen = {}
+    hooks = [model.model.layers[i].mlp.register_forward_hook(
+        lambda m, inp, out, i=i: seen.setdefault(i, []).append(inp[0].reshape(-1, inp[0].shape[-1])))
+        for i in (0, 1)]
+    with torch.no_grad():
+        model(input_ids=blocks)  # one batch of 3: another batching than the recorder's
+    for hk in hooks:
+        hk.remove()
+    d = t.cfg.model.hidden_size
+    for i in (0, 1):
+        assert got[i].shape == (3 * seq, d)
+        torch.testing.assert_close(got[i], torch.cat(seen[i]), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got[0], got[1])  # the layers' inputs differ: the test can fail
+    wg, wu, wd = ffn_weights(model, 1)
+    meta = {"size": "tiny", "layer": 1, **ffn_input_stats(got[1], wg)}
+    path = save_ffn_layer(tmp_path / "acts.safetensors", got[1], wg, wu, wd, meta)
+    rec = load_ffn_layer(path)
+    assert rec.x.dtype == torch.bfloat16 and torch.equal(rec.x, got[1].to(torch.bfloat16))
+    assert torch.equal(rec.w_down, wd.to(torch.bfloat16)) and rec.meta["layer"] == 1
+    assert rec.meta["gated"] and rec.meta["tokens"] == 3 * seq
+    with pytest.raises(ValueError, match="layer 9 out of range"):
+        record_ffn_inputs(model, blocks, [9])

@@ -63,10 +63,39 @@ class FFNPolicy:
     """Sparse training op: ELL slots per token row (KC); rows with more active units go to the
     dense backup. 0 = ``twell.stats.default_ell_capacity(H)`` (128 at H 5632, the paper's
     width)."""
+    hot_unit_fraction: float = 1 / 64
+    """Hot/cold split (``hot_units`` of the sparse ops, picked by
+    ``twell.ops.hot_units.hot_unit_count``): a unit active on more than this fraction of the
+    tokens goes through a dense slice. Cost model (H200, ~700 TFLOP/s, ~9 TB/s row gathers from
+    L2): a dense slice costs ~18 N D FLOPs per unit over forward and backward (0.86 us at N 16384,
+    D 2048), an ELL entry ~7 gathers of a 2 D-byte row (~3 ns); they break even near 1/61 of
+    the tokens, whatever N and D. Inference alone (2 gathers against 4 N D FLOPs) breaks even
+    near 1/78."""
+    max_hot_units: int = 512
+    """Hot/cold split: at most this many hot units per layer (k is rounded up to a multiple of
+    16 first). 512 dense slices cost ~0.44 ms per fwd + bwd at N 16384, D 2048 (the cost model
+    above), ~9 % of the dense FFN's 5.06 ms; a layer with more hot units than this is dense
+    mode's (``train_path``)."""
+    infer_measure: bool = True
+    """Inference ``auto`` on CUDA: time TwELL and dense on the layer's first calls of each
+    row-count bucket (CUDA events, read without blocking) and take the faster; False (and CPU
+    tensors) = the density rule above."""
+    infer_timed_calls: int = 3
+    """Inference ``auto``, measured: timed calls per path and row-count bucket, after one untimed
+    warm-up call each (its time includes Triton's compilation); the decision compares medians."""
+    infer_twell_margin: float = 0.02
+    """Inference ``auto``, measured: TwELL is taken only when its median is below
+    ``(1 - margin)`` x dense's, so a tie goes to dense (the issue's floor for ``auto`` is 0.98x
+    of dense; a smaller win is within the noise of three timed calls)."""
+    infer_remeasure_factor: float = 1.5
+    """Inference ``auto``, measured: a bucket's choice is timed again when the layer's measured
+    density has moved by more than this factor since the choice (TwELL's time grows with the
+    density: 0.3 -> 1 % moved its speedup from 1.65x to 1.00x, run K)."""
 
     def __post_init__(self) -> None:
         for name in ("infer_density_threshold", "train_density_threshold",
-                     "train_heavy_fraction", "dense_row_fraction"):
+                     "train_heavy_fraction", "dense_row_fraction", "hot_unit_fraction",
+                     "infer_twell_margin"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0.0 <= v <= 1.0):
                 raise ValueError(f"FFNPolicy.{name} must be a fraction in [0, 1]; got {v!r}")
@@ -74,11 +103,22 @@ class FFNPolicy:
                 and self.infer_min_flops >= 0):
             raise ValueError(f"FFNPolicy.infer_min_flops must be a finite number >= 0; got "
                              f"{self.infer_min_flops!r}")
-        for name in ("infer_min_rows", "ell_capacity"):
+        for name in ("infer_min_rows", "ell_capacity", "max_hot_units"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"FFNPolicy.{name} must be an integer >= 0 (ell_capacity 0 = the "
                                  f"default width); got {v!r}")
+        if (not isinstance(self.infer_timed_calls, int) or isinstance(self.infer_timed_calls, bool)
+                or self.infer_timed_calls < 1):
+            raise ValueError(f"FFNPolicy.infer_timed_calls must be an integer >= 1; got "
+                             f"{self.infer_timed_calls!r}")
+        f = self.infer_remeasure_factor
+        if not (isinstance(f, (int, float)) and math.isfinite(f) and f > 1.0):
+            raise ValueError(f"FFNPolicy.infer_remeasure_factor must be a finite number > 1; got "
+                             f"{f!r}")
+        if not isinstance(self.infer_measure, bool):
+            raise ValueError(f"FFNPolicy.infer_measure must be true or false; got "  # noqa: TRY004
+                             f"{self.infer_measure!r}")
 
     @classmethod
     def from_env(cls, base: FFNPolicy | None = None,

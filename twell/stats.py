@@ -51,7 +51,8 @@ class FFNStats:
         heavy_rows: scalar fp32 tensor, detached, or None when not measured (inference): tokens
             with more active units than the hybrid training layout's ELL capacity (the capacity
             the sparse path ran with, else ``default_ell_capacity(H)``); the sparse training
-            path computes them densely. ``model.ffn_impl=auto`` reads it.
+            path computes them densely. With ``hot_units`` it counts the active cold units only
+            (what the ELL part and its dense backup hold). ``model.ffn_impl=auto`` reads it.
     """
 
     l1: torch.Tensor

@@ -17,12 +17,20 @@ Paths, chosen per call:
   get the same results.
 * gradient needed: ``twell.ops.sparse_train.sparse_ffn_train`` (the hybrid ELL
   training path; gated FFNs only, it raises ValueError for a non-gated one).
-* ``mode="auto"``: dense cuBLAS when the layer's last measured density is
-  above ``policy.infer_density_threshold`` or the call has fewer than
-  ``policy.infer_min_rows`` token rows or fewer dense FLOPs than ``policy.infer_min_flops``
-  (:class:`twell.policy.FFNPolicy`), else TwELL. The density comes from
-  the previous call through a pinned host copy and a CUDA event (no host
-  sync on the calling path); the first call goes TwELL.
+* ``mode="auto"``: dense cuBLAS for calls with fewer than ``policy.infer_min_rows`` token
+  rows or fewer dense FLOPs than ``policy.infer_min_flops`` (:class:`twell.policy.FFNPolicy`).
+  Otherwise, on CUDA, the faster of TwELL and dense as timed on the layer's first calls of
+  each row-count bucket (``twell.ops.auto.MeasuredChoice``: CUDA events read without blocking,
+  re-timed when the density moves; ``policy.infer_measure``). The fallback, on CPU and while
+  the timed calls are in flight: dense when the layer's last measured density is above
+  ``policy.infer_density_threshold``, else TwELL. The density comes from the previous call
+  through a pinned host copy and a CUDA event (no host sync on the calling path); the first
+  call goes TwELL.
+
+Hot units (``hot_units``, a set S of hidden units; ``twell.ops.hot_units``): computed through
+a dense slice, ``y += relu(g_S) (x Wu[S]^T) Wd[:, S]^T``, with g_S taken from the gate GEMM's
+output and those columns zeroed before the pack, so TwELL holds the cold units only (its tiles
+overflow less and the consumer gathers fewer rows). Statistics stay those of the whole FFN.
 
 NaN/inf: a non-finite input row makes its gates NaN/inf, which count as active
 (``not (g <= 0)``), so they propagate to y (such a row overflows its tiles and
@@ -43,6 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from twell.format import check_width, words_per_tile
+from twell.ops.auto import MeasuredChoice
+from twell.ops.hot_units import check_hot_units
 from twell.policy import FFNPolicy
 from twell.stats import FFNStats, stats_from_counts
 
@@ -82,11 +92,14 @@ class TwELLState:
         consumer_kwargs: overrides for the consumer (``twell_ffn_apply``:
             nb, rows, num_warps, k, prefetch).
         pack_kwargs: overrides for the packer (``pack_dense``: block_m, num_warps).
+        auto: :class:`twell.ops.auto.MeasuredChoice`, the measured ``auto`` choice per row-count
+            bucket (``timer``: its timer, None = CUDA events on CUDA, none elsewhere).
     """
 
-    def __init__(self, factor: int = 8) -> None:
+    def __init__(self, factor: int = 8, timer=None) -> None:
         words_per_tile(factor)
         self.factor = factor
+        self.auto = MeasuredChoice(timer)
         self.density: float | None = None
         self.dense_calls = 0
         self.last_info: FFNInfo | None = None
@@ -235,6 +248,7 @@ def sparse_ffn(
     state: TwELLState | None = None,
     policy: FFNPolicy | None = None,
     backup_rows: int = -1,
+    hot_units: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FFNStats | None]:
     """ReLU(-gated) FFN through TwELL, with sparsity statistics.
 
@@ -256,6 +270,9 @@ def sparse_ffn(
         backup_rows: training path only: ``sparse_ffn_train``'s dense-backup capacity
             (-1 = measured per call with one host sync; >= 0 = no sync, the caller checks
             ``stats.heavy_rows`` against it).
+        hot_units: (k,) int64 tensor on x's device, unique hidden units computed through a
+            dense slice (TwELL and the training path hold the rest; see the module docstring);
+            None or empty = none (``twell.ops.hot_units.hot_units_from_counts`` picks them).
 
     Returns:
         ``(y_ND, stats or None)``; y in x's (or autocast) dtype. The call's
@@ -275,7 +292,7 @@ def sparse_ffn(
         if state is not None:
             state.last_info = FFNInfo("train")
         return sparse_ffn_train(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats=with_stats,
-                                backup_rows=backup_rows, policy=policy)
+                                backup_rows=backup_rows, policy=policy, hot_units=hot_units)
 
     state = state if state is not None else TwELLState()
     policy = policy if policy is not None else FFNPolicy()
@@ -294,47 +311,71 @@ def sparse_ffn(
         y = x_ND.new_empty(0, w_down_DH.shape[0])
         return y, (_empty_stats(x_ND, h) if with_stats else None)
 
+    hot = check_hot_units(hot_units, h, x_ND.device, "sparse_ffn")
     with torch.autocast(x_ND.device.type, enabled=False):
+        token = None
         if mode == "auto":
+            n = x_ND.shape[0]
             flops = (6 if w_gate_HD is not None else 4) * x_ND.numel() * h  # dense FFN
-            if policy.infer_dense(state.poll_density(), x_ND.shape[0], flops):
-                # on the dense path the density is re-measured every DENSE_RECHECK_EVERY-th call
-                # (run E: measuring it every call cost 1-4 % of the dense FFN)
-                measure = state.density is None or state.dense_calls % DENSE_RECHECK_EVERY == 0
-                state.dense_calls += 1
-                y, stats, d = _dense(x_ND, w_gate_HD, w_up_HD, w_down_DH_c, with_stats, measure)
-                if d is not None:
-                    state.record_density(d)
-                state.last_info = FFNInfo("dense", density=d)
+            density = state.poll_density()
+            small = n < policy.infer_min_rows or flops < policy.infer_min_flops
+            path, token = (None, None) if small else state.auto.begin(x_ND, n, density, policy)
+            if path is None:  # the size and density rules (CPU; measurement not decided)
+                path = "dense" if policy.infer_dense(density, n, flops) else "twell"
+            if path == "dense":
+                y, stats = _auto_dense(x_ND, w_gate_HD, w_up_HD, w_down_DH_c, with_stats, state)
+                state.auto.end(token, policy)
                 return y, stats
-        return _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c.dtype, with_stats, state)
+        out = _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c.dtype, with_stats, state,
+                     hot)
+        state.auto.end(token, policy)
+        return out
 
 
-def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state):
+def _auto_dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, state):
+    """``auto``'s dense path; the density is re-measured every DENSE_RECHECK_EVERY-th call
+    (run E: measuring it every call cost 1-4 % of the dense FFN)."""
+    measure = state.density is None or state.dense_calls % DENSE_RECHECK_EVERY == 0
+    state.dense_calls += 1
+    y, stats, d = _dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, measure)
+    if d is not None:
+        state.record_density(d)
+    state.last_info = FFNInfo("dense", density=d)
+    return y, stats
+
+
+def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state, hot=None):
     gated = w_gate_HD is not None
     n, h = x_ND.shape[0], w_up_HD.shape[0]
     if not _triton_ok(x_ND):
         from twell.ops.reference import twell_ffn_torch
 
         wd = w_down_DH.to(wdt_dtype)
-        r = twell_ffn_torch(x_ND, w_gate_HD, w_up_HD, wd, factor=state.factor)
+        r = twell_ffn_torch(x_ND, w_gate_HD, w_up_HD, wd, factor=state.factor, hot_units=hot)
         tw, l1_rows, colcnt, path = r["tw"], r["l1_rows"], r["active_counts"], "twell-torch"
-        y = r["y"]
+        y, nnz_row = r["y"], r["nnz_rows"]
     else:
         from twell.ops.twell_ffn import twell_ffn_apply
         from twell.ops.twell_pack import pack_dense
 
         x_ND = x_ND if x_ND.stride(1) == 1 else x_ND.contiguous()
         dense = F.linear(x_ND, w_gate_HD if gated else w_up_HD)  # cuBLAS on GPU
+        g_S = None
+        if hot is not None:  # the hot units' pre-activation; TwELL and its overflow see zeros
+            g_S = dense.index_select(1, hot)
+            dense.index_fill_(1, hot, 0)
         tw, colcnt = pack_dense(dense, state.factor, stats=with_stats, **state.pack_kwargs)
         wdt = state.down_t(w_down_DH, wdt_dtype)
         y, l1_rows = twell_ffn_apply(
             tw, dense, wdt, x_MD=x_ND if gated else None, w_up_HD=w_up_HD if gated else None,
             stats=with_stats, out_dtype=x_ND.dtype, **state.consumer_kwargs,
         )
+        nnz_row = tw.counts.sum(1, dtype=torch.int32)
+        if g_S is not None:
+            nnz_row = _hot_slice(y, l1_rows, colcnt, nnz_row, x_ND, w_up_HD if gated else None,
+                                 wdt, hot, g_S)
         path = "twell"
     counts = tw.counts
-    nnz_row = counts.sum(1, dtype=torch.int32)
     nnz_sum = nnz_row.sum().float()
     dens = nnz_sum / float(n * h)
     ovf = counts > tw.capacity
@@ -346,6 +387,23 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state):
         stats = FFNStats(l1=l1_rows.mean(), nnz_sum=nnz_sum, nnz_max=nnz_row.max().float(),
                          active_counts=colcnt, n_tokens=n)
     return y, stats
+
+
+def _hot_slice(y, l1_rows, colcnt, nnz_row, x_ND, w_up_HD, wdt, hot, g_S):
+    """The hot units' dense slice of the inference path, added in place: y += h_S Wd[:, S]^T
+    with h_S = relu(g_S) (x Wu[S]^T) (gated; relu(g_S) non-gated), relu(NaN) = NaN; the per-row
+    L1 and the per-unit counts (when given) gain the hot units'. Returns the per-row active
+    counts with the hot units'."""
+    act = ~(g_S <= 0)  # NaN active
+    h_S = g_S.clamp(min=0)
+    if w_up_HD is not None:
+        h_S = h_S * torch.matmul(x_ND, w_up_HD.index_select(0, hot).t())
+    y.addmm_(h_S.to(y.dtype), wdt.index_select(0, hot).to(y.dtype))
+    if l1_rows is not None:
+        l1_rows += h_S.float().abs().sum(1)
+    if colcnt is not None:
+        colcnt.index_add_(0, hot, act.sum(0, dtype=torch.int32))
+    return nnz_row + act.sum(1, dtype=torch.int32)
 
 
 __all__ = ["DENSE_RECHECK_EVERY", "FFNInfo", "TwELLState", "sparse_ffn"]

@@ -17,6 +17,19 @@ Math (arXiv 2603.23198; ``shared/PAPER.md``, "Hybrid (training)")::
     dWg[c] = sum dg x[n], dWu[c] = sum du x[n]        transposed SpMM, one gather of x (CSC via sort)
     dWd^T[c] = sum h dy[n]
 
+Hot units (``hot_units``, a set S of k hidden units; ``twell.ops.hot_units``) go through a dense
+slice instead: g_S = g[:, S] is taken from the gate GEMM's output and those columns of g are
+zeroed before the compaction (so the ELL part, its capacity, the heavy rows and the dense backup
+hold the cold units only), then with cuBLAS::
+
+    u_S = x Wu[S]^T,  h_S = relu(g_S) u_S,  y += h_S Wd[:, S]^T,  l1 += mean_n sum_S |h_S|
+    dh_S = dy Wd[:, S] + (dL/dl1 / N) sign(h_S),  dg_S = dh_S u_S [g_S > 0],  du_S = dh_S relu(g_S)
+    dx += dg_S Wg[S] + du_S Wu[S],  dWg[S] = dg_S^T x,  dWu[S] = du_S^T x,  dWd[:, S] = dy^T h_S
+
+(added into the sparse part's outputs, which are zero there). A unit active on more than ~1/64
+of the tokens is cheaper this way (``twell.policy.FFNPolicy.hot_unit_fraction``); it also takes
+the longest CSC columns away from the weight-gradient kernel.
+
 Rows with more than KC non-zeros (the ELL capacity) go whole to the dense backup: their g and u
 (R x H each) are computed with cuBLAS and saved, their gradients are dense matmuls. In the
 default, measuring mode nothing is dropped at any density: when more than
@@ -37,8 +50,9 @@ N x KC; slots past a row's length are never read), the row lengths, the indices 
 and their dense g and u, the (H, D) copy of Wd^T made for the forward's SpMM (the backward's
 SDDMM gathers the same rows: one transpose per step instead of two), and the CSC order of the ELL
 entries (perm, colptr, and the dW kernel's longest-column-first order), built in the forward
-while the GPU runs the SDDMM and SpMM so that the backward launches little besides its kernels.
-No N x H tensor outside the backup rows.
+while the GPU runs the SDDMM and SpMM so that the backward launches little besides its kernels;
+with hot units also their relu'd gate g_S and up u_S (N x k). No N x H tensor outside the
+backup rows.
 
 Host synchronisation: measuring mode (``backup_rows=-1``), exactly one per forward call (reading
 R, which sizes the backup). On CUDA it waits on an event recorded right after the compaction
@@ -59,16 +73,16 @@ import math
 
 import torch
 
+from twell.ops.hot_units import check_hot_units
 from twell.ops.reference.sparse_train_torch import valid_slots
 from twell.ops.train_backend import (
     cast_train_args,
     check_train_args,
     dense_rows_bwd,
     pick_backend,
-    stats_of,
 )
 from twell.policy import FFNPolicy
-from twell.stats import FFNStats, default_ell_capacity
+from twell.stats import FFNStats, default_ell_capacity, stats_from_counts
 
 
 def _heavy_indices(heavy_N: torch.Tensor, r: int) -> torch.Tensor:
@@ -129,23 +143,75 @@ def _backup_capacity(backup_rows: int, n: int) -> int:
     return max(0, min(backup_rows, n - 1))
 
 
+def _hot_split(g_NH, hot):
+    """g_S = g[:, S] (N, k), the hot units' gate pre-activation taken from the gate GEMM's
+    output; those columns of g are zeroed so that the compaction, the heavy-row count and the
+    dense backup see only the cold units. None without a hot set."""
+    if hot is None:
+        return None
+    g_S = g_NH.index_select(1, hot)
+    g_NH.index_fill_(1, hot, 0)
+    return g_S
+
+
+def _hot_fwd(be, x, wu, g_S, hot):
+    """The hot units' dense slice, forward: u_S = x Wu[S]^T, h_S = relu(g_S) u_S.
+
+    Returns (g_S relu'd (N, k), u_S (N, k), h_S (N, k), sum |h_S| (scalar), active units per
+    row (N,) int32, per hot unit (k,) int32), or None without a hot set. NaN gates count as
+    active (``not (g <= 0)``) and relu(NaN) = NaN, as on the other paths."""
+    if g_S is None:
+        return None
+    u_S = torch.matmul(x, wu.index_select(0, hot).t())
+    h_S, l1_S = be.backup_fwd(g_S, u_S)  # g_S <- relu(g_S) in place
+    act = ~(g_S <= 0)
+    return (g_S, u_S, h_S, l1_S, act.sum(1, dtype=torch.int32),
+            act.sum(0, dtype=torch.int32))
+
+
+def _hot_out(y, wdt, hot, fwd_S):
+    """y += h_S Wd[:, S]^T (rows of the (H, D) Wd^T copy); returns the statistics' additions."""
+    if fwd_S is None:
+        return None
+    _, _, h_S, l1_S, nnz_S, cnt_S = fwd_S
+    y.addmm_(h_S, wdt.index_select(0, hot))
+    return l1_S, nnz_S, cnt_S
+
+
+def _with_hot_stats(out, hot, add):
+    """The forward's outputs with the hot units' L1, per-row and per-unit counts added (the
+    statistics are those of the whole FFN; the heavy-row count stays the cold part's)."""
+    if add is None:
+        return out
+    l1_S, nnz_S, cnt_S = add
+    y, l1, nnz_N, counts_H, *rest = out
+    n = max(nnz_N.shape[0], 1)
+    counts_H.index_add_(0, hot, cnt_S)  # zero there: the compaction saw the columns zeroed
+    return (y, l1 + l1_S / n, nnz_N + nnz_S, counts_H, *rest)
+
+
 def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backend: str,
-              backup_rows: int = -1):
+              backup_rows: int = -1, hot=None):
     be = pick_backend(x, backend)
     n = x.shape[0]
     h = wg.shape[0]
     kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)
     acc = torch.promote_types(x.dtype, torch.float32)
     g_NH = torch.matmul(x, wg.t())  # (N, H) pre-activation; freed before the sparse part
-    # ELL buffers at the full capacity KC; nnz_eff = nnz_N, or 0 for a heavy row (> KC
-    # non-zeros: dense backup); n_heavy = the number of heavy rows (device, (1,))
-    col, gv, nnz_N, counts_H, nnz_eff, n_heavy = be.compact_heavy(g_NH, kc)
     wdt = wd.t().contiguous()  # (H, D) rows for the SpMM here and the SDDMM in backward
     if wdt.data_ptr() == wd.data_ptr():  # wd was a transposed view: an output must not alias
         wdt = wdt.clone()
+    g_S = _hot_split(g_NH, hot)  # hot units: a dense slice; g_NH keeps the cold ones
+    # ELL buffers at the full capacity KC; nnz_eff = nnz_N, or 0 for a heavy row (> KC
+    # non-zeros: dense backup); n_heavy = the number of heavy rows (device, (1,)); counted on
+    # the cold units
+    col, gv, nnz_N, counts_H, nnz_eff, n_heavy = be.compact_heavy(g_NH, kc)
+    n_heavy_out = n_heavy.clone()  # an output: must not alias counts_H (one buffer in Triton)
     if backup_rows >= 0:
-        return _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_eff,
-                           wdt, _backup_capacity(backup_rows, n))
+        fwd_S = _hot_fwd(be, x, wu, g_S, hot)
+        out = _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_eff,
+                          wdt, _backup_capacity(backup_rows, n), n_heavy_out)
+        return _with_hot_stats(out, hot, _hot_out(out[0], wdt, hot, fwd_S)) + _saved_S(x, fwd_S)
     # The one host sync of the call reads R, the number of heavy rows (it sizes the backup). On
     # CUDA it waits on an event recorded right after the compaction, not on the whole stream,
     # with the SDDMM, SpMM and CSC sort (which need no host value) queued before it, so the GPU
@@ -161,9 +227,11 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         # the CSC order too, before the wait: the host has almost nothing left to launch after
         # it (1.86x vs 1.62x queued after the wait, 0.3 %, run K)
         csc = _csc_order(col, nnz_eff, kc, h)
+        fwd_S = _hot_fwd(be, x, wu, g_S, hot)  # and the hot slice's GEMM
         r_ready.synchronize()
         r = int(r_host[0])
     else:
+        fwd_S = _hot_fwd(be, x, wu, g_S, hot)
         r = int(n_heavy[0])
     all_dense = r > dense_row_fraction * n
     if all_dense:
@@ -204,11 +272,20 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         g_R, u_R = x.new_empty((0, h)), x.new_empty((0, h))
         l1_heavy = 0.0
     l1 = (l1_light + l1_heavy) / max(n, 1)
-    return (y, l1, nnz_N, counts_H, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
-            order)
+    out = (y, l1, nnz_N, counts_H, n_heavy_out, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt,
+           perm, colptr, order)
+    return _with_hot_stats(out, hot, _hot_out(y, wdt, hot, fwd_S)) + _saved_S(x, fwd_S)
 
 
-def _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_eff, wdt, r_cap):
+def _saved_S(x, fwd_S):
+    """(g_S, u_S) saved for backward: relu'd gate and up of the hot units, (N, 0) without."""
+    if fwd_S is None:
+        return (x.new_empty((x.shape[0], 0)), x.new_empty((x.shape[0], 0)))
+    return fwd_S[0], fwd_S[1]
+
+
+def _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_eff, wdt, r_cap,
+                n_heavy):
     """The forward with no host synchronisation: the dense backup has ``r_cap`` rows, chosen by
     the caller from earlier measurements. The heavy rows fill it in row order; its unused rows
     (index N, clamped to N - 1 for the gathers) get a zero gate, so they add exact zeros to y
@@ -235,12 +312,37 @@ def _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_
         del g_NH
         heavy_idx = torch.empty((0,), dtype=torch.int64, device=x.device)
         g_R, u_R = x.new_empty((0, h)), x.new_empty((0, h))
-    return (y, l1 / max(n, 1), nnz_N, counts_H, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt,
-            perm, colptr, order)
+    return (y, l1 / max(n, 1), nnz_N, counts_H, n_heavy, nnz_eff, col, gv, u, heavy_idx, g_R,
+            u_R, wdt, perm, colptr, order)
+
+
+def _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx, dwg, dwu, dwdt=None, dwd=None):
+    """The hot units' dense slice, backward, added into the outputs of the rest (zero at S)::
+
+        dh_S = dy Wd[:, S] + scale sign(h_S),  dg_S = dh_S u_S [g_S > 0],  du_S = dh_S relu(g_S)
+        dx += dg_S Wg[S] + du_S Wu[S],  dWg[S] += dg_S^T x,  dWu[S] += du_S^T x,
+        dWd[:, S] += dy^T h_S  (into ``dwdt`` (H, D) rows, or ``dwd`` (D, H) columns)
+    """
+    if hot is None:
+        return
+    k = hot.shape[0]
+    dh_S = torch.matmul(dy, wdt.index_select(0, hot).t())
+    dg_S, du_S, h_S = be.backup_bwd(dh_S, g_S, u_S, scale)
+    # [dg_S du_S] (N, 2k) against [Wg[S]; Wu[S]] (2k, D): dx and x are read once, not twice
+    # (2 x 64 MiB less traffic at N 16384, D 2048; BENCHMARKS.md, "Hot/cold split")
+    dgu = torch.cat((dg_S, du_S), 1)
+    dx.addmm_(dgu, torch.cat((wg.index_select(0, hot), wu.index_select(0, hot))))
+    dw_gu = torch.matmul(dgu.t(), x)
+    dwg.index_add_(0, hot, dw_gu[:k])
+    dwu.index_add_(0, hot, dw_gu[k:])
+    if dwdt is not None:
+        dwdt.index_add_(0, hot, torch.matmul(h_S.t(), dy))
+    else:
+        dwd.index_add_(1, hot, torch.matmul(dy.t(), h_S))
 
 
 def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
-              order, backend):
+              order, hot, g_S, u_S, backend):
     be = pick_backend(x, backend)
     n, d = x.shape
     h = wg.shape[0]
@@ -255,6 +357,7 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
         dx_R, dwg_R, dwu_R, dwd_R = dense_rows_bwd(be, dy_R, scale, x_R, wg, wu, wd, g_R, u_R,
                                                wd_transposed=not all_dense)
         if all_dense:
+            _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx_R, dwg_R, dwu_R, dwd=dwd_R)
             return dx_R, dwg_R, dwu_R, dwd_R
         adds = (dwg_R, dwu_R, dwd_R)  # (H, D) each: the dW kernel adds them
     dx = torch.empty_like(x)
@@ -266,6 +369,7 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     be.dw(dwg, dwu, dwdt, adds, x, dy, perm, colptr, dg, du, gv, u, order=order)
     if r > 0:  # heavy rows: their ELL part is empty (dx = 0 there); unused backup rows add 0
         dx.index_add_(0, heavy_idx, dx_R.to(dx.dtype))
+    _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx, dwg, dwu, dwdt=dwdt)
     return dx, dwg, dwu, dwdt.t().contiguous()
 
 
@@ -279,23 +383,26 @@ def _ffn_train_fwd(
     dense_row_fraction: float,
     backend: str,
     backup_rows: int = -1,
+    hot_units: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns y, l1, nnz_N, counts_H, then the saved state: nnz_eff, col, g, u (N x KC),
-    heavy_idx, g_R, u_R, Wd^T, and the CSC order of the ELL entries: perm, colptr, order
-    (see ``_fwd_body``)."""
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns y, l1, nnz_N, counts_H (of the whole FFN), n_heavy ((1,) int32, rows above the
+    ELL capacity in the cold units), then the saved state: nnz_eff, col, g, u (N x KC),
+    heavy_idx, g_R, u_R, Wd^T, the CSC order of the ELL entries (perm, colptr, order), and the
+    hot units' relu'd gate g_S and up u_S (N x k) (see ``_fwd_body``)."""
     with torch.autocast(x.device.type, enabled=False):
         return _fwd_body(x, w_gate, w_up, w_down, ell_capacity, dense_row_fraction, backend,
-                         backup_rows)
+                         backup_rows, hot_units)
 
 
 @_ffn_train_fwd.register_fake
 def _ffn_train_fwd_fake(x, w_gate, w_up, w_down, ell_capacity, dense_row_fraction, backend,
-                        backup_rows=-1):
+                        backup_rows=-1, hot_units=None):
     ctx = torch.library.get_ctx()
     n, d = x.shape
     h = w_gate.shape[0]
+    k_hot = 0 if hot_units is None else hot_units.shape[0]
     k = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)  # ELL capacity KC
     # dense-backup rows: the given capacity, or measured
     r = _backup_capacity(backup_rows, n) if backup_rows >= 0 else ctx.new_dynamic_size()
@@ -304,10 +411,11 @@ def _ffn_train_fwd_fake(x, w_gate, w_up, w_down, ell_capacity, dense_row_fractio
     i64 = {"dtype": torch.int64}
     return (
         x.new_empty((n, d)), x.new_empty((), dtype=acc), x.new_empty((n,), **i32),
-        x.new_empty((h,), **i32), x.new_empty((n,), **i32), x.new_empty((n, k), **i32),
-        x.new_empty((n, k)), x.new_empty((n, k)), x.new_empty((r,), **i64),
-        x.new_empty((r, h)), x.new_empty((r, h)), w_down.new_empty((h, d)),
-        x.new_empty((n * k,), **i64), x.new_empty((h + 1,), **i64), x.new_empty((h,), **i64),
+        x.new_empty((h,), **i32), x.new_empty((1,), **i32), x.new_empty((n,), **i32),
+        x.new_empty((n, k), **i32), x.new_empty((n, k)), x.new_empty((n, k)),
+        x.new_empty((r,), **i64), x.new_empty((r, h)), x.new_empty((r, h)),
+        w_down.new_empty((h, d)), x.new_empty((n * k,), **i64), x.new_empty((h + 1,), **i64),
+        x.new_empty((h,), **i64), x.new_empty((n, k_hot)), x.new_empty((n, k_hot)),
     )
 
 
@@ -330,12 +438,15 @@ def _ffn_train_bwd(
     perm: torch.Tensor,
     colptr: torch.Tensor,
     order: torch.Tensor,
+    hot_units: torch.Tensor | None,
+    g_S: torch.Tensor,
+    u_S: torch.Tensor,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns dx, dWg, dWu, dWd (see ``_bwd_body``)."""
     with torch.autocast(x.device.type, enabled=False):
         return _bwd_body(dy, dl1, x, w_gate, w_up, w_down, nnz_eff, col, g, u, heavy_idx,
-                         g_R, u_R, w_down_t, perm, colptr, order, backend)
+                         g_R, u_R, w_down_t, perm, colptr, order, hot_units, g_S, u_S, backend)
 
 
 @_ffn_train_bwd.register_fake
@@ -346,26 +457,28 @@ def _ffn_train_bwd_fake(dy, dl1, x, w_gate, w_up, w_down, *rest):
 
 def _setup_context(ctx, inputs, output):
     x, wg, wu, wd, _, _, backend = inputs[:7]
+    hot = inputs[8] if len(inputs) > 8 else None
     ctx.backend = backend
-    ctx.save_for_backward(x, wg, wu, wd, *output[4:])
+    ctx.has_hot = hot is not None
+    ctx.save_for_backward(x, wg, wu, wd, *output[5:], *([hot] if ctx.has_hot else []))
     ctx.mark_non_differentiable(*output[2:])
-    # the 13 non-differentiable outputs reach backward as None instead of zero-filled tensors
+    # the 16 non-differentiable outputs reach backward as None instead of zero-filled tensors
     # (run G's trace: ~11 fill kernels and their allocations per step)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, dl1, *_unused):
-    (x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
-     order) = ctx.saved_tensors
+    (x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt, perm, colptr, order, g_S,
+     u_S, *hot) = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros_like(x[:, : wd.shape[0]])
     if dl1 is None:
         dl1 = torch.zeros((), dtype=torch.float32, device=x.device)
     dx, dwg, dwu, dwd = _ffn_train_bwd(
         dy, dl1, x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
-        order, ctx.backend,
+        order, hot[0] if hot else None, g_S, u_S, ctx.backend,
     )
-    return dx, dwg, dwu, dwd, None, None, None, None
+    return dx, dwg, dwu, dwd, None, None, None, None, None
 
 
 torch.library.register_autograd("twell::ffn_train_fwd", _backward, setup_context=_setup_context)
@@ -383,6 +496,7 @@ def sparse_ffn_train(
     backend: str = "auto",
     backup_rows: int = -1,
     policy: FFNPolicy | None = None,
+    hot_units: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FFNStats | None]:
     """Gated ReLU FFN ``y = (relu(x Wg^T) * (x Wu^T)) Wd^T`` on the sparse training path.
 
@@ -414,6 +528,14 @@ def sparse_ffn_train(
             call's results and redo it with -1 (the trainer does, once per optimizer step).
         policy: :class:`twell.policy.FFNPolicy` giving the capacity and fraction not passed
             explicitly (default: the defaults).
+        hot_units: (k,) int64 tensor on x's device, unique hidden-unit indices computed through
+            a dense slice (cuBLAS: ``x Wu[S]^T``, ``h_S Wd[:, S]^T`` and the backward's six
+            products), the rest through the ELL path; None or empty = none. Pick them with
+            :func:`twell.ops.hot_units.hot_units_from_counts` (no host sync here either way).
+            The heavy rows, the ELL capacity and the dense backup then concern the cold units
+            only: ``stats.heavy_rows`` counts the tokens with more than KC active cold units
+            (what the no-sync capacity must hold); l1, nnz and active_counts stay those of the
+            whole FFN.
 
     Returns:
         (y_ND in the compute dtype, FFNStats or None).
@@ -437,13 +559,22 @@ def sparse_ffn_train(
             f"ell_capacity must be >= 0 (0 = default) and dense_row_fraction in [0, 1]; got "
             f"{ell_capacity}, {dense_row_fraction}"
         )
+    hot = check_hot_units(hot_units, w_gate_HD.shape[0], x_ND.device, "sparse_ffn_train")
     x, wg, wu, wd = cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH)
     n = x.shape[0]
     if n == 0:
         from twell.ops.reference import gated_ffn_torch
 
         return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats, ell_capacity=ell_capacity)
-    out = _ffn_train_fwd(x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend,
-                         int(backup_rows))
-    kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(wg.shape[0])
-    return out[0], (stats_of(out, kc) if with_stats else None)
+    args = (x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend,
+            int(backup_rows))
+    out = _ffn_train_fwd(*args) if hot is None else _ffn_train_fwd(*args, hot)
+    return out[0], (_train_stats(out) if with_stats else None)
+
+
+def _train_stats(out) -> FFNStats:
+    """FFNStats of the op's outputs: l1, nnz_N and counts_H of the whole FFN, heavy_rows the
+    op's own count (rows above the ELL capacity in the cold units)."""
+    st = stats_from_counts(out[1], out[2], out[3])
+    st.heavy_rows = out[4].reshape(()).float()
+    return st

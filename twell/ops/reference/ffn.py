@@ -53,6 +53,7 @@ def twell_ffn_torch(
     w_down_DH: torch.Tensor,
     *,
     factor: int = 8,
+    hot_units: torch.Tensor | None = None,
 ) -> dict:
     """Reference sparse FFN through the TwELL format, in PyTorch.
 
@@ -60,16 +61,23 @@ def twell_ffn_torch(
         x_ND: (N, D) float input; weights (H, D), (H, D), (D, H), same dtype.
         w_gate_HD: None for the non-gated FFN (``h = relu(x Wu^T)``).
         factor: TwELL compression factor.
+        hot_units: (k,) int64 unique units computed densely from the unrounded pre-activation
+            (their columns are zeroed before the pack: TwELL holds the cold units); None = none.
 
     Returns:
         dict with ``y`` (N, D) in x's dtype (fp32 accumulation, fp64 for
-        fp64 input), ``tw`` (the TwELL), ``l1_rows`` (N,) fp32 sum |h|,
-        ``active_counts`` (H,) int32, ``overflow_rows`` (N,) bool.
+        fp64 input), ``tw`` (the TwELL of the cold units), ``l1_rows`` (N,) fp32 sum |h|,
+        ``active_counts`` (H,) int32, ``nnz_rows`` (N,) int32 active units per row (both of
+        the whole FFN), ``overflow_rows`` (N,) bool.
     """
     acc_dt = torch.promote_types(x_ND.dtype, torch.float32)
     gated = w_gate_HD is not None
     pre = x_ND @ (w_gate_HD if gated else w_up_HD).T  # (N, H) in x's dtype, like cuBLAS
     n, h = pre.shape
+    g_S = None
+    if hot_units is not None and hot_units.numel():
+        g_S = pre[:, hot_units].to(acc_dt)
+        pre = pre.index_fill(1, hot_units, 0)
     tw = pack(pre, factor)
     valid, cols, vals, _ = tw.slots()
     rows = torch.arange(n, device=x_ND.device).view(n, 1, 1).expand_as(cols)[valid]
@@ -98,9 +106,19 @@ def twell_ffn_torch(
         y[r] += hd @ wdt
         l1[r] += hd.abs().sum(-1)
     counts = (~(pre <= 0)).sum(0, dtype=torch.int32)
+    nnz_rows = (~(pre <= 0)).sum(1, dtype=torch.int32)
+    if g_S is not None:  # the hot units, dense (relu(NaN) = NaN; NaN counts as active)
+        act = ~(g_S <= 0)
+        hs = g_S.clamp(min=0)
+        if gated:
+            hs = hs * (x_ND.to(acc_dt) @ w_up_HD[hot_units].T.to(acc_dt))
+        y += hs @ wdt[hot_units]
+        l1 += hs.abs().sum(-1)
+        counts.index_add_(0, hot_units, act.sum(0, dtype=torch.int32))
+        nnz_rows += act.sum(1, dtype=torch.int32)
     return {
         "y": y.to(x_ND.dtype), "tw": tw, "l1_rows": l1.float(), "active_counts": counts,
-        "overflow_rows": ovf_r,
+        "nnz_rows": nnz_rows, "overflow_rows": ovf_r,
     }
 
 

@@ -1,0 +1,120 @@
+"""The sparse FFN ops on recorded layers and i.i.d. rows, beside dense cuBLAS (one GPU, < 10 min).
+
+    # recorded layers (twell.nn.record files: scripts/record_acts.py, bench_model.py --acts-dir)
+    python scripts/bench_real_layers.py --layers acts/acts_1p5b_l3.safetensors,... --out "$OUT"
+    # also the paper's CUDA ops from a checkout of SakanaAI/sparser-faster-llms (JIT-built)
+    TORCH_CUDA_ARCH_LIST=9.0a python scripts/bench_real_layers.py --layers ... --paper-src DIR
+    # CPU: tiny shapes, the PyTorch backend, the code paths only (no timing claims)
+    python scripts/bench_real_layers.py --smoke --out /tmp/kb
+
+Every case (each recorded layer, then i.i.d. rows at ``--iid`` densities of shape ``--shape``)
+is checked first (every op against fp32; an op of ours off by more than 3x the dense bf16
+path's error stops the run with exit code 1), then timed with ``triton.testing.do_bench``
+medians: forward and training (forward + backward with the L1 term) of dense cuBLAS, ``twell``,
+``twell_nosync``, ``twell_hot`` (hot units from the layer's own counts), ``auto`` and ``paper``
+(ops and method: ``twell.bench``). Writes ``real_layers.csv`` and ``iid.csv`` (columns
+``twell.bench.COLUMNS``) under ``--out`` (default docs/kernel_bench) after every case and
+prints a short table last. BENCHMARKS.md, "Hot/cold split", has the predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from twell.bench import (
+    CheckFailed,
+    cpu_timer,
+    gpu_timer,
+    iid_case,
+    load_paper_ops,
+    recorded_case,
+    run_case,
+    summary_table,
+    write_csv,
+)
+from twell.nn.record import save_ffn_layer
+from twell.policy import FFNPolicy
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--layers", default="", help="comma-separated recorded-layer files")
+    ap.add_argument("--iid", default=None,
+                    help="i.i.d. densities (fractions, comma-separated; '' = none; default "
+                         "0.003,0.01,0.03,0.1, --smoke 0.05)")
+    ap.add_argument("--shape", default="16384,2048,5632", help="M,D,H of the i.i.d. cases")
+    ap.add_argument("--kinds", default="fwd,train", help="fwd and / or train")
+    ap.add_argument("--paper-src", type=Path, default=None,
+                    help="checkout of SakanaAI/sparser-faster-llms: also time its ops")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder of the two CSVs (default docs/kernel_bench; --smoke: a temp dir)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, tiny shapes, one synthetic recorded layer: exercises the code only")
+    a = ap.parse_args(argv)
+    a.kinds = tuple(k for k in a.kinds.split(",") if k)
+    if not set(a.kinds) <= {"fwd", "train"} or not a.kinds:
+        ap.error(f"--kinds: fwd and / or train; got {a.kinds}")
+    if a.iid is None:
+        a.iid = "0.05" if a.smoke else "0.003,0.01,0.03,0.1"
+    if a.out is None:
+        a.out = Path(tempfile.mkdtemp(prefix="kernel_bench_")) if a.smoke else \
+            Path("docs/kernel_bench")
+    return a
+
+
+def smoke_layer(folder: Path) -> Path:
+    """A tiny synthetic recorded layer (the file format end to end on the CPU)."""
+    c = iid_case(64, 32, 300, 0.03, seed=1, device="cpu")
+    return save_ffn_layer(folder / "acts_smoke_l0.safetensors", c.x, c.wg, c.wu, c.wd,
+                          {"size": "smoke", "layer": 0})
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if not a.smoke and not torch.cuda.is_available():
+        sys.exit("bench_real_layers.py needs a CUDA GPU (or --smoke on the CPU)")
+    dev = "cpu" if a.smoke else "cuda"
+    timer = cpu_timer if a.smoke else gpu_timer
+    m, d, h = (64, 32, 300) if a.smoke else (int(v) for v in a.shape.split(","))
+    layers = [Path(p) for p in a.layers.split(",") if p]
+    if a.smoke and not layers:
+        layers = [smoke_layer(a.out)]
+    policy = FFNPolicy.from_env()
+    paper = load_paper_ops(a.paper_src)
+    print(f"# {torch.cuda.get_device_name() if dev == 'cuda' else 'CPU smoke run'}, torch "
+          f"{torch.__version__}; policy {policy}", flush=True)
+    rows = {"real_layers": [], "iid": []}
+    cases = [("real_layers", lambda p=p: recorded_case(p, device=dev)) for p in layers]
+    cases += [("iid", lambda v=float(v): iid_case(m, d, h, v, device=dev))
+              for v in a.iid.split(",") if v]
+    status = 0
+    for table, build in cases:
+        case = build()
+        print(f"# {case.size} layer {case.layer}: {tuple(case.x.shape)}", flush=True)
+        try:
+            rows[table] += run_case(case, policy, timer, paper, kinds=a.kinds)
+        except CheckFailed as e:
+            print(f"FAIL (no timing): {e}", file=sys.stderr, flush=True)
+            status = 1
+            break
+        finally:
+            for name, rs in rows.items():
+                write_csv(a.out / f"{name}.csv", rs)
+            del case
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    print(f"# wrote {a.out}/real_layers.csv, {a.out}/iid.csv"
+          + (" (smoke: CPU times, not performance numbers)" if a.smoke else ""))
+    print(summary_table(rows["real_layers"] + rows["iid"]))
+    return status
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""The recorded-layer benchmark of the sparse FFN ops (``scripts/bench_real_layers.py``).
+
+Shape legend: N tokens, D model width, H FFN width, k hot units.
+
+Cases: recorded layers (``twell.nn.record`` files; ``size`` and ``layer`` from their metadata)
+and i.i.d. rows at set densities (:func:`iid_case`, ``size`` = "iid"). For every case:
+
+1. statistics (density, L0 mean / max, heavy rows above the ELL capacity), the hot set from the
+   case's own per-unit counts (``twell.ops.hot_units``), the no-sync backup capacities from a
+   measuring call (``backup_capacity_for``, with and without the hot set);
+2. a CHECK of every op against fp32 (relative Frobenius error of y, and of dx, dWg, dWu, dWd
+   for training, whose loss is ``sum(y dy) + c l1``, c = 0.2 N); an op of ours more than 3x
+   the dense bf16 path's error (+ 5e-3) stops the benchmark (:class:`CheckFailed`); the
+   paper's op is reported, not stopped on (its known overflow drops);
+3. TIMING: ``triton.testing.do_bench`` medians (an injected timer on the CPU smoke run).
+
+Ops (``OPS``), kind ``fwd`` (inference, no grad) and ``train`` (forward + backward):
+
+    dense         cuBLAS bf16 (train: autograd of y alone, no L1 term: the baseline)
+    twell         fwd: TwELL (``sparse_ffn``); train: the ELL op measuring its backup per call
+    twell_nosync  train: the ELL op, no host sync, backup at the measured capacity
+    twell_hot     fwd: TwELL with the hot set; train: no-sync with the hot set
+    auto          fwd: ``mode="auto"`` (measured on CUDA) with the hot set; train: what
+                  ``FFNPolicy.train_path`` picks (no-sync ELL with the hot set, or dense mode)
+    paper         the paper's CUDA extension (``PaperOps``) when it is importable
+
+CSV columns (``COLUMNS``): size, layer, density, l0_mean, l0_max, heavy_rows, op, kind, ms,
+speedup_vs_dense (dense ms / op ms, same kind and case), rel_err (the largest of the op's
+outputs).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from twell.nn.record import active_counts_of, load_ffn_layer
+from twell.ops.ffn import TwELLState, sparse_ffn
+from twell.ops.hot_units import hot_unit_count, hot_units_from_counts
+from twell.ops.reference import gated_ffn_torch
+from twell.ops.sparse_train import backup_capacity_for, dense_ffn_train, sparse_ffn_train
+from twell.policy import FFNPolicy
+from twell.stats import default_ell_capacity
+
+COLUMNS = ["size", "layer", "density", "l0_mean", "l0_max", "heavy_rows", "op", "kind", "ms",
+           "speedup_vs_dense", "rel_err"]
+KINDS = ("fwd", "train")
+OPS = {"fwd": ("dense", "twell", "twell_hot", "auto", "paper"),
+       "train": ("dense", "twell", "twell_nosync", "twell_hot", "auto", "paper")}
+L1_COEFF_PER_TOKEN = 0.2  # loss = sum(y dy) + c l1, c = 0.2 N: the L1 gradient ~ dy's size
+
+
+class CheckFailed(RuntimeError):
+    """An op of ours is less exact than the bound (the message names case, op and errors)."""
+
+
+@dataclass
+class Case:
+    """One benchmark input: bf16 tensors on one device, labels and statistics.
+
+    Attributes:
+        size, layer: labels ("iid" and the density for i.i.d. rows).
+        x, wg, wu, wd, dy: (N, D), (H, D), (H, D), (D, H), (N, D) upstream gradient.
+        stats: density, l0_mean, l0_max, heavy_rows (above the default ELL capacity).
+        counts: (H,) active tokens per unit (device).
+        hot: (k,) hot units picked from ``counts`` (policy's fraction and cap); may be empty.
+        caps: no-sync backup capacities, {"cold": without the hot set, "hot": with it}.
+        cold_heavy: heavy rows of the cold units (with the hot set).
+    """
+
+    size: str
+    layer: str
+    x: torch.Tensor
+    wg: torch.Tensor
+    wu: torch.Tensor
+    wd: torch.Tensor
+    dy: torch.Tensor
+    stats: dict = field(default_factory=dict)
+    counts: torch.Tensor | None = None
+    hot: torch.Tensor | None = None
+    caps: dict = field(default_factory=dict)
+    cold_heavy: int = 0
+
+
+def iid_case(n: int, d: int, h: int, density: float, *, seed: int = 0,
+             device: str | torch.device = "cuda") -> Case:
+    """i.i.d. rows at a set mean density: x[:, 0] = 1 (a constant feature) and Wg[:, 0] = -t
+    (the ReLU threshold, bisected on a sample of pre-activations so that the fraction of
+    active units is ``density``), weights N(0, 0.02^2), bf16 (arXiv 2603.23198's calibration
+    construction)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, d, device=device, generator=gen)
+    wg, wu, wd = (torch.randn(*s, device=device, generator=gen) * 0.02
+                  for s in ((h, d), (h, d), (d, h)))
+    x[:, 0], wg[:, 0] = 1.0, 0.0
+    z = (x[:4096].bfloat16() @ wg.bfloat16().t()).float()
+    lo, hi = 0.0, float(z.abs().max()) + 1.0
+    for _ in range(40):  # bisection on the threshold: mean(z > t) = density
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if (z > mid).float().mean().item() > density else (lo, mid)
+    wg[:, 0] = -0.5 * (lo + hi)
+    dy = torch.randn(n, d, device=device, generator=gen)
+    ts = [t.bfloat16().contiguous() for t in (x, wg, wu, wd, dy)]
+    return Case("iid", f"{100 * density:g}%", *ts)
+
+
+def recorded_case(path, *, seed: int = 0, device: str | torch.device = "cuda") -> Case:
+    """A recorded layer (``twell.nn.record.load_ffn_layer``) with a seeded random dy.
+
+    Raises:
+        ValueError: a non-gated layer (the training op is gated-only) or a bad file.
+    """
+    rec = load_ffn_layer(path, device)
+    if rec.w_gate is None:
+        raise ValueError(f"{path}: a non-gated FFN layer; the benchmark's training ops are gated")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dy = torch.randn(rec.x.shape, device=device, generator=gen).bfloat16()
+    return Case(str(rec.meta.get("size", "?")), str(rec.meta.get("layer", "?")), rec.x,
+                rec.w_gate, rec.w_up, rec.w_down, dy)
+
+
+def prepare(case: Case, policy: FFNPolicy) -> Case:
+    """Fill ``stats``, ``counts``, the hot set and the no-sync capacities (host syncs: setup)."""
+    n, h = case.x.shape[0], case.wg.shape[0]
+    nnz, counts = active_counts_of(case.x, case.wg)
+    kc = policy.ell_capacity or default_ell_capacity(h)
+    case.counts = counts
+    total = int(counts.sum())
+    case.stats = {"density": float(f"{total / max(n * h, 1):.6g}"),
+                  "l0_mean": round(total / max(n, 1), 3), "l0_max": int(nnz.max()),
+                  "heavy_rows": int((nnz > kc).sum())}
+    case.hot = hot_units_from_counts(counts, n, hot_unit_count(counts.cpu(), n, policy))
+    with torch.no_grad():
+        _, st = sparse_ffn_train(case.x, case.wg, case.wu, case.wd, policy=policy)
+        _, st_hot = sparse_ffn_train(case.x, case.wg, case.wu, case.wd, policy=policy,
+                                     hot_units=case.hot)
+    case.cold_heavy = int(st_hot.heavy_rows.item())
+    case.caps = {"cold": backup_capacity_for(st.heavy_rows.item()),
+                 "hot": backup_capacity_for(case.cold_heavy)}
+    return case
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error ||a - b|| / ||b|| (fp32; inf or NaN stay as they come)."""
+    a, b = a.float(), b.float()
+    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
+
+
+def _dense_fwd(x, wg, wu, wd):
+    return (torch.relu(x @ wg.t()) * (x @ wu.t())) @ wd.t()
+
+
+def _train_closure(fn, case: Case, with_l1: bool) -> Callable[[], list[torch.Tensor]]:
+    """fwd + bwd of ``fn(x, wg, wu, wd) -> (y, stats or None)``: returns [y, dx, dWg, dWu, dWd]
+    of ``sum(y dy) (+ c l1)`` (autograd.grad: nothing accumulates across calls)."""
+    ins = [t.detach().clone().requires_grad_() for t in (case.x, case.wg, case.wu, case.wd)]
+    c = L1_COEFF_PER_TOKEN * case.x.shape[0]
+
+    def run():
+        y, st = fn(*ins)
+        outs, gouts = [y], [case.dy.to(y.dtype)]
+        if with_l1:
+            outs.append(st.l1)
+            gouts.append(torch.full_like(st.l1, c))
+        return [y.detach(), *torch.autograd.grad(outs, ins, gouts)]
+    return run
+
+
+def references(case: Case) -> dict:
+    """fp32 references (TF32 off): "fwd" [y], "train" [y, dx, dWg, dWu, dWd] with the L1 term,
+    "train_dense" the same without it (what the dense baseline computes)."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        f32 = Case(case.size, case.layer, *(t.float() for t in (case.x, case.wg, case.wu,
+                                                                 case.wd, case.dy)))
+        with torch.no_grad():
+            fwd = [_dense_fwd(f32.x, f32.wg, f32.wu, f32.wd)]
+        ref = lambda *a: gated_ffn_torch(*a, with_stats=True)
+        return {"fwd": fwd, "train": _train_closure(ref, f32, True)(),
+                "train_dense": _train_closure(ref, f32, False)()}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
+    """Closure running one call of ``op`` (``OPS``) on ``case``; returns its outputs ([y], or
+    [y, dx, dWg, dWu, dWd]) for the check. None when the op does not apply (paper absent)."""
+    x, wg, wu, wd = case.x, case.wg, case.wu, case.wd
+    if op == "paper":
+        return None if paper is None else (paper.fwd_closure(case) if kind == "fwd"
+                                           else paper.train_closure(case))
+    if kind == "fwd":
+        if op == "dense":
+            return lambda: [_dense_fwd(x, wg, wu, wd)]
+        st = TwELLState()
+        mode = "auto" if op == "auto" else "twell"
+        hot = None if op == "twell" else case.hot
+
+        @torch.no_grad()
+        def fwd():
+            return [sparse_ffn(x, wg, wu, wd, with_stats=False, mode=mode, state=st,
+                               policy=policy, hot_units=hot)[0]]
+        fwd.state = st
+        return fwd
+    if op == "dense":
+        return _train_closure(lambda *a: gated_ffn_torch(*a, with_stats=False), case, False)
+    if op == "auto":
+        path = policy.train_path(case.stats["density"], case.cold_heavy / case.x.shape[0])
+        if path == "dense":
+            return _train_closure(lambda *a: dense_ffn_train(*a, with_stats=True), case, True)
+        op = "twell_hot"
+    kw = {"twell": {}, "twell_nosync": {"backup_rows": case.caps.get("cold", -1)},
+          "twell_hot": {"backup_rows": case.caps.get("hot", -1), "hot_units": case.hot}}[op]
+    return _train_closure(lambda *a: sparse_ffn_train(*a, policy=policy, **kw), case, True)
+
+
+def check_case(case: Case, ops: dict, refs: dict) -> dict:
+    """Relative errors of every op (``ops``: (op, kind) -> closure) against fp32; raises
+    :class:`CheckFailed` when an op of ours exceeds 3x the dense bf16 path's error + 5e-3 on
+    any output (the dense bf16 path with the L1 term for training; the dense baseline and the
+    paper's op are reported, never stopped on). Returns (op, kind) -> (largest error, within
+    the bound)."""
+    base = {"fwd": [rel_err(o, r) for o, r in zip(ops[("dense", "fwd")](), refs["fwd"])]}
+    l1_dense = _train_closure(lambda *a: gated_ffn_torch(*a, with_stats=True), case, True)()
+    base["train"] = [rel_err(o, r) for o, r in zip(l1_dense, refs["train"])]
+    errs, bad = {}, []
+    for (op, kind), fn in ops.items():
+        ref = refs["train_dense" if (op, kind) == ("dense", "train") else kind]
+        e = [rel_err(o, r) for o, r in zip(fn(), ref)]
+        ok = all(ei <= 3 * bi + 5e-3 for ei, bi in zip(e, base[kind]))  # False for NaN
+        errs[(op, kind)] = (max(e), ok)
+        if not ok and op not in ("paper", "dense"):
+            bad.append(f"{op} {kind}: errors {', '.join(f'{v:.2e}' for v in e)} vs dense bf16 "
+                       f"{', '.join(f'{v:.2e}' for v in base[kind])}")
+    if bad:
+        raise CheckFailed(f"{case.size} layer {case.layer}: " + "; ".join(bad))
+    return errs
+
+
+def gpu_timer(fn) -> float:
+    """Median ms of ``triton.testing.do_bench`` (25 ms warm-up, 100 ms of repetitions)."""
+    import triton.testing
+
+    # three quantiles: a list on every triton version (one quantile comes back as a float)
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])[0])
+
+
+def cpu_timer(fn, reps: int = 1) -> float:
+    """Median wall ms of ``reps`` calls (the CPU smoke run: not a performance number)."""
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(ts)
+
+
+def run_case(case: Case, policy: FFNPolicy, timer, paper=None, kinds=KINDS) -> list[dict]:
+    """Prepare, check, then time every op of ``case``; returns its CSV rows (``COLUMNS``)."""
+    prepare(case, policy)
+    refs = references(case)
+    ops = {(op, kind): fn for kind in kinds for op in OPS[kind]
+           if (fn := make_op(op, kind, case, policy, paper)) is not None}
+    if ("dense", "fwd") not in ops:
+        ops[("dense", "fwd")] = make_op("dense", "fwd", case, policy)
+    for key in [k for k in ops if k[0] == "paper"]:  # optional: an op that raises is left out
+        try:
+            ops[key]()
+        except Exception as e:  # noqa: BLE001
+            print(f"  paper {key[1]}: left out ({type(e).__name__}: {str(e)[:160]})")
+            del ops[key]
+    errs = check_case(case, ops, refs)
+    ms = {key: timer(fn) for key, fn in ops.items()}
+    if ("auto", "fwd") in ops:  # what the measured auto chose (printed; the CSV keeps "auto")
+        print(f"  auto fwd: {ops[('auto', 'fwd')].state.auto.choices()}", flush=True)
+    rows = []
+    for (op, kind), t in ms.items():
+        if kind not in kinds:
+            continue
+        dense = ms[("dense", kind)]
+        err, ok = errs[(op, kind)]
+        rows.append({"size": case.size, "layer": case.layer, **case.stats, "op": op,
+                     "kind": kind, "ms": round(t, 4), "speedup_vs_dense": round(dense / t, 3),
+                     "rel_err": float(f"{err:.3e}"), "within_bound": ok})
+    return rows
+
+
+def write_csv(path, rows: list[dict]) -> Path:
+    """Write ``rows`` with exactly ``COLUMNS`` (parent folders created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def summary_table(rows: list[dict]) -> str:
+    """One line per case and kind: dense ms, then each op's speedup over dense (``*`` marks an
+    op whose error is over the bound: the paper's op when it drops overflow)."""
+    present = {r["op"] for r in rows}
+    ops = [o for o in dict.fromkeys(OPS["train"] + OPS["fwd"]) if o in present and o != "dense"]
+    head = f"{'size':>6} {'layer':>6} {'dens %':>7} {'L0':>6} {'max':>5} {'heavy':>6} {'kind':>5} " \
+           f"{'dense ms':>9} " + " ".join(f"{o:>12}" for o in ops)
+    lines = [head]
+    keys = list(dict.fromkeys((r["size"], r["layer"], r["kind"]) for r in rows))
+    for size, layer, kind in keys:
+        rs = {r["op"]: r for r in rows if (r["size"], r["layer"], r["kind"]) == (size, layer, kind)}
+        d = rs["dense"]
+        cells = []
+        for o in ops:
+            r = rs.get(o)
+            cells.append(f"{'-':>12}" if r is None else
+                         f"{r['speedup_vs_dense']:>10.2f}x{' ' if r.get('within_bound', True) else '*'}")
+        lines.append(f"{size:>6} {layer:>6} {100 * d['density']:>7.2f} {d['l0_mean']:>6.1f} "
+                     f"{d['l0_max']:>5} {d['heavy_rows']:>6} {kind:>5} {d['ms']:>9.3f} "
+                     + " ".join(cells))
+    return "\n".join(lines)
+
+
+def _load_module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path}: not a Python module")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class PaperOps:
+    """The paper's CUDA ops (SakanaAI/sparser-faster-llms, built by its own loaders: ~1 min of
+    nvcc with ``TORCH_CUDA_ARCH_LIST=9.0a``), through their public Python API: inference
+    ``TwELLGatedMLP(layer, GATE, UP, DOWN)`` (DOWN = Wd^T, (H, D)) and training
+    ``torch.ops.sparse_ops.ff_forward_gated(X (1, N, D), G, K, V = Wd^T) -> (y, l0, l1, ...)``
+    with autograd. None of its code is copied here.
+
+    Args:
+        src: the repository checkout (``custom_models/`` inside).
+
+    Raises:
+        ImportError / RuntimeError / OSError: the extension did not import or build.
+    """
+
+    def __init__(self, src) -> None:
+        src = Path(src)
+        self.twell = _load_module("paper_twell_modules",
+                                  src / "custom_models" / "twell_modules" / "twell.py")
+        loader = _load_module("paper_sparse_ops_loader",
+                              src / "custom_models" / "hybrid_modules" / "sparse_ops_loader.py")
+        loader.load_sparse_ops()
+        self._layer = 0
+
+    def fwd_closure(self, case: Case):
+        self._layer += 1
+        mlp = self.twell.TwELLGatedMLP(self._layer, case.wg, case.wu, case.wd.t().contiguous())
+        return torch.no_grad()(lambda: [mlp(case.x).to(case.x.dtype)])
+
+    def train_closure(self, case: Case):
+        x, wg, wu = (t.detach().clone().requires_grad_() for t in (case.x, case.wg, case.wu))
+        v = case.wd.t().contiguous().requires_grad_()  # its (H, D) layout of Wd
+        c = L1_COEFF_PER_TOKEN * case.x.shape[0]
+        op = torch.ops.sparse_ops.ff_forward_gated
+
+        def run():
+            y, _l0, l1, *_ = op(x[None], wg, wu, v)
+            y = y.reshape(case.x.shape)
+            gx, gg, gu, gv = torch.autograd.grad([y, l1], [x, wg, wu, v],
+                                                 [case.dy.to(y.dtype), torch.full_like(l1, c)])
+            return [y.detach(), gx, gg, gu, gv.t()]
+        return run
+
+
+def load_paper_ops(src) -> PaperOps | None:
+    """:class:`PaperOps` from ``src``, or None (with the reason printed) when it cannot load."""
+    if src is None:
+        return None
+    try:
+        return PaperOps(src)
+    except Exception as e:  # noqa: BLE001 (optional: report and go on without it)
+        print(f"paper ops from {src}: not available ({type(e).__name__}: {str(e)[:200]})")
+        return None
+
+
+__all__ = ["COLUMNS", "KINDS", "OPS", "Case", "CheckFailed", "PaperOps", "check_case",
+           "cpu_timer", "gpu_timer", "iid_case", "load_paper_ops", "make_op", "prepare",
+           "recorded_case", "references", "rel_err", "run_case", "summary_table", "write_csv"]
