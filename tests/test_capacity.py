@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from train.capacity import CAPACITY_RULES, BackupCapacity
+from twell.nn.capacity import CAPACITY_RULES, BackupCapacity
 from train.config import CAPACITY_RULES as CONFIG_RULES
 
 

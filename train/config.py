@@ -22,7 +22,7 @@ FFN_IMPLS = ("torch", "twell", "auto")  # same names as twell.nn.FFN_IMPLS (kept
 PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("offline", "online", "disabled")
 CHECKPOINT_FFN_MODES = ("always", "auto", "never")  # = train.recompute.CHECKPOINT_FFN_MODES
-CAPACITY_RULES = ("window", "adaptive")  # = train.capacity.CAPACITY_RULES
+CAPACITY_RULES = ("window", "adaptive")  # = twell.nn.capacity.CAPACITY_RULES
 
 
 # ModelConfig fields that model.init_from can fill (null = take it from the checkpoint)
@@ -264,7 +264,7 @@ class TrainerConfig:
     """No-sync dense-backup capacities of the sparse path (model.ffn_host_sync=step): window
     (1.25 x the largest heavy-row count of the last 16 steps + 16) | adaptive (last 128 steps,
     a per-layer margin that grows 1.5x after each redo the layer caused and decays back to 1.25,
-    multiples of 64). See train/capacity.py and scripts/capacity_policy_sim.py."""
+    multiples of 64). See twell/nn/capacity.py and scripts/capacity_policy_sim.py."""
     dense_ffn_fused: bool = False
     """Gated FFNs of model.ffn_impl=torch train in dense mode (dense_ffn_train: cuBLAS products
     and one fused Triton pass each way for h, the L1 term and the statistics; what auto runs for

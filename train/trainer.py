@@ -32,7 +32,6 @@ from omegaconf import OmegaConf
 from evals.scoring import ContinuationTooLong  # light (torch only); the harness loads lazily
 from train import checkpoint as ckpt_io
 from train import parallel, rundir
-from train.capacity import BackupCapacity
 from train.config import ConfigError, OptimConfig, TrainConfig
 from train.fusion import compile_norms
 from train.loss import use_fused_cross_entropy
@@ -45,6 +44,7 @@ from train.sparsity import (
     l1_penalty,
     reinit_dead_gates,
 )
+from twell.nn.capacity import BackupCapacity
 
 
 class NonFiniteLossError(RuntimeError):
@@ -646,7 +646,7 @@ class Trainer:
         capacity check). A step in which some layer had more heavy rows than its capacity is
         redone with per-call measurement (its results are discarded before the optimizer sees
         them); the next capacities come from past heavy-row maxima by the rule
-        ``trainer.backup_capacity`` (``train.capacity.BackupCapacity``), except for layers with
+        ``trainer.backup_capacity`` (``twell.nn.capacity.BackupCapacity``), except for layers with
         more than half of their rows heavy and under ``trainer.compile``, which measure per call.
         """
         cfg, acc, model = self.cfg, self.acc, self.model
