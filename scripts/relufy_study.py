@@ -345,7 +345,7 @@ def eval_source_main(argv: list[str]) -> int:
     from train.model import ffn_modules
     from train.pretrained import relufy
     from train.sparsity import collect_stats, l1_penalty
-    from twell.nn import convert_mlps
+    from twell.nn import FFNPlan, convert_mlps
 
     cfg = compose(e.overrides)
     t = cfg.trainer
@@ -356,13 +356,12 @@ def eval_source_main(argv: list[str]) -> int:
            "precision": "bf16 autocast" if amp else "fp32"}
     t0 = time.monotonic()
     model = AutoModelForCausalLM.from_pretrained(e.model_dir, dtype=torch.float32)
-    mlps = []
+    mlps, plan = [], None
     if e.which == "relu":
         res["switched"] = relufy(model)
         convert_mlps(model, "torch")
         mlps = ffn_modules(model)
-        for m in mlps:
-            m.collect_stats = True
+        plan = FFNPlan(mlps)  # statistics on: the L0 / L1 of the validation pass
     model.to(dev).eval()
     dm = build_datamodule(cfg.data, seq_len=cfg.model.seq_len, micro_batch=t.micro_batch,
                           seed=t.seed)
@@ -390,8 +389,8 @@ def eval_source_main(argv: list[str]) -> int:
         res["l0_layers"] = l0_L
         res["l0"] = sum(l0_L) / len(l0_L)
         res["l1"] = l1_sum / nb
-    for m in mlps:
-        m.collect_stats = False
+    if plan is not None:
+        plan.set_collect_stats(False)  # the evals need no FFN statistics
     print(f"{e.which}: val_loss {res['val_loss']:.4f}" + (f" l0 {res['l0']:.1f} l1 {res['l1']:.1f}"
           if mlps else "") + f" ({time.monotonic() - t0:.0f} s)", flush=True)
     Path(e.out_json).write_text(json.dumps(res))  # partial: val loss before the evals
