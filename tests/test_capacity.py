@@ -5,7 +5,6 @@ import math
 
 import pytest
 
-from train.config import CAPACITY_RULES as CONFIG_RULES
 from twell.nn.capacity import CAPACITY_RULES, BackupCapacity
 
 
@@ -54,7 +53,6 @@ def test_state_round_trip_gives_the_same_capacities(rule):
 
 
 def test_bad_rule_is_refused():
-    assert CONFIG_RULES == CAPACITY_RULES
     with pytest.raises(ValueError, match="backup capacity rule"):
         BackupCapacity(2, "max")
 

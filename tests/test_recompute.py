@@ -8,7 +8,6 @@ import torch
 from tests.train_utils import tiny_config, write_tokens
 from train.config import CHECKPOINT_FFN_MODES, ConfigError, ModelConfig
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
-from train.recompute import CHECKPOINT_FFN_MODES as RECOMPUTE_MODES
 from train.recompute import _recast_weights
 from train.sparsity import collect_stats, l1_penalty
 from twell.nn import FFNPlan, trains_ell
@@ -105,7 +104,6 @@ def test_recast_weights_recasts_in_backward():
 
 
 def test_checkpoint_ffn_is_validated(tmp_path):
-    assert CHECKPOINT_FFN_MODES == RECOMPUTE_MODES
     tok = write_tokens(tmp_path / "t.bin", n_tokens=2000)
     with pytest.raises(ConfigError, match="trainer.checkpoint_ffn='sometimes' is unknown"):
         tiny_config(tok, **{"trainer.checkpoint_ffn": "sometimes"})

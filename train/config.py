@@ -16,13 +16,13 @@ import math
 from dataclasses import dataclass, field
 
 from train.data import DataConfig
+from train.recompute import CHECKPOINT_FFN_MODES
+from twell.nn.capacity import CAPACITY_RULES
+from twell.nn.plan import FFN_IMPLS, HOST_SYNCS
 from twell.policy import FFNPolicy
 
-FFN_IMPLS = ("torch", "twell", "auto")  # same names as twell.nn.FFN_IMPLS (kept in sync by a test)
 PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("offline", "online", "disabled")
-CHECKPOINT_FFN_MODES = ("always", "auto", "never")  # = train.recompute.CHECKPOINT_FFN_MODES
-CAPACITY_RULES = ("window", "adaptive")  # = twell.nn.capacity.CAPACITY_RULES
 
 
 # ModelConfig fields that model.init_from can fill (null = take it from the checkpoint)
@@ -87,7 +87,8 @@ class ModelConfig:
     load ("ReLUfication"; the model is LlamaForCausalLM with hidden_act=relu afterwards). null =
     the checkpoint must already be ReLU (a SiLU one is refused)."""
     ffn_impl: str = "torch"
-    """FFN implementation: torch (dense PyTorch) | twell (TwELL Triton kernels) | auto."""
+    """FFN implementation: torch (dense PyTorch) | twell (TwELL / ELL Triton kernels) | auto (per
+    layer and step the ELL kernels or dense mode; training paths: twell/nn/plan.py)."""
     ffn_host_sync: str = "step"
     """Sparse training path (twell, or auto's ELL layers): step = no host sync per layer, the
     dense-backup capacity comes from the previous step's heavy-row counts and is checked once per
@@ -135,7 +136,7 @@ class ModelConfig:
             raise ConfigError(
                 f"model.ffn_impl={self.ffn_impl!r} is unknown; use one of {', '.join(FFN_IMPLS)}."
             )
-        if self.ffn_host_sync not in ("step", "call"):
+        if self.ffn_host_sync not in HOST_SYNCS:
             raise ConfigError(
                 f"model.ffn_host_sync={self.ffn_host_sync!r} is unknown; use step (check the "
                 "dense-backup capacity once per optimizer step) or call (measure per FFN call)."
