@@ -236,19 +236,6 @@ def run_overrides(a, source: Path) -> list[str]:
     return over + list(a.overrides)
 
 
-def compose(over: list[str]):
-    """The resolved TrainConfig of these overrides (Hydra compose, as ``python -m train``)."""
-    from hydra import compose as hcompose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    import train.main  # noqa: F401  (registers the schema)
-
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = hcompose("train", overrides=over)
-    return OmegaConf.to_object(cfg)
-
-
 def steps_for(tokens: float, a) -> int:
     return max(1, round(tokens / (a.global_batch * a.seq_len)))
 
@@ -275,6 +262,7 @@ def train_proc(name: str, kind: str, a, source: Path, work: Path, *, lr: float, 
 
 def prepare(a, work: Path, state: dict) -> Path:
     """GGUF (or ``--source`` folder) -> the HF folder every run starts from; corpus opened once."""
+    from train.config import compose
     from train.data import build_datamodule
     from train.pretrained import check_vocab, inspect_checkpoint, load_source_model
 
@@ -341,6 +329,7 @@ def eval_source_main(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM
 
     from evals import evaluate
+    from train.config import compose
     from train.data import build_datamodule
     from train.model import ffn_modules
     from train.pretrained import relufy

@@ -12,8 +12,11 @@ The YAML tree (``configs/``) mirrors these classes: ``model/``, ``optim/``, ``sp
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from train.data import DataConfig
 from train.recompute import CHECKPOINT_FFN_MODES
@@ -23,6 +26,7 @@ from twell.policy import FFNPolicy
 
 PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("offline", "online", "disabled")
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # configs/train.yaml and groups
 
 
 # ModelConfig fields that model.init_from can fill (null = take it from the checkpoint)
@@ -449,6 +453,118 @@ RENAMED_KEYS = {
     "trainer.val_batches": "trainer.val_sequences (it counts held-out sequences over all ranks, "
                            "not micro-batches per rank)",
 }
+
+
+def _schemas() -> dict:
+    """Top-level key -> its dataclass (model, optim, sparsity, data, trainer, logging, eval)."""
+    return {f.name: f.default_factory().__class__ for f in dataclasses.fields(TrainConfig)}
+
+
+def unknown_key_message(group: str | None, key: str, known) -> str:
+    """One line for an unknown key: the valid keys of its group and the closest spelling
+    (difflib), or the new name of a renamed key."""
+    import difflib
+
+    full = f"{group}.{key}" if group else key
+    if full in RENAMED_KEYS:
+        return f"{full} was renamed {RENAMED_KEYS[full]}; use the new key."
+    near = difflib.get_close_matches(key, sorted(known), n=1)
+    hint = f"; did you mean {group + '.' if group else ''}{near[0]}?" if near else \
+        "; remove it or fix its spelling."
+    if group is None:
+        return f"unknown top-level key {key}{hint}"
+    return f"unknown key {full}; valid keys of {group}: {', '.join(sorted(known))}{hint}"
+
+
+def check_overrides(args: list[str]) -> None:
+    """Refuse command-line overrides of keys the schema does not have, before Hydra does.
+
+    Hydra's own message for ``sparsity.l1_coef=1e-3`` suggests ``+sparsity.l1_coef=1e-3``,
+    which only adds a key nothing reads. Checked: ``group.key=v`` (also ``+``/``++``) for the
+    groups of :class:`TrainConfig`, and unknown top-level keys. Left to Hydra: group choices
+    (``model=tiny``), ``hydra.*``, deletions, ``@package`` overrides, flags and syntax errors.
+
+    Raises:
+        ConfigError: unknown key (one line: the valid keys of its group, the closest spelling).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    candidates = [a for a in args if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(candidates)
+    except OverrideParseException:
+        return  # Hydra reports the syntax error itself
+    schemas = _schemas()
+    groups = {p.name for p in CONFIG_DIR.iterdir() if p.is_dir()}
+    for o in overrides:
+        key = o.key_or_group
+        if o.is_delete() or o.package is not None or key.split(".")[0].split("/")[0] == "hydra":
+            continue
+        head, _, rest = key.partition(".")
+        if not rest:
+            if head not in groups and head not in schemas:
+                raise ConfigError(unknown_key_message(None, head, set(schemas) | groups))
+            continue
+        if head not in schemas:
+            raise ConfigError(unknown_key_message(None, head, set(schemas) | groups))
+        known = {f.name for f in dataclasses.fields(schemas[head])}
+        if rest.split(".")[0] not in known:
+            raise ConfigError(unknown_key_message(head, rest.split(".")[0], known))
+
+
+def reject_unknown_keys(cfg) -> None:
+    """Hydra lets ``+group.key=value`` add keys the schema does not have, and OmegaConf would
+    drop them silently into the dataclasses: refuse them with one line naming the key (``cfg``: a
+    composed ``DictConfig``).
+
+    Raises:
+        ConfigError: an unknown key (one line: the valid keys of its group, the closest spelling).
+    """
+    for group in TrainConfig.__dataclass_fields__.values():
+        node = cfg.get(group.name)
+        schema = group.default_factory() if group.default_factory is not dataclasses.MISSING \
+            else None
+        if node is None or schema is None or not dataclasses.is_dataclass(schema):
+            continue
+        known = {f.name for f in dataclasses.fields(schema)}
+        unknown = sorted(set(node.keys()) - known)
+        if unknown:
+            raise ConfigError(unknown_key_message(group.name, unknown[0], known))
+    extra = sorted(set(cfg.keys()) - set(TrainConfig.__dataclass_fields__))
+    if extra:
+        raise ConfigError(unknown_key_message(None, extra[0], TrainConfig.__dataclass_fields__))
+
+
+def compose(overrides: Sequence[str] = ()) -> TrainConfig:
+    """The validated :class:`TrainConfig` of ``configs/train.yaml`` with ``overrides`` (Hydra
+    override strings, e.g. ``["model=small_l4", "trainer.max_steps=20"]``), composed as
+    ``twell-train`` composes it (Hydra's compose API; ``hydra.*`` overrides are dropped: they set
+    Hydra's run dir and behaviour, not the config). Not inside a running Hydra app (Hydra is
+    initialised once per process).
+
+    Raises:
+        ConfigError: an unknown key (one line: the valid keys of its group and the closest
+            spelling), a bad value, or Hydra's own error (unknown group option, parse error) as
+            one line.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    register_configs()
+    over = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith("hydra.")]
+    check_overrides(over)
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name="train", overrides=over)
+    except Exception as e:  # noqa: BLE001  (Hydra's own errors: bad group, parse error)
+        raise ConfigError(f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    reject_unknown_keys(cfg)
+    try:
+        return OmegaConf.to_object(cfg)  # runs every __post_init__ check
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
 
 
 def field_docs(cls) -> dict[str, str]:
