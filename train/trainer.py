@@ -152,6 +152,10 @@ class Trainer:
             train.log (the printed lines), checkpoints/step{N}/, .lock (held by the main process
             from construction through ``train``; ``close`` releases it).
         datamodule: a ready data module (tests); default ``build_datamodule(cfg.data, ...)``.
+        model: a ready ``LlamaForCausalLM`` of ``cfg.model`` with ``SparseGatedMLP`` FFNs (e.g.
+            built on the GPU and loaded with trained weights by a benchmark); default built from
+            ``cfg.model`` after seeding (``train.model.build_model``). The trainer then applies
+            checkpointing, compilation and its FFN plan to it as to its own.
 
     Attributes:
         plan: the :class:`twell.nn.plan.FFNPlan` of the model's FFNs (training paths, dense-backup
@@ -159,10 +163,12 @@ class Trainer:
 
     Raises:
         ConfigError: bad configuration, a resume the run dir does not allow (README, Resuming),
-            or a run dir locked by another process (one line naming the key and the fix).
+            a run dir locked by another process (one line naming the key and the fix), or a
+            ``model`` together with ``model.init_from``.
     """
 
-    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, datamodule=None) -> None:
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, datamodule=None,
+                 model=None) -> None:
         # the run dir is locked from the first check to close(); a construction that fails
         # unlocks it and removes the directory if it made it and left nothing else there
         self._lock: rundir.RunDirLock | None = None
@@ -170,7 +176,7 @@ class Trainer:
         self._log_ready = False
         made_dir = not Path(run_dir).exists()
         try:
-            self._setup(cfg, run_dir, datamodule=datamodule)
+            self._setup(cfg, run_dir, datamodule=datamodule, model=model)
         except BaseException:
             self._unlock()
             d = Path(run_dir)
@@ -179,7 +185,8 @@ class Trainer:
                 d.rmdir()
             raise
 
-    def _setup(self, cfg: TrainConfig, run_dir: str | Path, *, datamodule=None) -> None:
+    def _setup(self, cfg: TrainConfig, run_dir: str | Path, *, datamodule=None,
+               model=None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         t = cfg.trainer
@@ -266,7 +273,11 @@ class Trainer:
                 "set eval=disabled or use a data source with a tokenizer.")
 
         self.init_info = None
-        if self.init_src is not None:  # pretrained weights (not read when resuming)
+        if model is not None:
+            if self.init_src is not None:
+                raise ConfigError(f"model.init_from={cfg.model.init_from!r} and a ready model "
+                                  "were both given; pass one of them.")
+        elif self.init_src is not None:  # pretrained weights (not read when resuming)
             model, switched = pretrained.build_model(cfg.model, self.init_src,
                                                      load_weights=resume_from is None)
             line, self.init_info = pretrained.describe(
