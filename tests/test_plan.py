@@ -153,13 +153,12 @@ def test_profiling_context_fixes_paths_measures_and_restores():
     plan.set_collect_stats(False)
     before = [(lp.path, lp.backup_rows, lp.collect_stats) for lp in plan.layers]
     assert before == [("ell", 23, False)] * 2
-    with pytest.raises(RuntimeError, match="inside"):
-        with plan.profiling("dense") as p:
-            assert p is plan
-            assert [(lp.path, lp.backup_rows, lp.collect_stats) for lp in plan.layers] == [
-                ("dense", -1, True)] * 2
-            assert plan.choose_paths([0.0, 0.0], [0.0, 0.0]) == ["dense", "dense"]  # fixed
-            raise RuntimeError("inside")
+    with pytest.raises(RuntimeError, match="inside"), plan.profiling("dense") as p:
+        assert p is plan
+        assert [(lp.path, lp.backup_rows, lp.collect_stats) for lp in plan.layers] == [
+            ("dense", -1, True)] * 2
+        assert plan.choose_paths([0.0, 0.0], [0.0, 0.0]) == ["dense", "dense"]  # fixed
+        raise RuntimeError("inside")
     assert [(lp.path, lp.backup_rows, lp.collect_stats) for lp in plan.layers] == before
     assert plan.pinned == [False, False]
     with plan.profiling():  # without a path: the current ones
