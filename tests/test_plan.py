@@ -245,20 +245,6 @@ def test_hot_units_reach_the_op_only_when_set(monkeypatch):
     assert calls[-1]["hot_units"] is hot
 
 
-def test_sparse_ffn_is_inference_only():
-    from twell.ops.ffn import sparse_ffn
-
-    m = _mlps(1)[0]
-    x = torch.randn(4, 16)
-    with pytest.raises(ValueError, match="inference op"):
-        sparse_ffn(x, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
-    with torch.no_grad():
-        y, _ = sparse_ffn(x, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
-    ref, _ = gated_ffn_torch(x.double(), m.gate_proj.weight.double(), m.up_proj.weight.double(),
-                             m.down_proj.weight.double())
-    assert (y.double() - ref).norm() / ref.norm() < 1e-2  # TwELL stores the gate values in bf16
-
-
 def test_step_stats_pack_once_and_reduce():
     s = StepStats(torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), torch.tensor([5.0, 6.0]),
                   rows_per_call=8, tokens=16)
