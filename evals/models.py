@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-FFN_IMPLS = ("torch", "twell", "auto", "none")
+from twell.nn.plan import FFN_IMPLS as TWELL_FFN_IMPLS
+
+FFN_IMPLS = (*TWELL_FFN_IMPLS, "none")  # twell's impls, or none: keep transformers' LlamaMLP
 
 
 def smollm2_gguf_path(cache: Path | None = None) -> Path:

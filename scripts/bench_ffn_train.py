@@ -512,7 +512,7 @@ def main():
                 run_as = variant
                 if variant == "auto":  # the trainer's ffn_impl=auto rule on this layer's L0
                     path = policy.train_path(l0 / h, st_bf.heavy_rows.item() / n)
-                    run_as = "sparse_nosync" if path == "twell" else "dense_mode"
+                    run_as = "sparse_nosync" if path == "ell" else "dense_mode"
                     row["variant"] = f"auto[{path}]"
                 try:
                     run, fwd = step_fn(run_as, x, wg, wu, wd, dy, ell_cap)

@@ -41,7 +41,7 @@ import sys
 
 import numpy as np
 
-from train.capacity import CAPACITY_RULES, BackupCapacity
+from twell.nn.capacity import CAPACITY_RULES, BackupCapacity
 
 L, B, T = 28, 8, 2048
 N_MICRO = B * T

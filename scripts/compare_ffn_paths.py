@@ -426,33 +426,6 @@ def plan(user: list[str], steps: int, micro_batch: int) -> list[Spec]:
     ]
 
 
-def compose_config(overrides: list[str]):
-    """Compose and validate ``configs/train.yaml`` with ``overrides`` as ``twell-train`` would
-    (hydra.* overrides dropped); returns the :class:`train.config.TrainConfig`.
-
-    Raises:
-        train.config.ConfigError: an unknown key or a bad value (one line naming it).
-    """
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from train.config import ConfigError, register_configs
-    from train.main import CONFIG_DIR, _reject_unknown_keys
-
-    register_configs()
-    over = [o for o in overrides if not _key(o).startswith("hydra.")]
-    try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            cfg = compose(config_name="train", overrides=over)
-    except Exception as e:  # noqa: BLE001  (Hydra's own errors: bad group, parse error)
-        raise ConfigError(f"{type(e).__name__}: {e}".splitlines()[0]) from None
-    _reject_unknown_keys(cfg)
-    try:
-        return OmegaConf.to_object(cfg)
-    except ValueError as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
-
-
 def write_smoke_tokens(path: Path, n_tokens: int = 20_000, vocab: int = 64, seed: int = 0) -> Path:
     """uint16 stream of documents that mostly follow a fixed random successor table (id 0 =
     end of document): a tiny model learns it in a few steps."""
@@ -539,7 +512,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from train.config import ConfigError
+    from train.config import ConfigError, compose
 
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     runs_dir = a.runs_dir or ROOT / "runs" / "compare_ffn" / time.strftime("%Y-%m-%d_%H-%M-%S")
@@ -558,7 +531,7 @@ def main(argv=None) -> int:
                 .rstrip(os.pathsep)})
 
     try:  # refuse a bad configuration before the first run starts
-        cfg = compose_config([*DEFAULTS, *user, f"trainer.max_steps={a.steps}"])
+        cfg = compose([*DEFAULTS, *user, f"trainer.max_steps={a.steps}"])
         micro, world = cfg.trainer.micro_batch, 1
         if micro is None or micro < 2 or micro % 2:  # null: the memory planner's
             raise ConfigError(f"trainer.micro_batch={micro} cannot be halved for run B; set an "
@@ -566,7 +539,7 @@ def main(argv=None) -> int:
         specs = plan(user, a.steps, micro)
         accum = {}
         for s in specs:
-            c = compose_config(s.overrides)
+            c = compose(s.overrides)
             accum[s.name] = c.check_world(world)
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)

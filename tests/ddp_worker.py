@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     if a.resume is not None:
         over["trainer.resume"] = str(a.resume)
     if a.capacity is not None:
-        import train.capacity as capacity_mod
+        import twell.nn.capacity as capacity_mod
 
         capacity_mod.backup_capacity_for = lambda heavy_rows: a.capacity
     cfg = tiny_config(a.tokens, **over)

@@ -5,8 +5,7 @@ import math
 
 import pytest
 
-from train.capacity import CAPACITY_RULES, BackupCapacity
-from train.config import CAPACITY_RULES as CONFIG_RULES
+from twell.nn.capacity import CAPACITY_RULES, BackupCapacity
 
 
 def test_window_rule_is_todays():
@@ -54,7 +53,6 @@ def test_state_round_trip_gives_the_same_capacities(rule):
 
 
 def test_bad_rule_is_refused():
-    assert CONFIG_RULES == CAPACITY_RULES
     with pytest.raises(ValueError, match="backup capacity rule"):
         BackupCapacity(2, "max")
 
@@ -82,28 +80,14 @@ def test_trainer_checkpoints_the_rule_state(tmp_path, monkeypatch):
     t = Trainer(cfg, tmp_path / "run")
     try:
         t.train()
-        t.backup.overflowed([0])  # a state that only a checkpoint of it could reproduce
+        t.plan.capacity.overflowed([0])  # a state that only a checkpoint of it could reproduce
         t.save_checkpoint()
-        saved = t.backup.state_dict()
+        saved = t.plan.capacity.state_dict()
     finally:
         t.close()
     assert len(saved["hist"][0]) == 2 and saved["hist"][0][0] > 0
     r = Trainer(cfg, tmp_path / "run")
     try:
-        assert r.step == 2 and r.backup.state_dict() == saved
+        assert r.step == 2 and r.plan.capacity.state_dict() == saved
     finally:
         r.close()
-
-
-def test_trainer_heavy_hist_is_the_rule_history(tmp_path):
-    from tests.train_utils import tiny_config, write_tokens
-    from train.trainer import Trainer
-
-    tok = write_tokens(tmp_path / "t.bin", n_tokens=4_000)
-    t = Trainer(tiny_config(tok), tmp_path / "run")
-    try:
-        t.heavy_hist = [[float(i)] * 20 for i in range(len(t.mlps))]
-        assert t.backup.hist == [[float(i)] * 16 for i in range(len(t.mlps))]  # window: 16
-        assert t.heavy_hist is t.backup.hist
-    finally:
-        t.close()

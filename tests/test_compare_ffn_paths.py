@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.train_utils import load_script
+from train.config import compose
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "compare_ffn_paths.py"
@@ -181,7 +182,7 @@ def test_plan_and_argument_handling():
         assert f"model.ffn_impl={s.ffn_impl}" in s.overrides
         assert "trainer.max_steps=300" in s.overrides and "trainer.log_every=1" in s.overrides
     assert specs[1].overrides[-1] == "trainer.micro_batch=8"  # last: Hydra's last value wins
-    cfg = cf.compose_config(specs[1].overrides)  # what the trainer will really get
+    cfg = compose(specs[1].overrides)  # what the trainer will really get
     assert cfg.trainer.micro_batch == 8 and cfg.model.name == "small_l4"
     assert cfg.trainer.log_every == 1 and cfg.eval.at_end is False
 

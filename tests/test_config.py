@@ -266,3 +266,21 @@ def test_ffn_policy_is_configuration_that_round_trips():
         OmegaConf.to_object(_compose(["model.ffn_policy.train_heavy_fraction=1.5"]))
     with pytest.raises(ConfigCompositionException):
         _compose(["model.ffn_policy.min_rows=16"])  # unknown key
+
+
+def test_compose_is_the_clis_composition():
+    """train.config.compose: the validated TrainConfig of configs/train.yaml and overrides
+    (hydra.* dropped); unknown keys and bad values are one-line ConfigErrors."""
+    from train.config import compose as train_compose
+
+    cfg = train_compose(["model=small_l4", "trainer.max_steps=20", "hydra.run.dir=/nowhere"])
+    assert isinstance(cfg, TrainConfig)
+    assert (cfg.model.name, cfg.model.num_layers, cfg.trainer.max_steps) == ("small_l4", 4, 20)
+    assert cfg == OmegaConf.to_object(_compose(["model=small_l4", "trainer.max_steps=20"]))
+    for over, match in ((["sparsity.l1_coef=1e-3"], "did you mean sparsity.l1_coeff"),
+                        (["+trainer.speed=3"], "unknown key trainer.speed"),
+                        (["model=nosuch"], "nosuch"),
+                        (["trainer.micro_batch=3"], "trainer.global_batch=8 is not divisible")):
+        with pytest.raises(ConfigError, match=match) as e:
+            train_compose(over)
+        _one_line(e)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.train_utils import train_metrics_by_value
-from twell.nn import SparseGatedMLP
+from twell.nn import FFNPlan, SparseGatedMLP
 from twell.nn.mlp import gated_ffn_torch
 
 
@@ -18,7 +18,8 @@ def torch_backend(monkeypatch):
 def _run(path, x, gated=True):
     torch.manual_seed(0)
     m = SparseGatedMLP(24, 40, gated=gated, impl="torch")
-    m.torch_train_path = path
+    plan = FFNPlan([m], dense_ffn_fused=path == "dense")
+    assert plan.paths == ["dense" if path == "dense" and gated else "torch"]
     xx = x.clone().requires_grad_()
     y = m(xx)
     st = m.last_stats
@@ -50,7 +51,7 @@ def test_dense_mode_matches_pytorch_autograd(gated):
 
 def test_inference_is_unchanged():
     m = SparseGatedMLP(24, 40, impl="torch")
-    m.torch_train_path = "dense"
+    FFNPlan([m], dense_ffn_fused=True)
     x = torch.randn(5, 24)
     with torch.no_grad():
         ref, _ = gated_ffn_torch(x, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
@@ -59,7 +60,7 @@ def test_inference_is_unchanged():
 
 def test_trainer_dense_ffn_fused_same_losses(tmp_path):
     def check(t, fused):
-        assert {m.torch_train_path for m in t.mlps} == {"dense" if fused else "torch"}
+        assert set(t.plan.paths) == {"dense" if fused else "torch"}
 
     runs = train_metrics_by_value(tmp_path, "trainer.dense_ffn_fused", (False, True), check=check)
     for a, b in zip(runs[True], runs[False]):

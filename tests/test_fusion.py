@@ -10,6 +10,7 @@ from train import fusion
 from train.config import ModelConfig
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.sparsity import collect_stats, l1_penalty
+from twell.nn import FFNPlan
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +27,7 @@ def _grads(compiled, checkpoint):
     model = build_model(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                     num_layers=3, num_heads=2, seq_len=16)).train()
     mlps = ffn_modules(model)
-    mlps[0].impl = "twell"
+    FFNPlan(mlps).pin("ell", [0])  # layer 0 trains on the ELL kernels
     if checkpoint:
         enable_grad_checkpointing(model, checkpoint)
     if compiled:

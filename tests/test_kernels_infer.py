@@ -420,18 +420,20 @@ def test_auto_mode_goes_dense_for_few_rows():
     torch.testing.assert_close(y_d, y_t, rtol=1e-2, atol=1e-3)
 
 
-def test_grad_path_hands_off_to_training_kernels():
+def test_inference_op_refuses_inputs_that_need_a_gradient():
+    """sparse_ffn is inference-only: with gradients enabled and an input that needs one it
+    raises, naming the training op (SparseGatedMLP calls sparse_ffn_train itself); under
+    no_grad the same inputs run."""
     n, d, h = 4, 16, 256
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=2)
     x.requires_grad_(True)
-    try:
-        import twell.ops.sparse_train  # noqa: F401
-    except ImportError:
-        with pytest.raises(NotImplementedError, match="sparse_train"):
-            sparse_ffn(x, wg, wu, wd)
-    else:
+    with pytest.raises(ValueError, match="inference op.*sparse_ffn_train"):
+        sparse_ffn(x, wg, wu, wd)
+    with torch.no_grad():
         y, _ = sparse_ffn(x, wg, wu, wd)
-        assert y.requires_grad
+    assert not y.requires_grad
+    y_ref, _, _ = ffn_reference_fp64(x.detach(), wg, wu, wd, factor=8, value_dtype=torch.bfloat16)
+    assert_close_verbose(y, y_ref, rtol=1e-4, atol=1e-5, what="no_grad output")
 
 
 def test_cpu_reference_path_matches_kernels(monkeypatch):

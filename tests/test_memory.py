@@ -241,8 +241,8 @@ def test_probe_runner_leaves_the_trainer_as_it_was(tokens, tmp_path):
     try:
         before = {k: v.clone() for k, v in tr.model.state_dict().items()}
         pos = tr.data.position
-        for m in tr.mlps:
-            m.backup_rows = 7
+        for lp in tr.plan.layers:  # as the plan's end_step would set them
+            lp.backup_rows = 7
         runner = memory.ProbeRunner(tr, timed_steps=1)
         assert runner.ids_BT.shape == (8, 32)
         assert runner.ids_BT.max() < 64 and runner.ids_BT.min() >= 0
@@ -255,7 +255,7 @@ def test_probe_runner_leaves_the_trainer_as_it_was(tokens, tmp_path):
         assert all(torch.equal(v, before[k]) for k, v in tr.model.state_dict().items())
         assert all(p.grad is None for p in tr.model.parameters())
         assert not tr.optimizer.optimizer.state and tr.data.position == pos
-        assert [m.backup_rows for m in tr.mlps] == [7] * len(tr.mlps)
+        assert [lp.backup_rows for lp in tr.plan.layers] == [7] * len(tr.mlps)
     finally:
         tr.close()
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from train.config import FFN_IMPLS, ModelConfig
+from train.config import ModelConfig
 from train.model import build_model, ffn_modules, load_model
-from twell.nn import FFN_IMPLS as NN_IMPLS
 from twell.nn import SparseGatedMLP
 
 CFG = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 40, "num_layers": 2, "num_heads": 4,
@@ -35,10 +34,6 @@ def test_paper_config_facts():
     # init std 0.02 on the projections
     w = torch.cat([m.gate_proj.weight.flatten() for m in ffn_modules(model)])
     assert abs(w.std().item() - 0.02) < 0.002
-
-
-def test_impl_names_in_sync():
-    assert FFN_IMPLS == NN_IMPLS
 
 
 def test_checkpoint_loads_into_stock_llama_with_same_logits(tmp_path):

@@ -3,12 +3,11 @@ environment read at import, and a per-layer policy that changes that layer's pat
 
 import ast
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from twell.nn import SparseGatedMLP
+from twell.nn import TRAIN_PATHS, FFNPlan, SparseGatedMLP
 from twell.policy import ENV_OVERRIDES, FFNPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,25 +93,22 @@ def test_a_layer_policy_changes_that_layers_inference_path():
 
 
 def test_a_layer_policy_changes_its_training_path_and_capacity():
-    """Training: the trainer's auto rule reads each layer's own policy (Trainer._update_auto_paths
-    on two layers with one measurement), and the ELL capacity of the policy is the one the
-    heavy-row statistic counts against."""
-    from train.trainer import Trainer
-
+    """Training: auto's rule reads each layer's own policy (the FFN plan's chooser on two layers
+    with one measurement), and the ELL capacity of the policy is the one the heavy-row statistic
+    counts against, on every training path."""
     a, b = _pair(FFNPolicy(train_density_threshold=0.6, train_heavy_fraction=1.0))
-    fake = SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(ffn_impl="auto")),
-                           mlps=[a, b])
-    Trainer._update_auto_paths(fake, [0.3 * 256] * 2, [0.9] * 2)  # L0 = 30 % of H, 90 % heavy
-    assert (a.train_path, b.train_path) == ("dense", "twell")
+    plan = FFNPlan([a, b], "auto")
+    # L0 = 30 % of H, 90 % of the tokens heavy: over a's thresholds, within b's
+    assert plan.choose_paths([0.3 * 256] * 2, [0.9] * 2) == ["dense", "ell"]
 
     x = torch.randn(24, 16)
-    for impl in ("torch", "twell", "auto"):
-        a.impl = b.impl = impl
+    for path in TRAIN_PATHS:
+        plan.pin(path)
         a.policy = FFNPolicy()  # ELL capacity 16 at H = 256
         b.policy = FFNPolicy(ell_capacity=256)  # every row fits: none heavy
-        a.train_path = b.train_path = "dense"
         a(x.requires_grad_(True)).sum().backward()
         b(x).sum().backward()
         nnz = (x @ a.gate_proj.weight.T > 0).sum(1)
-        assert a.last_stats.heavy_rows.item() == int((nnz > 16).sum()) > 0, impl
-        assert b.last_stats.heavy_rows.item() == 0, impl
+        assert a.last_stats.heavy_rows.item() == int((nnz > 16).sum()) > 0, path
+        assert b.last_stats.heavy_rows.item() == 0, path
+        assert (a.last_info is not None and a.last_info.path == "train") == (path == "ell")

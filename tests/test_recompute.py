@@ -10,11 +10,13 @@ from train.config import CHECKPOINT_FFN_MODES, ConfigError, ModelConfig
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.recompute import CHECKPOINT_FFN_MODES as RECOMPUTE_MODES
 from train.recompute import RECOMPUTE_MODES as PLANNER_MODES
-from train.recompute import _recast_weights, ffn_trains_sparse, set_recompute
+from train.recompute import _recast_weights, set_recompute
 from train.sparsity import collect_stats, l1_penalty
+from twell.nn import FFNPlan, trains_ell
 
-# per layer: (impl, train_path): twell; auto on its ELL path; auto in dense mode; torch
-MIXED = [("twell", "dense"), ("auto", "twell"), ("auto", "dense"), ("torch", "dense")]
+# per layer, the training path: ELL (as impl=twell, or auto on its ELL path) twice; dense mode
+# (auto's dense path); PyTorch
+MIXED = ["ell", "ell", "dense", "torch"]
 
 
 def _model(checkpoint):
@@ -23,18 +25,21 @@ def _model(checkpoint):
                       num_heads=2, seq_len=16)
     model = build_model(cfg).train()
     mlps = ffn_modules(model)
-    for mlp, (impl, path) in zip(mlps, MIXED):
-        mlp.impl, mlp.train_path = impl, path
+    plan = FFNPlan(mlps, "auto")
+    for k, path in enumerate(MIXED):
+        plan.pin(path, [k])
+    for mlp in mlps:
         with torch.no_grad():  # 24 live units of 64: ~12 active per token around the ELL
             mlp.gate_proj.weight[24:] = 0  # capacity (16), so light and heavy rows both occur
     if checkpoint is not None:
         enable_grad_checkpointing(model, checkpoint)
-    return model, mlps
+    return model, mlps, plan
 
 
 def _step(checkpoint, autocast):
     """Loss CE + 0.3 L1 and all gradients of one micro-step; FFN forward calls per layer."""
-    return _step_of(*_model(checkpoint), autocast)
+    model, mlps, _ = _model(checkpoint)
+    return _step_of(model, mlps, autocast)
 
 
 def _step_of(model, mlps, autocast):
@@ -84,7 +89,7 @@ def test_set_recompute_switches_modes_on_one_model(torch_backend):
     """The memory planner probes several modes on one model: each switch takes effect (FFN calls
     per step) and gives the same loss and gradients as no checkpointing."""
     ref_loss, ref_grads, _ = _step(None, False)
-    model, mlps = _model(None)
+    model, mlps, _ = _model(None)
     expected = {"none": [1, 1, 1, 1], "attention": [1, 1, 1, 1], "attention_ell": [1, 1, 2, 2],
                 "full": [2, 2, 2, 2]}
     assert set(expected) == set(PLANNER_MODES)
@@ -101,11 +106,13 @@ def test_set_recompute_switches_modes_on_one_model(torch_backend):
         set_recompute(model, "some")
 
 
-def test_ffn_trains_sparse_follows_impl_and_train_path():
-    _, mlps = _model(None)
-    assert [ffn_trains_sparse(m) for m in mlps] == [True, True, False, False]
-    mlps[2].train_path = "twell"  # auto switched this layer to the ELL path between steps
-    assert ffn_trains_sparse(mlps[2])
+def test_trains_ell_follows_the_plan():
+    _, mlps, plan = _model(None)
+    assert [trains_ell(m) for m in mlps] == [True, True, False, False]
+    plan.pin("ell", [2])  # auto switched this layer to the ELL path between steps
+    assert trains_ell(mlps[2]) and plan.trains_ell(2)
+    plan.pin("dense", [0])
+    assert [plan.trains_ell(k) for k in range(4)] == [False, True, True, False]
 
 
 def test_recast_weights_recasts_in_backward():
@@ -128,7 +135,6 @@ def test_recast_weights_recasts_in_backward():
 
 
 def test_checkpoint_ffn_is_validated(tmp_path):
-    assert CHECKPOINT_FFN_MODES == RECOMPUTE_MODES
     tok = write_tokens(tmp_path / "t.bin", n_tokens=2000)
     with pytest.raises(ConfigError, match="trainer.checkpoint_ffn='sometimes' is unknown"):
         tiny_config(tok, **{"trainer.checkpoint_ffn": "sometimes"})
@@ -183,10 +189,9 @@ def test_trainer_losses_equal_with_checkpoint_ffn_auto(tmp_path, torch_backend):
 
 def test_eval_mode_runs_transformers_forward():
     """Inference is untouched: eval / no-grad forward gives the unpatched model's logits."""
-    ref, _ = _model(None)
-    got, mlps = _model("never")
-    for m in [*ffn_modules(ref), *mlps]:  # the layer's forward is under test, not the FFN's
-        m.impl = "torch"
+    ref, _, _ = _model(None)
+    got, mlps, _ = _model("never")  # FFNs of impl=torch: dense PyTorch inference in both
+    assert {m.impl for m in [*ffn_modules(ref), *mlps]} == {"torch"}
     ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(got.eval()(input_ids=ids).logits,

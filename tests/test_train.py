@@ -325,3 +325,33 @@ def test_record_ffn_inputs_keeps_the_named_layers_input(tokens, tmp_path):
     assert rec.meta["gated"] and rec.meta["tokens"] == 3 * seq
     with pytest.raises(ValueError, match="layer 9 out of range"):
         record_ffn_inputs(model, blocks, [9])
+
+
+def test_a_ready_model_is_the_one_trained(tokens, tmp_path):
+    """Trainer(model=...): a prebuilt model (weights other than the seeded init's) is trained as
+    given and gets the trainer's FFN plan; together with model.init_from it is refused."""
+    from train.config import ConfigError
+    from train.model import build_model, ffn_modules
+
+    cfg = tiny_config(tokens, **{"trainer.max_steps": 1, "data.val_fraction": 0.0})
+    torch.manual_seed(123)
+    model = build_model(cfg.model)
+    w0 = model.model.layers[0].mlp.gate_proj.weight.detach().clone()
+    t = Trainer(cfg, tmp_path / "given", model=model)
+    try:
+        assert t.acc.unwrap_model(t.model) is model and t.plan.mlps == ffn_modules(model)
+        assert torch.equal(model.model.layers[0].mlp.gate_proj.weight, w0)  # not re-initialised
+        seeded = Trainer(cfg, tmp_path / "own")
+        w_own = seeded.acc.unwrap_model(seeded.model).model.layers[0].mlp.gate_proj.weight
+        assert not torch.equal(w_own, w0)
+        seeded.close()
+        t.train()
+        w1 = model.model.layers[0].mlp.gate_proj.weight
+        assert t.step == 1 and not torch.equal(w1, w0) and torch.isfinite(w1).all()
+    finally:
+        t.close()
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    cfg2 = tiny_config(tokens, **{"model.init_from": str(src)})
+    with pytest.raises(ConfigError, match="model.init_from=.* and a ready model"):
+        Trainer(cfg2, tmp_path / "both", model=model)

@@ -2,6 +2,8 @@
 Triton under TRITON_INTERPRET=1 on CPU, else their PyTorch backend) gives the same per-step
 losses, L0 and dead fractions as the dense PyTorch path from the same seed (fp32)."""
 
+import json
+
 import pytest
 
 from tests.train_utils import read_metrics, tiny_config, write_tokens
@@ -60,25 +62,33 @@ def test_auto_picks_training_path_per_layer_from_l0(tokens, tmp_path):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a["step"], a["loss"], b["loss"])
         assert abs(a["l0_mean"] - b["l0_mean"]) < 1e-3 * max(1.0, b["l0_mean"])
         assert a["dead_frac"] == b["dead_frac"]
-    assert st.train_path_for_density(0.003) == "twell"
+    assert st.train_path_for_density(0.003) == "ell"
     assert st.train_path_for_density(0.5) == "dense"
     # density alone cannot tell i.i.d. 3 % (rows above the ELL capacity: dense mode wins) from
     # heavy-tailed 3 % (a few heavy rows: the ELL path wins); the heavy-row fraction does
     assert st.train_path_for_density(0.03, heavy_fraction=0.9) == "dense"
-    assert st.train_path_for_density(0.03, heavy_fraction=0.02) == "twell"
+    assert st.train_path_for_density(0.03, heavy_fraction=0.02) == "ell"
     with pytest.raises(ValueError, match="heavy_fraction"):
         st.train_path_for_density(0.01, heavy_fraction=1.5)
-    assert st.train_path_for_density(0.5, policy=FFNPolicy(train_density_threshold=0.6)) == "twell"
+    assert st.train_path_for_density(0.5, policy=FFNPolicy(train_density_threshold=0.6)) == "ell"
     with pytest.raises(ValueError, match="density"):
         st.train_path_for_density(float("nan"))
-    # the choice is part of the trainer state (resume continues with the same paths)
+    # the choice is part of the trainer state (resume continues with the same paths), also from
+    # a trainer state written before the FFN plan (ffn_train_paths, "twell" for the ELL path)
     t = Trainer(tiny_config(tokens, **over), tmp_path / "a")
     try:
-        t.mlps[0].train_path = "twell"
+        assert t.plan.choose_paths([0.0, 64.0], [0.0, 1.0]) == ["ell", "dense"]
         sd = t.state_dict()
-        t.mlps[0].train_path = "torch"
+        sd["ffn_plan"] = json.loads(json.dumps(sd["ffn_plan"]))  # plain data
+        t.plan.choose_paths([64.0, 64.0], [1.0, 1.0])
         t.load_state_dict(sd)
-        assert t.mlps[0].train_path == "twell"
+        assert t.plan.paths == ["ell", "dense"]
+        old = {k: v for k, v in sd.items() if k != "ffn_plan"}
+        t.load_state_dict({**old, "ffn_train_paths": ["dense", "twell"],
+                           "ffn_backup_rows": [-1, 7], "ffn_heavy_hist": [[0.0], [5.0]]})
+        assert t.plan.paths == ["dense", "ell"]
+        assert [lp.backup_rows for lp in t.plan.layers] == [-1, 7]
+        assert t.plan.capacity.hist == [[0.0], [5.0]]
     finally:
         t.close()
 
@@ -98,11 +108,11 @@ def test_backup_capacity_check_redoes_an_overflowed_step_exactly(tokens, tmp_pat
     orig = t.train_step
 
     def forced(batches, interval):
-        for mlp in t.mlps:
-            mlp.backup_rows = 0
+        for lp in t.plan.layers:  # the test stands in for the capacity rule
+            lp.backup_rows = 0
         orig(batches, interval)
         # most rows heavy: the next capacity is "measure per call"
-        assert all(mlp.backup_rows == -1 for mlp in t.mlps)
+        assert all(lp.backup_rows == -1 for lp in t.plan.layers)
 
     t.train_step = forced
     try:
@@ -126,6 +136,6 @@ def test_ffn_host_sync_is_validated_and_compile_measures_per_call(tokens, tmp_pa
         t = Trainer(tiny_config(tokens, **{"model.ffn_impl": "twell",
                                            "trainer.compile": compile_}), tmp_path / str(compile_))
         try:
-            assert t.nosync_backup is nosync
+            assert t.plan.host_sync == ("step" if nosync else "call")
         finally:
             t.close()

@@ -12,20 +12,24 @@ The YAML tree (``configs/``) mirrors these classes: ``model/``, ``optim/``, ``sp
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from train.data import DataConfig
+from train.recompute import CHECKPOINT_FFN_MODES
+from twell.nn.capacity import CAPACITY_RULES
+from twell.nn.plan import FFN_IMPLS, HOST_SYNCS
 from twell.policy import FFNPolicy
 
-FFN_IMPLS = ("torch", "twell", "auto")  # same names as twell.nn.FFN_IMPLS (kept in sync by a test)
 HIDDEN_ACTS = ("relu", "silu")  # model.hidden_act
 DISTILL_SOURCES = ("source",)  # sparsity.distill_from
 PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("offline", "online", "disabled")
-CHECKPOINT_FFN_MODES = ("always", "auto", "never")  # = train.recompute.CHECKPOINT_FFN_MODES
-CAPACITY_RULES = ("window", "adaptive")  # = train.capacity.CAPACITY_RULES
 MEMORY_MODES = ("auto", "off")  # trainer.memory (train/memory.py)
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # configs/train.yaml and groups
 
 
 # ModelConfig fields that model.init_from can fill (null = take it from the checkpoint)
@@ -97,7 +101,8 @@ class ModelConfig:
     h != 0 (about the FFN width) and dead units are about 0: sparsity statistics mean nothing
     for it. Its checkpoints load into stock LlamaForCausalLM (hidden_act=silu)."""
     ffn_impl: str = "torch"
-    """FFN implementation: torch (dense PyTorch) | twell (TwELL Triton kernels) | auto."""
+    """FFN implementation: torch (dense PyTorch) | twell (TwELL / ELL Triton kernels) | auto (per
+    layer and step the ELL kernels or dense mode; training paths: twell/nn/plan.py)."""
     ffn_host_sync: str = "step"
     """Sparse training path (twell, or auto's ELL layers): step = no host sync per layer, the
     dense-backup capacity comes from the previous step's heavy-row counts and is checked once per
@@ -164,7 +169,7 @@ class ModelConfig:
             raise ConfigError(
                 f"model.ffn_impl={self.ffn_impl!r} is unknown; use one of {', '.join(FFN_IMPLS)}."
             )
-        if self.ffn_host_sync not in ("step", "call"):
+        if self.ffn_host_sync not in HOST_SYNCS:
             raise ConfigError(
                 f"model.ffn_host_sync={self.ffn_host_sync!r} is unknown; use step (check the "
                 "dense-backup capacity once per optimizer step) or call (measure per FFN call)."
@@ -322,7 +327,7 @@ class TrainerConfig:
     """No-sync dense-backup capacities of the sparse path (model.ffn_host_sync=step): window
     (1.25 x the largest heavy-row count of the last 16 steps + 16) | adaptive (last 128 steps,
     a per-layer margin that grows 1.5x after each redo the layer caused and decays back to 1.25,
-    multiples of 64). See train/capacity.py and scripts/capacity_policy_sim.py."""
+    multiples of 64). See twell/nn/capacity.py and scripts/capacity_policy_sim.py."""
     dense_ffn_fused: bool = False
     """Gated FFNs of model.ffn_impl=torch train in dense mode (dense_ffn_train: cuBLAS products
     and one fused Triton pass each way for h, the L1 term and the statistics; what auto runs for
@@ -572,6 +577,118 @@ RENAMED_KEYS = {
     "trainer.val_batches": "trainer.val_sequences (it counts held-out sequences over all ranks, "
                            "not micro-batches per rank)",
 }
+
+
+def _schemas() -> dict:
+    """Top-level key -> its dataclass (model, optim, sparsity, data, trainer, logging, eval)."""
+    return {f.name: f.default_factory().__class__ for f in dataclasses.fields(TrainConfig)}
+
+
+def unknown_key_message(group: str | None, key: str, known) -> str:
+    """One line for an unknown key: the valid keys of its group and the closest spelling
+    (difflib), or the new name of a renamed key."""
+    import difflib
+
+    full = f"{group}.{key}" if group else key
+    if full in RENAMED_KEYS:
+        return f"{full} was renamed {RENAMED_KEYS[full]}; use the new key."
+    near = difflib.get_close_matches(key, sorted(known), n=1)
+    hint = f"; did you mean {group + '.' if group else ''}{near[0]}?" if near else \
+        "; remove it or fix its spelling."
+    if group is None:
+        return f"unknown top-level key {key}{hint}"
+    return f"unknown key {full}; valid keys of {group}: {', '.join(sorted(known))}{hint}"
+
+
+def check_overrides(args: list[str]) -> None:
+    """Refuse command-line overrides of keys the schema does not have, before Hydra does.
+
+    Hydra's own message for ``sparsity.l1_coef=1e-3`` suggests ``+sparsity.l1_coef=1e-3``,
+    which only adds a key nothing reads. Checked: ``group.key=v`` (also ``+``/``++``) for the
+    groups of :class:`TrainConfig`, and unknown top-level keys. Left to Hydra: group choices
+    (``model=tiny``), ``hydra.*``, deletions, ``@package`` overrides, flags and syntax errors.
+
+    Raises:
+        ConfigError: unknown key (one line: the valid keys of its group, the closest spelling).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    candidates = [a for a in args if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(candidates)
+    except OverrideParseException:
+        return  # Hydra reports the syntax error itself
+    schemas = _schemas()
+    groups = {p.name for p in CONFIG_DIR.iterdir() if p.is_dir()}
+    for o in overrides:
+        key = o.key_or_group
+        if o.is_delete() or o.package is not None or key.split(".")[0].split("/")[0] == "hydra":
+            continue
+        head, _, rest = key.partition(".")
+        if not rest:
+            if head not in groups and head not in schemas:
+                raise ConfigError(unknown_key_message(None, head, set(schemas) | groups))
+            continue
+        if head not in schemas:
+            raise ConfigError(unknown_key_message(None, head, set(schemas) | groups))
+        known = {f.name for f in dataclasses.fields(schemas[head])}
+        if rest.split(".")[0] not in known:
+            raise ConfigError(unknown_key_message(head, rest.split(".")[0], known))
+
+
+def reject_unknown_keys(cfg) -> None:
+    """Hydra lets ``+group.key=value`` add keys the schema does not have, and OmegaConf would
+    drop them silently into the dataclasses: refuse them with one line naming the key (``cfg``: a
+    composed ``DictConfig``).
+
+    Raises:
+        ConfigError: an unknown key (one line: the valid keys of its group, the closest spelling).
+    """
+    for group in TrainConfig.__dataclass_fields__.values():
+        node = cfg.get(group.name)
+        schema = group.default_factory() if group.default_factory is not dataclasses.MISSING \
+            else None
+        if node is None or schema is None or not dataclasses.is_dataclass(schema):
+            continue
+        known = {f.name for f in dataclasses.fields(schema)}
+        unknown = sorted(set(node.keys()) - known)
+        if unknown:
+            raise ConfigError(unknown_key_message(group.name, unknown[0], known))
+    extra = sorted(set(cfg.keys()) - set(TrainConfig.__dataclass_fields__))
+    if extra:
+        raise ConfigError(unknown_key_message(None, extra[0], TrainConfig.__dataclass_fields__))
+
+
+def compose(overrides: Sequence[str] = ()) -> TrainConfig:
+    """The validated :class:`TrainConfig` of ``configs/train.yaml`` with ``overrides`` (Hydra
+    override strings, e.g. ``["model=small_l4", "trainer.max_steps=20"]``), composed as
+    ``twell-train`` composes it (Hydra's compose API; ``hydra.*`` overrides are dropped: they set
+    Hydra's run dir and behaviour, not the config). Not inside a running Hydra app (Hydra is
+    initialised once per process).
+
+    Raises:
+        ConfigError: an unknown key (one line: the valid keys of its group and the closest
+            spelling), a bad value, or Hydra's own error (unknown group option, parse error) as
+            one line.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    register_configs()
+    over = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith("hydra.")]
+    check_overrides(over)
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name="train", overrides=over)
+    except Exception as e:  # noqa: BLE001  (Hydra's own errors: bad group, parse error)
+        raise ConfigError(f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    reject_unknown_keys(cfg)
+    try:
+        return OmegaConf.to_object(cfg)  # runs every __post_init__ check
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
 
 
 def field_docs(cls) -> dict[str, str]:

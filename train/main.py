@@ -6,7 +6,7 @@
     accelerate launch -m train experiment=paper_0p5b   # the paper recipe on a GPU node
 
 The run directory is Hydra's run dir (``hydra.run.dir``; default ``runs/<date>/<time>``).
-Before Hydra composes the config, :func:`check_overrides` refuses a key the schema does not
+Before Hydra composes the config, :func:`train.config.check_overrides` refuses a key the schema does not
 have (one line with the valid keys and the closest spelling, exit code 2). A failed run prints
 one line and writes it to ``<run dir>/error.txt`` (exit code 2); one that fails before it trains
 removes the run dir and the folders made for it (``train.rundir``). In a ``-m`` sweep a failed
@@ -23,11 +23,17 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from train.config import RENAMED_KEYS, ConfigError, TrainConfig, register_configs
+from train.config import (
+    CONFIG_DIR,
+    ConfigError,
+    TrainConfig,
+    check_overrides,
+    register_configs,
+    reject_unknown_keys,
+)
 from train.report import ERROR_FILE  # a failed run's one-line reason (twell-report reads it)
 
 register_configs()
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
@@ -40,7 +46,7 @@ def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
         from hydra.core.hydra_config import HydraConfig
 
         run_dir = HydraConfig.get().runtime.output_dir
-    _reject_unknown_keys(cfg)
+    reject_unknown_keys(cfg)
     try:
         tcfg: TrainConfig = OmegaConf.to_object(cfg)  # runs every __post_init__ check
     except ValueError as e:  # ConfigError and the data config's checks: one line, no traceback
@@ -64,88 +70,6 @@ def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
                         f"summary:    {Path(run_dir) / 'summary.json'}",
                         summary_line(summary)])
     return summary
-
-
-def _schemas() -> dict:
-    """Top-level key -> its dataclass (model, optim, sparsity, data, trainer, logging, eval)."""
-    import dataclasses
-
-    return {f.name: f.default_factory().__class__ for f in dataclasses.fields(TrainConfig)}
-
-
-def unknown_key_message(group: str | None, key: str, known) -> str:
-    """One line for an unknown key: the valid keys of its group and the closest spelling
-    (difflib), or the new name of a renamed key."""
-    import difflib
-
-    full = f"{group}.{key}" if group else key
-    if full in RENAMED_KEYS:
-        return f"{full} was renamed {RENAMED_KEYS[full]}; use the new key."
-    near = difflib.get_close_matches(key, sorted(known), n=1)
-    hint = f"; did you mean {group + '.' if group else ''}{near[0]}?" if near else \
-        "; remove it or fix its spelling."
-    if group is None:
-        return f"unknown top-level key {key}{hint}"
-    return f"unknown key {full}; valid keys of {group}: {', '.join(sorted(known))}{hint}"
-
-
-def check_overrides(args: list[str]) -> None:
-    """Refuse command-line overrides of keys the schema does not have, before Hydra does.
-
-    Hydra's own message for ``sparsity.l1_coef=1e-3`` suggests ``+sparsity.l1_coef=1e-3``,
-    which only adds a key nothing reads. Checked: ``group.key=v`` (also ``+``/``++``) for the
-    groups of :class:`TrainConfig`, and unknown top-level keys. Left to Hydra: group choices
-    (``model=tiny``), ``hydra.*``, deletions, ``@package`` overrides, flags and syntax errors.
-
-    Raises:
-        ConfigError: unknown key (one line: the valid keys of its group, the closest spelling).
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
-    candidates = [a for a in args if "=" in a and not a.startswith("-")]
-    try:
-        overrides = OverridesParser.create().parse_overrides(candidates)
-    except OverrideParseException:
-        return  # Hydra reports the syntax error itself
-    schemas = _schemas()
-    groups = {p.name for p in CONFIG_DIR.iterdir() if p.is_dir()}
-    for o in overrides:
-        key = o.key_or_group
-        if o.is_delete() or o.package is not None or key.split(".")[0].split("/")[0] == "hydra":
-            continue
-        head, _, rest = key.partition(".")
-        if not rest:
-            if head not in groups and head not in schemas:
-                raise ConfigError(unknown_key_message(None, head, set(schemas) | groups))
-            continue
-        if head not in schemas:
-            raise ConfigError(unknown_key_message(None, head, set(schemas) | groups))
-        import dataclasses
-
-        known = {f.name for f in dataclasses.fields(schemas[head])}
-        if rest.split(".")[0] not in known:
-            raise ConfigError(unknown_key_message(head, rest.split(".")[0], known))
-
-
-def _reject_unknown_keys(cfg: DictConfig) -> None:
-    """Hydra lets ``+group.key=value`` add keys the schema does not have, and OmegaConf would
-    drop them silently into the dataclasses: refuse them with one line naming the key."""
-    import dataclasses
-
-    for group in TrainConfig.__dataclass_fields__.values():
-        node = cfg.get(group.name)
-        schema = group.default_factory() if group.default_factory is not dataclasses.MISSING \
-            else None
-        if node is None or schema is None or not dataclasses.is_dataclass(schema):
-            continue
-        known = {f.name for f in dataclasses.fields(schema)}
-        unknown = sorted(set(node.keys()) - known)
-        if unknown:
-            raise ConfigError(unknown_key_message(group.name, unknown[0], known))
-    extra = sorted(set(cfg.keys()) - set(TrainConfig.__dataclass_fields__))
-    if extra:
-        raise ConfigError(unknown_key_message(None, extra[0], TrainConfig.__dataclass_fields__))
 
 
 _CREATED: set[Path] = set()  # folders Hydra is about to create for this invocation (StartCallback)

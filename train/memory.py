@@ -455,9 +455,8 @@ class ProbeRunner:
         tr = self.tr
         cuda = tr.device.type == "cuda"
         set_recompute(tr.acc.unwrap_model(tr.model), c.recompute)
-        rows = [m.backup_rows for m in tr.mlps]
-        for m in tr.mlps:
-            m.backup_rows = -1
+        profiling = tr.plan.profiling()  # every backup measured per call; restored after
+        profiling.__enter__()
         ids_BT = self.ids_BT[:c.micro_batch].to(tr.device)
         if cuda:
             torch.cuda.synchronize(tr.device)
@@ -472,8 +471,7 @@ class ProbeRunner:
             oom = True
         finally:
             tr.optimizer.zero_grad(set_to_none=True)
-            for m, r in zip(tr.mlps, rows):
-                m.backup_rows = r
+            profiling.__exit__(None, None, None)
         if cuda:  # the failed probe's blocks (freed with the traceback) go back to the device
             torch.cuda.empty_cache()
         flag = torch.tensor([float(oom)], device=tr.device)
@@ -576,9 +574,7 @@ class TrainerMemory:
         tr.data.micro_batch = plan.micro_batch
         set_recompute(tr.acc.unwrap_model(tr.model), plan.recompute)
         if changed:
-            for m in tr.mlps:
-                m.backup_rows = -1
-            tr.heavy_hist = [[] for _ in tr.mlps]
+            tr.plan.reset_capacities()
         self.plan = plan
         self.line = describe(plan, tr.cfg.model.seq_len)
         self.record = {"step": tr.step, **asdict(plan)}

@@ -10,8 +10,8 @@ save ``N x H`` tensors (two or three of them), so they keep full recomputation.
 ``trainer.checkpoint_ffn`` (with ``trainer.grad_checkpointing=true``):
 
 * ``always`` (default, today): transformers' own per-layer checkpoint; the whole layer replays.
-* ``auto``: a layer whose FFN trains on the ELL path this step (``impl=twell``, or ``auto`` with
-  ``train_path == "twell"``; fixed within an optimizer step, changed only between steps) runs
+* ``auto``: a layer whose FFN trains on the ``ell`` path this step (its FFN plan says so:
+  ``twell.nn.plan.trains_ell``; fixed within an optimizer step, changed only between steps) runs
   ``checkpoint(input_layernorm -> self_attn -> + residual -> post_attention_layernorm)`` and then
   its FFN and the second residual add outside any checkpoint; every other layer keeps the full
   checkpoint.
@@ -60,7 +60,9 @@ import types
 import torch
 from torch.utils.checkpoint import checkpoint
 
-CHECKPOINT_FFN_MODES = ("always", "auto", "never")
+from twell.nn.plan import trains_ell
+
+CHECKPOINT_FFN_MODES = ("always", "auto", "never")  # trainer.checkpoint_ffn
 # How much of each decoder layer the backward recomputes, from least to most (the memory
 # planner's vocabulary, train/memory.py): the trainer.checkpoint_ffn value of each, None = no
 # checkpointing (trainer.grad_checkpointing=false).
@@ -70,13 +72,6 @@ RECOMPUTE_MODES = tuple(RECOMPUTE_CHECKPOINT_FFN)
 # kwargs naming a KV cache in the decoder layers of transformers 4.56 - 5.x; training never uses
 # one (transformers' own checkpointing sets them to None as well)
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
-
-def ffn_trains_sparse(mlp) -> bool:
-    """Does this ``SparseGatedMLP``'s training forward run the sparse ELL path? (impl twell, or
-    auto with ``train_path == "twell"``; gated FFNs only: the non-gated one trains on torch)."""
-    return bool(getattr(mlp, "gated", False)) and (
-        mlp.impl == "twell" or (mlp.impl == "auto" and mlp.train_path == "twell"))
 
 
 def _attention_block(layer, hidden_states, kwargs):
@@ -134,7 +129,7 @@ def _selective_forward(self, hidden_states, *args, **kwargs):
     mode = self._twell_checkpoint_ffn
     if mode == "always" or not (self.training and torch.is_grad_enabled()
                                 and self.gradient_checkpointing) or (
-            mode == "auto" and not ffn_trains_sparse(self.mlp)):
+            mode == "auto" and not trains_ell(self.mlp)):
         return full(hidden_states, *args, **kwargs)
     bound = self._twell_signature.bind(hidden_states, *args, **kwargs).arguments
     extra = bound.pop(self._twell_var_kw, {})

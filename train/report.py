@@ -582,6 +582,7 @@ def l0_by_position(run_dir: str | Path, *, batches: int = 2, device: str | None 
     from train.checkpoint import latest_checkpoint
     from train.data import DataConfig, build_datamodule
     from train.model import ffn_modules, load_model
+    from twell.nn import FFNPlan
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bar per run
     d = Path(run_dir)
@@ -598,8 +599,7 @@ def l0_by_position(run_dir: str | Path, *, batches: int = 2, device: str | None 
                             micro_batch=cfg["trainer"]["micro_batch"] or 8,  # null: planned
                             seed=cfg["trainer"]["seed"])
     mlps = ffn_modules(model)
-    for m in mlps:
-        m.collect_stats = False
+    FFNPlan(mlps).set_collect_stats(False)  # the hooks below count; no statistics pass
     T = cfg["model"]["seq_len"]
     sums_LT = torch.zeros(len(mlps), T, dtype=torch.float64, device=dev)
     current: list = [None] * len(mlps)

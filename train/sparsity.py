@@ -68,8 +68,9 @@ def l1_penalty(stats: list[FFNStats]) -> tuple[torch.Tensor, SparsityStats]:
         ValueError: empty ``stats`` (the FFNs did not collect stats).
     """
     if not stats or any(s is None for s in stats):
-        raise ValueError("no FFN stats: every SparseGatedMLP needs collect_stats=True during "
-                         "training (the L1 term is computed from them)")
+        raise ValueError("no FFN stats: every SparseGatedMLP needs collect_stats on during "
+                         "training (the L1 term is computed from them; FFNPlan.begin_step turns "
+                         "it on)")
     l1_L = torch.stack([s.l1 for s in stats])  # fp32 (fp64 for fp64 models)
     sparsity = SparsityStats(
         l1_L=l1_L.detach(),

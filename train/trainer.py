@@ -5,8 +5,9 @@
     accelerate launch -m train experiment=paper_0p5b      # the paper recipe on a GPU node
 
 One optimizer step (``train_step``) reads top to bottom: L1 coefficient, micro-steps
-(forward, CE + l1_coeff * L1, backward; no host sync), gradient clip, non-finite check (the one
-host sync per step), optimizer and scheduler step, dead-neuron window and optional re-init.
+(forward, CE + l1_coeff * L1, backward; no host sync), gradient clip, the one host sync per step
+(non-finite check and the FFN plan's statistics), the FFN plan's verdict (accept, or redo the
+step), optimizer and scheduler step, dead-neuron window and optional re-init.
 Logging, validation, evaluation, checkpoints and a requested stop (SIGTERM / SIGINT:
 ``train.interrupt``) happen between steps in ``train``.
 
@@ -35,7 +36,6 @@ from omegaconf import OmegaConf
 from evals.scoring import ContinuationTooLong  # light (torch only); the harness loads lazily
 from train import checkpoint as ckpt_io
 from train import interrupt, memory, parallel, rundir
-from train.capacity import BackupCapacity
 from train.config import ConfigError, OptimConfig, TrainConfig
 from train.fusion import compile_norms
 from train.interrupt import StopSignals, TrainingInterrupted
@@ -50,10 +50,29 @@ from train.sparsity import (
     l1_penalty,
     reinit_dead_gates,
 )
+from twell.nn.plan import FFNPlan, StepStats
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became NaN/inf; the run stops before applying that step."""
+
+
+def _legacy_plan_state(d: dict, current: dict) -> dict:
+    """The FFN plan state (``FFNPlan.state_dict``) of a trainer state written before the plan
+    existed: its ``ffn_train_paths`` (auto's choices, the only impl that read them; ``twell`` is
+    now ``ell``), ``ffn_backup_rows`` and ``ffn_backup_capacity`` (or the older
+    ``ffn_heavy_hist``); what it lacks keeps ``current``."""
+    out = dict(current)
+    if "ffn_train_paths" in d:
+        out["paths"] = ["ell" if p == "twell" else p for p in d["ffn_train_paths"]]
+        out["impls"] = ["auto"] * len(out["paths"])
+    if "ffn_backup_rows" in d:
+        out["backup_rows"] = [int(r) for r in d["ffn_backup_rows"]]
+    if "ffn_backup_capacity" in d:
+        out["capacity"] = d["ffn_backup_capacity"]
+    elif "ffn_heavy_hist" in d:
+        out["capacity"] = {"rule": "window", "hist": d["ffn_heavy_hist"]}
+    return out
 
 
 def config_to_dict(cfg: TrainConfig) -> dict:
@@ -193,13 +212,23 @@ class Trainer:
             train.log (the printed lines), checkpoints/step{N}/, .lock (held by the main process
             from construction through ``train``; ``close`` releases it).
         datamodule: a ready data module (tests); default ``build_datamodule(cfg.data, ...)``.
+        model: a ready ``LlamaForCausalLM`` of ``cfg.model`` with ``SparseGatedMLP`` FFNs (e.g.
+            built on the GPU and loaded with trained weights by a benchmark); default built from
+            ``cfg.model`` after seeding (``train.model.build_model``). The trainer then applies
+            checkpointing, compilation and its FFN plan to it as to its own.
+
+    Attributes:
+        plan: the :class:`twell.nn.plan.FFNPlan` of the model's FFNs (training paths, dense-backup
+            capacities, statistics); ask it, do not set module flags.
 
     Raises:
         ConfigError: bad configuration, a resume the run dir does not allow (README, Resuming),
-            or a run dir locked by another process (one line naming the key and the fix).
+            a run dir locked by another process (one line naming the key and the fix), or a
+            ``model`` together with ``model.init_from``.
     """
 
-    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, datamodule=None) -> None:
+    def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, datamodule=None,
+                 model=None) -> None:
         # the run dir is locked from the first check to close(); a construction that fails
         # unlocks it and removes the directory if it made it and left nothing else there
         self._lock: rundir.RunDirLock | None = None
@@ -207,7 +236,7 @@ class Trainer:
         self._log_ready = False
         made_dir = not Path(run_dir).exists()
         try:
-            self._setup(cfg, run_dir, datamodule=datamodule)
+            self._setup(cfg, run_dir, datamodule=datamodule, model=model)
         except BaseException:
             self._unlock()
             d = Path(run_dir)
@@ -216,7 +245,8 @@ class Trainer:
                 d.rmdir()
             raise
 
-    def _setup(self, cfg: TrainConfig, run_dir: str | Path, *, datamodule=None) -> None:
+    def _setup(self, cfg: TrainConfig, run_dir: str | Path, *, datamodule=None,
+               model=None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         t = cfg.trainer
@@ -310,7 +340,11 @@ class Trainer:
                 "set eval=disabled or use a data source with a tokenizer.")
 
         self.init_info = None
-        if self.init_src is not None and resume_from is None:  # pretrained weights
+        if model is not None:
+            if self.init_src is not None:
+                raise ConfigError(f"model.init_from={cfg.model.init_from!r} and a ready model "
+                                  "were both given; pass one of them.")
+        elif self.init_src is not None and resume_from is None:  # pretrained weights
             model, switched = pretrained.build_model(cfg.model, self.init_src)
             line, self.init_info = pretrained.describe(
                 cfg.model, self.init_src, vocab_check=vocab_check, switched=switched,
@@ -347,11 +381,13 @@ class Trainer:
         if t.compile_norms:  # one compiled RMSNorm for every norm (training only)
             compile_norms(model)
         self.mlps = ffn_modules(model)
-        if t.dense_ffn_fused:  # impl=torch layers train in dense mode (fused passes + stats)
-            for mlp in self.mlps:
-                mlp.torch_train_path = "dense"
-        # no-sync dense-backup capacities from past heavy-row maxima (trainer.backup_capacity)
-        self.backup = BackupCapacity(len(self.mlps), t.backup_capacity)
+        # per layer: training path, no-sync dense-backup capacity (from past heavy-row maxima by
+        # trainer.backup_capacity), statistics. No-sync capacities change from step to step; as
+        # integer arguments they would make torch.compile recompile the model for each new value
+        # (and fall back to eager after its recompile limit), so a compiled model measures per call
+        self.plan = FFNPlan(self.mlps, cfg.model.ffn_impl, dense_ffn_fused=t.dense_ffn_fused,
+                            host_sync="call" if t.compile else cfg.model.ffn_host_sync,
+                            capacity_rule=t.backup_capacity)
         self.n_params = sum(p.numel() for p in model.parameters())
         self._print(f"model: {self.n_params / 1e6:.2f}M parameters, {cfg.model.num_layers} layers, "
                     f"FFN {cfg.model.ffn_impl}; {precision} on {self.device} x "
@@ -359,10 +395,6 @@ class Trainer:
         # MFU denominators (train/metrics.py): None on CPU / fp32 / unknown GPU -> MFU not logged
         self.peak_flops = device_peak_flops(self.device, precision, t.peak_tflops)
         self.peak_mem_run = 0.0  # GiB, largest interval peak of this process (peak_mem_gb_run)
-        # no-sync dense-backup capacities change from step to step; as integer arguments they
-        # would make torch.compile recompile the model for each new value (and fall back to
-        # eager after its recompile limit), so a compiled model measures per call instead
-        self.nosync_backup = cfg.model.ffn_host_sync == "step" and not t.compile
         if t.compile and self.fsdp:
             raise ConfigError("trainer.compile=true with FSDP (configs/accelerate/fsdp2.yaml) is "
                               "not supported; set trainer.compile=false or launch with ddp.yaml.")
@@ -420,16 +452,6 @@ class Trainer:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.trainer.global_batch * self.cfg.model.seq_len
-
-    @property
-    def heavy_hist(self) -> list[list[float]]:
-        """Per layer, the heavy-row maxima behind the no-sync backup capacities (the history of
-        ``self.backup``; assignable, e.g. to reset it)."""
-        return self.backup.hist
-
-    @heavy_hist.setter
-    def heavy_hist(self, hist: list[list[float]]) -> None:
-        self.backup.hist = [[float(v) for v in h][-self.backup.window:] for h in hist]
 
     @property
     def metrics_path(self) -> Path:
@@ -571,15 +593,12 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Trainer state for checkpoints, plain data and tensors only (``ckpt_io.save_state``):
-        step, tokens seen, timing, the sparsity tracker, the FFN paths and backup capacities,
-        the init_from record and the last training segment (for the closing line's tokens/s)."""
+        step, tokens seen, timing, the sparsity tracker, the FFN plan (auto's paths and the
+        dense-backup capacities: they pick the backup GEMMs' shapes, so an exact resume needs
+        them), the init_from record and the last training segment (for the closing line's
+        tokens/s)."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "train_time": self.train_time,
-                "sparsity": self.tracker.state_dict(),
-                "ffn_train_paths": [m.train_path for m in self.mlps],  # impl=auto's choices
-                # sparse path's dense-backup capacities (they pick the backup GEMMs' shapes, so
-                # an exact resume needs them)
-                "ffn_backup_rows": [m.backup_rows for m in self.mlps],
-                "ffn_backup_capacity": self.backup.state_dict(),
+                "sparsity": self.tracker.state_dict(), "ffn_plan": self.plan.state_dict(),
                 "init": self.init_info, "segment": self._last_segment()}
 
     def load_state_dict(self, d: dict) -> None:
@@ -587,14 +606,8 @@ class Trainer:
         self.tokens_seen = int(d["tokens_seen"])
         self.train_time = float(d["train_time"])
         self.tracker.load_state_dict(d["sparsity"])
-        for m, path in zip(self.mlps, d.get("ffn_train_paths", [])):
-            m.train_path = path
-        for m, rows in zip(self.mlps, d.get("ffn_backup_rows", [])):
-            m.backup_rows = int(rows)
-        if "ffn_backup_capacity" in d:
-            self.backup.load_state_dict(d["ffn_backup_capacity"])
-        elif "ffn_heavy_hist" in d:  # checkpoints written before train.capacity
-            self.backup.load_state_dict({"rule": "window", "hist": d["ffn_heavy_hist"]})
+        self.plan.load_state_dict(d["ffn_plan"] if "ffn_plan" in d else _legacy_plan_state(
+            d, self.plan.state_dict()))
         if d.get("init") is not None:
             self.init_info = d["init"]
         self.prev_segment = d.get("segment")
@@ -728,9 +741,7 @@ class Trainer:
         if self.cfg.trainer.resume_allow_changes:
             self._apply_optim_config()
         if saved_t.micro_batch != t.micro_batch:  # capacities are rows per FFN call
-            for m in self.mlps:
-                m.backup_rows = -1
-            self.heavy_hist = [[] for _ in self.mlps]
+            self.plan.reset_capacities()
         same_world = meta["world_size"] == self.acc.num_processes
         # the data position is global (the same in every rank's file); a streamed source keeps
         # per-rank state and refuses another world size
@@ -817,11 +828,6 @@ class Trainer:
                 "heavy_L": torch.zeros(L, device=dev),
                 "ffn_tokens": 0, "time": 0.0}
 
-    def _uses_ell(self, mlp) -> bool:
-        """Does this FFN run the sparse (ELL) training path this step?"""
-        impl = self.cfg.model.ffn_impl
-        return mlp.gated and (impl == "twell" or (impl == "auto" and mlp.train_path == "twell"))
-
     def _micro_steps(self, ids: list, coeff: float) -> dict:
         """Forward + backward of the step's micro-batches; returns the step's metric sums."""
         cfg, acc, model = self.cfg, self.acc, self.model
@@ -860,65 +866,43 @@ class Trainer:
     def train_step(self, batches, interval: dict) -> None:
         """One optimizer step over ``accum`` micro-batches; accumulates metrics in ``interval``.
 
-        Host synchronisation: once, after the backward of the last micro-batch (non-finite check
-        and, on the sparse training path with ``model.ffn_host_sync=step``, the dense-backup
-        capacity check). A step in which some layer had more heavy rows than its capacity is
-        redone with per-call measurement (its results are discarded before the optimizer sees
-        them); the next capacities come from past heavy-row maxima by the rule
-        ``trainer.backup_capacity`` (``train.capacity.BackupCapacity``), except for layers with
-        more than half of their rows heavy and under ``trainer.compile``, which measure per call.
+        Host synchronisation: once, after the backward of the last micro-batch (the non-finite
+        check and the FFN plan's statistics). The plan (``self.plan``, ``FFNPlan.end_step``)
+        then accepts the step, or asks for a redo when some layer on the ELL path had more heavy
+        rows than its no-sync dense-backup capacity: the attempt's gradients are discarded
+        before the optimizer sees them and the step runs again measuring per call (exact, so
+        it is accepted). The plan also sets the next step's capacities and ``auto``'s paths.
         """
         cfg, acc, model = self.cfg, self.acc, self.model
         coeff = l1_coeff_at(self.step, cfg.sparsity)
         lr = self.scheduler.get_last_lr()[0]
         ids = [next(batches) for _ in range(self.accum)]  # kept until the step is accepted
-        for attempt in range(2):
-            capped = [self._uses_ell(mlp) and mlp.backup_rows >= 0 for mlp in self.mlps]
-            caps = [mlp.backup_rows for mlp in self.mlps]
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        for _attempt in range(2):  # a redone step measures per call: it cannot overflow again
+            self.plan.begin_step()
             m = self._micro_steps(ids, coeff)
-            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
             grad_norm = parallel.plain(acc.clip_grad_norm_(model.parameters(), max_norm))
             bad = (~torch.isfinite(m["loss"]) | ~torch.isfinite(grad_norm)).float()
-            heavy_max_L, nnz_L, heavy_L = m["heavy_max_L"], m["nnz_sum_L"], m["heavy_L"]
+            stats = StepStats(m["heavy_max_L"], m["nnz_sum_L"], m["heavy_L"],
+                              rows_per_call=m["micro_tokens"],
+                              tokens=m["ffn_tokens"] * acc.num_processes)
             if acc.num_processes > 1:
                 bad = acc.reduce(bad, "sum")
-                heavy_max_L = acc.reduce(heavy_max_L.contiguous(), "max")
-                nnz_L = acc.reduce(nnz_L.contiguous(), "sum")
-                heavy_L = acc.reduce(heavy_L.contiguous(), "sum")
-            L = len(self.mlps)
-            # the step's one host sync: non-finite check, backup capacities, auto's statistics
-            host = torch.cat([bad.reshape(1), heavy_max_L, nnz_L, heavy_L]).tolist()
+                stats = stats.reduced(lambda t, op: acc.reduce(t.contiguous(), op))
+            host = torch.cat([bad.reshape(1), stats.packed()]).tolist()  # the step's one host sync
             if host[0]:
                 raise NonFiniteLossError(
                     f"non-finite loss or gradient at step {self.step + 1} (loss "
                     f"{m['loss'].item() / self.accum:.4g}, grad norm {grad_norm.item():.4g}); the "
                     f"step was not applied; last good checkpoint: {self.last_ckpt or 'none'}")
-            heavy_max = host[1:1 + L]
-            n_micro = max(m["micro_tokens"], 1)
-            over = [i for i, (c, cap, hv) in enumerate(zip(capped, caps, heavy_max))
-                    if c and hv > min(cap, n_micro - 1)]
-            if over:  # discard this attempt; redo it measuring per call
-                self.backup.overflowed(over)
-                for mlp in self.mlps:
-                    mlp.backup_rows = -1
-            else:
-                # next step's capacities: measure per call with ffn_host_sync=call or where most
-                # rows are heavy (the op then runs the whole call densely, which needs the
-                # measurement); else the rule's capacity from past steps' counts (one step's
-                # count alone made a tiny GPU run redo 50 of 120 steps: a few heavy tokens come
-                # and go from batch to batch)
-                for mlp, hv, cap in zip(self.mlps, heavy_max, self.backup.update(heavy_max)):
-                    measure = (not self.nosync_backup
-                               or hv > mlp.policy.dense_row_fraction * n_micro)
-                    mlp.backup_rows = -1 if measure else cap
-                toks = max(m["ffn_tokens"] * acc.num_processes, 1)
-                self._update_auto_paths([v / toks for v in host[1 + L:1 + 2 * L]],
-                                        [v / toks for v in host[1 + 2 * L:]])
+            outcome = self.plan.end_step(stats.unpacked(host[1:]))
+            if outcome.accepted:
                 break
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)  # discard the attempt
             interval["backup_redos"] = interval.get("backup_redos", 0) + 1
-            self._print(f"step {self.step + 1}: layers {over} had more heavy rows than their "
-                        f"dense-backup capacity; redoing the step with per-call measurement")
+            self._print(f"step {self.step + 1}: layers {list(outcome.redo)} had more heavy rows "
+                        "than their dense-backup capacity; redoing the step with per-call "
+                        "measurement")
         for k in ("loss", "ce", "l1", "nnz_sum_L", "heavy_L"):
             interval[k] += m[k]
         if "distill_kl" in m:
@@ -999,23 +983,11 @@ class Trainer:
                 kl = acc.reduce(kl, "sum") / acc.num_processes
             m["distill_kl"] = kl.item() / n
         if self.cfg.model.ffn_impl == "auto":  # the paths chosen for the next step
-            m["ffn_paths"] = [mlp.train_path for mlp in self.mlps]
+            m["ffn_paths"] = self.plan.paths
             m["heavy_frac_layers"] = heavy_L
         self.last = m
         self._write(m)
         return m
-
-    def _update_auto_paths(self, l0_L: list[float], heavy_L: list[float]) -> None:
-        """``model.ffn_impl=auto``: choose each layer's training path (ELL kernels or dense
-        mode) for the next step from this step's L0 and heavy-row fraction (host values of the
-        step's one sync: no extra sync). Decided after every optimizer step, so a run resumed
-        from a checkpoint takes the same paths as an uninterrupted one (they are trainer state)."""
-        if self.cfg.model.ffn_impl != "auto":
-            return
-        for mlp, l0, heavy in zip(self.mlps, l0_L, heavy_L):
-            mlp.train_path = (mlp.policy.train_path(min(l0 / mlp.intermediate_size, 1.0),
-                                                    min(max(heavy, 0.0), 1.0))
-                              if mlp.gated else "torch")  # sparse training is gated-only
 
     def _write(self, m: dict, prefix: str = "train") -> None:
         if not self.is_main:
@@ -1136,8 +1108,6 @@ class Trainer:
         end = min(t.max_steps, stop_at_step or t.max_steps)
         batches = self.memory.batches(iter(self.data.train_batches()))  # kept for a redo
         self.model.train()
-        for m in self.mlps:
-            m.collect_stats = True
         from tqdm.auto import tqdm
 
         bar = tqdm(total=t.max_steps, initial=self.step, unit="step", dynamic_ncols=True,

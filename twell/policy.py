@@ -149,9 +149,10 @@ class FFNPolicy:
         """Training path of ``impl="auto"`` for a layer of measured density (L0 / H, a fraction)
         and heavy-row fraction (tokens above the ELL capacity / tokens, ``FFNStats.heavy_rows``).
 
-        Returns ``"twell"`` (the ELL training kernels, ``twell.ops.sparse_train.sparse_ffn_train``)
+        Returns ``"ell"`` (the ELL training kernels, ``twell.ops.sparse_train.sparse_ffn_train``)
         when ``density <= train_density_threshold`` and ``heavy_fraction <=
-        train_heavy_fraction``, else ``"dense"`` (dense mode, ``dense_ffn_train``).
+        train_heavy_fraction``, else ``"dense"`` (dense mode, ``dense_ffn_train``): the training
+        path names of ``twell.nn.plan``.
 
         Raises:
             ValueError: density or heavy_fraction outside [0, 1] or NaN.
@@ -161,7 +162,7 @@ class FFNPolicy:
         if not 0.0 <= heavy_fraction <= 1.0:
             raise ValueError(f"heavy_fraction must be a fraction in [0, 1]; got {heavy_fraction}")
         ok = density <= self.train_density_threshold and heavy_fraction <= self.train_heavy_fraction
-        return "twell" if ok else "dense"
+        return "ell" if ok else "dense"
 
     def infer_dense(self, density: float | None, n_rows: int, dense_flops: float) -> bool:
         """Inference ``auto``: True when a call of ``n_rows`` token rows and ``dense_flops`` dense

@@ -1,6 +1,16 @@
-"""Thin ``nn.Module`` wrappers around the TwELL ops."""
+"""Thin ``nn.Module`` wrappers around the TwELL ops, and the plan that owns their execution state."""
 
 from twell.nn.convert import convert_mlps
-from twell.nn.mlp import FFN_IMPLS, SparseGatedMLP
+from twell.nn.mlp import SparseGatedMLP
+from twell.nn.plan import (
+    FFN_IMPLS,
+    TRAIN_PATHS,
+    FFNPlan,
+    LayerPlan,
+    StepOutcome,
+    StepStats,
+    trains_ell,
+)
 
-__all__ = ["FFN_IMPLS", "SparseGatedMLP", "convert_mlps"]
+__all__ = ["FFN_IMPLS", "TRAIN_PATHS", "FFNPlan", "LayerPlan", "SparseGatedMLP", "StepOutcome",
+           "StepStats", "convert_mlps", "trains_ell"]

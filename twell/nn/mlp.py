@@ -3,8 +3,7 @@
 Shape legend: B batch, T sequence, D model width (hidden_size), H FFN width
 (intermediate_size), N = B*T tokens.
 
-Source: arXiv 2603.23198 (FFN definition and L1 regularizer; see
-``shared/PAPER.md``). The gated FFN is exactly transformers' ``LlamaMLP`` with
+Source: arXiv 2603.23198 (FFN definition and L1 regularizer, "The L1 regularizer"). The gated FFN is exactly transformers' ``LlamaMLP`` with
 ``hidden_act="relu"``::
 
     h = relu(x Wg^T) * (x Wu^T)        (gated)
@@ -20,11 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from twell.nn.plan import FFN_IMPLS, LayerPlan, default_path
 from twell.ops.reference import gated_ffn_torch
 from twell.policy import FFNPolicy
 from twell.stats import FFNStats
-
-FFN_IMPLS = ("torch", "twell", "auto")
 
 
 class SparseGatedMLP(nn.Module):
@@ -35,28 +33,31 @@ class SparseGatedMLP(nn.Module):
         intermediate_size: H, FFN width.
         gated: gated FFN (``relu(gate) * up``) if True, else ``relu(up)``
             (the non-gated variant has no ``gate_proj``).
-        impl: ``"torch"`` (dense PyTorch), ``"twell"`` (TwELL Triton kernels)
-            or ``"auto"`` (inference: per call, TwELL when the layer's measured density
-            makes it faster, else dense; training: per layer and optimizer step, from
-            ``train_path``, which the trainer sets from the layer's measured L0 and heavy-row
-            fraction: the ELL training kernels, or dense mode, cuBLAS with fused elementwise
-            passes).
+        impl: ``"torch"`` (dense PyTorch), ``"twell"`` (TwELL / ELL Triton kernels) or
+            ``"auto"`` (inference: per call, TwELL when the layer's measured density makes it
+            faster, else dense; training: per layer and optimizer step, the ELL kernels or dense
+            mode as the model's :class:`twell.nn.plan.FFNPlan` chose). How each maps to a
+            training path: :mod:`twell.nn.plan`.
         policy: this layer's :class:`twell.policy.FFNPolicy` (``auto``'s thresholds, the
             training layout's ELL capacity and all-dense fraction); the defaults when None.
             Also an attribute: set it to change the layer's policy.
 
     Attributes:
-        collect_stats: when True (default) every forward stores an
-            :class:`FFNStats` in ``self.last_stats`` for the trainer's
-            sparsity tracker; set False for inference.
-        last_stats: the most recent call's stats (or None).
+        layer_plan: the :class:`twell.nn.plan.LayerPlan` this module runs with (training path,
+            dense-backup capacity, statistics on or off, hot units), attached and changed by a
+            :class:`twell.nn.plan.FFNPlan`; None (no plan): the default path of ``impl``,
+            statistics on, the dense backup measured per call.
+        last_stats: the most recent call's :class:`FFNStats` (None when statistics are off),
+            for the trainer's sparsity tracker.
         twell_state: per-layer :class:`twell.ops.ffn.TwELLState` for the
             sparse paths (cached ``Wd^T``, measured density for ``"auto"``, TwELL
             factor), created on first sparse call.
         last_info: :class:`twell.ops.ffn.FFNInfo` of the last sparse call
             (path taken, density, overflow rows computed densely), or None.
 
-    Forward: x (B, T, D) or (N, D) -> y of the same leading shape.
+    Forward: x (B, T, D) or (N, D) -> y of the same leading shape. With gradients enabled the
+    layer plan's training path runs (``ell`` falls back to the inference op when no input
+    needs a gradient); without, the inference path of ``impl``.
 
     Raises:
         ValueError: unknown ``impl`` or non-positive sizes.
@@ -81,26 +82,9 @@ class SparseGatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.impl = impl
         self.policy = policy if policy is not None else FFNPolicy()
-        self.collect_stats = True
+        self.layer_plan: LayerPlan | None = None
         self.last_stats: FFNStats | None = None
         self.twell_state = None  # twell.ops.ffn.TwELLState, created lazily (triton optional)
-        # impl="auto" with gradients: "twell" (ELL kernels) or "dense" (dense mode:
-        # twell.ops.sparse_train.dense_ffn_train), set between optimizer steps by the trainer
-        # from this layer's measured L0 and heavy-row fraction (self.policy.train_path); fixed
-        # within a step, so a checkpointed forward and its recomputation agree. Starts dense: a
-        # freshly initialised ReLU FFN has ~50 % of its units active. ("torch" is also accepted:
-        # the plain PyTorch path.)
-        self.train_path = "dense"
-        # sparse training path: dense-backup rows (twell.ops.sparse_train.sparse_ffn_train's
-        # backup_rows). -1 = measure per call (one host sync); >= 0 = that capacity, no sync
-        # (the trainer sets it per step from the heavy-row counts and redoes a step that
-        # exceeded it). Fixed within a step, like train_path.
-        self.backup_rows = -1
-        # impl="torch" with gradients: "torch" (autograd through the PyTorch ops, the reference)
-        # or "dense" (dense mode, twell.ops.sparse_train.dense_ffn_train: the same FFN and
-        # statistics with one fused elementwise pass each way; gated FFNs only). The trainer
-        # sets it from trainer.dense_ffn_fused.
-        self.torch_train_path = "torch"
 
     @property
     def last_info(self):
@@ -126,33 +110,52 @@ class SparseGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x_ND = x.reshape(-1, x.shape[-1])
-        w_gate = self.gate_proj.weight if self.gated else None
-        impl = self.impl
-        if impl == "auto" and self.train_path != "twell" and torch.is_grad_enabled():
-            impl = self.train_path if self.gated else "torch"
-        elif impl == "torch" and self.gated and torch.is_grad_enabled():
-            impl = self.torch_train_path
-        if impl == "dense":  # training dense mode: cuBLAS + fused elementwise passes and stats
-            from twell.ops.sparse_train import dense_ffn_train  # lazy: triton is optional
-
-            y_ND, stats = dense_ffn_train(
-                x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
-                with_stats=self.collect_stats, ell_capacity=self.policy.ell_capacity,
-            )
-        elif impl == "torch":
-            y_ND, stats = gated_ffn_torch(
-                x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
-                with_stats=self.collect_stats, ell_capacity=self.policy.ell_capacity,
-            )
+        ws = (self.gate_proj.weight if self.gated else None, self.up_proj.weight,
+              self.down_proj.weight)
+        lp = self.layer_plan
+        with_stats = lp.collect_stats if lp is not None else True
+        path = None  # inference
+        if torch.is_grad_enabled():
+            path = lp.path if lp is not None else default_path(self.impl, self.gated)
+            if path == "ell" and not any(t is not None and t.requires_grad for t in (x_ND, *ws)):
+                path = None  # nothing to differentiate: the inference op
+        if path is None:
+            y_ND, stats = self._infer(x_ND, ws, with_stats)
         else:
-            from twell.ops.ffn import TwELLState, sparse_ffn  # lazy: triton is optional on CPU
-
-            if self.twell_state is None:
-                self.twell_state = TwELLState()
-            y_ND, stats = sparse_ffn(
-                x_ND, w_gate, self.up_proj.weight, self.down_proj.weight,
-                with_stats=self.collect_stats, mode=impl, state=self.twell_state,
-                policy=self.policy, backup_rows=self.backup_rows if self.collect_stats else -1,
-            )
+            y_ND, stats = self._train(x_ND, ws, path, with_stats, lp)
         self.last_stats = stats
         return y_ND.reshape(*lead, y_ND.shape[-1])
+
+    def _train(self, x_ND, ws, path: str, with_stats: bool, lp: LayerPlan | None):
+        """Training forward on ``path`` (``torch``, ``dense`` or ``ell``); ``ws`` = (gate or
+        None, up, down) weights."""
+        if path == "dense":  # dense mode: cuBLAS + fused elementwise passes and stats
+            from twell.ops.sparse_train import dense_ffn_train  # lazy: triton is optional
+
+            return dense_ffn_train(x_ND, *ws, with_stats=with_stats,
+                                   ell_capacity=self.policy.ell_capacity)
+        if path == "torch":
+            return gated_ffn_torch(x_ND, *ws, with_stats=with_stats,
+                                   ell_capacity=self.policy.ell_capacity)
+        from twell.ops.ffn import FFNInfo, TwELLState
+        from twell.ops.sparse_train import sparse_ffn_train
+
+        if self.twell_state is None:
+            self.twell_state = TwELLState()
+        self.twell_state.last_info = FFNInfo("train")
+        backup_rows = lp.backup_rows if lp is not None and with_stats else -1
+        hot = {} if lp is None or lp.hot_units is None else {"hot_units": lp.hot_units}
+        return sparse_ffn_train(x_ND, *ws, with_stats=with_stats, backup_rows=backup_rows,
+                                policy=self.policy, **hot)
+
+    def _infer(self, x_ND, ws, with_stats: bool):
+        """Inference forward of ``impl``: dense PyTorch (``torch``) or ``sparse_ffn``."""
+        if self.impl == "torch":
+            return gated_ffn_torch(x_ND, *ws, with_stats=with_stats,
+                                   ell_capacity=self.policy.ell_capacity)
+        from twell.ops.ffn import TwELLState, sparse_ffn  # lazy: triton is optional on CPU
+
+        if self.twell_state is None:
+            self.twell_state = TwELLState()
+        return sparse_ffn(x_ND, *ws, with_stats=with_stats, mode=self.impl,
+                          state=self.twell_state, policy=self.policy)

@@ -1,4 +1,4 @@
-"""The sparse FFN entry point: ``sparse_ffn`` (TwELL inference, dense fallback, training hand-off).
+"""The sparse FFN inference op: ``sparse_ffn`` (TwELL inference, dense fallback).
 
 Shape legend: N tokens, D model width, H FFN width.
 
@@ -15,8 +15,9 @@ Paths, chosen per call:
   ``TRITON_INTERPRET=1`` was set before import; otherwise the pure-PyTorch
   reference of the same format (``twell.ops.reference``) runs, so CPU users
   get the same results.
-* gradient needed: ``twell.ops.sparse_train.sparse_ffn_train`` (the hybrid ELL
-  training path; gated FFNs only, it raises ValueError for a non-gated one).
+* training is not done here: ``twell.ops.sparse_train.sparse_ffn_train`` is the training op
+  (the hybrid ELL path; ``twell.nn.SparseGatedMLP`` calls it on its ``ell`` training path), and
+  ``sparse_ffn`` refuses inputs that need a gradient.
 * ``mode="auto"``: dense cuBLAS for calls with fewer than ``policy.infer_min_rows`` token
   rows or fewer dense FLOPs than ``policy.infer_min_flops`` (:class:`twell.policy.FFNPolicy`).
   Otherwise, on CUDA, the faster of TwELL and dense as timed on the layer's first calls of
@@ -247,10 +248,9 @@ def sparse_ffn(
     mode: str = "twell",
     state: TwELLState | None = None,
     policy: FFNPolicy | None = None,
-    backup_rows: int = -1,
     hot_units: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FFNStats | None]:
-    """ReLU(-gated) FFN through TwELL, with sparsity statistics.
+    """ReLU(-gated) FFN inference through TwELL, with sparsity statistics.
 
     Args:
         x_ND: (N, D) fp16/bf16/fp32 (any strides). Under ``torch.autocast``
@@ -265,14 +265,11 @@ def sparse_ffn(
             threshold, see module docstring).
         state: per-layer :class:`TwELLState` (cached ``Wd^T``, density for
             "auto", ``last_info``); a throwaway one when None.
-        policy: :class:`twell.policy.FFNPolicy` (``auto``'s thresholds; the training path's ELL
-            capacity and all-dense fraction); the defaults when None.
-        backup_rows: training path only: ``sparse_ffn_train``'s dense-backup capacity
-            (-1 = measured per call with one host sync; >= 0 = no sync, the caller checks
-            ``stats.heavy_rows`` against it).
+        policy: :class:`twell.policy.FFNPolicy` (``auto``'s thresholds and measurement); the
+            defaults when None.
         hot_units: (k,) int64 tensor on x's device, unique hidden units computed through a
-            dense slice (TwELL and the training path hold the rest; see the module docstring);
-            None or empty = none (``twell.ops.hot_units.hot_units_from_counts`` picks them).
+            dense slice (TwELL holds the rest; see the module docstring); None or empty = none
+            (``twell.ops.hot_units.hot_units_from_counts`` picks them).
 
     Returns:
         ``(y_ND, stats or None)``; y in x's (or autocast) dtype. The call's
@@ -280,19 +277,16 @@ def sparse_ffn(
 
     Raises:
         ValueError: bad shapes, dtypes, devices, mode, or H >= 65536.
-        ValueError: also a gradient is needed for a non-gated FFN (the sparse training path
-            is gated-only; use impl="torch").
+        ValueError: a gradient is needed (gradients enabled and an input that requires one):
+            the training op is ``twell.ops.sparse_train.sparse_ffn_train``.
     """
     if mode not in ("twell", "auto"):
         raise ValueError(f"sparse_ffn mode must be 'twell' or 'auto'; got {mode!r}")
     ws = [w for w in (w_gate_HD, w_up_HD, w_down_DH) if w is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in [x_ND, *ws]):
-        from twell.ops.sparse_train import sparse_ffn_train  # triton imported lazily inside
-
-        if state is not None:
-            state.last_info = FFNInfo("train")
-        return sparse_ffn_train(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats=with_stats,
-                                backup_rows=backup_rows, policy=policy, hot_units=hot_units)
+        raise ValueError("sparse_ffn is the inference op and computes no gradients; run it under "
+                         "torch.no_grad() (or on tensors that need none), or train with "
+                         "twell.ops.sparse_train.sparse_ffn_train")
 
     state = state if state is not None else TwELLState()
     policy = policy if policy is not None else FFNPolicy()

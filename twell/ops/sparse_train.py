@@ -23,7 +23,7 @@ def train_path_for_density(density: float, heavy_fraction: float = 0.0,
                            policy: FFNPolicy | None = None) -> str:
     """Path of ``impl="auto"`` in training for a layer of measured density (L0 / H) and
     heavy-row fraction: :meth:`twell.policy.FFNPolicy.train_path` of ``policy`` (default: the
-    defaults). Returns ``"twell"`` (:func:`sparse_ffn_train`) or ``"dense"``
+    defaults). Returns ``"ell"`` (:func:`sparse_ffn_train`) or ``"dense"``
     (:func:`dense_ffn_train`).
 
     Raises:

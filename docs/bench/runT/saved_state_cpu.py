@@ -8,6 +8,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]
 from train.config import ModelConfig
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.sparsity import collect_stats, l1_penalty
+from twell.nn import FFNPlan
 
 impl = os.environ.get("IMPL", "twell")
 torch.manual_seed(0)
@@ -15,8 +16,8 @@ D, H, L, B, T = 256, 704, 2, 4, 256
 cfg = ModelConfig(vocab_size=512, hidden_size=D, intermediate_size=H, num_layers=L, num_heads=4, seq_len=T)
 model = build_model(cfg).train()
 mlps = ffn_modules(model)
+FFNPlan(mlps, impl).pin("torch" if impl == "torch" else "ell")  # auto: on its ELL path
 for m in mlps:
-    m.impl, m.train_path = impl, "twell"
     with torch.no_grad():
         m.gate_proj.weight[12:] = 0     # ~6 active units of 704 per token: ELL rows, few heavy
 mode = sys.argv[1]

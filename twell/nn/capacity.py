@@ -3,15 +3,15 @@
 Each layer on the ELL path runs with a fixed dense-backup capacity (rows for the tokens with more
 active units than the ELL capacity, "heavy rows"), chosen before the step from earlier steps'
 heavy-row counts; the step's one host sync checks them, and a step in which some layer had more
-heavy rows than its capacity is redone measuring per call (``Trainer.train_step``). A redo costs
-a whole step; a backup row costs 12 D H FLOPs per micro-step (forward + backward, ~14 us for 64
-rows at the 1.5B shape on an H200, ~0.4 ms a step over 28 layers), so capacities should be
-generous.
+heavy rows than its capacity is redone measuring per call (:meth:`twell.nn.plan.FFNPlan.end_step`
+decides, the trainer redoes it). A redo costs a whole step; a backup row costs 12 D H FLOPs per
+micro-step (forward + backward, ~14 us for 64 rows at the 1.5B shape on an H200, ~0.4 ms a step
+over 28 layers), so capacities should be generous.
 
 ``trainer.backup_capacity`` rules (per layer; ``R`` = the step's largest heavy-row count of any
 micro-batch, measured in the step's one host sync):
 
-* ``window`` (today): ``ceil(1.25 max(R of the last 16 steps)) + 16``, 0 when that max is 0
+* ``window`` (default): ``ceil(1.25 max(R of the last 16 steps)) + 16``, 0 when that max is 0
   (:func:`twell.ops.sparse_train.backup_capacity_for`).
 * ``adaptive``: ``ceil(m max(R of the last 128 steps)) + 16`` rounded up to a multiple of 64
   (so backup GEMM shapes repeat), 0 when that max is 0. The margin ``m`` starts at 1.25; each
@@ -21,8 +21,9 @@ micro-batch, measured in the step's one host sync):
   and the margin learns a layer's burst size. Evaluated on synthetic traces by
   ``scripts/capacity_policy_sim.py``.
 
-The histories and margins are trainer state (checkpointed: an exact resume uses the same
-capacities).
+The histories and margins are part of the FFN plan's state (:class:`twell.nn.plan.FFNPlan`,
+checkpointed with the trainer: an exact resume uses the same capacities). Source of the dense
+backup: arXiv 2603.23198, "Hybrid (training)"; the rules and their margins are ours.
 """
 
 from __future__ import annotations
