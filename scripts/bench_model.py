@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--sizes", default="1p5b", help="model shapes, comma-separated (configs/model)")
     p.add_argument("--paths", default=",".join(PATHS), help=f"paths to time ({','.join(PATHS)})")
-    p.add_argument("--budgets", default="139,80",
+    p.add_argument("--budgets", default="80,139",
                    help="cards in GiB, in timing order (139 = the H200; 80 = emulated)")
     p.add_argument("--model-from", type=Path, default=None, metavar="CKPT",
                    help="bench this trainer checkpoint (step{N} folder) instead of training")
@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="heavier recomputation only below this many tokens (16384; 0: all)")
     p.add_argument("--equal-micro", type=int, default=None,
                    help="micro-batch of the equal-micro-batch memory ratio (8)")
+    p.add_argument("--acts-dir", type=Path, default=None,
+                   help="record the lowest / median / highest-L0 layers' FFN inputs here")
+    p.add_argument("--acts-tokens", type=int, default=16384, help="tokens per recorded layer")
     p.add_argument("--deadline", type=float, default=None, help="seconds for the run (330)")
     p.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE",
                    help="Hydra overrides for stage 1 and our trainer (e.g. data.cache_dir=...)")
@@ -80,7 +83,8 @@ def settings(a: argparse.Namespace) -> BenchSettings:
     common = {"paths": tuple(x for x in a.paths.split(",") if x),
               "budgets": parse_budgets(a.budgets), "model_from": a.model_from,
               "train_budget_s": a.train_budget, "config": list(a.config),
-              "work_dir": a.work_dir, "plots": a.plots,
+              "work_dir": a.work_dir, "plots": a.plots, "acts_dir": a.acts_dir,
+              "acts_tokens": a.acts_tokens,
               "settle": SettleRule(a.until_settled, a.settle_window, a.settle_tolerance,
                                    a.target_l0), **given}
     if a.smoke:

@@ -343,7 +343,8 @@ FACTOR = {"hf": 1.2, "torch": 1.0, "dense": 1.0, "ell": 0.7, "auto": 0.75}
 @pytest.mark.slow
 def test_smoke_end_to_end(tmp_path):
     out = tmp_path / "out"
-    r = _run_script("--smoke", "--out", str(out), "--work-dir", str(tmp_path / "work"))
+    r = _run_script("--smoke", "--out", str(out), "--work-dir", str(tmp_path / "work"),
+                    "--acts-dir", str(tmp_path / "acts"))
     assert r.stdout.splitlines()[-1] == f"outputs: {out}"
     header = (out / "best_configs.csv").read_text().splitlines()[0].split(",")
     assert header[:10] == ["size", "budget_gb", "path", "micro_batch", "recompute",
@@ -375,13 +376,21 @@ def test_smoke_end_to_end(tmp_path):
     probes = read_csv(out / "probes.csv")
     assert {p["ffn"] for p in probes if (p["micro_batch"], p["recompute"]) == (4, "none")} == {
         "hf", "torch", "dense", "ell", "auto"}
-    assert sorted(p.name for p in out.iterdir()) == sorted(
+    assert sorted(p.name for p in out.iterdir()) == sorted(  # acts elsewhere: 7 files
         ["best_configs.csv", "probes.csv", "sparsity_profile.csv", "bench_meta.json",
          "bench_model.md", "bench_train.png", "bench_memory.png"])
     md = (out / "bench_model.md").read_text()
     assert "| smoke | 139 |" in md and "sparse_vs_dense" in md
     meta = json.loads((out / "bench_meta.json").read_text())
     assert not meta["skipped"] and meta["sizes"]["smoke"]["checks"]["logits_rel_err"] < 1e-5
+    # the recorded layers: lowest / median / highest L0 of 2 layers = both, as twell.nn.record
+    from twell.nn.record import load_ffn_layer
+
+    acts = sorted((tmp_path / "acts").glob("acts_smoke_l*.safetensors"))
+    assert [a.name for a in acts] == ["acts_smoke_l0.safetensors", "acts_smoke_l1.safetensors"]
+    rec = load_ffn_layer(acts[0])  # the 16 held-out blocks of the pool (fewer than 16384 tokens)
+    assert rec.x.shape == (16 * 32, 32) and rec.w_gate.shape == (64, 32)
+    assert rec.meta["layer"] == 0 and rec.meta["size"] == "smoke"
     # --report rebuilds the same CSV from the folder alone
     rep = tmp_path / "rep"
     _run_script("--report", str(out), "--out", str(rep), "--equal-micro", "4")

@@ -32,6 +32,8 @@ from train.bench.source import (
     SettleRule,
     heldout_blocks,
     load_bench_model,
+    pick_layers,
+    record_layers,
     reference_checks,
     train_bench_model,
 )
@@ -54,7 +56,8 @@ class BenchSettings:
     Attributes:
         sizes: model config names, one after another (``configs/model``).
         paths: the paths to time (:data:`train.bench.recipe.PATHS`).
-        budgets: the cards, in timing order (:class:`train.bench.search.Budget`).
+        budgets: the cards, in timing order (:class:`train.bench.search.Budget`); the cheaper
+            card first by default, so that under the deadline its rows are complete first.
         model_from: a trainer checkpoint folder to bench (one size), instead of training.
         recipe: stage 1 when the model is trained here (``recipe.steps``: the most steps).
         settle: when stage 1 stops early (settled L0 or a target L0).
@@ -64,10 +67,13 @@ class BenchSettings:
         saturation_tokens: :data:`train.bench.search.SATURATION_TOKENS` (0: every mode).
         probe_steps: timed forward+backward micro-steps per probe (after one warm-up).
         equal_micro: the micro-batch of the equal-micro-batch memory ratio (probed, ``none``).
-        fwd_batch, fwd_steps, fwd_warmup: the forward measurement (warm-up >= 8: the measured
-            inference ``auto`` times both of its paths on each layer's first calls).
+        fwd_batch, fwd_steps, fwd_warmup: the forward measurement; ``fwd_warmup`` applies to
+            ``auto`` (>= 8: the measured inference ``auto`` times both of its paths on each
+            layer's first calls), the other impls warm up with 2 calls.
         profile_tokens: held-out tokens of the sparsity profile (the L0 every row names).
         pool_sequences: held-out sequences the timed steps draw from.
+        acts_dir, acts_tokens: record the FFN inputs (``acts_tokens`` held-out tokens) of the
+            layers with the lowest, median and highest L0 there (None: not recorded).
         deadline_s: seconds for the whole run, outputs included.
         config: Hydra overrides for stage 1 and our trainer (data location and the like).
         out: output folder; work_dir: trainer run folders (a temporary folder if None).
@@ -77,7 +83,7 @@ class BenchSettings:
 
     sizes: list[str] = field(default_factory=lambda: ["1p5b"])
     paths: tuple[str, ...] = PATHS
-    budgets: list[Budget] = field(default_factory=lambda: [Budget(139.0), Budget(80.0)])
+    budgets: list[Budget] = field(default_factory=lambda: [Budget(80.0), Budget(139.0)])
     model_from: Path | None = None
     recipe: Recipe = field(default_factory=Recipe)
     settle: SettleRule = field(default_factory=SettleRule)
@@ -93,6 +99,8 @@ class BenchSettings:
     fwd_warmup: int = 10
     profile_tokens: int = 65536
     pool_sequences: int = 256
+    acts_dir: Path | None = None
+    acts_tokens: int = 16384
     deadline_s: float = 330.0
     config: list[str] = field(default_factory=list)
     out: Path = Path("docs/model_bench")
@@ -202,6 +210,10 @@ def prepare(s: BenchSettings, size: str, clock: Clock, work: Path,
     prof_n = max(1, s.profile_tokens // cfg1.model.seq_len)
     checks = reference_checks(bm, blocks_NT[:prof_n], dev, bf16=bf16,
                               profile_batch=s.recipe.micro_batch)
+    if s.acts_dir is not None:
+        blocks = blocks_NT[:max(1, s.acts_tokens // cfg1.model.seq_len)]
+        record_layers(bm, blocks, pick_layers(checks["profile"]), s.acts_dir, dev,
+                      batch=s.recipe.micro_batch)
     clock.mark("checks and profile", t1)
     run = SizeRun(size, s, clock, dev, bf16, cfg1, data, bm, checks, blocks_NT, work,
                   smoke_tokens)
@@ -251,8 +263,8 @@ def measure_forward(run: SizeRun) -> None:
                 FFNPlan(ffn_modules(model)).set_collect_stats(False)  # no counting pass
             decoder = model.eval().model  # the decoder stack, no LM head
             with torch.no_grad():
-                w = time_steps(lambda d=decoder: d(input_ids=ids), s.fwd_warmup, s.fwd_steps,
-                               dev)
+                warm = s.fwd_warmup if impl == "auto" else min(2, s.fwd_warmup)
+                w = time_steps(lambda d=decoder: d(input_ids=ids), warm, s.fwd_steps, dev)
             run.fwd[impl] = ids.numel() / statistics.median(w.step_ms)
             log(f"{run.size} forward {impl}: {run.fwd[impl]:.1f} tok/ms ({s.fwd_batch} x "
                 f"{run.seq_len})")

@@ -276,5 +276,40 @@ def reference_checks(bm: BenchModel, blocks_NT: torch.Tensor, device, *, bf16: b
     return out
 
 
+def pick_layers(profile_rows: list[dict]) -> list[int]:
+    """The layers with the lowest, median and highest held-out L0 (distinct, in that order)."""
+    order = sorted(profile_rows, key=lambda r: r["l0"])
+    picks = [order[0]["layer"], order[len(order) // 2]["layer"], order[-1]["layer"]]
+    return list(dict.fromkeys(picks))
+
+
+def record_layers(bm: BenchModel, blocks_NT: torch.Tensor, layers: list[int], out_dir: Path,
+                  device, *, batch: int) -> list[Path]:
+    """Record the FFN inputs of ``layers`` on ``blocks_NT`` (fp32 model, eval) with their weights
+    as ``twell.nn.record`` files, ``<out_dir>/acts_<size>_l<layer>.safetensors`` plus a JSON of
+    the statistics beside each (for ``scripts/bench_real_layers.py``, ``bench_ffn*.py --acts``).
+    Returns the safetensors paths."""
+    import dataclasses
+
+    from twell.nn.record import ffn_input_stats, ffn_weights, record_ffn_inputs, save_ffn_layer
+
+    model = build_ours(dataclasses.replace(bm.model_cfg, ffn_impl="torch"), bm.weights,
+                       device).eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for layer, x in record_ffn_inputs(model, blocks_NT, layers, batch=batch).items():
+        wg, wu, wd = ffn_weights(model, layer)
+        meta = {"size": bm.size, "layer": layer, "source": f"bench_model {bm.source}",
+                **ffn_input_stats(x.to(device), wg if wg is not None else wu)}
+        name = f"acts_{bm.size}_l{layer}"
+        paths.append(save_ffn_layer(out_dir / f"{name}.safetensors", x, wg, wu, wd, meta))
+        (out_dir / f"{name}.json").write_text(json.dumps(meta, indent=1))
+        log(f"recorded layer {layer} -> {paths[-1]}: L0 {meta['l0_mean']:.1f}")
+    del model
+    free_memory(device)
+    return paths
+
+
 __all__ = ["BenchModel", "SettleRule", "check_shape", "heldout_blocks", "l0_settled",
-           "load_bench_model", "reference_checks", "train_bench_model"]
+           "load_bench_model", "pick_layers", "record_layers", "reference_checks",
+           "train_bench_model"]

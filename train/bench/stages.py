@@ -23,6 +23,7 @@ same in all rows; ``notes`` gives the accumulation the user's run has).
 from __future__ import annotations
 
 import dataclasses
+import traceback
 
 import torch
 
@@ -62,16 +63,36 @@ OUR_PATHS = ("ell", "dense", "auto")  # the timing order inside our trainer's st
 
 
 def bench_budgets(run: SizeRun) -> None:
-    """The forward, then per budget our rows, ``hf``'s and ``default``'s (module docstring)."""
+    """The forward, then per budget our rows, ``hf``'s and ``default``'s (module docstring).
+    A stage that fails leaves rows naming the error for its paths and the next stage runs."""
     measure_forward(run)
     for i, b in enumerate(run.s.budgets):
         t0 = run.clock.elapsed()
-        ours_rows(run, b, first=i == 0)
-        if "hf" in run.s.paths:
-            hf_rows(run, b, first=i == 0)
-        if "default" in run.s.paths:
-            default_row(run, b)
+        first = i == 0
+        stages = [(OUR_PATHS, lambda b=b, first=first: ours_rows(run, b, first)),
+                  (("hf",), lambda b=b, first=first: hf_rows(run, b, first)),
+                  (("default",), lambda b=b: default_row(run, b))]
+        for paths, stage in stages:
+            paths = [p for p in paths if p in run.s.paths]
+            if paths:
+                _guarded(run, stage, paths, b)
+            free_memory(run.device)  # the stage's models (reference cycles) before the next
         run.clock.mark(f"{b.label} GB card", t0)
+
+
+def _guarded(run: SizeRun, stage, paths: list[str], b: Budget) -> None:
+    try:
+        stage()
+    except Exception as e:  # noqa: BLE001  (one stage's failure keeps the others' rows)
+        traceback.print_exc()
+        why = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        log(f"{run.size} {b.label} GB {', '.join(paths)}: {why}")
+        run.meta.setdefault("errors", []).append(f"{b.label} GB {', '.join(paths)}: {why}")
+        have = {r["path"] for r in run.rows if r["budget_gb"] == b.card_gb}
+        for p in paths:
+            if p not in have:
+                add_row(run, skipped_row(run, p, b, why, path_choice(run, p, b)
+                                         if p != "default" else None))
 
 
 def path_choice(run: SizeRun, path: str, b: Budget) -> Choice | None:
