@@ -410,11 +410,21 @@ def test_smoke_from_a_checkpoint(tmp_path):
     tr.close()
     ckpt = tmp_path / "run" / "checkpoints" / "step2"
     out = tmp_path / "out"
-    _run_script("--smoke", "--model-from", str(ckpt), "--paths", "hf,ell", "--budgets", "80",
+    # 80 and 79 GB cards: the fake model's choices are the same for both (planner budgets 73.6
+    # and 72.7 GiB: ell 4 x none 69.2, 8 x full 52.4; hf 2 x none 63.6, 8 x full 68.4)
+    _run_script("--smoke", "--model-from", str(ckpt), "--paths", "hf,ell", "--budgets", "80,79",
                 "--out", str(out), "--work-dir", str(tmp_path / "work"))
     rows = read_csv(out / "best_configs.csv")
-    assert sorted(r["path"] for r in rows) == ["ell", "hf"]
-    assert all(r["train_tok_per_ms_wall"] > 0 and r["budget_gb"] == 80 for r in rows)
+    assert sorted((r["path"], r["budget_gb"]) for r in rows) == [("ell", 79), ("ell", 80),
+                                                                 ("hf", 79), ("hf", 80)]
+    for p in ("hf", "ell"):
+        first, again = (next(r for r in rows if (r["path"], r["budget_gb"]) == (p, b))
+                        for b in (80, 79))
+        assert first["train_tok_per_ms_wall"] > 0 and "timed once" not in (first["notes"] or "")
+        assert again["notes"] == "the configuration of the 80 GB card: timed once"
+        assert again["step_ms_median"] == first["step_ms_median"]
+        assert (again["micro_batch"], again["recompute"]) == (first["micro_batch"],
+                                                              first["recompute"])
     meta = json.loads((out / "bench_meta.json").read_text())["sizes"]["smoke"]
     assert meta["source"].startswith(f"checkpoint {ckpt} (2 steps") and meta["steps"] == 2
     assert [s for s, _ in meta["history"]] == [1, 2]  # the run's metric lines

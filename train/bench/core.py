@@ -361,6 +361,7 @@ def reuse(run: SizeRun, path: str, b: Budget, choice: Choice) -> dict | None:
     if first is None:
         return None
     return {**first, "budget_gb": b.card_gb, "predicted_peak_gb": choice.step_peak_gb,
+            "is_default": False,  # this card's default run decides (stages.mark_default)
             "notes": f"the configuration of the {first['budget_gb']:g} GB card: timed once"}
 
 
