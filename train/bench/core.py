@@ -155,7 +155,7 @@ class SizeRun:
     smoke_tokens: Path | None
     fwd: dict = field(default_factory=dict)
     choices: dict = field(default_factory=dict)  # (ffn, Budget) -> Choice
-    timed: dict = field(default_factory=dict)  # Choice.key -> row of the first budget timed
+    timed: dict = field(default_factory=dict)  # (path, *Choice.key) -> the row first timed
     default_rows: dict = field(default_factory=dict)  # (ffn, micro, recompute) -> row
     rows: list = field(default_factory=list)
     probes: list = field(default_factory=list)
