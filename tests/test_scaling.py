@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_utils import load_script, write_tokens
+from tests.train_utils import write_tokens
 from train.scaling import (
     StudyRow,
     StudySettings,
@@ -109,16 +109,15 @@ def test_settings_errors():
 
 
 def test_recipe_is_the_bench_model_stage1():
-    """The 1.5B row at L1 3e-4 composes to bench_model.py's stage-1 config up to logging,
-    validation size, checkpoint keeping, recomputation and the dead-unit window: one run serves
-    both."""
-    bm = load_script("bench_model")
-    a = bm.parse_args(["--sizes", "1p5b"])
-    bench = _flat(_compose(bm.stage1_overrides(a, "1p5b", None)))
+    """The 1.5B row at L1 3e-4 composes to the bench model's stage-1 config (train.bench) up to
+    logging, validation size, checkpoint keeping and the dead-unit window: one run serves both."""
+    from train.bench.recipe import Recipe, stage1_overrides
+
+    bench = _flat(_compose(stage1_overrides("1p5b", Recipe())))
     study = _flat(_compose(row_overrides(StudyRow("1p5b", 3e-4), StudySettings())))
     differ = {k for k in bench.keys() | study.keys() if bench.get(k) != study.get(k)}
-    assert differ == {"trainer.grad_checkpointing", "trainer.log_every", "trainer.val_sequences",
-                      "trainer.keep_last", "trainer.resume", "sparsity.dead_window_tokens"}
+    assert differ == {"trainer.log_every", "trainer.val_sequences", "trainer.keep_last",
+                      "trainer.resume", "sparsity.dead_window_tokens"}
     assert study["model.num_layers"] == 28 and study["trainer.max_steps"] == 200
     assert study["sparsity.dead_window_tokens"] == 1_048_576
     assert study["trainer.grad_checkpointing"] is False

@@ -828,6 +828,8 @@ class Trainer:
                 "heavy_L": torch.zeros(L, device=dev),
                 "ffn_tokens": 0, "time": 0.0}
 
+    new_interval = _new_interval  # public: a driver of train_step / log_metrics (benchmarks)
+
     def _micro_steps(self, ids: list, coeff: float) -> dict:
         """Forward + backward of the step's micro-batches; returns the step's metric sums."""
         cfg, acc, model = self.cfg, self.acc, self.model

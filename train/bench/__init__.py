@@ -1,0 +1,28 @@
+"""The whole-model benchmark: what is the fastest way to train this model on this card?
+
+    from train.bench import BenchSettings, run_bench, merge_runs
+    run_bench(BenchSettings(sizes=["1p5b"], model_from=Path(".../checkpoints/step200"),
+                            out=Path("out")))                        # one GPU call
+    merge_runs([Path("out_1p5b"), Path("out_2b")], Path("docs/model_bench"))   # on the CPU
+
+Per size: a bench model (trained in-process with the scaling study's recipe, optionally until
+its sparsity settles, or loaded from a checkpoint), its held-out L0 and checks against plain
+transformers, the forward of every path, then per memory budget (a card: the H200 itself and an
+80 GB card emulated with ``torch.cuda.set_per_process_memory_fraction``) the fastest
+micro-batch x recomputation of every path that fits, found with the memory planner's probes
+and timed for ``steps`` steps. Modules: ``recipe`` (paths and overrides), ``source`` (the bench
+model), ``steps`` (builds, the plain-transformers step, timing), ``search`` (budgets, the
+search), ``core`` / ``stages`` / ``run`` (the run, stage by stage), ``report`` (CSV, Table 1,
+ratios, plots, merging). ``scripts/bench_model.py`` is the command line.
+"""
+
+from train.bench.core import BenchSettings
+from train.bench.recipe import PATHS, Recipe
+from train.bench.report import BEST_COLUMNS, OUTPUT_FILES, merge_runs, target_ratios
+from train.bench.run import run_bench
+from train.bench.search import Budget, FakeMemory, parse_budgets
+from train.bench.source import SettleRule, l0_settled
+
+__all__ = ["BEST_COLUMNS", "OUTPUT_FILES", "PATHS", "BenchSettings", "Budget", "FakeMemory",
+           "Recipe", "SettleRule", "l0_settled", "merge_runs", "parse_budgets", "run_bench",
+           "target_ratios"]

@@ -1,0 +1,213 @@
+"""The whole-model benchmark's vocabulary and the Hydra overrides of every configuration it times.
+
+Paths (the ``path`` column of ``best_configs.csv``):
+
+* ``hf``: stock transformers ``LlamaForCausalLM`` (ReLU, SDPA, fp32 logits) with the same
+  weights; recomputation ``none`` or ``full`` (transformers' own gradient checkpointing): what a
+  transformers user runs.
+* ``dense``: our best dense FFN, the faster of two training paths of the FFN plan
+  (``twell.nn.plan``): ``torch`` (autograd through PyTorch ops) and ``dense`` (dense mode: cuBLAS
+  products and one fused elementwise pass each way). The search covers both.
+* ``ell``: every layer pinned to the ELL path (the hybrid ELL + dense-backup kernels).
+* ``auto``: the plan's own per-layer choices, from the bench model's trained plan state.
+* ``default``: what ``experiment=paper_1p5b`` / ``paper_2b`` picks by itself (``trainer=gpu``:
+  ``trainer.memory=auto``, the experiment's ``model.ffn_impl``), as a user gets it.
+
+``ffn`` (a column too) names the FFN training path a row ran: ``hf``, ``torch``, ``dense``,
+``ell`` or ``auto``. Our four run in one trainer (``model.ffn_impl=auto``) whose plan is pinned
+(``FFNPlan.pin``) or left to choose, so they share one model build per size.
+
+Stage 1 (the bench model, when trained in-process) is the scaling study's 1.5B / 2B recipe at
+L1 3e-4 (``train.scaling``): AdamW lr 1e-3, 10 warmup steps then cosine, micro-batch = global
+batch = 8 sequences of 2048, ``model.ffn_impl=auto``, 200 steps, no recomputation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+PATHS = ("hf", "dense", "ell", "auto", "default")
+FFNS = ("hf", "torch", "dense", "ell", "auto")
+# the FFN training paths a searched path runs (dense: the faster of the two)
+PATH_FFNS = {"hf": ("hf",), "dense": ("dense", "torch"), "ell": ("ell",), "auto": ("auto",)}
+PATH_OF_FFN = {"hf": "hf", "torch": "dense", "dense": "dense", "ell": "ell", "auto": "auto"}
+# model.ffn_impl -> the ffn a trainer of that impl starts on (the default path's own)
+FFN_OF_IMPL = {"torch": "torch", "twell": "ell", "auto": "auto"}
+# the inference impl whose forward a path reports (dense: dense PyTorch; hf: stock transformers)
+FORWARD_IMPL = {"hf": "hf", "torch": "torch", "dense": "torch", "ell": "twell", "auto": "auto"}
+SPARSE_PATHS = ("ell", "auto")
+DENSE_PATHS = ("hf", "dense")
+# the experiment whose own choices the default path times, per model size
+EXPERIMENTS = {"1p5b": "paper_1p5b", "2b": "paper_2b"}
+# hf recomputes with transformers' own checkpointing only; ours also recompute attention alone
+HF_RECOMPUTE = ("none", "full")
+OUR_RECOMPUTE = ("none", "attention", "full")
+# keys the benchmark sets itself (a --config override of one of them is refused)
+CONTROLLED = ("model.ffn_impl", "trainer.micro_batch", "trainer.global_batch",
+              "trainer.max_steps", "trainer.memory", "trainer.grad_checkpointing",
+              "trainer.checkpoint_ffn", "trainer.resume", "optim.lr", "hydra.")
+SMOKE_SIZE = "smoke"
+SMOKE_VOCAB = 64
+SMOKE_SEQ = 32
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How stage 1 trains the bench model (the scaling study's L1 3e-4 row; module docstring).
+
+    Attributes:
+        l1: ``sparsity.l1_coeff``.
+        lr: ``optim.lr`` (AdamW peak).
+        warmup_steps: ``optim.warmup_steps``, then cosine over ``steps``.
+        micro_batch: sequences per step (= global batch).
+        steps: ``trainer.max_steps``: the most optimizer steps stage 1 trains.
+        log_every: steps between metric lines (the L0 history the settle rule reads).
+    """
+
+    l1: float = 3e-4
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    micro_batch: int = 8
+    steps: int = 200
+    log_every: int = 10
+
+
+def smoke_model_overrides(tokens: Path) -> list[str]:
+    """The ``--smoke`` shape and data: 2 layers of width 32, FFN 64, 32 tokens, a 64-id
+    synthetic token file (``tokens``), fp32 on the CPU, one thread."""
+    return ["model=tiny", f"model.name={SMOKE_SIZE}", f"model.vocab_size={SMOKE_VOCAB}",
+            "model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2",
+            "model.num_layers=2", f"model.seq_len={SMOKE_SEQ}", "data=tokens",
+            f"data.paths=[{tokens}]", f"data.vocab_size={SMOKE_VOCAB}", "data.val_fraction=0.1",
+            "trainer=cpu", "trainer.cpu=true", "trainer.precision=fp32", "trainer.num_threads=1"]
+
+
+QUIET = ["eval=disabled", "logging.wandb_mode=disabled", "trainer.progress=false",
+         "trainer.val_every=0", "trainer.save_every=0", "trainer.resume=never"]
+"""Overrides that change no step: no evals, no wandb, no bar, no validation or checkpoints."""
+
+
+def stage1_overrides(size: str, recipe: Recipe, config: list[str] = (),
+                     smoke_tokens: Path | None = None) -> list[str]:
+    """Hydra overrides of the stage-1 training run (module docstring); ``config`` (the user's
+    ``--config``: data location and the like) last. ``smoke_tokens``: the ``--smoke`` shape."""
+    if smoke_tokens is not None:
+        base = [*smoke_model_overrides(smoke_tokens), "optim=tiny"]
+    else:
+        base = [f"model={size}", "trainer=gpu", "optim=adamw"]
+    return [*base, f"optim.lr={recipe.lr!r}", f"sparsity.l1_coeff={recipe.l1!r}",
+            f"optim.warmup_steps={recipe.warmup_steps}",
+            f"trainer.micro_batch={recipe.micro_batch}",
+            f"trainer.global_batch={recipe.micro_batch}", f"trainer.max_steps={recipe.steps}",
+            "trainer.grad_checkpointing=false", "model.ffn_impl=auto", *QUIET,
+            f"trainer.log_every={recipe.log_every}", *config]
+
+
+def ours_overrides(size: str, search_batch: int, config: list[str] = (),
+                   smoke_tokens: Path | None = None) -> list[str]:
+    """The trainer all our FFN paths run in: the stage-1 shape and trainer settings
+    (``trainer=gpu``: fused loss, lean norms, adaptive dense-backup capacities), impl ``auto``
+    (its plan is pinned per path), learning rate 0 (AdamW runs every kernel but leaves the
+    trained weights, and so the sparsity, as they are), the memory planner off (the benchmark
+    searches itself) and ``search_batch`` sequences a step (the candidates' micro-batches are
+    its divisors)."""
+    base = smoke_model_overrides(smoke_tokens) + ["optim=tiny"] if smoke_tokens is not None \
+        else [f"model={size}", "trainer=gpu", "optim=adamw"]
+    return [*base, "model.ffn_impl=auto", "optim.lr=0", "optim.warmup_steps=0",
+            "trainer.memory=off", f"trainer.micro_batch={search_batch}",
+            f"trainer.global_batch={search_batch}", "trainer.grad_checkpointing=false",
+            "trainer.checkpoint_ffn=always", "trainer.max_steps=1000000", *QUIET,
+            "trainer.log_every=1000000", *config]
+
+
+def default_overrides(size: str, smoke_tokens: Path | None = None,
+                      budget_gb: float | None = None) -> list[str]:
+    """The default path's trainer: ``experiment=<EXPERIMENTS[size]>`` as it is, except what
+    changes no step (:data:`QUIET`) and the learning rate, 0 as for every timed row (the timed
+    steps then leave the weights and their sparsity as trained). Its data module is the
+    benchmark's, so the experiment's data source is not read.
+
+    ``--smoke`` (``smoke_tokens``): the smoke shape under the planner's defaults
+    (``trainer.memory=auto``, micro-batch and recomputation its choice, ``model.ffn_impl=torch``
+    as the paper experiments), with ``budget_gb`` as ``trainer.memory_budget_gb`` (no CUDA memory
+    to read it from).
+
+    Raises:
+        ValueError: a size without an experiment (:data:`EXPERIMENTS`).
+    """
+    if smoke_tokens is not None:
+        over = [*smoke_model_overrides(smoke_tokens), "optim=tiny", "trainer.memory=auto",
+                "trainer.micro_batch=null", "trainer.grad_checkpointing=null",
+                "trainer.checkpoint_ffn=null", "trainer.global_batch=8", "model.ffn_impl=torch"]
+        if budget_gb is not None:
+            over.append(f"trainer.memory_budget_gb={budget_gb!r}")
+    elif size in EXPERIMENTS:
+        over = [f"experiment={EXPERIMENTS[size]}"]
+    else:
+        raise ValueError(f"size {size!r} has no paper experiment for the default path (one of "
+                         f"{', '.join(EXPERIMENTS)}); leave default out of --paths")
+    return [*over, "optim.lr=0", *QUIET, "trainer.log_every=1000000"]
+
+
+def write_smoke_tokens(path: Path, n_tokens: int = 30_000, vocab: int = SMOKE_VOCAB,
+                       seed: int = 0) -> Path:
+    """A uint16 token file of documents that mostly follow a fixed random successor table
+    (id 0 = end of document): a tiny model learns it and turns sparse in a few steps."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    nxt = np.concatenate([[1], rng.permutation(np.arange(1, vocab))])
+    out, cur = np.empty(n_tokens, dtype=np.uint16), 1
+    for i in range(n_tokens):
+        if rng.random() < 0.02:
+            out[i], cur = 0, int(rng.integers(1, vocab))
+            continue
+        out[i] = cur
+        cur = int(nxt[cur]) if rng.random() < 0.9 else int(rng.integers(1, vocab))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out.tofile(path)
+    return path
+
+
+def check_config(config: list[str]) -> None:
+    """Refuse a ``--config`` override of a key the benchmark sets itself.
+
+    Raises:
+        ValueError: one line naming the override and the option that controls it instead.
+    """
+    for o in config:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if "=" not in o:
+            raise ValueError(f"--config {o!r} is not KEY=VALUE")
+        if key.startswith(CONTROLLED):
+            raise ValueError(f"--config {o!r} sets a key the benchmark controls "
+                             f"({', '.join(CONTROLLED)}); use --budgets / --search-batch / "
+                             "--paths / --train-steps instead")
+
+
+__all__ = [
+    "CONTROLLED",
+    "DENSE_PATHS",
+    "EXPERIMENTS",
+    "FFNS",
+    "FFN_OF_IMPL",
+    "FORWARD_IMPL",
+    "HF_RECOMPUTE",
+    "OUR_RECOMPUTE",
+    "PATHS",
+    "PATH_FFNS",
+    "PATH_OF_FFN",
+    "QUIET",
+    "SMOKE_SEQ",
+    "SMOKE_SIZE",
+    "SMOKE_VOCAB",
+    "SPARSE_PATHS",
+    "Recipe",
+    "check_config",
+    "default_overrides",
+    "ours_overrides",
+    "smoke_model_overrides",
+    "stage1_overrides",
+    "write_smoke_tokens",
+]

@@ -1,0 +1,58 @@
+"""A benchmark run over its sizes: :func:`run_bench` prepares each size
+(``train.bench.core.prepare``), runs its forward and per-budget stages
+(``train.bench.stages.bench_budgets``) and rewrites the outputs after every size
+(``train.bench.report.write_outputs``), so a run cut short keeps what it measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+
+from train.bench.core import BenchSettings, prepare
+from train.bench.recipe import write_smoke_tokens
+from train.bench.report import write_outputs
+from train.bench.stages import bench_budgets
+from train.bench.steps import Clock, free_memory, log
+
+
+def run_bench(s: BenchSettings) -> str:
+    """Run every size of ``s``, writing the outputs into ``s.out`` after each; returns Table 1.
+    One size's failure is logged (and named under ``errors`` in ``bench_meta.json``) and the
+    next size runs."""
+    clock = Clock(s.deadline_s, reserve_s=2.0 if s.smoke else 10.0)
+    work = s.work_dir or Path(tempfile.mkdtemp(prefix="bench_model_"))
+    work.mkdir(parents=True, exist_ok=True)
+    smoke_tokens = write_smoke_tokens(work / "smoke_tokens.bin") if s.smoke else None
+    rows, probes, profile = [], [], []
+    meta = {"sizes": {}, "skipped": clock.skipped, "torch": torch.__version__,
+            "settings": {k: str(v) for k, v in dataclasses.asdict(s).items()}}
+    table = ""
+    for size in s.sizes:
+        if clock.left() < 60 and not s.smoke:
+            clock.skipped.append(f"size {size}")
+            continue
+        run = None
+        try:
+            run = prepare(s, size, clock, work, smoke_tokens)
+            profile += [{"size": size, **r} for r in run.checks["profile"]]
+            bench_budgets(run)
+        except Exception as e:  # noqa: BLE001  (keep the other sizes and the outputs)
+            traceback.print_exc()
+            log(f"size {size} FAILED: {type(e).__name__}: {e}")
+            meta.setdefault("errors", []).append(f"{size}: {type(e).__name__}: {e}")
+        if run is not None:
+            rows += run.rows
+            probes += run.probes
+            meta["sizes"][size] = {**run.meta, "stages": dict(clock.stages)}
+            free_memory(run.device)
+        meta["wall_s"] = round(clock.elapsed(), 1)
+        table = write_outputs(s.out, rows, probes, profile, meta, equal_micro=s.equal_micro,
+                              plot=s.plots)
+    return table
+
+
+__all__ = ["run_bench"]

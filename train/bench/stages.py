@@ -1,0 +1,423 @@
+"""The per-budget stages of one size: our trainer's rows (``ell``, ``dense``, ``auto``), the
+plain-transformers row (``hf``) and the ``default`` row.
+
+Per budget, in the order given, each stage builds its model (our four FFN paths share one
+trainer, ``model.ffn_impl=auto``, whose plan is pinned per path), runs the search the first
+time (every budget at once, the probes shared), and times the chosen configurations with the
+card emulated (:func:`train.bench.search.emulated`). So one budget's rows are complete before
+the next budget starts, and a deadline cuts whole budgets last.
+
+Timing (:func:`train.bench.steps.time_steps`): the chosen configuration at accumulation 1 (one
+micro-batch per optimizer step), ``warmup`` untimed steps first (the dense-backup capacities
+are measured again after every change, and ``auto`` settles), then ``steps`` steps: CUDA events
+around each (the median) and the host clock around all (the wall-clock mean; redone steps
+included). Peak: ``max_memory_allocated`` over the timed steps. A configuration chosen for an
+earlier budget is not timed again. The steps draw held-out sequences (the validation split).
+
+The default row is the trainer of ``experiment=paper_*`` as it builds itself under the
+emulated card: its memory planner probes and chooses at the experiment's global batch; the
+choice is then timed at accumulation 1 like every row (the optimizer step's share is then the
+same in all rows; ``notes`` gives the accumulation the user's run has).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+
+import torch
+
+from train.bench.core import (
+    SizeRun,
+    add_row,
+    measure_forward,
+    new_row,
+    reuse,
+    search_ffn,
+    skipped_row,
+    timed_fields,
+)
+from train.bench.recipe import (
+    HF_RECOMPUTE,
+    OUR_RECOMPUTE,
+    PATH_FFNS,
+    PATH_OF_FFN,
+    default_overrides,
+    ours_overrides,
+)
+from train.bench.search import Budget, Choice, emulated, faster
+from train.bench.steps import (
+    HFProbe,
+    HFStep,
+    batches_from,
+    build_hf,
+    build_ours,
+    free_memory,
+    is_oom,
+    log,
+    time_steps,
+)
+from train.memory import Candidate, Plan, ProbeRunner, pending_optimizer_gb, plan_memory
+
+OUR_PATHS = ("ell", "dense", "auto")  # the timing order inside our trainer's stage
+
+
+def bench_budgets(run: SizeRun) -> None:
+    """The forward, then per budget our rows, ``hf``'s and ``default``'s (module docstring).
+    A stage that fails leaves rows naming the error for its paths and the next stage runs."""
+    measure_forward(run)
+    for i, b in enumerate(run.s.budgets):
+        t0 = run.clock.elapsed()
+        first = i == 0
+        stages = [(OUR_PATHS, lambda b=b, first=first: ours_rows(run, b, first)),
+                  (("hf",), lambda b=b, first=first: hf_rows(run, b, first)),
+                  (("default",), lambda b=b: default_row(run, b))]
+        for paths, stage in stages:
+            paths = [p for p in paths if p in run.s.paths]
+            if paths:
+                _guarded(run, stage, paths, b)
+            free_memory(run.device)  # the stage's models (reference cycles) before the next
+        run.clock.mark(f"{b.label} GB card", t0)
+
+
+def _guarded(run: SizeRun, stage, paths: list[str], b: Budget) -> None:
+    try:
+        stage()
+    except Exception as e:  # noqa: BLE001  (one stage's failure keeps the others' rows)
+        traceback.print_exc()
+        why = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        log(f"{run.size} {b.label} GB {', '.join(paths)}: {why}")
+        run.meta.setdefault("errors", []).append(f"{b.label} GB {', '.join(paths)}: {why}")
+        have = {r["path"] for r in run.rows if r["budget_gb"] == b.card_gb}
+        for p in paths:
+            if p not in have:
+                add_row(run, skipped_row(run, p, b, why, path_choice(run, p, b)
+                                         if p != "default" else None))
+
+
+def path_choice(run: SizeRun, path: str, b: Budget) -> Choice | None:
+    """The searched configuration of ``path`` at ``b`` (dense: the faster of its two)."""
+    got = [run.choices.get((f, b)) for f in PATH_FFNS[path]]
+    best = None
+    for c in got:
+        best = faster(best, c)
+    return best
+
+
+def timing_est(run: SizeRun, choice: Choice) -> float:
+    if run.device.type != "cuda":
+        return 0.0
+    step_s = run.est_step_s(choice.micro_batch, choice.probe_tok_per_ms)
+    return (run.s.warmup + run.s.steps) * step_s + 3.0
+
+
+def _plan_for(choice: Choice, b: Budget, why: str = "benchmark") -> Plan:
+    """A one-micro-batch-per-step :class:`train.memory.Plan` of ``choice``."""
+    return Plan(choice.micro_batch, choice.recompute, 1, choice.step_peak_gb,
+                choice.probe_tok_per_ms, b.planner_gb, why)
+
+
+def _close(tr, device) -> None:
+    tr.close()
+    tr.acc.free_memory()
+    free_memory(device)
+
+
+# ---------------------------------------------------------------- our trainer
+
+
+def build_our_trainer(run: SizeRun):
+    """Our trainer (:func:`train.bench.recipe.ours_overrides`) on the bench model's weights."""
+    from train.config import compose
+    from train.trainer import Trainer
+
+    cfg = compose(ours_overrides(run.size, run.s.search_batch, run.s.config, run.smoke_tokens))
+    model = build_ours(cfg.model, run.bm.weights, run.device)
+    run.builds += 1
+    return Trainer(cfg, run.work / f"{run.size}_ours{run.builds}", datamodule=run.data,
+                   model=model)
+
+
+def use_ffn(tr, ffn: str, plan_state: dict | None) -> None:
+    """Make our trainer train on ``ffn``: every layer pinned to ``torch`` / ``dense`` / ``ell``;
+    ``auto``: unpinned, from the trained plan state (all layers on ``dense`` without one, as a
+    fresh ``auto``). Capacities are measured again."""
+    if ffn == "auto":
+        tr.plan.pin("dense")
+        tr.plan.pin(None)
+        if plan_state is not None:
+            tr.plan.load_state_dict(plan_state)
+    else:
+        tr.plan.pin(ffn)
+    tr.plan.reset_capacities()
+
+
+def min_probe_tokens(tr) -> int:
+    """The fused loss's chunk rows when the trainer uses it (the planner's slope rule)."""
+    from train.loss import fused_ce_enabled
+
+    t = tr.cfg.trainer
+    fused = fused_ce_enabled(t.fused_ce, device_type=tr.device.type, precision=tr.precision,
+                             compile=t.compile, sharded=False)
+    return t.ce_chunk_rows if fused else 0
+
+
+def loss_check(run: SizeRun, tr, ffn: str) -> bool:
+    """The training forward's loss on the check blocks (every backup measured, no statistics
+    kept) within the tolerance of plain transformers' bf16 loss, and the logits check passed."""
+    ids = run.pool_NT[:2].to(run.device)
+    with tr.plan.profiling():
+        tr.plan.set_collect_stats(False)
+        loss = tr.model(input_ids=ids, labels=ids).loss.item()
+    c = run.checks
+    run.meta.setdefault("loss_checks", {})[ffn] = round(loss, 5)
+    return bool(abs(loss - c["hf_loss_bf16"]) <= c["loss_tol"] and c["logits_rel_err"] < 1e-4)
+
+
+def time_trainer(run: SizeRun, tr, plan: Plan, seed: int) -> tuple:
+    """``warmup`` + ``steps`` training steps of ``tr`` at ``plan`` (capacities measured again
+    first); (window, the timed steps' metrics)."""
+    tr.memory.apply(plan)
+    tr.plan.reset_capacities()
+    tr.model.train()
+    batches = batches_from(run.pool_NT, plan.micro_batch, seed)
+    warm = tr.new_interval()
+    for _ in range(run.s.warmup):
+        tr.train_step(batches, warm)
+    interval = tr.new_interval()
+    window = time_steps(lambda: tr.train_step(batches, interval), 0, run.s.steps, run.device)
+    return window, tr.log_metrics(interval)
+
+
+def time_our_path(run: SizeRun, tr, path: str, b: Budget) -> None:
+    """One of our rows: the searched choice of ``path`` at ``b``, timed (or why not)."""
+    choice = path_choice(run, path, b)
+    if choice is None or not choice.fits:
+        why = "not searched (deadline)" if choice is None else choice.why
+        return add_row(run, skipped_row(run, path, b, why, choice))
+    use_ffn(tr, choice.ffn, run.bm.plan_state)
+    ok = loss_check(run, tr, choice.ffn)
+    try:
+        window, m = time_trainer(run, tr, _plan_for(choice, b), seed=choice.micro_batch)
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        tr.optimizer.zero_grad(set_to_none=True)
+        free_memory(run.device)
+        return add_row(run, skipped_row(run, path, b, "out of memory while timing", choice,
+                                        check_ok=ok))
+    notes = f"timed L0 {m['l0_mean']:.1f}"
+    if choice.ffn == "auto":
+        paths = tr.plan.paths
+        notes += f"; ell layers {paths.count('ell')}/{len(paths)}"
+    row = new_row(run, path, b, ffn=choice.ffn, micro_batch=choice.micro_batch,
+                  recompute=choice.recompute, predicted_peak_gb=choice.step_peak_gb,
+                  probe_tok_per_ms=choice.probe_tok_per_ms, redos=m.get("ffn_backup_redos", 0),
+                  check_ok=ok, notes=notes, **timed_fields(run, window, choice.micro_batch,
+                                                           choice))
+    run.timed[(path, *choice.key)] = row
+    add_row(run, row)
+
+
+def ours_rows(run: SizeRun, b: Budget, first: bool) -> None:
+    """Our rows at ``b``: build the trainer (searching every budget the first time), time
+    ``ell``, ``dense`` and ``auto``; a configuration timed for an earlier budget is reused."""
+    paths = [p for p in OUR_PATHS if p in run.s.paths]
+    todo = []
+    for p in paths:
+        c = path_choice(run, p, b)
+        if not first and (c is None or not c.fits):
+            add_row(run, skipped_row(run, p, b, "not searched (deadline)" if c is None
+                                     else c.why, c))
+            continue
+        again = None if first else reuse(run, p, b, c)
+        if again is not None:
+            add_row(run, again)
+        else:
+            todo.append(p)
+    if not todo:
+        return
+    scale = run.n_params / 1.5e9 if run.device.type == "cuda" else 0.0
+    search_s = 12.0 * scale * len({f for p in paths for f in PATH_FFNS[p]}) if first else 0.0
+    if not run.clock.fits(run.est_build_s() + search_s,
+                          f"{run.size} our trainer at {b.label} GB"):
+        for p in todo:
+            add_row(run, skipped_row(run, p, b, "skipped (deadline)", path_choice(run, p, b)))
+        return
+    tr = build_our_trainer(run)
+    try:
+        if first:
+            _search_ours(run, tr, paths)
+        with emulated(b, run.device):
+            for p in todo:
+                c = path_choice(run, p, b)
+                if c is not None and c.fits and not run.clock.fits(
+                        timing_est(run, c), f"{run.size} {p} at {b.label} GB"):
+                    add_row(run, skipped_row(run, p, b, "skipped (deadline)", c))
+                    continue
+                time_our_path(run, tr, p, b)
+    finally:
+        _close(tr, run.device)
+
+
+def _search_ours(run: SizeRun, tr, paths: list[str]) -> None:
+    pending = pending_optimizer_gb(tr.optimizer)  # before any timed step: every search alike
+    runner = ProbeRunner(tr, timed_steps=run.s.probe_steps)
+    for ffn in dict.fromkeys(f for p in paths for f in PATH_FFNS[p]):
+        use_ffn(tr, ffn, run.bm.plan_state)
+        search_ffn(run, ffn, runner, pending, OUR_RECOMPUTE, min_probe_tokens(tr))
+
+
+# ---------------------------------------------------------------- plain transformers
+
+
+def hf_rows(run: SizeRun, b: Budget, first: bool) -> None:
+    """The ``hf`` row at ``b`` (the search of every budget the first time)."""
+    c = run.choices.get(("hf", b))
+    if not first:
+        again = None if c is None or not c.fits else reuse(run, "hf", b, c)
+        if again is not None or c is None or not c.fits:
+            return add_row(run, again or skipped_row(
+                run, "hf", b, "not searched (deadline)" if c is None else c.why, c))
+    scale = run.n_params / 1.5e9 if run.device.type == "cuda" else 0.0
+    if not run.clock.fits(run.est_build_s() + (10.0 * scale if first else 0.0),
+                          f"{run.size} hf at {b.label} GB"):
+        return add_row(run, skipped_row(run, "hf", b, "skipped (deadline)", c))
+    step = HFStep(build_hf(run.bm.model_cfg, run.bm.weights, run.device), run.cfg1.optim,
+                  run.bf16)
+    try:
+        if first:
+            probe = HFProbe(step, run.pool_NT, timed_steps=run.s.probe_steps)
+            search_ffn(run, "hf", probe, pending_optimizer_gb(step.optimizer), HF_RECOMPUTE, 0)
+            c = run.choices[("hf", b)]
+        if not c.fits:
+            return add_row(run, skipped_row(run, "hf", b, c.why, c))
+        if not run.clock.fits(timing_est(run, c), f"{run.size} hf at {b.label} GB"):
+            return add_row(run, skipped_row(run, "hf", b, "skipped (deadline)", c))
+        with emulated(b, run.device):
+            row = time_hf(run, step, c, b)
+        run.timed[("hf", *c.key)] = row
+        add_row(run, row)
+    finally:
+        step = None
+        free_memory(run.device)
+
+
+def time_hf(run: SizeRun, step: HFStep, c: Choice, b: Budget) -> dict:
+    step.set_recompute(c.recompute)
+    batches = batches_from(run.pool_NT, c.micro_batch, seed=c.micro_batch)
+    try:
+        window = time_steps(lambda: step(batches), run.s.warmup, run.s.steps, run.device)
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        step.optimizer.zero_grad(set_to_none=True)
+        free_memory(run.device)
+        return skipped_row(run, "hf", b, "out of memory while timing", c)
+    return new_row(run, "hf", b, ffn="hf", micro_batch=c.micro_batch, recompute=c.recompute,
+                   predicted_peak_gb=c.step_peak_gb, probe_tok_per_ms=c.probe_tok_per_ms,
+                   redos=0, check_ok=run.checks["logits_rel_err"] < 1e-4,
+                   **timed_fields(run, window, c.micro_batch, c))
+
+
+# ---------------------------------------------------------------- the default run
+
+
+def default_row(run: SizeRun, b: Budget) -> None:
+    """The ``default`` row at ``b``: the experiment's trainer built under the emulated card (its
+    planner probes and chooses), its choice timed; the same choice as an earlier budget's is
+    not timed again. Also marks ``is_default`` on the searched row its choice equals."""
+    d = run.meta["default"]
+    scale = run.n_params / 1.5e9 if run.device.type == "cuda" else 0.0
+    proxy = path_choice(run, "dense", b)
+    est = run.est_build_s() + 30.0 * scale + (timing_est(run, proxy) if proxy and proxy.fits
+                                              else 60.0 * scale)
+    if not run.clock.fits(est, f"{run.size} default at {b.label} GB"):
+        return add_row(run, skipped_row(run, "default", b, "skipped (deadline)", ffn=d["ffn"]))
+    with emulated(b, run.device):
+        tr = build_default_trainer(run, b)
+        try:
+            plan = _default_plan(run, tr, b)
+            key = (d["ffn"], plan.micro_batch, plan.recompute)
+            row = run.default_rows.get(key)
+            if row is not None:
+                row = {**row, "budget_gb": b.card_gb, "predicted_peak_gb": plan.peak_gb,
+                       "notes": f"{plan_note(tr, plan)}; the {row['budget_gb']:g} GB card's "
+                                "choice: timed once"}
+            else:
+                row = time_default(run, tr, plan, b)
+                run.default_rows[key] = row
+        finally:
+            _close(tr, run.device)
+    add_row(run, row)
+    mark_default(run, row, b)
+
+
+def build_default_trainer(run: SizeRun, b: Budget):
+    from train.config import compose
+    from train.trainer import Trainer
+
+    fake = run.s.fake_memory is not None or not hasattr(torch.cuda,
+                                                        "get_per_process_memory_fraction")
+    over = default_overrides(run.size, run.smoke_tokens, b.planner_gb if fake else None)
+    cfg = compose(over)
+    model = build_ours(cfg.model, run.bm.weights, run.device)
+    run.builds += 1
+    return Trainer(cfg, run.work / f"{run.size}_default{run.builds}", datamodule=run.data,
+                   model=model)
+
+
+def _default_plan(run: SizeRun, tr, b: Budget) -> Plan:
+    """The plan the trainer made for itself (without CUDA: the planner again, on the fake
+    memory model's probes)."""
+    if run.s.fake_memory is None:
+        return tr.memory.plan
+    probe = run.s.fake_memory.probe(run.meta["default"]["ffn"], ProbeRunner(tr, timed_steps=1))
+    return plan_memory(tr, probe).plan
+
+
+def plan_note(tr, plan: Plan) -> str:
+    return (f"planner: micro {plan.micro_batch} x {plan.recompute}, accumulation {plan.accum} "
+            f"at global batch {tr.cfg.trainer.global_batch} ({plan.why})")
+
+
+def time_default(run: SizeRun, tr, plan: Plan, b: Budget) -> dict:
+    d = run.meta["default"]
+    choice = Choice(d["ffn"], b, plan.micro_batch, plan.recompute, plan.peak_gb, plan.tok_per_ms,
+                    plan.why)
+    if run.s.fake_memory is not None:
+        choice.step_peak_gb = run.s.fake_memory.peak_gb(
+            d["ffn"], Candidate(plan.micro_batch, plan.recompute)) + pending_optimizer_gb(
+            tr.optimizer)
+    ok = loss_check(run, tr, "default")
+    base = {"ffn": d["ffn"], "micro_batch": plan.micro_batch, "recompute": plan.recompute,
+            "predicted_peak_gb": plan.peak_gb, "probe_tok_per_ms": plan.tok_per_ms,
+            "check_ok": ok}
+    try:
+        window, m = time_trainer(run, tr, dataclasses.replace(plan, accum=1), seed=1)
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        tr.optimizer.zero_grad(set_to_none=True)
+        free_memory(run.device)
+        return new_row(run, "default", b, notes=f"{plan_note(tr, plan)}; out of memory while "
+                                                "timing", **base)
+    return new_row(run, "default", b, redos=m.get("ffn_backup_redos", 0),
+                   notes=f"{plan_note(tr, plan)}; timed L0 {m['l0_mean']:.1f}", **base,
+                   **timed_fields(run, window, plan.micro_batch, choice))
+
+
+def mark_default(run: SizeRun, row: dict, b: Budget) -> None:
+    """``is_default`` on the searched row of the default's path whose ffn, micro-batch and
+    recompute are the default's choice at ``b``."""
+    for r in run.rows:
+        if (r["budget_gb"] == b.card_gb and r["path"] == PATH_OF_FFN.get(row.get("ffn"))
+                and (r.get("ffn"), r.get("micro_batch"), r.get("recompute"))
+                == (row.get("ffn"), row.get("micro_batch"), row.get("recompute"))):
+            r["is_default"] = True
+    log(f"{run.size} {b.label} GB default: {row.get('notes')}")
+
+
+__all__ = ["OUR_PATHS", "bench_budgets", "build_default_trainer", "build_our_trainer",
+           "default_row", "hf_rows", "loss_check", "ours_rows", "path_choice", "time_trainer",
+           "use_ffn"]
