@@ -1,22 +1,17 @@
 """TwELL inference kernels (twell.ops.twell_pack / twell_ffn / ffn) against fp64 references.
 
 On a machine without CUDA the Triton kernels run in the interpreter
-(TRITON_INTERPRET=1, set here before triton is imported if the caller did
-not). Shapes are small and odd; the full shape sweep is in
+(TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported if the
+caller did not). Shapes are small and odd; the full shape sweep is in
 ``scripts/bench_ffn.py --check-only`` on the GPU.
 
 ``ffn_reference_fp64`` is also the reference of ``scripts/bench_ffn.py``.
 """
 
 import math
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import torch
 
 from twell.format import TILE, pack, validate, words_per_tile
 
