@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from train.config import ConfigError
 from twell.nn import SparseGatedMLP
+from twell.nn.plan import layer_plan
 from twell.stats import stats_from_activations
 
 SMOLLM2 = "smollm2"
@@ -334,7 +335,7 @@ class SiluGatedMLP(SparseGatedMLP):
         h_NH = F.silu(F.linear(x_ND, self.gate_proj.weight)) * F.linear(x_ND, self.up_proj.weight)
         y_ND = F.linear(h_NH, self.down_proj.weight)
         self.last_stats = (stats_from_activations(h_NH, h_NH != 0, self.policy.ell_capacity)
-                           if self.collect_stats else None)
+                           if layer_plan(self).collect_stats else None)
         return y_ND.reshape(*lead, y_ND.shape[-1])
 
 
