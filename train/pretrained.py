@@ -369,8 +369,8 @@ def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
     (ReLU), or with :class:`SiluGatedMLP` for ``model.hidden_act=silu`` (the SiLU gate kept).
 
     Args:
-        mcfg: the filled ModelConfig (:func:`fill_model_config`); ``ffn_impl`` and
-            ``hidden_act`` are used.
+        mcfg: the filled ModelConfig (:func:`fill_model_config`); ``ffn_impl``, ``ffn_policy``
+            (every FFN's) and ``hidden_act`` are used.
         src: from :func:`inspect_checkpoint`.
         load_weights: False when resuming (the run's own checkpoint is loaded over a
             randomly initialised model of the same shape; the source is not read).
@@ -384,7 +384,9 @@ def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
     from twell.nn import convert_mlps
 
     if not src.gated:  # twell's non-gated checkpoints are ReLU already; they need its own loader
-        return _checked(src.spec, load_model, src.path, ffn_impl=mcfg.ffn_impl).train(), 0
+        model = _checked(src.spec, load_model, src.path, ffn_impl=mcfg.ffn_impl)
+        convert_mlps(model, mcfg.ffn_impl, policy=mcfg.ffn_policy)
+        return model.train(), 0
     act = mcfg.hidden_act
     if load_weights:
         model = load_source_model(src)
@@ -396,9 +398,10 @@ def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
     model.config.use_cache = False
     setattr(model.config, GATED_KEY, True)
     if act == "silu":
-        install_silu_ffns(model)
+        for mlp in install_silu_ffns(model):
+            mlp.policy = mcfg.ffn_policy
     else:
-        convert_mlps(model, mcfg.ffn_impl)
+        convert_mlps(model, mcfg.ffn_impl, policy=mcfg.ffn_policy)
     return model.train(), switched
 
 
