@@ -222,6 +222,46 @@ def test_cli_gguf_scores_the_model_the_file_holds(tmp_path, monkeypatch):
     assert got["mean"] == pytest.approx(want["mean"])
 
 
+def test_ffn_impl_auto_scores_like_torch_when_its_policy_picks_twell(checkpoint, monkeypatch):
+    """Scoring with ffn_impl=auto: with the default policy every eval-sized call (tens of rows,
+    far below infer_min_rows 8192) runs dense, so comparing it with torch compares dense with
+    dense; with a policy that sends every call to TwELL each call runs TwELL and the
+    log-likelihoods stay within TwELL's bf16 gate storage of torch's. TwELL's PyTorch reference
+    path runs here (the interpreted kernels take ~17 s a call on this machine, measured)."""
+    import twell.ops.ffn as ffn_mod
+    from evals.harness import evaluate
+    from evals.models import load_checkpoint
+    from twell.nn.convert import convert_mlps
+    from twell.policy import FFNPolicy
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    paths = []
+    for name in ("_twell", "_auto_dense"):
+        real = getattr(ffn_mod, name)
+        monkeypatch.setattr(ffn_mod, name, lambda *a, _r=real, _n=name, **kw: paths.append(_n)
+                            or _r(*a, **kw))
+
+    def lls(model, tok):
+        res = evaluate(model, tok, tasks="arc_easy,piqa", limit=3, batch_size=4, device="cpu",
+                       log_samples=True)
+        return [ll for t in res["tasks"].values() for x in t["samples"] for ll in x["lls"]]
+
+    want = lls(*load_checkpoint(checkpoint, ffn_impl="torch"))
+    assert paths == []
+    auto, tok = load_checkpoint(checkpoint, ffn_impl="auto")
+    got_dense = lls(auto, tok)
+    assert paths and set(paths) == {"_auto_dense"}
+    assert got_dense == pytest.approx(want, rel=1e-5, abs=1e-5)
+    paths.clear()
+    convert_mlps(auto, "auto", policy=FFNPolicy(infer_density_threshold=1.0, infer_min_rows=0,
+                                                infer_min_flops=0, infer_measure=False))
+    got = lls(auto, tok)
+    assert paths and set(paths) == {"_twell"}
+    assert all(layer.mlp.last_info.path == "twell-torch" for layer in auto.model.layers)
+    assert got == pytest.approx(want, rel=2e-3, abs=2e-3)
+    assert got != pytest.approx(want, rel=1e-7, abs=1e-7)  # bf16 gates: not the dense numbers
+
+
 def test_cli_ffn_conversion(checkpoint):
     from evals.models import load_checkpoint
     from twell.nn.mlp import SparseGatedMLP
