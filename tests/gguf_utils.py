@@ -17,9 +17,11 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path: Path, hf_dir: Path, tokens: list[str], rope_theta: float,
-                    skip: tuple[str, ...] = ()) -> Path:
+                    skip: tuple[str, ...] = (), merges: list[str] | None = None) -> Path:
     """An F32 llama GGUF of a saved LlamaForCausalLM, written with gguf.GGUFWriter; the GGUF
-    tensor names in ``skip`` (e.g. ``blk.0.ffn_gate.weight``) are left out."""
+    tensor names in ``skip`` (e.g. ``blk.0.ffn_gate.weight``) are left out. ``merges``: the BPE
+    merges (``"a b"`` strings) of a byte-level tokenizer, so that transformers' GGUF loader
+    rebuilds it (without them only the token list is written)."""
     from gguf import GGUFWriter
 
     m = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -37,6 +39,8 @@ def write_tiny_gguf(path: Path, hf_dir: Path, tokens: list[str], rope_theta: flo
     w.add_vocab_size(c.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
+    if merges is not None:
+        w.add_token_merges(merges)
     sd = {k: v.numpy() for k, v in m.state_dict().items()}
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])

@@ -169,6 +169,99 @@ def test_cli_non_gated_checkpoint_loads_its_own_weights(tmp_path):
         load_checkpoint(d, ffn_impl="none")
 
 
+def test_cli_gguf_scores_the_model_the_file_holds(tmp_path, monkeypatch):
+    """twell-eval gguf=<a tiny F32 GGUF written from a saved SiLU LlamaForCausalLM and its BPE
+    tokenizer>: the requests (token ids from the tokenizer the file holds) and their
+    log-likelihoods, and the scores in the written JSON, equal scoring the saved folder's model
+    and tokenizer with evals.evaluate."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    import evals.harness
+    from evals.harness import evaluate
+    from tests.gguf_utils import write_tiny_gguf
+
+    tok = _tiny_tokenizer()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, hidden_act="silu", tie_word_embeddings=True,
+                      bos_token_id=0, eos_token_id=0)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 1e4}
+    hf = tmp_path / "hf"
+    LlamaForCausalLM(cfg).save_pretrained(hf)
+    tok.save_pretrained(hf)
+    merges = json.loads((hf / "tokenizer.json").read_text())["model"]["merges"]
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", hf, [t for t, _ in vocab], 1e4,
+                           merges=[" ".join(m) if isinstance(m, list) else m for m in merges])
+    calls, real = [], evals.harness.score_requests
+
+    def recorded(model, requests, **kw):
+        lls = real(model, requests, **kw)
+        calls.append((requests, lls))
+        return lls
+
+    monkeypatch.setattr(evals.harness, "score_requests", recorded)
+    tasks = "arc_easy,piqa,hellaswag"
+    assert main([f"gguf={gguf}", f"tasks={tasks}", "limit=5", "batch_size=4", "device=cpu",
+                 f"out={tmp_path / 'out'}", "name=g", "progress=false", "threads=1"]) == 0
+    got, calls_gguf = json.loads((tmp_path / "out" / "g.json").read_text()), calls[:]
+    assert got["protocol"]["source"]["gguf"] == str(gguf)
+    calls.clear()
+    stock = LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    want = evaluate(stock, AutoTokenizer.from_pretrained(hf), tasks=tasks, limit=5,
+                    batch_size=4, device="cpu")
+    assert len(calls_gguf) == len(calls) == 3
+    for (req_g, ll_g), (req_w, ll_w) in zip(calls_gguf, calls, strict=True):
+        assert req_g == req_w  # the same token ids
+        assert ll_g == pytest.approx(ll_w, rel=1e-5, abs=1e-5)
+    assert len(set(ll_g)) > 1  # a model that tells requests apart
+    for name, w in want["tasks"].items():
+        g = got["tasks"][name]
+        assert (g["acc"], g["acc_norm"], g["n"]) == (w["acc"], w["acc_norm"], w["n"]), name
+    assert got["mean"] == pytest.approx(want["mean"])
+
+
+def test_ffn_impl_auto_scores_like_torch_when_its_policy_picks_twell(checkpoint, monkeypatch):
+    """Scoring with ffn_impl=auto: with the default policy every eval-sized call (tens of rows,
+    far below infer_min_rows 8192) runs dense, so comparing it with torch compares dense with
+    dense; with a policy that sends every call to TwELL each call runs TwELL and the
+    log-likelihoods stay within TwELL's bf16 gate storage of torch's. TwELL's PyTorch reference
+    path runs here (the interpreted kernels take ~17 s a call on this machine, measured)."""
+    import twell.ops.ffn as ffn_mod
+    from evals.harness import evaluate
+    from evals.models import load_checkpoint
+    from twell.nn.convert import convert_mlps
+    from twell.policy import FFNPolicy
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    paths = []
+    for name in ("_twell", "_auto_dense"):
+        real = getattr(ffn_mod, name)
+        monkeypatch.setattr(ffn_mod, name, lambda *a, _r=real, _n=name, **kw: paths.append(_n)
+                            or _r(*a, **kw))
+
+    def lls(model, tok):
+        res = evaluate(model, tok, tasks="arc_easy,piqa", limit=3, batch_size=4, device="cpu",
+                       log_samples=True)
+        return [ll for t in res["tasks"].values() for x in t["samples"] for ll in x["lls"]]
+
+    want = lls(*load_checkpoint(checkpoint, ffn_impl="torch"))
+    assert paths == []
+    auto, tok = load_checkpoint(checkpoint, ffn_impl="auto")
+    got_dense = lls(auto, tok)
+    assert paths and set(paths) == {"_auto_dense"}
+    assert got_dense == pytest.approx(want, rel=1e-5, abs=1e-5)
+    paths.clear()
+    convert_mlps(auto, "auto", policy=FFNPolicy(infer_density_threshold=1.0, infer_min_rows=0,
+                                                infer_min_flops=0, infer_measure=False))
+    got = lls(auto, tok)
+    assert paths and set(paths) == {"_twell"}
+    assert all(layer.mlp.last_info.path == "twell-torch" for layer in auto.model.layers)
+    assert got == pytest.approx(want, rel=2e-3, abs=2e-3)
+    assert got != pytest.approx(want, rel=1e-7, abs=1e-7)  # bf16 gates: not the dense numbers
+
+
 def test_cli_ffn_conversion(checkpoint):
     from evals.models import load_checkpoint
     from twell.nn.mlp import SparseGatedMLP

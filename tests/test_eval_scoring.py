@@ -82,7 +82,9 @@ def test_bigram_alignment_hand_computed():
 
 
 def test_unigram_acc_vs_acc_norm_hand_computed():
-    """A long favoured answer loses on summed log-likelihood but wins per character."""
+    """A long favoured answer loses on summed log-likelihood but wins per character (one token
+    per character here, so also per token: test_acc_norm_divides_by_characters_not_tokens tells
+    the two apart)."""
     a = ord("a")
     m = UnigramModel([a], boost=2.0)
     tok = CharTokenizer()
@@ -109,6 +111,48 @@ def test_unigram_acc_vs_acc_norm_hand_computed():
     assert res["n"] == 3 and res["n_skipped"] == 0
     assert res["chance"] == pytest.approx((1 / 2 + 1 / 2 + 1 / 3) / 3)  # per item's choices
     assert res["acc_norm_stderr"] == pytest.approx(math.sqrt(2 / 3 * 1 / 3 / 2))
+
+
+class MergingTokenizer(CharTokenizer):
+    """CharTokenizer with one token of four characters: ``"qqqq"`` is id 127 (DEL, no text
+    character), so per-character and per-token lengths differ."""
+
+    QQQQ = 127
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = ([0] if add_special_tokens else [])
+        for i, part in enumerate(text.split("qqqq")):
+            ids += ([self.QQQQ] if i else []) + super().encode(part)
+        return ids
+
+    def convert_ids_to_tokens(self, i: int) -> str:
+        return "qqqq" if i == self.QQQQ else chr(i)
+
+
+def test_acc_norm_divides_by_characters_not_tokens():
+    """acc_norm divides by the choice's characters (lm-eval's acc_norm), not by its tokens: with
+    the 4-character token "qqqq" made unlikely, " qqqq" (2 tokens) loses to " bb" (3 tokens) on
+    the sum and per token, and wins per character."""
+    tok = MergingTokenizer()
+    assert tok.encode(" qqqq") == [ord(" "), tok.QQQQ] and len(tok.encode(" bb")) == 3
+    m = UnigramModel([tok.QQQQ], boost=-15.0)
+    log_z = math.log(math.exp(-15.0) + V - 1)
+    ll_q = -15.0 - log_z - log_z  # " " then "qqqq"
+    ll_b = 3 * (-log_z)  # " ", "b", "b"
+    # the hand check behind the test: sum and per token (incl. or excl. the space) pick " bb",
+    # per character of the choice picks " qqqq"
+    assert ll_b > ll_q and ll_q / 2 < ll_b / 3 and ll_q / 1 < ll_b / 2 and ll_q / 4 > ll_b / 2
+    rows = [
+        {"question": "q?", "choices": {"text": ["qqqq", "bb"], "label": ["A", "B"]}, "answerKey": "A"},
+        {"question": "q?", "choices": {"text": ["bb", "qqqq"], "label": ["A", "B"]}, "answerKey": "B"},
+    ]
+    res = score_task(m, tok, "arc_easy", rows, prefix_id=0, log_samples=True)
+    s = res["samples"]
+    assert s[0]["lls"] == pytest.approx([ll_q, ll_b], abs=1e-5)
+    assert s[1]["lls"] == pytest.approx([ll_b, ll_q], abs=1e-5)
+    assert [x["pred"] for x in s] == [1, 0]       # the sum: " bb"
+    assert [x["pred_norm"] for x in s] == [0, 1]  # per character: " qqqq"
+    assert res["acc"] == 0.0 and res["acc_norm"] == 1.0
 
 
 def test_encode_pair_lm_eval_split():

@@ -562,3 +562,75 @@ def test_progress_without_a_terminal_is_a_line_per_interval(tokens, tmp_path, ca
     assert any(ln.startswith("model: ") and "parameters" in ln for ln in lines[:3])
     steps = [ln for ln in lines if ln.startswith("step ") and ": loss " in ln]
     assert len(steps) == 2 and steps[0].endswith(" | step 2/4, eta " + steps[0].split()[-1])
+
+
+# ------------------------------------------------------------------ rewriting an existing step{N}
+
+
+def _weights(ckpt: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def _files(ckpt: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(ckpt.iterdir())}
+
+
+@pytest.mark.parametrize("fail", [None, "write", "swap"])
+def test_saving_an_existing_step_replaces_it_whole_or_not_at_all(tokens, saved, tmp_path,
+                                                                 monkeypatch, fail):
+    """Saving step4 again where step4 exists (the finished run's trainer, weights changed): while
+    the new folder is written the old step4 is complete and unchanged; on success step4 holds
+    the new weights with verified metadata and nothing else is left; a failure while writing
+    the files or while swapping the folders leaves the old step4 byte for byte."""
+    run = _copy_run(saved, tmp_path / "run")
+    ckpts = run / "checkpoints"
+    step4 = ckpts / "step4"
+    old_files, old_w = _files(step4), _weights(step4)
+    t = Trainer(tiny_config(tokens, **SAVE), run)  # finished: resumed at step 4
+    assert t.step == 4
+    model = t.acc.unwrap_model(t.model)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)
+    real_save, real_rename = ckpt_io.save_state, Path.rename
+    checked = []
+
+    def save_state(folder, name, obj):
+        if Path(folder).name == ".step4.tmp" and name == "trainer":  # the last state file
+            assert _files(step4) == old_files and ckpt_io.verify(step4) == []
+            checked.append(name)
+            if fail == "write":
+                raise OSError(errno.EIO, os.strerror(errno.EIO), str(Path(folder) / name))
+        return real_save(folder, name, obj)
+
+    def rename(self, target):
+        if fail == "swap" and self.name == ".step4.tmp":
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(self))
+        return real_rename(self, target)
+
+    monkeypatch.setattr(ckpt_io, "save_state", save_state)
+    monkeypatch.setattr(Path, "rename", rename)
+    try:
+        if fail is None:
+            assert t.save_checkpoint() == step4
+        else:
+            with pytest.raises(OSError, match=os.strerror(errno.EIO)):
+                t.save_checkpoint()
+    finally:
+        t.close()
+    assert checked == ["trainer"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step2", "step4"]  # no .tmp / .old left
+    assert ckpt_io.verify(ckpts / "step2") == []
+    if fail is not None:
+        assert _files(step4) == old_files
+        return
+    assert ckpt_io.verify(step4, checksums=True) == []
+    meta = ckpt_io.read_metadata(step4)
+    assert meta["step"] == 4 and sorted(meta["files"]) == sorted(
+        p.name for p in step4.iterdir() if p.name != "metadata.json")
+    new_w = _weights(step4)
+    torch.testing.assert_close(new_w["model.norm.weight"], old_w["model.norm.weight"] + 0.5,
+                               rtol=0, atol=1e-6)
+    assert all(torch.equal(v, old_w[k]) for k, v in new_w.items() if k != "model.norm.weight")
+    assert ckpt_io.latest_checkpoint(run, checksums=True) == step4

@@ -1,22 +1,17 @@
 """TwELL inference kernels (twell.ops.twell_pack / twell_ffn / ffn) against fp64 references.
 
 On a machine without CUDA the Triton kernels run in the interpreter
-(TRITON_INTERPRET=1, set here before triton is imported if the caller did
-not). Shapes are small and odd; the full shape sweep is in
+(TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported if the
+caller did not). Shapes are small and odd; the full shape sweep is in
 ``scripts/bench_ffn.py --check-only`` on the GPU.
 
 ``ffn_reference_fp64`` is also the reference of ``scripts/bench_ffn.py``.
 """
 
 import math
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import torch
 
 from twell.format import TILE, pack, validate, words_per_tile
 
@@ -420,35 +415,45 @@ def test_auto_mode_goes_dense_for_few_rows():
     torch.testing.assert_close(y_d, y_t, rtol=1e-2, atol=1e-3)
 
 
-def test_inference_op_refuses_inputs_that_need_a_gradient():
-    """sparse_ffn is inference-only: with gradients enabled and an input that needs one it
-    raises, naming the training op (SparseGatedMLP calls sparse_ffn_train itself); under
-    no_grad the same inputs run."""
+@pytest.mark.parametrize("needs_grad", [0, 1, 3])  # x, w_gate, w_down
+def test_inference_op_refuses_inputs_that_need_a_gradient(needs_grad):
+    """sparse_ffn is inference-only: with gradients enabled and any input that needs one (the
+    activations or a weight) it raises, naming the training op (SparseGatedMLP calls
+    sparse_ffn_train itself); under no_grad the same inputs run."""
     n, d, h = 4, 16, 256
-    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=2)
-    x.requires_grad_(True)
+    ins = list(make_ffn(n, d, h, torch.float32, 0.05, seed=2))
+    ins[needs_grad].requires_grad_(True)
     with pytest.raises(ValueError, match="inference op.*sparse_ffn_train"):
-        sparse_ffn(x, wg, wu, wd)
+        sparse_ffn(*ins)
     with torch.no_grad():
-        y, _ = sparse_ffn(x, wg, wu, wd)
+        y, _ = sparse_ffn(*ins)
     assert not y.requires_grad
-    y_ref, _, _ = ffn_reference_fp64(x.detach(), wg, wu, wd, factor=8, value_dtype=torch.bfloat16)
+    y_ref, _, _ = ffn_reference_fp64(*(t.detach() for t in ins), factor=8,
+                                     value_dtype=torch.bfloat16)
     assert_close_verbose(y, y_ref, rtol=1e-4, atol=1e-5, what="no_grad output")
 
 
 def test_cpu_reference_path_matches_kernels(monkeypatch):
+    """The TwELL kernels (on CUDA, or on CPU in the interpreter) and the PyTorch reference path
+    that CPU tensors take without the interpreter give the same outputs and statistics; each
+    call reports the path it took."""
     import twell.ops.ffn as ffn_mod
 
     n, d, h = 11, 40, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.08, seed=4, heavy=True)
-    y_k, s_k = sparse_ffn(x.cpu(), wg.cpu(), wu.cpu(), wd.cpu())
+    st_k = TwELLState()
+    y_k, s_k = sparse_ffn(x, wg, wu, wd, state=st_k)  # DEV: CUDA, or CPU under TRITON_INTERPRET
+    assert st_k.last_info.path == "twell"
     monkeypatch.setattr(ffn_mod, "_triton_ok", lambda t: False)
     st = TwELLState()
     y_r, s_r = sparse_ffn(x.cpu(), wg.cpu(), wu.cpu(), wd.cpu(), state=st)
     assert st.last_info.path == "twell-torch"
     torch.testing.assert_close(y_r, y_k.cpu(), rtol=1e-5, atol=1e-5)
-    assert s_r.nnz_sum == s_k.nnz_sum and torch.equal(s_r.active_counts, s_k.active_counts.cpu())
+    assert s_r.nnz_sum == s_k.nnz_sum.cpu() and torch.equal(s_r.active_counts,
+                                                            s_k.active_counts.cpu())
     torch.testing.assert_close(s_r.l1, s_k.l1.cpu(), rtol=1e-5, atol=0)
+    y_ref, _, _ = ffn_reference_fp64(x, wg, wu, wd, factor=8, value_dtype=torch.bfloat16)
+    assert_close_verbose(y_r, y_ref.cpu(), rtol=1e-4, atol=1e-5, what="reference path output")
 
 
 @pytest.mark.slow

@@ -2,17 +2,12 @@
 
 Reference: ``twell.ops.reference.gated_ffn_torch`` in float64 with PyTorch autograd; loss
 ``sum(y * dy) + c * l1``. Both backends are checked: the pure-PyTorch one in float64 (tight
-tolerance) and the Triton kernels in float32 (on CPU through ``TRITON_INTERPRET=1``, set below when
-no GPU is present). Shape legend: N tokens, D model width, H FFN width.
+tolerance) and the Triton kernels in float32 (on CPU through ``TRITON_INTERPRET=1``, set by
+tests/conftest.py when no GPU is present). Shape legend: N tokens, D model width, H FFN width.
 """
-
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 from twell.ops import ffn_dense_train, ffn_train, sparse_train
 from twell.ops.reference import gated_ffn_torch, sparse_train_torch

@@ -265,27 +265,49 @@ def test_smollm2_shape_and_vocabulary_match_the_corpus_tokenizer():
     assert check_vocab(src, 49152, load_tokenizer("smollm2")) == "identical"
 
 
-@pytest.mark.parametrize("impl", ["auto"])
-def test_init_from_trains_on_the_sparse_paths_like_torch(tokens, relu_dir, tmp_path, impl):
-    """model.ffn_impl=auto from a pretrained checkpoint: the same per-step losses and L0 as the
-    torch path (fp32). ``twell`` passes too but takes ~14 min interpreted on a loaded 2-core
-    machine at this ~50 % density (measured), so it is left to tests/test_train_twell.py: the
-    model is built the same way (convert_mlps sets the impl)."""
-    def losses(ffn_impl, d):
-        c = _cfg(tokens, relu_dir, ffn_impl=ffn_impl)
-        c.trainer = dataclasses.replace(c.trainer, max_steps=2)
+def test_init_from_trains_on_the_sparse_paths_like_torch(tokens, relu_dir, tmp_path, monkeypatch):
+    """model.ffn_impl=auto from a pretrained checkpoint, with a policy that sends every layer to
+    the ELL op after its first step (density and heavy-row thresholds 1, an ELL capacity of the
+    full width 80: no row goes to the dense backup): step 1 runs dense mode, steps 2-3 the ELL
+    op on every layer, and the per-step losses and L0 are the torch path's (fp32). The ELL op
+    runs its PyTorch backend here (the loaded model is ~50 % dense: the Triton interpreter took
+    ~14 min for two steps, measured); its Triton kernels are checked in test_kernels_train.py
+    and tests/test_train_twell.py."""
+    import twell.ops.sparse_train as st
+    from twell.ops.ffn_train import sparse_ffn_train
+    from twell.policy import FFNPolicy
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    ell_steps = []
+
+    def losses(ffn_impl, d, **model_kw):
+        c = _cfg(tokens, relu_dir, ffn_impl=ffn_impl, **model_kw)
+        c.trainer = dataclasses.replace(c.trainer, max_steps=3)
         c.sparsity = dataclasses.replace(c.sparsity, l1_coeff=0.05)
         t = _trainer(c, d)
+
+        def spy(*a, **kw):
+            ell_steps.append(t.step + 1)
+            return sparse_ffn_train(*a, **kw)
+
+        monkeypatch.setattr(st, "sparse_ffn_train", spy)
         try:
             t.train()
         finally:
             t.close()
         return read_metrics(d)
 
-    ref, got = losses("torch", tmp_path / "t"), losses(impl, tmp_path / impl)
+    ref = losses("torch", tmp_path / "t")
+    assert ell_steps == []
+    pol = FFNPolicy(train_density_threshold=1.0, train_heavy_fraction=1.0, ell_capacity=80)
+    got = losses("auto", tmp_path / "auto", ffn_policy=pol)
+    assert [r["ffn_paths"] for r in got] == [["ell", "ell"]] * 3  # chosen after each step
+    assert ell_steps == [2] * 4 + [3] * 4  # 2 layers x 2 micro-batches a step, from step 2
+    assert all(hv == 0 for r in got for hv in r["heavy_frac_layers"])  # all rows in ELL
     for a, b in zip(got, ref, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a["step"], a["loss"], b["loss"])
         assert abs(a["l0_mean"] - b["l0_mean"]) < 1e-3 * max(1.0, b["l0_mean"])
+    assert 0.2 < ref[0]["l0_mean"] / 80 < 0.8  # far above the default thresholds
 
 
 def test_eval_at_start_scores_the_relufied_model_before_training(tokens, silu_dir, tmp_path,

@@ -1,13 +1,16 @@
-"""Convergence: the tiny model trained with ``model.ffn_impl=twell`` (sparse training kernels,
-Triton under TRITON_INTERPRET=1 on CPU, else their PyTorch backend) gives the same per-step
-losses, L0 and dead fractions as the dense PyTorch path from the same seed (fp32)."""
-
-import json
+"""Convergence: the tiny model trained with ``model.ffn_impl=twell`` (the ELL training kernels in
+Triton: on CUDA, or on CPU in the interpreter that tests/conftest.py turns on) gives the same
+per-step losses, L0 and dead fractions as the dense PyTorch path from the same seed (fp32); and
+``model.ffn_impl=auto`` runs, per layer and step, the path its logged statistics chose."""
 
 import pytest
+import torch
 
 from tests.train_utils import read_metrics, tiny_config, write_tokens
 from train.trainer import Trainer
+from twell.policy import FFNPolicy
+
+ON_GPU = {"trainer.cpu": not torch.cuda.is_available()}  # the Triton kernels' device
 
 
 @pytest.fixture(scope="module")
@@ -15,23 +18,54 @@ def tokens(tmp_path_factory):
     return write_tokens(tmp_path_factory.mktemp("tok") / "train.bin", n_tokens=8_000)
 
 
-def _losses(cfg, run_dir):
+def _losses(cfg, run_dir, prepare=None, **train_kw):
     t = Trainer(cfg, run_dir)
     try:
-        t.train()
+        if prepare is not None:
+            prepare(t)
+        t.train(**train_kw)
     finally:
         t.close()
     return read_metrics(run_dir)
 
 
+@pytest.fixture
+def triton_calls(monkeypatch):
+    """The ELL op's Triton backend is what runs here: calls per kernel launcher of
+    ``twell.ops.sparse_train_triton`` (compaction, the dense backup's forward pass)."""
+    from twell.ops import sparse_train_triton
+    from twell.ops.train_backend import pick_backend
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    assert pick_backend(torch.zeros(1, 1, device=dev), "auto") is sparse_train_triton
+    calls = dict.fromkeys(("compact_heavy", "backup_fwd"), 0)
+    for name in calls:
+        orig = getattr(sparse_train_triton, name)
+
+        def spy(*a, _name=name, _orig=orig, **kw):
+            calls[_name] += 1
+            return _orig(*a, **kw)
+
+        monkeypatch.setattr(sparse_train_triton, name, spy)
+    return calls
+
+
 @pytest.mark.slow
-def test_twell_training_matches_torch_every_step(tokens, tmp_path):
+def test_twell_training_matches_torch_every_step(tokens, tmp_path, triton_calls):
     # L1 on, so its gradient through the sparse kernels is exercised. No held-out data: the
     # end-of-run validation would run the TwELL *inference* kernels in the interpreter (~70 s,
-    # most of this test's time) and is not what is compared here.
-    over = {"trainer.max_steps": 4, "sparsity.l1_coeff": 0.5, "data.val_fraction": 0.0}
+    # most of this test's time) and is not what is compared here. At the tiny model's ~50 %
+    # density nearly every row is above the ELL capacity (16 of 64), so the op runs its
+    # compaction and then the whole call through the dense backup: the ELL rows' kernels are
+    # checked in tests/test_kernels_train.py (an ELL capacity of 40 here took 107 s a step
+    # interpreted, measured).
+    over = {"trainer.max_steps": 4, "sparsity.l1_coeff": 0.5, "data.val_fraction": 0.0,
+            **ON_GPU}
     ref = _losses(tiny_config(tokens, **over), tmp_path / "torch")
+    assert not any(triton_calls.values())
     got = _losses(tiny_config(tokens, **over, **{"model.ffn_impl": "twell"}), tmp_path / "twell")
+    calls = 4 * 2 * 2  # steps x layers x micro-batches
+    assert triton_calls["compact_heavy"] >= calls and triton_calls["backup_fwd"] >= calls
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     for a, b in zip(got, ref):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a["step"], a["loss"], b["loss"])
@@ -42,27 +76,111 @@ def test_twell_training_matches_torch_every_step(tokens, tmp_path):
     assert ref[-1]["ce"] < ref[0]["ce"]
 
 
-def test_auto_picks_training_path_per_layer_from_l0(tokens, tmp_path):
-    """model.ffn_impl=auto: each layer's training path follows its logged L0 against the
-    threshold (twell.ops.sparse_train.train_path_for_density), is logged, and survives resume."""
+def _path_spy(monkeypatch, t, seen):
+    """Record ``(step, layer, op)`` for every training FFN call of trainer ``t``: ``op`` is
+    ``ell`` (``sparse_ffn_train``) or ``dense`` (``dense_ffn_train``), ``step`` the optimizer
+    step it belongs to (1-based)."""
     import twell.ops.sparse_train as st
-    from twell.policy import FFNPolicy
+    from twell.ops.ffn_dense_train import dense_ffn_train
+    from twell.ops.ffn_train import sparse_ffn_train
 
-    over = {"trainer.max_steps": 2, "trainer.save_every": 1, "model.ffn_impl": "auto"}
-    rows = _losses(tiny_config(tokens, **over), tmp_path / "a")
-    for r in rows:  # a random-init ReLU FFN is ~50 % dense: every layer goes to dense mode
-        assert r["ffn_paths"] == [st.train_path_for_density(l0 / 64, heavy_fraction=hv)
-                                  for l0, hv in zip(r["l0_layers"], r["heavy_frac_layers"])]
-        # ELL capacity 16 at H = 64: at ~50 % density nearly every token is a heavy row
-        assert all(hv > 0.5 for hv in r["heavy_frac_layers"])
-        assert r["ffn_paths"] == ["dense", "dense"]
-    # dense mode (fused elementwise passes) follows the PyTorch path step for step (fp32)
+    layer_of = {id(m.gate_proj.weight): k for k, m in enumerate(t.mlps)}
+    for op, name, orig in (("ell", "sparse_ffn_train", sparse_ffn_train),
+                           ("dense", "dense_ffn_train", dense_ffn_train)):
+
+        def spy(x, wg, *a, _op=op, _orig=orig, **kw):
+            if id(wg) in layer_of:  # (another trainer's calls are not recorded)
+                seen.add((t.step + 1, layer_of[id(wg)], _op))
+            return _orig(x, wg, *a, **kw)
+
+        monkeypatch.setattr(st, name, spy)
+
+
+def _ran(seen, step):
+    return [op for s, _, op in sorted(x for x in seen if x[0] == step)]
+
+
+def _auto_policy(threshold):
+    # density alone decides (the tiny model's rows are mostly above the ELL capacity of 16)
+    return FFNPolicy(train_density_threshold=threshold, train_heavy_fraction=1.0)
+
+
+def test_auto_picks_training_path_per_layer_from_l0(tokens, tmp_path, monkeypatch):
+    """model.ffn_impl=auto with one threshold between the two layers' step-1 densities: after step
+    1 the sparser layer trains on the ELL op and the other in dense mode; every step runs the
+    paths the previous step logged (each the rule applied to that step's L0); the losses follow
+    the PyTorch path; the choice survives a checkpoint round trip (stop at step 2, resume)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the ELL op's PyTorch backend: fast
+    over = {"trainer.max_steps": 3, "model.ffn_impl": "auto", "data.val_fraction": 0.0}
     ref = _losses(tiny_config(tokens, **{**over, "model.ffn_impl": "torch"}), tmp_path / "t")
-    for a, b in zip(rows, ref):
+    d1 = [v / 64 for v in ref[0]["l0_layers"]]  # auto's step 1 is dense mode: the same L0
+    assert abs(d1[0] - d1[1]) > 1e-4, d1
+    pol = _auto_policy((d1[0] + d1[1]) / 2)
+    over["model.ffn_policy"] = pol
+    seen = set()
+    rows = _losses(tiny_config(tokens, **over), tmp_path / "a",
+                   prepare=lambda t: _path_spy(monkeypatch, t, seen))
+    for r in rows:
+        assert r["ffn_paths"] == [pol.train_path(l0 / 64, hv)
+                                  for l0, hv in zip(r["l0_layers"], r["heavy_frac_layers"])]
+    assert sorted(rows[0]["ffn_paths"]) == ["dense", "ell"]  # one threshold, two paths
+    assert _ran(seen, 1) == ["dense", "dense"]  # every layer starts in dense mode
+    for r in rows[:-1]:  # step s + 1 runs what step s logged
+        assert _ran(seen, r["step"] + 1) == r["ffn_paths"], r["step"]
+    for a, b in zip(rows, ref, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a["step"], a["loss"], b["loss"])
         assert abs(a["l0_mean"] - b["l0_mean"]) < 1e-3 * max(1.0, b["l0_mean"])
         assert a["dead_frac"] == b["dead_frac"]
+    # the same run stopped after step 2 and resumed from its checkpoint
+    split = {**over, "trainer.save_every": 1}
+    _losses(tiny_config(tokens, **split), tmp_path / "s", stop_at_step=2)
+    t = Trainer(tiny_config(tokens, **split), tmp_path / "s")  # resume=auto: step2
+    try:
+        assert t.step == 2 and t.plan.paths == rows[1]["ffn_paths"]
+        seen.clear()
+        _path_spy(monkeypatch, t, seen)
+        t.train()
+    finally:
+        t.close()
+    assert _ran(seen, 3) == rows[1]["ffn_paths"]
+    last = read_metrics(tmp_path / "s")[-1]
+    assert last["step"] == 3 and last["ffn_paths"] == rows[2]["ffn_paths"]
+    assert abs(last["loss"] - rows[2]["loss"]) < 1e-6
+
+
+def test_auto_switches_a_layer_to_the_ell_path_during_a_run(tokens, tmp_path, monkeypatch):
+    """A strong L1 term makes layer 0 sparser step by step; with the threshold set between its
+    density at step 1 and at step 6 (measured on the PyTorch path) the layer starts in dense mode,
+    and from the step after its logged density first falls below the threshold it trains on the
+    ELL op (metrics' ffn_paths, and the op that ran)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the ELL op's PyTorch backend: fast
+    over = {"trainer.max_steps": 6, "model.ffn_impl": "auto", "sparsity.l1_coeff": 3.0,
+            "data.val_fraction": 0.0}
+    ref = _losses(tiny_config(tokens, **{**over, "model.ffn_impl": "torch"}), tmp_path / "t")
+    d0 = [r["l0_layers"][0] / 64 for r in ref]  # = dense mode's, auto's until the switch
+    assert d0[-1] < 0.8 * d0[0], d0  # the L1 term made layer 0 sparser
+    pol = _auto_policy((d0[0] + d0[-1]) / 2)
+    seen = set()
+    rows = _losses(tiny_config(tokens, **over, **{"model.ffn_policy": pol}), tmp_path / "a",
+                   prepare=lambda t: _path_spy(monkeypatch, t, seen))
+    paths0 = [r["ffn_paths"][0] for r in rows]
+    switch = paths0.index("ell")  # the first step whose statistics chose the ELL op
+    assert switch >= 1 and paths0[:switch] == ["dense"] * switch, paths0
+    for r in rows:
+        assert r["ffn_paths"][0] == pol.train_path(r["l0_layers"][0] / 64, 1.0)
+    ran0 = {s: op for s, k, op in seen if k == 0}
+    assert [ran0[s] for s in range(1, 7)] == ["dense"] + paths0[:5]
+    assert ran0[switch + 2] == "ell"
+
+
+def test_train_path_rule_thresholds():
+    """auto's training rule (twell.ops.sparse_train.train_path_for_density, the policy's
+    train_path): ELL op at or below the density threshold and the heavy-row fraction, else
+    dense mode."""
+    import twell.ops.sparse_train as st
+
     assert st.train_path_for_density(0.003) == "ell"
+    assert st.train_path_for_density(0.10) == "ell" and st.train_path_for_density(0.11) == "dense"
     assert st.train_path_for_density(0.5) == "dense"
     # density alone cannot tell i.i.d. 3 % (rows above the ELL capacity: dense mode wins) from
     # heavy-tailed 3 % (a few heavy rows: the ELL path wins); the heavy-row fraction does
@@ -73,8 +191,15 @@ def test_auto_picks_training_path_per_layer_from_l0(tokens, tmp_path):
     assert st.train_path_for_density(0.5, policy=FFNPolicy(train_density_threshold=0.6)) == "ell"
     with pytest.raises(ValueError, match="density"):
         st.train_path_for_density(float("nan"))
-    # the choice is part of the trainer state (resume continues with the same paths), also from
-    # a trainer state written before the FFN plan (ffn_train_paths, "twell" for the ELL path)
+
+
+def test_trainer_state_from_before_the_plan_restores_its_paths(tokens, tmp_path):
+    """A trainer state written before the FFN plan existed (``ffn_train_paths`` with "twell" for
+    the ELL path, ``ffn_backup_rows``, ``ffn_heavy_hist``) restores the paths, capacities and
+    heavy-row history; the current state (``ffn_plan``) does too, as plain JSON data."""
+    import json
+
+    over = {"trainer.max_steps": 2, "model.ffn_impl": "auto"}
     t = Trainer(tiny_config(tokens, **over), tmp_path / "a")
     try:
         assert t.plan.choose_paths([0.0, 64.0], [0.0, 1.0]) == ["ell", "dense"]
@@ -91,51 +216,3 @@ def test_auto_picks_training_path_per_layer_from_l0(tokens, tmp_path):
         assert t.plan.capacity.hist == [[0.0], [5.0]]
     finally:
         t.close()
-
-
-@pytest.mark.slow
-def test_backup_capacity_check_redoes_an_overflowed_step_exactly(tokens, tmp_path):
-    """model.ffn_host_sync=step: with every layer's dense-backup capacity forced to 0 before each
-    step (the tiny model's rows are all heavy at ~50 % density), every step overflows, is redone
-    with per-call measurement, and the run's losses equal the ffn_host_sync=call run's; the
-    redone steps are logged."""
-    # no held-out data: skips the end-of-run validation (interpreted inference kernels, ~70 s
-    # per run), which is not what this test checks
-    over = {"trainer.max_steps": 2, "sparsity.l1_coeff": 0.5, "model.ffn_impl": "twell",
-            "data.val_fraction": 0.0}
-    ref = _losses(tiny_config(tokens, **over, **{"model.ffn_host_sync": "call"}), tmp_path / "c")
-    t = Trainer(tiny_config(tokens, **over), tmp_path / "s")
-    orig = t.train_step
-
-    def forced(batches, interval):
-        for lp in t.plan.layers:  # the test stands in for the capacity rule
-            lp.backup_rows = 0
-        orig(batches, interval)
-        # most rows heavy: the next capacity is "measure per call"
-        assert all(lp.backup_rows == -1 for lp in t.plan.layers)
-
-    t.train_step = forced
-    try:
-        t.train()
-    finally:
-        t.close()
-    got = read_metrics(tmp_path / "s")
-    assert sum(r.get("ffn_backup_redos", 0) for r in got) == 2
-    for a, b in zip(got, ref):
-        assert a["loss"] == b["loss"] and a["l0_mean"] == b["l0_mean"], (a["step"], a, b)
-
-
-def test_ffn_host_sync_is_validated_and_compile_measures_per_call(tokens, tmp_path):
-    from train.config import ConfigError, ModelConfig, TrainConfig
-
-    with pytest.raises(ConfigError, match="ffn_host_sync"):
-        ModelConfig(ffn_host_sync="never")
-    assert TrainConfig().model.ffn_host_sync == "step"
-    # under torch.compile a capacity changing from step to step would recompile the model
-    for compile_, nosync in ((False, True), (True, False)):
-        t = Trainer(tiny_config(tokens, **{"model.ffn_impl": "twell",
-                                           "trainer.compile": compile_}), tmp_path / str(compile_))
-        try:
-            assert t.plan.host_sync == ("step" if nosync else "call")
-        finally:
-            t.close()

@@ -329,7 +329,9 @@ def finish(tmp: Path, final: Path, *, step: int, world_size: int, keep_last: int
     keep only the ``keep_last`` newest checkpoints of this lineage (and of none: checkpoints
     from before lineage existed); other lineages' checkpoints are never deleted.
 
-    A previous ``final`` of the same step (e.g. rewritten after resume) is replaced.
+    A previous ``final`` of the same step (e.g. rewritten after resume) is replaced: it is
+    renamed aside, the new folder renamed in, then the old one removed; if the second rename
+    fails the old folder is renamed back, so ``final`` is the old or the new checkpoint, whole.
     """
     import transformers
 
@@ -345,7 +347,11 @@ def finish(tmp: Path, final: Path, *, step: int, world_size: int, keep_last: int
         if old.exists():
             shutil.rmtree(old)
         final.rename(old)
-        tmp.rename(final)
+        try:
+            tmp.rename(final)
+        except BaseException:
+            old.rename(final)
+            raise
         shutil.rmtree(old)
     else:
         tmp.rename(final)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from train.config import ConfigError
 from twell.nn import SparseGatedMLP
+from twell.nn.plan import layer_plan
 from twell.stats import stats_from_activations
 
 SMOLLM2 = "smollm2"
@@ -334,7 +335,7 @@ class SiluGatedMLP(SparseGatedMLP):
         h_NH = F.silu(F.linear(x_ND, self.gate_proj.weight)) * F.linear(x_ND, self.up_proj.weight)
         y_ND = F.linear(h_NH, self.down_proj.weight)
         self.last_stats = (stats_from_activations(h_NH, h_NH != 0, self.policy.ell_capacity)
-                           if self.collect_stats else None)
+                           if layer_plan(self).collect_stats else None)
         return y_ND.reshape(*lead, y_ND.shape[-1])
 
 
@@ -368,8 +369,8 @@ def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
     (ReLU), or with :class:`SiluGatedMLP` for ``model.hidden_act=silu`` (the SiLU gate kept).
 
     Args:
-        mcfg: the filled ModelConfig (:func:`fill_model_config`); ``ffn_impl`` and
-            ``hidden_act`` are used.
+        mcfg: the filled ModelConfig (:func:`fill_model_config`); ``ffn_impl``, ``ffn_policy``
+            (every FFN's) and ``hidden_act`` are used.
         src: from :func:`inspect_checkpoint`.
         load_weights: False when resuming (the run's own checkpoint is loaded over a
             randomly initialised model of the same shape; the source is not read).
@@ -383,7 +384,9 @@ def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
     from twell.nn import convert_mlps
 
     if not src.gated:  # twell's non-gated checkpoints are ReLU already; they need its own loader
-        return _checked(src.spec, load_model, src.path, ffn_impl=mcfg.ffn_impl).train(), 0
+        model = _checked(src.spec, load_model, src.path, ffn_impl=mcfg.ffn_impl)
+        convert_mlps(model, mcfg.ffn_impl, policy=mcfg.ffn_policy)
+        return model.train(), 0
     act = mcfg.hidden_act
     if load_weights:
         model = load_source_model(src)
@@ -395,9 +398,10 @@ def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
     model.config.use_cache = False
     setattr(model.config, GATED_KEY, True)
     if act == "silu":
-        install_silu_ffns(model)
+        for mlp in install_silu_ffns(model):
+            mlp.policy = mcfg.ffn_policy
     else:
-        convert_mlps(model, mcfg.ffn_impl)
+        convert_mlps(model, mcfg.ffn_impl, policy=mcfg.ffn_policy)
     return model.train(), switched
 
 
