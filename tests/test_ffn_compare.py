@@ -1,6 +1,7 @@
-"""scripts/compare_ffn_paths.py: the comparison functions on hand-made metric series with known
-answers (a PASS and a FAIL case for each criterion), argument handling, and one --smoke run of
-the whole script (three tiny CPU training runs, ~20 s) checked against the runs' own metrics."""
+"""train.ffn_compare (the torch vs twell training comparison): the comparison functions on
+hand-made metric series with known answers (a PASS and a FAIL case for each criterion), argument
+and configuration handling, and one --smoke run of scripts/compare_ffn_paths.py (three tiny CPU
+training runs, ~20 s) checked against the runs' own metrics."""
 
 from __future__ import annotations
 
@@ -13,18 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_utils import load_script
-from train.config import compose
+import train.ffn_compare as cf
+from train.config import ConfigError, compose
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "compare_ffn_paths.py"
-
-
-def _load_script():
-    return load_script("compare_ffn_paths")
-
-
-cf = _load_script()
 
 
 def _rows(losses, l0=40.0, dead_layers=(0.0, 0.0)):
@@ -161,18 +155,24 @@ def test_markdown_and_json_safe():
     md = cf.markdown(res, runs, {"started": "now", "steps": 5, "overrides": ["model=tiny"]})
     assert "**FAIL** loss within bf16 noise" in md and "Verdict: **FAIL**" in md
     assert "model=tiny" in md and "| A | torch |" in md
-    assert cf._json_safe({"x": [math.inf, math.nan, 1.0]}) == {"x": ["inf", None, 1.0]}
+    assert cf.json_safe({"x": [math.inf, math.nan, 1.0]}) == {"x": ["inf", None, 1.0]}
 
 
 def test_plan_and_argument_handling():
-    a = cf.parse_args(["--out", "o", "model=small_l4", "trainer.max_steps=300"])
-    assert a.steps == 300 and a.overrides == ["model=small_l4"]
-    assert cf.parse_args(["--out", "o"]).steps == 300
-    assert cf.parse_args(["--out", "o", "--smoke"]).steps == 8
-    for bad in (["--steps", "10", "trainer.max_steps=300"], ["model.ffn_impl=twell"],
-                ["hydra.run.dir=/x"], ["trainer.log_every=5"], ["notanoverride"]):
-        with pytest.raises(SystemExit):
-            cf.parse_args(["--out", "o", *bad])
+    assert cf.split_steps(["model=small_l4", "trainer.max_steps=300"], None) == (
+        ["model=small_l4"], 300)
+    assert cf.split_steps([], None) == ([], 300)
+    assert cf.split_steps([], None, smoke=True) == ([], 8)
+    assert cf.split_steps(["trainer.max_steps=5"], 5) == ([], 5)
+    for bad, steps, match in ((["trainer.max_steps=300"], 10, "disagree"),
+                              (["model.ffn_impl=twell"], None, "model.ffn_impl is set"),
+                              (["hydra.run.dir=/x"], None, "hydra.run.dir is set"),
+                              (["trainer.log_every=5"], None, "trainer.log_every is set"),
+                              (["notanoverride"], None, "not a Hydra override"),
+                              (["trainer.max_steps=x"], None, "not an integer"),
+                              ([], 0, ">= 1")):
+        with pytest.raises(ValueError, match=match):
+            cf.split_steps(bad, steps)
     specs = cf.plan(["model=small_l4", "trainer.micro_batch=16"], 300, 16)
     assert [(s.name, s.ffn_impl, s.micro_batch) for s in specs] == [
         ("A_torch", "torch", 16), ("B_torch_half_micro", "torch", 8), ("C_twell", "twell", 16)]
@@ -187,17 +187,31 @@ def test_plan_and_argument_handling():
     assert cfg.trainer.log_every == 1 and cfg.eval.at_end is False
 
 
-def test_bad_configuration_is_refused_before_any_run(tmp_path, capsys):
-    rc = cf.main(["--smoke", "--out", str(tmp_path / "o"), "--runs-dir", str(tmp_path / "r"),
-                  "trainer.micro_batch=1", "trainer.global_batch=8"])
-    assert rc == 2 and "cannot be halved" in capsys.readouterr().err
-    rc = cf.main(["--smoke", "--out", str(tmp_path / "o"), "--runs-dir", str(tmp_path / "r3"),
-                  "trainer.micro_batch=3", "trainer.global_batch=6"])
-    assert rc == 2 and "even trainer.micro_batch" in capsys.readouterr().err
-    rc = cf.main(["--smoke", "--out", str(tmp_path / "o"), "--runs-dir", str(tmp_path / "r2"),
-                  "+trainer.bogus=1"])
-    assert rc == 2 and "unknown key trainer.bogus" in capsys.readouterr().err
+def test_bad_configuration_is_refused_before_any_run(tmp_path):
+    smoke = [*cf.SMOKE_OVERRIDES, f"data.paths=[{tmp_path / 'tokens.bin'}]"]
+    for extra, match in ((["trainer.micro_batch=1", "trainer.global_batch=8"], "cannot be halved"),
+                         (["trainer.micro_batch=3", "trainer.global_batch=6"],
+                          "even trainer.micro_batch"),
+                         (["+trainer.bogus=1"], "unknown key trainer.bogus")):
+        with pytest.raises(ConfigError, match=match):
+            cf.check_plan([*smoke, *extra], 8)
+    cfg, specs, accum = cf.check_plan(smoke, 8)
+    assert cfg.trainer.micro_batch == 8 and [s.micro_batch for s in specs] == [8, 4, 8]
+    assert accum == {"A_torch": 1, "B_torch_half_micro": 2, "C_twell": 1}
+
+
+def test_script_refuses_a_bad_configuration_before_any_run(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path / "o"),
+                        "--runs-dir", str(tmp_path / "r"), "trainer.micro_batch=1",
+                        "trainer.global_batch=8"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode == 2 and "cannot be halved" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "r" / "A_torch").exists() and not (tmp_path / "o").exists()
+    r = subprocess.run([sys.executable, str(SCRIPT), "--out", "o", "model.ffn_impl=twell"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert r.returncode == 2 and "model.ffn_impl is set" in r.stderr
 
 
 def _jsonl(path: Path) -> list[dict]:
