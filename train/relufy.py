@@ -42,9 +42,7 @@ from evals.tasks import ALL_TASKS
 from train.jobs import ROOT, Job, last_train_record, run_finished, run_jobs, train_command
 
 KINDS = ("silu_original", "silu_control", "dense_relu", "sparse")
-TASK_COLUMN = {"hellaswag": "hellaswag", "commonsense_qa": "csqa", "piqa": "piqa",
-               "winogrande": "winogrande", "arc_easy": "arc_easy",
-               "arc_challenge": "arc_challenge", "openbookqa": "openbookqa"}
+TASK_COLUMN = {t: "csqa" if t == "commonsense_qa" else t for t in ALL_TASKS}  # results.csv
 CSV_COLUMNS = ["row", "kind", "l1_coeff", "distill", "tokens_m", "l0", "l0_pct", "dead_pct",
                "val_loss", *(TASK_COLUMN[t] for t in ALL_TASKS), "mean", "stderr"]
 # L1 strengths of the sweep. At 3.6 M tokens (the earlier study, 16 k-token steps, no warmup)

@@ -18,7 +18,7 @@ import math
 import shutil
 from pathlib import Path
 
-from evals.tasks import ALL_TASKS
+from evals.tasks import ALL_TASKS, TASK_SHORT
 from train.relufy import (
     CORPUS_TRAIN_TOKENS,
     DEFAULT_L1,
@@ -34,8 +34,7 @@ from train.relufy import (
     read_results,
 )
 
-SHORT = {"hellaswag": "HS", "csqa": "CSQA", "piqa": "PIQA", "winogrande": "WG",
-         "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "openbookqa": "OBQA"}
+SHORT = {TASK_COLUMN[t]: TASK_SHORT[t] for t in ALL_TASKS}  # results.csv column -> label
 # chance: the mean over each task's items of 1 / (number of choices), full validation sets
 # (ARC has a few 3- and 5-choice items); the seven tasks' mean is 31.44
 CHANCE_MEAN = 31.44

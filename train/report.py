@@ -44,10 +44,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TASKS = ("hellaswag", "commonsense_qa", "piqa", "winogrande", "arc_easy", "arc_challenge",
-         "openbookqa")  # evals.tasks.ALL_TASKS, the paper's seven (its order)
-TASK_SHORT = {"hellaswag": "HS", "commonsense_qa": "CSQA", "piqa": "PIQA", "winogrande": "WG",
-              "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "openbookqa": "OBQA"}
+from evals.tasks import ALL_TASKS, TASK_SHORT, TASKS
+
 # data keys that do not change which tokens a run sees
 _DATA_IGNORE = ("cache_dir", "build_if_missing", "verify", "num_proc")
 ERROR_FILE = "error.txt"  # a failed run's one-line reason in its run dir (written by twell-train)
@@ -261,7 +259,7 @@ def check_comparable(runs: list[Run]) -> None:
 
 COLUMNS = (["run", "setting", "size", "layers", "params_M", "nonemb_params_M", "tokens_M", "l1_coeff",
             "variant", "ffn_impl", "seed", "train_ce", "val_loss", "l0_mean", "l0_layer_max",
-            "nnz_max", "dead_pct"] + [f"acc_{t}" for t in TASKS] + ["acc_mean", "tokens_per_s"])
+            "nnz_max", "dead_pct"] + [f"acc_{t}" for t in ALL_TASKS] + ["acc_mean", "tokens_per_s"])
 
 
 def run_row(run: Run) -> dict:
@@ -293,7 +291,7 @@ def run_row(run: Run) -> dict:
         "l0_layers": list(l0_layers) or None,
         "nnz_max": s.get("nnz_max"),
         "dead_pct": s.get("dead_pct"),
-        **{f"acc_{t}": pct(ev.get(f"eval_{t}")) for t in TASKS},
+        **{f"acc_{t}": pct(ev.get(f"eval_{t}")) for t in ALL_TASKS},
         "acc_mean": pct(ev.get("eval_mean")),
         "tokens_per_s": s.get("tokens_per_s"),
     }
@@ -326,7 +324,7 @@ _HEAD = {"run": "run", "setting": "differs", "size": "size", "layers": "layers",
          "variant": "sparsity", "ffn_impl": "FFN", "seed": "seed", "train_ce": "train CE",
          "val_loss": "val loss", "l0_mean": "L0 mean", "l0_layer_max": "L0 max layer",
          "nnz_max": "max nnz/token", "dead_pct": "dead %", "acc_mean": "mean acc",
-         "tokens_per_s": "tok/s", **{f"acc_{t}": TASK_SHORT[t] for t in TASKS}}
+         "tokens_per_s": "tok/s", **{f"acc_{t}": TASK_SHORT[t] for t in ALL_TASKS}}
 
 
 def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
@@ -342,9 +340,8 @@ def csv_header() -> dict[str, str]:
     """CSV column name per :data:`COLUMNS` key: a task's score column is named by its primary
     metric (``acc_norm_hellaswag``, ``acc_winogrande``; :data:`evals.tasks.TASKS`), the mean of
     them ``primary_mean``; ``l0_layers`` holds the final L0 of every layer, ``;``-separated."""
-    from evals.tasks import TASKS as TASK_SPECS
 
-    return {**{c: c for c in COLUMNS}, **{f"acc_{t}": f"{TASK_SPECS[t].primary}_{t}" for t in TASKS},
+    return {**{c: c for c in COLUMNS}, **{f"acc_{t}": f"{TASKS[t].primary}_{t}" for t in ALL_TASKS},
             "acc_mean": "primary_mean", "l0_layers": "l0_layers"}
 
 
@@ -935,7 +932,7 @@ class Report:
     legend: list[str] = field(default_factory=list)  # the labels run_labels cut, in full
 
     def markdown(self, image_prefix: str = "") -> str:
-        acc_cols = [f"acc_{t}" for t in TASKS] + ["acc_mean"]
+        acc_cols = [f"acc_{t}" for t in ALL_TASKS] + ["acc_mean"]
         no_acc = all(r.get(c) is None for r in self.rows for c in acc_cols)
         cols = [c for c in COLUMNS if not (no_acc and c in acc_cols)]
         md = ["## Runs", "", markdown_table(self.rows, cols),
