@@ -104,7 +104,7 @@ class ModelConfig:
     """FFN implementation: torch (dense PyTorch) | twell (TwELL / ELL Triton kernels) | auto (per
     layer and step the ELL kernels or dense mode; training paths: twell/nn/plan.py)."""
     ffn_host_sync: str = "step"
-    """Sparse training path (twell, or auto's ELL layers): step = no host sync per layer, the
+    """The ell training path (twell, or auto's ELL layers): step = no host sync per layer, the
     dense-backup capacity comes from the previous step's heavy-row counts and is checked once per
     optimizer step (a step that exceeded it is redone measuring per call, so nothing is lost);
     call = measure per FFN call (one host sync per layer and call)."""
@@ -324,7 +324,7 @@ class TrainerConfig:
     compile: bool = False
     """torch.compile the model."""
     backup_capacity: str = "window"
-    """No-sync dense-backup capacities of the sparse path (model.ffn_host_sync=step): window
+    """No-sync dense-backup capacities of the ell path (model.ffn_host_sync=step): window
     (1.25 x the largest heavy-row count of the last 16 steps + 16) | adaptive (last 128 steps,
     a per-layer margin that grows 1.5x after each redo the layer caused and decays back to 1.25,
     multiples of 64). See twell/nn/capacity.py and scripts/capacity_policy_sim.py."""

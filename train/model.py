@@ -68,7 +68,7 @@ def enable_grad_checkpointing(model, checkpoint_ffn: str = "always") -> None:
 
     ``checkpoint_ffn`` (``trainer.checkpoint_ffn``): ``always`` recomputes whole layers;
     ``auto`` / ``never`` recompute only the attention half of layers whose FFN trains on the
-    sparse path / of every layer (:mod:`train.recompute`).
+    ``ell`` path / of every layer (:mod:`train.recompute`).
     """
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):

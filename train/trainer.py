@@ -449,7 +449,7 @@ class Trainer:
                               "not supported; set trainer.compile=false or launch with ddp.yaml.")
         if t.compile:
             if cfg.model.ffn_host_sync == "step" and cfg.model.ffn_impl != "torch":
-                self._print("trainer.compile=true: the sparse training path measures its dense "
+                self._print("trainer.compile=true: the ell training path measures its dense "
                             "backup per call (model.ffn_host_sync=step applies to eager runs)")
             model.compile()
         if self.fsdp:  # shard first: the optimizer then holds the fp32 master shards

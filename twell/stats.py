@@ -50,8 +50,8 @@ class FFNStats:
         n_tokens: N, a Python int.
         heavy_rows: scalar fp32 tensor, detached, or None when not measured (inference): tokens
             with more active units than the hybrid training layout's ELL capacity (the capacity
-            the sparse path ran with, else ``default_ell_capacity(H)``); the sparse training
-            path computes them densely. With ``hot_units`` it counts the active cold units only
+            the ``ell`` path ran with, else ``default_ell_capacity(H)``); the ``ell`` path
+            computes them densely. With ``hot_units`` it counts the active cold units only
             (what the ELL part and its dense backup hold). ``model.ffn_impl=auto`` reads it.
     """
 

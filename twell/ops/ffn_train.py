@@ -498,7 +498,7 @@ def sparse_ffn_train(
     policy: FFNPolicy | None = None,
     hot_units: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FFNStats | None]:
-    """Gated ReLU FFN ``y = (relu(x Wg^T) * (x Wu^T)) Wd^T`` on the sparse training path.
+    """Gated ReLU FFN ``y = (relu(x Wg^T) * (x Wu^T)) Wd^T`` on the ``ell`` training path.
 
     Source: arXiv 2603.23198, hybrid ELL + dense-backup training kernels (``shared/PAPER.md``).
     Same results as ``twell.ops.reference.gated_ffn_torch`` (up to summation order); gradients flow to

@@ -1,6 +1,8 @@
-"""Sparse training path of the ReLU-gated FFN: the public entry points.
+"""Training ops of the ReLU-gated FFN: the public entry points of the ``ell`` and ``dense``
+training paths (``twell.nn.plan.TRAIN_PATHS``).
 
-    sparse_ffn_train   hybrid ELL + dense backup, forward and backward (``twell/ops/ffn_train.py``)
+    sparse_ffn_train   ell: hybrid ELL + dense backup, forward and backward
+                       (``twell/ops/ffn_train.py``)
     dense_ffn_train    dense mode: cuBLAS + one fused elementwise pass each way
                        (``twell/ops/ffn_dense_train.py``)
     backup_capacity_for, train_path_for_density, default_ell_capacity
