@@ -17,6 +17,7 @@ from pathlib import Path
 
 from evals.tasks import ALL_TASKS
 
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
