@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Whole-model benchmark on a model the framework made sparse: train it, profile its sparsity,
-then measure every training and inference path on it, in one process on one GPU (issue 16).
+then measure every training and inference path on it, in one process on one GPU.
 
     # one H200, the default (1.5B shape, 200 steps at L1 3e-4; ~6-7 min, see docs/model_bench)
     python scripts/bench_model.py --out "$OUT" --acts-dir /tmp/acts \\

@@ -1,4 +1,4 @@
-"""Damaged and incomplete files a user hands to twell (issue "Faults and untrusted files"): every
+"""Damaged and incomplete files a user hands to twell (faults and untrusted files): every
 loader refuses a checkpoint with a missing or unexpected tensor, naming it; a truncated
 safetensors, GGUF, config.json or summary.json is named in one line. CPU, the tiny model."""
 

@@ -375,7 +375,7 @@ def test_l1_gradient_is_not_rounded_away_under_bf16_autocast():
     against fp64 autograd of the same loss: the ell path adds ``scale * sign(h)`` to the fp32
     dh before anything is rounded, so its L1 share matches fp64 (measured 0.999 / 1.011 for dWg /
     dWu). The dense PyTorch path (bf16 h, bf16 gradient accumulation) kept only ~0.15 of it in
-    the same setup, which is why its runs end denser (BENCHMARKS.md, run G comparisons). Dense
+    the same setup, which is why its runs end denser (BENCHMARKS.md, "Training FFN"). Dense
     mode (``dense_ffn_train``) adds the L1 term in fp32 too, but stores dg / du in bf16 for its
     cuBLAS products, so it keeps the torch path's share (asserted equal within 0.05)."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Run-directory rules of the trainer (issue 17): resume paths and config changes, the run-dir
+"""Run-directory rules of the trainer: resume paths and config changes, the run-dir
 lock, the learning-rate warmup, validation counted in sequences, data errors in one line, and
 the run's text log. Tiny fp32 CPU runs of a few steps, validation and evals off unless tested."""
 

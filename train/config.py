@@ -347,8 +347,8 @@ class TrainerConfig:
     forward (train/loss.py): no (tokens x vocab) logits; same loss as transformers' (mean over
     the shifted targets), bf16 noise apart. null = on for CUDA bf16 runs without trainer.compile
     (eager-only) or FSDP (untested there), off elsewhere (CPU fp32 runs keep the reference loss).
-    Measured with autocast_cache=false: no slower at 1.5B and 2B, 6.2-6.7 GB less peak memory
-    (BENCHMARKS.md "Run R", "Runs T, T2")."""
+    Measured with autocast_cache=false (one H200): no slower at 1.5B and 2B, 6.2-6.7 GB less
+    peak memory (BENCHMARKS.md, "Whole model")."""
     lean_norms: bool | None = None
     """RMSNorms that keep only their input and rsqrt for backward (the normalised rows are
     recomputed) and, under autocast, return one bf16 output their consumers share

@@ -1,6 +1,6 @@
 """The model: stock transformers ``LlamaForCausalLM`` (ReLU) whose FFNs are ``SparseGatedMLP``.
 
-Source: arXiv 2603.23198, "Model and recipe" (see ``shared/PAPER.md``): hidden 2048, FFN 5632,
+Source: arXiv 2603.23198, the model and training recipe ("Transformer++"): hidden 2048, FFN 5632,
 32 heads, no GQA, RMSNorm eps 1e-5, no biases, init std 0.02, tied embeddings, RoPE theta 1e5,
 bos = eos = 0. The gated FFN ``relu(x Wg^T) * (x Wu^T)`` is exactly LlamaMLP with
 ``hidden_act="relu"``, so a gated checkpoint loads into plain ``LlamaForCausalLM`` and gives the

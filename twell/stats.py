@@ -7,8 +7,7 @@ output, computed from quantities the forward already holds (the ReLU'd gate
 and ``h``), so the L1 term, L0 and dead-neuron tracking cost no extra pass
 over N x H beyond the one the L1 term itself needs.
 
-Source: arXiv 2603.23198, the L1 regularizer and its metrics (see
-``shared/PAPER.md``, "The L1 regularizer").
+Source: arXiv 2603.23198, the L1 regularizer and its metrics (L0, L1, dead neurons).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ training paths (``twell.nn.plan.TRAIN_PATHS``).
 Math, saved tensors and host synchronisation: ``twell.ops.ffn_train``. The kernels: one op per
 file (``compact.py``, ``sddmm.py``, ``spmm.py``, ``dw.py``, ``elementwise.py``; the Triton backend
 ``sparse_train_triton.py``), their PyTorch backend ``twell/ops/reference/sparse_train_torch.py``.
-Source: arXiv 2603.23198, "Hybrid (training)" (``shared/PAPER.md``).
+Source: arXiv 2603.23198, the hybrid ELL + dense-backup training layout.
 """
 
 from __future__ import annotations
