@@ -373,8 +373,9 @@ def parse_args():
                     help="comma-separated fractions of active units (default 0.003,0.01,0.03,0.1)")
     ap.add_argument("--dists", default="iid,heavy", help="iid and/or heavy (comma-separated)")
     ap.add_argument("--variants", default="torch,ell,ell_wide",
-                    help="comma-separated: torch, torch_stats, dense, ell, ell_wide, ell_nosync, "
-                         "ell_dwo1024 / 512 / 256, auto (see the module docstring)")
+                    help="comma-separated, of: torch, torch_stats, dense, ell, ell_wide, "
+                         "ell_nosync, ell_dwo1024 / 512 / 256, auto (the module docstring says "
+                         "what each runs)")
     ap.add_argument("--parts", default="iid:0.003,iid:0.01,heavy:0.003",
                     help="dist:density cases of the per-kernel table ('' = none)")
     ap.add_argument("--parts-only", action="store_true", help="only the per-kernel table")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.train_utils import load_script, write_tokens
+from train.report import flatten
 from train.scaling import (
     StudyRow,
     StudySettings,
@@ -53,16 +54,6 @@ def _compose(overrides, as_object=False):
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     return OmegaConf.to_object(cfg) if as_object else OmegaConf.to_container(cfg, resolve=True)
-
-
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 # ---------------------------------------------------------------- plan, recipe, estimate
@@ -114,15 +105,15 @@ def test_recipe_is_the_bench_model_stage1():
     both."""
     bm = load_script("bench_model")
     a = bm.parse_args(["--sizes", "1p5b"])
-    bench = _flat(_compose(bm.stage1_overrides(a, "1p5b", None)))
-    study = _flat(_compose(row_overrides(StudyRow("1p5b", 3e-4), StudySettings())))
+    bench = flatten(_compose(bm.stage1_overrides(a, "1p5b", None)))
+    study = flatten(_compose(row_overrides(StudyRow("1p5b", 3e-4), StudySettings())))
     differ = {k for k in bench.keys() | study.keys() if bench.get(k) != study.get(k)}
     assert differ == {"trainer.grad_checkpointing", "trainer.log_every", "trainer.val_sequences",
                       "trainer.keep_last", "trainer.resume", "sparsity.dead_window_tokens"}
     assert study["model.num_layers"] == 28 and study["trainer.max_steps"] == 200
     assert study["sparsity.dead_window_tokens"] == 1_048_576
     assert study["trainer.grad_checkpointing"] is False
-    reinit = _flat(_compose(row_overrides(StudyRow("1p5b", 3e-4, True), StudySettings())))
+    reinit = flatten(_compose(row_overrides(StudyRow("1p5b", 3e-4, True), StudySettings())))
     assert reinit["sparsity.reinit_dead"] is True and reinit["sparsity.l1_coeff"] == 3e-4
     assert reinit["sparsity.reinit_lambda"] == 0.1 and reinit["sparsity.reinit_std"] == 0.02
 

@@ -374,18 +374,19 @@ def l0_layer_table(rows: list[dict]) -> str:
 # ---------------------------------------------------------------- pairs
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """A nested dict (a run's config) as ``{"group.key": value}``; lists stay values."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
 
 
 def _config_diff(a: Run, b: Run) -> set[str]:
-    fa, fb = _flat(a.config), _flat(b.config)
+    fa, fb = flatten(a.config), flatten(b.config)
     return {k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k)}
 
 
@@ -428,7 +429,7 @@ def full_labels(runs: list[Run]) -> dict[Path, str]:
         by_overrides = {d: " ".join(o for o in v if o not in common) for d, v in ovs.items()}
         if all(by_overrides.values()) and len(set(by_overrides.values())) == len(runs):
             return by_overrides
-    flats = {r.dir: {k: v for k, v in _flat(r.config).items() if not k.startswith(_LABEL_IGNORE)}
+    flats = {r.dir: {k: v for k, v in flatten(r.config).items() if not k.startswith(_LABEL_IGNORE)}
              for r in runs}
     keys = sorted({k for f in flats.values() for k in f
                    if len({repr(g.get(k)) for g in flats.values()}) > 1})
