@@ -191,5 +191,5 @@ def convert_ffns(model, ffn_impl: str) -> int:
         if ffn_impl == "torch":
             return 0
         raise ValueError(f"ffn_impl={ffn_impl}: the model's FFN activation is {act!r}, not relu; "
-                         "only ReLU-gated FFNs have a sparse path (use ffn_impl=torch)")
+                         "only ReLU FFNs run on the TwELL kernels (use ffn_impl=torch)")
     return convert_mlps(model, impl=ffn_impl)

@@ -168,8 +168,27 @@ def score_requests(
     if max_length is None:
         max_length = getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
-    # Build inputs: input = (ctx + cont)[-(max_length+1):][:-1]; the last len(cont)
-    # positions of the input predict the continuation tokens.
+    seqs, conts = _model_inputs(requests, max_length)
+    order = sorted(range(len(seqs)), key=lambda j: (-len(seqs[j]), j))
+    out = [0.0] * len(seqs)
+
+    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    it = batches
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(batches, desc=desc, unit="batch")
+    for idx in it:
+        sums = _score_batch(model, [seqs[j] for j in idx], [conts[j] for j in idx], device=device,
+                            padding_side=padding_side, pad_id=pad_id)
+        for b, v in zip(idx, sums, strict=True):
+            out[b] = v
+    return out
+
+
+def _model_inputs(requests, max_length: int | None) -> tuple[list[list[int]], list[list[int]]]:
+    """(inputs, continuations) of :func:`score_requests`: input = (ctx + cont)[-(max_length+1):]
+    [:-1]; the last len(cont) positions of the input predict the continuation tokens."""
     seqs: list[list[int]] = []
     conts: list[list[int]] = []
     if max_length is not None:
@@ -188,50 +207,44 @@ def score_requests(
             full = full[-(max_length + 1):]
         seqs.append(full[:-1])
         conts.append(list(cont))
-    order = sorted(range(len(seqs)), key=lambda j: (-len(seqs[j]), j))
-    out = [0.0] * len(seqs)
+    return seqs, conts
 
-    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
-    it = batches
-    if progress:
-        from tqdm.auto import tqdm
 
-        it = tqdm(batches, desc=desc, unit="batch")
-    for idx in it:
-        T = len(seqs[idx[0]])
-        B = len(idx)
-        input_ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
-        rows, cols, targets, owner = [], [], [], []
-        for b, j in enumerate(idx):
-            s, c = seqs[j], conts[j]
-            off = 0 if padding_side == "right" else T - len(s)
-            input_ids_BT[b, off:off + len(s)] = torch.tensor(s, dtype=torch.long)
-            first = off + len(s) - len(c)  # position predicting c[0]
-            rows += [b] * len(c)
-            cols += range(first, first + len(c))
-            targets += c
-            owner += [b] * len(c)
-        input_ids_BT = input_ids_BT.to(device)
-        if padding_side == "right":
-            out_ = model(input_ids_BT)
-        else:
-            mask_BT = (torch.arange(T)[None, :] >= torch.tensor(
-                [T - len(seqs[j]) for j in idx])[:, None]).long()
-            pos_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
-            out_ = model(input_ids_BT, attention_mask=mask_BT.to(device),
-                         position_ids=pos_BT.to(device))
-        logits_BTV = _logits_of(out_)
-        if logits_BTV.shape[:2] != (B, T):
-            raise ValueError(
-                f"model returned logits of shape {tuple(logits_BTV.shape)}, expected ({B}, {T}, V)"
-            )
-        # Only the M continuation positions are normalised (not all B*T).
-        r = torch.tensor(rows, device=logits_BTV.device)
-        cidx = torch.tensor(cols, device=logits_BTV.device)
-        logp_MV = torch.log_softmax(logits_BTV[r, cidx].float(), dim=-1)
-        tok_M = logp_MV.gather(1, torch.tensor(targets, device=logp_MV.device)[:, None])[:, 0]
-        sums_B = torch.zeros(B, dtype=torch.float64, device=tok_M.device)
-        sums_B.index_add_(0, torch.tensor(owner, device=tok_M.device), tok_M.double())
-        for b, v in zip(idx, sums_B.tolist(), strict=True):  # host sync, once per batch
-            out[b] = v
-    return out
+def _score_batch(model, seqs: list[list[int]], conts: list[list[int]], *, device,
+                 padding_side: str, pad_id: int) -> list[float]:
+    """Summed continuation log-likelihoods of one batch (``seqs`` longest first: the first sets
+    T); one host sync."""
+    T = len(seqs[0])
+    B = len(seqs)
+    input_ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
+    rows, cols, targets, owner = [], [], [], []
+    for b, (s, c) in enumerate(zip(seqs, conts)):
+        off = 0 if padding_side == "right" else T - len(s)
+        input_ids_BT[b, off:off + len(s)] = torch.tensor(s, dtype=torch.long)
+        first = off + len(s) - len(c)  # position predicting c[0]
+        rows += [b] * len(c)
+        cols += range(first, first + len(c))
+        targets += c
+        owner += [b] * len(c)
+    input_ids_BT = input_ids_BT.to(device)
+    if padding_side == "right":
+        out_ = model(input_ids_BT)
+    else:
+        mask_BT = (torch.arange(T)[None, :] >= torch.tensor(
+            [T - len(s) for s in seqs])[:, None]).long()
+        pos_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
+        out_ = model(input_ids_BT, attention_mask=mask_BT.to(device),
+                     position_ids=pos_BT.to(device))
+    logits_BTV = _logits_of(out_)
+    if logits_BTV.shape[:2] != (B, T):
+        raise ValueError(
+            f"model returned logits of shape {tuple(logits_BTV.shape)}, expected ({B}, {T}, V)"
+        )
+    # Only the M continuation positions are normalised (not all B*T).
+    r = torch.tensor(rows, device=logits_BTV.device)
+    cidx = torch.tensor(cols, device=logits_BTV.device)
+    logp_MV = torch.log_softmax(logits_BTV[r, cidx].float(), dim=-1)
+    tok_M = logp_MV.gather(1, torch.tensor(targets, device=logp_MV.device)[:, None])[:, 0]
+    sums_B = torch.zeros(B, dtype=torch.float64, device=tok_M.device)
+    sums_B.index_add_(0, torch.tensor(owner, device=tok_M.device), tok_M.double())
+    return sums_B.tolist()  # host sync, once per batch

@@ -78,6 +78,7 @@ class TaskSpec:
     primary: str  # "acc" or "acc_norm"
     build: Callable[[dict], Item]
     description: str
+    short: str  # the label in tables and plots (HS, CSQA, ...)
 
 
 def _require_str(row: dict, key: str) -> str:
@@ -228,13 +229,17 @@ def build_openbookqa(row: dict) -> Item:
 TASKS: dict[str, TaskSpec] = {
     t.name: t
     for t in (
-        TaskSpec("hellaswag", "acc_norm", build_hellaswag, "HellaSwag (validation, 10042)"),
-        TaskSpec("commonsense_qa", "acc", build_commonsense_qa, "CommonsenseQA (validation, 1221)"),
-        TaskSpec("piqa", "acc_norm", build_piqa, "PIQA (validation, 1838)"),
-        TaskSpec("winogrande", "acc", build_winogrande, "WinoGrande XL (validation, 1267)"),
-        TaskSpec("arc_easy", "acc_norm", build_arc, "ARC-Easy (validation, 570)"),
-        TaskSpec("arc_challenge", "acc_norm", build_arc, "ARC-Challenge (validation, 299)"),
-        TaskSpec("openbookqa", "acc_norm", build_openbookqa, "OpenBookQA main (validation, 500)"),
+        TaskSpec("hellaswag", "acc_norm", build_hellaswag, "HellaSwag (validation, 10042)", "HS"),
+        TaskSpec("commonsense_qa", "acc",
+                 build_commonsense_qa, "CommonsenseQA (validation, 1221)", "CSQA"),
+        TaskSpec("piqa", "acc_norm", build_piqa, "PIQA (validation, 1838)", "PIQA"),
+        TaskSpec("winogrande", "acc", build_winogrande, "WinoGrande XL (validation, 1267)", "WG"),
+        TaskSpec("arc_easy", "acc_norm", build_arc, "ARC-Easy (validation, 570)", "ARC-E"),
+        TaskSpec("arc_challenge", "acc_norm",
+                 build_arc, "ARC-Challenge (validation, 299)", "ARC-C"),
+        TaskSpec("openbookqa", "acc_norm",
+                 build_openbookqa, "OpenBookQA main (validation, 500)", "OBQA"),
     )
 }
-ALL_TASKS: tuple[str, ...] = tuple(TASKS)
+ALL_TASKS: tuple[str, ...] = tuple(TASKS)  # the paper's seven, in its order
+TASK_SHORT: dict[str, str] = {t.name: t.short for t in TASKS.values()}

@@ -11,9 +11,9 @@ Shape legend: M tokens, D model width, H FFN width.
 Variants (see VARIANTS): ``twell`` (the library defaults: cuBLAS gate + pack on one warp per row
 + consumer at nb 4 on 4 warps), factor 4, a consumer launch shape, and launch-shape sweeps of
 the pack and the consumer alone (``part_pack_*``, ``part_consumer_*``, at 0.3 / 1 % i.i.d.).
-Superseded kernels (pack v1 / v2 / v4, consumer v1, the fused gate GEMM + pack) are deleted; the
-summary ends with the defaults' speedup against the one recorded in run K (BENCHMARKS.md; their
-code is at git commit 629013a).
+Superseded kernels (pack v1 / v2 / v4, consumer v1, the fused gate GEMM + pack) are deleted (their
+code is at git commit 629013a); the summary ends with the defaults' speedup against the one
+recorded in BENCHMARKS.md (:data:`RECORDED_SPEEDUP`).
 
 Phase 1 (correctness, every variant, GPU): each variant (factor 8/4 x gated / non-gated,
 launch shapes) over the
@@ -43,8 +43,6 @@ import time
 import traceback
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from twell.nn.record import load_ffn_layer
 from twell.ops.ffn import TwELLState, sparse_ffn
@@ -154,9 +152,9 @@ CONSUMER_SWEEP = {
     for nb, w in ((4, 2), (2, 2), (2, 1), (1, 1), (1, 2), (8, 4), (8, 8))
 }
 CANDIDATE = "twell"  # the auto-threshold suggestion is computed for this variant
-# The defaults' speedup over dense recorded in run K (BENCHMARKS.md, "Where things stand"; M
-# 16384, D 2048, H 5632, gated, i.i.d.): the summary prints this run's against it.
-RECORDED_RUN_K = {0.001: 2.04, 0.003: 1.65, 0.01: 1.00, 0.03: 0.48, 0.1: 0.12}
+# The defaults' speedup over dense recorded with the current kernels (BENCHMARKS.md, "Where things
+# stand"; M 16384, D 2048, H 5632, gated, i.i.d.): the summary prints this run's against it.
+RECORDED_SPEEDUP = {0.001: 2.04, 0.003: 1.65, 0.01: 1.00, 0.03: 0.48, 0.1: 0.12}
 
 
 # ------------------------------------------------------------------ phase 1: correctness
@@ -452,14 +450,15 @@ def main():
                 and r.get("H") == 5632 and r.get("gated") and r.get("speedup", 2) < 1.0]
         print(f"\nauto threshold suggestion ({CANDIDATE}): TwELL won up to density {max(win) if win else 'none'}, "
               f"lost from {min(lose) if lose else 'none'} (set FFNPolicy.infer_density_threshold between)")
-        print("\n== defaults vs run K (recorded speedup over dense; M 16384, H 5632, gated, i.i.d.)")
+        print("\n== defaults vs recorded (speedup over dense, BENCHMARKS.md; M 16384, H 5632, "
+              "gated, i.i.d.)")
         for r in speed:
             if (r.get("variant") == "twell" and "speedup" in r and r.get("M") == 16384
                     and r.get("D") == 2048 and r.get("H") == 5632 and r.get("gated")
-                    and not r.get("heavy") and r.get("density_target") in RECORDED_RUN_K):
-                rec = RECORDED_RUN_K[r["density_target"]]
+                    and not r.get("heavy") and r.get("density_target") in RECORDED_SPEEDUP):
+                rec = RECORDED_SPEEDUP[r["density_target"]]
                 print(f"density {100 * r['density_target']:g} %: {r['speedup']:.2f}x now, "
-                      f"{rec:.2f}x in run K (ratio {r['speedup'] / rec:.2f})")
+                      f"{rec:.2f}x recorded (ratio {r['speedup'] / rec:.2f})")
     n_bad = sum(1 for r in checks if r["status"] != "PASS") + sum(
         1 for r in speed if r.get("status") not in ("ok",))
     print(f"\ntotal {time.time() - t_start:.0f}s; {n_bad} failed/erroring entries; CSV: "

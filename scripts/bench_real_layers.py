@@ -10,9 +10,9 @@
 Every case (each recorded layer, then i.i.d. rows at ``--iid`` densities of shape ``--shape``)
 is checked first (every op against fp32; an op of ours off by more than 3x the dense bf16
 path's error stops the run with exit code 1), then timed with ``triton.testing.do_bench``
-medians: forward and training (forward + backward with the L1 term) of dense cuBLAS, ``twell``,
-``twell_nosync``, ``twell_hot`` (hot units from the layer's own counts), ``auto`` and ``paper``
-(ops and method: ``twell.bench``). Writes ``real_layers.csv`` and ``iid.csv`` (columns
+medians: forward (dense cuBLAS, ``twell``, ``twell_hot``: hot units from the layer's own counts)
+and training (forward + backward with the L1 term: ``torch``, ``ell``, ``ell_nosync``,
+``ell_hot``), ``auto`` and ``paper`` (ops and method: ``twell.bench``). Writes ``real_layers.csv`` and ``iid.csv`` (columns
 ``twell.bench.COLUMNS``) under ``--out`` (default docs/kernel_bench) after every case and
 prints a short table last. BENCHMARKS.md, "Hot/cold split", has the predictions.
 """

@@ -26,7 +26,7 @@ case "$PART" in all|wheels|cache) ;; *) echo "usage: $0 [all|wheels|cache]" >&2;
 version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
 
 if [ "$PART" != cache ]; then
-  # missing on the GPU image (the device tool's KINDS.md lists what it holds): hydra-core and
+  # missing on the GPU image (its package list says what it holds): hydra-core and
   # its two requirements; datasets and the two of its requirements the image lacks
   WHEEL_PKGS=(hydra-core omegaconf datasets dill multiprocess)
   SDIST_PKGS=(antlr4-python3-runtime)  # 4.9.3: an sdist only on PyPI, built here (pure Python)

@@ -4,9 +4,9 @@ on synthetic heavy-row traces that mimic a framework-trained 1.5B model (CPU, se
     PYTHONPATH=. python scripts/capacity_policy_sim.py                 # all scenarios, 3 seeds
     PYTHONPATH=. python scripts/capacity_policy_sim.py --steps 5000 --seeds 5 --csv out.csv
 
-What is simulated (per layer l of 28, per micro-batch of 8 x 2048 tokens), from what issue 16
-records of the real model (L0 6-45 per token, the busiest layer 75-100, the first tokens of
-each sequence fully active, 1-3 redone steps in 15 with the window rule):
+What is simulated (per layer l of 28, per micro-batch of 8 x 2048 tokens), from the whole-model
+benchmark's records of the real model (L0 6-45 per token, the busiest layer 75-100, the first
+tokens of each sequence fully active, 1-3 redone steps in 15 with the window rule):
 
     heavy = k_l (8 + D) + Poisson(lam_l(t) c)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two-GPU acceptance run of issue 13 (DDP / FSDP2 against one GPU), on a machine with 2 GPUs:
+# Two-GPU acceptance run (DDP / FSDP2 against one GPU), on a machine with 2 GPUs:
 #
 #   bash scripts/multi_gpu_check.sh CORPUS_CACHE_DIR [OUT_DIR]
 #
@@ -7,8 +7,8 @@
 # of offline_mix-<hash>/, e.g. ~/.cache/twell/corpus); nothing is built or downloaded.
 # OUT_DIR (default runs/multi_gpu_check) receives the run directories and report.txt.
 #
-# 1. Sparsify: small_l4, 1 GPU, L1 1e-3, 400 steps of 16 x 1024 tokens (as run Q), checkpoints
-#    every 100 steps.
+# 1. Sparsify: small_l4, 1 GPU, L1 1e-3, 400 steps of 16 x 1024 tokens, checkpoints every 100
+#    steps.
 # 2. From its step-300 checkpoint, 100 steps on 1 GPU (micro-batch 16) and on 2 GPUs with
 #    ddp.yaml (micro-batch 8 each: the same global batch), for model.ffn_impl=torch and auto;
 #    reported: the largest |loss difference| 2 GPUs vs 1 over the 100 steps, next to the
@@ -18,6 +18,7 @@
 # 4. tokens/s at the 1.5B shape (paper_1p5b, seq 2048, micro-batch 8, 2 micro-steps per step and
 #    GPU, 12 steps; the median of the logged rates after the first log): 2 GPUs (DDP and
 #    FSDP2) vs 1 GPU; target >= 1.85x.
+# The report (report.txt): train/multi_gpu.py.
 #
 # MGC_SMOKE=1: a dry run of every command on CPU (gloo) with a tiny model and 8 steps: checks
 # the command lines and the report, not the numbers.
@@ -93,45 +94,4 @@ for d in speed_one speed_ddp speed_fsdp; do
   cp "$OUT/$d/metrics.jsonl" "$OUT/$d.metrics.jsonl"; rm -rf "$OUT/$d"
 done
 
-"$PY" - "$OUT" <<'EOF' | tee "$OUT/report.txt"
-import json, statistics, sys
-from pathlib import Path
-
-out = Path(sys.argv[1])
-
-def train(path):
-    rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
-    return {r["step"]: r for r in rows if r.get("kind") == "train"}
-
-def max_diff(a, b, key="loss"):
-    steps = sorted(set(a) & set(b))
-    assert steps, "no common steps"
-    d = max(abs(a[s][key] - b[s][key]) for s in steps)
-    return d, len(steps)
-
-runs = {n: train(out / n / "metrics.jsonl") for n in
-        ("one_torch", "two_torch", "one_auto", "two_auto", "resume_two_on_one")}
-for impl in ("torch", "auto"):
-    d, n = max_diff(runs[f"one_{impl}"], runs[f"two_{impl}"])
-    g, _ = max_diff(runs[f"one_{impl}"], runs[f"two_{impl}"], "grad_norm")
-    print(f"ffn_impl={impl}: 2 GPUs vs 1 GPU over {n} steps: max |loss diff| {d:.4g}, "
-          f"max |grad norm diff| {g:.4g}")
-d, n = max_diff(runs["one_torch"], runs["one_auto"])
-print(f"bf16 noise scale: 1 GPU torch vs auto over {n} steps: max |loss diff| {d:.4g}")
-last = runs["one_auto"][max(runs["one_auto"])]
-print(f"sparsity at step {last['step']} (1 GPU, auto): L0 {last['l0_mean']:.1f} of the FFN "
-      f"width, paths {last.get('ffn_paths')}")
-d, n = max_diff(runs["resume_two_on_one"], runs["two_auto"])
-print(f"2-GPU checkpoint resumed on 1 GPU: {n} steps, max |loss diff| vs the 2-GPU "
-      f"run {d:.4g} (vs 1 GPU straight: {max_diff(runs['resume_two_on_one'], runs['one_auto'])[0]:.4g})")
-speed = {}
-for n in ("speed_one", "speed_ddp", "speed_fsdp"):
-    rows = train(out / f"{n}.metrics.jsonl")
-    rates = [rows[s]["tokens_per_s"] for s in sorted(rows)][1:]  # the first log holds warmup
-    speed[n] = statistics.median(rates)
-    print(f"{n}: {speed[n]:.0f} tokens/s (median of {len(rates)} logs), peak "
-          f"{max(r['peak_mem_gb'] for r in rows.values()):.1f} GB")
-for n in ("speed_ddp", "speed_fsdp"):
-    print(f"1.5B tokens/s ratio {n[6:]} 2 GPUs / 1 GPU: {speed[n] / speed['speed_one']:.2f}x "
-          "(target >= 1.85x)")
-EOF
+"$PY" -m train.multi_gpu "$OUT" | tee "$OUT/report.txt"

@@ -7,10 +7,11 @@
 One call each of the TwELL pack and the training compaction at M=16384, H=5632, bf16. With
 ``--time``: each launch shape timed with ``triton.testing.do_bench`` and its output compared with
 the default shape's (equal counts and words / columns), and the default against the times
-recorded in run I / J (BENCHMARKS.md; the superseded versions are at git commit 629013a).
+recorded in BENCHMARKS.md (:data:`RECORDED`; the superseded versions are at git commit 629013a).
 
-Why: run 2 (BENCHMARKS.md) measured both at ~0.27-0.45 ms for a 184 MB bf16 read, 5-7x their
-bandwidth floor; the counters say what limits them.
+Why: the first versions of both took ~0.27-0.45 ms for a 184 MB bf16 read, 5-7x their bandwidth
+floor (BENCHMARKS.md, "Why the pack and compaction kernels are slow"); the counters say what
+limits them.
 """
 
 import argparse
@@ -20,8 +21,7 @@ import torch
 from twell.ops import sparse_train_triton as stt
 from twell.ops.twell_pack import pack_dense
 
-# default kernels' ms recorded on one H200 (run J: pack at 0.3 %; run I: pack and compaction at
-# 1 / 3 %; run K: compaction at 0.3 %)
+# the default kernels' ms recorded on one H200 (BENCHMARKS.md, "Training FFN")
 RECORDED = {("pack", 0.003): 0.139, ("pack", 0.01): 0.195, ("pack", 0.03): 0.209,
             ("compact", 0.003): 0.141, ("compact", 0.01): 0.205, ("compact", 0.03): 0.230}
 PACK_SHAPES = ({}, {"block_m": 2, "num_warps": 1}, {"block_m": 2, "num_warps": 2})
@@ -69,7 +69,7 @@ def main() -> None:
         for kw in PACK_SHAPES:
             ok = _same_pack(pack_dense(g, 8, **kw)[0], ref)
             ms = triton.testing.do_bench(lambda kw=kw, g=g: pack_dense(g, 8, **kw), rep=50)
-            rec = f"  (run I/J default: {RECORDED[('pack', dens)]:.3f} ms)" if not kw else ""
+            rec = f"  (recorded default: {RECORDED[('pack', dens)]:.3f} ms)" if not kw else ""
             print(f"density {dens:.3f} pack {kw or 'default'}: {ms:.4f} ms  "
                   f"{'ok' if ok else 'MISMATCH'}{rec}")
         c_ref = stt.compact(g, kc)
@@ -77,7 +77,7 @@ def main() -> None:
             with stt.kernel_config(**kw):
                 ok = _same_compact(stt.compact(g, kc), c_ref, kc)
                 ms = triton.testing.do_bench(lambda g=g: stt.compact(g, kc), rep=50)
-            rec = f"  (run I/K default: {RECORDED[('compact', dens)]:.3f} ms)" if not kw else ""
+            rec = f"  (recorded default: {RECORDED[('compact', dens)]:.3f} ms)" if not kw else ""
             print(f"density {dens:.3f} compact {kw or 'default'}: {ms:.4f} ms  "
                   f"{'ok' if ok else 'MISMATCH'}{rec}")
 

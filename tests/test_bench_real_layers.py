@@ -27,10 +27,23 @@ def test_iid_case_reaches_its_density():
     assert abs(dens - 0.05) < 0.01
 
 
+def test_heavy_case_reaches_its_density_with_heavier_rows():
+    kw = dict(seed=3, device="cpu")
+    iid, heavy = bench.iid_case(512, 32, 300, 0.05, **kw), bench.heavy_case(512, 32, 300, 0.05, **kw)
+    assert heavy.x.dtype == torch.bfloat16 and (heavy.size, heavy.layer) == ("heavy", "5%")
+    act = {k: (c.x.float() @ c.wg.float().t()) > 0 for k, c in (("iid", iid), ("heavy", heavy))}
+    assert abs(act["heavy"].float().mean().item() - 0.05) < 0.01
+    rows = {k: a.sum(1).float() for k, a in act.items()}
+    units = {k: a.sum(0).float() for k, a in act.items()}
+    # log-normal token scales and unit thresholds: wider spread of both than i.i.d.
+    assert rows["heavy"].std() > 2 * rows["iid"].std()
+    assert units["heavy"].std() > 1.3 * units["iid"].std()
+
+
 def test_run_case_rows_from_their_own_measurements(monkeypatch):
     """Every op of both kinds gets a row with the CSV columns; the statistics are the case's
-    (recomputed here from x and Wg); speedup = dense ms / op ms of the same kind; our ops'
-    errors are within the check's bound."""
+    (recomputed here from x and Wg); speedup = the kind's baseline ms (dense fwd, torch train)
+    / op ms; our ops' errors are within the check's bound."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     c = bench.iid_case(64, 32, 300, 0.05, seed=1, device="cpu")
     times = iter(float(v) for v in range(1, 100))
@@ -45,8 +58,9 @@ def test_run_case_rows_from_their_own_measurements(monkeypatch):
         assert r["density"] == pytest.approx(act.float().mean().item(), rel=1e-5)
         assert r["l0_max"] == int(nnz.max())
         assert r["heavy_rows"] == int((nnz > default_ell_capacity(300)).sum())
-        dense = next(d for d in rows if (d["op"], d["kind"]) == ("dense", r["kind"]))
-        assert r["speedup_vs_dense"] == pytest.approx(dense["ms"] / r["ms"], rel=1e-3)
+        base = next(d for d in rows if (d["op"], d["kind"]) == (bench.BASELINE[r["kind"]],
+                                                              r["kind"]))
+        assert r["speedup"] == pytest.approx(base["ms"] / r["ms"], rel=1e-3)
         assert r["within_bound"] and 0 < r["rel_err"] < 0.05, r
     assert c.hot is not None and c.hot.numel() % 16 == 0 or c.hot.numel() == 300
 
@@ -81,12 +95,15 @@ def test_recorded_case_reads_labels_and_tensors(tmp_path):
 def test_summary_table_marks_ops_over_the_bound():
     base = {"size": "iid", "layer": "1%", "density": 0.01, "l0_mean": 56.3, "l0_max": 90,
             "heavy_rows": 0, "kind": "fwd", "rel_err": 1e-3, "within_bound": True}
-    rows = [{**base, "op": "dense", "ms": 2.0, "speedup_vs_dense": 1.0},
-            {**base, "op": "twell", "ms": 1.0, "speedup_vs_dense": 2.0},
-            {**base, "op": "paper", "ms": 0.5, "speedup_vs_dense": 4.0, "within_bound": False}]
+    rows = [{**base, "op": "dense", "ms": 2.0, "speedup": 1.0},
+            {**base, "op": "twell", "ms": 1.0, "speedup": 2.0},
+            {**base, "op": "paper", "ms": 0.5, "speedup": 4.0, "within_bound": False},
+            {**base, "kind": "train", "op": "torch", "ms": 6.0, "speedup": 1.0},
+            {**base, "kind": "train", "op": "ell", "ms": 4.0, "speedup": 1.5}]
     lines = bench.summary_table(rows).splitlines()
-    assert lines[0].split()[-2:] == ["twell", "paper"]
-    assert lines[1].split()[-2:] == ["2.00x", "4.00x*"] and "2.000" in lines[1]
+    assert lines[0].split()[-3:] == ["twell", "paper", "ell"]
+    assert lines[1].split()[-3:] == ["2.00x", "4.00x*", "-"] and "2.000" in lines[1]
+    assert lines[2].split()[-3:] == ["-", "-", "1.50x"] and "6.000" in lines[2]
 
 
 def test_script_smoke_run_writes_both_csvs(tmp_path):
@@ -101,7 +118,7 @@ def test_script_smoke_run_writes_both_csvs(tmp_path):
             rows = list(csv.DictReader(f))
         assert list(rows[0]) == bench.COLUMNS
         assert {row["size"] for row in rows} == {size}
-        assert {(row["op"], row["kind"]) for row in rows} >= {("dense", "fwd"), ("twell_hot",
-                                                                                 "train")}
+        assert {(row["op"], row["kind"]) for row in rows} >= {("dense", "fwd"), ("torch", "train"),
+                                                             ("ell_hot", "train")}
     last = r.stdout.strip().splitlines()[-1].split()
     assert last[0] == "iid" and last[6] == "train"  # the table is printed last

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.train_utils import read_metrics, tiny_config, write_tokens
+from tests.train_utils import one_line, read_metrics, tiny_config, train_run, write_tokens
 from train import checkpoint as ckpt_io
 from train.config import ConfigError
 from train.interrupt import StopSignals, TrainingInterrupted
@@ -31,21 +31,6 @@ KEYS = ("loss", "ce", "l1", "l0_mean", "nnz_max", "grad_norm", "lr")
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
     return write_tokens(tmp_path_factory.mktemp("tok") / "train.bin", n_tokens=8000)
-
-
-def _train(cfg, run_dir, **kw):
-    t = Trainer(cfg, run_dir)
-    try:
-        t.train(**kw)
-    finally:
-        t.close()
-    return t
-
-
-def _one_line(err) -> str:
-    msg = str(err.value)
-    assert "\n" not in msg, msg
-    return msg
 
 
 def _same_metrics(a: list[dict], b: list[dict]) -> None:
@@ -63,7 +48,7 @@ SAVE = {"trainer.max_steps": 4, "trainer.save_every": 2, "trainer.keep_last": 3,
 def saved(tokens, tmp_path_factory):
     """A finished 4-step run with checkpoints step2 and step4 (copy it before changing it)."""
     run = tmp_path_factory.mktemp("saved") / "run"
-    _train(tiny_config(tokens, **SAVE), run)
+    train_run(tiny_config(tokens, **SAVE), run)
     assert [c.name for c in ckpt_io.list_checkpoints(run)] == ["step2", "step4"]
     return run
 
@@ -163,7 +148,7 @@ def test_previous_format_checkpoint_resumes_exactly(tokens, saved, tmp_path):
     run = _copy_run(saved, tmp_path / "run")
     shutil.rmtree(run / "checkpoints" / "step4")
     _to_previous_format(run / "checkpoints" / "step2")
-    _train(tiny_config(tokens, **SAVE), run)  # resume=auto from the .pt files
+    train_run(tiny_config(tokens, **SAVE), run)  # resume=auto from the .pt files
     _same_metrics(read_metrics(saved), read_metrics(run))
 
 
@@ -176,7 +161,7 @@ def test_a_pickle_that_runs_code_is_refused_and_never_runs(tokens, saved, tmp_pa
     _to_previous_format(step2, poison=marker, names=("scheduler",), writer=writer)
     with pytest.raises(ckpt_io.CheckpointError) as err:
         Trainer(tiny_config(tokens, **SAVE), run)
-    msg = _one_line(err)
+    msg = one_line(err)
     assert msg.startswith(f"{step2 / 'scheduler.pt'}: refused to load")
     assert writer == "pickle" or "it names posix.system" in msg
     assert f"model.init_from={step2}" in msg
@@ -307,7 +292,7 @@ def test_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkpoint(
     with pytest.raises(ckpt_io.CheckpointError) as err:
         t.train()
     t.close()
-    msg = _one_line(err)
+    msg = one_line(err)
     assert "no space left on the device of" in msg and ".step4.tmp/trainer.json" in msg
     assert f"the previous checkpoint {run / 'checkpoints' / 'step2'} is intact" in msg
     assert "re-run the same command to resume" in msg and isinstance(err.value, ConfigError)
@@ -388,7 +373,7 @@ def test_damaged_named_checkpoint_is_refused_in_one_line(tokens, saved, tmp_path
     _truncate(step4 / "model.safetensors")
     with pytest.raises(ckpt_io.CheckpointError) as err:
         Trainer(tiny_config(tokens, **SAVE, **{"trainer.resume": str(step4)}), tmp_path / "b")
-    msg = _one_line(err)
+    msg = one_line(err)
     assert f"checkpoint {step4} is damaged or incomplete (model.safetensors has" in msg
     assert f"trainer.resume={run / 'checkpoints' / 'step2'}" in msg
     assert not (tmp_path / "b").exists()
@@ -419,7 +404,7 @@ def test_missing_optimizer_or_trainer_state_names_it_and_the_ways_out(
         want = "optimizer.json (optimizer state) is missing"
     with pytest.raises(ckpt_io.CheckpointError) as err:
         Trainer(tiny_config(tokens, **SAVE, **{"trainer.resume": str(step4)}), tmp_path / "b")
-    msg = _one_line(err)
+    msg = one_line(err)
     assert want in msg and f"trainer.resume={step2}" in msg
     assert f"model.init_from={step4}" in msg  # the weights are intact: a weights-only start
     t = Trainer(tiny_config(tokens, **SAVE), run)  # auto: the older complete one
@@ -439,7 +424,7 @@ def test_branch_into_the_run_dir_is_refused_and_run_dir_kept(tokens, saved, tmp_
     before = (run / "metrics.jsonl").read_text()
     with pytest.raises(ConfigError) as err:
         Trainer(tiny_config(tokens, **BRANCH, **{"trainer.resume": str(step2)}), run)
-    msg = _one_line(err)
+    msg = one_line(err)
     assert "step4" in msg and "new hydra.run.dir" in msg and "trainer.resume=auto" in msg
     with pytest.raises(ConfigError, match="trainer.resume=never: .* holds checkpoints"):
         Trainer(tiny_config(tokens, **SAVE, **{"trainer.resume": "never"}), run)
@@ -452,8 +437,8 @@ def test_branch_in_its_own_run_dir_keeps_lineage_and_resumes_itself(tokens, save
     step2 = run / "checkpoints" / "step2"
     branch_cfg = {**BRANCH, "trainer.resume": str(step2), "trainer.save_every": 1,
                   "trainer.keep_last": 1}
-    straight = _train(tiny_config(tokens, **branch_cfg), tmp_path / "straight")
-    t = _train(tiny_config(tokens, **branch_cfg), tmp_path / "b", stop_at_step=3)
+    straight = train_run(tiny_config(tokens, **branch_cfg), tmp_path / "straight")
+    t = train_run(tiny_config(tokens, **branch_cfg), tmp_path / "b", stop_at_step=3)
     b = tmp_path / "b"
     meta = ckpt_io.read_metadata(b / "checkpoints" / "step3")
     assert meta["lineage"]["parent"]["checkpoint"] == str(step2.resolve())
@@ -465,7 +450,7 @@ def test_branch_in_its_own_run_dir_keeps_lineage_and_resumes_itself(tokens, save
                                  f"{b / 'checkpoints' / 'step3'}")
     with pytest.raises(ConfigError, match="pass trainer.resume=auto"):  # the old advice's run
         Trainer(tiny_config(tokens, **branch_cfg), b)
-    _train(tiny_config(tokens, **{**branch_cfg, "trainer.resume": "auto"}), b)
+    train_run(tiny_config(tokens, **{**branch_cfg, "trainer.resume": "auto"}), b)
     _same_metrics(read_metrics(tmp_path / "straight"), read_metrics(b))
     assert [c.name for c in ckpt_io.list_checkpoints(run)] == ["step2", "step4"]  # untouched
     assert ckpt_io.lineage_id(b / "checkpoints" / "step4") == meta["lineage"]["id"]
@@ -488,10 +473,10 @@ def test_rotation_deletes_only_its_own_lineage(tmp_path):
 def test_resuming_an_init_from_run_does_not_need_the_source(tokens, saved, tmp_path):
     src = _copy_run(saved, tmp_path / "src") / "checkpoints" / "step4"
     over = {"model.init_from": str(src), "trainer.max_steps": 4, "trainer.save_every": 2}
-    _train(tiny_config(tokens, **over), tmp_path / "straight")
-    _train(tiny_config(tokens, **over), tmp_path / "split", stop_at_step=2)
+    train_run(tiny_config(tokens, **over), tmp_path / "straight")
+    train_run(tiny_config(tokens, **over), tmp_path / "split", stop_at_step=2)
     src.rename(tmp_path / "moved")
-    t = _train(tiny_config(tokens, **over), tmp_path / "split")
+    t = train_run(tiny_config(tokens, **over), tmp_path / "split")
     assert t.step == 4 and t.init_info["init_from"] == str(src)  # the record of the run's start
     _same_metrics(read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split"))
 
@@ -504,7 +489,7 @@ def test_run_files_are_replaced_atomically(tokens, tmp_path, monkeypatch, name):
     """A rewrite that fails half-way (a full disk) leaves the previous file whole: summary.json
     of a finished run re-summarised, metrics.jsonl and config.yaml rewritten by a resume."""
     run = tmp_path / "run"
-    _train(tiny_config(tokens, **{"trainer.max_steps": 2}), run)
+    train_run(tiny_config(tokens, **{"trainer.max_steps": 2}), run)
     before = (run / name).read_text()
     real = Path.write_text
 
@@ -516,7 +501,7 @@ def test_run_files_are_replaced_atomically(tokens, tmp_path, monkeypatch, name):
 
     monkeypatch.setattr(Path, "write_text", half_then_full)
     with pytest.raises(OSError):  # finished: the resume rewrites the files, train re-summarises
-        _train(tiny_config(tokens, **{"trainer.max_steps": 2}), run)
+        train_run(tiny_config(tokens, **{"trainer.max_steps": 2}), run)
     assert (run / name).read_text() == before
     assert [p.name for p in run.iterdir() if name in p.name] == [name]  # no temp file left
 
@@ -528,7 +513,7 @@ def test_closing_line_without_dead_window_and_tokens_per_s_of_the_last_segment(t
     over = {"trainer.max_steps": 4, "trainer.save_every": 2,
             "sparsity.dead_window_tokens": 10**9}  # no dead-unit window completes
     run = tmp_path / "run"
-    _train(tiny_config(tokens, **over), run, stop_at_step=2)
+    train_run(tiny_config(tokens, **over), run, stop_at_step=2)
     time_at_2 = ckpt_io.load_state(run / "checkpoints" / "step2", "trainer")["train_time"]
     t = Trainer(tiny_config(tokens, **over), run)
     s = t.train()

@@ -1,4 +1,4 @@
-"""Damaged and incomplete files a user hands to twell (issue "Faults and untrusted files"): every
+"""Damaged and incomplete files a user hands to twell (faults and untrusted files): every
 loader refuses a checkpoint with a missing or unexpected tensor, naming it; a truncated
 safetensors, GGUF, config.json or summary.json is named in one line. CPU, the tiny model."""
 
@@ -218,3 +218,14 @@ def test_loading_info_check_is_exact():
     check_weight_names("d", ["lm_head.weight"], [], tied=True)  # the embedding
     with pytest.raises(CheckpointError, match=r"missing a, b, c, d, e, f \(\+2 more\)"):
         check_weight_names("d", list("hgfedcba"), [], tied=False)
+
+
+def test_one_checkpoint_error_for_model_files_and_training_state(tmp_path):
+    """``except twell.hf.CheckpointError`` catches a damaged training state too (the trainer's
+    error is a subclass), and it stays a ConfigError (one line, exit code 2)."""
+    from train import checkpoint as ckpt_io
+
+    with pytest.raises(CheckpointError) as err:  # twell.hf's class
+        ckpt_io.load_state(tmp_path, "trainer")
+    assert isinstance(err.value, ckpt_io.CheckpointError) and isinstance(err.value, ConfigError)
+    assert str(err.value) == f"{tmp_path / 'trainer.json'} is missing"

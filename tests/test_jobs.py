@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from train.jobs import Job, last_train_record, run_finished, run_jobs, train_command
+from train.jobs import Job, job_env, last_train_record, run_finished, run_jobs, train_command
 
 
 def _py(code: str) -> list[str]:
@@ -27,6 +27,20 @@ def test_statuses_and_exit_codes(tmp_path):
     assert jobs[0].ok and not jobs[1].ok
     assert sorted(ended) == ["bad", "ok"]
     assert (tmp_path / "ok.log").read_text().strip() == "hi"
+
+
+def test_env_values_set_and_none_removes(tmp_path, monkeypatch):
+    monkeypatch.setenv("TWELL_JOBS_A", "from-parent")
+    monkeypatch.setenv("TWELL_JOBS_B", "from-parent")
+    code = ("import os; print(os.environ.get('TWELL_JOBS_A'), os.environ.get('TWELL_JOBS_B'), "
+            "os.environ.get('TWELL_JOBS_C'))")
+    jobs = [Job("rm", _py(code), log_path=tmp_path / "rm.log",
+                env={"TWELL_JOBS_A": None, "TWELL_JOBS_C": "job"}),
+            Job("keep", _py(code), log_path=tmp_path / "keep.log")]
+    run_jobs(jobs, env={"TWELL_JOBS_B": None}, log=lambda s: None, poll_s=0.05)
+    assert (tmp_path / "rm.log").read_text().split() == ["None", "None", "job"]
+    assert (tmp_path / "keep.log").read_text().split() == ["from-parent", "None", "None"]
+    assert "TWELL_JOBS_B" not in job_env(1, {"TWELL_JOBS_B": None})
 
 
 def test_parallel_limit_runs_jobs_one_after_another(tmp_path):

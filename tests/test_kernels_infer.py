@@ -515,7 +515,7 @@ def test_dense_path_fused_pass_matches_pytorch(with_stats):
 
 def test_auto_mode_goes_dense_for_a_small_ffn():
     """Fewer dense FLOPs (6 M D H) than FFNPolicy.infer_min_flops: dense even at low density and
-    many rows (run Q: a small model's layer ran 0.60-0.84x of dense on TwELL)."""
+    many rows (a small_l4 layer ran 0.60-0.84x of dense on TwELL, one H200)."""
     n, d, h = 8, 32, 300
     x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=14)
     st = TwELLState()

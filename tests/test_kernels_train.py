@@ -1,4 +1,5 @@
-"""Sparse training path of the gated FFN (hybrid ELL + dense backup) against fp64 dense autograd.
+"""The ``ell`` training path of the gated FFN (hybrid ELL + dense backup) and dense mode against
+fp64 dense autograd.
 
 Reference: ``twell.ops.reference.gated_ffn_torch`` in float64 with PyTorch autograd; loss
 ``sum(y * dy) + c * l1``. Both backends are checked: the pure-PyTorch one in float64 (tight
@@ -366,10 +367,10 @@ def test_default_capacity_matches_paper_width():
 
 def test_l1_gradient_is_not_rounded_away_under_bf16_autocast():
     """The L1 term's share of the weight gradients, under bf16 autocast with fp32 master weights,
-    against fp64 autograd of the same loss: the sparse path adds ``scale * sign(h)`` to the fp32
+    against fp64 autograd of the same loss: the ell path adds ``scale * sign(h)`` to the fp32
     dh before anything is rounded, so its L1 share matches fp64 (measured 0.999 / 1.011 for dWg /
     dWu). The dense PyTorch path (bf16 h, bf16 gradient accumulation) kept only ~0.15 of it in
-    the same setup, which is why its runs end denser (BENCHMARKS.md, run G comparisons). Dense
+    the same setup, which is why its runs end denser (BENCHMARKS.md, "Training FFN"). Dense
     mode (``dense_ffn_train``) adds the L1 term in fp32 too, but stores dg / du in bf16 for its
     cuBLAS products, so it keeps the torch path's share (asserted equal within 0.05)."""
     torch.manual_seed(0)
@@ -476,7 +477,7 @@ def test_dense_mode_bad_inputs_name_the_argument():
 
 def test_heavy_rows_statistic_counts_tokens_above_the_ell_capacity():
     """FFNStats.heavy_rows (read by ffn_impl=auto): tokens with more active units than the ELL
-    capacity in effect, equal on the sparse path, dense mode and the PyTorch path."""
+    capacity in effect, equal on the ell path, dense mode and the PyTorch path."""
     from twell.stats import default_ell_capacity
 
     x, wg, wu, wd, _ = make_inputs(33, 40, 300, threshold=0.8, seed=41, zero_rows=(2,))
@@ -588,7 +589,7 @@ NONFINITE = [float("nan"), float("inf"), float("-inf")]
 # all-dense fallback, the no-sync mode with a capacity that holds the heavy rows, and dense mode
 TRAIN_PATHS = [("backup", {}), ("ell", {"ell_capacity": 64, "dense_row_fraction": 1.0}),
                ("all_dense", {"dense_row_fraction": 0.0}), ("nosync", {"backup_rows": None}),
-               ("dense_mode", {})]
+               ("dense", {})]
 
 
 def _nonfinite_case(value):
@@ -620,7 +621,7 @@ def test_nonfinite_input_row_reaches_its_output_and_every_gradient(backend, dtyp
     y_r, _, g_r = _reference_with_nonfinite(x, wg, wu, wd, dy, 0.5)
     assert not torch.isfinite(y_r[r]).any() and torch.isfinite(y_r[ok]).all()
     kw = dict(opts)
-    fn = sparse_train.dense_ffn_train if path == "dense_mode" else sparse_ffn_train
+    fn = sparse_train.dense_ffn_train if path == "dense" else sparse_ffn_train
     if path == "nosync":  # the capacity from a measuring call, as the trainer does
         _, st0, _ = run_ours(x, wg, wu, wd, dy, 0.5, dtype, backend=backend)
         kw["backup_rows"] = int(st0.heavy_rows.item())

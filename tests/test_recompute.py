@@ -1,6 +1,6 @@
 """Selective recomputation (``trainer.checkpoint_ffn``): the loss and every parameter gradient
 equal those of full checkpointing and of no checkpointing, for twell / auto / torch layers mixed
-in one model, fp32 and bf16 autocast; layers on the sparse path run their FFN once per step."""
+in one model, fp32 and bf16 autocast; layers on the ``ell`` path run their FFN once per step."""
 
 import pytest
 import torch

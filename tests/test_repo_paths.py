@@ -48,3 +48,41 @@ def test_no_tracked_file_holds_a_machine_path():
                 found.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
     assert not found, "absolute machine paths (use a relative path or $WORK/$OUT):\n" + \
         "\n".join(found[:30])
+
+
+# Prose for the next reader: run letters (the letter naming a benchmark run), issue numbers of a
+# tracker that is not in the repository, and the session notes file (cite the paper by section
+# instead) stay out of code, configs and the README's first screen; BENCHMARKS.md, docs/ and test
+# data keep the run history. The patterns are built from pieces: this file is tracked too.
+HISTORY = re.compile(r"\b[Rr]uns? [A-Z][0-9]?\b|\b[Ii]ssue #?\d+|shared/" + "PAPER" + r"\.md")
+CODE_SUFFIXES = {".py", ".sh", ".yaml", ".yml", ".toml", ".cfg", ".ini"}
+README_SCREEN = 40  # lines of README.md a reader sees first
+
+
+def test_history_pattern_finds_run_letters_and_issue_numbers_only():
+    r, i = "run", "issue"
+    hits = [f"(BENCHMARKS.md, {r} K)", f"{r}s T, T2", f"{r.title()} R", f"({i} 16)",
+            f"{i} #17", "see shared/" + "PAPER.md"]
+    misses = ["the run directory", "runs A_torch and C_twell", f"{r} (B)", "a run of 300 steps",
+              "tissue 3", f"{i}s to solve", "Run the tests"]
+    assert all(HISTORY.search(s) for s in hits)
+    assert not any(HISTORY.search(s) for s in misses)
+
+
+def test_no_run_letters_or_issue_numbers_in_code_or_the_readme_screen():
+    found = []
+    for p in _tracked_text_files():
+        rel = p.relative_to(ROOT)
+        if rel.parts[0] == "docs" or "data" in rel.parts[:-1]:
+            continue
+        if rel.name == "README.md" and len(rel.parts) == 1:
+            lines = p.read_text(errors="replace").splitlines()[:README_SCREEN]
+        elif p.suffix in CODE_SUFFIXES:
+            lines = p.read_text(errors="replace").splitlines()
+        else:
+            continue
+        found += [f"{rel}:{n}: {line.strip()[:100]}" for n, line in enumerate(lines, 1)
+                  if HISTORY.search(line)]
+    assert not found, ("run letters / issue numbers / the notes file in code (history goes to "
+                       "BENCHMARKS.md and commit messages; cite the paper by section):\n"
+                       + "\n".join(found[:30]))

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from evals.tasks import ALL_TASKS as TASKS
 from tests.train_utils import datamodule_with_stub_tokenizer, tiny_config, write_tokens
 from train import report
 from train.report import (
-    TASKS,
     IncompleteRunError,
     MismatchError,
     ReportError,

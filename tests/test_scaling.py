@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.train_utils import write_tokens
+from train.report import flatten
 from train.scaling import (
     StudyRow,
     StudySettings,
@@ -53,16 +54,6 @@ def _compose(overrides, as_object=False):
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
     return OmegaConf.to_object(cfg) if as_object else OmegaConf.to_container(cfg, resolve=True)
-
-
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 # ---------------------------------------------------------------- plan, recipe, estimate
@@ -113,15 +104,15 @@ def test_recipe_is_the_bench_model_stage1():
     logging, validation size, checkpoint keeping and the dead-unit window: one run serves both."""
     from train.bench.recipe import Recipe, stage1_overrides
 
-    bench = _flat(_compose(stage1_overrides("1p5b", Recipe())))
-    study = _flat(_compose(row_overrides(StudyRow("1p5b", 3e-4), StudySettings())))
+    bench = flatten(_compose(stage1_overrides("1p5b", Recipe())))
+    study = flatten(_compose(row_overrides(StudyRow("1p5b", 3e-4), StudySettings())))
     differ = {k for k in bench.keys() | study.keys() if bench.get(k) != study.get(k)}
     assert differ == {"trainer.log_every", "trainer.val_sequences", "trainer.keep_last",
                       "trainer.resume", "sparsity.dead_window_tokens"}
     assert study["model.num_layers"] == 28 and study["trainer.max_steps"] == 200
     assert study["sparsity.dead_window_tokens"] == 1_048_576
     assert study["trainer.grad_checkpointing"] is False
-    reinit = _flat(_compose(row_overrides(StudyRow("1p5b", 3e-4, True), StudySettings())))
+    reinit = flatten(_compose(row_overrides(StudyRow("1p5b", 3e-4, True), StudySettings())))
     assert reinit["sparsity.reinit_dead"] is True and reinit["sparsity.l1_coeff"] == 3e-4
     assert reinit["sparsity.reinit_lambda"] == 0.1 and reinit["sparsity.reinit_std"] == 0.02
 

@@ -1,4 +1,4 @@
-"""Run-directory rules of the trainer (issue 17): resume paths and config changes, the run-dir
+"""Run-directory rules of the trainer: resume paths and config changes, the run-dir
 lock, the learning-rate warmup, validation counted in sequences, data errors in one line, and
 the run's text log. Tiny fp32 CPU runs of a few steps, validation and evals off unless tested."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.train_utils import read_metrics, tiny_config, write_tokens
+from tests.train_utils import one_line, read_metrics, tiny_config, train_run, write_tokens
 from train.config import ConfigError
 from train.data import DataConfig, DataError, build_datamodule
 from train.trainer import Trainer
@@ -21,21 +21,6 @@ from train.trainer import Trainer
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
     return write_tokens(tmp_path_factory.mktemp("tok") / "train.bin", n_tokens=8000)
-
-
-def _one_line(err) -> str:
-    msg = str(err.value)
-    assert "\n" not in msg, msg
-    return msg
-
-
-def _train(cfg, run_dir, **kw):
-    t = Trainer(cfg, run_dir)
-    try:
-        t.train(**kw)
-    finally:
-        t.close()
-    return t
 
 
 def _cosine_lr(step, lr, warmup, max_steps, min_ratio=0.0):
@@ -56,7 +41,7 @@ def test_first_step_runs_at_its_warmup_share(tokens, tmp_path, min_ratio):
     cosine decays; the last step is not wasted either (above min_lr_ratio * lr, also at 0)."""
     cfg = tiny_config(tokens, **{"trainer.max_steps": 7, "optim.warmup_steps": 4,
                                  "optim.min_lr_ratio": min_ratio})
-    _train(cfg, tmp_path / "run")
+    train_run(cfg, tmp_path / "run")
     lrs = [r["lr"] for r in read_metrics(tmp_path / "run")]
     assert lrs[:4] == pytest.approx([3e-3 / 4, 3e-3 / 2, 3e-3 * 3 / 4, 3e-3], rel=1e-12)
     # steps 5-7: cosine over 4 intervals, its end (min_ratio) one step past the last
@@ -101,7 +86,7 @@ def test_old_val_batches_key_is_refused_with_the_new_name():
 
     with pytest.raises(ConfigError) as err:
         check_overrides(["trainer.val_batches=2"])
-    assert "trainer.val_sequences" in _one_line(err)
+    assert "trainer.val_sequences" in one_line(err)
 
 
 # ------------------------------------------------------------------ 6: resume paths
@@ -111,14 +96,14 @@ def test_resume_path_that_does_not_exist_says_so(tokens, tmp_path):
     nope = tmp_path / "nope" / "checkpoints" / "step3"
     with pytest.raises(ConfigError) as err:
         Trainer(tiny_config(tokens, **{"trainer.resume": str(nope)}), tmp_path / "r")
-    msg = _one_line(err)
+    msg = one_line(err)
     assert "does not exist" in msg and str(nope) in msg
     assert not (tmp_path / "r").exists()  # a refused run leaves no directory
 
 
 def test_resume_from_a_run_dir_takes_its_newest_complete_checkpoint(tokens, tmp_path):
     over = {"trainer.max_steps": 4, "trainer.save_every": 1, "trainer.keep_last": 4}
-    _train(tiny_config(tokens, **over), tmp_path / "a", stop_at_step=3)
+    train_run(tiny_config(tokens, **over), tmp_path / "a", stop_at_step=3)
     (tmp_path / "a" / "checkpoints" / ".step4.tmp").mkdir()  # an incomplete one: ignored
     t = Trainer(tiny_config(tokens, **over, **{"trainer.resume": str(tmp_path / "a")}),
                 tmp_path / "b")
@@ -128,7 +113,7 @@ def test_resume_from_a_run_dir_takes_its_newest_complete_checkpoint(tokens, tmp_
     (empty / "checkpoints").mkdir(parents=True)
     with pytest.raises(ConfigError) as err:
         Trainer(tiny_config(tokens, **{"trainer.resume": str(empty)}), tmp_path / "c")
-    assert "no complete checkpoint" in _one_line(err)
+    assert "no complete checkpoint" in one_line(err)
 
 
 # ------------------------------------------------------------------ 12: a different run's directory
@@ -137,10 +122,10 @@ def test_resume_from_a_run_dir_takes_its_newest_complete_checkpoint(tokens, tmp_
 def test_auto_resume_of_a_changed_config_needs_an_explicit_path(tokens, tmp_path):
     run = tmp_path / "run"
     base = {"trainer.max_steps": 3}
-    _train(tiny_config(tokens, **base), run, stop_at_step=2)  # checkpoint step2 (the last step)
+    train_run(tiny_config(tokens, **base), run, stop_at_step=2)  # checkpoint step2 (the last step)
     with pytest.raises(ConfigError) as err:
         Trainer(tiny_config(tokens, **base, **{"sparsity.l1_coeff": 0.1}), run)
-    msg = _one_line(err)
+    msg = one_line(err)
     assert "sparsity.l1_coeff" in msg and f"trainer.resume={run}" in msg
     assert "hydra.run.dir" in msg
     # execution settings are safe to change: resumed without a word beyond the note
@@ -157,12 +142,12 @@ def test_auto_resume_of_a_changed_config_needs_an_explicit_path(tokens, tmp_path
 
 def test_resume_on_other_data_is_one_line(tokens, tmp_path):
     other = write_tokens(tmp_path / "other.bin", n_tokens=8000, seed=1)
-    _train(tiny_config(tokens, **{"trainer.max_steps": 2}), tmp_path / "a")
+    train_run(tiny_config(tokens, **{"trainer.max_steps": 2}), tmp_path / "a")
     cfg = tiny_config(other, **{"trainer.max_steps": 2,
                                 "trainer.resume": str(tmp_path / "a")})
     with pytest.raises(ConfigError) as err:
         Trainer(cfg, tmp_path / "b")
-    msg = _one_line(err)
+    msg = one_line(err)
     assert "data" in msg and "fingerprint" in msg and "new run" in msg
 
 
@@ -171,12 +156,12 @@ def test_resume_on_other_data_is_one_line(tokens, tmp_path):
 
 def test_resume_refuses_optimizer_changes_unless_asked(tokens, tmp_path):
     run = tmp_path / "run"
-    _train(tiny_config(tokens, **{"trainer.max_steps": 2}), run)
+    train_run(tiny_config(tokens, **{"trainer.max_steps": 2}), run)
     changed = {"optim.lr": 1e-2, "optim.weight_decay": 0.5, "trainer.max_steps": 3,
                "trainer.resume": str(run)}
     with pytest.raises(ConfigError) as err:
         Trainer(tiny_config(tokens, **changed), run)
-    msg = _one_line(err)
+    msg = one_line(err)
     for key in ("optim.lr", "optim.weight_decay", "trainer.max_steps",
                 "trainer.resume_allow_changes=true"):
         assert key in msg, key
@@ -187,7 +172,7 @@ def test_resume_applies_new_optimizer_values_exactly(tokens, tmp_path):
     betas (0.8, 0.9), eps 1e-6, warmup 1, max 6, min ratio 0.2: steps 3-6 run at the new
     schedule's values for steps 3-6 and the param groups carry the new values."""
     run = tmp_path / "run"
-    _train(tiny_config(tokens, **{"trainer.max_steps": 4}), run, stop_at_step=2)
+    train_run(tiny_config(tokens, **{"trainer.max_steps": 4}), run, stop_at_step=2)
     new = {"optim.lr": 1e-2, "optim.weight_decay": 0.5, "optim.betas": [0.8, 0.9],
            "optim.eps": 1e-6, "optim.warmup_steps": 1, "optim.min_lr_ratio": 0.2,
            "trainer.max_steps": 6, "trainer.resume": str(run),
@@ -215,7 +200,7 @@ def test_second_trainer_in_a_locked_run_dir_fails_at_once(tokens, tmp_path):
     a = Trainer(tiny_config(tokens), run)
     with pytest.raises(ConfigError) as err:
         Trainer(tiny_config(tokens), run)
-    msg = _one_line(err)
+    msg = one_line(err)
     assert f"PID {os.getpid()}" in msg and ".lock" in msg
     a.close()  # released: the next one may start
     Trainer(tiny_config(tokens), run).close()
@@ -236,7 +221,7 @@ def test_run_dir_locked_by_another_process(tokens, tmp_path):
         t0 = time.monotonic()
         with pytest.raises(ConfigError) as err:
             Trainer(tiny_config(tokens), run)
-        assert f"PID {holder.pid}" in _one_line(err)
+        assert f"PID {holder.pid}" in one_line(err)
         assert time.monotonic() - t0 < 30  # fails at once, does not wait for the lock
     finally:
         holder.kill()
@@ -256,7 +241,7 @@ def test_too_little_token_data_is_a_data_error(tmp_path, n_tokens, seq_len, val_
     cfg = DataConfig(source="tokens", paths=[str(path)], val_fraction=val_fraction)
     with pytest.raises(DataError) as err:
         build_datamodule(cfg, seq_len=seq_len, micro_batch=2, seed=0)
-    msg = _one_line(err)
+    msg = one_line(err)
     assert str(path) in msg and what in msg, msg
 
 
@@ -272,7 +257,7 @@ def test_bad_jsonl_inputs_are_data_errors(tmp_path):
     for path, what in ((empty, "no documents"), (blank, "no documents"), (bad, "not valid")):
         with pytest.raises(DataError) as err:
             list(_files_docs(str(path), "text", tmp_path / "cache"))
-        msg = _one_line(err)
+        msg = one_line(err)
         assert str(path) in msg and what in msg, msg
 
 
@@ -284,7 +269,7 @@ def test_token_ids_beyond_the_model_vocab_name_the_files_not_a_tokenizer(tmp_pat
     cfg = tiny_config(path, **{"data.vocab_size": None})
     with pytest.raises(ConfigError) as err:
         Trainer(cfg, tmp_path / "r")
-    msg = _one_line(err)
+    msg = one_line(err)
     assert "tokenizer" not in msg and "data.paths" in msg and "60000" in msg
     assert "model.vocab_size>=60001" in msg
 

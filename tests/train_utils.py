@@ -126,3 +126,22 @@ class _StubTokenizer:
 
     def save_pretrained(self, path) -> None:
         pass
+
+
+def train_run(cfg: TrainConfig, run_dir, **kw):
+    """Build a Trainer on ``run_dir``, train it (``kw`` to ``train``), close it; returns it."""
+    from train.trainer import Trainer
+
+    t = Trainer(cfg, run_dir)
+    try:
+        t.train(**kw)
+    finally:
+        t.close()
+    return t
+
+
+def one_line(err) -> str:
+    """The message of a ``pytest.raises`` result, asserted to be one line."""
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    return msg

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from train.config import ConfigError
+from twell import hf
 from twell.hf import checkpoint_root, list_checkpoints
 
 FORMAT_VERSION = 2
@@ -60,11 +61,13 @@ STATE_FILES = {"optimizer": "optimizer state", "scheduler": "lr schedule state",
 _HASH_CHUNK = 1 << 24  # 16 MiB reads for SHA-256
 
 
-class CheckpointError(ConfigError):
-    """A checkpoint cannot be written or read: the disk is full, a file is damaged or missing,
-    or a state file holds something other than tensors and plain data. One line naming the
-    file and the way out; a :class:`train.config.ConfigError`, so ``twell-train`` reports it
-    without a traceback and exits with code 2."""
+class CheckpointError(hf.CheckpointError, ConfigError):
+    """A training checkpoint cannot be written or read: the disk is full, a file is damaged or
+    missing, or a state file holds something other than tensors and plain data. One line naming
+    the file and the way out. A :class:`twell.hf.CheckpointError` (``except CheckpointError``
+    catches a damaged model file and a damaged training state alike) and a
+    :class:`train.config.ConfigError`, so ``twell-train`` reports it without a traceback and
+    exits with code 2."""
 
 
 # ---------------------------------------------------------------- state files (no pickle)

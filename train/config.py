@@ -104,7 +104,7 @@ class ModelConfig:
     """FFN implementation: torch (dense PyTorch) | twell (TwELL / ELL Triton kernels) | auto (per
     layer and step the ELL kernels or dense mode; training paths: twell/nn/plan.py)."""
     ffn_host_sync: str = "step"
-    """Sparse training path (twell, or auto's ELL layers): step = no host sync per layer, the
+    """The ell training path (twell, or auto's ELL layers): step = no host sync per layer, the
     dense-backup capacity comes from the previous step's heavy-row counts and is checked once per
     optimizer step (a step that exceeded it is redone measuring per call, so nothing is lost);
     call = measure per FFN call (one host sync per layer and call)."""
@@ -324,7 +324,7 @@ class TrainerConfig:
     compile: bool = False
     """torch.compile the model."""
     backup_capacity: str = "window"
-    """No-sync dense-backup capacities of the sparse path (model.ffn_host_sync=step): window
+    """No-sync dense-backup capacities of the ell path (model.ffn_host_sync=step): window
     (1.25 x the largest heavy-row count of the last 16 steps + 16) | adaptive (last 128 steps,
     a per-layer margin that grows 1.5x after each redo the layer caused and decays back to 1.25,
     multiples of 64). See twell/nn/capacity.py and scripts/capacity_policy_sim.py."""
@@ -347,8 +347,8 @@ class TrainerConfig:
     forward (train/loss.py): no (tokens x vocab) logits; same loss as transformers' (mean over
     the shifted targets), bf16 noise apart. null = on for CUDA bf16 runs without trainer.compile
     (eager-only) or FSDP (untested there), off elsewhere (CPU fp32 runs keep the reference loss).
-    Measured with autocast_cache=false: no slower at 1.5B and 2B, 6.2-6.7 GB less peak memory
-    (BENCHMARKS.md "Run R", "Runs T, T2")."""
+    Measured with autocast_cache=false (one H200): no slower at 1.5B and 2B, 6.2-6.7 GB less
+    peak memory (BENCHMARKS.md, "Whole model")."""
     lean_norms: bool | None = None
     """RMSNorms that keep only their input and rsqrt for backward (the normalised rows are
     recomputed) and, under autocast, return one bf16 output their consumers share

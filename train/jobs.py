@@ -46,7 +46,7 @@ class Job:
             None for other commands.
         log_path: where stdout and stderr go; default ``<run_dir>.log``, required without
             ``run_dir``.
-        env: extra environment variables for this job.
+        env: extra environment variables for this job (a None value removes the variable).
         status: ``pending``, ``running``, ``done``, ``failed (exit N)``, ``stopped`` (by the
             deadline) or ``not started`` (the deadline came first).
         rc: exit code (None until it ends). wall_s: seconds it ran.
@@ -56,7 +56,7 @@ class Job:
     cmd: list[str]
     run_dir: Path | None = None
     log_path: Path | None = None
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)
     status: str = "pending"
     rc: int | None = None
     wall_s: float | None = None
@@ -90,11 +90,11 @@ def train_command(overrides: list[str], run_dir: Path, *, python: str | None = N
     return [python or sys.executable, "-m", "train", *overrides, f"hydra.run.dir={run_dir}"]
 
 
-def job_env(n_parallel: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+def job_env(n_parallel: int, extra: dict[str, str | None] | None = None) -> dict[str, str]:
     """The environment of a child: this process's, with CPU threads split between the jobs
     that run at once, no tokenizer threads, expandable CUDA segments (several processes share
     one GPU without fragmenting it), no model hub, unbuffered output and the repository on
-    PYTHONPATH; then ``extra``."""
+    PYTHONPATH; then ``extra`` (a None value removes the variable)."""
     env = dict(os.environ)
     env.update({
         "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // max(n_parallel, 1))),
@@ -106,7 +106,7 @@ def job_env(n_parallel: int, extra: dict[str, str] | None = None) -> dict[str, s
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
     })
     env.update(extra or {})
-    return env
+    return {k: v for k, v in env.items() if v is not None}
 
 
 def last_train_record(run_dir: Path | None) -> dict | None:
@@ -142,7 +142,8 @@ def run_finished(run_dir: Path, max_steps: int | None = None) -> bool:
 def _start(job: Job, env: dict[str, str], cwd: Path) -> None:
     job.log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(job.log_path, "a") as fh:  # appended: a resumed job keeps its earlier pieces
-        job.popen = subprocess.Popen(job.cmd, cwd=cwd, env={**env, **job.env}, stdout=fh,
+        child_env = {k: v for k, v in {**env, **job.env}.items() if v is not None}
+        job.popen = subprocess.Popen(job.cmd, cwd=cwd, env=child_env, stdout=fh,
                                      stderr=subprocess.STDOUT, start_new_session=True)
     job.t0 = time.monotonic()
     job.status = "running"
@@ -179,7 +180,7 @@ def _progress_line(running: list[Job], now: float) -> str:
 def run_jobs(jobs: list[Job], *, parallel: int = 1, deadline: float | None = None,
              on_done: Callable[[Job], None] | None = None, progress_every: float = 30.0,
              grace_s: float = 60.0, poll_s: float = 0.5, log: Callable[[str], None] = print,
-             cwd: Path | None = None, env: dict[str, str] | None = None) -> list[Job]:
+             cwd: Path | None = None, env: dict[str, str | None] | None = None) -> list[Job]:
     """Run ``jobs`` (at most ``parallel`` at once, in list order) until all have ended or
     ``deadline`` (``time.monotonic()`` seconds) passes: then running jobs are stopped
     (:func:`stop`, status ``stopped``) and pending ones marked ``not started``. ``on_done(job)``

@@ -1,6 +1,6 @@
 """The model: stock transformers ``LlamaForCausalLM`` (ReLU) whose FFNs are ``SparseGatedMLP``.
 
-Source: arXiv 2603.23198, "Model and recipe" (see ``shared/PAPER.md``): hidden 2048, FFN 5632,
+Source: arXiv 2603.23198, the model and training recipe ("Transformer++"): hidden 2048, FFN 5632,
 32 heads, no GQA, RMSNorm eps 1e-5, no biases, init std 0.02, tied embeddings, RoPE theta 1e5,
 bos = eos = 0. The gated FFN ``relu(x Wg^T) * (x Wu^T)`` is exactly LlamaMLP with
 ``hidden_act="relu"``, so a gated checkpoint loads into plain ``LlamaForCausalLM`` and gives the
@@ -68,7 +68,7 @@ def enable_grad_checkpointing(model, checkpoint_ffn: str = "always") -> None:
 
     ``checkpoint_ffn`` (``trainer.checkpoint_ffn``): ``always`` recomputes whole layers;
     ``auto`` / ``never`` recompute only the attention half of layers whose FFN trains on the
-    sparse path / of every layer (:mod:`train.recompute`).
+    ``ell`` path / of every layer (:mod:`train.recompute`).
     """
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):

@@ -1,15 +1,15 @@
 """Selective activation recomputation: under gradient checkpointing, recompute only the
 attention half of a decoder layer whose FFN runs the sparse (ELL) training path.
 
-Why (issue 16, "the ceiling"): full checkpointing replays each decoder layer's whole forward in
-backward, so the sparse FFN's gate GEMM (``N x D x H``, the part TwELL cannot skip) and its
-compaction, SDDMM, SpMM and CSC sort run twice. But the sparse op saves little for backward (its
-ELL state), so keeping that state costs less memory than replaying it costs time. Dense FFNs
-save ``N x H`` tensors (two or three of them), so they keep full recomputation.
+Why (the whole-model benchmark's ceiling): full checkpointing replays each decoder layer's whole
+forward in backward, so the sparse FFN's gate GEMM (``N x D x H``, the part TwELL cannot skip) and
+its compaction, SDDMM, SpMM and CSC sort run twice. But the sparse op saves little for backward (its
+ELL state), so keeping that state costs less memory than replaying it costs time. Dense FFNs save
+``N x H`` tensors (two or three of them), so they keep full recomputation.
 
 ``trainer.checkpoint_ffn`` (with ``trainer.grad_checkpointing=true``):
 
-* ``always`` (default, today): transformers' own per-layer checkpoint; the whole layer replays.
+* ``always`` (default): transformers' own per-layer checkpoint; the whole layer replays.
 * ``auto``: a layer whose FFN trains on the ``ell`` path this step (its FFN plan says so:
   ``twell.nn.plan.trains_ell``; fixed within an optimizer step, changed only between steps) runs
   ``checkpoint(input_layernorm -> self_attn -> + residual -> post_attention_layernorm)`` and then

@@ -1,5 +1,5 @@
 """The ReLUfication study of SmolLM2-135M (docs/relufy.md): its rows, their training commands,
-the scoring of their checkpoints, the results table, the issue's targets and the GPU-time
+the scoring of their checkpoints, the results table, the study's targets and the GPU-time
 estimate, and the loop that runs the rows in pieces of a few minutes (scripts/relufy_study.py
 is its command line).
 
@@ -42,9 +42,7 @@ from evals.tasks import ALL_TASKS
 from train.jobs import ROOT, Job, last_train_record, run_finished, run_jobs, train_command
 
 KINDS = ("silu_original", "silu_control", "dense_relu", "sparse")
-TASK_COLUMN = {"hellaswag": "hellaswag", "commonsense_qa": "csqa", "piqa": "piqa",
-               "winogrande": "winogrande", "arc_easy": "arc_easy",
-               "arc_challenge": "arc_challenge", "openbookqa": "openbookqa"}
+TASK_COLUMN = {t: "csqa" if t == "commonsense_qa" else t for t in ALL_TASKS}  # results.csv
 CSV_COLUMNS = ["row", "kind", "l1_coeff", "distill", "tokens_m", "l0", "l0_pct", "dead_pct",
                "val_loss", *(TASK_COLUMN[t] for t in ALL_TASKS), "mean", "stderr"]
 # L1 strengths of the sweep. At 3.6 M tokens (the earlier study, 16 k-token steps, no warmup)
@@ -55,7 +53,7 @@ L1_CENTER = 0.1  # run first (L0 3.6 % at 3.6 M tokens: the middle of the band),
 DEFAULT_TOKENS = 40e6  # per trained row: 2.15 epochs of the corpus
 CORPUS_TRAIN_TOKENS = 18_650_289  # the offline corpus's training split (its manifest)
 # one H200, a model of SmolLM2-135M's shape, seq 1024, micro-batch 64, trainer.compile, one
-# process (measured before this study was set up); the issue's target is 250 k
+# process (measured before this study was set up); the study's target is 250 k
 MEASURED_TOKENS_PER_S = 290.5e3
 TARGET_TOKENS_PER_S = 250e3
 # Estimates, not measurements: a distilled step also runs the teacher's forward (~1/3 of a
@@ -268,7 +266,7 @@ def read_results(path: Path) -> list[dict]:
 
 @dataclass
 class Target:
-    """One of the issue's targets evaluated on the results: ``status`` met | missed | pending
+    """One of the study's targets evaluated on the results: ``status`` met | missed | pending
     (the rows it needs are not scored yet), ``text`` one line with the numbers."""
 
     name: str
@@ -304,7 +302,7 @@ def _sparse_target(name, sparse, dense, max_pct, within) -> Target:
 
 
 def evaluate_targets(rows: list[dict]) -> list[Target]:
-    """The issue's three targets on :func:`result_row` dicts (points = percentage points of the
+    """The study's three targets on :func:`result_row` dicts (points = percentage points of the
     mean accuracy, +- the standard error of the difference): dense ReLU within 1.0 of the SiLU
     control; a sparse row with L0 <= 5 % within 1.0 of dense ReLU (the sparsest such row
     reported); one with L0 <= 2 % within 2.0."""

@@ -18,7 +18,7 @@ import math
 import shutil
 from pathlib import Path
 
-from evals.tasks import ALL_TASKS
+from evals.tasks import ALL_TASKS, TASK_SHORT
 from train.relufy import (
     CORPUS_TRAIN_TOKENS,
     DEFAULT_L1,
@@ -34,8 +34,7 @@ from train.relufy import (
     read_results,
 )
 
-SHORT = {"hellaswag": "HS", "csqa": "CSQA", "piqa": "PIQA", "winogrande": "WG",
-         "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "openbookqa": "OBQA"}
+SHORT = {TASK_COLUMN[t]: TASK_SHORT[t] for t in ALL_TASKS}  # results.csv column -> label
 # chance: the mean over each task's items of 1 / (number of choices), full validation sets
 # (ARC has a few 3- and 5-choice items); the seven tasks' mean is 31.44
 CHANCE_MEAN = 31.44
@@ -311,9 +310,9 @@ def running_lines(plan: StudyPlan, rows: list[RowSpec], state: dict | None) -> l
 
 
 def earlier_lines() -> list[str]:
-    """The earlier study (runs S and S2), summarised with a link to its full report."""
+    """The earlier study (3.6 M tokens a row), summarised with a link to its full report."""
     return [
-        "## The earlier study (runs S and S2: 3.6 M tokens a row)", "",
+        "## The earlier study (3.6 M tokens a row)", "",
         (f"[Its full report]({EARLIER}) (kept as written, with its results under "
          "[`docs/bench/runS/`](bench/runS/)). Five runs shared one H200 at ~20.7 k tokens/s "
          "each, so every row saw 3.6 M tokens, a fifth of the corpus, without a SiLU control "
@@ -387,7 +386,7 @@ def write_report(out: Path | None, doc: Path) -> None:
                "![L0 per layer](relufy/l0_layers.png)", ""]
     else:
         md += ["_Pending: no row is scored yet._", ""]
-    md += ["### Against the issue's targets", "",
+    md += ["### Against the study's targets", "",
            *(f"- {t.text}" for t in evaluate_targets(rows)), "",
            "### What it shows", "", FINDINGS_BEGIN, findings or FINDINGS_PLACEHOLDER,
            FINDINGS_END, "", *running_lines(plan, specs, state), *earlier_lines()]

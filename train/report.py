@@ -44,10 +44,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TASKS = ("hellaswag", "commonsense_qa", "piqa", "winogrande", "arc_easy", "arc_challenge",
-         "openbookqa")  # evals.tasks.ALL_TASKS, the paper's seven (its order)
-TASK_SHORT = {"hellaswag": "HS", "commonsense_qa": "CSQA", "piqa": "PIQA", "winogrande": "WG",
-              "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "openbookqa": "OBQA"}
+from evals.tasks import ALL_TASKS, TASK_SHORT, TASKS
+
 # data keys that do not change which tokens a run sees
 _DATA_IGNORE = ("cache_dir", "build_if_missing", "verify", "num_proc")
 ERROR_FILE = "error.txt"  # a failed run's one-line reason in its run dir (written by twell-train)
@@ -261,7 +259,7 @@ def check_comparable(runs: list[Run]) -> None:
 
 COLUMNS = (["run", "setting", "size", "layers", "params_M", "nonemb_params_M", "tokens_M", "l1_coeff",
             "variant", "ffn_impl", "seed", "train_ce", "val_loss", "l0_mean", "l0_layer_max",
-            "nnz_max", "dead_pct"] + [f"acc_{t}" for t in TASKS] + ["acc_mean", "tokens_per_s"])
+            "nnz_max", "dead_pct"] + [f"acc_{t}" for t in ALL_TASKS] + ["acc_mean", "tokens_per_s"])
 
 
 def run_row(run: Run) -> dict:
@@ -293,7 +291,7 @@ def run_row(run: Run) -> dict:
         "l0_layers": list(l0_layers) or None,
         "nnz_max": s.get("nnz_max"),
         "dead_pct": s.get("dead_pct"),
-        **{f"acc_{t}": pct(ev.get(f"eval_{t}")) for t in TASKS},
+        **{f"acc_{t}": pct(ev.get(f"eval_{t}")) for t in ALL_TASKS},
         "acc_mean": pct(ev.get("eval_mean")),
         "tokens_per_s": s.get("tokens_per_s"),
     }
@@ -326,7 +324,7 @@ _HEAD = {"run": "run", "setting": "differs", "size": "size", "layers": "layers",
          "variant": "sparsity", "ffn_impl": "FFN", "seed": "seed", "train_ce": "train CE",
          "val_loss": "val loss", "l0_mean": "L0 mean", "l0_layer_max": "L0 max layer",
          "nnz_max": "max nnz/token", "dead_pct": "dead %", "acc_mean": "mean acc",
-         "tokens_per_s": "tok/s", **{f"acc_{t}": TASK_SHORT[t] for t in TASKS}}
+         "tokens_per_s": "tok/s", **{f"acc_{t}": TASK_SHORT[t] for t in ALL_TASKS}}
 
 
 def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
@@ -342,9 +340,8 @@ def csv_header() -> dict[str, str]:
     """CSV column name per :data:`COLUMNS` key: a task's score column is named by its primary
     metric (``acc_norm_hellaswag``, ``acc_winogrande``; :data:`evals.tasks.TASKS`), the mean of
     them ``primary_mean``; ``l0_layers`` holds the final L0 of every layer, ``;``-separated."""
-    from evals.tasks import TASKS as TASK_SPECS
 
-    return {**{c: c for c in COLUMNS}, **{f"acc_{t}": f"{TASK_SPECS[t].primary}_{t}" for t in TASKS},
+    return {**{c: c for c in COLUMNS}, **{f"acc_{t}": f"{TASKS[t].primary}_{t}" for t in ALL_TASKS},
             "acc_mean": "primary_mean", "l0_layers": "l0_layers"}
 
 
@@ -377,18 +374,19 @@ def l0_layer_table(rows: list[dict]) -> str:
 # ---------------------------------------------------------------- pairs
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """A nested dict (a run's config) as ``{"group.key": value}``; lists stay values."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
 
 
 def _config_diff(a: Run, b: Run) -> set[str]:
-    fa, fb = _flat(a.config), _flat(b.config)
+    fa, fb = flatten(a.config), flatten(b.config)
     return {k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k)}
 
 
@@ -431,7 +429,7 @@ def full_labels(runs: list[Run]) -> dict[Path, str]:
         by_overrides = {d: " ".join(o for o in v if o not in common) for d, v in ovs.items()}
         if all(by_overrides.values()) and len(set(by_overrides.values())) == len(runs):
             return by_overrides
-    flats = {r.dir: {k: v for k, v in _flat(r.config).items() if not k.startswith(_LABEL_IGNORE)}
+    flats = {r.dir: {k: v for k, v in flatten(r.config).items() if not k.startswith(_LABEL_IGNORE)}
              for r in runs}
     keys = sorted({k for f in flats.values() for k in f
                    if len({repr(g.get(k)) for g in flats.values()}) > 1})
@@ -935,7 +933,7 @@ class Report:
     legend: list[str] = field(default_factory=list)  # the labels run_labels cut, in full
 
     def markdown(self, image_prefix: str = "") -> str:
-        acc_cols = [f"acc_{t}" for t in TASKS] + ["acc_mean"]
+        acc_cols = [f"acc_{t}" for t in ALL_TASKS] + ["acc_mean"]
         no_acc = all(r.get(c) is None for r in self.rows for c in acc_cols)
         cols = [c for c in COLUMNS if not (no_acc and c in acc_cols)]
         md = ["## Runs", "", markdown_table(self.rows, cols),

@@ -48,8 +48,8 @@ from train.jobs import ROOT, Job, run_finished, run_jobs, train_command
 
 PAPER_SIZES = ("0p5b", "1b", "1p5b", "2b")
 # Training tokens/ms on one H200 at micro-batch 8 x 2048 without activation recomputation: the
-# 1.5B and 2B shapes measured 33.8 and 25.3 (plain transformers step, BENCHMARKS.md "Runs T, T2"
-# era); 0.5B and 1B scaled from them by layer count. Used for the time estimate only.
+# 1.5B and 2B shapes measured 33.8 and 25.3 (plain transformers step, BENCHMARKS.md, "Whole
+# model"); 0.5B and 1B scaled from them by layer count. Used for the time estimate only.
 TOKENS_PER_MS = {"0p5b": 100.0, "1b": 50.0, "1p5b": 34.0, "2b": 25.0}
 # Per-row seconds besides training: process start, model build, first Triton compilations,
 # validation, checkpoint write (12 bytes a parameter: fp32 weights and AdamW's two moments) and

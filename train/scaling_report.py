@@ -41,7 +41,7 @@ PLOTS = ("l0_vs_size", "l0_per_layer", "l0_by_position", "max_vs_mean", "tokens"
 KEEP_MARKER = ("<!-- kept: everything below this line is written by hand; "
                "scripts/scaling_study.py --report rewrites only what is above it -->")
 JUDGEMENT_TODO = "_to be written after the GPU run: how this plot compares with the paper's figure._"
-# re-init target (the issue's): dead % at least halved, L0 within 10 %, val loss at most +0.01
+# re-init target (the study's): dead % at least halved, L0 within 10 %, val loss at most +0.01
 REINIT_DEAD_RATIO, REINIT_L0_TOL, REINIT_VAL_TOL = 0.5, 0.10, 0.01
 
 
@@ -149,7 +149,7 @@ def _plain_by_l1(rows: list[dict]) -> dict[float, list[dict]]:
 
 
 def check_targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets from the CSV rows: ``{target, measured, paper, verdict}`` each.
+    """The study's targets from the CSV rows: ``{target, measured, paper, verdict}`` each.
 
     * L0 falls with size at each L1 (every step from a size to the next larger one lower).
     * The smallest -> largest drop in % beside the paper's -38 % (0.5B -> 2B).

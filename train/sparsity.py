@@ -1,6 +1,6 @@
 """The L1 activation-sparsity regularizer, its coefficient schedule, L0 and dead neurons.
 
-Source: arXiv 2603.23198, "The L1 regularizer" (see ``shared/PAPER.md``):
+Source: arXiv 2603.23198, the L1 regularizer (the released code's normalization):
 
     L1_layer = mean over tokens of sum over hidden units of |h|     (no division by H)
     L1       = mean over layers of L1_layer

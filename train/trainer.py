@@ -249,6 +249,40 @@ class Trainer:
                model=None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self._setup_accelerator(cfg)
+        resume_from = self._resume_checkpoint()
+        self.init_src = None  # model.init_from: the checkpoint's config; the shape comes from it
+        if cfg.model.init_from:
+            self._inspect_init_from(resume_from)
+        self.config_dict = config_to_dict(cfg)
+        self._setup_warnings(cfg)
+        self._check_resume_config(resume_from)
+
+        set_seed(cfg.trainer.seed)
+        vocab_check = self._setup_data(cfg, datamodule)
+        model = self._setup_model(cfg, model, resume_from, vocab_check)
+        self._setup_parallel(cfg, model)
+        self._setup_counters()
+        if resume_from is not None:
+            self.resume(resume_from)
+        elif self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            ckpt_io.write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config_dict))
+            self.metrics_path.write_text("")
+            if self.init_info is not None:
+                self._write({"step": 0, **self.init_info}, "init")
+        self.memory = memory.plan_memory(self)  # trainer.memory=auto: micro-batch, recomputation
+        if self.memory.line:
+            self._print(self.memory.line)
+            self._write(self.memory.record, "memory")
+        self._log_ready = True
+        self._log()  # the lines printed so far
+        self.acc.wait_for_everyone()
+        self.wandb = self._init_wandb()
+
+    def _setup_accelerator(self, cfg: TrainConfig) -> None:
+        """Threads, precision, the Accelerator (FSDP2 settings, gradient accumulation), the
+        host-side process group, and rank 0's run-directory lock."""
         t = cfg.trainer
         if t.num_threads:
             torch.set_num_threads(t.num_threads)
@@ -281,11 +315,10 @@ class Trainer:
         self.device = self.acc.device
         if self.is_main:  # DDP: rank 0 holds the lock for the job (torchrun ends the others)
             self._lock = rundir.RunDirLock(self.run_dir)
-        resume_from = self._resume_checkpoint()
-        self.init_src = None  # model.init_from: the checkpoint's config; the shape comes from it
-        if cfg.model.init_from:
-            self._inspect_init_from(resume_from)
-        self.config_dict = config_to_dict(cfg)
+
+    def _setup_warnings(self, cfg: TrainConfig) -> None:
+        """One-line warnings of a configuration that runs but likely not as meant."""
+        t = cfg.trainer
         if cfg.optim.warmup_steps > t.max_steps and self.is_main:
             self._warn(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} > trainer.max_steps="
                        f"{t.max_steps}: the learning rate never reaches optim.lr (peak "
@@ -302,9 +335,12 @@ class Trainer:
                        "interpreter on the CPU: ~60x slower training and minutes per validation "
                        "FFN call; unset TRITON_INTERPRET (the PyTorch version of the same sparse "
                        "math runs) unless you are testing the kernels.")
-        self._check_resume_config(resume_from)
 
-        set_seed(t.seed)
+    def _setup_data(self, cfg: TrainConfig, datamodule):
+        """The data module (built unless given) and its checks against the model's vocabulary
+        and the evaluation; returns ``model.init_from``'s vocabulary check (None without it)."""
+        t = cfg.trainer
+        vocab_check = None
         if datamodule is None:
             from train.data import build_datamodule
 
@@ -338,7 +374,14 @@ class Trainer:
                 f"eval.at_start={e.at_start}) but "
                 f"data.source={cfg.data.source!r} has no tokenizer to score the tasks with; "
                 "set eval=disabled or use a data source with a tokenizer.")
+        return vocab_check
 
+    def _setup_model(self, cfg: TrainConfig, model, resume_from, vocab_check):
+        """The model (given, from ``model.init_from``, or built), with its recomputation, fused
+        cross-entropy, lean norms and distillation teacher; returns it."""
+        t, precision = cfg.trainer, self.precision
+        if self.init_src is not None:
+            from train import pretrained
         self.init_info = None
         if model is not None:
             if self.init_src is not None:
@@ -380,6 +423,12 @@ class Trainer:
                         f" + {s.distill_weight:g} x {s.distill_temperature:g}^2 x KL")
         if t.compile_norms:  # one compiled RMSNorm for every norm (training only)
             compile_norms(model)
+        return model
+
+    def _setup_parallel(self, cfg: TrainConfig, model) -> None:
+        """The FFN plan, compile, FSDP2 / DDP wrapping, optimizer, scheduler and the dead-neuron
+        tracker."""
+        t, precision = cfg.trainer, self.precision
         self.mlps = ffn_modules(model)
         # per layer: training path, no-sync dense-backup capacity (from past heavy-row maxima by
         # trainer.backup_capacity), statistics. No-sync capacities change from step to step; as
@@ -400,7 +449,7 @@ class Trainer:
                               "not supported; set trainer.compile=false or launch with ddp.yaml.")
         if t.compile:
             if cfg.model.ffn_host_sync == "step" and cfg.model.ffn_impl != "torch":
-                self._print("trainer.compile=true: the sparse training path measures its dense "
+                self._print("trainer.compile=true: the ell training path measures its dense "
                             "backup per call (model.ffn_host_sync=step applies to eager runs)")
             model.compile()
         if self.fsdp:  # shard first: the optimizer then holds the fp32 master shards
@@ -417,6 +466,8 @@ class Trainer:
             cfg.model.num_layers, cfg.model.intermediate_size,
             cfg.sparsity.dead_window_tokens or self.tokens_per_step, device=self.device)
 
+    def _setup_counters(self) -> None:
+        """The training state a fresh run starts from (a resume overwrites it)."""
         self.step = 0  # optimizer steps done
         self.tokens_seen = 0  # global training tokens consumed
         self.train_time = 0.0  # seconds spent in train steps (all runs of this job)
@@ -430,22 +481,6 @@ class Trainer:
         self.lineage = ckpt_io.new_lineage()  # a resume continues or branches the checkpoint's
         self.signals: StopSignals | None = None  # while train() runs
         self.wandb = None
-        if resume_from is not None:
-            self.resume(resume_from)
-        elif self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt_io.write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config_dict))
-            self.metrics_path.write_text("")
-            if self.init_info is not None:
-                self._write({"step": 0, **self.init_info}, "init")
-        self.memory = memory.plan_memory(self)  # trainer.memory=auto: micro-batch, recomputation
-        if self.memory.line:
-            self._print(self.memory.line)
-            self._write(self.memory.record, "memory")
-        self._log_ready = True
-        self._log()  # the lines printed so far
-        self.acc.wait_for_everyone()
-        self.wandb = self._init_wandb()
 
     # ---------------------------------------------------------------- setup helpers
 

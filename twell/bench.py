@@ -3,7 +3,8 @@
 Shape legend: N tokens, D model width, H FFN width, k hot units.
 
 Cases: recorded layers (``twell.nn.record`` files; ``size`` and ``layer`` from their metadata)
-and i.i.d. rows at set densities (:func:`iid_case`, ``size`` = "iid"). For every case:
+and synthetic rows at set densities (:func:`iid_case`, ``size`` = "iid"; :func:`heavy_case`,
+``size`` = "heavy"). For every case:
 
 1. statistics (density, L0 mean / max, heavy rows above the ELL capacity), the hot set from the
    case's own per-unit counts (``twell.ops.hot_units``), the no-sync backup capacities from a
@@ -14,18 +15,23 @@ and i.i.d. rows at set densities (:func:`iid_case`, ``size`` = "iid"). For every
    paper's op is reported, not stopped on (its known overflow drops);
 3. TIMING: ``triton.testing.do_bench`` medians (an injected timer on the CPU smoke run).
 
-Ops (``OPS``), kind ``fwd`` (inference, no grad) and ``train`` (forward + backward):
+Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``dense`` and
+``twell``) and ``train`` (forward + backward; the training paths' names of
+``twell.nn.plan.TRAIN_PATHS``: ``torch``, ``dense``, ``ell``):
 
-    dense         cuBLAS bf16 (train: autograd of y alone, no L1 term: the baseline)
-    twell         fwd: TwELL (``sparse_ffn``); train: the ELL op measuring its backup per call
-    twell_nosync  train: the ELL op, no host sync, backup at the measured capacity
-    twell_hot     fwd: TwELL with the hot set; train: no-sync with the hot set
+    dense         fwd: cuBLAS bf16, the baseline (:data:`BASELINE`)
+    twell         fwd: TwELL (``sparse_ffn``)
+    twell_hot     fwd: TwELL with the hot set
+    torch         train: PyTorch autograd of y alone, no L1 term (cuBLAS bf16), the baseline
+    ell           train: the ELL op measuring its dense backup per call
+    ell_nosync    train: the ELL op, no host sync, backup at the measured capacity
+    ell_hot       train: no-sync ELL with the hot set
     auto          fwd: ``mode="auto"`` (measured on CUDA) with the hot set; train: what
-                  ``FFNPolicy.train_path`` picks (no-sync ELL with the hot set, or dense mode)
+                  ``FFNPolicy.train_path`` picks (``ell_hot``, or ``dense``: dense mode)
     paper         the paper's CUDA extension (``PaperOps``) when it is importable
 
 CSV columns (``COLUMNS``): size, layer, density, l0_mean, l0_max, heavy_rows, op, kind, ms,
-speedup_vs_dense (dense ms / op ms, same kind and case), rel_err (the largest of the op's
+speedup (the kind's baseline ms / op ms, same case), rel_err (the largest of the op's
 outputs).
 """
 
@@ -51,10 +57,11 @@ from twell.policy import FFNPolicy
 from twell.stats import default_ell_capacity
 
 COLUMNS = ["size", "layer", "density", "l0_mean", "l0_max", "heavy_rows", "op", "kind", "ms",
-           "speedup_vs_dense", "rel_err"]
+           "speedup", "rel_err"]
 KINDS = ("fwd", "train")
 OPS = {"fwd": ("dense", "twell", "twell_hot", "auto", "paper"),
-       "train": ("dense", "twell", "twell_nosync", "twell_hot", "auto", "paper")}
+       "train": ("torch", "ell", "ell_nosync", "ell_hot", "auto", "paper")}
+BASELINE = {"fwd": "dense", "train": "torch"}  # the op each kind's speedup is measured against
 L1_COEFF_PER_TOKEN = 0.2  # loss = sum(y dy) + c l1, c = 0.2 N: the L1 gradient ~ dy's size
 
 
@@ -90,26 +97,48 @@ class Case:
     cold_heavy: int = 0
 
 
+def _threshold_case(n: int, d: int, h: int, density: float, *, heavy: bool, seed: int,
+                    device) -> list[torch.Tensor]:
+    """bf16 (x, wg, wu, wd, dy) whose gate activations have mean density ``density``: see
+    :func:`iid_case` and :func:`heavy_case`."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, d, device=device, generator=gen)
+    wg, wu, wd = (torch.randn(*s, device=device, generator=gen) * 0.02
+                  for s in ((h, d), (h, d), (d, h)))
+    if heavy:
+        x *= torch.exp(0.6 * torch.randn(n, 1, device=device, generator=gen))  # token scales
+        mult = torch.exp(0.3 * torch.randn(h, device=device, generator=gen))  # unit thresholds
+    else:
+        mult = torch.ones(h, device=device)
+    x[:, 0], wg[:, 0] = 1.0, 0.0
+    z = (x[:4096].bfloat16() @ wg.bfloat16().t()).float()
+    lo, hi = 0.0, float(z.abs().max()) / float(mult.min()) + 1.0
+    for _ in range(40):  # bisection on the base threshold t: mean(z > t * mult) = density
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if (z > mid * mult).float().mean().item() > density else (lo, mid)
+    wg[:, 0] = -0.5 * (lo + hi) * mult
+    dy = torch.randn(n, d, device=device, generator=gen)
+    return [t.bfloat16().contiguous() for t in (x, wg, wu, wd, dy)]
+
+
 def iid_case(n: int, d: int, h: int, density: float, *, seed: int = 0,
              device: str | torch.device = "cuda") -> Case:
     """i.i.d. rows at a set mean density: x[:, 0] = 1 (a constant feature) and Wg[:, 0] = -t
     (the ReLU threshold, bisected on a sample of pre-activations so that the fraction of
     active units is ``density``), weights N(0, 0.02^2), bf16 (arXiv 2603.23198's calibration
-    construction)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(n, d, device=device, generator=gen)
-    wg, wu, wd = (torch.randn(*s, device=device, generator=gen) * 0.02
-                  for s in ((h, d), (h, d), (d, h)))
-    x[:, 0], wg[:, 0] = 1.0, 0.0
-    z = (x[:4096].bfloat16() @ wg.bfloat16().t()).float()
-    lo, hi = 0.0, float(z.abs().max()) + 1.0
-    for _ in range(40):  # bisection on the threshold: mean(z > t) = density
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if (z > mid).float().mean().item() > density else (lo, mid)
-    wg[:, 0] = -0.5 * (lo + hi)
-    dy = torch.randn(n, d, device=device, generator=gen)
-    ts = [t.bfloat16().contiguous() for t in (x, wg, wu, wd, dy)]
-    return Case("iid", f"{100 * density:g}%", *ts)
+    construction, "Calibration on the same H200")."""
+    return Case("iid", f"{100 * density:g}%",
+                *_threshold_case(n, d, h, density, heavy=False, seed=seed, device=device))
+
+
+def heavy_case(n: int, d: int, h: int, density: float, *, seed: int = 0,
+               device: str | torch.device = "cuda") -> Case:
+    """Heavy-tailed rows at a set mean density: :func:`iid_case`'s construction with log-normal
+    token scales (x row r times exp(0.6 z_r): some tokens many times denser than the mean) and
+    log-normal unit thresholds (Wg[j, 0] = -t exp(0.3 z_j): hot units), t bisected for the
+    mean density."""
+    return Case("heavy", f"{100 * density:g}%",
+                *_threshold_case(n, d, h, density, heavy=True, seed=seed, device=device))
 
 
 def recorded_case(path, *, seed: int = 0, device: str | torch.device = "cuda") -> Case:
@@ -211,22 +240,22 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
                                policy=policy, hot_units=hot)[0]]
         fwd.state = st
         return fwd
-    if op == "dense":
+    if op == "torch":
         return _train_closure(lambda *a: gated_ffn_torch(*a, with_stats=False), case, False)
     if op == "auto":
         path = policy.train_path(case.stats["density"], case.cold_heavy / case.x.shape[0])
         if path == "dense":
             return _train_closure(lambda *a: dense_ffn_train(*a, with_stats=True), case, True)
-        op = "twell_hot"
-    kw = {"twell": {}, "twell_nosync": {"backup_rows": case.caps.get("cold", -1)},
-          "twell_hot": {"backup_rows": case.caps.get("hot", -1), "hot_units": case.hot}}[op]
+        op = "ell_hot"
+    kw = {"ell": {}, "ell_nosync": {"backup_rows": case.caps.get("cold", -1)},
+          "ell_hot": {"backup_rows": case.caps.get("hot", -1), "hot_units": case.hot}}[op]
     return _train_closure(lambda *a: sparse_ffn_train(*a, policy=policy, **kw), case, True)
 
 
 def check_case(case: Case, ops: dict, refs: dict) -> dict:
     """Relative errors of every op (``ops``: (op, kind) -> closure) against fp32; raises
     :class:`CheckFailed` when an op of ours exceeds 3x the dense bf16 path's error + 5e-3 on
-    any output (the dense bf16 path with the L1 term for training; the dense baseline and the
+    any output (the dense bf16 path with the L1 term for training; the baselines and the
     paper's op are reported, never stopped on). Returns (op, kind) -> (largest error, within
     the bound)."""
     base = {"fwd": [rel_err(o, r) for o, r in zip(ops[("dense", "fwd")](), refs["fwd"])]}
@@ -234,11 +263,11 @@ def check_case(case: Case, ops: dict, refs: dict) -> dict:
     base["train"] = [rel_err(o, r) for o, r in zip(l1_dense, refs["train"])]
     errs, bad = {}, []
     for (op, kind), fn in ops.items():
-        ref = refs["train_dense" if (op, kind) == ("dense", "train") else kind]
+        ref = refs["train_dense" if (op, kind) == ("torch", "train") else kind]
         e = [rel_err(o, r) for o, r in zip(fn(), ref)]
         ok = all(ei <= 3 * bi + 5e-3 for ei, bi in zip(e, base[kind]))  # False for NaN
         errs[(op, kind)] = (max(e), ok)
-        if not ok and op not in ("paper", "dense"):
+        if not ok and op not in ("paper", BASELINE[kind]):
             bad.append(f"{op} {kind}: errors {', '.join(f'{v:.2e}' for v in e)} vs dense bf16 "
                        f"{', '.join(f'{v:.2e}' for v in base[kind])}")
     if bad:
@@ -286,10 +315,10 @@ def run_case(case: Case, policy: FFNPolicy, timer, paper=None, kinds=KINDS) -> l
     for (op, kind), t in ms.items():
         if kind not in kinds:
             continue
-        dense = ms[("dense", kind)]
+        base = ms[(BASELINE[kind], kind)]
         err, ok = errs[(op, kind)]
         rows.append({"size": case.size, "layer": case.layer, **case.stats, "op": op,
-                     "kind": kind, "ms": round(t, 4), "speedup_vs_dense": round(dense / t, 3),
+                     "kind": kind, "ms": round(t, 4), "speedup": round(base / t, 3),
                      "rel_err": float(f"{err:.3e}"), "within_bound": ok})
     return rows
 
@@ -306,22 +335,24 @@ def write_csv(path, rows: list[dict]) -> Path:
 
 
 def summary_table(rows: list[dict]) -> str:
-    """One line per case and kind: dense ms, then each op's speedup over dense (``*`` marks an
-    op whose error is over the bound: the paper's op when it drops overflow)."""
+    """One line per case and kind: the baseline's ms (dense for fwd, torch for train), then each
+    op's speedup over it (``*`` marks an op whose error is over the bound: the paper's op when it
+    drops overflow)."""
     present = {r["op"] for r in rows}
-    ops = [o for o in dict.fromkeys(OPS["train"] + OPS["fwd"]) if o in present and o != "dense"]
+    ops = [o for o in dict.fromkeys(OPS["fwd"] + OPS["train"])
+           if o in present and o not in BASELINE.values()]
     head = f"{'size':>6} {'layer':>6} {'dens %':>7} {'L0':>6} {'max':>5} {'heavy':>6} {'kind':>5} " \
-           f"{'dense ms':>9} " + " ".join(f"{o:>12}" for o in ops)
+           f"{'base ms':>9} " + " ".join(f"{o:>12}" for o in ops)
     lines = [head]
     keys = list(dict.fromkeys((r["size"], r["layer"], r["kind"]) for r in rows))
     for size, layer, kind in keys:
         rs = {r["op"]: r for r in rows if (r["size"], r["layer"], r["kind"]) == (size, layer, kind)}
-        d = rs["dense"]
+        d = rs[BASELINE[kind]]
         cells = []
         for o in ops:
             r = rs.get(o)
             cells.append(f"{'-':>12}" if r is None else
-                         f"{r['speedup_vs_dense']:>10.2f}x{' ' if r.get('within_bound', True) else '*'}")
+                         f"{r['speedup']:>10.2f}x{' ' if r.get('within_bound', True) else '*'}")
         lines.append(f"{size:>6} {layer:>6} {100 * d['density']:>7.2f} {d['l0_mean']:>6.1f} "
                      f"{d['l0_max']:>5} {d['heavy_rows']:>6} {kind:>5} {d['ms']:>9.3f} "
                      + " ".join(cells))
@@ -392,6 +423,6 @@ def load_paper_ops(src) -> PaperOps | None:
         return None
 
 
-__all__ = ["COLUMNS", "KINDS", "OPS", "Case", "CheckFailed", "PaperOps", "check_case",
-           "cpu_timer", "gpu_timer", "iid_case", "load_paper_ops", "make_op", "prepare",
+__all__ = ["BASELINE", "COLUMNS", "KINDS", "OPS", "Case", "CheckFailed", "PaperOps", "check_case",
+           "cpu_timer", "gpu_timer", "heavy_case", "iid_case", "load_paper_ops", "make_op", "prepare",
            "recorded_case", "references", "rel_err", "run_case", "summary_table", "write_csv"]

@@ -3,7 +3,7 @@
 Shape legend: M rows (tokens), H columns (FFN hidden units), T = ceil(H / 256)
 column tiles, W words per (row, tile).
 
-Source: arXiv 2603.23198, "TwELL" (see ``shared/PAPER.md``, Formats). This
+Source: arXiv 2603.23198, the TwELL format (tiled ELL). This
 module is the written specification, a pure-PyTorch reference ``pack`` /
 ``unpack``, and ``validate``; the Triton producers and consumers in
 ``twell.ops`` read and write exactly this layout.

@@ -40,22 +40,22 @@ class FFNPolicy:
 
     infer_density_threshold: float = 0.006
     """Inference ``auto``: dense cuBLAS when the layer's last measured density (active units /
-    (N H)) is above this. TwELL won at 0.3 % (1.30x) and lost at 1 % (0.85x) (run 2)."""
+    (N H)) is above this. TwELL won at 0.3 % (1.30x) and lost at 1 % (0.85x) (H200)."""
     infer_min_rows: int = 8192
     """Inference ``auto``: dense for calls with fewer token rows (M 2048 lost at every density,
-    0.65x at 0.3 %, launch-bound; run 2)."""
+    0.65x at 0.3 %, launch-bound; H200)."""
     infer_min_flops: float = 3e11
     """Inference ``auto``: dense when the dense FFN has fewer FLOPs (6 M D H gated, 4 M D H
     non-gated; 3e11 ~ 0.45 ms of cuBLAS): a small_l4 layer (D 768, H 2048) at 0.25 % ran 0.60x on
-    TwELL, launch-bound (run Q)."""
+    TwELL, launch-bound (H200)."""
     train_density_threshold: float = 0.10
     """Training ``auto``: the ELL kernels up to this density (L0 / H), else dense mode; 10 % is
     the densest case measured (i.i.d. 10 %: dense mode 0.99x vs the ELL op's fallback 0.90x,
-    run K)."""
+    H200)."""
     train_heavy_fraction: float = 0.5
     """Training ``auto``: the ELL kernels only while at most this fraction of the tokens are heavy
     rows (above the ELL capacity); heavy-tailed 3 % with 32 % heavy ran 1.11x on the ELL path
-    vs 1.00x in dense mode (run M)."""
+    vs 1.00x in dense mode (H200)."""
     dense_row_fraction: float = 0.5
     """Sparse training op: when more than this fraction of a call's rows are heavy, the whole
     call runs through the dense backup (the trainer then measures the backup per call)."""
@@ -85,12 +85,12 @@ class FFNPolicy:
     warm-up call each (its time includes Triton's compilation); the decision compares medians."""
     infer_twell_margin: float = 0.02
     """Inference ``auto``, measured: TwELL is taken only when its median is below
-    ``(1 - margin)`` x dense's, so a tie goes to dense (the issue's floor for ``auto`` is 0.98x
+    ``(1 - margin)`` x dense's, so a tie goes to dense (the target floor for ``auto`` is 0.98x
     of dense; a smaller win is within the noise of three timed calls)."""
     infer_remeasure_factor: float = 1.5
     """Inference ``auto``, measured: a bucket's choice is timed again when the layer's measured
     density has moved by more than this factor since the choice (TwELL's time grows with the
-    density: 0.3 -> 1 % moved its speedup from 1.65x to 1.00x, run K)."""
+    density: 0.3 -> 1 % moved its speedup from 1.65x to 1.00x, H200)."""
 
     def __post_init__(self) -> None:
         for name in ("infer_density_threshold", "train_density_threshold",

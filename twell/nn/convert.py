@@ -35,8 +35,8 @@ def convert_mlps(model: nn.Module, impl: str = "torch", *, check_relu: bool = Tr
         impl: ``"torch"``, ``"twell"`` or ``"auto"`` (see :class:`SparseGatedMLP`).
         policy: :class:`twell.policy.FFNPolicy` of every converted FFN (None: new modules get
             the defaults, existing ones keep theirs).
-        check_relu: refuse FFNs whose ``act_fn`` is not ReLU (the sparse path
-            computes ``relu``; another activation would silently change outputs).
+        check_relu: refuse FFNs whose ``act_fn`` is not ReLU (the TwELL / ELL kernels
+            compute ``relu``; another activation would silently change outputs).
 
     Returns:
         The number of FFN modules converted or updated.

@@ -56,11 +56,11 @@ def _compact_kernel(
     sum_n active. With HEAVY also nnz_eff[n] = nnz[n], or 0 when nnz[n] > KC (the row goes to
     the dense backup), and heavy += the number of such rows.
 
-    A program is one row on one warp by default (8 values per thread at bf16: the row scan and
-    the column counts stay inside the warp; more rows on more warps ran 2-4x slower, run E), two
-    column blocks are in flight while one is scanned, a block with no active entry is skipped
-    (no scan, stores or atomics), and the per-column counts are relaxed atomics issued only for
-    columns active in the block. BENCHMARKS.md, runs E and I.
+    A program is one row on one warp by default (8 values per thread at bf16: the row scan and the
+    column counts stay inside the warp; more rows on more warps ran 2-4x slower on the H200), two
+    column blocks are in flight while one is scanned, a block with no active entry is skipped (no
+    scan, stores or atomics), and the per-column counts are relaxed atomics issued only for columns
+    active in the block. BENCHMARKS.md, "Training FFN".
     """
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -1,4 +1,4 @@
-"""Weight gradients of the sparse training path: transposed SpMM over the CSC-ordered ELL entries.
+"""Weight gradients of the ``ell`` training path: transposed SpMM over the CSC-ordered ELL entries.
 
     dWg[c] = sum dg x[n],  dWu[c] = sum du x[n],  dWd^T[c] = sum g u dy[n]   (over col[n, k] = c)
 

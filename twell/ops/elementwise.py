@@ -5,7 +5,7 @@ Shape legend: N tokens, H FFN width, R dense-backup rows.
 Used by dense mode (every row, ``dense_fwd`` with per-row L1 / L0 and per-unit counts) and by the
 sparse training op's dense backup (its heavy rows, ``backup_fwd``); ``backup_bwd`` is the backward
 of both. One fused pass each instead of ~4 separate PyTorch ops (the unfused backup cost ~1.4 ms
-over dense at 10 % density on the H200, M 16384, H 5632; run B, BENCHMARKS.md). relu(NaN) = NaN
+over dense at 10 % density on the H200, M 16384, H 5632; BENCHMARKS.md). relu(NaN) = NaN
 as in PyTorch (a plain GPU max would return 0). PyTorch backend of the same math:
 ``twell.ops.reference.sparse_train_torch``.
 """

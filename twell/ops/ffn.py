@@ -328,7 +328,7 @@ def sparse_ffn(
 
 def _auto_dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, state):
     """``auto``'s dense path; the density is re-measured every DENSE_RECHECK_EVERY-th call
-    (run E: measuring it every call cost 1-4 % of the dense FFN)."""
+    (measuring it every call cost 1-4 % of the dense FFN on the H200)."""
     measure = state.density is None or state.dense_calls % DENSE_RECHECK_EVERY == 0
     state.dense_calls += 1
     y, stats, d = _dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, measure)

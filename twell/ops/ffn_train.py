@@ -3,7 +3,7 @@
 Shape legend: N tokens, D model width, H FFN width, K ELL width, KC ELL capacity, R dense-backup
 rows (tokens with more than KC active units).
 
-Math (arXiv 2603.23198; ``shared/PAPER.md``, "Hybrid (training)")::
+Math (arXiv 2603.23198, the hybrid ELL + dense-backup training kernels)::
 
     g = relu(x Wg^T)            dense gate GEMM (cuBLAS) + ReLU + compaction (Triton)
     u = x . Wu[col]             SDDMM, only at the non-zeros of g
@@ -131,7 +131,7 @@ def backup_capacity_for(heavy_rows: float) -> int:
     Returns:
         Rows (int): 0 when no row was heavy (the backup then costs nothing), else
         ``ceil(1.25 R) + 16``. Source: the hybrid layout's dense backup (arXiv 2603.23198,
-        "Hybrid (training)"); the margin is ours (run O, BENCHMARKS.md).
+        hybrid training layout); the margin is ours (BENCHMARKS.md, "Training FFN").
     """
     r = float(heavy_rows)
     return 0 if r <= 0 else math.ceil(1.25 * r) + 16
@@ -215,7 +215,7 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     # The one host sync of the call reads R, the number of heavy rows (it sizes the backup). On
     # CUDA it waits on an event recorded right after the compaction, not on the whole stream,
     # with the SDDMM, SpMM and CSC sort (which need no host value) queued before it, so the GPU
-    # stays busy while the host reads R (a sync before them left ~0.2 ms idle, run G).
+    # stays busy while the host reads R (a sync before them left ~0.2 ms idle on the H200).
     early = x.is_cuda
     csc = None
     if early:
@@ -225,7 +225,7 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         r_ready.record()
         y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)  # discarded if all rows go dense
         # the CSC order too, before the wait: the host has almost nothing left to launch after
-        # it (1.86x vs 1.62x queued after the wait, 0.3 %, run K)
+        # it (1.86x vs 1.62x queued after the wait, 0.3 %, H200)
         csc = _csc_order(col, nnz_eff, kc, h)
         fwd_S = _hot_fwd(be, x, wu, g_S, hot)  # and the hot slice's GEMM
         r_ready.synchronize()
@@ -463,7 +463,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, wg, wu, wd, *output[5:], *([hot] if ctx.has_hot else []))
     ctx.mark_non_differentiable(*output[2:])
     # the 16 non-differentiable outputs reach backward as None instead of zero-filled tensors
-    # (run G's trace: ~11 fill kernels and their allocations per step)
+    # (a profiler trace showed ~11 fill kernels and their allocations per step)
     ctx.set_materialize_grads(False)
 
 
@@ -498,9 +498,9 @@ def sparse_ffn_train(
     policy: FFNPolicy | None = None,
     hot_units: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FFNStats | None]:
-    """Gated ReLU FFN ``y = (relu(x Wg^T) * (x Wu^T)) Wd^T`` on the sparse training path.
+    """Gated ReLU FFN ``y = (relu(x Wg^T) * (x Wu^T)) Wd^T`` on the ``ell`` training path.
 
-    Source: arXiv 2603.23198, hybrid ELL + dense-backup training kernels (``shared/PAPER.md``).
+    Source: arXiv 2603.23198, hybrid ELL + dense-backup training kernels.
     Same results as ``twell.ops.reference.gated_ffn_torch`` (up to summation order); gradients flow to
     x and all three weights, and to the L1 term through ``stats.l1``.
 

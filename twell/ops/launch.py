@@ -15,29 +15,29 @@ import triton
 # BLOCK_D is capped by the next power of two of D so small/odd D (tests) waste little.
 # Launch shapes (``CONFIG``; change with ``kernel_config``): each entry's comment gives the one
 # measurement behind its default (one H200, N 16384, D 2048, H 5632, i.i.d. 0.3 % unless said;
-# BENCHMARKS.md, the run named).
+# BENCHMARKS.md, "Training FFN").
 
 _DEFAULT_CONFIG = {
-    # compaction rows per program and warps: 1 row on 1 warp 0.22 ms vs 2 rows on 2 warps 0.67 (run E)
+    # compaction rows per program and warps: 1 row on 1 warp 0.22 ms vs 2 rows on 2 warps 0.67
     "compact_block_n": 1,
     "compact_warps": 1,  # at most compact_block_n
-    # SDDMM slots per step, model-width chunk, warps: k8 d256 w1 0.172 ms vs k8 w4 0.222 (run F)
+    # SDDMM slots per step, model-width chunk, warps: k8 d256 w1 0.172 ms vs k8 w4 0.222
     "sddmm_block_k": 8,
     "sddmm_block_d": 256,
     "sddmm_warps": 1,
     # SpMM slots per step for y (one weight) and dx (two): y k4 w4 0.148 ms vs k8 w8 0.193, dx k2 w4
-    # 0.276 vs 0.320 (run C); the D slice per program is the whole row at D <= 2048
+    # 0.276 vs 0.320; the D slice per program is the whole row at D <= 2048
     "spmm_block_k": 4,
     "spmm_block_k2": 2,
     "spmm_block_d": 2048,
     "spmm_warps": 4,
-    # dW entries per step, D slice, warps: j4 d1024 w4 0.577 ms vs j8 d512 w2 0.676 (run E);
+    # dW entries per step, D slice, warps: j4 d1024 w4 0.577 ms vs j8 d512 w2 0.676;
     # >= 256 * dw_warps keeps the reduction in-thread
     "dw_block_j": 4,
     "dw_block_d": 1024,
     "dw_warps": 4,
     # dW grid order, 1 = D slice outermost: 0.518 vs 0.578 ms i.i.d. but 0.345 vs 0.288 with hot
-    # units (run K), so off
+    # units, so off
     "dw_d_outer": 0,
     # dense-mode elementwise pass (dense_fwd): rows per program, columns per step, warps
     "dense_block_n": 16,

@@ -1,6 +1,8 @@
-"""Sparse training path of the ReLU-gated FFN: the public entry points.
+"""Training ops of the ReLU-gated FFN: the public entry points of the ``ell`` and ``dense``
+training paths (``twell.nn.plan.TRAIN_PATHS``).
 
-    sparse_ffn_train   hybrid ELL + dense backup, forward and backward (``twell/ops/ffn_train.py``)
+    sparse_ffn_train   ell: hybrid ELL + dense backup, forward and backward
+                       (``twell/ops/ffn_train.py``)
     dense_ffn_train    dense mode: cuBLAS + one fused elementwise pass each way
                        (``twell/ops/ffn_dense_train.py``)
     backup_capacity_for, train_path_for_density, default_ell_capacity
@@ -8,7 +10,7 @@
 Math, saved tensors and host synchronisation: ``twell.ops.ffn_train``. The kernels: one op per
 file (``compact.py``, ``sddmm.py``, ``spmm.py``, ``dw.py``, ``elementwise.py``; the Triton backend
 ``sparse_train_triton.py``), their PyTorch backend ``twell/ops/reference/sparse_train_torch.py``.
-Source: arXiv 2603.23198, "Hybrid (training)" (``shared/PAPER.md``).
+Source: arXiv 2603.23198, the hybrid ELL + dense-backup training layout.
 """
 
 from __future__ import annotations

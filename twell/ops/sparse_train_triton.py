@@ -8,7 +8,7 @@ rows' fused passes); launch shapes in ``launch.py``.
 Shape legend: N tokens, D model width, H FFN width, K ELL width (slots per row), KC ELL
 capacity (the widest K allowed), J entries of one column in CSC order.
 
-Layout (arXiv 2603.23198, "Hybrid (training)", see ``shared/PAPER.md``): row n of the ELL part
+Layout (arXiv 2603.23198, the hybrid training layout): row n of the ELL part
 holds its non-zeros in slots ``k < nnz[n]``::
 
     col_NK[n, k]  int32   hidden unit (column) of the k-th non-zero of row n, ascending

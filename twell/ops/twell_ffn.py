@@ -17,10 +17,10 @@ pre-activation ``dense[r, 256t : 256t+256]`` instead of its slots, NB columns
 at a time, gathering weight rows only where active (masked loads fetch
 nothing), so overflow costs time but never correctness.
 
-Performance: the work is a gather of 2 * nnz weight rows per token; ``shared/PAPER.md``
-measured such gathers at 9-10 TB/s when Wu/WdT sit in L2. ``_twell_ffn_kernel`` treats a row's
-non-zeros as one flat list (one vector load of the T counts, K slot words per vector load, NB
-non-zeros per step from registers); NB > 1 issues NB independent row gathers per step, ROWS > 1
+Performance: the work is a gather of 2 * nnz weight rows per token; such gathers ran at 9-10 TB/s on
+the H200 when Wu/WdT sit in L2 (BENCHMARKS.md, "TwELL inference FFN"). ``_twell_ffn_kernel`` treats
+a row's non-zeros as one flat list (one vector load of the T counts, K slot words per vector load,
+NB non-zeros per step from registers); NB > 1 issues NB independent row gathers per step, ROWS > 1
 amortises program start. It replaced a first kernel that walked the tiles one by one (deleted;
 BENCHMARKS.md, "Superseded kernels").
 """
@@ -253,7 +253,7 @@ def twell_ffn_apply(
         out_dtype: y dtype (default x's / the weights' dtype).
         nb, rows, block_d, num_warps: launch shape (see module notes);
             ``block_d`` < D splits D across programs (non-gated only).
-            Defaults: nb=4 on 4 warps (H200, M 16384, 0.3 %: 0.349 ms vs 0.499 at nb=2, run E);
+            Defaults: nb=4 on 4 warps (H200, M 16384, 0.3 %: 0.349 ms vs 0.499 at nb=2);
             otherwise warps = block_d * nb / 1024.
         k, prefetch: words per batch (power of 2 >= nb) and whether the next step's weight
             rows are gathered before this step's math (double-buffered registers).

@@ -5,10 +5,10 @@ Shape legend: M rows (tokens), H FFN width, T = ceil(H/256) tiles, W = 256/facto
 
 arXiv 2603.23198 writes TwELL from the gate GEMM's epilogue; here the gate ``g = x @ Wg^T`` is a
 cuBLAS GEMM (torch) and :func:`pack_dense` reads the dense rows once and writes TwELL (two
-passes: ``shared/PAPER.md`` "Calibration" measured a plain Triton epilogue at +60 % over the
+passes: a plain Triton packing epilogue measured +60 % over the
 GEMM, a dense bf16 round trip of M x H at ~0.1 ms). The dense gate stays in memory and the
 consumer reads it for overflowed tiles only. The fused Triton GEMM + pack epilogue lost to this
-design (run K, H200: 1.01x vs 1.65x at 0.3 %) and was deleted; BENCHMARKS.md, "Superseded
+design (H200: 1.01x vs 1.65x at 0.3 %) and was deleted; BENCHMARKS.md, "Superseded
 kernels".
 """
 
@@ -70,7 +70,7 @@ def _pack_dense_kernel(
     capacity); slot k >= 1 = (bf16/fp16 bits of g) << 16 | column of the k-th active entry. A
     (row block, tile) with no active entry stores only its count word (at 0.3 % density about
     half of a row's tiles are empty). The scan of a 256-column tile stays inside one warp and
-    nothing crosses warps per step (run E: one row per one-warp program ran 2x faster than
+    nothing crosses warps per step (one row per one-warp program ran 2x faster than
     32-row blocks on 8 warps; BENCHMARKS.md).
     """
     pid = tl.program_id(0)
@@ -117,7 +117,7 @@ def pack_dense(
         factor: TwELL compression factor (8, 4, 2).
         stats: also return per-column active counts.
         block_m: rows per program (power of 2); 1 by default (one row per one-warp program:
-            0.139 ms at M 16384, H 5632, 0.3 % on the H200, run J).
+            0.139 ms at M 16384, H 5632, 0.3 % on the H200).
         num_warps: warps per program.
 
     Returns:
