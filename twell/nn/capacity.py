@@ -4,9 +4,14 @@ Each layer on the ELL path runs with a fixed dense-backup capacity (rows for the
 active units than the ELL capacity, "heavy rows"), chosen before the step from earlier steps'
 heavy-row counts; the step's one host sync checks them, and a step in which some layer had more
 heavy rows than its capacity is redone measuring per call (:meth:`twell.nn.plan.FFNPlan.end_step`
-decides, the trainer redoes it). A redo costs a whole step; a backup row costs 12 D H FLOPs per
-micro-step (forward + backward, ~14 us for 64 rows at the 1.5B shape on an H200, ~0.4 ms a step
-over 28 layers), so capacities should be generous.
+decides, the trainer redoes it). A redo costs a whole step; a backup row costs 16 D H FLOPs per
+micro-step (forward ``u_R = x_R Wu^T`` and ``h_R Wd^T``, backward ``dy_R Wd``, ``dx_R`` through
+both weights and the three weight gradients: 4 + 12 D H; ~24 us for 64 rows at the 1.5B shape
+at 300 TFLOP/s, ~0.7 ms a micro-step over 28 layers), so capacities should be generous.
+
+Every capacity is at least the plan's floor (``FFNPolicy.backup_floor_fraction`` of a call's
+rows plus one row per sequence: :meth:`BackupCapacity.capacity`'s ``floor``), so a layer whose
+recent steps had no heavy row is not redone for the first one.
 
 ``trainer.backup_capacity`` rules (per layer; ``R`` = the step's largest heavy-row count of any
 micro-batch, measured in the step's one host sync):
@@ -20,6 +25,11 @@ micro-batch, measured in the step's one host sync):
   heavy batches (many short documents: each document start has fully active first tokens),
   and the margin learns a layer's burst size. Evaluated on synthetic traces by
   ``scripts/capacity_policy_sim.py``.
+
+The histories count rows per FFN call: when the calls change size (the memory planner changes
+the micro-batch) they are scaled (:meth:`BackupCapacity.rescale`) rather than forgotten; when a
+layer moves to the ELL path its history keeps only its latest steps (:meth:`BackupCapacity.restart`:
+counts from its dense-path steps, not from when it was denser).
 
 The histories and margins are part of the FFN plan's state (:class:`twell.nn.plan.FFNPlan`,
 checkpointed with the trainer: an exact resume uses the same capacities). Source of the dense
@@ -39,6 +49,7 @@ MARGIN_GROWTH = 1.5  # x margin after each redo the layer caused
 MARGIN_MAX = 4.0
 MARGIN_DECAY = 0.01  # per accepted step, fraction of (margin - MARGIN_START) given back
 ROUND_ROWS = 64  # adaptive capacities are multiples of this
+RESTART_STEPS = 8  # steps of history a layer keeps when it moves to the ELL path
 
 
 class BackupCapacity:
@@ -68,9 +79,11 @@ class BackupCapacity:
             for i in layers:
                 self.margin[i] = min(self.margin[i] * MARGIN_GROWTH, MARGIN_MAX)
 
-    def update(self, heavy_max_L: list[float]) -> list[int]:
+    def update(self, heavy_max_L: list[float], floor: int | list[int] = 0) -> list[int]:
         """Record an accepted step's per-layer heavy-row maxima; return the next step's
-        capacities (rows, one int per layer)."""
+        capacities (rows, one int per layer; ``floor``: see :meth:`capacity`, one for every layer
+        or one per layer)."""
+        floors = floor if isinstance(floor, list) else [floor] * len(heavy_max_L)
         caps = []
         for i, r in enumerate(heavy_max_L):
             h = self.hist[i]
@@ -78,18 +91,40 @@ class BackupCapacity:
             del h[:-self.window]
             if self.rule == "adaptive":
                 self.margin[i] = MARGIN_START + (self.margin[i] - MARGIN_START) * (1 - MARGIN_DECAY)
-            caps.append(self.capacity(i))
+            caps.append(self.capacity(i, floors[i]))
         return caps
 
-    def capacity(self, i: int) -> int:
-        """Layer i's capacity from its current history and margin (0 with no heavy rows)."""
+    def capacity(self, i: int, floor: int = 0) -> int:
+        """Layer i's capacity from its current history and margin, at least ``floor`` rows (0
+        with no heavy rows and no floor)."""
         top = max(self.hist[i], default=0.0)
         if top <= 0:
-            return 0
+            return max(0, int(floor))
         if self.rule == "window":
-            return backup_capacity_for(top)  # ceil(1.25 top) + 16
-        rows = math.ceil(self.margin[i] * top) + 16
-        return ROUND_ROWS * math.ceil(rows / ROUND_ROWS)
+            rows = backup_capacity_for(top)  # ceil(1.25 top) + 16
+        else:
+            rows = ROUND_ROWS * math.ceil((math.ceil(self.margin[i] * top) + 16) / ROUND_ROWS)
+        return max(rows, int(floor))
+
+    def rescale(self, ratio: float) -> None:
+        """The calls now have ``ratio`` times as many rows (a new micro-batch): every recorded
+        count x ``ratio`` when they grow (a call's heavy rows, their mean and their spread, grow at
+        most in proportion), x ``sqrt(ratio)`` when they shrink (a count's spread shrinks only as
+        its square root: a smaller call can hold more than its share of a burst).
+
+        Raises:
+            ValueError: ratio not a finite number > 0.
+        """
+        if not (math.isfinite(ratio) and ratio > 0):
+            raise ValueError(f"BackupCapacity.rescale: ratio must be a finite number > 0; got "
+                             f"{ratio}")
+        f = ratio if ratio >= 1 else math.sqrt(ratio)
+        self.hist = [[v * f for v in h] for h in self.hist]
+
+    def restart(self, i: int, keep: int = RESTART_STEPS) -> None:
+        """Layer i moves to the ELL path: keep only its ``keep`` latest counts (steps measured on
+        the path it leaves; older ones may date from when it was denser)."""
+        self.hist[i] = self.hist[i][-keep:] if keep > 0 else []
 
     def state_dict(self) -> dict:
         return {"rule": self.rule, "hist": [list(h) for h in self.hist],
