@@ -51,21 +51,25 @@ def test_accept_sets_next_capacities_by_the_rule():
     assert plan.paths == ["ell"] * 3 and [lp.backup_rows for lp in plan.layers] == [-1] * 3
     out = _step(plan, _stats([5, 0, 200]))
     assert out.accepted and out.redo == ()
-    # window rule: ceil(1.25 * 5) + 16 = 23; no heavy row: the floor, ceil(256 / 256) = 1 row
-    # (no sequences given); 200 of 256 rows heavy (> half): the op runs the call densely, which
-    # needs the measurement
-    assert [lp.backup_rows for lp in plan.layers] == [23, 1, -1]
-    # the next step holds its heavy rows: accepted, capacities from the 16-step window
+    # window rule from one step (cold margin 1 + 1 - 1/4 = 1.75): ceil(1.25 * 1.75 * 5) + 16 =
+    # 27; no heavy row: the floor, ceil(256 / 256) = 1 row (no sequences given); 200 of 256 rows
+    # heavy (> half): the op runs the call densely, which needs the measurement
+    assert [lp.backup_rows for lp in plan.layers] == [27, 1, -1]
+    # the next step holds its heavy rows: accepted, capacities from the 16-step window (two
+    # steps: cold margin 1 + 1/sqrt(2) - 1/4)
     out = _step(plan, _stats([23, 0, 250]))
     assert out.accepted
-    assert [lp.backup_rows for lp in plan.layers] == [math.ceil(1.25 * 23) + 16, 1, -1]
+    cold = 1 + 2 ** -0.5 - 0.25
+    assert [lp.backup_rows for lp in plan.layers] == [math.ceil(1.25 * cold * 23) + 16, 1, -1]
 
 
 def test_redo_when_a_layer_exceeds_its_capacity_then_measured_step_is_accepted():
     plan = FFNPlan(_mlps(3), capacity_rule="adaptive")
     _step(plan, _stats([5, 0, 200]))
     caps = [lp.backup_rows for lp in plan.layers]
-    assert caps == [64, 1, -1]  # adaptive: ceil(1.25 * 5) + 16 = 23 -> 64 (multiples of 64)
+    # adaptive: ceil(1.25 * 1.91 * 5) + 16 = 28 -> 64 (multiples of 64; cold margin
+    # 1 + 1 - 1/sqrt(128) = 1.91)
+    assert caps == [64, 1, -1]
     margin = plan.capacity.margin[1]
     out = _step(plan, _stats([64, 2, 256]))  # layer 1 had 2 heavy rows and capacity 1 (floor)
     assert not out.accepted and out.redo == (1,)
@@ -81,8 +85,8 @@ def test_capacity_is_checked_against_the_rows_of_a_call():
     which needs the measurement), so a capacity above that is checked against it."""
     plan = FFNPlan(_mlps(1))
     _step(plan, _stats([10], rows=256))
-    assert plan.layers[0].backup_rows == 29
-    assert _step(plan, _stats([9], rows=10)).accepted  # 9 <= min(29, 9)
+    assert plan.layers[0].backup_rows == 38  # ceil(1.25 * 1.75 * 10) + 16
+    assert _step(plan, _stats([9], rows=10)).accepted  # 9 <= min(38, 9)
     plan.layers[0].backup_rows = 29
     assert _step(plan, _stats([10], rows=10)).redo == (0,)  # 10 > min(29, 9)
 
@@ -90,7 +94,7 @@ def test_capacity_is_checked_against_the_rows_of_a_call():
 def test_only_ell_layers_are_checked_and_call_sync_measures_per_call():
     plan = FFNPlan(_mlps(2, impl="torch"))
     _step(plan, _stats([5, 5]))
-    assert [lp.backup_rows for lp in plan.layers] == [23, 23]  # recorded, unused off ELL
+    assert [lp.backup_rows for lp in plan.layers] == [27, 27]  # recorded, unused off ELL
     assert _step(plan, _stats([100, 100])).accepted  # torch layers: no capacity to exceed
     call = FFNPlan(_mlps(2), host_sync="call")
     _step(call, _stats([5, 0]))
@@ -157,10 +161,10 @@ def test_pin_fixes_paths_and_unpin_lets_auto_choose_again():
 
 def test_profiling_context_fixes_paths_measures_and_restores():
     plan = FFNPlan(_mlps(2, impl="auto"))
-    _step(plan, _stats([5, 5], [1.0, 1.0], [0.0, 0.0]))  # L0 ~0: both to ELL, capacity 23
+    _step(plan, _stats([5, 5], [1.0, 1.0], [0.0, 0.0]))  # L0 ~0: both to ELL, capacity 27
     plan.set_collect_stats(False)
     before = [(lp.path, lp.backup_rows, lp.collect_stats) for lp in plan.layers]
-    assert before == [("ell", 23, False)] * 2
+    assert before == [("ell", 27, False)] * 2
     with pytest.raises(RuntimeError, match="inside"), plan.profiling("dense") as p:
         assert p is plan
         assert [(lp.path, lp.backup_rows, lp.collect_stats) for lp in plan.layers] == [

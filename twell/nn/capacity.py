@@ -16,15 +16,19 @@ recent steps had no heavy row is not redone for the first one.
 ``trainer.backup_capacity`` rules (per layer; ``R`` = the step's largest heavy-row count of any
 micro-batch, measured in the step's one host sync):
 
-* ``window`` (default): ``ceil(1.25 max(R of the last 16 steps)) + 16``, 0 when that max is 0
+* ``window`` (default): ``ceil(1.25 c max(R of the last 16 steps)) + 16``, 0 when that max is 0
   (:func:`twell.ops.sparse_train.backup_capacity_for`).
-* ``adaptive``: ``ceil(m max(R of the last 128 steps)) + 16`` rounded up to a multiple of 64
-  (so backup GEMM shapes repeat), 0 when that max is 0. The margin ``m`` starts at 1.25; each
+* ``adaptive`` (``trainer=gpu``'s): ``ceil(m c max(R of the last 128 steps)) + 16`` rounded up to
+  a multiple of 64 (so backup GEMM shapes repeat), 0 when that max is 0. The margin ``m`` starts at 1.25; each
   redo this layer caused multiplies it by 1.5 (at most 4); every accepted step moves it back
   towards 1.25 by 1 % of the distance (half-life ~70 steps). The long window remembers the rare
   heavy batches (many short documents: each document start has fully active first tokens),
   and the margin learns a layer's burst size. Evaluated on synthetic traces by
-  ``scripts/capacity_policy_sim.py``.
+  :mod:`twell.nn.capacity_sim` (``scripts/capacity_policy_sim.py``).
+
+``c`` (:func:`cold_margin`) widens the margin while a layer's history is shorter than its window
+(a fresh run, a resume without history, a layer just moved to the ELL path): 1.75 from one step
+of the window rule's, 1 with the window full.
 
 The histories count rows per FFN call: when the calls change size (the memory planner changes
 the micro-batch) they are scaled (:meth:`BackupCapacity.rescale`) rather than forgotten; when a
@@ -50,6 +54,17 @@ MARGIN_MAX = 4.0
 MARGIN_DECAY = 0.01  # per accepted step, fraction of (margin - MARGIN_START) given back
 ROUND_ROWS = 64  # adaptive capacities are multiples of this
 RESTART_STEPS = 8  # steps of history a layer keeps when it moves to the ELL path
+
+
+def cold_margin(n: int, window: int) -> float:
+    """Extra margin factor of a capacity from ``n`` steps of history in a rule that keeps
+    ``window``: ``1 + 1/sqrt(n) - 1/sqrt(window)`` (at least 1): 1 once the window is full, 1.75
+    (window rule) or 1.91 (adaptive) from a single step. The largest of a few counts
+    under-estimates the next ones' (on the synthetic traces 20 steps from a fresh start redid
+    0.5-1.0 steps per 10 with the window rule, 0.3-0.7 adaptive; 0.1-0.4 and 0.01-0.16 with this
+    factor: BENCHMARKS.md, "No redone steps")."""
+    n = max(int(n), 1)
+    return max(1.0, 1.0 + 1.0 / math.sqrt(n) - 1.0 / math.sqrt(max(int(window), 1)))
 
 
 class BackupCapacity:
@@ -95,15 +110,18 @@ class BackupCapacity:
         return caps
 
     def capacity(self, i: int, floor: int = 0) -> int:
-        """Layer i's capacity from its current history and margin, at least ``floor`` rows (0
-        with no heavy rows and no floor)."""
-        top = max(self.hist[i], default=0.0)
+        """Layer i's capacity from its current history and margin (times :func:`cold_margin` of
+        the history's length), at least ``floor`` rows (0 with no heavy rows and no floor)."""
+        h = self.hist[i]
+        top = max(h, default=0.0)
         if top <= 0:
             return max(0, int(floor))
+        cold = cold_margin(len(h), self.window)
         if self.rule == "window":
-            rows = backup_capacity_for(top)  # ceil(1.25 top) + 16
+            rows = backup_capacity_for(cold * top)  # ceil(1.25 cold top) + 16
         else:
-            rows = ROUND_ROWS * math.ceil((math.ceil(self.margin[i] * top) + 16) / ROUND_ROWS)
+            rows = ROUND_ROWS * math.ceil((math.ceil(self.margin[i] * cold * top) + 16)
+                                          / ROUND_ROWS)
         return max(rows, int(floor))
 
     def rescale(self, ratio: float) -> None:
