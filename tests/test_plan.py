@@ -30,9 +30,9 @@ def torch_backend(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def _mlps(n, impl="twell", gated=True):
+def _mlps(n, impl="twell", gated=True, h=H):
     torch.manual_seed(0)
-    return [SparseGatedMLP(16, H, impl=impl, gated=gated) for _ in range(n)]
+    return [SparseGatedMLP(16, h, impl=impl, gated=gated) for _ in range(n)]
 
 
 def _stats(heavy_max, nnz=None, heavy=None, rows=256, tokens=512):
@@ -559,16 +559,18 @@ def test_plan_explores_picks_the_faster_path_per_layer_and_averages_over_ranks()
 
 
 def test_plan_picks_hot_units_from_the_steps_counts():
-    """Threshold 1/64 x 640 tokens = 10: layer 0's units 11..39 (29) are above it -> k 32 (16s),
-    the 32 most active: units 8..39; layer 1 (all at 5) none; a layer with max_hot_units 16
-    takes the 16 most active, 24..39; dense-path layers and impl torch layers none."""
-    mlps = _mlps(4, impl="twell")
+    """FFN width 256; threshold 1/64 x 640 tokens = 10: layer 0's units 11..39 (29) are above it
+    -> k 32 (multiples of 16), the 32 most active: units 8..39; layer 1 (all at 5) none; a layer
+    with max_hot_units 16 takes the 16 most active, 24..39; impl torch layers none; at width 128
+    32 hot units would be more than 1/8 of the units: none."""
+    w = 256
+    mlps = _mlps(4, impl="twell", h=w)
     mlps[2].policy = FFNPolicy(max_hot_units=16)
     mlps[3].impl = "torch"
     plan = FFNPlan(mlps)
-    counts = torch.arange(H).clamp(max=39)
+    counts = torch.arange(w).clamp(max=39)
     counts[40:] = 0  # units 40.. never active
-    a_LH = torch.stack([counts, torch.full((H,), 5), counts, counts]).to(torch.int64)
+    a_LH = torch.stack([counts, torch.full((w,), 5), counts, counts]).to(torch.int64)
     zeros = torch.zeros(4)
     stats = StepStats(zeros, zeros, zeros, rows_per_call=320, tokens=640, active_LH=a_LH)
     stats = plan.count_hot_units(stats)
@@ -581,8 +583,14 @@ def test_plan_picks_hot_units_from_the_steps_counts():
     assert torch.equal(hot[0], torch.arange(8, 40)) and hot[1] is None
     assert torch.equal(hot[2], torch.arange(24, 40))
     assert hot[3] is None  # impl torch (not on ell): no hot units, none counted for it
+    narrow = FFNPlan(_mlps(1, impl="twell", h=128))
+    s = narrow.count_hot_units(StepStats(zeros[:1], zeros[:1], zeros[:1], rows_per_call=320,
+                                         tokens=640, active_LH=a_LH[:1, :128]))
+    narrow.begin_step()
+    narrow.end_step(s.unpacked(s.packed().tolist()))
+    assert s.hot_over_L.tolist() == [29.0] and narrow.layers[0].hot_units is None
     # an auto layer on dense gets none; a layer with max_hot_units=0 keeps what a caller set
-    auto = _mlps(2, impl="auto")
+    auto = _mlps(2, impl="auto", h=w)
     auto[1].policy = FFNPolicy(max_hot_units=0)
     p = FFNPlan(auto)
     mine = torch.tensor([1, 2])
@@ -594,7 +602,7 @@ def test_plan_picks_hot_units_from_the_steps_counts():
     assert p.paths == ["dense", "dense"] and p.layers[0].hot_units is None
     assert p.layers[1].hot_units is mine
     # no layer can take hot units (impl torch everywhere): nothing counted, 3 L values read
-    t = FFNPlan(_mlps(2, impl="torch"))
+    t = FFNPlan(_mlps(2, impl="torch", h=w))
     s = StepStats(zeros[:2], zeros[:2], zeros[:2], rows_per_call=8, tokens=8, active_LH=a_LH[:2])
     assert t.count_hot_units(s) is s and s.packed().numel() == 6
     with pytest.raises(ValueError, match="4 L values"):
@@ -653,18 +661,18 @@ def _run(tmp_path, name, over, clock=None, stop_at=None):
 
 
 def test_hot_units_train_as_without_them(tmp_path):
-    """A tiny twell run with the plan's hot units (the units active on > 1/2 of the tokens: a
-    part of the FFN) and one without (max_hot_units=0): the same losses up to fp32 rounding."""
+    """A tiny twell run (FFN width 256, ELL capacity 128) with the plan's hot units (the units
+    active on > 0.65 of the tokens: 16 of 256) and one without (max_hot_units=0): the same losses
+    up to fp32 rounding."""
     base = {"trainer.max_steps": 4, "sparsity.l1_coeff": 0.5, "data.val_fraction": 0.0,
-            "model.ffn_impl": "twell"}
+            "model.ffn_impl": "twell", "model.intermediate_size": 256}
     runs = {}
-    for name, pol in (("hot", FFNPolicy(hot_unit_fraction=0.5)),
-                      ("cold", FFNPolicy(max_hot_units=0))):
+    for name, pol in (("hot", FFNPolicy(hot_unit_fraction=0.65, ell_capacity=128)),
+                      ("cold", FFNPolicy(max_hot_units=0, ell_capacity=128))):
         _run(tmp_path, name, {**base, "model.ffn_policy": pol})
         runs[name] = read_metrics(tmp_path / name)
     hot = [r.get("ffn_hot_units_layers") for r in runs["hot"]]
-    assert all(h is not None and all(0 < k <= H for k in h) for h in hot), hot
-    assert any(k < H for h in hot for k in h)  # a real split: hot and cold units
+    assert all(h is not None and all(0 < k <= 256 // 8 for k in h) for h in hot), hot
     assert all("ffn_hot_units_layers" not in r for r in runs["cold"])
     for a, b in zip(runs["hot"], runs["cold"], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), a["step"]
@@ -681,7 +689,8 @@ def test_measured_auto_in_a_real_run_is_deterministic_and_resumes_the_same(tmp_p
 
     over = {"trainer.max_steps": 6, "trainer.micro_batch": 2, "sparsity.l1_coeff": 0.5,
             "data.val_fraction": 0.0, "model.ffn_impl": "auto", "trainer.save_every": 3,
-            "model.ffn_policy": FFNPolicy(dense_row_fraction=1.0, train_explore_every=2)}
+            # an ELL capacity of H: no heavy rows (no redos, which would drop the timings)
+            "model.ffn_policy": FFNPolicy(ell_capacity=64, train_explore_every=2)}
     straight = _run(tmp_path, "straight", over, clock())
     assert straight.plan.chosen_paths == ["ell", "dense"]
     _run(tmp_path, "resumed", over, clock(), stop_at=3)

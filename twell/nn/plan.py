@@ -79,6 +79,10 @@ STATE_VERSION = 2  # 1: no rows_per_call, steps, hot_units, chooser (read as emp
 MEASURED_PATHS = ("ell", "dense")  # what the measured chooser compares
 SAMPLES_KEPT = 16  # timed calls kept per layer and path (the newest)
 EXPLORE_MAX_STEPS = 8  # an exploration that gathered too few timings ends after this many steps
+# The plan gives a layer hot units only while they are a minority of its units: k hot units cost
+# k / H of the dense FFN (18 N D each, fwd + bwd), so past H / 8 the layer is dense mode's (at
+# H 5632 the cap max_hot_units = 512 binds first: 9 % of the dense FFN's time)
+HOT_SHARE_MAX = 1 / 8
 
 
 def default_path(impl: str, gated: bool, dense_ffn_fused: bool = False) -> str:
@@ -709,8 +713,8 @@ class FFNPlan:
     def _set_hot_units(self, stats: StepStats) -> None:
         """Each ``ell`` layer's hot set for the next step: the ``k`` most active units
         (``twell.ops.hot_units``: k from the counted ``hot_over_L``, the top-k on the device);
-        None on the other paths. Layers with ``policy.max_hot_units = 0`` keep what a caller
-        set."""
+        None on the other paths and where k would exceed :data:`HOT_SHARE_MAX` of the units.
+        Layers with ``policy.max_hot_units = 0`` keep what a caller set."""
         over, counts = stats.hot_over_L, stats.active_LH
         if over is None or counts is None:
             return
@@ -718,9 +722,10 @@ class FFNPlan:
         for k, (lp, mlp) in enumerate(zip(self.layers, self.mlps)):
             if not self._may_split(k):
                 continue
-            n_hot = hot_unit_k(int(over[k]), mlp.intermediate_size, mlp.policy)
-            lp.hot_units = (hot_units_from_counts(counts[k], stats.tokens, k=n_hot)
-                            if lp.path == "ell" and n_hot > 0 else None)
+            h = mlp.intermediate_size
+            n_hot = hot_unit_k(int(over[k]), h, mlp.policy)
+            use = lp.path == "ell" and 0 < n_hot <= HOT_SHARE_MAX * h
+            lp.hot_units = hot_units_from_counts(counts[k], stats.tokens, k=n_hot) if use else None
 
     def choose_paths(self, l0_L: Sequence[float], heavy_L: Sequence[float],
                      samples: dict[int, list[float]] | None = None) -> list[str]:
