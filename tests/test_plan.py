@@ -705,3 +705,29 @@ def test_measured_auto_in_a_real_run_is_deterministic_and_resumes_the_same(tmp_p
     assert a[-1]["ffn_ms_ell_layers"] == [2.5, 10.0]
     assert a[-1]["ffn_ms_dense_layers"] == [5.0, 5.0]
     assert straight.plan.chooser.state_dict() == resumed.plan.chooser.state_dict()
+
+
+def test_a_timer_times_the_first_calls_of_a_step_only():
+    from twell.nn.timing import LayerTimer
+    from twell.ops.sparse_train import dense_ffn_train
+
+    clock = _clock({0: {"dense": (2.0, 3.0)}})
+    timer = LayerTimer(0, clock, calls_per_step=2)
+    mlp = _mlps(1, impl="auto")[0]
+    x = torch.randn(6, 16)
+    ws = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+
+    def call():
+        xi = x.clone().requires_grad_()
+        y, _ = timer.run("dense", xi, lambda v: dense_ffn_train(v, *ws))
+        y.sum().backward()
+        return xi.grad
+
+    grads = [call() for _ in range(3)]
+    assert timer.samples() == [5.0, 5.0] and len(clock.keys) == 4  # the third call untimed
+    assert torch.equal(grads[0], grads[2])  # the same gradients timed or not
+    timer.clear()  # a new step: timed again
+    assert timer.samples() == [] and not timer.events
+    call()
+    assert timer.samples() == [5.0]
+    assert LayerTimer(0).run("dense", x, lambda v: ("untimed", None)) == ("untimed", None)

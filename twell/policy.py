@@ -94,7 +94,8 @@ class FFNPolicy:
     train_timed_calls: int = 3
     """Training ``auto``, measured: FFN calls (micro-steps) of a path needed before its median
     time is compared; an exploration of the other path runs until it has this many fresh
-    timings (one step at 3 or more micro-steps per step)."""
+    timings (the first 4 micro-steps of a step are timed: one step at 3 or more micro-steps per
+    step, two for the very first exploration, whose first call is dropped, below 4)."""
     train_switch_margin: float = 0.02
     """Training ``auto``, measured: a layer changes path only when the other path's median is
     below ``(1 - margin)`` x its current path's (hysteresis: timing noise does not flip it), so

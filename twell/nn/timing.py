@@ -25,6 +25,10 @@ import torch
 
 from twell.ops.auto import CudaEventTimer
 
+# micro-steps timed per layer and optimizer step (the first ones): enough for a median (the
+# chooser needs 3), and at 32 micro-steps per step 8x fewer CUDA events to record and read
+CALLS_PER_STEP = 4
+
 
 class _BackwardStart(torch.autograd.Function):
     """Identity on the FFN's output; its backward (the output's gradient has arrived) starts the
@@ -66,14 +70,17 @@ class LayerTimer:
             ``poll(handle) -> ms or None`` (the interface of
             :class:`twell.ops.auto.CudaEventTimer`; tests inject a deterministic one). None: a
             :class:`CudaEventTimer` for CUDA inputs, nothing timed on other devices.
+        calls_per_step: micro-steps timed between two :meth:`clear` (the first ones; the rest
+            run untimed).
 
     Attributes:
         events: ``("fwd" | "bwd", clock, handle)`` in the order recorded since :meth:`clear`.
     """
 
-    def __init__(self, layer: int, clock=None) -> None:
-        self.layer, self.clock = layer, clock
+    def __init__(self, layer: int, clock=None, calls_per_step: int = CALLS_PER_STEP) -> None:
+        self.layer, self.clock, self.calls_per_step = layer, clock, calls_per_step
         self.events: list[tuple[str, object, object]] = []
+        self._closed = 0  # backwards recorded since clear()
         self._open: tuple | None = None  # (clock, token, path) of a running backward
         self._cuda: CudaEventTimer | None = None
 
@@ -92,7 +99,8 @@ class LayerTimer:
         recomputation stopping early), backward between the identity nodes on y and x. Untimed
         (``op(x_ND)`` as it is) when there is no clock for the device."""
         clock = self._clock_for(x_ND)
-        if clock is None:
+        # enough micro-steps timed (a replay inside a timed backward still counts: _open)
+        if clock is None or (self._open is None and self._closed >= self.calls_per_step):
             return op(x_ND)
         token = clock.start((self.layer, path, "fwd"))
         try:
@@ -117,6 +125,7 @@ class LayerTimer:
         if self._open is not None:
             clock, token, _ = self._open
             self._open = None
+            self._closed += 1
             self.events.append(("bwd", clock, clock.stop(token)))
 
     def samples(self) -> list[float]:
@@ -140,7 +149,7 @@ class LayerTimer:
     def clear(self) -> None:
         """Forget what was recorded (a new optimizer step, or an attempt that is discarded)."""
         self.events.clear()
-        self._open = None
+        self._open, self._closed = None, 0
 
 
 __all__ = ["LayerTimer"]
