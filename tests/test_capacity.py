@@ -3,30 +3,47 @@ exact state round trip, and the offline simulation's redo rates."""
 
 import math
 
+import numpy as np
 import pytest
 
-from twell.nn.capacity import CAPACITY_RULES, BackupCapacity
+import torch
+
+from twell.nn import FFNPlan, SparseGatedMLP, StepStats
+from twell.nn.capacity import CAPACITY_RULES, BackupCapacity, cold_margin
 
 
-def test_window_rule_is_todays():
+def test_window_rule_hand_computed():
     b = BackupCapacity(2, "window")
-    assert b.update([0, 1]) == [0, 18]  # none heavy: no backup; ceil(1.25) + 16
-    assert b.update([100, 0]) == [141, 18]  # ceil(125) + 16; the 1 of the last 16 steps
-    for _ in range(15):
+    # one step of history: cold margin 1 + 1 - 1/sqrt(16) = 1.75
+    assert b.update([0, 1]) == [0, 19]  # none heavy: no backup; ceil(1.25 * 1.75 * 1) + 16
+    # two: 1 + 1/sqrt(2) - 1/4 = 1.4571; ceil(1.25 * 1.4571 * 100) + 16 = ceil(182.1) + 16 = 199
+    assert b.update([100, 0]) == [199, 18]  # and ceil(1.25 * 1.4571 * 1) + 16 = 18
+    for _ in range(13):
         b.update([0, 0])
-    assert b.update([0, 0]) == [0, 0]  # 16 steps later both have dropped out of the window
+    assert b.update([0, 0]) == [141, 18]  # the window is full: ceil(1.25 * 100) + 16, as before
+    assert b.update([0, 0]) == [141, 0]  # the 1 has dropped out of the 16-step window
+    assert b.update([0, 0]) == [0, 0]  # and the 100
     b.overflowed([0])  # no effect on this rule
     assert b.margin == [1.25, 1.25]
 
 
+def test_cold_margin():
+    assert cold_margin(1, 16) == 1.75 and cold_margin(0, 16) == 1.75
+    assert cold_margin(4, 16) == pytest.approx(1.25) and cold_margin(16, 16) == 1.0
+    assert cold_margin(64, 16) == 1.0  # never below 1
+    assert cold_margin(1, 128) == pytest.approx(2 - 128 ** -0.5)
+
+
 def test_adaptive_rule_hand_computed():
     b = BackupCapacity(2, "adaptive")
-    assert b.update([100, 0]) == [192, 0]  # ceil(1.25 * 100) + 16 = 141 -> 192 (x 64)
+    # ceil(1.25 * 1.9116 * 100) + 16 = 255 -> 256 (x 64; cold margin 2 - 1/sqrt(128) = 1.9116)
+    assert b.update([100, 0]) == [256, 0]
     b.overflowed([0])  # layer 0 caused a redo: margin 1.25 -> 1.875
     assert b.margin[0] == pytest.approx(1.875)
     caps = b.update([100, 0])  # decays 1 % of the way back: 1.25 + 0.625 * 0.99 = 1.86875
     assert b.margin[0] == pytest.approx(1.86875)
-    assert caps == [64 * math.ceil((math.ceil(1.86875 * 100) + 16) / 64), 0] == [256, 0]
+    # cold margin of two steps 1 + 1/sqrt(2) - 1/sqrt(128) = 1.6187: ceil(302.5) + 16 -> 320
+    assert caps == [320, 0]
     for _ in range(10):
         b.overflowed([1])
     assert b.margin[1] == 4.0  # capped
@@ -34,8 +51,83 @@ def test_adaptive_rule_hand_computed():
     b2.update([1000])
     for _ in range(127):
         cap = b2.update([10])[0]
-    assert cap == 64 * math.ceil((1250 + 16) / 64)
+    assert cap == 64 * math.ceil((1250 + 16) / 64)  # window full: no cold margin
     assert b2.update([10])[0] == 64  # 1000 left the window: ceil(12.5) + 16 -> 64
+
+
+@pytest.mark.parametrize("rule", CAPACITY_RULES)
+def test_floor_holds_every_capacity(rule):
+    b = BackupCapacity(3, rule)
+    assert b.capacity(0, floor=72) == 72  # no history: the floor
+    assert b.update([0, 5, 2000], floor=[72, 72, 9]) == [
+        72, 72, b.capacity(2)]  # above the floor the rule's value stays
+    assert b.capacity(2) > 2000 and b.update([0, 0, 0], floor=0)[0] == 0
+
+
+def test_rescale_and_restart_hand_computed():
+    b = BackupCapacity(2, "window")
+    for v in (40.0, 100.0, 60.0):
+        b.update([v, 4.0])
+    b.rescale(2.0)  # calls twice as large: every count x 2
+    assert b.hist == [[80.0, 200.0, 120.0], [8.0, 8.0, 8.0]]
+    b.rescale(0.25)  # four times smaller: x sqrt(0.25) = 0.5 (a count's spread shrinks as sqrt)
+    assert b.hist == [[40.0, 100.0, 60.0], [4.0, 4.0, 4.0]]
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="ratio"):
+            b.rescale(bad)
+    for v in range(1, 13):
+        b.update([float(v), 0.0])
+    b.restart(0)  # keeps the latest RESTART_STEPS (8) counts
+    assert b.hist[0] == [float(v) for v in range(5, 13)] and len(b.hist[1]) == 15
+    b.restart(1, keep=0)
+    assert b.hist[1] == [] and b.capacity(1) == 0
+
+
+def _plan_stats(heavy, nnz_per_token, rows=256, seqs=8, tokens=512):
+    n = len(heavy)
+    return StepStats(list(heavy), [nnz_per_token * tokens] * n, [0.0] * n, rows_per_call=rows,
+                     tokens=tokens, sequences_per_call=seqs)
+
+
+def _plan(n=1, impl="twell", rule="window"):
+    torch.manual_seed(0)
+    return FFNPlan([SparseGatedMLP(16, 64, impl=impl) for _ in range(n)], capacity_rule=rule)
+
+
+def test_plan_floor_and_micro_batch_change_hand_computed():
+    plan = _plan(2)
+    plan.begin_step()
+    plan.end_step(_plan_stats([0.0, 40.0], 1.0))
+    # floor: ceil(256 / 256) + 8 sequences = 9; ceil(1.25 * 1.75 * 40) + 16 = 104
+    assert [lp.backup_rows for lp in plan.layers] == [9, 104]
+    # the memory planner doubles the micro-batch: histories x 2, floor ceil(512 / 256) + 16 = 18
+    plan.set_rows_per_call(512)
+    assert plan.rows_per_call == 512 and plan.sequences_per_call == 16
+    assert plan.capacity.hist == [[0.0], [80.0]]
+    assert [lp.backup_rows for lp in plan.layers] == [18, math.ceil(1.25 * 1.75 * 80) + 16]
+    # a step at the new size is checked against them: 150 heavy rows fit 191
+    plan.begin_step()
+    assert plan.end_step(_plan_stats([10.0, 150.0], 1.0, rows=512, seqs=16)).accepted
+    plan.set_rows_per_call(512)  # no change: nothing happens
+    assert plan.capacity.hist == [[0.0, 10.0], [80.0, 150.0]]
+    with pytest.raises(ValueError, match="rows must be >= 1"):
+        plan.set_rows_per_call(0)
+
+
+def test_a_layer_moving_to_ell_sizes_its_capacity_from_its_latest_dense_counts():
+    plan = _plan(1, impl="auto", rule="adaptive")
+    for hv in [3000.0] + [40.0] * 9:  # dense (L0 30 of 64): its heavy rows fell from 3000
+        plan.begin_step()
+        plan.end_step(_plan_stats([hv], 30.0))
+        assert plan.paths == ["dense"]
+    plan.begin_step()
+    plan.end_step(_plan_stats([40.0], 1.0))  # L0 1: the density rule moves it to ell
+    assert plan.paths == ["ell"]
+    # only the latest 8 counts (all 40) are kept: ceil(1.25 * cold * 40) + 16 rounded to 64,
+    # cold = 1 + 1/sqrt(8) - 1/sqrt(128); not 3000's ~3800 rows
+    cold = 1 + 8 ** -0.5 - 128 ** -0.5
+    assert plan.capacity.hist == [[40.0] * 8]
+    assert plan.layers[0].backup_rows == 64 * math.ceil((math.ceil(1.25 * cold * 40) + 16) / 64)
 
 
 @pytest.mark.parametrize("rule", CAPACITY_RULES)
@@ -58,15 +150,30 @@ def test_bad_rule_is_refused():
 
 
 def test_simulated_redo_rates():
-    """On the synthetic 1.5B-like traces the adaptive rule redoes <= 1 step in 100 where the
-    window rule redoes more (scripts/capacity_policy_sim.py)."""
-    from scripts.capacity_policy_sim import make_trace, replay
+    """On the synthetic 1.5B-like traces (twell.nn.capacity_sim) the adaptive rule redoes <= 1
+    step in 100 where the window rule redoes more; from a fresh start the cold margin cuts the
+    redos of the first 20 steps; a micro-batch change scaled (set_rows_per_call) redoes no more
+    than the same steps without a change, forgetting the histories does."""
+    from twell.nn.capacity_sim import make_trace, replay
 
     for scenario in ("docs", "early"):
         trace = make_trace(scenario, steps=1200, accum=1, seed=0)
         old = replay(trace, "window", warm=200)
         new = replay(trace, "adaptive", warm=200)
-        assert new["redo_per_100"] <= 1.0 < old["redo_per_100"], (scenario, old, new)
+        assert new.redo_per_100 <= 1.0 < old.redo_per_100, (scenario, old, new)
+        assert new.measured_layer_steps == 0 and 0 < new.cost_pct < 3
+    # fresh starts (20 steps each) on the settled part of the trace
+    trace = make_trace("docs", steps=1400, accum=1, seed=1)
+    cold = [replay(trace[s:s + 20], "window", warm=0).redo_per_100 for s in range(400, 1400, 20)]
+    assert sum(cold) / len(cold) < 4.0  # < 0.4 per 10 steps (without the margin: ~0.65)
+    # micro-batch 8 -> 16 at step 600 (the same layers, twice the rows)
+    small = make_trace("docs", steps=1200, accum=1, seed=2)
+    big = make_trace("docs", steps=1200, accum=1, seed=2, sequences=16)
+    both = np.concatenate([small[:600], big[600:]])
+    scaled = replay(both[:700], "adaptive", warm=600, change=(600, 16))
+    forgot = replay(both[:700], "adaptive", warm=600, change=(600, 16), rescale=False)
+    assert scaled.measured_layer_steps == 0 and forgot.measured_layer_steps > 0
+    assert scaled.redo_per_100 <= forgot.redo_per_100
 
 
 def test_trainer_checkpoints_the_rule_state(tmp_path, monkeypatch):

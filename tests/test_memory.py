@@ -408,3 +408,79 @@ def test_a_resumed_run_plans_again(tokens, tmp_path, monkeypatch):
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     for a, b in zip(got, want, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+class PathProbe(FakeProbe):
+    """FakeProbe whose lines are ``dense`` while the trainer's FFNs train densely and ``ell``
+    once most of them are on the ELL path (its activations are smaller)."""
+
+    def __init__(self, trainer, dense, ell, times):
+        super().__init__(dense, times)
+        self.tr, self.dense, self.ell = trainer, dense, ell
+
+    def __call__(self, c):
+        paths = self.tr.plan.paths
+        self.lines = self.ell if paths.count("ell") * 2 >= len(paths) else self.dense
+        return super().__call__(c)
+
+
+# one sequence of dense activations costs 30 GiB, of ELL ones 10 (peak = 30 + b * micro)
+DENSE = {"none": (30.0, 30.0), "attention": (30.0, 20.0), "attention_ell": (30.0, 20.0),
+         "full": (30.0, 10.0)}
+ELL = {"none": (30.0, 10.0), "attention": (30.0, 8.0), "attention_ell": (30.0, 8.0),
+       "full": (30.0, 5.0)}
+STEP_TIMES = {"none": (1.0, 1.0), "attention": (1.0, 1.2), "attention_ell": (1.0, 1.3),
+              "full": (1.0, 1.5)}
+
+
+def _settling_run(tokens, tmp_path, monkeypatch, name, impl="auto", **over):
+    from twell.policy import FFNPolicy
+
+    monkeypatch.setattr(memory, "device_probe",
+                        lambda tr: PathProbe(tr, DENSE, ELL, STEP_TIMES))
+    # every layer goes to ell after step 1 (no density limit; an ELL capacity of H: no heavy row)
+    cfg = _auto_cfg(tokens, **{"trainer.memory_budget_gb": 100.0, "trainer.max_steps": 6,
+                               "model.ffn_impl": impl,
+                               "model.ffn_policy": FFNPolicy(ell_capacity=64,
+                                                             train_density_threshold=1.0),
+                               **over})
+    tr = Trainer(cfg, tmp_path / name)
+    tr.memory.replan_after_steps = 2
+    try:
+        start = tr.memory.plan
+        tr.train()
+    finally:
+        tr.close()
+    return tr, start
+
+
+def test_the_planner_plans_again_once_the_ffn_paths_settle(tokens, tmp_path, monkeypatch):
+    tr, start = _settling_run(tokens, tmp_path, monkeypatch, "settle")
+    # step 0, dense: without recomputation micro 2 fits (90 GiB) and is fastest (64 / 3 tok/ms)
+    assert (start.micro_batch, start.recompute, start.accum) == (2, "none", 4)
+    # ell from step 1; paths unchanged for 2 more steps -> re-plan after step 3: micro 4 fits
+    # now (70 GiB; 8: 110) at 128 / 5 = 25.6 tok/ms against micro 2's 21.3 measured now
+    plan = tr.memory.plan
+    assert (plan.micro_batch, plan.recompute, plan.accum) == (4, "none", 2)
+    assert "re-planned at step 3, 2 of 2 FFN layers on ell" in plan.why
+    assert (tr.data.micro_batch, tr.accum, tr.plan.rows_per_call) == (4, 2, 4 * 32)
+    assert tr.step == 6 and tr.tokens_seen == 6 * 8 * 32 and tr.data.position == 6 * 8
+    assert {c["recompute"] for c in plan.candidates} >= {"attention_ell"}  # joins the re-plan
+    recs = read_metrics(tmp_path / "settle", "memory")
+    assert [(r["step"], r["micro_batch"]) for r in recs] == [(0, 2), (3, 4)]
+    log = (tmp_path / "settle" / "train.log").read_text()
+    assert log.count("re-planned at step 3") == 1  # once
+    assert [r["step"] for r in read_metrics(tmp_path / "settle")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_re_plan_keeps_user_values_and_needs_ell_layers(tokens, tmp_path, monkeypatch):
+    # the user's micro-batch stays; only the recomputation could change (none stays fastest)
+    tr, start = _settling_run(tokens, tmp_path, monkeypatch, "user",
+                              **{"trainer.micro_batch": 2})
+    assert tr.memory.plan.micro_batch == start.micro_batch == 2
+    assert "re-planned at step 3" in tr.memory.plan.why and "kept" in tr.memory.plan.why
+    assert all(c["micro_batch"] == 2 for c in tr.memory.plan.candidates)
+    # dense FFNs (impl torch): the paths never move to ell, no re-plan
+    tr, start = _settling_run(tokens, tmp_path, monkeypatch, "torch", impl="torch")
+    assert tr.memory.plan is start
+    assert len(read_metrics(tmp_path / "torch", "memory")) == 1

@@ -10,7 +10,14 @@ import torch
 
 from tests.train_utils import read_metrics, tiny_config, write_tokens
 from twell.nn import FFNPlan, SparseGatedMLP, StepStats, trains_ell
-from twell.nn.plan import LayerMeasure, default_path, density_rule, layer_plan
+from twell.nn.plan import (
+    LayerMeasure,
+    LayerTimes,
+    MeasuredPathChooser,
+    default_path,
+    density_rule,
+    layer_plan,
+)
 from twell.ops.reference import gated_ffn_torch
 from twell.policy import FFNPolicy
 
@@ -23,9 +30,9 @@ def torch_backend(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def _mlps(n, impl="twell", gated=True):
+def _mlps(n, impl="twell", gated=True, h=H):
     torch.manual_seed(0)
-    return [SparseGatedMLP(16, H, impl=impl, gated=gated) for _ in range(n)]
+    return [SparseGatedMLP(16, h, impl=impl, gated=gated) for _ in range(n)]
 
 
 def _stats(heavy_max, nnz=None, heavy=None, rows=256, tokens=512):
@@ -44,28 +51,33 @@ def test_accept_sets_next_capacities_by_the_rule():
     assert plan.paths == ["ell"] * 3 and [lp.backup_rows for lp in plan.layers] == [-1] * 3
     out = _step(plan, _stats([5, 0, 200]))
     assert out.accepted and out.redo == ()
-    # window rule: ceil(1.25 * 5) + 16 = 23; no heavy row: 0; 200 of 256 rows heavy (> half):
-    # the op runs the call densely, which needs the measurement
-    assert [lp.backup_rows for lp in plan.layers] == [23, 0, -1]
-    # the next step holds its heavy rows: accepted, capacities from the 16-step window
+    # window rule from one step (cold margin 1 + 1 - 1/4 = 1.75): ceil(1.25 * 1.75 * 5) + 16 =
+    # 27; no heavy row: the floor, ceil(256 / 256) = 1 row (no sequences given); 200 of 256 rows
+    # heavy (> half): the op runs the call densely, which needs the measurement
+    assert [lp.backup_rows for lp in plan.layers] == [27, 1, -1]
+    # the next step holds its heavy rows: accepted, capacities from the 16-step window (two
+    # steps: cold margin 1 + 1/sqrt(2) - 1/4)
     out = _step(plan, _stats([23, 0, 250]))
     assert out.accepted
-    assert [lp.backup_rows for lp in plan.layers] == [math.ceil(1.25 * 23) + 16, 0, -1]
+    cold = 1 + 2 ** -0.5 - 0.25
+    assert [lp.backup_rows for lp in plan.layers] == [math.ceil(1.25 * cold * 23) + 16, 1, -1]
 
 
 def test_redo_when_a_layer_exceeds_its_capacity_then_measured_step_is_accepted():
     plan = FFNPlan(_mlps(3), capacity_rule="adaptive")
     _step(plan, _stats([5, 0, 200]))
     caps = [lp.backup_rows for lp in plan.layers]
-    assert caps == [64, 0, -1]  # adaptive: ceil(1.25 * 5) + 16 = 23 -> 64 (multiples of 64)
+    # adaptive: ceil(1.25 * 1.91 * 5) + 16 = 28 -> 64 (multiples of 64; cold margin
+    # 1 + 1 - 1/sqrt(128) = 1.91)
+    assert caps == [64, 1, -1]
     margin = plan.capacity.margin[1]
-    out = _step(plan, _stats([64, 1, 256]))  # layer 1 had a heavy row and capacity 0
+    out = _step(plan, _stats([64, 2, 256]))  # layer 1 had 2 heavy rows and capacity 1 (floor)
     assert not out.accepted and out.redo == (1,)
     assert [lp.backup_rows for lp in plan.layers] == [-1, -1, -1]  # the redo measures per call
     assert plan.capacity.margin[1] == pytest.approx(margin * 1.5)  # the rule learnt of it
     assert plan.capacity.hist == [[5.0], [0.0], [200.0]]  # the redone attempt is not recorded
-    out = _step(plan, _stats([64, 1, 256]))  # the redone step: every layer measured
-    assert out.accepted and plan.capacity.hist[1] == [0.0, 1.0]
+    out = _step(plan, _stats([64, 2, 256]))  # the redone step: every layer measured
+    assert out.accepted and plan.capacity.hist[1] == [0.0, 2.0]
 
 
 def test_capacity_is_checked_against_the_rows_of_a_call():
@@ -73,8 +85,8 @@ def test_capacity_is_checked_against_the_rows_of_a_call():
     which needs the measurement), so a capacity above that is checked against it."""
     plan = FFNPlan(_mlps(1))
     _step(plan, _stats([10], rows=256))
-    assert plan.layers[0].backup_rows == 29
-    assert _step(plan, _stats([9], rows=10)).accepted  # 9 <= min(29, 9)
+    assert plan.layers[0].backup_rows == 38  # ceil(1.25 * 1.75 * 10) + 16
+    assert _step(plan, _stats([9], rows=10)).accepted  # 9 <= min(38, 9)
     plan.layers[0].backup_rows = 29
     assert _step(plan, _stats([10], rows=10)).redo == (0,)  # 10 > min(29, 9)
 
@@ -82,7 +94,7 @@ def test_capacity_is_checked_against_the_rows_of_a_call():
 def test_only_ell_layers_are_checked_and_call_sync_measures_per_call():
     plan = FFNPlan(_mlps(2, impl="torch"))
     _step(plan, _stats([5, 5]))
-    assert [lp.backup_rows for lp in plan.layers] == [23, 23]  # recorded, unused off ELL
+    assert [lp.backup_rows for lp in plan.layers] == [27, 27]  # recorded, unused off ELL
     assert _step(plan, _stats([100, 100])).accepted  # torch layers: no capacity to exceed
     call = FFNPlan(_mlps(2), host_sync="call")
     _step(call, _stats([5, 0]))
@@ -149,10 +161,10 @@ def test_pin_fixes_paths_and_unpin_lets_auto_choose_again():
 
 def test_profiling_context_fixes_paths_measures_and_restores():
     plan = FFNPlan(_mlps(2, impl="auto"))
-    _step(plan, _stats([5, 5], [1.0, 1.0], [0.0, 0.0]))  # L0 ~0: both to ELL, capacity 23
+    _step(plan, _stats([5, 5], [1.0, 1.0], [0.0, 0.0]))  # L0 ~0: both to ELL, capacity 27
     plan.set_collect_stats(False)
     before = [(lp.path, lp.backup_rows, lp.collect_stats) for lp in plan.layers]
-    assert before == [("ell", 23, False)] * 2
+    assert before == [("ell", 27, False)] * 2
     with pytest.raises(RuntimeError, match="inside"), plan.profiling("dense") as p:
         assert p is plan
         assert [(lp.path, lp.backup_rows, lp.collect_stats) for lp in plan.layers] == [
@@ -183,7 +195,7 @@ def test_state_round_trips_through_json_and_loads_strictly():
         assert b.state_dict() == a.state_dict()
     for bad, match in (({k: v for k, v in state.items() if k != "paths"}, r"missing keys \['paths'\]"),
                        ({**state, "extra": 1}, r"unexpected keys \['extra'\]"),
-                       ({**state, "version": 2}, "version 2"),
+                       ({**state, "version": 3}, "version 3"),
                        ({**state, "paths": ["ell"] * 2}, "paths has 2 layers; the model has 3"),
                        ({**state, "paths": ["twell"] * 3}, "path must be one of")):
         with pytest.raises(ValueError, match=match):
@@ -298,3 +310,424 @@ def test_a_real_run_switches_a_layer_between_ell_and_dense(tmp_path):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a["step"], a["loss"], b["loss"])
         assert abs(a["l0_mean"] - b["l0_mean"]) < 1e-3 * max(1.0, b["l0_mean"])
         assert a["dead_frac"] == b["dead_frac"]
+
+
+# ------------------------------------------------------------ measured auto (training)
+
+
+class FakeClock:
+    """A deterministic clock for the plan's timers: each timed section (layer, path, fwd | bwd)
+    takes ``ms[key]`` milliseconds; the keys started are recorded in order."""
+
+    def __init__(self, ms):
+        self.ms, self.keys = ms, []
+
+    def start(self, key):
+        self.keys.append(key)
+        return key
+
+    def stop(self, token):
+        return token
+
+    def poll(self, handle):
+        return self.ms[handle]
+
+
+def _clock(per_layer):
+    """FakeClock from {layer: {path: (fwd ms, bwd ms)}}."""
+    return FakeClock({(k, p, kind): v for k, paths in per_layer.items()
+                      for p, (f, b) in paths.items() for kind, v in (("fwd", f), ("bwd", b))})
+
+
+def _m(path="dense", ms=(), l0=10.0, heavy=0.0, step=1, layer=0, L=1, **pol):
+    """A LayerMeasure of the H = 64 test layers (density rule: ell at L0 <= 6.4)."""
+    return LayerMeasure(layer, l0, heavy, H, True, FFNPolicy(**pol), path=path,
+                        samples_ms=tuple(ms), step=step, num_layers=L)
+
+
+def test_measured_chooser_falls_back_to_the_density_rule_until_both_paths_are_timed():
+    c = MeasuredPathChooser()
+    never = {"train_explore_every": 10_000}
+    # dense, L0 10 (dense by the rule): the first timed call (compilation) is dropped
+    assert c(_m("dense", [99.0, 10.0, 10.0], **never)) == "dense"
+    st = c.layers[0]
+    assert st.samples == {"ell": [], "dense": [10.0, 10.0]} and st.warm == ["dense"]
+    # L0 falls to 1: the rule says ell, ell has no timings: the rule decides
+    assert c(_m("dense", [10.0], l0=1.0, **never)) == "ell"
+    assert not st.measured
+    # on ell: its first call dropped, two timings (< train_timed_calls = 3): still the rule
+    assert c(_m("ell", [50.0, 12.0, 12.0], l0=1.0, **never)) == "ell"
+    # the third: medians ell 12 vs dense 10: dense is faster by more than 2 %: back to dense
+    assert c(_m("ell", [12.0], l0=1.0, **never)) == "dense"
+    assert st.measured and st.medians(3) == {"ell": 12.0, "dense": 10.0}
+    # decided by timings, it stays on dense at L0 1 although the rule says ell
+    assert c(_m("dense", [10.0], l0=1.0, **never)) == "dense"
+    # an untimed layer (CPU: no clock) follows the density rule exactly, and never explores
+    u = MeasuredPathChooser()
+    for step, l0 in enumerate([30.0, 6.4, 6.5, 1.0, 0.0, 64.0], start=1):
+        for heavy in (0.0, 0.6):
+            m = _m("dense", (), l0=l0, heavy=heavy, step=step, train_explore_every=1)
+            assert u(m) == density_rule(m)
+    assert not any(u.layers[0].samples.values()) and u.layers[0].exploring is None
+    # train_measure off: the rule, nothing recorded
+    off = MeasuredPathChooser()
+    assert off(_m("dense", [5.0, 5.0], l0=1.0, train_measure=False)) == "ell" and not off.layers
+
+
+def _timed_layer(ell_ms, dense_ms, choice):
+    return LayerTimes(samples={"ell": [ell_ms] * 3, "dense": [dense_ms] * 3},
+                      warm=["ell", "dense"], choice=choice, measured=True, last_path=choice)
+
+
+def test_measured_chooser_switches_only_past_the_margin():
+    never = {"train_explore_every": 10_000}
+    c = MeasuredPathChooser()
+    # on dense at 10 ms: ell at 9.85 (1.5 % faster) is within the 2 % margin: stay
+    c.layers[0] = _timed_layer(9.85, 10.0, "dense")
+    assert c(_m("dense", [10.0], **never)) == "dense"
+    c.layers[0] = _timed_layer(9.75, 10.0, "dense")  # 2.5 % faster: switch
+    assert c(_m("dense", [10.0], **never)) == "ell"
+    # on ell at 10 ms now: dense at 9.85 keeps ell, dense at 9.7 takes it back
+    c.layers[0] = _timed_layer(10.0, 9.85, "ell")
+    assert c(_m("ell", [10.0], l0=1.0, **never)) == "ell"
+    c.layers[0] = _timed_layer(10.0, 9.7, "ell")
+    assert c(_m("ell", [10.0], l0=1.0, **never)) == "dense"
+    # the margin is the policy's
+    c.layers[0] = _timed_layer(9.85, 10.0, "dense")
+    assert c(_m("dense", [10.0], train_switch_margin=0.01, **never)) == "ell"
+
+
+def test_exploration_schedule_is_spread_over_the_layers_and_gathers_fresh_timings():
+    E, L = 8, 4  # layer k explores at the steps s with (s + k * E // L) % E == 0
+    pol = {"train_explore_every": E}
+    ms = {"dense": [10.0] * 3, "ell": [20.0] * 3}  # three timed calls a step; ell is slower
+    c = MeasuredPathChooser()
+    ran = ["dense"] * L
+    starts, ell_steps = {k: [] for k in range(L)}, {k: [] for k in range(L)}
+    for step in range(1, 17):
+        for k in range(L):
+            if ran[k] == "ell":
+                ell_steps[k].append(step)
+            path = c(_m(ran[k], ms[ran[k]], step=step, layer=k, L=L, **pol))
+            if path == "ell" and ran[k] == "dense":
+                starts[k].append(step)
+            ran[k] = path
+    assert starts == {0: [8, 16], 1: [6, 14], 2: [4, 12], 3: [2, 10]}
+    # an exploration runs until train_timed_calls (3) fresh timings: the first one two steps (its
+    # first call is dropped: 2 + 3), later ones one step (3); then the layer is back on dense
+    assert ell_steps[3] == [3, 4, 11] and ell_steps[0] == [9, 10]
+    assert all(c.layers[k].choice == "dense" and c.layers[k].measured for k in (1, 2, 3))
+
+
+def test_exploration_triggers_and_gates():
+    c = MeasuredPathChooser()
+    pol = {"train_explore_every": 10_000}
+    st = _timed_layer(20.0, 10.0, "dense")
+    st.l0_at = {"ell": 3.0, "dense": 3.0}
+    c.layers[0] = st
+    # L0 fell 3.0 -> 2.1 (1.43x < 1.5x): no exploration; 3.0 -> 1.9 (1.58x): explore ell now
+    assert c(_m("dense", [10.0], l0=2.1, **pol)) == "dense"
+    assert c(_m("dense", [10.0], l0=1.9, **pol)) == "ell" and st.exploring == "ell"
+    # the exploration replaces ell's stale timings with fresh ones: 3 at 4 ms -> ell wins
+    assert c(_m("ell", [4.0, 4.0], l0=1.9, **pol)) == "ell"  # 2 fresh: still exploring
+    assert st.samples["ell"] == [4.0, 4.0]
+    assert c(_m("ell", [4.0], l0=1.9, **pol)) == "ell" and st.exploring is None
+    assert st.choice == "ell" and st.l0_at["ell"] == 1.9
+    # more than dense_row_fraction of the tokens heavy: ell is never explored, even on schedule
+    g = MeasuredPathChooser()
+    g.layers[0] = _timed_layer(20.0, 10.0, "dense")
+    assert g(_m("dense", [10.0], heavy=0.6, step=5, train_explore_every=5)) == "dense"
+    assert g(_m("dense", [10.0], heavy=0.4, step=10, train_explore_every=5)) == "ell"
+    # an exploration that gets no timings ends after EXPLORE_MAX_STEPS steps
+    from twell.nn.plan import EXPLORE_MAX_STEPS
+    g.layers[0].samples["ell"] = [20.0] * 3
+    paths = [g(_m("ell", (), step=11 + i, train_explore_every=10_000)) for i in range(10)]
+    assert paths == ["ell"] * (EXPLORE_MAX_STEPS - 1) + ["dense"] * (11 - EXPLORE_MAX_STEPS)
+
+
+def test_measured_chooser_state_resumes_the_same_choices():
+    def feed(c, steps):
+        out = []
+        for step in steps:
+            for k in range(3):
+                st = c.layers.get(k)
+                path = "dense" if st is None else (st.exploring or st.choice)
+                ms = {"ell": [3.0 + k * 4, 3.5 + k * 4], "dense": [10.0, 10.5]}[path]
+                out.append(c(_m(path, ms, l0=1.0 + (step % 5), step=step, layer=k, L=3,
+                                train_explore_every=4)))
+        return out
+
+    a, b = MeasuredPathChooser(), MeasuredPathChooser()
+    feed(a, range(1, 11))
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.state_dict() == a.state_dict()
+    assert feed(a, range(11, 30)) == feed(b, range(11, 30))
+    # ell 3 / 7 / 11 ms against dense 10: layers 0 and 1 on ell
+    assert {k: st.choice for k, st in a.layers.items()} == {0: "ell", 1: "ell", 2: "dense"}
+    bad = a.state_dict()
+    bad["layers"]["0"]["choice"] = "twell"
+    with pytest.raises(ValueError, match="unknown path 'twell'"):
+        MeasuredPathChooser().load_state_dict(bad)
+    del bad["layers"]["0"]["fresh"]
+    with pytest.raises(ValueError, match=r"missing keys \['fresh'\]"):
+        MeasuredPathChooser().load_state_dict(bad)
+
+
+def _plan_step(plan, mlps, x, micro=3, checkpointed=False, l0=1.0):
+    """One optimizer step of the layers on their own: ``micro`` forward + backward each; the
+    statistics say L0 ``l0`` and no heavy rows."""
+    from torch.utils.checkpoint import checkpoint
+
+    plan.begin_step()
+    for _ in range(micro):
+        for m in mlps:
+            xi = x.clone().requires_grad_()
+            y = checkpoint(m, xi, use_reentrant=False) if checkpointed else m(xi)
+            (y.square().sum() + (0 if checkpointed else m.last_stats.l1)).backward()
+    n = x.shape[0]
+    return StepStats([0.0] * len(mlps), [l0 * n * micro] * len(mlps), [0.0] * len(mlps),
+                     rows_per_call=n, tokens=n * micro)
+
+
+def test_plan_times_each_layer_forward_and_backward_and_trains_the_same():
+    clock = _clock({0: {"dense": (2.0, 3.0), "ell": (1.0, 1.5)},
+                    1: {"dense": (2.0, 3.0), "ell": (4.0, 6.0)}})
+    mlps = _mlps(2, impl="auto")
+    plan = FFNPlan(mlps, clock=clock)
+    x = torch.randn(10, 16)
+    plan.end_step(_plan_step(plan, mlps, x, l0=30.0))  # dense by the rule
+    # per micro-step: forward + backward = 5 ms; the first call of the path dropped
+    assert [plan.chooser.layers[k].samples["dense"] for k in (0, 1)] == [[5.0, 5.0]] * 2
+    assert clock.keys[:4] == [(0, "dense", "fwd"), (0, "dense", "bwd"), (1, "dense", "fwd"),
+                              (1, "dense", "bwd")]
+    # full recomputation: the forward runs twice, both count; the backward's time starts after
+    # the replay
+    clock.keys.clear()
+    plan.end_step(_plan_step(plan, mlps, x, micro=1, checkpointed=True, l0=30.0))
+    assert plan.chooser.layers[0].samples["dense"] == [5.0, 5.0, 7.0]
+    assert clock.keys[:4] == [(0, "dense", "fwd"), (0, "dense", "bwd"), (0, "dense", "fwd"),
+                              (0, "dense", "bwd")]
+    # the timed step's gradients are the untimed one's, bit for bit
+    grads = []
+    for timed in (True, False):
+        ms = _mlps(2, impl="auto")
+        p = FFNPlan(ms, clock=clock, timed=timed)
+        _plan_step(p, ms, x, micro=2)
+        assert (p.layers[0].timing is not None) == timed
+        grads.append([q.grad.clone() for m in ms for q in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    # pinned, non-auto or profiling: untimed
+    plan.pin("dense", [1])
+    plan.begin_step()
+    assert plan.layers[0].timing is not None and plan.layers[1].timing is None
+    with plan.profiling():
+        assert all(lp.timing is None for lp in plan.layers)
+    assert plan.layers[0].timing is not None
+    tw = FFNPlan(_mlps(1, impl="twell"), clock=clock)
+    tw.begin_step()
+    assert tw.layers[0].timing is None
+
+
+def test_plan_explores_picks_the_faster_path_per_layer_and_averages_over_ranks():
+    # layer 0: ell 2.5 ms < dense 5; layer 1: ell 10 ms > dense 5 (L0 1 < 6.4: the rule says ell)
+    clock = _clock({0: {"dense": (2.0, 3.0), "ell": (1.0, 1.5)},
+                    1: {"dense": (2.0, 3.0), "ell": (4.0, 6.0)}})
+    mlps = _mlps(2, impl="auto")
+    calls = []
+
+    def two_ranks(v):  # the other rank timed the same, plus 1 ms on layer 1's second call
+        calls.append(len(v))
+        other = list(v)
+        other[17] += 1.0 * (v[32 + 17] > 0)
+        return [a + b for a, b in zip(v, other)]
+
+    plan = FFNPlan(mlps, clock=clock, reduce_host=two_ranks)
+    x = torch.randn(10, 16)
+    seen = []
+    for _ in range(4):
+        plan.end_step(_plan_step(plan, mlps, x, micro=4))
+        seen.append(plan.paths)
+    # step 1: dense timed, the rule moves both to ell; step 2: ell timed (3 after the dropped
+    # first): layer 0 stays, layer 1 goes back to dense
+    assert seen == [["ell", "ell"], ["ell", "dense"], ["ell", "dense"], ["ell", "dense"]]
+    assert calls == [2 * 2 * 16] * 4  # 2 timed layers x 16 slots, values and counts
+    assert plan.chooser.layers[1].samples["ell"] == [10.5, 10.0, 10.0]  # (10 + 11) / 2 first
+    assert plan.chosen_paths == ["ell", "dense"] and plan.steps == 4
+
+
+# ------------------------------------------------------------ hot units chosen by the plan
+
+
+def test_plan_picks_hot_units_from_the_steps_counts():
+    """FFN width 256; threshold 1/64 x 640 tokens = 10: layer 0's units 11..39 (29) are above it
+    -> k 32 (multiples of 16), the 32 most active: units 8..39; layer 1 (all at 5) none; a layer
+    with max_hot_units 16 takes the 16 most active, 24..39; impl torch layers none; at width 128
+    32 hot units would be more than 1/8 of the units: none."""
+    w = 256
+    mlps = _mlps(4, impl="twell", h=w)
+    mlps[2].policy = FFNPolicy(max_hot_units=16)
+    mlps[3].impl = "torch"
+    plan = FFNPlan(mlps)
+    counts = torch.arange(w).clamp(max=39)
+    counts[40:] = 0  # units 40.. never active
+    a_LH = torch.stack([counts, torch.full((w,), 5), counts, counts]).to(torch.int64)
+    zeros = torch.zeros(4)
+    stats = StepStats(zeros, zeros, zeros, rows_per_call=320, tokens=640, active_LH=a_LH)
+    stats = plan.count_hot_units(stats)
+    assert stats.hot_over_L.tolist() == [29.0, 0.0, 29.0, 29.0]
+    host = stats.unpacked(stats.packed().tolist())  # the step's one host read carries them
+    assert host.hot_over_L == [29.0, 0.0, 29.0, 29.0] and host.active_LH is a_LH
+    plan.begin_step()
+    assert plan.end_step(host).accepted
+    hot = [lp.hot_units for lp in plan.layers]
+    assert torch.equal(hot[0], torch.arange(8, 40)) and hot[1] is None
+    assert torch.equal(hot[2], torch.arange(24, 40))
+    assert hot[3] is None  # impl torch (not on ell): no hot units, none counted for it
+    narrow = FFNPlan(_mlps(1, impl="twell", h=128))
+    s = narrow.count_hot_units(StepStats(zeros[:1], zeros[:1], zeros[:1], rows_per_call=320,
+                                         tokens=640, active_LH=a_LH[:1, :128]))
+    narrow.begin_step()
+    narrow.end_step(s.unpacked(s.packed().tolist()))
+    assert s.hot_over_L.tolist() == [29.0] and narrow.layers[0].hot_units is None
+    # an auto layer on dense gets none; a layer with max_hot_units=0 keeps what a caller set
+    auto = _mlps(2, impl="auto", h=w)
+    auto[1].policy = FFNPolicy(max_hot_units=0)
+    p = FFNPlan(auto)
+    mine = torch.tensor([1, 2])
+    p.layers[1].hot_units = mine
+    s = p.count_hot_units(StepStats(zeros[:2], torch.full((2,), 40.0 * 640), zeros[:2],
+                                    rows_per_call=320, tokens=640, active_LH=a_LH[:2]))
+    p.begin_step()
+    p.end_step(s.unpacked(s.packed().tolist()))
+    assert p.paths == ["dense", "dense"] and p.layers[0].hot_units is None
+    assert p.layers[1].hot_units is mine
+    # no layer can take hot units (impl torch everywhere): nothing counted, 3 L values read
+    t = FFNPlan(_mlps(2, impl="torch", h=w))
+    s = StepStats(zeros[:2], zeros[:2], zeros[:2], rows_per_call=8, tokens=8, active_LH=a_LH[:2])
+    assert t.count_hot_units(s) is s and s.packed().numel() == 6
+    with pytest.raises(ValueError, match="4 L values"):
+        plan.count_hot_units(stats).unpacked([0.0] * 12)
+
+
+def test_hot_units_are_plan_state_and_reach_the_inference_op(monkeypatch):
+    import twell.ops.ffn as ffn
+
+    mlps = _mlps(2, impl="twell")
+    plan = FFNPlan(mlps)
+    plan.layers[0].hot_units = torch.tensor([3, 9, 12])
+    state = json.loads(json.dumps(plan.state_dict()))
+    assert state["hot_units"] == [[3, 9, 12], None]
+    other = FFNPlan(_mlps(2, impl="twell"))
+    other.load_state_dict(state)
+    assert other.layers[0].hot_units.tolist() == [3, 9, 12] and other.layers[1].hot_units is None
+    for bad in ([[3, 3], None], [[64], None]):
+        with pytest.raises(ValueError, match="hot_units of layer 0"):
+            FFNPlan(_mlps(2, impl="twell")).load_state_dict({**state, "hot_units": bad})
+    v1 = {k: state[k] for k in ("impls", "paths", "backup_rows", "capacity")}
+    old = FFNPlan(_mlps(2, impl="twell"))
+    old.load_state_dict({"version": 1, **v1})  # a state written before hot units were state
+    assert old.layers[0].hot_units is None and old.steps == 0
+    calls = []
+    real = ffn.sparse_ffn
+
+    def recording(*args, **kw):
+        calls.append(kw.get("hot_units"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ffn, "sparse_ffn", recording)
+    x = torch.randn(7, 16)
+    ws = (mlps[0].gate_proj.weight, mlps[0].up_proj.weight, mlps[0].down_proj.weight)
+    with torch.no_grad():
+        want = gated_ffn_torch(x.double(), *[w.double() for w in ws])[0]
+        y0, y1 = mlps[0](x), mlps[1](x)
+        cold, _ = real(x, *ws, mode="twell")  # the same op without hot units
+    assert calls[0] is plan.layers[0].hot_units and calls[1] is None
+    # as close to the fp64 reference as the op without hot units is (its CPU rounding)
+    assert (y0.double() - want).abs().max() <= 2 * (cold.double() - want).abs().max() + 1e-6
+
+
+def _run(tmp_path, name, over, clock=None, stop_at=None):
+    from train.trainer import Trainer
+
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
+    t = Trainer(tiny_config(tok, **over), tmp_path / name)
+    if clock is not None:
+        t.plan.clock = clock
+    try:
+        t.train(stop_at_step=stop_at)
+    finally:
+        t.close()
+    return t
+
+
+def test_hot_units_train_as_without_them(tmp_path):
+    """A tiny twell run (FFN width 256, ELL capacity 128) with the plan's hot units (the units
+    active on > 0.65 of the tokens: 16 of 256) and one without (max_hot_units=0): the same losses
+    up to fp32 rounding."""
+    base = {"trainer.max_steps": 4, "sparsity.l1_coeff": 0.5, "data.val_fraction": 0.0,
+            "model.ffn_impl": "twell", "model.intermediate_size": 256}
+    runs = {}
+    for name, pol in (("hot", FFNPolicy(hot_unit_fraction=0.65, ell_capacity=128)),
+                      ("cold", FFNPolicy(max_hot_units=0, ell_capacity=128))):
+        _run(tmp_path, name, {**base, "model.ffn_policy": pol})
+        runs[name] = read_metrics(tmp_path / name)
+    hot = [r.get("ffn_hot_units_layers") for r in runs["hot"]]
+    assert all(h is not None and all(0 < k <= 256 // 8 for k in h) for h in hot), hot
+    assert all("ffn_hot_units_layers" not in r for r in runs["cold"])
+    for a, b in zip(runs["hot"], runs["cold"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), a["step"]
+        assert a["l0_layers"] == pytest.approx(b["l0_layers"], rel=1e-4, abs=1e-3)
+
+
+def test_measured_auto_in_a_real_run_is_deterministic_and_resumes_the_same(tmp_path):
+    """Injected clock: layer 0 is faster on ell (2.5 ms vs 5), layer 1 slower (10 ms). With an
+    exploration every 2 steps both layers time both paths; layer 0 ends on ell, layer 1 on
+    dense; a run stopped at step 3 and resumed makes the same choices and the same steps."""
+    def clock():
+        return _clock({0: {"dense": (2.0, 3.0), "ell": (1.0, 1.5)},
+                       1: {"dense": (2.0, 3.0), "ell": (4.0, 6.0)}})
+
+    over = {"trainer.max_steps": 6, "trainer.micro_batch": 2, "sparsity.l1_coeff": 0.5,
+            "data.val_fraction": 0.0, "model.ffn_impl": "auto", "trainer.save_every": 3,
+            # an ELL capacity of H: no heavy rows (no redos, which would drop the timings)
+            "model.ffn_policy": FFNPolicy(ell_capacity=64, train_explore_every=2)}
+    straight = _run(tmp_path, "straight", over, clock())
+    assert straight.plan.chosen_paths == ["ell", "dense"]
+    _run(tmp_path, "resumed", over, clock(), stop_at=3)
+    resumed = _run(tmp_path, "resumed", over, clock())
+    assert resumed.step == 6
+    a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [r["ffn_paths"] for r in a] == [r["ffn_paths"] for r in b]
+    assert {tuple(r["ffn_paths"]) for r in a} >= {("ell", "dense"), ("dense", "ell")}  # explored
+    for x, y in zip(a, b, strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6), x["step"]
+    # the medians are logged per layer and path (ms per micro-step)
+    assert a[-1]["ffn_ms_ell_layers"] == [2.5, 10.0]
+    assert a[-1]["ffn_ms_dense_layers"] == [5.0, 5.0]
+    assert straight.plan.chooser.state_dict() == resumed.plan.chooser.state_dict()
+
+
+def test_a_timer_times_the_first_calls_of_a_step_only():
+    from twell.nn.timing import LayerTimer
+    from twell.ops.sparse_train import dense_ffn_train
+
+    clock = _clock({0: {"dense": (2.0, 3.0)}})
+    timer = LayerTimer(0, clock, calls_per_step=2)
+    mlp = _mlps(1, impl="auto")[0]
+    x = torch.randn(6, 16)
+    ws = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+
+    def call():
+        xi = x.clone().requires_grad_()
+        y, _ = timer.run("dense", xi, lambda v: dense_ffn_train(v, *ws))
+        y.sum().backward()
+        return xi.grad
+
+    grads = [call() for _ in range(3)]
+    assert timer.samples() == [5.0, 5.0] and len(clock.keys) == 4  # the third call untimed
+    assert torch.equal(grads[0], grads[2])  # the same gradients timed or not
+    timer.clear()  # a new step: timed again
+    assert timer.samples() == [] and not timer.events
+    call()
+    assert timer.samples() == [5.0]
+    assert LayerTimer(0).run("dense", x, lambda v: ("untimed", None)) == ("untimed", None)

@@ -44,6 +44,12 @@ micro-batch set by the user, the next heavier recomputation), and the step is re
 same batches (:class:`StepBatches`), so no data and no update is lost. One process only: under
 several ranks the error propagates (the other ranks wait in a collective).
 
+Once sparsity settles (:meth:`TrainerMemory.after_step`, called after every accepted step): the
+first plan was made at step 0 with every FFN dense; when ``auto`` has moved most layers to the
+ELL path and their paths have not changed for a while, the planner runs once more on the
+current model (``attention_ell`` among the candidates now, when the recomputation is the
+planner's) and the faster plan is adopted and logged; user-set values stay as they are.
+
 On a machine without CUDA nothing is measured: the user's values, else the largest micro-batch
 up to :data:`CPU_MICRO_BATCH` and no recomputation. Tests inject the probe
 (:class:`MemoryPlanner` takes any function ``Candidate -> Measurement``).
@@ -77,6 +83,15 @@ MARGIN_MIN_GB = 2.0
 PROBE_TIMED_STEPS = 2  # timed forward+backward per probe, after one warm-up
 PROBE_DISTINCT_SEQUENCES = 64  # held-out sequences in the probe batch (repeated beyond)
 CPU_MICRO_BATCH = 8  # no CUDA: largest micro-batch taken (trainer=cpu's)
+# The one re-plan once sparsity settled (TrainerMemory.after_step): after this many accepted steps
+# with unchanged FFN paths (auto's choices settle within a few steps once L0 stops falling fast),
+# with at least this share of the gated layers on ell and their mean heavy-row fraction at most
+# this (the recorded 1.5B layers: 0.2-28 %, mean ~2 %); adopted when faster by more than the gain
+# (the probes' noise: two timed micro-steps each)
+REPLAN_STABLE_STEPS = 50
+REPLAN_ELL_SHARE = 0.5
+REPLAN_HEAVY_FRACTION = 0.1
+REPLAN_GAIN = 0.02
 
 
 @dataclass(frozen=True, order=True)
@@ -562,22 +577,100 @@ class TrainerMemory:
         self.plan: Plan | None = None
         self.line: str | None = None
         self.record: dict | None = None
+        self.probe: Callable[[Candidate], Measurement] | None = None
+        self.replan_after_steps = REPLAN_STABLE_STEPS
+        """Accepted steps with unchanged FFN paths before the one re-plan (:meth:`after_step`)."""
         self._batches: StepBatches | None = None
+        self._replanned = False
+        self._paths: list[str] | None = None
+        self._stable = 0
 
     def apply(self, plan: Plan) -> None:
         """Make the trainer train at ``plan``: its accumulation, the data module's micro-batch,
-        the model's recomputation; the dense-backup capacities (rows per FFN call) are measured
-        again when the micro-batch changes."""
+        the model's recomputation; the FFN plan's dense-backup capacities and timings (rows per
+        FFN call) are scaled to the new micro-batch (``FFNPlan.set_rows_per_call``), its timings
+        dropped when the recomputation changes (it changes every FFN's time)."""
         tr = self.trainer
-        changed = tr.data.micro_batch != plan.micro_batch
         tr.accum = plan.accum
         tr.data.micro_batch = plan.micro_batch
         set_recompute(tr.acc.unwrap_model(tr.model), plan.recompute)
-        if changed:
-            tr.plan.reset_capacities()
+        tr.plan.set_rows_per_call(plan.micro_batch * tr.cfg.model.seq_len, plan.micro_batch)
+        if self.plan is not None and self.plan.recompute != plan.recompute:
+            tr.plan.forget_timings()
         self.plan = plan
         self.line = describe(plan, tr.cfg.model.seq_len)
         self.record = {"step": tr.step, **asdict(plan)}
+
+    def after_step(self) -> str | None:
+        """Call after each accepted optimizer step: re-plans once, when the FFN paths have
+        settled, and returns the log line of the re-plan (None otherwise).
+
+        The first plan is made at step 0, where every FFN is dense (a fresh ReLU FFN has ~50 %
+        of its units active); the ELL path's activations are smaller (ELL state at the capacity
+        width instead of N x H tensors), so once ``auto`` has moved most layers there the step
+        may fit a larger micro-batch or less recomputation. Re-plans when, for
+        :attr:`replan_after_steps` accepted steps, the FFN plan's chosen paths
+        (``FFNPlan.chosen_paths``, explorations left out) have not changed, at least
+        :data:`REPLAN_ELL_SHARE` of the gated layers are on ``ell`` and their mean heavy-row
+        fraction is at most :data:`REPLAN_HEAVY_FRACTION` (their dense backups, which grow with
+        the heavy rows, have shrunk): :meth:`replan`. Never under ``trainer.memory=off`` or
+        without a probe (no CUDA)."""
+        tr = self.trainer
+        if self._replanned or self.planner is None or self.probe is None:
+            return None
+        paths = tr.plan.chosen_paths
+        if paths != self._paths:
+            self._paths, self._stable = paths, 0
+            return None
+        self._stable += 1
+        ell = [k for k, (p, m) in enumerate(zip(paths, tr.mlps)) if m.gated and p == "ell"]
+        gated = sum(m.gated for m in tr.mlps)
+        if self._stable < self.replan_after_steps or not gated or len(ell) < REPLAN_ELL_SHARE * gated:
+            return None
+        heavy = tr.plan.last_heavy
+        if heavy and sum(heavy[k] for k in ell) / len(ell) > REPLAN_HEAVY_FRACTION:
+            return None
+        self._replanned = True
+        return self.replan(f"{len(ell)} of {gated} FFN layers on ell")
+
+    def replan(self, reason: str = "") -> str:
+        """Plan again on the current model (a new :class:`MemoryPlanner` over the same probe,
+        budget and user values; ``attention_ell`` joins the candidates when the planner chooses
+        the recomputation) and adopt the fastest plan that fits if it is more than
+        :data:`REPLAN_GAIN` faster than the current configuration measured now (the current one
+        is probed too); else keep the current one. Returns the log line; ``record`` holds the
+        plan kept or adopted. A probe that runs out of memory on some rank of several ends the
+        re-plan (the current plan is kept)."""
+        tr, old, first = self.trainer, self.plan, self.planner
+        modes = first.modes
+        if "attention" in modes and "attention_ell" not in modes:
+            modes = tuple(r for r in RECOMPUTE_MODES if r in (*modes, "attention_ell"))
+        planner = MemoryPlanner(
+            self.probe, batch_per_rank=first.batch_per_rank, seq_len=first.seq_len,
+            budget_gb=first.budget_gb, pending_gb=pending_optimizer_gb(tr.optimizer),
+            micro_batch=first.user_micro, recompute=modes, min_probe_tokens=first.min_probe_tokens)
+        where = f"step {tr.step}" + (f", {reason}" if reason else "")
+        try:
+            new = planner.choose()
+            cur = Candidate(old.micro_batch, old.recompute)
+            planner.measure(cur)
+        except MemoryError as e:  # several ranks: a probe ran out of memory somewhere
+            self.apply(old)
+            return f"memory: re-plan at {where} abandoned ({e}); kept the current plan"
+        now = planner.tok_per_ms(cur)
+        better = (Candidate(new.micro_batch, new.recompute) != cur and new.fits and (
+            not now > 0 or _num(new.tok_per_ms or math.nan) > (1 + REPLAN_GAIN) * now))
+        if better:
+            new.why = f"re-planned at {where}: {new.why}, {_round(now)} tok/ms before"
+            chosen = new
+        else:
+            chosen = planner._plan(cur, f"re-planned at {where}: kept (fastest within "
+                                        f"{REPLAN_GAIN:.0%})", planner.fits(cur))
+        self.planner, planner.plan = planner, chosen
+        self.apply(chosen)
+        if tr.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(tr.device)  # the run's peaks, not the probes'
+        return self.line
 
     def batches(self, batches: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
         """The training batches the loop should draw from: a :class:`StepBatches` over them
@@ -657,6 +750,7 @@ def plan_memory(trainer, probe: Callable[[Candidate], Measurement] | None = None
     fused = fused_ce_enabled(t.fused_ce, device_type=trainer.device.type,
                              precision=trainer.precision, compile=t.compile,
                              sharded=bool(trainer.fsdp))
+    tm.probe = probe
     tm.planner = MemoryPlanner(
         probe, batch_per_rank=per_rank, seq_len=trainer.cfg.model.seq_len, budget_gb=budget,
         pending_gb=pending_optimizer_gb(trainer.optimizer), micro_batch=t.micro_batch,

@@ -434,9 +434,12 @@ class Trainer:
         # trainer.backup_capacity), statistics. No-sync capacities change from step to step; as
         # integer arguments they would make torch.compile recompile the model for each new value
         # (and fall back to eager after its recompile limit), so a compiled model measures per call
+        # auto's measured choice times each layer's calls with eager hooks: not under compile;
+        # several ranks average the timings (host side) so that they choose alike
         self.plan = FFNPlan(self.mlps, cfg.model.ffn_impl, dense_ffn_fused=t.dense_ffn_fused,
                             host_sync="call" if t.compile else cfg.model.ffn_host_sync,
-                            capacity_rule=t.backup_capacity)
+                            capacity_rule=t.backup_capacity, timed=not t.compile,
+                            reduce_host=self._host_sum if self.acc.num_processes > 1 else None)
         self.n_params = sum(p.numel() for p in model.parameters())
         self._print(f"model: {self.n_params / 1e6:.2f}M parameters, {cfg.model.num_layers} layers, "
                     f"FFN {cfg.model.ffn_impl}; {precision} on {self.device} x "
@@ -715,6 +718,13 @@ class Trainer:
         ckpt_io.save_state(tmp, "trainer", self.state_dict())
         (tmp / "train_config.yaml").write_text(OmegaConf.to_yaml(self.config_dict))
 
+    def _host_sum(self, values: list[float]) -> list[float]:
+        """``values`` summed over ranks (a host-side all-reduce on the gloo group: no GPU
+        sync); the FFN plan averages its timings with it."""
+        v = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.all_reduce(v, group=self._host_group)
+        return v.tolist()
+
     def _any_rank(self, flag: int) -> int:
         """The largest ``flag`` over ranks (a host-side all-reduce on the gloo group: no GPU
         sync); ``flag`` itself on one process."""
@@ -775,7 +785,10 @@ class Trainer:
         self.load_state_dict(ckpt_io.load_state(path, "trainer"))
         if self.cfg.trainer.resume_allow_changes:
             self._apply_optim_config()
-        if saved_t.micro_batch != t.micro_batch:  # capacities are rows per FFN call
+        if t.micro_batch is not None and self.plan.rows_per_call is not None:
+            # capacities and timings count rows per FFN call: scaled to the new micro-batch
+            self.plan.set_rows_per_call(t.micro_batch * self.cfg.model.seq_len, t.micro_batch)
+        elif saved_t.micro_batch != t.micro_batch:  # a state without its rows: measured again
             self.plan.reset_capacities()
         same_world = meta["world_size"] == self.acc.num_processes
         # the data position is global (the same in every rank's file); a streamed source keeps
@@ -922,10 +935,13 @@ class Trainer:
             bad = (~torch.isfinite(m["loss"]) | ~torch.isfinite(grad_norm)).float()
             stats = StepStats(m["heavy_max_L"], m["nnz_sum_L"], m["heavy_L"],
                               rows_per_call=m["micro_tokens"],
-                              tokens=m["ffn_tokens"] * acc.num_processes)
-            if acc.num_processes > 1:
+                              tokens=m["ffn_tokens"] * acc.num_processes,
+                              sequences_per_call=m["micro_tokens"] // cfg.model.seq_len,
+                              active_LH=m["active_LH"])
+            if acc.num_processes > 1:  # active_LH summed too: the hot units, dead neurons
                 bad = acc.reduce(bad, "sum")
                 stats = stats.reduced(lambda t, op: acc.reduce(t.contiguous(), op))
+            stats = self.plan.count_hot_units(stats)  # device: units above the hot threshold
             host = torch.cat([bad.reshape(1), stats.packed()]).tolist()  # the step's one host sync
             if host[0]:
                 raise NonFiniteLossError(
@@ -947,7 +963,7 @@ class Trainer:
         interval["nnz_max_L"] = torch.maximum(interval["nnz_max_L"], m["nnz_max_L"])
         interval["ffn_tokens"] += m["ffn_tokens"]
         interval["micro"] += self.accum
-        active_LH = m["active_LH"]
+        active_LH = stats.active_LH  # summed over ranks (StepStats.reduced)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -959,8 +975,6 @@ class Trainer:
         interval["lr"], interval["l1_coeff"] = lr, coeff
 
         # dead neurons: counts summed over ranks so every rank holds the same window state
-        if acc.num_processes > 1:
-            active_LH = acc.reduce(active_LH, "sum")
         dead_LH = self.tracker.update(active_LH, self.tokens_per_step)
         if dead_LH is not None and cfg.sparsity.reinit_dead:
             gen = torch.Generator(device=self.device)
@@ -1022,9 +1036,26 @@ class Trainer:
         if self.cfg.model.ffn_impl == "auto":  # the paths chosen for the next step
             m["ffn_paths"] = self.plan.paths
             m["heavy_frac_layers"] = heavy_L
+            m.update(self._ffn_timing_metrics())
+        hot = [0 if lp.hot_units is None else int(lp.hot_units.numel()) for lp in self.plan.layers]
+        if any(hot):  # hot units of the ell layers for the next step
+            m["ffn_hot_units_layers"] = hot
         self.last = m
         self._write(m)
         return m
+
+    def _ffn_timing_metrics(self) -> dict:
+        """auto's measured choice: per layer the median ms per micro-step of each path's timed
+        FFN calls (``ffn_ms_ell_layers``, ``ffn_ms_dense_layers``; None where not timed), when
+        any layer has timings."""
+        medians = getattr(self.plan.chooser, "medians", None)
+        if medians is None:
+            return {}
+        meds = [medians(k) for k in range(len(self.plan))]
+        if not any(meds):
+            return {}
+        return {f"ffn_ms_{p}_layers": [None if p not in md else round(md[p], 4) for md in meds]
+                for p in ("ell", "dense")}
 
     def _write(self, m: dict, prefix: str = "train") -> None:
         if not self.is_main:
@@ -1167,6 +1198,10 @@ class Trainer:
                 self._write(self.memory.record, "memory")
                 continue  # the same step again, from the same batches
             dt = time.perf_counter() - t0
+            line = self.memory.after_step()  # re-plans once when the FFN paths have settled
+            if line is not None:
+                self._print(line, bar)
+                self._write(self.memory.record, "memory")
             interval["time"] += dt
             self.train_time += dt
             self.segment.update(steps=self.segment["steps"] + 1, time=self.segment["time"] + dt,

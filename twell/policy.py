@@ -76,6 +76,42 @@ class FFNPolicy:
     16 first). 512 dense slices cost ~0.44 ms per fwd + bwd at N 16384, D 2048 (the cost model
     above), ~9 % of the dense FFN's 5.06 ms; a layer with more hot units than this is dense
     mode's (``train_path``)."""
+    backup_floor_fraction: float = 1 / 256
+    """No-sync dense backup of the sparse training path: every capacity is at least this
+    fraction of a call's rows plus one row per sequence (each sequence's first token is fully
+    active in a trained model), so that a layer whose last steps had few heavy rows does not
+    redo a step for the next one. Cost: a backup row costs 16 D H FLOPs per micro-step (forward
+    u_R and y_R, backward five products and dh_R); at the 1.5B shape (D 2048, H 5632) 1/256 of
+    a 16 x 2048-row call is 128 rows x 28 layers = 6.6e11 FLOPs, 0.19 % of the micro-step's
+    3.5e14 training FLOPs (~0.3 % of its time at the backup GEMMs' lower throughput):
+    BENCHMARKS.md, "No redone steps"."""
+    train_measure: bool = True
+    """Training ``auto``: choose each layer's path (``ell`` or ``dense``) by the measured time of
+    its own FFN forward and backward in real training steps (CUDA events, read after the step's
+    one host sync: ``twell.nn.plan.MeasuredPathChooser``), the density rule above deciding
+    until both paths have timings; False (and CPU runs, where nothing is timed) = the density
+    rule alone."""
+    train_timed_calls: int = 3
+    """Training ``auto``, measured: FFN calls (micro-steps) of a path needed before its median
+    time is compared; an exploration of the other path runs until it has this many fresh
+    timings (the first 4 micro-steps of a step are timed: one step at 3 or more micro-steps per
+    step, two for the very first exploration, whose first call is dropped, below 4)."""
+    train_switch_margin: float = 0.02
+    """Training ``auto``, measured: a layer changes path only when the other path's median is
+    below ``(1 - margin)`` x its current path's (hysteresis: timing noise does not flip it), so
+    a layer stays within ~2 % of the faster path (the issue's floor for ``auto`` is 0.98x)."""
+    train_explore_every: int = 200
+    """Training ``auto``, measured: steps between two explorations of a layer (the path it is
+    not on, for the steps ``train_timed_calls`` needs), phases spread over the layers (one
+    layer at a time up to 200 layers). Cost bound: one layer's FFN is ~2 % of a 1.5B step
+    (18 D H of the 10.6 GFLOP a token); its slower path takes at worst ~1.7x as long (the
+    densest recorded layer on ``ell`` ran 0.60x of dense), so one step of exploration costs
+    <= 1.4 % of a step and 28 layers explored once per 200 steps <= 0.2 % of the run (0.4 % if
+    each exploration needs two steps)."""
+    train_remeasure_factor: float = 1.5
+    """Training ``auto``, measured: a layer on ``dense`` explores ``ell`` again (outside its
+    schedule) when its L0 has fallen by more than this factor since ``ell`` was last timed
+    (the ELL op's time falls with L0; dense mode's does not depend on the activations)."""
     infer_measure: bool = True
     """Inference ``auto`` on CUDA: time TwELL and dense on the layer's first calls of each
     row-count bucket (CUDA events, read without blocking) and take the faster; False (and CPU
@@ -95,7 +131,7 @@ class FFNPolicy:
     def __post_init__(self) -> None:
         for name in ("infer_density_threshold", "train_density_threshold",
                      "train_heavy_fraction", "dense_row_fraction", "hot_unit_fraction",
-                     "infer_twell_margin"):
+                     "infer_twell_margin", "backup_floor_fraction", "train_switch_margin"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0.0 <= v <= 1.0):
                 raise ValueError(f"FFNPolicy.{name} must be a fraction in [0, 1]; got {v!r}")
@@ -108,17 +144,18 @@ class FFNPolicy:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"FFNPolicy.{name} must be an integer >= 0 (ell_capacity 0 = the "
                                  f"default width); got {v!r}")
-        if (not isinstance(self.infer_timed_calls, int) or isinstance(self.infer_timed_calls, bool)
-                or self.infer_timed_calls < 1):
-            raise ValueError(f"FFNPolicy.infer_timed_calls must be an integer >= 1; got "
-                             f"{self.infer_timed_calls!r}")
-        f = self.infer_remeasure_factor
-        if not (isinstance(f, (int, float)) and math.isfinite(f) and f > 1.0):
-            raise ValueError(f"FFNPolicy.infer_remeasure_factor must be a finite number > 1; got "
-                             f"{f!r}")
-        if not isinstance(self.infer_measure, bool):
-            raise ValueError(f"FFNPolicy.infer_measure must be true or false; got "  # noqa: TRY004
-                             f"{self.infer_measure!r}")
+        for name in ("infer_timed_calls", "train_timed_calls", "train_explore_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"FFNPolicy.{name} must be an integer >= 1; got {v!r}")
+        for name in ("infer_remeasure_factor", "train_remeasure_factor"):
+            f = getattr(self, name)
+            if not (isinstance(f, (int, float)) and math.isfinite(f) and f > 1.0):
+                raise ValueError(f"FFNPolicy.{name} must be a finite number > 1; got {f!r}")
+        for name in ("infer_measure", "train_measure"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"FFNPolicy.{name} must be true or false; got "  # noqa: TRY004
+                                 f"{getattr(self, name)!r}")
 
     @classmethod
     def from_env(cls, base: FFNPolicy | None = None,

@@ -44,7 +44,8 @@ class SparseGatedMLP(nn.Module):
 
     Attributes:
         layer_plan: the :class:`twell.nn.plan.LayerPlan` this module runs with (training path,
-            dense-backup capacity, statistics on or off, hot units), attached and changed by a
+            dense-backup capacity, statistics on or off, hot units (training ``ell`` and the
+            inference op), the timer of ``auto``'s measured choice), attached and changed by a
             :class:`twell.nn.plan.FFNPlan`; None (no plan): the default path of ``impl``,
             statistics on, the dense backup measured per call.
         last_stats: the most recent call's :class:`FFNStats` (None when statistics are off),
@@ -120,7 +121,10 @@ class SparseGatedMLP(nn.Module):
             if path == "ell" and not any(t is not None and t.requires_grad for t in (x_ND, *ws)):
                 path = None  # nothing to differentiate: the inference op
         if path is None:
-            y_ND, stats = self._infer(x_ND, ws, with_stats)
+            y_ND, stats = self._infer(x_ND, ws, with_stats, lp)
+        elif lp is not None and lp.timing is not None:  # auto's measured choice times the call
+            y_ND, stats = lp.timing.run(path, x_ND,
+                                        lambda x: self._train(x, ws, path, with_stats, lp))
         else:
             y_ND, stats = self._train(x_ND, ws, path, with_stats, lp)
         self.last_stats = stats
@@ -148,8 +152,9 @@ class SparseGatedMLP(nn.Module):
         return sparse_ffn_train(x_ND, *ws, with_stats=with_stats, backup_rows=backup_rows,
                                 policy=self.policy, **hot)
 
-    def _infer(self, x_ND, ws, with_stats: bool):
-        """Inference forward of ``impl``: dense PyTorch (``torch``) or ``sparse_ffn``."""
+    def _infer(self, x_ND, ws, with_stats: bool, lp: LayerPlan | None):
+        """Inference forward of ``impl``: dense PyTorch (``torch``) or ``sparse_ffn`` (with the
+        layer plan's hot units when it has some)."""
         if self.impl == "torch":
             return gated_ffn_torch(x_ND, *ws, with_stats=with_stats,
                                    ell_capacity=self.policy.ell_capacity)
@@ -157,5 +162,6 @@ class SparseGatedMLP(nn.Module):
 
         if self.twell_state is None:
             self.twell_state = TwELLState()
+        hot = {} if lp is None or lp.hot_units is None else {"hot_units": lp.hot_units}
         return sparse_ffn(x_ND, *ws, with_stats=with_stats, mode=self.impl,
-                          state=self.twell_state, policy=self.policy)
+                          state=self.twell_state, policy=self.policy, **hot)

@@ -22,9 +22,10 @@ Training paths (the words used in code, config, logs and benchmarks):
   (``trainer.dense_ffn_fused``).
 * ``twell`` (the TwELL / ELL kernels) -> ``ell``.
 * ``auto`` is a policy, not a path: per layer and optimizer step the plan's chooser picks ``ell``
-  or ``dense`` from the step's statistics (default :func:`density_rule`, the thresholds of
-  :class:`twell.policy.FFNPolicy`); every layer starts on ``dense`` (a freshly initialised ReLU
-  FFN has ~50 % of its units active).
+  or ``dense`` (default :class:`MeasuredPathChooser`: the faster of the two by the layer's own
+  timings in real steps, :func:`density_rule` until both paths have timings and wherever
+  nothing is timed, e.g. on the CPU); every layer starts on ``dense`` (a freshly initialised
+  ReLU FFN has ~50 % of its units active).
 * Non-gated layers train on ``torch`` under ``torch`` and ``auto``.
 
 Inference (no gradient) does not read the path: ``impl=torch`` runs dense PyTorch, ``twell`` and
@@ -36,32 +37,52 @@ The optimizer step, one host sync (what ``train.trainer.Trainer.train_step`` doe
 
     plan.begin_step()                                    # freezes this step's capacities
     ... micro-steps (forward, loss, backward), clip ...
-    stats = StepStats(heavy_max_L, nnz_sum_L, heavy_sum_L, rows_per_call=..., tokens=...)
+    stats = StepStats(heavy_max_L, nnz_sum_L, heavy_sum_L, rows_per_call=..., tokens=...,
+                      sequences_per_call=..., active_LH=...)
+    stats = plan.count_hot_units(stats)                  # device: units above the hot threshold
     host = torch.cat([bad.reshape(1), stats.packed()]).tolist()   # the step's one host sync
-    outcome = plan.end_step(stats.unpacked(host[1:]))
+    outcome = plan.end_step(stats.unpacked(host[1:]))    # reads the step's timings too
     if outcome.redo:  # discard the gradients and run the step again (it now measures per call)
         ...
 
 A step redone this way cannot overflow again: after a redo every layer measures its dense backup
-per call (exact on any input). So a step runs at most twice.
+per call (exact on any input). So a step runs at most twice; redos are meant to be rare faults
+(capacity floors, histories scaled across micro-batch changes: :mod:`twell.nn.capacity`).
+
+After an accepted step the plan also sets each ``ell`` layer's hot units (``LayerPlan.hot_units``,
+from the step's per-unit active counts: :meth:`FFNPlan.count_hot_units` counted the units above
+``FFNPolicy.hot_unit_fraction`` on the device, their number arrives in the one host sync, the
+set is a device top-k) and the timings of ``auto``'s layers (:class:`twell.nn.timing.LayerTimer`,
+CUDA events read after the sync) reach the chooser.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from twell.nn.capacity import BackupCapacity
+from twell.nn.timing import LayerTimer
+from twell.ops.hot_units import hot_unit_k, hot_units_from_counts
 from twell.policy import FFNPolicy
 
 FFN_IMPLS = ("torch", "twell", "auto")  # SparseGatedMLP(impl=...), model.ffn_impl
 TRAIN_PATHS = ("torch", "dense", "ell")
 HOST_SYNCS = ("step", "call")  # model.ffn_host_sync: no-sync capacities checked per step | per call
-STATE_VERSION = 1
+STATE_VERSION = 2  # 1: no rows_per_call, steps, hot_units, chooser (read as empty)
+MEASURED_PATHS = ("ell", "dense")  # what the measured chooser compares
+SAMPLES_KEPT = 16  # timed calls kept per layer and path (the newest)
+EXPLORE_MAX_STEPS = 8  # an exploration that gathered too few timings ends after this many steps
+# The plan gives a layer hot units only while they are a minority of its units: k hot units cost
+# k / H of the dense FFN (18 N D each, fwd + bwd), so past H / 8 the layer is dense mode's (at
+# H 5632 the cap max_hot_units = 512 binds first: 9 % of the dense FFN's time)
+HOT_SHARE_MAX = 1 / 8
 
 
 def default_path(impl: str, gated: bool, dense_ffn_fused: bool = False) -> str:
@@ -103,14 +124,18 @@ class LayerPlan:
             against it in :meth:`FFNPlan.end_step`).
         collect_stats: the forward stores :class:`twell.stats.FFNStats` in ``last_stats``
             (training needs them: the L1 term is computed from them).
-        hot_units: (K,) int64 device tensor of hidden-unit indices the sparse op computes through
-            a dense slice, or None (every unit through ELL). Passed to the op only when set.
+        hot_units: (K,) int64 device tensor of hidden-unit indices the sparse ops compute through
+            a dense slice, or None (every unit through ELL / TwELL). Passed to the training op
+            (``ell``) and the inference op only when set.
+        timing: the :class:`twell.nn.timing.LayerTimer` that times this step's training calls
+            (``auto`` layers the measured chooser compares), or None (untimed).
     """
 
     path: str = "torch"
     backup_rows: int = -1
     collect_stats: bool = True
     hot_units: torch.Tensor | None = None
+    timing: LayerTimer | None = None
 
 
 def layer_plan(mlp) -> LayerPlan:
@@ -138,6 +163,11 @@ class LayerMeasure:
         width: H, the layer's FFN width.
         gated: the layer has ``gate_proj`` (the ``dense`` and ``ell`` paths need it).
         policy: the layer's :class:`twell.policy.FFNPolicy`.
+        path: the training path the step ran on ("" unknown).
+        samples_ms: the step's timed calls of the layer on ``path`` (ms per micro-step:
+            forward(s) + backward, :class:`twell.nn.timing.LayerTimer`); empty when untimed.
+        step: accepted optimizer steps so far, this one included (the exploration schedule).
+        num_layers: L, layers in the plan (spreads the explorations over the layers).
     """
 
     layer: int
@@ -146,11 +176,18 @@ class LayerMeasure:
     width: int
     gated: bool
     policy: FFNPolicy
+    path: str = ""
+    samples_ms: tuple[float, ...] = ()
+    step: int = 0
+    num_layers: int = 1
 
 
 PathChooser = Callable[[LayerMeasure], str]
 """``auto``'s choice for one layer: a :class:`LayerMeasure` -> ``"ell"`` or ``"dense"`` (or
-``"torch"``). A measured-time chooser is a callable object holding its own timings."""
+``"torch"``). A chooser may also have ``measures = True`` (the plan then times the layer's calls
+and passes them in ``samples_ms``), ``choice(layer)`` (its choice without explorations),
+``rescale(ratio)`` (the calls changed size) and ``state_dict`` / ``load_state_dict`` (plain JSON):
+:class:`MeasuredPathChooser` has all four."""
 
 
 def density_rule(m: LayerMeasure) -> str:
@@ -160,6 +197,199 @@ def density_rule(m: LayerMeasure) -> str:
     if not m.gated:
         return "torch"
     return m.policy.train_path(min(m.l0 / m.width, 1.0), min(max(m.heavy_fraction, 0.0), 1.0))
+
+
+@dataclass
+class LayerTimes:
+    """What :class:`MeasuredPathChooser` knows of one layer (plain data: its state).
+
+    Attributes:
+        samples: path (``ell`` / ``dense``) -> timed calls, ms per micro-step at the current rows
+            per call, newest last, at most :data:`SAMPLES_KEPT`. ``ell``'s list starts afresh
+            each time the layer comes back to ``ell`` (its time depends on the activations;
+            dense mode's does not).
+        l0_at: path -> the layer's L0 in the latest step timed on it.
+        warm: paths whose first timed call (Triton compilation, allocator growth) was dropped.
+        choice: the path chosen by the last decision (comparison or density rule); None before.
+        measured: ``choice`` came from comparing timings (kept while timings are missing, e.g.
+            after :meth:`MeasuredPathChooser.reset_samples`).
+        exploring: the path being explored (run for fresh timings), or None.
+        fresh: timed calls gathered by the current exploration.
+        explore_steps: steps the current exploration has run.
+        last_path: the path of the latest timed step.
+    """
+
+    samples: dict = field(default_factory=lambda: {p: [] for p in MEASURED_PATHS})
+    l0_at: dict = field(default_factory=dict)
+    warm: list = field(default_factory=list)
+    choice: str | None = None
+    measured: bool = False
+    exploring: str | None = None
+    fresh: int = 0
+    explore_steps: int = 0
+    last_path: str | None = None
+
+    def medians(self, need: int = 1) -> dict:
+        """path -> median ms of its timed calls, for paths with at least ``need`` of them."""
+        return {p: statistics.median(v) for p, v in self.samples.items() if len(v) >= max(need, 1)}
+
+
+def _other(path: str) -> str:
+    return "dense" if path == "ell" else "ell"
+
+
+class MeasuredPathChooser:
+    """``auto``'s default chooser: per layer, the faster of ``ell`` and ``dense`` by that layer's
+    own timings on its current activations (the plan's default; see :data:`PathChooser`).
+
+    The plan times each ``auto`` layer's FFN forward(s) and backward in every training step
+    (:class:`twell.nn.timing.LayerTimer`: CUDA events read after the step's one host sync) and
+    passes the step's timed calls in :attr:`LayerMeasure.samples_ms`. Per layer:
+
+    * the first timed call of each path is dropped (compilation, allocation);
+    * with at least ``policy.train_timed_calls`` timings of both paths the medians decide, with
+      hysteresis: the layer changes path only when the other one is faster by more than
+      ``policy.train_switch_margin``;
+    * before that (and for a layer that was never timed: the CPU, ``train_measure`` off) the
+      density rule (:func:`density_rule`) decides; a layer that was decided by timings keeps
+      its choice while timings are missing;
+    * explorations: the path the layer is not on runs until it has ``train_timed_calls`` fresh
+      timings, every ``policy.train_explore_every`` steps (phases spread over the layers, so
+      only about ``L / train_explore_every`` layers explore in one step), and as soon as a
+      layer on ``dense`` has an L0 more than ``policy.train_remeasure_factor`` below the L0 of
+      its latest ``ell`` timing; never towards ``ell`` while more than
+      ``policy.dense_row_fraction`` of the tokens are heavy rows (the op would run the call
+      densely) and never for a layer that was not timed.
+
+    Deterministic given the timings: with an injected clock the same steps give the same
+    choices, and :meth:`state_dict` (plain JSON, in the plan's state) continues them exactly
+    after a resume.
+
+    Attributes:
+        layers: layer index -> :class:`LayerTimes`.
+    """
+
+    measures = True
+
+    def __init__(self) -> None:
+        self.layers: dict[int, LayerTimes] = {}
+
+    def __call__(self, m: LayerMeasure) -> str:
+        if not m.gated:
+            return "torch"
+        rule = density_rule(m)
+        if not m.policy.train_measure:
+            return rule
+        st = self.layers.setdefault(m.layer, LayerTimes())
+        self._record(st, m)
+        need = m.policy.train_timed_calls
+        if st.exploring is not None:
+            st.explore_steps += 1
+            if st.fresh < need and st.explore_steps < EXPLORE_MAX_STEPS:
+                return st.exploring
+            st.exploring = None
+        st.choice = self._compare(st, m, rule)
+        target = self._explore_target(st, m)
+        if target is not None:
+            st.exploring, st.fresh, st.explore_steps = target, 0, 0
+            return target
+        return st.choice
+
+    @staticmethod
+    def _record(st: LayerTimes, m: LayerMeasure) -> None:
+        """Add the step's timed calls of ``m.path`` (the first one ever of a path dropped)."""
+        p, xs = m.path, [float(v) for v in m.samples_ms]
+        if p not in MEASURED_PATHS or not xs:
+            return
+        if p == "ell" and st.last_path != "ell":  # back on ell: its old times are stale
+            st.samples["ell"] = []
+        st.last_path = p
+        if p not in st.warm:
+            st.warm.append(p)
+            xs = xs[1:]
+        if not xs:
+            return
+        st.samples[p] = (st.samples[p] + xs)[-SAMPLES_KEPT:]
+        st.l0_at[p] = float(m.l0)
+        if st.exploring == p:
+            st.fresh += len(xs)
+
+    @staticmethod
+    def _compare(st: LayerTimes, m: LayerMeasure, rule: str) -> str:
+        """The faster path by the medians, with hysteresis; the density rule (or the last
+        measured choice) while one path lacks timings."""
+        med = st.medians(m.policy.train_timed_calls)
+        if len(med) < len(MEASURED_PATHS):
+            return st.choice if st.measured and st.choice is not None else rule
+        cur = st.choice if st.choice in MEASURED_PATHS else (
+            m.path if m.path in MEASURED_PATHS else rule)
+        other = _other(cur)
+        st.measured = True
+        return other if med[other] < (1.0 - m.policy.train_switch_margin) * med[cur] else cur
+
+    @staticmethod
+    def _explore_target(st: LayerTimes, m: LayerMeasure) -> str | None:
+        """The path to explore next step, or None (see the class docstring)."""
+        pol = m.policy
+        other = _other(st.choice)
+        if not st.warm:  # never timed (no clock for this device): nothing to compare
+            return None
+        if other == "ell" and m.heavy_fraction > pol.dense_row_fraction:
+            return None
+        if other == "ell" and "ell" in st.l0_at and \
+                m.l0 * pol.train_remeasure_factor < st.l0_at["ell"]:
+            return other
+        every = pol.train_explore_every
+        phase = (m.layer * every) // max(m.num_layers, 1)
+        return other if (m.step + phase) % every == 0 else None
+
+    def choice(self, layer: int) -> str | None:
+        """The layer's chosen path without explorations (None: not decided by this chooser)."""
+        st = self.layers.get(layer)
+        return None if st is None else st.choice
+
+    def medians(self, layer: int) -> dict:
+        """path -> median ms per micro-step of the layer's timed calls (for logs)."""
+        st = self.layers.get(layer)
+        return {} if st is None else st.medians()
+
+    def rescale(self, ratio: float) -> None:
+        """The FFN calls now have ``ratio`` times as many rows: every timing x ratio (both paths
+        take time in proportion to the rows; the current path's are replaced within a step)."""
+        for st in self.layers.values():
+            st.samples = {p: [v * ratio for v in xs] for p, xs in st.samples.items()}
+
+    def reset_samples(self) -> None:
+        """Forget every timing (a step of another shape: e.g. another recomputation); choices
+        made from timings are kept until new ones arrive, explorations refill them."""
+        for st in self.layers.values():
+            st.samples = {p: [] for p in MEASURED_PATHS}
+            st.exploring, st.last_path = None, None
+
+    def state_dict(self) -> dict:
+        """Plain JSON-able state: ``{"layers": {str(layer): LayerTimes fields}}``."""
+        return {"layers": {str(k): dataclasses.asdict(st) for k, st in sorted(self.layers.items())}}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore :meth:`state_dict`'s data.
+
+        Raises:
+            ValueError: missing or unexpected keys (each named), an unknown path.
+        """
+        names = {f.name for f in dataclasses.fields(LayerTimes)}
+        layers = {}
+        for k, v in d.get("layers", {}).items():
+            missing, unexpected = sorted(names - set(v)), sorted(set(v) - names)
+            if missing or unexpected:
+                raise ValueError(f"measured chooser state, layer {k}: missing keys {missing}, "
+                                 f"unexpected keys {unexpected}")
+            st = LayerTimes(**v)
+            st.samples = {p: [float(x) for x in st.samples.get(p, [])] for p in MEASURED_PATHS}
+            for p in (st.choice, st.exploring, st.last_path, *st.warm, *st.l0_at):
+                if p is not None and p not in MEASURED_PATHS:
+                    raise ValueError(f"measured chooser state, layer {k}: unknown path {p!r}")
+            layers[int(k)] = st
+        self.layers = layers
 
 
 def _host(v) -> list[float]:
@@ -178,6 +408,14 @@ class StepStats:
         heavy_sum_L: (L,) heavy rows summed over the step's tokens (sum over ranks).
         rows_per_call: token rows of one FFN call (one micro-batch of one rank).
         tokens: FFN tokens of the step over all ranks.
+        sequences_per_call: sequences of one FFN call (each one's first token is a heavy row:
+            part of the capacity floor); 0 = unknown.
+        active_LH: (L, H) int device tensor, tokens in which each unit was active over the step
+            (sum over ranks once reduced), or None; stays on the device (the hot units' top-k,
+            the dead-neuron tracker).
+        hot_over_L: (L,) units above each layer's hot threshold
+            (``policy.hot_unit_fraction * tokens``), set by :meth:`FFNPlan.count_hot_units`
+            (device, then host after the sync), or None.
     """
 
     heavy_max_L: torch.Tensor | list[float]
@@ -185,29 +423,42 @@ class StepStats:
     heavy_sum_L: torch.Tensor | list[float]
     rows_per_call: int
     tokens: int
+    sequences_per_call: int = 0
+    active_LH: torch.Tensor | None = None
+    hot_over_L: torch.Tensor | list[float] | None = None
 
     def reduced(self, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> StepStats:
-        """Reduced over ranks with ``reduce(tensor, "max" | "sum")`` (e.g. accelerate's)."""
+        """Reduced over ranks with ``reduce(tensor, "max" | "sum")`` (e.g. accelerate's);
+        ``active_LH`` summed too. Reduce before :meth:`FFNPlan.count_hot_units`."""
+        active = None if self.active_LH is None else reduce(self.active_LH, "sum")
         return dataclasses.replace(self, heavy_max_L=reduce(self.heavy_max_L, "max"),
                                    nnz_sum_L=reduce(self.nnz_sum_L, "sum"),
-                                   heavy_sum_L=reduce(self.heavy_sum_L, "sum"))
+                                   heavy_sum_L=reduce(self.heavy_sum_L, "sum"), active_LH=active)
 
     def packed(self) -> torch.Tensor:
-        """(3 L,) the device tensors in one, for the caller's single host read."""
-        return torch.cat([self.heavy_max_L, self.nnz_sum_L, self.heavy_sum_L])
+        """(3 L,) the device tensors in one (4 L with ``hot_over_L``), for the caller's single
+        host read."""
+        parts = [self.heavy_max_L, self.nnz_sum_L, self.heavy_sum_L]
+        if self.hot_over_L is not None:
+            parts.append(self.hot_over_L.to(self.heavy_max_L.dtype))
+        return torch.cat(parts)
 
     def unpacked(self, values: Sequence[float]) -> StepStats:
-        """The host copy from ``packed().tolist()`` (``values``, 3 L floats).
+        """The host copy from ``packed().tolist()`` (``values``, 3 L floats, 4 L with
+        ``hot_over_L``); ``active_LH`` stays the device tensor.
 
         Raises:
-            ValueError: ``values`` is not a multiple of 3 long.
+            ValueError: ``values`` is not 3 L (4 L) long.
         """
-        if len(values) % 3:
-            raise ValueError(f"StepStats.unpacked needs 3 L values; got {len(values)}")
-        n = len(values) // 3
-        return dataclasses.replace(self, heavy_max_L=list(values[:n]),
-                                   nnz_sum_L=list(values[n:2 * n]),
-                                   heavy_sum_L=list(values[2 * n:]))
+        n = len(self.heavy_max_L)
+        parts = 3 if self.hot_over_L is None else 4
+        if len(values) != parts * n:
+            raise ValueError(f"StepStats.unpacked needs {parts} L values (L = {n}); got "
+                             f"{len(values)}")
+        v = list(values)
+        return dataclasses.replace(self, heavy_max_L=v[:n], nnz_sum_L=v[n:2 * n],
+                                   heavy_sum_L=v[2 * n:3 * n],
+                                   hot_over_L=None if parts == 3 else v[3 * n:])
 
 
 @dataclass(frozen=True)
@@ -240,12 +491,25 @@ class FFNPlan:
         host_sync: ``step`` (no-sync dense-backup capacities from past steps, checked once per
             step by :meth:`end_step`) or ``call`` (every ``ell`` call measures its backup).
         capacity_rule: the no-sync capacity rule (:data:`twell.nn.capacity.CAPACITY_RULES`).
-        chooser: ``auto``'s per-layer choice (default :func:`density_rule`).
+        chooser: ``auto``'s per-layer choice (default: a new :class:`MeasuredPathChooser`).
+        timed: time ``auto``'s layers for a chooser that measures (False under torch.compile:
+            the timing hooks are eager Python).
+        clock: the clock of the timings (``start`` / ``stop`` / ``poll``, as
+            :class:`twell.ops.auto.CudaEventTimer`); None = CUDA events on CUDA, nothing timed
+            elsewhere. Tests inject a deterministic one.
+        reduce_host: several ranks: a function summing a list of floats over the ranks (host
+            side), so that every rank's chooser sees the same timings and makes the same
+            choices; None = one process.
 
     Attributes:
         layers: the :class:`LayerPlan` of each layer (read them; change them through the
             methods).
         capacity: the :class:`twell.nn.capacity.BackupCapacity` behind the no-sync capacities.
+        steps: accepted optimizer steps seen by :meth:`end_step`.
+        rows_per_call: token rows of one FFN call (the last step's, or
+            :meth:`set_rows_per_call`'s); None before either.
+        sequences_per_call: sequences of one FFN call (the capacity floor's first tokens).
+        last_l0: per layer, the last accepted step's L0; last_heavy: its heavy-row fractions.
 
     Raises:
         ValueError: unknown impl, host_sync or capacity rule; ``twell`` for a non-gated layer.
@@ -253,7 +517,8 @@ class FFNPlan:
 
     def __init__(self, mlps: Sequence, impl: str | None = None, *, dense_ffn_fused: bool = False,
                  host_sync: str = "step", capacity_rule: str = "window",
-                 chooser: PathChooser | None = None) -> None:
+                 chooser: PathChooser | None = None, timed: bool = True, clock=None,
+                 reduce_host: Callable[[list[float]], list[float]] | None = None) -> None:
         if host_sync not in HOST_SYNCS:
             raise ValueError(f"host_sync must be one of {HOST_SYNCS}; got {host_sync!r}")
         self.mlps = list(mlps)
@@ -266,9 +531,17 @@ class FFNPlan:
                                  "(the ELL kernels need gate_proj); use impl torch or auto")
         self.host_sync = host_sync
         self.capacity = BackupCapacity(len(self.mlps), capacity_rule)
-        self.chooser = density_rule if chooser is None else chooser
+        self.chooser = MeasuredPathChooser() if chooser is None else chooser
+        self.timed, self.reduce_host = timed, reduce_host
+        self.timers = [LayerTimer(k, clock) for k in range(len(self.mlps))]
+        self.steps = 0
+        self.rows_per_call: int | None = None
+        self.sequences_per_call = 0
+        self.last_l0: list[float] = []
+        self.last_heavy: list[float] = []
         self._pinned = [False] * len(self.mlps)
         self._step_caps: list[int | None] = [None] * len(self.mlps)
+        self._after_redo = False
         for m, lp in zip(self.mlps, self.layers):
             m.layer_plan = lp
 
@@ -280,31 +553,96 @@ class FFNPlan:
         """Each layer's training path (what ``metrics.jsonl`` logs as ``ffn_paths``)."""
         return [lp.path for lp in self.layers]
 
+    @property
+    def chosen_paths(self) -> list[str]:
+        """Each layer's path as chosen, explorations left out (an exploring ``auto`` layer's
+        choice is the path it goes back to): what a caller waits on to see the paths settle."""
+        choice = getattr(self.chooser, "choice", None)
+        out = []
+        for k, lp in enumerate(self.layers):
+            c = choice(k) if choice is not None and self._chooses(k) else None
+            out.append(c if c is not None else lp.path)
+        return out
+
+    @property
+    def clock(self):
+        """The clock of the timings (the ``clock`` argument; None = CUDA events on CUDA). Set it
+        to time with another one (tests: a deterministic clock), from the next step."""
+        return self.timers[0].clock if self.timers else None
+
+    @clock.setter
+    def clock(self, clock) -> None:
+        for t in self.timers:
+            t.clock = clock
+
     def trains_ell(self, layer: int) -> bool:
         """Does layer ``layer`` train on the ``ell`` path this step (:func:`trains_ell`)."""
         return trains_ell(self.mlps[layer])
 
+    def _chooses(self, k: int) -> bool:
+        """Does ``auto``'s chooser set layer k's path (an unpinned ``auto`` layer)?"""
+        return self.impls[k] == "auto" and not self._pinned[k]
+
+    def _timed(self, k: int) -> bool:
+        """Are layer k's training calls timed this step (an ``auto`` layer the measuring chooser
+        compares, on one of the compared paths)?"""
+        mlp = self.mlps[k]
+        return (self.timed and self._chooses(k) and mlp.gated and mlp.policy.train_measure
+                and getattr(self.chooser, "measures", False)
+                and self.layers[k].path in MEASURED_PATHS)
+
     # ------------------------------------------------------------ the step protocol
 
     def begin_step(self) -> None:
-        """Start an optimizer step: statistics on (the L1 term needs them) and this step's
-        no-sync capacities recorded, against which :meth:`end_step` checks the step."""
+        """Start an optimizer step: statistics on (the L1 term needs them), this step's no-sync
+        capacities recorded (against which :meth:`end_step` checks the step) and the timers of
+        the timed layers cleared and attached."""
         for k, lp in enumerate(self.layers):
             lp.collect_stats = True
             self._step_caps[k] = lp.backup_rows if lp.path == "ell" and lp.backup_rows >= 0 \
                 else None
+            self.timers[k].clear()
+            lp.timing = self.timers[k] if self._timed(k) else None
+
+    def count_hot_units(self, stats: StepStats) -> StepStats:
+        """``stats`` with ``hot_over_L`` (device, (L,)): per layer the units active on more than
+        ``policy.hot_unit_fraction * stats.tokens`` tokens of the step, counted from
+        ``stats.active_LH`` (reduced over ranks first: :meth:`StepStats.reduced`) so that the
+        step's one host read carries them to :meth:`end_step`, which sizes the next step's hot
+        sets with them (no other sync). ``stats`` unchanged without ``active_LH`` or when no
+        layer can take hot units (non-gated, ``max_hot_units=0``, ``impl=torch`` and not on
+        ``ell``)."""
+        if stats.active_LH is None or not any(self._may_split(k) for k in range(len(self))):
+            return stats
+        a_LH = stats.active_LH
+        thr_L = torch.tensor([m.policy.hot_unit_fraction * stats.tokens for m in self.mlps],
+                             dtype=torch.float64, device=a_LH.device)
+        over_L = (a_LH.to(torch.float64) > thr_L[:, None]).sum(1).to(torch.float32)
+        return dataclasses.replace(stats, hot_over_L=over_L)
+
+    def _may_split(self, k: int) -> bool:
+        """Can layer k run the ``ell`` path with hot units (next step)?"""
+        m = self.mlps[k]
+        return m.gated and m.policy.max_hot_units > 0 and (
+            self.impls[k] != "torch" or self.layers[k].path == "ell")
 
     def end_step(self, stats: StepStats) -> StepOutcome:
-        """Decide on the step from its statistics; set the next step's capacities and paths.
+        """Decide on the step from its statistics; set the next step's capacities, paths and
+        hot units.
 
         A layer that ran with a no-sync capacity and had more heavy rows in some call than
         ``min(capacity, rows_per_call - 1)`` makes the step a redo: every layer then measures per
         call (so the redone step is exact) and the capacity rule learns of the overflow. Else
         the step is accepted: the capacity rule records the heavy-row maxima and gives each
-        layer its next no-sync capacity, except with ``host_sync="call"`` and for layers with
-        more than ``policy.dense_row_fraction`` of a call's rows heavy (the op then runs the whole
-        call densely, which needs the measurement): those measure per call. Then ``auto``'s
-        layers get their next paths (:meth:`choose_paths`).
+        layer its next no-sync capacity (at least the floor: ``policy.backup_floor_fraction`` of
+        a call's rows plus its sequences; a layer that moves to ``ell`` keeps only its latest
+        counts, :meth:`twell.nn.capacity.BackupCapacity.restart`), except with
+        ``host_sync="call"`` and for layers with more than ``policy.dense_row_fraction`` of a
+        call's rows heavy (the op then runs the whole call densely, which needs the
+        measurement): those measure per call. Then ``auto``'s layers get their next paths
+        (:meth:`choose_paths`, with the step's timings; the timings of a redone or redoing
+        attempt are dropped: it measured per call) and the ``ell`` layers their hot units
+        (:meth:`count_hot_units`).
 
         Args:
             stats: the step's :class:`StepStats` (host lists; tensors are read here, a sync).
@@ -319,25 +657,81 @@ class FFNPlan:
         n_rows = max(stats.rows_per_call, 1)
         over = tuple(k for k, (cap, hv) in enumerate(zip(self._step_caps, heavy_max))
                      if cap is not None and hv > min(cap, n_rows - 1))
+        samples = self._take_samples(discard=bool(over) or self._after_redo)
+        self._after_redo = bool(over)
         if over:
             self.capacity.overflowed(list(over))
             for lp in self.layers:
                 lp.backup_rows = -1
             return StepOutcome(redo=over)
+        self.steps += 1
+        self.rows_per_call, self.sequences_per_call = stats.rows_per_call, stats.sequences_per_call
+        floors = [self._floor(k) for k in range(len(self))]
         # capacities from past steps' counts (one step's count alone made a tiny GPU run redo 50
         # of 120 steps: a few heavy tokens come and go from batch to batch)
-        for lp, mlp, hv, cap in zip(self.layers, self.mlps, heavy_max,
-                                    self.capacity.update(heavy_max)):
-            measure = self.host_sync != "step" or hv > mlp.policy.dense_row_fraction * n_rows
-            lp.backup_rows = -1 if measure else cap
+        caps = self.capacity.update(heavy_max, floors)
         tokens = max(stats.tokens, 1)
-        self.choose_paths([v / tokens for v in _host(stats.nnz_sum_L)],
-                          [v / tokens for v in _host(stats.heavy_sum_L)])
+        before = self.paths
+        self.last_l0 = [v / tokens for v in _host(stats.nnz_sum_L)]
+        self.last_heavy = [v / tokens for v in _host(stats.heavy_sum_L)]
+        self.choose_paths(self.last_l0, self.last_heavy, samples)
+        for k, (lp, mlp, hv) in enumerate(zip(self.layers, self.mlps, heavy_max)):
+            if lp.path == "ell" and before[k] != "ell":  # from its dense-path counts
+                self.capacity.restart(k)
+                caps[k] = self.capacity.capacity(k, floors[k])
+            measure = self.host_sync != "step" or hv > mlp.policy.dense_row_fraction * n_rows
+            lp.backup_rows = -1 if measure else caps[k]
+        self._set_hot_units(stats)
         return StepOutcome()
 
-    def choose_paths(self, l0_L: Sequence[float], heavy_L: Sequence[float]) -> list[str]:
+    def _floor(self, k: int) -> int:
+        """Layer k's capacity floor at the current rows per call (0 while unknown)."""
+        rows = self.rows_per_call or 0
+        f = self.mlps[k].policy.backup_floor_fraction
+        return math.ceil(f * rows) + self.sequences_per_call if rows > 0 else 0
+
+    def _take_samples(self, discard: bool) -> dict[int, list[float]]:
+        """Layer -> the step's timed calls (ms per micro-step) of the layers timed this step,
+        averaged over ranks with ``reduce_host`` (every rank calls it in the same steps); the
+        timers are cleared. ``discard``: read nothing (a redo measured per call)."""
+        timed = [k for k, lp in enumerate(self.layers) if lp.timing is not None]
+        out = {k: ([] if discard else self.layers[k].timing.samples()[:SAMPLES_KEPT])
+               for k in timed}
+        for k in timed:
+            self.layers[k].timing.clear()
+        if discard or not timed or self.reduce_host is None:
+            return out
+        vals = [v for k in timed for v in out[k] + [0.0] * (SAMPLES_KEPT - len(out[k]))]
+        cnts = [float(i < len(out[k])) for k in timed for i in range(SAMPLES_KEPT)]
+        tot = self.reduce_host(vals + cnts)
+        n = len(vals)
+        for j, k in enumerate(timed):
+            row = range(j * SAMPLES_KEPT, (j + 1) * SAMPLES_KEPT)
+            out[k] = [tot[i] / tot[n + i] for i in row if tot[n + i] > 0]
+        return out
+
+    def _set_hot_units(self, stats: StepStats) -> None:
+        """Each ``ell`` layer's hot set for the next step: the ``k`` most active units
+        (``twell.ops.hot_units``: k from the counted ``hot_over_L``, the top-k on the device);
+        None on the other paths and where k would exceed :data:`HOT_SHARE_MAX` of the units.
+        Layers with ``policy.max_hot_units = 0`` keep what a caller set."""
+        over, counts = stats.hot_over_L, stats.active_LH
+        if over is None or counts is None:
+            return
+        over = _host(over)
+        for k, (lp, mlp) in enumerate(zip(self.layers, self.mlps)):
+            if not self._may_split(k):
+                continue
+            h = mlp.intermediate_size
+            n_hot = hot_unit_k(int(over[k]), h, mlp.policy)
+            use = lp.path == "ell" and 0 < n_hot <= HOT_SHARE_MAX * h
+            lp.hot_units = hot_units_from_counts(counts[k], stats.tokens, k=n_hot) if use else None
+
+    def choose_paths(self, l0_L: Sequence[float], heavy_L: Sequence[float],
+                     samples: dict[int, list[float]] | None = None) -> list[str]:
         """``auto``: each unpinned ``auto`` layer's path for the next step from its L0 (mean active
-        units per token) and heavy-row fraction, by the plan's chooser; other layers keep theirs.
+        units per token), heavy-row fraction and the step's timed calls (``samples``: layer ->
+        ms per micro-step), by the plan's chooser; other layers keep theirs.
 
         Returns:
             :attr:`paths` after the choice.
@@ -346,12 +740,14 @@ class FFNPlan:
             ValueError: the chooser returned an unknown path, or ``dense`` / ``ell`` for a
                 non-gated layer; a density or fraction outside [0, 1] (the default chooser).
         """
+        samples = samples or {}
         for k, (lp, mlp, l0, heavy) in enumerate(zip(self.layers, self.mlps, l0_L, heavy_L)):
-            if self.impls[k] != "auto" or self._pinned[k]:
+            if not self._chooses(k):
                 continue
-            path = self.chooser(LayerMeasure(k, l0, heavy, mlp.intermediate_size, mlp.gated,
-                                             mlp.policy))
-            lp.path = self._checked(k, path)
+            m = LayerMeasure(k, l0, heavy, mlp.intermediate_size, mlp.gated, mlp.policy,
+                             path=lp.path, samples_ms=tuple(samples.get(k, ())), step=self.steps,
+                             num_layers=len(self.layers))
+            lp.path = self._checked(k, self.chooser(m))
         return self.paths
 
     def _checked(self, k: int, path: str) -> str:
@@ -365,9 +761,9 @@ class FFNPlan:
 
     def pin(self, path: str | None, layers: Sequence[int] | None = None) -> None:
         """Force ``path`` on ``layers`` (default: every layer; benchmarks), so that ``auto`` no
-        longer changes them; ``path=None`` unpins them (``auto`` chooses again after the next
-        step, they keep their path until then). A non-gated layer takes ``torch`` for
-        ``dense`` (as under ``auto``).
+        longer changes them (nor times them); ``path=None`` unpins them (``auto`` chooses again
+        after the next step, they keep their path until then). A non-gated layer takes
+        ``torch`` for ``dense`` (as under ``auto``).
 
         Raises:
             ValueError: unknown path; ``ell`` on a non-gated layer; a layer index out of range.
@@ -392,9 +788,46 @@ class FFNPlan:
         for lp in self.layers:
             lp.collect_stats = bool(on)
 
+    def set_rows_per_call(self, rows: int, sequences: int | None = None) -> None:
+        """The FFN calls will have ``rows`` token rows (and ``sequences`` sequences; None = in
+        the same proportion as before) from the next step: a new micro-batch. The heavy-row
+        histories (:meth:`twell.nn.capacity.BackupCapacity.rescale`) and the chooser's timings
+        are scaled to it and the no-sync capacities recomputed, so the next step needs neither
+        a per-call measurement nor a redo. A no-op at the same rows; only records them before
+        the first step.
+
+        Raises:
+            ValueError: rows < 1 or sequences < 0.
+        """
+        if rows < 1 or (sequences is not None and sequences < 0):
+            raise ValueError(f"set_rows_per_call: rows must be >= 1 and sequences >= 0; got "
+                             f"{rows}, {sequences}")
+        old = self.rows_per_call
+        if sequences is None:
+            sequences = round(self.sequences_per_call * rows / old) if old else 0
+        self.rows_per_call, self.sequences_per_call = int(rows), int(sequences)
+        if old is None or old == rows:
+            return
+        self.capacity.rescale(rows / old)
+        rescale = getattr(self.chooser, "rescale", None)
+        if rescale is not None:
+            rescale(rows / old)
+        for k, lp in enumerate(self.layers):
+            if lp.backup_rows >= 0:
+                lp.backup_rows = self.capacity.capacity(k, self._floor(k))
+
+    def forget_timings(self) -> None:
+        """The steps changed shape in a way that changes both paths' times (another
+        recomputation): the chooser's timings are dropped (its choices stay until explorations
+        bring new ones)."""
+        reset = getattr(self.chooser, "reset_samples", None)
+        if reset is not None:
+            reset()
+
     def reset_capacities(self) -> None:
-        """Forget the no-sync capacities and their heavy-row history (they count rows per FFN
-        call: after a change of micro-batch they are measured again); margins are kept."""
+        """Forget the no-sync capacities and their heavy-row history (measured again from the
+        next step); margins are kept. After a change of micro-batch prefer
+        :meth:`set_rows_per_call`, which keeps the history."""
         for lp in self.layers:
             lp.backup_rows = -1
         self.capacity.hist = [[] for _ in self.layers]
@@ -403,13 +836,13 @@ class FFNPlan:
     def profiling(self, path: str | None = None) -> Iterator[FFNPlan]:
         """A profiling pass (batches that are not training batches): statistics on, every
         dense backup measured per call (a no-sync capacity could be exceeded silently), every
-        path fixed (``path`` on all layers, if given, as :meth:`pin`); everything restored on
-        exit, also on an error. Yields the plan."""
+        path fixed (``path`` on all layers, if given, as :meth:`pin`), nothing timed for the
+        chooser; everything restored on exit, also on an error. Yields the plan."""
         saved = [dataclasses.replace(lp) for lp in self.layers]
         pinned, step_caps = list(self._pinned), list(self._step_caps)
         try:
             for lp in self.layers:
-                lp.collect_stats, lp.backup_rows = True, -1
+                lp.collect_stats, lp.backup_rows, lp.timing = True, -1, None
             if path is not None:
                 self.pin(path)
             self._pinned = [True] * len(self.layers)
@@ -417,39 +850,49 @@ class FFNPlan:
         finally:
             for lp, old in zip(self.layers, saved):  # in place: the modules hold these objects
                 lp.path, lp.backup_rows = old.path, old.backup_rows
-                lp.collect_stats, lp.hot_units = old.collect_stats, old.hot_units
+                lp.collect_stats, lp.hot_units, lp.timing = (old.collect_stats, old.hot_units,
+                                                             old.timing)
             self._pinned, self._step_caps = pinned, step_caps
 
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        """The plan's state as plain JSON-able data: version, per-layer impls, paths and no-sync
-        capacities, and the capacity rule's state (histories, margins). Pins and hot units are
-        not state (a caller sets them)."""
+        """The plan's state as plain JSON-able data: version, per-layer impls, paths, no-sync
+        capacities and hot units (unit indices or None), the capacity rule's state (histories,
+        margins), the steps seen, the rows and sequences per call and the chooser's state (its
+        timings; None for a chooser without one). Pins are not state (a caller sets them)."""
+        state = getattr(self.chooser, "state_dict", None)
         return {"version": STATE_VERSION, "impls": list(self.impls), "paths": self.paths,
                 "backup_rows": [int(lp.backup_rows) for lp in self.layers],
-                "capacity": self.capacity.state_dict()}
+                "capacity": self.capacity.state_dict(), "steps": self.steps,
+                "rows_per_call": self.rows_per_call, "sequences_per_call": self.sequences_per_call,
+                "hot_units": [None if lp.hot_units is None else lp.hot_units.tolist()
+                              for lp in self.layers],
+                "chooser": None if state is None else state()}
 
     def load_state_dict(self, d: dict) -> None:
-        """Restore :meth:`state_dict`'s data. The saved paths apply to layers that were ``auto``
-        then and are ``auto`` now and unpinned (other layers' paths follow their impl, which a
-        resume may change); the capacities apply to every layer.
+        """Restore :meth:`state_dict`'s data (or a version-1 state: no hot units, timings, steps
+        or rows). The saved paths apply to layers that were ``auto`` then and are ``auto`` now
+        and unpinned (other layers' paths follow their impl, which a resume may change); the
+        capacities and hot units apply to every layer.
 
         Raises:
-            ValueError: a missing or unexpected key, another version or number of layers, or an
-                unknown path (each named).
+            ValueError: a missing or unexpected key, another version or number of layers, an
+                unknown path or a hot unit out of range (each named).
         """
-        keys = {"version", "impls", "paths", "backup_rows", "capacity"}
+        v1 = {"version", "impls", "paths", "backup_rows", "capacity"}
+        keys = v1 if d.get("version") == 1 else v1 | {
+            "steps", "rows_per_call", "sequences_per_call", "hot_units", "chooser"}
         missing, unexpected = sorted(keys - set(d)), sorted(set(d) - keys)
         if missing or unexpected:
             raise ValueError(f"FFN plan state: missing keys {missing}, unexpected keys "
                              f"{unexpected}")
-        if d["version"] != STATE_VERSION:
-            raise ValueError(f"FFN plan state version {d['version']!r}; this twell reads "
+        if d["version"] not in (1, STATE_VERSION):
+            raise ValueError(f"FFN plan state version {d['version']!r}; this twell reads 1 and "
                              f"{STATE_VERSION}")
         n = len(self.layers)
-        for key in ("impls", "paths", "backup_rows"):
-            if len(d[key]) != n:
+        for key in ("impls", "paths", "backup_rows", "hot_units"):
+            if key in d and len(d[key]) != n:
                 raise ValueError(f"FFN plan state: {key} has {len(d[key])} layers; the model "
                                  f"has {n}")
         for k, (lp, was, path) in enumerate(zip(self.layers, d["impls"], d["paths"])):
@@ -458,8 +901,27 @@ class FFNPlan:
         for lp, rows in zip(self.layers, d["backup_rows"]):
             lp.backup_rows = int(rows)
         self.capacity.load_state_dict(d["capacity"])
+        if d["version"] == 1:
+            return
+        self.steps = int(d["steps"])
+        self.rows_per_call = None if d["rows_per_call"] is None else int(d["rows_per_call"])
+        self.sequences_per_call = int(d["sequences_per_call"])
+        for k, (lp, mlp, ids) in enumerate(zip(self.layers, self.mlps, d["hot_units"])):
+            lp.hot_units = None if ids is None else self._hot_tensor(k, mlp, ids)
+        load = getattr(self.chooser, "load_state_dict", None)
+        if d["chooser"] is not None and load is not None:
+            load(d["chooser"])
+
+    @staticmethod
+    def _hot_tensor(k: int, mlp, ids) -> torch.Tensor:
+        h = mlp.intermediate_size
+        if any(not 0 <= int(i) < h for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"FFN plan state: hot_units of layer {k} must be distinct unit "
+                             f"indices in [0, {h})")
+        return torch.tensor([int(i) for i in ids], dtype=torch.int64,
+                            device=mlp.up_proj.weight.device)
 
 
-__all__ = ["FFN_IMPLS", "HOST_SYNCS", "TRAIN_PATHS", "FFNPlan", "LayerMeasure", "LayerPlan", "PathChooser",
-           "StepOutcome", "StepStats", "default_path", "density_rule", "layer_plan",
-           "trains_ell"]
+__all__ = ["FFN_IMPLS", "HOST_SYNCS", "TRAIN_PATHS", "FFNPlan", "LayerMeasure", "LayerPlan",
+           "LayerTimes", "MeasuredPathChooser", "PathChooser", "StepOutcome", "StepStats",
+           "default_path", "density_rule", "layer_plan", "trains_ell"]

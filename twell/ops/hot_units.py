@@ -53,11 +53,26 @@ def hot_unit_count(counts_H, n_tokens: int, policy: FFNPolicy | None = None) -> 
         raise ValueError(f"hot_unit_count: n_tokens must be >= 0; got {n_tokens}")
     if n_tokens == 0 or c.numel() == 0:
         return 0
-    n_hot = int((c.double() > policy.hot_unit_fraction * n_tokens).sum())
+    return hot_unit_k(int((c.double() > policy.hot_unit_fraction * n_tokens).sum()), c.numel(),
+                      policy)
+
+
+def hot_unit_k(n_hot: int, h: int, policy: FFNPolicy | None = None) -> int:
+    """k for ``n_hot`` units above the hot threshold (a host int the caller counted, e.g. in a
+    step's one host sync) in an FFN of width ``h``: ``n_hot`` rounded up to a multiple of 16,
+    capped at ``min(max_hot_units, h)``; 0 when ``n_hot`` is 0 (what :func:`hot_unit_count`
+    returns for the counts behind ``n_hot``).
+
+    Raises:
+        ValueError: n_hot or h < 0.
+    """
+    if n_hot < 0 or h < 0:
+        raise ValueError(f"hot_unit_k: n_hot and h must be >= 0; got {n_hot}, {h}")
+    policy = policy if policy is not None else FFNPolicy()
     if n_hot == 0:
         return 0
     k = HOT_UNIT_MULTIPLE * math.ceil(n_hot / HOT_UNIT_MULTIPLE)
-    return min(k, policy.max_hot_units, c.numel())
+    return min(k, policy.max_hot_units, h)
 
 
 def hot_units_from_counts(counts_H: torch.Tensor, n_tokens: int, k: int | None = None,
@@ -133,4 +148,5 @@ def check_hot_units(hot_units: torch.Tensor | None, h: int, device: torch.device
     return hot
 
 
-__all__ = ["HOT_UNIT_MULTIPLE", "check_hot_units", "hot_unit_count", "hot_units_from_counts"]
+__all__ = ["HOT_UNIT_MULTIPLE", "check_hot_units", "hot_unit_count", "hot_unit_k",
+           "hot_units_from_counts"]
