@@ -48,9 +48,11 @@ def _record_sparse_calls(calls: list[dict]) -> None:
 
     def recording_body(x, wg, wu, wd, ell_capacity, dense_row_fraction, backend, *rest):
         out = body(x, wg, wu, wd, ell_capacity, dense_row_fraction, backend, *rest)
-        nnz_eff, nnz_N = out[4], out[2]
+        # _fwd_body's outputs: (y, l1, nnz_N, counts_H, n_heavy, nnz_eff, col, gv, u,
+        # heavy_idx, ...)
+        nnz_N, nnz_eff, heavy_idx = out[2], out[5], out[9]
         kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(wg.shape[0])
-        all_dense = out[8].shape[0] == x.shape[0]  # the op's fallback: every row on the backup
+        all_dense = heavy_idx.shape[0] == x.shape[0]  # the op's fallback: every row on the backup
         calls.append({"n": int(x.shape[0]),
                       "heavy": int(x.shape[0]) if all_dense else int((nnz_N > kc).sum()),
                       "light": int((nnz_eff > 0).sum()),

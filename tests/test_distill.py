@@ -173,6 +173,7 @@ def test_a_checkpoint_saved_before_the_new_keys_still_resumes(tokens, silu_dir, 
     default, the behaviour that run had; a key whose saved value differs still refuses."""
     import yaml
 
+    from train.checkpoint import file_records
     from train.trainer import config_diff
 
     c = _cfg(tokens, silu_dir, hidden_act_from="silu")
@@ -185,6 +186,10 @@ def test_a_checkpoint_saved_before_the_new_keys_still_resumes(tokens, silu_dir, 
     for f in [tmp_path / "r" / "config.yaml",
               *(tmp_path / "r" / "checkpoints").glob("step*/train_config.yaml")]:
         f.write_text(yaml.safe_dump(old))
+    for ck in (tmp_path / "r" / "checkpoints").glob("step*"):  # as that run would have recorded
+        meta = json.loads((ck / "metadata.json").read_text())
+        meta["files"] = file_records(ck)
+        (ck / "metadata.json").write_text(json.dumps(meta))
     _run(c, tmp_path / "r")
     assert [r["step"] for r in read_metrics(tmp_path / "r")] == [1, 2]
     assert config_diff({**old, "model": {**old["model"], "hidden_act": "silu"}},

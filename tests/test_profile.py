@@ -132,11 +132,14 @@ def test_crafted_token_table_and_frequency_filter():
 
 
 def test_flags_and_mode_untouched():
+    """Profiling leaves the FFN modules as it found them: path, plan, mode, no hook left."""
     model = Crafted().train()
-    before = [(m.impl, m.collect_stats, m.train_path) for m in model.mlps]
+    before = [(m.impl, m.layer_plan, m.policy) for m in model.mlps]
+    hooks = [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.mlps]
     profile_sparsity(model, BLOCKS[:1])
-    assert model.training
-    assert [(m.impl, m.collect_stats, m.train_path) for m in model.mlps] == before
+    assert model.training and all(m.training for m in model.mlps)
+    assert [(m.impl, m.layer_plan, m.policy) for m in model.mlps] == before
+    assert [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.mlps] == hooks
 
 
 def test_nonfinite_gate_propagates():

@@ -414,12 +414,16 @@ class Trainer:
             from train import pretrained
 
             s, dtype = cfg.sparsity, torch.bfloat16 if precision == "bf16" else torch.float32
-            self.teacher = pretrained.build_teacher(self.init_src, self.device, dtype)
+            # the teacher is the source as stored, also when resuming (init_src is then the
+            # run's own checkpoint, the student)
+            src = (self.init_src if resume_from is None
+                   else pretrained.inspect_checkpoint(cfg.model.init_from))
+            self.teacher = pretrained.build_teacher(src, self.device, dtype)
             use_distillation(model, self.teacher, temperature=s.distill_temperature,
                              kl_weight=s.distill_weight * s.distill_temperature ** 2,
                              chunk_rows=t.ce_chunk_rows)
-            self._print(f"distillation: teacher {self.init_src.spec} as stored (hidden_act "
-                        f"{self.init_src.hidden_act}, frozen, {dtype}), loss = CE + l1_coeff x L1"
+            self._print(f"distillation: teacher {src.spec} as stored (hidden_act "
+                        f"{src.hidden_act}, frozen, {dtype}), loss = CE + l1_coeff x L1"
                         f" + {s.distill_weight:g} x {s.distill_temperature:g}^2 x KL")
         if t.compile_norms:  # one compiled RMSNorm for every norm (training only)
             compile_norms(model)
