@@ -247,6 +247,10 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
         if path == "dense":
             return _train_closure(lambda *a: dense_ffn_train(*a, with_stats=True), case, True)
         op = "ell_hot"
+    n = case.x.shape[0]
+    if (op == "ell_nosync" and case.stats["heavy_rows"] >= n) or (op == "ell_hot"
+                                                                  and case.cold_heavy >= n):
+        return None  # every row heavy: a no-sync backup holds at most N - 1 (the op's rule)
     kw = {"ell": {}, "ell_nosync": {"backup_rows": case.caps.get("cold", -1)},
           "ell_hot": {"backup_rows": case.caps.get("hot", -1), "hot_units": case.hot}}[op]
     return _train_closure(lambda *a: sparse_ffn_train(*a, policy=policy, **kw), case, True)
