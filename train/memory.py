@@ -183,11 +183,19 @@ def device_budget_gb(device: torch.device) -> float | None:
     None for other devices."""
     if device.type != "cuda":
         return None
-    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    index = cuda_index(device)
+    total = torch.cuda.get_device_properties(index).total_memory / 2**30
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if fraction is not None:
-        total *= fraction(device)
+        total *= fraction(index)
     return default_budget_gb(total)
+
+
+def cuda_index(device: torch.device | str) -> int:
+    """The index of a CUDA device, the current one for a bare ``cuda`` (the per-process memory
+    fraction functions refuse a device without an index)."""
+    dev = torch.device(device)
+    return torch.cuda.current_device() if dev.index is None else dev.index
 
 
 def pending_optimizer_gb(optimizer) -> float:

@@ -93,6 +93,9 @@ def emulated(budget: Budget, device) -> Iterator[None]:
     if dev.type != "cuda":
         yield
         return
+    from train.memory import cuda_index
+
+    dev = cuda_index(dev)
     total = torch.cuda.get_device_properties(dev).total_memory / 2**30
     frac = budget.fraction(total)
     torch.cuda.empty_cache()
