@@ -153,6 +153,7 @@ def test_default_and_paper_recipes_compose():
         assert (c.model.num_layers, c.model.seq_len, c.model.vocab_size) == (layers, 2048, 49152)
         assert c.trainer.max_steps == steps and c.trainer.global_batch == 512
         assert c.trainer.global_batch * c.model.seq_len == 1_048_576
+        assert c.model.ffn_impl == "auto"  # the FFN path per layer by time (BENCHMARKS.md)
         assert c.sparsity.l1_coeff == 2e-5 and c.sparsity.schedule == "constant"
         o = c.optim
         assert (o.lr, list(o.betas), o.eps, o.weight_decay, o.warmup_steps, o.schedule,

@@ -562,7 +562,8 @@ def test_plan_picks_hot_units_from_the_steps_counts():
     """FFN width 256; threshold 1/64 x 640 tokens = 10: layer 0's units 11..39 (29) are above it
     -> k 32 (multiples of 16), the 32 most active: units 8..39; layer 1 (all at 5) none; a layer
     with max_hot_units 16 takes the 16 most active, 24..39; impl torch layers none; at width 128
-    32 hot units would be more than 1/8 of the units: none."""
+    32 hot units would be more than 1/8 of the units: none; below 1 % density (hot_min_density)
+    none."""
     w = 256
     mlps = _mlps(4, impl="twell", h=w)
     mlps[2].policy = FFNPolicy(max_hot_units=16)
@@ -572,7 +573,8 @@ def test_plan_picks_hot_units_from_the_steps_counts():
     counts[40:] = 0  # units 40.. never active
     a_LH = torch.stack([counts, torch.full((w,), 5), counts, counts]).to(torch.int64)
     zeros = torch.zeros(4)
-    stats = StepStats(zeros, zeros, zeros, rows_per_call=320, tokens=640, active_LH=a_LH)
+    nnz = torch.full((4,), 0.02 * w * 640)  # 2 % density: above hot_min_density (1 %)
+    stats = StepStats(zeros, nnz, zeros, rows_per_call=320, tokens=640, active_LH=a_LH)
     stats = plan.count_hot_units(stats)
     assert stats.hot_over_L.tolist() == [29.0, 0.0, 29.0, 29.0]
     host = stats.unpacked(stats.packed().tolist())  # the step's one host read carries them
@@ -589,6 +591,16 @@ def test_plan_picks_hot_units_from_the_steps_counts():
     narrow.begin_step()
     narrow.end_step(s.unpacked(s.packed().tolist()))
     assert s.hot_over_L.tolist() == [29.0] and narrow.layers[0].hot_units is None
+    # below hot_min_density (1 % of the units per token) a layer takes none, at it some
+    for density, want in ((0.0099, None), (0.0101, torch.arange(8, 40))):
+        one = FFNPlan(_mlps(1, impl="twell", h=w))
+        s = one.count_hot_units(StepStats(zeros[:1], torch.tensor([density * w * 640]),
+                                          zeros[:1], rows_per_call=320, tokens=640,
+                                          active_LH=a_LH[:1]))
+        one.begin_step()
+        one.end_step(s.unpacked(s.packed().tolist()))
+        got = one.layers[0].hot_units
+        assert (got is None) if want is None else torch.equal(got, want), density
     # an auto layer on dense gets none; a layer with max_hot_units=0 keeps what a caller set
     auto = _mlps(2, impl="auto", h=w)
     auto[1].policy = FFNPolicy(max_hot_units=0)

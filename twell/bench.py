@@ -26,12 +26,14 @@ Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``de
     ell           train: the ELL op measuring its dense backup per call
     ell_nosync    train: the ELL op, no host sync, backup at the measured capacity
     ell_hot       train: no-sync ELL with the hot set
-    auto          fwd: ``mode="auto"`` (measured on CUDA) with the hot set; train: what
-                  ``FFNPolicy.train_path`` picks (``ell_hot``, or ``dense``: dense mode)
+    auto          fwd: ``mode="auto"`` (measured on CUDA), with the hot set where the layer's
+                  density is at least ``FFNPolicy.hot_min_density`` (the plan's rule); train:
+                  what ``FFNPolicy.train_path`` picks (``dense``: dense mode, else
+                  ``ell_hot`` or, below ``hot_min_density``, ``ell_nosync``)
     paper         the paper's CUDA extension (``PaperOps``) when it is importable
 
 CSV columns (``COLUMNS``): size, layer, density, l0_mean, l0_max, heavy_rows, op, kind, ms,
-speedup (the kind's baseline ms / op ms, same case), rel_err (the largest of the op's
+speedup_vs_dense (the kind's baseline ms / op ms, same case), rel_err (the largest of the op's
 outputs).
 """
 
@@ -57,7 +59,7 @@ from twell.policy import FFNPolicy
 from twell.stats import default_ell_capacity
 
 COLUMNS = ["size", "layer", "density", "l0_mean", "l0_max", "heavy_rows", "op", "kind", "ms",
-           "speedup", "rel_err"]
+           "speedup_vs_dense", "rel_err"]
 KINDS = ("fwd", "train")
 OPS = {"fwd": ("dense", "twell", "twell_hot", "auto", "paper"),
        "train": ("torch", "ell", "ell_nosync", "ell_hot", "auto", "paper")}
@@ -220,6 +222,12 @@ def references(case: Case) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = prev
 
 
+def _split_pays(case: Case, policy: FFNPolicy) -> bool:
+    """Does ``auto`` take the hot set on this case (the plan's rule: the layer's density at
+    least ``policy.hot_min_density``)?"""
+    return case.stats["density"] >= policy.hot_min_density
+
+
 def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
     """Closure running one call of ``op`` (``OPS``) on ``case``; returns its outputs ([y], or
     [y, dx, dWg, dWu, dWd]) for the check. None when the op does not apply (paper absent)."""
@@ -232,7 +240,8 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
             return lambda: [_dense_fwd(x, wg, wu, wd)]
         st = TwELLState()
         mode = "auto" if op == "auto" else "twell"
-        hot = None if op == "twell" else case.hot
+        hot = None if op == "twell" or (op == "auto" and not _split_pays(case, policy)) \
+            else case.hot
 
         @torch.no_grad()
         def fwd():
@@ -246,7 +255,7 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
         path = policy.train_path(case.stats["density"], case.cold_heavy / case.x.shape[0])
         if path == "dense":
             return _train_closure(lambda *a: dense_ffn_train(*a, with_stats=True), case, True)
-        op = "ell_hot"
+        op = "ell_hot" if _split_pays(case, policy) else "ell_nosync"
     n = case.x.shape[0]
     if (op == "ell_nosync" and case.stats["heavy_rows"] >= n) or (op == "ell_hot"
                                                                   and case.cold_heavy >= n):
@@ -322,7 +331,8 @@ def run_case(case: Case, policy: FFNPolicy, timer, paper=None, kinds=KINDS) -> l
         base = ms[(BASELINE[kind], kind)]
         err, ok = errs[(op, kind)]
         rows.append({"size": case.size, "layer": case.layer, **case.stats, "op": op,
-                     "kind": kind, "ms": round(t, 4), "speedup": round(base / t, 3),
+                     "kind": kind, "ms": round(t, 4),
+                     "speedup_vs_dense": round(base / t, 3),
                      "rel_err": float(f"{err:.3e}"), "within_bound": ok})
     return rows
 
@@ -356,7 +366,7 @@ def summary_table(rows: list[dict]) -> str:
         for o in ops:
             r = rs.get(o)
             cells.append(f"{'-':>12}" if r is None else
-                         f"{r['speedup']:>10.2f}x{' ' if r.get('within_bound', True) else '*'}")
+                         f"{r['speedup_vs_dense']:>10.2f}x{' ' if r.get('within_bound', True) else '*'}")
         lines.append(f"{size:>6} {layer:>6} {100 * d['density']:>7.2f} {d['l0_mean']:>6.1f} "
                      f"{d['l0_max']:>5} {d['heavy_rows']:>6} {kind:>5} {d['ms']:>9.3f} "
                      + " ".join(cells))

@@ -129,7 +129,7 @@ def default_overrides(size: str, smoke_tokens: Path | None = None,
     benchmark's, so the experiment's data source is not read.
 
     ``--smoke`` (``smoke_tokens``): the smoke shape under the planner's defaults
-    (``trainer.memory=auto``, micro-batch and recomputation its choice, ``model.ffn_impl=torch``
+    (``trainer.memory=auto``, micro-batch and recomputation its choice, ``model.ffn_impl=auto``
     as the paper experiments), with ``budget_gb`` as ``trainer.memory_budget_gb`` (no CUDA memory
     to read it from).
 
@@ -139,7 +139,7 @@ def default_overrides(size: str, smoke_tokens: Path | None = None,
     if smoke_tokens is not None:
         over = [*smoke_model_overrides(smoke_tokens), "optim=tiny", "trainer.memory=auto",
                 "trainer.micro_batch=null", "trainer.grad_checkpointing=null",
-                "trainer.checkpoint_ffn=null", "trainer.global_batch=8", "model.ffn_impl=torch"]
+                "trainer.checkpoint_ffn=null", "trainer.global_batch=8", "model.ffn_impl=auto"]
         if budget_gb is not None:
             over.append(f"trainer.memory_budget_gb={budget_gb!r}")
     elif size in EXPERIMENTS:

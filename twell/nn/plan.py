@@ -713,18 +713,20 @@ class FFNPlan:
     def _set_hot_units(self, stats: StepStats) -> None:
         """Each ``ell`` layer's hot set for the next step: the ``k`` most active units
         (``twell.ops.hot_units``: k from the counted ``hot_over_L``, the top-k on the device);
-        None on the other paths and where k would exceed :data:`HOT_SHARE_MAX` of the units.
+        None on the other paths, below ``policy.hot_min_density`` and where k would exceed
+        :data:`HOT_SHARE_MAX` of the units.
         Layers with ``policy.max_hot_units = 0`` keep what a caller set."""
         over, counts = stats.hot_over_L, stats.active_LH
         if over is None or counts is None:
             return
-        over = _host(over)
+        over, nnz = _host(over), _host(stats.nnz_sum_L)
         for k, (lp, mlp) in enumerate(zip(self.layers, self.mlps)):
             if not self._may_split(k):
                 continue
             h = mlp.intermediate_size
             n_hot = hot_unit_k(int(over[k]), h, mlp.policy)
-            use = lp.path == "ell" and 0 < n_hot <= HOT_SHARE_MAX * h
+            dense_enough = nnz[k] >= mlp.policy.hot_min_density * h * stats.tokens
+            use = lp.path == "ell" and dense_enough and 0 < n_hot <= HOT_SHARE_MAX * h
             lp.hot_units = hot_units_from_counts(counts[k], stats.tokens, k=n_hot) if use else None
 
     def choose_paths(self, l0_L: Sequence[float], heavy_L: Sequence[float],
