@@ -363,16 +363,16 @@ def test_smoke_end_to_end(tmp_path):
         assert row["timed_steps"] == 3 and row["train_tok_per_ms"] > 0
         assert row["train_tok_per_ms"] == pytest.approx(m * 32 / row["step_ms_median"], rel=1e-4)
         assert row["l0"] == pytest.approx(l0, rel=1e-4) and row["check_ok"] is True
-        assert row["ffn"] in {"dense": ("torch", "dense"), "default": ("torch",)}.get(
-            row["path"], (row["path"],))
+        assert row["ffn"] in {"dense": ("torch", "dense"), "default": ("auto",)}.get(
+            row["path"], (row["path"],))  # the paper experiments' ffn_impl=auto
         assert row["fwd_tok_per_ms"] > 0
     for card in (139, 80):
         by = {r["path"]: r for r in rows if r["budget_gb"] == card}
         d = by["default"]
-        same = (by["dense"]["ffn"], by["dense"]["micro_batch"], by["dense"]["recompute"]) == (
+        same = (by["auto"]["ffn"], by["auto"]["micro_batch"], by["auto"]["recompute"]) == (
             d["ffn"], d["micro_batch"], d["recompute"])
-        assert d["is_default"] is True and by["dense"]["is_default"] is same
-        assert not any(by[p]["is_default"] for p in ("hf", "ell", "auto"))
+        assert d["is_default"] is True and by["auto"]["is_default"] is same
+        assert not any(by[p]["is_default"] for p in ("hf", "ell", "dense"))
     probes = read_csv(out / "probes.csv")
     assert {p["ffn"] for p in probes if (p["micro_batch"], p["recompute"]) == (4, "none")} == {
         "hf", "torch", "dense", "ell", "auto"}

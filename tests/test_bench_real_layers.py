@@ -34,7 +34,7 @@ def test_iid_case_reaches_its_density():
 
 
 def test_heavy_case_reaches_its_density_with_heavier_rows():
-    kw = dict(seed=3, device="cpu")
+    kw = {"seed": 3, "device": "cpu"}
     iid, heavy = bench.iid_case(512, 32, 300, 0.05, **kw), bench.heavy_case(512, 32, 300, 0.05, **kw)
     assert heavy.x.dtype == torch.bfloat16 and (heavy.size, heavy.layer) == ("heavy", "5%")
     act = {k: (c.x.float() @ c.wg.float().t()) > 0 for k, c in (("iid", iid), ("heavy", heavy))}

@@ -5,7 +5,6 @@ import math
 
 import numpy as np
 import pytest
-
 import torch
 
 from twell.nn import FFNPlan, SparseGatedMLP, StepStats

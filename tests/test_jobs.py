@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -53,7 +54,7 @@ def test_parallel_limit_runs_jobs_one_after_another(tmp_path):
     run_jobs(jobs, parallel=1, log=lambda s: None, poll_s=0.02)
     spans = sorted(tuple(map(float, ln.split())) for ln in stamps.read_text().splitlines())
     assert len(spans) == 3
-    for (_, end), (start, _) in zip(spans, spans[1:]):
+    for (_, end), (start, _) in itertools.pairwise(spans):
         assert start >= end
 
 

@@ -622,7 +622,7 @@ def test_plan_picks_hot_units_from_the_steps_counts():
 
 
 def test_hot_units_are_plan_state_and_reach_the_inference_op(monkeypatch):
-    import twell.ops.ffn as ffn
+    from twell.ops import ffn
 
     mlps = _mlps(2, impl="twell")
     plan = FFNPlan(mlps)
@@ -651,7 +651,7 @@ def test_hot_units_are_plan_state_and_reach_the_inference_op(monkeypatch):
     ws = (mlps[0].gate_proj.weight, mlps[0].up_proj.weight, mlps[0].down_proj.weight)
     with torch.no_grad():
         want = gated_ffn_torch(x.double(), *[w.double() for w in ws])[0]
-        y0, y1 = mlps[0](x), mlps[1](x)
+        y0, _y1 = mlps[0](x), mlps[1](x)
         cold, _ = real(x, *ws, mode="twell")  # the same op without hot units
     assert calls[0] is plan.layers[0].hot_units and calls[1] is None
     # as close to the fp64 reference as the op without hot units is (its CPU rounding)

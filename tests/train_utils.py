@@ -67,20 +67,6 @@ def tiny_config(tokens: Path, **over) -> TrainConfig:
     return cfg
 
 
-def load_script(name: str):
-    """Import ``scripts/<name>.py`` as module ``name`` (registered in ``sys.modules``, so
-    dataclasses in it resolve their annotations)."""
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     import json
 

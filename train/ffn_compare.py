@@ -450,20 +450,9 @@ def check_plan(user: list[str], steps: int):
 def write_smoke_tokens(path: Path, n_tokens: int = 20_000, vocab: int = 64, seed: int = 0) -> Path:
     """uint16 stream of documents that mostly follow a fixed random successor table (id 0 =
     end of document): a tiny model learns it in a few steps."""
-    import numpy as np
+    from train.data.synthetic import write_successor_tokens
 
-    rng = np.random.default_rng(seed)
-    nxt = np.concatenate([[1], rng.permutation(np.arange(1, vocab))])
-    out, cur = np.empty(n_tokens, dtype=np.uint16), 1
-    for i in range(n_tokens):
-        if rng.random() < 0.02:
-            out[i], cur = 0, int(rng.integers(1, vocab))
-            continue
-        out[i] = cur
-        cur = int(nxt[cur]) if rng.random() < 0.9 else int(rng.integers(1, vocab))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    out.tofile(path)
-    return path
+    return write_successor_tokens(path, n_tokens, vocab, seed)
 
 
 def load_run_data(spec: RunSpec, runs_dir: Path, accum: int, wall_s: float | None = None

@@ -206,7 +206,7 @@ def run_jobs(jobs: list[Job], *, parallel: int = 1, deadline: float | None = Non
 
     while pending or running:
         if deadline is not None and time.monotonic() > deadline:
-            for j in list(running):
+            for j in list(running):  # noqa: PERF101 (finish() removes j from running)
                 stop(j, grace_s)
                 finish(j, "stopped")
             for j in pending:
@@ -217,7 +217,7 @@ def run_jobs(jobs: list[Job], *, parallel: int = 1, deadline: float | None = Non
             _start(j, base_env, cwd)
             running.append(j)
             log(f"started {j.name}: {' '.join(j.cmd)}")
-        for j in list(running):
+        for j in list(running):  # noqa: PERF101 (finish() removes j from running)
             rc = j.popen.poll()
             if rc is not None:
                 finish(j, "done" if rc == 0 else f"failed (exit {rc})")
@@ -230,5 +230,13 @@ def run_jobs(jobs: list[Job], *, parallel: int = 1, deadline: float | None = Non
     return jobs
 
 
-__all__ = ["Job", "ROOT", "job_env", "last_train_record", "run_finished", "run_jobs", "stop",
-           "train_command"]
+__all__ = [
+    "ROOT",
+    "Job",
+    "job_env",
+    "last_train_record",
+    "run_finished",
+    "run_jobs",
+    "stop",
+    "train_command",
+]

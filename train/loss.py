@@ -104,6 +104,17 @@ def _chunks(hidden_ND, weight_VD, target_N, ignore_index, compute_dtype, chunk_r
     return loss_sum, count, dh_ND, dw_VD
 
 
+
+def _scaled_grads(ctx, grad: torch.Tensor):
+    """The (hidden, weight) gradients a fused loss made in forward, scaled in place by the
+    incoming gradient of its loss (the weight's cast back to its dtype)."""
+    dh_ND, dw_VD = ctx.saved_tensors
+    if dh_ND is not None:
+        dh_ND = dh_ND.mul_(grad.to(dh_ND.dtype))
+    if dw_VD is not None:
+        dw_VD = dw_VD.mul_(grad.to(dw_VD.dtype)).to(ctx.weight_dtype)
+    return dh_ND, dw_VD
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Mean CE of ``hidden_ND @ weight_VD^T`` against ``target_N``; gradients made in forward.
 
@@ -128,12 +139,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("fused cross-entropy: backward ran twice (its gradients are made "
                                "in forward and scaled in place); use trainer.fused_ce=false")
         ctx.used = True
-        dh_ND, dw_VD = ctx.saved_tensors
-        if dh_ND is not None:
-            dh_ND = dh_ND.mul_(grad_out.to(dh_ND.dtype))
-        if dw_VD is not None:
-            dw_VD = dw_VD.mul_(grad_out.to(dw_VD.dtype)).to(ctx.weight_dtype)
-        return dh_ND, dw_VD, None, None, None, None
+        return (*_scaled_grads(ctx, grad_out), None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -311,12 +317,7 @@ class _LinearCrossEntropyKL(torch.autograd.Function):
             raise RuntimeError("fused cross-entropy + KL: backward ran twice (its gradients are "
                                "made in forward and scaled in place)")
         ctx.used = True
-        dh_ND, dw_VD = ctx.saved_tensors
-        if dh_ND is not None:
-            dh_ND = dh_ND.mul_(grad_loss.to(dh_ND.dtype))
-        if dw_VD is not None:
-            dw_VD = dw_VD.mul_(grad_loss.to(dw_VD.dtype)).to(ctx.weight_dtype)
-        return dh_ND, dw_VD, None, None, None, None, None, None, None, None
+        return (*_scaled_grads(ctx, grad_loss), None, None, None, None, None, None, None, None)
 
 
 @torch.compiler.disable  # trainer.compile: the model compiles around it; this runs as written

@@ -154,20 +154,9 @@ def write_smoke_tokens(path: Path, n_tokens: int = 30_000, vocab: int = SMOKE_VO
                        seed: int = 0) -> Path:
     """A uint16 token file of documents that mostly follow a fixed random successor table
     (id 0 = end of document): a tiny model learns it and turns sparse in a few steps."""
-    import numpy as np
+    from train.data.synthetic import write_successor_tokens
 
-    rng = np.random.default_rng(seed)
-    nxt = np.concatenate([[1], rng.permutation(np.arange(1, vocab))])
-    out, cur = np.empty(n_tokens, dtype=np.uint16), 1
-    for i in range(n_tokens):
-        if rng.random() < 0.02:
-            out[i], cur = 0, int(rng.integers(1, vocab))
-            continue
-        out[i] = cur
-        cur = int(nxt[cur]) if rng.random() < 0.9 else int(rng.integers(1, vocab))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    out.tofile(path)
-    return path
+    return write_successor_tokens(path, n_tokens, vocab, seed)
 
 
 def check_config(config: list[str]) -> None:
