@@ -9,7 +9,7 @@ docstrings; the commands for a bare GPU machine: docs/model_bench/README.md).
         --out "$OUT" --config data.build_if_missing=false
     # train the bench model here instead (stage 1: 200 steps at L1 3e-4; or until L0 settles)
     python scripts/bench_model.py --sizes 2b --train-steps 300 --until-settled --out "$OUT"
-    # CPU smoke run (tiny shape, fp32, synthetic tokens, fake memory; tests/test_bench_model.py)
+    # CPU smoke run (tiny shape, fp32, synthetic tokens, fake memory; tests/e2e/test_bench_model.py)
     python scripts/bench_model.py --smoke --out /tmp/bm
     # merge several calls' outputs (1.5B from one call, 2B from another) on the CPU
     python scripts/bench_model.py --report out_1p5b out_2b --out docs/model_bench

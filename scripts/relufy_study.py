@@ -11,7 +11,7 @@
     python scripts/relufy_study.py --out "$OUT/relufy" --rows dense_relu,silu_control
     # then, on any machine with OUT: docs/relufy.md, its plots and docs/relufy/results.csv
     python scripts/relufy_report.py "$OUT/relufy" --doc docs/relufy.md
-    # CPU smoke test (tests/test_relufy_study.py): a tiny GGUF and corpus, a few steps a row
+    # CPU smoke test (tests/e2e/test_relufy_study.py): a tiny GGUF and corpus, a few steps a row
     python scripts/relufy_study.py --cpu --gguf tiny.gguf --gguf-sha256 none --tokens 256 ...
 
 Each invocation converts the GGUF once per work folder, skips the rows whose score is in

@@ -10,7 +10,7 @@
     python scripts/scaling_study.py --reinit --out $OUT --runs-dir /tmp/runs --max-wall 540 \\
         --skip-results docs/scaling/results data.cache_dir=... data.build_if_missing=false
     python scripts/scaling_study.py --reinit --dry-run          # only the plan and the estimate
-    # CPU smoke run (tiny shapes, 4 steps; what tests/test_scaling.py runs)
+    # CPU smoke run (tiny shapes, 4 steps; what tests/train/test_scaling.py runs)
     python scripts/scaling_study.py --cpu --smoke --sizes 0p5b,1b --l1 0.5 --out /tmp/s/out \\
         --runs-dir /tmp/s/runs data=tokens data.paths=[tok.bin] data.vocab_size=64 ...
     # merge the result folders of several calls, write docs/scaling/ and rewrite the doc

@@ -1,4 +1,4 @@
-"""Worker of the data-parallel ``model.ffn_impl`` tests (``tests/test_train_ddp_twell.py``).
+"""Worker of the data-parallel ``model.ffn_impl`` tests (``tests/e2e/test_train_ddp_twell.py``).
 
 Run under ``torchrun --nproc_per_node W -m tests.ddp_worker ...`` (gloo on CPU; FSDP2 when the
 environment carries accelerate's ``ACCELERATE_USE_FSDP=true FSDP_VERSION=2 ...``, as

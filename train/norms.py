@@ -19,7 +19,7 @@ layer without recomputation: ~13 GB over 28 layers at a micro-batch of 8 x 2048
 
 Numerics: the forward is the stock one, op for op (so the output is bitwise equal, and the bf16
 cast rounds it exactly as the consumers' casts did); the backward repeats autograd's formulas for
-those ops in the same order, so fp32 gradients are bitwise equal (tests/test_norms.py). Under
+those ops in the same order, so fp32 gradients are bitwise equal (tests/train/test_norms.py). Under
 autocast one difference remains: the consumers' bf16 gradients of the shared output are summed
 by autograd in bf16, where the stock graph sums their fp32 casts (one bf16 rounding per
 consumer: bf16 noise). Inputs that are not fp32 (an FSDP2 model with bf16 parameters) and

@@ -22,7 +22,7 @@ The sparse training op (``twell::ffn_train_fwd``) needs nothing from FSDP: FSDP2
 decoder layer's weights before its forward (and again before its backward, after
 resharding), so the op receives plain, unsharded ``(H, D)`` tensors; the weight gradients it
 returns land in the unsharded parameters' ``.grad``, which FSDP2 reduce-scatters into the
-sharded ``DTensor`` gradients (tests/test_train_multiprocess.py checks both).
+sharded ``DTensor`` gradients (tests/e2e/test_train_multiprocess.py checks both).
 
 Checkpoints: :func:`model_state_dict` and :func:`optimizer_state_dict` return, on rank 0, the
 same full tensors and the same formats as an unsharded model (``model.state_dict()``; the

@@ -289,7 +289,7 @@ def running_lines(plan: StudyPlan, rows: list[RowSpec], state: dict | None) -> l
          "order: `l1_0.1` (L0 3.6 % at 3.6 M tokens: nearest the 5 % target) and `l1_0.14` "
          "(about 1.4 % by log-log interpolation between 0.1 and 0.3: nearest 2 %), each plain "
          "and distilled."), "",
-        ("CPU smoke test of the whole pipeline (what `tests/test_relufy_study.py` runs: a tiny "
+        ("CPU smoke test of the whole pipeline (what `tests/e2e/test_relufy_study.py` runs: a tiny "
         "GGUF with SmolLM2's vocabulary, a tiny corpus, 2 steps a row, 2 items a task):"), "",
         "```bash",
         ("python scripts/relufy_study.py --cpu --gguf tiny.gguf --gguf-sha256 none --out OUT "
@@ -348,7 +348,7 @@ def load_results(out: Path) -> tuple[list[dict], dict, dict[str, list[float]]]:
 def status_lines(out: Path | None, rows: list[dict], specs: list[RowSpec]) -> list[str]:
     if out is None:
         return [("**Status: results pending the H200 run.** The study is built and runs end to "
-                 "end on a CPU with a tiny model (`tests/test_relufy_study.py`); no number below "
+                 "end on a CPU with a tiny model (`tests/e2e/test_relufy_study.py`); no number below "
                  "is a result of it until this file is regenerated from the GPU run's results "
                  "(`scripts/relufy_report.py OUT`)."), ""]
     scored = {r["row"] for r in rows}

@@ -32,7 +32,7 @@ Specification, version 1 (``FORMAT_VERSION``)
   tile), or raise. Counts stay exact, so statistics (L0, max non-zeros)
   are exact regardless of overflow.
 
-Changes from the paper's layout (each tested in ``tests/test_format.py``):
+Changes from the paper's layout (each tested in ``tests/ops/test_format.py``):
   1. ``value_dtype`` may be ``float16`` as well as ``bfloat16``: the kernels
      store the gate value in the model's own 16-bit type, so fp16 models do
      not lose 3 mantissa bits to a bf16 round trip (the paper is bf16-only).

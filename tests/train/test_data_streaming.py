@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_data_corpus import byte_tok, expected_ids, split_docs  # noqa: F401 (fixture)
+from tests.train.test_data_corpus import byte_tok, expected_ids, split_docs  # noqa: F401 (fixture)
 from train.data import DataConfig, build_datamodule
 from train.data.build import is_val, norm_hash
 

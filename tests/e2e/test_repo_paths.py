@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MACHINE_PATH = re.compile(r"(?<![\w.~$-])/(work|root|home)/")  # not ~/... or $X/...
 
 

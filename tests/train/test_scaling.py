@@ -40,7 +40,7 @@ from train.scaling_report import (
     write_report,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _compose(overrides, as_object=False):

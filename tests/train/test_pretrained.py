@@ -150,7 +150,7 @@ def test_config_checks_without_a_checkpoint(tokens, tmp_path):
     # the shipped group file: every shape field null, so it needs init_from
     from omegaconf import OmegaConf
 
-    y = OmegaConf.load(Path(__file__).resolve().parent.parent / "configs/model/pretrained.yaml")
+    y = OmegaConf.load(Path(__file__).resolve().parents[2] / "configs/model/pretrained.yaml")
     assert all(y[k] is None for k in ("hidden_size", "num_layers", "num_kv_heads", "vocab_size"))
 
 
@@ -272,7 +272,7 @@ def test_init_from_trains_on_the_sparse_paths_like_torch(tokens, relu_dir, tmp_p
     op on every layer, and the per-step losses and L0 are the torch path's (fp32). The ELL op
     runs its PyTorch backend here (the loaded model is ~50 % dense: the Triton interpreter took
     ~14 min for two steps, measured); its Triton kernels are checked in test_kernels_train.py
-    and tests/test_train_twell.py."""
+    and tests/e2e/test_train_twell.py."""
     import twell.ops.sparse_train as st
     from twell.ops.ffn_train import sparse_ffn_train
     from twell.policy import FFNPolicy

@@ -14,7 +14,7 @@ checkpointing (each decoder layer recomputed in the backward). Step 1 measures t
 capacity per call; steps 2-4 run without host sync on the capacity from the step before.
 
 Tolerances (fp32; measured differences in parentheses, this CPU) as in
-tests/test_train_ddp_twell.py, whose docstring derives them: loss / CE / L1 abs 1e-5 (<= 5e-7),
+tests/e2e/test_train_ddp_twell.py, whose docstring derives them: loss / CE / L1 abs 1e-5 (<= 5e-7),
 grad norm (before clipping) rel 1e-5 (<= 1.1e-7; a missing or doubled gradient reduction changes
 it by ~2x), parameters after 4 steps max abs 1e-5 (<= 1.4e-7; every matrix moved by ~4 lr, a
 rank applying its own gradient would differ by ~lr on many elements), L0 rel 1e-3, max active
@@ -35,7 +35,7 @@ import torch
 
 from tests.train_utils import read_metrics, write_tokens
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LR = 3e-3
 STEPS = 4
 COMMON = ["model.intermediate_size=32", "sparsity.l1_coeff=0.5", "optim.warmup_steps=0",

@@ -11,7 +11,7 @@ import pytest
 
 from train.config import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
 SMALL = ["model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=64",
          "model.num_heads=2", "model.seq_len=32", "trainer.global_batch=4",

@@ -19,7 +19,7 @@ from tests.train_utils import (
 from train.checkpoint import latest_checkpoint, list_checkpoints
 from train.trainer import NonFiniteLossError, Trainer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from train.relufy import RowSpec, Study, StudyPlan, default_rows, sparse_row
 from train.relufy_report import FINDINGS_BEGIN, FINDINGS_END, FINDINGS_PLACEHOLDER, write_report
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TASKS = ("hellaswag", "commonsense_qa", "piqa", "winogrande", "arc_easy", "arc_challenge",
          "openbookqa")
 PLAN = StudyPlan(tokens=128, global_batch=2, seq_len=32, micro_batch=2)

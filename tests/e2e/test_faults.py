@@ -24,7 +24,7 @@ from train.config import ConfigError
 from train.interrupt import StopSignals, TrainingInterrupted
 from train.trainer import Trainer, summary_line
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEYS = ("loss", "ce", "l1", "l0_mean", "nnz_max", "grad_norm", "lr")
 
 

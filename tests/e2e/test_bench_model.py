@@ -34,7 +34,7 @@ from train.bench.steps import Window, batches_from, quantile, time_steps
 from train.config import ConfigError, compose
 from train.memory import OOM, Candidate, Measurement
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_model.py"
 
 

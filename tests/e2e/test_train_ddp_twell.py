@@ -42,7 +42,7 @@ import torch
 
 from tests.train_utils import read_metrics, write_tokens
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LR = 3e-3
 COMMON = ["model.intermediate_size=32", "sparsity.l1_coeff=0.5", "optim.warmup_steps=0",
           'optim.schedule="constant"', f"optim.lr={LR}", "trainer.global_batch=4"]

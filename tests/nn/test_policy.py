@@ -10,7 +10,7 @@ import torch
 from twell.nn import TRAIN_PATHS, FFNPlan, SparseGatedMLP
 from twell.policy import ENV_OVERRIDES, FFNPolicy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_and_bad_values_name_the_field():

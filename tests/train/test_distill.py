@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
-from tests.test_pretrained import _cfg, _save_source
+from tests.train.test_pretrained import _cfg, _save_source
 from tests.train_utils import read_metrics, write_tokens
 from train.config import ConfigError, SparsityConfig, TrainConfig
 from train.trainer import Trainer

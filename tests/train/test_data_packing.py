@@ -299,7 +299,7 @@ def test_config_validation_and_hydra_schema():
 def test_config_yamls_validate_against_the_dataclass():
     from pathlib import Path
 
-    files = sorted((Path(__file__).parents[1] / "configs" / "data").glob("*.yaml"))
+    files = sorted((Path(__file__).parents[2] / "configs" / "data").glob("*.yaml"))
     assert {f.stem for f in files} >= {"offline_mix", "tokens", "files", "fineweb_edu"}
     for f in files:
         merged = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(f))

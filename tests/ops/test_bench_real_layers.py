@@ -17,7 +17,7 @@ from twell.nn.record import save_ffn_layer
 from twell.policy import FFNPolicy
 from twell.stats import default_ell_capacity
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 honours, what it refuses (one line naming the YAML key), and the variables accelerate's launcher
 really exports for configs/accelerate/fsdp2.yaml; a multi-process launch on a machine without
 GPUs needs trainer.cpu=true. The sharded training itself runs in
-tests/test_train_multiprocess.py."""
+tests/e2e/test_train_multiprocess.py."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from train.parallel import (
     hidden_from_accelerate,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASE = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
 
 
@@ -169,7 +169,7 @@ def test_dead_unit_reinit_on_sharded_weights_equals_unsharded(tmp_path):
         port = sock.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                             "2", "--master_port", str(port), "-m", "tests.test_parallel",
+                             "2", "--master_port", str(port), "-m", "tests.train.test_parallel",
                              str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:

@@ -17,7 +17,7 @@ import pytest
 import train.ffn_compare as cf
 from train.config import ConfigError, compose
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "compare_ffn_paths.py"
 
 
