@@ -438,6 +438,9 @@ def _settling_run(tokens, tmp_path, monkeypatch, name, impl="auto", **over):
 
     monkeypatch.setattr(memory, "device_probe",
                         lambda tr: PathProbe(tr, DENSE, ELL, STEP_TIMES))
+    # the ELL op's PyTorch backend (read per call): these runs test the planner, not the
+    # kernels, which took ~14 min a test through triton's interpreter
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     # every layer goes to ell after step 1 (no density limit; an ELL capacity of H: no heavy row)
     cfg = _auto_cfg(tokens, **{"trainer.memory_budget_gb": 100.0, "trainer.max_steps": 6,
                                "model.ffn_impl": impl,
