@@ -28,7 +28,7 @@ from train.bench.report import merge_runs
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join((__doc__ or "").split("\n\n")[0].split()))
     p.add_argument("--sizes", default="1p5b", help="model shapes, comma-separated (configs/model)")
     p.add_argument("--paths", default=",".join(PATHS), help=f"paths to time ({','.join(PATHS)})")
     p.add_argument("--budgets", default="80,139",
