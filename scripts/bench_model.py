@@ -25,6 +25,7 @@ from pathlib import Path
 from train.bench import PATHS, BenchSettings, Recipe, SettleRule, parse_budgets, run_bench
 from train.bench.recipe import check_config
 from train.bench.report import merge_runs
+from train.bench.step_profile import PROFILE_PATHS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,6 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                           "docs/model_bench)")
     p.add_argument("--work-dir", type=Path, default=None, help="trainer run folders (temp)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="no PNGs")
+    p.add_argument("--profile-micro", default="", metavar="M,...",
+                   help="profile one step of each --profile-paths at these micro-batches "
+                        "first (torch.profiler, op families; CUDA only)")
+    p.add_argument("--profile-paths", default=",".join(PROFILE_PATHS),
+                   help=f"paths to profile ({','.join(PROFILE_PATHS)})")
+    p.add_argument("--profile-only", action="store_true", help="profile, then stop")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (tests)")
     p.add_argument("--report", type=Path, nargs="+", default=None, metavar="DIR",
                    help="only merge these runs' outputs into --out (CPU)")
@@ -85,6 +92,9 @@ def settings(a: argparse.Namespace) -> BenchSettings:
               "train_budget_s": a.train_budget, "config": list(a.config),
               "work_dir": a.work_dir, "plots": a.plots, "acts_dir": a.acts_dir,
               "acts_tokens": a.acts_tokens,
+              "profile_micro": tuple(int(x) for x in a.profile_micro.split(",") if x),
+              "profile_paths": tuple(x for x in a.profile_paths.split(",") if x),
+              "profile_only": a.profile_only,
               "settle": SettleRule(a.until_settled, a.settle_window, a.settle_tolerance,
                                    a.target_l0), **given}
     if a.smoke:

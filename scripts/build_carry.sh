@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Build what a GPU bench carries to a bare GPU machine (the device tool's nvidia-h200: Python
 # 3.12, torch 2.11, triton 3.6, transformers, accelerate, numpy, pandas, pyarrow, fsspec there;
-# hydra-core, omegaconf, antlr4-python3-runtime, datasets, dill and multiprocess not):
+# hydra-core, omegaconf, antlr4-python3-runtime, datasets, dill, multiprocess and liger-kernel
+# not):
 #
-#   .devcarry/wheels/      Python 3.12 manylinux x86_64 wheels of those six packages (pure Python)
+#   .devcarry/wheels/      Python 3.12 manylinux x86_64 wheels of those seven packages (pure
+#                          Python)
 #   .devcarry/cache.tar.xz the offline corpus, its tokenizer and the eval sets ($TWELL_CACHE,
 #                          default ~/.cache/twell; built with `twell-data build` if missing)
 #
@@ -27,8 +29,9 @@ version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.a
 
 if [ "$PART" != cache ]; then
   # missing on the GPU image (its package list says what it holds): hydra-core and
-  # its two requirements; datasets and the two of its requirements the image lacks
-  WHEEL_PKGS=(hydra-core omegaconf datasets dill multiprocess)
+  # its two requirements; datasets and the two of its requirements the image lacks;
+  # liger-kernel (its requirements, torch and triton, are there)
+  WHEEL_PKGS=(hydra-core omegaconf datasets dill multiprocess liger-kernel)
   SDIST_PKGS=(antlr4-python3-runtime)  # 4.9.3: an sdist only on PyPI, built here (pure Python)
   rm -rf "$OUT/wheels" && mkdir -p "$OUT/wheels"
   specs=()

@@ -355,6 +355,12 @@ class TrainerConfig:
     (train/norms.py): ~400 MB less per layer at 1.5B x 8 x 2048 without recomputation; fp32
     results bitwise equal, bf16 within rounding. null = on for CUDA bf16 runs without
     trainer.compile / compile_norms (inductor plans those norms itself)."""
+    liger: bool | None = None
+    """Liger-Kernel's RMSNorm, RoPE and fused linear cross-entropy in the model (train/liger.py;
+    what a transformers user trains a dense Llama with): null = on for CUDA bf16 runs without
+    trainer.compile when liger_kernel imports; off on the CPU (transformers' reference code). With
+    it on, trainer.fused_ce and trainer.lean_norms are off (Liger's loss and norms replace them;
+    a distillation run keeps its own fused CE + KL loss)."""
     ce_chunk_rows: int = 4096
     """Rows of logits per chunk of the fused loss (= train.loss.CE_CHUNK_ROWS): its transient
     memory is ~8 x rows x vocab bytes (1.6 GB at 4096 x 49152)."""
@@ -456,6 +462,13 @@ class TrainerConfig:
             key = "trainer.compile" if self.compile else "trainer.compile_norms"
             raise ConfigError(f"trainer.lean_norms=true and {key}=true: compiled norms are "
                               f"planned by inductor; set trainer.lean_norms=null or {key}=false.")
+        if self.liger and (self.fused_ce or self.lean_norms or self.compile_norms
+                           or self.compile):
+            key = next(k for k in ("fused_ce", "lean_norms", "compile_norms", "compile")
+                       if getattr(self, k))
+            raise ConfigError(f"trainer.liger=true and trainer.{key}=true: Liger-Kernel's fused "
+                              f"loss and norms replace them; set trainer.{key}=null (or false) or "
+                              "trainer.liger=false.")
         if self.compile_norms and self.compile:
             raise ConfigError("trainer.compile_norms=true and trainer.compile=true: the whole "
                               "model is compiled already; use one of them.")

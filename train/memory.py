@@ -753,11 +753,7 @@ def plan_memory(trainer, probe: Callable[[Candidate], Measurement] | None = None
     budget = t.memory_budget_gb or device_budget_gb(trainer.device)
     if budget is None:
         raise ValueError("plan_memory: no budget; set trainer.memory_budget_gb (no CUDA device)")
-    from train.loss import fused_ce_enabled
-
-    fused = fused_ce_enabled(t.fused_ce, device_type=trainer.device.type,
-                             precision=trainer.precision, compile=t.compile,
-                             sharded=bool(trainer.fsdp))
+    fused = trainer.fused_loss is not None  # a chunked loss: probes of >= one chunk of rows
     tm.probe = probe
     tm.planner = MemoryPlanner(
         probe, batch_per_rank=per_rank, seq_len=trainer.cfg.model.seq_len, budget_gb=budget,

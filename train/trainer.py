@@ -39,6 +39,7 @@ from train import interrupt, memory, parallel, rundir
 from train.config import ConfigError, OptimConfig, TrainConfig
 from train.fusion import compile_norms
 from train.interrupt import StopSignals, TrainingInterrupted
+from train.liger import liger_enabled, use_liger
 from train.loss import fused_ce_enabled, use_distillation, use_fused_cross_entropy
 from train.metrics import device_peak_flops, flops_per_token, mfu
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
@@ -403,12 +404,21 @@ class Trainer:
         # fsdp_activation_checkpointing means the same and is applied through the same call once
         if t.grad_checkpointing or (self.fsdp and self.fsdp.activation_checkpointing):
             enable_grad_checkpointing(model, t.checkpoint_ffn or "always")
-        if fused_ce_enabled(t.fused_ce, device_type=self.device.type, precision=precision,
-                            compile=t.compile, sharded=bool(self.fsdp)):
-            use_fused_cross_entropy(model, t.ce_chunk_rows)  # no (tokens x vocab) logits
-        if lean_norms_enabled(t.lean_norms, device_type=self.device.type, precision=precision,
-                              compile=t.compile, compile_norms=t.compile_norms):
-            lean_norms(model)  # norms keep x and rsqrt only; one bf16 output (train/norms.py)
+        # the fused non-FFN ops: Liger-Kernel's (train/liger.py) where it runs, else ours
+        self.fused_loss = None  # "liger" | "ours" | None: who computes the loss without logits
+        if liger_enabled(t.liger, device_type=self.device.type, precision=precision,
+                         compile=t.compile):
+            use_liger(model, fused_linear_ce=not cfg.distill)
+            self.fused_loss = "liger" if not cfg.distill else "ours"  # distillation: ours + KL
+        else:
+            if fused_ce_enabled(t.fused_ce, device_type=self.device.type, precision=precision,
+                                compile=t.compile, sharded=bool(self.fsdp)):
+                use_fused_cross_entropy(model, t.ce_chunk_rows)  # no (tokens x vocab) logits
+                self.fused_loss = "ours"
+            if lean_norms_enabled(t.lean_norms, device_type=self.device.type,
+                                  precision=precision, compile=t.compile,
+                                  compile_norms=t.compile_norms):
+                lean_norms(model)  # norms keep x and rsqrt only; one bf16 output (norms.py)
         self.teacher = None  # sparsity.distill_from: the frozen source model, the KL's target
         if cfg.distill:
             from train import pretrained

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from train.bench.recipe import (
+    BASELINE_PATHS,
     EXPERIMENTS,
     FFN_OF_IMPL,
     FORWARD_IMPL,
@@ -79,6 +80,10 @@ class BenchSettings:
         out: output folder; work_dir: trainer run folders (a temporary folder if None).
         plots: write the PNGs.
         smoke: the tiny CPU run (``fake_memory`` stands in for CUDA memory).
+        profile_micro: micro-batches at which to profile one step of each of
+            ``profile_paths`` (:func:`train.bench.step_profile.profile_paths`; CUDA only)
+            before the search; empty: no profile.
+        profile_only: profile, then skip the search and the timed rows.
     """
 
     sizes: list[str] = field(default_factory=lambda: ["1p5b"])
@@ -108,11 +113,21 @@ class BenchSettings:
     plots: bool = True
     smoke: bool = False
     fake_memory: FakeMemory | None = None
+    profile_micro: tuple[int, ...] = ()
+    profile_paths: tuple[str, ...] = ("hf", "liger", "dense", "ell", "auto", "dense-noliger",
+                                      "ell-noliger")
+    profile_only: bool = False
 
     def __post_init__(self) -> None:
         bad = [p for p in self.paths if p not in PATHS]
         if bad or not self.paths:
             raise ValueError(f"paths: unknown {bad}; use some of {', '.join(PATHS)}")
+        from train.bench.step_profile import PROFILE_PATHS
+
+        bad = [p for p in self.profile_paths if p not in PROFILE_PATHS]
+        if bad:
+            raise ValueError(f"profile_paths: unknown {bad}; use some of "
+                             f"{', '.join(PROFILE_PATHS)}")
         if self.model_from is not None and len(self.sizes) != 1:
             raise ValueError(f"--model-from holds one model; give one --sizes (got {self.sizes})")
         for k in ("steps", "search_batch", "probe_steps", "equal_micro", "fwd_batch",
@@ -255,8 +270,8 @@ def measure_forward(run: SizeRun) -> None:
     dtype = torch.bfloat16 if run.bf16 else None
     for impl in impls:
         try:
-            if impl == "hf":
-                model = build_hf(run.bm.model_cfg, run.bm.weights, dev, dtype)
+            if impl in BASELINE_PATHS:
+                model = build_hf(run.bm.model_cfg, run.bm.weights, dev, dtype, variant=impl)
             else:
                 cfg = dataclasses.replace(run.bm.model_cfg, ffn_impl=impl)
                 model = build_ours(cfg, run.bm.weights, dev, dtype)

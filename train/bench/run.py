@@ -16,6 +16,7 @@ from train.bench.core import BenchSettings, prepare
 from train.bench.recipe import write_smoke_tokens
 from train.bench.report import write_outputs
 from train.bench.stages import bench_budgets
+from train.bench.step_profile import profile_paths, write_profile
 from train.bench.steps import Clock, free_memory, log
 
 
@@ -39,7 +40,13 @@ def run_bench(s: BenchSettings) -> str:
         try:
             run = prepare(s, size, clock, work, smoke_tokens)
             profile += [{"size": size, **r} for r in run.checks["profile"]]
-            bench_budgets(run)
+            if s.profile_micro and run.device.type == "cuda":
+                for micro in s.profile_micro:
+                    profs = profile_paths(run, micro, s.profile_paths)
+                    print(write_profile(s.out, size, micro, profs, run.seq_len,
+                                        run.checks["l0"]), flush=True)
+            if not s.profile_only:
+                bench_budgets(run)
         except Exception as e:  # noqa: BLE001  (keep the other sizes and the outputs)
             traceback.print_exc()
             log(f"size {size} FAILED: {type(e).__name__}: {e}")

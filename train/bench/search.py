@@ -226,7 +226,8 @@ class FakeMemory:
     static_gb: float = 30.0
     per_sequence_gb: tuple[tuple[str, float], ...] = (("none", 14.0), ("attention", 8.0),
                                                       ("full", 4.0), ("attention_ell", 8.0))
-    factor: tuple[tuple[str, float], ...] = (("hf", 1.2), ("torch", 1.0), ("dense", 1.0),
+    factor: tuple[tuple[str, float], ...] = (("hf", 1.2), ("liger", 1.0), ("compile", 1.1),
+                                             ("torch", 1.0), ("dense", 1.0),
                                              ("ell", 0.7), ("auto", 0.75))
 
     def peak_gb(self, ffn: str, c: Candidate) -> float:

@@ -30,7 +30,7 @@ class BenchModel:
 
     Attributes:
         size: the model config name (``configs/model/<size>.yaml``) or ``smoke``.
-        model_cfg: its :class:`train.config.ModelConfig` (stage 1's: ``ffn_impl=auto``).
+        model_cfg: its :class:`train.config.ModelConfig` (stage 1's: ``ffn_impl=torch``).
         weights: fp32 CPU state dict (page-locked on CUDA machines).
         plan_state: the trained :meth:`twell.nn.plan.FFNPlan.state_dict` (auto's per-layer paths
             and dense-backup capacities), or None (a checkpoint without one).

@@ -38,6 +38,7 @@ from train.bench.core import (
     timed_fields,
 )
 from train.bench.recipe import (
+    BASELINE_PATHS,
     HF_RECOMPUTE,
     OUR_RECOMPUTE,
     PATH_FFNS,
@@ -69,9 +70,10 @@ def bench_budgets(run: SizeRun) -> None:
     for i, b in enumerate(run.s.budgets):
         t0 = run.clock.elapsed()
         first = i == 0
-        stages = [(OUR_PATHS, lambda b=b, first=first: ours_rows(run, b, first)),
-                  (("hf",), lambda b=b, first=first: hf_rows(run, b, first)),
-                  (("default",), lambda b=b: default_row(run, b))]
+        stages = [(OUR_PATHS, lambda b=b, first=first: ours_rows(run, b, first))]
+        stages += [((p,), lambda b=b, first=first, p=p: baseline_rows(run, b, first, p))
+                   for p in BASELINE_PATHS]
+        stages += [(("default",), lambda b=b: default_row(run, b))]
         for paths, stage in stages:
             paths = [p for p in paths if p in run.s.paths]
             if paths:
@@ -126,12 +128,14 @@ def _close(tr, device) -> None:
 # ---------------------------------------------------------------- our trainer
 
 
-def build_our_trainer(run: SizeRun):
-    """Our trainer (:func:`train.bench.recipe.ours_overrides`) on the bench model's weights."""
+def build_our_trainer(run: SizeRun, extra: list[str] = ()):
+    """Our trainer (:func:`train.bench.recipe.ours_overrides`, then ``extra`` overrides) on the
+    bench model's weights."""
     from train.config import compose
     from train.trainer import Trainer
 
-    cfg = compose(ours_overrides(run.size, run.s.search_batch, run.s.config, run.smoke_tokens))
+    cfg = compose(ours_overrides(run.size, run.s.search_batch, [*run.s.config, *extra],
+                                 run.smoke_tokens))
     model = build_ours(cfg.model, run.bm.weights, run.device)
     run.builds += 1
     return Trainer(cfg, run.work / f"{run.size}_ours{run.builds}", datamodule=run.data,
@@ -154,12 +158,7 @@ def use_ffn(tr, ffn: str, plan_state: dict | None) -> None:
 
 def min_probe_tokens(tr) -> int:
     """The fused loss's chunk rows when the trainer uses it (the planner's slope rule)."""
-    from train.loss import fused_ce_enabled
-
-    t = tr.cfg.trainer
-    fused = fused_ce_enabled(t.fused_ce, device_type=tr.device.type, precision=tr.precision,
-                             compile=t.compile, sharded=False)
-    return t.ce_chunk_rows if fused else 0
+    return tr.cfg.trainer.ce_chunk_rows if tr.fused_loss is not None else 0
 
 
 def loss_check(run: SizeRun, tr, ffn: str) -> bool:
@@ -271,39 +270,42 @@ def _search_ours(run: SizeRun, tr, paths: list[str]) -> None:
 # ---------------------------------------------------------------- plain transformers
 
 
-def hf_rows(run: SizeRun, b: Budget, first: bool) -> None:
-    """The ``hf`` row at ``b`` (the search of every budget the first time)."""
-    c = run.choices.get(("hf", b))
+def baseline_rows(run: SizeRun, b: Budget, first: bool, path: str = "hf") -> None:
+    """The row of a stock-transformers baseline (``hf``, ``liger`` or ``compile``;
+    :data:`train.bench.recipe.BASELINE_PATHS`) at ``b`` (the search of every budget the first
+    time)."""
+    c = run.choices.get((path, b))
     if not first:
-        again = None if c is None or not c.fits else reuse(run, "hf", b, c)
+        again = None if c is None or not c.fits else reuse(run, path, b, c)
         if again is not None or c is None or not c.fits:
             return add_row(run, again or skipped_row(
-                run, "hf", b, "not searched (deadline)" if c is None else c.why, c))
+                run, path, b, "not searched (deadline)" if c is None else c.why, c))
     scale = run.n_params / 1.5e9 if run.device.type == "cuda" else 0.0
     if not run.clock.fits(run.est_build_s() + (10.0 * scale if first else 0.0),
-                          f"{run.size} hf at {b.label} GB"):
-        return add_row(run, skipped_row(run, "hf", b, "skipped (deadline)", c))
-    step = HFStep(build_hf(run.bm.model_cfg, run.bm.weights, run.device), run.cfg1.optim,
-                  run.bf16)
+                          f"{run.size} {path} at {b.label} GB"):
+        return add_row(run, skipped_row(run, path, b, "skipped (deadline)", c))
+    step = HFStep(build_hf(run.bm.model_cfg, run.bm.weights, run.device, variant=path),
+                  run.cfg1.optim, run.bf16)
     try:
         if first:
             probe = HFProbe(step, run.pool_NT, timed_steps=run.s.probe_steps)
-            search_ffn(run, "hf", probe, pending_optimizer_gb(step.optimizer), HF_RECOMPUTE, 0)
-            c = run.choices[("hf", b)]
+            search_ffn(run, path, probe, pending_optimizer_gb(step.optimizer), HF_RECOMPUTE,
+                       run.cfg1.trainer.ce_chunk_rows if path == "liger" else 0)
+            c = run.choices[(path, b)]
         if not c.fits:
-            return add_row(run, skipped_row(run, "hf", b, c.why, c))
-        if not run.clock.fits(timing_est(run, c), f"{run.size} hf at {b.label} GB"):
-            return add_row(run, skipped_row(run, "hf", b, "skipped (deadline)", c))
+            return add_row(run, skipped_row(run, path, b, c.why, c))
+        if not run.clock.fits(timing_est(run, c), f"{run.size} {path} at {b.label} GB"):
+            return add_row(run, skipped_row(run, path, b, "skipped (deadline)", c))
         with emulated(b, run.device):
-            row = time_hf(run, step, c, b)
-        run.timed[("hf", *c.key)] = row
+            row = time_baseline(run, step, c, b, path)
+        run.timed[(path, *c.key)] = row
         add_row(run, row)
     finally:
         step = None
         free_memory(run.device)
 
 
-def time_hf(run: SizeRun, step: HFStep, c: Choice, b: Budget) -> dict:
+def time_baseline(run: SizeRun, step: HFStep, c: Choice, b: Budget, path: str = "hf") -> dict:
     step.set_recompute(c.recompute)
     batches = batches_from(run.pool_NT, c.micro_batch, seed=c.micro_batch)
     try:
@@ -313,8 +315,8 @@ def time_hf(run: SizeRun, step: HFStep, c: Choice, b: Budget) -> dict:
             raise
         step.optimizer.zero_grad(set_to_none=True)
         free_memory(run.device)
-        return skipped_row(run, "hf", b, "out of memory while timing", c)
-    return new_row(run, "hf", b, ffn="hf", micro_batch=c.micro_batch, recompute=c.recompute,
+        return skipped_row(run, path, b, "out of memory while timing", c)
+    return new_row(run, path, b, ffn=path, micro_batch=c.micro_batch, recompute=c.recompute,
                    predicted_peak_gb=c.step_peak_gb, probe_tok_per_ms=c.probe_tok_per_ms,
                    redos=0, check_ok=run.checks["logits_rel_err"] < 1e-4,
                    **timed_fields(run, window, c.micro_batch, c))
@@ -418,6 +420,7 @@ def mark_default(run: SizeRun, row: dict, b: Budget) -> None:
     log(f"{run.size} {b.label} GB default: {row.get('notes')}")
 
 
-__all__ = ["OUR_PATHS", "bench_budgets", "build_default_trainer", "build_our_trainer",
-           "default_row", "hf_rows", "loss_check", "ours_rows", "path_choice", "time_trainer",
+__all__ = ["OUR_PATHS", "baseline_rows", "bench_budgets", "build_default_trainer",
+           "build_our_trainer", "default_row", "loss_check", "ours_rows", "path_choice",
+           "time_trainer",
            "use_ffn"]

@@ -55,18 +55,47 @@ def build_ours(model_cfg, weights: dict, device, dtype=None):
     return model
 
 
-def build_hf(model_cfg, weights: dict, device, dtype=None):
-    """Stock ``LlamaForCausalLM`` (ReLU, SDPA) of ``model_cfg`` with ``weights``."""
+def build_hf(model_cfg, weights: dict, device, dtype=None, variant: str = "hf"):
+    """Stock ``LlamaForCausalLM`` (ReLU, SDPA) of ``model_cfg`` with ``weights``.
+
+    ``variant`` (:data:`train.bench.recipe.BASELINE_PATHS`): ``hf`` as built; ``liger``: with
+    Liger-Kernel's RMSNorm, RoPE and fused linear cross-entropy (:func:`train.liger.use_liger`);
+    ``compile``: every decoder layer ``torch.compile``-d (:func:`compile_layers`).
+
+    Raises:
+        ValueError: an unknown ``variant``.
+    """
     from transformers import LlamaForCausalLM
 
     from train.model import llama_config
 
+    if variant not in ("hf", "liger", "compile"):
+        raise ValueError(f"build_hf: variant {variant!r} is unknown; use hf, liger or compile")
     with torch.device(device):
         model = LlamaForCausalLM(llama_config(model_cfg))
     if dtype is not None:
         model.to(dtype)
     load_weights(model, weights)
+    if variant == "liger":
+        from train.liger import use_liger
+
+        use_liger(model)
+    elif variant == "compile":
+        compile_layers(model)
     return model
+
+
+def compile_layers(model) -> int:
+    """``torch.compile`` each decoder layer of a transformers causal LM in place (regional
+    compilation: the layers share one compiled graph, their parameters are its inputs, so one
+    compilation serves all; torchtitan compiles per block the same way). Returns the number of
+    layers."""
+    layers = model.model.layers
+    # on the CPU (the --smoke run) the same graphs without code generation: no C++ toolchain
+    backend = "inductor" if next(model.parameters()).is_cuda else "aot_eager"
+    for layer in layers:
+        layer.compile(backend=backend)
+    return len(layers)
 
 
 def cpu_weights(model, pin: bool) -> dict:
@@ -313,6 +342,6 @@ class Clock:
 
 
 __all__ = ["GIB", "STATIC_BYTES_PER_PARAM", "Clock", "HFProbe", "HFStep", "Window",
-           "batches_from", "build_hf", "build_ours", "cpu_weights", "eval_loss", "free_memory",
+           "batches_from", "build_hf", "build_ours", "compile_layers", "cpu_weights", "eval_loss", "free_memory",
            "is_oom",
            "load_weights", "log", "quantile", "time_call", "time_steps"]

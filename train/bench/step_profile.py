@@ -1,0 +1,281 @@
+"""Where a training step's GPU time goes: ``torch.profiler`` kernel times by op family.
+
+A step of each path (plain transformers, transformers + Liger-Kernel, our dense, ``ell`` and
+``auto`` trainers) runs under ``torch.profiler`` with input shapes recorded; every CUDA kernel is
+put in one family by its name and, for matrix products, by the shapes of the op that launched
+it (an FFN product has the FFN width H in a dimension, the LM head the vocabulary V, the
+attention projections neither):
+
+=================  ===========================================================================
+family             kernels
+=================  ===========================================================================
+attention          flash / memory-efficient attention, forward and backward
+gemm_attn          q, k, v, o projections (cuBLAS)
+gemm_ffn           FFN products through cuBLAS (dense FFNs, the gate GEMM, dense backups)
+gemm_lm_head       LM head and its gradients (also inside a fused loss)
+ffn_triton         twell's Triton kernels (compaction, SDDMM, SpMM, dW, the fused passes)
+norm               RMSNorm kernels (Liger's; eager norms land in elementwise / reduction)
+rope               RoPE kernels (Liger's; eager RoPE lands in elementwise)
+loss               cross-entropy / softmax kernels
+optimizer          fused AdamW and the gradient-norm / clip passes (multi-tensor kernels)
+cast               dtype conversions and copies
+reduction          other reductions (eager norms, statistics, sums)
+elementwise        other elementwise kernels (residual adds, eager norms and RoPE, ReLU, ...)
+other              the rest (memset, sort, scan, index, ...)
+=================  ===========================================================================
+
+Besides the families: the step's time (CUDA events, outside the profiler), the kernels' sum
+(the GPU's busy time; the rest is idle: launch gaps and host waits) and the host
+synchronisations (``cudaStreamSynchronize`` / ``cudaEventSynchronize`` / ``cudaDeviceSynchronize``
+calls) per step. Source of the question: issue 29 (``BENCHMARKS.md``, "Where the step's time
+goes").
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+FAMILIES = ("attention", "gemm_attn", "gemm_ffn", "gemm_lm_head", "ffn_triton", "norm", "rope",
+            "loss", "optimizer", "cast", "reduction", "elementwise", "other")
+_SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+_NAME_RULES = (  # (family, pattern on the kernel name), first match wins
+    ("attention", r"flash|fmha|attention|attn|sdpa"),
+    ("norm", r"rms_norm|layer_norm|rmsnorm"),
+    ("rope", r"rope|rotary"),
+    ("loss", r"cross_entropy|softmax|nll_loss|log_softmax"),
+    ("ffn_triton", r"^_?(compact|sddmm|spmm|dw_|pack|twell|backup|dense_fwd|dense_bwd|hot|"
+                   r"relu_mul|ew_|gated)"),
+    ("optimizer", r"multi_tensor|adam|foreach|fused_adam|clip"),
+    ("cast", r"copy|cast|convert|to_dtype"),
+    ("reduction", r"reduce|_sum|norm_kernel|mean|amax"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise|triton_poi"),
+)
+_GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|cublas|wgmma|matmul|triton_tem", re.I)
+
+
+def kernel_family(kernel: str, op: str | None, shapes, dims: dict) -> str:
+    """The family of one kernel (module docstring).
+
+    Args:
+        kernel: the CUDA kernel's name.
+        op: the name of the PyTorch op that launched it (``aten::mm``...), or None.
+        shapes: that op's recorded input shapes (lists of ints), or None.
+        dims: ``{"ffn": H, "vocab": V}`` of the model.
+    """
+    name = kernel.lower()
+    if _GEMM.search(name) and not re.search(r"flash|fmha|attention", name):
+        flat = {d for s in (shapes or []) if isinstance(s, (list, tuple)) for d in s
+                if isinstance(d, int)}
+        if dims.get("vocab") in flat:
+            return "gemm_lm_head"
+        if dims.get("ffn") in flat:
+            return "gemm_ffn"
+        return "gemm_attn"
+    for fam, pat in _NAME_RULES:
+        if re.search(pat, name):
+            return fam
+    return "other"
+
+
+@dataclass
+class StepProfile:
+    """One path's step, by family (milliseconds per step).
+
+    Attributes:
+        step_ms: median step time from CUDA events (outside the profiler).
+        kernel_ms: the sum of the step's kernel times (GPU busy time).
+        families: family -> ms per step.
+        syncs: host synchronisations per step.
+        top: the longest kernels, (family, name, ms per step, calls per step).
+    """
+
+    step_ms: float
+    kernel_ms: float
+    families: dict = field(default_factory=dict)
+    syncs: float = 0.0
+    top: list = field(default_factory=list)
+
+    @property
+    def idle_ms(self) -> float:
+        """Step time the GPU ran no kernel (launch gaps, host waits); 0 if the kernels of
+        several streams overlapped to more than the step."""
+        return max(0.0, self.step_ms - self.kernel_ms)
+
+
+def profile_step(step: Callable[[], object], device, dims: dict, *, steps: int = 2,
+                 warmup: int = 1, timed: int = 5) -> StepProfile:
+    """Time ``timed`` calls of ``step`` with CUDA events, then profile ``steps`` more.
+
+    Args:
+        step: one training step (it synchronises as the path does; nothing else is added).
+        device: a CUDA device.
+        dims: ``{"ffn": H, "vocab": V}`` (:func:`kernel_family`).
+
+    Raises:
+        ValueError: ``device`` is not CUDA.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from train.bench.steps import time_steps
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"profile_step needs a CUDA device; got {dev}")
+    window = time_steps(step, warmup, timed, dev)
+    step_ms = sorted(window.step_ms)[len(window.step_ms) // 2]
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize(dev)
+    fams: dict[str, float] = defaultdict(float)
+    kern: dict[tuple, list] = {}
+    syncs = 0
+    for e in prof.events():
+        if e.name in _SYNCS:
+            syncs += 1
+        launched = [(k.name, k.duration, e.name, e.input_shapes) for k in e.kernels] \
+            if e.device_type == torch.autograd.DeviceType.CPU else []
+        if e.device_type == torch.autograd.DeviceType.CUDA and \
+                getattr(e, "linked_correlation_id", 1) == 0:  # a kernel no op claims
+            launched = [(e.name, e.time_range.end - e.time_range.start, None, None)]
+        for name, us, op, shapes in launched:
+            fam = kernel_family(name, op, shapes, dims)
+            fams[fam] += us / 1e3 / steps
+            k = kern.setdefault((fam, name[:90]), [0.0, 0])
+            k[0] += us / 1e3 / steps
+            k[1] += 1 / steps
+    total = sum(fams.values())
+    top = sorted(((f, n, ms, c) for (f, n), (ms, c) in kern.items()), key=lambda t: -t[2])[:25]
+    return StepProfile(step_ms, total, {f: fams.get(f, 0.0) for f in FAMILIES}, syncs / steps,
+                       top)
+
+
+def family_table(profiles: dict[str, StepProfile], tokens_per_step: int) -> str:
+    """A markdown table: one column per path (ms per 2048-token sequence = per step /
+    sequences), one row per family, then kernels, idle, step and tokens/ms."""
+    seqs = tokens_per_step / 2048
+    names = list(profiles)
+    lines = ["| ms per 2048-token sequence | " + " | ".join(names) + " |",
+             "|---|" + "---|" * len(names)]
+    for fam in FAMILIES:
+        vals = [profiles[n].families.get(fam, 0.0) / seqs for n in names]
+        if any(v >= 0.005 for v in vals):
+            lines.append(f"| {fam} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
+    for label, get in (("kernels (GPU busy)", lambda p: p.kernel_ms / seqs),
+                       ("idle (gaps, host waits)", lambda p: p.idle_ms / seqs),
+                       ("**step**", lambda p: p.step_ms / seqs)):
+        lines.append(f"| {label} | " + " | ".join(f"{get(profiles[n]):.2f}" for n in names)
+                     + " |")
+    lines.append("| host syncs per step | " + " | ".join(f"{profiles[n].syncs:.0f}"
+                                                        for n in names) + " |")
+    lines.append("| tokens/ms | " + " | ".join(f"{tokens_per_step / profiles[n].step_ms:.1f}"
+                                               for n in names) + " |")
+    return "\n".join(lines)
+
+
+
+
+# ---------------------------------------------------------------- the paths of a bench run
+
+PROFILE_PATHS = ("hf", "liger", "dense", "ell", "auto", "dense-noliger", "ell-noliger")
+"""What ``--profile-paths`` may name: the stock-transformers baselines
+(:data:`train.bench.recipe.BASELINE_PATHS`) and our trainer's FFN paths (``dense`` is dense
+mode), each of ours also as ``<path>-noliger`` (``trainer.liger=false``: our own fused loss and
+lean norms, eager RoPE)."""
+
+
+def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, warmup: int = 3,
+                  timed: int = 6) -> dict[str, StepProfile]:
+    """Profile one training step of each path of ``paths`` on the bench model of ``run`` (a
+    :class:`train.bench.core.SizeRun`), ``micro`` sequences per step, no recomputation, one
+    micro-batch per optimizer step (learning rate 0: every kernel runs, the weights stay).
+    A path that fails (out of memory) is logged and left out."""
+    from train.bench.recipe import BASELINE_PATHS
+    from train.bench.stages import build_our_trainer, use_ffn
+    from train.bench.steps import HFStep, batches_from, build_hf, free_memory, is_oom, log
+    from train.memory import Plan
+
+    bad = [p for p in paths if p not in PROFILE_PATHS]
+    if bad:
+        raise ValueError(f"--profile-paths: unknown {bad}; use some of {', '.join(PROFILE_PATHS)}")
+    cfg = run.bm.model_cfg
+    dims = {"ffn": cfg.intermediate_size, "vocab": cfg.vocab_size}
+    out: dict[str, StepProfile] = {}
+    for p in paths:
+        base, _, flag = p.partition("-")
+        step = tr = None
+        try:
+            batches = batches_from(run.pool_NT, micro, seed=micro)
+            if base in BASELINE_PATHS:
+                step = HFStep(build_hf(cfg, run.bm.weights, run.device, variant=base),
+                              run.cfg1.optim, run.bf16)
+                fn = lambda: step(batches)  # noqa: E731
+            else:
+                tr = build_our_trainer(run, ["trainer.liger=false"] if flag == "noliger" else [])
+                use_ffn(tr, base, run.bm.plan_state)
+                tr.memory.apply(Plan(micro, "none", 1, None, None, None, "profile"))
+                tr.plan.reset_capacities()
+                tr.model.train()
+                interval = tr.new_interval()
+                fn = lambda: tr.train_step(batches, interval)  # noqa: E731
+            out[p] = prof = profile_step(fn, run.device, dims, steps=steps, warmup=warmup,
+                                         timed=timed)
+            log(f"{run.size} profile {p} micro {micro}: {micro * run.seq_len / prof.step_ms:.1f} "
+                f"tok/ms, step {prof.step_ms:.1f} ms, kernels {prof.kernel_ms:.1f} ms, "
+                f"{prof.syncs:.0f} syncs, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GB")
+            for fam, name, ms, calls in prof.top[:12]:
+                log(f"    {ms:8.2f} ms {calls:6.0f}x  {fam:12s} {name}")
+        except Exception as e:  # noqa: BLE001  (one path's failure keeps the others)
+            log(f"{run.size} profile {p} FAILED: {type(e).__name__}: {str(e)[:200]}")
+            if not is_oom(e):
+                import traceback
+
+                traceback.print_exc()
+        finally:
+            if tr is not None:
+                tr.close()
+                tr.acc.free_memory()
+            step = tr = fn = None
+            free_memory(run.device)
+    return out
+
+
+def write_profile(out_dir, size: str, micro: int, profiles: dict[str, StepProfile],
+                  seq_len: int, l0: float) -> str:
+    """Write ``step_profile_<size>_m<micro>.md`` (the family table and each path's longest
+    kernels) and ``.csv`` (one row per path and family) into ``out_dir``; returns the table."""
+    import csv
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokens = micro * seq_len
+    table = family_table(profiles, tokens)
+    stem = out_dir / f"step_profile_{size}_m{micro}"
+    lines = [f"# Step profile: {size}, micro-batch {micro} x {seq_len}, no recomputation, "
+             f"held-out L0 {l0:.1f}", "", table, ""]
+    for name, p in profiles.items():
+        lines += [f"## {name}: longest kernels (ms per step, calls per step)", "",
+                  "| ms | calls | family | kernel |", "|---|---|---|---|"]
+        lines += [f"| {ms:.2f} | {c:.0f} | {f} | `{n}` |" for f, n, ms, c in p.top]
+        lines.append("")
+    stem.with_suffix(".md").write_text("\n".join(lines))
+    with stem.with_suffix(".csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["size", "micro_batch", "l0", "path", "family", "ms_per_step"])
+        for name, p in profiles.items():
+            for fam, ms in {**p.families, "kernels": p.kernel_ms, "idle": p.idle_ms,
+                            "step": p.step_ms, "syncs": p.syncs}.items():
+                w.writerow([size, micro, f"{l0:.2f}", name, fam, f"{ms:.4f}"])
+    return table
+
+
+__all__ = ["FAMILIES", "PROFILE_PATHS", "StepProfile", "family_table", "kernel_family",
+           "profile_paths", "profile_step", "write_profile"]

@@ -1,0 +1,166 @@
+"""Liger-Kernel's fused RMSNorm, RoPE and linear cross-entropy in the training model
+(``trainer.liger``).
+
+What a transformers user runs to train a dense Llama fast on one GPU is
+``apply_liger_kernel_to_llama(rope=True, rms_norm=True, fused_linear_cross_entropy=True)``: one
+Triton kernel per RMSNorm and per RoPE direction instead of transformers' chains of eager
+elementwise passes, and the LM head + cross-entropy in row chunks without the (tokens x vocab)
+logits. Every path of ours (dense, ``ell``, ``auto``) uses the same kernels for the same parts of
+the step, so that a sparse-against-dense ratio measures the FFN and nothing else
+(BENCHMARKS.md, "Whole model against transformers + Liger-Kernel").
+
+Unlike Liger's ``apply_liger_kernel_to_llama``, nothing here changes a class or a module function
+for other models of the process: the norms and the loss are patched on this model's instances,
+and RoPE goes through a dispatcher in transformers' Llama module that takes Liger's kernel only
+inside the attention modules of a model given to :func:`use_liger` and only for CUDA tensors
+(a plain ``LlamaForCausalLM`` built afterwards, or this one moved to the CPU, runs stock code).
+transformers' own (SiLU) ``LlamaMLP`` is never touched: our FFN is ``SparseGatedMLP``.
+
+Numerics (bf16 autocast over fp32 master weights, the trainer's setting): Liger's RMSNorm in its
+``llama`` casting mode computes in fp32 like transformers' and returns the input's dtype (fp32:
+the residual stream); its RoPE rotates bf16 q and k in place of transformers' fp32 products (one
+bf16 rounding apart); its fused loss multiplies in bf16 and accumulates the LM-head gradient in
+fp32. Losses agree with the stock model within bf16 noise (tests/train/test_liger.py, on CUDA).
+
+Source: Liger-Kernel (linkedin/Liger-Kernel), ``liger_kernel.transformers``.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import torch
+
+_ROPE_STATE = threading.local()  # depth of liger-enabled attention forwards on this thread
+_STOCK_ROPE = None  # transformers' apply_rotary_pos_emb, kept when the dispatcher goes in
+
+
+def liger_available() -> bool:
+    """Whether ``liger_kernel`` imports (it needs Triton: Linux x86-64)."""
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except Exception:  # noqa: BLE001  (ImportError, or Triton failing to load its driver)
+        return False
+    return True
+
+
+def liger_enabled(setting: bool | None, *, device_type: str, precision: str,
+                  compile: bool) -> bool:
+    """Whether a run uses :func:`use_liger` (``trainer.liger``).
+
+    ``setting`` true / false is taken as given; null (auto) is on for CUDA bf16 runs that are
+    not compiled (``trainer.compile``: inductor fuses the norms and RoPE itself) when
+    ``liger_kernel`` imports; off on the CPU, whose runs keep transformers' reference code.
+    ``precision`` is the resolved one (bf16 | fp32).
+    """
+    if setting is not None:
+        return bool(setting)
+    return device_type == "cuda" and precision == "bf16" and not compile and liger_available()
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if not hidden_states.is_cuda:  # Liger's kernels are CUDA-only: the stock forward
+        return type(self).forward(self, hidden_states)
+    from liger_kernel.ops import LigerRMSNormFunction
+
+    # offset 0, transformers' Llama casting (fp32 math, output in the input's dtype), dY
+    # overwritten by dX in backward (Liger's default for Llama), no forced row mode
+    return LigerRMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, 0.0,
+                                      "llama", True, None)
+
+
+def _loss_forward(self, *args, **kwargs):
+    """The causal LM's forward with Liger's fused linear cross-entropy on CUDA (its loss without
+    the logits in training; logits as usual in evaluation), the stock forward elsewhere."""
+    if not self.lm_head.weight.is_cuda:
+        return self._twell_stock_forward(*args, **kwargs)
+    from liger_kernel.transformers.model.llama import lce_forward
+
+    return lce_forward(self, *args, **kwargs)
+
+
+def _rope_dispatch(q, k, cos, sin, *args, **kwargs):
+    """transformers' ``apply_rotary_pos_emb`` replaced: Liger's kernel inside a patched model's
+    attention on CUDA, the stock function everywhere else."""
+    if getattr(_ROPE_STATE, "depth", 0) > 0 and q.is_cuda and not args and not kwargs:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+        return liger_rotary_pos_emb(q, k, cos, sin)
+    return _STOCK_ROPE(q, k, cos, sin, *args, **kwargs)
+
+
+def _install_rope_dispatch() -> None:
+    global _STOCK_ROPE
+    from transformers.models.llama import modeling_llama
+
+    if modeling_llama.apply_rotary_pos_emb is not _rope_dispatch:
+        _STOCK_ROPE = modeling_llama.apply_rotary_pos_emb
+        modeling_llama.apply_rotary_pos_emb = _rope_dispatch
+
+
+def _enter_rope(module, args, kwargs=None):
+    _ROPE_STATE.depth = getattr(_ROPE_STATE, "depth", 0) + 1
+
+
+def _leave_rope(module, args, output, kwargs=None):
+    _ROPE_STATE.depth -= 1
+
+
+def use_liger(model, *, fused_linear_ce: bool = True) -> dict:
+    """Put Liger-Kernel's RMSNorm, RoPE and (``fused_linear_ce``) fused linear cross-entropy
+    into a transformers Llama causal LM, on this instance only (module docstring).
+
+    The hooks that select Liger's RoPE are module forward hooks on each decoder layer's
+    ``self_attn``, so they also hold in the forward that activation checkpointing replays in
+    backward (on the autograd thread: the state is per thread). Call before
+    ``accelerator.prepare`` (an instance-level ``forward``, like the stock one, is then wrapped by
+    autocast and DDP). ``fused_linear_ce=False`` keeps the model's loss (the distillation loss
+    replaces it afterwards).
+
+    Args:
+        model: a ``LlamaForCausalLM`` (``.model.norm``, ``.model.layers[i].self_attn``,
+            ``.lm_head``).
+
+    Returns:
+        ``{"rms_norm": n, "rope": n, "fused_linear_ce": bool}``: the norm and attention modules
+        patched and whether the loss was.
+
+    Raises:
+        ValueError: the model has no ``.model.norm`` / ``.model.layers`` / ``.lm_head``, or its
+            norm is not of the ``LlamaRMSNorm`` form (no ``variance_epsilon``).
+        ImportError: ``liger_kernel`` is not installed (``pip install liger-kernel``).
+    """
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "norm") or not hasattr(base, "layers") \
+            or not hasattr(model, "lm_head"):
+        raise ValueError(f"use_liger needs a Llama causal LM (.model.norm, .model.layers, "
+                         f".lm_head); got {type(model).__name__}")
+    if not hasattr(base.norm, "variance_epsilon"):
+        raise ValueError(f"use_liger: {type(base.norm).__name__} has no variance_epsilon (not "
+                         "an RMSNorm of the LlamaRMSNorm form)")
+    import liger_kernel.transformers  # noqa: F401  (ImportError names the package)
+
+    norm_cls = type(base.norm)
+    n_norm = 0
+    for m in model.modules():
+        if type(m) is norm_cls:
+            m.forward = types.MethodType(_norm_forward, m)
+            n_norm += 1
+    _install_rope_dispatch()
+    n_rope = 0
+    for layer in base.layers:
+        attn = layer.self_attn
+        if getattr(attn, "_twell_liger_rope", False):
+            continue
+        attn.register_forward_pre_hook(_enter_rope)
+        attn.register_forward_hook(_leave_rope, always_call=True)
+        attn._twell_liger_rope = True
+        n_rope += 1
+    if fused_linear_ce:
+        model._twell_stock_forward = types.MethodType(type(model).forward, model)
+        model.forward = types.MethodType(_loss_forward, model)
+    return {"rms_norm": n_norm, "rope": n_rope, "fused_linear_ce": bool(fused_linear_ce)}
+
+
+__all__ = ["liger_available", "liger_enabled", "use_liger"]
