@@ -70,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-paths", default=",".join(PROFILE_PATHS),
                    help=f"paths to profile ({','.join(PROFILE_PATHS)})")
     p.add_argument("--profile-only", action="store_true", help="profile, then stop")
+    p.add_argument("--save-model", action="store_true",
+                   help="keep the bench model trained here as a checkpoint under --work-dir "
+                        "(<size>_stage1/checkpoints/step<N>) for a later --model-from")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (tests)")
     p.add_argument("--report", type=Path, nargs="+", default=None, metavar="DIR",
                    help="only merge these runs' outputs into --out (CPU)")
@@ -94,7 +97,7 @@ def settings(a: argparse.Namespace) -> BenchSettings:
               "acts_tokens": a.acts_tokens,
               "profile_micro": tuple(int(x) for x in a.profile_micro.split(",") if x),
               "profile_paths": tuple(x for x in a.profile_paths.split(",") if x),
-              "profile_only": a.profile_only,
+              "profile_only": a.profile_only, "save_model": a.save_model,
               "settle": SettleRule(a.until_settled, a.settle_window, a.settle_tolerance,
                                    a.target_l0), **given}
     if a.smoke:

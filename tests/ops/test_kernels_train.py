@@ -199,7 +199,7 @@ def test_kernel_config_rejects_bad_values():
     with pytest.raises(ValueError, match="unknown key"), tk.kernel_config(spmm_blockk=8):
         pass
     with pytest.raises(ValueError, match="dw_block_d must be a positive int"), \
-            tk.kernel_config(dw_block_d=0):
+            tk.kernel_config(dw_block_d=-1):
         pass
     with pytest.raises(ValueError, match="dense_block_n must be a power of 2"), \
             tk.kernel_config(dense_block_n=12):
@@ -640,3 +640,23 @@ def test_nonfinite_input_row_reaches_its_output_and_every_gradient(backend, dtyp
     if path != "ell":
         assert torch.equal(torch.isfinite(y), torch.isfinite(y_r))
         assert torch.equal(torch.isfinite(g[0]), torch.isfinite(g_r[0]))
+
+
+def test_dw_launch_fits_the_gathered_slices_in_l2():
+    """dw_block_d=0 (auto): the widest power-of-2 D slice in [128, 1024] whose x and dy columns
+    over all N rows fit in dw_l2_bytes, D slice outermost; a set dw_block_d wins."""
+    from twell.ops.launch import CONFIG, dw_launch, kernel_config
+
+    l2 = CONFIG["dw_l2_bytes"]
+    assert l2 == 32 * 2**20
+    # N 32768 bf16 x and dy: 4 bytes a column element -> 32 MiB / (32768 * 4) = 256 columns
+    assert dw_launch(32768, 2048, 4) == (256, True)
+    assert dw_launch(16384, 2048, 4) == (512, True)
+    assert dw_launch(4096, 2048, 4) == (1024, True)  # 2048 would fit: capped at 1024
+    assert dw_launch(1 << 20, 2048, 4) == (128, True)  # nothing fits: the narrowest slice
+    assert dw_launch(16384, 48, 4) == (64, True)  # at most D's power of 2
+    with kernel_config(dw_block_d=1024, dw_d_outer=0):
+        assert dw_launch(32768, 2048, 4) == (1024, False)
+    with kernel_config(dw_l2_bytes=8 * 2**20):
+        assert dw_launch(16384, 2048, 4) == (128, True)  # 8 MiB / 64 KiB a column = 128
+

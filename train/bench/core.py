@@ -84,6 +84,8 @@ class BenchSettings:
             ``profile_paths`` (:func:`train.bench.step_profile.profile_paths`; CUDA only)
             before the search; empty: no profile.
         profile_only: profile, then skip the search and the timed rows.
+        save_model: keep the bench model trained here as a checkpoint in ``work_dir`` (for a
+            later run's ``model_from`` on the same machine).
     """
 
     sizes: list[str] = field(default_factory=lambda: ["1p5b"])
@@ -117,17 +119,16 @@ class BenchSettings:
     profile_paths: tuple[str, ...] = ("hf", "liger", "dense", "ell", "auto", "dense-noliger",
                                       "ell-noliger")
     profile_only: bool = False
+    save_model: bool = False
 
     def __post_init__(self) -> None:
         bad = [p for p in self.paths if p not in PATHS]
         if bad or not self.paths:
             raise ValueError(f"paths: unknown {bad}; use some of {', '.join(PATHS)}")
-        from train.bench.step_profile import PROFILE_PATHS
+        from train.bench.step_profile import split_profile_path
 
-        bad = [p for p in self.profile_paths if p not in PROFILE_PATHS]
-        if bad:
-            raise ValueError(f"profile_paths: unknown {bad}; use some of "
-                             f"{', '.join(PROFILE_PATHS)}")
+        for p in self.profile_paths:
+            split_profile_path(p)  # ValueError naming an unknown path
         if self.model_from is not None and len(self.sizes) != 1:
             raise ValueError(f"--model-from holds one model; give one --sizes (got {self.sizes})")
         for k in ("steps", "search_batch", "probe_steps", "equal_micro", "fwd_batch",
@@ -215,7 +216,8 @@ def prepare(s: BenchSettings, size: str, clock: Clock, work: Path,
     else:
         budget = s.train_budget_s if s.train_budget_s is not None else 0.45 * s.deadline_s
         bm = train_bench_model(cfg1, data, work / f"{size}_stage1", dev, size=size,
-                               rule=s.settle, budget_s=min(budget, clock.left() - 60))
+                               rule=s.settle, budget_s=min(budget, clock.left() - 60),
+                               save=s.save_model)
     log(f"{size}: bench model: {bm.source}")
     clock.mark("model", t0)
     t1 = clock.elapsed()

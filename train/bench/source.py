@@ -99,10 +99,12 @@ def l0_settled(history: list[tuple[int, float]], window_steps: int = 50,
 
 
 def train_bench_model(cfg, data, run_dir: Path, device, *, size: str, rule: SettleRule,
-                      budget_s: float) -> BenchModel:
-    """Train the bench model with the trainer's own ``train_step`` and ``log_metrics`` (no
-    checkpoint: the weights stay in memory): up to ``cfg.trainer.max_steps`` steps, until
-    ``rule`` says stop, or ``budget_s`` seconds. The model is initialised on ``device``."""
+                      budget_s: float, save: bool = False) -> BenchModel:
+    """Train the bench model with the trainer's own ``train_step`` and ``log_metrics`` (the
+    weights stay in memory; ``save``: also a trainer checkpoint ``run_dir/checkpoints/step{N}``
+    that ``--model-from`` reads, for a later run on the same machine): up to
+    ``cfg.trainer.max_steps`` steps, until ``rule`` says stop, or ``budget_s`` seconds. The model
+    is initialised on ``device``."""
     from accelerate.utils import set_seed
 
     from train.model import build_model
@@ -114,6 +116,8 @@ def train_bench_model(cfg, data, run_dir: Path, device, *, size: str, rule: Sett
     tr = Trainer(cfg, run_dir, datamodule=data, model=model)
     try:
         history, reason = _train_loop(tr, rule, budget_s)
+        if save:
+            log(f"stage 1: bench model saved to {tr.save_checkpoint()}")
         weights = cpu_weights(tr.acc.unwrap_model(tr.model), pin=tr.device.type == "cuda")
         state = tr.plan.state_dict()
         steps = tr.step

@@ -137,24 +137,34 @@ def profile_step(step: Callable[[], object], device, dims: dict, *, steps: int =
     fams: dict[str, float] = defaultdict(float)
     kern: dict[tuple, list] = {}
     syncs = 0
-    for e in prof.events():
+    events = prof.events()
+    cpu_ops = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+    spans = []
+    for e in events:
         if e.name in _SYNCS:
             syncs += 1
-        launched = [(k.name, k.duration, e.name, e.input_shapes) for k in e.kernels] \
-            if e.device_type == torch.autograd.DeviceType.CPU else []
-        if e.device_type == torch.autograd.DeviceType.CUDA and \
-                getattr(e, "linked_correlation_id", 1) == 0:  # a kernel no op claims
-            launched = [(e.name, e.time_range.end - e.time_range.start, None, None)]
-        for name, us, op, shapes in launched:
-            fam = kernel_family(name, op, shapes, dims)
-            fams[fam] += us / 1e3 / steps
-            k = kern.setdefault((fam, name[:90]), [0.0, 0])
-            k[0] += us / 1e3 / steps
-            k[1] += 1 / steps
-    total = sum(fams.values())
+        # kernels only: a user annotation (record_function, the optimizer's step range) has a
+        # GPU range of its own that spans the kernels inside it
+        if e.device_type != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation",
+                                                                       False):
+            continue
+        op = cpu_ops.get(getattr(e, "linked_correlation_id", 0))
+        us = e.time_range.end - e.time_range.start
+        spans.append((e.time_range.start, e.time_range.end))
+        fam = kernel_family(e.name, op.name if op else None, op.input_shapes if op else None,
+                            dims)
+        fams[fam] += us / 1e3 / steps
+        k = kern.setdefault((fam, e.name[:90]), [0.0, 0])
+        k[0] += us / 1e3 / steps
+        k[1] += 1 / steps
+    busy, end = 0.0, float("-inf")  # the union of the kernels' intervals (streams may overlap)
+    for a, b in sorted(spans):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
     top = sorted(((f, n, ms, c) for (f, n), (ms, c) in kern.items()), key=lambda t: -t[2])[:25]
-    return StepProfile(step_ms, total, {f: fams.get(f, 0.0) for f in FAMILIES}, syncs / steps,
-                       top)
+    return StepProfile(step_ms, busy / 1e3 / steps, {f: fams.get(f, 0.0) for f in FAMILIES},
+                       syncs / steps, top)
 
 
 def family_table(profiles: dict[str, StepProfile], tokens_per_step: int) -> str:
@@ -184,11 +194,36 @@ def family_table(profiles: dict[str, StepProfile], tokens_per_step: int) -> str:
 
 # ---------------------------------------------------------------- the paths of a bench run
 
-PROFILE_PATHS = ("hf", "liger", "dense", "ell", "auto", "dense-noliger", "ell-noliger")
+PROFILE_PATHS = ("hf", "liger", "compile", "dense", "ell", "auto", "dense-noliger",
+                 "ell-noliger", "auto-noliger")
 """What ``--profile-paths`` may name: the stock-transformers baselines
 (:data:`train.bench.recipe.BASELINE_PATHS`) and our trainer's FFN paths (``dense`` is dense
 mode), each of ours also as ``<path>-noliger`` (``trainer.liger=false``: our own fused loss and
-lean norms, eager RoPE)."""
+lean norms, eager RoPE). Any of them may end in ``@key=value:...``: launch shapes of the
+training kernels for that profile (:func:`twell.ops.launch.kernel_config`, integer values),
+e.g. ``ell@dw_block_d=1024:dw_d_outer=0``."""
+
+
+def split_profile_path(name: str) -> tuple[str, dict]:
+    """``"ell@dw_block_d=256:dw_d_outer=1"`` -> ``("ell", {"dw_block_d": 256, "dw_d_outer": 1})``.
+
+    Raises:
+        ValueError: an unknown path or a malformed ``key=value``.
+    """
+    path, _, spec = name.partition("@")
+    if path not in PROFILE_PATHS:
+        raise ValueError(f"profile path {name!r}: unknown {path!r}; use one of "
+                         f"{', '.join(PROFILE_PATHS)}, optionally with @key=value:...")
+    kw = {}
+    for item in filter(None, spec.split(":")):
+        key, eq, val = item.partition("=")
+        try:
+            kw[key] = int(val)
+        except ValueError:
+            raise ValueError(f"profile path {name!r}: {item!r} is not key=<integer>") from None
+        if not eq:
+            raise ValueError(f"profile path {name!r}: {item!r} is not key=<integer>")
+    return path, kw
 
 
 def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, warmup: int = 3,
@@ -202,14 +237,15 @@ def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, wa
     from train.bench.steps import HFStep, batches_from, build_hf, free_memory, is_oom, log
     from train.memory import Plan
 
-    bad = [p for p in paths if p not in PROFILE_PATHS]
-    if bad:
-        raise ValueError(f"--profile-paths: unknown {bad}; use some of {', '.join(PROFILE_PATHS)}")
+    from twell.ops.launch import kernel_config
+
+    specs = {p: split_profile_path(p) for p in paths}
     cfg = run.bm.model_cfg
     dims = {"ffn": cfg.intermediate_size, "vocab": cfg.vocab_size}
     out: dict[str, StepProfile] = {}
     for p in paths:
-        base, _, flag = p.partition("-")
+        path, launch = specs[p]
+        base, _, flag = path.partition("-")
         step = tr = None
         try:
             batches = batches_from(run.pool_NT, micro, seed=micro)
@@ -225,8 +261,9 @@ def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, wa
                 tr.model.train()
                 interval = tr.new_interval()
                 fn = lambda: tr.train_step(batches, interval)  # noqa: E731
-            out[p] = prof = profile_step(fn, run.device, dims, steps=steps, warmup=warmup,
-                                         timed=timed)
+            with kernel_config(**launch):
+                out[p] = prof = profile_step(fn, run.device, dims, steps=steps, warmup=warmup,
+                                             timed=timed)
             log(f"{run.size} profile {p} micro {micro}: {micro * run.seq_len / prof.step_ms:.1f} "
                 f"tok/ms, step {prof.step_ms:.1f} ms, kernels {prof.kernel_ms:.1f} ms, "
                 f"{prof.syncs:.0f} syncs, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GB")
@@ -278,4 +315,4 @@ def write_profile(out_dir, size: str, micro: int, profiles: dict[str, StepProfil
 
 
 __all__ = ["FAMILIES", "PROFILE_PATHS", "StepProfile", "family_table", "kernel_family",
-           "profile_paths", "profile_step", "write_profile"]
+           "profile_paths", "profile_step", "split_profile_path", "write_profile"]

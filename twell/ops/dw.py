@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from twell.ops.launch import CONFIG, check_operand, pow2
+from twell.ops.launch import CONFIG, check_operand, dw_launch
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g
         return
     has_add = adds is not None
     ag, au, ad = adds if has_add else (dwg_HD, dwu_HD, dwdt_HD)
-    block_d = pow2(d, 16, CONFIG["dw_block_d"])
+    block_d, d_outer = dw_launch(x_ND.shape[0], d, x_ND.element_size() + dy_ND.element_size())
     n_dchunk = triton.cdiv(d, block_d)
     if order is None:  # longest column first (the training forward passes it precomputed)
         order = torch.argsort(colptr[1:] - colptr[:-1], descending=True)
@@ -122,6 +122,6 @@ def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g
         dwg_HD, dwu_HD, dwdt_HD, ag, au, ad, x_ND, dy_ND, perm, colptr, order, dg_NK, du_NK,
         g_NK, u_NK, d, max(k, 1), n_dchunk, x_ND.stride(0), dy_ND.stride(0), dwg_HD.stride(0),
         HAS_ADD=has_add, BLOCK_J=CONFIG["dw_block_j"], BLOCK_D=block_d, H=h,
-        D_OUTER=bool(CONFIG["dw_d_outer"]),
+        D_OUTER=d_outer,
         num_warps=max(1, min(CONFIG["dw_warps"], block_d // 256)),
     )

@@ -34,10 +34,16 @@ _DEFAULT_CONFIG = {
     # dW entries per step, D slice, warps: j4 d1024 w4 0.577 ms vs j8 d512 w2 0.676;
     # >= 256 * dw_warps keeps the reduction in-thread
     "dw_block_j": 4,
-    "dw_block_d": 1024,
+    # 0 = auto: the widest D slice (128..1024) whose x and dy columns over all N rows fit in
+    # dw_l2_bytes, with the D slice outermost (dw_d_outer ignored), so that the gathers of one
+    # slice hit L2, not HBM. The whole-model step of the 1.5B model at micro-batch 16 (N 32768)
+    # spent 4.4 of 34.4 ms per sequence in dW at d1024 (HBM-bound: ~3.8 TB/s of gathered rows;
+    # BENCHMARKS.md, "Where the step's time goes")
+    "dw_block_d": 0,
+    "dw_l2_bytes": 32 * 2**20,  # half the H200's 60 MB L2 (the rest: indices, outputs, others)
     "dw_warps": 4,
-    # dW grid order, 1 = D slice outermost: 0.518 vs 0.578 ms i.i.d. but 0.345 vs 0.288 with hot
-    # units, so off
+    # dW grid order when dw_block_d is set, 1 = D slice outermost: 0.518 vs 0.578 ms i.i.d. but
+    # 0.345 vs 0.288 with hot units (N 16384, d1024)
     "dw_d_outer": 0,
     # dense-mode elementwise pass (dense_fwd): rows per program, columns per step, warps
     "dense_block_n": 16,
@@ -66,6 +72,8 @@ def kernel_config(**overrides):
             if val not in (0, 1):
                 raise ValueError(f"kernel_config: dw_d_outer must be 0 or 1; got {val!r}")
             continue
+        if key == "dw_block_d" and val == 0:  # auto
+            continue
         if not isinstance(val, int) or val < 1:
             raise ValueError(f"kernel_config: {key} must be a positive int; got {val!r}")
         if key in _POW2_KEYS and val & (val - 1):
@@ -78,6 +86,22 @@ def kernel_config(**overrides):
     finally:
         CONFIG.clear()
         CONFIG.update(saved)
+
+
+def dw_launch(n: int, d: int, row_bytes: int) -> tuple[int, bool]:
+    """The dW kernel's (D slice, D-slice-outermost) for N rows of width D whose x and dy rows
+    take ``row_bytes`` per element together (4 for two bf16 operands): ``CONFIG``'s
+    ``dw_block_d`` / ``dw_d_outer`` when set, else (``dw_block_d=0``) the widest power-of-2
+    slice in [128, 1024] (and at most D's power of 2) whose N x slice columns of x and dy fit in
+    ``dw_l2_bytes``, outermost."""
+    cap = pow2(d, 16, 1024)
+    if CONFIG["dw_block_d"]:
+        return pow2(d, 16, CONFIG["dw_block_d"]), bool(CONFIG["dw_d_outer"])
+    fit = CONFIG["dw_l2_bytes"] // max(1, n * row_bytes)
+    block = 128
+    while block * 2 <= min(fit, 1024):
+        block *= 2
+    return min(block, cap), True
 
 
 def pow2(n: int, lo: int, hi: int) -> int:
