@@ -338,32 +338,16 @@ class TrainerConfig:
     (each layer uses each weight once; recomputation runs in its own autocast region), so the
     cache never hits, but under gradient checkpointing it keeps every layer's bf16 weight casts
     alive until the forward (and the loss inside it) ends: ~2.9 GB at 1.5B. false frees them."""
-    compile_norms: bool = False
-    """torch.compile the RMSNorms only (one compiled function for all of them, training only):
-    inductor fuses their ~6 eager fp32 passes forward and ~10 backward into one each
-    (train/fusion.py). First step pays the compilation."""
-    fused_ce: bool | None = None
-    """LM head + cross-entropy in trainer.ce_chunk_rows-row chunks with the gradients made in
-    forward (train/loss.py): no (tokens x vocab) logits; same loss as transformers' (mean over
-    the shifted targets), bf16 noise apart. null = on for CUDA bf16 runs without trainer.compile
-    (eager-only) or FSDP (untested there), off elsewhere (CPU fp32 runs keep the reference loss).
-    Measured with autocast_cache=false (one H200): no slower at 1.5B and 2B, 6.2-6.7 GB less
-    peak memory (BENCHMARKS.md, "Whole model")."""
-    lean_norms: bool | None = None
-    """RMSNorms that keep only their input and rsqrt for backward (the normalised rows are
-    recomputed) and, under autocast, return one bf16 output their consumers share
-    (train/norms.py): ~400 MB less per layer at 1.5B x 8 x 2048 without recomputation; fp32
-    results bitwise equal, bf16 within rounding. null = on for CUDA bf16 runs without
-    trainer.compile / compile_norms (inductor plans those norms itself)."""
     liger: bool | None = None
-    """Liger-Kernel's RMSNorm, RoPE and fused linear cross-entropy in the model (train/liger.py;
-    what a transformers user trains a dense Llama with): null = on for CUDA bf16 runs without
-    trainer.compile when liger_kernel imports; off on the CPU (transformers' reference code). With
-    it on, trainer.fused_ce and trainer.lean_norms are off (Liger's loss and norms replace them;
-    a distillation run keeps its own fused CE + KL loss)."""
+    """Liger-Kernel's RMSNorm, RoPE and fused linear cross-entropy (no tokens x vocab logits) in
+    the model (train/liger.py; what a transformers user trains a dense Llama with): null = on for
+    CUDA bf16 runs without trainer.compile when liger_kernel imports; off on the CPU
+    (transformers' reference code). A distillation run keeps its own fused CE + KL loss
+    (train/loss.py), an FSDP run transformers' loss. Replaced our own fused loss and lean norms,
+    which it beat (one H200, 1.5B: dense path 36.1 -> 50.3 tokens/ms; BENCHMARKS.md)."""
     ce_chunk_rows: int = 4096
-    """Rows of logits per chunk of the fused loss (= train.loss.CE_CHUNK_ROWS): its transient
-    memory is ~8 x rows x vocab bytes (1.6 GB at 4096 x 49152)."""
+    """Rows of logits per chunk of the distillation loss (CE + KL, train/loss.py;
+    = train.loss.CE_CHUNK_ROWS): its transient memory is ~12 x rows x vocab bytes."""
     memory: str = "off"
     """auto (trainer=gpu, experiment=paper_*): the memory planner (train/memory.py) measures a
     few forward+backward probes per candidate at start and picks the micro-batch and how much to
@@ -444,34 +428,19 @@ class TrainerConfig:
             raise ConfigError(
                 "trainer.checkpoint_ffn=never needs trainer.grad_checkpointing=true (without "
                 "checkpointing nothing is recomputed); set both or drop it.")
-        if self.compile and (self.checkpoint_ffn not in ("always", None) or self.fused_ce):
-            # name only the keys in conflict (saved-tensor hooks and the fused loss are eager-only)
-            pairs = ([(f"trainer.checkpoint_ffn={self.checkpoint_ffn}",
-                       "trainer.checkpoint_ffn=always")]
-                     if self.checkpoint_ffn not in ("always", None) else [])
-            pairs += [("trainer.fused_ce=true", "trainer.fused_ce=false")] if self.fused_ce else []
+        if self.compile and self.checkpoint_ffn not in ("always", None):
             raise ConfigError(
-                f"trainer.compile=true does not support {' or '.join(b for b, _ in pairs)} "
-                "(saved-tensor hooks and the fused loss are eager-only): add "
-                f"{' '.join(f for _, f in pairs)}, or drop trainer.compile.")
+                f"trainer.compile=true does not support trainer.checkpoint_ffn="
+                f"{self.checkpoint_ffn} (saved-tensor hooks are eager-only): add "
+                "trainer.checkpoint_ffn=always, or drop trainer.compile.")
         if self.backup_capacity not in CAPACITY_RULES:
             raise ConfigError(
                 f"trainer.backup_capacity={self.backup_capacity!r} is unknown; use one of "
                 f"{', '.join(CAPACITY_RULES)}.")
-        if self.lean_norms and (self.compile or self.compile_norms):
-            key = "trainer.compile" if self.compile else "trainer.compile_norms"
-            raise ConfigError(f"trainer.lean_norms=true and {key}=true: compiled norms are "
-                              f"planned by inductor; set trainer.lean_norms=null or {key}=false.")
-        if self.liger and (self.fused_ce or self.lean_norms or self.compile_norms
-                           or self.compile):
-            key = next(k for k in ("fused_ce", "lean_norms", "compile_norms", "compile")
-                       if getattr(self, k))
-            raise ConfigError(f"trainer.liger=true and trainer.{key}=true: Liger-Kernel's fused "
-                              f"loss and norms replace them; set trainer.{key}=null (or false) or "
-                              "trainer.liger=false.")
-        if self.compile_norms and self.compile:
-            raise ConfigError("trainer.compile_norms=true and trainer.compile=true: the whole "
-                              "model is compiled already; use one of them.")
+        if self.liger and self.compile:
+            raise ConfigError("trainer.liger=true and trainer.compile=true: inductor fuses the "
+                              "norms and RoPE itself; set trainer.liger=null (or false) or "
+                              "trainer.compile=false.")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"trainer.num_threads must be >= 1 or null; got {self.num_threads}.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \

@@ -37,13 +37,11 @@ from evals.scoring import ContinuationTooLong  # light (torch only); the harness
 from train import checkpoint as ckpt_io
 from train import interrupt, memory, parallel, rundir
 from train.config import ConfigError, OptimConfig, TrainConfig
-from train.fusion import compile_norms
 from train.interrupt import StopSignals, TrainingInterrupted
 from train.liger import liger_enabled, use_liger
-from train.loss import fused_ce_enabled, use_distillation, use_fused_cross_entropy
+from train.loss import use_distillation
 from train.metrics import device_peak_flops, flops_per_token, mfu
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
-from train.norms import lean_norms, lean_norms_enabled
 from train.sparsity import (
     DeadNeuronTracker,
     collect_stats,
@@ -378,8 +376,8 @@ class Trainer:
         return vocab_check
 
     def _setup_model(self, cfg: TrainConfig, model, resume_from, vocab_check):
-        """The model (given, from ``model.init_from``, or built), with its recomputation, fused
-        cross-entropy, lean norms and distillation teacher; returns it."""
+        """The model (given, from ``model.init_from``, or built), with its recomputation,
+        Liger-Kernel's fused ops and its distillation teacher; returns it."""
         t, precision = cfg.trainer, self.precision
         if self.init_src is not None:
             from train import pretrained
@@ -404,21 +402,16 @@ class Trainer:
         # fsdp_activation_checkpointing means the same and is applied through the same call once
         if t.grad_checkpointing or (self.fsdp and self.fsdp.activation_checkpointing):
             enable_grad_checkpointing(model, t.checkpoint_ffn or "always")
-        # the fused non-FFN ops: Liger-Kernel's (train/liger.py) where it runs, else ours
+        # the fused non-FFN ops (RMSNorm, RoPE, the loss): Liger-Kernel's where it runs
+        # (train/liger.py), transformers' own elsewhere (the CPU, compiled runs)
         self.fused_loss = None  # "liger" | "ours" | None: who computes the loss without logits
         if liger_enabled(t.liger, device_type=self.device.type, precision=precision,
                          compile=t.compile):
-            use_liger(model, fused_linear_ce=not cfg.distill)
-            self.fused_loss = "liger" if not cfg.distill else "ours"  # distillation: ours + KL
-        else:
-            if fused_ce_enabled(t.fused_ce, device_type=self.device.type, precision=precision,
-                                compile=t.compile, sharded=bool(self.fsdp)):
-                use_fused_cross_entropy(model, t.ce_chunk_rows)  # no (tokens x vocab) logits
-                self.fused_loss = "ours"
-            if lean_norms_enabled(t.lean_norms, device_type=self.device.type,
-                                  precision=precision, compile=t.compile,
-                                  compile_norms=t.compile_norms):
-                lean_norms(model)  # norms keep x and rsqrt only; one bf16 output (norms.py)
+            # the fused loss: not with distillation (ours + KL replaces it) nor FSDP (the LM
+            # head weight is a sharded DTensor outside its module's forward: untested)
+            liger_loss = not cfg.distill and not self.fsdp
+            use_liger(model, fused_linear_ce=liger_loss)
+            self.fused_loss = "liger" if liger_loss else None
         self.teacher = None  # sparsity.distill_from: the frozen source model, the KL's target
         if cfg.distill:
             from train import pretrained
@@ -432,11 +425,10 @@ class Trainer:
             use_distillation(model, self.teacher, temperature=s.distill_temperature,
                              kl_weight=s.distill_weight * s.distill_temperature ** 2,
                              chunk_rows=t.ce_chunk_rows)
+            self.fused_loss = "ours"  # CE + KL in chunks (train/loss.py)
             self._print(f"distillation: teacher {src.spec} as stored (hidden_act "
                         f"{src.hidden_act}, frozen, {dtype}), loss = CE + l1_coeff x L1"
                         f" + {s.distill_weight:g} x {s.distill_temperature:g}^2 x KL")
-        if t.compile_norms:  # one compiled RMSNorm for every norm (training only)
-            compile_norms(model)
         return model
 
     def _setup_parallel(self, cfg: TrainConfig, model) -> None:

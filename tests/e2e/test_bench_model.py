@@ -208,17 +208,17 @@ def test_default_is_the_experiment_up_to_quiet_keys():
 
 
 def test_ours_trainer_config_and_refused_overrides():
-    cfg = compose(ours_overrides("1p5b", 48, ["trainer.fused_ce=false"]))
+    cfg = compose(ours_overrides("1p5b", 48, ["trainer.liger=false"]))
     t = cfg.trainer
     assert cfg.model.ffn_impl == "auto" and cfg.optim.lr == 0.0 and t.memory == "off"
     assert (t.micro_batch, t.global_batch, t.grad_checkpointing) == (48, 48, False)
-    assert t.fused_ce is False and t.backup_capacity == "adaptive"  # trainer=gpu's
+    assert t.liger is False and t.backup_capacity == "adaptive"  # trainer=gpu's
     for bad in (["trainer.micro_batch=4"], ["model.ffn_impl=twell"], ["optim.lr=1"]):
         with pytest.raises(ValueError, match="controls"):
             check_config(bad)
     with pytest.raises(ValueError, match="KEY=VALUE"):
         check_config(["oops"])
-    check_config(["data.cache_dir=/tmp/c", "trainer.lean_norms=false"])
+    check_config(["data.cache_dir=/tmp/c", "trainer.liger=false"])
     with pytest.raises(ConfigError):
         compose(ours_overrides("1p5b", 48, ["trainer.nope=1"]))
 
@@ -256,11 +256,15 @@ def _hand_rows():
             _r("ell", 139, 36.0, 37.0, 104.0, peak=90.0), _r("auto", 139, 35.0, 35.5, 107.0),
             _r("default", 139, 32.0, fwd=107.0, ffn="torch"),
             _r("hf", 80, 25.0), _r("dense", 80, 26.0), _r("ell", 80, None),
-            _r("auto", 80, 30.0, 29.0), _r("default", 80, 26.0, ffn="torch")]
+            _r("auto", 80, 30.0, 29.0), _r("default", 80, 26.0, ffn="torch"),
+            # transformers + Liger-Kernel: the best dense row at both budgets
+            _r("liger", 139, 34.0, fwd=105.0, peak=100.0), _r("liger", 80, 27.0)]
 
 
 def test_target_ratios_hand_made():
-    probes = [{"size": "1p5b", "ffn": "hf", "micro_batch": 8, "recompute": "none",
+    probes = [{"size": "1p5b", "ffn": "liger", "micro_batch": 8, "recompute": "none",
+               "step_peak_gb": 60.0},
+              {"size": "1p5b", "ffn": "hf", "micro_batch": 8, "recompute": "none",
                "step_peak_gb": 70.0},
               {"size": "1p5b", "ffn": "ell", "micro_batch": 8, "recompute": "none",
                "step_peak_gb": 45.0},
@@ -268,8 +272,10 @@ def test_target_ratios_hand_made():
                "step_peak_gb": 99.0}]  # another micro-batch: not the equal one
     got = {(r["ratio"], r["budget_gb"], r["detail"]): r for r in
            target_ratios(_hand_rows(), probes, equal_micro=8)}
-    r = got[("sparse_vs_dense", 139, "ell / dense")]
-    assert r["value"] == pytest.approx(36 / 33) and r["target"] == 1.16 and r["ok"] is False
+    r = got[("sparse_vs_dense", 139, "ell / liger")]  # best dense: liger 34 > dense 33 > hf 30
+    assert r["value"] == pytest.approx(36 / 34) and r["target"] == 1.3 and r["ok"] is False
+    r = got[("dense_vs_liger", 139, "dense / liger")]
+    assert r["value"] == pytest.approx(33 / 34) and r["ok"] is False  # 0.971 < 0.98
     r = got[("auto_vs_best", 139, "auto / ell")]
     assert r["value"] == pytest.approx(35 / 36) and r["ok"] is False  # 0.972 < 0.98
     r = got[("default_vs_path", 139, "default (torch) / dense")]
@@ -277,29 +283,35 @@ def test_target_ratios_hand_made():
     assert got[("wall_vs_median", 139, "ell")]["value"] == pytest.approx(36 / 37)
     assert got[("wall_vs_median", 139, "auto")]["value"] == pytest.approx(35 / 35.5)
     # 80: ell was not timed: sparse = auto alone; auto vs the faster of ell and dense = dense
-    assert got[("sparse_vs_dense", 80, "auto / dense")]["value"] == pytest.approx(30 / 26)
+    assert got[("sparse_vs_dense", 80, "auto / liger")]["value"] == pytest.approx(30 / 27)
     r = got[("auto_vs_best", 80, "auto / dense")]
     assert r["value"] == pytest.approx(30 / 26) and r["ok"] is True
     assert got[("wall_vs_median", 80, "ell")]["value"] is None
     assert got[("wall_vs_median", 80, "auto")]["ok"] is True  # 30 / 29 >= 0.98
-    r = got[("peak_vs_hf", None, "ell / hf at micro-batch 8, no recomputation")]
-    assert r["value"] == pytest.approx(45 / 70) and r["ok"] is True  # <= 0.70
-    assert got[("peak_vs_hf", None, "dense / hf at micro-batch 8, no recomputation")][
+    r = got[("peak_vs_liger", None, "ell / liger at micro-batch 8, no recomputation")]
+    assert r["value"] == pytest.approx(45 / 60) and r["ok"] is False  # 0.75 > 0.70
+    assert got[("peak_vs_liger", None, "dense / liger at micro-batch 8, no recomputation")][
         "value"] is None
-    r = got[("forward_vs_hf", None, "dense / hf")]
-    assert r["value"] == pytest.approx(1.07) and r["ok"] is False
-    assert got[("forward_vs_hf", None, "ell / hf")]["value"] == pytest.approx(1.04)
-    # no target at a size the issue does not name
+    # forward: over the best dense forward (dense 107 > liger 105 > hf 100)
+    r = got[("forward_vs_dense", None, "ell / dense")]
+    assert r["value"] == pytest.approx(104 / 107) and r["ok"] is False
+    assert got[("forward_vs_dense", None, "auto / dense")]["value"] == pytest.approx(1.0)
+    # without a liger probe the peak is read against hf's
+    no_liger = {(r["ratio"], r["detail"]): r for r in
+                target_ratios(_hand_rows(), probes[1:], equal_micro=8)}
+    r = no_liger[("peak_vs_liger", "ell / hf at micro-batch 8, no recomputation")]
+    assert r["value"] == pytest.approx(45 / 70)
+    # no target at a size the issue does not name: every size has the same targets now
     other = target_ratios([_r("hf", 80, 1.0, size="s"), _r("ell", 80, 2.0, size="s")], [])
     r = next(x for x in other if x["ratio"] == "sparse_vs_dense")
-    assert r["value"] == pytest.approx(2.0) and r["target"] is None and r["ok"] is None
+    assert r["value"] == pytest.approx(2.0) and r["target"] == 1.3 and r["ok"] is True
 
 
 def test_table1_hand_made():
     t = table1(_hand_rows(), {"1p5b": 33.3}).splitlines()
-    assert t[2] == ("| 1p5b | 139 | 33.3 | 107.0 -> 104.0 (-2.8%) | 33.0 -> 36.0 (+9.1%) | "
-                    "110.0 -> 90.0 (-18.2%) | `dense` (dense) 8 x none | `ell` (ell) 8 x none |")
-    assert t[3].startswith("| 1p5b | 80 | 33.3 | n/a -> n/a | 26.0 -> 30.0 (+15.4%) |")
+    assert t[2] == ("| 1p5b | 139 | 33.3 | 105.0 -> 104.0 (-1.0%) | 34.0 -> 36.0 (+5.9%) | "
+                    "100.0 -> 90.0 (-10.0%) | `liger` (liger) 8 x none | `ell` (ell) 8 x none |")
+    assert t[3].startswith("| 1p5b | 80 | 33.3 | n/a -> n/a | 27.0 -> 30.0 (+11.1%) |")
 
 
 def test_merge_runs_later_folder_wins(tmp_path):

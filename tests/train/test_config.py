@@ -50,7 +50,7 @@ def _one_line(err) -> str:
      "trainer.memory_budget_gb"),
     (lambda: TrainerConfig(memory="auto", micro_batch=0), "trainer.micro_batch"),
     (lambda: TrainerConfig(ce_chunk_rows=0), "trainer.ce_chunk_rows"),
-    (lambda: TrainerConfig(compile=True, fused_ce=True), "trainer.fused_ce"),
+    (lambda: TrainerConfig(compile=True, liger=True), "trainer.liger"),
     (lambda: ModelConfig(seq_len=1), "model.seq_len>=2"),  # no next-token target: NaN loss
     (lambda: TrainerConfig(seed=-1), "trainer.seed"),  # numpy refuses it mid-setup
     (lambda: TrainerConfig(seed=2**32), "trainer.seed"),
@@ -85,7 +85,7 @@ def test_global_batch_vs_world_size():
 def test_memory_planner_nulls_and_defaults():
     t = TrainerConfig(memory="auto", micro_batch=None, grad_checkpointing=None,
                       checkpoint_ffn=None, compile=True)  # compile: the planner keeps always
-    assert t.micro_batch is None and t.fused_ce is None  # null fused loss: auto (train/loss.py)
+    assert t.micro_batch is None and t.liger is None  # null Liger-Kernel: auto (train/liger.py)
     assert TrainerConfig().memory == "off" and TrainerConfig().ce_chunk_rows == 4096
     assert TrainerConfig(checkpoint_ffn="never", grad_checkpointing=None, memory="auto")
     with pytest.raises(ConfigError, match="checkpoint_ffn=never needs"):
@@ -161,7 +161,7 @@ def test_default_and_paper_recipes_compose():
         # trainer=gpu: the memory planner picks micro-batch and recomputation (train/memory.py)
         assert c.trainer.memory == "auto" and c.trainer.seed == 42
         assert (c.trainer.micro_batch, c.trainer.grad_checkpointing,
-                c.trainer.checkpoint_ffn, c.trainer.fused_ce) == (None, None, None, None)
+                c.trainer.checkpoint_ffn, c.trainer.liger) == (None, None, None, None)
         assert c.model.rope_theta == 1e5 and c.data.source == "fineweb_edu"
     for group in ["model=small_l2", "model=small_l12", "sparsity=warmup", "sparsity=l1_reinit",
                   "sparsity=dense", "eval=end", "trainer=gpu"]:

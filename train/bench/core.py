@@ -38,6 +38,7 @@ from train.bench.source import (
     reference_checks,
     train_bench_model,
 )
+from train.liger import liger_enabled, use_liger
 from train.bench.steps import (
     STATIC_BYTES_PER_PARAM,
     Clock,
@@ -278,6 +279,9 @@ def measure_forward(run: SizeRun) -> None:
                 cfg = dataclasses.replace(run.bm.model_cfg, ffn_impl=impl)
                 model = build_ours(cfg, run.bm.weights, dev, dtype)
                 FFNPlan(ffn_modules(model)).set_collect_stats(False)  # no counting pass
+                if liger_enabled(None, device_type=dev.type,
+                                 precision="bf16" if run.bf16 else "fp32", compile=False):
+                    use_liger(model, fused_linear_ce=False)  # as our trainer runs (no loss here)
             decoder = model.eval().model  # the decoder stack, no LM head
             with torch.no_grad():
                 warm = s.fwd_warmup if impl == "auto" else min(2, s.fwd_warmup)

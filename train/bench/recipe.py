@@ -125,7 +125,7 @@ def stage1_overrides(size: str, recipe: Recipe, config: list[str] = (),
 def ours_overrides(size: str, search_batch: int, config: list[str] = (),
                    smoke_tokens: Path | None = None) -> list[str]:
     """The trainer all our FFN paths run in: the stage-1 shape and trainer settings
-    (``trainer=gpu``: fused loss, lean norms, adaptive dense-backup capacities), impl ``auto``
+    (``trainer=gpu``: Liger-Kernel's fused ops, adaptive dense-backup capacities), impl ``auto``
     (its plan is pinned per path), learning rate 0 (AdamW runs every kernel but leaves the
     trained weights, and so the sparsity, as they are), the memory planner off (the benchmark
     searches itself) and ``search_batch`` sequences a step (the candidates' micro-batches are

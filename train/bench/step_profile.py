@@ -138,7 +138,10 @@ def profile_step(step: Callable[[], object], device, dims: dict, *, steps: int =
     kern: dict[tuple, list] = {}
     syncs = 0
     events = prof.events()
-    cpu_ops = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+    # the PyTorch ops that launched kernels, by id (a kernel's linked correlation id); runtime
+    # calls (cudaLaunchKernel...) carry CUPTI's own ids, which may collide with these: left out
+    cpu_ops = {e.id: e for e in events
+               if e.device_type == torch.autograd.DeviceType.CPU and e.kernels}
     spans = []
     for e in events:
         if e.name in _SYNCS:

@@ -40,7 +40,7 @@ _DEFAULT_CONFIG = {
     # spent 4.4 of 34.4 ms per sequence in dW at d1024 (HBM-bound: ~3.8 TB/s of gathered rows;
     # BENCHMARKS.md, "Where the step's time goes")
     "dw_block_d": 0,
-    "dw_l2_bytes": 32 * 2**20,  # half the H200's 60 MB L2 (the rest: indices, outputs, others)
+    "dw_l2_bytes": 16 * 2**20,  # of the H200's 60 MB L2: 16 MiB (128 columns at N 32768) beat 32
     "dw_warps": 4,
     # dW grid order when dw_block_d is set, 1 = D slice outermost: 0.518 vs 0.578 ms i.i.d. but
     # 0.345 vs 0.288 with hot units (N 16384, d1024)
