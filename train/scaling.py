@@ -94,18 +94,19 @@ DEPTH_PROBE_STEPS = 300
 # The probe's L1 grid: the paper's 2e-5 (code normalisation: per-layer sum over units, mean over
 # tokens, mean over layers) x ~4 for the 4x narrower FFN (the per-token sum over units of |h|
 # shrinks with the number of units) = 8e-5, and up by half-decades because 32.8 M tokens give
-# the L1 term 300x fewer tokens than the paper's 10 B to act (at width 2048, 3e-4 reached L0
-# 10-45 within 3-5 M tokens; 1e-3 drove the 0.5B shape to L0 ~1: PAPER.md).
+# the L1 term 300x fewer tokens than the paper's 10 B to act (measured on one H200 at width
+# 2048: 3e-4 reached L0 10-45 within 3-5 M tokens; 1e-3 drove the 0.5B shape to L0 ~1).
 DEPTH_PROBE_L1 = (1e-4, 3e-4, 1e-3)
 # The paper's L0 range at L1 2e-5: 39 (0.5B, 8 layers) .. 24 (2B, 38 layers); the probe looks
 # for the L1 values that put the deepest model at these L0 values.
 PAPER_L0_RANGE = (39.0, 24.0)
 # Effective training FLOP/s of a small model on one H200 (eager PyTorch, bf16, no
 # recomputation) for the time estimate of shapes without a measured speed: ~15 % of the H200's
-# 989 TFLOP/s, as measured for models of this size here: SmolLM2-135M's shape (d 576, 30 layers,
-# seq 1024) 115.8-145.6 k tok/s = 127-160 TFLOP/s (PAPER.md, turn 3), small_l4 (d 768, 4 layers)
-# 261.5 tok/ms = ~118 TFLOP/s (BENCHMARKS.md, run T). The issue's "40 % MFU of ~790 TFLOP/s" =
-# 316 TFLOP/s would be 2.1x faster; the plan uses the measured rate.
+# 989 TFLOP/s, as measured for models of this size on one H200: a SmolLM2-135M-shaped model
+# (d 576, 30 layers, seq 1024) trained at 115.8-145.6 k tok/s = 127-160 TFLOP/s, small_l4
+# (d 768, 4 layers) at 261.5 tok/ms = ~118 TFLOP/s (BENCHMARKS.md, the whole-model table of
+# small_l4). A "40 % MFU of ~790 TFLOP/s" = 316 TFLOP/s would be 2.1x faster; the plan uses the
+# measured rate, and the script replaces it by the rate the first results measure.
 EFFECTIVE_TFLOPS = 148.0
 # The seven tasks' full validation sets with the SmolLM2 tokenizer (measured by building every
 # request with evals.harness.build_items): task -> (items, requests, tokens of context +
@@ -905,7 +906,7 @@ def read_train_lines(run_dir: Path) -> list[dict]:
     return lines
 
 
-# The settle rule (the issue's): a row has settled when no layer's L0 moves by 5 % or more over
+# The settle rule: a row has settled when no layer's L0 moves by 5 % or more over
 # the last fifth of its training. Each end of that window is the mean of its first / last fifth
 # of logged points (a logged point is already the mean over log_every steps' tokens), so one
 # noisy line does not decide; a change below SETTLE_ABS_UNITS active units a token counts as
