@@ -9,7 +9,8 @@
 # Environment (defaults): L1 (series: required, 0 and the probe's two values), DEPTHS
 # (8,18,28,38), STEPS (1000), REINIT (auto: the re-init twin of the sparse row where most units
 # die, once results show it; '' = none), PROBE_L1 (1e-4,3e-4,1e-3), PROBE_STEPS (300),
-# MAX_WALL (540: the call's 600 s less this script's set-up and packing), EXTRA (more
+# MAX_WALL (520: the call's 600 s less this script's set-up, ~15 s, a hard stop 30 s after it
+# and the packing), EXTRA (more
 # scripts/scaling_study.py arguments, e.g. '--eval-limit 1000').
 #
 # Results and logs go to outputs/depth_out/ (git-ignored; a machine called again within 30 s
@@ -25,7 +26,7 @@ if [ "$MODE" = series ] && [ -z "${L1:-}" ]; then
   echo "gpu_depth_call: set L1=0,WEAK,STRONG (the probe's values: scripts/scaling_study.py --suggest-l1 DIR)" >&2
   exit 2
 fi
-MAX_WALL=${MAX_WALL:-540}
+MAX_WALL=${MAX_WALL:-520}
 . scripts/gpu_env.sh || exit 1
 [ -d "$TWELL_CACHE/evals" ] || {
   echo "gpu_depth_call: the carried cache has no evals/; run 'python scripts/scaling_study.py --prepare-evals' and 'bash scripts/build_carry.sh cache' before the call" >&2
@@ -41,7 +42,7 @@ else
 fi
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 # shellcheck disable=SC2086  # EXTRA is a list of arguments
-timeout $((${MAX_WALL%.*} + 40)) python3 scripts/scaling_study.py --depth-series \
+timeout $((${MAX_WALL%.*} + 30)) python3 scripts/scaling_study.py --depth-series \
   --depths "${DEPTHS:-8,18,28,38}" --steps "${STEPS:-1000}" "${args[@]}" \
   --out "$RES/out" --runs-dir outputs/depth_runs --skip-results docs/scaling/results \
   --max-wall "$MAX_WALL" --keep none ${EXTRA:-} data.build_if_missing=false \

@@ -212,8 +212,10 @@ def settings(a) -> StudySettings:
 
 
 def reinit_rows(a, s: StudySettings, log=print) -> list[tuple[int, float]]:
-    """``--reinit-rows`` as ``(layers, l1)`` pairs; ``auto`` looks for the row where most units
-    die among the results in ``--out`` and ``--skip-results`` (none yet: no re-init row).
+    """``--reinit-rows`` as ``(layers, l1)`` pairs. ``auto`` waits until every sparse row at the
+    deepest and the shallowest depth has a result in ``--out`` or ``--skip-results`` (the rows
+    the plan runs before the re-init row), then picks the row where most units die among the
+    results (so the pick does not change from call to call); until then no re-init row.
 
     Raises:
         ValueError: an entry that is not ``LAYERS:L1``."""
@@ -221,10 +223,16 @@ def reinit_rows(a, s: StudySettings, log=print) -> list[tuple[int, float]]:
     if not spec:
         return []
     if spec == "auto":
-        got = most_dead_row([d for d in (a.out, *a.skip_results) if d is not None], s.steps)
+        folders = [d for d in (a.out, *a.skip_results) if d is not None]
+        ends = {min(a.depths), max(a.depths)}
+        need = [r.name for r in plan_depth_rows(a.depths, a.l1, s.steps)
+                if r.layers in ends and r.l1_coeff > 0]
+        missing = [n for n in need if n not in result_names(folders)]
+        got = None if missing else most_dead_row(folders, s.steps)
         if got is None:
             log("re-init row: none yet (--reinit-rows auto picks the sparse row where most units "
-                "die once sparse rows have results)")
+                "die once the sparse rows at the deepest and shallowest depth have results; "
+                f"missing {len(missing)} of {len(need)})")
             return []
         log(f"re-init row: {got[0]} layers at L1 {l1_text(got[1])} ({got[2]:.1f} % dead units at "
             "the end of training, the most of the series' sparse rows)")

@@ -556,8 +556,9 @@ def plan_text(rows: list[StudyRow], s: StudySettings, skip: set[str],
             continue
         total_train, total = total_train + est[0], total + est[1]
         disk += checkpoint_gb(r, s.keep)
+        evals = " and evals" if s.evals and not r.probe else ""
         lines.append(f"  {i:2d}. {r.name:36s} ~{est[0]:4.0f} s training, ~{est[1]:4.0f} s with "
-                     f"start, checkpoint, profile{' and evals' if s.evals else ''} (checkpoint "
+                     f"start, checkpoint, profile{evals} (checkpoint "
                      f"{checkpoint_gb(r, 'full'):.1f} GB)")
     if total:
         speeds = ("H200 speeds " + str(TOKENS_PER_MS) + " tok/ms" if all(

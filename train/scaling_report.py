@@ -713,7 +713,7 @@ TITLES = {"l0_vs_size": "Mean L0 per size", "l0_per_layer": "L0 per layer",
 
 # ---------------------------------------------------------------- the depth series' plan
 
-CALL_WALL_S = 540.0  # a 10-minute device call less the environment's set-up and the packing
+CALL_WALL_S = 520.0  # scripts/gpu_depth_call.sh's MAX_WALL: a 10-minute call less set-up, packing
 STAND_IN_L1 = (3e-4, 1e-3)  # weaker / stronger L1 in the plan until the probe has measured them
 CORPUS_TRAIN_TOKENS = 18_650_289  # the offline corpus's training split (its manifest)
 CORPUS_VAL_TOKENS = 530_152
@@ -863,7 +863,8 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
         (f"**Device time and order.** The rows in the order a call runs them (the L1 probe "
          f"first; then the weak L1 at {deepest} and {min(depths)} layers, their dense controls, "
          "the strong L1 there, the re-init row, then the middle depths), packed into calls of "
-         f"{call_wall:.0f} s (the 10-minute limit less the environment's set-up and packing) as "
+         f"{call_wall:.0f} s (`gpu_depth_call.sh`'s `MAX_WALL`: the 10-minute limit less the "
+         "environment's set-up, a hard stop and the packing) as "
          "`scripts/scaling_study.py` packs them: a row starts only when its estimate fits the "
          "time left, a later, shorter one may fill the gap. Seconds are estimates; the weak and "
          f"strong L1 are stand-ins ({l1_text(weak)}, {l1_text(strong)}) until the probe has "
@@ -882,7 +883,7 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          "into $TWELL_CACHE/evals"),
         ("bash scripts/build_carry.sh                      # .devcarry: wheels + corpus, "
          "tokenizer, evals (~20 MB)"),
-        "python scripts/scaling_study.py --depth-series --probe --dry-run   # the probe's plan",
+        "python scripts/scaling_study.py --depth-series --probe --dry-run --max-wall 520",
         "```", "",
         ("Each device call carries `.devcarry` (`carry: [\".devcarry\"]`, `timeout_s: 600`) and "
          "runs one line; its rows' results and logs come back as one file, "
@@ -911,7 +912,8 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
         "python scripts/scaling_study.py --report /tmp/depthN/depth_out/out --doc docs/scaling.md",
         "```", "",
         ("`--dry-run` prints a call's plan and estimate (`scripts/scaling_study.py --depth-series "
-         "--l1 0,WEAK,STRONG --dry-run --skip-results docs/scaling/results`); `--max-wall`, "
+         "--l1 0,WEAK,STRONG --dry-run --max-wall 520 --skip-results docs/scaling/results`); "
+         "`--max-wall`, "
          "`--steps`, `--depths`, `--eval-limit`, `--tflops` change what the call runs or "
          "assumes. The CPU smoke run of the whole path (2 depths, a few steps, tiny vocabulary): "
          "`tests/train/test_scaling_depth.py::test_depth_series_smoke_end_to_end`."),

@@ -443,6 +443,12 @@ def test_cli_plan_and_errors(tmp_path):
     auto = _cli("--depth-series", "--l1", "0,3e-4,1e-3", "--reinit-rows", "auto", "--dry-run",
                 "--skip-results", str(d))
     assert "re-init row: 38 layers at L1 1e-3 (60.0 % dead units" in auto.stdout
+    assert "depth_w512_l38_s1000_l1_1e-3_reinit" in auto.stdout
+    (d / "depth_w512_l8_s1000_l1_1e-3.json").unlink()  # an end's sparse row not run yet: wait
+    wait = _cli("--depth-series", "--l1", "0,3e-4,1e-3", "--reinit-rows", "auto", "--dry-run",
+                "--skip-results", str(d))
+    assert "re-init row: none yet" in wait.stdout and "missing 1 of 4" in wait.stdout
+    assert "_reinit" not in wait.stdout
 
 
 # ---------------------------------------------------------------- the whole path on the CPU
