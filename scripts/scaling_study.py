@@ -211,6 +211,16 @@ def settings(a) -> StudySettings:
     return StudySettings.for_smoke(**kw) if a.smoke else StudySettings(**kw)
 
 
+def check_eval_tokenizer(a, s: StudySettings) -> None:
+    """Refuse, before any training, evals on a data source without a tokenizer.
+
+    Raises:
+        ValueError: evals on and ``data=tokens`` (pre-tokenized ids) without ``--eval-tokenizer``."""
+    if s.evals and "data=tokens" in a.overrides and not s.eval_tokenizer:
+        raise ValueError("the seven tasks need a tokenizer and data=tokens has none: add "
+                         "--eval-tokenizer smollm2 (ids of that tokenizer) or --no-evals")
+
+
 def reinit_rows(a, s: StudySettings, log=print) -> list[tuple[int, float]]:
     """``--reinit-rows`` as ``(layers, l1)`` pairs. ``auto`` waits until every sparse row at the
     deepest and the shallowest depth has a result in ``--out`` or ``--skip-results`` (the rows
@@ -317,6 +327,7 @@ def main(argv=None) -> int:
         return 0
     try:
         s = settings(a)
+        check_eval_tokenizer(a, s)
         rows = plan(a, s)
     except ValueError as e:
         print(f"scaling_study: {e}", file=sys.stderr)

@@ -429,7 +429,9 @@ def test_cli_plan_and_errors(tmp_path):
     for args, msg in [(["--depth-series", "--dry-run"], "--depth-series needs --l1"),
                       (["--depth-series", "--l1", "0,3e-4", "--reinit-rows", "38", "--dry-run"],
                        "is not LAYERS:L1"),
-                      (["--depth-series", "--l1", "3e-4", "--steps", "0", "--dry-run"], "--steps")]:
+                      (["--depth-series", "--l1", "3e-4", "--steps", "0", "--dry-run"], "--steps"),
+                      (["--depth-series", "--l1", "3e-4", "--dry-run", "data=tokens"],
+                       "--eval-tokenizer smollm2")]:
         r = _cli(*args)
         assert r.returncode == 2 and msg in r.stderr and r.stderr.count("\n") == 1, r.stderr
     r = _cli("--probe", "--dry-run")
