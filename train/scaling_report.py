@@ -877,7 +877,9 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          + "; rows that remain run in the next sessions (rows with a result are skipped; a row "
          "stopped by a call's end resumes from its checkpoint only on a machine still warm)."),
         "",
-        "**Commands.** On the CPU, once before the session (`.devcarry` is git-ignored):", "",
+        ("**Commands.** On the CPU, from the repository root with the packages importable "
+         "(`.venv`, or `PYTHONPATH=.`; `build_carry.sh` wants `.venv`: `bash scripts/setup.sh`), "
+         "once before the session (`.devcarry` is git-ignored):"), "",
         "```bash",
         ("python scripts/scaling_study.py --prepare-evals  # the seven tasks' validation sets "
          "into $TWELL_CACHE/evals"),
@@ -908,14 +910,15 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          "session's calls skip the rows in `docs/scaling/results/`, which travel with the "
          "working tree:"), "",
         "```bash",
-        "tar -xzf <files_at>/depth_series.tar.gz -C /tmp/depthN",
+        "mkdir -p /tmp/depthN && tar -xzf <files_at>/depth_series.tar.gz -C /tmp/depthN",
         "python scripts/scaling_study.py --report /tmp/depthN/depth_out/out --doc docs/scaling.md",
         "```", "",
         ("`--dry-run` prints a call's plan and estimate (`scripts/scaling_study.py --depth-series "
          "--l1 0,WEAK,STRONG --dry-run --max-wall 520 --skip-results docs/scaling/results`); "
          "`--max-wall`, "
          "`--steps`, `--depths`, `--eval-limit`, `--tflops` change what the call runs or "
-         "assumes. The CPU smoke run of the whole path (2 depths, a few steps, tiny vocabulary): "
+         "assumes. The CPU smoke run of the whole path (2 depths of a width-32 model, 10 steps on "
+         "64-id synthetic data, the seven tasks on 2 items each, the report): "
          "`tests/train/test_scaling_depth.py::test_depth_series_smoke_end_to_end`."),
     ])
 
