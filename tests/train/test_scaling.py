@@ -26,8 +26,10 @@ from train.scaling import (
 )
 from train.scaling_report import (
     CSV_COLUMNS,
+    DEPTH_PLOTS,
     KEEP_MARKER,
     PAPER_DROP_PCT,
+    PLOTS,
     ReportError,
     check_targets,
     csv_row,
@@ -127,12 +129,14 @@ def test_estimate_hand_computed():
     assert paper_params("small_l4") is None
     train_s, total_s = estimate_seconds(StudyRow("1p5b", 3e-4), StudySettings())
     assert train_s == pytest.approx(3_276_800 / 34_000)
-    assert total_s == pytest.approx(train_s + 45 + 16 * paper_params("1p5b") / 1.5e9)
-    assert estimate_seconds(StudyRow("small_l4", 3e-4), StudySettings()) is None
+    # the profile's forward (a third of a training step's FLOPs a token) at the measured speed
+    profile_s = 262_144 / 3 / 34_000
+    assert total_s == pytest.approx(train_s + 45 + 16 * paper_params("1p5b") / 1.5e9 + profile_s)
+    assert estimate_seconds(StudyRow("nonexistent_cfg", 3e-4), StudySettings()) is None
     assert estimate_seconds(StudyRow("1p5b", 3e-4), StudySettings(cpu=True)) is None
     text = plan_text([StudyRow("0p5b", 3e-4), StudyRow("2b", 3e-4)], StudySettings(),
                      skip={"0p5b_l1_3e-4"}, free_gb=20)
-    assert "0p5b_l1_3e-4             result exists: skipped" in text
+    assert "0p5b_l1_3e-4" + " " * 25 + "result exists: skipped" in text
     assert f"~{3_276_800 / 25_000:.0f} s training" in text and "WARNING" in text
 
 
@@ -177,7 +181,10 @@ def test_smoke_study_resume_skip_and_report(tmp_path):
     log = (tmp_path / "runs" / "0p5b_l1_0.5.log").read_text()
     assert "resumed from" in log and "at step 2" in log  # the stopped row went on
     assert r["row"] == {"size": "0p5b", "l1_coeff": 0.5, "reinit": False, "name": "0p5b_l1_0.5",
-                        "layers": 1}
+                        "layers": 1, "hidden": 32, "steps": 4, "series": "paper",
+                        "probe": False}
+    assert r["evals"] is None and r["profile"]["l1_grad_kept"] == 1.0  # fp32 keeps all of it
+    assert r["settle"]["basis"] == "per-layer" and r["settle"]["window"] == [4, 4]
     assert r["config"]["sparsity"]["dead_window_tokens"] == 128
     assert r["summary"]["tokens_seen"] == 4 * 2 * 32
     assert r["curves"]["step"] == [1, 2, 3, 4] and r["curves"]["tokens"] == [64, 128, 192, 256]
@@ -226,7 +233,8 @@ def _result(size, layers, l1, l0_L, *, reinit=False, dead=10.0, val=3.5, first=N
         "settings": {"global_batch": 8, "seq_len": 2048, "seed": 42, "lr": 1e-3,
                      "warmup_steps": 10, "micro_batch": 8, "ffn_impl": "auto",
                      "dead_window_tokens": 1_048_576},
-        "config": {"data": {"source": "offline_mix"}, "trainer": {"max_steps": 200}},
+        "config": {"data": {"source": "offline_mix"}, "trainer": {"max_steps": 200},
+                   "model": {"hidden_size": 2048}},
         "summary": {"tokens_seen": 3_276_800, "dead_pct": dead, "val_loss": val,
                     "final_train_ce": val - 0.1, "tokens_per_s": 34_000.0},
         "profile": {"n_tokens": 262_144, "layers": layers, "hidden": 5632, "source": "validation",
@@ -267,12 +275,17 @@ def test_csv_rows_and_targets(tmp_path):
     d, _ = _study(tmp_path)
     results = load_results([d])
     assert len(results) == 10
-    row = csv_row(results["1p5b_l1_3e-4"])
+    row = csv_row(results["1p5b_l1_3e-4"], list(results.values()))
     assert list(row) == CSV_COLUMNS
     hump = results["1p5b_l1_3e-4"]["profile"]["l0_L"]
-    assert row == {"size": "1p5b", "layers": 28, "l1_coeff": 3e-4, "reinit": False,
-                   "tokens_m": 3.277, "l0_mean": 30.0, "l0_max_layer": round(max(hump), 2),
-                   "l0_first_token": round(3 * max(hump), 2), "dead_pct": 10.0, "val_loss": 3.5}
+    assert row == {"size": "1p5b", "layers": 28, "hidden": 2048, "l1_coeff": 3e-4,
+                   "reinit": False, "tokens_m": 3.277, "steps": 200, "settled": None,
+                   "l0_mean": 30.0, "l0_max_layer": round(max(hump), 2),
+                   "l0_first_token": round(3 * max(hump), 2), "dead_pct": 10.0, "val_loss": 3.5,
+                   "val_loss_dense": None, "eval_mean": None, "eval_mean_dense": None,
+                   "eval_stderr": None, "eval_diff": None, "eval_diff_stderr": None,
+                   "settle_change_pct": None, "series": "paper", "probe": False,
+                   "run": "1p5b_l1_3e-4", "device_s": 110.0}
     rows = [csv_row(r) for r in results.values()]
     t = {x["target"]: x for x in check_targets(rows)}
     assert t["L0 falls with size, L1 3e-4"]["verdict"] == "met"
@@ -336,9 +349,13 @@ def test_report_writes_csv_plots_doc_and_keeps_lead_text(tmp_path):
     assert [(r["size"], r["l1_coeff"], r["reinit"]) for r in got[:5]] == [
         ("0p5b", "0.0003", "False"), ("1b", "0.0003", "False"), ("1p5b", "0.0003", "False"),
         ("1p5b", "0.0003", "True"), ("2b", "0.0003", "False")]
-    for name, p in rep["plots"].items():
+    for name in PLOTS:
+        p = rep["plots"][name]
         assert isinstance(p, Path) and p.stat().st_size > 1000, name
         assert f"![{name}](scaling/{name}.png)" in text
+    for name in DEPTH_PLOTS:  # no depth-series row: no plot, no section, the plan only
+        assert rep["plots"][name] == "no depth-series row"
+    assert "No depth-series row has run yet" in text and "### Plan" in text
     assert len(list((tmp_path / "docs/scaling/results").glob("*.json"))) == 10
     assert "| L0 falls with size, L1 1e-4 | 0.5B 20.0 > 1B 22.0" in text
     assert "`t0` | 1.0 | 5 | `t29` | 30.0 | 5" in text.replace("'", "")
