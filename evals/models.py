@@ -112,6 +112,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         twell.hf.CheckpointError: a named twell checkpoint fails its metadata.json.
     """
     given = Path(path).expanduser()
+    if given.is_symlink():  # a link the user names is the user's choice: judge where it points
+        given = given.resolve()
     if not given.exists():
         raise FileNotFoundError(f"checkpoint={path}: no such file or directory")
     if not given.is_dir():
@@ -140,7 +142,7 @@ def _checked_folder(d: Path) -> Path:
     """``d``, after checking it against its ``metadata.json`` if it has one."""
     from twell.hf import METADATA, CheckpointError
 
-    if (d / METADATA).exists() or (d / METADATA).is_symlink():
+    if (d / METADATA).exists() or (d / METADATA).is_symlink():  # as twell.hf.check_recorded
         problems = _verify(d)
         if problems:
             raise CheckpointError(

@@ -156,8 +156,9 @@ def open_run_file(path: str | Path, mode: str = "a"):
     or a device is refused without blocking), created if missing.
 
     Raises:
-        CheckpointError: the path is a symbolic link or not a regular file (one line: remove it
-            or use a new run dir); a ConfigError, so ``twell-train`` exits 2.
+        CheckpointError: the path is a symbolic link, a hard link (another name shares its
+            bytes) or not a regular file (one line: remove it or use a new run dir); a
+            ConfigError, so ``twell-train`` exits 2.
         OSError: the write failed otherwise (a full disk, permissions).
     """
     path = Path(path)
@@ -170,8 +171,11 @@ def open_run_file(path: str | Path, mode: str = "a"):
             raise _no_follow_error(path, e) from None
         raise
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise _no_follow_error(path)
+        if st.st_nlink > 1:
+            raise _no_follow_error(path, what=f"a hard link ({st.st_nlink} names share its bytes)")
         os.set_blocking(fd, True)
         if mode == "w":
             os.ftruncate(fd, 0)
@@ -190,8 +194,8 @@ RUN_FOLDERS = ("checkpoints",)
 
 def check_run_dir(run_dir: str | Path) -> None:
     """Refuse a run dir in which the trainer would write through a link: any of
-    :data:`RUN_FILES` that is a symbolic link or not a regular file (a FIFO, a device, a
-    folder), ``checkpoints/`` as a link, or a link inside it. Called before anything is written
+    :data:`RUN_FILES` that is a symbolic link, a hard link or not a regular file (a FIFO, a
+    device, a folder), ``checkpoints/`` as a link, or a link inside it. Called before anything is written
     (the lock included), so a refused run touches nothing.
 
     Raises:
@@ -207,6 +211,9 @@ def check_run_dir(run_dir: str | Path) -> None:
             raise _no_follow_error(p, what=f"a symbolic link (to {shell_quote(os.readlink(p))})")
         if p.name in RUN_FILES and p.exists() and not p.is_file():
             raise _no_follow_error(p)
+        if p.name in RUN_FILES and p.is_file() and p.stat().st_nlink > 1:
+            raise _no_follow_error(p, what=f"a hard link ({p.stat().st_nlink} names share its "
+                                           "bytes, an append would change the others)")
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -643,6 +650,10 @@ def verify(ckpt: str | Path, checksums: bool = True) -> list[str]:
         return problems
     if not legacy or any("metadata.json" in p for p in problems):
         return problems
+    if any((ckpt / f"{n}.json").is_file() for n in STATE_FILES):  # this format, records gone
+        why = ("metadata.json records no files, but its state files are of the current format, "
+               "which records them (damaged)")
+        return [*problems, why]
     for name, what in {**STATE_FILES, "rank0": "RNG state and data position"}.items():
         if not _state_present(ckpt, name):
             problems.append(f"{name}.pt ({what}) is missing")

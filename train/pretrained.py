@@ -131,14 +131,14 @@ def inspect_checkpoint(spec: str) -> PretrainedSource:
     truncation: safetensors and GGUF headers, config.json).
 
     A twell checkpoint folder (one with ``metadata.json``) must pass
-    :func:`twell.hf.verify_checkpoint` (its recorded sizes and SHA-256, the step it records).
+    :func:`twell.hf.check_recorded` (its recorded sizes and SHA-256, the step it records).
 
     Raises:
         ConfigError: bad path, a truncated or damaged file (or one failing its recorded
             SHA-256), a folder asking for custom code (``auto_map``), not a Llama model, or an
             FFN with biases (SparseGatedMLP has none).
     """
-    from twell.hf import auto_config, check_gguf, read_config_json, tensor_names
+    from twell.hf import auto_config, check_gguf, check_recorded, read_config_json, tensor_names
 
     path, kind = resolve_path(spec)
     if kind == "gguf":
@@ -146,7 +146,7 @@ def inspect_checkpoint(spec: str) -> PretrainedSource:
         config = _checked(spec, auto_config, path.parent, gguf_file=path.name)
     else:
         _checked(spec, read_config_json, path)
-        _checked(spec, _verified, path)
+        _checked(spec, check_recorded, path)
         _checked(spec, tensor_names, path)
         config = _checked(spec, auto_config, path)
     mt = getattr(config, "model_type", None)
@@ -157,17 +157,6 @@ def inspect_checkpoint(spec: str) -> PretrainedSource:
         raise ConfigError(f"model.init_from={spec!r} has FFN biases (mlp_bias=true); twell's FFN "
                           "(SparseGatedMLP) has none: use a checkpoint without FFN biases.")
     return PretrainedSource(spec, path, kind, config, _read_vocab(path, kind))
-
-
-def _verified(path: Path) -> None:
-    """Refuse a twell checkpoint folder (``metadata.json`` present) that fails its records."""
-    from twell.hf import METADATA, CheckpointError, verify_checkpoint
-
-    if (path / METADATA).exists():
-        problems = verify_checkpoint(path, no_hash=("optimizer.",))
-        if problems:
-            raise CheckpointError(f"{path} is damaged or incomplete ({'; '.join(problems[:3])}); "
-                                  "use an intact checkpoint")
 
 
 def source_sha256(src: PretrainedSource) -> dict[str, str]:

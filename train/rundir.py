@@ -83,6 +83,8 @@ def resolve_resume(resume: str, warn=None) -> Path:
             holding an intact one (one line naming the path and the fix).
     """
     path = Path(resume).expanduser()
+    if path.is_symlink():  # a link the user names is the user's choice: judge where it points
+        path = path.resolve()
     if not path.exists():
         raise ConfigError(f"trainer.resume={resume!r}: {path} does not exist; give an existing "
                           "step{N} checkpoint folder or run dir, or use auto or never.")

@@ -372,14 +372,17 @@ def load_model(checkpoint_dir: str | Path, ffn_impl: str = "torch", **from_pretr
 
     Raises:
         FileNotFoundError: no config.json in ``checkpoint_dir``.
-        CheckpointError: a truncated or damaged config.json or weight file, or weights that do
-            not match the config (missing or unexpected tensors, named; nothing is invented).
+        CheckpointError: a truncated or damaged config.json or weight file, a twell checkpoint
+            failing its ``metadata.json`` (:func:`check_recorded`), weights that do not match
+            the config (missing, unexpected, other shapes, not floating point, NaN / inf:
+            named; nothing is invented), or a folder asking for custom code.
         ValueError: unknown ``ffn_impl``.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     d = Path(checkpoint_dir)
     saved = read_config_json(d)
+    check_recorded(d)
     if saved.get(GATED_KEY, True):
         model = from_pretrained_strict(LlamaForCausalLM, d, **from_pretrained_kw)
         install_ffns(model, True, ffn_impl)
@@ -571,6 +574,23 @@ def verify_checkpoint(ckpt: str | Path, *, checksums: bool = True, no_hash: tupl
         if state != step:
             problems.append(f"trainer.json records step {state}, metadata.json step {step}")
     return problems
+
+
+def check_recorded(d: str | Path) -> None:
+    """Refuse a folder that carries a ``metadata.json`` (a twell checkpoint) but fails
+    :func:`verify_checkpoint` (the optimizer state checked for its size only: a loader of the
+    model does not read it); a folder without one (any save_pretrained folder) passes.
+
+    Raises:
+        CheckpointError: one line naming the folder and its first problems.
+    """
+    d = Path(d)
+    if d.is_dir() and ((d / METADATA).exists() or (d / METADATA).is_symlink()):
+        problems = verify_checkpoint(d, no_hash=("optimizer.",))
+        if problems:
+            raise CheckpointError(f"{d} is damaged or incomplete ({'; '.join(problems[:3])}); "
+                                  "use an intact checkpoint (a run dir's newest intact one: "
+                                  "twell.hf.latest_checkpoint)")
 
 
 def latest_checkpoint(run_dir: str | Path, *, checksums: bool = True, warn=None,

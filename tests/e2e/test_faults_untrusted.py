@@ -512,3 +512,52 @@ def test_a_metrics_line_cut_short_is_dropped_on_resume(tokens, tmp_path, capsys)
     train_run(tiny_config(tokens, **over), run)
     assert f"warning: {run / 'metrics.jsonl'}: dropped 1 damaged line(s)" in capsys.readouterr().err
     _same_metrics(read_metrics(tmp_path / "straight"), read_metrics(run))
+
+
+def test_a_hard_linked_run_file_is_refused_and_the_other_name_untouched(tokens, tmp_path):
+    """A hard link shares the bytes: an append to train.log would change the other file."""
+    other = tmp_path / "other.log"
+    other.write_text("precious\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    os.link(other, run / "train.log")
+    with pytest.raises(ckpt_io.CheckpointError) as err:
+        Trainer(tiny_config(tokens, **{"trainer.max_steps": 1}), run)
+    assert one_line(err).startswith(f"{run / 'train.log'} is a hard link (2 names share")
+    with pytest.raises(ckpt_io.CheckpointError, match="is a hard link"):
+        ckpt_io.open_run_file(run / "train.log")
+    assert other.read_text() == "precious\n"
+
+
+def test_stripped_records_are_no_previous_format_and_every_loader_checks(saved, tmp_path):
+    """metadata.json's file records removed (and its version): the state files are of the
+    current format, so this is damage, not a previous-format checkpoint; twell.hf.load_model
+    (reports, record_acts) refuses a folder failing its metadata.json like the pickers do."""
+    from twell.hf import CheckpointError, load_model
+
+    run = _copy(saved, tmp_path / "run")
+    step2, step4 = run / "checkpoints" / "step2", run / "checkpoints" / "step4"
+    meta = ckpt_io.read_metadata(step4)
+    del meta["files"], meta["format_version"]
+    (step4 / "metadata.json").write_text(json.dumps(meta))
+    assert ckpt_io.verify(step4)[-1].startswith("metadata.json records no files, but its state")
+    assert ckpt_io.latest_checkpoint(run) == step2
+    _flip_byte(step2 / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        load_model(step2)
+    assert one_line(err).startswith(f"{step2} is damaged or incomplete (model.safetensors fails "
+                                    "its SHA-256 check)")
+
+
+def test_a_link_the_user_names_is_followed_to_an_intact_checkpoint(tokens, saved, tmp_path,
+                                                                   monkeypatch):
+    """Links inside a run dir are refused; a path the user gives that is a link (runs/x/best ->
+    checkpoints/step4) is the user's choice: it is judged by the folder it points to."""
+    models = _no_tokenizer(monkeypatch)
+    run = _copy(saved, tmp_path / "run")
+    best = tmp_path / "best"
+    best.symlink_to(run / "checkpoints" / "step4")
+    assert models.resolve_checkpoint(best) == run / "checkpoints" / "step4"
+    t = Trainer(tiny_config(tokens, **SAVE, **{"trainer.resume": str(best)}), tmp_path / "b")
+    assert t.step == 4
+    t.close()
