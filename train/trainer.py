@@ -624,7 +624,7 @@ class Trainer:
             raise ConfigError(
                 f"{self.run_dir} holds a run with another config (checkpoint {found.name}: "
                 f"{'; '.join((other + optim)[:4])}{'; ...' if len(other + optim) > 4 else ''}); to "
-                f"continue it with these values pass trainer.resume={run}"
+                f"continue it with these values pass trainer.resume={shell_quote(run)}"
                 + (f" {flag}" if optim else "") + ", or use a new hydra.run.dir.")
         if optim and not self.cfg.trainer.resume_allow_changes:
             raise ConfigError(

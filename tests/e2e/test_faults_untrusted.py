@@ -561,3 +561,18 @@ def test_a_link_the_user_names_is_followed_to_an_intact_checkpoint(tokens, saved
     t = Trainer(tiny_config(tokens, **SAVE, **{"trainer.resume": str(best)}), tmp_path / "b")
     assert t.step == 4
     t.close()
+
+
+def test_a_damaged_checkpoint_copied_under_another_name_is_one_line(tokens, saved, tmp_path):
+    """trainer.resume=<run>/checkpoints/best, a damaged copy of step4: the ways out were
+    computed from the folder's name (step{N}), a ValueError traceback for any other name."""
+    run = _copy(saved, tmp_path / "run")
+    best = shutil.copytree(run / "checkpoints" / "step4", run / "checkpoints" / "best")
+    _flip_byte(best / "model.safetensors")
+    with pytest.raises(ckpt_io.CheckpointError) as err:
+        Trainer(tiny_config(tokens, **SAVE, **{"trainer.resume": str(best)}), tmp_path / "b")
+    msg = one_line(err)
+    assert f"checkpoint {best} is damaged or incomplete (model.safetensors fails its SHA-256" in msg
+    # it records step 4: an older intact checkpoint of its run dir is the way out
+    assert msg.endswith(f"resume an older intact checkpoint (trainer.resume="
+                        f"{run / 'checkpoints' / 'step2'}).")
