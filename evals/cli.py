@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(parse_args(argv))
     except (FileNotFoundError, ValueError, OSError) as e:  # bad path, task or checkpoint
-        print(f"twell-eval: {type(e).__name__}: {e}", file=sys.stderr)
+        # one line whatever the message holds (a library's multi-line error, a path with a
+        # newline), as twell-train prints its errors
+        print(f"twell-eval: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

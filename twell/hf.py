@@ -340,6 +340,7 @@ def from_pretrained_strict(model_class, path: str | Path, **kw):
         refuse_remote_code(p)
         tensor_names(p)
         args = (str(p),)
+        kw = {**kw, "use_safetensors": True}  # never a pickled pytorch_model.bin beside it
     # mismatched shapes are reported below like missing keys, not as transformers' RuntimeError
     kw = {"ignore_mismatched_sizes": True, **kw, "output_loading_info": True,
           "trust_remote_code": False}
