@@ -208,7 +208,8 @@ def cpu_cost_warning(cfg: TrainConfig) -> str | None:
     if step_s > CPU_SLOW_STEP_S:
         parts.append(f"about {_duration(step_s)} or more per optimizer step ({t.global_batch} x "
                      f"model.seq_len={cfg.model.seq_len} tokens; attention grows with seq_len "
-                     "squared), and a stop signal waits for the step in progress")
+                     "squared; a stop signal with finished steps unsaved waits for the step in "
+                     "progress)")
         fix.append(f"a shorter model.seq_len (e.g. {min(cfg.model.seq_len, 1024) // 2 or 1}) "
                    "or a smaller trainer.global_batch")
     if e.enabled and e.limit is None:

@@ -241,9 +241,9 @@ def check_finite(named_tensors, where: str | Path) -> None:
     bad = []
     for name, t in named_tensors:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
-            n = int((~torch.isfinite(t.detach())).sum())
-            if n:
-                bad.append(f"{name} ({n} of {t.numel()})")
+            finite = torch.isfinite(t.detach())
+            if not bool(finite.all()):
+                bad.append(f"{name} ({int((~finite).sum())} of {t.numel()})")
     if bad:
         raise CheckpointError(
             f"{where}: tensor {_names(bad, 3)} holds NaN or inf values: the checkpoint diverged "

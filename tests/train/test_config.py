@@ -324,6 +324,7 @@ def test_a_step_of_minutes_on_the_cpu_is_warned_about():
     assert line.startswith("warning: ") and (
         f"this is a GPU-sized run (about {int(step_s) // 60}m{round(step_s) % 60:02d}s or more "
         "per optimizer step (8 x model.seq_len=32768 tokens") in line
-    assert "model.seq_len=32768" in line and "a stop signal waits for the step" in line
+    assert "model.seq_len=32768" in line
+    assert "a stop signal with finished steps unsaved waits for the step in progress" in line
     assert "a shorter model.seq_len (e.g. 512)" in line
     assert cpu_cost_warning(OmegaConf.to_object(_compose([]))) is None
