@@ -728,7 +728,8 @@ class Trainer:
             optim_sd = parallel.optimizer_state_dict(model, self.optimizer.optimizer)
         final = ckpt_io.checkpoint_root(self.run_dir) / f"step{self.step}"
         tmp = ckpt_io.tmp_path(final)
-        stages = [lambda: self.is_main and ckpt_io.begin(self.run_dir, self.step),
+        stages = [lambda: self.is_main and (self._check_finite_weights(model, model_sd),
+                                            ckpt_io.begin(self.run_dir, self.step)),
                   lambda: self._write_checkpoint_files(tmp, model, model_sd, optim_sd),
                   lambda: self.is_main and ckpt_io.finish(
                       tmp, final, step=self.step, world_size=self.acc.num_processes,
@@ -749,6 +750,28 @@ class Trainer:
                                            advice=self.resume_advice()) from None
         self.last_ckpt, self.saved_step = final, self.step
         return final
+
+    def _check_finite_weights(self, model, model_sd) -> None:
+        """Main process, before a save: weights that became NaN / inf in a step whose loss and
+        gradient were finite (an update too large) are never saved, so the last checkpoint is
+        always a good one to name and resume (``model_sd``: the gathered state of a sharded
+        model).
+
+        Raises:
+            NonFiniteLossError: one line naming the tensors and the last good checkpoint.
+        """
+        from twell.hf import CheckpointError, check_finite
+
+        tensors = model_sd.items() if model_sd is not None else model.named_parameters()
+        try:
+            check_finite(tensors, f"step {self.step}")
+        except CheckpointError as e:
+            first = str(e).split(": tensor ", 1)[-1].split(" holds ")[0]
+            raise NonFiniteLossError(
+                f"weights hold NaN or inf after step {self.step} ({first}) though its loss and "
+                "gradient were finite (an update too large: lower optim.lr); not saved; last "
+                f"good checkpoint: {shell_quote(self.last_ckpt) if self.last_ckpt else 'none'}"
+            ) from None
 
     def _write_checkpoint_files(self, tmp: Path, model, model_sd, optim_sd) -> None:
         """Every rank: its RNG and data state; the main process: model, tokenizer, optimizer,

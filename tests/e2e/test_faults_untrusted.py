@@ -576,3 +576,26 @@ def test_a_damaged_checkpoint_copied_under_another_name_is_one_line(tokens, save
     # it records step 4: an older intact checkpoint of its run dir is the way out
     assert msg.endswith(f"resume an older intact checkpoint (trainer.resume="
                         f"{run / 'checkpoints' / 'step2'}).")
+
+
+def test_weights_that_became_nan_are_never_saved_as_a_good_checkpoint(tokens, tmp_path):
+    """A step whose loss and gradient were finite can still leave inf weights (an update too
+    large): the save refuses them in one line naming the tensor and the last good checkpoint,
+    and writes nothing, so no NaN checkpoint is ever named "last good" or resumed."""
+    from train.trainer import NonFiniteLossError
+
+    run = tmp_path / "run"
+    over = {"trainer.max_steps": 4, "trainer.save_every": 2}
+    t = Trainer(tiny_config(tokens, **over), run)
+    t.train(stop_at_step=2)
+    model = t.acc.unwrap_model(t.model)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("inf")
+    t.step = 3  # as after a third step
+    with pytest.raises(NonFiniteLossError) as err:
+        t.save_checkpoint()
+    t.close()
+    msg = one_line(err)
+    assert msg.startswith(f"weights hold NaN or inf after step 3 ({W0} (1 of 2048))")
+    assert msg.endswith(f"last good checkpoint: {run / 'checkpoints' / 'step2'}")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step2"]
