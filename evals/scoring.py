@@ -120,6 +120,16 @@ class ContinuationTooLong(ValueError):
         self.count = count
 
 
+class NonFiniteScores(ValueError):
+    """Log-likelihoods that are NaN or inf: the model's logits are not finite (a NaN weight, an
+    overflow in float16), so no choice can be told from another; a score from them would be a
+    pick of choice 0, not a result. ``count`` of ``total`` requests, the first at ``request``."""
+
+    def __init__(self, message: str, request: int, count: int, total: int):
+        super().__init__(message)
+        self.request, self.count, self.total = request, count, total
+
+
 @torch.inference_mode()
 def score_requests(
     model,

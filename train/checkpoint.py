@@ -26,23 +26,29 @@ tensors and plain containers (:func:`load_state`).
 
 The folder is written as ``.step{N}.tmp`` and renamed into place, so a crash never leaves a
 half-written ``step{N}``; a save that fails (a full disk) removes the temp folder
-(:func:`save_failure`). :func:`verify` checks a folder against its ``metadata.json`` and
-:func:`latest_checkpoint` skips damaged ones. Lineage: every checkpoint names the line of
-training it belongs to (``lineage.id``) and where that line branched off (``lineage.parent``);
-rotation deletes only checkpoints of its own line. Source of the layout: OLMo-core's
-``train/checkpoint.py`` habit.
+(:func:`save_failure`). :func:`verify` checks a folder against its ``metadata.json`` (every file
+recorded with its size and SHA-256, no symbolic links, the step in its name the step it records:
+``twell.hf.verify_checkpoint``) and :func:`latest_checkpoint` skips damaged ones. Lineage: every
+checkpoint names the line of training it belongs to (``lineage.id``) and where that line branched
+off (``lineage.parent``); rotation deletes only checkpoints of its own line whose names match
+the steps they record. Source of the layout: OLMo-core's ``train/checkpoint.py`` habit.
+
+Everything in a run dir is untrusted, names and links included: the files the trainer writes
+there are opened without following a symbolic link (:func:`open_run_file`, :func:`write_atomic`),
+and YAML read from it goes through :func:`load_yaml` (plain data only, a bad file named).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import stat
 import time
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,14 +57,20 @@ import torch
 
 from train.config import ConfigError
 from twell import hf
-from twell.hf import checkpoint_root, list_checkpoints
+from twell.hf import (
+    checkpoint_root,
+    folder_step,
+    list_checkpoints,
+    read_metadata,
+    sha256_file,
+    verify_checkpoint,
+)
 
 FORMAT_VERSION = 2
 STATE_FORMAT = "twell-state"
 # the state files of a checkpoint (besides the model): name -> what it holds, for messages
 STATE_FILES = {"optimizer": "optimizer state", "scheduler": "lr schedule state",
                "trainer": "trainer state (step, tokens seen, sparsity tracker)"}
-_HASH_CHUNK = 1 << 24  # 16 MiB reads for SHA-256
 
 
 class CheckpointError(hf.CheckpointError, ConfigError):
@@ -130,16 +142,146 @@ def _decode(obj, tensors: dict, used: set):
     return {k: _decode(v, tensors, used) for k, v in obj.items()}
 
 
+def _no_follow_error(path: Path, e: OSError | None = None, what: str = "") -> CheckpointError:
+    what = what or ("a symbolic link" if path.is_symlink() else "not a regular file")
+    return CheckpointError(
+        f"{path} is {what}: twell writes only regular files in a run dir and never follows a link "
+        f"there (it would write to wherever the link points); remove it (rm {shell_quote(path)}) "
+        "or use a new hydra.run.dir")
+
+
+def open_run_file(path: str | Path, mode: str = "a"):
+    """Open a run-dir file for writing (``mode`` ``"a"`` append or ``"w"`` truncate, text)
+    without following a symbolic link (``O_NOFOLLOW``) and only if it is a regular file (a FIFO
+    or a device is refused without blocking), created if missing.
+
+    Raises:
+        CheckpointError: the path is a symbolic link, a hard link (another name shares its
+            bytes) or not a regular file (one line: remove it or use a new run dir); a
+            ConfigError, so ``twell-train`` exits 2.
+        OSError: the write failed otherwise (a full disk, permissions).
+    """
+    path = Path(path)
+    flags = {"a": os.O_APPEND, "w": os.O_TRUNC}[mode]
+    flags |= os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags & ~os.O_TRUNC, 0o644)  # truncate only once it is known regular
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise _no_follow_error(path, e) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _no_follow_error(path)
+        if st.st_nlink > 1:
+            raise _no_follow_error(path, what=f"a hard link ({st.st_nlink} names share its bytes)")
+        os.set_blocking(fd, True)
+        if mode == "w":
+            os.ftruncate(fd, 0)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+# what the trainer writes (or deletes) in a run dir: files, and folders whose entries it renames
+# and deletes (rotation); Hydra's .hydra/ and wandb's wandb/ are theirs
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "train.log", "error.txt",
+             "wandb_id.txt", ".lock")
+RUN_FOLDERS = ("checkpoints",)
+
+
+def check_run_dir(run_dir: str | Path) -> None:
+    """Refuse a run dir in which the trainer would write through a link: any of
+    :data:`RUN_FILES` that is a symbolic link, a hard link or not a regular file (a FIFO, a
+    device, a folder), ``checkpoints/`` as a link, or a link inside it. Called before anything is written
+    (the lock included), so a refused run touches nothing.
+
+    Raises:
+        CheckpointError: one line naming the entry, where it points, and the way out.
+    """
+    run_dir = Path(run_dir)
+    entries = [run_dir / n for n in RUN_FILES + RUN_FOLDERS]
+    root = run_dir / "checkpoints"
+    if root.is_dir() and not root.is_symlink():
+        entries += sorted(root.iterdir())
+    for p in entries:
+        if p.is_symlink():
+            raise _no_follow_error(p, what=f"a symbolic link (to {shell_quote(os.readlink(p))})")
+        if p.name in RUN_FILES and p.exists() and not p.is_file():
+            raise _no_follow_error(p)
+        if p.name in RUN_FILES and p.is_file() and p.stat().st_nlink > 1:
+            raise _no_follow_error(p, what=f"a hard link ({p.stat().st_nlink} names share its "
+                                           "bytes, an append would change the others)")
+
+
 def write_atomic(path: str | Path, text: str) -> None:
     """Replace a text file atomically: a temp file in the same folder, then ``os.replace``, so
-    a reader (or a crash, or a full disk) never sees half a file."""
+    a reader (or a crash, or a full disk) never sees half a file. Neither file is followed if
+    it is a symbolic link: the temp file is created anew (``O_EXCL | O_NOFOLLOW``) and the
+    rename replaces a link at ``path`` itself, never its target.
+
+    Raises:
+        CheckpointError: ``path`` is a folder or another non-regular file (one line).
+        OSError: the write failed (a full disk, permissions).
+    """
     path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        raise _no_follow_error(path, what="a folder")
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(text)
+        tmp.unlink(missing_ok=True)  # a link or a stale temp file: removed, never written through
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def shell_quote(path) -> str:
+    """``path`` as it can be pasted into a shell and shown on one line: unchanged when it holds
+    only safe characters, else single-quoted (:func:`shlex.quote`), or as bash ``$'...'`` with
+    escapes when it holds control characters (a newline in a folder name)."""
+    import shlex
+
+    text = str(path)
+    if text.isprintable():
+        return shlex.quote(text)
+    out = "".join(c if c.isprintable() and c not in "\\'" else
+                  {"\n": "\\n", "\t": "\\t", "\\": "\\\\", "'": "\\'"}.get(c, f"\\x{ord(c):02x}")
+                  if ord(c) < 256 else f"\\u{ord(c):04x}" for c in text)
+    return f"$'{out}'"
+
+
+def load_yaml(path: str | Path) -> dict:
+    """A YAML file of a run dir or checkpoint (``config.yaml``, ``train_config.yaml``) as plain
+    containers: OmegaConf's safe loader (no Python object is ever built from a tag), with every
+    failure (a ``!!python/object`` tag, bad syntax, a link, not a mapping) one line naming it.
+
+    Raises:
+        CheckpointError: the file is missing, unreadable, not plain YAML or not a mapping.
+    """
+    from omegaconf import OmegaConf
+
+    path = Path(path)
+    if path.is_symlink():
+        raise CheckpointError(f"{path} is a symbolic link: a run dir's files are read only as "
+                              "regular files; replace the link by the file or use another run")
+    try:
+        doc = OmegaConf.to_container(OmegaConf.load(path))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except Exception as e:  # noqa: BLE001  (yaml's and OmegaConf's errors: one line)
+        first = " ".join(str(e).split())[:160]
+        raise CheckpointError(f"{path} is not plain YAML data ({type(e).__name__}: {first}); "
+                              "it is damaged or was edited: restore it from the run's "
+                              "config.yaml or use another checkpoint") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path} holds no mapping of config groups (damaged)")
+    return doc
 
 
 def write_json(path: str | Path, obj, **kw) -> None:
@@ -224,23 +366,109 @@ def load_state(folder: str | Path, name: str):
     return value
 
 
+def legacy_damage(path: Path, checksums: bool = False) -> str | None:
+    """Why a previous-format ``.pt`` state file is damaged, or None when it looks whole: a
+    ``torch.save`` zip archive must be complete (its central directory; ``checksums``: every
+    member's CRC-32 too), any other file must start as a pickle does. Nothing is unpickled."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(4)
+        if head[:2] == b"PK":
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip() if checksums else None
+            return f"{path.name}: member {bad} fails its CRC-32 check" if bad else None
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return f"{path.name} is not a complete torch.save archive (truncated or damaged: {e})"
+    if not head.startswith(b"\x80"):
+        return f"{path.name} is not a torch.save file (it starts with {head!r})"
+    return None
+
+
 def _load_legacy(path: Path):
     import pickle
 
+    ways = (f"Resume from a checkpoint this version wrote, or start from the weights alone: "
+            f"model.init_from={shell_quote(path.parent)} in a new hydra.run.dir")
+    damage = legacy_damage(path)
+    if damage is not None:
+        raise CheckpointError(f"{path}: refused to load: {damage}. {ways}")
     try:
         with torch.serialization.safe_globals(_legacy_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
         text = str(e)
+        if isinstance(e, EOFError) or "Ran out of input" in text or "truncated" in text:
+            raise CheckpointError(f"{path}: refused to load: the file is truncated or damaged "
+                                  f"({type(e).__name__}). {ways}") from None
         named = re.search(r"GLOBAL ([\w.]+)", text)  # the function or class it would call
         other = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
         why = (f"it names {named.group(1)}" if named else other.group(1)[:120] if other
                else (text.strip().splitlines() or [type(e).__name__])[0][:120])
         raise CheckpointError(
             f"{path}: refused to load: a previous-format state file that is not plain tensors and "
-            f"data ({why}; loading it could run code). Resume from a checkpoint this version "
-            f"wrote, or start from the weights alone: model.init_from={path.parent} in a new "
-            "hydra.run.dir") from None
+            f"data ({why}; loading it could run code). {ways}") from None
+
+
+# ---------------------------------------------------------------- what a loaded state holds
+
+
+def check_weights(state: dict, own: dict, where: str | Path, ways: str) -> None:
+    """Refuse a checkpoint's weights (``state``: name -> tensor, from ``model.safetensors``) that
+    do not fit the model (``own``: its state dict): a tensor that is not floating point (it
+    would be cast silently), of another shape (``load_state_dict`` would raise a multi-line
+    error), or holding NaN / inf (training and every score from it would be NaN).
+
+    Raises:
+        CheckpointError: one line naming the tensors, then ``ways`` (the ways out).
+    """
+    try:
+        hf.check_weight_dtypes(where, {k: v.dtype for k, v in state.items()})
+        shapes = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items()
+                  if k in own and tuple(v.shape) != tuple(own[k].shape)]
+        if shapes:
+            hf.check_weight_names(where, [], [], tied=True, mismatched=shapes)
+        hf.check_finite(state.items(), where)
+    except hf.CheckpointError as e:
+        raise CheckpointError(f"{str(e).rstrip('.')}; {ways}") from None
+
+
+def check_optimizer_state(state: dict, params: list, where: str | Path, ways: str) -> None:
+    """Refuse an optimizer state dict (torch's format: ``state`` by parameter index,
+    ``param_groups``) that does not fit the optimizer's ``params`` (in param-group order): other
+    parameter counts, a moment of another shape than its parameter, a non-float or non-finite
+    tensor. torch's own ``load_state_dict`` checks only the counts (with a traceback) and would
+    otherwise fail, or train on NaN, at the first step.
+
+    Raises:
+        CheckpointError: one line naming what does not fit, then ``ways``.
+    """
+    def refuse(why: str):
+        raise CheckpointError(f"{where}: the optimizer state does not fit the model ({why}); "
+                              f"{ways}")
+
+    if not isinstance(state, dict) or not isinstance(state.get("state"), dict) \
+            or not isinstance(state.get("param_groups"), list):
+        refuse("not a state dict with 'state' and 'param_groups'")
+    counts = [len(g.get("params", ())) if isinstance(g, dict) else -1
+              for g in state["param_groups"]]
+    if sum(counts) != len(params):
+        refuse(f"{sum(counts)} parameters in {len(counts)} groups, the model has {len(params)}")
+    bad = []
+    for i, moments in state["state"].items():
+        if not isinstance(i, int) or not 0 <= i < len(params) or not isinstance(moments, dict):
+            refuse(f"an entry for parameter {i!r}")
+        for name, t in moments.items():
+            if not isinstance(t, torch.Tensor) or name == "step":
+                continue
+            if not t.is_floating_point():
+                bad.append(f"parameter {i} {name}: stored as {str(t.dtype).replace('torch.', '')}")
+            elif tuple(t.shape) != tuple(params[i].shape):
+                bad.append(f"parameter {i} {name}: shape {tuple(t.shape)}, the parameter "
+                           f"{tuple(params[i].shape)}")
+            elif not bool(torch.isfinite(t).all()):
+                bad.append(f"parameter {i} {name}: NaN or inf values")
+    if bad:
+        refuse("; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""))
 
 
 # ---------------------------------------------------------------- RNG state
@@ -285,20 +513,12 @@ def begin(run_dir: str | Path, step: int) -> tuple[Path, Path]:
     return tmp, final
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def file_records(folder: Path, checksums: bool = True) -> dict[str, dict]:
     """``{relative path: {"bytes": size, "sha256": hex}}`` of every file under ``folder`` but
     ``metadata.json`` (files hashed in parallel threads; hashlib releases the GIL)."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "metadata.json")
     with ThreadPoolExecutor(max_workers=min(4, len(files) or 1)) as pool:
-        digests = list(pool.map(_sha256, files)) if checksums else [None] * len(files)
+        digests = list(pool.map(sha256_file, files)) if checksums else [None] * len(files)
     out = {}
     for p, d in zip(files, digests):
         out[p.relative_to(folder).as_posix()] = {"bytes": p.stat().st_size,
@@ -359,10 +579,21 @@ def finish(tmp: Path, final: Path, *, step: int, world_size: int, keep_last: int
     else:
         tmp.rename(final)
     mine = (lineage or {}).get("id")
-    same = [c for c in list_checkpoints(final.parent.parent) if lineage_id(c) in (mine, None)]
+    # a folder whose name is not the step it records (renamed or copied) is no checkpoint of
+    # that step: it neither counts towards keep_last nor is deleted
+    same = [c for c in list_checkpoints(final.parent.parent) if lineage_id(c) in (mine, None)
+            and _recorded_step(c) == folder_step(c)]
     for stale in same[:-keep_last]:
-        shutil.rmtree(stale)
+        if stale != final:
+            shutil.rmtree(stale)
     return final
+
+
+def _recorded_step(ckpt: Path) -> int | None:
+    try:
+        return read_metadata(ckpt).get("step")
+    except (OSError, ValueError):
+        return None
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -391,11 +622,8 @@ def save_failure(e: BaseException, tmp: Path, final: Path, *, previous: Path | N
 
 # ---------------------------------------------------------------- reading and verifying
 
-
-def read_metadata(ckpt: str | Path) -> dict:
-    """The ``metadata.json`` of a checkpoint folder (format version, step, tokens seen, lineage,
-    files); raises FileNotFoundError for an incomplete checkpoint, ValueError for a damaged one."""
-    return json.loads((Path(ckpt) / "metadata.json").read_text())
+# the files a checkpoint of the previous format (no file records) must hold, besides its state
+LEGACY_FILES = ("config.json", "model.safetensors", "train_config.yaml")
 
 
 def _state_present(ckpt: Path, name: str) -> bool:
@@ -405,66 +633,52 @@ def _state_present(ckpt: Path, name: str) -> bool:
 def verify(ckpt: str | Path, checksums: bool = True) -> list[str]:
     """What is wrong with a complete checkpoint folder (empty: intact).
 
-    Checks every file recorded in metadata.json for its size and (``checksums``) SHA-256; a
-    previous-format checkpoint (no record) only for the presence of the model and each state
-    file. Each problem is a short phrase naming the file, e.g. ``"model.safetensors has 1024
-    bytes, metadata.json records 2048"``.
+    :func:`twell.hf.verify_checkpoint`: every file recorded in metadata.json, with its size and
+    (``checksums``) SHA-256, no unrecorded file, no symbolic link, and the step in the folder's
+    name the step metadata.json and the trainer state record. A previous-format checkpoint (no
+    records) is checked for the model, config and each state file, each ``.pt`` state file for
+    being a whole ``torch.save`` archive (``checksums``: its members' CRC-32 too; nothing is
+    unpickled). Each problem is a short phrase naming the file, e.g. ``"model.safetensors has
+    1024 bytes, metadata.json records 2048"``.
     """
     ckpt = Path(ckpt)
+    problems = [_described(q) for q in
+                verify_checkpoint(ckpt, checksums=checksums, legacy_files=LEGACY_FILES)]
     try:
-        meta = read_metadata(ckpt)
-    except FileNotFoundError:
-        return ["metadata.json is missing (an incomplete save)"]
-    except (OSError, ValueError) as e:
-        return [f"metadata.json is damaged ({e})"]
-    files = meta.get("files")
-    if files is None:  # previous format: no sizes recorded
-        need = ["config.json", "model.safetensors", "train_config.yaml"]
-        problems = [f"{n} is missing" for n in need if not (ckpt / n).is_file()]
-        problems += [f"{n}.pt ({what}) is missing" for n, what in STATE_FILES.items()
-                     if not _state_present(ckpt, n)]
-        if not _state_present(ckpt, "rank0"):
-            problems.append("rank0.pt (RNG state and data position) is missing")
+        legacy = read_metadata(ckpt).get("files") is None
+    except (OSError, ValueError):
         return problems
-    problems, todo = [], []
-    for name, rec in files.items():
-        p = ckpt / name
-        if not p.is_file():
-            what = STATE_FILES.get(name.split(".")[0])
-            problems.append(f"{name}{f' ({what})' if what else ''} is missing")
-        elif p.stat().st_size != rec.get("bytes"):
-            problems.append(f"{name} has {p.stat().st_size} bytes, metadata.json records "
-                            f"{rec.get('bytes')}")
-        elif checksums and rec.get("sha256"):
-            todo.append((name, p, rec["sha256"]))
-    if todo:
-        with ThreadPoolExecutor(max_workers=min(4, len(todo))) as pool:
-            for (name, _, want), got in zip(todo, pool.map(_sha256, [p for _, p, _ in todo])):
-                if got != want:
-                    problems.append(f"{name} fails its SHA-256 check")
+    if not legacy or any("metadata.json" in p for p in problems):
+        return problems
+    if any((ckpt / f"{n}.json").is_file() for n in STATE_FILES):  # this format, records gone
+        why = ("metadata.json records no files, but its state files are of the current format, "
+               "which records them (damaged)")
+        return [*problems, why]
+    for name, what in {**STATE_FILES, "rank0": "RNG state and data position"}.items():
+        if not _state_present(ckpt, name):
+            problems.append(f"{name}.pt ({what}) is missing")
+        elif not (ckpt / f"{name}.json").is_file():
+            damage = legacy_damage(ckpt / f"{name}.pt", checksums)
+            if damage:
+                problems.append(damage)
     return problems
 
 
-def latest_checkpoint(run_dir: str | Path, *, checksums: bool = False, warn=None) -> Path:
-    """The newest intact ``step{N}`` folder of ``run_dir``: complete (metadata.json) and passing
-    :func:`verify` (sizes; ``checksums``: also SHA-256). A damaged newer one is skipped with
+def _described(problem: str) -> str:
+    """``"optimizer.json is missing"`` -> ``"optimizer.json (optimizer state) is missing"``."""
+    name, sep, rest = problem.partition(" is missing")
+    what = STATE_FILES.get(name.split(".")[0])
+    return f"{name} ({what}){sep}{rest}" if sep and what and " " not in name else problem
+
+
+def latest_checkpoint(run_dir: str | Path, *, checksums: bool = True, warn=None) -> Path:
+    """The newest intact ``step{N}`` folder of ``run_dir`` (:func:`twell.hf.latest_checkpoint`
+    with :func:`verify`: complete, every recorded file's size and, with ``checksums``, SHA-256,
+    the step in its name the step it records). A damaged newer one is skipped with
     ``warn(line)`` naming it and its problem (default: no warning).
 
     Raises:
         FileNotFoundError: there is no complete checkpoint, or none is intact (says where it
             looked and what is wrong with each).
     """
-    found = list_checkpoints(run_dir)
-    damaged = []
-    for ckpt in reversed(found):
-        problems = verify(ckpt, checksums=checksums)
-        if not problems:
-            return ckpt
-        damaged.append(f"{ckpt.name}: {'; '.join(problems[:2])}")
-        if warn is not None:
-            warn(f"warning: skipping damaged checkpoint {ckpt} ({'; '.join(problems[:2])})")
-    if damaged:
-        raise FileNotFoundError(f"no intact checkpoint under {checkpoint_root(run_dir)} "
-                                f"({', '.join(damaged[:3])})")
-    raise FileNotFoundError(
-        f"no complete checkpoint (step{{N}}/metadata.json) under {checkpoint_root(run_dir)}")
+    return hf.latest_checkpoint(run_dir, warn=warn, verify=lambda c: verify(c, checksums))

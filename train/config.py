@@ -213,6 +213,11 @@ class OptimConfig:
     def __post_init__(self) -> None:
         for key in ("lr", "min_lr_ratio", "eps", "weight_decay", "grad_clip"):
             _check_finite_nonneg(f"optim.{key}", getattr(self, key))
+        if self.min_lr_ratio > 1:  # the "decay" would climb above the peak (to 2x lr at 2)
+            raise ConfigError(
+                f"optim.min_lr_ratio={self.min_lr_ratio} is above 1: the cosine would climb from "
+                "optim.lr to min_lr_ratio x optim.lr; it is the end lr as a fraction of the peak: "
+                "set optim.min_lr_ratio between 0 and 1 (or optim.schedule=constant).")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(
                 f"optim.betas must be two numbers in [0, 1); got {list(self.betas)}. "
@@ -377,9 +382,9 @@ class TrainerConfig:
     keep_last: int = 2
     """Complete checkpoints kept in run_dir/checkpoints (older ones are deleted)."""
     resume: str = "auto"
-    """auto (continue the newest complete checkpoint in the run dir if its config matches up to
+    """auto (continue the newest intact checkpoint in the run dir if its config matches up to
     execution, logging, eval and save keys) | never | a step{N} checkpoint folder or a run dir
-    (its newest complete checkpoint), continued with this config."""
+    (its newest intact checkpoint), continued with this config."""
     resume_allow_changes: bool = False
     """Let a resume change optim.* or trainer.max_steps: the new values (param groups, lr
     schedule) apply exactly from the next step; false = such a resume is refused."""

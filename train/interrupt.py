@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Self
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -45,14 +46,18 @@ class TrainingInterrupted(KeyboardInterrupt):
     Attributes:
         signum: the signal (SIGTERM or SIGINT).
         reported: whether its line (step, checkpoint, how to resume) is already printed and
-            logged (a stop after a step); False for a second signal, raised at once.
+            logged (a stop after a step); False for a signal raised at once.
+        first: a first signal raised at once because no finished step was unsaved
+            (``StopSignals(at_once=...)``); False for a second signal.
         exit_code: 128 + signum.
     """
 
-    def __init__(self, signum: int, message: str = "", *, reported: bool = False) -> None:
+    def __init__(self, signum: int, message: str = "", *, reported: bool = False,
+                 first: bool = False) -> None:
         super().__init__(message or f"received {signal_name(signum)}")
         self.signum = int(signum)
         self.reported = reported
+        self.first = first
         self.exit_code = exit_code(signum)
 
 
@@ -65,11 +70,17 @@ class StopSignals:
     Args:
         grace_s: seconds after the first signal in which another counts as the same one.
         notify: write one line to stderr when the first signal arrives (the main process).
+        at_once: called when the first signal arrives; True raises
+            :class:`TrainingInterrupted` (``first=True``) at once instead of waiting for the
+            step: no finished step would be lost (e.g. a step of minutes in progress right
+            after a checkpoint).
     """
 
-    def __init__(self, grace_s: float = 0.0, notify: bool = True) -> None:
+    def __init__(self, grace_s: float = 0.0, notify: bool = True,
+                 at_once: Callable[[], bool] | None = None) -> None:
         self.grace_s = grace_s
         self.notify = notify
+        self.at_once = at_once
         self.signum = 0
         self._first = 0.0
         self._old: dict = {}
@@ -89,6 +100,8 @@ class StopSignals:
         now = time.monotonic()
         if not self.signum:
             self.signum, self._first = signum, now
+            if self.at_once is not None and self.at_once():
+                raise TrainingInterrupted(signum, first=True)
             if self.notify:  # os.write: no buffered stream is re-entered from a handler
                 os.write(2, f"\n{signal_name(signum)}: stopping after this optimizer step with a "
                             "checkpoint; send it again to stop at once\n".encode())

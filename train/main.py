@@ -150,12 +150,15 @@ def _after_failure(run_dir: Path, line: str, *, keep: bool = False) -> None:
         return
     if not run_dir.is_dir():
         return
-    try:
-        (run_dir / ERROR_FILE).write_text(line + "\n")
-        if (run_dir / "train.log").is_file():
-            with (run_dir / "train.log").open("a") as f:
+    from train.checkpoint import open_run_file, write_atomic
+
+    try:  # neither file is written through a symbolic link (a refused run touches nothing)
+        write_atomic(run_dir / ERROR_FILE, line + "\n")
+        log = run_dir / "train.log"
+        if log.is_file() and not log.is_symlink():
+            with open_run_file(log) as f:
                 f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
-    except OSError:  # a full or read-only disk: the line on stderr is all there is
+    except (OSError, ValueError):  # a full or read-only disk, a link: the stderr line is all
         pass
 
 

@@ -130,22 +130,25 @@ def inspect_checkpoint(spec: str) -> PretrainedSource:
     """Read a checkpoint's config and vocabulary (cheap: no weights; the files are checked for
     truncation: safetensors and GGUF headers, config.json).
 
-    Raises:
-        ConfigError: bad path, a truncated or damaged file, not a Llama model, or an FFN with
-            biases (SparseGatedMLP has none).
-    """
-    from transformers import AutoConfig
+    A twell checkpoint folder (one with ``metadata.json``) must pass
+    :func:`twell.hf.check_recorded` (its recorded sizes and SHA-256, the step it records).
 
-    from twell.hf import check_gguf, read_config_json, tensor_names
+    Raises:
+        ConfigError: bad path, a truncated or damaged file (or one failing its recorded
+            SHA-256), a folder asking for custom code (``auto_map``), not a Llama model, or an
+            FFN with biases (SparseGatedMLP has none).
+    """
+    from twell.hf import auto_config, check_gguf, check_recorded, read_config_json, tensor_names
 
     path, kind = resolve_path(spec)
     if kind == "gguf":
         _checked(spec, check_gguf, path)
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        config = _checked(spec, auto_config, path.parent, gguf_file=path.name)
     else:
         _checked(spec, read_config_json, path)
+        _checked(spec, check_recorded, path)
         _checked(spec, tensor_names, path)
-        config = AutoConfig.from_pretrained(str(path))
+        config = _checked(spec, auto_config, path)
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"model.init_from={spec!r} is a {mt!r} model; only Llama-architecture "
@@ -154,6 +157,45 @@ def inspect_checkpoint(spec: str) -> PretrainedSource:
         raise ConfigError(f"model.init_from={spec!r} has FFN biases (mlp_bias=true); twell's FFN "
                           "(SparseGatedMLP) has none: use a checkpoint without FFN biases.")
     return PretrainedSource(spec, path, kind, config, _read_vocab(path, kind))
+
+
+def source_sha256(src: PretrainedSource) -> dict[str, str]:
+    """What identifies a source's weights: ``{file name: SHA-256}`` of its ``config.json`` and
+    safetensors files (a folder) or of the ``.gguf`` file. Recorded in the run's ``init`` record
+    (trainer state, metrics.jsonl, summary.json), so that a resumed distillation run can refuse
+    a teacher that is not the one it was trained with (:func:`check_same_source`)."""
+    from twell.hf import safetensors_files, sha256_file
+
+    files = ([src.path] if src.kind == "gguf"
+             else [src.path / "config.json", *safetensors_files(src.path)])
+    return {f.name: sha256_file(f) for f in files}
+
+
+def check_same_source(src: PretrainedSource, recorded: dict | None, run_dir, warn=None) -> None:
+    """Refuse a ``model.init_from`` whose files are not those the run recorded when it started
+    (``recorded``: :func:`source_sha256` then; None for a run from before the record, which is
+    only warned about through ``warn(line)``).
+
+    Raises:
+        ConfigError: one line naming the first differing file, both hashes and the ways out.
+    """
+    if recorded is None:
+        if warn is not None:
+            warn(f"warning: model.init_from={src.spec!r}: the checkpoint records no SHA-256 of "
+                 "the source it started from, so the distillation teacher read from there now "
+                 "cannot be checked against it")
+        return
+    now = source_sha256(src)
+    if now == recorded:
+        return
+    name = next(n for n in sorted(set(now) | set(recorded)) if now.get(n) != recorded.get(n))
+    was = (recorded.get(name) or "no such file")[:16]
+    raise ConfigError(
+        f"model.init_from={src.spec!r} is not the source this run started from, whose weights are "
+        f"its distillation teacher ({name}: SHA-256 {(now.get(name) or 'no such file')[:16]}..., "
+        f"recorded {was}...): it was replaced. Put the original back at {src.path}, or give its "
+        f"new place with trainer.resume={run_dir} model.init_from=<path>, or start a new run "
+        "(a new hydra.run.dir).")
 
 
 def _rope_theta(config) -> float:
@@ -419,14 +461,15 @@ def build_teacher(src: PretrainedSource, device, dtype):
 def describe(mcfg, src: PretrainedSource, *, vocab_check: str, switched: int,
              weights_loaded: bool) -> tuple[str, dict]:
     """The run-output line and the ``init`` record (metrics.jsonl, summary.json) of an
-    init_from run. The record describes the run's start, the same in a resumed process."""
+    init_from run. The record describes the run's start, the same in a resumed process; its
+    ``sha256`` (:func:`source_sha256`) names the source's files exactly."""
     act, to = src.hidden_act, mcfg.hidden_act
     if weights_loaded and act != to and switched != mcfg.num_layers:
         raise ValueError(f"model.init_from={src.spec!r}: switched {switched} FFN activations to "
                          f"ReLU, expected one per layer ({mcfg.num_layers})")
     info = {"init_from": src.spec, "path": str(src.path), "format": src.kind,
             "source_hidden_act": act, "hidden_act": to, "act_switched": act != to,
-            "vocab_check": vocab_check}
+            "vocab_check": vocab_check, "sha256": source_sha256(src)}
     kv = mcfg.num_kv_heads or mcfg.num_heads
     switch = (f"gate activation {act} -> relu (model.hidden_act_from={act})" if act != to
               else f"gate activation {to} (as stored" + (

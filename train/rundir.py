@@ -84,6 +84,8 @@ def resolve_resume(resume: str, warn=None) -> Path:
             holding an intact one (one line naming the path and the fix).
     """
     path = Path(resume).expanduser()
+    if path.is_symlink():  # a link the user names is the user's choice: judge where it points
+        path = path.resolve()
     if not path.exists():
         raise ConfigError(f"trainer.resume={resume!r}: {path} does not exist; give an existing "
                           "step{N} checkpoint folder or run dir, or use auto or never.")
@@ -101,7 +103,16 @@ def resolve_resume(resume: str, warn=None) -> Path:
 
 
 def _step(ckpt: Path) -> int:
-    return int(ckpt.name[len("step"):])
+    """The step a checkpoint folder records (its name only where it records none; -1: neither,
+    e.g. a copy named ``best`` with a damaged metadata.json)."""
+    try:
+        step = ckpt_io.read_metadata(ckpt).get("step")
+    except (OSError, ValueError):
+        step = None
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    named = ckpt_io.folder_step(ckpt)
+    return -1 if named is None else named
 
 
 def ways_out(ckpt: Path, problems: list[str]) -> str:
@@ -109,10 +120,11 @@ def ways_out(ckpt: Path, problems: list[str]) -> str:
     its run dir, and (if its model files are intact) a weights-only start with a fresh optimizer."""
     older = [c for c in ckpt_io.list_checkpoints(ckpt.parent.parent)
              if _step(c) < _step(ckpt) and not ckpt_io.verify(c, checksums=False)]
-    ways = [f"resume an older intact checkpoint (trainer.resume={older[-1]})"] if older else []
+    q = ckpt_io.shell_quote  # paths in the commands shown: pasted as one shell word
+    ways = [f"resume an older intact checkpoint (trainer.resume={q(older[-1])})"] if older else []
     if not any(p.startswith(("model.safetensors", "config.json")) for p in problems):
         ways.append(f"start from its weights alone with a fresh optimizer and schedule "
-                    f"(model.init_from={ckpt} in a new hydra.run.dir)")
+                    f"(model.init_from={q(ckpt)} in a new hydra.run.dir)")
     return "; or ".join(ways) if ways else "start a new run (a new hydra.run.dir)"
 
 

@@ -714,7 +714,7 @@ def _log_tail(path: Path | None, n: int = 2000) -> str:
 
 
 def final_checkpoint(run_dir: Path) -> Path:
-    """The newest complete ``checkpoints/step{N}/`` of a finished run (FileNotFoundError if
+    """The newest intact ``checkpoints/step{N}/`` of a finished run (FileNotFoundError if
     there is none)."""
     from train.checkpoint import latest_checkpoint
 

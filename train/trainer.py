@@ -33,7 +33,10 @@ from accelerate import Accelerator
 from accelerate.utils import AutocastKwargs, set_seed
 from omegaconf import OmegaConf
 
-from evals.scoring import ContinuationTooLong  # light (torch only); the harness loads lazily
+from evals.scoring import (  # light (torch only); the harness loads lazily
+    ContinuationTooLong,
+    NonFiniteScores,
+)
 from train import checkpoint as ckpt_io
 from train import interrupt, memory, parallel, rundir
 from train.config import ConfigError, OptimConfig, TrainConfig
@@ -54,6 +57,22 @@ from twell.nn.plan import FFNPlan, StepStats
 
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became NaN/inf; the run stops before applying that step."""
+
+
+class OutOfMemory(ConfigError):
+    """A training step ran out of memory and nothing could step down (on the CPU, or with
+    ``trainer.memory=off``); the finished steps are saved first. One line (exit code 2)."""
+
+
+shell_quote = ckpt_io.shell_quote
+
+
+def is_cpu_out_of_memory(e: BaseException) -> bool:
+    """Whether an error is the host running out of memory: Python's MemoryError, or PyTorch's
+    CPU allocator failing (a RuntimeError "DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(e, MemoryError) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+        and "CPUAllocator" in str(e))
 
 
 def _legacy_plan_state(d: dict, current: dict) -> dict:
@@ -161,16 +180,37 @@ def _duration(seconds: float) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
+# FLOP/s of a training step on a CPU, generous (the tiny model at model.seq_len=32768 ran ~1e11 on
+# one thread of a 2-core machine): a step predicted longer than CPU_SLOW_STEP_S at this rate is
+# warned about
+CPU_FLOPS = 2e11
+CPU_SLOW_STEP_S = 60.0
+
+
 def cpu_cost_warning(cfg: TrainConfig) -> str | None:
     """The warning for a GPU-sized run about to train on the CPU, or None: a global batch of 64
-    or more sequences (when the CPU was not asked for with trainer.cpu), evals over the seven
-    tasks' full validation sets (eval.limit=null: ~58 k scoring requests per evaluation), or
-    trainer.compile; the line names what applies and the overrides that shrink it."""
+    or more sequences (when the CPU was not asked for with trainer.cpu), a step predicted to take
+    more than :data:`CPU_SLOW_STEP_S` (its model FLOPs, attention's ``seq_len^2`` included, at
+    :data:`CPU_FLOPS`: a long ``model.seq_len``; a SIGTERM waits for the step in progress once a
+    step has finished since the last checkpoint), evals over the seven tasks' full validation
+    sets (eval.limit=null: ~58 k scoring requests per evaluation), or trainer.compile; the line
+    names what applies and the overrides that shrink it."""
     t, e = cfg.trainer, cfg.eval
     parts, fix = [], []
+    shaped = all(getattr(cfg.model, k) is not None for k in (  # null: from init_from, not yet read
+        "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "seq_len"))
+    step_s = (flops_per_token(cfg.model) * t.global_batch * cfg.model.seq_len / CPU_FLOPS
+              if shaped else 0.0)
     if t.global_batch >= 64 and not t.cpu:
         parts.append(f"{t.max_steps} steps of {t.global_batch} x {cfg.model.seq_len} tokens")
         fix.append("trainer.max_steps=20 trainer.global_batch=8 trainer.micro_batch=4")
+    if step_s > CPU_SLOW_STEP_S:
+        parts.append(f"about {_duration(step_s)} or more per optimizer step ({t.global_batch} x "
+                     f"model.seq_len={cfg.model.seq_len} tokens; attention grows with seq_len "
+                     "squared; a stop signal with finished steps unsaved waits for the step in "
+                     "progress)")
+        fix.append(f"a shorter model.seq_len (e.g. {min(cfg.model.seq_len, 1024) // 2 or 1}) "
+                   "or a smaller trainer.global_batch")
     if e.enabled and e.limit is None:
         parts.append("evals on the full validation sets (eval.limit=null; ~58 k scoring requests "
                      f"with all seven tasks) {'before and after' if e.at_start else 'after'} "
@@ -248,6 +288,7 @@ class Trainer:
                model=None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        ckpt_io.check_run_dir(self.run_dir)  # no link or FIFO where the run writes: before the lock
         self._setup_accelerator(cfg)
         resume_from = self._resume_checkpoint()
         self.init_src = None  # model.init_from: the checkpoint's config; the shape comes from it
@@ -267,7 +308,7 @@ class Trainer:
         elif self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt_io.write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config_dict))
-            self.metrics_path.write_text("")
+            ckpt_io.write_atomic(self.metrics_path, "")
             if self.init_info is not None:
                 self._write({"step": 0, **self.init_info}, "init")
         self.memory = memory.plan_memory(self)  # trainer.memory=auto: micro-batch, recomputation
@@ -419,8 +460,14 @@ class Trainer:
             s, dtype = cfg.sparsity, torch.bfloat16 if precision == "bf16" else torch.float32
             # the teacher is the source as stored, also when resuming (init_src is then the
             # run's own checkpoint, the student)
-            src = (self.init_src if resume_from is None
-                   else pretrained.inspect_checkpoint(cfg.model.init_from))
+            src = self.init_src
+            if resume_from is not None:  # the source must be the one the run recorded
+                src = pretrained.inspect_checkpoint(cfg.model.init_from)
+                if self.is_main:
+                    recorded = (ckpt_io.load_state(resume_from, "trainer").get("init") or {})
+                    pretrained.check_same_source(src, recorded.get("sha256"),
+                                                 shell_quote(resume_from.parent.parent),
+                                                 warn=self._warn)
             self.teacher = pretrained.build_teacher(src, self.device, dtype)
             use_distillation(model, self.teacher, temperature=s.distill_temperature,
                              kl_weight=s.distill_weight * s.distill_temperature ** 2,
@@ -536,7 +583,7 @@ class Trainer:
             self.init_src = pretrained.inspect_checkpoint(cfg.model.init_from)
             cfg.model = pretrained.fill_model_config(cfg.model, self.init_src)
             return
-        saved = OmegaConf.to_container(OmegaConf.load(resume_from / "train_config.yaml"))["model"]
+        saved = ckpt_io.load_yaml(resume_from / "train_config.yaml")["model"]
         fill = {f.name: saved[f.name] for f in dataclasses.fields(cfg.model)
                 if getattr(cfg.model, f.name) is None and f.name in saved}
         cfg.model = dataclasses.replace(cfg.model, **fill)
@@ -549,7 +596,7 @@ class Trainer:
         rules)."""
         explicit = self.cfg.trainer.resume not in ("auto", "never")
         if found is not None:
-            saved = OmegaConf.to_container(OmegaConf.load(found / "train_config.yaml"))
+            saved = ckpt_io.load_yaml(found / "train_config.yaml")
             diff = [d for d in config_diff(saved, self.config_dict) if d.startswith("model.")
                     and not d.startswith(("model.ffn_impl", "model.ffn_host_sync", "model.name"))]
             if diff:
@@ -561,7 +608,7 @@ class Trainer:
             return
         old = self.run_dir / "config.yaml"
         if old.is_file():
-            diff = config_diff(OmegaConf.to_container(OmegaConf.load(old)), self.config_dict)
+            diff = config_diff(ckpt_io.load_yaml(old), self.config_dict)
             if diff:
                 raise ConfigError(
                     f"{self.run_dir} holds a different run's config ({'; '.join(diff[:3])}) and "
@@ -580,7 +627,7 @@ class Trainer:
             raise ConfigError(
                 f"{self.run_dir} holds a run with another config (checkpoint {found.name}: "
                 f"{'; '.join((other + optim)[:4])}{'; ...' if len(other + optim) > 4 else ''}); to "
-                f"continue it with these values pass trainer.resume={run}"
+                f"continue it with these values pass trainer.resume={shell_quote(run)}"
                 + (f" {flag}" if optim else "") + ", or use a new hydra.run.dir.")
         if optim and not self.cfg.trainer.resume_allow_changes:
             raise ConfigError(
@@ -622,7 +669,7 @@ class Trainer:
             return None
         id_file = self.run_dir / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
-        id_file.write_text(run_id)
+        ckpt_io.write_atomic(id_file, run_id)
         # offline: no banner and no history table at finish (the run's summary line comes last)
         settings = wandb.Settings(silent=True) if lg.wandb_mode == "offline" else None
         try:
@@ -683,7 +730,8 @@ class Trainer:
             optim_sd = parallel.optimizer_state_dict(model, self.optimizer.optimizer)
         final = ckpt_io.checkpoint_root(self.run_dir) / f"step{self.step}"
         tmp = ckpt_io.tmp_path(final)
-        stages = [lambda: self.is_main and ckpt_io.begin(self.run_dir, self.step),
+        stages = [lambda: self.is_main and (self._check_finite_weights(model, model_sd),
+                                            ckpt_io.begin(self.run_dir, self.step)),
                   lambda: self._write_checkpoint_files(tmp, model, model_sd, optim_sd),
                   lambda: self.is_main and ckpt_io.finish(
                       tmp, final, step=self.step, world_size=self.acc.num_processes,
@@ -704,6 +752,28 @@ class Trainer:
                                            advice=self.resume_advice()) from None
         self.last_ckpt, self.saved_step = final, self.step
         return final
+
+    def _check_finite_weights(self, model, model_sd) -> None:
+        """Main process, before a save: weights that became NaN / inf in a step whose loss and
+        gradient were finite (an update too large) are never saved, so the last checkpoint is
+        always a good one to name and resume (``model_sd``: the gathered state of a sharded
+        model).
+
+        Raises:
+            NonFiniteLossError: one line naming the tensors and the last good checkpoint.
+        """
+        from twell.hf import CheckpointError, check_finite
+
+        tensors = model_sd.items() if model_sd is not None else model.named_parameters()
+        try:
+            check_finite(tensors, f"step {self.step}")
+        except CheckpointError as e:
+            first = str(e).split(": tensor ", 1)[-1].split(" holds ")[0]
+            raise NonFiniteLossError(
+                f"weights hold NaN or inf after step {self.step} ({first}) though its loss and "
+                "gradient were finite (an update too large: lower optim.lr); not saved; last "
+                f"good checkpoint: {shell_quote(self.last_ckpt) if self.last_ckpt else 'none'}"
+            ) from None
 
     def _write_checkpoint_files(self, tmp: Path, model, model_sd, optim_sd) -> None:
         """Every rank: its RNG and data state; the main process: model, tokenizer, optimizer,
@@ -750,6 +820,8 @@ class Trainer:
             raise ckpt_io.CheckpointError(
                 f"{f} is damaged ({e}); {rundir.ways_out(path, ['model.safetensors'])}") from None
         model = self.acc.unwrap_model(self.model)
+        ckpt_io.check_weights(state, model.state_dict(), f,
+                              rundir.ways_out(path, ["model.safetensors"]))
         missing, unexpected = parallel.load_model_state_dict(model, state)
         if [k for k in missing if k != "lm_head.weight"] or unexpected:
             raise ckpt_io.CheckpointError(f"{f}: the weights do not match the model (missing "
@@ -778,23 +850,37 @@ class Trainer:
         """
         meta = ckpt_io.read_metadata(path)
         t = self.cfg.trainer
-        saved_t = OmegaConf.load(path / "train_config.yaml").trainer
-        if saved_t.global_batch != t.global_batch:
+        saved_t = ckpt_io.load_yaml(path / "train_config.yaml")["trainer"]
+        if saved_t["global_batch"] != t.global_batch:
             raise ConfigError(f"checkpoint {path} was trained with trainer.global_batch="
-                              f"{saved_t.global_batch}, this run has {t.global_batch}; resume "
+                              f"{saved_t['global_batch']}, this run has {t.global_batch}; resume "
                               "with the same global batch (any world size and micro-batch).")
         self._load_weights(path)
-        parallel.load_optimizer_state_dict(self.acc.unwrap_model(self.model),
-                                           self.optimizer.optimizer,
-                                           ckpt_io.load_state(path, "optimizer"))
-        self.scheduler.load_state_dict(ckpt_io.load_state(path, "scheduler"))
-        self.load_state_dict(ckpt_io.load_state(path, "trainer"))
+        ways = rundir.ways_out(path, ["optimizer"])
+        optim_sd = ckpt_io.load_state(path, "optimizer")
+        params = [q for g in self.optimizer.optimizer.param_groups for q in g["params"]]
+        ckpt_io.check_optimizer_state(optim_sd, params, path / "optimizer.safetensors", ways)
+        try:  # a damaged state that passed its checks still fails in one line
+            parallel.load_optimizer_state_dict(self.acc.unwrap_model(self.model),
+                                               self.optimizer.optimizer, optim_sd)
+            self.scheduler.load_state_dict(ckpt_io.load_state(path, "scheduler"))
+            self.load_state_dict(ckpt_io.load_state(path, "trainer"))
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ckpt_io.CheckpointError(
+                f"checkpoint {path}: its optimizer, scheduler or trainer state does not fit this "
+                f"run ({type(e).__name__}: {' '.join(str(e).split())[:160]}); {ways}") from None
+        if self.step != meta.get("step"):  # the folder's records, never its name, give the step
+            raise ckpt_io.CheckpointError(
+                f"checkpoint {path}: its trainer state is at step {self.step} but metadata.json "
+                f"records step {meta.get('step')}: it was altered; {ways}")
         if self.cfg.trainer.resume_allow_changes:
             self._apply_optim_config()
         if t.micro_batch is not None and self.plan.rows_per_call is not None:
             # capacities and timings count rows per FFN call: scaled to the new micro-batch
             self.plan.set_rows_per_call(t.micro_batch * self.cfg.model.seq_len, t.micro_batch)
-        elif saved_t.micro_batch != t.micro_batch:  # a state without its rows: measured again
+        elif saved_t["micro_batch"] != t.micro_batch:  # a state without its rows: measured again
             self.plan.reset_capacities()
         same_world = meta["world_size"] == self.acc.num_processes
         # the data position is global (the same in every rank's file); a streamed source keeps
@@ -828,11 +914,20 @@ class Trainer:
         be redone), take the latest logged numbers (summary.json of an already finished run)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ckpt_io.write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config_dict))
-        kept = []
+        kept, bad = [], 0
         if self.metrics_path.is_file():
-            kept = [json.loads(ln) for ln in self.metrics_path.read_text().splitlines()
-                    if ln.strip()]
-            kept = [r for r in kept if r.get("step", 0) <= self.step]
+            for ln in self.metrics_path.read_text(errors="replace").splitlines():
+                try:  # a line cut short by a crash or a full disk is dropped, not a traceback
+                    r = json.loads(ln) if ln.strip() else None
+                except ValueError:
+                    r = None
+                bad += ln.strip() != "" and not isinstance(r, dict)
+                if isinstance(r, dict) and isinstance(r.get("step", 0), int) \
+                        and r.get("step", 0) <= self.step:
+                    kept.append(r)
+            if bad:
+                self._warn(f"warning: {self.metrics_path}: dropped {bad} damaged line(s) (a write "
+                           "cut short?)")
         ckpt_io.write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         for r in kept:
             kind = r.pop("kind", "train")
@@ -842,7 +937,7 @@ class Trainer:
                 self.last_val = r
             elif kind == "eval":
                 self.last_eval = r
-        saved = OmegaConf.to_container(OmegaConf.load(path / "train_config.yaml"))
+        saved = ckpt_io.load_yaml(path / "train_config.yaml")
         changed = config_diff(saved, self.config_dict)
         self._print(f"resumed from {path} at step {self.step}"
                     + (f" (config changed: {'; '.join(changed)})" if changed else ""))
@@ -854,12 +949,13 @@ class Trainer:
         last, resume = self.last_ckpt, self.cfg.trainer.resume
         if last is None:
             return "no checkpoint was written; re-running the same command starts over"
+        shown = shell_quote(last)  # a path with a space or a newline, pasted as one argument
         if Path(last).resolve().parent.parent != self.run_dir.resolve():
-            return f"re-run the same command to resume from {last}"
+            return f"re-run the same command to resume from {shown}"
         if resume == "auto":
-            return f"re-run the same command to resume from {last}"
+            return f"re-run the same command to resume from {shown}"
         return (f"re-run the same command with trainer.resume=auto (instead of trainer.resume="
-                f"{resume}) to resume from {last}")
+                f"{shell_quote(resume)}) to resume from {shown}")
 
     def _apply_optim_config(self) -> None:
         """Resume with ``trainer.resume_allow_changes=true``: put this config's optim values
@@ -930,6 +1026,7 @@ class Trainer:
         it is accepted). The plan also sets the next step's capacities and ``auto``'s paths.
         """
         cfg, acc, model = self.cfg, self.acc, self.model
+        self._update_began = False
         coeff = l1_coeff_at(self.step, cfg.sparsity)
         lr = self.scheduler.get_last_lr()[0]
         ids = [next(batches) for _ in range(self.accum)]  # kept until the step is accepted
@@ -962,6 +1059,7 @@ class Trainer:
             self._print(f"step {self.step + 1}: layers {list(outcome.redo)} had more heavy rows "
                         "than their dense-backup capacity; redoing the step with per-call "
                         "measurement")
+        self._update_began = True  # from here an error may leave the weights half updated
         for k in ("loss", "ce", "l1", "nnz_sum_L", "heavy_L"):
             interval[k] += m[k]
         if "distill_kl" in m:
@@ -1066,7 +1164,7 @@ class Trainer:
     def _write(self, m: dict, prefix: str = "train") -> None:
         if not self.is_main:
             return
-        with self.metrics_path.open("a") as f:
+        with ckpt_io.open_run_file(self.metrics_path) as f:
             f.write(json.dumps({"kind": prefix, **m}) + "\n")
         if self.wandb is not None:
             flat = {}
@@ -1137,6 +1235,8 @@ class Trainer:
                 out = evaluate(model, self.data.tokenizer, tasks=tasks, limit=e.limit,
                                batch_size=e.batch_size, device=self.device,
                                progress=self.show_bars)
+            except NonFiniteScores as err:  # NaN / inf logits: no score, one line
+                raise NonFiniteLossError(f"eval at step {self.step}: {err}") from None
             except ContinuationTooLong as err:  # a short model.seq_len: one line, no traceback
                 raise ConfigError(
                     f"eval at step {self.step}: {err.args[0].split(';')[0]}: model.seq_len="
@@ -1162,12 +1262,19 @@ class Trainer:
         if self.is_main and (self._lock is None or not self._lock.held):
             self._lock = rundir.RunDirLock(self.run_dir)
         try:
-            with StopSignals(grace_s=interrupt.launcher_grace_s(), notify=self.is_main) as sig:
+            at_once = self._nothing_unsaved if self.acc.num_processes == 1 else None
+            with StopSignals(grace_s=interrupt.launcher_grace_s(), notify=self.is_main,
+                             at_once=at_once) as sig:
                 self.signals = sig
                 return self._train(stop_at_step)
         finally:
             self.signals = None
             self._unlock()
+
+    def _nothing_unsaved(self) -> bool:
+        """Whether every finished step is in a checkpoint (or none has finished): a signal then
+        stops at once, not after a step in progress that may take minutes (one process)."""
+        return self.step == (self.saved_step if self.saved_step is not None else 0)
 
     @property
     def show_bars(self) -> bool:
@@ -1194,15 +1301,22 @@ class Trainer:
             self.evaluate()
         while self.step < end:
             t0 = time.perf_counter()
+            # where the data was before this step: an out-of-memory in it saves the steps before
+            data_state = self.data.state_dict() if self.acc.num_processes == 1 else None
             try:
                 self.train_step(batches, interval)
-            except torch.cuda.OutOfMemoryError:  # trainer.memory=auto steps down (train/memory.py)
+            except torch.cuda.OutOfMemoryError as e:  # memory=auto steps down (train/memory.py)
                 line = self.memory.step_down()
                 if line is None:
-                    raise
+                    self._out_of_memory(e, data_state, bar)
+                    raise  # the update may be half applied: nothing to save
                 self._print(line, bar)
                 self._write(self.memory.record, "memory")
                 continue  # the same step again, from the same batches
+            except (RuntimeError, MemoryError) as e:
+                if is_cpu_out_of_memory(e):
+                    self._out_of_memory(e, data_state, bar)
+                raise
             dt = time.perf_counter() - t0
             line = self.memory.after_step()  # re-plans once when the FFN paths have settled
             if line is not None:
@@ -1242,6 +1356,42 @@ class Trainer:
             ckpt_io.write_json(self.run_dir / "summary.json", summary, indent=2)
         return summary
 
+    def _out_of_memory(self, e: BaseException, data_state: dict | None, bar) -> None:
+        """An out-of-memory error inside step ``self.step + 1`` that nothing stepped down from
+        (on the CPU, where ``trainer.memory=auto`` measures nothing, or with ``memory=off``):
+        the step's partial gradients are dropped, the steps finished since the last checkpoint
+        are saved with the data position from before the failed step (one process), and one
+        line says what to lower. Returns (the caller re-raises ``e``) when the optimizer step
+        had begun: the weights may be half updated, so nothing is saved.
+
+        Raises:
+            OutOfMemory: the error came before the update (a ConfigError: exit code 2).
+        """
+        if self._update_began:
+            return
+        bar.close()
+        self.optimizer.zero_grad(set_to_none=True)
+        where = "the CPU" if self.device.type == "cpu" else str(self.device)
+        why = " ".join(str(e).split())[:160] or type(e).__name__
+        if data_state is not None and self.step != (self.saved_step or 0):
+            self.data.load_state_dict(data_state)  # the failed step's batches come again
+            self.save_checkpoint()
+        done = self.saved_step or 0
+        steps = f"steps 1-{done} are" if done > 1 else "step 1 is"
+        kept = (f"{steps} in checkpoint {shell_quote(self.last_ckpt)}" if done
+                else "no step had finished" if not self.step else "no checkpoint was written")
+        if done < self.step:  # several ranks: no save in the middle of their collectives
+            kept += f"; steps {done + 1}-{self.step} are lost"
+        step_down = ("trainer.memory=auto's step-down works on CUDA only"
+                     if self.device.type == "cpu" else
+                     "trainer.memory=off takes them as set; auto steps down by itself"
+                     if self.memory.planner is None else
+                     "trainer.memory=auto found nothing lower to step down to")
+        line = (f"out of memory on {where} in step {self.step + 1} ({why}); {kept}. Lower "
+                f"trainer.micro_batch (now {self.data.micro_batch}) or model.seq_len "
+                f"({self.cfg.model.seq_len}) ({step_down}), then {self.resume_advice()}")
+        raise OutOfMemory(line) from None
+
     def _eta(self) -> str:
         """`` | step 20/40, eta 1m05s`` from this process's mean step time (log lines without a
         progress bar)."""
@@ -1255,8 +1405,9 @@ class Trainer:
         if self.saved_step != self.step:
             self.save_checkpoint()
         name = interrupt.signal_name(signum)
-        line = (f"received {name} at step {self.step}: checkpoint written to {self.last_ckpt}; "
-                f"{self.resume_advice()} (exit code {interrupt.exit_code(signum)})")
+        line = (f"received {name} at step {self.step}: checkpoint written to "
+                f"{shell_quote(self.last_ckpt)}; {self.resume_advice()} (exit code "
+                f"{interrupt.exit_code(signum)})")
         self._print(line)
         raise TrainingInterrupted(signum, line, reported=True)
 
@@ -1266,10 +1417,14 @@ class Trainer:
         logs the interrupt's line (where to resume) unless :meth:`_stop_on_signal` did."""
         signum = e.signum if isinstance(e, TrainingInterrupted) else signal.SIGINT
         if not (isinstance(e, TrainingInterrupted) and e.reported):
-            how = (f"received a second {interrupt.signal_name(signum)}: stopped at once"
-                   if isinstance(e, TrainingInterrupted) else "interrupted")
+            name = interrupt.signal_name(signum)
+            how = ("interrupted" if not isinstance(e, TrainingInterrupted)
+                   else f"received {name}: stopped at once (no step finished since the last "
+                        "checkpoint, so none is lost)" if e.first
+                   else f"received a second {name}: stopped at once")
+            last = shell_quote(self.last_ckpt) if self.last_ckpt else "none"
             line = (f"{how} at step {self.step}; newest complete checkpoint: "
-                    f"{self.last_ckpt or 'none'}; {self.resume_advice()}")
+                    f"{last}; {self.resume_advice()}")
             print(line, file=sys.stderr)
             self._log(line)
         return interrupt.exit_code(signum)
@@ -1292,7 +1447,7 @@ class Trainer:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         self._log_lines += [f"[{stamp}] {ln}\n" for ln in lines]
         if self._log_ready and self._log_lines:
-            with (self.run_dir / "train.log").open("a") as f:
+            with ckpt_io.open_run_file(self.run_dir / "train.log") as f:
                 f.writelines(self._log_lines)
             self._log_lines.clear()
 

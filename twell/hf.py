@@ -10,16 +10,29 @@ A checkpoint is a ``save_pretrained`` folder (``config.json`` + safetensors) of 
 once ``metadata.json`` is written (``train.checkpoint`` writes them atomically).
 
 Loading is strict (:func:`from_pretrained_strict`, used by every loader of the project): a
-truncated ``config.json``, safetensors or GGUF file is named, and a missing or unexpected
-tensor is an error naming it, never a randomly initialised weight.
+truncated ``config.json``, safetensors or GGUF file is named, a missing or unexpected tensor is
+an error naming it, never a randomly initialised weight, a weight stored as an integer tensor
+or holding NaN / inf is refused naming it (:func:`check_weight_dtypes`, :func:`check_finite`),
+and no code from a checkpoint runs: every transformers load passes ``trust_remote_code=False``
+and a folder whose ``config.json`` or ``tokenizer_config.json`` asks for custom code
+(``auto_map``) is refused in one line (:func:`refuse_remote_code`).
+
+Everything a run folder holds is untrusted, its names included: :func:`verify_checkpoint` checks
+a ``step{N}`` folder against its ``metadata.json`` (every file recorded, sizes and SHA-256, no
+symbolic links, the step in the folder's name the step it records), and
+:func:`latest_checkpoint`, the one picker of "the newest checkpoint" (resume, ``twell-eval
+checkpoint=<run dir>``, reports), returns the newest folder that passes it.
 
 transformers is imported inside the functions: ``import twell`` stays light.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from torch import nn
@@ -28,6 +41,13 @@ from twell.nn import SparseGatedMLP, convert_mlps
 
 GATED_KEY = "twell_gated"  # extra LlamaConfig attribute saved in config.json
 _STEP_RE = re.compile(r"^step(\d+)$")
+_HASH_CHUNK = 1 << 24  # 16 MiB reads for SHA-256
+METADATA = "metadata.json"
+# the files a checkpoint of the previous format (no file records in metadata.json) must hold to
+# be loaded as a model (the trainer asks for its state files too)
+MODEL_FILES = ("config.json", "model.safetensors")
+# files transformers reads whose "auto_map" names Python code to import from the folder
+CODE_CONFIGS = ("config.json", "tokenizer_config.json")
 
 
 def ffn_modules(model: nn.Module) -> list[SparseGatedMLP]:
@@ -76,6 +96,61 @@ def read_config_json(d: str | Path) -> dict:
                               "copy the checkpoint folder again.") from None
 
 
+def refuse_remote_code(d: str | Path) -> None:
+    """Refuse a folder whose ``config.json`` or ``tokenizer_config.json`` asks transformers for
+    custom code (an ``auto_map`` entry naming Python classes in the folder): twell never runs code
+    from a checkpoint, and transformers would otherwise prompt (or, told yes, import the file).
+
+    Raises:
+        CheckpointError: one line naming the file, what it asks for and the way out.
+    """
+    d = Path(d)
+    if not d.is_dir():
+        return
+    for name in CODE_CONFIGS:
+        f = d / name
+        if not f.is_file():
+            continue
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{f} is not valid JSON ({e}): the file is truncated or "
+                                  "damaged; copy the checkpoint folder again.") from None
+        auto = doc.get("auto_map") if isinstance(doc, dict) else None
+        if auto:
+            names = sorted(auto) if isinstance(auto, dict) else [str(auto)]
+            raise CheckpointError(
+                f"{f} asks for custom code (auto_map: {', '.join(map(str, names))[:120]}): twell "
+                "runs no code from a checkpoint (trust_remote_code=False); use a checkpoint of a "
+                "stock Llama model, or delete the auto_map entry if the stock classes fit it.")
+
+
+def auto_config(path: str | Path, **kw):
+    """``transformers.AutoConfig.from_pretrained`` with ``trust_remote_code=False``, after
+    :func:`refuse_remote_code` (``kw``, e.g. ``gguf_file``, are passed on).
+
+    Raises:
+        CheckpointError: the folder asks for custom code.
+    """
+    from transformers import AutoConfig
+
+    refuse_remote_code(path)
+    return AutoConfig.from_pretrained(str(path), **kw, trust_remote_code=False)
+
+
+def auto_tokenizer(path: str | Path, **kw):
+    """``transformers.AutoTokenizer.from_pretrained`` with ``trust_remote_code=False``, after
+    :func:`refuse_remote_code` for a local folder (``kw``, e.g. ``gguf_file``, are passed on).
+
+    Raises:
+        CheckpointError: the folder asks for custom code.
+    """
+    from transformers import AutoTokenizer
+
+    refuse_remote_code(path)
+    return AutoTokenizer.from_pretrained(str(path), **kw, trust_remote_code=False)
+
+
 def safetensors_files(d: str | Path) -> list[Path]:
     """The weight files of a checkpoint folder: those ``model.safetensors.index.json`` maps, or
     ``model.safetensors``.
@@ -99,10 +174,13 @@ def tensor_names(d: str | Path) -> set[str]:
     """Names of the tensors stored in a checkpoint folder's safetensors files (headers only).
 
     safetensors checks that each header is complete and that the file covers every tensor it
-    lists, so a truncated file is found here, before any weight is read.
+    lists, so a truncated file is found here, before any weight is read. Every tensor must be
+    stored as a floating-point dtype (:func:`check_weight_dtypes`): an integer weight would be
+    cast to float silently by transformers.
 
     Raises:
-        CheckpointError: a weight file is missing, truncated or not safetensors (names it).
+        CheckpointError: a weight file is missing, truncated or not safetensors, or a tensor is
+            not floating point (names it).
     """
     from safetensors import SafetensorError, safe_open
 
@@ -113,11 +191,64 @@ def tensor_names(d: str | Path) -> set[str]:
                                   "config.json and model.safetensors (save_pretrained).")
         try:
             with safe_open(str(f), "pt") as st:
-                names.update(st.keys())
+                keys = list(st.keys())
+                dtypes = {k: st.get_slice(k).get_dtype() for k in keys}
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{f} is not a complete safetensors file ({e}): the file is "
                                   "truncated or damaged; copy the checkpoint again.") from None
+        check_weight_dtypes(f, dtypes)
+        names.update(keys)
     return names
+
+
+# safetensors' dtype names of floating-point tensors (header strings)
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4"}
+_ST_NAMES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+             "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64"}  # as torch names
+
+
+def check_weight_dtypes(where: str | Path, dtypes: dict) -> None:
+    """Refuse weights that are not floating point: ``dtypes`` maps a tensor name to its
+    safetensors header dtype (``"F32"``, ``"I32"``, ...) or a ``torch.dtype``. Loaders cast a
+    checkpoint's tensors to the model's dtype without a word, so an ``int32`` weight (a damaged
+    or foreign file) would become a float weight of other values.
+
+    Raises:
+        CheckpointError: one line naming the first such tensors and their dtype.
+    """
+    import torch
+
+    bad = sorted(f"{k} ({_ST_NAMES.get(str(v), str(v).replace('torch.', ''))})"
+                 for k, v in dtypes.items() if not (v.is_floating_point if isinstance(v, torch.dtype)
+                                                    else str(v) in _FLOAT_DTYPES))
+    if bad:
+        raise CheckpointError(f"{where}: tensor {_names(bad, 3)} is not stored as a floating-point "
+                              "number; a weight must be float32 / bfloat16 / float16: the file is "
+                              "damaged or not a model checkpoint; use an intact checkpoint.")
+
+
+def check_finite(named_tensors, where: str | Path) -> None:
+    """Refuse weights holding NaN or inf: ``named_tensors`` yields ``(name, tensor)`` (e.g.
+    ``model.named_parameters()`` or a state dict's ``items()``). One NaN weight makes every logit
+    NaN, and a NaN scores as nothing at all, so such a checkpoint is named, never trained on or
+    scored.
+
+    Raises:
+        CheckpointError: one line naming the first tensors with NaN / inf and how many values.
+    """
+    import torch
+
+    bad = []
+    for name, t in named_tensors:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            finite = torch.isfinite(t.detach())
+            if not bool(finite.all()):
+                bad.append(f"{name} ({int((~finite).sum())} of {t.numel()})")
+    if bad:
+        raise CheckpointError(
+            f"{where}: tensor {_names(bad, 3)} holds NaN or inf values: the checkpoint diverged "
+            "or is damaged, and every result from it would be NaN; use an earlier intact "
+            "checkpoint.")
 
 
 def check_gguf(path: str | Path) -> None:
@@ -193,7 +324,8 @@ def from_pretrained_strict(model_class, path: str | Path, **kw):
 
     Raises:
         FileNotFoundError: no config.json in the folder, or no such GGUF file.
-        CheckpointError: a truncated or damaged file, or weights that do not match.
+        CheckpointError: a truncated or damaged file, weights that do not match, a weight that
+            is not floating point or holds NaN / inf, or a folder asking for custom code.
     """
     import logging
 
@@ -205,10 +337,13 @@ def from_pretrained_strict(model_class, path: str | Path, **kw):
         args, kw = (str(p.parent),), {"gguf_file": p.name, **kw}
     else:
         read_config_json(p)
+        refuse_remote_code(p)
         tensor_names(p)
         args = (str(p),)
+        kw = {**kw, "use_safetensors": True}  # never a pickled pytorch_model.bin beside it
     # mismatched shapes are reported below like missing keys, not as transformers' RuntimeError
-    kw = {"ignore_mismatched_sizes": True, **kw, "output_loading_info": True}
+    kw = {"ignore_mismatched_sizes": True, **kw, "output_loading_info": True,
+          "trust_remote_code": False}
     log = logging.getLogger("transformers.modeling_utils")
     log.addFilter(_NoLoadReport)
     try:
@@ -220,6 +355,7 @@ def from_pretrained_strict(model_class, path: str | Path, **kw):
     check_weight_names(p, info.get("missing_keys", ()), info.get("unexpected_keys", ()),
                        tied=bool(getattr(model.config, "tie_word_embeddings", False)),
                        mismatched=mismatched)
+    check_finite(model.named_parameters(), p)
     return model
 
 
@@ -237,19 +373,23 @@ def load_model(checkpoint_dir: str | Path, ffn_impl: str = "torch", **from_pretr
 
     Raises:
         FileNotFoundError: no config.json in ``checkpoint_dir``.
-        CheckpointError: a truncated or damaged config.json or weight file, or weights that do
-            not match the config (missing or unexpected tensors, named; nothing is invented).
+        CheckpointError: a truncated or damaged config.json or weight file, a twell checkpoint
+            failing its ``metadata.json`` (:func:`check_recorded`), weights that do not match
+            the config (missing, unexpected, other shapes, not floating point, NaN / inf:
+            named; nothing is invented), or a folder asking for custom code.
         ValueError: unknown ``ffn_impl``.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     d = Path(checkpoint_dir)
     saved = read_config_json(d)
+    check_recorded(d)
     if saved.get(GATED_KEY, True):
         model = from_pretrained_strict(LlamaForCausalLM, d, **from_pretrained_kw)
         install_ffns(model, True, ffn_impl)
     else:  # no gate_proj: stock from_pretrained would invent one; load the tensors ourselves
-        model = LlamaForCausalLM(LlamaConfig.from_pretrained(d))
+        refuse_remote_code(d)
+        model = LlamaForCausalLM(LlamaConfig.from_pretrained(d, trust_remote_code=False))
         install_ffns(model, False, ffn_impl)
         _load_safetensors(model, d)
     return model.eval()
@@ -262,9 +402,15 @@ def _load_safetensors(model: nn.Module, d: Path) -> None:
     state = {}
     for f in safetensors_files(d):
         state.update(load_file(str(f)))
+    own = model.state_dict()
+    mismatched = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items()
+                  if k in own and v.shape != own[k].shape]
+    if mismatched:  # load_state_dict would raise a multi-line RuntimeError
+        check_weight_names(d, [], [], tied=True, mismatched=mismatched)
     missing, unexpected = model.load_state_dict(state, strict=False)
     check_weight_names(d, missing, unexpected,
                        tied=bool(getattr(model.config, "tie_word_embeddings", False)))
+    check_finite(state.items(), d)
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -272,28 +418,208 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def folder_step(ckpt: str | Path) -> int | None:
+    """The step in a checkpoint folder's name (``step40`` -> 40; None for another name). A name
+    is only a claim: :func:`verify_checkpoint` checks it against the step the folder records."""
+    m = _STEP_RE.match(Path(ckpt).name)
+    return int(m.group(1)) if m else None
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoint folders (``step{N}/`` with metadata.json) of a run, oldest first."""
+    """Complete-looking checkpoint folders (``step{N}/`` with metadata.json; not symbolic links)
+    of a run, in the order of the steps their names claim, oldest first. Unverified: pick one
+    with :func:`latest_checkpoint`, which checks each against what it records."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
     found = []
     for p in root.iterdir():
-        m = _STEP_RE.match(p.name)
-        if m and p.is_dir() and (p / "metadata.json").is_file():
-            found.append((int(m.group(1)), p))
+        n = folder_step(p)
+        if n is not None and not p.is_symlink() and p.is_dir() and (p / METADATA).is_file():
+            found.append((n, p))
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path:
-    """The newest complete ``step{N}`` folder of ``run_dir``.
+def sha256_file(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes (read in 16 MiB chunks)."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_metadata(ckpt: str | Path) -> dict:
+    """The ``metadata.json`` of a checkpoint folder (format version, step, tokens seen, lineage,
+    files).
 
     Raises:
-        FileNotFoundError: there is none (message says where it looked).
+        FileNotFoundError: no metadata.json (an incomplete checkpoint).
+        ValueError: it is damaged: not JSON, not a JSON object, or a symbolic link.
     """
+    f = Path(ckpt) / METADATA
+    if f.is_symlink():
+        raise ValueError(f"{f} is a symbolic link")
+    try:
+        doc = json.loads(f.read_text())
+    except UnicodeDecodeError as e:
+        raise ValueError(str(e)) from None
+    if not isinstance(doc, dict):  # a damaged file, reported like invalid JSON
+        raise ValueError(f"{f} holds a JSON {type(doc).__name__}, not an object")  # noqa: TRY004
+    return doc
+
+
+def _int(v) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _state_step(ckpt: Path) -> int | None:
+    """The step in a checkpoint's ``trainer.json`` (the trainer's state, twell-state format);
+    None when it has none or it is unreadable (its record's checks report that)."""
+    f = ckpt / "trainer.json"
+    try:
+        doc = json.loads(f.read_text())
+        return _int(doc["value"]["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _walk(ckpt: Path):
+    """(relative posix name, path) of everything under ``ckpt`` (links not followed)."""
+    for top, dirs, files in os.walk(ckpt):
+        for name in sorted(dirs + files):
+            p = Path(top) / name
+            yield p.relative_to(ckpt).as_posix(), p
+
+
+def verify_checkpoint(ckpt: str | Path, *, checksums: bool = True, no_hash: tuple[str, ...] = (),
+                      legacy_files: tuple[str, ...] = MODEL_FILES) -> list[str]:
+    """What is wrong with a checkpoint folder (empty: intact), judged by what it records, never
+    by its name.
+
+    - ``metadata.json`` must be there and readable, and record the step: a folder named
+      ``step{N}`` must record step N (in metadata.json and in ``trainer.json``'s state), so a
+      folder renamed or copied to another step is not taken for that step.
+    - Every file under the folder must be recorded in metadata.json with its size and (if
+      ``checksums``) SHA-256, and every recorded file must be there, a regular file of that size
+      and hash; nothing may be a symbolic link. Files whose names start with one of ``no_hash``
+      are checked for their size only (e.g. a loader of the model alone skips hashing the
+      optimizer state).
+    - A checkpoint of the previous format (``format_version`` < 2: no file records) is only
+      checked for the presence of ``legacy_files`` (regular files).
+
+    Returns:
+        Short phrases naming the file, e.g. ``"model.safetensors fails its SHA-256 check"``.
+    """
+    ckpt = Path(ckpt)
+    if ckpt.is_symlink():
+        return [f"{ckpt.name} is a symbolic link (a run's checkpoints are folders of their own)"]
+    try:
+        meta = read_metadata(ckpt)
+    except FileNotFoundError:
+        return ["metadata.json is missing (an incomplete save)"]
+    except (OSError, ValueError) as e:
+        return [f"metadata.json is damaged ({e})"]
+    problems = []
+    step, named = _int(meta.get("step")), folder_step(ckpt)
+    if step is None:
+        problems.append("metadata.json records no step")
+    elif named is not None and named != step:
+        problems.append(f"its name says step {named} but metadata.json records step {step} "
+                        f"(renamed or copied: rename it back to step{step} or delete it)")
+    files = meta.get("files")
+    if files is None:
+        if (_int(meta.get("format_version")) or 0) >= 2:
+            return problems + ["metadata.json records no files (damaged)"]
+        for name in legacy_files:  # previous format: no sizes recorded
+            f = ckpt / name
+            if f.is_symlink():
+                problems.append(f"{name} is a symbolic link")
+            elif not f.is_file():
+                problems.append(f"{name} is missing")
+        return problems
+    if not isinstance(files, dict) or not all(isinstance(r, dict) for r in files.values()):
+        return problems + ["metadata.json's file records are damaged"]
+    for name, p in _walk(ckpt):
+        if p.is_symlink():
+            problems.append(f"{name} is a symbolic link")
+        elif not p.is_dir() and not p.is_file():
+            problems.append(f"{name} is not a regular file")
+        elif p.is_file() and name != METADATA and name not in files:
+            problems.append(f"{name} is not recorded in metadata.json (added after the save)")
+    todo = []
+    for name, rec in files.items():
+        p = ckpt / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            problems.append(f"metadata.json records {name!r}, outside the folder")
+        elif p.is_symlink() or (p.exists() and not p.is_file()):
+            continue  # named above
+        elif not p.is_file():
+            problems.append(f"{name} is missing")
+        elif p.stat().st_size != rec.get("bytes"):
+            problems.append(f"{name} has {p.stat().st_size} bytes, metadata.json records "
+                            f"{rec.get('bytes')}")
+        elif checksums and not (no_hash and name.startswith(no_hash)):
+            if not rec.get("sha256"):
+                problems.append(f"{name} has no SHA-256 in metadata.json")
+            else:
+                todo.append((name, p, rec["sha256"]))
+    if todo:
+        with ThreadPoolExecutor(max_workers=min(4, len(todo))) as pool:
+            for (name, _, want), got in zip(todo, pool.map(sha256_file, [p for _, p, _ in todo])):
+                if got != want:
+                    problems.append(f"{name} fails its SHA-256 check")
+    if "trainer.json" in files and step is not None and not any(
+            q.startswith("trainer.json") for q in problems):
+        state = _state_step(ckpt)
+        if state != step:
+            problems.append(f"trainer.json records step {state}, metadata.json step {step}")
+    return problems
+
+
+def check_recorded(d: str | Path) -> None:
+    """Refuse a folder that carries a ``metadata.json`` (a twell checkpoint) but fails
+    :func:`verify_checkpoint` (the optimizer state checked for its size only: a loader of the
+    model does not read it); a folder without one (any save_pretrained folder) passes.
+
+    Raises:
+        CheckpointError: one line naming the folder and its first problems.
+    """
+    d = Path(d)
+    if d.is_dir() and ((d / METADATA).exists() or (d / METADATA).is_symlink()):
+        problems = verify_checkpoint(d, no_hash=("optimizer.",))
+        if problems:
+            raise CheckpointError(f"{d} is damaged or incomplete ({'; '.join(problems[:3])}); "
+                                  "use an intact checkpoint (a run dir's newest intact one: "
+                                  "twell.hf.latest_checkpoint)")
+
+
+def latest_checkpoint(run_dir: str | Path, *, checksums: bool = True, warn=None,
+                      verify=None) -> Path:
+    """The newest intact ``step{N}`` folder of ``run_dir``: the one picker of "the newest
+    checkpoint" (resume, ``twell-eval checkpoint=<run dir>``, reports). Candidates are taken
+    newest first and each must pass ``verify(folder)`` (default :func:`verify_checkpoint` with
+    ``checksums``: every recorded file's size and SHA-256, and the step in its name the step it
+    records); a failing one is skipped with ``warn(line)`` naming it and its problem.
+
+    Raises:
+        FileNotFoundError: there is no complete checkpoint, or none is intact (says where it
+            looked and what is wrong with each).
+    """
+    if verify is None:
+        def verify(c):
+            return verify_checkpoint(c, checksums=checksums)
     found = list_checkpoints(run_dir)
-    if not found:
-        raise FileNotFoundError(
-            f"no complete checkpoint (step{{N}}/metadata.json) under {checkpoint_root(run_dir)}"
-        )
-    return found[-1]
+    damaged = []
+    for ckpt in reversed(found):
+        problems = verify(ckpt)
+        if not problems:
+            return ckpt
+        damaged.append(f"{ckpt.name}: {'; '.join(problems[:2])}")
+        if warn is not None:
+            warn(f"warning: skipping damaged checkpoint {ckpt} ({'; '.join(problems[:2])})")
+    if damaged:
+        raise FileNotFoundError(f"no intact checkpoint under {checkpoint_root(run_dir)} "
+                                f"({', '.join(damaged[:3])})")
+    raise FileNotFoundError(
+        f"no complete checkpoint (step{{N}}/metadata.json) under {checkpoint_root(run_dir)}")

@@ -107,9 +107,10 @@ def main() -> None:
 
     g = Path(a.gguf).expanduser()
     t0 = time.time()
-    tok = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
+    # no code from the model's folder runs (a GGUF holds none; refused, not prompted, if asked)
+    tok = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name,
-                                                 dtype=torch.float32)
+                                                 dtype=torch.float32, trust_remote_code=False)
     model.eval()
     add_bos = None
     if a.prefix_token != "none":

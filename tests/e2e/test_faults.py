@@ -491,15 +491,28 @@ def test_run_files_are_replaced_atomically(tokens, tmp_path, monkeypatch, name):
     run = tmp_path / "run"
     train_run(tiny_config(tokens, **{"trainer.max_steps": 2}), run)
     before = (run / name).read_text()
-    real = Path.write_text
+    real = os.fdopen
 
-    def half_then_full(self, text, *a, **kw):
-        if name in self.name:
-            real(self, text[: len(text) // 2], *a, **kw)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
-        return real(self, text, *a, **kw)
+    class HalfThenFull:  # the temp file of a write_atomic: half the text, then a full disk
+        def __init__(self, f, path):
+            self.f, self.path = f, path
 
-    monkeypatch.setattr(Path, "write_text", half_then_full)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+
+    def fdopen(fd, *a, **kw):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        f = real(fd, *a, **kw)
+        return HalfThenFull(f, path) if name in Path(path).name else f
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
     with pytest.raises(OSError):  # finished: the resume rewrites the files, train re-summarises
         train_run(tiny_config(tokens, **{"trainer.max_steps": 2}), run)
     assert (run / name).read_text() == before

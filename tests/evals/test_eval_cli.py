@@ -340,3 +340,20 @@ def test_help_describes_every_key_in_one_line(capsys):
     assert by["batch_size=16"] == "sequences per forward."
     assert by["progress=true"].startswith("tqdm progress bars")
     assert all(by.values())  # every key has its description
+
+
+def test_a_library_error_of_several_lines_is_printed_as_one(checkpoint, tmp_path, capsys):
+    """An architecture transformers does not know: its error spans three lines; twell-eval
+    prints every error as one line (exit 2), as twell-train does."""
+    import shutil
+
+    d = shutil.copytree(checkpoint, tmp_path / "bogus")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "bogus_arch"
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main([f"checkpoint={d}", "tasks=arc_easy", "limit=1", "progress=false",
+                 f"out={tmp_path / 'out'}"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(
+        "twell-eval: ValueError: The checkpoint you are trying to load has model type "
+        "`bogus_arch`"), err

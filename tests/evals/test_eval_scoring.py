@@ -344,3 +344,44 @@ def test_evaluate_restores_mode_and_checks_arguments():
         evaluate(m, CharTokenizer(), tasks="piqa", limit=0)
     with pytest.raises(ValueError, match="move the model"):
         evaluate(m, CharTokenizer(), tasks="piqa", limit=1, device="meta")
+
+
+class PoisonedModel(NextCharModel):
+    """NextCharModel whose logits are ``poison`` (NaN or inf) wherever the input holds ``bad``,
+    as a NaN weight or a float16 overflow makes them."""
+
+    def __init__(self, bad: int, poison: float):
+        super().__init__()
+        self.bad, self.poison = bad, poison
+
+    def forward(self, input_ids_BT):
+        logits_BTV = super().forward(input_ids_BT)
+        hit_BT = (input_ids_BT == self.bad)
+        return torch.where(hit_BT[..., None], torch.full_like(logits_BTV, self.poison), logits_BTV)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_log_likelihoods_stop_the_task_instead_of_scoring(poison):
+    """Every score comes from finite numbers: a NaN choice would lose every comparison, so
+    argmax picked choice 0 (ARC-Easy 35 %, PIQA 45 % from a model of NaN logits). The task stops
+    with one line naming it, the count and the first row; the log-likelihoods themselves keep
+    the NaN (score_requests propagates it)."""
+    from evals.scoring import NonFiniteScores
+
+    z = ord("z")
+    rows = [{"question": "q?", "choices": {"text": ["ab", "b"], "label": ["A", "B"]},
+             "answerKey": "B"},
+            {"question": "q?", "choices": {"text": ["zb", "b"], "label": ["A", "B"]},
+             "answerKey": "B"},  # row 1, choice 1: a 'z' predicts its next token
+            {"question": "q?", "choices": {"text": ["b", "z"], "label": ["A", "B"]},
+             "answerKey": "A"}]  # a last 'z' predicts nothing: finite
+    model, tok = PoisonedModel(z, poison), CharTokenizer()
+    lls = score_requests(model, [encode_pair(tok, "q?\nAnswer:", " zb", 0)])
+    assert not math.isfinite(lls[0])
+    with pytest.raises(NonFiniteScores) as e:
+        score_task(model, tok, "arc_easy", rows, prefix_id=0)
+    msg = str(e.value)
+    assert msg.startswith("task arc_easy: 1 of 6 log-likelihoods are NaN or inf (first: row 1)")
+    assert "\n" not in msg and isinstance(e.value, ValueError) and e.value.request == 2
+    res = score_task(model, tok, "arc_easy", rows[:1] + rows[2:], prefix_id=0)
+    assert res["n"] == 2  # finite everywhere: scored

@@ -1,6 +1,8 @@
 """Config validation: every bad input gives a one-line ConfigError naming the key and the fix;
 the YAML tree composes and is validated against the dataclasses."""
 
+import math
+
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -285,3 +287,44 @@ def test_compose_is_the_clis_composition():
         with pytest.raises(ConfigError, match=match) as e:
             train_compose(over)
         _one_line(e)
+
+
+def test_min_lr_ratio_above_one_is_refused_and_one_is_a_flat_end():
+    """optim.min_lr_ratio is the cosine's end as a fraction of the peak: 2 would make the
+    "decay" climb to twice optim.lr (refused in one line); 1 keeps the peak (hand value)."""
+    from train.trainer import lr_factor
+
+    with pytest.raises(ConfigError) as err:
+        OptimConfig(min_lr_ratio=2)
+    msg = str(err.value)
+    assert msg.startswith("optim.min_lr_ratio=2 is above 1") and "\n" not in msg
+    assert "between 0 and 1" in msg
+    o = OptimConfig(lr=1e-3, min_lr_ratio=1.0, warmup_steps=2)
+    assert [lr_factor(s, o, 10) for s in (1, 2, 3, 10)] == [0.5, 1.0, 1.0, 1.0]
+    o = OptimConfig(lr=1e-3, min_lr_ratio=0.5, warmup_steps=0)  # half way: (1 + 0.5) / 2
+    assert lr_factor(5, o, 9) == pytest.approx(0.5 + 0.5 * 0.5 * (1 + math.cos(math.pi / 2)))
+
+
+def test_a_step_of_minutes_on_the_cpu_is_warned_about():
+    """model.seq_len far beyond a CPU (model=tiny at 32768: a step took 9.5 min on the 2-core
+    test machine, and a SIGTERM waited for it): the warning names the predicted time per step
+    (model FLOPs, attention's seq_len^2 included, at CPU_FLOPS), that a stop signal waits for
+    the step in progress, and the fix; the default tiny run gets none."""
+    from train.metrics import flops_per_token
+    from train.trainer import CPU_FLOPS, cpu_cost_warning
+
+    long = OmegaConf.to_object(_compose(["model.seq_len=32768"]))
+    long.eval = EvalConfig(at_end=False)  # the evals' own warning is not what is tested
+    # by hand: matmul weights 49152 x 128 (LM head) + 4 x (4 x 128^2 + 3 x 128 x 352), and the
+    # attention term 12 L D T per token; 8 x 32768 tokens a step
+    per_token = 6 * (49152 * 128 + 4 * (4 * 128**2 + 3 * 128 * 352)) + 12 * 4 * 128 * 32768
+    assert flops_per_token(long.model) == per_token and long.trainer.global_batch == 8
+    step_s = per_token * 8 * 32768 / CPU_FLOPS  # 319.7 s
+    line = cpu_cost_warning(long)
+    assert line.startswith("warning: ") and (
+        f"this is a GPU-sized run (about {int(step_s) // 60}m{round(step_s) % 60:02d}s or more "
+        "per optimizer step (8 x model.seq_len=32768 tokens") in line
+    assert "model.seq_len=32768" in line
+    assert "a stop signal with finished steps unsaved waits for the step in progress" in line
+    assert "a shorter model.seq_len (e.g. 512)" in line
+    assert cpu_cost_warning(OmegaConf.to_object(_compose([]))) is None

@@ -4,6 +4,8 @@ The reference is position arithmetic on a stream whose tokens are all distinct (
 EOS=0 between documents), so every served block can be located in the stream independently.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -307,3 +309,31 @@ def test_config_yamls_validate_against_the_dataclass():
             merged.paths = ["x.bin"]
         cfg = OmegaConf.to_object(merged)
         assert isinstance(cfg, DataConfig) and cfg.source == f.stem
+
+
+def test_a_fifo_a_device_or_a_folder_is_named_for_what_it_is(tmp_path):
+    """A data file that exists but is no regular file was reported as "does not exist"; a FIFO
+    or /dev/zero would block or read without end if opened. Each is refused at once naming its
+    kind, for token files (tokens source) and text inputs (files source) alike."""
+    import os
+    import re
+    import time
+
+    from train.data.build import spec_from_config
+
+    fifo = tmp_path / "pipe.bin"
+    os.mkfifo(fifo)
+    cases = [(fifo, "is a FIFO (named pipe), not a regular file"),
+             (tmp_path, "is a folder, not a regular file"),
+             (tmp_path / "gone.bin", "does not exist")]
+    if os.path.exists("/dev/zero"):
+        cases.append((Path("/dev/zero"), "is a character device, not a regular file"))
+    t0 = time.monotonic()
+    for path, want in cases:
+        with pytest.raises(DataError) as err:
+            dm_for([str(path)], 8, 2)
+        assert str(err.value) == f"token file {path} {want}" + (
+            "" if want == "does not exist" else "; give a file of tokens or text on disk")
+        with pytest.raises(DataError, match=re.escape(f"data.paths: input file {path} {want}")):
+            spec_from_config(DataConfig(source="files", paths=[str(path)]))
+    assert time.monotonic() - t0 < 10  # nothing blocked on the FIFO

@@ -7,6 +7,7 @@ losses under trainer.compile."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 
 import pytest
@@ -194,3 +195,52 @@ def test_a_checkpoint_saved_before_the_new_keys_still_resumes(tokens, silu_dir, 
     assert [r["step"] for r in read_metrics(tmp_path / "r")] == [1, 2]
     assert config_diff({**old, "model": {**old["model"], "hidden_act": "silu"}},
                        t.config_dict) == ["model.hidden_act: 'silu' -> 'relu'"]
+
+
+@pytest.mark.parametrize("other", ["weights", "vocabulary"])
+def test_resume_refuses_a_replaced_teacher_and_takes_the_original_back(tokens, silu_dir,
+                                                                       tmp_path, other):
+    """The folder at model.init_from is replaced between a distillation run's stop and its
+    resume: by another model of the same shape (the resume trained against it without a word)
+    or of another vocabulary (a traceback). The run records the source's SHA-256 (init record,
+    trainer state) and refuses in one line naming the file and the ways out; with the original
+    back, the resumed run equals a straight one."""
+    import shutil
+
+    from tests.train.test_pretrained import SRC, _source_config
+
+    src = shutil.copytree(silu_dir, tmp_path / "src")
+
+    def cfg():
+        return _distill_cfg(tokens, src, steps=4, save_every=2, keep_last=2)
+
+    _run(cfg(), tmp_path / "straight")
+    _, t = _run(cfg(), tmp_path / "run", stop_at_step=2)
+    recorded = t.init_info["sha256"]
+    assert recorded == {n: hashlib.sha256((silu_dir / n).read_bytes()).hexdigest()
+                        for n in ("config.json", "model.safetensors")}
+    shutil.move(src, tmp_path / "original")
+    if other == "weights":
+        _save_source(src, "silu", seed=5)
+    else:
+        torch.manual_seed(0)
+        c = _source_config("silu")
+        c.vocab_size = SRC["vocab_size"] + 16
+        LlamaForCausalLM(c).save_pretrained(src)
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg(), tmp_path / "run")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(
+        f"model.init_from='{src}' is not the source this run started from, whose weights are its "
+        "distillation teacher (")
+    name = "config.json" if other == "vocabulary" else "model.safetensors"
+    assert f"({name}: SHA-256 " in msg and f"recorded {recorded[name][:16]}..." in msg
+    assert f"Put the original back at {src}" in msg
+    assert f"trainer.resume={tmp_path / 'run'} model.init_from=<path>" in msg
+    shutil.rmtree(src)
+    shutil.move(tmp_path / "original", src)
+    _run(cfg(), tmp_path / "run")
+    a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "run")
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "ce", "distill_kl"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-7), (ra["step"], key)

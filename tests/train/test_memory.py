@@ -354,16 +354,27 @@ def test_out_of_memory_in_a_step_steps_down_and_loses_nothing(tokens, tmp_path, 
         assert a["tokens"] == b["tokens"]
 
 
-def test_out_of_memory_propagates_when_nothing_can_step_down(tokens, tmp_path, monkeypatch):
-    # memory=off: the error is the user's, as before
+def test_out_of_memory_when_nothing_can_step_down_saves_the_finished_steps(tokens, tmp_path,
+                                                                           monkeypatch):
+    """memory=off: nothing steps down, so the run stops with one line (a ConfigError: exit 2),
+    after saving step 1, which had finished, with the data position before step 2."""
+    from train import checkpoint as ckpt_io
+    from train.trainer import OutOfMemory
+
     _inject_oom(monkeypatch, at_step=2)
     tr = Trainer(tiny_config(tokens, **{"trainer.max_steps": 3}), tmp_path / "off")
     try:
-        with pytest.raises(torch.cuda.OutOfMemoryError, match="injected"):
+        with pytest.raises(OutOfMemory) as err:
             tr.train()
         assert tr.step == 1
     finally:
         tr.close()
+    step1 = tmp_path / "off" / "checkpoints" / "step1"
+    msg = str(err.value)
+    assert msg.startswith("out of memory on the CPU in step 2 (injected: CUDA out of memory); "
+                          f"step 1 is in checkpoint {step1}.") and "\n" not in msg
+    assert ckpt_io.verify(step1) == []
+    assert ckpt_io.load_state(step1, "rank0")["data"]["position"] == 8  # one step of 8 blocks
 
 
 def test_out_of_memory_in_the_optimizer_step_propagates(tokens, tmp_path, monkeypatch):

@@ -38,7 +38,7 @@ import numpy as np
 
 from offline.fetch import cache_root, fetch, sha256_file
 from train.data.decontam import EvalIndex
-from train.data.packing import DataError
+from train.data.packing import DataError, file_problem
 from train.data.sources import SOURCES, Source
 from train.data.text import normalize
 
@@ -100,8 +100,8 @@ def spec_from_config(cfg) -> BuildSpec:
         files = []
         for p in cfg.paths:
             p = Path(p).expanduser().resolve()
-            if not p.is_file():
-                raise DataError(f"data.paths: input file {p} does not exist")
+            if (problem := file_problem(p)) is not None:
+                raise DataError(f"data.paths: input file {p} {problem}")
             files.append((str(p), sha256_file(p)))
         return BuildSpec("files", files=files, text_field=cfg.text_field, **common)
     raise ValueError(f"no corpus build for data.source={cfg.source!r}")

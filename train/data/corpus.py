@@ -13,7 +13,7 @@ from pathlib import Path
 
 from offline.fetch import sha256_file
 from train.data.build import MANIFEST, build_corpus, corpus_dir_for, spec_from_config
-from train.data.packing import DataError, DataModule, TokenStream, open_token_file
+from train.data.packing import DataError, DataModule, TokenStream, file_problem, open_token_file
 
 
 def read_manifest(corpus_dir: str | Path) -> dict:
@@ -23,8 +23,8 @@ def read_manifest(corpus_dir: str | Path) -> dict:
         DataError: missing, unreadable or not a twell corpus manifest (names the file).
     """
     path = Path(corpus_dir) / MANIFEST
-    if not path.is_file():
-        raise DataError(f"corpus manifest {path} does not exist: build it with `twell-data build`")
+    if (problem := file_problem(path)) is not None:
+        raise DataError(f"corpus manifest {path} {problem}: build it with `twell-data build`")
     try:
         m = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -48,9 +48,10 @@ def open_split(corpus_dir: str | Path, manifest: dict, split: str, verify: bool 
     arrays, names = [], []
     for sh in info["shards"]:
         f = corpus_dir / sh["file"]
-        if not f.is_file():
-            raise DataError(f"corpus shard {f} listed in {corpus_dir / MANIFEST} is missing; rebuild "
-                            "with `twell-data build --force`")
+        if (problem := file_problem(f)) is not None:
+            problem = "is missing" if problem == "does not exist" else problem
+            raise DataError(f"corpus shard {f} listed in {corpus_dir / MANIFEST} {problem}; "
+                            "rebuild with `twell-data build --force`")
         size = f.stat().st_size
         if size != sh["bytes"]:
             raise DataError(f"corpus shard {f} has {size} bytes but the manifest says {sh['bytes']}: "

@@ -35,6 +35,29 @@ class DataError(RuntimeError):
     """Corpus/token files are missing, truncated, corrupted or inconsistent; names the file."""
 
 
+def file_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot be read as a data file (None: it is a regular file, or a link to one):
+    ``"does not exist"``, ``"is a folder"``, or the kind of special file it is (a FIFO or a
+    device such as /dev/zero reads without end or blocks, so it is never opened). For the
+    messages of :class:`DataError`: ``f"token file {p} {problem}"``."""
+    import stat
+
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        return "does not exist" + (" (a broken symbolic link)" if p.is_symlink() else "")
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if stat.S_ISREG(mode):
+        return None
+    kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a character device" if stat.S_ISCHR(mode) else "a block device"
+            if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+    return f"is {kind}, not a regular file; give a file of tokens or text on disk"
+
+
+
 def open_token_file(path: str | Path, expected_tokens: int | None = None) -> np.ndarray:
     """Memory-map a uint16 token file read-only.
 
@@ -49,8 +72,8 @@ def open_token_file(path: str | Path, expected_tokens: int | None = None) -> np.
         DataError: missing file, odd byte size, wrong dtype/rank, or wrong token count.
     """
     p = Path(path)
-    if not p.is_file():
-        raise DataError(f"token file {p} does not exist")
+    if (problem := file_problem(p)) is not None:
+        raise DataError(f"token file {p} {problem}")
     if p.suffix == ".npy":
         try:
             arr = np.load(p, mmap_mode="r")

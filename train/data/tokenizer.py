@@ -122,9 +122,9 @@ def load_tokenizer(name: str = "smollm2", cache: Path | None = None, max_vocab: 
 
         tok = PreTrainedTokenizerFast.from_pretrained(str(build_smollm2_tokenizer(cache)))
     else:
-        from transformers import AutoTokenizer
+        from twell.hf import auto_tokenizer  # trust_remote_code=False; auto_map refused
 
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = auto_tokenizer(name)
     check_vocab(tok, max_vocab, name)
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer {name!r} has no EOS token to separate documents; pick another tokenizer")
