@@ -108,6 +108,10 @@ def settings(a: argparse.Namespace) -> BenchSettings:
 
 
 def main(argv=None) -> int:
+    # before the first CUDA allocation: fewer fragments between the emulated card's limit and
+    # the peak (the 80 GB card's search choice for dense and auto ran out of memory while timing
+    # at a predicted 73.3 GB; BENCHMARKS.md, "Next")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     a = parse_args(argv)
     try:
         if a.report is not None:

@@ -70,10 +70,18 @@ def test_family_table_is_per_sequence():
 
 
 def test_split_profile_path():
-    assert split_profile_path("ell") == ("ell", {})
-    assert split_profile_path("dense-noliger") == ("dense-noliger", {})
+    assert split_profile_path("ell") == ("ell", {}, [])
+    assert split_profile_path("dense-noliger") == ("dense-noliger", {}, [])
     assert split_profile_path("ell@dw_block_d=1024:dw_d_outer=0") == (
-        "ell", {"dw_block_d": 1024, "dw_d_outer": 0})
+        "ell", {"dw_block_d": 1024, "dw_d_outer": 0}, [])
+    assert split_profile_path("auto@dw_block_d=128+model.ffn_policy.hot_min_density=0.001"
+                              "+trainer.liger=false") == (
+        "auto", {"dw_block_d": 128}, ["model.ffn_policy.hot_min_density=0.001",
+                                      "trainer.liger=false"])
+    with pytest.raises(ValueError, match="our trainer's paths only"):
+        split_profile_path("liger+trainer.seed=1")
+    with pytest.raises(ValueError, match="not a Hydra key=value override"):
+        split_profile_path("ell+oops")
     with pytest.raises(ValueError, match="unknown 'sparse'"):
         split_profile_path("sparse")
     for bad in ("ell@dw_block_d", "ell@dw_block_d=big"):

@@ -129,7 +129,7 @@ class BenchSettings:
         from train.bench.step_profile import split_profile_path
 
         for p in self.profile_paths:
-            split_profile_path(p)  # ValueError naming an unknown path
+            split_profile_path(p)  # ValueError naming an unknown path or a bad override
         if self.model_from is not None and len(self.sizes) != 1:
             raise ValueError(f"--model-from holds one model; give one --sizes (got {self.sizes})")
         for k in ("steps", "search_batch", "probe_steps", "equal_micro", "fwd_batch",

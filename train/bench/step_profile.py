@@ -202,17 +202,25 @@ PROFILE_PATHS = ("hf", "liger", "compile", "dense", "ell", "auto", "dense-nolige
 """What ``--profile-paths`` may name: the stock-transformers baselines
 (:data:`train.bench.recipe.BASELINE_PATHS`) and our trainer's FFN paths (``dense`` is dense
 mode), each of ours also as ``<path>-noliger`` (``trainer.liger=false``: our own fused loss and
-lean norms, eager RoPE). Any of them may end in ``@key=value:...``: launch shapes of the
+lean norms, eager RoPE). Any of them may add ``@key=value:...``: launch shapes of the
 training kernels for that profile (:func:`twell.ops.launch.kernel_config`, integer values),
-e.g. ``ell@dw_block_d=1024:dw_d_outer=0``."""
+e.g. ``ell@dw_block_d=1024:dw_d_outer=0``; ours may end in ``+hydra.key=value+...``: overrides
+of our trainer's config, e.g. ``ell+model.ffn_policy.hot_min_density=0.001`` (hot units on
+sparse layers too)."""
 
 
-def split_profile_path(name: str) -> tuple[str, dict]:
-    """``"ell@dw_block_d=256:dw_d_outer=1"`` -> ``("ell", {"dw_block_d": 256, "dw_d_outer": 1})``.
+def split_profile_path(name: str) -> tuple[str, dict, list[str]]:
+    """``"ell@dw_block_d=256:dw_d_outer=1+model.x=1"`` -> ``("ell", {"dw_block_d": 256,
+    "dw_d_outer": 1}, ["model.x=1"])``.
 
     Raises:
-        ValueError: an unknown path or a malformed ``key=value``.
+        ValueError: an unknown path, a malformed ``key=value``, or config overrides on a
+            stock-transformers baseline.
     """
+    name, *overrides = name.split("+")
+    for o in overrides:
+        if "=" not in o or o.startswith("="):
+            raise ValueError(f"profile path {name!r}: {o!r} is not a Hydra key=value override")
     path, _, spec = name.partition("@")
     if path not in PROFILE_PATHS:
         raise ValueError(f"profile path {name!r}: unknown {path!r}; use one of "
@@ -226,7 +234,10 @@ def split_profile_path(name: str) -> tuple[str, dict]:
             raise ValueError(f"profile path {name!r}: {item!r} is not key=<integer>") from None
         if not eq:
             raise ValueError(f"profile path {name!r}: {item!r} is not key=<integer>")
-    return path, kw
+    if overrides and path.partition("-")[0] in ("hf", "liger", "compile"):
+        raise ValueError(f"profile path {name!r}: config overrides apply to our trainer's paths "
+                         "only")
+    return path, kw, overrides
 
 
 def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, warmup: int = 3,
@@ -247,7 +258,7 @@ def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, wa
     dims = {"ffn": cfg.intermediate_size, "vocab": cfg.vocab_size}
     out: dict[str, StepProfile] = {}
     for p in paths:
-        path, launch = specs[p]
+        path, launch, extra = specs[p]
         base, _, flag = path.partition("-")
         step = tr = None
         try:
@@ -257,7 +268,8 @@ def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, wa
                               run.cfg1.optim, run.bf16)
                 fn = lambda: step(batches)  # noqa: E731
             else:
-                tr = build_our_trainer(run, ["trainer.liger=false"] if flag == "noliger" else [])
+                tr = build_our_trainer(run, (["trainer.liger=false"] if flag == "noliger"
+                                             else []) + extra)
                 use_ffn(tr, base, run.bm.plan_state)
                 tr.memory.apply(Plan(micro, "none", 1, None, None, None, "profile"))
                 tr.plan.reset_capacities()
