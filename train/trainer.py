@@ -451,7 +451,7 @@ class Trainer:
             # the fused loss: not with distillation (ours + KL replaces it) nor FSDP (the LM
             # head weight is a sharded DTensor outside its module's forward: untested)
             liger_loss = not cfg.distill and not self.fsdp
-            use_liger(model, fused_linear_ce=liger_loss)
+            use_liger(model, fused_linear_ce=liger_loss, norm_out_autocast=True)
             self.fused_loss = "liger" if liger_loss else None
         self.teacher = None  # sparsity.distill_from: the frozen source model, the KL's target
         if cfg.distill:
