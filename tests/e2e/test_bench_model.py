@@ -349,7 +349,8 @@ def _run_script(*args, timeout=240):
 
 # the fake memory model's defaults, written out: GiB = 30 + factor x per-sequence x micro
 PER_SEQ = {"none": 14.0, "attention": 8.0, "full": 4.0}
-FACTOR = {"hf": 1.2, "torch": 1.0, "dense": 1.0, "ell": 0.7, "auto": 0.75}
+FACTOR = {"hf": 1.2, "liger": 1.0, "compile": 1.1, "torch": 1.0, "dense": 1.0, "ell": 0.7,
+          "auto": 0.75}
 
 
 @pytest.mark.slow
@@ -384,10 +385,10 @@ def test_smoke_end_to_end(tmp_path):
         same = (by["auto"]["ffn"], by["auto"]["micro_batch"], by["auto"]["recompute"]) == (
             d["ffn"], d["micro_batch"], d["recompute"])
         assert d["is_default"] is True and by["auto"]["is_default"] is same
-        assert not any(by[p]["is_default"] for p in ("hf", "ell", "dense"))
+        assert not any(by[p]["is_default"] for p in ("hf", "liger", "compile", "ell", "dense"))
     probes = read_csv(out / "probes.csv")
     assert {p["ffn"] for p in probes if (p["micro_batch"], p["recompute"]) == (4, "none")} == {
-        "hf", "torch", "dense", "ell", "auto"}
+        "hf", "liger", "compile", "torch", "dense", "ell", "auto"}
     assert sorted(p.name for p in out.iterdir()) == sorted(  # acts elsewhere: 7 files
         ["best_configs.csv", "probes.csv", "sparsity_profile.csv", "bench_meta.json",
          "bench_model.md", "bench_train.png", "bench_memory.png"])
