@@ -1,0 +1,84 @@
+"""How ``twell-train`` starts as users start it: from the folder that holds the clone (item 8 of
+issue 33). Subprocesses of ``python -m train`` on the tiny test model (one step)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.train_utils import write_tokens
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["model.vocab_size=64", "data.vocab_size=64", "model.hidden_size=32",
+         "model.intermediate_size=64", "model.num_heads=2", "model.num_layers=2",
+         "model.seq_len=32", "trainer.global_batch=4", "trainer.micro_batch=4", "eval=disabled",
+         "logging.wandb_mode=disabled", "trainer.progress=false", "trainer.max_steps=1",
+         "optim.warmup_steps=1", "trainer.num_threads=1", "trainer.cpu=true",
+         "trainer.val_sequences=4"]
+
+# What setuptools' editable install puts on the import path (its __editable__ finder): a meta
+# path finder asked *after* the path finder, mapping each package to this checkout.
+EDITABLE_FINDER = f"""
+import sys
+from importlib.machinery import PathFinder
+from importlib.util import spec_from_file_location
+MAP = {{n: {str(ROOT)!r} + "/" + n for n in ("twell", "train", "evals", "offline")}}
+class EditableFinder:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name in MAP:
+            return spec_from_file_location(name, MAP[name] + "/__init__.py")
+        parent = name.rpartition(".")[0]
+        if parent in MAP:
+            return PathFinder.find_spec(name, path=[MAP[parent]])
+        return None
+sys.meta_path.insert(sys.meta_path.index(PathFinder) + 1, EditableFinder)
+"""
+
+
+def _parent_of_clone(tmp_path: Path) -> tuple[Path, dict]:
+    """A folder holding the clone as ``twell/`` (a link to this checkout), and an environment
+    whose import path has the checkout only through an editable-style finder (no PYTHONPATH
+    entry that holds the packages)."""
+    parent = tmp_path / "home"
+    parent.mkdir()
+    (parent / "twell").symlink_to(ROOT, target_is_directory=True)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(EDITABLE_FINDER)
+    env = {**os.environ, "PYTHONPATH": str(site), "WANDB_MODE": "disabled",
+           "OMP_NUM_THREADS": "1"}
+    return parent, env
+
+
+def test_packages_are_the_checkouts_when_the_clone_folder_shadows_them(tmp_path):
+    """Imported with the current folder first on the path (as ``python -m`` does), ``twell`` is
+    the checkout's package (its own names work), not the clone folder as a namespace."""
+    parent, env = _parent_of_clone(tmp_path)
+    code = ("import sys; sys.path.insert(0, '')\n"
+            "import train.trainer, twell, evals\n"
+            "print(twell.__version__, twell.__file__, twell.FFNStats.__module__, "
+            "evals.evaluate.__module__)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=parent, env=env, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["0.1.0", str(ROOT / "twell" / "__init__.py"), "twell.stats",
+                                "evals.harness"]
+    note = [ln for ln in r.stderr.splitlines() if ln.startswith("note: ")]
+    assert len(note) == 1 and f"twell by {parent / 'twell'}" in note[0], r.stderr[-2000:]
+
+
+def test_python_m_train_from_the_clones_parent_writes_its_checkpoint(tmp_path):
+    """``python -m train`` started in the folder that holds the clone trains and writes its
+    checkpoint (it used to die there: module 'twell' has no attribute '__version__')."""
+    parent, env = _parent_of_clone(tmp_path)
+    tokens = write_tokens(tmp_path / "tok.bin", n_tokens=4000)
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "train", "data=tokens", f"data.paths=[{tokens}]",
+                        *SMALL, f"hydra.run.dir={run}"], cwd=parent, env=env,
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    meta = json.loads((run / "checkpoints" / "step1" / "metadata.json").read_text())
+    assert meta["twell"] == "0.1.0" and meta["step"] == 1
+    assert (run / "summary.json").is_file()
