@@ -198,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return 0
     try:
-        return _run(parse_args(argv))
+        args = parse_args(argv)
+    except SystemExit as e:  # a bad argument: one line and exit code 2, as every other error
+        print("; ".join(str(e.code).splitlines()), file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
     except (FileNotFoundError, ValueError, OSError) as e:  # bad path, task or checkpoint
         print(f"twell-eval: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -121,6 +121,7 @@ def _main(cfg: DictConfig) -> float | None:
             return None
         if expected:
             sys.exit(2)
+        _TASK_ERRORS.append(e)  # cli() leaves its traceback alone, even for an OmegaConf error
         raise
     return summary.get("val_loss")  # what a Hydra sweeper would minimise
 
@@ -200,16 +201,81 @@ def cli() -> None:
     """Console entry point ``twell-train`` (Hydra parses sys.argv). A ``-m`` sweep in which a job
     failed ends with the list of failed jobs and exit code 2 (with Hydra's basic launcher, the
     default, which runs the jobs in this process; under another launcher the reasons are in the
-    jobs' ``error.txt`` only)."""
+    jobs' ``error.txt`` only). Hydra's own errors (a value of the wrong type, an unknown group
+    option, an override it cannot parse) are one ``ConfigError`` line with exit code 2 like
+    twell's (:func:`hydra_error_line`; ``HYDRA_FULL_ERROR=1`` keeps Hydra's traceback)."""
     try:
         check_overrides(sys.argv[1:])
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
         sys.exit(2)
-    _main()
+    full = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors to us instead of printing them
+    try:
+        _main()
+    except Exception as e:
+        if full == "1" or any(e is t for t in _TASK_ERRORS) or not _is_hydra_error(e):
+            raise  # a bug in the run keeps its traceback
+        print(f"ConfigError: {hydra_error_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if full is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = full
     if _SWEEP["failed"]:
         print(sweep_failures(_SWEEP["jobs"], _SWEEP["failed"]), file=sys.stderr)
         sys.exit(2)
+
+
+_TASK_ERRORS: list[BaseException] = []  # unexpected errors of runs, re-raised by _main
+
+
+def _is_hydra_error(e: BaseException) -> bool:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return isinstance(e, HydraException | OmegaConfBaseException)
+
+
+# lines of Hydra's messages that say nothing about the mistake
+_HYDRA_NOISE = ("Set the environment variable HYDRA_FULL_ERROR", "Config search path",
+                "provider=", "full_key:", "reference_type=", "object_type=", "See https://")
+
+
+def hydra_error_line(e: BaseException) -> str:
+    """Hydra's (or OmegaConf's) error while composing the config, as one line naming the
+    override and the fix: an unknown option of a config group (with its options), an override
+    Hydra cannot parse, a value of the wrong type (with its key); anything else with its lines
+    joined and Hydra's boilerplate (search path, HYDRA_FULL_ERROR hint) left out."""
+    import re
+
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+    if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file:
+        group, _, option = str(e.missing_cfg_file).rpartition("/")
+        if group:
+            return (f"{group}={option}: no such option of the config group {group}; its "
+                    f"options: {', '.join(e.options)}.")
+    if isinstance(e, OverrideParseException):
+        why = " ".join(str(e.message).splitlines()[0].split())
+        return (f"cannot parse the override {e.override!r}: {why}; quote a value holding "
+                "special characters, e.g. key='a,b' (Hydra's override grammar).")
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    cause = e.__cause__
+    if isinstance(cause, OmegaConfBaseException) and str(cause) not in str(e):
+        lines += [ln.strip() for ln in str(cause).splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith(_HYDRA_NOISE)]
+    m = re.fullmatch(r"Error merging override (.+)", lines[0]) if lines else None
+    if m and len(lines) > 1:  # "Error merging override k=v" + OmegaConf's reason
+        line = f"{m.group(1)}: {lines[1].rstrip('.')}"
+        key = getattr(cause, "full_key", None)
+        if isinstance(cause, ValidationError) and key:
+            line += (f"; give {key} a value of its type (twell-train --help shows each key's "
+                     "value).")
+        return line
+    return " ".join(" ".join(lines).split()) or type(e).__name__
 
 
 def sweep_failures(jobs: list[list[str]], failed: list[tuple[int, str, Path]]) -> str:

@@ -1,11 +1,15 @@
-"""How ``twell-train`` starts as users start it: from the folder that holds the clone (item 8 of
-issue 33). Subprocesses of ``python -m train`` on the tiny test model (one step)."""
+"""How ``twell-train`` and ``twell-eval`` start as users start them (issue 33): from the folder
+that holds the clone (item 8), and with mistakes on the command line that Hydra reports (item
+12: one line, exit code 2; ``accelerate`` is no config group). Subprocesses of ``python -m train``
+(the tiny test model, one step, where a run is needed)."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.train_utils import write_tokens
 
@@ -82,3 +86,70 @@ def test_python_m_train_from_the_clones_parent_writes_its_checkpoint(tmp_path):
     meta = json.loads((run / "checkpoints" / "step1" / "metadata.json").read_text())
     assert meta["twell"] == "0.1.0" and meta["step"] == 1
     assert (run / "summary.json").is_file()
+
+
+# ------------------------------------------------------------------ 12: one line, exit code 2
+
+
+def _train_cli(*args, cwd=ROOT, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    return subprocess.run([sys.executable, "-m", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.mark.parametrize("override, want", [
+    ("trainer.max_steps=abc", ("ConfigError: trainer.max_steps=abc: Value 'abc' of type 'str' "
+                              "could not be converted to Integer; give trainer.max_steps a value "
+                              "of its type")),
+    ("model=tinyy", ("ConfigError: model=tinyy: no such option of the config group model; its "
+                    "options: 0p5b, 1b, 1p5b, 2b, pretrained, small_l12, small_l2, small_l4, "
+                    "small_l8, tiny.")),
+    ("trainer.max_steps=[1", "ConfigError: cannot parse the override 'trainer.max_steps=[1': "),
+    ("accelerate=ddp", ("ConfigError: accelerate=ddp: configs/accelerate/ holds launch configs of "
+                       "`accelerate launch`, not a twell-train config group; launch with "
+                       "`accelerate launch --config_file configs/accelerate/ddp.yaml -m train")),
+    ("+accelerate=fsdp2", ("ConfigError: +accelerate=fsdp2: configs/accelerate/ holds launch "
+                          "configs")),
+])
+def test_hydras_own_errors_are_one_line_with_exit_code_2(tmp_path, override, want):
+    run = tmp_path / "run"
+    r = _train_cli(override, f"hydra.run.dir={run}", timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(want), err
+    assert not run.exists()
+
+
+def test_help_lists_only_usable_config_groups():
+    r = _train_cli("--help", timeout=120)
+    assert r.returncode == 0, r.stderr
+    groups = r.stdout[r.stdout.index("== Config groups"):r.stdout.index("== Keys")]
+    names = [ln.split(":")[0] for ln in groups.splitlines()[1:] if ln.strip()]
+    assert names == ["data", "eval", "experiment", "logging", "model", "optim", "sparsity",
+                     "trainer"]
+    assert "sparsity: dense, l1, l1_reinit, warmup" in groups
+
+
+def test_hydra_error_line_of_an_unexpected_message_drops_the_boilerplate():
+    from hydra.errors import ConfigCompositionException
+
+    from train.main import hydra_error_line
+
+    e = ConfigCompositionException("Could not override 'x'.\nNo match in the defaults list.\n\n"
+                                   "Set the environment variable HYDRA_FULL_ERROR=1 for a "
+                                   "complete stack trace.")
+    assert hydra_error_line(e) == "Could not override 'x'. No match in the defaults list."
+
+
+def test_eval_cli_argument_errors_are_one_line_with_exit_code_2(capsys):
+    from evals.cli import main
+
+    for argv, want in ((["checkpoint=c", "limt=5"], ("twell-eval: unknown key 'limt'; did you "
+                                                    "mean limit? keys: ")),
+                       (["checkpoint"], ("twell-eval: argument 'checkpoint' is not key=value; "
+                                        "usage: twell-eval")),
+                       (["tasks=all"], ("twell-eval: give exactly one of checkpoint=... or "
+                                       "gguf=...; usage: "))):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(want), err
