@@ -36,8 +36,10 @@ from train.report import ERROR_FILE  # a failed run's one-line reason (twell-rep
 register_configs()
 
 
-def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
-    """Train one run from a composed config; returns the summary dict."""
+def run(cfg: DictConfig, run_dir: str | None = None, started=None) -> dict:
+    """Train one run from a composed config; returns the summary dict. ``started()`` is called
+    once the trainer is set up: the run dir is then this run's (locked, and new or holding this
+    run), so the caller may write into it."""
     if os.environ.get("RANK", "0") == "0":  # a first line before the slow imports
         print("twell-train: loading the trainer (transformers, accelerate) ...", flush=True)
     from train.trainer import Trainer
@@ -56,6 +58,8 @@ def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
     check_launch(tcfg.trainer.cpu)  # a multi-process launch the accelerator would not join
     trainer = Trainer(tcfg, run_dir)
     try:
+        if started is not None:
+            started()
         summary = trainer.train()
     except KeyboardInterrupt as e:  # SIGINT / SIGTERM: 130 / 143, the line says how to resume
         raise SystemExit(trainer.interrupted(e)) from None
@@ -92,7 +96,13 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 def _main(cfg: DictConfig) -> float | None:
     """One run (or one job of a ``-m`` sweep). A failure is one line on stderr (a traceback for
     an unexpected error) and in ``<run dir>/error.txt``; a single run then exits 2, a sweep job
-    returns so the next job runs (:func:`cli` lists the failed jobs at the end)."""
+    returns so the next job runs (:func:`cli` lists the failed jobs at the end).
+
+    Nothing is written into the run dir (``.hydra/``, ``error.txt``, the log) until it is this
+    run's: Hydra's own record is off (``hydra.output_subdir: null``) and written here once the
+    trainer holds the dir's lock and found it new or holding this run, or, after a failure, when
+    the dir was empty at the start (:func:`_after_failure`). A process refused by a live run's
+    lock, or by another run's config or checkpoints, leaves that run's folder as it was."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -100,11 +110,12 @@ def _main(cfg: DictConfig) -> float | None:
     sweep = hc.mode == RunMode.MULTIRUN
     run_dir = Path(hc.runtime.output_dir)
     if _is_rank0():
-        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a rerun in the same dir starts clean
+        if run_dir.is_dir() and not any(run_dir.iterdir()):  # made by Hydra now, or left empty
+            _EMPTY_AT_START.add(run_dir.resolve())
         if sweep:
             _SWEEP["jobs"].append(list(hc.overrides.task))
     try:
-        summary = run(cfg, str(run_dir))
+        summary = run(cfg, str(run_dir), started=lambda: _record_start(run_dir, cfg))
     except Exception as e:  # reported below; only a sweep goes on
         expected = isinstance(e, expected_errors())
         line = f"{type(e).__name__}: {' '.join(str(e).split())}"
@@ -114,10 +125,12 @@ def _main(cfg: DictConfig) -> float | None:
             import traceback
 
             traceback.print_exc()
-        _after_failure(run_dir, line, keep=sweep)
+        written = _after_failure(run_dir, line, keep=sweep, cfg=cfg)
         if sweep:
             if _is_rank0():
-                _SWEEP["failed"].append((len(_SWEEP["jobs"]) - 1, line, run_dir / ERROR_FILE))
+                where = written or (f"nothing written into {run_dir}: it holds another run or "
+                                    "is in use")
+                _SWEEP["failed"].append((len(_SWEEP["jobs"]) - 1, line, where))
             return None
         if expected:
             sys.exit(2)
@@ -132,32 +145,77 @@ def _is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _after_failure(run_dir: Path, line: str, *, keep: bool = False) -> None:
+_EMPTY_AT_START: set[Path] = set()  # run dirs that were empty when their job started
+
+
+def _record_start(run_dir: Path, cfg: DictConfig) -> None:
+    """Once the run dir is this run's (rank 0): drop an earlier attempt's ``error.txt`` and
+    write Hydra's record of this invocation."""
+    if _is_rank0():
+        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a rerun in the same dir starts clean
+        write_hydra_record(run_dir, cfg)
+
+
+def write_hydra_record(run_dir: Path, cfg: DictConfig) -> None:
+    """``run_dir/.hydra/``: ``config.yaml`` (the composed config, interpolations kept),
+    ``hydra.yaml`` and ``overrides.yaml`` (the command line's overrides), as Hydra writes them
+    with ``hydra.output_subdir=.hydra`` (configs/train.yaml turns that off so that nothing is
+    written before the run dir is this run's); each file replaced atomically."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from train.checkpoint import write_atomic
+
+    hydra_cfg = HydraConfig.instance().cfg
+    out = run_dir / ".hydra"
+    out.mkdir(exist_ok=True)
+    write_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_atomic(out / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))
+    write_atomic(out / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))
+
+
+def _after_failure(run_dir: Path, line: str, *, keep: bool = False,
+                   cfg: DictConfig | None = None) -> str | None:
     """After a failed run (rank 0 only): a run that failed before it trained leaves no run dir
     behind (only one this invocation made, holding nothing but Hydra's files, the lock and the
     log), nor the empty folders made for it (``runs/<date>/``); a run dir that stays (``keep``:
-    a sweep job's) gets the reason in ``error.txt`` and ``train.log``."""
+    a sweep job's) gets the reason in ``error.txt`` and ``train.log`` and Hydra's record.
+
+    Only a run dir that is this run's is touched: one the trainer claimed
+    (``train.rundir.claim``) or one that was empty when the job started, and only while no
+    other process holds its lock. A process refused by a live run's lock, by another run's
+    config or checkpoints, or by a bad value aimed at another run's folder writes nothing there
+    (its line on stderr is all). Returns the error file written, or None."""
     import time
 
-    from train.rundir import remove_failed_run_dir
+    from train import rundir
+    from train.checkpoint import write_atomic
 
-    if not _is_rank0():
-        return
-    if not keep and remove_failed_run_dir(run_dir):
-        parent = run_dir.resolve().parent
-        while parent in _CREATED and parent.is_dir() and not any(parent.iterdir()):
-            parent.rmdir()
-            parent = parent.parent
-        return
-    if not run_dir.is_dir():
-        return
+    if not _is_rank0() or not run_dir.is_dir():
+        return None
+    if not (rundir.claimed(run_dir) or run_dir.resolve() in _EMPTY_AT_START):
+        return None
+    lock = rundir.try_lock(run_dir)
+    if lock is None:  # another process came in meanwhile: its folder now
+        return None
     try:
-        (run_dir / ERROR_FILE).write_text(line + "\n")
-        if (run_dir / "train.log").is_file():
-            with (run_dir / "train.log").open("a") as f:
-                f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
-    except OSError:  # a full or read-only disk: the line on stderr is all there is
-        pass
+        if not keep and rundir.remove_failed_run_dir(run_dir):
+            parent = run_dir.resolve().parent
+            while parent in _CREATED and parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
+                parent = parent.parent
+            return None
+        try:
+            if cfg is not None:
+                write_hydra_record(run_dir, cfg)
+            write_atomic(run_dir / ERROR_FILE, line + "\n")
+            if (run_dir / "train.log").is_file():
+                with (run_dir / "train.log").open("a") as f:
+                    f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
+        except OSError:  # a full or read-only disk: the line on stderr is all there is
+            return None
+        return str(run_dir / ERROR_FILE)
+    finally:
+        lock.release()
 
 
 try:
@@ -278,10 +336,10 @@ def hydra_error_line(e: BaseException) -> str:
     return " ".join(" ".join(lines).split()) or type(e).__name__
 
 
-def sweep_failures(jobs: list[list[str]], failed: list[tuple[int, str, Path]]) -> str:
+def sweep_failures(jobs: list[list[str]], failed: list[tuple[int, str, str]]) -> str:
     """The closing lines of a sweep with failed jobs: each by its number and the overrides that
     differ between the sweep's jobs (all of them when only one job ran), its reason and the
-    file holding it."""
+    file holding it (or why nothing was written)."""
     varying = [o for o in dict.fromkeys(o for job in jobs for o in job)
                if not all(o in job for job in jobs)] if len(jobs) > 1 else None
     lines = [f"sweep: {len(failed)} of {len(jobs)} jobs failed:"]

@@ -257,6 +257,8 @@ class Trainer:
         self.config_dict = config_to_dict(cfg)
         self._setup_warnings(cfg)
         self._check_resume_config(resume_from)
+        if self.is_main:  # locked and new or this run's: a failure may now write into it
+            rundir.claim(self.run_dir)
 
         set_seed(cfg.trainer.seed)
         vocab_check = self._setup_data(cfg, datamodule)
