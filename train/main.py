@@ -5,7 +5,8 @@
     twell-train -m sparsity.l1_coeff=0,1e-5,2e-5       # sweep: one run directory per value
     accelerate launch -m train experiment=paper_0p5b   # the paper recipe on a GPU node
 
-The run directory is Hydra's run dir (``hydra.run.dir``; default ``runs/<date>/<time>``).
+The run directory is Hydra's run dir (``hydra.run.dir``; default ``runs/<date>/<time>``, where
+the same command started again continues its unfinished run: ``train.requeue``).
 Before Hydra composes the config, :func:`train.config.check_overrides` refuses a key the schema does not
 have (one line with the valid keys and the closest spelling, exit code 2). A failed run prints
 one line and writes it to ``<run dir>/error.txt`` (exit code 2); one that fails before it trains

@@ -43,6 +43,7 @@ from train.loss import fused_ce_enabled, use_distillation, use_fused_cross_entro
 from train.metrics import device_peak_flops, flops_per_token, mfu
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
 from train.norms import lean_norms, lean_norms_enabled
+from train.requeue import override_arg
 from train.sparsity import (
     DeadNeuronTracker,
     collect_stats,
@@ -848,18 +849,18 @@ class Trainer:
                     + (f" (config changed: {'; '.join(changed)})" if changed else ""))
 
     def resume_advice(self) -> str:
-        """How to continue this run after it stopped: the exact ``trainer.resume`` that resumes
+        """How to continue this run after it stopped: the exact ``hydra.run.dir`` (a default,
+        timestamped run dir is another folder each time) and ``trainer.resume`` that resume
         from its newest checkpoint (not the folder it was started from, whose resume would
         drop the metrics logged since)."""
         last, resume = self.last_ckpt, self.cfg.trainer.resume
         if last is None:
             return "no checkpoint was written; re-running the same command starts over"
-        if Path(last).resolve().parent.parent != self.run_dir.resolve():
-            return f"re-run the same command to resume from {last}"
-        if resume == "auto":
-            return f"re-run the same command to resume from {last}"
-        return (f"re-run the same command with trainer.resume=auto (instead of trainer.resume="
-                f"{resume}) to resume from {last}")
+        here = override_arg("hydra.run.dir", self.run_dir)
+        if Path(last).resolve().parent.parent != self.run_dir.resolve() or resume == "auto":
+            return f"re-run the same command with {here} to resume from {last}"
+        return (f"re-run the same command with {here} trainer.resume=auto (instead of "
+                f"trainer.resume={resume}) to resume from {last}")
 
     def _apply_optim_config(self) -> None:
         """Resume with ``trainer.resume_allow_changes=true``: put this config's optim values
@@ -1142,8 +1143,8 @@ class Trainer:
                     f"eval at step {self.step}: {err.args[0].split(';')[0]}: model.seq_len="
                     f"{self.cfg.model.seq_len} is too short for it; set model.seq_len>="
                     f"{err.n_tokens}, eval.tasks without it, or eval=disabled (the same command "
-                    "with eval=disabled resumes from the newest checkpoint and writes "
-                    "summary.json)") from None
+                    f"with eval=disabled {override_arg('hydra.run.dir', self.run_dir)} resumes "
+                    "from the newest checkpoint and writes summary.json)") from None
             model.train()
             result = {"step": self.step, "eval_mean": out["mean"],
                       **{f"eval_{k}": v["primary"] for k, v in out["tasks"].items()}}

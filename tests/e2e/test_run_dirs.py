@@ -1,11 +1,16 @@
 """Whose run dir it is (issue 33): a process refused in another run's folder (a live run's lock,
-another run's config or checkpoints, a bad value) writes nothing there (item 4). Subprocesses of
-``python -m train`` on the tiny test model (one or two steps)."""
+another run's config or checkpoints, a bad value) writes nothing there (item 4); the same
+command started again after SIGTERM finds its timestamped run and the stop line names it (item
+6). Subprocesses of ``python -m train`` on the tiny test model (a few steps), and run folders
+made by hand."""
 
 import hashlib
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +94,153 @@ def test_a_refused_process_writes_nothing_into_another_runs_folder(tokens, tmp_p
     r = _train(tokens, f"hydra.run.dir={jobs[1]}", "optim.lr=-1")  # a bad value, no trainer
     assert r.returncode == 2 and _stderr_lines(r)[-1].startswith("ConfigError: optim.lr must be")
     assert _snapshot(jobs[1]) == before
+
+
+# ------------------------------------------------------------------ 6: a requeued command
+
+
+def _find_run_dir(runs: Path) -> Path | None:
+    found = [m.parent for m in runs.glob("*/*/metrics.jsonl")]
+    return found[0] if len(found) == 1 else None
+
+
+def test_a_requeued_command_continues_its_run_and_the_advice_names_it(tokens, tmp_path):
+    """The default, timestamped run dir: SIGTERM's line names the exact hydra.run.dir, and the
+    same command started again (as a scheduler requeues it) continues that run to its end
+    instead of starting a new one at step 1."""
+    work = tmp_path / "work"
+    work.mkdir()
+    cmd = [sys.executable, "-m", "train", "data=tokens", f"data.paths=[{tokens}]", *SMALL,
+           "trainer.max_steps=6", "trainer.log_every=1"]
+    p = subprocess.Popen(cmd, cwd=work, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 240 and p.poll() is None:
+        run = _find_run_dir(work / "runs")
+        if run is not None and (run / "metrics.jsonl").read_text().count('"kind": "train"') >= 2:
+            p.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.02)
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 143, err[-3000:]
+    run = _find_run_dir(work / "runs")
+    line = next(ln for ln in out.splitlines() if ln.startswith("received SIGTERM at step "))
+    step = int(line.split(" at step ")[1].split(":")[0])
+    assert step < 6 and (f"re-run the same command with hydra.run.dir={run} to resume from "
+                         f"{run / 'checkpoints' / f'step{step}'}") in line
+
+    r = subprocess.run(cmd, cwd=work, env=ENV, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"this config's unfinished run is {run}: continuing it" in r.stdout
+    assert f"resumed from {run / 'checkpoints' / f'step{step}'} at step {step}" in r.stdout
+    assert sorted((work / "runs").glob("*/*")) == [run]  # no new run dir
+    assert json.loads((run / "summary.json").read_text())["step"] == 6
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
+            if json.loads(x)["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
+def _fake_run(d: Path, config: dict, *, step: int | None = 2, finished: bool = False) -> Path:
+    """A run folder as twell-train leaves it: its config record, a checkpoint, a summary."""
+    from omegaconf import OmegaConf
+
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(config))
+    if step is not None:
+        (d / "checkpoints" / f"step{step}").mkdir(parents=True)
+        (d / "checkpoints" / f"step{step}" / "metadata.json").write_text("{}")
+    if finished:
+        (d / "summary.json").write_text("{}")
+    return d
+
+
+def test_the_unfinished_run_of_this_config_is_found_and_nothing_else(tmp_path):
+    from train.requeue import find_unfinished_run, timestamp_root
+
+    assert timestamp_root("runs/${now:%Y-%m-%d}/${now:%H-%M-%S}") == (Path("runs"), 2)
+    assert timestamp_root("/x/out-${now:%s}") == (Path("/x"), 1)
+    assert timestamp_root("runs/fixed") is None
+    assert timestamp_root("runs/${now:%Y}/${oc.env:USER}") is None  # not only timestamps
+    mine = {"model": {"hidden_size": 32, "ffn_impl": "torch"}, "sparsity": {"l1_coeff": 0.5},
+            "eval": {"limit": 200}, "trainer": {"resume": "auto", "max_steps": 6}}
+    other = {**mine, "sparsity": {"l1_coeff": 0.25}}
+    safe = {**mine, "eval": {"limit": 7}, "model": {"hidden_size": 32, "ffn_impl": "twell"}}
+    root = tmp_path / "runs"
+    assert find_unfinished_run(mine, root, 2) is None  # no runs folder yet
+    _fake_run(root / "d1" / "10-00-00", mine, finished=True)  # finished: not again
+    _fake_run(root / "d1" / "10-00-01", other)  # another L1
+    _fake_run(root / "d1" / "10-00-02", mine, step=None)  # nothing to resume
+    (root / "d1" / "10-00-03").symlink_to(_fake_run(tmp_path / "elsewhere", mine))  # a link
+    assert find_unfinished_run(mine, root, 2) is None
+    want = _fake_run(root / "d2" / "11-00-00", safe)  # differs only in resume-safe keys
+    assert find_unfinished_run(mine, root, 2) == want
+    newer = _fake_run(root / "d2" / "12-00-00", mine)
+    os.utime(want / "checkpoints" / "step2" / "metadata.json", (1e9, 1e9))  # checkpointed long ago
+    assert find_unfinished_run(mine, root, 2) == newer
+    lock = RunDirLock(newer)  # in use by a live process: the older one
+    try:
+        assert find_unfinished_run(mine, root, 2) == want
+    finally:
+        lock.release()
+
+
+def test_the_unfinished_sweep_of_this_command_is_found(tmp_path):
+    from omegaconf import OmegaConf
+
+    from train.requeue import find_unfinished_sweep
+
+    mine = {"sparsity": {"l1_coeff": 0.5}, "trainer": {"max_steps": 6}}
+    over = ["sparsity.l1_coeff=0.5,0.25", "trainer.max_steps=6"]
+    root = tmp_path / "runs" / "multirun"
+
+    def sweep(name: str, done: tuple[int, ...], overrides=over) -> Path:
+        d = root / "day" / name
+        d.mkdir(parents=True)
+        (d / "multirun.yaml").write_text(OmegaConf.to_yaml(
+            {**mine, "hydra": {"overrides": {"task": overrides}, "sweep": {"dir": str(d)}}}))
+        for i in done:
+            (d / str(i)).mkdir()
+            (d / str(i) / "summary.json").write_text("{}")
+        return d
+
+    sweep("a", (0, 1))  # every job finished
+    sweep("b", (0,), overrides=["sparsity.l1_coeff=0.5,0.1", "trainer.max_steps=6"])  # another
+    assert find_unfinished_sweep(mine, over, root, 2) is None
+    c = sweep("c", (0,))  # job 1 never ran
+    assert find_unfinished_sweep(mine, over, root, 2) == c
+
+
+def test_a_requeued_sweep_continues_in_its_own_sweep_dir(tokens, tmp_path):
+    """``-m`` with the default, timestamped sweep dir, started again after its job 1 was cut
+    short: the jobs resume in the first sweep's folders (job 0 is not trained again)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    cmd = ["-m", "sparsity.l1_coeff=0.5,0.25"]
+    r = _train(tokens, *cmd, cwd=work)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (sweep,) = (work / "runs" / "multirun").glob("*/*")
+    (sweep / "1" / "summary.json").unlink()  # as if job 1 was stopped before its end
+    r = _train(tokens, *cmd, cwd=work)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"this sweep's unfinished run is {sweep}: continuing its jobs" in r.stdout
+    assert list((work / "runs" / "multirun").glob("*/*")) == [sweep]
+    for job in ("0", "1"):
+        ckpt = sweep / job / "checkpoints" / "step1"
+        assert f"resumed from {ckpt} at step 1" in r.stdout
+    assert "training steps" not in r.stdout  # no step trained again
+    assert (sweep / "1" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("value", ["/runs/2026-12-01/10-00-00", "/a b/c,d", "/it's/x=y",
+                                   "/x/${now:%H}"])
+def test_override_arg_reads_back_as_the_value(value):
+    """The advice's ``hydra.run.dir=...`` survives the shell and Hydra's override parser."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from train.requeue import override_arg
+
+    (arg,) = shlex.split(override_arg("hydra.run.dir", value))
+    (o,) = OverridesParser.create().parse_overrides([arg])
+    assert o.key_or_group == "hydra.run.dir" and o.value() == value
