@@ -31,10 +31,10 @@ def shadowing_folders(name: str) -> list[str] | None:
     if not (ROOT / name / "__init__.py").is_file():
         return None
     module = sys.modules.get(name)
-    if module is not None:
-        if getattr(module, "__file__", None) is not None:
-            return None
+    if module is not None:  # a namespace package: a __path__ of folders, no __file__
         paths = getattr(module, "__path__", None)
+        if getattr(module, "__file__", None) is not None or not paths:
+            return None  # the real package, or a stand-in a test put there
     else:
         try:
             spec = importlib.util.find_spec(name)
@@ -43,7 +43,7 @@ def shadowing_folders(name: str) -> list[str] | None:
         if spec is None or spec.origin not in (None, "namespace"):
             return None
         paths = spec.submodule_search_locations
-    return list(dict.fromkeys(str(p) for p in paths or []))
+    return list(dict.fromkeys(str(p) for p in paths or [])) or None
 
 
 def _load_real(name: str) -> None:

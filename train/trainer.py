@@ -25,7 +25,7 @@ import secrets
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ from train import checkpoint as ckpt_io
 from train import interrupt, memory, parallel, rundir
 from train.config import ConfigError, OptimConfig, TrainConfig
 from train.fusion import compile_norms
-from train.interrupt import StopSignals, TrainingInterrupted
+from train.interrupt import StopRequested, StopSignals, TrainingInterrupted
 from train.loss import fused_ce_enabled, use_distillation, use_fused_cross_entropy
 from train.metrics import device_peak_flops, flops_per_token, mfu
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
@@ -1091,16 +1091,25 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=dev)  # CE over targets, L0 over tokens
         counts = [0, 0, 0]  # targets, FFN tokens, sequences (host ints)
         left = share
-        for ids_BT in self.data.val_batches(-(-share // self.data.micro_batch)):
-            ids_BT = ids_BT[:left].to(dev)  # (B, T); the last batch may be cut to the share
-            left -= ids_BT.shape[0]
-            ce = self.model(input_ids=ids_BT, labels=ids_BT).loss  # mean over B*(T-1) targets
-            _, sp = l1_penalty(collect_stats(self.mlps))
-            n_targets = ids_BT.shape[0] * (ids_BT.shape[1] - 1)
-            sums += torch.stack([ce.double() * n_targets, sp.l0_L.mean().double() * sp.n_tokens])
-            counts = [counts[0] + n_targets, counts[1] + sp.n_tokens, counts[2] + ids_BT.shape[0]]
-            if left <= 0:
-                break
+        try:  # every rank runs the same forwards: they agree on a stop at each one
+            with self._stoppable(collective=True):
+                for ids_BT in self.data.val_batches(-(-share // self.data.micro_batch)):
+                    ids_BT = ids_BT[:left].to(dev)  # (B, T); the last batch may be cut
+                    left -= ids_BT.shape[0]
+                    ce = self.model(input_ids=ids_BT, labels=ids_BT).loss  # mean over B*(T-1)
+                    _, sp = l1_penalty(collect_stats(self.mlps))
+                    n_targets = ids_BT.shape[0] * (ids_BT.shape[1] - 1)
+                    sums += torch.stack([ce.double() * n_targets,
+                                         sp.l0_L.mean().double() * sp.n_tokens])
+                    counts = [counts[0] + n_targets, counts[1] + sp.n_tokens,
+                              counts[2] + ids_BT.shape[0]]
+                    if left <= 0:
+                        break
+        except StopRequested:
+            self.model.train()
+            self._print(f"step {self.step}: validation stopped by {self._stop_name()} (no "
+                        "validation loss for this step)")
+            return {"step": self.step, "val_loss": None, "val_l0": None, "val_sequences": 0}
         tot = torch.cat([sums, torch.tensor(counts, dtype=torch.float64, device=dev)])
         if self.acc.num_processes > 1:
             tot = self.acc.reduce(tot, "sum")
@@ -1134,10 +1143,17 @@ class Trainer:
             model = self.acc.unwrap_model(self.model)
             model.eval()
             self._print(f"step {self.step}: evaluating {tasks} (limit {e.limit})")
-            try:
-                out = evaluate(model, self.data.tokenizer, tasks=tasks, limit=e.limit,
-                               batch_size=e.batch_size, device=self.device,
-                               progress=self.show_bars)
+            try:  # a sharded model's ranks run the same forwards; else only this one runs
+                with self._stoppable(collective=parallel.is_sharded(self.model)):
+                    out = evaluate(model, self.data.tokenizer, tasks=tasks, limit=e.limit,
+                                   batch_size=e.batch_size, device=self.device,
+                                   progress=self.show_bars)
+            except StopRequested:  # SIGTERM / SIGINT: the stop comes after it (_train)
+                model.train()
+                self._print(f"step {self.step}: evaluation stopped by {self._stop_name()} (no "
+                            "eval result for this step)")
+                self.acc.wait_for_everyone()
+                return {}
             except ContinuationTooLong as err:  # a short model.seq_len: one line, no traceback
                 raise ConfigError(
                     f"eval at step {self.step}: {err.args[0].split(';')[0]}: model.seq_len="
@@ -1154,6 +1170,33 @@ class Trainer:
                 f"{k} {100 * v['primary']:.1f}" for k, v in out["tasks"].items()))
         self.acc.wait_for_everyone()
         return result
+
+    @contextmanager
+    def _stoppable(self, collective: bool):
+        """Inside, each forward of the model first checks for a stop signal (SIGTERM / SIGINT
+        while :meth:`train` runs) and raises :class:`StopRequested` once one came, so a long
+        evaluation or validation ends within one forward instead of running on until a launcher
+        or scheduler kills the process with no checkpoint. ``collective``: every rank runs the
+        same forwards, and they agree at each one (a host-side all-reduce) so all stop at the
+        same forward; else only this process's signal counts (the other ranks wait)."""
+        if self.signals is None:
+            yield
+            return
+
+        def check(_module, _args):
+            flag = self.signals.signum if self.signals is not None else 0
+            if self._any_rank(flag) if collective else flag:
+                raise StopRequested
+
+        handle = self.acc.unwrap_model(self.model).register_forward_pre_hook(check)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def _stop_name(self) -> str:
+        signum = self.signals.signum if self.signals is not None else 0
+        return interrupt.signal_name(signum) if signum else "a stop signal on another rank"
 
     def train(self, stop_at_step: int | None = None) -> dict:
         """:meth:`_train` holding the run dir's lock (taken again if an earlier ``train`` call
@@ -1193,6 +1236,7 @@ class Trainer:
         interval = self._new_interval()
         if cfg.eval.at_start and self.step == 0:  # e.g. a relufied checkpoint before training
             self.evaluate()
+            self._stop_if_signalled(bar)
         while self.step < end:
             t0 = time.perf_counter()
             try:
@@ -1229,15 +1273,13 @@ class Trainer:
                 self.evaluate()
             if (t.save_every and self.step % t.save_every == 0) or last:
                 self.save_checkpoint()
-            signum = self._any_rank(self.signals.signum if self.signals else 0)
-            if signum:  # every rank stops after the same step
-                bar.close()
-                self._stop_on_signal(signum)
+            self._stop_if_signalled(bar)  # every rank stops after the same step
         bar.close()
         done = self.last_eval is not None and self.last_eval.get("step") == self.step
         if self.step >= t.max_steps and cfg.eval.at_end and not done and not (
                 cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0):
             self.evaluate()
+            self._stop_if_signalled()  # during the last eval: no summary.json, resume redoes it
         summary = self.summary()
         if self.is_main and self.step >= t.max_steps:
             ckpt_io.write_json(self.run_dir / "summary.json", summary, indent=2)
@@ -1250,10 +1292,19 @@ class Trainer:
         per = seg["time"] / max(seg["steps"], 1)
         return f" | step {self.step}/{self.cfg.trainer.max_steps}, eta {_duration(per * left)}"
 
+    def _stop_if_signalled(self, bar=None) -> None:
+        """Stop (:meth:`_stop_on_signal`) if any rank got SIGTERM / SIGINT; all ranks agree."""
+        signum = self._any_rank(self.signals.signum if self.signals else 0)
+        if signum:
+            if bar is not None:
+                bar.close()
+            self._stop_on_signal(signum)
+
     def _stop_on_signal(self, signum: int) -> None:
-        """After the step that a SIGTERM / SIGINT interrupted: checkpoint it (unless just saved),
-        print and log one line, raise :class:`train.interrupt.TrainingInterrupted`."""
-        if self.saved_step != self.step:
+        """After the step that a SIGTERM / SIGINT interrupted: checkpoint it (unless just saved,
+        or no step was trained), print and log one line, raise
+        :class:`train.interrupt.TrainingInterrupted`."""
+        if self.saved_step != self.step and self.step > 0:
             self.save_checkpoint()
         name = interrupt.signal_name(signum)
         line = (f"received {name} at step {self.step}: checkpoint written to {self.last_ckpt}; "
