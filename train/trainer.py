@@ -191,17 +191,32 @@ def cpu_cost_warning(cfg: TrainConfig) -> str | None:
 def _peak_memory_gb(device: torch.device) -> float:
     """Peak memory in GiB since the last :func:`_reset_peak_memory` (CUDA: bytes allocated by
     tensors, ``torch.cuda.max_memory_allocated``). CPU: the process's peak resident set size
-    since it started (``ru_maxrss``), which cannot be reset, so every interval reports the run's
-    maximum so far."""
+    (Linux's ``VmHWM``, which :func:`_reset_peak_memory` resets); where ``/proc`` cannot tell,
+    the peak since the process started (``ru_maxrss``)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20  # KiB -> GiB
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB (RSS)
 
 
 def _reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory interval (CUDA only; a no-op on CPU, see _peak_memory_gb)."""
+    """Start a new peak-memory interval: CUDA's peak counter; on CPU (Linux) the resident set's
+    high-water mark, set to the current size (``/proc/self/clear_refs``: 5), so a sweep's later
+    job in the same process does not report an earlier job's peak as its own."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # no /proc (or not writable): the process's peak since its start
+        pass
 
 
 class Trainer:
@@ -1225,6 +1240,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         end = min(t.max_steps, stop_at_step or t.max_steps)
         batches = self.memory.batches(iter(self.data.train_batches()))  # kept for a redo
+        _reset_peak_memory(self.device)  # this run's peaks, not an earlier one's in this process
         self.model.train()
         from tqdm.auto import tqdm
 
