@@ -1,5 +1,6 @@
 """Throughput metrics: the MFU formula (hand-computed and counted by torch's FlopCounterMode) and
-the trainer's per-interval peak memory (readers faked, so the interval logic is what is tested)."""
+the trainer's per-interval peak memory (readers faked, so the interval logic is what is tested;
+and the real CPU readers: an earlier peak in the process is not the run's)."""
 
 from pathlib import Path
 
