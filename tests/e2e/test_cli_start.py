@@ -1,6 +1,6 @@
-"""How ``twell-train`` and ``twell-eval`` start as users start them (issue 33): from the folder
-that holds the clone (item 8), and with mistakes on the command line that Hydra reports (item
-12: one line, exit code 2; ``accelerate`` is no config group). Subprocesses of ``python -m train``
+"""How ``twell-train`` and ``twell-eval`` start as users start them: from the folder that holds the
+clone, with mistakes on the command line that Hydra reports (one line, exit code 2; ``accelerate``
+is no config group), and after a set-up that need not run again. Subprocesses of ``python -m train``
 (the tiny test model, one step, where a run is needed)."""
 
 import json
@@ -153,3 +153,45 @@ def test_eval_cli_argument_errors_are_one_line_with_exit_code_2(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(want), err
+
+
+def _fake_checkout(tmp_path: Path) -> tuple[Path, Path]:
+    """A checkout holding this pyproject.toml and scripts/setup.sh, whose .venv's ``python`` is
+    a stand-in that logs its arguments and succeeds (pip installs nothing)."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for f in ("pyproject.toml", "scripts/setup.sh"):
+        (repo / f).write_text((ROOT / f).read_text())
+    log = tmp_path / "python.log"
+    bin_ = repo / ".venv" / "bin"
+    bin_.mkdir(parents=True)
+    fake = bin_ / "python"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {log}\nexit 0\n')
+    fake.chmod(0o755)
+    (bin_ / "activate").write_text(f'export PATH="{bin_}:$PATH"\n')
+    return repo, log
+
+
+def test_setup_skips_a_venv_that_is_already_set_up(tmp_path):
+    """scripts/setup.sh (run by test.sh and quickstart.sh each time) installs once, says what it
+    does, and then leaves a current .venv alone until pyproject.toml changes."""
+    repo, log = _fake_checkout(tmp_path)
+
+    def setup():
+        r = subprocess.run(["bash", "scripts/setup.sh"], cwd=repo, capture_output=True,
+                           text=True, timeout=120, check=False)
+        assert r.returncode == 0, r.stderr
+        calls = log.read_text().splitlines() if log.is_file() else []
+        log.unlink(missing_ok=True)
+        return r.stdout, [c for c in calls if c.startswith("-m pip install")]
+
+    out, pip = setup()
+    assert "setup.sh: installing twell (editable) and its dependencies" in out
+    assert "setup.sh: .venv ready (" in out
+    assert pip[-1] == "-m pip install -q -e .[dev] numpy<2.3"
+    out, pip = setup()
+    assert out.strip() == ("setup.sh: .venv is set up for this checkout (pyproject.toml and "
+                           "setup.sh unchanged); nothing to install") and pip == []
+    (repo / "pyproject.toml").write_text((repo / "pyproject.toml").read_text() + "\n# changed\n")
+    out, pip = setup()
+    assert pip[-1] == "-m pip install -q -e .[dev] numpy<2.3"

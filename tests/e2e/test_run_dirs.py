@@ -1,8 +1,7 @@
-"""Whose run dir it is (issue 33): a process refused in another run's folder (a live run's lock,
-another run's config or checkpoints, a bad value) writes nothing there (item 4); the same
-command started again after SIGTERM finds its timestamped run and the stop line names it (item
-6). Subprocesses of ``python -m train`` on the tiny test model (a few steps), and run folders
-made by hand."""
+"""Whose run dir it is: a process refused in another run's folder (a live run's lock, another run's
+config or checkpoints, a bad value) writes nothing there; the same command started again after
+SIGTERM finds its timestamped run, and the stop line names it. Subprocesses of ``python -m train``
+on the tiny test model (a few steps), and run folders made by hand."""
 
 import hashlib
 import json

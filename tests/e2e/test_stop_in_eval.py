@@ -1,11 +1,11 @@
-"""SIGTERM while the trainer evaluates or validates (issue 33, item 7): the pass ends at its next
-forward, the step is checkpointed and the run stops, instead of the evaluation running on until
-a launcher or scheduler kills the process with no checkpoint.
+"""SIGTERM while the trainer evaluates or validates: the pass ends at its next forward, the step is
+checkpointed and the run stops, instead of the evaluation running on until a launcher or scheduler
+kills the process with no checkpoint.
 
-In-process runs of the tiny test model with ``evals.evaluate`` replaced by a stand-in that calls
-the model once per "item" (as the harness does) and sends the process SIGTERM after its first
-item; and an ``accelerate launch`` of two CPU ranks (gloo) whose rank 0 gets the launcher's
-forwarded SIGTERM in the middle of a slow evaluation.
+In-process runs of the tiny test model with ``evals.evaluate`` replaced by a stand-in that calls the
+model once per "item" (as the harness does) and sends the process SIGTERM after its first item; and
+an ``accelerate launch`` of two CPU ranks (gloo) whose rank 0 gets the launcher's forwarded SIGTERM
+in the middle of a slow evaluation.
 """
 
 import json
