@@ -251,11 +251,15 @@ class Trainer:
         self._log_lines: list[str] = []  # train.log lines waiting for the run dir to be set up
         self._log_ready = False
         made_dir = not Path(run_dir).exists()
+        had_lock_file = (Path(run_dir) / rundir.LOCK_FILE).exists()
         try:
             self._setup(cfg, run_dir, datamodule=datamodule, model=model)
         except BaseException:
-            self._unlock()
             d = Path(run_dir)
+            if not (made_dir or had_lock_file or rundir.claimed(d)) and self._lock is not None:
+                # refused in another run's folder: leave it as found (removed while held)
+                (d / rundir.LOCK_FILE).unlink(missing_ok=True)
+            self._unlock()
             if made_dir and d.is_dir() and {p.name for p in d.iterdir()} <= {rundir.LOCK_FILE}:
                 (d / rundir.LOCK_FILE).unlink(missing_ok=True)
                 d.rmdir()

@@ -243,3 +243,21 @@ def test_override_arg_reads_back_as_the_value(value):
     (arg,) = shlex.split(override_arg("hydra.run.dir", value))
     (o,) = OverridesParser.create().parse_overrides([arg])
     assert o.key_or_group == "hydra.run.dir" and o.value() == value
+
+
+def test_a_refused_trainer_leaves_no_lock_file_behind(tokens, tmp_path):
+    """A folder copied without its .lock, holding another run: the trainer refused there does
+    not leave the lock file it made."""
+    import shutil
+
+    from tests.train_utils import tiny_config, train_run
+    from train.config import ConfigError
+    from train.trainer import Trainer
+
+    train_run(tiny_config(tokens, **{"trainer.max_steps": 1}), tmp_path / "src")
+    run = tmp_path / "run"
+    shutil.copytree(tmp_path / "src", run, ignore=shutil.ignore_patterns(".lock"))
+    before = _snapshot(run)
+    with pytest.raises(ConfigError, match="holds a run with another config"):
+        Trainer(tiny_config(tokens, **{"trainer.max_steps": 1, "sparsity.l1_coeff": 0.5}), run)
+    assert _snapshot(run) == before and not (run / ".lock").exists()
