@@ -38,9 +38,9 @@ register_configs()
 
 
 def run(cfg: DictConfig, run_dir: str | None = None, started=None) -> dict:
-    """Train one run from a composed config; returns the summary dict. ``started()`` is called
-    once the trainer is set up: the run dir is then this run's (locked, and new or holding this
-    run), so the caller may write into it."""
+    """Train one run from a composed config; returns the summary dict. ``started(trainer)`` is
+    called once the trainer is set up: the run dir is then this run's (locked, and new or
+    holding this run), so the caller may write into it."""
     if os.environ.get("RANK", "0") == "0":  # a first line before the slow imports
         print("twell-train: loading the trainer (transformers, accelerate) ...", flush=True)
     from train.trainer import Trainer
@@ -60,7 +60,7 @@ def run(cfg: DictConfig, run_dir: str | None = None, started=None) -> dict:
     trainer = Trainer(tcfg, run_dir)
     try:
         if started is not None:
-            started()
+            started(trainer)
         summary = trainer.train()
     except KeyboardInterrupt as e:  # SIGINT / SIGTERM: 130 / 143, the line says how to resume
         raise SystemExit(trainer.interrupted(e)) from None
@@ -116,7 +116,8 @@ def _main(cfg: DictConfig) -> float | None:
         if sweep:
             _SWEEP["jobs"].append(list(hc.overrides.task))
     try:
-        summary = run(cfg, str(run_dir), started=lambda: _record_start(run_dir, cfg))
+        summary = run(cfg, str(run_dir),
+                      started=lambda trainer: _record_start(trainer, run_dir, cfg, hc, sweep))
     except Exception as e:  # reported below; only a sweep goes on
         expected = isinstance(e, expected_errors())
         line = f"{type(e).__name__}: {' '.join(str(e).split())}"
@@ -149,9 +150,14 @@ def _is_rank0() -> bool:
 _EMPTY_AT_START: set[Path] = set()  # run dirs that were empty when their job started
 
 
-def _record_start(run_dir: Path, cfg: DictConfig) -> None:
+def _record_start(trainer, run_dir: Path, cfg: DictConfig, hc, sweep: bool) -> None:
     """Once the run dir is this run's (rank 0): drop an earlier attempt's ``error.txt`` and
-    write Hydra's record of this invocation."""
+    write Hydra's record of this invocation. A sweep job's stop line names the sweep's folder
+    (the same ``-m`` command with it runs every job on from where it stopped)."""
+    if sweep:
+        from train.requeue import override_arg
+
+        trainer.rerun_arg = override_arg("hydra.sweep.dir", Path(hc.sweep.dir).resolve())
     if _is_rank0():
         (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a rerun in the same dir starts clean
         write_hydra_record(run_dir, cfg)

@@ -875,7 +875,8 @@ class Trainer:
         last, resume = self.last_ckpt, self.cfg.trainer.resume
         if last is None:
             return "no checkpoint was written; re-running the same command starts over"
-        here = override_arg("hydra.run.dir", self.run_dir)
+        # a -m sweep's job: the sweep's folder (twell-train sets rerun_arg), else the run dir
+        here = getattr(self, "rerun_arg", None) or override_arg("hydra.run.dir", self.run_dir)
         if Path(last).resolve().parent.parent != self.run_dir.resolve() or resume == "auto":
             return f"re-run the same command with {here} to resume from {last}"
         return (f"re-run the same command with {here} trainer.resume=auto (instead of "

@@ -210,24 +210,40 @@ def test_the_unfinished_sweep_of_this_command_is_found(tmp_path):
 
 
 def test_a_requeued_sweep_continues_in_its_own_sweep_dir(tokens, tmp_path):
-    """``-m`` with the default, timestamped sweep dir, started again after its job 1 was cut
-    short: the jobs resume in the first sweep's folders (job 0 is not trained again)."""
+    """``-m`` with the default, timestamped sweep dir, stopped by SIGTERM in its job 1: the stop
+    line names the sweep's folder, and the same command started again resumes the jobs there
+    (job 0, finished, is not trained again)."""
     work = tmp_path / "work"
     work.mkdir()
-    cmd = ["-m", "sparsity.l1_coeff=0.5,0.25"]
-    r = _train(tokens, *cmd, cwd=work)
-    assert r.returncode == 0, r.stderr[-3000:]
+    cmd = [sys.executable, "-m", "train", "-m", "data=tokens", f"data.paths=[{tokens}]", *SMALL,
+           "trainer.max_steps=6", "trainer.log_every=1", "sparsity.l1_coeff=0.5,0.25"]
+    p = subprocess.Popen(cmd, cwd=work, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 240 and p.poll() is None:
+        job1 = list((work / "runs" / "multirun").glob("*/*/1/metrics.jsonl"))
+        if job1 and job1[0].read_text().count('"kind": "train"') >= 2:
+            p.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.02)
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 143, err[-3000:]
     (sweep,) = (work / "runs" / "multirun").glob("*/*")
-    (sweep / "1" / "summary.json").unlink()  # as if job 1 was stopped before its end
-    r = _train(tokens, *cmd, cwd=work)
+    line = next(ln for ln in out.splitlines() if ln.startswith("received SIGTERM at step "))
+    step = int(line.split(" at step ")[1].split(":")[0])
+    assert step < 6 and f"re-run the same command with hydra.sweep.dir={sweep} to resume" in line
+    assert (sweep / "0" / "summary.json").is_file() and not (sweep / "1" / "summary.json").exists()
+
+    r = subprocess.run(cmd, cwd=work, env=ENV, capture_output=True, text=True, timeout=300,
+                       check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"this sweep's unfinished run is {sweep}: continuing its jobs" in r.stdout
     assert list((work / "runs" / "multirun").glob("*/*")) == [sweep]
-    for job in ("0", "1"):
-        ckpt = sweep / job / "checkpoints" / "step1"
-        assert f"resumed from {ckpt} at step 1" in r.stdout
-    assert "training steps" not in r.stdout  # no step trained again
-    assert (sweep / "1" / "summary.json").is_file()
+    assert f"resumed from {sweep / '0' / 'checkpoints' / 'step6'} at step 6" in r.stdout
+    assert f"resumed from {sweep / '1' / 'checkpoints' / f'step{step}'} at step {step}" in r.stdout
+    assert f"training steps {step + 1}-6 of 6" in r.stdout  # job 1's rest, nothing of job 0
+    assert r.stdout.count("training steps") == 1
+    assert json.loads((sweep / "1" / "summary.json").read_text())["step"] == 6
 
 
 @pytest.mark.parametrize("value", ["/runs/2026-12-01/10-00-00", "/a b/c,d", "/it's/x=y",
