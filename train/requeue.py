@@ -27,6 +27,7 @@ import fcntl
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf, open_dict, read_write
@@ -145,14 +146,8 @@ def find_unfinished_run(config: dict, root: Path, depth: int) -> Path | None:
 def sweep_jobs(overrides: list[str]) -> int | None:
     """How many jobs Hydra's basic sweeper makes of a ``-m`` command's overrides (None when
     it cannot tell)."""
-    try:
-        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-        return len(BasicSweeper.split_arguments(parsed, None)[0])
-    except Exception:  # noqa: BLE001  (another sweep syntax: count the folders found instead)
-        return None
+    jobs = sweep_job_overrides(overrides)
+    return None if jobs is None else len(jobs)
 
 
 def find_unfinished_sweep(config: dict, overrides: list[str], root: Path,
@@ -176,6 +171,48 @@ def find_unfinished_sweep(config: dict, overrides: list[str], root: Path,
             found.append((max(j.stat().st_mtime for j in [d, *[j for j in jobs if j.exists()]]),
                           str(d)))
     return Path(max(found)[1]) if found else None
+
+
+def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
+    """The overrides of each job Hydra's basic sweeper makes of a ``-m`` command's overrides,
+    without ``hydra.*`` and the resume-safe keys (None when it cannot tell)."""
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    except Exception:  # noqa: BLE001  (another sweep syntax: no check)
+        return None
+
+    def kept(o: str) -> bool:
+        key = o.split("=", 1)[0].lstrip("+~")
+        return not key.startswith("hydra.") and not _matches(key, RESUME_SAFE_KEYS)
+
+    return [[o for o in job if kept(o)] for job in jobs]
+
+
+def other_sweep_in(sweep_dir: Path, config: dict, overrides: list[str]) -> str | None:
+    """Why ``sweep_dir`` holds another sweep than this one (its ``multirun.yaml`` records
+    another config, or a job number of it trains other values than this sweep's job of that
+    number), or None (no record, the same sweep, or this one extends it with more jobs)."""
+    saved = _load(sweep_dir / "multirun.yaml")
+    if saved is None:
+        return None
+    mine, theirs = recipe(config), recipe(saved)
+    if mine != theirs:
+        keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        return "its config differs in " + ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
+    old = sweep_job_overrides(saved.get("hydra", {}).get("overrides", {}).get("task") or [])
+    new = sweep_job_overrides(overrides)
+    if old is None or new is None:
+        return None
+    for i, (a, b) in enumerate(zip(old, new)):
+        if sorted(a) != sorted(b):  # name what differs, not the overrides they share
+            theirs, ours = [o for o in a if o not in b], [o for o in b if o not in a]
+            return (f"its job {i} is {' '.join(theirs) or 'the defaults'}, this sweep's job {i} "
+                    f"{' '.join(ours) or 'the defaults'}")
+    return None
 
 
 def _is_rank0() -> bool:
@@ -203,7 +240,8 @@ except ImportError:  # Hydra is only needed by the CLI
 class RequeueCallback(Callback):
     """Hydra callback (``hydra.callbacks`` in configs/train.yaml, first): before Hydra makes
     the timestamped run dir (``-m``: sweep dir), put this config's unfinished run (sweep) in its
-    place (module docstring)."""
+    place (module docstring). A named sweep dir that holds another sweep (:func:`other_sweep_in`)
+    stops the sweep before anything is written (one line, exit code 2)."""
 
     def on_run_start(self, config, **kwargs) -> None:
         pattern = OmegaConf.to_container(config.hydra.run, resolve=False)["dir"]
@@ -222,7 +260,16 @@ class RequeueCallback(Callback):
     def on_multirun_start(self, config, **kwargs) -> None:
         pattern = OmegaConf.to_container(config.hydra.sweep, resolve=False)["dir"]
         where = timestamp_root(str(pattern))
-        if where is None or str(config.trainer.resume) != "auto":
+        if where is None:  # a named sweep dir: refused up front if it holds another sweep
+            d = Path(str(config.hydra.sweep.dir))
+            why = other_sweep_in(d, _task_config(config), list(config.hydra.overrides.task))
+            if why is not None:
+                print(f"ConfigError: hydra.sweep.dir={d} holds another sweep ({why}); its jobs' "
+                      "folders would be refused one by one and its multirun.yaml overwritten: "
+                      "give this sweep its own hydra.sweep.dir.", file=sys.stderr)
+                sys.exit(2)
+            return
+        if str(config.trainer.resume) != "auto":
             return
         found = find_unfinished_sweep(_task_config(config), list(config.hydra.overrides.task),
                                       *where)

@@ -67,8 +67,18 @@ def test_a_refused_process_writes_nothing_into_another_runs_folder(tokens, tmp_p
         # the record names this job's own override
         assert (job / ".hydra" / "overrides.yaml").read_text().split()[-1] == \
             f"sparsity.l1_coeff={l1}"
-    before = {job: _snapshot(job) for job in jobs}
+    before = _snapshot(sweep)
+    r = _train(tokens, "-m", f"hydra.sweep.dir={sweep}", "sparsity.l1_coeff=0.1,0.2")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert _stderr_lines(r) == [
+        (f"ConfigError: hydra.sweep.dir={sweep} holds another sweep (its job 0 is "
+        "sparsity.l1_coeff=0.5, this sweep's job 0 sparsity.l1_coeff=0.1); its jobs' folders "
+        "would be refused one by one and its multirun.yaml overwritten: give this sweep its own "
+        "hydra.sweep.dir.")]
+    assert _snapshot(sweep) == before  # multirun.yaml included
 
+    (sweep / "multirun.yaml").unlink()  # no record of the sweep: each job is refused on its own
+    before = {job: _snapshot(job) for job in jobs}
     r = _train(tokens, "-m", f"hydra.sweep.dir={sweep}", "sparsity.l1_coeff=0.1,0.2")
     assert r.returncode == 2, r.stderr[-3000:]
     tail = r.stderr[r.stderr.index("sweep: 2 of 2 jobs failed:"):].splitlines()
@@ -181,6 +191,27 @@ def test_the_unfinished_run_of_this_config_is_found_and_nothing_else(tmp_path):
         assert find_unfinished_run(mine, root, 2) == want
     finally:
         lock.release()
+
+
+def test_a_sweep_that_extends_a_sweep_dir_is_let_in_and_another_is_not(tmp_path):
+    from omegaconf import OmegaConf
+
+    from train.requeue import other_sweep_in
+
+    mine = {"sparsity": {"l1_coeff": 0.5}, "trainer": {"max_steps": 6}}
+    d = tmp_path / "sweep"
+    d.mkdir()
+    assert other_sweep_in(d, mine, ["sparsity.l1_coeff=0.5,0.25"]) is None  # no record
+    (d / "multirun.yaml").write_text(OmegaConf.to_yaml(
+        {**mine, "hydra": {"overrides": {"task": ["sparsity.l1_coeff=0.5,0.25"]}}}))
+    for same in (["sparsity.l1_coeff=0.5,0.25"], ["sparsity.l1_coeff=0.5,0.25,0.1"],
+                 ["sparsity.l1_coeff=0.5,0.25", "trainer.progress=false"]):  # again, more, safe
+        assert other_sweep_in(d, mine, same) is None, same
+    assert other_sweep_in(d, mine, ["sparsity.l1_coeff=0.25,0.5"]) == (
+        "its job 0 is sparsity.l1_coeff=0.5, this sweep's job 0 sparsity.l1_coeff=0.25")
+    assert other_sweep_in(d, {**mine, "trainer": {"max_steps": 9}},
+                          ["sparsity.l1_coeff=0.5,0.25"]) == (
+        "its config differs in trainer.max_steps")
 
 
 def test_the_unfinished_sweep_of_this_command_is_found(tmp_path):
