@@ -122,8 +122,13 @@ def _folders(root: Path, depth: int) -> list[Path]:
     """The real folders (no links, at no level) ``depth`` levels under ``root``."""
     level = [root] if root.is_dir() and not root.is_symlink() else []
     for _ in range(depth):
-        level = [c for p in level for c in sorted(p.iterdir())
-                 if c.is_dir() and not c.is_symlink()]
+        nxt = []
+        for p in level:
+            try:
+                nxt += [c for c in sorted(p.iterdir()) if c.is_dir() and not c.is_symlink()]
+            except OSError:  # unreadable: nothing of ours in it
+                continue
+        level = nxt
     return level
 
 
@@ -134,12 +139,15 @@ def find_unfinished_run(config: dict, root: Path, depth: int) -> Path | None:
     mine = recipe(config)
     found = []
     for d in _folders(root, depth):
-        when = _checkpointed(d)
-        if when is None or (d / "summary.json").exists():
+        try:
+            when = _checkpointed(d)
+            if when is None or (d / "summary.json").exists():
+                continue
+            saved = _load(d / ".hydra" / "config.yaml")
+            if saved is not None and recipe(saved) == mine and _free(d):
+                found.append((when, str(d)))
+        except OSError:  # an unreadable folder is no run to continue
             continue
-        saved = _load(d / ".hydra" / "config.yaml")
-        if saved is not None and recipe(saved) == mine and _free(d):
-            found.append((when, str(d)))
     return Path(max(found)[1]) if found else None
 
 
@@ -163,13 +171,17 @@ def find_unfinished_sweep(config: dict, overrides: list[str], root: Path,
             continue
         if saved.get("hydra", {}).get("overrides", {}).get("task") != list(overrides):
             continue
-        jobs = [d / str(i) for i in range(n_jobs)] if n_jobs else \
-            [j for j in d.iterdir() if j.name.isdigit() and j.is_dir()]
-        if all((j / "summary.json").exists() for j in jobs):
+        try:
+            jobs = [d / str(i) for i in range(n_jobs)] if n_jobs else \
+                [j for j in d.iterdir() if j.name.isdigit() and j.is_dir()]
+            if all((j / "summary.json").exists() for j in jobs):
+                continue
+            if all(not j.exists() or (j.is_dir() and not j.is_symlink() and _free(j))
+                   for j in jobs):
+                found.append((max(j.stat().st_mtime for j in [d, *[j for j in jobs
+                                                                     if j.exists()]]), str(d)))
+        except OSError:  # an unreadable folder is no sweep to continue
             continue
-        if all(not j.exists() or (j.is_dir() and not j.is_symlink() and _free(j)) for j in jobs):
-            found.append((max(j.stat().st_mtime for j in [d, *[j for j in jobs if j.exists()]]),
-                          str(d)))
     return Path(max(found)[1]) if found else None
 
 
