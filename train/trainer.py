@@ -1208,7 +1208,8 @@ class Trainer:
             if self._any_rank(flag) if collective else flag:
                 raise StopRequested
 
-        handle = self.acc.unwrap_model(self.model).register_forward_pre_hook(check)
+        # prepended: the check runs before FSDP's own pre-forward (its all-gather) starts
+        handle = self.acc.unwrap_model(self.model).register_forward_pre_hook(check, prepend=True)
         try:
             yield
         finally:

@@ -4,8 +4,8 @@ kills the process with no checkpoint.
 
 In-process runs of the tiny test model with ``evals.evaluate`` replaced by a stand-in that calls the
 model once per "item" (as the harness does) and sends the process SIGTERM after its first item; and
-an ``accelerate launch`` of two CPU ranks (gloo) whose rank 0 gets the launcher's forwarded SIGTERM
-in the middle of a slow evaluation.
+an ``accelerate launch`` of two CPU ranks (gloo) that get the launcher's forwarded SIGTERM in the
+middle of a slow evaluation (rank 0's) or validation (both ranks').
 """
 
 import json
@@ -148,7 +148,7 @@ import os, time
 import torch
 
 def evaluate(model, tokenizer, tasks="all", limit=None, batch_size=16, device=None, **kw):
-    open(os.environ["EVAL_MARK"], "w").write("started")
+    open(os.environ["PASS_MARK"], "w").write("started")
     ids = torch.randint(1, 64, (2, 16))
     for _ in range(600):  # 60 s of evaluation: longer than the launcher's 30 s
         with torch.no_grad():
@@ -164,6 +164,14 @@ build = train.data.build_datamodule
 def with_tokenizer(*a, **k):  # the token files get a stand-in tokenizer: evals may run
     dm = build(*a, **k)
     dm.tokenizer = _StubTokenizer()
+    val_batches = dm.val_batches
+    def slow_val_batches(n):  # every rank: 0.25 s per micro-batch, as on a big model
+        first = next(iter(val_batches(1)))
+        open(os.environ["PASS_MARK"], "w").write("started")
+        for _ in range(n):
+            time.sleep(0.25)
+            yield first
+    dm.val_batches = slow_val_batches
     return dm
 train.data.build_datamodule = with_tokenizer
 from train.main import cli
@@ -178,17 +186,21 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_sigterm_under_accelerate_launch_in_an_evaluation_checkpoints_in_time(tokens,
-                                                                            tmp_path):
-    """Two ranks (DDP on gloo); rank 0 evaluates at step 2 (60 s of forwards), rank 1 waits:
-    SIGTERM to the launcher, which forwards it, ends the run with the step-2 checkpoint well
-    before the launcher's 30 s kill."""
+@pytest.mark.parametrize("phase", ["evaluation", "validation"])
+def test_sigterm_under_accelerate_launch_in_an_eval_pass_checkpoints_in_time(tokens, tmp_path,
+                                                                           phase):
+    """Two ranks (DDP on gloo) at step 2: rank 0 evaluates (60 s of forwards) while rank 1
+    waits, or both validate (37 s of micro-batches each). SIGTERM to the launcher, which
+    forwards it, ends the run with the step-2 checkpoint well before the launcher's 30 s kill."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    mark = tmp_path / "eval_started"
+    mark = tmp_path / "pass_started"
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "WANDB_MODE": "disabled", "EVAL_MARK": str(mark)}
+           "WANDB_MODE": "disabled", "PASS_MARK": str(mark)}
+    over = (["eval.every_steps=2", "trainer.val_every=0", "trainer.val_sequences=4"]
+            if phase == "evaluation" else
+            ["eval=disabled", "trainer.val_every=2", "trainer.val_sequences=1200"])
     env.pop("TRITON_INTERPRET", None)
     accelerate = Path(sys.executable).parent / "accelerate"
     cmd = [str(accelerate), "launch", "--config_file", str(ROOT / "configs/accelerate/ddp.yaml"),
@@ -197,9 +209,8 @@ def test_sigterm_under_accelerate_launch_in_an_evaluation_checkpoints_in_time(to
            "model.hidden_size=32", "model.intermediate_size=64", "model.num_heads=2",
            "model.num_layers=2", "model.seq_len=32", "trainer.global_batch=8",
            "trainer.micro_batch=4", "trainer.cpu=true", "trainer.num_threads=1",
-           "trainer.val_every=0", "trainer.val_sequences=4", "trainer.max_steps=6",
-           "trainer.log_every=1", "eval.every_steps=2", "logging.wandb_mode=disabled",
-           "trainer.progress=false", f"hydra.run.dir={run}"]
+           "trainer.max_steps=6", "trainer.log_every=1", "logging.wandb_mode=disabled",
+           "trainer.progress=false", f"hydra.run.dir={run}", *over]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -216,7 +227,7 @@ def test_sigterm_under_accelerate_launch_in_an_evaluation_checkpoints_in_time(to
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
     assert took < 25, f"{took:.0f} s:\n{out[-3000:]}"
-    assert "step 2: evaluation stopped by SIGTERM" in out, out[-3000:]
+    assert f"step 2: {phase} stopped by SIGTERM" in out, out[-3000:]
     assert f"received SIGTERM at step 2: checkpoint written to {run / 'checkpoints' / 'step2'}" \
         in out, out[-3000:]
     assert ckpt_io.verify(run / "checkpoints" / "step2") == []
