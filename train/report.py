@@ -225,9 +225,12 @@ def incomplete_reason(d: Path, last: int, max_steps) -> str:
 
 def _run_dir_arg(d: Path) -> str:
     """``hydra.run.dir=<d>`` as one shell argument (the folder of a timestamped run is not
-    what the same command alone would pick)."""
+    what the same command alone would pick); a ``-m`` sweep's job: ``hydra.sweep.dir=<its
+    sweep's folder>`` (the same sweep command with it resumes every job there)."""
     from train.requeue import override_arg  # (train.rundir imports torch: not at import time)
 
+    if d.name.isdigit() and (d.parent / "multirun.yaml").is_file():
+        return override_arg("hydra.sweep.dir", d.parent.resolve())
     return override_arg("hydra.run.dir", d)
 
 

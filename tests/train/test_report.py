@@ -298,6 +298,11 @@ def test_failed_runs_get_the_hint_their_cause_calls_for(runs, tmp_path):
                              "shard x.bin is corrupted. Fix that and run it again, or leave it "
                              "out (--skip-incomplete)")
     assert f"rerun the same command with hydra.run.dir={killed} to resume it" in why["killed"]
+    job = tmp_path / "sweep" / "3"  # a -m sweep's job: the sweep's folder resumes it
+    shutil.copytree(killed, job)
+    (job.parent / "multirun.yaml").write_text("{}")
+    assert (f"rerun the same command with hydra.sweep.dir={job.parent} to resume it"
+            in str(pytest.raises(IncompleteRunError, load_run, job).value))
 
 
 def test_damaged_summary_or_config_is_named(runs, tmp_path, capsys):
