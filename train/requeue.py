@@ -16,7 +16,7 @@ The most recently checkpointed one becomes the run dir, and one line says so; wi
 new timestamped folder is used as before. ``-m`` sweeps likewise: the newest sweep dir under
 the sweep pattern (``runs/multirun/*/*``) whose ``multirun.yaml`` holds this config and these
 overrides and whose jobs have not all finished is used again, so every job resumes in its own
-folder (finished jobs are not trained again). ``trainer.resume=never`` or an explicit
+folder (finished jobs are not trained again). ``trainer.resume=never`` or a new
 ``hydra.run.dir`` / ``hydra.sweep.dir`` starts a new run. :func:`override_arg` writes the exact
 ``hydra.run.dir=...`` of the resume advice.
 """
