@@ -1329,8 +1329,9 @@ class Trainer:
         if self.saved_step != self.step and self.step > 0:
             self.save_checkpoint()
         name = interrupt.signal_name(signum)
-        line = (f"received {name} at step {self.step}: checkpoint written to {self.last_ckpt}; "
-                f"{self.resume_advice()} (exit code {interrupt.exit_code(signum)})")
+        saved = f"checkpoint written to {self.last_ckpt}; " if self.last_ckpt else ""
+        line = (f"received {name} at step {self.step}: {saved}{self.resume_advice()} (exit code "
+                f"{interrupt.exit_code(signum)})")
         self._print(line)
         raise TrainingInterrupted(signum, line, reported=True)
 

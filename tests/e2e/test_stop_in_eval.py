@@ -115,6 +115,21 @@ def test_sigterm_in_the_final_evaluation_leaves_no_summary_and_the_resume_redoes
     assert json.loads((run / "summary.json").read_text())["eval"]["eval_mean"] == 0.5
 
 
+def test_sigterm_in_the_evaluation_before_training_stops_without_a_checkpoint(
+        tokens, tmp_path, slow_evals):
+    run = tmp_path / "run"
+    t = _trainer(tokens, run, **{"trainer.max_steps": 3, "eval.at_start": True})
+    try:
+        with pytest.raises(TrainingInterrupted) as err:
+            t.train()
+    finally:
+        t.close()
+    assert len(slow_evals) == 1 and not (run / "checkpoints").exists()
+    assert str(err.value) == ("received SIGTERM at step 0: no checkpoint was written; re-running "
+                              "the same command starts over (exit code 143)")
+    assert read_metrics(run) == []  # not a step trained
+
+
 def test_sigterm_in_validation_stops_it_and_checkpoints(tokens, tmp_path, monkeypatch):
     run = tmp_path / "run"
     t = _trainer(tokens, run, **{"trainer.max_steps": 8, "trainer.val_every": 2,
