@@ -198,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return 0
     try:
-        return _run(parse_args(argv))
+        args = parse_args(argv)
+    except SystemExit as e:  # a bad argument: one line and exit code 2, as every other error
+        print("; ".join(str(e.code).splitlines()), file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
     except (FileNotFoundError, ValueError, OSError) as e:  # bad path, task or checkpoint
         # one line whatever the message holds (a library's multi-line error, a path with a
         # newline), as twell-train prints its errors

@@ -587,6 +587,27 @@ def unknown_key_message(group: str | None, key: str, known) -> str:
     return f"unknown key {full}; valid keys of {group}: {', '.join(sorted(known))}{hint}"
 
 
+# folders of configs/ that are not config groups of twell-train: accelerate's launch configs
+# (``accelerate launch --config_file configs/accelerate/ddp.yaml -m train ...``)
+NOT_GROUPS = ("accelerate",)
+
+
+def config_groups() -> dict[str, list[str]]:
+    """The config groups of ``twell-train`` (folders of ``configs/`` but :data:`NOT_GROUPS`)
+    and their options (the YAML files in them), sorted."""
+    return {d.name: sorted(f.stem for f in d.glob("*.yaml"))
+            for d in sorted(CONFIG_DIR.iterdir()) if d.is_dir() and d.name not in NOT_GROUPS}
+
+
+def not_a_group_message(override: str) -> str:
+    """One line for an override of a :data:`NOT_GROUPS` folder (``accelerate=ddp``): how the
+    launch config is used instead."""
+    option = override.partition("=")[2] or "ddp"
+    return (f"{override}: configs/accelerate/ holds launch configs of `accelerate launch`, not a "
+            f"twell-train config group; launch with `accelerate launch --config_file "
+            f"configs/accelerate/{option}.yaml -m train ...` and leave it out of the overrides.")
+
+
 def check_overrides(args: list[str]) -> None:
     """Refuse command-line overrides of keys the schema does not have, before Hydra does.
 
@@ -596,7 +617,8 @@ def check_overrides(args: list[str]) -> None:
     (``model=tiny``), ``hydra.*``, deletions, ``@package`` overrides, flags and syntax errors.
 
     Raises:
-        ConfigError: unknown key (one line: the valid keys of its group, the closest spelling).
+        ConfigError: unknown key (one line: the valid keys of its group, the closest spelling);
+            an override of ``accelerate`` (launch configs, :data:`NOT_GROUPS`: how to launch).
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
@@ -607,18 +629,20 @@ def check_overrides(args: list[str]) -> None:
     except OverrideParseException:
         return  # Hydra reports the syntax error itself
     schemas = _schemas()
-    groups = {p.name for p in CONFIG_DIR.iterdir() if p.is_dir()}
+    groups = config_groups()
     for o in overrides:
         key = o.key_or_group
+        if key.split(".")[0].split("/")[0] in NOT_GROUPS:
+            raise ConfigError(not_a_group_message(o.input_line or key))
         if o.is_delete() or o.package is not None or key.split(".")[0].split("/")[0] == "hydra":
             continue
         head, _, rest = key.partition(".")
         if not rest:
             if head not in groups and head not in schemas:
-                raise ConfigError(unknown_key_message(None, head, set(schemas) | groups))
+                raise ConfigError(unknown_key_message(None, head, set(schemas) | set(groups)))
             continue
         if head not in schemas:
-            raise ConfigError(unknown_key_message(None, head, set(schemas) | groups))
+            raise ConfigError(unknown_key_message(None, head, set(schemas) | set(groups)))
         known = {f.name for f in dataclasses.fields(schemas[head])}
         if rest.split(".")[0] not in known:
             raise ConfigError(unknown_key_message(head, rest.split(".")[0], known))
@@ -713,7 +737,9 @@ def help_template() -> str:
         "  accelerate launch -m train experiment=paper_0p5b        the paper recipe on GPUs",
         "",
         "== Config groups (group=option; defaults in configs/train.yaml) ==",
-        "$APP_CONFIG_GROUPS",
+        # not Hydra's $APP_CONFIG_GROUPS: it would list configs/accelerate (NOT_GROUPS)
+        *(f"{group}: {', '.join(options)}" for group, options in config_groups().items()),
+        "",
         "== Keys (group.key=value; value as composed with your overrides; train/config.py) ==",
     ]
     for group in dataclasses.fields(TrainConfig):

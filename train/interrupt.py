@@ -3,7 +3,9 @@
 SLURM, Kubernetes, ``docker stop`` and ``timeout`` send SIGTERM before SIGKILL; Ctrl-C sends
 SIGINT. While :meth:`train.trainer.Trainer.train` runs, the first of either only sets a flag
 (:class:`StopSignals`); the trainer finishes the optimizer step it is in, writes a checkpoint,
-prints and logs one line and raises :class:`TrainingInterrupted`, and ``twell-train`` exits with
+prints and logs one line and raises :class:`TrainingInterrupted` (an evaluation or validation
+running when the signal comes ends at its next forward: :class:`StopRequested`), and
+``twell-train`` exits with
 the shell's code for the signal (:func:`exit_code`: 128 + the signal number, 143 for SIGTERM,
 130 for SIGINT). A second signal stops at once (no checkpoint). Under a launcher (torchrun,
 ``accelerate launch``) each worker gets the signal twice, from the terminal or scheduler and
@@ -59,6 +61,12 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.reported = reported
         self.first = first
         self.exit_code = exit_code(signum)
+
+
+class StopRequested(BaseException):
+    """Raised from a forward hook inside an evaluation or validation once a stop signal came
+    (``Trainer._stoppable``): the pass ends at its next forward and the trainer checkpoints and
+    stops. A BaseException, so no ``except Exception`` in the evaluation code swallows it."""
 
 
 class StopSignals:

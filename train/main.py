@@ -5,11 +5,14 @@
     twell-train -m sparsity.l1_coeff=0,1e-5,2e-5       # sweep: one run directory per value
     accelerate launch -m train experiment=paper_0p5b   # the paper recipe on a GPU node
 
-The run directory is Hydra's run dir (``hydra.run.dir``; default ``runs/<date>/<time>``).
+The run directory is Hydra's run dir (``hydra.run.dir``; default ``runs/<date>/<time>``, where
+the same command started again continues its unfinished run: ``train.requeue``).
 Before Hydra composes the config, :func:`train.config.check_overrides` refuses a key the schema does not
-have (one line with the valid keys and the closest spelling, exit code 2). A failed run prints
-one line and writes it to ``<run dir>/error.txt`` (exit code 2); one that fails before it trains
-removes the run dir and the folders made for it (``train.rundir``). In a ``-m`` sweep a failed
+have (one line with the valid keys and the closest spelling, exit code 2); Hydra's own errors
+are one line with exit code 2 too. A failed run prints one line and writes it to
+``<run dir>/error.txt`` (exit code 2) when the run dir is its own (a process refused in another
+run's folder writes nothing there); one that fails before it trains removes the run dir and the
+folders made for it (``train.rundir``). In a ``-m`` sweep a failed
 job keeps its run dir with ``error.txt``, the other jobs run, and the sweep ends with the list of
 failed jobs (exit code 2).
 """
@@ -36,8 +39,10 @@ from train.report import ERROR_FILE  # a failed run's one-line reason (twell-rep
 register_configs()
 
 
-def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
-    """Train one run from a composed config; returns the summary dict."""
+def run(cfg: DictConfig, run_dir: str | None = None, started=None) -> dict:
+    """Train one run from a composed config; returns the summary dict. ``started(trainer)`` is
+    called once the trainer is set up: the run dir is then this run's (locked, and new or
+    holding this run), so the caller may write into it."""
     if os.environ.get("RANK", "0") == "0":  # a first line before the slow imports
         print("twell-train: loading the trainer (transformers, accelerate) ...", flush=True)
     from train.trainer import Trainer
@@ -56,6 +61,8 @@ def run(cfg: DictConfig, run_dir: str | None = None) -> dict:
     check_launch(tcfg.trainer.cpu)  # a multi-process launch the accelerator would not join
     trainer = Trainer(tcfg, run_dir)
     try:
+        if started is not None:
+            started(trainer)
         summary = trainer.train()
     except KeyboardInterrupt as e:  # SIGINT / SIGTERM: 130 / 143, the line says how to resume
         raise SystemExit(trainer.interrupted(e)) from None
@@ -92,7 +99,13 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 def _main(cfg: DictConfig) -> float | None:
     """One run (or one job of a ``-m`` sweep). A failure is one line on stderr (a traceback for
     an unexpected error) and in ``<run dir>/error.txt``; a single run then exits 2, a sweep job
-    returns so the next job runs (:func:`cli` lists the failed jobs at the end)."""
+    returns so the next job runs (:func:`cli` lists the failed jobs at the end).
+
+    Nothing is written into the run dir (``.hydra/``, ``error.txt``, the log) until it is this
+    run's: Hydra's own record is off (``hydra.output_subdir: null``) and written here once the
+    trainer holds the dir's lock and found it new or holding this run, or, after a failure, when
+    the dir was empty at the start (:func:`_after_failure`). A process refused by a live run's
+    lock, or by another run's config or checkpoints, leaves that run's folder as it was."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -100,11 +113,13 @@ def _main(cfg: DictConfig) -> float | None:
     sweep = hc.mode == RunMode.MULTIRUN
     run_dir = Path(hc.runtime.output_dir)
     if _is_rank0():
-        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a rerun in the same dir starts clean
+        if run_dir.is_dir() and not any(run_dir.iterdir()):  # made by Hydra now, or left empty
+            _EMPTY_AT_START.add(run_dir.resolve())
         if sweep:
             _SWEEP["jobs"].append(list(hc.overrides.task))
     try:
-        summary = run(cfg, str(run_dir))
+        summary = run(cfg, str(run_dir),
+                      started=lambda trainer: _record_start(trainer, run_dir, cfg, hc, sweep))
     except Exception as e:  # reported below; only a sweep goes on
         expected = isinstance(e, expected_errors())
         line = f"{type(e).__name__}: {' '.join(str(e).split())}"
@@ -114,13 +129,16 @@ def _main(cfg: DictConfig) -> float | None:
             import traceback
 
             traceback.print_exc()
-        _after_failure(run_dir, line, keep=sweep)
+        written = _after_failure(run_dir, line, keep=sweep, cfg=cfg)
         if sweep:
             if _is_rank0():
-                _SWEEP["failed"].append((len(_SWEEP["jobs"]) - 1, line, run_dir / ERROR_FILE))
+                where = written or (f"nothing written into {run_dir}: it holds another run or "
+                                    "is in use")
+                _SWEEP["failed"].append((len(_SWEEP["jobs"]) - 1, line, where))
             return None
         if expected:
             sys.exit(2)
+        _TASK_ERRORS.append(e)  # cli() leaves its traceback alone, even for an OmegaConf error
         raise
     return summary.get("val_loss")  # what a Hydra sweeper would minimise
 
@@ -131,35 +149,83 @@ def _is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _after_failure(run_dir: Path, line: str, *, keep: bool = False) -> None:
+_EMPTY_AT_START: set[Path] = set()  # run dirs that were empty when their job started
+
+
+def _record_start(trainer, run_dir: Path, cfg: DictConfig, hc, sweep: bool) -> None:
+    """Once the run dir is this run's (rank 0): drop an earlier attempt's ``error.txt`` and
+    write Hydra's record of this invocation. A sweep job's stop line names the sweep's folder
+    (the same ``-m`` command with it runs every job on from where it stopped)."""
+    if sweep:
+        from train.requeue import override_arg
+
+        trainer.rerun_arg = override_arg("hydra.sweep.dir", Path(hc.sweep.dir).resolve())
+    if _is_rank0():
+        (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a rerun in the same dir starts clean
+        write_hydra_record(run_dir, cfg)
+
+
+def write_hydra_record(run_dir: Path, cfg: DictConfig) -> None:
+    """``run_dir/.hydra/``: ``config.yaml`` (the composed config, interpolations kept),
+    ``hydra.yaml`` and ``overrides.yaml`` (the command line's overrides), as Hydra writes them
+    with ``hydra.output_subdir=.hydra`` (configs/train.yaml turns that off so that nothing is
+    written before the run dir is this run's); each file replaced atomically."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from train.checkpoint import write_atomic
+
+    hydra_cfg = HydraConfig.instance().cfg
+    out = run_dir / ".hydra"
+    out.mkdir(exist_ok=True)
+    write_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg))
+    write_atomic(out / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))
+    write_atomic(out / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))
+
+
+def _after_failure(run_dir: Path, line: str, *, keep: bool = False,
+                   cfg: DictConfig | None = None) -> str | None:
     """After a failed run (rank 0 only): a run that failed before it trained leaves no run dir
     behind (only one this invocation made, holding nothing but Hydra's files, the lock and the
     log), nor the empty folders made for it (``runs/<date>/``); a run dir that stays (``keep``:
-    a sweep job's) gets the reason in ``error.txt`` and ``train.log``."""
+    a sweep job's) gets the reason in ``error.txt`` and ``train.log`` and Hydra's record.
+
+    Only a run dir that is this run's is touched: one the trainer claimed
+    (``train.rundir.claim``) or one that was empty when the job started, and only while no
+    other process holds its lock. A process refused by a live run's lock, by another run's
+    config or checkpoints, or by a bad value aimed at another run's folder writes nothing there
+    (its line on stderr is all). Returns the error file written, or None."""
     import time
 
-    from train.rundir import remove_failed_run_dir
-
-    if not _is_rank0():
-        return
-    if not keep and remove_failed_run_dir(run_dir):
-        parent = run_dir.resolve().parent
-        while parent in _CREATED and parent.is_dir() and not any(parent.iterdir()):
-            parent.rmdir()
-            parent = parent.parent
-        return
-    if not run_dir.is_dir():
-        return
+    from train import rundir
     from train.checkpoint import open_run_file, write_atomic
 
-    try:  # neither file is written through a symbolic link (a refused run touches nothing)
-        write_atomic(run_dir / ERROR_FILE, line + "\n")
-        log = run_dir / "train.log"
-        if log.is_file() and not log.is_symlink():
-            with open_run_file(log) as f:
-                f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
-    except (OSError, ValueError):  # a full or read-only disk, a link: the stderr line is all
-        pass
+    if not _is_rank0() or not run_dir.is_dir():
+        return None
+    if not (rundir.claimed(run_dir) or run_dir.resolve() in _EMPTY_AT_START):
+        return None
+    lock = rundir.try_lock(run_dir)
+    if lock is None:  # another process came in meanwhile: its folder now
+        return None
+    try:
+        if not keep and rundir.remove_failed_run_dir(run_dir):
+            parent = run_dir.resolve().parent
+            while parent in _CREATED and parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
+                parent = parent.parent
+            return None
+        try:  # nothing is written through a symbolic link (a refused run touches nothing)
+            if cfg is not None:
+                write_hydra_record(run_dir, cfg)
+            write_atomic(run_dir / ERROR_FILE, line + "\n")
+            log = run_dir / "train.log"
+            if log.is_file() and not log.is_symlink():
+                with open_run_file(log) as f:
+                    f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {line}\n")
+        except (OSError, ValueError):  # a full or read-only disk, a link: the stderr line is all
+            return None
+        return str(run_dir / ERROR_FILE)
+    finally:
+        lock.release()
 
 
 try:
@@ -203,22 +269,87 @@ def cli() -> None:
     """Console entry point ``twell-train`` (Hydra parses sys.argv). A ``-m`` sweep in which a job
     failed ends with the list of failed jobs and exit code 2 (with Hydra's basic launcher, the
     default, which runs the jobs in this process; under another launcher the reasons are in the
-    jobs' ``error.txt`` only)."""
+    jobs' ``error.txt`` only). Hydra's own errors (a value of the wrong type, an unknown group
+    option, an override it cannot parse) are one ``ConfigError`` line with exit code 2 like
+    twell's (:func:`hydra_error_line`; ``HYDRA_FULL_ERROR=1`` keeps Hydra's traceback)."""
     try:
         check_overrides(sys.argv[1:])
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
         sys.exit(2)
-    _main()
+    full = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors to us instead of printing them
+    try:
+        _main()
+    except Exception as e:
+        if full == "1" or any(e is t for t in _TASK_ERRORS) or not _is_hydra_error(e):
+            raise  # a bug in the run keeps its traceback
+        print(f"ConfigError: {hydra_error_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if full is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = full
     if _SWEEP["failed"]:
         print(sweep_failures(_SWEEP["jobs"], _SWEEP["failed"]), file=sys.stderr)
         sys.exit(2)
 
 
-def sweep_failures(jobs: list[list[str]], failed: list[tuple[int, str, Path]]) -> str:
+_TASK_ERRORS: list[BaseException] = []  # unexpected errors of runs, re-raised by _main
+
+
+def _is_hydra_error(e: BaseException) -> bool:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return isinstance(e, HydraException | OmegaConfBaseException)
+
+
+# lines of Hydra's messages that say nothing about the mistake
+_HYDRA_NOISE = ("Set the environment variable HYDRA_FULL_ERROR", "Config search path",
+                "provider=", "full_key:", "reference_type=", "object_type=", "See https://")
+
+
+def hydra_error_line(e: BaseException) -> str:
+    """Hydra's (or OmegaConf's) error while composing the config, as one line naming the
+    override and the fix: an unknown option of a config group (with its options), an override
+    Hydra cannot parse, a value of the wrong type (with its key); anything else with its lines
+    joined and Hydra's boilerplate (search path, HYDRA_FULL_ERROR hint) left out."""
+    import re
+
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+    if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file:
+        group, _, option = str(e.missing_cfg_file).rpartition("/")
+        if group:
+            return (f"{group}={option}: no such option of the config group {group}; its "
+                    f"options: {', '.join(e.options)}.")
+    if isinstance(e, OverrideParseException):
+        why = " ".join(str(e.message).splitlines()[0].split())
+        return (f"cannot parse the override {e.override!r}: {why}; quote a value holding "
+                "special characters, e.g. key='a,b' (Hydra's override grammar).")
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    cause = e.__cause__
+    if isinstance(cause, OmegaConfBaseException) and str(cause) not in str(e):
+        lines += [ln.strip() for ln in str(cause).splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith(_HYDRA_NOISE)]
+    m = re.fullmatch(r"Error merging override (.+)", lines[0]) if lines else None
+    if m and len(lines) > 1:  # "Error merging override k=v" + OmegaConf's reason
+        line = f"{m.group(1)}: {lines[1].rstrip('.')}"
+        key = getattr(cause, "full_key", None)
+        if isinstance(cause, ValidationError) and key:
+            line += (f"; give {key} a value of its type (twell-train --help shows each key's "
+                     "value).")
+        return line
+    return " ".join(" ".join(lines).split()) or type(e).__name__
+
+
+def sweep_failures(jobs: list[list[str]], failed: list[tuple[int, str, str]]) -> str:
     """The closing lines of a sweep with failed jobs: each by its number and the overrides that
     differ between the sweep's jobs (all of them when only one job ran), its reason and the
-    file holding it."""
+    file holding it (or why nothing was written)."""
     varying = [o for o in dict.fromkeys(o for job in jobs for o in job)
                if not all(o in job for job in jobs)] if len(jobs) > 1 else None
     lines = [f"sweep: {len(failed)} of {len(jobs)} jobs failed:"]

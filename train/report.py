@@ -20,14 +20,15 @@ table (arXiv 2603.23198, "Results": non-zeros per token fall with model size at 
 - FFN pairs: runs that differ only in ``model.ffn_impl`` (``twell`` vs ``torch``, same seed):
   max |loss difference| over the logged steps, relative final L0 difference, dead-unit difference;
 - plots (runs labelled by what differs; a plot without data is left out and said so): L0 vs
-  model size per L1 (two sizes or more), mean accuracy and validation loss vs L1 per size (two
+  L1 per size (two L1 values or more), L0 vs model size per L1 (two sizes or more), mean
+  accuracy (over the tasks the runs were scored on) and validation loss vs L1 per size (two
   L1 values or more), per-layer L0 profile, training curves (CE, L0, dead % at every logged
   step) and (``--position-batches N``) L0 vs token position, measured from each run's final
   checkpoint on N validation micro-batches (the trainer does not log it).
 
 Errors name the run directory: :class:`IncompleteRunError` (no or a damaged summary.json: with
-the hint its cause calls for, from ``error.txt``: diverged, failed, or crashed / killed / still
-running), :class:`MismatchError` (runs compared on different data, tokens seen or seq_len).
+the hint its cause calls for, from ``error.txt``: diverged, failed, failed before training (a
+sweep job's folder holding only its reason), or crashed / killed / still running), :class:`MismatchError` (runs compared on different data, tokens seen or seq_len).
 
 Shape legend: L layers, T sequence positions, H FFN width, B sequences, D model width.
 """
@@ -108,7 +109,10 @@ class Run:
 
 
 def _is_run_dir(p: Path) -> bool:
-    return (p / "config.yaml").is_file() and (p / "metrics.jsonl").exists()
+    """A run dir: config.yaml and metrics.jsonl, or only the ``error.txt`` of a run that failed
+    before it trained (a sweep job keeps its folder with the reason)."""
+    return ((p / "config.yaml").is_file() and (p / "metrics.jsonl").exists()) or \
+        (p / ERROR_FILE).is_file()
 
 
 def find_runs(paths: list[str]) -> list[Path]:
@@ -129,7 +133,8 @@ def find_runs(paths: list[str]) -> list[Path]:
             if _is_run_dir(m):
                 found.append(m)
                 continue
-            sub = sorted({c.parent for c in m.rglob("config.yaml")
+            sub = sorted({c.parent for name in ("config.yaml", ERROR_FILE)
+                          for c in m.rglob(name)
                           if _is_run_dir(c.parent) and "checkpoints" not in c.parts})
             if not sub:
                 raise ReportError(f"{m}: no run directory (config.yaml + metrics.jsonl) in or "
@@ -164,6 +169,8 @@ def load_run(run_dir: str | Path) -> Run:
 
     d = Path(run_dir)
     if not (d / "config.yaml").is_file():
+        if (d / ERROR_FILE).is_file():  # a sweep job that failed before it trained
+            raise IncompleteRunError(incomplete_reason(d, 0, None))
         raise ReportError(f"{d}: no config.yaml; not a twell-train run directory")
     try:
         config = OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=True)
@@ -183,8 +190,8 @@ def load_run(run_dir: str | Path) -> Run:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise IncompleteRunError(
             f"{d / 'summary.json'}: not valid JSON ({e}); the file is damaged (cut off while "
-            "written): rerun the same command to write it again from the run's last checkpoint, "
-            "or leave the run out (--skip-incomplete)") from None
+            f"written): rerun the same command with {_run_dir_arg(d)} to write it again from the "
+            "run's last checkpoint, or leave the run out (--skip-incomplete)") from None
     if max_steps is not None and summary.get("step", 0) < max_steps:
         raise IncompleteRunError(f"{d}: incomplete run: summary.json is at step "
                                  f"{summary.get('step')} of trainer.max_steps={max_steps}")
@@ -196,8 +203,12 @@ def incomplete_reason(d: Path, last: int, max_steps) -> str:
     to ``error.txt`` (a diverged run: rerunning repeats the divergence; another failure: fix
     it), else a crashed, killed or still running run (rerunning resumes it)."""
     err = d / ERROR_FILE
-    reason = " ".join(err.read_text(errors="replace").split()) if err.is_file() else ""
+    reason = _first_chars(err) if err.is_file() else ""
     at = f"last logged step {last} of {max_steps}"
+    if reason and not (d / "config.yaml").is_file():
+        job = _overrides_text(d)
+        return (f"{d}: failed before training{f' ({job})' if job else ''}: {reason}. Fix that "
+                "and run it again, or leave it out (--skip-incomplete)")
     if reason.startswith("NonFiniteLossError"):
         return (f"{d}: diverged run ({at}): {reason}. Rerunning the same command diverges "
                 "again: resume its last good checkpoint with a lower optim.lr (trainer.resume="
@@ -208,7 +219,33 @@ def incomplete_reason(d: Path, last: int, max_steps) -> str:
         return (f"{d}: failed run ({at}): {reason}. Fix that and run it again, or leave it out "
                 "(--skip-incomplete)")
     return (f"{d}: incomplete run: no summary.json ({at}); it crashed, was killed or is still "
-            "running: rerun the same command to resume it, or leave it out (--skip-incomplete)")
+            f"running: rerun the same command with {_run_dir_arg(d)} to resume it, or leave it "
+            "out (--skip-incomplete)")
+
+
+def _run_dir_arg(d: Path) -> str:
+    """``hydra.run.dir=<d>`` as one shell argument (the folder of a timestamped run is not
+    what the same command alone would pick); a ``-m`` sweep's job: ``hydra.sweep.dir=<its
+    sweep's folder>`` (the same sweep command with it resumes every job there)."""
+    from train.requeue import override_arg  # (train.rundir imports torch: not at import time)
+
+    if d.name.isdigit() and (d.parent / "multirun.yaml").is_file():
+        return override_arg("hydra.sweep.dir", d.parent.resolve())
+    return override_arg("hydra.run.dir", d)
+
+
+def _first_chars(path: Path, n: int = 2000) -> str:
+    """The first ``n`` characters of a run folder's text file, whitespace collapsed (a file of
+    any size or encoding reads as text)."""
+    with path.open("rb") as f:
+        return " ".join(f.read(4 * n).decode("utf-8", errors="replace").split())[:n]
+
+
+def _overrides_text(d: Path) -> str:
+    """A run folder's command-line overrides (``.hydra/overrides.yaml``) as one string, "" if
+    none are recorded."""
+    ovs = _overrides_of(d)
+    return " ".join(ovs) if ovs else ""
 
 
 def load_runs(run_dirs: list[Path], *, skip_incomplete: bool = False
@@ -405,20 +442,38 @@ MAX_LABEL = 60  # characters of a run label in tables and legends; a longer one 
 # and spelled out in the report's label legend
 
 
-def _overrides(run: Run) -> list[str] | None:
-    """The run's command-line overrides (``.hydra/overrides.yaml``) without bookkeeping ones,
-    or None when it has none saved."""
+def _overrides_of(d: Path) -> list[str] | None:
+    """A run folder's command-line overrides (``.hydra/overrides.yaml``) without bookkeeping
+    ones, the recipe's first (:func:`_label_order`), or None when it has none saved."""
     from omegaconf import OmegaConf
 
-    f = run.dir / ".hydra" / "overrides.yaml"
+    f = d / ".hydra" / "overrides.yaml"
     try:
         found = OmegaConf.to_container(OmegaConf.load(f)) if f.is_file() else None
     except Exception:  # noqa: BLE001  (a damaged file: fall back to the config)
         return None
     if not isinstance(found, list):
         return None
-    return [str(o) for o in found
+    kept = [str(o) for o in found
             if not str(o).lstrip("+~").startswith(("hydra.", *_LABEL_IGNORE))]
+    return sorted(kept, key=lambda o: _label_order(o.lstrip("+~").split("=", 1)[0]))
+
+
+def _overrides(run: Run) -> list[str] | None:
+    """:func:`_overrides_of` the run's folder."""
+    return _overrides_of(run.dir)
+
+
+# keys that set how a run is evaluated, logged or saved, not what it trains: a label names them
+# after the recipe's keys, so a label cut at MAX_LABEL keeps the difference that matters
+_LABEL_LAST = ("eval", "logging", "trainer.progress", "trainer.log_every", "trainer.val_every",
+               "trainer.val_sequences", "trainer.save_every", "trainer.keep_last",
+               "trainer.num_threads")
+
+
+def _label_order(key: str) -> int:
+    """0 for a key (or group) of the recipe, 1 for one in :data:`_LABEL_LAST`."""
+    return int(any(key == k or key.startswith((k + ".", k + "/")) for k in _LABEL_LAST))
 
 
 def full_labels(runs: list[Run]) -> dict[Path, str]:
@@ -432,7 +487,8 @@ def full_labels(runs: list[Run]) -> dict[Path, str]:
     flats = {r.dir: {k: v for k, v in flatten(r.config).items() if not k.startswith(_LABEL_IGNORE)}
              for r in runs}
     keys = sorted({k for f in flats.values() for k in f
-                   if len({repr(g.get(k)) for g in flats.values()}) > 1})
+                   if len({repr(g.get(k)) for g in flats.values()}) > 1},
+                  key=lambda k: (_label_order(k), k))  # the recipe's keys first
     if "model.name" in keys:
         keys = [k for k in keys if k not in _MODEL_SHAPE]
     labels = {r.dir: ", ".join(f"{k}={_value_text(flats[r.dir].get(k))}" for k in keys) or r.name
@@ -450,7 +506,9 @@ def run_labels(runs: list[Run]) -> dict[Path, str]:
     When every run was started by twell-train and their command lines tell them apart: the
     overrides not shared by all of them (``model=small_l4 sparsity.l1_coeff=1e-3``). Otherwise
     ``key=value`` for every config key whose value differs between the runs
-    (``sparsity.l1_coeff=0.001``), in key order: bookkeeping keys (logging, progress bars,
+    (``sparsity.l1_coeff=0.001``), in key order. Either way what sets how a run is evaluated,
+    logged or saved (:data:`_LABEL_LAST`: ``eval.*``, ...) comes after the recipe's keys, so a
+    cut label still shows what was trained differently. Bookkeeping keys (logging, progress bars,
     resume, data cache) are left out, and so are the shape keys of ``model`` when
     ``model.name`` already differs; runs with identical configs (or a single run) are labelled
     by their directory name, equal labels get it appended. A longer label is cut and numbered
@@ -684,10 +742,13 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
     without data to show is not drawn; ``notes`` (if given) receives one line per plot left
     out and why.
 
+    - ``l0_vs_l1.png``: final L0 (mean over layers; the most active layer dashed) vs L1, one
+      line per size (plain-L1/dense runs, torch FFN); needs two L1 values or more.
     - ``l0_vs_size.png``: final L0 vs non-embedding params, one line per L1 (plain-L1/dense
       runs, torch FFN); needs two model sizes or more.
     - ``acc_loss_vs_l1.png``: mean accuracy (%) and validation loss vs L1, one line per size;
-      needs two L1 values or more; the accuracy panel only when evals ran.
+      needs two L1 values or more; the accuracy panel only when evals ran, its axis naming the
+      tasks the runs were scored on (a note when they differ).
     - ``l0_per_layer.png``: per-layer final L0 of every run, one panel per L1.
     - ``train_curves.png``: train CE (with validation loss as crosses), L0 and dead units (%)
       at every logged step, and (two runs or more) each run's CE minus the first run's, which
@@ -706,7 +767,8 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
              and r.config["model"].get("ffn_impl", "torch") == "torch"]
     sizes = sorted({(rows[r.dir]["nonemb_params_M"], rows[r.dir]["size"]) for r in plain})
     inp = _PlotInput(runs, run_labels(runs), rows, plain, sizes)
-    stages = [("l0_vs_size.png", _plot_l0_vs_size), ("acc_loss_vs_l1.png", _plot_acc_loss_vs_l1),
+    stages = [("l0_vs_l1.png", _plot_l0_vs_l1), ("l0_vs_size.png", _plot_l0_vs_size),
+              ("acc_loss_vs_l1.png", _plot_acc_loss_vs_l1),
               ("l0_per_layer.png", _plot_l0_per_layer), ("train_curves.png", _plot_train_curves)]
     if position:
         stages.append(("l0_by_position.png",
@@ -785,13 +847,73 @@ def _plot_acc_loss_vs_l1(inp: _PlotInput, notes: list[str]):
         ax.set_xlabel("L1 coefficient")
         ax.legend(fontsize=8)
     if "acc" in ax_of:
-        ax_of["acc"].set_ylabel("mean accuracy, 7 tasks")
+        ax_of["acc"].set_ylabel(_mean_accuracy_label([rows[r.dir] for r in plain], notes))
         ax_of["acc"].yaxis.set_major_formatter(PercentFormatter(xmax=100))
         ax_of["acc"].set_title("Downstream accuracy vs L1")
     if "val" in ax_of:
         _value_axis(ax_of["val"], [])  # plain labels: no "+1.01e1" offset
         ax_of["val"].set_ylabel("validation loss (CE)")
         ax_of["val"].set_title("Validation loss vs L1")
+    return fig
+
+
+def evaluated_tasks(row: dict) -> tuple[str, ...]:
+    """The tasks a run's eval scored (a :func:`run_row` row), in :data:`ALL_TASKS` order."""
+    return tuple(t for t in ALL_TASKS if row.get(f"acc_{t}") is not None)
+
+
+def _mean_accuracy_label(rows: list[dict], notes: list[str]) -> str:
+    """The accuracy axis's label: the mean over the tasks the runs were scored on (their
+    number, and their names when fewer than all seven); runs scored on different tasks are
+    noted (their means are not comparable)."""
+    sets = sorted({evaluated_tasks(r) for r in rows if r.get("acc_mean") is not None})
+    if len(sets) == 1:
+        tasks = sets[0]
+        if len(tasks) == len(ALL_TASKS):
+            return f"mean accuracy, {len(tasks)} tasks"
+        short = ", ".join(TASK_SHORT[t] for t in tasks)
+        return f"mean accuracy, {len(tasks)} task{'s' if len(tasks) != 1 else ''} ({short})"
+    counts = sorted({len(t) for t in sets})
+    notes.append("acc_loss_vs_l1.png: the runs were scored on different tasks ("
+                 + "; ".join(", ".join(TASK_SHORT[t] for t in ts) for ts in sets)
+                 + "): their means are not comparable")
+    span = f"{counts[0]}-{counts[-1]}" if len(counts) > 1 else str(counts[0])
+    return f"mean accuracy over each run's tasks ({span})"
+
+
+def _plot_l0_vs_l1(inp: _PlotInput, notes: list[str]):
+    """Final L0 (mean over layers, and the most active layer dashed) vs the L1 coefficient,
+    one line per size: what an L1 sweep asks (None: fewer than two L1 values)."""
+    import matplotlib.pyplot as plt
+
+    rows, plain = inp.rows, inp.plain
+    with_l0 = [r for r in plain if rows[r.dir]["l0_mean"] is not None]
+    coeffs = sorted({rows[r.dir]["l1_coeff"] for r in with_l0})
+    if len(coeffs) < 2:
+        notes.append("l0_vs_l1.png: not drawn (" + (
+            "one L1 value; it needs two or more" if coeffs else "no run logged L0") + ")")
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    vals = []
+    for i, (_, size) in enumerate(inp.sizes or [(None, rows[with_l0[0].dir]["size"])]):
+        rs = sorted((rows[r.dir] for r in with_l0 if rows[r.dir]["size"] == size),
+                    key=lambda x: x["l1_coeff"])
+        if not rs:
+            continue
+        xs = [x["l1_coeff"] for x in rs]
+        line, = ax.plot(xs, [x["l0_mean"] for x in rs], "o-", label=f"{size}: mean over layers")
+        vals += [x["l0_mean"] for x in rs]
+        top = [(x["l1_coeff"], x["l0_layer_max"]) for x in rs if x["l0_layer_max"] is not None]
+        if top:
+            ax.plot(*zip(*top), "^--", color=line.get_color(), ms=4, lw=0.8,
+                    label=f"{size}: most active layer")
+            vals += [v for _, v in top]
+    _symlog_x(ax, coeffs)
+    _value_axis(ax, vals)
+    ax.set_xlabel("L1 coefficient")
+    ax.set_ylabel("L0: active FFN units per token (final)")
+    ax.set_title("Active units vs L1")
+    ax.legend(fontsize=7)
     return fig
 
 

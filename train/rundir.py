@@ -241,6 +241,32 @@ class RunDirLock:
         self._f.close()
 
 
+def try_lock(run_dir: str | Path) -> RunDirLock | None:
+    """:class:`RunDirLock` on an existing ``run_dir``, or None while another process holds it."""
+    try:
+        return RunDirLock(run_dir)
+    except ConfigError:
+        return None
+
+
+# ---------------------------------------------------------------- whose run dir it is
+
+_CLAIMED: set[Path] = set()
+
+
+def claim(run_dir: str | Path) -> None:
+    """Note that ``run_dir`` is this process's run: it holds the lock and found the dir new or
+    holding this run (the trainer, after its resume checks). Only then (or for a dir that was
+    empty when the job started) may a failure write into it (``train.main``); a process refused
+    there (another process's lock, another run's config or checkpoints) writes nothing."""
+    _CLAIMED.add(Path(run_dir).resolve())
+
+
+def claimed(run_dir: str | Path) -> bool:
+    """Whether :func:`claim` noted ``run_dir`` in this process."""
+    return Path(run_dir).resolve() in _CLAIMED
+
+
 # ---------------------------------------------------------------- failed starts (Hydra runs)
 
 _HYDRA_FILES = {"config.yaml", "hydra.yaml", "overrides.yaml"}

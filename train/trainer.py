@@ -25,7 +25,7 @@ import secrets
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -40,11 +40,12 @@ from evals.scoring import (  # light (torch only); the harness loads lazily
 from train import checkpoint as ckpt_io
 from train import interrupt, memory, parallel, rundir
 from train.config import ConfigError, OptimConfig, TrainConfig
-from train.interrupt import StopSignals, TrainingInterrupted
+from train.interrupt import StopRequested, StopSignals, TrainingInterrupted
 from train.liger import liger_enabled, use_liger
 from train.loss import use_distillation
 from train.metrics import device_peak_flops, flops_per_token, mfu
 from train.model import build_model, enable_grad_checkpointing, ffn_modules
+from train.requeue import override_arg
 from train.sparsity import (
     DeadNeuronTracker,
     collect_stats,
@@ -229,17 +230,32 @@ def cpu_cost_warning(cfg: TrainConfig) -> str | None:
 def _peak_memory_gb(device: torch.device) -> float:
     """Peak memory in GiB since the last :func:`_reset_peak_memory` (CUDA: bytes allocated by
     tensors, ``torch.cuda.max_memory_allocated``). CPU: the process's peak resident set size
-    since it started (``ru_maxrss``), which cannot be reset, so every interval reports the run's
-    maximum so far."""
+    (Linux's ``VmHWM``, which :func:`_reset_peak_memory` resets); where ``/proc`` cannot tell,
+    the peak since the process started (``ru_maxrss``)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20  # KiB -> GiB
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB (RSS)
 
 
 def _reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory interval (CUDA only; a no-op on CPU, see _peak_memory_gb)."""
+    """Start a new peak-memory interval: CUDA's peak counter; on CPU (Linux) the resident set's
+    high-water mark, set to the current size (``/proc/self/clear_refs``: 5), so a sweep's later
+    job in the same process does not report an earlier job's peak as its own."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # no /proc (or not writable): the process's peak since its start
+        pass
 
 
 class Trainer:
@@ -274,11 +290,15 @@ class Trainer:
         self._log_lines: list[str] = []  # train.log lines waiting for the run dir to be set up
         self._log_ready = False
         made_dir = not Path(run_dir).exists()
+        had_lock_file = (Path(run_dir) / rundir.LOCK_FILE).exists()
         try:
             self._setup(cfg, run_dir, datamodule=datamodule, model=model)
         except BaseException:
-            self._unlock()
             d = Path(run_dir)
+            if not (made_dir or had_lock_file or rundir.claimed(d)) and self._lock is not None:
+                # refused in another run's folder: leave it as found (removed while held)
+                (d / rundir.LOCK_FILE).unlink(missing_ok=True)
+            self._unlock()
             if made_dir and d.is_dir() and {p.name for p in d.iterdir()} <= {rundir.LOCK_FILE}:
                 (d / rundir.LOCK_FILE).unlink(missing_ok=True)
                 d.rmdir()
@@ -297,6 +317,8 @@ class Trainer:
         self.config_dict = config_to_dict(cfg)
         self._setup_warnings(cfg)
         self._check_resume_config(resume_from)
+        if self.is_main:  # locked and new or this run's: a failure may now write into it
+            rundir.claim(self.run_dir)
 
         set_seed(cfg.trainer.seed)
         vocab_check = self._setup_data(cfg, datamodule)
@@ -943,19 +965,20 @@ class Trainer:
                     + (f" (config changed: {'; '.join(changed)})" if changed else ""))
 
     def resume_advice(self) -> str:
-        """How to continue this run after it stopped: the exact ``trainer.resume`` that resumes
+        """How to continue this run after it stopped: the exact ``hydra.run.dir`` (a default,
+        timestamped run dir is another folder each time) and ``trainer.resume`` that resume
         from its newest checkpoint (not the folder it was started from, whose resume would
         drop the metrics logged since)."""
         last, resume = self.last_ckpt, self.cfg.trainer.resume
         if last is None:
             return "no checkpoint was written; re-running the same command starts over"
         shown = shell_quote(last)  # a path with a space or a newline, pasted as one argument
-        if Path(last).resolve().parent.parent != self.run_dir.resolve():
-            return f"re-run the same command to resume from {shown}"
-        if resume == "auto":
-            return f"re-run the same command to resume from {shown}"
-        return (f"re-run the same command with trainer.resume=auto (instead of trainer.resume="
-                f"{shell_quote(resume)}) to resume from {shown}")
+        # a -m sweep's job: the sweep's folder (twell-train sets rerun_arg), else the run dir
+        here = getattr(self, "rerun_arg", None) or override_arg("hydra.run.dir", self.run_dir)
+        if Path(last).resolve().parent.parent != self.run_dir.resolve() or resume == "auto":
+            return f"re-run the same command with {here} to resume from {shown}"
+        return (f"re-run the same command with {here} trainer.resume=auto (instead of "
+                f"trainer.resume={shell_quote(resume)}) to resume from {shown}")
 
     def _apply_optim_config(self) -> None:
         """Resume with ``trainer.resume_allow_changes=true``: put this config's optim values
@@ -1188,16 +1211,25 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=dev)  # CE over targets, L0 over tokens
         counts = [0, 0, 0]  # targets, FFN tokens, sequences (host ints)
         left = share
-        for ids_BT in self.data.val_batches(-(-share // self.data.micro_batch)):
-            ids_BT = ids_BT[:left].to(dev)  # (B, T); the last batch may be cut to the share
-            left -= ids_BT.shape[0]
-            ce = self.model(input_ids=ids_BT, labels=ids_BT).loss  # mean over B*(T-1) targets
-            _, sp = l1_penalty(collect_stats(self.mlps))
-            n_targets = ids_BT.shape[0] * (ids_BT.shape[1] - 1)
-            sums += torch.stack([ce.double() * n_targets, sp.l0_L.mean().double() * sp.n_tokens])
-            counts = [counts[0] + n_targets, counts[1] + sp.n_tokens, counts[2] + ids_BT.shape[0]]
-            if left <= 0:
-                break
+        try:  # every rank runs the same forwards: they agree on a stop at each one
+            with self._stoppable(collective=True):
+                for ids_BT in self.data.val_batches(-(-share // self.data.micro_batch)):
+                    ids_BT = ids_BT[:left].to(dev)  # (B, T); the last batch may be cut
+                    left -= ids_BT.shape[0]
+                    ce = self.model(input_ids=ids_BT, labels=ids_BT).loss  # mean over B*(T-1)
+                    _, sp = l1_penalty(collect_stats(self.mlps))
+                    n_targets = ids_BT.shape[0] * (ids_BT.shape[1] - 1)
+                    sums += torch.stack([ce.double() * n_targets,
+                                         sp.l0_L.mean().double() * sp.n_tokens])
+                    counts = [counts[0] + n_targets, counts[1] + sp.n_tokens,
+                              counts[2] + ids_BT.shape[0]]
+                    if left <= 0:
+                        break
+        except StopRequested:
+            self.model.train()
+            self._print(f"step {self.step}: validation stopped by {self._stop_name()} (no "
+                        "validation loss for this step)")
+            return {"step": self.step, "val_loss": None, "val_l0": None, "val_sequences": 0}
         tot = torch.cat([sums, torch.tensor(counts, dtype=torch.float64, device=dev)])
         if self.acc.num_processes > 1:
             tot = self.acc.reduce(tot, "sum")
@@ -1231,10 +1263,17 @@ class Trainer:
             model = self.acc.unwrap_model(self.model)
             model.eval()
             self._print(f"step {self.step}: evaluating {tasks} (limit {e.limit})")
-            try:
-                out = evaluate(model, self.data.tokenizer, tasks=tasks, limit=e.limit,
-                               batch_size=e.batch_size, device=self.device,
-                               progress=self.show_bars)
+            try:  # a sharded model's ranks run the same forwards; else only this one runs
+                with self._stoppable(collective=parallel.is_sharded(self.model)):
+                    out = evaluate(model, self.data.tokenizer, tasks=tasks, limit=e.limit,
+                                   batch_size=e.batch_size, device=self.device,
+                                   progress=self.show_bars)
+            except StopRequested:  # SIGTERM / SIGINT: the stop comes after it (_train)
+                model.train()
+                self._print(f"step {self.step}: evaluation stopped by {self._stop_name()} (no "
+                            "eval result for this step)")
+                self.acc.wait_for_everyone()
+                return {}
             except NonFiniteScores as err:  # NaN / inf logits: no score, one line
                 raise NonFiniteLossError(f"eval at step {self.step}: {err}") from None
             except ContinuationTooLong as err:  # a short model.seq_len: one line, no traceback
@@ -1242,8 +1281,8 @@ class Trainer:
                     f"eval at step {self.step}: {err.args[0].split(';')[0]}: model.seq_len="
                     f"{self.cfg.model.seq_len} is too short for it; set model.seq_len>="
                     f"{err.n_tokens}, eval.tasks without it, or eval=disabled (the same command "
-                    "with eval=disabled resumes from the newest checkpoint and writes "
-                    "summary.json)") from None
+                    f"with eval=disabled {override_arg('hydra.run.dir', self.run_dir)} resumes "
+                    "from the newest checkpoint and writes summary.json)") from None
             model.train()
             result = {"step": self.step, "eval_mean": out["mean"],
                       **{f"eval_{k}": v["primary"] for k, v in out["tasks"].items()}}
@@ -1253,6 +1292,34 @@ class Trainer:
                 f"{k} {100 * v['primary']:.1f}" for k, v in out["tasks"].items()))
         self.acc.wait_for_everyone()
         return result
+
+    @contextmanager
+    def _stoppable(self, collective: bool):
+        """Inside, each forward of the model first checks for a stop signal (SIGTERM / SIGINT
+        while :meth:`train` runs) and raises :class:`StopRequested` once one came, so a long
+        evaluation or validation ends within one forward instead of running on until a launcher
+        or scheduler kills the process with no checkpoint. ``collective``: every rank runs the
+        same forwards, and they agree at each one (a host-side all-reduce) so all stop at the
+        same forward; else only this process's signal counts (the other ranks wait)."""
+        if self.signals is None:
+            yield
+            return
+
+        def check(_module, _args):
+            flag = self.signals.signum if self.signals is not None else 0
+            if self._any_rank(flag) if collective else flag:
+                raise StopRequested
+
+        # prepended: the check runs before FSDP's own pre-forward (its all-gather) starts
+        handle = self.acc.unwrap_model(self.model).register_forward_pre_hook(check, prepend=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def _stop_name(self) -> str:
+        signum = self.signals.signum if self.signals is not None else 0
+        return interrupt.signal_name(signum) if signum else "a stop signal on another rank"
 
     def train(self, stop_at_step: int | None = None) -> dict:
         """:meth:`_train` holding the run dir's lock (taken again if an earlier ``train`` call
@@ -1288,6 +1355,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         end = min(t.max_steps, stop_at_step or t.max_steps)
         batches = self.memory.batches(iter(self.data.train_batches()))  # kept for a redo
+        _reset_peak_memory(self.device)  # this run's peaks, not an earlier one's in this process
         self.model.train()
         from tqdm.auto import tqdm
 
@@ -1299,6 +1367,7 @@ class Trainer:
         interval = self._new_interval()
         if cfg.eval.at_start and self.step == 0:  # e.g. a relufied checkpoint before training
             self.evaluate()
+            self._stop_if_signalled(bar)
         while self.step < end:
             t0 = time.perf_counter()
             # where the data was before this step: an out-of-memory in it saves the steps before
@@ -1342,15 +1411,13 @@ class Trainer:
                 self.evaluate()
             if (t.save_every and self.step % t.save_every == 0) or last:
                 self.save_checkpoint()
-            signum = self._any_rank(self.signals.signum if self.signals else 0)
-            if signum:  # every rank stops after the same step
-                bar.close()
-                self._stop_on_signal(signum)
+            self._stop_if_signalled(bar)  # every rank stops after the same step
         bar.close()
         done = self.last_eval is not None and self.last_eval.get("step") == self.step
         if self.step >= t.max_steps and cfg.eval.at_end and not done and not (
                 cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0):
             self.evaluate()
+            self._stop_if_signalled()  # during the last eval: no summary.json, resume redoes it
         summary = self.summary()
         if self.is_main and self.step >= t.max_steps:
             ckpt_io.write_json(self.run_dir / "summary.json", summary, indent=2)
@@ -1399,14 +1466,24 @@ class Trainer:
         per = seg["time"] / max(seg["steps"], 1)
         return f" | step {self.step}/{self.cfg.trainer.max_steps}, eta {_duration(per * left)}"
 
+    def _stop_if_signalled(self, bar=None) -> None:
+        """Stop (:meth:`_stop_on_signal`) if any rank got SIGTERM / SIGINT; all ranks agree."""
+        signum = self._any_rank(self.signals.signum if self.signals else 0)
+        if signum:
+            if bar is not None:
+                bar.close()
+            self._stop_on_signal(signum)
+
     def _stop_on_signal(self, signum: int) -> None:
-        """After the step that a SIGTERM / SIGINT interrupted: checkpoint it (unless just saved),
-        print and log one line, raise :class:`train.interrupt.TrainingInterrupted`."""
-        if self.saved_step != self.step:
+        """After the step that a SIGTERM / SIGINT interrupted: checkpoint it (unless just saved,
+        or no step was trained), print and log one line, raise
+        :class:`train.interrupt.TrainingInterrupted`."""
+        if self.saved_step != self.step and self.step > 0:
             self.save_checkpoint()
         name = interrupt.signal_name(signum)
-        line = (f"received {name} at step {self.step}: checkpoint written to "
-                f"{shell_quote(self.last_ckpt)}; {self.resume_advice()} (exit code "
+        saved = (f"checkpoint written to {shell_quote(self.last_ckpt)}; " if self.last_ckpt
+                 else "")
+        line = (f"received {name} at step {self.step}: {saved}{self.resume_advice()} (exit code "
                 f"{interrupt.exit_code(signum)})")
         self._print(line)
         raise TrainingInterrupted(signum, line, reported=True)

@@ -235,7 +235,8 @@ def test_signal_finishes_the_step_checkpoints_and_resumes_exactly(tokens, tmp_pa
     line = next(ln for ln in out.splitlines() if ln.startswith(f"received {name} at step "))
     step = int(line.split(" at step ")[1].split(":")[0])
     ckpt = run / "checkpoints" / f"step{step}"
-    assert f"checkpoint written to {ckpt}; re-run the same command to resume" in line
+    assert (f"checkpoint written to {ckpt}; re-run the same command with hydra.run.dir={run} "
+            "to resume") in line
     assert 3 <= step < 60 and ckpt_io.verify(ckpt) == []
     assert line in (run / "train.log").read_text() and "Traceback" not in err
     assert [r["step"] for r in read_metrics(run)] == list(range(1, step + 1))
@@ -295,7 +296,8 @@ def test_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkpoint(
     msg = one_line(err)
     assert "no space left on the device of" in msg and ".step4.tmp/trainer.json" in msg
     assert f"the previous checkpoint {run / 'checkpoints' / 'step2'} is intact" in msg
-    assert "re-run the same command to resume" in msg and isinstance(err.value, ConfigError)
+    assert f"re-run the same command with hydra.run.dir={run} to resume" in msg
+    assert isinstance(err.value, ConfigError)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step2"]
     assert ckpt_io.verify(run / "checkpoints" / "step2") == []
 
@@ -445,7 +447,8 @@ def test_branch_in_its_own_run_dir_keeps_lineage_and_resumes_itself(tokens, save
     assert meta["lineage"]["parent"]["lineage"] == ckpt_io.lineage_id(step2)
     assert meta["lineage"]["id"] != ckpt_io.lineage_id(step2)
     # the advice continues the branch's own newest checkpoint, not the folder it started from
-    assert t.resume_advice() == ("re-run the same command with trainer.resume=auto (instead of "
+    assert t.resume_advice() == (f"re-run the same command with hydra.run.dir={b} "
+                                 "trainer.resume=auto (instead of "
                                  f"trainer.resume={step2}) to resume from "
                                  f"{b / 'checkpoints' / 'step3'}")
     with pytest.raises(ConfigError, match="pass trainer.resume=auto"):  # the old advice's run

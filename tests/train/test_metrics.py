@@ -1,5 +1,8 @@
 """Throughput metrics: the MFU formula (hand-computed and counted by torch's FlopCounterMode) and
-the trainer's per-interval peak memory (readers faked, so the interval logic is what is tested)."""
+the trainer's per-interval peak memory (readers faked, so the interval logic is what is tested;
+and the real CPU readers: an earlier peak in the process is not the run's)."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,10 +100,27 @@ def test_peak_memory_per_log_interval_and_run_maximum(tmp_path, monkeypatch):
     # a high first interval (model set-up, dense start) does not hide the later, lower ones
     assert [r["peak_mem_gb"] for r in rows] == [5.0, 2.0, 3.0]
     assert [r["peak_mem_gb_run"] for r in rows] == [5.0, 5.0, 5.0]
-    assert state["resets"] == 3
+    assert state["resets"] == 4  # when training starts, then after each log line
     # tokens/s and MFU keys are in every line; no MFU on CPU (no peak rate known)
     assert all(r["tokens_per_s"] > 0 and r["mfu"] is None and r["mfu_useful"] is None
                for r in rows)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
+                    reason="Linux's /proc: the resident set's high-water mark can be reset")
+def test_a_later_run_in_the_process_does_not_report_an_earlier_peak(tmp_path):
+    """The real CPU readers: 400 MiB touched and freed before a run (an earlier sweep job) do
+    not show in the run's peak memory."""
+    tokens = write_tokens(tmp_path / "t.bin", n_tokens=8000)
+    big = bytearray(400 * 2**20)
+    big[::4096] = b"x" * len(big[::4096])  # resident, page by page
+    del big  # an mmap'ed block: back to the system
+    before = trainer_mod._peak_memory_gb(torch.device("cpu"))  # the process's peak so far
+    t = Trainer(tiny_config(tokens, **{"trainer.max_steps": 2}), tmp_path / "run")
+    t.train()
+    t.close()
+    rows = read_metrics(tmp_path / "run")
+    assert rows and all(0 < r["peak_mem_gb_run"] < before - 0.3 for r in rows), (before, rows)
 
 
 def test_mfu_logged_with_a_configured_peak(tmp_path):

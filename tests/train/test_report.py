@@ -142,8 +142,8 @@ def test_plots_and_outputs_are_written(runs, tmp_path):
                        plot_dir=tmp_path / "plots")
     names = sorted(p.name for p in rep.plots)
     # one model size: no L0-vs-size plot (a single point), and the report says why
-    assert names == sorted(["acc_loss_vs_l1.png", "l0_per_layer.png", "train_curves.png",
-                            "l0_by_position.png"])
+    assert names == sorted(["l0_vs_l1.png", "acc_loss_vs_l1.png", "l0_per_layer.png",
+                            "train_curves.png", "l0_by_position.png"])
     assert rep.plot_notes == ["l0_vs_size.png: not drawn (one model size; it needs two or more)"]
     for p in rep.plots:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
@@ -293,11 +293,16 @@ def test_failed_runs_get_the_hint_their_cause_calls_for(runs, tmp_path):
     assert why["diverged"].startswith(f"{diverged}: diverged run (last logged step 6 of 6): "
                                       "NonFiniteLossError: non-finite loss")
     assert "diverges again" in why["diverged"] and "optim.lr" in why["diverged"]
-    assert "rerun the same command to resume" not in why["diverged"]
+    assert "rerun the same command" not in why["diverged"]  # it would diverge again
     assert why["failed"] == (f"{failed}: failed run (last logged step 6 of 6): DataError: corpus "
                              "shard x.bin is corrupted. Fix that and run it again, or leave it "
                              "out (--skip-incomplete)")
-    assert "rerun the same command to resume it" in why["killed"]
+    assert f"rerun the same command with hydra.run.dir={killed} to resume it" in why["killed"]
+    job = tmp_path / "sweep" / "3"  # a -m sweep's job: the sweep's folder resumes it
+    shutil.copytree(killed, job)
+    (job.parent / "multirun.yaml").write_text("{}")
+    assert (f"rerun the same command with hydra.sweep.dir={job.parent} to resume it"
+            in str(pytest.raises(IncompleteRunError, load_run, job).value))
 
 
 def test_damaged_summary_or_config_is_named(runs, tmp_path, capsys):
@@ -369,6 +374,122 @@ def test_labels_are_the_differing_overrides_and_long_ones_are_cut(runs, tmp_path
     rep = build_report([str(sweep)])
     md = rep.markdown()
     assert f"- [3] {long}" in md and f"| {cut} |" in md
+
+
+def _saved_figures(monkeypatch) -> dict:
+    """Axes title -> (y label, [y data of each line]) of every figure saved from now on."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    drawn = {}
+    orig = matplotlib.figure.Figure.savefig
+
+    def spy(fig, *a, **k):
+        for ax in fig.axes:
+            drawn[ax.get_title()] = (ax.get_ylabel(), [list(ln.get_ydata()) for ln in ax.lines])
+        return orig(fig, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    return drawn
+
+
+def test_a_sweep_job_that_failed_before_training_is_listed_with_its_reason(runs, tmp_path,
+                                                                          capsys):
+    """Its folder holds only Hydra's record and error.txt: the report stops on it with its
+    reason (or, with --skip-incomplete, lists it); the reason is read cut to 2000 characters."""
+    sweep = tmp_path / "sweep"
+    for job, name in (("0", "dense"), ("1", "l1")):
+        shutil.copytree(runs / name, sweep / job)
+    failed = sweep / "2"
+    (failed / ".hydra").mkdir(parents=True)
+    (failed / ".hydra" / "overrides.yaml").write_text('["data=tokens", "sparsity.l1_coeff=-1"]')
+    (failed / "error.txt").write_text("ConfigError: sparsity.l1_coeff must be >= 0; got -1.\n")
+    want = (f"{failed}: failed before training (data=tokens sparsity.l1_coeff=-1): ConfigError: "
+            "sparsity.l1_coeff must be >= 0; got -1.. Fix that and run it again, or leave it out "
+            "(--skip-incomplete)")
+    with pytest.raises(IncompleteRunError) as err:
+        build_report([str(sweep)])
+    assert str(err.value) == want
+    assert report.main([str(sweep)]) == 2
+    assert capsys.readouterr().err.strip() == f"IncompleteRunError: {want}"
+    rep = build_report([str(sweep)], skip_incomplete=True)
+    assert sorted(r["run"] for r in rep.rows) == ["0", "1"]
+    assert rep.skipped == [(failed, want)] and f"- `{failed}`: {want}" in rep.markdown()
+    (failed / "error.txt").write_text("DataError: " + "x" * 10**6)
+    with pytest.raises(IncompleteRunError) as err:
+        load_run(failed)
+    assert "DataError: xxx" in str(err.value) and len(str(err.value)) < 2300
+
+
+def test_l0_is_plotted_against_l1(runs, tmp_path, monkeypatch):
+    """The L1 sweep's question: final L0 (mean over layers and the most active layer) at each
+    L1, the plain runs only (dense = L1 0 and L1 0.5; not the re-init variant)."""
+    drawn = _saved_figures(monkeypatch)
+    rep = build_report([str(runs)], plot_dir=tmp_path / "plots")
+    assert (tmp_path / "plots" / "l0_vs_l1.png") in rep.plots
+    ylabel, lines = drawn["Active units vs L1"]
+    by = {r["run"]: r for r in rep.rows}
+    assert lines == [[by["dense"]["l0_mean"], by["l1"]["l0_mean"]],
+                     [by["dense"]["l0_layer_max"], by["l1"]["l0_layer_max"]]]
+    assert ylabel.startswith("L0: active FFN units per token")
+    one = build_report([str(runs / "l1")], plot_dir=tmp_path / "one")
+    assert "l0_vs_l1.png: not drawn (one L1 value; it needs two or more)" in one.plot_notes
+
+
+def _keep_tasks(run_dir: Path, tasks: tuple[str, ...]) -> None:
+    """Rewrite a run's eval results as if it had been scored on ``tasks`` only."""
+    def cut(ev: dict) -> dict:
+        kept = {f"eval_{t}": ev[f"eval_{t}"] for t in tasks}
+        return {"step": ev["step"], "eval_mean": sum(kept.values()) / len(kept), **kept}
+
+    s = json.loads((run_dir / "summary.json").read_text())
+    s["eval"] = cut(s["eval"])
+    (run_dir / "summary.json").write_text(json.dumps(s))
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (run_dir / "metrics.jsonl").write_text("".join(
+        json.dumps({"kind": "eval", **cut(x)} if x["kind"] == "eval" else x) + "\n"
+        for x in lines))
+
+
+def test_the_accuracy_axis_names_the_tasks_scored(runs, tmp_path, monkeypatch):
+    for name in ("dense", "l1"):
+        _keep_tasks(_copy(runs, name, tmp_path, name), ("piqa", "arc_easy"))
+    drawn = _saved_figures(monkeypatch)
+    rep = build_report([str(tmp_path / "study")], plot_dir=tmp_path / "plots")
+    assert drawn["Downstream accuracy vs L1"][0] == "mean accuracy, 2 tasks (PIQA, ARC-E)"
+    assert not any("different tasks" in n for n in rep.plot_notes)
+    _keep_tasks(tmp_path / "study" / "l1", ("piqa",))
+    rep = build_report([str(tmp_path / "study")], plot_dir=tmp_path / "plots2")
+    assert drawn["Downstream accuracy vs L1"][0] == "mean accuracy over each run's tasks (1-2)"
+    assert ("acc_loss_vs_l1.png: the runs were scored on different tasks (PIQA; PIQA, ARC-E): "
+            "their means are not comparable") in rep.plot_notes
+    drawn.clear()
+    build_report([str(runs)], plot_dir=tmp_path / "plots3")
+    assert drawn["Downstream accuracy vs L1"][0] == "mean accuracy, 7 tasks"
+
+
+def test_labels_name_the_recipe_before_eval_and_bookkeeping_keys(runs, tmp_path):
+    """Runs that differ in eval.* keys too (compared with --allow-mismatch): the label starts
+    with what was trained differently, and a cut label keeps it."""
+    a, b = _copy(runs, "dense", tmp_path, "a"), _copy(runs, "l1", tmp_path, "b")
+    cfg = (b / "config.yaml").read_text()
+    assert "  limit: 7\n" in cfg and "  batch_size: 16\n" in cfg
+    (b / "config.yaml").write_text(cfg.replace("  limit: 7\n", "  limit: 100\n")
+                                   .replace("  batch_size: 16\n", "  batch_size: 32\n"))
+    rep = build_report([str(tmp_path / "study")], allow_mismatch=True)
+    assert {r["run"]: r["setting"] for r in rep.rows} == {
+        "a": "sparsity.l1_coeff=0, eval.batch_size=16, eval.limit=7",
+        "b": "sparsity.l1_coeff=0.5, eval.batch_size=32, eval.limit=100"}
+    long = ["eval.tasks=[hellaswag,commonsense_qa,piqa,winogrande]", "eval.limit=100",
+            "trainer.log_every=5"]
+    for d, own in ((a, "sparsity.l1_coeff=0"), (b, "sparsity.l1_coeff=0.5")):
+        (d / ".hydra").mkdir(exist_ok=True)
+        (d / ".hydra" / "overrides.yaml").write_text(json.dumps(
+            [*(long[:2] if d == b else []), "data=tokens", own, *long[2:]]))
+    labels = report.run_labels(report.load_runs([a, b])[0])
+    assert labels[a] == "sparsity.l1_coeff=0"
+    assert labels[b].startswith("[2] sparsity.l1_coeff=0.5 eval.tasks=[hellaswag,")
+    assert len(labels[b]) <= report.MAX_LABEL
 
 
 def test_mismatched_runs_are_named(runs, tmp_path):

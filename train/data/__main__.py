@@ -2,6 +2,10 @@
 
 import sys
 
-from train.data.cli import main
+from train.packages import use_checkout_packages
+
+use_checkout_packages()  # a same-named folder in the current folder shadows no package
+
+from train.data.cli import main  # after the packages are this checkout's
 
 sys.exit(main())

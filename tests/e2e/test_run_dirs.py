@@ -1,0 +1,310 @@
+"""Whose run dir it is: a process refused in another run's folder (a live run's lock, another run's
+config or checkpoints, a bad value) writes nothing there; the same command started again after
+SIGTERM finds its timestamped run, and the stop line names it. Subprocesses of ``python -m train``
+on the tiny test model (a few steps), and run folders made by hand."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train_utils import write_tokens
+from train.rundir import RunDirLock
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+SMALL = ["model.vocab_size=64", "data.vocab_size=64", "model.hidden_size=32",
+         "model.intermediate_size=64", "model.num_heads=2", "model.num_layers=2",
+         "model.seq_len=32", "trainer.global_batch=4", "trainer.micro_batch=4", "eval=disabled",
+         "logging.wandb_mode=disabled", "trainer.progress=false", "trainer.max_steps=1",
+         "optim.warmup_steps=1", "trainer.num_threads=1", "trainer.cpu=true",
+         "trainer.val_sequences=4"]
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return write_tokens(tmp_path_factory.mktemp("tok") / "tok.bin", n_tokens=4000)
+
+
+def _train(tokens: Path, *args: str, cwd: Path = ROOT, env: dict | None = None):
+    flags = [a for a in args if a.startswith("-")]  # -m before the overrides (argparse)
+    over = [a for a in args if not a.startswith("-")]
+    return subprocess.run([sys.executable, "-m", "train", *flags, "data=tokens",
+                           f"data.paths=[{tokens}]", *SMALL, *over], cwd=cwd, env=env or ENV,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (relative path -> SHA-256 of its bytes)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _stderr_lines(r) -> list[str]:
+    return [ln for ln in r.stderr.splitlines() if ln.strip()]
+
+
+# ------------------------------------------------------------------ 4: a refused process
+
+
+def test_a_refused_process_writes_nothing_into_another_runs_folder(tokens, tmp_path):
+    """Two sweeps into one folder: the second sweep's jobs are refused (each job dir holds the
+    first sweep's run, another L1) and leave its record, overrides and files as they were (a
+    report then labels every run with its own L1); a process refused by a live run's lock, or
+    by a bad value aimed at that folder, writes nothing there either."""
+    sweep = tmp_path / "sweep"
+    r = _train(tokens, "-m", f"hydra.sweep.dir={sweep}", "sparsity.l1_coeff=0.5,0.25")
+    assert r.returncode == 0, r.stderr[-3000:]
+    jobs = [sweep / "0", sweep / "1"]
+    for job, l1 in zip(jobs, ("0.5", "0.25")):
+        assert (job / "summary.json").is_file() and (job / "checkpoints" / "step1").is_dir()
+        # the record names this job's own override
+        assert (job / ".hydra" / "overrides.yaml").read_text().split()[-1] == \
+            f"sparsity.l1_coeff={l1}"
+    before = _snapshot(sweep)
+    r = _train(tokens, "-m", f"hydra.sweep.dir={sweep}", "sparsity.l1_coeff=0.1,0.2")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert _stderr_lines(r) == [
+        (f"ConfigError: hydra.sweep.dir={sweep} holds another sweep (its job 0 is "
+        "sparsity.l1_coeff=0.5, this sweep's job 0 sparsity.l1_coeff=0.1); its jobs' folders "
+        "would be refused one by one and its multirun.yaml overwritten: give this sweep its own "
+        "hydra.sweep.dir.")]
+    assert _snapshot(sweep) == before  # multirun.yaml included
+
+    (sweep / "multirun.yaml").unlink()  # no record of the sweep: each job is refused on its own
+    before = {job: _snapshot(job) for job in jobs}
+    r = _train(tokens, "-m", f"hydra.sweep.dir={sweep}", "sparsity.l1_coeff=0.1,0.2")
+    assert r.returncode == 2, r.stderr[-3000:]
+    tail = r.stderr[r.stderr.index("sweep: 2 of 2 jobs failed:"):].splitlines()
+    assert tail[1].startswith("  #0 sparsity.l1_coeff=0.1: ConfigError: ")
+    assert "holds a run with another config" in tail[1]
+    assert tail[1].endswith(f"(nothing written into {jobs[0]}: it holds another run or is in "
+                            "use)")
+    assert {job: _snapshot(job) for job in jobs} == before
+
+    lock = RunDirLock(jobs[0])  # a live run in job 0: the same command is refused by its lock
+    try:
+        before = _snapshot(jobs[0])
+        r = _train(tokens, f"hydra.run.dir={jobs[0]}", "sparsity.l1_coeff=0.5")
+        assert r.returncode == 2, r.stderr[-3000:]
+        err = _stderr_lines(r)
+        assert err[-1].startswith(f"ConfigError: run dir {jobs[0]} is in use by another "
+                                  f"twell-train process (PID {os.getpid()}")
+        assert _snapshot(jobs[0]) == before
+    finally:
+        lock.release()
+    before = _snapshot(jobs[1])
+    r = _train(tokens, f"hydra.run.dir={jobs[1]}", "optim.lr=-1")  # a bad value, no trainer
+    assert r.returncode == 2 and _stderr_lines(r)[-1].startswith("ConfigError: optim.lr must be")
+    assert _snapshot(jobs[1]) == before
+
+
+# ------------------------------------------------------------------ 6: a requeued command
+
+
+def _find_run_dir(runs: Path) -> Path | None:
+    found = [m.parent for m in runs.glob("*/*/metrics.jsonl")]
+    return found[0] if len(found) == 1 else None
+
+
+def test_a_requeued_command_continues_its_run_and_the_advice_names_it(tokens, tmp_path):
+    """The default, timestamped run dir: SIGTERM's line names the exact hydra.run.dir, and the
+    same command started again (as a scheduler requeues it) continues that run to its end
+    instead of starting a new one at step 1."""
+    work = tmp_path / "work"
+    work.mkdir()
+    cmd = [sys.executable, "-m", "train", "data=tokens", f"data.paths=[{tokens}]", *SMALL,
+           "trainer.max_steps=6", "trainer.log_every=1"]
+    p = subprocess.Popen(cmd, cwd=work, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 240 and p.poll() is None:
+        run = _find_run_dir(work / "runs")
+        if run is not None and (run / "metrics.jsonl").read_text().count('"kind": "train"') >= 2:
+            p.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.02)
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 143, err[-3000:]
+    run = _find_run_dir(work / "runs")
+    line = next(ln for ln in out.splitlines() if ln.startswith("received SIGTERM at step "))
+    step = int(line.split(" at step ")[1].split(":")[0])
+    assert step < 6 and (f"re-run the same command with hydra.run.dir={run} to resume from "
+                         f"{run / 'checkpoints' / f'step{step}'}") in line
+
+    r = subprocess.run(cmd, cwd=work, env=ENV, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"this config's unfinished run is {run}: continuing it" in r.stdout
+    assert f"resumed from {run / 'checkpoints' / f'step{step}'} at step {step}" in r.stdout
+    assert sorted((work / "runs").glob("*/*")) == [run]  # no new run dir
+    assert json.loads((run / "summary.json").read_text())["step"] == 6
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
+            if json.loads(x)["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
+def _fake_run(d: Path, config: dict, *, step: int | None = 2, finished: bool = False) -> Path:
+    """A run folder as twell-train leaves it: its config record, a checkpoint, a summary."""
+    from omegaconf import OmegaConf
+
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(config))
+    if step is not None:
+        (d / "checkpoints" / f"step{step}").mkdir(parents=True)
+        (d / "checkpoints" / f"step{step}" / "metadata.json").write_text("{}")
+    if finished:
+        (d / "summary.json").write_text("{}")
+    return d
+
+
+def test_the_unfinished_run_of_this_config_is_found_and_nothing_else(tmp_path):
+    from train.requeue import find_unfinished_run, timestamp_root
+
+    assert timestamp_root("runs/${now:%Y-%m-%d}/${now:%H-%M-%S}") == (Path("runs"), 2)
+    assert timestamp_root("/x/out-${now:%s}") == (Path("/x"), 1)
+    assert timestamp_root("runs/fixed") is None
+    assert timestamp_root("runs/${now:%Y}/${oc.env:USER}") is None  # not only timestamps
+    mine = {"model": {"hidden_size": 32, "ffn_impl": "torch"}, "sparsity": {"l1_coeff": 0.5},
+            "eval": {"limit": 200}, "trainer": {"resume": "auto", "max_steps": 6}}
+    other = {**mine, "sparsity": {"l1_coeff": 0.25}}
+    safe = {**mine, "eval": {"limit": 7}, "model": {"hidden_size": 32, "ffn_impl": "twell"}}
+    root = tmp_path / "runs"
+    assert find_unfinished_run(mine, root, 2) is None  # no runs folder yet
+    _fake_run(root / "d1" / "10-00-00", mine, finished=True)  # finished: not again
+    _fake_run(root / "d1" / "10-00-01", other)  # another L1
+    _fake_run(root / "d1" / "10-00-02", mine, step=None)  # nothing to resume
+    (root / "d1" / "10-00-03").symlink_to(_fake_run(tmp_path / "elsewhere", mine))  # a link
+    assert find_unfinished_run(mine, root, 2) is None
+    want = _fake_run(root / "d2" / "11-00-00", safe)  # differs only in resume-safe keys
+    assert find_unfinished_run(mine, root, 2) == want
+    newer = _fake_run(root / "d2" / "12-00-00", mine)
+    os.utime(want / "checkpoints" / "step2" / "metadata.json", (1e9, 1e9))  # checkpointed long ago
+    assert find_unfinished_run(mine, root, 2) == newer
+    lock = RunDirLock(newer)  # in use by a live process: the older one
+    try:
+        assert find_unfinished_run(mine, root, 2) == want
+    finally:
+        lock.release()
+
+
+def test_a_sweep_that_extends_a_sweep_dir_is_let_in_and_another_is_not(tmp_path):
+    from omegaconf import OmegaConf
+
+    from train.requeue import other_sweep_in
+
+    mine = {"sparsity": {"l1_coeff": 0.5}, "trainer": {"max_steps": 6}}
+    d = tmp_path / "sweep"
+    d.mkdir()
+    assert other_sweep_in(d, mine, ["sparsity.l1_coeff=0.5,0.25"]) is None  # no record
+    (d / "multirun.yaml").write_text(OmegaConf.to_yaml(
+        {**mine, "hydra": {"overrides": {"task": ["sparsity.l1_coeff=0.5,0.25"]}}}))
+    for same in (["sparsity.l1_coeff=0.5,0.25"], ["sparsity.l1_coeff=0.5,0.25,0.1"],
+                 ["sparsity.l1_coeff=0.5,0.25", "trainer.progress=false"]):  # again, more, safe
+        assert other_sweep_in(d, mine, same) is None, same
+    assert other_sweep_in(d, mine, ["sparsity.l1_coeff=0.25,0.5"]) == (
+        "its job 0 is sparsity.l1_coeff=0.5, this sweep's job 0 sparsity.l1_coeff=0.25")
+    assert other_sweep_in(d, {**mine, "trainer": {"max_steps": 9}},
+                          ["sparsity.l1_coeff=0.5,0.25"]) == (
+        "its config differs in trainer.max_steps")
+
+
+def test_the_unfinished_sweep_of_this_command_is_found(tmp_path):
+    from omegaconf import OmegaConf
+
+    from train.requeue import find_unfinished_sweep
+
+    mine = {"sparsity": {"l1_coeff": 0.5}, "trainer": {"max_steps": 6}}
+    over = ["sparsity.l1_coeff=0.5,0.25", "trainer.max_steps=6"]
+    root = tmp_path / "runs" / "multirun"
+
+    def sweep(name: str, done: tuple[int, ...], overrides=over) -> Path:
+        d = root / "day" / name
+        d.mkdir(parents=True)
+        (d / "multirun.yaml").write_text(OmegaConf.to_yaml(
+            {**mine, "hydra": {"overrides": {"task": overrides}, "sweep": {"dir": str(d)}}}))
+        for i in done:
+            (d / str(i)).mkdir()
+            (d / str(i) / "summary.json").write_text("{}")
+        return d
+
+    sweep("a", (0, 1))  # every job finished
+    sweep("b", (0,), overrides=["sparsity.l1_coeff=0.5,0.1", "trainer.max_steps=6"])  # another
+    assert find_unfinished_sweep(mine, over, root, 2) is None
+    c = sweep("c", (0,))  # job 1 never ran
+    assert find_unfinished_sweep(mine, over, root, 2) == c
+
+
+def test_a_requeued_sweep_continues_in_its_own_sweep_dir(tokens, tmp_path):
+    """``-m`` with the default, timestamped sweep dir, stopped by SIGTERM in its job 1: the stop
+    line names the sweep's folder, and the same command started again resumes the jobs there
+    (job 0, finished, is not trained again)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    cmd = [sys.executable, "-m", "train", "-m", "data=tokens", f"data.paths=[{tokens}]", *SMALL,
+           "trainer.max_steps=6", "trainer.log_every=1", "sparsity.l1_coeff=0.5,0.25"]
+    p = subprocess.Popen(cmd, cwd=work, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 240 and p.poll() is None:
+        job1 = list((work / "runs" / "multirun").glob("*/*/1/metrics.jsonl"))
+        if job1 and job1[0].read_text().count('"kind": "train"') >= 2:
+            p.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.02)
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 143, err[-3000:]
+    (sweep,) = (work / "runs" / "multirun").glob("*/*")
+    line = next(ln for ln in out.splitlines() if ln.startswith("received SIGTERM at step "))
+    step = int(line.split(" at step ")[1].split(":")[0])
+    assert step < 6 and f"re-run the same command with hydra.sweep.dir={sweep} to resume" in line
+    assert (sweep / "0" / "summary.json").is_file() and not (sweep / "1" / "summary.json").exists()
+
+    r = subprocess.run(cmd, cwd=work, env=ENV, capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"this sweep's unfinished run is {sweep}: continuing its jobs" in r.stdout
+    assert list((work / "runs" / "multirun").glob("*/*")) == [sweep]
+    assert f"resumed from {sweep / '0' / 'checkpoints' / 'step6'} at step 6" in r.stdout
+    assert f"resumed from {sweep / '1' / 'checkpoints' / f'step{step}'} at step {step}" in r.stdout
+    assert f"training steps {step + 1}-6 of 6" in r.stdout  # job 1's rest, nothing of job 0
+    assert r.stdout.count("training steps") == 1
+    assert json.loads((sweep / "1" / "summary.json").read_text())["step"] == 6
+
+
+@pytest.mark.parametrize("value", ["/runs/2026-12-01/10-00-00", "/a b/c,d", "/it's/x=y",
+                                   "/x/${now:%H}"])
+def test_override_arg_reads_back_as_the_value(value):
+    """The advice's ``hydra.run.dir=...`` survives the shell and Hydra's override parser."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from train.requeue import override_arg
+
+    (arg,) = shlex.split(override_arg("hydra.run.dir", value))
+    (o,) = OverridesParser.create().parse_overrides([arg])
+    assert o.key_or_group == "hydra.run.dir" and o.value() == value
+
+
+def test_a_refused_trainer_leaves_no_lock_file_behind(tokens, tmp_path):
+    """A folder copied without its .lock, holding another run: the trainer refused there does
+    not leave the lock file it made."""
+    import shutil
+
+    from tests.train_utils import tiny_config, train_run
+    from train.config import ConfigError
+    from train.trainer import Trainer
+
+    train_run(tiny_config(tokens, **{"trainer.max_steps": 1}), tmp_path / "src")
+    run = tmp_path / "run"
+    shutil.copytree(tmp_path / "src", run, ignore=shutil.ignore_patterns(".lock"))
+    before = _snapshot(run)
+    with pytest.raises(ConfigError, match="holds a run with another config"):
+        Trainer(tiny_config(tokens, **{"trainer.max_steps": 1, "sparsity.l1_coeff": 0.5}), run)
+    assert _snapshot(run) == before and not (run / ".lock").exists()
