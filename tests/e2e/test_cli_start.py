@@ -102,8 +102,8 @@ def _train_cli(*args, cwd=ROOT, timeout=300):
                               "could not be converted to Integer; give trainer.max_steps a value "
                               "of its type")),
     ("model=tinyy", ("ConfigError: model=tinyy: no such option of the config group model; its "
-                    "options: 0p5b, 1b, 1p5b, 2b, pretrained, small_l12, small_l2, small_l4, "
-                    "small_l8, tiny.")),
+                    "options: " + ", ".join(sorted(p.stem for p in (ROOT / "configs" / "model")
+                                                   .glob("*.yaml"))) + ".")),
     ("trainer.max_steps=[1", "ConfigError: cannot parse the override 'trainer.max_steps=[1': "),
     ("accelerate=ddp", ("ConfigError: accelerate=ddp: configs/accelerate/ holds launch configs of "
                        "`accelerate launch`, not a twell-train config group; launch with "
