@@ -26,7 +26,6 @@ from __future__ import annotations
 import fcntl
 import os
 import re
-import shlex
 import sys
 from pathlib import Path
 
@@ -50,8 +49,10 @@ def hydra_override(key: str, value) -> str:
 def override_arg(key: str, value) -> str:
     """``key=value`` as one command-line argument that the shell and Hydra both read back as
     ``value`` (quoted only when needed)."""
+    from train.checkpoint import shell_quote  # $'...' when it holds a newline: one line
+
     arg = hydra_override(key, value)
-    return arg if _PLAIN.fullmatch(str(value)) else shlex.quote(arg)
+    return arg if _PLAIN.fullmatch(str(value)) else shell_quote(arg)
 
 
 def timestamp_root(pattern: str) -> tuple[Path, int] | None:

@@ -1,4 +1,4 @@
-"""Everything a run folder holds is untrusted (issue 33): checkpoint names, hashes, links, YAML
+"""Everything a run folder holds is untrusted: checkpoint names, hashes, links, YAML
 tags, weights (NaN, integer, other shapes), custom code asked for by a config, and what every
 loader that picks "the newest checkpoint" takes; plus out-of-memory and stop signals that lose
 no finished step. Tiny fp32 CPU runs, in-process unless the CLI's exit code is what is tested."""
@@ -497,7 +497,8 @@ def test_a_run_dir_with_a_newline_is_quoted_in_the_advice(tokens, tmp_path):
                   stop_at_step=1)
     advice = t.resume_advice()
     assert "\n" not in advice
-    assert advice == f"re-run the same command to resume from $'{tmp_path}/a\\nb c/checkpoints/step1'"
+    assert advice.endswith(f" to resume from $'{tmp_path}/a\\nb c/checkpoints/step1'"), advice
+    assert advice.startswith("re-run the same command with $'hydra.run.dir="), advice
 
 
 def test_a_metrics_line_cut_short_is_dropped_on_resume(tokens, tmp_path, capsys):

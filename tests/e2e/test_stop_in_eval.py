@@ -116,7 +116,7 @@ def test_sigterm_in_the_final_evaluation_leaves_no_summary_and_the_resume_redoes
 
 
 def test_sigterm_in_the_evaluation_before_training_stops_without_a_checkpoint(
-        tokens, tmp_path, slow_evals):
+        tokens, tmp_path, slow_evals, capsys):
     run = tmp_path / "run"
     t = _trainer(tokens, run, **{"trainer.max_steps": 3, "eval.at_start": True})
     try:
@@ -125,8 +125,14 @@ def test_sigterm_in_the_evaluation_before_training_stops_without_a_checkpoint(
     finally:
         t.close()
     assert len(slow_evals) == 1 and not (run / "checkpoints").exists()
-    assert str(err.value) == ("received SIGTERM at step 0: no checkpoint was written; re-running "
-                              "the same command starts over (exit code 143)")
+    # no step finished: the first signal stops at once (nothing would be lost), and the line
+    # twell-train prints for it says so and how to go on
+    assert err.value.first and err.value.exit_code == 143
+    assert t.interrupted(err.value) == 143
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == ("received SIGTERM: stopped at once (no step finished since the last "
+                    "checkpoint, so none is lost) at step 0; newest complete checkpoint: none; "
+                    "no checkpoint was written; re-running the same command starts over"), line
     assert read_metrics(run) == []  # not a step trained
 
 

@@ -648,10 +648,10 @@ def test_dw_launch_fits_the_gathered_slices_in_l2():
     from twell.ops.launch import CONFIG, dw_launch, kernel_config
 
     l2 = CONFIG["dw_l2_bytes"]
-    assert l2 == 32 * 2**20
-    # N 32768 bf16 x and dy: 4 bytes a column element -> 32 MiB / (32768 * 4) = 256 columns
-    assert dw_launch(32768, 2048, 4) == (256, True)
-    assert dw_launch(16384, 2048, 4) == (512, True)
+    assert l2 == 16 * 2**20
+    # N 32768 bf16 x and dy: 4 bytes a column element -> 16 MiB / (32768 * 4) = 128 columns
+    assert dw_launch(32768, 2048, 4) == (128, True)
+    assert dw_launch(16384, 2048, 4) == (256, True)
     assert dw_launch(4096, 2048, 4) == (1024, True)  # 2048 would fit: capped at 1024
     assert dw_launch(1 << 20, 2048, 4) == (128, True)  # nothing fits: the narrowest slice
     assert dw_launch(16384, 48, 4) == (64, True)  # at most D's power of 2

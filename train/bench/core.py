@@ -38,7 +38,6 @@ from train.bench.source import (
     reference_checks,
     train_bench_model,
 )
-from train.liger import liger_enabled, use_liger
 from train.bench.steps import (
     STATIC_BYTES_PER_PARAM,
     Clock,
@@ -48,6 +47,7 @@ from train.bench.steps import (
     log,
     time_steps,
 )
+from train.liger import liger_enabled, use_liger
 from train.memory import Candidate
 
 

@@ -30,7 +30,7 @@ batch = 8 sequences of 2048, 200 steps, no recomputation, seed 42 (init and data
 train in dense mode (``model.ffn_impl=torch``, ``trainer.dense_ffn_fused=true``: cuBLAS and one
 fused pass each way), not ``auto``: ``auto`` picks each layer's path from timings, so two runs
 would differ in which kernels (and which bf16 roundings) made the model, and the sparse rows of
-two fresh benchmarks differed by 10 % on models of held-out L0 37.0 and 34.7 (issue 29).
+two fresh benchmarks differed by 10 % on models of held-out L0 37.0 and 34.7 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -194,8 +194,8 @@ def check_config(config: list[str]) -> None:
 
 
 __all__ = [
-    "CONTROLLED",
     "BASELINE_PATHS",
+    "CONTROLLED",
     "DENSE_PATHS",
     "EXPERIMENTS",
     "FFNS",

@@ -38,7 +38,7 @@ PROBE_COLUMNS = ["size", "ffn", "micro_batch", "recompute", "peak_gb", "step_pea
                  "tok_per_ms"]
 PROFILE_COLUMNS = ["size", "layer", "tokens", "l0", "l0_max", "dead_pct", "hot1_share",
                    "heavy_frac"]
-TARGETS = {  # issue 29's targets the ratios are read against (None: no target at that size)
+TARGETS = {  # the targets the ratios are read against (None: no target at that size)
     "sparse_vs_dense": 1.3,
     "dense_vs_liger": 0.98,
     "auto_vs_best": 0.98,

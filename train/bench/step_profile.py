@@ -27,8 +27,7 @@ other              the rest (memset, sort, scan, index, ...)
 Besides the families: the step's time (CUDA events, outside the profiler), the kernels' sum
 (the GPU's busy time; the rest is idle: launch gaps and host waits) and the host
 synchronisations (``cudaStreamSynchronize`` / ``cudaEventSynchronize`` / ``cudaDeviceSynchronize``
-calls) per step. Source of the question: issue 29 (``BENCHMARKS.md``, "Where the step's time
-goes").
+calls) per step. Results: ``BENCHMARKS.md``, "Where the step's time goes".
 """
 
 from __future__ import annotations
@@ -48,14 +47,15 @@ _NAME_RULES = (  # (family, pattern on the kernel name), first match wins
     ("norm", r"rms_norm|layer_norm|rmsnorm"),
     ("rope", r"rope|rotary"),
     ("loss", r"cross_entropy|softmax|nll_loss|log_softmax"),
-    ("ffn_triton", r"^_?(compact|sddmm|spmm|dw_|pack|twell|backup|dense_fwd|dense_bwd|hot|"
-                   r"relu_mul|ew_|gated)"),
+    ("ffn_triton", (r"^_?(compact|sddmm|spmm|dw_|pack|twell|backup|dense_fwd|dense_bwd|hot|"
+                    r"relu_mul|ew_|gated)")),
     ("optimizer", r"multi_tensor|adam|foreach|fused_adam|clip"),
     ("cast", r"copy|cast|convert|to_dtype"),
     ("reduction", r"reduce|_sum|norm_kernel|mean|amax"),
     ("elementwise", r"elementwise|vectorized|unrolled|pointwise|triton_poi"),
 )
-_GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|cublas|wgmma|matmul|triton_tem", re.I)
+_GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|cublas|wgmma|matmul|triton_tem",
+                   re.IGNORECASE)
 
 
 def kernel_family(kernel: str, op: str | None, shapes, dims: dict) -> str:
@@ -250,7 +250,6 @@ def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, wa
     from train.bench.stages import build_our_trainer, use_ffn
     from train.bench.steps import HFStep, batches_from, build_hf, free_memory, is_oom, log
     from train.memory import Plan
-
     from twell.ops.launch import kernel_config
 
     specs = {p: split_profile_path(p) for p in paths}
@@ -266,7 +265,8 @@ def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, wa
             if base in BASELINE_PATHS:
                 step = HFStep(build_hf(cfg, run.bm.weights, run.device, variant=base),
                               run.cfg1.optim, run.bf16)
-                fn = lambda: step(batches)  # noqa: E731
+                def fn(step=step, batches=batches):
+                    step(batches)
             else:
                 tr = build_our_trainer(run, (["trainer.liger=false"] if flag == "noliger"
                                              else []) + extra)
@@ -275,7 +275,8 @@ def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, wa
                 tr.plan.reset_capacities()
                 tr.model.train()
                 interval = tr.new_interval()
-                fn = lambda: tr.train_step(batches, interval)  # noqa: E731
+                def fn(tr=tr, batches=batches, interval=interval):
+                    tr.train_step(batches, interval)
             with kernel_config(**launch):
                 out[p] = prof = profile_step(fn, run.device, dims, steps=steps, warmup=warmup,
                                              timed=timed)
@@ -311,8 +312,8 @@ def write_profile(out_dir, size: str, micro: int, profiles: dict[str, StepProfil
     tokens = micro * seq_len
     table = family_table(profiles, tokens)
     stem = out_dir / f"step_profile_{size}_m{micro}"
-    lines = [f"# Step profile: {size}, micro-batch {micro} x {seq_len}, no recomputation, "
-             f"held-out L0 {l0:.1f}", "", table, ""]
+    lines = [(f"# Step profile: {size}, micro-batch {micro} x {seq_len}, no recomputation, "
+              f"held-out L0 {l0:.1f}"), "", table, ""]
     for name, p in profiles.items():
         lines += [f"## {name}: longest kernels (ms per step, calls per step)", "",
                   "| ms | calls | family | kernel |", "|---|---|---|---|"]
