@@ -82,6 +82,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def _micro_batches(text: str) -> tuple[int, ...]:
+    """``--profile-micro``'s comma-separated micro-batches.
+
+    Raises:
+        ValueError: an item that is not an integer >= 1 (one line naming it).
+    """
+    out = []
+    for x in filter(None, text.split(",")):
+        if not x.strip().isdigit() or int(x) < 1:
+            raise ValueError(f"--profile-micro: {x!r} is not a micro-batch (an integer >= 1)")
+        out.append(int(x))
+    return tuple(out)
+
+
 def settings(a: argparse.Namespace) -> BenchSettings:
     """The :class:`train.bench.BenchSettings` of the command line (``--smoke``: its own
     defaults, the options given on top)."""
@@ -95,7 +109,7 @@ def settings(a: argparse.Namespace) -> BenchSettings:
               "train_budget_s": a.train_budget, "config": list(a.config),
               "work_dir": a.work_dir, "plots": a.plots, "acts_dir": a.acts_dir,
               "acts_tokens": a.acts_tokens,
-              "profile_micro": tuple(int(x) for x in a.profile_micro.split(",") if x),
+              "profile_micro": _micro_batches(a.profile_micro),
               "profile_paths": tuple(x for x in a.profile_paths.split(",") if x),
               "profile_only": a.profile_only, "save_model": a.save_model,
               "settle": SettleRule(a.until_settled, a.settle_window, a.settle_tolerance,
@@ -119,8 +133,9 @@ def main(argv=None) -> int:
                                                  if a.equal_micro else {})))
             return 0
         s = settings(a)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"bench_model: {e}")
+    except (ValueError, FileNotFoundError) as e:  # one line, exit code 2 (bad input)
+        print(f"bench_model: {e}", file=sys.stderr)
+        return 2
     print(run_bench(s))
     print(f"outputs: {s.out}")
     return 0

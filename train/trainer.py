@@ -468,13 +468,17 @@ class Trainer:
         # the fused non-FFN ops (RMSNorm, RoPE, the loss): Liger-Kernel's where it runs
         # (train/liger.py), transformers' own elsewhere (the CPU, compiled runs)
         self.fused_loss = None  # "liger" | "ours" | None: who computes the loss without logits
+        if t.liger and self.device.type != "cuda":
+            self._print("trainer.liger=true: Liger-Kernel's kernels run on CUDA only; this "
+                        f"{self.device.type} run keeps transformers' norms, RoPE and loss")
         if liger_enabled(t.liger, device_type=self.device.type, precision=precision,
                          compile=t.compile):
             # the fused loss: not with distillation (ours + KL replaces it) nor FSDP (the LM
             # head weight is a sharded DTensor outside its module's forward: untested)
             liger_loss = not cfg.distill and not self.fsdp
             use_liger(model, fused_linear_ce=liger_loss, norm_out_autocast=True)
-            self.fused_loss = "liger" if liger_loss else None
+            # (on the CPU, where a forced trainer.liger=true falls back, transformers' loss)
+            self.fused_loss = "liger" if liger_loss and self.device.type == "cuda" else None
         self.teacher = None  # sparsity.distill_from: the frozen source model, the KL's target
         if cfg.distill:
             from train import pretrained

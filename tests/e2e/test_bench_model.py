@@ -441,3 +441,26 @@ def test_smoke_from_a_checkpoint(tmp_path):
     meta = json.loads((out / "bench_meta.json").read_text())["sizes"]["smoke"]
     assert meta["source"].startswith(f"checkpoint {ckpt} (2 steps") and meta["steps"] == 2
     assert [s for s, _ in meta["history"]] == [1, 2]  # the run's metric lines
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--profile-micro", "x"], "bench_model: --profile-micro: 'x' is not a micro-batch"),
+    (["--profile-micro", "0"], "bench_model: --profile-micro: '0' is not a micro-batch"),
+    (["--profile-paths", "foo"], "bench_model: profile path 'foo': unknown 'foo'"),
+])
+def test_bad_profile_options_are_one_line_with_exit_code_2(args, want):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), WANDB_MODE="disabled")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120, check=False)
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(err) == 1 and err[0].startswith(want), r.stderr
+
+
+@pytest.mark.slow
+def test_profile_on_the_cpu_says_it_is_skipped(tmp_path):
+    r = _run_script("--smoke", "--profile-micro", "2", "--profile-only", "--out",
+                    str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"))
+    assert "smoke: --profile-micro skipped: torch.profiler's CUDA kernel times need a GPU" in \
+        r.stdout
+    assert not list((tmp_path / "out").glob("step_profile_*"))

@@ -139,3 +139,23 @@ def test_cuda_loss_and_gradients_match_the_stock_model(recompute, cast_out):
         scale = p.grad.abs().max().item()
         err = (q.grad - p.grad).abs().max().item()
         assert err <= 0.05 * scale + 1e-6, f"{name}: max |diff| {err:.3g} of {scale:.3g}"
+
+
+def test_liger_true_on_the_cpu_says_it_keeps_transformers_code(tmp_path, capsys):
+    """trainer.liger=true is no error on the CPU (a config shared with GPU runs), but the run
+    says in one line that Liger's kernels do not run there; the model keeps its stock forward."""
+    from tests.train_utils import tiny_config, write_tokens
+    from train.trainer import Trainer
+
+    cfg = tiny_config(write_tokens(tmp_path / "t.bin", n_tokens=4000),
+                      **{"trainer.max_steps": 1, "trainer.liger": True})
+    t = Trainer(cfg, tmp_path / "run")
+    try:
+        out = capsys.readouterr().out
+        assert ("trainer.liger=true: Liger-Kernel's kernels run on CUDA only; this cpu run keeps "
+                "transformers' norms, RoPE and loss") in out
+        model = t.acc.unwrap_model(t.model)
+        # on the CPU the patched forwards fall back to the stock ones; the loss is transformers'
+        assert t.fused_loss is None and "forward" in vars(model)
+    finally:
+        t.close()

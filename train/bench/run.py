@@ -40,7 +40,10 @@ def run_bench(s: BenchSettings) -> str:
         try:
             run = prepare(s, size, clock, work, smoke_tokens)
             profile += [{"size": size, **r} for r in run.checks["profile"]]
-            if s.profile_micro and run.device.type == "cuda":
+            if s.profile_micro and run.device.type != "cuda":
+                log(f"{size}: --profile-micro skipped: torch.profiler's CUDA kernel times "
+                    "need a GPU")
+            elif s.profile_micro:
                 for micro in s.profile_micro:
                     profs = profile_paths(run, micro, s.profile_paths)
                     print(write_profile(s.out, size, micro, profs, run.seq_len,
