@@ -35,7 +35,8 @@ the steps they record. Source of the layout: OLMo-core's ``train/checkpoint.py``
 
 Everything in a run dir is untrusted, names and links included: the files the trainer writes
 there are opened without following a symbolic link (:func:`open_run_file`, :func:`write_atomic`),
-and YAML read from it goes through :func:`load_yaml` (plain data only, a bad file named).
+the folders it writes into must be folders, not links (:func:`check_run_dir`), and YAML read
+from it goes through :func:`load_yaml` (plain data only, a bad file named).
 """
 
 from __future__ import annotations
@@ -185,18 +186,20 @@ def open_run_file(path: str | Path, mode: str = "a"):
         raise
 
 
-# what the trainer writes (or deletes) in a run dir: files, and folders whose entries it renames
-# and deletes (rotation); Hydra's .hydra/ and wandb's wandb/ are theirs
+# what is written (or deleted) in a run dir: the trainer's files, and the folders written into:
+# checkpoints/ (entries renamed and deleted by rotation), .hydra/ (twell-train's record of the
+# composed config) and wandb/ (wandb's run, logging.wandb_mode=online|offline)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "train.log", "error.txt",
              "wandb_id.txt", ".lock")
-RUN_FOLDERS = ("checkpoints",)
+RUN_FOLDERS = ("checkpoints", ".hydra", "wandb")
 
 
 def check_run_dir(run_dir: str | Path) -> None:
     """Refuse a run dir in which the trainer would write through a link: any of
     :data:`RUN_FILES` that is a symbolic link, a hard link or not a regular file (a FIFO, a
-    device, a folder), ``checkpoints/`` as a link, or a link inside it. Called before anything is written
-    (the lock included), so a refused run touches nothing.
+    device, a folder); any of :data:`RUN_FOLDERS` that is a link or not a folder; a link inside
+    ``checkpoints/``. Called before anything is written (the lock included), so a refused run
+    touches nothing.
 
     Raises:
         CheckpointError: one line naming the entry, where it points, and the way out.
@@ -214,6 +217,23 @@ def check_run_dir(run_dir: str | Path) -> None:
         if p.name in RUN_FILES and p.is_file() and p.stat().st_nlink > 1:
             raise _no_follow_error(p, what=f"a hard link ({p.stat().st_nlink} names share its "
                                            "bytes, an append would change the others)")
+        if p.parent == run_dir and p.name in RUN_FOLDERS and p.exists() and not p.is_dir():
+            raise _no_follow_error(p, what="not a folder")
+
+
+def check_run_folder(path: str | Path) -> None:
+    """Refuse a folder of a run dir (``.hydra/``, ``wandb/``) that is a symbolic link or not a
+    folder, right before it is written into (:func:`check_run_dir` checks them at the start;
+    this catches one made since).
+
+    Raises:
+        CheckpointError: one line naming it and the way out.
+    """
+    p = Path(path)
+    if p.is_symlink():
+        raise _no_follow_error(p, what=f"a symbolic link (to {shell_quote(os.readlink(p))})")
+    if p.exists() and not p.is_dir():
+        raise _no_follow_error(p, what="not a folder")
 
 
 def write_atomic(path: str | Path, text: str) -> None:

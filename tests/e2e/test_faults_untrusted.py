@@ -600,3 +600,45 @@ def test_weights_that_became_nan_are_never_saved_as_a_good_checkpoint(tokens, tm
     assert msg.startswith(f"weights hold NaN or inf after step 3 ({W0} (1 of 2048))")
     assert msg.endswith(f"last good checkpoint: {run / 'checkpoints' / 'step2'}")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step2"]
+
+
+# ------------------------------------------------------------------ 33: where a run writes
+
+
+@pytest.mark.parametrize("name", [".hydra", "wandb"])
+def test_a_linked_folder_the_run_writes_into_is_refused(tokens, tmp_path, name):
+    """.hydra/ (twell-train's record of the config) or wandb/ (an offline wandb run) as a link
+    to a folder elsewhere: one line naming it before anything is written; the folder it points
+    to stays empty (the run wrote config.yaml, hydra.yaml, overrides.yaml or wandb's run there)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).symlink_to(outside, target_is_directory=True)
+    cfg = tiny_config(tokens, **{"trainer.max_steps": 1, "logging.wandb_mode": "offline"})
+    with pytest.raises(ckpt_io.CheckpointError) as err:
+        train_run(cfg, run)
+    assert one_line(err).startswith(f"{run / name} is a symbolic link (to {outside})")
+    assert list(outside.iterdir()) == [] and sorted(p.name for p in run.iterdir()) == [name]
+    (run / name).unlink()
+    (run / name).write_text("not a folder")  # Hydra's mkdir would fail with a traceback
+    with pytest.raises(ckpt_io.CheckpointError, match=f"{run / name} is not a folder"):
+        train_run(cfg, run)
+
+
+def test_the_cli_writes_no_hydra_record_through_a_link(tokens, tmp_path):
+    """The CLI (which writes .hydra/ once the run dir is its own) refuses a linked .hydra in
+    one line with exit code 2 and writes nothing into the folder it points to."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".hydra").symlink_to(outside, target_is_directory=True)
+    r = subprocess.run(_cli(run, tokens), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"CheckpointError: {run / '.hydra'} is a symbolic link (to {outside})")
+    assert list(outside.iterdir()) == [] and "Traceback" not in r.stderr
+
+
