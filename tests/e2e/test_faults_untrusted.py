@@ -642,3 +642,58 @@ def test_the_cli_writes_no_hydra_record_through_a_link(tokens, tmp_path):
     assert list(outside.iterdir()) == [] and "Traceback" not in r.stderr
 
 
+def _outside_index(ckpt: Path, outside: Path, how: str) -> str:
+    """Move ``ckpt``'s weights out of the folder and record an index naming them there
+    (``abs``: the absolute path, ``up``: a ``../`` path, ``link``: a link in the folder to them);
+    re-recorded, so the folder passes its SHA-256 checks. Returns the name the index holds."""
+    target = outside / "outside.safetensors"
+    shutil.move(ckpt / "model.safetensors", target)
+    name = {"abs": str(target), "up": os.path.relpath(target, ckpt),
+            "link": "model-00001-of-00001.safetensors"}[how]
+    if how == "link":
+        (ckpt / name).symlink_to(target)
+    keys = load_file(str(target)).keys()
+    (ckpt / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(keys, name)}))
+    if how != "link":  # a link fails verification anyway; the loaders refuse it themselves too
+        _rerecord(ckpt)
+    return name
+
+
+@pytest.mark.parametrize("how", ["abs", "up", "link"])
+def test_an_index_naming_weights_outside_the_checkpoint_is_refused(tokens, saved, tmp_path,
+                                                                    capsys, monkeypatch, how):
+    """A recorded model.safetensors.index.json whose weight_map names a file outside the folder
+    (absolute, ../, or through a link): twell.hf.load_model, twell-eval and model.init_from
+    refuse it in one line, before any weight is read (they loaded the outside file, covered by
+    no hash)."""
+    from evals.cli import main
+    from twell.hf import CheckpointError, load_model, safetensors_files
+
+    _no_tokenizer(monkeypatch)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    step4 = _copy(saved, tmp_path / "run") / "checkpoints" / "step4"
+    name = _outside_index(step4, outside, how)
+    index = step4 / "model.safetensors.index.json"
+    want = (f"{step4 / name} is a symbolic link" if how == "link" else
+            f"{index} names the weight file {name!r}, which is not a plain file name inside "
+            f"{step4}")
+    with pytest.raises(CheckpointError) as err:
+        safetensors_files(step4)
+    assert one_line(err).startswith(want)
+    if how != "link":  # verified: these pass metadata.json; the name is what is refused
+        assert ckpt_io.verify(step4) == []
+        with pytest.raises(CheckpointError) as err:
+            load_model(step4)
+        assert one_line(err).startswith(want)
+        assert main([f"checkpoint={step4}", "tasks=arc_easy", "limit=1", "progress=false",
+                     f"tokenizer={step4}", f"out={tmp_path / 'out'}"]) == 2
+        line = capsys.readouterr().err.strip().splitlines()
+        assert len(line) == 1 and line[0].startswith(f"twell-eval: CheckpointError: {want}")
+        with pytest.raises(ConfigError) as err:
+            Trainer(tiny_config(tokens, **{"model.init_from": str(step4)}), tmp_path / "init")
+        assert one_line(err).startswith(f"model.init_from={str(step4)!r}: {want}")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "init").exists()
+
+
