@@ -684,6 +684,53 @@ def verify(ckpt: str | Path, checksums: bool = True) -> list[str]:
     return problems
 
 
+# the tensor files a resume loads and checks (check_weights, check_optimizer_state)
+RESUMED_TENSORS = ("model.safetensors", "optimizer.safetensors")
+
+
+def tensor_problems(ckpt: str | Path, like: str | Path) -> list[str]:
+    """What a resume would refuse in the tensors of ``ckpt`` (one that passes :func:`verify`),
+    judged against ``like``, a checkpoint of the same run: its model and optimizer tensors
+    (:data:`RESUMED_TENSORS`) with other names, shapes or dtypes than ``like``'s, or holding NaN
+    / inf (as :meth:`train.trainer.Trainer.resume` refuses them while loading:
+    :func:`check_weights`, :func:`check_optimizer_state`). Reads one tensor at a time. A file
+    missing from either folder (a previous-format ``optimizer.pt``) is not compared.
+
+    Returns:
+        Short phrases naming the file and tensor (empty: the tensors would load).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    def header(f: Path) -> dict:
+        with safe_open(str(f), "pt") as st:
+            keys = list(st.keys())
+            return {k: (str(st.get_slice(k).get_dtype()), tuple(st.get_slice(k).get_shape()))
+                    for k in keys}
+
+    ckpt, like = Path(ckpt), Path(like)
+    problems = []
+    for name in RESUMED_TENSORS:
+        f, ref = ckpt / name, like / name
+        if not (f.is_file() and ref.is_file()):
+            continue
+        try:
+            have, want = header(f), header(ref)
+            if have != want:
+                diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+                problems.append(f"{name}: tensor {', '.join(diff[:3])} differs from "
+                                f"{like.name}'s (name, shape or dtype)")
+                continue
+            with safe_open(str(f), "pt") as st:
+                for k in list(st.keys()):
+                    t = st.get_tensor(k)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        problems.append(f"{name}: tensor {k} holds NaN or inf values")
+                        break
+        except (SafetensorError, OSError) as e:
+            problems.append(f"{name} is not a complete safetensors file ({e})")
+    return problems
+
+
 def _described(problem: str) -> str:
     """``"optimizer.json is missing"`` -> ``"optimizer.json (optimizer state) is missing"``."""
     name, sep, rest = problem.partition(" is missing")

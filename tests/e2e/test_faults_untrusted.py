@@ -697,3 +697,47 @@ def test_an_index_naming_weights_outside_the_checkpoint_is_refused(tokens, saved
     assert not (tmp_path / "out").exists() and not (tmp_path / "init").exists()
 
 
+# ------------------------------------------------------------------ 33: the advice works
+
+
+def test_resume_from_the_run_dir_continues_past_a_damaged_newest_checkpoint(tokens, saved,
+                                                                              tmp_path, capsys):
+    """step4 fails its SHA-256: trainer.resume=<the run dir> in that run dir (README: its newest
+    intact checkpoint) resumes step2 with a warning naming step4 (it was refused: "already
+    holds newer or other checkpoints (step4)"), and the save of step 4 replaces the damaged
+    one with an intact checkpoint."""
+    run = _copy(saved, tmp_path / "run")
+    step2, step4 = run / "checkpoints" / "step2", run / "checkpoints" / "step4"
+    _flip_byte(step4 / "model.safetensors")
+    t = Trainer(tiny_config(tokens, **SAVE, **{"trainer.resume": str(run)}), run)
+    assert t.step == 2 and t.last_ckpt == step2
+    assert f"skipping damaged checkpoint {step4}" in capsys.readouterr().err
+    t.train()
+    t.close()
+    assert ckpt_io.verify(step4) == [] and ckpt_io.latest_checkpoint(run) == step4
+    assert ckpt_io.lineage_id(step4) == ckpt_io.lineage_id(step2)  # the run's own line
+
+
+def test_the_advice_after_a_nan_checkpoint_works_in_the_same_run_dir(tokens, saved, tmp_path):
+    """step4 holds a NaN weight (hashes re-recorded): resume=auto refuses it naming
+    trainer.resume=<step2>; that command, in the same run dir, resumes step2 (it was refused
+    because of the NaN step4) and trains to a finite step4. An intact newer checkpoint still
+    refuses the branch."""
+    run = _copy(saved, tmp_path / "run")
+    step2, step4 = run / "checkpoints" / "step2", run / "checkpoints" / "step4"
+    w = load_file(str(step4 / "model.safetensors"))[W0]
+    w[0, 0] = float("nan")
+    _edit_weights(step4, **{W0: w})
+    nan4 = shutil.copytree(step4, tmp_path / "nan4")
+    with pytest.raises(ckpt_io.CheckpointError) as err:
+        Trainer(tiny_config(tokens, **SAVE), run)
+    assert f"resume an older intact checkpoint (trainer.resume={step2})" in one_line(err)
+    t = train_run(tiny_config(tokens, **SAVE, **{"trainer.resume": str(step2)}), run)
+    assert t.step == 4 and ckpt_io.verify(step4) == []
+    assert ckpt_io.tensor_problems(step4, like=step2) == []
+    assert ckpt_io.tensor_problems(nan4, like=step2) == [
+        f"model.safetensors: tensor {W0} holds NaN or inf values"]
+    with pytest.raises(ConfigError, match=r"already holds newer or other checkpoints \(step4\)"):
+        Trainer(tiny_config(tokens, **SAVE, **{"trainer.resume": str(step2)}), run)
+
+
