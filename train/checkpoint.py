@@ -35,7 +35,8 @@ the steps they record. Source of the layout: OLMo-core's ``train/checkpoint.py``
 
 Everything in a run dir is untrusted, names and links included: the files the trainer writes
 there are opened without following a symbolic link (:func:`open_run_file`, :func:`write_atomic`),
-the folders it writes into must be folders, not links (:func:`check_run_dir`), and YAML read
+the folders it writes into must be folders, not links (:func:`check_run_dir`), a ``step{N}``
+entry no save made is refused rather than deleted (:func:`foreign_step_entry`), and YAML read
 from it goes through :func:`load_yaml` (plain data only, a bad file named).
 """
 
@@ -195,11 +196,13 @@ RUN_FOLDERS = ("checkpoints", ".hydra", "wandb")
 
 
 def check_run_dir(run_dir: str | Path) -> None:
-    """Refuse a run dir in which the trainer would write through a link: any of
-    :data:`RUN_FILES` that is a symbolic link, a hard link or not a regular file (a FIFO, a
-    device, a folder); any of :data:`RUN_FOLDERS` that is a link or not a folder; a link inside
-    ``checkpoints/``. Called before anything is written (the lock included), so a refused run
-    touches nothing.
+    """Refuse a run dir in which the trainer would write through a link or delete what is not
+    its own: any of :data:`RUN_FILES` that is a symbolic link, a hard link or not a regular
+    file (a FIFO, a device, a folder); any of :data:`RUN_FOLDERS` that is a link or not a
+    folder; a link inside ``checkpoints/``; and a ``checkpoints/step{N}`` that no save made
+    (:func:`foreign_step_entry`: a file, or a folder without ``metadata.json``; a save of that
+    step would delete it). Called before anything is written (the lock included), so a refused
+    run touches nothing.
 
     Raises:
         CheckpointError: one line naming the entry, where it points, and the way out.
@@ -219,6 +222,10 @@ def check_run_dir(run_dir: str | Path) -> None:
                                            "bytes, an append would change the others)")
         if p.parent == run_dir and p.name in RUN_FOLDERS and p.exists() and not p.is_dir():
             raise _no_follow_error(p, what="not a folder")
+        if p.parent == root:
+            foreign = foreign_step_entry(p)
+            if foreign:
+                raise CheckpointError(foreign)
 
 
 def check_run_folder(path: str | Path) -> None:
@@ -234,6 +241,26 @@ def check_run_folder(path: str | Path) -> None:
         raise _no_follow_error(p, what=f"a symbolic link (to {shell_quote(os.readlink(p))})")
     if p.exists() and not p.is_dir():
         raise _no_follow_error(p, what="not a folder")
+
+
+def foreign_step_entry(p: Path) -> str | None:
+    """Why ``p``, an entry of ``checkpoints/`` named ``step{N}``, is not a checkpoint a save
+    made (None: it is one, intact or damaged, or not such a name). A save writes
+    ``.step{N}.tmp`` and renames it into place once its ``metadata.json`` is written, so a
+    ``step{N}`` that is a file, or a folder without ``metadata.json``, was put there by someone
+    else: saving that step would delete it, so it is refused instead (the user moves it)."""
+    if folder_step(p) is None:
+        return None
+    if p.is_symlink() or not p.exists():
+        return None  # a link is refused as one; a missing entry is nobody's
+    if p.is_dir() and (p / hf.METADATA).exists():
+        return None
+    what = ("a folder without metadata.json" if p.is_dir()
+            else "a file" if p.is_file() else "not a folder")
+    return (f"{p} is {what}: not a checkpoint twell saved (a save renames a complete "
+            f"folder with its metadata.json into place; this is someone's files or a copy cut "
+            f"short), and saving step {folder_step(p)} would delete it; move it out of "
+            f"{p.parent} (mv {shell_quote(p)} ...) or use a new hydra.run.dir")
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -524,13 +551,33 @@ def tmp_path(final: Path) -> Path:
 
 
 def begin(run_dir: str | Path, step: int) -> tuple[Path, Path]:
-    """Create an empty temp folder for ``step{step}`` (main process). Returns (tmp, final)."""
+    """Create an empty temp folder for ``step{step}`` (main process). Returns (tmp, final).
+
+    Raises:
+        CheckpointError: ``step{step}`` exists but is not a checkpoint a save made (a file, a
+            folder without metadata.json: :func:`foreign_step_entry`) or is a symbolic link;
+            nothing is written then (the finished steps stay in the previous checkpoint).
+    """
     final = checkpoint_root(run_dir) / f"step{step}"
+    if final.is_symlink():
+        raise _no_follow_error(final, what=f"a symbolic link (to "
+                                           f"{shell_quote(os.readlink(final))})")
+    foreign = foreign_step_entry(final)
+    if foreign:
+        raise CheckpointError(foreign)
     tmp = tmp_path(final)
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _remove_own(tmp)
     tmp.mkdir(parents=True)
     return tmp, final
+
+
+def _remove_own(p: Path) -> None:
+    """Remove a leftover of an earlier save (``.step{N}.tmp`` / ``.old``: names only a save
+    uses), whatever it is: a folder's tree, or a file or link itself (never its target)."""
+    if p.is_symlink() or (p.exists() and not p.is_dir()):
+        p.unlink()
+    elif p.is_dir():
+        shutil.rmtree(p)
 
 
 def file_records(folder: Path, checksums: bool = True) -> dict[str, dict]:
@@ -586,9 +633,11 @@ def finish(tmp: Path, final: Path, *, step: int, world_size: int, keep_last: int
             "lineage": lineage, **(extra or {}), "files": file_records(tmp)}
     (tmp / "metadata.json").write_text(json.dumps(meta, indent=2))
     if final.exists():
+        foreign = foreign_step_entry(final)  # made since begin(): not ours to delete
+        if foreign:
+            raise CheckpointError(foreign)
         old = final.parent / f".{final.name}.old"
-        if old.exists():
-            shutil.rmtree(old)
+        _remove_own(old)
         final.rename(old)
         try:
             tmp.rename(final)

@@ -741,3 +741,59 @@ def test_the_advice_after_a_nan_checkpoint_works_in_the_same_run_dir(tokens, sav
         Trainer(tiny_config(tokens, **SAVE, **{"trainer.resume": str(step2)}), run)
 
 
+# ------------------------------------------------------------------ 33: what is not ours
+
+
+@pytest.mark.parametrize("what", ["file", "junk", "link_inside"])
+def test_a_step_entry_no_save_made_is_refused_and_left_as_it_is(tokens, saved, tmp_path, what):
+    """checkpoints/step4 as a regular file in a run that resumes step2 and would save step 4
+    (a traceback, exit 1 and a .step4.old left behind), or a step2/ folder of junk files or
+    holding a link in a fresh run dir (deleted at the save): refused in one line before
+    anything is written, the entry as it was."""
+    if what == "file":
+        run = _copy(saved, tmp_path / "run")
+        shutil.rmtree(run / "checkpoints" / "step4")
+        entry = run / "checkpoints" / "step4"
+        entry.write_text("mine\n")
+        want = f"{entry} is a file: not a checkpoint twell saved"
+    else:
+        run = tmp_path / "run"
+        entry = run / "checkpoints" / "step2"
+        entry.mkdir(parents=True)
+        (entry / "notes.txt").write_text("mine\n")
+        if what == "link_inside":
+            (entry / "data").symlink_to(tmp_path)
+        want = f"{entry} is a folder without metadata.json: not a checkpoint twell saved"
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    with pytest.raises(ckpt_io.CheckpointError) as err:
+        train_run(tiny_config(tokens, **SAVE), run)
+    msg = one_line(err)
+    assert msg.startswith(want) and "move it out of" in msg and isinstance(err.value, ConfigError)
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    assert (entry if what == "file" else entry / "notes.txt").read_text() == "mine\n"
+
+
+def test_a_save_refuses_a_step_entry_made_during_the_run(tmp_path):
+    """An entry made after the start check: the save of that step refuses it and writes
+    nothing (no .stepN.tmp, the entry kept); leftovers of an earlier save (a .stepN.tmp file,
+    a .stepN.old link) are removed as what they are, never followed."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "step3").write_text("mine\n")
+    with pytest.raises(ckpt_io.CheckpointError, match="step3 is a file: not a checkpoint"):
+        ckpt_io.begin(tmp_path, 3)
+    assert sorted(p.name for p in root.iterdir()) == ["step3"]
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("x")
+    (root / ".step5.tmp").write_text("left over")
+    tmp, final = ckpt_io.begin(tmp_path, 5)
+    (tmp / "model.safetensors").write_bytes(b"x")
+    ckpt_io.finish(tmp, final, step=5, world_size=1, keep_last=3)
+    (root / ".step5.old").symlink_to(victim)
+    tmp, final = ckpt_io.begin(tmp_path, 5)
+    (tmp / "model.safetensors").write_bytes(b"y")
+    ckpt_io.finish(tmp, final, step=5, world_size=1, keep_last=3)
+    assert (final / "model.safetensors").read_bytes() == b"y" and ckpt_io.verify(final) == []
+    assert (victim / "keep").read_text() == "x"
+    assert sorted(p.name for p in root.iterdir()) == ["step3", "step5"]
