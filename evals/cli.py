@@ -84,8 +84,8 @@ def parse_args(argv: list[str]) -> EvalArgs:
     """Parse ``key=value`` arguments into :class:`EvalArgs`.
 
     Raises:
-        SystemExit: unknown key, malformed argument, bad value, or not exactly one of
-            ``checkpoint``/``gguf`` (the message says which).
+        SystemExit: unknown key, malformed argument, bad value (:func:`check_values`), or not
+            exactly one of ``checkpoint``/``gguf`` (the message says which).
     """
     known = {f.name: f for f in fields(EvalArgs)}
     kw = {}
@@ -107,7 +107,43 @@ def parse_args(argv: list[str]) -> EvalArgs:
     args = EvalArgs(**kw)
     if (args.checkpoint is None) == (args.gguf is None):
         raise SystemExit(f"twell-eval: give exactly one of checkpoint=... or gguf=...\n{USAGE}")
+    check_values(args)
     return args
+
+
+# the keys whose value must be a whole number >= 1 (None allowed where the key's default is
+# None) and what the number counts
+_AT_LEAST_ONE = {"limit": "rows of each task, or none for all",
+                 "batch_size": "sequences per forward",
+                 "threads": "torch CPU threads, or none for torch's default"}
+
+
+def check_values(args: EvalArgs) -> None:
+    """Refuse values that can only fail later, before any model is loaded: a ``limit``,
+    ``batch_size`` or ``threads`` below 1, an unknown ``ffn_impl`` or ``dtype``, a
+    ``prefix_token`` that is neither ``none``, ``auto`` nor a token id (one out of the
+    vocabulary is refused once the tokenizer is loaded: :func:`evals.scoring.resolve_prefix_token`).
+
+    Raises:
+        SystemExit: one line naming the key, its value and what it takes.
+    """
+    for key, what in _AT_LEAST_ONE.items():
+        v = getattr(args, key)
+        if v is not None and v < 1:
+            raise SystemExit(f"twell-eval: {key}={v}: must be >= 1 ({what})")
+    from evals.models import DTYPES, FFN_IMPLS
+    from evals.scoring import resolve_prefix_token
+
+    if args.ffn_impl not in FFN_IMPLS:
+        raise SystemExit(f"twell-eval: ffn_impl={args.ffn_impl!r}: must be one of "
+                         f"{', '.join(FFN_IMPLS)}")
+    if args.dtype is not None and args.dtype not in (*DTYPES, "auto"):
+        raise SystemExit(f"twell-eval: dtype={args.dtype!r}: must be one of "
+                         f"{', '.join(DTYPES)} or auto")
+    try:
+        resolve_prefix_token(None, args.prefix_token)  # its form; the id's range needs the vocab
+    except ValueError as e:
+        raise SystemExit(f"twell-eval: {e}") from None
 
 
 def prefix_text(prefix: dict) -> str:

@@ -222,7 +222,8 @@ def evaluate(
 
     Raises:
         ValueError: unknown task, ``limit`` < 1, ``batch_size`` < 1, a model on another
-            device than ``device``, or a task with no valid item;
+            device than ``device``, a ``prefix_token`` id outside the tokenizer's vocabulary or
+            the model's embeddings, or a task with no valid item;
             ``evals.scoring.ContinuationTooLong`` (a ValueError) for a choice longer than the
             model's positions (PIQA has choices of up to 231 SmolLM2 tokens);
             ``evals.scoring.NonFiniteScores`` (a ValueError) for a NaN or inf log-likelihood
@@ -240,6 +241,11 @@ def evaluate(
         raise ValueError(f"device={dev} but the model is on {mdev}; move the model first "
                          "(model.to(device)) or pass device=None")
     prefix_id = resolve_prefix_token(tokenizer, prefix_token)
+    rows = _embedding_rows(model)
+    if prefix_id is not None and rows is not None and prefix_id >= rows:
+        raise ValueError(f"prefix_token={prefix_token}: the model has {rows} token embeddings "
+                         f"(ids 0-{rows - 1}); give an id below {rows}, auto or none (is the "
+                         "tokenizer the model's own?)")
     pad_id = prefix_id if prefix_id is not None else (getattr(tokenizer, "eos_token_id", 0) or 0)
 
     was_training = getattr(model, "training", False)
@@ -268,6 +274,15 @@ def evaluate(
         "protocol": protocol(model, tokenizer, names, limit, prefix_id, batch_size,
                              padding_side, max_length, prefix_setting=prefix_token),
     }
+
+
+def _embedding_rows(model) -> int | None:
+    """How many token ids the model embeds (``get_input_embeddings().num_embeddings``; None
+    for a model without them, e.g. a test stub)."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    n = getattr(emb, "num_embeddings", None)
+    return n if isinstance(n, int) else None
 
 
 def protocol(model, tokenizer, names, limit, prefix_id, batch_size, padding_side,

@@ -41,16 +41,19 @@ def smollm2_gguf_path(cache: Path | None = None) -> Path:
     return smollm2_gguf(cache)
 
 
+# dtype= names -> torch dtype names
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
 def _torch_dtype(dtype: str | None):
     import torch
 
     if dtype in (None, "auto"):
         return None
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in table:
-        raise ValueError(f"dtype must be one of {sorted(table)} or 'auto'; got {dtype!r}")
-    return table[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto'; got {dtype!r}")
+    return getattr(torch, DTYPES[dtype])
 
 
 def load_gguf(path: str | os.PathLike, dtype: str | None = "float32"):
@@ -183,7 +186,8 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
             :func:`twell.hf.load_model` (stock LlamaMLP has no non-gated form, so
             ``"none"`` is refused for it).
         dtype: load dtype (default: as saved).
-        tokenizer: tokenizer folder/name (default: the checkpoint folder).
+        tokenizer: tokenizer folder/name (default: the checkpoint folder, which must hold
+            one: :func:`check_has_tokenizer`, checked before the model loads).
 
     Raises:
         ValueError: unknown ``ffn_impl``, a sparse impl on a non-ReLU model, ``"none"`` on a
@@ -191,17 +195,22 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
         twell.hf.CheckpointError: a truncated or damaged file (config.json, safetensors, or
             one failing its metadata.json), weights missing from or unexpected in the checkpoint,
             not floating point or holding NaN / inf (named), or a folder asking for custom code.
-        FileNotFoundError: see :func:`resolve_checkpoint`.
+        FileNotFoundError: see :func:`resolve_checkpoint`; no tokenizer in the checkpoint
+            folder and no ``tokenizer``.
     """
     from transformers import AutoModelForCausalLM
 
-    from twell.hf import auto_tokenizer, from_pretrained_strict
+    from twell.hf import auto_tokenizer, from_pretrained_strict, refuse_remote_code
 
     if ffn_impl not in FFN_IMPLS:
         raise ValueError(f"ffn_impl must be one of {FFN_IMPLS}; got {ffn_impl!r}")
     d = resolve_checkpoint(path)
+    non_gated = _is_twell_non_gated(d)  # a damaged config.json is named first
+    if not tokenizer:
+        refuse_remote_code(d)  # as the loaders below do: custom code is named first
+        check_has_tokenizer(d)  # before the model loads
     td = _torch_dtype(dtype)
-    if _is_twell_non_gated(d):
+    if non_gated:
         if ffn_impl == "none":
             raise ValueError(f"checkpoint={d}: a non-gated twell FFN (model.gated=false) has no "
                              "transformers module; use ffn_impl=torch (or twell/auto)")
@@ -214,6 +223,25 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
         convert_ffns(model, ffn_impl)
     tok = auto_tokenizer(tokenizer if tokenizer else d)
     return model.eval(), tok
+
+
+# files of a saved transformers tokenizer (save_pretrained), any one of which AutoTokenizer reads
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_has_tokenizer(d: Path) -> None:
+    """Refuse a checkpoint folder holding no tokenizer: a run trained on pre-tokenized ids
+    (``data=tokens``) saves none, and transformers would otherwise fail with "Couldn't
+    instantiate the backend tokenizer" (or build one for another vocabulary).
+
+    Raises:
+        FileNotFoundError: one line naming the folder and the ``tokenizer=`` key.
+    """
+    if not any((d / n).is_file() for n in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"checkpoint={d} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}; a run "
+            "trained with data=tokens saves none): pass tokenizer=<folder of the tokenizer its "
+            "token ids came from>")
 
 
 def convert_ffns(model, ffn_impl: str) -> int:

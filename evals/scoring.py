@@ -36,7 +36,8 @@ def resolve_prefix_token(tokenizer, prefix_token: int | str | None = "none") -> 
             ``<|im_start|>`` = 1), or an explicit token id.
 
     Raises:
-        ValueError: ``prefix_token`` is another string or a negative id.
+        ValueError: ``prefix_token`` is another string, a negative id, or an id outside the
+            tokenizer's vocabulary (``len(tokenizer)``; not checked with ``tokenizer=None``).
     """
     if prefix_token is None or prefix_token == "none":
         return None
@@ -55,7 +56,21 @@ def resolve_prefix_token(tokenizer, prefix_token: int | str | None = "none") -> 
             ) from None
     if int(prefix_token) < 0:
         raise ValueError(f"prefix_token must be a non-negative token id; got {prefix_token}")
+    size = vocab_size(tokenizer)
+    if size is not None and int(prefix_token) >= size:
+        raise ValueError(f"prefix_token={prefix_token} is not in the tokenizer's vocabulary (ids "
+                         f"0-{size - 1}); give an id below {size}, auto or none")
     return int(prefix_token)
+
+
+def vocab_size(tokenizer) -> int | None:
+    """The number of token ids of a tokenizer (added tokens included: ``len(tokenizer)``, else
+    its ``vocab_size``); None when it tells neither."""
+    try:
+        return len(tokenizer)
+    except TypeError:
+        size = getattr(tokenizer, "vocab_size", None)
+        return size if isinstance(size, int) else None
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -35,7 +35,9 @@ the steps they record. Source of the layout: OLMo-core's ``train/checkpoint.py``
 
 Everything in a run dir is untrusted, names and links included: the files the trainer writes
 there are opened without following a symbolic link (:func:`open_run_file`, :func:`write_atomic`),
-and YAML read from it goes through :func:`load_yaml` (plain data only, a bad file named).
+the folders it writes into must be folders, not links (:func:`check_run_dir`), a ``step{N}``
+entry no save made is refused rather than deleted (:func:`foreign_step_entry`), and YAML read
+from it goes through :func:`load_yaml` (plain data only, a bad file named).
 """
 
 from __future__ import annotations
@@ -185,18 +187,22 @@ def open_run_file(path: str | Path, mode: str = "a"):
         raise
 
 
-# what the trainer writes (or deletes) in a run dir: files, and folders whose entries it renames
-# and deletes (rotation); Hydra's .hydra/ and wandb's wandb/ are theirs
+# what is written (or deleted) in a run dir: the trainer's files, and the folders written into:
+# checkpoints/ (entries renamed and deleted by rotation), .hydra/ (twell-train's record of the
+# composed config) and wandb/ (wandb's run, logging.wandb_mode=online|offline)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "train.log", "error.txt",
              "wandb_id.txt", ".lock")
-RUN_FOLDERS = ("checkpoints",)
+RUN_FOLDERS = ("checkpoints", ".hydra", "wandb")
 
 
 def check_run_dir(run_dir: str | Path) -> None:
-    """Refuse a run dir in which the trainer would write through a link: any of
-    :data:`RUN_FILES` that is a symbolic link, a hard link or not a regular file (a FIFO, a
-    device, a folder), ``checkpoints/`` as a link, or a link inside it. Called before anything is written
-    (the lock included), so a refused run touches nothing.
+    """Refuse a run dir in which the trainer would write through a link or delete what is not
+    its own: any of :data:`RUN_FILES` that is a symbolic link, a hard link or not a regular
+    file (a FIFO, a device, a folder); any of :data:`RUN_FOLDERS` that is a link or not a
+    folder; a link inside ``checkpoints/``; and a ``checkpoints/step{N}`` that no save made
+    (:func:`foreign_step_entry`: a file, or a folder without ``metadata.json``; a save of that
+    step would delete it). Called before anything is written (the lock included), so a refused
+    run touches nothing.
 
     Raises:
         CheckpointError: one line naming the entry, where it points, and the way out.
@@ -214,6 +220,47 @@ def check_run_dir(run_dir: str | Path) -> None:
         if p.name in RUN_FILES and p.is_file() and p.stat().st_nlink > 1:
             raise _no_follow_error(p, what=f"a hard link ({p.stat().st_nlink} names share its "
                                            "bytes, an append would change the others)")
+        if p.parent == run_dir and p.name in RUN_FOLDERS and p.exists() and not p.is_dir():
+            raise _no_follow_error(p, what="not a folder")
+        if p.parent == root:
+            foreign = foreign_step_entry(p)
+            if foreign:
+                raise CheckpointError(foreign)
+
+
+def check_run_folder(path: str | Path) -> None:
+    """Refuse a folder of a run dir (``.hydra/``, ``wandb/``) that is a symbolic link or not a
+    folder, right before it is written into (:func:`check_run_dir` checks them at the start;
+    this catches one made since).
+
+    Raises:
+        CheckpointError: one line naming it and the way out.
+    """
+    p = Path(path)
+    if p.is_symlink():
+        raise _no_follow_error(p, what=f"a symbolic link (to {shell_quote(os.readlink(p))})")
+    if p.exists() and not p.is_dir():
+        raise _no_follow_error(p, what="not a folder")
+
+
+def foreign_step_entry(p: Path) -> str | None:
+    """Why ``p``, an entry of ``checkpoints/`` named ``step{N}``, is not a checkpoint a save
+    made (None: it is one, intact or damaged, or not such a name). A save writes
+    ``.step{N}.tmp`` and renames it into place once its ``metadata.json`` is written, so a
+    ``step{N}`` that is a file, or a folder without ``metadata.json``, was put there by someone
+    else: saving that step would delete it, so it is refused instead (the user moves it)."""
+    if folder_step(p) is None:
+        return None
+    if p.is_symlink() or not p.exists():
+        return None  # a link is refused as one; a missing entry is nobody's
+    if p.is_dir() and (p / hf.METADATA).exists():
+        return None
+    what = ("a folder without metadata.json" if p.is_dir()
+            else "a file" if p.is_file() else "not a folder")
+    return (f"{p} is {what}: not a checkpoint twell saved (a save renames a complete "
+            f"folder with its metadata.json into place; this is someone's files or a copy cut "
+            f"short), and saving step {folder_step(p)} would delete it; move it out of "
+            f"{p.parent} (mv {shell_quote(p)} ...) or use a new hydra.run.dir")
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -504,13 +551,33 @@ def tmp_path(final: Path) -> Path:
 
 
 def begin(run_dir: str | Path, step: int) -> tuple[Path, Path]:
-    """Create an empty temp folder for ``step{step}`` (main process). Returns (tmp, final)."""
+    """Create an empty temp folder for ``step{step}`` (main process). Returns (tmp, final).
+
+    Raises:
+        CheckpointError: ``step{step}`` exists but is not a checkpoint a save made (a file, a
+            folder without metadata.json: :func:`foreign_step_entry`) or is a symbolic link;
+            nothing is written then (the finished steps stay in the previous checkpoint).
+    """
     final = checkpoint_root(run_dir) / f"step{step}"
+    if final.is_symlink():
+        raise _no_follow_error(final, what=f"a symbolic link (to "
+                                           f"{shell_quote(os.readlink(final))})")
+    foreign = foreign_step_entry(final)
+    if foreign:
+        raise CheckpointError(foreign)
     tmp = tmp_path(final)
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _remove_own(tmp)
     tmp.mkdir(parents=True)
     return tmp, final
+
+
+def _remove_own(p: Path) -> None:
+    """Remove a leftover of an earlier save (``.step{N}.tmp`` / ``.old``: names only a save
+    uses), whatever it is: a folder's tree, or a file or link itself (never its target)."""
+    if p.is_symlink() or (p.exists() and not p.is_dir()):
+        p.unlink()
+    elif p.is_dir():
+        shutil.rmtree(p)
 
 
 def file_records(folder: Path, checksums: bool = True) -> dict[str, dict]:
@@ -566,9 +633,11 @@ def finish(tmp: Path, final: Path, *, step: int, world_size: int, keep_last: int
             "lineage": lineage, **(extra or {}), "files": file_records(tmp)}
     (tmp / "metadata.json").write_text(json.dumps(meta, indent=2))
     if final.exists():
+        foreign = foreign_step_entry(final)  # made since begin(): not ours to delete
+        if foreign:
+            raise CheckpointError(foreign)
         old = final.parent / f".{final.name}.old"
-        if old.exists():
-            shutil.rmtree(old)
+        _remove_own(old)
         final.rename(old)
         try:
             tmp.rename(final)
@@ -661,6 +730,53 @@ def verify(ckpt: str | Path, checksums: bool = True) -> list[str]:
             damage = legacy_damage(ckpt / f"{name}.pt", checksums)
             if damage:
                 problems.append(damage)
+    return problems
+
+
+# the tensor files a resume loads and checks (check_weights, check_optimizer_state)
+RESUMED_TENSORS = ("model.safetensors", "optimizer.safetensors")
+
+
+def tensor_problems(ckpt: str | Path, like: str | Path) -> list[str]:
+    """What a resume would refuse in the tensors of ``ckpt`` (one that passes :func:`verify`),
+    judged against ``like``, a checkpoint of the same run: its model and optimizer tensors
+    (:data:`RESUMED_TENSORS`) with other names, shapes or dtypes than ``like``'s, or holding NaN
+    / inf (as :meth:`train.trainer.Trainer.resume` refuses them while loading:
+    :func:`check_weights`, :func:`check_optimizer_state`). Reads one tensor at a time. A file
+    missing from either folder (a previous-format ``optimizer.pt``) is not compared.
+
+    Returns:
+        Short phrases naming the file and tensor (empty: the tensors would load).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    def header(f: Path) -> dict:
+        with safe_open(str(f), "pt") as st:
+            keys = list(st.keys())
+            return {k: (str(st.get_slice(k).get_dtype()), tuple(st.get_slice(k).get_shape()))
+                    for k in keys}
+
+    ckpt, like = Path(ckpt), Path(like)
+    problems = []
+    for name in RESUMED_TENSORS:
+        f, ref = ckpt / name, like / name
+        if not (f.is_file() and ref.is_file()):
+            continue
+        try:
+            have, want = header(f), header(ref)
+            if have != want:
+                diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+                problems.append(f"{name}: tensor {', '.join(diff[:3])} differs from "
+                                f"{like.name}'s (name, shape or dtype)")
+                continue
+            with safe_open(str(f), "pt") as st:
+                for k in list(st.keys()):
+                    t = st.get_tensor(k)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        problems.append(f"{name}: tensor {k} holds NaN or inf values")
+                        break
+        except (SafetensorError, OSError) as e:
+            problems.append(f"{name} is not a complete safetensors file ({e})")
     return problems
 
 

@@ -169,13 +169,18 @@ def write_hydra_record(run_dir: Path, cfg: DictConfig) -> None:
     """``run_dir/.hydra/``: ``config.yaml`` (the composed config, interpolations kept),
     ``hydra.yaml`` and ``overrides.yaml`` (the command line's overrides), as Hydra writes them
     with ``hydra.output_subdir=.hydra`` (configs/train.yaml turns that off so that nothing is
-    written before the run dir is this run's); each file replaced atomically."""
+    written before the run dir is this run's); each file replaced atomically.
+
+    Raises:
+        train.checkpoint.CheckpointError: ``.hydra`` is a symbolic link or not a folder.
+    """
     from hydra.core.hydra_config import HydraConfig
 
-    from train.checkpoint import write_atomic
+    from train.checkpoint import check_run_folder, write_atomic
 
     hydra_cfg = HydraConfig.instance().cfg
     out = run_dir / ".hydra"
+    check_run_folder(out)  # a link would put the record wherever it points
     out.mkdir(exist_ok=True)
     write_atomic(out / "config.yaml", OmegaConf.to_yaml(cfg))
     write_atomic(out / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))

@@ -74,6 +74,9 @@ class Run:
         config: the resolved config (``config.yaml``) as a nested dict.
         summary: ``summary.json``.
         train / val / evals: the kind=train / val / eval lines of ``metrics.jsonl``, in order.
+
+    Every number is finite or None: :func:`load_run` replaces NaN / inf (JSON allows them) by
+    None with a warning, so no score, mean or comparison is made from one.
     """
 
     dir: Path
@@ -82,6 +85,10 @@ class Run:
     train: list[dict] = field(default_factory=list)
     val: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
+    nonfinite: set[str] = field(default_factory=set)
+    """Keys of :attr:`summary` (dotted: ``val_loss``, ``l0_layers.2``, ``eval.eval_piqa``) whose
+    value was NaN or inf; :func:`load_run` replaced each by None (and ``eval.eval_mean`` too when
+    a task's score was one: a mean over it is no score)."""
 
     @property
     def name(self) -> str:
@@ -158,8 +165,10 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def load_run(run_dir: str | Path) -> Run:
-    """Parse one run directory.
+def load_run(run_dir: str | Path, warn=None) -> Run:
+    """Parse one run directory. A NaN or inf in ``summary.json`` or ``metrics.jsonl`` becomes
+    None (:attr:`Run.nonfinite` names the summary's), each with a line to ``warn`` (default:
+    stderr) naming the file and key: no score is made from it.
 
     Raises:
         ReportError: not a run directory (no config.yaml).
@@ -167,6 +176,9 @@ def load_run(run_dir: str | Path) -> Run:
     """
     from omegaconf import OmegaConf
 
+    if warn is None:
+        def warn(line: str) -> None:
+            print(line, file=sys.stderr)
     d = Path(run_dir)
     if not (d / "config.yaml").is_file():
         if (d / ERROR_FILE).is_file():  # a sweep job that failed before it trained
@@ -178,6 +190,11 @@ def load_run(run_dir: str | Path) -> Run:
         raise ReportError(f"{d / 'config.yaml'}: not a readable config ({type(e).__name__}: "
                           f"{' '.join(str(e).split())}); the file is damaged") from None
     rows = _read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
+    rows, bad_rows = zip(*(finite_only(r) for r in rows)) if rows else ((), ())  # NaN -> None
+    bad = [f"{k} at step {r.get('step')}" for r, keys in zip(rows, bad_rows) for k, _ in keys]
+    if bad:
+        warn(f"warning: {d / 'metrics.jsonl'}: {len(bad)} non-finite value(s) ({', '.join(bad[:3])}"
+             f"{', ...' if len(bad) > 3 else ''}) left out of the curves and comparisons")
     by_kind: dict[str, list[dict]] = {"train": [], "val": [], "eval": []}
     for r in rows:
         by_kind.setdefault(r.get("kind", "train"), []).append(r)
@@ -192,10 +209,58 @@ def load_run(run_dir: str | Path) -> Run:
             f"{d / 'summary.json'}: not valid JSON ({e}); the file is damaged (cut off while "
             f"written): rerun the same command with {_run_dir_arg(d)} to write it again from the "
             "run's last checkpoint, or leave the run out (--skip-incomplete)") from None
+    if not isinstance(summary, dict):
+        raise IncompleteRunError(f"{d / 'summary.json'}: holds a JSON {type(summary).__name__}, "
+                                 "not an object; the file is damaged: rerun the same command with "
+                                 f"{_run_dir_arg(d)} to write it again, or leave the run out "
+                                 "(--skip-incomplete)")
     if max_steps is not None and summary.get("step", 0) < max_steps:
         raise IncompleteRunError(f"{d}: incomplete run: summary.json is at step "
                                  f"{summary.get('step')} of trainer.max_steps={max_steps}")
-    return Run(d, config, summary, by_kind["train"], by_kind["val"], by_kind["eval"])
+    summary, bad = finite_only(summary)
+    nonfinite = {k for k, _ in bad}
+    if not summary.get("eval") and by_kind["eval"]:
+        # Run.eval falls back to the last eval line: its non-finite keys are the eval's
+        last = by_kind["eval"][-1]
+        nonfinite |= {f"eval.{k}" for r, keys in zip(rows, bad_rows) if r is last
+                      for k, _ in keys}
+    for key, v in bad:
+        warn(f"warning: {d / 'summary.json'}: {key} is {v} (non-finite): shown as "
+             f"{NONFINITE} and left out of every mean and comparison")
+    run = Run(d, config, summary, by_kind["train"], by_kind["val"], by_kind["eval"], nonfinite)
+    ev = run.eval
+    tasks = sorted(k for k in nonfinite if k.startswith("eval.eval_") and k != "eval.eval_mean")
+    if tasks and isinstance(ev, dict) and ev.get("eval_mean") is not None:
+        ev["eval_mean"] = None  # a mean over a non-finite score is none
+        run.nonfinite.add("eval.eval_mean")
+        warn(f"warning: {d}: eval_mean averages the non-finite {', '.join(t[5:] for t in tasks)}:"
+             f" shown as {NONFINITE}")
+    return run
+
+
+NONFINITE = "n/a (non-finite)"  # a table cell whose recorded value was NaN or inf
+
+
+def finite_only(obj, prefix: str = "") -> tuple:
+    """``obj`` (parsed JSON) with every NaN / inf number replaced by None, and the list of
+    ``(dotted key, value)`` replaced (``l0_layers.2`` for a list element)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None, [(prefix, obj)]
+    bad: list = []
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out[k], b = finite_only(v, f"{prefix}.{k}" if prefix else str(k))
+            bad += b
+        return out, bad
+    if isinstance(obj, list):
+        out = []
+        for i, v in enumerate(obj):
+            x, b = finite_only(v, f"{prefix}.{i}" if prefix else str(i))
+            out.append(x)
+            bad += b
+        return out, bad
+    return obj, bad
 
 
 def incomplete_reason(d: Path, last: int, max_steps) -> str:
@@ -299,8 +364,30 @@ COLUMNS = (["run", "setting", "size", "layers", "params_M", "nonemb_params_M", "
             "nnz_max", "dead_pct"] + [f"acc_{t}" for t in ALL_TASKS] + ["acc_mean", "tokens_per_s"])
 
 
+# a summary key (Run.nonfinite, up to its first dot) -> the row columns computed from it
+_FROM_SUMMARY = {"final_train_ce": ("train_ce",), "val_loss": ("val_loss",),
+                 "l0_mean": ("l0_mean",), "l0_layers": ("l0_layer_max", "l0_layers"),
+                 "nnz_max": ("nnz_max",), "dead_pct": ("dead_pct",),
+                 "tokens_per_s": ("tokens_per_s",), "tokens_seen": ("tokens_M",),
+                 "params": ("params_M", "nonemb_params_M"),
+                 **{f"eval.eval_{t}": (f"acc_{t}",) for t in ALL_TASKS},
+                 "eval.eval_mean": ("acc_mean",)}
+
+
+def nonfinite_columns(run: Run) -> set[str]:
+    """The :func:`run_row` columns whose value came from a NaN / inf of the run's summary."""
+    cols = set()
+    for key in run.nonfinite:
+        head = key if key.startswith("eval.") else key.split(".")[0]
+        cols.update(_FROM_SUMMARY.get(head, ()))
+    return cols
+
+
 def run_row(run: Run) -> dict:
-    """One table row of a run (accuracies in percent; None where the run has no value)."""
+    """One table row of a run (accuracies in percent; None where the run has no value, and
+    ``nonfinite`` the columns whose recorded value was NaN / inf: shown as
+    :data:`NONFINITE`). A value is never computed from a non-finite one (the layers' maximum
+    of an L0 list holding one is None too)."""
     s, m, cfg = run.summary, run.config.get("model", {}), run.config
     l0_layers = s.get("l0_layers") or []
     ev = run.eval or {}
@@ -324,13 +411,14 @@ def run_row(run: Run) -> dict:
         "train_ce": s.get("final_train_ce"),
         "val_loss": s.get("val_loss"),
         "l0_mean": s.get("l0_mean"),
-        "l0_layer_max": max(l0_layers) if l0_layers else None,
+        "l0_layer_max": max(l0_layers) if l0_layers and None not in l0_layers else None,
         "l0_layers": list(l0_layers) or None,
         "nnz_max": s.get("nnz_max"),
         "dead_pct": s.get("dead_pct"),
         **{f"acc_{t}": pct(ev.get(f"eval_{t}")) for t in ALL_TASKS},
         "acc_mean": pct(ev.get("eval_mean")),
         "tokens_per_s": s.get("tokens_per_s"),
+        "nonfinite": nonfinite_columns(run),
     }
 
 
@@ -343,6 +431,8 @@ def sort_key(row: dict):
 def _fmt(v, col: str = "") -> str:
     if v is None:
         return "n/a"
+    if isinstance(v, float) and not math.isfinite(v):  # never printed as nan / inf
+        return NONFINITE
     if isinstance(v, float):
         if col == "l1_coeff":
             return "0" if v == 0 else f"{v:.3g}"
@@ -369,8 +459,13 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
     cols = list(columns or COLUMNS)
     out = ["| " + " | ".join(_HEAD.get(c, c) for c in cols) + " |",
            "|" + "|".join("---" for _ in cols) + "|"]
-    out += ["| " + " | ".join(_fmt(r.get(c), c) for c in cols) + " |" for r in rows]
+    out += ["| " + " | ".join(_cell(r, c) for c in cols) + " |" for r in rows]
     return "\n".join(out) + "\n"
+
+
+def _cell(row: dict, col: str) -> str:
+    """A table cell: :data:`NONFINITE` where the run recorded NaN / inf, else :func:`_fmt`."""
+    return NONFINITE if col in row.get("nonfinite", ()) else _fmt(row.get(col), col)
 
 
 def csv_header() -> dict[str, str]:
@@ -384,15 +479,16 @@ def csv_header() -> dict[str, str]:
 
 def csv_text(rows: list[dict]) -> str:
     """All :data:`COLUMNS` and the per-layer L0 as CSV, headed by :func:`csv_header` (full
-    precision; accuracies in percent; empty = no value)."""
+    precision; accuracies in percent; empty = no value, or a NaN / inf the run recorded: the
+    report's warnings name those)."""
     head = csv_header()
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(head.values())
     for r in rows:
         w.writerow(["" if r.get(c) is None else
-                    ";".join(f"{v:g}" for v in r[c]) if c == "l0_layers" else r[c]
-                    for c in head])
+                    ";".join("" if v is None else f"{v:g}" for v in r[c]) if c == "l0_layers"
+                    else r[c] for c in head])
     return buf.getvalue()
 
 
@@ -403,8 +499,11 @@ def l0_layer_table(rows: list[dict]) -> str:
     table = []
     for r in rows:
         layers = r.get("l0_layers") or []
+        nan = "l0_layers" in r.get("nonfinite", ())  # its None layers were NaN / inf
         table.append({"run": r["run"], "setting": r.get("setting"),
-                      **{f"layer {i}": layers[i] if i < len(layers) else None for i in range(n)}})
+                      **{f"layer {i}": layers[i] if i < len(layers) else None for i in range(n)},
+                      "nonfinite": {f"layer {i}" for i, v in enumerate(layers)
+                                    if nan and v is None}})
     return markdown_table(table, ["run", "setting"] + [f"layer {i}" for i in range(n)])
 
 
@@ -552,7 +651,7 @@ def variant_rows(pairs: list[tuple[Run, Run]]) -> list[dict]:
         rb, rv = run_row(b), run_row(v)
         out.append({"size": rv["size"], "variant": rv["variant"],
                     "l1": f"{_fmt(rb['l1_coeff'], 'l1_coeff')} -> {_fmt(rv['l1_coeff'], 'l1_coeff')}",
-                    **{k: f"{_fmt(rb[k], k)} -> {_fmt(rv[k], k)}"
+                    **{k: f"{_cell(rb, k)} -> {_cell(rv, k)}"
                        for k in ("l0_mean", "dead_pct", "val_loss", "acc_mean")},
                     "runs": f"{b.name} / {v.name}"})
     return out
@@ -573,8 +672,9 @@ def ffn_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
 def ffn_pair_row(ref: Run, other: Run) -> dict:
     """Issue-6 check of one FFN pair: max |loss difference| over the steps both logged, final L0
     relative difference, dead units (count) difference, val loss and tokens/s of both."""
-    loss_a = {r["step"]: r["loss"] for r in ref.train}
-    loss_b = {r["step"]: r["loss"] for r in other.train}
+    # steps with a logged loss (a NaN / inf one was made None by load_run: not compared)
+    loss_a = {r["step"]: r["loss"] for r in ref.train if r.get("loss") is not None}
+    loss_b = {r["step"]: r["loss"] for r in other.train if r.get("loss") is not None}
     common = sorted(set(loss_a) & set(loss_b))
     max_diff = max((abs(loss_a[s] - loss_b[s]) for s in common), default=None)
     worst = max(common, key=lambda s: abs(loss_a[s] - loss_b[s])) if common else None
@@ -582,7 +682,7 @@ def ffn_pair_row(ref: Run, other: Run) -> dict:
 
     def dead_units(run):
         layers = run.train[-1].get("dead_layers") if run.train else None
-        return None if layers is None else round(sum(layers) * H)
+        return None if layers is None or None in layers else round(sum(layers) * H)
 
     la, lb = ref.summary.get("l0_mean"), other.summary.get("l0_mean")
     da, db = dead_units(ref), dead_units(other)
@@ -961,7 +1061,7 @@ def _plot_train_curves(inp: _PlotInput, notes: list[str]):
     if not curves:
         return None
     has_dead = any(x.get("dead_frac") is not None for r in curves for x in r.train)
-    ref_ce = {x["step"]: x["ce"] for x in curves[0].train}
+    ref_ce = {x["step"]: x["ce"] for x in curves[0].train if x.get("ce") is not None}
     has_diff = len(curves) > 1 and any(x["step"] in ref_ce for r in curves[1:] for x in r.train)
     n = 2 + has_dead + has_diff
     fig, grid = plt.subplots((n + 1) // 2, 2, figsize=(10.4, 4 * ((n + 1) // 2)), squeeze=False)
@@ -983,8 +1083,10 @@ def _plot_train_curves(inp: _PlotInput, notes: list[str]):
         ax_l0.plot(steps, l0, lw=1, label=labels[r.dir], **st)
         if has_diff and i > 0:  # curves that overlap in CE: their difference to the first
             diff = [(x["step"], x["ce"] - ref_ce[x["step"]]) for x in r.train
-                    if x["step"] in ref_ce]
-            panels[-1].plot(*zip(*diff), lw=1, label=labels[r.dir], color=line.get_color(), **st)
+                    if x["step"] in ref_ce and x.get("ce") is not None]
+            if diff:
+                panels[-1].plot(*zip(*diff), lw=1, label=labels[r.dir], color=line.get_color(),
+                                **st)
         if has_dead:
             panels[2].plot(steps, [None if x.get("dead_frac") is None else 100 * x["dead_frac"]
                                    for x in r.train], lw=1, label=labels[r.dir], **st)
@@ -1081,8 +1183,8 @@ class Report:
                     "l0_other", "l0_rel_diff", "dead_torch", "dead_other", "dead_diff",
                     "val_loss_torch", "val_loss_other", "speed_ratio", "runs"]
             md += ["## FFN implementations (same seed and config)", "", markdown_table(
-                [{k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in r.items()}
-                 for r in self.ffn_rows], cols), ""]
+                [{k: (f"{v:.3g}" if isinstance(v, float) and math.isfinite(v) else v)
+                  for k, v in r.items()} for r in self.ffn_rows], cols), ""]
         if self.skipped:
             md += ["## Incomplete runs (left out)", ""]
             md += [f"- `{d}`: {why}" for d, why in self.skipped] + [""]

@@ -17,7 +17,9 @@ Resume rules (README "Resuming"):
 - One line of training per run dir: a PATH older than the run dir's newest checkpoint, or from
   another run while the run dir holds checkpoints, would branch inside it (rotation and
   ``auto`` would then mix the two lines), so it is refused: a branch gets its own
-  ``hydra.run.dir``. For the same reason ``trainer.resume=never`` is refused in a run dir that
+  ``hydra.run.dir``. Only checkpoints that could be resumed count (``_check_branch``): a newer
+  one failing its SHA-256 or holding tensors a resume refuses does not, so the way out a
+  refusal names (an older intact checkpoint) works in the same run dir. For the same reason ``trainer.resume=never`` is refused in a run dir that
   holds checkpoints. Each checkpoint's ``metadata.json`` names its lineage and the checkpoint
   its line branched from (``train.checkpoint.new_lineage``).
 """
@@ -129,11 +131,20 @@ def ways_out(ckpt: Path, problems: list[str]) -> str:
 
 
 def _check_branch(run_dir: Path, path: Path, own: list[Path]) -> None:
-    """Refuse a resume that would put a second line of training into ``run_dir``."""
+    """Refuse a resume that would put a second line of training into ``run_dir``.
+
+    Only checkpoints that could be resumed count: those passing :func:`ckpt_io.verify` with
+    their SHA-256 (``auto`` and a run dir skip a damaged one), and, of ``path``'s own run dir,
+    whose tensors would load (:func:`ckpt_io.tensor_problems`: a NaN checkpoint is refused on
+    resume with the older ``path`` as the way out, so that way must work). A save of the same
+    step replaces such a damaged checkpoint later. Hashing happens only here, for checkpoints
+    newer than ``path`` (or, for a ``path`` of another run, every checkpoint of ``run_dir``).
+    """
     here = path.resolve()
-    others = [c for c in own if c.resolve() != here and not ckpt_io.verify(c, checksums=False)]
-    if here.parent.parent == run_dir.resolve():
-        others = [c for c in others if _step(c) > _step(path)]
+    same_run = here.parent.parent == run_dir.resolve()
+    cands = [c for c in own if c.resolve() != here and (not same_run or _step(c) > _step(path))]
+    others = [c for c in cands if not ckpt_io.verify(c, checksums=True)
+              and not (same_run and ckpt_io.tensor_problems(c, like=path))]
     if not others:
         return
     names = ", ".join(c.name for c in others[-3:])

@@ -693,6 +693,7 @@ class Trainer:
         except ImportError:
             self._print("wandb is not installed; logging to metrics.jsonl only")
             return None
+        ckpt_io.check_run_folder(self.run_dir / "wandb")  # wandb writes its run through links
         id_file = self.run_dir / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         ckpt_io.write_atomic(id_file, run_id)

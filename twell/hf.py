@@ -153,21 +153,56 @@ def auto_tokenizer(path: str | Path, **kw):
 
 def safetensors_files(d: str | Path) -> list[Path]:
     """The weight files of a checkpoint folder: those ``model.safetensors.index.json`` maps, or
-    ``model.safetensors``.
+    ``model.safetensors``; every one a plain file name inside ``d``.
+
+    The index is untrusted like the rest of a run folder: a name in its ``weight_map`` with a
+    path separator, ``..`` or an absolute path would make every loader (transformers joins the
+    names to the folder) read weights from elsewhere, covered by no hash in ``metadata.json``;
+    a weight file (or the index) that is a symbolic link would do the same. Each is refused
+    (:func:`confined_name`), before any weight is read.
 
     Raises:
-        CheckpointError: the index is not valid JSON or a file it names does not exist.
+        CheckpointError: the index is not valid JSON, names a file outside the folder, or the
+            index or a weight file is a symbolic link (one line naming it and the way out).
     """
     d = Path(d)
     index = d / "model.safetensors.index.json"
+    if index.is_symlink():
+        raise CheckpointError(f"{index} is a symbolic link: a checkpoint's files are read only "
+                              "as regular files of its folder; copy the file in place of the link "
+                              "or use an intact checkpoint.")
     if not index.is_file():
-        return [d / "model.safetensors"]
+        return [confined_name(d, "model.safetensors", index)]
     try:
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AttributeError) as e:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, AttributeError, TypeError) as e:
         raise CheckpointError(f"{index} is not a valid safetensors index ({e}): the file is "
                               "truncated or damaged; copy the checkpoint folder again.") from None
-    return [d / n for n in names]
+    return [confined_name(d, n, index) for n in names]
+
+
+def confined_name(d: Path, name, index: Path) -> Path:
+    """``d / name`` for a weight file ``name`` that ``index`` names: a plain file name (no path
+    separator, not ``.`` / ``..``, not absolute) whose entry in ``d`` is no symbolic link.
+
+    Raises:
+        CheckpointError: one line naming the index, the name and the way out.
+    """
+    shown = repr(name) if isinstance(name, str) else f"a {type(name).__name__}"
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name \
+            or "\\" in name or "\0" in name or Path(name).is_absolute():
+        raise CheckpointError(
+            f"{index} names the weight file {shown}, which is not a plain file name inside "
+            f"{d}: a checkpoint's weights are read only from its own folder; the index is "
+            "damaged or was edited: use an intact checkpoint.")
+    f = d / name
+    if f.is_symlink():
+        raise CheckpointError(
+            f"{f} is a symbolic link (to {os.readlink(f)!r}): a checkpoint's weights are read only "
+            "from regular files of its own folder; copy the file in place of the link (cp -L) "
+            "or use an intact checkpoint.")
+    return f
 
 
 def tensor_names(d: str | Path) -> set[str]:

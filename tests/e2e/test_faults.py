@@ -185,7 +185,7 @@ def test_eval_init_from_and_report_read_no_pickle(tokens, saved, tmp_path, monke
         _to_previous_format(ckpt, poison=marker,
                             names=("optimizer", "scheduler", "trainer", "rank0"))
     step4 = run / "checkpoints" / "step4"
-    model, _ = load_checkpoint(step4)
+    model, _ = load_checkpoint(step4, tokenizer=str(step4))  # named: it holds none (patched)
     assert sum(p.numel() for p in model.parameters()) > 0
     t = Trainer(tiny_config(tokens, **{"model.init_from": str(step4)}), tmp_path / "init")
     t.close()

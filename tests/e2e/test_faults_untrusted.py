@@ -600,3 +600,200 @@ def test_weights_that_became_nan_are_never_saved_as_a_good_checkpoint(tokens, tm
     assert msg.startswith(f"weights hold NaN or inf after step 3 ({W0} (1 of 2048))")
     assert msg.endswith(f"last good checkpoint: {run / 'checkpoints' / 'step2'}")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step2"]
+
+
+# ------------------------------------------------------------------ 33: where a run writes
+
+
+@pytest.mark.parametrize("name", [".hydra", "wandb"])
+def test_a_linked_folder_the_run_writes_into_is_refused(tokens, tmp_path, name):
+    """.hydra/ (twell-train's record of the config) or wandb/ (an offline wandb run) as a link
+    to a folder elsewhere: one line naming it before anything is written; the folder it points
+    to stays empty (the run wrote config.yaml, hydra.yaml, overrides.yaml or wandb's run there)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).symlink_to(outside, target_is_directory=True)
+    cfg = tiny_config(tokens, **{"trainer.max_steps": 1, "logging.wandb_mode": "offline"})
+    with pytest.raises(ckpt_io.CheckpointError) as err:
+        train_run(cfg, run)
+    assert one_line(err).startswith(f"{run / name} is a symbolic link (to {outside})")
+    assert list(outside.iterdir()) == [] and sorted(p.name for p in run.iterdir()) == [name]
+    (run / name).unlink()
+    (run / name).write_text("not a folder")  # Hydra's mkdir would fail with a traceback
+    with pytest.raises(ckpt_io.CheckpointError, match=f"{run / name} is not a folder"):
+        train_run(cfg, run)
+
+
+def test_the_cli_writes_no_hydra_record_through_a_link(tokens, tmp_path):
+    """The CLI (which writes .hydra/ once the run dir is its own) refuses a linked .hydra in
+    one line with exit code 2 and writes nothing into the folder it points to."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".hydra").symlink_to(outside, target_is_directory=True)
+    r = subprocess.run(_cli(run, tokens), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"CheckpointError: {run / '.hydra'} is a symbolic link (to {outside})")
+    assert list(outside.iterdir()) == [] and "Traceback" not in r.stderr
+
+
+def _outside_index(ckpt: Path, outside: Path, how: str) -> str:
+    """Move ``ckpt``'s weights out of the folder and record an index naming them there
+    (``abs``: the absolute path, ``up``: a ``../`` path, ``link``: a link in the folder to them);
+    re-recorded, so the folder passes its SHA-256 checks. Returns the name the index holds."""
+    target = outside / "outside.safetensors"
+    shutil.move(ckpt / "model.safetensors", target)
+    name = {"abs": str(target), "up": os.path.relpath(target, ckpt),
+            "link": "model-00001-of-00001.safetensors"}[how]
+    if how == "link":
+        (ckpt / name).symlink_to(target)
+    keys = load_file(str(target)).keys()
+    (ckpt / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(keys, name)}))
+    if how != "link":  # a link fails verification anyway; the loaders refuse it themselves too
+        _rerecord(ckpt)
+    return name
+
+
+@pytest.mark.parametrize("how", ["abs", "up", "link"])
+def test_an_index_naming_weights_outside_the_checkpoint_is_refused(tokens, saved, tmp_path,
+                                                                    capsys, monkeypatch, how):
+    """A recorded model.safetensors.index.json whose weight_map names a file outside the folder
+    (absolute, ../, or through a link): twell.hf.load_model, twell-eval and model.init_from
+    refuse it in one line, before any weight is read (they loaded the outside file, covered by
+    no hash)."""
+    from evals.cli import main
+    from twell.hf import CheckpointError, load_model, safetensors_files
+
+    _no_tokenizer(monkeypatch)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    step4 = _copy(saved, tmp_path / "run") / "checkpoints" / "step4"
+    name = _outside_index(step4, outside, how)
+    index = step4 / "model.safetensors.index.json"
+    want = (f"{step4 / name} is a symbolic link" if how == "link" else
+            f"{index} names the weight file {name!r}, which is not a plain file name inside "
+            f"{step4}")
+    with pytest.raises(CheckpointError) as err:
+        safetensors_files(step4)
+    assert one_line(err).startswith(want)
+    if how != "link":  # verified: these pass metadata.json; the name is what is refused
+        assert ckpt_io.verify(step4) == []
+        with pytest.raises(CheckpointError) as err:
+            load_model(step4)
+        assert one_line(err).startswith(want)
+        assert main([f"checkpoint={step4}", "tasks=arc_easy", "limit=1", "progress=false",
+                     f"tokenizer={step4}", f"out={tmp_path / 'out'}"]) == 2
+        line = capsys.readouterr().err.strip().splitlines()
+        assert len(line) == 1 and line[0].startswith(f"twell-eval: CheckpointError: {want}")
+        with pytest.raises(ConfigError) as err:
+            Trainer(tiny_config(tokens, **{"model.init_from": str(step4)}), tmp_path / "init")
+        assert one_line(err).startswith(f"model.init_from={str(step4)!r}: {want}")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "init").exists()
+
+
+# ------------------------------------------------------------------ 33: the advice works
+
+
+def test_resume_from_the_run_dir_continues_past_a_damaged_newest_checkpoint(tokens, saved,
+                                                                              tmp_path, capsys):
+    """step4 fails its SHA-256: trainer.resume=<the run dir> in that run dir (README: its newest
+    intact checkpoint) resumes step2 with a warning naming step4 (it was refused: "already
+    holds newer or other checkpoints (step4)"), and the save of step 4 replaces the damaged
+    one with an intact checkpoint."""
+    run = _copy(saved, tmp_path / "run")
+    step2, step4 = run / "checkpoints" / "step2", run / "checkpoints" / "step4"
+    _flip_byte(step4 / "model.safetensors")
+    t = Trainer(tiny_config(tokens, **SAVE, **{"trainer.resume": str(run)}), run)
+    assert t.step == 2 and t.last_ckpt == step2
+    assert f"skipping damaged checkpoint {step4}" in capsys.readouterr().err
+    t.train()
+    t.close()
+    assert ckpt_io.verify(step4) == [] and ckpt_io.latest_checkpoint(run) == step4
+    assert ckpt_io.lineage_id(step4) == ckpt_io.lineage_id(step2)  # the run's own line
+
+
+def test_the_advice_after_a_nan_checkpoint_works_in_the_same_run_dir(tokens, saved, tmp_path):
+    """step4 holds a NaN weight (hashes re-recorded): resume=auto refuses it naming
+    trainer.resume=<step2>; that command, in the same run dir, resumes step2 (it was refused
+    because of the NaN step4) and trains to a finite step4. An intact newer checkpoint still
+    refuses the branch."""
+    run = _copy(saved, tmp_path / "run")
+    step2, step4 = run / "checkpoints" / "step2", run / "checkpoints" / "step4"
+    w = load_file(str(step4 / "model.safetensors"))[W0]
+    w[0, 0] = float("nan")
+    _edit_weights(step4, **{W0: w})
+    nan4 = shutil.copytree(step4, tmp_path / "nan4")
+    with pytest.raises(ckpt_io.CheckpointError) as err:
+        Trainer(tiny_config(tokens, **SAVE), run)
+    assert f"resume an older intact checkpoint (trainer.resume={step2})" in one_line(err)
+    t = train_run(tiny_config(tokens, **SAVE, **{"trainer.resume": str(step2)}), run)
+    assert t.step == 4 and ckpt_io.verify(step4) == []
+    assert ckpt_io.tensor_problems(step4, like=step2) == []
+    assert ckpt_io.tensor_problems(nan4, like=step2) == [
+        f"model.safetensors: tensor {W0} holds NaN or inf values"]
+    with pytest.raises(ConfigError, match=r"already holds newer or other checkpoints \(step4\)"):
+        Trainer(tiny_config(tokens, **SAVE, **{"trainer.resume": str(step2)}), run)
+
+
+# ------------------------------------------------------------------ 33: what is not ours
+
+
+@pytest.mark.parametrize("what", ["file", "junk", "link_inside"])
+def test_a_step_entry_no_save_made_is_refused_and_left_as_it_is(tokens, saved, tmp_path, what):
+    """checkpoints/step4 as a regular file in a run that resumes step2 and would save step 4
+    (a traceback, exit 1 and a .step4.old left behind), or a step2/ folder of junk files or
+    holding a link in a fresh run dir (deleted at the save): refused in one line before
+    anything is written, the entry as it was."""
+    if what == "file":
+        run = _copy(saved, tmp_path / "run")
+        shutil.rmtree(run / "checkpoints" / "step4")
+        entry = run / "checkpoints" / "step4"
+        entry.write_text("mine\n")
+        want = f"{entry} is a file: not a checkpoint twell saved"
+    else:
+        run = tmp_path / "run"
+        entry = run / "checkpoints" / "step2"
+        entry.mkdir(parents=True)
+        (entry / "notes.txt").write_text("mine\n")
+        if what == "link_inside":
+            (entry / "data").symlink_to(tmp_path)
+        want = f"{entry} is a folder without metadata.json: not a checkpoint twell saved"
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    with pytest.raises(ckpt_io.CheckpointError) as err:
+        train_run(tiny_config(tokens, **SAVE), run)
+    msg = one_line(err)
+    assert msg.startswith(want) and "move it out of" in msg and isinstance(err.value, ConfigError)
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    assert (entry if what == "file" else entry / "notes.txt").read_text() == "mine\n"
+
+
+def test_a_save_refuses_a_step_entry_made_during_the_run(tmp_path):
+    """An entry made after the start check: the save of that step refuses it and writes
+    nothing (no .stepN.tmp, the entry kept); leftovers of an earlier save (a .stepN.tmp file,
+    a .stepN.old link) are removed as what they are, never followed."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "step3").write_text("mine\n")
+    with pytest.raises(ckpt_io.CheckpointError, match="step3 is a file: not a checkpoint"):
+        ckpt_io.begin(tmp_path, 3)
+    assert sorted(p.name for p in root.iterdir()) == ["step3"]
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("x")
+    (root / ".step5.tmp").write_text("left over")
+    tmp, final = ckpt_io.begin(tmp_path, 5)
+    (tmp / "model.safetensors").write_bytes(b"x")
+    ckpt_io.finish(tmp, final, step=5, world_size=1, keep_last=3)
+    (root / ".step5.old").symlink_to(victim)
+    tmp, final = ckpt_io.begin(tmp_path, 5)
+    (tmp / "model.safetensors").write_bytes(b"y")
+    ckpt_io.finish(tmp, final, step=5, world_size=1, keep_last=3)
+    assert (final / "model.safetensors").read_bytes() == b"y" and ckpt_io.verify(final) == []
+    assert (victim / "keep").read_text() == "x"
+    assert sorted(p.name for p in root.iterdir()) == ["step3", "step5"]

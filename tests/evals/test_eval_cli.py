@@ -357,3 +357,64 @@ def test_a_library_error_of_several_lines_is_printed_as_one(checkpoint, tmp_path
     assert len(err) == 1 and err[0].startswith(
         "twell-eval: ValueError: The checkpoint you are trying to load has model type "
         "`bogus_arch`"), err
+
+
+def test_values_that_can_only_fail_later_are_refused_first(tmp_path, capsys, monkeypatch):
+    """threads=0 (was accepted), limit=0 (was checked only after the model loaded), a
+    batch_size, ffn_impl, dtype or prefix_token that cannot work: one line naming the key and
+    exit code 2 before anything is loaded (the checkpoint path does not even exist)."""
+    import evals.models
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(evals.models, "load_checkpoint", no_load)
+    missing = f"checkpoint={tmp_path / 'nope'}"
+    for arg, want in (("threads=0", "twell-eval: threads=0: must be >= 1 (torch CPU threads"),
+                      ("limit=0", "twell-eval: limit=0: must be >= 1 (rows of each task"),
+                      ("batch_size=-1", "twell-eval: batch_size=-1: must be >= 1"),
+                      ("ffn_impl=fast", "twell-eval: ffn_impl='fast': must be one of torch"),
+                      ("dtype=int8", "twell-eval: dtype='int8': must be one of float32"),
+                      ("prefix_token=bos", ("twell-eval: prefix_token must be 'auto', 'none' "
+                                            "or a token id; got 'bos'"))):
+        assert main([missing, arg, "progress=false"]) == 2, arg
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(want), (arg, err)
+    assert parse_args([missing, "threads=1", "limit=1"]).threads == 1
+
+
+def test_a_prefix_token_outside_the_vocabulary_is_one_line(checkpoint, tmp_path, capsys):
+    """prefix_token=999999 was an IndexError traceback (exit 1) from the embedding lookup."""
+    from transformers import AutoTokenizer
+
+    size = len(AutoTokenizer.from_pretrained(checkpoint))
+    for pid in (999999, size):
+        assert main([f"checkpoint={checkpoint}", "tasks=arc_easy", "limit=1", "device=cpu",
+                     f"prefix_token={pid}", f"out={tmp_path}", "progress=false"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        want = (f"twell-eval: ValueError: prefix_token={pid} is not in the tokenizer's "
+                f"vocabulary (ids 0-{size - 1}); give an id below {size}, auto or none")
+        assert err == [want]
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_checkpoint_without_a_tokenizer_says_so_and_tokenizer_fixes_it(checkpoint, tmp_path,
+                                                                           capsys):
+    """A run trained on pre-tokenized ids (data=tokens) saves no tokenizer: one line naming
+    the folder and the tokenizer= key (transformers said "Couldn't instantiate the backend
+    tokenizer"), before the model loads; tokenizer=<folder> then scores it."""
+    import shutil
+
+    d = tmp_path / "step10"
+    shutil.copytree(checkpoint, d, ignore=shutil.ignore_patterns(
+        "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt"))
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "generation_config.json",
+                                                   "model.safetensors"]
+    common = ["tasks=arc_easy", "limit=1", "device=cpu", f"out={tmp_path / 'out'}",
+              "progress=false"]
+    assert main([f"checkpoint={d}", *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"twell-eval: FileNotFoundError: checkpoint={d} holds no tokenizer"), err
+    assert "pass tokenizer=<folder" in err[0] and "data=tokens" in err[0]
+    assert main([f"checkpoint={d}", f"tokenizer={checkpoint}", *common]) == 0

@@ -542,3 +542,62 @@ def test_ffn_pair_differences(runs, tmp_path):
     assert r["l0_rel_diff"] == pytest.approx(0.1)
     assert r["dead_diff"] == 4 and r["speed_ratio"] == pytest.approx(2.0)
     assert "## FFN implementations" in rep.markdown()
+
+
+def test_non_finite_values_are_marked_and_never_averaged(runs, tmp_path, capsys):
+    """NaN / inf in a run's summary.json (JSON allows them) and metrics.jsonl: every table
+    shows "n/a (non-finite)" (no nan / inf), the report warns once per key naming the run and
+    key, the mean accuracy is not made from a non-finite task score, and the FFN comparison
+    leaves a NaN loss out; exit 0."""
+    a = _copy(runs, "l1", tmp_path, "a")
+    s = json.loads((a / "summary.json").read_text())
+    layers = list(s["l0_layers"])
+    s["eval"]["eval_arc_easy"] = float("nan")
+    s.update(val_loss=float("nan"), l0_mean=float("inf"),
+             l0_layers=[layers[0], float("-inf")])
+    (a / "summary.json").write_text(json.dumps(s))  # writes NaN, Infinity, -Infinity
+    b = _copy(runs, "l1", tmp_path, "b")  # the same config but model.ffn_impl: an FFN pair
+    cfg = b / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("ffn_impl: torch", "ffn_impl: twell"))
+    lines = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
+    nan_step = next(x for x in lines if x["kind"] == "train")
+    nan_step["loss"] = float("nan")
+    (b / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    capsys.readouterr()
+    assert report.main([str(tmp_path / "study"), "--out", str(tmp_path / "rep")]) == 0
+    out, err = capsys.readouterr()
+    md = (tmp_path / "rep" / "report.md").read_text()
+    for text in (out, md):
+        table = [ln for ln in text.splitlines() if ln.startswith("|")]
+        assert not any(c.strip().lower() in ("nan", "inf", "-inf") for ln in table
+                       for c in ln.split("|")), table
+        runs_row = next(ln for ln in table if ln.startswith("| a | model.ffn_impl=torch |"))
+        # val loss, L0 mean, L0 max layer, ARC-E and the mean accuracy
+        assert [c.strip() for c in runs_row.split("|")].count(report.NONFINITE) == 5
+        # the per-layer table: layer 0 as recorded, layer 1 marked
+        assert (f"| a | model.ffn_impl=torch | {report._fmt(layers[0])} | {report.NONFINITE} |"
+                in table)
+    row = next(r for r in build_report([str(tmp_path / "study")]).rows if r["run"] == "a")
+    assert row["val_loss"] is None and row["l0_mean"] is None and row["acc_mean"] is None
+    assert row["acc_arc_easy"] is None and row["l0_layer_max"] is None
+    assert row["nonfinite"] == {"val_loss", "l0_mean", "l0_layer_max", "l0_layers",
+                                "acc_arc_easy", "acc_mean"}
+    assert row["acc_piqa"] == pytest.approx(100 * SCORES["piqa"])  # the finite ones stay
+    warn = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    summary = a / "summary.json"
+    assert f"warning: {summary}: val_loss is nan (non-finite): shown as n/a (non-finite)" in err
+    assert f"warning: {summary}: l0_mean is inf (non-finite)" in err
+    assert f"warning: {summary}: l0_layers.1 is -inf (non-finite)" in err
+    assert f"warning: {summary}: eval.eval_arc_easy is nan (non-finite)" in err
+    assert f"warning: {a}: eval_mean averages the non-finite eval_arc_easy" in err
+    assert (f"warning: {b / 'metrics.jsonl'}: 1 non-finite value(s) (loss at step "
+            f"{nan_step['step']})") in err
+    assert len(warn) == 6 and all("\n" not in w for w in warn)
+    ffn = build_report([str(tmp_path / "study")]).ffn_rows
+    pair = next(r for r in ffn if r["runs"] == "a / b")
+    n_train = sum(x["kind"] == "train" for x in lines)
+    assert pair["steps_compared"] == n_train - 1 and math.isfinite(pair["max_abs_loss_diff"])
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "rep" / "runs.csv").read_text())))
+    by = {r["run"]: r for r in rows}
+    assert by["a"]["val_loss"] == "" and by["a"]["primary_mean"] == ""
+    assert by["a"]["l0_layers"] == f"{layers[0]:g};"
