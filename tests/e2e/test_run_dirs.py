@@ -243,11 +243,13 @@ def test_the_unfinished_sweep_of_this_command_is_found(tmp_path):
 def test_a_requeued_sweep_continues_in_its_own_sweep_dir(tokens, tmp_path):
     """``-m`` with the default, timestamped sweep dir, stopped by SIGTERM in its job 1: the stop
     line names the sweep's folder, and the same command started again resumes the jobs there
-    (job 0, finished, is not trained again)."""
+    (job 0, finished, is not trained again). 40 steps a job: with 6 the tiny job could finish
+    between the poll that saw its second step and the signal (1 run in 6 failed)."""
     work = tmp_path / "work"
     work.mkdir()
+    steps = 40
     cmd = [sys.executable, "-m", "train", "-m", "data=tokens", f"data.paths=[{tokens}]", *SMALL,
-           "trainer.max_steps=6", "trainer.log_every=1", "sparsity.l1_coeff=0.5,0.25"]
+           f"trainer.max_steps={steps}", "trainer.log_every=1", "sparsity.l1_coeff=0.5,0.25"]
     p = subprocess.Popen(cmd, cwd=work, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     t0 = time.monotonic()
@@ -262,7 +264,7 @@ def test_a_requeued_sweep_continues_in_its_own_sweep_dir(tokens, tmp_path):
     (sweep,) = (work / "runs" / "multirun").glob("*/*")
     line = next(ln for ln in out.splitlines() if ln.startswith("received SIGTERM at step "))
     step = int(line.split(" at step ")[1].split(":")[0])
-    assert step < 6 and f"re-run the same command with hydra.sweep.dir={sweep} to resume" in line
+    assert step < steps and f"re-run the same command with hydra.sweep.dir={sweep} to resume" in line
     assert (sweep / "0" / "summary.json").is_file() and not (sweep / "1" / "summary.json").exists()
 
     r = subprocess.run(cmd, cwd=work, env=ENV, capture_output=True, text=True, timeout=300,
@@ -270,11 +272,12 @@ def test_a_requeued_sweep_continues_in_its_own_sweep_dir(tokens, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"this sweep's unfinished run is {sweep}: continuing its jobs" in r.stdout
     assert list((work / "runs" / "multirun").glob("*/*")) == [sweep]
-    assert f"resumed from {sweep / '0' / 'checkpoints' / 'step6'} at step 6" in r.stdout
+    assert f"resumed from {sweep / '0' / 'checkpoints' / f'step{steps}'} at step {steps}" in \
+        r.stdout
     assert f"resumed from {sweep / '1' / 'checkpoints' / f'step{step}'} at step {step}" in r.stdout
-    assert f"training steps {step + 1}-6 of 6" in r.stdout  # job 1's rest, nothing of job 0
+    assert f"training steps {step + 1}-{steps} of {steps}" in r.stdout  # job 1's rest only
     assert r.stdout.count("training steps") == 1
-    assert json.loads((sweep / "1" / "summary.json").read_text())["step"] == 6
+    assert json.loads((sweep / "1" / "summary.json").read_text())["step"] == steps
 
 
 @pytest.mark.parametrize("value", ["/runs/2026-12-01/10-00-00", "/a b/c,d", "/it's/x=y",
