@@ -56,16 +56,16 @@ from train.scaling import (
     PAPER_L0_RANGE,
     PAPER_SIZES,
     StudySettings,
-    l1_text,
     measured_tflops,
-    most_dead_row,
     pack_calls,
     plan_depth_rows,
     plan_probe_rows,
     plan_rows,
     plan_text,
+    reinit_rows,
     result_names,
 )
+from train.scaling_report import suggest_text
 
 SMOKE_DEPTH_STEPS = 10
 SMOKE_SEQ_LEN = 256
@@ -221,45 +221,11 @@ def check_eval_tokenizer(a, s: StudySettings) -> None:
                          "--eval-tokenizer smollm2 (ids of that tokenizer) or --no-evals")
 
 
-def reinit_rows(a, s: StudySettings, log=print) -> list[tuple[int, float]]:
-    """``--reinit-rows`` as ``(layers, l1)`` pairs. ``auto`` waits until every sparse row at the
-    deepest and the shallowest depth has a result in ``--out`` or ``--skip-results`` (the rows
-    the plan runs before the re-init row), then picks the row where most units die among the
-    results (so the pick does not change from call to call); until then no re-init row.
-
-    Raises:
-        ValueError: an entry that is not ``LAYERS:L1``."""
-    spec = a.reinit_rows.strip()
-    if not spec:
-        return []
-    if spec == "auto":
-        folders = [d for d in (a.out, *a.skip_results) if d is not None]
-        ends = {min(a.depths), max(a.depths)}
-        need = [r.name for r in plan_depth_rows(a.depths, a.l1, s.steps)
-                if r.layers in ends and r.l1_coeff > 0]
-        missing = [n for n in need if n not in result_names(folders)]
-        got = None if missing else most_dead_row(folders, s.steps)
-        if got is None:
-            log("re-init row: none yet (--reinit-rows auto picks the sparse row where most units "
-                "die once the sparse rows at the deepest and shallowest depth have results; "
-                f"missing {len(missing)} of {len(need)})")
-            return []
-        log(f"re-init row: {got[0]} layers at L1 {l1_text(got[1])} ({got[2]:.1f} % dead units at "
-            "the end of training, the most of the series' sparse rows)")
-        return [(got[0], got[1])]
-    out = []
-    for item in spec.split(","):
-        try:
-            layers, l1 = item.split(":")
-            out.append((int(layers), float(l1)))
-        except ValueError:
-            raise ValueError(f"--reinit-rows entry {item!r} is not LAYERS:L1 (e.g. 38:1e-3) or "
-                             "'auto'") from None
-    return out
-
-
 def plan(a, s: StudySettings, log=print):
-    """The rows this invocation runs."""
+    """The rows this invocation runs: the paper-size rows (``--sizes`` x ``--l1``, re-init
+    pairs) or, with ``--depth-series`` / ``--probe``, the depth-series rows
+    (:func:`train.scaling.plan_depth_rows` / ``plan_probe_rows``); ``log`` gets the re-init
+    pick's line (:func:`train.scaling.reinit_rows`)."""
     if not a.depth_series:
         l1s = a.l1 if a.l1 is not None else [3e-4, 1e-4]
         return plan_rows(a.sizes, l1s, [x for x in a.reinit_sizes if x in a.sizes]
@@ -270,33 +236,18 @@ def plan(a, s: StudySettings, log=print):
     if a.l1 is None:
         raise ValueError("--depth-series needs --l1 (0 and the two values the L1 probe measured, "
                          "e.g. --l1 0,3e-4,1e-3; run --probe first, then --suggest-l1)")
-    return plan_depth_rows(a.depths, a.l1, s.steps, reinit=reinit_rows(a, s, log))
+    folders = [d for d in (a.out, *a.skip_results) if d is not None]
+    return plan_depth_rows(a.depths, a.l1, s.steps, reinit=reinit_rows(
+        a.reinit_rows, a.depths, a.l1, s.steps, folders, log))
 
 
-def suggest(folders: list[Path], targets: list[float]) -> int:
-    """Print the L1 values the probe results in ``folders`` suggest; 0, or 1 without probe rows."""
-    from train.scaling_report import load_results, suggest_l1
-
-    res = [r for r in load_results(folders, log=lambda m: None).values() if r["row"].get("probe")]
-    if not res:
+def _print_suggestion(folders: list[Path], targets: list[float]) -> int:
+    text = suggest_text(folders, targets)
+    if text is None:
         print("suggest-l1: no probe result (*_probe.json) in " + " ".join(map(str, folders)),
               file=sys.stderr)
         return 1
-    by_depth: dict[int, list] = {}
-    for r in res:
-        by_depth.setdefault(r["row"]["layers"], []).append(r)
-    for layers, rs in sorted(by_depth.items()):
-        print(f"{layers} layers, {rs[0]['row']['steps']} steps:")
-        for r in sorted(rs, key=lambda r: r["row"]["l1_coeff"]):
-            print(f"  L1 {l1_text(r['row']['l1_coeff']):>6s}: held-out L0 "
-                  f"{r['profile']['l0_mean']:.1f}")
-        sug = suggest_l1([(r["row"]["l1_coeff"], r["profile"]["l0_mean"]) for r in rs], targets)
-        for t in sug:
-            val = "n/a" if t["l1"] is None else l1_text(t["l1"])
-            print(f"  L0 {t['target']:g}: L1 {val} ({t['how']})")
-        vals = [t["l1"] for t in sug if t["l1"] is not None]
-        if len(vals) == len(sug):
-            print("  --l1 0," + ",".join(l1_text(v) for v in sorted(set(vals))))
+    print(text)
     return 0
 
 
@@ -315,7 +266,7 @@ def main(argv=None) -> int:
     if a.prepare_evals:
         return prepare_evals()
     if a.suggest_l1 is not None:
-        return suggest(a.suggest_l1, a.probe_targets)
+        return _print_suggestion(a.suggest_l1, a.probe_targets)
     if a.report is not None:
         from train.scaling_report import write_report
 
@@ -357,7 +308,8 @@ def main(argv=None) -> int:
         print(f"{o.row.name:36s} {o.status:14s} {o.checkpoint or ''}")
     if a.probe and any(o.status == "done" for o in outcomes):
         print()
-        suggest([d for d in (a.out, *a.skip_results) if Path(d).is_dir()], a.probe_targets)
+        _print_suggestion([d for d in (a.out, *a.skip_results) if Path(d).is_dir()],
+                          a.probe_targets)
     return 0 if all(o.status in ("done", "skipped") for o in outcomes) else 1
 
 

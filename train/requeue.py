@@ -257,6 +257,9 @@ class RequeueCallback(Callback):
     stops the sweep before anything is written (one line, exit code 2)."""
 
     def on_run_start(self, config, **kwargs) -> None:
+        """Hydra hook before a single run: with the timestamped default run dir and
+        ``trainer.resume=auto``, point ``hydra.run.dir`` at the newest unfinished run of the
+        same config (one line says which); else leave it."""
         pattern = OmegaConf.to_container(config.hydra.run, resolve=False)["dir"]
         where = timestamp_root(str(pattern))
         if where is None or str(config.trainer.resume) != "auto":
@@ -271,6 +274,9 @@ class RequeueCallback(Callback):
                       flush=True)
 
     def on_multirun_start(self, config, **kwargs) -> None:
+        """Hydra hook before a sweep: a timestamped sweep dir continues the newest unfinished
+        sweep of the same config and overrides; a named one holding another sweep stops the
+        sweep (one line, exit code 2)."""
         pattern = OmegaConf.to_container(config.hydra.sweep, resolve=False)["dir"]
         where = timestamp_root(str(pattern))
         if where is None:  # a named sweep dir: refused up front if it holds another sweep

@@ -1026,6 +1026,45 @@ def most_dead_row(folders: list[Path], steps: int, size: str = DEPTH_MODEL
     return best
 
 
+def reinit_rows(spec: str, depths: list[int], l1s: list[float], steps: int,
+                folders: list[Path], log=print) -> list[tuple[int, float]]:
+    """The depth series' re-initialisation rows (``scripts/scaling_study.py --reinit-rows``) as
+    ``(layers, l1)`` pairs: ``LAYERS:L1,...`` as given, or ``auto``: once every sparse row of
+    ``depths`` x ``l1s`` at the deepest and the shallowest depth has a result file in
+    ``folders`` (the rows the plan runs before the re-init row), the row where most units die
+    (:func:`most_dead_row`; so the pick does not change from call to call); until then none.
+    ``log`` gets one line on the pick (or why there is none yet).
+
+    Raises:
+        ValueError: an entry that is not ``LAYERS:L1``."""
+    spec = spec.strip()
+    if not spec:
+        return []
+    if spec == "auto":
+        ends = {min(depths), max(depths)}
+        need = [r.name for r in plan_depth_rows(depths, l1s, steps)
+                if r.layers in ends and r.l1_coeff > 0]
+        missing = [n for n in need if n not in result_names(folders)]
+        got = None if missing else most_dead_row(folders, steps)
+        if got is None:
+            log("re-init row: none yet (--reinit-rows auto picks the sparse row where most units "
+                "die once the sparse rows at the deepest and shallowest depth have results; "
+                f"missing {len(missing)} of {len(need)})")
+            return []
+        log(f"re-init row: {got[0]} layers at L1 {l1_text(got[1])} ({got[2]:.1f} % dead units at "
+            "the end of training, the most of the series' sparse rows)")
+        return [(got[0], got[1])]
+    out = []
+    for item in spec.split(","):
+        try:
+            layers, l1 = item.split(":")
+            out.append((int(layers), float(l1)))
+        except ValueError:
+            raise ValueError(f"--reinit-rows entry {item!r} is not LAYERS:L1 (e.g. 38:1e-3) or "
+                             "'auto'") from None
+    return out
+
+
 def measured_tflops(folders: list[Path], size: str = DEPTH_MODEL) -> tuple[float, int] | None:
     """The slowest training rate the depth-series results in ``folders`` measured, in TFLOP/s,
     and how many results it comes from: per result its last training segment's tokens/s
@@ -1105,6 +1144,7 @@ __all__ = [
     "profile_run",
     "prune_checkpoint",
     "read_train_lines",
+    "reinit_rows",
     "result_names",
     "row_evals",
     "row_overrides",

@@ -1225,6 +1225,32 @@ def write_report(folders: list[Path], doc: Path, command: str = "scripts/scaling
             "targets": targets}
 
 
+def suggest_text(folders: list[Path], targets=PAPER_L0_RANGE) -> str | None:
+    """What ``scripts/scaling_study.py --suggest-l1`` prints: per probed depth, each probe row's
+    held-out L0, the L1 that :func:`suggest_l1` interpolates for each target L0 and, when every
+    target has one, the ``--l1`` list to run; None when ``folders`` hold no probe result."""
+    res = [r for r in load_results(folders, log=lambda m: None).values() if r["row"].get("probe")]
+    if not res:
+        return None
+    out = []
+    by_depth: dict[int, list] = {}
+    for r in res:
+        by_depth.setdefault(r["row"]["layers"], []).append(r)
+    for layers, rs in sorted(by_depth.items()):
+        out.append(f"{layers} layers, {rs[0]['row']['steps']} steps:")
+        for r in sorted(rs, key=lambda r: r["row"]["l1_coeff"]):
+            out.append(f"  L1 {l1_text(r['row']['l1_coeff']):>6s}: held-out L0 "
+                       f"{r['profile']['l0_mean']:.1f}")
+        sug = suggest_l1([(r["row"]["l1_coeff"], r["profile"]["l0_mean"]) for r in rs], targets)
+        for t in sug:
+            val = "n/a" if t["l1"] is None else l1_text(t["l1"])
+            out.append(f"  L0 {t['target']:g}: L1 {val} ({t['how']})")
+        vals = [t["l1"] for t in sug if t["l1"] is not None]
+        if len(vals) == len(sug):
+            out.append("  --l1 0," + ",".join(l1_text(v) for v in sorted(set(vals))))
+    return "\n".join(out)
+
+
 __all__ = [
     "CSV_COLUMNS",
     "DEPTH_PLOTS",
@@ -1252,6 +1278,7 @@ __all__ = [
     "size_label",
     "sort_key",
     "suggest_l1",
+    "suggest_text",
     "twin_key",
     "write_report",
 ]

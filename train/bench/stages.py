@@ -306,6 +306,9 @@ def baseline_rows(run: SizeRun, b: Budget, first: bool, path: str = "hf") -> Non
 
 
 def time_baseline(run: SizeRun, step: HFStep, c: Choice, b: Budget, path: str = "hf") -> dict:
+    """Time ``step`` (a stock-transformers baseline of ``path``) at choice ``c``: ``warmup`` then
+    ``steps`` steps (:func:`train.bench.steps.time_steps`); its ``best_configs.csv`` row, or a
+    row naming the out-of-memory error (other errors propagate)."""
     step.set_recompute(c.recompute)
     batches = batches_from(run.pool_NT, c.micro_batch, seed=c.micro_batch)
     try:
