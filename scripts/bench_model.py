@@ -23,9 +23,8 @@ import sys
 from pathlib import Path
 
 from train.bench import PATHS, BenchSettings, Recipe, SettleRule, parse_budgets, run_bench
-from train.bench.recipe import check_config
+from train.bench.recipe import PROFILE_PATHS, check_config
 from train.bench.report import merge_runs
-from train.bench.step_profile import PROFILE_PATHS
 
 
 def parse_args(argv=None) -> argparse.Namespace:

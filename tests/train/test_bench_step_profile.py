@@ -6,13 +6,13 @@ import csv
 
 import pytest
 
+from train.bench.recipe import split_profile_path
 from train.bench.step_profile import (
     FAMILIES,
     StepProfile,
     family_table,
     kernel_family,
     profile_step,
-    split_profile_path,
     write_profile,
 )
 

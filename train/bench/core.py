@@ -25,6 +25,7 @@ from train.bench.recipe import (
     SMOKE_SIZE,
     Recipe,
     default_overrides,
+    split_profile_path,
     stage1_overrides,
 )
 from train.bench.search import SATURATION_TOKENS, Budget, Choice, FakeMemory, SharedProbe, search
@@ -126,8 +127,6 @@ class BenchSettings:
         bad = [p for p in self.paths if p not in PATHS]
         if bad or not self.paths:
             raise ValueError(f"paths: unknown {bad}; use some of {', '.join(PATHS)}")
-        from train.bench.step_profile import split_profile_path
-
         for p in self.profile_paths:
             split_profile_path(p)  # ValueError naming an unknown path or a bad override
         if self.model_from is not None and len(self.sizes) != 1:

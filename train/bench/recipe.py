@@ -193,6 +193,49 @@ def check_config(config: list[str]) -> None:
                              "--paths / --train-steps instead")
 
 
+
+PROFILE_PATHS = ("hf", "liger", "compile", "dense", "ell", "auto", "dense-noliger",
+                 "ell-noliger", "auto-noliger")
+"""What ``--profile-paths`` may name: the stock-transformers baselines
+(:data:`train.bench.recipe.BASELINE_PATHS`) and our trainer's FFN paths (``dense`` is dense
+mode), each of ours also as ``<path>-noliger`` (``trainer.liger=false``: our own fused loss and
+lean norms, eager RoPE). Any of them may add ``@key=value:...``: launch shapes of the
+training kernels for that profile (:func:`twell.ops.launch.kernel_config`, integer values),
+e.g. ``ell@dw_block_d=1024:dw_d_outer=0``; ours may end in ``+hydra.key=value+...``: overrides
+of our trainer's config, e.g. ``ell+model.ffn_policy.hot_min_density=0.001`` (hot units on
+sparse layers too)."""
+
+
+def split_profile_path(name: str) -> tuple[str, dict, list[str]]:
+    """``"ell@dw_block_d=256:dw_d_outer=1+model.x=1"`` -> ``("ell", {"dw_block_d": 256,
+    "dw_d_outer": 1}, ["model.x=1"])``.
+
+    Raises:
+        ValueError: an unknown path, a malformed ``key=value``, or config overrides on a
+            stock-transformers baseline.
+    """
+    name, *overrides = name.split("+")
+    for o in overrides:
+        if "=" not in o or o.startswith("="):
+            raise ValueError(f"profile path {name!r}: {o!r} is not a Hydra key=value override")
+    path, _, spec = name.partition("@")
+    if path not in PROFILE_PATHS:
+        raise ValueError(f"profile path {name!r}: unknown {path!r}; use one of "
+                         f"{', '.join(PROFILE_PATHS)}, optionally with @key=value:...")
+    kw = {}
+    for item in filter(None, spec.split(":")):
+        key, eq, val = item.partition("=")
+        try:
+            kw[key] = int(val)
+        except ValueError:
+            raise ValueError(f"profile path {name!r}: {item!r} is not key=<integer>") from None
+        if not eq:
+            raise ValueError(f"profile path {name!r}: {item!r} is not key=<integer>")
+    if overrides and path.partition("-")[0] in BASELINE_PATHS:
+        raise ValueError(f"profile path {name!r}: config overrides apply to our trainer's paths "
+                         "only")
+    return path, kw, overrides
+
 __all__ = [
     "BASELINE_PATHS",
     "CONTROLLED",
@@ -206,6 +249,7 @@ __all__ = [
     "PATHS",
     "PATH_FFNS",
     "PATH_OF_FFN",
+    "PROFILE_PATHS",
     "QUIET",
     "SMOKE_SEQ",
     "SMOKE_SIZE",
@@ -216,6 +260,7 @@ __all__ = [
     "default_overrides",
     "ours_overrides",
     "smoke_model_overrides",
+    "split_profile_path",
     "stage1_overrides",
     "write_smoke_tokens",
 ]

@@ -197,56 +197,13 @@ def family_table(profiles: dict[str, StepProfile], tokens_per_step: int) -> str:
 
 # ---------------------------------------------------------------- the paths of a bench run
 
-PROFILE_PATHS = ("hf", "liger", "compile", "dense", "ell", "auto", "dense-noliger",
-                 "ell-noliger", "auto-noliger")
-"""What ``--profile-paths`` may name: the stock-transformers baselines
-(:data:`train.bench.recipe.BASELINE_PATHS`) and our trainer's FFN paths (``dense`` is dense
-mode), each of ours also as ``<path>-noliger`` (``trainer.liger=false``: our own fused loss and
-lean norms, eager RoPE). Any of them may add ``@key=value:...``: launch shapes of the
-training kernels for that profile (:func:`twell.ops.launch.kernel_config`, integer values),
-e.g. ``ell@dw_block_d=1024:dw_d_outer=0``; ours may end in ``+hydra.key=value+...``: overrides
-of our trainer's config, e.g. ``ell+model.ffn_policy.hot_min_density=0.001`` (hot units on
-sparse layers too)."""
-
-
-def split_profile_path(name: str) -> tuple[str, dict, list[str]]:
-    """``"ell@dw_block_d=256:dw_d_outer=1+model.x=1"`` -> ``("ell", {"dw_block_d": 256,
-    "dw_d_outer": 1}, ["model.x=1"])``.
-
-    Raises:
-        ValueError: an unknown path, a malformed ``key=value``, or config overrides on a
-            stock-transformers baseline.
-    """
-    name, *overrides = name.split("+")
-    for o in overrides:
-        if "=" not in o or o.startswith("="):
-            raise ValueError(f"profile path {name!r}: {o!r} is not a Hydra key=value override")
-    path, _, spec = name.partition("@")
-    if path not in PROFILE_PATHS:
-        raise ValueError(f"profile path {name!r}: unknown {path!r}; use one of "
-                         f"{', '.join(PROFILE_PATHS)}, optionally with @key=value:...")
-    kw = {}
-    for item in filter(None, spec.split(":")):
-        key, eq, val = item.partition("=")
-        try:
-            kw[key] = int(val)
-        except ValueError:
-            raise ValueError(f"profile path {name!r}: {item!r} is not key=<integer>") from None
-        if not eq:
-            raise ValueError(f"profile path {name!r}: {item!r} is not key=<integer>")
-    if overrides and path.partition("-")[0] in ("hf", "liger", "compile"):
-        raise ValueError(f"profile path {name!r}: config overrides apply to our trainer's paths "
-                         "only")
-    return path, kw, overrides
-
-
 def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, warmup: int = 3,
                   timed: int = 6) -> dict[str, StepProfile]:
     """Profile one training step of each path of ``paths`` on the bench model of ``run`` (a
     :class:`train.bench.core.SizeRun`), ``micro`` sequences per step, no recomputation, one
     micro-batch per optimizer step (learning rate 0: every kernel runs, the weights stay).
     A path that fails (out of memory) is logged and left out."""
-    from train.bench.recipe import BASELINE_PATHS
+    from train.bench.recipe import BASELINE_PATHS, split_profile_path
     from train.bench.stages import build_our_trainer, use_ffn
     from train.bench.steps import HFStep, batches_from, build_hf, free_memory, is_oom, log
     from train.memory import Plan
@@ -330,5 +287,5 @@ def write_profile(out_dir, size: str, micro: int, profiles: dict[str, StepProfil
     return table
 
 
-__all__ = ["FAMILIES", "PROFILE_PATHS", "StepProfile", "family_table", "kernel_family",
-           "profile_paths", "profile_step", "split_profile_path", "write_profile"]
+__all__ = ["FAMILIES", "StepProfile", "family_table", "kernel_family", "profile_paths",
+           "profile_step", "write_profile"]
