@@ -17,6 +17,14 @@ from train.config import (
 from train.data import DataConfig
 
 VOCAB = 64
+# python -m train overrides of a tiny CPU run on a data=tokens file of VOCAB ids (add data=tokens
+# data.paths=[...]): the end-to-end CLI tests' shared shape
+SMALL_CLI = [f"model.vocab_size={VOCAB}", f"data.vocab_size={VOCAB}", "model.hidden_size=32",
+             "model.intermediate_size=64", "model.num_heads=2", "model.num_layers=2",
+             "model.seq_len=32", "trainer.global_batch=4", "trainer.micro_batch=4",
+             "eval=disabled", "logging.wandb_mode=disabled", "trainer.progress=false",
+             "trainer.max_steps=1", "optim.warmup_steps=1", "trainer.num_threads=1",
+             "trainer.cpu=true", "trainer.val_sequences=4"]
 
 
 def write_tokens(path: Path, n_tokens: int = 40_000, vocab: int = VOCAB, seed: int = 0) -> Path:

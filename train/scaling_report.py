@@ -1051,6 +1051,12 @@ def setup_text(results: list[dict]) -> str:
         + ", ".join(f"{n:,} held-out tokens ({src} split)" for n, src in prof) + ".")
 
 
+def _targets_table(targets: list[dict]) -> str:
+    """The targets' markdown table: target, measured, paper, verdict."""
+    return _md_table(["target", "measured", "paper", "verdict"],
+                     [[t["target"], t["measured"], t["paper"], t["verdict"]] for t in targets])
+
+
 def _plot_sections(names, results, plots, judgements) -> list[str]:
     out = []
     for name in names:
@@ -1102,8 +1108,7 @@ def doc_text(results: list[dict], targets: list[dict], plots: dict, judgements: 
         dt = [t for t in targets if t.get("series") == "depth"]
         out += [
             "#### Targets", "",
-            _md_table(["target", "measured", "paper", "verdict"],
-                      [[t["target"], t["measured"], t["paper"], t["verdict"]] for t in dt]), "",
+            _targets_table(dt), "",
             "#### Runs", "", depth_runs_table(series), "",
             ("L0: mean active FFN units per token on the held-out profile (the most active "
              "layer's; position 0, mean over layers); settled: every layer's training L0 moved "
@@ -1138,8 +1143,7 @@ def doc_text(results: list[dict], targets: list[dict], plots: dict, judgements: 
              " (5 % or more: not settled)."), "",
             setup_text(paper), "",
             "### Targets (3.3 M tokens)", "",
-            _md_table(["target", "measured", "paper", "verdict"],
-                      [[t["target"], t["measured"], t["paper"], t["verdict"]] for t in pt]), "",
+            _targets_table(pt), "",
             "### Runs (3.3 M tokens)", "", runs_table(paper), "",
             ("L0: mean active FFN units per token on the held-out profile (`L0 max layer`: the "
              "most active layer's; `L0 first token`: position 0, mean over layers); dead % "

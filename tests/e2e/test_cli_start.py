@@ -11,15 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.train_utils import SMALL_CLI as SMALL
 from tests.train_utils import write_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["model.vocab_size=64", "data.vocab_size=64", "model.hidden_size=32",
-         "model.intermediate_size=64", "model.num_heads=2", "model.num_layers=2",
-         "model.seq_len=32", "trainer.global_batch=4", "trainer.micro_batch=4", "eval=disabled",
-         "logging.wandb_mode=disabled", "trainer.progress=false", "trainer.max_steps=1",
-         "optim.warmup_steps=1", "trainer.num_threads=1", "trainer.cpu=true",
-         "trainer.val_sequences=4"]
 
 # What setuptools' editable install puts on the import path (its __editable__ finder): a meta
 # path finder asked *after* the path finder, mapping each package to this checkout.
