@@ -349,10 +349,11 @@ class TrainerConfig:
     CUDA bf16 runs without trainer.compile when liger_kernel imports; off on the CPU
     (transformers' reference code). A distillation run keeps its own fused CE + KL loss
     (train/loss.py), an FSDP run transformers' loss. Replaced our own fused loss and lean norms,
-    which it beat (one H200, 1.5B: dense path 36.1 -> 50.3 tokens/ms; BENCHMARKS.md)."""
+    which it matched (the loss) or beat (norms, RoPE: one H200, 1.5B, dense path 36.1 -> 50.3
+    tokens/ms with all three; BENCHMARKS.md)."""
     ce_chunk_rows: int = 4096
     """Rows of logits per chunk of the distillation loss (CE + KL, train/loss.py;
-    = train.loss.CE_CHUNK_ROWS): its transient memory is ~12 x rows x vocab bytes."""
+    = train.loss.CE_CHUNK_ROWS): its transient memory is about six fp32 rows x vocab tensors."""
     memory: str = "off"
     """auto (trainer=gpu, experiment=paper_*): the memory planner (train/memory.py) measures a
     few forward+backward probes per candidate at start and picks the micro-batch and how much to

@@ -35,12 +35,10 @@ _DEFAULT_CONFIG = {
     # >= 256 * dw_warps keeps the reduction in-thread
     "dw_block_j": 4,
     # 0 = auto: the widest D slice (128..1024) whose x and dy columns over all N rows fit in
-    # dw_l2_bytes, with the D slice outermost (dw_d_outer ignored), so that the gathers of one
-    # slice hit L2, not HBM. The whole-model step of the 1.5B model at micro-batch 16 (N 32768)
-    # spent 4.4 of 34.4 ms per sequence in dW at d1024 (HBM-bound: ~3.8 TB/s of gathered rows;
-    # BENCHMARKS.md, "Where the step's time goes")
+    # dw_l2_bytes, D slice outermost (dw_d_outer ignored), so one slice's gathers hit L2: in the
+    # 1.5B model at N 49152, 81.9 ms of dW a step vs 95.7 at d1024 (BENCHMARKS.md, "Call 2")
     "dw_block_d": 0,
-    "dw_l2_bytes": 16 * 2**20,  # of the H200's 60 MB L2: 16 MiB (128 columns at N 32768) beat 32
+    "dw_l2_bytes": 16 * 2**20,  # 16 MiB (d128 at N 32768) 59.6 tok/ms vs 32 MiB (d256) 57.4
     "dw_warps": 4,
     # dW grid order when dw_block_d is set, 1 = D slice outermost: 0.518 vs 0.578 ms i.i.d. but
     # 0.345 vs 0.288 with hot units (N 16384, d1024)
