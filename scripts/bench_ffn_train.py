@@ -241,13 +241,10 @@ def _sd(k, d, w):
     return (f"k{k} d{d} w{w}", {"sddmm_block_k": k, "sddmm_block_d": d, "sddmm_warps": w})
 
 
-def _dw(j, d, w):
-    return (f"j{j} d{d} w{w}", {"dw_block_j": j, "dw_block_d": d, "dw_warps": w})
-
-
-def _dwo(j, d, w):
-    return (f"j{j} d{d} w{w} D-outer",
-            {"dw_block_j": j, "dw_block_d": d, "dw_warps": w, "dw_d_outer": 1})
+def _dw(j, d, w, v=2):
+    """A dW launch: version ``v``, D slice ``d`` outermost (0 = auto), ``j`` entries a step."""
+    return (f"v{v} j{j} d{d or 'auto'} w{w}",
+            {"dw_kernel": v, "dw_block_j": j, "dw_block_d": d, "dw_warps": w, "dw_d_outer": 1})
 
 
 def _sp(key, k, w):
@@ -262,12 +259,15 @@ PART_SHAPES = {
                _sp("spmm_block_k", 2, 2), _sp("spmm_block_k", 8, 4)],
     "spmm_dx": [_sp("spmm_block_k2", 2, 4), _sp("spmm_block_k2", 1, 4), _sp("spmm_block_k2", 2, 2),
                 _sp("spmm_block_k2", 1, 2), _sp("spmm_block_k2", 4, 4)],
-    "dw": [_dw(4, 1024, 4), _dwo(4, 1024, 4), _dwo(4, 512, 2), _dwo(8, 512, 2), _dwo(4, 256, 1),
-           _dwo(8, 256, 1), _dw(4, 512, 2), _dw(2, 2048, 8)],
+    "dw": [_dw(16, 0, 4), _dw(4, 0, 4, v=1),
+           ("v1 j4 d1024 w4 columns outermost",
+            {"dw_kernel": 1, "dw_block_j": 4, "dw_block_d": 1024, "dw_warps": 4, "dw_d_outer": 0}),
+           _dw(8, 128, 2), _dw(8, 128, 4), _dw(32, 128, 4), _dw(32, 128, 8), _dw(16, 256, 4),
+           _dw(16, 256, 8), _dw(8, 256, 4), _dw(16, 64, 2), _dw(32, 64, 4), _dw(64, 64, 8)],
 }
 
 
-def parts(x, wg, wu, wd, dy, rep, label):
+def parts(x, wg, wu, wd, dy, rep, label, kernels=()):
     """Times each Triton kernel of the ``ell`` path alone (old vs new launch shapes) on one ELL
     state built from (x, wg); checks each output first. Returns rows for the CSV."""
     import triton.testing
@@ -322,6 +322,8 @@ def parts(x, wg, wu, wd, dy, rep, label):
 
         base_ms = {}
         for part, shapes in PART_SHAPES.items():
+            if kernels and part not in kernels:
+                continue
             fn, ref, nbytes = jobs[part]
             fn = run_dw if part == "dw" else fn
             for name, cfg in shapes:
@@ -379,6 +381,8 @@ def parse_args():
     ap.add_argument("--parts", default="iid:0.003,iid:0.01,heavy:0.003",
                     help="dist:density cases of the per-kernel table ('' = none)")
     ap.add_argument("--parts-only", action="store_true", help="only the per-kernel table")
+    ap.add_argument("--part-kernels", default="",
+                    help=f"the kernels of the parts table (default all: {','.join(PART_SHAPES)})")
     ap.add_argument("--acts", default="",
                     help="comma-separated recorded layers (twell.nn.record .safetensors), "
                          "timed with their own shape after the synthetic cases")
@@ -412,7 +416,8 @@ def run_parts(args, n, d, h, rep) -> None:
     for case in filter(None, args.parts.split(",")):
         dist, dens = case.split(":")
         x, wg, wu, wd, dy = make_case(n, d, h, float(dens), dist)
-        part_rows += parts(x, wg, wu, wd, dy, max(20, rep // 2), f"{dist} {dens}")
+        part_rows += parts(x, wg, wu, wd, dy, max(20, rep // 2), f"{dist} {dens}",
+                           tuple(filter(None, args.part_kernels.split(","))))
         del x, wg, wu, wd, dy
     print(f"# parts done at {time.time() - t_start:.0f} s", flush=True)
     out = os.environ.get("OUT")

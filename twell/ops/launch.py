@@ -31,9 +31,13 @@ _DEFAULT_CONFIG = {
     "spmm_block_k2": 2,
     "spmm_block_d": 2048,
     "spmm_warps": 4,
-    # dW entries per step, D slice, warps: j4 d1024 w4 0.577 ms vs j8 d512 w2 0.676;
-    # >= 256 * dw_warps keeps the reduction in-thread
-    "dw_block_j": 4,
+    # dW kernel version: 2 (entries pre-gathered in CSC order, 2-D accumulators) or 1 (the first
+    # version: scattered coefficient loads per D slice, 1-D accumulators); 1 is deleted once
+    # BENCHMARKS.md records both side by side
+    "dw_kernel": 2,
+    # dW entries per step (v1: j4 d1024 w4 0.577 ms vs j8 d512 w2 0.676 and its warps at most
+    # dw_block_d // 256; v2: entries x D slice held per program, warps split the entries)
+    "dw_block_j": 16,
     # 0 = auto: the widest D slice (128..1024) whose x and dy columns over all N rows fit in
     # dw_l2_bytes, D slice outermost (dw_d_outer ignored), so one slice's gathers hit L2: in the
     # 1.5B model at N 49152, 81.9 ms of dW a step vs 95.7 at d1024 (BENCHMARKS.md, "Call 2")
@@ -69,6 +73,10 @@ def kernel_config(**overrides):
         if key == "dw_d_outer":
             if val not in (0, 1):
                 raise ValueError(f"kernel_config: dw_d_outer must be 0 or 1; got {val!r}")
+            continue
+        if key == "dw_kernel":
+            if val not in (1, 2):
+                raise ValueError(f"kernel_config: dw_kernel must be 1 or 2; got {val!r}")
             continue
         if key == "dw_block_d" and val == 0:  # auto
             continue
