@@ -36,7 +36,8 @@ raised. Variants (named by the training paths, ``twell.nn.plan.TRAIN_PATHS``):
     ell_dwo*    ell with the dW grid's D slice outermost, slices of 1024 / 512 / 256
 
 Superseded kernels (compaction v1-v3, the first SpMM and dW kernels, the CSC sort after the host
-wait) are deleted; their numbers are in BENCHMARKS.md (code at git commit 629013a), and the
+wait) are deleted; their numbers are in BENCHMARKS.md (code at git commit 629013a; the second dW
+kernel at 31cda26), and the
 summary ends with ``ell``'s speedup against the one recorded there (:data:`RECORDED_SPEEDUP`).
 
 PARTS (before the full runs, i.i.d. 0.3 % and 1 %, heavy 0.3 %): every Triton kernel of the
@@ -241,10 +242,10 @@ def _sd(k, d, w):
     return (f"k{k} d{d} w{w}", {"sddmm_block_k": k, "sddmm_block_d": d, "sddmm_warps": w})
 
 
-def _dw(j, d, w, v=2):
-    """A dW launch: version ``v``, D slice ``d`` outermost (0 = auto), ``j`` entries a step."""
-    return (f"v{v} j{j} d{d or 'auto'} w{w}",
-            {"dw_kernel": v, "dw_block_j": j, "dw_block_d": d, "dw_warps": w, "dw_d_outer": 1})
+def _dw(j, d, w):
+    """A dW launch: D slice ``d`` outermost (0 = auto), ``j`` entries a step, ``w`` warps."""
+    return (f"j{j} d{d or 'auto'} w{w}",
+            {"dw_block_j": j, "dw_block_d": d, "dw_warps": w, "dw_d_outer": 1})
 
 
 def _sp(key, k, w):
@@ -259,11 +260,10 @@ PART_SHAPES = {
                _sp("spmm_block_k", 2, 2), _sp("spmm_block_k", 8, 4)],
     "spmm_dx": [_sp("spmm_block_k2", 2, 4), _sp("spmm_block_k2", 1, 4), _sp("spmm_block_k2", 2, 2),
                 _sp("spmm_block_k2", 1, 2), _sp("spmm_block_k2", 4, 4)],
-    "dw": [_dw(16, 0, 4), _dw(4, 0, 4, v=1),
-           ("v1 j4 d1024 w4 columns outermost",
-            {"dw_kernel": 1, "dw_block_j": 4, "dw_block_d": 1024, "dw_warps": 4, "dw_d_outer": 0}),
-           _dw(8, 128, 2), _dw(8, 128, 4), _dw(32, 128, 4), _dw(32, 128, 8), _dw(16, 256, 4),
-           _dw(16, 256, 8), _dw(8, 256, 4), _dw(16, 64, 2), _dw(32, 64, 4), _dw(64, 64, 8)],
+    "dw": [_dw(8, 0, 2), _dw(4, 128, 1), _dw(8, 128, 1), _dw(16, 0, 4), _dw(4, 128, 2),
+           _dw(16, 128, 2), _dw(8, 64, 1), _dw(16, 64, 2), _dw(8, 256, 2), _dw(8, 256, 1),
+           ("j8 d1024 w4 columns outermost",
+            {"dw_block_j": 8, "dw_block_d": 1024, "dw_warps": 4, "dw_d_outer": 0})],
 }
 
 

@@ -150,9 +150,8 @@ KERNEL_CONFIGS = {
     "compact_2rows": {"compact_block_n": 2, "compact_warps": 2},
     # dW grid with the D slice outermost, D = 40 in three slices of 16
     "dw_d_outer": {"dw_d_outer": 1, "dw_block_d": 16, "dw_block_j": 2},
-    # the first dW kernel (kept until BENCHMARKS.md records both), and v2 with one warp
-    "dw_v1": {"dw_kernel": 1, "dw_block_j": 4},
-    "dw_v2_1warp": {"dw_block_j": 4, "dw_warps": 1, "dw_block_d": 16},
+    # dW with one warp and 4 entries a step (several steps per column)
+    "dw_1warp": {"dw_block_j": 4, "dw_warps": 1, "dw_block_d": 16},
 }
 
 

@@ -36,6 +36,7 @@ DIMS = {"ffn": 5632, "vocab": 49152}
     ("_triton_rope", None, None, "rope"),
     ("liger_cross_entropy_kernel", None, None, "loss"),
     ("_dw_kernel", None, None, "ffn_triton"),
+    ("_dw_entries_kernel", None, None, "ffn_triton"),
     ("_compact_kernel", None, None, "ffn_triton"),
     ("_sddmm_kernel", None, None, "ffn_triton"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", None, None,

@@ -3,8 +3,11 @@
     dWg[c] = sum dg x[n],  dWu[c] = sum du x[n],  dWd^T[c] = sum g u dy[n]   (over col[n, k] = c)
 
 The CSC order (``perm``, ``colptr``, the longest-column-first ``order``) is built by the forward
-(``twell.ops.ffn_train._csc_order``); entries are read through it, and each (column, D slice)
-program owns its outputs, so the sums are deterministic. Shape legend: N tokens, D model width,
+(``twell.ops.ffn_train._csc_order``); a first pass reads the entries through it once and writes
+their tokens and coefficients in CSC order (``_dw_entries_kernel``), then each (column, D slice)
+program streams its column's entries and owns its outputs, so the sums are deterministic. The
+first version (scattered loads of the coefficients in every D slice, 1-D accumulators) was 70.2
+against 54.8 ms of dW a step in the 1.5B model (BENCHMARKS.md, "dW v2"; code at commit 31cda26). Shape legend: N tokens, D model width,
 H FFN width, K ELL width, J entries of one column. Source: arXiv 2603.23198, "Hybrid
 (training)"; PyTorch backend: ``twell.ops.reference.sparse_train_torch.dw``.
 """
@@ -16,89 +19,6 @@ import triton
 import triton.language as tl
 
 from twell.ops.launch import CONFIG, check_operand, dw_launch
-
-
-@triton.jit
-def _dw_kernel_v1(
-    dwg_ptr,  # (H, D) out: dL/dWg
-    dwu_ptr,  # (H, D) out: dL/dWu
-    dwdt_ptr,  # (H, D) out: dL/dWd^T
-    addg_ptr,  # (H, D) dense-backup part of dWg (read when HAS_ADD)
-    addu_ptr,  # (H, D) dense-backup part of dWu
-    addd_ptr,  # (H, D) dense-backup part of dWd^T
-    x_ptr,  # (N, D) input
-    dy_ptr,  # (N, D) upstream gradient
-    perm_ptr,  # (NNZ,) int64 flat ELL index n*K + k, grouped by column (CSC order)
-    colptr_ptr,  # (H + 1,) int64: column c owns perm[colptr[c]:colptr[c+1]]
-    order_ptr,  # (H,) int64: columns, longest first (programs start in this order)
-    dg_ptr,  # (N, K) fp32 dL/dgate at the non-zeros
-    du_ptr,  # (N, K) fp32 dL/dup at the non-zeros
-    g_ptr,  # (N, K) relu(gate)
-    u_ptr,  # (N, K) up
-    D,  # model width
-    K,  # ELL width
-    N_DCHUNK,  # cdiv(D, BLOCK_D)
-    stride_x,  # row stride of x
-    stride_dy,  # row stride of dy
-    stride_w,  # row stride of the (H, D) outputs and adds
-    HAS_ADD: tl.constexpr,  # add the dense-backup contributions
-    BLOCK_J: tl.constexpr,  # entries per step
-    BLOCK_D: tl.constexpr,  # model-width slice of one program
-    H=0,  # columns (read when D_OUTER)
-    D_OUTER: tl.constexpr = False,  # grid order: D slice outermost, then columns
-):
-    """Transposed SpMM (per hidden unit c, over the entries (n, k) with col[n, k] = c)::
-
-        dWg[c]   = sum dg[n, k] x[n]      dWu[c] = sum du[n, k] x[n]   (one gather of x)
-        dWd^T[c] = sum g[n, k] u[n, k] dy[n]
-
-    fp32 accumulation; deterministic (one program owns each output slice, CSC order fixed).
-    1-D fp32 accumulators (the entry axis is reduced every step inside each thread: with
-    BLOCK_D >= 256 * num_warps the warps split D, not the entries); the next step's entry indices
-    are loaded behind this step's x/dy gathers; programs are issued longest column first
-    (``order``) so that hot units do not start last and form the tail.
-    """
-    pid = tl.program_id(0)
-    if D_OUTER:  # programs of one D slice run together: that slice of x and dy stays in L2
-        c = tl.load(order_ptr + pid % H).to(tl.int64)
-        offs_d = (pid // H) * BLOCK_D + tl.arange(0, BLOCK_D)
-    else:
-        c = tl.load(order_ptr + pid // N_DCHUNK).to(tl.int64)
-        offs_d = (pid % N_DCHUNK) * BLOCK_D + tl.arange(0, BLOCK_D)
-    md = offs_d < D
-    start = tl.load(colptr_ptr + c)
-    end = tl.load(colptr_ptr + c + 1)
-    accg = tl.zeros([BLOCK_D], dtype=tl.float32)
-    accu = tl.zeros([BLOCK_D], dtype=tl.float32)
-    accd = tl.zeros([BLOCK_D], dtype=tl.float32)
-    offs = tl.arange(0, BLOCK_J)
-    e = tl.load(perm_ptr + start + offs, mask=(start + offs) < end, other=0)
-    for j0 in range(start, end, BLOCK_J):
-        mj = (j0 + offs) < end
-        n = e // K
-        m2 = mj[:, None] & md[None, :]
-        xr = tl.load(x_ptr + n[:, None] * stride_x + offs_d[None, :], mask=m2, other=0.0)
-        dyr = tl.load(dy_ptr + n[:, None] * stride_dy + offs_d[None, :], mask=m2, other=0.0)
-        dg = tl.load(dg_ptr + e, mask=mj, other=0.0)
-        du = tl.load(du_ptr + e, mask=mj, other=0.0)
-        h = tl.load(g_ptr + e, mask=mj, other=0.0).to(tl.float32) * tl.load(
-            u_ptr + e, mask=mj, other=0.0
-        ).to(tl.float32)
-        nj = j0 + BLOCK_J + offs
-        e = tl.load(perm_ptr + nj, mask=nj < end, other=0)
-        xf = xr.to(tl.float32)
-        accg += tl.sum(dg[:, None] * xf, axis=0)
-        accu += tl.sum(du[:, None] * xf, axis=0)
-        accd += tl.sum(h[:, None] * dyr.to(tl.float32), axis=0)
-    off = c * stride_w + offs_d
-    if HAS_ADD:
-        accg += tl.load(addg_ptr + off, mask=md, other=0.0).to(tl.float32)
-        accu += tl.load(addu_ptr + off, mask=md, other=0.0).to(tl.float32)
-        accd += tl.load(addd_ptr + off, mask=md, other=0.0).to(tl.float32)
-    tl.store(dwg_ptr + off, accg.to(dwg_ptr.dtype.element_ty), mask=md)
-    tl.store(dwu_ptr + off, accu.to(dwu_ptr.dtype.element_ty), mask=md)
-    tl.store(dwdt_ptr + off, accd.to(dwdt_ptr.dtype.element_ty), mask=md)
-
 
 
 @triton.jit
@@ -226,15 +146,6 @@ def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g
     n_dchunk = triton.cdiv(d, block_d)
     if order is None:  # longest column first (the training forward passes it precomputed)
         order = torch.argsort(colptr[1:] - colptr[:-1], descending=True)
-    if CONFIG["dw_kernel"] == 1:  # the first version, kept until BENCHMARKS.md records v2 beside it
-        _dw_kernel_v1[(h * n_dchunk,)](
-            dwg_HD, dwu_HD, dwdt_HD, ag, au, ad, x_ND, dy_ND, perm, colptr, order, dg_NK, du_NK,
-            g_NK, u_NK, d, max(k, 1), n_dchunk, x_ND.stride(0), dy_ND.stride(0), dwg_HD.stride(0),
-            HAS_ADD=has_add, BLOCK_J=CONFIG["dw_block_j"], BLOCK_D=block_d, H=h,
-            D_OUTER=d_outer,
-            num_warps=max(1, min(CONFIG["dw_warps"], block_d // 256)),
-        )
-        return
     ns = perm.shape[0]
     rows = torch.empty(ns, dtype=torch.int32, device=x_ND.device)
     coef = torch.empty((3, ns), dtype=torch.float32, device=x_ND.device)

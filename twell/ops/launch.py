@@ -31,21 +31,19 @@ _DEFAULT_CONFIG = {
     "spmm_block_k2": 2,
     "spmm_block_d": 2048,
     "spmm_warps": 4,
-    # dW kernel version: 2 (entries pre-gathered in CSC order, 2-D accumulators) or 1 (the first
-    # version: scattered coefficient loads per D slice, 1-D accumulators); 1 is deleted once
-    # BENCHMARKS.md records both side by side
-    "dw_kernel": 2,
-    # dW entries per step (v1: j4 d1024 w4 0.577 ms vs j8 d512 w2 0.676 and its warps at most
-    # dw_block_d // 256; v2: entries x D slice held per program, warps split the entries)
-    "dw_block_j": 16,
+    # dW entries per step (BLOCK_J x BLOCK_D accumulators per program; the warps split the
+    # entries): j8 d128 w2 0.93 ms vs j16 d128 w4 1.78 (N 49152, heavy-tailed 0.5 %; BENCHMARKS.md,
+    # "dW v2")
+    "dw_block_j": 8,
     # 0 = auto: the widest D slice (128..1024) whose x and dy columns over all N rows fit in
     # dw_l2_bytes, D slice outermost (dw_d_outer ignored), so one slice's gathers hit L2: in the
-    # 1.5B model at N 49152, 81.9 ms of dW a step vs 95.7 at d1024 (BENCHMARKS.md, "Call 2")
+    # 1.5B model at N 49152, 81.9 ms of dW a step vs 95.7 at d1024 (the first dW kernel;
+    # BENCHMARKS.md, "Call 2")
     "dw_block_d": 0,
-    "dw_l2_bytes": 16 * 2**20,  # 16 MiB (d128 at N 32768) 59.6 tok/ms vs 32 MiB (d256) 57.4
-    "dw_warps": 4,
+    "dw_l2_bytes": 16 * 2**20,  # 16 MiB (d128 at N 32768) 59.6 tok/ms vs 32 MiB (d256) 57.4 (first dW)
+    "dw_warps": 2,
     # dW grid order when dw_block_d is set, 1 = D slice outermost: 0.518 vs 0.578 ms i.i.d. but
-    # 0.345 vs 0.288 with hot units (N 16384, d1024)
+    # 0.345 vs 0.288 with hot units (N 16384, d1024; the first dW kernel)
     "dw_d_outer": 0,
     # dense-mode elementwise pass (dense_fwd): rows per program, columns per step, warps
     "dense_block_n": 16,
@@ -73,10 +71,6 @@ def kernel_config(**overrides):
         if key == "dw_d_outer":
             if val not in (0, 1):
                 raise ValueError(f"kernel_config: dw_d_outer must be 0 or 1; got {val!r}")
-            continue
-        if key == "dw_kernel":
-            if val not in (1, 2):
-                raise ValueError(f"kernel_config: dw_kernel must be 1 or 2; got {val!r}")
             continue
         if key == "dw_block_d" and val == 0:  # auto
             continue
