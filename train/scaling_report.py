@@ -104,12 +104,13 @@ def normalise(r: dict) -> dict:
     row.setdefault("steps", cfg.get("trainer", {}).get("max_steps"))
     row.setdefault("hidden", cfg.get("model", {}).get("hidden_size"))
     r.setdefault("evals", None)
-    if r.get("settle") is None:
-        c = r.get("curves", {})
-        per = c.get("l0_layers") or [None] * len(c.get("step", []))
+    c = r.get("curves", {})
+    if c.get("step") and row["steps"]:  # the current rule, also for files written before it changed
+        per = c.get("l0_layers") or [None] * len(c["step"])
         vals = [p if p is not None else m for p, m in zip(per, c.get("l0_mean", []))]
-        r["settle"] = (settle_check(c["step"], vals, row["steps"])
-                       if c.get("step") and row["steps"] else {"settled": None, "change_pct": None})
+        r["settle"] = settle_check(c["step"], vals, row["steps"])
+    elif r.get("settle") is None:
+        r["settle"] = {"settled": None, "change_pct": None}
     return r
 
 
@@ -826,7 +827,7 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          "layer's training L0 at the window's end (the mean of its last fifth of logged points) "
          "differs from its start (the mean of its first fifth) by less than 5 %, or by less than "
          "0.5 active units a token (a near-dead layer's 5 % is below what a logged point "
-         "resolves). A row not settled is reported with its largest move; its L0 is not compared "
+         "resolves). A row not settled is reported with the move of a layer that fails the rule; its L0 is not compared "
          "(`--steps` reruns the series longer, under new row names)."), "",
         ("**L1 values: measured first.** The paper's 2e-5 (the code's normalisation: per layer "
          "the sum over units of |h|, mean over tokens, then the mean over layers) x ~4 for the "

@@ -193,10 +193,13 @@ def test_settle_check_hand_computed():
     # 10 -> 10.6 (6 %, 0.6 units: not); layer 2: 2 -> 2.4 (20 % but 0.4 units < 0.5: settled)
     l0 = [[100.0, 10.0, 2.0]] * 8 + [[100.0, 10.0, 2.0], [104.0, 10.6, 2.4]]
     got = settle_check(steps, l0, 100)
-    assert got["settled"] is False and got["layer"] == 2 and got["points"] == 2
-    assert got["change_pct"] == pytest.approx(20.0) and got["window"] == [90, 100]
-    l0[-1] = [104.0, 10.4, 2.4]  # layer 1 now 4 %
-    assert settle_check(steps, l0, 100)["settled"] is True
+    # the layer that decides is reported (layer 1), not layer 2's larger move that passes
+    assert got["settled"] is False and got["layer"] == 1 and got["points"] == 2
+    assert got["change_pct"] == pytest.approx(6.0) and got["window"] == [90, 100]
+    l0[-1] = [104.0, 10.4, 2.4]  # layer 1 now 4 %: settled; the largest move is reported
+    got = settle_check(steps, l0, 100)
+    assert got["settled"] is True and got["layer"] == 2
+    assert got["change_pct"] == pytest.approx(20.0)
     # 10 points in the window (steps 41..50 of 50): k = 2, start = mean of the first two, end
     # = mean of the last two: (10 + 12) / 2 = 11 -> (11.5 + 11.6) / 2 = 11.55: +5.0 %, 0.55
     # units -> not settled (the rule wants < 5 %)
