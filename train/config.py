@@ -351,6 +351,12 @@ class TrainerConfig:
     (train/loss.py), an FSDP run transformers' loss. Replaced our own fused loss and lean norms,
     which it matched (the loss) or beat (norms, RoPE: one H200, 1.5B, dense path 36.1 -> 50.3
     tokens/ms with all three; BENCHMARKS.md)."""
+    norm_out_bf16: bool = False
+    """With Liger's norms (trainer.liger) under bf16 autocast: each RMSNorm returns its output in
+    bf16, one cast that q, k and v (a PyTorch FFN's gate and up) share, where each consumer casts
+    the fp32 output and keeps its own copy; the same values, their input gradients summed in bf16.
+    Predicted at 1.5B, micro-batch 8, no recomputation: -3.7 GB peak (two of three copies),
+    +1-2 % speed; not measured yet, so off (BENCHMARKS.md, "Next")."""
     ce_chunk_rows: int = 4096
     """Rows of logits per chunk of the distillation loss (CE + KL, train/loss.py;
     = train.loss.CE_CHUNK_ROWS): its transient memory is about six fp32 rows x vocab tensors."""
@@ -443,6 +449,10 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.backup_capacity={self.backup_capacity!r} is unknown; use one of "
                 f"{', '.join(CAPACITY_RULES)}.")
+        if self.norm_out_bf16 and self.liger is False:
+            raise ConfigError("trainer.norm_out_bf16=true acts on Liger-Kernel's norms, and "
+                              "trainer.liger=false turns them off; set trainer.liger=null (or "
+                              "true) or trainer.norm_out_bf16=false")
         if self.liger and self.compile:
             raise ConfigError("trainer.liger=true and trainer.compile=true: inductor fuses the "
                               "norms and RoPE itself; set trainer.liger=null (or false) or "

@@ -85,6 +85,10 @@ def test_the_rope_hooks_count_depth_and_unwind_on_errors():
     finally:
         liger_mod._STOCK_ROPE = orig
     assert "forward" not in vars(model)  # fused_linear_ce=False: the loss is untouched
+    assert not any(getattr(m, "_twell_cast_out", True) for m in model.modules()
+                   if type(m) is type(model.model.norm))  # the baseline's norms: fp32 out
+    use_liger(model, fused_linear_ce=False, norm_out_autocast=True)  # the trainer's
+    assert all(m._twell_cast_out for m in model.modules() if type(m) is type(model.model.norm))
 
 
 def test_liger_enabled_rules_and_config_conflicts():
@@ -97,13 +101,17 @@ def test_liger_enabled_rules_and_config_conflicts():
     assert on(True, device_type="cpu") and not on(False)  # as set
     with pytest.raises(ConfigError, match="trainer.liger=true and trainer.compile=true"):
         TrainerConfig(liger=True, compile=True)
+    with pytest.raises(ConfigError, match="trainer.norm_out_bf16=true acts on Liger"):
+        TrainerConfig(liger=False, norm_out_bf16=True)
+    TrainerConfig(liger=None, norm_out_bf16=True)  # auto: acts where Liger is on
     with pytest.raises(ValueError, match="use_liger needs a Llama causal LM"):
         use_liger(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger-Kernel's kernels need CUDA")
+@pytest.mark.parametrize("cast_out", [False, True], ids=["fp32-norm-out", "bf16-norm-out"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "checkpointed"])
-def test_cuda_loss_and_gradients_match_the_stock_model(recompute):
+def test_cuda_loss_and_gradients_match_the_stock_model(recompute, cast_out):
     """bf16 autocast over fp32 weights, as the trainer runs: Liger's RoPE rounds q and k to bf16
     where transformers keeps fp32 products, so the match is within bf16 noise."""
     pytest.importorskip("liger_kernel")
@@ -113,7 +121,10 @@ def test_cuda_loss_and_gradients_match_the_stock_model(recompute):
     ref_model = build_model(cfg).cuda().train()
     model = build_model(cfg).cuda().train()
     model.load_state_dict(ref_model.state_dict())
-    use_liger(model)
+    use_liger(model, norm_out_autocast=cast_out)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = model.model.norm(torch.randn(2, 128, device="cuda"))
+    assert y.dtype == (torch.bfloat16 if cast_out else torch.float32)
     if recompute:
         for m in (ref_model, model):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
