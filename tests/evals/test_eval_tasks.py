@@ -207,3 +207,31 @@ def test_formats_match_olmo_rc_0shot_requests(task, rows):
                 assert r["request"]["context"] == f"Question: {it.contexts[k]}\nAnswer:"
             else:
                 assert r["request"]["context"] == it.contexts[k], (task, i, k)
+
+
+def test_a_task_is_defined_in_one_place():
+    """evals.tasks.TASKS is the one table: the data folders, the corpus decontamination and the
+    scaling study's eval-time estimate read it, so a task added there is fetched, decontaminated
+    against and estimated (the sizes are the items of the real validation sets)."""
+    from train import scaling
+    from train.data import decontam
+
+    assert list(TASK_FOLDERS) == list(ALL_TASKS) == list(scaling.EVAL_SETS)
+    for t in TASKS.values():
+        assert TASK_FOLDERS[t.name] == t.folder
+        assert decontam.EVAL_SETS[t.name] == (t.folder, t.texts)
+        assert scaling.EVAL_SETS[t.name] == t.size and t.size[0] == EXPECTED_ROWS[t.name]
+    assert set(decontam.EVAL_SETS) == set(ALL_TASKS) | {"boolq"}
+
+
+def test_decontamination_texts_hand_computed():
+    """Each context alone and followed by each choice (the question/answer seam counts)."""
+    q = {"question": "Why is the sky blue", "choices": {"text": ["light", "water"]}}
+    assert TASKS["arc_easy"].texts(q) == ["Why is the sky blue", "Why is the sky blue light",
+                                          "Why is the sky blue water"]
+    assert TASKS["openbookqa"].texts({"question_stem": "A b", "choices": {"text": ["c"]}}) == \
+        ["A b", "A b c"]
+    assert TASKS["piqa"].texts({"goal": "g", "sol1": "x", "sol2": "y"}) == ["g", "g x", "g y"]
+    assert TASKS["winogrande"].texts({"sentence": "a _ b", "option1": "X", "option2": "Y"}) == \
+        ["a X b", "a Y b"]
+    assert TASKS["hellaswag"].texts({"ctx": "c", "endings": ["e1", "e2"]}) == ["c", "c e1", "c e2"]

