@@ -60,21 +60,3 @@ def build_model(cfg) -> LlamaForCausalLM:
     model = LlamaForCausalLM(llama_config(cfg))
     install_ffns(model, cfg.gated, cfg.ffn_impl, cfg.ffn_policy)
     return model
-
-
-def enable_grad_checkpointing(model, checkpoint_ffn: str = "always") -> None:
-    """Recompute each decoder layer in backward, non-reentrant (the L1 side output of every FFN
-    keeps its graph). transformers >= 5.2x calls it ``activation_checkpointing_enable``.
-
-    ``checkpoint_ffn`` (``trainer.checkpoint_ffn``): ``always`` recomputes whole layers;
-    ``auto`` / ``never`` recompute only the attention half of layers whose FFN trains on the
-    ``ell`` path / of every layer (:mod:`train.recompute`).
-    """
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    from train.recompute import enable_selective_recompute
-
-    enable_selective_recompute(model, checkpoint_ffn)

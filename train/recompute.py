@@ -150,7 +150,7 @@ def _selective_forward(self, hidden_states, *args, **kwargs):
 
 def enable_selective_recompute(model, mode: str) -> None:
     """Install ``trainer.checkpoint_ffn=mode`` on every decoder layer of a transformers decoder
-    whose checkpointing is already enabled (``train.model.enable_grad_checkpointing``).
+    whose checkpointing is already enabled (:func:`enable_grad_checkpointing`).
 
     Args:
         model: a ``LlamaForCausalLM`` (``model.model.layers``) with ``SparseGatedMLP`` FFNs.
@@ -205,6 +205,20 @@ def set_recompute(model, recompute: str) -> None:
                    or model.gradient_checkpointing_disable)
         disable()
         return
-    from train.model import enable_grad_checkpointing  # train.model imports this module lazily
-
     enable_grad_checkpointing(model, mode)
+
+
+def enable_grad_checkpointing(model, checkpoint_ffn: str = "always") -> None:
+    """Recompute each decoder layer in backward, non-reentrant (the L1 side output of every FFN
+    keeps its graph). transformers >= 5.2x calls it ``activation_checkpointing_enable``.
+
+    ``checkpoint_ffn`` (``trainer.checkpoint_ffn``): ``always`` recomputes whole layers;
+    ``auto`` / ``never`` recompute only the attention half of layers whose FFN trains on the
+    ``ell`` path / of every layer (:func:`enable_selective_recompute`).
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    enable_selective_recompute(model, checkpoint_ffn)

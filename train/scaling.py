@@ -63,6 +63,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
 import traceback
@@ -116,6 +117,18 @@ EVAL_SETS = {t.name: t.size for t in TASKS.values()}
 EVAL_PAD_FACTOR = 1.5  # padded batch tokens / real tokens (right padding to the batch's longest)
 EVAL_EFFICIENCY = 0.5  # eval forwards run at half the training rate (short rows, fp32 log-softmax)
 EVAL_BATCH_OVERHEAD_S = 0.01  # host work per scored batch
+
+
+def size_label(size: str) -> str:
+    """``0p5b`` -> ``0.5B``, ``2b`` -> ``2B``; other names unchanged."""
+    m = re.fullmatch(r"(\d+)(?:p(\d+))?b", size)
+    return size if m is None else m.group(1) + (f".{m.group(2)}" if m.group(2) else "") + "B"
+
+
+def row_label(r: dict) -> str:
+    """A result's short label: ``2B`` (paper sizes), ``38 L`` (depth series)."""
+    row = r["row"]
+    return f"{row['layers']} L" if row.get("series") == "depth" else size_label(row["size"])
 
 
 def l1_text(v: float) -> str:

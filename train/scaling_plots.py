@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train.scaling import l1_text
+from train.scaling import l1_text, row_label
 
 PAPER_POINTS = {"0p5b": (8, 39.0), "1p5b": (28, 29.0), "2b": (38, 24.0)}  # layers, L0 at 2e-5
 TOP_TOKENS = 15
@@ -25,12 +25,6 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def _label(r: dict) -> str:
-    from train.scaling_report import row_label
-
-    return row_label(r)
 
 
 def _by_l1(results: list[dict], reinit: bool | None = False,
@@ -93,12 +87,12 @@ def plot_l0_vs_size(results: list[dict], path: Path):
             l1 = r["row"]["l1_coeff"]
             ax.plot(r["row"]["layers"], r["profile"]["l0_mean"], "s", mfc="none", ms=9,
                     color=color.get(l1, "gray"),
-                    label=f"{_label(r)} re-init, L1 {l1_text(l1)}")
+                    label=f"{row_label(r)} re-init, L1 {l1_text(l1)}")
     px, py = zip(*PAPER_POINTS.values())
     ax.plot(px, py, "k--", marker="x", label="paper (L1 2e-5, 10-40 B tokens)")
     layers = sorted({r["row"]["layers"] for r in results})
     depth = _depth(results)
-    ax.set_xticks(layers, [f"{n} layers" if depth else _label(next(
+    ax.set_xticks(layers, [f"{n} layers" if depth else row_label(next(
         r for r in results if r["row"]["layers"] == n)) + f"\n{n} layers" for n in layers])
     _log_axis(ax, [r["profile"]["l0_mean"] for r in results] + list(py))
     ax.set_ylabel("mean L0 (active units per token, held out)")
@@ -117,7 +111,7 @@ def plot_l0_per_layer(results: list[dict], path: Path):
     for ax, (l1, rs) in zip(axes, by.items()):
         for r in rs:
             l0 = [float("nan") if v is None else v for v in r["profile"]["l0_L"]]
-            ax.plot(range(1, len(l0) + 1), l0, ".-", label=_label(r))
+            ax.plot(range(1, len(l0) + 1), l0, ".-", label=row_label(r))
         _log_axis(ax, [v for r in rs for v in r["profile"]["l0_L"]])
         ax.set_xlabel("layer")
         ax.set_ylabel("L0 (held out)")
@@ -136,7 +130,7 @@ def plot_l0_by_position(results: list[dict], path: Path):
     for ax, (l1, rs) in zip(axes, by.items()):
         for r in rs:
             y = [float("nan") if v is None else v for v in r["profile"]["l0_T"]]
-            ax.plot(range(1, len(y) + 1), y, lw=1, label=_label(r))
+            ax.plot(range(1, len(y) + 1), y, lw=1, label=row_label(r))
         _log_axis(ax, [1, max(len(r["profile"]["l0_T"]) for r in rs)], "x")
         _log_axis(ax, [v for r in rs for v in r["profile"]["l0_T"]])
         ax.set_xlabel("position in the sequence (1 = first token)")
@@ -161,7 +155,7 @@ def plot_max_vs_mean(results: list[dict], path: Path):
                      if m is not None and m > 0]
             if not pairs:
                 continue
-            ax.plot(*zip(*pairs), "o", ms=4, alpha=0.8, label=_label(r))
+            ax.plot(*zip(*pairs), "o", ms=4, alpha=0.8, label=row_label(r))
             lo, hi = min(lo, min(p[0] for p in pairs)), max(hi, max(p[1] for p in pairs))
         if hi > 0:
             xs = [lo, hi]
@@ -211,7 +205,7 @@ def plot_tokens(results: list[dict], path: Path):
             ax.set_yticks(range(len(idx)), [token_label(tok, i) for i in idx], fontsize=7)
             ax.invert_yaxis()
             ax.set_xlabel("L0, mean over layers and occurrences")
-            ax.set_title(f"{what} active tokens, {_label(r)} L1 {l1_text(l1)}",
+            ax.set_title(f"{what} active tokens, {row_label(r)} L1 {l1_text(l1)}",
                          fontsize=9)
     return _save(plt, fig, path)
 
@@ -231,7 +225,7 @@ def plot_dead_over_training(results: list[dict], path: Path):
             c = r["curves"]
             pts = [(t / 1e6, 100 * d) for t, d in zip(c["tokens"], c["dead_frac"]) if d is not None]
             style = "--" if r["row"]["reinit"] else "-"
-            name = _label(r) + (" re-init" if r["row"]["reinit"] else "")
+            name = row_label(r) + (" re-init" if r["row"]["reinit"] else "")
             ax.step(*zip(*pts), style, where="post", marker=".", label=name)
         ax.set_xlabel("training tokens (M)")
         ax.set_ylabel("dead units (%), last window")

@@ -48,7 +48,9 @@ from train.scaling import (
     RESULT_FORMAT,
     StudySettings,
     l1_text,
+    row_label,
     settle_check,
+    size_label,
 )
 
 PAPER_L0 = {"0p5b": 39.0, "1p5b": 29.0, "2b": 24.0}  # non-zeros per token at L1 2e-5
@@ -76,18 +78,6 @@ VAL_LOSS_TOL, EVAL_TOL_POINTS = 0.02, 1.0
 
 class ReportError(ValueError):
     """Result files missing, damaged or of another format."""
-
-
-def size_label(size: str) -> str:
-    """``0p5b`` -> ``0.5B``, ``2b`` -> ``2B``; other names unchanged."""
-    m = re.fullmatch(r"(\d+)(?:p(\d+))?b", size)
-    return size if m is None else m.group(1) + (f".{m.group(2)}" if m.group(2) else "") + "B"
-
-
-def row_label(r: dict) -> str:
-    """A result's short label: ``2B`` (paper sizes), ``38 L`` (depth series)."""
-    row = r["row"]
-    return f"{row['layers']} L" if row.get("series") == "depth" else size_label(row["size"])
 
 
 # ---------------------------------------------------------------- results and the CSV

@@ -44,7 +44,8 @@ from train.interrupt import StopRequested, StopSignals, TrainingInterrupted
 from train.liger import liger_enabled, use_liger
 from train.loss import use_distillation
 from train.metrics import device_peak_flops, flops_per_token, mfu
-from train.model import build_model, enable_grad_checkpointing, ffn_modules
+from train.model import build_model, ffn_modules
+from train.recompute import enable_grad_checkpointing
 from train.requeue import override_arg
 from train.sparsity import (
     DeadNeuronTracker,

@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.train_utils import read_metrics, tiny_config, write_tokens
 from train.config import ModelConfig
-from train.model import build_model, enable_grad_checkpointing
+from train.model import build_model
+from train.recompute import enable_grad_checkpointing
 
 
 class _WeightCasts(TorchDispatchMode):

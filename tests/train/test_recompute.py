@@ -7,9 +7,9 @@ import torch
 
 from tests.train_utils import tiny_config, write_tokens
 from train.config import CHECKPOINT_FFN_MODES, ConfigError, ModelConfig
-from train.model import build_model, enable_grad_checkpointing, ffn_modules
+from train.model import build_model, ffn_modules
 from train.recompute import RECOMPUTE_MODES as PLANNER_MODES
-from train.recompute import _recast_weights, set_recompute
+from train.recompute import _recast_weights, enable_grad_checkpointing, set_recompute
 from train.sparsity import collect_stats, l1_penalty
 from twell.nn import FFNPlan, trains_ell
 

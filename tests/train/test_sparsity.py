@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from train.config import ModelConfig, SparsityConfig
-from train.model import build_model, enable_grad_checkpointing, ffn_modules
+from train.model import build_model, ffn_modules
+from train.recompute import enable_grad_checkpointing
 from train.sparsity import (
     DeadNeuronTracker,
     collect_stats,
