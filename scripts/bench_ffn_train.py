@@ -397,7 +397,11 @@ def parse_args():
                     help="print a torch.profiler kernel table of the ell step per case, no timing")
     ap.add_argument("--trace", default=None,
                     help="with --profile: also write a Chrome trace (JSON) to this path")
-    return ap.parse_args()
+    a = ap.parse_args()
+    bad = sorted(set(filter(None, a.part_kernels.split(","))) - set(PART_SHAPES))
+    if bad:
+        ap.error(f"--part-kernels: unknown {bad}; known: {','.join(PART_SHAPES)}")
+    return a
 
 
 def write_rows(path: Path, rows: list[dict], first=()) -> None:

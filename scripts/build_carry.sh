@@ -43,6 +43,8 @@ if [ "$PART" = gguf ]; then
   SRC="$CACHE/$REL"
   [ -f "$SRC" ] || { echo "build_carry: no $SRC; run 'twell-data build' (it extracts the GGUF)" >&2; exit 1; }
   part_mib=${GGUF_PART_MIB:-48}
+  [[ $part_mib =~ ^[1-9][0-9]*$ ]] || {
+    echo "build_carry: GGUF_PART_MIB must be a positive whole number of MiB; got '$part_mib'" >&2; exit 2; }
   tree=$(tree_bytes)
   [ $(( tree / 1048576 + part_mib )) -le 64 ] || {
     echo "build_carry: a part of ${part_mib} MiB and the working tree are over 64 MiB; lower GGUF_PART_MIB" >&2; exit 1; }

@@ -352,9 +352,10 @@ class TrainerConfig:
     which it matched (the loss) or beat (norms, RoPE: one H200, 1.5B, dense path 36.1 -> 50.3
     tokens/ms with all three; BENCHMARKS.md)."""
     norm_out_bf16: bool = False
-    """With Liger's norms (trainer.liger) under bf16 autocast: each RMSNorm returns its output in
-    bf16, one cast that q, k and v (a PyTorch FFN's gate and up) share, where each consumer casts
-    the fp32 output and keeps its own copy; the same values, their input gradients summed in bf16.
+    """With Liger's norms (trainer.liger) under bf16 autocast: every RMSNorm returns its output in
+    bf16 (the final norm's feeds the LM head and its loss, the FFN norm's the FFN), one cast that
+    q, k and v (a PyTorch FFN's gate and up) share, where each consumer casts the fp32 output and
+    keeps its own copy; the same values, their input gradients summed in bf16.
     Predicted at 1.5B, micro-batch 8, no recomputation: -3.7 GB peak (two of three copies),
     +1-2 % speed; not measured yet, so off (BENCHMARKS.md, "Next")."""
     ce_chunk_rows: int = 4096

@@ -123,9 +123,10 @@ def use_liger(model, *, fused_linear_ce: bool = True, norm_out_autocast: bool = 
     into a transformers Llama causal LM, on this instance only (module docstring).
 
     ``norm_out_autocast`` (the trainer's ``trainer.norm_out_bf16``; off for the ``liger``
-    baseline, which is Liger as a user gets it): under CUDA autocast each norm returns its
-    output already in the autocast dtype, so that the consumers (q, k, v; a PyTorch FFN's gate
-    and up) share one cast and one saved copy instead of casting the fp32 output each (values
+    baseline, which is Liger as a user gets it): under CUDA autocast every norm (the final one
+    before the LM head too) returns its output already in the autocast dtype, so that the
+    consumers (q, k, v; a PyTorch FFN's gate and up) share one cast and one saved copy instead
+    of casting the fp32 output each (values
     unchanged; their input gradients are then summed in bf16, one rounding each). Predicted at
     1.5B, micro-batch 8 without recomputation: ~3.7 GB less peak and ~2 % of the step; not
     measured yet (BENCHMARKS.md, "Next").

@@ -705,8 +705,8 @@ def run_row(row: StudyRow, s: StudySettings, *, out: Path, runs_dir: Path, deadl
                                     f"{100 * ev['mean_stderr']:.1f}")
     log(f"{row.name}: done in {time.monotonic() - t0:.0f} s: held-out L0 {_num(pm, '.1f')}, "
         f"dead {_num(sm.get('dead_pct'), '.1f')} % (last window), val loss "
-        f"{_num(sm.get('val_loss'), '.4f')}{ev_txt}; settled {st['settled']} (L0 change over the "
-        f"last fifth, the deciding layer {_num(st['change_pct'], '.1f')} %); result {path}")
+        f"{_num(sm.get('val_loss'), '.4f')}{ev_txt}; settled {st['settled']} (largest L0 change over "
+        f"the last fifth of a layer failing the rule, else of any layer {_num(st['change_pct'], '.1f')} %); result {path}")
     kept = {"full": "", "weights": " (weights only: --keep weights)",
             "none": " (deleted: --keep none)"}[s.keep]
     log(f"{row.name}: checkpoint {ckpt}{kept}")
@@ -946,8 +946,8 @@ def settle_check(steps: list[int], l0_SL: list[list[float] | float | None], tota
         of its n points; per layer the relative change ``|end - start| / start``; ``settled``
         True when every layer's change is below ``tol`` or below ``abs_units`` in absolute
         terms, None when the window holds fewer than 2 points; ``change_pct`` the largest
-        relative change in % of a layer that fails the rule (of any layer when none fails: a
-        near-dead layer's large relative move under ``abs_units`` does not decide), 0-based
+        relative change in % of a layer that fails the rule (when none fails, the largest finite
+        one: a near-dead layer's large relative move under ``abs_units`` does not decide), 0-based
         ``layer`` where it is, ``window`` [first, last] step of
         the window, ``basis`` ``per-layer`` or ``mean`` (one value a step).
 
@@ -973,7 +973,9 @@ def settle_check(steps: list[int], l0_SL: list[list[float] | float | None], tota
     rel = [abs(b - a) / a if a > 0 else (0.0 if b == a else math.inf) for a, b in zip(start, end)]
     ok = [r < tol or abs(b - a) < abs_units for r, a, b in zip(rel, start, end)]
     failing = [i for i in range(L) if not ok[i]]
-    worst = max(failing or range(L), key=lambda i: rel[i])
+    # none failing: the largest finite move (a layer from 0 units moves by inf %, under 0.5 units)
+    finite = [i for i in range(L) if math.isfinite(rel[i])]
+    worst = max(failing or finite or range(L), key=lambda i: rel[i])
     out.update(settled=all(ok), change_pct=100 * rel[worst], layer=worst, start=start, end=end)
     return out
 

@@ -86,7 +86,8 @@ class ReportError(ValueError):
 def normalise(r: dict) -> dict:
     """A copy of a result with every field of the current format: a format-1 file (paper-size
     rows, before the depth series) gets ``series="paper"``, ``probe=False``, ``steps`` and
-    ``hidden`` from its config, ``evals=None`` and its settle check from the mean-L0 curve."""
+    ``hidden`` from its config and ``evals=None``; every file with curves gets its settle check
+    recomputed by the current rule (per-layer L0 where stored, else the mean-L0 curve)."""
     r = copy.deepcopy(r)
     row, cfg = r["row"], r.get("config", {})
     row.setdefault("series", "paper")

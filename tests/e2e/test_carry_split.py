@@ -85,3 +85,55 @@ def test_no_gguf_in_the_cache_is_one_line_naming_the_fix(tmp_path):
              {"TWELL_CACHE": str(tmp_path / "empty")}, check=False)
     assert r.returncode == 1 and "twell-data build" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_new_split_is_not_mixed_with_an_older_one(tmp_path):
+    """Parts of an earlier split (3 parts of 1 MiB) still in the stash do not join the parts of
+    a new split of another file (2 parts of 2 MiB): each split keeps its own folder."""
+    cache = tmp_path / "cache"
+    (cache / REL).parent.mkdir(parents=True)
+    here = _checkout(tmp_path, "here")
+    env = {"TWELL_STASH": str(tmp_path / "stash"), "TWELL_CACHE": str(tmp_path / "twc")}
+    (cache / REL).write_bytes(os.urandom(5 * 2**19))
+    _run(["bash", "scripts/build_carry.sh", "gguf"], here,
+         {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "1"})
+    _run(["bash", "scripts/gpu_stash.sh"], here, env)  # all 3 old parts: assembled
+    new = os.urandom(3 * 2**20)
+    (cache / REL).write_bytes(new)
+    _run(["bash", "scripts/build_carry.sh", "gguf"], here,
+         {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "2"})
+    assert sorted(p.name for p in here.glob(".devcarry_part*")) == [".devcarry_part1",
+                                                                     ".devcarry_part2"]
+    for i in (1, 2):  # one call per part
+        call = _checkout(tmp_path, f"new{i}")
+        shutil.copytree(here / f".devcarry_part{i}", call / f".devcarry_part{i}")
+        out = _run(["bash", "scripts/gpu_stash.sh"], call, env).stdout
+    assert "assembled from 2 parts (sha256 ok)" in out
+    assert (tmp_path / "twc" / REL).read_bytes() == new
+
+
+@pytest.mark.parametrize("size", ["48M", "1.5", "0", "-1"])
+def test_a_bad_part_size_is_one_line_and_builds_nothing(tmp_path, size):
+    cache = tmp_path / "cache"
+    (cache / REL).parent.mkdir(parents=True)
+    (cache / REL).write_bytes(b"x" * 100)
+    here = _checkout(tmp_path, "here")
+    r = _run(["bash", "scripts/build_carry.sh", "gguf"], here,
+             {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": size}, check=False)
+    assert r.returncode == 2 and "GGUF_PART_MIB must be a positive whole number" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not list(here.glob(".devcarry*"))
+
+
+@pytest.mark.parametrize("manifest", ["sha256 " + "a" * 64 + "\nparts 2\n",  # no name
+                                      f"name {REL}\nsha256 {'a' * 64}\n",  # no parts
+                                      f"name ../../etc/x\nsha256 {'a' * 64}\nparts 1\n"])
+def test_a_bad_manifest_is_refused(tmp_path, manifest):
+    here = _checkout(tmp_path, "here")
+    (here / ".devcarry_part1").mkdir()
+    (here / ".devcarry_part1" / "manifest").write_text(manifest)
+    (here / ".devcarry_part1" / "part.00").write_bytes(b"x")
+    env = {"TWELL_STASH": str(tmp_path / "stash"), "TWELL_CACHE": str(tmp_path / "twc")}
+    r = _run(["bash", "scripts/gpu_stash.sh"], here, env, check=False)
+    assert r.returncode == 1 and "is not a manifest of build_carry.sh gguf" in r.stderr
+    assert not (tmp_path / "twc").exists()

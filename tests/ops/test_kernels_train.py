@@ -203,6 +203,9 @@ def test_kernel_config_rejects_bad_values():
     with pytest.raises(ValueError, match="dw_block_d must be a positive int"), \
             tk.kernel_config(dw_block_d=-1):
         pass
+    with pytest.raises(ValueError, match="dw_block_d must be 0 .auto. or a power of 2"), \
+            tk.kernel_config(dw_block_d=24):
+        pass
     with pytest.raises(ValueError, match="dense_block_n must be a power of 2"), \
             tk.kernel_config(dense_block_n=12):
         pass
@@ -654,7 +657,11 @@ def test_dw_launch_fits_the_gathered_slices_in_l2():
     # N 32768 bf16 x and dy: 4 bytes a column element -> 16 MiB / (32768 * 4) = 128 columns
     assert dw_launch(32768, 2048, 4) == (128, True)
     assert dw_launch(16384, 2048, 4) == (256, True)
-    assert dw_launch(4096, 2048, 4) == (1024, True)  # 2048 would fit: capped at 1024
+    # 1024 would fit the L2 at N 4096: the accumulators' registers cap it (1024 * 2 warps / 8)
+    assert CONFIG["dw_warps"] == 2 and CONFIG["dw_block_j"] == 8
+    assert dw_launch(4096, 2048, 4) == (256, True)
+    with kernel_config(dw_warps=4, dw_block_j=4):  # 1024 columns' accumulators fit: L2 decides
+        assert dw_launch(4096, 2048, 4) == (1024, True)  # 2048 would fit: capped at 1024
     assert dw_launch(1 << 20, 2048, 4) == (128, True)  # nothing fits: the narrowest slice
     assert dw_launch(16384, 48, 4) == (64, True)  # at most D's power of 2
     with kernel_config(dw_block_d=1024, dw_d_outer=0):

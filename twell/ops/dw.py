@@ -6,8 +6,10 @@ The CSC order (``perm``, ``colptr``, the longest-column-first ``order``) is buil
 (``twell.ops.ffn_train._csc_order``); a first pass reads the entries through it once and writes
 their tokens and coefficients in CSC order (``_dw_entries_kernel``), then each (column, D slice)
 program streams its column's entries and owns its outputs, so the sums are deterministic. The
-first version (scattered loads of the coefficients in every D slice, 1-D accumulators) was 70.2
-against 54.8 ms of dW a step in the 1.5B model (BENCHMARKS.md, "dW v2"; code at commit 31cda26). Shape legend: N tokens, D model width,
+first version (scattered loads of the coefficients in every D slice, 1-D accumulators) took 70.2
+ms of dW a step in the 1.5B model where this kernel at j16 w4 took 54.8 (its entries pass
+apart; the default j8 w2 is 1.9x faster than j16 w4 alone, not yet profiled in the model:
+BENCHMARKS.md, "dW v2"; v1's code at commit 31cda26). Shape legend: N tokens, D model width,
 H FFN width, K ELL width, J entries of one column. Source: arXiv 2603.23198, "Hybrid
 (training)"; PyTorch backend: ``twell.ops.reference.sparse_train_torch.dw``.
 """

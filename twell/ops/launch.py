@@ -74,6 +74,9 @@ def kernel_config(**overrides):
             continue
         if key == "dw_block_d" and val == 0:  # auto
             continue
+        if key == "dw_block_d" and isinstance(val, int) and val > 0 and val & (val - 1):
+            raise ValueError(f"kernel_config: dw_block_d must be 0 (auto) or a power of 2 (a "
+                             f"Triton block size); got {val!r}")
         if not isinstance(val, int) or val < 1:
             raise ValueError(f"kernel_config: {key} must be a positive int; got {val!r}")
         if key in _POW2_KEYS and val & (val - 1):
@@ -93,13 +96,17 @@ def dw_launch(n: int, d: int, row_bytes: int) -> tuple[int, bool]:
     take ``row_bytes`` per element together (4 for two bf16 operands): ``CONFIG``'s
     ``dw_block_d`` / ``dw_d_outer`` when set, else (``dw_block_d=0``) the widest power-of-2
     slice in [128, 1024] (and at most D's power of 2) whose N x slice columns of x and dy fit in
-    ``dw_l2_bytes``, outermost."""
+    ``dw_l2_bytes`` and whose accumulators fit 96 registers a thread (``1024 dw_warps /
+    dw_block_j`` columns: 256 at the defaults), outermost."""
     cap = pow2(d, 16, 1024)
     if CONFIG["dw_block_d"]:
         return pow2(d, 16, CONFIG["dw_block_d"]), bool(CONFIG["dw_d_outer"])
     fit = CONFIG["dw_l2_bytes"] // max(1, n * row_bytes)
+    # three (BLOCK_J, BLOCK_D) fp32 accumulators over 32 * dw_warps threads: at most 96
+    # registers a thread (3 J D <= 96 * 32 w), so a wide slice at small N does not spill
+    regs = max(16, 1024 * CONFIG["dw_warps"] // CONFIG["dw_block_j"])
     block = 128
-    while block * 2 <= min(fit, 1024):
+    while block * 2 <= min(fit, 1024, regs):
         block *= 2
     return min(block, cap), True
 
