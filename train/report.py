@@ -4,7 +4,8 @@
     twell-report 'runs/multirun/2026-12-01/*' --out report/ --position-batches 2
     twell-report runs/a runs/b --skip-incomplete    # list unfinished runs instead of failing
 
-A run directory is what ``twell-train`` writes (README "Training"): ``config.yaml``,
+A run directory is what ``twell-train`` writes (docs/training.md, "The run directory and what a
+run logs"): ``config.yaml``,
 ``metrics.jsonl`` (kind=train|val|eval lines), ``summary.json`` (written only when the run reached
 ``trainer.max_steps``) and ``checkpoints/step{N}/``. The report reproduces the paper's scaling
 table (arXiv 2603.23198, "Results": non-zeros per token fall with model size at L1 = 2e-5, 39 ->

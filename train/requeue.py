@@ -1,4 +1,4 @@
-"""A requeued command finds its run (README "Resuming").
+"""A requeued command finds its run (docs/training.md, "Resuming").
 
 The default run dir is timestamped (``runs/<date>/<time>``), so the same command started again,
 by a scheduler that requeues a preempted job or by hand after Ctrl-C, would begin a new run at

@@ -1,7 +1,7 @@
 """Run-directory rules: one process per run dir (a lock), what ``trainer.resume`` accepts, which
 config changes a resume allows, and the clean-up of a run that failed before it trained.
 
-Resume rules (README "Resuming"):
+Resume rules (docs/training.md, "Resuming"):
 
 - ``trainer.resume=auto`` continues the newest intact checkpoint of the run dir (a damaged newer
   one is skipped with a warning naming it) only if its config equals this one up to

@@ -278,7 +278,8 @@ class Trainer:
             capacities, statistics); ask it, do not set module flags.
 
     Raises:
-        ConfigError: bad configuration, a resume the run dir does not allow (README, Resuming),
+        ConfigError: bad configuration, a resume the run dir does not allow (docs/training.md,
+            Resuming),
             a run dir locked by another process (one line naming the key and the fix), or a
             ``model`` together with ``model.init_from``.
     """

@@ -702,10 +702,10 @@ def test_an_index_naming_weights_outside_the_checkpoint_is_refused(tokens, saved
 
 def test_resume_from_the_run_dir_continues_past_a_damaged_newest_checkpoint(tokens, saved,
                                                                               tmp_path, capsys):
-    """step4 fails its SHA-256: trainer.resume=<the run dir> in that run dir (README: its newest
-    intact checkpoint) resumes step2 with a warning naming step4 (it was refused: "already
-    holds newer or other checkpoints (step4)"), and the save of step 4 replaces the damaged
-    one with an intact checkpoint."""
+    """step4 fails its SHA-256: trainer.resume=<the run dir> in that run dir (docs/training.md,
+    Resuming: its newest intact checkpoint) resumes step2 with a warning naming step4 (it was
+    refused: "already holds newer or other checkpoints (step4)"), and the save of step 4
+    replaces the damaged one with an intact checkpoint."""
     run = _copy(saved, tmp_path / "run")
     step2, step4 = run / "checkpoints" / "step2", run / "checkpoints" / "step4"
     _flip_byte(step4 / "model.safetensors")

@@ -323,7 +323,8 @@ def test_damaged_summary_or_config_is_named(runs, tmp_path, capsys):
 
 
 def test_l0_per_layer_table_and_csv_columns(runs):
-    """The per-layer L0 table README promises, and CSV columns named by each task's metric."""
+    """The per-layer L0 table docs/training.md ("Sweeps") promises, and CSV columns named by
+    each task's metric."""
     from evals.tasks import TASKS as SPECS
 
     rep = build_report([str(runs)])
