@@ -702,10 +702,11 @@ def score_rows(study: Study, names: list[str], log=print) -> None:
 
 # ---------------------------------------------------------------------------------- the loop
 
-def run_study(study: Study, *, parallel: int = 1, max_wall: float = 570.0,
+def run_study(study: Study, *, parallel: int = 1, max_wall: float = math.inf,
               min_start: float = 150.0, grace_s: float = 45.0, command: str = "",
               log=print) -> dict:
-    """Run what is left of ``study.rows`` within ``max_wall`` seconds: rows in order,
+    """Run what is left of ``study.rows`` within ``max_wall`` seconds (default: no limit; a
+    device call's limit is the script's ``--max-wall``): rows in order,
     ``parallel`` training processes at a time (waves), each wave beside the scoring of the rows
     trained before it (one scoring process); a wave starts only with ``min_start`` seconds
     left; at the deadline (``max_wall - grace_s - 15``) running jobs get SIGTERM (the trainer
