@@ -669,3 +669,28 @@ def test_dw_launch_fits_the_gathered_slices_in_l2():
     with kernel_config(dw_l2_bytes=8 * 2**20):
         assert dw_launch(16384, 2048, 4) == (128, True)  # 8 MiB / 64 KiB a column = 128
 
+
+
+def test_saved_state_between_forward_and_backward_is_what_the_layout_says():
+    """What the op keeps for backward, byte for byte (the activation memory of an ``ell``
+    layer): x and the three weights (the caller's tensors), nnz_eff (N int32), the ELL columns
+    (N x KC int32), g and u at the slots (N x KC), the heavy rows' indices (R int64) and their
+    gate and up (R x H each), the CSC order (perm N x KC int32, colptr H + 1 and order H int64),
+    nothing else: no transposed Wd copy (the backward makes it)."""
+    n, d, h, kc = 33, 40, 300, 20
+    x, wg, wu, wd, _ = make_inputs(n, d, h, threshold=1.5, seed=21)
+    r = n_heavy(x, wg, kc)
+    assert 0 < r < n
+    ins = [t.float().requires_grad_() for t in (x, wg, wu, wd)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y, st = sparse_ffn_train(*ins, ell_capacity=kc, dense_row_fraction=1.0, backend="torch")
+    inputs = {t.data_ptr() for t in ins}
+    state = [t for t in saved if t.data_ptr() not in inputs]
+    got = sorted((tuple(t.shape), str(t.dtype)) for t in state if t.numel())
+    f32, i32, i64 = "torch.float32", "torch.int32", "torch.int64"
+    want = sorted([((n,), i32), ((n, kc), i32), ((n, kc), f32), ((n, kc), f32), ((r,), i64),
+                   ((r, h), f32), ((r, h), f32), ((n * kc,), i32), ((h + 1,), i64), ((h,), i64)])
+    assert got == want
+    ((y * torch.ones_like(y)).sum() + st.l1).backward()  # the backward runs from that state
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in ins)

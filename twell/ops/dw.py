@@ -27,7 +27,7 @@ from twell.ops.launch import CONFIG, check_operand, dw_launch
 def _dw_entries_kernel(
     rows_ptr,  # (NS,) int32 out: token of each CSC entry
     coef_ptr,  # (3, NS) fp32 out: dg, du and g*u of each CSC entry
-    perm_ptr,  # (NS,) int64 flat ELL index n*K + k, grouped by column (CSC order)
+    perm_ptr,  # (NS,) int32 (or int64) flat ELL index n*K + k, grouped by column (CSC order)
     colptr_ptr,  # (H + 1,) int64; colptr[H] = entries in use
     dg_ptr,  # (N, K) fp32 dL/dgate at the non-zeros
     du_ptr,  # (N, K) fp32 dL/dup at the non-zeros
@@ -43,7 +43,7 @@ def _dw_entries_kernel(
     instead of repeating four scattered loads and an int64 division per entry and slice."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < tl.load(colptr_ptr + H)
-    e = tl.load(perm_ptr + offs, mask=m, other=0)
+    e = tl.load(perm_ptr + offs, mask=m, other=0).to(tl.int64)
     tl.store(rows_ptr + offs, (e // K).to(tl.int32), mask=m)
     tl.store(coef_ptr + offs, tl.load(dg_ptr + e, mask=m, other=0.0), mask=m)
     tl.store(coef_ptr + NS + offs, tl.load(du_ptr + e, mask=m, other=0.0), mask=m)
@@ -138,7 +138,9 @@ def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g
     k = dg_NK.shape[1]
     for name, t in (("dwg_HD", dwg_HD), ("dwu_HD", dwu_HD), ("dwdt_HD", dwdt_HD)):
         check_operand(name, t, (h, d))
-    check_operand("perm", perm, (perm.shape[0],), torch.int64)
+    check_operand("perm", perm, (perm.shape[0],))
+    if perm.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"perm: expected dtype torch.int32 or torch.int64, got {perm.dtype}")
     check_operand("colptr", colptr, (h + 1,), torch.int64)
     if h == 0 or d == 0:
         return

@@ -107,8 +107,9 @@ def _csc_order(col: torch.Tensor, nnz_eff: torch.Tensor, kc: int, h: int):
         col: (N, KC) int32 ELL columns; nnz_eff: (N,) int32 slots in use per row.
 
     Returns:
-        perm: (N*KC,) int64 flat ELL indices ``n*KC + k`` sorted by column (stable: row order
-            within a column); the unused slots come last. colptr: (H+1,) int64, column c owns
+        perm: (N*KC,) int32 flat ELL indices ``n*KC + k`` sorted by column (stable: row order
+            within a column); the unused slots come last. int32 halves what the backward keeps
+            (N x KC x 4 bytes a layer); ``sparse_ffn_train`` checks N*KC < 2^31. colptr: (H+1,) int64, column c owns
             ``perm[colptr[c]:colptr[c+1]]`` (``colptr[H]`` = entries in use). order: (H,) int64,
             the columns longest first (the dW kernel's launch order).
     """
@@ -118,7 +119,7 @@ def _csc_order(col: torch.Tensor, nnz_eff: torch.Tensor, kc: int, h: int):
                                 torch.arange(h + 1, dtype=keys.dtype, device=keys.device))
     del sorted_keys, keys
     lengths = (colptr[1:] - colptr[:-1]).to(torch.int32)  # int32 keys: half the radix passes
-    return perm, colptr, torch.argsort(lengths, descending=True)
+    return perm.to(torch.int32), colptr, torch.argsort(lengths, descending=True)
 
 
 def backup_capacity_for(heavy_rows: float) -> int:
@@ -198,9 +199,7 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)
     acc = torch.promote_types(x.dtype, torch.float32)
     g_NH = torch.matmul(x, wg.t())  # (N, H) pre-activation; freed before the sparse part
-    wdt = wd.t().contiguous()  # (H, D) rows for the SpMM here and the SDDMM in backward
-    if wdt.data_ptr() == wd.data_ptr():  # wd was a transposed view: an output must not alias
-        wdt = wdt.clone()
+    wdt = wd.t().contiguous()  # (H, D) rows for the SpMM (the backward makes its own: not kept)
     g_S = _hot_split(g_NH, hot)  # hot units: a dense slice; g_NH keeps the cold ones
     # ELL buffers at the full capacity KC; nnz_eff = nnz_N, or 0 for a heavy row (> KC
     # non-zeros: dense backup); n_heavy = the number of heavy rows (device, (1,)); counted on
@@ -241,7 +240,7 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         u = gv.new_empty(gv.shape)  # never read: every row is on the dense backup
         l1_light = torch.zeros((), dtype=acc, device=x.device)
         if csc is None:  # never read either (the backward returns before the dW kernel)
-            csc = (torch.empty((n * kc,), dtype=torch.int64, device=x.device),
+            csc = (torch.empty((n * kc,), dtype=torch.int32, device=x.device),
                    torch.zeros((h + 1,), dtype=torch.int64, device=x.device),
                    torch.arange(h, device=x.device))
     else:
@@ -272,8 +271,8 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         g_R, u_R = x.new_empty((0, h)), x.new_empty((0, h))
         l1_heavy = 0.0
     l1 = (l1_light + l1_heavy) / max(n, 1)
-    out = (y, l1, nnz_N, counts_H, n_heavy_out, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt,
-           perm, colptr, order)
+    out = (y, l1, nnz_N, counts_H, n_heavy_out, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, perm,
+           colptr, order)
     return _with_hot_stats(out, hot, _hot_out(y, wdt, hot, fwd_S)) + _saved_S(x, fwd_S)
 
 
@@ -313,7 +312,7 @@ def _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_
         heavy_idx = torch.empty((0,), dtype=torch.int64, device=x.device)
         g_R, u_R = x.new_empty((0, h)), x.new_empty((0, h))
     return (y, l1 / max(n, 1), nnz_N, counts_H, n_heavy, nnz_eff, col, gv, u, heavy_idx, g_R,
-            u_R, wdt, perm, colptr, order)
+            u_R, perm, colptr, order)
 
 
 def _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx, dwg, dwu, dwdt=None, dwd=None):
@@ -341,7 +340,7 @@ def _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx, dwg, dwu, dwdt=No
         dwd.index_add_(1, hot, torch.matmul(dy.t(), h_S))
 
 
-def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
+def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, perm, colptr,
               order, hot, g_S, u_S, backend):
     be = pick_backend(x, backend)
     n, d = x.shape
@@ -350,6 +349,9 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     dy = dy.to(x.dtype).contiguous()
     scale = (dl1 / max(n, 1)).reshape(())
     all_dense = r == n and n > 0
+    # Wd^T (H, D) made again here rather than kept from the forward: one transpose (~12 us at
+    # the 1.5B shape) for an (H, D) copy less per layer between forward and backward
+    wdt = wd.t().contiguous() if not all_dense or hot is not None else None
     adds = None
     if r > 0:
         dy_R = dy if all_dense else dy[heavy_idx]
@@ -386,10 +388,10 @@ def _ffn_train_fwd(
     hot_units: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns y, l1, nnz_N, counts_H (of the whole FFN), n_heavy ((1,) int32, rows above the
     ELL capacity in the cold units), then the saved state: nnz_eff, col, g, u (N x KC),
-    heavy_idx, g_R, u_R, Wd^T, the CSC order of the ELL entries (perm, colptr, order), and the
+    heavy_idx, g_R, u_R, the CSC order of the ELL entries (perm, colptr, order), and the
     hot units' relu'd gate g_S and up u_S (N x k) (see ``_fwd_body``)."""
     with torch.autocast(x.device.type, enabled=False):
         return _fwd_body(x, w_gate, w_up, w_down, ell_capacity, dense_row_fraction, backend,
@@ -414,7 +416,7 @@ def _ffn_train_fwd_fake(x, w_gate, w_up, w_down, ell_capacity, dense_row_fractio
         x.new_empty((h,), **i32), x.new_empty((1,), **i32), x.new_empty((n,), **i32),
         x.new_empty((n, k), **i32), x.new_empty((n, k)), x.new_empty((n, k)),
         x.new_empty((r,), **i64), x.new_empty((r, h)), x.new_empty((r, h)),
-        w_down.new_empty((h, d)), x.new_empty((n * k,), **i64), x.new_empty((h + 1,), **i64),
+        x.new_empty((n * k,), **i32), x.new_empty((h + 1,), **i64),
         x.new_empty((h,), **i64), x.new_empty((n, k_hot)), x.new_empty((n, k_hot)),
     )
 
@@ -434,7 +436,6 @@ def _ffn_train_bwd(
     heavy_idx: torch.Tensor,
     g_R: torch.Tensor,
     u_R: torch.Tensor,
-    w_down_t: torch.Tensor,
     perm: torch.Tensor,
     colptr: torch.Tensor,
     order: torch.Tensor,
@@ -446,7 +447,7 @@ def _ffn_train_bwd(
     """Returns dx, dWg, dWu, dWd (see ``_bwd_body``)."""
     with torch.autocast(x.device.type, enabled=False):
         return _bwd_body(dy, dl1, x, w_gate, w_up, w_down, nnz_eff, col, g, u, heavy_idx,
-                         g_R, u_R, w_down_t, perm, colptr, order, hot_units, g_S, u_S, backend)
+                         g_R, u_R, perm, colptr, order, hot_units, g_S, u_S, backend)
 
 
 @_ffn_train_bwd.register_fake
@@ -462,21 +463,21 @@ def _setup_context(ctx, inputs, output):
     ctx.has_hot = hot is not None
     ctx.save_for_backward(x, wg, wu, wd, *output[5:], *([hot] if ctx.has_hot else []))
     ctx.mark_non_differentiable(*output[2:])
-    # the 16 non-differentiable outputs reach backward as None instead of zero-filled tensors
+    # the 15 non-differentiable outputs reach backward as None instead of zero-filled tensors
     # (a profiler trace showed ~11 fill kernels and their allocations per step)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, dl1, *_unused):
-    (x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt, perm, colptr, order, g_S,
-     u_S, *hot) = ctx.saved_tensors
+    (x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, perm, colptr, order, g_S, u_S,
+     *hot) = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros_like(x[:, : wd.shape[0]])
     if dl1 is None:
         dl1 = torch.zeros((), dtype=torch.float32, device=x.device)
     dx, dwg, dwu, dwd = _ffn_train_bwd(
-        dy, dl1, x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, wdt, perm, colptr,
-        order, hot[0] if hot else None, g_S, u_S, ctx.backend,
+        dy, dl1, x, wg, wu, wd, nnz_eff, col, g, u, heavy_idx, g_R, u_R, perm, colptr, order,
+        hot[0] if hot else None, g_S, u_S, ctx.backend,
     )
     return dx, dwg, dwu, dwd, None, None, None, None, None
 
@@ -562,6 +563,10 @@ def sparse_ffn_train(
     hot = check_hot_units(hot_units, w_gate_HD.shape[0], x_ND.device, "sparse_ffn_train")
     x, wg, wu, wd = cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH)
     n = x.shape[0]
+    kc = ell_capacity or default_ell_capacity(wg.shape[0])
+    if n * kc >= 2**31:  # the CSC order's flat slot indices are int32
+        raise ValueError(f"sparse_ffn_train: N x ELL capacity = {n} x {kc} must be below 2^31 "
+                         "(int32 slot indices); pass fewer rows per call")
     if n == 0:
         from twell.ops.reference import gated_ffn_torch
 
