@@ -12,51 +12,11 @@ import torch
 
 from twell.ops import ffn_train
 from twell.ops.launch import kernel_config
-from twell.ops.reference import sparse_train_torch as ref
 from twell.ops.train_backend import pick_backend
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(pick_backend(torch.zeros(1, device=DEV), "auto") is ref,
-                                reason="Triton (or its interpreter) absent")
+from .ell_cases import DEV, TRITON, dense_dw, ell_state
 
-
-def ell_state(n, d, h, k, *, seed=0, hot=0, zero_rows=(), dtype=torch.float32):
-    """Random ELL rows of up to k distinct units (unit ``hot`` active in every non-zero row),
-    fp32 dg / du at the slots, g / u in ``dtype``; unused slots hold garbage (must be ignored)."""
-    gen = torch.Generator().manual_seed(seed)
-    nnz = torch.randint(0, k + 1, (n,), generator=gen, dtype=torch.int32)
-    for r in zero_rows:
-        nnz[r] = 0
-    col = torch.randint(0, h, (n, k), generator=gen, dtype=torch.int32)
-    for r in range(n):
-        units = torch.randperm(h, generator=gen)[:k].int()
-        if nnz[r] > 0 and hot is not None:
-            units = torch.cat([torch.tensor([hot], dtype=torch.int32), units[units != hot]])[:k]
-        col[r] = units
-    x = torch.randn(n, d, generator=gen).to(dtype)
-    dy = torch.randn(n, d, generator=gen).to(dtype)
-    dg = torch.randn(n, k, generator=gen)
-    du = torch.randn(n, k, generator=gen)
-    g = torch.rand(n, k, generator=gen).to(dtype)
-    u = torch.randn(n, k, generator=gen).to(dtype)
-    return [t.to(DEV) for t in (x, dy, col, nnz, dg, du, g, u)]
-
-
-def dense_reference(x, dy, col, nnz, dg, du, g, u, h, adds=None):
-    """fp64 (dWg, dWu, dWd^T) from the entries scattered into dense (N, H) matrices."""
-    n, k = col.shape
-    valid = ref.valid_slots(nnz, k)
-    rows = torch.arange(n, device=col.device)[:, None].expand(n, k)[valid]
-    cols = col[valid].long()
-    mats = []
-    for v in (dg, du, g.double() * u.double()):
-        m = torch.zeros(n, h, dtype=torch.float64, device=col.device)
-        m.index_put_((rows, cols), v[valid].double(), accumulate=True)
-        mats.append(m)
-    out = [mats[0].t() @ x.double(), mats[1].t() @ x.double(), mats[2].t() @ dy.double()]
-    if adds is not None:
-        out = [o + a.double() for o, a in zip(out, adds)]
-    return out
+pytestmark = pytest.mark.skipif(not TRITON, reason="Triton (or its interpreter) absent")
 
 
 def run_dw(x, dy, col, nnz, dg, du, g, u, h, adds=None, out_dtype=torch.float32):
@@ -84,7 +44,7 @@ def test_matches_dense_products(launch):
     st = ell_state(29, 37, 50, 6, seed=1, hot=3, zero_rows=(0, 5))
     with kernel_config(**launch):
         got = run_dw(*st, 50)
-    assert_close(got, dense_reference(*st, 50))
+    assert_close(got, dense_dw(*st, 50))
 
 
 def test_dense_backup_adds_and_bf16_operands():
@@ -93,7 +53,7 @@ def test_dense_backup_adds_and_bf16_operands():
     gen = torch.Generator().manual_seed(3)
     adds = [torch.randn(30, 40, generator=gen).to(DEV) for _ in range(3)]
     got = run_dw(*st, 30, adds=adds, out_dtype=torch.bfloat16)
-    assert_close(got, dense_reference(*st, 30, adds=adds), rel=1e-2)  # bf16 outputs: ~4e-3
+    assert_close(got, dense_dw(*st, 30, adds=adds), rel=1e-2)  # bf16 outputs: ~4e-3
 
 
 def test_no_entry_at_all_gives_the_adds():
