@@ -37,7 +37,7 @@ raised. Variants (named by the training paths, ``twell.nn.plan.TRAIN_PATHS``):
 
 Superseded kernels (compaction v1-v3, the first SpMM and dW kernels, the CSC sort after the host
 wait) are deleted; their numbers are in BENCHMARKS.md (code at git commit 629013a; the second dW
-kernel at 31cda26), and the
+kernel at 8109721), and the
 summary ends with ``ell``'s speedup against the one recorded there (:data:`RECORDED_SPEEDUP`).
 
 PARTS (before the full runs, i.i.d. 0.3 % and 1 %, heavy 0.3 %): every Triton kernel of the

@@ -9,7 +9,7 @@ program streams its column's entries and owns its outputs, so the sums are deter
 first version (scattered loads of the coefficients in every D slice, 1-D accumulators) took 70.2
 ms of dW a step in the 1.5B model where this kernel at j16 w4 took 54.8 (its entries pass
 apart; the default j8 w2 is 1.9x faster than j16 w4 alone, not yet profiled in the model:
-BENCHMARKS.md, "dW v2"; v1's code at commit 31cda26). Shape legend: N tokens, D model width,
+BENCHMARKS.md, "dW v2"; v1's code at commit 8109721). Shape legend: N tokens, D model width,
 H FFN width, K ELL width, J entries of one column. Source: arXiv 2603.23198, "Hybrid
 (training)"; PyTorch backend: ``twell.ops.reference.sparse_train_torch.dw``.
 """
