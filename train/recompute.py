@@ -29,15 +29,14 @@ bytes (the layer input, fp32):
 
     layer input (checkpoint's input, fp32)          4 N D      (as with full checkpointing)
     FFN input x (bf16, the sparse op's saved copy)  2 N D
-    ELL state: col int32 + g, u bf16 + CSC perm     (4 + 2 + 2 + 8) N KC,  + 4 N (lengths)
+    ELL state: col int32 + g, u bf16 + CSC perm     (4 + 2 + 2 + 4) N KC,  + 4 N (lengths)
     dense backup g_R, u_R (bf16)                    4 R H
-    Wd^T (bf16 copy made by the op)                 2 H D
     the three bf16 weight casts                     none: recast from the fp32 parameters in
                                                     backward (``_recast_weights``), one cast
                                                     each, as full checkpointing's replay does
 
-At the 1.5B shape (N 16384, D 2048, H 5632, KC 128, R ~100): 134 + 67 + 34 + 2 + 23 MB =
-~260 MB per ELL layer against 134 MB: ~3.5 GB more over 28 layers. The post-attention norm sits
+At the 1.5B shape (N 16384, D 2048, H 5632, KC 128, R ~100): 134 + 67 + 25 + 2 MB = ~229 MB
+per ELL layer against 134 MB: ~2.7 GB more over 28 layers. The post-attention norm sits
 inside the checkpoint so that its fp32 output (4 N D) is not saved (it is recomputed: one cheap
 elementwise pass). Saved FLOPs per ELL layer and micro-step: the gate GEMM (2 N D H = 0.38 TFLOP,
 ~0.56 ms on an H200) plus the op's sparse forward.

@@ -345,9 +345,12 @@ def test_bf16_autocast_fp32_master_weights():
         assert_close(name, a, b, 3e-2)
 
 
-def test_opcheck():
+@pytest.mark.parametrize("fraction", [1.0, 0.0], ids=["ell", "all_dense"])
+def test_opcheck(fraction):
+    """The op's schema, fake kernel and autograd registration; the all-dense branch too (its
+    unread outputs are zeros, so eager and AOT-compiled calls agree)."""
     x, wg, wu, wd, _ = make_inputs(7, 16, 64, seed=14)
-    args = tuple(t.float() for t in (x, wg, wu, wd)) + (4, 1.0, "torch")
+    args = tuple(t.float() for t in (x, wg, wu, wd)) + (4, fraction, "torch")
     torch.library.opcheck(ffn_train._ffn_train_fwd, args)
 
 
@@ -694,3 +697,14 @@ def test_saved_state_between_forward_and_backward_is_what_the_layout_says():
     assert got == want
     ((y * torch.ones_like(y)).sum() + st.l1).backward()  # the backward runs from that state
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in ins)
+
+
+def test_slot_indices_beyond_int32_are_refused_before_any_work():
+    """N x ELL capacity must stay below 2^31 (the CSC order's int32 slot indices): 64 rows at a
+    capacity of 2^25 is exactly 2^31, refused with the fix; one slot less passes the check."""
+    x, wg, wu, wd, _ = make_inputs(64, 8, 16, seed=3)
+    args = [t.float() for t in (x, wg, wu, wd)]
+    with pytest.raises(ValueError, match=r"64 x 33554432 must be below 2\^31.*smaller ell_capacity"):
+        sparse_ffn_train(*args, ell_capacity=2**25, backend="torch")
+    y, _ = sparse_ffn_train(*args, ell_capacity=16, backend="torch")  # a capacity that fits
+    assert torch.isfinite(y).all()
