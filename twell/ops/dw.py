@@ -5,11 +5,9 @@
 The CSC order (``perm``, ``colptr``, the longest-column-first ``order``) is built by the forward
 (``twell.ops.ffn_train._csc_order``); a first pass reads the entries through it once and writes
 their tokens and coefficients in CSC order (``_dw_entries_kernel``), then each (column, D slice)
-program streams its column's entries and owns its outputs, so the sums are deterministic. The
-first version (scattered loads of the coefficients in every D slice, 1-D accumulators) took 70.2
-ms of dW a step in the 1.5B model where this kernel at j16 w4 took 54.8 (its entries pass
-apart; the default j8 w2 is 1.9x faster than j16 w4 alone, not yet profiled in the model:
-BENCHMARKS.md, "dW v2"; v1's code at commit 8109721). Shape legend: N tokens, D model width,
+program streams its column's entries and owns its outputs, so the sums are deterministic: the
+entries' coefficients are read once, not once per D slice (measurements and the version this
+replaced: BENCHMARKS.md, "dW v2"). Shape legend: N tokens, D model width,
 H FFN width, K ELL width, J entries of one column. Source: arXiv 2603.23198, "Hybrid
 (training)"; PyTorch backend: ``twell.ops.reference.sparse_train_torch.dw``.
 """
@@ -132,8 +130,27 @@ def _dw_kernel(
 
 def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g_NK, u_NK,
        order=None):
-    """Weight gradients from the CSC-ordered ELL entries (see ``_dw_kernel``), plus ``adds``
-    (a triple of (H, D) dense-backup contributions, or None). Writes all three outputs."""
+    """Weight gradients of the ELL part (see ``_dw_kernel``), written into the three outputs.
+
+    Args:
+        dwg_HD, dwu_HD, dwdt_HD: (H, D) outputs (dL/dWg, dL/dWu, dL/dWd^T), contiguous, any float
+            dtype (fp32 accumulation); every element is written.
+        adds: None or three (H, D) tensors added to the outputs (the dense-backup rows' parts).
+        x_ND, dy_ND: (N, D) input and upstream gradient (bf16 / fp16 / fp32).
+        perm: (N*K,) int32 or int64 flat slot indices ``n*K + k`` in CSC order, unused slots
+            last (``twell.ops.ffn_train._csc_order``); colptr: (H + 1,) int64 column starts,
+            ``colptr[H]`` = slots in use (read on the device: no host sync).
+        dg_NK, du_NK: (N, K) fp32 dL/dgate, dL/dup at the slots; g_NK, u_NK: (N, K) relu(gate)
+            and up at the slots.
+        order: (H,) int64 launch order of the columns (default: longest first).
+
+    Raises:
+        ValueError: an output or ``colptr`` of the wrong shape, a non-contiguous operand, or
+            ``perm`` not int32 / int64 (the message names the argument).
+
+    Source: arXiv 2603.23198, "Hybrid (training)" (the transposed SpMM for the weight
+    gradients); the pre-gathered entries and the launch are ours.
+    """
     h, d = dwg_HD.shape
     k = dg_NK.shape[1]
     for name, t in (("dwg_HD", dwg_HD), ("dwu_HD", dwu_HD), ("dwdt_HD", dwdt_HD)):
