@@ -53,7 +53,7 @@ _DEFAULT_CONFIG = {
 CONFIG = dict(_DEFAULT_CONFIG)
 # sizes used directly as tl.arange extents (others are rounded up to a power of 2 by _pow2)
 _POW2_KEYS = ("dense_block_n", "dense_block_h", "sddmm_block_k", "spmm_block_k", "spmm_block_k2",
-              "dw_block_j")
+              "dw_block_j", "dw_block_d")  # dw_block_d: also 0 = auto
 
 
 @contextlib.contextmanager
@@ -74,9 +74,6 @@ def kernel_config(**overrides):
             continue
         if key == "dw_block_d" and val == 0:  # auto
             continue
-        if key == "dw_block_d" and isinstance(val, int) and val > 0 and val & (val - 1):
-            raise ValueError(f"kernel_config: dw_block_d must be 0 (auto) or a power of 2 (a "
-                             f"Triton block size); got {val!r}")
         if not isinstance(val, int) or val < 1:
             raise ValueError(f"kernel_config: {key} must be a positive int; got {val!r}")
         if key in _POW2_KEYS and val & (val - 1):
