@@ -110,7 +110,8 @@ def _csc_order(col: torch.Tensor, nnz_eff: torch.Tensor, kc: int, h: int):
     Returns:
         perm: (N*KC,) int32 flat ELL indices ``n*KC + k`` sorted by column (stable: row order
             within a column); the unused slots come last. int32 halves what the backward keeps
-            (N x KC x 4 bytes a layer); ``sparse_ffn_train`` checks N*KC < 2^31. colptr: (H+1,) int64, column c owns
+            (N x KC x 4 bytes a layer); ``sparse_ffn_train`` checks N*KC < 2^31.
+            colptr: (H+1,) int64, column c owns
             ``perm[colptr[c]:colptr[c+1]]`` (``colptr[H]`` = entries in use). order: (H,) int64,
             the columns longest first (the dW kernel's launch order).
     """
@@ -351,8 +352,7 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     dy = dy.to(x.dtype).contiguous()
     scale = (dl1 / max(n, 1)).reshape(())
     all_dense = r == n and n > 0
-    # Wd^T (H, D) made again here rather than kept from the forward: one transpose (~12 us at
-    # the 1.5B shape) for an (H, D) copy less per layer between forward and backward
+    # Wd^T (H, D) made again, not kept from the forward (module docstring, "Saved for backward")
     wdt = wd.t().contiguous() if not all_dense or hot is not None else None
     adds = None
     if r > 0:
