@@ -351,13 +351,15 @@ class TrainerConfig:
     (train/loss.py), an FSDP run transformers' loss. Replaced our own fused loss and lean norms,
     which it matched (the loss) or beat (norms, RoPE: one H200, 1.5B, dense path 36.1 -> 50.3
     tokens/ms with all three; BENCHMARKS.md)."""
-    norm_out_bf16: bool = False
+    norm_out_bf16: bool | None = None
     """With Liger's norms (trainer.liger) under bf16 autocast: every RMSNorm returns its output in
     bf16 (the final norm's feeds the LM head and its loss, the FFN norm's the FFN), one cast that
     q, k and v (a PyTorch FFN's gate and up) share, where each consumer casts the fp32 output and
-    keeps its own copy; the same values, their input gradients summed in bf16.
-    Predicted at 1.5B, micro-batch 8, no recomputation: -3.7 GB peak (two of three copies),
-    +1-2 % speed; not measured yet, so off (BENCHMARKS.md, "Next")."""
+    keeps its own copy; the same values, their input gradients summed in bf16. null = on
+    wherever Liger's norms are (off with trainer.liger=false); true with trainer.liger=false is
+    an error. Measured (one H200, 2B, micro-batch 16, no recomputation): ``ell`` 43.0 -> 44.9
+    tokens/ms and peak 92.8 -> 83.1 GB, our dense path 37.0 -> 38.1 and 111.9 -> 102.4 GB
+    (BENCHMARKS.md, "2B profile: outcome")."""
     ce_chunk_rows: int = 4096
     """Rows of logits per chunk of the distillation loss (CE + KL, train/loss.py;
     = train.loss.CE_CHUNK_ROWS): its transient memory is about six fp32 rows x vocab tensors."""

@@ -127,9 +127,9 @@ def use_liger(model, *, fused_linear_ce: bool = True, norm_out_autocast: bool = 
     before the LM head too) returns its output already in the autocast dtype, so that the
     consumers (q, k, v; a PyTorch FFN's gate and up) share one cast and one saved copy instead
     of casting the fp32 output each (values
-    unchanged; their input gradients are then summed in bf16, one rounding each). Predicted at
-    1.5B, micro-batch 8 without recomputation: ~3.7 GB less peak and ~2 % of the step; not
-    measured yet (BENCHMARKS.md, "Next").
+    unchanged; their input gradients are then summed in bf16, one rounding each). Measured at
+    2B, micro-batch 16 without recomputation: ``ell`` -9.7 GB peak and +4.4 % tokens/ms
+    (BENCHMARKS.md, "2B profile: outcome").
 
     The hooks that select Liger's RoPE are module forward hooks on each decoder layer's
     ``self_attn``, so they also hold in the forward that activation checkpointing replays in

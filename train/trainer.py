@@ -478,7 +478,8 @@ class Trainer:
             # the fused loss: not with distillation (ours + KL replaces it) nor FSDP (the LM
             # head weight is a sharded DTensor outside its module's forward: untested)
             liger_loss = not cfg.distill and not self.fsdp
-            use_liger(model, fused_linear_ce=liger_loss, norm_out_autocast=t.norm_out_bf16)
+            use_liger(model, fused_linear_ce=liger_loss,
+                      norm_out_autocast=t.norm_out_bf16 is not False)
             # (on the CPU, where a forced trainer.liger=true falls back, transformers' loss)
             self.fused_loss = "liger" if liger_loss and self.device.type == "cuda" else None
         self.teacher = None  # sparsity.distill_from: the frozen source model, the KL's target

@@ -104,6 +104,8 @@ def test_liger_enabled_rules_and_config_conflicts():
     with pytest.raises(ConfigError, match="trainer.norm_out_bf16=true acts on Liger"):
         TrainerConfig(liger=False, norm_out_bf16=True)
     TrainerConfig(liger=None, norm_out_bf16=True)  # auto: acts where Liger is on
+    assert TrainerConfig().norm_out_bf16 is None  # default: on wherever Liger's norms are
+    TrainerConfig(liger=False)  # ... so turning Liger off alone is no error
     with pytest.raises(ValueError, match="use_liger needs a Llama causal LM"):
         use_liger(torch.nn.Linear(2, 2))
 
