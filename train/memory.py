@@ -515,6 +515,48 @@ class ProbeRunner:
         return Measurement(peak_gb, ms)
 
 
+INITIAL_PATH_SEQUENCES = 4  # probe sequences of the measuring forward (8192 tokens at T 2048)
+
+
+def choose_initial_paths(trainer, ids_BT: torch.Tensor, *, force: bool = False) -> str | None:
+    """``auto``'s first paths from the model's own sparsity, before the first plan is made.
+
+    A fresh ``auto`` plan runs every FFN on ``dense`` until its first step has been measured, so
+    a plan made at step 0 probes the dense step's memory and speed. That is right for a fresh
+    ReLU model (~50 % of its units active) and wrong for one that is already sparse (weights
+    from a checkpoint: ``model.init_from``, a bench model, a ReLUfied model): on one H200 the 2B
+    default run at 80 GB planned micro-batch 4 from its dense probes where the sparse step fits
+    8 and runs 1.6x faster (BENCHMARKS.md, "2B profile: outcome"). So, when the plan has seen no
+    step: one training forward (no backward) of the first ``INITIAL_PATH_SEQUENCES`` sequences
+    of ``ids_BT`` (B, T) with every dense backup measured, each layer's L0 and heavy-row fraction
+    from it (averaged over ranks, so that every rank chooses alike), and the plan's chooser sets
+    the paths (:meth:`twell.nn.plan.FFNPlan.choose_paths`; with no timings yet, the density
+    rule). A resumed plan (steps > 0) keeps its paths unless ``force`` (the whole-model bench,
+    whose bench model's plan state comes from a stage that trained dense).
+
+    Returns:
+        a log line naming how many layers start on ``ell``, or None when nothing was chosen
+        (a resumed plan without ``force``, no layer that ``auto`` chooses).
+    """
+    from train.sparsity import collect_stats, l1_penalty
+
+    tr, plan = trainer, trainer.plan
+    if (plan.steps > 0 and not force) or not plan.auto_layers:
+        return None
+    ids = ids_BT[:INITIAL_PATH_SEQUENCES].to(tr.device)
+    with plan.profiling(), torch.enable_grad():  # training forward, every backup measured
+        tr.model(input_ids=ids, labels=ids)  # (the graph is dropped: no backward)
+        _, sp = l1_penalty(collect_stats(tr.mlps))
+        vals = torch.stack([sp.nnz_sum_L, sp.heavy_L]).double() / sp.n_tokens
+    if tr.acc.num_processes > 1:
+        vals = tr.acc.reduce(vals, "mean")
+    l0_L, heavy_L = vals.tolist()  # host sync (setup: once)
+    paths = plan.choose_paths(l0_L, heavy_L)  # after profiling(), which restores the paths
+    ell = sum(p == "ell" for p in paths)
+    return (f"ffn: {ell} of {len(paths)} layers start on ell (L0 {sum(l0_L) / len(l0_L):.1f} "
+            f"over {ids.numel()} probe tokens)")
+
+
 def device_probe(trainer) -> Callable[[Candidate], Measurement] | None:
     """The probe the planner uses for ``trainer``: a :class:`ProbeRunner` on CUDA, None on other
     devices (nothing to measure peak memory with)."""
@@ -754,6 +796,13 @@ def plan_memory(trainer, probe: Callable[[Candidate], Measurement] | None = None
     if budget is None:
         raise ValueError("plan_memory: no budget; set trainer.memory_budget_gb (no CUDA device)")
     fused = trainer.fused_loss is not None  # a chunked loss: probes of >= one chunk of rows
+    ids = getattr(probe, "ids_BT", None)  # a ProbeRunner's batch; else (tests) the same draw
+    if ids is None and trainer.plan.steps == 0 and trainer.plan.auto_layers:
+        ids = probe_batch(trainer.data, INITIAL_PATH_SEQUENCES, trainer.cfg.model.vocab_size,
+                          t.seed)
+    line = None if ids is None else choose_initial_paths(trainer, ids)  # already sparse: plan
+    if line is not None:                                                 # its sparse step
+        trainer._print(line)
     tm.probe = probe
     tm.planner = MemoryPlanner(
         probe, batch_per_rank=per_rank, seq_len=trainer.cfg.model.seq_len, budget_gb=budget,

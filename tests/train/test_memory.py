@@ -444,11 +444,13 @@ STEP_TIMES = {"none": (1.0, 1.0), "attention": (1.0, 1.2), "attention_ell": (1.0
               "full": (1.0, 1.5)}
 
 
-def _settling_run(tokens, tmp_path, monkeypatch, name, impl="auto", **over):
+def _settling_run(tokens, tmp_path, monkeypatch, name, impl="auto", initial=False, **over):
     from twell.policy import FFNPolicy
 
     monkeypatch.setattr(memory, "device_probe",
                         lambda tr: PathProbe(tr, DENSE, ELL, STEP_TIMES))
+    if not initial:  # a fresh model starts dense (~50 % active): the first choice comes later
+        monkeypatch.setattr(memory, "choose_initial_paths", lambda *a, **k: None)
     # the ELL op's PyTorch backend (read per call): these runs test the planner, not the
     # kernels, which took ~14 min a test through triton's interpreter
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -498,3 +500,75 @@ def test_the_re_plan_keeps_user_values_and_needs_ell_layers(tokens, tmp_path, mo
     tr, start = _settling_run(tokens, tmp_path, monkeypatch, "torch", impl="torch")
     assert tr.memory.plan is start
     assert len(read_metrics(tmp_path / "torch", "memory")) == 1
+
+
+def test_an_already_sparse_model_is_planned_on_its_sparse_paths(tokens, tmp_path, monkeypatch):
+    # the same run as above, the measuring forward left on: every layer's density is below the
+    # threshold (1.0), so the plan at step 0 probes the ELL step and takes micro 4 at once
+    tr, start = _settling_run(tokens, tmp_path, monkeypatch, "sparse", initial=True)
+    assert (start.micro_batch, start.recompute, start.accum) == (4, "none", 2)
+    log = (tmp_path / "sparse" / "train.log").read_text()
+    assert "ffn: 2 of 2 layers start on ell" in log
+    recs = read_metrics(tmp_path / "sparse", "memory")
+    assert recs[0]["step"] == 0 and recs[0]["micro_batch"] == 4
+    assert tr.step == 6 and tr.tokens_seen == 6 * 8 * 32
+
+
+def _mlp_inputs(tr, ids):
+    """Each FFN's input rows (fp64) of a forward of ``ids``, by hooks (the reference)."""
+    got = []
+    hooks = [m.register_forward_hook(lambda m, a, out: got.append(a[0].detach().double()))
+             for m in tr.mlps]
+    try:
+        with torch.no_grad():
+            tr.model(input_ids=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [x.reshape(-1, x.shape[-1]) for x in got]
+
+
+def test_initial_paths_come_from_each_layers_own_l0(tokens, tmp_path):
+    tr = Trainer(tiny_config(tokens, **{"model.ffn_impl": "auto"}), tmp_path / "l0")
+    try:
+        seen = []
+
+        def chooser(m):  # records what the plan's chooser is given
+            seen.append(m)
+            return "ell" if m.layer == 0 else "dense"
+
+        tr.plan.chooser = chooser
+        ids = memory.probe_batch(tr.data, 8, tr.cfg.model.vocab_size, 0)
+        line = memory.choose_initial_paths(tr, ids)
+        assert tr.plan.paths == ["ell", "dense"] and "1 of 2 layers start on ell" in line
+        # L0 = active units per token of relu(x Wg^T), fp64 from the FFN inputs
+        ref = [float(((x @ m.gate_proj.weight.double().T) > 0).sum(1).double().mean())
+               for x, m in zip(_mlp_inputs(tr, ids[:memory.INITIAL_PATH_SEQUENCES]), tr.mlps)]
+        assert [m.layer for m in seen] == [0, 1]
+        assert [m.l0 for m in seen] == pytest.approx(ref, rel=1e-6)
+        assert all(0.0 <= m.heavy_fraction <= 1.0 for m in seen)
+        assert all(p.grad is None for p in tr.model.parameters())  # forward only
+        # a resumed plan (it has seen steps) keeps its paths unless forced (the bench)
+        tr.plan.steps = 3
+        tr.plan.chooser = lambda m: "dense"
+        assert memory.choose_initial_paths(tr, ids) is None
+        assert tr.plan.paths == ["ell", "dense"]
+        assert "0 of 2" in memory.choose_initial_paths(tr, ids, force=True)
+        # a pinned layer is not chosen
+        tr.plan.chooser = lambda m: "ell"
+        tr.plan.pin("dense", [1])
+        memory.choose_initial_paths(tr, ids, force=True)
+        assert tr.plan.paths == ["ell", "dense"]
+    finally:
+        tr.close()
+
+
+def test_a_fresh_model_starts_dense(tokens, tmp_path):
+    # the default policy's density threshold: a fresh ReLU FFN (~half its units active) is dense
+    tr = Trainer(tiny_config(tokens, **{"model.ffn_impl": "auto"}), tmp_path / "fresh")
+    try:
+        ids = memory.probe_batch(tr.data, 8, tr.cfg.model.vocab_size, 0)
+        assert "0 of 2 layers start on ell" in memory.choose_initial_paths(tr, ids)
+        assert tr.plan.paths == ["dense", "dense"]
+    finally:
+        tr.close()

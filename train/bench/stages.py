@@ -58,7 +58,14 @@ from train.bench.steps import (
     log,
     time_steps,
 )
-from train.memory import Candidate, Plan, ProbeRunner, pending_optimizer_gb, plan_memory
+from train.memory import (
+    Candidate,
+    Plan,
+    ProbeRunner,
+    choose_initial_paths,
+    pending_optimizer_gb,
+    plan_memory,
+)
 
 OUR_PATHS = ("ell", "dense", "auto")  # the timing order inside our trainer's stage
 
@@ -264,6 +271,10 @@ def _search_ours(run: SizeRun, tr, paths: list[str]) -> None:
     runner = ProbeRunner(tr, timed_steps=run.s.probe_steps)
     for ffn in dict.fromkeys(f for p in paths for f in PATH_FFNS[p]):
         use_ffn(tr, ffn, run.bm.plan_state)
+        if ffn == "auto":  # probe the paths auto takes on this model, as a run planning does
+            line = choose_initial_paths(tr, runner.ids_BT, force=True)
+            if line is not None:
+                log(f"{run.size} search auto: {line}")
         search_ffn(run, ffn, runner, pending, OUR_RECOMPUTE, min_probe_tokens(tr))
 
 

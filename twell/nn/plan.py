@@ -579,6 +579,11 @@ class FFNPlan:
         """Does layer ``layer`` train on the ``ell`` path this step (:func:`trains_ell`)."""
         return trains_ell(self.mlps[layer])
 
+    @property
+    def auto_layers(self) -> list[int]:
+        """The layers whose path ``auto``'s chooser sets (unpinned ``auto`` layers)."""
+        return [k for k in range(len(self.layers)) if self._chooses(k)]
+
     def _chooses(self, k: int) -> bool:
         """Does ``auto``'s chooser set layer k's path (an unpinned ``auto`` layer)?"""
         return self.impls[k] == "auto" and not self._pinned[k]
