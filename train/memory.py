@@ -57,6 +57,7 @@ up to :data:`CPU_MICRO_BATCH` and no recomputation. Tests inject the probe
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import sys
@@ -495,7 +496,8 @@ class ProbeRunner:
         finally:
             tr.optimizer.zero_grad(set_to_none=True)
             profiling.__exit__(None, None, None)
-        if cuda:  # the failed probe's blocks (freed with the traceback) go back to the device
+        if cuda:  # the failed probe's blocks go back to the device; the traceback's frames
+            gc.collect()  # form cycles that hold its tensors until collected
             torch.cuda.empty_cache()
         flag = torch.tensor([float(oom)], device=tr.device)
         peak = torch.cuda.max_memory_allocated(tr.device) / 2**30 if cuda else math.nan
@@ -545,9 +547,12 @@ def choose_initial_paths(trainer, ids_BT: torch.Tensor, *, force: bool = False) 
         return None
     ids = ids_BT[:INITIAL_PATH_SEQUENCES].to(tr.device)
     with plan.profiling(), torch.enable_grad():  # training forward, every backup measured
-        tr.model(input_ids=ids, labels=ids)  # (the graph is dropped: no backward)
+        tr.model(input_ids=ids, labels=ids)
         _, sp = l1_penalty(collect_stats(tr.mlps))
         vals = torch.stack([sp.nnz_sum_L, sp.heavy_L]).double() / sp.n_tokens
+    for m in tr.mlps:  # their stats hold the forward's graph (no backward frees it): kept, it
+        m.last_stats = None  # inflated the first probe's peak (2B: ~20 GB), the planner's
+    del sp                   # slope came out negative and its probes ran out of memory
     if tr.acc.num_processes > 1:
         vals = tr.acc.reduce(vals, "mean")
     l0_L, heavy_L = vals.tolist()  # host sync (setup: once)

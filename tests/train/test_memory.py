@@ -540,6 +540,7 @@ def test_initial_paths_come_from_each_layers_own_l0(tokens, tmp_path):
         tr.plan.chooser = chooser
         ids = memory.probe_batch(tr.data, 8, tr.cfg.model.vocab_size, 0)
         line = memory.choose_initial_paths(tr, ids)
+        assert all(m.last_stats is None for m in tr.mlps)  # the forward's graph is not kept
         assert tr.plan.paths == ["ell", "dense"] and "1 of 2 layers start on ell" in line
         # L0 = active units per token of relu(x Wg^T), fp64 from the FFN inputs
         ref = [float(((x @ m.gate_proj.weight.double().T) > 0).sum(1).double().mean())
