@@ -105,9 +105,13 @@ class ModelConfig:
     layer and step the ELL kernels or dense mode; training paths: twell/nn/plan.py)."""
     ffn_host_sync: str = "step"
     """The ell training path (twell, or auto's ELL layers): step = no host sync per layer, the
-    dense-backup capacity comes from the previous step's heavy-row counts and is checked once per
+    dense-backup capacity comes from the previous steps' heavy-row counts and is checked once per
     optimizer step (a step that exceeded it is redone measuring per call, so nothing is lost);
-    call = measure per FFN call (one host sync per layer and call)."""
+    micro_batch = the same capacities, checked after each micro-batch's forward (one host sync a
+    micro-batch): a micro-batch that exceeded one runs its forward again, the overflowing layers
+    measuring per call for the rest of the step, so an overflow costs one forward instead of the
+    step (one process; several fall back to step); call = measure per FFN call (one host sync
+    per layer and call)."""
     ffn_policy: FFNPolicy = field(default_factory=FFNPolicy)
     """Path policy of every FFN (twell.policy.FFNPolicy, each field documented there): auto's
     thresholds (infer_density_threshold, infer_min_rows, infer_min_flops,
@@ -172,7 +176,8 @@ class ModelConfig:
         if self.ffn_host_sync not in HOST_SYNCS:
             raise ConfigError(
                 f"model.ffn_host_sync={self.ffn_host_sync!r} is unknown; use step (check the "
-                "dense-backup capacity once per optimizer step) or call (measure per FFN call)."
+                "dense-backup capacity once per optimizer step), micro_batch (after each "
+                "micro-batch's forward) or call (measure per FFN call)."
             )
         if self.ffn_impl == "twell" and self.gated is False:
             raise ConfigError(

@@ -518,8 +518,15 @@ class Trainer:
         # (and fall back to eager after its recompile limit), so a compiled model measures per call
         # auto's measured choice times each layer's calls with eager hooks: not under compile;
         # several ranks average the timings (host side) so that they choose alike
+        host_sync = "call" if t.compile else cfg.model.ffn_host_sync
+        if host_sync == "micro_batch" and self.acc.num_processes > 1:
+            # a forward run again without its backward would leave DDP's reducer (and FSDP's
+            # unshard) expecting one: several processes check once per step
+            self._print("model.ffn_host_sync=micro_batch: several processes check the dense-"
+                        "backup capacities once per step (step)")
+            host_sync = "step"
         self.plan = FFNPlan(self.mlps, cfg.model.ffn_impl, dense_ffn_fused=t.dense_ffn_fused,
-                            host_sync="call" if t.compile else cfg.model.ffn_host_sync,
+                            host_sync=host_sync,
                             capacity_rule=t.backup_capacity, timed=not t.compile,
                             reduce_host=self._host_sum if self.acc.num_processes > 1 else None)
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -533,9 +540,10 @@ class Trainer:
             raise ConfigError("trainer.compile=true with FSDP (configs/accelerate/fsdp2.yaml) is "
                               "not supported; set trainer.compile=false or launch with ddp.yaml.")
         if t.compile:
-            if cfg.model.ffn_host_sync == "step" and cfg.model.ffn_impl != "torch":
+            if cfg.model.ffn_host_sync != "call" and cfg.model.ffn_impl != "torch":
                 self._print("trainer.compile=true: the ell training path measures its dense "
-                            "backup per call (model.ffn_host_sync=step applies to eager runs)")
+                            f"backup per call (model.ffn_host_sync={cfg.model.ffn_host_sync} "
+                            "applies to eager runs)")
             model.compile()
         if self.fsdp:  # shard first: the optimizer then holds the fp32 master shards
             parallel.apply_fsdp2(model, self.fsdp, device=self.device,
@@ -1021,6 +1029,7 @@ class Trainer:
              "nnz_max_L": torch.zeros(L, device=dev), "ffn_tokens": 0, "micro_tokens": 0,
              "active_LH": torch.zeros(L, cfg.model.intermediate_size, dtype=torch.int64,
                                       device=dev)}
+        check = self.plan.host_sync == "micro_batch"  # one process (_setup_parallel)
         for micro, ids_cpu in enumerate(ids):
             ids_BT = ids_cpu.to(dev, non_blocking=True)  # (B, T) token ids
             sync = micro == self.accum - 1  # DDP all-reduces gradients on the last micro-step
@@ -1028,6 +1037,19 @@ class Trainer:
                 out = model(input_ids=ids_BT, labels=ids_BT)
                 ce = out.loss  # mean over B*(T-1) targets; distillation: CE + w T^2 KL
                 l1, sp = l1_penalty(collect_stats(self.mlps))
+                over = self.plan.call_overflow(sp.heavy_L, ids_BT.numel()) if check else []
+                if over:  # some layer exceeded its no-sync capacity: this forward again, exact
+                    del out, ce, l1, sp  # the overflowed forward's graph goes before the new one
+                    for mlp in self.mlps:
+                        mlp.last_stats = None
+                    self.plan.overflowed_in_call(over)
+                    m["forward_redos"] = m.get("forward_redos", 0) + 1
+                    self._print(f"step {self.step + 1}, micro-batch {micro + 1}: layers {over} "
+                                "had more heavy rows than their dense-backup capacity; running "
+                                "its forward again, those layers measuring per call")
+                    out = model(input_ids=ids_BT, labels=ids_BT)
+                    ce = out.loss
+                    l1, sp = l1_penalty(collect_stats(self.mlps))
                 loss = ce + coeff * l1
                 acc.backward(loss / self.accum)
             kl = getattr(out, "distill_kl", None)  # sparsity.distill_*: log CE and KL apart
@@ -1055,6 +1077,10 @@ class Trainer:
         rows than its no-sync dense-backup capacity: the attempt's gradients are discarded
         before the optimizer sees them and the step runs again measuring per call (exact, so
         it is accepted). The plan also sets the next step's capacities and ``auto``'s paths.
+        With ``model.ffn_host_sync=micro_batch`` the capacities are also checked after each
+        micro-batch's forward (one more host sync each, ``FFNPlan.call_overflow``): an
+        overflowed micro-batch runs its forward again before its backward, so the step is not
+        redone.
         """
         cfg, acc, model = self.cfg, self.acc, self.model
         self._update_began = False
@@ -1091,6 +1117,8 @@ class Trainer:
                         "than their dense-backup capacity; redoing the step with per-call "
                         "measurement")
         self._update_began = True  # from here an error may leave the weights half updated
+        if m.get("forward_redos"):
+            interval["forward_redos"] = interval.get("forward_redos", 0) + m["forward_redos"]
         for k in ("loss", "ce", "l1", "nnz_sum_L", "heavy_L"):
             interval[k] += m[k]
         if "distill_kl" in m:
@@ -1163,6 +1191,8 @@ class Trainer:
         }
         if interval.get("backup_redos"):
             m["ffn_backup_redos"] = interval["backup_redos"]  # steps redone (capacity exceeded)
+        if interval.get("forward_redos"):  # micro-batch forwards run again (ffn_host_sync)
+            m["ffn_forward_redos"] = interval["forward_redos"]
         if "distill_kl" in interval:  # KL(teacher || student) at the temperature, per target
             kl = interval["distill_kl"]
             if acc.num_processes > 1:

@@ -216,3 +216,46 @@ def test_trainer_state_from_before_the_plan_restores_its_paths(tokens, tmp_path)
         assert t.plan.capacity.hist == [[0.0], [5.0]]
     finally:
         t.close()
+
+
+def _force_overflow_at(monkeypatch, step):
+    """At the plan's step ``step`` (0-based), every ``ell`` layer on a no-sync capacity runs on
+    a capacity of 0 rows: each of its heavy rows is then over it (an overflow)."""
+    from twell.nn.plan import FFNPlan
+
+    begin = FFNPlan.begin_step
+
+    def forced(self):
+        if self.steps == step:
+            for lp in self.layers:
+                if lp.path == "ell" and lp.backup_rows >= 0:
+                    lp.backup_rows = 0
+        begin(self)
+
+    monkeypatch.setattr(FFNPlan, "begin_step", forced)
+
+
+def test_an_overflow_runs_the_micro_batch_forward_again_or_the_step(tokens, tmp_path,
+                                                                   monkeypatch):
+    # the op's PyTorch backend (the kernels: tests/ops/test_kernels_train.py); an ELL capacity
+    # of 36 of 64 leaves ~10-25 % of the tiny model's tokens heavy, so the plan gives no-sync
+    # capacities after step 1; step 2 is forced to overflow them
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    over = {"model.ffn_impl": "twell", "trainer.max_steps": 3, "sparsity.l1_coeff": 0.05,
+            "trainer.micro_batch": 2, "model.ffn_policy": FFNPolicy(ell_capacity=36)}
+    exact = _losses(tiny_config(tokens, **over, **{"model.ffn_host_sync": "call"}),
+                    tmp_path / "call")
+    _force_overflow_at(monkeypatch, 1)
+    runs = {hs: _losses(tiny_config(tokens, **over, **{"model.ffn_host_sync": hs}),
+                        tmp_path / hs) for hs in ("micro_batch", "step")}
+    mb, st = runs["micro_batch"], runs["step"]
+    assert 1 <= mb[1]["ffn_forward_redos"] <= 8  # 4 micro-batches x 2 layers at most
+    assert "ffn_backup_redos" not in mb[1] and "ffn_forward_redos" not in mb[0]
+    assert st[1]["ffn_backup_redos"] == 1 and "ffn_forward_redos" not in st[1]
+    assert not any("ffn_forward_redos" in r or "ffn_backup_redos" in r for r in exact)
+    for run in (mb, st):  # nothing was lost: the steps of the exact per-call run
+        for got, want in zip(run, exact, strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+            assert got["l0_mean"] == pytest.approx(want["l0_mean"], rel=1e-6)
+    log = (tmp_path / "micro_batch" / "train.log").read_text()
+    assert "step 2, micro-batch 1: layers [" in log and "running its forward again" in log

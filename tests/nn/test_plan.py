@@ -91,6 +91,25 @@ def test_capacity_is_checked_against_the_rows_of_a_call():
     assert _step(plan, _stats([10], rows=10)).redo == (0,)  # 10 > min(29, 9)
 
 
+def test_micro_batch_check_finds_the_overflowed_layers_and_the_step_is_accepted():
+    plan = FFNPlan(_mlps(3), host_sync="micro_batch", capacity_rule="adaptive")
+    plan.begin_step()  # every layer measures per call: nothing to check, no host sync
+    assert plan.call_overflow(torch.tensor([500.0, 500.0, 500.0]), rows=256) == []
+    plan.end_step(_stats([5, 0, 200]))
+    assert [lp.backup_rows for lp in plan.layers] == [64, 1, -1]  # as under host_sync=step
+    margin = plan.capacity.margin[1]
+    plan.begin_step()
+    # layer 1 has 2 heavy rows over its capacity 1; layer 0 holds 64 of 64; layer 2 measures
+    assert plan.call_overflow(torch.tensor([64.0, 2.0, 250.0]), rows=256) == [1]
+    assert plan.call_overflow(torch.tensor([64.0, 2.0, 250.0]), rows=40) == [0, 1]  # min(64, 39)
+    plan.overflowed_in_call([1])
+    assert [lp.backup_rows for lp in plan.layers] == [64, -1, -1]  # layer 1 now measures
+    assert plan.capacity.margin[1] == pytest.approx(margin * 1.5)  # the rule learnt of it
+    assert plan.call_overflow(torch.tensor([64.0, 9.0, 250.0]), rows=256) == []
+    out = plan.end_step(_stats([64, 2, 250]))  # the step's exact counts: accepted, not redone
+    assert out.accepted and plan.capacity.hist[1] == [0.0, 2.0]
+
+
 def test_only_ell_layers_are_checked_and_call_sync_measures_per_call():
     plan = FFNPlan(_mlps(2, impl="torch"))
     _step(plan, _stats([5, 5]))

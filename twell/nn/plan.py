@@ -49,6 +49,14 @@ A step redone this way cannot overflow again: after a redo every layer measures 
 per call (exact on any input). So a step runs at most twice; redos are meant to be rare faults
 (capacity floors, histories scaled across micro-batch changes: :mod:`twell.nn.capacity`).
 
+``host_sync="micro_batch"`` checks sooner and redoes less: after each micro-batch's forward (one
+host sync per micro-batch), :meth:`FFNPlan.call_overflow` compares its heavy rows with the
+capacities; a layer over its capacity then measures per call for the rest of the step
+(:meth:`FFNPlan.overflowed_in_call`) and the caller runs that micro-batch's forward again before
+its backward, so an overflow costs one forward of one micro-batch instead of the whole step
+(at accumulation 1 a redone step doubles the step; on one H200, one redone step in 10 cost the
+1.5B ``ell`` row 10 % of its wall-clock: BENCHMARKS.md, "Call 4 outcome").
+
 After an accepted step the plan also sets each ``ell`` layer's hot units (``LayerPlan.hot_units``,
 from the step's per-unit active counts: :meth:`FFNPlan.count_hot_units` counted the units above
 ``FFNPolicy.hot_unit_fraction`` on the device, their number arrives in the one host sync, the
@@ -74,7 +82,9 @@ from twell.policy import FFNPolicy
 
 FFN_IMPLS = ("torch", "twell", "auto")  # SparseGatedMLP(impl=...), model.ffn_impl
 TRAIN_PATHS = ("torch", "dense", "ell")
-HOST_SYNCS = ("step", "call")  # model.ffn_host_sync: no-sync capacities checked per step | per call
+# model.ffn_host_sync: no-sync capacities checked once per step | after each micro-batch's
+# forward | measured per call
+HOST_SYNCS = ("step", "micro_batch", "call")
 STATE_VERSION = 2  # 1: no rows_per_call, steps, hot_units, chooser (read as empty)
 MEASURED_PATHS = ("ell", "dense")  # what the measured chooser compares
 SAMPLES_KEPT = 16  # timed calls kept per layer and path (the newest)
@@ -489,7 +499,9 @@ class FFNPlan:
             own ``impl``. Inference always follows the module's ``impl``.
         dense_ffn_fused: ``impl=torch`` gated layers train on ``dense``.
         host_sync: ``step`` (no-sync dense-backup capacities from past steps, checked once per
-            step by :meth:`end_step`) or ``call`` (every ``ell`` call measures its backup).
+            step by :meth:`end_step`), ``micro_batch`` (the same capacities, also checked after
+            each micro-batch's forward by the caller: :meth:`call_overflow`) or ``call`` (every
+            ``ell`` call measures its backup).
         capacity_rule: the no-sync capacity rule (:data:`twell.nn.capacity.CAPACITY_RULES`).
         chooser: ``auto``'s per-layer choice (default: a new :class:`MeasuredPathChooser`).
         timed: time ``auto``'s layers for a chooser that measures (False under torch.compile:
@@ -542,6 +554,7 @@ class FFNPlan:
         self._pinned = [False] * len(self.mlps)
         self._step_caps: list[int | None] = [None] * len(self.mlps)
         self._after_redo = False
+        self._call_redo = False  # some micro-batch of this step ran its forward again
         for m, lp in zip(self.mlps, self.layers):
             m.layer_plan = lp
 
@@ -608,6 +621,39 @@ class FFNPlan:
                 else None
             self.timers[k].clear()
             lp.timing = self.timers[k] if self._timed(k) else None
+        self._call_redo = False
+
+    def call_overflow(self, heavy_L: torch.Tensor, rows: int) -> list[int]:
+        """The layers whose heavy rows in the micro-batch just run forward exceed this step's
+        no-sync capacity (``min(capacity, rows - 1)``, as :meth:`end_step` checks): a host sync,
+        none when no layer runs on a no-sync capacity (then ``[]`` at once).
+
+        Args:
+            heavy_L: (L,) device tensor, the micro-batch's heavy rows per layer
+                (``SparsityStats.heavy_L`` of the forward).
+            rows: token rows of the micro-batch's FFN calls.
+        """
+        caps = [(k, min(c, rows - 1)) for k, c in enumerate(self._step_caps) if c is not None]
+        if not caps:
+            return []
+        ks = torch.tensor([k for k, _ in caps], device=heavy_L.device)
+        lim = torch.tensor([c for _, c in caps], dtype=heavy_L.dtype, device=heavy_L.device)
+        over = ks[heavy_L.index_select(0, ks) > lim]
+        return over.tolist()  # host sync
+
+    def overflowed_in_call(self, layers: Sequence[int]) -> None:
+        """``layers`` exceeded their no-sync capacity in the current micro-batch (found by
+        :meth:`call_overflow` before its backward): they measure per call for the rest of this
+        step (exact), :meth:`end_step` no longer checks them and drops this step's timings (per
+        call measurement distorts them), and the capacity rule learns of the overflow as of a
+        redone step. The caller runs the micro-batch's forward again, after dropping the
+        overflowed forward's graph."""
+        layers = list(layers)
+        for k in layers:
+            self.layers[k].backup_rows = -1
+            self._step_caps[k] = None
+        self.capacity.overflowed(layers)
+        self._call_redo = True
 
     def count_hot_units(self, stats: StepStats) -> StepStats:
         """``stats`` with ``hot_over_L`` (device, (L,)): per layer the units active on more than
@@ -662,7 +708,7 @@ class FFNPlan:
         n_rows = max(stats.rows_per_call, 1)
         over = tuple(k for k, (cap, hv) in enumerate(zip(self._step_caps, heavy_max))
                      if cap is not None and hv > min(cap, n_rows - 1))
-        samples = self._take_samples(discard=bool(over) or self._after_redo)
+        samples = self._take_samples(discard=bool(over) or self._after_redo or self._call_redo)
         self._after_redo = bool(over)
         if over:
             self.capacity.overflowed(list(over))
@@ -684,7 +730,7 @@ class FFNPlan:
             if lp.path == "ell" and before[k] != "ell":  # from its dense-path counts
                 self.capacity.restart(k)
                 caps[k] = self.capacity.capacity(k, floors[k])
-            measure = self.host_sync != "step" or hv > mlp.policy.dense_row_fraction * n_rows
+            measure = self.host_sync == "call" or hv > mlp.policy.dense_row_fraction * n_rows
             lp.backup_rows = -1 if measure else caps[k]
         self._set_hot_units(stats)
         return StepOutcome()
