@@ -54,7 +54,7 @@ from train.sparsity import (
     l1_penalty,
     reinit_dead_gates,
 )
-from twell.nn.plan import FFNPlan, StepStats
+from twell.nn import FFNPlan, StepStats
 
 
 class NonFiniteLossError(RuntimeError):

@@ -93,7 +93,7 @@ class FFNPolicy:
     train_measure: bool = True
     """Training ``auto``: choose each layer's path (``ell`` or ``dense``) by the measured time of
     its own FFN forward and backward in real training steps (CUDA events, read after the step's
-    one host sync: ``twell.nn.plan.MeasuredPathChooser``), the density rule above deciding
+    one host sync: ``twell.nn.chooser.MeasuredPathChooser``), the density rule above deciding
     until both paths have timings; False (and CPU runs, where nothing is timed) = the density
     rule alone."""
     train_timed_calls: int = 3

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from twell.nn import FFNPlan, StepStats
 from twell.nn.mlp import SparseGatedMLP
-from twell.nn.plan import FFNPlan, StepStats
 from twell.policy import FFNPolicy
 
 SCENARIOS = ("steady", "docs", "bursty", "early")

@@ -22,8 +22,8 @@ Training paths (the words used in code, config, logs and benchmarks):
   (``trainer.dense_ffn_fused``).
 * ``twell`` (the TwELL / ELL kernels) -> ``ell``.
 * ``auto`` is a policy, not a path: per layer and optimizer step the plan's chooser picks ``ell``
-  or ``dense`` (default :class:`MeasuredPathChooser`: the faster of the two by the layer's own
-  timings in real steps, :func:`density_rule` until both paths have timings and wherever
+  or ``dense`` (default :class:`twell.nn.chooser.MeasuredPathChooser`: the faster of the two by the layer's own
+  timings in real steps, :func:`twell.nn.chooser.density_rule` until both paths have timings and wherever
   nothing is timed, e.g. on the CPU); every layer starts on ``dense`` (a freshly initialised
   ReLU FFN has ~50 % of its units active).
 * Non-gated layers train on ``torch`` under ``torch`` and ``auto``.
@@ -68,27 +68,30 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from twell.nn.capacity import BackupCapacity
+from twell.nn.chooser import (
+    MEASURED_PATHS,
+    SAMPLES_KEPT,
+    LayerMeasure,
+    MeasuredPathChooser,
+    PathChooser,
+)
+from twell.nn.step import StepOutcome, StepStats, host_list
 from twell.nn.timing import LayerTimer
 from twell.ops.hot_units import hot_unit_k, hot_units_from_counts
-from twell.policy import FFNPolicy
 
 FFN_IMPLS = ("torch", "twell", "auto")  # SparseGatedMLP(impl=...), model.ffn_impl
 TRAIN_PATHS = ("torch", "dense", "ell")
 # model.ffn_host_sync: no-sync capacities checked once per step | after each micro-batch's
 # forward | measured per call
 HOST_SYNCS = ("step", "micro_batch", "call")
-STATE_VERSION = 2  # 1: no rows_per_call, steps, hot_units, chooser (read as empty)
-MEASURED_PATHS = ("ell", "dense")  # what the measured chooser compares
-SAMPLES_KEPT = 16  # timed calls kept per layer and path (the newest)
-EXPLORE_MAX_STEPS = 8  # an exploration that gathered too few timings ends after this many steps
+STATE_VERSION = 2
 # The plan gives a layer hot units only while they are a minority of its units: k hot units cost
 # k / H of the dense FFN (18 N D each, fwd + bwd), so past H / 8 the layer is dense mode's (at
 # H 5632 the cap max_hot_units = 512 binds first: 9 % of the dense FFN's time)
@@ -160,332 +163,6 @@ def trains_ell(mlp) -> bool:
     """Does this FFN's training forward run the ``ell`` path this optimizer step? (Fixed within
     a step. Selective recomputation keeps such layers' FFN out of the checkpoint.)"""
     return layer_plan(mlp).path == "ell"
-
-
-@dataclass(frozen=True)
-class LayerMeasure:
-    """What a path chooser knows about one layer after an optimizer step (host values).
-
-    Attributes:
-        layer: index in the plan (layer order).
-        l0: mean active units per token over the step's tokens.
-        heavy_fraction: tokens with more active units than the ELL capacity / tokens.
-        width: H, the layer's FFN width.
-        gated: the layer has ``gate_proj`` (the ``dense`` and ``ell`` paths need it).
-        policy: the layer's :class:`twell.policy.FFNPolicy`.
-        path: the training path the step ran on ("" unknown).
-        samples_ms: the step's timed calls of the layer on ``path`` (ms per micro-step:
-            forward(s) + backward, :class:`twell.nn.timing.LayerTimer`); empty when untimed.
-        step: accepted optimizer steps so far, this one included (the exploration schedule).
-        num_layers: L, layers in the plan (spreads the explorations over the layers).
-    """
-
-    layer: int
-    l0: float
-    heavy_fraction: float
-    width: int
-    gated: bool
-    policy: FFNPolicy
-    path: str = ""
-    samples_ms: tuple[float, ...] = ()
-    step: int = 0
-    num_layers: int = 1
-
-
-PathChooser = Callable[[LayerMeasure], str]
-"""``auto``'s choice for one layer: a :class:`LayerMeasure` -> ``"ell"`` or ``"dense"`` (or
-``"torch"``). A chooser may also have ``measures = True`` (the plan then times the layer's calls
-and passes them in ``samples_ms``), ``choice(layer)`` (its choice without explorations),
-``rescale(ratio)`` (the calls changed size) and ``state_dict`` / ``load_state_dict`` (plain JSON):
-:class:`MeasuredPathChooser` has all four."""
-
-
-def density_rule(m: LayerMeasure) -> str:
-    """The default chooser: :meth:`twell.policy.FFNPolicy.train_path` of the layer's policy at
-    density ``l0 / H`` and its heavy-row fraction (both clamped to [0, 1]); ``torch`` for a
-    non-gated layer."""
-    if not m.gated:
-        return "torch"
-    return m.policy.train_path(min(m.l0 / m.width, 1.0), min(max(m.heavy_fraction, 0.0), 1.0))
-
-
-@dataclass
-class LayerTimes:
-    """What :class:`MeasuredPathChooser` knows of one layer (plain data: its state).
-
-    Attributes:
-        samples: path (``ell`` / ``dense``) -> timed calls, ms per micro-step at the current rows
-            per call, newest last, at most :data:`SAMPLES_KEPT`. ``ell``'s list starts afresh
-            each time the layer comes back to ``ell`` (its time depends on the activations;
-            dense mode's does not).
-        l0_at: path -> the layer's L0 in the latest step timed on it.
-        warm: paths whose first timed call (Triton compilation, allocator growth) was dropped.
-        choice: the path chosen by the last decision (comparison or density rule); None before.
-        measured: ``choice`` came from comparing timings (kept while timings are missing, e.g.
-            after :meth:`MeasuredPathChooser.reset_samples`).
-        exploring: the path being explored (run for fresh timings), or None.
-        fresh: timed calls gathered by the current exploration.
-        explore_steps: steps the current exploration has run.
-        last_path: the path of the latest timed step.
-    """
-
-    samples: dict = field(default_factory=lambda: {p: [] for p in MEASURED_PATHS})
-    l0_at: dict = field(default_factory=dict)
-    warm: list = field(default_factory=list)
-    choice: str | None = None
-    measured: bool = False
-    exploring: str | None = None
-    fresh: int = 0
-    explore_steps: int = 0
-    last_path: str | None = None
-
-    def medians(self, need: int = 1) -> dict:
-        """path -> median ms of its timed calls, for paths with at least ``need`` of them."""
-        return {p: statistics.median(v) for p, v in self.samples.items() if len(v) >= max(need, 1)}
-
-
-def _other(path: str) -> str:
-    return "dense" if path == "ell" else "ell"
-
-
-class MeasuredPathChooser:
-    """``auto``'s default chooser: per layer, the faster of ``ell`` and ``dense`` by that layer's
-    own timings on its current activations (the plan's default; see :data:`PathChooser`).
-
-    The plan times each ``auto`` layer's FFN forward(s) and backward in every training step
-    (:class:`twell.nn.timing.LayerTimer`: CUDA events read after the step's one host sync) and
-    passes the step's timed calls in :attr:`LayerMeasure.samples_ms`. Per layer:
-
-    * the first timed call of each path is dropped (compilation, allocation);
-    * with at least ``policy.train_timed_calls`` timings of both paths the medians decide, with
-      hysteresis: the layer changes path only when the other one is faster by more than
-      ``policy.train_switch_margin``;
-    * before that (and for a layer that was never timed: the CPU, ``train_measure`` off) the
-      density rule (:func:`density_rule`) decides; a layer that was decided by timings keeps
-      its choice while timings are missing;
-    * explorations: the path the layer is not on runs until it has ``train_timed_calls`` fresh
-      timings, every ``policy.train_explore_every`` steps (phases spread over the layers, so
-      only about ``L / train_explore_every`` layers explore in one step), and as soon as a
-      layer on ``dense`` has an L0 more than ``policy.train_remeasure_factor`` below the L0 of
-      its latest ``ell`` timing; never towards ``ell`` while more than
-      ``policy.dense_row_fraction`` of the tokens are heavy rows (the op would run the call
-      densely) and never for a layer that was not timed.
-
-    Deterministic given the timings: with an injected clock the same steps give the same
-    choices, and :meth:`state_dict` (plain JSON, in the plan's state) continues them exactly
-    after a resume.
-
-    Attributes:
-        layers: layer index -> :class:`LayerTimes`.
-    """
-
-    measures = True
-
-    def __init__(self) -> None:
-        self.layers: dict[int, LayerTimes] = {}
-
-    def __call__(self, m: LayerMeasure) -> str:
-        if not m.gated:
-            return "torch"
-        rule = density_rule(m)
-        if not m.policy.train_measure:
-            return rule
-        st = self.layers.setdefault(m.layer, LayerTimes())
-        self._record(st, m)
-        need = m.policy.train_timed_calls
-        if st.exploring is not None:
-            st.explore_steps += 1
-            if st.fresh < need and st.explore_steps < EXPLORE_MAX_STEPS:
-                return st.exploring
-            st.exploring = None
-        st.choice = self._compare(st, m, rule)
-        target = self._explore_target(st, m)
-        if target is not None:
-            st.exploring, st.fresh, st.explore_steps = target, 0, 0
-            return target
-        return st.choice
-
-    @staticmethod
-    def _record(st: LayerTimes, m: LayerMeasure) -> None:
-        """Add the step's timed calls of ``m.path`` (the first one ever of a path dropped)."""
-        p, xs = m.path, [float(v) for v in m.samples_ms]
-        if p not in MEASURED_PATHS or not xs:
-            return
-        if p == "ell" and st.last_path != "ell":  # back on ell: its old times are stale
-            st.samples["ell"] = []
-        st.last_path = p
-        if p not in st.warm:
-            st.warm.append(p)
-            xs = xs[1:]
-        if not xs:
-            return
-        st.samples[p] = (st.samples[p] + xs)[-SAMPLES_KEPT:]
-        st.l0_at[p] = float(m.l0)
-        if st.exploring == p:
-            st.fresh += len(xs)
-
-    @staticmethod
-    def _compare(st: LayerTimes, m: LayerMeasure, rule: str) -> str:
-        """The faster path by the medians, with hysteresis; the density rule (or the last
-        measured choice) while one path lacks timings."""
-        med = st.medians(m.policy.train_timed_calls)
-        if len(med) < len(MEASURED_PATHS):
-            return st.choice if st.measured and st.choice is not None else rule
-        cur = st.choice if st.choice in MEASURED_PATHS else (
-            m.path if m.path in MEASURED_PATHS else rule)
-        other = _other(cur)
-        st.measured = True
-        return other if med[other] < (1.0 - m.policy.train_switch_margin) * med[cur] else cur
-
-    @staticmethod
-    def _explore_target(st: LayerTimes, m: LayerMeasure) -> str | None:
-        """The path to explore next step, or None (see the class docstring)."""
-        pol = m.policy
-        other = _other(st.choice)
-        if not st.warm:  # never timed (no clock for this device): nothing to compare
-            return None
-        if other == "ell" and m.heavy_fraction > pol.dense_row_fraction:
-            return None
-        if other == "ell" and "ell" in st.l0_at and \
-                m.l0 * pol.train_remeasure_factor < st.l0_at["ell"]:
-            return other
-        every = pol.train_explore_every
-        phase = (m.layer * every) // max(m.num_layers, 1)
-        return other if (m.step + phase) % every == 0 else None
-
-    def choice(self, layer: int) -> str | None:
-        """The layer's chosen path without explorations (None: not decided by this chooser)."""
-        st = self.layers.get(layer)
-        return None if st is None else st.choice
-
-    def medians(self, layer: int) -> dict:
-        """path -> median ms per micro-step of the layer's timed calls (for logs)."""
-        st = self.layers.get(layer)
-        return {} if st is None else st.medians()
-
-    def rescale(self, ratio: float) -> None:
-        """The FFN calls now have ``ratio`` times as many rows: every timing x ratio (both paths
-        take time in proportion to the rows; the current path's are replaced within a step)."""
-        for st in self.layers.values():
-            st.samples = {p: [v * ratio for v in xs] for p, xs in st.samples.items()}
-
-    def reset_samples(self) -> None:
-        """Forget every timing (a step of another shape: e.g. another recomputation); choices
-        made from timings are kept until new ones arrive, explorations refill them."""
-        for st in self.layers.values():
-            st.samples = {p: [] for p in MEASURED_PATHS}
-            st.exploring, st.last_path = None, None
-
-    def state_dict(self) -> dict:
-        """Plain JSON-able state: ``{"layers": {str(layer): LayerTimes fields}}``."""
-        return {"layers": {str(k): dataclasses.asdict(st) for k, st in sorted(self.layers.items())}}
-
-    def load_state_dict(self, d: dict) -> None:
-        """Restore :meth:`state_dict`'s data.
-
-        Raises:
-            ValueError: missing or unexpected keys (each named), an unknown path.
-        """
-        names = {f.name for f in dataclasses.fields(LayerTimes)}
-        layers = {}
-        for k, v in d.get("layers", {}).items():
-            missing, unexpected = sorted(names - set(v)), sorted(set(v) - names)
-            if missing or unexpected:
-                raise ValueError(f"measured chooser state, layer {k}: missing keys {missing}, "
-                                 f"unexpected keys {unexpected}")
-            st = LayerTimes(**v)
-            st.samples = {p: [float(x) for x in st.samples.get(p, [])] for p in MEASURED_PATHS}
-            for p in (st.choice, st.exploring, st.last_path, *st.warm, *st.l0_at):
-                if p is not None and p not in MEASURED_PATHS:
-                    raise ValueError(f"measured chooser state, layer {k}: unknown path {p!r}")
-            layers[int(k)] = st
-        self.layers = layers
-
-
-def _host(v) -> list[float]:
-    return v.tolist() if isinstance(v, torch.Tensor) else [float(x) for x in v]
-
-
-@dataclass
-class StepStats:
-    """The per-layer statistics of one optimizer step that :meth:`FFNPlan.end_step` decides
-    from: device tensors while the step runs, host lists after the step's one sync.
-
-    Attributes:
-        heavy_max_L: (L,) most heavy rows (tokens above the ELL capacity) of any single FFN call
-            of the step (max over micro-batches and ranks).
-        nnz_sum_L: (L,) active units summed over the step's tokens (sum over ranks).
-        heavy_sum_L: (L,) heavy rows summed over the step's tokens (sum over ranks).
-        rows_per_call: token rows of one FFN call (one micro-batch of one rank).
-        tokens: FFN tokens of the step over all ranks.
-        sequences_per_call: sequences of one FFN call (each one's first token is a heavy row:
-            part of the capacity floor); 0 = unknown.
-        active_LH: (L, H) int device tensor, tokens in which each unit was active over the step
-            (sum over ranks once reduced), or None; stays on the device (the hot units' top-k,
-            the dead-neuron tracker).
-        hot_over_L: (L,) units above each layer's hot threshold
-            (``policy.hot_unit_fraction * tokens``), set by :meth:`FFNPlan.count_hot_units`
-            (device, then host after the sync), or None.
-    """
-
-    heavy_max_L: torch.Tensor | list[float]
-    nnz_sum_L: torch.Tensor | list[float]
-    heavy_sum_L: torch.Tensor | list[float]
-    rows_per_call: int
-    tokens: int
-    sequences_per_call: int = 0
-    active_LH: torch.Tensor | None = None
-    hot_over_L: torch.Tensor | list[float] | None = None
-
-    def reduced(self, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> StepStats:
-        """Reduced over ranks with ``reduce(tensor, "max" | "sum")`` (e.g. accelerate's);
-        ``active_LH`` summed too. Reduce before :meth:`FFNPlan.count_hot_units`."""
-        active = None if self.active_LH is None else reduce(self.active_LH, "sum")
-        return dataclasses.replace(self, heavy_max_L=reduce(self.heavy_max_L, "max"),
-                                   nnz_sum_L=reduce(self.nnz_sum_L, "sum"),
-                                   heavy_sum_L=reduce(self.heavy_sum_L, "sum"), active_LH=active)
-
-    def packed(self) -> torch.Tensor:
-        """(3 L,) the device tensors in one (4 L with ``hot_over_L``), for the caller's single
-        host read."""
-        parts = [self.heavy_max_L, self.nnz_sum_L, self.heavy_sum_L]
-        if self.hot_over_L is not None:
-            parts.append(self.hot_over_L.to(self.heavy_max_L.dtype))
-        return torch.cat(parts)
-
-    def unpacked(self, values: Sequence[float]) -> StepStats:
-        """The host copy from ``packed().tolist()`` (``values``, 3 L floats, 4 L with
-        ``hot_over_L``); ``active_LH`` stays the device tensor.
-
-        Raises:
-            ValueError: ``values`` is not 3 L (4 L) long.
-        """
-        n = len(self.heavy_max_L)
-        parts = 3 if self.hot_over_L is None else 4
-        if len(values) != parts * n:
-            raise ValueError(f"StepStats.unpacked needs {parts} L values (L = {n}); got "
-                             f"{len(values)}")
-        v = list(values)
-        return dataclasses.replace(self, heavy_max_L=v[:n], nnz_sum_L=v[n:2 * n],
-                                   heavy_sum_L=v[2 * n:3 * n],
-                                   hot_over_L=None if parts == 3 else v[3 * n:])
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """:meth:`FFNPlan.end_step`'s verdict on the step.
-
-    Attributes:
-        redo: layers (indices) whose heavy rows exceeded their no-sync dense-backup capacity;
-            their results are wrong: discard the step's gradients and run it again. Empty: the
-            step is accepted.
-    """
-
-    redo: tuple[int, ...] = ()
-
-    @property
-    def accepted(self) -> bool:
-        return not self.redo
 
 
 class FFNPlan:
@@ -701,7 +378,7 @@ class FFNPlan:
         Raises:
             ValueError: statistics of another number of layers.
         """
-        heavy_max = _host(stats.heavy_max_L)
+        heavy_max = host_list(stats.heavy_max_L)
         if len(heavy_max) != len(self.layers):
             raise ValueError(f"StepStats has {len(heavy_max)} layers; the plan has "
                              f"{len(self.layers)}")
@@ -723,8 +400,8 @@ class FFNPlan:
         caps = self.capacity.update(heavy_max, floors)
         tokens = max(stats.tokens, 1)
         before = self.paths
-        self.last_l0 = [v / tokens for v in _host(stats.nnz_sum_L)]
-        self.last_heavy = [v / tokens for v in _host(stats.heavy_sum_L)]
+        self.last_l0 = [v / tokens for v in host_list(stats.nnz_sum_L)]
+        self.last_heavy = [v / tokens for v in host_list(stats.heavy_sum_L)]
         self.choose_paths(self.last_l0, self.last_heavy, samples)
         for k, (lp, mlp, hv) in enumerate(zip(self.layers, self.mlps, heavy_max)):
             if lp.path == "ell" and before[k] != "ell":  # from its dense-path counts
@@ -770,7 +447,7 @@ class FFNPlan:
         over, counts = stats.hot_over_L, stats.active_LH
         if over is None or counts is None:
             return
-        over, nnz = _host(over), _host(stats.nnz_sum_L)
+        over, nnz = host_list(over), host_list(stats.nnz_sum_L)
         for k, (lp, mlp) in enumerate(zip(self.layers, self.mlps)):
             if not self._may_split(k):
                 continue
@@ -924,8 +601,7 @@ class FFNPlan:
                 "chooser": None if state is None else state()}
 
     def load_state_dict(self, d: dict) -> None:
-        """Restore :meth:`state_dict`'s data (or a version-1 state: no hot units, timings, steps
-        or rows). The saved paths apply to layers that were ``auto`` then and are ``auto`` now
+        """Restore :meth:`state_dict`'s data. The saved paths apply to layers that were ``auto`` then and are ``auto`` now
         and unpinned (other layers' paths follow their impl, which a resume may change); the
         capacities and hot units apply to every layer.
 
@@ -933,16 +609,15 @@ class FFNPlan:
             ValueError: a missing or unexpected key, another version or number of layers, an
                 unknown path or a hot unit out of range (each named).
         """
-        v1 = {"version", "impls", "paths", "backup_rows", "capacity"}
-        keys = v1 if d.get("version") == 1 else v1 | {
-            "steps", "rows_per_call", "sequences_per_call", "hot_units", "chooser"}
+        if d.get("version") != STATE_VERSION:
+            raise ValueError(f"FFN plan state version {d.get('version')!r}; this twell reads "
+                             f"{STATE_VERSION}")
+        keys = {"version", "impls", "paths", "backup_rows", "capacity", "steps", "rows_per_call",
+                "sequences_per_call", "hot_units", "chooser"}
         missing, unexpected = sorted(keys - set(d)), sorted(set(d) - keys)
         if missing or unexpected:
             raise ValueError(f"FFN plan state: missing keys {missing}, unexpected keys "
                              f"{unexpected}")
-        if d["version"] not in (1, STATE_VERSION):
-            raise ValueError(f"FFN plan state version {d['version']!r}; this twell reads 1 and "
-                             f"{STATE_VERSION}")
         n = len(self.layers)
         for key in ("impls", "paths", "backup_rows", "hot_units"):
             if key in d and len(d[key]) != n:
@@ -954,8 +629,6 @@ class FFNPlan:
         for lp, rows in zip(self.layers, d["backup_rows"]):
             lp.backup_rows = int(rows)
         self.capacity.load_state_dict(d["capacity"])
-        if d["version"] == 1:
-            return
         self.steps = int(d["steps"])
         self.rows_per_call = None if d["rows_per_call"] is None else int(d["rows_per_call"])
         self.sequences_per_call = int(d["sequences_per_call"])
@@ -975,6 +648,5 @@ class FFNPlan:
                             device=mlp.up_proj.weight.device)
 
 
-__all__ = ["FFN_IMPLS", "HOST_SYNCS", "TRAIN_PATHS", "FFNPlan", "LayerMeasure", "LayerPlan",
-           "LayerTimes", "MeasuredPathChooser", "PathChooser", "StepOutcome", "StepStats",
-           "default_path", "density_rule", "layer_plan", "trains_ell"]
+__all__ = ["FFN_IMPLS", "HOST_SYNCS", "TRAIN_PATHS", "FFNPlan", "LayerPlan", "default_path",
+           "layer_plan", "trains_ell"]
