@@ -533,8 +533,9 @@ def choose_initial_paths(trainer, ids_BT: torch.Tensor, *, force: bool = False) 
     of ``ids_BT`` (B, T) with every dense backup measured, each layer's L0 and heavy-row fraction
     from it (averaged over ranks, so that every rank chooses alike), and the plan's chooser sets
     the paths (:meth:`twell.nn.plan.FFNPlan.choose_paths`; with no timings yet, the density
-    rule). A resumed plan (steps > 0) keeps its paths unless ``force`` (the whole-model bench,
-    whose bench model's plan state comes from a stage that trained dense).
+    rule). A resumed plan (its steps or the trainer's > 0) keeps its paths unless ``force``
+    (the whole-model bench, whose bench model's plan state comes from a stage that trained
+    dense).
 
     Returns:
         a log line naming how many layers start on ``ell``, or None when nothing was chosen
@@ -543,7 +544,8 @@ def choose_initial_paths(trainer, ids_BT: torch.Tensor, *, force: bool = False) 
     from train.sparsity import collect_stats, l1_penalty
 
     tr, plan = trainer, trainer.plan
-    if (plan.steps > 0 and not force) or not plan.auto_layers:
+    resumed = plan.steps > 0 or tr.step > 0  # (a plan state of version 1 has no steps)
+    if (resumed and not force) or not plan.auto_layers:
         return None
     ids = ids_BT[:INITIAL_PATH_SEQUENCES].to(tr.device)
     with plan.profiling(), torch.enable_grad():  # training forward, every backup measured

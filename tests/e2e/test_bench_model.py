@@ -464,3 +464,47 @@ def test_profile_on_the_cpu_says_it_is_skipped(tmp_path):
     assert "smoke: --profile-micro skipped: torch.profiler's CUDA kernel times need a GPU" in \
         r.stdout
     assert not list((tmp_path / "out").glob("step_profile_*"))
+
+
+def test_auto_is_timed_from_the_paths_its_search_probed(tmp_path, monkeypatch):
+    # the search probes auto on the paths of its measuring forward (_search_ours); the timed
+    # row must start on the same paths, not on the bench model's plan state (stage 1 trained
+    # ffn_impl=torch: every layer dense), else it runs dense at the ell search's micro-batch
+    from types import SimpleNamespace
+
+    from tests.train_utils import tiny_config, write_tokens
+    from train.bench import stages
+    from train.trainer import Trainer
+    from twell.policy import FFNPolicy
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the ELL op's PyTorch backend
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
+    cfg = tiny_config(tok, **{"model.ffn_impl": "torch"})
+    stage1 = Trainer(cfg, tmp_path / "stage1")
+    stage1.plan.steps = 5  # a trained plan state, as the bench model's
+    plan_state = stage1.plan.state_dict()
+    stage1.close()
+    cfg = tiny_config(tok, **{"model.ffn_impl": "auto", "model.ffn_policy": FFNPolicy(
+        ell_capacity=64, train_density_threshold=1.0)})  # every layer sparse enough for ell
+    tr = Trainer(cfg, tmp_path / "ours")
+    b = Budget(80)
+    run = SimpleNamespace(bm=SimpleNamespace(plan_state=plan_state),
+                          choices={("auto", b): Choice("auto", b, 2, "none", 1.0, 1.0, "fits")})
+    seen = []
+
+    def fake_time(run, tr, plan, seed):
+        seen.append(tr.plan.paths)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(stages, "loss_check", lambda *a: True)
+    monkeypatch.setattr(stages, "time_trainer", fake_time)
+    try:
+        stages.use_ffn(tr, "auto", plan_state)  # as _search_ours, before its probes
+        assert stages.choose_initial_paths(tr, stages.ProbeRunner(tr).ids_BT, force=True)
+        searched = tr.plan.paths
+        assert searched == ["ell", "ell"]
+        with pytest.raises(RuntimeError, match="stop"):
+            stages.time_our_path(run, tr, "auto", b)
+        assert seen == [searched]
+    finally:
+        tr.close()

@@ -573,3 +573,21 @@ def test_a_fresh_model_starts_dense(tokens, tmp_path):
         assert tr.plan.paths == ["dense", "dense"]
     finally:
         tr.close()
+
+
+def test_a_resume_from_a_plan_state_without_steps_keeps_its_paths(tokens, tmp_path):
+    # a checkpoint of a version-1 plan state (or from before the plan) restores auto's paths
+    # but not the plan's steps (0): the trainer's step says it is a resume, no measuring forward
+    tr = Trainer(tiny_config(tokens, **{"model.ffn_impl": "auto"}), tmp_path / "v1")
+    try:
+        st = tr.plan.state_dict()
+        tr.plan.load_state_dict({"version": 1, "impls": st["impls"], "paths": ["ell", "ell"],
+                                 "backup_rows": st["backup_rows"], "capacity": st["capacity"]})
+        tr.step = 4  # as Trainer.resume restores it
+        assert tr.plan.steps == 0 and tr.plan.paths == ["ell", "ell"]
+        ids = memory.probe_batch(tr.data, 8, tr.cfg.model.vocab_size, 0)
+        assert memory.choose_initial_paths(tr, ids) is None
+        assert tr.plan.paths == ["ell", "ell"]  # a fresh model's density would choose dense
+        assert "0 of 2" in memory.choose_initial_paths(tr, ids, force=True)
+    finally:
+        tr.close()

@@ -202,6 +202,8 @@ def time_our_path(run: SizeRun, tr, path: str, b: Budget) -> None:
         why = "not searched (deadline)" if choice is None else choice.why
         return add_row(run, skipped_row(run, path, b, why, choice))
     use_ffn(tr, choice.ffn, run.bm.plan_state)
+    if choice.ffn == "auto":  # from the paths its search probed (_search_ours), not the state's
+        choose_initial_paths(tr, ProbeRunner(tr).ids_BT, force=True)
     ok = loss_check(run, tr, choice.ffn)
     try:
         window, m = time_trainer(run, tr, _plan_for(choice, b), seed=choice.micro_batch)
