@@ -548,6 +548,10 @@ def choose_initial_paths(trainer, ids_BT: torch.Tensor, *, force: bool = False) 
     if (resumed and not force) or not plan.auto_layers:
         return None
     ids = ids_BT[:INITIAL_PATH_SEQUENCES].to(tr.device)
+    # whole layers checkpointed: the forward keeps only each layer's input, not a dense step's
+    # activations (a setup that fits the smallest plan must not run out of memory here); every
+    # caller sets the recomputation afterwards (the planner's choice, a probe's, a bench row's)
+    set_recompute(tr.acc.unwrap_model(tr.model), "full")
     with plan.profiling(), torch.enable_grad():  # training forward, every backup measured
         tr.model(input_ids=ids, labels=ids)
         _, sp = l1_penalty(collect_stats(tr.mlps))

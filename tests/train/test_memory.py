@@ -539,7 +539,15 @@ def test_initial_paths_come_from_each_layers_own_l0(tokens, tmp_path):
 
         tr.plan.chooser = chooser
         ids = memory.probe_batch(tr.data, 8, tr.cfg.model.vocab_size, 0)
-        line = memory.choose_initial_paths(tr, ids)
+        layer0 = tr.model.model.layers[0]
+        ckpt = []  # the measuring forward checkpoints whole layers (keeps no activations)
+        hook = layer0.register_forward_pre_hook(lambda mod, a: ckpt.append(
+            mod.gradient_checkpointing))
+        try:
+            line = memory.choose_initial_paths(tr, ids)
+        finally:
+            hook.remove()
+        assert ckpt and all(ckpt)
         assert all(m.last_stats is None for m in tr.mlps)  # the forward's graph is not kept
         assert tr.plan.paths == ["ell", "dense"] and "1 of 2 layers start on ell" in line
         # L0 = active units per token of relu(x Wg^T), fp64 from the FFN inputs
@@ -576,13 +584,11 @@ def test_a_fresh_model_starts_dense(tokens, tmp_path):
 
 
 def test_a_resume_from_a_plan_state_without_steps_keeps_its_paths(tokens, tmp_path):
-    # a checkpoint of a version-1 plan state (or from before the plan) restores auto's paths
-    # but not the plan's steps (0): the trainer's step says it is a resume, no measuring forward
+    # a trainer state from before the plan existed restores auto's paths but not the plan's
+    # steps (0): the trainer's step says it is a resume, no measuring forward
     tr = Trainer(tiny_config(tokens, **{"model.ffn_impl": "auto"}), tmp_path / "v1")
     try:
-        st = tr.plan.state_dict()
-        tr.plan.load_state_dict({"version": 1, "impls": st["impls"], "paths": ["ell", "ell"],
-                                 "backup_rows": st["backup_rows"], "capacity": st["capacity"]})
+        tr.plan.choose_paths([0.0, 0.0], [0.0, 0.0])  # as the legacy state's paths restore
         tr.step = 4  # as Trainer.resume restores it
         assert tr.plan.steps == 0 and tr.plan.paths == ["ell", "ell"]
         ids = memory.probe_batch(tr.data, 8, tr.cfg.model.vocab_size, 0)
