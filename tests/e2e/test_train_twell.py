@@ -259,3 +259,56 @@ def test_an_overflow_runs_the_micro_batch_forward_again_or_the_step(tokens, tmp_
             assert got["l0_mean"] == pytest.approx(want["l0_mean"], rel=1e-6)
     log = (tmp_path / "micro_batch" / "train.log").read_text()
     assert "step 2, micro-batch 1: layers [" in log and "running its forward again" in log
+
+
+def test_the_overflowed_forward_is_freed_before_its_forward_runs_again(tokens, tmp_path,
+                                                                       monkeypatch):
+    # every tensor autograd saves is packed into a weakly tracked holder (detached: a holder
+    # of a saved output would otherwise keep its own graph alive); when the overflowed forward
+    # is dropped (FFNPlan.overflowed_in_call runs just before its rerun) none may be left
+    import gc
+    import weakref
+
+    from twell.nn.plan import FFNPlan
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    class Held:
+        __slots__ = ("__weakref__", "t")
+
+        def __init__(self, t):
+            self.t = t
+
+    held = weakref.WeakSet()
+    live = {"found": [], "dropped": []}
+
+    def pack(t):
+        h = Held(t.detach())
+        held.add(h)
+        return h
+
+    call_overflow, dropped = FFNPlan.call_overflow, FFNPlan.overflowed_in_call
+
+    def found(self, *a):
+        layers = call_overflow(self, *a)
+        if layers:  # the overflowed forward's graph is still held here
+            gc.collect()
+            live["found"].append(len(held))
+        return layers
+
+    def drop(self, layers):
+        gc.collect()
+        live["dropped"].append(len(held))
+        dropped(self, layers)
+
+    monkeypatch.setattr(FFNPlan, "call_overflow", found)
+    monkeypatch.setattr(FFNPlan, "overflowed_in_call", drop)
+    _force_overflow_at(monkeypatch, 1)
+    over = {"model.ffn_impl": "twell", "trainer.max_steps": 2, "sparsity.l1_coeff": 0.05,
+            "trainer.micro_batch": 2, "model.ffn_policy": FFNPolicy(ell_capacity=36),
+            "model.ffn_host_sync": "micro_batch", "data.val_fraction": 0.0}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
+        rows = _losses(tiny_config(tokens, **over), tmp_path / "mb")
+    assert rows[1]["ffn_forward_redos"] >= 1
+    assert live["found"] and all(n > 0 for n in live["found"])  # its saved tensors, then
+    assert live["dropped"] == [0] * len(live["found"])  # none of them at its rerun
