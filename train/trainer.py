@@ -519,11 +519,11 @@ class Trainer:
         # auto's measured choice times each layer's calls with eager hooks: not under compile;
         # several ranks average the timings (host side) so that they choose alike
         host_sync = "call" if t.compile else cfg.model.ffn_host_sync
-        if host_sync == "micro_batch" and self.acc.num_processes > 1:
+        if host_sync == "micro_batch" and (self.acc.num_processes > 1 or self.fsdp):
             # a forward run again without its backward would leave DDP's reducer (and FSDP's
-            # unshard) expecting one: several processes check once per step
-            self._print("model.ffn_host_sync=micro_batch: several processes check the dense-"
-                        "backup capacities once per step (step)")
+            # unshard) expecting one: such runs check once per step
+            self._print("model.ffn_host_sync=micro_batch: several processes or FSDP check the "
+                        "dense-backup capacities once per step (step)")
             host_sync = "step"
         self.plan = FFNPlan(self.mlps, cfg.model.ffn_impl, dense_ffn_fused=t.dense_ffn_fused,
                             host_sync=host_sync,

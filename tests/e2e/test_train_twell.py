@@ -249,7 +249,8 @@ def test_an_overflow_runs_the_micro_batch_forward_again_or_the_step(tokens, tmp_
     runs = {hs: _losses(tiny_config(tokens, **over, **{"model.ffn_host_sync": hs}),
                         tmp_path / hs) for hs in ("micro_batch", "step")}
     mb, st = runs["micro_batch"], runs["step"]
-    assert 1 <= mb[1]["ffn_forward_redos"] <= 8  # 4 micro-batches x 2 layers at most
+    # each overflow takes its layers out of the check: at most one rerun per layer a step
+    assert 1 <= mb[1]["ffn_forward_redos"] <= 2
     assert "ffn_backup_redos" not in mb[1] and "ffn_forward_redos" not in mb[0]
     assert st[1]["ffn_backup_redos"] == 1 and "ffn_forward_redos" not in st[1]
     assert not any("ffn_forward_redos" in r or "ffn_backup_redos" in r for r in exact)
