@@ -57,7 +57,7 @@ def test_twell_training_matches_torch_every_step(tokens, tmp_path, triton_calls)
     # most of this test's time) and is not what is compared here. At the tiny model's ~50 %
     # density nearly every row is above the ELL capacity (16 of 64), so the op runs its
     # compaction and then the whole call through the dense backup: the ELL rows' kernels are
-    # checked in tests/ops/test_kernels_train.py (an ELL capacity of 40 here took 107 s a step
+    # checked in tests/ops/test_ffn_train.py (an ELL capacity of 40 here took 107 s a step
     # interpreted, measured).
     over = {"trainer.max_steps": 4, "sparsity.l1_coeff": 0.5, "data.val_fraction": 0.0,
             **ON_GPU}
@@ -237,7 +237,7 @@ def _force_overflow_at(monkeypatch, step):
 
 def test_an_overflow_runs_the_micro_batch_forward_again_or_the_step(tokens, tmp_path,
                                                                    monkeypatch):
-    # the op's PyTorch backend (the kernels: tests/ops/test_kernels_train.py); an ELL capacity
+    # the op's PyTorch backend (the kernels: tests/ops/test_ffn_train.py); an ELL capacity
     # of 36 of 64 leaves ~10-25 % of the tiny model's tokens heavy, so the plan gives no-sync
     # capacities after step 1; step 2 is forced to overflow them
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -20,7 +20,7 @@ H = 64  # FFN width of the hand-made layers (ELL capacity 16)
 
 @pytest.fixture(autouse=True)
 def torch_backend(monkeypatch):
-    """The sparse training op's PyTorch backend (its Triton kernels: test_kernels_train.py)."""
+    """The sparse training op's PyTorch backend (its Triton kernels: test_ffn_train.py)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 

@@ -1,7 +1,7 @@
 """Hot/cold split of the sparse FFN ops (``hot_units``) and the helpers that pick the hot set.
 
 Training: ``sparse_ffn_train(..., hot_units=S)`` against fp64 dense autograd (the references and
-the verbose comparison of ``tests/ops/test_kernels_train.py``): output, dx, dWg, dWu, dWd with the
+the verbose comparison of ``tests/ops/train_cases.py``): output, dx, dWg, dWu, dWd with the
 L1 term in the loss, and the statistics of the whole FFN. Both backends: PyTorch in float64
 (tight tolerance) and the Triton kernels in float32 (on CPU through ``TRITON_INTERPRET=1``).
 Shape legend: N tokens, D model width, H FFN width, k hot units.
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.ops.test_kernels_train import (
+from tests.ops.train_cases import (
     BACKEND_DTYPES,
     DEV,
     assert_close,
@@ -214,7 +214,7 @@ def test_nonfinite_row_with_hot_units(backend, dtype, rel, path, opts, value):
 def test_hot_units_trace_compile_and_checkpoint():
     """The op with a hot set traces (fake impl: (N, k) saved slices), checkpoints, and passes
     opcheck."""
-    from tests.ops.test_kernels_train import _check_compiled_and_checkpointed
+    from tests.ops.train_cases import check_compiled_and_checkpointed
 
     x, wg, wu, wd, dy = make_case(13, 16, 64, seed=12, threshold=0.8)
     hot = torch.tensor([0, 1, 2, 33])
@@ -223,7 +223,7 @@ def test_hot_units_trace_compile_and_checkpoint():
         y, st = sparse_ffn_train(x, wg, wu, wd, backend="torch", ell_capacity=8, hot_units=hot)
         return (y * dy).sum() + 0.5 * st.l1
 
-    _check_compiled_and_checkpointed(f, x, wg, wu, wd, dy)
+    check_compiled_and_checkpointed(f, x, wg, wu, wd, dy)
     args = tuple(t.float() for t in (x, wg, wu, wd)) + (8, 1.0, "torch", -1, hot)
     torch.library.opcheck(ffn_train._ffn_train_fwd, args)
 

@@ -271,7 +271,7 @@ def test_init_from_trains_on_the_sparse_paths_like_torch(tokens, relu_dir, tmp_p
     full width 80: no row goes to the dense backup): step 1 runs dense mode, steps 2-3 the ELL
     op on every layer, and the per-step losses and L0 are the torch path's (fp32). The ELL op
     runs its PyTorch backend here (the loaded model is ~50 % dense: the Triton interpreter took
-    ~14 min for two steps, measured); its Triton kernels are checked in test_kernels_train.py
+    ~14 min for two steps, measured); its Triton kernels are checked in test_ffn_train.py
     and tests/e2e/test_train_twell.py."""
     import twell.ops.sparse_train as st
     from twell.ops.ffn_train import sparse_ffn_train

@@ -63,7 +63,7 @@ def _step_of(model, mlps, autocast):
 @pytest.fixture
 def torch_backend(monkeypatch):
     """The sparse training op's PyTorch backend (the same math as its Triton kernels, which
-    tests/ops/test_kernels_train.py checks): what is tested here is the recomputation, fast."""
+    tests/ops/test_ffn_train.py checks): what is tested here is the recomputation, fast."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 

@@ -43,7 +43,7 @@ NaN / inf: a NaN gate counts as active (``not (g <= 0)``, as on the inference pa
 with a NaN input has every unit active, is heavy and goes to the dense backup, where the NaN
 reaches y, dx and the three weight gradients as in dense PyTorch; an inf input row does the same
 (its +inf gates are active). The ELL part keeps inactive units as exact zeros (an -inf gate adds
-no 0 * inf). ``tests/ops/test_kernels_train.py`` checks every path against fp64 autograd.
+no 0 * inf). ``tests/ops/test_ffn_train.py`` checks every path against fp64 autograd.
 
 Saved for backward: x, the three weights, the ELL part at its capacity width (col int32, g, u:
 N x KC; slots past a row's length are never read), the row lengths, the indices of the heavy rows

@@ -1,11 +1,13 @@
-"""TwELL inference kernels (twell.ops.twell_pack / twell_ffn / ffn) against fp64 references.
+"""The TwELL inference op (``twell.ops.ffn.sparse_ffn``: producer + consumer kernels, the dense
+path of overflowed tiles, ``mode="auto"``'s size and density rules, the hot/cold split of
+``hot_units=``) against fp64 references that model the TwELL storage exactly
+(``ffn_reference_fp64``, ``ffn_reference_hot_fp64``), and against the PyTorch reference path.
 
-On a machine without CUDA the Triton kernels run in the interpreter
-(TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported if the
-caller did not). Shapes are small and odd; the full shape sweep is in
-``scripts/bench_ffn.py --check-only`` on the GPU.
-
-``ffn_reference_fp64`` is also the reference of ``scripts/bench_ffn.py``.
+On a machine without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py before triton is imported if the caller did not). Shapes are small and odd;
+the full shape sweep is in ``scripts/bench_ffn.py --check-only`` on the GPU. The measured
+``auto`` choice (timing) is in ``test_auto.py``, the kernels alone in ``test_twell_pack.py`` and
+``test_twell_ffn.py``.
 """
 
 import math
@@ -13,18 +15,16 @@ import math
 import pytest
 import torch
 
-from twell.format import TILE, pack, validate, words_per_tile
+from twell.format import TILE, words_per_tile
 
 triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and not triton.knobs.runtime.interpret:
     pytest.skip("no CUDA and triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
 
 from twell.ops.ffn import TwELLState, sparse_ffn
-from twell.ops.twell_ffn import twell_ffn_apply
-from twell.ops.twell_pack import pack_dense
 from twell.policy import FFNPolicy
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from .infer_cases import DEV, assert_close_verbose, make_ffn
 
 
 def ffn_reference_fp64(x_ND, w_gate_HD, w_up_HD, w_down_DH, *, pre_NH=None, factor=None,
@@ -55,100 +55,7 @@ def ffn_reference_fp64(x_ND, w_gate_HD, w_up_HD, w_down_DH, *, pre_NH=None, fact
     return h_NH @ wd.T, h_NH, active
 
 
-def assert_close_verbose(out, ref, rtol, atol, what=""):
-    """assert_close that also reports where the largest error is and the error scale."""
-    out, ref = out.double(), ref.double()
-    err = (out - ref).abs()
-    finite = torch.isfinite(ref)
-    if finite.any():
-        i = torch.nonzero(err == err[finite].max())[0].tolist() if err[finite].numel() else None
-        msg = f"{what}: max |err| {err[finite].max().item():.3e} at {i}, max |ref| {ref[finite].abs().max().item():.3e}"
-    else:
-        msg = what
-    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol, equal_nan=True, msg=msg)
-
-
-def make_ffn(n, d, h, dtype, density, *, seed=0, heavy=False, grid=False, gated=True):
-    """Inputs whose ReLU density is set by a constant input feature with a negative gate weight.
-
-    x[:, 0] = 1 and Wg[:, 0] = -threshold, so the gate fires when the rest of
-    the dot exceeds the threshold (a normal quantile for the density).
-    heavy: per-row thresholds vary so some rows are ~10x denser.
-    grid: values on a dyadic grid so fp32 products/sums are exact.
-    gated=False: the threshold goes on Wu (the non-gated FFN's ReLU input).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    if grid:
-        x = torch.randint(-3, 4, (n, d), generator=gen).double() / 4
-        wg = torch.randint(-3, 4, (h, d), generator=gen).double() / 8
-        wu = torch.randint(-3, 4, (h, d), generator=gen).double() / 8
-        wd = torch.randint(-3, 4, (d, h), generator=gen).double() / 8
-        x[:, 0] = 1.0
-        std = (wg[:, 1:] ** 2).sum(1).mean().sqrt() * x[:, 1:].std()
-        q = torch.distributions.Normal(0, 1).icdf(torch.tensor(1 - density)).item()
-        wg[:, 0] = -torch.round(q * std * 8) / 8
-    else:
-        x = torch.randn(n, d, generator=gen, dtype=torch.float64)
-        wg = torch.randn(h, d, generator=gen, dtype=torch.float64) / d ** 0.5
-        wu = torch.randn(h, d, generator=gen, dtype=torch.float64) / d ** 0.5
-        wd = torch.randn(d, h, generator=gen, dtype=torch.float64) / h ** 0.5
-        q = torch.distributions.Normal(0, 1).icdf(torch.tensor(1 - density)).item()
-        x[:, 0] = 1.0
-        wg[:, 0] = -q
-        if heavy:  # every third row has a lower threshold: several times the mean non-zeros
-            x[:: 3, 0] = 0.6
-    if not gated:
-        wu[:, 0] = wg[:, 0]
-    return [t.to(dtype).to(DEV) for t in (x, wg, wu, wd)]
-
-
-# ---------------------------------------------------------------- producers
-
-
-@pytest.mark.parametrize(
-    "factor,dtype,launch",
-    [
-        # one row on one warp (the default), and 2 / 4 rows per program (partial last block)
-        (8, torch.bfloat16, {}),  # 16-bit input: bits kept
-        (8, torch.float32, {"block_m": 4, "num_warps": 2}),
-        (4, torch.float32, {"block_m": 2, "num_warps": 2}),
-        (4, torch.float32, {}),
-        (2, torch.float16, {"num_warps": 1}),
-        (2, torch.float32, {"block_m": 4}),
-        (8, torch.float16, {"block_m": 2}),
-    ],
-)
-def test_pack_dense_matches_reference_pack(factor, dtype, launch):
-    torch.manual_seed(factor)
-    m, h = 37, 777
-    cap = words_per_tile(factor) - 1
-    a = torch.randn(m, h)
-    a = torch.where(torch.rand(m, h) < 0.4 * cap / TILE, a.abs() + 0.01, -a.abs())
-    # crafted tiles: empty row, full row, tiles with cap, cap+1, 100, 256 (partial) actives
-    a[0] = -1.0
-    a[1] = 1.0
-    for r, k in zip(range(2, 7), (cap, cap + 1, 100, 256, 255)):
-        a[r, :TILE] = -1.0
-        a[r, :k] = torch.arange(1.0, k + 1)
-    a[7, 3] = float("nan")
-    a[8, :] = float("nan")
-    a[9, 4] = -float("nan")  # a NaN with the sign bit: still active (not (a <= 0))
-    a[10, 5] = -0.0
-    a = a.to(dtype).to(DEV)
-    tw, colcnt = pack_dense(a, factor, stats=True, **launch)
-    ref = pack(a.cpu(), factor)
-    assert tw.value_dtype == ref.value_dtype
-    assert torch.equal(tw.counts.cpu(), ref.counts)
-    valid, cols, vals, _ = ref.slots()
-    _, gcols, gvals, _ = tw.slots()
-    assert torch.equal(gcols.cpu()[valid], cols[valid])
-    torch.testing.assert_close(gvals.cpu()[valid], vals[valid], rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(colcnt.cpu(), (~(a.cpu() <= 0)).sum(0, dtype=torch.int32))
-    info = validate(tw)
-    assert info["overflow_rows"] == int((ref.counts > cap).any(1).sum()) >= 4
-
-
-# ---------------------------------------------------------------- consumer / full op
+# ---------------------------------------------------------------- full op
 
 
 @pytest.mark.parametrize(
@@ -264,73 +171,6 @@ def test_noncontiguous_and_empty_and_errors():
         sparse_ffn(x, wg, wu, wd, mode="fast")
     with pytest.raises(ValueError, match="share a dtype"):
         sparse_ffn(x, wg.half(), wu, wd)
-
-
-CONSUMER_LAUNCHES = [
-    {},                                      # default: nb 4, k 32
-    {"nb": 1, "rows": 2},
-    {"nb": 1, "k": 2},                       # many K-batches per row
-    {"nb": 2, "k": 4, "prefetch": True},
-    {"nb": 4, "k": 8, "prefetch": True, "rows": 3},
-]
-
-
-@pytest.mark.parametrize("launch", CONSUMER_LAUNCHES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
-def test_consumer_launches_match_fp64_on_crafted_rows(launch):
-    """twell_ffn_apply alone, several launch shapes, gated and non-gated.
-
-    Rows: all-zero; fully dense (every tile overflowed); exactly at capacity in tile 0 plus
-    entries in the partial last tile; one overflowed tile between listed ones (list order
-    must skip it); a single non-zero in the last column; random sparse rows.
-    """
-    gen = torch.Generator().manual_seed(21)
-    m, d, h = 8, 24, 700  # 3 tiles, the last one 188 columns wide
-    pre = torch.randn(m, h, generator=gen, dtype=torch.float64)
-    pre = torch.where(torch.rand(m, h, generator=gen) < 0.03, pre.abs() + 0.1, -pre.abs())
-    pre[0] = -1.0
-    pre[1] = pre[1].abs() + 0.1
-    pre[2] = -1.0
-    pre[2, :31] = 0.5
-    pre[2, 600:604] = 2.0
-    pre[3] = -1.0
-    pre[3, 3] = 1.0
-    pre[3, 256:300] = 0.25       # tile 1 overflowed (44 > 31)
-    pre[3, [520, 699]] = 4.0
-    pre[4] = -1.0
-    pre[4, h - 1] = 3.0
-    pre = pre.to(torch.bfloat16).float()  # bf16-exact: the TwELL values are the dense values
-    x = torch.randn(m, d, generator=gen)
-    wu = torch.randn(h, d, generator=gen)
-    wdt = torch.randn(h, d, generator=gen)
-    pre, x, wu, wdt = (t.to(DEV) for t in (pre, x, wu, wdt))
-    tw = pack(pre, 8)
-    assert int(tw.overflow_tiles().sum()) == 3 + 1 and int(tw.counts[2, 0]) == 31
-    g = torch.relu(pre).double()
-    for gated in (True, False):
-        h_ref = g * (x.double() @ wu.double().T) if gated else g
-        y_ref = h_ref @ wdt.double()
-        up = {"x_MD": x, "w_up_HD": wu} if gated else {}
-        y, l1 = twell_ffn_apply(tw, pre, wdt, stats=True, **up, **launch)
-        assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-4, what=f"y gated={gated} {launch}")
-        torch.testing.assert_close(l1.double(), h_ref.abs().sum(1), rtol=1e-5, atol=1e-6)
-        assert y[0].abs().max().item() == 0.0 and l1[0].item() == 0.0
-
-
-def test_apply_rejects_bad_operands():
-    tw = pack(torch.ones(3, 300))
-    wdt = torch.zeros(300, 16)
-    dense = torch.zeros(3, 300)
-    with pytest.raises(ValueError, match="both"):
-        twell_ffn_apply(tw, dense, wdt, x_MD=torch.zeros(3, 16))
-    with pytest.raises(ValueError, match="unit column stride"):
-        twell_ffn_apply(tw, dense, torch.zeros(16, 300).T)
-    with pytest.raises(ValueError, match="whole row"):
-        twell_ffn_apply(tw, dense, wdt, x_MD=torch.zeros(3, 16), w_up_HD=torch.zeros(300, 16),
-                        block_d=8)
-    with pytest.raises(ValueError, match="powers of 2"):
-        twell_ffn_apply(tw, dense, wdt, nb=4, k=2)
-    with pytest.raises(ValueError, match="block_m"):
-        pack_dense(dense, block_m=3)
 
 
 def test_down_t_cache_invalidated_on_weight_update():
@@ -690,125 +530,3 @@ def test_inference_hot_units_bad_input_and_empty():
     torch.testing.assert_close(y1, y0, rtol=0, atol=0)
     with pytest.raises(ValueError, match="sparse_ffn: hot_units"):
         sparse_ffn(x, wg, wu, wd, hot_units=torch.tensor([0.5], device=DEV))
-
-
-# ---------------------------------------------------------------- measured auto (injected timer)
-
-
-class FakeTimer:
-    """The timer interface of twell.ops.auto.MeasuredChoice with set times per path: a timed
-    call of path p "takes" ms[p]; with ``hold`` the times have not landed yet (poll -> None)."""
-
-    def __init__(self, ms):
-        self.ms = dict(ms)
-        self.hold = False
-        self.timed = []
-
-    def start(self, path):
-        self.timed.append(path)
-        return path
-
-    def stop(self, token):
-        return [token, self.ms[token]]  # the time is fixed when the call is timed
-
-    def poll(self, handle):
-        return None if self.hold else handle[1]
-
-
-MEASURED = {"infer_min_rows": 0, "infer_min_flops": 0, "infer_density_threshold": 0.5}
-
-
-def _measured_calls(st, pol, k, x, wg, wu, wd):
-    """k auto calls; each one's density copy has landed before the next (on CUDA it is
-    asynchronous), so the sequence of paths is the same on every device."""
-    paths = []
-    for _ in range(k):
-        sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol, with_stats=False)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        st.poll_density()
-        paths.append(st.last_info.path)
-    return paths
-
-
-@pytest.mark.parametrize("ms,choice", [({"twell": 1.0, "dense": 2.0}, "twell"),
-                                       ({"twell": 2.0, "dense": 1.0}, "dense"),
-                                       ({"twell": 0.99, "dense": 1.0}, "dense")])  # within margin
-def test_measured_auto_takes_the_faster_path(ms, choice):
-    """Warm-up calls (untimed), then 3 timed calls per path alternating, then the faster path
-    by median; a TwELL win below the 2 % margin goes to dense."""
-    x, wg, wu, wd = make_ffn(8, 32, 300, torch.float32, 0.05, seed=13)
-    timer = FakeTimer(ms)
-    st = TwELLState(timer=timer)
-    pol = FFNPolicy(**MEASURED)
-    paths = _measured_calls(st, pol, 8, x, wg, wu, wd)
-    assert [p if p == "dense" else "twell" for p in paths] == [
-        "twell", "twell", "dense", "dense", "twell", "dense", "twell", "dense"]
-    assert timer.timed == ["twell", "dense"] * 3
-    assert st.auto.choices() == {4: (choice, {"twell": ms["twell"], "dense": ms["dense"]})}
-    after = _measured_calls(st, pol, 3, x, wg, wu, wd)
-    assert all((p == "dense") == (choice == "dense") for p in after)
-    assert len(timer.timed) == 6  # decided: no more timing
-
-
-def test_measured_auto_waits_for_times_then_decides_and_keeps_buckets_apart():
-    """Until the timed calls land, the density rule picks (TwELL below the threshold); another
-    row count is another bucket, timed on its own."""
-    x, wg, wu, wd = make_ffn(8, 32, 300, torch.float32, 0.05, seed=13)
-    timer = FakeTimer({"twell": 3.0, "dense": 1.0})
-    timer.hold = True
-    st = TwELLState(timer=timer)
-    pol = FFNPolicy(**MEASURED)
-    paths = _measured_calls(st, pol, 10, x, wg, wu, wd)
-    assert len(timer.timed) == 6 and paths[8:] == [st.last_info.path] * 2
-    assert "dense" not in paths[8:]  # density 5 % < 50 %: the rule says TwELL
-    assert st.auto.choices()[4][0] is None
-    timer.hold = False
-    assert _measured_calls(st, pol, 2, x, wg, wu, wd) == ["dense", "dense"]
-    x2 = torch.cat([x, x])  # 16 rows: bucket 5, measured again from its warm-up calls
-    _measured_calls(st, pol, 8, x2, wg, wu, wd)
-    assert len(timer.timed) == 12 and st.auto.choices()[5][0] == "dense"
-
-
-def test_measured_auto_remeasures_when_the_density_moves():
-    """Chosen TwELL at ~5 %; the inputs become ~4x denser: the first TwELL call measures the
-    new density, the next call times both paths again and (now dense is faster) goes dense."""
-    xs, wg, wu, wd = make_ffn(8, 32, 300, torch.float32, 0.05, seed=13)
-    xd = xs.clone()
-    xd[:, 0] = xs[:, 0] - 0.8  # lower gate threshold: denser rows
-    timer = FakeTimer({"twell": 1.0, "dense": 2.0})
-    st = TwELLState(timer=timer)
-    pol = FFNPolicy(**MEASURED)
-    _measured_calls(st, pol, 8, xs, wg, wu, wd)
-    assert st.auto.choices()[4][0] == "twell"
-    d0 = st.density
-    timer.ms = {"twell": 4.0, "dense": 2.0}
-    _measured_calls(st, pol, 1, xd, wg, wu, wd)  # TwELL (chosen), measures the density
-    assert st.density > 1.5 * d0
-    _measured_calls(st, pol, 6, xd, wg, wu, wd)
-    assert len(timer.timed) == 12 and st.auto.choices()[4][0] == "dense"
-
-
-def test_measured_auto_off_and_size_rule_untimed():
-    """infer_measure=False, or a call below the size rules: the rules decide, nothing timed."""
-    x, wg, wu, wd = make_ffn(8, 32, 300, torch.float32, 0.05, seed=13)
-    timer = FakeTimer({"twell": 1.0, "dense": 2.0})
-    st = TwELLState(timer=timer)
-    _measured_calls(st, FFNPolicy(**MEASURED, infer_measure=False), 4, x, wg, wu, wd)
-    assert timer.timed == []
-    assert _measured_calls(st, FFNPolicy(**{**MEASURED, "infer_min_rows": 9}), 4, x, wg, wu,
-                           wd) == ["dense"] * 4
-    assert timer.timed == []
-
-
-def test_measured_choice_helpers():
-    from twell.ops.auto import drifted, row_bucket
-
-    assert [row_bucket(n) for n in (0, 1, 2, 3, 8, 16383, 16384)] == [0, 1, 2, 2, 4, 14, 15]
-    assert drifted(0.01, 0.016, 1.5) and drifted(0.016, 0.01, 1.5)
-    assert not drifted(0.01, 0.015, 1.5) and not drifted(None, 0.5, 1.5)
-    assert not drifted(0.0, 1e-7, 1.5)  # both below the 1e-6 floor
-    with pytest.raises(ValueError, match="infer_remeasure_factor"):
-        FFNPolicy(infer_remeasure_factor=1.0)
-    with pytest.raises(ValueError, match="infer_timed_calls"):
-        FFNPolicy(infer_timed_calls=0)

@@ -1,0 +1,88 @@
+"""The TwELL consumer kernel (``twell.ops.twell_ffn.twell_ffn_apply``) alone, against fp64 dense
+products on crafted rows (all-zero, fully dense, at capacity, an overflowed tile between listed
+ones, a single non-zero in the last column), gated and non-gated, at several launch shapes; and
+the operand checks of the consumer (and of the producer's ``block_m``).
+
+On a machine without CUDA the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py before triton is imported if the caller did not).
+"""
+
+import pytest
+import torch
+
+from twell.format import pack
+
+triton = pytest.importorskip("triton")
+if not torch.cuda.is_available() and not triton.knobs.runtime.interpret:
+    pytest.skip("no CUDA and triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+
+from twell.ops.twell_ffn import twell_ffn_apply
+from twell.ops.twell_pack import pack_dense
+
+from .infer_cases import DEV, assert_close_verbose
+
+CONSUMER_LAUNCHES = [
+    {},                                      # default: nb 4, k 32
+    {"nb": 1, "rows": 2},
+    {"nb": 1, "k": 2},                       # many K-batches per row
+    {"nb": 2, "k": 4, "prefetch": True},
+    {"nb": 4, "k": 8, "prefetch": True, "rows": 3},
+]
+
+
+@pytest.mark.parametrize("launch", CONSUMER_LAUNCHES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
+def test_consumer_launches_match_fp64_on_crafted_rows(launch):
+    """twell_ffn_apply alone, several launch shapes, gated and non-gated.
+
+    Rows: all-zero; fully dense (every tile overflowed); exactly at capacity in tile 0 plus
+    entries in the partial last tile; one overflowed tile between listed ones (list order
+    must skip it); a single non-zero in the last column; random sparse rows.
+    """
+    gen = torch.Generator().manual_seed(21)
+    m, d, h = 8, 24, 700  # 3 tiles, the last one 188 columns wide
+    pre = torch.randn(m, h, generator=gen, dtype=torch.float64)
+    pre = torch.where(torch.rand(m, h, generator=gen) < 0.03, pre.abs() + 0.1, -pre.abs())
+    pre[0] = -1.0
+    pre[1] = pre[1].abs() + 0.1
+    pre[2] = -1.0
+    pre[2, :31] = 0.5
+    pre[2, 600:604] = 2.0
+    pre[3] = -1.0
+    pre[3, 3] = 1.0
+    pre[3, 256:300] = 0.25       # tile 1 overflowed (44 > 31)
+    pre[3, [520, 699]] = 4.0
+    pre[4] = -1.0
+    pre[4, h - 1] = 3.0
+    pre = pre.to(torch.bfloat16).float()  # bf16-exact: the TwELL values are the dense values
+    x = torch.randn(m, d, generator=gen)
+    wu = torch.randn(h, d, generator=gen)
+    wdt = torch.randn(h, d, generator=gen)
+    pre, x, wu, wdt = (t.to(DEV) for t in (pre, x, wu, wdt))
+    tw = pack(pre, 8)
+    assert int(tw.overflow_tiles().sum()) == 3 + 1 and int(tw.counts[2, 0]) == 31
+    g = torch.relu(pre).double()
+    for gated in (True, False):
+        h_ref = g * (x.double() @ wu.double().T) if gated else g
+        y_ref = h_ref @ wdt.double()
+        up = {"x_MD": x, "w_up_HD": wu} if gated else {}
+        y, l1 = twell_ffn_apply(tw, pre, wdt, stats=True, **up, **launch)
+        assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-4, what=f"y gated={gated} {launch}")
+        torch.testing.assert_close(l1.double(), h_ref.abs().sum(1), rtol=1e-5, atol=1e-6)
+        assert y[0].abs().max().item() == 0.0 and l1[0].item() == 0.0
+
+
+def test_apply_rejects_bad_operands():
+    tw = pack(torch.ones(3, 300))
+    wdt = torch.zeros(300, 16)
+    dense = torch.zeros(3, 300)
+    with pytest.raises(ValueError, match="both"):
+        twell_ffn_apply(tw, dense, wdt, x_MD=torch.zeros(3, 16))
+    with pytest.raises(ValueError, match="unit column stride"):
+        twell_ffn_apply(tw, dense, torch.zeros(16, 300).T)
+    with pytest.raises(ValueError, match="whole row"):
+        twell_ffn_apply(tw, dense, wdt, x_MD=torch.zeros(3, 16), w_up_HD=torch.zeros(300, 16),
+                        block_d=8)
+    with pytest.raises(ValueError, match="powers of 2"):
+        twell_ffn_apply(tw, dense, wdt, nb=4, k=2)
+    with pytest.raises(ValueError, match="block_m"):
+        pack_dense(dense, block_m=3)
