@@ -165,12 +165,12 @@ def test_an_op_without_a_deterministic_version_is_one_line(torch_flags):
                     "setting that uses it.")
     assert determinism.error_line(RuntimeError("CUDA out of memory")) is None
     assert determinism.error_line(ValueError(str(err.value))) is None
-    with pytest.raises(ConfigError, match="^trainer.deterministic=true: put_ has no"):
-        with _deterministic_errors(True):
-            nondeterministic_op()
-    with pytest.raises(RuntimeError, match="put_ does not have"):  # the key off: as raised
-        with _deterministic_errors(False):
-            nondeterministic_op()
+    with pytest.raises(ConfigError, match="^trainer.deterministic=true: put_ has no"), \
+            _deterministic_errors(True):
+        nondeterministic_op()
+    # the key off: as raised
+    with pytest.raises(RuntimeError, match="put_ does not have"), _deterministic_errors(False):
+        nondeterministic_op()
 
 
 def test_two_deterministic_runs_are_bitwise_equal(tokens, tmp_path, torch_flags):
