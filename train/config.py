@@ -380,6 +380,16 @@ class TrainerConfig:
     fragmentation, the CUDA context and step-to-step variation (train.memory.default_budget_gb)."""
     seed: int = 42
     """Seed of python, numpy and torch RNGs (model init, data order)."""
+    deterministic: bool = False
+    """Bitwise-reproducible run: two runs of the same config on the same machine and software
+    give identical losses, weights and logged metrics (times, throughput, MFU and memory aside),
+    or the run stops with one line naming the op that has no deterministic version. Sets
+    torch.use_deterministic_algorithms, cuDNN deterministic without benchmark and
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 (if unset) for the run; model.ffn_impl=auto's paths follow
+    the density rule (no timings: FFNPolicy train_measure and infer_measure off); with
+    trainer.memory=auto the step shape must be set (micro_batch, grad_checkpointing, and
+    checkpoint_ffn when checkpointing). Slower. false = fast paths may use non-deterministic
+    reductions (within bf16 noise)."""
     log_every: int = 10
     """Log train metrics every N optimizer steps (one host sync per log)."""
     peak_tflops: float | None = None
@@ -418,6 +428,16 @@ class TrainerConfig:
             raise ConfigError(
                 f"trainer.{unset[0]}=null means the memory planner decides, but trainer.memory=off"
                 f"; set trainer.{unset[0]}=<value> or trainer.memory=auto.")
+        if self.deterministic and self.memory == "auto":
+            # the planner picks these by measured speed; another micro-batch sums in another order
+            if self.grad_checkpointing and self.checkpoint_ffn is None:
+                unset.append("checkpoint_ffn")
+            if unset:
+                raise ConfigError(
+                    f"trainer.deterministic=true with trainer.memory=auto: trainer."
+                    f"{', trainer.'.join(unset)} null would be chosen by measured speed; set "
+                    "trainer.micro_batch and trainer.grad_checkpointing (and trainer.checkpoint_ffn"
+                    " when it is true), or trainer.memory=off.")
         b = self.memory_budget_gb
         if b is not None and not (math.isfinite(b) and b > 0):
             raise ConfigError(f"trainer.memory_budget_gb must be a number > 0 (GiB) or null (the "

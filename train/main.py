@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
@@ -59,15 +60,16 @@ def run(cfg: DictConfig, run_dir: str | None = None, started=None) -> dict:
     from train.parallel import check_launch
 
     check_launch(tcfg.trainer.cpu)  # a multi-process launch the accelerator would not join
-    trainer = Trainer(tcfg, run_dir)
-    try:
-        if started is not None:
-            started(trainer)
-        summary = trainer.train()
-    except KeyboardInterrupt as e:  # SIGINT / SIGTERM: 130 / 143, the line says how to resume
-        raise SystemExit(trainer.interrupted(e)) from None
-    finally:
-        trainer.close()
+    with _deterministic_errors(tcfg.trainer.deterministic):
+        trainer = Trainer(tcfg, run_dir)
+        try:
+            if started is not None:
+                started(trainer)
+            summary = trainer.train()
+        except KeyboardInterrupt as e:  # SIGINT / SIGTERM: 130 / 143, the line says how to resume
+            raise SystemExit(trainer.interrupted(e)) from None
+        finally:
+            trainer.close()
     if trainer.is_main and "paths" in summary and (Path(run_dir) / "summary.json").is_file():
         from train.trainer import summary_line
 
@@ -77,6 +79,21 @@ def run(cfg: DictConfig, run_dir: str | None = None, started=None) -> dict:
                         f"summary:    {Path(run_dir) / 'summary.json'}",
                         summary_line(summary)])
     return summary
+
+
+@contextmanager
+def _deterministic_errors(deterministic: bool):
+    """trainer.deterministic=true: torch's error for an op without a deterministic version
+    becomes one ConfigError line naming the op and the fix (train.determinism.error_line)."""
+    try:
+        yield
+    except RuntimeError as e:
+        from train.determinism import error_line
+
+        line = error_line(e) if deterministic else None
+        if line is None:
+            raise
+        raise ConfigError(line) from None
 
 
 _CREATED: set[Path] = set()  # folders Hydra is about to create for this invocation (StartCallback)

@@ -38,7 +38,7 @@ from evals.scoring import (  # light (torch only); the harness loads lazily
     NonFiniteScores,
 )
 from train import checkpoint as ckpt_io
-from train import interrupt, memory, parallel, rundir
+from train import determinism, interrupt, memory, parallel, rundir
 from train.config import ConfigError, OptimConfig, TrainConfig
 from train.interrupt import StopRequested, StopSignals, TrainingInterrupted
 from train.liger import liger_enabled, use_liger
@@ -291,11 +291,14 @@ class Trainer:
         self._lock: rundir.RunDirLock | None = None
         self._log_lines: list[str] = []  # train.log lines waiting for the run dir to be set up
         self._log_ready = False
+        self._determinism: determinism.Saved | None = None  # trainer.deterministic; close()
         made_dir = not Path(run_dir).exists()
         had_lock_file = (Path(run_dir) / rundir.LOCK_FILE).exists()
         try:
             self._setup(cfg, run_dir, datamodule=datamodule, model=model)
         except BaseException:
+            determinism.restore(self._determinism)
+            self._determinism = None
             d = Path(run_dir)
             if not (made_dir or had_lock_file or rundir.claimed(d)) and self._lock is not None:
                 # refused in another run's folder: leave it as found (removed while held)
@@ -311,6 +314,9 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         ckpt_io.check_run_dir(self.run_dir)  # no link or FIFO where the run writes: before the lock
+        if cfg.trainer.deterministic:  # before the process group (NCCL reads it) and GPU work
+            self._determinism = determinism.enable(
+                cuda=torch.cuda.is_available() and not cfg.trainer.cpu)
         self._setup_accelerator(cfg)
         resume_from = self._resume_checkpoint()
         self.init_src = None  # model.init_from: the checkpoint's config; the shape comes from it
@@ -512,11 +518,15 @@ class Trainer:
         tracker."""
         t, precision = cfg.trainer, self.precision
         self.mlps = ffn_modules(model)
+        if t.deterministic:  # auto's paths by the density rule, not timings (train/determinism)
+            for m in self.mlps:
+                m.policy = determinism.untimed_policy(m.policy)
         # per layer: training path, no-sync dense-backup capacity (from past heavy-row maxima by
         # trainer.backup_capacity), statistics. No-sync capacities change from step to step; as
         # integer arguments they would make torch.compile recompile the model for each new value
         # (and fall back to eager after its recompile limit), so a compiled model measures per call
-        # auto's measured choice times each layer's calls with eager hooks: not under compile;
+        # auto's measured choice times each layer's calls with eager hooks: not under compile
+        # (nor trainer.deterministic, where timings must not decide);
         # several ranks average the timings (host side) so that they choose alike
         host_sync = "call" if t.compile else cfg.model.ffn_host_sync
         if host_sync == "micro_batch" and (self.acc.num_processes > 1 or self.fsdp):
@@ -527,7 +537,8 @@ class Trainer:
             host_sync = "step"
         self.plan = FFNPlan(self.mlps, cfg.model.ffn_impl, dense_ffn_fused=t.dense_ffn_fused,
                             host_sync=host_sync,
-                            capacity_rule=t.backup_capacity, timed=not t.compile,
+                            capacity_rule=t.backup_capacity,
+                            timed=not (t.compile or t.deterministic),
                             reduce_host=self._host_sum if self.acc.num_processes > 1 else None)
         self.n_params = sum(p.numel() for p in model.parameters())
         self._print(f"model: {self.n_params / 1e6:.2f}M parameters, {cfg.model.num_layers} layers, "
@@ -1627,5 +1638,7 @@ class Trainer:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+        determinism.restore(self._determinism)  # the process's torch settings before this run
+        self._determinism = None
         self._unlock()
 

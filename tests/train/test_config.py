@@ -94,6 +94,45 @@ def test_memory_planner_nulls_and_defaults():
         TrainerConfig(checkpoint_ffn="never", grad_checkpointing=False, memory="auto")
 
 
+@pytest.mark.parametrize("over, unset", [
+    ({"micro_batch": None, "grad_checkpointing": False}, "trainer.micro_batch"),
+    ({"micro_batch": 8, "grad_checkpointing": None}, "trainer.grad_checkpointing"),
+    ({"micro_batch": None, "grad_checkpointing": None}, "trainer.micro_batch, trainer.grad_"),
+    # checkpointing on, the planner would pick always or never by speed
+    ({"micro_batch": 8, "grad_checkpointing": True, "checkpoint_ffn": None},
+     "trainer.checkpoint_ffn"),
+])
+def test_deterministic_with_the_memory_planner_needs_the_step_shape_set(over, unset):
+    kw = {"memory": "auto", "global_batch": 16, "checkpoint_ffn": "always", **over}
+    TrainerConfig(deterministic=False, **kw)  # the planner may choose: fine without the key
+    with pytest.raises(ConfigError) as err:
+        TrainerConfig(deterministic=True, **kw)
+    msg = _one_line(err)
+    assert msg.startswith("trainer.deterministic=true with trainer.memory=auto: " + unset)
+    assert ("set trainer.micro_batch and trainer.grad_checkpointing (and trainer.checkpoint_ffn "
+            "when it is true), or trainer.memory=off.") in msg
+
+
+def test_deterministic_with_the_step_shape_set_or_memory_off_is_accepted():
+    # both set: the planner only checks that they fit (train/memory.py)
+    for ckpt in (False, True):
+        t = TrainerConfig(deterministic=True, memory="auto", micro_batch=8,
+                          grad_checkpointing=ckpt, checkpoint_ffn="always")
+        assert t.deterministic and t.memory == "auto"
+    assert TrainerConfig(deterministic=True, memory="auto", micro_batch=8,
+                         grad_checkpointing=False, checkpoint_ffn=None).checkpoint_ffn is None
+    assert TrainerConfig(deterministic=True, memory="off").deterministic
+    assert TrainerConfig().deterministic is False
+    # trainer=gpu (memory=auto, nulls): refused as composed, accepted with the shape set
+    from train.config import compose as compose_train
+
+    with pytest.raises(ConfigError, match=r"^trainer.deterministic=true with trainer.memory=auto"):
+        compose_train(["trainer=gpu", "trainer.deterministic=true"])
+    c = compose_train(["trainer=gpu", "trainer.deterministic=true", "trainer.micro_batch=8",
+                       "trainer.grad_checkpointing=false"])
+    assert c.trainer.deterministic and c.trainer.micro_batch == 8 and c.trainer.memory == "auto"
+
+
 def test_tokenizer_vocab_larger_than_model(tmp_path):
     from train.trainer import Trainer
 
