@@ -16,7 +16,6 @@ Shape legend: B micro-batch (sequences), T sequence length, L layers, H FFN widt
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -39,6 +38,12 @@ from evals.scoring import (  # light (torch only); the harness loads lazily
 )
 from train import checkpoint as ckpt_io
 from train import determinism, interrupt, memory, parallel, rundir
+from train.checkpointer import (  # noqa: F401  (config_diff: callers import it from here)
+    Checkpointer,
+    NonFiniteLossError,
+    config_diff,
+    config_to_dict,
+)
 from train.config import ConfigError, OptimConfig, TrainConfig
 from train.interrupt import StopRequested, StopSignals, TrainingInterrupted
 from train.liger import liger_enabled, use_liger
@@ -55,10 +60,6 @@ from train.sparsity import (
     reinit_dead_gates,
 )
 from twell.nn import FFNPlan, StepStats
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the run stops before applying that step."""
 
 
 class OutOfMemory(ConfigError):
@@ -93,46 +94,6 @@ def _legacy_plan_state(d: dict, current: dict) -> dict:
     elif "ffn_heavy_hist" in d:
         out["capacity"] = {"rule": "window", "hist": d["ffn_heavy_hist"]}
     return out
-
-
-def config_to_dict(cfg: TrainConfig) -> dict:
-    """The resolved config as plain containers (what ``config.yaml`` and checkpoints store)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-_SCHEMA_DEFAULTS: dict | None = None
-
-
-def _schema_default(key: str):
-    """The schema's default of a dotted key (``TrainConfig()``), None if it has none."""
-    global _SCHEMA_DEFAULTS
-    if _SCHEMA_DEFAULTS is None:
-        _SCHEMA_DEFAULTS = _flatten(config_to_dict(TrainConfig()))
-    return _SCHEMA_DEFAULTS.get(key)
-
-
-def config_diff(a: dict, b: dict, ignore: tuple[str, ...] = ("trainer.resume",)) -> list[str]:
-    """Keys (dotted) whose values differ between two config dicts, as 'key: a -> b'. A key that
-    one of them lacks (a config saved before the key existed) counts as the schema's default,
-    the behaviour that run had."""
-    fa, fb = _flatten(a), _flatten(b)
-    keys = sorted((set(fa) | set(fb)) - set(ignore))
-
-    def get(f: dict, k: str):
-        return f[k] if k in f else _schema_default(k)
-
-    return [f"{k}: {get(fa, k)!r} -> {get(fb, k)!r}" for k in keys if get(fa, k) != get(fb, k)]
 
 
 def lr_factor(step: int, o: OptimConfig, max_steps: int) -> float:
@@ -276,6 +237,9 @@ class Trainer:
     Attributes:
         plan: the :class:`twell.nn.plan.FFNPlan` of the model's FFNs (training paths, dense-backup
             capacities, statistics); ask it, do not set module flags.
+        checkpointer: the :class:`train.checkpointer.Checkpointer` that finds, saves and restores
+            this run's checkpoints; ``save_checkpoint``, ``resume``, ``resume_advice``,
+            ``last_ckpt`` and ``saved_step`` go through it.
 
     Raises:
         ConfigError: bad configuration, a resume the run dir does not allow (docs/training.md,
@@ -318,13 +282,16 @@ class Trainer:
             self._determinism = determinism.enable(
                 cuda=torch.cuda.is_available() and not cfg.trainer.cpu)
         self._setup_accelerator(cfg)
-        resume_from = self._resume_checkpoint()
+        # which checkpoint the run continues, saving, restoring: train/checkpointer.py
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.acc, any_rank=self._any_rank,
+                                         print_=self._print, warn=self._warn)
+        resume_from = self.checkpointer.find_resume()
         self.init_src = None  # model.init_from: the checkpoint's config; the shape comes from it
         if cfg.model.init_from:
-            self._inspect_init_from(resume_from)
+            self.init_src = self.checkpointer.inspect_init_from(resume_from)
         self.config_dict = config_to_dict(cfg)
         self._setup_warnings(cfg)
-        self._check_resume_config(resume_from)
+        self.checkpointer.check_resume_config(resume_from, self.config_dict)
         if self.is_main:  # locked and new or this run's: a failure may now write into it
             rundir.claim(self.run_dir)
 
@@ -578,11 +545,8 @@ class Trainer:
         self.last: dict = {}  # latest logged metrics (for summary.json)
         self.last_val: dict = {}
         self.last_eval: dict = {}
-        self.last_ckpt: Path | None = None
-        self.saved_step: int | None = None  # step of last_ckpt (a stop does not save it twice)
         self.prev_segment: dict | None = None  # the checkpoint's last training segment
         self.segment = self._new_segment()
-        self.lineage = ckpt_io.new_lineage()  # a resume continues or branches the checkpoint's
         self.signals: StopSignals | None = None  # while train() runs
         self.wandb = None
 
@@ -595,97 +559,6 @@ class Trainer:
     @property
     def metrics_path(self) -> Path:
         return self.run_dir / "metrics.jsonl"
-
-    def _resume_checkpoint(self) -> Path | None:
-        """The verified checkpoint this run continues, or None (``rundir.find_resume_checkpoint``:
-        the resume, lineage and verification rules). The main process decides (it reads and
-        hashes the files) and tells the other ranks; a refusal is raised on every rank."""
-        found, error = None, None
-        if self.is_main:
-            try:
-                found = rundir.find_resume_checkpoint(self.run_dir, self.cfg.trainer.resume,
-                                                      warn=self._warn)
-            except ConfigError as e:
-                error = e
-        if self.acc.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
-            box = [None if found is None else str(found), None if error is None else str(error),
-                   isinstance(error, ckpt_io.CheckpointError)]
-            broadcast_object_list(box, from_process=0)
-            found = None if box[0] is None else Path(box[0])
-            if box[1] is not None and error is None:
-                error = (ckpt_io.CheckpointError if box[2] else ConfigError)(box[1])
-        if error is not None:
-            raise error
-        return found
-
-    def _inspect_init_from(self, resume_from: Path | None) -> None:
-        """``model.init_from``: read the source's config and fill the model shape from it. A
-        resumed run reads neither: its checkpoint holds the model (config.json, the resolved
-        model config), so the source may have moved or been deleted since."""
-        from train import pretrained
-
-        cfg = self.cfg
-        if resume_from is None:
-            self.init_src = pretrained.inspect_checkpoint(cfg.model.init_from)
-            cfg.model = pretrained.fill_model_config(cfg.model, self.init_src)
-            return
-        saved = ckpt_io.load_yaml(resume_from / "train_config.yaml")["model"]
-        fill = {f.name: saved[f.name] for f in dataclasses.fields(cfg.model)
-                if getattr(cfg.model, f.name) is None and f.name in saved}
-        cfg.model = dataclasses.replace(cfg.model, **fill)
-        self.init_src = pretrained.inspect_checkpoint(str(resume_from))
-
-    def _check_resume_config(self, found: Path | None) -> None:
-        """Refuse a checkpoint of another model shape, changes a resume does not allow, and a
-        run dir that holds a different run's config but no checkpoint, and
-        ``trainer.resume=never`` in a run dir with checkpoints (``train.rundir``: the resume
-        rules)."""
-        explicit = self.cfg.trainer.resume not in ("auto", "never")
-        if found is not None:
-            saved = ckpt_io.load_yaml(found / "train_config.yaml")
-            diff = [d for d in config_diff(saved, self.config_dict) if d.startswith("model.")
-                    and not d.startswith(("model.ffn_impl", "model.ffn_host_sync", "model.name"))]
-            if diff:
-                other = ("another trainer.resume" if explicit  # the run dir is not the cause
-                         else "a new hydra.run.dir")
-                raise ConfigError(f"checkpoint {found} has another model shape ({'; '.join(diff[:3])})"
-                                  f"; use the same model config or {other}.")
-            self._check_resume_changes(found, saved, explicit)
-            return
-        old = self.run_dir / "config.yaml"
-        if old.is_file():
-            diff = config_diff(ckpt_io.load_yaml(old), self.config_dict)
-            if diff:
-                raise ConfigError(
-                    f"{self.run_dir} holds a different run's config ({'; '.join(diff[:3])}) and "
-                    "no checkpoint to resume; use a new hydra.run.dir or delete that directory.")
-        if self.cfg.trainer.resume == "never":
-            rundir.check_new_line(self.run_dir)
-
-    def _check_resume_changes(self, found: Path, saved: dict, explicit: bool) -> None:
-        """``trainer.resume=auto`` continues only the same run (config equal up to
-        ``rundir.RESUME_SAFE_KEYS``); an explicit path may change other keys, but the optimizer
-        and its schedule only with ``trainer.resume_allow_changes=true``."""
-        optim, other = rundir.split_changes(config_diff(saved, self.config_dict))
-        flag = "trainer.resume_allow_changes=true"
-        if not explicit and (optim or other):
-            run = found.parent.parent
-            raise ConfigError(
-                f"{self.run_dir} holds a run with another config (checkpoint {found.name}: "
-                f"{'; '.join((other + optim)[:4])}{'; ...' if len(other + optim) > 4 else ''}); to "
-                f"continue it with these values pass trainer.resume={shell_quote(run)}"
-                + (f" {flag}" if optim else "") + ", or use a new hydra.run.dir.")
-        if optim and not self.cfg.trainer.resume_allow_changes:
-            raise ConfigError(
-                f"resuming {found} would change the optimizer or its schedule ({'; '.join(optim)})"
-                f"; add {flag} to apply the new values from step {self._ckpt_step(found) + 1}, "
-                "or drop these overrides.")
-
-    @staticmethod
-    def _ckpt_step(path: Path) -> int:
-        return int(ckpt_io.read_metadata(path)["step"])
 
     def _build_optimizer(self, model) -> torch.optim.Optimizer:
         o = self.cfg.optim
@@ -763,85 +636,43 @@ class Trainer:
         return dict(self.segment) if self.segment["steps"] else self.prev_segment
 
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step{N}/`` atomically (all ranks call this).
+        """Write ``checkpoints/step{N}/`` atomically (all ranks call this); returns the folder.
 
         Model and optimizer state are full tensors in the unsharded formats (an FSDP model's are
-        gathered on rank 0), so the checkpoint resumes on any number of ranks, sharded or not.
-        Every stage (temp folder, files, metadata and rename) ends with the ranks agreeing that
-        it worked; if it failed anywhere, the temp folder is removed and every rank raises (a
-        full disk: one-line :class:`train.checkpoint.CheckpointError`).
-        """
-        model = self.acc.unwrap_model(self.model)
-        sharded = parallel.is_sharded(model)
-        model_sd = optim_sd = None
-        if sharded:  # gather on rank 0 (collectives: every rank takes part)
-            model_sd = parallel.model_state_dict(model)
-            optim_sd = parallel.optimizer_state_dict(model, self.optimizer.optimizer)
-        final = ckpt_io.checkpoint_root(self.run_dir) / f"step{self.step}"
-        tmp = ckpt_io.tmp_path(final)
-        stages = [lambda: self.is_main and (self._check_finite_weights(model, model_sd),
-                                            ckpt_io.begin(self.run_dir, self.step)),
-                  lambda: self._write_checkpoint_files(tmp, model, model_sd, optim_sd),
-                  lambda: self.is_main and ckpt_io.finish(
-                      tmp, final, step=self.step, world_size=self.acc.num_processes,
-                      keep_last=self.cfg.trainer.keep_last, lineage=self.lineage,
-                      extra={"tokens_seen": self.tokens_seen})]
-        for stage in stages:
-            error = None
-            try:
-                stage()
-            except Exception as e:  # noqa: BLE001  (cleaned up and raised below, on every rank)
-                error = e
-            if self._any_rank(error is not None):
-                if error is None:
-                    error = ckpt_io.CheckpointError(
-                        f"checkpoint {final}: another rank failed to write its part (its error is "
-                        f"in its output); the partial {tmp} was removed")
-                raise ckpt_io.save_failure(error, tmp, final, previous=self.last_ckpt,
-                                           advice=self.resume_advice()) from None
-        self.last_ckpt, self.saved_step = final, self.step
-        return final
-
-    def _check_finite_weights(self, model, model_sd) -> None:
-        """Main process, before a save: weights that became NaN / inf in a step whose loss and
-        gradient were finite (an update too large) are never saved, so the last checkpoint is
-        always a good one to name and resume (``model_sd``: the gathered state of a sharded
-        model).
+        gathered on rank 0), so the checkpoint resumes on any number of ranks, sharded or not
+        (:meth:`train.checkpointer.Checkpointer.save`).
 
         Raises:
-            NonFiniteLossError: one line naming the tensors and the last good checkpoint.
+            NonFiniteLossError: the weights hold NaN or inf (nothing is saved).
+            train.checkpoint.CheckpointError: a stage failed on some rank (a full disk: one
+                line; the temp folder is removed on every rank).
         """
-        from twell.hf import CheckpointError, check_finite
+        return self.checkpointer.save(self)
 
-        tensors = model_sd.items() if model_sd is not None else model.named_parameters()
-        try:
-            check_finite(tensors, f"step {self.step}")
-        except CheckpointError as e:
-            first = str(e).split(": tensor ", 1)[-1].split(" holds ")[0]
-            raise NonFiniteLossError(
-                f"weights hold NaN or inf after step {self.step} ({first}) though its loss and "
-                "gradient were finite (an update too large: lower optim.lr); not saved; last "
-                f"good checkpoint: {shell_quote(self.last_ckpt) if self.last_ckpt else 'none'}"
-            ) from None
+    @property
+    def last_ckpt(self) -> Path | None:
+        """The newest checkpoint this run wrote or resumed from (None: none yet)."""
+        return self.checkpointer.last_ckpt
 
-    def _write_checkpoint_files(self, tmp: Path, model, model_sd, optim_sd) -> None:
-        """Every rank: its RNG and data state; the main process: model, tokenizer, optimizer,
-        scheduler and trainer state, config (no pickle anywhere: ``ckpt_io.save_state``)."""
-        ckpt_io.save_state(tmp, f"rank{self.acc.process_index}",
-                           {"rng": ckpt_io.rng_state(), "data": self.data.state_dict()})
-        if not self.is_main:
-            return
-        from transformers.utils import logging as hf_logging
+    @property
+    def saved_step(self) -> int | None:
+        """The step ``last_ckpt`` holds (a stop does not save it twice)."""
+        return self.checkpointer.saved_step
 
-        hf_logging.disable_progress_bar()  # no "Writing model shards" bar inside ours
-        model.save_pretrained(tmp, **({"state_dict": model_sd} if model_sd is not None else {}))
-        if getattr(self.data, "tokenizer", None) is not None:
-            self.data.tokenizer.save_pretrained(tmp)
-        ckpt_io.save_state(tmp, "optimizer",
-                           optim_sd if optim_sd is not None else self.optimizer.state_dict())
-        ckpt_io.save_state(tmp, "scheduler", self.scheduler.state_dict())
-        ckpt_io.save_state(tmp, "trainer", self.state_dict())
-        (tmp / "train_config.yaml").write_text(OmegaConf.to_yaml(self.config_dict))
+    @property
+    def lineage(self) -> dict:
+        """The line of training the next checkpoint records (``ckpt_io.new_lineage``)."""
+        return self.checkpointer.lineage
+
+    @property
+    def rerun_arg(self) -> str | None:
+        """The override that re-runs this job in its folder (twell-train sets a ``-m`` sweep's
+        ``hydra.sweep.dir``); None: ``hydra.run.dir`` of the run dir (:meth:`resume_advice`)."""
+        return self.checkpointer.rerun_arg
+
+    @rerun_arg.setter
+    def rerun_arg(self, value: str | None) -> None:
+        self.checkpointer.rerun_arg = value
 
     def _host_sum(self, values: list[float]) -> list[float]:
         """``values`` summed over ranks (a host-side all-reduce on the gloo group: no GPU
@@ -858,23 +689,6 @@ class Trainer:
         v = torch.tensor([int(flag)], dtype=torch.int64)
         torch.distributed.all_reduce(v, op=torch.distributed.ReduceOp.MAX, group=self._host_group)
         return int(v.item())
-
-    def _load_weights(self, path: Path) -> None:
-        from safetensors.torch import load_file
-
-        f = path / "model.safetensors"
-        try:
-            state = load_file(str(f))  # to CPU; copied into place
-        except Exception as e:  # noqa: BLE001  (SafetensorError, OSError: one line)
-            raise ckpt_io.CheckpointError(
-                f"{f} is damaged ({e}); {rundir.ways_out(path, ['model.safetensors'])}") from None
-        model = self.acc.unwrap_model(self.model)
-        ckpt_io.check_weights(state, model.state_dict(), f,
-                              rundir.ways_out(path, ["model.safetensors"]))
-        missing, unexpected = parallel.load_model_state_dict(model, state)
-        if [k for k in missing if k != "lm_head.weight"] or unexpected:
-            raise ckpt_io.CheckpointError(f"{f}: the weights do not match the model (missing "
-                                          f"{missing[:3]}, unexpected {unexpected[:3]})")
 
     def resume(self, path: Path) -> None:
         """Restore everything from a checkpoint folder: weights, optimizer, scheduler, trainer and
@@ -897,115 +711,20 @@ class Trainer:
             train.checkpoint.CheckpointError: a state file is missing, damaged or holds a pickle
                 that is not plain data (one line naming the file).
         """
-        meta = ckpt_io.read_metadata(path)
-        t = self.cfg.trainer
-        saved_t = ckpt_io.load_yaml(path / "train_config.yaml")["trainer"]
-        if saved_t["global_batch"] != t.global_batch:
-            raise ConfigError(f"checkpoint {path} was trained with trainer.global_batch="
-                              f"{saved_t['global_batch']}, this run has {t.global_batch}; resume "
-                              "with the same global batch (any world size and micro-batch).")
-        self._load_weights(path)
-        ways = rundir.ways_out(path, ["optimizer"])
-        optim_sd = ckpt_io.load_state(path, "optimizer")
-        params = [q for g in self.optimizer.optimizer.param_groups for q in g["params"]]
-        ckpt_io.check_optimizer_state(optim_sd, params, path / "optimizer.safetensors", ways)
-        try:  # a damaged state that passed its checks still fails in one line
-            parallel.load_optimizer_state_dict(self.acc.unwrap_model(self.model),
-                                               self.optimizer.optimizer, optim_sd)
-            self.scheduler.load_state_dict(ckpt_io.load_state(path, "scheduler"))
-            self.load_state_dict(ckpt_io.load_state(path, "trainer"))
-        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
-            if isinstance(e, ConfigError):
-                raise
-            raise ckpt_io.CheckpointError(
-                f"checkpoint {path}: its optimizer, scheduler or trainer state does not fit this "
-                f"run ({type(e).__name__}: {' '.join(str(e).split())[:160]}); {ways}") from None
-        if self.step != meta.get("step"):  # the folder's records, never its name, give the step
-            raise ckpt_io.CheckpointError(
-                f"checkpoint {path}: its trainer state is at step {self.step} but metadata.json "
-                f"records step {meta.get('step')}: it was altered; {ways}")
+        latest = self.checkpointer.resume(self, path)
+        # after the restore, which draws no random numbers and reads no lr: the schedule is the
+        # trainer's (_build_scheduler), so the trainer rebuilds it
         if self.cfg.trainer.resume_allow_changes:
             self._apply_optim_config()
-        if t.micro_batch is not None and self.plan.rows_per_call is not None:
-            # capacities and timings count rows per FFN call: scaled to the new micro-batch
-            self.plan.set_rows_per_call(t.micro_batch * self.cfg.model.seq_len, t.micro_batch)
-        elif saved_t["micro_batch"] != t.micro_batch:  # a state without its rows: measured again
-            self.plan.reset_capacities()
-        same_world = meta["world_size"] == self.acc.num_processes
-        # the data position is global (the same in every rank's file); a streamed source keeps
-        # per-rank state and refuses another world size
-        rank = ckpt_io.load_state(path, f"rank{self.acc.process_index if same_world else 0}")
-        try:
-            self.data.load_state_dict(rank["data"])
-        except ValueError as e:  # another data set, seq_len or seed: the position means nothing
-            raise ConfigError(f"trainer.resume={path}: the checkpoint's data position does not "
-                              f"fit this run's data ({e}); resume with the checkpoint's data "
-                              "config or start a new run (a new hydra.run.dir).") from None
-        position = getattr(self.data, "position", None)
-        if position is not None and position != self.step * t.global_batch:
-            raise ValueError(f"{path}: data position {position} blocks is not step {self.step} x "
-                             f"global batch {t.global_batch}: the checkpoint is inconsistent")
-        if same_world:
-            ckpt_io.set_rng_state(rank["rng"])
-        else:
-            set_seed(t.seed + self.step, device_specific=True)  # + rank
-            self._print(f"resuming a {meta['world_size']}-rank checkpoint on "
-                        f"{self.acc.num_processes} ranks (same global batch {t.global_batch})")
-        self.last_ckpt, self.saved_step = path, self.step
-        here = path.resolve().parent.parent == self.run_dir.resolve()
-        self.lineage = (meta["lineage"] if here and meta.get("lineage")
-                        else ckpt_io.new_lineage(None if here else path))
-        if self.is_main:
-            self._resume_run_files(path)
-
-    def _resume_run_files(self, path: Path) -> None:
-        """Main process: rewrite config.yaml, drop metrics logged after the checkpoint (they will
-        be redone), take the latest logged numbers (summary.json of an already finished run)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt_io.write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config_dict))
-        kept, bad = [], 0
-        if self.metrics_path.is_file():
-            for ln in self.metrics_path.read_text(errors="replace").splitlines():
-                try:  # a line cut short by a crash or a full disk is dropped, not a traceback
-                    r = json.loads(ln) if ln.strip() else None
-                except ValueError:
-                    r = None
-                bad += ln.strip() != "" and not isinstance(r, dict)
-                if isinstance(r, dict) and isinstance(r.get("step", 0), int) \
-                        and r.get("step", 0) <= self.step:
-                    kept.append(r)
-            if bad:
-                self._warn(f"warning: {self.metrics_path}: dropped {bad} damaged line(s) (a write "
-                           "cut short?)")
-        ckpt_io.write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
-        for r in kept:
-            kind = r.pop("kind", "train")
-            if kind == "train":
-                self.last = r
-            elif kind == "val":
-                self.last_val = r
-            elif kind == "eval":
-                self.last_eval = r
-        saved = ckpt_io.load_yaml(path / "train_config.yaml")
-        changed = config_diff(saved, self.config_dict)
-        self._print(f"resumed from {path} at step {self.step}"
-                    + (f" (config changed: {'; '.join(changed)})" if changed else ""))
+        self.last = latest.get("train", self.last)
+        self.last_val = latest.get("val", self.last_val)
+        self.last_eval = latest.get("eval", self.last_eval)
 
     def resume_advice(self) -> str:
-        """How to continue this run after it stopped: the exact ``hydra.run.dir`` (a default,
-        timestamped run dir is another folder each time) and ``trainer.resume`` that resume
-        from its newest checkpoint (not the folder it was started from, whose resume would
-        drop the metrics logged since)."""
-        last, resume = self.last_ckpt, self.cfg.trainer.resume
-        if last is None:
-            return "no checkpoint was written; re-running the same command starts over"
-        shown = shell_quote(last)  # a path with a space or a newline, pasted as one argument
-        # a -m sweep's job: the sweep's folder (twell-train sets rerun_arg), else the run dir
-        here = getattr(self, "rerun_arg", None) or override_arg("hydra.run.dir", self.run_dir)
-        if Path(last).resolve().parent.parent != self.run_dir.resolve() or resume == "auto":
-            return f"re-run the same command with {here} to resume from {shown}"
-        return (f"re-run the same command with {here} trainer.resume=auto (instead of "
-                f"trainer.resume={shell_quote(resume)}) to resume from {shown}")
+        """How to continue this run after it stopped: the exact ``hydra.run.dir`` and
+        ``trainer.resume`` that resume from its newest checkpoint
+        (:meth:`train.checkpointer.Checkpointer.resume_advice`)."""
+        return self.checkpointer.resume_advice()
 
     def _apply_optim_config(self) -> None:
         """Resume with ``trainer.resume_allow_changes=true``: put this config's optim values
