@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The whole-model benchmark: the fastest way to train a framework-made sparse model on a card,
 per path (plain transformers, our dense path, ELL, auto, and what ``experiment=paper_*`` picks by
-itself), per memory budget. A thin driver over ``train.bench`` (what each stage does: its module
+itself), per memory budget. A thin driver over ``studies.bench`` (what each stage does: its module
 docstrings; the commands for a bare GPU machine: docs/model_bench/README.md).
 
     # one H200: bench the 1.5B model the scaling study left in this call (~5.5 min)
@@ -22,9 +22,9 @@ import os
 import sys
 from pathlib import Path
 
-from train.bench import PATHS, BenchSettings, Recipe, SettleRule, parse_budgets, run_bench
-from train.bench.recipe import PROFILE_PATHS, check_config
-from train.bench.report import merge_runs
+from studies.bench import PATHS, BenchSettings, Recipe, SettleRule, parse_budgets, run_bench
+from studies.bench.recipe import PROFILE_PATHS, check_config
+from studies.bench.report import merge_runs
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,7 +96,7 @@ def _micro_batches(text: str) -> tuple[int, ...]:
 
 
 def settings(a: argparse.Namespace) -> BenchSettings:
-    """The :class:`train.bench.BenchSettings` of the command line (``--smoke``: its own
+    """The :class:`studies.bench.BenchSettings` of the command line (``--smoke``: its own
     defaults, the options given on top)."""
     check_config(a.config)
     given = {k: v for k, v in {
