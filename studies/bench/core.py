@@ -64,7 +64,7 @@ class BenchSettings:
         model_from: a trainer checkpoint folder to bench (one size), instead of training.
         recipe: stage 1 when the model is trained here (``recipe.steps``: the most steps).
         settle: when stage 1 stops early (settled L0 or a target L0).
-        train_budget_s: stage 1's time box (default 0.45 x ``deadline_s``).
+        train_budget_s: stage 1's time box (default 0.45 x ``deadline_s``: none without one).
         steps, warmup: timed and untimed steps per row.
         search_batch: sequences per step the micro-batch candidates divide.
         saturation_tokens: :data:`studies.bench.search.SATURATION_TOKENS` (0: every mode).
@@ -77,7 +77,8 @@ class BenchSettings:
         pool_sequences: held-out sequences the timed steps draw from.
         acts_dir, acts_tokens: record the FFN inputs (``acts_tokens`` held-out tokens) of the
             layers with the lowest, median and highest L0 there (None: not recorded).
-        deadline_s: seconds for the whole run, outputs included.
+        deadline_s: seconds for the whole run, outputs included (default: no limit; the
+            driver script passes its ``--deadline``).
         config: Hydra overrides for stage 1 and our trainer (data location and the like).
         out: output folder; work_dir: trainer run folders (a temporary folder if None).
         plots: write the PNGs.
@@ -110,7 +111,7 @@ class BenchSettings:
     pool_sequences: int = 256
     acts_dir: Path | None = None
     acts_tokens: int = 16384
-    deadline_s: float = 330.0
+    deadline_s: float = math.inf
     config: list[str] = field(default_factory=list)
     out: Path = Path("docs/model_bench")
     work_dir: Path | None = None
