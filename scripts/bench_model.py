@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The whole-model benchmark: the fastest way to train a framework-made sparse model on a card,
 per path (plain transformers, our dense path, ELL, auto, and what ``experiment=paper_*`` picks by
-itself), per memory budget. A thin driver over ``train.bench`` (what each stage does: its module
+itself), per memory budget. A thin driver over ``studies.bench`` (what each stage does: its module
 docstrings; the commands for a bare GPU machine: docs/model_bench/README.md).
 
     # one H200: bench the 1.5B model the scaling study left in this call (~5.5 min)
@@ -22,9 +22,13 @@ import os
 import sys
 from pathlib import Path
 
-from train.bench import PATHS, BenchSettings, Recipe, SettleRule, parse_budgets, run_bench
-from train.bench.recipe import PROFILE_PATHS, check_config
-from train.bench.report import merge_runs
+from studies.bench import PATHS, BenchSettings, Recipe, SettleRule, parse_budgets, run_bench
+from studies.bench.recipe import PROFILE_PATHS, check_config
+from studies.bench.report import merge_runs
+
+# seconds for a run on the device machine (one call, outputs included): --deadline's default
+# (--smoke: 600); the library itself sets no limit
+DEADLINE_S = 330.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--acts-dir", type=Path, default=None,
                    help="record the lowest / median / highest-L0 layers' FFN inputs here")
     p.add_argument("--acts-tokens", type=int, default=16384, help="tokens per recorded layer")
-    p.add_argument("--deadline", type=float, default=None, help="seconds for the run (330)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help=f"seconds for the run ({DEADLINE_S:.0f}; --smoke: 600)")
     p.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE",
                    help="Hydra overrides for stage 1 and our trainer (e.g. data.cache_dir=...)")
     p.add_argument("--out", type=Path, default=None, help="output folder ($OUT, else "
@@ -96,7 +101,7 @@ def _micro_batches(text: str) -> tuple[int, ...]:
 
 
 def settings(a: argparse.Namespace) -> BenchSettings:
-    """The :class:`train.bench.BenchSettings` of the command line (``--smoke``: its own
+    """The :class:`studies.bench.BenchSettings` of the command line (``--smoke``: its own
     defaults, the options given on top)."""
     check_config(a.config)
     given = {k: v for k, v in {
@@ -117,7 +122,7 @@ def settings(a: argparse.Namespace) -> BenchSettings:
         return BenchSettings.for_smoke(a.out, **common)
     recipe = Recipe(l1=a.l1, lr=a.lr, steps=a.train_steps)
     return BenchSettings(sizes=[x for x in a.sizes.split(",") if x], recipe=recipe, out=a.out,
-                         **common)
+                         **{"deadline_s": DEADLINE_S, **common})
 
 
 def main(argv=None) -> int:

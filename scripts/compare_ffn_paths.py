@@ -14,9 +14,9 @@ difference), final L0 within 5 %, dead-neuron counts equal within 1 %."
     # CPU smoke test (tiny model on a synthetic token file, 8 steps; what the tests run)
     python scripts/compare_ffn_paths.py --smoke --out /tmp/cmp
 
-The runs (``python -m train`` through ``train.jobs``, one after another, each in
+The runs (``python -m train`` through ``studies.jobs``, one after another, each in
 ``--runs-dir/<name>``; every extra ``key=value`` argument is a Hydra override passed to all
-three, in the same position; ``train.ffn_compare`` plans and judges them):
+three, in the same position; ``studies.ffn_compare`` plans and judges them):
 
     A  model.ffn_impl=torch                              the reference
     B  model.ffn_impl=torch, trainer.micro_batch halved  the same math with twice the gradient
@@ -73,7 +73,7 @@ import time
 from pathlib import Path
 
 from train.config import ConfigError
-from train.ffn_compare import (
+from studies.ffn_compare import (
     SMOKE_OVERRIDES,
     check_plan,
     compare_runs,
@@ -87,7 +87,7 @@ from train.ffn_compare import (
     text_table,
     write_smoke_tokens,
 )
-from train.jobs import ROOT, Job, run_jobs, train_command
+from studies.jobs import ROOT, Job, run_jobs, train_command
 
 
 def parse_args(argv=None):
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
             runs = [load_run_data(s, runs_dir, accum[s.name], jobs[s.name].wall_s)
                     for s in specs]
             result = compare_runs(*runs)
-        except (ValueError, OSError) as e:  # train.report.ReportError is a ValueError
+        except (ValueError, OSError) as e:  # studies.report.ReportError is a ValueError
             error = str(e)
     else:
         error = "run(s) failed: " + ", ".join(s.name for s in failed)

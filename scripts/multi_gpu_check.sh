@@ -18,7 +18,7 @@
 # 4. tokens/s at the 1.5B shape (paper_1p5b, seq 2048, micro-batch 8, 2 micro-steps per step and
 #    GPU, 12 steps; the median of the logged rates after the first log): 2 GPUs (DDP and
 #    FSDP2) vs 1 GPU; target >= 1.85x.
-# The report (report.txt): train/multi_gpu.py.
+# The report (report.txt): studies/multi_gpu.py.
 #
 # MGC_SMOKE=1: a dry run of every command on CPU (gloo) with a tiny model and 8 steps: checks
 # the command lines and the report, not the numbers.
@@ -94,4 +94,4 @@ for d in speed_one speed_ddp speed_fsdp; do
   cp "$OUT/$d/metrics.jsonl" "$OUT/$d.metrics.jsonl"; rm -rf "$OUT/$d"
 done
 
-"$PY" -m train.multi_gpu "$OUT" | tee "$OUT/report.txt"
+"$PY" -m studies.multi_gpu "$OUT" | tee "$OUT/report.txt"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """docs/relufy.md, its plots and docs/relufy/results.csv from the results of
-scripts/relufy_study.py (runs on a CPU; the library is train/relufy_report.py).
+scripts/relufy_study.py (runs on a CPU; the library is studies/relufy_report.py).
 
     python scripts/relufy_report.py OUT --doc docs/relufy.md   # OUT = the study's --out
     python scripts/relufy_report.py --pending --doc docs/relufy.md  # no results yet
@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from train.jobs import ROOT
-from train.relufy_report import write_report
+from studies.jobs import ROOT
+from studies.relufy_report import write_report
 
 
 def main(argv=None) -> int:

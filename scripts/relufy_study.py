@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The ReLUfication study of SmolLM2-135M on one H200, in pieces of at most 10 minutes
-(docs/relufy.md; the library is train/relufy.py).
+(docs/relufy.md; the library is studies/relufy.py).
 
     # on the H200, after `source scripts/gpu_env.sh` (TWELL_CACHE: corpus, eval sets, GGUF);
     # run the same command again until it prints "all rows scored" (each run is one piece)
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from train.relufy import (
+from studies.relufy import (
     DEFAULT_L1,
     DEFAULT_TOKENS,
     MEASURED_TOKENS_PER_S,
@@ -73,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="data.cache_dir of the built corpus (with data.build_if_missing=false)")
     p.add_argument("--rows", default="all",
                    help="comma list of rows, run in that order (default: all, in the order of "
-                        "train.relufy.default_rows)")
+                        "studies.relufy.default_rows)")
     p.add_argument("--l1", type=_floats, default=list(DEFAULT_L1),
                    help="L1 strengths of the sparse rows (each plain and distilled)")
     p.add_argument("--tokens", type=float, default=DEFAULT_TOKENS,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The scaling-of-sparsity study, one GPU call at a time (train.scaling): the paper's sizes, or
+"""The scaling-of-sparsity study, one GPU call at a time (studies.scaling): the paper's sizes, or
 the depth series (width 512 at 8 / 18 / 28 / 38 layers, trained until sparsity settles, with
 dense controls and the seven tasks).
 
@@ -33,7 +33,7 @@ dense controls), ``--steps`` steps of 16 x 2048 tokens, the seven tasks scored o
 ``--probe-steps``); ``--reinit-rows auto`` adds the re-init twin of the row where most units
 die once results show it. Each row trains from scratch on the same tokens, is profiled on
 held-out blocks and leaves ``<out>/<row>.json``; the most informative rows come first
-(:func:`train.scaling.plan_rows`, :func:`train.scaling.plan_depth_rows`). Extra ``key=value``
+(:func:`studies.scaling.plan_rows`, :func:`studies.scaling.plan_depth_rows`). Extra ``key=value``
 arguments are Hydra overrides for every row. Exit code 0 when every row is done or skipped,
 1 otherwise, 2 for bad arguments.
 """
@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from train.scaling import (
+from studies.scaling import (
     DEPTH_PROBE_L1,
     DEPTH_PROBE_STEPS,
     DEPTH_STEPS,
@@ -65,7 +65,7 @@ from train.scaling import (
     reinit_rows,
     result_names,
 )
-from train.scaling_report import suggest_text
+from studies.scaling_report import suggest_text
 
 SMOKE_DEPTH_STEPS = 10
 SMOKE_SEQ_LEN = 256
@@ -189,7 +189,7 @@ def free_gb(path: Path) -> float | None:
 
 
 def settings(a) -> StudySettings:
-    """The :class:`train.scaling.StudySettings` of the parsed arguments."""
+    """The :class:`studies.scaling.StudySettings` of the parsed arguments."""
     given = {"tokens": a.tokens, "dead_window_tokens": a.dead_window_tokens,
              "profile_tokens": a.profile_tokens, "ffn_impl": a.ffn_impl, "seed": a.seed,
              "evals": a.evals, "eval_limit": a.eval_limit, "eval_batch": a.eval_batch,
@@ -224,8 +224,8 @@ def check_eval_tokenizer(a, s: StudySettings) -> None:
 def plan(a, s: StudySettings, log=print):
     """The rows this invocation runs: the paper-size rows (``--sizes`` x ``--l1``, re-init
     pairs) or, with ``--depth-series`` / ``--probe``, the depth-series rows
-    (:func:`train.scaling.plan_depth_rows` / ``plan_probe_rows``); ``log`` gets the re-init
-    pick's line (:func:`train.scaling.reinit_rows`)."""
+    (:func:`studies.scaling.plan_depth_rows` / ``plan_probe_rows``); ``log`` gets the re-init
+    pick's line (:func:`studies.scaling.reinit_rows`)."""
     if not a.depth_series:
         l1s = a.l1 if a.l1 is not None else [3e-4, 1e-4]
         return plan_rows(a.sizes, l1s, [x for x in a.reinit_sizes if x in a.sizes]
@@ -268,7 +268,7 @@ def main(argv=None) -> int:
     if a.suggest_l1 is not None:
         return _print_suggestion(a.suggest_l1, a.probe_targets)
     if a.report is not None:
-        from train.scaling_report import write_report
+        from studies.scaling_report import write_report
 
         res = write_report(a.report, a.doc, command="python scripts/scaling_study.py --report "
                            + " ".join(str(d) for d in a.report) + f" --doc {a.doc}")
@@ -297,7 +297,7 @@ def main(argv=None) -> int:
         for i, call in enumerate(pack_calls(todo, s, a.max_wall), 1):
             print(f"call {i}: " + ", ".join(f"{r.name} (~{e:.0f} s)" for r, e in call))
         return 0
-    from train.scaling import run_study
+    from studies.scaling import run_study
 
     t0 = time.monotonic()
     outcomes = run_study(rows, s, out=a.out, runs_dir=a.runs_dir, max_wall=a.max_wall,

@@ -25,7 +25,7 @@ stamp() {  # what the set-up depends on; $1: the Python of .venv
     | sha256sum | cut -d" " -f1
 }
 if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(stamp .venv/bin/python)" ] \
-    && .venv/bin/python -c "import torch, twell, train, evals, offline" 2>/dev/null; then
+    && .venv/bin/python -c "import torch, twell, train, studies, evals, offline" 2>/dev/null; then
   say ".venv is set up for this checkout (pyproject.toml and setup.sh unchanged); nothing to install"
   exit 0
 fi

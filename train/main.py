@@ -35,7 +35,7 @@ from train.config import (
     register_configs,
     reject_unknown_keys,
 )
-from train.report import ERROR_FILE  # a failed run's one-line reason (twell-report reads it)
+from train.errors import ERROR_FILE  # a failed run's one-line reason (twell-report reads it)
 
 register_configs()
 

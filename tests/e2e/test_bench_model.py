@@ -1,4 +1,4 @@
-"""train.bench (the whole-model benchmark) and its driver scripts/bench_model.py: the settle
+"""studies.bench (the whole-model benchmark) and its driver scripts/bench_model.py: the settle
 rule, budgets, the search on hand-made probes, the timing window, the recipe's configs, the
 ratios and Table 1 on hand-made rows, merging runs, and --smoke end to end (also from a
 checkpoint), its CSV checked against the fake memory model by hand."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.bench import (
+from studies.bench import (
     BEST_COLUMNS,
     PATHS,
     BenchSettings,
@@ -26,11 +26,11 @@ from train.bench import (
     parse_budgets,
     target_ratios,
 )
-from train.bench.recipe import check_config, default_overrides, ours_overrides
-from train.bench.report import read_csv, table1, write_outputs
-from train.bench.search import Choice, FakeMemory, SharedProbe, faster, search
-from train.bench.source import check_shape
-from train.bench.steps import Window, batches_from, quantile, time_steps
+from studies.bench.recipe import check_config, default_overrides, ours_overrides
+from studies.bench.report import read_csv, table1, write_outputs
+from studies.bench.search import Choice, FakeMemory, SharedProbe, faster, search
+from studies.bench.source import check_shape
+from studies.bench.steps import Window, batches_from, quantile, time_steps
 from train.config import ConfigError, compose
 from train.memory import OOM, Candidate, Measurement
 

@@ -177,7 +177,7 @@ def test_eval_init_from_and_report_read_no_pickle(tokens, saved, tmp_path, monke
 
     # the tokens-source run saved no tokenizer; the model loading is what is tested
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
-    from train import report
+    from studies import report
 
     run = _copy_run(saved, tmp_path / "run")
     marker = tmp_path / "marker"

@@ -1,4 +1,4 @@
-"""train.ffn_compare (the torch vs twell training comparison): the comparison functions on
+"""studies.ffn_compare (the torch vs twell training comparison): the comparison functions on
 hand-made metric series with known answers (a PASS and a FAIL case for each criterion), argument
 and configuration handling, and one --smoke run of scripts/compare_ffn_paths.py (three tiny CPU
 training runs, ~20 s) checked against the runs' own metrics."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import train.ffn_compare as cf
+import studies.ffn_compare as cf
 from train.config import ConfigError, compose
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -213,7 +213,7 @@ def test_a_task_is_defined_in_one_place():
     """evals.tasks.TASKS is the one table: the data folders, the corpus decontamination and the
     scaling study's eval-time estimate read it, so a task added there is fetched, decontaminated
     against and estimated (the sizes are the items of the real validation sets)."""
-    from train import scaling
+    from studies import scaling
     from train.data import decontam
 
     assert list(TASK_FOLDERS) == list(ALL_TASKS) == list(scaling.EVAL_SETS)

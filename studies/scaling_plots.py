@@ -1,8 +1,8 @@
 """The scaling study's plots (matplotlib, Agg), one function per figure of the paper it mirrors.
 
-Each ``plot_*(results, path)`` takes the result dicts of :func:`train.scaling.run_study` (one
-series: the paper sizes or the depth series; :func:`train.scaling_report.normalise`-d and sorted
-by :func:`train.scaling_report.sort_key`) and writes one PNG, or returns a reason (str) why it
+Each ``plot_*(results, path)`` takes the result dicts of :func:`studies.scaling.run_study` (one
+series: the paper sizes or the depth series; :func:`studies.scaling_report.normalise`-d and sorted
+by :func:`studies.scaling_report.sort_key`) and writes one PNG, or returns a reason (str) why it
 has nothing to draw. Rows at the same L1 strength share a panel; lines are sizes (paper series)
 or depths (depth series). :func:`write_plots` draws the paper-size rows under :data:`PLOT_FUNCS`'
 names and the depth series (probe rows left out) under :data:`DEPTH_PLOT_FUNCS`' names.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train.scaling import l1_text, row_label
+from studies.scaling import l1_text, row_label
 
 PAPER_POINTS = {"0p5b": (8, 39.0), "1p5b": (28, 29.0), "2b": (38, 24.0)}  # layers, L0 at 2e-5
 TOP_TOKENS = 15

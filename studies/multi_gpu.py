@@ -1,7 +1,7 @@
 """The report of the two-GPU acceptance run (``scripts/multi_gpu_check.sh``): DDP and FSDP2
 against one GPU, read from the runs' ``metrics.jsonl`` files.
 
-    python -m train.multi_gpu OUT_DIR        # prints the report (the script tees report.txt)
+    python -m studies.multi_gpu OUT_DIR        # prints the report (the script tees report.txt)
 
 ``OUT_DIR`` holds the run directories ``one_torch``, ``two_torch``, ``one_auto``, ``two_auto``
 and ``resume_two_on_one`` (each with ``metrics.jsonl``) and the speed runs' logs
@@ -92,7 +92,7 @@ def report_lines(out: str | Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m train.multi_gpu OUT_DIR", file=sys.stderr)
+        print("usage: python -m studies.multi_gpu OUT_DIR", file=sys.stderr)
         return 2
     try:
         print("\n".join(report_lines(argv[0])))

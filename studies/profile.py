@@ -1,6 +1,6 @@
 """The sparsity profile of a trained model on held-out blocks: L0 per layer, position and token.
 
-    from train.profile import profile_sparsity
+    from studies.profile import profile_sparsity
     prof = profile_sparsity(model, blocks_BT, batch=8)     # a LlamaForCausalLM with SparseGatedMLP
     prof.l0_L, prof.nnz_max_L, prof.dead_L, prof.hot_share_L(), prof.l0_T, prof.token_table()
     json.dumps(prof.to_dict())                             # compact, for result files

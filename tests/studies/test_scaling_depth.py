@@ -1,8 +1,9 @@
-"""The scaling study's depth series (train.scaling, train.scaling_report, scripts/scaling_study.py):
-the plan and its order, the recipe as composed, the estimate, the settle rule, the L1 probe's
-suggestion, the dense controls' paired differences and the targets, each against hand-computed
-values; the L1-gradient check under bf16; and the whole path end to end on the CPU (2 depths, a
-few steps, the seven tasks on 2 items each, the report and its plots)."""
+"""The scaling study's depth series (studies.scaling, studies.scaling_report,
+scripts/scaling_study.py): the plan and its order, the recipe as composed, the estimate, the
+settle rule, the L1 probe's suggestion, the dense controls' paired differences and the targets,
+each against hand-computed values; the L1-gradient check under bf16; and the whole path end to
+end on the CPU (2 depths, a few steps, the seven tasks on 2 items each, the report and its
+plots)."""
 
 import csv
 import io
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import train.scaling as sc
+import studies.scaling as sc
 from tests.train_utils import write_tokens
-from train.report import flatten
-from train.scaling import (
+from studies.report import flatten
+from studies.scaling import (
     StudyRow,
     StudySettings,
     estimate_seconds,
@@ -29,7 +30,7 @@ from train.scaling import (
     row_overrides,
     settle_check,
 )
-from train.scaling_report import (
+from studies.scaling_report import (
     CSV_COLUMNS,
     DEPTH_PLOTS,
     KEEP_MARKER,

@@ -1,7 +1,7 @@
 """A benchmark run over its sizes: :func:`run_bench` prepares each size
-(``train.bench.core.prepare``), runs its forward and per-budget stages
-(``train.bench.stages.bench_budgets``) and rewrites the outputs after every size
-(``train.bench.report.write_outputs``), so a run cut short keeps what it measured."""
+(``studies.bench.core.prepare``), runs its forward and per-budget stages
+(``studies.bench.stages.bench_budgets``) and rewrites the outputs after every size
+(``studies.bench.report.write_outputs``), so a run cut short keeps what it measured."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from train.bench.core import BenchSettings, prepare
-from train.bench.recipe import write_smoke_tokens
-from train.bench.report import write_outputs
-from train.bench.stages import bench_budgets
-from train.bench.step_profile import profile_paths, write_profile
-from train.bench.steps import Clock, free_memory, log
+from studies.bench.core import BenchSettings, prepare
+from studies.bench.recipe import write_smoke_tokens
+from studies.bench.report import write_outputs
+from studies.bench.stages import bench_budgets
+from studies.bench.step_profile import profile_paths, write_profile
+from studies.bench.steps import Clock, free_memory, log
 
 
 def run_bench(s: BenchSettings) -> str:

@@ -1,13 +1,13 @@
 """docs/relufy.md, its plots and docs/relufy/results.csv from a ReLUfication study's results
-folder (train/relufy.py; scripts/relufy_report.py is the command line; runs on a CPU).
+folder (studies/relufy.py; scripts/relufy_report.py is the command line; runs on a CPU).
 
     write_report(Path("OUT"), Path("docs/relufy.md"))   # from OUT/results.csv + OUT/study.json
     write_report(None, Path("docs/relufy.md"))          # the pending version (no results)
 
-Next to the doc, in ``relufy/``: ``results.csv`` (OUT's, :data:`train.relufy.CSV_COLUMNS`),
+Next to the doc, in ``relufy/``: ``results.csv`` (OUT's, :data:`studies.relufy.CSV_COLUMNS`),
 ``acc_vs_l0.png`` (mean accuracy against L0 % with standard-error bars, the controls as lines)
 and ``l0_layers.png`` (L0 per layer of the ReLU rows). Every number comes from OUT; the targets
-are computed (:func:`train.relufy.evaluate_targets`). The interpretation is written by hand
+are computed (:func:`studies.relufy.evaluate_targets`). The interpretation is written by hand
 between :data:`FINDINGS_BEGIN` and :data:`FINDINGS_END`; a rewrite keeps that block.
 """
 
@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from evals.tasks import ALL_TASKS, TASK_SHORT
-from train.relufy import (
+from studies.relufy import (
     CORPUS_TRAIN_TOKENS,
     DEFAULT_L1,
     MEASURED_TOKENS_PER_S,
@@ -274,7 +274,7 @@ def running_lines(plan: StudyPlan, rows: list[RowSpec], state: dict | None) -> l
         "# this document (any machine)",
         "python scripts/relufy_report.py docs/bench/relufy_study --doc docs/relufy.md",
         "```", "",
-        ("Estimated GPU time of the whole study (computed by `train.relufy.estimate` from the "
+        ("Estimated GPU time of the whole study (computed by `studies.relufy.estimate` from the "
         "measured speed; row start-up, compilation, scoring and the distilled rows' teacher are "
         "estimates, not measurements):"), "",
         *(f"- {estimate_line(e)}" for e in est.values()), "",

@@ -27,9 +27,9 @@ Criteria (:func:`compare_runs`; the numbers come from the runs' ``metrics.jsonl`
   dead = units inactive on every token of the last closed window (the last step's
   ``dead_layers`` fractions x intermediate_size, summed over layers).
 
-    from train.ffn_compare import check_plan, compare_runs, load_run_data, plan
+    from studies.ffn_compare import check_plan, compare_runs, load_run_data, plan
     cfg, specs, accum = check_plan(user_overrides, steps=300)   # ConfigError before any run
-    ... run each spec's ``python -m train`` (train.jobs) ...
+    ... run each spec's ``python -m train`` (studies.jobs) ...
     result = compare_runs(*(load_run_data(s, runs_dir, accum[s.name]) for s in specs))
 """
 
@@ -460,9 +460,9 @@ def load_run_data(spec: RunSpec, runs_dir: Path, accum: int, wall_s: float | Non
     """The :class:`RunData` of a finished run in ``runs_dir/<name>``.
 
     Raises:
-        train.report.ReportError: the run is incomplete or unreadable (a ValueError).
+        studies.report.ReportError: the run is incomplete or unreadable (a ValueError).
     """
-    from train.report import load_run
+    from studies.report import load_run
 
     run = load_run(runs_dir / spec.name)
     m = run.config["model"]

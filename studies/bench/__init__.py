@@ -1,6 +1,6 @@
 """The whole-model benchmark: what is the fastest way to train this model on this card?
 
-    from train.bench import BenchSettings, run_bench, merge_runs
+    from studies.bench import BenchSettings, run_bench, merge_runs
     run_bench(BenchSettings(sizes=["1p5b"], model_from=Path(".../checkpoints/step200"),
                             out=Path("out")))                        # one GPU call
     merge_runs([Path("out_1p5b"), Path("out_2b")], Path("docs/model_bench"))   # on the CPU
@@ -16,12 +16,12 @@ search), ``core`` / ``stages`` / ``run`` (the run, stage by stage), ``report`` (
 ratios, plots, merging). ``scripts/bench_model.py`` is the command line.
 """
 
-from train.bench.core import BenchSettings
-from train.bench.recipe import PATHS, Recipe
-from train.bench.report import BEST_COLUMNS, OUTPUT_FILES, merge_runs, target_ratios
-from train.bench.run import run_bench
-from train.bench.search import Budget, FakeMemory, parse_budgets
-from train.bench.source import SettleRule, l0_settled
+from studies.bench.core import BenchSettings
+from studies.bench.recipe import PATHS, Recipe
+from studies.bench.report import BEST_COLUMNS, OUTPUT_FILES, merge_runs, target_ratios
+from studies.bench.run import run_bench
+from studies.bench.search import Budget, FakeMemory, parse_budgets
+from studies.bench.source import SettleRule, l0_settled
 
 __all__ = ["BEST_COLUMNS", "OUTPUT_FILES", "PATHS", "BenchSettings", "Budget", "FakeMemory",
            "Recipe", "SettleRule", "l0_settled", "merge_runs", "parse_budgets", "run_bench",

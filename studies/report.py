@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evals.tasks import ALL_TASKS, TASK_SHORT, TASKS
+from train.errors import ERROR_FILE
 
 # data keys that do not change which tokens a run sees
 _DATA_IGNORE = ("cache_dir", "build_if_missing", "verify", "num_proc")
-ERROR_FILE = "error.txt"  # a failed run's one-line reason in its run dir (written by twell-train)
 
 
 class ReportError(ValueError):

@@ -1,4 +1,4 @@
-"""train.jobs: the subprocess runner of the study scripts (statuses, parallelism, deadline, SIGTERM)."""
+"""studies.jobs: the subprocess runner of the study scripts (statuses, parallelism, deadline, SIGTERM)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from train.jobs import Job, job_env, last_train_record, run_finished, run_jobs, train_command
+from studies.jobs import Job, job_env, last_train_record, run_finished, run_jobs, train_command
 
 
 def _py(code: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""train/relufy.py without training: the rows and their order, each row's overrides (and that
+"""studies/relufy.py without training: the rows and their order, each row's overrides (and that
 they compose into a valid config), the results row and CSV, the binomial standard error, the
 targets (met / missed / pending, hand-computed), the GPU-time estimate, a plan change refused,
 and the piece loop (run_study) on fake jobs: done rows skipped, a failed row reported with its
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from train.jobs import Job
-from train.relufy import (
+from studies.jobs import Job
+from studies.relufy import (
     CSV_COLUMNS,
     DISTILL_COST,
     PIECE_START_S,

@@ -1,4 +1,4 @@
-"""The step profile of ``scripts/bench_model.py --profile-micro`` (train/bench/step_profile.py):
+"""The step profile of ``scripts/bench_model.py --profile-micro`` (studies/bench/step_profile.py):
 kernel families by hand-made kernel names and op shapes, the per-sequence family table, the
 profile-path grammar, and the written files."""
 
@@ -6,8 +6,8 @@ import csv
 
 import pytest
 
-from train.bench.recipe import split_profile_path
-from train.bench.step_profile import (
+from studies.bench.recipe import split_profile_path
+from studies.bench.step_profile import (
     FAMILIES,
     StepProfile,
     family_table,

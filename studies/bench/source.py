@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from train.bench.steps import build_hf, build_ours, cpu_weights, eval_loss, free_memory, log
+from studies.bench.steps import build_hf, build_ours, cpu_weights, eval_loss, free_memory, log
 
 
 @dataclass
@@ -248,12 +248,12 @@ def reference_checks(bm: BenchModel, blocks_NT: torch.Tensor, device, *, bf16: b
     Returns a dict: ``logits_rel_err`` (fp32, eval, one block of up to 256 tokens: ||ours -
     hf|| / ||hf||), ``hf_loss_fp32`` / ``hf_loss_bf16`` on the first two blocks (the loss
     check's references), ``loss_tol`` = max(4 x their difference, 0.2 % of the loss),
-    ``profile`` (per-layer rows of :func:`train.profile.profile_sparsity` on ``blocks_NT``) and
+    ``profile`` (per-layer rows of :func:`studies.profile.profile_sparsity` on ``blocks_NT``) and
     ``l0`` (their mean over layers: the held-out L0 every row names).
     """
     import dataclasses
 
-    from train.profile import profile_sparsity
+    from studies.profile import profile_sparsity
 
     cfg = dataclasses.replace(bm.model_cfg, ffn_impl="torch")
     hf = build_hf(cfg, bm.weights, device).eval()

@@ -1,6 +1,6 @@
 """The state of one size's benchmark and its first stages: the settings of a run, the bench
 model with its held-out L0 and checks (:func:`prepare`), the forward of every inference impl
-(:func:`measure_forward`), and the helpers the per-budget stages (``train.bench.stages``)
+(:func:`measure_forward`), and the helpers the per-budget stages (``studies.bench.stages``)
 build their rows and searches with.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from train.bench.recipe import (
+from studies.bench.recipe import (
     BASELINE_PATHS,
     EXPERIMENTS,
     FFN_OF_IMPL,
@@ -28,8 +28,8 @@ from train.bench.recipe import (
     split_profile_path,
     stage1_overrides,
 )
-from train.bench.search import SATURATION_TOKENS, Budget, Choice, FakeMemory, SharedProbe, search
-from train.bench.source import (
+from studies.bench.search import SATURATION_TOKENS, Budget, Choice, FakeMemory, SharedProbe, search
+from studies.bench.source import (
     BenchModel,
     SettleRule,
     heldout_blocks,
@@ -39,7 +39,7 @@ from train.bench.source import (
     reference_checks,
     train_bench_model,
 )
-from train.bench.steps import (
+from studies.bench.steps import (
     STATIC_BYTES_PER_PARAM,
     Clock,
     build_hf,
@@ -58,16 +58,16 @@ class BenchSettings:
 
     Attributes:
         sizes: model config names, one after another (``configs/model``).
-        paths: the paths to time (:data:`train.bench.recipe.PATHS`).
-        budgets: the cards, in timing order (:class:`train.bench.search.Budget`); the cheaper
+        paths: the paths to time (:data:`studies.bench.recipe.PATHS`).
+        budgets: the cards, in timing order (:class:`studies.bench.search.Budget`); the cheaper
             card first by default, so that under the deadline its rows are complete first.
         model_from: a trainer checkpoint folder to bench (one size), instead of training.
         recipe: stage 1 when the model is trained here (``recipe.steps``: the most steps).
         settle: when stage 1 stops early (settled L0 or a target L0).
-        train_budget_s: stage 1's time box (default 0.45 x ``deadline_s``).
+        train_budget_s: stage 1's time box (default 0.45 x ``deadline_s``: none without one).
         steps, warmup: timed and untimed steps per row.
         search_batch: sequences per step the micro-batch candidates divide.
-        saturation_tokens: :data:`train.bench.search.SATURATION_TOKENS` (0: every mode).
+        saturation_tokens: :data:`studies.bench.search.SATURATION_TOKENS` (0: every mode).
         probe_steps: timed forward+backward micro-steps per probe (after one warm-up).
         equal_micro: the micro-batch of the equal-micro-batch memory ratio (probed, ``none``).
         fwd_batch, fwd_steps, fwd_warmup: the forward measurement; ``fwd_warmup`` applies to
@@ -77,13 +77,14 @@ class BenchSettings:
         pool_sequences: held-out sequences the timed steps draw from.
         acts_dir, acts_tokens: record the FFN inputs (``acts_tokens`` held-out tokens) of the
             layers with the lowest, median and highest L0 there (None: not recorded).
-        deadline_s: seconds for the whole run, outputs included.
+        deadline_s: seconds for the whole run, outputs included (default: no limit; the
+            driver script passes its ``--deadline``).
         config: Hydra overrides for stage 1 and our trainer (data location and the like).
         out: output folder; work_dir: trainer run folders (a temporary folder if None).
         plots: write the PNGs.
         smoke: the tiny CPU run (``fake_memory`` stands in for CUDA memory).
         profile_micro: micro-batches at which to profile one step of each of
-            ``profile_paths`` (:func:`train.bench.step_profile.profile_paths`; CUDA only)
+            ``profile_paths`` (:func:`studies.bench.step_profile.profile_paths`; CUDA only)
             before the search; empty: no profile.
         profile_only: profile, then skip the search and the timed rows.
         save_model: keep the bench model trained here as a checkpoint in ``work_dir`` (for a
@@ -110,7 +111,7 @@ class BenchSettings:
     pool_sequences: int = 256
     acts_dir: Path | None = None
     acts_tokens: int = 16384
-    deadline_s: float = 330.0
+    deadline_s: float = math.inf
     config: list[str] = field(default_factory=list)
     out: Path = Path("docs/model_bench")
     work_dir: Path | None = None

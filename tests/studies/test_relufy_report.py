@@ -1,4 +1,4 @@
-"""train/relufy_report.py (docs/relufy.md) on hand-made study results: the table holds the CSV's
+"""studies/relufy_report.py (docs/relufy.md) on hand-made study results: the table holds the CSV's
 numbers, the targets are computed from them, the plots and results.csv land next to the doc,
 a partial study says which rows are missing, the findings block survives a rewrite, the
 pending version has no number of a result, and scripts/relufy_report.py's errors."""
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from train.relufy import RowSpec, Study, StudyPlan, default_rows, sparse_row
-from train.relufy_report import FINDINGS_BEGIN, FINDINGS_END, FINDINGS_PLACEHOLDER, write_report
+from studies.relufy import RowSpec, Study, StudyPlan, default_rows, sparse_row
+from studies.relufy_report import FINDINGS_BEGIN, FINDINGS_END, FINDINGS_PLACEHOLDER, write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ("hellaswag", "commonsense_qa", "piqa", "winogrande", "arc_easy", "arc_challenge",

@@ -25,7 +25,7 @@ Paths (the ``path`` column of ``best_configs.csv``):
 (``FFNPlan.pin``) or left to choose, so they share one model build per size.
 
 Stage 1 (the bench model, when trained in-process) is the scaling study's 1.5B / 2B recipe at
-L1 3e-4 (``train.scaling``): AdamW lr 1e-3, 10 warmup steps then cosine, micro-batch = global
+L1 3e-4 (``studies.scaling``): AdamW lr 1e-3, 10 warmup steps then cosine, micro-batch = global
 batch = 8 sequences of 2048, 200 steps, no recomputation, seed 42 (init and data order). Its FFNs
 train in dense mode (``model.ffn_impl=torch``, ``trainer.dense_ffn_fused=true``: cuBLAS and one
 fused pass each way), not ``auto``: ``auto`` picks each layer's path from timings, so two runs
@@ -51,7 +51,7 @@ FFN_OF_IMPL = {"torch": "torch", "twell": "ell", "auto": "auto"}
 FORWARD_IMPL = {"hf": "hf", "liger": "liger", "compile": "compile", "torch": "torch",
                 "dense": "torch", "ell": "twell", "auto": "auto"}
 SPARSE_PATHS = ("ell", "auto")
-# the stock transformers model with its own training loop (train.bench.steps.HFStep), plain or
+# the stock transformers model with its own training loop (studies.bench.steps.HFStep), plain or
 # with Liger-Kernel or regional torch.compile; "best dense" is the fastest of these and ours
 BASELINE_PATHS = ("hf", "liger", "compile")
 DENSE_PATHS = (*BASELINE_PATHS, "dense")
@@ -197,7 +197,7 @@ def check_config(config: list[str]) -> None:
 PROFILE_PATHS = ("hf", "liger", "compile", "dense", "ell", "auto", "dense-noliger",
                  "ell-noliger", "auto-noliger")
 """What ``--profile-paths`` may name: the stock-transformers baselines
-(:data:`train.bench.recipe.BASELINE_PATHS`) and our trainer's FFN paths (``dense`` is dense
+(:data:`studies.bench.recipe.BASELINE_PATHS`) and our trainer's FFN paths (``dense`` is dense
 mode), each of ours also as ``<path>-noliger`` (``trainer.liger=false``: our own fused loss and
 lean norms, eager RoPE). Any of them may add ``@key=value:...``: launch shapes of the
 training kernels for that profile (:func:`twell.ops.launch.kernel_config`, integer values),

@@ -4,10 +4,10 @@ plain-transformers row (``hf``) and the ``default`` row.
 Per budget, in the order given, each stage builds its model (our four FFN paths share one
 trainer, ``model.ffn_impl=auto``, whose plan is pinned per path), runs the search the first
 time (every budget at once, the probes shared), and times the chosen configurations with the
-card emulated (:func:`train.bench.search.emulated`). So one budget's rows are complete before
+card emulated (:func:`studies.bench.search.emulated`). So one budget's rows are complete before
 the next budget starts, and a deadline cuts whole budgets last.
 
-Timing (:func:`train.bench.steps.time_steps`): the chosen configuration at accumulation 1 (one
+Timing (:func:`studies.bench.steps.time_steps`): the chosen configuration at accumulation 1 (one
 micro-batch per optimizer step), ``warmup`` untimed steps first (the dense-backup capacities
 are measured again after every change, and ``auto`` settles), then ``steps`` steps: CUDA events
 around each (the median) and the host clock around all (the wall-clock mean; redone steps
@@ -27,7 +27,7 @@ import traceback
 
 import torch
 
-from train.bench.core import (
+from studies.bench.core import (
     SizeRun,
     add_row,
     measure_forward,
@@ -37,7 +37,7 @@ from train.bench.core import (
     skipped_row,
     timed_fields,
 )
-from train.bench.recipe import (
+from studies.bench.recipe import (
     BASELINE_PATHS,
     HF_RECOMPUTE,
     OUR_RECOMPUTE,
@@ -46,8 +46,8 @@ from train.bench.recipe import (
     default_overrides,
     ours_overrides,
 )
-from train.bench.search import Budget, Choice, emulated, faster
-from train.bench.steps import (
+from studies.bench.search import Budget, Choice, emulated, faster
+from studies.bench.steps import (
     HFProbe,
     HFStep,
     batches_from,
@@ -136,7 +136,7 @@ def _close(tr, device) -> None:
 
 
 def build_our_trainer(run: SizeRun, extra: list[str] = ()):
-    """Our trainer (:func:`train.bench.recipe.ours_overrides`, then ``extra`` overrides) on the
+    """Our trainer (:func:`studies.bench.recipe.ours_overrides`, then ``extra`` overrides) on the
     bench model's weights."""
     from train.config import compose
     from train.trainer import Trainer
@@ -285,7 +285,7 @@ def _search_ours(run: SizeRun, tr, paths: list[str]) -> None:
 
 def baseline_rows(run: SizeRun, b: Budget, first: bool, path: str = "hf") -> None:
     """The row of a stock-transformers baseline (``hf``, ``liger`` or ``compile``;
-    :data:`train.bench.recipe.BASELINE_PATHS`) at ``b`` (the search of every budget the first
+    :data:`studies.bench.recipe.BASELINE_PATHS`) at ``b`` (the search of every budget the first
     time)."""
     c = run.choices.get((path, b))
     if not first:
@@ -320,7 +320,7 @@ def baseline_rows(run: SizeRun, b: Budget, first: bool, path: str = "hf") -> Non
 
 def time_baseline(run: SizeRun, step: HFStep, c: Choice, b: Budget, path: str = "hf") -> dict:
     """Time ``step`` (a stock-transformers baseline of ``path``) at choice ``c``: ``warmup`` then
-    ``steps`` steps (:func:`train.bench.steps.time_steps`); its ``best_configs.csv`` row, or a
+    ``steps`` steps (:func:`studies.bench.steps.time_steps`); its ``best_configs.csv`` row, or a
     row naming the out-of-memory error (other errors propagate)."""
     step.set_recompute(c.recompute)
     batches = batches_from(run.pool_NT, c.micro_batch, seed=c.micro_batch)

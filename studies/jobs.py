@@ -1,6 +1,6 @@
 """Run training jobs as subprocesses: the one runner behind the study and comparison scripts.
 
-    from train.jobs import Job, run_jobs, train_command
+    from studies.jobs import Job, run_jobs, train_command
     run_dir = Path("runs/study/l1_1e-3")
     job = Job("l1_1e-3", train_command(["sparsity.l1_coeff=1e-3"], run_dir), run_dir=run_dir)
     run_jobs([job], parallel=2, deadline=time.monotonic() + 540)

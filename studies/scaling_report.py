@@ -1,9 +1,9 @@
 """The scaling study's report: merge result files, ``runs.csv``, the targets, the plots, the doc.
 
-    from train.scaling_report import write_report
+    from studies.scaling_report import write_report
     write_report([Path("call1"), Path("call2")], doc=Path("docs/scaling.md"))
 
-Inputs are the ``<row>.json`` files :func:`train.scaling.run_study` writes (one per row, from any
+Inputs are the ``<row>.json`` files :func:`studies.scaling.run_study` writes (one per row, from any
 number of GPU calls; format 1, the paper-size rows made before the depth series, is still read).
 :func:`write_report` copies them into ``<doc folder>/results/`` (a later folder's file replaces an
 earlier one of the same row), writes ``<doc folder>/runs.csv`` (one row per run:
@@ -38,7 +38,7 @@ import re
 from itertools import pairwise
 from pathlib import Path
 
-from train.scaling import (
+from studies.scaling import (
     DEPTH_MODEL,
     DEPTH_PROBE_L1,
     DEPTH_PROBE_STEPS,
@@ -156,7 +156,7 @@ def dense_control(r: dict, results: list[dict]) -> dict | None:
 
 
 def paired_diff(a: dict, b: dict) -> tuple[float, float | None]:
-    """Seven-task mean of ``a`` minus ``b`` (two :func:`train.scaling.row_evals` dicts), in
+    """Seven-task mean of ``a`` minus ``b`` (two :func:`studies.scaling.row_evals` dicts), in
     points (x 100), and its standard error in points.
 
     Per task the items are paired when both rows scored the same number of them (same sets and
@@ -319,7 +319,7 @@ def check_depth_targets(rows: list[dict]) -> list[dict]:
     """The depth series' targets from its CSV rows (probe rows left out; rows of each step count
     judged apart, the count named when there are several):
 
-    * every row settled (:func:`train.scaling.settle_check`);
+    * every row settled (:func:`studies.scaling.settle_check`);
     * at each nonzero L1: L0 falls with depth (each depth lower than the next shallower one),
       and the shallowest -> deepest change beside the paper's -38 % (8 -> 38 layers); judged only
       when every row compared has settled ("not judged" names the others; the measured trend is
@@ -618,7 +618,7 @@ def sentence_max_vs_mean(results: list[dict]) -> str:
 
 
 def sentence_tokens(results: list[dict]) -> str:
-    from train.scaling_plots import token_extremes, token_label
+    from studies.scaling_plots import token_extremes, token_label
 
     parts = []
     for rs in _sparse(results).values():
@@ -724,11 +724,11 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
                   call_wall: float = CALL_WALL_S) -> str:
     """The depth series' plan as markdown (the doc's "Plan"): shapes and their estimated device
     time, tokens, recipe, the settle rule, the L1 probe, the dense controls, re-init, the rows'
-    order packed into device calls (:func:`train.scaling.pack_calls`, with :data:`STAND_IN_L1`
+    order packed into device calls (:func:`studies.scaling.pack_calls`, with :data:`STAND_IN_L1`
     for the L1 values the probe decides) and the commands. Every number comes from
-    :mod:`train.scaling`'s settings and estimate."""
+    :mod:`studies.scaling`'s settings and estimate."""
     from train.metrics import flops_per_token
-    from train.scaling import (
+    from studies.scaling import (
         StudyRow,
         estimate_seconds,
         model_shape,
@@ -814,7 +814,7 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          f"FFN path for all), a metric line every {s.log_every} steps, dead units over the "
          f"paper's window of {s.dead_window_tokens:,} tokens ({s.dead_window_tokens // s.tokens_per_step}"
          " steps)."), "",
-        ("**Settled** (`train.scaling.settle_check`): over the last fifth of training, each "
+        ("**Settled** (`studies.scaling.settle_check`): over the last fifth of training, each "
          "layer's training L0 at the window's end (the mean of its last fifth of logged points) "
          "differs from its start (the mean of its first fifth) by less than 5 %, or by less than "
          "0.5 active units a token (a near-dead layer's 5 % is below what a logged point "
@@ -847,7 +847,7 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          "resolution; BENCHMARKS.md, \"Training FFN\": ~15 % kept in one case), and the part kept "
          "depends on `l1_coeff / L` against the CE gradient, so on the coefficient and the depth. "
          "Measured on CPU at initialisation (width 512, 2 x 256 random tokens, seed 0, "
-         "`train.scaling.l1_gradient_kept`): at L1 1e-3, 8 layers kept 1.09, 18 layers 0.83, "
+         "`studies.scaling.l1_gradient_kept`): at L1 1e-3, 8 layers kept 1.09, 18 layers 0.83, "
          "38 layers 0.74 of the fp32 gradient; at 1e-4, 8 layers 0.16 and 38 layers 0.21. So at "
          "a given coefficient the depths are not regularised alike, by an amount that is not "
          "known in advance for trained weights. Every row records the share kept on its final "
@@ -1008,7 +1008,7 @@ def probe_text(probe: list[dict], targets=PAPER_L0_RANGE) -> str:
 
 def tokens_table(results: list[dict], n: int = 10) -> str:
     """Markdown: the ``n`` least and most active tokens of the largest model at each L1."""
-    from train.scaling_plots import token_extremes, token_label
+    from studies.scaling_plots import token_extremes, token_label
 
     blocks = []
     for rs in _sparse(results).values():
@@ -1085,7 +1085,7 @@ def doc_text(results: list[dict], targets: list[dict], plots: dict, judgements: 
          "paper's own shapes after 3.3 M tokens each (further down)."), "",
         (f"Generated by `{command}` from the result files in `{image_prefix}results/`; "
          f"`{image_prefix}runs.csv` has one row per run (both series; columns in "
-         "`train/scaling_report.py`, `CSV_COLUMNS`: seven-task numbers in percent and points). "
+         "`studies/scaling_report.py`, `CSV_COLUMNS`: seven-task numbers in percent and points). "
          "Blocks marked *Lead* are written by hand and kept when the page is regenerated."), "",
         "## Depth series: width 512, 8 / 18 / 28 / 38 layers, trained until sparsity settles", "",
         depth_plan_md(), "",
@@ -1108,7 +1108,7 @@ def doc_text(results: list[dict], targets: list[dict], plots: dict, judgements: 
              "in brackets; vs dense: against the same depth at L1 = 0; seven-task mean +- its "
              "standard error, and the paired difference from the dense control in points; L1 "
              "grad kept: the share of the L1 gradient bf16 training keeps on the final weights "
-             "(`train.scaling.l1_gradient_kept`); device s: training, then profile + evals, "
+             "(`studies.scaling.l1_gradient_kept`); device s: training, then profile + evals, "
              "wall seconds."), "",
         ]
         out += _plot_sections(DEPTH_PLOTS, series, plots, judgements)
@@ -1191,8 +1191,8 @@ def write_report(folders: list[Path], doc: Path, command: str = "scripts/scaling
     Raises:
         ReportError: see :func:`load_results`; ``doc`` exists without :data:`KEEP_MARKER`.
     """
-    from train.scaling import write_json_atomic
-    from train.scaling_plots import write_plots
+    from studies.scaling import write_json_atomic
+    from studies.scaling_plots import write_plots
 
     doc = Path(doc)
     out_dir = doc.parent / doc.stem

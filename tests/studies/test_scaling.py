@@ -1,4 +1,4 @@
-"""train.scaling / train.scaling_report and scripts/scaling_study.py: the plan, the recipe, the
+"""studies.scaling / studies.scaling_report and scripts/scaling_study.py: the plan, the recipe, the
 estimate, a CPU smoke study end to end (resume, skip, report), and the report on hand-made
 result files against hand-computed CSV values, targets and sentences."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.train_utils import write_tokens
-from train.report import flatten
-from train.scaling import (
+from studies.report import flatten
+from studies.scaling import (
     StudyRow,
     StudySettings,
     estimate_seconds,
@@ -24,7 +24,7 @@ from train.scaling import (
     plan_text,
     row_overrides,
 )
-from train.scaling_report import (
+from studies.scaling_report import (
     CSV_COLUMNS,
     DEPTH_PLOTS,
     KEEP_MARKER,
@@ -102,11 +102,11 @@ def test_settings_errors():
 
 
 def test_recipe_is_the_bench_model_stage1():
-    """The 1.5B row at L1 3e-4 composes to the bench model's stage-1 config (train.bench) up to
+    """The 1.5B row at L1 3e-4 composes to the bench model's stage-1 config (studies.bench) up to
     logging, validation size, checkpoint keeping, the dead-unit window and the FFN path (the
     bench's stage 1 trains in dense mode so that two runs take the same kernels; the study's
     rows train ffn_impl=auto)."""
-    from train.bench.recipe import Recipe, stage1_overrides
+    from studies.bench.recipe import Recipe, stage1_overrides
 
     bench = flatten(_compose(stage1_overrides("1p5b", Recipe())))
     study = flatten(_compose(row_overrides(StudyRow("1p5b", 3e-4), StudySettings())))

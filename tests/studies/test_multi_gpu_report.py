@@ -1,4 +1,4 @@
-"""train.multi_gpu: the two-GPU acceptance report on hand-made metrics files with known answers
+"""studies.multi_gpu: the two-GPU acceptance report on hand-made metrics files with known answers
 (loss and grad-norm differences over common steps, resumed-run steps, speed medians and ratios),
 and its one-line errors."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from train.multi_gpu import main, max_diff, report_lines, speed, train_rows
+from studies.multi_gpu import main, max_diff, report_lines, speed, train_rows
 
 
 def _write(path: Path, rows: list[dict]) -> None:

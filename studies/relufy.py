@@ -3,7 +3,7 @@ the scoring of their checkpoints, the results table, the study's targets and the
 estimate, and the loop that runs the rows in pieces of a few minutes (scripts/relufy_study.py
 is its command line).
 
-    from train.relufy import Study, StudyPlan, default_rows, run_study
+    from studies.relufy import Study, StudyPlan, default_rows, run_study
     study = Study(out, work, StudyPlan(tokens=40e6), default_rows())
     run_study(study, parallel=1, max_wall=570)    # resumable: call again to go on
 
@@ -20,7 +20,7 @@ metrics.jsonl, config.yaml, the tail of its log, and score.json); WORK (large; s
 holds the converted source (``source_hf/``) and each row's run directory
 (``runs/<row>/checkpoints``) and logs. A row is trained by ``python -m train`` in its own run
 directory (``trainer.resume=auto``: a stopped row continues from its last checkpoint), then
-scored by ``python -m train.relufy score`` (:func:`score_rows`: the seven tasks' full
+scored by ``python -m studies.relufy score`` (:func:`score_rows`: the seven tasks' full
 validation sets under the trainer's precision, stock transformers modules); a row whose
 score.json is in OUT is done and skipped.
 """
@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from evals.tasks import ALL_TASKS
-from train.jobs import ROOT, Job, last_train_record, run_finished, run_jobs, train_command
+from studies.jobs import ROOT, Job, last_train_record, run_finished, run_jobs, train_command
 
 KINDS = ("silu_original", "silu_control", "dense_relu", "sparse")
 TASK_COLUMN = {t: "csqa" if t == "commonsense_qa" else t for t in ALL_TASKS}  # results.csv
@@ -491,7 +491,7 @@ class Study:
 
     def score_job(self, rows: list[RowSpec]) -> Job:
         names = ",".join(r.name for r in rows)
-        return Job(f"score:{names}", [sys.executable, "-m", "train.relufy", "score", "--out",
+        return Job(f"score:{names}", [sys.executable, "-m", "studies.relufy", "score", "--out",
                                       str(self.out), "--work", str(self.work), "--rows", names],
                    log_path=self.work / "logs" / f"score_{time.strftime('%H%M%S')}.log")
 
@@ -790,9 +790,9 @@ def report_lines(study: Study) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m train.relufy score --out OUT --work WORK --rows a,b``: the study's scoring
+    """``python -m studies.relufy score --out OUT --work WORK --rows a,b``: the study's scoring
     process (:func:`score_rows`; the plan is read from OUT/study.json)."""
-    p = argparse.ArgumentParser(prog="python -m train.relufy")
+    p = argparse.ArgumentParser(prog="python -m studies.relufy")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("score", help="score rows of a study (the driver starts this)")
     s.add_argument("--out", type=Path, required=True)

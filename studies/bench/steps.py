@@ -58,7 +58,7 @@ def build_ours(model_cfg, weights: dict, device, dtype=None):
 def build_hf(model_cfg, weights: dict, device, dtype=None, variant: str = "hf"):
     """Stock ``LlamaForCausalLM`` (ReLU, SDPA) of ``model_cfg`` with ``weights``.
 
-    ``variant`` (:data:`train.bench.recipe.BASELINE_PATHS`): ``hf`` as built; ``liger``: with
+    ``variant`` (:data:`studies.bench.recipe.BASELINE_PATHS`): ``hf`` as built; ``liger``: with
     Liger-Kernel's RMSNorm, RoPE and fused linear cross-entropy (:func:`train.liger.use_liger`);
     ``compile``: every decoder layer ``torch.compile``-d (:func:`compile_layers`).
 

@@ -22,8 +22,8 @@ import torch
 
 from evals.tasks import ALL_TASKS as TASKS
 from tests.train_utils import datamodule_with_stub_tokenizer, tiny_config, write_tokens
-from train import report
-from train.report import (
+from studies import report
+from studies.report import (
     IncompleteRunError,
     MismatchError,
     ReportError,

@@ -26,7 +26,7 @@ import csv
 import json
 from pathlib import Path
 
-from train.bench.recipe import DENSE_PATHS, FFN_OF_IMPL, PATH_OF_FFN, PATHS, SPARSE_PATHS
+from studies.bench.recipe import DENSE_PATHS, FFN_OF_IMPL, PATH_OF_FFN, PATHS, SPARSE_PATHS
 
 BEST_COLUMNS = [
     "size", "budget_gb", "path", "micro_batch", "recompute", "train_tok_per_ms",
@@ -263,7 +263,7 @@ def write_report(out: Path, rows: list[dict], probes: list[dict], profile: list[
     ratios = target_ratios(rows, probes, equal_micro, default_ffn_of(meta))
     md = ["# Whole-model benchmark: the fastest way to train each model on each card", "",
           ("Every number is a row of `best_configs.csv` (probes: `probes.csv`); how they are "
-          "measured: `train/bench/` (module docstrings)."), "", "## Table 1", "", table, "",
+          "measured: `studies/bench/` (module docstrings)."), "", "## Table 1", "", table, "",
           "## Ratios", "", ratios_table(ratios), "", "## Every row", "", rows_table(rows), ""]
     md += ["## Runs", ""]
     for size, m in (meta.get("sizes") or {}).items():

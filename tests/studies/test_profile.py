@@ -1,4 +1,4 @@
-"""train.profile: the sparsity profile against hand-computed counts on a model of crafted weights,
+"""studies.profile: the sparsity profile against hand-computed counts on a model of crafted weights,
 and against the FFNs' own statistics on a real tiny Llama."""
 
 import math
@@ -9,7 +9,7 @@ from torch import nn
 
 from train.config import ModelConfig
 from train.model import build_model, ffn_modules
-from train.profile import position_bins, profile_sparsity, sparsity_profile
+from studies.profile import position_bins, profile_sparsity, sparsity_profile
 from twell.nn import SparseGatedMLP
 
 V, D, H, FIRST = 6, 4, 5, 2  # vocabulary, width, FFN width, positions with the "first" feature

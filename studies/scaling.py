@@ -1,6 +1,6 @@
 """The scaling-of-sparsity study, in self-contained pieces: the paper's sizes and a depth series.
 
-    from train.scaling import StudySettings, plan_rows, run_study
+    from studies.scaling import StudySettings, plan_rows, run_study
     rows = plan_rows(["0p5b", "1b", "1p5b", "2b"], [3e-4, 1e-4], reinit_sizes=["1p5b"])
     run_study(rows, StudySettings(), out=Path("out"), runs_dir=Path("runs/scaling"), max_wall=540)
 
@@ -31,13 +31,13 @@ Two series:
   (:func:`settle_check`) and be compared with the same model trained dense. A short *L1 probe*
   (:func:`plan_probe_rows`: the deepest model at a few L1 values for fewer steps) measures which
   L1 values put its L0 in the paper's range before the series runs (:func:`suggest_l1` in
-  :mod:`train.scaling_report`).
+  :mod:`studies.scaling_report`).
 
 A row is one piece that fits one call of a GPU machine that keeps nothing between calls:
 
-1. train it (:func:`train.jobs.run_jobs`: ``python -m train`` in ``<runs_dir>/<row>/``; a stopped
+1. train it (:func:`studies.jobs.run_jobs`: ``python -m train`` in ``<runs_dir>/<row>/``; a stopped
    row continues from its checkpoint when started again in the same run directory);
-2. profile its final checkpoint on held-out blocks (:func:`train.profile.profile_sparsity`),
+2. profile its final checkpoint on held-out blocks (:func:`studies.profile.profile_sparsity`),
    measure the share of the L1 gradient bf16 keeps on it (:func:`l1_gradient_kept`) and, with
    ``StudySettings.evals`` (not for probe rows), score the seven tasks on it
    (:func:`evals.evaluate`, per-item results kept for paired standard errors against the dense
@@ -49,7 +49,7 @@ A row is one piece that fits one call of a GPU machine that keeps nothing betwee
 A row whose result file exists in ``out`` (or in a folder of earlier results) is skipped, so the
 same command can run call after call. The run directory keeps the final checkpoint
 (``checkpoints/step{N}/``; ``keep`` prunes it) for later commands of the same call.
-:mod:`train.scaling_report` merges the result files of several calls and draws the plots.
+:mod:`studies.scaling_report` merges the result files of several calls and draws the plots.
 
 The paper-size recipe is ``scripts/bench_model.py``'s bench model (L1 3e-4 row = its stage 1):
 AdamW lr 1e-3, 10 warmup steps then cosine, micro-batch = global batch = 8 sequences of 2048,
@@ -71,7 +71,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from evals.tasks import TASKS
-from train.jobs import ROOT, Job, run_finished, run_jobs, train_command
+from studies.jobs import ROOT, Job, run_finished, run_jobs, train_command
 
 PAPER_SIZES = ("0p5b", "1b", "1p5b", "2b")
 # Training tokens/ms on one H200 at micro-batch 8 x 2048 without activation recomputation: the
@@ -294,7 +294,7 @@ def plan_probe_rows(layers: int, l1s: list[float], steps: int = DEPTH_PROBE_STEP
                     size: str = DEPTH_MODEL) -> list[StudyRow]:
     """The L1 probe: the model of ``layers`` layers at each nonzero L1 of ``l1s`` (ascending),
     ``steps`` optimizer steps each (a cosine schedule of its own); their held-out L0 tells which
-    L1 values put the series' deepest model in the paper's range (:func:`train.scaling_report.
+    L1 values put the series' deepest model in the paper's range (:func:`studies.scaling_report.
     suggest_l1`).
 
     Raises:
@@ -743,7 +743,7 @@ def post_train(run_dir: Path, ckpt: Path, s: StudySettings, log=print) -> tuple[
     ``s.evals``, score the seven tasks on it (:func:`row_evals`), one model load for both.
 
     Returns:
-        (profile, evals): the JSON-ready :meth:`train.profile.SparsityProfile.to_dict`, token
+        (profile, evals): the JSON-ready :meth:`studies.profile.SparsityProfile.to_dict`, token
         texts decoded with the data's tokenizer when it has one, and the :func:`row_evals` dict
         (None without ``s.evals``).
 
@@ -757,7 +757,7 @@ def post_train(run_dir: Path, ckpt: Path, s: StudySettings, log=print) -> tuple[
 
     from train.data import DataConfig, build_datamodule
     from train.model import load_model
-    from train.profile import profile_sparsity
+    from studies.profile import profile_sparsity
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bar per row
     cfg = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / "config.yaml"), resolve=True)
@@ -864,7 +864,7 @@ def row_evals(model, tokenizer, s: StudySettings, device, log=print) -> dict:
         unweighted mean of the primary metrics, ``mean_stderr`` its standard error
         ``sqrt(sum stderr^2) / n_tasks`` (tasks independent); ``correct`` the per-item
         correctness of the primary metric, in item order (the paired difference against
-        another row on the same items: :func:`train.scaling_report.paired_diff`).
+        another row on the same items: :func:`studies.scaling_report.paired_diff`).
     """
     import torch
 

@@ -121,7 +121,7 @@ def profile_step(step: Callable[[], object], device, dims: dict, *, steps: int =
     """
     from torch.profiler import ProfilerActivity, profile
 
-    from train.bench.steps import time_steps
+    from studies.bench.steps import time_steps
 
     dev = torch.device(device)
     if dev.type != "cuda":
@@ -200,12 +200,12 @@ def family_table(profiles: dict[str, StepProfile], tokens_per_step: int) -> str:
 def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, warmup: int = 3,
                   timed: int = 6) -> dict[str, StepProfile]:
     """Profile one training step of each path of ``paths`` on the bench model of ``run`` (a
-    :class:`train.bench.core.SizeRun`), ``micro`` sequences per step, no recomputation, one
+    :class:`studies.bench.core.SizeRun`), ``micro`` sequences per step, no recomputation, one
     micro-batch per optimizer step (learning rate 0: every kernel runs, the weights stay).
     A path that fails (out of memory) is logged and left out."""
-    from train.bench.recipe import BASELINE_PATHS, split_profile_path
-    from train.bench.stages import build_our_trainer, use_ffn
-    from train.bench.steps import HFStep, batches_from, build_hf, free_memory, is_oom, log
+    from studies.bench.recipe import BASELINE_PATHS, split_profile_path
+    from studies.bench.stages import build_our_trainer, use_ffn
+    from studies.bench.steps import HFStep, batches_from, build_hf, free_memory, is_oom, log
     from train.memory import Plan
     from twell.ops.launch import kernel_config
 
