@@ -72,7 +72,6 @@ import sys
 import time
 from pathlib import Path
 
-from train.config import ConfigError
 from studies.ffn_compare import (
     SMOKE_OVERRIDES,
     check_plan,
@@ -88,6 +87,7 @@ from studies.ffn_compare import (
     write_smoke_tokens,
 )
 from studies.jobs import ROOT, Job, run_jobs, train_command
+from train.config import ConfigError
 
 
 def parse_args(argv=None):

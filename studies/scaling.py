@@ -755,9 +755,9 @@ def post_train(run_dir: Path, ckpt: Path, s: StudySettings, log=print) -> tuple[
     from omegaconf import OmegaConf
     from transformers.utils import logging as hf_logging
 
+    from studies.profile import profile_sparsity
     from train.data import DataConfig, build_datamodule
     from train.model import load_model
-    from studies.profile import profile_sparsity
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bar per row
     cfg = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / "config.yaml"), resolve=True)

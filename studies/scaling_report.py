@@ -727,7 +727,6 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
     order packed into device calls (:func:`studies.scaling.pack_calls`, with :data:`STAND_IN_L1`
     for the L1 values the probe decides) and the commands. Every number comes from
     :mod:`studies.scaling`'s settings and estimate."""
-    from train.metrics import flops_per_token
     from studies.scaling import (
         StudyRow,
         estimate_seconds,
@@ -737,6 +736,7 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
         plan_probe_rows,
         row_params,
     )
+    from train.metrics import flops_per_token
 
     s = s or StudySettings.for_depth_series()
     weak, strong = STAND_IN_L1

@@ -472,8 +472,8 @@ def test_auto_is_timed_from_the_paths_its_search_probed(tmp_path, monkeypatch):
     # ffn_impl=torch: every layer dense), else it runs dense at the ell search's micro-batch
     from types import SimpleNamespace
 
+    from studies.bench import stages
     from tests.train_utils import tiny_config, write_tokens
-    from train.bench import stages
     from train.trainer import Trainer
     from twell.policy import FFNPolicy
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.gguf_utils import write_tiny_gguf
 from studies.relufy import CSV_COLUMNS, read_results
+from tests.gguf_utils import write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = ["silu_original", "silu_control", "dense_relu", "l1_0.5", "l1_0.5_kd"]

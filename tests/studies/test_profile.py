@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+from studies.profile import position_bins, profile_sparsity, sparsity_profile
 from train.config import ModelConfig
 from train.model import build_model, ffn_modules
-from studies.profile import position_bins, profile_sparsity, sparsity_profile
 from twell.nn import SparseGatedMLP
 
 V, D, H, FIRST = 6, 4, 5, 2  # vocabulary, width, FFN width, positions with the "first" feature

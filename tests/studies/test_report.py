@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from evals.tasks import ALL_TASKS as TASKS
-from tests.train_utils import datamodule_with_stub_tokenizer, tiny_config, write_tokens
 from studies import report
 from studies.report import (
     IncompleteRunError,
@@ -31,6 +30,7 @@ from studies.report import (
     l0_by_position,
     load_run,
 )
+from tests.train_utils import datamodule_with_stub_tokenizer, tiny_config, write_tokens
 from train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_utils import write_tokens
 from studies.report import flatten
 from studies.scaling import (
     StudyRow,
@@ -41,6 +40,7 @@ from studies.scaling_report import (
     sentence_max_vs_mean,
     write_report,
 )
+from tests.train_utils import write_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 

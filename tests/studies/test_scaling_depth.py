@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 import studies.scaling as sc
-from tests.train_utils import write_tokens
 from studies.report import flatten
 from studies.scaling import (
     StudyRow,
@@ -42,6 +41,7 @@ from studies.scaling_report import (
     suggest_l1,
     write_report,
 )
+from tests.train_utils import write_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 W, S = 3e-4, 1e-3  # a weak and a strong L1
