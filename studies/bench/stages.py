@@ -195,6 +195,14 @@ def time_trainer(run: SizeRun, tr, plan: Plan, seed: int) -> tuple:
     return window, tr.log_metrics(interval)
 
 
+def forward_reruns(m: dict) -> str:
+    """``; forward reruns N`` for the notes of a row whose timed steps ran some micro-batch's
+    forward again (``model.ffn_host_sync=micro_batch``; ``redos`` counts whole steps), else
+    ``""``."""
+    n = m.get("ffn_forward_redos", 0)
+    return f"; forward reruns {n}" if n else ""
+
+
 def time_our_path(run: SizeRun, tr, path: str, b: Budget) -> None:
     """One of our rows: the searched choice of ``path`` at ``b``, timed (or why not)."""
     choice = path_choice(run, path, b)
@@ -214,7 +222,7 @@ def time_our_path(run: SizeRun, tr, path: str, b: Budget) -> None:
         free_memory(run.device)
         return add_row(run, skipped_row(run, path, b, "out of memory while timing", choice,
                                         check_ok=ok))
-    notes = f"timed L0 {m['l0_mean']:.1f}"
+    notes = f"timed L0 {m['l0_mean']:.1f}" + forward_reruns(m)
     if choice.ffn == "auto":
         paths = tr.plan.paths
         notes += f"; ell layers {paths.count('ell')}/{len(paths)}"
@@ -421,7 +429,8 @@ def time_default(run: SizeRun, tr, plan: Plan, b: Budget) -> dict:
         return new_row(run, "default", b, notes=f"{plan_note(tr, plan)}; out of memory while "
                                                 "timing", **base)
     return new_row(run, "default", b, redos=m.get("ffn_backup_redos", 0),
-                   notes=f"{plan_note(tr, plan)}; timed L0 {m['l0_mean']:.1f}", **base,
+                   notes=f"{plan_note(tr, plan)}; timed L0 {m['l0_mean']:.1f}"
+                         + forward_reruns(m), **base,
                    **timed_fields(run, window, plan.micro_batch, choice))
 
 
