@@ -496,9 +496,7 @@ class ProbeRunner:
         finally:
             tr.optimizer.zero_grad(set_to_none=True)
             profiling.__exit__(None, None, None)
-        if cuda:  # the failed probe's blocks go back to the device; the traceback's frames
-            gc.collect()  # form cycles that hold its tensors until collected
-            torch.cuda.empty_cache()
+        free_memory(tr.device)
         flag = torch.tensor([float(oom)], device=tr.device)
         peak = torch.cuda.max_memory_allocated(tr.device) / 2**30 if cuda else math.nan
         vals = torch.tensor([peak, statistics.median(times) if times else math.nan],
@@ -566,6 +564,17 @@ def choose_initial_paths(trainer, ids_BT: torch.Tensor, *, force: bool = False) 
     ell = sum(p == "ell" for p in paths)
     return (f"ffn: {ell} of {len(paths)} layers start on ell (L0 {sum(l0_L) / len(l0_L):.1f} "
             f"over {ids.numel()} probe tokens)")
+
+
+def free_memory(device) -> None:
+    """Collect the last measurement's tensors and return cached blocks to the device (CUDA
+    only: on the CPU memory is not measured and a full collection costs ~0.5 s). After an
+    out-of-memory error the traceback's frames form reference cycles that hold the failed
+    step's tensors until a collection; without it every later probe ran out of memory too
+    (BENCHMARKS.md, "Call 3 outcome")."""
+    if torch.device(device).type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def device_probe(trainer) -> Callable[[Candidate], Measurement] | None:

@@ -6,7 +6,6 @@ Shape legend: B micro-batch (sequences), T sequence length.
 
 from __future__ import annotations
 
-import gc
 import math
 import statistics
 import time
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.memory import OOM, Candidate, Measurement
+from train.memory import OOM, Candidate, Measurement, free_memory
 from train.recompute import set_recompute
 
 GIB = 2**30
@@ -103,14 +102,6 @@ def cpu_weights(model, pin: bool) -> dict:
     page-locked (copies to the GPU ~2x faster)."""
     out = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     return {k: v.pin_memory() for k, v in out.items()} if pin else out
-
-
-def free_memory(device) -> None:
-    """Collect the last measurement's tensors and return cached blocks to the device (CUDA
-    only: on the CPU memory is not measured and a full collection costs ~0.5 s)."""
-    if torch.device(device).type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def is_oom(e: BaseException) -> bool:
@@ -205,8 +196,7 @@ class HFProbe:
             oom = True
         finally:
             st.optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.empty_cache()
+        free_memory(dev)
         if oom:
             return OOM
         peak = torch.cuda.max_memory_allocated(dev) / GIB if cuda else math.nan
