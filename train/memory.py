@@ -535,9 +535,19 @@ def choose_initial_paths(trainer, ids_BT: torch.Tensor, *, force: bool = False) 
     (the whole-model bench, whose bench model's plan state comes from a stage that trained
     dense).
 
+    Args:
+        trainer: the :class:`train.trainer.Trainer` (its model, FFN plan and accelerator).
+        ids_BT: int64 token ids ``(B, T)`` (a :class:`ProbeRunner`'s batch); the first
+            :data:`INITIAL_PATH_SEQUENCES` rows are used.
+        force: choose on a plan that has seen steps (the bench).
+
     Returns:
         a log line naming how many layers start on ``ell``, or None when nothing was chosen
         (a resumed plan without ``force``, no layer that ``auto`` chooses).
+
+    Raises:
+        torch.cuda.OutOfMemoryError: the forward did not fit (whole layers checkpointed: it
+            holds one layer's activations and each layer's input); nothing is changed then.
     """
     from train.sparsity import collect_stats, l1_penalty
 

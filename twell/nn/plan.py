@@ -306,9 +306,12 @@ class FFNPlan:
         none when no layer runs on a no-sync capacity (then ``[]`` at once).
 
         Args:
-            heavy_L: (L,) device tensor, the micro-batch's heavy rows per layer
+            heavy_L: (L,) float32 device tensor, the micro-batch's heavy rows per layer
                 (``SparsityStats.heavy_L`` of the forward).
             rows: token rows of the micro-batch's FFN calls.
+
+        Returns:
+            the overflowed layers' indices, ascending (a list of ints).
         """
         caps = [(k, min(c, rows - 1)) for k, c in enumerate(self._step_caps) if c is not None]
         if not caps:
