@@ -547,7 +547,8 @@ def choose_initial_paths(trainer, ids_BT: torch.Tensor, *, force: bool = False) 
 
     Raises:
         torch.cuda.OutOfMemoryError: the forward did not fit (whole layers checkpointed: it
-            holds one layer's activations and each layer's input); nothing is changed then.
+            holds one layer's activations and each layer's input); the paths stay as they
+            were, the recomputation is left at full (the caller sets its own).
     """
     from train.sparsity import collect_stats, l1_penalty
 
