@@ -139,3 +139,21 @@ def one_line(err) -> str:
     msg = str(err.value)
     assert "\n" not in msg, msg
     return msg
+
+
+class FakeClock:
+    """A deterministic clock for the plan's timers: each timed section (layer, path, fwd | bwd)
+    takes ``ms[key]`` milliseconds (1 ms each without ``ms``); the keys started are recorded in order."""
+
+    def __init__(self, ms=None):
+        self.ms, self.keys = ms, []
+
+    def start(self, key):
+        self.keys.append(key)
+        return key
+
+    def stop(self, token):
+        return token
+
+    def poll(self, handle):
+        return 1.0 if self.ms is None else self.ms[handle]

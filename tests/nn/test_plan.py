@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.train_utils import read_metrics, tiny_config, write_tokens
+from tests.train_utils import FakeClock, read_metrics, tiny_config, write_tokens
 from twell.nn import FFNPlan, SparseGatedMLP, StepStats, trains_ell
 from twell.nn.chooser import LayerMeasure, density_rule
 from twell.nn.plan import default_path, layer_plan
@@ -326,24 +326,6 @@ def test_a_real_run_switches_a_layer_between_ell_and_dense(tmp_path):
 
 
 # ------------------------------------------------------------ measured auto (training)
-
-
-class FakeClock:
-    """A deterministic clock for the plan's timers: each timed section (layer, path, fwd | bwd)
-    takes ``ms[key]`` milliseconds; the keys started are recorded in order."""
-
-    def __init__(self, ms):
-        self.ms, self.keys = ms, []
-
-    def start(self, key):
-        self.keys.append(key)
-        return key
-
-    def stop(self, token):
-        return token
-
-    def poll(self, handle):
-        return self.ms[handle]
 
 
 def _clock(per_layer):

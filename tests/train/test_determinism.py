@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.train_utils import read_metrics, tiny_config, write_tokens
+from tests.train_utils import FakeClock, read_metrics, tiny_config, write_tokens
 from train import determinism
 from train.config import ConfigError
 from train.trainer import Trainer
@@ -33,23 +33,6 @@ def torch_flags():
     determinism.restore(before)
     if before.cublas is not None:
         os.environ[determinism.CUBLAS_ENV] = before.cublas
-
-
-class FakeClock:
-    """Records the timed sections the plan's layer timers start (1 ms each)."""
-
-    def __init__(self):
-        self.keys = []
-
-    def start(self, key):
-        self.keys.append(key)
-        return key
-
-    def stop(self, token):
-        return token
-
-    def poll(self, handle):
-        return 1.0
 
 
 def _cfg(tokens, deterministic, **over):
