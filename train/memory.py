@@ -565,9 +565,11 @@ def choose_initial_paths(trainer, ids_BT: torch.Tensor, *, force: bool = False) 
         tr.model(input_ids=ids, labels=ids)
         _, sp = l1_penalty(collect_stats(tr.mlps))
         vals = torch.stack([sp.nnz_sum_L, sp.heavy_L]).double() / sp.n_tokens
-    for m in tr.mlps:  # their stats hold the forward's graph (no backward frees it): kept, it
-        m.last_stats = None  # inflated the first probe's peak (2B: ~20 GB), the planner's
-    del sp                   # slope came out negative and its probes ran out of memory
+    # the FFNs' stats hold the forward's graph (no backward frees it); kept, it would count in
+    # the first probe's peak and bend the planner's peak line (BENCHMARKS.md, "Call 3 outcome")
+    for m in tr.mlps:
+        m.last_stats = None
+    del sp
     if tr.acc.num_processes > 1:
         vals = tr.acc.reduce(vals, "mean")
     l0_L, heavy_L = vals.tolist()  # host sync (setup: once)
