@@ -309,10 +309,11 @@ class TrainerConfig:
     max_steps: int = 300
     """Optimizer steps of the run (also the length of the cosine schedule)."""
     global_batch: int = 16
-    """Sequences per optimizer step over all ranks; accumulation = global / (micro * world)."""
+    """Sequences per optimizer step over all ranks; accumulation = ceil(global / (micro * world))
+    micro-batches of balanced sizes (none above micro_batch) when micro * world does not divide."""
     micro_batch: int | None = 16
-    """Sequences per forward/backward on one rank; null = the memory planner picks it
-    (trainer.memory=auto: the fastest divisor of global_batch / world size that fits)."""
+    """Sequences per forward/backward on one rank (at most); null = the memory planner picks it
+    (trainer.memory=auto: the fastest that fits, any size up to global_batch / world size)."""
     precision: str = "auto"
     """auto (bf16 autocast on GPU, fp32 on CPU) | bf16 (autocast, fp32 master weights) | fp32."""
     cpu: bool = False
@@ -444,11 +445,10 @@ class TrainerConfig:
                               f"device's memory less a margin); got {b}.")
         if self.micro_batch is not None:
             _check_positive_int("trainer.micro_batch", self.micro_batch)
-        if self.micro_batch is not None and self.global_batch % self.micro_batch:
+        if self.micro_batch is not None and self.micro_batch > self.global_batch:
             raise ConfigError(
-                f"trainer.global_batch={self.global_batch} is not divisible by trainer.micro_batch="
-                f"{self.micro_batch}; set global_batch to a multiple of micro_batch x world size."
-            )
+                f"trainer.micro_batch={self.micro_batch} is more than trainer.global_batch="
+                f"{self.global_batch} sequences a step; lower micro_batch or raise global_batch.")
         if self.precision not in PRECISIONS:
             raise ConfigError(
                 f"trainer.precision={self.precision!r} is unknown; use one of {', '.join(PRECISIONS)}."
@@ -581,21 +581,24 @@ class TrainConfig:
         return self.sparsity.distill_from is not None and self.sparsity.distill_weight > 0
 
     def check_world(self, world_size: int) -> int:
-        """Gradient-accumulation steps for ``world_size`` ranks; ConfigError if it does not divide."""
+        """Gradient-accumulation steps for ``world_size`` ranks: ``ceil(P / micro_batch)`` with
+        ``P = global_batch / world_size`` (the micro-batches' sizes balanced when it does not
+        divide, ``train.memory.micro_batch_sizes``); ConfigError when the world size does not
+        divide global_batch or micro_batch is more than ``P``."""
         t = self.trainer
-        if t.micro_batch is None and t.global_batch % world_size:
+        if t.global_batch % world_size:
             raise ConfigError(
                 f"trainer.global_batch={t.global_batch} is not divisible by the world size "
                 f"{world_size}; set global_batch to a multiple of {world_size}.")
+        per_rank = t.global_batch // world_size
         # null micro-batch: the memory planner sets it after its probes (train/memory.py)
-        per_step = (t.micro_batch or 1) * world_size
-        if t.global_batch % per_step:
+        micro = t.micro_batch or 1
+        if micro > per_rank:
             raise ConfigError(
-                f"trainer.global_batch={t.global_batch} is not divisible by trainer.micro_batch="
-                f"{t.micro_batch} x world size {world_size}; set global_batch to a multiple of "
-                f"{per_step} or change micro_batch."
-            )
-        return t.global_batch // per_step
+                f"trainer.micro_batch={micro} is more than the {per_rank} sequences each of "
+                f"{world_size} ranks takes per step (trainer.global_batch={t.global_batch}); "
+                f"set micro_batch <= {per_rank} or raise global_batch.")
+        return -(-per_rank // micro)
 
 
 # keys that were renamed: the CLI's unknown-key message gives the new name and why

@@ -6,8 +6,10 @@ Why: on one H200 every FFN path trained 1.27-1.32x faster without activation rec
 and it fits at 1.5B and 2B (BENCHMARKS.md, "Memory planner"); which micro-batch and which
 recomputation fit depends on the model, the FFN path, the loss and the card, so it is measured.
 
-Candidates: ``micro_batch`` in the divisors of ``global_batch / world size`` (accumulation keeps
-``global_batch``) x ``recompute`` (:data:`train.recompute.RECOMPUTE_MODES`): ``none``;
+Candidates: ``micro_batch`` in :func:`micro_batch_candidates` of ``P = global_batch / world size``
+(the largest micro-batch of each accumulation count: a step of ``P`` sequences runs as
+``ceil(P / micro_batch)`` micro-batches of balanced sizes, :func:`micro_batch_sizes`, so the
+global batch stays what the user set and the micro-batch need not divide it) x ``recompute`` (:data:`train.recompute.RECOMPUTE_MODES`): ``none``;
 ``attention`` (every layer recomputes its attention half, its FFN runs once outside:
 ``checkpoint_ffn=never``); ``full`` (whole layers). ``attention_ell`` (``checkpoint_ffn=auto``:
 only layers on the ELL path skip their FFN's recomputation) is taken only when the user sets
@@ -22,8 +24,9 @@ AdamW moments not allocated yet (8 bytes per fp32 parameter before the first opt
 with the 4 + 4 of weights and gradients, 16 bytes a parameter on one GPU). ``a_r`` and ``b_r``
 come from two probes at the two smallest micro-batches of at least ``min_probe_tokens`` tokens
 (the fused loss's chunk: below it the chunk grows with the batch and the line's slope would be
-too steep); the largest micro-batch the line fits within the budget is then probed itself (the
-confirmation), stepping to the next smaller divisor while it does not fit.
+too steep), both divisors of ``P`` (points far enough apart for a steady slope); the largest
+candidate the line fits within the budget is then probed itself (the confirmation), stepping to
+the next smaller candidate while it does not fit (a probe that ran refits the line through it).
 
 A probe (:class:`ProbeRunner`): forward and backward (CE + L1, as a training micro-step) of a
 fixed batch of real token ids (held-out sequences, repeated to the micro-batch), one warm-up and
@@ -39,7 +42,8 @@ every candidate of one global batch). Values the user set (``trainer.micro_batch
 overridden: with both set the planner only probes them and warns when they do not fit.
 
 During the run (:meth:`TrainerMemory.step_down`): an out-of-memory error inside a training step
-makes the planner step down (the next smaller micro-batch; at the smallest, or with the
+makes the planner step down (the next smaller divisor of ``P``: a large step, so that one
+error is rarely followed by another; at the smallest, or with the
 micro-batch set by the user, the next heavier recomputation), and the step is redone from the
 same batches (:class:`StepBatches`), so no data and no update is lost. One process only: under
 several ranks the error propagates (the other ranks wait in a collective).
@@ -129,7 +133,8 @@ class Plan:
     micro_batch: int
     recompute: str
     accum: int
-    """Micro-steps per optimizer step on one rank (global_batch / (micro_batch x world))."""
+    """Micro-steps per optimizer step on one rank: ``ceil(P / micro_batch)``, ``P`` = global_batch
+    / world size (their sizes: :func:`micro_batch_sizes`)."""
     peak_gb: float | None
     """Predicted peak GiB of a step (probe peak + optimizer state to come); None unmeasured."""
     tok_per_ms: float | None
@@ -147,6 +152,35 @@ def micro_batches(batch_per_rank: int) -> list[int]:
     if batch_per_rank < 1:
         raise ValueError(f"batch_per_rank must be >= 1; got {batch_per_rank}")
     return [m for m in range(1, batch_per_rank + 1) if batch_per_rank % m == 0]
+
+
+def micro_batch_candidates(batch_per_rank: int) -> list[int]:
+    """The planner's micro-batches, ascending: for each accumulation count ``a`` the largest
+    micro-batch of a step of ``batch_per_rank`` sequences split into ``a`` balanced ones,
+    ``ceil(batch_per_rank / a)``. Holds every divisor; 512 gives 1-27, 29, 31, 32, 35, ..., 512.
+
+    Why not only the divisors: at global batch 512 the fastest micro-batch that fits may be 12
+    or 24 (2B on 80 GB / 141 GB, BENCHMARKS.md "Uneven micro-batches"), where the divisors
+    allowed 8 and 16 (0.91x and 0.96x of the step's speed)."""
+    if batch_per_rank < 1:
+        raise ValueError(f"batch_per_rank must be >= 1; got {batch_per_rank}")
+    return sorted({-(-batch_per_rank // a) for a in range(1, batch_per_rank + 1)})
+
+
+def micro_batch_sizes(batch_per_rank: int, micro_batch: int) -> list[int]:
+    """The micro-batches (sequences each) of one optimizer step on one rank, in order:
+    ``ceil(batch_per_rank / micro_batch)`` of them, sizes differing by at most one (larger
+    first), none above ``micro_batch``, summing to ``batch_per_rank``. ``[micro_batch] * (P //
+    micro_batch)`` when ``micro_batch`` divides ``P``. E.g. ``(512, 24)``: 6 x 24 + 16 x 23.
+
+    Raises:
+        ValueError: a size < 1, or micro_batch > batch_per_rank."""
+    if batch_per_rank < 1 or not 1 <= micro_batch <= batch_per_rank:
+        raise ValueError(f"need 1 <= micro_batch <= batch_per_rank; got micro_batch "
+                         f"{micro_batch}, batch_per_rank {batch_per_rank}")
+    accum = -(-batch_per_rank // micro_batch)
+    q, r = divmod(batch_per_rank, accum)
+    return [q + 1] * r + [q] * (accum - r)
 
 
 def recompute_choices(grad_checkpointing: bool | None, checkpoint_ffn: str | None, *,
@@ -227,7 +261,7 @@ class MemoryPlanner:
             many tokens (the fused loss's chunk rows; 0 = the smallest divisor).
 
     Raises:
-        ValueError: a user micro-batch that does not divide batch_per_rank, an unknown or empty
+        ValueError: a user micro-batch outside 1..batch_per_rank, an unknown or empty
             recompute, a budget that is not > 0.
     """
 
@@ -236,9 +270,10 @@ class MemoryPlanner:
                  micro_batch: int | None = None,
                  recompute: tuple[str, ...] = PLANNED_RECOMPUTE,
                  min_probe_tokens: int = 0) -> None:
-        self.micros = micro_batches(batch_per_rank)
-        if micro_batch is not None and micro_batch not in self.micros:
-            raise ValueError(f"micro_batch={micro_batch} does not divide the {batch_per_rank} "
+        self.micros = micro_batch_candidates(batch_per_rank)
+        self.divisors = micro_batches(batch_per_rank)  # the slope probes' and step-down's
+        if micro_batch is not None and not 1 <= micro_batch <= batch_per_rank:
+            raise ValueError(f"micro_batch={micro_batch} is not within 1..{batch_per_rank}, the "
                              "sequences per rank and step")
         bad = [r for r in recompute if r not in RECOMPUTE_MODES]
         if bad or not recompute:
@@ -286,34 +321,61 @@ class MemoryPlanner:
     # -- the decision ---------------------------------------------------------------------------
     def _largest_fitting(self, r: str) -> Candidate | None:
         """Mode ``r``'s largest micro-batch that fits, confirmed by a probe; None if none does."""
-        ms = self.micros
-        first = next((i for i, m in enumerate(ms) if m * self.seq_len >= self.min_probe_tokens),
-                     len(ms) - 1)
-        points = [Candidate(m, r) for m in ms[first:first + 2]]
+        ds = self.divisors
+        first = next((i for i, m in enumerate(ds) if m * self.seq_len >= self.min_probe_tokens),
+                     len(ds) - 1)
+        points = [Candidate(m, r) for m in ds[first:first + 2]]
         for c in points:
             self.measure(c)
         ok = [c for c in points if self.fits(c)]
         if not ok:  # the smallest probe point is already too big: walk down, probing
-            for m in reversed(ms[:first]):
+            for m in reversed([m for m in self.micros if m < ds[first]]):
                 c = Candidate(m, r)
                 self.measure(c)
                 if self.fits(c):
                     return c
             return None
-        if len(ok) < 2:  # one point fits (the other did not): nothing between them
-            return ok[-1]
+        if len(ok) < 2:  # one point fits, the other ran above the budget: the line between them
+            (m1, m2), big = [c.micro_batch for c in points], self.measured[points[-1]]
+            if ok[0] != points[0] or big.oom:  # or ran out of memory: nothing to fit a line to
+                return ok[0]
+            self._fit_line(r, (m1, self.measured[ok[0]].peak_gb), (m2, big.peak_gb))
+            return self._confirm(r, [m for m in self.micros if m1 < m < m2], ok[0])
         (m1, p1), (m2, p2) = [(c.micro_batch, self.measured[c].peak_gb) for c in ok]
+        self._fit_line(r, (m1, p1), (m2, p2))
+        return self._confirm(r, [m for m in self.micros if m > m2], ok[-1])
+
+    def _fit_line(self, r: str, lo: tuple[int, float], hi: tuple[int, float]) -> None:
+        (m1, p1), (m2, p2) = lo, hi
         b = max((p2 - p1) / (m2 - m1), 0.0)
         self.lines[r] = (p1 - b * m1, b)
-        for m in reversed(ms):  # the largest the line fits, confirmed by a probe (else lower)
-            if m <= m2:
-                break
+
+    def _confirm(self, r: str, above: list[int], fallback: Candidate) -> Candidate:
+        """The largest of ``above`` (micro-batches, ascending) that fits, confirmed by a probe;
+        ``fallback`` (measured, fits) when none does. Tried first: the largest that mode ``r``'s
+        line fits. A probe that ran above the budget refits the line through it and the largest
+        that fits so far; one that ran out of memory leaves the line untrusted, and the rest is
+        bisected between the largest that fits and the smallest that does not."""
+        lo, hi, bisect = fallback.micro_batch, math.inf, False  # lo fits (measured), hi does not
+        while True:
+            between = [m for m in above if lo < m < hi]
+            if not bisect:
+                between = [m for m in between if self.fits(Candidate(m, r))]  # the line's
+            if not between:
+                return Candidate(lo, r)
+            m = between[len(between) // 2] if bisect else between[-1]
             c = Candidate(m, r)
-            if self.fits(c):  # predicted by the line
-                self.measure(c)
-                if self.fits(c):  # measured
+            self.measure(c)
+            if self.fits(c):
+                if not bisect:
                     return c
-        return ok[-1]
+                lo = m
+                continue
+            hi, got = m, self.measured[c]
+            if got.oom:
+                bisect = True
+            elif not bisect:
+                self._fit_line(r, (lo, self.measured[Candidate(lo, r)].peak_gb), (m, got.peak_gb))
 
     def _choose(self) -> tuple[Candidate, str, bool]:
         """(candidate, why, fits) before any step-down."""
@@ -354,7 +416,7 @@ class MemoryPlanner:
         user-set one), else the next heavier recompute mode allowed (at the largest micro-batch
         its line fits, else the same); None when there is nothing lower. No probe is run."""
         cur = Candidate(self.plan.micro_batch, self.plan.recompute)
-        smaller = [m for m in self.micros if m < cur.micro_batch]
+        smaller = [m for m in self.divisors if m < cur.micro_batch]
         if self.user_micro is None and smaller:
             new = Candidate(smaller[-1], cur.recompute)
         else:
@@ -372,7 +434,7 @@ class MemoryPlanner:
     def _plan(self, c: Candidate, why: str, fits: bool) -> Plan:
         peak = self.step_peak_gb(c)
         tok = self.tok_per_ms(c)
-        return Plan(c.micro_batch, c.recompute, self.batch_per_rank // c.micro_batch,
+        return Plan(c.micro_batch, c.recompute, -(-self.batch_per_rank // c.micro_batch),
                     None if peak is None or not math.isfinite(peak) else peak,
                     None if math.isnan(tok) else tok, self.budget_gb, why, fits,
                     candidates=[{"micro_batch": k.micro_batch, "recompute": k.recompute,
@@ -636,9 +698,10 @@ class StepBatches:
     def rewind(self, micro_batch: int) -> bool:
         """Replay the current step's sequences as batches of ``micro_batch`` next; False (and
         nothing changes) unless the step was drawn whole and nothing is waiting for replay."""
-        if self.n != self.per_step or self.replay or self.per_step % micro_batch:
+        if self.n != self.per_step or self.replay or micro_batch > self.per_step:
             return False
-        self.replay = deque(torch.cat(self.drawn).split(micro_batch))
+        sizes = micro_batch_sizes(self.per_step, micro_batch)
+        self.replay = deque(torch.cat(self.drawn).split(sizes))
         self.drawn, self.n, self.fresh = [], 0, True
         return True
 
@@ -822,7 +885,7 @@ def plan_memory(trainer, probe: Callable[[Candidate], Measurement] | None = None
     probe = probe if probe is not None else device_probe(trainer)
     if probe is None:
         micro = t.micro_batch or max(m for m in micro_batches(per_rank) if m <= CPU_MICRO_BATCH)
-        tm.apply(Plan(micro, modes[0], per_rank // micro, None, None, None,
+        tm.apply(Plan(micro, modes[0], -(-per_rank // micro), None, None, None,
                       "no CUDA device to measure on"))
         return tm
     budget = t.memory_budget_gb or device_budget_gb(trainer.device)

@@ -760,9 +760,13 @@ class Trainer:
              "active_LH": torch.zeros(L, cfg.model.intermediate_size, dtype=torch.int64,
                                       device=dev)}
         check = self.plan.host_sync == "micro_batch"  # one process (_setup_parallel)
+        n_micro, n_seq = len(ids), sum(x.shape[0] for x in ids)
         for micro, ids_cpu in enumerate(ids):
             ids_BT = ids_cpu.to(dev, non_blocking=True)  # (B, T) token ids
-            sync = micro == self.accum - 1  # DDP all-reduces gradients on the last micro-step
+            # a micro-batch's mean loss counts by its share of the step's sequences: 1.0 when
+            # they are all the same size (bitwise as before), else B * n_micro / n_seq
+            share = ids_BT.shape[0] * n_micro / n_seq
+            sync = micro == n_micro - 1  # DDP all-reduces gradients on the last micro-step
             with nullcontext() if sync else acc.no_sync(model):
                 out = model(input_ids=ids_BT, labels=ids_BT)
                 ce = out.loss  # mean over B*(T-1) targets; distillation: CE + w T^2 KL
@@ -781,22 +785,43 @@ class Trainer:
                     ce = out.loss
                     l1, sp = l1_penalty(collect_stats(self.mlps))
                 loss = ce + coeff * l1
-                acc.backward(loss / self.accum)
+                acc.backward(loss * share / n_micro)
             kl = getattr(out, "distill_kl", None)  # sparsity.distill_*: log CE and KL apart
             if kl is not None:
                 ce = out.distill_ce
                 m["distill_kl"] = m.get("distill_kl", 0.0) + kl
-            m["loss"] += loss.detach()
-            m["ce"] += ce.detach()
-            m["l1"] += l1.detach()
+            m["loss"] += loss.detach() * share
+            m["ce"] += ce.detach() * share
+            m["l1"] += l1.detach() * share
             m["nnz_sum_L"] += sp.nnz_sum_L
             m["heavy_L"] += sp.heavy_L
             m["heavy_max_L"] = torch.maximum(m["heavy_max_L"], sp.heavy_L)
             m["nnz_max_L"] = torch.maximum(m["nnz_max_L"], sp.nnz_max_L)
             m["ffn_tokens"] += sp.n_tokens
             m["active_LH"] += sp.active_LH
-            m["micro_tokens"] = sp.n_tokens
+            m["micro_tokens"] = max(m["micro_tokens"], sp.n_tokens)  # the largest call's rows
         return m
+
+    def _draw_step(self, batches) -> list[torch.Tensor]:
+        """The step's ``accum`` micro-batches from ``batches``: when the micro-batch does not
+        divide the sequences a rank takes per step, their sizes are balanced
+        (``train.memory.micro_batch_sizes``: 512 at micro-batch 24 is 6 x 24 + 16 x 23), drawn
+        with the data module's ``micro_batch`` set to each size (its ``train_batches`` reads it
+        at every batch). An iterator that ignores it (a benchmark's) gives its own sizes: the
+        step weighs each micro-batch by the sequences it holds (``_micro_steps``)."""
+        full = self.data.micro_batch
+        per_rank = self.cfg.trainer.global_batch // self.acc.num_processes
+        sizes = memory.micro_batch_sizes(per_rank, full) if full <= per_rank else []
+        if len(sizes) != self.accum or sizes[-1] == full:  # equal sizes, or a driver's own accum
+            return [next(batches) for _ in range(self.accum)]
+        try:
+            ids = []
+            for size in sizes:
+                self.data.micro_batch = size
+                ids.append(next(batches))
+            return ids
+        finally:
+            self.data.micro_batch = full
 
     def train_step(self, batches, interval: dict) -> None:
         """One optimizer step over ``accum`` micro-batches; accumulates metrics in ``interval``.
@@ -816,7 +841,7 @@ class Trainer:
         self._update_began = False
         coeff = l1_coeff_at(self.step, cfg.sparsity)
         lr = self.scheduler.get_last_lr()[0]
-        ids = [next(batches) for _ in range(self.accum)]  # kept until the step is accepted
+        ids = self._draw_step(batches)  # kept until the step is accepted
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
         for _attempt in range(2):  # a redone step measures per call: it cannot overflow again
             self.plan.begin_step()
@@ -855,7 +880,7 @@ class Trainer:
             interval["distill_kl"] = interval.get("distill_kl", 0.0) + m["distill_kl"]
         interval["nnz_max_L"] = torch.maximum(interval["nnz_max_L"], m["nnz_max_L"])
         interval["ffn_tokens"] += m["ffn_tokens"]
-        interval["micro"] += self.accum
+        interval["micro"] += len(ids)
         active_LH = stats.active_LH  # summed over ranks (StepStats.reduced)
         self.optimizer.step()
         self.scheduler.step()

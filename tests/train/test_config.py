@@ -27,7 +27,7 @@ def _one_line(err) -> str:
 
 
 @pytest.mark.parametrize("build, key", [
-    (lambda: TrainerConfig(global_batch=10, micro_batch=4), "trainer.global_batch"),
+    (lambda: TrainerConfig(global_batch=10, micro_batch=12), "trainer.micro_batch"),
     (lambda: ModelConfig(hidden_size=100, num_heads=3), "model.num_heads"),
     (lambda: ModelConfig(ffn_impl="cuda"), "model.ffn_impl"),
     (lambda: SparsityConfig(l1_coeff=-1e-5), "sparsity.l1_coeff"),
@@ -72,10 +72,19 @@ def test_edge_values_that_are_fine():
 def test_global_batch_vs_world_size():
     cfg = TrainConfig(trainer=TrainerConfig(global_batch=24, micro_batch=4))
     assert cfg.check_world(1) == 6 and cfg.check_world(3) == 2
+    # 24 / 4 ranks = 6 a rank: two micro-batches of 3 (none above 4); 24 / 5 does not divide
+    assert cfg.check_world(4) == 2
     with pytest.raises(ConfigError) as err:
-        cfg.check_world(4)
+        cfg.check_world(5)
     msg = _one_line(err)
-    assert "trainer.global_batch=24" in msg and "world size 4" in msg and "multiple of 16" in msg
+    assert "trainer.global_batch=24" in msg and "world size 5" in msg and "multiple of 5" in msg
+    # micro_batch above a rank's share of the step
+    with pytest.raises(ConfigError) as err:
+        cfg.check_world(8)
+    msg = _one_line(err)
+    assert "trainer.micro_batch=4" in msg and "3 sequences" in msg and "micro_batch <= 3" in msg
+    # a micro-batch that does not divide: ceil(10 / 4) = 3 micro-batches (4, 3, 3)
+    assert TrainConfig(trainer=TrainerConfig(global_batch=10, micro_batch=4)).check_world(1) == 3
     # null micro-batch (the planner's, trainer.memory=auto): the world size must divide
     cfg = TrainConfig(trainer=TrainerConfig(global_batch=24, micro_batch=None, memory="auto"))
     assert cfg.check_world(3) == 8  # one sequence per micro-step until the plan
@@ -322,7 +331,7 @@ def test_compose_is_the_clis_composition():
     for over, match in ((["sparsity.l1_coef=1e-3"], "did you mean sparsity.l1_coeff"),
                         (["+trainer.speed=3"], "unknown key trainer.speed"),
                         (["model=nosuch"], "nosuch"),
-                        (["trainer.micro_batch=3"], "trainer.global_batch=8 is not divisible")):
+                        (["trainer.micro_batch=9"], "trainer.micro_batch=9 is more than")):
         with pytest.raises(ConfigError, match=match) as e:
             train_compose(over)
         _one_line(e)

@@ -83,6 +83,20 @@ def test_resume_and_ranks(hub, byte_tok):  # noqa: F811
     assert r0 and r1 and not (r0 & r1)
 
 
+def test_micro_batch_is_read_at_every_batch(hub, byte_tok):  # noqa: F811
+    """The trainer's uneven micro-batches (3, 3, 2 of a step of 8) set ``micro_batch`` before
+    each draw: the batches take those sizes and the same tokens, in order, as batches of 2."""
+    hub_dir, _ = hub
+    ref = take_tokens(dm_for(hub_dir, byte_tok, B=2), 8 * 16)
+    dm = dm_for(hub_dir, byte_tok, B=2)
+    it, got = dm.train_batches(), []
+    for size in (3, 3, 2):
+        dm.micro_batch = size
+        got.append(next(it))
+    assert [x.shape for x in got] == [(3, 16), (3, 16), (2, 16)]
+    assert np.array_equal(torch.cat(got).reshape(-1).numpy(), ref)
+
+
 def test_val_batches_are_held_out_and_fixed(hub, byte_tok):  # noqa: F811
     hub_dir, docs = hub
     dm = dm_for(hub_dir, byte_tok, T=8, B=2)

@@ -21,6 +21,8 @@ from train.memory import (
     default_budget_gb,
     describe,
     device_budget_gb,
+    micro_batch_candidates,
+    micro_batch_sizes,
     micro_batches,
     pending_optimizer_gb,
     recompute_choices,
@@ -66,6 +68,19 @@ def test_micro_batches_and_recompute_choices():
     assert micro_batches(1) == [1]
     with pytest.raises(ValueError, match="batch_per_rank"):
         micro_batches(0)
+    # ceil(64 / a) for a = 1..64: every divisor, and 10, 11, 13, 22 (a = 7, 6, 5, 3)
+    assert micro_batch_candidates(64) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 16, 22, 32, 64]
+    assert micro_batch_candidates(512)[21:30] == [22, 23, 24, 25, 26, 27, 29, 31, 32]
+    with pytest.raises(ValueError, match="batch_per_rank"):
+        micro_batch_candidates(0)
+    # ceil(P / m) micro-batches, larger first, differing by at most one, summing to P
+    assert micro_batch_sizes(512, 24) == [24] * 6 + [23] * 16
+    assert micro_batch_sizes(512, 12) == [12] * 39 + [11] * 4
+    assert micro_batch_sizes(8, 3) == [3, 3, 2] and micro_batch_sizes(8, 4) == [4, 4]
+    assert micro_batch_sizes(64, 30) == [22, 21, 21]  # none above 30; 3 of them either way
+    for bad in ((8, 9), (8, 0), (0, 1)):
+        with pytest.raises(ValueError, match="micro_batch"):
+            micro_batch_sizes(*bad)
     assert recompute_choices(None, None) == ("none", "attention", "full")
     assert recompute_choices(None, None, compile=True) == ("none", "full")
     assert recompute_choices(True, None) == ("attention", "full")
@@ -96,45 +111,47 @@ def test_pending_optimizer_state_is_two_moments_per_parameter_until_the_first_st
 def test_fastest_that_fits_wins_and_keeps_the_global_batch():
     probe = FakeProbe(LINES, TIMES)
     plan = _planner(probe).choose()
-    # fits 100 GiB: none up to micro 11 -> 8 (divisor of 64); attention up to 23 -> 16;
-    # full up to 87 -> 64. tokens/ms: none 8*T/500 = 32.8, attention 16*T/1108 = 29.6,
-    # full 64*T/5140 = 25.5
-    assert (plan.micro_batch, plan.recompute, plan.accum) == (8, "none", 8)
-    assert plan.micro_batch * plan.accum == 64 and plan.fits
-    assert plan.peak_gb == pytest.approx(30 + 6 * 8)
-    assert plan.tok_per_ms == pytest.approx(8 * T / (20 + 60 * 8))
+    # fits 100 GiB: none up to micro 11.7 -> 11 (64 = 4 x 11 + 2 x 10); attention up to
+    # 23.3 -> 22; full up to 87.5 -> 64. tokens/ms: none 11*T/680 = 33.1, attention
+    # 22*T/1516 = 29.7, full 64*T/5140 = 25.5
+    assert (plan.micro_batch, plan.recompute, plan.accum) == (11, "none", 6)
+    assert sum(micro_batch_sizes(64, plan.micro_batch)) == 64 and plan.fits
+    assert plan.peak_gb == pytest.approx(30 + 6 * 11)
+    assert plan.tok_per_ms == pytest.approx(11 * T / (20 + 60 * 11))
     # two slope probes per mode at the smallest micro-batches, then one confirmation each
-    assert probe.calls == [Candidate(1, "none"), Candidate(2, "none"), Candidate(8, "none"),
+    assert probe.calls == [Candidate(1, "none"), Candidate(2, "none"), Candidate(11, "none"),
                            Candidate(1, "attention"), Candidate(2, "attention"),
-                           Candidate(16, "attention"), Candidate(1, "full"), Candidate(2, "full"),
+                           Candidate(22, "attention"), Candidate(1, "full"), Candidate(2, "full"),
                            Candidate(64, "full")]
-    # a smaller budget: none only fits micro 2, attention 4 (faster per token there)
+    # a smaller budget: none only fits micro 2 (2*T/140 = 29.3 tok/ms), attention 5 (5*T/325
+    # = 31.5), full 16 (16*T/1300 = 25.2)
     times = {**TIMES, "attention": (20.0, 61.0)}
     plan = _planner(FakeProbe(LINES, times), budget=45.0).choose()
-    assert (plan.micro_batch, plan.recompute, plan.accum) == (4, "attention", 16)
+    assert (plan.micro_batch, plan.recompute, plan.accum) == (5, "attention", 13)
     line = describe(plan, T)
-    assert "micro_batch 4 x 2048, recompute attention, accumulation 16" in line
-    assert "attention 1: 33.0 GB" in line and "4*: 42.0 GB" in line and "warning" not in line
+    assert "micro_batch 5 x 2048, recompute attention, accumulation 13" in line
+    assert "attention 1: 33.0 GB" in line and "5*: 45.0 GB" in line and "warning" not in line
     assert line.index("| probes none 1: 36.0 GB") < line.index("; attention 1:") < line.index(
         "; full 1:")
 
 
 def test_pending_optimizer_state_counts_against_the_budget():
     plan = _planner(FakeProbe(LINES, TIMES), pending_gb=25.0).choose()
-    # 25 GiB of AdamW moments to come: none fits micro 4 (79 GiB), no longer 8 (103)
-    assert (plan.micro_batch, plan.recompute) == (4, "none")
-    assert plan.peak_gb == pytest.approx(30 + 6 * 4 + 25)
+    # 25 GiB of AdamW moments to come: none fits micro 7 (97 GiB), no longer 8 (103)
+    assert (plan.micro_batch, plan.recompute) == (7, "none")
+    assert plan.peak_gb == pytest.approx(30 + 6 * 7 + 25)
 
 
 def test_the_confirmation_probe_steps_down_when_the_line_is_wrong():
-    # micro 8 without recomputation peaks 30 GiB above the line (the line predicts 78 < 100)
-    probe = FakeProbe(LINES, TIMES, bend={Candidate(8, "none"): 30.0})
+    # micro 11 without recomputation peaks 30 GiB above the line (the line predicts 96 < 100):
+    # the line through micro 2 (42) and 11 (126) rises 9.33 a sequence and fits up to 8.2
+    probe = FakeProbe(LINES, TIMES, bend={Candidate(11, "none"): 30.0})
     planner = _planner(probe, recompute=("none",))
     plan = planner.choose()
-    assert (plan.micro_batch, plan.recompute) == (4, "none")
-    assert probe.calls == [Candidate(1, "none"), Candidate(2, "none"), Candidate(8, "none"),
-                           Candidate(4, "none")]
-    assert planner.step_peak_gb(Candidate(8, "none")) == pytest.approx(108.0)
+    assert (plan.micro_batch, plan.recompute) == (8, "none")
+    assert probe.calls == [Candidate(1, "none"), Candidate(2, "none"), Candidate(11, "none"),
+                           Candidate(8, "none")]
+    assert planner.step_peak_gb(Candidate(11, "none")) == pytest.approx(126.0)
 
 
 def test_slope_probes_start_at_the_loss_chunk():
@@ -147,9 +164,11 @@ def test_an_out_of_memory_probe_does_not_fit():
     # the device runs out above 50 GiB although the budget says 100
     probe = FakeProbe(LINES, TIMES, oom_gb=50.0)
     plan = _planner(probe, recompute=("none",)).choose()
-    # line from micro 1, 2 predicts 8 fits; 8 runs out, 4 (54 GiB) runs out, 2 fits
-    assert (plan.micro_batch, plan.recompute) == (2, "none")
-    assert [c["peak_gb"] for c in plan.candidates] == [36.0, 42.0, None, None]
+    # line from micro 1, 2 predicts 11 fits; 11 runs out, then bisection between 2 (fits) and
+    # 11 over the candidates 3-8, 10: 6 runs out, 4 (54 GiB) runs out, 3 (48) fits
+    assert (plan.micro_batch, plan.recompute) == (3, "none")
+    assert probe.calls == [Candidate(m, "none") for m in (1, 2, 11, 6, 4, 3)]
+    assert [c["peak_gb"] for c in plan.candidates] == [36.0, 42.0, 48.0, None, None, None]
     assert "4: oom" in describe(plan, T)
 
 
@@ -178,21 +197,26 @@ def test_user_values_are_kept_and_only_checked():
     plan = _planner(probe, recompute=("full",)).choose()  # micro-batch the planner's
     assert (plan.micro_batch, plan.recompute) == (64, "full")
     assert {c.recompute for c in probe.calls} == {"full"}
-    with pytest.raises(ValueError, match="does not divide"):
-        _planner(probe, micro_batch=24)
+    # a micro-batch that does not divide the step: ceil(64 / 24) = 3 micro-batches (22, 21, 21)
+    plan = _planner(FakeProbe(LINES, TIMES), micro_batch=24).choose()
+    assert (plan.micro_batch, plan.recompute, plan.accum) == (24, "full", 3)
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="not within 1..64"):
+            _planner(probe, micro_batch=bad)
 
 
 def test_step_down_halves_the_micro_batch_then_recomputes_more():
     planner = _planner(FakeProbe(LINES, TIMES))
     plan = planner.choose()
-    assert (plan.micro_batch, plan.recompute) == (8, "none")
+    assert (plan.micro_batch, plan.recompute) == (11, "none")
     steps = []
     while (plan := planner.step_down()) is not None:
         steps.append((plan.micro_batch, plan.recompute, plan.accum))
-    # smaller micro-batches first; at micro 1 the next recompute mode at the largest micro-batch
-    # its line fits within the budget (attention: 16, but not above the failed one's 1 -> 1)
-    assert steps == [(4, "none", 16), (2, "none", 32), (1, "none", 64), (1, "attention", 64),
-                     (1, "full", 64)]
+    # the next smaller divisor first; at micro 1 the next recompute mode at the largest
+    # micro-batch its line fits within the budget (attention: 22, but not above the failed
+    # one's 1 -> 1)
+    assert steps == [(8, "none", 8), (4, "none", 16), (2, "none", 32), (1, "none", 64),
+                     (1, "attention", 64), (1, "full", 64)]
     # a user-set micro-batch stays: only the recomputation grows
     planner = _planner(FakeProbe(LINES, TIMES), micro_batch=8)
     planner.choose()
@@ -209,7 +233,11 @@ def test_step_batches_replays_the_step_at_another_micro_batch():
     it = StepBatches(iter(rows.split(4)), per_step=8, step=lambda: step[0])
     first = [next(it), next(it)]  # step 1 drew 8 sequences in 2 batches of 4
     assert it.step_at == 0
-    assert not it.rewind(3)  # 3 does not divide the step
+    assert not it.rewind(9)  # more than the step
+    assert it.rewind(3)  # 3 does not divide 8: balanced, 3 + 3 + 2
+    again = [next(it) for _ in range(3)]
+    assert torch.equal(torch.cat(again), torch.cat(first))
+    assert [b.shape[0] for b in again] == [3, 3, 2]
     assert it.rewind(2)
     again = [next(it) for _ in range(4)]
     assert torch.equal(torch.cat(again), torch.cat(first))
@@ -267,26 +295,28 @@ def _fake_device_probe(lines, times, oom_gb=math.inf):
 
 
 def test_trainer_trains_at_the_plan_and_records_it(tokens, tmp_path, monkeypatch):
-    # micro-batch 2 with attention recomputation is the fastest that fits 100 GiB (of 8 per step)
+    # micro-batch 3 with attention recomputation is the fastest that fits 100 GiB (of 8 per step:
+    # micro-batches of 3, 3 and 2 sequences); attention 3*T/4, none 1*T/2, full 4*T/7 tokens/ms
     lines = {"none": (30.0, 40.0), "attention": (30.0, 20.0), "full": (30.0, 10.0)}
     times = {"none": (1.0, 1.0), "attention": (1.0, 1.0), "full": (1.0, 1.5)}
     monkeypatch.setattr(memory, "device_probe", _fake_device_probe(lines, times))
     cfg = _auto_cfg(tokens, **{"trainer.memory_budget_gb": 100.0})
     tr = Trainer(cfg, tmp_path / "auto")
     try:
-        assert (tr.accum, tr.data.micro_batch) == (4, 2)
+        assert (tr.accum, tr.data.micro_batch) == (3, 3)
         assert all(layer.gradient_checkpointing for layer in tr.model.model.layers)
         summary = tr.train()
     finally:
         tr.close()
-    assert summary["memory"]["micro_batch"] == 2 and summary["memory"]["recompute"] == "attention"
+    assert summary["memory"]["micro_batch"] == 3 and summary["memory"]["recompute"] == "attention"
     saved = json.loads((tmp_path / "auto" / "summary.json").read_text())["memory"]
     assert saved == summary["memory"] and saved["budget_gb"] == 100.0
     rec = read_metrics(tmp_path / "auto", "memory")
-    assert len(rec) == 1 and rec[0]["accum"] == 4 and len(rec[0]["candidates"]) >= 6
+    assert len(rec) == 1 and rec[0]["accum"] == 3 and len(rec[0]["candidates"]) >= 6
     log = (tmp_path / "auto" / "train.log").read_text()
-    assert "memory: micro_batch 2 x 32, recompute attention, accumulation 4" in log
-    # the same numbers as a run with those values set (recomputation changes no number)
+    assert "memory: micro_batch 3 x 32, recompute attention, accumulation 3" in log
+    # the same numbers as a run of equal micro-batches of 2 (each micro-batch weighed by its
+    # sequences; recomputation changes no number)
     ref = tiny_config(tokens, **{"trainer.micro_batch": 2, "trainer.max_steps": 4,
                                  "sparsity.l1_coeff": 0.05})
     Trainer(ref, tmp_path / "ref").train()

@@ -150,6 +150,36 @@ def test_gradient_clipping_scales_the_applied_gradient_to_the_clip(tokens, tmp_p
         assert torch.equal(loose[name], g), name
 
 
+def test_uneven_micro_batches_give_the_whole_batch_step(tokens, tmp_path, monkeypatch):
+    """trainer.micro_batch=3 of global_batch=8: three micro-batches of 3, 3 and 2 sequences,
+    each weighed by its share of the step, so the step's gradient, loss, CE and L1 are those of
+    one micro-batch of all 8 (the same sequences: the data position advances by 8 a step);
+    the logged CE and L1 match the float64 recomputation on the whole batch."""
+    seen, orig = [], Trainer._micro_steps
+
+    def spy(self, ids, coeff):
+        model = self.acc.unwrap_model(self.model)
+        seen.append({"ids": list(ids), "t": self, "params": {
+            n: p.detach().clone() for n, p in model.named_parameters()}})
+        return orig(self, ids, coeff)
+
+    monkeypatch.setattr(Trainer, "_micro_steps", spy)
+    whole, _, m_whole = _grads_at_optimizer_step(tokens, tmp_path / "whole",
+                                                 **{"trainer.micro_batch": 8})
+    uneven, _, m = _grads_at_optimizer_step(tokens, tmp_path / "uneven",
+                                            **{"trainer.micro_batch": 3})
+    assert [[x.shape[0] for x in s["ids"]] for s in seen] == [[8], [3, 3, 2]]
+    assert torch.equal(torch.cat(seen[1]["ids"]), seen[0]["ids"][0])
+    t = seen[1]["t"]
+    assert t.accum == 3 and t.data.position == 8 and t.data.micro_batch == 3
+    for name, g in whole.items():
+        torch.testing.assert_close(uneven[name], g, rtol=1e-4, atol=1e-7, msg=name)
+    for key in ("loss", "ce", "l1", "grad_norm"):
+        assert m[key] == pytest.approx(m_whole[key], rel=1e-5), key
+    ce, l1 = _ce_and_l1_fp64(t.cfg, seen[1]["params"], seen[0]["ids"][0])
+    assert m["ce"] == pytest.approx(ce, rel=1e-5) and m["l1"] == pytest.approx(l1, rel=1e-5)
+
+
 def test_weight_decay_on_matrices_and_embeddings_not_on_norm_weights(tokens, tmp_path):
     """The optimizer's groups: every weight matrix and the embedding at optim.weight_decay, every
     RMSNorm weight at 0 (named by the model, not by shape). One step with the gradients of a norm

@@ -260,7 +260,8 @@ class DataModule:
         return torch.from_numpy(x_BT.astype(np.int64))
 
     def train_batches(self) -> Iterator[torch.Tensor]:
-        """Endless iterator of training batches, int64 ``(B, T)``, starting at the saved position.
+        """Endless iterator of training batches, int64 ``(B, T)``, starting at the saved position;
+        ``B`` is ``micro_batch`` when the batch is drawn (the trainer's uneven micro-batches set it).
 
         The position advances (by ``world_size * B``, for all ranks) when a batch is yielded, so
         ``state_dict()`` taken after using a batch resumes with the next one. No prefetching

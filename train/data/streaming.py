@@ -86,8 +86,8 @@ class StreamingDataModule:
             yield text if is_val(norm_hash(text), vf) == want_val else None
 
     def train_batches(self) -> Iterator[torch.Tensor]:
-        """Endless training batches, int64 ``(micro_batch, seq_len)``, from the saved position."""
-        need = self.seq_len * self.micro_batch
+        """Endless training batches, int64 ``(micro_batch, seq_len)``, from the saved position;
+        ``micro_batch`` is read at every batch (the trainer's uneven micro-batches set it)."""
         while True:
             empty_epoch = True
             for text in self._docs(False, self.epoch, skip=self.docs_read):
@@ -96,9 +96,10 @@ class StreamingDataModule:
                     continue
                 empty_epoch = False
                 self.pending = np.concatenate([self.pending, self._encode(text)])
-                while self.pending.size >= need:
-                    batch, self.pending = self.pending[:need], self.pending[need:]
-                    yield torch.from_numpy(batch.reshape(self.micro_batch, self.seq_len).copy())
+                while self.pending.size >= self.seq_len * self.micro_batch:
+                    B = self.micro_batch
+                    batch, self.pending = self.pending[:B * self.seq_len], self.pending[B * self.seq_len:]
+                    yield torch.from_numpy(batch.reshape(B, self.seq_len).copy())
             if empty_epoch and self.docs_read == 0:
                 raise ValueError(f"{self.cfg.hub_dataset} yielded no training documents for rank {self.rank}")
             self.epoch, self.docs_read = self.epoch + 1, 0
