@@ -336,9 +336,10 @@ class MemoryPlanner:
                     return c
             return None
         if len(ok) < 2:  # one point fits, the other ran above the budget: the line between them
-            (m1, m2), big = [c.micro_batch for c in points], self.measured[points[-1]]
-            if ok[0] != points[0] or big.oom:  # or ran out of memory: nothing to fit a line to
+            big = self.measured[points[-1]]
+            if len(points) < 2 or ok[0] != points[0] or big.oom:  # nothing to fit a line to
                 return ok[0]
+            m1, m2 = points[0].micro_batch, points[1].micro_batch
             self._fit_line(r, (m1, self.measured[ok[0]].peak_gb), (m2, big.peak_gb))
             return self._confirm(r, [m for m in self.micros if m1 < m < m2], ok[0])
         (m1, p1), (m2, p2) = [(c.micro_batch, self.measured[c].peak_gb) for c in ok]

@@ -101,33 +101,35 @@ def test_search_fastest_fitting_probes_shared_and_saturation():
                  seq_len=1, pending_gb=2.0, modes=("none", "attention", "full"),
                  saturation_tokens=4)
     big, mid, small = (got[b] for b in budgets)
-    # 92: none 22 + 10 m <= 92 -> m 4 (8 would be 102); 4 tokens >= 4: heavier modes not tried
-    assert (big.micro_batch, big.recompute) == (4, "none")
-    assert big.step_peak_gb == pytest.approx(62.0)
-    assert big.probe_tok_per_ms == pytest.approx(4 / (1.0 * 6))
-    assert big.per_mode == {"none": 4}
-    # 46: none fits 2 (42; 2 tokens < 4), attention 12 + 5 m -> 4 (32); 4 / 6.6 > 2 / 4
-    assert (mid.micro_batch, mid.recompute) == (4, "attention")
-    assert mid.per_mode == {"none": 2, "attention": 4}
+    # candidates of 16: 1, 2, 3, 4, 6, 8, 16 (ceil(16 / a))
+    # 92: none 22 + 10 m <= 92 -> m 6 (8 would be 102); 6 tokens >= 4: heavier modes not tried
+    assert (big.micro_batch, big.recompute) == (6, "none")
+    assert big.step_peak_gb == pytest.approx(82.0)
+    assert big.probe_tok_per_ms == pytest.approx(6 / (1.0 * 8))
+    assert big.per_mode == {"none": 6}
+    # 46: none fits 2 (42; 2 tokens < 4), attention 12 + 5 m -> 6 (42); 6 / 8.8 > 2 / 4
+    assert (mid.micro_batch, mid.recompute) == (6, "attention")
+    assert mid.per_mode == {"none": 2, "attention": 6}
     # 8: nothing fits (full at 1 needs 9)
     assert not small.fits and "nothing fits 8.0 GiB" in small.why
     # each candidate probed once for all budgets; full only where no lighter mode fitted
     assert set(calls.values()) == {1}
-    assert {c for c in calls if c.recompute == "none"} == {Candidate(m, "none") for m in (1, 2, 4)}
+    assert {c for c in calls if c.recompute == "none"} == {Candidate(m, "none") for m in (1, 2, 6)}
     assert {c for c in calls if c.recompute == "attention"} == {Candidate(m, "attention")
-                                                                for m in (1, 2, 4)}
+                                                                for m in (1, 2, 6)}
     assert {c.micro_batch for c in calls if c.recompute == "full"} == {1, 2}
 
 
 def test_search_every_mode_without_saturation_and_oom():
     calls: dict = {}
-    oom = {Candidate(4, "none")}  # out of memory where the line says it fits
+    oom = {Candidate(6, "none")}  # out of memory where the line says it fits
     got = search(SharedProbe(_table_probe(calls, oom)), ffn="hf", budgets=[Budget(100)],
                  batch_per_rank=16, seq_len=1, pending_gb=2.0, modes=("none", "full"),
                  saturation_tokens=0)
     c = got[Budget(100)]
-    # none: 4 ran out of memory -> 2 (42); full 7 + 2 m -> 16 (39): 16 / 23.4 > 2 / 4
-    assert c.per_mode == {"none": 2, "full": 16}
+    # none: 6 ran out of memory -> bisection between 2 and 6: 4 (62) fits; full 7 + 2 m -> 16
+    # (39): 16 / 23.4 > 4 / 6
+    assert c.per_mode == {"none": 4, "full": 16}
     assert (c.micro_batch, c.recompute) == (16, "full")
     with pytest.raises(ValueError, match="modes"):
         search(SharedProbe(_table_probe({})), ffn="hf", budgets=[Budget(100)], batch_per_rank=4,

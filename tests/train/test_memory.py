@@ -160,6 +160,19 @@ def test_slope_probes_start_at_the_loss_chunk():
     assert probe.calls[:2] == [Candidate(2, "none"), Candidate(4, "none")]
 
 
+def test_one_slope_point_or_one_fitting_point():
+    # the loss chunk asks for the whole step (64 sequences): one slope probe, it fits
+    probe = FakeProbe(LINES, TIMES)
+    plan = _planner(probe, recompute=("full",), min_probe_tokens=64 * T).choose()
+    assert probe.calls == [Candidate(64, "full")] and plan.micro_batch == 64
+    # the slope probes at 8 and 16 (chunk of 8 sequences): 8 fits (78 GiB), 16 (126) does not;
+    # the line through them fits up to 11.7: 11 is confirmed
+    probe = FakeProbe(LINES, TIMES)
+    plan = _planner(probe, recompute=("none",), min_probe_tokens=8 * T).choose()
+    assert probe.calls == [Candidate(8, "none"), Candidate(16, "none"), Candidate(11, "none")]
+    assert (plan.micro_batch, plan.accum) == (11, 6)
+
+
 def test_an_out_of_memory_probe_does_not_fit():
     # the device runs out above 50 GiB although the budget says 100
     probe = FakeProbe(LINES, TIMES, oom_gb=50.0)
