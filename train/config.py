@@ -103,15 +103,15 @@ class ModelConfig:
     ffn_impl: str = "torch"
     """FFN implementation: torch (dense PyTorch) | twell (TwELL / ELL Triton kernels) | auto (per
     layer and step the ELL kernels or dense mode; training paths: twell/nn/plan.py)."""
-    ffn_host_sync: str = "step"
+    ffn_host_sync: str = "micro_batch"
     """The ell training path (twell, or auto's ELL layers): step = no host sync per layer, the
     dense-backup capacity comes from the previous steps' heavy-row counts and is checked once per
     optimizer step (a step that exceeded it is redone measuring per call, so nothing is lost);
     micro_batch = the same capacities, checked after each micro-batch's forward (one host sync a
     micro-batch): a micro-batch that exceeded one runs its forward again, the overflowing layers
     measuring per call for the rest of the step, so an overflow costs one forward instead of the
-    step (one process; several fall back to step); call = measure per FFN call (one host sync
-    per layer and call)."""
+    step (the default: one process; several fall back to step; BENCHMARKS.md "Call D"); call =
+    measure per FFN call (one host sync per layer and call)."""
     ffn_policy: FFNPolicy = field(default_factory=FFNPolicy)
     """Path policy of every FFN (twell.policy.FFNPolicy, each field documented there): auto's
     thresholds (infer_density_threshold, infer_min_rows, infer_min_flops,
