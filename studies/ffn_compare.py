@@ -440,8 +440,7 @@ def check_plan(user: list[str], steps: int):
     micro = cfg.trainer.micro_batch
     if micro is None or micro < 2 or micro % 2:  # null: the memory planner's
         raise ConfigError(f"trainer.micro_batch={micro} cannot be halved for the half-micro-batch "
-                          "run (B); set an even trainer.micro_batch >= 2 (trainer.global_batch a "
-                          "multiple)")
+                          "run (B); set an even trainer.micro_batch >= 2")
     specs = plan(user, steps, micro)
     accum = {s.name: compose(s.overrides).check_world(1) for s in specs}
     return cfg, specs, accum

@@ -374,9 +374,9 @@ class StudySettings:
                              f"got {self.eval_limit}")
         if not (self.effective_tflops > 0 and math.isfinite(self.effective_tflops)):
             raise ValueError(f"effective_tflops must be a number > 0; got {self.effective_tflops}")
-        if self.global_batch % self.micro_batch:
-            raise ValueError(f"global_batch {self.global_batch} is not a multiple of micro_batch "
-                             f"{self.micro_batch}")
+        if self.micro_batch > self.global_batch:  # a non-divisor runs balanced micro-batches
+            raise ValueError(f"micro_batch {self.micro_batch} is more than global_batch "
+                             f"{self.global_batch}")
         if self.keep not in KEEP:
             raise ValueError(f"keep must be one of {KEEP}; got {self.keep!r}")
         for o in self.overrides:

@@ -337,11 +337,14 @@ class MemoryPlanner:
             return None
         if len(ok) < 2:  # one point fits, the other ran above the budget: the line between them
             big = self.measured[points[-1]]
-            if len(points) < 2 or ok[0] != points[0] or big.oom:  # nothing to fit a line to
+            if len(points) < 2 or ok[0] != points[0]:  # nothing between them to try
                 return ok[0]
             m1, m2 = points[0].micro_batch, points[1].micro_batch
+            between = [m for m in self.micros if m1 < m < m2]
+            if big.oom:  # no line to trust: bisect between them
+                return self._confirm(r, between, ok[0], hi=m2, bisect=True)
             self._fit_line(r, (m1, self.measured[ok[0]].peak_gb), (m2, big.peak_gb))
-            return self._confirm(r, [m for m in self.micros if m1 < m < m2], ok[0])
+            return self._confirm(r, between, ok[0], hi=m2)
         (m1, p1), (m2, p2) = [(c.micro_batch, self.measured[c].peak_gb) for c in ok]
         self._fit_line(r, (m1, p1), (m2, p2))
         return self._confirm(r, [m for m in self.micros if m > m2], ok[-1])
@@ -351,13 +354,17 @@ class MemoryPlanner:
         b = max((p2 - p1) / (m2 - m1), 0.0)
         self.lines[r] = (p1 - b * m1, b)
 
-    def _confirm(self, r: str, above: list[int], fallback: Candidate) -> Candidate:
+    def _confirm(self, r: str, above: list[int], fallback: Candidate, hi: float = math.inf,
+                 bisect: bool = False) -> Candidate:
         """The largest of ``above`` (micro-batches, ascending) that fits, confirmed by a probe;
         ``fallback`` (measured, fits) when none does. Tried first: the largest that mode ``r``'s
-        line fits. A probe that ran above the budget refits the line through it and the largest
-        that fits so far; one that ran out of memory leaves the line untrusted, and the rest is
-        bisected between the largest that fits and the smallest that does not."""
-        lo, hi, bisect = fallback.micro_batch, math.inf, False  # lo fits (measured), hi does not
+        line fits; if it fits and nothing above it was found not to, done. A probe above the
+        budget refits the line through it and the largest that fits so far (a secant step); once
+        a candidate above the budget is known (``hi``), or a probe ran out of memory (the line
+        is no longer trusted), what lies between the largest that fits and the smallest that
+        does not is bisected, so a peak that grows faster than linearly loses no fitting
+        micro-batch."""
+        lo = fallback.micro_batch  # fits (measured); hi does not
         while True:
             between = [m for m in above if lo < m < hi]
             if not bisect:
@@ -368,9 +375,9 @@ class MemoryPlanner:
             c = Candidate(m, r)
             self.measure(c)
             if self.fits(c):
-                if not bisect:
+                if not bisect and math.isinf(hi):
                     return c
-                lo = m
+                lo, bisect = m, True
                 continue
             hi, got = m, self.measured[c]
             if got.oom:
@@ -885,7 +892,8 @@ def plan_memory(trainer, probe: Callable[[Candidate], Measurement] | None = None
                               compile=t.compile)
     probe = probe if probe is not None else device_probe(trainer)
     if probe is None:
-        micro = t.micro_batch or max(m for m in micro_batches(per_rank) if m <= CPU_MICRO_BATCH)
+        micro = t.micro_batch or max(m for m in micro_batch_candidates(per_rank)
+                                     if m <= CPU_MICRO_BATCH)
         tm.apply(Plan(micro, modes[0], -(-per_rank // micro), None, None, None,
                       "no CUDA device to measure on"))
         return tm

@@ -789,7 +789,7 @@ class Trainer:
             kl = getattr(out, "distill_kl", None)  # sparsity.distill_*: log CE and KL apart
             if kl is not None:
                 ce = out.distill_ce
-                m["distill_kl"] = m.get("distill_kl", 0.0) + kl
+                m["distill_kl"] = m.get("distill_kl", 0.0) + kl * share
             m["loss"] += loss.detach() * share
             m["ce"] += ce.detach() * share
             m["l1"] += l1.detach() * share
@@ -874,10 +874,12 @@ class Trainer:
         self._update_began = True  # from here an error may leave the weights half updated
         if m.get("forward_redos"):
             interval["forward_redos"] = interval.get("forward_redos", 0) + m["forward_redos"]
-        for k in ("loss", "ce", "l1", "nnz_sum_L", "heavy_L"):
+        for k in ("loss", "ce", "l1"):  # the step's mean: each step counts alike in the interval,
+            interval[k] += m[k] / len(ids)  # whatever its accumulation (a step-down, a re-plan)
+        for k in ("nnz_sum_L", "heavy_L"):
             interval[k] += m[k]
         if "distill_kl" in m:
-            interval["distill_kl"] = interval.get("distill_kl", 0.0) + m["distill_kl"]
+            interval["distill_kl"] = interval.get("distill_kl", 0.0) + m["distill_kl"] / len(ids)
         interval["nnz_max_L"] = torch.maximum(interval["nnz_max_L"], m["nnz_max_L"])
         interval["ffn_tokens"] += m["ffn_tokens"]
         interval["micro"] += len(ids)
@@ -911,7 +913,7 @@ class Trainer:
                                                           device=sums.device)
             nnz_max_L = acc.reduce(nnz_max_L.contiguous(), "max")
         sums = sums.tolist()  # host sync
-        n = interval["micro"]
+        n = interval["steps"]  # loss, ce, l1, distill_kl: sums of step means
         ffn_tokens = interval["ffn_tokens"] * acc.num_processes
         l0_L = [v / ffn_tokens for v in sums[3:3 + L]]
         heavy_L = [v / ffn_tokens for v in sums[3 + L:]]

@@ -144,13 +144,13 @@ def test_pending_optimizer_state_counts_against_the_budget():
 
 def test_the_confirmation_probe_steps_down_when_the_line_is_wrong():
     # micro 11 without recomputation peaks 30 GiB above the line (the line predicts 96 < 100):
-    # the line through micro 2 (42) and 11 (126) rises 9.33 a sequence and fits up to 8.2
+    # the line through micro 2 (42) and 11 (126) rises 9.33 a sequence and fits up to 8.2; 8
+    # fits (78), then what lies between 8 and 11 is bisected: 10 (90) fits
     probe = FakeProbe(LINES, TIMES, bend={Candidate(11, "none"): 30.0})
     planner = _planner(probe, recompute=("none",))
     plan = planner.choose()
-    assert (plan.micro_batch, plan.recompute) == (8, "none")
-    assert probe.calls == [Candidate(1, "none"), Candidate(2, "none"), Candidate(11, "none"),
-                           Candidate(8, "none")]
+    assert (plan.micro_batch, plan.recompute) == (10, "none")
+    assert probe.calls == [Candidate(m, "none") for m in (1, 2, 11, 8, 10)]
     assert planner.step_peak_gb(Candidate(11, "none")) == pytest.approx(126.0)
 
 
@@ -166,11 +166,31 @@ def test_one_slope_point_or_one_fitting_point():
     plan = _planner(probe, recompute=("full",), min_probe_tokens=64 * T).choose()
     assert probe.calls == [Candidate(64, "full")] and plan.micro_batch == 64
     # the slope probes at 8 and 16 (chunk of 8 sequences): 8 fits (78 GiB), 16 (126) does not;
-    # the line through them fits up to 11.7: 11 is confirmed
+    # the line through them fits up to 11.7: 11 fits, 13 (between 11 and 16) does not
     probe = FakeProbe(LINES, TIMES)
     plan = _planner(probe, recompute=("none",), min_probe_tokens=8 * T).choose()
-    assert probe.calls == [Candidate(8, "none"), Candidate(16, "none"), Candidate(11, "none")]
+    assert probe.calls == [Candidate(m, "none") for m in (8, 16, 11, 13)]
     assert (plan.micro_batch, plan.accum) == (11, 6)
+    # ... and when 16 runs out of memory: no line, bisection over 10, 11, 13 -> 11 fits, 13 not
+    probe = FakeProbe(LINES, TIMES, oom_gb=120.0)
+    plan = _planner(probe, recompute=("none",), min_probe_tokens=8 * T).choose()
+    assert probe.calls == [Candidate(m, "none") for m in (8, 16, 11, 13)]
+    assert plan.micro_batch == 11
+
+
+def test_a_peak_growing_faster_than_linearly_loses_no_fitting_micro_batch():
+    # peak 9.3 + 5.3 m + 0.4 m^2 (convex): the chord through a fitting and a failed probe lies
+    # above the curve, so micro-batches it rejects may fit; the largest that fits is found
+    class Convex(FakeProbe):
+        def peak(self, c):
+            return 9.3 + 5.3 * c.micro_batch + 0.4 * c.micro_batch ** 2
+
+    for budget in (60.0, 150.0, 420.0):
+        plan = _planner(Convex(LINES, TIMES), budget=budget, batch_per_rank=60,
+                        recompute=("none",)).choose()
+        fitting = [m for m in memory.micro_batch_candidates(60)
+                   if 9.3 + 5.3 * m + 0.4 * m * m <= budget]
+        assert plan.micro_batch == max(fitting), budget
 
 
 def test_an_out_of_memory_probe_does_not_fit():
