@@ -95,7 +95,9 @@ def test_plan_errors(sizes, l1s, reinit, match):
 def test_settings_errors():
     assert StudySettings().steps == 200 and StudySettings(tokens=100).steps == 1
     assert StudySettings(tokens=3 * 16384 + 8000).steps == 3  # rounded to whole steps
-    for kw, match in [({"tokens": 0}, "tokens"), ({"global_batch": 12}, "multiple"),
+    # a global batch that micro_batch does not divide runs balanced micro-batches (8 + 4)
+    assert StudySettings(global_batch=12).steps == 133  # 1600 sequences / 12, rounded
+    for kw, match in [({"tokens": 0}, "tokens"), ({"global_batch": 4}, "more than"),
                       ({"keep": "some"}, "keep"), ({"overrides": ["oops"]}, "key=value")]:
         with pytest.raises(ValueError, match=match):
             StudySettings(**kw)
