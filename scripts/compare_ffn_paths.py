@@ -32,7 +32,7 @@ With ``trainer.global_batch == trainer.micro_batch``, A and C take one micro-ste
 step and B two (gradient accumulation 2). Use an even micro-batch (it is halved for B).
 Size of the GPU command above: 300 steps x 16 x 1024 = 4.9 M tokens per run (small_l4: 4
 layers, width 768, FFN 2048, 28 M non-embedding parameters): 35-39 s per run on one H200
-(docs/bench/run10/compare_ffn.md). Without the two batch overrides ``trainer=gpu``
+(compare_ffn.md in docs/bench/run10.tar.xz). Without the two batch overrides ``trainer=gpu``
 means 512 sequences per step (157 M tokens per run) and accumulation 64 vs 128.
 
 Criteria (each printed as a PASS/FAIL line; the numbers come from the runs' ``metrics.jsonl``):

@@ -52,7 +52,7 @@ WHAT = {"silu_original": "the SiLU source as stored: scored only",
         "silu_control": "SiLU kept, fine-tuned on the same tokens with the same recipe, L1 0: "
                         "the control for domain shift",
         "dense_relu": "gate switched to ReLU at load, L1 0: the dense ReLU baseline"}
-EARLIER = "bench/runS/relufy.md"
+EARLIER = "bench/runS.tar.xz"  # runS/relufy.md and its results, packed
 
 
 def _num(v, spec: str = ".2f") -> str:
@@ -321,8 +321,8 @@ def earlier_lines() -> list[str]:
     """The earlier study (3.6 M tokens a row), summarised with a link to its full report."""
     return [
         "## The earlier study (3.6 M tokens a row)", "",
-        (f"[Its full report]({EARLIER}) (kept as written, with its results under "
-         "[`docs/bench/runS/`](bench/runS/)). Five runs shared one H200 at ~20.7 k tokens/s "
+        (f"Its full report (`runS/relufy.md` in [`docs/bench/runS.tar.xz`]({EARLIER}), kept as "
+         "written, with its results). Five runs shared one H200 at ~20.7 k tokens/s "
          "each, so every row saw 3.6 M tokens, a fifth of the corpus, without a SiLU control "
          "or distillation. Mean of the seven tasks (full sets): SiLU original 41.01, ReLU at "
          "load 31.74 (chance 31.44), dense ReLU after training 37.83 (still improving); L1 "

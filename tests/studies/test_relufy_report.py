@@ -68,7 +68,7 @@ def test_doc_from_results_has_the_numbers_targets_plots_and_csv(tmp_path):
         assert (doc.parent / "relufy" / png).stat().st_size > 5000
     assert "python scripts/relufy_study.py --out OUT --cpu" in text  # the commands that ran
     assert "# l1_0.1_kd\npython -m train experiment=relufy_smollm2 " in text
-    assert "sparsity.distill_from=source" in text and "bench/runS/relufy.md" in text
+    assert "sparsity.distill_from=source" in text and "`runS/relufy.md` in [`docs/bench/runS.tar.xz`](bench/runS.tar.xz)" in text
     # a rewrite keeps the hand-written block between the markers
     body = "Findings by hand.\n\nSecond paragraph."
     i, j = text.index(FINDINGS_BEGIN), text.index(FINDINGS_END)
