@@ -16,11 +16,9 @@ Shape legend: B micro-batch (sequences), T sequence length, L layers, H FFN widt
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 import os
-import resource
-import secrets
 import signal
 import sys
 import time
@@ -48,9 +46,10 @@ from train.config import ConfigError, OptimConfig, TrainConfig
 from train.interrupt import StopRequested, StopSignals, TrainingInterrupted
 from train.liger import liger_enabled, use_liger
 from train.loss import use_distillation
-from train.metrics import device_peak_flops, flops_per_token, mfu
+from train.metrics import device_peak_flops, flops_per_token
+from train.metrics_log import Interval, MetricsLogger, StepSums, format_record
 from train.model import build_model, ffn_modules
-from train.recompute import enable_grad_checkpointing
+from train.recompute import enable_grad_checkpointing, set_recompute
 from train.requeue import override_arg
 from train.sparsity import (
     DeadNeuronTracker,
@@ -59,7 +58,9 @@ from train.sparsity import (
     l1_penalty,
     reinit_dead_gates,
 )
-from twell.nn import FFNPlan, StepStats
+from train.step import draw_step, micro_steps, sync_step
+from train.step_shape import StepShape
+from twell.nn import FFNPlan
 
 
 class OutOfMemory(ConfigError):
@@ -189,37 +190,6 @@ def cpu_cost_warning(cfg: TrainConfig) -> str | None:
             + ".")
 
 
-def _peak_memory_gb(device: torch.device) -> float:
-    """Peak memory in GiB since the last :func:`_reset_peak_memory` (CUDA: bytes allocated by
-    tensors, ``torch.cuda.max_memory_allocated``). CPU: the process's peak resident set size
-    (Linux's ``VmHWM``, which :func:`_reset_peak_memory` resets); where ``/proc`` cannot tell,
-    the peak since the process started (``ru_maxrss``)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 2**20  # KiB -> GiB
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB (RSS)
-
-
-def _reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory interval: CUDA's peak counter; on CPU (Linux) the resident set's
-    high-water mark, set to the current size (``/proc/self/clear_refs``: 5), so a sweep's later
-    job in the same process does not report an earlier job's peak as its own."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:  # no /proc (or not writable): the process's peak since its start
-        pass
-
-
 class Trainer:
     """A stateful trainer: ``Trainer(cfg, run_dir).train()``.
 
@@ -309,13 +279,15 @@ class Trainer:
             if self.init_info is not None:
                 self._write({"step": 0, **self.init_info}, "init")
         self.memory = memory.plan_memory(self)  # trainer.memory=auto: micro-batch, recomputation
+        if self.memory.paths_line:
+            self._print(self.memory.paths_line)
         if self.memory.line:
             self._print(self.memory.line)
             self._write(self.memory.record, "memory")
         self._log_ready = True
         self._log()  # the lines printed so far
         self.acc.wait_for_everyone()
-        self.wandb = self._init_wandb()
+        self.metrics.start_wandb(cfg.logging, self.run_dir, self.config_dict, self._print)
 
     def _setup_accelerator(self, cfg: TrainConfig) -> None:
         """Threads, precision, the Accelerator (FSDP2 settings, gradient accumulation), the
@@ -340,7 +312,7 @@ class Trainer:
         with parallel.hidden_from_accelerate() if self.fsdp else nullcontext():
             self.acc = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no",
                                    cpu=t.cpu, kwargs_handlers=handlers)
-        self.accum = cfg.check_world(self.acc.num_processes)
+        self._accum = cfg.check_world(self.acc.num_processes)  # the first StepShape's
         # ranks agree on stops and failed saves through host-side all-reduces (no GPU sync):
         # False = one process, None = the default group (gloo already), else a gloo group
         self._host_group = False
@@ -388,6 +360,9 @@ class Trainer:
                     cfg.data, seq_len=cfg.model.seq_len, micro_batch=t.micro_batch or 1,
                     seed=t.seed, rank=self.acc.process_index, world_size=self.acc.num_processes)
         self.data = datamodule
+        world = self.acc.num_processes
+        self.shape = StepShape(t.global_batch // world, self.data.micro_batch, self._accum,
+                               cfg.model.seq_len)
         if self.init_src is not None:
             from train import pretrained
 
@@ -512,8 +487,9 @@ class Trainer:
                     f"FFN {cfg.model.ffn_impl}; {precision} on {self.device} x "
                     f"{self.acc.num_processes}")
         # MFU denominators (train/metrics.py): None on CPU / fp32 / unknown GPU -> MFU not logged
-        self.peak_flops = device_peak_flops(self.device, precision, t.peak_tflops)
-        self.peak_mem_run = 0.0  # GiB, largest interval peak of this process (peak_mem_gb_run)
+        self.metrics = MetricsLogger(self.metrics_path, self.acc, cfg.model,
+                                     device_peak_flops(self.device, precision, t.peak_tflops),
+                                     self.is_main)
         if t.compile and self.fsdp:
             raise ConfigError("trainer.compile=true with FSDP (configs/accelerate/fsdp2.yaml) is "
                               "not supported; set trainer.compile=false or launch with ddp.yaml.")
@@ -548,9 +524,82 @@ class Trainer:
         self.prev_segment: dict | None = None  # the checkpoint's last training segment
         self.segment = self._new_segment()
         self.signals: StopSignals | None = None  # while train() runs
-        self.wandb = None
 
     # ---------------------------------------------------------------- setup helpers
+
+    @property
+    def accum(self) -> int:
+        """Micro-batches per optimizer step (``shape.accum``)."""
+        return self.shape.accum
+
+    def set_step_shape(self, micro_batch: int, accum: int, recompute: str) -> StepShape:
+        """Train the next steps in ``accum`` micro-batches of at most ``micro_batch`` sequences,
+        recomputing ``recompute`` of each layer (:data:`train.recompute.RECOMPUTE_MODES`): the
+        one setter of :attr:`shape` (the memory planner's). The data module draws at the new
+        micro-batch, the model recomputes as asked, and the FFN plan's dense-backup capacities
+        and timings (rows per FFN call) are scaled to it (``FFNPlan.set_rows_per_call``), its
+        timings dropped when the recomputation changes (it changes every FFN's time). Returns
+        the new shape."""
+        old = self.shape
+        self.shape = dataclasses.replace(old, micro_batch=micro_batch, accum=accum,
+                                         recompute=recompute)
+        self.data.micro_batch = micro_batch
+        self.set_recompute(recompute)
+        self.plan.set_rows_per_call(self.shape.rows_per_call, micro_batch)
+        if old.recompute is not None and old.recompute != recompute:
+            self.plan.forget_timings()
+        return self.shape
+
+    def set_recompute(self, recompute: str) -> None:
+        """Make the model recompute ``recompute`` of each layer (``train.recompute``) without
+        changing :attr:`shape` (a memory probe's candidate; :meth:`set_step_shape` sets both)."""
+        set_recompute(self.acc.unwrap_model(self.model), recompute)
+
+    @property
+    def world_size(self) -> int:
+        """Processes training together (1: no DDP / FSDP)."""
+        return self.acc.num_processes
+
+    @property
+    def fsdp_recompute(self) -> bool:
+        """Whether the FSDP config asks for activation checkpointing (whole layers)."""
+        return bool(self.fsdp and self.fsdp.activation_checkpointing)
+
+    def reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """``t`` reduced over ranks (``"sum"``, ``"mean"``, ``"max"``: a collective every rank
+        calls); ``t`` itself on one process."""
+        return self.acc.reduce(t, op) if self.acc.num_processes > 1 else t
+
+    def zero_grad(self) -> None:
+        """Drop the accumulated gradients (set to None)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def forward_backward(self, ids_BT: torch.Tensor) -> None:
+        """One forward and backward of the token ids ``ids_BT`` ((B, T) int64 on the device) at
+        this step's loss, ``CE + l1_coeff * L1``, accumulating gradients with no all-reduce over
+        ranks and no optimizer step (the memory planner's probe; :meth:`zero_grad` after)."""
+        coeff = l1_coeff_at(self.step, self.cfg.sparsity)
+        sync = self.acc.no_sync(self.model) if self.acc.num_processes > 1 else nullcontext()
+        with sync:
+            ce = self.model(input_ids=ids_BT, labels=ids_BT).loss  # the logits go before backward
+            l1, _ = l1_penalty(collect_stats(self.mlps))
+            self.acc.backward(ce + coeff * l1)
+
+    def ffn_densities(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        """(2, L) float64 device tensor: each FFN's mean active units per token (L0) and heavy-row
+        fraction over one training forward of ``ids_BT`` ((B, T) int64 on the device; no
+        backward), averaged over ranks (every rank calls it)."""
+        with torch.enable_grad():
+            self.model(input_ids=ids_BT, labels=ids_BT)
+            _, sp = l1_penalty(collect_stats(self.mlps))
+            vals = torch.stack([sp.nnz_sum_L, sp.heavy_L]).double() / sp.n_tokens
+        # the FFNs' stats hold the forward's graph (no backward frees it); kept, it would count
+        # in the first probe's peak and bend the planner's peak line (BENCHMARKS.md, "Call 3
+        # outcome")
+        for m in self.mlps:
+            m.last_stats = None
+        del sp
+        return self.reduce(vals, "mean")
 
     @property
     def tokens_per_step(self) -> int:
@@ -578,29 +627,6 @@ class Trainer:
         o, max_steps = self.cfg.optim, self.cfg.trainer.max_steps
         return torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda k: lr_factor(k + 1, o, max_steps), last_epoch=steps_done - 1)
-
-    def _init_wandb(self):
-        lg = self.cfg.logging
-        if lg.wandb_mode == "disabled" or not self.is_main:
-            return None
-        try:
-            import wandb
-        except ImportError:
-            self._print("wandb is not installed; logging to metrics.jsonl only")
-            return None
-        ckpt_io.check_run_folder(self.run_dir / "wandb")  # wandb writes its run through links
-        id_file = self.run_dir / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
-        ckpt_io.write_atomic(id_file, run_id)
-        # offline: no banner and no history table at finish (the run's summary line comes last)
-        settings = wandb.Settings(silent=True) if lg.wandb_mode == "offline" else None
-        try:
-            return wandb.init(project=lg.wandb_project, name=lg.run_name or self.run_dir.name,
-                              dir=str(self.run_dir), mode=lg.wandb_mode, config=self.config_dict,
-                              id=run_id, resume="allow", settings=settings)
-        except Exception as e:  # noqa: BLE001  (logging must not kill a training run)
-            self._print(f"wandb.init failed ({e}); logging to metrics.jsonl only")
-            return None
 
     # ---------------------------------------------------------------- state
 
@@ -739,96 +765,41 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
 
-    def _new_interval(self) -> dict:
-        L, dev = self.cfg.model.num_layers, self.device
-        return {"loss": torch.zeros((), device=dev), "ce": torch.zeros((), device=dev),
-                "l1": torch.zeros((), device=dev), "micro": 0, "steps": 0, "tokens": 0,
-                "nnz_sum_L": torch.zeros(L, device=dev), "nnz_max_L": torch.zeros(L, device=dev),
-                "heavy_L": torch.zeros(L, device=dev),
-                "ffn_tokens": 0, "time": 0.0}
+    def new_interval(self) -> Interval:
+        """An empty log :class:`train.metrics_log.Interval` for :meth:`run_step` /
+        :meth:`train_step` and :meth:`log_metrics` (a driver of the loop: benchmarks)."""
+        return Interval.zeros(self.cfg.model.num_layers, self.device)
 
-    new_interval = _new_interval  # public: a driver of train_step / log_metrics (benchmarks)
+    _new_interval = new_interval
 
-    def _micro_steps(self, ids: list, coeff: float) -> dict:
-        """Forward + backward of the step's micro-batches; returns the step's metric sums."""
-        cfg, acc, model = self.cfg, self.acc, self.model
-        L, dev = cfg.model.num_layers, self.device
-        m = {"loss": torch.zeros((), device=dev), "ce": torch.zeros((), device=dev),
-             "l1": torch.zeros((), device=dev), "nnz_sum_L": torch.zeros(L, device=dev),
-             "heavy_L": torch.zeros(L, device=dev), "heavy_max_L": torch.zeros(L, device=dev),
-             "nnz_max_L": torch.zeros(L, device=dev), "ffn_tokens": 0, "micro_tokens": 0,
-             "active_LH": torch.zeros(L, cfg.model.intermediate_size, dtype=torch.int64,
-                                      device=dev)}
-        check = self.plan.host_sync == "micro_batch"  # one process (_setup_parallel)
-        n_micro, n_seq = len(ids), sum(x.shape[0] for x in ids)
-        for micro, ids_cpu in enumerate(ids):
-            ids_BT = ids_cpu.to(dev, non_blocking=True)  # (B, T) token ids
-            # a micro-batch's mean loss counts by its share of the step's sequences: 1.0 when
-            # they are all the same size (bitwise as before), else B * n_micro / n_seq
-            share = ids_BT.shape[0] * n_micro / n_seq
-            sync = micro == n_micro - 1  # DDP all-reduces gradients on the last micro-step
-            with nullcontext() if sync else acc.no_sync(model):
-                out = model(input_ids=ids_BT, labels=ids_BT)
-                ce = out.loss  # mean over B*(T-1) targets; distillation: CE + w T^2 KL
-                l1, sp = l1_penalty(collect_stats(self.mlps))
-                over = self.plan.call_overflow(sp.heavy_L, ids_BT.numel()) if check else []
-                if over:  # some layer exceeded its no-sync capacity: this forward again, exact
-                    del out, ce, l1, sp  # the overflowed forward's graph goes before the new one
-                    for mlp in self.mlps:
-                        mlp.last_stats = None
-                    self.plan.overflowed_in_call(over)
-                    m["forward_redos"] = m.get("forward_redos", 0) + 1
-                    self._print(f"step {self.step + 1}, micro-batch {micro + 1}: layers {over} "
-                                "had more heavy rows than their dense-backup capacity; running "
-                                "its forward again, those layers measuring per call")
-                    out = model(input_ids=ids_BT, labels=ids_BT)
-                    ce = out.loss
-                    l1, sp = l1_penalty(collect_stats(self.mlps))
-                loss = ce + coeff * l1
-                acc.backward(loss * share / n_micro)
-            kl = getattr(out, "distill_kl", None)  # sparsity.distill_*: log CE and KL apart
-            if kl is not None:
-                ce = out.distill_ce
-                m["distill_kl"] = m.get("distill_kl", 0.0) + kl * share
-            m["loss"] += loss.detach() * share
-            m["ce"] += ce.detach() * share
-            m["l1"] += l1.detach() * share
-            m["nnz_sum_L"] += sp.nnz_sum_L
-            m["heavy_L"] += sp.heavy_L
-            m["heavy_max_L"] = torch.maximum(m["heavy_max_L"], sp.heavy_L)
-            m["nnz_max_L"] = torch.maximum(m["nnz_max_L"], sp.nnz_max_L)
-            m["ffn_tokens"] += sp.n_tokens
-            m["active_LH"] += sp.active_LH
-            m["micro_tokens"] = max(m["micro_tokens"], sp.n_tokens)  # the largest call's rows
-        return m
+    def _micro_steps(self, ids: list, coeff: float) -> StepSums:
+        """Forward + backward of the step's micro-batches (:func:`train.step.micro_steps`)."""
+        def on_redo(micro: int, over: list[int]) -> None:
+            self._print(f"step {self.step + 1}, micro-batch {micro + 1}: layers {over} had more "
+                        "heavy rows than their dense-backup capacity; running its forward "
+                        "again, those layers measuring per call")
 
-    def _draw_step(self, batches) -> list[torch.Tensor]:
-        """The step's ``accum`` micro-batches from ``batches``: when the micro-batch does not
-        divide the sequences a rank takes per step, their sizes are balanced
-        (``train.memory.micro_batch_sizes``: 512 at micro-batch 24 is 6 x 24 + 16 x 23), drawn
-        with the data module's ``micro_batch`` set to each size (its ``train_batches`` reads it
-        at every batch). An iterator that ignores it (a benchmark's) gives its own sizes: the
-        step weighs each micro-batch by the sequences it holds (``_micro_steps``)."""
-        full = self.data.micro_batch
-        per_rank = self.cfg.trainer.global_batch // self.acc.num_processes
-        sizes = memory.micro_batch_sizes(per_rank, full) if full <= per_rank else []
-        if len(sizes) != self.accum or sizes[-1] == full:  # equal sizes, or a driver's own accum
-            return [next(batches) for _ in range(self.accum)]
-        try:
-            ids = []
-            for size in sizes:
-                self.data.micro_batch = size
-                ids.append(next(batches))
-            return ids
-        finally:
-            self.data.micro_batch = full
+        return micro_steps(self.model, self.acc, self.mlps, self.plan, ids, coeff,
+                           width=self.cfg.model.intermediate_size, on_redo=on_redo)
 
-    def train_step(self, batches, interval: dict) -> None:
+    def run_step(self, batches, interval: Interval) -> float:
+        """:meth:`train_step` timed: its seconds go to ``interval`` (tokens/s), the run's
+        training time and this process's segment; returns them."""
+        t0 = time.perf_counter()
+        self.train_step(batches, interval)
+        dt = time.perf_counter() - t0
+        interval.time += dt
+        self.train_time += dt
+        self.segment.update(steps=self.segment["steps"] + 1, time=self.segment["time"] + dt,
+                            tokens=self.segment["tokens"] + self.tokens_per_step)
+        return dt
+
+    def train_step(self, batches, interval: Interval) -> None:
         """One optimizer step over ``accum`` micro-batches; accumulates metrics in ``interval``.
 
         Host synchronisation: once, after the backward of the last micro-batch (the non-finite
-        check and the FFN plan's statistics). The plan (``self.plan``, ``FFNPlan.end_step``)
-        then accepts the step, or asks for a redo when some layer on the ELL path had more heavy
+        check and the FFN plan's statistics: :func:`train.step.sync_step`). The plan then
+        accepts the step, or asks for a redo when some layer on the ELL path had more heavy
         rows than its no-sync dense-backup capacity: the attempt's gradients are discarded
         before the optimizer sees them and the step runs again measuring per call (exact, so
         it is accepted). The plan also sets the next step's capacities and ``auto``'s paths.
@@ -836,162 +807,69 @@ class Trainer:
         micro-batch's forward (one more host sync each, ``FFNPlan.call_overflow``): an
         overflowed micro-batch runs its forward again before its backward, so the step is not
         redone.
+
+        Raises:
+            NonFiniteLossError: the loss or gradient norm is NaN / inf (the step not applied).
         """
-        cfg, acc, model = self.cfg, self.acc, self.model
+        cfg = self.cfg
         self._update_began = False
         coeff = l1_coeff_at(self.step, cfg.sparsity)
         lr = self.scheduler.get_last_lr()[0]
-        ids = self._draw_step(batches)  # kept until the step is accepted
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        for _attempt in range(2):  # a redone step measures per call: it cannot overflow again
-            self.plan.begin_step()
-            m = self._micro_steps(ids, coeff)
-            grad_norm = parallel.plain(acc.clip_grad_norm_(model.parameters(), max_norm))
-            bad = (~torch.isfinite(m["loss"]) | ~torch.isfinite(grad_norm)).float()
-            stats = StepStats(m["heavy_max_L"], m["nnz_sum_L"], m["heavy_L"],
-                              rows_per_call=m["micro_tokens"],
-                              tokens=m["ffn_tokens"] * acc.num_processes,
-                              sequences_per_call=m["micro_tokens"] // cfg.model.seq_len,
-                              active_LH=m["active_LH"])
-            if acc.num_processes > 1:  # active_LH summed too: the hot units, dead neurons
-                bad = acc.reduce(bad, "sum")
-                stats = stats.reduced(lambda t, op: acc.reduce(t.contiguous(), op))
-            stats = self.plan.count_hot_units(stats)  # device: units above the hot threshold
-            host = torch.cat([bad.reshape(1), stats.packed()]).tolist()  # the step's one host sync
-            if host[0]:
-                raise NonFiniteLossError(
-                    f"non-finite loss or gradient at step {self.step + 1} (loss "
-                    f"{m['loss'].item() / self.accum:.4g}, grad norm {grad_norm.item():.4g}); the "
-                    f"step was not applied; last good checkpoint: {self.last_ckpt or 'none'}")
-            outcome = self.plan.end_step(stats.unpacked(host[1:]))
-            if outcome.accepted:
-                break
-            self.optimizer.zero_grad(set_to_none=True)  # discard the attempt
-            interval["backup_redos"] = interval.get("backup_redos", 0) + 1
-            self._print(f"step {self.step + 1}: layers {list(outcome.redo)} had more heavy rows "
-                        "than their dense-backup capacity; redoing the step with per-call "
-                        "measurement")
+        ids = draw_step(batches, self.shape, self.data)  # kept until the step is accepted
+        m, grad_norm, stats = self._accepted_step(ids, coeff, interval)
         self._update_began = True  # from here an error may leave the weights half updated
-        if m.get("forward_redos"):
-            interval["forward_redos"] = interval.get("forward_redos", 0) + m["forward_redos"]
-        for k in ("loss", "ce", "l1"):  # the step's mean: each step counts alike in the interval,
-            interval[k] += m[k] / len(ids)  # whatever its accumulation (a step-down, a re-plan)
-        for k in ("nnz_sum_L", "heavy_L"):
-            interval[k] += m[k]
-        if "distill_kl" in m:
-            interval["distill_kl"] = interval.get("distill_kl", 0.0) + m["distill_kl"] / len(ids)
-        interval["nnz_max_L"] = torch.maximum(interval["nnz_max_L"], m["nnz_max_L"])
-        interval["ffn_tokens"] += m["ffn_tokens"]
-        interval["micro"] += len(ids)
-        active_LH = stats.active_LH  # summed over ranks (StepStats.reduced)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-        interval["steps"] += 1
-        interval["tokens"] += self.tokens_per_step
-        interval["grad_norm"] = grad_norm.detach()
-        interval["lr"], interval["l1_coeff"] = lr, coeff
-
+        interval.add_step(m, len(ids), self.tokens_per_step, grad_norm, lr, coeff)
         # dead neurons: counts summed over ranks so every rank holds the same window state
-        dead_LH = self.tracker.update(active_LH, self.tokens_per_step)
+        dead_LH = self.tracker.update(stats.active_LH, self.tokens_per_step)
         if dead_LH is not None and cfg.sparsity.reinit_dead:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(cfg.trainer.seed * 1_000_003 + self.step)  # same on all ranks / resume
             reinit_dead_gates(self.mlps, dead_LH, lam=cfg.sparsity.reinit_lambda,
                               std=cfg.sparsity.reinit_std, generator=gen)
 
-    def log_metrics(self, interval: dict) -> dict:
-        """Reduce the interval's metrics over ranks (host sync) and write them everywhere."""
-        acc, L = self.acc, self.cfg.model.num_layers
-        sums = torch.cat([torch.stack([interval["loss"], interval["ce"], interval["l1"]]),
-                          interval["nnz_sum_L"], interval["heavy_L"]])
-        nnz_max_L = interval["nnz_max_L"]
-        if acc.num_processes > 1:
-            sums = acc.reduce(sums, "sum") / torch.tensor([acc.num_processes] * 3 + [1] * 2 * L,
-                                                          device=sums.device)
-            nnz_max_L = acc.reduce(nnz_max_L.contiguous(), "max")
-        sums = sums.tolist()  # host sync
-        n = interval["steps"]  # loss, ce, l1, distill_kl: sums of step means
-        ffn_tokens = interval["ffn_tokens"] * acc.num_processes
-        l0_L = [v / ffn_tokens for v in sums[3:3 + L]]
-        heavy_L = [v / ffn_tokens for v in sums[3 + L:]]
+    def _accepted_step(self, ids: list, coeff: float, interval: Interval):
+        """The step's micro-steps, clipped, until the FFN plan accepts them (a redone step
+        measures per call: it cannot overflow again); ``(sums, grad norm, stats)``."""
+        acc, max_norm = self.acc, self.cfg.optim.grad_clip
+        max_norm = max_norm if max_norm > 0 else math.inf
+        for _attempt in range(2):
+            self.plan.begin_step()
+            m = self._micro_steps(ids, coeff)
+            grad_norm = parallel.plain(acc.clip_grad_norm_(self.model.parameters(), max_norm))
+            finite, outcome, stats = sync_step(self.plan, acc, m, grad_norm,
+                                               self.cfg.model.seq_len)
+            if not finite:
+                raise NonFiniteLossError(
+                    f"non-finite loss or gradient at step {self.step + 1} (loss "
+                    f"{m.loss.item() / self.accum:.4g}, grad norm {grad_norm.item():.4g}); the "
+                    f"step was not applied; last good checkpoint: {self.last_ckpt or 'none'}")
+            if outcome.accepted:
+                break
+            self.optimizer.zero_grad(set_to_none=True)  # discard the attempt
+            interval.backup_redos += 1
+            self._print(f"step {self.step + 1}: layers {list(outcome.redo)} had more heavy rows "
+                        "than their dense-backup capacity; redoing the step with per-call "
+                        "measurement")
+        return m, grad_norm, stats
+
+    def log_metrics(self, interval: Interval) -> dict:
+        """Reduce the interval's metrics over ranks (host sync) and write them everywhere;
+        returns the train record as a dict (:class:`train.metrics_log.TrainRecord`)."""
         dead = self.tracker.dead_fraction_L
-        tok_s = interval["tokens"] / max(interval["time"], 1e-9)  # global tokens/s
-        tok_s_dev = tok_s / acc.num_processes
-        peak_mem = _peak_memory_gb(self.device)  # this interval's peak (CUDA); then a new one
-        _reset_peak_memory(self.device)
-        self.peak_mem_run = max(self.peak_mem_run, peak_mem)
-        m = {
-            "step": self.step,
-            "tokens": self.tokens_seen,
-            "loss": sums[0] / n,
-            "ce": sums[1] / n,
-            "l1": sums[2] / n,
-            "l1_coeff": interval["l1_coeff"],
-            "l0_mean": sum(l0_L) / L,
-            "l0_min": min(l0_L),
-            "l0_max": max(l0_L),
-            "nnz_max": max(nnz_max_L.tolist()),
-            "l0_layers": l0_L,
-            "dead_frac": None if dead is None else dead.mean().item(),
-            "dead_layers": None if dead is None else dead.tolist(),
-            "lr": interval["lr"],
-            "grad_norm": interval["grad_norm"].item(),
-            "tokens_per_s": tok_s,
-            # dense model FLOPs, and useful FLOPs at this interval's L0 (train/metrics.py)
-            "mfu": mfu(flops_per_token(self.cfg.model), tok_s_dev, self.peak_flops),
-            "mfu_useful": mfu(flops_per_token(self.cfg.model, l0_L), tok_s_dev, self.peak_flops),
-            "peak_mem_gb": peak_mem,
-            "peak_mem_gb_run": self.peak_mem_run,
-        }
-        if interval.get("backup_redos"):
-            m["ffn_backup_redos"] = interval["backup_redos"]  # steps redone (capacity exceeded)
-        if interval.get("forward_redos"):  # micro-batch forwards run again (ffn_host_sync)
-            m["ffn_forward_redos"] = interval["forward_redos"]
-        if "distill_kl" in interval:  # KL(teacher || student) at the temperature, per target
-            kl = interval["distill_kl"]
-            if acc.num_processes > 1:
-                kl = acc.reduce(kl, "sum") / acc.num_processes
-            m["distill_kl"] = kl.item() / n
-        if self.cfg.model.ffn_impl == "auto":  # the paths chosen for the next step
-            m["ffn_paths"] = self.plan.paths
-            m["heavy_frac_layers"] = heavy_L
-            m.update(self._ffn_timing_metrics())
-        hot = [0 if lp.hot_units is None else int(lp.hot_units.numel()) for lp in self.plan.layers]
-        if any(hot):  # hot units of the ell layers for the next step
-            m["ffn_hot_units_layers"] = hot
+        m = self.metrics.train_record(interval, step=self.step, tokens_seen=self.tokens_seen,
+                                      dead_L=dead, plan=self.plan,
+                                      auto=self.cfg.model.ffn_impl == "auto").as_dict()
         self.last = m
         self._write(m)
         return m
 
-    def _ffn_timing_metrics(self) -> dict:
-        """auto's measured choice: per layer the median ms per micro-step of each path's timed
-        FFN calls (``ffn_ms_ell_layers``, ``ffn_ms_dense_layers``; None where not timed), when
-        any layer has timings."""
-        medians = getattr(self.plan.chooser, "medians", None)
-        if medians is None:
-            return {}
-        meds = [medians(k) for k in range(len(self.plan))]
-        if not any(meds):
-            return {}
-        return {f"ffn_ms_{p}_layers": [None if p not in md else round(md[p], 4) for md in meds]
-                for p in ("ell", "dense")}
-
     def _write(self, m: dict, prefix: str = "train") -> None:
-        if not self.is_main:
-            return
-        with ckpt_io.open_run_file(self.metrics_path) as f:
-            f.write(json.dumps({"kind": prefix, **m}) + "\n")
-        if self.wandb is not None:
-            flat = {}
-            for k, v in m.items():
-                if isinstance(v, list):
-                    flat.update({f"{prefix}/{k}/{i}": x for i, x in enumerate(v)})
-                elif v is not None and k != "step":
-                    flat[f"{prefix}/{k}"] = v
-            self.wandb.log(flat, step=self.step)
+        self.metrics.write(m, prefix, step=self.step)
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -1150,7 +1028,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         end = min(t.max_steps, stop_at_step or t.max_steps)
         batches = self.memory.batches(iter(self.data.train_batches()))  # kept for a redo
-        _reset_peak_memory(self.device)  # this run's peaks, not an earlier one's in this process
+        self.metrics.reset_peak()  # this run's peaks, not an earlier one's in this process
         self.model.train()
         from tqdm.auto import tqdm
 
@@ -1164,11 +1042,10 @@ class Trainer:
             self.evaluate()
             self._stop_if_signalled(bar)
         while self.step < end:
-            t0 = time.perf_counter()
             # where the data was before this step: an out-of-memory in it saves the steps before
             data_state = self.data.state_dict() if self.acc.num_processes == 1 else None
             try:
-                self.train_step(batches, interval)
+                self.run_step(batches, interval)
             except torch.cuda.OutOfMemoryError as e:  # memory=auto steps down (train/memory.py)
                 line = self.memory.step_down()
                 if line is None:
@@ -1181,15 +1058,10 @@ class Trainer:
                 if is_cpu_out_of_memory(e):
                     self._out_of_memory(e, data_state, bar)
                 raise
-            dt = time.perf_counter() - t0
             line = self.memory.after_step()  # re-plans once when the FFN paths have settled
             if line is not None:
                 self._print(line, bar)
                 self._write(self.memory.record, "memory")
-            interval["time"] += dt
-            self.train_time += dt
-            self.segment.update(steps=self.segment["steps"] + 1, time=self.segment["time"] + dt,
-                                tokens=self.segment["tokens"] + self.tokens_per_step)
             bar.update(1)
             last = self.step == end
             if self.step % t.log_every == 0 or last:
@@ -1333,17 +1205,7 @@ class Trainer:
         if self._lock is not None:
             self._lock.release()
 
-    @staticmethod
-    def _format(m: dict) -> str:
-        dead = "n/a" if m["dead_frac"] is None else f"{100 * m['dead_frac']:.1f}%"
-        util = "" if m.get("mfu") is None else (
-            f" mfu {100 * m['mfu']:.1f}% (useful {100 * m['mfu_useful']:.1f}%)")
-        kl = f" kl {m['distill_kl']:.4f}" if m.get("distill_kl") is not None else ""
-        return (f"step {m['step']}: loss {m['loss']:.4f} ce {m['ce']:.4f}{kl} l1 {m['l1']:.3g} "
-                f"l0 {m['l0_mean']:.1f} [{m['l0_min']:.1f}-{m['l0_max']:.1f}] max {m['nnz_max']:.0f}"
-                f" dead {dead} lr {m['lr']:.3g} gnorm {m['grad_norm']:.3g} "
-                f"{m['tokens_per_s']:.0f} tok/s{util} mem {m['peak_mem_gb']:.2f} GB "
-                f"(run {m['peak_mem_gb_run']:.2f})")
+    _format = staticmethod(format_record)
 
     def summary(self) -> dict:
         """Final numbers of the run (what summary.json holds). ``tokens_per_s`` is the last
@@ -1381,9 +1243,8 @@ class Trainer:
 
     def close(self) -> None:
         """Finish wandb and release the run dir's lock (the trainer writes nothing after)."""
-        if self.wandb is not None:
-            self.wandb.finish()
-            self.wandb = None
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
         determinism.restore(self._determinism)  # the process's torch settings before this run
         self._determinism = None
         self._unlock()
