@@ -61,6 +61,7 @@ up to :data:`CPU_MICRO_BATCH` and no recomputation. Tests inject the probe
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import statistics
@@ -491,7 +492,10 @@ def probe_batch(data, n: int, vocab_size: int, seed: int) -> torch.Tensor:
 
 
 class ProbeRunner:
-    """The device probe of a :class:`train.trainer.Trainer` (see the module docstring).
+    """The device probe of a training-step driver (see the module docstring): a
+    :class:`train.trainer.Trainer`, or any object with its probe calls (``device``,
+    ``world_size``, ``set_recompute(mode)``, ``forward_backward(ids_BT)``, ``zero_grad()``,
+    ``reduce(t, op)`` and optionally an FFN ``plan``; the benchmark's plain-transformers step).
 
     ``runner(candidate)`` switches the model to the candidate's recomputation (the planner sets
     the chosen one afterwards), runs one warm-up and ``timed_steps`` timed forward+backward
@@ -499,12 +503,21 @@ class ProbeRunner:
     optimizer step, no gradient all-reduce), sets the gradients to None and returns the
     :class:`Measurement`, reduced over ranks (the largest peak and time). The FFNs measure their
     dense backup per call during probes (``backup_rows = -1``; restored after).
+
+    Args:
+        trainer: the driver.
+        ids_BT: the probe's token ids, int64 (N, T) with N >= the largest candidate; default
+            :func:`probe_batch` of the trainer's data (one step's sequences of one rank).
+        timed_steps: timed micro-steps per probe.
     """
 
-    def __init__(self, trainer, timed_steps: int = PROBE_TIMED_STEPS) -> None:
+    def __init__(self, trainer, ids_BT: torch.Tensor | None = None,
+                 timed_steps: int = PROBE_TIMED_STEPS) -> None:
         self.tr, self.timed_steps = trainer, timed_steps
-        self.ids_BT = probe_batch(trainer.data, trainer.shape.batch_per_rank,
-                                  trainer.cfg.model.vocab_size, trainer.cfg.trainer.seed)
+        if ids_BT is None:
+            ids_BT = probe_batch(trainer.data, trainer.shape.batch_per_rank,
+                                 trainer.cfg.model.vocab_size, trainer.cfg.trainer.seed)
+        self.ids_BT = ids_BT
 
     def _micro_step(self, ids_BT: torch.Tensor) -> float:
         """One forward+backward (``Trainer.forward_backward``); its milliseconds (CUDA events
@@ -526,7 +539,8 @@ class ProbeRunner:
         tr = self.tr
         cuda = tr.device.type == "cuda"
         tr.set_recompute(c.recompute)
-        profiling = tr.plan.profiling()  # every backup measured per call; restored after
+        plan = getattr(tr, "plan", None)  # every backup measured per call; restored after
+        profiling = plan.profiling() if plan is not None else contextlib.nullcontext()
         profiling.__enter__()
         ids_BT = self.ids_BT[:c.micro_batch].to(tr.device)
         if cuda:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -355,3 +357,52 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+class RunLog:
+    """The run's printed lines: printed on the main process (through a progress bar if any) and
+    appended, timestamped, to ``train.log``; lines from before the run dir is set up
+    (:meth:`start`) wait until it is.
+
+    Args:
+        path: the run's ``train.log``.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.is_main = True  # set once the process group is known (other ranks write nothing)
+        self._pending: list[str] = []
+        self._ready = False
+
+    def start(self) -> None:
+        """The run dir is set up: write the lines so far and each later one."""
+        self._ready = True
+        self.log()
+
+    def log(self, *lines: str) -> None:
+        """Append ``lines`` to train.log (main process)."""
+        if not self.is_main:
+            return
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        self._pending += [f"[{stamp}] {ln}\n" for ln in lines]
+        if self._ready and self._pending:
+            with ckpt_io.open_run_file(self.path) as f:
+                f.writelines(self._pending)
+            self._pending.clear()
+
+    def print(self, line: str, bar=None) -> None:
+        """Print on the main process (through the progress bar ``bar`` if any) and log it."""
+        if self.is_main:
+            (bar.write if bar is not None else print)(line)
+            self.log(line)
+
+    def warn(self, line: str) -> None:
+        """Print to stderr (every process) and log it."""
+        print(line, file=sys.stderr)
+        self.log(line)
+
+    def report(self, lines: list[str]) -> None:
+        """Print the run's closing lines together and log them (main process)."""
+        if self.is_main:
+            print("\n".join(lines))
+            self.log(*lines)

@@ -18,22 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import AutocastKwargs, set_seed
+from accelerate.utils import set_seed
 from omegaconf import OmegaConf
 
-from evals.scoring import (  # light (torch only); the harness loads lazily
-    ContinuationTooLong,
-    NonFiniteScores,
-)
 from train import checkpoint as ckpt_io
 from train import determinism, interrupt, memory, parallel, rundir
 from train.checkpointer import (  # noqa: F401  (config_diff: callers import it from here)
@@ -42,15 +36,29 @@ from train.checkpointer import (  # noqa: F401  (config_diff: callers import it 
     config_diff,
     config_to_dict,
 )
-from train.config import ConfigError, OptimConfig, TrainConfig
+from train.config import ConfigError, TrainConfig
+from train.evaluation import (
+    clear_sharded_ffn_caches,
+    score_tasks,
+    stoppable,
+    validation_totals,
+)
 from train.interrupt import StopRequested, StopSignals, TrainingInterrupted
-from train.liger import liger_enabled, use_liger
-from train.loss import use_distillation
-from train.metrics import device_peak_flops, flops_per_token
-from train.metrics_log import Interval, MetricsLogger, StepSums, format_record
-from train.model import build_model, ffn_modules
-from train.recompute import enable_grad_checkpointing, set_recompute
-from train.requeue import override_arg
+from train.metrics import device_peak_flops
+from train.metrics_log import Interval, MetricsLogger, RunLog, StepSums, format_record
+from train.model import ffn_modules
+from train.recompute import set_recompute
+from train.setup import (
+    attach_teacher,
+    build_optimizer,
+    build_scheduler,
+    check_data,
+    config_warnings,
+    duration,
+    load_model,
+    make_accelerator,
+    prepare_model,
+)
 from train.sparsity import (
     DeadNeuronTracker,
     collect_stats,
@@ -97,26 +105,6 @@ def _legacy_plan_state(d: dict, current: dict) -> dict:
     return out
 
 
-def lr_factor(step: int, o: OptimConfig, max_steps: int) -> float:
-    """Multiplier of ``optim.lr`` for optimizer step ``step`` (1-based).
-
-    Linear warmup ``step / warmup_steps`` for ``step <= warmup_steps`` (peak at step
-    ``warmup_steps``), then ``constant`` 1 or ``cosine`` from that peak towards ``min_lr_ratio``:
-    ``r + (1 - r) * (1 + cos(pi * (step - warmup) / (max_steps - warmup + 1))) / 2``.
-    Both ends are one step outside the run (factor 0 at step 0, ``min_lr_ratio`` at step
-    ``max_steps + 1``), so no step runs at lr 0: step 1 at ``lr / warmup_steps``, the last step
-    just above ``min_lr_ratio * lr`` (paper recipe: 600 warmup steps, then cosine).
-    """
-    w = o.warmup_steps
-    if step <= w:
-        return step / w
-    if o.schedule == "constant":
-        return 1.0
-    progress = min((step - w) / (max_steps - w + 1), 1.0)
-    r = o.min_lr_ratio
-    return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def summary_line(s: dict) -> str:
     """The one-line end of a run (printed last by ``twell-train``): step, train CE, validation
     loss, L0, dead % (n/a before a dead-unit window completed), eval mean (%, primary metric
@@ -134,60 +122,6 @@ def summary_line(s: dict) -> str:
             f"{'n/a' if dead is None else format(dead, '.1f') + '%'} | eval mean "
             f"{'n/a' if ev is None else format(100 * ev, '.1f')} | "
             f"{f(s.get('tokens_per_s'), '.0f')} tok/s{where}")
-
-
-def _duration(seconds: float) -> str:
-    """``"1h02m"``, ``"3m05s"`` or ``"42s"``."""
-    s = round(max(seconds, 0.0))
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-# FLOP/s of a training step on a CPU, generous (the tiny model at model.seq_len=32768 ran ~1e11 on
-# one thread of a 2-core machine): a step predicted longer than CPU_SLOW_STEP_S at this rate is
-# warned about
-CPU_FLOPS = 2e11
-CPU_SLOW_STEP_S = 60.0
-
-
-def cpu_cost_warning(cfg: TrainConfig) -> str | None:
-    """The warning for a GPU-sized run about to train on the CPU, or None: a global batch of 64
-    or more sequences (when the CPU was not asked for with trainer.cpu), a step predicted to take
-    more than :data:`CPU_SLOW_STEP_S` (its model FLOPs, attention's ``seq_len^2`` included, at
-    :data:`CPU_FLOPS`: a long ``model.seq_len``; a SIGTERM waits for the step in progress once a
-    step has finished since the last checkpoint), evals over the seven tasks' full validation
-    sets (eval.limit=null: ~58 k scoring requests per evaluation), or trainer.compile; the line
-    names what applies and the overrides that shrink it."""
-    t, e = cfg.trainer, cfg.eval
-    parts, fix = [], []
-    shaped = all(getattr(cfg.model, k) is not None for k in (  # null: from init_from, not yet read
-        "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "seq_len"))
-    step_s = (flops_per_token(cfg.model) * t.global_batch * cfg.model.seq_len / CPU_FLOPS
-              if shaped else 0.0)
-    if t.global_batch >= 64 and not t.cpu:
-        parts.append(f"{t.max_steps} steps of {t.global_batch} x {cfg.model.seq_len} tokens")
-        fix.append("trainer.max_steps=20 trainer.global_batch=8 trainer.micro_batch=4")
-    if step_s > CPU_SLOW_STEP_S:
-        parts.append(f"about {_duration(step_s)} or more per optimizer step ({t.global_batch} x "
-                     f"model.seq_len={cfg.model.seq_len} tokens; attention grows with seq_len "
-                     "squared; a stop signal with finished steps unsaved waits for the step in "
-                     "progress)")
-        fix.append(f"a shorter model.seq_len (e.g. {min(cfg.model.seq_len, 1024) // 2 or 1}) "
-                   "or a smaller trainer.global_batch")
-    if e.enabled and e.limit is None:
-        parts.append("evals on the full validation sets (eval.limit=null; ~58 k scoring requests "
-                     f"with all seven tasks) {'before and after' if e.at_start else 'after'} "
-                     "training")
-        fix.append("eval.limit=50 (or eval=disabled)")
-    if t.compile:
-        parts.append("torch.compile (minutes of compilation on a CPU)")
-        fix.append("trainer.compile=false")
-    if not parts:
-        return None
-    return ("warning: " + ("" if t.cpu else "no GPU found; ") + "this is a GPU-sized run ("
-            + "; ".join(parts) + ") and can take hours on the CPU. To shrink it: " + " ".join(fix)
-            + ".")
 
 
 class Trainer:
@@ -223,8 +157,7 @@ class Trainer:
         # the run dir is locked from the first check to close(); a construction that fails
         # unlocks it and removes the directory if it made it and left nothing else there
         self._lock: rundir.RunDirLock | None = None
-        self._log_lines: list[str] = []  # train.log lines waiting for the run dir to be set up
-        self._log_ready = False
+        self.runlog = RunLog(Path(run_dir) / "train.log")  # printed lines and train.log
         self._determinism: determinism.Saved | None = None  # trainer.deterministic; close()
         made_dir = not Path(run_dir).exists()
         had_lock_file = (Path(run_dir) / rundir.LOCK_FILE).exists()
@@ -284,66 +217,26 @@ class Trainer:
         if self.memory.line:
             self._print(self.memory.line)
             self._write(self.memory.record, "memory")
-        self._log_ready = True
-        self._log()  # the lines printed so far
+        self.runlog.start()  # the lines printed so far, then each one
         self.acc.wait_for_everyone()
         self.metrics.start_wandb(cfg.logging, self.run_dir, self.config_dict, self._print)
 
     def _setup_accelerator(self, cfg: TrainConfig) -> None:
         """Threads, precision, the Accelerator (FSDP2 settings, gradient accumulation), the
         host-side process group, and rank 0's run-directory lock."""
-        t = cfg.trainer
-        if t.num_threads:
-            torch.set_num_threads(t.num_threads)
-        precision = t.precision
-        if precision == "auto":
-            precision = "bf16" if (torch.cuda.is_available() and not t.cpu) else "fp32"
-        self.precision = precision
-        from accelerate.state import AcceleratorState
-
-        if AcceleratorState._shared_state:  # an earlier run in this process (Hydra -m, tests)
-            AcceleratorState._reset_state()  # keeps the process group; lets precision differ
-        # autocast_cache=false: no weight cast outlives its use (under checkpointing the cache
-        # otherwise holds every layer's bf16 weights until the forward ends; it never hits)
-        handlers = [] if t.autocast_cache else [AutocastKwargs(cache_enabled=False)]
-        # FSDP2 when launched with configs/accelerate/fsdp2.yaml; the trainer shards the model
-        # itself (train/parallel.py), accelerate gives the process group and device
-        self.fsdp = parallel.fsdp_settings_from_env()
-        with parallel.hidden_from_accelerate() if self.fsdp else nullcontext():
-            self.acc = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no",
-                                   cpu=t.cpu, kwargs_handlers=handlers)
+        self.acc, self.precision, self.fsdp = make_accelerator(cfg.trainer)
         self._accum = cfg.check_world(self.acc.num_processes)  # the first StepShape's
-        # ranks agree on stops and failed saves through host-side all-reduces (no GPU sync):
-        # False = one process, None = the default group (gloo already), else a gloo group
-        self._host_group = False
-        if self.acc.num_processes > 1:
-            dist = torch.distributed
-            self._host_group = None if dist.get_backend() == "gloo" else dist.new_group(
-                backend="gloo")
-        self.is_main = self.acc.is_main_process
+        # ranks agree on stops and failed saves through host-side all-reduces (no GPU sync)
+        self._host_group = parallel.host_group(self.acc.num_processes)
+        self.is_main = self.runlog.is_main = self.acc.is_main_process
         self.device = self.acc.device
         if self.is_main:  # DDP: rank 0 holds the lock for the job (torchrun ends the others)
             self._lock = rundir.RunDirLock(self.run_dir)
 
     def _setup_warnings(self, cfg: TrainConfig) -> None:
         """One-line warnings of a configuration that runs but likely not as meant."""
-        t = cfg.trainer
-        if cfg.optim.warmup_steps > t.max_steps and self.is_main:
-            self._warn(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} > trainer.max_steps="
-                       f"{t.max_steps}: the learning rate never reaches optim.lr (peak "
-                       f"{cfg.optim.lr * t.max_steps / max(cfg.optim.warmup_steps, 1):.2e}); "
-                       "lower optim.warmup_steps.")
-        line = cpu_cost_warning(cfg) if self.device.type == "cpu" and self.is_main else None
-        if line:  # e.g. trainer=gpu or experiment=relufy_smollm2 on a machine without a GPU
+        for line in config_warnings(cfg, self.device) if self.is_main else []:
             self._warn(line)
-        if (self.device.type == "cpu" and cfg.model.ffn_impl == "twell" and self.is_main
-                and os.environ.get("TRITON_INTERPRET") == "1"):  # read as twell.ops reads it
-            # measured: 19 tok/s training (1150 without it) and ~200 s per validation FFN call
-            # of 512 tokens at the tiny shape, 2 cores; the interpreter is for the kernel tests
-            self._warn("warning: TRITON_INTERPRET=1 runs model.ffn_impl=twell through the Triton "
-                       "interpreter on the CPU: ~60x slower training and minutes per validation "
-                       "FFN call; unset TRITON_INTERPRET (the PyTorch version of the same sparse "
-                       "math runs) unless you are testing the kernels.")
 
     def _setup_data(self, cfg: TrainConfig, datamodule):
         """The data module (built unless given) and its checks against the model's vocabulary
@@ -368,91 +261,25 @@ class Trainer:
 
             vocab_check = pretrained.check_vocab(self.init_src, self.data.vocab_size,
                                                  getattr(self.data, "tokenizer", None))
-        if self.data.vocab_size > cfg.model.vocab_size:
-            if getattr(self.data, "tokenizer", None) is None:  # tokens source: ids from files
-                what = (f"data.vocab_size={cfg.data.vocab_size}" if cfg.data.vocab_size else
-                        f"the token files data.paths={list(cfg.data.paths)} hold ids up to "
-                        f"{self.data.vocab_size - 1}, so the vocabulary ({self.data.vocab_size})")
-            else:
-                what = (f"the tokenizer vocabulary ({self.data.vocab_size}, data.tokenizer="
-                        f"{cfg.data.tokenizer!r})")
-            raise ConfigError(f"{what} is larger than model.vocab_size={cfg.model.vocab_size}; "
-                              f"set model.vocab_size>={self.data.vocab_size}.")
-
-        e = cfg.eval
-        if e.enabled and getattr(self.data, "tokenizer", None) is None:
-            raise ConfigError(
-                f"eval is on (eval.at_end={e.at_end}, eval.every_steps={e.every_steps}, "
-                f"eval.at_start={e.at_start}) but "
-                f"data.source={cfg.data.source!r} has no tokenizer to score the tasks with; "
-                "set eval=disabled or use a data source with a tokenizer.")
+        check_data(cfg, self.data)
         return vocab_check
 
     def _setup_model(self, cfg: TrainConfig, model, resume_from, vocab_check):
-        """The model (given, from ``model.init_from``, or built), with its recomputation,
-        Liger-Kernel's fused ops and its distillation teacher; returns it."""
-        t, precision = cfg.trainer, self.precision
-        if self.init_src is not None:
-            from train import pretrained
-        self.init_info = None
-        if model is not None:
-            if self.init_src is not None:
-                raise ConfigError(f"model.init_from={cfg.model.init_from!r} and a ready model "
-                                  "were both given; pass one of them.")
-        elif self.init_src is not None and resume_from is None:  # pretrained weights
-            model, switched = pretrained.build_model(cfg.model, self.init_src)
-            line, self.init_info = pretrained.describe(
-                cfg.model, self.init_src, vocab_check=vocab_check, switched=switched,
-                weights_loaded=True)
-            self._print(line)
-        elif self.init_src is not None:  # resuming: the shape from the run's own checkpoint
-            model, _ = pretrained.build_model(cfg.model, self.init_src, load_weights=False)
-            self._print(f"model.init_from={cfg.model.init_from}: not read (resuming the run's "
-                        f"checkpoint {resume_from}, which holds the model)")
-        else:
-            model = build_model(cfg.model)
-        # non-reentrant: the L1 side output keeps its graph. The FSDP config's
-        # fsdp_activation_checkpointing means the same and is applied through the same call once
-        if t.grad_checkpointing or (self.fsdp and self.fsdp.activation_checkpointing):
-            enable_grad_checkpointing(model, t.checkpoint_ffn or "always")
-        # the fused non-FFN ops (RMSNorm, RoPE, the loss): Liger-Kernel's where it runs
-        # (train/liger.py), transformers' own elsewhere (the CPU, compiled runs)
-        self.fused_loss = None  # "liger" | "ours" | None: who computes the loss without logits
-        if t.liger and self.device.type != "cuda":
-            self._print("trainer.liger=true: Liger-Kernel's kernels run on CUDA only; this "
-                        f"{self.device.type} run keeps transformers' norms, RoPE and loss")
-        if liger_enabled(t.liger, device_type=self.device.type, precision=precision,
-                         compile=t.compile):
-            # the fused loss: not with distillation (ours + KL replaces it) nor FSDP (the LM
-            # head weight is a sharded DTensor outside its module's forward: untested)
-            liger_loss = not cfg.distill and not self.fsdp
-            use_liger(model, fused_linear_ce=liger_loss,
-                      norm_out_autocast=t.norm_out_bf16 is not False)
-            # (on the CPU, where a forced trainer.liger=true falls back, transformers' loss)
-            self.fused_loss = "liger" if liger_loss and self.device.type == "cuda" else None
+        """The model (given, from ``model.init_from``, or built: ``train.setup.load_model``),
+        with its recomputation, Liger-Kernel's fused ops and its distillation teacher; returns
+        it."""
+        model, self.init_info = load_model(cfg, model, self.init_src, resume_from, vocab_check,
+                                           self._print)
+        # "liger" | "ours" | None: who computes the loss without logits
+        self.fused_loss = prepare_model(model, cfg, device=self.device, precision=self.precision,
+                                        fsdp=self.fsdp, print_=self._print)
         self.teacher = None  # sparsity.distill_from: the frozen source model, the KL's target
         if cfg.distill:
-            from train import pretrained
-
-            s, dtype = cfg.sparsity, torch.bfloat16 if precision == "bf16" else torch.float32
-            # the teacher is the source as stored, also when resuming (init_src is then the
-            # run's own checkpoint, the student)
-            src = self.init_src
-            if resume_from is not None:  # the source must be the one the run recorded
-                src = pretrained.inspect_checkpoint(cfg.model.init_from)
-                if self.is_main:
-                    recorded = (ckpt_io.load_state(resume_from, "trainer").get("init") or {})
-                    pretrained.check_same_source(src, recorded.get("sha256"),
-                                                 shell_quote(resume_from.parent.parent),
-                                                 warn=self._warn)
-            self.teacher = pretrained.build_teacher(src, self.device, dtype)
-            use_distillation(model, self.teacher, temperature=s.distill_temperature,
-                             kl_weight=s.distill_weight * s.distill_temperature ** 2,
-                             chunk_rows=t.ce_chunk_rows)
+            self.teacher = attach_teacher(model, cfg, self.init_src, resume_from,
+                                          device=self.device, precision=self.precision,
+                                          is_main=self.is_main, print_=self._print,
+                                          warn=self._warn)
             self.fused_loss = "ours"  # CE + KL in chunks (train/loss.py)
-            self._print(f"distillation: teacher {src.spec} as stored (hidden_act "
-                        f"{src.hidden_act}, frozen, {dtype}), loss = CE + l1_coeff x L1"
-                        f" + {s.distill_weight:g} x {s.distill_temperature:g}^2 x KL")
         return model
 
     def _setup_parallel(self, cfg: TrainConfig, model) -> None:
@@ -610,23 +437,11 @@ class Trainer:
         return self.run_dir / "metrics.jsonl"
 
     def _build_optimizer(self, model) -> torch.optim.Optimizer:
-        o = self.cfg.optim
-        decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices and embeddings
-        no_decay = [p for p in model.parameters() if p.dim() < 2]  # RMSNorm weights
-        fused = o.fused if o.fused is not None else self.device.type == "cuda"
-        return torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
+        return build_optimizer(model, self.cfg.optim, self.device)
 
     def _build_scheduler(self, optimizer, steps_done: int = 0):
-        """``LambdaLR`` of :func:`lr_factor`: after ``k`` optimizer steps the groups' lr is
-        ``initial_lr * lr_factor(k + 1)``, the value step ``k + 1`` runs at. ``steps_done > 0``
-        builds it at that point of the schedule (a resume with changed optim values; the groups
-        must hold ``initial_lr``)."""
-        o, max_steps = self.cfg.optim, self.cfg.trainer.max_steps
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda k: lr_factor(k + 1, o, max_steps), last_epoch=steps_done - 1)
+        """``train.setup.build_scheduler`` of this run's optim config and max steps."""
+        return build_scheduler(optimizer, self.cfg.optim, self.cfg.trainer.max_steps, steps_done)
 
     # ---------------------------------------------------------------- state
 
@@ -701,20 +516,12 @@ class Trainer:
         self.checkpointer.rerun_arg = value
 
     def _host_sum(self, values: list[float]) -> list[float]:
-        """``values`` summed over ranks (a host-side all-reduce on the gloo group: no GPU
-        sync); the FFN plan averages its timings with it."""
-        v = torch.tensor(values, dtype=torch.float64)
-        torch.distributed.all_reduce(v, group=self._host_group)
-        return v.tolist()
+        """``values`` summed over ranks (host side: the FFN plan averages its timings)."""
+        return parallel.host_sum(values, self._host_group)
 
     def _any_rank(self, flag: int) -> int:
-        """The largest ``flag`` over ranks (a host-side all-reduce on the gloo group: no GPU
-        sync); ``flag`` itself on one process."""
-        if self._host_group is False:
-            return int(flag)
-        v = torch.tensor([int(flag)], dtype=torch.int64)
-        torch.distributed.all_reduce(v, op=torch.distributed.ReduceOp.MAX, group=self._host_group)
-        return int(v.item())
+        """The largest ``flag`` over ranks (host side); ``flag`` itself on one process."""
+        return parallel.host_max(flag, self._host_group)
 
     def resume(self, path: Path) -> None:
         """Restore everything from a checkpoint folder: weights, optimizer, scheduler, trainer and
@@ -871,42 +678,24 @@ class Trainer:
     def _write(self, m: dict, prefix: str = "train") -> None:
         self.metrics.write(m, prefix, step=self.step)
 
-    @torch.no_grad()
     def validate(self) -> dict:
         """Token-weighted mean CE and L0 (mean over layers) on the first
         ``trainer.val_sequences`` held-out sequences (rounded down to a multiple of the world
         size; each rank takes its equal share), so the result depends neither on the
         micro-batch nor on how the sequences fall into batches. Fewer if the split is smaller."""
-        self._clear_sharded_ffn_caches()
+        clear_sharded_ffn_caches(self.model, self.mlps)
         self.model.eval()
-        dev = self.device
         share = self.cfg.trainer.val_sequences // self.acc.num_processes  # equal: same batches
-        sums = torch.zeros(2, dtype=torch.float64, device=dev)  # CE over targets, L0 over tokens
-        counts = [0, 0, 0]  # targets, FFN tokens, sequences (host ints)
-        left = share
         try:  # every rank runs the same forwards: they agree on a stop at each one
             with self._stoppable(collective=True):
-                for ids_BT in self.data.val_batches(-(-share // self.data.micro_batch)):
-                    ids_BT = ids_BT[:left].to(dev)  # (B, T); the last batch may be cut
-                    left -= ids_BT.shape[0]
-                    ce = self.model(input_ids=ids_BT, labels=ids_BT).loss  # mean over B*(T-1)
-                    _, sp = l1_penalty(collect_stats(self.mlps))
-                    n_targets = ids_BT.shape[0] * (ids_BT.shape[1] - 1)
-                    sums += torch.stack([ce.double() * n_targets,
-                                         sp.l0_L.mean().double() * sp.n_tokens])
-                    counts = [counts[0] + n_targets, counts[1] + sp.n_tokens,
-                              counts[2] + ids_BT.shape[0]]
-                    if left <= 0:
-                        break
+                tot = validation_totals(self.model, self.data, self.mlps, share,
+                                        self.shape.micro_batch, self.device)
         except StopRequested:
             self.model.train()
             self._print(f"step {self.step}: validation stopped by {self._stop_name()} (no "
                         "validation loss for this step)")
             return {"step": self.step, "val_loss": None, "val_l0": None, "val_sequences": 0}
-        tot = torch.cat([sums, torch.tensor(counts, dtype=torch.float64, device=dev)])
-        if self.acc.num_processes > 1:
-            tot = self.acc.reduce(tot, "sum")
-        ce_sum, l0_sum, n_targets, n_tokens, n_seqs = tot.tolist()  # host sync
+        ce_sum, l0_sum, n_targets, n_tokens, n_seqs = self.reduce(tot, "sum").tolist()  # sync
         self.model.train()
         m = {"step": self.step, "val_loss": ce_sum / n_targets if n_targets else None,
              "val_l0": l0_sum / n_tokens if n_tokens else None, "val_sequences": int(n_seqs)}
@@ -914,48 +703,29 @@ class Trainer:
         self._write(m, "val")
         return m
 
-    def _clear_sharded_ffn_caches(self) -> None:
-        """FSDP: the inference path's cached ``Wd^T`` is keyed on the weight's storage and
-        version, which FSDP2's re-gathered weights do not keep; drop it before each eval pass
-        (the weights are fixed within one)."""
-        if parallel.is_sharded(self.model):
-            for mlp in self.mlps:
-                if mlp.twell_state is not None:
-                    mlp.twell_state.clear_cache()
-
     def evaluate(self) -> dict:
         """Downstream zero-shot evals (``evals.evaluate``) on the main process (on every rank of
         an FSDP model, whose forward gathers weights from all of them; the main one logs)."""
         result = {}
-        self._clear_sharded_ffn_caches()
-        if self.is_main or parallel.is_sharded(self.model):
-            from evals import evaluate
-
+        clear_sharded_ffn_caches(self.model, self.mlps)
+        sharded = parallel.is_sharded(self.model)
+        if self.is_main or sharded:
             e = self.cfg.eval
-            tasks = "all" if list(e.tasks) == ["all"] else tuple(e.tasks)
             model = self.acc.unwrap_model(self.model)
             model.eval()
+            tasks = "all" if list(e.tasks) == ["all"] else tuple(e.tasks)
             self._print(f"step {self.step}: evaluating {tasks} (limit {e.limit})")
             try:  # a sharded model's ranks run the same forwards; else only this one runs
-                with self._stoppable(collective=parallel.is_sharded(self.model)):
-                    out = evaluate(model, self.data.tokenizer, tasks=tasks, limit=e.limit,
-                                   batch_size=e.batch_size, device=self.device,
-                                   progress=self.show_bars)
+                with self._stoppable(collective=sharded):
+                    out = score_tasks(model, self.data.tokenizer, e, device=self.device,
+                                      progress=self.show_bars, step=self.step,
+                                      seq_len=self.cfg.model.seq_len, run_dir=self.run_dir)
             except StopRequested:  # SIGTERM / SIGINT: the stop comes after it (_train)
                 model.train()
                 self._print(f"step {self.step}: evaluation stopped by {self._stop_name()} (no "
                             "eval result for this step)")
                 self.acc.wait_for_everyone()
                 return {}
-            except NonFiniteScores as err:  # NaN / inf logits: no score, one line
-                raise NonFiniteLossError(f"eval at step {self.step}: {err}") from None
-            except ContinuationTooLong as err:  # a short model.seq_len: one line, no traceback
-                raise ConfigError(
-                    f"eval at step {self.step}: {err.args[0].split(';')[0]}: model.seq_len="
-                    f"{self.cfg.model.seq_len} is too short for it; set model.seq_len>="
-                    f"{err.n_tokens}, eval.tasks without it, or eval=disabled (the same command "
-                    f"with eval=disabled {override_arg('hydra.run.dir', self.run_dir)} resumes "
-                    "from the newest checkpoint and writes summary.json)") from None
             model.train()
             result = {"step": self.step, "eval_mean": out["mean"],
                       **{f"eval_{k}": v["primary"] for k, v in out["tasks"].items()}}
@@ -966,29 +736,10 @@ class Trainer:
         self.acc.wait_for_everyone()
         return result
 
-    @contextmanager
     def _stoppable(self, collective: bool):
-        """Inside, each forward of the model first checks for a stop signal (SIGTERM / SIGINT
-        while :meth:`train` runs) and raises :class:`StopRequested` once one came, so a long
-        evaluation or validation ends within one forward instead of running on until a launcher
-        or scheduler kills the process with no checkpoint. ``collective``: every rank runs the
-        same forwards, and they agree at each one (a host-side all-reduce) so all stop at the
-        same forward; else only this process's signal counts (the other ranks wait)."""
-        if self.signals is None:
-            yield
-            return
-
-        def check(_module, _args):
-            flag = self.signals.signum if self.signals is not None else 0
-            if self._any_rank(flag) if collective else flag:
-                raise StopRequested
-
-        # prepended: the check runs before FSDP's own pre-forward (its all-gather) starts
-        handle = self.acc.unwrap_model(self.model).register_forward_pre_hook(check, prepend=True)
-        try:
-            yield
-        finally:
-            handle.remove()
+        """:func:`train.evaluation.stoppable` of this model, this run's signals and ranks."""
+        return stoppable(self.acc.unwrap_model(self.model), self.signals, self._any_rank,
+                         collective)
 
     def _stop_name(self) -> str:
         signum = self.signals.signum if self.signals is not None else 0
@@ -1042,43 +793,10 @@ class Trainer:
             self.evaluate()
             self._stop_if_signalled(bar)
         while self.step < end:
-            # where the data was before this step: an out-of-memory in it saves the steps before
-            data_state = self.data.state_dict() if self.acc.num_processes == 1 else None
-            try:
-                self.run_step(batches, interval)
-            except torch.cuda.OutOfMemoryError as e:  # memory=auto steps down (train/memory.py)
-                line = self.memory.step_down()
-                if line is None:
-                    self._out_of_memory(e, data_state, bar)
-                    raise  # the update may be half applied: nothing to save
-                self._print(line, bar)
-                self._write(self.memory.record, "memory")
-                continue  # the same step again, from the same batches
-            except (RuntimeError, MemoryError) as e:
-                if is_cpu_out_of_memory(e):
-                    self._out_of_memory(e, data_state, bar)
-                raise
-            line = self.memory.after_step()  # re-plans once when the FFN paths have settled
-            if line is not None:
-                self._print(line, bar)
-                self._write(self.memory.record, "memory")
+            if not self._guarded_step(batches, interval, bar):
+                continue  # stepped down after an out-of-memory: the same step again
             bar.update(1)
-            last = self.step == end
-            if self.step % t.log_every == 0 or last:
-                m = self.log_metrics(interval)
-                interval = self._new_interval()
-                bar.set_postfix(loss=f"{m['loss']:.3f}", l0=f"{m['l0_mean']:.1f}")
-                self._print(self._format(m) + ("" if self.show_bars else self._eta()), bar)
-            if (t.val_every and self.step % t.val_every == 0) or self.step == t.max_steps:
-                v = self.validate()
-                if v["val_sequences"]:
-                    self._print(f"step {self.step}: val_loss {v['val_loss']:.4f} "
-                                f"val_l0 {v['val_l0']:.1f}", bar)
-            if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
-                self.evaluate()
-            if (t.save_every and self.step % t.save_every == 0) or last:
-                self.save_checkpoint()
-            self._stop_if_signalled(bar)  # every rank stops after the same step
+            interval = self._between_steps(interval, bar, last=self.step == end)
         bar.close()
         done = self.last_eval is not None and self.last_eval.get("step") == self.step
         if self.step >= t.max_steps and cfg.eval.at_end and not done and not (
@@ -1089,6 +807,54 @@ class Trainer:
         if self.is_main and self.step >= t.max_steps:
             ckpt_io.write_json(self.run_dir / "summary.json", summary, indent=2)
         return summary
+
+    def _guarded_step(self, batches, interval: Interval, bar) -> bool:
+        """:meth:`run_step` with out-of-memory handling: ``trainer.memory=auto`` steps down and
+        the same step runs again from the same batches (returns False); else the finished steps
+        are saved (:meth:`_out_of_memory`). After an accepted step, the planner's one re-plan
+        (when the FFN paths have settled); returns True."""
+        # where the data was before this step: an out-of-memory in it saves the steps before
+        data_state = self.data.state_dict() if self.acc.num_processes == 1 else None
+        try:
+            self.run_step(batches, interval)
+        except torch.cuda.OutOfMemoryError as e:  # memory=auto steps down (train/memory.py)
+            line = self.memory.step_down()
+            if line is None:
+                self._out_of_memory(e, data_state, bar)
+                raise  # the update may be half applied: nothing to save
+            self._print(line, bar)
+            self._write(self.memory.record, "memory")
+            return False
+        except (RuntimeError, MemoryError) as e:
+            if is_cpu_out_of_memory(e):
+                self._out_of_memory(e, data_state, bar)
+            raise
+        line = self.memory.after_step()  # re-plans once when the FFN paths have settled
+        if line is not None:
+            self._print(line, bar)
+            self._write(self.memory.record, "memory")
+        return True
+
+    def _between_steps(self, interval: Interval, bar, last: bool) -> Interval:
+        """After step ``self.step``: the log line, validation, evals and the checkpoint when
+        due, then a stop if signalled; returns the interval to accumulate into next."""
+        cfg, t = self.cfg, self.cfg.trainer
+        if self.step % t.log_every == 0 or last:
+            m = self.log_metrics(interval)
+            interval = self._new_interval()
+            bar.set_postfix(loss=f"{m['loss']:.3f}", l0=f"{m['l0_mean']:.1f}")
+            self._print(self._format(m) + ("" if self.show_bars else self._eta()), bar)
+        if (t.val_every and self.step % t.val_every == 0) or self.step == t.max_steps:
+            v = self.validate()
+            if v["val_sequences"]:
+                self._print(f"step {self.step}: val_loss {v['val_loss']:.4f} "
+                            f"val_l0 {v['val_l0']:.1f}", bar)
+        if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
+            self.evaluate()
+        if (t.save_every and self.step % t.save_every == 0) or last:
+            self.save_checkpoint()
+        self._stop_if_signalled(bar)  # every rank stops after the same step
+        return interval
 
     def _out_of_memory(self, e: BaseException, data_state: dict | None, bar) -> None:
         """An out-of-memory error inside step ``self.step + 1`` that nothing stepped down from
@@ -1131,7 +897,7 @@ class Trainer:
         progress bar)."""
         seg, left = self.segment, self.cfg.trainer.max_steps - self.step
         per = seg["time"] / max(seg["steps"], 1)
-        return f" | step {self.step}/{self.cfg.trainer.max_steps}, eta {_duration(per * left)}"
+        return f" | step {self.step}/{self.cfg.trainer.max_steps}, eta {duration(per * left)}"
 
     def _stop_if_signalled(self, bar=None) -> None:
         """Stop (:meth:`_stop_on_signal`) if any rank got SIGTERM / SIGINT; all ranks agree."""
@@ -1169,37 +935,18 @@ class Trainer:
             last = shell_quote(self.last_ckpt) if self.last_ckpt else "none"
             line = (f"{how} at step {self.step}; newest complete checkpoint: "
                     f"{last}; {self.resume_advice()}")
-            print(line, file=sys.stderr)
-            self._log(line)
+            self.runlog.warn(line)
         return interrupt.exit_code(signum)
 
     def _print(self, line: str, bar=None) -> None:
-        """Print on the main process (through the progress bar if any) and log to train.log."""
-        if self.is_main:
-            (bar.write if bar is not None else print)(line)
-            self._log(line)
+        self.runlog.print(line, bar)
 
     def _warn(self, line: str) -> None:
-        print(line, file=sys.stderr)
-        self._log(line)
-
-    def _log(self, *lines: str) -> None:
-        """Append lines (timestamped) to run_dir/train.log on the main process; lines from
-        before the run dir is set up wait until it is."""
-        if not getattr(self, "is_main", True):
-            return
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        self._log_lines += [f"[{stamp}] {ln}\n" for ln in lines]
-        if self._log_ready and self._log_lines:
-            with ckpt_io.open_run_file(self.run_dir / "train.log") as f:
-                f.writelines(self._log_lines)
-            self._log_lines.clear()
+        self.runlog.warn(line)
 
     def report(self, lines: list[str]) -> None:
         """Print the run's closing lines (paths, summary line) and log them to train.log."""
-        if self.is_main:
-            print("\n".join(lines))
-            self._log(*lines)
+        self.runlog.report(lines)
 
     def _unlock(self) -> None:
         if self._lock is not None:
