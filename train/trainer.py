@@ -888,7 +888,7 @@ class Trainer:
                      if self.memory.planner is None else
                      "trainer.memory=auto found nothing lower to step down to")
         line = (f"out of memory on {where} in step {self.step + 1} ({why}); {kept}. Lower "
-                f"trainer.micro_batch (now {self.data.micro_batch}) or model.seq_len "
+                f"trainer.micro_batch (now {self.shape.micro_batch}) or model.seq_len "
                 f"({self.cfg.model.seq_len}) ({step_down}), then {self.resume_advice()}")
         raise OutOfMemory(line) from None
 
