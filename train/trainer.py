@@ -141,9 +141,18 @@ class Trainer:
     Attributes:
         plan: the :class:`twell.nn.plan.FFNPlan` of the model's FFNs (training paths, dense-backup
             capacities, statistics); ask it, do not set module flags.
+        shape: the :class:`train.step_shape.StepShape` the steps run at (micro-batch,
+            accumulation, recomputation); set it with :meth:`set_step_shape` only.
         checkpointer: the :class:`train.checkpointer.Checkpointer` that finds, saves and restores
             this run's checkpoints; ``save_checkpoint``, ``resume``, ``resume_advice``,
             ``last_ckpt`` and ``saved_step`` go through it.
+        metrics: the :class:`train.metrics_log.MetricsLogger` (metrics.jsonl, wandb);
+            ``runlog`` the printed lines and train.log.
+
+    Drivers of the loop (the memory planner, benchmarks) use the public calls:
+    :meth:`new_interval`, :meth:`run_step` / :meth:`train_step`, :meth:`log_metrics`,
+    :meth:`set_step_shape`, :meth:`set_recompute`, :meth:`forward_backward`,
+    :meth:`ffn_densities`, :meth:`zero_grad`, :meth:`reduce`.
 
     Raises:
         ConfigError: bad configuration, a resume the run dir does not allow (docs/training.md,
