@@ -15,7 +15,7 @@ import json
 import resource
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -159,6 +159,25 @@ class Interval:
         self.tokens += tokens
         self.grad_norm = grad_norm.detach()
         self.lr, self.l1_coeff = lr, l1_coeff
+
+
+@dataclass
+class Segment:
+    """The steps one process trained in a row (the closing line's tokens/s: the speed of the
+    steps as they ran, not diluted by restarts): its first step (1-based), steps, global
+    tokens and seconds in training steps. Stored in checkpoints as a dict (:meth:`as_dict`)."""
+
+    first_step: int
+    steps: int = 0
+    tokens: int = 0
+    time: float = 0.0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        """One more step of ``seconds`` and ``tokens``."""
+        self.steps, self.time, self.tokens = self.steps + 1, self.time + seconds, self.tokens + tokens
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 _OPTIONAL = ("distill_kl", "ffn_backup_redos", "ffn_forward_redos", "ffn_paths",

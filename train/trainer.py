@@ -45,7 +45,14 @@ from train.evaluation import (
 )
 from train.interrupt import StopRequested, StopSignals, TrainingInterrupted
 from train.metrics import device_peak_flops
-from train.metrics_log import Interval, MetricsLogger, RunLog, StepSums, format_record
+from train.metrics_log import (
+    Interval,
+    MetricsLogger,
+    RunLog,
+    Segment,
+    StepSums,
+    format_record,
+)
 from train.model import ffn_modules
 from train.recompute import set_recompute
 from train.setup import (
@@ -357,8 +364,8 @@ class Trainer:
         self.last: dict = {}  # latest logged metrics (for summary.json)
         self.last_val: dict = {}
         self.last_eval: dict = {}
-        self.prev_segment: dict | None = None  # the checkpoint's last training segment
-        self.segment = self._new_segment()
+        self.prev_segment: Segment | None = None  # the checkpoint's last training segment
+        self.segment = Segment(self.step + 1)  # this process's
         self.signals: StopSignals | None = None  # while train() runs
 
     # ---------------------------------------------------------------- setup helpers
@@ -460,9 +467,11 @@ class Trainer:
         dense-backup capacities: they pick the backup GEMMs' shapes, so an exact resume needs
         them), the init_from record and the last training segment (for the closing line's
         tokens/s)."""
+        seg = self._last_segment()
         return {"step": self.step, "tokens_seen": self.tokens_seen, "train_time": self.train_time,
                 "sparsity": self.tracker.state_dict(), "ffn_plan": self.plan.state_dict(),
-                "init": self.init_info, "segment": self._last_segment()}
+                "init": self.init_info,
+                "segment": None if seg is None else seg.as_dict()}
 
     def load_state_dict(self, d: dict) -> None:
         self.step = int(d["step"])
@@ -473,17 +482,12 @@ class Trainer:
             d, self.plan.state_dict()))
         if d.get("init") is not None:
             self.init_info = d["init"]
-        self.prev_segment = d.get("segment")
-        self.segment = self._new_segment()
+        self.prev_segment = Segment(**d["segment"]) if d.get("segment") else None
+        self.segment = Segment(self.step + 1)
 
-    def _new_segment(self) -> dict:
-        """What this process trains (the closing line's tokens/s): first step, steps, tokens,
-        seconds in train steps."""
-        return {"first_step": self.step + 1, "steps": 0, "tokens": 0, "time": 0.0}
-
-    def _last_segment(self) -> dict | None:
+    def _last_segment(self) -> Segment | None:
         """This process's segment if it trained a step, else the checkpoint's last one."""
-        return dict(self.segment) if self.segment["steps"] else self.prev_segment
+        return self.segment if self.segment.steps else self.prev_segment
 
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step{N}/`` atomically (all ranks call this); returns the folder.
@@ -586,8 +590,6 @@ class Trainer:
         :meth:`train_step` and :meth:`log_metrics` (a driver of the loop: benchmarks)."""
         return Interval.zeros(self.cfg.model.num_layers, self.device)
 
-    _new_interval = new_interval
-
     def _micro_steps(self, ids: list, coeff: float) -> StepSums:
         """Forward + backward of the step's micro-batches (:func:`train.step.micro_steps`)."""
         def on_redo(micro: int, over: list[int]) -> None:
@@ -606,8 +608,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         interval.time += dt
         self.train_time += dt
-        self.segment.update(steps=self.segment["steps"] + 1, time=self.segment["time"] + dt,
-                            tokens=self.segment["tokens"] + self.tokens_per_step)
+        self.segment.add(dt, self.tokens_per_step)
         return dt
 
     def train_step(self, batches, interval: Interval) -> None:
@@ -797,7 +798,7 @@ class Trainer:
         if self.step < end:
             self._print(f"training steps {self.step + 1}-{end} of {t.max_steps} "
                         f"({t.global_batch} x {cfg.model.seq_len} tokens per step)", bar)
-        interval = self._new_interval()
+        interval = self.new_interval()
         if cfg.eval.at_start and self.step == 0:  # e.g. a relufied checkpoint before training
             self.evaluate()
             self._stop_if_signalled(bar)
@@ -850,7 +851,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         if self.step % t.log_every == 0 or last:
             m = self.log_metrics(interval)
-            interval = self._new_interval()
+            interval = self.new_interval()
             bar.set_postfix(loss=f"{m['loss']:.3f}", l0=f"{m['l0_mean']:.1f}")
             self._print(self._format(m) + ("" if self.show_bars else self._eta()), bar)
         if (t.val_every and self.step % t.val_every == 0) or self.step == t.max_steps:
@@ -905,7 +906,7 @@ class Trainer:
         """`` | step 20/40, eta 1m05s`` from this process's mean step time (log lines without a
         progress bar)."""
         seg, left = self.segment, self.cfg.trainer.max_steps - self.step
-        per = seg["time"] / max(seg["steps"], 1)
+        per = seg.time / max(seg.steps, 1)
         return f" | step {self.step}/{self.cfg.trainer.max_steps}, eta {duration(per * left)}"
 
     def _stop_if_signalled(self, bar=None) -> None:
@@ -982,9 +983,8 @@ class Trainer:
             "dead_pct": None if m.get("dead_frac") is None else 100 * m["dead_frac"],
             # the last training segment (this process's steps, or the checkpoint's last ones):
             # the speed of the steps as they ran, not diluted by restarts
-            "tokens_per_s": seg["tokens"] / seg["time"] if seg and seg["time"] else None,
-            "segment_steps": [seg["first_step"], seg["first_step"] + seg["steps"] - 1]
-            if seg else None,
+            "tokens_per_s": seg.tokens / seg.time if seg and seg.time else None,
+            "segment_steps": [seg.first_step, seg.first_step + seg.steps - 1] if seg else None,
             "tokens_per_s_all": self.tokens_seen / self.train_time if self.train_time else None,
             "train_time_s": self.train_time,
             "precision": self.precision,
