@@ -100,7 +100,7 @@ def l0_settled(history: list[tuple[int, float]], window_steps: int = 50,
 
 def train_bench_model(cfg, data, run_dir: Path, device, *, size: str, rule: SettleRule,
                       budget_s: float, save: bool = False) -> BenchModel:
-    """Train the bench model with the trainer's own ``train_step`` and ``log_metrics`` (the
+    """Train the bench model with the trainer's own ``run_step`` and ``log_metrics`` (the
     weights stay in memory; ``save``: also a trainer checkpoint ``run_dir/checkpoints/step{N}``
     that ``--model-from`` reads, for a later run on the same machine): up to
     ``cfg.trainer.max_steps`` steps, until ``rule`` says stop, or ``budget_s`` seconds. The model

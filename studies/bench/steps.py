@@ -1,5 +1,6 @@
 """What the benchmark times: model builds with given weights, the plain-transformers training
-step and its memory probe, CUDA-event timing windows, and the run's wall-clock budget.
+step (probed by ``train.memory.ProbeRunner``), CUDA-event timing windows, and the run's
+wall-clock budget.
 
 Shape legend: B micro-batch (sequences), T sequence length.
 """
