@@ -831,6 +831,27 @@ class TrainerMemory:
                 f"accumulation {new.accum}; redoing the step from the same batches")
 
 
+def out_of_memory_line(e: BaseException, *, device, step: int, saved: int, last_ckpt: str,
+                       micro_batch: int, seq_len: int, planned: bool, advice: str) -> str:
+    """The one line of an out-of-memory error in step ``step + 1`` that nothing stepped down
+    from: where, why, which finished steps are in checkpoint ``last_ckpt`` (``saved``: its
+    step, 0 for none) or lost, and what to lower (``planned``: ``trainer.memory=auto`` had a
+    planner), then ``advice`` (how to resume)."""
+    where = "the CPU" if device.type == "cpu" else str(device)
+    why = " ".join(str(e).split())[:160] or type(e).__name__
+    steps = f"steps 1-{saved} are" if saved > 1 else "step 1 is"
+    kept = (f"{steps} in checkpoint {last_ckpt}" if saved
+            else "no step had finished" if not step else "no checkpoint was written")
+    if saved < step:  # several ranks: no save in the middle of their collectives
+        kept += f"; steps {saved + 1}-{step} are lost"
+    step_down = ("trainer.memory=auto's step-down works on CUDA only" if device.type == "cpu"
+                 else "trainer.memory=off takes them as set; auto steps down by itself"
+                 if not planned else "trainer.memory=auto found nothing lower to step down to")
+    return (f"out of memory on {where} in step {step + 1} ({why}); {kept}. Lower "
+            f"trainer.micro_batch (now {micro_batch}) or model.seq_len ({seq_len}) "
+            f"({step_down}), then {advice}")
+
+
 def _raised_in_optimizer(tb) -> bool:
     """Did the exception pass through ``torch.optim`` (an optimizer step, maybe half applied)?"""
     while tb is not None:

@@ -881,25 +881,14 @@ class Trainer:
             return
         bar.close()
         self.optimizer.zero_grad(set_to_none=True)
-        where = "the CPU" if self.device.type == "cpu" else str(self.device)
-        why = " ".join(str(e).split())[:160] or type(e).__name__
         if data_state is not None and self.step != (self.saved_step or 0):
             self.data.load_state_dict(data_state)  # the failed step's batches come again
             self.save_checkpoint()
-        done = self.saved_step or 0
-        steps = f"steps 1-{done} are" if done > 1 else "step 1 is"
-        kept = (f"{steps} in checkpoint {shell_quote(self.last_ckpt)}" if done
-                else "no step had finished" if not self.step else "no checkpoint was written")
-        if done < self.step:  # several ranks: no save in the middle of their collectives
-            kept += f"; steps {done + 1}-{self.step} are lost"
-        step_down = ("trainer.memory=auto's step-down works on CUDA only"
-                     if self.device.type == "cpu" else
-                     "trainer.memory=off takes them as set; auto steps down by itself"
-                     if self.memory.planner is None else
-                     "trainer.memory=auto found nothing lower to step down to")
-        line = (f"out of memory on {where} in step {self.step + 1} ({why}); {kept}. Lower "
-                f"trainer.micro_batch (now {self.shape.micro_batch}) or model.seq_len "
-                f"({self.cfg.model.seq_len}) ({step_down}), then {self.resume_advice()}")
+        line = memory.out_of_memory_line(
+            e, device=self.device, step=self.step, saved=self.saved_step or 0,
+            last_ckpt=shell_quote(self.last_ckpt) if self.last_ckpt else "",
+            micro_batch=self.shape.micro_batch, seq_len=self.cfg.model.seq_len,
+            planned=self.memory.planner is not None, advice=self.resume_advice())
         raise OutOfMemory(line) from None
 
     def _eta(self) -> str:
