@@ -385,6 +385,24 @@ class Checkpointer:
                               f"{saved_t['global_batch']}, this run has {t.global_batch}; resume "
                               "with the same global batch (any world size and micro-batch).")
         self._load_weights(target, path)
+        step = self._load_states(target, path, meta)
+        self._fit_plan(target.plan, saved_t)
+        self._restore_position(target, path, meta, step)
+        self.last_ckpt, self.saved_step = path, step
+        here = path.resolve().parent.parent == self.run_dir.resolve()
+        self.lineage = (meta["lineage"] if here and meta.get("lineage")
+                        else ckpt_io.new_lineage(None if here else path))
+        if self.is_main:
+            return self._resume_run_files(path, step, target.config_dict)
+        return {}
+
+    def _load_states(self, target: Checkpointed, path: Path, meta: dict) -> int:
+        """The optimizer, scheduler and trainer state of ``path`` into ``target``; the step.
+
+        Raises:
+            train.checkpoint.CheckpointError: a state that does not fit this run, or a step
+                other than the metadata's (one line).
+        """
         ways = rundir.ways_out(path, ["optimizer"])
         optim_sd = ckpt_io.load_state(path, "optimizer")
         params = [q for g in target.optimizer.optimizer.param_groups for q in g["params"]]
@@ -405,12 +423,27 @@ class Checkpointer:
             raise ckpt_io.CheckpointError(
                 f"checkpoint {path}: its trainer state is at step {step} but metadata.json "
                 f"records step {meta.get('step')}: it was altered; {ways}")
-        plan = target.plan
+        return step
+
+    def _fit_plan(self, plan, saved_t: dict) -> None:
+        """The restored FFN plan's capacities and timings count rows per FFN call: scaled to
+        this run's micro-batch, or measured again when the state lacks its rows."""
+        t = self.cfg.trainer
         if t.micro_batch is not None and plan.rows_per_call is not None:
             # capacities and timings count rows per FFN call: scaled to the new micro-batch
             plan.set_rows_per_call(t.micro_batch * self.cfg.model.seq_len, t.micro_batch)
         elif saved_t["micro_batch"] != t.micro_batch:  # a state without its rows: measured again
             plan.reset_capacities()
+
+    def _restore_position(self, target: Checkpointed, path: Path, meta: dict, step: int) -> None:
+        """The data position and (on the same world size) the RNG states of ``path``; on
+        another world size every rank is re-seeded from the seed, the step and its rank.
+
+        Raises:
+            ConfigError: a data position of other data.
+            ValueError: a position that is not ``step`` x the global batch.
+        """
+        t = self.cfg.trainer
         same_world = meta["world_size"] == self.acc.num_processes
         # the data position is global (the same in every rank's file); a streamed source keeps
         # per-rank state and refuses another world size
@@ -431,13 +464,6 @@ class Checkpointer:
             set_seed(t.seed + step, device_specific=True)  # + rank
             self._print(f"resuming a {meta['world_size']}-rank checkpoint on "
                         f"{self.acc.num_processes} ranks (same global batch {t.global_batch})")
-        self.last_ckpt, self.saved_step = path, step
-        here = path.resolve().parent.parent == self.run_dir.resolve()
-        self.lineage = (meta["lineage"] if here and meta.get("lineage")
-                        else ckpt_io.new_lineage(None if here else path))
-        if self.is_main:
-            return self._resume_run_files(path, step, target.config_dict)
-        return {}
 
     def _resume_run_files(self, path: Path, step: int, config_dict: dict) -> dict[str, dict]:
         """Main process: rewrite config.yaml, drop metrics logged after the checkpoint (they will

@@ -65,7 +65,7 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 class StopRequested(BaseException):
     """Raised from a forward hook inside an evaluation or validation once a stop signal came
-    (``Trainer._stoppable``): the pass ends at its next forward and the trainer checkpoints and
+    (``train.evaluation.stoppable``): the pass ends at its next forward and the trainer checkpoints and
     stops. A BaseException, so no ``except Exception`` in the evaluation code swallows it."""
 
 

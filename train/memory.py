@@ -61,6 +61,7 @@ up to :data:`CPU_MICRO_BATCH` and no recomputation. Tests inject the probe
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import statistics
@@ -68,12 +69,12 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from train.recompute import RECOMPUTE_CHECKPOINT_FFN, RECOMPUTE_MODES, set_recompute
+from train.recompute import RECOMPUTE_CHECKPOINT_FFN, RECOMPUTE_MODES
+from train.step_shape import micro_batch_sizes
 
 # the planner's own candidates (attention_ell only when the user sets checkpoint_ffn=auto)
 PLANNED_RECOMPUTE = ("none", "attention", "full")
@@ -165,22 +166,6 @@ def micro_batch_candidates(batch_per_rank: int) -> list[int]:
     if batch_per_rank < 1:
         raise ValueError(f"batch_per_rank must be >= 1; got {batch_per_rank}")
     return sorted({-(-batch_per_rank // a) for a in range(1, batch_per_rank + 1)})
-
-
-def micro_batch_sizes(batch_per_rank: int, micro_batch: int) -> list[int]:
-    """The micro-batches (sequences each) of one optimizer step on one rank, in order:
-    ``ceil(batch_per_rank / micro_batch)`` of them, sizes differing by at most one (larger
-    first), none above ``micro_batch``, summing to ``batch_per_rank``. ``[micro_batch] * (P //
-    micro_batch)`` when ``micro_batch`` divides ``P``. E.g. ``(512, 24)``: 6 x 24 + 16 x 23.
-
-    Raises:
-        ValueError: a size < 1, or micro_batch > batch_per_rank."""
-    if batch_per_rank < 1 or not 1 <= micro_batch <= batch_per_rank:
-        raise ValueError(f"need 1 <= micro_batch <= batch_per_rank; got micro_batch "
-                         f"{micro_batch}, batch_per_rank {batch_per_rank}")
-    accum = -(-batch_per_rank // micro_batch)
-    q, r = divmod(batch_per_rank, accum)
-    return [q + 1] * r + [q] * (accum - r)
 
 
 def recompute_choices(grad_checkpointing: bool | None, checkpoint_ffn: str | None, *,
@@ -507,7 +492,10 @@ def probe_batch(data, n: int, vocab_size: int, seed: int) -> torch.Tensor:
 
 
 class ProbeRunner:
-    """The device probe of a :class:`train.trainer.Trainer` (see the module docstring).
+    """The device probe of a training-step driver (see the module docstring): a
+    :class:`train.trainer.Trainer`, or any object with its probe calls (``device``,
+    ``world_size``, ``set_recompute(mode)``, ``forward_backward(ids_BT)``, ``zero_grad()``,
+    ``reduce(t, op)`` and optionally an FFN ``plan``; the benchmark's plain-transformers step).
 
     ``runner(candidate)`` switches the model to the candidate's recomputation (the planner sets
     the chosen one afterwards), runs one warm-up and ``timed_steps`` timed forward+backward
@@ -515,30 +503,32 @@ class ProbeRunner:
     optimizer step, no gradient all-reduce), sets the gradients to None and returns the
     :class:`Measurement`, reduced over ranks (the largest peak and time). The FFNs measure their
     dense backup per call during probes (``backup_rows = -1``; restored after).
+
+    Args:
+        trainer: the driver.
+        ids_BT: the probe's token ids, int64 (N, T) with N >= the largest candidate; default
+            :func:`probe_batch` of the trainer's data (one step's sequences of one rank).
+        timed_steps: timed micro-steps per probe.
     """
 
-    def __init__(self, trainer, timed_steps: int = PROBE_TIMED_STEPS) -> None:
+    def __init__(self, trainer, ids_BT: torch.Tensor | None = None,
+                 timed_steps: int = PROBE_TIMED_STEPS) -> None:
         self.tr, self.timed_steps = trainer, timed_steps
-        t = trainer.cfg.trainer
-        self.ids_BT = probe_batch(trainer.data, t.global_batch // trainer.acc.num_processes,
-                                  trainer.cfg.model.vocab_size, t.seed)
+        if ids_BT is None:
+            ids_BT = probe_batch(trainer.data, trainer.shape.batch_per_rank,
+                                 trainer.cfg.model.vocab_size, trainer.cfg.trainer.seed)
+        self.ids_BT = ids_BT
 
     def _micro_step(self, ids_BT: torch.Tensor) -> float:
-        """One forward+backward; its milliseconds (CUDA events on the GPU)."""
-        from train.sparsity import collect_stats, l1_coeff_at, l1_penalty
-
+        """One forward+backward (``Trainer.forward_backward``); its milliseconds (CUDA events
+        on the GPU)."""
         tr = self.tr
         cuda = tr.device.type == "cuda"
-        coeff = l1_coeff_at(tr.step, tr.cfg.sparsity)
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        sync = tr.acc.no_sync(tr.model) if tr.acc.num_processes > 1 else nullcontext()
-        with sync:
-            ce = tr.model(input_ids=ids_BT, labels=ids_BT).loss
-            l1, _ = l1_penalty(collect_stats(tr.mlps))
-            tr.acc.backward(ce + coeff * l1)
+        tr.forward_backward(ids_BT)
         if not cuda:
             return (time.perf_counter() - t0) * 1e3
         end.record()
@@ -548,8 +538,9 @@ class ProbeRunner:
     def __call__(self, c: Candidate) -> Measurement:
         tr = self.tr
         cuda = tr.device.type == "cuda"
-        set_recompute(tr.acc.unwrap_model(tr.model), c.recompute)
-        profiling = tr.plan.profiling()  # every backup measured per call; restored after
+        tr.set_recompute(c.recompute)
+        plan = getattr(tr, "plan", None)  # every backup measured per call; restored after
+        profiling = plan.profiling() if plan is not None else contextlib.nullcontext()
         profiling.__enter__()
         ids_BT = self.ids_BT[:c.micro_batch].to(tr.device)
         if cuda:
@@ -564,17 +555,16 @@ class ProbeRunner:
         except torch.cuda.OutOfMemoryError:
             oom = True
         finally:
-            tr.optimizer.zero_grad(set_to_none=True)
+            tr.zero_grad()
             profiling.__exit__(None, None, None)
         free_memory(tr.device)
         flag = torch.tensor([float(oom)], device=tr.device)
         peak = torch.cuda.max_memory_allocated(tr.device) / 2**30 if cuda else math.nan
         vals = torch.tensor([peak, statistics.median(times) if times else math.nan],
                             dtype=torch.float64, device=tr.device)
-        if tr.acc.num_processes > 1:
-            flag, vals = tr.acc.reduce(flag, "max"), tr.acc.reduce(vals, "max")
+        flag, vals = tr.reduce(flag, "max"), tr.reduce(vals, "max")
         if flag.item():  # host sync
-            if tr.acc.num_processes > 1:
+            if tr.world_size > 1:
                 raise MemoryError(
                     f"trainer.memory=auto: a probe of micro_batch {c.micro_batch}, recompute "
                     f"{c.recompute} ran out of memory on some rank; with several ranks the "
@@ -620,8 +610,6 @@ def choose_initial_paths(trainer, ids_BT: torch.Tensor, *, force: bool = False) 
             holds one layer's activations and each layer's input); the paths stay as they
             were, the recomputation is left at full (the caller sets its own).
     """
-    from train.sparsity import collect_stats, l1_penalty
-
     tr, plan = trainer, trainer.plan
     resumed = plan.steps > 0 or tr.step > 0  # (a plan state of version 1 has no steps)
     if (resumed and not force) or not plan.auto_layers:
@@ -630,18 +618,9 @@ def choose_initial_paths(trainer, ids_BT: torch.Tensor, *, force: bool = False) 
     # whole layers checkpointed: the forward keeps only each layer's input, not a dense step's
     # activations (a setup that fits the smallest plan must not run out of memory here); every
     # caller sets the recomputation afterwards (the planner's choice, a probe's, a bench row's)
-    set_recompute(tr.acc.unwrap_model(tr.model), "full")
-    with plan.profiling(), torch.enable_grad():  # training forward, every backup measured
-        tr.model(input_ids=ids, labels=ids)
-        _, sp = l1_penalty(collect_stats(tr.mlps))
-        vals = torch.stack([sp.nnz_sum_L, sp.heavy_L]).double() / sp.n_tokens
-    # the FFNs' stats hold the forward's graph (no backward frees it); kept, it would count in
-    # the first probe's peak and bend the planner's peak line (BENCHMARKS.md, "Call 3 outcome")
-    for m in tr.mlps:
-        m.last_stats = None
-    del sp
-    if tr.acc.num_processes > 1:
-        vals = tr.acc.reduce(vals, "mean")
+    tr.set_recompute("full")
+    with plan.profiling():  # training forward, every backup measured
+        vals = tr.ffn_densities(ids)
     l0_L, heavy_L = vals.tolist()  # host sync (setup: once)
     paths = plan.choose_paths(l0_L, heavy_L)  # after profiling(), which restores the paths
     ell = sum(p == "ell" for p in paths)
@@ -734,23 +713,17 @@ class TrainerMemory:
         self.probe: Callable[[Candidate], Measurement] | None = None
         self.replan_after_steps = REPLAN_STABLE_STEPS
         """Accepted steps with unchanged FFN paths before the one re-plan (:meth:`after_step`)."""
+        self.paths_line: str | None = None  # auto's first paths (choose_initial_paths)
         self._batches: StepBatches | None = None
         self._replanned = False
         self._paths: list[str] | None = None
         self._stable = 0
 
     def apply(self, plan: Plan) -> None:
-        """Make the trainer train at ``plan``: its accumulation, the data module's micro-batch,
-        the model's recomputation; the FFN plan's dense-backup capacities and timings (rows per
-        FFN call) are scaled to the new micro-batch (``FFNPlan.set_rows_per_call``), its timings
-        dropped when the recomputation changes (it changes every FFN's time)."""
+        """Make the trainer train at ``plan`` (``Trainer.set_step_shape``: its accumulation,
+        the data's micro-batch, the recomputation, the FFN plan's rows per call) and log it."""
         tr = self.trainer
-        tr.accum = plan.accum
-        tr.data.micro_batch = plan.micro_batch
-        set_recompute(tr.acc.unwrap_model(tr.model), plan.recompute)
-        tr.plan.set_rows_per_call(plan.micro_batch * tr.cfg.model.seq_len, plan.micro_batch)
-        if self.plan is not None and self.plan.recompute != plan.recompute:
-            tr.plan.forget_timings()
+        tr.set_step_shape(plan.micro_batch, plan.accum, plan.recompute)
         self.plan = plan
         self.line = describe(plan, tr.cfg.model.seq_len)
         self.record = {"step": tr.step, **asdict(plan)}
@@ -832,8 +805,7 @@ class TrainerMemory:
         if self.plan is None:
             return batches
         tr = self.trainer
-        self._batches = StepBatches(batches, tr.cfg.trainer.global_batch // tr.acc.num_processes,
-                                    lambda: tr.step)
+        self._batches = StepBatches(batches, tr.shape.batch_per_rank, lambda: tr.step)
         return self._batches
 
     def step_down(self) -> str | None:
@@ -843,7 +815,7 @@ class TrainerMemory:
         plan lower, several ranks, the step's update already applied: the error came from the
         optimizer step or after it)."""
         tr = self.trainer
-        if self.planner is None or tr.acc.num_processes > 1 or self._batches is None:
+        if self.planner is None or tr.world_size > 1 or self._batches is None:
             return None
         if self._batches.step_at != tr.step or _raised_in_optimizer(sys.exc_info()[2]):
             return None
@@ -852,11 +824,32 @@ class TrainerMemory:
         if new is None or not self._batches.rewind(new.micro_batch):
             self.planner.plan = old
             return None
-        tr.optimizer.zero_grad(set_to_none=True)
+        tr.zero_grad()
         self.apply(new)
         return (f"step {tr.step + 1}: out of memory at micro_batch {old.micro_batch}, recompute "
                 f"{old.recompute}; now micro_batch {new.micro_batch}, recompute {new.recompute}, "
                 f"accumulation {new.accum}; redoing the step from the same batches")
+
+
+def out_of_memory_line(e: BaseException, *, device, step: int, saved: int, last_ckpt: str,
+                       micro_batch: int, seq_len: int, planned: bool, advice: str) -> str:
+    """The one line of an out-of-memory error in step ``step + 1`` that nothing stepped down
+    from: where, why, which finished steps are in checkpoint ``last_ckpt`` (``saved``: its
+    step, 0 for none) or lost, and what to lower (``planned``: ``trainer.memory=auto`` had a
+    planner), then ``advice`` (how to resume)."""
+    where = "the CPU" if device.type == "cpu" else str(device)
+    why = " ".join(str(e).split())[:160] or type(e).__name__
+    steps = f"steps 1-{saved} are" if saved > 1 else "step 1 is"
+    kept = (f"{steps} in checkpoint {last_ckpt}" if saved
+            else "no step had finished" if not step else "no checkpoint was written")
+    if saved < step:  # several ranks: no save in the middle of their collectives
+        kept += f"; steps {saved + 1}-{step} are lost"
+    step_down = ("trainer.memory=auto's step-down works on CUDA only" if device.type == "cpu"
+                 else "trainer.memory=off takes them as set; auto steps down by itself"
+                 if not planned else "trainer.memory=auto found nothing lower to step down to")
+    return (f"out of memory on {where} in step {step + 1} ({why}); {kept}. Lower "
+            f"trainer.micro_batch (now {micro_batch}) or model.seq_len ({seq_len}) "
+            f"({step_down}), then {advice}")
 
 
 def _raised_in_optimizer(tb) -> bool:
@@ -885,10 +878,9 @@ def plan_memory(trainer, probe: Callable[[Candidate], Measurement] | None = None
     t = trainer.cfg.trainer
     if t.memory == "off":
         return tm
-    world = trainer.acc.num_processes
-    per_rank = t.global_batch // world
-    fsdp_ckpt = bool(trainer.fsdp and trainer.fsdp.activation_checkpointing)
-    modes = recompute_choices(True if fsdp_ckpt else t.grad_checkpointing, t.checkpoint_ffn,
+    per_rank = trainer.shape.batch_per_rank
+    modes = recompute_choices(True if trainer.fsdp_recompute else t.grad_checkpointing,
+                              t.checkpoint_ffn,
                               compile=t.compile)
     probe = probe if probe is not None else device_probe(trainer)
     if probe is None:
@@ -906,8 +898,7 @@ def plan_memory(trainer, probe: Callable[[Candidate], Measurement] | None = None
         ids = probe_batch(trainer.data, INITIAL_PATH_SEQUENCES, trainer.cfg.model.vocab_size,
                           t.seed)
     line = None if ids is None else choose_initial_paths(trainer, ids)  # already sparse: plan
-    if line is not None:                                                 # its sparse step
-        trainer._print(line)
+    tm.paths_line = line  # the trainer prints it before the plan's line
     tm.probe = probe
     tm.planner = MemoryPlanner(
         probe, batch_per_rank=per_rank, seq_len=trainer.cfg.model.seq_len, budget_gb=budget,

@@ -270,3 +270,30 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     full = {"state": {fqns[i]: dict(s) for i, s in state["state"].items()},  # copies: see above
             "param_groups": groups}
     set_optimizer_state_dict(model, optimizer, full, options=_full_options())
+
+
+def host_group(num_processes: int):
+    """The group for host-side all-reduces (stops, failed saves, timings; no GPU sync): False
+    on one process, None where the default group is gloo already, else a new gloo group (every
+    rank calls this)."""
+    if num_processes == 1:
+        return False
+    dist = torch.distributed
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def host_sum(values: list[float], group) -> list[float]:
+    """``values`` summed over ranks on the host ``group`` (:func:`host_group`)."""
+    v = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(v, group=group)
+    return v.tolist()
+
+
+def host_max(flag: int, group) -> int:
+    """The largest ``flag`` over ranks on the host ``group``; ``flag`` itself on one process
+    (``group`` False)."""
+    if group is False:
+        return int(flag)
+    v = torch.tensor([int(flag)], dtype=torch.int64)
+    torch.distributed.all_reduce(v, op=torch.distributed.ReduceOp.MAX, group=group)
+    return int(v.item())

@@ -100,7 +100,7 @@ def l0_settled(history: list[tuple[int, float]], window_steps: int = 50,
 
 def train_bench_model(cfg, data, run_dir: Path, device, *, size: str, rule: SettleRule,
                       budget_s: float, save: bool = False) -> BenchModel:
-    """Train the bench model with the trainer's own ``train_step`` and ``log_metrics`` (the
+    """Train the bench model with the trainer's own ``run_step`` and ``log_metrics`` (the
     weights stay in memory; ``save``: also a trainer checkpoint ``run_dir/checkpoints/step{N}``
     that ``--model-from`` reads, for a later run on the same machine): up to
     ``cfg.trainer.max_steps`` steps, until ``rule`` says stop, or ``budget_s`` seconds. The model
@@ -139,9 +139,7 @@ def _train_loop(tr, rule: SettleRule, budget_s: float) -> tuple[list, str]:
     t0 = time.monotonic()
     reason = None
     while reason is None:
-        s = time.perf_counter()
-        tr.train_step(batches, interval)
-        interval["time"] += time.perf_counter() - s  # the interval's tokens/s (log_metrics)
+        tr.run_step(batches, interval)  # timed: the interval's tokens/s (log_metrics)
         over = time.monotonic() - t0 > budget_s
         if tr.step % t.log_every == 0 or tr.step >= t.max_steps or over:
             m = tr.log_metrics(interval)

@@ -48,7 +48,6 @@ from studies.bench.recipe import (
 )
 from studies.bench.search import Budget, Choice, emulated, faster
 from studies.bench.steps import (
-    HFProbe,
     HFStep,
     batches_from,
     build_hf,
@@ -309,7 +308,7 @@ def baseline_rows(run: SizeRun, b: Budget, first: bool, path: str = "hf") -> Non
                   run.cfg1.optim, run.bf16)
     try:
         if first:
-            probe = HFProbe(step, run.pool_NT, timed_steps=run.s.probe_steps)
+            probe = ProbeRunner(step, run.pool_NT, timed_steps=run.s.probe_steps)
             search_ffn(run, path, probe, pending_optimizer_gb(step.optimizer), HF_RECOMPUTE,
                        run.cfg1.trainer.ce_chunk_rows if path == "liger" else 0)
             c = run.choices[(path, b)]

@@ -1,5 +1,6 @@
 """What the benchmark times: model builds with given weights, the plain-transformers training
-step and its memory probe, CUDA-event timing windows, and the run's wall-clock budget.
+step (probed by ``train.memory.ProbeRunner``), CUDA-event timing windows, and the run's
+wall-clock budget.
 
 Shape legend: B micro-batch (sequences), T sequence length.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from train.memory import OOM, Candidate, Measurement, free_memory
+from train.memory import free_memory
 from train.recompute import set_recompute
 
 GIB = 2**30
@@ -150,9 +151,22 @@ class HFStep:
         self.clip = o.grad_clip if o.grad_clip > 0 else math.inf
         self.bf16 = bf16
 
+    world_size = 1  # the memory planner's probe (train.memory.ProbeRunner) drives it too
+
     def set_recompute(self, recompute: str) -> None:
         """``none`` or ``full`` (transformers' own checkpointing; :data:`HF_RECOMPUTE`)."""
         set_recompute(self.model, recompute)
+
+    def forward_backward(self, ids_BT: torch.Tensor) -> None:
+        """The probe's micro-step (:meth:`micro_step`)."""
+        self.micro_step(ids_BT)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+        return t  # one process
 
     def micro_step(self, ids_BT: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one (B, T) batch; returns the loss (detached)."""
@@ -166,42 +180,6 @@ class HFStep:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-class HFProbe:
-    """The memory planner's probe (``train.memory.ProbeRunner``'s protocol) for :class:`HFStep`:
-    ``probe(candidate)`` sets the recomputation, runs one warm-up and ``timed_steps`` timed
-    forward+backward micro-steps of ``candidate.micro_batch`` rows of ``ids_BT`` (gradients
-    accumulated, no optimizer step), sets the gradients to None and returns the peak GiB
-    allocated and the median ms (peak NaN on the CPU; :data:`train.memory.OOM` when out of
-    memory)."""
-
-    def __init__(self, step: HFStep, ids_BT: torch.Tensor, timed_steps: int = 1) -> None:
-        self.step, self.ids_BT, self.timed_steps = step, ids_BT, timed_steps
-
-    def __call__(self, c: Candidate) -> Measurement:
-        st, dev = self.step, self.step.device
-        cuda = dev.type == "cuda"
-        st.set_recompute(c.recompute)
-        ids = self.ids_BT[:c.micro_batch].to(dev)
-        if cuda:
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-        times, oom = [], False
-        try:
-            for i in range(1 + self.timed_steps):
-                t = time_call(lambda: st.micro_step(ids), dev)
-                if i:
-                    times.append(t)
-        except torch.cuda.OutOfMemoryError:
-            oom = True
-        finally:
-            st.optimizer.zero_grad(set_to_none=True)
-        free_memory(dev)
-        if oom:
-            return OOM
-        peak = torch.cuda.max_memory_allocated(dev) / GIB if cuda else math.nan
-        return Measurement(peak, statistics.median(times))
-
 
 # ---------------------------------------------------------------- timing
 
@@ -331,7 +309,7 @@ class Clock:
         self.stages[stage] = round(self.stages.get(stage, 0.0) + self.elapsed() - since, 1)
 
 
-__all__ = ["GIB", "STATIC_BYTES_PER_PARAM", "Clock", "HFProbe", "HFStep", "Window",
+__all__ = ["GIB", "STATIC_BYTES_PER_PARAM", "Clock", "HFStep", "Window",
            "batches_from", "build_hf", "build_ours", "compile_layers", "cpu_weights", "eval_loss", "free_memory",
            "is_oom",
            "load_weights", "log", "quantile", "time_call", "time_steps"]

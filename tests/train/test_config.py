@@ -228,7 +228,7 @@ def test_relufy_recipe_is_the_gpu_recipe_and_warns_how_to_shrink_it_on_a_cpu():
     """experiment=relufy_smollm2: compile, micro-batch = global batch = 64 x 1024, torch FFN,
     >= 40 M tokens (2+ epochs of the corpus's 18.65 M); on a CPU the trainer's warning names the
     GPU-sized parts and the overrides that shrink them (the shrunk command has none left)."""
-    from train.trainer import cpu_cost_warning
+    from train.setup import cpu_cost_warning
 
     c = OmegaConf.to_object(_compose(["experiment=relufy_smollm2"]))
     t = c.trainer
@@ -340,7 +340,7 @@ def test_compose_is_the_clis_composition():
 def test_min_lr_ratio_above_one_is_refused_and_one_is_a_flat_end():
     """optim.min_lr_ratio is the cosine's end as a fraction of the peak: 2 would make the
     "decay" climb to twice optim.lr (refused in one line); 1 keeps the peak (hand value)."""
-    from train.trainer import lr_factor
+    from train.setup import lr_factor
 
     with pytest.raises(ConfigError) as err:
         OptimConfig(min_lr_ratio=2)
@@ -359,7 +359,7 @@ def test_a_step_of_minutes_on_the_cpu_is_warned_about():
     (model FLOPs, attention's seq_len^2 included, at CPU_FLOPS), that a stop signal waits for
     the step in progress, and the fix; the default tiny run gets none."""
     from train.metrics import flops_per_token
-    from train.trainer import CPU_FLOPS, cpu_cost_warning
+    from train.setup import CPU_FLOPS, cpu_cost_warning
 
     long = OmegaConf.to_object(_compose(["model.seq_len=32768"]))
     long.eval = EvalConfig(at_end=False)  # the evals' own warning is not what is tested

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import train.trainer as trainer_mod
 from tests.train_utils import read_metrics, tiny_config, write_tokens
+from train import metrics_log
 from train.config import ConfigError, ModelConfig, TrainerConfig
 from train.metrics import device_peak_flops, flops_per_token, matmul_params, mfu
 from train.trainer import Trainer
@@ -83,8 +83,8 @@ def _fake_memory(monkeypatch, used_at_step: dict[int, float]):
         state["resets"] += 1
 
     monkeypatch.setattr(Trainer, "train_step", step_and_use)
-    monkeypatch.setattr(trainer_mod, "_peak_memory_gb", lambda _device: state["peak"])
-    monkeypatch.setattr(trainer_mod, "_reset_peak_memory", reset)
+    monkeypatch.setattr(metrics_log, "peak_memory_gb", lambda _device: state["peak"])
+    monkeypatch.setattr(metrics_log, "reset_peak_memory", reset)
     return state
 
 
@@ -115,7 +115,7 @@ def test_a_later_run_in_the_process_does_not_report_an_earlier_peak(tmp_path):
     big = bytearray(400 * 2**20)
     big[::4096] = b"x" * len(big[::4096])  # resident, page by page
     del big  # an mmap'ed block: back to the system
-    before = trainer_mod._peak_memory_gb(torch.device("cpu"))  # the process's peak so far
+    before = metrics_log.peak_memory_gb(torch.device("cpu"))  # the process's peak so far
     t = Trainer(tiny_config(tokens, **{"trainer.max_steps": 2}), tmp_path / "run")
     t.train()
     t.close()

@@ -1,0 +1,108 @@
+"""The trained model's held-out checks between steps: the validation loss and L0
+(:func:`validation_totals`), the downstream zero-shot evals (:func:`score_tasks`), and the stop
+check that ends either within one forward when a stop signal comes (:func:`stoppable`).
+
+Shape legend: B micro-batch (sequences), T sequence length.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from evals.scoring import (  # light (torch only); the harness loads lazily
+    ContinuationTooLong,
+    NonFiniteScores,
+)
+from train import parallel
+from train.checkpointer import NonFiniteLossError
+from train.config import ConfigError
+from train.interrupt import StopRequested
+from train.requeue import override_arg
+from train.sparsity import collect_stats, l1_penalty
+
+
+@contextmanager
+def stoppable(model, signals, any_rank, collective: bool):
+    """Inside, each forward of ``model`` (unwrapped) first checks for a stop signal (SIGTERM /
+    SIGINT while ``Trainer.train`` runs: ``signals``, a :class:`train.interrupt.StopSignals`,
+    or None outside it) and raises :class:`train.interrupt.StopRequested` once one came, so a
+    long evaluation or validation ends within one forward instead of running on until a
+    launcher or scheduler kills the process with no checkpoint. ``collective``: every rank runs
+    the same forwards, and they agree at each one (``any_rank(flag)``: a host-side all-reduce)
+    so all stop at the same forward; else only this process's signal counts (the other ranks
+    wait)."""
+    if signals is None:
+        yield
+        return
+
+    def check(_module, _args):
+        flag = signals.signum
+        if any_rank(flag) if collective else flag:
+            raise StopRequested
+
+    # prepended: the check runs before FSDP's own pre-forward (its all-gather) starts
+    handle = model.register_forward_pre_hook(check, prepend=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def validation_totals(model, data, mlps: list, share: int, micro_batch: int,
+                      device) -> torch.Tensor:
+    """This rank's sums over its first ``share`` held-out sequences (``data.val_batches`` in
+    batches of ``micro_batch``; the last one cut): (5,) float64 on ``device``, CE summed over
+    targets, L0 (mean over layers) summed over FFN tokens, targets, FFN tokens, sequences."""
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # CE over targets, L0 over tokens
+    counts = [0, 0, 0]  # targets, FFN tokens, sequences (host ints)
+    left = share
+    for ids_BT in data.val_batches(-(-share // micro_batch)):
+        ids_BT = ids_BT[:left].to(device)  # (B, T); the last batch may be cut
+        left -= ids_BT.shape[0]
+        ce = model(input_ids=ids_BT, labels=ids_BT).loss  # mean over B*(T-1)
+        _, sp = l1_penalty(collect_stats(mlps))
+        n_targets = ids_BT.shape[0] * (ids_BT.shape[1] - 1)
+        sums += torch.stack([ce.double() * n_targets, sp.l0_L.mean().double() * sp.n_tokens])
+        counts = [counts[0] + n_targets, counts[1] + sp.n_tokens, counts[2] + ids_BT.shape[0]]
+        if left <= 0:
+            break
+    return torch.cat([sums, torch.tensor(counts, dtype=torch.float64, device=device)])
+
+
+def score_tasks(model, tokenizer, e, *, device, progress: bool, step: int, seq_len: int,
+                run_dir) -> dict:
+    """``evals.evaluate`` of ``model`` on the tasks of eval config ``e``; its result.
+
+    Raises:
+        NonFiniteLossError: NaN / inf logits (no score; one line).
+        ConfigError: a task's continuation longer than ``model.seq_len`` (one line naming
+            the fix and the command that resumes without evals).
+    """
+    from evals import evaluate
+
+    tasks = "all" if list(e.tasks) == ["all"] else tuple(e.tasks)
+    try:
+        return evaluate(model, tokenizer, tasks=tasks, limit=e.limit, batch_size=e.batch_size,
+                        device=device, progress=progress)
+    except NonFiniteScores as err:  # NaN / inf logits: no score, one line
+        raise NonFiniteLossError(f"eval at step {step}: {err}") from None
+    except ContinuationTooLong as err:  # a short model.seq_len: one line, no traceback
+        raise ConfigError(
+            f"eval at step {step}: {err.args[0].split(';')[0]}: model.seq_len="
+            f"{seq_len} is too short for it; set model.seq_len>="
+            f"{err.n_tokens}, eval.tasks without it, or eval=disabled (the same command "
+            f"with eval=disabled {override_arg('hydra.run.dir', run_dir)} resumes "
+            "from the newest checkpoint and writes summary.json)") from None
+
+
+def clear_sharded_ffn_caches(model, mlps: list) -> None:
+    """FSDP: the inference path's cached ``Wd^T`` is keyed on the weight's storage and
+    version, which FSDP2's re-gathered weights do not keep; drop it before each eval pass
+    (the weights are fixed within one)."""
+    if parallel.is_sharded(model):
+        for mlp in mlps:
+            if mlp.twell_state is not None:
+                mlp.twell_state.clear_cache()

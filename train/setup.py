@@ -1,0 +1,277 @@
+"""The trainer's set-up steps that need no trainer: the run's warnings, the data checks, the
+model (given, from ``model.init_from`` or built) with its recomputation, fused ops and
+distillation teacher, the optimizer and the learning-rate schedule.
+
+Shape legend: T sequence length.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import nullcontext
+
+import torch
+
+from train import checkpoint as ckpt_io
+from train import parallel
+from train.config import ConfigError, OptimConfig, TrainConfig
+from train.liger import liger_enabled, use_liger
+from train.loss import use_distillation
+from train.metrics import flops_per_token
+from train.model import build_model
+from train.recompute import enable_grad_checkpointing
+
+
+def lr_factor(step: int, o: OptimConfig, max_steps: int) -> float:
+    """Multiplier of ``optim.lr`` for optimizer step ``step`` (1-based).
+
+    Linear warmup ``step / warmup_steps`` for ``step <= warmup_steps`` (peak at step
+    ``warmup_steps``), then ``constant`` 1 or ``cosine`` from that peak towards ``min_lr_ratio``:
+    ``r + (1 - r) * (1 + cos(pi * (step - warmup) / (max_steps - warmup + 1))) / 2``.
+    Both ends are one step outside the run (factor 0 at step 0, ``min_lr_ratio`` at step
+    ``max_steps + 1``), so no step runs at lr 0: step 1 at ``lr / warmup_steps``, the last step
+    just above ``min_lr_ratio * lr`` (paper recipe: 600 warmup steps, then cosine).
+    """
+    w = o.warmup_steps
+    if step <= w:
+        return step / w
+    if o.schedule == "constant":
+        return 1.0
+    progress = min((step - w) / (max_steps - w + 1), 1.0)
+    r = o.min_lr_ratio
+    return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+
+def duration(seconds: float) -> str:
+    """``"1h02m"``, ``"3m05s"`` or ``"42s"``."""
+    s = round(max(seconds, 0.0))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+# FLOP/s of a training step on a CPU, generous (the tiny model at model.seq_len=32768 ran ~1e11 on
+# one thread of a 2-core machine): a step predicted longer than CPU_SLOW_STEP_S at this rate is
+# warned about
+CPU_FLOPS = 2e11
+CPU_SLOW_STEP_S = 60.0
+
+
+def cpu_cost_warning(cfg: TrainConfig) -> str | None:
+    """The warning for a GPU-sized run about to train on the CPU, or None: a global batch of 64
+    or more sequences (when the CPU was not asked for with trainer.cpu), a step predicted to take
+    more than :data:`CPU_SLOW_STEP_S` (its model FLOPs, attention's ``seq_len^2`` included, at
+    :data:`CPU_FLOPS`: a long ``model.seq_len``; a SIGTERM waits for the step in progress once a
+    step has finished since the last checkpoint), evals over the seven tasks' full validation
+    sets (eval.limit=null: ~58 k scoring requests per evaluation), or trainer.compile; the line
+    names what applies and the overrides that shrink it."""
+    t, e = cfg.trainer, cfg.eval
+    parts, fix = [], []
+    shaped = all(getattr(cfg.model, k) is not None for k in (  # null: from init_from, not yet read
+        "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "seq_len"))
+    step_s = (flops_per_token(cfg.model) * t.global_batch * cfg.model.seq_len / CPU_FLOPS
+              if shaped else 0.0)
+    if t.global_batch >= 64 and not t.cpu:
+        parts.append(f"{t.max_steps} steps of {t.global_batch} x {cfg.model.seq_len} tokens")
+        fix.append("trainer.max_steps=20 trainer.global_batch=8 trainer.micro_batch=4")
+    if step_s > CPU_SLOW_STEP_S:
+        parts.append(f"about {duration(step_s)} or more per optimizer step ({t.global_batch} x "
+                     f"model.seq_len={cfg.model.seq_len} tokens; attention grows with seq_len "
+                     "squared; a stop signal with finished steps unsaved waits for the step in "
+                     "progress)")
+        fix.append(f"a shorter model.seq_len (e.g. {min(cfg.model.seq_len, 1024) // 2 or 1}) "
+                   "or a smaller trainer.global_batch")
+    if e.enabled and e.limit is None:
+        parts.append("evals on the full validation sets (eval.limit=null; ~58 k scoring requests "
+                     f"with all seven tasks) {'before and after' if e.at_start else 'after'} "
+                     "training")
+        fix.append("eval.limit=50 (or eval=disabled)")
+    if t.compile:
+        parts.append("torch.compile (minutes of compilation on a CPU)")
+        fix.append("trainer.compile=false")
+    if not parts:
+        return None
+    return ("warning: " + ("" if t.cpu else "no GPU found; ") + "this is a GPU-sized run ("
+            + "; ".join(parts) + ") and can take hours on the CPU. To shrink it: " + " ".join(fix)
+            + ".")
+
+
+def make_accelerator(t) -> tuple:
+    """Threads, precision and the ``accelerate.Accelerator`` of trainer config ``t`` (FSDP2
+    settings when launched with configs/accelerate/fsdp2.yaml: the trainer shards the model
+    itself, train/parallel.py, accelerate gives the process group and device). Returns
+    ``(accelerator, precision, fsdp settings or None)``; precision ``"bf16"`` or ``"fp32"``."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import AutocastKwargs
+
+    if t.num_threads:
+        torch.set_num_threads(t.num_threads)
+    precision = t.precision
+    if precision == "auto":
+        precision = "bf16" if (torch.cuda.is_available() and not t.cpu) else "fp32"
+    if AcceleratorState._shared_state:  # an earlier run in this process (Hydra -m, tests)
+        AcceleratorState._reset_state()  # keeps the process group; lets precision differ
+    # autocast_cache=false: no weight cast outlives its use (under checkpointing the cache
+    # otherwise holds every layer's bf16 weights until the forward ends; it never hits)
+    handlers = [] if t.autocast_cache else [AutocastKwargs(cache_enabled=False)]
+    fsdp = parallel.fsdp_settings_from_env()
+    with parallel.hidden_from_accelerate() if fsdp else nullcontext():
+        acc = Accelerator(mixed_precision="bf16" if precision == "bf16" else "no", cpu=t.cpu,
+                          kwargs_handlers=handlers)
+    return acc, precision, fsdp
+
+
+def config_warnings(cfg: TrainConfig, device: torch.device) -> list[str]:
+    """One-line warnings of a configuration that runs but likely not as meant on ``device``."""
+    t, out = cfg.trainer, []
+    if cfg.optim.warmup_steps > t.max_steps:
+        out.append(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} > trainer.max_steps="
+                   f"{t.max_steps}: the learning rate never reaches optim.lr (peak "
+                   f"{cfg.optim.lr * t.max_steps / max(cfg.optim.warmup_steps, 1):.2e}); "
+                   "lower optim.warmup_steps.")
+    line = cpu_cost_warning(cfg) if device.type == "cpu" else None
+    if line:  # e.g. trainer=gpu or experiment=relufy_smollm2 on a machine without a GPU
+        out.append(line)
+    if (device.type == "cpu" and cfg.model.ffn_impl == "twell"
+            and os.environ.get("TRITON_INTERPRET") == "1"):  # read as twell.ops reads it
+        # measured: 19 tok/s training (1150 without it) and ~200 s per validation FFN call
+        # of 512 tokens at the tiny shape, 2 cores; the interpreter is for the kernel tests
+        out.append("warning: TRITON_INTERPRET=1 runs model.ffn_impl=twell through the Triton "
+                   "interpreter on the CPU: ~60x slower training and minutes per validation "
+                   "FFN call; unset TRITON_INTERPRET (the PyTorch version of the same sparse "
+                   "math runs) unless you are testing the kernels.")
+    return out
+
+
+def check_data(cfg: TrainConfig, data) -> None:
+    """The data module against the model's vocabulary and the evaluation.
+
+    Raises:
+        ConfigError: a vocabulary larger than ``model.vocab_size``, or evals on data without a
+            tokenizer (one line naming the key and the fix).
+    """
+    if data.vocab_size > cfg.model.vocab_size:
+        if getattr(data, "tokenizer", None) is None:  # tokens source: ids from files
+            what = (f"data.vocab_size={cfg.data.vocab_size}" if cfg.data.vocab_size else
+                    f"the token files data.paths={list(cfg.data.paths)} hold ids up to "
+                    f"{data.vocab_size - 1}, so the vocabulary ({data.vocab_size})")
+        else:
+            what = (f"the tokenizer vocabulary ({data.vocab_size}, data.tokenizer="
+                    f"{cfg.data.tokenizer!r})")
+        raise ConfigError(f"{what} is larger than model.vocab_size={cfg.model.vocab_size}; "
+                          f"set model.vocab_size>={data.vocab_size}.")
+    e = cfg.eval
+    if e.enabled and getattr(data, "tokenizer", None) is None:
+        raise ConfigError(
+            f"eval is on (eval.at_end={e.at_end}, eval.every_steps={e.every_steps}, "
+            f"eval.at_start={e.at_start}) but "
+            f"data.source={cfg.data.source!r} has no tokenizer to score the tasks with; "
+            "set eval=disabled or use a data source with a tokenizer.")
+
+
+def load_model(cfg: TrainConfig, model, init_src, resume_from, vocab_check, print_):
+    """The model to train: ``model`` as given, ``model.init_from``'s (``init_src``: its
+    inspected checkpoint; weights loaded unless resuming, when the run's checkpoint holds
+    them), or built from ``cfg.model``. Returns ``(model, init_info)`` (the init_from record,
+    None unless weights were loaded).
+
+    Raises:
+        ConfigError: both a ready model and ``model.init_from``.
+    """
+    if model is not None:
+        if init_src is not None:
+            raise ConfigError(f"model.init_from={cfg.model.init_from!r} and a ready model "
+                              "were both given; pass one of them.")
+        return model, None
+    if init_src is None:
+        return build_model(cfg.model), None
+    from train import pretrained
+
+    if resume_from is None:  # pretrained weights
+        model, switched = pretrained.build_model(cfg.model, init_src)
+        line, info = pretrained.describe(cfg.model, init_src, vocab_check=vocab_check,
+                                         switched=switched, weights_loaded=True)
+        print_(line)
+        return model, info
+    # resuming: the shape from the run's own checkpoint
+    model, _ = pretrained.build_model(cfg.model, init_src, load_weights=False)
+    print_(f"model.init_from={cfg.model.init_from}: not read (resuming the run's "
+           f"checkpoint {resume_from}, which holds the model)")
+    return model, None
+
+
+def prepare_model(model, cfg: TrainConfig, *, device, precision: str, fsdp, print_) -> str | None:
+    """Recomputation and the fused non-FFN ops on ``model``; returns who computes the loss
+    without logits (``"liger"``, or None: transformers)."""
+    t = cfg.trainer
+    # non-reentrant: the L1 side output keeps its graph. The FSDP config's
+    # fsdp_activation_checkpointing means the same and is applied through the same call once
+    if t.grad_checkpointing or (fsdp and fsdp.activation_checkpointing):
+        enable_grad_checkpointing(model, t.checkpoint_ffn or "always")
+    # the fused non-FFN ops (RMSNorm, RoPE, the loss): Liger-Kernel's where it runs
+    # (train/liger.py), transformers' own elsewhere (the CPU, compiled runs)
+    if t.liger and device.type != "cuda":
+        print_("trainer.liger=true: Liger-Kernel's kernels run on CUDA only; this "
+               f"{device.type} run keeps transformers' norms, RoPE and loss")
+    if not liger_enabled(t.liger, device_type=device.type, precision=precision,
+                         compile=t.compile):
+        return None
+    # the fused loss: not with distillation (ours + KL replaces it) nor FSDP (the LM
+    # head weight is a sharded DTensor outside its module's forward: untested)
+    liger_loss = not cfg.distill and not fsdp
+    use_liger(model, fused_linear_ce=liger_loss, norm_out_autocast=t.norm_out_bf16 is not False)
+    # (on the CPU, where a forced trainer.liger=true falls back, transformers' loss)
+    return "liger" if liger_loss and device.type == "cuda" else None
+
+
+def attach_teacher(model, cfg: TrainConfig, init_src, resume_from, *, device, precision: str,
+                   is_main: bool, print_, warn):
+    """Distillation (``sparsity.distill_from``): the frozen source model as stored (also when
+    resuming: then checked to be the source the run recorded), its KL added to the loss
+    (train/loss.py, in chunks); returns the teacher."""
+    from train import pretrained
+
+    s, t = cfg.sparsity, cfg.trainer
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    # the teacher is the source as stored, also when resuming (init_src is then the
+    # run's own checkpoint, the student)
+    src = init_src
+    if resume_from is not None:  # the source must be the one the run recorded
+        src = pretrained.inspect_checkpoint(cfg.model.init_from)
+        if is_main:
+            recorded = (ckpt_io.load_state(resume_from, "trainer").get("init") or {})
+            pretrained.check_same_source(src, recorded.get("sha256"),
+                                         ckpt_io.shell_quote(resume_from.parent.parent),
+                                         warn=warn)
+    teacher = pretrained.build_teacher(src, device, dtype)
+    use_distillation(model, teacher, temperature=s.distill_temperature,
+                     kl_weight=s.distill_weight * s.distill_temperature ** 2,
+                     chunk_rows=t.ce_chunk_rows)
+    print_(f"distillation: teacher {src.spec} as stored (hidden_act "
+           f"{src.hidden_act}, frozen, {dtype}), loss = CE + l1_coeff x L1"
+           f" + {s.distill_weight:g} x {s.distill_temperature:g}^2 x KL")
+    return teacher
+
+
+def build_optimizer(model, o: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters: weight decay on matrices and embeddings, none on the
+    RMSNorm weights; fused on CUDA unless ``optim.fused`` says otherwise."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices and embeddings
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # RMSNorm weights
+    fused = o.fused if o.fused is not None else device.type == "cuda"
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
+
+
+def build_scheduler(optimizer, o: OptimConfig, max_steps: int, steps_done: int = 0):
+    """``LambdaLR`` of :func:`lr_factor`: after ``k`` optimizer steps the groups' lr is
+    ``initial_lr * lr_factor(k + 1)``, the value step ``k + 1`` runs at. ``steps_done > 0``
+    builds it at that point of the schedule (a resume with changed optim values; the groups
+    must hold ``initial_lr``)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: lr_factor(k + 1, o, max_steps), last_epoch=steps_done - 1)
