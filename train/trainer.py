@@ -364,11 +364,11 @@ class Trainer:
         line = cpu_cost_warning(cfg) if self.device.type == "cpu" and self.is_main else None
         if line:  # e.g. trainer=gpu or experiment=relufy_smollm2 on a machine without a GPU
             self._warn(line)
-        if (self.device.type == "cpu" and cfg.model.ffn_impl == "twell" and self.is_main
+        if (self.device.type == "cpu" and cfg.ffn.impl == "twell" and self.is_main
                 and os.environ.get("TRITON_INTERPRET") == "1"):  # read as twell.ops reads it
             # measured: 19 tok/s training (1150 without it) and ~200 s per validation FFN call
             # of 512 tokens at the tiny shape, 2 cores; the interpreter is for the kernel tests
-            self._warn("warning: TRITON_INTERPRET=1 runs model.ffn_impl=twell through the Triton "
+            self._warn("warning: TRITON_INTERPRET=1 runs ffn.impl=twell through the Triton "
                        "interpreter on the CPU: ~60x slower training and minutes per validation "
                        "FFN call; unset TRITON_INTERPRET (the PyTorch version of the same sparse "
                        "math runs) unless you are testing the kernels.")
@@ -425,17 +425,18 @@ class Trainer:
                 raise ConfigError(f"model.init_from={cfg.model.init_from!r} and a ready model "
                                   "were both given; pass one of them.")
         elif self.init_src is not None and resume_from is None:  # pretrained weights
-            model, switched = pretrained.build_model(cfg.model, self.init_src)
+            model, switched = pretrained.build_model(cfg.model, cfg.ffn, self.init_src)
             line, self.init_info = pretrained.describe(
                 cfg.model, self.init_src, vocab_check=vocab_check, switched=switched,
                 weights_loaded=True)
             self._print(line)
         elif self.init_src is not None:  # resuming: the shape from the run's own checkpoint
-            model, _ = pretrained.build_model(cfg.model, self.init_src, load_weights=False)
+            model, _ = pretrained.build_model(cfg.model, cfg.ffn, self.init_src,
+                                              load_weights=False)
             self._print(f"model.init_from={cfg.model.init_from}: not read (resuming the run's "
                         f"checkpoint {resume_from}, which holds the model)")
         else:
-            model = build_model(cfg.model)
+            model = build_model(cfg.model, cfg.ffn)
         # non-reentrant: the L1 side output keeps its graph. The FSDP config's
         # fsdp_activation_checkpointing means the same and is applied through the same call once
         if t.grad_checkpointing or (self.fsdp and self.fsdp.activation_checkpointing):
@@ -485,31 +486,32 @@ class Trainer:
         tracker."""
         t, precision = cfg.trainer, self.precision
         self.mlps = ffn_modules(model)
+        for m in self.mlps:  # ffn.impl, also on a model handed in ready (the plan reads it)
+            m.impl = cfg.ffn.impl
         if t.deterministic:  # auto's paths by the density rule, not timings (train/determinism)
             for m in self.mlps:
                 m.policy = determinism.untimed_policy(m.policy)
         # per layer: training path, no-sync dense-backup capacity (from past heavy-row maxima by
-        # trainer.backup_capacity), statistics. No-sync capacities change from step to step; as
+        # ffn.backup_capacity), statistics. No-sync capacities change from step to step; as
         # integer arguments they would make torch.compile recompile the model for each new value
         # (and fall back to eager after its recompile limit), so a compiled model measures per call
         # auto's measured choice times each layer's calls with eager hooks: not under compile
         # (nor trainer.deterministic, where timings must not decide);
         # several ranks average the timings (host side) so that they choose alike
-        host_sync = "call" if t.compile else cfg.model.ffn_host_sync
+        host_sync = "call" if t.compile else cfg.ffn.host_sync
         if host_sync == "micro_batch" and (self.acc.num_processes > 1 or self.fsdp):
             # a forward run again without its backward would leave DDP's reducer (and FSDP's
             # unshard) expecting one: such runs check once per step
-            self._print("model.ffn_host_sync=micro_batch: several processes or FSDP check the "
+            self._print("ffn.host_sync=micro_batch: several processes or FSDP check the "
                         "dense-backup capacities once per step (step)")
             host_sync = "step"
-        self.plan = FFNPlan(self.mlps, cfg.model.ffn_impl, dense_ffn_fused=t.dense_ffn_fused,
-                            host_sync=host_sync,
-                            capacity_rule=t.backup_capacity,
+        # the modules carry ffn.impl and ffn.policy (build_model); the plan takes the rest
+        self.plan = FFNPlan(self.mlps, cfg.ffn.plan_options(host_sync),
                             timed=not (t.compile or t.deterministic),
                             reduce_host=self._host_sum if self.acc.num_processes > 1 else None)
         self.n_params = sum(p.numel() for p in model.parameters())
         self._print(f"model: {self.n_params / 1e6:.2f}M parameters, {cfg.model.num_layers} layers, "
-                    f"FFN {cfg.model.ffn_impl}; {precision} on {self.device} x "
+                    f"FFN {cfg.ffn.impl}; {precision} on {self.device} x "
                     f"{self.acc.num_processes}")
         # MFU denominators (train/metrics.py): None on CPU / fp32 / unknown GPU -> MFU not logged
         self.peak_flops = device_peak_flops(self.device, precision, t.peak_tflops)
@@ -518,9 +520,9 @@ class Trainer:
             raise ConfigError("trainer.compile=true with FSDP (configs/accelerate/fsdp2.yaml) is "
                               "not supported; set trainer.compile=false or launch with ddp.yaml.")
         if t.compile:
-            if cfg.model.ffn_host_sync != "call" and cfg.model.ffn_impl != "torch":
+            if cfg.ffn.host_sync != "call" and cfg.ffn.impl != "torch":
                 self._print("trainer.compile=true: the ell training path measures its dense "
-                            f"backup per call (model.ffn_host_sync={cfg.model.ffn_host_sync} "
+                            f"backup per call (ffn.host_sync={cfg.ffn.host_sync} "
                             "applies to eager runs)")
             model.compile()
         if self.fsdp:  # shard first: the optimizer then holds the fp32 master shards
@@ -832,7 +834,7 @@ class Trainer:
         rows than its no-sync dense-backup capacity: the attempt's gradients are discarded
         before the optimizer sees them and the step runs again measuring per call (exact, so
         it is accepted). The plan also sets the next step's capacities and ``auto``'s paths.
-        With ``model.ffn_host_sync=micro_batch`` the capacities are also checked after each
+        With ``ffn.host_sync=micro_batch`` the capacities are also checked after each
         micro-batch's forward (one more host sync each, ``FFNPlan.call_overflow``): an
         overflowed micro-batch runs its forward again before its backward, so the step is not
         redone.
@@ -948,14 +950,14 @@ class Trainer:
         }
         if interval.get("backup_redos"):
             m["ffn_backup_redos"] = interval["backup_redos"]  # steps redone (capacity exceeded)
-        if interval.get("forward_redos"):  # micro-batch forwards run again (ffn_host_sync)
+        if interval.get("forward_redos"):  # micro-batch forwards run again (ffn.host_sync)
             m["ffn_forward_redos"] = interval["forward_redos"]
         if "distill_kl" in interval:  # KL(teacher || student) at the temperature, per target
             kl = interval["distill_kl"]
             if acc.num_processes > 1:
                 kl = acc.reduce(kl, "sum") / acc.num_processes
             m["distill_kl"] = kl.item() / n
-        if self.cfg.model.ffn_impl == "auto":  # the paths chosen for the next step
+        if self.cfg.ffn.impl == "auto":  # the paths chosen for the next step
             m["ffn_paths"] = self.plan.paths
             m["heavy_frac_layers"] = heavy_L
             m.update(self._ffn_timing_metrics())
