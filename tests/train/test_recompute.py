@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.train_utils import tiny_config, write_tokens
-from train.config import CHECKPOINT_FFN_MODES, ConfigError, FFNConfig, ModelConfig
+from train.config import CHECKPOINT_FFN_MODES, ConfigError, ModelConfig
 from train.model import build_model, ffn_modules
 from train.recompute import RECOMPUTE_MODES as PLANNER_MODES
 from train.recompute import _recast_weights, enable_grad_checkpointing, set_recompute
@@ -22,7 +22,7 @@ def _model(checkpoint):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
                       num_heads=2, seq_len=16)
-    model = build_model(cfg, FFNConfig(impl="auto")).train()
+    model = build_model(cfg).train()  # impl torch (inference dense); training paths pinned
     mlps = ffn_modules(model)
     plan = FFNPlan(mlps)
     for k, path in enumerate(MIXED):
