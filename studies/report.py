@@ -166,6 +166,17 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def _read_config(path: Path) -> dict:
+    """A run's ``config.yaml`` as a plain dict (interpolations resolved), with the keys renamed
+    since it was written at their new places (``train.config.upgrade_saved``: a run recorded
+    before the ``ffn`` group reads as one recorded after)."""
+    from omegaconf import OmegaConf
+
+    from train.config import upgrade_saved
+
+    return upgrade_saved(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+
+
 def load_run(run_dir: str | Path, warn=None) -> Run:
     """Parse one run directory. A NaN or inf in ``summary.json`` or ``metrics.jsonl`` becomes
     None (:attr:`Run.nonfinite` names the summary's), each with a line to ``warn`` (default:
@@ -175,8 +186,6 @@ def load_run(run_dir: str | Path, warn=None) -> Run:
         ReportError: not a run directory (no config.yaml).
         IncompleteRunError: no summary.json, or a summary of fewer steps than ``max_steps``.
     """
-    from omegaconf import OmegaConf
-
     if warn is None:
         def warn(line: str) -> None:
             print(line, file=sys.stderr)
@@ -185,11 +194,8 @@ def load_run(run_dir: str | Path, warn=None) -> Run:
         if (d / ERROR_FILE).is_file():  # a sweep job that failed before it trained
             raise IncompleteRunError(incomplete_reason(d, 0, None))
         raise ReportError(f"{d}: no config.yaml; not a twell-train run directory")
-    from train.config import upgrade_saved  # a run recorded before the ffn group reads as after
-
     try:
-        config = upgrade_saved(OmegaConf.to_container(OmegaConf.load(d / "config.yaml"),
-                                                      resolve=True))
+        config = _read_config(d / "config.yaml")
     except Exception as e:  # noqa: BLE001  (yaml's and OmegaConf's errors: a damaged file)
         raise ReportError(f"{d / 'config.yaml'}: not a readable config ({type(e).__name__}: "
                           f"{' '.join(str(e).split())}); the file is damaged") from None
