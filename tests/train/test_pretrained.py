@@ -411,3 +411,20 @@ def test_silu_kept_config_errors(tokens, silu_dir, relu_dir, tmp_path):
 
 SHAPE_NULL = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
               "num_kv_heads", "rope_theta", "rms_norm_eps", "tie_embeddings", "gated")
+
+
+def test_twell_on_a_non_gated_checkpoint_is_one_line(tokens, tmp_path):
+    """ffn.impl=twell trains only gated FFNs: a checkpoint without gate_proj (model.gated null,
+    so taken from it) is refused in one line once its shape is read, naming both keys."""
+    from train.model import build_model
+
+    shape = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
+             "num_heads": 2, "seq_len": 32}
+    build_model(ModelConfig(**shape, gated=False)).save_pretrained(tmp_path / "ng")
+    c = _cfg(tokens, tmp_path / "ng")
+    c.ffn = FFNConfig(impl="twell")
+    with pytest.raises(ConfigError) as err:
+        _trainer(c, tmp_path / "run")
+    msg = str(err.value)
+    assert "\n" not in msg and "ffn.impl=twell" in msg and "model.gated=false" in msg, msg
+    assert f"(shape from model.init_from={str(tmp_path / 'ng')!r})" in msg, msg
