@@ -470,7 +470,7 @@ class Checkpointer:
             kind = r.pop("kind", "train")
             if kind in ("train", "val", "eval"):
                 latest[kind] = r
-        saved = ckpt_io.load_yaml(path / "train_config.yaml")
+        saved = upgrade_saved(ckpt_io.load_yaml(path / "train_config.yaml"))
         changed = config_diff(saved, config_dict)
         self._print(f"resumed from {path} at step {step}"
                     + (f" (config changed: {'; '.join(changed)})" if changed else ""))
