@@ -32,7 +32,7 @@ raised. Variants (named by the training paths, ``twell.nn.plan.TRAIN_PATHS``):
     auto        the trainer's ffn_impl=auto rule on the case's L0 and heavy-row fraction:
                 ell_nosync or dense
     ell_nosync  ell with no host sync: dense-backup capacity from the first call's heavy-row
-                count x 1.25 + 16 (the trainer's model.ffn_host_sync=step)
+                count x 1.25 + 16 (the trainer's ffn.host_sync=step)
     ell_dwo*    ell with the dW grid's D slice outermost, slices of 1024 / 512 / 256
 
 Superseded kernels (compaction v1-v3, the first SpMM and dW kernels, the CSC sort after the host

@@ -1,4 +1,4 @@
-"""Offline evaluation of the no-sync dense-backup capacity rules (``trainer.backup_capacity``)
+"""Offline evaluation of the no-sync dense-backup capacity rules (``ffn.backup_capacity``)
 on synthetic heavy-row traces that mimic a framework-trained 1.5B model (CPU, seconds): a thin
 driver over :mod:`twell.nn.capacity_sim` (the traces and the replay through ``FFNPlan``).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Does training through the TwELL kernels (``model.ffn_impl=twell``) follow the dense PyTorch
+"""Does training through the TwELL kernels (``ffn.impl=twell``) follow the dense PyTorch
 path (``torch``)? Three runs of the trainer CLI from the same seed on the same data, one verdict.
 
 Requirement checked: "a small model trained 300 steps on the real corpus with ffn_impl=twell and
@@ -18,11 +18,11 @@ The runs (``python -m train`` through ``studies.jobs``, one after another, each 
 ``--runs-dir/<name>``; every extra ``key=value`` argument is a Hydra override passed to all
 three, in the same position; ``studies.ffn_compare`` plans and judges them):
 
-    A  model.ffn_impl=torch                              the reference
-    B  model.ffn_impl=torch, trainer.micro_batch halved  the same math with twice the gradient
+    A  ffn.impl=torch                              the reference
+    B  ffn.impl=torch, trainer.micro_batch halved  the same math with twice the gradient
                                                          accumulation: another reduction order
                                                          and bf16 rounding -- the noise baseline
-    C  model.ffn_impl=twell                              the sparse training kernels (ell)
+    C  ffn.impl=twell                              the sparse training kernels (ell)
 
 The script sets ``trainer.max_steps`` (``--steps``), ``trainer.log_every=1`` (every step is
 logged to ``metrics.jsonl``), ``trainer.resume=never`` and ``hydra.run.dir``; it defaults
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
 
     jobs = {}
     for s in specs:
-        print(f"{s.name}: model.ffn_impl={s.ffn_impl} trainer.micro_batch={s.micro_batch} "
+        print(f"{s.name}: ffn.impl={s.ffn_impl} trainer.micro_batch={s.micro_batch} "
               f"(accumulation {accum[s.name]}) ...", flush=True)
         job = Job(s.name, train_command(s.overrides, runs_dir / s.name),
                   run_dir=runs_dir / s.name, env=env)

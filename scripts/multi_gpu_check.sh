@@ -10,7 +10,7 @@
 # 1. Sparsify: small_l4, 1 GPU, L1 1e-3, 400 steps of 16 x 1024 tokens, checkpoints every 100
 #    steps.
 # 2. From its step-300 checkpoint, 100 steps on 1 GPU (micro-batch 16) and on 2 GPUs with
-#    ddp.yaml (micro-batch 8 each: the same global batch), for model.ffn_impl=torch and auto;
+#    ddp.yaml (micro-batch 8 each: the same global batch), for ffn.impl=torch and auto;
 #    reported: the largest |loss difference| 2 GPUs vs 1 over the 100 steps, next to the
 #    1-GPU torch-vs-auto difference (the bf16 noise scale).
 # 3. The 2-GPU auto run's step-350 checkpoint resumed on 1 GPU to step 400: its losses against
@@ -73,15 +73,15 @@ CK=$OUT/sparse/checkpoints/step$FROM
 # 2. 100 steps, 1 GPU vs 2 GPUs, torch and auto
 for impl in torch auto; do
   run "one_$impl" "${ONE[@]}" "${SMALL[@]}" trainer.micro_batch=16 trainer.log_every=1 \
-    "model.ffn_impl=$impl" "trainer.resume=$CK" "hydra.run.dir=$OUT/one_$impl"
+    "ffn.impl=$impl" "trainer.resume=$CK" "hydra.run.dir=$OUT/one_$impl"
   run "two_$impl" "${TWO_DDP[@]}" "${SMALL[@]}" trainer.micro_batch=8 trainer.log_every=1 \
-    trainer.save_every=$((MID - FROM)) trainer.keep_last=5 "model.ffn_impl=$impl" "trainer.resume=$CK" \
+    trainer.save_every=$((MID - FROM)) trainer.keep_last=5 "ffn.impl=$impl" "trainer.resume=$CK" \
     "hydra.run.dir=$OUT/two_$impl"
 done
 
 # 3. a 2-GPU checkpoint resumed on 1 GPU
 run resume_two_on_one "${ONE[@]}" "${SMALL[@]}" trainer.micro_batch=16 trainer.log_every=1 \
-  model.ffn_impl=auto "trainer.resume=$OUT/two_auto/checkpoints/step$MID" \
+  ffn.impl=auto "trainer.resume=$OUT/two_auto/checkpoints/step$MID" \
   "hydra.run.dir=$OUT/resume_two_on_one"
 
 # 4. tokens/s at the 1.5B shape (run dirs deleted after: a 1.5B checkpoint is ~18 GB)

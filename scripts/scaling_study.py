@@ -147,7 +147,7 @@ def parse_args(argv=None):
     p.add_argument("--profile-tokens", type=int, default=None,
                    help="held-out tokens profiled per row (default 262,144)")
     p.add_argument("--ffn-impl", default=None,
-                   help="model.ffn_impl (default: auto for the paper sizes, torch for the depth "
+                   help="ffn.impl (default: auto for the paper sizes, torch for the depth "
                         "series and smoke runs)")
     p.add_argument("--seed", type=int, default=None, help="seed of every row (default 42)")
     p.add_argument("--keep", choices=KEEP, default="full",

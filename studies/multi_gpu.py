@@ -7,7 +7,7 @@ against one GPU, read from the runs' ``metrics.jsonl`` files.
 and ``resume_two_on_one`` (each with ``metrics.jsonl``) and the speed runs' logs
 ``speed_one.metrics.jsonl``, ``speed_ddp.metrics.jsonl``, ``speed_fsdp.metrics.jsonl``. Lines:
 
-* per ``model.ffn_impl`` (torch, auto): the largest |loss difference| and |grad-norm difference|
+* per ``ffn.impl`` (torch, auto): the largest |loss difference| and |grad-norm difference|
   of 2 GPUs against 1 over their common steps;
 * the bf16 noise scale: the same for 1 GPU torch against 1 GPU auto;
 * the sparsity of the 1-GPU auto run's last step (L0, the layers' training paths);

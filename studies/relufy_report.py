@@ -203,7 +203,7 @@ def setup_lines(plan: StudyPlan, rows: list[RowSpec]) -> list[str]:
          f"warmup over {max(1, round(plan.warmup_frac * plan.steps))} steps, then cosine to "
          "10 %; gradient clip 1.0; bf16 autocast over fp32 master weights."),
         (f"- **Speed**: `trainer.compile=true`, micro-batch {plan.micro_batch} (no "
-         "accumulation), `model.ffn_impl=torch`, no recomputation: on a model of this shape "
+         "accumulation), `ffn.impl=torch`, no recomputation: on a model of this shape "
          f"one H200 trained {MEASURED_TOKENS_PER_S / 1e3:.1f} k tokens/s this way (61 GB; "
          "145.6 k eager at the same micro-batch, 115.8 k at 16; the ELL kernels do not pay at "
          "width 1536: 86.8 k). Each row's tokens/s and MFU are in its `metrics.jsonl`."),

@@ -18,7 +18,7 @@ table (arXiv 2603.23198, "Results": non-zeros per token fall with model size at 
   mean, tokens/s;
 - variant pairs: runs that differ only in ``sparsity.*`` from a plain constant-L1 run (dead-gate
   re-init ``sparsity=l1_reinit``, ``sparsity=warmup``): L0, dead %, val loss, accuracy side by side;
-- FFN pairs: runs that differ only in ``model.ffn_impl`` (``twell`` vs ``torch``, same seed):
+- FFN pairs: runs that differ only in ``ffn.impl`` (``twell`` vs ``torch``, same seed):
   max |loss difference| over the logged steps, relative final L0 difference, dead-unit difference;
 - plots (runs labelled by what differs; a plot without data is left out and said so): L0 vs
   L1 per size (two L1 values or more), L0 vs model size per L1 (two sizes or more), mean
@@ -166,6 +166,17 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def _read_config(path: Path) -> dict:
+    """A run's ``config.yaml`` as a plain dict (interpolations resolved), with the keys renamed
+    since it was written at their new places (``train.config.upgrade_saved``: a run recorded
+    before the ``ffn`` group reads as one recorded after)."""
+    from omegaconf import OmegaConf
+
+    from train.config import upgrade_saved
+
+    return upgrade_saved(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+
+
 def load_run(run_dir: str | Path, warn=None) -> Run:
     """Parse one run directory. A NaN or inf in ``summary.json`` or ``metrics.jsonl`` becomes
     None (:attr:`Run.nonfinite` names the summary's), each with a line to ``warn`` (default:
@@ -175,8 +186,6 @@ def load_run(run_dir: str | Path, warn=None) -> Run:
         ReportError: not a run directory (no config.yaml).
         IncompleteRunError: no summary.json, or a summary of fewer steps than ``max_steps``.
     """
-    from omegaconf import OmegaConf
-
     if warn is None:
         def warn(line: str) -> None:
             print(line, file=sys.stderr)
@@ -186,7 +195,7 @@ def load_run(run_dir: str | Path, warn=None) -> Run:
             raise IncompleteRunError(incomplete_reason(d, 0, None))
         raise ReportError(f"{d}: no config.yaml; not a twell-train run directory")
     try:
-        config = OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=True)
+        config = _read_config(d / "config.yaml")
     except Exception as e:  # noqa: BLE001  (yaml's and OmegaConf's errors: a damaged file)
         raise ReportError(f"{d / 'config.yaml'}: not a readable config ({type(e).__name__}: "
                           f"{' '.join(str(e).split())}); the file is damaged") from None
@@ -407,7 +416,7 @@ def run_row(run: Run) -> dict:
         "tokens_M": None if s.get("tokens_seen") is None else s["tokens_seen"] / 1e6,
         "l1_coeff": cfg.get("sparsity", {}).get("l1_coeff"),
         "variant": run.variant,
-        "ffn_impl": m.get("ffn_impl", "torch"),
+        "ffn_impl": ffn_impl(run),
         "seed": cfg.get("trainer", {}).get("seed"),
         "train_ce": s.get("final_train_ce"),
         "val_loss": s.get("val_loss"),
@@ -658,14 +667,19 @@ def variant_rows(pairs: list[tuple[Run, Run]]) -> list[dict]:
     return out
 
 
+def ffn_impl(run: Run) -> str:
+    """The run's ``ffn.impl`` (``torch`` where its config has none)."""
+    return (run.config.get("ffn") or {}).get("impl", "torch")
+
+
 def ffn_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
-    """(torch, other impl) pairs whose configs differ only in ``model.ffn_impl``."""
+    """(torch, other impl) pairs whose configs differ only in ``ffn.impl``."""
     pairs = []
     for a in runs:
-        if a.config["model"].get("ffn_impl", "torch") != "torch":
+        if ffn_impl(a) != "torch":
             continue
         for b in runs:
-            if b is not a and _config_diff(a, b) == {"model.ffn_impl"}:
+            if b is not a and _config_diff(a, b) == {"ffn.impl"}:
                 pairs.append((a, b))
     return pairs
 
@@ -690,7 +704,7 @@ def ffn_pair_row(ref: Run, other: Run) -> dict:
     ta, tb = ref.summary.get("tokens_per_s"), other.summary.get("tokens_per_s")
     return {
         "size": ref.config["model"].get("name"),
-        "impls": f"torch vs {other.config['model'].get('ffn_impl')}",
+        "impls": f"torch vs {ffn_impl(other)}",
         "steps_compared": len(common),
         "max_abs_loss_diff": max_diff,
         "at_step": worst,
@@ -865,7 +879,7 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
     notes = [] if notes is None else notes
     rows = {r.dir: run_row(r) for r in runs}
     plain = [r for r in runs if r.variant in ("l1", "dense")
-             and r.config["model"].get("ffn_impl", "torch") == "torch"]
+             and ffn_impl(r) == "torch"]
     sizes = sorted({(rows[r.dir]["nonemb_params_M"], rows[r.dir]["size"]) for r in plain})
     inp = _PlotInput(runs, run_labels(runs), rows, plain, sizes)
     stages = [("l0_vs_l1.png", _plot_l0_vs_l1), ("l0_vs_size.png", _plot_l0_vs_size),

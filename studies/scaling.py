@@ -53,7 +53,7 @@ same command can run call after call. The run directory keeps the final checkpoi
 
 The paper-size recipe is ``scripts/bench_model.py``'s bench model (L1 3e-4 row = its stage 1):
 AdamW lr 1e-3, 10 warmup steps then cosine, micro-batch = global batch = 8 sequences of 2048,
-``model.ffn_impl=auto``, 200 steps = 3,276,800 tokens; here without activation recomputation
+``ffn.impl=auto``, 200 steps = 3,276,800 tokens; here without activation recomputation
 (the same numbers, faster). Dead units are counted over the paper's window, ~1M tokens
 (``sparsity.dead_window_tokens=1048576``: 64 steps of 16,384 tokens), not over one step.
 """
@@ -325,7 +325,7 @@ class StudySettings:
         log_every: steps between metric lines (the L0 / CE / dead curves and the settle check).
         val_sequences: held-out sequences of the final validation loss.
         profile_tokens: held-out tokens profiled (the first blocks of the validation split).
-        ffn_impl: ``model.ffn_impl``.
+        ffn_impl: ``ffn.impl``.
         cpu: train and profile on the CPU (fp32).
         smoke: tiny shapes for tests (``model=tiny`` at width 32, 1-4 layers by size, or the
             row's layers).
@@ -398,7 +398,7 @@ class StudySettings:
         (32,768 a step; 32.8 M tokens at 1000 steps, 1.76 epochs of the offline corpus's 18.65 M
         training tokens), micro-batch 16 (no accumulation, no recomputation: the 38-layer model
         at width 512 needs ~50 GB), AdamW lr 1e-3 with 60 warmup steps (the paper's 600 of
-        10,000) then cosine to 0, ``model.ffn_impl=torch`` for every row (one FFN path: ``auto``
+        10,000) then cosine to 0, ``ffn.impl=torch`` for every row (one FFN path: ``auto``
         moves layers between paths whose L1 gradients differ under bf16, BENCHMARKS.md), a
         metric line every 10 steps (100 points for the settle check), the paper's 1 M-token
         dead window (32 steps), 256 held-out sequences for the validation loss, 128 held-out
@@ -439,7 +439,7 @@ def row_overrides(row: StudyRow, s: StudySettings) -> list[str]:
     else:
         trainer = ["trainer=gpu", "trainer.grad_checkpointing=false"]
     return [
-        *model, f"model.seq_len={s.seq_len}", f"model.ffn_impl={s.ffn_impl}", *trainer,
+        *model, f"model.seq_len={s.seq_len}", f"ffn.impl={s.ffn_impl}", *trainer,
         "optim=adamw", f"optim.lr={s.lr!r}", f"optim.warmup_steps={s.warmup_steps}",
         "sparsity=" + ("l1_reinit" if row.reinit else "l1"), f"sparsity.l1_coeff={row.l1_coeff!r}",
         f"sparsity.dead_window_tokens={s.dead_window_tokens}",

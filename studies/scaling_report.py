@@ -810,7 +810,7 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
         (f"**Recipe** (`StudySettings.for_depth_series`): AdamW lr {s.lr:g}, betas (0.9, 0.95), "
          f"weight decay 0.1, {s.warmup_steps} warmup steps (the paper's 600 of 10,000) then "
          f"cosine to 0, clip 1.0, bf16 autocast over fp32 weights, micro-batch {s.micro_batch} "
-         f"(no accumulation, no recomputation), `model.ffn_impl={s.ffn_impl}` for every row (one "
+         f"(no accumulation, no recomputation), `ffn.impl={s.ffn_impl}` for every row (one "
          f"FFN path for all), a metric line every {s.log_every} steps, dead units over the "
          f"paper's window of {s.dead_window_tokens:,} tokens ({s.dead_window_tokens // s.tokens_per_step}"
          " steps)."), "",
@@ -1037,7 +1037,7 @@ def setup_text(results: list[dict]) -> str:
         f"{cfg['trainer']['max_steps']} steps x {st['global_batch']} x {st['seq_len']} = "
         f"{cfg['trainer']['max_steps'] * st['global_batch'] * st['seq_len']:,} tokens, seed "
         f"{st['seed']}, AdamW lr {st['lr']:g} with {st['warmup_steps']} warmup steps then cosine, "
-        f"micro-batch {st['micro_batch']}, `model.ffn_impl={st['ffn_impl']}`. Dead "
+        f"micro-batch {st['micro_batch']}, `ffn.impl={st['ffn_impl']}`. Dead "
         f"units: inactive over a whole window of {st['dead_window_tokens']:,} tokens (the "
         f"paper's ~1M-token step), which is also when re-initialisation acts. Profiles: "
         + ", ".join(f"{n:,} held-out tokens ({src} split)" for n, src in prof) + ".")
@@ -1118,7 +1118,7 @@ def doc_text(results: list[dict], targets: list[dict], plots: dict, judgements: 
          "tokens (3.3 M tokens; the paper's sparsity settles after ~1000 steps of ~1 M tokens, "
          "and the 1.5B bench model's L0 was still rising at step 200). They show what the "
          "paper's shapes give after 3.3 M tokens on one H200, not the paper's trend. They "
-         "trained with `model.ffn_impl=auto`, whose layers start on the dense path (where bf16 "
+         "trained with `ffn.impl=auto`, whose layers start on the dense path (where bf16 "
          "keeps only part of the L1 gradient) and move to the ELL path (which keeps all of it) "
          "when sparse enough, at different times for different sizes."), "",
     ]

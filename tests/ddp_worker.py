@@ -1,4 +1,4 @@
-"""Worker of the data-parallel ``model.ffn_impl`` tests (``tests/e2e/test_train_ddp_twell.py``).
+"""Worker of the data-parallel ``ffn.impl`` tests (``tests/e2e/test_train_ddp_twell.py``).
 
 Run under ``torchrun --nproc_per_node W -m tests.ddp_worker ...`` (gloo on CPU; FSDP2 when the
 environment carries accelerate's ``ACCELERATE_USE_FSDP=true FSDP_VERSION=2 ...``, as
@@ -23,7 +23,7 @@ It writes into ``--run-dir`` (besides the trainer's own metrics.jsonl and checkp
   ``{"n": token rows, "heavy": rows sent to the dense backup (all of them in the op's all-dense
   fallback, else the rows above the ELL capacity), "light": rows on the ELL path, "backup_rows":
   the no-sync capacity passed (-1: measured per call), "backend": module that ran the kernels, "w_type" / "w_shape" / "w_dtype":
-  class, shape and dtype of the gate weight the op received}`` (empty for ``model.ffn_impl=torch``), so a test
+  class, shape and dtype of the gate weight the op received}`` (empty for ``ffn.impl=torch``), so a test
   can check that both the sparse (ELL) kernels and the dense backup actually ran, on unsharded
   weights.
 """
@@ -95,7 +95,7 @@ def main(argv=None) -> None:
         capacity_mod.backup_capacity_for = lambda heavy_rows: a.capacity
     cfg = tiny_config(a.tokens, **over)
     calls: list[dict] = []
-    if cfg.model.ffn_impl != "torch":
+    if cfg.ffn.impl != "torch":
         _record_sparse_calls(calls)
     t = Trainer(cfg, a.run_dir)
     try:

@@ -72,6 +72,7 @@ def tiny_config(tokens: Path, **over) -> TrainConfig:
         group, field = key.split(".")
         setattr(getattr(cfg, group), field, value)
         getattr(cfg, group).__post_init__()
+    cfg.__post_init__()  # the checks across groups (ffn against model, distillation)
     return cfg
 
 

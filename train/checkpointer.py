@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from train import checkpoint as ckpt_io
 from train import parallel, rundir
-from train.config import ConfigError, TrainConfig
+from train.config import ConfigError, TrainConfig, check_ffn_fits_model, upgrade_saved
 from train.requeue import override_arg
 
 shell_quote = ckpt_io.shell_quote
@@ -183,6 +183,10 @@ class Checkpointer:
         if resume_from is None:
             init_src = pretrained.inspect_checkpoint(cfg.model.init_from)
             cfg.model = pretrained.fill_model_config(cfg.model, init_src)
+            try:  # the filled shape (gated, hidden_act) against ffn.impl and ffn.dense_fused
+                check_ffn_fits_model(cfg.ffn, cfg.model)
+            except ConfigError as e:
+                raise ConfigError(f"{e} (shape from model.init_from={init_src.spec!r})") from None
             return init_src
         saved = ckpt_io.load_yaml(resume_from / "train_config.yaml")["model"]
         fill = {f.name: saved[f.name] for f in dataclasses.fields(cfg.model)
@@ -205,9 +209,10 @@ class Checkpointer:
         """
         explicit = self.cfg.trainer.resume not in ("auto", "never")
         if found is not None:
-            saved = ckpt_io.load_yaml(found / "train_config.yaml")
-            diff = [d for d in config_diff(saved, config_dict) if d.startswith("model.")
-                    and not d.startswith(("model.ffn_impl", "model.ffn_host_sync", "model.name"))]
+            # a config saved before the ffn group existed reads as one saved after (upgrade_saved)
+            saved = upgrade_saved(ckpt_io.load_yaml(found / "train_config.yaml"))
+            diff = [d for d in config_diff(saved, config_dict)
+                    if d.startswith(("model.", "ffn.policy.")) and not d.startswith("model.name")]
             if diff:
                 other = ("another trainer.resume" if explicit  # the run dir is not the cause
                          else "a new hydra.run.dir")
@@ -217,7 +222,7 @@ class Checkpointer:
             return
         old = self.run_dir / "config.yaml"
         if old.is_file():
-            diff = config_diff(ckpt_io.load_yaml(old), config_dict)
+            diff = config_diff(upgrade_saved(ckpt_io.load_yaml(old)), config_dict)
             if diff:
                 raise ConfigError(
                     f"{self.run_dir} holds a different run's config ({'; '.join(diff[:3])}) and "
@@ -491,7 +496,7 @@ class Checkpointer:
             kind = r.pop("kind", "train")
             if kind in ("train", "val", "eval"):
                 latest[kind] = r
-        saved = ckpt_io.load_yaml(path / "train_config.yaml")
+        saved = upgrade_saved(ckpt_io.load_yaml(path / "train_config.yaml"))
         changed = config_diff(saved, config_dict)
         self._print(f"resumed from {path} at step {step}"
                     + (f" (config changed: {'; '.join(changed)})" if changed else ""))

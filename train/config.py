@@ -6,8 +6,9 @@ that names the key and the fix. :func:`register_configs` stores the top-level sc
 ConfigStore as ``train_schema``; ``configs/train.yaml`` lists it first in its defaults, so every
 YAML file of every group is merged into a typed node: unknown keys and wrong types are errors.
 
-The YAML tree (``configs/``) mirrors these classes: ``model/``, ``optim/``, ``sparsity/``,
-``data/`` (owned by the data module), ``trainer/``, ``logging/``, ``eval/``, ``experiment/``.
+The YAML tree (``configs/``) mirrors these classes: ``model/``, ``ffn/``, ``optim/``,
+``sparsity/``, ``data/`` (owned by the data module), ``trainer/``, ``logging/``, ``eval/``,
+``experiment/``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from train.data import DataConfig
 from train.recompute import CHECKPOINT_FFN_MODES
 from twell.nn.capacity import CAPACITY_RULES
-from twell.nn.plan import FFN_IMPLS, HOST_SYNCS
+from twell.nn.plan import FFN_IMPLS, HOST_SYNCS, PlanOptions
 from twell.policy import FFNPolicy
 
 HIDDEN_ACTS = ("relu", "silu")  # model.hidden_act
@@ -97,28 +98,17 @@ class ModelConfig:
     hidden_act: str = "relu"
     """FFN gate activation of the trained model: relu (twell's FFN, the default) | silu (init_from
     a SiLU checkpoint only, kept as stored: the fine-tuning control of a ReLUfication study;
-    model.ffn_impl=torch only). A SiLU FFN has no zeros, so its logged L0 counts units with
+    ffn.impl=torch only). A SiLU FFN has no zeros, so its logged L0 counts units with
     h != 0 (about the FFN width) and dead units are about 0: sparsity statistics mean nothing
     for it. Its checkpoints load into stock LlamaForCausalLM (hidden_act=silu)."""
-    ffn_impl: str = "torch"
-    """FFN implementation: torch (dense PyTorch) | twell (TwELL / ELL Triton kernels) | auto (per
-    layer and step the ELL kernels or dense mode; training paths: twell/nn/plan.py)."""
-    ffn_host_sync: str = "micro_batch"
-    """The ell training path (twell, or auto's ELL layers): step = no host sync per layer, the
-    dense-backup capacity comes from the previous steps' heavy-row counts and is checked once per
-    optimizer step (a step that exceeded it is redone measuring per call, so nothing is lost);
-    micro_batch = the same capacities, checked after each micro-batch's forward (one host sync a
-    micro-batch): a micro-batch that exceeded one runs its forward again, the overflowing layers
-    measuring per call for the rest of the step, so an overflow costs one forward instead of the
-    step (the default: one process; several fall back to step; BENCHMARKS.md "Call D"); call =
-    measure per FFN call (one host sync per layer and call)."""
-    ffn_policy: FFNPolicy = field(default_factory=FFNPolicy)
-    """Path policy of every FFN (twell.policy.FFNPolicy, each field documented there): auto's
-    thresholds (infer_density_threshold, infer_min_rows, infer_min_flops,
-    train_density_threshold, train_heavy_fraction) and the sparse training layout's
-    dense_row_fraction and ell_capacity (0 = default width)."""
 
     def __post_init__(self) -> None:
+        self._check_init_from()
+        self._check_activation()
+        self._check_shape()
+
+    def _check_init_from(self) -> None:
+        """Null shape fields and hidden_act_from need init_from; init_from is not empty."""
         if self.init_from is None:
             unset = [k for k in SHAPE_FIELDS if getattr(self, k) is None]
             if unset:
@@ -131,6 +121,10 @@ class ModelConfig:
                     "checkpoint's gate to ReLU; it needs model.init_from=PATH (or remove it).")
         elif not str(self.init_from).strip():
             raise ConfigError("model.init_from is empty; give a folder, a .gguf file, smollm2 or null.")
+
+    def _check_activation(self) -> None:
+        """hidden_act and hidden_act_from name known activations that go together (the FFN
+        implementation a SiLU gate needs: :class:`TrainConfig`)."""
         if self.hidden_act_from is not None and self.hidden_act_from in ("", "relu"):
             raise ConfigError(
                 f"model.hidden_act_from={self.hidden_act_from!r}: name the checkpoint's non-ReLU "
@@ -147,10 +141,9 @@ class ModelConfig:
                 raise ConfigError(f"model.hidden_act=silu keeps the checkpoint's SiLU gate, but "
                                   f"model.hidden_act_from={self.hidden_act_from!r}; set "
                                   "model.hidden_act_from=silu or null.")
-            if self.ffn_impl != "torch":
-                raise ConfigError(f"model.hidden_act=silu runs the dense PyTorch FFN only (the "
-                                  f"sparse kernels compute relu); got model.ffn_impl="
-                                  f"{self.ffn_impl}: set model.ffn_impl=torch.")
+
+    def _check_shape(self) -> None:
+        """Sizes positive, heads dividing the width, a next-token target, finite constants."""
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                     "seq_len"):
             if getattr(self, key) is not None:
@@ -169,24 +162,69 @@ class ModelConfig:
                 f"model.num_kv_heads={kv} must be >= 1 and divide model.num_heads={self.num_heads}"
                 "; set it to a divisor of num_heads or null."
             )
-        if self.ffn_impl not in FFN_IMPLS:
-            raise ConfigError(
-                f"model.ffn_impl={self.ffn_impl!r} is unknown; use one of {', '.join(FFN_IMPLS)}."
-            )
-        if self.ffn_host_sync not in HOST_SYNCS:
-            raise ConfigError(
-                f"model.ffn_host_sync={self.ffn_host_sync!r} is unknown; use step (check the "
-                "dense-backup capacity once per optimizer step), micro_batch (after each "
-                "micro-batch's forward) or call (measure per FFN call)."
-            )
-        if self.ffn_impl == "twell" and self.gated is False:
-            raise ConfigError(
-                "model.ffn_impl=twell trains only the gated FFN (the sparse training kernels need "
-                "gate_proj); with model.gated=false use model.ffn_impl=torch or auto."
-            )
         for key in ("rope_theta", "rms_norm_eps", "init_std"):
             if getattr(self, key) is not None:  # null rope_theta / eps: from init_from
                 _check_finite_nonneg(f"model.{key}", getattr(self, key))
+
+
+@dataclass
+class FFNConfig:
+    """The FFNs' execution: implementation, path policy, dense-backup capacities and host syncs
+    (``configs/ffn/``). :meth:`plan_options` gives the plan its options (``twell.nn.plan``); the
+    model's modules take ``impl`` and ``policy`` (``train.model.build_model``). Recomputation of
+    the FFN is part of the step's shape: ``trainer.checkpoint_ffn``."""
+
+    impl: str = "torch"
+    """FFN implementation: torch (dense PyTorch) | twell (TwELL / ELL Triton kernels) | auto (per
+    layer and step the ELL kernels or dense mode; training paths: twell/nn/plan.py). Was
+    model.ffn_impl."""
+    host_sync: str = "micro_batch"
+    """The ell training path (twell, or auto's ELL layers): step = no host sync per layer, the
+    dense-backup capacity comes from the previous steps' heavy-row counts and is checked once per
+    optimizer step (a step that exceeded it is redone measuring per call, so nothing is lost);
+    micro_batch = the same capacities, checked after each micro-batch's forward (one host sync a
+    micro-batch): a micro-batch that exceeded one runs its forward again, the overflowing layers
+    measuring per call for the rest of the step, so an overflow costs one forward instead of the
+    step (the default: one process; several fall back to step; BENCHMARKS.md "Call D"); call =
+    measure per FFN call (one host sync per layer and call). Was model.ffn_host_sync."""
+    policy: FFNPolicy = field(default_factory=FFNPolicy)
+    """Path policy of every FFN (twell.policy.FFNPolicy, each field documented there): auto's
+    thresholds (infer_density_threshold, infer_min_rows, infer_min_flops,
+    train_density_threshold, train_heavy_fraction) and the sparse training layout's
+    dense_row_fraction and ell_capacity (0 = default width). Was model.ffn_policy."""
+    backup_capacity: str = "window"
+    """No-sync dense-backup capacities of the ell path (ffn.host_sync=step or micro_batch):
+    window (1.25 x the largest heavy-row count of the last 16 steps + 16) | adaptive (last 128
+    steps, a per-layer margin that grows 1.5x after each redo the layer caused and decays back to
+    1.25, multiples of 64). See twell/nn/capacity.py and scripts/capacity_policy_sim.py. Was
+    trainer.backup_capacity."""
+    dense_fused: bool = False
+    """Gated FFNs of ffn.impl=torch train in dense mode (dense_ffn_train: cuBLAS products and one
+    fused Triton pass each way for h, the L1 term and the statistics; what auto runs for its
+    dense layers) instead of PyTorch autograd with separate statistics passes; on CPU the same
+    math in PyTorch. Inference is unchanged. Was trainer.dense_ffn_fused."""
+
+    def __post_init__(self) -> None:
+        if self.impl not in FFN_IMPLS:
+            raise ConfigError(
+                f"ffn.impl={self.impl!r} is unknown; use one of {', '.join(FFN_IMPLS)}.")
+        if self.host_sync not in HOST_SYNCS:
+            raise ConfigError(
+                f"ffn.host_sync={self.host_sync!r} is unknown; use step (check the "
+                "dense-backup capacity once per optimizer step), micro_batch (after each "
+                "micro-batch's forward) or call (measure per FFN call).")
+        if self.backup_capacity not in CAPACITY_RULES:
+            raise ConfigError(
+                f"ffn.backup_capacity={self.backup_capacity!r} is unknown; use one of "
+                f"{', '.join(CAPACITY_RULES)}.")
+
+    def plan_options(self, host_sync: str | None = None) -> PlanOptions:
+        """The FFN plan's options (``twell.nn.plan.PlanOptions``) from this group; ``host_sync``
+        replaces ``self.host_sync`` where the run cannot honour it (compiled: ``call``; several
+        processes or FSDP: ``step``; the trainer decides and says so)."""
+        return PlanOptions(dense_fused=self.dense_fused,
+                           host_sync=self.host_sync if host_sync is None else host_sync,
+                           capacity_rule=self.backup_capacity)
 
 
 @dataclass
@@ -335,16 +373,6 @@ class TrainerConfig:
     activations; the planner's "attention"). See train/recompute.py."""
     compile: bool = False
     """torch.compile the model."""
-    backup_capacity: str = "window"
-    """No-sync dense-backup capacities of the ell path (model.ffn_host_sync=step): window
-    (1.25 x the largest heavy-row count of the last 16 steps + 16) | adaptive (last 128 steps,
-    a per-layer margin that grows 1.5x after each redo the layer caused and decays back to 1.25,
-    multiples of 64). See twell/nn/capacity.py and scripts/capacity_policy_sim.py."""
-    dense_ffn_fused: bool = False
-    """Gated FFNs of model.ffn_impl=torch train in dense mode (dense_ffn_train: cuBLAS products
-    and one fused Triton pass each way for h, the L1 term and the statistics; what auto runs for
-    its dense layers) instead of PyTorch autograd with separate statistics passes; on CPU the
-    same math in PyTorch. Inference is unchanged."""
     autocast_cache: bool = True
     """bf16 autocast's cast cache (torch default). No weight is cast twice in one forward here
     (each layer uses each weight once; recomputation runs in its own autocast region), so the
@@ -387,7 +415,7 @@ class TrainerConfig:
     give identical losses, weights and logged metrics (times, throughput, MFU and memory aside),
     or the run stops with one line naming the op that has no deterministic version. Sets
     torch.use_deterministic_algorithms, cuDNN deterministic without benchmark and
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 (if unset) for the run; model.ffn_impl=auto's paths follow
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 (if unset) for the run; ffn.impl=auto's paths follow
     the density rule (no timings: FFNPolicy train_measure and infer_measure off); with
     trainer.memory=auto the step shape must be set (micro_batch, grad_checkpointing, and
     checkpoint_ffn when checkpointing). Slower. false = fast paths may use non-deterministic
@@ -422,6 +450,14 @@ class TrainerConfig:
         for key in ("max_steps", "global_batch", "log_every", "val_sequences", "keep_last",
                     "ce_chunk_rows"):
             _check_positive_int(f"trainer.{key}", getattr(self, key))
+        self._check_memory()
+        self._check_batch_and_precision()
+        self._check_recompute()
+        self._check_fused_ops()
+        self._check_seed_and_threads()
+
+    def _check_memory(self) -> None:
+        """The memory planner's mode, the keys it may choose (null) and its budget."""
         if self.memory not in MEMORY_MODES:
             raise ConfigError(f"trainer.memory={self.memory!r} is unknown; use one of "
                               f"{', '.join(MEMORY_MODES)}.")
@@ -444,6 +480,9 @@ class TrainerConfig:
         if b is not None and not (math.isfinite(b) and b > 0):
             raise ConfigError(f"trainer.memory_budget_gb must be a number > 0 (GiB) or null (the "
                               f"device's memory less a margin); got {b}.")
+
+    def _check_batch_and_precision(self) -> None:
+        """micro_batch within global_batch, a known precision, intervals and peak TFLOP/s."""
         if self.micro_batch is not None:
             _check_positive_int("trainer.micro_batch", self.micro_batch)
         if self.micro_batch is not None and self.micro_batch > self.global_batch:
@@ -461,6 +500,9 @@ class TrainerConfig:
                                                  and self.peak_tflops > 0):
             raise ConfigError(f"trainer.peak_tflops must be a number > 0 (TFLOP/s of one device) "
                               f"or null (by device name); got {self.peak_tflops}.")
+
+    def _check_recompute(self) -> None:
+        """checkpoint_ffn: a known mode that fits grad_checkpointing and compile."""
         if self.checkpoint_ffn is not None and self.checkpoint_ffn not in CHECKPOINT_FFN_MODES:
             raise ConfigError(
                 f"trainer.checkpoint_ffn={self.checkpoint_ffn!r} is unknown; use one of "
@@ -474,10 +516,9 @@ class TrainerConfig:
                 f"trainer.compile=true does not support trainer.checkpoint_ffn="
                 f"{self.checkpoint_ffn} (saved-tensor hooks are eager-only): add "
                 "trainer.checkpoint_ffn=always, or drop trainer.compile.")
-        if self.backup_capacity not in CAPACITY_RULES:
-            raise ConfigError(
-                f"trainer.backup_capacity={self.backup_capacity!r} is unknown; use one of "
-                f"{', '.join(CAPACITY_RULES)}.")
+
+    def _check_fused_ops(self) -> None:
+        """Liger-Kernel's options agree with each other and with compile."""
         if self.norm_out_bf16 and self.liger is False:
             raise ConfigError("trainer.norm_out_bf16=true acts on Liger-Kernel's norms, and "
                               "trainer.liger=false turns them off; set trainer.liger=null (or "
@@ -486,6 +527,8 @@ class TrainerConfig:
             raise ConfigError("trainer.liger=true and trainer.compile=true: inductor fuses the "
                               "norms and RoPE itself; set trainer.liger=null (or false) or "
                               "trainer.compile=false.")
+
+    def _check_seed_and_threads(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"trainer.num_threads must be >= 1 or null; got {self.num_threads}.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
@@ -558,6 +601,7 @@ class TrainConfig:
     """A whole run: ``twell-train`` composes it from ``configs/train.yaml`` and the overrides."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    ffn: FFNConfig = field(default_factory=FFNConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -572,9 +616,7 @@ class TrainConfig:
             raise ConfigError("sparsity.distill_from=source distils from the model.init_from "
                               "checkpoint, but model.init_from is not set; set it or "
                               "sparsity.distill_from=null.")
-        if m.hidden_act == "silu" and self.trainer.dense_ffn_fused:
-            raise ConfigError("model.hidden_act=silu with trainer.dense_ffn_fused=true: dense "
-                              "mode computes relu; set trainer.dense_ffn_fused=false.")
+        check_ffn_fits_model(self.ffn, m)
 
     @property
     def distill(self) -> bool:
@@ -602,11 +644,55 @@ class TrainConfig:
         return -(-per_rank // micro)
 
 
+def check_ffn_fits_model(ffn: FFNConfig, m: ModelConfig) -> None:
+    """The FFN settings the model's FFN can run (a SiLU gate: dense PyTorch only; twell: gated
+    only); called again once ``model.init_from`` has filled the shape.
+
+    Raises:
+        ConfigError: one line naming both keys and the fix.
+    """
+    if m.hidden_act == "silu" and ffn.impl != "torch":
+        raise ConfigError(f"model.hidden_act=silu runs the dense PyTorch FFN only (the sparse "
+                          f"kernels compute relu); got ffn.impl={ffn.impl}: set ffn.impl=torch.")
+    if m.hidden_act == "silu" and ffn.dense_fused:
+        raise ConfigError("model.hidden_act=silu with ffn.dense_fused=true: dense mode computes "
+                          "relu; set ffn.dense_fused=false.")
+    if ffn.impl == "twell" and m.gated is False:
+        raise ConfigError(
+            "ffn.impl=twell trains only the gated FFN (the sparse training kernels need "
+            "gate_proj); with model.gated=false use ffn.impl=torch or auto.")
+
+
 # keys that were renamed: the CLI's unknown-key message gives the new name and why
 RENAMED_KEYS = {
     "trainer.val_batches": "trainer.val_sequences (it counts held-out sequences over all ranks, "
                            "not micro-batches per rank)",
 }
+# the FFN's knobs, gathered in the ffn group on 2026-12-03 (old key -> new key)
+FFN_RENAMES = {
+    "model.ffn_impl": "ffn.impl",
+    "model.ffn_host_sync": "ffn.host_sync",
+    "model.ffn_policy": "ffn.policy",
+    "trainer.backup_capacity": "ffn.backup_capacity",
+    "trainer.dense_ffn_fused": "ffn.dense_fused",
+}
+RENAMED_KEYS.update({old: f"{new} (the FFN's settings are one group, ffn)"
+                     for old, new in FFN_RENAMES.items()})
+
+
+def upgrade_saved(d: dict) -> dict:
+    """A saved config dict (a run's ``.hydra/config.yaml`` or a checkpoint's
+    ``train_config.yaml``) with the keys of :data:`FFN_RENAMES` moved to their new places, so a
+    run saved before the rename compares and resumes as one saved after it; a copy (``d``
+    unchanged; a key already at its new place wins)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    for old, new in FFN_RENAMES.items():
+        group, key = old.split(".")
+        if isinstance(out.get(group), dict) and key in out[group]:
+            value = out[group].pop(key)
+            ffn = out.setdefault("ffn", {})
+            ffn.setdefault(new.split(".")[1], value)
+    return out
 
 
 def _schemas() -> dict:

@@ -9,7 +9,7 @@ What varies from run to run otherwise, and what the trainer does about each unde
   benchmarking, and cuBLAS's deterministic workspace (``CUBLAS_WORKSPACE_CONFIG=:4096:8`` when
   unset). Called at the start of the trainer's setup, before the process group (NCCL reads the
   flag there) and before any GPU work; :func:`restore` puts the process's settings back.
-* ``model.ffn_impl=auto``'s choices by timing (training: ``twell.nn.chooser``'s measured
+* ``ffn.impl=auto``'s choices by timing (training: ``twell.nn.chooser``'s measured
   chooser; inference, so validation and evals: ``twell.ops.auto``): the trainer builds its plan
   untimed and gives every FFN :func:`untimed_policy`, so paths follow the density rule, a
   function of the data.

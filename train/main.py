@@ -365,7 +365,22 @@ def hydra_error_line(e: BaseException) -> str:
             line += (f"; give {key} a value of its type (twell-train --help shows each key's "
                      "value).")
         return line
-    return " ".join(" ".join(lines).split()) or type(e).__name__
+    return _renamed_hint(" ".join(" ".join(lines).split())) or type(e).__name__
+
+
+def _renamed_hint(line: str) -> str:
+    """``line`` with the new name appended when it is OmegaConf's "Key 'k' not in 'XConfig'"
+    for a renamed key (a YAML file of an experiment written before the rename)."""
+    import re
+
+    from train.config import RENAMED_KEYS, _schemas
+
+    m = re.search(r"Key '(\w+)' not in '(\w+)'", line)
+    groups = {cls.__name__: name for name, cls in _schemas().items()}
+    old = f"{groups.get(m.group(2))}.{m.group(1)}" if m else None
+    if old in RENAMED_KEYS:
+        return f"{line}; {old} was renamed {RENAMED_KEYS[old]}: use the new key."
+    return line
 
 
 def sweep_failures(jobs: list[list[str]], failed: list[tuple[int, str, str]]) -> str:

@@ -64,7 +64,7 @@ class StepSums:
     ``heavy_L``: active units / heavy rows summed over tokens, (L,); ``heavy_max_L``,
     ``nnz_max_L``: their largest per FFN call, (L,); ``active_LH``: tokens each unit was
     active for, int64 (L, H). ``ffn_tokens``: FFN rows; ``micro_tokens``: the largest call's
-    rows; ``forward_redos``: micro-batch forwards run again (``model.ffn_host_sync``)."""
+    rows; ``forward_redos``: micro-batch forwards run again (``ffn.host_sync``)."""
 
     loss: torch.Tensor
     ce: torch.Tensor
@@ -214,7 +214,7 @@ class TrainRecord:
     peak_mem_gb: float
     peak_mem_gb_run: float
     ffn_backup_redos: int | None = None  # steps redone (a dense-backup capacity exceeded)
-    ffn_forward_redos: int | None = None  # micro-batch forwards run again (ffn_host_sync)
+    ffn_forward_redos: int | None = None  # micro-batch forwards run again (ffn.host_sync)
     distill_kl: float | None = None  # KL(teacher || student) at the temperature, per target
     ffn_paths: list | None = None  # auto: the paths chosen for the next step
     heavy_frac_layers: list | None = None
@@ -314,7 +314,7 @@ class MetricsLogger:
                      plan, auto: bool) -> TrainRecord:
         """Reduce ``iv`` over ranks (host sync) into the record of ``step``; ``dead_L``: the
         dead-unit fractions per layer (None before a window completed); ``plan``: the FFN plan
-        and ``auto`` (``model.ffn_impl=auto``) for :func:`ffn_plan_metrics`; reads and resets the interval's peak memory."""
+        and ``auto`` (``ffn.impl=auto``) for :func:`ffn_plan_metrics`; reads and resets the interval's peak memory."""
         acc, L, n = self.acc, self.model_cfg.num_layers, iv.steps
         sums, nnz_max_L = self._reduced(iv)
         ffn_tokens = iv.ffn_tokens * acc.num_processes

@@ -50,13 +50,16 @@ def llama_config(cfg) -> LlamaConfig:
     return config
 
 
-def build_model(cfg) -> LlamaForCausalLM:
+def build_model(cfg, ffn=None) -> LlamaForCausalLM:
     """A freshly initialised model for a :class:`train.config.ModelConfig` (fp32, on CPU).
 
     Seed torch before calling for a reproducible init. Returns a ``LlamaForCausalLM`` whose
-    ``model.layers[i].mlp`` are :class:`twell.nn.SparseGatedMLP` with ``impl=cfg.ffn_impl`` and
-    ``policy=cfg.ffn_policy``.
+    ``model.layers[i].mlp`` are :class:`twell.nn.SparseGatedMLP` with ``impl=ffn.impl`` and
+    ``policy=ffn.policy`` (``ffn``: a :class:`train.config.FFNConfig`; None = its defaults).
     """
     model = LlamaForCausalLM(llama_config(cfg))
-    install_ffns(model, cfg.gated, cfg.ffn_impl, cfg.ffn_policy)
+    if ffn is None:  # FFNConfig's defaults: dense PyTorch, the default policy
+        install_ffns(model, cfg.gated, "torch")
+    else:
+        install_ffns(model, cfg.gated, ffn.impl, ffn.policy)
     return model

@@ -274,7 +274,7 @@ def fill_model_config(mcfg, src: PretrainedSource):
 def _replace(mcfg, fill: dict, where: str):
     try:
         return dataclasses.replace(mcfg, **fill)
-    except ValueError as e:  # a cross-field check (e.g. ffn_impl=twell on a non-gated checkpoint)
+    except ValueError as e:  # a cross-field check (e.g. a null shape field left unfilled)
         raise ConfigError(f"{e} (shape from {where})") from None
 
 
@@ -406,13 +406,13 @@ def install_silu_ffns(model) -> list[SiluGatedMLP]:
     return out
 
 
-def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
+def build_model(mcfg, ffn, src: PretrainedSource, *, load_weights: bool = True):
     """The training model of an ``init_from`` run: ``LlamaForCausalLM`` with SparseGatedMLPs
     (ReLU), or with :class:`SiluGatedMLP` for ``model.hidden_act=silu`` (the SiLU gate kept).
 
     Args:
-        mcfg: the filled ModelConfig (:func:`fill_model_config`); ``ffn_impl``, ``ffn_policy``
-            (every FFN's) and ``hidden_act`` are used.
+        mcfg: the filled ModelConfig (:func:`fill_model_config`); its ``hidden_act`` is used.
+        ffn: the :class:`train.config.FFNConfig`: ``impl`` and ``policy`` (every FFN's).
         src: from :func:`inspect_checkpoint`.
         load_weights: False when resuming (the run's own checkpoint is loaded over a
             randomly initialised model of the same shape; the source is not read).
@@ -426,8 +426,8 @@ def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
     from twell.nn import convert_mlps
 
     if not src.gated:  # twell's non-gated checkpoints are ReLU already; they need its own loader
-        model = _checked(src.spec, load_model, src.path, ffn_impl=mcfg.ffn_impl)
-        convert_mlps(model, mcfg.ffn_impl, policy=mcfg.ffn_policy)
+        model = _checked(src.spec, load_model, src.path, ffn_impl=ffn.impl)
+        convert_mlps(model, ffn.impl, policy=ffn.policy)
         return model.train(), 0
     act = mcfg.hidden_act
     if load_weights:
@@ -441,9 +441,9 @@ def build_model(mcfg, src: PretrainedSource, *, load_weights: bool = True):
     setattr(model.config, GATED_KEY, True)
     if act == "silu":
         for mlp in install_silu_ffns(model):
-            mlp.policy = mcfg.ffn_policy
+            mlp.policy = ffn.policy
     else:
-        convert_mlps(model, mcfg.ffn_impl, policy=mcfg.ffn_policy)
+        convert_mlps(model, ffn.impl, policy=ffn.policy)
     return model.train(), switched
 
 

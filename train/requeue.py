@@ -31,6 +31,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf, open_dict, read_write
 
+from train.config import upgrade_saved
 from train.rundir import LOCK_FILE, RESUME_SAFE_KEYS, _matches
 
 TIMESTAMP = "${now:"
@@ -145,7 +146,7 @@ def find_unfinished_run(config: dict, root: Path, depth: int) -> Path | None:
             if when is None or (d / "summary.json").exists():
                 continue
             saved = _load(d / ".hydra" / "config.yaml")
-            if saved is not None and recipe(saved) == mine and _free(d):
+            if saved is not None and recipe(upgrade_saved(saved)) == mine and _free(d):
                 found.append((when, str(d)))
         except OSError:  # an unreadable folder is no run to continue
             continue

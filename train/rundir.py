@@ -50,7 +50,7 @@ RESUME_SAFE_KEYS = (
     "trainer.ce_chunk_rows", "trainer.liger", "trainer.norm_out_bf16", "trainer.memory",
     "trainer.fused_ce", "trainer.lean_norms", "trainer.compile_norms",  # removed; older runs
     "trainer.memory_budget_gb",
-    "model.name", "model.ffn_impl", "model.ffn_host_sync", "optim.fused",
+    "model.name", "ffn.impl", "ffn.host_sync", "optim.fused",
     "data.num_proc", "data.verify", "data.build_if_missing", "data.cache_dir",
     "logging.", "eval.",
 )

@@ -135,11 +135,11 @@ def config_warnings(cfg: TrainConfig, device: torch.device) -> list[str]:
     line = cpu_cost_warning(cfg) if device.type == "cpu" else None
     if line:  # e.g. trainer=gpu or experiment=relufy_smollm2 on a machine without a GPU
         out.append(line)
-    if (device.type == "cpu" and cfg.model.ffn_impl == "twell"
+    if (device.type == "cpu" and cfg.ffn.impl == "twell"
             and os.environ.get("TRITON_INTERPRET") == "1"):  # read as twell.ops reads it
         # measured: 19 tok/s training (1150 without it) and ~200 s per validation FFN call
         # of 512 tokens at the tiny shape, 2 cores; the interpreter is for the kernel tests
-        out.append("warning: TRITON_INTERPRET=1 runs model.ffn_impl=twell through the Triton "
+        out.append("warning: TRITON_INTERPRET=1 runs ffn.impl=twell through the Triton "
                    "interpreter on the CPU: ~60x slower training and minutes per validation "
                    "FFN call; unset TRITON_INTERPRET (the PyTorch version of the same sparse "
                    "math runs) unless you are testing the kernels.")
@@ -187,17 +187,17 @@ def load_model(cfg: TrainConfig, model, init_src, resume_from, vocab_check, prin
                               "were both given; pass one of them.")
         return model, None
     if init_src is None:
-        return build_model(cfg.model), None
+        return build_model(cfg.model, cfg.ffn), None
     from train import pretrained
 
     if resume_from is None:  # pretrained weights
-        model, switched = pretrained.build_model(cfg.model, init_src)
+        model, switched = pretrained.build_model(cfg.model, cfg.ffn, init_src)
         line, info = pretrained.describe(cfg.model, init_src, vocab_check=vocab_check,
                                          switched=switched, weights_loaded=True)
         print_(line)
         return model, info
     # resuming: the shape from the run's own checkpoint
-    model, _ = pretrained.build_model(cfg.model, init_src, load_weights=False)
+    model, _ = pretrained.build_model(cfg.model, cfg.ffn, init_src, load_weights=False)
     print_(f"model.init_from={cfg.model.init_from}: not read (resuming the run's "
            f"checkpoint {resume_from}, which holds the model)")
     return model, None

@@ -303,31 +303,32 @@ class Trainer:
         tracker."""
         t, precision = cfg.trainer, self.precision
         self.mlps = ffn_modules(model)
+        for m in self.mlps:  # ffn.impl, also on a model handed in ready (the plan reads it)
+            m.impl = cfg.ffn.impl
         if t.deterministic:  # auto's paths by the density rule, not timings (train/determinism)
             for m in self.mlps:
                 m.policy = determinism.untimed_policy(m.policy)
         # per layer: training path, no-sync dense-backup capacity (from past heavy-row maxima by
-        # trainer.backup_capacity), statistics. No-sync capacities change from step to step; as
+        # ffn.backup_capacity), statistics. No-sync capacities change from step to step; as
         # integer arguments they would make torch.compile recompile the model for each new value
         # (and fall back to eager after its recompile limit), so a compiled model measures per call
         # auto's measured choice times each layer's calls with eager hooks: not under compile
         # (nor trainer.deterministic, where timings must not decide);
         # several ranks average the timings (host side) so that they choose alike
-        host_sync = "call" if t.compile else cfg.model.ffn_host_sync
+        host_sync = "call" if t.compile else cfg.ffn.host_sync
         if host_sync == "micro_batch" and (self.acc.num_processes > 1 or self.fsdp):
             # a forward run again without its backward would leave DDP's reducer (and FSDP's
             # unshard) expecting one: such runs check once per step
-            self._print("model.ffn_host_sync=micro_batch: several processes or FSDP check the "
+            self._print("ffn.host_sync=micro_batch: several processes or FSDP check the "
                         "dense-backup capacities once per step (step)")
             host_sync = "step"
-        self.plan = FFNPlan(self.mlps, cfg.model.ffn_impl, dense_ffn_fused=t.dense_ffn_fused,
-                            host_sync=host_sync,
-                            capacity_rule=t.backup_capacity,
+        # the modules carry ffn.impl and ffn.policy (build_model); the plan takes the rest
+        self.plan = FFNPlan(self.mlps, cfg.ffn.plan_options(host_sync),
                             timed=not (t.compile or t.deterministic),
                             reduce_host=self._host_sum if self.acc.num_processes > 1 else None)
         self.n_params = sum(p.numel() for p in model.parameters())
         self._print(f"model: {self.n_params / 1e6:.2f}M parameters, {cfg.model.num_layers} layers, "
-                    f"FFN {cfg.model.ffn_impl}; {precision} on {self.device} x "
+                    f"FFN {cfg.ffn.impl}; {precision} on {self.device} x "
                     f"{self.acc.num_processes}")
         # MFU denominators (train/metrics.py): None on CPU / fp32 / unknown GPU -> MFU not logged
         self.metrics = MetricsLogger(self.metrics_path, self.acc, cfg.model,
@@ -337,9 +338,9 @@ class Trainer:
             raise ConfigError("trainer.compile=true with FSDP (configs/accelerate/fsdp2.yaml) is "
                               "not supported; set trainer.compile=false or launch with ddp.yaml.")
         if t.compile:
-            if cfg.model.ffn_host_sync != "call" and cfg.model.ffn_impl != "torch":
+            if cfg.ffn.host_sync != "call" and cfg.ffn.impl != "torch":
                 self._print("trainer.compile=true: the ell training path measures its dense "
-                            f"backup per call (model.ffn_host_sync={cfg.model.ffn_host_sync} "
+                            f"backup per call (ffn.host_sync={cfg.ffn.host_sync} "
                             "applies to eager runs)")
             model.compile()
         if self.fsdp:  # shard first: the optimizer then holds the fp32 master shards
@@ -620,7 +621,7 @@ class Trainer:
         rows than its no-sync dense-backup capacity: the attempt's gradients are discarded
         before the optimizer sees them and the step runs again measuring per call (exact, so
         it is accepted). The plan also sets the next step's capacities and ``auto``'s paths.
-        With ``model.ffn_host_sync=micro_batch`` the capacities are also checked after each
+        With ``ffn.host_sync=micro_batch`` the capacities are also checked after each
         micro-batch's forward (one more host sync each, ``FFNPlan.call_overflow``): an
         overflowed micro-batch runs its forward again before its backward, so the step is not
         redone.
@@ -680,7 +681,7 @@ class Trainer:
         dead = self.tracker.dead_fraction_L
         m = self.metrics.train_record(interval, step=self.step, tokens_seen=self.tokens_seen,
                                       dead_L=dead, plan=self.plan,
-                                      auto=self.cfg.model.ffn_impl == "auto").as_dict()
+                                      auto=self.cfg.ffn.impl == "auto").as_dict()
         self.last = m
         self._write(m)
         return m

@@ -1,9 +1,9 @@
 """Path policy of the sparse FFN: the ``auto`` thresholds and the training layout's capacities.
 
 Every :class:`twell.nn.SparseGatedMLP` holds one :class:`FFNPolicy` (``policy=``, per layer); the
-trainer builds it from ``model.ffn_policy`` (``train/config.py``), so it is in the run's resolved
+trainer builds it from ``ffn.policy`` (``train/config.py``), so it is in the run's resolved
 ``config.yaml`` and can be set per run from YAML or the command line
-(``model.ffn_policy.infer_min_rows=4096``). Nothing is read from the environment at import:
+(``ffn.policy.infer_min_rows=4096``). Nothing is read from the environment at import:
 :meth:`FFNPolicy.from_env` reads the ``TWELL_*`` overrides when a caller asks for them (the
 benchmark scripts do).
 

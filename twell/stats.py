@@ -51,7 +51,7 @@ class FFNStats:
             with more active units than the hybrid training layout's ELL capacity (the capacity
             the ``ell`` path ran with, else ``default_ell_capacity(H)``); the ``ell`` path
             computes them densely. With ``hot_units`` it counts the active cold units only
-            (what the ELL part and its dense backup hold). ``model.ffn_impl=auto`` reads it.
+            (what the ELL part and its dense backup hold). ``ffn.impl=auto`` reads it.
     """
 
     l1: torch.Tensor

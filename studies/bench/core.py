@@ -6,7 +6,6 @@ build their rows and searches with.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 import time
@@ -213,7 +212,8 @@ def prepare(s: BenchSettings, size: str, clock: Clock, work: Path,
     data = build_datamodule(cfg1.data, seq_len=cfg1.model.seq_len,
                             micro_batch=s.recipe.micro_batch, seed=cfg1.trainer.seed)
     if s.model_from is not None:
-        bm = load_bench_model(s.model_from, cfg1.model, size=size, pin=dev.type == "cuda")
+        bm = load_bench_model(s.model_from, cfg1.model, size=size, pin=dev.type == "cuda",
+                              ffn_cfg=cfg1.ffn)
     else:
         budget = s.train_budget_s if s.train_budget_s is not None else 0.45 * s.deadline_s
         bm = train_bench_model(cfg1, data, work / f"{size}_stage1", dev, size=size,
@@ -245,7 +245,7 @@ def prepare(s: BenchSettings, size: str, clock: Clock, work: Path,
         "planner_budgets_gb": [round(b.planner_gb, 2) for b in s.budgets]})
     if "default" in s.paths:
         over = default_overrides(size, smoke_tokens)
-        impl = compose(over).model.ffn_impl
+        impl = compose(over).ffn.impl
         run.meta["default"] = {"overrides": over, "ffn_impl": impl, "ffn": FFN_OF_IMPL[impl]}
     log(f"{size}: held-out L0 {checks['l0']:.1f} ({run.meta['l0_source']}); logits vs plain "
         f"transformers rel err {checks['logits_rel_err']:.2e}; hf loss fp32 "
@@ -276,8 +276,8 @@ def measure_forward(run: SizeRun) -> None:
             if impl in BASELINE_PATHS:
                 model = build_hf(run.bm.model_cfg, run.bm.weights, dev, dtype, variant=impl)
             else:
-                cfg = dataclasses.replace(run.bm.model_cfg, ffn_impl=impl)
-                model = build_ours(cfg, run.bm.weights, dev, dtype)
+                model = build_ours(run.bm.model_cfg, run.bm.weights, dev, dtype,
+                                   ffn=run.cfg1.ffn, impl=impl)
                 FFNPlan(ffn_modules(model)).set_collect_stats(False)  # no counting pass
                 if liger_enabled(None, device_type=dev.type,
                                  precision="bf16" if run.bf16 else "fp32", compile=False):

@@ -18,16 +18,16 @@ Paths (the ``path`` column of ``best_configs.csv``):
 * ``ell``: every layer pinned to the ELL path (the hybrid ELL + dense-backup kernels).
 * ``auto``: the plan's own per-layer choices, from the bench model's trained plan state.
 * ``default``: what ``experiment=paper_1p5b`` / ``paper_2b`` picks by itself (``trainer=gpu``:
-  ``trainer.memory=auto``, the experiment's ``model.ffn_impl``), as a user gets it.
+  ``trainer.memory=auto``, the experiment's ``ffn.impl``), as a user gets it.
 
 ``ffn`` (a column too) names the FFN training path a row ran: ``hf``, ``torch``, ``dense``,
-``ell`` or ``auto``. Our four run in one trainer (``model.ffn_impl=auto``) whose plan is pinned
+``ell`` or ``auto``. Our four run in one trainer (``ffn.impl=auto``) whose plan is pinned
 (``FFNPlan.pin``) or left to choose, so they share one model build per size.
 
 Stage 1 (the bench model, when trained in-process) is the scaling study's 1.5B / 2B recipe at
 L1 3e-4 (``studies.scaling``): AdamW lr 1e-3, 10 warmup steps then cosine, micro-batch = global
 batch = 8 sequences of 2048, 200 steps, no recomputation, seed 42 (init and data order). Its FFNs
-train in dense mode (``model.ffn_impl=torch``, ``trainer.dense_ffn_fused=true``: cuBLAS and one
+train in dense mode (``ffn.impl=torch``, ``ffn.dense_fused=true``: cuBLAS and one
 fused pass each way), not ``auto``: ``auto`` picks each layer's path from timings, so two runs
 would differ in which kernels (and which bf16 roundings) made the model, and the sparse rows of
 two fresh benchmarks differed by 10 % on models of held-out L0 37.0 and 34.7 (BENCHMARKS.md).
@@ -45,7 +45,7 @@ PATH_FFNS = {"hf": ("hf",), "liger": ("liger",), "compile": ("compile",),
              "dense": ("dense", "torch"), "ell": ("ell",), "auto": ("auto",)}
 PATH_OF_FFN = {"hf": "hf", "liger": "liger", "compile": "compile", "torch": "dense",
                "dense": "dense", "ell": "ell", "auto": "auto"}
-# model.ffn_impl -> the ffn a trainer of that impl starts on (the default path's own)
+# ffn.impl -> the ffn a trainer of that impl starts on (the default path's own)
 FFN_OF_IMPL = {"torch": "torch", "twell": "ell", "auto": "auto"}
 # the inference impl whose forward a path reports (dense: dense PyTorch; hf: stock transformers)
 FORWARD_IMPL = {"hf": "hf", "liger": "liger", "compile": "compile", "torch": "torch",
@@ -61,7 +61,7 @@ EXPERIMENTS = {"1p5b": "paper_1p5b", "2b": "paper_2b"}
 HF_RECOMPUTE = ("none", "full")
 OUR_RECOMPUTE = ("none", "attention", "full")
 # keys the benchmark sets itself (a --config override of one of them is refused)
-CONTROLLED = ("model.ffn_impl", "trainer.micro_batch", "trainer.global_batch",
+CONTROLLED = ("ffn.impl", "trainer.micro_batch", "trainer.global_batch",
               "trainer.max_steps", "trainer.memory", "trainer.grad_checkpointing",
               "trainer.checkpoint_ffn", "trainer.resume", "optim.lr", "hydra.")
 SMOKE_SIZE = "smoke"
@@ -117,8 +117,8 @@ def stage1_overrides(size: str, recipe: Recipe, config: list[str] = (),
             f"optim.warmup_steps={recipe.warmup_steps}",
             f"trainer.micro_batch={recipe.micro_batch}",
             f"trainer.global_batch={recipe.micro_batch}", f"trainer.max_steps={recipe.steps}",
-            "trainer.grad_checkpointing=false", "model.ffn_impl=torch",
-            "trainer.dense_ffn_fused=true", *QUIET,
+            "trainer.grad_checkpointing=false", "ffn.impl=torch",
+            "ffn.dense_fused=true", *QUIET,
             f"trainer.log_every={recipe.log_every}", *config]
 
 
@@ -132,7 +132,7 @@ def ours_overrides(size: str, search_batch: int, config: list[str] = (),
     its divisors)."""
     base = smoke_model_overrides(smoke_tokens) + ["optim=tiny"] if smoke_tokens is not None \
         else [f"model={size}", "trainer=gpu", "optim=adamw"]
-    return [*base, "model.ffn_impl=auto", "optim.lr=0", "optim.warmup_steps=0",
+    return [*base, "ffn.impl=auto", "optim.lr=0", "optim.warmup_steps=0",
             "trainer.memory=off", f"trainer.micro_batch={search_batch}",
             f"trainer.global_batch={search_batch}", "trainer.grad_checkpointing=false",
             "trainer.checkpoint_ffn=always", "trainer.max_steps=1000000", *QUIET,
@@ -147,7 +147,7 @@ def default_overrides(size: str, smoke_tokens: Path | None = None,
     benchmark's, so the experiment's data source is not read.
 
     ``--smoke`` (``smoke_tokens``): the smoke shape under the planner's defaults
-    (``trainer.memory=auto``, micro-batch and recomputation its choice, ``model.ffn_impl=auto``
+    (``trainer.memory=auto``, micro-batch and recomputation its choice, ``ffn.impl=auto``
     as the paper experiments), with ``budget_gb`` as ``trainer.memory_budget_gb`` (no CUDA memory
     to read it from).
 
@@ -157,7 +157,7 @@ def default_overrides(size: str, smoke_tokens: Path | None = None,
     if smoke_tokens is not None:
         over = [*smoke_model_overrides(smoke_tokens), "optim=tiny", "trainer.memory=auto",
                 "trainer.micro_batch=null", "trainer.grad_checkpointing=null",
-                "trainer.checkpoint_ffn=null", "trainer.global_batch=8", "model.ffn_impl=auto"]
+                "trainer.checkpoint_ffn=null", "trainer.global_batch=8", "ffn.impl=auto"]
         if budget_gb is not None:
             over.append(f"trainer.memory_budget_gb={budget_gb!r}")
     elif size in EXPERIMENTS:
@@ -202,7 +202,7 @@ mode), each of ours also as ``<path>-noliger`` (``trainer.liger=false``: our own
 lean norms, eager RoPE). Any of them may add ``@key=value:...``: launch shapes of the
 training kernels for that profile (:func:`twell.ops.launch.kernel_config`, integer values),
 e.g. ``ell@dw_block_d=1024:dw_d_outer=0``; ours may end in ``+hydra.key=value+...``: overrides
-of our trainer's config, e.g. ``ell+model.ffn_policy.hot_min_density=0.001`` (hot units on
+of our trainer's config, e.g. ``ell+ffn.policy.hot_min_density=0.001`` (hot units on
 sparse layers too)."""
 
 

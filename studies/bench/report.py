@@ -11,7 +11,7 @@ named otherwise; "best dense" is the fastest of ``hf``, ``liger``, ``compile`` a
 * ``dense_vs_liger``: our ``dense`` over transformers + Liger-Kernel (``liger``).
 * ``auto_vs_best``: ``auto`` over the faster of ``ell`` and ``dense``.
 * ``default_vs_path``: ``default`` over the searched row of its own path (the path of the
-  experiment's ``model.ffn_impl``: ``torch`` -> ``dense``, ``twell`` -> ``ell``, ``auto``).
+  experiment's ``ffn.impl``: ``torch`` -> ``dense``, ``twell`` -> ``ell``, ``auto``).
 * ``wall_vs_median``: per sparse row (``ell``, ``auto``), wall-clock over median tokens/ms.
 * ``peak_vs_liger`` (per size): the predicted step peak (probe peak + optimizer state) of each
   of our FFN paths at the equal micro-batch without recomputation, over ``liger``'s (``hf``'s

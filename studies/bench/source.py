@@ -30,13 +30,15 @@ class BenchModel:
 
     Attributes:
         size: the model config name (``configs/model/<size>.yaml``) or ``smoke``.
-        model_cfg: its :class:`train.config.ModelConfig` (stage 1's: ``ffn_impl=torch``).
+        model_cfg: its :class:`train.config.ModelConfig` (stage 1's).
         weights: fp32 CPU state dict (page-locked on CUDA machines).
         plan_state: the trained :meth:`twell.nn.plan.FFNPlan.state_dict` (auto's per-layer paths
             and dense-backup capacities), or None (a checkpoint without one).
         source: one line: trained in-process (steps, why it stopped) or the checkpoint path.
         steps: optimizer steps the model was trained for.
         history: (step, training L0) of each metric line.
+        ffn_cfg: stage 1's :class:`train.config.FFNConfig` (its ``policy`` every build of these
+            weights keeps); None = the defaults.
     """
 
     size: str
@@ -46,6 +48,7 @@ class BenchModel:
     source: str
     steps: int | None
     history: list[tuple[int, float]] = field(default_factory=list)
+    ffn_cfg: object = None
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ def train_bench_model(cfg, data, run_dir: Path, device, *, size: str, rule: Sett
 
     set_seed(cfg.trainer.seed)
     with torch.device(device):
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, cfg.ffn)
     tr = Trainer(cfg, run_dir, datamodule=data, model=model)
     try:
         history, reason = _train_loop(tr, rule, budget_s)
@@ -127,7 +130,7 @@ def train_bench_model(cfg, data, run_dir: Path, device, *, size: str, rule: Sett
     del tr, model
     free_memory(device)
     return BenchModel(size, cfg.model, weights, state, f"trained in-process: {steps} steps at L1 "
-                      f"{cfg.sparsity.l1_coeff:g} ({reason})", steps, history)
+                      f"{cfg.sparsity.l1_coeff:g} ({reason})", steps, history, cfg.ffn)
 
 
 def _train_loop(tr, rule: SettleRule, budget_s: float) -> tuple[list, str]:
@@ -179,10 +182,12 @@ def check_shape(saved: dict, model_cfg, where: Path) -> None:
                          "trained at")
 
 
-def load_bench_model(ckpt: Path, model_cfg, *, size: str, pin: bool) -> BenchModel:
+def load_bench_model(ckpt: Path, model_cfg, *, size: str, pin: bool,
+                     ffn_cfg=None) -> BenchModel:
     """The bench model from a trainer checkpoint folder (``step{N}``): its weights (fp32), its
     trained FFN plan state (``trainer`` state's ``ffn_plan``; None if it has none) and the L0
-    lines of its run's ``metrics.jsonl`` when the run directory is there.
+    lines of its run's ``metrics.jsonl`` when the run directory is there. ``ffn_cfg``: the
+    :class:`train.config.FFNConfig` its builds use (:attr:`BenchModel.ffn_cfg`).
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``ckpt``.
@@ -219,7 +224,7 @@ def load_bench_model(ckpt: Path, model_cfg, *, size: str, pin: bool) -> BenchMod
     steps = int(state["step"])
     note = "" if plan is not None else "; no FFN plan state: auto starts dense"
     return BenchModel(size, model_cfg, weights, plan, f"checkpoint {ckpt} ({steps} steps{note})",
-                      steps, history)
+                      steps, history, ffn_cfg)
 
 
 def heldout_blocks(data, n_blocks: int) -> tuple[torch.Tensor, str]:
@@ -249,13 +254,11 @@ def reference_checks(bm: BenchModel, blocks_NT: torch.Tensor, device, *, bf16: b
     ``profile`` (per-layer rows of :func:`studies.profile.profile_sparsity` on ``blocks_NT``) and
     ``l0`` (their mean over layers: the held-out L0 every row names).
     """
-    import dataclasses
-
     from studies.profile import profile_sparsity
 
-    cfg = dataclasses.replace(bm.model_cfg, ffn_impl="torch")
+    cfg = bm.model_cfg
     hf = build_hf(cfg, bm.weights, device).eval()
-    ours = build_ours(cfg, bm.weights, device).eval()
+    ours = build_ours(cfg, bm.weights, device, impl="torch", ffn=bm.ffn_cfg).eval()
     out = {}
     with torch.no_grad():
         small = blocks_NT[:1, :256].to(device)
@@ -291,12 +294,9 @@ def record_layers(bm: BenchModel, blocks_NT: torch.Tensor, layers: list[int], ou
     as ``twell.nn.record`` files, ``<out_dir>/acts_<size>_l<layer>.safetensors`` plus a JSON of
     the statistics beside each (for ``scripts/bench_real_layers.py``, ``bench_ffn*.py --acts``).
     Returns the safetensors paths."""
-    import dataclasses
-
     from twell.nn.record import ffn_input_stats, ffn_weights, record_ffn_inputs, save_ffn_layer
 
-    model = build_ours(dataclasses.replace(bm.model_cfg, ffn_impl="torch"), bm.weights,
-                       device).eval()
+    model = build_ours(bm.model_cfg, bm.weights, device, impl="torch", ffn=bm.ffn_cfg).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for layer, x in record_ffn_inputs(model, blocks_NT, layers, batch=batch).items():

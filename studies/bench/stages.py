@@ -2,7 +2,7 @@
 plain-transformers row (``hf``) and the ``default`` row.
 
 Per budget, in the order given, each stage builds its model (our four FFN paths share one
-trainer, ``model.ffn_impl=auto``, whose plan is pinned per path), runs the search the first
+trainer, ``ffn.impl=auto``, whose plan is pinned per path), runs the search the first
 time (every budget at once, the probes shared), and times the chosen configurations with the
 card emulated (:func:`studies.bench.search.emulated`). So one budget's rows are complete before
 the next budget starts, and a deadline cuts whole budgets last.
@@ -142,7 +142,7 @@ def build_our_trainer(run: SizeRun, extra: list[str] = ()):
 
     cfg = compose(ours_overrides(run.size, run.s.search_batch, [*run.s.config, *extra],
                                  run.smoke_tokens))
-    model = build_ours(cfg.model, run.bm.weights, run.device)
+    model = build_ours(cfg.model, run.bm.weights, run.device, ffn=cfg.ffn)
     run.builds += 1
     return Trainer(cfg, run.work / f"{run.size}_ours{run.builds}", datamodule=run.data,
                    model=model)
@@ -196,7 +196,7 @@ def time_trainer(run: SizeRun, tr, plan: Plan, seed: int) -> tuple:
 
 def forward_reruns(m: dict) -> str:
     """``; forward reruns N`` for the notes of a row whose timed steps ran some micro-batch's
-    forward again (``model.ffn_host_sync=micro_batch``; ``redos`` counts whole steps), else
+    forward again (``ffn.host_sync=micro_batch``; ``redos`` counts whole steps), else
     ``""``."""
     n = m.get("ffn_forward_redos", 0)
     return f"; forward reruns {n}" if n else ""
@@ -386,7 +386,7 @@ def build_default_trainer(run: SizeRun, b: Budget):
                                                         "get_per_process_memory_fraction")
     over = default_overrides(run.size, run.smoke_tokens, b.planner_gb if fake else None)
     cfg = compose(over)
-    model = build_ours(cfg.model, run.bm.weights, run.device)
+    model = build_ours(cfg.model, run.bm.weights, run.device, ffn=cfg.ffn)
     run.builds += 1
     return Trainer(cfg, run.work / f"{run.size}_default{run.builds}", datamodule=run.data,
                    model=model)

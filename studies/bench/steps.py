@@ -42,13 +42,22 @@ def load_weights(model, weights: dict) -> None:
                          f"unexpected {unexpected[:3]}")
 
 
-def build_ours(model_cfg, weights: dict, device, dtype=None):
-    """Our ``LlamaForCausalLM`` (``SparseGatedMLP`` FFNs of ``model_cfg.ffn_impl``), initialised
-    on ``device`` (not on the CPU: minutes at 1.5B) and loaded with ``weights``."""
+def build_ours(model_cfg, weights: dict, device, dtype=None, *, ffn=None,
+               impl: str | None = None):
+    """Our ``LlamaForCausalLM`` (``SparseGatedMLP`` FFNs of ``ffn.impl`` and ``ffn.policy``,
+    ``ffn`` a :class:`train.config.FFNConfig`, None = its defaults; ``impl`` replaces
+    ``ffn.impl``), initialised on ``device`` (not on the CPU: minutes at 1.5B) and loaded with
+    ``weights``."""
+    import dataclasses
+
+    from train.config import FFNConfig
     from train.model import build_model
 
+    ffn = FFNConfig() if ffn is None else ffn
+    if impl is not None:
+        ffn = dataclasses.replace(ffn, impl=impl)
     with torch.device(device):
-        model = build_model(model_cfg)
+        model = build_model(model_cfg, ffn)
     if dtype is not None:
         model.to(dtype)
     load_weights(model, weights)

@@ -212,10 +212,10 @@ def test_default_is_the_experiment_up_to_quiet_keys():
 def test_ours_trainer_config_and_refused_overrides():
     cfg = compose(ours_overrides("1p5b", 48, ["trainer.liger=false"]))
     t = cfg.trainer
-    assert cfg.model.ffn_impl == "auto" and cfg.optim.lr == 0.0 and t.memory == "off"
+    assert cfg.ffn.impl == "auto" and cfg.optim.lr == 0.0 and t.memory == "off"
     assert (t.micro_batch, t.global_batch, t.grad_checkpointing) == (48, 48, False)
-    assert t.liger is False and t.backup_capacity == "adaptive"  # trainer=gpu's
-    for bad in (["trainer.micro_batch=4"], ["model.ffn_impl=twell"], ["optim.lr=1"]):
+    assert t.liger is False and cfg.ffn.backup_capacity == "adaptive"  # trainer=gpu's
+    for bad in (["trainer.micro_batch=4"], ["ffn.impl=twell"], ["optim.lr=1"]):
         with pytest.raises(ValueError, match="controls"):
             check_config(bad)
     with pytest.raises(ValueError, match="KEY=VALUE"):
@@ -481,12 +481,12 @@ def test_auto_is_timed_from_the_paths_its_search_probed(tmp_path, monkeypatch):
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the ELL op's PyTorch backend
     tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
-    cfg = tiny_config(tok, **{"model.ffn_impl": "torch"})
+    cfg = tiny_config(tok, **{"ffn.impl": "torch"})
     stage1 = Trainer(cfg, tmp_path / "stage1")
     stage1.plan.steps = 5  # a trained plan state, as the bench model's
     plan_state = stage1.plan.state_dict()
     stage1.close()
-    cfg = tiny_config(tok, **{"model.ffn_impl": "auto", "model.ffn_policy": FFNPolicy(
+    cfg = tiny_config(tok, **{"ffn.impl": "auto", "ffn.policy": FFNPolicy(
         ell_capacity=64, train_density_threshold=1.0)})  # every layer sparse enough for ell
     tr = Trainer(cfg, tmp_path / "ours")
     b = Budget(80)

@@ -120,8 +120,8 @@ def test_help_lists_only_usable_config_groups():
     assert r.returncode == 0, r.stderr
     groups = r.stdout[r.stdout.index("== Config groups"):r.stdout.index("== Keys")]
     names = [ln.split(":")[0] for ln in groups.splitlines()[1:] if ln.strip()]
-    assert names == ["data", "eval", "experiment", "logging", "model", "optim", "sparsity",
-                     "trainer"]
+    assert names == ["data", "eval", "experiment", "ffn", "logging", "model", "optim",
+                     "sparsity", "trainer"]
     assert "sparsity: dense, l1, l1_reinit, warmup" in groups
 
 
@@ -134,6 +134,23 @@ def test_hydra_error_line_of_an_unexpected_message_drops_the_boilerplate():
                                    "Set the environment variable HYDRA_FULL_ERROR=1 for a "
                                    "complete stack trace.")
     assert hydra_error_line(e) == "Could not override 'x'. No match in the defaults list."
+
+
+def test_hydra_error_line_of_a_renamed_key_in_a_yaml_file_names_the_new_key():
+    """An experiment YAML written before the ffn group (model.ffn_impl): Hydra's unknown-key
+    line gets the new key."""
+    from hydra.errors import ConfigCompositionException
+
+    from train.main import hydra_error_line
+
+    e = ConfigCompositionException("In 'experiment/old': ConfigKeyError raised while composing "
+                                   "config:\nKey 'dense_ffn_fused' not in 'TrainerConfig'")
+    line = hydra_error_line(e)
+    assert line.startswith("In 'experiment/old': ConfigKeyError raised while composing config: "
+                           "Key 'dense_ffn_fused' not in 'TrainerConfig'; "), line
+    assert "trainer.dense_ffn_fused was renamed ffn.dense_fused " in line, line
+    e = ConfigCompositionException("Key 'hiden_size' not in 'ModelConfig'")
+    assert hydra_error_line(e) == "Key 'hiden_size' not in 'ModelConfig'"  # not a renamed key
 
 
 def test_eval_cli_argument_errors_are_one_line_with_exit_code_2(capsys):

@@ -165,7 +165,7 @@ def test_plan_and_argument_handling():
     assert cf.split_steps([], None, smoke=True) == ([], 8)
     assert cf.split_steps(["trainer.max_steps=5"], 5) == ([], 5)
     for bad, steps, match in ((["trainer.max_steps=300"], 10, "disagree"),
-                              (["model.ffn_impl=twell"], None, "model.ffn_impl is set"),
+                              (["ffn.impl=twell"], None, "ffn.impl is set"),
                               (["hydra.run.dir=/x"], None, "hydra.run.dir is set"),
                               (["trainer.log_every=5"], None, "trainer.log_every is set"),
                               (["notanoverride"], None, "not a Hydra override"),
@@ -179,7 +179,7 @@ def test_plan_and_argument_handling():
     for s in specs:  # same user overrides, in the same place, after the script's defaults
         i = s.overrides.index("model=small_l4")
         assert s.overrides[:i] == cf.DEFAULTS and s.overrides[i + 1] == "trainer.micro_batch=16"
-        assert f"model.ffn_impl={s.ffn_impl}" in s.overrides
+        assert f"ffn.impl={s.ffn_impl}" in s.overrides
         assert "trainer.max_steps=300" in s.overrides and "trainer.log_every=1" in s.overrides
     assert specs[1].overrides[-1] == "trainer.micro_batch=8"  # last: Hydra's last value wins
     cfg = compose(specs[1].overrides)  # what the trainer will really get
@@ -208,10 +208,10 @@ def test_script_refuses_a_bad_configuration_before_any_run(tmp_path):
                        text=True, timeout=300, check=False)
     assert r.returncode == 2 and "cannot be halved" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "r" / "A_torch").exists() and not (tmp_path / "o").exists()
-    r = subprocess.run([sys.executable, str(SCRIPT), "--out", "o", "model.ffn_impl=twell"],
+    r = subprocess.run([sys.executable, str(SCRIPT), "--out", "o", "ffn.impl=twell"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                        check=False)
-    assert r.returncode == 2 and "model.ffn_impl is set" in r.stderr
+    assert r.returncode == 2 and "ffn.impl is set" in r.stderr
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -237,7 +237,7 @@ def test_smoke_run_end_to_end(tmp_path):
 
     names = ("A_torch", "B_torch_half_micro", "C_twell")
     cfgs = {n: OmegaConf.load(runs / n / "config.yaml") for n in names}
-    assert [cfgs[n].model.ffn_impl for n in names] == ["torch", "torch", "twell"]
+    assert [cfgs[n].ffn.impl for n in names] == ["torch", "torch", "twell"]
     assert [cfgs[n].trainer.micro_batch for n in names] == [8, 4, 8]
     assert {cfgs[n].trainer.global_batch for n in names} == {8}
     assert {cfgs[n].trainer.seed for n in names} == {42}

@@ -165,10 +165,10 @@ def test_the_unfinished_run_of_this_config_is_found_and_nothing_else(tmp_path):
     assert timestamp_root("/x/out-${now:%s}") == (Path("/x"), 1)
     assert timestamp_root("runs/fixed") is None
     assert timestamp_root("runs/${now:%Y}/${oc.env:USER}") is None  # not only timestamps
-    mine = {"model": {"hidden_size": 32, "ffn_impl": "torch"}, "sparsity": {"l1_coeff": 0.5},
+    mine = {"model": {"hidden_size": 32}, "ffn": {"impl": "torch"}, "sparsity": {"l1_coeff": 0.5},
             "eval": {"limit": 200}, "trainer": {"resume": "auto", "max_steps": 6}}
     other = {**mine, "sparsity": {"l1_coeff": 0.25}}
-    safe = {**mine, "eval": {"limit": 7}, "model": {"hidden_size": 32, "ffn_impl": "twell"}}
+    safe = {**mine, "eval": {"limit": 7}, "ffn": {"impl": "twell"}}
     root = tmp_path / "runs"
     assert find_unfinished_run(mine, root, 2) is None  # no runs folder yet
     _fake_run(root / "d1" / "10-00-00", mine, finished=True)  # finished: not again
@@ -186,6 +186,12 @@ def test_the_unfinished_run_of_this_config_is_found_and_nothing_else(tmp_path):
         assert find_unfinished_run(mine, root, 2) == want
     finally:
         lock.release()
+    # recorded before the ffn group (model.ffn_impl): the same run (train.config.upgrade_saved)
+    old = {k: v for k, v in safe.items() if k != "ffn"}
+    old["model"] = {"hidden_size": 32, "ffn_impl": "twell"}
+    assert find_unfinished_run(mine, tmp_path / "old", 2) is None
+    saved_old = _fake_run(tmp_path / "old" / "d" / "09-00-00", old)
+    assert find_unfinished_run(mine, tmp_path / "old", 2) == saved_old
 
 
 def test_a_sweep_that_extends_a_sweep_dir_is_let_in_and_another_is_not(tmp_path):

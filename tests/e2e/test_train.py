@@ -263,12 +263,12 @@ def test_triton_interpreter_with_ffn_impl_twell_warns(tokens, tmp_path, capsys, 
     """TRITON_INTERPRET=1 (what scripts/test.sh sets without a GPU) left set in a user's shell
     makes a twell run crawl (a validation FFN call takes minutes): the trainer says so."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    Trainer(tiny_config(tokens, **{"model.ffn_impl": "twell"}), tmp_path / "i").close()
-    assert "TRITON_INTERPRET=1 runs model.ffn_impl=twell through the Triton interpreter" in (
+    Trainer(tiny_config(tokens, **{"ffn.impl": "twell"}), tmp_path / "i").close()
+    assert "TRITON_INTERPRET=1 runs ffn.impl=twell through the Triton interpreter" in (
         capsys.readouterr().err)
     for impl, env in [("torch", "1"), ("twell", "0")]:
         monkeypatch.setenv("TRITON_INTERPRET", env)
-        Trainer(tiny_config(tokens, **{"model.ffn_impl": impl}), tmp_path / f"i{impl}").close()
+        Trainer(tiny_config(tokens, **{"ffn.impl": impl}), tmp_path / f"i{impl}").close()
         assert "TRITON_INTERPRET" not in capsys.readouterr().err
 
 

@@ -1,4 +1,4 @@
-"""Data parallelism with ``model.ffn_impl=twell``: 2 gloo ranks on CPU (torchrun), the sparse
+"""Data parallelism with ``ffn.impl=twell``: 2 gloo ranks on CPU (torchrun), the sparse
 training kernels in the Triton interpreter (``TRITON_INTERPRET=1``), against one process on the
 same global batch, and against the dense PyTorch path.
 
@@ -74,9 +74,9 @@ def test_two_ranks_twell_matches_one_process_and_torch(tmp_path):
            "TRITON_INTERPRET": "1", "WANDB_MODE": "disabled"}
     runs = {  # all three at once (~30 s on 2 cores)
         "ddp_twell": _worker(tmp_path / "ddp_twell", tokens,
-                             ["trainer.micro_batch=2", 'model.ffn_impl="twell"'], 2, env),
+                             ["trainer.micro_batch=2", 'ffn.impl="twell"'], 2, env),
         "one_twell": _worker(tmp_path / "one_twell", tokens,
-                             ["trainer.micro_batch=4", 'model.ffn_impl="twell"'], 1, env),
+                             ["trainer.micro_batch=4", 'ffn.impl="twell"'], 1, env),
         "one_torch": _worker(tmp_path / "one_torch", tokens, ["trainer.micro_batch=4"], 1, env),
     }
     for name, proc in runs.items():

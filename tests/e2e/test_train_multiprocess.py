@@ -4,7 +4,7 @@ DDP and FSDP2 against one process over the same global batch, checkpoints resume
 number of processes (and from FSDP to unsharded and back), and a dense-backup capacity overflow
 on one rank redone on every rank.
 
-Setup (``tests/ddp_worker.py``; ``model.ffn_impl=twell`` on the sparse training op's PyTorch
+Setup (``tests/ddp_worker.py``; ``ffn.impl=twell`` on the sparse training op's PyTorch
 backend: no ``TRITON_INTERPRET``, so the runs take seconds): the tiny test model with FFN width
 H = 32 (ELL capacity 16: at initialisation every forward has light rows on the ELL path and
 heavy rows on the dense backup), L1 = 0.5, dead-unit re-init on (its noise is drawn every step),
@@ -40,7 +40,7 @@ LR = 3e-3
 STEPS = 4
 COMMON = ["model.intermediate_size=32", "sparsity.l1_coeff=0.5", "optim.warmup_steps=0",
           'optim.schedule="constant"', f"optim.lr={LR}", "trainer.global_batch=4",
-          'model.ffn_impl="twell"', "trainer.save_every=2", "sparsity.reinit_dead=true"]
+          'ffn.impl="twell"', "trainer.save_every=2", "sparsity.reinit_dead=true"]
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 TIMEOUT = 240  # s per launch; a rank waiting for a collective the other skipped hangs until then
 pytestmark = pytest.mark.slow

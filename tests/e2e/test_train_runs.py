@@ -129,7 +129,7 @@ def test_auto_resume_of_a_changed_config_needs_an_explicit_path(tokens, tmp_path
     assert "sparsity.l1_coeff" in msg and f"trainer.resume={run}" in msg
     assert "hydra.run.dir" in msg
     # execution settings are safe to change: resumed without a word beyond the note
-    t = Trainer(tiny_config(tokens, **base, **{"model.ffn_impl": "auto", "trainer.log_every": 5,
+    t = Trainer(tiny_config(tokens, **base, **{"ffn.impl": "auto", "trainer.log_every": 5,
                                                "trainer.micro_batch": 8}), run)
     assert t.step == 2
     t.close()

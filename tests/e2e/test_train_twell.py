@@ -1,7 +1,7 @@
-"""Convergence: the tiny model trained with ``model.ffn_impl=twell`` (the ELL training kernels in
+"""Convergence: the tiny model trained with ``ffn.impl=twell`` (the ELL training kernels in
 Triton: on CUDA, or on CPU in the interpreter that tests/conftest.py turns on) gives the same
 per-step losses, L0 and dead fractions as the dense PyTorch path from the same seed (fp32); and
-``model.ffn_impl=auto`` runs, per layer and step, the path its logged statistics chose."""
+``ffn.impl=auto`` runs, per layer and step, the path its logged statistics chose."""
 
 import pytest
 import torch
@@ -63,7 +63,7 @@ def test_twell_training_matches_torch_every_step(tokens, tmp_path, triton_calls)
             **ON_GPU}
     ref = _losses(tiny_config(tokens, **over), tmp_path / "torch")
     assert not any(triton_calls.values())
-    got = _losses(tiny_config(tokens, **over, **{"model.ffn_impl": "twell"}), tmp_path / "twell")
+    got = _losses(tiny_config(tokens, **over, **{"ffn.impl": "twell"}), tmp_path / "twell")
     calls = 4 * 2 * 2  # steps x layers x micro-batches
     assert triton_calls["compact_heavy"] >= calls and triton_calls["backup_fwd"] >= calls
     assert [r["step"] for r in got] == [r["step"] for r in ref]
@@ -106,17 +106,17 @@ def _auto_policy(threshold):
 
 
 def test_auto_picks_training_path_per_layer_from_l0(tokens, tmp_path, monkeypatch):
-    """model.ffn_impl=auto with one threshold between the two layers' step-1 densities: after step
+    """ffn.impl=auto with one threshold between the two layers' step-1 densities: after step
     1 the sparser layer trains on the ELL op and the other in dense mode; every step runs the
     paths the previous step logged (each the rule applied to that step's L0); the losses follow
     the PyTorch path; the choice survives a checkpoint round trip (stop at step 2, resume)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the ELL op's PyTorch backend: fast
-    over = {"trainer.max_steps": 3, "model.ffn_impl": "auto", "data.val_fraction": 0.0}
-    ref = _losses(tiny_config(tokens, **{**over, "model.ffn_impl": "torch"}), tmp_path / "t")
+    over = {"trainer.max_steps": 3, "ffn.impl": "auto", "data.val_fraction": 0.0}
+    ref = _losses(tiny_config(tokens, **{**over, "ffn.impl": "torch"}), tmp_path / "t")
     d1 = [v / 64 for v in ref[0]["l0_layers"]]  # auto's step 1 is dense mode: the same L0
     assert abs(d1[0] - d1[1]) > 1e-4, d1
     pol = _auto_policy((d1[0] + d1[1]) / 2)
-    over["model.ffn_policy"] = pol
+    over["ffn.policy"] = pol
     seen = set()
     rows = _losses(tiny_config(tokens, **over), tmp_path / "a",
                    prepare=lambda t: _path_spy(monkeypatch, t, seen))
@@ -154,14 +154,14 @@ def test_auto_switches_a_layer_to_the_ell_path_during_a_run(tokens, tmp_path, mo
     and from the step after its logged density first falls below the threshold it trains on the
     ELL op (metrics' ffn_paths, and the op that ran)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the ELL op's PyTorch backend: fast
-    over = {"trainer.max_steps": 6, "model.ffn_impl": "auto", "sparsity.l1_coeff": 3.0,
+    over = {"trainer.max_steps": 6, "ffn.impl": "auto", "sparsity.l1_coeff": 3.0,
             "data.val_fraction": 0.0}
-    ref = _losses(tiny_config(tokens, **{**over, "model.ffn_impl": "torch"}), tmp_path / "t")
+    ref = _losses(tiny_config(tokens, **{**over, "ffn.impl": "torch"}), tmp_path / "t")
     d0 = [r["l0_layers"][0] / 64 for r in ref]  # = dense mode's, auto's until the switch
     assert d0[-1] < 0.8 * d0[0], d0  # the L1 term made layer 0 sparser
     pol = _auto_policy((d0[0] + d0[-1]) / 2)
     seen = set()
-    rows = _losses(tiny_config(tokens, **over, **{"model.ffn_policy": pol}), tmp_path / "a",
+    rows = _losses(tiny_config(tokens, **over, **{"ffn.policy": pol}), tmp_path / "a",
                    prepare=lambda t: _path_spy(monkeypatch, t, seen))
     paths0 = [r["ffn_paths"][0] for r in rows]
     switch = paths0.index("ell")  # the first step whose statistics chose the ELL op
@@ -199,7 +199,7 @@ def test_trainer_state_from_before_the_plan_restores_its_paths(tokens, tmp_path)
     heavy-row history; the current state (``ffn_plan``) does too, as plain JSON data."""
     import json
 
-    over = {"trainer.max_steps": 2, "model.ffn_impl": "auto"}
+    over = {"trainer.max_steps": 2, "ffn.impl": "auto"}
     t = Trainer(tiny_config(tokens, **over), tmp_path / "a")
     try:
         assert t.plan.choose_paths([0.0, 64.0], [0.0, 1.0]) == ["ell", "dense"]
@@ -241,12 +241,12 @@ def test_an_overflow_runs_the_micro_batch_forward_again_or_the_step(tokens, tmp_
     # of 36 of 64 leaves ~10-25 % of the tiny model's tokens heavy, so the plan gives no-sync
     # capacities after step 1; step 2 is forced to overflow them
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    over = {"model.ffn_impl": "twell", "trainer.max_steps": 3, "sparsity.l1_coeff": 0.05,
-            "trainer.micro_batch": 2, "model.ffn_policy": FFNPolicy(ell_capacity=36)}
-    exact = _losses(tiny_config(tokens, **over, **{"model.ffn_host_sync": "call"}),
+    over = {"ffn.impl": "twell", "trainer.max_steps": 3, "sparsity.l1_coeff": 0.05,
+            "trainer.micro_batch": 2, "ffn.policy": FFNPolicy(ell_capacity=36)}
+    exact = _losses(tiny_config(tokens, **over, **{"ffn.host_sync": "call"}),
                     tmp_path / "call")
     _force_overflow_at(monkeypatch, 1)
-    runs = {hs: _losses(tiny_config(tokens, **over, **{"model.ffn_host_sync": hs}),
+    runs = {hs: _losses(tiny_config(tokens, **over, **{"ffn.host_sync": hs}),
                         tmp_path / hs) for hs in ("micro_batch", "step")}
     mb, st = runs["micro_batch"], runs["step"]
     # each overflow takes its layers out of the check: at most one rerun per layer a step
@@ -305,9 +305,9 @@ def test_the_overflowed_forward_is_freed_before_its_forward_runs_again(tokens, t
     monkeypatch.setattr(FFNPlan, "call_overflow", found)
     monkeypatch.setattr(FFNPlan, "overflowed_in_call", drop)
     _force_overflow_at(monkeypatch, 1)
-    over = {"model.ffn_impl": "twell", "trainer.max_steps": 2, "sparsity.l1_coeff": 0.05,
-            "trainer.micro_batch": 2, "model.ffn_policy": FFNPolicy(ell_capacity=36),
-            "model.ffn_host_sync": "micro_batch", "data.val_fraction": 0.0}
+    over = {"ffn.impl": "twell", "trainer.max_steps": 2, "sparsity.l1_coeff": 0.05,
+            "trainer.micro_batch": 2, "ffn.policy": FFNPolicy(ell_capacity=36),
+            "ffn.host_sync": "micro_batch", "data.val_fraction": 0.0}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
         rows = _losses(tiny_config(tokens, **over), tmp_path / "mb")
     assert rows[1]["ffn_forward_redos"] >= 1

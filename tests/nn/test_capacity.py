@@ -1,4 +1,4 @@
-"""The no-sync dense-backup capacity rules (``trainer.backup_capacity``): hand-computed values,
+"""The no-sync dense-backup capacity rules (``ffn.backup_capacity``): hand-computed values,
 exact state round trip, and the offline simulation's redo rates."""
 
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from twell.nn import FFNPlan, SparseGatedMLP, StepStats
+from twell.nn import FFNPlan, PlanOptions, SparseGatedMLP, StepStats
 from twell.nn.capacity import CAPACITY_RULES, BackupCapacity, cold_margin
 
 
@@ -90,7 +90,8 @@ def _plan_stats(heavy, nnz_per_token, rows=256, seqs=8, tokens=512):
 
 def _plan(n=1, impl="twell", rule="window"):
     torch.manual_seed(0)
-    return FFNPlan([SparseGatedMLP(16, 64, impl=impl) for _ in range(n)], capacity_rule=rule)
+    return FFNPlan([SparseGatedMLP(16, 64, impl=impl) for _ in range(n)],
+                   PlanOptions(capacity_rule=rule))
 
 
 def test_plan_floor_and_micro_batch_change_hand_computed():
@@ -182,7 +183,7 @@ def test_trainer_checkpoints_the_rule_state(tmp_path, monkeypatch):
 
     tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
     cfg = tiny_config(tok, **{"trainer.max_steps": 2, "trainer.save_every": 2,
-                              "model.ffn_impl": "twell", "trainer.backup_capacity": "adaptive"})
+                              "ffn.impl": "twell", "ffn.backup_capacity": "adaptive"})
     t = Trainer(cfg, tmp_path / "run")
     try:
         t.train()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.train_utils import FakeClock, read_metrics, tiny_config, write_tokens
-from twell.nn import FFNPlan, SparseGatedMLP, StepStats, trains_ell
+from twell.nn import FFNPlan, PlanOptions, SparseGatedMLP, StepStats, trains_ell
 from twell.nn.chooser import LayerMeasure, density_rule
 from twell.nn.plan import default_path, layer_plan
 from twell.ops.reference import gated_ffn_torch
@@ -58,7 +58,7 @@ def test_accept_sets_next_capacities_by_the_rule():
 
 
 def test_redo_when_a_layer_exceeds_its_capacity_then_measured_step_is_accepted():
-    plan = FFNPlan(_mlps(3), capacity_rule="adaptive")
+    plan = FFNPlan(_mlps(3), PlanOptions(capacity_rule="adaptive"))
     _step(plan, _stats([5, 0, 200]))
     caps = [lp.backup_rows for lp in plan.layers]
     # adaptive: ceil(1.25 * 1.91 * 5) + 16 = 28 -> 64 (multiples of 64; cold margin
@@ -86,7 +86,7 @@ def test_capacity_is_checked_against_the_rows_of_a_call():
 
 
 def test_micro_batch_check_finds_the_overflowed_layers_and_the_step_is_accepted():
-    plan = FFNPlan(_mlps(3), host_sync="micro_batch", capacity_rule="adaptive")
+    plan = FFNPlan(_mlps(3), PlanOptions(host_sync="micro_batch", capacity_rule="adaptive"))
     plan.begin_step()  # every layer measures per call: nothing to check, no host sync
     assert plan.call_overflow(torch.tensor([500.0, 500.0, 500.0]), rows=256) == []
     plan.end_step(_stats([5, 0, 200]))
@@ -109,13 +109,13 @@ def test_only_ell_layers_are_checked_and_call_sync_measures_per_call():
     _step(plan, _stats([5, 5]))
     assert [lp.backup_rows for lp in plan.layers] == [27, 27]  # recorded, unused off ELL
     assert _step(plan, _stats([100, 100])).accepted  # torch layers: no capacity to exceed
-    call = FFNPlan(_mlps(2), host_sync="call")
+    call = FFNPlan(_mlps(2), PlanOptions(host_sync="call"))
     _step(call, _stats([5, 0]))
     assert [lp.backup_rows for lp in call.layers] == [-1, -1]
     with pytest.raises(ValueError, match="3 layers; the plan has 2"):
         _step(call, _stats([1, 2, 3]))
     with pytest.raises(ValueError, match="host_sync"):
-        FFNPlan(_mlps(1), host_sync="never")
+        FFNPlan(_mlps(1), PlanOptions(host_sync="never"))
 
 
 def test_auto_chooses_from_the_steps_l0_and_heavy_fraction():
@@ -169,7 +169,7 @@ def test_pin_fixes_paths_and_unpin_lets_auto_choose_again():
     with pytest.raises(ValueError, match="out of range"):
         plan.pin("dense", [2])
     with pytest.raises(ValueError, match="non-gated"):
-        FFNPlan(_mlps(1, gated=False), "twell")
+        FFNPlan(_mlps(1, impl="twell", gated=False))
 
 
 def test_profiling_context_fixes_paths_measures_and_restores():
@@ -192,14 +192,14 @@ def test_profiling_context_fixes_paths_measures_and_restores():
 
 def test_state_round_trips_through_json_and_loads_strictly():
     mlps = _mlps(3, impl="auto")
-    a = FFNPlan(mlps, capacity_rule="adaptive")
+    a = FFNPlan(mlps, PlanOptions(capacity_rule="adaptive"))
     for i in range(12):
         nnz = [(i % 5) * 512.0, 40.0 * 512, 2.0 * 512]
         _step(a, _stats([i % 7, 3 * i, 0], nnz, [0.0, 0.0, 0.0]))  # some steps are redos
         if i % 4 == 3:
             a.capacity.overflowed([1])
     state = json.loads(json.dumps(a.state_dict()))
-    b = FFNPlan(_mlps(3, impl="auto"), capacity_rule="adaptive")
+    b = FFNPlan(_mlps(3, impl="auto"), PlanOptions(capacity_rule="adaptive"))
     b.load_state_dict(state)
     assert b.state_dict() == a.state_dict()
     for i in range(6):  # the same decisions from here on
@@ -307,7 +307,7 @@ def test_a_real_run_switches_a_layer_between_ell_and_dense(tmp_path):
     over = {"trainer.max_steps": 4, "sparsity.l1_coeff": 0.5, "data.val_fraction": 0.0}
     runs = {}
     for impl in ("auto", "torch"):
-        t = Trainer(tiny_config(tok, **over, **{"model.ffn_impl": impl}), tmp_path / impl)
+        t = Trainer(tiny_config(tok, **over, **{"ffn.impl": impl}), tmp_path / impl)
         if impl == "auto":
             t.plan.chooser = _Alternate()
         try:
@@ -537,11 +537,11 @@ def test_hot_units_train_as_without_them(tmp_path):
     active on > 0.65 of the tokens: 16 of 256) and one without (max_hot_units=0): the same losses
     up to fp32 rounding."""
     base = {"trainer.max_steps": 4, "sparsity.l1_coeff": 0.5, "data.val_fraction": 0.0,
-            "model.ffn_impl": "twell", "model.intermediate_size": 256}
+            "ffn.impl": "twell", "model.intermediate_size": 256}
     runs = {}
     for name, pol in (("hot", FFNPolicy(hot_unit_fraction=0.65, ell_capacity=128)),
                       ("cold", FFNPolicy(max_hot_units=0, ell_capacity=128))):
-        _run(tmp_path, name, {**base, "model.ffn_policy": pol})
+        _run(tmp_path, name, {**base, "ffn.policy": pol})
         runs[name] = read_metrics(tmp_path / name)
     hot = [r.get("ffn_hot_units_layers") for r in runs["hot"]]
     assert all(h is not None and all(0 < k <= 256 // 8 for k in h) for h in hot), hot
@@ -560,9 +560,9 @@ def test_measured_auto_in_a_real_run_is_deterministic_and_resumes_the_same(tmp_p
                        1: {"dense": (2.0, 3.0), "ell": (4.0, 6.0)}})
 
     over = {"trainer.max_steps": 6, "trainer.micro_batch": 2, "sparsity.l1_coeff": 0.5,
-            "data.val_fraction": 0.0, "model.ffn_impl": "auto", "trainer.save_every": 3,
+            "data.val_fraction": 0.0, "ffn.impl": "auto", "trainer.save_every": 3,
             # an ELL capacity of H: no heavy rows (no redos, which would drop the timings)
-            "model.ffn_policy": FFNPolicy(ell_capacity=64, train_explore_every=2)}
+            "ffn.policy": FFNPolicy(ell_capacity=64, train_explore_every=2)}
     straight = _run(tmp_path, "straight", over, clock())
     assert straight.plan.chosen_paths == ["ell", "dense"]
     _run(tmp_path, "resumed", over, clock(), stop_at=3)

@@ -97,7 +97,7 @@ def test_a_layer_policy_changes_its_training_path_and_capacity():
     with one measurement), and the ELL capacity of the policy is the one the heavy-row statistic
     counts against, on every training path."""
     a, b = _pair(FFNPolicy(train_density_threshold=0.6, train_heavy_fraction=1.0))
-    plan = FFNPlan([a, b], "auto")
+    plan = FFNPlan([a, b])
     # L0 = 30 % of H, 90 % of the tokens heavy: over a's thresholds, within b's
     assert plan.choose_paths([0.3 * 256] * 2, [0.9] * 2) == ["dense", "ell"]
 

@@ -1,4 +1,4 @@
-"""``trainer.dense_ffn_fused``: impl=torch gated FFNs train in dense mode (``dense_ffn_train``) with
+"""``ffn.dense_fused``: impl=torch gated FFNs train in dense mode (``dense_ffn_train``) with
 the same outputs, statistics and gradients as the PyTorch autograd path, and the same losses;
 non-gated FFNs (dense mode needs gate_proj) stay on the PyTorch path."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.train_utils import train_metrics_by_value
-from twell.nn import FFNPlan, SparseGatedMLP
+from twell.nn import FFNPlan, PlanOptions, SparseGatedMLP
 from twell.nn.mlp import gated_ffn_torch
 
 
@@ -32,7 +32,7 @@ def dense_calls(monkeypatch):
 def _run(path, x, gated=True):
     torch.manual_seed(0)
     m = SparseGatedMLP(24, 40, gated=gated, impl="torch")
-    plan = FFNPlan([m], dense_ffn_fused=path == "dense")
+    plan = FFNPlan([m], PlanOptions(dense_fused=path == "dense"))
     assert plan.paths == ["dense" if path == "dense" and gated else "torch"]
     xx = x.clone().requires_grad_()
     y = m(xx)
@@ -97,7 +97,7 @@ def test_non_gated_layers_stay_on_the_pytorch_path(dense_calls):
 
 def test_inference_is_unchanged(dense_calls):
     m = SparseGatedMLP(24, 40, impl="torch")
-    FFNPlan([m], dense_ffn_fused=True)
+    FFNPlan([m], PlanOptions(dense_fused=True))
     x = torch.randn(5, 24)
     with torch.no_grad():
         ref, _ = gated_ffn_torch(x, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
@@ -112,7 +112,7 @@ def test_trainer_dense_ffn_fused_same_losses(tmp_path, dense_calls):
         assert set(t.plan.paths) == {"dense" if fused else "torch"}
         seen[fused] = len(dense_calls)
 
-    runs = train_metrics_by_value(tmp_path, "trainer.dense_ffn_fused", (False, True), check=check)
+    runs = train_metrics_by_value(tmp_path, "ffn.dense_fused", (False, True), check=check)
     # 3 steps x 2 micro-batches x 2 layers in dense mode (validation runs no_grad: inference)
     assert seen == {False: 0, True: 0} and len(dense_calls) == 3 * 2 * 2
     for a, b in zip(runs[True], runs[False]):

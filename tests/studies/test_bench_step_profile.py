@@ -75,9 +75,9 @@ def test_split_profile_path():
     assert split_profile_path("dense-noliger") == ("dense-noliger", {}, [])
     assert split_profile_path("ell@dw_block_d=1024:dw_d_outer=0") == (
         "ell", {"dw_block_d": 1024, "dw_d_outer": 0}, [])
-    assert split_profile_path("auto@dw_block_d=128+model.ffn_policy.hot_min_density=0.001"
+    assert split_profile_path("auto@dw_block_d=128+ffn.policy.hot_min_density=0.001"
                               "+trainer.liger=false") == (
-        "auto", {"dw_block_d": 128}, ["model.ffn_policy.hot_min_density=0.001",
+        "auto", {"dw_block_d": 128}, ["ffn.policy.hot_min_density=0.001",
                                       "trainer.liger=false"])
     with pytest.raises(ValueError, match="our trainer's paths only"):
         split_profile_path("liger+trainer.seed=1")

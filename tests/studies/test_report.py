@@ -520,11 +520,11 @@ def test_bad_paths_raise(tmp_path):
 
 
 def test_ffn_pair_differences(runs, tmp_path):
-    """A copy of a run relabelled model.ffn_impl=twell, with hand-made differences."""
+    """A copy of a run relabelled ffn.impl=twell, with hand-made differences."""
     ref = _copy(runs, "l1", tmp_path, "torch")
     tw = _copy(runs, "l1", tmp_path, "twell")
     (tw / "config.yaml").write_text((tw / "config.yaml").read_text().replace(
-        "ffn_impl: torch", "ffn_impl: twell"))
+        "\nffn:\n  impl: torch", "\nffn:\n  impl: twell"))
     lines = [json.loads(x) for x in (tw / "metrics.jsonl").read_text().splitlines()]
     for x in lines:
         if x["kind"] == "train" and x["step"] == 4:
@@ -557,9 +557,9 @@ def test_non_finite_values_are_marked_and_never_averaged(runs, tmp_path, capsys)
     s.update(val_loss=float("nan"), l0_mean=float("inf"),
              l0_layers=[layers[0], float("-inf")])
     (a / "summary.json").write_text(json.dumps(s))  # writes NaN, Infinity, -Infinity
-    b = _copy(runs, "l1", tmp_path, "b")  # the same config but model.ffn_impl: an FFN pair
+    b = _copy(runs, "l1", tmp_path, "b")  # the same config but ffn.impl: an FFN pair
     cfg = b / "config.yaml"
-    cfg.write_text(cfg.read_text().replace("ffn_impl: torch", "ffn_impl: twell"))
+    cfg.write_text(cfg.read_text().replace("\nffn:\n  impl: torch", "\nffn:\n  impl: twell"))
     lines = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
     nan_step = next(x for x in lines if x["kind"] == "train")
     nan_step["loss"] = float("nan")
@@ -572,11 +572,11 @@ def test_non_finite_values_are_marked_and_never_averaged(runs, tmp_path, capsys)
         table = [ln for ln in text.splitlines() if ln.startswith("|")]
         assert not any(c.strip().lower() in ("nan", "inf", "-inf") for ln in table
                        for c in ln.split("|")), table
-        runs_row = next(ln for ln in table if ln.startswith("| a | model.ffn_impl=torch |"))
+        runs_row = next(ln for ln in table if ln.startswith("| a | ffn.impl=torch |"))
         # val loss, L0 mean, L0 max layer, ARC-E and the mean accuracy
         assert [c.strip() for c in runs_row.split("|")].count(report.NONFINITE) == 5
         # the per-layer table: layer 0 as recorded, layer 1 marked
-        assert (f"| a | model.ffn_impl=torch | {report._fmt(layers[0])} | {report.NONFINITE} |"
+        assert (f"| a | ffn.impl=torch | {report._fmt(layers[0])} | {report.NONFINITE} |"
                 in table)
     row = next(r for r in build_report([str(tmp_path / "study")]).rows if r["run"] == "a")
     assert row["val_loss"] is None and row["l0_mean"] is None and row["acc_mean"] is None

@@ -114,9 +114,9 @@ def test_recipe_is_the_bench_model_stage1():
     study = flatten(_compose(row_overrides(StudyRow("1p5b", 3e-4), StudySettings())))
     differ = {k for k in bench.keys() | study.keys() if bench.get(k) != study.get(k)}
     assert differ == {"trainer.log_every", "trainer.val_sequences", "trainer.keep_last",
-                      "trainer.resume", "sparsity.dead_window_tokens", "model.ffn_impl",
-                      "trainer.dense_ffn_fused"}
-    assert (bench["model.ffn_impl"], bench["trainer.dense_ffn_fused"]) == ("torch", True)
+                      "trainer.resume", "sparsity.dead_window_tokens", "ffn.impl",
+                      "ffn.dense_fused"}
+    assert (bench["ffn.impl"], bench["ffn.dense_fused"]) == ("torch", True)
     assert study["model.num_layers"] == 28 and study["trainer.max_steps"] == 200
     assert study["sparsity.dead_window_tokens"] == 1_048_576
     assert study["trainer.grad_checkpointing"] is False

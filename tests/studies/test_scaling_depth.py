@@ -123,7 +123,7 @@ def test_depth_row_composes_to_the_series_recipe():
         assert c["model.rope_theta"] == 1e5 and c["model.tie_embeddings"] is True
         assert (c["trainer.max_steps"], c["trainer.global_batch"], c["trainer.micro_batch"],
                 c["optim.warmup_steps"], c["optim.lr"]) == (1000, 16, 16, 60, 1e-3)
-        assert c["model.ffn_impl"] == "torch" and c["sparsity.l1_coeff"] == W
+        assert c["ffn.impl"] == "torch" and c["sparsity.l1_coeff"] == W
         assert c["sparsity.dead_window_tokens"] == 1_048_576 and c["trainer.log_every"] == 10
         assert c["eval.at_end"] is False and c["trainer.grad_checkpointing"] is False
     probe = flatten(_compose(row_overrides(plan_probe_rows(38, [W], 300)[0], s)))

@@ -11,6 +11,7 @@ from tests.train_utils import tiny_config, write_tokens
 from train.config import (
     ConfigError,
     EvalConfig,
+    FFNConfig,
     ModelConfig,
     OptimConfig,
     SparsityConfig,
@@ -29,7 +30,9 @@ def _one_line(err) -> str:
 @pytest.mark.parametrize("build, key", [
     (lambda: TrainerConfig(global_batch=10, micro_batch=12), "trainer.micro_batch"),
     (lambda: ModelConfig(hidden_size=100, num_heads=3), "model.num_heads"),
-    (lambda: ModelConfig(ffn_impl="cuda"), "model.ffn_impl"),
+    (lambda: FFNConfig(impl="cuda"), "ffn.impl"),
+    (lambda: FFNConfig(host_sync="never"), "ffn.host_sync"),
+    (lambda: FFNConfig(backup_capacity="fixed"), "ffn.backup_capacity"),
     (lambda: SparsityConfig(l1_coeff=-1e-5), "sparsity.l1_coeff"),
     (lambda: SparsityConfig(l1_coeff=float("nan")), "sparsity.l1_coeff"),
     (lambda: OptimConfig(lr=float("nan")), "optim.lr"),
@@ -177,8 +180,8 @@ def test_run_dir_of_another_run_is_refused(tmp_path):
     assert "model.num_layers" in msg and "another trainer.resume" in msg, msg
     assert "hydra.run.dir" not in msg, msg
     # the FFN path and its host-sync mode are not the model's shape: such a resume is allowed
-    t = Trainer(tiny_config(tok, **{"trainer.max_steps": 1, "model.ffn_host_sync": "call",
-                                    "model.ffn_impl": "auto"}), run)
+    t = Trainer(tiny_config(tok, **{"trainer.max_steps": 1, "ffn.host_sync": "call",
+                                    "ffn.impl": "auto"}), run)
     assert t.step == 1
     t.close()
     with pytest.raises(ConfigError, match="trainer.resume"):
@@ -203,7 +206,7 @@ def test_default_and_paper_recipes_compose():
         assert (c.model.num_layers, c.model.seq_len, c.model.vocab_size) == (layers, 2048, 49152)
         assert c.trainer.max_steps == steps and c.trainer.global_batch == 512
         assert c.trainer.global_batch * c.model.seq_len == 1_048_576
-        assert c.model.ffn_impl == "auto"  # the FFN path per layer by time (BENCHMARKS.md)
+        assert c.ffn.impl == "auto"  # the FFN path per layer by time (BENCHMARKS.md)
         assert c.sparsity.l1_coeff == 2e-5 and c.sparsity.schedule == "constant"
         o = c.optim
         assert (o.lr, list(o.betas), o.eps, o.weight_decay, o.warmup_steps, o.schedule,
@@ -232,7 +235,7 @@ def test_relufy_recipe_is_the_gpu_recipe_and_warns_how_to_shrink_it_on_a_cpu():
 
     c = OmegaConf.to_object(_compose(["experiment=relufy_smollm2"]))
     t = c.trainer
-    assert t.compile and t.micro_batch == t.global_batch == 64 and c.model.ffn_impl == "torch"
+    assert t.compile and t.micro_batch == t.global_batch == 64 and c.ffn.impl == "torch"
     tokens = t.max_steps * t.global_batch * c.model.seq_len
     assert tokens >= 40e6 and tokens / 18_650_289 > 2
     assert c.sparsity.schedule == "linear_warmup" and c.eval.limit is None
@@ -256,8 +259,8 @@ def test_unknown_keys_and_types_are_errors():
         _compose(["model.hiden_size=64"])
     with pytest.raises(ConfigCompositionException):
         _compose(["trainer.max_steps=many"])
-    with pytest.raises(ConfigError, match="model.ffn_impl"):
-        OmegaConf.to_object(_compose(["model.ffn_impl=cuda"]))
+    with pytest.raises(ConfigError, match="ffn.impl"):
+        OmegaConf.to_object(_compose(["ffn.impl=cuda"]))
 
 
 @pytest.mark.parametrize("override,key,hint", [
@@ -279,13 +282,47 @@ def test_twell_training_needs_the_gated_ffn():
     from train.config import ModelConfig
 
     with pytest.raises(ConfigError) as err:
-        ModelConfig(gated=False, ffn_impl="twell")
-    assert "model.ffn_impl=twell" in _one_line(err) and "model.gated=false" in _one_line(err)
-    assert ModelConfig(gated=False, ffn_impl="auto").ffn_impl == "auto"
+        TrainConfig(model=ModelConfig(gated=False), ffn=FFNConfig(impl="twell"))
+    assert "ffn.impl=twell" in _one_line(err) and "model.gated=false" in _one_line(err)
+    assert TrainConfig(model=ModelConfig(gated=False), ffn=FFNConfig(impl="auto")).ffn.impl == "auto"
+
+
+@pytest.mark.parametrize("override, old, new", [
+    ("model.ffn_impl=auto", "model.ffn_impl", "ffn.impl"),
+    ("model.ffn_host_sync=call", "model.ffn_host_sync", "ffn.host_sync"),
+    ("model.ffn_policy.infer_min_rows=16", "model.ffn_policy", "ffn.policy"),
+    ("trainer.backup_capacity=adaptive", "trainer.backup_capacity", "ffn.backup_capacity"),
+    ("trainer.dense_ffn_fused=true", "trainer.dense_ffn_fused", "ffn.dense_fused")])
+def test_a_renamed_ffn_key_names_its_new_key(override, old, new):
+    """The FFN's keys moved to the ffn group (2026-12-03): an old key is one line naming the
+    new one."""
+    from train.config import compose as train_compose
+
+    with pytest.raises(ConfigError) as err:
+        train_compose([override])
+    assert f"{old} was renamed {new} " in _one_line(err), _one_line(err)
+
+
+def test_a_saved_config_with_the_old_ffn_keys_reads_as_the_new_group():
+    """upgrade_saved: a run's config saved before the ffn group compares as one saved after."""
+    from train.checkpointer import config_diff, config_to_dict
+    from train.config import compose as train_compose
+    from train.config import upgrade_saved
+
+    new = config_to_dict(train_compose(["ffn.impl=auto", "ffn.dense_fused=true"]))
+    old = {k: dict(v) if isinstance(v, dict) else v for k, v in new.items()}
+    ffn = old.pop("ffn")
+    old["model"].update(ffn_impl=ffn["impl"], ffn_host_sync=ffn["host_sync"],
+                        ffn_policy=ffn["policy"])
+    old["trainer"].update(backup_capacity=ffn["backup_capacity"],
+                          dense_ffn_fused=ffn["dense_fused"])
+    assert config_diff(old, new)  # as saved: the keys differ
+    assert config_diff(upgrade_saved(old), new) == []
+    assert "ffn_impl" in old["model"]  # the saved dict itself is left as it was
 
 
 def test_ffn_policy_is_configuration_that_round_trips():
-    """model.ffn_policy (twell.policy.FFNPolicy) composes from overrides, is validated, reaches
+    """ffn.policy (twell.policy.FFNPolicy) composes from overrides, is validated, reaches
     every FFN of the built model, and survives the resolved config (config.yaml, checkpoints and
     wandb get ``config_to_dict``)."""
     import dataclasses
@@ -296,27 +333,27 @@ def test_ffn_policy_is_configuration_that_round_trips():
     from train.trainer import config_to_dict
     from twell.policy import FFNPolicy
 
-    cfg = OmegaConf.to_object(_compose(["model.ffn_policy.infer_min_rows=16",
-                                        "model.ffn_policy.train_density_threshold=0.05"]))
-    pol = cfg.model.ffn_policy
+    cfg = OmegaConf.to_object(_compose(["ffn.policy.infer_min_rows=16",
+                                        "ffn.policy.train_density_threshold=0.05"]))
+    pol = cfg.ffn.policy
     assert isinstance(pol, FFNPolicy)
     assert (pol.infer_min_rows, pol.train_density_threshold) == (16, 0.05)
     assert pol.infer_min_flops == FFNPolicy().infer_min_flops  # the rest keep their defaults
     d = config_to_dict(cfg)
-    assert d["model"]["ffn_policy"] == dataclasses.asdict(pol)
+    assert d["ffn"]["policy"] == dataclasses.asdict(pol)
     again = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig),
                                                 OmegaConf.create(OmegaConf.to_yaml(d))))
-    assert again.model.ffn_policy == pol
+    assert again.ffn.policy == pol
     small = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 40, "num_layers": 2,
              "num_heads": 4, "seq_len": 16}
-    mlps = ffn_modules(build_model(ModelConfig(**small, ffn_policy=pol)))
+    mlps = ffn_modules(build_model(ModelConfig(**small), FFNConfig(policy=pol)))
     assert len(mlps) == 2 and all(m.policy == pol for m in mlps)
     with pytest.raises(ValueError, match="infer_min_rows"):
-        OmegaConf.to_object(_compose(["model.ffn_policy.infer_min_rows=-1"]))
+        OmegaConf.to_object(_compose(["ffn.policy.infer_min_rows=-1"]))
     with pytest.raises(ValueError, match="train_heavy_fraction"):
-        OmegaConf.to_object(_compose(["model.ffn_policy.train_heavy_fraction=1.5"]))
+        OmegaConf.to_object(_compose(["ffn.policy.train_heavy_fraction=1.5"]))
     with pytest.raises(ConfigCompositionException):
-        _compose(["model.ffn_policy.min_rows=16"])  # unknown key
+        _compose(["ffn.policy.min_rows=16"])  # unknown key
 
 
 def test_compose_is_the_clis_composition():

@@ -36,7 +36,7 @@ def torch_flags():
 
 
 def _cfg(tokens, deterministic, **over):
-    return tiny_config(tokens, **{"model.ffn_impl": "auto", "trainer.max_steps": 3,
+    return tiny_config(tokens, **{"ffn.impl": "auto", "trainer.max_steps": 3,
                                   "sparsity.l1_coeff": 0.05, "trainer.deterministic": deterministic,
                                   **over})
 
@@ -58,7 +58,7 @@ def test_auto_is_untimed_under_deterministic(tokens, tmp_path, deterministic, to
         assert len(policies) == 2
         assert all(p.train_measure is (not deterministic) for p in policies)
         assert all(p.infer_measure is (not deterministic) for p in policies)
-        assert t.cfg.model.ffn_policy.infer_measure  # the config itself is unchanged
+        assert t.cfg.ffn.policy.infer_measure  # the config itself is unchanged
         t.train()
         assert t.step == 3
         if deterministic:

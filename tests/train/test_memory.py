@@ -519,8 +519,8 @@ def _settling_run(tokens, tmp_path, monkeypatch, name, impl="auto", initial=Fals
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     # every layer goes to ell after step 1 (no density limit; an ELL capacity of H: no heavy row)
     cfg = _auto_cfg(tokens, **{"trainer.memory_budget_gb": 100.0, "trainer.max_steps": 6,
-                               "model.ffn_impl": impl,
-                               "model.ffn_policy": FFNPolicy(ell_capacity=64,
+                               "ffn.impl": impl,
+                               "ffn.policy": FFNPolicy(ell_capacity=64,
                                                              train_density_threshold=1.0),
                                **over})
     tr = Trainer(cfg, tmp_path / name)
@@ -592,7 +592,7 @@ def _mlp_inputs(tr, ids):
 
 
 def test_initial_paths_come_from_each_layers_own_l0(tokens, tmp_path):
-    tr = Trainer(tiny_config(tokens, **{"model.ffn_impl": "auto"}), tmp_path / "l0")
+    tr = Trainer(tiny_config(tokens, **{"ffn.impl": "auto"}), tmp_path / "l0")
     try:
         seen = []
 
@@ -637,7 +637,7 @@ def test_initial_paths_come_from_each_layers_own_l0(tokens, tmp_path):
 
 def test_a_fresh_model_starts_dense(tokens, tmp_path):
     # the default policy's density threshold: a fresh ReLU FFN (~half its units active) is dense
-    tr = Trainer(tiny_config(tokens, **{"model.ffn_impl": "auto"}), tmp_path / "fresh")
+    tr = Trainer(tiny_config(tokens, **{"ffn.impl": "auto"}), tmp_path / "fresh")
     try:
         ids = memory.probe_batch(tr.data, 8, tr.cfg.model.vocab_size, 0)
         assert "0 of 2 layers start on ell" in memory.choose_initial_paths(tr, ids)
@@ -649,7 +649,7 @@ def test_a_fresh_model_starts_dense(tokens, tmp_path):
 def test_a_resume_from_a_plan_state_without_steps_keeps_its_paths(tokens, tmp_path):
     # a trainer state from before the plan existed restores auto's paths but not the plan's
     # steps (0): the trainer's step says it is a resume, no measuring forward
-    tr = Trainer(tiny_config(tokens, **{"model.ffn_impl": "auto"}), tmp_path / "v1")
+    tr = Trainer(tiny_config(tokens, **{"ffn.impl": "auto"}), tmp_path / "v1")
     try:
         tr.plan.choose_paths([0.0, 0.0], [0.0, 0.0])  # as the legacy state's paths restore
         tr.step = 4  # as Trainer.resume restores it

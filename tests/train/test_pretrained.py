@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.gguf_utils import write_tiny_gguf
 from tests.train_utils import VOCAB, read_metrics, tiny_config, write_tokens
-from train.config import ConfigError, ModelConfig
+from train.config import ConfigError, FFNConfig, ModelConfig, TrainConfig
 from train.trainer import Trainer
 
 # a shape unlike tiny_config's (hidden 32, 4 heads), so nothing can come from its defaults:
@@ -266,7 +266,7 @@ def test_smollm2_shape_and_vocabulary_match_the_corpus_tokenizer():
 
 
 def test_init_from_trains_on_the_sparse_paths_like_torch(tokens, relu_dir, tmp_path, monkeypatch):
-    """model.ffn_impl=auto from a pretrained checkpoint, with a policy that sends every layer to
+    """ffn.impl=auto from a pretrained checkpoint, with a policy that sends every layer to
     the ELL op after its first step (density and heavy-row thresholds 1, an ELL capacity of the
     full width 80: no row goes to the dense backup): step 1 runs dense mode, steps 2-3 the ELL
     op on every layer, and the per-step losses and L0 are the torch path's (fp32). The ELL op
@@ -280,8 +280,9 @@ def test_init_from_trains_on_the_sparse_paths_like_torch(tokens, relu_dir, tmp_p
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ell_steps = []
 
-    def losses(ffn_impl, d, **model_kw):
-        c = _cfg(tokens, relu_dir, ffn_impl=ffn_impl, **model_kw)
+    def losses(impl, d, **ffn_kw):
+        c = _cfg(tokens, relu_dir)
+        c.ffn = FFNConfig(impl=impl, **ffn_kw)
         c.trainer = dataclasses.replace(c.trainer, max_steps=3)
         c.sparsity = dataclasses.replace(c.sparsity, l1_coeff=0.05)
         t = _trainer(c, d)
@@ -300,7 +301,7 @@ def test_init_from_trains_on_the_sparse_paths_like_torch(tokens, relu_dir, tmp_p
     ref = losses("torch", tmp_path / "t")
     assert ell_steps == []
     pol = FFNPolicy(train_density_threshold=1.0, train_heavy_fraction=1.0, ell_capacity=80)
-    got = losses("auto", tmp_path / "auto", ffn_policy=pol)
+    got = losses("auto", tmp_path / "auto", policy=pol)
     assert [r["ffn_paths"] for r in got] == [["ell", "ell"]] * 3  # chosen after each step
     assert ell_steps == [2] * 4 + [3] * 4  # 2 layers x 2 micro-batches a step, from step 2
     assert all(hv == 0 for r in got for hv in r["heavy_frac_layers"])  # all rows in ELL
@@ -390,17 +391,16 @@ def test_silu_kept_config_errors(tokens, silu_dir, relu_dir, tmp_path):
     with pytest.raises(ConfigError, match="model.hidden_act='gelu' is unknown"):
         ModelConfig(hidden_act="gelu")
     base = {**dict.fromkeys(SHAPE_NULL), "seq_len": 32}
-    with pytest.raises(ConfigError, match="set model.ffn_impl=torch"):
-        ModelConfig(init_from=str(silu_dir), hidden_act="silu", ffn_impl="auto", **base)
+    with pytest.raises(ConfigError, match="set ffn.impl=torch"):
+        TrainConfig(model=ModelConfig(init_from=str(silu_dir), hidden_act="silu", **base),
+                    ffn=FFNConfig(impl="auto"))
     with pytest.raises(ConfigError, match="hidden_act_from='gelu'"):
         ModelConfig(init_from=str(silu_dir), hidden_act="silu", hidden_act_from="gelu", **base)
     with pytest.raises(ConfigError, match="has hidden_act='relu'"):  # nothing SiLU to keep
         _trainer(_cfg(tokens, relu_dir, hidden_act="silu"), tmp_path / "x")
-    from train.config import TrainConfig, TrainerConfig
-
-    with pytest.raises(ConfigError, match="trainer.dense_ffn_fused=false"):
+    with pytest.raises(ConfigError, match="ffn.dense_fused=false"):
         TrainConfig(model=ModelConfig(init_from=str(silu_dir), hidden_act="silu", **base),
-                    trainer=TrainerConfig(dense_ffn_fused=True))
+                    ffn=FFNConfig(dense_fused=True))
     # hidden_act_from=silu with hidden_act=silu only names the source's activation
     t = _trainer(_cfg(tokens, silu_dir, hidden_act="silu", hidden_act_from="silu"), tmp_path / "y")
     try:
@@ -411,3 +411,20 @@ def test_silu_kept_config_errors(tokens, silu_dir, relu_dir, tmp_path):
 
 SHAPE_NULL = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
               "num_kv_heads", "rope_theta", "rms_norm_eps", "tie_embeddings", "gated")
+
+
+def test_twell_on_a_non_gated_checkpoint_is_one_line(tokens, tmp_path):
+    """ffn.impl=twell trains only gated FFNs: a checkpoint without gate_proj (model.gated null,
+    so taken from it) is refused in one line once its shape is read, naming both keys."""
+    from train.model import build_model
+
+    shape = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
+             "num_heads": 2, "seq_len": 32}
+    build_model(ModelConfig(**shape, gated=False)).save_pretrained(tmp_path / "ng")
+    c = _cfg(tokens, tmp_path / "ng")
+    c.ffn = FFNConfig(impl="twell")
+    with pytest.raises(ConfigError) as err:
+        _trainer(c, tmp_path / "run")
+    msg = str(err.value)
+    assert "\n" not in msg and "ffn.impl=twell" in msg and "model.gated=false" in msg, msg
+    assert f"(shape from model.init_from={str(tmp_path / 'ng')!r})" in msg, msg

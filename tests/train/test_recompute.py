@@ -22,9 +22,9 @@ def _model(checkpoint):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
                       num_heads=2, seq_len=16)
-    model = build_model(cfg).train()
+    model = build_model(cfg).train()  # impl torch (inference dense); training paths pinned
     mlps = ffn_modules(model)
-    plan = FFNPlan(mlps, "auto")
+    plan = FFNPlan(mlps)
     for k, path in enumerate(MIXED):
         plan.pin(path, [k])
     for mlp in mlps:
@@ -155,7 +155,7 @@ def test_checkpoint_ffn_is_validated(tmp_path):
 
 
 def test_trainer_losses_equal_with_checkpoint_ffn_auto(tmp_path, torch_backend):
-    """Whole trainer, ffn_impl=twell (no-sync backup path), L1 on: the same losses and gradient
+    """Whole trainer, ffn.impl=twell (no-sync backup path), L1 on: the same losses and gradient
     norms per step with checkpoint_ffn=auto as with always (fp32, same seed)."""
     from tests.train_utils import read_metrics
     from train.trainer import Trainer
@@ -164,7 +164,7 @@ def test_trainer_losses_equal_with_checkpoint_ffn_auto(tmp_path, torch_backend):
     runs = {}
     for mode in ("always", "auto"):
         cfg = tiny_config(tok, **{"trainer.max_steps": 3, "sparsity.l1_coeff": 0.5,
-                                  "model.ffn_impl": "twell", "trainer.grad_checkpointing": True,
+                                  "ffn.impl": "twell", "trainer.grad_checkpointing": True,
                                   "trainer.checkpoint_ffn": mode})
         t = Trainer(cfg, tmp_path / mode)
         try:

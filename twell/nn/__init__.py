@@ -2,8 +2,8 @@
 
 from twell.nn.convert import convert_mlps
 from twell.nn.mlp import SparseGatedMLP
-from twell.nn.plan import FFN_IMPLS, TRAIN_PATHS, FFNPlan, LayerPlan, trains_ell
+from twell.nn.plan import FFN_IMPLS, TRAIN_PATHS, FFNPlan, LayerPlan, PlanOptions, trains_ell
 from twell.nn.step import StepOutcome, StepStats
 
-__all__ = ["FFN_IMPLS", "TRAIN_PATHS", "FFNPlan", "LayerPlan", "SparseGatedMLP", "StepOutcome",
-           "StepStats", "convert_mlps", "trains_ell"]
+__all__ = ["FFN_IMPLS", "TRAIN_PATHS", "FFNPlan", "LayerPlan", "PlanOptions", "SparseGatedMLP",
+           "StepOutcome", "StepStats", "convert_mlps", "trains_ell"]

@@ -1,4 +1,4 @@
-"""No-sync dense-backup capacities of the sparse training path (``model.ffn_host_sync=step``).
+"""No-sync dense-backup capacities of the sparse training path (``ffn.host_sync=step``).
 
 Each layer on the ELL path runs with a fixed dense-backup capacity (rows for the tokens with more
 active units than the ELL capacity, "heavy rows"), chosen before the step from earlier steps'
@@ -13,7 +13,7 @@ Every capacity is at least the plan's floor (``FFNPolicy.backup_floor_fraction``
 rows plus one row per sequence: :meth:`BackupCapacity.capacity`'s ``floor``), so a layer whose
 recent steps had no heavy row is not redone for the first one.
 
-``trainer.backup_capacity`` rules (per layer; ``R`` = the step's largest heavy-row count of any
+``ffn.backup_capacity`` rules (per layer; ``R`` = the step's largest heavy-row count of any
 micro-batch, measured in the step's one host sync):
 
 * ``window`` (default): ``ceil(1.25 c max(R of the last 16 steps)) + 16``, 0 when that max is 0

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from twell.nn import FFNPlan, StepStats
+from twell.nn import FFNPlan, PlanOptions, StepStats
 from twell.nn.mlp import SparseGatedMLP
 from twell.policy import FFNPolicy
 
@@ -119,7 +119,7 @@ def replay(trace: np.ndarray, rule: str = "window", warm: int = 200, *,
 
     Args:
         trace: (S, L) heavy-row maxima per step (:func:`make_trace`).
-        rule: ``trainer.backup_capacity`` (``window`` or ``adaptive``).
+        rule: ``ffn.backup_capacity`` (``window`` or ``adaptive``).
         warm: steps before the steady state.
         policy: every layer's :class:`twell.policy.FFNPolicy` (its ``backup_floor_fraction`` and
             ``dense_row_fraction``); None = the defaults.
@@ -134,7 +134,7 @@ def replay(trace: np.ndarray, rule: str = "window", warm: int = 200, *,
     """
     policy = policy if policy is not None else FFNPolicy()
     mlps = [SparseGatedMLP(8, 64, impl="twell", policy=policy) for _ in range(trace.shape[1])]
-    plan = FFNPlan(mlps, capacity_rule=rule)
+    plan = FFNPlan(mlps, PlanOptions(capacity_rule=rule))
     redos, cap_sum, cap_n, spare, measured = 0, 0.0, 0, 0.0, 0
     seqs = sequences
     for s, heavy in enumerate(trace):

@@ -37,7 +37,8 @@ class SparseGatedMLP(nn.Module):
             ``"auto"`` (inference: per call, TwELL when the layer's measured density makes it
             faster, else dense; training: per layer and optimizer step, the ELL kernels or dense
             mode as the model's :class:`twell.nn.plan.FFNPlan` chose). How each maps to a
-            training path: :mod:`twell.nn.plan`.
+            training path: :mod:`twell.nn.plan`. The one copy: a plan reads it (build the plan
+            after setting it). Also an attribute.
         policy: this layer's :class:`twell.policy.FFNPolicy` (``auto``'s thresholds, the
             training layout's ELL capacity and all-dense fraction); the defaults when None.
             Also an attribute: set it to change the layer's policy.

@@ -16,10 +16,11 @@ Training paths (the words used in code, config, logs and benchmarks):
 * ``ell``: the hybrid ELL + dense-backup kernels (``twell.ops.sparse_train.sparse_ffn_train``;
   arXiv 2603.23198, "Hybrid (training)"). Gated FFNs only.
 
-``impl`` (``model.ffn_impl``, ``SparseGatedMLP(impl=...)``) maps to paths as follows:
+``impl`` is each module's (``SparseGatedMLP(impl=...)``; the trainer's ``ffn.impl``), the one
+copy: the plan reads it. It maps to paths as follows:
 
-* ``torch`` -> ``torch``; ``dense`` for gated layers with ``dense_ffn_fused``
-  (``trainer.dense_ffn_fused``).
+* ``torch`` -> ``torch``; ``dense`` for gated layers with ``PlanOptions.dense_fused``
+  (``ffn.dense_fused``).
 * ``twell`` (the TwELL / ELL kernels) -> ``ell``.
 * ``auto`` is a policy, not a path: per layer and optimizer step the plan's chooser picks ``ell``
   or ``dense`` (default :class:`twell.nn.chooser.MeasuredPathChooser`: the faster of the two by the layer's own
@@ -74,7 +75,7 @@ from dataclasses import dataclass
 
 import torch
 
-from twell.nn.capacity import BackupCapacity
+from twell.nn.capacity import CAPACITY_RULES, BackupCapacity
 from twell.nn.chooser import (
     MEASURED_PATHS,
     SAMPLES_KEPT,
@@ -86,9 +87,9 @@ from twell.nn.step import StepOutcome, StepStats, host_list
 from twell.nn.timing import LayerTimer
 from twell.ops.hot_units import hot_unit_k, hot_units_from_counts
 
-FFN_IMPLS = ("torch", "twell", "auto")  # SparseGatedMLP(impl=...), model.ffn_impl
+FFN_IMPLS = ("torch", "twell", "auto")  # SparseGatedMLP(impl=...), ffn.impl
 TRAIN_PATHS = ("torch", "dense", "ell")
-# model.ffn_host_sync: no-sync capacities checked once per step | after each micro-batch's
+# ffn.host_sync: no-sync capacities checked once per step | after each micro-batch's
 # forward | measured per call
 HOST_SYNCS = ("step", "micro_batch", "call")
 STATE_VERSION = 2
@@ -98,13 +99,13 @@ STATE_VERSION = 2
 HOT_SHARE_MAX = 1 / 8
 
 
-def default_path(impl: str, gated: bool, dense_ffn_fused: bool = False) -> str:
+def default_path(impl: str, gated: bool, dense_fused: bool = False) -> str:
     """The training path a layer of ``impl`` starts on (see the module docstring).
 
     Args:
         impl: ``torch``, ``twell`` or ``auto`` (:data:`FFN_IMPLS`).
         gated: the layer has ``gate_proj``.
-        dense_ffn_fused: ``impl=torch`` gated layers train in dense mode.
+        dense_fused: ``impl=torch`` gated layers train in dense mode.
 
     Returns:
         One of :data:`TRAIN_PATHS`. A non-gated ``twell`` layer gets ``ell``, whose op refuses
@@ -121,7 +122,40 @@ def default_path(impl: str, gated: bool, dense_ffn_fused: bool = False) -> str:
         return "torch"
     if impl == "auto":
         return "dense"
-    return "dense" if dense_ffn_fused else "torch"
+    return "dense" if dense_fused else "torch"
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How an :class:`FFNPlan` trains its layers: the plan-wide knobs of the trainer's ``ffn``
+    config group (``train.config.FFNConfig.plan_options``). Each layer's ``impl`` and ``policy``
+    are its module's own (:class:`twell.nn.SparseGatedMLP`), not options.
+
+    Attributes:
+        dense_fused: gated layers of ``impl=torch`` train on ``dense`` (dense mode) instead of
+            ``torch`` (``ffn.dense_fused``).
+        host_sync: ``step`` (no-sync dense-backup capacities from past steps, checked once per
+            step by :meth:`FFNPlan.end_step`), ``micro_batch`` (the same capacities, also checked
+            after each micro-batch's forward by the caller: :meth:`FFNPlan.call_overflow`) or
+            ``call`` (every ``ell`` call measures its backup) (:data:`HOST_SYNCS`,
+            ``ffn.host_sync``).
+        capacity_rule: the no-sync capacity rule (:data:`twell.nn.capacity.CAPACITY_RULES`,
+            ``ffn.backup_capacity``).
+
+    Raises:
+        ValueError: unknown host_sync or capacity_rule.
+    """
+
+    dense_fused: bool = False
+    host_sync: str = "step"
+    capacity_rule: str = "window"
+
+    def __post_init__(self) -> None:
+        if self.host_sync not in HOST_SYNCS:
+            raise ValueError(f"host_sync must be one of {HOST_SYNCS}; got {self.host_sync!r}")
+        if self.capacity_rule not in CAPACITY_RULES:
+            raise ValueError(f"backup capacity rule must be one of {CAPACITY_RULES}; got "
+                             f"{self.capacity_rule!r}")
 
 
 @dataclass
@@ -171,15 +205,10 @@ class FFNPlan:
     Args:
         mlps: the model's :class:`twell.nn.SparseGatedMLP` modules in layer order
             (``twell.hf.ffn_modules``); each gets its :class:`LayerPlan` attached (a module in two
-            plans follows the last one).
-        impl: ``torch``, ``twell`` or ``auto`` for every layer's training; None = each module's
-            own ``impl``. Inference always follows the module's ``impl``.
-        dense_ffn_fused: ``impl=torch`` gated layers train on ``dense``.
-        host_sync: ``step`` (no-sync dense-backup capacities from past steps, checked once per
-            step by :meth:`end_step`), ``micro_batch`` (the same capacities, also checked after
-            each micro-batch's forward by the caller: :meth:`call_overflow`) or ``call`` (every
-            ``ell`` call measures its backup).
-        capacity_rule: the no-sync capacity rule (:data:`twell.nn.capacity.CAPACITY_RULES`).
+            plans follows the last one). Each layer's ``impl`` is its module's (read, not
+            copied: set ``impl`` on the modules before building the plan).
+        options: the plan-wide :class:`PlanOptions` (dense mode for ``torch``, host sync,
+            capacity rule); None = the defaults.
         chooser: ``auto``'s per-layer choice (default: a new :class:`MeasuredPathChooser`).
         timed: time ``auto``'s layers for a chooser that measures (False under torch.compile:
             the timing hooks are eager Python).
@@ -191,6 +220,7 @@ class FFNPlan:
             choices; None = one process.
 
     Attributes:
+        options: the :class:`PlanOptions`.
         layers: the :class:`LayerPlan` of each layer (read them; change them through the
             methods).
         capacity: the :class:`twell.nn.capacity.BackupCapacity` behind the no-sync capacities.
@@ -201,25 +231,21 @@ class FFNPlan:
         last_l0: per layer, the last accepted step's L0; last_heavy: its heavy-row fractions.
 
     Raises:
-        ValueError: unknown impl, host_sync or capacity rule; ``twell`` for a non-gated layer.
+        ValueError: a module's ``impl`` is ``twell`` and it is non-gated.
     """
 
-    def __init__(self, mlps: Sequence, impl: str | None = None, *, dense_ffn_fused: bool = False,
-                 host_sync: str = "step", capacity_rule: str = "window",
+    def __init__(self, mlps: Sequence, options: PlanOptions | None = None, *,
                  chooser: PathChooser | None = None, timed: bool = True, clock=None,
                  reduce_host: Callable[[list[float]], list[float]] | None = None) -> None:
-        if host_sync not in HOST_SYNCS:
-            raise ValueError(f"host_sync must be one of {HOST_SYNCS}; got {host_sync!r}")
+        self.options = PlanOptions() if options is None else options
         self.mlps = list(mlps)
-        self.impls = [m.impl if impl is None else impl for m in self.mlps]
-        self.layers = [LayerPlan(default_path(i, m.gated, dense_ffn_fused))
-                       for i, m in zip(self.impls, self.mlps)]
-        for k, (i, m) in enumerate(zip(self.impls, self.mlps)):
-            if i == "twell" and not m.gated:
+        self.layers = [LayerPlan(default_path(m.impl, m.gated, self.options.dense_fused))
+                       for m in self.mlps]
+        for k, m in enumerate(self.mlps):
+            if m.impl == "twell" and not m.gated:
                 raise ValueError(f"layer {k} is non-gated: impl twell trains only gated FFNs "
                                  "(the ELL kernels need gate_proj); use impl torch or auto")
-        self.host_sync = host_sync
-        self.capacity = BackupCapacity(len(self.mlps), capacity_rule)
+        self.capacity = BackupCapacity(len(self.mlps), self.options.capacity_rule)
         self.chooser = MeasuredPathChooser() if chooser is None else chooser
         self.timed, self.reduce_host = timed, reduce_host
         self.timers = [LayerTimer(k, clock) for k in range(len(self.mlps))]
@@ -237,6 +263,16 @@ class FFNPlan:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    @property
+    def impls(self) -> list[str]:
+        """Each layer's ``impl``: its module's (``SparseGatedMLP.impl``, the one copy)."""
+        return [m.impl for m in self.mlps]
+
+    @property
+    def host_sync(self) -> str:
+        """``options.host_sync``: when the no-sync capacities are checked."""
+        return self.options.host_sync
 
     @property
     def paths(self) -> list[str]:
@@ -276,7 +312,7 @@ class FFNPlan:
 
     def _chooses(self, k: int) -> bool:
         """Does ``auto``'s chooser set layer k's path (an unpinned ``auto`` layer)?"""
-        return self.impls[k] == "auto" and not self._pinned[k]
+        return self.mlps[k].impl == "auto" and not self._pinned[k]
 
     def _timed(self, k: int) -> bool:
         """Are layer k's training calls timed this step (an ``auto`` layer the measuring chooser
@@ -355,7 +391,7 @@ class FFNPlan:
         """Can layer k run the ``ell`` path with hot units (next step)?"""
         m = self.mlps[k]
         return m.gated and m.policy.max_hot_units > 0 and (
-            self.impls[k] != "torch" or self.layers[k].path == "ell")
+            self.mlps[k].impl != "torch" or self.layers[k].path == "ell")
 
     def end_step(self, stats: StepStats) -> StepOutcome:
         """Decide on the step from its statistics; set the next step's capacities, paths and
@@ -627,7 +663,7 @@ class FFNPlan:
                 raise ValueError(f"FFN plan state: {key} has {len(d[key])} layers; the model "
                                  f"has {n}")
         for k, (lp, was, path) in enumerate(zip(self.layers, d["impls"], d["paths"])):
-            if was == "auto" and self.impls[k] == "auto" and not self._pinned[k]:
+            if was == "auto" and self.mlps[k].impl == "auto" and not self._pinned[k]:
                 lp.path = self._checked(k, path)
         for lp, rows in zip(self.layers, d["backup_rows"]):
             lp.backup_rows = int(rows)
@@ -651,5 +687,5 @@ class FFNPlan:
                             device=mlp.up_proj.weight.device)
 
 
-__all__ = ["FFN_IMPLS", "HOST_SYNCS", "TRAIN_PATHS", "FFNPlan", "LayerPlan", "default_path",
-           "layer_plan", "trains_ell"]
+__all__ = ["FFN_IMPLS", "HOST_SYNCS", "TRAIN_PATHS", "FFNPlan", "LayerPlan", "PlanOptions",
+           "default_path", "layer_plan", "trains_ell"]
