@@ -24,7 +24,7 @@ micro-batch, measured in the step's one host sync):
   towards 1.25 by 1 % of the distance (half-life ~70 steps). The long window remembers the rare
   heavy batches (many short documents: each document start has fully active first tokens),
   and the margin learns a layer's burst size. Evaluated on synthetic traces by
-  :mod:`twell.nn.capacity_sim` (``scripts/capacity_policy_sim.py``).
+  :mod:`studies.capacity_sim` (``scripts/capacity_policy_sim.py``).
 
 ``c`` (:func:`cold_margin`) widens the margin while a layer's history is shorter than its window
 (a fresh run, a resume without history, a layer just moved to the ELL path): 1.75 from one step
