@@ -66,13 +66,14 @@ import torch
 
 from twell.bench import heavy_case, iid_case, recorded_case, rel_err
 from twell.nn.record import active_counts_of
-from twell.ops import sparse_train
-from twell.ops import sparse_train_triton as tk
+from twell.ops.ffn_dense_train import dense_ffn_train
+from twell.ops.ffn_train import backup_capacity_for, sparse_ffn_train
+from twell.ops.launch import kernel_config
 from twell.ops.reference import gated_ffn_torch
 from twell.ops.reference import sparse_train_torch as rt
-from twell.ops.sparse_train import backup_capacity_for, sparse_ffn_train
-from twell.ops.sparse_train_triton import kernel_config
+from twell.ops.train_backend import triton_backend
 from twell.policy import FFNPolicy
+from twell.stats import default_ell_capacity
 
 L1_COEFF_PER_TOKEN = 0.2  # loss = sum(y*dy) + c*l1 with c = 0.2 N: L1 grad comparable to dy's
 CASES = {"iid": iid_case, "heavy": heavy_case}  # --dists
@@ -149,7 +150,7 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
             y, st = gated_ffn_torch(*ins, with_stats=True)
             outs, gouts = [y, st.l1], [dy, torch.full_like(st.l1, c)]
         elif variant == "dense":  # dense_ffn_train: cuBLAS + fused passes, stats, L1 term
-            y, st = sparse_train.dense_ffn_train(*ins, with_stats=True)
+            y, st = dense_ffn_train(*ins, with_stats=True)
             outs, gouts = [y, st.l1], [dy, torch.full_like(st.l1, c)]
         else:
             y, st = sparse_ffn_train(*ins, with_stats=True, **_kw())
@@ -162,7 +163,7 @@ def step_fn(variant, x, wg, wu, wd, dy, ell_cap):
         if variant in ("torch", "torch_stats"):
             return gated_ffn_torch(*ins, with_stats=variant == "torch_stats")
         if variant == "dense":
-            return sparse_train.dense_ffn_train(*ins, with_stats=True)
+            return dense_ffn_train(*ins, with_stats=True)
         y, st = sparse_ffn_train(*ins, with_stats=True, **_kw())
         _note(st)
         return y, st
@@ -277,7 +278,7 @@ def parts(x, wg, wu, wd, dy, rep, label, kernels=()):
     out_rows = []
     with torch.no_grad():
         gate = x @ wg.t()
-        kc = sparse_train.default_ell_capacity(h)  # as in the ell path: heavier rows -> dense backup
+        kc = default_ell_capacity(h)  # as in the ell path: heavier rows -> dense backup
         col_r, val_r, nnz_r, cnt_r = rt.compact(gate, kc)
         nnz = torch.where(nnz_r > kc, 0, nnz_r)
         k = max(1, int(nnz.max()))
@@ -304,6 +305,7 @@ def parts(x, wg, wu, wd, dy, rep, label, kernels=()):
             return (torch.linalg.vector_norm(a.float() - b.float())
                     / torch.linalg.vector_norm(b.float()).clamp_min(1e-30)).item()
 
+        tk = triton_backend()
         row_bytes = 2 * d  # one bf16 row of D
         jobs = {
             "compact": (lambda: tk.compact(gate, kc), None, n * h * 2),

@@ -52,9 +52,10 @@ import torch
 
 from twell.nn.record import active_counts_of, load_ffn_layer
 from twell.ops.ffn import TwELLState, sparse_ffn
+from twell.ops.ffn_dense_train import dense_ffn_train
+from twell.ops.ffn_train import backup_capacity_for, sparse_ffn_train
 from twell.ops.hot_units import hot_unit_count, hot_units_from_counts
 from twell.ops.reference import gated_ffn_torch
-from twell.ops.sparse_train import backup_capacity_for, dense_ffn_train, sparse_ffn_train
 from twell.policy import FFNPolicy
 from twell.stats import default_ell_capacity
 
