@@ -12,8 +12,8 @@ is checked first (every op against fp32; an op of ours off by more than 3x the d
 path's error stops the run with exit code 1), then timed with ``triton.testing.do_bench``
 medians: forward (dense cuBLAS, ``twell``, ``twell_hot``: hot units from the layer's own counts)
 and training (forward + backward with the L1 term: ``torch``, ``ell``, ``ell_nosync``,
-``ell_hot``), ``auto`` and ``paper`` (ops and method: ``twell.bench``). Writes ``real_layers.csv`` and ``iid.csv`` (columns
-``twell.bench.COLUMNS``) under ``--out`` (default docs/kernel_bench) after every case and
+``ell_hot``), ``auto`` and ``paper`` (ops and method: ``studies.kernel_bench.real_layers``). Writes ``real_layers.csv`` and ``iid.csv`` (columns
+``real_layers.COLUMNS``) under ``--out`` (default docs/kernel_bench) after every case and
 prints a short table last. BENCHMARKS.md, "Hot/cold split", has the predictions.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from twell.bench import (
+from studies.kernel_bench.real_layers import (
     CheckFailed,
     cpu_timer,
     gpu_timer,

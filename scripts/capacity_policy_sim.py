@@ -1,6 +1,6 @@
 """Offline evaluation of the no-sync dense-backup capacity rules (``ffn.backup_capacity``)
 on synthetic heavy-row traces that mimic a framework-trained 1.5B model (CPU, seconds): a thin
-driver over :mod:`twell.nn.capacity_sim` (the traces and the replay through ``FFNPlan``).
+driver over :mod:`studies.capacity_sim` (the traces and the replay through ``FFNPlan``).
 
     python scripts/capacity_policy_sim.py                 # all scenarios, 3 seeds
     python scripts/capacity_policy_sim.py --steps 5000 --seeds 5 --csv out.csv
@@ -21,7 +21,7 @@ import sys
 import numpy as np
 
 from twell.nn.capacity import CAPACITY_RULES
-from twell.nn.capacity_sim import SCENARIOS, make_trace, replay
+from studies.capacity_sim import SCENARIOS, make_trace, replay
 
 
 def rows_for(scen: str, accum: int, rule: str, a) -> dict:

@@ -18,7 +18,8 @@ import argparse
 
 import torch
 
-from twell.ops import sparse_train_triton as stt
+from twell.ops.compact import compact
+from twell.ops.launch import kernel_config
 from twell.ops.twell_pack import pack_dense
 
 # the default kernels' ms recorded on one H200 (BENCHMARKS.md, "Training FFN")
@@ -57,7 +58,7 @@ def main() -> None:
     if not args.time:
         g = gate(m, h, 0.003)
         pack_dense(g, 8, stats=True)
-        stt.compact(g, kc)
+        compact(g, kc)
         torch.cuda.synchronize()
         print("profiled: pack, compact (default launch shapes)")
         return
@@ -72,11 +73,11 @@ def main() -> None:
             rec = f"  (recorded default: {RECORDED[('pack', dens)]:.3f} ms)" if not kw else ""
             print(f"density {dens:.3f} pack {kw or 'default'}: {ms:.4f} ms  "
                   f"{'ok' if ok else 'MISMATCH'}{rec}")
-        c_ref = stt.compact(g, kc)
+        c_ref = compact(g, kc)
         for kw in COMPACT_SHAPES:
-            with stt.kernel_config(**kw):
-                ok = _same_compact(stt.compact(g, kc), c_ref, kc)
-                ms = triton.testing.do_bench(lambda g=g: stt.compact(g, kc), rep=50)
+            with kernel_config(**kw):
+                ok = _same_compact(compact(g, kc), c_ref, kc)
+                ms = triton.testing.do_bench(lambda g=g: compact(g, kc), rep=50)
             rec = f"  (recorded default: {RECORDED[('compact', dens)]:.3f} ms)" if not kw else ""
             print(f"density {dens:.3f} compact {kw or 'default'}: {ms:.4f} ms  "
                   f"{'ok' if ok else 'MISMATCH'}{rec}")

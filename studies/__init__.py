@@ -7,4 +7,6 @@ Modules: ``jobs`` (training runs as subprocesses, the runner of the study script
 model), ``scaling`` / ``scaling_report`` / ``scaling_plots`` (the scaling-of-sparsity study),
 ``relufy`` / ``relufy_report`` (the ReLUfication study), ``ffn_compare`` (torch vs TwELL
 training), ``multi_gpu`` (the two-GPU acceptance report), ``bench`` (the whole-model benchmark).
+
+Kernel-level: ``capacity_sim`` (the no-sync backup capacity rules on synthetic traces).
 """

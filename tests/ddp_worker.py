@@ -41,7 +41,7 @@ def _record_sparse_calls(calls: list[dict]) -> None:
     """Observe every sparse training forward (wraps ``twell.ops.ffn_train._fwd_body``, which
     the ``twell::ffn_train_fwd`` custom op looks up at call time; results are unchanged)."""
     import twell.ops.ffn_train as st
-    from twell.ops.train_backend import pick_backend
+    from twell.ops.train_backend import pick_backend, triton_backend
     from twell.stats import default_ell_capacity
 
     body = st._fwd_body
@@ -57,7 +57,8 @@ def _record_sparse_calls(calls: list[dict]) -> None:
                       "heavy": int(x.shape[0]) if all_dense else int((nnz_N > kc).sum()),
                       "light": int((nnz_eff > 0).sum()),
                       "backup_rows": int(rest[0]) if rest else -1,
-                      "backend": pick_backend(x, backend).__name__,
+                      "backend": "triton" if pick_backend(x, backend) is triton_backend()
+                      else "torch",
                       "w_type": type(wg).__name__, "w_shape": list(wg.shape),
                       "w_dtype": str(wg.dtype).removeprefix("torch.")})
         return out

@@ -191,7 +191,7 @@ class FFNPolicy:
         """Training path of ``impl="auto"`` for a layer of measured density (L0 / H, a fraction)
         and heavy-row fraction (tokens above the ELL capacity / tokens, ``FFNStats.heavy_rows``).
 
-        Returns ``"ell"`` (the ELL training kernels, ``twell.ops.sparse_train.sparse_ffn_train``)
+        Returns ``"ell"`` (the ELL training kernels, ``twell.ops.ffn_train.sparse_ffn_train``)
         when ``density <= train_density_threshold`` and ``heavy_fraction <=
         train_heavy_fraction``, else ``"dense"`` (dense mode, ``dense_ffn_train``): the training
         path names of ``twell.nn.plan``.

@@ -3,7 +3,7 @@ training kernels in the Triton interpreter (``TRITON_INTERPRET=1``), against one
 same global batch, and against the dense PyTorch path.
 
 Setup (``tests/ddp_worker.py``): the tiny test model with FFN width H = 32, whose ELL capacity is
-16 (``twell.ops.sparse_train.default_ell_capacity``), so at initialisation (~50 % of units
+16 (``twell.stats.default_ell_capacity``), so at initialisation (~50 % of units
 active) every forward has both light rows (<= 16 active units: the ELL SDDMM/SpMM/dW kernels)
 and heavy rows (the dense backup) -- the test checks that both ran, on every rank. L1 = 0.5 so
 the L1 gradient through the kernels matters; AdamW at a constant lr 3e-3 from step 1 (no
@@ -88,7 +88,7 @@ def test_two_ranks_twell_matches_one_process_and_torch(tmp_path):
         for r in ranks:
             calls = json.loads((tmp_path / name / f"ffn_calls_rank{r}.json").read_text())
             assert len(calls) == 2 * 2  # 2 steps x 2 layers, one micro-step per step
-            assert {c["backend"] for c in calls} == {"twell.ops.sparse_train_triton"}
+            assert {c["backend"] for c in calls} == {"triton"}
             assert all(c["light"] > 0 and c["heavy"] > 0 for c in calls), calls
             assert all(c["n"] == (64 if name == "ddp_twell" else 128) for c in calls)
             # step 1 measures per call; step 2 runs without host sync, its dense-backup capacity

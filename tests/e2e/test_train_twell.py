@@ -32,21 +32,22 @@ def _losses(cfg, run_dir, prepare=None, **train_kw):
 @pytest.fixture
 def triton_calls(monkeypatch):
     """The ELL op's Triton backend is what runs here: calls per kernel launcher of
-    ``twell.ops.sparse_train_triton`` (compaction, the dense backup's forward pass)."""
-    from twell.ops import sparse_train_triton
-    from twell.ops.train_backend import pick_backend
+    ``twell.ops.train_backend.triton_backend()`` (compaction, the dense backup's forward pass)."""
+    from twell.ops.train_backend import pick_backend, triton_backend
+
+    kernels = triton_backend()
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    assert pick_backend(torch.zeros(1, 1, device=dev), "auto") is sparse_train_triton
+    assert pick_backend(torch.zeros(1, 1, device=dev), "auto") is kernels
     calls = dict.fromkeys(("compact_heavy", "backup_fwd"), 0)
     for name in calls:
-        orig = getattr(sparse_train_triton, name)
+        orig = getattr(kernels, name)
 
         def spy(*a, _name=name, _orig=orig, **kw):
             calls[_name] += 1
             return _orig(*a, **kw)
 
-        monkeypatch.setattr(sparse_train_triton, name, spy)
+        monkeypatch.setattr(kernels, name, spy)
     return calls
 
 
@@ -80,20 +81,19 @@ def _path_spy(monkeypatch, t, seen):
     """Record ``(step, layer, op)`` for every training FFN call of trainer ``t``: ``op`` is
     ``ell`` (``sparse_ffn_train``) or ``dense`` (``dense_ffn_train``), ``step`` the optimizer
     step it belongs to (1-based)."""
-    import twell.ops.sparse_train as st
-    from twell.ops.ffn_dense_train import dense_ffn_train
-    from twell.ops.ffn_train import sparse_ffn_train
+    from twell.ops import ffn_dense_train, ffn_train
 
     layer_of = {id(m.gate_proj.weight): k for k, m in enumerate(t.mlps)}
-    for op, name, orig in (("ell", "sparse_ffn_train", sparse_ffn_train),
-                           ("dense", "dense_ffn_train", dense_ffn_train)):
+    for op, mod, name in (("ell", ffn_train, "sparse_ffn_train"),
+                          ("dense", ffn_dense_train, "dense_ffn_train")):
+        orig = getattr(mod, name)
 
         def spy(x, wg, *a, _op=op, _orig=orig, **kw):
             if id(wg) in layer_of:  # (another trainer's calls are not recorded)
                 seen.add((t.step + 1, layer_of[id(wg)], _op))
             return _orig(x, wg, *a, **kw)
 
-        monkeypatch.setattr(st, name, spy)
+        monkeypatch.setattr(mod, name, spy)
 
 
 def _ran(seen, step):
@@ -174,23 +174,22 @@ def test_auto_switches_a_layer_to_the_ell_path_during_a_run(tokens, tmp_path, mo
 
 
 def test_train_path_rule_thresholds():
-    """auto's training rule (twell.ops.sparse_train.train_path_for_density, the policy's
-    train_path): ELL op at or below the density threshold and the heavy-row fraction, else
-    dense mode."""
-    import twell.ops.sparse_train as st
+    """auto's training rule (the policy's train_path): ELL op at or below the density threshold
+    and the heavy-row fraction, else dense mode."""
 
-    assert st.train_path_for_density(0.003) == "ell"
-    assert st.train_path_for_density(0.10) == "ell" and st.train_path_for_density(0.11) == "dense"
-    assert st.train_path_for_density(0.5) == "dense"
+    rule = FFNPolicy().train_path  # the defaults
+    assert rule(0.003) == "ell"
+    assert rule(0.10) == "ell" and rule(0.11) == "dense"
+    assert rule(0.5) == "dense"
     # density alone cannot tell i.i.d. 3 % (rows above the ELL capacity: dense mode wins) from
     # heavy-tailed 3 % (a few heavy rows: the ELL path wins); the heavy-row fraction does
-    assert st.train_path_for_density(0.03, heavy_fraction=0.9) == "dense"
-    assert st.train_path_for_density(0.03, heavy_fraction=0.02) == "ell"
+    assert rule(0.03, heavy_fraction=0.9) == "dense"
+    assert rule(0.03, heavy_fraction=0.02) == "ell"
     with pytest.raises(ValueError, match="heavy_fraction"):
-        st.train_path_for_density(0.01, heavy_fraction=1.5)
-    assert st.train_path_for_density(0.5, policy=FFNPolicy(train_density_threshold=0.6)) == "ell"
+        rule(0.01, heavy_fraction=1.5)
+    assert FFNPolicy(train_density_threshold=0.6).train_path(0.5) == "ell"
     with pytest.raises(ValueError, match="density"):
-        st.train_path_for_density(float("nan"))
+        rule(float("nan"))
 
 
 def test_trainer_state_from_before_the_plan_restores_its_paths(tokens, tmp_path):

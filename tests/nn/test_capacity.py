@@ -150,11 +150,11 @@ def test_bad_rule_is_refused():
 
 
 def test_simulated_redo_rates():
-    """On the synthetic 1.5B-like traces (twell.nn.capacity_sim) the adaptive rule redoes <= 1
+    """On the synthetic 1.5B-like traces (studies.capacity_sim) the adaptive rule redoes <= 1
     step in 100 where the window rule redoes more; from a fresh start the cold margin cuts the
     redos of the first 20 steps; a micro-batch change scaled (set_rows_per_call) redoes no more
     than the same steps without a change, forgetting the histories does."""
-    from twell.nn.capacity_sim import make_trace, replay
+    from studies.capacity_sim import make_trace, replay
 
     for scenario in ("docs", "early"):
         trace = make_trace(scenario, steps=1200, accum=1, seed=0)

@@ -248,7 +248,7 @@ def test_the_module_reads_its_entry():
 
 
 def test_hot_units_reach_the_op_only_when_set(monkeypatch):
-    import twell.ops.sparse_train as st
+    import twell.ops.ffn_train as st
 
     calls = []
     real = st.sparse_ffn_train
@@ -581,7 +581,7 @@ def test_measured_auto_in_a_real_run_is_deterministic_and_resumes_the_same(tmp_p
 
 def test_a_timer_times_the_first_calls_of_a_step_only():
     from twell.nn.timing import LayerTimer
-    from twell.ops.sparse_train import dense_ffn_train
+    from twell.ops.ffn_dense_train import dense_ffn_train
 
     clock = _clock({0: {"dense": (2.0, 3.0)}})
     timer = LayerTimer(0, clock, calls_per_step=2)

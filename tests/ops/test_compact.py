@@ -8,7 +8,9 @@ On CPU the kernels run through ``TRITON_INTERPRET=1`` (tests/conftest.py).
 
 import torch
 
+from twell.ops.launch import kernel_config
 from twell.ops.reference import sparse_train_torch
+from twell.ops.train_backend import triton_backend
 
 from .train_cases import DEV, make_inputs, needs_triton
 
@@ -18,14 +20,13 @@ def test_compact_counts_match_torch():
     """The compaction kernel at several rows / warps per program equals the PyTorch compaction
     exactly, including rows above capacity, an all-zero row and H not a multiple of the column
     block."""
-    from twell.ops import sparse_train_triton as tk
-
+    tk = triton_backend()
     x, wg, _, _, _ = make_inputs(37, 24, 300, threshold=1.2, seed=23, zero_rows=(3,))
     g = (x @ wg.T).float().to(DEV)
     col_r, val_r, nnz_r, cnt_r = sparse_train_torch.compact(g, 16)
     assert (nnz_r > 16).any() and (nnz_r == 0).any()
     for block_n, warps in ((1, 1), (4, 1), (4, 4), (8, 2), (4, 2)):
-        with tk.kernel_config(compact_block_n=block_n, compact_warps=warps):
+        with kernel_config(compact_block_n=block_n, compact_warps=warps):
             col, val, nnz, cnt = tk.compact(g, 16)
         assert torch.equal(nnz, nnz_r) and torch.equal(cnt, cnt_r), (block_n, warps)
         valid = sparse_train_torch.valid_slots(torch.clamp(nnz_r, max=16), 16)
@@ -36,14 +37,13 @@ def test_compact_counts_match_torch():
 def test_compact_heavy_bookkeeping_matches_torch():
     """nnz_eff (0 on rows above capacity) and the heavy-row count, written by the compaction
     kernel, equal the PyTorch backend's."""
-    from twell.ops import sparse_train_triton as tk
-
+    tk = triton_backend()
     x, wg, _, _, _ = make_inputs(37, 24, 300, threshold=1.2, seed=23, zero_rows=(3,))
     g = (x @ wg.T).float().to(DEV)
     ref = sparse_train_torch.compact_heavy(g, 16)
     assert 0 < int(ref[5]) < 37 and int(ref[5]) == int((ref[2] > 16).sum())
     for block_n, warps in ((1, 1), (4, 2)):
-        with tk.kernel_config(compact_block_n=block_n, compact_warps=warps):
+        with kernel_config(compact_block_n=block_n, compact_warps=warps):
             out = tk.compact_heavy(g, 16)
         for name, a, b in zip(("nnz", "counts", "nnz_eff", "n_heavy"), out[2:], ref[2:]):
             assert torch.equal(a.cpu(), b.cpu()), (block_n, name)

@@ -19,8 +19,8 @@ def torch_backend(monkeypatch):
 @pytest.fixture
 def dense_calls(monkeypatch):
     """A list that grows by one per ``dense_ffn_train`` call (SparseGatedMLP imports it from
-    ``twell.ops.sparse_train`` at each dense-mode forward)."""
-    import twell.ops.sparse_train as st
+    ``twell.ops.ffn_dense_train`` at each dense-mode forward)."""
+    import twell.ops.ffn_dense_train as st
     from twell.ops.ffn_dense_train import dense_ffn_train
 
     calls = []
@@ -78,7 +78,7 @@ def test_non_gated_layers_stay_on_the_pytorch_path(dense_calls):
     """dense_ffn_fused on a non-gated FFN: the plan keeps it on ``torch`` (dense mode computes
     relu(gate) * up), no dense_ffn_train call, the PyTorch path's results; dense_ffn_train
     itself refuses the non-gated FFN."""
-    from twell.ops.sparse_train import dense_ffn_train
+    from twell.ops.ffn_dense_train import dense_ffn_train
 
     x = _inputs()
     ref = _run("torch", x, gated=False)

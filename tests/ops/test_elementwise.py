@@ -12,7 +12,7 @@ integration: ``test_ffn_dense_train.py``. On CPU through ``TRITON_INTERPRET=1``
 import pytest
 import torch
 
-from twell.ops import sparse_train
+from twell.ops import ffn_dense_train
 
 from .train_cases import check_case, make_inputs, needs_triton
 
@@ -23,10 +23,10 @@ from .train_cases import check_case, make_inputs, needs_triton
 def test_dense_mode_triton_fp32(block, n, d, h):
     """Odd N and H: partial row blocks and column steps; hot units and an all-zero token; with
     4-row programs the per-block column counts of 9 programs are summed."""
-    from twell.ops.sparse_train_triton import kernel_config
+    from twell.ops.launch import kernel_config
 
     x, wg, wu, wd, dy = make_inputs(n, d, h, threshold=0.5, seed=5 * n + h, hot=2,
                                     zero_rows=(1,))
     with kernel_config(dense_block_n=block[0], dense_block_h=block[1]):
         check_case(x, wg, wu, wd, dy, l1_coeff=0.5, dtype=torch.float32, rel=2e-5,
-                   fn=sparse_train.dense_ffn_train, backend="triton")
+                   fn=ffn_dense_train.dense_ffn_train, backend="triton")

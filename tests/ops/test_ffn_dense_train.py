@@ -11,7 +11,7 @@ width.
 import pytest
 import torch
 
-from twell.ops import ffn_dense_train, sparse_train
+from twell.ops import ffn_dense_train
 from twell.ops.reference import gated_ffn_torch
 
 from .train_cases import DEV, check_case, check_compiled_and_checkpointed, make_inputs, needs_triton
@@ -22,7 +22,7 @@ from .train_cases import DEV, check_case, check_compiled_and_checkpointed, make_
 def test_dense_mode_torch_backend_fp64(n, d, h, l1_coeff):
     x, wg, wu, wd, dy = make_inputs(n, d, h, threshold=0.3, seed=n + h, zero_rows=(0,))
     check_case(x, wg, wu, wd, dy, l1_coeff=l1_coeff, dtype=torch.float64, rel=1e-10,
-               fn=sparse_train.dense_ffn_train, backend="torch")
+               fn=ffn_dense_train.dense_ffn_train, backend="torch")
 
 
 def test_dense_mode_opcheck_compile_and_checkpoint():
@@ -31,7 +31,7 @@ def test_dense_mode_opcheck_compile_and_checkpoint():
     torch.library.opcheck(ffn_dense_train._ffn_dense_train_fwd, args)
 
     def f(x, wg, wu, wd, dy):
-        y, st = sparse_train.dense_ffn_train(x, wg, wu, wd, backend="torch")
+        y, st = ffn_dense_train.dense_ffn_train(x, wg, wu, wd, backend="torch")
         return (y * dy).sum() + 0.5 * st.l1
 
     check_compiled_and_checkpointed(f, x, wg, wu, wd, dy)
@@ -40,9 +40,9 @@ def test_dense_mode_opcheck_compile_and_checkpoint():
 def test_dense_mode_bad_inputs_name_the_argument():
     x, wg, wu, wd, _ = make_inputs(3, 16, 64)
     with pytest.raises(ValueError, match="dense_ffn_train.*w_down_DH"):
-        sparse_train.dense_ffn_train(x, wg, wu, wd.t())
+        ffn_dense_train.dense_ffn_train(x, wg, wu, wd.t())
     with pytest.raises(ValueError, match="dense_ffn_train needs w_gate_HD"):
-        sparse_train.dense_ffn_train(x, None, wu, wd)
+        ffn_dense_train.dense_ffn_train(x, None, wu, wd)
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
@@ -54,7 +54,7 @@ def test_dense_mode_propagates_a_nan_gate_like_pytorch(backend):
     wg = wg.clone()
     wg[3, 5] = float("nan")
     y_ref, _ = gated_ffn_torch(x.float(), wg.float(), wu.float(), wd.float(), with_stats=False)
-    y, _ = sparse_train.dense_ffn_train(*(t.float().to(DEV) for t in (x, wg, wu, wd)),
+    y, _ = ffn_dense_train.dense_ffn_train(*(t.float().to(DEV) for t in (x, wg, wu, wd)),
                                         backend=backend)
     assert torch.isnan(y_ref).all()
     assert torch.equal(torch.isnan(y.cpu()), torch.isnan(y_ref))

@@ -14,9 +14,10 @@ tokens, D model width, H FFN width.
 import pytest
 import torch
 
-from twell.ops import ffn_train, sparse_train
+from twell.ops import ffn_dense_train, ffn_train
+from twell.ops.ffn_train import sparse_ffn_train
 from twell.ops.reference import gated_ffn_torch
-from twell.ops.sparse_train import sparse_ffn_train
+from twell.stats import default_ell_capacity
 
 from .train_cases import (
     BACKEND_DTYPES,
@@ -99,7 +100,7 @@ KERNEL_CONFIGS = {
 @pytest.mark.parametrize("config", sorted(KERNEL_CONFIGS))
 @pytest.mark.parametrize("case", ["mixed", "hot"])
 def test_triton_kernel_variants(config, case):
-    from twell.ops.sparse_train_triton import kernel_config
+    from twell.ops.launch import kernel_config
 
     if case == "mixed":  # heavy rows + light rows of up to ~40 slots, odd N, D, H
         x, wg, wu, wd, dy = make_inputs(33, 40, 300, threshold=1.5, seed=21)
@@ -255,8 +256,8 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_default_capacity_matches_paper_width():
-    assert sparse_train.default_ell_capacity(5632) == 128
-    assert sparse_train.default_ell_capacity(8) == 8
+    assert default_ell_capacity(5632) == 128
+    assert default_ell_capacity(8) == 8
 
 
 def test_l1_gradient_is_not_rounded_away_under_bf16_autocast():
@@ -293,7 +294,7 @@ def test_l1_gradient_is_not_rounded_away_under_bf16_autocast():
                                  grads(torch_path, torch.float64, 0.0, False))]
     share = {}
     def dense_path(*a):
-        return sparse_train.dense_ffn_train(*a, with_stats=True, backend="torch")
+        return ffn_dense_train.dense_ffn_train(*a, with_stats=True, backend="torch")
 
     for name, fn in (("sparse", sparse_path), ("dense", dense_path), ("torch", torch_path)):
         got = [a - b for a, b in zip(grads(fn, torch.float32, coeff, True),
@@ -317,7 +318,7 @@ def test_heavy_rows_statistic_counts_tokens_above_the_ell_capacity():
     kc = default_ell_capacity(300)
     assert 0 < int((nnz > kc).sum()) < 33  # some heavy rows, not all
     _, st_t = gated_ffn_torch(x, wg, wu, wd)
-    _, st_d = sparse_train.dense_ffn_train(x, wg, wu, wd, backend="torch")
+    _, st_d = ffn_dense_train.dense_ffn_train(x, wg, wu, wd, backend="torch")
     _, st_s = sparse_ffn_train(x, wg, wu, wd, backend="torch", dense_row_fraction=1.0)
     for st in (st_t, st_d, st_s):
         assert st.heavy_rows.item() == int((nnz > kc).sum())
@@ -376,9 +377,9 @@ def test_nosync_traces_with_static_shapes_and_checkpoints():
 
 def test_backup_capacity_for_measured_heavy_rows():
     """No heavy row: capacity 0 (no backup work at all); else 1.25 x the count + 16 rows."""
-    assert sparse_train.backup_capacity_for(0) == 0
-    assert sparse_train.backup_capacity_for(1) == 18
-    assert sparse_train.backup_capacity_for(100.0) == 141
+    assert ffn_train.backup_capacity_for(0) == 0
+    assert ffn_train.backup_capacity_for(1) == 18
+    assert ffn_train.backup_capacity_for(100.0) == 141
 
 
 # --- non-finite inputs: NaN / inf in one input row reach that row's output and every gradient ---
@@ -422,7 +423,7 @@ def test_nonfinite_input_row_reaches_its_output_and_every_gradient(backend, dtyp
     y_r, _, g_r = _reference_with_nonfinite(x, wg, wu, wd, dy, 0.5)
     assert not torch.isfinite(y_r[r]).any() and torch.isfinite(y_r[ok]).all()
     kw = dict(opts)
-    fn = sparse_train.dense_ffn_train if path == "dense" else sparse_ffn_train
+    fn = ffn_dense_train.dense_ffn_train if path == "dense" else sparse_ffn_train
     if path == "nosync":  # the capacity from a measuring call, as the trainer does
         _, st0, _ = run_ours(x, wg, wu, wd, dy, 0.5, dtype, backend=backend)
         kw["backup_rows"] = int(st0.heavy_rows.item())

@@ -23,8 +23,8 @@ from tests.ops.train_cases import (
     run_ours,
 )
 from twell.ops import ffn_train
+from twell.ops.ffn_train import sparse_ffn_train
 from twell.ops.hot_units import check_hot_units, hot_unit_count, hot_units_from_counts
-from twell.ops.sparse_train import sparse_ffn_train
 from twell.policy import FFNPolicy
 
 

@@ -6,30 +6,30 @@ import pytest
 
 
 def test_kernel_config_rejects_bad_values():
-    tk = pytest.importorskip("twell.ops.sparse_train_triton")
+    launch = pytest.importorskip("twell.ops.launch")  # needs triton
     with pytest.raises(ValueError, match="sddmm_block_k must be a power of 2"), \
-            tk.kernel_config(sddmm_block_k=6):
+            launch.kernel_config(sddmm_block_k=6):
         pass
-    with pytest.raises(ValueError, match="unknown key"), tk.kernel_config(spmm_blockk=8):
+    with pytest.raises(ValueError, match="unknown key"), launch.kernel_config(spmm_blockk=8):
         pass
     with pytest.raises(ValueError, match="dw_block_d must be a positive int"), \
-            tk.kernel_config(dw_block_d=-1):
+            launch.kernel_config(dw_block_d=-1):
         pass
     with pytest.raises(ValueError, match="dw_block_d must be a power of 2"), \
-            tk.kernel_config(dw_block_d=24):
+            launch.kernel_config(dw_block_d=24):
         pass
     with pytest.raises(ValueError, match="dense_block_n must be a power of 2"), \
-            tk.kernel_config(dense_block_n=12):
+            launch.kernel_config(dense_block_n=12):
         pass
     for bad in (2, -1):
         with pytest.raises(ValueError, match="dw_d_outer must be 0 or 1"), \
-                tk.kernel_config(dw_d_outer=bad):
+                launch.kernel_config(dw_d_outer=bad):
             pass
-    with tk.kernel_config(dw_d_outer=0):
+    with launch.kernel_config(dw_d_outer=0):
         pass
     from twell.ops.launch import _DEFAULT_CONFIG
 
-    assert tk.CONFIG == _DEFAULT_CONFIG  # restored after the failed attempts
+    assert launch.CONFIG == _DEFAULT_CONFIG  # restored after the failed attempts
 
 
 def test_dw_launch_fits_the_gathered_slices_in_l2():

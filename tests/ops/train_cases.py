@@ -9,8 +9,8 @@ Reference: ``twell.ops.reference.gated_ffn_torch`` in float64 with PyTorch autog
 import pytest
 import torch
 
+from twell.ops.ffn_train import sparse_ffn_train
 from twell.ops.reference import gated_ffn_torch, sparse_train_torch
-from twell.ops.sparse_train import sparse_ffn_train
 from twell.ops.train_backend import pick_backend
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -273,7 +273,7 @@ def test_init_from_trains_on_the_sparse_paths_like_torch(tokens, relu_dir, tmp_p
     runs its PyTorch backend here (the loaded model is ~50 % dense: the Triton interpreter took
     ~14 min for two steps, measured); its Triton kernels are checked in test_ffn_train.py
     and tests/e2e/test_train_twell.py."""
-    import twell.ops.sparse_train as st
+    import twell.ops.ffn_train as st
     from twell.ops.ffn_train import sparse_ffn_train
     from twell.policy import FFNPolicy
 

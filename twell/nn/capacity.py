@@ -17,14 +17,14 @@ recent steps had no heavy row is not redone for the first one.
 micro-batch, measured in the step's one host sync):
 
 * ``window`` (default): ``ceil(1.25 c max(R of the last 16 steps)) + 16``, 0 when that max is 0
-  (:func:`twell.ops.sparse_train.backup_capacity_for`).
+  (:func:`twell.ops.ffn_train.backup_capacity_for`).
 * ``adaptive`` (``trainer=gpu``'s): ``ceil(m c max(R of the last 128 steps)) + 16`` rounded up to
   a multiple of 64 (so backup GEMM shapes repeat), 0 when that max is 0. The margin ``m`` starts at 1.25; each
   redo this layer caused multiplies it by 1.5 (at most 4); every accepted step moves it back
   towards 1.25 by 1 % of the distance (half-life ~70 steps). The long window remembers the rare
   heavy batches (many short documents: each document start has fully active first tokens),
   and the margin learns a layer's burst size. Evaluated on synthetic traces by
-  :mod:`twell.nn.capacity_sim` (``scripts/capacity_policy_sim.py``).
+  :mod:`studies.capacity_sim` (``scripts/capacity_policy_sim.py``).
 
 ``c`` (:func:`cold_margin`) widens the margin while a layer's history is shorter than its window
 (a fresh run, a resume without history, a layer just moved to the ELL path): 1.75 from one step
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 
-from twell.ops.sparse_train import backup_capacity_for
+from twell.ops.ffn_train import backup_capacity_for
 
 CAPACITY_RULES = ("window", "adaptive")
 WINDOW_STEPS = {"window": 16, "adaptive": 128}  # steps of heavy-row maxima kept per layer

@@ -135,7 +135,7 @@ class SparseGatedMLP(nn.Module):
         """Training forward on ``path`` (``torch``, ``dense`` or ``ell``); ``ws`` = (gate or
         None, up, down) weights."""
         if path == "dense":  # dense mode: cuBLAS + fused elementwise passes and stats
-            from twell.ops.sparse_train import dense_ffn_train  # lazy: triton is optional
+            from twell.ops.ffn_dense_train import dense_ffn_train  # per call: a test may wrap it
 
             return dense_ffn_train(x_ND, *ws, with_stats=with_stats,
                                    ell_capacity=self.policy.ell_capacity)
@@ -143,7 +143,7 @@ class SparseGatedMLP(nn.Module):
             return gated_ffn_torch(x_ND, *ws, with_stats=with_stats,
                                    ell_capacity=self.policy.ell_capacity)
         from twell.ops.ffn import FFNInfo, TwELLState
-        from twell.ops.sparse_train import sparse_ffn_train
+        from twell.ops.ffn_train import sparse_ffn_train
 
         if self.twell_state is None:
             self.twell_state = TwELLState()

@@ -11,9 +11,9 @@ updates them from the step's statistics.
 Training paths (the words used in code, config, logs and benchmarks):
 
 * ``torch``: autograd through PyTorch ops (``twell.ops.reference.gated_ffn_torch``), the reference.
-* ``dense``: dense mode (``twell.ops.sparse_train.dense_ffn_train``): cuBLAS products and one fused
+* ``dense``: dense mode (``twell.ops.ffn_dense_train.dense_ffn_train``): cuBLAS products and one fused
   elementwise pass each way, the same FFN and statistics. Gated FFNs only.
-* ``ell``: the hybrid ELL + dense-backup kernels (``twell.ops.sparse_train.sparse_ffn_train``;
+* ``ell``: the hybrid ELL + dense-backup kernels (``twell.ops.ffn_train.sparse_ffn_train``;
   arXiv 2603.23198, "Hybrid (training)"). Gated FFNs only.
 
 ``impl`` is each module's (``SparseGatedMLP(impl=...)``; the trainer's ``ffn.impl``), the one

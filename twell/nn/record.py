@@ -12,7 +12,7 @@ A recorded layer is one safetensors file (nothing in it can run code when loaded
 and the metadata key ``twell_ffn_layer``: a JSON object with ``size`` (a label of the model,
 e.g. "1.5B"), ``layer``, ``tokens``, ``gated``, ``source`` and the statistics of
 :func:`ffn_input_stats`. ``scripts/record_acts.py`` and ``scripts/bench_model.py --acts-dir``
-write them; ``scripts/bench_real_layers.py`` (``twell.bench``) reads them.
+write them; ``scripts/bench_real_layers.py`` (``studies.kernel_bench``) reads them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """ReLU + ELL compaction of the gate pre-activation (training forward, first pass after the gate GEMM).
 
 Shape legend: N tokens, D model width, H FFN width, K ELL width (slots per row), KC ELL
-capacity, J entries of one column in CSC order. ELL layout: ``twell.ops.sparse_train_triton``.
+capacity, J entries of one column in CSC order. ELL layout: ``twell.ops.train_backend``.
 
 Source: the hybrid layout (arXiv 2603.23198, "Hybrid (training)"). The PyTorch backend of the
 same math: ``twell.ops.reference.sparse_train_torch.compact``.

@@ -15,7 +15,7 @@ Paths, chosen per call:
   ``TRITON_INTERPRET=1`` was set before import; otherwise the pure-PyTorch
   reference of the same format (``twell.ops.reference``) runs, so CPU users
   get the same results.
-* training is not done here: ``twell.ops.sparse_train.sparse_ffn_train`` is the training op
+* training is not done here: ``twell.ops.ffn_train.sparse_ffn_train`` is the training op
   (the hybrid ELL path; ``twell.nn.SparseGatedMLP`` calls it on its ``ell`` training path), and
   ``sparse_ffn`` refuses inputs that need a gradient.
 * ``mode="auto"``: dense cuBLAS for calls with fewer than ``policy.infer_min_rows`` token
@@ -278,7 +278,7 @@ def sparse_ffn(
     Raises:
         ValueError: bad shapes, dtypes, devices, mode, or H >= 65536.
         ValueError: a gradient is needed (gradients enabled and an input that requires one):
-            the training op is ``twell.ops.sparse_train.sparse_ffn_train``.
+            the training op is ``twell.ops.ffn_train.sparse_ffn_train``.
     """
     if mode not in ("twell", "auto"):
         raise ValueError(f"sparse_ffn mode must be 'twell' or 'auto'; got {mode!r}")
@@ -286,7 +286,7 @@ def sparse_ffn(
     if torch.is_grad_enabled() and any(t.requires_grad for t in [x_ND, *ws]):
         raise ValueError("sparse_ffn is the inference op and computes no gradients; run it under "
                          "torch.no_grad() (or on tensors that need none), or train with "
-                         "twell.ops.sparse_train.sparse_ffn_train")
+                         "twell.ops.ffn_train.sparse_ffn_train")
 
     state = state if state is not None else TwELLState()
     policy = policy if policy is not None else FFNPolicy()

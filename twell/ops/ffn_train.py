@@ -62,7 +62,7 @@ while the SDDMM, SpMM and CSC sort, queued before the wait, keep the GPU busy; n
 syncs once more. No-sync mode (``backup_rows >= 0``): none.
 
 Backends (``twell.ops.train_backend.pick_backend``): the Triton kernels on CUDA (and on CPU tensors
-under ``TRITON_INTERPRET=1``; ``twell.ops.sparse_train_triton``); the PyTorch backend of the same
+under ``TRITON_INTERPRET=1``; ``twell.ops.train_backend.triton_backend``); the PyTorch backend of the same
 sparse math everywhere else (CPU users are never broken) and for float64
 (``twell.ops.reference.sparse_train_torch``). Registered as the custom ops
 ``twell::ffn_train_fwd`` / ``twell::ffn_train_bwd`` (fake impls: traceable by torch.compile).

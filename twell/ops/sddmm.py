@@ -1,7 +1,7 @@
 """SDDMM at the ELL non-zeros: the up projection forward (u and the per-row L1) and dh backward.
 
 Shape legend: N tokens, D model width, H FFN width, K ELL width (slots per row), KC ELL
-capacity, J entries of one column in CSC order. ELL layout: ``twell.ops.sparse_train_triton``.
+capacity, J entries of one column in CSC order. ELL layout: ``twell.ops.train_backend``.
 
 Source: arXiv 2603.23198, "Hybrid (training)". PyTorch backend of the same math:
 ``twell.ops.reference.sparse_train_torch.sddmm_fwd`` / ``sddmm_bwd``.

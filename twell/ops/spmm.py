@@ -2,7 +2,7 @@
 
 Rows are independent (one program per row and D slice), so no atomics: ``y[n] = sum_k g u
 Wd^T[col]`` and ``dx[n] = sum_k dg Wg[col] + du Wu[col]`` over the row's ELL slots
-(``twell.ops.sparse_train_triton`` has the layout; N tokens, D model width, K ELL width).
+(``twell.ops.train_backend`` has the layout; N tokens, D model width, K ELL width).
 Source: arXiv 2603.23198, "Hybrid (training)"; PyTorch backend:
 ``twell.ops.reference.sparse_train_torch.spmm``.
 """

@@ -1,12 +1,36 @@
-"""What the two training ops share: backend selection, argument checks and casts, the statistics
-of their outputs, and the backward of dense rows (dense mode, and the ELL op's dense backup).
+"""The backend of the two training ops (``twell.ops.ffn_train.sparse_ffn_train``, the ELL op,
+and ``twell.ops.ffn_dense_train.dense_ffn_train``, dense mode): the choice between the Triton
+kernels (:func:`triton_backend`) and their PyTorch twin (``twell.ops.reference.sparse_train_torch``,
+the same names), the argument checks and casts, the statistics of the ops' outputs, and the
+backward of dense rows (dense mode, and the ELL op's dense backup).
 
-Shape legend: N tokens (R for dense rows), D model width, H FFN width.
+The Triton kernels, one op per file: ``compact.py`` (ReLU + ELL compaction), ``sddmm.py`` (u
+forward, dh backward), ``spmm.py`` (y forward, dx backward), ``dw.py`` (weight gradients),
+``elementwise.py`` (the dense rows' fused passes); launch shapes in ``launch.py``.
+
+Shape legend: N tokens (R for dense rows), D model width, H FFN width, K ELL width (slots per
+row), KC ELL capacity (the widest K allowed), J entries of one column in CSC order.
+
+Layout (arXiv 2603.23198, the hybrid training layout): row n of the ELL part
+holds its non-zeros in slots ``k < nnz[n]``::
+
+    col_NK[n, k]  int32   hidden unit (column) of the k-th non-zero of row n, ascending
+    g_NK[n, k]    dtype   relu(gate)[n, col] (> 0)
+    u_NK[n, k]    dtype   up[n, col] = x[n] . Wu[col]
+
+Slots ``k >= nnz[n]`` are never read (their contents are undefined). Rows with more non-zeros
+than the capacity go to the dense backup (handled with cuBLAS by the caller) and have
+``nnz[n] = 0`` here, so every kernel skips them.
+
+All kernels accumulate in fp32 and index with int64 (no wrap past 2^31 elements or 65,536 tokens).
+The launchers check contiguity and dtypes; the math lives in the kernel docstrings.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -16,10 +40,32 @@ from twell.stats import FFNStats, stats_from_counts
 BACKENDS = ("auto", "triton", "torch")
 
 
+@functools.cache
+def triton_backend() -> SimpleNamespace:
+    """The Triton backend: the kernel files' launchers under the names the ops call (those of
+    ``twell.ops.reference.sparse_train_torch``): ``compact``, ``compact_heavy``, ``sddmm_fwd``,
+    ``sddmm_bwd``, ``spmm``, ``dw``, ``backup_fwd``, ``backup_bwd``, ``dense_fwd``. One object
+    per process (a test may wrap its attributes).
+
+    Raises:
+        ImportError: triton is not installed (imported here, not at module load: triton is
+        optional off Linux x86_64).
+    """
+    from twell.ops.compact import compact, compact_heavy
+    from twell.ops.dw import dw
+    from twell.ops.elementwise import backup_bwd, backup_fwd, dense_fwd
+    from twell.ops.sddmm import sddmm_bwd, sddmm_fwd
+    from twell.ops.spmm import spmm
+
+    return SimpleNamespace(compact=compact, compact_heavy=compact_heavy, sddmm_fwd=sddmm_fwd,
+                           sddmm_bwd=sddmm_bwd, spmm=spmm, dw=dw, backup_fwd=backup_fwd,
+                           backup_bwd=backup_bwd, dense_fwd=dense_fwd)
+
+
 def pick_backend(x: torch.Tensor, name: str):
-    """The backend module of a training call: the Triton kernels (``twell.ops.sparse_train_triton``)
-    for CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (read at call time), of a float
-    dtype other than float64; else the PyTorch backend (``twell.ops.reference.sparse_train_torch``).
+    """The backend of a training call: the Triton kernels (:func:`triton_backend`) for CUDA
+    tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (read at call time), of a float dtype
+    other than float64; else the PyTorch backend (``twell.ops.reference.sparse_train_torch``).
     ``name``: "auto", "triton" (raises when unusable) or "torch".
 
     Raises:
@@ -39,12 +85,11 @@ def pick_backend(x: torch.Tensor, name: str):
         )
     if usable:
         try:
-            from twell.ops import sparse_train_triton
+            return triton_backend()
         except ImportError:  # triton missing: fall back unless explicitly asked for
             if name == "triton":
                 raise
             return torch_backend
-        return sparse_train_triton
     return torch_backend
 
 

@@ -2,14 +2,14 @@
 
 Shape legend: N tokens, D model width, H FFN width, k hot units.
 
-Cases: recorded layers (``twell.nn.record`` files; ``size`` and ``layer`` from their metadata)
-and synthetic rows at set densities (:func:`iid_case`, ``size`` = "iid"; :func:`heavy_case`,
-``size`` = "heavy"). For every case:
+Cases (``studies.kernel_bench.cases``): recorded layers (``twell.nn.record`` files; ``size`` and
+``layer`` from their metadata) and synthetic rows at set densities (``iid_case``, ``size`` =
+"iid"; ``heavy_case``, ``size`` = "heavy"). For every case:
 
 1. statistics (density, L0 mean / max, heavy rows above the ELL capacity), the hot set from the
    case's own per-unit counts (``twell.ops.hot_units``), the no-sync backup capacities from a
    measuring call (``backup_capacity_for``, with and without the hot set);
-2. a CHECK of every op against fp32 (relative Frobenius error of y, and of dx, dWg, dWu, dWd
+2. a CHECK of every op against fp32 (``twell.ops.reference`` through ``common``; relative Frobenius error of y, and of dx, dWg, dWu, dWd
    for training, whose loss is ``sum(y dy) + c l1``, c = 0.2 N); an op of ours more than 3x
    the dense bf16 path's error (+ 5e-3) stops the benchmark (:class:`CheckFailed`); the
    paper's op is reported, not stopped on (its known overflow drops);
@@ -41,20 +41,27 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from twell.nn.record import active_counts_of, load_ffn_layer
+from studies.kernel_bench.cases import Case, heavy_case, iid_case, recorded_case
+from studies.kernel_bench.common import (
+    L1_COEFF_PER_TOKEN,
+    cpu_timer,
+    fp32_forward,
+    fp32_train,
+    gpu_timer,
+    rel_err,
+)
+from twell.nn.record import active_counts_of
 from twell.ops.ffn import TwELLState, sparse_ffn
+from twell.ops.ffn_dense_train import dense_ffn_train
+from twell.ops.ffn_train import backup_capacity_for, sparse_ffn_train
 from twell.ops.hot_units import hot_unit_count, hot_units_from_counts
 from twell.ops.reference import gated_ffn_torch
-from twell.ops.sparse_train import backup_capacity_for, dense_ffn_train, sparse_ffn_train
 from twell.policy import FFNPolicy
 from twell.stats import default_ell_capacity
 
@@ -64,98 +71,10 @@ KINDS = ("fwd", "train")
 OPS = {"fwd": ("dense", "twell", "twell_hot", "auto", "paper"),
        "train": ("torch", "ell", "ell_nosync", "ell_hot", "auto", "paper")}
 BASELINE = {"fwd": "dense", "train": "torch"}  # the op each kind's speedup is measured against
-L1_COEFF_PER_TOKEN = 0.2  # loss = sum(y dy) + c l1, c = 0.2 N: the L1 gradient ~ dy's size
 
 
 class CheckFailed(RuntimeError):
     """An op of ours is less exact than the bound (the message names case, op and errors)."""
-
-
-@dataclass
-class Case:
-    """One benchmark input: bf16 tensors on one device, labels and statistics.
-
-    Attributes:
-        size, layer: labels ("iid" and the density for i.i.d. rows).
-        x, wg, wu, wd, dy: (N, D), (H, D), (H, D), (D, H), (N, D) upstream gradient.
-        stats: density, l0_mean, l0_max, heavy_rows (above the default ELL capacity).
-        counts: (H,) active tokens per unit (device).
-        hot: (k,) hot units picked from ``counts`` (policy's fraction and cap); may be empty.
-        caps: no-sync backup capacities, {"cold": without the hot set, "hot": with it}.
-        cold_heavy: heavy rows of the cold units (with the hot set).
-    """
-
-    size: str
-    layer: str
-    x: torch.Tensor
-    wg: torch.Tensor
-    wu: torch.Tensor
-    wd: torch.Tensor
-    dy: torch.Tensor
-    stats: dict = field(default_factory=dict)
-    counts: torch.Tensor | None = None
-    hot: torch.Tensor | None = None
-    caps: dict = field(default_factory=dict)
-    cold_heavy: int = 0
-
-
-def _threshold_case(n: int, d: int, h: int, density: float, *, heavy: bool, seed: int,
-                    device) -> list[torch.Tensor]:
-    """bf16 (x, wg, wu, wd, dy) whose gate activations have mean density ``density``: see
-    :func:`iid_case` and :func:`heavy_case`."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(n, d, device=device, generator=gen)
-    wg, wu, wd = (torch.randn(*s, device=device, generator=gen) * 0.02
-                  for s in ((h, d), (h, d), (d, h)))
-    if heavy:
-        x *= torch.exp(0.6 * torch.randn(n, 1, device=device, generator=gen))  # token scales
-        mult = torch.exp(0.3 * torch.randn(h, device=device, generator=gen))  # unit thresholds
-    else:
-        mult = torch.ones(h, device=device)
-    x[:, 0], wg[:, 0] = 1.0, 0.0
-    z = (x[:4096].bfloat16() @ wg.bfloat16().t()).float()
-    lo, hi = 0.0, float(z.abs().max()) / float(mult.min()) + 1.0
-    for _ in range(40):  # bisection on the base threshold t: mean(z > t * mult) = density
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if (z > mid * mult).float().mean().item() > density else (lo, mid)
-    wg[:, 0] = -0.5 * (lo + hi) * mult
-    dy = torch.randn(n, d, device=device, generator=gen)
-    return [t.bfloat16().contiguous() for t in (x, wg, wu, wd, dy)]
-
-
-def iid_case(n: int, d: int, h: int, density: float, *, seed: int = 0,
-             device: str | torch.device = "cuda") -> Case:
-    """i.i.d. rows at a set mean density: x[:, 0] = 1 (a constant feature) and Wg[:, 0] = -t
-    (the ReLU threshold, bisected on a sample of pre-activations so that the fraction of
-    active units is ``density``), weights N(0, 0.02^2), bf16 (arXiv 2603.23198's calibration
-    construction, "Calibration on the same H200")."""
-    return Case("iid", f"{100 * density:g}%",
-                *_threshold_case(n, d, h, density, heavy=False, seed=seed, device=device))
-
-
-def heavy_case(n: int, d: int, h: int, density: float, *, seed: int = 0,
-               device: str | torch.device = "cuda") -> Case:
-    """Heavy-tailed rows at a set mean density: :func:`iid_case`'s construction with log-normal
-    token scales (x row r times exp(0.6 z_r): some tokens many times denser than the mean) and
-    log-normal unit thresholds (Wg[j, 0] = -t exp(0.3 z_j): hot units), t bisected for the
-    mean density."""
-    return Case("heavy", f"{100 * density:g}%",
-                *_threshold_case(n, d, h, density, heavy=True, seed=seed, device=device))
-
-
-def recorded_case(path, *, seed: int = 0, device: str | torch.device = "cuda") -> Case:
-    """A recorded layer (``twell.nn.record.load_ffn_layer``) with a seeded random dy.
-
-    Raises:
-        ValueError: a non-gated layer (the training op is gated-only) or a bad file.
-    """
-    rec = load_ffn_layer(path, device)
-    if rec.w_gate is None:
-        raise ValueError(f"{path}: a non-gated FFN layer; the benchmark's training ops are gated")
-    gen = torch.Generator(device=device).manual_seed(seed)
-    dy = torch.randn(rec.x.shape, device=device, generator=gen).bfloat16()
-    return Case(str(rec.meta.get("size", "?")), str(rec.meta.get("layer", "?")), rec.x,
-                rec.w_gate, rec.w_up, rec.w_down, dy)
 
 
 def prepare(case: Case, policy: FFNPolicy) -> Case:
@@ -179,12 +98,6 @@ def prepare(case: Case, policy: FFNPolicy) -> Case:
     return case
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative Frobenius error ||a - b|| / ||b|| (fp32; inf or NaN stay as they come)."""
-    a, b = a.float(), b.float()
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
-
-
 def _dense_fwd(x, wg, wu, wd):
     return (torch.relu(x @ wg.t()) * (x @ wu.t())) @ wd.t()
 
@@ -206,20 +119,12 @@ def _train_closure(fn, case: Case, with_l1: bool) -> Callable[[], list[torch.Ten
 
 
 def references(case: Case) -> dict:
-    """fp32 references (TF32 off): "fwd" [y], "train" [y, dx, dWg, dWu, dWd] with the L1 term,
-    "train_dense" the same without it (what the dense baseline computes)."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        f32 = Case(case.size, case.layer, *(t.float() for t in (case.x, case.wg, case.wu,
-                                                                 case.wd, case.dy)))
-        with torch.no_grad():
-            fwd = [_dense_fwd(f32.x, f32.wg, f32.wu, f32.wd)]
-        ref = lambda *a: gated_ffn_torch(*a, with_stats=True)
-        return {"fwd": fwd, "train": _train_closure(ref, f32, True)(),
-                "train_dense": _train_closure(ref, f32, False)()}
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+    """fp32 references (TF32 off; ``twell.ops.reference`` through ``common``): "fwd" [y],
+    "train" [y, dx, dWg, dWu, dWd] with the L1 term, "train_dense" the same without it (what
+    the dense baseline computes)."""
+    ts = (case.x, case.wg, case.wu, case.wd)
+    return {"fwd": [fp32_forward(*ts)], "train": fp32_train(*ts, case.dy, True)[0],
+            "train_dense": fp32_train(*ts, case.dy, False)[0]}
 
 
 def _split_pays(case: Case, policy: FFNPolicy) -> bool:
@@ -286,24 +191,6 @@ def check_case(case: Case, ops: dict, refs: dict) -> dict:
     if bad:
         raise CheckFailed(f"{case.size} layer {case.layer}: " + "; ".join(bad))
     return errs
-
-
-def gpu_timer(fn) -> float:
-    """Median ms of ``triton.testing.do_bench`` (25 ms warm-up, 100 ms of repetitions)."""
-    import triton.testing
-
-    # three quantiles: a list on every triton version (one quantile comes back as a float)
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])[0])
-
-
-def cpu_timer(fn, reps: int = 1) -> float:
-    """Median wall ms of ``reps`` calls (the CPU smoke run: not a performance number)."""
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(ts)
 
 
 def run_case(case: Case, policy: FFNPolicy, timer, paper=None, kinds=KINDS) -> list[dict]:

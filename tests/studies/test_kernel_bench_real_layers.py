@@ -1,5 +1,5 @@
-"""The recorded-layer benchmark (``twell.bench``, ``scripts/bench_real_layers.py``) on the CPU:
-rows, checks that fail on a wrong op, the recorded-layer round trip, and the script's smoke run.
+"""The recorded-layer benchmark (``studies.kernel_bench.real_layers``,
+``scripts/bench_real_layers.py``) on the CPU: rows, checks that fail on a wrong op, the recorded-layer round trip, and the script's smoke run.
 The PyTorch backend runs here (TRITON_INTERPRET unset): these tests check the bookkeeping, not
 speed."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from twell import bench
+from studies.kernel_bench import real_layers as bench
 from twell.nn.record import save_ffn_layer
 from twell.policy import FFNPolicy
 from twell.stats import default_ell_capacity
