@@ -42,19 +42,29 @@ from studies.scaling import (
     DEPTH_MODEL,
     DEPTH_PROBE_L1,
     DEPTH_PROBE_STEPS,
-    PAPER_DEPTHS,
-    PAPER_L0_RANGE,
-    PAPER_SIZES,
     RESULT_FORMAT,
     StudySettings,
     l1_text,
     row_label,
     settle_check,
+)
+from studies.sizes import (  # the sizes' one table (configs/model/<size>.yaml)
+    DEPTH_LABELS,
+    PAPER_DEPTHS,
+    PAPER_DROP_PCT,
+    PAPER_END_SIZES,
+    PAPER_L0,
+    PAPER_L0_RANGE,
+    PAPER_POINTS,
+    PAPER_SIZES,
+    SIZE_LAYERS,
+    paper_text,
     size_label,
 )
 
-PAPER_L0 = {"0p5b": 39.0, "1p5b": 29.0, "2b": 24.0}  # non-zeros per token at L1 2e-5
-PAPER_DROP_PCT = 100 * (24.0 - 39.0) / 39.0  # 0.5B -> 2B
+_PAPER_ENDS = f"{PAPER_L0_RANGE[0]:g} -> {PAPER_L0_RANGE[1]:g}"  # 39 -> 24
+_PAPER_END_SIZES = " -> ".join(size_label(s) for s in PAPER_END_SIZES)  # 0.5B -> 2B
+_PAPER_END_LAYERS = " -> ".join(str(SIZE_LAYERS[s]) for s in PAPER_END_SIZES)  # 8 -> 38
 CSV_COLUMNS = ["size", "layers", "hidden", "l1_coeff", "reinit", "tokens_m", "steps", "settled",
                "l0_mean", "l0_max_layer", "l0_first_token", "dead_pct", "val_loss",
                "val_loss_dense", "eval_mean", "eval_mean_dense", "eval_stderr", "eval_diff",
@@ -298,14 +308,14 @@ def check_paper_targets(rows: list[dict]) -> list[dict]:
             if missing and not ups:
                 verdict += f" for the sizes run (missing {', '.join(missing)})"
         out.append({"target": f"L0 falls with size, L1 {l1_text(l1)}", "measured": chain,
-                    "paper": "39 > 29 > 24 (0.5B, 1.5B, 2B; L1 2e-5)", "verdict": verdict})
+                    "paper": paper_text(), "verdict": verdict})
         if len(rs) >= 2 and vals[0] and vals[-1] is not None:
             drop = 100 * (vals[-1] - vals[0]) / vals[0]
             out.append({
                 "target": f"{size_label(rs[0]['size'])} -> {size_label(rs[-1]['size'])} drop, "
                           f"L1 {l1_text(l1)}",
                 "measured": f"{_f(vals[0])} -> {_f(vals[-1])} ({drop:+.0f} %)",
-                "paper": f"39 -> 24 ({PAPER_DROP_PCT:+.0f} %, 0.5B -> 2B)",
+                "paper": f"{_PAPER_ENDS} ({PAPER_DROP_PCT:+.0f} %, {_PAPER_END_SIZES})",
                 "verdict": f"{drop - PAPER_DROP_PCT:+.0f} points from the paper's"})
     out += _reinit_targets(rows)
     return out
@@ -364,7 +374,7 @@ def check_depth_targets(rows: list[dict]) -> list[dict]:
                 if late:
                     verdict = f"not judged: {', '.join(late)} not settled (as measured: {verdict})"
             out.append({"target": f"L0 falls with depth, L1 {l1_text(l1)}{tag}",
-                        "measured": chain, "paper": "39 > 29 > 24 (8, 28, 38 layers; L1 2e-5)",
+                        "measured": chain, "paper": paper_text(layers=True),
                         "verdict": verdict})
             if len(rs) >= 2 and vals[0] and vals[-1] is not None:
                 change = 100 * (vals[-1] - vals[0]) / vals[0]
@@ -375,7 +385,7 @@ def check_depth_targets(rows: list[dict]) -> list[dict]:
                 out.append({"target": f"{_layers(rs[0])} -> {_layers(rs[-1])} change, L1 "
                                       f"{l1_text(l1)}{tag}",
                             "measured": f"{_f(vals[0])} -> {_f(vals[-1])} ({change:+.0f} %)",
-                            "paper": f"39 -> 24 ({PAPER_DROP_PCT:+.0f} %, 8 -> 38 layers)",
+                            "paper": f"{_PAPER_ENDS} ({PAPER_DROP_PCT:+.0f} %, {_PAPER_END_LAYERS} layers)",
                             "verdict": v})
         for i, l1 in enumerate(nonzero):
             out.append(_accuracy_target(plain[l1], l1, weak=i == 0, tag=tag))
@@ -558,9 +568,11 @@ def sentence_l0_vs_size(results: list[dict]) -> str:
                      f"{'falling at every step' if mono else 'not monotone'})")
         parts.append(f"at L1 {l1_text(l1)}: {vals}{trend}")
     tokens = {float(f"{r['summary']['tokens_seen'] / 1e6:.3g}") for r in results}
-    where = ("8 / 28 / 38 layers (0.5B / 1.5B / 2B)" if _is_depth(results)
-             else "0.5B / 1.5B / 2B")
-    return (f"Held-out mean L0 {'; '.join(parts)}. The paper: 39 / 29 / 24 at {where} "
+    labels = " / ".join(size_label(s) for s in PAPER_L0)
+    where = (" / ".join(str(n) for n, _ in PAPER_POINTS.values()) + f" layers ({labels})"
+             if _is_depth(results) else labels)
+    return (f"Held-out mean L0 {'; '.join(parts)}. The paper: "
+            f"{' / '.join(f'{v:g}' for v in PAPER_L0.values())} at {where} "
             f"({PAPER_DROP_PCT:+.0f} %) at L1 2e-5 after 10-40 B tokens; here "
             f"{' / '.join(map(str, sorted(tokens)))} M tokens per run.")
 
@@ -750,7 +762,7 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
         f = flops_per_token(m)
         row = StudyRow(DEPTH_MODEL, weak, layers=d, steps=s.steps)
         tr, whole = estimate_seconds(row, s)
-        table.append([d, {8: "0.5B", 18: "1B", 28: "1.5B", 38: "2B"}.get(d, ""),
+        table.append([d, DEPTH_LABELS.get(d, ""),
                       f"{row_params(row) / 1e6:.1f}", f"{f / 1e9:.2f}",
                       f"{s.effective_tflops * 1e12 / f / 1e3:.0f}",
                       f"{brief_tflops * 1e12 / f / 1e3:.0f}", f"{tr:.0f}", f"{whole:.0f}"])
