@@ -739,22 +739,24 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
     order packed into device calls (:func:`studies.scaling.pack_calls`, with :data:`STAND_IN_L1`
     for the L1 values the probe decides) and the commands. Every number comes from
     :mod:`studies.scaling`'s settings and estimate."""
-    from studies.scaling import (
-        StudyRow,
-        estimate_seconds,
-        model_shape,
-        pack_calls,
-        plan_depth_rows,
-        plan_probe_rows,
-        row_params,
-    )
-    from train.metrics import flops_per_token
-
     s = s or StudySettings.for_depth_series()
     weak, strong = STAND_IN_L1
-    deepest = max(depths)
     brief_tflops = 0.4 * 790
-    shape = model_shape(DEPTH_MODEL, deepest)
+    table = _depth_shapes_table(s, depths, weak, brief_tflops)
+    calls = _depth_calls(s, depths, weak, strong, call_wall)
+    return "\n".join([*_plan_design_md(s, depths, table, brief_tflops), *_plan_recipe_md(s),
+                      *_plan_l1_md(max(depths)),
+                      *_plan_calls_md(depths, calls, call_wall, weak, strong),
+                      *_plan_commands_md()])
+
+
+def _depth_shapes_table(s: StudySettings, depths, weak: float, brief_tflops: float) -> list[list]:
+    """The plan's shapes table: per depth, the paper's model of that depth, parameters (M),
+    training GFLOP a token, tok/ms at the two rates, and the estimated training and whole-row
+    seconds of its weak-L1 row."""
+    from studies.scaling import StudyRow, estimate_seconds, model_shape, row_params
+    from train.metrics import flops_per_token
+
     table = []
     for d in depths:
         m = model_shape(DEPTH_MODEL, d)
@@ -766,18 +768,33 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
                       f"{row_params(row) / 1e6:.1f}", f"{f / 1e9:.2f}",
                       f"{s.effective_tflops * 1e12 / f / 1e3:.0f}",
                       f"{brief_tflops * 1e12 / f / 1e3:.0f}", f"{tr:.0f}", f"{whole:.0f}"])
-    wide = model_shape(DEPTH_MODEL, deepest)
-    wide.hidden_size, wide.intermediate_size, wide.num_heads, wide.seq_len = 768, 2112, 12, s.seq_len
-    wide_train = s.steps * s.tokens_per_step * flops_per_token(wide) / (s.effective_tflops * 1e12)
+    return table
+
+
+def _depth_calls(s: StudySettings, depths, weak: float, strong: float, call_wall: float) -> list:
+    """The L1 probe's rows and the series' rows (stand-in L1 values) packed into device calls
+    of ``call_wall`` seconds (:func:`studies.scaling.pack_calls`: lists of (row, seconds))."""
+    from studies.scaling import pack_calls, plan_depth_rows, plan_probe_rows
+
+    deepest = max(depths)
     probe = plan_probe_rows(deepest, list(DEPTH_PROBE_L1), DEPTH_PROBE_STEPS)
     rows = plan_depth_rows(list(depths), [0.0, weak, strong], s.steps, reinit=[(deepest, strong)])
     calls = pack_calls(probe, s, call_wall) + pack_calls(rows, s, call_wall)
-    total = sum(e for c in calls for _, e in c)
-    sessions = math.ceil(len(calls) / 3)
-    call_rows = [[i, ", ".join(f"{_role(r, weak, strong)} ({e:.0f})" for r, e in c),
-                  f"{sum(e for _, e in c):.0f}"] for i, c in enumerate(calls, 1)]
-    tokens = s.steps * s.tokens_per_step
-    return "\n".join([
+    return calls
+
+
+def _plan_design_md(s: StudySettings, depths, table: list[list], brief_tflops: float) -> list[str]:
+    """The plan's first paragraphs: why this design, the shapes with their ``table``, and the
+    throughput estimate."""
+    from studies.scaling import model_shape
+    from train.metrics import flops_per_token
+
+    deepest = max(depths)
+    shape = model_shape(DEPTH_MODEL, deepest)
+    wide = model_shape(DEPTH_MODEL, deepest)
+    wide.hidden_size, wide.intermediate_size, wide.num_heads, wide.seq_len = 768, 2112, 12, s.seq_len
+    wide_train = s.steps * s.tokens_per_step * flops_per_token(wide) / (s.effective_tflops * 1e12)
+    return [
         "### Plan", "",
         ("**Why this design.** At the paper's shapes each model saw 3.3 M tokens (200 steps; the "
          "section after this one), where the paper's sparsity settles only after ~1000 steps of "
@@ -811,6 +828,13 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          "model build (45 s, a guess), the checkpoint (16 bytes a parameter written and read), "
          "the profile, and the seven tasks' full validation sets (57,958 scoring requests, 3.66 M "
          "tokens, at half the training rate with padding)."), "",
+    ]
+
+
+def _plan_recipe_md(s: StudySettings) -> list[str]:
+    """The plan's tokens, recipe and settle-rule paragraphs."""
+    tokens = s.steps * s.tokens_per_step
+    return [
         (f"**Tokens.** {s.steps} steps x {s.global_batch} x {s.seq_len} = {tokens:,} tokens a "
          f"row, the same blocks in the same order for every row (seed {s.seed}): "
          f"{tokens / CORPUS_TRAIN_TOKENS:.2f} epochs of the offline corpus's "
@@ -832,6 +856,13 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          "0.5 active units a token (a near-dead layer's 5 % is below what a logged point "
          "resolves). A row not settled is reported with the move of a layer that fails the rule; its L0 is not compared "
          "(`--steps` reruns the series longer, under new row names)."), "",
+    ]
+
+
+def _plan_l1_md(deepest: int) -> list[str]:
+    """The plan's paragraphs on the L1 probe, the dense controls, re-initialisation and the
+    bf16 L1-gradient confound."""
+    return [
         ("**L1 values: measured first.** The paper's 2e-5 (the code's normalisation: per layer "
          "the sum over units of |h|, mean over tokens, then the mean over layers) x ~4 for the "
          "4x narrower FFN (the per-token sum over units shrinks with their number) is 8e-5; the "
@@ -864,6 +895,17 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          "a given coefficient the depths are not regularised alike, by an amount that is not "
          "known in advance for trained weights. Every row records the share kept on its final "
          "weights (`L1 grad kept`); compare it across depths before reading the L0 trend."), "",
+    ]
+
+
+def _plan_calls_md(depths, calls: list, call_wall: float, weak: float, strong: float) -> list[str]:
+    """The plan's device time: the rows' order, the ``calls`` table and the sessions they take."""
+    deepest = max(depths)
+    total = sum(e for c in calls for _, e in c)
+    sessions = math.ceil(len(calls) / 3)
+    call_rows = [[i, ", ".join(f"{_role(r, weak, strong)} ({e:.0f})" for r, e in c),
+                  f"{sum(e for _, e in c):.0f}"] for i, c in enumerate(calls, 1)]
+    return [
         (f"**Device time and order.** The rows in the order a call runs them (the L1 probe "
          f"first; then the weak L1 at {deepest} and {min(depths)} layers, their dense controls, "
          "the strong L1 there, the re-init row, then the middle depths), packed into calls of "
@@ -881,6 +923,12 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          + "; rows that remain run in the next sessions (rows with a result are skipped; a row "
          "stopped by a call's end resumes from its checkpoint only on a machine still warm)."),
         "",
+    ]
+
+
+def _plan_commands_md() -> list[str]:
+    """The plan's commands: the CPU preparation, the probe call, the series' calls, the merge."""
+    return [
         ("**Commands.** On the CPU, from the repository root with the packages importable "
          "(`.venv`, or `PYTHONPATH=.`; `build_carry.sh` wants `.venv`: `bash scripts/setup.sh`), "
          "once before the session (`.devcarry` is git-ignored):"), "",
@@ -924,7 +972,7 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          "assumes. The CPU smoke run of the whole path (2 depths of a width-32 model, 10 steps on "
          "64-id synthetic data, the seven tasks on 2 items each, the report): "
          "`tests/train/test_scaling_depth.py::test_depth_series_smoke_end_to_end`."),
-    ])
+    ]
 
 
 # ---------------------------------------------------------------- the doc
