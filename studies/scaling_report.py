@@ -346,50 +346,62 @@ def check_depth_targets(rows: list[dict]) -> list[dict]:
         by_steps.setdefault(r["steps"], []).append(r)
     for steps, rs_all in sorted(by_steps.items()):
         tag = f" ({steps} steps)" if len(by_steps) > 1 else ""
-        unsettled = [r for r in rs_all if r["settled"] is not True]
-        out.append({
-            "target": f"every row settled{tag}",
-            "measured": f"{len(rs_all) - len(unsettled)} of {len(rs_all)} settled"
-                        + ("; not: " + ", ".join(
-                            f"{r['run']} ({_f(r['settle_change_pct'])} %)" for r in unsettled)
-                           if unsettled else ""),
-            "paper": "per-layer L0 moves < 5 % over the last fifth of training",
-            "verdict": "met" if not unsettled else "not met"})
+        out.append(_settled_target(rs_all, tag))
         plain = _plain_by_l1(rs_all)
         nonzero = sorted(v for v in plain if v > 0)
         for l1 in sorted(nonzero, reverse=True):
-            rs = plain[l1]
-            chain = " > ".join(f"{_layers(r)} {_f(r['l0_mean'])}" for r in rs)
-            vals = [r["l0_mean"] for r in rs]
-            late = [_layers(r) for r in rs if r["settled"] is not True]
-            if len(rs) < 2 or any(v is None for v in vals):
-                verdict = "not enough depths"
-            else:
-                ups = [f"{_layers(a)} -> {_layers(b)}" for a, b in pairwise(rs)
-                       if not b["l0_mean"] < a["l0_mean"]]
-                verdict = "met" if not ups else f"not met ({', '.join(ups)} does not fall)"
-                missing = [str(d) for d in PAPER_DEPTHS if d not in {r["layers"] for r in rs}]
-                if missing and not ups:
-                    verdict += f" for the depths run (missing {', '.join(missing)} L)"
-                if late:
-                    verdict = f"not judged: {', '.join(late)} not settled (as measured: {verdict})"
-            out.append({"target": f"L0 falls with depth, L1 {l1_text(l1)}{tag}",
-                        "measured": chain, "paper": paper_text(layers=True),
-                        "verdict": verdict})
-            if len(rs) >= 2 and vals[0] and vals[-1] is not None:
-                change = 100 * (vals[-1] - vals[0]) / vals[0]
-                v = (f"{change - PAPER_DROP_PCT:+.0f} points from the paper's" if change < 0
-                     else "not reproduced (L0 does not fall)")
-                if late:
-                    v = f"not judged: {', '.join(late)} not settled ({v})"
-                out.append({"target": f"{_layers(rs[0])} -> {_layers(rs[-1])} change, L1 "
-                                      f"{l1_text(l1)}{tag}",
-                            "measured": f"{_f(vals[0])} -> {_f(vals[-1])} ({change:+.0f} %)",
-                            "paper": f"{_PAPER_ENDS} ({PAPER_DROP_PCT:+.0f} %, {_PAPER_END_LAYERS} layers)",
-                            "verdict": v})
+            out += _depth_trend_targets(plain[l1], l1, tag)
         for i, l1 in enumerate(nonzero):
             out.append(_accuracy_target(plain[l1], l1, weak=i == 0, tag=tag))
     out += _reinit_targets(rows)
+    return out
+
+
+def _settled_target(rs_all: list[dict], tag: str) -> dict:
+    """The depth series' target "every row settled" over ``rs_all`` (one step count)."""
+    unsettled = [r for r in rs_all if r["settled"] is not True]
+    return {
+        "target": f"every row settled{tag}",
+        "measured": f"{len(rs_all) - len(unsettled)} of {len(rs_all)} settled"
+                    + ("; not: " + ", ".join(
+                        f"{r['run']} ({_f(r['settle_change_pct'])} %)" for r in unsettled)
+                       if unsettled else ""),
+        "paper": "per-layer L0 moves < 5 % over the last fifth of training",
+        "verdict": "met" if not unsettled else "not met"}
+
+
+def _depth_trend_targets(rs: list[dict], l1: float, tag: str) -> list[dict]:
+    """At one nonzero L1, the targets "L0 falls with depth" and the shallowest -> deepest change
+    beside the paper's, both "not judged" while a row compared has not settled."""
+    out = []
+    chain = " > ".join(f"{_layers(r)} {_f(r['l0_mean'])}" for r in rs)
+    vals = [r["l0_mean"] for r in rs]
+    late = [_layers(r) for r in rs if r["settled"] is not True]
+    if len(rs) < 2 or any(v is None for v in vals):
+        verdict = "not enough depths"
+    else:
+        ups = [f"{_layers(a)} -> {_layers(b)}" for a, b in pairwise(rs)
+               if not b["l0_mean"] < a["l0_mean"]]
+        verdict = "met" if not ups else f"not met ({', '.join(ups)} does not fall)"
+        missing = [str(d) for d in PAPER_DEPTHS if d not in {r["layers"] for r in rs}]
+        if missing and not ups:
+            verdict += f" for the depths run (missing {', '.join(missing)} L)"
+        if late:
+            verdict = f"not judged: {', '.join(late)} not settled (as measured: {verdict})"
+    out.append({"target": f"L0 falls with depth, L1 {l1_text(l1)}{tag}",
+                "measured": chain, "paper": paper_text(layers=True),
+                "verdict": verdict})
+    if len(rs) >= 2 and vals[0] and vals[-1] is not None:
+        change = 100 * (vals[-1] - vals[0]) / vals[0]
+        v = (f"{change - PAPER_DROP_PCT:+.0f} points from the paper's" if change < 0
+             else "not reproduced (L0 does not fall)")
+        if late:
+            v = f"not judged: {', '.join(late)} not settled ({v})"
+        out.append({"target": f"{_layers(rs[0])} -> {_layers(rs[-1])} change, L1 "
+                              f"{l1_text(l1)}{tag}",
+                    "measured": f"{_f(vals[0])} -> {_f(vals[-1])} ({change:+.0f} %)",
+                    "paper": f"{_PAPER_ENDS} ({PAPER_DROP_PCT:+.0f} %, {_PAPER_END_LAYERS} layers)",
+                    "verdict": v})
     return out
 
 
@@ -1133,7 +1145,16 @@ def doc_text(results: list[dict], targets: list[dict], plots: dict, judgements: 
     series = [r for r in depth if not r["row"].get("probe")]
     probe = [r for r in depth if r["row"].get("probe")]
     paper = [r for r in results if r["row"].get("series", "paper") == "paper"]
-    out = [
+    out = [*_doc_head_md(command, image_prefix), depth_plan_md(), "", "### Results", "",
+           *_depth_results_md(series, probe, targets, plots, judgements),
+           *_paper_rows_md(paper, targets, plots, judgements), REPRODUCE, ""]
+    text = "\n".join(out)
+    return text + ("\n" + kept if kept else "")
+
+
+def _doc_head_md(command: str, image_prefix: str) -> list[str]:
+    """The doc's title, the paper's finding, how the page is generated, the depth series' heading."""
+    return [
         "# Scaling of activation sparsity with model size", "",
         ("The paper (arXiv 2603.23198, \"Results\") finds that larger models keep fewer FFN "
          "units active per token: 39 -> 29 -> 24 non-zeros per token from 0.5B to 2B at L1 "
@@ -1148,9 +1169,13 @@ def doc_text(results: list[dict], targets: list[dict], plots: dict, judgements: 
          "`studies/scaling_report.py`, `CSV_COLUMNS`: seven-task numbers in percent and points). "
          "Blocks marked *Lead* are written by hand and kept when the page is regenerated."), "",
         "## Depth series: width 512, 8 / 18 / 28 / 38 layers, trained until sparsity settles", "",
-        depth_plan_md(), "",
-        "### Results", "",
     ]
+
+
+def _depth_results_md(series: list[dict], probe: list[dict], targets: list[dict], plots: dict,
+                      judgements: dict) -> list[str]:
+    """The depth series' results: the L1 probe, the targets, the runs table and the plots."""
+    out = []
     if not series and not probe:
         out += [("No depth-series row has run yet (the plan above is what the next GPU "
                  "sessions run)."), ""]
@@ -1172,6 +1197,13 @@ def doc_text(results: list[dict], targets: list[dict], plots: dict, judgements: 
              "wall seconds."), "",
         ]
         out += _plot_sections(DEPTH_PLOTS, series, plots, judgements)
+    return out
+
+
+def _paper_rows_md(paper: list[dict], targets: list[dict], plots: dict,
+                   judgements: dict) -> list[str]:
+    """The paper-size rows (3.3 M tokens): how far they settled, setup, targets, runs, plots."""
+    out = []
     out += [
         "## At the paper's sizes: what 3.3 M tokens gives", "",
         ("These rows are *not* trained until their sparsity settles: 200 steps of 8 x 2048 "
@@ -1206,10 +1238,7 @@ def doc_text(results: list[dict], targets: list[dict], plots: dict, judgements: 
         out += _plot_sections(PLOTS, paper, plots, judgements)
     else:
         out += ["No paper-size row in the results.", ""]
-    out += [REPRODUCE, ""]
-    text = "\n".join(out)
-    return text + ("\n" + kept if kept else "")
-
+    return out
 
 REPRODUCE = """### Reproducing the paper-size rows
 
