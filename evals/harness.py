@@ -121,36 +121,10 @@ def score_task(model, tokenizer, name: str, rows: list[dict], *, prefix_id: int 
         raise ValueError(f"task {name}: no valid item among {len(rows)} rows "
                          f"(first reasons: {skipped[:3]})")
     flat = [r for rs in reqs for r in rs]
-    try:
-        lls = score_requests(model, flat, batch_size=batch_size, device=device,
-                             max_length=max_length, padding_side=padding_side,
-                             pad_id=pad_id, progress=progress, desc=desc or name)
-    except ContinuationTooLong as e:  # name the task and its row, not the flat request index
-        row = [i for (i, _), rs in zip(items, reqs, strict=True) for _ in rs][e.request]
-        more = f" (the longest of {e.count} choices that do not)" if e.count > 1 else ""
-        raise ContinuationTooLong(
-            f"{name} row {row}: a choice of {e.n_tokens} tokens{more} does not fit the model's "
-            f"{e.max_length} positions (max_position_embeddings); score it with a longer-context "
-            "model or leave the task out", e.request, e.n_tokens, e.max_length, e.count) from None
-    bad = [j for j, v in enumerate(lls) if not math.isfinite(v)]
-    if bad:
-        row = [i for (i, _), rs in zip(items, reqs, strict=True) for _ in rs][bad[0]]
-        raise NonFiniteScores(
-            f"task {name}: {len(bad)} of {len(lls)} log-likelihoods are NaN or inf (first: row "
-            f"{row}): the model's logits are not finite, so no choice can be scored; check the "
-            "checkpoint's weights for NaN / inf and the dtype (float16 can overflow), or score "
-            "an earlier checkpoint", bad[0], len(bad), len(lls))
-    ok, ok_norm, samples, k = [], [], [], 0
-    for (row_i, item), rs in zip(items, reqs, strict=True):
-        ll = lls[k:k + len(rs)]
-        k += len(rs)
-        pred = _argmax(ll)
-        pred_norm = _argmax([v / n for v, n in zip(ll, item.norm_lengths, strict=True)])
-        ok.append(pred == item.label)
-        ok_norm.append(pred_norm == item.label)
-        if log_samples:
-            samples.append({"row": row_i, "label": item.label, "lls": ll,
-                            "pred": pred, "pred_norm": pred_norm})
+    lls = _score_flat(model, name, items, reqs, flat, batch_size=batch_size, device=device,
+                      max_length=max_length, padding_side=padding_side, pad_id=pad_id,
+                      progress=progress, desc=desc or name)
+    ok, ok_norm, samples = _predictions(items, reqs, lls, log_samples)
     spec = TASKS[name]
     res = {
         "acc": sum(ok) / len(ok),
@@ -175,21 +149,53 @@ def score_task(model, tokenizer, name: str, rows: list[dict], *, prefix_id: int 
     return res
 
 
-def evaluate(
-    model,
-    tokenizer,
-    tasks: str | Sequence[str] = "all",
-    limit: int | None = None,
-    batch_size: int = 16,
-    device: torch.device | str | None = None,
-    *,
-    prefix_token: int | str | None = "none",
-    max_length: int | None = None,
-    padding_side: str = "right",
-    progress: bool = False,
-    log_samples: bool = False,
-    cache=None,
-) -> dict:
+def _score_flat(model, name: str, items: list, reqs: list, flat: list, *, desc: str,
+                **kw) -> list[float]:
+    """Summed log-likelihood of every request in ``flat`` (:func:`score_requests` with ``kw``),
+    its errors naming the task's row: ContinuationTooLong, NonFiniteScores (see
+    :func:`score_task`)."""
+    try:
+        lls = score_requests(model, flat, desc=desc, **kw)
+    except ContinuationTooLong as e:  # name the task and its row, not the flat request index
+        row = [i for (i, _), rs in zip(items, reqs, strict=True) for _ in rs][e.request]
+        more = f" (the longest of {e.count} choices that do not)" if e.count > 1 else ""
+        raise ContinuationTooLong(
+            f"{name} row {row}: a choice of {e.n_tokens} tokens{more} does not fit the model's "
+            f"{e.max_length} positions (max_position_embeddings); score it with a longer-context "
+            "model or leave the task out", e.request, e.n_tokens, e.max_length, e.count) from None
+    bad = [j for j, v in enumerate(lls) if not math.isfinite(v)]
+    if bad:
+        row = [i for (i, _), rs in zip(items, reqs, strict=True) for _ in rs][bad[0]]
+        raise NonFiniteScores(
+            f"task {name}: {len(bad)} of {len(lls)} log-likelihoods are NaN or inf (first: row "
+            f"{row}): the model's logits are not finite, so no choice can be scored; check the "
+            "checkpoint's weights for NaN / inf and the dtype (float16 can overflow), or score "
+            "an earlier checkpoint", bad[0], len(bad), len(lls))
+    return lls
+
+
+def _predictions(items: list, reqs: list, lls: list[float], log_samples: bool):
+    """Per item: whether the argmax choice (``acc``) and the length-normalised argmax choice
+    (``acc_norm``) is the label, and, with ``log_samples``, the per-item sample dicts."""
+    ok, ok_norm, samples, k = [], [], [], 0
+    for (row_i, item), rs in zip(items, reqs, strict=True):
+        ll = lls[k:k + len(rs)]
+        k += len(rs)
+        pred = _argmax(ll)
+        pred_norm = _argmax([v / n for v, n in zip(ll, item.norm_lengths, strict=True)])
+        ok.append(pred == item.label)
+        ok_norm.append(pred_norm == item.label)
+        if log_samples:
+            samples.append({"row": row_i, "label": item.label, "lls": ll,
+                            "pred": pred, "pred_norm": pred_norm})
+    return ok, ok_norm, samples
+
+
+def evaluate(model, tokenizer, tasks: str | Sequence[str] = "all", limit: int | None = None,
+             batch_size: int = 16, device: torch.device | str | None = None, *,
+             prefix_token: int | str | None = "none", max_length: int | None = None,
+             padding_side: str = "right", progress: bool = False, log_samples: bool = False,
+             cache=None) -> dict:
     """Zero-shot cloze accuracy on the seven tasks.
 
     Args:
@@ -230,24 +236,34 @@ def evaluate(
             (no score is made from it).
     """
     names = resolve_tasks(tasks)
+    _check_counts(limit, batch_size)
+    dev = _input_device(model, device)
+    prefix_id = _prefix_id(model, tokenizer, prefix_token)
+    pad_id = prefix_id if prefix_id is not None else (getattr(tokenizer, "eos_token_id", 0) or 0)
+    results = _score_tasks(model, tokenizer, names, limit, cache, prefix_id=prefix_id,
+                           batch_size=batch_size, device=dev, max_length=max_length,
+                           padding_side=padding_side, pad_id=pad_id, progress=progress,
+                           log_samples=log_samples)
+    return {
+        "tasks": results,
+        "mean": sum(r["primary"] for r in results.values()) / len(results),
+        "protocol": protocol(model, tokenizer, names, limit, prefix_id, batch_size,
+                             padding_side, max_length, prefix_setting=prefix_token),
+    }
+
+
+def _check_counts(limit, batch_size: int) -> None:
+    """Raises ValueError: ``limit`` not a positive int or None, ``batch_size`` < 1."""
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive int or None, got {limit!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    mdev = model_device(model)
-    dev = torch.device(device) if device is not None else mdev
-    if dev.type != mdev.type or (dev.index is not None and mdev.index is not None
-                                 and dev.index != mdev.index):
-        raise ValueError(f"device={dev} but the model is on {mdev}; move the model first "
-                         "(model.to(device)) or pass device=None")
-    prefix_id = resolve_prefix_token(tokenizer, prefix_token)
-    rows = _embedding_rows(model)
-    if prefix_id is not None and rows is not None and prefix_id >= rows:
-        raise ValueError(f"prefix_token={prefix_token}: the model has {rows} token embeddings "
-                         f"(ids 0-{rows - 1}); give an id below {rows}, auto or none (is the "
-                         "tokenizer the model's own?)")
-    pad_id = prefix_id if prefix_id is not None else (getattr(tokenizer, "eos_token_id", 0) or 0)
 
+
+def _score_tasks(model, tokenizer, names: list[str], limit: int | None, cache, **kw) -> dict:
+    """name -> :func:`score_task`'s result (``kw``) on the first ``limit`` rows of each task, with
+    its ``dataset`` provenance and ``seconds``; the model in eval mode meanwhile, its mode
+    restored after."""
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
         model.eval()
@@ -257,23 +273,43 @@ def evaluate(
             t0 = time.perf_counter()
             rows, source = load_rows(name, cache)
             rows = rows[:limit] if limit is not None else rows
-            res = score_task(model, tokenizer, name, rows, prefix_id=prefix_id,
-                             batch_size=batch_size, device=dev, max_length=max_length,
-                             padding_side=padding_side, pad_id=pad_id, progress=progress,
-                             log_samples=log_samples, desc=f"{name} ({i}/{len(names)})")
+            res = score_task(model, tokenizer, name, rows, desc=f"{name} ({i}/{len(names)})",
+                             **kw)
             res["dataset"] = source
             res["seconds"] = round(time.perf_counter() - t0, 3)
             results[name] = res
     finally:
         if hasattr(model, "train"):
             model.train(was_training)
+    return results
 
-    return {
-        "tasks": results,
-        "mean": sum(r["primary"] for r in results.values()) / len(results),
-        "protocol": protocol(model, tokenizer, names, limit, prefix_id, batch_size,
-                             padding_side, max_length, prefix_setting=prefix_token),
-    }
+
+def _input_device(model, device) -> torch.device:
+    """The device of the inputs: ``device``, else the model's.
+
+    Raises:
+        ValueError: ``device`` is not the model's (the model is not moved)."""
+    mdev = model_device(model)
+    dev = torch.device(device) if device is not None else mdev
+    if dev.type != mdev.type or (dev.index is not None and mdev.index is not None
+                                 and dev.index != mdev.index):
+        raise ValueError(f"device={dev} but the model is on {mdev}; move the model first "
+                         "(model.to(device)) or pass device=None")
+    return dev
+
+
+def _prefix_id(model, tokenizer, prefix_token) -> int | None:
+    """The token id put before every context (:func:`resolve_prefix_token`), or None.
+
+    Raises:
+        ValueError: the id is outside the model's embeddings."""
+    prefix_id = resolve_prefix_token(tokenizer, prefix_token)
+    rows = _embedding_rows(model)
+    if prefix_id is not None and rows is not None and prefix_id >= rows:
+        raise ValueError(f"prefix_token={prefix_token}: the model has {rows} token embeddings "
+                         f"(ids 0-{rows - 1}); give an id below {rows}, auto or none (is the "
+                         "tokenizer the model's own?)")
+    return prefix_id
 
 
 def _embedding_rows(model) -> int | None:

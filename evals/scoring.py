@@ -197,18 +197,23 @@ def score_requests(
     order = sorted(range(len(seqs)), key=lambda j: (-len(seqs[j]), j))
     out = [0.0] * len(seqs)
 
-    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
-    it = batches
-    if progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(batches, desc=desc, unit="batch")
-    for idx in it:
+    for idx in _batches(order, batch_size, progress, desc):
         sums = _score_batch(model, [seqs[j] for j in idx], [conts[j] for j in idx], device=device,
                             padding_side=padding_side, pad_id=pad_id)
         for b, v in zip(idx, sums, strict=True):
             out[b] = v
     return out
+
+
+def _batches(order: list[int], batch_size: int, progress: bool, desc: str):
+    """``order`` in consecutive batches of ``batch_size`` indices, behind a tqdm bar with
+    ``progress``."""
+    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    if not progress:
+        return batches
+    from tqdm.auto import tqdm
+
+    return tqdm(batches, desc=desc, unit="batch")
 
 
 def _model_inputs(requests, max_length: int | None) -> tuple[list[list[int]], list[list[int]]]:

@@ -90,8 +90,25 @@ def _names(s: str) -> list[str]:
 
 
 def parse_args(argv=None):
+    """The command line (module docstring); exits 2 with the reason on a bad combination."""
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_paper_args(p)
+    _add_depth_args(p)
+    _add_run_args(p)
+    a = p.parse_args(argv)
+    if (a.report is None and a.suggest_l1 is None and not a.prepare_evals and a.out is None
+            and not a.dry_run):
+        p.error("--out is required (the folder of result files)")
+    if a.smoke and not a.cpu:
+        p.error("--smoke runs on the CPU; add --cpu")
+    if a.probe and not a.depth_series:
+        p.error("--probe is part of the depth series; add --depth-series")
+    return a
+
+
+def _add_paper_args(p: argparse.ArgumentParser) -> None:
+    """The paper sizes' flags: sizes, L1 values, re-init rows."""
     p.add_argument("--sizes", type=_names, default=list(PAPER_SIZES),
                    help="paper sizes: model configs (configs/model), comma-separated")
     p.add_argument("--l1", type=_floats, default=None,
@@ -101,6 +118,10 @@ def parse_args(argv=None):
                    help="paper sizes: add the sparsity=l1_reinit twin of each --reinit-sizes row")
     p.add_argument("--reinit-sizes", type=_names, default=["1p5b"],
                    help="paper sizes: sizes of the re-init rows (those of them among --sizes)")
+
+
+def _add_depth_args(p: argparse.ArgumentParser) -> None:
+    """The depth series' flags (their own help group): depths, steps, the probe, the evals."""
     d = p.add_argument_group("depth series")
     d.add_argument("--depth-series", action="store_true",
                    help="the depth series (configs/model/depth_w512.yaml at --depths) instead of "
@@ -140,6 +161,10 @@ def parse_args(argv=None):
     d.add_argument("--prepare-evals", action="store_true",
                    help="extract the seven tasks' validation sets into the cache ($TWELL_CACHE/"
                         "evals; CPU, before scripts/build_carry.sh) and exit")
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """The flags of every run: tokens, seed, checkpoints kept, folders, wall time, report."""
     p.add_argument("--tokens", type=int, default=None,
                    help="paper sizes: training tokens per row (default 3,276,800; smoke 256)")
     p.add_argument("--dead-window-tokens", type=int, default=None,
@@ -169,15 +194,6 @@ def parse_args(argv=None):
     p.add_argument("--doc", type=Path, default=Path("docs/scaling.md"),
                    help="the page --report rewrites (plots, runs.csv, results/ beside it)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every row (key=value)")
-    a = p.parse_args(argv)
-    if (a.report is None and a.suggest_l1 is None and not a.prepare_evals and a.out is None
-            and not a.dry_run):
-        p.error("--out is required (the folder of result files)")
-    if a.smoke and not a.cpu:
-        p.error("--smoke runs on the CPU; add --cpu")
-    if a.probe and not a.depth_series:
-        p.error("--probe is part of the depth series; add --depth-series")
-    return a
 
 
 def free_gb(path: Path) -> float | None:

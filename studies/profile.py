@@ -245,31 +245,53 @@ def profile_sparsity(model, blocks_BT: torch.Tensor, *, batch: int = 8, bf16: bo
     cap = ell_capacity or default_ell_capacity(H)
     active_LH = torch.zeros(L, H, dtype=torch.int64, device=dev)
     nonfinite_L = torch.zeros(L, dtype=torch.int64, device=dev)
-    nnz_BT: list = [None] * L
+    sums = _zero_sums(L, T, vocab, dev)
+    nnz_BT: list = [None] * L  # each layer's hook writes its (B, T) counts here
+    hooks = [_gate_hook(i, m, nnz_BT, active_LH, nonfinite_L) for i, m in enumerate(mlps)]
+    _forward_blocks(model, mlps, hooks, nnz_BT, blocks_BT, batch, dev, bf16, sums, cap)
+    return SparsityProfile(
+        n_seqs=N, seq_len=T, ell_capacity=cap, nnz_sum_L=sums["nnz_L"].cpu(),
+        nnz_max_L=sums["max_L"].cpu(), heavy_L=sums["heavy_L"].cpu(),
+        nonfinite_L=nonfinite_L.cpu(), active_LH=active_LH.cpu(), nnz_pos_LT=sums["pos_LT"].cpu(),
+        token_count_V=sums["count_V"].cpu(), token_nnz_V=sums["tok_V"].cpu())
 
-    def make_hook(i, mlp):
-        def hook(_module, args):
-            w_HD = mlp.gate_proj.weight if mlp.gated else mlp.up_proj.weight
-            g_BTH = F.linear(args[0], w_HD)  # the gate pre-activation, in the forward's dtype
-            active_BTH = g_BTH > 0
-            nnz_BT[i] = active_BTH.sum(-1)  # int64
-            active_LH[i] += active_BTH.reshape(-1, active_BTH.shape[-1]).sum(0)
-            nonfinite_L[i] += (~torch.isfinite(g_BTH)).sum()
-        return hook
 
-    sums = {"nnz_L": torch.zeros(L, dtype=torch.float64, device=dev),
+def _gate_hook(i: int, mlp, nnz_BT: list, active_LH: torch.Tensor, nonfinite_L: torch.Tensor):
+    """Forward pre-hook of FFN ``i``: from its input, the gate pre-activation's active units per
+    token into ``nnz_BT[i]`` (int64 (B, T)), added per unit to ``active_LH[i]``, its non-finite
+    entries counted into ``nonfinite_L[i]``."""
+    def hook(_module, args):
+        w_HD = mlp.gate_proj.weight if mlp.gated else mlp.up_proj.weight
+        g_BTH = F.linear(args[0], w_HD)  # the gate pre-activation, in the forward's dtype
+        active_BTH = g_BTH > 0
+        nnz_BT[i] = active_BTH.sum(-1)  # int64
+        active_LH[i] += active_BTH.reshape(-1, active_BTH.shape[-1]).sum(0)
+        nonfinite_L[i] += (~torch.isfinite(g_BTH)).sum()
+    return hook
+
+
+def _zero_sums(L: int, T: int, vocab: int, dev) -> dict[str, torch.Tensor]:
+    """The profile's running sums (:func:`_accumulate`), zero: per layer, position and token id."""
+    return {"nnz_L": torch.zeros(L, dtype=torch.float64, device=dev),
             "max_L": torch.zeros(L, dtype=torch.int64, device=dev),
             "heavy_L": torch.zeros(L, dtype=torch.int64, device=dev),
             "pos_LT": torch.zeros(L, T, dtype=torch.float64, device=dev),
             "count_V": torch.zeros(vocab, dtype=torch.int64, device=dev),
             "tok_V": torch.zeros(vocab, dtype=torch.float64, device=dev)}
+
+
+def _forward_blocks(model, mlps: list, hooks: list, nnz_BT: list, blocks_BT: torch.Tensor,
+                    batch: int, dev, bf16: bool, sums: dict, cap: int) -> None:
+    """The decoder's forward over ``blocks_BT``, ``batch`` blocks at a time, with ``hooks`` on
+    ``mlps`` (writing ``nnz_BT``), each batch's counts added to ``sums``; the model in eval mode
+    meanwhile, the hooks removed and its mode restored after."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    handles = [m.register_forward_pre_hook(make_hook(i, m)) for i, m in enumerate(mlps)]
+    handles = [m.register_forward_pre_hook(h) for m, h in zip(mlps, hooks, strict=True)]
     was_training = model.training
     model.eval()
     try:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            for s in range(0, N, batch):
+            for s in range(0, blocks_BT.shape[0], batch):
                 ids_BT = blocks_BT[s:s + batch].to(dev, torch.int64)
                 decoder(input_ids=ids_BT)
                 _accumulate(sums, torch.stack(nnz_BT), ids_BT, cap)
@@ -277,11 +299,6 @@ def profile_sparsity(model, blocks_BT: torch.Tensor, *, batch: int = 8, bf16: bo
         for h in handles:
             h.remove()
         model.train(was_training)
-    return SparsityProfile(
-        n_seqs=N, seq_len=T, ell_capacity=cap, nnz_sum_L=sums["nnz_L"].cpu(),
-        nnz_max_L=sums["max_L"].cpu(), heavy_L=sums["heavy_L"].cpu(),
-        nonfinite_L=nonfinite_L.cpu(), active_LH=active_LH.cpu(), nnz_pos_LT=sums["pos_LT"].cpu(),
-        token_count_V=sums["count_V"].cpu(), token_nnz_V=sums["tok_V"].cpu())
 
 
 def _accumulate(sums: dict, nnz_LBT: torch.Tensor, ids_BT: torch.Tensor, cap: int) -> None:

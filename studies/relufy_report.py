@@ -84,9 +84,18 @@ def plots(rows: list[dict], layers: dict[str, list[float]], fig_dir: Path) -> li
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     fig_dir.mkdir(parents=True, exist_ok=True)
+    _plot_acc_vs_l0(plt, rows, fig_dir)
+    _plot_l0_layers(plt, rows, layers, fig_dir)
+    return ["acc_vs_l0.png", "l0_layers.png"]
+
+
+def _plot_acc_vs_l0(plt, rows: list[dict], fig_dir: Path) -> None:
+    """``acc_vs_l0.png``: the seven-task mean against held-out L0 (% of the width) per L1 row,
+    CE only and distilled, beside the controls, chance and the 2 % and 5 % lines."""
+    import matplotlib.ticker
+
     by = {r["kind"]: r for r in rows if r["kind"] != "sparse"}
     fig, ax = plt.subplots(figsize=(6.8, 4.4))
     for distill, color, name in ((0, "C0", "L1, CE only"), (1, "C1", "L1 + distillation")):
@@ -125,6 +134,9 @@ def plots(rows: list[dict], layers: dict[str, list[float]], fig_dir: Path) -> li
     fig.savefig(fig_dir / "acc_vs_l0.png", dpi=120)
     plt.close(fig)
 
+
+def _plot_l0_layers(plt, rows: list[dict], layers: dict[str, list[float]], fig_dir: Path) -> None:
+    """``l0_layers.png``: training L0 per layer of the dense ReLU and the sparse rows."""
     fig, ax = plt.subplots(figsize=(7.6, 4.2))
     relu = [r for r in rows if r["kind"] in ("dense_relu", "sparse") and layers.get(r["row"])]
     cmap = plt.get_cmap("viridis")
@@ -142,7 +154,6 @@ def plots(rows: list[dict], layers: dict[str, list[float]], fig_dir: Path) -> li
     fig.tight_layout()
     fig.savefig(fig_dir / "l0_layers.png", dpi=120)
     plt.close(fig)
-    return ["acc_vs_l0.png", "l0_layers.png"]
 
 
 def kept_findings(doc: Path) -> str | None:
@@ -244,7 +255,27 @@ def running_lines(plan: StudyPlan, rows: list[RowSpec], state: dict | None) -> l
     train = [r for r in rows if r.trains]
     est = {s: estimate(plan, train, rows, s) for s in (MEASURED_TOKENS_PER_S,
                                                         TARGET_TOKENS_PER_S)}
-    lines = [
+    lines = [*_commands_lines(),
+             ("Estimated GPU time of the whole study (computed by `studies.relufy.estimate` from "
+              "the measured speed; row start-up, compilation, scoring and the distilled rows' "
+              "teacher are estimates, not measurements):"), "",
+             *(f"- {estimate_line(e)}" for e in est.values()), "",
+             *_partial_run_lines()]
+    invs = (state or {}).get("invocations") or []
+    if invs:
+        lines += ["The commands that made these results:", "", "```bash",
+                  *(i["command"] for i in invs if i.get("command")), "```", ""]
+    lines += [("Each row's training command (`<work>` = `--work`; `python -m train` adds "
+              "`hydra.run.dir=<work>/runs/<row>`):"), "", "```bash"]
+    for r in train:
+        lines += [f"# {r.name}",
+                  f"python -m train {' '.join(plan.train_overrides(r, Path('<work>/source_hf')))}"]
+    return lines + ["```", ""]
+
+
+def _commands_lines() -> list[str]:
+    """The running section's heading, how a piece is carried and run, and its commands."""
+    return [
         "## Running it", "",
         ("On one H200, in pieces of at most 10 minutes (each piece one command; run it again "
          "until it prints `all rows scored`). The GPU-side environment comes from "
@@ -274,10 +305,13 @@ def running_lines(plan: StudyPlan, rows: list[RowSpec], state: dict | None) -> l
         "# this document (any machine)",
         "python scripts/relufy_report.py docs/bench/relufy_study --doc docs/relufy.md",
         "```", "",
-        ("Estimated GPU time of the whole study (computed by `studies.relufy.estimate` from the "
-        "measured speed; row start-up, compilation, scoring and the distilled rows' teacher are "
-        "estimates, not measurements):"), "",
-        *(f"- {estimate_line(e)}" for e in est.values()), "",
+    ]
+
+
+def _partial_run_lines() -> list[str]:
+    """How a stopped row continues, the controls-first piece for a short GPU budget, and the
+    CPU smoke test."""
+    return [
         ("A stopped row continues from its last checkpoint only while `--work` is still there: "
          "on the same machine, pieces run back to back (one machine is held at most 30 "
          "minutes). On a fresh machine a half-trained row starts again; the scored rows in "
@@ -304,17 +338,8 @@ def running_lines(plan: StudyPlan, rows: list[RowSpec], state: dict | None) -> l
         "--work WORK --seq-len 32 --global-batch 4 --micro-batch 2 --val-sequences 4 --tokens "
         "256 --l1 0.5 --eval-limit 2 --eval-batch 8 data.source=files data.paths=[docs.jsonl] "
         "data.decontaminate=false sparsity.dead_window_tokens=0"),
-        "```", ""]
-    invs = (state or {}).get("invocations") or []
-    if invs:
-        lines += ["The commands that made these results:", "", "```bash",
-                  *(i["command"] for i in invs if i.get("command")), "```", ""]
-    lines += [("Each row's training command (`<work>` = `--work`; `python -m train` adds "
-              "`hydra.run.dir=<work>/runs/<row>`):"), "", "```bash"]
-    for r in train:
-        lines += [f"# {r.name}",
-                  f"python -m train {' '.join(plan.train_overrides(r, Path('<work>/source_hf')))}"]
-    return lines + ["```", ""]
+        "```", "",
+    ]
 
 
 def earlier_lines() -> list[str]:

@@ -166,17 +166,6 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def _read_config(path: Path) -> dict:
-    """A run's ``config.yaml`` as a plain dict (interpolations resolved), with the keys renamed
-    since it was written at their new places (``train.config.upgrade_saved``: a run recorded
-    before the ``ffn`` group reads as one recorded after)."""
-    from omegaconf import OmegaConf
-
-    from train.config import upgrade_saved
-
-    return upgrade_saved(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
-
-
 def load_run(run_dir: str | Path, warn=None) -> Run:
     """Parse one run directory. A NaN or inf in ``summary.json`` or ``metrics.jsonl`` becomes
     None (:attr:`Run.nonfinite` names the summary's), each with a line to ``warn`` (default:
@@ -190,43 +179,11 @@ def load_run(run_dir: str | Path, warn=None) -> Run:
         def warn(line: str) -> None:
             print(line, file=sys.stderr)
     d = Path(run_dir)
-    if not (d / "config.yaml").is_file():
-        if (d / ERROR_FILE).is_file():  # a sweep job that failed before it trained
-            raise IncompleteRunError(incomplete_reason(d, 0, None))
-        raise ReportError(f"{d}: no config.yaml; not a twell-train run directory")
-    try:
-        config = _read_config(d / "config.yaml")
-    except Exception as e:  # noqa: BLE001  (yaml's and OmegaConf's errors: a damaged file)
-        raise ReportError(f"{d / 'config.yaml'}: not a readable config ({type(e).__name__}: "
-                          f"{' '.join(str(e).split())}); the file is damaged") from None
-    rows = _read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
-    rows, bad_rows = zip(*(finite_only(r) for r in rows)) if rows else ((), ())  # NaN -> None
-    bad = [f"{k} at step {r.get('step')}" for r, keys in zip(rows, bad_rows) for k, _ in keys]
-    if bad:
-        warn(f"warning: {d / 'metrics.jsonl'}: {len(bad)} non-finite value(s) ({', '.join(bad[:3])}"
-             f"{', ...' if len(bad) > 3 else ''}) left out of the curves and comparisons")
-    by_kind: dict[str, list[dict]] = {"train": [], "val": [], "eval": []}
-    for r in rows:
-        by_kind.setdefault(r.get("kind", "train"), []).append(r)
+    config = _read_config(d)
+    rows, bad_rows, by_kind = _read_metrics(d, warn)
     max_steps = config.get("trainer", {}).get("max_steps")
     last = by_kind["train"][-1]["step"] if by_kind["train"] else 0
-    if not (d / "summary.json").is_file():
-        raise IncompleteRunError(incomplete_reason(d, last, max_steps))
-    try:
-        summary = json.loads((d / "summary.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise IncompleteRunError(
-            f"{d / 'summary.json'}: not valid JSON ({e}); the file is damaged (cut off while "
-            f"written): rerun the same command with {_run_dir_arg(d)} to write it again from the "
-            "run's last checkpoint, or leave the run out (--skip-incomplete)") from None
-    if not isinstance(summary, dict):
-        raise IncompleteRunError(f"{d / 'summary.json'}: holds a JSON {type(summary).__name__}, "
-                                 "not an object; the file is damaged: rerun the same command with "
-                                 f"{_run_dir_arg(d)} to write it again, or leave the run out "
-                                 "(--skip-incomplete)")
-    if max_steps is not None and summary.get("step", 0) < max_steps:
-        raise IncompleteRunError(f"{d}: incomplete run: summary.json is at step "
-                                 f"{summary.get('step')} of trainer.max_steps={max_steps}")
+    summary = _read_summary(d, last, max_steps)
     summary, bad = finite_only(summary)
     nonfinite = {k for k, _ in bad}
     if not summary.get("eval") and by_kind["eval"]:
@@ -246,6 +203,72 @@ def load_run(run_dir: str | Path, warn=None) -> Run:
         warn(f"warning: {d}: eval_mean averages the non-finite {', '.join(t[5:] for t in tasks)}:"
              f" shown as {NONFINITE}")
     return run
+
+
+def _read_config(d: Path) -> dict:
+    """The run's resolved ``config.yaml`` as a plain dict, with the keys renamed since it was
+    written at their new places (``train.config.upgrade_saved``: a run recorded before the
+    ``ffn`` group reads as one recorded after).
+
+    Raises:
+        IncompleteRunError: no config.yaml but the error file of a job that failed before it
+            trained.
+        ReportError: no config.yaml, or a damaged one."""
+    from omegaconf import OmegaConf
+
+    from train.config import upgrade_saved
+
+    if not (d / "config.yaml").is_file():
+        if (d / ERROR_FILE).is_file():  # a sweep job that failed before it trained
+            raise IncompleteRunError(incomplete_reason(d, 0, None))
+        raise ReportError(f"{d}: no config.yaml; not a twell-train run directory")
+    try:
+        config = OmegaConf.to_container(OmegaConf.load(d / "config.yaml"), resolve=True)
+    except Exception as e:  # noqa: BLE001  (yaml's and OmegaConf's errors: a damaged file)
+        raise ReportError(f"{d / 'config.yaml'}: not a readable config ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())}); the file is damaged") from None
+    return upgrade_saved(config)
+
+
+def _read_metrics(d: Path, warn) -> tuple:
+    """(rows, each row's non-finite keys, rows by kind ``train``/``val``/``eval``) of the run's
+    ``metrics.jsonl`` (none without it); a NaN or inf becomes None, with one line to ``warn``."""
+    rows = _read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
+    rows, bad_rows = zip(*(finite_only(r) for r in rows)) if rows else ((), ())  # NaN -> None
+    bad = [f"{k} at step {r.get('step')}" for r, keys in zip(rows, bad_rows) for k, _ in keys]
+    if bad:
+        warn(f"warning: {d / 'metrics.jsonl'}: {len(bad)} non-finite value(s) ({', '.join(bad[:3])}"
+             f"{', ...' if len(bad) > 3 else ''}) left out of the curves and comparisons")
+    by_kind: dict[str, list[dict]] = {"train": [], "val": [], "eval": []}
+    for r in rows:
+        by_kind.setdefault(r.get("kind", "train"), []).append(r)
+    return rows, bad_rows, by_kind
+
+
+def _read_summary(d: Path, last: int, max_steps: int | None) -> dict:
+    """The run's ``summary.json`` (``last``: the last logged training step, for the message).
+
+    Raises:
+        IncompleteRunError: no summary.json, a damaged one, or one of fewer steps than
+            ``max_steps``."""
+    if not (d / "summary.json").is_file():
+        raise IncompleteRunError(incomplete_reason(d, last, max_steps))
+    try:
+        summary = json.loads((d / "summary.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise IncompleteRunError(
+            f"{d / 'summary.json'}: not valid JSON ({e}); the file is damaged (cut off while "
+            f"written): rerun the same command with {_run_dir_arg(d)} to write it again from the "
+            "run's last checkpoint, or leave the run out (--skip-incomplete)") from None
+    if not isinstance(summary, dict):
+        raise IncompleteRunError(f"{d / 'summary.json'}: holds a JSON {type(summary).__name__}, "
+                                 "not an object; the file is damaged: rerun the same command with "
+                                 f"{_run_dir_arg(d)} to write it again, or leave the run out "
+                                 "(--skip-incomplete)")
+    if max_steps is not None and summary.get("step", 0) < max_steps:
+        raise IncompleteRunError(f"{d}: incomplete run: summary.json is at step "
+                                 f"{summary.get('step')} of trainer.max_steps={max_steps}")
+    return summary
 
 
 NONFINITE = "n/a (non-finite)"  # a table cell whose recorded value was NaN or inf
@@ -746,14 +769,12 @@ def l0_by_position(run_dir: str | Path, *, batches: int = 2, device: str | None 
     """
     import numpy as np
     import torch
-    import torch.nn.functional as F
     from omegaconf import OmegaConf
     from transformers.utils import logging as hf_logging
 
     from train.checkpoint import latest_checkpoint
     from train.data import DataConfig, build_datamodule
-    from train.model import ffn_modules, load_model
-    from twell.nn import FFNPlan
+    from train.model import load_model
 
     hf_logging.disable_progress_bar()  # no "Loading weights" bar per run
     d = Path(run_dir)
@@ -769,9 +790,28 @@ def l0_by_position(run_dir: str | Path, *, batches: int = 2, device: str | None 
     data = build_datamodule(DataConfig(**cfg["data"]), seq_len=cfg["model"]["seq_len"],
                             micro_batch=cfg["trainer"]["micro_batch"] or 8,  # null: planned
                             seed=cfg["trainer"]["seed"])
+    bf16 = dev.type == "cuda" and cfg["trainer"].get("precision") in ("auto", "bf16")
+    sums_LT, n_seqs = _active_by_position(model, data.val_batches(batches), cfg["model"]["seq_len"],
+                                          dev, bf16)
+    if n_seqs == 0:
+        raise ReportError(f"{d}: the run's data has no validation batches; cannot measure L0 "
+                          "by position")
+    return (sums_LT / n_seqs).cpu().numpy().astype(np.float64), n_seqs
+
+
+def _active_by_position(model, batches_BT, T: int, dev, bf16: bool):
+    """(sums_LT, n_seqs): per layer and position, the active FFN units (``relu(x Wg^T) > 0``,
+    ``x Wu^T`` non-gated, counted by a forward pre-hook on every FFN) summed over the sequences of
+    ``batches_BT`` (float64 (L, T) on ``dev``), and how many sequences that is; bf16 autocast
+    with ``bf16``."""
+    import torch
+    import torch.nn.functional as F
+
+    from train.model import ffn_modules
+    from twell.nn import FFNPlan
+
     mlps = ffn_modules(model)
     FFNPlan(mlps).set_collect_stats(False)  # the hooks below count; no statistics pass
-    T = cfg["model"]["seq_len"]
     sums_LT = torch.zeros(len(mlps), T, dtype=torch.float64, device=dev)
     current: list = [None] * len(mlps)
 
@@ -783,11 +823,10 @@ def l0_by_position(run_dir: str | Path, *, batches: int = 2, device: str | None 
         return hook
 
     handles = [m.register_forward_pre_hook(make_hook(i, m)) for i, m in enumerate(mlps)]
-    bf16 = dev.type == "cuda" and cfg["trainer"].get("precision") in ("auto", "bf16")
     n_seqs = 0
     try:
         with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            for ids_BT in data.val_batches(batches):
+            for ids_BT in batches_BT:
                 ids_BT = ids_BT.to(dev)
                 model(input_ids=ids_BT)
                 sums_LT[:, :ids_BT.shape[1]] += torch.stack(current).sum(1).double()
@@ -795,10 +834,7 @@ def l0_by_position(run_dir: str | Path, *, batches: int = 2, device: str | None 
     finally:
         for h in handles:
             h.remove()
-    if n_seqs == 0:
-        raise ReportError(f"{d}: the run's data has no validation batches; cannot measure L0 "
-                          "by position")
-    return (sums_LT / n_seqs).cpu().numpy().astype(np.float64), n_seqs
+    return sums_LT, n_seqs
 
 
 # ---------------------------------------------------------------- plots
@@ -1069,7 +1105,7 @@ def _plot_train_curves(inp: _PlotInput, notes: list[str]):
     """Train CE (+ validation), L0, dead units and the CE difference to the first run at every
     logged step; None when no run logged a step."""
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator, PercentFormatter
+    from matplotlib.ticker import MaxNLocator
 
     labels = inp.labels
     curves = [r for r in inp.runs if r.train]
@@ -1084,6 +1120,19 @@ def _plot_train_curves(inp: _PlotInput, notes: list[str]):
     for extra in panels[n:]:
         extra.remove()
     panels = panels[:n]  # CE, L0, [dead], [CE difference]
+    l0_vals = _draw_train_curves(panels, curves, labels, ref_ce, has_dead, has_diff)
+    _label_train_panels(panels, curves, labels, l0_vals, has_dead, has_diff)
+    for ax in panels:
+        ax.set_xlabel("optimizer step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    panels[0].legend(fontsize=7)  # the CE panel's
+    return fig
+
+
+def _draw_train_curves(panels: list, curves: list[Run], labels: dict, ref_ce: dict,
+                       has_dead: bool, has_diff: bool) -> list[float]:
+    """Each run's curves into ``panels`` (CE with validation points, L0, [dead %], [CE minus the
+    first run's, ``ref_ce``]); returns the L0 values drawn."""
     ax_ce, ax_l0 = panels[0], panels[1]
     l0_vals = []
     for i, r in enumerate(curves):
@@ -1105,6 +1154,15 @@ def _plot_train_curves(inp: _PlotInput, notes: list[str]):
         if has_dead:
             panels[2].plot(steps, [None if x.get("dead_frac") is None else 100 * x["dead_frac"]
                                    for x in r.train], lw=1, label=labels[r.dir], **st)
+    return l0_vals
+
+
+def _label_train_panels(panels: list, curves: list[Run], labels: dict, l0_vals: list[float],
+                        has_dead: bool, has_diff: bool) -> None:
+    """Titles, axis labels and ranges of the training-curve panels."""
+    from matplotlib.ticker import PercentFormatter
+
+    ax_ce, ax_l0 = panels[0], panels[1]
     _value_axis(ax_ce, [])
     ax_ce.set_title("Train CE (x: validation loss)")
     ax_ce.set_ylabel("cross-entropy (nats)")
@@ -1124,11 +1182,6 @@ def _plot_train_curves(inp: _PlotInput, notes: list[str]):
         panels[-1].set_title("Train CE minus the first run's")
         panels[-1].set_ylabel(f"CE - CE({labels[curves[0].dir]})"[:60])
         panels[-1].legend(fontsize=7)
-    for ax in panels:
-        ax.set_xlabel("optimizer step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_ce.legend(fontsize=7)
-    return fig
 
 
 def _plot_l0_by_position(inp: _PlotInput, position: dict):

@@ -63,7 +63,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import time
 import traceback
@@ -72,12 +71,14 @@ from pathlib import Path
 
 from evals.tasks import TASKS
 from studies.jobs import ROOT, Job, run_finished, run_jobs, train_command
+from studies.sizes import (  # the sizes' one table (configs/model/<size>.yaml)
+    PAPER_DEPTHS,
+    PAPER_L0_RANGE,
+    PAPER_SIZES,
+    TOKENS_PER_MS,
+    size_label,
+)
 
-PAPER_SIZES = ("0p5b", "1b", "1p5b", "2b")
-# Training tokens/ms on one H200 at micro-batch 8 x 2048 without activation recomputation: the
-# 1.5B and 2B shapes measured 33.8 and 25.3 (plain transformers step, BENCHMARKS.md, "Whole
-# model"); 0.5B and 1B scaled from them by layer count. Used for the time estimate only.
-TOKENS_PER_MS = {"0p5b": 100.0, "1b": 50.0, "1p5b": 34.0, "2b": 25.0}
 # Per-row seconds besides training: process start, model build, first Triton compilations,
 # validation, checkpoint write (12 bytes a parameter: fp32 weights and AdamW's two moments) and
 # the profile (reading the weights back). A guess, not measured; each result file records the
@@ -90,7 +91,6 @@ KEEP = ("full", "weights", "none")
 
 # ---- the depth series (docs/scaling.md, "Depth series")
 DEPTH_MODEL = "depth_w512"  # configs/model/depth_w512.yaml: the series' one shape definition
-PAPER_DEPTHS = (8, 18, 28, 38)  # layers of the paper's 0.5B / 1B / 1.5B / 2B
 DEPTH_STEPS = 1000
 DEPTH_PROBE_STEPS = 300
 # The probe's L1 grid: the paper's 2e-5 (code normalisation: per-layer sum over units, mean over
@@ -99,9 +99,6 @@ DEPTH_PROBE_STEPS = 300
 # the L1 term 300x fewer tokens than the paper's 10 B to act (measured on one H200 at width
 # 2048: 3e-4 reached L0 10-45 within 3-5 M tokens; 1e-3 drove the 0.5B shape to L0 ~1).
 DEPTH_PROBE_L1 = (1e-4, 3e-4, 1e-3)
-# The paper's L0 range at L1 2e-5: 39 (0.5B, 8 layers) .. 24 (2B, 38 layers); the probe looks
-# for the L1 values that put the deepest model at these L0 values.
-PAPER_L0_RANGE = (39.0, 24.0)
 # Effective training FLOP/s of a small model on one H200 (eager PyTorch, bf16, no
 # recomputation) for the time estimate of shapes without a measured speed: ~15 % of the H200's
 # 989 TFLOP/s, as measured for models of this size on one H200: a SmolLM2-135M-shaped model
@@ -117,12 +114,6 @@ EVAL_SETS = {t.name: t.size for t in TASKS.values()}
 EVAL_PAD_FACTOR = 1.5  # padded batch tokens / real tokens (right padding to the batch's longest)
 EVAL_EFFICIENCY = 0.5  # eval forwards run at half the training rate (short rows, fp32 log-softmax)
 EVAL_BATCH_OVERHEAD_S = 0.01  # host work per scored batch
-
-
-def size_label(size: str) -> str:
-    """``0p5b`` -> ``0.5B``, ``2b`` -> ``2B``; other names unchanged."""
-    m = re.fullmatch(r"(\d+)(?:p(\d+))?b", size)
-    return size if m is None else m.group(1) + (f".{m.group(2)}" if m.group(2) else "") + "B"
 
 
 def row_label(r: dict) -> str:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from studies.scaling import l1_text, row_label
+from studies.sizes import PAPER_POINTS  # size -> (layers, the paper's L0 at L1 2e-5)
 
-PAPER_POINTS = {"0p5b": (8, 39.0), "1p5b": (28, 29.0), "2b": (38, 24.0)}  # layers, L0 at 2e-5
 TOP_TOKENS = 15
 
 

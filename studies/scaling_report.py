@@ -42,19 +42,29 @@ from studies.scaling import (
     DEPTH_MODEL,
     DEPTH_PROBE_L1,
     DEPTH_PROBE_STEPS,
-    PAPER_DEPTHS,
-    PAPER_L0_RANGE,
-    PAPER_SIZES,
     RESULT_FORMAT,
     StudySettings,
     l1_text,
     row_label,
     settle_check,
+)
+from studies.sizes import (  # the sizes' one table (configs/model/<size>.yaml)
+    DEPTH_LABELS,
+    PAPER_DEPTHS,
+    PAPER_DROP_PCT,
+    PAPER_END_SIZES,
+    PAPER_L0,
+    PAPER_L0_RANGE,
+    PAPER_POINTS,
+    PAPER_SIZES,
+    SIZE_LAYERS,
+    paper_text,
     size_label,
 )
 
-PAPER_L0 = {"0p5b": 39.0, "1p5b": 29.0, "2b": 24.0}  # non-zeros per token at L1 2e-5
-PAPER_DROP_PCT = 100 * (24.0 - 39.0) / 39.0  # 0.5B -> 2B
+_PAPER_ENDS = f"{PAPER_L0_RANGE[0]:g} -> {PAPER_L0_RANGE[1]:g}"  # 39 -> 24
+_PAPER_END_SIZES = " -> ".join(size_label(s) for s in PAPER_END_SIZES)  # 0.5B -> 2B
+_PAPER_END_LAYERS = " -> ".join(str(SIZE_LAYERS[s]) for s in PAPER_END_SIZES)  # 8 -> 38
 CSV_COLUMNS = ["size", "layers", "hidden", "l1_coeff", "reinit", "tokens_m", "steps", "settled",
                "l0_mean", "l0_max_layer", "l0_first_token", "dead_pct", "val_loss",
                "val_loss_dense", "eval_mean", "eval_mean_dense", "eval_stderr", "eval_diff",
@@ -298,14 +308,14 @@ def check_paper_targets(rows: list[dict]) -> list[dict]:
             if missing and not ups:
                 verdict += f" for the sizes run (missing {', '.join(missing)})"
         out.append({"target": f"L0 falls with size, L1 {l1_text(l1)}", "measured": chain,
-                    "paper": "39 > 29 > 24 (0.5B, 1.5B, 2B; L1 2e-5)", "verdict": verdict})
+                    "paper": paper_text(), "verdict": verdict})
         if len(rs) >= 2 and vals[0] and vals[-1] is not None:
             drop = 100 * (vals[-1] - vals[0]) / vals[0]
             out.append({
                 "target": f"{size_label(rs[0]['size'])} -> {size_label(rs[-1]['size'])} drop, "
                           f"L1 {l1_text(l1)}",
                 "measured": f"{_f(vals[0])} -> {_f(vals[-1])} ({drop:+.0f} %)",
-                "paper": f"39 -> 24 ({PAPER_DROP_PCT:+.0f} %, 0.5B -> 2B)",
+                "paper": f"{_PAPER_ENDS} ({PAPER_DROP_PCT:+.0f} %, {_PAPER_END_SIZES})",
                 "verdict": f"{drop - PAPER_DROP_PCT:+.0f} points from the paper's"})
     out += _reinit_targets(rows)
     return out
@@ -336,50 +346,62 @@ def check_depth_targets(rows: list[dict]) -> list[dict]:
         by_steps.setdefault(r["steps"], []).append(r)
     for steps, rs_all in sorted(by_steps.items()):
         tag = f" ({steps} steps)" if len(by_steps) > 1 else ""
-        unsettled = [r for r in rs_all if r["settled"] is not True]
-        out.append({
-            "target": f"every row settled{tag}",
-            "measured": f"{len(rs_all) - len(unsettled)} of {len(rs_all)} settled"
-                        + ("; not: " + ", ".join(
-                            f"{r['run']} ({_f(r['settle_change_pct'])} %)" for r in unsettled)
-                           if unsettled else ""),
-            "paper": "per-layer L0 moves < 5 % over the last fifth of training",
-            "verdict": "met" if not unsettled else "not met"})
+        out.append(_settled_target(rs_all, tag))
         plain = _plain_by_l1(rs_all)
         nonzero = sorted(v for v in plain if v > 0)
         for l1 in sorted(nonzero, reverse=True):
-            rs = plain[l1]
-            chain = " > ".join(f"{_layers(r)} {_f(r['l0_mean'])}" for r in rs)
-            vals = [r["l0_mean"] for r in rs]
-            late = [_layers(r) for r in rs if r["settled"] is not True]
-            if len(rs) < 2 or any(v is None for v in vals):
-                verdict = "not enough depths"
-            else:
-                ups = [f"{_layers(a)} -> {_layers(b)}" for a, b in pairwise(rs)
-                       if not b["l0_mean"] < a["l0_mean"]]
-                verdict = "met" if not ups else f"not met ({', '.join(ups)} does not fall)"
-                missing = [str(d) for d in PAPER_DEPTHS if d not in {r["layers"] for r in rs}]
-                if missing and not ups:
-                    verdict += f" for the depths run (missing {', '.join(missing)} L)"
-                if late:
-                    verdict = f"not judged: {', '.join(late)} not settled (as measured: {verdict})"
-            out.append({"target": f"L0 falls with depth, L1 {l1_text(l1)}{tag}",
-                        "measured": chain, "paper": "39 > 29 > 24 (8, 28, 38 layers; L1 2e-5)",
-                        "verdict": verdict})
-            if len(rs) >= 2 and vals[0] and vals[-1] is not None:
-                change = 100 * (vals[-1] - vals[0]) / vals[0]
-                v = (f"{change - PAPER_DROP_PCT:+.0f} points from the paper's" if change < 0
-                     else "not reproduced (L0 does not fall)")
-                if late:
-                    v = f"not judged: {', '.join(late)} not settled ({v})"
-                out.append({"target": f"{_layers(rs[0])} -> {_layers(rs[-1])} change, L1 "
-                                      f"{l1_text(l1)}{tag}",
-                            "measured": f"{_f(vals[0])} -> {_f(vals[-1])} ({change:+.0f} %)",
-                            "paper": f"39 -> 24 ({PAPER_DROP_PCT:+.0f} %, 8 -> 38 layers)",
-                            "verdict": v})
+            out += _depth_trend_targets(plain[l1], l1, tag)
         for i, l1 in enumerate(nonzero):
             out.append(_accuracy_target(plain[l1], l1, weak=i == 0, tag=tag))
     out += _reinit_targets(rows)
+    return out
+
+
+def _settled_target(rs_all: list[dict], tag: str) -> dict:
+    """The depth series' target "every row settled" over ``rs_all`` (one step count)."""
+    unsettled = [r for r in rs_all if r["settled"] is not True]
+    return {
+        "target": f"every row settled{tag}",
+        "measured": f"{len(rs_all) - len(unsettled)} of {len(rs_all)} settled"
+                    + ("; not: " + ", ".join(
+                        f"{r['run']} ({_f(r['settle_change_pct'])} %)" for r in unsettled)
+                       if unsettled else ""),
+        "paper": "per-layer L0 moves < 5 % over the last fifth of training",
+        "verdict": "met" if not unsettled else "not met"}
+
+
+def _depth_trend_targets(rs: list[dict], l1: float, tag: str) -> list[dict]:
+    """At one nonzero L1, the targets "L0 falls with depth" and the shallowest -> deepest change
+    beside the paper's, both "not judged" while a row compared has not settled."""
+    out = []
+    chain = " > ".join(f"{_layers(r)} {_f(r['l0_mean'])}" for r in rs)
+    vals = [r["l0_mean"] for r in rs]
+    late = [_layers(r) for r in rs if r["settled"] is not True]
+    if len(rs) < 2 or any(v is None for v in vals):
+        verdict = "not enough depths"
+    else:
+        ups = [f"{_layers(a)} -> {_layers(b)}" for a, b in pairwise(rs)
+               if not b["l0_mean"] < a["l0_mean"]]
+        verdict = "met" if not ups else f"not met ({', '.join(ups)} does not fall)"
+        missing = [str(d) for d in PAPER_DEPTHS if d not in {r["layers"] for r in rs}]
+        if missing and not ups:
+            verdict += f" for the depths run (missing {', '.join(missing)} L)"
+        if late:
+            verdict = f"not judged: {', '.join(late)} not settled (as measured: {verdict})"
+    out.append({"target": f"L0 falls with depth, L1 {l1_text(l1)}{tag}",
+                "measured": chain, "paper": paper_text(layers=True),
+                "verdict": verdict})
+    if len(rs) >= 2 and vals[0] and vals[-1] is not None:
+        change = 100 * (vals[-1] - vals[0]) / vals[0]
+        v = (f"{change - PAPER_DROP_PCT:+.0f} points from the paper's" if change < 0
+             else "not reproduced (L0 does not fall)")
+        if late:
+            v = f"not judged: {', '.join(late)} not settled ({v})"
+        out.append({"target": f"{_layers(rs[0])} -> {_layers(rs[-1])} change, L1 "
+                              f"{l1_text(l1)}{tag}",
+                    "measured": f"{_f(vals[0])} -> {_f(vals[-1])} ({change:+.0f} %)",
+                    "paper": f"{_PAPER_ENDS} ({PAPER_DROP_PCT:+.0f} %, {_PAPER_END_LAYERS} layers)",
+                    "verdict": v})
     return out
 
 
@@ -558,9 +580,11 @@ def sentence_l0_vs_size(results: list[dict]) -> str:
                      f"{'falling at every step' if mono else 'not monotone'})")
         parts.append(f"at L1 {l1_text(l1)}: {vals}{trend}")
     tokens = {float(f"{r['summary']['tokens_seen'] / 1e6:.3g}") for r in results}
-    where = ("8 / 28 / 38 layers (0.5B / 1.5B / 2B)" if _is_depth(results)
-             else "0.5B / 1.5B / 2B")
-    return (f"Held-out mean L0 {'; '.join(parts)}. The paper: 39 / 29 / 24 at {where} "
+    labels = " / ".join(size_label(s) for s in PAPER_L0)
+    where = (" / ".join(str(n) for n, _ in PAPER_POINTS.values()) + f" layers ({labels})"
+             if _is_depth(results) else labels)
+    return (f"Held-out mean L0 {'; '.join(parts)}. The paper: "
+            f"{' / '.join(f'{v:g}' for v in PAPER_L0.values())} at {where} "
             f"({PAPER_DROP_PCT:+.0f} %) at L1 2e-5 after 10-40 B tokens; here "
             f"{' / '.join(map(str, sorted(tokens)))} M tokens per run.")
 
@@ -727,22 +751,24 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
     order packed into device calls (:func:`studies.scaling.pack_calls`, with :data:`STAND_IN_L1`
     for the L1 values the probe decides) and the commands. Every number comes from
     :mod:`studies.scaling`'s settings and estimate."""
-    from studies.scaling import (
-        StudyRow,
-        estimate_seconds,
-        model_shape,
-        pack_calls,
-        plan_depth_rows,
-        plan_probe_rows,
-        row_params,
-    )
-    from train.metrics import flops_per_token
-
     s = s or StudySettings.for_depth_series()
     weak, strong = STAND_IN_L1
-    deepest = max(depths)
     brief_tflops = 0.4 * 790
-    shape = model_shape(DEPTH_MODEL, deepest)
+    table = _depth_shapes_table(s, depths, weak, brief_tflops)
+    calls = _depth_calls(s, depths, weak, strong, call_wall)
+    return "\n".join([*_plan_design_md(s, depths, table, brief_tflops), *_plan_recipe_md(s),
+                      *_plan_l1_md(max(depths)),
+                      *_plan_calls_md(depths, calls, call_wall, weak, strong),
+                      *_plan_commands_md()])
+
+
+def _depth_shapes_table(s: StudySettings, depths, weak: float, brief_tflops: float) -> list[list]:
+    """The plan's shapes table: per depth, the paper's model of that depth, parameters (M),
+    training GFLOP a token, tok/ms at the two rates, and the estimated training and whole-row
+    seconds of its weak-L1 row."""
+    from studies.scaling import StudyRow, estimate_seconds, model_shape, row_params
+    from train.metrics import flops_per_token
+
     table = []
     for d in depths:
         m = model_shape(DEPTH_MODEL, d)
@@ -750,22 +776,37 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
         f = flops_per_token(m)
         row = StudyRow(DEPTH_MODEL, weak, layers=d, steps=s.steps)
         tr, whole = estimate_seconds(row, s)
-        table.append([d, {8: "0.5B", 18: "1B", 28: "1.5B", 38: "2B"}.get(d, ""),
+        table.append([d, DEPTH_LABELS.get(d, ""),
                       f"{row_params(row) / 1e6:.1f}", f"{f / 1e9:.2f}",
                       f"{s.effective_tflops * 1e12 / f / 1e3:.0f}",
                       f"{brief_tflops * 1e12 / f / 1e3:.0f}", f"{tr:.0f}", f"{whole:.0f}"])
-    wide = model_shape(DEPTH_MODEL, deepest)
-    wide.hidden_size, wide.intermediate_size, wide.num_heads, wide.seq_len = 768, 2112, 12, s.seq_len
-    wide_train = s.steps * s.tokens_per_step * flops_per_token(wide) / (s.effective_tflops * 1e12)
+    return table
+
+
+def _depth_calls(s: StudySettings, depths, weak: float, strong: float, call_wall: float) -> list:
+    """The L1 probe's rows and the series' rows (stand-in L1 values) packed into device calls
+    of ``call_wall`` seconds (:func:`studies.scaling.pack_calls`: lists of (row, seconds))."""
+    from studies.scaling import pack_calls, plan_depth_rows, plan_probe_rows
+
+    deepest = max(depths)
     probe = plan_probe_rows(deepest, list(DEPTH_PROBE_L1), DEPTH_PROBE_STEPS)
     rows = plan_depth_rows(list(depths), [0.0, weak, strong], s.steps, reinit=[(deepest, strong)])
     calls = pack_calls(probe, s, call_wall) + pack_calls(rows, s, call_wall)
-    total = sum(e for c in calls for _, e in c)
-    sessions = math.ceil(len(calls) / 3)
-    call_rows = [[i, ", ".join(f"{_role(r, weak, strong)} ({e:.0f})" for r, e in c),
-                  f"{sum(e for _, e in c):.0f}"] for i, c in enumerate(calls, 1)]
-    tokens = s.steps * s.tokens_per_step
-    return "\n".join([
+    return calls
+
+
+def _plan_design_md(s: StudySettings, depths, table: list[list], brief_tflops: float) -> list[str]:
+    """The plan's first paragraphs: why this design, the shapes with their ``table``, and the
+    throughput estimate."""
+    from studies.scaling import model_shape
+    from train.metrics import flops_per_token
+
+    deepest = max(depths)
+    shape = model_shape(DEPTH_MODEL, deepest)
+    wide = model_shape(DEPTH_MODEL, deepest)
+    wide.hidden_size, wide.intermediate_size, wide.num_heads, wide.seq_len = 768, 2112, 12, s.seq_len
+    wide_train = s.steps * s.tokens_per_step * flops_per_token(wide) / (s.effective_tflops * 1e12)
+    return [
         "### Plan", "",
         ("**Why this design.** At the paper's shapes each model saw 3.3 M tokens (200 steps; the "
          "section after this one), where the paper's sparsity settles only after ~1000 steps of "
@@ -799,6 +840,13 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          "model build (45 s, a guess), the checkpoint (16 bytes a parameter written and read), "
          "the profile, and the seven tasks' full validation sets (57,958 scoring requests, 3.66 M "
          "tokens, at half the training rate with padding)."), "",
+    ]
+
+
+def _plan_recipe_md(s: StudySettings) -> list[str]:
+    """The plan's tokens, recipe and settle-rule paragraphs."""
+    tokens = s.steps * s.tokens_per_step
+    return [
         (f"**Tokens.** {s.steps} steps x {s.global_batch} x {s.seq_len} = {tokens:,} tokens a "
          f"row, the same blocks in the same order for every row (seed {s.seed}): "
          f"{tokens / CORPUS_TRAIN_TOKENS:.2f} epochs of the offline corpus's "
@@ -820,6 +868,13 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          "0.5 active units a token (a near-dead layer's 5 % is below what a logged point "
          "resolves). A row not settled is reported with the move of a layer that fails the rule; its L0 is not compared "
          "(`--steps` reruns the series longer, under new row names)."), "",
+    ]
+
+
+def _plan_l1_md(deepest: int) -> list[str]:
+    """The plan's paragraphs on the L1 probe, the dense controls, re-initialisation and the
+    bf16 L1-gradient confound."""
+    return [
         ("**L1 values: measured first.** The paper's 2e-5 (the code's normalisation: per layer "
          "the sum over units of |h|, mean over tokens, then the mean over layers) x ~4 for the "
          "4x narrower FFN (the per-token sum over units shrinks with their number) is 8e-5; the "
@@ -852,6 +907,17 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          "a given coefficient the depths are not regularised alike, by an amount that is not "
          "known in advance for trained weights. Every row records the share kept on its final "
          "weights (`L1 grad kept`); compare it across depths before reading the L0 trend."), "",
+    ]
+
+
+def _plan_calls_md(depths, calls: list, call_wall: float, weak: float, strong: float) -> list[str]:
+    """The plan's device time: the rows' order, the ``calls`` table and the sessions they take."""
+    deepest = max(depths)
+    total = sum(e for c in calls for _, e in c)
+    sessions = math.ceil(len(calls) / 3)
+    call_rows = [[i, ", ".join(f"{_role(r, weak, strong)} ({e:.0f})" for r, e in c),
+                  f"{sum(e for _, e in c):.0f}"] for i, c in enumerate(calls, 1)]
+    return [
         (f"**Device time and order.** The rows in the order a call runs them (the L1 probe "
          f"first; then the weak L1 at {deepest} and {min(depths)} layers, their dense controls, "
          "the strong L1 there, the re-init row, then the middle depths), packed into calls of "
@@ -869,6 +935,12 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          + "; rows that remain run in the next sessions (rows with a result are skipped; a row "
          "stopped by a call's end resumes from its checkpoint only on a machine still warm)."),
         "",
+    ]
+
+
+def _plan_commands_md() -> list[str]:
+    """The plan's commands: the CPU preparation, the probe call, the series' calls, the merge."""
+    return [
         ("**Commands.** On the CPU, from the repository root with the packages importable "
          "(`.venv`, or `PYTHONPATH=.`; `build_carry.sh` wants `.venv`: `bash scripts/setup.sh`), "
          "once before the session (`.devcarry` is git-ignored):"), "",
@@ -912,7 +984,7 @@ def depth_plan_md(s: StudySettings | None = None, depths=PAPER_DEPTHS,
          "assumes. The CPU smoke run of the whole path (2 depths of a width-32 model, 10 steps on "
          "64-id synthetic data, the seven tasks on 2 items each, the report): "
          "`tests/train/test_scaling_depth.py::test_depth_series_smoke_end_to_end`."),
-    ])
+    ]
 
 
 # ---------------------------------------------------------------- the doc
@@ -1073,7 +1145,16 @@ def doc_text(results: list[dict], targets: list[dict], plots: dict, judgements: 
     series = [r for r in depth if not r["row"].get("probe")]
     probe = [r for r in depth if r["row"].get("probe")]
     paper = [r for r in results if r["row"].get("series", "paper") == "paper"]
-    out = [
+    out = [*_doc_head_md(command, image_prefix), depth_plan_md(), "", "### Results", "",
+           *_depth_results_md(series, probe, targets, plots, judgements),
+           *_paper_rows_md(paper, targets, plots, judgements), REPRODUCE, ""]
+    text = "\n".join(out)
+    return text + ("\n" + kept if kept else "")
+
+
+def _doc_head_md(command: str, image_prefix: str) -> list[str]:
+    """The doc's title, the paper's finding, how the page is generated, the depth series' heading."""
+    return [
         "# Scaling of activation sparsity with model size", "",
         ("The paper (arXiv 2603.23198, \"Results\") finds that larger models keep fewer FFN "
          "units active per token: 39 -> 29 -> 24 non-zeros per token from 0.5B to 2B at L1 "
@@ -1088,9 +1169,13 @@ def doc_text(results: list[dict], targets: list[dict], plots: dict, judgements: 
          "`studies/scaling_report.py`, `CSV_COLUMNS`: seven-task numbers in percent and points). "
          "Blocks marked *Lead* are written by hand and kept when the page is regenerated."), "",
         "## Depth series: width 512, 8 / 18 / 28 / 38 layers, trained until sparsity settles", "",
-        depth_plan_md(), "",
-        "### Results", "",
     ]
+
+
+def _depth_results_md(series: list[dict], probe: list[dict], targets: list[dict], plots: dict,
+                      judgements: dict) -> list[str]:
+    """The depth series' results: the L1 probe, the targets, the runs table and the plots."""
+    out = []
     if not series and not probe:
         out += [("No depth-series row has run yet (the plan above is what the next GPU "
                  "sessions run)."), ""]
@@ -1112,6 +1197,13 @@ def doc_text(results: list[dict], targets: list[dict], plots: dict, judgements: 
              "wall seconds."), "",
         ]
         out += _plot_sections(DEPTH_PLOTS, series, plots, judgements)
+    return out
+
+
+def _paper_rows_md(paper: list[dict], targets: list[dict], plots: dict,
+                   judgements: dict) -> list[str]:
+    """The paper-size rows (3.3 M tokens): how far they settled, setup, targets, runs, plots."""
+    out = []
     out += [
         "## At the paper's sizes: what 3.3 M tokens gives", "",
         ("These rows are *not* trained until their sparsity settles: 200 steps of 8 x 2048 "
@@ -1146,10 +1238,7 @@ def doc_text(results: list[dict], targets: list[dict], plots: dict, judgements: 
         out += _plot_sections(PLOTS, paper, plots, judgements)
     else:
         out += ["No paper-size row in the results.", ""]
-    out += [REPRODUCE, ""]
-    text = "\n".join(out)
-    return text + ("\n" + kept if kept else "")
-
+    return out
 
 REPRODUCE = """### Reproducing the paper-size rows
 

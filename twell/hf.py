@@ -566,15 +566,36 @@ def verify_checkpoint(ckpt: str | Path, *, checksums: bool = True, no_hash: tupl
     if files is None:
         if (_int(meta.get("format_version")) or 0) >= 2:
             return problems + ["metadata.json records no files (damaged)"]
-        for name in legacy_files:  # previous format: no sizes recorded
-            f = ckpt / name
-            if f.is_symlink():
-                problems.append(f"{name} is a symbolic link")
-            elif not f.is_file():
-                problems.append(f"{name} is missing")
-        return problems
+        return problems + _legacy_problems(ckpt, legacy_files)
     if not isinstance(files, dict) or not all(isinstance(r, dict) for r in files.values()):
         return problems + ["metadata.json's file records are damaged"]
+    problems += _unrecorded_problems(ckpt, files)
+    problems += _recorded_problems(ckpt, files, checksums, no_hash)
+    if "trainer.json" in files and step is not None and not any(
+            q.startswith("trainer.json") for q in problems):
+        state = _state_step(ckpt)
+        if state != step:
+            problems.append(f"trainer.json records step {state}, metadata.json step {step}")
+    return problems
+
+
+def _legacy_problems(ckpt: Path, legacy_files: tuple[str, ...]) -> list[str]:
+    """A previous-format checkpoint (no sizes recorded): each of ``legacy_files`` missing or a
+    symbolic link."""
+    problems = []
+    for name in legacy_files:
+        f = ckpt / name
+        if f.is_symlink():
+            problems.append(f"{name} is a symbolic link")
+        elif not f.is_file():
+            problems.append(f"{name} is missing")
+    return problems
+
+
+def _unrecorded_problems(ckpt: Path, files: dict) -> list[str]:
+    """What is under the folder but should not be: links, special files, files ``files``
+    (metadata.json's records) does not name."""
+    problems = []
     for name, p in _walk(ckpt):
         if p.is_symlink():
             problems.append(f"{name} is a symbolic link")
@@ -582,13 +603,20 @@ def verify_checkpoint(ckpt: str | Path, *, checksums: bool = True, no_hash: tupl
             problems.append(f"{name} is not a regular file")
         elif p.is_file() and name != METADATA and name not in files:
             problems.append(f"{name} is not recorded in metadata.json (added after the save)")
-    todo = []
+    return problems
+
+
+def _recorded_problems(ckpt: Path, files: dict, checksums: bool,
+                       no_hash: tuple[str, ...]) -> list[str]:
+    """Each recorded file outside the folder, missing, of another size, or (``checksums``, unless
+    its name starts with one of ``no_hash``) without or failing its SHA-256 (hashed 4 at a time)."""
+    problems, todo = [], []
     for name, rec in files.items():
         p = ckpt / name
         if Path(name).is_absolute() or ".." in Path(name).parts:
             problems.append(f"metadata.json records {name!r}, outside the folder")
         elif p.is_symlink() or (p.exists() and not p.is_file()):
-            continue  # named above
+            continue  # named by _unrecorded_problems
         elif not p.is_file():
             problems.append(f"{name} is missing")
         elif p.stat().st_size != rec.get("bytes"):
@@ -604,11 +632,6 @@ def verify_checkpoint(ckpt: str | Path, *, checksums: bool = True, no_hash: tupl
             for (name, _, want), got in zip(todo, pool.map(sha256_file, [p for _, p, _ in todo])):
                 if got != want:
                     problems.append(f"{name} fails its SHA-256 check")
-    if "trainer.json" in files and step is not None and not any(
-            q.startswith("trainer.json") for q in problems):
-        state = _state_step(ckpt)
-        if state != step:
-            problems.append(f"trainer.json records step {state}, metadata.json step {step}")
     return problems
 
 

@@ -414,3 +414,22 @@ def test_csv_handles_nonfinite_and_missing():
     assert row["val_loss"] is None and row["dead_pct"] is None and row["l0_mean"] is None
     assert row["l0_max_layer"] == 10.0
     assert not any(isinstance(v, float) and math.isnan(v) for v in row.values())
+
+
+def test_sizes_are_the_size_named_model_configs(tmp_path):
+    """A model size is added by its configs/model/<size>.yaml alone: the study's sizes are the
+    configs named by a parameter count, smallest first, with their depth read from the file."""
+    from studies import sizes
+
+    for name, layers in [("3b", 48), ("0p25b", 4), ("tiny", 2), ("depth_w512", 8)]:
+        (tmp_path / f"{name}.yaml").write_text(f"name: {name}\nnum_layers: {layers}\n")
+    assert list(sizes.size_layers(tmp_path).items()) == [("0p25b", 4), ("3b", 48)]
+    (tmp_path / "1b.yaml").write_text("name: 1b\n")
+    with pytest.raises(ValueError, match="1b.yaml: a model size needs an integer num_layers"):
+        sizes.size_layers(tmp_path)
+    # the repository's four: the paper's 0.5B / 1B / 1.5B / 2B at 8 / 18 / 28 / 38 layers
+    assert sizes.SIZE_LAYERS == {"0p5b": 8, "1b": 18, "1p5b": 28, "2b": 38}
+    assert sizes.PAPER_POINTS == {"0p5b": (8, 39.0), "1p5b": (28, 29.0), "2b": (38, 24.0)}
+    assert sizes.PAPER_L0_RANGE == (39.0, 24.0) and sizes.DEPTH_LABELS[28] == "1.5B"
+    assert sizes.paper_text() == "39 > 29 > 24 (0.5B, 1.5B, 2B; L1 2e-5)"
+    assert sizes.size_label("0p5b") == "0.5B" and sizes.size_label("depth_w512") == "depth_w512"

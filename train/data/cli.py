@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The ``twell-data`` command line: ``list``, and ``build``/``info``/``verify``/``path`` with
+    the corpus options."""
     head, _, body = __doc__.partition("\n")  # the description once, the examples as epilog
     p = argparse.ArgumentParser(prog="twell-data", description=head,
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=body)
@@ -86,7 +88,12 @@ def _main(argv: list[str] | None = None) -> int:
         if name == "build":
             q.add_argument("--force", action="store_true", help="rebuild even if a manifest exists")
             q.add_argument("--quiet", action="store_true", help="no progress bars")
-    a = p.parse_args(argv)
+    return p
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """Run one ``twell-data`` command; 0 on success (errors reach :func:`main`)."""
+    a = _parser().parse_args(argv)
 
     if a.cmd == "list":
         from train.data.sources import SOURCES
