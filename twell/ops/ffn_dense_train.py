@@ -110,7 +110,7 @@ def dense_ffn_train(
     """Gated ReLU FFN for training in *dense mode*: cuBLAS products plus one fused elementwise
     pass each way, with the same statistics and L1 gradient as :func:`sparse_ffn_train`.
 
-    For layers too dense for the ELL path (``model.ffn_impl=auto`` sends a layer here when its
+    For layers too dense for the ELL path (``ffn.impl=auto`` sends a layer here when its
     measured density or heavy-row fraction is above the policy's limits; see
     :meth:`twell.policy.FFNPolicy.train_path`). Forward: g = x Wg^T and
     u = x Wu^T (cuBLAS), one pass for h = relu(g) * u, the per-row sum |h| and L0 and the

@@ -37,7 +37,7 @@ default, measuring mode nothing is dropped at any density: when more than
 then the dense FFN plus one compaction pass). In the no-sync mode (``backup_rows >= 0``) the
 backup has the caller's capacity and no all-dense fallback; heavy rows beyond it would be wrong,
 so the caller checks ``FFNStats.heavy_rows`` against the capacity before using the results and
-redoes the call measuring (the trainer does, once per optimizer step, ``model.ffn_host_sync``).
+redoes the call measuring (the trainer does, once per optimizer step, ``ffn.host_sync``).
 
 NaN / inf: a NaN gate counts as active (``not (g <= 0)``, as on the inference path), so a row
 with a NaN input has every unit active, is heavy and goes to the dense backup, where the NaN
