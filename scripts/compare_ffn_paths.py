@@ -121,6 +121,9 @@ def _log_tail(path: Path, n: int = 2000) -> str:
 
 
 def main(argv=None) -> int:
+    """Run the three FFN paths on the same tokens and compare them; 0 when every criterion
+    passed, 1 when one failed, 2 for a bad configuration, a non-empty --runs-dir or no
+    comparison (a run failed or its files do not read)."""
     a = parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     runs_dir = a.runs_dir or ROOT / "runs" / "compare_ffn" / time.strftime("%Y-%m-%d_%H-%M-%S")
@@ -128,23 +131,52 @@ def main(argv=None) -> int:
         print(f"--runs-dir {runs_dir} is not empty; pick a new one", file=sys.stderr)
         return 2
     runs_dir.mkdir(parents=True, exist_ok=True)
-    user, env = list(a.overrides), {}
-    if a.smoke:
-        tokens = write_smoke_tokens(runs_dir / "smoke_tokens.bin")
-        user = [*SMOKE_OVERRIDES, f"data.paths=[{tokens}]", *user]
-        env["TRITON_INTERPRET"] = None  # twell: the PyTorch backend of the sparse math
+    user, env = _user_overrides(a, runs_dir)
     try:  # refuse a bad configuration before the first run starts
         cfg, specs, accum = check_plan(user, a.steps)
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
         return 2
-    print(f"runs dir {runs_dir}: 3 runs x {a.steps} steps, global batch "
+    _print_setup(cfg, runs_dir, a.steps)
+    jobs = _run_specs(specs, accum, runs_dir, env)
+    a.out.mkdir(parents=True, exist_ok=True)
+    meta = _meta(a, started, runs_dir, user, specs, accum, jobs)
+    runs, result, error = _compare(specs, accum, jobs, runs_dir, meta)
+    if error is not None:
+        (a.out / "compare_ffn.json").write_text(json.dumps(json_safe(
+            {"meta": meta, "error": error}), indent=1))
+        print(f"no comparison: {error}", file=sys.stderr)
+        return 2
+    doc = {"meta": meta, "result": result, "table": summary_rows(runs), "curves": curves(runs)}
+    (a.out / "compare_ffn.json").write_text(json.dumps(json_safe(doc), indent=1))
+    (a.out / "compare_ffn.md").write_text(markdown(result, runs, meta))
+    _print_result(result, runs, a.out)
+    return 0 if result["passed"] else 1
+
+
+def _user_overrides(a: argparse.Namespace, runs_dir: Path) -> tuple[list[str], dict]:
+    """The overrides every run gets and the runs' environment (the smoke run: its token file
+    written into ``runs_dir``, the PyTorch backend of the sparse math)."""
+    user, env = list(a.overrides), {}
+    if a.smoke:
+        tokens = write_smoke_tokens(runs_dir / "smoke_tokens.bin")
+        user = [*SMOKE_OVERRIDES, f"data.paths=[{tokens}]", *user]
+        env["TRITON_INTERPRET"] = None  # twell: the PyTorch backend of the sparse math
+    return user, env
+
+
+def _print_setup(cfg, runs_dir: Path, steps: int) -> None:
+    """One line: the runs, their steps, batch, model and precision."""
+    print(f"runs dir {runs_dir}: 3 runs x {steps} steps, global batch "
           f"{cfg.trainer.global_batch} x {cfg.model.seq_len} tokens, model {cfg.model.name} "
           f"({cfg.model.num_layers} layers, FFN {cfg.model.intermediate_size}), precision "
           f"{cfg.trainer.precision}"
           + (" (bf16 on a GPU, fp32 on CPU)" if cfg.trainer.precision == "auto" else "")
           + f", seed {cfg.trainer.seed}", flush=True)
 
+
+def _run_specs(specs, accum: dict, runs_dir: Path, env: dict) -> dict[str, Job]:
+    """Train the runs one after another (each a subprocess); name -> its finished :class:`Job`."""
     jobs = {}
     for s in specs:
         print(f"{s.name}: ffn.impl={s.ffn_impl} trainer.micro_batch={s.micro_batch} "
@@ -155,9 +187,13 @@ def main(argv=None) -> int:
         jobs[s.name] = job
         state = "done" if job.ok else f"FAILED (exit {job.rc}; log {job.log_path})"
         print(f"{s.name}: {state} in {job.wall_s:.1f} s wall-clock", flush=True)
+    return jobs
 
-    a.out.mkdir(parents=True, exist_ok=True)
-    meta = {"started": started, "argv": a.argv, "steps": a.steps, "runs_dir": str(runs_dir),
+
+def _meta(a: argparse.Namespace, started: str, runs_dir: Path, user: list[str], specs,
+          accum: dict, jobs: dict) -> dict:
+    """The comparison's provenance: arguments, overrides and each run's command and outcome."""
+    return {"started": started, "argv": a.argv, "steps": a.steps, "runs_dir": str(runs_dir),
             "overrides": user, "smoke": a.smoke,
             "triton_interpret": None if a.smoke else os.environ.get("TRITON_INTERPRET"),
             "runs": [{"name": s.name, "ffn_impl": s.ffn_impl, "micro_batch": s.micro_batch,
@@ -165,8 +201,13 @@ def main(argv=None) -> int:
                       "wall_s": jobs[s.name].wall_s,
                       "command": ["python", "-m", "train", *s.overrides,
                                   f"hydra.run.dir={runs_dir / s.name}"]} for s in specs]}
+
+
+def _compare(specs, accum: dict, jobs: dict, runs_dir: Path, meta: dict):
+    """(runs, result, error): the runs' data and their comparison, or the error that stopped it
+    (a failed run's log tail is added to ``meta`` and printed)."""
     failed = [s for s in specs if not jobs[s.name].ok]
-    runs, error = [], None
+    runs, result, error = [], None, None
     if not failed:
         try:
             runs = [load_run_data(s, runs_dir, accum[s.name], jobs[s.name].wall_s)
@@ -180,15 +221,11 @@ def main(argv=None) -> int:
             if not jobs[s.name].ok:
                 rec["log_tail"] = _log_tail(jobs[s.name].log_path)
                 print(f"--- {s.name} log tail ---\n{rec['log_tail'][-1500:]}", file=sys.stderr)
-    if error is not None:
-        (a.out / "compare_ffn.json").write_text(json.dumps(json_safe(
-            {"meta": meta, "error": error}), indent=1))
-        print(f"no comparison: {error}", file=sys.stderr)
-        return 2
+    return runs, result, error
 
-    doc = {"meta": meta, "result": result, "table": summary_rows(runs), "curves": curves(runs)}
-    (a.out / "compare_ffn.json").write_text(json.dumps(json_safe(doc), indent=1))
-    (a.out / "compare_ffn.md").write_text(markdown(result, runs, meta))
+
+def _print_result(result: dict, runs: list, out: Path) -> None:
+    """The summary table, the differences, each criterion's line and where the outputs are."""
     print()
     print(text_table(summary_rows(runs)))
     print("(val loss: end-of-run validation on the same trainer.val_sequences held-out sequences "
@@ -198,8 +235,7 @@ def main(argv=None) -> int:
         print(line)
     for k in result["criteria"]:
         print(k["line"])
-    print(f"outputs: {a.out / 'compare_ffn.json'}, {a.out / 'compare_ffn.md'}")
-    return 0 if result["passed"] else 1
+    print(f"outputs: {out / 'compare_ffn.json'}, {out / 'compare_ffn.md'}")
 
 
 if __name__ == "__main__":
