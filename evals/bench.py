@@ -44,8 +44,9 @@ def main(argv: list[str]) -> None:
     total = time.perf_counter() - t0
     for t, r in res["tasks"].items():
         print(f"{t:15s} n={r['n']:4d} requests={r['n_requests']:5d} {r['seconds']:7.1f} s")
-    print(f"total {total:.1f} s for 7 tasks, limit={opts['limit']}, threads={opts['threads']}, "
-          f"batch_size={opts['batch_size']} ({torch.get_num_threads()} torch threads)")
+    print(f"total {total:.1f} s for {len(res['tasks'])} tasks, limit={opts['limit']}, "
+          f"threads={opts['threads']}, batch_size={opts['batch_size']} "
+          f"({torch.get_num_threads()} torch threads)")
 
 
 if __name__ == "__main__":
