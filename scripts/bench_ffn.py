@@ -52,7 +52,8 @@ from studies.kernel_bench.infer import (
 from twell.policy import FFNPolicy
 
 
-def main():
+def parse_args() -> argparse.Namespace:
+    """The command line (see the module docstring), with ``policy``: auto's ``FFNPolicy``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="add M=131072 and more shapes")
     ap.add_argument("--quick", action="store_true", help="the default set (kept for clarity)")
@@ -77,6 +78,12 @@ def main():
     args.policy = FFNPolicy.from_env()
     if args.threshold is not None:
         args.policy.infer_density_threshold = args.threshold
+    return args
+
+
+def main():
+    """Phase 1, phase 2, then the summary tables (printed last) and the CSVs to ``$OUT``."""
+    args = parse_args()
     print(f"auto policy: {args.policy}")
     if not ON_GPU and not args.smoke:
         sys.exit("no CUDA device: run on a GPU, or pass --smoke with TRITON_INTERPRET=1 for a code check")

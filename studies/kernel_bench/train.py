@@ -41,7 +41,7 @@ CASES = {"iid": iid_case, "heavy": heavy_case}  # --dists
 
 
 def make_case(n, d, h, density, dist, seed=0, device="cuda"):
-    """bf16 (x, wg, wu, wd, dy) of ``twell.bench``'s ``dist`` case at the target mean density."""
+    """bf16 (x, wg, wu, wd, dy) of ``studies.kernel_bench.cases``' ``dist`` case at the target mean density."""
     c = CASES[dist](n, d, h, density, seed=seed, device=device)
     return [c.x, c.wg, c.wu, c.wd, c.dy]
 
@@ -65,7 +65,7 @@ COLS = ["dist", "density", "l0", "nnz_max", "heavy_frac", "variant", "fwd_ms", "
 
 
 def load_acts(path, seed=0, device="cuda"):
-    """A recorded layer (``twell.bench.recorded_case``: x (N, D), w_gate, w_up (H, D), w_down
+    """A recorded layer (``studies.kernel_bench.cases.recorded_case``: x (N, D), w_gate, w_up (H, D), w_down
     (D, H), a seeded random upstream gradient dy) as bf16 (x, wg, wu, wd, dy), and its mean
     density (fraction of relu(x Wg^T) > 0)."""
     c = recorded_case(path, seed=seed, device=device)

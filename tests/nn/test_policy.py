@@ -112,3 +112,11 @@ def test_a_layer_policy_changes_its_training_path_and_capacity():
         assert a.last_stats.heavy_rows.item() == int((nnz > 16).sum()) > 0, path
         assert b.last_stats.heavy_rows.item() == 0, path
         assert (a.last_info is not None and a.last_info.path == "train") == (path == "ell")
+
+
+def test_policy_hot_fields_validated():
+    assert (FFNPolicy().hot_unit_fraction, FFNPolicy().max_hot_units) == (1 / 64, 512)
+    with pytest.raises(ValueError, match="FFNPolicy.hot_unit_fraction"):
+        FFNPolicy(hot_unit_fraction=1.5)
+    with pytest.raises(ValueError, match="FFNPolicy.max_hot_units"):
+        FFNPolicy(max_hot_units=-16)

@@ -12,7 +12,7 @@ from twell.nn.mlp import gated_ffn_torch
 
 @pytest.fixture(autouse=True)
 def torch_backend(monkeypatch):
-    """dense_ffn_train's PyTorch backend (its Triton pass is tested in test_elementwise.py)."""
+    """dense_ffn_train's PyTorch backend (its Triton pass is tested in tests/ops/test_elementwise.py)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
