@@ -94,24 +94,6 @@ def is_cpu_out_of_memory(e: BaseException) -> bool:
         and "CPUAllocator" in str(e))
 
 
-def _legacy_plan_state(d: dict, current: dict) -> dict:
-    """The FFN plan state (``FFNPlan.state_dict``) of a trainer state written before the plan
-    existed: its ``ffn_train_paths`` (auto's choices, the only impl that read them; ``twell`` is
-    now ``ell``), ``ffn_backup_rows`` and ``ffn_backup_capacity`` (or the older
-    ``ffn_heavy_hist``); what it lacks keeps ``current``."""
-    out = dict(current)
-    if "ffn_train_paths" in d:
-        out["paths"] = ["ell" if p == "twell" else p for p in d["ffn_train_paths"]]
-        out["impls"] = ["auto"] * len(out["paths"])
-    if "ffn_backup_rows" in d:
-        out["backup_rows"] = [int(r) for r in d["ffn_backup_rows"]]
-    if "ffn_backup_capacity" in d:
-        out["capacity"] = d["ffn_backup_capacity"]
-    elif "ffn_heavy_hist" in d:
-        out["capacity"] = {"rule": "window", "hist": d["ffn_heavy_hist"]}
-    return out
-
-
 def summary_line(s: dict) -> str:
     """The one-line end of a run (printed last by ``twell-train``): step, train CE, validation
     loss, L0, dead % (n/a before a dead-unit window completed), eval mean (%, primary metric
@@ -475,12 +457,20 @@ class Trainer:
                 "segment": None if seg is None else seg.as_dict()}
 
     def load_state_dict(self, d: dict) -> None:
+        """Restore :meth:`state_dict`'s output.
+
+        Raises:
+            ValueError: the state has no ``ffn_plan`` (the checkpointer's one-line
+                ``CheckpointError`` names the folder).
+        """
         self.step = int(d["step"])
         self.tokens_seen = int(d["tokens_seen"])
         self.train_time = float(d["train_time"])
         self.tracker.load_state_dict(d["sparsity"])
-        self.plan.load_state_dict(d["ffn_plan"] if "ffn_plan" in d else _legacy_plan_state(
-            d, self.plan.state_dict()))
+        if "ffn_plan" not in d:  # the checkpointer reports it in one line naming the folder
+            raise ValueError("the trainer state has no ffn_plan (the FFN plan's paths and "
+                             "capacities): it predates the plan and cannot be resumed")
+        self.plan.load_state_dict(d["ffn_plan"])
         if d.get("init") is not None:
             self.init_info = d["init"]
         self.prev_segment = Segment(**d["segment"]) if d.get("segment") else None
