@@ -57,7 +57,8 @@ from train.model import ffn_modules
 from train.recompute import set_recompute
 from train.setup import (
     attach_teacher,
-    build_optimizer,
+    build_data,
+    build_plan,
     build_scheduler,
     check_data,
     config_warnings,
@@ -65,6 +66,7 @@ from train.setup import (
     load_model,
     make_accelerator,
     prepare_model,
+    wrap_model,
 )
 from train.sparsity import (
     DeadNeuronTracker,
@@ -75,7 +77,6 @@ from train.sparsity import (
 )
 from train.step import draw_step, micro_steps, sync_step
 from train.step_shape import StepShape
-from twell.nn import FFNPlan
 
 
 class OutOfMemory(ConfigError):
@@ -242,14 +243,9 @@ class Trainer:
         t = cfg.trainer
         vocab_check = None
         if datamodule is None:
-            from train.data import build_datamodule
-
             self._print(f"run dir {self.run_dir}: loading data.source={cfg.data.source} (a "
                         "first run builds or fetches it) ...")
-            with self.acc.main_process_first():
-                datamodule = build_datamodule(
-                    cfg.data, seq_len=cfg.model.seq_len, micro_batch=t.micro_batch or 1,
-                    seed=t.seed, rank=self.acc.process_index, world_size=self.acc.num_processes)
+            datamodule = build_data(cfg, self.acc)
         self.data = datamodule
         world = self.acc.num_processes
         self.shape = StepShape(t.global_batch // world, self.data.micro_batch, self._accum,
@@ -285,29 +281,9 @@ class Trainer:
         tracker."""
         t, precision = cfg.trainer, self.precision
         self.mlps = ffn_modules(model)
-        for m in self.mlps:  # ffn.impl, also on a model handed in ready (the plan reads it)
-            m.impl = cfg.ffn.impl
-        if t.deterministic:  # auto's paths by the density rule, not timings (train/determinism)
-            for m in self.mlps:
-                m.policy = determinism.untimed_policy(m.policy)
-        # per layer: training path, no-sync dense-backup capacity (from past heavy-row maxima by
-        # ffn.backup_capacity), statistics. No-sync capacities change from step to step; as
-        # integer arguments they would make torch.compile recompile the model for each new value
-        # (and fall back to eager after its recompile limit), so a compiled model measures per call
-        # auto's measured choice times each layer's calls with eager hooks: not under compile
-        # (nor trainer.deterministic, where timings must not decide);
-        # several ranks average the timings (host side) so that they choose alike
-        host_sync = "call" if t.compile else cfg.ffn.host_sync
-        if host_sync == "micro_batch" and (self.acc.num_processes > 1 or self.fsdp):
-            # a forward run again without its backward would leave DDP's reducer (and FSDP's
-            # unshard) expecting one: such runs check once per step
-            self._print("ffn.host_sync=micro_batch: several processes or FSDP check the "
-                        "dense-backup capacities once per step (step)")
-            host_sync = "step"
-        # the modules carry ffn.impl and ffn.policy (build_model); the plan takes the rest
-        self.plan = FFNPlan(self.mlps, cfg.ffn.plan_options(host_sync),
-                            timed=not (t.compile or t.deterministic),
-                            reduce_host=self._host_sum if self.acc.num_processes > 1 else None)
+        self.plan = build_plan(cfg, self.mlps, world_size=self.acc.num_processes, fsdp=self.fsdp,
+                               print_=self._print,
+                               reduce_host=self._host_sum if self.acc.num_processes > 1 else None)
         self.n_params = sum(p.numel() for p in model.parameters())
         self._print(f"model: {self.n_params / 1e6:.2f}M parameters, {cfg.model.num_layers} layers, "
                     f"FFN {cfg.ffn.impl}; {precision} on {self.device} x "
@@ -316,24 +292,9 @@ class Trainer:
         self.metrics = MetricsLogger(self.metrics_path, self.acc, cfg.model,
                                      device_peak_flops(self.device, precision, t.peak_tflops),
                                      self.is_main)
-        if t.compile and self.fsdp:
-            raise ConfigError("trainer.compile=true with FSDP (configs/accelerate/fsdp2.yaml) is "
-                              "not supported; set trainer.compile=false or launch with ddp.yaml.")
-        if t.compile:
-            if cfg.ffn.host_sync != "call" and cfg.ffn.impl != "torch":
-                self._print("trainer.compile=true: the ell training path measures its dense "
-                            f"backup per call (ffn.host_sync={cfg.ffn.host_sync} "
-                            "applies to eager runs)")
-            model.compile()
-        if self.fsdp:  # shard first: the optimizer then holds the fp32 master shards
-            parallel.apply_fsdp2(model, self.fsdp, device=self.device,
-                                 world_size=self.acc.num_processes,
-                                 param_dtype=torch.bfloat16 if precision == "bf16" else None)
-            optimizer = self._build_optimizer(model)
-            self.model, self.optimizer = model, self.acc.prepare(optimizer)
-        else:
-            optimizer = self._build_optimizer(model)
-            self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        self.model, self.optimizer, optimizer = wrap_model(
+            model, cfg, self.acc, fsdp=self.fsdp, precision=precision, device=self.device,
+            print_=self._print)
         self.scheduler = self._build_scheduler(optimizer)  # stepped by hand, once per step
         self.tracker = DeadNeuronTracker(
             cfg.model.num_layers, cfg.model.intermediate_size,
@@ -435,9 +396,6 @@ class Trainer:
     def metrics_path(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
-    def _build_optimizer(self, model) -> torch.optim.Optimizer:
-        return build_optimizer(model, self.cfg.optim, self.device)
-
     def _build_scheduler(self, optimizer, steps_done: int = 0):
         """``train.setup.build_scheduler`` of this run's optim config and max steps."""
         return build_scheduler(optimizer, self.cfg.optim, self.cfg.trainer.max_steps, steps_done)
@@ -481,17 +439,8 @@ class Trainer:
         return self.segment if self.segment.steps else self.prev_segment
 
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step{N}/`` atomically (all ranks call this); returns the folder.
-
-        Model and optimizer state are full tensors in the unsharded formats (an FSDP model's are
-        gathered on rank 0), so the checkpoint resumes on any number of ranks, sharded or not
-        (:meth:`train.checkpointer.Checkpointer.save`).
-
-        Raises:
-            NonFiniteLossError: the weights hold NaN or inf (nothing is saved).
-            train.checkpoint.CheckpointError: a stage failed on some rank (a full disk: one
-                line; the temp folder is removed on every rank).
-        """
+        """Write ``checkpoints/step{N}/`` atomically (all ranks call this); returns the folder
+        (:meth:`train.checkpointer.Checkpointer.save`: format, errors raised)."""
         return self.checkpointer.save(self)
 
     @property
@@ -528,26 +477,9 @@ class Trainer:
         return parallel.host_max(flag, self._host_group)
 
     def resume(self, path: Path) -> None:
-        """Restore everything from a checkpoint folder: weights, optimizer, scheduler, trainer and
-        sparsity state, the data position and RNG states, on any number of ranks. Nothing in it
-        can run code (``ckpt_io.load_state``: safetensors and JSON).
-
-        The global batch must be the one of the checkpoint (the data position and the schedules
-        count its steps); the world size, micro-batch and accumulation may change, and 1 process,
-        DDP and FSDP load each other's checkpoints. What continues exactly: the blocks of every
-        step (a global data position), the lr / L1 schedules, the optimizer state, the dead-unit
-        windows, auto's paths. The per-rank RNG states are restored only on the same world size
-        (elsewhere every rank is re-seeded from trainer.seed, the step and its rank): after
-        initialisation training draws no random numbers from them (no dropout; dead-unit
-        re-init has its own generator seeded by the step). The no-sync dense-backup capacities
-        count rows per FFN call, so a different micro-batch measures them again. A checkpoint of
-        this run dir continues its lineage; one of another run dir starts a branch of it.
-
-        Raises:
-            ConfigError: another global batch, or a data position of other data.
-            train.checkpoint.CheckpointError: a state file is missing, damaged or holds a pickle
-                that is not plain data (one line naming the file).
-        """
+        """Restore everything from a checkpoint folder on any number of ranks
+        (:meth:`train.checkpointer.Checkpointer.resume`: what continues exactly, errors raised),
+        then, with ``trainer.resume_allow_changes``, this config's optim values."""
         latest = self.checkpointer.resume(self, path)
         # after the restore, which draws no random numbers and reads no lr: the schedule is the
         # trainer's (_build_scheduler), so the trainer rebuilds it
