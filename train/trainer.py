@@ -29,14 +29,14 @@ from accelerate.utils import set_seed
 from omegaconf import OmegaConf
 
 from train import checkpoint as ckpt_io
-from train import determinism, interrupt, memory, parallel, rundir
+from train import determinism, interrupt, loop, memory, parallel, rundir
 from train.checkpointer import (  # noqa: F401  (config_diff: callers import it from here)
     Checkpointer,
     NonFiniteLossError,
     config_diff,
     config_to_dict,
 )
-from train.config import ConfigError, TrainConfig
+from train.config import TrainConfig
 from train.evaluation import (
     clear_sharded_ffn_caches,
     score_tasks,
@@ -44,6 +44,7 @@ from train.evaluation import (
     validation_totals,
 )
 from train.interrupt import StopRequested, StopSignals, TrainingInterrupted
+from train.loop import OutOfMemory, is_cpu_out_of_memory  # noqa: F401  (imported from here)
 from train.metrics import device_peak_flops
 from train.metrics_log import (
     Interval,
@@ -62,7 +63,6 @@ from train.setup import (
     build_scheduler,
     check_data,
     config_warnings,
-    duration,
     load_model,
     make_accelerator,
     prepare_model,
@@ -78,21 +78,7 @@ from train.sparsity import (
 from train.step import draw_step, micro_steps, sync_step
 from train.step_shape import StepShape
 
-
-class OutOfMemory(ConfigError):
-    """A training step ran out of memory and nothing could step down (on the CPU, or with
-    ``trainer.memory=off``); the finished steps are saved first. One line (exit code 2)."""
-
-
 shell_quote = ckpt_io.shell_quote
-
-
-def is_cpu_out_of_memory(e: BaseException) -> bool:
-    """Whether an error is the host running out of memory: Python's MemoryError, or PyTorch's
-    CPU allocator failing (a RuntimeError "DefaultCPUAllocator: can't allocate memory")."""
-    return isinstance(e, MemoryError) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
-        and "CPUAllocator" in str(e))
 
 
 def summary_line(s: dict) -> str:
@@ -653,7 +639,7 @@ class Trainer:
                     out = score_tasks(model, self.data.tokenizer, e, device=self.device,
                                       progress=self.show_bars, step=self.step,
                                       seq_len=self.cfg.model.seq_len, run_dir=self.run_dir)
-            except StopRequested:  # SIGTERM / SIGINT: the stop comes after it (_train)
+            except StopRequested:  # SIGTERM / SIGINT: the stop comes after it (train.loop)
                 model.train()
                 self._print(f"step {self.step}: evaluation stopped by {self._stop_name()} (no "
                             "eval result for this step)")
@@ -675,11 +661,12 @@ class Trainer:
                          collective)
 
     def _stop_name(self) -> str:
-        signum = self.signals.signum if self.signals is not None else 0
-        return interrupt.signal_name(signum) if signum else "a stop signal on another rank"
+        return interrupt.stop_name(self.signals)
 
     def train(self, stop_at_step: int | None = None) -> dict:
-        """:meth:`_train` holding the run dir's lock (taken again if an earlier ``train`` call
+        """Run until ``trainer.max_steps`` (or ``stop_at_step``, for interrupt tests) and return
+        the summary (:func:`train.loop.run`; summary.json at the end of a full run), holding the
+        run dir's lock (taken again if an earlier ``train`` call
         released it; released when it returns or raises) and handling SIGTERM / SIGINT
         (:class:`train.interrupt.StopSignals`: the first one stops after the current optimizer
         step with a checkpoint, raising :class:`train.interrupt.TrainingInterrupted`)."""
@@ -690,7 +677,7 @@ class Trainer:
             with StopSignals(grace_s=interrupt.launcher_grace_s(), notify=self.is_main,
                              at_once=at_once) as sig:
                 self.signals = sig
-                return self._train(stop_at_step)
+                return loop.run(self, stop_at_step)
         finally:
             self.signals = None
             self._unlock()
@@ -706,121 +693,6 @@ class Trainer:
         stderr (where tqdm draws) a terminal; elsewhere each log line carries the ETA."""
         return bool(self.is_main and self.cfg.trainer.progress and sys.stderr.isatty())
 
-    def _train(self, stop_at_step: int | None = None) -> dict:
-        """Run until ``trainer.max_steps`` (or ``stop_at_step``, for interrupt tests); returns
-        the summary (also written to run_dir/summary.json at the end of a full run)."""
-        cfg, t = self.cfg, self.cfg.trainer
-        end = min(t.max_steps, stop_at_step or t.max_steps)
-        batches = self.memory.batches(iter(self.data.train_batches()))  # kept for a redo
-        self.metrics.reset_peak()  # this run's peaks, not an earlier one's in this process
-        self.model.train()
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=t.max_steps, initial=self.step, unit="step", dynamic_ncols=True,
-                   disable=not self.show_bars)
-        if self.step < end:
-            self._print(f"training steps {self.step + 1}-{end} of {t.max_steps} "
-                        f"({t.global_batch} x {cfg.model.seq_len} tokens per step)", bar)
-        interval = self.new_interval()
-        if cfg.eval.at_start and self.step == 0:  # e.g. a relufied checkpoint before training
-            self.evaluate()
-            self._stop_if_signalled(bar)
-        while self.step < end:
-            if not self._guarded_step(batches, interval, bar):
-                continue  # stepped down after an out-of-memory: the same step again
-            bar.update(1)
-            interval = self._between_steps(interval, bar, last=self.step == end)
-        bar.close()
-        done = self.last_eval is not None and self.last_eval.get("step") == self.step
-        if self.step >= t.max_steps and cfg.eval.at_end and not done and not (
-                cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0):
-            self.evaluate()
-            self._stop_if_signalled()  # during the last eval: no summary.json, resume redoes it
-        summary = self.summary()
-        if self.is_main and self.step >= t.max_steps:
-            ckpt_io.write_json(self.run_dir / "summary.json", summary, indent=2)
-        return summary
-
-    def _guarded_step(self, batches, interval: Interval, bar) -> bool:
-        """:meth:`run_step` with out-of-memory handling: ``trainer.memory=auto`` steps down and
-        the same step runs again from the same batches (returns False); else the finished steps
-        are saved (:meth:`_out_of_memory`). After an accepted step, the planner's one re-plan
-        (when the FFN paths have settled); returns True."""
-        # where the data was before this step: an out-of-memory in it saves the steps before
-        data_state = self.data.state_dict() if self.acc.num_processes == 1 else None
-        try:
-            self.run_step(batches, interval)
-        except torch.cuda.OutOfMemoryError as e:  # memory=auto steps down (train/memory.py)
-            line = self.memory.step_down()
-            if line is None:
-                self._out_of_memory(e, data_state, bar)
-                raise  # the update may be half applied: nothing to save
-            self._print(line, bar)
-            self._write(self.memory.record, "memory")
-            return False
-        except (RuntimeError, MemoryError) as e:
-            if is_cpu_out_of_memory(e):
-                self._out_of_memory(e, data_state, bar)
-            raise
-        line = self.memory.after_step()  # re-plans once when the FFN paths have settled
-        if line is not None:
-            self._print(line, bar)
-            self._write(self.memory.record, "memory")
-        return True
-
-    def _between_steps(self, interval: Interval, bar, last: bool) -> Interval:
-        """After step ``self.step``: the log line, validation, evals and the checkpoint when
-        due, then a stop if signalled; returns the interval to accumulate into next."""
-        cfg, t = self.cfg, self.cfg.trainer
-        if self.step % t.log_every == 0 or last:
-            m = self.log_metrics(interval)
-            interval = self.new_interval()
-            bar.set_postfix(loss=f"{m['loss']:.3f}", l0=f"{m['l0_mean']:.1f}")
-            self._print(self._format(m) + ("" if self.show_bars else self._eta()), bar)
-        if (t.val_every and self.step % t.val_every == 0) or self.step == t.max_steps:
-            v = self.validate()
-            if v["val_sequences"]:
-                self._print(f"step {self.step}: val_loss {v['val_loss']:.4f} "
-                            f"val_l0 {v['val_l0']:.1f}", bar)
-        if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
-            self.evaluate()
-        if (t.save_every and self.step % t.save_every == 0) or last:
-            self.save_checkpoint()
-        self._stop_if_signalled(bar)  # every rank stops after the same step
-        return interval
-
-    def _out_of_memory(self, e: BaseException, data_state: dict | None, bar) -> None:
-        """An out-of-memory error inside step ``self.step + 1`` that nothing stepped down from
-        (on the CPU, where ``trainer.memory=auto`` measures nothing, or with ``memory=off``):
-        the step's partial gradients are dropped, the steps finished since the last checkpoint
-        are saved with the data position from before the failed step (one process), and one
-        line says what to lower. Returns (the caller re-raises ``e``) when the optimizer step
-        had begun: the weights may be half updated, so nothing is saved.
-
-        Raises:
-            OutOfMemory: the error came before the update (a ConfigError: exit code 2).
-        """
-        if self._update_began:
-            return
-        bar.close()
-        self.optimizer.zero_grad(set_to_none=True)
-        if data_state is not None and self.step != (self.saved_step or 0):
-            self.data.load_state_dict(data_state)  # the failed step's batches come again
-            self.save_checkpoint()
-        line = memory.out_of_memory_line(
-            e, device=self.device, step=self.step, saved=self.saved_step or 0,
-            last_ckpt=shell_quote(self.last_ckpt) if self.last_ckpt else "",
-            micro_batch=self.shape.micro_batch, seq_len=self.cfg.model.seq_len,
-            planned=self.memory.planner is not None, advice=self.resume_advice())
-        raise OutOfMemory(line) from None
-
-    def _eta(self) -> str:
-        """`` | step 20/40, eta 1m05s`` from this process's mean step time (log lines without a
-        progress bar)."""
-        seg, left = self.segment, self.cfg.trainer.max_steps - self.step
-        per = seg.time / max(seg.steps, 1)
-        return f" | step {self.step}/{self.cfg.trainer.max_steps}, eta {duration(per * left)}"
-
     def _stop_if_signalled(self, bar=None) -> None:
         """Stop (:meth:`_stop_on_signal`) if any rank got SIGTERM / SIGINT; all ranks agree."""
         signum = self._any_rank(self.signals.signum if self.signals else 0)
@@ -835,11 +707,7 @@ class Trainer:
         :class:`train.interrupt.TrainingInterrupted`."""
         if self.saved_step != self.step and self.step > 0:
             self.save_checkpoint()
-        name = interrupt.signal_name(signum)
-        saved = (f"checkpoint written to {shell_quote(self.last_ckpt)}; " if self.last_ckpt
-                 else "")
-        line = (f"received {name} at step {self.step}: {saved}{self.resume_advice()} (exit code "
-                f"{interrupt.exit_code(signum)})")
+        line = interrupt.stopped_line(signum, self.step, self._quoted_ckpt(), self.resume_advice())
         self._print(line)
         raise TrainingInterrupted(signum, line, reported=True)
 
@@ -847,18 +715,15 @@ class Trainer:
         """The exit code of a run that an interrupt ended (``twell-train`` calls this for the
         KeyboardInterrupt that left :meth:`train`): 130 for SIGINT, 143 for SIGTERM. Prints and
         logs the interrupt's line (where to resume) unless :meth:`_stop_on_signal` did."""
-        signum = e.signum if isinstance(e, TrainingInterrupted) else signal.SIGINT
         if not (isinstance(e, TrainingInterrupted) and e.reported):
-            name = interrupt.signal_name(signum)
-            how = ("interrupted" if not isinstance(e, TrainingInterrupted)
-                   else f"received {name}: stopped at once (no step finished since the last "
-                        "checkpoint, so none is lost)" if e.first
-                   else f"received a second {name}: stopped at once")
-            last = shell_quote(self.last_ckpt) if self.last_ckpt else "none"
-            line = (f"{how} at step {self.step}; newest complete checkpoint: "
-                    f"{last}; {self.resume_advice()}")
-            self.runlog.warn(line)
+            self.runlog.warn(interrupt.interrupted_line(
+                e, self.step, self._quoted_ckpt() or "none", self.resume_advice()))
+        signum = e.signum if isinstance(e, TrainingInterrupted) else signal.SIGINT
         return interrupt.exit_code(signum)
+
+    def _quoted_ckpt(self) -> str:
+        """The newest checkpoint's path quoted for a shell ("" when none)."""
+        return shell_quote(self.last_ckpt) if self.last_ckpt else ""
 
     def _print(self, line: str, bar=None) -> None:
         self.runlog.print(line, bar)
