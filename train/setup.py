@@ -277,16 +277,31 @@ def build_scheduler(optimizer, o: OptimConfig, max_steps: int, steps_done: int =
         optimizer, lambda k: lr_factor(k + 1, o, max_steps), last_epoch=steps_done - 1)
 
 
-def build_data(cfg: TrainConfig, acc):
-    """The data module of ``cfg.data`` for this rank (``train.data.build_datamodule``; the main
-    process first, so that a first run builds or fetches the corpus once)."""
-    from train.data import build_datamodule
+def attach_data(cfg: TrainConfig, acc, datamodule, init_src):
+    """The data module (``datamodule``, or built for this rank by
+    ``train.data.build_datamodule``, the main process first, so that a first run builds or
+    fetches the corpus once) checked against the model's vocabulary and the evaluation
+    (:func:`check_data`); returns ``(data, model.init_from's vocabulary check or None)``.
 
+    Raises:
+        ConfigError: data that does not fit the model or the evaluation (one line).
+    """
     t = cfg.trainer
-    with acc.main_process_first():
-        return build_datamodule(
-            cfg.data, seq_len=cfg.model.seq_len, micro_batch=t.micro_batch or 1,
-            seed=t.seed, rank=acc.process_index, world_size=acc.num_processes)
+    if datamodule is None:
+        from train.data import build_datamodule
+
+        with acc.main_process_first():
+            datamodule = build_datamodule(
+                cfg.data, seq_len=cfg.model.seq_len, micro_batch=t.micro_batch or 1,
+                seed=t.seed, rank=acc.process_index, world_size=acc.num_processes)
+    vocab_check = None
+    if init_src is not None:
+        from train import pretrained
+
+        vocab_check = pretrained.check_vocab(init_src, datamodule.vocab_size,
+                                             getattr(datamodule, "tokenizer", None))
+    check_data(cfg, datamodule)
+    return datamodule, vocab_check
 
 
 def build_plan(cfg: TrainConfig, mlps: list, *, world_size: int, fsdp, print_, reduce_host):
@@ -345,3 +360,32 @@ def wrap_model(model, cfg: TrainConfig, acc, *, fsdp, precision: str, device, pr
     optimizer = build_optimizer(model, cfg.optim, device)
     model, prepared = acc.prepare(model, optimizer)
     return model, prepared, optimizer
+
+
+def attach_model(cfg: TrainConfig, model, init_src, resume_from, vocab_check, *, device,
+                 precision: str, fsdp, is_main: bool, print_, warn):
+    """The model (given, from ``model.init_from``, or built: :func:`load_model`) with its
+    recomputation, Liger-Kernel's fused ops (:func:`prepare_model`) and its distillation
+    teacher (:func:`attach_teacher`); returns ``(model, init record or None, fused_loss,
+    teacher or None)``, ``fused_loss`` being who computes the loss without logits
+    (``"liger"``, ``"ours"`` or None)."""
+    model, init_info = load_model(cfg, model, init_src, resume_from, vocab_check, print_)
+    fused_loss = prepare_model(model, cfg, device=device, precision=precision, fsdp=fsdp,
+                               print_=print_)
+    teacher = None
+    if cfg.distill:
+        teacher = attach_teacher(model, cfg, init_src, resume_from, device=device,
+                                 precision=precision, is_main=is_main, print_=print_, warn=warn)
+        fused_loss = "ours"  # CE + KL in chunks (train/loss.py)
+    return model, init_info, fused_loss, teacher
+
+
+def apply_optim_config(scheduler, o: OptimConfig, max_steps: int, step: int):
+    """Resume with ``trainer.resume_allow_changes=true``: put ``o``'s values into the loaded
+    optimizer's param groups (lr, weight decay of the matrices' group, betas, eps) and return
+    the lr schedule rebuilt at the checkpoint's ``step``, so step N+1 runs at the new
+    schedule's value for step N+1 (a no-op when nothing changed)."""
+    optimizer = scheduler.optimizer  # the torch optimizer under accelerate's wrapper
+    for group, wd in zip(optimizer.param_groups, (o.weight_decay, 0.0)):
+        group.update(initial_lr=o.lr, weight_decay=wd, betas=tuple(o.betas), eps=o.eps)
+    return build_scheduler(optimizer, o, max_steps, step)

@@ -112,3 +112,31 @@ def sync_step(plan, acc, m: StepSums, grad_norm: torch.Tensor, seq_len: int):
     if host[0]:
         return False, None, stats
     return True, plan.end_step(stats.unpacked(host[1:])), stats
+
+
+def probe_forward_backward(model, acc, mlps: list, ids_BT: torch.Tensor, coeff: float) -> None:
+    """One forward and backward of ``ids_BT`` ((B, T) int64 on the device) at the loss
+    ``CE + coeff * L1``, accumulating gradients with no all-reduce over ranks and no optimizer
+    step (``Trainer.forward_backward``: the memory planner's probe)."""
+    sync = acc.no_sync(model) if acc.num_processes > 1 else nullcontext()
+    with sync:
+        ce = model(input_ids=ids_BT, labels=ids_BT).loss  # the logits go before backward
+        l1, _ = l1_penalty(collect_stats(mlps))
+        acc.backward(ce + coeff * l1)
+
+
+def probe_densities(model, mlps: list, ids_BT: torch.Tensor) -> torch.Tensor:
+    """(2, L) float64 device tensor: each FFN's mean active units per token (L0) and heavy-row
+    fraction over one training forward of ``ids_BT`` ((B, T) int64 on the device; no
+    backward), this rank's (``Trainer.ffn_densities`` averages them over ranks)."""
+    with torch.enable_grad():
+        model(input_ids=ids_BT, labels=ids_BT)
+        _, sp = l1_penalty(collect_stats(mlps))
+        vals = torch.stack([sp.nnz_sum_L, sp.heavy_L]).double() / sp.n_tokens
+    # the FFNs' stats hold the forward's graph (no backward frees it); kept, it would count
+    # in the first probe's peak and bend the planner's peak line (BENCHMARKS.md, "Call 3
+    # outcome")
+    for m in mlps:
+        m.last_stats = None
+    del sp
+    return vals

@@ -21,7 +21,6 @@ import math
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -37,13 +36,8 @@ from train.checkpointer import (  # noqa: F401  (config_diff: callers import it 
     config_to_dict,
 )
 from train.config import TrainConfig
-from train.evaluation import (
-    clear_sharded_ffn_caches,
-    score_tasks,
-    stoppable,
-    validation_totals,
-)
-from train.interrupt import StopRequested, StopSignals, TrainingInterrupted
+from train.evaluation import run_evals, run_validation, stoppable
+from train.interrupt import StopSignals, TrainingInterrupted
 from train.loop import OutOfMemory, is_cpu_out_of_memory  # noqa: F401  (imported from here)
 from train.metrics import device_peak_flops
 from train.metrics_log import (
@@ -53,51 +47,36 @@ from train.metrics_log import (
     Segment,
     StepSums,
     format_record,
+    run_summary,
+    summary_line,  # noqa: F401  (callers import it from here)
 )
 from train.model import ffn_modules
 from train.recompute import set_recompute
 from train.setup import (
-    attach_teacher,
-    build_data,
+    apply_optim_config,
+    attach_data,
+    attach_model,
     build_plan,
     build_scheduler,
-    check_data,
     config_warnings,
-    load_model,
     make_accelerator,
-    prepare_model,
     wrap_model,
 )
 from train.sparsity import (
     DeadNeuronTracker,
-    collect_stats,
     l1_coeff_at,
-    l1_penalty,
     reinit_dead_gates,
 )
-from train.step import draw_step, micro_steps, sync_step
+from train.step import (
+    draw_step,
+    micro_steps,
+    probe_densities,
+    probe_forward_backward,
+    sync_step,
+)
 from train.step_shape import StepShape
 
 shell_quote = ckpt_io.shell_quote
-
-
-def summary_line(s: dict) -> str:
-    """The one-line end of a run (printed last by ``twell-train``): step, train CE, validation
-    loss, L0, dead % (n/a before a dead-unit window completed), eval mean (%, primary metric
-    over the tasks) and tokens/s of the last training segment (labelled with its steps when the
-    run was resumed)."""
-    def f(v, spec: str) -> str:
-        return "n/a" if v is None else format(v, spec)
-
-    ev = (s.get("eval") or {}).get("eval_mean")
-    dead = s.get("dead_pct")
-    seg = s.get("segment_steps")
-    where = f" (steps {seg[0]}-{seg[1]})" if seg and seg[0] > 1 else ""  # a resumed segment
-    return (f"done: step {s['step']} | train CE {f(s.get('final_train_ce'), '.4f')} | val loss "
-            f"{f(s.get('val_loss'), '.4f')} | L0 {f(s.get('l0_mean'), '.1f')} | dead "
-            f"{'n/a' if dead is None else format(dead, '.1f') + '%'} | eval mean "
-            f"{'n/a' if ev is None else format(100 * ev, '.1f')} | "
-            f"{f(s.get('tokens_per_s'), '.0f')} tok/s{where}")
 
 
 class Trainer:
@@ -151,14 +130,8 @@ class Trainer:
         except BaseException:
             determinism.restore(self._determinism)
             self._determinism = None
-            d = Path(run_dir)
-            if not (made_dir or had_lock_file or rundir.claimed(d)) and self._lock is not None:
-                # refused in another run's folder: leave it as found (removed while held)
-                (d / rundir.LOCK_FILE).unlink(missing_ok=True)
-            self._unlock()
-            if made_dir and d.is_dir() and {p.name for p in d.iterdir()} <= {rundir.LOCK_FILE}:
-                (d / rundir.LOCK_FILE).unlink(missing_ok=True)
-                d.rmdir()
+            rundir.undo_failed_setup(Path(run_dir), self._lock, made_dir=made_dir,
+                                     had_lock_file=had_lock_file)
             raise
 
     def _setup(self, cfg: TrainConfig, run_dir: str | Path, *, datamodule=None,
@@ -178,14 +151,20 @@ class Trainer:
         if cfg.model.init_from:
             self.init_src = self.checkpointer.inspect_init_from(resume_from)
         self.config_dict = config_to_dict(cfg)
-        self._setup_warnings(cfg)
+        for line in config_warnings(cfg, self.device) if self.is_main else []:
+            self._warn(line)  # a configuration that runs but likely not as meant
         self.checkpointer.check_resume_config(resume_from, self.config_dict)
         if self.is_main:  # locked and new or this run's: a failure may now write into it
             rundir.claim(self.run_dir)
 
         set_seed(cfg.trainer.seed)
         vocab_check = self._setup_data(cfg, datamodule)
-        model = self._setup_model(cfg, model, resume_from, vocab_check)
+        # the model with its recomputation, Liger's fused ops and its distillation teacher;
+        # fused_loss: who computes the loss without logits ("liger" | "ours" | None)
+        model, self.init_info, self.fused_loss, self.teacher = attach_model(
+            cfg, model, self.init_src, resume_from, vocab_check, device=self.device,
+            precision=self.precision, fsdp=self.fsdp, is_main=self.is_main, print_=self._print,
+            warn=self._warn)
         self._setup_parallel(cfg, model)
         self._setup_counters()
         if resume_from is not None:
@@ -218,49 +197,16 @@ class Trainer:
         if self.is_main:  # DDP: rank 0 holds the lock for the job (torchrun ends the others)
             self._lock = rundir.RunDirLock(self.run_dir)
 
-    def _setup_warnings(self, cfg: TrainConfig) -> None:
-        """One-line warnings of a configuration that runs but likely not as meant."""
-        for line in config_warnings(cfg, self.device) if self.is_main else []:
-            self._warn(line)
-
     def _setup_data(self, cfg: TrainConfig, datamodule):
         """The data module (built unless given) and its checks against the model's vocabulary
         and the evaluation; returns ``model.init_from``'s vocabulary check (None without it)."""
-        t = cfg.trainer
-        vocab_check = None
         if datamodule is None:
             self._print(f"run dir {self.run_dir}: loading data.source={cfg.data.source} (a "
                         "first run builds or fetches it) ...")
-            datamodule = build_data(cfg, self.acc)
-        self.data = datamodule
-        world = self.acc.num_processes
-        self.shape = StepShape(t.global_batch // world, self.data.micro_batch, self._accum,
-                               cfg.model.seq_len)
-        if self.init_src is not None:
-            from train import pretrained
-
-            vocab_check = pretrained.check_vocab(self.init_src, self.data.vocab_size,
-                                                 getattr(self.data, "tokenizer", None))
-        check_data(cfg, self.data)
+        self.data, vocab_check = attach_data(cfg, self.acc, datamodule, self.init_src)
+        self.shape = StepShape(cfg.trainer.global_batch // self.acc.num_processes,
+                               self.data.micro_batch, self._accum, cfg.model.seq_len)
         return vocab_check
-
-    def _setup_model(self, cfg: TrainConfig, model, resume_from, vocab_check):
-        """The model (given, from ``model.init_from``, or built: ``train.setup.load_model``),
-        with its recomputation, Liger-Kernel's fused ops and its distillation teacher; returns
-        it."""
-        model, self.init_info = load_model(cfg, model, self.init_src, resume_from, vocab_check,
-                                           self._print)
-        # "liger" | "ours" | None: who computes the loss without logits
-        self.fused_loss = prepare_model(model, cfg, device=self.device, precision=self.precision,
-                                        fsdp=self.fsdp, print_=self._print)
-        self.teacher = None  # sparsity.distill_from: the frozen source model, the KL's target
-        if cfg.distill:
-            self.teacher = attach_teacher(model, cfg, self.init_src, resume_from,
-                                          device=self.device, precision=self.precision,
-                                          is_main=self.is_main, print_=self._print,
-                                          warn=self._warn)
-            self.fused_loss = "ours"  # CE + KL in chunks (train/loss.py)
-        return model
 
     def _setup_parallel(self, cfg: TrainConfig, model) -> None:
         """The FFN plan, compile, FSDP2 / DDP wrapping, optimizer, scheduler and the dead-neuron
@@ -281,7 +227,7 @@ class Trainer:
         self.model, self.optimizer, optimizer = wrap_model(
             model, cfg, self.acc, fsdp=self.fsdp, precision=precision, device=self.device,
             print_=self._print)
-        self.scheduler = self._build_scheduler(optimizer)  # stepped by hand, once per step
+        self.scheduler = build_scheduler(optimizer, cfg.optim, t.max_steps)  # stepped by hand
         self.tracker = DeadNeuronTracker(
             cfg.model.num_layers, cfg.model.intermediate_size,
             cfg.sparsity.dead_window_tokens or self.tokens_per_step, device=self.device)
@@ -351,28 +297,14 @@ class Trainer:
         """One forward and backward of the token ids ``ids_BT`` ((B, T) int64 on the device) at
         this step's loss, ``CE + l1_coeff * L1``, accumulating gradients with no all-reduce over
         ranks and no optimizer step (the memory planner's probe; :meth:`zero_grad` after)."""
-        coeff = l1_coeff_at(self.step, self.cfg.sparsity)
-        sync = self.acc.no_sync(self.model) if self.acc.num_processes > 1 else nullcontext()
-        with sync:
-            ce = self.model(input_ids=ids_BT, labels=ids_BT).loss  # the logits go before backward
-            l1, _ = l1_penalty(collect_stats(self.mlps))
-            self.acc.backward(ce + coeff * l1)
+        probe_forward_backward(self.model, self.acc, self.mlps, ids_BT,
+                               l1_coeff_at(self.step, self.cfg.sparsity))
 
     def ffn_densities(self, ids_BT: torch.Tensor) -> torch.Tensor:
         """(2, L) float64 device tensor: each FFN's mean active units per token (L0) and heavy-row
         fraction over one training forward of ``ids_BT`` ((B, T) int64 on the device; no
         backward), averaged over ranks (every rank calls it)."""
-        with torch.enable_grad():
-            self.model(input_ids=ids_BT, labels=ids_BT)
-            _, sp = l1_penalty(collect_stats(self.mlps))
-            vals = torch.stack([sp.nnz_sum_L, sp.heavy_L]).double() / sp.n_tokens
-        # the FFNs' stats hold the forward's graph (no backward frees it); kept, it would count
-        # in the first probe's peak and bend the planner's peak line (BENCHMARKS.md, "Call 3
-        # outcome")
-        for m in self.mlps:
-            m.last_stats = None
-        del sp
-        return self.reduce(vals, "mean")
+        return self.reduce(probe_densities(self.model, self.mlps, ids_BT), "mean")
 
     @property
     def tokens_per_step(self) -> int:
@@ -381,12 +313,6 @@ class Trainer:
     @property
     def metrics_path(self) -> Path:
         return self.run_dir / "metrics.jsonl"
-
-    def _build_scheduler(self, optimizer, steps_done: int = 0):
-        """``train.setup.build_scheduler`` of this run's optim config and max steps."""
-        return build_scheduler(optimizer, self.cfg.optim, self.cfg.trainer.max_steps, steps_done)
-
-    # ---------------------------------------------------------------- state
 
     def state_dict(self) -> dict:
         """Trainer state for checkpoints, plain data and tensors only (``ckpt_io.save_state``):
@@ -468,9 +394,10 @@ class Trainer:
         then, with ``trainer.resume_allow_changes``, this config's optim values."""
         latest = self.checkpointer.resume(self, path)
         # after the restore, which draws no random numbers and reads no lr: the schedule is the
-        # trainer's (_build_scheduler), so the trainer rebuilds it
+        # trainer's (train.setup.build_scheduler), so the trainer rebuilds it
         if self.cfg.trainer.resume_allow_changes:
-            self._apply_optim_config()
+            self.scheduler = apply_optim_config(self.scheduler, self.cfg.optim,
+                                                self.cfg.trainer.max_steps, self.step)
         self.last = latest.get("train", self.last)
         self.last_val = latest.get("val", self.last_val)
         self.last_eval = latest.get("eval", self.last_eval)
@@ -480,17 +407,6 @@ class Trainer:
         ``trainer.resume`` that resume from its newest checkpoint
         (:meth:`train.checkpointer.Checkpointer.resume_advice`)."""
         return self.checkpointer.resume_advice()
-
-    def _apply_optim_config(self) -> None:
-        """Resume with ``trainer.resume_allow_changes=true``: put this config's optim values
-        into the loaded optimizer's param groups (lr, weight decay of the matrices' group,
-        betas, eps) and rebuild the lr schedule at the checkpoint's step, so step N+1 runs at
-        the new schedule's value for step N+1 (a no-op when nothing changed)."""
-        o = self.cfg.optim
-        optimizer = self.scheduler.optimizer  # the torch optimizer under accelerate's wrapper
-        for group, wd in zip(optimizer.param_groups, (o.weight_decay, 0.0)):
-            group.update(initial_lr=o.lr, weight_decay=wd, betas=tuple(o.betas), eps=o.eps)
-        self.scheduler = self._build_scheduler(optimizer, steps_done=self.step)
 
     # ---------------------------------------------------------------- the loop
 
@@ -601,59 +517,25 @@ class Trainer:
         """Token-weighted mean CE and L0 (mean over layers) on the first
         ``trainer.val_sequences`` held-out sequences (rounded down to a multiple of the world
         size; each rank takes its equal share), so the result depends neither on the
-        micro-batch nor on how the sequences fall into batches. Fewer if the split is smaller."""
-        clear_sharded_ffn_caches(self.model, self.mlps)
-        self.model.eval()
-        share = self.cfg.trainer.val_sequences // self.acc.num_processes  # equal: same batches
-        try:  # every rank runs the same forwards: they agree on a stop at each one
-            with self._stoppable(collective=True):
-                tot = validation_totals(self.model, self.data, self.mlps, share,
-                                        self.shape.micro_batch, self.device)
-        except StopRequested:
-            self.model.train()
-            self._print(f"step {self.step}: validation stopped by {self._stop_name()} (no "
-                        "validation loss for this step)")
+        micro-batch nor on how the sequences fall into batches. Fewer if the split is smaller
+        (:func:`train.evaluation.run_validation`); none after a stop signal."""
+        m = run_validation(self)
+        if m is None:  # stopped by a signal
             return {"step": self.step, "val_loss": None, "val_l0": None, "val_sequences": 0}
-        ce_sum, l0_sum, n_targets, n_tokens, n_seqs = self.reduce(tot, "sum").tolist()  # sync
-        self.model.train()
-        m = {"step": self.step, "val_loss": ce_sum / n_targets if n_targets else None,
-             "val_l0": l0_sum / n_tokens if n_tokens else None, "val_sequences": int(n_seqs)}
         self.last_val = m
         self._write(m, "val")
         return m
 
     def evaluate(self) -> dict:
         """Downstream zero-shot evals (``evals.evaluate``) on the main process (on every rank of
-        an FSDP model, whose forward gathers weights from all of them; the main one logs)."""
-        result = {}
-        clear_sharded_ffn_caches(self.model, self.mlps)
-        sharded = parallel.is_sharded(self.model)
-        if self.is_main or sharded:
-            e = self.cfg.eval
-            model = self.acc.unwrap_model(self.model)
-            model.eval()
-            tasks = "all" if list(e.tasks) == ["all"] else tuple(e.tasks)
-            self._print(f"step {self.step}: evaluating {tasks} (limit {e.limit})")
-            try:  # a sharded model's ranks run the same forwards; else only this one runs
-                with self._stoppable(collective=sharded):
-                    out = score_tasks(model, self.data.tokenizer, e, device=self.device,
-                                      progress=self.show_bars, step=self.step,
-                                      seq_len=self.cfg.model.seq_len, run_dir=self.run_dir)
-            except StopRequested:  # SIGTERM / SIGINT: the stop comes after it (train.loop)
-                model.train()
-                self._print(f"step {self.step}: evaluation stopped by {self._stop_name()} (no "
-                            "eval result for this step)")
-                self.acc.wait_for_everyone()
-                return {}
-            model.train()
-            result = {"step": self.step, "eval_mean": out["mean"],
-                      **{f"eval_{k}": v["primary"] for k, v in out["tasks"].items()}}
+        an FSDP model, whose forward gathers weights from all of them; the main one logs):
+        :func:`train.evaluation.run_evals`; ``{}`` elsewhere and after a stop signal."""
+        result = run_evals(self)
+        if result:
             self.last_eval = result
             self._write(result, "eval")
-            self._print(f"step {self.step}: eval mean {100 * out['mean']:.1f} | " + " ".join(
-                f"{k} {100 * v['primary']:.1f}" for k, v in out["tasks"].items()))
         self.acc.wait_for_everyone()
-        return result
+        return result or {}
 
     def _stoppable(self, collective: bool):
         """:func:`train.evaluation.stoppable` of this model, this run's signals and ranks."""
@@ -745,34 +627,12 @@ class Trainer:
         """Final numbers of the run (what summary.json holds). ``tokens_per_s`` is the last
         training segment's (``segment_steps``: its first and last step), ``tokens_per_s_all``
         the mean over every segment of a resumed run."""
-        m, seg = self.last, self._last_segment()
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "params": self.n_params,
-            "final_train_loss": m.get("loss"),
-            "final_train_ce": m.get("ce"),
-            "val_loss": self.last_val.get("val_loss"),
-            "val_l0": self.last_val.get("val_l0"),
-            "l0_mean": m.get("l0_mean"),
-            "l0_layers": m.get("l0_layers"),
-            "nnz_max": m.get("nnz_max"),
-            "dead_pct": None if m.get("dead_frac") is None else 100 * m["dead_frac"],
-            # the last training segment (this process's steps, or the checkpoint's last ones):
-            # the speed of the steps as they ran, not diluted by restarts
-            "tokens_per_s": seg.tokens / seg.time if seg and seg.time else None,
-            "segment_steps": [seg.first_step, seg.first_step + seg.steps - 1] if seg else None,
-            "tokens_per_s_all": self.tokens_seen / self.train_time if self.train_time else None,
-            "train_time_s": self.train_time,
-            "precision": self.precision,
-            "world_size": self.acc.num_processes,
-            "eval": self.last_eval or None,
-            "init": self.init_info,
-            "memory": self.memory.record,
-            "paths": {"run_dir": str(self.run_dir), "config": str(self.run_dir / "config.yaml"),
-                      "metrics": str(self.metrics_path),
-                      "checkpoint": str(self.last_ckpt) if self.last_ckpt else None},
-        }
+        return run_summary(
+            step=self.step, tokens_seen=self.tokens_seen, params=self.n_params,
+            train_time=self.train_time, last=self.last, last_val=self.last_val,
+            last_eval=self.last_eval, segment=self._last_segment(), precision=self.precision,
+            world_size=self.acc.num_processes, init=self.init_info, memory=self.memory.record,
+            run_dir=self.run_dir, last_ckpt=self.last_ckpt)
 
     def close(self) -> None:
         """Finish wandb and release the run dir's lock (the trainer writes nothing after)."""
