@@ -14,7 +14,7 @@ import torch
 from train import checkpoint as ckpt_io
 from train import memory
 from train.config import ConfigError
-from train.metrics_log import Interval
+from train.metrics_log import Interval, format_record
 from train.setup import duration
 
 
@@ -54,7 +54,7 @@ def run(tr, stop_at_step: int | None = None) -> dict:
     interval = tr.new_interval()
     if cfg.eval.at_start and tr.step == 0:  # e.g. a relufied checkpoint before training
         tr.evaluate()
-        tr._stop_if_signalled(bar)
+        tr.stop_if_signalled(bar)
     while tr.step < end:
         if not guarded_step(tr, batches, interval, bar):
             continue  # stepped down after an out-of-memory: the same step again
@@ -65,7 +65,7 @@ def run(tr, stop_at_step: int | None = None) -> dict:
     if tr.step >= t.max_steps and cfg.eval.at_end and not done and not (
             cfg.eval.every_steps and tr.step % cfg.eval.every_steps == 0):
         tr.evaluate()
-        tr._stop_if_signalled()  # during the last eval: no summary.json, resume redoes it
+        tr.stop_if_signalled()  # during the last eval: no summary.json, resume redoes it
     summary = tr.summary()
     if tr.is_main and tr.step >= t.max_steps:
         ckpt_io.write_json(tr.run_dir / "summary.json", summary, indent=2)
@@ -108,7 +108,7 @@ def between_steps(tr, interval: Interval, bar, last: bool) -> Interval:
         m = tr.log_metrics(interval)
         interval = tr.new_interval()
         bar.set_postfix(loss=f"{m['loss']:.3f}", l0=f"{m['l0_mean']:.1f}")
-        tr.runlog.print(tr._format(m) + ("" if tr.show_bars else eta(tr)), bar)
+        tr.runlog.print(format_record(m) + ("" if tr.show_bars else eta(tr)), bar)
     if (t.val_every and tr.step % t.val_every == 0) or tr.step == t.max_steps:
         v = tr.validate()
         if v["val_sequences"]:
@@ -118,7 +118,7 @@ def between_steps(tr, interval: Interval, bar, last: bool) -> Interval:
         tr.evaluate()
     if (t.save_every and tr.step % t.save_every == 0) or last:
         tr.save_checkpoint()
-    tr._stop_if_signalled(bar)  # every rank stops after the same step
+    tr.stop_if_signalled(bar)  # every rank stops after the same step
     return interval
 
 
@@ -133,7 +133,7 @@ def out_of_memory(tr, e: BaseException, data_state: dict | None, bar) -> None:
     Raises:
         OutOfMemory: the error came before the update (a ConfigError: exit code 2).
     """
-    if tr._update_began:
+    if tr.update_began:
         return
     bar.close()
     tr.zero_grad()

@@ -243,6 +243,7 @@ class Trainer:
         self.prev_segment: Segment | None = None  # the checkpoint's last training segment
         self.segment = Segment(self.step + 1)  # this process's
         self.signals: StopSignals | None = None  # while train() runs
+        self.update_began = False  # whether the running step's optimizer update began
 
     # ---------------------------------------------------------------- setup helpers
 
@@ -365,21 +366,6 @@ class Trainer:
         """The step ``last_ckpt`` holds (a stop does not save it twice)."""
         return self.checkpointer.saved_step
 
-    @property
-    def lineage(self) -> dict:
-        """The line of training the next checkpoint records (``ckpt_io.new_lineage``)."""
-        return self.checkpointer.lineage
-
-    @property
-    def rerun_arg(self) -> str | None:
-        """The override that re-runs this job in its folder (twell-train sets a ``-m`` sweep's
-        ``hydra.sweep.dir``); None: ``hydra.run.dir`` of the run dir (:meth:`resume_advice`)."""
-        return self.checkpointer.rerun_arg
-
-    @rerun_arg.setter
-    def rerun_arg(self, value: str | None) -> None:
-        self.checkpointer.rerun_arg = value
-
     def _host_sum(self, values: list[float]) -> list[float]:
         """``values`` summed over ranks (host side: the FFN plan averages its timings)."""
         return parallel.host_sum(values, self._host_group)
@@ -454,12 +440,12 @@ class Trainer:
             NonFiniteLossError: the loss or gradient norm is NaN / inf (the step not applied).
         """
         cfg = self.cfg
-        self._update_began = False
+        self.update_began = False
         coeff = l1_coeff_at(self.step, cfg.sparsity)
         lr = self.scheduler.get_last_lr()[0]
         ids = draw_step(batches, self.shape, self.data)  # kept until the step is accepted
         m, grad_norm, stats = self._accepted_step(ids, coeff, interval)
-        self._update_began = True  # from here an error may leave the weights half updated
+        self.update_began = True  # from here an error may leave the weights half updated
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -537,12 +523,13 @@ class Trainer:
         self.acc.wait_for_everyone()
         return result or {}
 
-    def _stoppable(self, collective: bool):
+    def stoppable(self, collective: bool):
         """:func:`train.evaluation.stoppable` of this model, this run's signals and ranks."""
         return stoppable(self.acc.unwrap_model(self.model), self.signals, self._any_rank,
                          collective)
 
-    def _stop_name(self) -> str:
+    def stop_name(self) -> str:
+        """The signal that stops this run, or a stop asked for by another rank."""
         return interrupt.stop_name(self.signals)
 
     def train(self, stop_at_step: int | None = None) -> dict:
@@ -575,18 +562,15 @@ class Trainer:
         stderr (where tqdm draws) a terminal; elsewhere each log line carries the ETA."""
         return bool(self.is_main and self.cfg.trainer.progress and sys.stderr.isatty())
 
-    def _stop_if_signalled(self, bar=None) -> None:
-        """Stop (:meth:`_stop_on_signal`) if any rank got SIGTERM / SIGINT; all ranks agree."""
-        signum = self._any_rank(self.signals.signum if self.signals else 0)
-        if signum:
-            if bar is not None:
-                bar.close()
-            self._stop_on_signal(signum)
-
-    def _stop_on_signal(self, signum: int) -> None:
-        """After the step that a SIGTERM / SIGINT interrupted: checkpoint it (unless just saved,
-        or no step was trained), print and log one line, raise
+    def stop_if_signalled(self, bar=None) -> None:
+        """If any rank got SIGTERM / SIGINT (all ranks agree): checkpoint the step it interrupted
+        (unless just saved, or no step was trained), print and log one line, raise
         :class:`train.interrupt.TrainingInterrupted`."""
+        signum = self._any_rank(self.signals.signum if self.signals else 0)
+        if not signum:
+            return
+        if bar is not None:
+            bar.close()
         if self.saved_step != self.step and self.step > 0:
             self.save_checkpoint()
         line = interrupt.stopped_line(signum, self.step, self._quoted_ckpt(), self.resume_advice())
@@ -596,7 +580,7 @@ class Trainer:
     def interrupted(self, e: KeyboardInterrupt) -> int:
         """The exit code of a run that an interrupt ended (``twell-train`` calls this for the
         KeyboardInterrupt that left :meth:`train`): 130 for SIGINT, 143 for SIGTERM. Prints and
-        logs the interrupt's line (where to resume) unless :meth:`_stop_on_signal` did."""
+        logs the interrupt's line (where to resume) unless :meth:`stop_if_signalled` did."""
         if not (isinstance(e, TrainingInterrupted) and e.reported):
             self.runlog.warn(interrupt.interrupted_line(
                 e, self.step, self._quoted_ckpt() or "none", self.resume_advice()))
