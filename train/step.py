@@ -8,11 +8,13 @@ Shape legend: B micro-batch (sequences), T sequence length, L layers, H FFN widt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 
 import torch
 
+from train import parallel
 from train.metrics_log import StepSums
 from train.sparsity import collect_stats, l1_penalty
 from train.step_shape import StepShape
@@ -140,3 +142,23 @@ def probe_densities(model, mlps: list, ids_BT: torch.Tensor) -> torch.Tensor:
         m.last_stats = None
     del sp
     return vals
+
+
+def accepted_step(micro, plan, acc, model, ids: list[torch.Tensor], coeff: float, *,
+                  grad_clip: float, seq_len: int, on_redo: Callable[[list[int]], None]):
+    """The step's micro-steps (``micro(ids, coeff)``: :func:`micro_steps`), gradients clipped
+    to ``grad_clip`` (<= 0: not clipped) and the step's host sync (:func:`sync_step`), run
+    again when the FFN plan refuses them (after ``on_redo(layers)``, which discards the
+    attempt's gradients; a redone step measures per call, so it cannot overflow again).
+    Returns ``(finite, sums, grad norm, stats)`` of the first attempt that is non-finite or
+    accepted."""
+    max_norm = grad_clip if grad_clip > 0 else math.inf
+    for _attempt in range(2):
+        plan.begin_step()
+        m = micro(ids, coeff)
+        grad_norm = parallel.plain(acc.clip_grad_norm_(model.parameters(), max_norm))
+        finite, outcome, stats = sync_step(plan, acc, m, grad_norm, seq_len)
+        if not finite or outcome.accepted:
+            break
+        on_redo(list(outcome.redo))
+    return finite, m, grad_norm, stats

@@ -17,7 +17,6 @@ Shape legend: B micro-batch (sequences), T sequence length, L layers, H FFN widt
 from __future__ import annotations
 
 import dataclasses
-import math
 import signal
 import sys
 import time
@@ -68,11 +67,11 @@ from train.sparsity import (
     reinit_dead_gates,
 )
 from train.step import (
+    accepted_step,
     draw_step,
     micro_steps,
     probe_densities,
     probe_forward_backward,
-    sync_step,
 )
 from train.step_shape import StepShape
 
@@ -463,26 +462,20 @@ class Trainer:
     def _accepted_step(self, ids: list, coeff: float, interval: Interval):
         """The step's micro-steps, clipped, until the FFN plan accepts them (a redone step
         measures per call: it cannot overflow again); ``(sums, grad norm, stats)``."""
-        acc, max_norm = self.acc, self.cfg.optim.grad_clip
-        max_norm = max_norm if max_norm > 0 else math.inf
-        for _attempt in range(2):
-            self.plan.begin_step()
-            m = self._micro_steps(ids, coeff)
-            grad_norm = parallel.plain(acc.clip_grad_norm_(self.model.parameters(), max_norm))
-            finite, outcome, stats = sync_step(self.plan, acc, m, grad_norm,
-                                               self.cfg.model.seq_len)
-            if not finite:
-                raise NonFiniteLossError(
-                    f"non-finite loss or gradient at step {self.step + 1} (loss "
-                    f"{m.loss.item() / self.accum:.4g}, grad norm {grad_norm.item():.4g}); the "
-                    f"step was not applied; last good checkpoint: {self.last_ckpt or 'none'}")
-            if outcome.accepted:
-                break
+        def redo(layers: list[int]) -> None:
             self.optimizer.zero_grad(set_to_none=True)  # discard the attempt
             interval.backup_redos += 1
-            self._print(f"step {self.step + 1}: layers {list(outcome.redo)} had more heavy rows "
-                        "than their dense-backup capacity; redoing the step with per-call "
-                        "measurement")
+            self._print(f"step {self.step + 1}: layers {layers} had more heavy rows than their "
+                        "dense-backup capacity; redoing the step with per-call measurement")
+
+        finite, m, grad_norm, stats = accepted_step(
+            self._micro_steps, self.plan, self.acc, self.model, ids, coeff,
+            grad_clip=self.cfg.optim.grad_clip, seq_len=self.cfg.model.seq_len, on_redo=redo)
+        if not finite:
+            raise NonFiniteLossError(
+                f"non-finite loss or gradient at step {self.step + 1} (loss "
+                f"{m.loss.item() / self.accum:.4g}, grad norm {grad_norm.item():.4g}); the "
+                f"step was not applied; last good checkpoint: {self.last_ckpt or 'none'}")
         return m, grad_norm, stats
 
     def log_metrics(self, interval: Interval) -> dict:
