@@ -365,6 +365,11 @@ class Trainer:
         """The step ``last_ckpt`` holds (a stop does not save it twice)."""
         return self.checkpointer.saved_step
 
+    @property
+    def lineage(self) -> dict:
+        """The line of training the next checkpoint records (``ckpt_io.new_lineage``)."""
+        return self.checkpointer.lineage
+
     def _host_sum(self, values: list[float]) -> list[float]:
         """``values`` summed over ranks (host side: the FFN plan averages its timings)."""
         return parallel.host_sum(values, self._host_group)
