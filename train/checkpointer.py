@@ -366,7 +366,18 @@ class Checkpointer:
         checkpoint's lineage (a checkpoint of this run dir) or branch it (one of another run
         dir); on the main process rewrite config.yaml and drop the metrics logged after the
         checkpoint (they will be redone). Nothing in it can run code (``ckpt_io.load_state``:
-        safetensors and JSON). ``Trainer.resume`` says what continues exactly.
+        safetensors and JSON).
+
+        The global batch must be the one of the checkpoint (the data position and the schedules
+        count its steps); the world size, micro-batch and accumulation may change, and 1 process,
+        DDP and FSDP load each other's checkpoints. What continues exactly: the blocks of every
+        step (a global data position), the lr / L1 schedules, the optimizer state, the dead-unit
+        windows, auto's paths. The per-rank RNG states are restored only on the same world size
+        (elsewhere every rank is re-seeded from trainer.seed, the step and its rank): after
+        initialisation training draws no random numbers from them (no dropout; dead-unit
+        re-init has its own generator seeded by the step). The no-sync dense-backup capacities
+        count rows per FFN call, so a different micro-batch measures them again. A checkpoint of
+        this run dir continues its lineage; one of another run dir starts a branch of it.
 
         Args:
             target: the trainer being restored (its optimizer and scheduler built, its state

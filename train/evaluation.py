@@ -106,3 +106,56 @@ def clear_sharded_ffn_caches(model, mlps: list) -> None:
         for mlp in mlps:
             if mlp.twell_state is not None:
                 mlp.twell_state.clear_cache()
+
+
+def run_validation(tr) -> dict | None:
+    """The validation record of the trainer ``tr`` at its step (``Trainer.validate``: each
+    rank's equal share of ``trainer.val_sequences``, summed over ranks, a host sync); None when
+    a stop signal ended it (a line printed). The model is left in training mode."""
+    clear_sharded_ffn_caches(tr.model, tr.mlps)
+    tr.model.eval()
+    share = tr.cfg.trainer.val_sequences // tr.world_size  # equal: same batches
+    try:  # every rank runs the same forwards: they agree on a stop at each one
+        with tr.stoppable(collective=True):
+            tot = validation_totals(tr.model, tr.data, tr.mlps, share, tr.shape.micro_batch,
+                                    tr.device)
+    except StopRequested:
+        tr.model.train()
+        tr.runlog.print(f"step {tr.step}: validation stopped by {tr.stop_name()} (no "
+                        "validation loss for this step)")
+        return None
+    ce_sum, l0_sum, n_targets, n_tokens, n_seqs = tr.reduce(tot, "sum").tolist()  # sync
+    tr.model.train()
+    return {"step": tr.step, "val_loss": ce_sum / n_targets if n_targets else None,
+            "val_l0": l0_sum / n_tokens if n_tokens else None, "val_sequences": int(n_seqs)}
+
+
+def run_evals(tr) -> dict | None:
+    """The eval record of the trainer ``tr`` at its step (``Trainer.evaluate``: the
+    ``cfg.eval`` tasks on the main process, or on every rank of a sharded model), its line
+    printed; None on a rank that does not run them or when a stop signal ended them (a line
+    printed). The model is left in training mode."""
+    clear_sharded_ffn_caches(tr.model, tr.mlps)
+    sharded = parallel.is_sharded(tr.model)
+    if not (tr.is_main or sharded):
+        return None
+    e = tr.cfg.eval
+    model = tr.acc.unwrap_model(tr.model)
+    model.eval()
+    tasks = "all" if list(e.tasks) == ["all"] else tuple(e.tasks)
+    tr.runlog.print(f"step {tr.step}: evaluating {tasks} (limit {e.limit})")
+    try:  # a sharded model's ranks run the same forwards; else only this one runs
+        with tr.stoppable(collective=sharded):
+            out = score_tasks(model, tr.data.tokenizer, e, device=tr.device,
+                              progress=tr.show_bars, step=tr.step,
+                              seq_len=tr.cfg.model.seq_len, run_dir=tr.run_dir)
+    except StopRequested:  # SIGTERM / SIGINT: the stop comes after it (train.loop)
+        model.train()
+        tr.runlog.print(f"step {tr.step}: evaluation stopped by {tr.stop_name()} (no eval "
+                        "result for this step)")
+        return None
+    model.train()
+    tr.runlog.print(f"step {tr.step}: eval mean {100 * out['mean']:.1f} | " + " ".join(
+        f"{k} {100 * v['primary']:.1f}" for k, v in out["tasks"].items()))
+    return {"step": tr.step, "eval_mean": out["mean"],
+            **{f"eval_{k}": v["primary"] for k, v in out["tasks"].items()}}

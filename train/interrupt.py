@@ -42,6 +42,33 @@ def launcher_grace_s() -> float:
     return 2.0 if "TORCHELASTIC_RUN_ID" in os.environ else 0.0
 
 
+def stop_name(signals: StopSignals | None) -> str:
+    """The name of the signal ``signals`` received, or a stop asked for by another rank."""
+    signum = signals.signum if signals is not None else 0
+    return signal_name(signum) if signum else "a stop signal on another rank"
+
+
+def stopped_line(signum: int, step: int, last_ckpt: str, advice: str) -> str:
+    """The line of a run stopped after ``step``, the step a ``signum`` interrupted: where its
+    checkpoint is (``last_ckpt``, shell-quoted; "" for none), how to resume (``advice``) and
+    the exit code."""
+    saved = f"checkpoint written to {last_ckpt}; " if last_ckpt else ""
+    return (f"received {signal_name(signum)} at step {step}: {saved}{advice} (exit code "
+            f"{exit_code(signum)})")
+
+
+def interrupted_line(e: KeyboardInterrupt, step: int, last_ckpt: str,
+                     advice: str) -> str:
+    """The line of a run that the interrupt ``e`` (not a reported stop after a step) ended at
+    once at ``step``: the newest complete checkpoint ``last_ckpt``, how to resume ``advice``."""
+    name = signal_name(e.signum if isinstance(e, TrainingInterrupted) else signal.SIGINT)
+    how = ("interrupted" if not isinstance(e, TrainingInterrupted)
+           else f"received {name}: stopped at once (no step finished since the last "
+                "checkpoint, so none is lost)" if e.first
+           else f"received a second {name}: stopped at once")
+    return f"{how} at step {step}; newest complete checkpoint: {last_ckpt}; {advice}"
+
+
 class TrainingInterrupted(KeyboardInterrupt):
     """A run stopped on a signal.
 

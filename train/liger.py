@@ -118,6 +118,45 @@ def _leave_rope(module, args, output, kwargs=None):
     _ROPE_STATE.depth -= 1
 
 
+def _check_llama(model):
+    """``model.model`` after checking the Llama causal LM's form (``use_liger``'s ValueError)."""
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "norm") or not hasattr(base, "layers") \
+            or not hasattr(model, "lm_head"):
+        raise ValueError(f"use_liger needs a Llama causal LM (.model.norm, .model.layers, "
+                         f".lm_head); got {type(model).__name__}")
+    if not hasattr(base.norm, "variance_epsilon"):
+        raise ValueError(f"use_liger: {type(base.norm).__name__} has no variance_epsilon (not "
+                         "an RMSNorm of the LlamaRMSNorm form)")
+    return base
+
+
+def _patch_norms(model, norm_cls, norm_out_autocast: bool) -> int:
+    """Liger's RMSNorm forward on every ``norm_cls`` module of ``model``; how many."""
+    n_norm = 0
+    for m in model.modules():
+        if type(m) is norm_cls:
+            m.forward = types.MethodType(_norm_forward, m)
+            m._twell_cast_out = bool(norm_out_autocast)
+            n_norm += 1
+    return n_norm
+
+
+def _hook_rope(layers) -> int:
+    """The hooks selecting Liger's RoPE on each layer's ``self_attn`` (once); how many new."""
+    _install_rope_dispatch()
+    n_rope = 0
+    for layer in layers:
+        attn = layer.self_attn
+        if getattr(attn, "_twell_liger_rope", False):
+            continue
+        attn.register_forward_pre_hook(_enter_rope)
+        attn.register_forward_hook(_leave_rope, always_call=True)
+        attn._twell_liger_rope = True
+        n_rope += 1
+    return n_rope
+
+
 def use_liger(model, *, fused_linear_ce: bool = True, norm_out_autocast: bool = False) -> dict:
     """Put Liger-Kernel's RMSNorm, RoPE and (``fused_linear_ce``) fused linear cross-entropy
     into a transformers Llama causal LM, on this instance only (module docstring).
@@ -151,33 +190,11 @@ def use_liger(model, *, fused_linear_ce: bool = True, norm_out_autocast: bool = 
             norm is not of the ``LlamaRMSNorm`` form (no ``variance_epsilon``).
         ImportError: ``liger_kernel`` is not installed (``pip install liger-kernel``).
     """
-    base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "norm") or not hasattr(base, "layers") \
-            or not hasattr(model, "lm_head"):
-        raise ValueError(f"use_liger needs a Llama causal LM (.model.norm, .model.layers, "
-                         f".lm_head); got {type(model).__name__}")
-    if not hasattr(base.norm, "variance_epsilon"):
-        raise ValueError(f"use_liger: {type(base.norm).__name__} has no variance_epsilon (not "
-                         "an RMSNorm of the LlamaRMSNorm form)")
+    base = _check_llama(model)
     import liger_kernel.transformers  # noqa: F401  (ImportError names the package)
 
-    norm_cls = type(base.norm)
-    n_norm = 0
-    for m in model.modules():
-        if type(m) is norm_cls:
-            m.forward = types.MethodType(_norm_forward, m)
-            m._twell_cast_out = bool(norm_out_autocast)
-            n_norm += 1
-    _install_rope_dispatch()
-    n_rope = 0
-    for layer in base.layers:
-        attn = layer.self_attn
-        if getattr(attn, "_twell_liger_rope", False):
-            continue
-        attn.register_forward_pre_hook(_enter_rope)
-        attn.register_forward_hook(_leave_rope, always_call=True)
-        attn._twell_liger_rope = True
-        n_rope += 1
+    n_norm = _patch_norms(model, type(base.norm), norm_out_autocast)
+    n_rope = _hook_rope(base.layers)
     if fused_linear_ce:
         model._twell_stock_forward = types.MethodType(type(model).forward, model)
         model.forward = types.MethodType(_loss_forward, model)

@@ -224,6 +224,29 @@ class _LinearCrossEntropyKL(torch.autograd.Function):
 
 
 @torch.compiler.disable  # trainer.compile: the model compiles around it; this runs as written
+def _check_kl_args(hidden_ND, weight_VD, target_N, teacher_ND, teacher_VD, chunk_rows,
+                   temperature, kl_weight) -> None:
+    """``linear_cross_entropy_kl``'s ValueError for shapes that do not match, chunk_rows < 1,
+    temperature <= 0 or kl_weight < 0."""
+    if hidden_ND.dim() != 2 or weight_VD.dim() != 2 or hidden_ND.shape[1] != weight_VD.shape[1]:
+        raise ValueError(f"linear_cross_entropy_kl: hidden_ND (N, D) and weight_VD (V, D) must "
+                         f"share D; got {tuple(hidden_ND.shape)}, {tuple(weight_VD.shape)}")
+    n, v = hidden_ND.shape[0], weight_VD.shape[0]
+    if (teacher_ND.dim() != 2 or teacher_VD.dim() != 2 or teacher_ND.shape[0] != n
+            or teacher_VD.shape[0] != v or teacher_ND.shape[1] != teacher_VD.shape[1]):
+        raise ValueError(f"linear_cross_entropy_kl: teacher_ND must be (N={n}, E) and "
+                         f"teacher_VD (V={v}, E); got "
+                         f"{tuple(teacher_ND.shape)}, {tuple(teacher_VD.shape)}")
+    if target_N.shape != hidden_ND.shape[:1]:
+        raise ValueError(f"linear_cross_entropy_kl: target_N must be (N={hidden_ND.shape[0]},); "
+                         f"got {tuple(target_N.shape)}")
+    if chunk_rows < 1:
+        raise ValueError(f"linear_cross_entropy_kl: chunk_rows must be >= 1; got {chunk_rows}")
+    if not temperature > 0 or not kl_weight >= 0:
+        raise ValueError(f"linear_cross_entropy_kl: temperature must be > 0 and kl_weight >= 0; "
+                         f"got {temperature}, {kl_weight}")
+
+
 def linear_cross_entropy_kl(
     hidden_ND: torch.Tensor,
     weight_VD: torch.Tensor,
@@ -270,23 +293,8 @@ def linear_cross_entropy_kl(
     Raises:
         ValueError: shapes that do not match, chunk_rows < 1, temperature <= 0, kl_weight < 0.
     """
-    if hidden_ND.dim() != 2 or weight_VD.dim() != 2 or hidden_ND.shape[1] != weight_VD.shape[1]:
-        raise ValueError(f"linear_cross_entropy_kl: hidden_ND (N, D) and weight_VD (V, D) must "
-                         f"share D; got {tuple(hidden_ND.shape)}, {tuple(weight_VD.shape)}")
-    n, v = hidden_ND.shape[0], weight_VD.shape[0]
-    if (teacher_ND.dim() != 2 or teacher_VD.dim() != 2 or teacher_ND.shape[0] != n
-            or teacher_VD.shape[0] != v or teacher_ND.shape[1] != teacher_VD.shape[1]):
-        raise ValueError(f"linear_cross_entropy_kl: teacher_ND must be (N={n}, E) and "
-                         f"teacher_VD (V={v}, E); got "
-                         f"{tuple(teacher_ND.shape)}, {tuple(teacher_VD.shape)}")
-    if target_N.shape != hidden_ND.shape[:1]:
-        raise ValueError(f"linear_cross_entropy_kl: target_N must be (N={hidden_ND.shape[0]},); "
-                         f"got {tuple(target_N.shape)}")
-    if chunk_rows < 1:
-        raise ValueError(f"linear_cross_entropy_kl: chunk_rows must be >= 1; got {chunk_rows}")
-    if not temperature > 0 or not kl_weight >= 0:
-        raise ValueError(f"linear_cross_entropy_kl: temperature must be > 0 and kl_weight >= 0; "
-                         f"got {temperature}, {kl_weight}")
+    _check_kl_args(hidden_ND, weight_VD, target_N, teacher_ND, teacher_VD, chunk_rows,
+                   temperature, kl_weight)
     dt = compute_dtype or hidden_ND.dtype
     args = (hidden_ND, weight_VD, target_N.long(), teacher_ND, teacher_VD, float(temperature),
             float(kl_weight), ignore_index, dt, chunk_rows)

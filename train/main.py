@@ -176,7 +176,8 @@ def _record_start(trainer, run_dir: Path, cfg: DictConfig, hc, sweep: bool) -> N
     if sweep:
         from train.requeue import override_arg
 
-        trainer.rerun_arg = override_arg("hydra.sweep.dir", Path(hc.sweep.dir).resolve())
+        trainer.checkpointer.rerun_arg = override_arg("hydra.sweep.dir",
+                                                      Path(hc.sweep.dir).resolve())
     if _is_rank0():
         (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a rerun in the same dir starts clean
         write_hydra_record(run_dir, cfg)

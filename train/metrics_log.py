@@ -259,6 +259,64 @@ def ffn_plan_metrics(plan, auto: bool, heavy_L: list[float]) -> dict:
     return out
 
 
+def run_summary(*, step: int, tokens_seen: int, params: int, train_time: float, last: dict,
+                last_val: dict, last_eval: dict, segment: Segment | None, precision: str,
+                world_size: int, init: dict | None, memory: dict | None, run_dir: Path,
+                last_ckpt: Path | None) -> dict:
+    """The final numbers of a run (``Trainer.summary``, what summary.json holds) from its last
+    train / val / eval records and its last training ``segment``: ``tokens_per_s`` is that
+    segment's (``segment_steps``: its first and last step), ``tokens_per_s_all`` the mean over
+    every segment of a resumed run (``tokens_seen / train_time``)."""
+    m, seg = last, segment
+    return {
+        "step": step,
+        "tokens_seen": tokens_seen,
+        "params": params,
+        "final_train_loss": m.get("loss"),
+        "final_train_ce": m.get("ce"),
+        "val_loss": last_val.get("val_loss"),
+        "val_l0": last_val.get("val_l0"),
+        "l0_mean": m.get("l0_mean"),
+        "l0_layers": m.get("l0_layers"),
+        "nnz_max": m.get("nnz_max"),
+        "dead_pct": None if m.get("dead_frac") is None else 100 * m["dead_frac"],
+        # the last training segment (this process's steps, or the checkpoint's last ones):
+        # the speed of the steps as they ran, not diluted by restarts
+        "tokens_per_s": seg.tokens / seg.time if seg and seg.time else None,
+        "segment_steps": [seg.first_step, seg.first_step + seg.steps - 1] if seg else None,
+        "tokens_per_s_all": tokens_seen / train_time if train_time else None,
+        "train_time_s": train_time,
+        "precision": precision,
+        "world_size": world_size,
+        "eval": last_eval or None,
+        "init": init,
+        "memory": memory,
+        "paths": {"run_dir": str(run_dir), "config": str(run_dir / "config.yaml"),
+                  "metrics": str(run_dir / "metrics.jsonl"),
+                  "checkpoint": str(last_ckpt) if last_ckpt else None},
+    }
+
+
+def summary_line(s: dict) -> str:
+    """The one-line end of a run (printed last by ``twell-train``): step, train CE, validation
+    loss, L0, dead % (n/a before a dead-unit window completed), eval mean (%, primary metric
+    over the tasks) and tokens/s of the last training segment (labelled with its steps when the
+    run was resumed)."""
+    def f(v, spec: str) -> str:
+        return "n/a" if v is None else format(v, spec)
+
+    ev = (s.get("eval") or {}).get("eval_mean")
+    dead = s.get("dead_pct")
+    seg = s.get("segment_steps")
+    where = f" (steps {seg[0]}-{seg[1]})" if seg and seg[0] > 1 else ""  # a resumed segment
+    return (f"done: step {s['step']} | train CE {f(s.get('final_train_ce'), '.4f')} | val loss "
+            f"{f(s.get('val_loss'), '.4f')} | L0 {f(s.get('l0_mean'), '.1f')} | dead "
+            f"{'n/a' if dead is None else format(dead, '.1f') + '%'} | eval mean "
+            f"{'n/a' if ev is None else format(100 * ev, '.1f')} | "
+            f"{f(s.get('tokens_per_s'), '.0f')} tok/s{where}")
+
+
+
 class MetricsLogger:
     """Writes a run's metric lines (``metrics.jsonl``, main process only; wandb when on) and
     turns a log :class:`Interval` into its :class:`TrainRecord`.

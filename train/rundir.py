@@ -331,3 +331,19 @@ class RunDirCallback(Callback):
         d = Path(str(config.hydra.sweep.dir)).resolve()
         if not d.exists():
             _NEW_DIRS.add(d)
+
+
+def undo_failed_setup(run_dir: Path, lock: RunDirLock | None, *, made_dir: bool,
+                      had_lock_file: bool) -> None:
+    """After a ``Trainer`` construction failed: release ``lock`` (this process's, or None) and
+    leave ``run_dir`` as found: its lock file removed when the run was refused in another
+    run's folder (``made_dir``, ``had_lock_file``: how it was before), the folder removed when
+    the construction made it and left nothing else there."""
+    if not (made_dir or had_lock_file or claimed(run_dir)) and lock is not None:
+        # refused in another run's folder: leave it as found (removed while held)
+        (run_dir / LOCK_FILE).unlink(missing_ok=True)
+    if lock is not None:
+        lock.release()
+    if made_dir and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {LOCK_FILE}:
+        (run_dir / LOCK_FILE).unlink(missing_ok=True)
+        run_dir.rmdir()

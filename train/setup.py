@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import torch
 
 from train import checkpoint as ckpt_io
-from train import parallel
+from train import determinism, parallel
 from train.config import ConfigError, OptimConfig, TrainConfig
 from train.liger import liger_enabled, use_liger
 from train.loss import use_distillation
@@ -275,3 +275,117 @@ def build_scheduler(optimizer, o: OptimConfig, max_steps: int, steps_done: int =
     must hold ``initial_lr``)."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda k: lr_factor(k + 1, o, max_steps), last_epoch=steps_done - 1)
+
+
+def attach_data(cfg: TrainConfig, acc, datamodule, init_src):
+    """The data module (``datamodule``, or built for this rank by
+    ``train.data.build_datamodule``, the main process first, so that a first run builds or
+    fetches the corpus once) checked against the model's vocabulary and the evaluation
+    (:func:`check_data`); returns ``(data, model.init_from's vocabulary check or None)``.
+
+    Raises:
+        ConfigError: data that does not fit the model or the evaluation (one line).
+    """
+    t = cfg.trainer
+    if datamodule is None:
+        from train.data import build_datamodule
+
+        with acc.main_process_first():
+            datamodule = build_datamodule(
+                cfg.data, seq_len=cfg.model.seq_len, micro_batch=t.micro_batch or 1,
+                seed=t.seed, rank=acc.process_index, world_size=acc.num_processes)
+    vocab_check = None
+    if init_src is not None:
+        from train import pretrained
+
+        vocab_check = pretrained.check_vocab(init_src, datamodule.vocab_size,
+                                             getattr(datamodule, "tokenizer", None))
+    check_data(cfg, datamodule)
+    return datamodule, vocab_check
+
+
+def build_plan(cfg: TrainConfig, mlps: list, *, world_size: int, fsdp, print_, reduce_host):
+    """The :class:`twell.nn.FFNPlan` of the model's FFN modules ``mlps``: ``ffn.impl`` set on
+    each (also on a model handed in ready: the plan reads it), ``auto``'s untimed policy under
+    ``trainer.deterministic``, and the host-sync granularity this run can use."""
+    from twell.nn import FFNPlan
+
+    t = cfg.trainer
+    for m in mlps:
+        m.impl = cfg.ffn.impl
+    if t.deterministic:  # auto's paths by the density rule, not timings (train/determinism)
+        for m in mlps:
+            m.policy = determinism.untimed_policy(m.policy)
+    # per layer: training path, no-sync dense-backup capacity (from past heavy-row maxima by
+    # ffn.backup_capacity), statistics. No-sync capacities change from step to step; as
+    # integer arguments they would make torch.compile recompile the model for each new value
+    # (and fall back to eager after its recompile limit), so a compiled model measures per call
+    # auto's measured choice times each layer's calls with eager hooks: not under compile
+    # (nor trainer.deterministic, where timings must not decide);
+    # several ranks average the timings (host side) so that they choose alike
+    host_sync = "call" if t.compile else cfg.ffn.host_sync
+    if host_sync == "micro_batch" and (world_size > 1 or fsdp):
+        # a forward run again without its backward would leave DDP's reducer (and FSDP's
+        # unshard) expecting one: such runs check once per step
+        print_("ffn.host_sync=micro_batch: several processes or FSDP check the "
+               "dense-backup capacities once per step (step)")
+        host_sync = "step"
+    # the modules carry ffn.impl and ffn.policy (build_model); the plan takes the rest
+    return FFNPlan(mlps, cfg.ffn.plan_options(host_sync),
+                   timed=not (t.compile or t.deterministic), reduce_host=reduce_host)
+
+
+def wrap_model(model, cfg: TrainConfig, acc, *, fsdp, precision: str, device, print_):
+    """Compile (``trainer.compile``), shard (FSDP2) and ``acc.prepare`` the model with its
+    optimizer; returns ``(model, prepared optimizer, torch optimizer)``.
+
+    Raises:
+        ConfigError: ``trainer.compile=true`` with FSDP.
+    """
+    t = cfg.trainer
+    if t.compile and fsdp:
+        raise ConfigError("trainer.compile=true with FSDP (configs/accelerate/fsdp2.yaml) is "
+                          "not supported; set trainer.compile=false or launch with ddp.yaml.")
+    if t.compile:
+        if cfg.ffn.host_sync != "call" and cfg.ffn.impl != "torch":
+            print_("trainer.compile=true: the ell training path measures its dense "
+                   f"backup per call (ffn.host_sync={cfg.ffn.host_sync} "
+                   "applies to eager runs)")
+        model.compile()
+    if fsdp:  # shard first: the optimizer then holds the fp32 master shards
+        parallel.apply_fsdp2(model, fsdp, device=device, world_size=acc.num_processes,
+                             param_dtype=torch.bfloat16 if precision == "bf16" else None)
+        optimizer = build_optimizer(model, cfg.optim, device)
+        return model, acc.prepare(optimizer), optimizer
+    optimizer = build_optimizer(model, cfg.optim, device)
+    model, prepared = acc.prepare(model, optimizer)
+    return model, prepared, optimizer
+
+
+def attach_model(cfg: TrainConfig, model, init_src, resume_from, vocab_check, *, device,
+                 precision: str, fsdp, is_main: bool, print_, warn):
+    """The model (given, from ``model.init_from``, or built: :func:`load_model`) with its
+    recomputation, Liger-Kernel's fused ops (:func:`prepare_model`) and its distillation
+    teacher (:func:`attach_teacher`); returns ``(model, init record or None, fused_loss,
+    teacher or None)``, ``fused_loss`` being who computes the loss without logits
+    (``"liger"``, ``"ours"`` or None)."""
+    model, init_info = load_model(cfg, model, init_src, resume_from, vocab_check, print_)
+    fused_loss = prepare_model(model, cfg, device=device, precision=precision, fsdp=fsdp,
+                               print_=print_)
+    teacher = None
+    if cfg.distill:
+        teacher = attach_teacher(model, cfg, init_src, resume_from, device=device,
+                                 precision=precision, is_main=is_main, print_=print_, warn=warn)
+        fused_loss = "ours"  # CE + KL in chunks (train/loss.py)
+    return model, init_info, fused_loss, teacher
+
+
+def apply_optim_config(scheduler, o: OptimConfig, max_steps: int, step: int):
+    """Resume with ``trainer.resume_allow_changes=true``: put ``o``'s values into the loaded
+    optimizer's param groups (lr, weight decay of the matrices' group, betas, eps) and return
+    the lr schedule rebuilt at the checkpoint's ``step``, so step N+1 runs at the new
+    schedule's value for step N+1 (a no-op when nothing changed)."""
+    optimizer = scheduler.optimizer  # the torch optimizer under accelerate's wrapper
+    for group, wd in zip(optimizer.param_groups, (o.weight_decay, 0.0)):
+        group.update(initial_lr=o.lr, weight_decay=wd, betas=tuple(o.betas), eps=o.eps)
+    return build_scheduler(optimizer, o, max_steps, step)

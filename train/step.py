@@ -8,11 +8,13 @@ Shape legend: B micro-batch (sequences), T sequence length, L layers, H FFN widt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 
 import torch
 
+from train import parallel
 from train.metrics_log import StepSums
 from train.sparsity import collect_stats, l1_penalty
 from train.step_shape import StepShape
@@ -112,3 +114,51 @@ def sync_step(plan, acc, m: StepSums, grad_norm: torch.Tensor, seq_len: int):
     if host[0]:
         return False, None, stats
     return True, plan.end_step(stats.unpacked(host[1:])), stats
+
+
+def probe_forward_backward(model, acc, mlps: list, ids_BT: torch.Tensor, coeff: float) -> None:
+    """One forward and backward of ``ids_BT`` ((B, T) int64 on the device) at the loss
+    ``CE + coeff * L1``, accumulating gradients with no all-reduce over ranks and no optimizer
+    step (``Trainer.forward_backward``: the memory planner's probe)."""
+    sync = acc.no_sync(model) if acc.num_processes > 1 else nullcontext()
+    with sync:
+        ce = model(input_ids=ids_BT, labels=ids_BT).loss  # the logits go before backward
+        l1, _ = l1_penalty(collect_stats(mlps))
+        acc.backward(ce + coeff * l1)
+
+
+def probe_densities(model, mlps: list, ids_BT: torch.Tensor) -> torch.Tensor:
+    """(2, L) float64 device tensor: each FFN's mean active units per token (L0) and heavy-row
+    fraction over one training forward of ``ids_BT`` ((B, T) int64 on the device; no
+    backward), this rank's (``Trainer.ffn_densities`` averages them over ranks)."""
+    with torch.enable_grad():
+        model(input_ids=ids_BT, labels=ids_BT)
+        _, sp = l1_penalty(collect_stats(mlps))
+        vals = torch.stack([sp.nnz_sum_L, sp.heavy_L]).double() / sp.n_tokens
+    # the FFNs' stats hold the forward's graph (no backward frees it); kept, it would count
+    # in the first probe's peak and bend the planner's peak line (BENCHMARKS.md, "Call 3
+    # outcome")
+    for m in mlps:
+        m.last_stats = None
+    del sp
+    return vals
+
+
+def accepted_step(micro, plan, acc, model, ids: list[torch.Tensor], coeff: float, *,
+                  grad_clip: float, seq_len: int, on_redo: Callable[[list[int]], None]):
+    """The step's micro-steps (``micro(ids, coeff)``: :func:`micro_steps`), gradients clipped
+    to ``grad_clip`` (<= 0: not clipped) and the step's host sync (:func:`sync_step`), run
+    again when the FFN plan refuses them (after ``on_redo(layers)``, which discards the
+    attempt's gradients; a redone step measures per call, so it cannot overflow again).
+    Returns ``(finite, sums, grad norm, stats)`` of the first attempt that is non-finite or
+    accepted."""
+    max_norm = grad_clip if grad_clip > 0 else math.inf
+    for _attempt in range(2):
+        plan.begin_step()
+        m = micro(ids, coeff)
+        grad_norm = parallel.plain(acc.clip_grad_norm_(model.parameters(), max_norm))
+        finite, outcome, stats = sync_step(plan, acc, m, grad_norm, seq_len)
+        if not finite or outcome.accepted:
+            break
+        on_redo(list(outcome.redo))
+    return finite, m, grad_norm, stats

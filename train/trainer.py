@@ -17,11 +17,9 @@ Shape legend: B micro-batch (sequences), T sequence length, L layers, H FFN widt
 from __future__ import annotations
 
 import dataclasses
-import math
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -29,21 +27,17 @@ from accelerate.utils import set_seed
 from omegaconf import OmegaConf
 
 from train import checkpoint as ckpt_io
-from train import determinism, interrupt, memory, parallel, rundir
+from train import determinism, interrupt, loop, memory, parallel, rundir
 from train.checkpointer import (  # noqa: F401  (config_diff: callers import it from here)
     Checkpointer,
     NonFiniteLossError,
     config_diff,
     config_to_dict,
 )
-from train.config import ConfigError, TrainConfig
-from train.evaluation import (
-    clear_sharded_ffn_caches,
-    score_tasks,
-    stoppable,
-    validation_totals,
-)
-from train.interrupt import StopRequested, StopSignals, TrainingInterrupted
+from train.config import TrainConfig
+from train.evaluation import run_evals, run_validation, stoppable
+from train.interrupt import StopSignals, TrainingInterrupted
+from train.loop import OutOfMemory, is_cpu_out_of_memory  # noqa: F401  (imported from here)
 from train.metrics import device_peak_flops
 from train.metrics_log import (
     Interval,
@@ -52,83 +46,36 @@ from train.metrics_log import (
     Segment,
     StepSums,
     format_record,
+    run_summary,
+    summary_line,  # noqa: F401  (callers import it from here)
 )
 from train.model import ffn_modules
 from train.recompute import set_recompute
 from train.setup import (
-    attach_teacher,
-    build_optimizer,
+    apply_optim_config,
+    attach_data,
+    attach_model,
+    build_plan,
     build_scheduler,
-    check_data,
     config_warnings,
-    duration,
-    load_model,
     make_accelerator,
-    prepare_model,
+    wrap_model,
 )
 from train.sparsity import (
     DeadNeuronTracker,
-    collect_stats,
     l1_coeff_at,
-    l1_penalty,
     reinit_dead_gates,
 )
-from train.step import draw_step, micro_steps, sync_step
+from train.step import (
+    accepted_step,
+    draw_step,
+    micro_steps,
+    probe_densities,
+    probe_forward_backward,
+)
 from train.step_shape import StepShape
-from twell.nn import FFNPlan
-
-
-class OutOfMemory(ConfigError):
-    """A training step ran out of memory and nothing could step down (on the CPU, or with
-    ``trainer.memory=off``); the finished steps are saved first. One line (exit code 2)."""
-
 
 shell_quote = ckpt_io.shell_quote
-
-
-def is_cpu_out_of_memory(e: BaseException) -> bool:
-    """Whether an error is the host running out of memory: Python's MemoryError, or PyTorch's
-    CPU allocator failing (a RuntimeError "DefaultCPUAllocator: can't allocate memory")."""
-    return isinstance(e, MemoryError) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
-        and "CPUAllocator" in str(e))
-
-
-def _legacy_plan_state(d: dict, current: dict) -> dict:
-    """The FFN plan state (``FFNPlan.state_dict``) of a trainer state written before the plan
-    existed: its ``ffn_train_paths`` (auto's choices, the only impl that read them; ``twell`` is
-    now ``ell``), ``ffn_backup_rows`` and ``ffn_backup_capacity`` (or the older
-    ``ffn_heavy_hist``); what it lacks keeps ``current``."""
-    out = dict(current)
-    if "ffn_train_paths" in d:
-        out["paths"] = ["ell" if p == "twell" else p for p in d["ffn_train_paths"]]
-        out["impls"] = ["auto"] * len(out["paths"])
-    if "ffn_backup_rows" in d:
-        out["backup_rows"] = [int(r) for r in d["ffn_backup_rows"]]
-    if "ffn_backup_capacity" in d:
-        out["capacity"] = d["ffn_backup_capacity"]
-    elif "ffn_heavy_hist" in d:
-        out["capacity"] = {"rule": "window", "hist": d["ffn_heavy_hist"]}
-    return out
-
-
-def summary_line(s: dict) -> str:
-    """The one-line end of a run (printed last by ``twell-train``): step, train CE, validation
-    loss, L0, dead % (n/a before a dead-unit window completed), eval mean (%, primary metric
-    over the tasks) and tokens/s of the last training segment (labelled with its steps when the
-    run was resumed)."""
-    def f(v, spec: str) -> str:
-        return "n/a" if v is None else format(v, spec)
-
-    ev = (s.get("eval") or {}).get("eval_mean")
-    dead = s.get("dead_pct")
-    seg = s.get("segment_steps")
-    where = f" (steps {seg[0]}-{seg[1]})" if seg and seg[0] > 1 else ""  # a resumed segment
-    return (f"done: step {s['step']} | train CE {f(s.get('final_train_ce'), '.4f')} | val loss "
-            f"{f(s.get('val_loss'), '.4f')} | L0 {f(s.get('l0_mean'), '.1f')} | dead "
-            f"{'n/a' if dead is None else format(dead, '.1f') + '%'} | eval mean "
-            f"{'n/a' if ev is None else format(100 * ev, '.1f')} | "
-            f"{f(s.get('tokens_per_s'), '.0f')} tok/s{where}")
 
 
 class Trainer:
@@ -182,14 +129,8 @@ class Trainer:
         except BaseException:
             determinism.restore(self._determinism)
             self._determinism = None
-            d = Path(run_dir)
-            if not (made_dir or had_lock_file or rundir.claimed(d)) and self._lock is not None:
-                # refused in another run's folder: leave it as found (removed while held)
-                (d / rundir.LOCK_FILE).unlink(missing_ok=True)
-            self._unlock()
-            if made_dir and d.is_dir() and {p.name for p in d.iterdir()} <= {rundir.LOCK_FILE}:
-                (d / rundir.LOCK_FILE).unlink(missing_ok=True)
-                d.rmdir()
+            rundir.undo_failed_setup(Path(run_dir), self._lock, made_dir=made_dir,
+                                     had_lock_file=had_lock_file)
             raise
 
     def _setup(self, cfg: TrainConfig, run_dir: str | Path, *, datamodule=None,
@@ -209,14 +150,20 @@ class Trainer:
         if cfg.model.init_from:
             self.init_src = self.checkpointer.inspect_init_from(resume_from)
         self.config_dict = config_to_dict(cfg)
-        self._setup_warnings(cfg)
+        for line in config_warnings(cfg, self.device) if self.is_main else []:
+            self._warn(line)  # a configuration that runs but likely not as meant
         self.checkpointer.check_resume_config(resume_from, self.config_dict)
         if self.is_main:  # locked and new or this run's: a failure may now write into it
             rundir.claim(self.run_dir)
 
         set_seed(cfg.trainer.seed)
         vocab_check = self._setup_data(cfg, datamodule)
-        model = self._setup_model(cfg, model, resume_from, vocab_check)
+        # the model with its recomputation, Liger's fused ops and its distillation teacher;
+        # fused_loss: who computes the loss without logits ("liger" | "ours" | None)
+        model, self.init_info, self.fused_loss, self.teacher = attach_model(
+            cfg, model, self.init_src, resume_from, vocab_check, device=self.device,
+            precision=self.precision, fsdp=self.fsdp, is_main=self.is_main, print_=self._print,
+            warn=self._warn)
         self._setup_parallel(cfg, model)
         self._setup_counters()
         if resume_from is not None:
@@ -249,83 +196,25 @@ class Trainer:
         if self.is_main:  # DDP: rank 0 holds the lock for the job (torchrun ends the others)
             self._lock = rundir.RunDirLock(self.run_dir)
 
-    def _setup_warnings(self, cfg: TrainConfig) -> None:
-        """One-line warnings of a configuration that runs but likely not as meant."""
-        for line in config_warnings(cfg, self.device) if self.is_main else []:
-            self._warn(line)
-
     def _setup_data(self, cfg: TrainConfig, datamodule):
         """The data module (built unless given) and its checks against the model's vocabulary
         and the evaluation; returns ``model.init_from``'s vocabulary check (None without it)."""
-        t = cfg.trainer
-        vocab_check = None
         if datamodule is None:
-            from train.data import build_datamodule
-
             self._print(f"run dir {self.run_dir}: loading data.source={cfg.data.source} (a "
                         "first run builds or fetches it) ...")
-            with self.acc.main_process_first():
-                datamodule = build_datamodule(
-                    cfg.data, seq_len=cfg.model.seq_len, micro_batch=t.micro_batch or 1,
-                    seed=t.seed, rank=self.acc.process_index, world_size=self.acc.num_processes)
-        self.data = datamodule
-        world = self.acc.num_processes
-        self.shape = StepShape(t.global_batch // world, self.data.micro_batch, self._accum,
-                               cfg.model.seq_len)
-        if self.init_src is not None:
-            from train import pretrained
-
-            vocab_check = pretrained.check_vocab(self.init_src, self.data.vocab_size,
-                                                 getattr(self.data, "tokenizer", None))
-        check_data(cfg, self.data)
+        self.data, vocab_check = attach_data(cfg, self.acc, datamodule, self.init_src)
+        self.shape = StepShape(cfg.trainer.global_batch // self.acc.num_processes,
+                               self.data.micro_batch, self._accum, cfg.model.seq_len)
         return vocab_check
-
-    def _setup_model(self, cfg: TrainConfig, model, resume_from, vocab_check):
-        """The model (given, from ``model.init_from``, or built: ``train.setup.load_model``),
-        with its recomputation, Liger-Kernel's fused ops and its distillation teacher; returns
-        it."""
-        model, self.init_info = load_model(cfg, model, self.init_src, resume_from, vocab_check,
-                                           self._print)
-        # "liger" | "ours" | None: who computes the loss without logits
-        self.fused_loss = prepare_model(model, cfg, device=self.device, precision=self.precision,
-                                        fsdp=self.fsdp, print_=self._print)
-        self.teacher = None  # sparsity.distill_from: the frozen source model, the KL's target
-        if cfg.distill:
-            self.teacher = attach_teacher(model, cfg, self.init_src, resume_from,
-                                          device=self.device, precision=self.precision,
-                                          is_main=self.is_main, print_=self._print,
-                                          warn=self._warn)
-            self.fused_loss = "ours"  # CE + KL in chunks (train/loss.py)
-        return model
 
     def _setup_parallel(self, cfg: TrainConfig, model) -> None:
         """The FFN plan, compile, FSDP2 / DDP wrapping, optimizer, scheduler and the dead-neuron
         tracker."""
         t, precision = cfg.trainer, self.precision
         self.mlps = ffn_modules(model)
-        for m in self.mlps:  # ffn.impl, also on a model handed in ready (the plan reads it)
-            m.impl = cfg.ffn.impl
-        if t.deterministic:  # auto's paths by the density rule, not timings (train/determinism)
-            for m in self.mlps:
-                m.policy = determinism.untimed_policy(m.policy)
-        # per layer: training path, no-sync dense-backup capacity (from past heavy-row maxima by
-        # ffn.backup_capacity), statistics. No-sync capacities change from step to step; as
-        # integer arguments they would make torch.compile recompile the model for each new value
-        # (and fall back to eager after its recompile limit), so a compiled model measures per call
-        # auto's measured choice times each layer's calls with eager hooks: not under compile
-        # (nor trainer.deterministic, where timings must not decide);
-        # several ranks average the timings (host side) so that they choose alike
-        host_sync = "call" if t.compile else cfg.ffn.host_sync
-        if host_sync == "micro_batch" and (self.acc.num_processes > 1 or self.fsdp):
-            # a forward run again without its backward would leave DDP's reducer (and FSDP's
-            # unshard) expecting one: such runs check once per step
-            self._print("ffn.host_sync=micro_batch: several processes or FSDP check the "
-                        "dense-backup capacities once per step (step)")
-            host_sync = "step"
-        # the modules carry ffn.impl and ffn.policy (build_model); the plan takes the rest
-        self.plan = FFNPlan(self.mlps, cfg.ffn.plan_options(host_sync),
-                            timed=not (t.compile or t.deterministic),
-                            reduce_host=self._host_sum if self.acc.num_processes > 1 else None)
+        self.plan = build_plan(cfg, self.mlps, world_size=self.acc.num_processes, fsdp=self.fsdp,
+                               print_=self._print,
+                               reduce_host=self._host_sum if self.acc.num_processes > 1 else None)
         self.n_params = sum(p.numel() for p in model.parameters())
         self._print(f"model: {self.n_params / 1e6:.2f}M parameters, {cfg.model.num_layers} layers, "
                     f"FFN {cfg.ffn.impl}; {precision} on {self.device} x "
@@ -334,25 +223,10 @@ class Trainer:
         self.metrics = MetricsLogger(self.metrics_path, self.acc, cfg.model,
                                      device_peak_flops(self.device, precision, t.peak_tflops),
                                      self.is_main)
-        if t.compile and self.fsdp:
-            raise ConfigError("trainer.compile=true with FSDP (configs/accelerate/fsdp2.yaml) is "
-                              "not supported; set trainer.compile=false or launch with ddp.yaml.")
-        if t.compile:
-            if cfg.ffn.host_sync != "call" and cfg.ffn.impl != "torch":
-                self._print("trainer.compile=true: the ell training path measures its dense "
-                            f"backup per call (ffn.host_sync={cfg.ffn.host_sync} "
-                            "applies to eager runs)")
-            model.compile()
-        if self.fsdp:  # shard first: the optimizer then holds the fp32 master shards
-            parallel.apply_fsdp2(model, self.fsdp, device=self.device,
-                                 world_size=self.acc.num_processes,
-                                 param_dtype=torch.bfloat16 if precision == "bf16" else None)
-            optimizer = self._build_optimizer(model)
-            self.model, self.optimizer = model, self.acc.prepare(optimizer)
-        else:
-            optimizer = self._build_optimizer(model)
-            self.model, self.optimizer = self.acc.prepare(model, optimizer)
-        self.scheduler = self._build_scheduler(optimizer)  # stepped by hand, once per step
+        self.model, self.optimizer, optimizer = wrap_model(
+            model, cfg, self.acc, fsdp=self.fsdp, precision=precision, device=self.device,
+            print_=self._print)
+        self.scheduler = build_scheduler(optimizer, cfg.optim, t.max_steps)  # stepped by hand
         self.tracker = DeadNeuronTracker(
             cfg.model.num_layers, cfg.model.intermediate_size,
             cfg.sparsity.dead_window_tokens or self.tokens_per_step, device=self.device)
@@ -368,6 +242,7 @@ class Trainer:
         self.prev_segment: Segment | None = None  # the checkpoint's last training segment
         self.segment = Segment(self.step + 1)  # this process's
         self.signals: StopSignals | None = None  # while train() runs
+        self.update_began = False  # whether the running step's optimizer update began
 
     # ---------------------------------------------------------------- setup helpers
 
@@ -422,28 +297,14 @@ class Trainer:
         """One forward and backward of the token ids ``ids_BT`` ((B, T) int64 on the device) at
         this step's loss, ``CE + l1_coeff * L1``, accumulating gradients with no all-reduce over
         ranks and no optimizer step (the memory planner's probe; :meth:`zero_grad` after)."""
-        coeff = l1_coeff_at(self.step, self.cfg.sparsity)
-        sync = self.acc.no_sync(self.model) if self.acc.num_processes > 1 else nullcontext()
-        with sync:
-            ce = self.model(input_ids=ids_BT, labels=ids_BT).loss  # the logits go before backward
-            l1, _ = l1_penalty(collect_stats(self.mlps))
-            self.acc.backward(ce + coeff * l1)
+        probe_forward_backward(self.model, self.acc, self.mlps, ids_BT,
+                               l1_coeff_at(self.step, self.cfg.sparsity))
 
     def ffn_densities(self, ids_BT: torch.Tensor) -> torch.Tensor:
         """(2, L) float64 device tensor: each FFN's mean active units per token (L0) and heavy-row
         fraction over one training forward of ``ids_BT`` ((B, T) int64 on the device; no
         backward), averaged over ranks (every rank calls it)."""
-        with torch.enable_grad():
-            self.model(input_ids=ids_BT, labels=ids_BT)
-            _, sp = l1_penalty(collect_stats(self.mlps))
-            vals = torch.stack([sp.nnz_sum_L, sp.heavy_L]).double() / sp.n_tokens
-        # the FFNs' stats hold the forward's graph (no backward frees it); kept, it would count
-        # in the first probe's peak and bend the planner's peak line (BENCHMARKS.md, "Call 3
-        # outcome")
-        for m in self.mlps:
-            m.last_stats = None
-        del sp
-        return self.reduce(vals, "mean")
+        return self.reduce(probe_densities(self.model, self.mlps, ids_BT), "mean")
 
     @property
     def tokens_per_step(self) -> int:
@@ -452,15 +313,6 @@ class Trainer:
     @property
     def metrics_path(self) -> Path:
         return self.run_dir / "metrics.jsonl"
-
-    def _build_optimizer(self, model) -> torch.optim.Optimizer:
-        return build_optimizer(model, self.cfg.optim, self.device)
-
-    def _build_scheduler(self, optimizer, steps_done: int = 0):
-        """``train.setup.build_scheduler`` of this run's optim config and max steps."""
-        return build_scheduler(optimizer, self.cfg.optim, self.cfg.trainer.max_steps, steps_done)
-
-    # ---------------------------------------------------------------- state
 
     def state_dict(self) -> dict:
         """Trainer state for checkpoints, plain data and tensors only (``ckpt_io.save_state``):
@@ -475,12 +327,20 @@ class Trainer:
                 "segment": None if seg is None else seg.as_dict()}
 
     def load_state_dict(self, d: dict) -> None:
+        """Restore :meth:`state_dict`'s output.
+
+        Raises:
+            ValueError: the state has no ``ffn_plan`` (the checkpointer's one-line
+                ``CheckpointError`` names the folder).
+        """
         self.step = int(d["step"])
         self.tokens_seen = int(d["tokens_seen"])
         self.train_time = float(d["train_time"])
         self.tracker.load_state_dict(d["sparsity"])
-        self.plan.load_state_dict(d["ffn_plan"] if "ffn_plan" in d else _legacy_plan_state(
-            d, self.plan.state_dict()))
+        if "ffn_plan" not in d:  # the checkpointer reports it in one line naming the folder
+            raise ValueError("the trainer state has no ffn_plan (the FFN plan's paths and "
+                             "capacities): it predates the plan and cannot be resumed")
+        self.plan.load_state_dict(d["ffn_plan"])
         if d.get("init") is not None:
             self.init_info = d["init"]
         self.prev_segment = Segment(**d["segment"]) if d.get("segment") else None
@@ -491,17 +351,8 @@ class Trainer:
         return self.segment if self.segment.steps else self.prev_segment
 
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step{N}/`` atomically (all ranks call this); returns the folder.
-
-        Model and optimizer state are full tensors in the unsharded formats (an FSDP model's are
-        gathered on rank 0), so the checkpoint resumes on any number of ranks, sharded or not
-        (:meth:`train.checkpointer.Checkpointer.save`).
-
-        Raises:
-            NonFiniteLossError: the weights hold NaN or inf (nothing is saved).
-            train.checkpoint.CheckpointError: a stage failed on some rank (a full disk: one
-                line; the temp folder is removed on every rank).
-        """
+        """Write ``checkpoints/step{N}/`` atomically (all ranks call this); returns the folder
+        (:meth:`train.checkpointer.Checkpointer.save`: format, errors raised)."""
         return self.checkpointer.save(self)
 
     @property
@@ -519,16 +370,6 @@ class Trainer:
         """The line of training the next checkpoint records (``ckpt_io.new_lineage``)."""
         return self.checkpointer.lineage
 
-    @property
-    def rerun_arg(self) -> str | None:
-        """The override that re-runs this job in its folder (twell-train sets a ``-m`` sweep's
-        ``hydra.sweep.dir``); None: ``hydra.run.dir`` of the run dir (:meth:`resume_advice`)."""
-        return self.checkpointer.rerun_arg
-
-    @rerun_arg.setter
-    def rerun_arg(self, value: str | None) -> None:
-        self.checkpointer.rerun_arg = value
-
     def _host_sum(self, values: list[float]) -> list[float]:
         """``values`` summed over ranks (host side: the FFN plan averages its timings)."""
         return parallel.host_sum(values, self._host_group)
@@ -538,31 +379,15 @@ class Trainer:
         return parallel.host_max(flag, self._host_group)
 
     def resume(self, path: Path) -> None:
-        """Restore everything from a checkpoint folder: weights, optimizer, scheduler, trainer and
-        sparsity state, the data position and RNG states, on any number of ranks. Nothing in it
-        can run code (``ckpt_io.load_state``: safetensors and JSON).
-
-        The global batch must be the one of the checkpoint (the data position and the schedules
-        count its steps); the world size, micro-batch and accumulation may change, and 1 process,
-        DDP and FSDP load each other's checkpoints. What continues exactly: the blocks of every
-        step (a global data position), the lr / L1 schedules, the optimizer state, the dead-unit
-        windows, auto's paths. The per-rank RNG states are restored only on the same world size
-        (elsewhere every rank is re-seeded from trainer.seed, the step and its rank): after
-        initialisation training draws no random numbers from them (no dropout; dead-unit
-        re-init has its own generator seeded by the step). The no-sync dense-backup capacities
-        count rows per FFN call, so a different micro-batch measures them again. A checkpoint of
-        this run dir continues its lineage; one of another run dir starts a branch of it.
-
-        Raises:
-            ConfigError: another global batch, or a data position of other data.
-            train.checkpoint.CheckpointError: a state file is missing, damaged or holds a pickle
-                that is not plain data (one line naming the file).
-        """
+        """Restore everything from a checkpoint folder on any number of ranks
+        (:meth:`train.checkpointer.Checkpointer.resume`: what continues exactly, errors raised),
+        then, with ``trainer.resume_allow_changes``, this config's optim values."""
         latest = self.checkpointer.resume(self, path)
         # after the restore, which draws no random numbers and reads no lr: the schedule is the
-        # trainer's (_build_scheduler), so the trainer rebuilds it
+        # trainer's (train.setup.build_scheduler), so the trainer rebuilds it
         if self.cfg.trainer.resume_allow_changes:
-            self._apply_optim_config()
+            self.scheduler = apply_optim_config(self.scheduler, self.cfg.optim,
+                                                self.cfg.trainer.max_steps, self.step)
         self.last = latest.get("train", self.last)
         self.last_val = latest.get("val", self.last_val)
         self.last_eval = latest.get("eval", self.last_eval)
@@ -572,17 +397,6 @@ class Trainer:
         ``trainer.resume`` that resume from its newest checkpoint
         (:meth:`train.checkpointer.Checkpointer.resume_advice`)."""
         return self.checkpointer.resume_advice()
-
-    def _apply_optim_config(self) -> None:
-        """Resume with ``trainer.resume_allow_changes=true``: put this config's optim values
-        into the loaded optimizer's param groups (lr, weight decay of the matrices' group,
-        betas, eps) and rebuild the lr schedule at the checkpoint's step, so step N+1 runs at
-        the new schedule's value for step N+1 (a no-op when nothing changed)."""
-        o = self.cfg.optim
-        optimizer = self.scheduler.optimizer  # the torch optimizer under accelerate's wrapper
-        for group, wd in zip(optimizer.param_groups, (o.weight_decay, 0.0)):
-            group.update(initial_lr=o.lr, weight_decay=wd, betas=tuple(o.betas), eps=o.eps)
-        self.scheduler = self._build_scheduler(optimizer, steps_done=self.step)
 
     # ---------------------------------------------------------------- the loop
 
@@ -630,12 +444,12 @@ class Trainer:
             NonFiniteLossError: the loss or gradient norm is NaN / inf (the step not applied).
         """
         cfg = self.cfg
-        self._update_began = False
+        self.update_began = False
         coeff = l1_coeff_at(self.step, cfg.sparsity)
         lr = self.scheduler.get_last_lr()[0]
         ids = draw_step(batches, self.shape, self.data)  # kept until the step is accepted
         m, grad_norm, stats = self._accepted_step(ids, coeff, interval)
-        self._update_began = True  # from here an error may leave the weights half updated
+        self.update_began = True  # from here an error may leave the weights half updated
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -653,26 +467,20 @@ class Trainer:
     def _accepted_step(self, ids: list, coeff: float, interval: Interval):
         """The step's micro-steps, clipped, until the FFN plan accepts them (a redone step
         measures per call: it cannot overflow again); ``(sums, grad norm, stats)``."""
-        acc, max_norm = self.acc, self.cfg.optim.grad_clip
-        max_norm = max_norm if max_norm > 0 else math.inf
-        for _attempt in range(2):
-            self.plan.begin_step()
-            m = self._micro_steps(ids, coeff)
-            grad_norm = parallel.plain(acc.clip_grad_norm_(self.model.parameters(), max_norm))
-            finite, outcome, stats = sync_step(self.plan, acc, m, grad_norm,
-                                               self.cfg.model.seq_len)
-            if not finite:
-                raise NonFiniteLossError(
-                    f"non-finite loss or gradient at step {self.step + 1} (loss "
-                    f"{m.loss.item() / self.accum:.4g}, grad norm {grad_norm.item():.4g}); the "
-                    f"step was not applied; last good checkpoint: {self.last_ckpt or 'none'}")
-            if outcome.accepted:
-                break
+        def redo(layers: list[int]) -> None:
             self.optimizer.zero_grad(set_to_none=True)  # discard the attempt
             interval.backup_redos += 1
-            self._print(f"step {self.step + 1}: layers {list(outcome.redo)} had more heavy rows "
-                        "than their dense-backup capacity; redoing the step with per-call "
-                        "measurement")
+            self._print(f"step {self.step + 1}: layers {layers} had more heavy rows than their "
+                        "dense-backup capacity; redoing the step with per-call measurement")
+
+        finite, m, grad_norm, stats = accepted_step(
+            self._micro_steps, self.plan, self.acc, self.model, ids, coeff,
+            grad_clip=self.cfg.optim.grad_clip, seq_len=self.cfg.model.seq_len, on_redo=redo)
+        if not finite:
+            raise NonFiniteLossError(
+                f"non-finite loss or gradient at step {self.step + 1} (loss "
+                f"{m.loss.item() / self.accum:.4g}, grad norm {grad_norm.item():.4g}); the "
+                f"step was not applied; last good checkpoint: {self.last_ckpt or 'none'}")
         return m, grad_norm, stats
 
     def log_metrics(self, interval: Interval) -> dict:
@@ -693,71 +501,39 @@ class Trainer:
         """Token-weighted mean CE and L0 (mean over layers) on the first
         ``trainer.val_sequences`` held-out sequences (rounded down to a multiple of the world
         size; each rank takes its equal share), so the result depends neither on the
-        micro-batch nor on how the sequences fall into batches. Fewer if the split is smaller."""
-        clear_sharded_ffn_caches(self.model, self.mlps)
-        self.model.eval()
-        share = self.cfg.trainer.val_sequences // self.acc.num_processes  # equal: same batches
-        try:  # every rank runs the same forwards: they agree on a stop at each one
-            with self._stoppable(collective=True):
-                tot = validation_totals(self.model, self.data, self.mlps, share,
-                                        self.shape.micro_batch, self.device)
-        except StopRequested:
-            self.model.train()
-            self._print(f"step {self.step}: validation stopped by {self._stop_name()} (no "
-                        "validation loss for this step)")
+        micro-batch nor on how the sequences fall into batches. Fewer if the split is smaller
+        (:func:`train.evaluation.run_validation`); none after a stop signal."""
+        m = run_validation(self)
+        if m is None:  # stopped by a signal
             return {"step": self.step, "val_loss": None, "val_l0": None, "val_sequences": 0}
-        ce_sum, l0_sum, n_targets, n_tokens, n_seqs = self.reduce(tot, "sum").tolist()  # sync
-        self.model.train()
-        m = {"step": self.step, "val_loss": ce_sum / n_targets if n_targets else None,
-             "val_l0": l0_sum / n_tokens if n_tokens else None, "val_sequences": int(n_seqs)}
         self.last_val = m
         self._write(m, "val")
         return m
 
     def evaluate(self) -> dict:
         """Downstream zero-shot evals (``evals.evaluate``) on the main process (on every rank of
-        an FSDP model, whose forward gathers weights from all of them; the main one logs)."""
-        result = {}
-        clear_sharded_ffn_caches(self.model, self.mlps)
-        sharded = parallel.is_sharded(self.model)
-        if self.is_main or sharded:
-            e = self.cfg.eval
-            model = self.acc.unwrap_model(self.model)
-            model.eval()
-            tasks = "all" if list(e.tasks) == ["all"] else tuple(e.tasks)
-            self._print(f"step {self.step}: evaluating {tasks} (limit {e.limit})")
-            try:  # a sharded model's ranks run the same forwards; else only this one runs
-                with self._stoppable(collective=sharded):
-                    out = score_tasks(model, self.data.tokenizer, e, device=self.device,
-                                      progress=self.show_bars, step=self.step,
-                                      seq_len=self.cfg.model.seq_len, run_dir=self.run_dir)
-            except StopRequested:  # SIGTERM / SIGINT: the stop comes after it (_train)
-                model.train()
-                self._print(f"step {self.step}: evaluation stopped by {self._stop_name()} (no "
-                            "eval result for this step)")
-                self.acc.wait_for_everyone()
-                return {}
-            model.train()
-            result = {"step": self.step, "eval_mean": out["mean"],
-                      **{f"eval_{k}": v["primary"] for k, v in out["tasks"].items()}}
+        an FSDP model, whose forward gathers weights from all of them; the main one logs):
+        :func:`train.evaluation.run_evals`; ``{}`` elsewhere and after a stop signal."""
+        result = run_evals(self)
+        if result:
             self.last_eval = result
             self._write(result, "eval")
-            self._print(f"step {self.step}: eval mean {100 * out['mean']:.1f} | " + " ".join(
-                f"{k} {100 * v['primary']:.1f}" for k, v in out["tasks"].items()))
         self.acc.wait_for_everyone()
-        return result
+        return result or {}
 
-    def _stoppable(self, collective: bool):
+    def stoppable(self, collective: bool):
         """:func:`train.evaluation.stoppable` of this model, this run's signals and ranks."""
         return stoppable(self.acc.unwrap_model(self.model), self.signals, self._any_rank,
                          collective)
 
-    def _stop_name(self) -> str:
-        signum = self.signals.signum if self.signals is not None else 0
-        return interrupt.signal_name(signum) if signum else "a stop signal on another rank"
+    def stop_name(self) -> str:
+        """The signal that stops this run, or a stop asked for by another rank."""
+        return interrupt.stop_name(self.signals)
 
     def train(self, stop_at_step: int | None = None) -> dict:
-        """:meth:`_train` holding the run dir's lock (taken again if an earlier ``train`` call
+        """Run until ``trainer.max_steps`` (or ``stop_at_step``, for interrupt tests) and return
+        the summary (:func:`train.loop.run`; summary.json at the end of a full run), holding the
+        run dir's lock (taken again if an earlier ``train`` call
         released it; released when it returns or raises) and handling SIGTERM / SIGINT
         (:class:`train.interrupt.StopSignals`: the first one stops after the current optimizer
         step with a checkpoint, raising :class:`train.interrupt.TrainingInterrupted`)."""
@@ -768,7 +544,7 @@ class Trainer:
             with StopSignals(grace_s=interrupt.launcher_grace_s(), notify=self.is_main,
                              at_once=at_once) as sig:
                 self.signals = sig
-                return self._train(stop_at_step)
+                return loop.run(self, stop_at_step)
         finally:
             self.signals = None
             self._unlock()
@@ -784,159 +560,34 @@ class Trainer:
         stderr (where tqdm draws) a terminal; elsewhere each log line carries the ETA."""
         return bool(self.is_main and self.cfg.trainer.progress and sys.stderr.isatty())
 
-    def _train(self, stop_at_step: int | None = None) -> dict:
-        """Run until ``trainer.max_steps`` (or ``stop_at_step``, for interrupt tests); returns
-        the summary (also written to run_dir/summary.json at the end of a full run)."""
-        cfg, t = self.cfg, self.cfg.trainer
-        end = min(t.max_steps, stop_at_step or t.max_steps)
-        batches = self.memory.batches(iter(self.data.train_batches()))  # kept for a redo
-        self.metrics.reset_peak()  # this run's peaks, not an earlier one's in this process
-        self.model.train()
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=t.max_steps, initial=self.step, unit="step", dynamic_ncols=True,
-                   disable=not self.show_bars)
-        if self.step < end:
-            self._print(f"training steps {self.step + 1}-{end} of {t.max_steps} "
-                        f"({t.global_batch} x {cfg.model.seq_len} tokens per step)", bar)
-        interval = self.new_interval()
-        if cfg.eval.at_start and self.step == 0:  # e.g. a relufied checkpoint before training
-            self.evaluate()
-            self._stop_if_signalled(bar)
-        while self.step < end:
-            if not self._guarded_step(batches, interval, bar):
-                continue  # stepped down after an out-of-memory: the same step again
-            bar.update(1)
-            interval = self._between_steps(interval, bar, last=self.step == end)
-        bar.close()
-        done = self.last_eval is not None and self.last_eval.get("step") == self.step
-        if self.step >= t.max_steps and cfg.eval.at_end and not done and not (
-                cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0):
-            self.evaluate()
-            self._stop_if_signalled()  # during the last eval: no summary.json, resume redoes it
-        summary = self.summary()
-        if self.is_main and self.step >= t.max_steps:
-            ckpt_io.write_json(self.run_dir / "summary.json", summary, indent=2)
-        return summary
-
-    def _guarded_step(self, batches, interval: Interval, bar) -> bool:
-        """:meth:`run_step` with out-of-memory handling: ``trainer.memory=auto`` steps down and
-        the same step runs again from the same batches (returns False); else the finished steps
-        are saved (:meth:`_out_of_memory`). After an accepted step, the planner's one re-plan
-        (when the FFN paths have settled); returns True."""
-        # where the data was before this step: an out-of-memory in it saves the steps before
-        data_state = self.data.state_dict() if self.acc.num_processes == 1 else None
-        try:
-            self.run_step(batches, interval)
-        except torch.cuda.OutOfMemoryError as e:  # memory=auto steps down (train/memory.py)
-            line = self.memory.step_down()
-            if line is None:
-                self._out_of_memory(e, data_state, bar)
-                raise  # the update may be half applied: nothing to save
-            self._print(line, bar)
-            self._write(self.memory.record, "memory")
-            return False
-        except (RuntimeError, MemoryError) as e:
-            if is_cpu_out_of_memory(e):
-                self._out_of_memory(e, data_state, bar)
-            raise
-        line = self.memory.after_step()  # re-plans once when the FFN paths have settled
-        if line is not None:
-            self._print(line, bar)
-            self._write(self.memory.record, "memory")
-        return True
-
-    def _between_steps(self, interval: Interval, bar, last: bool) -> Interval:
-        """After step ``self.step``: the log line, validation, evals and the checkpoint when
-        due, then a stop if signalled; returns the interval to accumulate into next."""
-        cfg, t = self.cfg, self.cfg.trainer
-        if self.step % t.log_every == 0 or last:
-            m = self.log_metrics(interval)
-            interval = self.new_interval()
-            bar.set_postfix(loss=f"{m['loss']:.3f}", l0=f"{m['l0_mean']:.1f}")
-            self._print(self._format(m) + ("" if self.show_bars else self._eta()), bar)
-        if (t.val_every and self.step % t.val_every == 0) or self.step == t.max_steps:
-            v = self.validate()
-            if v["val_sequences"]:
-                self._print(f"step {self.step}: val_loss {v['val_loss']:.4f} "
-                            f"val_l0 {v['val_l0']:.1f}", bar)
-        if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
-            self.evaluate()
-        if (t.save_every and self.step % t.save_every == 0) or last:
-            self.save_checkpoint()
-        self._stop_if_signalled(bar)  # every rank stops after the same step
-        return interval
-
-    def _out_of_memory(self, e: BaseException, data_state: dict | None, bar) -> None:
-        """An out-of-memory error inside step ``self.step + 1`` that nothing stepped down from
-        (on the CPU, where ``trainer.memory=auto`` measures nothing, or with ``memory=off``):
-        the step's partial gradients are dropped, the steps finished since the last checkpoint
-        are saved with the data position from before the failed step (one process), and one
-        line says what to lower. Returns (the caller re-raises ``e``) when the optimizer step
-        had begun: the weights may be half updated, so nothing is saved.
-
-        Raises:
-            OutOfMemory: the error came before the update (a ConfigError: exit code 2).
-        """
-        if self._update_began:
-            return
-        bar.close()
-        self.optimizer.zero_grad(set_to_none=True)
-        if data_state is not None and self.step != (self.saved_step or 0):
-            self.data.load_state_dict(data_state)  # the failed step's batches come again
-            self.save_checkpoint()
-        line = memory.out_of_memory_line(
-            e, device=self.device, step=self.step, saved=self.saved_step or 0,
-            last_ckpt=shell_quote(self.last_ckpt) if self.last_ckpt else "",
-            micro_batch=self.shape.micro_batch, seq_len=self.cfg.model.seq_len,
-            planned=self.memory.planner is not None, advice=self.resume_advice())
-        raise OutOfMemory(line) from None
-
-    def _eta(self) -> str:
-        """`` | step 20/40, eta 1m05s`` from this process's mean step time (log lines without a
-        progress bar)."""
-        seg, left = self.segment, self.cfg.trainer.max_steps - self.step
-        per = seg.time / max(seg.steps, 1)
-        return f" | step {self.step}/{self.cfg.trainer.max_steps}, eta {duration(per * left)}"
-
-    def _stop_if_signalled(self, bar=None) -> None:
-        """Stop (:meth:`_stop_on_signal`) if any rank got SIGTERM / SIGINT; all ranks agree."""
-        signum = self._any_rank(self.signals.signum if self.signals else 0)
-        if signum:
-            if bar is not None:
-                bar.close()
-            self._stop_on_signal(signum)
-
-    def _stop_on_signal(self, signum: int) -> None:
-        """After the step that a SIGTERM / SIGINT interrupted: checkpoint it (unless just saved,
-        or no step was trained), print and log one line, raise
+    def stop_if_signalled(self, bar=None) -> None:
+        """If any rank got SIGTERM / SIGINT (all ranks agree): checkpoint the step it interrupted
+        (unless just saved, or no step was trained), print and log one line, raise
         :class:`train.interrupt.TrainingInterrupted`."""
+        signum = self._any_rank(self.signals.signum if self.signals else 0)
+        if not signum:
+            return
+        if bar is not None:
+            bar.close()
         if self.saved_step != self.step and self.step > 0:
             self.save_checkpoint()
-        name = interrupt.signal_name(signum)
-        saved = (f"checkpoint written to {shell_quote(self.last_ckpt)}; " if self.last_ckpt
-                 else "")
-        line = (f"received {name} at step {self.step}: {saved}{self.resume_advice()} (exit code "
-                f"{interrupt.exit_code(signum)})")
+        line = interrupt.stopped_line(signum, self.step, self._quoted_ckpt(), self.resume_advice())
         self._print(line)
         raise TrainingInterrupted(signum, line, reported=True)
 
     def interrupted(self, e: KeyboardInterrupt) -> int:
         """The exit code of a run that an interrupt ended (``twell-train`` calls this for the
         KeyboardInterrupt that left :meth:`train`): 130 for SIGINT, 143 for SIGTERM. Prints and
-        logs the interrupt's line (where to resume) unless :meth:`_stop_on_signal` did."""
-        signum = e.signum if isinstance(e, TrainingInterrupted) else signal.SIGINT
+        logs the interrupt's line (where to resume) unless :meth:`stop_if_signalled` did."""
         if not (isinstance(e, TrainingInterrupted) and e.reported):
-            name = interrupt.signal_name(signum)
-            how = ("interrupted" if not isinstance(e, TrainingInterrupted)
-                   else f"received {name}: stopped at once (no step finished since the last "
-                        "checkpoint, so none is lost)" if e.first
-                   else f"received a second {name}: stopped at once")
-            last = shell_quote(self.last_ckpt) if self.last_ckpt else "none"
-            line = (f"{how} at step {self.step}; newest complete checkpoint: "
-                    f"{last}; {self.resume_advice()}")
-            self.runlog.warn(line)
+            self.runlog.warn(interrupt.interrupted_line(
+                e, self.step, self._quoted_ckpt() or "none", self.resume_advice()))
+        signum = e.signum if isinstance(e, TrainingInterrupted) else signal.SIGINT
         return interrupt.exit_code(signum)
+
+    def _quoted_ckpt(self) -> str:
+        """The newest checkpoint's path quoted for a shell ("" when none)."""
+        return shell_quote(self.last_ckpt) if self.last_ckpt else ""
 
     def _print(self, line: str, bar=None) -> None:
         self.runlog.print(line, bar)
@@ -958,34 +609,12 @@ class Trainer:
         """Final numbers of the run (what summary.json holds). ``tokens_per_s`` is the last
         training segment's (``segment_steps``: its first and last step), ``tokens_per_s_all``
         the mean over every segment of a resumed run."""
-        m, seg = self.last, self._last_segment()
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "params": self.n_params,
-            "final_train_loss": m.get("loss"),
-            "final_train_ce": m.get("ce"),
-            "val_loss": self.last_val.get("val_loss"),
-            "val_l0": self.last_val.get("val_l0"),
-            "l0_mean": m.get("l0_mean"),
-            "l0_layers": m.get("l0_layers"),
-            "nnz_max": m.get("nnz_max"),
-            "dead_pct": None if m.get("dead_frac") is None else 100 * m["dead_frac"],
-            # the last training segment (this process's steps, or the checkpoint's last ones):
-            # the speed of the steps as they ran, not diluted by restarts
-            "tokens_per_s": seg.tokens / seg.time if seg and seg.time else None,
-            "segment_steps": [seg.first_step, seg.first_step + seg.steps - 1] if seg else None,
-            "tokens_per_s_all": self.tokens_seen / self.train_time if self.train_time else None,
-            "train_time_s": self.train_time,
-            "precision": self.precision,
-            "world_size": self.acc.num_processes,
-            "eval": self.last_eval or None,
-            "init": self.init_info,
-            "memory": self.memory.record,
-            "paths": {"run_dir": str(self.run_dir), "config": str(self.run_dir / "config.yaml"),
-                      "metrics": str(self.metrics_path),
-                      "checkpoint": str(self.last_ckpt) if self.last_ckpt else None},
-        }
+        return run_summary(
+            step=self.step, tokens_seen=self.tokens_seen, params=self.n_params,
+            train_time=self.train_time, last=self.last, last_val=self.last_val,
+            last_eval=self.last_eval, segment=self._last_segment(), precision=self.precision,
+            world_size=self.acc.num_processes, init=self.init_info, memory=self.memory.record,
+            run_dir=self.run_dir, last_ckpt=self.last_ckpt)
 
     def close(self) -> None:
         """Finish wandb and release the run dir's lock (the trainer writes nothing after)."""

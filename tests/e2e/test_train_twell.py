@@ -192,10 +192,9 @@ def test_train_path_rule_thresholds():
         rule(float("nan"))
 
 
-def test_trainer_state_from_before_the_plan_restores_its_paths(tokens, tmp_path):
-    """A trainer state written before the FFN plan existed (``ffn_train_paths`` with "twell" for
-    the ELL path, ``ffn_backup_rows``, ``ffn_heavy_hist``) restores the paths, capacities and
-    heavy-row history; the current state (``ffn_plan``) does too, as plain JSON data."""
+def test_trainer_state_restores_its_plan_and_needs_one(tokens, tmp_path):
+    """The trainer state's ``ffn_plan`` restores the paths as plain JSON data; a state without
+    it (written before the FFN plan existed) fails in one line naming ``ffn_plan``."""
     import json
 
     over = {"trainer.max_steps": 2, "ffn.impl": "auto"}
@@ -208,11 +207,8 @@ def test_trainer_state_from_before_the_plan_restores_its_paths(tokens, tmp_path)
         t.load_state_dict(sd)
         assert t.plan.paths == ["ell", "dense"]
         old = {k: v for k, v in sd.items() if k != "ffn_plan"}
-        t.load_state_dict({**old, "ffn_train_paths": ["dense", "twell"],
-                           "ffn_backup_rows": [-1, 7], "ffn_heavy_hist": [[0.0], [5.0]]})
-        assert t.plan.paths == ["dense", "ell"]
-        assert [lp.backup_rows for lp in t.plan.layers] == [-1, 7]
-        assert t.plan.capacity.hist == [[0.0], [5.0]]
+        with pytest.raises(ValueError, match="no ffn_plan"):
+            t.load_state_dict({**old, "ffn_train_paths": ["dense", "twell"]})
     finally:
         t.close()
 

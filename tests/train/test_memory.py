@@ -647,11 +647,11 @@ def test_a_fresh_model_starts_dense(tokens, tmp_path):
 
 
 def test_a_resume_from_a_plan_state_without_steps_keeps_its_paths(tokens, tmp_path):
-    # a trainer state from before the plan existed restores auto's paths but not the plan's
-    # steps (0): the trainer's step says it is a resume, no measuring forward
+    # a restored plan state with auto's paths but no steps counted (0): the trainer's step
+    # says it is a resume, no measuring forward
     tr = Trainer(tiny_config(tokens, **{"ffn.impl": "auto"}), tmp_path / "v1")
     try:
-        tr.plan.choose_paths([0.0, 0.0], [0.0, 0.0])  # as the legacy state's paths restore
+        tr.plan.choose_paths([0.0, 0.0], [0.0, 0.0])  # as such a state's paths restore
         tr.step = 4  # as Trainer.resume restores it
         assert tr.plan.steps == 0 and tr.plan.paths == ["ell", "ell"]
         ids = memory.probe_batch(tr.data, 8, tr.cfg.model.vocab_size, 0)
