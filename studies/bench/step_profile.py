@@ -107,6 +107,17 @@ class StepProfile:
         return max(0.0, self.step_ms - self.kernel_ms)
 
 
+def _busy_us(spans: list[tuple[float, float]]) -> float:
+    """Length (us) of the union of the kernels' ``(start, end)`` intervals: streams may overlap,
+    so a plain sum would count the same GPU time twice."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy
+
+
 def profile_step(step: Callable[[], object], device, dims: dict, *, steps: int = 2,
                  warmup: int = 1, timed: int = 5) -> StepProfile:
     """Time ``timed`` calls of ``step`` with CUDA events, then profile ``steps`` more.
@@ -160,11 +171,7 @@ def profile_step(step: Callable[[], object], device, dims: dict, *, steps: int =
         k = kern.setdefault((fam, e.name[:90]), [0.0, 0])
         k[0] += us / 1e3 / steps
         k[1] += 1 / steps
-    busy, end = 0.0, float("-inf")  # the union of the kernels' intervals (streams may overlap)
-    for a, b in sorted(spans):
-        if b > end:
-            busy += b - max(a, end)
-            end = b
+    busy = _busy_us(spans)
     top = sorted(((f, n, ms, c) for (f, n), (ms, c) in kern.items()), key=lambda t: -t[2])[:25]
     return StepProfile(step_ms, busy / 1e3 / steps, {f: fams.get(f, 0.0) for f in FAMILIES},
                        syncs / steps, top)
