@@ -22,7 +22,7 @@ It writes into ``--run-dir`` (besides the trainer's own metrics.jsonl and checkp
 * ``ffn_calls_rank{r}.json``: one record per sparse training forward of this rank:
   ``{"n": token rows, "heavy": rows sent to the dense backup (all of them in the op's all-dense
   fallback, else the rows above the ELL capacity), "light": rows on the ELL path, "backup_rows":
-  the no-sync capacity passed (-1: measured per call), "backend": module that ran the kernels, "w_type" / "w_shape" / "w_dtype":
+  the no-sync capacity passed (-1: measured per call), "backend": the backend that ran the kernels ("triton" or "torch"), "w_type" / "w_shape" / "w_dtype":
   class, shape and dtype of the gate weight the op received}`` (empty for ``ffn.impl=torch``), so a test
   can check that both the sparse (ELL) kernels and the dense backup actually ran, on unsharded
   weights.
