@@ -700,14 +700,18 @@ def _schemas() -> dict:
     return {f.name: f.default_factory().__class__ for f in dataclasses.fields(TrainConfig)}
 
 
-def unknown_key_message(group: str | None, key: str, known) -> str:
+def unknown_key_message(group: str | None, key: str, known, tail: str = "") -> str:
     """One line for an unknown key: the valid keys of its group and the closest spelling
-    (difflib), or the new name of a renamed key."""
+    (difflib), or the new name of a renamed key (``tail``: the rest of the override's key below
+    ``key``, e.g. ``ell_capacity`` of ``model.ffn_policy.ell_capacity``, named in the new key)."""
     import difflib
 
     full = f"{group}.{key}" if group else key
     if full in RENAMED_KEYS:
-        return f"{full} was renamed {RENAMED_KEYS[full]}; use the new key."
+        new, _, why = RENAMED_KEYS[full].partition(" (")  # the new key, then why it moved
+        sub = f".{tail}" if tail else ""
+        return (f"{full}{sub} was renamed {new}{sub}{' (' + why if why else ''}; use the new "
+                "key.")
     near = difflib.get_close_matches(key, sorted(known), n=1)
     hint = f"; did you mean {group + '.' if group else ''}{near[0]}?" if near else \
         "; remove it or fix its spelling."
@@ -772,9 +776,23 @@ def check_overrides(args: list[str]) -> None:
             continue
         if head not in schemas:
             raise ConfigError(unknown_key_message(None, head, set(schemas) | set(groups)))
-        known = {f.name for f in dataclasses.fields(schemas[head])}
-        if rest.split(".")[0] not in known:
-            raise ConfigError(unknown_key_message(head, rest.split(".")[0], known))
+        _check_key_path(head, schemas[head](), rest.split("."))
+
+
+def _check_key_path(group: str, schema, parts: list[str]) -> None:
+    """Walk ``parts`` down the nested dataclasses of ``schema`` (e.g. ``ffn`` -> ``policy`` ->
+    ``ell_capacity``): each level's name must be a field; below a non-dataclass field (a dict, a
+    list) the rest is left to the value's own check.
+
+    Raises:
+        ConfigError: the first unknown name, with the valid keys at its level."""
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(schema):
+            return
+        known = {f.name for f in dataclasses.fields(schema)}
+        if part not in known:
+            raise ConfigError(unknown_key_message(group, part, known, ".".join(parts[i + 1:])))
+        group, schema = f"{group}.{part}", getattr(schema, part)
 
 
 def reject_unknown_keys(cfg) -> None:
@@ -791,13 +809,23 @@ def reject_unknown_keys(cfg) -> None:
             else None
         if node is None or schema is None or not dataclasses.is_dataclass(schema):
             continue
-        known = {f.name for f in dataclasses.fields(schema)}
-        unknown = sorted(set(node.keys()) - known)
-        if unknown:
-            raise ConfigError(unknown_key_message(group.name, unknown[0], known))
+        _reject_unknown_in(group.name, node, schema)
     extra = sorted(set(cfg.keys()) - set(TrainConfig.__dataclass_fields__))
     if extra:
         raise ConfigError(unknown_key_message(None, extra[0], TrainConfig.__dataclass_fields__))
+
+
+def _reject_unknown_in(name: str, node, schema) -> None:
+    """:func:`reject_unknown_keys` of one config node against its dataclass ``schema``, and of
+    each child node whose schema is a dataclass too (``ffn.policy``)."""
+    known = {f.name for f in dataclasses.fields(schema)}
+    unknown = sorted(set(node.keys()) - known)
+    if unknown:
+        raise ConfigError(unknown_key_message(name, unknown[0], known))
+    for key in node.keys():
+        child, sub = node.get(key), getattr(schema, key)
+        if dataclasses.is_dataclass(sub) and hasattr(child, "keys"):
+            _reject_unknown_in(f"{name}.{key}", child, sub)
 
 
 def compose(overrides: Sequence[str] = ()) -> TrainConfig:

@@ -290,7 +290,8 @@ def test_twell_training_needs_the_gated_ffn():
 @pytest.mark.parametrize("override, old, new", [
     ("model.ffn_impl=auto", "model.ffn_impl", "ffn.impl"),
     ("model.ffn_host_sync=call", "model.ffn_host_sync", "ffn.host_sync"),
-    ("model.ffn_policy.infer_min_rows=16", "model.ffn_policy", "ffn.policy"),
+    ("model.ffn_policy.infer_min_rows=16", "model.ffn_policy.infer_min_rows",
+     "ffn.policy.infer_min_rows"),
     ("trainer.backup_capacity=adaptive", "trainer.backup_capacity", "ffn.backup_capacity"),
     ("trainer.dense_ffn_fused=true", "trainer.dense_ffn_fused", "ffn.dense_fused")])
 def test_a_renamed_ffn_key_names_its_new_key(override, old, new):
@@ -301,6 +302,21 @@ def test_a_renamed_ffn_key_names_its_new_key(override, old, new):
     with pytest.raises(ConfigError) as err:
         train_compose([override])
     assert f"{old} was renamed {new} " in _one_line(err), _one_line(err)
+
+
+@pytest.mark.parametrize("override", ["ffn.policy.ell_capcity=1", "+ffn.policy.ell_capcity=1",
+                                      "++ffn.policy.ell_capcity=1"])
+def test_a_misspelt_key_two_levels_down_is_one_line_not_a_dropped_value(override):
+    """ffn.policy's fields are checked as the group's are: Hydra's own advice (``+key``) would
+    add a key the FFNPolicy dataclass never reads, and the run would train without it."""
+    from train.config import compose as train_compose
+
+    with pytest.raises(ConfigError) as err:
+        train_compose([override])
+    line = _one_line(err)
+    assert line.startswith("unknown key ffn.policy.ell_capcity; valid keys of ffn.policy:"), line
+    assert line.endswith("did you mean ffn.policy.ell_capacity?"), line
+    assert train_compose(["ffn.policy.ell_capacity=64"]).ffn.policy.ell_capacity == 64
 
 
 def test_a_saved_config_with_the_old_ffn_keys_reads_as_the_new_group():
