@@ -168,17 +168,11 @@ class Trainer:
         if resume_from is not None:
             self.resume(resume_from)
         elif self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt_io.write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config_dict))
-            ckpt_io.write_atomic(self.metrics_path, "")
+            rundir.start_fresh(self.run_dir, OmegaConf.to_yaml(self.config_dict))
             if self.init_info is not None:
                 self._write({"step": 0, **self.init_info}, "init")
         self.memory = memory.plan_memory(self)  # trainer.memory=auto: micro-batch, recomputation
-        if self.memory.paths_line:
-            self._print(self.memory.paths_line)
-        if self.memory.line:
-            self._print(self.memory.line)
-            self._write(self.memory.record, "memory")
+        self.memory.report(self._print, self._write)
         self.runlog.start()  # the lines printed so far, then each one
         self.acc.wait_for_everyone()
         self.metrics.start_wandb(cfg.logging, self.run_dir, self.config_dict, self._print)
