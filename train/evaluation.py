@@ -116,12 +116,12 @@ def run_validation(tr) -> dict | None:
     tr.model.eval()
     share = tr.cfg.trainer.val_sequences // tr.world_size  # equal: same batches
     try:  # every rank runs the same forwards: they agree on a stop at each one
-        with tr.stoppable(collective=True):
+        with tr.stops.stoppable(collective=True):
             tot = validation_totals(tr.model, tr.data, tr.mlps, share, tr.shape.micro_batch,
                                     tr.device)
     except StopRequested:
         tr.model.train()
-        tr.runlog.print(f"step {tr.step}: validation stopped by {tr.stop_name()} (no "
+        tr.runlog.print(f"step {tr.step}: validation stopped by {tr.stops.stop_name()} (no "
                         "validation loss for this step)")
         return None
     ce_sum, l0_sum, n_targets, n_tokens, n_seqs = tr.reduce(tot, "sum").tolist()  # sync
@@ -145,13 +145,13 @@ def run_evals(tr) -> dict | None:
     tasks = "all" if list(e.tasks) == ["all"] else tuple(e.tasks)
     tr.runlog.print(f"step {tr.step}: evaluating {tasks} (limit {e.limit})")
     try:  # a sharded model's ranks run the same forwards; else only this one runs
-        with tr.stoppable(collective=sharded):
+        with tr.stops.stoppable(collective=sharded):
             out = score_tasks(model, tr.data.tokenizer, e, device=tr.device,
                               progress=tr.show_bars, step=tr.step,
                               seq_len=tr.cfg.model.seq_len, run_dir=tr.run_dir)
     except StopRequested:  # SIGTERM / SIGINT: the stop comes after it (train.loop)
         model.train()
-        tr.runlog.print(f"step {tr.step}: evaluation stopped by {tr.stop_name()} (no eval "
+        tr.runlog.print(f"step {tr.step}: evaluation stopped by {tr.stops.stop_name()} (no eval "
                         "result for this step)")
         return None
     model.train()

@@ -54,7 +54,7 @@ def run(tr, stop_at_step: int | None = None) -> dict:
     interval = tr.new_interval()
     if cfg.eval.at_start and tr.step == 0:  # e.g. a relufied checkpoint before training
         tr.evaluate()
-        tr.stop_if_signalled(bar)
+        tr.stops.stop_if_signalled(bar)
     while tr.step < end:
         if not guarded_step(tr, batches, interval, bar):
             continue  # stepped down after an out-of-memory: the same step again
@@ -65,7 +65,7 @@ def run(tr, stop_at_step: int | None = None) -> dict:
     if tr.step >= t.max_steps and cfg.eval.at_end and not done and not (
             cfg.eval.every_steps and tr.step % cfg.eval.every_steps == 0):
         tr.evaluate()
-        tr.stop_if_signalled()  # during the last eval: no summary.json, resume redoes it
+        tr.stops.stop_if_signalled()  # during the last eval: no summary.json, resume redoes it
     summary = tr.summary()
     if tr.is_main and tr.step >= t.max_steps:
         ckpt_io.write_json(tr.run_dir / "summary.json", summary, indent=2)
@@ -118,7 +118,7 @@ def between_steps(tr, interval: Interval, bar, last: bool) -> Interval:
         tr.evaluate()
     if (t.save_every and tr.step % t.save_every == 0) or last:
         tr.save_checkpoint()
-    tr.stop_if_signalled(bar)  # every rank stops after the same step
+    tr.stops.stop_if_signalled(bar)  # every rank stops after the same step
     return interval
 
 

@@ -719,6 +719,15 @@ class TrainerMemory:
         self._paths: list[str] | None = None
         self._stable = 0
 
+    def report(self, print_: Callable[[str], None], write: Callable[[dict, str], None]) -> None:
+        """Print auto's first FFN paths and the plan's line, and ``write`` its record
+        (``kind: memory``); nothing under ``trainer.memory=off``."""
+        if self.paths_line:
+            print_(self.paths_line)
+        if self.line:
+            print_(self.line)
+            write(self.record, "memory")
+
     def apply(self, plan: Plan) -> None:
         """Make the trainer train at ``plan`` (``Trainer.set_step_shape``: its accumulation,
         the data's micro-batch, the recomputation, the FFN plan's rows per call) and log it."""
@@ -898,7 +907,7 @@ def plan_memory(trainer, probe: Callable[[Candidate], Measurement] | None = None
         ids = probe_batch(trainer.data, INITIAL_PATH_SEQUENCES, trainer.cfg.model.vocab_size,
                           t.seed)
     line = None if ids is None else choose_initial_paths(trainer, ids)  # already sparse: plan
-    tm.paths_line = line  # the trainer prints it before the plan's line
+    tm.paths_line = line  # printed before the plan's line (report)
     tm.probe = probe
     tm.planner = MemoryPlanner(
         probe, batch_per_rank=per_rank, seq_len=trainer.cfg.model.seq_len, budget_gb=budget,

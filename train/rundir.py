@@ -347,3 +347,11 @@ def undo_failed_setup(run_dir: Path, lock: RunDirLock | None, *, made_dir: bool,
     if made_dir and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {LOCK_FILE}:
         (run_dir / LOCK_FILE).unlink(missing_ok=True)
         run_dir.rmdir()
+
+
+def start_fresh(run_dir: Path, config_yaml: str) -> None:
+    """A fresh run's files (the main process): ``config.yaml`` (the resolved config as YAML
+    text) and an empty ``metrics.jsonl``, each written atomically."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_io.write_atomic(run_dir / "config.yaml", config_yaml)
+    ckpt_io.write_atomic(run_dir / "metrics.jsonl", "")

@@ -17,7 +17,6 @@ Shape legend: B micro-batch (sequences), T sequence length, L layers, H FFN widt
 from __future__ import annotations
 
 import dataclasses
-import signal
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from accelerate.utils import set_seed
 from omegaconf import OmegaConf
 
 from train import checkpoint as ckpt_io
-from train import determinism, interrupt, loop, memory, parallel, rundir
+from train import determinism, loop, memory, parallel, rundir
 from train.checkpointer import (  # noqa: F401  (config_diff: callers import it from here)
     Checkpointer,
     NonFiniteLossError,
@@ -35,8 +34,7 @@ from train.checkpointer import (  # noqa: F401  (config_diff: callers import it 
     config_to_dict,
 )
 from train.config import TrainConfig
-from train.evaluation import run_evals, run_validation, stoppable
-from train.interrupt import StopSignals, TrainingInterrupted
+from train.evaluation import run_evals, run_validation
 from train.loop import OutOfMemory, is_cpu_out_of_memory  # noqa: F401  (imported from here)
 from train.metrics import device_peak_flops
 from train.metrics_log import (
@@ -74,8 +72,7 @@ from train.step import (
     probe_forward_backward,
 )
 from train.step_shape import StepShape
-
-shell_quote = ckpt_io.shell_quote
+from train.stop import RunStops
 
 
 class Trainer:
@@ -102,6 +99,8 @@ class Trainer:
             ``last_ckpt`` and ``saved_step`` go through it.
         metrics: the :class:`train.metrics_log.MetricsLogger` (metrics.jsonl, wandb);
             ``runlog`` the printed lines and train.log.
+        stops: the :class:`train.stop.RunStops` of SIGTERM / SIGINT while :meth:`train` runs
+            (the ranks' agreement, the stop's checkpoint and line).
 
     Drivers of the loop (the memory planner, benchmarks) use the public calls:
     :meth:`new_interval`, :meth:`run_step` / :meth:`train_step`, :meth:`log_metrics`,
@@ -169,17 +168,11 @@ class Trainer:
         if resume_from is not None:
             self.resume(resume_from)
         elif self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt_io.write_atomic(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.config_dict))
-            ckpt_io.write_atomic(self.metrics_path, "")
+            rundir.start_fresh(self.run_dir, OmegaConf.to_yaml(self.config_dict))
             if self.init_info is not None:
                 self._write({"step": 0, **self.init_info}, "init")
         self.memory = memory.plan_memory(self)  # trainer.memory=auto: micro-batch, recomputation
-        if self.memory.paths_line:
-            self._print(self.memory.paths_line)
-        if self.memory.line:
-            self._print(self.memory.line)
-            self._write(self.memory.record, "memory")
+        self.memory.report(self._print, self._write)
         self.runlog.start()  # the lines printed so far, then each one
         self.acc.wait_for_everyone()
         self.metrics.start_wandb(cfg.logging, self.run_dir, self.config_dict, self._print)
@@ -241,7 +234,7 @@ class Trainer:
         self.last_eval: dict = {}
         self.prev_segment: Segment | None = None  # the checkpoint's last training segment
         self.segment = Segment(self.step + 1)  # this process's
-        self.signals: StopSignals | None = None  # while train() runs
+        self.stops = RunStops(self, self._any_rank)  # SIGTERM / SIGINT while train() runs
         self.update_began = False  # whether the running step's optimizer update began
 
     # ---------------------------------------------------------------- setup helpers
@@ -521,38 +514,20 @@ class Trainer:
         self.acc.wait_for_everyone()
         return result or {}
 
-    def stoppable(self, collective: bool):
-        """:func:`train.evaluation.stoppable` of this model, this run's signals and ranks."""
-        return stoppable(self.acc.unwrap_model(self.model), self.signals, self._any_rank,
-                         collective)
-
-    def stop_name(self) -> str:
-        """The signal that stops this run, or a stop asked for by another rank."""
-        return interrupt.stop_name(self.signals)
-
     def train(self, stop_at_step: int | None = None) -> dict:
         """Run until ``trainer.max_steps`` (or ``stop_at_step``, for interrupt tests) and return
         the summary (:func:`train.loop.run`; summary.json at the end of a full run), holding the
         run dir's lock (taken again if an earlier ``train`` call
         released it; released when it returns or raises) and handling SIGTERM / SIGINT
-        (:class:`train.interrupt.StopSignals`: the first one stops after the current optimizer
+        (:meth:`train.stop.RunStops.watching`: the first one stops after the current optimizer
         step with a checkpoint, raising :class:`train.interrupt.TrainingInterrupted`)."""
         if self.is_main and (self._lock is None or not self._lock.held):
             self._lock = rundir.RunDirLock(self.run_dir)
         try:
-            at_once = self._nothing_unsaved if self.acc.num_processes == 1 else None
-            with StopSignals(grace_s=interrupt.launcher_grace_s(), notify=self.is_main,
-                             at_once=at_once) as sig:
-                self.signals = sig
+            with self.stops.watching():
                 return loop.run(self, stop_at_step)
         finally:
-            self.signals = None
             self._unlock()
-
-    def _nothing_unsaved(self) -> bool:
-        """Whether every finished step is in a checkpoint (or none has finished): a signal then
-        stops at once, not after a step in progress that may take minutes (one process)."""
-        return self.step == (self.saved_step if self.saved_step is not None else 0)
 
     @property
     def show_bars(self) -> bool:
@@ -560,34 +535,10 @@ class Trainer:
         stderr (where tqdm draws) a terminal; elsewhere each log line carries the ETA."""
         return bool(self.is_main and self.cfg.trainer.progress and sys.stderr.isatty())
 
-    def stop_if_signalled(self, bar=None) -> None:
-        """If any rank got SIGTERM / SIGINT (all ranks agree): checkpoint the step it interrupted
-        (unless just saved, or no step was trained), print and log one line, raise
-        :class:`train.interrupt.TrainingInterrupted`."""
-        signum = self._any_rank(self.signals.signum if self.signals else 0)
-        if not signum:
-            return
-        if bar is not None:
-            bar.close()
-        if self.saved_step != self.step and self.step > 0:
-            self.save_checkpoint()
-        line = interrupt.stopped_line(signum, self.step, self._quoted_ckpt(), self.resume_advice())
-        self._print(line)
-        raise TrainingInterrupted(signum, line, reported=True)
-
     def interrupted(self, e: KeyboardInterrupt) -> int:
         """The exit code of a run that an interrupt ended (``twell-train`` calls this for the
-        KeyboardInterrupt that left :meth:`train`): 130 for SIGINT, 143 for SIGTERM. Prints and
-        logs the interrupt's line (where to resume) unless :meth:`stop_if_signalled` did."""
-        if not (isinstance(e, TrainingInterrupted) and e.reported):
-            self.runlog.warn(interrupt.interrupted_line(
-                e, self.step, self._quoted_ckpt() or "none", self.resume_advice()))
-        signum = e.signum if isinstance(e, TrainingInterrupted) else signal.SIGINT
-        return interrupt.exit_code(signum)
-
-    def _quoted_ckpt(self) -> str:
-        """The newest checkpoint's path quoted for a shell ("" when none)."""
-        return shell_quote(self.last_ckpt) if self.last_ckpt else ""
+        KeyboardInterrupt that left :meth:`train`): :meth:`train.stop.RunStops.interrupted`."""
+        return self.stops.interrupted(e)
 
     def _print(self, line: str, bar=None) -> None:
         self.runlog.print(line, bar)
