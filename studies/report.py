@@ -576,7 +576,8 @@ MAX_LABEL = 60  # characters of a run label in tables and legends; a longer one 
 
 def _overrides_of(d: Path) -> list[str] | None:
     """A run folder's command-line overrides (``.hydra/overrides.yaml``) without bookkeeping
-    ones, the recipe's first (:func:`_label_order`), or None when it has none saved."""
+    ones, renamed keys at their new places (``train.config.upgrade_override``), the recipe's
+    first (:func:`_label_order`), or None when it has none saved."""
     from omegaconf import OmegaConf
 
     f = d / ".hydra" / "overrides.yaml"
@@ -586,7 +587,9 @@ def _overrides_of(d: Path) -> list[str] | None:
         return None
     if not isinstance(found, list):
         return None
-    kept = [str(o) for o in found
+    from train.config import upgrade_override
+
+    kept = [upgrade_override(str(o)) for o in found  # a run saved before the ffn group too
             if not str(o).lstrip("+~").startswith(("hydra.", *_LABEL_IGNORE))]
     return sorted(kept, key=lambda o: _label_order(o.lstrip("+~").split("=", 1)[0]))
 

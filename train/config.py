@@ -695,6 +695,17 @@ def upgrade_saved(d: dict) -> dict:
     return out
 
 
+def upgrade_override(override: str) -> str:
+    """A saved Hydra override string with a key of :data:`FFN_RENAMES` written at its new place
+    (``+model.ffn_policy.ell_capacity=64`` -> ``+ffn.policy.ell_capacity=64``); others as given."""
+    prefix = override[:len(override) - len(override.lstrip("+~"))]
+    key, eq, value = override[len(prefix):].partition("=")
+    for old, new in FFN_RENAMES.items():
+        if key == old or key.startswith(old + "."):
+            return f"{prefix}{new}{key[len(old):]}{eq}{value}"
+    return override
+
+
 def _schemas() -> dict:
     """Top-level key -> its dataclass (model, optim, sparsity, data, trainer, logging, eval)."""
     return {f.name: f.default_factory().__class__ for f in dataclasses.fields(TrainConfig)}

@@ -319,6 +319,16 @@ def test_a_misspelt_key_two_levels_down_is_one_line_not_a_dropped_value(override
     assert train_compose(["ffn.policy.ell_capacity=64"]).ffn.policy.ell_capacity == 64
 
 
+def test_a_saved_override_with_an_old_ffn_key_reads_at_its_new_place():
+    from train.config import upgrade_override
+
+    assert upgrade_override("model.ffn_impl=twell") == "ffn.impl=twell"
+    assert upgrade_override("+model.ffn_policy.ell_capacity=64") == "+ffn.policy.ell_capacity=64"
+    assert upgrade_override("trainer.dense_ffn_fused=true") == "ffn.dense_fused=true"
+    assert upgrade_override("model.ffn_implx=1") == "model.ffn_implx=1"  # not a renamed key
+    assert upgrade_override("sparsity.l1_coeff=1e-4") == "sparsity.l1_coeff=1e-4"
+
+
 def test_a_saved_config_with_the_old_ffn_keys_reads_as_the_new_group():
     """upgrade_saved: a run's config saved before the ffn group compares as one saved after."""
     from train.checkpointer import config_diff, config_to_dict
