@@ -101,14 +101,7 @@ def linear_cross_entropy(
     Raises:
         ValueError: shapes that do not match, chunk_rows < 1.
     """
-    if hidden_ND.dim() != 2 or weight_VD.dim() != 2 or hidden_ND.shape[1] != weight_VD.shape[1]:
-        raise ValueError(f"linear_cross_entropy: hidden_ND (N, D) and weight_VD (V, D) must share "
-                         f"D; got {tuple(hidden_ND.shape)}, {tuple(weight_VD.shape)}")
-    if target_N.shape != hidden_ND.shape[:1]:
-        raise ValueError(f"linear_cross_entropy: target_N must be (N={hidden_ND.shape[0]},); got "
-                         f"{tuple(target_N.shape)}")
-    if chunk_rows < 1:
-        raise ValueError(f"linear_cross_entropy: chunk_rows must be >= 1; got {chunk_rows}")
+    _check_ce_args("linear_cross_entropy", hidden_ND, weight_VD, target_N, chunk_rows)
     with torch.autocast(hidden_ND.device.type, enabled=False):
         loss_sum, count = _ce_chunks(hidden_ND, weight_VD, target_N.long(), ignore_index,
                                      compute_dtype or hidden_ND.dtype, chunk_rows)
@@ -224,24 +217,30 @@ class _LinearCrossEntropyKL(torch.autograd.Function):
 
 
 @torch.compiler.disable  # trainer.compile: the model compiles around it; this runs as written
+def _check_ce_args(fn: str, hidden_ND, weight_VD, target_N, chunk_rows) -> None:
+    """The shared ValueError of ``fn`` (a linear cross-entropy): hidden_ND (N, D) and weight_VD
+    (V, D) sharing D, target_N (N,), chunk_rows >= 1."""
+    if hidden_ND.dim() != 2 or weight_VD.dim() != 2 or hidden_ND.shape[1] != weight_VD.shape[1]:
+        raise ValueError(f"{fn}: hidden_ND (N, D) and weight_VD (V, D) must share D; got "
+                         f"{tuple(hidden_ND.shape)}, {tuple(weight_VD.shape)}")
+    if target_N.shape != hidden_ND.shape[:1]:
+        raise ValueError(f"{fn}: target_N must be (N={hidden_ND.shape[0]},); got "
+                         f"{tuple(target_N.shape)}")
+    if chunk_rows < 1:
+        raise ValueError(f"{fn}: chunk_rows must be >= 1; got {chunk_rows}")
+
+
 def _check_kl_args(hidden_ND, weight_VD, target_N, teacher_ND, teacher_VD, chunk_rows,
                    temperature, kl_weight) -> None:
     """``linear_cross_entropy_kl``'s ValueError for shapes that do not match, chunk_rows < 1,
     temperature <= 0 or kl_weight < 0."""
-    if hidden_ND.dim() != 2 or weight_VD.dim() != 2 or hidden_ND.shape[1] != weight_VD.shape[1]:
-        raise ValueError(f"linear_cross_entropy_kl: hidden_ND (N, D) and weight_VD (V, D) must "
-                         f"share D; got {tuple(hidden_ND.shape)}, {tuple(weight_VD.shape)}")
+    _check_ce_args("linear_cross_entropy_kl", hidden_ND, weight_VD, target_N, chunk_rows)
     n, v = hidden_ND.shape[0], weight_VD.shape[0]
     if (teacher_ND.dim() != 2 or teacher_VD.dim() != 2 or teacher_ND.shape[0] != n
             or teacher_VD.shape[0] != v or teacher_ND.shape[1] != teacher_VD.shape[1]):
         raise ValueError(f"linear_cross_entropy_kl: teacher_ND must be (N={n}, E) and "
                          f"teacher_VD (V={v}, E); got "
                          f"{tuple(teacher_ND.shape)}, {tuple(teacher_VD.shape)}")
-    if target_N.shape != hidden_ND.shape[:1]:
-        raise ValueError(f"linear_cross_entropy_kl: target_N must be (N={hidden_ND.shape[0]},); "
-                         f"got {tuple(target_N.shape)}")
-    if chunk_rows < 1:
-        raise ValueError(f"linear_cross_entropy_kl: chunk_rows must be >= 1; got {chunk_rows}")
     if not temperature > 0 or not kl_weight >= 0:
         raise ValueError(f"linear_cross_entropy_kl: temperature must be > 0 and kl_weight >= 0; "
                          f"got {temperature}, {kl_weight}")
