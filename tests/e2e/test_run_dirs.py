@@ -111,11 +111,13 @@ def _find_run_dir(runs: Path) -> Path | None:
 def test_a_requeued_command_continues_its_run_and_the_advice_names_it(tokens, tmp_path):
     """The default, timestamped run dir: SIGTERM's line names the exact hydra.run.dir, and the
     same command started again (as a scheduler requeues it) continues that run to its end
-    instead of starting a new one at step 1."""
+    instead of starting a new one at step 1. 40 steps: with 6 the tiny run could finish between
+    the poll that saw its second step and the signal (CI, 2026-12-03)."""
     work = tmp_path / "work"
     work.mkdir()
+    steps = 40
     cmd = [sys.executable, "-m", "train", "data=tokens", f"data.paths=[{tokens}]", *SMALL,
-           "trainer.max_steps=6", "trainer.log_every=1"]
+           f"trainer.max_steps={steps}", "trainer.log_every=1"]
     p = subprocess.Popen(cmd, cwd=work, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     t0 = time.monotonic()
@@ -130,7 +132,7 @@ def test_a_requeued_command_continues_its_run_and_the_advice_names_it(tokens, tm
     run = _find_run_dir(work / "runs")
     line = next(ln for ln in out.splitlines() if ln.startswith("received SIGTERM at step "))
     step = int(line.split(" at step ")[1].split(":")[0])
-    assert step < 6 and (f"re-run the same command with hydra.run.dir={run} to resume from "
+    assert step < steps and (f"re-run the same command with hydra.run.dir={run} to resume from "
                          f"{run / 'checkpoints' / f'step{step}'}") in line
 
     r = subprocess.run(cmd, cwd=work, env=ENV, capture_output=True, text=True, timeout=300,
@@ -139,9 +141,9 @@ def test_a_requeued_command_continues_its_run_and_the_advice_names_it(tokens, tm
     assert f"this config's unfinished run is {run}: continuing it" in r.stdout
     assert f"resumed from {run / 'checkpoints' / f'step{step}'} at step {step}" in r.stdout
     assert sorted((work / "runs").glob("*/*")) == [run]  # no new run dir
-    assert json.loads((run / "summary.json").read_text())["step"] == 6
+    assert json.loads((run / "summary.json").read_text())["step"] == steps
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()
-            if json.loads(x)["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+            if json.loads(x)["kind"] == "train"] == list(range(1, steps + 1))
 
 
 def _fake_run(d: Path, config: dict, *, step: int | None = 2, finished: bool = False) -> Path:
