@@ -45,15 +45,17 @@ reaches y, dx and the three weight gradients as in dense PyTorch; an inf input r
 (its +inf gates are active). The ELL part keeps inactive units as exact zeros (an -inf gate adds
 no 0 * inf). ``tests/ops/test_ffn_train.py`` checks every path against fp64 autograd.
 
-Saved for backward: x, the three weights, the ELL part at its capacity width (col int32, g, u:
+Saved for backward: x, the gate and up weights in the compute dtype, the down weight as the
+caller gave it (under autocast the fp32 master: no compute-dtype copy of Wd is kept), the ELL part at its capacity width (col int32, g, u:
 N x KC; slots past a row's length are never read), the row lengths, the indices of the heavy rows
 and their dense g and u, and the CSC order of the ELL entries (perm int32, colptr, and the dW
 kernel's longest-column-first order), built in the forward
 while the GPU runs the SDDMM and SpMM so that the backward launches little besides its kernels;
 with hot units also their relu'd gate g_S and up u_S (N x k). No N x H tensor outside the
-backup rows, and no (H, D) copy of Wd^T: the forward's SpMM reads one and the backward makes
-its own (one transpose, ~12 us at the 1.5B shape, for an (H, D) copy less per layer between
-the two).
+backup rows, and no copy of Wd: the forward's SpMM reads Wd^T as (H, D) rows in the compute
+dtype and the backward makes them again, each with one copy that transposes and casts (~17 us
+at the 1.5B shape; the cast it replaces cost about as much), for 23 MB less per layer between
+the two at D 2048, H 5632.
 
 Host synchronisation: measuring mode (``backup_rows=-1``), exactly one per forward call (reading
 R, which sizes the backup). On CUDA it waits on an event recorded right after the compaction
@@ -91,6 +93,13 @@ def _heavy_indices(heavy_N: torch.Tensor, r: int) -> torch.Tensor:
         return torch.nonzero_static(heavy_N, size=r).reshape(-1)
     except (AttributeError, NotImplementedError, RuntimeError):
         return torch.argsort(heavy_N.to(torch.int8), descending=True, stable=True)[:r]
+
+
+def _down_rows(wd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Wd^T as (H, D) rows in the compute dtype, from Wd (D, H) in any float dtype: the
+    transpose and the cast in one copy (under autocast Wd is the fp32 master weight, so no bf16
+    copy of it outlives the forward)."""
+    return torch.empty((wd.shape[1], wd.shape[0]), dtype=dtype, device=wd.device).copy_(wd.t())
 
 
 def _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff):
@@ -201,7 +210,7 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)
     acc = torch.promote_types(x.dtype, torch.float32)
     g_NH = torch.matmul(x, wg.t())  # (N, H) pre-activation; freed before the sparse part
-    wdt = wd.t().contiguous()  # (H, D) rows for the SpMM (the backward makes its own: not kept)
+    wdt = _down_rows(wd, x.dtype)  # (H, D) rows for the SpMM (the backward makes its own)
     g_S = _hot_split(g_NH, hot)  # hot units: a dense slice; g_NH keeps the cold ones
     # ELL buffers at the full capacity KC; nnz_eff = nnz_N, or 0 for a heavy row (> KC
     # non-zeros: dense backup); n_heavy = the number of heavy rows (device, (1,)); counted on
@@ -263,7 +272,7 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         del g_NH
         u_R = torch.matmul(x_R, wu.t())
         h_R, l1_heavy = be.backup_fwd(g_R, u_R)  # g_R <- relu(g_R) in place
-        y_R = torch.matmul(h_R, wd.t())
+        y_R = torch.matmul(h_R, wdt)
         del h_R
         if all_dense:
             y = y_R
@@ -307,7 +316,7 @@ def _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_
         u_R = torch.matmul(x[heavy_idx], wu.t())
         h_R, l1_heavy = be.backup_fwd(g_R, u_R)  # g_R <- relu(g_R) in place
         # heavy rows have an empty ELL part (y = 0 there), unused rows add h = 0: exact sums
-        y.index_add_(0, heavy_idx, torch.matmul(h_R, wd.t()))
+        y.index_add_(0, heavy_idx, torch.matmul(h_R, wdt))
         del h_R
         l1 = l1 + l1_heavy
     else:
@@ -352,29 +361,35 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     dy = dy.to(x.dtype).contiguous()
     scale = (dl1 / max(n, 1)).reshape(())
     all_dense = r == n and n > 0
-    # Wd^T (H, D) made again, not kept from the forward (module docstring, "Saved for backward")
-    wdt = wd.t().contiguous() if not all_dense or hot is not None else None
+    # Wd^T (H, D) in the compute dtype made again from the saved Wd (module docstring, "Saved
+    # for backward"); the all-dense branch without hot units reads Wd (D, H) as it is
+    if not all_dense or hot is not None:
+        wdt = _down_rows(wd, x.dtype)
+        wd_c = wdt.t()
+    else:
+        wdt, wd_c = None, wd.to(x.dtype)
     adds = None
     if r > 0:
         dy_R = dy if all_dense else dy[heavy_idx]
         x_R = x if all_dense else x[heavy_idx]
-        dx_R, dwg_R, dwu_R, dwd_R = dense_rows_bwd(be, dy_R, scale, x_R, wg, wu, wd, g_R, u_R,
+        dx_R, dwg_R, dwu_R, dwd_R = dense_rows_bwd(be, dy_R, scale, x_R, wg, wu, wd_c, g_R, u_R,
                                                wd_transposed=not all_dense)
         if all_dense:
             _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx_R, dwg_R, dwu_R, dwd=dwd_R)
-            return dx_R, dwg_R, dwu_R, dwd_R
+            return dx_R, dwg_R, dwu_R, dwd_R.to(wd.dtype)
         adds = (dwg_R, dwu_R, dwd_R)  # (H, D) each: the dW kernel adds them
     dx = torch.empty_like(x)
     dwg = torch.empty_like(wg)
     dwu = torch.empty_like(wu)
-    dwdt = torch.empty((h, d), dtype=wd.dtype, device=wd.device)
+    dwdt = torch.empty((h, d), dtype=x.dtype, device=x.device)
     dg, du = be.sddmm_bwd(dy, wdt, col, gv, u, nnz_eff, scale)
     be.spmm(dx, wg, wu, col, dg, du, nnz_eff)
     be.dw(dwg, dwu, dwdt, adds, x, dy, perm, colptr, dg, du, gv, u, order=order)
     if r > 0:  # heavy rows: their ELL part is empty (dx = 0 there); unused backup rows add 0
         dx.index_add_(0, heavy_idx, dx_R.to(dx.dtype))
     _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx, dwg, dwu, dwdt=dwdt)
-    return dx, dwg, dwu, dwdt.t().contiguous()
+    # dWd in Wd's dtype and (D, H) layout: one copy (transpose and cast together)
+    return dx, dwg, dwu, torch.empty_like(wd, memory_format=torch.contiguous_format).copy_(dwdt.t())
 
 
 @torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())
@@ -563,7 +578,10 @@ def sparse_ffn_train(
             f"{ell_capacity}, {dense_row_fraction}"
         )
     hot = check_hot_units(hot_units, w_gate_HD.shape[0], x_ND.device, "sparse_ffn_train")
-    x, wg, wu, wd = cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH)
+    # Wd is passed as it is (the fp32 master under autocast): the op reads it through an (H, D)
+    # copy in the compute dtype made in the forward and again in the backward, so the saved
+    # state holds no compute-dtype copy of it (0.88 GB less at 2B, micro-batch 8; BENCHMARKS.md)
+    x, wg, wu, wd = cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, cast_down=False)
     n = x.shape[0]
     kc = ell_capacity or default_ell_capacity(wg.shape[0])
     if n * kc >= 2**31:  # the CSC order's flat slot indices are int32
@@ -572,7 +590,8 @@ def sparse_ffn_train(
     if n == 0:
         from twell.ops.reference import gated_ffn_torch
 
-        return gated_ffn_torch(x, wg, wu, wd, with_stats=with_stats, ell_capacity=ell_capacity)
+        return gated_ffn_torch(x, wg, wu, wd.to(x.dtype), with_stats=with_stats,
+                               ell_capacity=ell_capacity)
     args = (x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend,
             int(backup_rows))
     out = _ffn_train_fwd(*args) if hot is None else _ffn_train_fwd(*args, hot)

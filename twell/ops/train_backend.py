@@ -123,12 +123,14 @@ def check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend: str, fn: str)
         raise ValueError(f"{fn}: backend must be one of {BACKENDS}; got {backend!r}")
 
 
-def cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH):
-    """x and the weights in the compute dtype (autocast's, else x's), contiguous."""
+def cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, *, cast_down: bool = True):
+    """x and the weights in the compute dtype (autocast's, else x's), contiguous; with
+    ``cast_down=False`` the down weight is returned as it is (the op casts it itself)."""
     dt = _autocast_dtype(x_ND.device.type)
     if dt is None:
         dt = x_ND.dtype
-    return tuple(t.to(dt).contiguous() for t in (x_ND, w_gate_HD, w_up_HD, w_down_DH))
+    x, wg, wu = (t.to(dt).contiguous() for t in (x_ND, w_gate_HD, w_up_HD))
+    return x, wg, wu, (w_down_DH.to(dt).contiguous() if cast_down else w_down_DH)
 
 
 def stats_of(out, kc: int) -> FFNStats:
