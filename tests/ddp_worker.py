@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
 
     from tests.train_utils import tiny_config
-    from train.parallel import plain
+    from train.parallel import end_process_group, plain
     from train.trainer import Trainer
 
     over = {}
@@ -127,6 +127,7 @@ def main(argv=None) -> None:
         t.acc.wait_for_everyone()
     finally:
         t.close()
+    end_process_group()  # as twell-train does at its end
 
 
 if __name__ == "__main__":

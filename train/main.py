@@ -300,15 +300,23 @@ def cli() -> None:
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
         sys.exit(2)
+    from train.parallel import end_process_group
+
     full = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors to us instead of printing them
     try:
         _main()
+    except SystemExit as e:
+        if e.code in (0, None, 130, 143):  # finished, or stopped at a step by SIGINT / SIGTERM
+            end_process_group()
+        raise
     except Exception as e:
         if full == "1" or any(e is t for t in _TASK_ERRORS) or not _is_hydra_error(e):
             raise  # a bug in the run keeps its traceback
         print(f"ConfigError: {hydra_error_line(e)}", file=sys.stderr)
         sys.exit(2)
+    else:
+        end_process_group()
     finally:
         if full is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)

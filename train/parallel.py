@@ -297,3 +297,14 @@ def host_max(flag: int, group) -> int:
     v = torch.tensor([int(flag)], dtype=torch.int64)
     torch.distributed.all_reduce(v, op=torch.distributed.ReduceOp.MAX, group=group)
     return int(v.item())
+
+
+def end_process_group() -> None:
+    """Destroy the process group of a multi-process launch, if any; call it once, at the
+    process's end (a sweep's jobs share the group), when every rank ended its runs together.
+    Left to the interpreter's shutdown, gloo's worker threads can abort the process (SIGABRT,
+    "terminate called without an active exception"; pytorch/pytorch#190489), which failed a
+    finished two-rank run in CI. After a failure it stays (a rank still in a collective would
+    hang the destroy; torchtitan does the same)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
