@@ -20,8 +20,8 @@ import sys
 
 import numpy as np
 
-from twell.nn.capacity import CAPACITY_RULES
 from studies.capacity_sim import SCENARIOS, make_trace, replay
+from twell.nn.capacity import CAPACITY_RULES
 
 
 def rows_for(scen: str, accum: int, rule: str, a) -> dict:

@@ -833,7 +833,7 @@ def _reject_unknown_in(name: str, node, schema) -> None:
     unknown = sorted(set(node.keys()) - known)
     if unknown:
         raise ConfigError(unknown_key_message(name, unknown[0], known))
-    for key in node.keys():
+    for key in node:
         child, sub = node.get(key), getattr(schema, key)
         if dataclasses.is_dataclass(sub) and hasattr(child, "keys"):
             _reject_unknown_in(f"{name}.{key}", child, sub)

@@ -485,7 +485,7 @@ def test_under_autocast_the_saved_state_holds_the_master_down_weight_not_a_copy(
     saved = []
     with torch.autocast("cpu", dtype=torch.bfloat16), \
             torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y, st = sparse_ffn_train(*ins, ell_capacity=kc, dense_row_fraction=1.0, backend="torch")
+        y, _ = sparse_ffn_train(*ins, ell_capacity=kc, dense_row_fraction=1.0, backend="torch")
     assert y.dtype == torch.bfloat16
     weights = sorted((tuple(t.shape), str(t.dtype)) for t in saved
                      if tuple(t.shape) in {(h, d), (d, h)})
