@@ -23,7 +23,7 @@ from train.data import DataConfig
 from train.recompute import CHECKPOINT_FFN_MODES
 from twell.nn.capacity import CAPACITY_RULES
 from twell.nn.plan import FFN_IMPLS, HOST_SYNCS, PlanOptions
-from twell.policy import FFNPolicy
+from twell.policy import FFNPolicy, PolicyValueError
 
 HIDDEN_ACTS = ("relu", "silu")  # model.hidden_act
 DISTILL_SOURCES = ("source",)  # sparsity.distill_from
@@ -40,6 +40,15 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", 
 
 class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the key and the fix."""
+
+
+def config_error(e: ValueError) -> ConfigError:
+    """A check's ValueError, raised while the composed config becomes a :class:`TrainConfig`, as
+    one :class:`ConfigError` line naming the config key: :class:`FFNPolicy`'s own check names
+    its field ``FFNPolicy.<field>``, which is ``ffn.policy.<field>`` here."""
+    if isinstance(e, PolicyValueError):
+        return ConfigError(e.named("ffn.policy."))
+    return ConfigError(str(e))
 
 
 def _check_finite_nonneg(name: str, value: float) -> None:
@@ -867,7 +876,7 @@ def compose(overrides: Sequence[str] = ()) -> TrainConfig:
     try:
         return OmegaConf.to_object(cfg)  # runs every __post_init__ check
     except ValueError as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+        raise ConfigError(str(config_error(e)).splitlines()[0]) from None
 
 
 def field_docs(cls) -> dict[str, str]:

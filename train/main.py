@@ -32,6 +32,7 @@ from train.config import (
     ConfigError,
     TrainConfig,
     check_overrides,
+    config_error,
     register_configs,
     reject_unknown_keys,
 )
@@ -56,7 +57,7 @@ def run(cfg: DictConfig, run_dir: str | None = None, started=None) -> dict:
     try:
         tcfg: TrainConfig = OmegaConf.to_object(cfg)  # runs every __post_init__ check
     except ValueError as e:  # ConfigError and the data config's checks: one line, no traceback
-        raise ConfigError(str(e)) from None
+        raise config_error(e) from None
     from train.parallel import check_launch
 
     check_launch(tcfg.trainer.cpu)  # a multi-process launch the accelerator would not join

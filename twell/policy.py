@@ -29,13 +29,28 @@ ENV_OVERRIDES = {
 }
 
 
+class PolicyValueError(ValueError):
+    """A bad :class:`FFNPolicy` field. Its message names the field as ``FFNPolicy.<field>``;
+    :meth:`named` gives the same line under another key (the trainer's ``ffn.policy.<field>``).
+    """
+
+    def __init__(self, field: str, rule: str, value: object, fix: str) -> None:
+        self.field, self.rule, self.value, self.fix = field, rule, value, fix
+        super().__init__(self.named("FFNPolicy."))
+
+    def named(self, prefix: str) -> str:
+        """The one-line message with the field named ``prefix + field``, and its fix."""
+        key = prefix + self.field
+        return f"{key} {self.rule}; got {self.value!r}. Set {key}={self.fix}."
+
+
 @dataclass
 class FFNPolicy:
     """Which path an FFN call takes, and the sparse training layout's capacities.
 
     Raises (on construction):
-        ValueError: a fraction outside [0, 1], a negative or non-finite threshold, or a negative
-            count; the message names the field.
+        PolicyValueError: (a ValueError) a fraction outside [0, 1], a negative or non-finite
+            threshold, or a negative count; one line naming the field and its fix.
     """
 
     infer_density_threshold: float = 0.006
@@ -136,31 +151,33 @@ class FFNPolicy:
     def __post_init__(self) -> None:
         for name in ("infer_density_threshold", "train_density_threshold",
                      "train_heavy_fraction", "dense_row_fraction", "hot_unit_fraction",
-                     "hot_min_density", "infer_twell_margin", "backup_floor_fraction", "train_switch_margin"):
+                     "hot_min_density", "infer_twell_margin", "backup_floor_fraction",
+                     "train_switch_margin"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0.0 <= v <= 1.0):
-                raise ValueError(f"FFNPolicy.{name} must be a fraction in [0, 1]; got {v!r}")
+                raise PolicyValueError(name, "must be a fraction in [0, 1]", v,
+                                       "<a fraction in [0, 1]>")
         if not (isinstance(self.infer_min_flops, (int, float)) and math.isfinite(self.infer_min_flops)
                 and self.infer_min_flops >= 0):
-            raise ValueError(f"FFNPolicy.infer_min_flops must be a finite number >= 0; got "
-                             f"{self.infer_min_flops!r}")
+            raise PolicyValueError("infer_min_flops", "must be a finite number >= 0",
+                                   self.infer_min_flops, "<a number >= 0>")
         for name in ("infer_min_rows", "ell_capacity", "max_hot_units"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"FFNPolicy.{name} must be an integer >= 0 (ell_capacity 0 = the "
-                                 f"default width); got {v!r}")
+                raise PolicyValueError(name, "must be an integer >= 0", v, "<int >= 0>" + (
+                    " (0 = the default width)" if name == "ell_capacity" else ""))
         for name in ("infer_timed_calls", "train_timed_calls", "train_explore_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"FFNPolicy.{name} must be an integer >= 1; got {v!r}")
+                raise PolicyValueError(name, "must be an integer >= 1", v, "<int >= 1>")
         for name in ("infer_remeasure_factor", "train_remeasure_factor"):
             f = getattr(self, name)
             if not (isinstance(f, (int, float)) and math.isfinite(f) and f > 1.0):
-                raise ValueError(f"FFNPolicy.{name} must be a finite number > 1; got {f!r}")
+                raise PolicyValueError(name, "must be a finite number > 1", f, "<a number > 1>")
         for name in ("infer_measure", "train_measure"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"FFNPolicy.{name} must be true or false; got "  # noqa: TRY004
-                                 f"{getattr(self, name)!r}")
+                raise PolicyValueError(name, "must be true or false", getattr(self, name),
+                                       "<true or false>")
 
     @classmethod
     def from_env(cls, base: FFNPolicy | None = None,
@@ -214,4 +231,4 @@ class FFNPolicy:
                 or n_rows < self.infer_min_rows or dense_flops < self.infer_min_flops)
 
 
-__all__ = ["ENV_OVERRIDES", "FFNPolicy"]
+__all__ = ["ENV_OVERRIDES", "FFNPolicy", "PolicyValueError"]

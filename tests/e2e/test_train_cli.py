@@ -80,6 +80,16 @@ def test_unknown_added_key_in_run_gets_the_hint(tmp_path):
         run(cfg, run_dir=str(tmp_path / "r"))
 
 
+def test_a_bad_ffn_policy_value_is_one_line_naming_the_config_key(tmp_path):
+    run_dir = tmp_path / "run"
+    r = _train_cli("ffn.policy.max_hot_units=-16", f"hydra.run.dir={run_dir}", *SMALL)
+    assert r.returncode == 2, r.stderr[-3000:]
+    err = _stderr_lines(r)
+    assert err == [("ConfigError: ffn.policy.max_hot_units must be an integer >= 0; got -16. "
+                    "Set ffn.policy.max_hot_units=<int >= 0>.")], err
+    assert not run_dir.exists()
+
+
 # ------------------------------------------------------------------ 7 + 15: a run that fails early
 
 

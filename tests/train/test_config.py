@@ -319,6 +319,30 @@ def test_a_misspelt_key_two_levels_down_is_one_line_not_a_dropped_value(override
     assert train_compose(["ffn.policy.ell_capacity=64"]).ffn.policy.ell_capacity == 64
 
 
+@pytest.mark.parametrize("override, want", [
+    ("ffn.policy.ell_capacity=-1", ("ffn.policy.ell_capacity must be an integer >= 0; got -1. "
+                                    "Set ffn.policy.ell_capacity=<int >= 0> (0 = the default "
+                                    "width).")),
+    ("ffn.policy.max_hot_units=-16", ("ffn.policy.max_hot_units must be an integer >= 0; got "
+                                      "-16. Set ffn.policy.max_hot_units=<int >= 0>.")),
+    ("ffn.policy.train_switch_margin=2", ("ffn.policy.train_switch_margin must be a fraction in "
+                                          "[0, 1]; got 2.0. Set ffn.policy.train_switch_margin="
+                                          "<a fraction in [0, 1]>.")),
+    ("ffn.policy.train_timed_calls=0", ("ffn.policy.train_timed_calls must be an integer >= 1; "
+                                        "got 0. Set ffn.policy.train_timed_calls=<int >= 1>.")),
+])
+def test_a_bad_ffn_policy_value_names_its_config_key_and_its_own_fix(override, want):
+    """FFNPolicy's own check, raised while the config is built: the line names the config key
+    (ffn.policy.<field>, not the class) and that field's fix (ell_capacity's "0 = the default
+    width" only for ell_capacity)."""
+    from train.config import compose as train_compose
+
+    with pytest.raises(ConfigError) as err:
+        train_compose([override])
+    assert _one_line(err) == want
+    assert "FFNPolicy" not in want
+
+
 def test_a_saved_override_with_an_old_ffn_key_reads_at_its_new_place():
     from train.config import upgrade_override
 
