@@ -761,6 +761,28 @@ def not_a_group_message(override: str) -> str:
             f"configs/accelerate/{option}.yaml -m train ...` and leave it out of the overrides.")
 
 
+def group_defaults() -> dict[str, str | None]:
+    """Each config group's option in the defaults list of ``configs/train.yaml`` (None: no
+    option unless one is given, as ``experiment``)."""
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "train.yaml")).get("defaults", [])
+    return {k: v for d in defaults if isinstance(d, dict) for k, v in d.items()
+            if not k.startswith("override ")}
+
+
+def null_group_message(override: str, group: str) -> str:
+    """One line for a config group set to null on the command line (``ffn=null``), which Hydra
+    refuses with a traceback: the group's options, and what leaving it out gives."""
+    options = ", ".join(config_groups().get(group, []))
+    default = group_defaults().get(group)
+    if default is None:  # an optional group (experiment): null is what leaving it out gives
+        return (f"{override}: null is no option of the config group {group}; leave {group} out "
+                f"of the overrides for none, or pick one of its options: {options}.")
+    return (f"{override}: the config group {group} needs an option, not null; its options: "
+            f"{options} ({group}={default} when left out; twell-train --help lists them).")
+
+
 def check_overrides(args: list[str]) -> None:
     """Refuse command-line overrides of keys the schema does not have, before Hydra does.
 
@@ -771,7 +793,7 @@ def check_overrides(args: list[str]) -> None:
 
     Raises:
         ConfigError: unknown key (one line: the valid keys of its group, the closest spelling);
-            an override of ``accelerate`` (launch configs, :data:`NOT_GROUPS`: how to launch).
+            a config group set to null (its options); an override of ``accelerate`` (launch configs, :data:`NOT_GROUPS`: how to launch).
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
@@ -790,6 +812,8 @@ def check_overrides(args: list[str]) -> None:
         if o.is_delete() or o.package is not None or key.split(".")[0].split("/")[0] == "hydra":
             continue
         head, _, rest = key.partition(".")
+        if not rest and head in groups and _has_null(o):
+            raise ConfigError(null_group_message(o.input_line or key, head))
         if not rest:
             if head not in groups and head not in schemas:
                 raise ConfigError(unknown_key_message(None, head, set(schemas) | set(groups)))
@@ -797,6 +821,14 @@ def check_overrides(args: list[str]) -> None:
         if head not in schemas:
             raise ConfigError(unknown_key_message(None, head, set(schemas) | set(groups)))
         _check_key_path(head, schemas[head](), rest.split("."))
+
+
+def _has_null(override) -> bool:
+    """Does a parsed override set null (``g=null``), or sweep over it (``g=null,gpu``)?"""
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    value = override.value()
+    return value is None or (isinstance(value, ChoiceSweep) and None in value.list)
 
 
 def _check_key_path(group: str, schema, parts: list[str]) -> None:

@@ -8,7 +8,8 @@
 The run directory is Hydra's run dir (``hydra.run.dir``; default ``runs/<date>/<time>``, where
 the same command started again continues its unfinished run: ``train.requeue``).
 Before Hydra composes the config, :func:`train.config.check_overrides` refuses a key the schema does not
-have (one line with the valid keys and the closest spelling, exit code 2); Hydra's own errors
+have (one line with the valid keys and the closest spelling, exit code 2) and a config group set
+to null (``ffn=null``: one line with its options); Hydra's own errors
 are one line with exit code 2 too. A failed run prints one line and writes it to
 ``<run dir>/error.txt`` (exit code 2) when the run dir is its own (a process refused in another
 run's folder writes nothing there); one that fails before it trains removes the run dir and the

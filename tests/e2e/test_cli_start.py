@@ -92,6 +92,38 @@ def _train_cli(*args, cwd=ROOT, timeout=300):
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def _options(group: str) -> str:
+    return ", ".join(sorted(p.stem for p in (ROOT / "configs" / group).glob("*.yaml")))
+
+
+@pytest.mark.parametrize("override, want", [
+    *((f"{g}=null", (f"ConfigError: {g}=null: the config group {g} needs an option, not null; "
+                     f"its options: {_options(g)} ({g}={d} when left out; twell-train --help "
+                     "lists them)."))
+      for g, d in (("ffn", "default"), ("model", "tiny"), ("trainer", "cpu"))),
+    ("experiment=null", ("ConfigError: experiment=null: null is no option of the config group "
+                         "experiment; leave experiment out of the overrides for none, or pick "
+                         f"one of its options: {_options('experiment')}.")),
+])
+def test_a_config_group_set_to_null_is_one_line_naming_its_options(tmp_path, override, want):
+    """Hydra refuses ``group=null`` with a traceback (a ValueError, exit code 1)."""
+    run = tmp_path / "run"
+    r = _train_cli(override, f"hydra.run.dir={run}", timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert err == [want], err
+    assert not run.exists()
+
+
+def test_a_null_among_a_sweeps_group_options_is_refused_before_the_sweep():
+    from train.config import ConfigError, check_overrides
+
+    for args in (["-m", "ffn=null,gpu"], ["+ffn=null"]):
+        with pytest.raises(ConfigError, match=r"^\+?ffn=null(,gpu)?: the config group ffn needs"):
+            check_overrides(args)
+    check_overrides(["-m", "ffn=default,gpu", "model.init_from=null", "~ffn"])
+
+
 @pytest.mark.parametrize("override, want", [
     ("trainer.max_steps=abc", ("ConfigError: trainer.max_steps=abc: Value 'abc' of type 'str' "
                               "could not be converted to Integer; give trainer.max_steps a value "
