@@ -720,9 +720,31 @@ def _schemas() -> dict:
     return {f.name: f.default_factory().__class__ for f in dataclasses.fields(TrainConfig)}
 
 
+def schema_tree() -> dict[str | None, type]:
+    """Every dataclass of the config by its dotted key: None -> TrainConfig, ``model`` ->
+    ModelConfig, ..., ``ffn.policy`` -> FFNPolicy."""
+    tree: dict[str | None, type] = {None: TrainConfig}
+    todo = [(None, TrainConfig)]
+    while todo:
+        prefix, cls = todo.pop()
+        for f in dataclasses.fields(cls):
+            sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            if dataclasses.is_dataclass(sub):
+                key = f"{prefix}.{f.name}" if prefix else f.name
+                tree[key] = type(sub)
+                todo.append((key, type(sub)))
+    return tree
+
+
+def dotted_keys() -> list[str]:
+    """Every key below the top level, dotted (``optim.lr``, ``ffn.policy.ell_capacity``)."""
+    return sorted(f"{prefix}.{f.name}" for prefix, cls in schema_tree().items() if prefix
+                  for f in dataclasses.fields(cls))
+
+
 def unknown_key_message(group: str | None, key: str, known, tail: str = "") -> str:
     """One line for an unknown key: the valid keys of its group and the closest spelling
-    (difflib), or the new name of a renamed key (``tail``: the rest of the override's key below
+    (difflib; for a top-level key, among the top-level and the dotted keys), or the new name of a renamed key (``tail``: the rest of the override's key below
     ``key``, e.g. ``ell_capacity`` of ``model.ffn_policy.ell_capacity``, named in the new key)."""
     import difflib
 
@@ -732,7 +754,9 @@ def unknown_key_message(group: str | None, key: str, known, tail: str = "") -> s
         sub = f".{tail}" if tail else ""
         return (f"{full}{sub} was renamed {new}{sub}{' (' + why if why else ''}; use the new "
                 "key.")
-    near = difflib.get_close_matches(key, sorted(known), n=1)
+    # a top-level key may be a dotted key with '_' for '.' (ffn_impl: ffn.impl)
+    candidates = sorted(known) + ([] if group else dotted_keys())
+    near = difflib.get_close_matches(key, candidates, n=1)
     hint = f"; did you mean {group + '.' if group else ''}{near[0]}?" if near else \
         "; remove it or fix its spelling."
     if group is None:

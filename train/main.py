@@ -20,6 +20,7 @@ failed jobs (exit code 2).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from contextlib import contextmanager
@@ -380,17 +381,26 @@ def hydra_error_line(e: BaseException) -> str:
 
 
 def _renamed_hint(line: str) -> str:
-    """``line`` with the new name appended when it is OmegaConf's "Key 'k' not in 'XConfig'"
-    for a renamed key (a YAML file of an experiment written before the rename)."""
+    """``line`` with a hint appended when it is OmegaConf's "Key 'k' not in 'XConfig'" (a key of
+    a YAML file, e.g. an experiment's, that the schema lacks): the new name of a renamed key (a
+    file written before the rename), else the closest known key (did you mean ...?)."""
+    import difflib
     import re
 
-    from train.config import RENAMED_KEYS, _schemas
+    from train.config import RENAMED_KEYS, dotted_keys, schema_tree
 
     m = re.search(r"Key '(\w+)' not in '(\w+)'", line)
-    groups = {cls.__name__: name for name, cls in _schemas().items()}
-    old = f"{groups.get(m.group(2))}.{m.group(1)}" if m else None
+    paths = {cls.__name__: prefix for prefix, cls in schema_tree().items()}
+    if not m or m.group(2) not in paths:
+        return line
+    prefix, key = paths[m.group(2)], m.group(1)
+    old = f"{prefix}.{key}" if prefix else key
     if old in RENAMED_KEYS:
         return f"{line}; {old} was renamed {RENAMED_KEYS[old]}: use the new key."
+    known = {f.name for f in dataclasses.fields(schema_tree()[prefix])}
+    near = difflib.get_close_matches(key, sorted(known) + ([] if prefix else dotted_keys()), n=1)
+    if near:
+        return f"{line}; did you mean {prefix + '.' if prefix else ''}{near[0]}?"
     return line
 
 

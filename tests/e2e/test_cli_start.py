@@ -181,8 +181,29 @@ def test_hydra_error_line_of_a_renamed_key_in_a_yaml_file_names_the_new_key():
     assert line.startswith("In 'experiment/old': ConfigKeyError raised while composing config: "
                            "Key 'dense_ffn_fused' not in 'TrainerConfig'; "), line
     assert "trainer.dense_ffn_fused was renamed ffn.dense_fused " in line, line
-    e = ConfigCompositionException("Key 'hiden_size' not in 'ModelConfig'")
-    assert hydra_error_line(e) == "Key 'hiden_size' not in 'ModelConfig'"  # not a renamed key
+    e = ConfigCompositionException("Key 'xyzzy' not in 'ModelConfig'")
+    assert hydra_error_line(e) == "Key 'xyzzy' not in 'ModelConfig'"  # not renamed, nothing close
+
+
+@pytest.mark.parametrize("key, schema, want", [
+    ("hiden_size", "ModelConfig", "did you mean model.hidden_size?"),
+    ("max_step", "TrainerConfig", "did you mean trainer.max_steps?"),
+    ("ell_capacty", "FFNPolicy", "did you mean ffn.policy.ell_capacity?"),
+    ("trainr", "TrainConfig", "did you mean trainer?"),
+    ("ffn_impl", "TrainConfig", "did you mean ffn.impl?"),
+])
+def test_hydra_error_line_of_a_misspelt_key_in_a_yaml_file_names_the_closest_key(key, schema,
+                                                                                    want):
+    """A typo in an experiment YAML (OmegaConf's unknown-key line): the closest known key, as
+    the command line's check gives it."""
+    from hydra.errors import ConfigCompositionException
+
+    from train.main import hydra_error_line
+
+    line = (f"In 'experiment/x': ConfigKeyError raised while composing config: Key '{key}' not "
+            f"in '{schema}'")
+    e = ConfigCompositionException(line.replace(": Key", ":\nKey"))
+    assert hydra_error_line(e) == f"{line}; {want}"
 
 
 def test_eval_cli_argument_errors_are_one_line_with_exit_code_2(capsys):

@@ -49,6 +49,9 @@ def test_misspelled_key_gets_our_hint_not_hydras(tmp_path):
     ("trainer.max_step=3", "did you mean trainer.max_steps?"),
     ("optim.learning_rate=1", "valid keys of optim: betas, eps,"),
     ("trainr.max_steps=3", "unknown top-level key trainr; did you mean trainer?"),
+    ("ffn_impl=torch", "unknown top-level key ffn_impl; did you mean ffn.impl?"),
+    ("max_steps=3", "unknown top-level key max_steps; did you mean trainer.max_steps?"),
+    ("zzz=3", "unknown top-level key zzz; remove it or fix its spelling."),
     ("model.hidden_size=64 trainer.val_batches=2", "renamed trainer.val_sequences"),
 ])
 def test_override_check_names_the_key_and_the_closest_spelling(override, want):
@@ -57,6 +60,32 @@ def test_override_check_names_the_key_and_the_closest_spelling(override, want):
     with pytest.raises(ConfigError) as err:
         check_overrides(override.split())
     assert want in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_unknown_top_level_key_names_the_close_dotted_key(tmp_path):
+    run_dir = tmp_path / "run"
+    r = _train_cli("ffn_impl=torch", f"hydra.run.dir={run_dir}")
+    assert r.returncode == 2, r.stderr
+    want = "ConfigError: unknown top-level key ffn_impl; did you mean ffn.impl?"
+    assert _stderr_lines(r) == [want], r.stderr
+    assert not run_dir.exists()
+
+
+def test_a_misspelt_key_in_an_experiment_yaml_gets_the_closest_key(tmp_path):
+    """An experiment file outside configs/ (hydra.searchpath) with a typo two levels down:
+    OmegaConf's unknown-key line, then the closest known key."""
+    (tmp_path / "sp" / "experiment").mkdir(parents=True)
+    (tmp_path / "sp" / "experiment" / "typo.yaml").write_text(
+        "# @package _global_\nffn:\n  policy:\n    ell_capacty: 64\n")
+    run_dir = tmp_path / "run"
+    r = _train_cli("experiment=typo", f"hydra.searchpath=[file://{tmp_path / 'sp'}]",
+                   f"hydra.run.dir={run_dir}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = _stderr_lines(r)
+    assert len(err) == 1 and err[0].startswith("ConfigError: In 'experiment/typo': "), err
+    assert err[0].endswith("Key 'ell_capacty' not in 'FFNPolicy'; did you mean "
+                           "ffn.policy.ell_capacity?"), err
+    assert not run_dir.exists()
 
 
 def test_override_check_lets_valid_overrides_through():
