@@ -348,7 +348,7 @@ _HYDRA_NOISE = ("Set the environment variable HYDRA_FULL_ERROR", "Config search 
 def hydra_error_line(e: BaseException) -> str:
     """Hydra's (or OmegaConf's) error while composing the config, as one line naming the
     override and the fix: an unknown option of a config group (with its options), an override
-    Hydra cannot parse, a value of the wrong type (with its key); anything else with its lines
+    without ``=`` (``trainer.steps``), one Hydra cannot parse otherwise, a value of the wrong type (with its key); anything else with its lines
     joined and Hydra's boilerplate (search path, HYDRA_FULL_ERROR hint) left out."""
     import re
 
@@ -360,6 +360,9 @@ def hydra_error_line(e: BaseException) -> str:
         if group:
             return (f"{group}={option}: no such option of the config group {group}; its "
                     f"options: {', '.join(e.options)}.")
+    if isinstance(e, OverrideParseException) and re.fullmatch(r"\+{0,2}[\w.\-/@]+",
+                                                            str(e.override or "")):
+        return f"override {e.override!r} has no '=': write {e.override}=<value>."
     if isinstance(e, OverrideParseException):
         why = " ".join(str(e.message).splitlines()[0].split())
         return (f"cannot parse the override {e.override!r}: {why}; quote a value holding "

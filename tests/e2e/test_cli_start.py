@@ -132,6 +132,9 @@ def test_a_null_among_a_sweeps_group_options_is_refused_before_the_sweep():
                     "options: " + ", ".join(sorted(p.stem for p in (ROOT / "configs" / "model")
                                                    .glob("*.yaml"))) + ".")),
     ("trainer.max_steps=[1", "ConfigError: cannot parse the override 'trainer.max_steps=[1': "),
+    ("trainer.max_steps", ("ConfigError: override 'trainer.max_steps' has no '=': write "
+                          "trainer.max_steps=<value>.")),
+    ("+ffn", "ConfigError: override '+ffn' has no '=': write +ffn=<value>."),
     ("accelerate=ddp", ("ConfigError: accelerate=ddp: configs/accelerate/ holds launch configs of "
                        "`accelerate launch`, not a twell-train config group; launch with "
                        "`accelerate launch --config_file configs/accelerate/ddp.yaml -m train")),
