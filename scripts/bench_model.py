@@ -9,7 +9,8 @@ docstrings; the commands for a bare GPU machine: docs/model_bench/README.md).
         --out "$OUT" --config data.build_if_missing=false
     # train the bench model here instead (stage 1: 200 steps at L1 3e-4; or until L0 settles)
     python scripts/bench_model.py --sizes 2b --train-steps 300 --until-settled --out "$OUT"
-    # CPU smoke run (tiny shape, fp32, synthetic tokens, fake memory; tests/e2e/test_bench_model.py)
+    # CPU smoke run (tiny shape, fp32, synthetic tokens, fake memory; tests/e2e/test_bench_model.py;
+    # without --out and $OUT its outputs go to a new temporary folder, printed at the start)
     python scripts/bench_model.py --smoke --out /tmp/bm
     # merge several calls' outputs (1.5B from one call, 2B from another) on the CPU
     python scripts/bench_model.py --report out_1p5b out_2b --out docs/model_bench
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from studies.bench import PATHS, BenchSettings, Recipe, SettleRule, parse_budgets, run_bench
@@ -64,9 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"seconds for the run ({DEADLINE_S:.0f}; --smoke: 600)")
     p.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE",
                    help="Hydra overrides for stage 1 and our trainer (e.g. data.cache_dir=...)")
-    p.add_argument("--out", type=Path, default=None, help="output folder ($OUT, else "
-                                                          "docs/model_bench)")
-    p.add_argument("--work-dir", type=Path, default=None, help="trainer run folders (temp)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder ($OUT, else docs/model_bench; --smoke: $OUT, else a new "
+                        "temporary folder)")
+    p.add_argument("--work-dir", type=Path, default=None,
+                   help="trainer run folders, kept (default: a temporary folder, removed at "
+                        "the end unless --save-model)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="no PNGs")
     p.add_argument("--profile-micro", default="", metavar="M,...",
                    help="profile one step of each --profile-paths at these micro-batches "
@@ -81,9 +87,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--report", type=Path, nargs="+", default=None, metavar="DIR",
                    help="only merge these runs' outputs into --out (CPU)")
     a = p.parse_args(argv)
+    a.out_is_temp = a.out is None and a.smoke and not os.environ.get("OUT")
     if a.out is None:
-        a.out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path("docs/model_bench")
+        a.out = default_out(a.smoke)
     return a
+
+
+def default_out(smoke: bool) -> Path:
+    """The output folder without ``--out``: ``$OUT`` where set, else ``docs/model_bench`` (the
+    committed results), except for ``--smoke``, whose tiny numbers must not overwrite those:
+    a new temporary folder (printed, and kept for the user to read)."""
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"])
+    if smoke:
+        out = Path(tempfile.mkdtemp(prefix="bench_model_smoke_out_"))
+        print(f"--smoke without --out: outputs go to {out}", flush=True)
+        return out
+    return Path("docs/model_bench")
 
 
 def _micro_batches(text: str) -> tuple[int, ...]:
@@ -139,6 +159,8 @@ def main(argv=None) -> int:
         s = settings(a)
     except (ValueError, FileNotFoundError) as e:  # one line, exit code 2 (bad input)
         print(f"bench_model: {e}", file=sys.stderr)
+        if a.out_is_temp:  # the smoke's output folder, still empty
+            shutil.rmtree(a.out, ignore_errors=True)
         return 2
     print(run_bench(s))
     print(f"outputs: {s.out}")

@@ -11,7 +11,8 @@ difference), final L0 within 5 %, dead-neuron counts equal within 1 %."
         model=small_l4 trainer=gpu trainer.global_batch=16 trainer.micro_batch=16 \\
         optim=adamw optim.warmup_steps=30 \\
         data.cache_dir=/path/to/cache/corpus data.build_if_missing=false eval=disabled
-    # CPU smoke test (tiny model on a synthetic token file, 8 steps; what the tests run)
+    # CPU smoke test (tiny model on a synthetic token file, 8 steps; what the tests run; its
+    # runs go to a new temporary folder unless --runs-dir is given)
     python scripts/compare_ffn_paths.py --smoke --out /tmp/cmp
 
 The runs (``python -m train`` through ``studies.jobs``, one after another, each in
@@ -68,7 +69,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,7 +103,8 @@ def parse_args(argv=None):
                    help="output folder: compare_ffn.json, compare_ffn.md")
     p.add_argument("--runs-dir", type=Path, default=None,
                    help="where the three run directories and logs go (must be empty or new; "
-                        "default runs/compare_ffn/<date-time>)")
+                        "default runs/compare_ffn/<date-time>; --smoke: a new temporary "
+                        "folder)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny model on a synthetic token file, CPU, fp32 (tests / CI)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (key=value)")
@@ -111,6 +115,15 @@ def parse_args(argv=None):
     except ValueError as e:
         p.error(str(e))
     return a
+
+
+def default_runs_dir(smoke: bool) -> Path:
+    """The runs' folder without ``--runs-dir``: ``runs/compare_ffn/<date-time>`` in the
+    checkout, or for ``--smoke`` a new temporary folder (so a smoke leaves the checkout as it
+    was; the folder is printed with the setup line and kept: the runs' logs and metrics)."""
+    if smoke:
+        return Path(tempfile.mkdtemp(prefix="compare_ffn_smoke_"))
+    return ROOT / "runs" / "compare_ffn" / time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
 def _log_tail(path: Path, n: int = 2000) -> str:
@@ -126,7 +139,7 @@ def main(argv=None) -> int:
     comparison (a run failed or its files do not read)."""
     a = parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    runs_dir = a.runs_dir or ROOT / "runs" / "compare_ffn" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    runs_dir = a.runs_dir or default_runs_dir(a.smoke)
     if runs_dir.exists() and any(runs_dir.iterdir()):
         print(f"--runs-dir {runs_dir} is not empty; pick a new one", file=sys.stderr)
         return 2
@@ -136,6 +149,8 @@ def main(argv=None) -> int:
         cfg, specs, accum = check_plan(user, a.steps)
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
+        if a.runs_dir is None and a.smoke:  # the smoke's temporary folder: only its tokens
+            shutil.rmtree(runs_dir, ignore_errors=True)
         return 2
     _print_setup(cfg, runs_dir, a.steps)
     jobs = _run_specs(specs, accum, runs_dir, env)

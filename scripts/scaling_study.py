@@ -17,7 +17,7 @@ dense controls and the seven tasks).
     python scripts/scaling_study.py --sizes 1p5b --l1 3e-4 --out $OUT --runs-dir /tmp/runs \\
         --max-wall 540 data.build_if_missing=false
     python scripts/scaling_study.py --reinit --dry-run          # only the plan and the estimate
-    # CPU smoke runs (tiny shapes; what tests/train/test_scaling.py runs)
+    # CPU smoke runs (tiny shapes; what tests/studies/test_scaling.py runs)
     python scripts/scaling_study.py --cpu --smoke --sizes 0p5b,1b --l1 0.5 --out /tmp/s/out \\
         --runs-dir /tmp/s/runs data=tokens data.paths=[tok.bin] data.vocab_size=64 ...
     python scripts/scaling_study.py --cpu --smoke --depth-series --depths 1,2 --l1 0,0.5 \\

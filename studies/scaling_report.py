@@ -983,7 +983,7 @@ def _plan_commands_md() -> list[str]:
          "`--steps`, `--depths`, `--eval-limit`, `--tflops` change what the call runs or "
          "assumes. The CPU smoke run of the whole path (2 depths of a width-32 model, 10 steps on "
          "64-id synthetic data, the seven tasks on 2 items each, the report): "
-         "`tests/train/test_scaling_depth.py::test_depth_series_smoke_end_to_end`."),
+         "`tests/studies/test_scaling_depth.py::test_depth_series_smoke_end_to_end`."),
     ]
 
 

@@ -23,10 +23,23 @@ from studies.bench.steps import Clock, free_memory, log
 def run_bench(s: BenchSettings) -> str:
     """Run every size of ``s``, writing the outputs into ``s.out`` after each; returns Table 1.
     One size's failure is logged (and named under ``errors`` in ``bench_meta.json``) and the
-    next size runs."""
+    next size runs. The trainer run folders go to ``s.work_dir`` (kept); without one, to a
+    temporary folder that is removed at the end, unless ``s.save_model`` (the checkpoint lives
+    there: the folder is kept and logged)."""
+    if s.work_dir is not None:
+        s.work_dir.mkdir(parents=True, exist_ok=True)
+        return _run_sizes(s, s.work_dir)
+    if s.save_model:
+        work = Path(tempfile.mkdtemp(prefix="bench_model_"))
+        log(f"--save-model without --work-dir: the trainer run folders stay in {work}")
+        return _run_sizes(s, work)
+    with tempfile.TemporaryDirectory(prefix="bench_model_", ignore_cleanup_errors=True) as d:
+        return _run_sizes(s, Path(d))
+
+
+def _run_sizes(s: BenchSettings, work: Path) -> str:
+    """:func:`run_bench` with its trainer run folders in ``work``."""
     clock = Clock(s.deadline_s, reserve_s=2.0 if s.smoke else 10.0)
-    work = s.work_dir or Path(tempfile.mkdtemp(prefix="bench_model_"))
-    work.mkdir(parents=True, exist_ok=True)
     smoke_tokens = write_smoke_tokens(work / "smoke_tokens.bin") if s.smoke else None
     rows, probes, profile = [], [], []
     meta = {"sizes": {}, "skipped": clock.skipped, "torch": torch.__version__,

@@ -510,3 +510,56 @@ def test_auto_is_timed_from_the_paths_its_search_probed(tmp_path, monkeypatch):
         assert seen == [searched]
     finally:
         tr.close()
+
+
+# ---------------------------------------------------------------- where a run writes
+
+
+def _load_script():
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("bench_model_script", SCRIPT)
+    mod = module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_smoke_without_out_writes_to_a_temp_folder_not_docs(monkeypatch, tmp_path, capsys):
+    # the committed results in docs/model_bench must not be overwritten by a smoke's numbers
+    script = _load_script()
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    a = script.parse_args(["--smoke"])
+    assert a.out.parent == tmp_path and a.out.is_dir() and not any(a.out.iterdir())
+    assert a.out_is_temp and f"outputs go to {a.out}" in capsys.readouterr().out
+    assert script.parse_args(["--smoke", "--out", "x"]).out == Path("x")
+    assert script.parse_args([]).out == Path("docs/model_bench")  # the real runs: unchanged
+    monkeypatch.setenv("OUT", str(tmp_path / "o"))
+    assert script.parse_args(["--smoke"]).out == tmp_path / "o"
+    assert script.parse_args([]).out == tmp_path / "o"
+    # a refused smoke run leaves no empty temporary folder behind
+    monkeypatch.delenv("OUT")
+    assert script.main(["--smoke", "--profile-micro", "x"]) == 2
+    assert sorted(tmp_path.iterdir()) == [a.out]
+
+
+def test_run_bench_removes_its_temp_work_folder(monkeypatch, tmp_path):
+    from studies.bench import run as run_mod
+
+    seen = []
+
+    def fake_prepare(s, size, clock, work, smoke_tokens):
+        seen.append(work)
+        assert (work / "smoke_tokens.bin").is_file()
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(run_mod, "prepare", fake_prepare)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    run_mod.run_bench(BenchSettings.for_smoke(tmp_path / "out", plots=False))
+    assert seen[0].parent == tmp_path / "tmp" and not seen[0].exists()  # removed at the end
+    run_mod.run_bench(BenchSettings.for_smoke(tmp_path / "out", plots=False, save_model=True))
+    assert seen[1].is_dir()  # --save-model: the checkpoint's folder is kept
+    run_mod.run_bench(BenchSettings.for_smoke(tmp_path / "out", plots=False,
+                                              work_dir=tmp_path / "work"))
+    assert seen[2] == tmp_path / "work" and seen[2].is_dir()  # the user's folder is kept

@@ -214,6 +214,31 @@ def test_script_refuses_a_bad_configuration_before_any_run(tmp_path):
     assert r.returncode == 2 and "ffn.impl is set" in r.stderr
 
 
+def test_smoke_runs_go_to_a_temp_folder_not_the_checkout(tmp_path, monkeypatch):
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("compare_ffn_paths_script", SCRIPT)
+    script = module_from_spec(spec)
+    spec.loader.exec_module(script)
+    runs = ROOT / "runs" / "compare_ffn"
+    assert script.default_runs_dir(False).parent == runs  # a name only: nothing made
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))
+    made = script.default_runs_dir(True)
+    assert made.parent == tmp and made.is_dir()
+    made.rmdir()
+    before = sorted(runs.iterdir()) if runs.is_dir() else []
+    # a refused smoke without --runs-dir: no folder left in the checkout nor in $TMPDIR
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "TMPDIR": str(tmp)}
+    r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path / "o"),
+                        "trainer.micro_batch=1", "trainer.global_batch=8"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 2 and "cannot be halved" in r.stderr, r.stderr[-2000:]
+    assert not any(tmp.iterdir())
+    assert (sorted(runs.iterdir()) if runs.is_dir() else []) == before
+
+
 def _jsonl(path: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"]
 

@@ -86,3 +86,23 @@ def test_no_run_letters_or_issue_numbers_in_code_or_the_readme_screen():
     assert not found, ("run letters / issue numbers / the notes file in code (history goes to "
                        "BENCHMARKS.md and commit messages; cite the paper by section):\n"
                        + "\n".join(found[:30]))
+
+
+def test_layout_doc_names_every_script_and_study_module():
+    # README.md: "every script is listed in docs/layout.md"; the studies' top-level modules too
+    # (the modules of studies/bench/ and studies/kernel_bench/ are named by their folder)
+    r = subprocess.run(["git", "ls-files", "scripts", "studies"], cwd=ROOT, capture_output=True,
+                       text=True, check=False)
+    if r.returncode:
+        pytest.skip("not a git checkout")
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    names = set()
+    for name in r.stdout.split():
+        parts = Path(name).parts
+        if len(parts) > 2:  # a module of studies/<folder>/
+            names.add(parts[1] + "/")
+        elif parts[1] != "__init__.py":  # scripts/<file> or studies/<module>.py
+            names.add(parts[1])
+    assert "bench_model.py" in names and "bench/" in names
+    missing = sorted(n for n in names if f"`{n}" not in layout and f"{n}`" not in layout)
+    assert not missing, f"not named in docs/layout.md: {missing}"

@@ -65,3 +65,25 @@ def test_convert_refuses_silu():
                       num_hidden_layers=1, vocab_size=100, hidden_act="silu")
     with pytest.raises(ValueError, match="not ReLU"):
         convert_mlps(LlamaForCausalLM(cfg))
+
+
+def test_readme_snippet_runs(tmp_path, monkeypatch):
+    # README.md's "Sparse FFNs" snippet as written, with a saved tiny ReLU Llama as its checkpoint
+    import re
+    from pathlib import Path
+
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the PyTorch backend of the ops
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = re.search(r"## Sparse FFNs.*?```python\n(.*?)```", readme, re.DOTALL).group(1)
+    assert '"runs/<run>/checkpoints/step40"' in code
+    ckpt = tmp_path / "ckpt"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=40,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 hidden_act="relu")).save_pretrained(ckpt)
+    ns = {}
+    exec(code.replace('"runs/<run>/checkpoints/step40"', repr(str(ckpt))), ns)  # noqa: S102 (the README's own code)
+    assert isinstance(ns["model"].model.layers[0].mlp, SparseGatedMLP)
+    assert all(isinstance(layer.mlp, SparseGatedMLP) for layer in ns["llama"].model.layers)
+    assert ns["y"].shape == (2, 16, 2048) and ns["mlp"].last_stats.n_tokens == 32

@@ -1,5 +1,5 @@
 """twell-report on run directories written by real tiny CPU runs (the scaling study at the
-paper's sizes: tests/train/test_scaling.py).
+paper's sizes: tests/studies/test_scaling.py).
 
 Three runs are trained in-process (tests/train_utils.py's synthetic token stream, a 2-layer
 32-wide model, 6 steps): dense (L1 0), L1 and L1 + dead-gate re-init. ``evals.evaluate`` is

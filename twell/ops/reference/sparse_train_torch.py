@@ -1,7 +1,8 @@
 """The PyTorch backend of the sparse training ops: the same sparse math as the Triton kernels.
 
 Shape legend: N tokens, D model width, H FFN width, K ELL width, KC ELL capacity, R dense-backup
-rows. Same names and arguments as the Triton backend (``twell.ops.sparse_train_triton``), so the
+rows. Same names and arguments as the Triton backend (``twell.ops.train_backend.triton_backend``:
+the launchers of ``compact.py``, ``sddmm.py``, ``spmm.py``, ``dw.py``, ``elementwise.py``), so the
 training ops (``twell.ops.ffn_train``, ``twell.ops.ffn_dense_train``) run either; this one runs on
 CPU without Triton and in float64 (the kernels' tests compare both against fp64 autograd).
 Gathers are chunked over rows so a gathered (n, K, D) block stays near ``_CHUNK_ELEMS`` elements.
