@@ -43,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-from", type=Path, default=None, metavar="CKPT",
                    help="bench this trainer checkpoint (step{N} folder) instead of training")
     p.add_argument("--train-steps", type=int, default=200, help="stage-1 steps (the most)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
+                   help="stage 1 with trainer.deterministic=true (a bitwise-reproducible bench "
+                        "model; default off)")
     p.add_argument("--until-settled", action="store_true",
                    help="stop stage 1 once L0 moves < --settle-tolerance over --settle-window")
     p.add_argument("--settle-window", type=int, default=50, help="steps (default 50)")
@@ -140,7 +143,7 @@ def settings(a: argparse.Namespace) -> BenchSettings:
                                    a.target_l0), **given}
     if a.smoke:
         return BenchSettings.for_smoke(a.out, **common)
-    recipe = Recipe(l1=a.l1, lr=a.lr, steps=a.train_steps)
+    recipe = Recipe(l1=a.l1, lr=a.lr, steps=a.train_steps, deterministic=a.deterministic)
     return BenchSettings(sizes=[x for x in a.sizes.split(",") if x], recipe=recipe, out=a.out,
                          **{"deadline_s": DEADLINE_S, **common})
 

@@ -80,6 +80,10 @@ class Recipe:
         micro_batch: sequences per step (= global batch).
         steps: ``trainer.max_steps``: the most optimizer steps stage 1 trains.
         log_every: steps between metric lines (the L0 history the settle rule reads).
+        deterministic: ``trainer.deterministic``: a bitwise-reproducible stage 1, so that two
+            fresh benchmarks time the same model (without it non-deterministic reductions
+            grow, through the early L0 swings, into models of held-out L0 27-36 from one
+            command; BENCHMARKS.md).
     """
 
     l1: float = 3e-4
@@ -88,6 +92,7 @@ class Recipe:
     micro_batch: int = 8
     steps: int = 200
     log_every: int = 10
+    deterministic: bool = False
 
 
 def smoke_model_overrides(tokens: Path) -> list[str]:
@@ -118,8 +123,8 @@ def stage1_overrides(size: str, recipe: Recipe, config: list[str] = (),
             f"trainer.micro_batch={recipe.micro_batch}",
             f"trainer.global_batch={recipe.micro_batch}", f"trainer.max_steps={recipe.steps}",
             "trainer.grad_checkpointing=false", "ffn.impl=torch",
-            "ffn.dense_fused=true", *QUIET,
-            f"trainer.log_every={recipe.log_every}", *config]
+            "ffn.dense_fused=true", *QUIET, f"trainer.log_every={recipe.log_every}",
+            *(["trainer.deterministic=true"] if recipe.deterministic else []), *config]
 
 
 def ours_overrides(size: str, search_batch: int, config: list[str] = (),

@@ -474,30 +474,35 @@ def test_saved_state_between_forward_and_backward_is_what_the_layout_says():
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in ins)
 
 
-def test_under_autocast_the_saved_state_holds_the_master_down_weight_not_a_copy():
-    """Under bf16 autocast with fp32 master weights the op keeps the caller's fp32 Wd (D, H) and
-    no bf16 copy of it (the forward and the backward each make their (H, D) rows and free them):
-    of the weights, only Wg and Wu are kept as bf16 copies. dWd comes back in fp32, equal to the
-    bf16-rounded fp64 reference within bf16 resolution."""
+@pytest.mark.parametrize("dense_row_fraction", [1.0, 0.0])  # ELL with backup rows; all-dense
+def test_under_autocast_the_saved_state_holds_the_master_weights_not_copies(dense_row_fraction):
+    """Under bf16 autocast with fp32 master weights the op keeps the caller's fp32 Wg, Wu (H, D)
+    and Wd (D, H) and no bf16 copy of any (the forward and the backward each make their own and
+    free them). The three weight gradients come back in fp32, equal to the bf16-rounded fp64
+    reference within bf16 resolution, on both branches of the backward."""
     n, d, h, kc = 33, 40, 300, 20
     x, wg, wu, wd, dy = make_inputs(n, d, h, threshold=1.5, seed=21)
     ins = [t.float().requires_grad_() for t in (x, wg, wu, wd)]
     saved = []
     with torch.autocast("cpu", dtype=torch.bfloat16), \
             torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y, _ = sparse_ffn_train(*ins, ell_capacity=kc, dense_row_fraction=1.0, backend="torch")
+        y, _ = sparse_ffn_train(*ins, ell_capacity=kc, dense_row_fraction=dense_row_fraction,
+                                backend="torch")
     assert y.dtype == torch.bfloat16
     weights = sorted((tuple(t.shape), str(t.dtype)) for t in saved
                      if tuple(t.shape) in {(h, d), (d, h)})
-    assert weights == [((d, h), "torch.float32"), ((h, d), "torch.bfloat16"),
-                       ((h, d), "torch.bfloat16")]
-    assert any(t is ins[3] for t in saved)  # the master itself, not a copy of it
+    assert weights == [((d, h), "torch.float32"), ((h, d), "torch.float32"),
+                       ((h, d), "torch.float32")]
+    for w in ins[1:]:
+        assert any(t is w for t in saved)  # the master itself, not a copy of it
     (y.float() * dy.float()).sum().backward()
-    assert ins[3].grad.dtype == torch.float32 and ins[3].grad.shape == (d, h)
+    assert [(w.grad.dtype, w.grad.shape) for w in ins[1:]] == [
+        (torch.float32, (h, d)), (torch.float32, (h, d)), (torch.float32, (d, h))]
     ref = [t.detach().to(torch.bfloat16).double().requires_grad_() for t in (x, wg, wu, wd)]
     y_r = (torch.relu(ref[0] @ ref[1].t()) * (ref[0] @ ref[2].t())) @ ref[3].t()
     (y_r * dy.to(torch.bfloat16).double()).sum().backward()
-    assert_close("dWd", ins[3].grad.double(), ref[3].grad, 3e-2)
+    for name, i in (("dWg", 1), ("dWu", 2), ("dWd", 3)):
+        assert_close(name, ins[i].grad.double(), ref[i].grad, 3e-2)
 
 
 def test_slot_indices_beyond_int32_are_refused_before_any_work():

@@ -45,8 +45,8 @@ def test_cast_train_args_to_autocast_dtype_and_contiguous():
     assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in out)
     assert torch.equal(out[3], ws[2].bfloat16())
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = cast_train_args(x, *ws, cast_down=False)
-    assert [t.dtype for t in out[:3]] == [torch.bfloat16] * 3 and out[3] is ws[2]
+        out = cast_train_args(x, *ws, cast_weights=False)
+    assert out[0].dtype == torch.bfloat16 and all(o is w for o, w in zip(out[1:], ws))
 
 
 def test_stats_of_counts_heavy_rows_above_the_capacity():

@@ -45,8 +45,9 @@ reaches y, dx and the three weight gradients as in dense PyTorch; an inf input r
 (its +inf gates are active). The ELL part keeps inactive units as exact zeros (an -inf gate adds
 no 0 * inf). ``tests/ops/test_ffn_train.py`` checks every path against fp64 autograd.
 
-Saved for backward: x, the gate and up weights in the compute dtype, the down weight as the
-caller gave it (under autocast the fp32 master: no compute-dtype copy of Wd is kept), the ELL part at its capacity width (col int32, g, u:
+Saved for backward: x, the three weights as the caller gave them (under autocast the fp32
+masters: no compute-dtype copy of a weight is kept; the backward casts Wg and Wu again, ~2 x 15 us
+at the 1.5B shape, for 46 MB less per layer between the two), the ELL part at its capacity width (col int32, g, u:
 N x KC; slots past a row's length are never read), the row lengths, the indices of the heavy rows
 and their dense g and u, and the CSC order of the ELL entries (perm int32, colptr, and the dW
 kernel's longest-column-first order), built in the forward
@@ -205,6 +206,8 @@ def _with_hot_stats(out, hot, add):
 def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backend: str,
               backup_rows: int = -1, hot=None):
     be = pick_backend(x, backend)
+    # Wg, Wu in the compute dtype for this call only (module docstring, "Saved for backward")
+    wg, wu = wg.to(x.dtype), wu.to(x.dtype)
     n = x.shape[0]
     h = wg.shape[0]
     kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)
@@ -359,6 +362,10 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     h = wg.shape[0]
     r = heavy_idx.shape[0]
     dy = dy.to(x.dtype).contiguous()
+    # the saved Wg, Wu are the caller's (the fp32 masters under autocast): cast again here, and
+    # their gradients leave in the caller's dtype (what autograd's cast did when the op got copies)
+    w_dtype = wg.dtype
+    wg, wu = wg.to(x.dtype), wu.to(x.dtype)
     scale = (dl1 / max(n, 1)).reshape(())
     all_dense = r == n and n > 0
     # Wd^T (H, D) in the compute dtype made again from the saved Wd (module docstring, "Saved
@@ -376,7 +383,7 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
                                                wd_transposed=not all_dense)
         if all_dense:
             _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx_R, dwg_R, dwu_R, dwd=dwd_R)
-            return dx_R, dwg_R, dwu_R, dwd_R.to(wd.dtype)
+            return dx_R, dwg_R.to(w_dtype), dwu_R.to(w_dtype), dwd_R.to(wd.dtype)
         adds = (dwg_R, dwu_R, dwd_R)  # (H, D) each: the dW kernel adds them
     dx = torch.empty_like(x)
     dwg = torch.empty_like(wg)
@@ -389,7 +396,8 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
         dx.index_add_(0, heavy_idx, dx_R.to(dx.dtype))
     _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx, dwg, dwu, dwdt=dwdt)
     # dWd in Wd's dtype and (D, H) layout: one copy (transpose and cast together)
-    return dx, dwg, dwu, torch.empty_like(wd, memory_format=torch.contiguous_format).copy_(dwdt.t())
+    return (dx, dwg.to(w_dtype), dwu.to(w_dtype),
+            torch.empty_like(wd, memory_format=torch.contiguous_format).copy_(dwdt.t()))
 
 
 @torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())
@@ -578,10 +586,10 @@ def sparse_ffn_train(
             f"{ell_capacity}, {dense_row_fraction}"
         )
     hot = check_hot_units(hot_units, w_gate_HD.shape[0], x_ND.device, "sparse_ffn_train")
-    # Wd is passed as it is (the fp32 master under autocast): the op reads it through an (H, D)
-    # copy in the compute dtype made in the forward and again in the backward, so the saved
-    # state holds no compute-dtype copy of it (0.88 GB less at 2B, micro-batch 8; BENCHMARKS.md)
-    x, wg, wu, wd = cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, cast_down=False)
+    # The weights are passed as they are (the fp32 masters under autocast): the forward and the
+    # backward each make their compute-dtype copies, so the saved state holds none (Wd: 0.88 GB
+    # less at 2B, micro-batch 8; Wg and Wu twice that; BENCHMARKS.md)
+    x, wg, wu, wd = cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, cast_weights=False)
     n = x.shape[0]
     kc = ell_capacity or default_ell_capacity(wg.shape[0])
     if n * kc >= 2**31:  # the CSC order's flat slot indices are int32
@@ -590,8 +598,8 @@ def sparse_ffn_train(
     if n == 0:
         from twell.ops.reference import gated_ffn_torch
 
-        return gated_ffn_torch(x, wg, wu, wd.to(x.dtype), with_stats=with_stats,
-                               ell_capacity=ell_capacity)
+        return gated_ffn_torch(x, wg.to(x.dtype), wu.to(x.dtype), wd.to(x.dtype),
+                               with_stats=with_stats, ell_capacity=ell_capacity)
     args = (x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend,
             int(backup_rows))
     out = _ffn_train_fwd(*args) if hot is None else _ffn_train_fwd(*args, hot)

@@ -123,14 +123,16 @@ def check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend: str, fn: str)
         raise ValueError(f"{fn}: backend must be one of {BACKENDS}; got {backend!r}")
 
 
-def cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, *, cast_down: bool = True):
+def cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, *, cast_weights: bool = True):
     """x and the weights in the compute dtype (autocast's, else x's), contiguous; with
-    ``cast_down=False`` the down weight is returned as it is (the op casts it itself)."""
+    ``cast_weights=False`` the three weights are returned in their own dtype (contiguous: under
+    autocast the fp32 masters themselves), for an op that casts them itself."""
     dt = _autocast_dtype(x_ND.device.type)
     if dt is None:
         dt = x_ND.dtype
-    x, wg, wu = (t.to(dt).contiguous() for t in (x_ND, w_gate_HD, w_up_HD))
-    return x, wg, wu, (w_down_DH.to(dt).contiguous() if cast_down else w_down_DH)
+    x = x_ND.to(dt).contiguous()
+    ws = (w_gate_HD, w_up_HD, w_down_DH)
+    return (x, *(w.to(dt).contiguous() if cast_weights else w.contiguous() for w in ws))
 
 
 def stats_of(out, kc: int) -> FFNStats:

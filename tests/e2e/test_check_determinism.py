@@ -1,0 +1,47 @@
+"""studies.bench.determinism and scripts/check_determinism.py: the weights digest sees one bit,
+the comparison names the first differing step, and the smoke shape's deterministic stage 1 runs
+twice to the same bits (exit 0)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from studies.bench.determinism import RunPrint, first_difference, weights_digest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_weights_digest_changes_with_one_bit_and_not_with_a_copy():
+    w = {"b": torch.arange(6, dtype=torch.float32).reshape(2, 3), "a": torch.ones(4)}
+    same = {k: v.clone() for k, v in reversed(list(w.items()))}  # other insertion order
+    assert weights_digest(w) == weights_digest(same)
+    flipped = {k: v.clone() for k, v in w.items()}
+    flipped["b"].view(torch.int32)[1, 2] ^= 1  # the lowest mantissa bit of one weight
+    assert weights_digest(flipped) != weights_digest(w)
+    reshaped = {"a": w["a"], "b": w["b"].reshape(3, 2)}  # same bytes, another shape
+    assert weights_digest(reshaped) != weights_digest(w)
+
+
+def test_first_difference_names_the_first_step_and_treats_nan_as_equal():
+    nan = float("nan")
+    a = RunPrint((30.5, nan, 12.25), "d")
+    assert first_difference(a, RunPrint((30.5, nan, 12.25), "d")) is None
+    assert first_difference(a, RunPrint((30.5, nan, 12.250000000000002), "d")) == (
+        "training L0 differs first at step 3: 12.25 vs 12.250000000000002")
+    assert first_difference(a, RunPrint((30.5, nan), "d")) == "the runs logged 3 and 2 steps"
+    assert "final weights differ" in first_difference(a, RunPrint(a.l0, "e"))
+
+
+def test_smoke_stage1_twice_is_bitwise_the_same():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_determinism.py"),
+                          "--smoke", "--steps", "3"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [x for x in out.stdout.splitlines() if x.startswith("trainer.deterministic=true")]
+    assert lines[-1] == "trainer.deterministic=true: bitwise the same"
+    digests = {x.rsplit(" ", 1)[1] for x in lines[:2]}
+    assert len(lines) == 3 and len(digests) == 1
