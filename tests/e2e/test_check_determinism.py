@@ -39,6 +39,7 @@ def test_first_difference_names_the_first_step_and_treats_nan_as_equal():
 def test_smoke_stage1_twice_is_bitwise_the_same():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_determinism.py"),
                           "--smoke", "--steps", "3"], cwd=ROOT, capture_output=True, text=True,
+                         check=False,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [x for x in out.stdout.splitlines() if x.startswith("trainer.deterministic=true")]
