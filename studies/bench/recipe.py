@@ -26,7 +26,9 @@ Paths (the ``path`` column of ``best_configs.csv``):
 
 Stage 1 (the bench model, when trained in-process) is the scaling study's 1.5B / 2B recipe at
 L1 3e-4 (``studies.scaling``): AdamW lr 1e-3, 10 warmup steps then cosine, micro-batch = global
-batch = 8 sequences of 2048, 200 steps, no recomputation, seed 42 (init and data order). Its FFNs
+batch = 8 sequences of 2048, 200 steps, no recomputation, seed 42 (init and data order),
+``trainer.deterministic=true`` (bitwise the same model on a rerun; ~12 % slower steps at 1.5B,
+``scripts/check_determinism.py``; without it one command made models of held-out L0 27-36). Its FFNs
 train in dense mode (``ffn.impl=torch``, ``ffn.dense_fused=true``: cuBLAS and one
 fused pass each way), not ``auto``: ``auto`` picks each layer's path from timings, so two runs
 would differ in which kernels (and which bf16 roundings) made the model, and the sparse rows of
@@ -92,7 +94,7 @@ class Recipe:
     micro_batch: int = 8
     steps: int = 200
     log_every: int = 10
-    deterministic: bool = False
+    deterministic: bool = True
 
 
 def smoke_model_overrides(tokens: Path) -> list[str]:

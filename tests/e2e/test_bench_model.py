@@ -26,7 +26,13 @@ from studies.bench import (
     parse_budgets,
     target_ratios,
 )
-from studies.bench.recipe import check_config, default_overrides, ours_overrides
+from studies.bench.recipe import (
+    Recipe,
+    check_config,
+    default_overrides,
+    ours_overrides,
+    stage1_overrides,
+)
 from studies.bench.report import read_csv, table1, write_outputs
 from studies.bench.search import Choice, FakeMemory, SharedProbe, faster, search
 from studies.bench.source import check_shape
@@ -223,6 +229,15 @@ def test_ours_trainer_config_and_refused_overrides():
     check_config(["data.cache_dir=/tmp/c", "trainer.liger=false"])
     with pytest.raises(ConfigError):
         compose(ours_overrides("1p5b", 48, ["trainer.nope=1"]))
+
+
+def test_stage1_is_deterministic_unless_asked_not_to_be():
+    """Stage 1 trains with trainer.deterministic=true by default (a bitwise-reproducible bench
+    model), and composes: its step shape is set, so the memory planner does not choose it."""
+    t = compose(stage1_overrides("1p5b", Recipe())).trainer
+    assert t.deterministic is True and (t.micro_batch, t.global_batch) == (8, 8)
+    assert compose(stage1_overrides("1p5b", Recipe(deterministic=False))).trainer \
+        .deterministic is False
 
 
 def test_settings_and_checkpoint_shape_errors(tmp_path):
