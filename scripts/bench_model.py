@@ -58,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (50)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (3)")
     p.add_argument("--search-batch", type=int, default=None,
-                   help="the micro-batch candidates are its divisors (48)")
+                   help="sequences a step whose micro-batch candidates the search tries, "
+                        "ceil(N / a) for a = 1, 2, ... (512, the paper runs' global batch)")
     p.add_argument("--saturation-tokens", type=int, default=None,
                    help="heavier recomputation only below this many tokens (16384; 0: all)")
     p.add_argument("--equal-micro", type=int, default=None,
@@ -128,7 +129,7 @@ def settings(a: argparse.Namespace) -> BenchSettings:
     defaults, the options given on top)."""
     check_config(a.config)
     given = {k: v for k, v in {
-        "steps": a.steps, "warmup": a.warmup, "search_batch": a.search_batch,
+        "steps": a.steps, "warmup": a.warmup, "candidate_batch": a.search_batch,
         "saturation_tokens": a.saturation_tokens, "equal_micro": a.equal_micro,
         "deadline_s": a.deadline}.items() if v is not None}
     common = {"paths": tuple(x for x in a.paths.split(",") if x),

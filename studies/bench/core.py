@@ -65,7 +65,13 @@ class BenchSettings:
         settle: when stage 1 stops early (settled L0 or a target L0).
         train_budget_s: stage 1's time box (default 0.45 x ``deadline_s``: none without one).
         steps, warmup: timed and untimed steps per row.
-        search_batch: sequences per step the micro-batch candidates divide.
+        search_batch: the micro-batch (= global batch) our trainer is built with; the rows
+            then time the searched micro-batch, one per step.
+        candidate_batch: sequences per step on one rank whose micro-batch candidates the
+            search tries (``ceil(P / a)``, :func:`train.memory.micro_batch_candidates`): 512,
+            the paper experiments' global batch, so the paths are searched over the
+            micro-batches the default run's planner tries (with 48 the search skipped 20 and
+            40, where the 1.5B default ran faster than ``ell``; BENCHMARKS.md).
         saturation_tokens: :data:`studies.bench.search.SATURATION_TOKENS` (0: every mode).
         probe_steps: timed forward+backward micro-steps per probe (after one warm-up).
         equal_micro: the micro-batch of the equal-micro-batch memory ratio (probed, ``none``).
@@ -100,6 +106,7 @@ class BenchSettings:
     steps: int = 50
     warmup: int = 3
     search_batch: int = 48
+    candidate_batch: int = 512
     saturation_tokens: int = SATURATION_TOKENS
     probe_steps: int = 1
     equal_micro: int = 8
@@ -131,7 +138,8 @@ class BenchSettings:
             split_profile_path(p)  # ValueError naming an unknown path or a bad override
         if self.model_from is not None and len(self.sizes) != 1:
             raise ValueError(f"--model-from holds one model; give one --sizes (got {self.sizes})")
-        for k in ("steps", "search_batch", "probe_steps", "equal_micro", "fwd_batch",
+        for k in ("steps", "search_batch", "candidate_batch", "probe_steps", "equal_micro",
+                  "fwd_batch",
                   "fwd_steps", "pool_sequences", "profile_tokens"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1; got {getattr(self, k)}")
@@ -147,7 +155,8 @@ class BenchSettings:
         model, 6 training steps, 3 timed steps per row."""
         base = {"sizes": [SMOKE_SIZE], "recipe": Recipe(l1=0.05, warmup_steps=2, micro_batch=4,
                                                         steps=6, log_every=2),
-                "steps": 3, "warmup": 1, "search_batch": 8, "equal_micro": 4, "fwd_batch": 4,
+                "steps": 3, "warmup": 1, "search_batch": 8, "candidate_batch": 8, "equal_micro": 4,
+                "fwd_batch": 4,
                 "fwd_steps": 2, "fwd_warmup": 1, "profile_tokens": 256, "pool_sequences": 16,
                 "deadline_s": 600.0, "smoke": True, "fake_memory": FakeMemory(), "out": out}
         return cls(**{**base, **kw})
@@ -362,7 +371,7 @@ def search_ffn(run: SizeRun, ffn: str, probe_fn, pending_gb: float, modes: tuple
         probe_fn = s.fake_memory.probe(ffn, probe_fn)
     probe = SharedProbe(probe_fn)
     t0 = time.monotonic()
-    got = search(probe, ffn=ffn, budgets=s.budgets, batch_per_rank=s.search_batch,
+    got = search(probe, ffn=ffn, budgets=s.budgets, batch_per_rank=s.candidate_batch,
                  seq_len=run.seq_len, pending_gb=pending_gb, modes=modes,
                  min_probe_tokens=min_probe_tokens, saturation_tokens=s.saturation_tokens)
     probe(Candidate(s.equal_micro, "none"))  # the equal-micro-batch memory ratio

@@ -126,6 +126,21 @@ def test_search_fastest_fitting_probes_shared_and_saturation():
     assert {c.micro_batch for c in calls if c.recompute == "full"} == {1, 2}
 
 
+def test_search_tries_the_default_runs_micro_batches():
+    """The paths are searched over the micro-batches of the paper runs' global batch (512: the
+    default run's planner's candidates), not the divisors of the trainer's batch: at a planner
+    budget of 230 GiB (none: 22 + 10 m) the largest fitting is 20, which 512 has (ceil(512 / 26))
+    and 48 has not (48, 24, 16, ...: 16)."""
+    assert BenchSettings(sizes=["1p5b"]).candidate_batch == 512
+
+    def best(per_rank: int) -> int:
+        got = search(SharedProbe(_table_probe({})), ffn="ell", budgets=[Budget(250)],
+                     batch_per_rank=per_rank, seq_len=1, pending_gb=2.0, modes=("none",))
+        return got[Budget(250)].micro_batch
+
+    assert (best(48), best(512)) == (16, 20)
+
+
 def test_search_every_mode_without_saturation_and_oom():
     calls: dict = {}
     oom = {Candidate(6, "none")}  # out of memory where the line says it fits
