@@ -183,6 +183,16 @@ def test_pack_calls_and_run_study_gate(monkeypatch, tmp_path):
     out = sc.run_study([rows["d"]], StudySettings(), out=tmp_path / "o", runs_dir=tmp_path / "r",
                        max_wall=540, log=lambda m: None)
     assert [o.status for o in out] == ["done"] and ran[0][0] == "d"  # alone: starts, resumes later
+    # a call shorter than d: d would stop part-way (lost on a machine gone cold), so the later
+    # c (200 s) that fits runs instead; with nothing that fits, d starts as before
+    ran.clear()
+    out = sc.run_study([rows[k] for k in "dc"], StudySettings(), out=tmp_path / "o2",
+                       runs_dir=tmp_path / "r", max_wall=250, log=lambda m: None)
+    assert [o.status for o in out] == ["not started", "done"] and [r for r, _ in ran] == ["c"]
+    ran.clear()
+    out = sc.run_study([rows[k] for k in "da"], StudySettings(), out=tmp_path / "o3",
+                       runs_dir=tmp_path / "r", max_wall=250, log=lambda m: None)
+    assert [o.status for o in out] == ["done", "not started"] and [r for r, _ in ran] == ["d"]
 
 
 # ---------------------------------------------------------------- the settle rule
