@@ -44,8 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bench this trainer checkpoint (step{N} folder) instead of training")
     p.add_argument("--train-steps", type=int, default=200, help="stage-1 steps (the most)")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
-                   help="stage 1 with trainer.deterministic=true: a bitwise-reproducible bench "
-                        "model (default; --no-deterministic: ~12 %% faster, not reproducible)")
+                   help="stage 1 bitwise reproducible (trainer.deterministic; ~11 %% slower)")
     p.add_argument("--until-settled", action="store_true",
                    help="stop stage 1 once L0 moves < --settle-tolerance over --settle-window")
     p.add_argument("--settle-window", type=int, default=50, help="steps (default 50)")
@@ -58,8 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (50)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (3)")
     p.add_argument("--search-batch", type=int, default=None,
-                   help="sequences a step whose micro-batch candidates the search tries, "
-                        "ceil(N / a) for a = 1, 2, ... (512, the paper runs' global batch)")
+                   help="the search tries micro-batches ceil(N / a), a = 1, 2, ... (512)")
     p.add_argument("--saturation-tokens", type=int, default=None,
                    help="heavier recomputation only below this many tokens (16384; 0: all)")
     p.add_argument("--equal-micro", type=int, default=None,
