@@ -2,7 +2,7 @@
 the two runs bit for bit: the training L0 of every step and a digest of the final weights.
 
 The benchmark's headline (best sparse / best dense) depends on the bench model's sparsity, so a
-second fresh benchmark must time the same model (issue 29, item 4). ``scripts/bench_model.py
+second fresh benchmark must time the same model. ``scripts/bench_model.py
 --deterministic`` trains stage 1 with ``trainer.deterministic=true``; this check says whether that
 holds on the machine at hand (an op without a deterministic kernel stops the run with one line
 instead) and, as a control, whether two runs without it differ there.

@@ -400,7 +400,8 @@ def merge_runs(dirs: list[Path], out: Path, *, equal_micro: int = 8, plot: bool 
             m = json.loads((d / "bench_meta.json").read_text())
             meta["sizes"].update(m.get("sizes") or {})
             meta["skipped"] += m.get("skipped") or []
-            meta["merged_from"].append(str(d))
+            # a folder's name only when absolute: no machine's path goes into the committed file
+            meta["merged_from"].append(d.name if d.is_absolute() else str(d))
     return write_outputs(out, list(rows.values()), list(probes.values()),
                          list(profile.values()), meta, equal_micro=equal_micro, plot=plot)
 
