@@ -26,12 +26,23 @@ import tempfile
 from pathlib import Path
 
 from studies.bench import PATHS, BenchSettings, Recipe, SettleRule, parse_budgets, run_bench
-from studies.bench.recipe import PROFILE_PATHS, check_config
+from studies.bench.recipe import PROFILE_PATHS, check_config, check_overrides
 from studies.bench.report import merge_runs
 
 # seconds for a run on the device machine (one call, outputs included): --deadline's default
 # (--smoke: 600); the library itself sets no limit
 DEADLINE_S = 330.0
+
+
+def _at_least_one(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse names the option in its one-line error)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return n
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,29 +53,29 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cards in GiB, in timing order (139 = the H200; 80 = emulated)")
     p.add_argument("--model-from", type=Path, default=None, metavar="CKPT",
                    help="bench this trainer checkpoint (step{N} folder) instead of training")
-    p.add_argument("--train-steps", type=int, default=200, help="stage-1 steps (the most)")
+    p.add_argument("--train-steps", type=_at_least_one, default=200, help="stage-1 steps (the most)")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                    help="stage 1 bitwise reproducible (trainer.deterministic; ~11 %% slower)")
     p.add_argument("--until-settled", action="store_true",
                    help="stop stage 1 once L0 moves < --settle-tolerance over --settle-window")
-    p.add_argument("--settle-window", type=int, default=50, help="steps (default 50)")
+    p.add_argument("--settle-window", type=_at_least_one, default=50, help="steps (default 50)")
     p.add_argument("--settle-tolerance", type=float, default=0.05, help="relative (0.05)")
     p.add_argument("--target-l0", type=float, default=None, help="stop stage 1 at this L0")
     p.add_argument("--train-budget", type=float, default=None,
                    help="stage-1 seconds (default 0.45 x --deadline)")
     p.add_argument("--l1", type=float, default=3e-4, help="stage-1 sparsity.l1_coeff")
     p.add_argument("--lr", type=float, default=1e-3, help="stage-1 optim.lr")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per row (50)")
+    p.add_argument("--steps", type=_at_least_one, default=None, help="timed steps per row (50)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (3)")
-    p.add_argument("--search-batch", type=int, default=None,
+    p.add_argument("--search-batch", type=_at_least_one, default=None,
                    help="the search tries micro-batches ceil(N / a), a = 1, 2, ... (512)")
     p.add_argument("--saturation-tokens", type=int, default=None,
                    help="heavier recomputation only below this many tokens (16384; 0: all)")
-    p.add_argument("--equal-micro", type=int, default=None,
+    p.add_argument("--equal-micro", type=_at_least_one, default=None,
                    help="micro-batch of the equal-micro-batch memory ratio (8)")
     p.add_argument("--acts-dir", type=Path, default=None,
                    help="record the lowest / median / highest-L0 layers' FFN inputs here")
-    p.add_argument("--acts-tokens", type=int, default=16384, help="tokens per recorded layer")
+    p.add_argument("--acts-tokens", type=_at_least_one, default=16384, help="tokens per recorded layer")
     p.add_argument("--deadline", type=float, default=None,
                    help=f"seconds for the run ({DEADLINE_S:.0f}; --smoke: 600)")
     p.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE",
@@ -159,6 +170,7 @@ def main(argv=None) -> int:
                                                  if a.equal_micro else {})))
             return 0
         s = settings(a)
+        check_overrides(s.sizes, s.recipe, s.config, search_batch=s.search_batch, smoke=s.smoke)
     except (ValueError, FileNotFoundError) as e:  # one line, exit code 2 (bad input)
         print(f"bench_model: {e}", file=sys.stderr)
         if a.out_is_temp:  # the smoke's output folder, still empty

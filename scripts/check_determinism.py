@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Is the bench model's stage 1 bitwise reproducible here? Trains it twice with
-``trainer.deterministic=true`` (and, with ``--control``, twice without) and compares the training
-L0 of every step and the final weights. A thin driver over ``studies.bench.determinism``.
+trainer.deterministic=true (and, with --control, twice without) and compares the training
+L0 of every step and the final weights. A thin driver over studies.bench.determinism.
 
     # one H200: the 1.5B recipe, 20 steps a run, with the control pair (~2.5 min)
     python scripts/check_determinism.py --size 1p5b --steps 20 --control \\
@@ -23,7 +23,13 @@ from pathlib import Path
 import torch
 
 from studies.bench.determinism import first_difference, train_once
-from studies.bench.recipe import Recipe, check_config, write_smoke_tokens
+from studies.bench.recipe import (
+    CONTROLLED,
+    Recipe,
+    check_config,
+    check_overrides,
+    write_smoke_tokens,
+)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -44,10 +50,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    try:
-        check_config(a.config)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    try:  # the check sets the benchmark's keys and trainer.deterministic itself
+        check_config(a.config, (*CONTROLLED, "trainer.deterministic"),
+                     instead="--steps / --control")
+        check_overrides([a.size], Recipe(steps=a.steps), a.config, smoke=a.smoke)
+    except ValueError as e:  # one line, exit code 2 (bad input)
+        print(f"check_determinism: {e}", file=sys.stderr)
         return 2
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     with tempfile.TemporaryDirectory(prefix="twell_determinism_tokens_") as tmp:

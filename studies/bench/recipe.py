@@ -27,7 +27,7 @@ Paths (the ``path`` column of ``best_configs.csv``):
 Stage 1 (the bench model, when trained in-process) is the scaling study's 1.5B / 2B recipe at
 L1 3e-4 (``studies.scaling``): AdamW lr 1e-3, 10 warmup steps then cosine, micro-batch = global
 batch = 8 sequences of 2048, 200 steps, no recomputation, seed 42 (init and data order),
-``trainer.deterministic=true`` (bitwise the same model on a rerun; ~12 % slower steps at 1.5B,
+``trainer.deterministic=true`` (bitwise the same model on a rerun; ~11 % slower steps at 1.5B,
 ``scripts/check_determinism.py``; without it one command made models of held-out L0 27-36). Its FFNs
 train in dense mode (``ffn.impl=torch``, ``ffn.dense_fused=true``: cuBLAS and one
 fused pass each way), not ``auto``: ``auto`` picks each layer's path from timings, so two runs
@@ -184,8 +184,10 @@ def write_smoke_tokens(path: Path, n_tokens: int = 30_000, vocab: int = SMOKE_VO
     return write_successor_tokens(path, n_tokens, vocab, seed)
 
 
-def check_config(config: list[str]) -> None:
-    """Refuse a ``--config`` override of a key the benchmark sets itself.
+def check_config(config: list[str], controlled: tuple[str, ...] = CONTROLLED,
+                 instead: str = "--budgets / --search-batch / --paths / --train-steps") -> None:
+    """Refuse a ``--config`` override of a key the caller sets itself (``controlled``: the
+    benchmark's by default; ``instead``: the caller's options that set them).
 
     Raises:
         ValueError: one line naming the override and the option that controls it instead.
@@ -194,10 +196,30 @@ def check_config(config: list[str]) -> None:
         key = o.split("=", 1)[0].lstrip("+~")
         if "=" not in o:
             raise ValueError(f"--config {o!r} is not KEY=VALUE")
-        if key.startswith(CONTROLLED):
-            raise ValueError(f"--config {o!r} sets a key the benchmark controls "
-                             f"({', '.join(CONTROLLED)}); use --budgets / --search-batch / "
-                             "--paths / --train-steps instead")
+        if key.startswith(controlled):
+            raise ValueError(f"--config {o!r} sets a key this command controls "
+                             f"({', '.join(controlled)}); use {instead} instead")
+
+
+def check_overrides(sizes: list[str], recipe: Recipe, config: list[str], *,
+                    search_batch: int = 8, smoke: bool = False) -> None:
+    """Compose stage 1's and our trainer's configs of every size before any work, so that a bad
+    ``--config`` value or an unknown size stops the command at once.
+
+    Raises:
+        ValueError: one line: a size without ``configs/model/<size>.yaml`` (naming the sizes
+            there), or the trainer's :class:`train.config.ConfigError` for an override.
+    """
+    from studies.sizes import MODEL_CONFIGS
+    from train.config import compose
+
+    tokens = Path("smoke_tokens.bin") if smoke else None  # composing reads no file
+    for size in ["smoke"] if smoke else sizes:
+        if not smoke and not (MODEL_CONFIGS / f"{size}.yaml").is_file():
+            have = ", ".join(sorted(p.stem for p in MODEL_CONFIGS.glob("*.yaml")))
+            raise ValueError(f"size {size!r}: no configs/model/{size}.yaml; the sizes: {have}")
+        compose(stage1_overrides(size, recipe, config, tokens))
+        compose(ours_overrides(size, search_batch, config, tokens))
 
 
 
@@ -264,6 +286,7 @@ __all__ = [
     "SPARSE_PATHS",
     "Recipe",
     "check_config",
+    "check_overrides",
     "default_overrides",
     "ours_overrides",
     "smoke_model_overrides",

@@ -46,3 +46,33 @@ def test_smoke_stage1_twice_is_bitwise_the_same():
     assert lines[-1] == "trainer.deterministic=true: bitwise the same"
     digests = {x.rsplit(" ", 1)[1] for x in lines[:2]}
     assert len(lines) == 3 and len(digests) == 1
+
+
+def _script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bad_input_is_one_line_and_exit_2_before_any_training(capsys):
+    """A typo in --config, an unknown size or a key the check sets itself: one line naming it
+    and the fix, exit status 2 (not 1, which means "the runs differ"), nothing trained."""
+    main = _script("check_determinism").main
+    cases = [(["--smoke", "--config", "trainer.micro_bach=2"], "did you mean trainer.micro_batch"),
+             (["--size", "bogus"], "no configs/model/bogus.yaml; the sizes: "),
+             (["--smoke", "--config", "trainer.deterministic=false"], "use --steps / --control"),
+             (["--smoke", "--config", "nonsense"], "is not KEY=VALUE")]
+    for argv, want in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and want in err[0] and err[0].startswith("check_determinism: ")
+
+
+def test_bench_model_config_typo_is_one_line_and_exit_2(capsys):
+    main = _script("bench_model").main
+    assert main(["--smoke", "--config", "trainer.micro_bach=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean trainer.micro_batch" in err[0]
