@@ -35,8 +35,9 @@ accumulating step, no optimizer step; weights, optimizer state, data position an
 per-step settings are left as they were (the gradients are set to None after). Peak:
 ``torch.cuda.max_memory_allocated``; an out-of-memory error in a probe marks it "does not fit".
 
-Decision: per recompute mode its largest fitting micro-batch (confirmed by a probe); among those
-the fastest in measured tokens/ms of forward+backward (the optimizer step costs the same for
+Decision: per recompute mode its largest fitting micro-batch (confirmed by a probe) and the
+largest candidate at most :data:`BELOW_FRACTION` of it (probed: the largest is not always the
+fastest); among those the fastest in measured tokens/ms of forward+backward (the optimizer step costs the same for
 every candidate of one global batch). Values the user set (``trainer.micro_batch``,
 ``trainer.grad_checkpointing``, ``trainer.checkpoint_ffn``) restrict the candidates and are never
 overridden: with both set the planner only probes them and warns when they do not fit.
@@ -98,6 +99,11 @@ REPLAN_STABLE_STEPS = 50
 REPLAN_ELL_SHARE = 0.5
 REPLAN_HEAVY_FRACTION = 0.1
 REPLAN_GAIN = 0.02
+# Below the largest: with ``below`` on, each mode's largest fitting micro-batch L is raced against
+# the largest candidate <= BELOW_FRACTION * L (one more probe a mode). The largest is not always
+# the fastest: our dense path at 1.5B on an H200 ran 52.2 tok/ms at micro 24 and 50.6 at 29
+# (BENCHMARKS.md, "Session of 2026-12-04"); 0.85 reaches 24 from 29 and 17 from 20.
+BELOW_FRACTION = 0.85
 
 
 @dataclass(frozen=True, order=True)
@@ -244,17 +250,23 @@ class MemoryPlanner:
         recompute: the allowed recompute modes (:func:`recompute_choices`).
         min_probe_tokens: the smallest micro-batch of the two slope probes holds at least this
             many tokens (the fused loss's chunk rows; 0 = the smallest divisor).
+        below: with ``0 < below < 1``, each mode's largest fitting micro-batch ``L`` is raced
+            against the largest candidate ``<= below * L`` (probed; :data:`BELOW_FRACTION`);
+            0 = off (only the largest of each mode).
 
     Raises:
         ValueError: a user micro-batch outside 1..batch_per_rank, an unknown or empty
-            recompute, a budget that is not > 0.
+            recompute, a budget that is not > 0, ``below`` outside [0, 1).
     """
 
     def __init__(self, probe: Callable[[Candidate], Measurement], *, batch_per_rank: int,
                  seq_len: int, budget_gb: float, pending_gb: float = 0.0,
                  micro_batch: int | None = None,
                  recompute: tuple[str, ...] = PLANNED_RECOMPUTE,
-                 min_probe_tokens: int = 0) -> None:
+                 min_probe_tokens: int = 0, below: float = 0.0) -> None:
+        if not 0.0 <= below < 1.0:
+            raise ValueError(f"below must be in [0, 1) (0: off); got {below}")
+        self.below = below
         self.micros = micro_batch_candidates(batch_per_rank)
         self.divisors = micro_batches(batch_per_rank)  # the slope probes' and step-down's
         if micro_batch is not None and not 1 <= micro_batch <= batch_per_rank:
@@ -334,6 +346,20 @@ class MemoryPlanner:
         self._fit_line(r, (m1, p1), (m2, p2))
         return self._confirm(r, [m for m in self.micros if m > m2], ok[-1])
 
+    def _below(self, c: Candidate) -> Candidate | None:
+        """The largest candidate of ``c``'s mode at most ``below`` x its micro-batch (and of at
+        least ``min_probe_tokens`` tokens), probed; None when off or there is none."""
+        if not self.below:
+            return None
+        lim = self.below * c.micro_batch
+        ms = [m for m in self.micros
+              if m <= lim and m * self.seq_len >= self.min_probe_tokens]
+        if not ms:
+            return None
+        b = Candidate(max(ms), c.recompute)
+        self.measure(b)
+        return b
+
     def _fit_line(self, r: str, lo: tuple[int, float], hi: tuple[int, float]) -> None:
         (m1, p1), (m2, p2) = lo, hi
         b = max((p2 - p1) / (m2 - m1), 0.0)
@@ -380,6 +406,7 @@ class MemoryPlanner:
                    else "micro_batch and recompute set by the user")
         else:
             options = [c for c in map(self._largest_fitting, self.modes) if c is not None]
+            options += [c for c in map(self._below, options) if c is not None]
             why = "fastest that fits"
         fitting = [c for c in options if self.fits(c)]
         if fitting:  # fastest; a tie goes to less recomputation (the earlier mode)
@@ -784,7 +811,8 @@ class TrainerMemory:
         planner = MemoryPlanner(
             self.probe, batch_per_rank=first.batch_per_rank, seq_len=first.seq_len,
             budget_gb=first.budget_gb, pending_gb=pending_optimizer_gb(tr.optimizer),
-            micro_batch=first.user_micro, recompute=modes, min_probe_tokens=first.min_probe_tokens)
+            micro_batch=first.user_micro, recompute=modes, min_probe_tokens=first.min_probe_tokens,
+            below=first.below)
         where = f"step {tr.step}" + (f", {reason}" if reason else "")
         try:
             new = planner.choose()
@@ -912,7 +940,8 @@ def plan_memory(trainer, probe: Callable[[Candidate], Measurement] | None = None
     tm.planner = MemoryPlanner(
         probe, batch_per_rank=per_rank, seq_len=trainer.cfg.model.seq_len, budget_gb=budget,
         pending_gb=pending_optimizer_gb(trainer.optimizer), micro_batch=t.micro_batch,
-        recompute=modes, min_probe_tokens=t.ce_chunk_rows if fused else 0)
+        recompute=modes, min_probe_tokens=t.ce_chunk_rows if fused else 0,
+        below=BELOW_FRACTION)
     tm.apply(tm.planner.choose())
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(trainer.device)  # the run's peaks, not the probes'

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from train.memory import Candidate, Measurement, MemoryPlanner, default_budget_gb
+from train.memory import BELOW_FRACTION, Candidate, Measurement, MemoryPlanner, default_budget_gb
 from train.recompute import RECOMPUTE_MODES
 
 # A heavier recompute mode is probed only while the lighter modes fit fewer tokens than this:
@@ -132,7 +132,7 @@ class Choice:
         step_peak_gb: predicted peak GiB of a training step (probe + optimizer state to come).
         probe_tok_per_ms: forward+backward tokens/ms of its probe.
         why: how it was chosen (or why nothing fits).
-        per_mode: per recompute mode tried, its largest fitting micro-batch (None: none fits).
+        per_mode: per recompute mode tried, its fastest fitting micro-batch (None: none fits).
     """
 
     ffn: str
@@ -160,8 +160,9 @@ def search(probe: SharedProbe, *, ffn: str, budgets: list[Budget], batch_per_ran
     """The fastest fitting configuration of one FFN path for each budget (module docstring).
 
     Per budget and recompute mode (least recomputation first) a :class:`MemoryPlanner` of that
-    mode alone finds its largest fitting micro-batch (a divisor of ``batch_per_rank``); the
-    fastest of those in probe tokens/ms wins, a tie going to less recomputation (the planner's
+    mode alone finds its largest fitting micro-batch and races it against the candidate at
+    :data:`train.memory.BELOW_FRACTION` of it, as the default run's planner does; the fastest
+    of those in probe tokens/ms wins, a tie going to less recomputation (the planner's
     rule). Heavier modes stop once a lighter one fits ``saturation_tokens`` tokens
     (0: every mode is tried).
 
@@ -178,7 +179,8 @@ def search(probe: SharedProbe, *, ffn: str, budgets: list[Budget], batch_per_ran
         for r in order:
             planner = MemoryPlanner(probe, batch_per_rank=batch_per_rank, seq_len=seq_len,
                                     budget_gb=b.planner_gb, pending_gb=pending_gb,
-                                    recompute=(r,), min_probe_tokens=min_probe_tokens)
+                                    recompute=(r,), min_probe_tokens=min_probe_tokens,
+                                    below=BELOW_FRACTION)
             plan = planner.choose()
             per_mode[r] = plan.micro_batch if plan.fits else None
             if not plan.fits:
@@ -202,7 +204,7 @@ def _best(ffn: str, b: Budget, fitting: list, per_mode: dict) -> Choice:
     plan, _ = max(fitting, key=speed)
     tried = ", ".join(f"{r} {m if m is not None else 'none fits'}" for r, m in per_mode.items())
     return Choice(ffn, b, plan.micro_batch, plan.recompute, plan.peak_gb, plan.tok_per_ms,
-                  f"fastest that fits {b.planner_gb:.1f} GiB (largest micro-batch per mode: "
+                  f"fastest that fits {b.planner_gb:.1f} GiB (per mode: "
                   f"{tried})", per_mode)
 
 

@@ -660,3 +660,25 @@ def test_a_resume_from_a_plan_state_without_steps_keeps_its_paths(tokens, tmp_pa
         assert "0 of 2" in memory.choose_initial_paths(tr, ids, force=True)
     finally:
         tr.close()
+
+
+def test_below_races_the_largest_fitting_against_a_smaller_candidate():
+    # without recomputation 11 fits (96 GiB of 100); below 0.85 adds 8 (0.85 * 11 = 9.35 -> the
+    # largest candidate <= 9.35 of 64 per rank is 8). Times: 20 + 60 m ms, so 11 (33.1 tok/ms)
+    # beats 8 (33.0) and stays; with 11 slowed to 800 ms (28.2 tok/ms) 8 wins
+    probe = FakeProbe(LINES, TIMES)
+    plan = _planner(probe, recompute=("none",), below=0.85).choose()
+    assert probe.calls == [Candidate(m, "none") for m in (1, 2, 11, 8)]
+    assert plan.micro_batch == 11
+
+    class SlowAt11(FakeProbe):
+        def __call__(self, c):
+            m = super().__call__(c)
+            return Measurement(m.peak_gb, 800.0) if c == Candidate(11, "none") else m
+
+    probe = SlowAt11(LINES, TIMES)
+    plan = _planner(probe, recompute=("none",), below=0.85).choose()
+    assert (plan.micro_batch, plan.accum) == (8, 8)
+    assert plan.tok_per_ms == pytest.approx(8 * T / (20 + 60 * 8))
+    with pytest.raises(ValueError, match="below must be in"):
+        _planner(probe, below=1.0)
