@@ -12,7 +12,8 @@ named otherwise; "best dense" is the fastest of ``hf``, ``liger``, ``compile`` a
 * ``auto_vs_best``: ``auto`` over the faster of ``ell`` and ``dense``.
 * ``default_vs_path``: ``default`` over the searched row of its own path (the path of the
   experiment's ``ffn.impl``: ``torch`` -> ``dense``, ``twell`` -> ``ell``, ``auto``).
-* ``wall_vs_median``: per sparse row (``ell``, ``auto``), wall-clock over median tokens/ms.
+* ``wall_vs_median``: per sparse row (``ell``, ``auto``, and ``default`` when its FFN is one of
+  them), wall-clock over median tokens/ms.
 * ``peak_vs_liger`` (per size): the predicted step peak (probe peak + optimizer state) of each
   of our FFN paths at the equal micro-batch without recomputation, over ``liger``'s (``hf``'s
   when ``liger`` was not probed).
@@ -147,7 +148,9 @@ def target_ratios(rows: list[dict], probes: list[dict], equal_micro: int = 8,
         own = by.get(PATH_OF_FFN.get(ffn, "")) if ffn else None
         out.append(_entry("default_vs_path", size, budget, _ratio(_speed(dflt), _speed(own)),
                           f"default ({ffn}) / {own and own['path']}"))
-        for p in SPARSE_PATHS:
+        default = by.get("default")
+        sparse_default = ("default",) if default and default.get("ffn") in SPARSE_PATHS else ()
+        for p in (*SPARSE_PATHS, *sparse_default):
             r = by.get(p)
             out.append(_entry("wall_vs_median", size, budget,
                               _ratio(_speed(r), (r or {}).get("train_tok_per_ms")), p))

@@ -322,6 +322,14 @@ def test_target_ratios_hand_made():
     assert r["value"] == pytest.approx(30 / 26) and r["ok"] is True
     assert got[("wall_vs_median", 80, "ell")]["value"] is None
     assert got[("wall_vs_median", 80, "auto")]["ok"] is True  # 30 / 29 >= 0.98
+    assert ("wall_vs_median", 139, "default") not in got  # its FFN is dense (torch)
+    # a default row on a sparse FFN is a sparse row: its wall clock is checked too
+    rows = [r for r in _hand_rows() if r["path"] != "default"]
+    rows.append(_r("default", 139, 33.0, 34.0, ffn="auto"))
+    walls = {(r["budget_gb"], r["detail"]): r for r in target_ratios(rows, probes, equal_micro=8)
+             if r["ratio"] == "wall_vs_median"}
+    assert walls[(139, "default")]["value"] == pytest.approx(33 / 34)
+    assert walls[(139, "default")]["ok"] is False  # 0.971 < 0.98
     r = got[("peak_vs_liger", None, "ell / liger at micro-batch 8, no recomputation")]
     assert r["value"] == pytest.approx(45 / 60) and r["ok"] is False  # 0.75 > 0.70
     assert got[("peak_vs_liger", None, "dense / liger at micro-batch 8, no recomputation")][
