@@ -290,11 +290,20 @@ class SparsityConfig:
     l1_coeff: float = 2e-5
     """Coefficient of the L1 term: loss = CE + l1_coeff * L1 (paper: 2e-5; 0 = dense baseline)."""
     schedule: str = "constant"
-    """constant (from step 0) | linear_warmup (0 until warmup_start, full at warmup_end)."""
+    """constant (from step 0) | linear_warmup (0 until warmup_start, full at warmup_end) |
+    target_l0 (l1_coeff until target_after, then steered so the training L0 holds target_l0)."""
     warmup_start: int = 0
     """linear_warmup: last optimizer step with coefficient 0."""
     warmup_end: int = 0
     """linear_warmup: first optimizer step at the full coefficient."""
+    target_l0: float | None = None
+    """target_l0: the mean L0 per token over layers (active units, training tokens) to hold."""
+    target_gain: float = 0.05
+    """target_l0: per step the coefficient moves by exp(gain * clamp((L0 - target) / target,
+    -1, 1)): at most ~5 % a step, so one noisy step moves it little (train/sparsity.py)."""
+    target_after: int = 0
+    """target_l0: optimizer steps at l1_coeff before steering starts (the first steps' L0
+    falls from the dense init's hundreds, which would drive the coefficient to its bound)."""
     dead_window_tokens: int = 0
     """Tokens a unit must stay inactive to count as dead; 0 = one optimizer step's tokens."""
     reinit_dead: bool = False
@@ -316,6 +325,22 @@ class SparsityConfig:
     """T of the distillation term: both softmaxes at T, the term scaled by T^2 (Hinton et al.
     2015, so its gradient keeps its size as T changes)."""
 
+    def _check_target(self) -> None:
+        t = self.target_l0
+        if t is None or not math.isfinite(t) or t <= 0:
+            raise ConfigError(f"sparsity.schedule=target_l0 needs sparsity.target_l0 > 0 (mean "
+                              f"active units per token); got {t}. E.g. sparsity.target_l0=29.")
+        if self.l1_coeff <= 0:
+            raise ConfigError("sparsity.schedule=target_l0 steers the L1 coefficient from "
+                              "sparsity.l1_coeff, which is 0; set it > 0, e.g. 3e-4.")
+        g = self.target_gain
+        if g is None or not math.isfinite(g) or g <= 0:
+            raise ConfigError(f"sparsity.target_gain must be a finite number > 0; got {g}. "
+                              "Set sparsity.target_gain=0.05.")
+        if self.target_after is None or self.target_after < 0:
+            raise ConfigError(f"sparsity.target_after must be >= 0 optimizer steps; got "
+                              f"{self.target_after}.")
+
     def __post_init__(self) -> None:
         for key in ("l1_coeff", "reinit_std", "distill_weight"):
             _check_finite_nonneg(f"sparsity.{key}", getattr(self, key))
@@ -333,10 +358,11 @@ class SparsityConfig:
         lam = self.reinit_lambda
         if lam is None or not (0 <= lam <= 1):
             raise ConfigError(f"sparsity.reinit_lambda must be in [0, 1]; got {lam}.")
-        if self.schedule not in ("constant", "linear_warmup"):
-            raise ConfigError(
-                f"sparsity.schedule={self.schedule!r} is unknown; use constant or linear_warmup."
-            )
+        if self.schedule not in ("constant", "linear_warmup", "target_l0"):
+            raise ConfigError(f"sparsity.schedule={self.schedule!r} is unknown; use constant, "
+                              "linear_warmup or target_l0.")
+        if self.schedule == "target_l0":
+            self._check_target()
         if self.schedule == "linear_warmup" and not 0 <= self.warmup_start < self.warmup_end:
             raise ConfigError(
                 "sparsity.schedule=linear_warmup needs 0 <= sparsity.warmup_start < "

@@ -98,7 +98,8 @@ def sync_step(plan, acc, m: StepSums, grad_norm: torch.Tensor, seq_len: int):
         ``(finite, outcome, stats)``: ``finite`` False when the loss or the gradient norm is
         NaN / inf on some rank (``outcome`` is then None and the plan has not ended the step);
         ``outcome`` the plan's :class:`twell.nn.plan.StepOutcome` (accepted, or the layers to
-        redo); ``stats`` the device statistics (``active_LH`` summed over ranks).
+        redo); ``stats`` the statistics (``active_LH`` summed over ranks, on the device; the
+        per-layer sums host lists once the step is finite).
     """
     bad = (~torch.isfinite(m.loss) | ~torch.isfinite(grad_norm)).float()
     stats = StepStats(m.heavy_max_L, m.nnz_sum_L, m.heavy_L,
@@ -113,7 +114,8 @@ def sync_step(plan, acc, m: StepSums, grad_norm: torch.Tensor, seq_len: int):
     host = torch.cat([bad.reshape(1), stats.packed()]).tolist()  # the step's one host sync
     if host[0]:
         return False, None, stats
-    return True, plan.end_step(stats.unpacked(host[1:])), stats
+    stats = stats.unpacked(host[1:])  # host lists; active_LH stays on the device
+    return True, plan.end_step(stats), stats
 
 
 def probe_forward_backward(model, acc, mlps: list, ids_BT: torch.Tensor, coeff: float) -> None:

@@ -61,7 +61,7 @@ from train.setup import (
 )
 from train.sparsity import (
     DeadNeuronTracker,
-    l1_coeff_at,
+    L1Schedule,
     reinit_dead_gates,
 )
 from train.step import (
@@ -223,6 +223,7 @@ class Trainer:
         self.tracker = DeadNeuronTracker(
             cfg.model.num_layers, cfg.model.intermediate_size,
             cfg.sparsity.dead_window_tokens or self.tokens_per_step, device=self.device)
+        self.l1 = L1Schedule(cfg.sparsity)  # the L1 coefficient of each step
 
     def _setup_counters(self) -> None:
         """The training state a fresh run starts from (a resume overwrites it)."""
@@ -290,8 +291,7 @@ class Trainer:
         """One forward and backward of the token ids ``ids_BT`` ((B, T) int64 on the device) at
         this step's loss, ``CE + l1_coeff * L1``, accumulating gradients with no all-reduce over
         ranks and no optimizer step (the memory planner's probe; :meth:`zero_grad` after)."""
-        probe_forward_backward(self.model, self.acc, self.mlps, ids_BT,
-                               l1_coeff_at(self.step, self.cfg.sparsity))
+        probe_forward_backward(self.model, self.acc, self.mlps, ids_BT, self.l1.at(self.step))
 
     def ffn_densities(self, ids_BT: torch.Tensor) -> torch.Tensor:
         """(2, L) float64 device tensor: each FFN's mean active units per token (L0) and heavy-row
@@ -309,27 +309,26 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Trainer state for checkpoints, plain data and tensors only (``ckpt_io.save_state``):
-        step, tokens seen, timing, the sparsity tracker, the FFN plan (auto's paths and the
-        dense-backup capacities: they pick the backup GEMMs' shapes, so an exact resume needs
-        them), the init_from record and the last training segment (for the closing line's
-        tokens/s)."""
+        step, tokens seen, timing, the dead-neuron tracker, the L1 coefficient, the FFN plan
+        (auto's paths and the dense-backup capacities: they pick the backup GEMMs' shapes, so an
+        exact resume needs them), the init_from record, the last segment (closing tokens/s)."""
         seg = self._last_segment()
         return {"step": self.step, "tokens_seen": self.tokens_seen, "train_time": self.train_time,
-                "sparsity": self.tracker.state_dict(), "ffn_plan": self.plan.state_dict(),
-                "init": self.init_info,
+                "sparsity": self.tracker.state_dict(), "l1": self.l1.state_dict(),
+                "ffn_plan": self.plan.state_dict(), "init": self.init_info,
                 "segment": None if seg is None else seg.as_dict()}
 
     def load_state_dict(self, d: dict) -> None:
         """Restore :meth:`state_dict`'s output.
 
         Raises:
-            ValueError: the state has no ``ffn_plan`` (the checkpointer's one-line
-                ``CheckpointError`` names the folder).
+            ValueError: no ``ffn_plan`` (the checkpointer's one line names the folder).
         """
         self.step = int(d["step"])
         self.tokens_seen = int(d["tokens_seen"])
         self.train_time = float(d["train_time"])
         self.tracker.load_state_dict(d["sparsity"])
+        self.l1.load_state_dict(d.get("l1"))
         if "ffn_plan" not in d:  # the checkpointer reports it in one line naming the folder
             raise ValueError("the trainer state has no ffn_plan (the FFN plan's paths and "
                              "capacities): it predates the plan and cannot be resumed")
@@ -438,7 +437,7 @@ class Trainer:
         """
         cfg = self.cfg
         self.update_began = False
-        coeff = l1_coeff_at(self.step, cfg.sparsity)
+        coeff = self.l1.at(self.step)
         lr = self.scheduler.get_last_lr()[0]
         ids = draw_step(batches, self.shape, self.data)  # kept until the step is accepted
         m, grad_norm, stats = self._accepted_step(ids, coeff, interval)
@@ -449,6 +448,7 @@ class Trainer:
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         interval.add_step(m, len(ids), self.tokens_per_step, grad_norm, lr, coeff)
+        self.l1.update(self.step - 1, stats.nnz_sum_L, stats.tokens)
         # dead neurons: counts summed over ranks so every rank holds the same window state
         dead_LH = self.tracker.update(stats.active_LH, self.tokens_per_step)
         if dead_LH is not None and cfg.sparsity.reinit_dead:

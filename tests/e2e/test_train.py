@@ -84,6 +84,31 @@ def test_resume_is_exact(tokens, tmp_path):
     assert len(read_metrics(tmp_path / "split")) == 20
 
 
+def test_target_l0_steers_from_each_steps_l0_and_resumes_exactly(tokens, tmp_path):
+    """schedule=target_l0 in the trainer: each step's logged coefficient is the controller's
+    (recomputed by hand from the logged per-step L0), it rises while L0 is above the target, and
+    12 steps straight == 6, stop, resume to 12."""
+    over = {"trainer.max_steps": 12, "trainer.save_every": 3, "sparsity.l1_coeff": 0.01,
+            "sparsity.target_l0": 8.0, "sparsity.target_gain": 0.2, "sparsity.target_after": 2,
+            "sparsity.schedule": "target_l0"}
+    _run(tiny_config(tokens, **over), tmp_path / "straight")
+    _run(tiny_config(tokens, **over), tmp_path / "split", stop_at_step=6)
+    _run(tiny_config(tokens, **over), tmp_path / "split")  # resume=auto
+    a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
+    c, want = 0.01, []
+    for r in a:  # r["step"] is 1-based; the controller starts after 0-based step 2
+        want.append(c)
+        if r["step"] - 1 >= 2:
+            err = min(max((r["l0_mean"] - 8.0) / 8.0, -1.0), 1.0)
+            c = min(max(c * math.exp(0.2 * err), 1e-4), 1.0)
+    assert [r["l1_coeff"] for r in a] == pytest.approx(want, rel=1e-5)
+    assert a[0]["l0_mean"] > 8.0 and want[-1] > 0.01 * math.exp(0.2)  # it moved, upwards
+    assert [r["step"] for r in b] == list(range(1, 13))
+    for ra, rb in zip(a, b):
+        for key in ("loss", "l1", "l0_mean", "l1_coeff"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-9), (ra["step"], key)
+
+
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tokens, tmp_path):
     cfg = tiny_config(tokens, **{"trainer.max_steps": 10, "trainer.save_every": 2})
     t = Trainer(cfg, tmp_path / "run")

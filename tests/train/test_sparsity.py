@@ -5,11 +5,12 @@ import math
 import pytest
 import torch
 
-from train.config import ModelConfig, SparsityConfig
+from train.config import ConfigError, ModelConfig, SparsityConfig
 from train.model import build_model, ffn_modules
 from train.recompute import enable_grad_checkpointing
 from train.sparsity import (
     DeadNeuronTracker,
+    L1Schedule,
     collect_stats,
     l1_coeff_at,
     l1_penalty,
@@ -85,6 +86,51 @@ def test_l1_coeff_schedule():
     got = [l1_coeff_at(s, warm) for s in (0, 4999, 5000, 6250, 7500, 10000, 20000)]
     want = [0.0, 0.0, 0.0, 0.75e-4, 1.5e-4, 3e-4, 3e-4]
     assert got == pytest.approx(want, abs=1e-15)
+
+
+def test_target_l0_controller_hand_computed():
+    """schedule=target_l0: l1_coeff until target_after, then c *= exp(gain * clamp(err, -1, 1))
+    with err = (L0 - target) / target, L0 = sum of the layers' active counts / (L * tokens),
+    kept within [l1_coeff / 100, l1_coeff * 100]."""
+    cfg = SparsityConfig(l1_coeff=1e-3, target_l0=20.0, target_gain=0.1, target_after=2,
+                         schedule="target_l0")
+    s = L1Schedule(cfg)
+    tokens = 100
+    # (step, per-layer active sums over 100 tokens): L0 30 (err +0.5), 10 (-0.5), 100 (+4 -> 1)
+    s.update(0, [3000.0, 3000.0], tokens)  # before target_after: no change
+    s.update(1, [3000.0, 3000.0], tokens)
+    assert s.at(2) == 1e-3
+    s.update(2, [2000.0, 4000.0], tokens)  # L0 (20 + 40) / 2 = 30
+    assert s.at(3) == pytest.approx(1e-3 * math.exp(0.05), rel=1e-12)
+    s.update(3, [1000.0, 1000.0], tokens)  # L0 10: back down
+    assert s.at(4) == pytest.approx(1e-3, rel=1e-12)
+    s.update(4, [10000.0, 10000.0], tokens)  # L0 100: clamped to +1
+    assert s.at(5) == pytest.approx(1e-3 * math.exp(0.1), rel=1e-12)
+    for step in range(5, 200):  # held far above target: the coefficient stops at 100x
+        s.update(step, [10000.0, 10000.0], tokens)
+    assert s.at(200) == pytest.approx(0.1, rel=1e-12)
+    state = s.state_dict()
+    t = L1Schedule(cfg)
+    t.load_state_dict(state)
+    assert t.at(200) == s.at(200)
+    t.load_state_dict(None)  # a checkpoint from before the schedule: keeps what it holds
+    assert t.at(200) == s.at(200)
+    # other schedules ignore the L0s
+    const = L1Schedule(SparsityConfig(l1_coeff=2e-5, target_l0=1.0))
+    const.update(5, [10000.0], tokens)
+    assert const.at(6) == 2e-5
+
+
+@pytest.mark.parametrize("over, field", [
+    ({}, "target_l0"), ({"target_l0": 0.0}, "target_l0"), ({"target_l0": float("nan")}, "target_l0"),
+    ({"target_l0": 5.0, "l1_coeff": 0.0}, "l1_coeff"),
+    ({"target_l0": 5.0, "target_gain": 0.0}, "target_gain"),
+    ({"target_l0": 5.0, "target_after": -1}, "target_after")])
+def test_target_l0_config_errors_name_the_field(over, field):
+    kw = {"l1_coeff": 1e-3, **over}
+    with pytest.raises(ConfigError, match=f"sparsity.{field}") as err:
+        SparsityConfig(schedule="target_l0", **kw)
+    assert "\n" not in str(err.value)
 
 
 def test_dead_tracker_window_and_state():
