@@ -7,7 +7,7 @@ docstrings; the commands for a bare GPU machine: docs/model_bench/README.md).
     # one H200: bench the 1.5B model the scaling study left in this call (~5.5 min)
     python scripts/bench_model.py --sizes 1p5b --model-from /tmp/runs/1p5b_l1_3e-4/checkpoints/step200 \\
         --out "$OUT" --config data.build_if_missing=false
-    # train the bench model here instead (stage 1: 200 steps at L1 3e-4; or until L0 settles)
+    # train the bench model here instead (stage 1: 200 steps from L1 3e-4, steered to the paper's L0)
     python scripts/bench_model.py --sizes 2b --train-steps 300 --until-settled --out "$OUT"
     # CPU smoke run (tiny shape, fp32, synthetic tokens, fake memory; tests/e2e/test_bench_model.py;
     # without --out and $OUT its outputs go to a new temporary folder, printed at the start)
@@ -19,6 +19,8 @@ docstrings; the commands for a bare GPU machine: docs/model_bench/README.md).
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import shutil
 import sys
@@ -45,26 +47,50 @@ def _at_least_one(text: str) -> int:
     return n
 
 
+SIZES_DEFAULT = "1p5b"
+RECIPE_DEFAULTS = {k: getattr(Recipe(), k) for k in ("l1", "lr", "steps", "deterministic",
+                                                      "target_l0")}
+
+
+def _target_l0(text: str) -> float | str | None:
+    """``--target-l0``: ``paper``, ``none`` or a number > 0."""
+    if text in ("paper", "none"):
+        return None if text == "none" else text
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not paper, none or a number > 0")
+    return v
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=" ".join((__doc__ or "").split("\n\n")[0].split()))
-    p.add_argument("--sizes", default="1p5b", help="model shapes, comma-separated (configs/model)")
+    p.add_argument("--sizes", default=SIZES_DEFAULT,
+                   help="model shapes, comma-separated (configs/model)")
     p.add_argument("--paths", default=",".join(PATHS), help=f"paths to time ({','.join(PATHS)})")
     p.add_argument("--budgets", default="80,139",
                    help="cards in GiB, in timing order (139 = the H200; 80 = emulated)")
     p.add_argument("--model-from", type=Path, default=None, metavar="CKPT",
                    help="bench this trainer checkpoint (step{N} folder) instead of training")
-    p.add_argument("--train-steps", type=_at_least_one, default=200, help="stage-1 steps (the most)")
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--train-steps", type=_at_least_one, default=RECIPE_DEFAULTS["steps"],
+                   help="stage-1 steps (the most)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
+                   default=RECIPE_DEFAULTS["deterministic"],
                    help="stage 1 bitwise reproducible (trainer.deterministic; ~11 %% slower)")
     p.add_argument("--until-settled", action="store_true",
                    help="stop stage 1 once L0 moves < --settle-tolerance over --settle-window")
     p.add_argument("--settle-window", type=_at_least_one, default=50, help="steps (default 50)")
     p.add_argument("--settle-tolerance", type=float, default=0.05, help="relative (0.05)")
-    p.add_argument("--target-l0", type=float, default=None, help="stop stage 1 at this L0")
+    p.add_argument("--target-l0", type=_target_l0, default=RECIPE_DEFAULTS["target_l0"],
+                   help="training L0 stage 1 holds from half its steps: paper (29 at 1p5b, "
+                        "24 at 2b; other sizes none), a number > 0, or none (fixed --l1)")
     p.add_argument("--train-budget", type=float, default=None,
                    help="stage-1 seconds (default 0.45 x --deadline)")
-    p.add_argument("--l1", type=float, default=3e-4, help="stage-1 sparsity.l1_coeff")
-    p.add_argument("--lr", type=float, default=1e-3, help="stage-1 optim.lr")
+    p.add_argument("--l1", type=float, default=RECIPE_DEFAULTS["l1"],
+                   help="stage-1 sparsity.l1_coeff (from which --target-l0 steers)")
+    p.add_argument("--lr", type=float, default=RECIPE_DEFAULTS["lr"], help="stage-1 optim.lr")
     p.add_argument("--steps", type=_at_least_one, default=None, help="timed steps per row (50)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (3)")
     p.add_argument("--search-batch", type=_at_least_one, default=None,
@@ -149,11 +175,18 @@ def settings(a: argparse.Namespace) -> BenchSettings:
               "profile_micro": _micro_batches(a.profile_micro),
               "profile_paths": tuple(x for x in a.profile_paths.split(",") if x),
               "profile_only": a.profile_only, "save_model": a.save_model,
-              "settle": SettleRule(a.until_settled, a.settle_window, a.settle_tolerance,
-                                   a.target_l0), **given}
-    if a.smoke:
-        return BenchSettings.for_smoke(a.out, **common)
-    recipe = Recipe(l1=a.l1, lr=a.lr, steps=a.train_steps, deterministic=a.deterministic)
+              "settle": SettleRule(a.until_settled, a.settle_window, a.settle_tolerance),
+              **given}
+    if a.smoke:  # the smoke's own recipe, with the options given that differ from the defaults
+        if a.sizes != SIZES_DEFAULT:
+            raise ValueError(f"--sizes {a.sizes}: --smoke runs its tiny shape only; leave "
+                             "--sizes out (or --smoke out for a paper size)")
+        given = {"l1": a.l1, "lr": a.lr, "steps": a.train_steps, "deterministic": a.deterministic,
+                 "target_l0": a.target_l0}
+        recipe = {k: v for k, v in given.items() if v != RECIPE_DEFAULTS[k]}
+        return BenchSettings.for_smoke(a.out, recipe=recipe, **common)
+    recipe = Recipe(l1=a.l1, lr=a.lr, steps=a.train_steps, deterministic=a.deterministic,
+                    target_l0=a.target_l0)
     return BenchSettings(sizes=[x for x in a.sizes.split(",") if x], recipe=recipe, out=a.out,
                          **{"deadline_s": DEADLINE_S, **common})
 
@@ -178,6 +211,12 @@ def main(argv=None) -> int:
         return 2
     print(run_bench(s))
     print(f"outputs: {s.out}")
+    meta = s.out / "bench_meta.json"
+    errors = json.loads(meta.read_text()).get("errors") if meta.is_file() else None
+    if errors:  # the other sizes' rows are written; the exit status says not all are there
+        print(f"bench_model: {len(errors)} size(s) failed: {'; '.join(errors)}"[:2000],
+              file=sys.stderr)
+        return 1
     return 0
 
 

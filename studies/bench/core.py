@@ -6,6 +6,7 @@ build their rows and searches with.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -143,6 +144,13 @@ class BenchSettings:
                   "fwd_steps", "pool_sequences", "profile_tokens"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1; got {getattr(self, k)}")
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s (--deadline) must be > 0 seconds; got {self.deadline_s}")
+        if not (math.isfinite(self.recipe.l1) and self.recipe.l1 >= 0):
+            raise ValueError(f"recipe.l1 (--l1) must be a number >= 0; got {self.recipe.l1}")
+        if self.model_from is not None and not Path(self.model_from).is_dir():
+            raise FileNotFoundError(f"--model-from {self.model_from}: no such checkpoint folder "
+                                    "(a trainer's checkpoints/step<N>)")
         if "default" in self.paths and not self.smoke:
             missing = [s for s in self.sizes if s not in EXPERIMENTS]
             if missing:
@@ -150,11 +158,13 @@ class BenchSettings:
                                  f"path ({', '.join(EXPERIMENTS)}); leave default out of --paths")
 
     @classmethod
-    def for_smoke(cls, out: Path, **kw) -> BenchSettings:
+    def for_smoke(cls, out: Path, recipe: dict | None = None, **kw) -> BenchSettings:
         """The ``--smoke`` run: tiny shape, fp32 on the CPU, synthetic tokens, a fake memory
-        model, 6 training steps, 3 timed steps per row."""
-        base = {"sizes": [SMOKE_SIZE], "recipe": Recipe(l1=0.05, warmup_steps=2, micro_batch=4,
-                                                        steps=6, log_every=2),
+        model, 6 training steps, 3 timed steps per row; ``recipe``: :class:`Recipe` fields
+        that replace the smoke's (e.g. ``steps``, ``deterministic``, ``target_l0``)."""
+        smoke_recipe = Recipe(l1=0.05, warmup_steps=2, micro_batch=4, steps=6, log_every=2)
+        base = {"sizes": [SMOKE_SIZE],
+                "recipe": dataclasses.replace(smoke_recipe, **(recipe or {})),
                 "steps": 3, "warmup": 1, "search_batch": 8, "candidate_batch": 8, "equal_micro": 4,
                 "fwd_batch": 4,
                 "fwd_steps": 2, "fwd_warmup": 1, "profile_tokens": 256, "pool_sequences": 16,

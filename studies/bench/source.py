@@ -5,8 +5,8 @@ transformers (logits, losses).
 
 Settling (:func:`l0_settled`): the training L0 (mean active FFN units per token, from the
 trainer's metric lines) moved by less than ``tolerance`` relative over the last
-``window_steps`` optimizer steps; or (``target_l0``) it reached a stated value. Either is
-time-boxed by the caller's budget.
+``window_steps`` optimizer steps, time-boxed by the caller's budget. A stated L0 is the
+recipe's (``Recipe.target_l0``: the trainer's ``sparsity.schedule=target_l0`` holds it).
 
 Shape legend: N blocks, T sequence length.
 """
@@ -58,21 +58,17 @@ class SettleRule:
     Attributes:
         until_settled: stop once :func:`l0_settled` holds.
         window_steps, tolerance: :func:`l0_settled`'s window and relative tolerance.
-        target_l0: stop once the training L0 is at or below this (None: no target).
     """
 
     until_settled: bool = False
     window_steps: int = 50
     tolerance: float = 0.05
-    target_l0: float | None = None
 
     def stop(self, history: list[tuple[int, float]]) -> str | None:
-        """Why training should stop now (``"settled ..."``, ``"target L0 ..."``), or None."""
+        """Why training should stop now (``"settled ..."``), or None."""
         if not history:
             return None
         step, l0 = history[-1]
-        if self.target_l0 is not None and l0 <= self.target_l0:
-            return f"target L0 {self.target_l0:g} reached at step {step} (L0 {l0:.1f})"
         if self.until_settled and l0_settled(history, self.window_steps, self.tolerance):
             return (f"L0 settled at step {step} (moved < {100 * self.tolerance:g} % over "
                     f"{self.window_steps} steps; L0 {l0:.1f})")
@@ -123,14 +119,18 @@ def train_bench_model(cfg, data, run_dir: Path, device, *, size: str, rule: Sett
             log(f"stage 1: bench model saved to {tr.save_checkpoint()}")
         weights = cpu_weights(tr.acc.unwrap_model(tr.model), pin=tr.device.type == "cuda")
         state = tr.plan.state_dict()
-        steps = tr.step
+        steps, coeff = tr.step, tr.l1.at(tr.step)
     finally:
         tr.close()
         tr.acc.free_memory()
     del tr, model
     free_memory(device)
-    return BenchModel(size, cfg.model, weights, state, f"trained in-process: {steps} steps at L1 "
-                      f"{cfg.sparsity.l1_coeff:g} ({reason})", steps, history, cfg.ffn)
+    sp = cfg.sparsity
+    l1 = (f"L1 {sp.l1_coeff:g} steered to hold training L0 {sp.target_l0:g} from step "
+          f"{sp.target_after} (ending at {coeff:.3g})" if sp.schedule == "target_l0"
+          else f"L1 {sp.l1_coeff:g}")
+    return BenchModel(size, cfg.model, weights, state, f"trained in-process: {steps} steps at "
+                      f"{l1} ({reason})", steps, history, cfg.ffn)
 
 
 def _train_loop(tr, rule: SettleRule, budget_s: float) -> tuple[list, str]:
@@ -150,8 +150,8 @@ def _train_loop(tr, rule: SettleRule, budget_s: float) -> tuple[list, str]:
             history.append((tr.step, m["l0_mean"]))
             paths = tr.plan.paths
             log(f"stage 1 step {tr.step}: ce {m['ce']:.4f} l0 {m['l0_mean']:.1f} "
-                f"[{m['l0_min']:.1f}-{m['l0_max']:.1f}] {m['tokens_per_s']:.0f} tok/s, ell "
-                f"layers {paths.count('ell')}/{len(paths)}")
+                f"[{m['l0_min']:.1f}-{m['l0_max']:.1f}] l1 coeff {m['l1_coeff']:.3g} "
+                f"{m['tokens_per_s']:.0f} tok/s, ell layers {paths.count('ell')}/{len(paths)}")
             reason = rule.stop(history)
         if reason is None and tr.step >= t.max_steps:
             reason = f"{t.max_steps} steps"

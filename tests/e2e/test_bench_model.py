@@ -62,8 +62,6 @@ def test_l0_settled_hand_made_histories():
     rule = SettleRule(until_settled=True)
     assert rule.stop([(0, 50.0), (50, 48.0)]).startswith("L0 settled at step 50")
     assert SettleRule().stop([(0, 50.0), (50, 48.0)]) is None  # not asked to stop when settled
-    assert SettleRule(target_l0=30).stop([(10, 29.5)]).startswith("target L0 30 reached")
-    assert SettleRule(target_l0=30).stop([(10, 30.5)]) is None
 
 
 # ---------------------------------------------------------------- budgets and the search
@@ -255,6 +253,27 @@ def test_stage1_is_deterministic_unless_asked_not_to_be():
     assert t.deterministic is True and (t.micro_batch, t.global_batch) == (8, 8)
     assert compose(stage1_overrides("1p5b", Recipe(deterministic=False))).trainer \
         .deterministic is False
+
+
+def test_stage1_holds_the_papers_l0_unless_told_otherwise():
+    """Recipe.target_l0 "paper": the L1 coefficient steered (sparsity.schedule=target_l0) to the
+    paper's non-zeros per token, 29 at 1.5B and 24 at 2B, from half the steps; a number is
+    that L0; None, and a size the paper has no L0 for, the fixed coefficient."""
+    for size, want in (("1p5b", 29.0), ("2b", 24.0)):
+        sp = compose(stage1_overrides(size, Recipe())).sparsity
+        assert (sp.schedule, sp.target_l0, sp.target_after, sp.l1_coeff) == (
+            "target_l0", want, 100, 3e-4)
+    sp = compose(stage1_overrides("1p5b", Recipe(target_l0=40.0, steps=60))).sparsity
+    assert (sp.schedule, sp.target_l0, sp.target_after) == ("target_l0", 40.0, 30)
+    for recipe, size in ((Recipe(target_l0=None), "1p5b"), (Recipe(), "small_l4")):
+        assert compose(stage1_overrides(size, recipe)).sparsity.schedule == "constant"
+    parse = _load_script().parse_args
+    assert parse(["--target-l0", "none", "--out", "x"]).target_l0 is None
+    assert parse(["--target-l0", "24.5", "--out", "x"]).target_l0 == 24.5
+    assert parse(["--out", "x"]).target_l0 == "paper"
+    for bad in ("0", "-3", "nan", "low"):
+        with pytest.raises(SystemExit):
+            parse(["--target-l0", bad, "--out", "x"])
 
 
 def test_settings_and_checkpoint_shape_errors(tmp_path):
@@ -497,6 +516,39 @@ def test_bad_profile_options_are_one_line_with_exit_code_2(args, want):
                        capture_output=True, text=True, timeout=120, check=False)
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith(want), r.stderr
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--deadline", "-5"], "bench_model: deadline_s (--deadline) must be > 0 seconds"),
+    (["--l1", "-1"], "bench_model: recipe.l1 (--l1) must be a number >= 0"),
+    (["--model-from", "/nonexistent/step1"], "bench_model: --model-from /nonexistent/step1: no "),
+    (["--sizes", "2b"], "bench_model: --sizes 2b: --smoke runs its tiny shape only"),
+])
+def test_bad_run_options_are_one_line_with_exit_code_2(args, want, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), WANDB_MODE="disabled")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", *args, "--out", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+                       check=False)
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(err) == 1 and err[0].startswith(want), r.stderr
+
+
+def test_a_failed_size_is_exit_status_1_and_the_steering_reaches_the_smoke(tmp_path, capsys):
+    """A size that fails after the checks (a checkpoint folder without config.json) keeps the
+    outputs but exits 1 naming it; --smoke honours --target-l0, --train-steps and the rest."""
+    main = _load_script().main
+    (tmp_path / "empty").mkdir()
+    assert main(["--smoke", "--model-from", str(tmp_path / "empty"), "--out",
+                 str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("bench_model: 1 size(s) failed: smoke: FileNotFoundError")
+    assert (tmp_path / "a" / "bench_meta.json").is_file()
+    assert main(["--smoke", "--target-l0", "20", "--train-steps", "6", "--paths", "dense",
+                 "--out", str(tmp_path / "b")]) == 0
+    meta = json.loads((tmp_path / "b" / "bench_meta.json").read_text())
+    source = meta["sizes"]["smoke"]["source"]
+    assert "6 steps at L1 0.05 steered to hold training L0 20 from step 3" in source, source
 
 
 @pytest.mark.slow
