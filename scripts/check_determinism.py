@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         check_config(a.config, (*CONTROLLED, "trainer.deterministic"),
                      instead="--steps / --control")
         check_overrides([a.size], Recipe(steps=a.steps), a.config, smoke=a.smoke)
+        if not a.smoke and not torch.cuda.is_available():  # fp32 1.5B twice: out of memory
+            raise ValueError(f"--size {a.size} trains the model twice on a CUDA GPU and this "
+                             "machine has none; on a CPU pass --smoke (the tiny shape)")
     except ValueError as e:  # one line, exit code 2 (bad input)
         print(f"check_determinism: {e}", file=sys.stderr)
         return 2

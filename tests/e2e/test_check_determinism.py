@@ -71,6 +71,16 @@ def test_bad_input_is_one_line_and_exit_2_before_any_training(capsys):
         assert len(err) == 1 and want in err[0] and err[0].startswith("check_determinism: ")
 
 
+def test_a_paper_size_without_cuda_is_refused_in_one_line(capsys, monkeypatch):
+    """Without a GPU a paper size would be built in fp32 on the CPU and killed for memory: it is
+    refused before anything is built, pointing at --smoke."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    main = _script("check_determinism").main
+    assert main(["--size", "1p5b", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has none; on a CPU pass --smoke" in err[0]
+
+
 def test_bench_model_config_typo_is_one_line_and_exit_2(capsys):
     main = _script("bench_model").main
     assert main(["--smoke", "--config", "trainer.micro_bach=2"]) == 2
