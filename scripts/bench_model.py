@@ -65,15 +65,8 @@ def _target_l0(text: str) -> float | str | None:
     return v
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=" ".join((__doc__ or "").split("\n\n")[0].split()))
-    p.add_argument("--sizes", default=SIZES_DEFAULT,
-                   help="model shapes, comma-separated (configs/model)")
-    p.add_argument("--paths", default=",".join(PATHS), help=f"paths to time ({','.join(PATHS)})")
-    p.add_argument("--budgets", default="80,139",
-                   help="cards in GiB, in timing order (139 = the H200; 80 = emulated)")
-    p.add_argument("--model-from", type=Path, default=None, metavar="CKPT",
-                   help="bench this trainer checkpoint (step{N} folder) instead of training")
+def _stage1_args(p: argparse.ArgumentParser) -> None:
+    """The options of stage 1, the bench model trained in the run (:class:`Recipe`)."""
     p.add_argument("--train-steps", type=_at_least_one, default=RECIPE_DEFAULTS["steps"],
                    help="stage-1 steps (the most)")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
@@ -91,6 +84,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--l1", type=float, default=RECIPE_DEFAULTS["l1"],
                    help="stage-1 sparsity.l1_coeff (from which --target-l0 steers)")
     p.add_argument("--lr", type=float, default=RECIPE_DEFAULTS["lr"], help="stage-1 optim.lr")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=" ".join((__doc__ or "").split("\n\n")[0].split()))
+    p.add_argument("--sizes", default=SIZES_DEFAULT,
+                   help="model shapes, comma-separated (configs/model)")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"paths to time ({','.join(PATHS)})")
+    p.add_argument("--budgets", default="80,139",
+                   help="cards in GiB, in timing order (139 = the H200; 80 = emulated)")
+    p.add_argument("--model-from", type=Path, default=None, metavar="CKPT",
+                   help="bench this trainer checkpoint (step{N} folder) instead of training")
+    _stage1_args(p)
     p.add_argument("--steps", type=_at_least_one, default=None, help="timed steps per row (50)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (3)")
     p.add_argument("--search-batch", type=_at_least_one, default=None,
