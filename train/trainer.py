@@ -92,6 +92,7 @@ class Trainer:
     Attributes:
         plan: the :class:`twell.nn.plan.FFNPlan` of the model's FFNs (training paths, dense-backup
             capacities, statistics); ask it, do not set module flags.
+        l1: the :class:`train.sparsity.L1Schedule` (each step's L1 coefficient).
         shape: the :class:`train.step_shape.StepShape` the steps run at (micro-batch,
             accumulation, recomputation); set it with :meth:`set_step_shape` only.
         checkpointer: the :class:`train.checkpointer.Checkpointer` that finds, saves and restores
@@ -109,9 +110,8 @@ class Trainer:
 
     Raises:
         ConfigError: bad configuration, a resume the run dir does not allow (docs/training.md,
-            Resuming),
-            a run dir locked by another process (one line naming the key and the fix), or a
-            ``model`` together with ``model.init_from``.
+            Resuming), a run dir locked by another process (one line naming the key and the
+            fix), or a ``model`` together with ``model.init_from``.
     """
 
     def __init__(self, cfg: TrainConfig, run_dir: str | Path, *, datamodule=None,
@@ -279,8 +279,7 @@ class Trainer:
         return bool(self.fsdp and self.fsdp.activation_checkpointing)
 
     def reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        """``t`` reduced over ranks (``"sum"``, ``"mean"``, ``"max"``: a collective every rank
-        calls); ``t`` itself on one process."""
+        """``t`` reduced over ranks (sum / mean / max; every rank calls it), else ``t``."""
         return self.acc.reduce(t, op) if self.acc.num_processes > 1 else t
 
     def zero_grad(self) -> None:
