@@ -838,10 +838,9 @@ def check_overrides(args: list[str]) -> None:
 
     Hydra's own message for ``sparsity.l1_coef=1e-3`` suggests ``+sparsity.l1_coef=1e-3``,
     which only adds a key nothing reads. Checked: ``group.key=v`` (also ``+``/``++``) for the
-    groups of :class:`TrainConfig`, unknown top-level keys, an empty key (``=5``) and the
-    deletion of a required config group (``~model``). Left to Hydra: group choices
-    (``model=tiny``), ``hydra.*``, other deletions, ``@package`` overrides, flags and syntax
-    errors.
+    groups of :class:`TrainConfig`, unknown top-level keys and an empty key (``=5``). Left to
+    Hydra: group choices (``model=tiny``), ``hydra.*``, deletions (``~ffn``: the schema's
+    defaults), ``@package`` overrides, flags and syntax errors.
 
     Raises:
         ConfigError: unknown key (one line: the valid keys of its group, the closest spelling);
@@ -850,19 +849,13 @@ def check_overrides(args: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    groups = config_groups()
-    for a in args:  # ~group (a deletion, no "="): the run would fall back to the schema's
-        name = a[1:].partition("=")[0]  # defaults, silently; a group needs one of its options
-        if a.startswith("~") and name in groups and group_defaults().get(name) is not None:
-            raise ConfigError(f"{a}: the config group {name} cannot be deleted; pick one of its "
-                              f"options: {', '.join(groups[name])} ({name}="
-                              f"{group_defaults()[name]} when left out).")
     candidates = [a for a in args if "=" in a and not a.startswith("-")]
     try:
         overrides = OverridesParser.create().parse_overrides(candidates)
     except OverrideParseException:
         return  # Hydra reports the syntax error itself
     schemas = _schemas()
+    groups = config_groups()
     for o in overrides:
         key = o.key_or_group
         if not key:

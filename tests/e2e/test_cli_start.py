@@ -157,7 +157,7 @@ def test_help_lists_only_usable_config_groups():
     names = [ln.split(":")[0] for ln in groups.splitlines()[1:] if ln.strip()]
     assert names == ["data", "eval", "experiment", "ffn", "logging", "model", "optim",
                      "sparsity", "trainer"]
-    assert "sparsity: dense, l1, l1_reinit, warmup" in groups
+    assert "sparsity: dense, l1, l1_reinit, target, warmup" in groups
 
 
 def test_hydra_error_line_of_an_unexpected_message_drops_the_boilerplate():
