@@ -1,5 +1,6 @@
 """The L1 term, L0 stats, coefficient schedule, dead-neuron tracking and re-init vs references."""
 
+import dataclasses
 import math
 
 import pytest
@@ -122,6 +123,18 @@ def test_target_l0_controller_hand_computed():
     assert t.at(502) == s.at(502)
     t.load_state_dict(None)  # a checkpoint from before the schedule: keeps what it holds
     assert t.at(502) == s.at(502)
+    # continued with another l1_coeff, or from a run that was not steered: afresh at l1_coeff
+    other = L1Schedule(dataclasses.replace(cfg, l1_coeff=2e-3))
+    other.load_state_dict(state)
+    assert other.at(0) == 2e-3
+    other.load_state_dict({**state, "l1_coeff": 2e-3, "steered": False})
+    assert other.at(0) == 2e-3
+    # a gain so large that exp would overflow goes bound to bound
+    huge = L1Schedule(dataclasses.replace(cfg, target_gain=1e4))
+    huge.update(2, [3000.0, 3000.0], tokens)
+    assert huge.at(3) == pytest.approx(0.1, rel=1e-12)
+    huge.update(3, [0.0, 0.0], tokens)
+    assert huge.at(4) == pytest.approx(1e-5, rel=1e-12)
     # other schedules ignore the L0s
     const = L1Schedule(SparsityConfig(l1_coeff=2e-5, target_l0=1.0))
     const.update(5, [10000.0], tokens)
