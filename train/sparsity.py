@@ -120,7 +120,9 @@ class L1Schedule:
     ``[l1_coeff / 100, l1_coeff * 100]``, where L0 is the step's mean over layers of active
     units per token (its tokens over all ranks, read at the step's one host sync: no extra
     sync). Every rank computes the same ``c``; it is saved with the trainer's state, so a
-    resumed run uses the same coefficients.
+    resumed run uses the same coefficients. A checkpoint continued with another
+    ``sparsity.l1_coeff`` (``trainer.resume=PATH sparsity.l1_coeff=...``), or one of another
+    schedule, starts the controller afresh at the new ``l1_coeff``.
 
     Args:
         cfg: the :class:`train.config.SparsityConfig` (validated there).
@@ -151,15 +153,25 @@ class L1Schedule:
         l0 = sum(nnz_sum_L) / (len(nnz_sum_L) * tokens)
         err = min(max((l0 - cfg.target_l0) / cfg.target_l0, -1.0), 1.0)
         lo, hi = cfg.l1_coeff / TARGET_RANGE, cfg.l1_coeff * TARGET_RANGE
-        self.coeff = min(max(self.coeff * math.exp(cfg.target_gain * err), lo), hi)
+        # a gain so large that one step crosses the whole range goes bound to bound (math.exp
+        # overflows past ~709); any smaller move is left as it is
+        span = 2 * math.log(TARGET_RANGE)
+        move = min(max(cfg.target_gain * err, -span), span)
+        self.coeff = min(max(self.coeff * math.exp(move), lo), hi)
 
     def state_dict(self) -> dict:
-        return {"coeff": self.coeff}
+        """The next step's coefficient, and the ``l1_coeff`` and schedule it was steered from."""
+        return {"coeff": self.coeff, "l1_coeff": float(self.cfg.l1_coeff),
+                "steered": self.steered}
 
     def load_state_dict(self, d: dict | None) -> None:
-        """Restore :meth:`state_dict`'s output; None (a checkpoint from before the schedule
-        existed) leaves ``l1_coeff``."""
-        if d is not None:
+        """Restore :meth:`state_dict`'s output. The coefficient is left as it is (a new
+        schedule's: ``l1_coeff``) when ``d`` is None (a checkpoint from before the schedule
+        existed), was not steered, or was steered from another ``l1_coeff`` (the run continues
+        with a new one)."""
+        if d is None or not d.get("steered", True):
+            return
+        if d.get("l1_coeff", self.cfg.l1_coeff) == self.cfg.l1_coeff:
             self.coeff = float(d["coeff"])
 
 

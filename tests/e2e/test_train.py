@@ -16,7 +16,7 @@ from tests.train_utils import (
     tiny_config,
     write_tokens,
 )
-from train.checkpoint import latest_checkpoint, list_checkpoints
+from train.checkpoint import latest_checkpoint, list_checkpoints, load_state
 from train.trainer import NonFiniteLossError, Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,7 +87,8 @@ def test_resume_is_exact(tokens, tmp_path):
 def test_target_l0_steers_from_each_steps_l0_and_resumes_exactly(tokens, tmp_path):
     """schedule=target_l0 in the trainer: each step's logged coefficient is the controller's
     (recomputed by hand from the logged per-step L0), it rises while L0 is above the target, and
-    12 steps straight == 6, stop, resume to 12."""
+    12 steps straight == 6, stop, resume to 12, bitwise (coefficients, losses, L0s, and the
+    coefficient in the final checkpoint)."""
     over = {"trainer.max_steps": 12, "trainer.save_every": 3, "sparsity.l1_coeff": 0.01,
             "sparsity.target_l0": 8.0, "sparsity.target_gain": 0.2, "sparsity.target_after": 2,
             "sparsity.schedule": "target_l0"}
@@ -105,8 +106,11 @@ def test_target_l0_steers_from_each_steps_l0_and_resumes_exactly(tokens, tmp_pat
     assert a[0]["l0_mean"] > 8.0 and want[-1] > 0.01 * math.exp(0.2)  # it moved, upwards
     assert [r["step"] for r in b] == list(range(1, 13))
     for ra, rb in zip(a, b):
-        for key in ("loss", "l1", "l0_mean", "l1_coeff"):
-            assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-9), (ra["step"], key)
+        for key in ("loss", "ce", "l1", "l0_mean", "l1_coeff", "grad_norm"):
+            assert rb[key] == ra[key], (ra["step"], key)  # JSON floats round-trip exactly
+    states = [load_state(latest_checkpoint(tmp_path / run), "trainer")["l1"]
+              for run in ("straight", "split")]
+    assert states[0] == states[1] and states[0]["coeff"] == pytest.approx(c, rel=1e-9)  # step 13
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tokens, tmp_path):

@@ -1,5 +1,6 @@
 """The L1 term, L0 stats, coefficient schedule, dead-neuron tracking and re-init vs references."""
 
+import dataclasses
 import math
 
 import pytest
@@ -109,12 +110,31 @@ def test_target_l0_controller_hand_computed():
     for step in range(5, 200):  # held far above target: the coefficient stops at 100x
         s.update(step, [10000.0, 10000.0], tokens)
     assert s.at(200) == pytest.approx(0.1, rel=1e-12)
+    for step in range(200, 500):  # L0 0 (err -1, clamped): down to the l1_coeff / 100 floor
+        s.update(step, [0.0, 0.0], tokens)
+    assert s.at(500) == pytest.approx(1e-5, rel=1e-12)
+    s.update(500, [2000.0, 2000.0], tokens)  # L0 20, on target: err 0, no change
+    assert s.at(501) == s.at(500)
+    s.update(501, [2500.0, 2500.0], tokens)  # L0 25 (err +0.25): up from the floor
+    assert s.at(502) == pytest.approx(1e-5 * math.exp(0.025), rel=1e-12)
     state = s.state_dict()
     t = L1Schedule(cfg)
     t.load_state_dict(state)
-    assert t.at(200) == s.at(200)
+    assert t.at(502) == s.at(502)
     t.load_state_dict(None)  # a checkpoint from before the schedule: keeps what it holds
-    assert t.at(200) == s.at(200)
+    assert t.at(502) == s.at(502)
+    # continued with another l1_coeff, or from a run that was not steered: afresh at l1_coeff
+    other = L1Schedule(dataclasses.replace(cfg, l1_coeff=2e-3))
+    other.load_state_dict(state)
+    assert other.at(0) == 2e-3
+    other.load_state_dict({**state, "l1_coeff": 2e-3, "steered": False})
+    assert other.at(0) == 2e-3
+    # a gain so large that exp would overflow goes bound to bound
+    huge = L1Schedule(dataclasses.replace(cfg, target_gain=1e4))
+    huge.update(2, [3000.0, 3000.0], tokens)
+    assert huge.at(3) == pytest.approx(0.1, rel=1e-12)
+    huge.update(3, [0.0, 0.0], tokens)
+    assert huge.at(4) == pytest.approx(1e-5, rel=1e-12)
     # other schedules ignore the L0s
     const = L1Schedule(SparsityConfig(l1_coeff=2e-5, target_l0=1.0))
     const.update(5, [10000.0], tokens)
@@ -279,3 +299,17 @@ def test_l1_reinit_waits_for_the_window(tmp_path):
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
     assert [m["dead_frac"] for m in read_metrics(a.run_dir)] == [None]
+
+
+def test_sparsity_target_group_composes_and_a_missing_target_is_one_line():
+    """configs/sparsity/target.yaml: the steered schedule at the 1.5B paper L0, from step 100;
+    the README's sweep over sparsity.target_l0; schedule=target_l0 alone is refused."""
+    from train.config import compose
+
+    sp = compose(["sparsity=target"]).sparsity
+    assert (sp.schedule, sp.target_l0, sp.target_gain, sp.target_after, sp.l1_coeff) == (
+        "target_l0", 29.0, 0.05, 100, 3e-4)
+    assert compose(["sparsity=target", "sparsity.target_l0=20"]).sparsity.target_l0 == 20.0
+    with pytest.raises(ConfigError, match="sparsity.target_l0") as err:
+        compose(["sparsity.schedule=target_l0"])
+    assert "\n" not in str(err.value)
