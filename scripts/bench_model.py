@@ -77,7 +77,7 @@ def _stage1_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settle-window", type=_at_least_one, default=50, help="steps (default 50)")
     p.add_argument("--settle-tolerance", type=float, default=0.05, help="relative (0.05)")
     p.add_argument("--target-l0", type=_target_l0, default=RECIPE_DEFAULTS["target_l0"],
-                   help="training L0 stage 1 holds from half its steps: paper (29 at 1p5b, "
+                   help="training L0 stage 1 holds from 30 %% of its steps: paper (29 at 1p5b, "
                         "24 at 2b; other sizes none), a number > 0, or none (fixed --l1)")
     p.add_argument("--train-budget", type=float, default=None,
                    help="stage-1 seconds (default 0.45 x --deadline)")

@@ -108,7 +108,7 @@ def test_recipe_is_the_bench_model_stage1():
     logging, validation size, checkpoint keeping, the dead-unit window, the FFN path (the
     bench's stage 1 trains in dense mode so that two runs take the same kernels, and
     deterministic so that they make the same bits; the study's rows train ffn_impl=auto) and
-    the L1 coefficient steered to the paper's L0 from step 100 (the study's stays 3e-4)."""
+    the L1 coefficient steered to the paper's L0 from step 60 (the study's stays 3e-4)."""
     from studies.bench.recipe import Recipe, stage1_overrides
 
     bench = flatten(_compose(stage1_overrides("1p5b", Recipe())))
