@@ -132,6 +132,11 @@ def config_warnings(cfg: TrainConfig, device: torch.device) -> list[str]:
                    f"{t.max_steps}: the learning rate never reaches optim.lr (peak "
                    f"{cfg.optim.lr * t.max_steps / max(cfg.optim.warmup_steps, 1):.2e}); "
                    "lower optim.warmup_steps.")
+    sp = cfg.sparsity
+    if sp.schedule == "target_l0" and sp.target_after >= t.max_steps:
+        out.append(f"warning: sparsity.target_after={sp.target_after} >= trainer.max_steps="
+                   f"{t.max_steps}: the L1 coefficient is never steered (it stays "
+                   f"sparsity.l1_coeff={sp.l1_coeff:g}); lower sparsity.target_after.")
     line = cpu_cost_warning(cfg) if device.type == "cpu" else None
     if line:  # e.g. trainer=gpu or experiment=relufy_smollm2 on a machine without a GPU
         out.append(line)

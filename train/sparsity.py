@@ -115,7 +115,8 @@ class L1Schedule:
     ``target_l0`` (ours, not the paper's: it trains a model to a stated sparsity, e.g. a bench
     model at the paper's reported L0 of 29 / 24 non-zeros per token at 1.5B / 2B).
 
-    Controller: ``c = l1_coeff`` until step ``target_after``; after each later step,
+    Controller: ``c = l1_coeff`` for the first ``target_after`` steps; after each step from the
+    ``target_after``-th on (the first steered step is step ``target_after + 1``, 1-based),
     ``c <- c * exp(target_gain * clamp((L0 - target) / target, -1, 1))`` within
     ``[l1_coeff / 100, l1_coeff * 100]``, where L0 is the step's mean over layers of active
     units per token (its tokens over all ranks, read at the step's one host sync: no extra
@@ -148,7 +149,8 @@ class L1Schedule:
             tokens: FFN tokens of the step (all ranks).
         """
         cfg = self.cfg
-        if not self.steered or step < cfg.target_after or not nnz_sum_L or tokens <= 0:
+        # steps 0 .. target_after - 1 run at l1_coeff; the one after them is the first steered
+        if not self.steered or step + 1 < cfg.target_after or not nnz_sum_L or tokens <= 0:
             return
         l0 = sum(nnz_sum_L) / (len(nnz_sum_L) * tokens)
         err = min(max((l0 - cfg.target_l0) / cfg.target_l0, -1.0), 1.0)

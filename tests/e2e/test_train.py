@@ -97,9 +97,9 @@ def test_target_l0_steers_from_each_steps_l0_and_resumes_exactly(tokens, tmp_pat
     _run(tiny_config(tokens, **over), tmp_path / "split")  # resume=auto
     a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
     c, want = 0.01, []
-    for r in a:  # r["step"] is 1-based; the controller starts after 0-based step 2
+    for r in a:  # r["step"] is 1-based
         want.append(c)
-        if r["step"] - 1 >= 2:
+        if r["step"] >= 2:  # steps 1-2 (1-based) at l1_coeff; step 3 the first steered
             err = min(max((r["l0_mean"] - 8.0) / 8.0, -1.0), 1.0)
             c = min(max(c * math.exp(0.2 * err), 1e-4), 1.0)
     assert [r["l1_coeff"] for r in a] == pytest.approx(want, rel=1e-5)

@@ -90,10 +90,11 @@ def test_l1_coeff_schedule():
 
 
 def test_target_l0_controller_hand_computed():
-    """schedule=target_l0: l1_coeff until target_after, then c *= exp(gain * clamp(err, -1, 1))
+    """schedule=target_l0: l1_coeff for the first target_after steps (3 here: steps 0, 1, 2),
+    then after each step c *= exp(gain * clamp(err, -1, 1))
     with err = (L0 - target) / target, L0 = sum of the layers' active counts / (L * tokens),
     kept within [l1_coeff / 100, l1_coeff * 100]."""
-    cfg = SparsityConfig(l1_coeff=1e-3, target_l0=20.0, target_gain=0.1, target_after=2,
+    cfg = SparsityConfig(l1_coeff=1e-3, target_l0=20.0, target_gain=0.1, target_after=3,
                          schedule="target_l0")
     s = L1Schedule(cfg)
     tokens = 100
@@ -313,3 +314,21 @@ def test_sparsity_target_group_composes_and_a_missing_target_is_one_line():
     with pytest.raises(ConfigError, match="sparsity.target_l0") as err:
         compose(["sparsity.schedule=target_l0"])
     assert "\n" not in str(err.value)
+
+
+def test_a_target_schedule_that_never_steers_is_warned(tmp_path):
+    """sparsity.target_after >= trainer.max_steps: the run stays at l1_coeff; one warning."""
+    from tests.train_utils import tiny_config, write_tokens
+    from train.setup import config_warnings
+
+    tokens = write_tokens(tmp_path / "tok.bin", n_tokens=2_000)
+    over = {"sparsity.l1_coeff": 0.01, "sparsity.target_l0": 8.0, "sparsity.target_after": 10,
+            "sparsity.schedule": "target_l0", "trainer.max_steps": 10}
+    got = [w for w in config_warnings(tiny_config(tokens, **over), torch.device("cpu"))
+           if "target_after" in w]
+    assert got == [("warning: sparsity.target_after=10 >= trainer.max_steps=10: the L1 "
+                   "coefficient is never steered (it stays sparsity.l1_coeff=0.01); lower "
+                   "sparsity.target_after.")]
+    over["sparsity.target_after"] = 9
+    assert not [w for w in config_warnings(tiny_config(tokens, **over), torch.device("cpu"))
+                if "target_after" in w]
