@@ -48,8 +48,7 @@ def _at_least_one(text: str) -> int:
 
 
 SIZES_DEFAULT = "1p5b"
-RECIPE_DEFAULTS = {k: getattr(Recipe(), k) for k in ("l1", "lr", "steps", "deterministic",
-                                                      "target_l0")}
+UNSET = object()  # --target-l0 not given (None is its "none")
 
 
 def _target_l0(text: str) -> float | str | None:
@@ -67,29 +66,28 @@ def _target_l0(text: str) -> float | str | None:
 
 def _stage1_args(p: argparse.ArgumentParser) -> None:
     """The options of stage 1, the bench model trained in the run (:class:`Recipe`)."""
-    p.add_argument("--train-steps", type=_at_least_one, default=RECIPE_DEFAULTS["steps"],
+    p.add_argument("--train-steps", type=_at_least_one, default=None,
                    help="stage-1 steps (the most)")
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
-                   default=RECIPE_DEFAULTS["deterministic"],
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="stage 1 bitwise reproducible (trainer.deterministic; ~11 %% slower)")
     p.add_argument("--until-settled", action="store_true",
                    help="stop stage 1 once L0 moves < --settle-tolerance over --settle-window")
     p.add_argument("--settle-window", type=_at_least_one, default=50, help="steps (default 50)")
     p.add_argument("--settle-tolerance", type=float, default=0.05, help="relative (0.05)")
-    p.add_argument("--target-l0", type=_target_l0, default=RECIPE_DEFAULTS["target_l0"],
+    p.add_argument("--target-l0", type=_target_l0, default=UNSET,
                    help="training L0 stage 1 holds from 30 %% of its steps: paper (29 at 1p5b, "
                         "24 at 2b; other sizes none), a number > 0, or none (fixed --l1)")
     p.add_argument("--train-budget", type=float, default=None,
                    help="stage-1 seconds (default 0.45 x --deadline)")
-    p.add_argument("--l1", type=float, default=RECIPE_DEFAULTS["l1"],
+    p.add_argument("--l1", type=float, default=None,
                    help="stage-1 sparsity.l1_coeff (from which --target-l0 steers)")
-    p.add_argument("--lr", type=float, default=RECIPE_DEFAULTS["lr"], help="stage-1 optim.lr")
+    p.add_argument("--lr", type=float, default=None, help="stage-1 optim.lr")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=" ".join((__doc__ or "").split("\n\n")[0].split()))
-    p.add_argument("--sizes", default=SIZES_DEFAULT,
-                   help="model shapes, comma-separated (configs/model)")
+    p.add_argument("--sizes", default=None,
+                   help=f"model shapes, comma-separated (configs/model; {SIZES_DEFAULT})")
     p.add_argument("--paths", default=",".join(PATHS), help=f"paths to time ({','.join(PATHS)})")
     p.add_argument("--budgets", default="80,139",
                    help="cards in GiB, in timing order (139 = the H200; 80 = emulated)")
@@ -182,17 +180,16 @@ def settings(a: argparse.Namespace) -> BenchSettings:
               "profile_only": a.profile_only, "save_model": a.save_model,
               "settle": SettleRule(a.until_settled, a.settle_window, a.settle_tolerance),
               **given}
-    if a.smoke:  # the smoke's own recipe, with the options given that differ from the defaults
-        if a.sizes != SIZES_DEFAULT:
+    given = {"l1": a.l1, "lr": a.lr, "steps": a.train_steps, "deterministic": a.deterministic,
+             "target_l0": a.target_l0}  # the recipe options given (the rest: the recipe's own)
+    recipe = {k: v for k, v in given.items() if v is not (UNSET if k == "target_l0" else None)}
+    if a.smoke:  # the smoke's own recipe, with the options given on top
+        if a.sizes is not None:
             raise ValueError(f"--sizes {a.sizes}: --smoke runs its tiny shape only; leave "
                              "--sizes out (or --smoke out for a paper size)")
-        given = {"l1": a.l1, "lr": a.lr, "steps": a.train_steps, "deterministic": a.deterministic,
-                 "target_l0": a.target_l0}
-        recipe = {k: v for k, v in given.items() if v != RECIPE_DEFAULTS[k]}
         return BenchSettings.for_smoke(a.out, recipe=recipe, **common)
-    recipe = Recipe(l1=a.l1, lr=a.lr, steps=a.train_steps, deterministic=a.deterministic,
-                    target_l0=a.target_l0)
-    return BenchSettings(sizes=[x for x in a.sizes.split(",") if x], recipe=recipe, out=a.out,
+    sizes = (a.sizes or SIZES_DEFAULT).split(",")
+    return BenchSettings(sizes=[x for x in sizes if x], recipe=Recipe(**recipe), out=a.out,
                          **{"deadline_s": DEADLINE_S, **common})
 
 

@@ -148,9 +148,9 @@ class BenchSettings:
             raise ValueError(f"deadline_s (--deadline) must be > 0 seconds; got {self.deadline_s}")
         if not (math.isfinite(self.recipe.l1) and self.recipe.l1 >= 0):
             raise ValueError(f"recipe.l1 (--l1) must be a number >= 0; got {self.recipe.l1}")
-        if self.model_from is not None and not Path(self.model_from).is_dir():
-            raise FileNotFoundError(f"--model-from {self.model_from}: no such checkpoint folder "
-                                    "(a trainer's checkpoints/step<N>)")
+        if self.model_from is not None and not (Path(self.model_from) / "config.json").is_file():
+            raise FileNotFoundError(f"--model-from {self.model_from}: not a checkpoint folder (no "
+                                    "config.json; a trainer's checkpoints/step<N>)")
         if "default" in self.paths and not self.smoke:
             missing = [s for s in self.sizes if s not in EXPERIMENTS]
             if missing:

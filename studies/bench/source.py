@@ -126,7 +126,7 @@ def train_bench_model(cfg, data, run_dir: Path, device, *, size: str, rule: Sett
     del tr, model
     free_memory(device)
     sp = cfg.sparsity
-    l1 = (f"L1 {sp.l1_coeff:g} steered to hold training L0 {sp.target_l0:g} from step "
+    l1 = (f"L1 {sp.l1_coeff:g} steered to hold training L0 {sp.target_l0:g} after step "
           f"{sp.target_after} (ending at {coeff:.3g})" if sp.schedule == "target_l0"
           else f"L1 {sp.l1_coeff:g}")
     return BenchModel(size, cfg.model, weights, state, f"trained in-process: {steps} steps at "

@@ -267,13 +267,21 @@ def test_stage1_holds_the_papers_l0_unless_told_otherwise():
     assert (sp.schedule, sp.target_l0, sp.target_after) == ("target_l0", 40.0, 18)
     for recipe, size in ((Recipe(target_l0=None), "1p5b"), (Recipe(), "small_l4")):
         assert compose(stage1_overrides(size, recipe)).sparsity.schedule == "constant"
-    parse = _load_script().parse_args
-    assert parse(["--target-l0", "none", "--out", "x"]).target_l0 is None
-    assert parse(["--target-l0", "24.5", "--out", "x"]).target_l0 == 24.5
-    assert parse(["--out", "x"]).target_l0 == "paper"
+    script = _load_script()
+
+    def recipe(*argv):
+        return script.settings(script.parse_args([*argv, "--out", "x"])).recipe
+
+    assert recipe("--target-l0", "none").target_l0 is None
+    assert recipe("--target-l0", "24.5").target_l0 == 24.5
+    assert recipe().target_l0 == "paper" and recipe().steps == 200
+    # --smoke keeps its own recipe, with what was given on top, a full run's default included
+    smoke = recipe("--smoke", "--train-steps", "200", "--l1", "3e-4")
+    assert (smoke.steps, smoke.l1, smoke.micro_batch) == (200, 3e-4, 4)
+    assert recipe("--smoke").l1 == 0.05
     for bad in ("0", "-3", "nan", "low"):
         with pytest.raises(SystemExit):
-            parse(["--target-l0", bad, "--out", "x"])
+            script.parse_args(["--target-l0", bad, "--out", "x"])
 
 
 def test_settings_and_checkpoint_shape_errors(tmp_path):
@@ -521,8 +529,9 @@ def test_bad_profile_options_are_one_line_with_exit_code_2(args, want):
 @pytest.mark.parametrize("args, want", [
     (["--deadline", "-5"], "bench_model: deadline_s (--deadline) must be > 0 seconds"),
     (["--l1", "-1"], "bench_model: recipe.l1 (--l1) must be a number >= 0"),
-    (["--model-from", "/nonexistent/step1"], "bench_model: --model-from /nonexistent/step1: no "),
+    (["--model-from", "/nonexistent/step1"], "bench_model: --model-from /nonexistent/step1: not "),
     (["--sizes", "2b"], "bench_model: --sizes 2b: --smoke runs its tiny shape only"),
+    (["--sizes", "1p5b"], "bench_model: --sizes 1p5b: --smoke runs its tiny shape only"),
 ])
 def test_bad_run_options_are_one_line_with_exit_code_2(args, want, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -535,20 +544,26 @@ def test_bad_run_options_are_one_line_with_exit_code_2(args, want, tmp_path):
 
 
 def test_a_failed_size_is_exit_status_1_and_the_steering_reaches_the_smoke(tmp_path, capsys):
-    """A size that fails after the checks (a checkpoint folder without config.json) keeps the
-    outputs but exits 1 naming it; --smoke honours --target-l0, --train-steps and the rest."""
+    """A size that fails after the checks (a checkpoint of another shape) keeps the outputs but
+    exits 1 naming it; a folder without config.json is bad input (2); --smoke honours
+    --target-l0, --train-steps and the rest."""
     main = _load_script().main
     (tmp_path / "empty").mkdir()
     assert main(["--smoke", "--model-from", str(tmp_path / "empty"), "--out",
+                 str(tmp_path / "a")]) == 2
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(
+        {"hidden_size": 999, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "vocab_size": 64}))
+    assert main(["--smoke", "--model-from", str(tmp_path / "empty"), "--out",
                  str(tmp_path / "a")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("bench_model: 1 size(s) failed: smoke: FileNotFoundError")
+    assert err[-1].startswith("bench_model: 1 size(s) failed: smoke: ValueError"), err[-1]
     assert (tmp_path / "a" / "bench_meta.json").is_file()
     assert main(["--smoke", "--target-l0", "20", "--train-steps", "6", "--paths", "dense",
                  "--out", str(tmp_path / "b")]) == 0
     meta = json.loads((tmp_path / "b" / "bench_meta.json").read_text())
     source = meta["sizes"]["smoke"]["source"]
-    assert "6 steps at L1 0.05 steered to hold training L0 20 from step 1" in source, source
+    assert "6 steps at L1 0.05 steered to hold training L0 20 after step 1" in source, source
 
 
 @pytest.mark.slow
