@@ -444,10 +444,10 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.l1.update(self.step, stats.nnz_sum_L, stats.tokens)  # the next step's coefficient
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         interval.add_step(m, len(ids), self.tokens_per_step, grad_norm, lr, coeff)
-        self.l1.update(self.step - 1, stats.nnz_sum_L, stats.tokens)
         # dead neurons: counts summed over ranks so every rank holds the same window state
         dead_LH = self.tracker.update(stats.active_LH, self.tokens_per_step)
         if dead_LH is not None and cfg.sparsity.reinit_dead:
