@@ -30,6 +30,7 @@ from studies.bench.recipe import (
     check_overrides,
     write_smoke_tokens,
 )
+from studies.sizes import check_sizes
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the check sets the benchmark's keys and trainer.deterministic itself
         check_config(a.config, (*CONTROLLED, "trainer.deterministic"),
                      instead="--steps / --control")
+        if not a.smoke:
+            check_sizes([a.size], "--size")
         check_overrides([a.size], Recipe(steps=a.steps), a.config, smoke=a.smoke)
         if not a.smoke and not torch.cuda.is_available():  # fp32 1.5B twice: out of memory
             raise ValueError(f"--size {a.size} trains the model twice on a CUDA GPU and this "

@@ -60,6 +60,25 @@ def size_label(size: str) -> str:
     return size if m is None else m.group(1) + (f".{m.group(2)}" if m.group(2) else "") + "B"
 
 
+def model_configs(folder: Path = MODEL_CONFIGS) -> list[str]:
+    """The name of every ``<folder>/<name>.yaml`` (a ``model=`` a command may name): the sizes
+    named by a parameter count first, smallest first, then the others by name."""
+    names = [p.stem for p in folder.glob("*.yaml")]
+    return sorted(names, key=lambda n: (size_billions(n) is None, size_billions(n) or 0, n))
+
+
+def check_sizes(sizes: list[str], option: str = "size", folder: Path = MODEL_CONFIGS) -> None:
+    """Refuse a size without a model config, naming the ones there are.
+
+    Raises:
+        ValueError: one line: ``<option> 'x': no configs/model/x.yaml; the sizes: 0p5b, ...``.
+    """
+    for size in sizes:
+        if not (folder / f"{size}.yaml").is_file():
+            raise ValueError(f"{option} {size!r}: no configs/model/{size}.yaml; the sizes: "
+                             f"{', '.join(model_configs(folder))}")
+
+
 def size_layers(folder: Path = MODEL_CONFIGS) -> dict[str, int]:
     """Size -> ``num_layers`` of every ``<folder>/<size>.yaml`` named by a parameter count,
     smallest size first.

@@ -48,6 +48,7 @@ from studies.bench.steps import (
     log,
     time_steps,
 )
+from studies.sizes import check_sizes
 from train.liger import liger_enabled, use_liger
 from train.memory import Candidate
 
@@ -137,6 +138,10 @@ class BenchSettings:
             raise ValueError(f"paths: unknown {bad}; use some of {', '.join(PATHS)}")
         for p in self.profile_paths:
             split_profile_path(p)  # ValueError naming an unknown path or a bad override
+        if not self.sizes:
+            raise ValueError("--sizes: no size given; name one or more configs/model/<size>")
+        if not self.smoke:  # an unknown size: named with the known ones, before what needs one
+            check_sizes(self.sizes, "--sizes")
         if self.model_from is not None and len(self.sizes) != 1:
             raise ValueError(f"--model-from holds one model; give one --sizes (got {self.sizes})")
         for k in ("steps", "search_batch", "candidate_batch", "probe_steps", "equal_micro",

@@ -243,14 +243,13 @@ def check_overrides(sizes: list[str], recipe: Recipe, config: list[str], *,
         ValueError: one line: a size without ``configs/model/<size>.yaml`` (naming the sizes
             there), or the trainer's :class:`train.config.ConfigError` for an override.
     """
-    from studies.sizes import MODEL_CONFIGS
+    from studies.sizes import check_sizes
     from train.config import compose
 
     tokens = Path("smoke_tokens.bin") if smoke else None  # composing reads no file
     for size in ["smoke"] if smoke else sizes:
-        if not smoke and not (MODEL_CONFIGS / f"{size}.yaml").is_file():
-            have = ", ".join(sorted(p.stem for p in MODEL_CONFIGS.glob("*.yaml")))
-            raise ValueError(f"size {size!r}: no configs/model/{size}.yaml; the sizes: {have}")
+        if not smoke:
+            check_sizes([size])
         compose(stage1_overrides(size, recipe, config, tokens))
         compose(ours_overrides(size, search_batch, config, tokens))
 

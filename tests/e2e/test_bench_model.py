@@ -566,6 +566,19 @@ def test_a_failed_size_is_exit_status_1_and_the_steering_reaches_the_smoke(tmp_p
     assert "6 steps at L1 0.05 steered to hold training L0 20 after step 1" in source, source
 
 
+def test_unknown_size_names_the_known_sizes(capsys):
+    # not "no paper experiment for the default path": the size itself is unknown
+    main = _load_script().main
+    assert main(["--sizes", "1p5b,nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "bench_model: --sizes 'nonexistent': no configs/model/nonexistent.yaml; the sizes: "
+        "0p5b, 1b, 1p5b, 2b, "), err
+    assert main(["--sizes", ","]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "bench_model: --sizes: no size given; name one or more configs/model/<size>")
+
+
 @pytest.mark.slow
 def test_profile_on_the_cpu_says_it_is_skipped(tmp_path):
     r = _run_script("--smoke", "--profile-micro", "2", "--profile-only", "--out",

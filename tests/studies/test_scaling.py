@@ -435,3 +435,19 @@ def test_sizes_are_the_size_named_model_configs(tmp_path):
     assert sizes.PAPER_L0_RANGE == (39.0, 24.0) and sizes.DEPTH_LABELS[28] == "1.5B"
     assert sizes.paper_text() == "39 > 29 > 24 (0.5B, 1.5B, 2B; L1 2e-5)"
     assert sizes.size_label("0p5b") == "0.5B" and sizes.size_label("depth_w512") == "depth_w512"
+
+
+def test_an_unknown_size_is_named_with_the_known_ones(tmp_path):
+    """A size without a model config: one line naming the option, the missing file and every
+    config there is (the parameter-count sizes smallest first, then the others by name)."""
+    from studies import sizes
+
+    for name in ("3b", "0p25b", "tiny", "depth_w512"):
+        (tmp_path / f"{name}.yaml").write_text(f"name: {name}\nnum_layers: 2\n")
+    assert sizes.model_configs(tmp_path) == ["0p25b", "3b", "depth_w512", "tiny"]
+    sizes.check_sizes(["3b", "tiny"], folder=tmp_path)
+    with pytest.raises(ValueError) as e:
+        sizes.check_sizes(["3b", "7b"], "--sizes", folder=tmp_path)
+    assert str(e.value) == ("--sizes '7b': no configs/model/7b.yaml; the sizes: 0p25b, 3b, "
+                            "depth_w512, tiny")
+    assert sizes.model_configs()[:4] == ["0p5b", "1b", "1p5b", "2b"]  # the repository's
