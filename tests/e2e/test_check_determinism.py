@@ -4,6 +4,7 @@ twice to the same bits (exit 0)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,10 +38,10 @@ def test_first_difference_names_the_first_step_and_treats_nan_as_equal():
 
 
 def test_smoke_stage1_twice_is_bitwise_the_same():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's packages
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_determinism.py"),
-                          "--smoke", "--steps", "3"], cwd=ROOT, capture_output=True, text=True,
-                         check=False,
-                         timeout=600)
+                          "--smoke", "--steps", "3"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=False, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [x for x in out.stdout.splitlines() if x.startswith("trainer.deterministic=true")]
     assert lines[-1] == "trainer.deterministic=true: bitwise the same"
