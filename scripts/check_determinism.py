@@ -36,7 +36,8 @@ from studies.sizes import check_sizes
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="1p5b", help="configs/model/<size>.yaml (1p5b)")
+    p.add_argument("--size", default=None,
+                   help="configs/model/<size>.yaml (1p5b; not with --smoke, its own tiny shape)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps a run (20)")
     p.add_argument("--control", action="store_true",
                    help="also two runs without trainer.deterministic (printed, not judged)")
@@ -52,6 +53,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     try:  # the check sets the benchmark's keys and trainer.deterministic itself
+        if a.smoke and a.size is not None:
+            raise ValueError(f"--size {a.size} with --smoke: the smoke run trains its own tiny "
+                             "shape; drop --size")
+        a.size = a.size or "1p5b"
         check_config(a.config, (*CONTROLLED, "trainer.deterministic"),
                      instead="--steps / --control")
         if not a.smoke:

@@ -82,6 +82,14 @@ def test_a_paper_size_without_cuda_is_refused_in_one_line(capsys, monkeypatch):
     assert len(err) == 1 and "has none; on a CPU pass --smoke" in err[0]
 
 
+def test_size_with_smoke_is_refused(capsys):
+    # the smoke run has one tiny shape of its own: a --size beside it would be ignored
+    assert _script("check_determinism").main(["--smoke", "--size", "2b"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "check_determinism: --size 2b with --smoke: the smoke run trains its own tiny shape; "
+        "drop --size")
+
+
 def test_bench_model_config_typo_is_one_line_and_exit_2(capsys):
     main = _script("bench_model").main
     assert main(["--smoke", "--config", "trainer.micro_bach=2"]) == 2
