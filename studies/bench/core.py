@@ -153,6 +153,18 @@ class BenchSettings:
             raise ValueError(f"deadline_s (--deadline) must be > 0 seconds; got {self.deadline_s}")
         if not (math.isfinite(self.recipe.l1) and self.recipe.l1 >= 0):
             raise ValueError(f"recipe.l1 (--l1) must be a number >= 0; got {self.recipe.l1}")
+        if not (math.isfinite(self.recipe.lr) and self.recipe.lr > 0):
+            raise ValueError(f"recipe.lr (--lr) must be a number > 0; got {self.recipe.lr}")
+        if not (math.isfinite(self.settle.tolerance) and self.settle.tolerance > 0):
+            raise ValueError("settle.tolerance (--settle-tolerance) must be a number > 0; got "
+                             f"{self.settle.tolerance}")
+        if self.train_budget_s is not None and not self.train_budget_s > 0:
+            raise ValueError("train_budget_s (--train-budget) must be > 0 seconds; got "
+                             f"{self.train_budget_s}")
+        for k in ("warmup", "saturation_tokens"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"{k} (--{k.replace('_', '-')}) must be >= 0; got "
+                                 f"{getattr(self, k)}")
         if self.model_from is not None and not (Path(self.model_from) / "config.json").is_file():
             raise FileNotFoundError(f"--model-from {self.model_from}: not a checkpoint folder (no "
                                     "config.json; a trainer's checkpoints/step<N>)")

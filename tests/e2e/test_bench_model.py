@@ -529,6 +529,11 @@ def test_bad_profile_options_are_one_line_with_exit_code_2(args, want):
 @pytest.mark.parametrize("args, want", [
     (["--deadline", "-5"], "bench_model: deadline_s (--deadline) must be > 0 seconds"),
     (["--l1", "-1"], "bench_model: recipe.l1 (--l1) must be a number >= 0"),
+    (["--lr", "0"], "bench_model: recipe.lr (--lr) must be a number > 0"),
+    (["--settle-tolerance", "nan"], "bench_model: settle.tolerance (--settle-tolerance) must "),
+    (["--train-budget", "-1"], "bench_model: train_budget_s (--train-budget) must be > 0 "),
+    (["--warmup", "-1"], "bench_model: warmup (--warmup) must be >= 0; got -1"),
+    (["--saturation-tokens", "-5"], "bench_model: saturation_tokens (--saturation-tokens) must "),
     (["--model-from", "/nonexistent/step1"], "bench_model: --model-from /nonexistent/step1: not "),
     (["--sizes", "2b"], "bench_model: --sizes 2b: --smoke runs its tiny shape only"),
     (["--sizes", "1p5b"], "bench_model: --sizes 1p5b: --smoke runs its tiny shape only"),
