@@ -205,7 +205,8 @@ def main(argv=None) -> int:
                                                  if a.equal_micro else {})))
             return 0
         s = settings(a)
-        check_overrides(s.sizes, s.recipe, s.config, search_batch=s.search_batch, smoke=s.smoke)
+        check_overrides(s.sizes, s.recipe, s.config, search_batch=s.search_batch, smoke=s.smoke,
+                        model_from=s.model_from)
     except (ValueError, FileNotFoundError) as e:  # one line, exit code 2 (bad input)
         print(f"bench_model: {e}", file=sys.stderr)
         if a.out_is_temp:  # the smoke's output folder, still empty

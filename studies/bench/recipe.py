@@ -235,23 +235,32 @@ def check_config(config: list[str], controlled: tuple[str, ...] = CONTROLLED,
 
 
 def check_overrides(sizes: list[str], recipe: Recipe, config: list[str], *,
-                    search_batch: int = 8, smoke: bool = False) -> None:
+                    search_batch: int = 8, smoke: bool = False,
+                    model_from: Path | None = None) -> None:
     """Compose stage 1's and our trainer's configs of every size before any work, so that a bad
-    ``--config`` value or an unknown size stops the command at once.
+    ``--config`` value or an unknown size stops the command at once; with ``model_from`` (a
+    checkpoint folder for the one size), its ``config.json`` is checked against the size's shape.
 
     Raises:
         ValueError: one line: a size without ``configs/model/<size>.yaml`` (naming the sizes
-            there), or the trainer's :class:`train.config.ConfigError` for an override.
+            there), the trainer's :class:`train.config.ConfigError` for an override, or a
+            checkpoint of another shape (:func:`studies.bench.source.check_shape`) or with an
+            unreadable ``config.json``.
+        FileNotFoundError: ``model_from`` has no ``config.json``.
     """
+    from studies.bench.source import check_shape
     from studies.sizes import check_sizes
     from train.config import compose
+    from twell.hf import read_config_json
 
     tokens = Path("smoke_tokens.bin") if smoke else None  # composing reads no file
-    for size in ["smoke"] if smoke else sizes:
+    for size in [SMOKE_SIZE] if smoke else sizes:
         if not smoke:
             check_sizes([size])
-        compose(stage1_overrides(size, recipe, config, tokens))
+        cfg1 = compose(stage1_overrides(size, recipe, config, tokens))
         compose(ours_overrides(size, search_batch, config, tokens))
+        if model_from is not None:
+            check_shape(read_config_json(model_from), cfg1.model, model_from)
 
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from studies.bench.recipe import SMOKE_SIZE
 from studies.bench.steps import build_hf, build_ours, cpu_weights, eval_loss, free_memory, log
 
 
@@ -171,15 +172,17 @@ def check_shape(saved: dict, model_cfg, where: Path) -> None:
     pairs = [("hidden_size", "hidden_size"), ("intermediate_size", "intermediate_size"),
              ("num_hidden_layers", "num_layers"), ("num_attention_heads", "num_heads"),
              ("vocab_size", "vocab_size")]
+    smoke = model_cfg.name == SMOKE_SIZE  # one shape: no other size to pass
+    size = "the --smoke shape" if smoke else f"--sizes {model_cfg.name}"
+    fix = ("pass a checkpoint of that shape" if smoke
+           else "pass the size the checkpoint was trained at")
     for hf_key, key in pairs:
         if saved.get(hf_key) != getattr(model_cfg, key):
-            raise ValueError(f"--model-from {where}: {hf_key} is {saved.get(hf_key)}, "
-                             f"--sizes {model_cfg.name} has model.{key}={getattr(model_cfg, key)}"
-                             "; pass the size the checkpoint was trained at")
+            raise ValueError(f"--model-from {where}: {hf_key} is {saved.get(hf_key)}, {size} has "
+                             f"model.{key}={getattr(model_cfg, key)}; {fix}")
     if bool(saved.get(GATED_KEY, True)) != bool(model_cfg.gated):
-        raise ValueError(f"--model-from {where}: gated={saved.get(GATED_KEY, True)}, the size's "
-                         f"model.gated={model_cfg.gated}; pass the size the checkpoint was "
-                         "trained at")
+        raise ValueError(f"--model-from {where}: gated={saved.get(GATED_KEY, True)}, {size} "
+                         f"has model.gated={model_cfg.gated}; {fix}")
 
 
 def load_bench_model(ckpt: Path, model_cfg, *, size: str, pin: bool,

@@ -549,20 +549,29 @@ def test_bad_run_options_are_one_line_with_exit_code_2(args, want, tmp_path):
 
 
 def test_a_failed_size_is_exit_status_1_and_the_steering_reaches_the_smoke(tmp_path, capsys):
-    """A size that fails after the checks (a checkpoint of another shape) keeps the outputs but
-    exits 1 naming it; a folder without config.json is bad input (2); --smoke honours
-    --target-l0, --train-steps and the rest."""
+    """A size that fails after the checks (a checkpoint of the right shape without its weights)
+    keeps the outputs but exits 1 naming it; a folder without config.json, or one of another
+    shape, is bad input (2, one line, nothing written); --smoke honours --target-l0,
+    --train-steps and the rest."""
     main = _load_script().main
     (tmp_path / "empty").mkdir()
     assert main(["--smoke", "--model-from", str(tmp_path / "empty"), "--out",
                  str(tmp_path / "a")]) == 2
-    (tmp_path / "empty" / "config.json").write_text(json.dumps(
-        {"hidden_size": 999, "intermediate_size": 64, "num_hidden_layers": 2,
-         "num_attention_heads": 2, "vocab_size": 64}))
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "vocab_size": 64}
+    (tmp_path / "empty" / "config.json").write_text(json.dumps({**shape, "hidden_size": 999}))
+    capsys.readouterr()
+    assert main(["--smoke", "--model-from", str(tmp_path / "empty"), "--out",
+                 str(tmp_path / "a")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"bench_model: --model-from {tmp_path / 'empty'}: hidden_size is 999, the --smoke shape "
+        "has model.hidden_size=32; pass a checkpoint of that shape")
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(shape))
     assert main(["--smoke", "--model-from", str(tmp_path / "empty"), "--out",
                  str(tmp_path / "a")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("bench_model: 1 size(s) failed: smoke: ValueError"), err[-1]
+    assert err[-1].startswith("bench_model: 1 size(s) failed: smoke: CheckpointError"), err[-1]
     assert (tmp_path / "a" / "bench_meta.json").is_file()
     assert main(["--smoke", "--target-l0", "20", "--train-steps", "6", "--paths", "dense",
                  "--out", str(tmp_path / "b")]) == 0
