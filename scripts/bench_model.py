@@ -14,12 +14,15 @@ docstrings; the commands for a bare GPU machine: docs/model_bench/README.md).
     python scripts/bench_model.py --smoke --out /tmp/bm
     # merge several calls' outputs (1.5B from one call, 2B from another) on the CPU
     python scripts/bench_model.py --report out_1p5b out_2b --out docs/model_bench
+
+Exit status 0 when every size ran, 1 when a size (or a forward or a budget's stage of one)
+failed or the deadline left a size out (the outputs keep what succeeded; the last line on stderr
+names what failed), 2 for bad input.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -212,13 +215,12 @@ def main(argv=None) -> int:
         if a.out_is_temp:  # the smoke's output folder, still empty
             shutil.rmtree(a.out, ignore_errors=True)
         return 2
-    print(run_bench(s))
+    res = run_bench(s)
+    print(res.table)
     print(f"outputs: {s.out}")
-    meta = s.out / "bench_meta.json"
-    errors = json.loads(meta.read_text()).get("errors") if meta.is_file() else None
-    if errors:  # the other sizes' rows are written; the exit status says not all are there
-        print(f"bench_model: {len(errors)} size(s) failed: {'; '.join(errors)}"[:2000],
-              file=sys.stderr)
+    if res.failed:  # the rows that ran are written; the exit status says not all are there
+        print(f"bench_model: {len(res.failed)} FAILED (the outputs keep what succeeded): "
+              f"{'; '.join(res.failed)}"[:2000], file=sys.stderr)
         return 1
     return 0
 

@@ -1,8 +1,8 @@
 """The whole-model benchmark: what is the fastest way to train this model on this card?
 
     from studies.bench import BenchSettings, run_bench, merge_runs
-    run_bench(BenchSettings(sizes=["1p5b"], model_from=Path(".../checkpoints/step200"),
-                            out=Path("out")))                        # one GPU call
+    res = run_bench(BenchSettings(sizes=["1p5b"], model_from=Path(".../checkpoints/step200"),
+                                  out=Path("out")))      # one GPU call; res.table, res.failed
     merge_runs([Path("out_1p5b"), Path("out_2b")], Path("docs/model_bench"))   # on the CPU
 
 Per size: a bench model (trained in-process with the scaling study's recipe, its L1 steered to
@@ -19,10 +19,10 @@ ratios, plots, merging). ``scripts/bench_model.py`` is the command line.
 from studies.bench.core import BenchSettings
 from studies.bench.recipe import PATHS, Recipe
 from studies.bench.report import BEST_COLUMNS, OUTPUT_FILES, merge_runs, target_ratios
-from studies.bench.run import run_bench
+from studies.bench.run import BenchResult, run_bench
 from studies.bench.search import Budget, FakeMemory, parse_budgets
 from studies.bench.source import SettleRule, l0_settled
 
-__all__ = ["BEST_COLUMNS", "OUTPUT_FILES", "PATHS", "BenchSettings", "Budget", "FakeMemory",
-           "Recipe", "SettleRule", "l0_settled", "merge_runs", "parse_budgets", "run_bench",
-           "target_ratios"]
+__all__ = ["BEST_COLUMNS", "OUTPUT_FILES", "PATHS", "BenchResult", "BenchSettings", "Budget",
+           "FakeMemory", "Recipe", "SettleRule", "l0_settled", "merge_runs", "parse_budgets",
+           "run_bench", "target_ratios"]

@@ -1,7 +1,8 @@
 """A benchmark run over its sizes: :func:`run_bench` prepares each size
 (``studies.bench.core.prepare``), runs its forward and per-budget stages
 (``studies.bench.stages.bench_budgets``) and rewrites the outputs after every size
-(``studies.bench.report.write_outputs``), so a run cut short keeps what it measured."""
+(``studies.bench.report.write_outputs``), so a run cut short keeps what it measured; its
+:class:`BenchResult` names what failed."""
 
 from __future__ import annotations
 
@@ -20,12 +21,27 @@ from studies.bench.step_profile import profile_paths, write_profile
 from studies.bench.steps import Clock, free_memory, log
 
 
-def run_bench(s: BenchSettings) -> str:
-    """Run every size of ``s``, writing the outputs into ``s.out`` after each; returns Table 1.
-    One size's failure is logged (and named under ``errors`` in ``bench_meta.json``) and the
-    next size runs. The trainer run folders go to ``s.work_dir`` (kept); without one, to a
-    temporary folder that is removed at the end, unless ``s.save_model`` (the checkpoint lives
-    there: the folder is kept and logged)."""
+@dataclasses.dataclass(frozen=True)
+class BenchResult:
+    """What :func:`run_bench` did.
+
+    Attributes:
+        table: Table 1 (markdown) of the rows measured.
+        failed: one line for each failure: a size that failed or that the deadline left out
+            whole, a forward or a budget's stage that failed (its rows then name it); empty
+            when everything ran.
+    """
+
+    table: str
+    failed: tuple[str, ...] = ()
+
+
+def run_bench(s: BenchSettings) -> BenchResult:
+    """Run every size of ``s``, writing the outputs into ``s.out`` after each; returns Table 1
+    and what failed. One size's failure is logged (and named under ``errors`` in
+    ``bench_meta.json``) and the next size runs. The trainer run folders go to ``s.work_dir``
+    (kept); without one, to a temporary folder that is removed at the end, unless
+    ``s.save_model`` (the checkpoint lives there: the folder is kept and logged)."""
     if s.work_dir is not None:
         s.work_dir.mkdir(parents=True, exist_ok=True)
         return _run_sizes(s, s.work_dir)
@@ -37,17 +53,18 @@ def run_bench(s: BenchSettings) -> str:
         return _run_sizes(s, Path(d))
 
 
-def _run_sizes(s: BenchSettings, work: Path) -> str:
+def _run_sizes(s: BenchSettings, work: Path) -> BenchResult:
     """:func:`run_bench` with its trainer run folders in ``work``."""
     clock = Clock(s.deadline_s, reserve_s=2.0 if s.smoke else 10.0)
     smoke_tokens = write_smoke_tokens(work / "smoke_tokens.bin") if s.smoke else None
     rows, probes, profile = [], [], []
     meta = {"sizes": {}, "skipped": clock.skipped, "torch": torch.__version__,
             "settings": {k: str(v) for k, v in dataclasses.asdict(s).items()}}
-    table = ""
+    table, failed = "", []
     for size in s.sizes:
         if clock.left() < 60 and not s.smoke:
             clock.skipped.append(f"size {size}")
+            failed.append(f"{size}: skipped (deadline)")
             continue
         run = None
         try:
@@ -67,7 +84,9 @@ def _run_sizes(s: BenchSettings, work: Path) -> str:
             traceback.print_exc()
             log(f"size {size} FAILED: {type(e).__name__}: {e}")
             meta.setdefault("errors", []).append(f"{size}: {type(e).__name__}: {e}")
+            failed.append(f"{size}: {type(e).__name__}: {_first_line(str(e))}")
         if run is not None:
+            failed += [f"{size} {_first_line(err)}" for err in run.meta.get("errors", [])]
             rows += run.rows
             probes += run.probes
             meta["sizes"][size] = {**run.meta, "stages": dict(clock.stages)}
@@ -75,7 +94,11 @@ def _run_sizes(s: BenchSettings, work: Path) -> str:
         meta["wall_s"] = round(clock.elapsed(), 1)
         table = write_outputs(s.out, rows, probes, profile, meta, equal_micro=s.equal_micro,
                               plot=s.plots)
-    return table
+    return BenchResult(table, tuple(failed))
 
 
-__all__ = ["run_bench"]
+def _first_line(text: str) -> str:
+    return text.splitlines()[0] if text else ""
+
+
+__all__ = ["BenchResult", "run_bench"]

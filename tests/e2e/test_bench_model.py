@@ -571,13 +571,35 @@ def test_a_failed_size_is_exit_status_1_and_the_steering_reaches_the_smoke(tmp_p
     assert main(["--smoke", "--model-from", str(tmp_path / "empty"), "--out",
                  str(tmp_path / "a")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("bench_model: 1 size(s) failed: smoke: CheckpointError"), err[-1]
+    assert err[-1].startswith("bench_model: 1 FAILED (the outputs keep what succeeded): smoke: "
+                              "CheckpointError: "), err[-1]
     assert (tmp_path / "a" / "bench_meta.json").is_file()
     assert main(["--smoke", "--target-l0", "20", "--train-steps", "6", "--paths", "dense",
                  "--out", str(tmp_path / "b")]) == 0
     meta = json.loads((tmp_path / "b" / "bench_meta.json").read_text())
     source = meta["sizes"]["smoke"]["source"]
     assert "6 steps at L1 0.05 steered to hold training L0 20 after step 1" in source, source
+
+
+def test_a_failed_stage_or_a_size_left_out_is_a_failure(tmp_path, monkeypatch):
+    """run_bench names every failure the exit status counts: a budget's stage that failed (the
+    other paths' rows still written) and a size the deadline left out whole."""
+    from studies.bench import run as run_mod
+    from studies.bench import stages
+
+    def boom(run, b):
+        raise RuntimeError("boom")
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(stages, "default_row", boom)
+    res = run_mod.run_bench(BenchSettings.for_smoke(tmp_path / "out", paths=("hf", "default"),
+                                                    budgets=[Budget(80)], plots=False))
+    assert res.failed == ("smoke 80 GB default: failed: RuntimeError: boom",)
+    rows = read_csv(tmp_path / "out" / "best_configs.csv")
+    assert {r["path"] for r in rows if r["train_tok_per_ms"]} == {"hf"}
+    res = run_mod.run_bench(BenchSettings(sizes=["1p5b"], deadline_s=30.0, out=tmp_path / "o2",
+                                          plots=False))
+    assert res == run_mod.BenchResult("", ("1p5b: skipped (deadline)",))  # nothing ran
 
 
 def test_unknown_size_names_the_known_sizes(capsys):
