@@ -30,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from studies.bench import PATHS, BenchSettings, Recipe, SettleRule, parse_budgets, run_bench
 from studies.bench.recipe import PROFILE_PATHS, check_config, check_overrides
 from studies.bench.report import merge_runs
@@ -210,6 +212,10 @@ def main(argv=None) -> int:
         s = settings(a)
         check_overrides(s.sizes, s.recipe, s.config, search_batch=s.search_batch, smoke=s.smoke,
                         model_from=s.model_from)
+        if not s.smoke and not torch.cuda.is_available():  # the model in fp32 on the CPU: OOM
+            raise ValueError(f"--sizes {','.join(s.sizes)} needs a CUDA GPU and there is none "
+                             "here; pass --smoke for the tiny CPU run (--report merges outputs "
+                             "on the CPU)")
     except (ValueError, FileNotFoundError) as e:  # one line, exit code 2 (bad input)
         print(f"bench_model: {e}", file=sys.stderr)
         if a.out_is_temp:  # the smoke's output folder, still empty

@@ -602,6 +602,17 @@ def test_a_failed_stage_or_a_size_left_out_is_a_failure(tmp_path, monkeypatch):
     assert res == run_mod.BenchResult("", ("1p5b: skipped (deadline)",))  # nothing ran
 
 
+def test_without_cuda_a_full_size_is_refused_at_once(capsys, monkeypatch):
+    # the 1.5B model in fp32 on the CPU would run until the memory runs out
+    script = _load_script()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(script, "run_bench", lambda s: pytest.fail("ran"))
+    assert script.main(["--sizes", "1p5b,2b", "--out", "x"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "bench_model: --sizes 1p5b,2b needs a CUDA GPU and there is none here; pass --smoke for "
+        "the tiny CPU run (--report merges outputs on the CPU)")
+
+
 def test_unknown_size_names_the_known_sizes(capsys):
     # not "no paper experiment for the default path": the size itself is unknown
     main = _load_script().main
