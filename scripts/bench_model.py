@@ -169,7 +169,12 @@ def _micro_batches(text: str) -> tuple[int, ...]:
 
 def settings(a: argparse.Namespace) -> BenchSettings:
     """The :class:`studies.bench.BenchSettings` of the command line (``--smoke``: its own
-    defaults, the options given on top)."""
+    defaults, the options given on top).
+
+    Raises:
+        ValueError: an option the run would ignore: ``--sizes`` with ``--smoke`` (one tiny shape
+            of its own), or a stage-1 option with ``--model-from`` (nothing is trained).
+    """
     check_config(a.config)
     given = {k: v for k, v in {
         "steps": a.steps, "warmup": a.warmup, "candidate_batch": a.search_batch,
@@ -188,12 +193,21 @@ def settings(a: argparse.Namespace) -> BenchSettings:
     given = {"l1": a.l1, "lr": a.lr, "steps": a.train_steps, "deterministic": a.deterministic,
              "target_l0": a.target_l0}  # the recipe options given (the rest: the recipe's own)
     recipe = {k: v for k, v in given.items() if v is not (UNSET if k == "target_l0" else None)}
+    if a.model_from is not None:  # nothing is trained: a stage-1 option would be ignored
+        flags = {"l1": "--l1", "lr": "--lr", "steps": "--train-steps", "target_l0": "--target-l0",
+                 "deterministic": "--deterministic" if a.deterministic else "--no-deterministic"}
+        named = [flags[k] for k in recipe] + [f for f, on in (
+            ("--until-settled", a.until_settled), ("--train-budget", a.train_budget is not None),
+            ("--save-model", a.save_model)) if on]
+        if named:
+            raise ValueError(f"{named[0]} with --model-from: the checkpoint is benched as it is "
+                             f"and stage 1 trains nothing; drop {named[0]}")
     if a.smoke:  # the smoke's own recipe, with the options given on top
         if a.sizes is not None:
             raise ValueError(f"--sizes {a.sizes}: --smoke runs its tiny shape only; leave "
                              "--sizes out (or --smoke out for a paper size)")
         return BenchSettings.for_smoke(a.out, recipe=recipe, **common)
-    sizes = (a.sizes or SIZES_DEFAULT).split(",")
+    sizes = (SIZES_DEFAULT if a.sizes is None else a.sizes).split(",")
     return BenchSettings(sizes=[x for x in sizes if x], recipe=Recipe(**recipe), out=a.out,
                          **{"deadline_s": DEADLINE_S, **common})
 

@@ -613,6 +613,21 @@ def test_without_cuda_a_full_size_is_refused_at_once(capsys, monkeypatch):
         "the tiny CPU run (--report merges outputs on the CPU)")
 
 
+@pytest.mark.parametrize("args", [["--train-steps", "5"], ["--l1", "0"], ["--no-deterministic"],
+                                  ["--target-l0", "none"], ["--until-settled"],
+                                  ["--train-budget", "60"], ["--save-model"]])
+def test_stage1_options_with_model_from_are_refused(args, tmp_path, capsys):
+    # a checkpoint is benched as it is: an option that trains it would be ignored
+    ckpt = tmp_path / "step2"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    main = _load_script().main
+    assert main(["--smoke", "--model-from", str(ckpt), *args, "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"bench_model: {args[0]} with --model-from: the checkpoint is benched as it is and "
+        f"stage 1 trains nothing; drop {args[0]}")
+
+
 def test_unknown_size_names_the_known_sizes(capsys):
     # not "no paper experiment for the default path": the size itself is unknown
     main = _load_script().main
