@@ -628,6 +628,21 @@ def test_stage1_options_with_model_from_are_refused(args, tmp_path, capsys):
         f"stage 1 trains nothing; drop {args[0]}")
 
 
+def test_smoke_trains_stage1_as_the_options_say(tmp_path):
+    # --train-steps, --l1 and --no-deterministic change the smoke's stage 1 (not ignored)
+    out, work = tmp_path / "out", tmp_path / "work"
+    _run_script("--smoke", "--train-steps", "3", "--l1", "0.1", "--no-deterministic",
+                "--paths", "hf", "--budgets", "80", "--no-plots", "--out", str(out),
+                "--work-dir", str(work))
+    meta = json.loads((out / "bench_meta.json").read_text())["sizes"]["smoke"]
+    assert meta["steps"] == 3 and meta["source"].startswith("trained in-process: 3 steps at L1 0.1")
+    import yaml
+
+    cfg = yaml.safe_load((work / "smoke_stage1" / "config.yaml").read_text())
+    assert cfg["trainer"]["deterministic"] is False and cfg["trainer"]["max_steps"] == 3
+    assert cfg["sparsity"]["l1_coeff"] == 0.1
+
+
 def test_unknown_size_names_the_known_sizes(capsys):
     # not "no paper experiment for the default path": the size itself is unknown
     main = _load_script().main
