@@ -367,7 +367,7 @@ def default_row(run: SizeRun, b: Budget) -> None:
             row = run.default_rows.get(key)
             if row is not None:
                 row = {**row, "budget_gb": b.card_gb, "predicted_peak_gb": plan.peak_gb,
-                       "notes": f"{plan_note(tr, plan)}; the {row['budget_gb']:g} GB card's "
+                       "notes": f"{plan_note(run, tr, plan)}; the {row['budget_gb']:g} GB card's "
                                 "choice: timed once"}
             else:
                 row = time_default(run, tr, plan, b)
@@ -394,15 +394,21 @@ def build_default_trainer(run: SizeRun, b: Budget):
 
 def _default_plan(run: SizeRun, tr, b: Budget) -> Plan:
     """The plan the trainer made for itself (without CUDA: the planner again, on the fake
-    memory model's probes)."""
+    memory model's probes; the trainer's own plan, printed as it was built, measured nothing,
+    and a line says that it is replaced)."""
     if run.s.fake_memory is None:
         return tr.memory.plan
+    log(f"{run.size} {b.label} GB default: the trainer's plan above measured nothing (no CUDA); "
+        "planning again on the fake memory model")
     probe = run.s.fake_memory.probe(run.meta["default"]["ffn"], ProbeRunner(tr, timed_steps=1))
     return plan_memory(tr, probe).plan
 
 
-def plan_note(tr, plan: Plan) -> str:
-    return (f"planner: micro {plan.micro_batch} x {plan.recompute}, accumulation {plan.accum} "
+def plan_note(run: SizeRun, tr, plan: Plan) -> str:
+    """The default row's note: the plan it ran (``planner on the fake memory model`` in the
+    smoke run, whose trainer's own plan is replaced: :func:`_default_plan`)."""
+    who = "planner" if run.s.fake_memory is None else "planner on the fake memory model"
+    return (f"{who}: micro {plan.micro_batch} x {plan.recompute}, accumulation {plan.accum} "
             f"at global batch {tr.cfg.trainer.global_batch} ({plan.why})")
 
 
@@ -425,10 +431,10 @@ def time_default(run: SizeRun, tr, plan: Plan, b: Budget) -> dict:
             raise
         tr.optimizer.zero_grad(set_to_none=True)
         free_memory(run.device)
-        return new_row(run, "default", b, notes=f"{plan_note(tr, plan)}; out of memory while "
+        return new_row(run, "default", b, notes=f"{plan_note(run, tr, plan)}; out of memory while "
                                                 "timing", **base)
     return new_row(run, "default", b, redos=m.get("ffn_backup_redos", 0),
-                   notes=f"{plan_note(tr, plan)}; timed L0 {m['l0_mean']:.1f}"
+                   notes=f"{plan_note(run, tr, plan)}; timed L0 {m['l0_mean']:.1f}"
                          + forward_reruns(m), **base,
                    **timed_fields(run, window, plan.micro_batch, choice))
 

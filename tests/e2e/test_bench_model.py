@@ -454,7 +454,18 @@ def test_smoke_end_to_end(tmp_path):
         same = (by["auto"]["ffn"], by["auto"]["micro_batch"], by["auto"]["recompute"]) == (
             d["ffn"], d["micro_batch"], d["recompute"])
         assert d["is_default"] is True and by["auto"]["is_default"] is same
+        # the plan the row ran, named as the fake memory model's (not the trainer's CPU plan)
+        assert d["notes"].startswith(f"planner on the fake memory model: micro "
+                                     f"{d['micro_batch']} x {d['recompute']}, accumulation ")
         assert not any(by[p]["is_default"] for p in ("hf", "liger", "compile", "ell", "dense"))
+    # the default trainer's own plan line (nothing measured without CUDA) is followed at once by
+    # the line saying that it is planned again: no two plans side by side unexplained
+    lines = r.stdout.splitlines()
+    cpu_plans = [i for i, ln in enumerate(lines) if ln.startswith("memory: ")]
+    assert len(cpu_plans) == 2 and all("(no CUDA device to measure on)" in lines[i] and
+                                       "the trainer's plan above measured nothing (no CUDA); "
+                                       "planning again on the fake memory model" in lines[i + 1]
+                                       for i in cpu_plans)
     probes = read_csv(out / "probes.csv")
     assert {p["ffn"] for p in probes if (p["micro_batch"], p["recompute"]) == (4, "none")} == {
         "hf", "liger", "compile", "torch", "dense", "ell", "auto"}
