@@ -63,7 +63,9 @@ TARGET_TOKENS_PER_S = 250e3
 DISTILL_COST = 1.4
 ROW_START_S = 45.0
 SCORE_S = 45.0
-PIECE_START_S = 90.0  # a fresh machine: the GGUF's conversion and the first, cold compilation
+# a fresh machine: the GGUF's conversion (34 s) and the first, cold compilation (the study's
+# first row on the H200, 2026-12-04: ~85 s from its start to step 10)
+PIECE_START_S = 120.0
 
 
 @dataclass(frozen=True)
