@@ -80,12 +80,14 @@ def _stage1_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settle-window", type=_at_least_one, default=50, help="steps (default 50)")
     p.add_argument("--settle-tolerance", type=float, default=0.05, help="relative (0.05)")
     p.add_argument("--target-l0", type=_target_l0, default=UNSET,
-                   help="training L0 stage 1 holds from 30 %% of its steps: paper (29 at 1p5b, "
-                        "24 at 2b; other sizes none), a number > 0, or none (fixed --l1)")
+                   help="steer the stage-1 L1 coefficient from 30 %% of its steps to hold this "
+                        "training L0: paper (29 at 1p5b, 24 at 2b), a number > 0, or none "
+                        "(default: the fixed --l1)")
     p.add_argument("--train-budget", type=float, default=None,
                    help="stage-1 seconds (default 0.45 x --deadline)")
     p.add_argument("--l1", type=float, default=None,
-                   help="stage-1 sparsity.l1_coeff (from which --target-l0 steers)")
+                   help="stage-1 sparsity.l1_coeff (default per size: 3.8e-4 at 1p5b, "
+                        "3.7e-4 at 2b, else 3e-4)")
     p.add_argument("--lr", type=float, default=None, help="stage-1 optim.lr")
 
 

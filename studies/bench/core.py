@@ -151,7 +151,8 @@ class BenchSettings:
                 raise ValueError(f"{k} must be >= 1; got {getattr(self, k)}")
         if not self.deadline_s > 0:
             raise ValueError(f"deadline_s (--deadline) must be > 0 seconds; got {self.deadline_s}")
-        if not (math.isfinite(self.recipe.l1) and self.recipe.l1 >= 0):
+        if self.recipe.l1 is not None and not (math.isfinite(self.recipe.l1)
+                                               and self.recipe.l1 >= 0):
             raise ValueError(f"recipe.l1 (--l1) must be a number >= 0; got {self.recipe.l1}")
         if not (math.isfinite(self.recipe.lr) and self.recipe.lr > 0):
             raise ValueError(f"recipe.lr (--lr) must be a number > 0; got {self.recipe.lr}")

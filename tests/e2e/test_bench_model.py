@@ -255,18 +255,23 @@ def test_stage1_is_deterministic_unless_asked_not_to_be():
         .deterministic is False
 
 
-def test_stage1_holds_the_papers_l0_unless_told_otherwise():
-    """Recipe.target_l0 "paper": the L1 coefficient steered (sparsity.schedule=target_l0) to the
-    paper's non-zeros per token, 29 at 1.5B and 24 at 2B, from 30 % of the steps; a number is
-    that L0; None, and a size the paper has no L0 for, the fixed coefficient."""
-    for size, want in (("1p5b", 29.0), ("2b", 24.0)):
+def test_stage1_l1_per_size_and_steering_on_request():
+    """Stage 1 trains at a fixed L1 coefficient per size (STAGE1_L1: 3e-4 scaled by the held-out
+    L0 a fixed 3e-4 gave over the paper's, L0 ~ 1 / L1), 3e-4 at a size not listed, the given
+    one when given; Recipe.target_l0 steers it (sparsity.schedule=target_l0): "paper" to the
+    paper's non-zeros per token, 29 at 1.5B and 24 at 2B, from 30 % of the steps, a number to
+    that L0, and a size the paper has no L0 for keeps the fixed coefficient."""
+    for size, l1 in (("1p5b", 3e-4 * 36.8 / 29), ("2b", 3e-4 * 29.7 / 24), ("small_l4", 3e-4)):
         sp = compose(stage1_overrides(size, Recipe())).sparsity
-        assert (sp.schedule, sp.target_l0, sp.target_after, sp.l1_coeff) == (
-            "target_l0", want, 60, 3e-4)
+        assert sp.schedule == "constant" and sp.l1_coeff == pytest.approx(l1, rel=0.01)
+    assert compose(stage1_overrides("2b", Recipe(l1=1e-4))).sparsity.l1_coeff == 1e-4
+    for size, want in (("1p5b", 29.0), ("2b", 24.0)):
+        sp = compose(stage1_overrides(size, Recipe(target_l0="paper"))).sparsity
+        assert (sp.schedule, sp.target_l0, sp.target_after) == ("target_l0", want, 60)
     sp = compose(stage1_overrides("1p5b", Recipe(target_l0=40.0, steps=60))).sparsity
     assert (sp.schedule, sp.target_l0, sp.target_after) == ("target_l0", 40.0, 18)
-    for recipe, size in ((Recipe(target_l0=None), "1p5b"), (Recipe(), "small_l4")):
-        assert compose(stage1_overrides(size, recipe)).sparsity.schedule == "constant"
+    assert compose(stage1_overrides("small_l4", Recipe(target_l0="paper"))).sparsity \
+        .schedule == "constant"
     script = _load_script()
 
     def recipe(*argv):
@@ -274,7 +279,8 @@ def test_stage1_holds_the_papers_l0_unless_told_otherwise():
 
     assert recipe("--target-l0", "none").target_l0 is None
     assert recipe("--target-l0", "24.5").target_l0 == 24.5
-    assert recipe().target_l0 == "paper" and recipe().steps == 200
+    assert recipe("--target-l0", "paper").target_l0 == "paper"
+    assert recipe().target_l0 is None and recipe().l1 is None and recipe().steps == 200
     # --smoke keeps its own recipe, with what was given on top, a full run's default included
     smoke = recipe("--smoke", "--train-steps", "200", "--l1", "3e-4")
     assert (smoke.steps, smoke.l1, smoke.micro_batch) == (200, 3e-4, 4)

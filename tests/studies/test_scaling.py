@@ -108,7 +108,7 @@ def test_recipe_is_the_bench_model_stage1():
     logging, validation size, checkpoint keeping, the dead-unit window, the FFN path (the
     bench's stage 1 trains in dense mode so that two runs take the same kernels, and
     deterministic so that they make the same bits; the study's rows train ffn_impl=auto) and
-    the L1 coefficient steered to the paper's L0 from step 60 (the study's stays 3e-4)."""
+    the L1 coefficient (the bench's is set per size to aim at the paper's L0)."""
     from studies.bench.recipe import Recipe, stage1_overrides
 
     bench = flatten(_compose(stage1_overrides("1p5b", Recipe())))
@@ -116,8 +116,8 @@ def test_recipe_is_the_bench_model_stage1():
     differ = {k for k in bench.keys() | study.keys() if bench.get(k) != study.get(k)}
     assert differ == {"trainer.log_every", "trainer.val_sequences", "trainer.keep_last",
                       "trainer.resume", "sparsity.dead_window_tokens", "ffn.impl",
-                      "ffn.dense_fused", "trainer.deterministic", "sparsity.schedule",
-                      "sparsity.target_l0", "sparsity.target_after"}
+                      "ffn.dense_fused", "trainer.deterministic", "sparsity.l1_coeff"}
+    assert (bench["sparsity.l1_coeff"], study["sparsity.l1_coeff"]) == (3.8e-4, 3e-4)
     assert (bench["ffn.impl"], bench["ffn.dense_fused"]) == ("torch", True)
     assert study["model.num_layers"] == 28 and study["trainer.max_steps"] == 200
     assert study["sparsity.dead_window_tokens"] == 1_048_576
