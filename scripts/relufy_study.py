@@ -3,14 +3,15 @@
 (docs/relufy.md; the library is studies/relufy.py).
 
     # on the H200, after `source scripts/gpu_env.sh` (TWELL_CACHE: corpus, eval sets, GGUF);
-    # run the same command again until it prints "all rows scored" (each run is one piece)
-    python scripts/relufy_study.py --out "$OUT/relufy" --work /tmp/relufy_work --max-wall 570
+    # run the same command again until it prints "all rows scored" (each run is one piece;
+    # scripts/gpu_relufy_call.sh runs it in a device call and packs OUT for the way back)
+    python scripts/relufy_study.py --out OUT --work /tmp/relufy_work --max-wall 540
     # the plan and its GPU-time estimate only
-    python scripts/relufy_study.py --out "$OUT/relufy" --dry-run
+    python scripts/relufy_study.py --out OUT --dry-run
     # a few rows first (the order given is the order they run)
-    python scripts/relufy_study.py --out "$OUT/relufy" --rows dense_relu,silu_control
+    python scripts/relufy_study.py --out OUT --rows dense_relu,silu_control
     # then, on any machine with OUT: docs/relufy.md, its plots and docs/relufy/results.csv
-    python scripts/relufy_report.py "$OUT/relufy" --doc docs/relufy.md
+    python scripts/relufy_report.py OUT --doc docs/relufy.md
     # CPU smoke test (tests/e2e/test_relufy_study.py): a tiny GGUF and corpus, a few steps a row
     python scripts/relufy_study.py --cpu --gguf tiny.gguf --gguf-sha256 none --tokens 256 ...
 

@@ -279,12 +279,13 @@ def _commands_lines() -> list[str]:
     """The running section's heading, how a piece is carried and run, and its commands."""
     return [
         "## Running it", "",
-        ("On one H200, in pieces of at most 10 minutes (each piece one command; run it again "
-         "until it prints `all rows scored`). The GPU-side environment comes from "
-         "`scripts/gpu_env.sh` (TWELL_CACHE with the corpus, the extracted eval sets and the "
-         "SmolLM2 GGUF; the wheels). `--gguf smollm2` finds the GGUF through TWELL_CACHE; give "
-         "its path (`--gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf`) if it was carried "
-         "elsewhere, and `--corpus-dir` for a corpus outside TWELL_CACHE:"), "",
+        ("On one H200, in pieces of at most 10 minutes, each one device call of "
+         "`scripts/gpu_relufy_call.sh` (run it again until the study prints `all rows "
+         "scored`). The GPU-side environment comes from `scripts/gpu_env.sh` (TWELL_CACHE with "
+         "the corpus, the extracted eval sets and the SmolLM2 GGUF; the wheels). `--gguf "
+         "smollm2` finds the GGUF through TWELL_CACHE; give its path (`--gguf "
+         "/path/SmolLM2-135M-Instruct.Q4_1.gguf`) if it was carried elsewhere, and "
+         "`--corpus-dir` for a corpus outside TWELL_CACHE."), "",
         ("The GGUF (98 MB) does not fit one call's 64 MiB with the rest: "
          "`bash scripts/build_carry.sh gguf` splits it into `.devcarry_part1/` and "
          "`.devcarry_part2/` (48 MiB each at most, with its SHA256). The first piece of a "
@@ -293,19 +294,20 @@ def _commands_lines() -> list[str]:
          "`.devcarry_part2`, the same; carry `.devcarry` and run the piece below (`gpu_env.sh` "
          "assembles the GGUF in TWELL_CACHE and checks it). Later pieces on the same machine "
          "find it in place."), "",
+        ("A call returns at most 8 files and nothing more than two folders below its output "
+         "folder, and a row's files sit in `rows/<row>/`: the script packs the study folder "
+         "into one archive, `relufy_study.tar.gz`, and starts each call from the rows merged "
+         "into `docs/relufy/study` (which travels with the working tree) unless the machine "
+         "still holds its own."), "",
         "```bash",
-        "# each piece: the results folder of the pieces before it is carried in as $OUT/relufy",
-        "source scripts/gpu_env.sh",
-        ("python scripts/relufy_study.py --out \"$OUT/relufy\" --work /tmp/relufy_work "
-        "--max-wall 570"),
-        ("# between pieces, on this machine: keep what came back (small: metrics, summaries, "
-        "scores)"),
-        "#   cp -r <files_at>/relufy docs/bench/relufy_study   and next time first",
-        "#   mkdir -p \"$OUT\" && cp -r docs/bench/relufy_study \"$OUT/relufy\"",
+        "# each piece (a device call carrying .devcarry); any relufy_study.py options after it",
+        "bash scripts/gpu_relufy_call.sh",
+        "# between pieces, here: merge what came back (small: metrics, summaries, scores, logs)",
+        "rm -rf docs/relufy/study docs/relufy/logs && tar -xzf <files_at>/relufy_study.tar.gz -C docs/relufy",
         "# the plan and its estimate without running anything",
-        "python scripts/relufy_study.py --out \"$OUT/relufy\" --dry-run",
+        "python scripts/relufy_study.py --out docs/relufy/study --dry-run",
         "# this document (any machine)",
-        "python scripts/relufy_report.py docs/bench/relufy_study --doc docs/relufy.md",
+        "python scripts/relufy_report.py docs/relufy/study --doc docs/relufy.md",
         "```", "",
     ]
 
@@ -321,8 +323,8 @@ def _partial_run_lines() -> list[str]:
          "cannot finish (about 140 s of training plus start-up at 290 k tokens/s)."), "",
         "**With only ~8 minutes of GPU**: the controls first, two at once:", "",
         "```bash",
-        ("python scripts/relufy_study.py --out \"$OUT/relufy\" --rows "
-        "silu_original,dense_relu,silu_control --parallel 2 --max-wall 470"),
+        ("bash scripts/gpu_relufy_call.sh --rows silu_original,dense_relu,silu_control "
+         "--parallel 2"),
         "```", "",
         ("That answers the first target: the ReLU switch's cost (dense ReLU against the SiLU "
          "control on the same 40 M tokens), which the earlier study could not tell from the "
