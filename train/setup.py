@@ -124,14 +124,53 @@ def make_accelerator(t) -> tuple:
     return acc, precision, fsdp
 
 
+def given_on_command_line(key: str) -> bool:
+    """Did this run's command line set ``key`` (``twell-train optim.warmup_steps=5``, also with
+    ``+``/``++``)? Outside a ``twell-train`` run (the Python API: ``Trainer(cfg)``, whose caller
+    wrote every value) True."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return True
+    return any(o.partition("=")[0].lstrip("+~").strip() == key
+               for o in HydraConfig.get().overrides.task)
+
+
+def warmup_line(cfg: TrainConfig) -> tuple[str, str] | None:
+    """``("warning" | "note", line)`` when the lr warm-up is longer than the run, else None.
+
+    The schedule is kept as configured (the lr rises to ``lr * max_steps / warmup_steps`` at
+    the last step): clamping the warm-up to a short run would change the lr of every short run
+    (smoke runs, benchmarks, probes) and make a run extended on resume change its warm-up half
+    way. A warm-up the user set on the command line (``optim.warmup_steps=600
+    trainer.max_steps=100``) is likely a mistake: a warning on stderr. One that comes from the
+    configs (``optim=tiny``'s 10 steps under ``trainer.max_steps=5``, an experiment's 600 in a
+    short test of it) is what a smoke run expects: a note in the run's log lines."""
+    o, steps = cfg.optim, cfg.trainer.max_steps
+    if o.warmup_steps <= steps:
+        return None
+    peak = o.lr * steps / o.warmup_steps
+    if given_on_command_line("optim.warmup_steps"):
+        return "warning", (f"warning: optim.warmup_steps={o.warmup_steps} > trainer.max_steps="
+                           f"{steps}: the learning rate never reaches optim.lr (peak "
+                           f"{peak:.2e}); lower optim.warmup_steps.")
+    return "note", (f"note: the configured lr warm-up (optim.warmup_steps={o.warmup_steps}) is "
+                    f"longer than this {steps}-step run: the lr rises to {peak:.2e} by its last "
+                    f"step, short of optim.lr={o.lr:.2e}.")
+
+
+def config_notes(cfg: TrainConfig) -> list[str]:
+    """Informational lines about the configuration (printed with the run's other lines)."""
+    line = warmup_line(cfg)
+    return [line[1]] if line is not None and line[0] == "note" else []
+
+
 def config_warnings(cfg: TrainConfig, device: torch.device) -> list[str]:
     """One-line warnings of a configuration that runs but likely not as meant on ``device``."""
     t, out = cfg.trainer, []
-    if cfg.optim.warmup_steps > t.max_steps:
-        out.append(f"warning: optim.warmup_steps={cfg.optim.warmup_steps} > trainer.max_steps="
-                   f"{t.max_steps}: the learning rate never reaches optim.lr (peak "
-                   f"{cfg.optim.lr * t.max_steps / max(cfg.optim.warmup_steps, 1):.2e}); "
-                   "lower optim.warmup_steps.")
+    line = warmup_line(cfg)
+    if line is not None and line[0] == "warning":
+        out.append(line[1])
     sp = cfg.sparsity
     if sp.schedule == "target_l0" and sp.target_after >= t.max_steps:
         out.append(f"warning: sparsity.target_after={sp.target_after} >= trainer.max_steps="
@@ -149,6 +188,16 @@ def config_warnings(cfg: TrainConfig, device: torch.device) -> list[str]:
                    "FFN call; unset TRITON_INTERPRET (the PyTorch version of the same sparse "
                    "math runs) unless you are testing the kernels.")
     return out
+
+
+def report_config(cfg: TrainConfig, device: torch.device, print_, warn) -> None:
+    """What in the configuration runs but likely not as meant: :func:`config_warnings` through
+    ``warn`` (stderr), :func:`config_notes` through ``print_`` (the run's lines and train.log).
+    The trainer calls it on the main process only."""
+    for line in config_warnings(cfg, device):
+        warn(line)
+    for line in config_notes(cfg):
+        print_(line)
 
 
 def check_data(cfg: TrainConfig, data) -> None:

@@ -55,8 +55,8 @@ from train.setup import (
     attach_model,
     build_plan,
     build_scheduler,
-    config_warnings,
     make_accelerator,
+    report_config,
     wrap_model,
 )
 from train.sparsity import (
@@ -149,8 +149,8 @@ class Trainer:
         if cfg.model.init_from:
             self.init_src = self.checkpointer.inspect_init_from(resume_from)
         self.config_dict = config_to_dict(cfg)
-        for line in config_warnings(cfg, self.device) if self.is_main else []:
-            self._warn(line)  # a configuration that runs but likely not as meant
+        if self.is_main:  # a configuration that runs but likely not as meant: warnings, notes
+            report_config(cfg, self.device, print_=self._print, warn=self._warn)
         self.checkpointer.check_resume_config(resume_from, self.config_dict)
         if self.is_main:  # locked and new or this run's: a failure may now write into it
             rundir.claim(self.run_dir)

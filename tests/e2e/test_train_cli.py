@@ -1,6 +1,7 @@
 """``twell-train`` as a user runs it: a misspelled key, a run that fails before training (its
-folders removed), a read-only run dir, ``--help``, and ``-m`` sweeps in which jobs fail.
-Subprocesses; all but the sweeps stop before training."""
+folders removed), a read-only run dir, ``--help``, ``-m`` sweeps in which jobs fail, and the
+warm-up of a short run.
+Subprocesses; all but the sweeps and a short run's warm-up line stop before training."""
 
 import os
 import subprocess
@@ -225,6 +226,32 @@ def test_sweep_runs_every_job_and_lists_the_failed_ones(tmp_path):
     assert " trainer." not in tail[1]  # only the override that differs between the jobs
     assert tail[2].startswith("  #2 optim.lr=-1: ConfigError: optim.lr must be")
     assert tail[2].endswith(f"({jobs[2] / 'error.txt'})")
+
+
+def test_a_short_runs_warmup_is_a_note_unless_set_on_the_command_line(tmp_path):
+    """A smoke run (trainer.max_steps=2 under optim=tiny's 10 warm-up steps) gets a note among its
+    lines and in train.log, no warning; optim.warmup_steps=5 typed beside it is a warning. The
+    schedule is the configured one either way (step 2 at 5e-4 * 2 / 10)."""
+    from tests.train_utils import read_metrics
+
+    base = ["data=tokens", f"data.paths=[{_tokens(tmp_path)}]", "trainer.max_steps=2",
+            *(a for a in SMALL if not a.startswith(("optim.warmup_steps=", "trainer.max_steps=")))]
+    r = _train_cli(*base, f"hydra.run.dir={tmp_path / 'smoke'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "optim.warmup_steps" not in r.stderr, r.stderr
+    note = ("note: the configured lr warm-up (optim.warmup_steps=10) is longer than this 2-step "
+            "run: the lr rises to 1.00e-04 by its last step, short of optim.lr=5.00e-04.")
+    assert [ln for ln in r.stdout.splitlines() if "optim.warmup_steps" in ln] == [note], r.stdout
+    assert note in (tmp_path / "smoke" / "train.log").read_text()
+    assert read_metrics(tmp_path / "smoke")[-1]["lr"] == pytest.approx(1e-4)
+
+    r = _train_cli(*base, "optim.warmup_steps=5", f"hydra.run.dir={tmp_path / 'set'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    warning = ("warning: optim.warmup_steps=5 > trainer.max_steps=2: the learning rate never "
+               "reaches optim.lr (peak 2.00e-04); lower optim.warmup_steps.")
+    assert [ln for ln in r.stderr.splitlines() if "optim.warmup_steps" in ln] == [warning], (
+        r.stderr)
+    assert "note:" not in r.stdout
 
 
 def _injected_cli(tmp_path, *args, fail_seed: int):
