@@ -63,8 +63,7 @@ if [ "$gpu" = 0 ]; then
 fi
 # triton 3.6 runs its interpreter (TRITON_INTERPRET=1) only with numpy < 2.3.
 say "installing twell (editable) and its dependencies: transformers, accelerate, datasets, hydra," \
-  "wandb, ... (1-3 min the first time; setuptools' note on same-named folders is handled:" \
-  "train/packages.py)"
+  "wandb, ... (1-3 min the first time)"
 python -m pip install -q -e ".[dev]" "numpy<2.3"
 if [ "$gpu" = 0 ] && python -m pip list --format=freeze 2>/dev/null | grep -qi '^nvidia-'; then
   echo "setup.sh: installing twell's dependencies pulled nvidia-* packages on a machine without" \

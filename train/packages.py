@@ -3,12 +3,16 @@
 ``python -m train`` (and ``accelerate launch -m train``, whose workers run ``python -m``) puts the
 current folder first on the import path. Started from the folder that holds the clone, the
 clone's own folder (``twell/``, which has no ``__init__.py``) is found there as a *namespace
-package* before the editable install's finder is asked (setuptools warns about it at install:
-"folders in your working directory with the same name as your package ... may take precedence
-during imports"). ``twell`` is then an empty shell: its submodules still load through the
-finder, its own names (``twell.__version__``, ``twell.FFNStats``) do not, and a run died at its
-first checkpoint. A folder named ``evals``, ``offline`` or ``train`` in the current folder does
-the same to that package (``from evals import evaluate`` fails).
+package* when the checkout's packages are reached only through a meta path finder, which is
+asked after the import path: setuptools' editable install of a flat layout without
+``package-dir``, which warns "folders in your working directory with the same name as your
+package ... may take precedence during imports". ``twell`` is then an empty shell: its
+submodules still load through the finder, its own names (``twell.__version__``,
+``twell.FFNStats``) do not, and a run died at its first checkpoint. A folder named ``evals``,
+``offline`` or ``train`` in the current folder does the same to that package (``from evals
+import evaluate`` fails). pyproject.toml sets ``package-dir``, so ``scripts/setup.sh`` now
+installs a ``.pth`` entry of the checkout instead, where the real package is found first; a
+``.venv`` installed before that, or another tool's finder, still needs this module.
 
 :func:`use_checkout_packages` puts the real packages of this checkout (the folders beside
 ``train/``) in the place of such shells, and says so in one line.

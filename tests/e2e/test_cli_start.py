@@ -263,3 +263,46 @@ def test_setup_skips_a_venv_that_is_already_set_up(tmp_path):
     (repo / "pyproject.toml").write_text((repo / "pyproject.toml").read_text() + "\n# changed\n")
     out, pip = setup()
     assert pip[-1] == "-m pip install -q -e .[dev] numpy<2.3"
+
+
+BUILD_EDITABLE = """
+import json, sys, warnings
+import setuptools.build_meta as backend
+dist, result = sys.argv[1:3]  # the backend rewrites sys.argv
+with warnings.catch_warnings(record=True) as caught:  # what pip's hook runner records
+    wheel = backend.build_editable(dist)
+shown = [f"{w.category.__name__}: {w.message}" for w in caught
+         if issubclass(w.category, UserWarning)]  # pip prints these as BuildBackendWarning
+with open(result, "w") as f:
+    json.dump({"wheel": wheel, "warnings": shown}, f)
+"""
+
+
+def test_the_editable_install_is_a_pth_entry_and_warns_nothing(tmp_path):
+    """``pip install -e .`` (scripts/setup.sh) prints every UserWarning of the build backend as
+    a BuildBackendWarning; setuptools' meta-path-finder install of this flat layout warned
+    "Editable installation ... same name as your package". With pyproject.toml's package-dir the
+    install is a .pth entry of the checkout, without a warning: setuptools' build_editable hook
+    as pip runs it, on a copy of the project."""
+    import zipfile
+
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:  # pyproject.toml's build requirement
+        pytest.skip(f"setuptools {setuptools.__version__} < 77")
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    for f in ("pyproject.toml", "README.md"):
+        (proj / f).write_text((ROOT / f).read_text())
+    for pkg in ("twell", "train", "studies", "evals", "offline"):
+        (proj / pkg).symlink_to(ROOT / pkg, target_is_directory=True)
+    dist, result = tmp_path / "dist", tmp_path / "result.json"
+    dist.mkdir()
+    r = subprocess.run([sys.executable, "-c", BUILD_EDITABLE, str(dist), str(result)], cwd=proj,
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(result.read_text())
+    assert out["warnings"] == []
+    with zipfile.ZipFile(dist / out["wheel"]) as whl:
+        pth = [n for n in whl.namelist() if n.endswith(".pth")]
+        assert pth == ["__editable__.twell-0.1.0.pth"], whl.namelist()
+        assert whl.read(pth[0]).decode().split() == [str(proj.resolve())]
