@@ -31,7 +31,13 @@ from omegaconf import OmegaConf
 
 from train import checkpoint as ckpt_io
 from train import parallel, rundir
-from train.config import ConfigError, TrainConfig, check_ffn_fits_model, upgrade_saved
+from train.config import (
+    ConfigError,
+    TrainConfig,
+    check_ffn_fits_model,
+    check_target_fits_model,
+    upgrade_saved,
+)
 from train.requeue import override_arg
 
 shell_quote = ckpt_io.shell_quote
@@ -183,8 +189,9 @@ class Checkpointer:
         if resume_from is None:
             init_src = pretrained.inspect_checkpoint(cfg.model.init_from)
             cfg.model = pretrained.fill_model_config(cfg.model, init_src)
-            try:  # the filled shape (gated, hidden_act) against ffn.impl and ffn.dense_fused
+            try:  # the filled shape against ffn.impl, ffn.dense_fused and sparsity.target_l0
                 check_ffn_fits_model(cfg.ffn, cfg.model)
+                check_target_fits_model(cfg.sparsity, cfg.model)
             except ConfigError as e:
                 raise ConfigError(f"{e} (shape from model.init_from={init_src.spec!r})") from None
             return init_src

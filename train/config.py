@@ -652,6 +652,7 @@ class TrainConfig:
                               "checkpoint, but model.init_from is not set; set it or "
                               "sparsity.distill_from=null.")
         check_ffn_fits_model(self.ffn, m)
+        check_target_fits_model(s, m)
 
     @property
     def distill(self) -> bool:
@@ -696,6 +697,23 @@ def check_ffn_fits_model(ffn: FFNConfig, m: ModelConfig) -> None:
         raise ConfigError(
             "ffn.impl=twell trains only the gated FFN (the sparse training kernels need "
             "gate_proj); with model.gated=false use ffn.impl=torch or auto.")
+
+
+def check_target_fits_model(s: SparsityConfig, m: ModelConfig) -> None:
+    """``sparsity.target_l0`` (active units per token) within the FFN width: a target above
+    ``model.intermediate_size`` can never be reached. Skipped while the width is null (taken
+    from ``model.init_from``); called again once it is filled.
+
+    Raises:
+        ConfigError: one line naming both keys and the fix.
+    """
+    h = m.intermediate_size
+    if s.schedule != "target_l0" or h is None or s.target_l0 is None or s.target_l0 <= h:
+        return
+    raise ConfigError(
+        f"sparsity.target_l0={s.target_l0:g} is more than the {h} FFN units a token has "
+        f"(model.intermediate_size={h}), so it can never be reached; set sparsity.target_l0 "
+        f"<= {h}.")
 
 
 # keys that were renamed: the CLI's unknown-key message gives the new name and why

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.gguf_utils import write_tiny_gguf
 from tests.train_utils import VOCAB, read_metrics, tiny_config, write_tokens
-from train.config import ConfigError, FFNConfig, ModelConfig, TrainConfig
+from train.config import ConfigError, FFNConfig, ModelConfig, SparsityConfig, TrainConfig
 from train.trainer import Trainer
 
 # a shape unlike tiny_config's (hidden 32, 4 heads), so nothing can come from its defaults:
@@ -428,3 +428,17 @@ def test_twell_on_a_non_gated_checkpoint_is_one_line(tokens, tmp_path):
     msg = str(err.value)
     assert "\n" not in msg and "ffn.impl=twell" in msg and "model.gated=false" in msg, msg
     assert f"(shape from model.init_from={str(tmp_path / 'ng')!r})" in msg, msg
+
+
+def test_a_target_l0_above_the_checkpoints_ffn_width_is_one_line(tokens, relu_dir, tmp_path):
+    """sparsity.target_l0 against a width taken from model.init_from (null until the checkpoint
+    is read; relu_dir's FFN has 80 units): refused once the shape is filled, naming the keys,
+    the bound and where the width came from."""
+    c = _cfg(tokens, relu_dir)
+    c.sparsity = SparsityConfig(l1_coeff=3e-4, schedule="target_l0", target_l0=81.0)
+    with pytest.raises(ConfigError) as err:
+        _trainer(c, tmp_path / "run")
+    assert str(err.value) == (
+        "sparsity.target_l0=81 is more than the 80 FFN units a token has "
+        "(model.intermediate_size=80), so it can never be reached; set sparsity.target_l0 <= "
+        f"80. (shape from model.init_from={str(relu_dir)!r})")

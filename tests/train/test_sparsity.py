@@ -316,6 +316,30 @@ def test_sparsity_target_group_composes_and_a_missing_target_is_one_line():
     assert "\n" not in str(err.value)
 
 
+def test_a_target_l0_above_the_ffn_width_is_one_line_naming_the_fix():
+    """sparsity.target_l0 above model.intermediate_size (units per token: model=tiny has 352)
+    can never be reached: refused in one line naming both keys and the bound; the width itself
+    is a reachable target. A null width (from model.init_from) is checked once it is read
+    (tests/train/test_pretrained.py); a target of another schedule is not used, so not checked."""
+    from train.config import TrainConfig, compose
+
+    with pytest.raises(ConfigError) as err:
+        compose(["sparsity=target", "sparsity.target_l0=400"])
+    assert str(err.value) == (
+        "sparsity.target_l0=400 is more than the 352 FFN units a token has "
+        "(model.intermediate_size=352), so it can never be reached; set sparsity.target_l0 "
+        "<= 352.")
+    assert compose(["sparsity=target", "sparsity.target_l0=352"]).sparsity.target_l0 == 352.0
+    sp = compose(["sparsity=target", "sparsity.target_l0=400", "model.intermediate_size=512"])
+    assert (sp.model.intermediate_size, sp.sparsity.target_l0) == (512, 400.0)
+    pre = ModelConfig(name="pretrained", init_from="smollm2", vocab_size=None, hidden_size=None,
+                      intermediate_size=None, num_layers=None, num_heads=None, seq_len=None)
+    big = SparsityConfig(l1_coeff=3e-4, schedule="target_l0", target_l0=1e6)
+    assert TrainConfig(model=pre, sparsity=big).sparsity.target_l0 == 1e6  # width not known yet
+    other = SparsityConfig(l1_coeff=3e-4, schedule="constant", target_l0=1e6)
+    assert TrainConfig(sparsity=other).sparsity.target_l0 == 1e6
+
+
 def test_a_target_schedule_that_never_steers_is_warned(tmp_path):
     """sparsity.target_after >= trainer.max_steps: the run stays at l1_coeff; one warning."""
     from tests.train_utils import tiny_config, write_tokens
