@@ -266,7 +266,9 @@ def run_summary(*, step: int, tokens_seen: int, params: int, train_time: float, 
     """The final numbers of a run (``Trainer.summary``, what summary.json holds) from its last
     train / val / eval records and its last training ``segment``: ``tokens_per_s`` is that
     segment's (``segment_steps``: its first and last step), ``tokens_per_s_all`` the mean over
-    every segment of a resumed run (``tokens_seen / train_time``)."""
+    every segment of a resumed run (``tokens_seen / train_time``); ``final_l1_coeff`` the L1
+    coefficient the last step ran at (``sparsity.schedule=target_l0``: where the controller
+    had steered it)."""
     m, seg = last, segment
     return {
         "step": step,
@@ -274,6 +276,8 @@ def run_summary(*, step: int, tokens_seen: int, params: int, train_time: float, 
         "params": params,
         "final_train_loss": m.get("loss"),
         "final_train_ce": m.get("ce"),
+        # the L1 coefficient of the last step (a steered run's: train it again at this fixed)
+        "final_l1_coeff": m.get("l1_coeff"),
         "val_loss": last_val.get("val_loss"),
         "val_l0": last_val.get("val_l0"),
         "l0_mean": m.get("l0_mean"),

@@ -7,6 +7,7 @@ not to RMSNorm weights.
 Shape legend: B micro-batch, T sequence, V vocabulary, N = B T tokens, D model width, H FFN width.
 """
 
+import json
 import math
 
 import pytest
@@ -97,6 +98,8 @@ def test_logged_loss_is_ce_plus_warmed_up_l1_coeff_times_l1(tokens, tmp_path):
         assert r["l1"] == pytest.approx(l1, rel=1e-5), r["step"]
         assert r["loss"] == pytest.approx(ce + coeff * l1, rel=1e-5), r["step"]
     assert rows[-1]["l1"] > 0.01 and rows[-1]["loss"] - rows[-1]["ce"] > 0.005  # a live term
+    # the last step's coefficient in summary.json
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["final_l1_coeff"] == 0.5
 
 
 def _grads_at_optimizer_step(tokens, run_dir, **over):
