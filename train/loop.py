@@ -108,7 +108,8 @@ def between_steps(tr, interval: Interval, bar, last: bool) -> Interval:
         m = tr.log_metrics(interval)
         interval = tr.new_interval()
         bar.set_postfix(loss=f"{m['loss']:.3f}", l0=f"{m['l0_mean']:.1f}")
-        tr.runlog.print(format_record(m) + ("" if tr.show_bars else eta(tr)), bar)
+        line = format_record(m, show_coeff=cfg.sparsity.schedule != "constant")
+        tr.runlog.print(line + ("" if tr.show_bars else eta(tr)), bar)
     if (t.val_every and tr.step % t.val_every == 0) or tr.step == t.max_steps:
         v = tr.validate()
         if v["val_sequences"]:

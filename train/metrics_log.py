@@ -227,15 +227,18 @@ class TrainRecord:
                 if not (f.name in _OPTIONAL and getattr(self, f.name) is None)}
 
 
-def format_record(m: dict) -> str:
-    """The printed line of a train record (``TrainRecord.as_dict``)."""
+def format_record(m: dict, show_coeff: bool = False) -> str:
+    """The printed line of a train record (``TrainRecord.as_dict``); ``show_coeff``: with the
+    last step's L1 coefficient after the learning rate (``l1 coeff 0.00038``: a schedule other
+    than ``constant``, whose coefficient moves)."""
     dead = "n/a" if m["dead_frac"] is None else f"{100 * m['dead_frac']:.1f}%"
     util = "" if m.get("mfu") is None else (
         f" mfu {100 * m['mfu']:.1f}% (useful {100 * m['mfu_useful']:.1f}%)")
     kl = f" kl {m['distill_kl']:.4f}" if m.get("distill_kl") is not None else ""
+    coeff = f" l1 coeff {m['l1_coeff']:.3g}" if show_coeff else ""
     return (f"step {m['step']}: loss {m['loss']:.4f} ce {m['ce']:.4f}{kl} l1 {m['l1']:.3g} "
             f"l0 {m['l0_mean']:.1f} [{m['l0_min']:.1f}-{m['l0_max']:.1f}] max {m['nnz_max']:.0f}"
-            f" dead {dead} lr {m['lr']:.3g} gnorm {m['grad_norm']:.3g} "
+            f" dead {dead} lr {m['lr']:.3g}{coeff} gnorm {m['grad_norm']:.3g} "
             f"{m['tokens_per_s']:.0f} tok/s{util} mem {m['peak_mem_gb']:.2f} GB "
             f"(run {m['peak_mem_gb_run']:.2f})")
 

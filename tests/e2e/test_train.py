@@ -78,8 +78,10 @@ def test_resume_is_exact(tokens, tmp_path):
         assert ra["dead_frac"] == rb["dead_frac"]
     assert any(r["dead_frac"] for r in a)  # the re-init path was exercised
     assert [p.name for p in list_checkpoints(tmp_path / "split")] == ["step10", "step15", "step20"]
-    # a constant schedule: the summary's coefficient is l1_coeff
+    # a constant schedule: the summary's coefficient is l1_coeff; step lines do not repeat it
     assert json.loads((tmp_path / "split" / "summary.json").read_text())["final_l1_coeff"] == 3.0
+    log = (tmp_path / "split" / "train.log").read_text()
+    assert log.count(": loss ") == 20 and "coeff" not in log
     assert t2.state_dict()["step"] == 20 and t2.state_dict()["tokens_seen"] == 20 * 8 * 32
     again, _ = _run(tiny_config(tokens, **over), tmp_path / "split")  # finished: nothing to do
     assert again["step"] == 20 and again["final_train_ce"] == b[-1]["ce"]
@@ -117,6 +119,11 @@ def test_target_l0_steers_from_each_steps_l0_and_resumes_exactly(tokens, tmp_pat
         # summary.json: the coefficient step 12 ran at (not step 13's), to rerun it fixed
         s = json.loads((tmp_path / run / "summary.json").read_text())
         assert s["final_l1_coeff"] == rows[-1]["l1_coeff"] == pytest.approx(want[-1], rel=1e-5)
+        # each printed step line names its coefficient, after the learning rate
+        log = (tmp_path / run / "train.log").read_text()
+        for r in rows:
+            assert (f"step {r['step']}: loss {r['loss']:.4f} " in log
+                    and f" lr {r['lr']:.3g} l1 coeff {r['l1_coeff']:.3g} gnorm " in log), r["step"]
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tokens, tmp_path):

@@ -138,3 +138,17 @@ def test_mfu_logged_with_a_configured_peak(tmp_path):
         assert r["mfu_useful"] == pytest.approx(useful, rel=1e-9)
         assert r["mfu_useful"] <= r["mfu"]
     assert "mfu" in line and "tok/s" in line and "(run " in line
+
+
+def test_the_step_line_shows_the_coefficient_only_when_asked():
+    """format_record: the constant schedule's line is unchanged (no coefficient); with
+    show_coeff (a schedule whose coefficient moves) ``l1 coeff`` follows the learning rate."""
+    m = {"step": 7, "loss": 2.5, "ce": 2.25, "l1": 0.5, "l1_coeff": 3.8123e-4, "l0_mean": 29.04,
+         "l0_min": 20.0, "l0_max": 40.0, "nnz_max": 120.0, "dead_frac": 0.025, "lr": 1e-3,
+         "grad_norm": 0.75, "tokens_per_s": 1234.4, "mfu": None, "peak_mem_gb": 1.5,
+         "peak_mem_gb_run": 2.0}
+    plain = ("step 7: loss 2.5000 ce 2.2500 l1 0.5 l0 29.0 [20.0-40.0] max 120 dead 2.5% "
+             "lr 0.001 gnorm 0.75 1234 tok/s mem 1.50 GB (run 2.00)")
+    assert metrics_log.format_record(m) == plain
+    assert metrics_log.format_record(m, show_coeff=True) == plain.replace(
+        "lr 0.001 gnorm", "lr 0.001 l1 coeff 0.000381 gnorm")

@@ -98,7 +98,10 @@ def test_logged_loss_is_ce_plus_warmed_up_l1_coeff_times_l1(tokens, tmp_path):
         assert r["l1"] == pytest.approx(l1, rel=1e-5), r["step"]
         assert r["loss"] == pytest.approx(ce + coeff * l1, rel=1e-5), r["step"]
     assert rows[-1]["l1"] > 0.01 and rows[-1]["loss"] - rows[-1]["ce"] > 0.005  # a live term
-    # the last step's coefficient in summary.json
+    # a moving coefficient: printed in each step line, the last one in summary.json
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert [ln.split(" l1 coeff ")[1].split()[0] for ln in log.splitlines()
+            if ": loss " in ln] == ["0", "0", "0.25", "0.5", "0.5"]
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["final_l1_coeff"] == 0.5
 
 
