@@ -15,9 +15,11 @@ table (arXiv 2603.23198, "Results": non-zeros per token fall with model size at 
   ``sparsity.l1_coeff=0.001``): size, layers, params, tokens, L1 coefficient, sparsity variant, FFN impl,
   final train CE, validation loss, L0 (mean over layers and the most active layer), max non-zeros
   of any token, dead %, the seven task scores (percent, the task's primary metric) and their
-  mean, tokens/s;
+  mean, tokens/s; a run whose coefficient was steered (``sparsity=target``) is the variant
+  ``steered to L0 X``, its L1 its starting -> final coefficient (:attr:`Run.final_l1_coeff`);
 - variant pairs: runs that differ only in ``sparsity.*`` from a plain constant-L1 run (dead-gate
-  re-init ``sparsity=l1_reinit``, ``sparsity=warmup``): L0, dead %, val loss, accuracy side by side;
+  re-init ``sparsity=l1_reinit``, ``sparsity=warmup``, ``sparsity=target``): L0, dead %, val
+  loss, accuracy side by side;
 - FFN pairs: runs that differ only in ``ffn.impl`` (``twell`` vs ``torch``, same seed):
   max |loss difference| over the logged steps, relative final L0 difference, dead-unit difference;
 - plots (runs labelled by what differs; a plot without data is left out and said so): L0 vs
@@ -101,16 +103,38 @@ class Run:
         return self.summary.get("eval") or (self.evals[-1] if self.evals else None)
 
     @property
-    def variant(self) -> str:
-        """Sparsity variant: dense (L1 = 0), l1 (constant), l1_reinit, warmup."""
+    def target_l0(self) -> float | None:
+        """The L0 the run's L1 coefficient was steered to hold (``sparsity.schedule=target_l0``),
+        or None (a run of another schedule)."""
         sp = self.config.get("sparsity", {})
+        return sp.get("target_l0") if sp.get("schedule") == "target_l0" else None
+
+    @property
+    def final_l1_coeff(self) -> float | None:
+        """The L1 coefficient the last step ran at: ``summary.json``'s ``final_l1_coeff``, else
+        (a run from before the key) the last train line's ``l1_coeff``; None when neither has
+        it."""
+        final = self.summary.get("final_l1_coeff")
+        if final is None and self.train:
+            final = self.train[-1].get("l1_coeff")
+        return final
+
+    @property
+    def variant(self) -> str:
+        """Sparsity variant: dense (L1 = 0), l1 (constant), l1_reinit, warmup, and ``steered to
+        L0 29`` for a coefficient steered to a target L0 (``sparsity.schedule=target_l0``);
+        dead-gate re-init appends ``_reinit`` (``, reinit`` to a steered one)."""
+        sp = self.config.get("sparsity", {})
+        reinit = bool(sp.get("reinit_dead"))
+        if self.target_l0 is not None:
+            return f"steered to L0 {self.target_l0:g}" + (", reinit" if reinit else "")
         if sp.get("schedule") == "linear_warmup":
             name = "warmup"
         elif not sp.get("l1_coeff"):
             name = "dense"
         else:
             name = "l1"
-        return name + ("_reinit" if sp.get("reinit_dead") else "")
+        return name + ("_reinit" if reinit else "")
 
 
 # ---------------------------------------------------------------- finding and loading runs
@@ -438,6 +462,8 @@ def run_row(run: Run) -> dict:
         "nonemb_params_M": None if params is None else (params - emb) / 1e6,
         "tokens_M": None if s.get("tokens_seen") is None else s["tokens_seen"] / 1e6,
         "l1_coeff": cfg.get("sparsity", {}).get("l1_coeff"),
+        "l1_final": run.final_l1_coeff,
+        "target_l0": run.target_l0,
         "variant": run.variant,
         "ffn_impl": ffn_impl(run),
         "seed": cfg.get("trainer", {}).get("seed"),
@@ -497,17 +523,24 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
 
 
 def _cell(row: dict, col: str) -> str:
-    """A table cell: :data:`NONFINITE` where the run recorded NaN / inf, else :func:`_fmt`."""
+    """A table cell: :data:`NONFINITE` where the run recorded NaN / inf, else :func:`_fmt`;
+    the L1 of a steered run (``target_l0`` set) is its starting and its final coefficient,
+    ``0.0003 -> 0.00038`` (the start alone when the final one is not known)."""
+    if col == "l1_coeff" and row.get("target_l0") is not None and row.get("l1_final") is not None:
+        return f"{_fmt(row.get(col), col)} -> {_fmt(row['l1_final'], col)}"
     return NONFINITE if col in row.get("nonfinite", ()) else _fmt(row.get(col), col)
 
 
 def csv_header() -> dict[str, str]:
     """CSV column name per :data:`COLUMNS` key: a task's score column is named by its primary
     metric (``acc_norm_hellaswag``, ``acc_winogrande``; :data:`evals.tasks.TASKS`), the mean of
-    them ``primary_mean``; ``l0_layers`` holds the final L0 of every layer, ``;``-separated."""
+    them ``primary_mean``; ``l0_layers`` holds the final L0 of every layer, ``;``-separated;
+    ``l1_coeff`` is the configured (starting) coefficient, ``l1_coeff_final`` the last step's,
+    ``target_l0`` the L0 a steered run held its coefficient to (empty for other schedules)."""
 
     return {**{c: c for c in COLUMNS}, **{f"acc_{t}": f"{TASKS[t].primary}_{t}" for t in ALL_TASKS},
-            "acc_mean": "primary_mean", "l0_layers": "l0_layers"}
+            "acc_mean": "primary_mean", "l0_layers": "l0_layers", "l1_final": "l1_coeff_final",
+            "target_l0": "target_l0"}
 
 
 def csv_text(rows: list[dict]) -> str:
@@ -662,9 +695,17 @@ def label_legend(runs: list[Run]) -> list[str]:
             if len(lab) > MAX_LABEL]
 
 
+def _coeff_in_force(run: Run) -> float:
+    """The coefficient a run is compared at: a steered run's final one where known, else
+    ``sparsity.l1_coeff``."""
+    final = run.final_l1_coeff if run.target_l0 is not None else None
+    return run.config["sparsity"]["l1_coeff"] if final is None else final
+
+
 def variant_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
     """(baseline, variant) pairs: configs differ only in ``sparsity.*``, the baseline is a plain
-    constant-L1 run and the variant is l1_reinit / warmup (same coefficient preferred)."""
+    constant-L1 run and the variant is l1_reinit / warmup / steered (same coefficient preferred:
+    a steered run's final one)."""
     pairs = []
     bases = [r for r in runs if r.variant == "l1"]
     for v in runs:
@@ -673,7 +714,7 @@ def variant_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
         cands = [b for b in bases if all(k.startswith("sparsity.") for k in _config_diff(b, v))]
         if not cands:
             continue
-        coeff = v.config["sparsity"]["l1_coeff"]
+        coeff = _coeff_in_force(v)
         cands.sort(key=lambda b: abs(math.log(b.config["sparsity"]["l1_coeff"] / coeff))
                    if coeff else 0.0)
         pairs.append((cands[0], v))
@@ -681,12 +722,14 @@ def variant_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
 
 
 def variant_rows(pairs: list[tuple[Run, Run]]) -> list[dict]:
-    """One row per (baseline, variant) pair: L0, dead %, val loss, mean accuracy of both."""
+    """One row per (baseline, variant) pair: L0, dead %, val loss, mean accuracy of both (L1:
+    a steered variant's final coefficient where known)."""
     out = []
     for b, v in pairs:
         rb, rv = run_row(b), run_row(v)
         out.append({"size": rv["size"], "variant": rv["variant"],
-                    "l1": f"{_fmt(rb['l1_coeff'], 'l1_coeff')} -> {_fmt(rv['l1_coeff'], 'l1_coeff')}",
+                    "l1": f"{_fmt(rb['l1_coeff'], 'l1_coeff')} -> "
+                          f"{_fmt(_coeff_in_force(v), 'l1_coeff')}",
                     **{k: f"{_cell(rb, k)} -> {_cell(rv, k)}"
                        for k in ("l0_mean", "dead_pct", "val_loss", "acc_mean")},
                     "runs": f"{b.name} / {v.name}"})
@@ -1236,7 +1279,9 @@ class Report:
               "layers, `L0 max layer` is the most active layer); dead %: units inactive over a "
               "whole optimizer step's tokens; task scores: percent, each task's primary metric "
               "(acc or acc_norm)" + (", not shown: no run has eval results" if no_acc else "")
-              + "; tok/s: training tokens per second of the run."), ""]
+              + "; tok/s: training tokens per second of the run."
+              + (" L1 of a run steered to a target L0: its starting -> final coefficient."
+                 if any(r.get("target_l0") is not None for r in self.rows) else "")), ""]
         if self.legend:
             md += [f"Labels cut at {MAX_LABEL} characters, in full:", ""]
             md += [f"- {x}" for x in self.legend] + [""]

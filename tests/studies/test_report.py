@@ -42,22 +42,19 @@ def _fake_evaluate(model, tokenizer, tasks="all", limit=None, batch_size=16, dev
     return {"tasks": out, "mean": sum(SCORES.values()) / len(SCORES), "protocol": {}}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    tokens = write_tokens(root / "tok" / "train.bin", n_tokens=20_000)
+def _train(study: Path, tokens: Path, variants: dict) -> None:
+    """Train one run per ``variants`` entry (its name: config overrides) into ``study/name``:
+    6 steps, logged at each, evals at the end from :func:`_fake_evaluate`."""
     fake = types.ModuleType("evals")
     fake.evaluate = _fake_evaluate
     saved = sys.modules.get("evals")
     sys.modules["evals"] = fake
     over = {"trainer.max_steps": 6, "trainer.log_every": 1, "trainer.val_every": 0,
             "eval.at_end": True, "eval.limit": 7}
-    variants = {"dense": {}, "l1": {"sparsity.l1_coeff": 0.5},
-                "l1_reinit": {"sparsity.l1_coeff": 0.5, "sparsity.reinit_dead": True}}
     try:
         for name, extra in variants.items():
             cfg = tiny_config(tokens, **over, **extra)
-            t = Trainer(cfg, root / "study" / name, datamodule=datamodule_with_stub_tokenizer(cfg))
+            t = Trainer(cfg, study / name, datamodule=datamodule_with_stub_tokenizer(cfg))
             try:
                 t.train()
             finally:
@@ -67,6 +64,15 @@ def runs(tmp_path_factory):
             sys.modules.pop("evals", None)
         else:
             sys.modules["evals"] = saved
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    tokens = write_tokens(root / "tok" / "train.bin", n_tokens=20_000)
+    _train(root / "study", tokens, {
+        "dense": {}, "l1": {"sparsity.l1_coeff": 0.5},
+        "l1_reinit": {"sparsity.l1_coeff": 0.5, "sparsity.reinit_dead": True}})
     return root / "study"
 
 
@@ -127,6 +133,50 @@ def test_table_values_equal_the_files(runs):
     assert v["variant"] == "l1_reinit" and v["runs"] == "l1 / l1_reinit"
     assert v["l0_mean"] == f"{report._fmt(by['l1']['l0_mean'])} -> " \
                            f"{report._fmt(by['l1_reinit']['l0_mean'])}"
+
+
+def test_a_steered_run_is_named_by_its_target_and_shows_its_final_coefficient(runs, tmp_path,
+                                                                              monkeypatch):
+    """sparsity.schedule=target_l0 (a real 6-step run next to a copy of the L1 0.5 run, the
+    same config but sparsity.*): the variant says the L0 it was steered to, the L1 cell its
+    starting -> final coefficient (summary.json's final_l1_coeff = the last step's logged
+    coefficient, moved off 0.5), the variant table pairs it with the plain run at its final
+    coefficient, the CSV has both coefficients and the target, and the L0-vs-L1 plot leaves it
+    out. A summary from before final_l1_coeff: the last train line's coefficient."""
+    _copy(runs, "l1", tmp_path, "l1")
+    _copy(runs, "dense", tmp_path, "dense")
+    drawn = _saved_figures(monkeypatch)
+    _train(tmp_path / "study", runs.parent / "tok" / "train.bin", {"steered": {
+        "sparsity.l1_coeff": 0.5, "sparsity.target_l0": 8.0, "sparsity.target_gain": 0.2,
+        "sparsity.target_after": 2, "sparsity.schedule": "target_l0"}})
+    d = tmp_path / "study" / "steered"
+    final = json.loads((d / "summary.json").read_text())["final_l1_coeff"]
+    train = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["kind"] == "train"]
+    assert final == train[-1]["l1_coeff"] and final != 0.5 and train[0]["l1_coeff"] == 0.5
+    rep = build_report([str(tmp_path / "study")], plot_dir=tmp_path / "plots")
+    by = {r["run"]: r for r in rep.rows}
+    assert (by["steered"]["variant"], by["l1"]["variant"]) == ("steered to L0 8", "l1")
+    assert (by["steered"]["l1_coeff"], by["steered"]["l1_final"]) == (0.5, final)
+    assert (by["steered"]["target_l0"], by["l1"]["target_l0"], by["l1"]["l1_final"]) == (
+        8.0, None, 0.5)
+    md = rep.markdown()
+    assert f"| 0.5 -> {final:.3g} | steered to L0 8 |" in md and "| 0.5 | l1 |" in md
+    assert "L1 of a run steered to a target L0: its starting -> final coefficient." in md
+    assert [(v["variant"], v["l1"], v["runs"]) for v in rep.variant_rows] == [
+        ("steered to L0 8", f"0.5 -> {final:.3g}", "l1 / steered")]
+    rows = {r["run"]: r for r in csv.DictReader(io.StringIO(report.csv_text(rep.rows)))}
+    assert (float(rows["steered"]["l1_coeff"]), float(rows["steered"]["l1_coeff_final"]),
+            float(rows["steered"]["target_l0"])) == (0.5, final, 8.0)
+    assert (rows["l1"]["l1_coeff_final"], rows["l1"]["target_l0"]) == ("0.5", "")
+    # L0 against L1: the plain runs only (dense, L1 0.5), not the steered one started at 0.5
+    assert drawn["Active units vs L1"][1][0] == [by["dense"]["l0_mean"], by["l1"]["l0_mean"]]
+    s = json.loads((d / "summary.json").read_text())
+    del s["final_l1_coeff"]
+    (d / "summary.json").write_text(json.dumps(s))
+    assert load_run(d).final_l1_coeff == final
+    rows = {r["run"]: r for r in build_report([str(tmp_path / "study")]).rows}
+    assert rows["steered"]["l1_final"] == final
 
 
 def test_eval_from_metrics_when_summary_has_none(runs, tmp_path):
@@ -382,6 +432,8 @@ def _saved_figures(monkeypatch) -> dict:
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.figure  # not yet imported when this test runs alone
+
     drawn = {}
     orig = matplotlib.figure.Figure.savefig
 
