@@ -16,10 +16,16 @@ from tests.train_utils import write_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# What setuptools' editable install puts on the import path (its __editable__ finder): a meta
-# path finder asked *after* the path finder, mapping each package to this checkout.
+# What setuptools' editable install puts on the import path without package-dir (its
+# __editable__ finder): a meta path finder asked *after* the path finder, mapping each package to
+# this checkout. An install with package-dir (pyproject.toml) puts the checkout on sys.path
+# instead (a .pth entry, read before sitecustomize), where the regular package wins over the
+# clone folder by itself: that entry is taken out so the finder is the only way in.
 EDITABLE_FINDER = f"""
+import os
 import sys
+sys.path[:] = [p for p in sys.path
+               if os.path.realpath(p or ".") != os.path.realpath({str(ROOT)!r})]
 from importlib.machinery import PathFinder
 from importlib.util import spec_from_file_location
 MAP = {{n: {str(ROOT)!r} + "/" + n for n in ("twell", "train", "evals", "offline")}}
