@@ -68,9 +68,12 @@ def tiny_config(tokens: Path, **over) -> TrainConfig:
                               save_every=0, progress=False),
         logging=LoggingConfig(wandb_mode="disabled"),
     )
-    for key, value in over.items():
+    groups = []
+    for key, value in over.items():  # a group's fields all set, then checked together
         group, field = key.split(".")
         setattr(getattr(cfg, group), field, value)
+        groups += [group] if group not in groups else []
+    for group in groups:
         getattr(cfg, group).__post_init__()
     cfg.__post_init__()  # the checks across groups (ffn against model, distillation)
     return cfg

@@ -293,9 +293,11 @@ class SparsityConfig:
     """constant (from step 0) | linear_warmup (0 until warmup_start, full at warmup_end) |
     target_l0 (l1_coeff until target_after, then steered so the training L0 holds target_l0)."""
     warmup_start: int = 0
-    """linear_warmup: last optimizer step with coefficient 0."""
+    """linear_warmup: last optimizer step with coefficient 0 (steps counted from 0: the log's
+    step warmup_start + 1)."""
     warmup_end: int = 0
-    """linear_warmup: first optimizer step at the full coefficient."""
+    """linear_warmup: first optimizer step at the full coefficient (counted from 0: the log's
+    step warmup_end + 1)."""
     target_l0: float | None = None
     """target_l0: the mean L0 per token over layers (active units, training tokens) to hold."""
     target_gain: float = 0.05
@@ -328,8 +330,9 @@ class SparsityConfig:
     def _check_target(self) -> None:
         t = self.target_l0
         if t is None or not math.isfinite(t) or t <= 0:
-            raise ConfigError(f"sparsity.schedule=target_l0 needs sparsity.target_l0 > 0 (mean "
-                              f"active units per token); got {t}. E.g. sparsity.target_l0=29.")
+            raise ConfigError(f"sparsity.schedule=target_l0 needs a finite sparsity.target_l0 "
+                              f"> 0 (mean active units per token); got {t}. E.g. "
+                              "sparsity.target_l0=29.")
         if self.l1_coeff <= 0:
             raise ConfigError("sparsity.schedule=target_l0 steers the L1 coefficient from "
                               "sparsity.l1_coeff, which is 0; set it > 0, e.g. 3e-4.")
@@ -363,6 +366,10 @@ class SparsityConfig:
                               "linear_warmup or target_l0.")
         if self.schedule == "target_l0":
             self._check_target()
+        elif self.target_l0 is not None:  # steering asked for, but the schedule ignores it
+            raise ConfigError(f"sparsity.target_l0={self.target_l0} is used only by "
+                              f"sparsity.schedule=target_l0 (this run: {self.schedule}); add "
+                              "sparsity=target to steer the coefficient, or drop target_l0.")
         if self.schedule == "linear_warmup" and not 0 <= self.warmup_start < self.warmup_end:
             raise ConfigError(
                 "sparsity.schedule=linear_warmup needs 0 <= sparsity.warmup_start < "

@@ -137,7 +137,7 @@ def test_target_l0_controller_hand_computed():
     huge.update(3, [0.0, 0.0], tokens)
     assert huge.at(4) == pytest.approx(1e-5, rel=1e-12)
     # other schedules ignore the L0s
-    const = L1Schedule(SparsityConfig(l1_coeff=2e-5, target_l0=1.0))
+    const = L1Schedule(SparsityConfig(l1_coeff=2e-5))
     const.update(5, [10000.0], tokens)
     assert const.at(6) == 2e-5
 
@@ -152,6 +152,17 @@ def test_target_l0_config_errors_name_the_field(over, field):
     with pytest.raises(ConfigError, match=f"sparsity.{field}") as err:
         SparsityConfig(schedule="target_l0", **kw)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear_warmup"])
+def test_a_target_l0_without_the_steering_schedule_is_refused(schedule):
+    """sparsity.target_l0 given to a schedule that ignores it (the default group's constant,
+    say, when sparsity=target was forgotten): one line naming the key and the fix."""
+    with pytest.raises(ConfigError) as err:
+        SparsityConfig(schedule=schedule, target_l0=20.0, warmup_start=1, warmup_end=3)
+    msg = str(err.value)
+    assert "\n" not in msg and "sparsity.target_l0=20.0" in msg and "sparsity=target" in msg
+    assert f"this run: {schedule}" in msg
 
 
 def test_dead_tracker_window_and_state():
@@ -320,7 +331,7 @@ def test_a_target_l0_above_the_ffn_width_is_one_line_naming_the_fix():
     """sparsity.target_l0 above model.intermediate_size (units per token: model=tiny has 352)
     can never be reached: refused in one line naming both keys and the bound; the width itself
     is a reachable target. A null width (from model.init_from) is checked once it is read
-    (tests/train/test_pretrained.py); a target of another schedule is not used, so not checked."""
+    (tests/train/test_pretrained.py); a target given to another schedule is refused as such."""
     from train.config import TrainConfig, compose
 
     with pytest.raises(ConfigError) as err:
@@ -336,8 +347,8 @@ def test_a_target_l0_above_the_ffn_width_is_one_line_naming_the_fix():
                       intermediate_size=None, num_layers=None, num_heads=None, seq_len=None)
     big = SparsityConfig(l1_coeff=3e-4, schedule="target_l0", target_l0=1e6)
     assert TrainConfig(model=pre, sparsity=big).sparsity.target_l0 == 1e6  # width not known yet
-    other = SparsityConfig(l1_coeff=3e-4, schedule="constant", target_l0=1e6)
-    assert TrainConfig(sparsity=other).sparsity.target_l0 == 1e6
+    with pytest.raises(ConfigError, match="used only by sparsity.schedule=target_l0"):
+        SparsityConfig(l1_coeff=3e-4, schedule="constant", target_l0=1e6)
 
 
 def test_a_target_schedule_that_never_steers_is_warned(tmp_path):
