@@ -16,7 +16,8 @@
 # /tmp/relufy_work, so a row a call stopped resumes on a warm machine. The study folder and the
 # logs come back as one file, $OUT/relufy_study.tar.gz: a call returns at most 8 files and
 # nothing more than 2 folders below $OUT, and a row's files sit in rows/<row>/. To merge:
-#   rm -rf docs/relufy/study docs/relufy/logs && tar -xzf relufy_study.tar.gz -C docs/relufy
+#   A=relufy_study.tar.gz; test -s $A && rm -rf docs/relufy/study && tar -xzf $A -C docs/relufy
+#   (the study folder replaced by the call's, which started from it; logs/ gains the call's)
 #   python scripts/relufy_report.py docs/relufy/study --doc docs/relufy.md
 # Exit code: the study's.
 set -uo pipefail

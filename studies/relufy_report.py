@@ -303,7 +303,8 @@ def _commands_lines() -> list[str]:
         "# each piece (a device call carrying .devcarry); any relufy_study.py options after it",
         "bash scripts/gpu_relufy_call.sh",
         "# between pieces, here: merge what came back (small: metrics, summaries, scores, logs)",
-        "rm -rf docs/relufy/study docs/relufy/logs && tar -xzf <files_at>/relufy_study.tar.gz -C docs/relufy",
+        ("A=<files_at>/relufy_study.tar.gz; test -s $A && rm -rf docs/relufy/study && "
+         "tar -xzf $A -C docs/relufy   # logs/ gains this call's"),
         "# the plan and its estimate without running anything",
         "python scripts/relufy_study.py --out docs/relufy/study --dry-run",
         "# this document (any machine)",
