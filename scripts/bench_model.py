@@ -7,7 +7,7 @@ docstrings; the commands for a bare GPU machine: docs/model_bench/README.md).
     # one H200: bench the 1.5B model the scaling study left in this call (~5.5 min)
     python scripts/bench_model.py --sizes 1p5b --model-from /tmp/runs/1p5b_l1_3e-4/checkpoints/step200 \\
         --out "$OUT" --config data.build_if_missing=false
-    # train the bench model here instead (stage 1: 200 steps from L1 3e-4, steered to the paper's L0)
+    # train the bench model here instead (stage 1: 200 steps at a fixed L1 aimed at the paper's L0)
     python scripts/bench_model.py --sizes 2b --train-steps 300 --until-settled --out "$OUT"
     # CPU smoke run (tiny shape, fp32, synthetic tokens, fake memory; tests/e2e/test_bench_model.py;
     # without --out and $OUT its outputs go to a new temporary folder, printed at the start)

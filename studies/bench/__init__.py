@@ -5,8 +5,8 @@
                                   out=Path("out")))      # one GPU call; res.table, res.failed
     merge_runs([Path("out_1p5b"), Path("out_2b")], Path("docs/model_bench"))   # on the CPU
 
-Per size: a bench model (trained in-process with the scaling study's recipe, its L1 steered to
-hold the paper's L0, optionally until its sparsity settles, or loaded from a checkpoint), its held-out L0 and checks against plain
+Per size: a bench model (trained in-process with the scaling study's recipe at a fixed L1 per
+size aimed at the paper's L0, optionally until its sparsity settles, or loaded from a checkpoint), its held-out L0 and checks against plain
 transformers, the forward of every path, then per memory budget (a card: the H200 itself and an
 80 GB card emulated with ``torch.cuda.set_per_process_memory_fraction``) the fastest
 micro-batch x recomputation of every path that fits, found with the memory planner's probes
