@@ -120,7 +120,7 @@ def train_bench_model(cfg, data, run_dir: Path, device, *, size: str, rule: Sett
             log(f"stage 1: bench model saved to {tr.save_checkpoint()}")
         weights = cpu_weights(tr.acc.unwrap_model(tr.model), pin=tr.device.type == "cuda")
         state = tr.plan.state_dict()
-        steps, coeff = tr.step, tr.l1.at(tr.step)
+        steps, coeff = tr.step, tr.l1.at(max(tr.step - 1, 0))  # the last step's (summary.json's)
     finally:
         tr.close()
         tr.acc.free_memory()
@@ -128,7 +128,7 @@ def train_bench_model(cfg, data, run_dir: Path, device, *, size: str, rule: Sett
     free_memory(device)
     sp = cfg.sparsity
     l1 = (f"L1 {sp.l1_coeff:g} steered to hold training L0 {sp.target_l0:g} after step "
-          f"{sp.target_after} (ending at {coeff:.3g})" if sp.schedule == "target_l0"
+          f"{sp.target_after} (its last step at {coeff:.3g})" if sp.schedule == "target_l0"
           else f"L1 {sp.l1_coeff:g}")
     return BenchModel(size, cfg.model, weights, state, f"trained in-process: {steps} steps at "
                       f"{l1} ({reason})", steps, history, cfg.ffn)
