@@ -1342,12 +1342,19 @@ def build_report(paths: list[str], *, skip_incomplete: bool = False, allow_misma
     return rep
 
 
+def csv_rows(rep: Report) -> list[dict]:
+    """The report's rows for ``runs.csv``: each ``setting`` the full label (:func:`full_labels`;
+    the markdown table's may be cut and numbered)."""
+    full = full_labels(rep.runs)
+    return [{**row, "setting": full[r.dir]} for row, r in zip(rep.rows, rep.runs, strict=True)]
+
+
 def write_outputs(rep: Report, out_dir: Path, image_prefix: str = "") -> dict[str, Path]:
     """``report.md``, ``runs.csv``, ``position_l0.json`` (if measured) into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {"markdown": out_dir / "report.md", "csv": out_dir / "runs.csv"}
     files["markdown"].write_text(rep.markdown(image_prefix))
-    files["csv"].write_text(csv_text(rep.rows))
+    files["csv"].write_text(csv_text(csv_rows(rep)))
     if rep.position:
         files["position"] = out_dir / "position_l0.json"
         files["position"].write_text(json.dumps(
@@ -1387,7 +1394,7 @@ def main(argv: list[str] | None = None) -> int:
         files = write_outputs(rep, a.out, a.image_prefix)
         print("\n".join(f"{k}: {v}" for k, v in files.items()))
         print("\n".join(f"plot: {p}" for p in rep.plots))
-    print(csv_text(rep.rows) if a.csv else rep.markdown(a.image_prefix))
+    print(csv_text(csv_rows(rep)) if a.csv else rep.markdown(a.image_prefix))
     return 0
 
 

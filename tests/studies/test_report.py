@@ -425,6 +425,11 @@ def test_labels_are_the_differing_overrides_and_long_ones_are_cut(runs, tmp_path
     rep = build_report([str(sweep)])
     md = rep.markdown()
     assert f"- [3] {long}" in md and f"| {cut} |" in md
+    # runs.csv keeps every label whole: a table for other tools has no legend to look up
+    csv_path = report.write_outputs(rep, tmp_path / "out")["csv"]
+    import csv
+    settings = sorted(r["setting"] for r in csv.DictReader(csv_path.open()))
+    assert settings == sorted(["sparsity.l1_coeff=0", "sparsity.l1_coeff=0.5", long])
 
 
 def _saved_figures(monkeypatch) -> dict:
