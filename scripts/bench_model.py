@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from studies.bench import PATHS, BenchSettings, Recipe, SettleRule, parse_budgets, run_bench
-from studies.bench.recipe import PROFILE_PATHS, check_config, check_overrides
+from studies.bench.recipe import PAPER_L0, PROFILE_PATHS, SMOKE_SIZE, check_config, check_overrides
 from studies.bench.report import merge_runs
 
 # seconds for a run on the device machine (one call, outputs included): --deadline's default
@@ -81,7 +81,8 @@ def _stage1_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settle-tolerance", type=float, default=0.05, help="relative (0.05)")
     p.add_argument("--target-l0", type=_target_l0, default=UNSET,
                    help="steer the stage-1 L1 coefficient from 30 %% of its steps to hold this "
-                        "training L0: paper (29 at 1p5b, 24 at 2b), a number > 0, or none "
+                        "training L0: paper (29 at 1p5b, 24 at 2b; no other size), a number > 0, "
+                        "or none "
                         "(default: the fixed --l1)")
     p.add_argument("--train-budget", type=float, default=None,
                    help="stage-1 seconds (default 0.45 x --deadline)")
@@ -204,6 +205,12 @@ def settings(a: argparse.Namespace) -> BenchSettings:
         if named:
             raise ValueError(f"{named[0]} with --model-from: the checkpoint is benched as it is "
                              f"and stage 1 trains nothing; drop {named[0]}")
+    no_paper = [s for s in ([SMOKE_SIZE] if a.smoke else (a.sizes or SIZES_DEFAULT).split(","))
+                if s and s not in PAPER_L0]
+    if a.target_l0 == "paper" and no_paper:
+        raise ValueError(f"--target-l0 paper: the paper gives no L0 for size {no_paper[0]} (it "
+                         f"does for {', '.join(PAPER_L0)}); give a number or leave --target-l0 "
+                         "out")
     if a.smoke:  # the smoke's own recipe, with the options given on top
         if a.sizes is not None:
             raise ValueError(f"--sizes {a.sizes}: --smoke runs its tiny shape only; leave "

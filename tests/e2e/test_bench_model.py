@@ -280,6 +280,10 @@ def test_stage1_l1_per_size_and_steering_on_request():
     assert recipe("--target-l0", "none").target_l0 is None
     assert recipe("--target-l0", "24.5").target_l0 == 24.5
     assert recipe("--target-l0", "paper").target_l0 == "paper"
+    for argv in (["--sizes", "1p5b,small_l4"], ["--smoke"]):  # the CLI names a size without one
+        with pytest.raises(ValueError, match=r"--target-l0 paper: the paper gives no L0 for "
+                                             r"size (small_l4|smoke) \(it does for 1p5b, 2b\)"):
+            recipe(*argv, "--target-l0", "paper")
     assert recipe().target_l0 is None and recipe().l1 is None and recipe().steps == 200
     # --smoke keeps its own recipe, with what was given on top, a full run's default included
     smoke = recipe("--smoke", "--train-steps", "200", "--l1", "3e-4")
@@ -554,6 +558,7 @@ def test_bad_profile_options_are_one_line_with_exit_code_2(args, want):
     (["--model-from", "/nonexistent/step1"], "bench_model: --model-from /nonexistent/step1: not "),
     (["--sizes", "2b"], "bench_model: --sizes 2b: --smoke runs its tiny shape only"),
     (["--sizes", "1p5b"], "bench_model: --sizes 1p5b: --smoke runs its tiny shape only"),
+    (["--target-l0", "paper"], "bench_model: --target-l0 paper: the paper gives no L0 for size "),
 ])
 def test_bad_run_options_are_one_line_with_exit_code_2(args, want, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
