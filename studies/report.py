@@ -1115,24 +1115,28 @@ def _plot_l0_vs_l1(inp: _PlotInput, notes: list[str]):
 
 
 def _plot_l0_per_layer(inp: _PlotInput, notes: list[str]):
-    """Per-layer final L0, one panel per L1 coefficient (one shared panel for a plain sweep
-    with one run per L1); None when no run logged per-layer L0."""
+    """Per-layer final L0, one panel per L1 coefficient or, for steered runs, per target L0
+    (one shared panel when every panel would hold one run); None when no run logged per-layer
+    L0."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    rows = inp.rows
     with_layers = [r for r in inp.runs if r.summary.get("l0_layers")]
     if not with_layers:
         return None
-    coeffs = sorted({rows[r.dir]["l1_coeff"] for r in with_layers})
-    per_coeff = [sum(rows[r.dir]["l1_coeff"] == c for r in with_layers) for c in coeffs]
-    if max(per_coeff) == 1:  # one run per L1 (a plain L1 sweep): one shared panel
-        coeffs = [None]
-    fig, axes = plt.subplots(1, len(coeffs), figsize=(4.6 * len(coeffs), 3.8), squeeze=False)
-    for ax, coeff in zip(axes[0], coeffs):
+
+    def panel(r: Run) -> tuple:  # a steered run's panel is its target L0, not its start L1
+        t = r.target_l0
+        return (0, inp.rows[r.dir]["l1_coeff"] or 0.0) if t is None else (1, float(t))
+
+    keys = sorted({panel(r) for r in with_layers})
+    if max(sum(panel(r) == k for r in with_layers) for k in keys) == 1:
+        keys = [None]  # one run per panel (a plain L1 sweep): one shared panel
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 3.8), squeeze=False)
+    for ax, key in zip(axes[0], keys):
         vals = []
         for i, r in enumerate(with_layers):
-            if coeff is not None and rows[r.dir]["l1_coeff"] != coeff:
+            if key is not None and panel(r) != key:
                 continue
             layers = r.summary["l0_layers"]
             vals += layers
@@ -1141,8 +1145,9 @@ def _plot_l0_per_layer(inp: _PlotInput, notes: list[str]):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("L0 (active units per token, final)")
         _value_axis(ax, vals)
-        ax.set_title("Final L0 per layer" if coeff is None
-                     else f"L1 = {_fmt(float(coeff), 'l1_coeff')}")
+        ax.set_title("Final L0 per layer" if key is None
+                     else f"L1 = {_fmt(key[1], 'l1_coeff')}" if key[0] == 0
+                     else f"steered to L0 {key[1]:g}")
         ax.legend(fontsize=7)
     return fig
 

@@ -141,8 +141,8 @@ def test_a_steered_run_is_named_by_its_target_and_shows_its_final_coefficient(ru
     same config but sparsity.*): the variant says the L0 it was steered to, the L1 cell its
     starting -> final coefficient (summary.json's final_l1_coeff = the last step's logged
     coefficient, moved off 0.5), the variant table pairs it with the plain run at its final
-    coefficient, the CSV has both coefficients and the target, and the L0-vs-L1 plot leaves it
-    out. A summary from before final_l1_coeff: the last train line's coefficient."""
+    coefficient, the CSV has both coefficients and the target, the L0-vs-L1 plot leaves it
+    out and the per-layer plot puts it under its target, not its starting L1. A summary from before final_l1_coeff: the last train line's coefficient."""
     _copy(runs, "l1", tmp_path, "l1")
     _copy(runs, "dense", tmp_path, "dense")
     drawn = _saved_figures(monkeypatch)
@@ -171,6 +171,15 @@ def test_a_steered_run_is_named_by_its_target_and_shows_its_final_coefficient(ru
     assert (rows["l1"]["l1_coeff_final"], rows["l1"]["target_l0"]) == ("0.5", "")
     # L0 against L1: the plain runs only (dense, L1 0.5), not the steered one started at 0.5
     assert drawn["Active units vs L1"][1][0] == [by["dense"]["l0_mean"], by["l1"]["l0_mean"]]
+    # L0 per layer: with each panel holding one run, one shared panel of all three; with a
+    # second run steered to L0 8, a panel of its own for the target (not under L1 0.5)
+    assert len(drawn["Final L0 per layer"][1]) == 3
+    shutil.copytree(d, tmp_path / "study" / "steered2")
+    drawn.clear()
+    build_report([str(tmp_path / "study")], plot_dir=tmp_path / "plots2")
+    layers = by["steered"]["l0_layers"]
+    assert [len(drawn[t][1]) for t in ("L1 = 0", "L1 = 0.5", "steered to L0 8")] == [1, 1, 2]
+    assert drawn["steered to L0 8"][1][0] == pytest.approx(layers)
     s = json.loads((d / "summary.json").read_text())
     del s["final_l1_coeff"]
     (d / "summary.json").write_text(json.dumps(s))
