@@ -66,7 +66,8 @@ def cpu_cost_warning(cfg: TrainConfig) -> str | None:
     :data:`CPU_FLOPS`: a long ``model.seq_len``; a SIGTERM waits for the step in progress once a
     step has finished since the last checkpoint), evals over the seven tasks' full validation
     sets (eval.limit=null: ~58 k scoring requests per evaluation), or trainer.compile; the line
-    names what applies and the overrides that shrink it."""
+    names what applies and the overrides that shrink it (a run whose only slow part is
+    trainer.compile: a line saying compiling takes minutes, not hours)."""
     t, e = cfg.trainer, cfg.eval
     parts, fix = [], []
     shaped = all(getattr(cfg.model, k) is not None for k in (  # null: from init_from, not yet read
@@ -88,6 +89,10 @@ def cpu_cost_warning(cfg: TrainConfig) -> str | None:
                      f"with all seven tasks) {'before and after' if e.at_start else 'after'} "
                      "training")
         fix.append("eval.limit=50 (or eval=disabled)")
+    if t.compile and not parts:  # a small run: compiling is the only slow part, not hours
+        return ("warning: trainer.compile=true on the CPU: compiling the model takes minutes "
+                "before the first step and again for a new shape; to skip it: "
+                "trainer.compile=false.")
     if t.compile:
         parts.append("torch.compile (minutes of compilation on a CPU)")
         fix.append("trainer.compile=false")

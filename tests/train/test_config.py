@@ -250,6 +250,10 @@ def test_relufy_recipe_is_the_gpu_recipe_and_warns_how_to_shrink_it_on_a_cpu():
         "model.seq_len=256", "eval.limit=50"]))
     assert cpu_cost_warning(small) is None
     assert cpu_cost_warning(OmegaConf.to_object(_compose([]))) is None  # the CPU default
+    compiled = cpu_cost_warning(OmegaConf.to_object(_compose(["trainer.compile=true"])))
+    assert compiled.startswith("warning: trainer.compile=true on the CPU: compiling the model "
+                               "takes minutes") and "hours" not in compiled
+    assert compiled.endswith("to skip it: trainer.compile=false.")
 
 
 def test_unknown_keys_and_types_are_errors():
