@@ -133,7 +133,7 @@ def _reinit_worker(out: str) -> None:
 
     from train.config import ModelConfig
     from train.model import build_model, ffn_modules
-    from train.parallel import apply_fsdp2, plain
+    from train.parallel import apply_fsdp2, end_process_group, plain
     from train.sparsity import reinit_dead_gates
 
     acc = Accelerator(cpu=True)
@@ -155,6 +155,8 @@ def _reinit_worker(out: str) -> None:
                        for i, f in enumerate(ffn_modules(m))})
     if acc.is_main_process:
         torch.save(models, out)
+    acc.wait_for_everyone()
+    end_process_group()  # left to the interpreter's shutdown, gloo can abort a rank (SIGABRT)
 
 
 def test_dead_unit_reinit_on_sharded_weights_equals_unsharded(tmp_path):
