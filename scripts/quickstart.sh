@@ -10,3 +10,5 @@ bash scripts/setup.sh
 . .venv/bin/activate
 echo "quickstart: twell-train (the tiny model on CPU; the first run builds the offline corpus)"
 twell-train "$@"
+echo "quickstart: the other commands (twell-train, twell-eval, python scripts/...) run inside" \
+    ".venv: in a new shell, run '. .venv/bin/activate' first"
