@@ -699,7 +699,7 @@ def _coeff_in_force(run: Run) -> float:
     """The coefficient a run is compared at: a steered run's final one where known, else
     ``sparsity.l1_coeff``."""
     final = run.final_l1_coeff if run.target_l0 is not None else None
-    return run.config["sparsity"]["l1_coeff"] if final is None else final
+    return run.config.get("sparsity", {}).get("l1_coeff") if final is None else final
 
 
 def variant_pairs(runs: list[Run]) -> list[tuple[Run, Run]]:
@@ -982,13 +982,41 @@ def write_plots(runs: list[Run], out_dir: Path, position: dict | None = None,
     return written
 
 
+def _left_out(inp: _PlotInput) -> str:
+    """Why the L1 and size plots leave runs out ('' when they leave none): a steered run's L1
+    moved, a warmup / re-init run is no plain L1, a run on another ``ffn.impl``."""
+    plain = {r.dir for r in inp.plain}
+    rest = [r for r in inp.runs if r.dir not in plain]
+    why = []
+    if any(r.target_l0 is not None for r in rest):
+        why.append("steered runs are left out: their L1 moved")
+    if any(r.target_l0 is None and r.variant not in ("l1", "dense") for r in rest):
+        why.append("warmup / re-init runs are left out: the variant table compares them")
+    impls = sorted({ffn_impl(r) for r in rest if r.variant in ("l1", "dense")})
+    if impls:
+        why.append(f"runs on ffn.impl={' / '.join(impls)} are left out")
+    return "; ".join(why)
+
+
+def _not_drawn(name: str, inp: _PlotInput, short: str, left_out_would_fill: bool) -> str:
+    """The note of an L1 / size plot the plain runs cannot fill: ``short`` (why not), and the
+    runs left out when there is no plain run or they would have filled it."""
+    left = _left_out(inp)
+    if left and not inp.plain:
+        return f"{name}: not drawn ({left}; no plain-L1 run)"
+    return f"{name}: not drawn ({short}" + (f"; {left}" if left and left_out_would_fill
+                                              else "") + ")"
+
+
 def _plot_l0_vs_size(inp: _PlotInput, notes: list[str]):
     """L0 vs model size, one line per L1 coefficient (None: fewer than two sizes)."""
     import matplotlib.pyplot as plt
 
     rows, plain = inp.rows, inp.plain
     if len(inp.sizes) < 2:
-        notes.append("l0_vs_size.png: not drawn (one model size; it needs two or more)")
+        sizes_all = {inp.rows[r.dir]["size"] for r in inp.runs}
+        notes.append(_not_drawn("l0_vs_size.png", inp, "one model size; it needs two or more",
+                                len(sizes_all) > 1))
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     l0s = []
@@ -1023,9 +1051,10 @@ def _plot_acc_loss_vs_l1(inp: _PlotInput, notes: list[str]):
     has_acc = any(rows[r.dir]["acc_mean"] is not None for r in plain)
     has_val = any(rows[r.dir]["val_loss"] is not None for r in plain)
     if len(coeffs_plain) < 2 or not (has_acc or has_val):
-        notes.append("acc_loss_vs_l1.png: not drawn (" + (
+        notes.append(_not_drawn("acc_loss_vs_l1.png", inp, (
             "one L1 value; it needs two or more" if len(coeffs_plain) < 2
-            else "no accuracy or validation loss") + ")")
+            else "no accuracy or validation loss"),
+            len({_coeff_in_force(r) for r in inp.runs}) > 1))
         return None
     panels = [p for p, has in (("acc", has_acc), ("val", has_val)) if has]
     if not has_acc:
@@ -1087,8 +1116,11 @@ def _plot_l0_vs_l1(inp: _PlotInput, notes: list[str]):
     with_l0 = [r for r in plain if rows[r.dir]["l0_mean"] is not None]
     coeffs = sorted({rows[r.dir]["l1_coeff"] for r in with_l0})
     if len(coeffs) < 2:
-        notes.append("l0_vs_l1.png: not drawn (" + (
-            "one L1 value; it needs two or more" if coeffs else "no run logged L0") + ")")
+        logged = [r for r in inp.runs if rows[r.dir]["l0_mean"] is not None]
+        notes.append(_not_drawn("l0_vs_l1.png", inp, (
+            "one L1 value; it needs two or more" if coeffs
+            else "no plain-L1 run logged L0" if logged else "no run logged L0"),
+            len({_coeff_in_force(r) for r in logged}) > 1))
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     vals = []

@@ -76,6 +76,15 @@ def runs(tmp_path_factory):
     return root / "study"
 
 
+@pytest.fixture(scope="module")
+def steered(runs):
+    """A real 6-step run whose L1 (starting at 0.5, as the "l1" run's) is steered to L0 8."""
+    _train(runs.parent / "steered_study", runs.parent / "tok" / "train.bin", {"steered": {
+        "sparsity.l1_coeff": 0.5, "sparsity.target_l0": 8.0, "sparsity.target_gain": 0.2,
+        "sparsity.target_after": 2, "sparsity.schedule": "target_l0"}})
+    return runs.parent / "steered_study" / "steered"
+
+
 def _copy(runs: Path, name: str, tmp_path: Path, as_name: str) -> Path:
     dst = tmp_path / "study" / as_name
     shutil.copytree(runs / name, dst)
@@ -135,7 +144,8 @@ def test_table_values_equal_the_files(runs):
                            f"{report._fmt(by['l1_reinit']['l0_mean'])}"
 
 
-def test_a_steered_run_is_named_by_its_target_and_shows_its_final_coefficient(runs, tmp_path,
+def test_a_steered_run_is_named_by_its_target_and_shows_its_final_coefficient(runs, steered,
+                                                                              tmp_path,
                                                                               monkeypatch):
     """sparsity.schedule=target_l0 (a real 6-step run next to a copy of the L1 0.5 run, the
     same config but sparsity.*): the variant says the L0 it was steered to, the L1 cell its
@@ -146,10 +156,8 @@ def test_a_steered_run_is_named_by_its_target_and_shows_its_final_coefficient(ru
     _copy(runs, "l1", tmp_path, "l1")
     _copy(runs, "dense", tmp_path, "dense")
     drawn = _saved_figures(monkeypatch)
-    _train(tmp_path / "study", runs.parent / "tok" / "train.bin", {"steered": {
-        "sparsity.l1_coeff": 0.5, "sparsity.target_l0": 8.0, "sparsity.target_gain": 0.2,
-        "sparsity.target_after": 2, "sparsity.schedule": "target_l0"}})
     d = tmp_path / "study" / "steered"
+    shutil.copytree(steered, d)
     final = json.loads((d / "summary.json").read_text())["final_l1_coeff"]
     train = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()
              if json.loads(x)["kind"] == "train"]
@@ -186,6 +194,25 @@ def test_a_steered_run_is_named_by_its_target_and_shows_its_final_coefficient(ru
     assert load_run(d).final_l1_coeff == final
     rows = {r["run"]: r for r in build_report([str(tmp_path / "study")]).rows}
     assert rows["steered"]["l1_final"] == final
+
+
+def test_plots_of_steered_runs_only_say_the_steered_runs_are_left_out(runs, steered, tmp_path):
+    """Every run steered (they logged L0): the L1 and size plots leave steered runs out, and
+    their notes say so, not that no run logged L0; next to a plain run of the one L1 value,
+    the L0-vs-L1 note names both reasons, since the steered run's final L1 is a second value."""
+    for name in ("steered", "steered2"):
+        shutil.copytree(steered, tmp_path / "study" / name)
+    rep = build_report([str(tmp_path / "study")], plot_dir=tmp_path / "plots")
+    why = "steered runs are left out: their L1 moved; no plain-L1 run"
+    assert rep.plot_notes == [f"l0_vs_l1.png: not drawn ({why})",
+                              f"l0_vs_size.png: not drawn ({why})",
+                              f"acc_loss_vs_l1.png: not drawn ({why})"]
+    assert sorted(p.name for p in rep.plots) == ["l0_per_layer.png", "train_curves.png"]
+    _copy(runs, "l1", tmp_path, "l1")
+    notes = build_report([str(tmp_path / "study")], plot_dir=tmp_path / "plots2").plot_notes
+    assert notes[0] == ("l0_vs_l1.png: not drawn (one L1 value; it needs two or more; steered "
+                        "runs are left out: their L1 moved)")
+    assert notes[1] == "l0_vs_size.png: not drawn (one model size; it needs two or more)"
 
 
 def test_eval_from_metrics_when_summary_has_none(runs, tmp_path):
