@@ -44,6 +44,7 @@ import glob
 import io
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -333,16 +334,28 @@ def incomplete_reason(d: Path, last: int, max_steps) -> str:
                 "and run it again, or leave it out (--skip-incomplete)")
     if reason.startswith("NonFiniteLossError"):
         return (f"{d}: diverged run ({at}): {reason}. Rerunning the same command diverges "
-                "again: resume its last good checkpoint with a lower optim.lr (trainer.resume="
-                "<checkpoint> trainer.resume_allow_changes=true optim.lr=...) or start a new run "
-                "with a lower optim.lr or longer optim.warmup_steps, or leave it out "
-                "(--skip-incomplete)")
+                f"again{_diverged_advice(reason)}, or leave it out (--skip-incomplete)")
     if reason:
         return (f"{d}: failed run ({at}): {reason}. Fix that and run it again, or leave it out "
                 "(--skip-incomplete)")
     return (f"{d}: incomplete run: no summary.json ({at}); it crashed, was killed or is still "
             f"running: rerun the same command with {_run_dir_arg(d)} to resume it, or leave it "
             "out (--skip-incomplete)")
+
+
+def _diverged_advice(reason: str) -> str:
+    """What to do about a diverged run, by the ``last good checkpoint: ...`` its error names:
+    none (it diverged before its first save): start again with a lower ``optim.lr``; a
+    checkpoint: resume that one with a lower ``optim.lr``; not named: either."""
+    found = re.search(r"last good checkpoint: ('[^']*'|\S+)", reason)
+    ckpt = found.group(1).rstrip(".,;") if found else None
+    fresh = ("start a new run (a new hydra.run.dir) with a lower optim.lr or longer "
+             "optim.warmup_steps")
+    if ckpt == "none":
+        return f", and it has no good checkpoint to resume: {fresh}"
+    named = f"its last good checkpoint, {ckpt}," if ckpt else "its last good checkpoint"
+    return (f": resume {named} with a lower optim.lr (trainer.resume={ckpt or '<checkpoint>'} "
+            f"trainer.resume_allow_changes=true optim.lr=...) or {fresh}")
 
 
 def _run_dir_arg(d: Path) -> str:

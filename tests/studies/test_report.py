@@ -380,6 +380,23 @@ def test_failed_runs_get_the_hint_their_cause_calls_for(runs, tmp_path):
                                       "NonFiniteLossError: non-finite loss")
     assert "diverges again" in why["diverged"] and "optim.lr" in why["diverged"]
     assert "rerun the same command" not in why["diverged"]  # it would diverge again
+    # the error names the last good checkpoint: the advice resumes that one, or, with none
+    # (diverged before its first save), starts again
+    step2 = diverged / "checkpoints" / "step2"
+    for ckpt in (step2, "none"):
+        (diverged / "error.txt").write_text(
+            "NonFiniteLossError: non-finite loss or gradient at step 4 (loss 4.159, grad norm "
+            f"nan); the step was not applied; last good checkpoint: {ckpt}\n")
+        why[str(ckpt)] = str(pytest.raises(IncompleteRunError, load_run, diverged).value)
+    assert why[str(step2)].endswith(
+        f"diverges again: resume its last good checkpoint, {step2}, with a lower optim.lr "
+        f"(trainer.resume={step2} trainer.resume_allow_changes=true optim.lr=...) or start a "
+        "new run (a new hydra.run.dir) with a lower optim.lr or longer optim.warmup_steps, or "
+        "leave it out (--skip-incomplete)")
+    assert why["none"].endswith(
+        "last good checkpoint: none. Rerunning the same command diverges again, and it has no "
+        "good checkpoint to resume: start a new run (a new hydra.run.dir) with a lower "
+        "optim.lr or longer optim.warmup_steps, or leave it out (--skip-incomplete)")
     assert why["failed"] == (f"{failed}: failed run (last logged step 6 of 6): DataError: corpus "
                              "shard x.bin is corrupted. Fix that and run it again, or leave it "
                              "out (--skip-incomplete)")
