@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -66,6 +67,7 @@ from studies.scaling import (
     result_names,
 )
 from studies.scaling_report import suggest_text
+from studies.sizes import check_sizes
 
 SMOKE_DEPTH_STEPS = 10
 SMOKE_SEQ_LEN = 256
@@ -91,8 +93,11 @@ def _names(s: str) -> list[str]:
 
 def parse_args(argv=None):
     """The command line (module docstring); exits 2 with the reason on a bad combination."""
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    paragraphs = (__doc__ or "").split("\n\n")
+    p = argparse.ArgumentParser(
+        description=paragraphs[0],  # as written: the raw formatter keeps the examples' lines
+        epilog="examples:\n" + textwrap.dedent(paragraphs[1]) if len(paragraphs) > 1 else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_paper_args(p)
     _add_depth_args(p)
     _add_run_args(p)
@@ -243,6 +248,9 @@ def plan(a, s: StudySettings, log=print):
     (:func:`studies.scaling.plan_depth_rows` / ``plan_probe_rows``); ``log`` gets the re-init
     pick's line (:func:`studies.scaling.reinit_rows`)."""
     if not a.depth_series:
+        check_sizes(a.sizes, "--sizes")
+        if a.reinit:
+            check_sizes(a.reinit_sizes, "--reinit-sizes")
         l1s = a.l1 if a.l1 is not None else [3e-4, 1e-4]
         return plan_rows(a.sizes, l1s, [x for x in a.reinit_sizes if x in a.sizes]
                          if a.reinit else [])

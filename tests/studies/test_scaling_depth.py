@@ -467,6 +467,25 @@ def test_cli_plan_and_errors(tmp_path):
     assert "_reinit" not in wait.stdout
 
 
+def test_cli_help_is_whole_and_an_unknown_size_is_refused():
+    """--help: the docstring's whole first paragraph, then its examples; a size without a model
+    config (paper sizes or re-init sizes) stops the plan in one line naming the flag and the
+    sizes there are, before any row is planned."""
+    h = _cli("--help")
+    assert h.returncode == 0
+    assert ("the depth series (width 512 at 8 / 18 / 28 / 38 layers, trained until sparsity "
+            "settles, with\ndense controls and the seven tasks).") in h.stdout
+    examples = h.stdout.split("examples:\n", 1)[1]
+    assert examples.startswith("# the depth series") and "--report DIR1 DIR2" in examples
+    for args, flag in [(["--sizes", "3b"], "--sizes"),
+                       (["--sizes", "1b", "--reinit", "--reinit-sizes", "1b,3b"],
+                        "--reinit-sizes")]:
+        r = _cli(*args, "--dry-run")
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and not r.stdout, r.stdout
+        assert r.stderr.startswith(f"scaling_study: {flag} '3b': no configs/model/3b.yaml; "
+                                   "the sizes: 0p5b, 1b, 1p5b, 2b, "), r.stderr
+
+
 # ---------------------------------------------------------------- the whole path on the CPU
 
 
