@@ -271,7 +271,10 @@ def run_summary(*, step: int, tokens_seen: int, params: int, train_time: float, 
     segment's (``segment_steps``: its first and last step), ``tokens_per_s_all`` the mean over
     every segment of a resumed run (``tokens_seen / train_time``); ``final_l1_coeff`` the L1
     coefficient the last step ran at (``sparsity.schedule=target_l0``: where the controller
-    had steered it)."""
+    had steered it). ``final_train_loss`` / ``final_train_ce``, ``l0_*``, ``nnz_max`` and
+    ``dead_pct`` are the last train record's (``last``): its loss and CE are means over the
+    steps of the last log interval (up to ``trainer.log_every``, fewer when the run ended or
+    was resumed within one), not the last step's, so they depend on ``trainer.log_every``."""
     m, seg = last, segment
     return {
         "step": step,
@@ -305,8 +308,9 @@ def run_summary(*, step: int, tokens_seen: int, params: int, train_time: float, 
 
 
 def summary_line(s: dict) -> str:
-    """The one-line end of a run (printed last by ``twell-train``): step, train CE, validation
-    loss, L0, dead % (n/a before a dead-unit window completed), eval mean (%, primary metric
+    """The one-line end of a run (printed last by ``twell-train``): step, train CE and L0 (the
+    last log interval's means: :func:`run_summary`), validation loss, dead % (n/a before a
+    dead-unit window completed), eval mean (%, primary metric
     over the tasks) and tokens/s of the last training segment (labelled with its steps when the
     run was resumed)."""
     def f(v, spec: str) -> str:
