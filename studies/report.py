@@ -12,11 +12,12 @@ table (arXiv 2603.23198, "Results": non-zeros per token fall with model size at 
 29 -> 24 from 0.5B to 2B) on any family of runs:
 
 - one row per run, labelled by what differs between the runs (:func:`run_labels`, e.g.
-  ``sparsity.l1_coeff=0.001``): size, layers, params, tokens, L1 coefficient, sparsity variant, FFN impl,
-  final train CE, validation loss, L0 (mean over layers and the most active layer), max non-zeros
-  of any token, dead %, the seven task scores (percent, the task's primary metric) and their
-  mean, tokens/s; a run whose coefficient was steered (``sparsity=target``) is the variant
-  ``steered to L0 X``, its L1 its starting -> final coefficient (:attr:`Run.final_l1_coeff`);
+  ``sparsity.l1_coeff=0.001``): size, layers, params, tokens, L1 coefficient, sparsity variant,
+  FFN impl, final train CE (the last log interval's mean), validation loss, L0 (mean over layers
+  and the most active layer), max non-zeros of any token, dead %, the seven task scores
+  (percent, the task's primary metric) and their mean, tokens/s; a run whose coefficient was
+  steered (``sparsity=target``) is the variant ``steered to L0 X``, its L1 its starting -> final
+  coefficient (:attr:`Run.final_l1_coeff`);
 - variant pairs: runs that differ only in ``sparsity.*`` from a plain constant-L1 run (dead-gate
   re-init ``sparsity=l1_reinit``, ``sparsity=warmup``, ``sparsity=target``): L0, dead %, val
   loss, accuracy side by side;

@@ -310,9 +310,8 @@ def run_summary(*, step: int, tokens_seen: int, params: int, train_time: float, 
 def summary_line(s: dict) -> str:
     """The one-line end of a run (printed last by ``twell-train``): step, train CE and L0 (the
     last log interval's means: :func:`run_summary`), validation loss, dead % (n/a before a
-    dead-unit window completed), eval mean (%, primary metric
-    over the tasks) and tokens/s of the last training segment (labelled with its steps when the
-    run was resumed)."""
+    dead-unit window completed), eval mean (%, primary metric over the tasks) and tokens/s of
+    the last training segment (labelled with its steps when the run was resumed)."""
     def f(v, spec: str) -> str:
         return "n/a" if v is None else format(v, spec)
 
