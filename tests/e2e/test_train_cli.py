@@ -333,3 +333,31 @@ def test_read_only_run_dir_is_one_line(read_only_dir):
         assert err[0].endswith("set hydra.run.dir to a writable folder.")
     r = _train_cli("-m", f"hydra.sweep.dir={read_only_dir / 's'}", "trainer.seed=1,2")
     assert r.returncode == 2 and "set hydra.sweep.dir to a writable folder." in r.stderr
+
+
+def test_a_run_dir_no_file_can_be_made_in_is_one_line_also_for_root(tmp_path, monkeypatch,
+                                                                    capsys):
+    """The run dir is probed by creating a file in it: ``os.access`` says yes to root (as
+    simulated here) even where nothing can be created (/proc, for every user)."""
+    from train import main
+
+    monkeypatch.setattr(os, "access", lambda *a, **k: True)
+    monkeypatch.setattr(main, "_CREATED", set())
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for run_dir, why in ((Path("/proc/twell-test/run"), "its parent /proc is not writable: "),
+                         (afile / "run", f"its parent {afile} is not a folder")):
+        with pytest.raises(SystemExit) as err:
+            main.check_writable(str(run_dir), "hydra.run.dir")
+        assert err.value.code == 2
+        line = capsys.readouterr().err
+        assert line.startswith(f"ConfigError: the run dir {run_dir} cannot be written ({why}")
+        assert line.endswith("); set hydra.run.dir to a writable folder.\n") and line.count(
+            "\n") == 1, line
+    main.check_writable(str(tmp_path / "new" / "run"), "hydra.run.dir")  # writable: no exit
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # the probe left nothing
+    r = _train_cli("hydra.run.dir=/proc/twell-test/run", "trainer.max_steps=1", "eval=disabled")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert _stderr_lines(r) == [(
+        "ConfigError: the run dir /proc/twell-test/run cannot be written (its parent /proc is "
+        "not writable: No such file or directory); set hydra.run.dir to a writable folder.")]
