@@ -181,6 +181,13 @@ def config_warnings(cfg: TrainConfig, device: torch.device) -> list[str]:
         out.append(f"warning: sparsity.target_after={sp.target_after} >= trainer.max_steps="
                    f"{t.max_steps}: the L1 coefficient is never steered (it stays "
                    f"sparsity.l1_coeff={sp.l1_coeff:g}); lower sparsity.target_after.")
+    # linear_warmup: 0 up to step warmup_start (0-based), so none of steps 0..max_steps-1 gets L1
+    if sp.schedule == "linear_warmup" and sp.l1_coeff > 0 and sp.warmup_start >= t.max_steps - 1:
+        out.append(f"warning: sparsity.warmup_start={sp.warmup_start} with trainer.max_steps="
+                   f"{t.max_steps}: the L1 warm-up never starts (the coefficient is 0 through "
+                   f"step {sp.warmup_start + 1}, so the whole run trains without L1); lower "
+                   "sparsity.warmup_start and sparsity.warmup_end, raise trainer.max_steps, or "
+                   "use sparsity.schedule=constant.")
     line = cpu_cost_warning(cfg) if device.type == "cpu" else None
     if line:  # e.g. trainer=gpu or experiment=relufy_smollm2 on a machine without a GPU
         out.append(line)
