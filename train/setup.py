@@ -150,9 +150,10 @@ def warmup_line(cfg: TrainConfig) -> tuple[str, str] | None:
     way. A warm-up the user set on the command line (``optim.warmup_steps=600
     trainer.max_steps=100``) is likely a mistake: a warning on stderr. One that comes from the
     configs (``optim=tiny``'s 10 steps under ``trainer.max_steps=5``, an experiment's 600 in a
-    short test of it) is what a smoke run expects: a note in the run's log lines."""
+    short test of it) is what a smoke run expects: a note in the run's log lines. With
+    ``optim.lr=0`` there is no peak to fall short of (:func:`config_notes` says what lr 0 does)."""
     o, steps = cfg.optim, cfg.trainer.max_steps
-    if o.warmup_steps <= steps:
+    if o.warmup_steps <= steps or o.lr == 0:
         return None
     peak = o.lr * steps / o.warmup_steps
     if given_on_command_line("optim.warmup_steps"):
@@ -165,9 +166,15 @@ def warmup_line(cfg: TrainConfig) -> tuple[str, str] | None:
 
 
 def config_notes(cfg: TrainConfig) -> list[str]:
-    """Informational lines about the configuration (printed with the run's other lines)."""
+    """Informational lines about the configuration (printed with the run's other lines): a
+    warm-up longer than the run (:func:`warmup_line`), and ``optim.lr=0``, allowed because the
+    benchmarks time steps that must leave the trained weights as they are."""
     line = warmup_line(cfg)
-    return [line[1]] if line is not None and line[0] == "note" else []
+    notes = [line[1]] if line is not None and line[0] == "note" else []
+    if cfg.optim.lr == 0:
+        notes.append("note: optim.lr=0: the optimizer steps leave the weights as they are (what "
+                     "a timing run wants); set optim.lr to a positive value to train.")
+    return notes
 
 
 def config_warnings(cfg: TrainConfig, device: torch.device) -> list[str]:
