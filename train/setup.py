@@ -57,11 +57,16 @@ def duration(seconds: float) -> str:
 # warned about
 CPU_FLOPS = 2e11
 CPU_SLOW_STEP_S = 60.0
+# a GPU-sized global batch is warned about only when the run's steps at CPU_FLOPS are predicted to
+# take longer than this (the tiny model's step of 512 x 256 tokens: ~29 s predicted, ~50 s run)
+CPU_SLOW_RUN_S = 1800.0
 
 
 def cpu_cost_warning(cfg: TrainConfig) -> str | None:
     """The warning for a GPU-sized run about to train on the CPU, or None: a global batch of 64
-    or more sequences (when the CPU was not asked for with trainer.cpu), a step predicted to take
+    or more sequences (when the CPU was not asked for with trainer.cpu) whose ``max_steps`` steps
+    are predicted to take more than :data:`CPU_SLOW_RUN_S` (any such batch when the model's shape
+    is not known yet: ``model.init_from``), a step predicted to take
     more than :data:`CPU_SLOW_STEP_S` (its model FLOPs, attention's ``seq_len^2`` included, at
     :data:`CPU_FLOPS`: a long ``model.seq_len``; a SIGTERM waits for the step in progress once a
     step has finished since the last checkpoint), evals over the seven tasks' full validation
@@ -74,8 +79,11 @@ def cpu_cost_warning(cfg: TrainConfig) -> str | None:
         "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "seq_len"))
     step_s = (flops_per_token(cfg.model) * t.global_batch * cfg.model.seq_len / CPU_FLOPS
               if shaped else 0.0)
-    if t.global_batch >= 64 and not t.cpu:
-        parts.append(f"{t.max_steps} steps of {t.global_batch} x {cfg.model.seq_len} tokens")
+    run_s = t.max_steps * step_s
+    if t.global_batch >= 64 and not t.cpu and (run_s > CPU_SLOW_RUN_S or not shaped):
+        steps = f"{t.max_steps} step{'s' if t.max_steps != 1 else ''}"
+        parts.append(f"{steps} of {t.global_batch} x {cfg.model.seq_len} tokens"
+                     + (f", about {duration(run_s)} or more" if shaped else ""))
         fix.append("trainer.max_steps=20 trainer.global_batch=8 trainer.micro_batch=4")
     if step_s > CPU_SLOW_STEP_S:
         parts.append(f"about {duration(step_s)} or more per optimizer step ({t.global_batch} x "

@@ -444,6 +444,30 @@ def test_min_lr_ratio_above_one_is_refused_and_one_is_a_flat_end():
     assert lr_factor(5, o, 9) == pytest.approx(0.5 + 0.5 * 0.5 * (1 + math.cos(math.pi / 2)))
 
 
+def test_a_gpu_batch_on_the_cpu_is_warned_about_only_when_the_run_is_long():
+    """trainer=gpu (512 x 256 tokens a step) on a CPU: a 1-step run (tiny model: ~29 s predicted
+    at CPU_FLOPS, 50 s measured) gets no warning; its default 10000 steps do, with the predicted
+    time; a model whose shape is not known yet (model.init_from) is warned about on the batch
+    alone, its step count spelled right."""
+    from train.metrics import flops_per_token
+    from train.setup import CPU_FLOPS, CPU_SLOW_RUN_S, cpu_cost_warning
+
+    def line(*over):
+        return cpu_cost_warning(OmegaConf.to_object(_compose(["trainer=gpu", *over])))
+
+    cfg = OmegaConf.to_object(_compose(["trainer=gpu"]))
+    step_s = flops_per_token(cfg.model) * 512 * 256 / CPU_FLOPS
+    assert 20 < step_s < 40 and int(CPU_SLOW_RUN_S // step_s) == 62
+    assert line("trainer.max_steps=1") is None and line("trainer.max_steps=62") is None
+    assert line("trainer.max_steps=63").startswith(
+        "warning: no GPU found; this is a GPU-sized run (63 steps of 512 x 256 tokens, about "
+        "30m22s or more) and can take hours on the CPU. To shrink it: trainer.max_steps=20 ")
+    assert "(10000 steps of 512 x 256 tokens, about 80h21m or more)" in line()
+    relufy = line("experiment=relufy_smollm2", "trainer.max_steps=1", "trainer.compile=false",
+                  "eval.limit=50")
+    assert "GPU-sized run (1 step of 64 x 1024 tokens) and can" in relufy, relufy
+
+
 def test_a_zero_lr_gets_one_note_and_no_warm_up_line():
     """optim.lr=0 is allowed (the benchmarks time steps that must leave the weights as trained);
     the warm-up line of a short run would say the lr rises to 0 "short of optim.lr=0", so there
