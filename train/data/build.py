@@ -107,6 +107,31 @@ def spec_from_config(cfg) -> BuildSpec:
     raise ValueError(f"no corpus build for data.source={cfg.source!r}")
 
 
+def build_command(spec: BuildSpec, cache_dir: str | Path | None = None) -> str:
+    """The ``twell-data build`` command line that builds ``spec``'s corpus where a run with
+    ``data.cache_dir=cache_dir`` reads it: the options whose values differ from the defaults,
+    shell-quoted (append ``--force`` to rebuild a damaged one)."""
+    import shlex
+
+    default = BuildSpec("offline_mix", sources=list(SOURCES))
+    args = ["twell-data", "build"]
+    if spec.kind == "files":
+        args += ["--source", "files", "--paths", *(path for path, _ in spec.files)]
+        if spec.text_field != default.text_field:
+            args += ["--text-field", spec.text_field]
+    elif spec.sources != default.sources:
+        args += ["--sources", ",".join(spec.sources)]
+    if spec.tokenizer != default.tokenizer:
+        args += ["--tokenizer", spec.tokenizer]
+    if spec.val_fraction != default.val_fraction:
+        args += ["--val-fraction", repr(spec.val_fraction)]
+    if not spec.decontaminate:
+        args.append("--no-decontaminate")
+    if cache_dir:
+        args += ["--cache-dir", str(Path(cache_dir).expanduser().resolve())]
+    return shlex.join(args)
+
+
 def norm_hash(text: str) -> str:
     """SHA1 hex of lowercased, whitespace-collapsed text: the exact-duplicate key and split key."""
     return hashlib.sha1(re.sub(r"\s+", " ", text.lower()).strip().encode()).hexdigest()
