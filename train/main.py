@@ -46,7 +46,9 @@ register_configs()
 def run(cfg: DictConfig, run_dir: str | None = None, started=None) -> dict:
     """Train one run from a composed config; returns the summary dict. ``started(trainer)`` is
     called once the trainer is set up: the run dir is then this run's (locked, and new or
-    holding this run), so the caller may write into it."""
+    holding this run), so the caller may write into it. A run dir whose run already finished
+    with this config is left as it is: one line, and its ``summary.json`` is returned
+    (:func:`train.rundir.finished_run`)."""
     if os.environ.get("RANK", "0") == "0":  # a first line before the slow imports
         print("twell-train: loading the trainer (transformers, accelerate) ...", flush=True)
     from train.trainer import Trainer
@@ -63,6 +65,13 @@ def run(cfg: DictConfig, run_dir: str | None = None, started=None) -> dict:
     from train.parallel import check_launch
 
     check_launch(tcfg.trainer.cpu)  # a multi-process launch the accelerator would not join
+    from train.rundir import finished_run
+
+    finished = finished_run(run_dir, tcfg)  # the command of a finished run, run again
+    if finished is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(finished[0], flush=True)
+        return finished[1]
     with _deterministic_errors(tcfg.trainer.deterministic):
         trainer = Trainer(tcfg, run_dir)
         try:

@@ -361,3 +361,45 @@ def test_a_run_dir_no_file_can_be_made_in_is_one_line_also_for_root(tmp_path, mo
     assert _stderr_lines(r) == [(
         "ConfigError: the run dir /proc/twell-test/run cannot be written (its parent /proc is "
         "not writable: No such file or directory); set hydra.run.dir to a writable folder.")]
+
+
+def test_the_command_of_a_finished_run_run_again_says_so_before_loading_anything(tmp_path):
+    """A finished run's command run again: one line saying the run reached trainer.max_steps
+    and how to train it longer, exit 0, before the data or model is loaded, the run dir left as
+    it was; the way it names trains on. Not "finished": a run stopped in its final evals (no
+    summary.json), a rerun with evals due, another config, trainer.resume=never, more steps."""
+    from train.config import compose
+    from train.rundir import RunDirLock, finished_run
+
+    run = tmp_path / "run"
+    base = ["data=tokens", f"data.paths=[{_tokens(tmp_path)}]", *SMALL, f"hydra.run.dir={run}"]
+    assert _train_cli(*base).returncode == 0
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    r = _train_cli(*base)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
+    assert r.stdout.splitlines()[1:] == [
+        (f"run dir {run} already reached trainer.max_steps=1 (checkpoint step1, summary.json): "
+        f"nothing to train. To train it longer, run the same command with trainer.resume={run} "
+        "trainer.max_steps=<more steps> trainer.resume_allow_changes=true.")], r.stdout
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+    more = ["trainer.max_steps=2", f"trainer.resume={run}", "trainer.resume_allow_changes=true"]
+    r = _train_cli(*base, *more)
+    assert r.returncode == 0 and "training steps 2-2 of 2" in r.stdout, r.stderr[-2000:]
+    assert "already reached" in _train_cli(*base, *more).stdout  # that command again: finished
+
+    def finished(*over: str) -> bool:
+        cfg = compose([o for o in base if not o.startswith("hydra.")] + [*more, *over])
+        return finished_run(run, cfg) is not None
+
+    assert finished() and finished("trainer.resume=auto", "trainer.log_every=5")
+    assert not finished("trainer.max_steps=3")
+    assert not finished("sparsity.l1_coeff=1e-3")  # another run: the resume refuses it
+    assert not finished("trainer.resume=never")
+    assert not finished("eval.at_end=true")  # the evals are due: the resume runs them
+    lock = RunDirLock(run)  # in use (an extension training): its lock refuses the process
+    try:
+        assert not finished()
+    finally:
+        lock.release()
+    (run / "summary.json").unlink()  # as a stop in the final evals leaves it
+    assert not finished()
