@@ -285,6 +285,34 @@ def test_a_damaged_corpus_names_the_command_that_rebuilds_it(tmp_path, byte_tok)
     assert build_datamodule(cfg, **kw).vocab_size == 257  # verified and loaded again
 
 
+def _signal_probe(job) -> dict:
+    """A stand-in for an extraction job: the worker's SIGINT and SIGTERM handlers."""
+    import signal
+
+    return {"key": job[1], "handlers": (signal.getsignal(signal.SIGINT),
+                                        signal.getsignal(signal.SIGTERM))}
+
+
+def test_extraction_workers_leave_ctrl_c_to_the_parent(tmp_path, monkeypatch):
+    """The extraction pool's workers ignore SIGINT (Ctrl-C reaches the whole process group; the
+    parent stops the pool, so no worker prints a traceback) and die quietly on SIGTERM, also
+    when the parent forked them with twell-train's set-up handler for it installed."""
+    import signal
+
+    import train.data.build as build_mod
+    from train.interrupt import stops_before_training
+
+    monkeypatch.setattr(build_mod, "_process_input", _signal_probe)
+    jobs = []
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.txt").write_text(name * 10)
+        jobs.append(("files", name, str(tmp_path / f"{name}.txt"), 1, "text", str(tmp_path)))
+    with stops_before_training():
+        results = build_mod._extract(jobs, None, num_proc=2, progress=False)
+    assert {k: r["handlers"] for k, r in results.items()} == {
+        k: (signal.SIG_IGN, signal.SIG_DFL) for k in ("a", "b")}
+
+
 def test_cli_build_info_verify(tmp_path, byte_tok, capsys):
     from train.data.cli import main
 

@@ -27,6 +27,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import signal
 import tempfile
 import time
 from collections import Counter
@@ -346,7 +347,7 @@ def _extract(jobs: list[tuple], eval_index, num_proc: int, progress: bool) -> di
     workers = min(num_proc, len(jobs))
     bar = tqdm(total=len(jobs), desc="extract+decontaminate", disable=not progress)
     if workers > 1 and "fork" in mp.get_all_start_methods():
-        with mp.get_context("fork").Pool(workers) as pool:
+        with mp.get_context("fork").Pool(workers, initializer=_worker_signals) as pool:
             for r in pool.imap_unordered(_process_input, [jobs[i] for i in order]):
                 results[r["key"]] = r
                 bar.update()
@@ -358,6 +359,14 @@ def _extract(jobs: list[tuple], eval_index, num_proc: int, progress: bool) -> di
     bar.close()
     _WORKER_INDEX = None
     return results
+
+
+def _worker_signals() -> None:
+    """In an extraction worker: Ctrl-C (sent to the whole process group) is left to the parent,
+    which stops the pool, and SIGTERM ends the worker quietly (not through a handler the parent
+    had when it forked: ``twell-train`` turns SIGTERM into an exception while it sets up)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _dedup_and_split(spec: BuildSpec, jobs: list[tuple], results: dict[str, dict]):
