@@ -10,7 +10,9 @@ the shell's code for the signal (:func:`exit_code`: 128 + the signal number, 143
 130 for SIGINT). A second signal stops at once (no checkpoint). Under a launcher (torchrun,
 ``accelerate launch``) each worker gets the signal twice, from the terminal or scheduler and
 forwarded by the launcher: a repeat within :func:`launcher_grace_s` of the first counts as the
-same one.
+same one. Before the first step (``twell-train`` loading the trainer, building the corpus,
+loading data or model), :func:`stops_before_training` stops at once on either signal and names
+what the run was doing (:class:`SetupInterrupted`): nothing was trained.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Self
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -88,6 +92,75 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.reported = reported
         self.first = first
         self.exit_code = exit_code(signum)
+
+
+class SetupInterrupted(TrainingInterrupted):
+    """A run stopped by SIGINT / SIGTERM before its first step (:func:`stops_before_training`):
+    nothing was trained. ``phase``: what it was doing (:func:`setup_phase`)."""
+
+    def __init__(self, signum: int, phase: str) -> None:
+        super().__init__(signum, f"received {signal_name(signum)} while {phase}")
+        self.phase = phase
+
+
+# What a run stopped before its first step was doing: the innermost of these functions on the
+# stop's traceback (train/trainer.py's set-up calls them in this order)
+SETUP_PHASES = {
+    "find_resume": "checking the checkpoint to resume",
+    "build_datamodule": "loading the data",
+    "build_corpus": "building the corpus",
+    "attach_model": "building the model",
+    "wrap_model": "preparing the model",
+    "resume": "loading the checkpoint",
+    "plan_memory": "planning the memory",
+    "start_wandb": "starting wandb",
+}
+
+
+def setup_phase(tb) -> str:
+    """What the traceback ``tb`` of a stop before the first step was doing: the innermost
+    :data:`SETUP_PHASES` function on it, else "loading the trainer" while a module was being
+    imported, else "setting up"."""
+    names = [frame.f_code.co_name for frame, _ in traceback.walk_tb(tb)]
+    for name in reversed(names):
+        if name in SETUP_PHASES:
+            return SETUP_PHASES[name]
+    return "loading the trainer" if "<module>" in names else "setting up"
+
+
+def _raise_sigterm(signum: int, frame) -> None:
+    raise TrainingInterrupted(signum)
+
+
+@contextmanager
+def stops_before_training() -> Iterator[None]:
+    """Inside (``twell-train`` from its start until the trainer is ready to train), SIGTERM
+    raises :class:`TrainingInterrupted` as Ctrl-C raises KeyboardInterrupt (in the main thread,
+    where SIGTERM had its default action; its handler comes back on exit), and either leaves as
+    :class:`SetupInterrupted` naming the phase (:func:`setup_phase`), so the caller can clean
+    up and say in one line that nothing was trained.
+
+    Raises:
+        SetupInterrupted: a SIGINT or SIGTERM came inside.
+    """
+    old = None
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
+        old = signal.signal(signal.SIGTERM, _raise_sigterm)
+    try:
+        yield
+    except SetupInterrupted:
+        raise
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, TrainingInterrupted) else signal.SIGINT
+        phase = setup_phase(e.__traceback__)
+        # what the stopped frames held goes now: a progress bar closes (its last state and a
+        # newline) before the caller's line, not after it
+        traceback.clear_frames(e.__traceback__)
+        raise SetupInterrupted(signum, phase) from None
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
 
 
 class StopRequested(BaseException):

@@ -61,15 +61,21 @@ def run(tr, stop_at_step: int | None = None) -> dict:
         bar.update(1)
         interval = between_steps(tr, interval, bar, last=tr.step == end)
     bar.close()
-    done = tr.last_eval is not None and tr.last_eval.get("step") == tr.step
-    if tr.step >= t.max_steps and cfg.eval.at_end and not done and not (
-            cfg.eval.every_steps and tr.step % cfg.eval.every_steps == 0):
+    if tr.step >= t.max_steps and final_eval_due(cfg.eval, tr.step, tr.last_eval):
         tr.evaluate()
         tr.stops.stop_if_signalled()  # during the last eval: no summary.json, resume redoes it
     summary = tr.summary()
     if tr.is_main and tr.step >= t.max_steps:
         ckpt_io.write_json(tr.run_dir / "summary.json", summary, indent=2)
     return summary
+
+
+def final_eval_due(e, step: int, last_eval: dict | None) -> bool:
+    """Whether the evals of eval config ``e`` run after the last step, ``step``: with
+    ``eval.at_end``, unless ``last_eval`` (the newest eval record) is of that step or
+    ``eval.every_steps`` ran them there."""
+    done = last_eval is not None and last_eval.get("step") == step
+    return e.at_end and not done and not (e.every_steps and step % e.every_steps == 0)
 
 
 def guarded_step(tr, batches, interval: Interval, bar) -> bool:

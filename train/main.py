@@ -13,7 +13,9 @@ to null (``ffn=null``: one line with its options); Hydra's own errors
 are one line with exit code 2 too. A failed run prints one line and writes it to
 ``<run dir>/error.txt`` (exit code 2) when the run dir is its own (a process refused in another
 run's folder writes nothing there); one that fails before it trains removes the run dir and the
-folders made for it (``train.rundir``). In a ``-m`` sweep a failed
+folders made for it (``train.rundir``), and so does one stopped by SIGINT / SIGTERM before its
+first step (one line, exit code 130 / 143: ``train.interrupt.stops_before_training``). In a
+``-m`` sweep a failed
 job keeps its run dir with ``error.txt``, the other jobs run, and the sweep ends with the list of
 failed jobs (exit code 2).
 """
@@ -39,6 +41,7 @@ from train.config import (
     reject_unknown_keys,
 )
 from train.errors import ERROR_FILE  # a failed run's one-line reason (twell-report reads it)
+from train.interrupt import SetupInterrupted, signal_name, stops_before_training
 
 register_configs()
 
@@ -46,7 +49,41 @@ register_configs()
 def run(cfg: DictConfig, run_dir: str | None = None, started=None) -> dict:
     """Train one run from a composed config; returns the summary dict. ``started(trainer)`` is
     called once the trainer is set up: the run dir is then this run's (locked, and new or
-    holding this run), so the caller may write into it."""
+    holding this run), so the caller may write into it. A run dir whose run already finished
+    with this config is left as it is: one line, and its ``summary.json`` is returned
+    (:func:`train.rundir.finished_run`).
+
+    Raises:
+        train.interrupt.SetupInterrupted: SIGINT / SIGTERM before the trainer was set up
+            (nothing trained; a stop while it trains is exit code 130 / 143 with its line).
+    """
+    with stops_before_training():  # until the first step: one line (_main), nothing trained
+        trainer, finished = _set_up(cfg, run_dir)
+    if trainer is None:
+        return finished
+    with _deterministic_errors(trainer.cfg.trainer.deterministic):
+        try:
+            if started is not None:
+                started(trainer)
+            summary = trainer.train()
+        except KeyboardInterrupt as e:  # SIGINT / SIGTERM: 130 / 143, the line says how to resume
+            raise SystemExit(trainer.interrupted(e)) from None
+        finally:
+            trainer.close()
+    if trainer.is_main and "paths" in summary and (trainer.run_dir / "summary.json").is_file():
+        from train.trainer import summary_line
+
+        # printed after close() (wandb's own output) so these lines come last
+        trainer.report([f"checkpoint: {summary['paths']['checkpoint']}",
+                        f"metrics:    {summary['paths']['metrics']}",
+                        f"summary:    {trainer.run_dir / 'summary.json'}",
+                        summary_line(summary)])
+    return summary
+
+
+def _set_up(cfg: DictConfig, run_dir: str | None):
+    """:func:`run`'s set-up: ``(trainer, None)``, or ``(None, summary)`` for the command of a
+    run that already finished (its line printed)."""
     if os.environ.get("RANK", "0") == "0":  # a first line before the slow imports
         print("twell-train: loading the trainer (transformers, accelerate) ...", flush=True)
     from train.trainer import Trainer
@@ -63,25 +100,15 @@ def run(cfg: DictConfig, run_dir: str | None = None, started=None) -> dict:
     from train.parallel import check_launch
 
     check_launch(tcfg.trainer.cpu)  # a multi-process launch the accelerator would not join
-    with _deterministic_errors(tcfg.trainer.deterministic):
-        trainer = Trainer(tcfg, run_dir)
-        try:
-            if started is not None:
-                started(trainer)
-            summary = trainer.train()
-        except KeyboardInterrupt as e:  # SIGINT / SIGTERM: 130 / 143, the line says how to resume
-            raise SystemExit(trainer.interrupted(e)) from None
-        finally:
-            trainer.close()
-    if trainer.is_main and "paths" in summary and (Path(run_dir) / "summary.json").is_file():
-        from train.trainer import summary_line
+    from train.rundir import finished_run
 
-        # printed after close() (wandb's own output) so these lines come last
-        trainer.report([f"checkpoint: {summary['paths']['checkpoint']}",
-                        f"metrics:    {summary['paths']['metrics']}",
-                        f"summary:    {Path(run_dir) / 'summary.json'}",
-                        summary_line(summary)])
-    return summary
+    finished = finished_run(run_dir, tcfg)  # the command of a finished run, run again
+    if finished is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(finished[0], flush=True)
+        return None, finished[1]
+    with _deterministic_errors(tcfg.trainer.deterministic):
+        return Trainer(tcfg, run_dir), None
 
 
 @contextmanager
@@ -140,6 +167,8 @@ def _main(cfg: DictConfig) -> float | None:
     try:
         summary = run(cfg, str(run_dir),
                       started=lambda trainer: _record_start(trainer, run_dir, cfg, hc, sweep))
+    except SetupInterrupted as e:  # Ctrl-C / SIGTERM before the first step: a sweep stops too
+        sys.exit(_stopped_before_training(e, run_dir))
     except Exception as e:  # reported below; only a sweep goes on
         expected = isinstance(e, expected_errors())
         line = f"{type(e).__name__}: {' '.join(str(e).split())}"
@@ -211,33 +240,22 @@ def write_hydra_record(run_dir: Path, cfg: DictConfig) -> None:
 def _after_failure(run_dir: Path, line: str, *, keep: bool = False,
                    cfg: DictConfig | None = None) -> str | None:
     """After a failed run (rank 0 only): a run that failed before it trained leaves no run dir
-    behind (only one this invocation made, holding nothing but Hydra's files, the lock and the
-    log), nor the empty folders made for it (``runs/<date>/``); a run dir that stays (``keep``:
-    a sweep job's) gets the reason in ``error.txt`` and ``train.log`` and Hydra's record.
+    behind (:func:`_remove_made_dirs`); a run dir that stays (``keep``: a sweep job's) gets the
+    reason in ``error.txt`` and ``train.log`` and Hydra's record.
 
-    Only a run dir that is this run's is touched: one the trainer claimed
-    (``train.rundir.claim``) or one that was empty when the job started, and only while no
-    other process holds its lock. A process refused by a live run's lock, by another run's
-    config or checkpoints, or by a bad value aimed at another run's folder writes nothing there
-    (its line on stderr is all). Returns the error file written, or None."""
+    Only a run dir that is this run's is touched (:func:`_own_lock`). A process refused by a
+    live run's lock, by another run's config or checkpoints, or by a bad value aimed at another
+    run's folder writes nothing there (its line on stderr is all). Returns the error file
+    written, or None."""
     import time
 
-    from train import rundir
     from train.checkpoint import open_run_file, write_atomic
 
-    if not _is_rank0() or not run_dir.is_dir():
-        return None
-    if not (rundir.claimed(run_dir) or run_dir.resolve() in _EMPTY_AT_START):
-        return None
-    lock = rundir.try_lock(run_dir)
-    if lock is None:  # another process came in meanwhile: its folder now
+    lock = _own_lock(run_dir)
+    if lock is None:
         return None
     try:
-        if not keep and rundir.remove_failed_run_dir(run_dir):
-            parent = run_dir.resolve().parent
-            while parent in _CREATED and parent.is_dir() and not any(parent.iterdir()):
-                parent.rmdir()
-                parent = parent.parent
+        if not keep and _remove_made_dirs(run_dir):
             return None
         try:  # nothing is written through a symbolic link (a refused run touches nothing)
             if cfg is not None:
@@ -252,6 +270,53 @@ def _after_failure(run_dir: Path, line: str, *, keep: bool = False,
         return str(run_dir / ERROR_FILE)
     finally:
         lock.release()
+
+
+def _stopped_before_training(e: SetupInterrupted, run_dir: Path) -> int:
+    """The exit code (130 for SIGINT, 143 for SIGTERM) of a run stopped before its first step,
+    after one line on stderr (rank 0) and the removal of the run dir when it was made for this
+    run and holds nothing else (:func:`_remove_made_dirs`, as after a failed start)."""
+    lock = _own_lock(run_dir)
+    removed = False
+    if lock is not None:
+        try:
+            removed = _remove_made_dirs(run_dir)
+        finally:
+            lock.release()
+    if _is_rank0():
+        what = (f"nothing was trained and the run dir {run_dir} was removed" if removed else
+                f"no step was trained, {run_dir} is kept")
+        print(f"{signal_name(e.signum)}: interrupted before the first step ({e.phase}); {what}; "
+              f"rerun the same command to continue (exit code {e.exit_code})", file=sys.stderr)
+    return e.exit_code
+
+
+def _own_lock(run_dir: Path):
+    """The lock of ``run_dir`` when a failed or stopped start may touch it (rank 0 only): a run
+    dir the trainer claimed (``train.rundir.claim``) or that was empty when the job started, that
+    no other process holds; else None."""
+    from train import rundir
+
+    if not _is_rank0() or not run_dir.is_dir():
+        return None
+    if not (rundir.claimed(run_dir) or run_dir.resolve() in _EMPTY_AT_START):
+        return None
+    return rundir.try_lock(run_dir)  # None: another process came in meanwhile, its folder now
+
+
+def _remove_made_dirs(run_dir: Path) -> bool:
+    """Remove the run dir of a start that trained nothing, if this invocation made it and it
+    holds nothing but Hydra's files, the lock and the log (``train.rundir.remove_failed_run_dir``),
+    and the empty folders made for it (``runs/<date>/``); returns whether it was removed."""
+    from train import rundir
+
+    if not rundir.remove_failed_run_dir(run_dir):
+        return False
+    parent = run_dir.resolve().parent
+    while parent in _CREATED and parent.is_dir() and not any(parent.iterdir()):
+        parent.rmdir()
+        parent = parent.parent
+    return True
 
 
 try:
@@ -275,20 +340,37 @@ class StartCallback(Callback):
 
 def check_writable(run_dir: str, key: str) -> None:
     """Exit 2 with one line when ``run_dir`` (or, if it does not exist yet, its nearest existing
-    parent) cannot be written; note the missing folders in between (:data:`_CREATED`)."""
-    import os
+    parent) cannot be written; note the missing folders in between (:data:`_CREATED`).
 
+    The folder is probed by creating a file in it (:func:`write_problem`), not by
+    ``os.access``, which says yes to root even on ``/proc`` or ``/sys``."""
     d = Path(run_dir).resolve()
     p = d
     while not p.exists():
         _CREATED.add(p)
         p = p.parent
-    if not (p.is_dir() and os.access(p, os.W_OK | os.X_OK)):
+    problem = write_problem(p)
+    if problem is not None:
         where = "it" if p == d else f"its parent {p}"
-        print(f"ConfigError: the run dir {d} cannot be written ({where} is "
-              f"{'read-only' if p.is_dir() else 'not a folder'}); set {key} to a writable "
-              "folder.", file=sys.stderr)
+        print(f"ConfigError: the run dir {d} cannot be written ({where} {problem}); set {key} "
+              "to a writable folder.", file=sys.stderr)
         sys.exit(2)
+
+
+def write_problem(folder: Path) -> str | None:
+    """Why no file can be created in ``folder`` ("is not a folder", "is not writable: <reason>"),
+    or None when a probe file could be (an unnamed temporary file where the system allows it,
+    removed at once: nothing shows in the folder)."""
+    import tempfile
+
+    if not folder.is_dir():
+        return "is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return f"is not writable: {e.strerror or type(e).__name__}"
+    return None
 
 
 def cli() -> None:

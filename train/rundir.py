@@ -211,6 +211,50 @@ def find_resume_checkpoint(run_dir: str | Path, resume: str, warn=None) -> Path 
     return path
 
 
+def finished_run(run_dir: str | Path, cfg) -> tuple[str, dict] | None:
+    """``(line, summary)`` when the command that made ``run_dir`` is run again after its run
+    finished (``twell-train`` then stops before loading data or model), else None: the run
+    dir's ``summary.json`` and newest checkpoint are at ``trainer.max_steps``, the
+    checkpoint's config equals ``cfg`` up to :data:`RESUME_SAFE_KEYS`, no process holds its
+    lock (:func:`in_use`), ``trainer.resume`` is
+    ``auto`` or names that run dir or checkpoint (the command that extended the run), and no
+    final eval is due (``train.loop.final_eval_due``: a rerun with evals turned on runs them).
+    A run stopped in its final evals has no ``summary.json``: its resume runs them. The line
+    says how to train the run longer (docs/training.md, Resuming)."""
+    import json
+
+    from train.checkpointer import config_diff, config_to_dict
+    from train.config import upgrade_saved
+    from train.loop import final_eval_due
+
+    run_dir, steps = Path(run_dir), cfg.trainer.max_steps
+    path = run_dir / "summary.json"
+    own = ckpt_io.list_checkpoints(run_dir) if run_dir.is_dir() else []
+    if not own or not path.is_file() or path.is_symlink() or in_use(run_dir):
+        return None  # in use: the lock refuses this process in one line
+    resume = cfg.trainer.resume
+    if resume != "auto" and Path(resume).expanduser().resolve() not in (run_dir.resolve(),
+                                                                         own[-1].resolve()):
+        return None  # never, or another checkpoint: the resume rules decide
+    try:
+        summary = json.loads(path.read_text())
+        saved = upgrade_saved(ckpt_io.load_yaml(own[-1] / "train_config.yaml"))
+    except (OSError, ValueError, ckpt_io.CheckpointError):
+        return None  # the resume names what is wrong
+    if not (isinstance(summary, dict) and summary.get("step") == steps == _step(own[-1])):
+        return None
+    optim, other = split_changes(config_diff(saved, config_to_dict(cfg)))
+    if optim or other:  # another run, or a changed one: the resume checks say which
+        return None
+    if cfg.eval.enabled and final_eval_due(cfg.eval, steps, summary.get("eval")):
+        return None
+    q = ckpt_io.shell_quote(run_dir)
+    return (f"run dir {run_dir} already reached trainer.max_steps={steps} (checkpoint "
+            f"{own[-1].name}, summary.json): nothing to train. To train it longer, run the same "
+            f"command with trainer.resume={q} trainer.max_steps=<more steps> "
+            "trainer.resume_allow_changes=true."), summary
+
+
 class RunDirLock:
     """An exclusive ``flock`` on ``run_dir/.lock`` for the life of a run (the main process).
 
@@ -251,6 +295,22 @@ class RunDirLock:
         self._f.flush()
         fcntl.flock(self._f, fcntl.LOCK_UN)
         self._f.close()
+
+
+def in_use(run_dir: str | Path) -> bool:
+    """Whether another process holds ``run_dir``'s lock: a shared ``flock`` tried on the lock
+    file opened read-only (not written, no link followed), released at once."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # none (no holder), or a link (the run's checks refuse it)
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock taken
+    return False
 
 
 def try_lock(run_dir: str | Path) -> RunDirLock | None:

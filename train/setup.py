@@ -57,11 +57,16 @@ def duration(seconds: float) -> str:
 # warned about
 CPU_FLOPS = 2e11
 CPU_SLOW_STEP_S = 60.0
+# a GPU-sized global batch is warned about only when the run's steps at CPU_FLOPS are predicted to
+# take longer than this (the tiny model's step of 512 x 256 tokens: ~29 s predicted, ~50 s run)
+CPU_SLOW_RUN_S = 1800.0
 
 
 def cpu_cost_warning(cfg: TrainConfig) -> str | None:
     """The warning for a GPU-sized run about to train on the CPU, or None: a global batch of 64
-    or more sequences (when the CPU was not asked for with trainer.cpu), a step predicted to take
+    or more sequences (when the CPU was not asked for with trainer.cpu) whose ``max_steps`` steps
+    are predicted to take more than :data:`CPU_SLOW_RUN_S` (any such batch when the model's shape
+    is not known yet: ``model.init_from``), a step predicted to take
     more than :data:`CPU_SLOW_STEP_S` (its model FLOPs, attention's ``seq_len^2`` included, at
     :data:`CPU_FLOPS`: a long ``model.seq_len``; a SIGTERM waits for the step in progress once a
     step has finished since the last checkpoint), evals over the seven tasks' full validation
@@ -74,8 +79,11 @@ def cpu_cost_warning(cfg: TrainConfig) -> str | None:
         "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "seq_len"))
     step_s = (flops_per_token(cfg.model) * t.global_batch * cfg.model.seq_len / CPU_FLOPS
               if shaped else 0.0)
-    if t.global_batch >= 64 and not t.cpu:
-        parts.append(f"{t.max_steps} steps of {t.global_batch} x {cfg.model.seq_len} tokens")
+    run_s = t.max_steps * step_s
+    if t.global_batch >= 64 and not t.cpu and (run_s > CPU_SLOW_RUN_S or not shaped):
+        steps = f"{t.max_steps} step{'s' if t.max_steps != 1 else ''}"
+        parts.append(f"{steps} of {t.global_batch} x {cfg.model.seq_len} tokens"
+                     + (f", about {duration(run_s)} or more" if shaped else ""))
         fix.append("trainer.max_steps=20 trainer.global_batch=8 trainer.micro_batch=4")
     if step_s > CPU_SLOW_STEP_S:
         parts.append(f"about {duration(step_s)} or more per optimizer step ({t.global_batch} x "
@@ -150,9 +158,10 @@ def warmup_line(cfg: TrainConfig) -> tuple[str, str] | None:
     way. A warm-up the user set on the command line (``optim.warmup_steps=600
     trainer.max_steps=100``) is likely a mistake: a warning on stderr. One that comes from the
     configs (``optim=tiny``'s 10 steps under ``trainer.max_steps=5``, an experiment's 600 in a
-    short test of it) is what a smoke run expects: a note in the run's log lines."""
+    short test of it) is what a smoke run expects: a note in the run's log lines. With
+    ``optim.lr=0`` there is no peak to fall short of (:func:`config_notes` says what lr 0 does)."""
     o, steps = cfg.optim, cfg.trainer.max_steps
-    if o.warmup_steps <= steps:
+    if o.warmup_steps <= steps or o.lr == 0:
         return None
     peak = o.lr * steps / o.warmup_steps
     if given_on_command_line("optim.warmup_steps"):
@@ -165,9 +174,15 @@ def warmup_line(cfg: TrainConfig) -> tuple[str, str] | None:
 
 
 def config_notes(cfg: TrainConfig) -> list[str]:
-    """Informational lines about the configuration (printed with the run's other lines)."""
+    """Informational lines about the configuration (printed with the run's other lines): a
+    warm-up longer than the run (:func:`warmup_line`), and ``optim.lr=0``, allowed because the
+    benchmarks time steps that must leave the trained weights as they are."""
     line = warmup_line(cfg)
-    return [line[1]] if line is not None and line[0] == "note" else []
+    notes = [line[1]] if line is not None and line[0] == "note" else []
+    if cfg.optim.lr == 0:
+        notes.append("note: optim.lr=0: the optimizer steps leave the weights as they are (what "
+                     "a timing run wants); set optim.lr to a positive value to train.")
+    return notes
 
 
 def config_warnings(cfg: TrainConfig, device: torch.device) -> list[str]:
@@ -181,6 +196,13 @@ def config_warnings(cfg: TrainConfig, device: torch.device) -> list[str]:
         out.append(f"warning: sparsity.target_after={sp.target_after} >= trainer.max_steps="
                    f"{t.max_steps}: the L1 coefficient is never steered (it stays "
                    f"sparsity.l1_coeff={sp.l1_coeff:g}); lower sparsity.target_after.")
+    # linear_warmup: 0 up to step warmup_start (0-based), so none of steps 0..max_steps-1 gets L1
+    if sp.schedule == "linear_warmup" and sp.l1_coeff > 0 and sp.warmup_start >= t.max_steps - 1:
+        out.append(f"warning: sparsity.warmup_start={sp.warmup_start} with trainer.max_steps="
+                   f"{t.max_steps}: the L1 warm-up never starts (the coefficient is 0 through "
+                   f"step {sp.warmup_start + 1}, so the whole run trains without L1); lower "
+                   "sparsity.warmup_start and sparsity.warmup_end, raise trainer.max_steps, or "
+                   "use sparsity.schedule=constant.")
     line = cpu_cost_warning(cfg) if device.type == "cpu" else None
     if line:  # e.g. trainer=gpu or experiment=relufy_smollm2 on a machine without a GPU
         out.append(line)

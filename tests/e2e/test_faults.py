@@ -272,6 +272,41 @@ def test_first_signal_is_recorded_and_a_second_stops_at_once():
         assert s.signum == signal.SIGTERM
 
 
+def test_a_stop_before_training_names_its_phase_and_restores_sigterm(tmp_path, monkeypatch):
+    """Inside ``stops_before_training`` (twell-train until the trainer is set up) SIGTERM stops
+    like Ctrl-C, and either leaves as SetupInterrupted naming what the run was doing: the
+    innermost set-up function on the traceback, "loading the trainer" in an import, else
+    "setting up"; SIGTERM's default action comes back after."""
+    from train.interrupt import SetupInterrupted, stops_before_training
+
+    def build_datamodule():
+        build_corpus()
+
+    def build_corpus():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    def attach_model():
+        raise KeyboardInterrupt  # what Ctrl-C raises
+
+    def ctrl_c():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+
+    (tmp_path / "slow_module.py").write_text("raise KeyboardInterrupt\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = [(build_datamodule, signal.SIGTERM, "building the corpus"),
+             (attach_model, signal.SIGINT, "building the model"),
+             (lambda: __import__("slow_module"), signal.SIGINT, "loading the trainer"),
+             (ctrl_c, signal.SIGINT, "setting up")]
+    for call, signum, phase in cases:
+        with pytest.raises(SetupInterrupted) as err, stops_before_training():
+            call()
+        assert (err.value.signum, err.value.phase) == (signum, phase)
+        assert err.value.exit_code == 128 + signum
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 # ------------------------------------------------------------------ 3: disk full while saving
 
 

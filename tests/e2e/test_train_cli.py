@@ -1,9 +1,10 @@
-"""``twell-train`` as a user runs it: a misspelled key, a run that fails before training (its
-folders removed), a read-only run dir, ``--help``, ``-m`` sweeps in which jobs fail, and the
-warm-up of a short run.
-Subprocesses; all but the sweeps and a short run's warm-up line stop before training."""
+"""``twell-train`` as a user runs it: a misspelled key, a run that fails or is stopped before
+training (its folders removed), a run dir that cannot be written, ``--help``, ``-m`` sweeps in
+which jobs fail, the warm-up of a short run, and the command of a finished run run again.
+Subprocesses; most stop before training."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -333,3 +334,133 @@ def test_read_only_run_dir_is_one_line(read_only_dir):
         assert err[0].endswith("set hydra.run.dir to a writable folder.")
     r = _train_cli("-m", f"hydra.sweep.dir={read_only_dir / 's'}", "trainer.seed=1,2")
     assert r.returncode == 2 and "set hydra.sweep.dir to a writable folder." in r.stderr
+
+
+def test_a_run_dir_no_file_can_be_made_in_is_one_line_also_for_root(tmp_path, monkeypatch,
+                                                                    capsys):
+    """The run dir is probed by creating a file in it: ``os.access`` says yes to root (as
+    simulated here) even where nothing can be created (/proc, for every user)."""
+    from train import main
+
+    monkeypatch.setattr(os, "access", lambda *a, **k: True)
+    monkeypatch.setattr(main, "_CREATED", set())
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for run_dir, why in ((Path("/proc/twell-test/run"), "its parent /proc is not writable: "),
+                         (afile / "run", f"its parent {afile} is not a folder")):
+        with pytest.raises(SystemExit) as err:
+            main.check_writable(str(run_dir), "hydra.run.dir")
+        assert err.value.code == 2
+        line = capsys.readouterr().err
+        assert line.startswith(f"ConfigError: the run dir {run_dir} cannot be written ({why}")
+        assert line.endswith("); set hydra.run.dir to a writable folder.\n") and line.count(
+            "\n") == 1, line
+    main.check_writable(str(tmp_path / "new" / "run"), "hydra.run.dir")  # writable: no exit
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # the probe left nothing
+    r = _train_cli("hydra.run.dir=/proc/twell-test/run", "trainer.max_steps=1", "eval=disabled")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert _stderr_lines(r) == [(
+        "ConfigError: the run dir /proc/twell-test/run cannot be written (its parent /proc is "
+        "not writable: No such file or directory); set hydra.run.dir to a writable folder.")]
+
+
+def test_the_command_of_a_finished_run_run_again_says_so_before_loading_anything(tmp_path):
+    """A finished run's command run again: one line saying the run reached trainer.max_steps
+    and how to train it longer, exit 0, before the data or model is loaded, the run dir left as
+    it was; the way it names trains on. Not "finished": a run stopped in its final evals (no
+    summary.json), a rerun with evals due, another config, trainer.resume=never, more steps."""
+    from train.config import compose
+    from train.rundir import RunDirLock, finished_run
+
+    run = tmp_path / "run"
+    base = ["data=tokens", f"data.paths=[{_tokens(tmp_path)}]", *SMALL, f"hydra.run.dir={run}"]
+    assert _train_cli(*base).returncode == 0
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    r = _train_cli(*base)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
+    assert r.stdout.splitlines()[1:] == [
+        (f"run dir {run} already reached trainer.max_steps=1 (checkpoint step1, summary.json): "
+        f"nothing to train. To train it longer, run the same command with trainer.resume={run} "
+        "trainer.max_steps=<more steps> trainer.resume_allow_changes=true.")], r.stdout
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+    more = ["trainer.max_steps=2", f"trainer.resume={run}", "trainer.resume_allow_changes=true"]
+    r = _train_cli(*base, *more)
+    assert r.returncode == 0 and "training steps 2-2 of 2" in r.stdout, r.stderr[-2000:]
+    assert "already reached" in _train_cli(*base, *more).stdout  # that command again: finished
+
+    def finished(*over: str) -> bool:
+        cfg = compose([o for o in base if not o.startswith("hydra.")] + [*more, *over])
+        return finished_run(run, cfg) is not None
+
+    assert finished() and finished("trainer.resume=auto", "trainer.log_every=5")
+    assert not finished("trainer.max_steps=3")
+    assert not finished("sparsity.l1_coeff=1e-3")  # another run: the resume refuses it
+    assert not finished("trainer.resume=never")
+    assert not finished("eval.at_end=true")  # the evals are due: the resume runs them
+    lock = RunDirLock(run)  # in use (an extension training): its lock refuses the process
+    try:
+        assert not finished()
+    finally:
+        lock.release()
+    (run / "summary.json").unlink()  # as a stop in the final evals leaves it
+    assert not finished()
+
+
+def _signalled_cli(tmp_path, where: str, signum: int, *args):
+    """``twell-train`` (the real entry point) sending itself ``signum`` when the trainer's set-up
+    reaches ``where``: ``build_corpus`` (train.data.corpus) or ``build_datamodule``
+    (train.data), each replaced by a stand-in of that name."""
+    module = "train.data.corpus" if where == "build_corpus" else "train.data"
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import os, sys, time\n"
+        f"import {module}\n"
+        f"def {where}(*a, **k):\n"
+        f"    os.kill(os.getpid(), {int(signum)})\n"
+        "    time.sleep(60)\n"
+        "    raise AssertionError('the signal did not stop the run')\n"
+        f"{module}.{where} = {where}\n"
+        "from train.main import cli\n"
+        "cli()\n")
+    return subprocess.run([sys.executable, str(driver), *args], cwd=ROOT, env=ENV, check=False,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_while_the_corpus_builds_is_one_line_and_removes_the_new_run_dir(tmp_path,
+                                                                                signum):
+    """Ctrl-C or SIGTERM before the first step (here: building the corpus of a fresh
+    data.cache_dir): the shell's exit code, one line saying what it was doing, that nothing
+    was trained and how to go on; the run dir and the folders made for it are removed."""
+    (tmp_path / "runs").mkdir()
+    run_dir = tmp_path / "runs" / "2026-12-01" / "10-00-00"
+    r = _signalled_cli(tmp_path, "build_corpus", signum, f"hydra.run.dir={run_dir}",
+                       f"data.cache_dir={tmp_path / 'corpus'}", "trainer.max_steps=2",
+                       "eval=disabled", "logging.wandb_mode=disabled")
+    code = 128 + int(signum)
+    assert r.returncode == code, r.stderr[-3000:]
+    assert _stderr_lines(r) == [
+        (f"{signal.Signals(signum).name}: interrupted before the first step (building the "
+        f"corpus); nothing was trained and the run dir {run_dir} was removed; rerun the same "
+        f"command to continue (exit code {code})")], r.stderr[-3000:]
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_a_stop_while_a_resume_loads_its_data_keeps_the_run_and_the_rerun_continues(tmp_path):
+    """SIGTERM while the resume of a run loads its data: exit 143, one line, the run dir kept as
+    it was (its checkpoint, its summary); the same command run again trains on."""
+    run = tmp_path / "run"
+    base = ["data=tokens", f"data.paths=[{_tokens(tmp_path)}]", *SMALL, f"hydra.run.dir={run}"]
+    assert _train_cli(*base).returncode == 0
+    more = [*base, "trainer.max_steps=2", f"trainer.resume={run}",
+            "trainer.resume_allow_changes=true"]
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    r = _signalled_cli(tmp_path, "build_datamodule", signal.SIGTERM, *more)
+    assert r.returncode == 143, r.stderr[-3000:]
+    assert _stderr_lines(r) == [
+        (f"SIGTERM: interrupted before the first step (loading the data); no step was trained, "
+        f"{run} is kept; rerun the same command to continue (exit code 143)")]
+    assert {p: p.read_bytes() for p in run.rglob("*")
+            if p.is_file() and p.name != ".lock"} == before
+    r = _train_cli(*more)
+    assert r.returncode == 0 and "training steps 2-2 of 2" in r.stdout, r.stderr[-3000:]

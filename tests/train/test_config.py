@@ -444,6 +444,53 @@ def test_min_lr_ratio_above_one_is_refused_and_one_is_a_flat_end():
     assert lr_factor(5, o, 9) == pytest.approx(0.5 + 0.5 * 0.5 * (1 + math.cos(math.pi / 2)))
 
 
+def test_a_gpu_batch_on_the_cpu_is_warned_about_only_when_the_run_is_long():
+    """trainer=gpu (512 x 256 tokens a step) on a CPU: a 1-step run (tiny model: ~29 s predicted
+    at CPU_FLOPS, 50 s measured) gets no warning; its default 10000 steps do, with the predicted
+    time; a model whose shape is not known yet (model.init_from) is warned about on the batch
+    alone, its step count spelled right."""
+    from train.metrics import flops_per_token
+    from train.setup import CPU_FLOPS, CPU_SLOW_RUN_S, cpu_cost_warning
+
+    def line(*over):
+        return cpu_cost_warning(OmegaConf.to_object(_compose(["trainer=gpu", *over])))
+
+    cfg = OmegaConf.to_object(_compose(["trainer=gpu"]))
+    step_s = flops_per_token(cfg.model) * 512 * 256 / CPU_FLOPS
+    assert 20 < step_s < 40 and int(CPU_SLOW_RUN_S // step_s) == 62
+    assert line("trainer.max_steps=1") is None and line("trainer.max_steps=62") is None
+    assert line("trainer.max_steps=63").startswith(
+        "warning: no GPU found; this is a GPU-sized run (63 steps of 512 x 256 tokens, about "
+        "30m22s or more) and can take hours on the CPU. To shrink it: trainer.max_steps=20 ")
+    assert "(10000 steps of 512 x 256 tokens, about 80h21m or more)" in line()
+    relufy = line("experiment=relufy_smollm2", "trainer.max_steps=1", "trainer.compile=false",
+                  "eval.limit=50")
+    assert "GPU-sized run (1 step of 64 x 1024 tokens) and can" in relufy, relufy
+
+
+def test_a_zero_lr_gets_one_note_and_no_warm_up_line():
+    """optim.lr=0 is allowed (the benchmarks time steps that must leave the weights as trained);
+    the warm-up line of a short run would say the lr rises to 0 "short of optim.lr=0", so there
+    is none, only a note saying what lr 0 does. A negative lr is refused."""
+    import torch
+
+    from train.setup import config_notes, config_warnings, warmup_line
+
+    def cfg(*over):
+        return OmegaConf.to_object(_compose(["trainer.max_steps=2", "eval=disabled", *over]))
+
+    assert warmup_line(cfg()) is not None  # optim=tiny's 10 warm-up steps
+    zero = cfg("optim.lr=0")
+    assert warmup_line(zero) is None
+    assert config_notes(zero) == [("note: optim.lr=0: the optimizer steps leave the weights as "
+                                  "they are (what a timing run wants); set optim.lr to a "
+                                  "positive value to train.")]
+    assert not [w for w in config_warnings(zero, torch.device("cpu")) if "optim.lr" in w]
+    assert "optim.lr=0" not in " ".join(config_notes(cfg()))
+    with pytest.raises(ConfigError, match="optim.lr must be a finite number >= 0"):
+        OptimConfig(lr=-1e-3)
+
+
 def test_a_step_of_minutes_on_the_cpu_is_warned_about():
     """model.seq_len far beyond a CPU (model=tiny at 32768: a step took 9.5 min on the 2-core
     test machine, and a SIGTERM waited for it): the warning names the predicted time per step

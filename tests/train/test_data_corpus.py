@@ -245,6 +245,74 @@ def test_build_spec_hash_changes_with_content():
     assert a.dirname() != BuildSpec("offline_mix", sources=["moby_dick"]).dirname()
 
 
+def test_a_damaged_corpus_names_the_command_that_rebuilds_it(tmp_path, byte_tok):
+    """The rebuild hint of a corrupted shard is this corpus's own ``twell-data build`` command
+    (its cache dir, inputs, text field, tokenizer, val fraction, no decontamination), not the
+    default corpus's: run as given, it rebuilds the same folder and the data loads again."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from train.data.build import build_command
+    from train.data.cli import main
+
+    assert build_command(spec_from_config(DataConfig())) == "twell-data build"
+    subset = spec_from_config(DataConfig(sources=["sotu", "moby_dick"]))
+    assert build_command(subset, "/x/my corpora") == (
+        "twell-data build --sources sotu,moby_dick --cache-dir '/x/my corpora'")
+    paths, _ = make_inputs(tmp_path)
+    cache = tmp_path / "cache"
+    cfg = DataConfig(source="files", paths=paths, text_field="content", tokenizer=byte_tok,
+                     cache_dir=str(cache), val_fraction=0.25, decontaminate=False, num_proc=1)
+    kw = {"seq_len": 8, "micro_batch": 2, "seed": 0}
+    build_datamodule(cfg, **kw)  # built on first use
+    (corpus,) = cache.glob("files-*")
+    shard = corpus / "train_000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(DataError) as err:
+        build_datamodule(cfg, **kw)
+    assert f"{shard} is corrupted" in str(err.value)
+    cmd = re.search(r"rebuild with `([^`]*)`$", str(err.value)).group(1)
+    assert shlex.split(cmd) == [
+        "twell-data", "build", "--source", "files", "--paths",
+        *(str(Path(p).resolve()) for p in paths), "--text-field", "content", "--tokenizer",
+        byte_tok, "--val-fraction", "0.25", "--no-decontaminate", "--cache-dir",
+        str(cache.resolve()), "--force"]
+    assert main([*shlex.split(cmd)[1:], "--quiet", "--num-proc", "1"]) == 0
+    assert list(cache.glob("files-*")) == [corpus] and shard.read_bytes() != bytes(raw)
+    assert build_datamodule(cfg, **kw).vocab_size == 257  # verified and loaded again
+
+
+def _signal_probe(job) -> dict:
+    """A stand-in for an extraction job: the worker's SIGINT and SIGTERM handlers."""
+    import signal
+
+    return {"key": job[1], "handlers": (signal.getsignal(signal.SIGINT),
+                                        signal.getsignal(signal.SIGTERM))}
+
+
+def test_extraction_workers_leave_ctrl_c_to_the_parent(tmp_path, monkeypatch):
+    """The extraction pool's workers ignore SIGINT (Ctrl-C reaches the whole process group; the
+    parent stops the pool, so no worker prints a traceback) and die quietly on SIGTERM, also
+    when the parent forked them with twell-train's set-up handler for it installed."""
+    import signal
+
+    import train.data.build as build_mod
+    from train.interrupt import stops_before_training
+
+    monkeypatch.setattr(build_mod, "_process_input", _signal_probe)
+    jobs = []
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.txt").write_text(name * 10)
+        jobs.append(("files", name, str(tmp_path / f"{name}.txt"), 1, "text", str(tmp_path)))
+    with stops_before_training():
+        results = build_mod._extract(jobs, None, num_proc=2, progress=False)
+    assert {k: r["handlers"] for k, r in results.items()} == {
+        k: (signal.SIG_IGN, signal.SIG_DFL) for k in ("a", "b")}
+
+
 def test_cli_build_info_verify(tmp_path, byte_tok, capsys):
     from train.data.cli import main
 

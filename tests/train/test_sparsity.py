@@ -367,3 +367,24 @@ def test_a_target_schedule_that_never_steers_is_warned(tmp_path):
     over["sparsity.target_after"] = 9
     assert not [w for w in config_warnings(tiny_config(tokens, **over), torch.device("cpu"))
                 if "target_after" in w]
+
+
+def test_an_l1_warmup_that_never_starts_is_warned():
+    """sparsity=warmup (coefficient 0 through step warmup_start + 1) in a run that ends first:
+    every step trains without L1; one warning naming the keys. A run whose last step gets some
+    L1 (0-based step max_steps - 1 > warmup_start) and a warm-up of a zero coefficient get none."""
+    from train.config import compose
+    from train.setup import config_warnings
+
+    def warned(*over: str) -> list[str]:
+        cfg = compose(["sparsity=warmup", "eval=disabled", *over])
+        return [w for w in config_warnings(cfg, torch.device("cpu")) if "warmup_start" in w]
+
+    assert warned("trainer.max_steps=2") == [
+        ("warning: sparsity.warmup_start=5000 with trainer.max_steps=2: the L1 warm-up never "
+        "starts (the coefficient is 0 through step 5001, so the whole run trains without L1); "
+        "lower sparsity.warmup_start and sparsity.warmup_end, raise trainer.max_steps, or use "
+        "sparsity.schedule=constant.")]
+    assert len(warned("trainer.max_steps=5001")) == 1  # its last step is 0-based 5000: still 0
+    assert warned("trainer.max_steps=5002") == []  # step 5002 trains at l1_coeff / 5000
+    assert warned("trainer.max_steps=2", "sparsity.l1_coeff=0") == []

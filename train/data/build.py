@@ -27,6 +27,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import signal
 import tempfile
 import time
 from collections import Counter
@@ -105,6 +106,31 @@ def spec_from_config(cfg) -> BuildSpec:
             files.append((str(p), sha256_file(p)))
         return BuildSpec("files", files=files, text_field=cfg.text_field, **common)
     raise ValueError(f"no corpus build for data.source={cfg.source!r}")
+
+
+def build_command(spec: BuildSpec, cache_dir: str | Path | None = None) -> str:
+    """The ``twell-data build`` command line that builds ``spec``'s corpus where a run with
+    ``data.cache_dir=cache_dir`` reads it: the options whose values differ from the defaults,
+    shell-quoted (append ``--force`` to rebuild a damaged one)."""
+    import shlex
+
+    default = BuildSpec("offline_mix", sources=list(SOURCES))
+    args = ["twell-data", "build"]
+    if spec.kind == "files":
+        args += ["--source", "files", "--paths", *(path for path, _ in spec.files)]
+        if spec.text_field != default.text_field:
+            args += ["--text-field", spec.text_field]
+    elif spec.sources != default.sources:
+        args += ["--sources", ",".join(spec.sources)]
+    if spec.tokenizer != default.tokenizer:
+        args += ["--tokenizer", spec.tokenizer]
+    if spec.val_fraction != default.val_fraction:
+        args += ["--val-fraction", repr(spec.val_fraction)]
+    if not spec.decontaminate:
+        args.append("--no-decontaminate")
+    if cache_dir:
+        args += ["--cache-dir", str(Path(cache_dir).expanduser().resolve())]
+    return shlex.join(args)
 
 
 def norm_hash(text: str) -> str:
@@ -321,7 +347,7 @@ def _extract(jobs: list[tuple], eval_index, num_proc: int, progress: bool) -> di
     workers = min(num_proc, len(jobs))
     bar = tqdm(total=len(jobs), desc="extract+decontaminate", disable=not progress)
     if workers > 1 and "fork" in mp.get_all_start_methods():
-        with mp.get_context("fork").Pool(workers) as pool:
+        with mp.get_context("fork").Pool(workers, initializer=_worker_signals) as pool:
             for r in pool.imap_unordered(_process_input, [jobs[i] for i in order]):
                 results[r["key"]] = r
                 bar.update()
@@ -333,6 +359,14 @@ def _extract(jobs: list[tuple], eval_index, num_proc: int, progress: bool) -> di
     bar.close()
     _WORKER_INDEX = None
     return results
+
+
+def _worker_signals() -> None:
+    """In an extraction worker: Ctrl-C (sent to the whole process group) is left to the parent,
+    which stops the pool, and SIGTERM ends the worker quietly (not through a handler the parent
+    had when it forked: ``twell-train`` turns SIGTERM into an exception while it sets up)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _dedup_and_split(spec: BuildSpec, jobs: list[tuple], results: dict[str, dict]):

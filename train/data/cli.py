@@ -103,7 +103,13 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"{s.name:<18} {s.registry:<7} {s.package + ' ' + ver:<42} {s.licence}")
         return 0
 
-    from train.data.build import MANIFEST, build_corpus, corpus_dir_for, spec_from_config
+    from train.data.build import (
+        MANIFEST,
+        build_command,
+        build_corpus,
+        corpus_dir_for,
+        spec_from_config,
+    )
     from train.data.corpus import load_corpus_tokenizer, open_split, read_manifest
 
     cfg = _config(a)
@@ -120,14 +126,15 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"[twell-data] up to date: {corpus_dir} ({time.time() - t:.1f} s; --force rebuilds)")
         print(_summary(corpus_dir, read_manifest(corpus_dir)))
         return 0
-    m = read_manifest(corpus_dir)
+    build = build_command(spec, cfg.cache_dir)  # the command the errors name
+    m = read_manifest(corpus_dir, build)
     if a.cmd == "info":
         print(json.dumps(m, indent=2) if a.json else _summary(corpus_dir, m))
         return 0
     t = time.time()
     for split in m["splits"]:
-        open_split(corpus_dir, m, split, verify=True)
-    load_corpus_tokenizer(corpus_dir, m, verify=True)
+        open_split(corpus_dir, m, split, verify=True, build=build)
+    load_corpus_tokenizer(corpus_dir, m, verify=True, build=build)
     print(f"[twell-data] {corpus_dir}: all shards and the tokenizer match the manifest ({time.time() - t:.1f} s)")
     return 0
 

@@ -58,12 +58,15 @@ def file_problem(path: str | Path) -> str | None:
 
 
 
-def open_token_file(path: str | Path, expected_tokens: int | None = None) -> np.ndarray:
+def open_token_file(path: str | Path, expected_tokens: int | None = None, *,
+                    rebuild: str = "rebuild the corpus (twell-data build --force)") -> np.ndarray:
     """Memory-map a uint16 token file read-only.
 
     Args:
         path: ``.npy`` (must hold a 1-D uint16 array) or raw little-endian uint16 (any other suffix).
         expected_tokens: if given, the file must hold exactly this many tokens.
+        rebuild: what the error of a wrong token count tells to do (a corpus shard: its
+            ``twell-data build --force`` command).
 
     Returns:
         1-D ``np.uint16`` memmap, shape ``(n_tokens,)``.
@@ -89,7 +92,7 @@ def open_token_file(path: str | Path, expected_tokens: int | None = None) -> np.
     if expected_tokens is not None and arr.shape[0] != expected_tokens:
         raise DataError(
             f"token file {p} holds {arr.shape[0]} tokens but the manifest says {expected_tokens}: "
-            "truncated or replaced; rebuild the corpus (twell-data build --force)"
+            f"truncated or replaced; {rebuild}"
         )
     return arr
 
