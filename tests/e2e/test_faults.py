@@ -299,12 +299,18 @@ def test_a_stop_before_training_names_its_phase_and_restores_sigterm(tmp_path, m
              (attach_model, signal.SIGINT, "building the model"),
              (lambda: __import__("slow_module"), signal.SIGINT, "loading the trainer"),
              (ctrl_c, signal.SIGINT, "setting up")]
-    for call, signum, phase in cases:
-        with pytest.raises(SetupInterrupted) as err, stops_before_training():
-            call()
-        assert (err.value.signum, err.value.phase) == (signum, phase)
-        assert err.value.exit_code == 128 + signum
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    # Ctrl-C raises KeyboardInterrupt as in a terminal, also where pytest was started in the
+    # background of a script (which starts it with SIGINT ignored)
+    ctrl_c_was = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        for call, signum, phase in cases:
+            with pytest.raises(SetupInterrupted) as err, stops_before_training():
+                call()
+            assert (err.value.signum, err.value.phase) == (signum, phase)
+            assert err.value.exit_code == 128 + signum
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, ctrl_c_was)
 
 
 # ------------------------------------------------------------------ 3: disk full while saving

@@ -413,7 +413,10 @@ def _signalled_cli(tmp_path, where: str, signum: int, *args):
     module = "train.data.corpus" if where == "build_corpus" else "train.data"
     driver = tmp_path / "driver.py"
     driver.write_text(
-        "import os, sys, time\n"
+        "import os, signal, sys, time\n"
+        # Ctrl-C as in a terminal, also under a test run started in the background of a script
+        # (its children inherit SIGINT ignored)
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"import {module}\n"
         f"def {where}(*a, **k):\n"
         f"    os.kill(os.getpid(), {int(signum)})\n"
