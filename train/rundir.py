@@ -243,7 +243,10 @@ def finished_run(run_dir: str | Path, cfg) -> tuple[str, dict] | None:
         return None  # the resume names what is wrong
     if not (isinstance(summary, dict) and summary.get("step") == steps == _step(own[-1])):
         return None
-    optim, other = split_changes(config_diff(saved, config_to_dict(cfg)))
+    # a null model key (model=pretrained) is read from the checkpoint when the run resumes
+    changes = [c for c in config_diff(saved, config_to_dict(cfg))
+               if not (c.startswith("model.") and c.endswith(" -> None"))]
+    optim, other = split_changes(changes)
     if optim or other:  # another run, or a changed one: the resume checks say which
         return None
     if cfg.eval.enabled and final_eval_due(cfg.eval, steps, summary.get("eval")):

@@ -404,6 +404,12 @@ def test_the_command_of_a_finished_run_run_again_says_so_before_loading_anything
         lock.release()
     (run / "summary.json").unlink()  # as a stop in the final evals leaves it
     assert not finished()
+    init = tmp_path / "init"  # model=pretrained: the shape's nulls are the checkpoint's
+    pre = [o for o in base if not o.startswith("hydra.")] + [
+        "model=pretrained", f"model.init_from={run / 'checkpoints' / 'step2'}"]
+    assert _train_cli(*pre, f"hydra.run.dir={init}").returncode == 0
+    assert compose(pre).model.num_layers is None
+    assert finished_run(init, compose(pre)) is not None
 
 
 def _signalled_cli(tmp_path, where: str, signum: int, *args):
