@@ -215,12 +215,13 @@ def finished_run(run_dir: str | Path, cfg) -> tuple[str, dict] | None:
     """``(line, summary)`` when the command that made ``run_dir`` is run again after its run
     finished (``twell-train`` then stops before loading data or model), else None: the run
     dir's ``summary.json`` and newest checkpoint are at ``trainer.max_steps``, the
-    checkpoint's config equals ``cfg`` up to :data:`RESUME_SAFE_KEYS`, no process holds its
-    lock (:func:`in_use`), ``trainer.resume`` is
+    checkpoint's config equals ``cfg`` up to :data:`RESUME_SAFE_KEYS` (and the null shape of
+    ``model=pretrained``), no process holds its lock (:func:`in_use`), ``trainer.resume`` is
     ``auto`` or names that run dir or checkpoint (the command that extended the run), and no
     final eval is due (``train.loop.final_eval_due``: a rerun with evals turned on runs them).
     A run stopped in its final evals has no ``summary.json``: its resume runs them. The line
-    says how to train the run longer (docs/training.md, Resuming)."""
+    says how to train the run longer (docs/training.md, Resuming). Raises nothing: a file it
+    cannot read leaves the decision to the resume, which names the problem."""
     import json
 
     from train.checkpointer import config_diff, config_to_dict
