@@ -83,6 +83,46 @@ def build_items(task: str, rows: list[dict], tokenizer=None, prefix_id: int | No
     return items, requests, skipped
 
 
+def long_continuations(tokenizer, tasks: str | Sequence[str], limit: int | None, above: int,
+                       cache=None) -> dict[str, tuple[int, int]]:
+    """Per task of ``tasks`` whose first ``limit`` rows hold a choice continuation longer than
+    ``above`` tokens (split as :func:`evals.scoring.encode_pair` splits it, no prefix token):
+    ``(row, tokens)`` of its longest; the others are left out ({}: every choice fits a model of
+    ``above`` positions). A token covers at least one byte, so only continuations of more UTF-8
+    bytes than ``above`` and than the task's longest so far are tokenized, longest first: the
+    seven full validation sets take well under a second. The rows are loaded as
+    :func:`evaluate` loads them (:func:`evals.data.load_rows`, kept in memory for it).
+
+    Raises:
+        ValueError: an unknown task (:func:`resolve_tasks`).
+    """
+    out: dict[str, tuple[int, int]] = {}
+    for name in resolve_tasks(tasks):
+        rows, _ = load_rows(name, cache)
+        cands = []  # (bytes, row, context, continuation) of the choices that might not fit
+        for i, row in enumerate(rows[:limit] if limit is not None else rows):
+            try:
+                item = TASKS[name].build(row)
+            except MalformedItem:
+                continue
+            for ctx, cont in zip(item.contexts, item.continuations, strict=True):
+                # encode_pair moves the context's trailing whitespace onto the continuation
+                n_bytes = len((ctx[len(ctx.rstrip()):] + cont).encode())
+                if n_bytes > above:
+                    cands.append((n_bytes, i, ctx, cont))
+        longest = above
+        for n_bytes, i, ctx, cont in sorted(cands, key=lambda c: -c[0]):
+            if n_bytes <= longest:
+                break  # no shorter one can hold more tokens
+            try:
+                n = len(encode_pair(tokenizer, ctx, cont, None)[1])
+            except ValueError:  # skipped as malformed by the evaluation
+                continue
+            if n > longest:
+                longest, out[name] = n, (i, n)
+    return out
+
+
 def _stderr(correct: list[bool]) -> float:
     n = len(correct)
     if n < 2:

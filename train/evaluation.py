@@ -98,6 +98,35 @@ def score_tasks(model, tokenizer, e, *, device, progress: bool, step: int, seq_l
             "from the newest checkpoint and writes summary.json)") from None
 
 
+def check_eval_fits(cfg, tokenizer, positions: int) -> None:
+    """Before training: the evals of ``cfg.eval`` on a model of ``positions`` positions
+    (``model.seq_len``, or ``model.init_from``'s max_position_embeddings) score every choice
+    of their rows (``evals.harness.long_continuations``), so they cannot fail after training
+    on one that does not fit (:func:`score_tasks`).
+
+    Raises:
+        ConfigError: one line naming the longest choice, the tasks that hold one too long and
+            the fixes.
+    """
+    from evals.harness import long_continuations
+
+    e = cfg.eval
+    tasks = "all" if list(e.tasks) == ["all"] else tuple(e.tasks)
+    long = long_continuations(tokenizer, tasks, e.limit, positions)
+    if not long:
+        return
+    name, (row, n) = max(long.items(), key=lambda kv: kv[1][1])
+    rows = "all rows" if e.limit is None else f"the first {e.limit} rows, eval.limit"
+    where = (f"model.seq_len={cfg.model.seq_len}" if not cfg.model.init_from else
+             f"max_position_embeddings of model.init_from={cfg.model.init_from!r}")
+    raise ConfigError(
+        f"eval.tasks: {name} row {row} has a choice of {n} tokens, more than the model's "
+        f"{positions} positions ({where}), so the evals after training would fail on it "
+        f"({', '.join(long)} {'holds one' if len(long) == 1 else 'hold such choices'} among "
+        f"{rows}); set model.seq_len>={n}, eval.tasks without {', '.join(long)}, or "
+        "eval=disabled.")
+
+
 def clear_sharded_ffn_caches(model, mlps: list) -> None:
     """FSDP: the inference path's cached ``Wd^T`` is keyed on the weight's storage and
     version, which FSDP2's re-gathered weights do not keep; drop it before each eval pass

@@ -215,12 +215,13 @@ def finished_run(run_dir: str | Path, cfg) -> tuple[str, dict] | None:
     """``(line, summary)`` when the command that made ``run_dir`` is run again after its run
     finished (``twell-train`` then stops before loading data or model), else None: the run
     dir's ``summary.json`` and newest checkpoint are at ``trainer.max_steps``, the
-    checkpoint's config equals ``cfg`` up to :data:`RESUME_SAFE_KEYS`, no process holds its
-    lock (:func:`in_use`), ``trainer.resume`` is
+    checkpoint's config equals ``cfg`` up to :data:`RESUME_SAFE_KEYS` (and the null shape of
+    ``model=pretrained``), no process holds its lock (:func:`in_use`), ``trainer.resume`` is
     ``auto`` or names that run dir or checkpoint (the command that extended the run), and no
     final eval is due (``train.loop.final_eval_due``: a rerun with evals turned on runs them).
     A run stopped in its final evals has no ``summary.json``: its resume runs them. The line
-    says how to train the run longer (docs/training.md, Resuming)."""
+    says how to train the run longer (docs/training.md, Resuming). Raises nothing: a file it
+    cannot read leaves the decision to the resume, which names the problem."""
     import json
 
     from train.checkpointer import config_diff, config_to_dict
@@ -243,7 +244,10 @@ def finished_run(run_dir: str | Path, cfg) -> tuple[str, dict] | None:
         return None  # the resume names what is wrong
     if not (isinstance(summary, dict) and summary.get("step") == steps == _step(own[-1])):
         return None
-    optim, other = split_changes(config_diff(saved, config_to_dict(cfg)))
+    # a null model key (model=pretrained) is read from the checkpoint when the run resumes
+    changes = [c for c in config_diff(saved, config_to_dict(cfg))
+               if not (c.startswith("model.") and c.endswith(" -> None"))]
+    optim, other = split_changes(changes)
     if optim or other:  # another run, or a changed one: the resume checks say which
         return None
     if cfg.eval.enabled and final_eval_due(cfg.eval, steps, summary.get("eval")):

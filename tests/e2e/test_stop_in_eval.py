@@ -178,7 +178,9 @@ def evaluate(model, tokenizer, tasks="all", limit=None, batch_size=16, device=No
     return {"tasks": {}, "mean": 0.0, "protocol": {}}
 
 import evals
+import evals.harness
 evals.evaluate = evaluate  # what the trainer's `from evals import evaluate` gets
+evals.harness.long_continuations = lambda *a, **k: {}  # the start's check: the stand-in fits
 import train.data
 from tests.train_utils import _StubTokenizer
 build = train.data.build_datamodule

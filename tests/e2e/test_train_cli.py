@@ -404,6 +404,12 @@ def test_the_command_of_a_finished_run_run_again_says_so_before_loading_anything
         lock.release()
     (run / "summary.json").unlink()  # as a stop in the final evals leaves it
     assert not finished()
+    init = tmp_path / "init"  # model=pretrained: the shape's nulls are the checkpoint's
+    pre = [o for o in base if not o.startswith("hydra.")] + [
+        "model=pretrained", f"model.init_from={run / 'checkpoints' / 'step2'}"]
+    assert _train_cli(*pre, f"hydra.run.dir={init}").returncode == 0
+    assert compose(pre).model.num_layers is None
+    assert finished_run(init, compose(pre)) is not None
 
 
 def _signalled_cli(tmp_path, where: str, signum: int, *args):
@@ -467,3 +473,36 @@ def test_a_stop_while_a_resume_loads_its_data_keeps_the_run_and_the_rerun_contin
             if p.is_file() and p.name != ".lock"} == before
     r = _train_cli(*more)
     assert r.returncode == 0 and "training steps 2-2 of 2" in r.stdout, r.stderr[-3000:]
+
+
+def test_evals_with_a_choice_longer_than_the_model_are_refused_before_training(tmp_path):
+    """model.seq_len=64 with the default evals (the seven tasks' first 200 rows): refused at the
+    start in one line naming the longest choice (PIQA row 142, 151 SmolLM2 tokens) and the
+    fixes, not after training; the run dir made for it is removed. At 151 positions (and at the
+    default 256) the same evals fit."""
+    import json
+
+    from train.config import compose
+    from train.data.tokenizer import load_tokenizer
+    from train.evaluation import check_eval_fits
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"Document {i} is about the weather and the "
+                                                f"sea, the wind and the boats, number {i * 7}."})
+                            + "\n" for i in range(200)))
+    run_dir = tmp_path / "run"
+    r = _train_cli("data=files", f"data.paths=[{docs}]", "data.decontaminate=false",
+                   f"data.cache_dir={tmp_path / 'corpus'}", "model.seq_len=64",
+                   "trainer.max_steps=2", "logging.wandb_mode=disabled",
+                   f"hydra.run.dir={run_dir}")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr  # above the line: the corpus build's progress bars
+    assert _stderr_lines(r)[-1:] == [(
+        "ConfigError: eval.tasks: piqa row 142 has a choice of 151 tokens, more than the "
+        "model's 64 positions (model.seq_len=64), so the evals after training would fail on it "
+        "(piqa holds one among the first 200 rows, eval.limit); set model.seq_len>=151, "
+        "eval.tasks without piqa, or eval=disabled.")], r.stderr[-3000:]
+    assert "training steps" not in r.stdout and not run_dir.exists()
+    smol = load_tokenizer("smollm2")
+    check_eval_fits(compose(["model.seq_len=151"]), smol, 151)  # no error
+    check_eval_fits(compose([]), smol, 256)

@@ -235,3 +235,31 @@ def test_decontamination_texts_hand_computed():
     assert TASKS["winogrande"].texts({"sentence": "a _ b", "option1": "X", "option2": "Y"}) == \
         ["a X b", "a Y b"]
     assert TASKS["hellaswag"].texts({"ctx": "c", "endings": ["e1", "e2"]}) == ["c", "c e1", "c e2"]
+
+
+def test_long_continuations_are_found_without_tokenizing_every_choice(rows):
+    """``long_continuations``: per task, the longest choice continuation above a token budget,
+    as ``encode_pair`` splits it, equal to tokenizing every choice (a one-token-per-character
+    tokenizer, and SmolLM2's: PIQA row 142 holds 151 tokens among the first 200 rows, the
+    choice a model.seq_len=64 run failed on after training); nothing when all fit."""
+    from evals.harness import long_continuations
+    from train.data.tokenizer import load_tokenizer
+
+    def brute(tok, task, limit, above):
+        items, reqs, _ = build_items(task, rows[task][:limit], tok)
+        lens = {(i, len(cont)) for (i, _), rs in zip(items, reqs) for _, cont in rs}
+        n = max(n for _, n in lens)
+        return None if n <= above else n, {i for i, m in lens if m == n}
+
+    char = CharTokenizer()
+    got = long_continuations(char, ["piqa", "arc_easy", "hellaswag"], 300, 100)
+    for task in ("piqa", "arc_easy", "hellaswag"):
+        n, at = brute(char, task, 300, 100)
+        assert (got[task][1] if task in got else None) == n, task
+        assert task not in got or got[task][0] in at
+    assert "arc_easy" not in got and got["piqa"][1] > 100  # arc's choices are short
+    smol = load_tokenizer("smollm2")
+    assert long_continuations(smol, "all", 200, 64) == {"piqa": (142, 151)}
+    assert brute(smol, "piqa", 200, 64) == (151, {142})
+    assert long_continuations(smol, "all", 200, 151) == {}
+    assert long_continuations(smol, "all", None, 151)["piqa"][1] == 231  # all 1838 rows

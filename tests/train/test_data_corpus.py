@@ -286,17 +286,21 @@ def test_a_damaged_corpus_names_the_command_that_rebuilds_it(tmp_path, byte_tok)
 
 
 def _signal_probe(job) -> dict:
-    """A stand-in for an extraction job: the worker's SIGINT and SIGTERM handlers."""
+    """A stand-in for an extraction job: the worker's SIGINT and SIGTERM handlers, and whether
+    it blocks SIGTERM."""
     import signal
 
     return {"key": job[1], "handlers": (signal.getsignal(signal.SIGINT),
-                                        signal.getsignal(signal.SIGTERM))}
+                                        signal.getsignal(signal.SIGTERM),
+                                        signal.SIGTERM in signal.pthread_sigmask(
+                                            signal.SIG_BLOCK, []))}
 
 
 def test_extraction_workers_leave_ctrl_c_to_the_parent(tmp_path, monkeypatch):
     """The extraction pool's workers ignore SIGINT (Ctrl-C reaches the whole process group; the
     parent stops the pool, so no worker prints a traceback) and die quietly on SIGTERM, also
-    when the parent forked them with twell-train's set-up handler for it installed."""
+    when the parent forked them with twell-train's set-up handler for it installed (blocked
+    from the fork to the worker's own handler, then unblocked; the parent's mask as it was)."""
     import signal
 
     import train.data.build as build_mod
@@ -310,7 +314,34 @@ def test_extraction_workers_leave_ctrl_c_to_the_parent(tmp_path, monkeypatch):
     with stops_before_training():
         results = build_mod._extract(jobs, None, num_proc=2, progress=False)
     assert {k: r["handlers"] for k, r in results.items()} == {
-        k: (signal.SIG_IGN, signal.SIG_DFL) for k in ("a", "b")}
+        k: (signal.SIG_IGN, signal.SIG_DFL, False) for k in ("a", "b")}
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def test_a_pool_stopped_as_soon_as_it_starts_does_not_hang(tmp_path):
+    """Pools of 2 workers ended right after their jobs, 300 times, in a process that handles
+    SIGTERM in Python (twell-train's set-up): the pool's SIGTERM to a worker that has only just
+    started must end it, not vanish in the handler it inherited and leave ``join`` waiting."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import sys\n"
+        "import torch  # noqa: F401  (its threads and size, as in the trainer's process)\n"
+        "import train.data.build as b\n"
+        "from tests.train.test_data_corpus import _signal_probe\n"
+        "from train.interrupt import stops_before_training\n"
+        "b._process_input = _signal_probe\n"
+        "jobs = [('files', n, sys.argv[1], 1, 'text', sys.argv[2]) for n in 'ab']\n"
+        "for _ in range(300):\n"
+        "    with stops_before_training():\n"
+        "        b._extract(jobs, None, num_proc=2, progress=False)\n")
+    (tmp_path / "a.txt").write_text("a" * 10)
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "a.txt"), str(tmp_path)],
+                       cwd=root, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-2000:]
 
 
 def test_cli_build_info_verify(tmp_path, byte_tok, capsys):

@@ -347,7 +347,7 @@ def _extract(jobs: list[tuple], eval_index, num_proc: int, progress: bool) -> di
     workers = min(num_proc, len(jobs))
     bar = tqdm(total=len(jobs), desc="extract+decontaminate", disable=not progress)
     if workers > 1 and "fork" in mp.get_all_start_methods():
-        with mp.get_context("fork").Pool(workers, initializer=_worker_signals) as pool:
+        with _worker_pool(workers) as pool:
             for r in pool.imap_unordered(_process_input, [jobs[i] for i in order]):
                 results[r["key"]] = r
                 bar.update()
@@ -361,12 +361,26 @@ def _extract(jobs: list[tuple], eval_index, num_proc: int, progress: bool) -> di
     return results
 
 
+def _worker_pool(workers: int):
+    """A fork pool of ``workers`` extraction processes that leave Ctrl-C (sent to the whole
+    process group) to the parent, which stops the pool, and die quietly on SIGTERM, also when
+    the parent handles SIGTERM in Python (``twell-train`` while it sets up). SIGTERM stays
+    blocked from the fork until a worker has its default action back, so the pool's SIGTERM
+    reaching a worker that just started is not lost in the handler it inherited (which would
+    leave the pool's ``join`` waiting for it)."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:  # the pool's threads, which fork any later worker, keep SIGTERM blocked too
+        return mp.get_context("fork").Pool(workers, initializer=_worker_signals)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def _worker_signals() -> None:
-    """In an extraction worker: Ctrl-C (sent to the whole process group) is left to the parent,
-    which stops the pool, and SIGTERM ends the worker quietly (not through a handler the parent
-    had when it forked: ``twell-train`` turns SIGTERM into an exception while it sets up)."""
+    """An extraction worker's signals (:func:`_worker_pool`): SIGINT ignored, SIGTERM's default
+    action, then SIGTERM unblocked (one sent meanwhile ends the worker now)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def _dedup_and_split(spec: BuildSpec, jobs: list[tuple], results: dict[str, dict]):
