@@ -27,7 +27,6 @@ far. Extra ``key=value`` arguments are Hydra overrides for every row.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ from studies.relufy import (
     run_study,
     select_rows,
 )
+from train.rundir import write_problem
 
 DEFAULT_OUT = Path("outputs/relufy")  # git-ignored, under the folder it is run from
 
@@ -133,7 +133,7 @@ def check_out(out: Path) -> None:
     unset = " (is $OUT unset?)" if here == Path(path.anchor) else ""
     if not here.is_dir():
         raise ValueError(f"--out {out}: {here} is a file, not a folder; {fix}")
-    if not os.access(here, os.W_OK | os.X_OK):
+    if write_problem(here) is not None:  # a probe file (os.access says yes to root)
         raise ValueError(f"--out {out}: {here} is not writable{unset}; {fix}")
 
 

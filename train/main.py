@@ -342,35 +342,21 @@ def check_writable(run_dir: str, key: str) -> None:
     """Exit 2 with one line when ``run_dir`` (or, if it does not exist yet, its nearest existing
     parent) cannot be written; note the missing folders in between (:data:`_CREATED`).
 
-    The folder is probed by creating a file in it (:func:`write_problem`), not by
+    The folder is probed by creating a file in it (:func:`train.rundir.write_problem`), not by
     ``os.access``, which says yes to root even on ``/proc`` or ``/sys``."""
     d = Path(run_dir).resolve()
     p = d
     while not p.exists():
         _CREATED.add(p)
         p = p.parent
+    from train.rundir import write_problem
+
     problem = write_problem(p)
     if problem is not None:
         where = "it" if p == d else f"its parent {p}"
         print(f"ConfigError: the run dir {d} cannot be written ({where} {problem}); set {key} "
               "to a writable folder.", file=sys.stderr)
         sys.exit(2)
-
-
-def write_problem(folder: Path) -> str | None:
-    """Why no file can be created in ``folder`` ("is not a folder", "is not writable: <reason>"),
-    or None when a probe file could be (an unnamed temporary file where the system allows it,
-    removed at once: nothing shows in the folder)."""
-    import tempfile
-
-    if not folder.is_dir():
-        return "is not a folder"
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        return f"is not writable: {e.strerror or type(e).__name__}"
-    return None
 
 
 def cli() -> None:

@@ -419,3 +419,20 @@ def start_fresh(run_dir: Path, config_yaml: str) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_io.write_atomic(run_dir / "config.yaml", config_yaml)
     ckpt_io.write_atomic(run_dir / "metrics.jsonl", "")
+
+
+def write_problem(folder: Path) -> str | None:
+    """Why no file can be created in ``folder`` (a :class:`pathlib.Path`): "is not a folder",
+    "is not writable: <reason>"; or None when a probe file could be (an unnamed temporary file where the system allows it,
+    removed at once: nothing shows in the folder). A probe, not ``os.access``, which says yes to
+    root even on ``/proc`` or ``/sys``. Raises nothing."""
+    import tempfile
+
+    if not folder.is_dir():
+        return "is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return f"is not writable: {e.strerror or type(e).__name__}"
+    return None

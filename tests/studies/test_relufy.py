@@ -317,7 +317,9 @@ def test_dry_run_needs_no_out_and_an_unwritable_out_is_refused(tmp_path, monkeyp
                      ("f/study", f"{tmp_path.resolve() / 'f'} is a file, not a folder")]:
         assert script.main(["--out", out, "--dry-run"]) == 2
         assert capsys.readouterr().err == f"error: --out {out}: {why}; {fix}\n"
-    monkeypatch.setattr(script.os, "access", lambda path, mode: False)
+    assert script.main(["--out", "/proc/x/study", "--dry-run"]) == 2  # a real probe, even as root
+    assert capsys.readouterr().err == f"error: --out /proc/x/study: /proc is not writable; {fix}\n"
+    monkeypatch.setattr(script, "write_problem", lambda folder: "is not writable: denied")
     for out, why in [("/relufy", "/ is not writable (is $OUT unset?)"),
                      ("new/study", f"{tmp_path.resolve()} is not writable")]:
         assert script.main(["--out", out, "--dry-run"]) == 2
