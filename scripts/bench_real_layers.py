@@ -10,7 +10,8 @@
 Every case (each recorded layer, then i.i.d. rows at ``--iid`` densities of shape ``--shape``)
 is checked first (every op against fp32; an op of ours off by more than 3x the dense bf16
 path's error stops the run with exit code 1), then timed with ``triton.testing.do_bench``
-medians: forward (dense cuBLAS, ``twell``, ``twell_hot``: hot units from the layer's own counts)
+medians: forward (dense cuBLAS, ``twell``, ``twell_hot``: hot units from the layer's own counts,
+``twell_long``: the 128 longest rows through a dense backup)
 and training (forward + backward with the L1 term: ``torch``, ``ell``, ``ell_nosync``,
 ``ell_hot``), ``auto`` and ``paper`` (ops and method: ``studies.kernel_bench.real_layers``). Writes ``real_layers.csv`` and ``iid.csv`` (columns
 ``real_layers.COLUMNS``) under ``--out`` (default docs/kernel_bench) after every case and

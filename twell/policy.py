@@ -63,6 +63,17 @@ class FFNPolicy:
     """Inference ``auto``: dense when the dense FFN has fewer FLOPs (6 M D H gated, 4 M D H
     non-gated; 3e11 ~ 0.45 ms of cuBLAS): a small_l4 layer (D 768, H 2048) at 0.25 % ran 0.60x on
     TwELL, launch-bound (H200)."""
+    infer_long_rows: int = 0
+    """Inference TwELL: up to this many of a call's rows with the most non-zeros (those above
+    ``infer_long_min_nnz``) run through a dense backup (two GEMMs of those rows) instead of the
+    consumer, no host sync (a fixed top-k). The gated consumer walks a row in one program, NB
+    non-zeros a step, so one row of ~2000 non-zeros (the densest tokens of a trained 1.5B
+    model's middle layers) is ~500 dependent gathers that can outlast the rest of the call;
+    128 rows cost 2 x 128 x 2 D H FLOPs (~6 GFLOP, ~10 us at the 1.5B shape). 0 = none (the
+    default until timed on the H200: BENCHMARKS.md, "Next")."""
+    infer_long_min_nnz: int = 256
+    """Inference TwELL: a row joins the dense backup of ``infer_long_rows`` only with more
+    non-zeros than this (shorter rows stay on the consumer even among the top-k)."""
     train_density_threshold: float = 0.10
     """Training ``auto``: the ELL kernels up to this density (L0 / H), else dense mode; 10 % is
     the densest case measured (i.i.d. 10 %: dense mode 0.99x vs the ELL op's fallback 0.90x,
@@ -161,7 +172,8 @@ class FFNPolicy:
                 and self.infer_min_flops >= 0):
             raise PolicyValueError("infer_min_flops", "must be a finite number >= 0",
                                    self.infer_min_flops, "<a number >= 0>")
-        for name in ("infer_min_rows", "ell_capacity", "max_hot_units"):
+        for name in ("infer_min_rows", "ell_capacity", "max_hot_units", "infer_long_rows",
+                     "infer_long_min_nnz"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise PolicyValueError(name, "must be an integer >= 0", v, "<int >= 0>" + (

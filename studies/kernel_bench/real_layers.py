@@ -22,6 +22,9 @@ Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``de
     dense         fwd: cuBLAS bf16, the baseline (:data:`BASELINE`)
     twell         fwd: TwELL (``sparse_ffn``)
     twell_hot     fwd: TwELL with the hot set
+    twell_long    fwd: TwELL with the :data:`LONG_ROWS` longest rows (above
+                  ``FFNPolicy.infer_long_min_nnz`` non-zeros) through a dense backup
+                  (``FFNPolicy.infer_long_rows``)
     torch         train: PyTorch autograd of y alone, no L1 term (cuBLAS bf16), the baseline
     ell           train: the ELL op measuring its dense backup per call
     ell_nosync    train: the ELL op, no host sync, backup at the measured capacity
@@ -40,6 +43,7 @@ outputs).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -68,8 +72,11 @@ from twell.stats import default_ell_capacity
 COLUMNS = ["size", "layer", "density", "l0_mean", "l0_max", "heavy_rows", "op", "kind", "ms",
            "speedup_vs_dense", "rel_err"]
 KINDS = ("fwd", "train")
-OPS = {"fwd": ("dense", "twell", "twell_hot", "auto", "paper"),
+OPS = {"fwd": ("dense", "twell", "twell_hot", "twell_long", "auto", "paper"),
        "train": ("torch", "ell", "ell_nosync", "ell_hot", "auto", "paper")}
+# twell_long's rows per call: 1/128 of the 16384-row calls (~6 GFLOP of dense backup at the
+# 1.5B shape) against the densest tokens of a trained model (BENCHMARKS.md, "Next")
+LONG_ROWS = 128
 BASELINE = {"fwd": "dense", "train": "torch"}  # the op each kind's speedup is measured against
 
 
@@ -145,8 +152,10 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
             return lambda: [_dense_fwd(x, wg, wu, wd)]
         st = TwELLState()
         mode = "auto" if op == "auto" else "twell"
-        hot = None if op == "twell" or (op == "auto" and not _split_pays(case, policy)) \
-            else case.hot
+        hot = None if op in ("twell", "twell_long") or (
+            op == "auto" and not _split_pays(case, policy)) else case.hot
+        if op == "twell_long":
+            policy = dataclasses.replace(policy, infer_long_rows=LONG_ROWS)
 
         @torch.no_grad()
         def fwd():

@@ -530,3 +530,75 @@ def test_inference_hot_units_bad_input_and_empty():
     torch.testing.assert_close(y1, y0, rtol=0, atol=0)
     with pytest.raises(ValueError, match="sparse_ffn: hot_units"):
         sparse_ffn(x, wg, wu, wd, hot_units=torch.tensor([0.5], device=DEV))
+
+
+# ---------------------------------------------------------------- long rows (infer_long_rows)
+
+
+@pytest.mark.parametrize("hot", [False, True], ids=["cold", "hot"])
+@pytest.mark.parametrize("k,min_nnz", [(1, 100), (2, 100), (9, 100), (50, 0)])
+@pytest.mark.parametrize("gated", [True, False])
+def test_long_rows_dense_backup_matches_fp64(gated, k, min_nnz, hot, monkeypatch):
+    """policy.infer_long_rows = k: of the k rows with the most non-zeros, those above
+    infer_long_min_nnz run through the dense backup (their gate unrounded, as dense math),
+    every other row through TwELL (its rounding), the consumer seeing no non-zero of a long
+    row; y, the per-row L1 mean, the counts and the overflowed tiles against fp64;
+    FFNInfo.long_rows counts the long rows; k > N takes all."""
+    import twell.ops.twell_ffn as consumer_mod
+
+    seen = []
+    apply = consumer_mod.twell_ffn_apply
+    monkeypatch.setattr(consumer_mod, "twell_ffn_apply",
+                        lambda tw, *a, **kw: (seen.append(tw.nnz_per_row().cpu()),
+                                              apply(tw, *a, **kw))[1])
+    n, d, h = 9, 40, 520
+    x, wg, wu, wd = _hot_inputs(n, d, h, gated, seed=11)
+    hot_set = torch.arange(5) if hot else torch.empty(0, dtype=torch.int64)
+    st = TwELLState()
+    pol = FFNPolicy(infer_long_rows=k, infer_long_min_nnz=min_nnz)
+    y, stats = sparse_ffn(x, wg, wu, wd, state=st, policy=pol,
+                          hot_units=hot_set.to(DEV) if hot else None)
+    y_tw, h_tw, act, n_ovf = ffn_reference_hot_fp64(x, wg, wu, wd, hot_set)
+    y_ex, h_ex, _ = ffn_reference_fp64(x, wg, wu, wd)
+    nnz = act.sum(1)
+    s = nnz.sort(descending=True).values
+    assert k >= n or s[k - 1] != s[k] or s[k - 1] <= min_nnz  # no tie decides the long rows
+    top = torch.topk(nnz, min(k, n)).indices
+    long = torch.zeros(n, dtype=torch.bool)
+    long[top] = nnz[top] > min_nnz
+    assert 0 < int(long.sum()) < n  # the case mixes both paths
+    assert int(st.last_info.long_rows) == int(long.sum())
+    if DEV == "cuda" or triton.knobs.runtime.interpret:  # the kernels ran: the consumer's view
+        cold = act.clone()
+        cold[:, hot_set] = False
+        assert torch.equal(seen[0], torch.where(long, 0, cold.sum(1)).int())
+    y_ref = torch.where(long[:, None], y_ex, y_tw)
+    h_ref = torch.where(long[:, None], h_ex, h_tw)
+    assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-5, what=f"y k={k} min {min_nnz}")
+    torch.testing.assert_close(stats.l1.double().cpu(), h_ref.abs().sum(1).mean(), rtol=1e-5,
+                               atol=0)
+    assert stats.nnz_max.item() == nnz.max().item()
+    assert torch.equal(stats.active_counts.cpu(), act.sum(0).int())
+    assert int(st.last_info.overflow_tiles) == n_ovf  # the TwELL counts were put back
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_long_rows_nonfinite_row_propagates(value):
+    """A NaN / inf in x[2] makes row 2 the longest (every gate active); through the long rows'
+    dense backup y[2] is non-finite, the other rows as fp64."""
+    n, d, h = 6, 32, 300
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=7)
+    x[2, 5] = value
+    st = TwELLState()
+    y, _ = sparse_ffn(x, wg, wu, wd, state=st, policy=FFNPolicy(infer_long_rows=1,
+                                                                infer_long_min_nnz=0))
+    assert int(st.last_info.long_rows) == 1
+    assert not torch.isfinite(y[2]).any(), y[2]
+    ok = [0, 1, 3, 4, 5]
+    y_ref, _, _ = ffn_reference_fp64(x[ok], wg, wu, wd, factor=8, value_dtype=torch.bfloat16)
+    assert_close_verbose(y[ok], y_ref, rtol=1e-4, atol=1e-5, what="finite rows")
+
+
+def test_long_rows_policy_refuses_negative():
+    with pytest.raises(ValueError, match="infer_long_rows must be an integer >= 0"):
+        FFNPolicy(infer_long_rows=-1)

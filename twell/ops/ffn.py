@@ -33,6 +33,13 @@ a dense slice, ``y += relu(g_S) (x Wu[S]^T) Wd[:, S]^T``, with g_S taken from th
 output and those columns zeroed before the pack, so TwELL holds the cold units only (its tiles
 overflow less and the consumer gathers fewer rows). Statistics stay those of the whole FFN.
 
+Long rows (``policy.infer_long_rows`` = k > 0): the gated consumer walks a row's non-zeros in one
+program, so a row far longer than the rest (a trained model's densest tokens) can outlast the
+call. The k rows with the most non-zeros, those above ``policy.infer_long_min_nnz``, have their
+TwELL counts zeroed before the consumer (it writes 0 for them) and are computed by a dense backup,
+``y_R = (relu(g_R) (x_R Wu^T)) Wd^T`` (two GEMMs of k rows), written over them; the counts are put
+back for the statistics. No host sync (a fixed top-k); ``FFNInfo.long_rows`` counts them.
+
 NaN/inf: a non-finite input row makes its gates NaN/inf, which count as active
 (``not (g <= 0)``), so they propagate to y (such a row overflows its tiles and
 takes the dense tile path). Inactive units are exact zeros: unlike dense
@@ -69,12 +76,15 @@ class FFNInfo:
         overflow_rows: scalar int tensor, rows with at least one tile over
             capacity, computed densely for those tiles (None on dense paths).
         overflow_tiles: scalar int tensor, (row, tile) pairs over capacity.
+        long_rows: scalar int tensor, rows computed by the dense backup of the longest rows
+            (``policy.infer_long_rows``; None when off or on other paths).
     """
 
     path: str
     density: torch.Tensor | None = None
     overflow_rows: torch.Tensor | None = None
     overflow_tiles: torch.Tensor | None = None
+    long_rows: torch.Tensor | None = None
 
 
 DENSE_RECHECK_EVERY = 16  # "auto" on the dense path re-measures the density every this many calls
@@ -321,7 +331,7 @@ def sparse_ffn(
                 state.auto.end(token, policy)
                 return y, stats
         out = _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c.dtype, with_stats, state,
-                     hot)
+                     hot, policy)
         state.auto.end(token, policy)
         return out
 
@@ -338,8 +348,10 @@ def _auto_dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, state):
     return y, stats
 
 
-def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state, hot=None):
+def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state, hot=None,
+           policy=None):
     gated = w_gate_HD is not None
+    n_long = None
     n, h = x_ND.shape[0], w_up_HD.shape[0]
     if not _triton_ok(x_ND):
         from twell.ops.reference import twell_ffn_torch
@@ -360,11 +372,18 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state, ho
             dense.index_fill_(1, hot, 0)
         tw, colcnt = pack_dense(dense, state.factor, stats=with_stats, **state.pack_kwargs)
         wdt = state.down_t(w_down_DH, wdt_dtype)
+        nnz_row = tw.counts.sum(1, dtype=torch.int32)
+        k_long = 0 if policy is None else min(policy.infer_long_rows, n)
+        if k_long > 0:
+            top, is_long, saved = _hide_long_rows(tw, nnz_row, k_long, policy.infer_long_min_nnz)
         y, l1_rows = twell_ffn_apply(
             tw, dense, wdt, x_MD=x_ND if gated else None, w_up_HD=w_up_HD if gated else None,
             stats=with_stats, out_dtype=x_ND.dtype, **state.consumer_kwargs,
         )
-        nnz_row = tw.counts.sum(1, dtype=torch.int32)
+        if k_long > 0:
+            tw.counts.index_copy_(0, top, saved)  # the true counts again, for the statistics
+            _long_backup(y, l1_rows, x_ND, dense, w_up_HD if gated else None, wdt, top, is_long)
+            n_long = is_long.sum()
         if g_S is not None:
             nnz_row = _hot_slice(y, l1_rows, colcnt, nnz_row, x_ND, w_up_HD if gated else None,
                                  wdt, hot, g_S)
@@ -375,12 +394,45 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state, ho
     ovf = counts > tw.capacity
     state.record_density(dens)
     state.last_info = FFNInfo(path, density=dens, overflow_rows=ovf.any(1).sum(),
-                              overflow_tiles=ovf.sum())
+                              overflow_tiles=ovf.sum(), long_rows=n_long)
     stats = None
     if with_stats:
         stats = FFNStats(l1=l1_rows.mean(), nnz_sum=nnz_sum, nnz_max=nnz_row.max().float(),
                          active_counts=colcnt, n_tokens=n)
     return y, stats
+
+
+def _hide_long_rows(tw, nnz_row, k, min_nnz):
+    """The ``k`` rows with the most non-zeros, ``top`` (k,) int64; ``is_long`` (k,) bool: those
+    with more than ``min_nnz``, whose TwELL counts are zeroed in place so that the consumer
+    writes y = 0 and L1 = 0 for them (a fixed k: no host sync); ``saved`` (k, T) int32, their
+    counts, which the caller puts back after the consumer."""
+    top = torch.topk(nnz_row, k, sorted=False).indices
+    is_long = nnz_row.index_select(0, top) > min_nnz
+    saved = tw.counts.index_select(0, top)
+    tw.counts.index_copy_(0, top, torch.where(is_long[:, None], 0, saved))
+    return top, is_long, saved
+
+
+def _long_backup(y, l1_rows, x_ND, dense, w_up_HD, wdt, top, is_long):
+    """The long rows' dense backup, written in place into the rows ``top[is_long]`` of y (and of
+    ``l1_rows`` when given): h = relu(g) (x Wu^T) (gated; relu(g) non-gated) from the
+    pre-activation ``dense`` (N, H) (hot units' columns zeroed: their slice is added after), with
+    exact zeros at inactive units and relu(NaN) = NaN, then y_R = h Wd^T. Rows of ``top`` that
+    are not long keep the consumer's outputs. Like the training op's heavy rows, a non-finite
+    down weight at an inactive unit reaches these rows (0 x inf in the GEMM)."""
+    g = dense.index_select(0, top)
+    act = ~(g <= 0)  # NaN active
+    h = g.float().clamp(min=0)
+    if w_up_HD is not None:
+        u = torch.matmul(x_ND.index_select(0, top), w_up_HD.t()).float()
+        h = torch.where(act, h * u, 0.0)
+    y_R = torch.matmul(h.to(wdt.dtype), wdt).to(y.dtype)
+    long2 = is_long[:, None]
+    y.index_copy_(0, top, torch.where(long2, y_R, y.index_select(0, top)))
+    if l1_rows is not None:
+        l1_rows.index_copy_(0, top, torch.where(is_long, h.abs().sum(1),
+                                                l1_rows.index_select(0, top)))
 
 
 def _hot_slice(y, l1_rows, colcnt, nnz_row, x_ND, w_up_HD, wdt, hot, g_S):
