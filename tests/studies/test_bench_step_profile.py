@@ -207,3 +207,16 @@ def test_write_profile(tmp_path):
     got = {r["family"]: float(r["ms_per_step"]) for r in rows}
     assert got["attention"] == 5.0 and got["step"] == 20.0 and got["idle"] == 2.0
     assert {r["path"] for r in rows} == {"ell"} and rows[0]["l0"] == "27.10"
+
+
+def test_profile_of_events_reads_real_profiler_events():
+    # the attributes it reads exist on this torch's events (a CPU run: no kernels, no syncs)
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(2):
+            (x @ x).relu_()
+    p = profile_of_events(prof.events(), DIMS, steps=2, step_ms=0.5)
+    assert p.kernel_ms == 0.0 and p.idle_ms == 0.5 and p.top == [] and p.syncs == 0.0
+    assert sum(p.families.values()) == 0.0
