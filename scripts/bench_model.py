@@ -129,7 +129,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "first (torch.profiler, op families; CUDA only)")
     p.add_argument("--profile-paths", default=",".join(PROFILE_PATHS),
                    help=f"paths to profile ({','.join(PROFILE_PATHS)})")
-    p.add_argument("--profile-only", action="store_true", help="profile, then stop")
+    p.add_argument("--profile-only", action="store_true",
+                   help="profile, then stop (with --profile-forward: the forward and its "
+                        "profile, then stop)")
+    p.add_argument("--profile-forward", action="store_true",
+                   help="after the forward stage, profile one forward of each inference impl "
+                        "it timed (torch, liger, twell, auto...; torch.profiler, CUDA only): "
+                        "forward_profile_<size>.md / .csv in --out, GPU time by op family and "
+                        "the longest kernels by name (calls, total ms, mean us)")
     p.add_argument("--save-model", action="store_true",
                    help="keep the bench model trained here as a checkpoint under --work-dir "
                         "(<size>_stage1/checkpoints/step<N>) for a later --model-from")
@@ -190,7 +197,8 @@ def settings(a: argparse.Namespace) -> BenchSettings:
               "acts_tokens": a.acts_tokens,
               "profile_micro": _micro_batches(a.profile_micro),
               "profile_paths": tuple(x for x in a.profile_paths.split(",") if x),
-              "profile_only": a.profile_only, "save_model": a.save_model,
+              "profile_only": a.profile_only, "profile_forward": a.profile_forward,
+              "save_model": a.save_model,
               "settle": SettleRule(a.until_settled, a.settle_window, a.settle_tolerance),
               **given}
     given = {"l1": a.l1, "lr": a.lr, "steps": a.train_steps, "deterministic": a.deterministic,

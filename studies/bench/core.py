@@ -93,7 +93,12 @@ class BenchSettings:
         profile_micro: micro-batches at which to profile one step of each of
             ``profile_paths`` (:func:`studies.bench.step_profile.profile_paths`; CUDA only)
             before the search; empty: no profile.
-        profile_only: profile, then skip the search and the timed rows.
+        profile_only: profile, then skip the search and the timed rows (with
+            ``profile_forward``: the forward and its profile, then stop).
+        profile_forward: after the forward, profile one forward of each inference impl it
+            timed (:func:`studies.bench.forward_profile.profile_forward`; CUDA only):
+            ``forward_profile_<size>.md`` / ``.csv``, GPU time by op family and the longest
+            kernels by name.
         save_model: keep the bench model trained here as a checkpoint in ``work_dir`` (for a
             later run's ``model_from`` on the same machine).
     """
@@ -130,6 +135,7 @@ class BenchSettings:
     profile_paths: tuple[str, ...] = ("hf", "liger", "dense", "ell", "auto", "dense-noliger",
                                       "ell-noliger")
     profile_only: bool = False
+    profile_forward: bool = False
     save_model: bool = False
 
     def __post_init__(self) -> None:
@@ -295,43 +301,71 @@ def prepare(s: BenchSettings, size: str, clock: Clock, work: Path,
 
 def measure_forward(run: SizeRun) -> None:
     """Forward tokens/ms of each inference impl the paths need (``run.fwd``, by impl)."""
-    from twell.hf import ffn_modules
-    from twell.nn.plan import FFNPlan
-
     s, dev = run.s, run.device
-    impls = list(dict.fromkeys(FORWARD_IMPL[f] for p in s.paths for f in _ffns_of(run, p)))
-    ids = run.pool_NT.repeat(math.ceil(s.fwd_batch / run.pool_NT.shape[0]), 1)[:s.fwd_batch]
-    ids = ids.to(dev)
+    impls = forward_impls(run)
+    ids = forward_ids(run)
     est = len(impls) * (run.est_build_s() + (s.fwd_warmup + s.fwd_steps) * ids.numel()
                         * 2 * run.n_params / 3e14)
     if not run.clock.fits(est if dev.type == "cuda" else 0, f"{run.size} forward"):
         return
     t0 = run.clock.elapsed()
-    dtype = torch.bfloat16 if run.bf16 else None
     for impl in impls:
         try:
-            if impl in BASELINE_PATHS:
-                model = build_hf(run.bm.model_cfg, run.bm.weights, dev, dtype, variant=impl)
-            else:
-                model = build_ours(run.bm.model_cfg, run.bm.weights, dev, dtype,
-                                   ffn=run.cfg1.ffn, impl=impl)
-                FFNPlan(ffn_modules(model)).set_collect_stats(False)  # no counting pass
-                if liger_enabled(None, device_type=dev.type,
-                                 precision="bf16" if run.bf16 else "fp32", compile=False):
-                    use_liger(model, fused_linear_ce=False)  # as our trainer runs (no loss here)
-            decoder = model.eval().model  # the decoder stack, no LM head
+            decoder = build_forward(run, impl)
             with torch.no_grad():
-                warm = s.fwd_warmup if impl == "auto" else min(2, s.fwd_warmup)
-                w = time_steps(lambda d=decoder: d(input_ids=ids), warm, s.fwd_steps, dev)
+                w = time_steps(lambda d=decoder: d(input_ids=ids), forward_warmup(run, impl),
+                               s.fwd_steps, dev)
             run.fwd[impl] = ids.numel() / statistics.median(w.step_ms)
             log(f"{run.size} forward {impl}: {run.fwd[impl]:.1f} tok/ms ({s.fwd_batch} x "
                 f"{run.seq_len})")
         except Exception as e:  # noqa: BLE001  (one impl's failure keeps the others)
             log(f"{run.size} forward {impl} FAILED: {type(e).__name__}: {str(e)[:200]}")
             run.meta.setdefault("errors", []).append(f"forward {impl}: {type(e).__name__}: {e}")
-        model = decoder = None
+        decoder = None
         free_memory(dev)
     run.clock.mark("forward", t0)
+
+
+def forward_impls(run: SizeRun) -> list[str]:
+    """The inference impls whose forward the run's paths report
+    (:data:`studies.bench.recipe.FORWARD_IMPL`), in the paths' order, each once."""
+    return list(dict.fromkeys(FORWARD_IMPL[f] for p in run.s.paths for f in _ffns_of(run, p)))
+
+
+def forward_ids(run: SizeRun) -> torch.Tensor:
+    """The forward's (fwd_batch, T) int64 token ids on the run's device: held-out sequences
+    (repeated when fwd_batch exceeds the pool)."""
+    s = run.s
+    ids = run.pool_NT.repeat(math.ceil(s.fwd_batch / run.pool_NT.shape[0]), 1)[:s.fwd_batch]
+    return ids.to(run.device)
+
+
+def forward_warmup(run: SizeRun, impl: str) -> int:
+    """Untimed forwards before timing ``impl``: ``fwd_warmup`` for ``auto`` (its measured
+    choice times both paths on each layer's first calls), at most 2 for the others."""
+    return run.s.fwd_warmup if impl == "auto" else min(2, run.s.fwd_warmup)
+
+
+def build_forward(run: SizeRun, impl: str):
+    """The decoder stack (no LM head) of the bench model in eval mode for inference impl
+    ``impl``: stock transformers for the baselines (``hf``, ``liger``, ``compile``), else our
+    model of ``ffn.impl=impl`` without the FFNs' statistics, with Liger-Kernel where our
+    trainer would run it; bf16 when the run is."""
+    from twell.hf import ffn_modules
+    from twell.nn.plan import FFNPlan
+
+    dev = run.device
+    dtype = torch.bfloat16 if run.bf16 else None
+    if impl in BASELINE_PATHS:
+        model = build_hf(run.bm.model_cfg, run.bm.weights, dev, dtype, variant=impl)
+    else:
+        model = build_ours(run.bm.model_cfg, run.bm.weights, dev, dtype, ffn=run.cfg1.ffn,
+                           impl=impl)
+        FFNPlan(ffn_modules(model)).set_collect_stats(False)  # no counting pass
+        if liger_enabled(None, device_type=dev.type, precision="bf16" if run.bf16 else "fp32",
+                         compile=False):
+            use_liger(model, fused_linear_ce=False)  # as our trainer runs (no loss here)
+    return model.eval().model
 
 
 def _ffns_of(run: SizeRun, path: str) -> tuple[str, ...]:
@@ -423,5 +457,6 @@ def reuse(run: SizeRun, path: str, b: Budget, choice: Choice) -> dict | None:
             "notes": f"the configuration of the {first['budget_gb']:g} GB card: timed once"}
 
 
-__all__ = ["BenchSettings", "SizeRun", "add_row", "measure_forward", "new_row", "prepare",
+__all__ = ["BenchSettings", "SizeRun", "add_row", "build_forward", "forward_ids", "forward_impls",
+           "forward_warmup", "measure_forward", "new_row", "prepare",
            "record_probes", "reuse", "search_ffn", "skipped_row", "timed_fields"]

@@ -16,7 +16,7 @@ import torch
 from studies.bench.core import BenchSettings, prepare
 from studies.bench.recipe import write_smoke_tokens
 from studies.bench.report import write_outputs
-from studies.bench.stages import bench_budgets
+from studies.bench.stages import bench_budgets, forward_stage
 from studies.bench.step_profile import profile_paths, write_profile
 from studies.bench.steps import Clock, free_memory, log
 
@@ -80,6 +80,8 @@ def _run_sizes(s: BenchSettings, work: Path) -> BenchResult:
                                         run.checks["l0"]), flush=True)
             if not s.profile_only:
                 bench_budgets(run)
+            elif s.profile_forward:
+                forward_stage(run)
         except Exception as e:  # noqa: BLE001  (keep the other sizes and the outputs)
             traceback.print_exc()
             log(f"size {size} FAILED: {type(e).__name__}: {e}")

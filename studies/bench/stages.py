@@ -70,9 +70,10 @@ OUR_PATHS = ("ell", "dense", "auto")  # the timing order inside our trainer's st
 
 
 def bench_budgets(run: SizeRun) -> None:
-    """The forward, then per budget our rows, ``hf``'s and ``default``'s (module docstring).
-    A stage that fails leaves rows naming the error for its paths and the next stage runs."""
-    measure_forward(run)
+    """The forward (:func:`forward_stage`), then per budget our rows, ``hf``'s and
+    ``default``'s (module docstring). A stage that fails leaves rows naming the error for its
+    paths and the next stage runs."""
+    forward_stage(run)
     for i, b in enumerate(run.s.budgets):
         t0 = run.clock.elapsed()
         first = i == 0
@@ -86,6 +87,29 @@ def bench_budgets(run: SizeRun) -> None:
                 _guarded(run, stage, paths, b)
             free_memory(run.device)  # the stage's models (reference cycles) before the next
         run.clock.mark(f"{b.label} GB card", t0)
+
+
+def forward_stage(run: SizeRun) -> None:
+    """The forward of every inference impl (:func:`studies.bench.core.measure_forward`), then,
+    with ``profile_forward``, its profile
+    (:func:`studies.bench.forward_profile.profile_forward`), written into ``run.s.out`` as
+    ``forward_profile_<size>.md`` / ``.csv``; on the CPU the profile is skipped with one log
+    line (it times CUDA kernels) and nothing is written."""
+    from studies.bench.forward_profile import profile_forward, write_forward_profile
+
+    measure_forward(run)
+    if not run.s.profile_forward:
+        return
+    if run.device.type != "cuda":
+        log(f"{run.size}: --profile-forward skipped: torch.profiler's CUDA kernel times need "
+            "a GPU")
+        return
+    profiles = profile_forward(run)
+    if profiles:
+        cfg = run.bm.model_cfg
+        print(write_forward_profile(run.s.out, run.size, profiles, fwd_batch=run.s.fwd_batch,
+                                    seq_len=run.seq_len, l0=run.checks["l0"],
+                                    layers=cfg.num_layers), flush=True)
 
 
 def _guarded(run: SizeRun, stage, paths: list[str], b: Budget) -> None:
@@ -451,6 +475,7 @@ def mark_default(run: SizeRun, row: dict, b: Budget) -> None:
 
 
 __all__ = ["OUR_PATHS", "baseline_rows", "bench_budgets", "build_default_trainer",
-           "build_our_trainer", "default_row", "loss_check", "ours_rows", "path_choice",
+           "build_our_trainer", "default_row", "forward_stage", "loss_check", "ours_rows",
+           "path_choice",
            "time_trainer",
            "use_ffn"]

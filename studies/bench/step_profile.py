@@ -123,7 +123,8 @@ def profile_step(step: Callable[[], object], device, dims: dict, *, steps: int =
     """Time ``timed`` calls of ``step`` with CUDA events, then profile ``steps`` more.
 
     Args:
-        step: one training step (it synchronises as the path does; nothing else is added).
+        step: one step: a training step (it synchronises as the path does; nothing else is
+            added) or a forward.
         device: a CUDA device.
         dims: ``{"ffn": H, "vocab": V}`` (:func:`kernel_family`).
 
@@ -145,22 +146,42 @@ def profile_step(step: Callable[[], object], device, dims: dict, *, steps: int =
         for _ in range(steps):
             step()
         torch.cuda.synchronize(dev)
-    fams: dict[str, float] = defaultdict(float)
-    kern: dict[tuple, list] = {}
-    syncs = 0
-    events = prof.events()
+    return profile_of_events(prof.events(), dims, steps=steps, step_ms=step_ms)
+
+
+def profile_of_events(events, dims: dict, *, steps: int, step_ms: float,
+                      top: int = 25) -> StepProfile:
+    """The :class:`StepProfile` of ``steps`` profiled steps from their ``torch.profiler``
+    events (``prof.events()``): kernel times summed by family and by kernel name, per step.
+
+    Args:
+        events: the profiler's events: CPU ops (``device_type`` CPU, with ``id``, ``name``,
+            ``input_shapes`` and the ``kernels`` they launched), CUDA kernels (``device_type``
+            CUDA, ``name``, ``time_range`` in us, ``linked_correlation_id`` = the id of the op
+            that launched them) and runtime calls (the host synchronisations, by name).
+        dims: ``{"ffn": H, "vocab": V}`` (:func:`kernel_family`).
+        steps: how many steps the events hold (every time and count is divided by it).
+        step_ms: the step's time from CUDA events, measured outside the profiler.
+        top: how many kernels :attr:`StepProfile.top` keeps (the longest in total).
+
+    Raises:
+        ValueError: ``steps < 1``.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1; got {steps}")
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     # the PyTorch ops that launched kernels, by id (a kernel's linked correlation id); runtime
     # calls (cudaLaunchKernel...) carry CUPTI's own ids, which may collide with these: left out
-    cpu_ops = {e.id: e for e in events
-               if e.device_type == torch.autograd.DeviceType.CPU and e.kernels}
-    spans = []
+    cpu_ops = {e.id: e for e in events if e.device_type == cpu and e.kernels}
+    fams: dict[str, float] = defaultdict(float)
+    kern: dict[tuple, list] = {}
+    spans, syncs = [], 0
     for e in events:
         if e.name in _SYNCS:
             syncs += 1
         # kernels only: a user annotation (record_function, the optimizer's step range) has a
         # GPU range of its own that spans the kernels inside it
-        if e.device_type != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation",
-                                                                       False):
+        if e.device_type != cuda or getattr(e, "is_user_annotation", False):
             continue
         op = cpu_ops.get(getattr(e, "linked_correlation_id", 0))
         us = e.time_range.end - e.time_range.start
@@ -171,35 +192,55 @@ def profile_step(step: Callable[[], object], device, dims: dict, *, steps: int =
         k = kern.setdefault((fam, e.name[:90]), [0.0, 0])
         k[0] += us / 1e3 / steps
         k[1] += 1 / steps
-    busy = _busy_us(spans)
-    top = sorted(((f, n, ms, c) for (f, n), (ms, c) in kern.items()), key=lambda t: -t[2])[:25]
-    return StepProfile(step_ms, busy / 1e3 / steps, {f: fams.get(f, 0.0) for f in FAMILIES},
-                       syncs / steps, top)
+    longest = sorted(((f, n, ms, c) for (f, n), (ms, c) in kern.items()), key=lambda t: -t[2])
+    return StepProfile(step_ms, _busy_us(spans) / 1e3 / steps,
+                       {f: fams.get(f, 0.0) for f in FAMILIES}, syncs / steps, longest[:top])
 
 
-def family_table(profiles: dict[str, StepProfile], tokens_per_step: int) -> str:
-    """A markdown table: one column per path (ms per 2048-token sequence = per step /
-    sequences), one row per family, then kernels, idle, step and tokens/ms."""
-    seqs = tokens_per_step / 2048
+def family_table(profiles: dict[str, StepProfile], tokens_per_step: int, *,
+                 per: str | None = None) -> str:
+    """A markdown table: one column per path, one row per family (those some path has), then
+    kernels, idle, step, host syncs and tokens/ms.
+
+    Args:
+        profiles: path -> its profile (ms per step).
+        tokens_per_step: the tokens one step runs (tokens/ms = this / step ms).
+        per: None: ms per 2048-token sequence (per step / sequences); a name (``forward``): ms
+            per step, the header ``ms per <per>`` and the step rows named after it.
+    """
+    seqs = 1 if per else tokens_per_step / 2048
+    step = per or "step"
     names = list(profiles)
-    lines = ["| ms per 2048-token sequence | " + " | ".join(names) + " |",
-             "|---|" + "---|" * len(names)]
+    head = f"ms per {per}" if per else "ms per 2048-token sequence"
+    lines = [f"| {head} | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for fam in FAMILIES:
         vals = [profiles[n].families.get(fam, 0.0) / seqs for n in names]
         if any(v >= 0.005 for v in vals):
             lines.append(f"| {fam} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
     for label, get in (("kernels (GPU busy)", lambda p: p.kernel_ms / seqs),
                        ("idle (gaps, host waits)", lambda p: p.idle_ms / seqs),
-                       ("**step**", lambda p: p.step_ms / seqs)):
+                       (f"**{step}**", lambda p: p.step_ms / seqs)):
         lines.append(f"| {label} | " + " | ".join(f"{get(profiles[n]):.2f}" for n in names)
                      + " |")
-    lines.append("| host syncs per step | " + " | ".join(f"{profiles[n].syncs:.0f}"
-                                                        for n in names) + " |")
+    lines.append(f"| host syncs per {step} | " + " | ".join(f"{profiles[n].syncs:.0f}"
+                                                           for n in names) + " |")
     lines.append("| tokens/ms | " + " | ".join(f"{tokens_per_step / profiles[n].step_ms:.1f}"
                                                for n in names) + " |")
     return "\n".join(lines)
 
 
+def kernel_table(p: StepProfile, *, per: str = "step") -> str:
+    """A markdown table of ``p``'s longest kernels (:attr:`StepProfile.top`, longest first):
+    ms per ``per`` (their total GPU time), share of the GPU's busy time (%), calls per
+    ``per``, mean us per call, family and name."""
+    lines = [f"| ms per {per} | % of busy | calls | mean us | family | kernel |",
+             "|---|---|---|---|---|---|"]
+    for fam, name, ms, calls in p.top:
+        share = 100 * ms / p.kernel_ms if p.kernel_ms > 0 else 0.0
+        mean_us = 1e3 * ms / calls if calls > 0 else 0.0
+        lines.append(f"| {ms:.2f} | {share:.1f} | {calls:.0f} | {mean_us:.1f} | {fam} | "
+                     f"`{name}` |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the paths of a bench run
@@ -279,10 +320,7 @@ def write_profile(out_dir, size: str, micro: int, profiles: dict[str, StepProfil
     lines = [(f"# Step profile: {size}, micro-batch {micro} x {seq_len}, no recomputation, "
               f"held-out L0 {l0:.1f}"), "", table, ""]
     for name, p in profiles.items():
-        lines += [f"## {name}: longest kernels (ms per step, calls per step)", "",
-                  "| ms | calls | family | kernel |", "|---|---|---|---|"]
-        lines += [f"| {ms:.2f} | {c:.0f} | {f} | `{n}` |" for f, n, ms, c in p.top]
-        lines.append("")
+        lines += [f"## {name}: longest kernels (per step)", "", kernel_table(p), ""]
     stem.with_suffix(".md").write_text("\n".join(lines))
     with stem.with_suffix(".csv").open("w", newline="") as f:
         w = csv.writer(f)
@@ -294,5 +332,5 @@ def write_profile(out_dir, size: str, micro: int, profiles: dict[str, StepProfil
     return table
 
 
-__all__ = ["FAMILIES", "StepProfile", "family_table", "kernel_family", "profile_paths",
-           "profile_step", "write_profile"]
+__all__ = ["FAMILIES", "StepProfile", "family_table", "kernel_family", "kernel_table",
+           "profile_of_events", "profile_paths", "profile_step", "write_profile"]

@@ -685,11 +685,17 @@ def test_unknown_size_names_the_known_sizes(capsys):
 
 @pytest.mark.slow
 def test_profile_on_the_cpu_says_it_is_skipped(tmp_path):
-    r = _run_script("--smoke", "--profile-micro", "2", "--profile-only", "--out",
-                    str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"))
+    # both profiles need CUDA: one line each; --profile-only with --profile-forward still runs
+    # the forward stage (the forward is timed, its profile skipped)
+    r = _run_script("--smoke", "--profile-micro", "2", "--profile-forward", "--profile-only",
+                    "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"))
     assert "smoke: --profile-micro skipped: torch.profiler's CUDA kernel times need a GPU" in \
         r.stdout
+    assert "smoke: --profile-forward skipped: torch.profiler's CUDA kernel times need a GPU" in \
+        r.stdout
+    assert "smoke forward torch:" in r.stdout
     assert not list((tmp_path / "out").glob("step_profile_*"))
+    assert not list((tmp_path / "out").glob("forward_profile_*"))
 
 
 def test_auto_is_timed_from_the_paths_its_search_probed(tmp_path, monkeypatch):
