@@ -145,12 +145,12 @@ def profile_step(step: Callable[[], object], device, dims: dict, *, steps: int =
                  record_shapes=True) as prof:
         for _ in range(steps):
             step()
-        torch.cuda.synchronize(dev)
-    return profile_of_events(prof.events(), dims, steps=steps, step_ms=step_ms)
+        torch.cuda.synchronize(dev)  # the kernels land inside the profile; not the step's sync
+    return profile_of_events(prof.events(), dims, steps=steps, step_ms=step_ms, own_syncs=1)
 
 
 def profile_of_events(events, dims: dict, *, steps: int, step_ms: float,
-                      top: int = 25) -> StepProfile:
+                      top: int = 25, own_syncs: int = 0) -> StepProfile:
     """The :class:`StepProfile` of ``steps`` profiled steps from their ``torch.profiler``
     events (``prof.events()``): kernel times summed by family and by kernel name, per step.
 
@@ -163,6 +163,8 @@ def profile_of_events(events, dims: dict, *, steps: int, step_ms: float,
         steps: how many steps the events hold (every time and count is divided by it).
         step_ms: the step's time from CUDA events, measured outside the profiler.
         top: how many kernels :attr:`StepProfile.top` keeps (the longest in total).
+        own_syncs: host synchronisations among the events that the profiling harness made, not
+            the steps (left out of :attr:`StepProfile.syncs`).
 
     Raises:
         ValueError: ``steps < 1``.
@@ -194,7 +196,8 @@ def profile_of_events(events, dims: dict, *, steps: int, step_ms: float,
         k[1] += 1 / steps
     longest = sorted(((f, n, ms, c) for (f, n), (ms, c) in kern.items()), key=lambda t: -t[2])
     return StepProfile(step_ms, _busy_us(spans) / 1e3 / steps,
-                       {f: fams.get(f, 0.0) for f in FAMILIES}, syncs / steps, longest[:top])
+                       {f: fams.get(f, 0.0) for f in FAMILIES}, max(syncs - own_syncs, 0) / steps,
+                       longest[:top])
 
 
 def family_table(profiles: dict[str, StepProfile], tokens_per_step: int, *,

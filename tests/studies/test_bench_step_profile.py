@@ -119,6 +119,8 @@ def _two_forwards():
 def test_profile_of_events_hand_made():
     p = profile_of_events(_two_forwards(), DIMS, steps=2, step_ms=4.0)
     assert p.step_ms == 4.0 and p.syncs == 1.5  # 3 syncs / 2 steps
+    # the harness's own closing synchronisation is not the steps'
+    assert profile_of_events(_two_forwards(), DIMS, steps=2, step_ms=4.0, own_syncs=1).syncs == 1.0
     # busy: the union [0, 1500] [2000, 3100] [3300, 3900] [5000, 6500] [6600, 7200]
     # [7300, 8100] = 6100 us over 2 steps (the kernels' sum is 6300: 200 us overlap)
     assert p.kernel_ms == pytest.approx(3.05)
