@@ -75,7 +75,8 @@ class FFNInfo:
         density: scalar fp32 tensor, active units / (N * H) (None if unknown).
         overflow_rows: scalar int tensor, rows with at least one tile over
             capacity, computed densely for those tiles (None on dense paths).
-        overflow_tiles: scalar int tensor, (row, tile) pairs over capacity.
+        overflow_tiles: scalar int tensor, (row, tile) pairs over capacity (both counted from
+            the TwELL counts, long rows included, though those run in the dense backup).
         long_rows: scalar int tensor, rows computed by the dense backup of the longest rows
             (``policy.infer_long_rows``; None when off or on other paths).
     """
