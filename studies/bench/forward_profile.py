@@ -25,7 +25,16 @@ from pathlib import Path
 
 import torch
 
-from studies.bench.step_profile import FAMILIES, StepProfile, family_table, kernel_table
+from studies.bench.step_profile import (
+    FAMILIES,
+    StepProfile,
+    family_table,
+    kernel_table,
+    log_failure,
+    log_top_kernels,
+    profile_dims,
+    profile_step,
+)
 
 PROFILED_FORWARDS = 2  # forwards under the profiler (every time and count is per forward)
 CSV_COLUMNS = ("size", "fwd_batch", "seq_len", "l0", "impl", "kind", "name", "family", "calls",
@@ -47,7 +56,6 @@ def profile_forward(run) -> dict[str, StepProfile]:
         ValueError: the run's device is not CUDA.
     """
     from studies.bench.core import build_forward, forward_ids, forward_impls, forward_warmup
-    from studies.bench.step_profile import profile_step
     from studies.bench.steps import free_memory, log
 
     s, dev = run.s, run.device
@@ -61,8 +69,7 @@ def profile_forward(run) -> dict[str, StepProfile]:
     if not impls or not run.clock.fits(est, f"{run.size} forward profile"):
         return {}
     t0 = run.clock.elapsed()
-    cfg = run.bm.model_cfg
-    dims = {"ffn": cfg.intermediate_size, "vocab": cfg.vocab_size}
+    dims = profile_dims(run.bm.model_cfg)
     out: dict[str, StepProfile] = {}
     for impl in impls:
         decoder = None
@@ -76,10 +83,11 @@ def profile_forward(run) -> dict[str, StepProfile]:
             log(f"{run.size} forward profile {impl}: forward {prof.step_ms:.1f} ms, kernels "
                 f"{prof.kernel_ms:.1f} ms, idle {prof.idle_ms:.1f} ms, {prof.syncs:.0f} syncs "
                 f"({time.monotonic() - t1:.1f} s)")
-            for fam, name, ms, calls in prof.top[:12]:
-                log(f"    {ms:8.2f} ms {calls:6.0f}x  {fam:12s} {name}")
+            log_top_kernels(prof)
         except Exception as e:  # noqa: BLE001  (one impl's failure keeps the others)
-            log(f"{run.size} forward profile {impl} FAILED: {type(e).__name__}: {str(e)[:200]}")
+            log_failure(f"{run.size} forward profile {impl}", e)
+            run.meta.setdefault("errors", []).append(f"forward profile {impl}: "
+                                                     f"{type(e).__name__}: {e}")
         decoder = None
         free_memory(dev)
     run.clock.mark("forward profile", t0)

@@ -256,13 +256,13 @@ def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, wa
     A path that fails (out of memory) is logged and left out."""
     from studies.bench.recipe import BASELINE_PATHS, split_profile_path
     from studies.bench.stages import build_our_trainer, use_ffn
-    from studies.bench.steps import HFStep, batches_from, build_hf, free_memory, is_oom, log
+    from studies.bench.steps import HFStep, batches_from, build_hf, free_memory, log
     from train.memory import Plan
     from twell.ops.launch import kernel_config
 
     specs = {p: split_profile_path(p) for p in paths}
     cfg = run.bm.model_cfg
-    dims = {"ffn": cfg.intermediate_size, "vocab": cfg.vocab_size}
+    dims = profile_dims(cfg)
     out: dict[str, StepProfile] = {}
     for p in paths:
         path, launch, extra = specs[p]
@@ -291,14 +291,9 @@ def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, wa
             log(f"{run.size} profile {p} micro {micro}: {micro * run.seq_len / prof.step_ms:.1f} "
                 f"tok/ms, step {prof.step_ms:.1f} ms, kernels {prof.kernel_ms:.1f} ms, "
                 f"{prof.syncs:.0f} syncs, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GB")
-            for fam, name, ms, calls in prof.top[:12]:
-                log(f"    {ms:8.2f} ms {calls:6.0f}x  {fam:12s} {name}")
+            log_top_kernels(prof)
         except Exception as e:  # noqa: BLE001  (one path's failure keeps the others)
-            log(f"{run.size} profile {p} FAILED: {type(e).__name__}: {str(e)[:200]}")
-            if not is_oom(e):
-                import traceback
-
-                traceback.print_exc()
+            log_failure(f"{run.size} profile {p}", e)
         finally:
             if tr is not None:
                 tr.close()
@@ -306,6 +301,31 @@ def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, wa
             step = tr = fn = None
             free_memory(run.device)
     return out
+
+
+def profile_dims(model_cfg) -> dict:
+    """``{"ffn": H, "vocab": V}`` of a model config (:func:`kernel_family`'s ``dims``)."""
+    return {"ffn": model_cfg.intermediate_size, "vocab": model_cfg.vocab_size}
+
+
+def log_top_kernels(prof: StepProfile, n: int = 12) -> None:
+    """Log the ``n`` longest kernels of ``prof`` (ms and calls per step, family, name)."""
+    from studies.bench.steps import log
+
+    for fam, name, ms, calls in prof.top[:n]:
+        log(f"    {ms:8.2f} ms {calls:6.0f}x  {fam:12s} {name}")
+
+
+def log_failure(what: str, e: BaseException) -> None:
+    """Log a profiled path's failure in one line; the traceback too unless it ran out of
+    memory (which says enough)."""
+    from studies.bench.steps import is_oom, log
+
+    log(f"{what} FAILED: {type(e).__name__}: {str(e)[:200]}")
+    if not is_oom(e):
+        import traceback
+
+        traceback.print_exc()
 
 
 def write_profile(out_dir, size: str, micro: int, profiles: dict[str, StepProfile],
@@ -336,4 +356,5 @@ def write_profile(out_dir, size: str, micro: int, profiles: dict[str, StepProfil
 
 
 __all__ = ["FAMILIES", "StepProfile", "family_table", "kernel_family", "kernel_table",
-           "profile_of_events", "profile_paths", "profile_step", "write_profile"]
+           "log_failure", "log_top_kernels", "profile_dims", "profile_of_events", "profile_paths",
+           "profile_step", "write_profile"]
