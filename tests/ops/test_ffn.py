@@ -602,3 +602,21 @@ def test_long_rows_nonfinite_row_propagates(value):
 def test_long_rows_policy_refuses_negative():
     with pytest.raises(ValueError, match="infer_long_rows must be an integer >= 0"):
         FFNPolicy(infer_long_rows=-1)
+
+
+def test_long_rows_bf16_within_bf16_error_of_fp64():
+    """bf16 inputs: with the 3 longest rows through the dense backup, y stays within bf16
+    error of the fp64 FFN on every row, and equal to the run without long rows elsewhere."""
+    n, d, h = 9, 40, 520
+    x, wg, wu, wd = _hot_inputs(n, d, h, True, seed=11)
+    x, wg, wu, wd = (t.to(torch.bfloat16) for t in (x, wg, wu, wd))
+    st = TwELLState()
+    y, _ = sparse_ffn(x, wg, wu, wd, state=st,
+                      policy=FFNPolicy(infer_long_rows=3, infer_long_min_nnz=100))
+    y0, _ = sparse_ffn(x, wg, wu, wd)
+    y_ref, _, act = ffn_reference_fp64(x, wg, wu, wd)
+    long = act.sum(1) > 100
+    assert int(st.last_info.long_rows) == int(long.sum()) > 0
+    scale = y_ref.abs().max()
+    assert ((y.double().cpu() - y_ref).abs().max() / scale) < 2e-2
+    assert torch.equal(y[~long.to(y.device)], y0[~long.to(y.device)])
