@@ -87,8 +87,8 @@ def _stage1_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-budget", type=float, default=None,
                    help="stage-1 seconds (default 0.45 x --deadline)")
     p.add_argument("--l1", type=float, default=None,
-                   help="stage-1 sparsity.l1_coeff (default per size: 3.36e-4 at 1p5b, "
-                        "3.3e-4 at 2b, else 3e-4)")
+                   help="stage-1 sparsity.l1_coeff (default per size: 3.2e-4 at 1p5b, "
+                        "3.45e-4 at 2b, else 3e-4)")
     p.add_argument("--lr", type=float, default=None, help="stage-1 optim.lr")
 
 

@@ -257,15 +257,16 @@ def test_stage1_is_deterministic_unless_asked_not_to_be():
 
 def test_stage1_l1_per_size_and_steering_on_request():
     """Stage 1 trains at a fixed L1 coefficient per size (STAGE1_L1: the power law through the
-    held-out L0 of two measured coefficients per size, solved for the paper's L0), 3e-4 at a
+    held-out L0 of the two measured coefficients that bracket the paper's L0), 3e-4 at a
     size not listed, the given one when given; Recipe.target_l0 steers it (sparsity.schedule=target_l0): "paper" to the
     paper's non-zeros per token, 29 at 1.5B and 24 at 2B, from 30 % of the steps, a number to
     that L0, and a size the paper has no L0 for keeps the fixed coefficient."""
-    def aim(l0_3e4, l1_b, l0_b, paper):  # L0 = c L1^-a through (3e-4, l0_3e4), (l1_b, l0_b)
-        a = math.log(l0_3e4 / l0_b) / math.log(l1_b / 3e-4)
-        return 3e-4 * (l0_3e4 / paper) ** (1 / a)
+    def aim(l1_a, l0_a, l1_b, l0_b, paper):  # L0 = c L1^-a through (l1_a, l0_a), (l1_b, l0_b)
+        a = math.log(l0_a / l0_b) / math.log(l1_b / l1_a)
+        return l1_a * (l0_a / paper) ** (1 / a)
 
-    for size, l1 in (("1p5b", aim(36.8, 3.8e-4, 22.4, 29)), ("2b", aim(29.7, 3.7e-4, 18.5, 24)),
+    for size, l1 in (("1p5b", aim(3e-4, 36.8, 3.36e-4, 24.3, 29)),
+                     ("2b", aim(3.3e-4, 28.1, 3.7e-4, 18.5, 24)),
                      ("small_l4", 3e-4)):
         sp = compose(stage1_overrides(size, Recipe())).sparsity
         assert sp.schedule == "constant" and sp.l1_coeff == pytest.approx(l1, rel=0.01)
