@@ -143,16 +143,19 @@ def write_forward_profile(out_dir, size: str, profiles: dict[str, StepProfile], 
     return table
 
 
-def csv_rows(profiles: dict[str, StepProfile]) -> list[tuple]:
+def csv_rows(profiles: dict, step: str = "forward") -> list[tuple]:
     """The ``impl, kind, name, family, calls, ms, mean_us`` part of each CSV row
-    (:func:`write_forward_profile`), ms per forward; calls and mean us on kernel rows only."""
+    (:func:`write_forward_profile`), ms per ``step`` (a forward); calls and mean us on kernel
+    rows only. The totals: ``step`` (its time), ``kernels`` (GPU busy), ``idle``, ``syncs`` and
+    ``kernel_calls`` (kernels launched; the last two counts, not ms). ``impl`` is the key of
+    ``profiles`` as it comes."""
     rows = []
     for impl, p in profiles.items():
         rows += [(impl, "family", fam, fam, "", f"{p.families.get(fam, 0.0):.4f}", "")
                  for fam in FAMILIES]
         rows += [(impl, "total", k, "", "", f"{v:.4f}", "") for k, v in (
-            ("forward", p.step_ms), ("kernels", p.kernel_ms), ("idle", p.idle_ms),
-            ("syncs", p.syncs))]
+            (step, p.step_ms), ("kernels", p.kernel_ms), ("idle", p.idle_ms),
+            ("syncs", p.syncs), ("kernel_calls", p.kernels))]
         rows += [(impl, "kernel", name, fam, f"{calls:g}", f"{ms:.4f}",
                   f"{1e3 * ms / calls:.1f}" if calls > 0 else "")
                  for fam, name, ms, calls in p.top]

@@ -92,6 +92,7 @@ class StepProfile:
         families: family -> ms per step.
         syncs: host synchronisations per step.
         top: the longest kernels, (family, name, ms per step, calls per step).
+        kernels: kernels launched per step (all of them, not only :attr:`top`'s).
     """
 
     step_ms: float
@@ -99,6 +100,7 @@ class StepProfile:
     families: dict = field(default_factory=dict)
     syncs: float = 0.0
     top: list = field(default_factory=list)
+    kernels: float = 0.0
 
     @property
     def idle_ms(self) -> float:
@@ -125,32 +127,38 @@ def profile_step(step: Callable[[], object], device, dims: dict, *, steps: int =
     Args:
         step: one step: a training step (it synchronises as the path does; nothing else is
             added) or a forward.
-        device: a CUDA device.
+        device: a CUDA device; or the CPU, to run the code path without a GPU: the step is
+            timed by the host clock and its "kernels" are its top-level PyTorch ops
+            (:func:`profile_of_events`, ``kernels_on="cpu"``), not a GPU measure.
         dims: ``{"ffn": H, "vocab": V}`` (:func:`kernel_family`).
 
     Raises:
-        ValueError: ``device`` is not CUDA.
+        ValueError: ``device`` is neither CUDA nor the CPU.
     """
     from torch.profiler import ProfilerActivity, profile
 
     from studies.bench.steps import time_steps
 
     dev = torch.device(device)
-    if dev.type != "cuda":
-        raise ValueError(f"profile_step needs a CUDA device; got {dev}")
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"profile_step needs a CUDA device or the CPU; got {dev}")
+    cuda = dev.type == "cuda"
     window = time_steps(step, warmup, timed, dev)
     step_ms = sorted(window.step_ms)[len(window.step_ms) // 2]
-    torch.cuda.synchronize(dev)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                 record_shapes=True) as prof:
+    if cuda:
+        torch.cuda.synchronize(dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, record_shapes=True) as prof:
         for _ in range(steps):
             step()
-        torch.cuda.synchronize(dev)  # the kernels land inside the profile; not the step's sync
-    return profile_of_events(prof.events(), dims, steps=steps, step_ms=step_ms, own_syncs=1)
+        if cuda:  # the kernels land inside the profile; not the step's sync
+            torch.cuda.synchronize(dev)
+    return profile_of_events(prof.events(), dims, steps=steps, step_ms=step_ms,
+                             own_syncs=int(cuda), kernels_on=dev.type)
 
 
 def profile_of_events(events, dims: dict, *, steps: int, step_ms: float,
-                      top: int = 25, own_syncs: int = 0) -> StepProfile:
+                      top: int = 25, own_syncs: int = 0, kernels_on: str = "cuda") -> StepProfile:
     """The :class:`StepProfile` of ``steps`` profiled steps from their ``torch.profiler``
     events (``prof.events()``): kernel times summed by family and by kernel name, per step.
 
@@ -165,13 +173,18 @@ def profile_of_events(events, dims: dict, *, steps: int, step_ms: float,
         top: how many kernels :attr:`StepProfile.top` keeps (the longest in total).
         own_syncs: host synchronisations among the events that the profiling harness made, not
             the steps (left out of :attr:`StepProfile.syncs`).
+        kernels_on: ``"cuda"``: the kernels are the CUDA kernels; ``"cpu"`` (a CPU-only
+            profile): they are the top-level CPU ops (no parent op: what the step's Python
+            called), each its own launching op; the gaps between them are host overhead.
 
     Raises:
-        ValueError: ``steps < 1``.
+        ValueError: ``steps < 1``, or ``kernels_on`` is neither ``"cuda"`` nor ``"cpu"``.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1; got {steps}")
-    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    if kernels_on not in ("cuda", "cpu"):
+        raise ValueError(f"kernels_on: 'cuda' or 'cpu'; got {kernels_on!r}")
+    cpu = torch.autograd.DeviceType.CPU
     # the PyTorch ops that launched kernels, by id (a kernel's linked correlation id); runtime
     # calls (cudaLaunchKernel...) carry CUPTI's own ids, which may collide with these: left out
     cpu_ops = {e.id: e for e in events if e.device_type == cpu and e.kernels}
@@ -183,9 +196,9 @@ def profile_of_events(events, dims: dict, *, steps: int, step_ms: float,
             syncs += 1
         # kernels only: a user annotation (record_function, the optimizer's step range) has a
         # GPU range of its own that spans the kernels inside it
-        if e.device_type != cuda or getattr(e, "is_user_annotation", False):
+        if not _is_kernel(e, kernels_on):
             continue
-        op = cpu_ops.get(getattr(e, "linked_correlation_id", 0))
+        op = e if kernels_on == "cpu" else cpu_ops.get(getattr(e, "linked_correlation_id", 0))
         us = e.time_range.end - e.time_range.start
         spans.append((e.time_range.start, e.time_range.end))
         fam = kernel_family(e.name, op.name if op else None, op.input_shapes if op else None,
@@ -197,7 +210,18 @@ def profile_of_events(events, dims: dict, *, steps: int, step_ms: float,
     longest = sorted(((f, n, ms, c) for (f, n), (ms, c) in kern.items()), key=lambda t: -t[2])
     return StepProfile(step_ms, _busy_us(spans) / 1e3 / steps,
                        {f: fams.get(f, 0.0) for f in FAMILIES}, max(syncs - own_syncs, 0) / steps,
-                       longest[:top])
+                       longest[:top], len(spans) / steps)
+
+
+def _is_kernel(e, kernels_on: str) -> bool:
+    """Is profiler event ``e`` a kernel (:func:`profile_of_events`' ``kernels_on``)? Never a
+    user annotation nor, on the CPU, a host synchronisation."""
+    if getattr(e, "is_user_annotation", False):
+        return False
+    if kernels_on == "cuda":
+        return e.device_type == torch.autograd.DeviceType.CUDA
+    return (e.device_type == torch.autograd.DeviceType.CPU and e.name not in _SYNCS
+            and getattr(e, "cpu_parent", None) is None)
 
 
 def family_table(profiles: dict[str, StepProfile], tokens_per_step: int, *,
@@ -232,17 +256,24 @@ def family_table(profiles: dict[str, StepProfile], tokens_per_step: int, *,
     return "\n".join(lines)
 
 
-def kernel_table(p: StepProfile, *, per: str = "step") -> str:
+def kernel_table(p: StepProfile, *, per: str = "step", unit: str = "ms") -> str:
     """A markdown table of ``p``'s longest kernels (:attr:`StepProfile.top`, longest first):
-    ms per ``per`` (their total GPU time), share of the GPU's busy time (%), calls per
-    ``per``, mean us per call, family and name."""
-    lines = [f"| ms per {per} | % of busy | calls | mean us | family | kernel |",
+    ``unit`` (``"ms"``, or ``"us"`` for short calls) per ``per`` (their total GPU time), share
+    of the GPU's busy time (%), calls per ``per``, mean us per call, family and name.
+
+    Raises:
+        ValueError: ``unit`` is neither ``"ms"`` nor ``"us"``.
+    """
+    if unit not in ("ms", "us"):
+        raise ValueError(f"unit: 'ms' or 'us'; got {unit!r}")
+    scale, digits = (1.0, 2) if unit == "ms" else (1e3, 1)
+    lines = [f"| {unit} per {per} | % of busy | calls | mean us | family | kernel |",
              "|---|---|---|---|---|---|"]
     for fam, name, ms, calls in p.top:
         share = 100 * ms / p.kernel_ms if p.kernel_ms > 0 else 0.0
         mean_us = 1e3 * ms / calls if calls > 0 else 0.0
-        lines.append(f"| {ms:.2f} | {share:.1f} | {calls:.0f} | {mean_us:.1f} | {fam} | "
-                     f"`{name}` |")
+        lines.append(f"| {scale * ms:.{digits}f} | {share:.1f} | {calls:.0f} | {mean_us:.1f} | "
+                     f"{fam} | `{name}` |")
     return "\n".join(lines)
 
 

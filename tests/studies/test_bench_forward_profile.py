@@ -70,7 +70,7 @@ def test_write_forward_profile(tmp_path):
     pack = got["twell", "kernel", "_pack_dense_kernel"]
     assert (pack["family"], pack["calls"], pack["ms"], pack["mean_us"]) == (
         "ffn_triton", "28", "11.2000", "400.0")
-    assert len(rows) == 2 * (len(FAMILIES) + 4) + 2 + 3
+    assert len(rows) == 2 * (len(FAMILIES) + 5) + 2 + 3
 
 
 def test_csv_rows_kernel_without_calls():

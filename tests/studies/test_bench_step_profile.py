@@ -119,6 +119,7 @@ def _two_forwards():
 def test_profile_of_events_hand_made():
     p = profile_of_events(_two_forwards(), DIMS, steps=2, step_ms=4.0)
     assert p.step_ms == 4.0 and p.syncs == 1.5  # 3 syncs / 2 steps
+    assert p.kernels == 6.0  # 4 gemm + 4 twell + 2 pack + 2 reduce over 2 steps, no annotation
     # the harness's own closing synchronisation is not the steps'
     assert profile_of_events(_two_forwards(), DIMS, steps=2, step_ms=4.0, own_syncs=1).syncs == 1.0
     # busy: the union [0, 1500] [2000, 3100] [3300, 3900] [5000, 6500] [6600, 7200]
@@ -142,6 +143,8 @@ def test_profile_of_events_hand_made():
                                                    top=2).top] == ["_twell_ffn_kernel", gemm]
     with pytest.raises(ValueError, match="steps must be >= 1; got 0"):
         profile_of_events([], DIMS, steps=0, step_ms=1.0)
+    with pytest.raises(ValueError, match="kernels_on: 'cuda' or 'cpu'; got 'xpu'"):
+        profile_of_events([], DIMS, steps=1, step_ms=1.0, kernels_on="xpu")
 
 
 def test_kernel_table_hand_made():
@@ -154,6 +157,11 @@ def test_kernel_table_hand_made():
     assert lines[5] == "| 0.25 | 8.2 | 1 | 250.0 | ffn_triton | `_pack_dense_kernel` |"
     empty = kernel_table(StepProfile(1.0, 0.0, top=[("other", "x", 0.0, 0.0)]))
     assert empty.splitlines()[2] == "| 0.00 | 0.0 | 0 | 0.0 | other | `x` |"  # no division
+    us = kernel_table(p, per="call", unit="us").splitlines()
+    assert us[0] == "| us per call | % of busy | calls | mean us | family | kernel |"
+    assert us[5] == "| 250.0 | 8.2 | 1 | 250.0 | ffn_triton | `_pack_dense_kernel` |"
+    with pytest.raises(ValueError, match="unit: 'ms' or 'us'; got 's'"):
+        kernel_table(p, unit="s")
 
 
 def test_family_table_per_forward():
@@ -191,9 +199,19 @@ def test_split_profile_path():
             split_profile_path(bad)
 
 
-def test_profile_step_needs_cuda():
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        profile_step(lambda: None, "cpu", DIMS)
+def test_profile_step_needs_cuda_or_the_cpu():
+    with pytest.raises(ValueError, match="needs a CUDA device or the CPU; got meta"):
+        profile_step(lambda: None, "meta", DIMS)
+
+
+def test_profile_step_on_the_cpu_counts_top_level_ops():
+    """The CPU mode (a code-path check): the step's kernels are the ops its Python called
+    (matmul's own mm inside it is not counted again), its wall the host clock."""
+    x = torch.randn(64, 64)
+    p = profile_step(lambda: (x @ x).relu_(), "cpu", DIMS, steps=3, warmup=1, timed=3)
+    assert p.kernels == 2.0 and p.syncs == 0.0
+    assert sorted((n, c) for _, n, _, c in p.top) == [("aten::matmul", 1.0), ("aten::relu_", 1.0)]
+    assert p.step_ms > 0 and p.kernel_ms > 0
 
 
 def test_write_profile(tmp_path):
@@ -221,4 +239,7 @@ def test_profile_of_events_reads_real_profiler_events():
             (x @ x).relu_()
     p = profile_of_events(prof.events(), DIMS, steps=2, step_ms=0.5)
     assert p.kernel_ms == 0.0 and p.idle_ms == 0.5 and p.top == [] and p.syncs == 0.0
-    assert sum(p.families.values()) == 0.0
+    assert sum(p.families.values()) == 0.0 and p.kernels == 0.0
+    cpu = profile_of_events(prof.events(), DIMS, steps=2, step_ms=0.5, kernels_on="cpu")
+    assert cpu.kernels == 2.0  # matmul and relu_ per step; mm, views and the rest are inside
+    assert {n for _, n, _, _ in cpu.top} == {"aten::matmul", "aten::relu_"}
