@@ -6,6 +6,8 @@
     TORCH_CUDA_ARCH_LIST=9.0a python scripts/bench_real_layers.py --layers ... --paper-src DIR
     # CPU: tiny shapes, the PyTorch backend, the code paths only (no timing claims)
     python scripts/bench_real_layers.py --smoke --out /tmp/kb
+    # 5 timing rounds, then every op's kernels under torch.profiler
+    python scripts/bench_real_layers.py --layers ... --rounds 5 --profile --out "$OUT"
 
 Every case (each recorded layer, then i.i.d. rows at ``--iid`` densities of shape ``--shape``)
 is checked first (every op against fp32; an op of ours off by more than 3x the dense bf16
@@ -13,9 +15,20 @@ path's error stops the run with exit code 1), then timed with ``triton.testing.d
 medians: forward (dense cuBLAS, ``twell``, ``twell_hot``: hot units from the layer's own counts,
 ``twell_long``: the 128 longest rows through a dense backup)
 and training (forward + backward with the L1 term: ``torch``, ``ell``, ``ell_nosync``,
-``ell_hot``), ``auto`` and ``paper`` (ops and method: ``studies.kernel_bench.real_layers``). Writes ``real_layers.csv`` and ``iid.csv`` (columns
-``real_layers.COLUMNS``) under ``--out`` (default docs/kernel_bench) after every case and
-prints a short table last. BENCHMARKS.md, "Hot/cold split", has the predictions.
+``ell_hot``, ``ell_cols``), ``auto`` and ``paper`` (ops and method:
+``studies.kernel_bench.real_layers``). The timing runs in ``--rounds`` interleaved rounds (every
+op once per round, the op order rotated each round): an op's ``ms`` is the median over rounds,
+``spread_pct`` (max - min) / median over rounds in %. Writes ``real_layers.csv`` and ``iid.csv``
+(columns ``real_layers.COLUMNS``, ``spread_pct`` last) under ``--out`` (default
+docs/kernel_bench) after every case and prints a short table last (each ratio with its op's
+spread, ``1.39x±4``; the base ms with the baseline's).
+
+``--profile``: after a case's timing, every op runs under ``torch.profiler``
+(``studies.kernel_bench.kernel_profile``): wall ms per call (CUDA events) against the GPU's busy
+ms per call, kernels and host syncs per call and the longest kernels; an op with wall >> busy is
+host-bound. Writes ``kernel_profile.md`` and ``kernel_profile.csv`` under ``--out`` (on the CPU
+smoke run the "kernels" are the top-level PyTorch ops: the code path only).
+BENCHMARKS.md, "Hot/cold split", has the predictions.
 """
 
 from __future__ import annotations
@@ -28,7 +41,9 @@ from pathlib import Path
 
 import torch
 
+from studies.kernel_bench.kernel_profile import write_kernel_profile
 from studies.kernel_bench.real_layers import (
+    ROUNDS,
     CheckFailed,
     cpu_timer,
     gpu_timer,
@@ -55,9 +70,16 @@ def parse_args(argv=None):
                     help="checkout of SakanaAI/sparser-faster-llms: also time its ops")
     ap.add_argument("--out", type=Path, default=None,
                     help="folder of the two CSVs (default docs/kernel_bench; --smoke: a temp dir)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help="interleaved timing rounds: ms = median over rounds, spread_pct = "
+                         "(max - min) / median")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile every op: kernel_profile.md and .csv under --out")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, tiny shapes, one synthetic recorded layer: exercises the code only")
     a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error(f"--rounds: at least 1; got {a.rounds}")
     a.kinds = tuple(k for k in a.kinds.split(",") if k)
     if not set(a.kinds) <= {"fwd", "train"} or not a.kinds:
         ap.error(f"--kinds: fwd and / or train; got {a.kinds}")
@@ -76,6 +98,46 @@ def smoke_layer(folder: Path) -> Path:
                           {"size": "smoke", "layer": 0})
 
 
+def profile_title(case) -> str:
+    """A case's heading in ``kernel_profile.md``: labels, N x D x H, density and L0."""
+    (n, d), h = case.x.shape, case.wg.shape[0]
+    st = case.stats
+    return (f"{case.size} layer {case.layer}: N x D x H = {n} x {d} x {h}, density "
+            f"{100 * st['density']:.2f} %, L0 {st['l0_mean']:.1f} (max {st['l0_max']})")
+
+
+def run_cases(a, cases, policy, paper, timer, header: str) -> tuple[dict, int]:
+    """Check, time (and with ``--profile`` profile) every case of ``cases`` ((table, build)
+    pairs), writing the CSVs (and the profile) after each; stops at the first failed check.
+    Returns (table -> rows, exit status)."""
+    rows: dict = {"real_layers": [], "iid": []}
+    profiled: list = []
+    status = 0
+    for table, build in cases:
+        case = build()
+        print(f"# {case.size} layer {case.layer}: {tuple(case.x.shape)}", flush=True)
+        profiles = {} if a.profile else None
+        try:
+            rows[table] += run_case(case, policy, timer, paper, kinds=a.kinds, rounds=a.rounds,
+                                    profiles=profiles)
+        except CheckFailed as e:
+            print(f"FAIL (no timing): {e}", file=sys.stderr, flush=True)
+            status = 1
+            break
+        finally:
+            for name, rs in rows.items():
+                write_csv(a.out / f"{name}.csv", rs)
+            if profiles:
+                profiled.append(({"size": case.size, "layer": case.layer,
+                                  "title": profile_title(case)}, profiles))
+            if a.profile:
+                write_kernel_profile(a.out, profiled, header)
+            del case
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows, status
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if not a.smoke and not torch.cuda.is_available():
@@ -88,29 +150,18 @@ def main(argv=None) -> int:
         layers = [smoke_layer(a.out)]
     policy = FFNPolicy.from_env()
     paper = load_paper_ops(a.paper_src)
-    print(f"# {torch.cuda.get_device_name() if dev == 'cuda' else 'CPU smoke run'}, torch "
-          f"{torch.__version__}; policy {policy}", flush=True)
-    rows = {"real_layers": [], "iid": []}
+    where = torch.cuda.get_device_name() if dev == "cuda" else "CPU smoke run"
+    header = f"{where}, torch {torch.__version__}; policy {policy}"
+    print(f"# {header}; {a.rounds} timing rounds", flush=True)
+    if a.smoke:
+        header += (" (CPU: wall by the host clock; the 'kernels' are the top-level PyTorch "
+                   "ops: the code path only, not a GPU measure)")
     cases = [("real_layers", lambda p=p: recorded_case(p, device=dev)) for p in layers]
     cases += [("iid", lambda v=float(v): iid_case(m, d, h, v, device=dev))
               for v in a.iid.split(",") if v]
-    status = 0
-    for table, build in cases:
-        case = build()
-        print(f"# {case.size} layer {case.layer}: {tuple(case.x.shape)}", flush=True)
-        try:
-            rows[table] += run_case(case, policy, timer, paper, kinds=a.kinds)
-        except CheckFailed as e:
-            print(f"FAIL (no timing): {e}", file=sys.stderr, flush=True)
-            status = 1
-            break
-        finally:
-            for name, rs in rows.items():
-                write_csv(a.out / f"{name}.csv", rs)
-            del case
-            if dev == "cuda":
-                torch.cuda.empty_cache()
+    rows, status = run_cases(a, cases, policy, paper, timer, header)
     print(f"# wrote {a.out}/real_layers.csv, {a.out}/iid.csv"
+          + (f", {a.out}/kernel_profile.md, {a.out}/kernel_profile.csv" if a.profile else "")
           + (" (smoke: CPU times, not performance numbers)" if a.smoke else ""))
     print(summary_table(rows["real_layers"] + rows["iid"]))
     return status

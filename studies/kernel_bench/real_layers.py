@@ -13,7 +13,12 @@ Cases (``studies.kernel_bench.cases``): recorded layers (``twell.nn.record`` fil
    for training, whose loss is ``sum(y dy) + c l1``, c = 0.2 N); an op of ours more than 3x
    the dense bf16 path's error (+ 5e-3) stops the benchmark (:class:`CheckFailed`); the
    paper's op is reported, not stopped on (its known overflow drops);
-3. TIMING: ``triton.testing.do_bench`` medians (an injected timer on the CPU smoke run).
+3. TIMING in :data:`ROUNDS` interleaved rounds (:func:`time_rounds`): every op timed once per
+   round (one ``triton.testing.do_bench`` median; an injected timer on the CPU smoke run), the
+   op order rotated by one each round; an op's ``ms`` is the median over rounds, its
+   ``spread_pct`` (max - min) / median over rounds in % (ops timed at different moments drift
+   apart by more than one ``do_bench`` median shows);
+4. optionally, every op under ``torch.profiler`` (``studies.kernel_bench.kernel_profile``).
 
 Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``dense`` and
 ``twell``) and ``train`` (forward + backward; the training paths' names of
@@ -39,9 +44,10 @@ Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``de
                   ``ell_hot`` or, below ``hot_min_density``, ``ell_nosync``)
     paper         the paper's CUDA extension (``PaperOps``) when it is importable
 
-CSV columns (``COLUMNS``): size, layer, density, l0_mean, l0_max, heavy_rows, op, kind, ms,
-speedup_vs_dense (the kind's baseline ms / op ms, same case), rel_err (the largest of the op's
-outputs).
+CSV columns (``COLUMNS``): size, layer, density, l0_mean, l0_max, heavy_rows, op, kind, ms
+(median over rounds), speedup_vs_dense (the kind's baseline ms / op ms, same case), rel_err (the
+largest of the op's outputs), spread_pct (over rounds; 0 for one round; absent from CSVs
+written before it, which readers take as unknown).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import importlib.util
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -75,7 +82,8 @@ from twell.policy import FFNPolicy
 from twell.stats import default_ell_capacity
 
 COLUMNS = ["size", "layer", "density", "l0_mean", "l0_max", "heavy_rows", "op", "kind", "ms",
-           "speedup_vs_dense", "rel_err"]
+           "speedup_vs_dense", "rel_err", "spread_pct"]
+ROUNDS = 3  # interleaved timing rounds per case (the script's --rounds default)
 KINDS = ("fwd", "train")
 OPS = {"fwd": ("dense", "twell", "twell_hot", "twell_long", "auto", "paper"),
        "train": ("torch", "ell", "ell_nosync", "ell_hot", "ell_cols", "auto", "paper")}
@@ -218,8 +226,57 @@ def check_case(case: Case, ops: dict, refs: dict) -> dict:
     return errs
 
 
-def run_case(case: Case, policy: FFNPolicy, timer, paper=None, kinds=KINDS) -> list[dict]:
-    """Prepare, check, then time every op of ``case``; returns its CSV rows (``COLUMNS``)."""
+def round_stats(ms: list[float]) -> tuple[float, float]:
+    """(median, spread %) of one op's times over rounds (ms each): spread = (max - min) /
+    median x 100, 0 for one round or a zero median.
+
+    Raises:
+        ValueError: ``ms`` is empty.
+    """
+    if not ms:
+        raise ValueError("round_stats: no times")
+    med = statistics.median(ms)
+    return med, (100 * (max(ms) - min(ms)) / med if med > 0 else 0.0)
+
+
+def time_rounds(ops: dict, timer, rounds: int = ROUNDS) -> dict:
+    """Time every op of ``ops`` (key -> closure) once per round, ``rounds`` rounds one after
+    the other, the op order rotated by one each round (round r starts at the r-th op).
+
+    Args:
+        timer: ``timer(fn) -> ms`` (``gpu_timer``: one ``do_bench`` median).
+
+    Returns:
+        key -> (median ms over rounds, spread %) (:func:`round_stats`), in ``ops``' order.
+
+    Raises:
+        ValueError: ``rounds < 1``.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1; got {rounds}")
+    keys = list(ops)
+    ms: dict = {k: [] for k in keys}
+    for r in range(rounds):
+        s = r % max(len(keys), 1)
+        for k in keys[s:] + keys[:s]:
+            ms[k].append(timer(ops[k]))
+    return {k: round_stats(v) for k, v in ms.items()}
+
+
+def run_case(case: Case, policy: FFNPolicy, timer, paper=None, kinds=KINDS, *,
+             rounds: int = ROUNDS, profiles: dict | None = None) -> list[dict]:
+    """Prepare, check, then time every op of ``case`` (:func:`time_rounds`); returns its CSV
+    rows (``COLUMNS``, plus ``within_bound``).
+
+    Args:
+        timer: ``timer(fn) -> ms`` of one measurement (``gpu_timer`` / ``cpu_timer``).
+        rounds: interleaved timing rounds.
+        profiles: when a dict, filled after the timing with ``(op, kind) -> StepProfile`` per
+            call (``kernel_profile.profile_ops``).
+
+    Raises:
+        CheckFailed: an op of ours is off (:func:`check_case`); nothing is timed.
+    """
     prepare(case, policy)
     refs = references(case)
     ops = {(op, kind): fn for kind in kinds for op in OPS[kind]
@@ -233,19 +290,25 @@ def run_case(case: Case, policy: FFNPolicy, timer, paper=None, kinds=KINDS) -> l
             print(f"  paper {key[1]}: left out ({type(e).__name__}: {str(e)[:160]})")
             del ops[key]
     errs = check_case(case, ops, refs)
-    ms = {key: timer(fn) for key, fn in ops.items()}
+    ms = time_rounds(ops, timer, rounds)
     if ("auto", "fwd") in ops:  # what the measured auto chose (printed; the CSV keeps "auto")
         print(f"  auto fwd: {ops[('auto', 'fwd')].state.auto.choices()}", flush=True)
+    if profiles is not None:
+        from studies.kernel_bench.kernel_profile import profile_ops
+
+        profiles.update(profile_ops({k: fn for k, fn in ops.items() if k[1] in kinds},
+                                    case.x.device, case.wg.shape[0]))
     rows = []
-    for (op, kind), t in ms.items():
+    for (op, kind), (t, spread) in ms.items():
         if kind not in kinds:
             continue
-        base = ms[(BASELINE[kind], kind)]
+        base = ms[(BASELINE[kind], kind)][0]
         err, ok = errs[(op, kind)]
         rows.append({"size": case.size, "layer": case.layer, **case.stats, "op": op,
                      "kind": kind, "ms": round(t, 4),
                      "speedup_vs_dense": round(base / t, 3),
-                     "rel_err": float(f"{err:.3e}"), "within_bound": ok})
+                     "rel_err": float(f"{err:.3e}"), "spread_pct": round(spread, 1),
+                     "within_bound": ok})
     return rows
 
 
@@ -260,15 +323,22 @@ def write_csv(path, rows: list[dict]) -> Path:
     return path
 
 
+def _spread(r: dict) -> str:
+    """``±<spread %>`` of a row, or nothing where the row has none (an older CSV)."""
+    v = r.get("spread_pct")
+    return "" if v in (None, "") else f"±{float(v):.0f}"
+
+
 def summary_table(rows: list[dict]) -> str:
     """One line per case and kind: the baseline's ms (dense for fwd, torch for train), then each
-    op's speedup over it (``*`` marks an op whose error is over the bound: the paper's op when it
-    drops overflow)."""
+    op's speedup over it, each with its spread over rounds in % (``1.39x±4``; none for rows
+    without ``spread_pct``); ``*`` marks an op whose error is over the bound (the paper's op
+    when it drops overflow)."""
     present = {r["op"] for r in rows}
     ops = [o for o in dict.fromkeys(OPS["fwd"] + OPS["train"])
            if o in present and o not in BASELINE.values()]
     head = f"{'size':>6} {'layer':>6} {'dens %':>7} {'L0':>6} {'max':>5} {'heavy':>6} {'kind':>5} " \
-           f"{'base ms':>9} " + " ".join(f"{o:>12}" for o in ops)
+           f"{'base ms':>11} " + " ".join(f"{o:>12}" for o in ops)
     lines = [head]
     keys = list(dict.fromkeys((r["size"], r["layer"], r["kind"]) for r in rows))
     for size, layer, kind in keys:
@@ -277,10 +347,14 @@ def summary_table(rows: list[dict]) -> str:
         cells = []
         for o in ops:
             r = rs.get(o)
-            cells.append(f"{'-':>12}" if r is None else
-                         f"{r['speedup_vs_dense']:>10.2f}x{' ' if r.get('within_bound', True) else '*'}")
+            if r is None:
+                cells.append(f"{'-':>12}")
+                continue
+            ratio = f"{r['speedup_vs_dense']:.2f}x{_spread(r)}"
+            cells.append(f"{ratio:>11}{' ' if r.get('within_bound', True) else '*'}")
+        base = f"{d['ms']:.3f}{_spread(d)}"
         lines.append(f"{size:>6} {layer:>6} {100 * d['density']:>7.2f} {d['l0_mean']:>6.1f} "
-                     f"{d['l0_max']:>5} {d['heavy_rows']:>6} {kind:>5} {d['ms']:>9.3f} "
+                     f"{d['l0_max']:>5} {d['heavy_rows']:>6} {kind:>5} {base:>11} "
                      + " ".join(cells))
     return "\n".join(lines)
 
@@ -349,6 +423,7 @@ def load_paper_ops(src) -> PaperOps | None:
         return None
 
 
-__all__ = ["BASELINE", "COLUMNS", "KINDS", "OPS", "Case", "CheckFailed", "PaperOps", "check_case",
+__all__ = ["BASELINE", "COLUMNS", "KINDS", "OPS", "ROUNDS", "Case", "CheckFailed", "PaperOps", "check_case",
            "cpu_timer", "gpu_timer", "heavy_case", "iid_case", "load_paper_ops", "make_op", "prepare",
-           "recorded_case", "references", "rel_err", "run_case", "summary_table", "write_csv"]
+           "recorded_case", "references", "rel_err", "round_stats", "run_case", "summary_table",
+           "time_rounds", "write_csv"]

@@ -71,6 +71,67 @@ def test_run_case_rows_from_their_own_measurements(monkeypatch):
     assert c.hot is not None and c.hot.numel() % 16 == 0 or c.hot.numel() == 300
 
 
+def test_round_stats_median_and_spread():
+    assert bench.round_stats([2.0, 1.0, 4.0]) == (2.0, 150.0)  # (4 - 1) / 2
+    assert bench.round_stats([3.0]) == (3.0, 0.0)
+    med, spread = bench.round_stats([1.0, 1.2, 1.1, 0.9])
+    assert med == pytest.approx(1.05) and spread == pytest.approx(100 * 0.3 / 1.05)
+    assert bench.round_stats([0.0, 0.0]) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="no times"):
+        bench.round_stats([])
+
+
+def test_time_rounds_interleaves_rotated_rounds_with_a_fake_timer():
+    """Round r starts at the r-th op; each op's ms is the median of its rounds, its spread
+    (max - min) / median in %."""
+    ops = {"a": "A", "b": "B", "c": "C"}
+    fake = {"A": [1.0, 1.1, 0.9], "B": [2.0, 3.0, 2.5], "C": [4.0, 4.0, 4.0]}
+    calls = []
+
+    def timer(fn):
+        calls.append(fn)
+        return fake[fn][sum(c == fn for c in calls) - 1]
+    got = bench.time_rounds(ops, timer, rounds=3)
+    assert "".join(calls) == "ABC" + "BCA" + "CAB"
+    assert list(got) == ["a", "b", "c"]
+    assert got["a"][0] == 1.0 and got["a"][1] == pytest.approx(20.0)  # 0.2 / 1.0
+    assert got["b"][0] == 2.5 and got["b"][1] == pytest.approx(40.0)  # 1.0 / 2.5
+    assert got["c"] == (4.0, 0.0)
+    with pytest.raises(ValueError, match="rounds must be >= 1; got 0"):
+        bench.time_rounds(ops, timer, rounds=0)
+
+
+def test_run_case_rows_are_medians_over_rounds(monkeypatch):
+    """With a timer of a set value per op and round: ms = the op's median, speedup = the
+    baseline's median / the op's, spread_pct from the op's own rounds."""
+    c = bench.iid_case(64, 32, 300, 0.05, seed=1, device="cpu")
+    ms = {("dense", "fwd"): [2.0, 2.2, 1.8], ("twell", "fwd"): [1.0, 1.5, 0.5],
+          ("torch", "train"): [6.0, 6.0, 6.0], ("ell", "train"): [3.0, 4.0, 2.0]}
+    seen: dict = {}
+    made = bench.make_op
+
+    def make_op(op, kind, *a, **kw):
+        fn = made(op, kind, *a, **kw)
+        seen[fn] = (op, kind)
+        return fn
+    monkeypatch.setattr(bench, "make_op", make_op)
+    count: dict = {}
+
+    def timer(fn):
+        key = seen[fn]
+        count[key] = count.get(key, 0) + 1
+        return ms.get(key, [5.0, 5.0, 5.0])[count[key] - 1]
+    rows = {(r["op"], r["kind"]): r for r in bench.run_case(c, FFNPolicy(), timer, rounds=3)}
+    assert set(count.values()) == {3} and len(count) == len(rows) == 11
+    assert rows["dense", "fwd"]["ms"] == 2.0 and rows["dense", "fwd"]["spread_pct"] == 20.0
+    tw = rows["twell", "fwd"]
+    assert (tw["ms"], tw["speedup_vs_dense"], tw["spread_pct"]) == (1.0, 2.0, 100.0)
+    ell = rows["ell", "train"]
+    assert (ell["ms"], ell["speedup_vs_dense"], ell["spread_pct"]) == (3.0, 2.0, 66.7)
+    assert rows["torch", "train"]["spread_pct"] == 0.0
+    assert rows["auto", "train"]["speedup_vs_dense"] == 1.2  # 6 / 5
+
+
 def test_check_fails_loudly_on_a_wrong_op_but_not_on_the_paper():
     c = bench.prepare(bench.iid_case(64, 32, 300, 0.05, seed=2, device="cpu"), FFNPolicy())
     refs = bench.references(c)
@@ -108,23 +169,66 @@ def test_summary_table_marks_ops_over_the_bound():
             {**base, "kind": "train", "op": "ell", "ms": 4.0, "speedup_vs_dense": 1.5}]
     lines = bench.summary_table(rows).splitlines()
     assert lines[0].split()[-3:] == ["twell", "paper", "ell"]
+    # rows without spread_pct (an older CSV's) show none
     assert lines[1].split()[-3:] == ["2.00x", "4.00x*", "-"] and "2.000" in lines[1]
     assert lines[2].split()[-3:] == ["-", "-", "1.50x"] and "6.000" in lines[2]
+    spread = [{**r, "spread_pct": v} for r, v in zip(rows, (3.2, 12.6, 0.4, 0.0, ""))]
+    lines = bench.summary_table(spread).splitlines()
+    assert lines[1].split()[-4:] == ["2.000±3", "2.00x±13", "4.00x±0*", "-"]
+    assert lines[2].split()[-4:] == ["6.000±0", "-", "-", "1.50x"]
 
 
-def test_script_smoke_run_writes_both_csvs(tmp_path):
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One ``--smoke --profile`` run of the script (3 rounds, the default): (out dir, stdout)."""
+    out = tmp_path_factory.mktemp("smoke")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_real_layers.py"), "--smoke",
-                        "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                        "--profile", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return out, r.stdout
+
+
+def test_script_smoke_run_writes_both_csvs(smoke_run):
+    out, stdout = smoke_run
     for name, size in (("real_layers", "smoke"), ("iid", "iid")):
-        with open(tmp_path / f"{name}.csv") as f:
+        with open(out / f"{name}.csv") as f:
             rows = list(csv.DictReader(f))
-        assert list(rows[0]) == bench.COLUMNS
+        assert list(rows[0]) == bench.COLUMNS and bench.COLUMNS[-1] == "spread_pct"
         assert {row["size"] for row in rows} == {size}
+        assert all(float(row["spread_pct"]) >= 0 for row in rows)
         assert {(row["op"], row["kind"]) for row in rows} >= {("dense", "fwd"), ("torch", "train"),
                                                              ("ell_hot", "train")}
-    last = r.stdout.strip().splitlines()[-1].split()
-    assert last[0] == "iid" and last[6] == "train"  # the table is printed last
+    assert "3 timing rounds" in stdout.splitlines()[0]
+    last = stdout.strip().splitlines()[-1].split()
+    assert last[0] == "iid" and last[6] == "train" and "±" in last[7]  # the table is printed last
+
+
+def test_script_smoke_run_writes_the_kernel_profile(smoke_run):
+    """--profile: one markdown section per case (the op table, then every op's longest
+    kernels) and CSV rows of every case and op; on the CPU the kernels are top-level ops."""
+    out, _ = smoke_run
+    md = (out / "kernel_profile.md").read_text()
+    assert md.startswith("# Kernel profile of the sparse FFN ops\n\nCPU smoke run")
+    heads = [line for line in md.splitlines() if line.startswith("## ")]
+    assert heads == ["## smoke layer 0: N x D x H = 64 x 32 x 300, density 2.99 %, L0 9.0 (max 29)",
+                     "## iid layer 5%: N x D x H = 64 x 32 x 300, density 4.99 %, L0 15.0 (max 37)"]
+    ops = [(o, "fwd") for o in bench.OPS["fwd"] if o != "paper"] + [
+        (o, "train") for o in bench.OPS["train"] if o != "paper"]
+    for sec in md.split("\n## ")[1:]:
+        assert [line.split(" | ")[:2] for line in sec.splitlines()[4:4 + len(ops)]] == [
+            [f"| {o}", k] for o, k in ops]
+        assert [line for line in sec.splitlines() if line.startswith("### ")] == [
+            f"### {o} {k}: longest kernels" for o, k in ops]
+    rows = list(csv.DictReader((out / "kernel_profile.csv").open()))
+    assert {(r["size"], r["op"], r["kind"]) for r in rows} == {
+        (s, o, k) for s in ("smoke", "iid") for o, k in ops}
+    calls = {(r["size"], r["op"], r["kind"]): float(r["ms"]) for r in rows
+             if (r["row"], r["name"]) == ("total", "kernel_calls")}
+    # dense forward on the CPU: matmul x3, t x3, relu, mul (the ops its Python calls)
+    assert calls["smoke", "dense", "fwd"] == 8.0
+    mm = [r for r in rows if (r["size"], r["op"], r["kind"], r["row"], r["name"])
+          == ("smoke", "dense", "fwd", "kernel", "aten::matmul")]
+    assert len(mm) == 1 and mm[0]["calls"] == "3" and mm[0]["family"] == "gemm_ffn"
