@@ -10,7 +10,7 @@
 #   bash scripts/gpu_size_call.sh 1p5b row bench     # in a device call ($OUT is set there)
 #   IID=0.003,0.03 bash scripts/gpu_size_call.sh 1p5b ops
 #
-# Stage seconds: T_ROW (230), T_BENCH (340), T_OPS (100); BENCH_STEPS: timed steps per bench row
+# Stage seconds: T_ROW (230), T_BENCH (340), T_OPS (240); BENCH_STEPS: timed steps per bench row
 # (15); IID: i.i.d. densities for the ops stage ('' = none); COMMIT: recorded with the results.
 set -uo pipefail
 SIZE=${1:?usage: gpu_size_call.sh SIZE STAGE... (SIZE: configs/model; STAGE: row bench ops)}
@@ -45,7 +45,7 @@ for stage in "$@"; do
     rc=$?; echo "bench: rc $rc"; [ $rc = 0 ] || status=1; tail -6 "$RES/bench/bench_model.log" ;;
   ops)
     LAYERS=$(ls "$ACTS"/*.safetensors 2>/dev/null | paste -sd, -)
-    timeout "${T_OPS:-100}" python3 scripts/bench_real_layers.py --layers "$LAYERS" \
+    timeout "${T_OPS:-240}" python3 scripts/bench_real_layers.py --layers "$LAYERS" \
       --iid "${IID-}" --out "$RES/ops" > "$RES/ops/real_layers.log" 2>&1
     rc=$?; echo "ops: rc $rc"; [ $rc = 0 ] || status=1; tail -14 "$RES/ops/real_layers.log" ;;
   *) echo "unknown stage $stage (row, bench, ops)"; exit 2 ;;
