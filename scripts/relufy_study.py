@@ -82,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--l1", type=_floats, default=list(DEFAULT_L1),
                    help="L1 strengths of the sparse rows (each plain and distilled)")
     p.add_argument("--tokens", type=float, default=DEFAULT_TOKENS,
-                   help="training tokens per row (default 40 M: 2.15 epochs of the corpus)")
+                   help="training tokens per row (default 40 M: 2.15 epochs of the corpus; "
+                        "dense_relu_2x: twice the steps)")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=64,
@@ -105,7 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-wall", type=float, default=570.0,
                    help="seconds for this invocation (one piece); running rows are stopped")
     p.add_argument("--min-start", type=float, default=150.0,
-                   help="start a row only with this many seconds left")
+                   help="start a row of the plan's tokens only with this many seconds left "
+                        "(a row of more tokens: plus their training time)")
     p.add_argument("--tokens-per-s", type=float, default=MEASURED_TOKENS_PER_S,
                    help="speed of the GPU-time estimate (default: the measured 290.5 k)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and estimate only")
@@ -159,9 +161,11 @@ def main(argv=None) -> int:
         return 2
     train = [r for r in rows if r.trains and study.status(r) in ("new", "started")]
     todo = [r for r in rows if study.status(r) != "scored"]
+    longer = "".join(f" ({r.name}: {plan.row_steps(r)} steps, {plan.row_tokens(r) / 1e6:.2f} M)"
+                     for r in rows if r.trains and r.tokens_scale != 1.0)
     print(f"plan: {len(rows)} rows ({len(todo)} to do, {len(train)} to train), "
           f"{plan.steps} steps x {plan.tokens_per_step} = {plan.steps * plan.tokens_per_step / 1e6:.2f} "
-          f"M tokens a row, lr {plan.lr:g}, L1 warmup {plan.l1_warmup}, distillation w "
+          f"M tokens a row{longer}, lr {plan.lr:g}, L1 warmup {plan.l1_warmup}, distillation w "
           f"{plan.distill_weight:g} T {plan.distill_temperature:g}")
     measured = study.measured_tokens_per_s()  # this study's finished rows, if any
     for speed in ([measured] if measured else []) + [a.tokens_per_s, TARGET_TOKENS_PER_S]:

@@ -11,7 +11,10 @@ Rows (:class:`RowSpec`; ``kind`` as in the results): ``silu_original`` (the SiLU
 only), ``silu_control`` (the source fine-tuned with its SiLU gate kept, L1 = 0: the same tokens
 and recipe, so the ReLU switch's cost is dense ReLU against it, not against the untouched
 original), ``dense_relu`` (gate switched to ReLU at load, L1 = 0) and ``sparse`` (ReLU with an
-L1 strength, each with and without distillation to the SiLU original).
+L1 strength, each with and without distillation to the SiLU original). A row may train on a
+multiple of the plan's tokens (``RowSpec.tokens_scale``, its own warmup and cosine over them):
+``dense_relu_2x``, dense ReLU on twice the tokens, shows where the ReLU switch's cost settles;
+the targets compare the rows on the plan's tokens.
 
 Two folders: OUT (small; what comes back from the GPU machine) holds ``study.json`` (the plan,
 the source, every invocation's command and each row's last status), ``results.csv``
@@ -78,16 +81,25 @@ class RowSpec:
         kind: one of :data:`KINDS`.
         l1_coeff: the L1 strength (0 for the controls, None for the untrained original).
         distill: trained with the distillation term to the SiLU original.
+        tokens_scale: its steps as a multiple of the plan's (:meth:`StudyPlan.row_steps`; 2:
+            twice a plan row's tokens, with its own warmup and cosine over them). A study.json
+            written before this field holds rows without it: 1.
     """
 
     name: str
     kind: str
     l1_coeff: float | None = None
     distill: bool = False
+    tokens_scale: float = 1.0
 
     @property
     def trains(self) -> bool:
         return self.kind != "silu_original"
+
+
+# dense ReLU on twice a plan row's tokens: the 40 M-token row still falls where the SiLU control
+# has flattened (validation loss 1.747 -> 1.736 over its last quarter against 1.673 -> 1.675)
+LONG_DENSE = RowSpec("dense_relu_2x", "dense_relu", 0.0, tokens_scale=2.0)
 
 
 def sparse_row(l1: float, distill: bool) -> RowSpec:
@@ -99,12 +111,28 @@ def sparse_row(l1: float, distill: bool) -> RowSpec:
 
 def default_rows(l1s=DEFAULT_L1, center: float = L1_CENTER) -> list[RowSpec]:
     """The study's rows in the order they run (what a partial study gets first): the SiLU
-    original, dense ReLU, the SiLU control, then the L1 strengths from the one nearest
-    ``center`` (log scale) outwards, each plain then distilled."""
+    original, dense ReLU, the SiLU control, the L1 strength nearest ``center`` (log scale),
+    plain then distilled, dense ReLU on twice the tokens (:data:`LONG_DENSE`: where the ReLU
+    switch's cost settles), then the other L1 strengths from ``center`` outwards."""
     base = [RowSpec("silu_original", "silu_original"), RowSpec("dense_relu", "dense_relu", 0.0),
             RowSpec("silu_control", "silu_control", 0.0)]
     order = sorted(l1s, key=lambda v: (abs(math.log(v / center)), v))
-    return base + [sparse_row(v, kd) for v in order for kd in (False, True)]
+    sparse = [sparse_row(v, kd) for v in order for kd in (False, True)]
+    return base + sparse[:2] + [LONG_DENSE] + sparse[2:]
+
+
+def study_rows(recorded: list[RowSpec]) -> list[RowSpec]:
+    """The rows of a study from the ones its study.json records: a study made with the whole
+    default set of its L1 strengths (every :func:`default_rows` row at the plan's tokens)
+    gains the default rows added since (:data:`LONG_DENSE`), all in the default order, its own
+    records kept; any other study keeps its rows as recorded."""
+    have = {r.name: r for r in recorded}
+    l1s = sorted({r.l1_coeff for r in recorded if r.kind == "sparse"})
+    defaults = default_rows(l1s)
+    if not l1s or any(r.name not in have for r in defaults if r.tokens_scale == 1.0):
+        return list(recorded)
+    names = {r.name for r in defaults}
+    return [have.get(r.name, r) for r in defaults] + [r for r in recorded if r.name not in names]
 
 
 def select_rows(rows: list[RowSpec], names: str) -> list[RowSpec]:
@@ -171,11 +199,22 @@ class StudyPlan:
         """Optimizer steps of a trained row: ``ceil(tokens / tokens_per_step)``."""
         return max(1, math.ceil(self.tokens / self.tokens_per_step))
 
+    def row_steps(self, row: RowSpec) -> int:
+        """Optimizer steps of ``row``: ``round(row.tokens_scale x steps)`` (its warmup, cosine
+        and L1 warmup are fractions of these)."""
+        return max(1, round(row.tokens_scale * self.steps))
+
+    def row_tokens(self, row: RowSpec) -> int:
+        """Training tokens of ``row``: its steps x tokens a step."""
+        return self.row_steps(row) * self.tokens_per_step
+
     def train_overrides(self, row: RowSpec, source: Path) -> list[str]:
-        """The Hydra overrides of a trained row (``python -m train`` adds its run dir)."""
+        """The Hydra overrides of a trained row (``python -m train`` adds its run dir). A row
+        of more steps validates at the plan row's interval (its curve has points at the same
+        steps, then beyond)."""
         if not row.trains:
             raise ValueError(f"{row.name} is not trained")
-        steps = self.steps
+        steps = self.row_steps(row)
         over = ["experiment=relufy_smollm2", f"model.init_from={source}",
                 "model.hidden_act_from=silu",
                 f"model.hidden_act={'silu' if row.kind == 'silu_control' else 'relu'}",
@@ -183,7 +222,7 @@ class StudyPlan:
                 f"trainer.micro_batch={self.micro_batch}", f"trainer.max_steps={steps}",
                 f"optim.lr={self.lr!r}",
                 f"optim.warmup_steps={max(1, round(self.warmup_frac * steps))}",
-                f"trainer.val_every={max(1, steps // 4)}",
+                f"trainer.val_every={max(1, self.steps // 4)}",
                 f"trainer.val_sequences={self.val_sequences}",
                 f"trainer.save_every={self.save_every}", "trainer.keep_last=1",
                 f"trainer.seed={self.seed}", "trainer.progress=false", "trainer.resume=auto",
@@ -307,8 +346,10 @@ def evaluate_targets(rows: list[dict]) -> list[Target]:
     """The study's three targets on :func:`result_row` dicts (points = percentage points of the
     mean accuracy, +- the standard error of the difference): dense ReLU within 1.0 of the SiLU
     control; a sparse row with L0 <= 5 % within 1.0 of dense ReLU (the sparsest such row
-    reported); one with L0 <= 2 % within 2.0."""
-    by = {r["kind"]: r for r in rows if r["kind"] in ("silu_control", "dense_relu")}
+    reported); one with L0 <= 2 % within 2.0. Dense ReLU is the ``dense_relu`` row, on the
+    control's tokens; a row of more tokens (:data:`LONG_DENSE`) is left to
+    :func:`longer_row_lines`."""
+    by = {r["row"]: r for r in rows}
     control, dense = by.get("silu_control"), by.get("dense_relu")
     sparse = [r for r in rows if r["kind"] == "sparse"]
     name = "Dense ReLU within 1.0 point of the SiLU control"
@@ -326,17 +367,49 @@ def evaluate_targets(rows: list[dict]) -> list[Target]:
                            dense, 2.0, 2.0)]
 
 
+def longer_row_lines(rows: list[dict], specs: list[RowSpec]) -> list[str]:
+    """One line per dense ReLU row of more tokens than the plan's among ``specs``: its mean
+    against the SiLU control's (the first target's comparison, at the row's tokens) and
+    against dense ReLU on the control's tokens, with the validation losses; pending until it
+    and the control are scored."""
+    by = {r["row"]: r for r in rows}
+    control, dense, out = by.get("silu_control"), by.get("dense_relu"), []
+    for spec in (s for s in specs if s.kind == "dense_relu" and s.tokens_scale != 1.0):
+        r = by.get(spec.name)
+        base = f" ({control['tokens_m']:.2f} M)" if control else ""
+        name = f"Dense ReLU at {spec.tokens_scale:g}x tokens against the SiLU control{base}"
+        if r is None or control is None:
+            what = spec.name if r is None else "silu_control"
+            out.append(f"{name}: pending ({what} not scored yet).")
+            continue
+        d, se = _diff(r, control)
+        line = (f"{name}: {r['mean']:.2f} at {r['tokens_m']:.2f} M tokens vs "
+                f"{control['mean']:.2f}: {d:+.2f}{_pm(se)} points (the first target's bar: "
+                f">= -1)")
+        if dense is not None:
+            d2, se2 = _diff(r, dense)
+            line += f"; against dense ReLU on the control's tokens: {d2:+.2f}{_pm(se2)}"
+        if r.get("val_loss") is not None:
+            others = [f"{who} {x['val_loss']:.4f}" for who, x in (("control", control),
+                                                                  ("dense ReLU", dense))
+                      if x is not None and x.get("val_loss") is not None]
+            line += f"; val loss {r['val_loss']:.4f}" + (f" ({', '.join(others)})" if others
+                                                          else "")
+        out.append(line + ".")
+    return out
+
+
 def estimate(plan: StudyPlan, train_rows: list[RowSpec], score_rows_: list[RowSpec],
              tokens_per_s: float, tokens_done: dict[str, float] | None = None,
              piece_s: float = 600.0) -> dict:
     """GPU time (seconds) of what is left at ``tokens_per_s`` for one process, and the pieces
-    of ``piece_s`` it needs: the rows' tokens still to train (a distilled row at
+    of ``piece_s`` it needs: each row's tokens still to train (its own: :meth:`StudyPlan.
+    row_tokens`; a distilled row at
     :data:`DISTILL_COST` x), :data:`ROW_START_S` per row, :data:`SCORE_S` per row to score
     (an upper bound: scoring runs beside the next row's training), :data:`PIECE_START_S` per
     piece. ``tokens_done``: row name -> tokens a stopped row has trained already."""
     done = tokens_done or {}
-    per_row = plan.steps * plan.tokens_per_step
-    train_s = sum(max(0.0, per_row - done.get(r.name, 0.0)) / tokens_per_s
+    train_s = sum(max(0.0, plan.row_tokens(r) - done.get(r.name, 0.0)) / tokens_per_s
                   * (DISTILL_COST if r.distill else 1.0) for r in train_rows)
     rest = train_s + ROW_START_S * len(train_rows) + SCORE_S * len(score_rows_)
     pieces = math.ceil(rest / (piece_s - PIECE_START_S)) if rest > 0 else 0
@@ -425,13 +498,14 @@ class Study:
 
     @classmethod
     def open(cls, out: Path, work: Path) -> Study:
-        """The study saved in ``out/study.json`` (its plan and rows)."""
+        """The study saved in ``out/study.json``: its plan and rows (:func:`study_rows`: a
+        study made with the whole default set gains the default rows added since)."""
         state = _read_json(Path(out) / "study.json")
         if state is None:
             raise FileNotFoundError(f"no study.json in {out}; run scripts/relufy_study.py first")
         p = dict(state["plan"])
         p["l1_warmup"] = tuple(p["l1_warmup"])
-        rows = [RowSpec(**v["spec"]) for v in state["rows"].values()]
+        rows = study_rows([RowSpec(**v["spec"]) for v in state["rows"].values()])
         return cls(out, work, StudyPlan(**p), rows)
 
     # ------------------------------------------------------------------ paths and status
@@ -451,15 +525,15 @@ class Study:
 
     def status(self, row: RowSpec) -> str:
         """``scored`` (done: score.json in OUT, and for a trained row its summary at the
-        plan's last step), ``trained`` (its run finished; to score), ``started`` (a checkpoint
+        row's last step), ``trained`` (its run finished; to score), ``started`` (a checkpoint
         to resume from) or ``new``."""
         if (self.row_out(row.name) / "score.json").is_file():
             s = _read_json(self.row_out(row.name) / "summary.json")
-            if not row.trains or (s is not None and s.get("step") == self.plan.steps):
+            if not row.trains or (s is not None and s.get("step") == self.plan.row_steps(row)):
                 return "scored"
         if not row.trains:
             return "new"
-        if run_finished(self.run_dir(row.name), self.plan.steps):
+        if run_finished(self.run_dir(row.name), self.plan.row_steps(row)):
             return "trained"
         from train.checkpoint import list_checkpoints
 
@@ -482,6 +556,17 @@ class Study:
                         for s in [_read_json(self.row_out(n) / "summary.json") or {}]
                         if s.get("tokens_per_s"))
         return speeds[len(speeds) // 2] if speeds else None
+
+    def start_need_s(self, row: RowSpec, min_start: float) -> float:
+        """Seconds a piece must have left to start ``row``: ``min_start`` (what a row of the
+        plan's tokens needs) plus the training time of the tokens it has beyond a plan row's,
+        at this study's measured speed (:data:`MEASURED_TOKENS_PER_S` before one; a
+        distilled row at :data:`DISTILL_COST` x)."""
+        extra = self.plan.row_tokens(row) - self.plan.steps * self.plan.tokens_per_step
+        if not row.trains or extra <= 0:
+            return min_start
+        speed = self.measured_tokens_per_s() or MEASURED_TOKENS_PER_S
+        return min_start + extra / speed * (DISTILL_COST if row.distill else 1.0)
 
     # ------------------------------------------------------------------ jobs
 
@@ -523,10 +608,11 @@ class Study:
 
     def results(self) -> list[dict]:
         """:func:`result_row` of every scored row this OUT knows (all invocations), in the
-        order kinds, L1, plain before distilled."""
+        order kinds, L1, plain before distilled, fewer tokens first."""
         width = (self.state.get("source") or {}).get("ffn") or 1536
         specs = sorted((self.spec(n) for n in self.state["rows"]),
-                       key=lambda r: (KINDS.index(r.kind), r.l1_coeff or 0.0, r.distill))
+                       key=lambda r: (KINDS.index(r.kind), r.l1_coeff or 0.0, r.distill,
+                                      r.tokens_scale))
         out = []
         for r in specs:
             if self.status(r) != "scored":
@@ -711,7 +797,7 @@ def run_study(study: Study, *, parallel: int = 1, max_wall: float = math.inf,
     device call's limit is the script's ``--max-wall``): rows in order,
     ``parallel`` training processes at a time (waves), each wave beside the scoring of the rows
     trained before it (one scoring process); a wave starts only with ``min_start`` seconds
-    left; at the deadline (``max_wall - grace_s - 15``) running jobs get SIGTERM (the trainer
+    left, more for a row of more tokens (:meth:`Study.start_need_s`); at the deadline (``max_wall - grace_s - 15``) running jobs get SIGTERM (the trainer
     checkpoints and exits; SIGKILL after ``grace_s``). Done rows are skipped; a stopped row
     continues from its checkpoint next time; a failed one is logged with its log tail and
     tried again next time. Returns ``{"status": {row: status}, "not_started": [rows],
@@ -747,7 +833,8 @@ def run_study(study: Study, *, parallel: int = 1, max_wall: float = math.inf,
 
     while waves or to_score:
         left = deadline - time.monotonic()
-        wave = waves.pop(0) if waves and left >= min_start else []
+        need = max(study.start_need_s(r, min_start) for r in waves[0]) if waves else 0.0
+        wave = waves.pop(0) if waves and left >= need else []
         if not wave and (not to_score or left < 30):
             break
         jobs = [study.train_job(r) for r in wave] + ([study.score_job(to_score)] if to_score
@@ -777,7 +864,8 @@ def report_lines(study: Study) -> list[str]:
             return "" if res.get(k) is None else format(res[k], spec)
         lines.append(f"{r.name} | {study.status(r)} | {f('mean')} | {f('stderr')} | "
                      f"{f('l0_pct')} | {f('val_loss', '.4f')}")
-    lines += ["", *(t.text for t in evaluate_targets(rows))]
+    lines += ["", *(t.text for t in evaluate_targets(rows)),
+              *longer_row_lines(rows, study.rows)]
     left_train = [r for r in study.rows if r.trains and study.status(r) in ("new", "started")]
     left_score = [r for r in study.rows if study.status(r) != "scored"]
     if left_score:
@@ -811,6 +899,7 @@ __all__ = [
     "DEFAULT_L1",
     "DEFAULT_TOKENS",
     "KINDS",
+    "LONG_DENSE",
     "MEASURED_TOKENS_PER_S",
     "TARGET_TOKENS_PER_S",
     "RowSpec",
@@ -823,6 +912,7 @@ __all__ = [
     "estimate",
     "estimate_line",
     "evaluate_targets",
+    "longer_row_lines",
     "mean_stderr",
     "prepare_source",
     "read_results",
@@ -833,6 +923,7 @@ __all__ = [
     "score_rows",
     "select_rows",
     "sparse_row",
+    "study_rows",
     "validation_loss",
 ]
 

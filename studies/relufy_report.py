@@ -31,7 +31,9 @@ from studies.relufy import (
     estimate,
     estimate_line,
     evaluate_targets,
+    longer_row_lines,
     read_results,
+    study_rows,
 )
 
 SHORT = {TASK_COLUMN[t]: TASK_SHORT[t] for t in ALL_TASKS}  # results.csv column -> label
@@ -96,7 +98,7 @@ def _plot_acc_vs_l0(plt, rows: list[dict], fig_dir: Path) -> None:
     CE only and distilled, beside the controls, chance and the 2 % and 5 % lines."""
     import matplotlib.ticker
 
-    by = {r["kind"]: r for r in rows if r["kind"] != "sparse"}
+    by = {r["row"]: r for r in rows if r["kind"] != "sparse"}
     fig, ax = plt.subplots(figsize=(6.8, 4.4))
     for distill, color, name in ((0, "C0", "L1, CE only"), (1, "C1", "L1 + distillation")):
         pts = sorted((r for r in rows if r["kind"] == "sparse" and r["distill"] == distill
@@ -108,13 +110,15 @@ def _plot_acc_vs_l0(plt, rows: list[dict], fig_dir: Path) -> None:
             for r in pts:
                 ax.annotate(f"{r['l1_coeff']:g}", (r["l0_pct"], r["mean"]), fontsize=7,
                             textcoords="offset points", xytext=(4, -10 if distill else 6))
-    for kind, style, color, name in (("silu_control", "-", "C2", "SiLU control"),
-                                     ("dense_relu", "--", "C3", "dense ReLU"),
-                                     ("silu_original", ":", "C7", "SiLU original")):
-        r = by.get(kind)
+    for row, style, color, name in (("silu_control", "-", "C2", "SiLU control"),
+                                    ("dense_relu", "--", "C3", "dense ReLU"),
+                                    ("dense_relu_2x", (0, (5, 1, 1, 1)), "C4",
+                                     "dense ReLU, 2x tokens"),
+                                    ("silu_original", ":", "C7", "SiLU original")):
+        r = by.get(row)
         if r is not None:
             ax.axhline(r["mean"], ls=style, color=color, label=f"{name} {r['mean']:.2f}")
-            if r["stderr"] and kind != "silu_original":
+            if r["stderr"] and row != "silu_original":
                 ax.axhspan(r["mean"] - r["stderr"], r["mean"] + r["stderr"], color=color,
                            alpha=0.12, lw=0)
     ax.axhline(CHANCE_MEAN, ls="-.", color="grey", lw=0.8, label="chance")
@@ -142,9 +146,10 @@ def _plot_l0_layers(plt, rows: list[dict], layers: dict[str, list[float]], fig_d
     cmap = plt.get_cmap("viridis")
     for i, r in enumerate(relu):
         ls = "--" if r["kind"] == "dense_relu" else ("-" if not r["distill"] else ":")
+        color = ({"dense_relu": "C3", "dense_relu_2x": "C4"}.get(r["row"], "C3")
+                 if r["kind"] == "dense_relu" else cmap(i / max(1, len(relu) - 1)))
         ax.plot(range(len(layers[r["row"]])), layers[r["row"]], ls=ls, marker=".",
-                color="C3" if r["kind"] == "dense_relu" else cmap(i / max(1, len(relu) - 1)),
-                label=r["row"])
+                color=color, label=r["row"])
     ax.set_yscale("log")
     ax.set_xlabel("layer")
     ax.set_ylabel("L0 per token (training, last logged steps)")
@@ -178,15 +183,36 @@ def _plan(state: dict | None) -> StudyPlan:
 def _rows(state: dict | None) -> list[RowSpec]:
     if not state or not state.get("rows"):
         return default_rows()
-    return [RowSpec(**v["spec"]) for v in state["rows"].values()]
+    return study_rows([RowSpec(**v["spec"]) for v in state["rows"].values()])
 
 
 def _row_line(r: RowSpec, plan: StudyPlan) -> str:
     if r.kind != "sparse":
-        return f"| `{r.name}` | {r.kind} | {WHAT[r.kind]} |"
-    warm = r.l1_coeff >= plan.l1_warmup_min
-    return (f"| `{r.name}` | sparse | ReLU, L1 {r.l1_coeff:g}" + (" (warmed up)" if warm else "")
-            + (", distilled to the SiLU original" if r.distill else "") + " |")
+        what = WHAT[r.kind]
+    else:
+        what = (f"ReLU, L1 {r.l1_coeff:g}" + (" (warmed up)" if r.l1_coeff >= plan.l1_warmup_min
+                                              else "")
+                + (", distilled to the SiLU original" if r.distill else ""))
+    if r.tokens_scale != 1.0:
+        what += (f", on {r.tokens_scale:g}x the tokens ({plan.row_tokens(r) / 1e6:.2f} M, "
+                 f"{plan.row_steps(r)} steps, its own warmup and cosine; the same data order): "
+                 "where the ReLU switch's cost settles")
+    return f"| `{r.name}` | {r.kind} | {what} |"
+
+
+def _longer_rows_text(plan: StudyPlan, rows: list[RowSpec]) -> tuple[str, str]:
+    """(the Tokens line's and the Optimizer line's words on the rows of more tokens than the
+    plan's; empty strings without one)."""
+    longer = [r for r in rows if r.trains and r.tokens_scale != 1.0]
+    if not longer:
+        return "", ""
+    tokens = "; ".join(
+        f"`{r.name}` trains {plan.row_tokens(r) / 1e6:.2f} M ({plan.row_steps(r)} steps, "
+        f"{plan.row_tokens(r) / CORPUS_TRAIN_TOKENS:.2f} epochs), its first {plan.steps} steps "
+        "on the same blocks as the others'" for r in longer)
+    warm = ", ".join(f"{max(1, round(plan.warmup_frac * plan.row_steps(r)))} for `{r.name}`"
+                     for r in longer)
+    return f" The longer row{'s' if len(longer) > 1 else ''}: {tokens}.", f" ({warm})"
 
 
 def setup_lines(plan: StudyPlan, rows: list[RowSpec]) -> list[str]:
@@ -194,6 +220,7 @@ def setup_lines(plan: StudyPlan, rows: list[RowSpec]) -> list[str]:
     tokens = plan.steps * plan.tokens_per_step
     a, b = (round(f * plan.steps) for f in plan.l1_warmup)
     l1s = sorted({r.l1_coeff for r in rows if r.kind == "sparse"})
+    long_tokens, long_warm = _longer_rows_text(plan, rows)
     return [
         "## Rows", "",
         "Run in this order (what a partial study gets first):", "",
@@ -209,10 +236,10 @@ def setup_lines(plan: StudyPlan, rows: list[RowSpec]) -> list[str]:
          f"the offline corpus's {CORPUS_TRAIN_TOKENS / 1e6:.2f} M training tokens (each epoch a "
          f"new order of its {plan.seq_len}-token blocks): {plan.steps} steps of "
          f"{plan.global_batch} x {plan.seq_len} tokens, the same blocks in the same order for "
-         f"every row (seed {plan.seed})."),
+         f"every row (seed {plan.seed}).{long_tokens}"),
         (f"- **Optimizer**: AdamW (0.9, 0.95), weight decay 0.1, lr {plan.lr:g} with a linear "
-         f"warmup over {max(1, round(plan.warmup_frac * plan.steps))} steps, then cosine to "
-         "10 %; gradient clip 1.0; bf16 autocast over fp32 master weights."),
+         f"warmup over {max(1, round(plan.warmup_frac * plan.steps))} steps{long_warm}, then "
+         "cosine to 10 % over the row's steps; gradient clip 1.0; bf16 autocast over fp32 master weights."),
         (f"- **Speed**: `trainer.compile=true`, micro-batch {plan.micro_batch} (no "
          "accumulation), `ffn.impl=torch`, no recomputation: on a model of this shape "
          f"one H200 trained {MEASURED_TOKENS_PER_S / 1e3:.1f} k tokens/s this way (61 GB; "
@@ -263,10 +290,12 @@ def running_lines(plan: StudyPlan, rows: list[RowSpec], state: dict | None) -> l
               "teacher are estimates, not measurements):"), "",
              *(f"- {estimate_line(e)}" for e in est.values()), "",
              *_partial_run_lines()]
-    invs = (state or {}).get("invocations") or []
+    invs = [i["command"] for i in (state or {}).get("invocations") or [] if i.get("command")]
     if invs:
-        lines += ["The commands that made these results:", "", "```bash",
-                  *(i["command"] for i in invs if i.get("command")), "```", ""]
+        counts = {c: invs.count(c) for c in invs}  # each distinct command once, first-run order
+        lines += ["The commands that made these results (one line per distinct command):", "",
+                  "```bash", *(c + (f"  # {n} pieces" if n > 1 else "")
+                               for c, n in counts.items()), "```", ""]
     lines += [("Each row's training command (`<work>` = `--work`; `python -m train` adds "
               "`hydra.run.dir=<work>/runs/<row>`):"), "", "```bash"]
     for r in train:
@@ -321,7 +350,9 @@ def _partial_run_lines() -> list[str]:
          "on the same machine, pieces run back to back (one machine is held at most 30 "
          "minutes). On a fresh machine a half-trained row starts again; the scored rows in "
          "`--out` are never redone. `--min-start 240` keeps a piece from starting a row it "
-         "cannot finish (about 140 s of training plus start-up at 290 k tokens/s)."), "",
+         "cannot finish (about 140 s of training plus start-up at 290 k tokens/s); a row of "
+         "more tokens needs its extra training time on top (`dense_relu_2x`: about 140 s "
+         "more), so a piece starts it only near its beginning."), "",
         "**With only ~8 minutes of GPU**: the controls first, two at once:", "",
         "```bash",
         ("bash scripts/gpu_relufy_call.sh --rows silu_original,dense_relu,silu_control "
@@ -425,7 +456,8 @@ def write_report(out: Path | None, doc: Path) -> None:
     else:
         md += ["_Pending: no row is scored yet._", ""]
     md += ["### Against the study's targets", "",
-           *(f"- {t.text}" for t in evaluate_targets(rows)), "",
+           *(f"- {t.text}" for t in evaluate_targets(rows)),
+           *(f"- {line}" for line in longer_row_lines(rows, specs)), "",
            "### What it shows", "", FINDINGS_BEGIN, findings or FINDINGS_PLACEHOLDER,
            FINDINGS_END, "", *running_lines(plan, specs, state), *earlier_lines()]
     doc.parent.mkdir(parents=True, exist_ok=True)

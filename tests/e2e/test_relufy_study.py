@@ -1,6 +1,7 @@
 """scripts/relufy_study.py end to end on CPU: a tiny SiLU GGUF with SmolLM2's vocabulary, a tiny
-text corpus tokenized with the SmolLM2 tokenizer, 2 steps a row, 2 items a task. A first piece
-runs two rows; the second runs all five (the done ones skipped, two rows at a time); then the
+text corpus tokenized with the SmolLM2 tokenizer, 2 steps a row (dense_relu_2x: 4), 2 items a
+task. A first piece runs two rows; the second runs all six (the done ones skipped, two rows at
+a time); then the
 results, the checkpoints' activations, the SiLU original's validation loss against stock
 transformers, and scripts/relufy_report.py on the results (written to tmp, not docs/)."""
 
@@ -17,7 +18,7 @@ from studies.relufy import CSV_COLUMNS, read_results
 from tests.gguf_utils import write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = ["silu_original", "silu_control", "dense_relu", "l1_0.5", "l1_0.5_kd"]
+ROWS = ["silu_original", "silu_control", "dense_relu", "dense_relu_2x", "l1_0.5", "l1_0.5_kd"]
 
 
 def _corpus(path: Path) -> Path:
@@ -74,20 +75,25 @@ def test_pieces_skip_done_rows_and_fill_the_results(study):
     assert "estimate: " in study["first"] and "piece(s) of 10 min" in study["first"]
     assert "silu_original: done (scored), skipped" in study["second"]
     assert "dense_relu: done (scored), skipped" in study["second"]
-    assert "started train:dense_relu" not in study["second"]
+    assert "started train:dense_relu:" not in study["second"]
+    assert "started train:dense_relu_2x:" in study["second"]
     assert (out / "rows" / "dense_relu" / "score.json").stat().st_mtime_ns == study["mtime"]
     assert "all rows scored" in study["second"]
     assert (out / "results.csv").read_text().splitlines()[0] == ",".join(CSV_COLUMNS)
     rows = {r["row"]: r for r in read_results(out / "results.csv")}
     assert sorted(rows) == sorted(ROWS)
     assert [rows[n]["kind"] for n in ROWS] == ["silu_original", "silu_control", "dense_relu",
-                                               "sparse", "sparse"]
+                                               "dense_relu", "sparse", "sparse"]
     for name, r in rows.items():
         assert 0 <= r["mean"] <= 100 and r["stderr"] > 0, name
-        trained = name != "silu_original"
-        assert r["tokens_m"] == pytest.approx(256e-6 if trained else 0), name
+        tokens = {"silu_original": 0, "dense_relu_2x": 512e-6}.get(name, 256e-6)
+        assert r["tokens_m"] == pytest.approx(tokens), name
         assert r["val_loss"] > 0, name
-    for name in ("dense_relu", "l1_0.5", "l1_0.5_kd"):
+    # the 2x row: 4 steps with its own warmup, validated every step like the others
+    cfg2 = (out / "rows" / "dense_relu_2x" / "config.yaml").read_text()
+    assert "max_steps: 4" in cfg2 and "val_every: 1" in cfg2
+    assert json.loads((out / "rows" / "dense_relu_2x" / "summary.json").read_text())["step"] == 4
+    for name in ("dense_relu", "dense_relu_2x", "l1_0.5", "l1_0.5_kd"):
         assert 0 <= rows[name]["l0"] <= 64 and rows[name]["dead_pct"] is not None
         assert rows[name]["l0_pct"] == pytest.approx(100 * rows[name]["l0"] / 64, rel=1e-5)
     for name in ("silu_original", "silu_control"):
@@ -141,7 +147,8 @@ def test_report_on_the_cpu_results(study, tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     text = doc.read_text()
     rows = {r["row"]: r for r in read_results(study["out"] / "results.csv")}
-    assert "**Status: 5 of 5 rows scored** (complete)" in text
+    assert "**Status: 6 of 6 rows scored** (complete)" in text
+    assert "- Dense ReLU at 2x tokens against the SiLU control (0.00 M): " in text
     for name, r in rows.items():
         assert f"| {name} | {r['kind']} |" in text and f"**{r['mean']:.2f}**" in text
     assert "Dense ReLU within 1.0 point of the SiLU control: **" in text

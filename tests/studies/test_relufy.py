@@ -17,6 +17,8 @@ from studies.jobs import Job
 from studies.relufy import (
     CSV_COLUMNS,
     DISTILL_COST,
+    LONG_DENSE,
+    MEASURED_TOKENS_PER_S,
     PIECE_START_S,
     ROW_START_S,
     SCORE_S,
@@ -28,6 +30,7 @@ from studies.relufy import (
     default_rows,
     estimate,
     evaluate_targets,
+    longer_row_lines,
     mean_stderr,
     read_results,
     result_row,
@@ -43,9 +46,15 @@ TASKS = ("hellaswag", "commonsense_qa", "piqa", "winogrande", "arc_easy", "arc_c
 def test_default_rows_run_the_controls_then_l1_from_0p1_outwards():
     names = [r.name for r in default_rows()]
     assert names[:3] == ["silu_original", "dense_relu", "silu_control"]
-    l1 = [float(n.split("_")[1]) for n in names[3::2]]
+    l1 = [float(n.split("_")[1]) for n in names if n.startswith("l1_") and "_kd" not in n]
     assert l1 == [0.1, 0.14, 0.07, 0.05, 0.2, 0.3, 0.03]  # |log(l1 / 0.1)| ascending
-    assert names[3:5] == ["l1_0.1", "l1_0.1_kd"] and len(names) == 3 + 14
+    # dense ReLU on twice the tokens right after the first L1 pair
+    assert names[3:7] == ["l1_0.1", "l1_0.1_kd", "dense_relu_2x", "l1_0.14"]
+    assert len(names) == 3 + 14 + 1
+    assert default_rows()[5] == LONG_DENSE and LONG_DENSE.kind == "dense_relu"
+    assert [r.tokens_scale for r in default_rows()].count(1.0) == 17
+    assert [r.name for r in default_rows(())] == ["silu_original", "dense_relu",
+                                                  "silu_control", "dense_relu_2x"]
     kinds = {r.name: r.kind for r in default_rows()}
     assert kinds["silu_control"] == "silu_control" and kinds["l1_0.3_kd"] == "sparse"
     assert not RowSpec("silu_original", "silu_original").trains
@@ -85,6 +94,28 @@ def test_row_overrides_compose_into_the_recipe(tmp_path):
     assert o[-1] == "data.num_proc=1"
     with pytest.raises(ValueError, match="not trained"):
         plan.train_overrides(by["silu_original"], src)
+
+
+def test_a_row_of_twice_the_tokens_has_its_own_schedule(tmp_path):
+    """dense_relu_2x: 2 x 611 = 1222 steps (80,084,992 tokens), warmup 10 % of them (122),
+    cosine over them, validation every 152 steps like the plan's rows; the rest as dense_relu."""
+    plan = StudyPlan()
+    by = {r.name: r for r in default_rows()}
+    long, dense = by["dense_relu_2x"], by["dense_relu"]
+    assert (plan.row_steps(long), plan.row_tokens(long)) == (1222, 80_084_992)
+    assert (plan.row_steps(dense), plan.row_tokens(dense)) == (611, 40_042_496)
+    c = compose_config(plan.train_overrides(long, tmp_path))
+    assert (c.trainer.max_steps, c.optim.warmup_steps, c.trainer.val_every) == (1222, 122, 152)
+    assert c.model.hidden_act == "relu" and c.sparsity.l1_coeff == 0 and not c.distill
+    assert c.trainer.seed == 42 and c.sparsity.schedule == "constant"
+    differ = set(plan.train_overrides(long, tmp_path)) ^ set(plan.train_overrides(dense, tmp_path))
+    assert differ == {"trainer.max_steps=1222", "optim.warmup_steps=122",
+                      "trainer.max_steps=611", "optim.warmup_steps=61"}
+    # a sparse row at 3x: its L1 warmup is fractions of its own steps (0.1, 0.3 of 6)
+    p = StudyPlan(tokens=2 * 65536)
+    o = p.train_overrides(RowSpec("l1_x3", "sparse", 0.1, tokens_scale=3.0), tmp_path)
+    assert "trainer.max_steps=6" in o and "sparsity.warmup_start=1" in o
+    assert "sparsity.warmup_end=2" in o and "trainer.val_every=1" in o
 
 
 def _score(p=0.5, n=100):
@@ -164,6 +195,33 @@ def test_targets_met_missed_and_pending_hand_computed():
     assert evaluate_targets(lost)[1].status == "missed"  # 0.2's -3.2 and 0.2_kd's -1.7
 
 
+def test_targets_ignore_the_longer_row_and_its_own_line_hand_computed():
+    """dense_relu_2x (kind dense_relu) never stands in for dense ReLU in the targets, before or
+    after dense_relu in the rows; its own line compares it with the control and dense ReLU."""
+    long = {**_res("dense_relu_2x", "dense_relu", 39.7, stderr=0.6), "tokens_m": 80.084992,
+            "val_loss": 1.7}
+    base = [{**r, "tokens_m": 40.042496, "val_loss": 1.8} for r in _rows()]
+    for rows in (base + [long], [long] + base):
+        assert [t.text for t in evaluate_targets(rows)] == [
+            t.text for t in evaluate_targets(base)]
+    assert "39.20 vs 40.00" in evaluate_targets([long] + base)[0].text
+    alone = [r for r in base if r["row"] != "dense_relu"] + [long]
+    assert [t.status for t in evaluate_targets(alone)] == ["pending"] * 3
+    # 39.7 - 40.0 = -0.30 +- hypot(0.6, 0.5) = 0.78; against dense ReLU 39.2: +0.50 +- 0.78
+    (line,) = longer_row_lines(base + [long], default_rows())
+    assert line == ("Dense ReLU at 2x tokens against the SiLU control (40.04 M): 39.70 at "
+                    "80.08 M tokens vs 40.00: -0.30 +- 0.78 points (the first target's bar: "
+                    ">= -1); against dense ReLU on the control's tokens: +0.50 +- 0.78; val "
+                    "loss 1.7000 (control 1.8000, dense ReLU 1.8000).")
+    assert longer_row_lines(base, default_rows()) == [
+        ("Dense ReLU at 2x tokens against the SiLU control (40.04 M): pending (dense_relu_2x "
+         "not scored yet).")]
+    assert longer_row_lines([long], default_rows()) == [
+        ("Dense ReLU at 2x tokens against the SiLU control: pending (silu_control not scored "
+         "yet).")]
+    assert longer_row_lines(base + [long], default_rows()[:5]) == []  # not in the plan
+
+
 def test_estimate_hand_computed():
     plan = StudyPlan(tokens=2 * 65536)  # 2 steps of 64 x 1024
     rows = [sparse_row(0.1, False), sparse_row(0.1, True)]
@@ -177,6 +235,19 @@ def test_estimate_hand_computed():
     done = estimate(plan, rows, score, 65536.0, tokens_done={"l1_0.1": 65536.0})
     assert done["train_s"] == pytest.approx(train - 1.0)
     assert estimate(plan, [], [], 65536.0)["pieces"] == 0
+    # a row of twice the tokens trains 4 steps: 4 s; the distilled one at 2x would be 4 x 1.4
+    e2 = estimate(plan, [LONG_DENSE], [LONG_DENSE], 65536.0)
+    assert e2["train_s"] == pytest.approx(4.0)
+    assert e2["total_s"] == pytest.approx(4.0 + ROW_START_S + SCORE_S + PIECE_START_S)
+    kd2 = RowSpec("l1_0.1_kd_x2", "sparse", 0.1, True, tokens_scale=2.0)
+    assert estimate(plan, [kd2], [], 65536.0)["train_s"] == pytest.approx(4.0 * DISTILL_COST)
+    half = estimate(plan, [LONG_DENSE], [], 65536.0, tokens_done={"dense_relu_2x": 3 * 65536.0})
+    assert half["train_s"] == pytest.approx(1.0)
+    # the default plan: 80,084,992 tokens at 290.5 k/s against 40,042,496
+    full = StudyPlan()
+    assert estimate(full, [LONG_DENSE], [], 290.5e3)["train_s"] == pytest.approx(
+        2 * estimate(full, [default_rows()[1]], [], 290.5e3)["train_s"]) == pytest.approx(
+        80_084_992 / 290.5e3)
 
 
 def test_a_plan_change_is_refused(tmp_path):
@@ -185,7 +256,66 @@ def test_a_plan_change_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"another plan \(tokens: 1000000.0 -> 2000000.0\)"):
         Study(tmp_path / "out", tmp_path / "work", StudyPlan(tokens=2e6), default_rows()[:2])
     again = Study.open(tmp_path / "out", tmp_path / "work")
-    assert [r.name for r in again.rows] == ["silu_original", "dense_relu"]
+    assert [r.name for r in again.rows] == ["silu_original", "dense_relu"]  # gains nothing
+
+
+def _old_study(out: Path) -> None:
+    """A study.json as written before rows had ``tokens_scale`` (and before dense_relu_2x),
+    with dense_relu trained and scored at the plan's 611 steps."""
+    plan = StudyPlan()
+    specs = {r.name: {"spec": {"name": r.name, "kind": r.kind, "l1_coeff": r.l1_coeff,
+                               "distill": r.distill}}
+             for r in default_rows() if r.name != "dense_relu_2x"}
+    plan_json = json.loads(json.dumps(plan.__dict__))
+    (out / "rows" / "dense_relu").mkdir(parents=True)
+    (out / "study.json").write_text(json.dumps({"plan": plan_json, "rows": specs}))
+    (out / "rows" / "dense_relu" / "score.json").write_text(json.dumps(_score()))
+    (out / "rows" / "dense_relu" / "summary.json").write_text(json.dumps(
+        {"step": 611, "tokens_seen": 40_042_496}))
+
+
+def test_an_old_study_opens_and_gains_the_longer_row(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    _old_study(out)
+    s = Study.open(out, work)
+    assert [r.name for r in s.rows] == [r.name for r in default_rows()]  # in the default order
+    assert s.spec("dense_relu").tokens_scale == 1.0 and s.status(s.spec("dense_relu")) == "scored"
+    assert s.status(LONG_DENSE) == "new" and s.spec("dense_relu_2x") == LONG_DENSE
+    assert s.tokens_done() == {}
+    # the script's next piece (the default rows, the same plan) passes the plan check, keeps
+    # dense_relu scored and records the new row with its multiplier
+    s2 = Study(out, work, StudyPlan(), default_rows())
+    s2.save()
+    state = json.loads((out / "study.json").read_text())
+    assert state["rows"]["dense_relu_2x"]["spec"]["tokens_scale"] == 2.0
+    assert state["rows"]["dense_relu"]["spec"]["tokens_scale"] == 1.0
+    assert [r["row"] for r in read_results(out / "results.csv")] == ["dense_relu"]
+    assert [r.name for r in Study.open(out, work).rows] == [r.name for r in default_rows()]
+    # a summary at 611 steps does not make the 2x row done: it needs 1222
+    d = s2.row_out("dense_relu_2x")
+    d.mkdir(parents=True)
+    (d / "score.json").write_text(json.dumps(_score()))
+    (d / "summary.json").write_text(json.dumps({"step": 611}))
+    assert s2.status(LONG_DENSE) == "new"
+    (d / "summary.json").write_text(json.dumps({"step": 1222, "tokens_seen": 80_084_992}))
+    assert s2.status(LONG_DENSE) == "scored"
+    assert [r["tokens_m"] for r in s2.results()] == [pytest.approx(40.042496),
+                                                     pytest.approx(80.084992)]
+
+
+def test_a_row_of_more_tokens_needs_more_time_to_start(tmp_path):
+    """start_need_s: min_start plus the extra tokens' training time (hand-computed)."""
+    s = Study(tmp_path / "out", tmp_path / "work", StudyPlan(), default_rows())
+    by = {r.name: r for r in default_rows()}
+    assert s.start_need_s(by["dense_relu"], 240.0) == 240.0
+    assert s.start_need_s(by["l1_0.1_kd"], 240.0) == 240.0
+    assert s.start_need_s(by["silu_original"], 240.0) == 240.0
+    assert s.start_need_s(LONG_DENSE, 240.0) == pytest.approx(
+        240.0 + 40_042_496 / MEASURED_TOKENS_PER_S)  # 377.8 s
+    d = s.row_out("dense_relu")
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({"tokens_per_s": 282_437.0}))
+    assert s.start_need_s(LONG_DENSE, 150.0) == pytest.approx(150.0 + 40_042_496 / 282_437.0)
 
 
 # a stand-in for `python -m train`: a checkpoint, then (slow) a sleep, then the summary
@@ -223,7 +353,8 @@ def _fake(study: Study, modes: dict[str, str]) -> None:
     def train_job(row):
         d = study.run_dir(row.name)
         return Job(f"train:{row.name}", [sys.executable, "-c", FAKE_TRAIN, str(d),
-                                         str(study.plan.steps), modes.get(row.name, "ok")],
+                                         str(study.plan.row_steps(row)),
+                                         modes.get(row.name, "ok")],
                    run_dir=d, log_path=study.work / "logs" / f"{row.name}.log")
 
     def score_job(rows):
@@ -271,6 +402,26 @@ def test_run_study_skips_done_rows_reports_failures_and_resumes_a_stopped_row(tm
     assert len(json.loads((out / "study.json").read_text())["invocations"]) == 2
 
 
+def test_run_study_starts_a_longer_row_only_with_its_time_left(tmp_path):
+    """A piece with 43 s before its deadline: dense_relu (needs min_start, 5 s) runs and is
+    scored; the 2x row needs 5 + 200 x 65536 / 290.5 k = 50.1 s and is left for the next
+    piece, which starts it."""
+    plan = StudyPlan(tokens=200 * 65536)
+    rows = [RowSpec("dense_relu", "dense_relu", 0.0), LONG_DENSE]
+    out, work = tmp_path / "out", tmp_path / "work"
+    s = Study(out, work, plan, rows)
+    _fake(s, {})
+    res = run_study(s, max_wall=60, min_start=5, grace_s=2, log=lambda m: None)
+    assert res["status"] == {"dense_relu": "scored", "dense_relu_2x": "new"}
+    assert res["not_started"] == ["dense_relu_2x"]
+    s2 = Study(out, work, plan, rows)
+    _fake(s2, {})
+    res = run_study(s2, max_wall=120, min_start=5, grace_s=2, log=lambda m: None)
+    assert res["status"]["dense_relu_2x"] == "scored" and not res["not_started"]
+    summary = json.loads((out / "rows" / "dense_relu_2x" / "summary.json").read_text())
+    assert summary["step"] == 400
+
+
 def test_run_study_refuses_parallel_0(tmp_path):
     s = Study(tmp_path / "o", tmp_path / "w", StudyPlan(), default_rows()[:1])
     with pytest.raises(ValueError, match="parallel must be >= 1"):
@@ -309,7 +460,9 @@ def test_dry_run_needs_no_out_and_an_unwritable_out_is_refused(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     assert script.parse_args(["--dry-run"]).out == Path("outputs/relufy")
     assert script.main(["--dry-run"]) == 0
-    assert capsys.readouterr().out.startswith("plan: 17 rows (17 to do, 16 to train)")
+    assert capsys.readouterr().out.startswith(
+        "plan: 18 rows (18 to do, 17 to train), 611 steps x 65536 = 40.04 M tokens a row "
+        "(dense_relu_2x: 1222 steps, 80.08 M), ")
     assert not (tmp_path / "outputs").exists()
     (tmp_path / "f").write_text("x")
     fix = "give a results folder you can write, e.g. --out outputs/relufy"
