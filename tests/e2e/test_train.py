@@ -135,6 +135,10 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tokens, tmp_path):
     with pytest.raises(NonFiniteLossError, match="at step 5") as err:
         t.train()
     assert "step4" in str(err.value)
+    # the facts twell-train writes to error.json: the checkpoint relative to the run dir
+    assert err.value.facts(tmp_path / "run") == {
+        "error": "NonFiniteLossError", "step": 5, "reason": "non-finite loss or gradient",
+        "last_good_checkpoint": "checkpoints/step4"}
     assert latest_checkpoint(tmp_path / "run").name == "step4"
     from train.model import load_model
 

@@ -408,6 +408,34 @@ def test_failed_runs_get_the_hint_their_cause_calls_for(runs, tmp_path):
             in str(pytest.raises(IncompleteRunError, load_run, job).value))
 
 
+def test_diverged_runs_last_good_checkpoint_is_read_from_error_json(runs, tmp_path):
+    """twell-train writes a diverged run's facts to error.json, the checkpoint relative to the
+    run dir: the advice names it under the run dir as it is now (a moved run too), not the
+    path in the line's text; null is "none". A damaged error.json, or none (a run written
+    before it), leaves the line's text to name it."""
+    moved = _copy(runs, "l1", tmp_path, "moved")
+    (moved / "summary.json").unlink()
+    (moved / "error.txt").write_text(
+        "NonFiniteLossError: non-finite loss or gradient at step 4 (loss 4.159, grad norm nan); "
+        "the step was not applied; last good checkpoint: /gone/run/checkpoints/step2\n")
+    facts = {"error": "NonFiniteLossError", "step": 4, "reason": "non-finite loss or gradient",
+             "last_good_checkpoint": "checkpoints/step2"}
+    (moved / "error.json").write_text(json.dumps(facts))
+    step2 = moved / "checkpoints" / "step2"
+    why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
+    assert (f"diverges again: resume its last good checkpoint, {step2}, with a lower optim.lr "
+            f"(trainer.resume={step2} trainer.resume_allow_changes=true") in why
+    assert "/gone/run" not in why.split("diverges again")[1]
+    (moved / "error.json").write_text(json.dumps({**facts, "last_good_checkpoint": None}))
+    why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
+    assert "diverges again, and it has no good checkpoint to resume: start a new run" in why
+    for damaged in ("{not json", json.dumps({"step": 4}), json.dumps([1])):
+        (moved / "error.json").write_text(damaged)
+        why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
+        assert ("resume its last good checkpoint, /gone/run/checkpoints/step2, with a lower "
+                "optim.lr (trainer.resume=/gone/run/checkpoints/step2 ") in why
+
+
 def test_damaged_summary_or_config_is_named(runs, tmp_path, capsys):
     d = _copy(runs, "l1", tmp_path, "l1")
     text = (d / "summary.json").read_text()
