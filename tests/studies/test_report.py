@@ -30,7 +30,12 @@ from studies.report import (
     l0_by_position,
     load_run,
 )
-from tests.train_utils import datamodule_with_stub_tokenizer, tiny_config, write_tokens
+from tests.train_utils import (
+    datamodule_with_stub_tokenizer,
+    no_eval_fit_check,
+    tiny_config,
+    write_tokens,
+)
 from train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,11 +52,11 @@ def _train(study: Path, tokens: Path, variants: dict) -> None:
     6 steps, logged at each, evals at the end from :func:`_fake_evaluate`."""
     fake = types.ModuleType("evals")
     fake.evaluate = _fake_evaluate
-    saved = sys.modules.get("evals")
-    sys.modules["evals"] = fake
     over = {"trainer.max_steps": 6, "trainer.log_every": 1, "trainer.val_every": 0,
             "eval.at_end": True, "eval.limit": 7}
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "evals", fake)
+        no_eval_fit_check(mp)
         for name, extra in variants.items():
             cfg = tiny_config(tokens, **over, **extra)
             t = Trainer(cfg, study / name, datamodule=datamodule_with_stub_tokenizer(cfg))
@@ -59,11 +64,6 @@ def _train(study: Path, tokens: Path, variants: dict) -> None:
                 t.train()
             finally:
                 t.close()
-    finally:
-        if saved is None:
-            sys.modules.pop("evals", None)
-        else:
-            sys.modules["evals"] = saved
 
 
 @pytest.fixture(scope="module")
