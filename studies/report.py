@@ -31,8 +31,10 @@ table (arXiv 2603.23198, "Results": non-zeros per token fall with model size at 
   checkpoint on N validation micro-batches (the trainer does not log it).
 
 Errors name the run directory: :class:`IncompleteRunError` (no or a damaged summary.json: with
-the hint its cause calls for, from ``error.txt``: diverged, failed, failed before training (a
-sweep job's folder holding only its reason), or crashed / killed / still running), :class:`MismatchError` (runs compared on different data, tokens seen or seq_len).
+the hint its cause calls for, from ``error.txt``: diverged (its last good checkpoint from
+``error.json``), failed, failed before training (a sweep job's folder holding only its reason),
+or crashed / killed / still running), :class:`MismatchError` (runs compared on different data,
+tokens seen or seq_len).
 
 Shape legend: L layers, T sequence positions, H FFN width, B sequences, D model width.
 """
@@ -51,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from evals.tasks import ALL_TASKS, TASK_SHORT, TASKS
-from train.errors import ERROR_FILE
+from train.errors import ERROR_FACTS, ERROR_FILE
 
 # data keys that do not change which tokens a run sees
 _DATA_IGNORE = ("cache_dir", "build_if_missing", "verify", "num_proc")
@@ -335,7 +337,7 @@ def incomplete_reason(d: Path, last: int, max_steps) -> str:
                 "and run it again, or leave it out (--skip-incomplete)")
     if reason.startswith("NonFiniteLossError"):
         return (f"{d}: diverged run ({at}): {reason}. Rerunning the same command diverges "
-                f"again{_diverged_advice(reason)}, or leave it out (--skip-incomplete)")
+                f"again{_diverged_advice(d, reason)}, or leave it out (--skip-incomplete)")
     if reason:
         return (f"{d}: failed run ({at}): {reason}. Fix that and run it again, or leave it out "
                 "(--skip-incomplete)")
@@ -344,12 +346,22 @@ def incomplete_reason(d: Path, last: int, max_steps) -> str:
             "out (--skip-incomplete)")
 
 
-def _diverged_advice(reason: str) -> str:
-    """What to do about a diverged run, by the ``last good checkpoint: ...`` its error names:
-    none (it diverged before its first save): start again with a lower ``optim.lr``; a
-    checkpoint: resume that one with a lower ``optim.lr``; not named: either."""
-    found = re.search(r"last good checkpoint: ('[^']*'|\S+)", reason)
-    ckpt = found.group(1).rstrip(".,;") if found else None
+def _diverged_advice(d: Path, reason: str) -> str:
+    """What to do about diverged run ``d``, by its last good checkpoint: none (it diverged
+    before its first save): start again with a lower ``optim.lr``; a checkpoint: resume that
+    one with a lower ``optim.lr``; not known: either. The checkpoint is the field twell-train
+    wrote to ``error.json`` (relative to ``d``, so a moved run dir still names it); a run
+    written before that file (or with it damaged): the ``last good checkpoint: ...`` that its
+    error line ``reason`` names."""
+    from train.checkpoint import shell_quote  # (imports torch: not at import time)
+
+    facts = _error_facts(d)
+    if facts is not None:
+        path = facts["last_good_checkpoint"]
+        ckpt = "none" if path is None else shell_quote(d / path)
+    else:
+        found = re.search(r"last good checkpoint: ('[^']*'|\S+)", reason)
+        ckpt = found.group(1).rstrip(".,;") if found else None
     fresh = ("start a new run (a new hydra.run.dir) with a lower optim.lr or longer "
              "optim.warmup_steps")
     if ckpt == "none":
@@ -357,6 +369,22 @@ def _diverged_advice(reason: str) -> str:
     named = f"its last good checkpoint, {ckpt}," if ckpt else "its last good checkpoint"
     return (f": resume {named} with a lower optim.lr (trainer.resume={ckpt or '<checkpoint>'} "
             f"trainer.resume_allow_changes=true optim.lr=...) or {fresh}")
+
+
+def _error_facts(d: Path) -> dict | None:
+    """The facts of a diverged run from its ``error.json`` (twell-train's ``{"error", "step",
+    "reason", "last_good_checkpoint"}``); None when the file is missing, damaged or lacks a
+    ``last_good_checkpoint`` that is a path or null (a run written before the file)."""
+    path = d / ERROR_FACTS
+    if not path.is_file():
+        return None
+    try:
+        facts = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(facts, dict) or "last_good_checkpoint" not in facts:
+        return None
+    return facts if isinstance(facts["last_good_checkpoint"], str | None) else None
 
 
 def _run_dir_arg(d: Path) -> str:

@@ -119,6 +119,15 @@ def datamodule_with_stub_tokenizer(cfg: TrainConfig):
     return dm
 
 
+def no_eval_fit_check(monkeypatch) -> None:
+    """Turn off the start's check that the eval tasks' choices fit the model
+    (``train.evaluation.check_eval_fits``), for tests whose evals are stubbed: the stand-in
+    tokenizer of :func:`datamodule_with_stub_tokenizer` cannot tokenize the tasks' rows."""
+    import train.evaluation
+
+    monkeypatch.setattr(train.evaluation, "check_eval_fits", lambda *a, **k: None)
+
+
 class _StubTokenizer:
     """Stands in for a tokenizer where ``evals.evaluate`` is stubbed; checkpoints save nothing."""
 

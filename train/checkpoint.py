@@ -191,7 +191,7 @@ def open_run_file(path: str | Path, mode: str = "a"):
 # checkpoints/ (entries renamed and deleted by rotation), .hydra/ (twell-train's record of the
 # composed config) and wandb/ (wandb's run, logging.wandb_mode=online|offline)
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "train.log", "error.txt",
-             "wandb_id.txt", ".lock")
+             "error.json", "wandb_id.txt", ".lock")
 RUN_FOLDERS = ("checkpoints", ".hydra", "wandb")
 
 

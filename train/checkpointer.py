@@ -44,7 +44,33 @@ shell_quote = ckpt_io.shell_quote
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the run stops before applying that step."""
+    """The loss or gradient norm became NaN/inf; the run stops before applying that step.
+
+    Args:
+        line: the one-line message.
+        step: the step that diverged (None: not a training step, e.g. an eval's logits).
+        reason: what was non-finite, short ("non-finite loss or gradient").
+        last_ckpt: the last good checkpoint (None: none saved yet); read only with ``step``.
+    """
+
+    def __init__(self, line: str, *, step: int | None = None, reason: str = "",
+                 last_ckpt: Path | None = None):
+        super().__init__(line)
+        self.step, self.reason, self.last_ckpt = step, reason, last_ckpt
+
+    def facts(self, run_dir: str | Path) -> dict | None:
+        """What ``twell-train`` writes to :data:`train.errors.ERROR_FACTS` beside the error
+        line: ``{"error", "step", "reason", "last_good_checkpoint"}``, the checkpoint relative
+        to ``run_dir`` when inside it (absolute otherwise; None: none). None when the error
+        is not of a training step (no step to name)."""
+        if self.step is None:
+            return None
+        ckpt = None
+        if self.last_ckpt is not None:
+            path, root = Path(self.last_ckpt).resolve(), Path(run_dir).resolve()
+            ckpt = str(path.relative_to(root) if path.is_relative_to(root) else path)
+        return {"error": type(self).__name__, "step": self.step, "reason": self.reason,
+                "last_good_checkpoint": ckpt}
 
 
 def config_to_dict(cfg: TrainConfig) -> dict:
@@ -325,8 +351,8 @@ class Checkpointer:
             raise NonFiniteLossError(
                 f"weights hold NaN or inf after step {step} ({first}) though its loss and "
                 "gradient were finite (an update too large: lower optim.lr); not saved; last "
-                f"good checkpoint: {shell_quote(self.last_ckpt) if self.last_ckpt else 'none'}"
-            ) from None
+                f"good checkpoint: {shell_quote(self.last_ckpt) if self.last_ckpt else 'none'}",
+                step=step, reason="non-finite weights", last_ckpt=self.last_ckpt) from None
 
     def _write_checkpoint_files(self, target: Checkpointed, tmp: Path, model, model_sd,
                                 optim_sd) -> None:

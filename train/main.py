@@ -40,7 +40,7 @@ from train.config import (
     register_configs,
     reject_unknown_keys,
 )
-from train.errors import ERROR_FILE  # a failed run's one-line reason (twell-report reads it)
+from train.errors import ERROR_FACTS, ERROR_FILE  # a failed run's reason (twell-report reads it)
 from train.interrupt import SetupInterrupted, signal_name, stops_before_training
 
 register_configs()
@@ -178,7 +178,7 @@ def _main(cfg: DictConfig) -> float | None:
             import traceback
 
             traceback.print_exc()
-        written = _after_failure(run_dir, line, keep=sweep, cfg=cfg)
+        written = _after_failure(run_dir, line, keep=sweep, cfg=cfg, facts=_facts(e, run_dir))
         if sweep:
             if _is_rank0():
                 where = written or (f"nothing written into {run_dir}: it holds another run or "
@@ -192,6 +192,14 @@ def _main(cfg: DictConfig) -> float | None:
     return summary.get("val_loss")  # what a Hydra sweeper would minimise
 
 
+def _facts(e: BaseException, run_dir: Path) -> dict | None:
+    """A diverged run's facts for ``error.json`` (step, reason, last good checkpoint); None for
+    any other failure."""
+    from train.checkpointer import NonFiniteLossError
+
+    return e.facts(run_dir) if isinstance(e, NonFiniteLossError) else None
+
+
 def _is_rank0() -> bool:
     import os
 
@@ -203,8 +211,9 @@ _EMPTY_AT_START: set[Path] = set()  # run dirs that were empty when their job st
 
 def _record_start(trainer, run_dir: Path, cfg: DictConfig, hc, sweep: bool) -> None:
     """Once the run dir is this run's (rank 0): drop an earlier attempt's ``error.txt`` and
-    write Hydra's record of this invocation. A sweep job's stop line names the sweep's folder
-    (the same ``-m`` command with it runs every job on from where it stopped)."""
+    ``error.json`` and write Hydra's record of this invocation. A sweep job's stop line names
+    the sweep's folder (the same ``-m`` command with it runs every job on from where it
+    stopped)."""
     if sweep:
         from train.requeue import override_arg
 
@@ -212,6 +221,7 @@ def _record_start(trainer, run_dir: Path, cfg: DictConfig, hc, sweep: bool) -> N
                                                       Path(hc.sweep.dir).resolve())
     if _is_rank0():
         (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a rerun in the same dir starts clean
+        (run_dir / ERROR_FACTS).unlink(missing_ok=True)
         write_hydra_record(run_dir, cfg)
 
 
@@ -238,10 +248,11 @@ def write_hydra_record(run_dir: Path, cfg: DictConfig) -> None:
 
 
 def _after_failure(run_dir: Path, line: str, *, keep: bool = False,
-                   cfg: DictConfig | None = None) -> str | None:
+                   cfg: DictConfig | None = None, facts: dict | None = None) -> str | None:
     """After a failed run (rank 0 only): a run that failed before it trained leaves no run dir
     behind (:func:`_remove_made_dirs`); a run dir that stays (``keep``: a sweep job's) gets the
-    reason in ``error.txt`` and ``train.log`` and Hydra's record.
+    reason in ``error.txt`` and ``train.log`` and Hydra's record, and a diverged run's
+    ``facts`` (step, reason, last good checkpoint) in ``error.json`` (an older one removed).
 
     Only a run dir that is this run's is touched (:func:`_own_lock`). A process refused by a
     live run's lock, by another run's config or checkpoints, or by a bad value aimed at another
@@ -249,7 +260,7 @@ def _after_failure(run_dir: Path, line: str, *, keep: bool = False,
     written, or None."""
     import time
 
-    from train.checkpoint import open_run_file, write_atomic
+    from train.checkpoint import open_run_file, write_atomic, write_json
 
     lock = _own_lock(run_dir)
     if lock is None:
@@ -260,6 +271,10 @@ def _after_failure(run_dir: Path, line: str, *, keep: bool = False,
         try:  # nothing is written through a symbolic link (a refused run touches nothing)
             if cfg is not None:
                 write_hydra_record(run_dir, cfg)
+            if facts is None:
+                (run_dir / ERROR_FACTS).unlink(missing_ok=True)
+            else:  # before the line: a reader that sees error.txt finds its facts
+                write_json(run_dir / ERROR_FACTS, facts, indent=2)
             write_atomic(run_dir / ERROR_FILE, line + "\n")
             log = run_dir / "train.log"
             if log.is_file() and not log.is_symlink():

@@ -362,9 +362,9 @@ def attach_data(cfg: TrainConfig, acc, datamodule, init_src):
     """The data module (``datamodule``, or built for this rank by
     ``train.data.build_datamodule``, the main process first, so that a first run builds or
     fetches the corpus once) checked against the model's vocabulary and the evaluation
-    (:func:`check_data`; a data module built here also against the eval tasks' longest choice:
-    ``train.evaluation.check_eval_fits``); returns ``(data, model.init_from's vocabulary check
-    or None)``.
+    (:func:`check_data`), and, built here or handed in, the eval tasks' longest choice against
+    the model's positions before any step (``train.evaluation.check_eval_fits``); returns
+    ``(data, model.init_from's vocabulary check or None)``.
 
     Raises:
         ConfigError: data that does not fit the model or the evaluation, or eval tasks that
@@ -378,11 +378,12 @@ def attach_data(cfg: TrainConfig, acc, datamodule, init_src):
             datamodule = build_datamodule(
                 cfg.data, seq_len=cfg.model.seq_len, micro_batch=t.micro_batch or 1,
                 seed=t.seed, rank=acc.process_index, world_size=acc.num_processes)
-            if cfg.eval.enabled and getattr(datamodule, "tokenizer", None) is not None:
-                from train.evaluation import check_eval_fits
+    if cfg.eval.enabled and getattr(datamodule, "tokenizer", None) is not None:
+        from train.evaluation import check_eval_fits
 
-                check_eval_fits(cfg, datamodule.tokenizer, cfg.model.seq_len if init_src is None
-                                else int(init_src.config.max_position_embeddings))
+        with acc.main_process_first():  # the eval rows: the first rank loads (fetches) them
+            check_eval_fits(cfg, datamodule.tokenizer, cfg.model.seq_len if init_src is None
+                            else int(init_src.config.max_position_embeddings))
     vocab_check = None
     if init_src is not None:
         from train import pretrained

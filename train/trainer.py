@@ -472,7 +472,9 @@ class Trainer:
             raise NonFiniteLossError(
                 f"non-finite loss or gradient at step {self.step + 1} (loss "
                 f"{m.loss.item() / self.accum:.4g}, grad norm {grad_norm.item():.4g}); the "
-                f"step was not applied; last good checkpoint: {self.last_ckpt or 'none'}")
+                f"step was not applied; last good checkpoint: {self.last_ckpt or 'none'}",
+                step=self.step + 1, reason="non-finite loss or gradient",
+                last_ckpt=self.last_ckpt)
         return m, grad_norm, stats
 
     def log_metrics(self, interval: Interval) -> dict:

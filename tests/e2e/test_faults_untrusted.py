@@ -599,6 +599,9 @@ def test_weights_that_became_nan_are_never_saved_as_a_good_checkpoint(tokens, tm
     msg = one_line(err)
     assert msg.startswith(f"weights hold NaN or inf after step 3 ({W0} (1 of 2048))")
     assert msg.endswith(f"last good checkpoint: {run / 'checkpoints' / 'step2'}")
+    assert err.value.facts(run) == {"error": "NonFiniteLossError", "step": 3,
+                                    "reason": "non-finite weights",
+                                    "last_good_checkpoint": "checkpoints/step2"}
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step2"]
 
 

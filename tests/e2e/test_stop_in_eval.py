@@ -22,6 +22,7 @@ import torch
 
 from tests.train_utils import (
     datamodule_with_stub_tokenizer,
+    no_eval_fit_check,
     read_metrics,
     tiny_config,
     write_tokens,
@@ -63,6 +64,7 @@ def slow_evals(monkeypatch):
     import evals
 
     monkeypatch.setattr(evals, "evaluate", evaluate, raising=False)
+    no_eval_fit_check(monkeypatch)
     return calls
 
 

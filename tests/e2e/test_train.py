@@ -12,6 +12,8 @@ import torch
 
 from tests.train_utils import (
     datamodule_with_stub_tokenizer,
+    no_eval_fit_check,
+    one_line,
     read_metrics,
     tiny_config,
     write_tokens,
@@ -135,6 +137,10 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tokens, tmp_path):
     with pytest.raises(NonFiniteLossError, match="at step 5") as err:
         t.train()
     assert "step4" in str(err.value)
+    # the facts twell-train writes to error.json: the checkpoint relative to the run dir
+    assert err.value.facts(tmp_path / "run") == {
+        "error": "NonFiniteLossError", "step": 5, "reason": "non-finite loss or gradient",
+        "last_good_checkpoint": "checkpoints/step4"}
     assert latest_checkpoint(tmp_path / "run").name == "step4"
     from train.model import load_model
 
@@ -205,6 +211,7 @@ def test_in_loop_eval_calls_evals_evaluate(tokens, tmp_path, monkeypatch):
     import evals.tasks  # noqa: F401  (the config checks eval.tasks against it: load it first)
 
     monkeypatch.setitem(sys.modules, "evals", types.SimpleNamespace(evaluate=fake_evaluate))
+    no_eval_fit_check(monkeypatch)
     cfg = tiny_config(tokens, **{"trainer.max_steps": 5, "eval.every_steps": 2,
                                  "eval.at_end": True, "eval.tasks": ["piqa"], "eval.limit": 4})
     summary, _ = _run(cfg, tmp_path / "run", datamodule=datamodule_with_stub_tokenizer(cfg))
@@ -231,6 +238,8 @@ def test_eval_continuation_longer_than_seq_len_stops_in_one_line(tokens, tmp_pat
                                   151, 32)
 
     monkeypatch.setattr(evals.harness, "evaluate", too_long)
+    no_eval_fit_check(monkeypatch)  # an eval that meets one all the same (the start's check
+    # refuses what it finds: test_a_handed_in_datamodule_gets_the_eval_check_at_start)
     cfg = tiny_config(tokens, **{"trainer.max_steps": 2, "eval.at_end": True,
                                  "eval.tasks": ["piqa"], "eval.limit": 4})
     with pytest.raises(ConfigError) as e:
@@ -244,6 +253,33 @@ def test_eval_continuation_longer_than_seq_len_stops_in_one_line(tokens, tmp_pat
     cfg = tiny_config(tokens, **{"trainer.max_steps": 2, "eval.at_end": False})
     summary, _ = _run(cfg, tmp_path / "run", datamodule=datamodule_with_stub_tokenizer(cfg))
     assert summary["step"] == 2 and (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_a_handed_in_datamodule_gets_the_eval_check_at_start(tokens, tmp_path):
+    """A data module handed to the Trainer (not built from cfg.data) with a real tokenizer:
+    evals whose choices do not fit model.seq_len (PIQA row 0: 36 SmolLM2 tokens > 32) are
+    refused while the Trainer is built, in the one line of the CLI's check, before any step
+    (nothing is written); with evals off the same data module trains."""
+    from train.config import ConfigError
+    from train.data import build_datamodule
+    from train.data.tokenizer import load_tokenizer
+
+    cfg = tiny_config(tokens, **{"trainer.max_steps": 1, "eval.at_end": True,
+                                 "eval.tasks": ["piqa"], "eval.limit": 4})
+    dm = build_datamodule(cfg.data, seq_len=cfg.model.seq_len,
+                          micro_batch=cfg.trainer.micro_batch, seed=cfg.trainer.seed)
+    dm.tokenizer = load_tokenizer("smollm2")
+    with pytest.raises(ConfigError) as err:
+        Trainer(cfg, tmp_path / "run", datamodule=dm)
+    assert one_line(err) == (
+        "eval.tasks: piqa row 0 has a choice of 36 tokens, more than the model's 32 positions "
+        "(model.seq_len=32), so the evals after training would fail on it (piqa holds one "
+        "among the first 4 rows, eval.limit); set model.seq_len>=36, eval.tasks without "
+        "piqa, or eval=disabled.")
+    assert not (tmp_path / "run").exists()
+    cfg = tiny_config(tokens, **{"trainer.max_steps": 1, "eval.at_end": False})
+    summary, _ = _run(cfg, tmp_path / "run", datamodule=dm)
+    assert summary["step"] == 1
 
 
 @pytest.mark.slow

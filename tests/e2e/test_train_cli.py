@@ -3,6 +3,7 @@ training (its folders removed), a run dir that cannot be written, ``--help``, ``
 which jobs fail, the warm-up of a short run, and the command of a finished run run again.
 Subprocesses; most stop before training."""
 
+import json
 import os
 import signal
 import subprocess
@@ -220,13 +221,42 @@ def test_sweep_runs_every_job_and_lists_the_failed_ones(tmp_path):
     assert diverged.startswith("NonFiniteLossError: non-finite loss or gradient at step 2")
     assert diverged.count("\n") == 1 and not (jobs[1] / "summary.json").exists()
     assert diverged.strip() in (jobs[1] / "train.log").read_text()
+    # its facts beside the line, for twell-report: no checkpoint was saved before step 2
+    assert json.loads((jobs[1] / "error.json").read_text()) == {
+        "error": "NonFiniteLossError", "step": 2, "reason": "non-finite loss or gradient",
+        "last_good_checkpoint": None}
     assert (jobs[2] / "error.txt").read_text().startswith("ConfigError: optim.lr must be")
+    assert not (jobs[2] / "error.json").exists()
     tail = r.stderr[r.stderr.index("sweep: 2 of 3 jobs failed:"):].splitlines()
     assert len(tail) == 3, tail
     assert tail[1].startswith("  #1 optim.lr=1") and ": NonFiniteLossError: " in tail[1]
     assert " trainer." not in tail[1]  # only the override that differs between the jobs
     assert tail[2].startswith("  #2 optim.lr=-1: ConfigError: optim.lr must be")
     assert tail[2].endswith(f"({jobs[2] / 'error.txt'})")
+
+
+def test_a_diverged_runs_facts_lead_the_report_to_its_checkpoint(tmp_path):
+    """A run that diverges at step 2 after saving step 1 writes its facts to error.json (the
+    checkpoint relative to the run dir); twell-report names that checkpoint under the run dir
+    after the dir was moved."""
+    import shutil
+
+    from studies.report import IncompleteRunError, load_run
+
+    r = _train_cli("data=tokens", f"data.paths=[{_tokens(tmp_path)}]", *SMALL,
+                   "trainer.max_steps=3", "trainer.save_every=1", "optim.lr=1e30",
+                   f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2 and "NonFiniteLossError: " in r.stderr, r.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "error.json").read_text()) == {
+        "error": "NonFiniteLossError", "step": 2, "reason": "non-finite loss or gradient",
+        "last_good_checkpoint": "checkpoints/step1"}
+    moved = tmp_path / "moved"
+    shutil.move(tmp_path / "run", moved)
+    (moved / ".lock").unlink(missing_ok=True)
+    step1 = moved / "checkpoints" / "step1"
+    why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
+    assert f"resume its last good checkpoint, {step1}, with a lower optim.lr" in why
+    assert str(tmp_path / "run") not in why.split("diverges again")[1]
 
 
 def test_a_short_runs_warmup_is_a_note_unless_set_on_the_command_line(tmp_path):

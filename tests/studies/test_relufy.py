@@ -473,7 +473,32 @@ def test_dry_run_needs_no_out_and_an_unwritable_out_is_refused(tmp_path, monkeyp
     assert script.main(["--out", "/proc/x/study", "--dry-run"]) == 2  # a real probe, even as root
     assert capsys.readouterr().err == f"error: --out /proc/x/study: /proc is not writable; {fix}\n"
     monkeypatch.setattr(script, "write_problem", lambda folder: "is not writable: denied")
-    for out, why in [("/relufy", "/ is not writable (is $OUT unset?)"),
+    for out, why in [("/relufy_absent/study", "/ is not writable (is $OUT unset?)"),
                      ("new/study", f"{tmp_path.resolve()} is not writable")]:
         assert script.main(["--out", out, "--dry-run"]) == 2
         assert capsys.readouterr().err == f"error: --out {out}: {why}; {fix}\n"
+
+
+def test_a_folder_directly_under_the_root_is_refused_even_when_writable(tmp_path, monkeypatch,
+                                                                        capsys):
+    """"$OUT/relufy" with $OUT unset is /relufy, which root can write: --out and --work
+    directly under / are refused in one line naming the option and the fix, before any work;
+    the folders the docs and scripts/gpu_relufy_call.sh pass are accepted."""
+    script = _relufy_script()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(script, "write_problem", lambda folder: None)  # as root: writable
+    out_fix = "give a results folder you can write, e.g. --out outputs/relufy"
+    work_fix = "give a work folder you can write, e.g. --work /tmp/relufy_work"
+    under = "a folder directly under the filesystem root (is $OUT unset?)"
+    for argv, err in [
+            (["--out", "/relufy"], f"--out /relufy: {under}; {out_fix}"),
+            (["--out", "/tmp/../relufy"], f"--out /tmp/../relufy: {under}; {out_fix}"),
+            (["--work", "/relufy_work"], f"--work /relufy_work: {under}; {work_fix}"),
+            (["--out", "outputs/x", "--work", "/"],
+             f"--work /: the filesystem root; {work_fix}")]:
+        assert script.main([*argv, "--dry-run"]) == 2
+        assert capsys.readouterr().err == f"error: {err}\n"
+    for argv in (["--out", "docs/relufy/study"],  # docs/relufy.md's dry run
+                 ["--out", "outputs/relufy_out/study", "--work", "/tmp/relufy_work"]):
+        assert script.main([*argv, "--dry-run"]) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out.startswith("plan: 17 rows")

@@ -30,7 +30,12 @@ from studies.report import (
     l0_by_position,
     load_run,
 )
-from tests.train_utils import datamodule_with_stub_tokenizer, tiny_config, write_tokens
+from tests.train_utils import (
+    datamodule_with_stub_tokenizer,
+    no_eval_fit_check,
+    tiny_config,
+    write_tokens,
+)
 from train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,11 +52,11 @@ def _train(study: Path, tokens: Path, variants: dict) -> None:
     6 steps, logged at each, evals at the end from :func:`_fake_evaluate`."""
     fake = types.ModuleType("evals")
     fake.evaluate = _fake_evaluate
-    saved = sys.modules.get("evals")
-    sys.modules["evals"] = fake
     over = {"trainer.max_steps": 6, "trainer.log_every": 1, "trainer.val_every": 0,
             "eval.at_end": True, "eval.limit": 7}
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "evals", fake)
+        no_eval_fit_check(mp)
         for name, extra in variants.items():
             cfg = tiny_config(tokens, **over, **extra)
             t = Trainer(cfg, study / name, datamodule=datamodule_with_stub_tokenizer(cfg))
@@ -59,11 +64,6 @@ def _train(study: Path, tokens: Path, variants: dict) -> None:
                 t.train()
             finally:
                 t.close()
-    finally:
-        if saved is None:
-            sys.modules.pop("evals", None)
-        else:
-            sys.modules["evals"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -406,6 +406,34 @@ def test_failed_runs_get_the_hint_their_cause_calls_for(runs, tmp_path):
     (job.parent / "multirun.yaml").write_text("{}")
     assert (f"rerun the same command with hydra.sweep.dir={job.parent} to resume it"
             in str(pytest.raises(IncompleteRunError, load_run, job).value))
+
+
+def test_diverged_runs_last_good_checkpoint_is_read_from_error_json(runs, tmp_path):
+    """twell-train writes a diverged run's facts to error.json, the checkpoint relative to the
+    run dir: the advice names it under the run dir as it is now (a moved run too), not the
+    path in the line's text; null is "none". A damaged error.json, or none (a run written
+    before it), leaves the line's text to name it."""
+    moved = _copy(runs, "l1", tmp_path, "moved")
+    (moved / "summary.json").unlink()
+    (moved / "error.txt").write_text(
+        "NonFiniteLossError: non-finite loss or gradient at step 4 (loss 4.159, grad norm nan); "
+        "the step was not applied; last good checkpoint: /gone/run/checkpoints/step2\n")
+    facts = {"error": "NonFiniteLossError", "step": 4, "reason": "non-finite loss or gradient",
+             "last_good_checkpoint": "checkpoints/step2"}
+    (moved / "error.json").write_text(json.dumps(facts))
+    step2 = moved / "checkpoints" / "step2"
+    why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
+    assert (f"diverges again: resume its last good checkpoint, {step2}, with a lower optim.lr "
+            f"(trainer.resume={step2} trainer.resume_allow_changes=true") in why
+    assert "/gone/run" not in why.split("diverges again")[1]
+    (moved / "error.json").write_text(json.dumps({**facts, "last_good_checkpoint": None}))
+    why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
+    assert "diverges again, and it has no good checkpoint to resume: start a new run" in why
+    for damaged in ("{not json", json.dumps({"step": 4}), json.dumps([1])):
+        (moved / "error.json").write_text(damaged)
+        why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
+        assert ("resume its last good checkpoint, /gone/run/checkpoints/step2, with a lower "
+                "optim.lr (trainer.resume=/gone/run/checkpoints/step2 ") in why
 
 
 def test_damaged_summary_or_config_is_named(runs, tmp_path, capsys):

@@ -318,7 +318,7 @@ def test_eval_at_start_scores_the_relufied_model_before_training(tokens, silu_di
     import sys
     import types
 
-    from tests.train_utils import datamodule_with_stub_tokenizer
+    from tests.train_utils import datamodule_with_stub_tokenizer, no_eval_fit_check
 
     seen = []
 
@@ -329,6 +329,7 @@ def test_eval_at_start_scores_the_relufied_model_before_training(tokens, silu_di
     import evals.tasks  # noqa: F401  (the config checks eval.tasks against it: load it first)
 
     monkeypatch.setitem(sys.modules, "evals", types.SimpleNamespace(evaluate=fake_evaluate))
+    no_eval_fit_check(monkeypatch)
     cfg = _cfg(tokens, silu_dir, hidden_act_from="silu")
     cfg.trainer = dataclasses.replace(cfg.trainer, max_steps=2)
     cfg.eval = dataclasses.replace(cfg.eval, at_start=True, at_end=True, tasks=["piqa"])
