@@ -38,6 +38,7 @@ from studies.relufy import (
     DEFAULT_L1,
     DEFAULT_TOKENS,
     MEASURED_TOKENS_PER_S,
+    MIN_START_S,
     TARGET_TOKENS_PER_S,
     Study,
     StudyPlan,
@@ -109,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="training processes at once on the GPU (scoring runs beside them)")
     p.add_argument("--max-wall", type=float, default=570.0,
                    help="seconds for this invocation (one piece); running rows are stopped")
-    p.add_argument("--min-start", type=float, default=150.0,
+    p.add_argument("--min-start", type=float, default=MIN_START_S,
                    help="start a row of the plan's tokens only with this many seconds left "
                         "(a row of more tokens: plus their training time)")
     p.add_argument("--tokens-per-s", type=float, default=MEASURED_TOKENS_PER_S,

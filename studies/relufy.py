@@ -65,6 +65,10 @@ TARGET_TOKENS_PER_S = 250e3
 # requests: ~15-30 s of tokenization on the host plus ~15-30 s of forwards on the H200)
 DISTILL_COST = 1.4
 ROW_START_S = 45.0
+# seconds a piece must have left to start a row of the plan's tokens: its training job as
+# measured on the H200 (255-284 s: conversion, compilation, 40 M tokens, validation); its
+# scoring (~1 min) may fall to the next piece
+MIN_START_S = 290.0
 SCORE_S = 45.0
 # a fresh machine: the GGUF's conversion (34 s) and the first, cold compilation (the study's
 # first row on the H200, 2026-12-04: ~85 s from its start to step 10)
@@ -791,7 +795,7 @@ def score_rows(study: Study, names: list[str], log=print) -> None:
 # ---------------------------------------------------------------------------------- the loop
 
 def run_study(study: Study, *, parallel: int = 1, max_wall: float = math.inf,
-              min_start: float = 150.0, grace_s: float = 45.0, command: str = "",
+              min_start: float = MIN_START_S, grace_s: float = 45.0, command: str = "",
               log=print) -> dict:
     """Run what is left of ``study.rows`` within ``max_wall`` seconds (default: no limit; a
     device call's limit is the script's ``--max-wall``): rows in order,

@@ -349,10 +349,12 @@ def _partial_run_lines() -> list[str]:
         ("A stopped row continues from its last checkpoint only while `--work` is still there: "
          "on the same machine, pieces run back to back (one machine is held at most 30 "
          "minutes). On a fresh machine a half-trained row starts again; the scored rows in "
-         "`--out` are never redone. `--min-start 240` keeps a piece from starting a row it "
-         "cannot finish (about 140 s of training plus start-up at 290 k tokens/s); a row of "
-         "more tokens needs its extra training time on top (`dense_relu_2x`: about 140 s "
-         "more), so a piece starts it only near its beginning."), "",
+         "`--out` are never redone. `--min-start` (default 290 s: a 40 M-token row's training "
+         "job as measured, 255-284 s with conversion, compilation and validation) keeps a piece "
+         "from starting a row it cannot train; a row of more tokens needs its extra training "
+         "time on top (`dense_relu_2x`: about 140 s more, 432 s of the 480 a 540 s piece "
+         "gives its rows), so a piece starts it only at its beginning. A row's scoring (~1 "
+         "min) may fall to the next piece, which then must run on the same warm machine."), "",
         "**With only ~8 minutes of GPU**: the controls first, two at once:", "",
         "```bash",
         ("bash scripts/gpu_relufy_call.sh --rows silu_original,dense_relu,silu_control "

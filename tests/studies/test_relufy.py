@@ -6,6 +6,7 @@ log tail and retried, a row stopped by the deadline resumed in the next piece.""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import sys
@@ -19,6 +20,7 @@ from studies.relufy import (
     DISTILL_COST,
     LONG_DENSE,
     MEASURED_TOKENS_PER_S,
+    MIN_START_S,
     PIECE_START_S,
     ROW_START_S,
     SCORE_S,
@@ -318,6 +320,20 @@ def test_a_row_of_more_tokens_needs_more_time_to_start(tmp_path):
     assert s.start_need_s(LONG_DENSE, 150.0) == pytest.approx(150.0 + 40_042_496 / 282_437.0)
 
 
+
+def test_the_default_piece_starts_the_long_row_only_at_its_beginning(tmp_path):
+    """With the default --min-start (a 40 M row's measured training job, 290 s) and the device
+    call's default --max-wall 540 (rows get 540 - 45 - 15 = 480 s), dense_relu_2x starts in a
+    fresh piece (290 + 40.04 M / 282.4 k = 431.8 s <= 480) and not after a 40 M row's ~342 s."""
+    s = Study(tmp_path / "out", tmp_path / "work", StudyPlan(), default_rows())
+    d = s.row_out("dense_relu")
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({"tokens_per_s": 282_437.0}))
+    assert inspect.signature(run_study).parameters["min_start"].default == MIN_START_S == 290.0
+    need = s.start_need_s(LONG_DENSE, MIN_START_S)
+    assert need == pytest.approx(290.0 + 40_042_496 / 282_437.0)
+    assert need <= 540 - 45 - 15 < need + 342
+
 # a stand-in for `python -m train`: a checkpoint, then (slow) a sleep, then the summary
 FAKE_TRAIN = """
 import json, pathlib, sys, time
@@ -501,4 +517,4 @@ def test_a_folder_directly_under_the_root_is_refused_even_when_writable(tmp_path
     for argv in (["--out", "docs/relufy/study"],  # docs/relufy.md's dry run
                  ["--out", "outputs/relufy_out/study", "--work", "/tmp/relufy_work"]):
         assert script.main([*argv, "--dry-run"]) == 0, capsys.readouterr().err
-        assert capsys.readouterr().out.startswith("plan: 17 rows")
+        assert capsys.readouterr().out.startswith(f"plan: {len(default_rows())} rows")
