@@ -20,7 +20,7 @@ and training (forward + backward with the L1 term: ``torch``, ``ell``, ``ell_nos
 op once per round, the op order rotated each round): an op's ``ms`` is the median over rounds,
 ``spread_pct`` (max - min) / median over rounds in %. Writes ``real_layers.csv`` and ``iid.csv``
 (columns ``real_layers.COLUMNS``, ``spread_pct`` last) under ``--out`` (default
-docs/kernel_bench) after every case and prints a short table last (each ratio with its op's
+outputs/kernel_bench) after every case and prints a short table last (each ratio with its op's
 spread, ``1.39x±4``; the base ms with the baseline's).
 
 ``--profile``: after a case's timing, every op runs under ``torch.profiler``
@@ -69,7 +69,8 @@ def parse_args(argv=None):
     ap.add_argument("--paper-src", type=Path, default=None,
                     help="checkout of SakanaAI/sparser-faster-llms: also time its ops")
     ap.add_argument("--out", type=Path, default=None,
-                    help="folder of the two CSVs (default docs/kernel_bench; --smoke: a temp dir)")
+                    help="folder of the two CSVs (default outputs/kernel_bench; --smoke: a temp "
+                         "dir); docs/kernel_bench holds the published run")
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="interleaved timing rounds: ms = median over rounds, spread_pct = "
                          "(max - min) / median")
@@ -87,7 +88,12 @@ def parse_args(argv=None):
         a.iid = "0.05" if a.smoke else "0.003,0.01,0.03,0.1"
     if a.out is None:
         a.out = Path(tempfile.mkdtemp(prefix="kernel_bench_")) if a.smoke else \
-            Path("docs/kernel_bench")
+            Path("outputs/kernel_bench")
+    try:  # before any case is timed: a bad --out must not cost a case of device time
+        a.out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=a.out).close()
+    except OSError as e:
+        ap.error(f"--out {a.out}: not a writable folder ({e.strerror}); pass one you can write")
     return a
 
 

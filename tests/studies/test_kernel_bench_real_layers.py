@@ -232,3 +232,31 @@ def test_script_smoke_run_writes_the_kernel_profile(smoke_run):
     mm = [r for r in rows if (r["size"], r["op"], r["kind"], r["row"], r["name"])
           == ("smoke", "dense", "fwd", "kernel", "aten::matmul")]
     assert len(mm) == 1 and mm[0]["calls"] == "3" and mm[0]["family"] == "gemm_ffn"
+
+
+def test_script_refuses_an_unwritable_out_before_any_case(tmp_path):
+    """--out is checked at parse time (a file in the way, a read-only folder): exit 2 with the
+    option named, and nothing timed; without --out a GPU run writes under outputs/, not over
+    the published docs/kernel_bench."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("brl", ROOT / "scripts" / "bench_real_layers.py")
+    brl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(brl)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        brl.parse_args(["--smoke", "--out", str(blocker / "kb")])
+    assert e.value.code == 2
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(SystemExit):
+            brl.parse_args(["--smoke", "--out", str(ro)])
+    old = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        assert brl.parse_args([]).out == Path("outputs/kernel_bench")
+    finally:
+        os.chdir(old)
+    assert (tmp_path / "outputs" / "kernel_bench").is_dir()
