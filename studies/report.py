@@ -336,6 +336,12 @@ def incomplete_reason(d: Path, last: int, max_steps) -> str:
         return (f"{d}: failed before training{f' ({job})' if job else ''}: {reason}. Fix that "
                 "and run it again, or leave it out (--skip-incomplete)")
     if reason.startswith("NonFiniteLossError"):
+        facts = _error_facts(d)
+        if facts is not None and isinstance(facts.get("step"), int):
+            # error.txt names the checkpoint by the path the run had when it failed; the facts
+            # hold it relative to the run dir (the advice names it where the run is now)
+            at = f"at step {facts['step']}; {at}"
+            reason = re.sub(r"[;,]?\s*last good checkpoint: .*$", "", reason)
         return (f"{d}: diverged run ({at}): {reason}. Rerunning the same command diverges "
                 f"again{_diverged_advice(d, reason)}, or leave it out (--skip-incomplete)")
     if reason:
