@@ -191,3 +191,29 @@ def test_options_are_validated(tmp_path):
         cfg.trainer.compile = True
         with pytest.raises(ConfigError, match=f"trainer.{key}=true needs eager mode"):
             cfg.trainer.__post_init__()
+
+
+def test_trainer_losses_equal_with_both_options(tmp_path):
+    """Whole trainer (fp32 CPU, ffn.impl=twell, L1 on): the same losses and gradient norms per
+    step, bitwise, with both options on as off; the options are installed on the model."""
+    from tests.train_utils import read_metrics
+    from train.trainer import Trainer
+
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
+    runs = {}
+    for on in (False, True):
+        cfg = tiny_config(tok, **{"trainer.max_steps": 3, "sparsity.l1_coeff": 0.5,
+                                  "ffn.impl": "twell", "trainer.recompute_norms": on,
+                                  "trainer.recast_attn_weights": on})
+        t = Trainer(cfg, tmp_path / str(on))
+        try:
+            layers = t.acc.unwrap_model(t.model).model.layers
+            assert all(getattr(la, "_twell_recompute_norms", False) is on for la in layers)
+            t.train()
+        finally:
+            t.close()
+        runs[on] = read_metrics(tmp_path / str(on))
+    assert len(runs[True]) == 3
+    for a, b in zip(runs[True], runs[False]):
+        assert (a["loss"], a["grad_norm"], a["l0_mean"]) == (b["loss"], b["grad_norm"],
+                                                             b["l0_mean"])
