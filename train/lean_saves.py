@@ -35,7 +35,9 @@ saves no norm output inside its checkpoint, and its FFN's input is the checkpoin
 whose recipe would keep the fp32 residual that the checkpoint drops. Installed by module
 forward hooks on each decoder layer and its two norms (so the selective-recompute forward that
 ``train.recompute`` installs does not displace it); eager only (saved-tensor hooks: the config
-refuses ``trainer.compile=true``).
+refuses ``trainer.compile=true``); not under FSDP (its sharded parameters are swapped in and
+out around each layer: untested, refused by ``train.setup.prepare_model``); DDP wraps the same
+modules and parameters (not tested on several processes).
 """
 
 from __future__ import annotations

@@ -299,6 +299,9 @@ def prepare_model(model, cfg: TrainConfig, *, device, precision: str, fsdp, prin
         print_("trainer.liger=true: Liger-Kernel's kernels run on CUDA only; this "
                f"{device.type} run keeps transformers' norms, RoPE and loss")
     if t.recompute_norms or t.recast_attn_weights:  # layers without checkpointing only
+        if fsdp:  # sharded parameters swap in and out around each layer: not tested
+            raise ConfigError("trainer.recompute_norms / trainer.recast_attn_weights are not "
+                              "supported under FSDP; set both false for FSDP runs.")
         enable_lean_saves(model, recompute_norms=t.recompute_norms,
                           recast_attn_weights=t.recast_attn_weights)
     if not liger_enabled(t.liger, device_type=device.type, precision=precision,
