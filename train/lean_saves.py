@@ -144,10 +144,10 @@ def _norm_done(norm, args, output) -> None:
 
 def enable_lean_saves(model, *, recompute_norms: bool, recast_attn_weights: bool) -> int:
     """Install ``trainer.recompute_norms`` / ``trainer.recast_attn_weights`` (module docstring)
-    on every decoder layer of a Llama-style causal LM; once per model (a second call changes the
-    two settings). Call after the norms' final forward is in place or not: the recomputation
-    calls whatever ``norm.forward`` is at backward time (Liger's, train/liger.py, or the stock
-    one), and ``norm.forward`` must not change between a forward and its backward.
+    on every decoder layer of a Llama-style causal LM; hooks go in once per model (a second call
+    only changes the two settings). Before or after :func:`train.liger.use_liger` alike: the
+    recomputation calls whatever ``norm.forward`` is at backward time (Liger's or the stock
+    one), which must not change between a forward and its backward.
 
     Args:
         model: a ``LlamaForCausalLM`` (``model.model.layers[i]`` with ``self_attn``,
