@@ -413,6 +413,20 @@ class TrainerConfig:
     their FFN runs once and keeps its compact state: no second gate GEMM, ~130 MB more per
     layer at 1.5B) | never (every layer, dense FFNs included: they then keep N x H
     activations; the planner's "attention"). See train/recompute.py."""
+    recompute_norms: bool = False
+    """Without checkpointing (grad_checkpointing=false, or the memory planner's "none"): the two
+    RMSNorm outputs of each decoder layer are recomputed in backward from the input each norm
+    keeps anyway, instead of being kept by q/k/v and the FFN; gradients bitwise the same. Saves
+    2 x N x D x 2 bytes per layer where the norms return bf16 (Liger with norm_out_bf16: 8 KiB
+    per token and layer at 2B, ~19 % of the layer's saved state) for two norm forwards per layer
+    in backward; nothing with transformers' reference norms under autocast (the CPU). Off until
+    timed on a GPU. Not with grad_checkpointing=true (moot there) nor compile. See
+    train/lean_saves.py."""
+    recast_attn_weights: bool = False
+    """Without checkpointing, as recompute_norms: the bf16 autocast casts of the attention
+    projections' weights (q, k, v, o) are recast from the fp32 weights in backward instead of
+    kept (1.19 GiB fixed at 2B; four casts per layer in backward; bitwise the same). Off until
+    timed on a GPU. Not with grad_checkpointing=true nor compile. See train/lean_saves.py."""
     compile: bool = False
     """torch.compile the model."""
     autocast_cache: bool = True
@@ -553,11 +567,28 @@ class TrainerConfig:
             raise ConfigError(
                 "trainer.checkpoint_ffn=never needs trainer.grad_checkpointing=true (without "
                 "checkpointing nothing is recomputed); set both or drop it.")
+        self._check_lean_saves()
         if self.compile and self.checkpoint_ffn not in ("always", None):
             raise ConfigError(
                 f"trainer.compile=true does not support trainer.checkpoint_ffn="
                 f"{self.checkpoint_ffn} (saved-tensor hooks are eager-only): add "
                 "trainer.checkpoint_ffn=always, or drop trainer.compile.")
+
+    def _check_lean_saves(self) -> None:
+        """recompute_norms / recast_attn_weights: booleans, eager, without checkpointing."""
+        for key in ("recompute_norms", "recast_attn_weights"):
+            value = getattr(self, key)
+            if not isinstance(value, bool):
+                raise ConfigError(f"trainer.{key} must be true or false; got {value!r}. Set "
+                                  f"trainer.{key}=false (or true).")
+            if value and self.compile:
+                raise ConfigError(f"trainer.{key}=true needs eager mode (saved-tensor hooks) "
+                                  f"and trainer.compile=true is set; drop one of them.")
+            if value and self.grad_checkpointing:
+                raise ConfigError(
+                    f"trainer.{key}=true acts only on layers without checkpointing (a "
+                    f"checkpointed layer keeps neither); set trainer.grad_checkpointing=false "
+                    f"(or null: the planner's none) or trainer.{key}=false.")
 
     def _check_fused_ops(self) -> None:
         """Liger-Kernel's options agree with each other and with compile."""

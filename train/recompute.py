@@ -110,9 +110,10 @@ class _recast_weights(torch.autograd.graph.saved_tensors_hooks):
             src, dtype, version, transposed = packed
             if src._version != version:
                 raise RuntimeError(
-                    "an FFN weight was modified in place between forward and backward; "
-                    "trainer.checkpoint_ffn recasts FFN weights in backward and needs them "
-                    "unchanged (step the optimizer after backward)")
+                    "a weight was modified in place between forward and backward; "
+                    "trainer.checkpoint_ffn (FFN weights) and trainer.recast_attn_weights "
+                    "recast weights in backward and need them unchanged (step the optimizer "
+                    "after backward)")
             w = src.detach().to(dtype)
             return w.t() if transposed else w
 

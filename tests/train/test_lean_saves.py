@@ -1,0 +1,219 @@
+"""trainer.recompute_norms / trainer.recast_attn_weights (train/lean_saves.py): every gradient
+bitwise equal to the model without them (ELL, dense-mode and PyTorch FFN layers in one model,
+fp32 and bf16 autocast), the saved bytes lower by the hand-computed amount, NaN still reaching
+the gradients, the config refusing bad values."""
+
+import pytest
+import torch
+
+from tests.train_utils import tiny_config, write_tokens
+from train import lean_saves
+from train.config import ConfigError, ModelConfig
+from train.lean_saves import enable_lean_saves
+from train.model import build_model, ffn_modules
+from train.recompute import set_recompute
+from train.sparsity import collect_stats, l1_penalty
+from twell.nn import FFNPlan
+
+MIXED = ["ell", "ell", "dense", "torch"]  # per layer, the FFN's training path
+B, T, D = 3, 16, 32
+
+
+@pytest.fixture(autouse=True)
+def torch_backend(monkeypatch):
+    """The sparse op's PyTorch backend (its Triton kernels are checked in tests/ops)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def _bf16_norms(model) -> None:
+    """Norms that return the autocast dtype, as Liger's with trainer.norm_out_bf16 on a GPU (one
+    cast that q, k, v share); a stand-in, since Liger's kernels are CUDA-only."""
+    for layer in model.model.layers:
+        for m in (layer.input_layernorm, layer.post_attention_layernorm):
+            def fwd(x, m=m):
+                y = type(m).forward(m, x)
+                on = torch.is_autocast_enabled("cpu") and y.dtype == torch.float32
+                return y.to(torch.get_autocast_dtype("cpu")) if on else y
+            m.forward = fwd
+
+
+def _model(lean: bool, bf16_norms: bool):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, hidden_size=D, intermediate_size=64, num_layers=4,
+                      num_heads=2, seq_len=T)
+    model = build_model(cfg).train()
+    mlps = ffn_modules(model)
+    plan = FFNPlan(mlps)
+    for k, path in enumerate(MIXED):
+        plan.pin(path, [k])
+    for mlp in mlps:
+        with torch.no_grad():  # ~12 active units per token around the ELL capacity (16)
+            mlp.gate_proj.weight[24:] = 0
+    if bf16_norms:
+        _bf16_norms(model)
+    if lean:
+        enable_lean_saves(model, recompute_norms=True, recast_attn_weights=True)
+    return model, mlps, plan
+
+
+class _Saved:
+    """Every tensor kept for backward, by storage (held, so no address is reused); parameters
+    left out. Records outside the decoder layers through its own hooks and, inside them, what
+    the layers' hooks pack (a recipe keeps the norm's input, a recast keeps the parameter)."""
+
+    def __init__(self, model, monkeypatch):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.kept = {}
+        init = lean_saves._LayerSaves.__init__
+
+        def wrapped_init(hooks, *args, **kwargs):
+            init(hooks, *args, **kwargs)
+            pack = hooks.pack_hook
+
+            def recording_pack(t):
+                packed = pack(t)
+                leaf = packed if isinstance(packed, torch.Tensor) else packed[0]
+                self.keep(getattr(leaf, "x", leaf))
+                return packed
+            hooks.pack_hook = recording_pack
+        monkeypatch.setattr(lean_saves._LayerSaves, "__init__", wrapped_init)
+
+    def keep(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.params:
+            self.kept[ptr] = t
+        return t
+
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.kept.values())
+
+
+def _step(lean, autocast, bf16_norms=True, monkeypatch=None, nan=False):
+    """Loss CE + 0.3 L1 and every gradient of one micro-step; the saved bytes when asked."""
+    model, mlps, _ = _model(lean, bf16_norms)
+    if nan:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[5, 3] = float("nan")
+    saved = _Saved(model, monkeypatch) if monkeypatch is not None else None
+    ids = torch.randint(1, 64, (B, T), generator=torch.Generator().manual_seed(1))
+    ids[0, 4] = 5
+    hooks = (torch.autograd.graph.saved_tensors_hooks(saved.keep, lambda t: t) if saved
+             else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ce = model(input_ids=ids, labels=ids).loss
+        l1, _ = l1_penalty(collect_stats(mlps))
+        loss = ce + 0.3 * l1
+    nbytes = saved.nbytes() if saved else None
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, nbytes
+
+
+@pytest.mark.parametrize(("autocast", "bf16_norms"), [(False, False), (True, True), (True, False)],
+                         ids=["fp32", "bf16-shared-norm-out", "bf16-reference-norms"])
+def test_gradients_bitwise_equal(autocast, bf16_norms, monkeypatch):
+    """Reference norms under autocast: each consumer keeps its own cast, nothing is recomputed
+    (and nothing changes); otherwise q/k/v (3) and the FFN (1, 2 for the PyTorch one's gate and
+    up) unpack recomputed norm outputs."""
+    unpacked = []
+    materialize = lean_saves._NormRecipe.materialize
+    monkeypatch.setattr(lean_saves._NormRecipe, "materialize",
+                        lambda r: unpacked.append(1) or materialize(r))
+    loss0, g0, _ = _step(False, autocast, bf16_norms)
+    loss1, g1, _ = _step(True, autocast, bf16_norms)
+    assert len(unpacked) == (0 if autocast and not bf16_norms else 4 * 3 + 3 + 2)
+    assert torch.equal(loss0, loss1)
+    assert g0.keys() == g1.keys() and all(g is not None for g in g0.values())
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_saved_bytes_drop_by_the_norm_outputs_and_weight_casts(autocast, monkeypatch):
+    """Per layer: two norm outputs (N x D, bf16 under autocast with shared norm outputs, fp32
+    without autocast) and, under autocast, the bf16 casts of q/k/v/o's weights."""
+    _, _, off = _step(False, autocast, True, monkeypatch)
+    _, _, on = _step(True, autocast, True, monkeypatch)
+    model, _, _ = _model(False, True)
+    elt = 2 if autocast else 4
+    norms = 2 * (B * T) * D * elt
+    casts = 2 * sum(p.numel() for p in model.model.layers[0].self_attn.parameters()
+                    if p.dim() == 2) if autocast else 0
+    assert off - on == len(MIXED) * (norms + casts), (off, on, norms, casts)
+
+
+def test_nan_in_the_input_reaches_the_gradients():
+    _, g0, _ = _step(False, True, nan=True)
+    _, g1, _ = _step(True, True, nan=True)
+    assert any(torch.isnan(g).any() for g in g1.values())
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=0, equal_nan=True)
+
+
+def test_checkpointed_layers_are_left_alone():
+    """With checkpointing on, the layers' own checkpoint runs (no layer hooks packing); after
+    the planner's switch back to none the hooks apply again."""
+    model, _, _ = _model(True, True)
+    set_recompute(model, "full")
+    entered = []
+    orig = lean_saves._LayerSaves.__enter__
+    lean_saves._LayerSaves.__enter__ = lambda self: entered.append(1) or orig(self)
+    try:
+        ids = torch.randint(1, 64, (B, T), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert not entered
+        set_recompute(model, "none")
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert len(entered) == len(MIXED)
+    finally:
+        lean_saves._LayerSaves.__enter__ = orig
+
+
+def test_norm_input_changed_in_place_is_caught():
+    model, _, _ = _model(True, False)
+    ids = torch.randint(1, 64, (B, T), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    with torch.no_grad():
+        model.model.layers[1].input_layernorm.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        loss.backward()
+
+
+def test_options_are_validated(tmp_path):
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=2000)
+    for key in ("recompute_norms", "recast_attn_weights"):
+        with pytest.raises(ConfigError, match=f"trainer.{key} must be true or false; got 'yes'"):
+            tiny_config(tok, **{f"trainer.{key}": "yes"})
+        with pytest.raises(ConfigError, match=f"set trainer.grad_checkpointing=false .* or "
+                                              f"trainer.{key}=false"):
+            tiny_config(tok, **{f"trainer.{key}": True, "trainer.grad_checkpointing": True})
+        cfg = tiny_config(tok, **{f"trainer.{key}": True})
+        assert getattr(cfg.trainer, key) is True
+        cfg.trainer.compile = True
+        with pytest.raises(ConfigError, match=f"trainer.{key}=true needs eager mode"):
+            cfg.trainer.__post_init__()
+
+
+def test_trainer_losses_equal_with_both_options(tmp_path):
+    """Whole trainer (fp32 CPU, ffn.impl=twell, L1 on): the same losses and gradient norms per
+    step, bitwise, with both options on as off; the options are installed on the model."""
+    from tests.train_utils import read_metrics
+    from train.trainer import Trainer
+
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
+    runs = {}
+    for on in (False, True):
+        cfg = tiny_config(tok, **{"trainer.max_steps": 3, "sparsity.l1_coeff": 0.5,
+                                  "ffn.impl": "twell", "trainer.recompute_norms": on,
+                                  "trainer.recast_attn_weights": on})
+        t = Trainer(cfg, tmp_path / str(on))
+        try:
+            layers = t.acc.unwrap_model(t.model).model.layers
+            assert all(getattr(la, "_twell_recompute_norms", False) is on for la in layers)
+            t.train()
+        finally:
+            t.close()
+        runs[on] = read_metrics(tmp_path / str(on))
+    assert len(runs[True]) == 3
+    for a, b in zip(runs[True], runs[False]):
+        assert (a["loss"], a["grad_norm"], a["l0_mean"]) == (b["loss"], b["grad_norm"],
+                                                             b["l0_mean"])

@@ -1,0 +1,182 @@
+"""Keep less for backward on the no-recompute path, with bitwise-identical gradients
+(``trainer.recompute_norms``, ``trainer.recast_attn_weights``; both off by default until timed
+on a GPU).
+
+Without gradient checkpointing every decoder layer keeps, besides what it needs, tensors that
+are deterministic functions of others it keeps anyway:
+
+* ``recompute_norms``: the output of ``input_layernorm`` (kept by q/k/v for their weight
+  gradients) and of ``post_attention_layernorm`` (kept by the FFN). Each norm keeps its own
+  input (the fp32 residual stream) for its backward, so the output is packed as a reference to
+  (the norm module, that input, the autocast state) and recomputed by the same norm forward when
+  backward unpacks it: ``2 x N x D x b`` bytes less per layer (N tokens, D model width, b the
+  output's element size: 2 where the norm returns bf16, as Liger's norms do with
+  ``trainer.norm_out_bf16``; 4 in fp32 runs). At 2B (D 2048) with Liger: 8,192 B per token and
+  layer, ~19 % of the layer's saved state. Cost: one norm forward per norm and layer in backward
+  (q/k/v share one recomputation). Where each consumer casts an fp32 norm output itself
+  (transformers' reference norm under autocast: the CPU, ``trainer.liger=false``) the consumers
+  keep their own casts and nothing changes.
+* ``recast_attn_weights``: the bf16 autocast casts of the attention projections' weights (q, k,
+  v, o), which ``F.linear`` keeps for the input gradient, are recast from the fp32 parameters
+  in backward instead (``train.recompute._recast_weights``, as the FFN outside a checkpoint
+  does): ``2 x`` (their parameter count) bytes less, fixed (1.19 GiB at 2B); four casts per
+  layer in backward. Nothing changes without autocast (fp32 runs keep no casts).
+
+Bitwise: the recomputation runs the same forward (Liger's RMSNorm kernel is a per-row reduction
+without atomics; transformers' reference norm is plain elementwise code) on the same operands
+under the same autocast state. A recipe is used only while the tensor it was made for is alive
+(a weak reference), so a storage address reused after a free is never mistaken for it; the
+norm's input and weight must not change in place between forward and backward (checked with
+their version counters: ``RuntimeError``).
+
+Only layers that run without checkpointing use it (their ``gradient_checkpointing`` is false:
+``trainer.grad_checkpointing=false``, or the memory planner's ``none``): a checkpointed layer
+saves no norm output inside its checkpoint, and its FFN's input is the checkpoint's output,
+whose recipe would keep the fp32 residual that the checkpoint drops. Installed by module
+forward hooks on each decoder layer and its two norms (so the selective-recompute forward that
+``train.recompute`` installs does not displace it); eager only (saved-tensor hooks: the config
+refuses ``trainer.compile=true``); not under FSDP (its sharded parameters are swapped in and
+out around each layer: untested, refused by ``train.setup.prepare_model``); DDP wraps the same
+modules and parameters (not tested on several processes).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from train.recompute import _recast_weights
+
+
+class _NormRecipe:
+    """How to recompute one norm output: ``norm.forward(x)`` under the recorded autocast state.
+
+    ``pending`` counts the saved references not yet unpacked; the recomputed tensor is cached
+    until the last of them is (q, k and v share one norm output: one recomputation)."""
+
+    def __init__(self, norm, x: torch.Tensor, y: torch.Tensor) -> None:
+        dev = x.device.type
+        self.norm, self.x, self.dtype, self.shape = norm, x, y.dtype, tuple(y.shape)
+        self.versions = (x._version, norm.weight._version)
+        self.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        self.pending, self.cached = 0, None
+
+    def materialize(self) -> torch.Tensor:
+        """The norm output again (same dtype, shape and contiguous layout as in forward)."""
+        y = self.cached
+        if y is None:
+            if (self.x._version, self.norm.weight._version) != self.versions:
+                raise RuntimeError(
+                    "a norm's input or weight was modified in place between forward and "
+                    "backward; trainer.recompute_norms recomputes norm outputs in backward and "
+                    "needs them unchanged (step the optimizer after backward)")
+            dev, enabled, dtype = self.autocast
+            with torch.no_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
+                y = self.norm.forward(self.x)
+            if y.dtype != self.dtype or tuple(y.shape) != self.shape or not y.is_contiguous():
+                raise RuntimeError(f"recompute_norms: the recomputed norm output is {y.dtype} "
+                                   f"{tuple(y.shape)}, forward gave {self.dtype} {self.shape}")
+        self.pending -= 1
+        self.cached = y if self.pending > 0 else None
+        return y
+
+
+class _LayerSaves(torch.autograd.graph.saved_tensors_hooks):
+    """The saved-tensor hooks of one decoder layer's forward (module docstring).
+
+    ``register(norm, x, y)`` (the norms' forward hooks) records a norm output ``y`` (any shape,
+    contiguous) of input ``x``; a saved tensor sharing ``y``'s storage (``y`` or a view of it) is
+    packed as ``(recipe, shape, stride, storage offset)``. ``weights``: parameters whose autocast
+    casts are recast in backward (``_recast_weights``)."""
+
+    def __init__(self, norms: bool, weights: list[torch.Tensor]) -> None:
+        self.outputs: dict[int, tuple[weakref.ref, _NormRecipe]] = {}
+        self.norms = norms
+        recast = _recast_weights(weights) if weights else None
+        cast_pack = recast.pack_hook if recast else (lambda t: t)
+        cast_unpack = recast.unpack_hook if recast else (lambda p: p)
+
+        def pack(t: torch.Tensor):
+            hit = self.outputs.get(t.untyped_storage().data_ptr()) if self.outputs else None
+            if hit is not None and hit[0]() is not None and t.dtype == hit[1].dtype:
+                recipe = hit[1]
+                recipe.pending += 1
+                return (recipe, tuple(t.shape), t.stride(), t.storage_offset())
+            return cast_pack(t)
+
+        def unpack(packed):
+            if isinstance(packed, tuple) and packed and isinstance(packed[0], _NormRecipe):
+                recipe, shape, stride, offset = packed
+                return recipe.materialize().as_strided(shape, stride, offset)
+            return cast_unpack(packed)
+
+        super().__init__(pack, unpack)
+
+    def register(self, norm, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.norms and isinstance(y, torch.Tensor) and y.is_contiguous() \
+                and y.grad_fn is not None:
+            self.outputs[y.untyped_storage().data_ptr()] = (weakref.ref(y), _NormRecipe(norm, x, y))
+
+
+def _layer_enter(layer, args) -> None:
+    if not (layer.training and torch.is_grad_enabled()) or getattr(
+            layer, "gradient_checkpointing", False):
+        return
+    weights = ([p for p in layer.self_attn.parameters() if p.dim() == 2]
+               if layer._twell_recast_attn else [])
+    saves = _LayerSaves(layer._twell_recompute_norms, weights)
+    saves.__enter__()
+    layer._twell_saves = saves
+
+
+def _layer_leave(layer, args, output) -> None:
+    saves = layer.__dict__.pop("_twell_saves", None)
+    if saves is not None:
+        saves.__exit__(None, None, None)
+
+
+def _norm_done(norm, args, output) -> None:
+    saves = getattr(norm._twell_layer(), "_twell_saves", None)
+    if saves is not None and args:
+        saves.register(norm, args[0], output)
+
+
+def enable_lean_saves(model, *, recompute_norms: bool, recast_attn_weights: bool) -> int:
+    """Install ``trainer.recompute_norms`` / ``trainer.recast_attn_weights`` (module docstring)
+    on every decoder layer of a Llama-style causal LM; hooks go in once per model (a second call
+    only changes the two settings). Before or after :func:`train.liger.use_liger` alike: the
+    recomputation calls whatever ``norm.forward`` is at backward time (Liger's or the stock
+    one), which must not change between a forward and its backward.
+
+    Args:
+        model: a ``LlamaForCausalLM`` (``model.model.layers[i]`` with ``self_attn``,
+            ``input_layernorm``, ``post_attention_layernorm``; norms with a ``weight``).
+        recompute_norms, recast_attn_weights: the two settings.
+
+    Returns:
+        the number of decoder layers set.
+
+    Raises:
+        ValueError: a layer without ``self_attn`` or one of the two norms.
+    """
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        for name in ("self_attn", "input_layernorm", "post_attention_layernorm"):
+            if not hasattr(layer, name):
+                raise ValueError(f"decoder layer {i} ({type(layer).__name__}) has no {name}; "
+                                 "recompute_norms / recast_attn_weights need a Llama-style layer")
+        layer._twell_recompute_norms = bool(recompute_norms)
+        layer._twell_recast_attn = bool(recast_attn_weights)
+        if getattr(layer, "_twell_lean_hooks", False):
+            continue
+        layer.register_forward_pre_hook(_layer_enter)
+        layer.register_forward_hook(_layer_leave, always_call=True)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm._twell_layer = weakref.ref(layer)
+            norm.register_forward_hook(_norm_done)
+        layer._twell_lean_hooks = True
+    return len(layers)
+
+
+__all__ = ["enable_lean_saves"]
