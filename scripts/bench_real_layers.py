@@ -73,7 +73,7 @@ def parse_args(argv=None):
                          "dir); docs/kernel_bench holds the published run")
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="interleaved timing rounds: ms = median over rounds, spread_pct = "
-                         "(max - min) / median")
+                         "(max - min) / median (empty with 1 round)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile every op: kernel_profile.md and .csv under --out")
     ap.add_argument("--smoke", action="store_true",

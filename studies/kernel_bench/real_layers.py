@@ -46,7 +46,7 @@ Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``de
 
 CSV columns (``COLUMNS``): size, layer, density, l0_mean, l0_max, heavy_rows, op, kind, ms
 (median over rounds), speedup_vs_dense (the kind's baseline ms / op ms, same case), rel_err (the
-largest of the op's outputs), spread_pct (over rounds; 0 for one round; absent from CSVs
+largest of the op's outputs), spread_pct (over rounds; empty for one round; absent from CSVs
 written before it, which readers take as unknown).
 """
 
@@ -226,9 +226,9 @@ def check_case(case: Case, ops: dict, refs: dict) -> dict:
     return errs
 
 
-def round_stats(ms: list[float]) -> tuple[float, float]:
+def round_stats(ms: list[float]) -> tuple[float, float | None]:
     """(median, spread %) of one op's times over rounds (ms each): spread = (max - min) /
-    median x 100, 0 for one round or a zero median.
+    median x 100; None for one round (not measured), 0 for a zero median.
 
     Raises:
         ValueError: ``ms`` is empty.
@@ -236,6 +236,8 @@ def round_stats(ms: list[float]) -> tuple[float, float]:
     if not ms:
         raise ValueError("round_stats: no times")
     med = statistics.median(ms)
+    if len(ms) == 1:
+        return med, None
     return med, (100 * (max(ms) - min(ms)) / med if med > 0 else 0.0)
 
 
@@ -307,7 +309,7 @@ def run_case(case: Case, policy: FFNPolicy, timer, paper=None, kinds=KINDS, *,
         rows.append({"size": case.size, "layer": case.layer, **case.stats, "op": op,
                      "kind": kind, "ms": round(t, 4),
                      "speedup_vs_dense": round(base / t, 3),
-                     "rel_err": float(f"{err:.3e}"), "spread_pct": round(spread, 1),
+                     "rel_err": float(f"{err:.3e}"), "spread_pct": "" if spread is None else round(spread, 1),
                      "within_bound": ok})
     return rows
 

@@ -73,7 +73,7 @@ def test_run_case_rows_from_their_own_measurements(monkeypatch):
 
 def test_round_stats_median_and_spread():
     assert bench.round_stats([2.0, 1.0, 4.0]) == (2.0, 150.0)  # (4 - 1) / 2
-    assert bench.round_stats([3.0]) == (3.0, 0.0)
+    assert bench.round_stats([3.0]) == (3.0, None)  # one round: not measured, not 'no noise'
     med, spread = bench.round_stats([1.0, 1.2, 1.1, 0.9])
     assert med == pytest.approx(1.05) and spread == pytest.approx(100 * 0.3 / 1.05)
     assert bench.round_stats([0.0, 0.0]) == (0.0, 0.0)
