@@ -55,12 +55,8 @@ outside the layers.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from studies.memory.saved_activations import (
     IMPL_OF_PATH,
