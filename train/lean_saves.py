@@ -63,7 +63,11 @@ class _NormRecipe:
         self.pending, self.cached = 0, None
 
     def materialize(self) -> torch.Tensor:
-        """The norm output again (same dtype, shape and contiguous layout as in forward)."""
+        """The norm output again (same dtype, shape and contiguous layout as in forward).
+
+        Raises:
+            RuntimeError: the norm's input or weight changed in place since forward, or the
+                recomputed output differs in dtype, shape or layout from forward's."""
         y = self.cached
         if y is None:
             if (self.x._version, self.norm.weight._version) != self.versions:
@@ -114,6 +118,8 @@ class _LayerSaves(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
     def register(self, norm, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Record norm output ``y`` of input ``x`` for recomputation (a contiguous tensor with a
+        grad_fn, with recompute_norms on; anything else is left to be saved as usual)."""
         if self.norms and isinstance(y, torch.Tensor) and y.is_contiguous() \
                 and y.grad_fn is not None:
             self.outputs[y.untyped_storage().data_ptr()] = (weakref.ref(y), _NormRecipe(norm, x, y))
