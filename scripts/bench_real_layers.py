@@ -41,18 +41,15 @@ from pathlib import Path
 
 import torch
 
-from studies.kernel_bench.kernel_profile import write_kernel_profile
 from studies.kernel_bench.real_layers import (
     ROUNDS,
-    CheckFailed,
     cpu_timer,
     gpu_timer,
     iid_case,
     load_paper_ops,
     recorded_case,
-    run_case,
+    run_cases,
     summary_table,
-    write_csv,
 )
 from twell.nn.record import save_ffn_layer
 from twell.policy import FFNPolicy
@@ -104,46 +101,6 @@ def smoke_layer(folder: Path) -> Path:
                           {"size": "smoke", "layer": 0})
 
 
-def profile_title(case) -> str:
-    """A case's heading in ``kernel_profile.md``: labels, N x D x H, density and L0."""
-    (n, d), h = case.x.shape, case.wg.shape[0]
-    st = case.stats
-    return (f"{case.size} layer {case.layer}: N x D x H = {n} x {d} x {h}, density "
-            f"{100 * st['density']:.2f} %, L0 {st['l0_mean']:.1f} (max {st['l0_max']})")
-
-
-def run_cases(a, cases, policy, paper, timer, header: str) -> tuple[dict, int]:
-    """Check, time (and with ``--profile`` profile) every case of ``cases`` ((table, build)
-    pairs), writing the CSVs (and the profile) after each; stops at the first failed check.
-    Returns (table -> rows, exit status)."""
-    rows: dict = {"real_layers": [], "iid": []}
-    profiled: list = []
-    status = 0
-    for table, build in cases:
-        case = build()
-        print(f"# {case.size} layer {case.layer}: {tuple(case.x.shape)}", flush=True)
-        profiles = {} if a.profile else None
-        try:
-            rows[table] += run_case(case, policy, timer, paper, kinds=a.kinds, rounds=a.rounds,
-                                    profiles=profiles)
-        except CheckFailed as e:
-            print(f"FAIL (no timing): {e}", file=sys.stderr, flush=True)
-            status = 1
-            break
-        finally:
-            for name, rs in rows.items():
-                write_csv(a.out / f"{name}.csv", rs)
-            if profiles:
-                profiled.append(({"size": case.size, "layer": case.layer,
-                                  "title": profile_title(case)}, profiles))
-            if a.profile:
-                write_kernel_profile(a.out, profiled, header)
-            del case
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    return rows, status
-
-
 def main(argv=None) -> int:
     a = parse_args(argv)
     if not a.smoke and not torch.cuda.is_available():
@@ -165,7 +122,8 @@ def main(argv=None) -> int:
     cases = [("real_layers", lambda p=p: recorded_case(p, device=dev)) for p in layers]
     cases += [("iid", lambda v=float(v): iid_case(m, d, h, v, device=dev))
               for v in a.iid.split(",") if v]
-    rows, status = run_cases(a, cases, policy, paper, timer, header)
+    rows, status = run_cases(cases, policy, paper, timer, header, out=a.out, kinds=a.kinds,
+                             rounds=a.rounds, profile=a.profile)
     print(f"# wrote {a.out}/real_layers.csv, {a.out}/iid.csv"
           + (f", {a.out}/kernel_profile.md, {a.out}/kernel_profile.csv" if a.profile else "")
           + (" (smoke: CPU times, not performance numbers)" if a.smoke else ""))

@@ -425,7 +425,56 @@ def load_paper_ops(src) -> PaperOps | None:
         return None
 
 
+def profile_title(case: Case) -> str:
+    """A case's heading in ``kernel_profile.md``: labels, N x D x H, density and L0."""
+    (n, d), h = case.x.shape, case.wg.shape[0]
+    st = case.stats
+    return (f"{case.size} layer {case.layer}: N x D x H = {n} x {d} x {h}, density "
+            f"{100 * st['density']:.2f} %, L0 {st['l0_mean']:.1f} (max {st['l0_max']})")
+
+
+def run_cases(cases, policy: FFNPolicy, paper, timer, header: str, *, out: Path,
+              kinds=KINDS, rounds: int = ROUNDS, profile: bool = False) -> tuple[dict, int]:
+    """Check, time (and with ``profile`` profile: :mod:`studies.kernel_bench.kernel_profile`)
+    every case of ``cases`` ((table, build) pairs: table ``real_layers`` or ``iid``, ``build()``
+    -> :class:`Case`), writing ``<table>.csv`` (and the profile) under ``out`` after each, so a
+    timeout keeps what finished; stops at the first failed check (printed to stderr).
+
+    Returns:
+        ``(table -> rows, exit status)``: 0, or 1 after a failed check.
+    """
+    from studies.kernel_bench.kernel_profile import write_kernel_profile
+
+    rows: dict = {"real_layers": [], "iid": []}
+    profiled: list = []
+    status = 0
+    for table, build in cases:
+        case = build()
+        print(f"# {case.size} layer {case.layer}: {tuple(case.x.shape)}", flush=True)
+        profiles = {} if profile else None
+        try:
+            rows[table] += run_case(case, policy, timer, paper, kinds=kinds, rounds=rounds,
+                                    profiles=profiles)
+        except CheckFailed as e:
+            print(f"FAIL (no timing): {e}", file=sys.stderr, flush=True)
+            status = 1
+            break
+        finally:
+            for name, rs in rows.items():
+                write_csv(out / f"{name}.csv", rs)
+            if profiles:
+                profiled.append(({"size": case.size, "layer": case.layer,
+                                  "title": profile_title(case)}, profiles))
+            if profile:
+                write_kernel_profile(out, profiled, header)
+            del case
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows, status
+
+
 __all__ = ["BASELINE", "COLUMNS", "KINDS", "OPS", "ROUNDS", "Case", "CheckFailed", "PaperOps", "check_case",
            "cpu_timer", "gpu_timer", "heavy_case", "iid_case", "load_paper_ops", "make_op", "prepare",
-           "recorded_case", "references", "rel_err", "round_stats", "run_case", "summary_table",
+           "profile_title", "recorded_case", "references", "rel_err", "round_stats", "run_case",
+           "run_cases", "summary_table",
            "time_rounds", "write_csv"]
