@@ -104,6 +104,11 @@ REPLAN_GAIN = 0.02
 # the fastest: our dense path at 1.5B on an H200 ran 52.2 tok/ms at micro 24 and 50.6 at 29
 # (BENCHMARKS.md, "Session of 2026-12-04"); 0.85 reaches 24 from 29 and 17 from 20.
 BELOW_FRACTION = 0.85
+# ... and the smaller one wins only when its probe is faster by more than this: a probe is two
+# timed micro-steps (+-1-3 %), and a noise win costs the larger micro-batch's real lead (1.5B on
+# 80 GB, `auto`: 17 probed 0.9 % faster than 20 and timed 3.8 % slower; BENCHMARKS.md, fifth
+# session of 2026-12-04); our dense path's 24 over 29 (+3 %) still wins
+BELOW_GAIN = 0.02
 
 
 @dataclass(frozen=True, order=True)
@@ -251,8 +256,9 @@ class MemoryPlanner:
         min_probe_tokens: the smallest micro-batch of the two slope probes holds at least this
             many tokens (the fused loss's chunk rows; 0 = the smallest divisor).
         below: with ``0 < below < 1``, each mode's largest fitting micro-batch ``L`` is raced
-            against the largest candidate ``<= below * L`` (probed; :data:`BELOW_FRACTION`);
-            0 = off (only the largest of each mode).
+            against the largest candidate ``<= below * L`` (probed; :data:`BELOW_FRACTION`),
+            which wins only when its probe is faster by more than :data:`BELOW_GAIN`; 0 = off
+            (only the largest of each mode).
 
     Raises:
         ValueError: a user micro-batch outside 1..batch_per_rank, an unknown or empty
@@ -398,6 +404,7 @@ class MemoryPlanner:
 
     def _choose(self) -> tuple[Candidate, str, bool]:
         """(candidate, why, fits) before any step-down."""
+        below: list[Candidate] = []
         if self.user_micro is not None:
             options = [Candidate(self.user_micro, r) for r in self.modes]
             for c in options:
@@ -406,12 +413,14 @@ class MemoryPlanner:
                    else "micro_batch and recompute set by the user")
         else:
             options = [c for c in map(self._largest_fitting, self.modes) if c is not None]
-            options += [c for c in map(self._below, options) if c is not None]
+            below = [c for c in map(self._below, options) if c is not None]
+            options += below
             why = "fastest that fits"
         fitting = [c for c in options if self.fits(c)]
-        if fitting:  # fastest; a tie goes to less recomputation (the earlier mode)
-            best = max(fitting, key=lambda c: (_num(self.tok_per_ms(c)),
-                                               -self.modes.index(c.recompute)))
+        if fitting:  # fastest (a smaller micro-batch by BELOW_GAIN); a tie: less recomputation
+            best = max(fitting, key=lambda c: (
+                _num(self.tok_per_ms(c)) / (1.0 + BELOW_GAIN if c in below else 1.0),
+                -self.modes.index(c.recompute)))
             return best, why, True
         ran = [c for c, m in self.measured.items() if not m.oom]
         if ran:

@@ -682,3 +682,21 @@ def test_below_races_the_largest_fitting_against_a_smaller_candidate():
     assert plan.tok_per_ms == pytest.approx(8 * T / (20 + 60 * 8))
     with pytest.raises(ValueError, match="below must be in"):
         _planner(probe, below=1.0)
+
+
+@pytest.mark.parametrize("lead, micro", [(0.01, 11), (0.03, 8)])
+def test_below_wins_only_by_more_than_the_probes_noise(lead, micro):
+    # 8 probed faster than 11 by 1 %: within BELOW_GAIN (2 %), the larger micro-batch stays;
+    # by 3 %: 8 wins. 11's time is set so that 8's tokens/ms is (1 + lead) x 11's
+    assert memory.BELOW_GAIN == 0.02
+    t8 = 20 + 60 * 8
+    t11 = 11 * t8 * (1 + lead) / 8
+
+    class Paced(FakeProbe):
+        def __call__(self, c):
+            m = super().__call__(c)
+            return Measurement(m.peak_gb, t11) if c == Candidate(11, "none") else m
+
+    plan = _planner(Paced(LINES, TIMES), recompute=("none",), below=0.85).choose()
+    assert plan.micro_batch == micro
+    assert plan.tok_per_ms == pytest.approx(micro * T / (t8 if micro == 8 else t11))
