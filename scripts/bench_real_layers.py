@@ -26,9 +26,10 @@ spread, ``1.39x±4``; the base ms with the baseline's).
 
 ``--profile``: after a case's timing, every op runs under ``torch.profiler``
 (``studies.kernel_bench.kernel_profile``): wall ms per call (CUDA events) against the GPU's busy
-ms per call, kernels and host syncs per call and the longest kernels; an op with wall >> busy is
-host-bound. Writes ``kernel_profile.md`` and ``kernel_profile.csv`` under ``--out`` (on the CPU
-smoke run the "kernels" are the top-level PyTorch ops: the code path only).
+ms per call, kernels and host syncs per call, the dense baseline over the op by wall and by
+GPU busy time, and the longest kernels; an op with wall >> busy is host-bound. Writes
+``kernel_profile.md`` and ``kernel_profile.csv`` under ``--out`` (on the CPU smoke run the
+"kernels" are the top-level PyTorch ops: the code path only).
 BENCHMARKS.md, "Hot/cold split", has the predictions.
 """
 
