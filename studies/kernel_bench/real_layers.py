@@ -36,13 +36,13 @@ Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``de
     torch         train: PyTorch autograd of y alone, no L1 term (cuBLAS bf16), the baseline
     ell           train: the ELL op measuring its dense backup per call
     ell_nosync    train: the ELL op, no host sync, backup at the measured capacity
-    ell_hot       train: no-sync ELL with the hot set
     ell_graph     train: ``ell_nosync`` captured in one CUDA graph, forward and backward
                   (``twell.ops.ffn_train_graph``): one launch a call instead of ~96; captured at
                   its first call (outside the timing), checked against fp32 and against
                   ``ell_nosync`` (:data:`TWINS`), its capacity guard read after the timing
                   (an overflow stops the run as a failed check); CUDA only (skipped with the
                   reason on the CPU); left out with the reason when the capture fails
+    ell_hot       train: no-sync ELL with the hot set
     ell_cols      train: ``ell_nosync`` with the weight-gradient grid column-outermost
                   (:data:`COLS_FIRST`: every D slice of the longest columns starts first, where
                   the default, D slice outermost, starts the last slice's longest column ~7/8
@@ -163,10 +163,11 @@ def _train_closure(fn, case: Case, with_l1: bool) -> Callable[[], list[torch.Ten
 def _graph_closure(case: Case, policy: FFNPolicy) -> Callable[[], list[torch.Tensor]]:
     """``ell_graph``: ``ell_nosync``'s call (same capacity, loss, L1 coefficient) captured in a
     CUDA graph (``twell.ops.ffn_train_graph.graphed_ffn_train``) at the first call, which
-    :func:`run_case` makes before the check and the timing; then a call is one replay on the
-    case's tensors (no input copy). Returns the static [y, dx, dWg, dWu, dWd] (overwritten by
-    the next call), the L1 term in ``run.stats["l1"]``; ``run.check()`` reads the capacity
-    guard (one host sync; raises ``CapacityOverflow``)."""
+    :func:`build_ops` makes before the check and the timing; then a call is one replay (on the
+    copies of x and dy made at the capture, the case's weights in place; nothing copied per
+    call). Returns the static [y, dx, dWg, dWu, dWd] (overwritten by the next call), the L1
+    term in ``run.stats["l1"]``; ``run.check()`` reads the capacity guard (one host sync;
+    raises ``CapacityOverflow``)."""
     from twell.ops.ffn_train_graph import graphed_ffn_train
 
     held = {}
