@@ -15,7 +15,8 @@ path's error stops the run with exit code 1), then timed with ``triton.testing.d
 medians: forward (dense cuBLAS, ``twell``, ``twell_hot``: hot units from the layer's own counts,
 ``twell_long``: the 128 longest rows through a dense backup)
 and training (forward + backward with the L1 term: ``torch``, ``ell``, ``ell_nosync``,
-``ell_hot``, ``ell_cols``), ``auto`` and ``paper`` (ops and method:
+``ell_graph`` (``ell_nosync`` in one CUDA graph; CUDA only, skipped with the reason on the
+CPU), ``ell_hot``, ``ell_cols``), ``auto`` and ``paper`` (ops and method:
 ``studies.kernel_bench.real_layers``). The timing runs in ``--rounds`` interleaved rounds (every
 op once per round, the op order rotated each round): an op's ``ms`` is the median over rounds,
 ``spread_pct`` (max - min) / median over rounds in %. Writes ``real_layers.csv`` and ``iid.csv``
@@ -25,9 +26,10 @@ spread, ``1.39x±4``; the base ms with the baseline's).
 
 ``--profile``: after a case's timing, every op runs under ``torch.profiler``
 (``studies.kernel_bench.kernel_profile``): wall ms per call (CUDA events) against the GPU's busy
-ms per call, kernels and host syncs per call and the longest kernels; an op with wall >> busy is
-host-bound. Writes ``kernel_profile.md`` and ``kernel_profile.csv`` under ``--out`` (on the CPU
-smoke run the "kernels" are the top-level PyTorch ops: the code path only).
+ms per call, kernels and host syncs per call, the dense baseline over the op by wall and by
+GPU busy time, and the longest kernels; an op with wall >> busy is host-bound. Writes
+``kernel_profile.md`` and ``kernel_profile.csv`` under ``--out`` (on the CPU smoke run the
+"kernels" are the top-level PyTorch ops: the code path only).
 BENCHMARKS.md, "Hot/cold split", has the predictions.
 """
 

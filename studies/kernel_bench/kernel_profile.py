@@ -8,8 +8,10 @@ host time), then :data:`PROFILE_CALLS` calls under ``torch.profiler``
 busy time (the union of the kernels' intervals), idle % = (wall - busy) / wall, the kernels
 launched, the host synchronisations, and the longest kernels by GPU time (family:
 :func:`studies.bench.step_profile.kernel_family`, a product with H in its shapes being
-``gemm_ffn``). An op whose wall is well above its busy time is host-bound (launch overhead,
-host syncs), not limited by its kernels.
+``gemm_ffn``), and the kind's dense baseline (``real_layers.BASELINE``: dense fwd, torch train)
+over the op by wall and by GPU busy time (``x dense``). An op whose wall is well above its
+busy time is host-bound (launch overhead, host syncs), not limited by its kernels: its
+``x dense (GPU busy)`` is what it would reach with the launches hidden (``ell_graph``).
 
 On the CPU (``--smoke``) the same code runs with the profiler's CPU activities only: the
 "kernels" are the top-level PyTorch ops, the wall the host clock; it checks the code path, not
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from studies.bench.forward_profile import csv_rows
 from studies.bench.step_profile import StepProfile, kernel_table, profile_step
+from studies.kernel_bench.real_layers import BASELINE
 
 PROFILE_WARMUP = 3  # untimed calls first (the measured ``auto`` settles in the timing before)
 PROFILE_TIMED = 10  # calls timed with CUDA events: the wall per call (median)
@@ -67,16 +70,31 @@ def idle_pct(p: StepProfile) -> float:
     return 100 * p.idle_ms / p.step_ms if p.step_ms > 0 else 0.0
 
 
-def case_section(title: str, profiles: dict) -> str:
+def ratio(num: float, den: float) -> str:
+    """``num / den`` as ``1.85x``, or ``-`` where ``den`` is not positive (no kernel seen)."""
+    return f"{num / den:.2f}x" if den > 0 else "-"
+
+
+def case_section(title: str, profiles: dict, baseline: dict | None = None) -> str:
     """One case's markdown: ``## title``, the op table (wall and GPU busy ms per call, idle %,
-    kernels and host syncs per call), then each op's :data:`TOP_KERNELS` longest kernels (us
-    per call). ``profiles``: ``(op, kind) -> StepProfile`` (:func:`profile_ops`)."""
+    kernels and host syncs per call, and the kind's dense baseline over the op by wall and by
+    GPU busy time), then each op's :data:`TOP_KERNELS` longest kernels (us per call).
+
+    Args:
+        profiles: ``(op, kind) -> StepProfile`` (:func:`profile_ops`).
+        baseline: kind -> the op the ``x dense`` columns divide (default :data:`BASELINE`:
+            ``dense`` fwd, ``torch`` train); ``-`` where the case has no profile of it.
+    """
+    baseline = BASELINE if baseline is None else baseline
     head = ("| op | kind | wall ms/call | GPU busy ms/call | idle % | kernels/call | "
-            "host syncs/call |")
-    lines = [f"## {title}", "", head, "|---|---|---|---|---|---|---|"]
+            "host syncs/call | x dense (wall) | x dense (GPU busy) |")
+    lines = [f"## {title}", "", head, "|---|---|---|---|---|---|---|---|---|"]
     for (op, kind), p in profiles.items():
+        b = profiles.get((baseline.get(kind), kind))
         lines.append(f"| {op} | {kind} | {p.step_ms:.3f} | {p.kernel_ms:.3f} | "
-                     f"{idle_pct(p):.0f} | {p.kernels:.1f} | {p.syncs:.1f} |")
+                     f"{idle_pct(p):.0f} | {p.kernels:.1f} | {p.syncs:.1f} | "
+                     f"{ratio(b.step_ms, p.step_ms) if b else '-'} | "
+                     f"{ratio(b.kernel_ms, p.kernel_ms) if b else '-'} |")
     for (op, kind), p in profiles.items():
         top = dataclasses.replace(p, top=p.top[:TOP_KERNELS])
         lines += ["", f"### {op} {kind}: longest kernels", "",
@@ -104,7 +122,9 @@ def write_kernel_profile(out_dir, cases: list[tuple[dict, dict]], header: str) -
            f"between calls; the host clock on the CPU), after {PROFILE_WARMUP} untimed; "
            f"kernels = the mean of "
            f"{PROFILE_CALLS} calls under torch.profiler; GPU busy = the union of the kernels' "
-           "intervals; idle = wall - busy (launch gaps, host work, host syncs).")
+           "intervals; idle = wall - busy (launch gaps, host work, host syncs); x dense = the "
+           "kind's dense baseline (dense fwd, torch train) over the op, by wall and by GPU "
+           "busy time (a host-bound op gains by the second what it loses by the first).")
     lines = ["# Kernel profile of the sparse FFN ops", "", header, "", how, ""]
     for labels, profiles in cases:
         lines += [case_section(labels["title"], profiles), ""]
@@ -119,5 +139,6 @@ def write_kernel_profile(out_dir, cases: list[tuple[dict, dict]], header: str) -
     return [md, csv_path]
 
 
-__all__ = ["CSV_COLUMNS", "PROFILE_CALLS", "PROFILE_TIMED", "PROFILE_WARMUP", "TOP_KERNELS",
-           "case_section", "idle_pct", "profile_ops", "write_kernel_profile"]
+__all__ = ["CSV_COLUMNS", "PROFILE_CALLS", "PROFILE_TIMED", "PROFILE_WARMUP",
+           "TOP_KERNELS", "case_section", "idle_pct", "profile_ops", "ratio",
+           "write_kernel_profile"]

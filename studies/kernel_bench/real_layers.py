@@ -12,7 +12,10 @@ Cases (``studies.kernel_bench.cases``): recorded layers (``twell.nn.record`` fil
 2. a CHECK of every op against fp32 (``twell.ops.reference`` through ``common``; relative Frobenius error of y, and of dx, dWg, dWu, dWd
    for training, whose loss is ``sum(y dy) + c l1``, c = 0.2 N); an op of ours more than 3x
    the dense bf16 path's error (+ 5e-3) stops the benchmark (:class:`CheckFailed`); the
-   paper's op is reported, not stopped on (its known overflow drops);
+   paper's op is reported, not stopped on (its known overflow drops); an op with an eager twin
+   (:data:`TWINS`: ``ell_graph`` and ``ell_nosync``) is also held to that bound against the
+   twin's outputs and L1 term, and an op's capacity guard (``ell_graph``'s) is read after its
+   check call and again after the timing (an overflow stops the benchmark the same way);
 3. TIMING in :data:`ROUNDS` interleaved rounds (:func:`time_rounds`): every op timed once per
    round (one ``triton.testing.do_bench`` median; an injected timer on the CPU smoke run), the
    op order rotated by one each round; an op's ``ms`` is the median over rounds, its
@@ -33,6 +36,12 @@ Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``de
     torch         train: PyTorch autograd of y alone, no L1 term (cuBLAS bf16), the baseline
     ell           train: the ELL op measuring its dense backup per call
     ell_nosync    train: the ELL op, no host sync, backup at the measured capacity
+    ell_graph     train: ``ell_nosync`` captured in one CUDA graph, forward and backward
+                  (``twell.ops.ffn_train_graph``): one launch a call instead of ~96; captured at
+                  its first call (outside the timing), checked against fp32 and against
+                  ``ell_nosync`` (:data:`TWINS`), its capacity guard read after the timing
+                  (an overflow stops the run as a failed check); CUDA only (skipped with the
+                  reason on the CPU); left out with the reason when the capture fails
     ell_hot       train: no-sync ELL with the hot set
     ell_cols      train: ``ell_nosync`` with the weight-gradient grid column-outermost
                   (:data:`COLS_FIRST`: every D slice of the longest columns starts first, where
@@ -75,6 +84,7 @@ from twell.nn.record import active_counts_of
 from twell.ops.ffn import TwELLState, sparse_ffn
 from twell.ops.ffn_dense_train import dense_ffn_train
 from twell.ops.ffn_train import backup_capacity_for, sparse_ffn_train
+from twell.ops.ffn_train_graph import CapacityOverflow
 from twell.ops.hot_units import hot_unit_count, hot_units_from_counts
 from twell.ops.launch import kernel_config
 from twell.ops.reference import gated_ffn_torch
@@ -86,7 +96,13 @@ COLUMNS = ["size", "layer", "density", "l0_mean", "l0_max", "heavy_rows", "op", 
 ROUNDS = 3  # interleaved timing rounds per case (the script's --rounds default)
 KINDS = ("fwd", "train")
 OPS = {"fwd": ("dense", "twell", "twell_hot", "twell_long", "auto", "paper"),
-       "train": ("torch", "ell", "ell_nosync", "ell_hot", "ell_cols", "auto", "paper")}
+       "train": ("torch", "ell", "ell_nosync", "ell_graph", "ell_hot", "ell_cols", "auto",
+                 "paper")}
+CUDA_ONLY = {("ell_graph", "train"): "CUDA graphs need a CUDA device"}  # op -> why it is skipped
+# ops whose first call (the paper's build, ell_graph's capture) may fail: left out with the reason
+OPTIONAL = ("paper", "ell_graph")
+# op -> the eager op it must equal: also checked against it (outputs, gradients and the L1 term)
+TWINS = {("ell_graph", "train"): ("ell_nosync", "train")}
 # twell_long's rows per call: 1/128 of the 16384-row calls (~6 GFLOP of dense backup at the
 # 1.5B shape) against the densest tokens of a trained model (BENCHMARKS.md, "Next")
 LONG_ROWS = 128
@@ -127,7 +143,8 @@ def _dense_fwd(x, wg, wu, wd):
 
 def _train_closure(fn, case: Case, with_l1: bool) -> Callable[[], list[torch.Tensor]]:
     """fwd + bwd of ``fn(x, wg, wu, wd) -> (y, stats or None)``: returns [y, dx, dWg, dWu, dWd]
-    of ``sum(y dy) (+ c l1)`` (autograd.grad: nothing accumulates across calls)."""
+    of ``sum(y dy) (+ c l1)`` (autograd.grad: nothing accumulates across calls); the last
+    call's L1 term in ``run.stats["l1"]`` (with ``with_l1``)."""
     ins = [t.detach().clone().requires_grad_() for t in (case.x, case.wg, case.wu, case.wd)]
     c = L1_COEFF_PER_TOKEN * case.x.shape[0]
 
@@ -137,8 +154,45 @@ def _train_closure(fn, case: Case, with_l1: bool) -> Callable[[], list[torch.Ten
         if with_l1:
             outs.append(st.l1)
             gouts.append(torch.full_like(st.l1, c))
+            run.stats["l1"] = st.l1.detach()
         return [y.detach(), *torch.autograd.grad(outs, ins, gouts)]
+    run.stats = {}
     return run
+
+
+def _graph_closure(case: Case, policy: FFNPolicy) -> Callable[[], list[torch.Tensor]]:
+    """``ell_graph``: ``ell_nosync``'s call (same capacity, loss, L1 coefficient) captured in a
+    CUDA graph (``twell.ops.ffn_train_graph.graphed_ffn_train``) at the first call, which
+    :func:`build_ops` makes before the check and the timing; then a call is one replay (on the
+    copies of x and dy made at the capture, the case's weights in place; nothing copied per
+    call). Returns the static [y, dx, dWg, dWu, dWd] (overwritten by the next call), the L1
+    term in ``run.stats["l1"]``; ``run.check()`` reads the capacity guard (one host sync;
+    raises ``CapacityOverflow``)."""
+    from twell.ops.ffn_train_graph import graphed_ffn_train
+
+    held = {}
+
+    def run():
+        g = held.get("g")
+        if g is None:
+            g = held["g"] = graphed_ffn_train(
+                case.x, case.wg, case.wu, case.wd, case.dy, backup_rows=case.caps["cold"],
+                l1_coeff=L1_COEFF_PER_TOKEN * case.x.shape[0], policy=policy)
+        out = g()
+        run.stats["l1"] = out[5]
+        return list(out[:5])
+
+    def check():
+        if "g" in held:
+            held["g"].check()
+    run.stats, run.check = {}, check
+    return run
+
+
+def skip_reason(op: str, kind: str, case: Case) -> str | None:
+    """Why ``op`` does not run on ``case``'s device (:data:`CUDA_ONLY` off CUDA), else None."""
+    why = CUDA_ONLY.get((op, kind))
+    return None if why is None or case.x.is_cuda else f"{why}; this case is on {case.x.device}"
 
 
 def references(case: Case) -> dict:
@@ -158,7 +212,8 @@ def _split_pays(case: Case, policy: FFNPolicy) -> bool:
 
 def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
     """Closure running one call of ``op`` (``OPS``) on ``case``; returns its outputs ([y], or
-    [y, dx, dWg, dWu, dWd]) for the check. None when the op does not apply (paper absent)."""
+    [y, dx, dWg, dWu, dWd]) for the check. None when the op does not apply (paper absent, a
+    :data:`CUDA_ONLY` op off CUDA, a no-sync op with every row heavy)."""
     x, wg, wu, wd = case.x, case.wg, case.wu, case.wd
     if op == "paper":
         return None if paper is None else (paper.fwd_closure(case) if kind == "fwd"
@@ -187,9 +242,11 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
             return _train_closure(lambda *a: dense_ffn_train(*a, with_stats=True), case, True)
         op = "ell_hot" if _split_pays(case, policy) else "ell_nosync"
     n = case.x.shape[0]
-    if (op in ("ell_nosync", "ell_cols") and case.stats["heavy_rows"] >= n) or (op == "ell_hot"
-                                                                  and case.cold_heavy >= n):
+    if (op in ("ell_nosync", "ell_cols", "ell_graph") and case.stats["heavy_rows"] >= n) or (
+            op == "ell_hot" and case.cold_heavy >= n):
         return None  # every row heavy: a no-sync backup holds at most N - 1 (the op's rule)
+    if op == "ell_graph":
+        return None if skip_reason(op, kind, case) else _graph_closure(case, policy)
     kw = {"ell": {}, "ell_nosync": {"backup_rows": case.caps.get("cold", -1)},
           "ell_cols": {"backup_rows": case.caps.get("cold", -1)},
           "ell_hot": {"backup_rows": case.caps.get("hot", -1), "hot_units": case.hot}}[op]
@@ -203,26 +260,60 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
     return run_cols
 
 
+def read_guard(fn, where: str) -> None:
+    """Read an op's capacity guard (``fn.check``: ``ell_graph``'s, one host sync; outside the
+    timing) and raise :class:`CheckFailed` naming ``where`` when a call since the last read
+    overflowed its dense backup (its results were wrong). Ops without a guard pass."""
+    check = getattr(fn, "check", None)
+    if check is None:
+        return
+    try:
+        check()
+    except CapacityOverflow as e:
+        raise CheckFailed(f"{where}: {e}") from e
+
+
+def _twin_diffs(out: list, fn, twin_fn) -> list[float]:
+    """Relative differences of ``fn``'s outputs ``out`` (its call just made) from a call of its
+    eager twin (:data:`TWINS`), then of their L1 terms (``stats["l1"]``)."""
+    twin_out = twin_fn()
+    d = [rel_err(a, b) for a, b in zip(out, twin_out)]
+    return d + [rel_err(fn.stats["l1"], twin_fn.stats["l1"])]
+
+
 def check_case(case: Case, ops: dict, refs: dict) -> dict:
     """Relative errors of every op (``ops``: (op, kind) -> closure) against fp32; raises
     :class:`CheckFailed` when an op of ours exceeds 3x the dense bf16 path's error + 5e-3 on
     any output (the dense bf16 path with the L1 term for training; the baselines and the
-    paper's op are reported, never stopped on). Returns (op, kind) -> (largest error, within
-    the bound)."""
+    paper's op are reported, never stopped on), when an op with a twin (:data:`TWINS`) differs
+    from it by more than that bound on an output (5e-3 on the L1 term; printed), or when an
+    op's capacity guard (:func:`read_guard`) overflowed. Returns (op, kind) -> (largest error
+    against fp32, within the bounds)."""
     base = {"fwd": [rel_err(o, r) for o, r in zip(ops[("dense", "fwd")](), refs["fwd"])]}
     l1_dense = _train_closure(lambda *a: gated_ffn_torch(*a, with_stats=True), case, True)()
     base["train"] = [rel_err(o, r) for o, r in zip(l1_dense, refs["train"])]
     errs, bad = {}, []
+    where = f"{case.size} layer {case.layer}"
     for (op, kind), fn in ops.items():
         ref = refs["train_dense" if (op, kind) == ("torch", "train") else kind]
-        e = [rel_err(o, r) for o, r in zip(fn(), ref)]
+        out = fn()
+        read_guard(fn, f"{where}: {op} {kind}")
+        e = [rel_err(o, r) for o, r in zip(out, ref)]
         ok = all(ei <= 3 * bi + 5e-3 for ei, bi in zip(e, base[kind]))  # False for NaN
-        errs[(op, kind)] = (max(e), ok)
         if not ok and op not in ("paper", BASELINE[kind]):
             bad.append(f"{op} {kind}: errors {', '.join(f'{v:.2e}' for v in e)} vs dense bf16 "
                        f"{', '.join(f'{v:.2e}' for v in base[kind])}")
+        if (twin := TWINS.get((op, kind))) in ops:
+            d = _twin_diffs(out, fn, ops[twin])
+            print(f"  {op} {kind} vs {twin[0]}: relative differences (y, dx, dWg, dWu, dWd, l1) "
+                  f"{', '.join(f'{v:.1e}' for v in d)}", flush=True)
+            if not all(di <= 3 * bi + 5e-3 for di, bi in zip(d, [*base[kind], 0.0])):
+                ok = False
+                bad.append(f"{op} {kind} differs from {twin[0]}: "
+                           f"{', '.join(f'{v:.2e}' for v in d)}")
+        errs[(op, kind)] = (max(e), ok)
     if bad:
-        raise CheckFailed(f"{case.size} layer {case.layer}: " + "; ".join(bad))
+        raise CheckFailed(f"{where}: " + "; ".join(bad))
     return errs
 
 
@@ -265,6 +356,36 @@ def time_rounds(ops: dict, timer, rounds: int = ROUNDS) -> dict:
     return {k: round_stats(v) for k, v in ms.items()}
 
 
+def build_ops(case: Case, policy: FFNPolicy, paper=None, kinds=KINDS) -> dict:
+    """``(op, kind) -> closure`` of every op of ``kinds`` that applies to ``case`` (prepared:
+    :func:`prepare`), dense fwd always (the check's yardstick). A :data:`CUDA_ONLY` op off
+    CUDA is skipped and an :data:`OPTIONAL` op whose first call raises (outside any timing:
+    the paper's build, ``ell_graph``'s capture) is left out, each with its reason printed.
+
+    Raises:
+        CheckFailed: an optional op's first call overflowed its capacity (:func:`read_guard`).
+    """
+    ops = {}
+    for kind in kinds:
+        for op in OPS[kind]:
+            if (why := skip_reason(op, kind, case)) is not None:
+                print(f"  {op} {kind}: skipped ({why})", flush=True)
+            elif (fn := make_op(op, kind, case, policy, paper)) is not None:
+                ops[(op, kind)] = fn
+    if ("dense", "fwd") not in ops:
+        ops[("dense", "fwd")] = make_op("dense", "fwd", case, policy)
+    for key in [k for k in ops if k[0] in OPTIONAL]:
+        try:
+            ops[key]()
+        except CapacityOverflow as e:  # a wrong result, not a missing feature: stop
+            raise CheckFailed(f"{case.size} layer {case.layer}: {key[0]} {key[1]}: {e}") from e
+        except Exception as e:  # noqa: BLE001
+            print(f"  {key[0]} {key[1]}: left out ({type(e).__name__}: {str(e)[:160]})",
+                  flush=True)
+            del ops[key]
+    return ops
+
+
 def run_case(case: Case, policy: FFNPolicy, timer, paper=None, kinds=KINDS, *,
              rounds: int = ROUNDS, profiles: dict | None = None) -> list[dict]:
     """Prepare, check, then time every op of ``case`` (:func:`time_rounds`); returns its CSV
@@ -277,20 +398,12 @@ def run_case(case: Case, policy: FFNPolicy, timer, paper=None, kinds=KINDS, *,
             call (``kernel_profile.profile_ops``).
 
     Raises:
-        CheckFailed: an op of ours is off (:func:`check_case`); nothing is timed.
+        CheckFailed: an op of ours is off (:func:`check_case`; nothing is timed), or a timed
+            call overflowed its capacity (:func:`read_guard`, after the timing).
     """
     prepare(case, policy)
     refs = references(case)
-    ops = {(op, kind): fn for kind in kinds for op in OPS[kind]
-           if (fn := make_op(op, kind, case, policy, paper)) is not None}
-    if ("dense", "fwd") not in ops:
-        ops[("dense", "fwd")] = make_op("dense", "fwd", case, policy)
-    for key in [k for k in ops if k[0] == "paper"]:  # optional: an op that raises is left out
-        try:
-            ops[key]()
-        except Exception as e:  # noqa: BLE001
-            print(f"  paper {key[1]}: left out ({type(e).__name__}: {str(e)[:160]})")
-            del ops[key]
+    ops = build_ops(case, policy, paper, kinds)
     errs = check_case(case, ops, refs)
     ms = time_rounds(ops, timer, rounds)
     if ("auto", "fwd") in ops:  # what the measured auto chose (printed; the CSV keeps "auto")
@@ -300,6 +413,8 @@ def run_case(case: Case, policy: FFNPolicy, timer, paper=None, kinds=KINDS, *,
 
         profiles.update(profile_ops({k: fn for k, fn in ops.items() if k[1] in kinds},
                                     case.x.device, case.wg.shape[0]))
+    for (op, kind), fn in ops.items():  # the timed calls' guards (ell_graph's capacity)
+        read_guard(fn, f"{case.size} layer {case.layer}: {op} {kind}, timed calls")
     rows = []
     for (op, kind), (t, spread) in ms.items():
         if kind not in kinds:
@@ -473,8 +588,8 @@ def run_cases(cases, policy: FFNPolicy, paper, timer, header: str, *, out: Path,
     return rows, status
 
 
-__all__ = ["BASELINE", "COLUMNS", "KINDS", "OPS", "ROUNDS", "Case", "CheckFailed", "PaperOps", "check_case",
-           "cpu_timer", "gpu_timer", "heavy_case", "iid_case", "load_paper_ops", "make_op", "prepare",
-           "profile_title", "recorded_case", "references", "rel_err", "round_stats", "run_case",
-           "run_cases", "summary_table",
-           "time_rounds", "write_csv"]
+__all__ = ["BASELINE", "COLUMNS", "CUDA_ONLY", "KINDS", "OPS", "OPTIONAL", "ROUNDS", "TWINS", "Case",
+           "CheckFailed", "PaperOps", "build_ops", "check_case", "cpu_timer", "gpu_timer",
+           "heavy_case", "iid_case", "load_paper_ops", "make_op", "prepare", "profile_title",
+           "read_guard", "recorded_case", "references", "rel_err", "round_stats", "run_case",
+           "run_cases", "skip_reason", "summary_table", "time_rounds", "write_csv"]

@@ -1,6 +1,7 @@
 """Inputs, the fp64 reference and the comparisons shared by the training ops' tests
 (``test_ffn_train.py``, ``test_ffn_dense_train.py``, ``test_hot_units.py``, ``test_compact.py``,
-``test_elementwise.py``).
+``test_elementwise.py``), and a CPU stand-in for CUDA graphs (``test_ffn_train_graph.py``,
+tests/studies/test_kernel_bench_real_layers.py).
 
 Reference: ``twell.ops.reference.gated_ffn_torch`` in float64 with PyTorch autograd; loss
 ``sum(y * dy) + c * l1``. Shape legend: N tokens, D model width, H FFN width.
@@ -117,3 +118,29 @@ def check_compiled_and_checkpointed(f, x, wg, wu, wd, dy):
 
     for name, a, b in zip(("dx", "dWg", "dWu", "dWd"), loss_grads(ck, x, wg, wu, wd, dy), g_r):
         assert_close(name, a, b, 2e-5)
+
+
+class FakeGraphs:
+    """A stand-in for ``twell.ops.ffn_train_graph.CudaGraphs`` on the CPU: the capture runs the
+    step once and keeps its outputs, a replay runs it again and copies into them (as a real
+    replay overwrites the static outputs); counts warm-up calls, captures and replays."""
+
+    def __init__(self):
+        self.warm = self.captures = self.replays = 0
+
+    def warmup(self, fn, calls):
+        self.warm += calls
+        for _ in range(calls):
+            fn()
+
+    def capture(self, fn):
+        self.captures += 1
+        out = fn()
+
+        def replay():
+            self.replays += 1
+            new = fn()
+            with torch.no_grad():
+                for o, n in zip(out, new):
+                    o.copy_(n)
+        return replay, out

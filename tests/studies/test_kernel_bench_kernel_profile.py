@@ -28,16 +28,30 @@ def test_case_section_shows_host_bound_ops():
     lines = kp.case_section("1.5B layer 15", _profiles()).splitlines()
     assert lines[0] == "## 1.5B layer 15"
     assert lines[2] == ("| op | kind | wall ms/call | GPU busy ms/call | idle % | kernels/call | "
-                        "host syncs/call |")
-    # idle: (0.8 - 0.2) / 0.8 = 75 %, (1.0 - 0.95) / 1.0 = 5 %
-    assert lines[4] == "| twell_long | fwd | 0.800 | 0.200 | 75 | 20.0 | 1.0 |"
-    assert lines[5] == "| twell | fwd | 1.000 | 0.950 | 5 | 3.0 | 0.0 |"
+                        "host syncs/call | x dense (wall) | x dense (GPU busy) |")
+    # idle: (0.8 - 0.2) / 0.8 = 75 %, (1.0 - 0.95) / 1.0 = 5 %; no dense profile: no ratios
+    assert lines[4] == "| twell_long | fwd | 0.800 | 0.200 | 75 | 20.0 | 1.0 | - | - |"
+    assert lines[5] == "| twell | fwd | 1.000 | 0.950 | 5 | 3.0 | 0.0 | - | - |"
     first = lines.index("### twell_long fwd: longest kernels")
     assert lines[first + 2].startswith("| us per call |")
     assert lines[first + 4] == "| 60.0 | 30.0 | 2 | 30.0 | gemm_ffn | `nvjet_backup` |"
     second = lines.index("### twell fwd: longest kernels")
     assert second - first == 2 + 2 + kp.TOP_KERNELS + 1  # heading, blank, 2 header, 12, blank
     assert kp.idle_pct(StepProfile(0.0, 0.0)) == 0.0
+
+
+def test_case_section_divides_the_dense_baseline_by_wall_and_by_gpu_busy():
+    """x dense = the kind's baseline (dense fwd) over the op: by wall 1.6 / 0.8 = 2.00x, by GPU
+    busy 1.5 / 0.2 = 7.50x for the host-bound op; 1.00x for the baseline itself; ``-`` for an
+    op without kernels (a zero busy time)."""
+    dense = StepProfile(1.6, 1.5, dict.fromkeys(FAMILIES, 0.0), 0.0, [], 8.0)
+    profs = {("dense", "fwd"): dense, **_profiles(), ("idle", "fwd"): StepProfile(0.5, 0.0)}
+    lines = kp.case_section("t", profs).splitlines()
+    assert lines[4].endswith("| 1.00x | 1.00x |") and lines[4].startswith("| dense | fwd |")
+    assert lines[5].endswith("| 2.00x | 7.50x |") and lines[5].startswith("| twell_long |")
+    assert lines[6].endswith("| 1.60x | 1.58x |")  # 1.6 / 1.0, 1.5 / 0.95
+    assert lines[7] == "| idle | fwd | 0.500 | 0.000 | 100 | 0.0 | 0.0 | 3.20x | - |"
+    assert kp.case_section("t", profs, {"fwd": "none"}).splitlines()[5].endswith("| - | - |")
 
 
 def test_write_kernel_profile(tmp_path):

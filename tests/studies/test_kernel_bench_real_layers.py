@@ -13,11 +13,17 @@ import pytest
 import torch
 
 from studies.kernel_bench import real_layers as bench
+from tests.ops.train_cases import FakeGraphs
 from twell.nn.record import save_ffn_layer
 from twell.policy import FFNPolicy
 from twell.stats import default_ell_capacity
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def ran(kind):
+    """The ops of ``kind`` that run on the CPU (the paper's is absent, CUDA-only ones skipped)."""
+    return [o for o in bench.OPS[kind] if o != "paper" and (o, kind) not in bench.CUDA_ONLY]
 
 
 @pytest.fixture(autouse=True)
@@ -46,17 +52,20 @@ def test_heavy_case_reaches_its_density_with_heavier_rows():
     assert units["heavy"].std() > 1.3 * units["iid"].std()
 
 
-def test_run_case_rows_from_their_own_measurements(monkeypatch):
-    """Every op of both kinds gets a row with the CSV columns; the statistics are the case's
-    (recomputed here from x and Wg); speedup = the kind's baseline ms (dense fwd, torch train)
-    / op ms; our ops' errors are within the check's bound."""
+def test_run_case_rows_from_their_own_measurements(monkeypatch, capsys):
+    """Every op of both kinds gets a row with the CSV columns (the CUDA-only ell_graph is
+    skipped with its reason); the statistics are the case's (recomputed here from x and Wg);
+    speedup = the kind's baseline ms (dense fwd, torch train) / op ms; our ops' errors are
+    within the check's bound."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     c = bench.iid_case(64, 32, 300, 0.05, seed=1, device="cpu")
     times = iter(float(v) for v in range(1, 100))
     rows = bench.run_case(c, FFNPolicy(), lambda fn: next(times))
     assert [(r["op"], r["kind"]) for r in rows] == (
-        [(o, "fwd") for o in bench.OPS["fwd"] if o != "paper"]
-        + [(o, "train") for o in bench.OPS["train"] if o != "paper"])
+        [(o, "fwd") for o in ran("fwd")] + [(o, "train") for o in ran("train")])
+    assert "ell_graph" not in ran("train") and ("  ell_graph train: skipped (CUDA graphs need a "
+                                                "CUDA device; this case is on cpu)\n"
+                                                in capsys.readouterr().out)
     act = (c.x.float() @ c.wg.float().t()) > 0
     nnz = act.sum(1)
     for r in rows:
@@ -146,6 +155,70 @@ def test_check_fails_loudly_on_a_wrong_op_but_not_on_the_paper():
         bench.check_case(c, ops, refs)
 
 
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """ell_graph on the CPU: not CUDA-only, its graph a stand-in (tests/ops/train_cases.py)."""
+    import functools
+
+    from twell.ops import ffn_train_graph
+
+    monkeypatch.setattr(bench, "CUDA_ONLY", {})
+    fake = FakeGraphs()
+    monkeypatch.setattr(ffn_train_graph, "graphed_ffn_train",
+                        functools.partial(ffn_train_graph.graphed_ffn_train, graphs=fake))
+    return fake
+
+
+def _graph_case():
+    c = bench.prepare(bench.iid_case(64, 32, 300, 0.05, seed=2, device="cpu"), FFNPolicy())
+    assert 0 < c.stats["heavy_rows"] < 64 and c.caps["cold"] >= c.stats["heavy_rows"]
+    return c
+
+
+def test_ell_graph_is_captured_once_and_checked_against_ell_nosync(fake_graphs, capsys):
+    """Captured at its first call (build_ops, before the check and the timing), then replayed;
+    within the bound against fp32 and equal to its eager twin, outputs and L1 term."""
+    c = _graph_case()
+    ops = bench.build_ops(c, FFNPolicy(), kinds=("train",))
+    assert ("ell_graph", "train") in ops and fake_graphs.captures == 1
+    errs = bench.check_case(c, ops, bench.references(c))
+    assert errs[("ell_graph", "train")] == errs[("ell_nosync", "train")]
+    assert fake_graphs.captures == 1 and fake_graphs.replays >= 1
+    line = next(x for x in capsys.readouterr().out.splitlines() if "vs ell_nosync" in x)
+    assert line == ("  ell_graph train vs ell_nosync: relative differences (y, dx, dWg, dWu, "
+                    "dWd, l1) " + ", ".join(["0.0e+00"] * 6))
+
+
+def test_ell_graph_overflow_fails_the_check_and_a_failed_capture_is_left_out(
+        fake_graphs, monkeypatch, capsys):
+    """A capacity below the case's heavy rows stops the run (CheckFailed), at the capture or
+    after the timing (the guard read by read_guard); a capture that raises leaves the op out
+    with its reason."""
+    c = _graph_case()
+    c.caps["cold"] = c.stats["heavy_rows"] - 1
+    with pytest.raises(bench.CheckFailed, match="ell_graph train: .*dense backup's"):
+        bench.build_ops(c, FFNPolicy(), kinds=("train",))
+    from twell.ops.ffn_train_graph import CapacityOverflow
+
+    def tripped():
+        raise CapacityOverflow("3 rows over")
+    tripped.check = tripped
+    with pytest.raises(bench.CheckFailed, match="timed calls: 3 rows over"):
+        bench.read_guard(tripped, "iid layer 5%: ell_graph train, timed calls")
+    bench.read_guard(lambda: None, "no guard")  # an op without one passes
+
+    def broken(*a, **kw):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    from twell.ops import ffn_train_graph
+
+    monkeypatch.setattr(ffn_train_graph, "graphed_ffn_train", broken)
+    c = _graph_case()
+    ops = bench.build_ops(c, FFNPolicy(), kinds=("train",))
+    assert ("ell_graph", "train") not in ops and ("ell_nosync", "train") in ops
+    assert ("  ell_graph train: left out (RuntimeError: operation not permitted when stream "
+            "is capturing)") in capsys.readouterr().out
+
+
 def test_recorded_case_reads_labels_and_tensors(tmp_path):
     c = bench.iid_case(32, 16, 64, 0.1, seed=4, device="cpu")
     path = save_ffn_layer(tmp_path / "a.safetensors", c.x, c.wg, c.wu, c.wd,
@@ -215,8 +288,7 @@ def test_script_smoke_run_writes_the_kernel_profile(smoke_run):
     heads = [line for line in md.splitlines() if line.startswith("## ")]
     assert heads == ["## smoke layer 0: N x D x H = 64 x 32 x 300, density 2.99 %, L0 9.0 (max 29)",
                      "## iid layer 5%: N x D x H = 64 x 32 x 300, density 4.99 %, L0 15.0 (max 37)"]
-    ops = [(o, "fwd") for o in bench.OPS["fwd"] if o != "paper"] + [
-        (o, "train") for o in bench.OPS["train"] if o != "paper"]
+    ops = [(o, "fwd") for o in ran("fwd")] + [(o, "train") for o in ran("train")]
     for sec in md.split("\n## ")[1:]:
         assert [line.split(" | ")[:2] for line in sec.splitlines()[4:4 + len(ops)]] == [
             [f"| {o}", k] for o, k in ops]
