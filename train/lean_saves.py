@@ -20,7 +20,13 @@ are deterministic functions of others it keeps anyway:
   v, o), which ``F.linear`` keeps for the input gradient, are recast from the fp32 parameters
   in backward instead (``train.recompute._recast_weights``, as the FFN outside a checkpoint
   does): ``2 x`` (their parameter count) bytes less, fixed (1.19 GiB at 2B); four casts per
-  layer in backward. Nothing changes without autocast (fp32 runs keep no casts).
+  layer in backward. Nothing changes without autocast (fp32 runs keep no casts). The layer runs
+  with autocast's cast cache off: the cache would hold every cast until the autocast region
+  ends, i.e. the whole model forward, Liger's fused loss included, where the step's peak is.
+
+Nothing outlives the step: the hooks hold no reference cycle (one kept every layer's recipes,
+and with them the fp32 norm inputs, past backward until Python's cyclic collector ran: on one
+H200 the 2B probes' peaks did not fall, tests/train/test_lean_saves.py).
 
 Bitwise: the recomputation runs the same forward (Liger's RMSNorm kernel is a per-row reduction
 without atomics; transformers' reference norm is plain elementwise code) on the same operands
@@ -95,14 +101,18 @@ class _LayerSaves(torch.autograd.graph.saved_tensors_hooks):
     casts are recast in backward (``_recast_weights``)."""
 
     def __init__(self, norms: bool, weights: list[torch.Tensor]) -> None:
-        self.outputs: dict[int, tuple[weakref.ref, _NormRecipe]] = {}
-        self.norms = norms
+        # The hooks close over this dict, not over self: self holds them (pack_hook), so a
+        # closure over self is a reference cycle, which kept each layer's recipes, and through
+        # them the fp32 norm inputs (2 x N x D x 4 bytes, twice what is saved), past backward
+        # until Python's cyclic collector ran (GPU call 4: no memory saved at all)
+        outputs: dict[int, tuple[weakref.ref, _NormRecipe]] = {}
+        self.outputs, self.norms = outputs, norms
         recast = _recast_weights(weights) if weights else None
         cast_pack = recast.pack_hook if recast else (lambda t: t)
         cast_unpack = recast.unpack_hook if recast else (lambda p: p)
 
         def pack(t: torch.Tensor):
-            hit = self.outputs.get(t.untyped_storage().data_ptr()) if self.outputs else None
+            hit = outputs.get(t.untyped_storage().data_ptr()) if outputs else None
             if hit is not None and hit[0]() is not None and t.dtype == hit[1].dtype:
                 recipe = hit[1]
                 recipe.pending += 1
@@ -129,9 +139,16 @@ def _layer_enter(layer, args) -> None:
     if not (layer.training and torch.is_grad_enabled()) or getattr(
             layer, "gradient_checkpointing", False):
         return
-    weights = ([p for p in layer.self_attn.parameters() if p.dim() == 2]
-               if layer._twell_recast_attn else [])
+    recast = layer._twell_recast_attn
+    weights = [p for p in layer.self_attn.parameters() if p.dim() == 2] if recast else []
     saves = _LayerSaves(layer._twell_recompute_norms, weights)
+    # autocast's cast cache holds every weight's bf16 cast until the autocast region ends: the
+    # model's forward, Liger's fused loss inside it, where the step's peak is. Off in the layer,
+    # a recast cast goes when the op that used it returns (no weight is used twice in a layer,
+    # so nothing is cast more often; the casts are the same values)
+    saves.cache = torch.is_autocast_cache_enabled() if recast else None
+    if recast:
+        torch.set_autocast_cache_enabled(False)
     saves.__enter__()
     layer._twell_saves = saves
 
@@ -140,6 +157,9 @@ def _layer_leave(layer, args, output) -> None:
     saves = layer.__dict__.pop("_twell_saves", None)
     if saves is not None:
         saves.__exit__(None, None, None)
+        saves.outputs.clear()  # nothing packs after the layer: the recipes live in the graph
+        if saves.cache is not None:
+            torch.set_autocast_cache_enabled(saves.cache)
 
 
 def _norm_done(norm, args, output) -> None:

@@ -593,6 +593,8 @@ class ProbeRunner:
         finally:
             tr.zero_grad()
             profiling.__exit__(None, None, None)
+        if oom:  # the failed forward's graph, held by the FFNs' statistics
+            release_failed_step(tr.device, mlps=getattr(tr, "mlps", ()))
         free_memory(tr.device)
         flag = torch.tensor([float(oom)], device=tr.device)
         peak = torch.cuda.max_memory_allocated(tr.device) / 2**30 if cuda else math.nan
@@ -673,6 +675,24 @@ def free_memory(device) -> None:
     if torch.device(device).type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def release_failed_step(device, *, optimizer=None, mlps: Iterable = ()) -> None:
+    """Release what an attempt that ran out of memory still holds, before the next one (a
+    probe, a bench row): the gradients (set to None), each FFN's last statistics (``mlps``:
+    they hold the failed forward's graph, and through it the saved activations of every layer
+    that ran, until the next forward replaces them layer by layer), the exception's frames (a
+    collection: they form reference cycles) and, on CUDA, the allocator's cached blocks, and
+    the peak statistics are reset. Call it after the ``except`` block, not inside: there the
+    exception and its traceback, and so every frame of the failed step, are still alive."""
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    for mlp in mlps:
+        mlp.last_stats = None
+    gc.collect()  # also on the CPU (free_memory skips it there): an error path, not a hot one
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def device_probe(trainer) -> Callable[[Candidate], Measurement] | None:

@@ -64,6 +64,7 @@ from train.memory import (
     choose_initial_paths,
     pending_optimizer_gb,
     plan_memory,
+    release_failed_step,
 )
 
 OUR_PATHS = ("ell", "dense", "auto")  # the timing order inside our trainer's stage
@@ -236,13 +237,14 @@ def time_our_path(run: SizeRun, tr, path: str, b: Budget) -> None:
     if choice.ffn == "auto":  # from the paths its search probed (_search_ours), not the state's
         choose_initial_paths(tr, ProbeRunner(tr).ids_BT, force=True)
     ok = loss_check(run, tr, choice.ffn)
+    window = m = None
     try:
         window, m = time_trainer(run, tr, _plan_for(choice, b), seed=choice.micro_batch)
     except Exception as e:
         if not is_oom(e):
             raise
-        tr.optimizer.zero_grad(set_to_none=True)
-        free_memory(run.device)
+    if window is None:  # out of memory: released once the exception is gone (not in except)
+        release_failed_step(run.device, optimizer=tr.optimizer, mlps=tr.mlps)
         return add_row(run, skipped_row(run, path, b, "out of memory while timing", choice,
                                         check_ok=ok))
     notes = f"timed L0 {m['l0_mean']:.1f}" + forward_reruns(m)
@@ -355,13 +357,14 @@ def time_baseline(run: SizeRun, step: HFStep, c: Choice, b: Budget, path: str = 
     row naming the out-of-memory error (other errors propagate)."""
     step.set_recompute(c.recompute)
     batches = batches_from(run.pool_NT, c.micro_batch, seed=c.micro_batch)
+    window = None
     try:
         window = time_steps(lambda: step(batches), run.s.warmup, run.s.steps, run.device)
     except Exception as e:
         if not is_oom(e):
             raise
-        step.optimizer.zero_grad(set_to_none=True)
-        free_memory(run.device)
+    if window is None:  # out of memory: released once the exception is gone (not in except)
+        release_failed_step(run.device, optimizer=step.optimizer)
         return skipped_row(run, path, b, "out of memory while timing", c)
     return new_row(run, path, b, ffn=path, micro_batch=c.micro_batch, recompute=c.recompute,
                    predicted_peak_gb=c.step_peak_gb, probe_tok_per_ms=c.probe_tok_per_ms,
@@ -448,13 +451,14 @@ def time_default(run: SizeRun, tr, plan: Plan, b: Budget) -> dict:
     base = {"ffn": d["ffn"], "micro_batch": plan.micro_batch, "recompute": plan.recompute,
             "predicted_peak_gb": plan.peak_gb, "probe_tok_per_ms": plan.tok_per_ms,
             "check_ok": ok}
+    window = m = None
     try:
         window, m = time_trainer(run, tr, dataclasses.replace(plan, accum=1), seed=1)
     except Exception as e:
         if not is_oom(e):
             raise
-        tr.optimizer.zero_grad(set_to_none=True)
-        free_memory(run.device)
+    if window is None:  # out of memory: released once the exception is gone (not in except)
+        release_failed_step(run.device, optimizer=tr.optimizer, mlps=tr.mlps)
         return new_row(run, "default", b, notes=f"{plan_note(run, tr, plan)}; out of memory while "
                                                 "timing", **base)
     return new_row(run, "default", b, redos=m.get("ffn_backup_redos", 0),

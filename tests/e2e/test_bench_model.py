@@ -743,6 +743,53 @@ def test_auto_is_timed_from_the_paths_its_search_probed(tmp_path, monkeypatch):
         tr.close()
 
 
+def test_out_of_memory_while_timing_leaves_nothing_for_the_next_row(tmp_path, monkeypatch):
+    # GPU call 4: one row ran out of memory while timing and every later row did too, 78 GB
+    # still allocated. What the failed attempt held must be gone when its row is written: the
+    # gradients, the FFN statistics holding the forward's graph, and the frames of the error
+    # (here in a reference cycle, as often: a frame holding the error it raised), also without
+    # Python's cyclic collector running on its own
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from studies.bench import stages
+    from tests.train_utils import tiny_config, write_tokens
+    from train.trainer import Trainer
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the ELL op's PyTorch backend
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
+    tr = Trainer(tiny_config(tok, **{"ffn.impl": "twell"}), tmp_path / "ours")
+    b = Budget(80)
+    run = SimpleNamespace(device=tr.device, bm=SimpleNamespace(plan_state=None),
+                          choices={("ell", b): Choice("ell", b, 2, "none", 1.0, 1.0, "fits")})
+    ids = stages.ProbeRunner(tr).ids_BT[:2]
+    held, rows = [], []
+
+    def fake_time(run, tr, plan, seed):
+        tr.forward_backward(ids)  # gradients of a finished micro-step
+        out = tr.model(input_ids=ids, labels=ids)  # a forward whose backward never runs
+        held.append(weakref.ref(out.loss))
+        err = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 88.00 MiB")
+        raise err  # the frame holds err, err's traceback the frame: a cycle
+
+    monkeypatch.setattr(stages, "loss_check", lambda *a: True)
+    monkeypatch.setattr(stages, "time_trainer", fake_time)
+    monkeypatch.setattr(stages, "add_row", lambda run, row: rows.append(row))
+    monkeypatch.setattr(stages, "skipped_row", lambda run, path, b, why, *a, **k: why)
+    gc.collect()
+    gc.disable()
+    try:
+        stages.time_our_path(run, tr, "ell", b)
+        assert rows == ["out of memory while timing"]
+        assert held[0]() is None, "the failed forward's graph is still alive"
+        assert all(p.grad is None for p in tr.model.parameters())
+        assert all(m.last_stats is None for m in tr.mlps)
+    finally:
+        gc.enable()
+        tr.close()
+
+
 # ---------------------------------------------------------------- where a run writes
 
 
