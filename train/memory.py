@@ -879,7 +879,8 @@ class TrainerMemory:
         picks a lower plan, applies it, rewinds the step's batches and sets the gradients to
         None; returns the log line, or None when the error must propagate (``memory=off``, no
         plan lower, several ranks, the step's update already applied: the error came from the
-        optimizer step or after it)."""
+        optimizer step or after it). Before the redo, after the ``except`` block, the caller
+        releases what the failed attempt holds (:func:`release_failed_step`)."""
         tr = self.trainer
         if self.planner is None or tr.world_size > 1 or self._batches is None:
             return None
