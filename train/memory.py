@@ -884,7 +884,10 @@ class TrainerMemory:
         tr = self.trainer
         if self.planner is None or tr.world_size > 1 or self._batches is None:
             return None
-        if self._batches.step_at != tr.step or _raised_in_optimizer(sys.exc_info()[2]):
+        # the update began (torch.optim in the traceback, or the trainer's mark: the L1
+        # controller's update after it is not in torch.optim): a redo would apply it twice
+        if (self._batches.step_at != tr.step or tr.update_began
+                or _raised_in_optimizer(sys.exc_info()[2])):
             return None
         old = self.plan
         new = self.planner.step_down()

@@ -543,6 +543,26 @@ def test_out_of_memory_in_the_optimizer_step_propagates(tokens, tmp_path, monkey
         tr.close()
 
 
+def test_out_of_memory_after_the_optimizer_step_propagates(tokens, tmp_path, monkeypatch):
+    """Outside torch.optim but after the update (the L1 controller's update): a redo would
+    apply the step's update twice."""
+    lines = {"none": (30.0, 10.0), "attention": (30.0, 5.0), "full": (30.0, 2.0)}
+    times = {"none": (1.0, 1.0), "attention": (1.0, 2.0), "full": (1.0, 3.0)}
+    monkeypatch.setattr(memory, "device_probe", _fake_device_probe(lines, times))
+    tr = Trainer(_auto_cfg(tokens, **{"trainer.memory_budget_gb": 100.0}), tmp_path / "l1")
+
+    def update(*a, **k):
+        raise torch.cuda.OutOfMemoryError("injected after the update")
+
+    monkeypatch.setattr(tr.l1, "update", update)
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="after the update"):
+            tr.train()
+        assert tr.step == 0 and tr.data.micro_batch == 4
+    finally:
+        tr.close()
+
+
 def test_a_resumed_run_plans_again(tokens, tmp_path, monkeypatch):
     """A run started with fixed values continues under the planner (the memory keys are
     execution keys of a resume) at the planned micro-batch, from the checkpoint's data position."""
