@@ -79,26 +79,31 @@ def final_eval_due(e, step: int, last_eval: dict | None) -> bool:
 
 
 def guarded_step(tr, batches, interval: Interval, bar) -> bool:
-    """``tr.run_step`` with out-of-memory handling: ``trainer.memory=auto`` steps down and the
-    same step runs again from the same batches (returns False); else the finished steps are
-    saved (:func:`out_of_memory`). After an accepted step, the planner's one re-plan (when the
-    FFN paths have settled); returns True."""
+    """``tr.run_step`` with out-of-memory handling: ``trainer.memory=auto`` steps down, what the
+    failed attempt held is released and the same step runs again from the same batches
+    (returns False); else the finished steps are saved (:func:`out_of_memory`). After an
+    accepted step, the planner's one re-plan (when the FFN paths have settled); returns True."""
     # where the data was before this step: an out-of-memory in it saves the steps before
     data_state = tr.data.state_dict() if tr.world_size == 1 else None
+    stepped_down = None  # the step-down's log line
     try:
         tr.run_step(batches, interval)
     except torch.cuda.OutOfMemoryError as e:  # memory=auto steps down (train/memory.py)
-        line = tr.memory.step_down()
-        if line is None:
+        stepped_down = tr.memory.step_down()  # in here: it reads where the error came from
+        if stepped_down is None:
             out_of_memory(tr, e, data_state, bar)
             raise  # the update may be half applied: nothing to save
-        tr.runlog.print(line, bar)
-        tr.metrics.write(tr.memory.record, "memory", step=tr.step)
-        return False
     except (RuntimeError, MemoryError) as e:
         if is_cpu_out_of_memory(e):
             out_of_memory(tr, e, data_state, bar)
         raise
+    if stepped_down is not None:
+        # released only now: inside the except block the error's traceback kept every frame of
+        # the failed step alive, and the FFNs' statistics still hold its last forward's graph
+        memory.release_failed_step(tr.device, optimizer=tr.optimizer, mlps=tr.mlps)
+        tr.runlog.print(stepped_down, bar)
+        tr.metrics.write(tr.memory.record, "memory", step=tr.step)
+        return False
     line = tr.memory.after_step()  # re-plans once when the FFN paths have settled
     if line is not None:
         tr.runlog.print(line, bar)

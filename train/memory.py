@@ -879,11 +879,15 @@ class TrainerMemory:
         picks a lower plan, applies it, rewinds the step's batches and sets the gradients to
         None; returns the log line, or None when the error must propagate (``memory=off``, no
         plan lower, several ranks, the step's update already applied: the error came from the
-        optimizer step or after it)."""
+        optimizer step or after it). Before the redo, after the ``except`` block, the caller
+        releases what the failed attempt holds (:func:`release_failed_step`)."""
         tr = self.trainer
         if self.planner is None or tr.world_size > 1 or self._batches is None:
             return None
-        if self._batches.step_at != tr.step or _raised_in_optimizer(sys.exc_info()[2]):
+        # the update began (torch.optim in the traceback, or the trainer's mark: the L1
+        # controller's update after it is not in torch.optim): a redo would apply it twice
+        if (self._batches.step_at != tr.step or tr.update_began
+                or _raised_in_optimizer(sys.exc_info()[2])):
             return None
         old = self.plan
         new = self.planner.step_down()

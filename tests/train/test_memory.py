@@ -417,6 +417,90 @@ def test_out_of_memory_in_a_step_steps_down_and_loses_nothing(tokens, tmp_path, 
         assert a["tokens"] == b["tokens"]
 
 
+def test_a_step_down_releases_the_failed_attempt_before_the_redo(tokens, tmp_path, monkeypatch):
+    """What the failed attempt held must be gone before the redo's first forward, also without
+    Python's cyclic collector running on its own: the graph of its last forward (whose backward
+    never ran: the FFNs' statistics hold it), the frames of the error (here in a reference
+    cycle: a frame holding the error it raised) and the gradients of its finished micro-step.
+    Else the redo runs out of memory again for memory the failed attempt still holds. The run
+    then ends as one that chose micro-batch 2 from the start."""
+    import gc
+    import weakref
+
+    from train import step as step_mod
+
+    lines = {"none": (30.0, 10.0), "attention": (30.0, 5.0), "full": (30.0, 2.0)}
+    times = {"none": (1.0, 1.0), "attention": (1.0, 2.0), "full": (1.0, 3.0)}
+    monkeypatch.setattr(memory, "device_probe", _fake_device_probe(lines, times))
+    cfg = _auto_cfg(tokens, **{"trainer.memory_budget_gb": 100.0})
+    orig, held, seen, at = step_mod._forward, [], [], {"tr": None, "calls": 0}
+
+    def flaky(model, ids_BT, mlps):
+        tr = at["tr"]
+        if held and not seen:  # the redo's first forward: what is left of the failed attempt
+            seen.append({"graph": [r() is None for r in held],
+                         "grads": all(p.grad is None for p in tr.model.parameters()),
+                         "last_stats": all(m.last_stats is None for m in mlps)})
+        out = orig(model, ids_BT, mlps)
+        at["calls"] += tr.step + 1 == 3
+        if at["calls"] == 2 and not held:  # step 3's second micro-batch, after one backward
+            held.extend(weakref.ref(x) for x in (out[1], *(m.last_stats for m in mlps)))
+            err = torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
+            raise err  # the frame holds err, err's traceback the frame: a cycle
+        return out
+
+    monkeypatch.setattr(step_mod, "_forward", flaky)
+    tr = at["tr"] = Trainer(cfg, tmp_path / "oom")
+    gc.collect()
+    gc.disable()
+    try:
+        assert (tr.memory.plan.micro_batch, tr.accum) == (4, 2)
+        tr.train()
+        assert tr.step == 4 and (tr.accum, tr.data.micro_batch) == (4, 2)
+    finally:
+        gc.enable()
+        tr.close()
+    assert len(held) == 1 + cfg.model.num_layers and len(seen) == 1
+    assert seen[0] == {"graph": [True] * len(held), "grads": True, "last_stats": True}
+    monkeypatch.undo()
+    ref = tiny_config(tokens, **{"trainer.micro_batch": 2, "trainer.max_steps": 4,
+                                 "sparsity.l1_coeff": 0.05})
+    Trainer(ref, tmp_path / "ref").train()
+    got, want = read_metrics(tmp_path / "oom"), read_metrics(tmp_path / "ref")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(got, want, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["tokens"] == b["tokens"]
+
+
+def test_a_non_finite_loss_in_the_redo_is_raised(tokens, tmp_path, monkeypatch):
+    """The redo after a step-down is a step like any other: its NaN loss stops the run (not
+    taken for another out-of-memory, not swallowed)."""
+    from train import step as step_mod
+    from train.checkpointer import NonFiniteLossError
+
+    lines = {"none": (30.0, 10.0), "attention": (30.0, 5.0), "full": (30.0, 2.0)}
+    times = {"none": (1.0, 1.0), "attention": (1.0, 2.0), "full": (1.0, 3.0)}
+    monkeypatch.setattr(memory, "device_probe", _fake_device_probe(lines, times))
+    orig, calls = step_mod._forward, []
+
+    def flaky(model, ids_BT, mlps):
+        out, ce, l1, sp = orig(model, ids_BT, mlps)
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
+        return out, ce * math.nan, l1, sp
+
+    monkeypatch.setattr(step_mod, "_forward", flaky)
+    tr = Trainer(_auto_cfg(tokens, **{"trainer.memory_budget_gb": 100.0}), tmp_path / "nan")
+    try:
+        with pytest.raises(NonFiniteLossError, match="at step 1"):
+            tr.train()
+        assert tr.step == 0 and tr.data.micro_batch == 2 and len(calls) == 1 + 4
+    finally:
+        tr.close()
+    assert "step 1: out of memory at micro_batch 4" in (tmp_path / "nan" / "train.log").read_text()
+
+
 def test_out_of_memory_when_nothing_can_step_down_saves_the_finished_steps(tokens, tmp_path,
                                                                            monkeypatch):
     """memory=off: nothing steps down, so the run stops with one line (a ConfigError: exit 2),
@@ -453,6 +537,26 @@ def test_out_of_memory_in_the_optimizer_step_propagates(tokens, tmp_path, monkey
     tr.optimizer.optimizer.register_step_pre_hook(hook)
     try:
         with pytest.raises(torch.cuda.OutOfMemoryError, match="in the optimizer"):
+            tr.train()
+        assert tr.step == 0 and tr.data.micro_batch == 4
+    finally:
+        tr.close()
+
+
+def test_out_of_memory_after_the_optimizer_step_propagates(tokens, tmp_path, monkeypatch):
+    """Outside torch.optim but after the update (the L1 controller's update): a redo would
+    apply the step's update twice."""
+    lines = {"none": (30.0, 10.0), "attention": (30.0, 5.0), "full": (30.0, 2.0)}
+    times = {"none": (1.0, 1.0), "attention": (1.0, 2.0), "full": (1.0, 3.0)}
+    monkeypatch.setattr(memory, "device_probe", _fake_device_probe(lines, times))
+    tr = Trainer(_auto_cfg(tokens, **{"trainer.memory_budget_gb": 100.0}), tmp_path / "l1")
+
+    def update(*a, **k):
+        raise torch.cuda.OutOfMemoryError("injected after the update")
+
+    monkeypatch.setattr(tr.l1, "update", update)
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="after the update"):
             tr.train()
         assert tr.step == 0 and tr.data.micro_batch == 4
     finally:
