@@ -419,7 +419,7 @@ class TrainerConfig:
     keeps anyway, instead of being kept by q/k/v and the FFN; gradients bitwise the same. Saves
     2 x N x D x 2 bytes per layer where the norms return bf16 (Liger with norm_out_bf16: 8 KiB
     per token and layer at 2B, ~19 % of the layer's saved state) for two norm forwards per layer
-    in backward; nothing with transformers' reference norms under autocast (the CPU). Off until
+    in backward; nothing with transformers' reference norms under autocast (CPU bf16 runs). Off until
     timed on a GPU. Not with grad_checkpointing=true (moot there) nor compile. See
     train/lean_saves.py."""
     recast_attn_weights: bool = False

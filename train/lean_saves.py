@@ -14,7 +14,7 @@ are deterministic functions of others it keeps anyway:
   ``trainer.norm_out_bf16``; 4 in fp32 runs). At 2B (D 2048) with Liger: 8,192 B per token and
   layer, ~19 % of the layer's saved state. Cost: one norm forward per norm and layer in backward
   (q/k/v share one recomputation). Where each consumer casts an fp32 norm output itself
-  (transformers' reference norm under autocast: the CPU, ``trainer.liger=false``) the consumers
+  (transformers' reference norm under autocast: CPU bf16 runs, ``trainer.liger=false``) the consumers
   keep their own casts and nothing changes.
 * ``recast_attn_weights``: the bf16 autocast casts of the attention projections' weights (q, k,
   v, o), which ``F.linear`` keeps for the input gradient, are recast from the fp32 parameters

@@ -114,6 +114,11 @@ def test_graphed_ffn_train_equals_the_eager_nosync_op_with_a_fake_graph():
         assert torch.equal(got, want)
     assert g.outputs[FFN_OUTPUTS.index("heavy_rows")].item() == n_heavy(x2, wg, 20)
     g.check()
+    # the L1 coefficient as a Python number: the eager op's result at that coefficient
+    for got, want in zip(g(x=x2, dy=dy2, dl1=2.0), _eager_nosync(x2, wg, wu, wd, dy2, 2.0, r + 4)):
+        assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="input 'dy' is a float; give a tensor of shape"):
+        g(dy=1.0)
 
 
 def test_graphed_ffn_train_capacity_guard():

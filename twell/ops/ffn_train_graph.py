@@ -130,18 +130,25 @@ class GraphedStep:
         self.check()  # before the capture: a capacity too small for these inputs stops here
         self._replay, self.outputs = graphs.capture(body)
 
-    def __call__(self, **new: torch.Tensor) -> tuple:
+    def __call__(self, **new: torch.Tensor | float) -> tuple:
         """Copy each given input into its static buffer (unless it is the buffer), replay, and
-        return the static outputs (overwritten by the next call). No host sync.
+        return the static outputs (overwritten by the next call). No host sync. A Python number
+        is taken for a 0-d buffer (the L1 coefficient ``dl1``).
 
         Raises:
             ValueError: an unknown input name, or a shape / dtype other than the capture's.
+            TypeError: an input neither a tensor nor (for a 0-d buffer) a number.
         """
         for name, t in new.items():
             buf = self.inputs.get(name)
             if buf is None:
                 raise ValueError(f"GraphedStep: unknown input {name!r}; known: "
                                  f"{sorted(self.inputs)}")
+            if isinstance(t, (int, float)) and not isinstance(t, bool) and buf.dim() == 0:
+                t = torch.full((), float(t), dtype=buf.dtype, device=buf.device)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"GraphedStep: input {name!r} is a {type(t).__name__}; give a "
+                                 f"tensor of shape {tuple(buf.shape)} {buf.dtype}")
             if t.shape != buf.shape or t.dtype != buf.dtype:
                 raise ValueError(f"GraphedStep: input {name!r} is {tuple(t.shape)} {t.dtype}, "
                                  f"captured as {tuple(buf.shape)} {buf.dtype}: capture again")
