@@ -24,9 +24,9 @@ are deterministic functions of others it keeps anyway:
   with autocast's cast cache off: the cache would hold every cast until the autocast region
   ends, i.e. the whole model forward, Liger's fused loss included, where the step's peak is.
 
-Nothing outlives the step: the hooks hold no reference cycle (one kept every layer's recipes,
-and with them the fp32 norm inputs, past backward until Python's cyclic collector ran: on one
-H200 the 2B probes' peaks did not fall, tests/train/test_lean_saves.py).
+Nothing outlives the step: the hooks hold no reference cycle (a cycle would keep every
+layer's recipes, and with them the fp32 norm inputs, past backward until Python's cyclic
+collector ran; tests/train/test_lean_saves.py checks).
 
 Bitwise: the recomputation runs the same forward (Liger's RMSNorm kernel is a per-row reduction
 without atomics; transformers' reference norm is plain elementwise code) on the same operands
@@ -104,7 +104,7 @@ class _LayerSaves(torch.autograd.graph.saved_tensors_hooks):
         # The hooks close over this dict, not over self: self holds them (pack_hook), so a
         # closure over self is a reference cycle, which kept each layer's recipes, and through
         # them the fp32 norm inputs (2 x N x D x 4 bytes, twice what is saved), past backward
-        # until Python's cyclic collector ran (GPU call 4: no memory saved at all)
+        # until Python's cyclic collector ran
         outputs: dict[int, tuple[weakref.ref, _NormRecipe]] = {}
         self.outputs, self.norms = outputs, norms
         recast = _recast_weights(weights) if weights else None
