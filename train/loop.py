@@ -85,22 +85,27 @@ def guarded_step(tr, batches, interval: Interval, bar) -> bool:
     accepted step, the planner's one re-plan (when the FFN paths have settled); returns True."""
     # where the data was before this step: an out-of-memory in it saves the steps before
     data_state = tr.data.state_dict() if tr.world_size == 1 else None
-    stepped_down = None  # the step-down's log line
+    stepped_down = failed = None  # the step-down's log line; the unrecovered error's message
     try:
         tr.run_step(batches, interval)
     except torch.cuda.OutOfMemoryError as e:  # memory=auto steps down (train/memory.py)
         stepped_down = tr.memory.step_down()  # in here: it reads where the error came from
         if stepped_down is None:
-            out_of_memory(tr, e, data_state, bar)
-            raise  # the update may be half applied: nothing to save
+            if tr.update_began:
+                raise  # the update may be half applied: nothing to save
+            failed = memory.error_text(e)
     except (RuntimeError, MemoryError) as e:
-        if is_cpu_out_of_memory(e):
-            out_of_memory(tr, e, data_state, bar)
-        raise
-    if stepped_down is not None:
-        # released only now: inside the except block the error's traceback kept every frame of
-        # the failed step alive, and the FFNs' statistics still hold its last forward's graph
+        if not is_cpu_out_of_memory(e) or tr.update_began:
+            raise
+        failed = memory.error_text(e)
+    # Both paths go on only now: inside the except block the error's traceback kept every frame
+    # of the failed step alive (and the FFNs' statistics still hold its last forward's graph),
+    # which a redo or a checkpoint's copies would need memory next to
+    if stepped_down is not None or failed is not None:
         memory.release_failed_step(tr.device, optimizer=tr.optimizer, mlps=tr.mlps)
+    if failed is not None:
+        out_of_memory(tr, failed, data_state, bar)
+    if stepped_down is not None:
         tr.runlog.print(stepped_down, bar)
         tr.metrics.write(tr.memory.record, "memory", step=tr.step)
         return False
@@ -134,30 +139,29 @@ def between_steps(tr, interval: Interval, bar, last: bool) -> Interval:
     return interval
 
 
-def out_of_memory(tr, e: BaseException, data_state: dict | None, bar) -> None:
-    """An out-of-memory error inside step ``tr.step + 1`` that nothing stepped down from (on
-    the CPU, where ``trainer.memory=auto`` measures nothing, or with ``memory=off``): the step's
-    partial gradients are dropped, the steps finished since the last checkpoint are saved with
-    the data position from before the failed step (one process), and one line says what to
-    lower. Returns (the caller re-raises ``e``) when the optimizer step had begun: the weights
-    may be half updated, so nothing is saved.
+def out_of_memory(tr, why: str, data_state: dict | None, bar) -> None:
+    """An out-of-memory error (``why``: its one-line text, :func:`train.memory.error_text`) in
+    step ``tr.step + 1`` that nothing stepped down from (on the CPU, where
+    ``trainer.memory=auto`` measures nothing, or with ``memory=off``), before the optimizer step
+    began (the caller re-raises the error otherwise: the weights may be half updated, nothing
+    is saved). Called after the error's ``except`` block, once the failed attempt is released:
+    the steps finished since the last checkpoint are saved with the data position from before
+    the failed step (one process), and one line says what to lower.
 
     Raises:
-        OutOfMemory: the error came before the update (a ConfigError: exit code 2).
+        OutOfMemory: always (a ConfigError: exit code 2).
     """
-    if tr.update_began:
-        return
     bar.close()
     tr.zero_grad()
     if data_state is not None and tr.step != (tr.saved_step or 0):
         tr.data.load_state_dict(data_state)  # the failed step's batches come again
         tr.save_checkpoint()
     line = memory.out_of_memory_line(
-        e, device=tr.device, step=tr.step, saved=tr.saved_step or 0,
+        why, device=tr.device, step=tr.step, saved=tr.saved_step or 0,
         last_ckpt=ckpt_io.shell_quote(tr.last_ckpt) if tr.last_ckpt else "",
         micro_batch=tr.shape.micro_batch, seq_len=tr.cfg.model.seq_len,
         planned=tr.memory.planner is not None, advice=tr.resume_advice())
-    raise OutOfMemory(line) from None
+    raise OutOfMemory(line)
 
 
 def eta(tr) -> str:

@@ -901,14 +901,20 @@ class TrainerMemory:
                 f"accumulation {new.accum}; redoing the step from the same batches")
 
 
-def out_of_memory_line(e: BaseException, *, device, step: int, saved: int, last_ckpt: str,
+def error_text(e: BaseException) -> str:
+    """An error's message on one line, at most 160 characters (its type's name when empty):
+    what an out-of-memory line keeps of the error, so that the error itself, and with its
+    traceback every frame of the failed step, can go."""
+    return " ".join(str(e).split())[:160] or type(e).__name__
+
+
+def out_of_memory_line(why: str, *, device, step: int, saved: int, last_ckpt: str,
                        micro_batch: int, seq_len: int, planned: bool, advice: str) -> str:
-    """The one line of an out-of-memory error in step ``step + 1`` that nothing stepped down
-    from: where, why, which finished steps are in checkpoint ``last_ckpt`` (``saved``: its
-    step, 0 for none) or lost, and what to lower (``planned``: ``trainer.memory=auto`` had a
-    planner), then ``advice`` (how to resume)."""
+    """The one line of an out-of-memory error (``why``: :func:`error_text`) in step
+    ``step + 1`` that nothing stepped down from: where, why, which finished steps are in
+    checkpoint ``last_ckpt`` (``saved``: its step, 0 for none) or lost, and what to lower
+    (``planned``: ``trainer.memory=auto`` had a planner), then ``advice`` (how to resume)."""
     where = "the CPU" if device.type == "cpu" else str(device)
-    why = " ".join(str(e).split())[:160] or type(e).__name__
     steps = f"steps 1-{saved} are" if saved > 1 else "step 1 is"
     kept = (f"{steps} in checkpoint {last_ckpt}" if saved
             else "no step had finished" if not step else "no checkpoint was written")

@@ -524,6 +524,42 @@ def test_out_of_memory_when_nothing_can_step_down_saves_the_finished_steps(token
     assert ckpt_io.load_state(step1, "rank0")["data"]["position"] == 8  # one step of 8 blocks
 
 
+def test_out_of_memory_saves_after_the_failed_step_is_released(tokens, tmp_path, monkeypatch):
+    """The checkpoint of the finished steps is written once the failed attempt is gone: a tensor
+    local to the frame that ran out of memory is no longer alive (inside the ``except`` block
+    the error's traceback kept it, next to the checkpoint's copies)."""
+    import weakref
+
+    from train.trainer import OutOfMemory
+
+    held = {}
+
+    def failing(self, ids, coeff):
+        big = torch.ones(1024)  # what the failed attempt holds in its frames
+        held["ref"] = weakref.ref(big)
+        raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
+
+    orig_micro, orig_save = Trainer._micro_steps, Trainer.save_checkpoint
+    seen = []
+
+    def micro(self, ids, coeff):
+        return failing(self, ids, coeff) if self.step + 1 == 2 else orig_micro(self, ids, coeff)
+
+    def save(self, *a, **k):
+        seen.append(held.get("ref") is not None and held["ref"]() is None)
+        return orig_save(self, *a, **k)
+
+    monkeypatch.setattr(Trainer, "_micro_steps", micro)
+    monkeypatch.setattr(Trainer, "save_checkpoint", save)
+    tr = Trainer(tiny_config(tokens, **{"trainer.max_steps": 3}), tmp_path / "off")
+    try:
+        with pytest.raises(OutOfMemory):
+            tr.train()
+    finally:
+        tr.close()
+    assert seen == [True]
+
+
 def test_out_of_memory_in_the_optimizer_step_propagates(tokens, tmp_path, monkeypatch):
     """An update may be half applied: the step is not redone."""
     lines = {"none": (30.0, 10.0), "attention": (30.0, 5.0), "full": (30.0, 2.0)}
