@@ -24,9 +24,14 @@ are deterministic functions of others it keeps anyway:
   with autocast's cast cache off: the cache would hold every cast until the autocast region
   ends, i.e. the whole model forward, Liger's fused loss included, where the step's peak is.
 
-Nothing outlives the step: the hooks hold no reference cycle (a cycle would keep every
-layer's recipes, and with them the fp32 norm inputs, past backward until Python's cyclic
-collector ran; tests/train/test_lean_saves.py checks).
+Nothing outlives the step, nor a graph whose backward never runs (a forward with gradients
+for a loss check, an attempt that ran out of memory): the hooks hold no reference cycle, in
+Python (a cycle would keep every layer's recipes, and with them the fp32 norm inputs, past
+backward until Python's cyclic collector ran) or through autograd's C++ graph, which that
+collector cannot see: a tensor saved as it is, is kept as a detached alias
+(``train.recompute._alias``), so an op that saves its own output does not hold its own node
+(such a cycle kept whole graphs, parameters included, for the rest of the process).
+tests/train/test_lean_saves.py checks both.
 
 Bitwise: the recomputation runs the same forward (Liger's RMSNorm kernel is a per-row reduction
 without atomics; transformers' reference norm is plain elementwise code) on the same operands
@@ -52,7 +57,7 @@ import weakref
 
 import torch
 
-from train.recompute import _recast_weights
+from train.recompute import _alias, _recast_weights
 
 
 class _NormRecipe:
@@ -108,7 +113,7 @@ class _LayerSaves(torch.autograd.graph.saved_tensors_hooks):
         outputs: dict[int, tuple[weakref.ref, _NormRecipe]] = {}
         self.outputs, self.norms = outputs, norms
         recast = _recast_weights(weights) if weights else None
-        cast_pack = recast.pack_hook if recast else (lambda t: t)
+        cast_pack = recast.pack_hook if recast else _alias  # never t itself: _alias says why
         cast_unpack = recast.unpack_hook if recast else (lambda p: p)
 
         def pack(t: torch.Tensor):

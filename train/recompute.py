@@ -82,13 +82,25 @@ def _attention_block(layer, hidden_states, kwargs):
     return mid, layer.post_attention_layernorm(mid)
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """What a pack hook keeps of a tensor it saves as it is: a detached alias (same storage and
+    version counter; autograd re-attaches the graph when it unpacks). Never ``t`` itself: an
+    op that saves its own output (rsqrt, softmax, SDPA's attention output) would then hold,
+    in its C++ node, a tensor whose ``grad_fn`` is that node, a reference cycle that Python's
+    collector cannot see. Backward breaks it as it frees each node's saved tensors; a graph
+    whose backward never runs (a forward with gradients for a loss check, a step that ran out
+    of memory) would keep every tensor and parameter it reaches for the rest of the process."""
+    return t.detach()
+
+
 class _recast_weights(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks that store a low-precision cast of one of ``params`` (or its transpose,
     which ``F.linear``'s matmul saves) as a reference to the fp32 parameter and recast it when
     backward unpacks it. The cast is recognised by its autograd nodes: ``ToCopyBackward`` (after
     an optional ``TBackward``) whose input is the parameter's ``AccumulateGrad``. So the FFN
     outside the checkpoint keeps no bf16 weight copies between forward and backward; the
-    parameters must not change in place in between (checked with their version counters)."""
+    parameters must not change in place in between (checked with their version counters).
+    Every other tensor is kept as it would be, as a detached alias (:func:`_alias`)."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         ids = {id(p) for p in params}
@@ -102,7 +114,7 @@ class _recast_weights(torch.autograd.graph.saved_tensors_hooks):
                 shape = tuple(reversed(t.shape)) if transposed else tuple(t.shape)
                 if src is not None and id(src) in ids and tuple(src.shape) == shape:
                     return (src, t.dtype, src._version, transposed)
-            return t
+            return _alias(t)
 
         def unpack(packed):
             if isinstance(packed, torch.Tensor):

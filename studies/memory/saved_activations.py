@@ -184,9 +184,12 @@ def _hooks(rec: Recorder, nr: NormRecompute | None):
         p = t if nr is None else nr.pack(t)
         if p is t:
             rec.record(t)
-        else:  # a recipe: what it references is what stays
-            for leaf in nr.leaves(p[0]):
-                rec.record(leaf, node=f"recipe({rec.where()})")
+            # a detached alias, not t: an op saving its own output would hold its own node (a
+            # cycle through the C++ graph that no collection frees; forward-only passes keep
+            # their graph for the rest of the process otherwise)
+            return t.detach()
+        for leaf in nr.leaves(p[0]):  # a recipe: what it references is what stays
+            rec.record(leaf, node=f"recipe({rec.where()})")
         return p
 
     return pack, ((lambda t: t) if nr is None else nr.unpack)

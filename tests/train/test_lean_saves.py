@@ -7,6 +7,7 @@ collector off), NaN still reaching the gradients, the config refusing bad values
 
 import contextlib
 import gc
+import weakref
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from tests.train_utils import tiny_config, write_tokens
 from train import lean_saves
 from train.config import ConfigError, ModelConfig
 from train.lean_saves import enable_lean_saves
+from train.memory import release_failed_step
 from train.model import build_model, ffn_modules
 from train.recompute import set_recompute
 from train.sparsity import collect_stats, l1_penalty
@@ -316,3 +318,71 @@ def test_nothing_of_a_lean_layer_outlives_its_step():
         left = [type(o).__name__ for o in gc.get_objects()
                 if type(o) in kinds and id(o) not in before]
     assert left == []
+
+
+class _OutOfMemoryInBackward(torch.autograd.Function):
+    """Identity in forward; its backward runs out of memory (simulated) half-way down the
+    graph, where the layers below have not run their backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise torch.cuda.OutOfMemoryError("simulated: out of memory in backward")
+
+
+def _out_of_memory(*_):
+    raise torch.cuda.OutOfMemoryError("simulated: out of memory in forward")
+
+
+def _attempt(model, fail: str, autocast: bool) -> None:
+    """A training forward whose backward never runs (to its end): ``loss_check`` (the bench's
+    loss with gradients on, no backward), out of memory in layer 2's attention, or out of
+    memory in backward at layer 1's output."""
+    layers = model.model.layers
+    if fail == "forward":
+        layers[2].self_attn.register_forward_hook(_out_of_memory)
+    elif fail == "backward":
+        layers[1].register_forward_hook(lambda m, a, out: _OutOfMemoryInBackward.apply(out))
+    ids = torch.randint(1, 64, (B, T), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids, labels=ids).loss
+    if fail == "backward":
+        loss.backward()
+    loss.item()
+
+
+def _watch_outputs(model) -> list:
+    """A list that each decoder layer's forward appends a weak reference to its output to."""
+    outputs = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    return outputs
+
+
+@pytest.mark.parametrize("fail", ["loss_check", "forward", "backward"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_a_graph_whose_backward_never_ran_is_freed(fail, autocast):
+    """Once the attempt is released (train.memory.release_failed_step, as the bench and the
+    planner do), no layer's output is alive, and once the model is dropped, no parameter: an op
+    that saves its own output (the norm's rsqrt, SDPA's attention output) must not hold its own
+    autograd node through a pack hook (a cycle in C++ that no collection frees: it kept a whole
+    2B trainer's weights and activations alive on the GPU)."""
+    model, mlps, plan = _model(True, True)
+    outputs = _watch_outputs(model)
+    raised = False
+    try:
+        _attempt(model, fail, autocast)
+    except torch.cuda.OutOfMemoryError:
+        raised = True
+    assert raised == (fail != "loss_check")
+    release_failed_step(torch.device("cpu"), mlps=mlps)
+    assert torch.is_autocast_cache_enabled()  # the failed layer's setting restored
+    assert len(outputs) == (2 if fail == "forward" else len(MIXED))
+    assert [r() is None for r in outputs] == [True] * len(outputs)
+    params = [weakref.ref(p) for p in model.parameters()]
+    del model, mlps, plan
+    gc.collect()
+    assert sum(r() is not None for r in params) == 0

@@ -2,11 +2,15 @@
 equal those of full checkpointing and of no checkpointing, for twell / auto / torch layers mixed
 in one model, fp32 and bf16 autocast; layers on the ``ell`` path run their FFN once per step."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from tests.train_utils import tiny_config, write_tokens
 from train.config import CHECKPOINT_FFN_MODES, ConfigError, ModelConfig
+from train.memory import release_failed_step
 from train.model import build_model, ffn_modules
 from train.recompute import RECOMPUTE_MODES as PLANNER_MODES
 from train.recompute import _recast_weights, enable_grad_checkpointing, set_recompute
@@ -188,3 +192,30 @@ def test_eval_mode_runs_transformers_forward():
     with torch.no_grad():
         torch.testing.assert_close(got.eval()(input_ids=ids).logits,
                                    ref.eval()(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def _watch_outputs(model) -> list:
+    """A list that each decoder layer's forward appends a weak reference to its output to."""
+    outputs = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    return outputs
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_a_graph_without_backward_is_freed(autocast, torch_backend):
+    """A training forward whose backward never runs (a loss check; an attempt that ran out of
+    memory) is freed with its loss: the FFN outside the checkpoint saves through the recast
+    hooks, and an op saving its own output (ReLU) must not hold its own node there (a cycle in
+    C++, which no collection frees, kept the model's weights and activations)."""
+    model, mlps, plan = _model("never")
+    ids = torch.randint(1, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    outputs = _watch_outputs(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(input_ids=ids, labels=ids).loss.item()
+    release_failed_step(torch.device("cpu"), mlps=mlps)  # the L1 side output's graph
+    assert len(outputs) == len(MIXED) and all(r() is None for r in outputs)
+    params = [weakref.ref(p) for p in model.parameters()]
+    del model, mlps, plan
+    gc.collect()
+    assert sum(r() is not None for r in params) == 0
