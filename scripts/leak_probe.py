@@ -22,15 +22,12 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import sys
 import tempfile
 import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from train.config import compose
 from train.memory import release_failed_step
