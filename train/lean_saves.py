@@ -57,7 +57,7 @@ import weakref
 
 import torch
 
-from train.recompute import _alias, _recast_weights
+from train.recompute import _alias, _recast_weights, _unalias
 
 
 class _NormRecipe:
@@ -114,7 +114,7 @@ class _LayerSaves(torch.autograd.graph.saved_tensors_hooks):
         self.outputs, self.norms = outputs, norms
         recast = _recast_weights(weights) if weights else None
         cast_pack = recast.pack_hook if recast else _alias  # never t itself: _alias says why
-        cast_unpack = recast.unpack_hook if recast else (lambda p: p)
+        cast_unpack = recast.unpack_hook if recast else _unalias
 
         def pack(t: torch.Tensor):
             hit = outputs.get(t.untyped_storage().data_ptr()) if outputs else None

@@ -82,15 +82,41 @@ def _attention_block(layer, hidden_states, kwargs):
     return mid, layer.post_attention_layernorm(mid)
 
 
-def _alias(t: torch.Tensor) -> torch.Tensor:
+class _Kept:
+    """What a pack hook keeps of a tensor it saves as it is (:func:`_alias`): a detached alias
+    and the version it had when saved."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+        self.tensor, self.version = tensor, version
+
+
+def _alias(t: torch.Tensor) -> _Kept:
     """What a pack hook keeps of a tensor it saves as it is: a detached alias (same storage and
-    version counter; autograd re-attaches the graph when it unpacks). Never ``t`` itself: an
-    op that saves its own output (rsqrt, softmax, SDPA's attention output) would then hold,
-    in its C++ node, a tensor whose ``grad_fn`` is that node, a reference cycle that Python's
-    collector cannot see. Backward breaks it as it frees each node's saved tensors; a graph
-    whose backward never runs (a forward with gradients for a loss check, a step that ran out
-    of memory) would keep every tensor and parameter it reaches for the rest of the process."""
-    return t.detach()
+    version counter; autograd re-attaches the graph when it unpacks) and its version. Never
+    ``t`` itself: an op that saves its own output (rsqrt, softmax, SDPA's attention output)
+    would then hold, in its C++ node, a tensor whose ``grad_fn`` is that node, a reference
+    cycle that Python's collector cannot see. Backward breaks it as it frees each node's saved
+    tensors; a graph whose backward never runs (a forward with gradients for a loss check, a
+    step that ran out of memory) would keep every tensor and parameter it reaches for the rest
+    of the process. The version: autograd checks it only for tensors it saves itself, not for
+    what hooks keep (:func:`_unalias` does)."""
+    return _Kept(t.detach(), t._version)
+
+
+def _unalias(kept: _Kept) -> torch.Tensor:
+    """The tensor :func:`_alias` kept.
+
+    Raises:
+        RuntimeError: it was modified in place after it was saved (autograd's own check)."""
+    t = kept.tensor
+    if t._version != kept.version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: a saved {t.dtype} tensor of shape {tuple(t.shape)} is at "
+            f"version {t._version}, saved at version {kept.version}")
+    return t
 
 
 class _recast_weights(torch.autograd.graph.saved_tensors_hooks):
@@ -117,8 +143,8 @@ class _recast_weights(torch.autograd.graph.saved_tensors_hooks):
             return _alias(t)
 
         def unpack(packed):
-            if isinstance(packed, torch.Tensor):
-                return packed
+            if isinstance(packed, _Kept):
+                return _unalias(packed)
             src, dtype, version, transposed = packed
             if src._version != version:
                 raise RuntimeError(

@@ -18,7 +18,7 @@ from train.config import ConfigError, ModelConfig
 from train.lean_saves import enable_lean_saves
 from train.memory import release_failed_step
 from train.model import build_model, ffn_modules
-from train.recompute import set_recompute
+from train.recompute import _Kept, set_recompute
 from train.sparsity import collect_stats, l1_penalty
 from twell.nn import FFNPlan
 
@@ -79,7 +79,7 @@ class _Saved:
 
             def recording_pack(t):
                 packed = pack(t)
-                leaf = packed if isinstance(packed, torch.Tensor) else packed[0]
+                leaf = packed.tensor if isinstance(packed, _Kept) else packed[0]
                 self.keep(getattr(leaf, "x", leaf))
                 return packed
             hooks.pack_hook = recording_pack

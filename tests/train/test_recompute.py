@@ -219,3 +219,26 @@ def test_a_graph_without_backward_is_freed(autocast, torch_backend):
     del model, mlps, plan
     gc.collect()
     assert sum(r() is not None for r in params) == 0
+
+
+@pytest.mark.parametrize("hooks", ["recast", "lean"])
+def test_a_saved_tensor_modified_in_place_raises_as_autograd_does(hooks):
+    """Autograd checks the version of what it saves itself, not of what saved-tensor hooks
+    keep: the hooks check it (the same error as without them), instead of a wrong gradient."""
+    from train.lean_saves import _LayerSaves
+    from train.recompute import _recast_weights
+
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    ctx = _recast_weights([w]) if hooks == "recast" else _LayerSaves(False, [])
+    with ctx:
+        y = (x @ w).exp()  # exp saves its output
+    with torch.no_grad():
+        y.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    with ctx:  # unmodified: the gradients of the hook-free graph, exactly
+        y2 = (x @ w).exp()
+    gx, gw = torch.autograd.grad(y2.sum(), (x, w))
+    rx, rw = torch.autograd.grad((x @ w).exp().sum(), (x, w))
+    assert torch.equal(gx, rx) and torch.equal(gw, rw)
