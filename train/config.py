@@ -413,20 +413,23 @@ class TrainerConfig:
     their FFN runs once and keeps its compact state: no second gate GEMM, ~130 MB more per
     layer at 1.5B) | never (every layer, dense FFNs included: they then keep N x H
     activations; the planner's "attention"). See train/recompute.py."""
-    recompute_norms: bool = False
+    recompute_norms: bool | None = None
     """Without checkpointing (grad_checkpointing=false, or the memory planner's "none"): the two
     RMSNorm outputs of each decoder layer are recomputed in backward from the input each norm
     keeps anyway, instead of being kept by q/k/v and the FFN; gradients bitwise the same. Saves
     2 x N x D x 2 bytes per layer where the norms return bf16 (Liger with norm_out_bf16: 8 KiB
     per token and layer at 2B, ~19 % of the layer's saved state) for two norm forwards per layer
-    in backward; nothing with transformers' reference norms under autocast (CPU bf16 runs). Off until
-    timed on a GPU. Not with grad_checkpointing=true (moot there) nor compile. See
+    in backward; nothing with transformers' reference norms under autocast (CPU bf16 runs).
+    null = on for CUDA bf16 runs without compile or FSDP (where it can save anything;
+    train.lean_saves.lean_saves_enabled: measured at 2B on an 80 GB card with
+    recast_attn_weights, micro-batch 12 -> 16, +2.2 % tokens/s) | true (refused with
+    grad_checkpointing=true, where it is moot, with compile, and under FSDP) | false. See
     train/lean_saves.py."""
-    recast_attn_weights: bool = False
+    recast_attn_weights: bool | None = None
     """Without checkpointing, as recompute_norms: the bf16 autocast casts of the attention
     projections' weights (q, k, v, o) are recast from the fp32 weights in backward instead of
-    kept (1.19 GiB fixed at 2B; four casts per layer in backward; bitwise the same). Off until
-    timed on a GPU. Not with grad_checkpointing=true nor compile. See train/lean_saves.py."""
+    kept (1.19 GiB fixed at 2B; four casts per layer in backward; bitwise the same). null = on
+    where recompute_norms' null is | true (the same refusals) | false. See train/lean_saves.py."""
     compile: bool = False
     """torch.compile the model."""
     autocast_cache: bool = True
@@ -575,12 +578,13 @@ class TrainerConfig:
                 "trainer.checkpoint_ffn=always, or drop trainer.compile.")
 
     def _check_lean_saves(self) -> None:
-        """recompute_norms / recast_attn_weights: booleans, eager, without checkpointing."""
+        """recompute_norms / recast_attn_weights: null or booleans; true only eager, without
+        checkpointing."""
         for key in ("recompute_norms", "recast_attn_weights"):
             value = getattr(self, key)
-            if not isinstance(value, bool):
-                raise ConfigError(f"trainer.{key} must be true or false; got {value!r}. Set "
-                                  f"trainer.{key}=false (or true).")
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"trainer.{key} must be null, true or false; got {value!r}. "
+                                  f"Set trainer.{key}=null (on where it applies) or false.")
             if value and self.compile:
                 raise ConfigError(f"trainer.{key}=true needs eager mode (saved-tensor hooks) "
                                   f"and trainer.compile=true is set; drop one of them.")

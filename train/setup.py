@@ -16,7 +16,7 @@ import torch
 from train import checkpoint as ckpt_io
 from train import determinism, parallel
 from train.config import ConfigError, OptimConfig, TrainConfig
-from train.lean_saves import enable_lean_saves
+from train.lean_saves import enable_lean_saves, lean_saves_enabled
 from train.liger import liger_enabled, use_liger
 from train.loss import use_distillation
 from train.metrics import flops_per_token
@@ -298,12 +298,15 @@ def prepare_model(model, cfg: TrainConfig, *, device, precision: str, fsdp, prin
     if t.liger and device.type != "cuda":
         print_("trainer.liger=true: Liger-Kernel's kernels run on CUDA only; this "
                f"{device.type} run keeps transformers' norms, RoPE and loss")
-    if t.recompute_norms or t.recast_attn_weights:  # layers without checkpointing only
-        if fsdp:  # sharded parameters swap in and out around each layer: not tested
-            raise ConfigError("trainer.recompute_norms / trainer.recast_attn_weights are not "
-                              "supported under FSDP; set both false for FSDP runs.")
-        enable_lean_saves(model, recompute_norms=t.recompute_norms,
-                          recast_attn_weights=t.recast_attn_weights)
+    if fsdp and (t.recompute_norms or t.recast_attn_weights):
+        # sharded parameters swap in and out around each layer: not tested
+        raise ConfigError("trainer.recompute_norms / trainer.recast_attn_weights are not "
+                          "supported under FSDP; set both null or false for FSDP runs.")
+    lean = {key: lean_saves_enabled(getattr(t, key), device_type=device.type,
+                                    precision=precision, compile=t.compile, fsdp=bool(fsdp))
+            for key in ("recompute_norms", "recast_attn_weights")}
+    if any(lean.values()):  # layers without checkpointing only
+        enable_lean_saves(model, **lean)
     if not liger_enabled(t.liger, device_type=device.type, precision=precision,
                          compile=t.compile):
         return None

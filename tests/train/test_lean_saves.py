@@ -188,8 +188,13 @@ def test_norm_input_changed_in_place_is_caught():
 def test_options_are_validated(tmp_path):
     tok = write_tokens(tmp_path / "t.bin", n_tokens=2000)
     for key in ("recompute_norms", "recast_attn_weights"):
-        with pytest.raises(ConfigError, match=f"trainer.{key} must be true or false; got 'yes'"):
+        with pytest.raises(ConfigError, match=f"trainer.{key} must be null, true or false; "
+                                              "got 'yes'"):
             tiny_config(tok, **{f"trainer.{key}": "yes"})
+        assert getattr(tiny_config(tok).trainer, key) is None  # the default: where it applies
+        cfg = tiny_config(tok, **{f"trainer.{key}": None, "trainer.grad_checkpointing": True,
+                                  "trainer.compile": True})
+        assert getattr(cfg.trainer, key) is None  # null is never refused
         with pytest.raises(ConfigError, match=f"set trainer.grad_checkpointing=false .* or "
                                               f"trainer.{key}=false"):
             tiny_config(tok, **{f"trainer.{key}": True, "trainer.grad_checkpointing": True})
@@ -198,6 +203,34 @@ def test_options_are_validated(tmp_path):
         cfg.trainer.compile = True
         with pytest.raises(ConfigError, match=f"trainer.{key}=true needs eager mode"):
             cfg.trainer.__post_init__()
+
+
+@pytest.mark.parametrize("setting, device, precision, compile, fsdp, on", [
+    (None, "cuda", "bf16", False, False, True),   # the GPU's default run
+    (None, "cpu", "bf16", False, False, False),   # reference norms: nothing to save
+    (None, "cuda", "fp32", False, False, False),  # no autocast casts, fp32 norm outputs
+    (None, "cuda", "bf16", True, False, False),   # compiled: the hooks are eager-only
+    (None, "cuda", "bf16", False, True, False),   # FSDP: untested
+    (True, "cpu", "fp32", False, False, True),    # as given
+    (False, "cuda", "bf16", False, False, False),
+])
+def test_null_is_on_where_it_can_save(setting, device, precision, compile, fsdp, on):
+    assert lean_saves.lean_saves_enabled(setting, device_type=device, precision=precision,
+                                         compile=compile, fsdp=fsdp) is on
+
+
+def test_the_default_cpu_run_installs_no_hooks(tmp_path):
+    """null on the CPU: no hook on any layer (the CPU runs keep their speed and code path)."""
+    from train.trainer import Trainer
+
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=4000)
+    tr = Trainer(tiny_config(tok, **{"trainer.max_steps": 1}), tmp_path / "run")
+    try:
+        layers = tr.model.model.layers
+        assert not any(getattr(layer, "_twell_lean_hooks", False) for layer in layers)
+        assert not any(layer._forward_pre_hooks for layer in layers)
+    finally:
+        tr.close()
 
 
 def test_trainer_losses_equal_with_both_options(tmp_path):
