@@ -16,7 +16,7 @@ medians: forward (dense cuBLAS, ``twell``, ``twell_hot``: hot units from the lay
 ``twell_long``: the 128 longest rows through a dense backup)
 and training (forward + backward with the L1 term: ``torch``, ``ell``, ``ell_nosync``,
 ``ell_graph`` (``ell_nosync`` in one CUDA graph; CUDA only, skipped with the reason on the
-CPU), ``ell_hot``, ``ell_cols``), ``auto`` and ``paper`` (ops and method:
+CPU), ``ell_hot``), ``auto`` and ``paper`` (ops and method:
 ``studies.kernel_bench.real_layers``). The timing runs in ``--rounds`` interleaved rounds (every
 op once per round, the op order rotated each round): an op's ``ms`` is the median over rounds,
 ``spread_pct`` (max - min) / median over rounds in %. Writes ``real_layers.csv`` and ``iid.csv``

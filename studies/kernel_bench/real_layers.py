@@ -43,10 +43,6 @@ Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``de
                   (an overflow stops the run as a failed check); CUDA only (skipped with the
                   reason on the CPU); left out with the reason when the capture fails
     ell_hot       train: no-sync ELL with the hot set
-    ell_cols      train: ``ell_nosync`` with the weight-gradient grid column-outermost
-                  (:data:`COLS_FIRST`: every D slice of the longest columns starts first, where
-                  the default, D slice outermost, starts the last slice's longest column ~7/8
-                  of the way through the launch)
     auto          fwd: ``mode="auto"`` (measured on CUDA), with the hot set where the layer's
                   density is at least ``FFNPolicy.hot_min_density`` (the plan's rule); train:
                   what ``FFNPolicy.train_path`` picks (``dense``: dense mode, else
@@ -86,7 +82,6 @@ from twell.ops.ffn_dense_train import dense_ffn_train
 from twell.ops.ffn_train import backup_capacity_for, sparse_ffn_train
 from twell.ops.ffn_train_graph import CapacityOverflow
 from twell.ops.hot_units import hot_unit_count, hot_units_from_counts
-from twell.ops.launch import kernel_config
 from twell.ops.reference import gated_ffn_torch
 from twell.policy import FFNPolicy
 from twell.stats import default_ell_capacity
@@ -96,7 +91,7 @@ COLUMNS = ["size", "layer", "density", "l0_mean", "l0_max", "heavy_rows", "op", 
 ROUNDS = 3  # interleaved timing rounds per case (the script's --rounds default)
 KINDS = ("fwd", "train")
 OPS = {"fwd": ("dense", "twell", "twell_hot", "twell_long", "auto", "paper"),
-       "train": ("torch", "ell", "ell_nosync", "ell_graph", "ell_hot", "ell_cols", "auto",
+       "train": ("torch", "ell", "ell_nosync", "ell_graph", "ell_hot", "auto",
                  "paper")}
 CUDA_ONLY = {("ell_graph", "train"): "CUDA graphs need a CUDA device"}  # op -> why it is skipped
 # ops whose first call (the paper's build, ell_graph's capture) may fail: left out with the reason
@@ -106,9 +101,6 @@ TWINS = {("ell_graph", "train"): ("ell_nosync", "train")}
 # twell_long's rows per call: 1/128 of the 16384-row calls (~6 GFLOP of dense backup at the
 # 1.5B shape) against the densest tokens of a trained model (BENCHMARKS.md, "Next")
 LONG_ROWS = 128
-# ell_cols' launch shape of the dW kernel: the D slice the auto rule takes at N 16384 (256),
-# columns outermost
-COLS_FIRST = {"dw_block_d": 256, "dw_d_outer": 0}
 BASELINE = {"fwd": "dense", "train": "torch"}  # the op each kind's speedup is measured against
 
 
@@ -242,22 +234,14 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
             return _train_closure(lambda *a: dense_ffn_train(*a, with_stats=True), case, True)
         op = "ell_hot" if _split_pays(case, policy) else "ell_nosync"
     n = case.x.shape[0]
-    if (op in ("ell_nosync", "ell_cols", "ell_graph") and case.stats["heavy_rows"] >= n) or (
+    if (op in ("ell_nosync", "ell_graph") and case.stats["heavy_rows"] >= n) or (
             op == "ell_hot" and case.cold_heavy >= n):
         return None  # every row heavy: a no-sync backup holds at most N - 1 (the op's rule)
     if op == "ell_graph":
         return None if skip_reason(op, kind, case) else _graph_closure(case, policy)
     kw = {"ell": {}, "ell_nosync": {"backup_rows": case.caps.get("cold", -1)},
-          "ell_cols": {"backup_rows": case.caps.get("cold", -1)},
           "ell_hot": {"backup_rows": case.caps.get("hot", -1), "hot_units": case.hot}}[op]
-    run = _train_closure(lambda *a: sparse_ffn_train(*a, policy=policy, **kw), case, True)
-    if op != "ell_cols":
-        return run
-
-    def run_cols():
-        with kernel_config(**COLS_FIRST):
-            return run()
-    return run_cols
+    return _train_closure(lambda *a: sparse_ffn_train(*a, policy=policy, **kw), case, True)
 
 
 def read_guard(fn, where: str) -> None:
