@@ -46,9 +46,11 @@ saves no norm output inside its checkpoint, and its FFN's input is the checkpoin
 whose recipe would keep the fp32 residual that the checkpoint drops. Installed by module
 forward hooks on each decoder layer and its two norms (so the selective-recompute forward that
 ``train.recompute`` installs does not displace it); eager only (saved-tensor hooks: the config
-refuses ``trainer.compile=true``); not under FSDP (its sharded parameters are swapped in and
-out around each layer: untested, refused by ``train.setup.prepare_model``); DDP wraps the same
-modules and parameters (not tested on several processes).
+refuses true with ``trainer.compile=true``, null is off there); not under FSDP (its sharded
+parameters are swapped in and out around each layer: untested; true is refused by
+``train.setup.prepare_model``, null is off); DDP wraps the same modules and parameters (two CPU
+processes over gloo: bitwise the same as without, tests/e2e/test_train_multiprocess.py; not yet
+run on several GPUs).
 """
 
 from __future__ import annotations

@@ -278,3 +278,25 @@ def test_capacity_overflow_on_one_rank_is_redone_on_every_rank(straight):
         _assert_same_steps(got, read_metrics(tmp / "one"), kind)
         assert _max_abs_diff(_load(run / "params_rank0.pt"),
                              _load(tmp / "one" / "params_rank0.pt")) < 1e-5, kind
+
+
+def test_ddp_with_lean_saves_is_bitwise_the_same(straight):
+    """trainer.recompute_norms / recast_attn_weights forced on under DDP (their default turns
+    them on in DDP runs on GPUs): the same losses, gradient norms and final weights on both
+    ranks, bitwise, as without them; fp32 (the norm outputs recomputed) and bf16 autocast (the
+    attention weights' casts recast)."""
+    tmp, tokens = straight
+    lean = ("trainer.recompute_norms=true", "trainer.recast_attn_weights=true")
+    bf16 = ('trainer.precision="bf16"',)
+    runs = {"ddp_lean": _launch(tmp / "ddp_lean", tokens, "ddp", over=lean),
+            "ddp_bf16": _launch(tmp / "ddp_bf16", tokens, "ddp", over=bf16),
+            "ddp_bf16_lean": _launch(tmp / "ddp_bf16_lean", tokens, "ddp", over=bf16 + lean)}
+    _wait(runs)
+    for plain, on in (("ddp", "ddp_lean"), ("ddp_bf16", "ddp_bf16_lean")):
+        got, want = read_metrics(tmp / on), read_metrics(tmp / plain)
+        assert [r["step"] for r in got] == [1, 2, 3, 4], on
+        assert [(r["loss"], r["grad_norm"]) for r in got] == \
+            [(r["loss"], r["grad_norm"]) for r in want], on
+        for r in (0, 1):
+            a, b = _load(tmp / on / f"params_rank{r}.pt"), _load(tmp / plain / f"params_rank{r}.pt")
+            assert all(torch.equal(a[k], b[k]) for k in b), (on, r)

@@ -419,3 +419,41 @@ def test_a_graph_whose_backward_never_ran_is_freed(fail, autocast):
     del model, mlps, plan
     gc.collect()
     assert sum(r() is not None for r in params) == 0
+
+
+def test_planner_probes_run_with_the_hooks(tmp_path, monkeypatch):
+    """The memory planner (trainer.memory=auto) probes after the hooks are installed: a probe
+    without recomputation packs through them on every layer, one with it does not, as the
+    training steps will."""
+    from train import memory
+    from train.memory import Measurement
+    from train.trainer import Trainer
+
+    entered, seen = [], {}
+
+    class Counting(lean_saves._LayerSaves):
+        def __init__(self, *args, **kwargs):
+            entered.append(1)
+            super().__init__(*args, **kwargs)
+
+    def device_probe(trainer):  # the real probe's steps; a made-up measurement (no CUDA)
+        runner = memory.ProbeRunner(trainer, timed_steps=1)
+
+        def probe(c):
+            entered.clear()
+            runner(c)
+            seen[c.recompute] = len(entered)
+            return Measurement(1.0 * c.micro_batch, 1.0)
+        return probe
+
+    monkeypatch.setattr(lean_saves, "_LayerSaves", Counting)
+    monkeypatch.setattr(memory, "device_probe", device_probe)
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
+    cfg = tiny_config(tok, **{"trainer.memory": "auto", "trainer.micro_batch": None,
+                              "trainer.grad_checkpointing": None, "trainer.checkpoint_ffn": None,
+                              "trainer.memory_budget_gb": 100.0, "trainer.recompute_norms": True,
+                              "trainer.recast_attn_weights": True})
+    t = Trainer(cfg, tmp_path / "run")
+    t.close()
+    assert seen["none"] == 2 * cfg.model.num_layers  # the warm-up and one timed micro-step
+    assert all(n == 0 for mode, n in seen.items() if mode != "none")
