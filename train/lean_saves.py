@@ -72,6 +72,7 @@ class _NormRecipe:
         dev = x.device.type
         self.norm, self.x, self.dtype, self.shape = norm, x, y.dtype, tuple(y.shape)
         self.versions = (x._version, norm.weight._version)
+        self.out_version = y._version  # a saved alias of y must see y as the norm left it
         self.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         self.pending, self.cached = 0, None
 
@@ -120,7 +121,10 @@ class _LayerSaves(torch.autograd.graph.saved_tensors_hooks):
 
         def pack(t: torch.Tensor):
             hit = outputs.get(t.untyped_storage().data_ptr()) if outputs else None
-            if hit is not None and hit[0]() is not None and t.dtype == hit[1].dtype:
+            # the norm's output as it returned it: not changed in place since (a view shares
+            # its version counter), else it is saved as it is
+            if hit is not None and hit[0]() is not None and t.dtype == hit[1].dtype \
+                    and t._version == hit[1].out_version:
                 recipe = hit[1]
                 recipe.pending += 1
                 return (recipe, tuple(t.shape), t.stride(), t.storage_offset())
@@ -136,9 +140,12 @@ class _LayerSaves(torch.autograd.graph.saved_tensors_hooks):
 
     def register(self, norm, x: torch.Tensor, y: torch.Tensor) -> None:
         """Record norm output ``y`` of input ``x`` for recomputation (a contiguous tensor with a
-        grad_fn, with recompute_norms on; anything else is left to be saved as usual)."""
+        grad_fn that is the whole of its storage, with recompute_norms on: a slice of a larger
+        buffer could share its storage with other tensors; anything else is left to be saved
+        as usual)."""
         if self.norms and isinstance(y, torch.Tensor) and y.is_contiguous() \
-                and y.grad_fn is not None:
+                and y.grad_fn is not None and y.storage_offset() == 0 \
+                and y.untyped_storage().nbytes() == y.numel() * y.element_size():
             self.outputs[y.untyped_storage().data_ptr()] = (weakref.ref(y), _NormRecipe(norm, x, y))
 
 

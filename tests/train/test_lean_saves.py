@@ -457,3 +457,23 @@ def test_planner_probes_run_with_the_hooks(tmp_path, monkeypatch):
     t.close()
     assert seen["none"] == 2 * cfg.model.num_layers  # the warm-up and one timed micro-step
     assert all(n == 0 for mode, n in seen.items() if mode != "none")
+
+
+def test_a_norm_output_changed_in_place_is_saved_as_it_is():
+    """A norm output changed in place after the norm returned (a user's forward hook) is not
+    recomputed (that would give the unchanged output and wrong q/k/v weight gradients): it is
+    saved as it is, so the gradients equal those without the option, bitwise."""
+    def grads(lean):
+        torch.manual_seed(0)
+        m = build_model(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                    num_layers=2, num_heads=2, seq_len=16)).train()
+        if lean:
+            enable_lean_saves(m, recompute_norms=True, recast_attn_weights=False)
+        for layer in m.model.layers:  # registered after the lean hooks: runs after _norm_done
+            layer.input_layernorm.register_forward_hook(lambda mod, a, y: (y.mul_(2.0), None)[1])
+        ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        m(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad for n, p in m.named_parameters()}
+
+    plain, lean = grads(False), grads(True)
+    assert all(torch.equal(plain[n], lean[n]) for n in plain)
