@@ -421,8 +421,8 @@ class TrainerConfig:
     per token and layer at 2B, ~19 % of the layer's saved state) for two norm forwards per layer
     in backward; nothing with transformers' reference norms under autocast (CPU bf16 runs).
     null = on for CUDA bf16 runs without compile or FSDP (where it can save anything;
-    train.lean_saves.lean_saves_enabled: measured at 2B on an 80 GB card with
-    recast_attn_weights, micro-batch 12 -> 16, +2.2 % tokens/s) | true (refused with
+    train.lean_saves.lean_saves_enabled: measured at 2B on an emulated 80 GB card with
+    recast_attn_weights, the bench's micro-batch 12 -> 16, `ell` +2.5 % tokens/ms) | true (refused with
     grad_checkpointing=true, where it is moot, with compile, and under FSDP) | false. See
     train/lean_saves.py."""
     recast_attn_weights: bool | None = None

@@ -193,7 +193,7 @@ def lean_saves_enabled(setting: bool | None, *, device_type: str, precision: str
     (Liger's) and autocast keeps weight casts; off elsewhere, where they save nothing (fp32
     keeps no casts; transformers' reference norms' consumers cast for themselves) and would
     only add hooks. Checkpointed layers skip them by themselves (``_layer_enter``). Measured:
-    2B on an emulated 80 GB card, micro-batch 12 -> 16, +2.2 % tokens/ms; no change on 139 GB
+    2B on an emulated 80 GB card, the bench's micro-batch 12 -> 16, `ell` +2.5 % tokens/ms; -0.8 % on 139 GB
     (BENCHMARKS.md, sixth session of 2026-12-04).
     """
     if setting is not None:
