@@ -12,6 +12,7 @@ import weakref
 import pytest
 import torch
 
+from studies.memory.leak_probe import _out_of_memory, _OutOfMemoryInBackward
 from tests.train_utils import tiny_config, write_tokens
 from train import lean_saves
 from train.config import ConfigError, ModelConfig
@@ -351,23 +352,6 @@ def test_nothing_of_a_lean_layer_outlives_its_step():
         left = [type(o).__name__ for o in gc.get_objects()
                 if type(o) in kinds and id(o) not in before]
     assert left == []
-
-
-class _OutOfMemoryInBackward(torch.autograd.Function):
-    """Identity in forward; its backward runs out of memory (simulated) half-way down the
-    graph, where the layers below have not run their backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        raise torch.cuda.OutOfMemoryError("simulated: out of memory in backward")
-
-
-def _out_of_memory(*_):
-    raise torch.cuda.OutOfMemoryError("simulated: out of memory in forward")
 
 
 def _attempt(model, fail: str, autocast: bool) -> None:
