@@ -56,8 +56,9 @@ with hot units also their relu'd gate g_S and up u_S (N x k). No N x H tensor ou
 backup rows, and no copy of Wd: the forward's SpMM reads Wd^T as (H, D) rows in the compute
 dtype and the backward makes them again, each with one tiled pass that transposes and casts
 (``twell.ops.transpose``; PyTorch's strided copy took 75.5 us of a (2048, 5632) bf16 Wd on the
-H200), for 23 MB less per layer between the two at D 2048, H 5632. dWd^T is transposed into
-Wd's (D, H) layout and dtype by one more such pass.
+H200), for 23 MB less per layer between the two at D 2048, H 5632. The weight gradients leave in
+the weights' dtypes: dWg, dWu written so by the dW kernel, dWd^T transposed into (D, H) and cast
+in one more tiled pass.
 
 Host synchronisation: measuring mode (``backup_rows=-1``), exactly one per forward call (reading
 R, which sizes the backup). On CUDA it waits on an event recorded right after the compaction
@@ -348,8 +349,8 @@ def _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx, dwg, dwu, dwdt=No
     dgu = torch.cat((dg_S, du_S), 1)
     dx.addmm_(dgu, torch.cat((wg.index_select(0, hot), wu.index_select(0, hot))))
     dw_gu = torch.matmul(dgu.t(), x)
-    dwg.index_add_(0, hot, dw_gu[:k])
-    dwu.index_add_(0, hot, dw_gu[k:])
+    dwg.index_add_(0, hot, dw_gu[:k].to(dwg.dtype))  # dWg, dWu may be in the weights' fp32
+    dwu.index_add_(0, hot, dw_gu[k:].to(dwu.dtype))
     if dwdt is not None:
         dwdt.index_add_(0, hot, torch.matmul(h_S.t(), dy))
     else:
@@ -364,8 +365,9 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     r = heavy_idx.shape[0]
     dy = dy.to(x.dtype).contiguous()
     # the saved Wg, Wu are the caller's (the fp32 masters under autocast): cast again here, and
-    # their gradients leave in the caller's dtype (what autograd's cast did when the op got copies)
-    w_dtype = wg.dtype
+    # their gradients leave in the caller's dtypes (what autograd's cast did when the op got
+    # copies); the dW kernel writes dWg, dWu in them directly (fp32 accumulation: no cast pass)
+    dt_g, dt_u = wg.dtype, wu.dtype
     wg, wu = wg.to(x.dtype), wu.to(x.dtype)
     scale = (dl1 / max(n, 1)).reshape(())
     all_dense = r == n and n > 0
@@ -384,11 +386,11 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
                                                wd_transposed=not all_dense)
         if all_dense:
             _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx_R, dwg_R, dwu_R, dwd=dwd_R)
-            return dx_R, dwg_R.to(w_dtype), dwu_R.to(w_dtype), dwd_R.to(wd.dtype)
+            return dx_R, dwg_R.to(dt_g), dwu_R.to(dt_u), dwd_R.to(wd.dtype)
         adds = (dwg_R, dwu_R, dwd_R)  # (H, D) each: the dW kernel adds them
     dx = torch.empty_like(x)
-    dwg = torch.empty_like(wg)
-    dwu = torch.empty_like(wu)
+    dwg = torch.empty((h, d), dtype=dt_g, device=x.device)
+    dwu = torch.empty((h, d), dtype=dt_u, device=x.device)
     dwdt = torch.empty((h, d), dtype=x.dtype, device=x.device)
     dg, du = be.sddmm_bwd(dy, wdt, col, gv, u, nnz_eff, scale)
     be.spmm(dx, wg, wu, col, dg, du, nnz_eff)
@@ -397,7 +399,7 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
         dx.index_add_(0, heavy_idx, dx_R.to(dx.dtype))
     _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx, dwg, dwu, dwdt=dwdt)
     # dWd in Wd's dtype and (D, H) layout: one tiled pass (transpose and cast together)
-    return dx, dwg.to(w_dtype), dwu.to(w_dtype), be.transposed(dwdt, wd.dtype)
+    return dx, dwg, dwu, be.transposed(dwdt, wd.dtype)
 
 
 @torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())
