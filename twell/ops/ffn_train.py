@@ -127,7 +127,10 @@ def _csc_order(col: torch.Tensor, nnz_eff: torch.Tensor, kc: int, h: int):
             ``perm[colptr[c]:colptr[c+1]]`` (``colptr[H]`` = entries in use). order: (H,) int64,
             the columns longest first (the dW kernel's launch order).
     """
-    keys = torch.where(valid_slots(nnz_eff, kc), col, h).reshape(-1)  # unused slots keyed H: last
+    # int16 keys while the columns and H fit (H < 2^15): the radix sort makes 2 passes over the
+    # N*KC entries instead of int32's 4 (same stable order)
+    kdt = torch.int16 if h < 2**15 else torch.int32
+    keys = torch.where(valid_slots(nnz_eff, kc), col.to(kdt), h).reshape(-1)  # unused: H, last
     sorted_keys, perm = torch.sort(keys, stable=True)
     colptr = torch.searchsorted(sorted_keys,
                                 torch.arange(h + 1, dtype=keys.dtype, device=keys.device))
