@@ -13,7 +13,8 @@ attention          flash / memory-efficient attention, forward and backward
 gemm_attn          q, k, v, o projections (cuBLAS)
 gemm_ffn           FFN products through cuBLAS (dense FFNs, the gate GEMM, dense backups)
 gemm_lm_head       LM head and its gradients (also inside a fused loss)
-ffn_triton         twell's Triton kernels (compaction, SDDMM, SpMM, dW, the fused passes)
+ffn_triton         twell's Triton kernels (compaction, SDDMM, SpMM, dW, the fused passes, the
+                   transposing cast of Wd^T and dWd)
 norm               RMSNorm kernels (Liger's; eager norms land in elementwise / reduction)
 rope               RoPE kernels (Liger's; eager RoPE lands in elementwise)
 loss               cross-entropy / softmax kernels
@@ -48,7 +49,7 @@ _NAME_RULES = (  # (family, pattern on the kernel name), first match wins
     ("rope", r"rope|rotary"),
     ("loss", r"cross_entropy|softmax|nll_loss|log_softmax"),
     ("ffn_triton", (r"^_?(compact|sddmm|spmm|dw_|pack|twell|backup|dense_fwd|dense_bwd|hot|"
-                    r"relu_mul|ew_|gated)")),
+                    r"relu_mul|ew_|gated|transpose_kernel)")),
     ("optimizer", r"multi_tensor|adam|foreach|fused_adam|clip"),
     ("cast", r"copy|cast|convert|to_dtype"),
     ("reduction", r"reduce|_sum|norm_kernel|mean|amax"),

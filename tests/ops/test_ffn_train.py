@@ -474,12 +474,17 @@ def test_saved_state_between_forward_and_backward_is_what_the_layout_says():
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in ins)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=needs_triton)])
+@pytest.mark.parametrize("hot", [None, (0, 7, 150)], ids=["cold", "hot"])  # hot units added too
 @pytest.mark.parametrize("dense_row_fraction", [1.0, 0.0])  # ELL with backup rows; all-dense
-def test_under_autocast_the_saved_state_holds_the_master_weights_not_copies(dense_row_fraction):
+def test_under_autocast_the_saved_state_holds_the_master_weights_not_copies(dense_row_fraction,
+                                                                           hot, backend):
     """Under bf16 autocast with fp32 master weights the op keeps the caller's fp32 Wg, Wu (H, D)
     and Wd (D, H) and no bf16 copy of any (the forward and the backward each make their own and
     free them). The three weight gradients come back in fp32, equal to the bf16-rounded fp64
-    reference within bf16 resolution, on both branches of the backward."""
+    reference within bf16 resolution, on both branches of the backward (with the Triton
+    kernels: dWg, dWu written in fp32 by the dW kernel, dWd transposed and cast by
+    ``twell.ops.transpose``)."""
     n, d, h, kc = 33, 40, 300, 20
     x, wg, wu, wd, dy = make_inputs(n, d, h, threshold=1.5, seed=21)
     ins = [t.float().requires_grad_() for t in (x, wg, wu, wd)]
@@ -487,7 +492,8 @@ def test_under_autocast_the_saved_state_holds_the_master_weights_not_copies(dens
     with torch.autocast("cpu", dtype=torch.bfloat16), \
             torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y, _ = sparse_ffn_train(*ins, ell_capacity=kc, dense_row_fraction=dense_row_fraction,
-                                backend="torch")
+                                backend=backend,
+                                hot_units=None if hot is None else torch.tensor(hot))
     assert y.dtype == torch.bfloat16
     weights = sorted((tuple(t.shape), str(t.dtype)) for t in saved
                      if tuple(t.shape) in {(h, d), (d, h)})

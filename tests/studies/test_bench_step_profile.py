@@ -44,6 +44,7 @@ DIMS = {"ffn": 5632, "vocab": 49152}
     ("_dw_entries_kernel", None, None, "ffn_triton"),
     ("_compact_kernel", None, None, "ffn_triton"),
     ("_sddmm_kernel", None, None, "ffn_triton"),
+    ("_transpose_kernel", None, None, "ffn_triton"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", None, None,
      "optimizer"),
     ("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda",

@@ -54,9 +54,11 @@ kernel's longest-column-first order), built in the forward
 while the GPU runs the SDDMM and SpMM so that the backward launches little besides its kernels;
 with hot units also their relu'd gate g_S and up u_S (N x k). No N x H tensor outside the
 backup rows, and no copy of Wd: the forward's SpMM reads Wd^T as (H, D) rows in the compute
-dtype and the backward makes them again, each with one copy that transposes and casts (~17 us
-at the 1.5B shape; the cast it replaces cost about as much), for 23 MB less per layer between
-the two at D 2048, H 5632.
+dtype and the backward makes them again, each with one tiled pass that transposes and casts
+(``twell.ops.transpose``; PyTorch's strided copy took 75.5 us of a (2048, 5632) bf16 Wd on the
+H200), for 23 MB less per layer between the two at D 2048, H 5632. The weight gradients leave in
+the weights' dtypes: dWg, dWu written so by the dW kernel, dWd^T transposed into (D, H) and cast
+in one more tiled pass.
 
 Host synchronisation: measuring mode (``backup_rows=-1``), exactly one per forward call (reading
 R, which sizes the backup). On CUDA it waits on an event recorded right after the compaction
@@ -96,11 +98,11 @@ def _heavy_indices(heavy_N: torch.Tensor, r: int) -> torch.Tensor:
         return torch.argsort(heavy_N.to(torch.int8), descending=True, stable=True)[:r]
 
 
-def _down_rows(wd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _down_rows(be, wd: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Wd^T as (H, D) rows in the compute dtype, from Wd (D, H) in any float dtype: the
-    transpose and the cast in one copy (under autocast Wd is the fp32 master weight, so no bf16
-    copy of it outlives the forward)."""
-    return torch.empty((wd.shape[1], wd.shape[0]), dtype=dtype, device=wd.device).copy_(wd.t())
+    transpose and the cast in one tiled pass (``be.transposed``; under autocast Wd is the fp32
+    master weight, so no bf16 copy of it outlives the forward)."""
+    return be.transposed(wd, dtype)
 
 
 def _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff):
@@ -125,7 +127,10 @@ def _csc_order(col: torch.Tensor, nnz_eff: torch.Tensor, kc: int, h: int):
             ``perm[colptr[c]:colptr[c+1]]`` (``colptr[H]`` = entries in use). order: (H,) int64,
             the columns longest first (the dW kernel's launch order).
     """
-    keys = torch.where(valid_slots(nnz_eff, kc), col, h).reshape(-1)  # unused slots keyed H: last
+    # int16 keys while the columns and H fit (H < 2^15): the radix sort makes 2 passes over the
+    # N*KC entries instead of int32's 4 (same stable order)
+    kdt = torch.int16 if h < 2**15 else torch.int32
+    keys = torch.where(valid_slots(nnz_eff, kc), col.to(kdt), h).reshape(-1)  # unused: H, last
     sorted_keys, perm = torch.sort(keys, stable=True)
     colptr = torch.searchsorted(sorted_keys,
                                 torch.arange(h + 1, dtype=keys.dtype, device=keys.device))
@@ -213,7 +218,7 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)
     acc = torch.promote_types(x.dtype, torch.float32)
     g_NH = torch.matmul(x, wg.t())  # (N, H) pre-activation; freed before the sparse part
-    wdt = _down_rows(wd, x.dtype)  # (H, D) rows for the SpMM (the backward makes its own)
+    wdt = _down_rows(be, wd, x.dtype)  # (H, D) rows for the SpMM (the backward makes its own)
     g_S = _hot_split(g_NH, hot)  # hot units: a dense slice; g_NH keeps the cold ones
     # ELL buffers at the full capacity KC; nnz_eff = nnz_N, or 0 for a heavy row (> KC
     # non-zeros: dense backup); n_heavy = the number of heavy rows (device, (1,)); counted on
@@ -347,8 +352,8 @@ def _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx, dwg, dwu, dwdt=No
     dgu = torch.cat((dg_S, du_S), 1)
     dx.addmm_(dgu, torch.cat((wg.index_select(0, hot), wu.index_select(0, hot))))
     dw_gu = torch.matmul(dgu.t(), x)
-    dwg.index_add_(0, hot, dw_gu[:k])
-    dwu.index_add_(0, hot, dw_gu[k:])
+    dwg.index_add_(0, hot, dw_gu[:k].to(dwg.dtype))  # dWg, dWu may be in the weights' fp32
+    dwu.index_add_(0, hot, dw_gu[k:].to(dwu.dtype))
     if dwdt is not None:
         dwdt.index_add_(0, hot, torch.matmul(h_S.t(), dy))
     else:
@@ -363,15 +368,16 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     r = heavy_idx.shape[0]
     dy = dy.to(x.dtype).contiguous()
     # the saved Wg, Wu are the caller's (the fp32 masters under autocast): cast again here, and
-    # their gradients leave in the caller's dtype (what autograd's cast did when the op got copies)
-    w_dtype = wg.dtype
+    # their gradients leave in the caller's dtypes (what autograd's cast did when the op got
+    # copies); the dW kernel writes dWg, dWu in them directly (fp32 accumulation: no cast pass)
+    dt_g, dt_u = wg.dtype, wu.dtype
     wg, wu = wg.to(x.dtype), wu.to(x.dtype)
     scale = (dl1 / max(n, 1)).reshape(())
     all_dense = r == n and n > 0
     # Wd^T (H, D) in the compute dtype made again from the saved Wd (module docstring, "Saved
     # for backward"); the all-dense branch without hot units reads Wd (D, H) as it is
     if not all_dense or hot is not None:
-        wdt = _down_rows(wd, x.dtype)
+        wdt = _down_rows(be, wd, x.dtype)
         wd_c = wdt.t()
     else:
         wdt, wd_c = None, wd.to(x.dtype)
@@ -383,11 +389,11 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
                                                wd_transposed=not all_dense)
         if all_dense:
             _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx_R, dwg_R, dwu_R, dwd=dwd_R)
-            return dx_R, dwg_R.to(w_dtype), dwu_R.to(w_dtype), dwd_R.to(wd.dtype)
+            return dx_R, dwg_R.to(dt_g), dwu_R.to(dt_u), dwd_R.to(wd.dtype)
         adds = (dwg_R, dwu_R, dwd_R)  # (H, D) each: the dW kernel adds them
     dx = torch.empty_like(x)
-    dwg = torch.empty_like(wg)
-    dwu = torch.empty_like(wu)
+    dwg = torch.empty((h, d), dtype=dt_g, device=x.device)
+    dwu = torch.empty((h, d), dtype=dt_u, device=x.device)
     dwdt = torch.empty((h, d), dtype=x.dtype, device=x.device)
     dg, du = be.sddmm_bwd(dy, wdt, col, gv, u, nnz_eff, scale)
     be.spmm(dx, wg, wu, col, dg, du, nnz_eff)
@@ -395,9 +401,8 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     if r > 0:  # heavy rows: their ELL part is empty (dx = 0 there); unused backup rows add 0
         dx.index_add_(0, heavy_idx, dx_R.to(dx.dtype))
     _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx, dwg, dwu, dwdt=dwdt)
-    # dWd in Wd's dtype and (D, H) layout: one copy (transpose and cast together)
-    return (dx, dwg.to(w_dtype), dwu.to(w_dtype),
-            torch.empty_like(wd, memory_format=torch.contiguous_format).copy_(dwdt.t()))
+    # dWd in Wd's dtype and (D, H) layout: one tiled pass (transpose and cast together)
+    return dx, dwg, dwu, be.transposed(dwdt, wd.dtype)
 
 
 @torch.library.custom_op("twell::ffn_train_fwd", mutates_args=())

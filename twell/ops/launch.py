@@ -1,8 +1,8 @@
 """Launch shapes of the sparse training kernels (``CONFIG``, ``kernel_config``) and the launchers' checks.
 
-The kernels (``twell/ops/compact.py``, ``sddmm.py``, ``spmm.py``, ``dw.py``, ``elementwise.py``)
-read their block sizes and warps from ``CONFIG`` at launch; ``kernel_config`` changes them for a
-``with`` block (benchmarks, tests).
+The kernels (``twell/ops/compact.py``, ``sddmm.py``, ``spmm.py``, ``dw.py``, ``elementwise.py``,
+``transpose.py``) read their block sizes and warps from ``CONFIG`` at launch; ``kernel_config``
+changes them for a ``with`` block (benchmarks, tests).
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ _DEFAULT_CONFIG = {
     # dW grid order when dw_block_d is set, 1 = D slice outermost: 0.518 vs 0.578 ms i.i.d. but
     # 0.345 vs 0.288 with hot units (N 16384, d1024; the first dW kernel)
     "dw_d_outer": 0,
+    # transposing cast (transpose.py, the training op's Wd^T and dWd): tile side and warps;
+    # not yet timed (the usual 64 x 64 tile; BENCHMARKS.md, "Built after the calls: the training
+    # op's copies", has the prediction)
+    "transpose_block": 64,
+    "transpose_warps": 4,
     # dense-mode elementwise pass (dense_fwd): rows per program, columns per step, warps
     "dense_block_n": 16,
     "dense_block_h": 256,
@@ -53,7 +58,7 @@ _DEFAULT_CONFIG = {
 CONFIG = dict(_DEFAULT_CONFIG)
 # sizes used directly as tl.arange extents (others are rounded up to a power of 2 by _pow2)
 _POW2_KEYS = ("dense_block_n", "dense_block_h", "sddmm_block_k", "spmm_block_k", "spmm_block_k2",
-              "dw_block_j", "dw_block_d")  # dw_block_d: also 0 = auto
+              "dw_block_j", "dw_block_d", "transpose_block")  # dw_block_d: also 0 = auto
 
 
 @contextlib.contextmanager

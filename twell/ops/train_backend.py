@@ -6,7 +6,8 @@ backward of dense rows (dense mode, and the ELL op's dense backup).
 
 The Triton kernels, one op per file: ``compact.py`` (ReLU + ELL compaction), ``sddmm.py`` (u
 forward, dh backward), ``spmm.py`` (y forward, dx backward), ``dw.py`` (weight gradients),
-``elementwise.py`` (the dense rows' fused passes); launch shapes in ``launch.py``.
+``elementwise.py`` (the dense rows' fused passes), ``transpose.py`` (the transposing cast of Wd
+and dWd); launch shapes in ``launch.py``.
 
 Shape legend: N tokens (R for dense rows), D model width, H FFN width, K ELL width (slots per
 row), KC ELL capacity (the widest K allowed), J entries of one column in CSC order.
@@ -44,7 +45,8 @@ BACKENDS = ("auto", "triton", "torch")
 def triton_backend() -> SimpleNamespace:
     """The Triton backend: the kernel files' launchers under the names the ops call (those of
     ``twell.ops.reference.sparse_train_torch``): ``compact``, ``compact_heavy``, ``sddmm_fwd``,
-    ``sddmm_bwd``, ``spmm``, ``dw``, ``backup_fwd``, ``backup_bwd``, ``dense_fwd``. One object
+    ``sddmm_bwd``, ``spmm``, ``dw``, ``transposed``, ``backup_fwd``, ``backup_bwd``,
+    ``dense_fwd``. One object
     per process (a test may wrap its attributes).
 
     Raises:
@@ -56,10 +58,11 @@ def triton_backend() -> SimpleNamespace:
     from twell.ops.elementwise import backup_bwd, backup_fwd, dense_fwd
     from twell.ops.sddmm import sddmm_bwd, sddmm_fwd
     from twell.ops.spmm import spmm
+    from twell.ops.transpose import transposed
 
     return SimpleNamespace(compact=compact, compact_heavy=compact_heavy, sddmm_fwd=sddmm_fwd,
-                           sddmm_bwd=sddmm_bwd, spmm=spmm, dw=dw, backup_fwd=backup_fwd,
-                           backup_bwd=backup_bwd, dense_fwd=dense_fwd)
+                           sddmm_bwd=sddmm_bwd, spmm=spmm, dw=dw, transposed=transposed,
+                           backup_fwd=backup_fwd, backup_bwd=backup_bwd, dense_fwd=dense_fwd)
 
 
 def pick_backend(x: torch.Tensor, name: str):

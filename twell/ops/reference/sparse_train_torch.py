@@ -2,7 +2,8 @@
 
 Shape legend: N tokens, D model width, H FFN width, K ELL width, KC ELL capacity, R dense-backup
 rows. Same names and arguments as the Triton backend (``twell.ops.train_backend.triton_backend``:
-the launchers of ``compact.py``, ``sddmm.py``, ``spmm.py``, ``dw.py``, ``elementwise.py``), so the
+the launchers of ``compact.py``, ``sddmm.py``, ``spmm.py``, ``dw.py``, ``elementwise.py``,
+``transpose.py``), so the
 training ops (``twell.ops.ffn_train``, ``twell.ops.ffn_dense_train``) run either; this one runs on
 CPU without Triton and in float64 (the kernels' tests compare both against fp64 autograd).
 Gathers are chunked over rows so a gathered (n, K, D) block stays near ``_CHUNK_ELEMS`` elements.
@@ -152,6 +153,13 @@ def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g
         if add is not None:
             buf += add.to(acc)
         out.copy_(buf)
+
+
+def transposed(src_RC, dtype):
+    """``src^T`` as a new contiguous (C, R) tensor of ``dtype`` (one copy that transposes and
+    casts)."""
+    return torch.empty((src_RC.shape[1], src_RC.shape[0]), dtype=dtype,
+                       device=src_RC.device).copy_(src_RC.t())
 
 
 def backup_fwd(g_RH, u_RH):
