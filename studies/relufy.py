@@ -794,6 +794,15 @@ def score_rows(study: Study, names: list[str], log=print) -> None:
 
 # ---------------------------------------------------------------------------------- the loop
 
+def _waits_line(wave: list[RowSpec], need: float, left: float, grace_s: float) -> str:
+    """Why ``wave`` waits for the next piece: the seconds it needs before the deadline, those
+    left, and the ``--max-wall`` of a piece that starts with it (:func:`run_study`'s deadline is
+    ``max_wall - grace_s - 15``)."""
+    return (f"{', '.join(r.name for r in wave)}: not started: {need:.0f} s needed before the "
+            f"deadline, {left:.0f} s left (a piece starting with it needs --max-wall >= "
+            f"{need + grace_s + 15:.0f})")
+
+
 def run_study(study: Study, *, parallel: int = 1, max_wall: float = math.inf,
               min_start: float = MIN_START_S, grace_s: float = 45.0, command: str = "",
               log=print) -> dict:
@@ -801,8 +810,10 @@ def run_study(study: Study, *, parallel: int = 1, max_wall: float = math.inf,
     device call's limit is the script's ``--max-wall``): rows in order,
     ``parallel`` training processes at a time (waves), each wave beside the scoring of the rows
     trained before it (one scoring process); a wave starts only with ``min_start`` seconds
-    left, more for a row of more tokens (:meth:`Study.start_need_s`); at the deadline (``max_wall - grace_s - 15``) running jobs get SIGTERM (the trainer
-    checkpoints and exits; SIGKILL after ``grace_s``). Done rows are skipped; a stopped row
+    left, more for a row of more tokens (:meth:`Study.start_need_s`; a wave that waits for the
+    next piece is logged once, with the ``max_wall`` a piece starting with it needs); at the
+    deadline (``max_wall - grace_s - 15``) running jobs get SIGTERM (the trainer checkpoints
+    and exits; SIGKILL after ``grace_s``). Done rows are skipped; a stopped row
     continues from its checkpoint next time; a failed one is logged with its log tail and
     tried again next time. Returns ``{"status": {row: status}, "not_started": [rows],
     "failed": [jobs]}``.
@@ -827,7 +838,7 @@ def run_study(study: Study, *, parallel: int = 1, max_wall: float = math.inf,
     study.save()
     waves = [to_train[i:i + parallel] for i in range(0, len(to_train), parallel)]
 
-    failed = []
+    failed, said = [], False
 
     def done(job: Job) -> None:
         study.on_done(job)
@@ -839,6 +850,9 @@ def run_study(study: Study, *, parallel: int = 1, max_wall: float = math.inf,
         left = deadline - time.monotonic()
         need = max(study.start_need_s(r, min_start) for r in waves[0]) if waves else 0.0
         wave = waves.pop(0) if waves and left >= need else []
+        if waves and not wave and not said:  # why the next rows wait for the next piece
+            said = True
+            log(_waits_line(waves[0], need, left, grace_s))
         if not wave and (not to_score or left < 30):
             break
         jobs = [study.train_job(r) for r in wave] + ([study.score_job(to_score)] if to_score

@@ -427,9 +427,13 @@ def test_run_study_starts_a_longer_row_only_with_its_time_left(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     s = Study(out, work, plan, rows)
     _fake(s, {})
-    res = run_study(s, max_wall=60, min_start=5, grace_s=2, log=lambda m: None)
+    logs = []
+    res = run_study(s, max_wall=60, min_start=5, grace_s=2, log=logs.append)
     assert res["status"] == {"dense_relu": "scored", "dense_relu_2x": "new"}
     assert res["not_started"] == ["dense_relu_2x"]
+    said = [m for m in logs if "not started" in m]  # once, with the piece it needs: 50 + 2 + 15
+    assert len(said) == 1 and said[0].startswith("dense_relu_2x: not started: 50 s needed")
+    assert said[0].endswith("--max-wall >= 67)")
     s2 = Study(out, work, plan, rows)
     _fake(s2, {})
     res = run_study(s2, max_wall=120, min_start=5, grace_s=2, log=lambda m: None)
