@@ -30,7 +30,7 @@ from studies.kernel_bench.common import (
 )
 from twell.nn.record import active_counts_of
 from twell.ops.ffn_dense_train import dense_ffn_train
-from twell.ops.ffn_train import backup_capacity_for, sparse_ffn_train
+from twell.ops.ffn_train import backup_capacity_for, csc_order, sparse_ffn_train
 from twell.ops.launch import kernel_config
 from twell.ops.reference import gated_ffn_torch
 from twell.ops.reference import sparse_train_torch as rt
@@ -220,9 +220,7 @@ def _ell_state(x, wg, wu, wd, dy) -> dict:
     u, _ = rt.sddmm_fwd(x, wu, col, gv, nnz)
     scale = torch.tensor(0.2, device=x.device)
     dg, du = rt.sddmm_bwd(dy, wdt, col, gv, u, nnz, scale)
-    keys = torch.where(rt.valid_slots(nnz, k), col, h).reshape(-1)
-    sk, perm = torch.sort(keys, stable=True)
-    colptr = torch.searchsorted(sk, torch.arange(h + 1, dtype=keys.dtype, device=x.device))
+    perm, colptr, _ = csc_order(col, nnz, k, h)  # the training op's own (int32 perm)
     # fp32 references from the PyTorch backend (independent code)
     ref_y = rt.spmm(torch.empty(n, d, device=x.device), wdt, None, col, gv, u, nnz)
     ref_dx = rt.spmm(torch.empty(n, d, device=x.device), wg, wu, col, dg, du, nnz)

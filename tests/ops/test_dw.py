@@ -3,7 +3,7 @@
 The ELL entries (token n, slot k, unit col[n, k]) of a hand-built state are scattered into dense
 (N, H) matrices, so the reference is three plain matmuls, independent of the CSC order and of
 the PyTorch backend:  dWg = Dg^T x,  dWu = Du^T x,  dWd^T = (G * U)^T dy  (+ the dense-backup
-adds). The CSC order is the training forward's own (``ffn_train._csc_order``). On CPU the kernel
+adds). The CSC order is the training forward's own (``ffn_train.csc_order``). On CPU the kernel
 runs through the Triton interpreter (tests/conftest.py).
 """
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not TRITON, reason="Triton (or its interpreter) 
 
 
 def run_dw(x, dy, col, nnz, dg, du, g, u, h, adds=None, out_dtype=torch.float32):
-    perm, colptr, order = ffn_train._csc_order(col, nnz, col.shape[1], h)
+    perm, colptr, order = ffn_train.csc_order(col, nnz, col.shape[1], h)
     outs = [torch.full((h, x.shape[1]), 7.0, dtype=out_dtype, device=x.device) for _ in range(3)]
     pick_backend(x, "triton").dw(*outs, adds, x, dy, perm, colptr, dg, du, g, u, order=order)
     return outs

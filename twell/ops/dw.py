@@ -3,7 +3,7 @@
     dWg[c] = sum dg x[n],  dWu[c] = sum du x[n],  dWd^T[c] = sum g u dy[n]   (over col[n, k] = c)
 
 The CSC order (``perm``, ``colptr``, the longest-column-first ``order``) is built by the forward
-(``twell.ops.ffn_train._csc_order``); a first pass reads the entries through it once and writes
+(``twell.ops.ffn_train.csc_order``); a first pass reads the entries through it once and writes
 their tokens and coefficients in CSC order (``_dw_entries_kernel``), then each (column, D slice)
 program streams its column's entries and owns its outputs, so the sums are deterministic: the
 entries' coefficients are read once, not once per D slice (measurements and the version this
@@ -138,7 +138,7 @@ def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g
         adds: None or three (H, D) tensors added to the outputs (the dense-backup rows' parts).
         x_ND, dy_ND: (N, D) input and upstream gradient (bf16 / fp16 / fp32).
         perm: (N*K,) int32 or int64 flat slot indices ``n*K + k`` in CSC order, unused slots
-            last (``twell.ops.ffn_train._csc_order``); colptr: (H + 1,) int64 column starts,
+            last (``twell.ops.ffn_train.csc_order``); colptr: (H + 1,) int64 column starts,
             ``colptr[H]`` = slots in use (read on the device: no host sync).
         dg_NK, du_NK: (N, K) fp32 dL/dgate, dL/dup at the slots; g_NK, u_NK: (N, K) relu(gate)
             and up at the slots.

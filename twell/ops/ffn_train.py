@@ -113,7 +113,7 @@ def _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff):
     return y, u, l1_N
 
 
-def _csc_order(col: torch.Tensor, nnz_eff: torch.Tensor, kc: int, h: int):
+def csc_order(col: torch.Tensor, nnz_eff: torch.Tensor, kc: int, h: int):
     """CSC order of the ELL entries, for the weight-gradient kernel.
 
     Args:
@@ -244,7 +244,7 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)  # discarded if all rows go dense
         # the CSC order too, before the wait: the host has almost nothing left to launch after
         # it (1.86x vs 1.62x queued after the wait, 0.3 %, H200)
-        csc = _csc_order(col, nnz_eff, kc, h)
+        csc = csc_order(col, nnz_eff, kc, h)
         fwd_S = _hot_fwd(be, x, wu, g_S, hot)  # and the hot slice's GEMM
         r_ready.synchronize()
         r = int(r_host[0])
@@ -267,7 +267,7 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         if not early:
             y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)
         if csc is None:
-            csc = _csc_order(col, nnz_eff, kc, h)
+            csc = csc_order(col, nnz_eff, kc, h)
         heavy_idx = (_heavy_indices(nnz_N > kc, r) if r > 0
                      else torch.empty((0,), dtype=torch.int64, device=x.device))
         l1_light = l1_N.sum(dtype=acc)
@@ -313,7 +313,7 @@ def _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_
     returned count) with ``r_cap`` before using the step, and redo it in the measuring mode."""
     n, h = g_NH.shape
     y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)
-    perm, colptr, order = _csc_order(col, nnz_eff, kc, h)
+    perm, colptr, order = csc_order(col, nnz_eff, kc, h)
     l1 = l1_N.sum(dtype=acc)
     if r_cap > 0:
         idx = torch.nonzero_static(nnz_N > kc, size=r_cap, fill_value=n).reshape(-1)

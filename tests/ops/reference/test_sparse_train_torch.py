@@ -69,7 +69,7 @@ def test_dw_matches_dense_products_with_the_adds():
     x, dy, col, nnz, dg, du, g, u = st
     adds = [torch.randn(50, 37, generator=torch.Generator().manual_seed(i), dtype=F64)
             for i in range(3)]
-    perm, colptr, order = ffn_train._csc_order(col, nnz, col.shape[1], 50)
+    perm, colptr, order = ffn_train.csc_order(col, nnz, col.shape[1], 50)
     outs = [torch.full((50, 37), 7.0, dtype=F64) for _ in range(3)]
     ref.dw(*outs, adds, x, dy, perm, colptr, dg, du, g, u, order=order)
     for name, got, want in zip(("dWg", "dWu", "dWd^T"), outs, dense_dw(*st, 50, adds=adds)):
