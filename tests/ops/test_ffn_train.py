@@ -511,6 +511,25 @@ def test_under_autocast_the_saved_state_holds_the_master_weights_not_copies(dens
         assert_close(name, ins[i].grad.double(), ref[i].grad, 3e-2)
 
 
+def test_fp64_input_with_fp32_weights_sums_the_weight_gradients_in_fp64():
+    """An fp64 input computes in fp64 (the PyTorch backend) while fp32 weights get fp32
+    gradients: each of dWg, dWu, dWd is the fp64 sum rounded once, the fp64 reference's value
+    correctly rounded to fp32 (within half an fp32 ulp of it), not a sum accumulated in fp32.
+    Every row in ELL (capacity H), so the weight-gradient pass makes all three."""
+    n, d, h = 257, 40, 300
+    x, wg, wu, wd, dy = make_inputs(n, d, h, threshold=1.0, seed=5)
+    ins = [x.clone().requires_grad_()] + [t.float().requires_grad_() for t in (wg, wu, wd)]
+    y, st = sparse_ffn_train(*ins, ell_capacity=h, dense_row_fraction=1.0, backend="torch")
+    assert y.dtype == torch.float64
+    ((y * dy).sum() + 0.5 * st.l1).backward()
+    _, _, g_r = reference(x, *(t.float().double() for t in (wg, wu, wd)), dy, 0.5)
+    for name, got, ref in zip(("dWg", "dWu", "dWd"), (t.grad for t in ins[1:]), g_r[1:]):
+        assert got.dtype == torch.float32
+        err = (got.double() - ref).abs()
+        bad = err > ref.abs() * 2.0**-24 * (1 + 1e-6)
+        assert not bool(bad.any()), f"{name}: {int(bad.sum())} of {ref.numel()} not rounded once"
+
+
 def test_slot_indices_beyond_int32_are_refused_before_any_work():
     """N x ELL capacity must stay below 2^31 (the CSC order's int32 slot indices): 64 rows at a
     capacity of 2^25 is exactly 2^31, refused with the fix; one slot less passes the check."""
