@@ -511,6 +511,45 @@ def test_under_autocast_the_saved_state_holds_the_master_weights_not_copies(dens
         assert_close(name, ins[i].grad.double(), ref[i].grad, 3e-2)
 
 
+def test_fp64_input_with_fp32_weights_sums_the_weight_gradients_in_fp64():
+    """An fp64 input computes in fp64 (the PyTorch backend) while fp32 weights get fp32
+    gradients: each of dWg, dWu, dWd is the fp64 sum rounded once, the fp64 reference's value
+    correctly rounded to fp32 (within half an fp32 ulp of it), not a sum accumulated in fp32.
+    Every row in ELL (capacity H), so the weight-gradient pass makes all three."""
+    n, d, h = 257, 40, 300
+    x, wg, wu, wd, dy = make_inputs(n, d, h, threshold=1.0, seed=5)
+    ins = [x.clone().requires_grad_()] + [t.float().requires_grad_() for t in (wg, wu, wd)]
+    y, st = sparse_ffn_train(*ins, ell_capacity=h, dense_row_fraction=1.0, backend="torch")
+    assert y.dtype == torch.float64
+    ((y * dy).sum() + 0.5 * st.l1).backward()
+    _, _, g_r = reference(x, *(t.float().double() for t in (wg, wu, wd)), dy, 0.5)
+    for name, got, ref in zip(("dWg", "dWu", "dWd"), (t.grad for t in ins[1:]), g_r[1:]):
+        assert got.dtype == torch.float32
+        err = (got.double() - ref).abs()
+        bad = err > ref.abs() * 2.0**-24 * (1 + 1e-6)
+        assert not bool(bad.any()), f"{name}: {int(bad.sum())} of {ref.numel()} not rounded once"
+
+
+@needs_triton
+def test_bf16_input_with_fp64_weights_on_the_triton_kernels():
+    """fp64 weights with a bf16 input: the Triton kernels compute in bf16 from Wd^T made by the
+    transposing cast out of the fp64 Wd; y and the gradients (the weights' in fp64) match the
+    fp64 reference of the bf16-rounded operands within bf16 resolution."""
+    n, d, h, kc = 33, 40, 300, 20
+    x, wg, wu, wd, dy = make_inputs(n, d, h, threshold=1.5, seed=2)
+    ins = [x.to(DEV, torch.bfloat16).requires_grad_()] + [
+        t.to(DEV).requires_grad_() for t in (wg, wu, wd)]
+    y, _ = sparse_ffn_train(*ins, ell_capacity=kc, dense_row_fraction=1.0, backend="triton")
+    (y.double() * dy.to(DEV)).sum().backward()
+    assert [w.grad.dtype for w in ins[1:]] == [torch.float64] * 3
+    ref = [t.detach().to(torch.bfloat16).double().requires_grad_() for t in (x, wg, wu, wd)]
+    y_r = (torch.relu(ref[0] @ ref[1].t()) * (ref[0] @ ref[2].t())) @ ref[3].t()
+    (y_r * dy).sum().backward()
+    assert_close("y", y, y_r, 3e-2)
+    for name, got, want in zip(("dx", "dWg", "dWu", "dWd"), ins, ref):
+        assert_close(name, got.grad, want.grad, 3e-2)
+
+
 def test_slot_indices_beyond_int32_are_refused_before_any_work():
     """N x ELL capacity must stay below 2^31 (the CSC order's int32 slot indices): 64 rows at a
     capacity of 2^25 is exactly 2^31, refused with the fix; one slot less passes the check."""

@@ -55,6 +55,28 @@ def test_matches_the_torch_copy_bit_for_bit(src_dtype, dtype, shape):
     _same_bits(got, src.t().to(dtype).contiguous(), trunc)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_fp64_source_to_16_bits_rounds_through_fp32_as_torch(dtype):
+    """fp64 weights under a 16-bit compute dtype: PyTorch's cast rounds to fp32 first, then to
+    the 16-bit type, and so does the kernel. The first two values sit just above a 16-bit
+    rounding midpoint (by 2^-40): one direct rounding goes up, PyTorch's two go to the even
+    neighbour below."""
+    from twell.ops.transpose import transposed
+
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10  # at 1.0
+    ties = torch.tensor([1 + ulp / 2 + 2.0**-40, -(1 + ulp / 2 + 2.0**-40)], dtype=torch.float64)
+    src = _src(9, 70, torch.float64, seed=2)
+    src[3, :2] = ties
+    src = src.to(DEV)
+    want = src.t().to(dtype)
+    assert want[0, 3].item() == 1.0 and want[1, 3].item() == -1.0  # PyTorch's two roundings
+    trunc = None
+    if not src.is_cuda and dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16
+        trunc = _truncated_bf16(src.t().float())
+    with kernel_config(transpose_block=16):
+        _same_bits(transposed(src, dtype), want, trunc)
+
+
 def test_row_strided_source_and_empty():
     """A column slice of a wider tensor (row stride > C) is read in place; empty stays empty."""
     from twell.ops.transpose import transposed

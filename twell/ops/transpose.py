@@ -30,6 +30,7 @@ def _transpose_kernel(
     stride_out,  # row stride of out
     N_CBLOCKS,  # cdiv(C, BLOCK)
     BLOCK: tl.constexpr,  # tile side
+    VIA_F32: tl.constexpr,  # fp64 source, 16-bit out: round to fp32 first
 ):
     """``out[c, r] = src[r, c]``, cast to out's dtype (round to nearest even; NaN and inf kept).
 
@@ -41,6 +42,9 @@ def _transpose_kernel(
     mc = offs_c < C
     tile = tl.load(src_ptr + offs_r[:, None].to(tl.int64) * stride_src + offs_c[None, :],
                    mask=mr[:, None] & mc[None, :])
+    if VIA_F32:  # PyTorch casts fp64 to fp16 / bf16 through fp32 (two roundings); the direct
+        # cast rounds once (and the interpreter's fp64 -> bf16 reads the bits as fp32's)
+        tile = tile.to(tl.float32)
     out = tl.trans(tile.to(out_ptr.dtype.element_ty))
     tl.store(out_ptr + offs_c[:, None].to(tl.int64) * stride_out + offs_r[None, :], out,
              mask=mc[:, None] & mr[None, :])
@@ -56,7 +60,8 @@ def transposed(src_RC: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     Returns:
         (C, R) contiguous tensor of ``dtype``: the values of ``src_RC.t().to(dtype)`` bit for
-        bit (the cast rounds to nearest even as PyTorch's does; NaN and inf pass through).
+        bit (the cast rounds to nearest even as PyTorch's does, fp64 to 16 bits through fp32
+        as PyTorch's does; NaN and inf pass through).
 
     Raises:
         ValueError: src not 2-D, or its columns not contiguous (stride(1) != 1 with C > 1).
@@ -72,8 +77,9 @@ def transposed(src_RC: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return out
     block = CONFIG["transpose_block"]
     n_cblocks = triton.cdiv(c, block)
+    via_f32 = src_RC.dtype == torch.float64 and dtype in (torch.float16, torch.bfloat16)
     _transpose_kernel[(triton.cdiv(r, block) * n_cblocks,)](
         src_RC, out, r, c, src_RC.stride(0), out.stride(0), n_cblocks, BLOCK=block,
-        num_warps=CONFIG["transpose_warps"],
+        VIA_F32=via_f32, num_warps=CONFIG["transpose_warps"],
     )
     return out

@@ -133,7 +133,11 @@ def dw(dwg_HD, dwu_HD, dwdt_HD, adds, x_ND, dy_ND, perm, colptr, dg_NK, du_NK, g
     """Weight gradients from the CSC-ordered ELL entries plus ``adds`` (dense-backup parts)."""
     h, d = dwg_HD.shape
     k = max(dg_NK.shape[1], 1)
-    acc = torch.promote_types(dwg_HD.dtype, torch.float32)
+    # the widest of the three outputs' dtypes: dWg, dWu come in the weights' dtypes and dWd^T
+    # in the compute dtype, so fp64 inputs with fp32 weights still sum in fp64
+    acc = torch.float32
+    for out in (dwg_HD, dwu_HD, dwdt_HD):
+        acc = torch.promote_types(acc, out.dtype)
     bufs = [torch.zeros((h, d), dtype=acc, device=x_ND.device) for _ in range(3)]
     col_of = torch.repeat_interleave(
         torch.arange(h, device=x_ND.device), colptr[1:] - colptr[:-1]
