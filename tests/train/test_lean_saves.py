@@ -461,3 +461,79 @@ def test_a_norm_output_changed_in_place_is_saved_as_it_is():
 
     plain, lean = grads(False), grads(True)
     assert all(torch.equal(plain[n], lean[n]) for n in plain)
+
+
+def _top_hooks():
+    """The saved-tensor hooks on top of torch's stack (pack, unpack), None when it is empty."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def _grads_of_a_step(model, mlps, autocast: bool) -> dict:
+    """Every gradient of one micro-step of ``model`` (``_step``'s batch and loss)."""
+    ids = torch.randint(1, 64, (B, T), generator=torch.Generator().manual_seed(1))
+    ids[0, 4] = 5
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ce = model(input_ids=ids, labels=ids).loss
+        l1, _ = l1_penalty(collect_stats(mlps))
+        loss = ce + 0.3 * l1
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["bare", "in-outer-hooks"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_an_interrupted_layer_leaves_no_hooks_behind(autocast, outer):
+    """Ctrl-C in layer 2's attention (a BaseException: the layers' always_call forward hooks do
+    not run for it): afterwards torch's saved-tensor hook stack is as before (also when the
+    interrupt left an outer hooks context, whose exit pops the top entry whatever it is), no
+    layer holds its hooks, the autocast cache setting is as before, and the next step's
+    gradients are bitwise those of the model without the options."""
+    _, g0, _ = _step(False, autocast)
+    model, mlps, _ = _model(True, True)
+    handle = model.model.layers[2].self_attn.register_forward_pre_hook(_interrupt)
+    ids = torch.randint(1, 64, (B, T), generator=torch.Generator().manual_seed(1))
+    hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if outer
+             else contextlib.nullcontext())
+    assert _top_hooks() is None and torch.is_autocast_cache_enabled()
+    with pytest.raises(KeyboardInterrupt), hooks, \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(input_ids=ids, labels=ids)
+    assert _top_hooks() is None
+    assert torch.is_autocast_cache_enabled()
+    assert not any("_twell_saves" in vars(layer) for layer in model.model.layers)
+    handle.remove()
+    model.zero_grad(set_to_none=True)
+    g1 = _grads_of_a_step(model, mlps, autocast)
+    assert _top_hooks() is None
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["bare", "under-outer-hooks"])
+def test_a_layer_interrupted_on_its_own_is_undone_by_the_next_forward(outer):
+    """A decoder layer called on its own (outside the decoder stack) that Ctrl-C ended after
+    its hooks went in (its pre-hook ran, its forward hook did not): the next model forward
+    takes them off the stack before anything is packed, leaving an outer context's hooks,
+    pushed above them since, where they were."""
+    _, g0, _ = _step(False, False)
+    model, mlps, _ = _model(True, True)
+    lean_saves._layer_enter(model.model.layers[1], ())  # as far as an interrupted call got
+    stale = _top_hooks()
+    assert stale is not None
+    mine = (lambda t: t, lambda t: t)
+    if outer:
+        torch._C._autograd._push_saved_tensors_default_hooks(*mine)
+    try:
+        g1 = _grads_of_a_step(model, mlps, False)
+        assert _top_hooks() == (mine if outer else None)
+    finally:
+        if outer:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+    assert _top_hooks() is None
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
