@@ -1,5 +1,5 @@
 """Keep less for backward on the no-recompute path, with bitwise-identical gradients
-(``trainer.recompute_norms``, ``trainer.recast_attn_weights``; by default on where they can
+(``trainer.recompute_norms``, ``trainer.recast_attn_weights``; by default each on where it can
 save anything, :func:`lean_saves_enabled`).
 
 Without gradient checkpointing every decoder layer keeps, besides what it needs, tensors that
@@ -234,23 +234,40 @@ def _norm_done(norm, args, output) -> None:
         saves.register(norm, args[0], output)
 
 
-def lean_saves_enabled(setting: bool | None, *, device_type: str, precision: str,
-                       compile: bool, fsdp: bool) -> bool:
-    """Whether a run installs one of ``trainer.recompute_norms`` / ``recast_attn_weights``.
+LEAN_SAVES = ("recompute_norms", "recast_attn_weights")  # the trainer.* keys
+
+
+def lean_saves_enabled(setting: bool | None, *, key: str, device_type: str, precision: str,
+                       compile: bool, fsdp: bool, norms_bf16: bool) -> bool:
+    """Whether a run installs ``trainer.<key>``, one of :data:`LEAN_SAVES`.
 
     ``setting`` true / false is taken as given (the config refuses true with compile or
-    grad_checkpointing=true, setup under FSDP); null is on for CUDA runs under bf16 autocast
-    (``precision``, the resolved one: bf16 | fp32) that are neither compiled (saved-tensor hooks
-    are eager-only) nor sharded by FSDP (untested), the runs where the norms return bf16
-    (Liger's) and autocast keeps weight casts; off elsewhere, where they save nothing (fp32
-    keeps no casts; transformers' reference norms' consumers cast for themselves) and would
-    only add hooks. Checkpointed layers skip them by themselves (``_layer_enter``). Measured:
-    2B on an emulated 80 GB card, the bench's micro-batch 12 -> 16, `ell` +2.5 % tokens/ms; -0.8 % on 139 GB
-    (BENCHMARKS.md, sixth session of 2026-12-04).
+    grad_checkpointing=true, setup under FSDP). null resolves per key, on only where it saves
+    something, since elsewhere it would only add hooks:
+
+    * ``recast_attn_weights``: CUDA runs under bf16 autocast (``precision``, the resolved one:
+      bf16 | fp32), where autocast keeps the weight casts, that are neither compiled
+      (saved-tensor hooks are eager-only) nor sharded by FSDP (untested). fp32 keeps no casts;
+      CPU runs (fp32 unless set) keep their code path.
+    * ``recompute_norms``: those runs where the norms return bf16 (``norms_bf16``: Liger's
+      norms, ``trainer.liger`` resolved on, with ``trainer.norm_out_bf16`` resolved on). With
+      fp32 norm outputs each consumer keeps its own cast under autocast (transformers'
+      reference norms, ``trainer.liger=false``, ``norm_out_bf16=false``), so no norm output is
+      saved for a recipe to replace.
+
+    Checkpointed layers skip both by themselves (``_layer_enter``). Measured with both on: 2B
+    on an emulated 80 GB card, the bench's micro-batch 12 -> 16, `ell` +2.5 % tokens/ms; -0.8 %
+    on 139 GB (BENCHMARKS.md, sixth session of 2026-12-04).
+
+    Raises:
+        ValueError: ``key`` not in :data:`LEAN_SAVES`.
     """
+    if key not in LEAN_SAVES:
+        raise ValueError(f"key must be one of {LEAN_SAVES}; got {key!r}")
     if setting is not None:
         return bool(setting)
-    return device_type == "cuda" and precision == "bf16" and not compile and not fsdp
+    casts = device_type == "cuda" and precision == "bf16" and not compile and not fsdp
+    return casts and (key == "recast_attn_weights" or norms_bf16)
 
 
 def enable_lean_saves(model, *, recompute_norms: bool, recast_attn_weights: bool) -> int:
@@ -295,4 +312,4 @@ def enable_lean_saves(model, *, recompute_norms: bool, recast_attn_weights: bool
     return len(layers)
 
 
-__all__ = ["enable_lean_saves", "lean_saves_enabled"]
+__all__ = ["LEAN_SAVES", "enable_lean_saves", "lean_saves_enabled"]

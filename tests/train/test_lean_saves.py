@@ -17,9 +17,11 @@ from tests.train_utils import tiny_config, write_tokens
 from train import lean_saves
 from train.config import ConfigError, ModelConfig
 from train.lean_saves import enable_lean_saves
+from train.liger import liger_available
 from train.memory import release_failed_step
 from train.model import build_model, ffn_modules
 from train.recompute import _Kept, set_recompute
+from train.setup import prepare_model
 from train.sparsity import collect_stats, l1_penalty
 from twell.nn import FFNPlan
 
@@ -206,18 +208,53 @@ def test_options_are_validated(tmp_path):
             cfg.trainer.__post_init__()
 
 
-@pytest.mark.parametrize("setting, device, precision, compile, fsdp, on", [
-    (None, "cuda", "bf16", False, False, True),   # the GPU's default run
-    (None, "cpu", "bf16", False, False, False),   # reference norms: nothing to save
-    (None, "cuda", "fp32", False, False, False),  # no autocast casts, fp32 norm outputs
-    (None, "cuda", "bf16", True, False, False),   # compiled: the hooks are eager-only
-    (None, "cuda", "bf16", False, True, False),   # FSDP: untested
-    (True, "cpu", "fp32", False, False, True),    # as given
-    (False, "cuda", "bf16", False, False, False),
+R, W = "recompute_norms", "recast_attn_weights"
+
+
+@pytest.mark.parametrize("key, setting, device, precision, compile, fsdp, norms_bf16, on", [
+    (R, None, "cuda", "bf16", False, False, True, True),    # the GPU's default run (Liger)
+    (W, None, "cuda", "bf16", False, False, True, True),
+    (R, None, "cuda", "bf16", False, False, False, False),  # fp32 norm outputs: none saved
+    (W, None, "cuda", "bf16", False, False, False, True),   # ... the weight casts still are
+    (R, None, "cpu", "bf16", False, False, False, False),   # the CPU keeps its code path
+    (W, None, "cpu", "bf16", False, False, False, False),
+    (R, None, "cuda", "fp32", False, False, True, False),   # no autocast casts
+    (W, None, "cuda", "fp32", False, False, True, False),
+    (R, None, "cuda", "bf16", True, False, True, False),    # compiled: the hooks are eager-only
+    (W, None, "cuda", "bf16", True, False, True, False),
+    (R, None, "cuda", "bf16", False, True, True, False),    # FSDP: untested
+    (W, None, "cuda", "bf16", False, True, True, False),
+    (R, True, "cpu", "fp32", False, False, False, True),    # as given
+    (W, True, "cpu", "fp32", False, False, False, True),
+    (R, False, "cuda", "bf16", False, False, True, False),
+    (W, False, "cuda", "bf16", False, False, True, False),
 ])
-def test_null_is_on_where_it_can_save(setting, device, precision, compile, fsdp, on):
-    assert lean_saves.lean_saves_enabled(setting, device_type=device, precision=precision,
-                                         compile=compile, fsdp=fsdp) is on
+def test_null_is_on_where_it_can_save(key, setting, device, precision, compile, fsdp,
+                                      norms_bf16, on):
+    assert lean_saves.lean_saves_enabled(setting, key=key, device_type=device,
+                                         precision=precision, compile=compile, fsdp=fsdp,
+                                         norms_bf16=norms_bf16) is on
+    with pytest.raises(ValueError, match="key must be one of"):
+        lean_saves.lean_saves_enabled(setting, key="recompute_norm", device_type=device,
+                                      precision=precision, compile=compile, fsdp=fsdp,
+                                      norms_bf16=norms_bf16)
+
+
+@pytest.mark.parametrize("liger, norm_out_bf16, norms", [
+    (True, None, True), (True, True, True),  # Liger's norms return bf16
+    (None, None, liger_available()),  # Liger where it imports
+    (False, None, False), (True, False, False),  # fp32 norm outputs: recast only
+])
+def test_setup_resolves_null_per_option(tmp_path, liger, norm_out_bf16, norms):
+    """The setup of a CUDA bf16 run (a CPU model: nothing runs) with both options null:
+    recast_attn_weights on, recompute_norms only where the norms return bf16."""
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=2000)
+    cfg = tiny_config(tok, **{"trainer.liger": liger, "trainer.norm_out_bf16": norm_out_bf16})
+    model = build_model(cfg.model)
+    prepare_model(model, cfg, device=torch.device("cuda"), precision="bf16", fsdp=None,
+                  print_=lambda line: None)
+    assert {(la._twell_recompute_norms, la._twell_recast_attn)
+            for la in model.model.layers} == {(norms, True)}
 
 
 def test_the_default_cpu_run_installs_no_hooks(tmp_path):
