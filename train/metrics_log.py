@@ -190,7 +190,8 @@ class TrainRecord:
     """One ``kind: train`` line of ``metrics.jsonl`` (and the value ``log_metrics`` returns, as
     a dict: :meth:`as_dict`). Losses are means over the interval's steps; ``l0_*`` active FFN
     units per token; ``tokens_per_s`` global; ``mfu`` / ``mfu_useful`` fractions (None: peak
-    rate unknown); ``peak_mem_gb`` GiB of this interval, ``peak_mem_gb_run`` of the run. The
+    rate unknown); ``peak_mem_gb`` GiB of this interval (a failed attempt's included),
+    ``peak_mem_gb_run`` of the run. The
     optional fields (:data:`_OPTIONAL`) are left out of the line when None."""
 
     step: int
