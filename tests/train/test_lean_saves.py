@@ -245,9 +245,14 @@ def test_null_is_on_where_it_can_save(key, setting, device, precision, compile, 
     (None, None, liger_available()),  # Liger where it imports
     (False, None, False), (True, False, False),  # fp32 norm outputs: recast only
 ])
-def test_setup_resolves_null_per_option(tmp_path, liger, norm_out_bf16, norms):
+def test_setup_resolves_null_per_option(tmp_path, monkeypatch, liger, norm_out_bf16, norms):
     """The setup of a CUDA bf16 run (a CPU model: nothing runs) with both options null:
-    recast_attn_weights on, recompute_norms only where the norms return bf16."""
+    recast_attn_weights on, recompute_norms only where the norms return bf16 (Liger's, told
+    to cast their outputs; recorded, not installed: its RoPE patch is process-wide)."""
+    from train import setup
+
+    calls = []
+    monkeypatch.setattr(setup, "use_liger", lambda model, **kw: calls.append(kw))
     tok = write_tokens(tmp_path / "t.bin", n_tokens=2000)
     cfg = tiny_config(tok, **{"trainer.liger": liger, "trainer.norm_out_bf16": norm_out_bf16})
     model = build_model(cfg.model)
@@ -255,6 +260,9 @@ def test_setup_resolves_null_per_option(tmp_path, liger, norm_out_bf16, norms):
                   print_=lambda line: None)
     assert {(la._twell_recompute_norms, la._twell_recast_attn)
             for la in model.model.layers} == {(norms, True)}
+    liger_on = liger is True or (liger is None and liger_available())
+    assert [c["norm_out_autocast"] for c in calls] == ([norm_out_bf16 is not False]
+                                                       if liger_on else [])
 
 
 def test_the_default_cpu_run_installs_no_hooks(tmp_path):
