@@ -420,16 +420,17 @@ class TrainerConfig:
     2 x N x D x 2 bytes per layer where the norms return bf16 (Liger with norm_out_bf16: 8 KiB
     per token and layer at 2B, ~19 % of the layer's saved state) for two norm forwards per layer
     in backward; nothing with transformers' reference norms under autocast (CPU bf16 runs).
-    null = on for CUDA bf16 runs without compile or FSDP (where it can save anything;
-    train.lean_saves.lean_saves_enabled: measured at 2B on an emulated 80 GB card with
-    recast_attn_weights, the bench's micro-batch 12 -> 16, `ell` +2.5 % tokens/ms) | true (refused with
-    grad_checkpointing=true, where it is moot, with compile, and under FSDP) | false. See
-    train/lean_saves.py."""
+    null = on for CUDA bf16 runs without compile or FSDP whose norms return bf16 (Liger's, with
+    norm_out_bf16 resolved on: where it can save anything; train.lean_saves.lean_saves_enabled:
+    measured at 2B on an emulated 80 GB card with recast_attn_weights, the bench's micro-batch
+    12 -> 16, `ell` +2.5 % tokens/ms) | true (refused with grad_checkpointing=true, where it is
+    moot, with compile, and under FSDP) | false. See train/lean_saves.py."""
     recast_attn_weights: bool | None = None
     """Without checkpointing, as recompute_norms: the bf16 autocast casts of the attention
     projections' weights (q, k, v, o) are recast from the fp32 weights in backward instead of
     kept (1.19 GiB fixed at 2B; four casts per layer in backward; bitwise the same). null = on
-    where recompute_norms' null is | true (the same refusals) | false. See train/lean_saves.py."""
+    for CUDA bf16 runs without compile or FSDP, whatever the norms | true (the same refusals) |
+    false. See train/lean_saves.py."""
     compile: bool = False
     """torch.compile the model."""
     autocast_cache: bool = True

@@ -1,5 +1,5 @@
 """Keep less for backward on the no-recompute path, with bitwise-identical gradients
-(``trainer.recompute_norms``, ``trainer.recast_attn_weights``; by default on where they can
+(``trainer.recompute_norms``, ``trainer.recast_attn_weights``; by default each on where it can
 save anything, :func:`lean_saves_enabled`).
 
 Without gradient checkpointing every decoder layer keeps, besides what it needs, tensors that
@@ -45,7 +45,10 @@ Only layers that run without checkpointing use it (their ``gradient_checkpointin
 saves no norm output inside its checkpoint, and its FFN's input is the checkpoint's output,
 whose recipe would keep the fp32 residual that the checkpoint drops. Installed by module
 forward hooks on each decoder layer and its two norms (so the selective-recompute forward that
-``train.recompute`` installs does not displace it); eager only (saved-tensor hooks: the config
+``train.recompute`` installs does not displace it), and by a forward of the decoder stack
+(``model.model``) that undoes, whatever it raises, any layer whose forward hook did not run:
+PyTorch runs ``always_call`` hooks for an ``Exception`` only, so a Ctrl-C in a layer would
+leave its saved-tensor hooks pushed for every later forward; eager only (saved-tensor hooks: the config
 refuses true with ``trainer.compile=true``, null is off there); not under FSDP (its sharded
 parameters are swapped in and out around each layer: untested; true is refused by
 ``train.setup.prepare_model``, null is off); DDP wraps the same modules and parameters (two CPU
@@ -55,6 +58,7 @@ run on several GPUs).
 
 from __future__ import annotations
 
+import types
 import weakref
 
 import torch
@@ -149,7 +153,42 @@ class _LayerSaves(torch.autograd.graph.saved_tensors_hooks):
             self.outputs[y.untyped_storage().data_ptr()] = (weakref.ref(y), _NormRecipe(norm, x, y))
 
 
+def _drop_hooks(saves: _LayerSaves) -> None:
+    """Take ``saves``' hooks off torch's saved-tensor hook stack wherever they are on it;
+    nothing if they are not (an interrupt before they were pushed, or someone else's exit
+    popped them). The stack is LIFO and its pop takes the top whatever it is, so entries pushed
+    above them since are popped first and pushed back in their order."""
+    autograd = torch._C._autograd
+    above = []
+    while (top := autograd._top_saved_tensors_default_hooks(True)) is not None:
+        autograd._pop_saved_tensors_default_hooks()
+        if top[0] is saves.pack_hook:
+            break
+        above.append(top)
+    for pack, unpack in reversed(above):
+        autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def _unwind(layer, restore_cache: bool) -> None:
+    """Undo ``layer``'s :func:`_layer_enter` if it is still in effect: its hooks off the stack,
+    its recipes dropped and, with ``restore_cache``, the autocast cache setting it changed put
+    back (only right in the autocast region it was changed in: a region's exit restores the
+    setting by itself, and a later region sets its own). The record goes last, so an interrupt
+    in between leaves it to the next call."""
+    saves = layer.__dict__.get("_twell_saves")
+    if saves is None:
+        return
+    _drop_hooks(saves)
+    saves.outputs.clear()  # nothing packs after the layer: the recipes live in the graph
+    if restore_cache and saves.cache is not None:
+        torch.set_autocast_cache_enabled(saves.cache)
+    del layer.__dict__["_twell_saves"]
+
+
 def _layer_enter(layer, args) -> None:
+    # a forward of this layer that a BaseException other than Exception ended (Ctrl-C) left
+    # its hooks pushed: PyTorch runs always_call forward hooks for Exception only
+    _unwind(layer, restore_cache=False)
     if not (layer.training and torch.is_grad_enabled()) or getattr(
             layer, "gradient_checkpointing", False):
         return
@@ -159,21 +198,34 @@ def _layer_enter(layer, args) -> None:
     # autocast's cast cache holds every weight's bf16 cast until the autocast region ends: the
     # model's forward, Liger's fused loss inside it, where the step's peak is. Off in the layer,
     # a recast cast goes when the op that used it returns (no weight is used twice in a layer,
-    # so nothing is cast more often; the casts are the same values)
-    saves.cache = torch.is_autocast_cache_enabled() if recast else None
-    if recast:
+    # so nothing is cast more often; the casts are the same values). Only inside an autocast
+    # region (no cast, no cache outside one), whose exit restores the setting whatever ends it
+    off = bool(weights) and torch.is_autocast_enabled(weights[0].device.type)
+    saves.cache = torch.is_autocast_cache_enabled() if off else None
+    layer._twell_saves = saves  # before the push: an interrupt after it is seen by _unwind
+    if off:
         torch.set_autocast_cache_enabled(False)
     saves.__enter__()
-    layer._twell_saves = saves
 
 
 def _layer_leave(layer, args, output) -> None:
-    saves = layer.__dict__.pop("_twell_saves", None)
-    if saves is not None:
-        saves.__exit__(None, None, None)
-        saves.outputs.clear()  # nothing packs after the layer: the recipes live in the graph
-        if saves.cache is not None:
-            torch.set_autocast_cache_enabled(saves.cache)
+    _unwind(layer, restore_cache=True)
+
+
+def _stack_forward(stack, *args, **kwargs):
+    """The decoder stack's own forward (same arguments and output), run so that no decoder
+    layer's hooks outlive it whatever it raises: a layer's forward hook does not run for a
+    BaseException that is not an Exception (Ctrl-C, SystemExit), and an outer
+    ``saved_tensors_hooks`` context the exception leaves would pop the layer's hooks in place
+    of its own. Layers interrupted when called on their own are undone first."""
+    layers = list(stack.layers)
+    for layer in layers:
+        _unwind(layer, restore_cache=False)
+    try:
+        return stack._twell_stack_forward(*args, **kwargs)
+    finally:
+        for layer in reversed(layers):  # still in the autocast region the layer ran in
+            _unwind(layer, restore_cache=True)
 
 
 def _norm_done(norm, args, output) -> None:
@@ -182,23 +234,40 @@ def _norm_done(norm, args, output) -> None:
         saves.register(norm, args[0], output)
 
 
-def lean_saves_enabled(setting: bool | None, *, device_type: str, precision: str,
-                       compile: bool, fsdp: bool) -> bool:
-    """Whether a run installs one of ``trainer.recompute_norms`` / ``recast_attn_weights``.
+LEAN_SAVES = ("recompute_norms", "recast_attn_weights")  # the trainer.* keys
+
+
+def lean_saves_enabled(setting: bool | None, *, key: str, device_type: str, precision: str,
+                       compile: bool, fsdp: bool, norms_bf16: bool) -> bool:
+    """Whether a run installs ``trainer.<key>``, one of :data:`LEAN_SAVES`.
 
     ``setting`` true / false is taken as given (the config refuses true with compile or
-    grad_checkpointing=true, setup under FSDP); null is on for CUDA runs under bf16 autocast
-    (``precision``, the resolved one: bf16 | fp32) that are neither compiled (saved-tensor hooks
-    are eager-only) nor sharded by FSDP (untested), the runs where the norms return bf16
-    (Liger's) and autocast keeps weight casts; off elsewhere, where they save nothing (fp32
-    keeps no casts; transformers' reference norms' consumers cast for themselves) and would
-    only add hooks. Checkpointed layers skip them by themselves (``_layer_enter``). Measured:
-    2B on an emulated 80 GB card, the bench's micro-batch 12 -> 16, `ell` +2.5 % tokens/ms; -0.8 % on 139 GB
-    (BENCHMARKS.md, sixth session of 2026-12-04).
+    grad_checkpointing=true, setup under FSDP). null resolves per key, on only where it saves
+    something, since elsewhere it would only add hooks:
+
+    * ``recast_attn_weights``: CUDA runs under bf16 autocast (``precision``, the resolved one:
+      bf16 | fp32), where autocast keeps the weight casts, that are neither compiled
+      (saved-tensor hooks are eager-only) nor sharded by FSDP (untested). fp32 keeps no casts;
+      CPU runs (fp32 unless set) keep their code path.
+    * ``recompute_norms``: those runs where the norms return bf16 (``norms_bf16``: Liger's
+      norms, ``trainer.liger`` resolved on, with ``trainer.norm_out_bf16`` resolved on). With
+      fp32 norm outputs each consumer keeps its own cast under autocast (transformers'
+      reference norms, ``trainer.liger=false``, ``norm_out_bf16=false``), so no norm output is
+      saved for a recipe to replace.
+
+    Checkpointed layers skip both by themselves (``_layer_enter``). Measured with both on: 2B
+    on an emulated 80 GB card, the bench's micro-batch 12 -> 16, `ell` +2.5 % tokens/ms; -0.8 %
+    on 139 GB (BENCHMARKS.md, sixth session of 2026-12-04).
+
+    Raises:
+        ValueError: ``key`` not in :data:`LEAN_SAVES`.
     """
+    if key not in LEAN_SAVES:
+        raise ValueError(f"key must be one of {LEAN_SAVES}; got {key!r}")
     if setting is not None:
         return bool(setting)
-    return device_type == "cuda" and precision == "bf16" and not compile and not fsdp
+    casts = device_type == "cuda" and precision == "bf16" and not compile and not fsdp
+    return casts and (key == "recast_attn_weights" or norms_bf16)
 
 
 def enable_lean_saves(model, *, recompute_norms: bool, recast_attn_weights: bool) -> int:
@@ -206,7 +275,8 @@ def enable_lean_saves(model, *, recompute_norms: bool, recast_attn_weights: bool
     on every decoder layer of a Llama-style causal LM; hooks go in once per model (a second call
     only changes the two settings). Before or after :func:`train.liger.use_liger` alike: the
     recomputation calls whatever ``norm.forward`` is at backward time (Liger's or the stock
-    one), which must not change between a forward and its backward.
+    one), which must not change between a forward and its backward. The decoder stack
+    (``model.model``) gets an instance ``forward`` that calls its own (:func:`_stack_forward`).
 
     Args:
         model: a ``LlamaForCausalLM`` (``model.model.layers[i]`` with ``self_attn``,
@@ -235,7 +305,11 @@ def enable_lean_saves(model, *, recompute_norms: bool, recast_attn_weights: bool
             norm._twell_layer = weakref.ref(layer)
             norm.register_forward_hook(_norm_done)
         layer._twell_lean_hooks = True
+    stack = model.model
+    if "_twell_stack_forward" not in vars(stack):
+        stack._twell_stack_forward = stack.forward
+        stack.forward = types.MethodType(_stack_forward, stack)
     return len(layers)
 
 
-__all__ = ["enable_lean_saves", "lean_saves_enabled"]
+__all__ = ["LEAN_SAVES", "enable_lean_saves", "lean_saves_enabled"]

@@ -102,6 +102,7 @@ def guarded_step(tr, batches, interval: Interval, bar) -> bool:
     # of the failed step alive (and the FFNs' statistics still hold its last forward's graph),
     # which a redo or a checkpoint's copies would need memory next to
     if stepped_down is not None or failed is not None:
+        tr.metrics.hold_peak()  # the release resets the device's peak counter
         memory.release_failed_step(tr.device, optimizer=tr.optimizer, mlps=tr.mlps)
     if failed is not None:
         out_of_memory(tr, failed, data_state, bar)

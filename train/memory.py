@@ -683,7 +683,8 @@ def release_failed_step(device, *, optimizer=None, mlps: Iterable = ()) -> None:
     they hold the failed forward's graph, and through it the saved activations of every layer
     that ran, until the next forward replaces them layer by layer), the exception's frames (a
     collection: they form reference cycles) and, on CUDA, the allocator's cached blocks, and
-    the peak statistics are reset. Call it after the ``except`` block, not inside: there the
+    the peak statistics are reset (a training run keeps its interval's peak first:
+    ``MetricsLogger.hold_peak``). Call it after the ``except`` block, not inside: there the
     exception and its traceback, and so every frame of the failed step, are still alive."""
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
@@ -843,6 +844,7 @@ class TrainerMemory:
             micro_batch=first.user_micro, recompute=modes, min_probe_tokens=first.min_probe_tokens,
             below=first.below)
         where = f"step {tr.step}" + (f", {reason}" if reason else "")
+        tr.metrics.hold_peak()  # the probes reset the device's peak counter, then so do we
         try:
             new = planner.choose()
             cur = Candidate(old.micro_batch, old.recompute)

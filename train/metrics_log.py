@@ -190,7 +190,8 @@ class TrainRecord:
     """One ``kind: train`` line of ``metrics.jsonl`` (and the value ``log_metrics`` returns, as
     a dict: :meth:`as_dict`). Losses are means over the interval's steps; ``l0_*`` active FFN
     units per token; ``tokens_per_s`` global; ``mfu`` / ``mfu_useful`` fractions (None: peak
-    rate unknown); ``peak_mem_gb`` GiB of this interval, ``peak_mem_gb_run`` of the run. The
+    rate unknown); ``peak_mem_gb`` GiB of this interval (a failed attempt's included),
+    ``peak_mem_gb_run`` of the run. The
     optional fields (:data:`_OPTIONAL`) are left out of the line when None."""
 
     step: int
@@ -346,10 +347,20 @@ class MetricsLogger:
         self.device = acc.device
         self.wandb = None  # a wandb run (start_wandb), or None
         self.peak_mem_run = 0.0  # GiB, largest interval peak of this process (peak_mem_gb_run)
+        self.peak_mem_held = 0.0  # GiB, this interval's peak before a reset within it (hold_peak)
 
     def reset_peak(self) -> None:
         """Start a new peak-memory interval (:func:`reset_peak_memory`)."""
         reset_peak_memory(self.device)
+        self.peak_mem_held = 0.0
+
+    def hold_peak(self) -> None:
+        """Keep the interval's peak so far (GiB) before something else resets the device's peak
+        counter within the interval: a failed step's release (``train.memory.
+        release_failed_step``; the failed attempt's allocations count, the device held them) or
+        a re-plan's probes. :meth:`train_record` reports the larger of it and the counter's, so
+        neither the interval's peak nor the run's forgets the steps before the reset."""
+        self.peak_mem_held = max(self.peak_mem_held, peak_memory_gb(self.device))
 
     def write(self, m: dict, prefix: str = "train", step: int = 0) -> None:
         """Append ``{"kind": prefix, **m}`` to ``metrics.jsonl``; to wandb at ``step``."""
@@ -390,8 +401,9 @@ class MetricsLogger:
         heavy_L = [v / ffn_tokens for v in sums[3 + L:]]
         tok_s = iv.tokens / max(iv.time, 1e-9)  # global tokens/s
         tok_s_dev = tok_s / acc.num_processes
-        peak_mem = peak_memory_gb(self.device)  # this interval's peak (CUDA); then a new one
-        reset_peak_memory(self.device)
+        # this interval's peak (CUDA), also before a reset within it; then a new interval
+        peak_mem = max(self.peak_mem_held, peak_memory_gb(self.device))
+        self.reset_peak()
         self.peak_mem_run = max(self.peak_mem_run, peak_mem)
         kl = None
         if iv.distill_kl is not None:

@@ -16,7 +16,7 @@ import torch
 from train import checkpoint as ckpt_io
 from train import determinism, parallel
 from train.config import ConfigError, OptimConfig, TrainConfig
-from train.lean_saves import enable_lean_saves, lean_saves_enabled
+from train.lean_saves import LEAN_SAVES, enable_lean_saves, lean_saves_enabled
 from train.liger import liger_enabled, use_liger
 from train.loss import use_distillation
 from train.metrics import flops_per_token
@@ -302,13 +302,18 @@ def prepare_model(model, cfg: TrainConfig, *, device, precision: str, fsdp, prin
         # sharded parameters swap in and out around each layer: not tested
         raise ConfigError("trainer.recompute_norms / trainer.recast_attn_weights are not "
                           "supported under FSDP; set both null or false for FSDP runs.")
-    lean = {key: lean_saves_enabled(getattr(t, key), device_type=device.type,
-                                    precision=precision, compile=t.compile, fsdp=bool(fsdp))
-            for key in ("recompute_norms", "recast_attn_weights")}
+    liger = liger_enabled(t.liger, device_type=device.type, precision=precision,
+                          compile=t.compile)
+    # where the norms return bf16 (Liger's kernels run on CUDA only; norm_out_bf16's null is
+    # on wherever they do): only there is a norm output saved that recompute_norms can drop
+    norms_bf16 = liger and device.type == "cuda" and t.norm_out_bf16 is not False
+    lean = {key: lean_saves_enabled(getattr(t, key), key=key, device_type=device.type,
+                                    precision=precision, compile=t.compile, fsdp=bool(fsdp),
+                                    norms_bf16=norms_bf16)
+            for key in LEAN_SAVES}
     if any(lean.values()):  # layers without checkpointing only
         enable_lean_saves(model, **lean)
-    if not liger_enabled(t.liger, device_type=device.type, precision=precision,
-                         compile=t.compile):
+    if not liger:
         return None
     # the fused loss: not with distillation (ours + KL replaces it) nor FSDP (the LM
     # head weight is a sharded DTensor outside its module's forward: untested)

@@ -80,17 +80,27 @@ class NormRecompute:
             return y.to(torch.bfloat16)
 
     def pack(self, t):
-        """Pack hook: ``t`` itself, or ``(recipe, shape, stride, offset)`` for a registered one."""
+        """Pack hook: ``t`` itself, or ``(recipe, shape, stride, offset, leaf versions)`` for a
+        registered one."""
         recipe = self._lookup(t)
         if recipe is None:
             return t
-        return (recipe, tuple(t.shape), t.stride(), t.storage_offset())
+        versions = tuple(leaf._version for leaf in self.leaves(recipe))
+        return (recipe, tuple(t.shape), t.stride(), t.storage_offset(), versions)
 
     def unpack(self, packed):
-        """Unpack hook: the tensor, recomputed from its recipe where :meth:`pack` made one."""
+        """Unpack hook: the tensor, recomputed from its recipe where :meth:`pack` made one.
+
+        Raises:
+            RuntimeError: a tensor the recipe recomputes from was modified in place since the
+                forward (the recomputation would differ from what forward saved)."""
         if isinstance(packed, torch.Tensor):
             return packed
-        recipe, shape, stride, offset = packed
+        recipe, shape, stride, offset, versions = packed
+        if tuple(leaf._version for leaf in self.leaves(recipe)) != versions:
+            raise RuntimeError("one of the variables needed for gradient computation has been "
+                               "modified by an inplace operation: a tensor a NormRecompute "
+                               "recipe recomputes from")
         return self.materialize(recipe).as_strided(shape, stride, offset)
 
 

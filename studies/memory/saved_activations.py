@@ -44,6 +44,7 @@ from studies.memory.norm_recompute import NormRecompute, install_recompute
 from studies.memory.recording import Recorder, walk
 from train.config import ModelConfig
 from train.model import build_model
+from train.recompute import _alias, _Kept, _unalias
 from twell.policy import FFNPolicy
 
 IMPL_OF_PATH = {"ell": "twell", "dense": "auto", "torch": "torch"}  # no plan: default_path()
@@ -179,20 +180,27 @@ def _loss(model, ids, s: AuditSettings):
 
 
 def _hooks(rec: Recorder, nr: NormRecompute | None):
-    """(pack, unpack) saved-tensor hooks: record what is kept; with ``nr``, a recipe's leaves."""
+    """(pack, unpack) saved-tensor hooks: record what is kept; with ``nr``, a recipe's leaves.
+
+    A tensor kept as it is, is kept as the trainer's hooks keep it (``train.recompute._alias``):
+    a detached alias, not ``t`` (an op saving its own output would hold its own node, a cycle
+    through the C++ graph that no collection frees: a forward-only pass kept its graph for the
+    rest of the process), with its version checked when unpacked (autograd checks only what it
+    keeps itself). The unpack raises ``RuntimeError`` for a tensor, or a recipe's leaf, changed
+    in place between forward and backward."""
     def pack(t):
         p = t if nr is None else nr.pack(t)
         if p is t:
             rec.record(t)
-            # a detached alias, not t: an op saving its own output would hold its own node (a
-            # cycle through the C++ graph that no collection frees; forward-only passes keep
-            # their graph for the rest of the process otherwise)
-            return t.detach()
+            return _alias(t)
         for leaf in nr.leaves(p[0]):  # a recipe: what it references is what stays
             rec.record(leaf, node=f"recipe({rec.where()})")
         return p
 
-    return pack, ((lambda t: t) if nr is None else nr.unpack)
+    def unpack(packed):
+        return _unalias(packed) if isinstance(packed, _Kept) else nr.unpack(packed)
+
+    return pack, unpack
 
 
 def run_once(s: AuditSettings, T: int, backward: bool = False) -> Pass:

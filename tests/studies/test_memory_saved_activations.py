@@ -6,6 +6,7 @@ layer less, gradients bitwise equal); the ``a + b T`` fit and the table on hand-
 import dataclasses
 
 import pytest
+import torch
 
 from studies.memory.saved_activations import (
     AuditSettings,
@@ -175,3 +176,40 @@ def test_report_lines(liger_torch):
     assert "TOTAL layer          2364.0 B/token (2.31 KiB)" in lines[-3]
     assert not [x for x in lines if x.startswith("layer0 ")]
     assert [x for x in report_lines(liger_torch, show_all=True) if x.startswith("layer0 ")]
+
+
+@pytest.mark.parametrize("kept", ["as-is", "recipe"])
+@pytest.mark.parametrize("changed", [False, True], ids=["unchanged", "changed-in-place"])
+def test_the_audit_hooks_check_saved_versions(kept, changed):
+    """What the audit's saved-tensor hooks keep as it is (``x``, which ``sin`` saves), and
+    what a norm-recompute recipe recomputes from (``mid = x + a``, saved by ``sin`` as a
+    recipe), is version-checked when backward unpacks it, as autograd checks what it keeps
+    itself: changed in place after the forward, backward raises (the unchecked hooks gave the
+    gradient of the changed values); unchanged, the gradient is autograd's own."""
+    from studies.memory.norm_recompute import NormRecompute
+    from studies.memory.recording import Recorder
+    from studies.memory.saved_activations import _hooks
+
+    g = torch.Generator().manual_seed(0)
+    w, a = (torch.randn(8, generator=g, requires_grad=True) for _ in range(2))
+    nr = NormRecompute() if kept == "recipe" else None
+
+    def forward():
+        x = w * 1.0
+        return x, (nr.add(x, a) if nr is not None else x).sin()
+
+    _, y = forward()
+    want = torch.autograd.grad(y.sum(), w)[0]  # without the hooks
+    rec = Recorder(torch.nn.Linear(1, 1))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(*_hooks(rec, nr)):
+            x, y = forward()
+    finally:
+        rec.close()
+    assert len(rec.by_ptr) >= 1  # recorded: the hooks packed it
+    if not changed:
+        assert torch.equal(torch.autograd.grad(y.sum(), w)[0], want)
+        return
+    x.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(y.sum(), w)

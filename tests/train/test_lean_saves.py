@@ -17,9 +17,11 @@ from tests.train_utils import tiny_config, write_tokens
 from train import lean_saves
 from train.config import ConfigError, ModelConfig
 from train.lean_saves import enable_lean_saves
+from train.liger import liger_available
 from train.memory import release_failed_step
 from train.model import build_model, ffn_modules
 from train.recompute import _Kept, set_recompute
+from train.setup import prepare_model
 from train.sparsity import collect_stats, l1_penalty
 from twell.nn import FFNPlan
 
@@ -206,18 +208,61 @@ def test_options_are_validated(tmp_path):
             cfg.trainer.__post_init__()
 
 
-@pytest.mark.parametrize("setting, device, precision, compile, fsdp, on", [
-    (None, "cuda", "bf16", False, False, True),   # the GPU's default run
-    (None, "cpu", "bf16", False, False, False),   # reference norms: nothing to save
-    (None, "cuda", "fp32", False, False, False),  # no autocast casts, fp32 norm outputs
-    (None, "cuda", "bf16", True, False, False),   # compiled: the hooks are eager-only
-    (None, "cuda", "bf16", False, True, False),   # FSDP: untested
-    (True, "cpu", "fp32", False, False, True),    # as given
-    (False, "cuda", "bf16", False, False, False),
+R, W = "recompute_norms", "recast_attn_weights"
+
+
+@pytest.mark.parametrize("key, setting, device, precision, compile, fsdp, norms_bf16, on", [
+    (R, None, "cuda", "bf16", False, False, True, True),    # the GPU's default run (Liger)
+    (W, None, "cuda", "bf16", False, False, True, True),
+    (R, None, "cuda", "bf16", False, False, False, False),  # fp32 norm outputs: none saved
+    (W, None, "cuda", "bf16", False, False, False, True),   # ... the weight casts still are
+    (R, None, "cpu", "bf16", False, False, False, False),   # the CPU keeps its code path
+    (W, None, "cpu", "bf16", False, False, False, False),
+    (R, None, "cuda", "fp32", False, False, True, False),   # no autocast casts
+    (W, None, "cuda", "fp32", False, False, True, False),
+    (R, None, "cuda", "bf16", True, False, True, False),    # compiled: the hooks are eager-only
+    (W, None, "cuda", "bf16", True, False, True, False),
+    (R, None, "cuda", "bf16", False, True, True, False),    # FSDP: untested
+    (W, None, "cuda", "bf16", False, True, True, False),
+    (R, True, "cpu", "fp32", False, False, False, True),    # as given
+    (W, True, "cpu", "fp32", False, False, False, True),
+    (R, False, "cuda", "bf16", False, False, True, False),
+    (W, False, "cuda", "bf16", False, False, True, False),
 ])
-def test_null_is_on_where_it_can_save(setting, device, precision, compile, fsdp, on):
-    assert lean_saves.lean_saves_enabled(setting, device_type=device, precision=precision,
-                                         compile=compile, fsdp=fsdp) is on
+def test_null_is_on_where_it_can_save(key, setting, device, precision, compile, fsdp,
+                                      norms_bf16, on):
+    assert lean_saves.lean_saves_enabled(setting, key=key, device_type=device,
+                                         precision=precision, compile=compile, fsdp=fsdp,
+                                         norms_bf16=norms_bf16) is on
+    with pytest.raises(ValueError, match="key must be one of"):
+        lean_saves.lean_saves_enabled(setting, key="recompute_norm", device_type=device,
+                                      precision=precision, compile=compile, fsdp=fsdp,
+                                      norms_bf16=norms_bf16)
+
+
+@pytest.mark.parametrize("liger, norm_out_bf16, norms", [
+    (True, None, True), (True, True, True),  # Liger's norms return bf16
+    (None, None, liger_available()),  # Liger where it imports
+    (False, None, False), (True, False, False),  # fp32 norm outputs: recast only
+])
+def test_setup_resolves_null_per_option(tmp_path, monkeypatch, liger, norm_out_bf16, norms):
+    """The setup of a CUDA bf16 run (a CPU model: nothing runs) with both options null:
+    recast_attn_weights on, recompute_norms only where the norms return bf16 (Liger's, told
+    to cast their outputs; recorded, not installed: its RoPE patch is process-wide)."""
+    from train import setup
+
+    calls = []
+    monkeypatch.setattr(setup, "use_liger", lambda model, **kw: calls.append(kw))
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=2000)
+    cfg = tiny_config(tok, **{"trainer.liger": liger, "trainer.norm_out_bf16": norm_out_bf16})
+    model = build_model(cfg.model)
+    prepare_model(model, cfg, device=torch.device("cuda"), precision="bf16", fsdp=None,
+                  print_=lambda line: None)
+    assert {(la._twell_recompute_norms, la._twell_recast_attn)
+            for la in model.model.layers} == {(norms, True)}
+    liger_on = liger is True or (liger is None and liger_available())
+    assert [c["norm_out_autocast"] for c in calls] == ([norm_out_bf16 is not False]
+                                                       if liger_on else [])
 
 
 def test_the_default_cpu_run_installs_no_hooks(tmp_path):
@@ -461,3 +506,79 @@ def test_a_norm_output_changed_in_place_is_saved_as_it_is():
 
     plain, lean = grads(False), grads(True)
     assert all(torch.equal(plain[n], lean[n]) for n in plain)
+
+
+def _top_hooks():
+    """The saved-tensor hooks on top of torch's stack (pack, unpack), None when it is empty."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def _grads_of_a_step(model, mlps, autocast: bool) -> dict:
+    """Every gradient of one micro-step of ``model`` (``_step``'s batch and loss)."""
+    ids = torch.randint(1, 64, (B, T), generator=torch.Generator().manual_seed(1))
+    ids[0, 4] = 5
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ce = model(input_ids=ids, labels=ids).loss
+        l1, _ = l1_penalty(collect_stats(mlps))
+        loss = ce + 0.3 * l1
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["bare", "in-outer-hooks"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_an_interrupted_layer_leaves_no_hooks_behind(autocast, outer):
+    """Ctrl-C in layer 2's attention (a BaseException: the layers' always_call forward hooks do
+    not run for it): afterwards torch's saved-tensor hook stack is as before (also when the
+    interrupt left an outer hooks context, whose exit pops the top entry whatever it is), no
+    layer holds its hooks, the autocast cache setting is as before, and the next step's
+    gradients are bitwise those of the model without the options."""
+    _, g0, _ = _step(False, autocast)
+    model, mlps, _ = _model(True, True)
+    handle = model.model.layers[2].self_attn.register_forward_pre_hook(_interrupt)
+    ids = torch.randint(1, 64, (B, T), generator=torch.Generator().manual_seed(1))
+    hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if outer
+             else contextlib.nullcontext())
+    assert _top_hooks() is None and torch.is_autocast_cache_enabled()
+    with pytest.raises(KeyboardInterrupt), hooks, \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(input_ids=ids, labels=ids)
+    assert _top_hooks() is None
+    assert torch.is_autocast_cache_enabled()
+    assert not any("_twell_saves" in vars(layer) for layer in model.model.layers)
+    handle.remove()
+    model.zero_grad(set_to_none=True)
+    g1 = _grads_of_a_step(model, mlps, autocast)
+    assert _top_hooks() is None
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["bare", "under-outer-hooks"])
+def test_a_layer_interrupted_on_its_own_is_undone_by_the_next_forward(outer):
+    """A decoder layer called on its own (outside the decoder stack) that Ctrl-C ended after
+    its hooks went in (its pre-hook ran, its forward hook did not): the next model forward
+    takes them off the stack before anything is packed, leaving an outer context's hooks,
+    pushed above them since, where they were."""
+    _, g0, _ = _step(False, False)
+    model, mlps, _ = _model(True, True)
+    lean_saves._layer_enter(model.model.layers[1], ())  # as far as an interrupted call got
+    stale = _top_hooks()
+    assert stale is not None
+    mine = (lambda t: t, lambda t: t)
+    if outer:
+        torch._C._autograd._push_saved_tensors_default_hooks(*mine)
+    try:
+        g1 = _grads_of_a_step(model, mlps, False)
+        assert _top_hooks() == (mine if outer else None)
+    finally:
+        if outer:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+    assert _top_hooks() is None
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name

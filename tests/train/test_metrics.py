@@ -152,3 +152,118 @@ def test_the_step_line_shows_the_coefficient_only_when_asked():
     assert metrics_log.format_record(m) == plain
     assert metrics_log.format_record(m, show_coeff=True) == plain.replace(
         "lr 0.001 gnorm", "lr 0.001 l1 coeff 0.000381 gnorm")
+
+
+CUDA = torch.device("cuda")
+
+
+class _CudaPeak:
+    """A CUDA device's peak-allocation counter, faked on torch.cuda's reader and resetter (what
+    the metrics, the failed step's release and the re-plan call): ``use(gb)`` allocates up to
+    ``gb`` GiB and frees it again; a reset sets the peak to what stays allocated."""
+
+    def __init__(self, monkeypatch, held_gb: float = 1.0) -> None:
+        self.held, self.peak, self.resets = held_gb, held_gb, 0
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak * 2**30)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def use(self, gb: float) -> None:
+        self.peak = max(self.peak, gb)
+
+    def reset(self, device=None) -> None:
+        self.peak, self.resets = self.held, self.resets + 1
+
+
+def _cuda_metrics(tmp_path) -> metrics_log.MetricsLogger:
+    acc = type("Acc", (), {"device": CUDA, "num_processes": 1})()
+    return metrics_log.MetricsLogger(tmp_path / "metrics.jsonl", acc, _tiny_model_cfg(), None,
+                                     is_main=False)
+
+
+def _peaks(m: metrics_log.MetricsLogger) -> tuple[float, float]:
+    """``(peak_mem_gb, peak_mem_gb_run)`` of a log line of one made-up step (CPU tensors)."""
+    from types import SimpleNamespace
+
+    iv = metrics_log.Interval.zeros(2, "cpu")
+    iv.steps, iv.ffn_tokens, iv.grad_norm, iv.lr, iv.l1_coeff = 1, 1, torch.tensor(1.0), 0.1, 0.0
+    r = m.train_record(iv, step=1, tokens_seen=1, dead_L=None, plan=SimpleNamespace(layers=[]),
+                       auto=False)
+    return r.peak_mem_gb, r.peak_mem_gb_run
+
+
+class _FailingTrainer:
+    """What ``train.loop.guarded_step`` uses of a trainer: each ``run_step`` attempt allocates
+    up to its GiB, the ``"oom"`` ones then run out of memory and step down."""
+
+    def __init__(self, metrics, cuda: _CudaPeak, attempts: list) -> None:
+        from types import SimpleNamespace
+
+        self.metrics, self.cuda, self.attempts = metrics, cuda, iter(attempts)
+        self.device, self.world_size, self.update_began, self.step, self.mlps = CUDA, 1, False, 0, []
+        self.optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        self.data = SimpleNamespace(state_dict=dict)
+        self.runlog = SimpleNamespace(print=lambda line, bar=None: None)
+        self.memory = SimpleNamespace(step_down=lambda: "stepped down", record={},
+                                      after_step=lambda: None)
+
+    def run_step(self, batches, interval) -> None:
+        gb, outcome = next(self.attempts)
+        self.cuda.use(gb)
+        if outcome == "oom":
+            raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory")
+        self.step += 1
+
+
+def test_a_failed_step_keeps_the_peaks_before_it(tmp_path, monkeypatch):
+    """The release after a failed step (train.memory.release_failed_step, before the redo)
+    resets the device's peak counter: the interval's peak and the run's still hold the steps
+    before the failure, and the failed attempt's own allocations (the run held them)."""
+    from train.loop import guarded_step
+
+    cuda = _CudaPeak(monkeypatch)
+    m = _cuda_metrics(tmp_path)
+    m.reset_peak()
+    # interval 1: 4 GiB, an attempt out of memory after 6, its redo at 3
+    # interval 2: 8 GiB, an attempt out of memory after 5 (a larger block failed), redo at 2
+    tr = _FailingTrainer(m, cuda, [(4.0, "ok"), (6.0, "oom"), (3.0, "ok"),
+                                   (8.0, "ok"), (5.0, "oom"), (2.0, "ok"), (1.5, "ok")])
+    assert [guarded_step(tr, None, None, None) for _ in range(3)] == [True, False, True]
+    assert _peaks(m) == (6.0, 6.0)
+    assert [guarded_step(tr, None, None, None) for _ in range(3)] == [True, False, True]
+    assert _peaks(m) == (8.0, 8.0)
+    assert guarded_step(tr, None, None, None)
+    assert _peaks(m) == (1.5, 8.0)  # nothing held over from the interval before
+    assert cuda.resets == 1 + 2 + 3  # start, each release, each log line
+
+
+def test_a_re_plan_keeps_the_peaks_of_the_steps_before_it(tmp_path, monkeypatch):
+    """A re-plan's probes reset the device's peak counter (each probe measures its own) and the
+    re-plan resets it after them: the interval's peak still holds the steps before it and none
+    of the probes'."""
+    from types import SimpleNamespace
+
+    from train.memory import Measurement, MemoryPlanner, TrainerMemory
+
+    cuda = _CudaPeak(monkeypatch)
+    m = _cuda_metrics(tmp_path)
+    m.reset_peak()
+
+    def probe(c):  # as train.memory.ProbeRunner: a reset, then the probe's own peak
+        cuda.reset()
+        cuda.use(50.0)
+        return Measurement(10.0 + c.micro_batch, 1.0 + c.micro_batch)
+
+    tr = SimpleNamespace(device=CUDA, metrics=m, step=3, optimizer=torch.optim.SGD(
+        [torch.zeros(1, requires_grad=True)], lr=0.1), set_step_shape=lambda *a: None,
+        cfg=SimpleNamespace(model=SimpleNamespace(seq_len=32)))
+    tm = TrainerMemory(tr)
+    tm.probe = probe
+    tm.planner = MemoryPlanner(probe, batch_per_rank=4, seq_len=32, budget_gb=100.0,
+                               recompute=("none",))
+    tm.apply(tm.planner.choose())
+    cuda.reset()  # the run starts (plan_memory, train.loop.run)
+    cuda.use(7.0)  # the steps before the re-plan
+    tm.replan("test")
+    cuda.use(2.0)  # the steps after it
+    assert _peaks(m) == (7.0, 7.0)
