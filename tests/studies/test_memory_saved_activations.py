@@ -112,10 +112,14 @@ def test_norm_recompute_saves_6d(liger_torch, liger_torch_recompute):
     assert "recipe(model.layers.1.mlp)" in x.nodes  # the layer input feeds the recipes
 
 
-def test_liger_rope_restored(liger_torch):
+def test_liger_rope_restored():
+    """The audit puts back transformers' module-level RoPE as it found it (the stock function,
+    or train.liger's dispatch where the trainer's use_liger ran earlier in this process)."""
     from transformers.models.llama import modeling_llama
 
-    assert modeling_llama.apply_rotary_pos_emb.__module__ == modeling_llama.__name__
+    before = modeling_llama.apply_rotary_pos_emb
+    audit(dataclasses.replace(TINY, ffn="torch", norms="liger"))
+    assert modeling_llama.apply_rotary_pos_emb is before
 
 
 def test_ell_ffn_input():
