@@ -44,8 +44,9 @@ LOCK_FILE = ".lock"
 RESUME_SAFE_KEYS = (
     "trainer.resume", "trainer.resume_allow_changes", "trainer.progress", "trainer.log_every",
     "trainer.val_every", "trainer.val_sequences", "trainer.val_batches", "trainer.save_every",
-    "trainer.keep_last", "trainer.num_threads", "trainer.compile", "trainer.deterministic",
-    "trainer.grad_checkpointing", "trainer.micro_batch", "trainer.precision", "trainer.cpu",
+    "trainer.keep_last", "trainer.num_threads", "trainer.compile", "trainer.compile_scope",
+    "trainer.deterministic", "trainer.grad_checkpointing", "trainer.micro_batch",
+    "trainer.precision", "trainer.cpu",
     "trainer.checkpoint_ffn", "trainer.recompute_norms", "trainer.recast_attn_weights",
     "trainer.ce_chunk_rows", "trainer.liger", "trainer.norm_out_bf16", "trainer.memory",
     "trainer.fused_ce", "trainer.lean_norms", "trainer.compile_norms",  # removed; older runs
