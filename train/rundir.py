@@ -66,13 +66,19 @@ def _matches(key: str, names: tuple[str, ...]) -> bool:
     return any(key == n or (n.endswith(".") and key.startswith(n)) for n in names)
 
 
+def resume_safe(key: str) -> bool:
+    """Whether the dotted config ``key`` is one a resume may change (:data:`RESUME_SAFE_KEYS`:
+    how a run executes, logs, evaluates and saves, not what it trains)."""
+    return _matches(key, RESUME_SAFE_KEYS)
+
+
 def split_changes(changes: list[str]) -> tuple[list[str], list[str]]:
     """Split ``config_diff`` lines ('key: a -> b') into (optimizer/schedule, other) changes,
     dropping the :data:`RESUME_SAFE_KEYS`."""
     optim, other = [], []
     for c in changes:
         key = c.split(":", 1)[0]
-        if _matches(key, RESUME_SAFE_KEYS):
+        if resume_safe(key):
             continue
         (optim if _matches(key, RESUME_OPTIM_KEYS) else other).append(c)
     return optim, other
