@@ -6,6 +6,7 @@
 #
 #   bash scripts/gpu_relufy_call.sh                                  # the default rows, in order
 #   bash scripts/gpu_relufy_call.sh --rows dense_relu,silu_control   # any relufy_study.py options
+#   bash scripts/gpu_relufy_call.sh trainer.compile_scope=layers     # and Hydra overrides
 #
 # Environment (defaults): MAX_WALL (540: the study's --max-wall; the call's 600 s less the set-up
 # and the packing).

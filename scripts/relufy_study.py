@@ -21,9 +21,12 @@ machine), trains the others one (--parallel) at a time in the order of --rows an
 beside the next row's training, and stops at --max-wall (running rows get SIGTERM and
 checkpoint). It prints the estimated GPU time of what is left before it starts and a status
 table, the targets and the new estimate when it ends; OUT/results.csv holds the rows scored so
-far. Extra ``key=value`` arguments are Hydra overrides for every row. An --out or --work that
-is the filesystem root, a folder directly under it (``$OUT/relufy`` with ``$OUT`` unset), a path
-through a file or not writable is refused in one line before anything runs.
+far. Extra ``key=value`` arguments are Hydra overrides for every row; those of keys that a
+resumed run may change (train/rundir.py: trainer.compile_scope, ...) may differ from the
+earlier pieces' (the rows still to train get them), a change to any other is refused. An --out
+or --work that is the filesystem root, a folder directly under it (``$OUT/relufy`` with
+``$OUT`` unset), a path through a file or not writable is refused in one line before anything
+runs.
 """
 
 from __future__ import annotations

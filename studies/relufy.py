@@ -43,6 +43,7 @@ from pathlib import Path
 
 from evals.tasks import ALL_TASKS
 from studies.jobs import ROOT, Job, last_train_record, run_finished, run_jobs, train_command
+from train.rundir import resume_safe
 
 KINDS = ("silu_original", "silu_control", "dense_relu", "sparse")
 TASK_COLUMN = {t: "csqa" if t == "commonsense_qa" else t for t in ALL_TASKS}  # results.csv
@@ -466,13 +467,24 @@ def compose_config(overrides: list[str]):
         return OmegaConf.to_object(compose("train", overrides=overrides))
 
 
+def _result_fields(key: str, value):
+    """A plan field's ``value`` as far as it sets the rows' results: of ``overrides``, those
+    whose key a resumed run may change (``train.rundir.resume_safe``: compile and its scope,
+    the corpus's folder, ...) dropped, so a later piece may change how the rows run; other
+    fields as they are."""
+    if key != "overrides":
+        return value
+    return [o for o in value or [] if not resume_safe(o.split("=", 1)[0].lstrip("+~"))]
+
+
 class Study:
     """A study's folders and state: OUT (``study.json``, ``results.csv``, ``rows/<row>/``) and
     WORK (``source_hf/``, ``runs/<row>/``, ``logs/``); see the module docstring.
 
     Args:
         out, work: the two folders (created as needed).
-        plan: the recipe; a study.json in OUT with another plan is refused.
+        plan: the recipe; a study.json in OUT with another plan is refused (overrides of
+            keys that a resumed run may change aside, e.g. ``trainer.compile_scope``).
         rows: the rows this invocation runs, in order (earlier invocations' rows stay in the
             results).
 
@@ -491,7 +503,7 @@ class Study:
         if old is not None:
             new = json.loads(json.dumps(asdict(plan)))
             diff = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in self.PLAN_FIXED
-                    if old.get(k) != new[k]]
+                    if _result_fields(k, old.get(k)) != _result_fields(k, new[k])]
             if diff:
                 raise ValueError(f"{self.out} holds a study with another plan ({'; '.join(diff)}"
                                  "); pass the same arguments to continue it, or a new --out")

@@ -30,6 +30,7 @@ DISTILL_SOURCES = ("source",)  # sparsity.distill_from
 PRECISIONS = ("auto", "bf16", "fp32")
 WANDB_MODES = ("offline", "online", "disabled")
 MEMORY_MODES = ("auto", "off")  # trainer.memory (train/memory.py)
+COMPILE_SCOPES = ("model", "layers")  # trainer.compile_scope (train/setup.py compile_model)
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # configs/train.yaml and groups
 
 
@@ -432,7 +433,13 @@ class TrainerConfig:
     for CUDA bf16 runs without compile or FSDP, whatever the norms | true (the same refusals) |
     false. See train/lean_saves.py."""
     compile: bool = False
-    """torch.compile the model."""
+    """torch.compile the model (what of it: trainer.compile_scope)."""
+    compile_scope: str = "model"
+    """What trainer.compile compiles: model (the whole LlamaForCausalLM; its compile time grows
+    with the depth) | layers (regional: each decoder layer, the identical layers sharing one
+    compiled graph so the compile time does not grow with the depth, and the loss from the
+    logits apart; embeddings, final norm and LM head run eagerly). No effect without
+    trainer.compile, so a setting shared by compiled and eager runs is not refused there."""
     autocast_cache: bool = True
     """bf16 autocast's cast cache (torch default). No weight is cast twice in one forward here
     (each layer uses each weight once; recomputation runs in its own autocast region), so the
@@ -562,7 +569,8 @@ class TrainerConfig:
                               f"or null (by device name); got {self.peak_tflops}.")
 
     def _check_recompute(self) -> None:
-        """checkpoint_ffn: a known mode that fits grad_checkpointing and compile."""
+        """checkpoint_ffn: a known mode that fits grad_checkpointing and compile; a known
+        compile_scope."""
         if self.checkpoint_ffn is not None and self.checkpoint_ffn not in CHECKPOINT_FFN_MODES:
             raise ConfigError(
                 f"trainer.checkpoint_ffn={self.checkpoint_ffn!r} is unknown; use one of "
@@ -572,6 +580,9 @@ class TrainerConfig:
                 "trainer.checkpoint_ffn=never needs trainer.grad_checkpointing=true (without "
                 "checkpointing nothing is recomputed); set both or drop it.")
         self._check_lean_saves()
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ConfigError(f"trainer.compile_scope={self.compile_scope!r} is unknown; use one "
+                              f"of {', '.join(COMPILE_SCOPES)}.")
         if self.compile and self.checkpoint_ffn not in ("always", None):
             raise ConfigError(
                 f"trainer.compile=true does not support trainer.checkpoint_ffn="

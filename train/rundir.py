@@ -44,8 +44,9 @@ LOCK_FILE = ".lock"
 RESUME_SAFE_KEYS = (
     "trainer.resume", "trainer.resume_allow_changes", "trainer.progress", "trainer.log_every",
     "trainer.val_every", "trainer.val_sequences", "trainer.val_batches", "trainer.save_every",
-    "trainer.keep_last", "trainer.num_threads", "trainer.compile", "trainer.deterministic",
-    "trainer.grad_checkpointing", "trainer.micro_batch", "trainer.precision", "trainer.cpu",
+    "trainer.keep_last", "trainer.num_threads", "trainer.compile", "trainer.compile_scope",
+    "trainer.deterministic", "trainer.grad_checkpointing", "trainer.micro_batch",
+    "trainer.precision", "trainer.cpu",
     "trainer.checkpoint_ffn", "trainer.recompute_norms", "trainer.recast_attn_weights",
     "trainer.ce_chunk_rows", "trainer.liger", "trainer.norm_out_bf16", "trainer.memory",
     "trainer.fused_ce", "trainer.lean_norms", "trainer.compile_norms",  # removed; older runs
@@ -65,13 +66,19 @@ def _matches(key: str, names: tuple[str, ...]) -> bool:
     return any(key == n or (n.endswith(".") and key.startswith(n)) for n in names)
 
 
+def resume_safe(key: str) -> bool:
+    """Whether the dotted config ``key`` is one a resume may change (:data:`RESUME_SAFE_KEYS`:
+    how a run executes, logs, evaluates and saves, not what it trains)."""
+    return _matches(key, RESUME_SAFE_KEYS)
+
+
 def split_changes(changes: list[str]) -> tuple[list[str], list[str]]:
     """Split ``config_diff`` lines ('key: a -> b') into (optimizer/schedule, other) changes,
     dropping the :data:`RESUME_SAFE_KEYS`."""
     optim, other = [], []
     for c in changes:
         key = c.split(":", 1)[0]
-        if _matches(key, RESUME_SAFE_KEYS):
+        if resume_safe(key):
             continue
         (optim if _matches(key, RESUME_OPTIM_KEYS) else other).append(c)
     return optim, other

@@ -440,12 +440,58 @@ def build_plan(cfg: TrainConfig, mlps: list, *, world_size: int, fsdp, print_, r
                    timed=not (t.compile or t.deterministic), reduce_host=reduce_host)
 
 
-def wrap_model(model, cfg: TrainConfig, acc, *, fsdp, precision: str, device, print_):
-    """Compile (``trainer.compile``), shard (FSDP2) and ``acc.prepare`` the model with its
-    optimizer; returns ``(model, prepared optimizer, torch optimizer)``.
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layers of a transformers causal LM (``model.model.layers``).
 
     Raises:
-        ConfigError: ``trainer.compile=true`` with FSDP.
+        ConfigError: ``model`` has no such layers (``trainer.compile_scope=layers`` needs them).
+    """
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
+        raise ConfigError(f"trainer.compile_scope=layers needs decoder layers at "
+                          f"model.model.layers; {type(model).__name__} has none: set "
+                          "trainer.compile_scope=model.")
+    return list(layers)
+
+
+def compile_model(model, scope: str, teacher=None) -> None:
+    """``torch.compile`` ``model`` in place (its parameter names and state dict stay stock).
+
+    ``scope`` (``trainer.compile_scope``): ``model`` compiles the whole forward; ``layers``
+    compiles each decoder layer and the loss on the logits (``model.loss_function``) apart,
+    leaving embeddings, final norm and LM head eager. The layers run the same code on
+    same-shaped inputs, and dynamo lifts each layer's parameters to graph inputs (it inlines
+    nn modules), so all of them share the same compiled graphs (one for a dense FFN; a few
+    between the sparse op's graph breaks): the compile time does not grow with depth. A
+    Python number that differed between layers and were read in their forward would be
+    guarded on: one recompilation per layer, and eager layers past dynamo's recompile limit
+    (tests/train/test_compile_scope.py counts the graphs). The loss is compiled because eager it keeps several fp32 tokens x vocab tensors
+    (upcast, log-softmax, its gradient) that inductor fuses away; the final norm is one
+    N x D elementwise pass, not worth a graph. A distillation ``teacher`` (a frozen causal
+    LM run inside the student's forward, which the ``model`` scope compiles with it) gets
+    its layers compiled too (one no-grad graph).
+
+    Raises:
+        ConfigError: ``layers`` on a model without decoder layers (:func:`decoder_layers`).
+    """
+    if scope == "model":
+        model.compile()
+        return
+    for m in (model, teacher) if teacher is not None else (model,):
+        for layer in decoder_layers(m):
+            layer.compile()
+    model.loss_function = torch.compile(model.loss_function)
+
+
+def wrap_model(model, cfg: TrainConfig, acc, *, fsdp, precision: str, device, print_,
+               teacher=None):
+    """Compile (``trainer.compile``, :func:`compile_model`; a distillation ``teacher`` too
+    where the scope leaves it out of the model's graph), shard (FSDP2) and ``acc.prepare``
+    the model with its optimizer; returns ``(model, prepared optimizer, torch optimizer)``.
+
+    Raises:
+        ConfigError: ``trainer.compile=true`` with FSDP; ``compile_scope=layers`` on a model
+            without decoder layers.
     """
     t = cfg.trainer
     if t.compile and fsdp:
@@ -456,7 +502,7 @@ def wrap_model(model, cfg: TrainConfig, acc, *, fsdp, precision: str, device, pr
             print_("trainer.compile=true: the ell training path measures its dense "
                    f"backup per call (ffn.host_sync={cfg.ffn.host_sync} "
                    "applies to eager runs)")
-        model.compile()
+        compile_model(model, t.compile_scope, teacher)
     if fsdp:  # shard first: the optimizer then holds the fp32 master shards
         parallel.apply_fsdp2(model, fsdp, device=device, world_size=acc.num_processes,
                              param_dtype=torch.bfloat16 if precision == "bf16" else None)

@@ -218,7 +218,7 @@ class Trainer:
                                      self.is_main)
         self.model, self.optimizer, optimizer = wrap_model(
             model, cfg, self.acc, fsdp=self.fsdp, precision=precision, device=self.device,
-            print_=self._print)
+            print_=self._print, teacher=self.teacher)
         self.scheduler = build_scheduler(optimizer, cfg.optim, t.max_steps)  # stepped by hand
         self.tracker = DeadNeuronTracker(
             cfg.model.num_layers, cfg.model.intermediate_size,

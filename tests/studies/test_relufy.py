@@ -261,6 +261,26 @@ def test_a_plan_change_is_refused(tmp_path):
     assert [r.name for r in again.rows] == ["silu_original", "dense_relu"]  # gains nothing
 
 
+def test_a_later_piece_may_change_how_the_rows_run(tmp_path):
+    """Overrides of keys a resumed run may change (trainer.compile_scope, the corpus's folder)
+    may differ from the study's: the rows' training commands get them. Others are refused."""
+    rows = default_rows()[:2]
+    Study(tmp_path / "out", tmp_path / "work", StudyPlan(), rows).save()
+    over = ["trainer.compile_scope=layers", "data.cache_dir=/corpus"]
+    s = Study(tmp_path / "out", tmp_path / "work", StudyPlan(overrides=over), rows)
+    cmd = s.train_job(rows[1]).cmd
+    assert cmd[cmd.index("-m") + 1:][:2] == ["train", "experiment=relufy_smollm2"]
+    assert cmd[-3:-1] == over and cmd[-1].startswith("hydra.run.dir=")
+    c = compose_config(cmd[cmd.index("train") + 1:-1])
+    assert c.trainer.compile and c.trainer.compile_scope == "layers"
+    s.save()  # the recorded plan now has them; dropping them again is as free
+    Study(tmp_path / "out", tmp_path / "work", StudyPlan(), rows)
+    with pytest.raises(ValueError, match=r"another plan \(overrides: \[.*\] -> "
+                                         r"\['sparsity.l1_coeff=0.2'\]\)"):
+        Study(tmp_path / "out", tmp_path / "work",
+              StudyPlan(overrides=["sparsity.l1_coeff=0.2"]), rows)
+
+
 def _old_study(out: Path) -> None:
     """A study.json as written before rows had ``tokens_scale`` (and before dense_relu_2x),
     with dense_relu trained and scored at the plan's 611 steps."""

@@ -154,11 +154,16 @@ def test_distillation_config_errors(tokens, silu_dir):
 
 
 @pytest.mark.slow
-def test_distillation_under_compile_gives_the_eager_losses(tokens, silu_dir, tmp_path):
-    """trainer.compile=true: the model compiles around the eager fused CE + KL (a graph break);
-    the same per-step losses and KL as eager (fp32, CPU inductor)."""
+@pytest.mark.parametrize("scope", ["model", "layers"])
+def test_distillation_under_compile_gives_the_eager_losses(tokens, silu_dir, tmp_path, scope):
+    """trainer.compile=true: the model compiles around the eager fused CE + KL (a graph break;
+    compile_scope=layers: the student's and the teacher's decoder layers); the same per-step
+    losses and KL as eager (fp32, CPU inductor)."""
     eager, _ = _run(_distill_cfg(tokens, silu_dir), tmp_path / "eager")
-    _run(_distill_cfg(tokens, silu_dir, compile=True), tmp_path / "compiled")
+    _, t = _run(_distill_cfg(tokens, silu_dir, compile=True, compile_scope=scope),
+                tmp_path / "compiled")
+    if scope == "layers":
+        assert all(layer._compiled_call_impl is not None for layer in t.teacher.model.layers)
     a, b = read_metrics(tmp_path / "eager"), read_metrics(tmp_path / "compiled")
     for ra, rb in zip(a, b, strict=True):
         for key in ("loss", "ce", "l1", "distill_kl"):
