@@ -21,9 +21,10 @@ machine), trains the others one (--parallel) at a time in the order of --rows an
 beside the next row's training, and stops at --max-wall (running rows get SIGTERM and
 checkpoint). It prints the estimated GPU time of what is left before it starts and a status
 table, the targets and the new estimate when it ends; OUT/results.csv holds the rows scored so
-far. Extra ``key=value`` arguments are Hydra overrides for every row; those of keys that a
-resumed run may change (train/rundir.py: trainer.compile_scope, ...) may differ from the
-earlier pieces' (the rows still to train get them), a change to any other is refused. An --out
+far. Extra ``key=value`` arguments are Hydra overrides for every row, composed with the rows'
+config before anything starts (a bad one is refused in one line); the run-only ones
+(studies.relufy.RUN_ONLY_KEYS: trainer.compile_scope, the corpus's folder, ...) may differ from
+the earlier pieces' (the rows still to train get them), a change to any other is refused. An --out
 or --work that is the filesystem root, a folder directly under it (``$OUT/relufy`` with
 ``$OUT`` unset), a path through a file or not writable is refused in one line before anything
 runs.
@@ -45,6 +46,7 @@ from studies.relufy import (
     TARGET_TOKENS_PER_S,
     Study,
     StudyPlan,
+    check_overrides,
     default_rows,
     estimate,
     estimate_line,
@@ -171,9 +173,12 @@ def main(argv=None) -> int:
         check_out(a.work, "--work", DEFAULT_WORK, "work")
         rows = select_rows(default_rows(a.l1), a.rows)
         study = Study(a.out, a.work, plan, rows)
+        check_overrides(plan)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if over:
+        print(f"overrides for every row: {' '.join(over)}")
     train = [r for r in rows if r.trains and study.status(r) in ("new", "started")]
     todo = [r for r in rows if study.status(r) != "scored"]
     longer = "".join(f" ({r.name}: {plan.row_steps(r)} steps, {plan.row_tokens(r) / 1e6:.2f} M)"

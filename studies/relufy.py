@@ -43,7 +43,6 @@ from pathlib import Path
 
 from evals.tasks import ALL_TASKS
 from studies.jobs import ROOT, Job, last_train_record, run_finished, run_jobs, train_command
-from train.rundir import resume_safe
 
 KINDS = ("silu_original", "silu_control", "dense_relu", "sparse")
 TASK_COLUMN = {t: "csqa" if t == "commonsense_qa" else t for t in ALL_TASKS}  # results.csv
@@ -467,14 +466,28 @@ def compose_config(overrides: list[str]):
         return OmegaConf.to_object(compose("train", overrides=overrides))
 
 
+# Override keys that change how a row runs, not what it trains, validates or scores (a later
+# piece may change them: compilation, the corpus's folder, logging). Narrower than what a resume
+# accepts (train.rundir.RESUME_SAFE_KEYS also lets through eval.*, the validation set's size and
+# the micro-batch, which change the study's columns or numerics).
+RUN_ONLY_KEYS = ("trainer.compile", "trainer.compile_scope", "trainer.progress",
+                 "ffn.host_sync", "data.num_proc", "data.verify", "data.build_if_missing",
+                 "data.cache_dir", "logging.")
+
+
+def run_only(override: str) -> bool:
+    """Whether a Hydra ``key=value`` override sets one of :data:`RUN_ONLY_KEYS`."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RUN_ONLY_KEYS)
+
+
 def _result_fields(key: str, value):
-    """A plan field's ``value`` as far as it sets the rows' results: of ``overrides``, those
-    whose key a resumed run may change (``train.rundir.resume_safe``: compile and its scope,
-    the corpus's folder, ...) dropped, so a later piece may change how the rows run; other
-    fields as they are."""
+    """A plan field's ``value`` as far as it sets the rows' results: of ``overrides``, the
+    :func:`run_only` ones dropped, so a later piece may change how the rows run; other fields
+    as they are."""
     if key != "overrides":
         return value
-    return [o for o in value or [] if not resume_safe(o.split("=", 1)[0].lstrip("+~"))]
+    return [o for o in value or [] if not run_only(o)]
 
 
 class Study:
@@ -483,8 +496,8 @@ class Study:
 
     Args:
         out, work: the two folders (created as needed).
-        plan: the recipe; a study.json in OUT with another plan is refused (overrides of
-            keys that a resumed run may change aside, e.g. ``trainer.compile_scope``).
+        plan: the recipe; a study.json in OUT with another plan is refused (the
+            :func:`run_only` overrides aside, e.g. ``trainer.compile_scope``).
         rows: the rows this invocation runs, in order (earlier invocations' rows stay in the
             results).
 
@@ -502,8 +515,9 @@ class Study:
         old = self.state.get("plan")
         if old is not None:
             new = json.loads(json.dumps(asdict(plan)))
-            diff = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in self.PLAN_FIXED
-                    if _result_fields(k, old.get(k)) != _result_fields(k, new[k])]
+            was = {k: _result_fields(k, old.get(k)) for k in self.PLAN_FIXED}
+            now = {k: _result_fields(k, new[k]) for k in self.PLAN_FIXED}
+            diff = [f"{k}: {was[k]!r} -> {now[k]!r}" for k in self.PLAN_FIXED if was[k] != now[k]]
             if diff:
                 raise ValueError(f"{self.out} holds a study with another plan ({'; '.join(diff)}"
                                  "); pass the same arguments to continue it, or a new --out")
@@ -654,6 +668,21 @@ def _base_overrides(plan: StudyPlan) -> list[str]:
     if plan.cpu:
         over += ["trainer.cpu=true", "trainer.compile=false", "trainer.precision=fp32"]
     return over + list(plan.overrides)
+
+
+def check_overrides(plan: StudyPlan) -> None:
+    """Compose the rows' shared config with ``plan.overrides`` now, so that a bad override (an
+    unknown key, a value the config refuses) stops the study at its start, a dry run included,
+    not each row on the device.
+
+    Raises:
+        ValueError: the config does not compose; one line with Hydra's or the config's reason.
+    """
+    try:
+        compose_config(_base_overrides(plan))
+    except Exception as e:  # Hydra's and the config's errors alike: one line
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"the rows' overrides {plan.overrides} do not compose: {why}") from e
 
 
 def prepare_source(study: Study, spec: str, sha256: str | None = None, log=print) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from studies.relufy import (
     RowSpec,
     Study,
     StudyPlan,
+    check_overrides,
     compose_config,
     csv_text,
     default_rows,
@@ -262,7 +264,7 @@ def test_a_plan_change_is_refused(tmp_path):
 
 
 def test_a_later_piece_may_change_how_the_rows_run(tmp_path):
-    """Overrides of keys a resumed run may change (trainer.compile_scope, the corpus's folder)
+    """Run-only overrides (trainer.compile_scope, the corpus's folder: studies.relufy.RUN_ONLY_KEYS)
     may differ from the study's: the rows' training commands get them. Others are refused."""
     rows = default_rows()[:2]
     Study(tmp_path / "out", tmp_path / "work", StudyPlan(), rows).save()
@@ -279,6 +281,25 @@ def test_a_later_piece_may_change_how_the_rows_run(tmp_path):
                                          r"\['sparsity.l1_coeff=0.2'\]\)"):
         Study(tmp_path / "out", tmp_path / "work",
               StudyPlan(overrides=["sparsity.l1_coeff=0.2"]), rows)
+    # what a resume accepts but the study's columns depend on (the validation set, the
+    # micro-batch's numerics, the scoring) is refused, and only it is named
+    for bad in ("trainer.val_sequences=16", "trainer.micro_batch=8", "eval.limit=5",
+                "trainer.precision=fp32"):
+        with pytest.raises(ValueError, match=rf"-> \['{re.escape(bad)}'\]\)"):
+            Study(tmp_path / "out", tmp_path / "work",
+                  StudyPlan(overrides=["trainer.compile_scope=layers", bad]), rows)
+
+
+@pytest.mark.parametrize("over,why", [
+    (["trainer.compile_scope=bogus"], "trainer.compile_scope='bogus' is unknown"),
+    (["trainer.compile_scope"], "missing EQUAL"),
+    (["trainer.no_such_key=1"], "no_such_key"),
+])
+def test_bad_overrides_stop_the_study_at_its_start_in_one_line(over, why):
+    with pytest.raises(ValueError, match=re.escape(why)) as e:
+        check_overrides(StudyPlan(overrides=over))
+    assert "\n" not in str(e.value) and str(e.value).startswith("the rows' overrides")
+    check_overrides(StudyPlan(overrides=["trainer.compile_scope=layers"]))  # a good one passes
 
 
 def _old_study(out: Path) -> None:
