@@ -1,0 +1,135 @@
+"""The RMSNorm with its output cast in the kernel (``twell.ops.rms_norm.rms_norm_cast``) against
+an fp64 PyTorch RMSNorm: forward in fp32 and bf16, the input and weight gradients from a bf16
+and an fp32 output gradient, odd widths (a partial block), a row-strided input, NaN and inf, no
+rows, and the errors. On CPU through the Triton interpreter (tests/conftest.py), where a cast to
+bf16 truncates instead of rounding to nearest even: the bf16 checks allow one bf16 step. On
+CUDA also: the same bits as Liger's RMSNorm followed by a cast, forward and backward."""
+
+import pytest
+import torch
+
+from twell.ops.rms_norm import rms_norm_cast
+
+from .ell_cases import DEV, TRITON
+
+pytestmark = pytest.mark.skipif(not TRITON, reason="Triton (or its interpreter) absent")
+
+EPS = 1e-5
+
+
+def _case(shape, seed=0, scale=3.0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*shape, generator=gen) * scale).to(DEV)
+    w = (torch.rand(shape[-1], generator=gen) + 0.5).to(DEV)
+    g = torch.randn(*shape, generator=gen).to(DEV)
+    return x, w, g
+
+
+def _reference(x, w, g):
+    """fp64 RMSNorm, its output and the input / weight gradients for output gradient g."""
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * w64
+    y.backward(g.double())
+    return y.detach(), x64.grad, w64.grad
+
+
+def _run(x, w, g, out_dtype):
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = rms_norm_cast(xg, wg, EPS, out_dtype)
+    y.backward(g.to(out_dtype))
+    return y, xg.grad, wg.grad
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 96), (5, 576), (3, 1000), (1, 1, 1)],
+                         ids=["3d-96", "576", "1000", "one"])
+def test_fp32_output_and_gradients_match_fp64(shape):
+    x, w, g = _case(shape)
+    y, dx, dw = _run(x, w, g, torch.float32)
+    ry, rdx, rdw = _reference(x, w, g)
+    assert y.dtype == dx.dtype == dw.dtype == torch.float32 and y.shape == x.shape
+    assert y.is_contiguous()
+    torch.testing.assert_close(y.double(), ry, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(dx.double(), rdx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.double(), rdw, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_output_is_the_fp32_result_rounded_once():
+    x, w, g = _case((6, 9, 160), seed=1)
+    y, _, _ = _run(x, w, g, torch.bfloat16)
+    ry, _, _ = _reference(x, w, g)
+    assert y.dtype == torch.bfloat16
+    nearest = ry.float().to(torch.bfloat16).float()
+    step = (nearest.abs() * 2.0 ** -7).clamp_min(2.0 ** -133)  # one bf16 step at |nearest|
+    # the GPU rounds to nearest even; the interpreter truncates (at most one step toward zero)
+    assert bool(((y.float() - nearest).abs() <= (step if DEV == "cpu" else 0)).all())
+
+
+def test_bf16_output_gradient_is_widened_as_loaded():
+    """Backward from a bf16 gradient: the same as from that gradient in fp32 (exactly what
+    Liger's path computes after the cast's backward widens it)."""
+    x, w, g = _case((4, 33, 256), seed=2)
+    g16 = g.to(torch.bfloat16)
+    _, dx16, dw16 = _run(x, w, g16, torch.bfloat16)
+    ref = (x.clone().requires_grad_(), w.clone().requires_grad_())
+    rms_norm_cast(*ref, EPS, torch.float32).backward(g16.float())
+    assert torch.equal(dx16, ref[0].grad) and torch.equal(dw16, ref[1].grad)
+    _, rdx, rdw = _reference(x, w, g16.float())
+    torch.testing.assert_close(dx16.double(), rdx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw16.double(), rdw, rtol=1e-5, atol=1e-5)
+
+
+def test_row_strided_input_and_no_rows():
+    x, w, g = _case((8, 200), seed=3)
+    wide = torch.zeros(8, 300, device=DEV)
+    wide[:, :200] = x
+    y, dx, dw = _run(wide[:, :200], w, g, torch.float32)  # row stride 300
+    ry, rdx, rdw = _reference(x, w, g)
+    torch.testing.assert_close(y.double(), ry, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(dx.double(), rdx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.double(), rdw, rtol=1e-5, atol=1e-5)
+    empty = torch.zeros(0, 200, device=DEV, requires_grad=True)
+    wg = w.clone().requires_grad_()
+    out = rms_norm_cast(empty, wg, EPS, torch.bfloat16)
+    out.sum().backward()
+    assert out.shape == (0, 200) and torch.equal(wg.grad, torch.zeros_like(w))
+
+
+def test_nan_and_inf_propagate_as_in_pytorch():
+    """A NaN makes its row NaN; an inf makes its row's rstd 0 (NaN where the inf was, 0 beside
+    it), forward and backward, as the fp64 PyTorch norm does; other rows are untouched."""
+    x, w, g = _case((4, 64), seed=4)
+    x[1, 5], x[2, 7] = float("nan"), float("inf")
+    y, dx, dw = _run(x, w, g, torch.float32)
+    ry, rdx, rdw = _reference(x, w, g)
+    assert bool(y[1].isnan().all()) and bool(y[2, 7].isnan()) and bool(dx[1].isnan().all())
+    torch.testing.assert_close(y.double(), ry, rtol=2e-6, atol=2e-6, equal_nan=True)
+    torch.testing.assert_close(dx.double(), rdx, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(dw.double(), rdw, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_bad_arguments_name_what_to_fix():
+    x = torch.zeros(2, 8, device=DEV)
+    with pytest.raises(ValueError, match=r"weight must be \(8,\)"):
+        rms_norm_cast(x, torch.ones(4, device=DEV), EPS, torch.bfloat16)
+    with pytest.raises(ValueError, match="float tensors and dtype"):
+        rms_norm_cast(x.long(), torch.ones(8, device=DEV), EPS, torch.bfloat16)
+    with pytest.raises(ValueError, match="over the 65536 columns"):
+        rms_norm_cast(torch.zeros(1, 65537, device=DEV), torch.ones(65537, device=DEV), EPS,
+                      torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger-Kernel's kernels need CUDA")
+def test_cuda_same_bits_as_liger_then_a_cast():
+    """The trainer's two ways to a bf16 norm output (``trainer.fused_norm_cast``): equal bits,
+    forward and both gradients (bf16 output gradient, as q, k and v hand back)."""
+    liger_ops = pytest.importorskip("liger_kernel.ops")
+    x, w, g = _case((4096, 2048), seed=5)
+    g16 = g.to(torch.bfloat16)
+    y, dx, dw = _run(x, w, g, torch.bfloat16)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    yl = liger_ops.LigerRMSNormFunction.apply(xl, wl, EPS, 0.0, "llama", True, None)
+    yl16 = yl.to(torch.bfloat16)
+    yl16.backward(g16)
+    assert torch.equal(y, yl16)
+    assert torch.equal(dx, xl.grad) and torch.equal(dw, wl.grad)

@@ -1,0 +1,179 @@
+"""RMSNorm whose output leaves the kernel in the compute dtype: fp32 residual stream in, bf16
+out, and in backward bf16 output gradient in, fp32 input gradient out.
+
+Why: under bf16 autocast over fp32 master weights the residual stream is fp32, and every norm
+of a decoder layer feeds bf16 GEMMs. Liger-Kernel's RMSNorm returns its input's dtype, so the
+trainer's ``norm_out_bf16`` (``train.liger``) casts its fp32 output once for all consumers: a
+second pass over the row in forward (read 4 + write 2 bytes an element, after the kernel wrote
+4) and, in backward, the cast's own backward (read 2, write 4) before the norm's backward reads
+the fp32 gradient again. Here the cast is the store's and the gradient's widening is the load's:
+16 bytes an element less per norm and step (forward 14 -> 6, backward 18 -> 10 with Liger's
+backward), two kernels less, and 8 more where ``trainer.recompute_norms`` runs the forward again
+in backward. The math is Liger's ``llama`` casting mode in fp32 (``y = (x * rstd) * w`` rounded
+once to the output dtype; ``dx = rstd * (m - x * rstd^2 * mean(m * x))`` with ``m = dy * w``;
+``dw = sum over rows of dy * x * rstd``), with the same reductions (a row's sum of squares in
+one block; dW as per-program partial rows summed at the end, no atomics: run to run the same
+bits).
+
+Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019), as transformers'
+``LlamaRMSNorm`` computes it; Liger-Kernel's ``LigerRMSNormFunction`` for the launch shape.
+Shape legend: N rows (tokens), D the normalised width.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.libdevice import rsqrt
+
+_MAX_BLOCK = 65536  # one row in one block: 64 K fp32 columns at most
+
+
+@triton.jit
+def _fwd_kernel(
+    x_ptr,  # (N, D) input, unit column stride
+    w_ptr,  # (D,) weight
+    y_ptr,  # (N, D) output, contiguous, y's dtype
+    rstd_ptr,  # (N,) fp32: 1 / sqrt(mean(x^2) + eps), kept for backward
+    D,
+    stride_x,
+    eps,
+    BLOCK: tl.constexpr,
+    LIBDEVICE: tl.constexpr,  # CUDA: libdevice's rsqrt, as Liger's kernel (same bits)
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    mean_square = tl.sum(x * x, axis=0) / D
+    if LIBDEVICE:
+        rstd = rsqrt(mean_square + eps)
+    else:  # the interpreter has no libdevice
+        rstd = tl.rsqrt(mean_square + eps)
+    tl.store(rstd_ptr + row, rstd)
+    tl.store(y_ptr + row * D + cols, ((x * rstd) * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_kernel(
+    dy_ptr,  # (N, D) output gradient, unit column stride, any float dtype
+    x_ptr,  # (N, D) forward input
+    w_ptr,  # (D,)
+    rstd_ptr,  # (N,) fp32 from forward
+    dx_ptr,  # (N, D) input gradient, contiguous, dx's dtype
+    dw_ptr,  # (P, D) fp32 partial weight gradients, one row per program
+    N,
+    D,
+    stride_dy,
+    stride_x,
+    rows_per_program,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    for row in range(pid * rows_per_program, tl.minimum((pid + 1) * rows_per_program, N)):
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        m = dy * w
+        # Liger's order of operations, so that the bits match its kernel's
+        dx = rstd * m
+        dx += rstd * (-(1 / D) * rstd * rstd * tl.sum(m * x, axis=0) * x)
+        tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * (x * rstd)
+    tl.store(dw_ptr + pid * D + cols, dw, mask=mask)
+
+
+def _launch(d: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for width ``d``: the row in one power-of-two block; Liger's warps."""
+    block = triton.next_power_of_2(d)
+    if block > _MAX_BLOCK:
+        raise ValueError(f"rms_norm_cast: width {d} is over the {_MAX_BLOCK} columns one block "
+                         "holds; use Liger's or transformers' RMSNorm for wider rows")
+    return block, 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
+def _programs(x: torch.Tensor, n: int) -> int:
+    """Backward programs: one per SM on CUDA (each loops over its rows, Liger's layout), a few
+    under the interpreter."""
+    if x.is_cuda:
+        return max(1, min(n, torch.cuda.get_device_properties(x.device).multi_processor_count))
+    return max(1, min(n, 4))
+
+
+class _RMSNormCast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, out_dtype):
+        d = x.shape[-1]
+        x_ND = x.reshape(-1, d)
+        if d > 1 and x_ND.stride(1) != 1:
+            x_ND = x_ND.contiguous()
+        n = x_ND.shape[0]
+        block, warps = _launch(d)
+        y = torch.empty((n, d), dtype=out_dtype, device=x.device)
+        rstd = torch.empty(n, dtype=torch.float32, device=x.device)
+        if n:
+            _fwd_kernel[(n,)](x_ND, weight, y, rstd, d, x_ND.stride(0), eps, BLOCK=block,
+                              LIBDEVICE=x.is_cuda, num_warps=warps)
+        ctx.save_for_backward(x_ND, weight, rstd)
+        ctx.shape, ctx.launch = x.shape, (block, warps)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_ND, weight, rstd = ctx.saved_tensors
+        n, d = x_ND.shape
+        dy_ND = dy.reshape(-1, d)
+        if d > 1 and dy_ND.stride(1) != 1:
+            dy_ND = dy_ND.contiguous()
+        block, warps = ctx.launch
+        p = _programs(x_ND, n)
+        dx = torch.empty((n, d), dtype=x_ND.dtype, device=x_ND.device)
+        dw_part = torch.zeros((p, d), dtype=torch.float32, device=x_ND.device)
+        if n:
+            _bwd_kernel[(p,)](dy_ND, x_ND, weight, rstd, dx, dw_part, n, d, dy_ND.stride(0),
+                              x_ND.stride(0), triton.cdiv(n, p), BLOCK=block, num_warps=warps)
+        dw = dw_part.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx.view(ctx.shape), dw, None, None
+
+
+def rms_norm_cast(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """``(x * rsqrt(mean(x^2, -1) + eps) * weight).to(out_dtype)`` in one kernel each way.
+
+    Args:
+        x: (..., D) float tensor (the fp32 residual stream; bf16 / fp16 work too), its last
+            dimension contiguous or copied so; on CUDA (or CPU under ``TRITON_INTERPRET=1``).
+        weight: (D,) float tensor on x's device (fp32 master weight).
+        eps: added to the mean square (the norm's ``variance_epsilon``).
+        out_dtype: the output's float dtype (bf16 under autocast).
+
+    Returns:
+        (..., D) contiguous tensor of ``out_dtype``: the fp32 result rounded once. Autograd:
+        dx in x's dtype, dweight in weight's (accumulated in fp32); the output gradient may be
+        any float dtype (widened to fp32 as it is loaded). NaN and inf propagate as in PyTorch's
+        RMSNorm (a NaN makes its row NaN; an inf makes its row's rstd 0: NaN where it was).
+
+    Raises:
+        ValueError: x and weight disagree on D or device, D over 65536, or a dtype that is not
+            floating point.
+    """
+    d = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or weight.shape != (d,):
+        raise ValueError(f"rms_norm_cast: weight must be ({d},) for x of shape "
+                         f"{tuple(x.shape)}, got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"rms_norm_cast: x on {x.device}, weight on {weight.device}")
+    if not (x.is_floating_point() and weight.is_floating_point() and out_dtype.is_floating_point):
+        raise ValueError(f"rms_norm_cast: float tensors and dtype expected, got x {x.dtype}, "
+                         f"weight {weight.dtype}, out_dtype {out_dtype}")
+    _launch(d)
+    return _RMSNormCast.apply(x, weight, float(eps), out_dtype)
+
+
+__all__ = ["rms_norm_cast"]
