@@ -462,6 +462,14 @@ class TrainerConfig:
     an error. Measured (one H200, 2B, micro-batch 16, no recomputation): ``ell`` 43.0 -> 44.9
     tokens/ms and peak 92.8 -> 83.1 GB, our dense path 37.0 -> 38.1 and 111.9 -> 102.4 GB
     (BENCHMARKS.md, "2B profile: outcome")."""
+    fused_norm_cast: bool = False
+    """With norm_out_bf16 resolved on: each norm's bf16 output is written by the norm's own kernel
+    (twell.ops.rms_norm: fp32 in, bf16 out; in backward the bf16 gradient widened as it is
+    loaded) instead of Liger's RMSNorm (fp32 out) and a cast after it: the same math as Liger's
+    kernel and cast, 16 bytes an element less per norm and step (24 with recompute_norms), two
+    kernels less. false = Liger's kernel and the cast, as measured so far. Not yet timed on a
+    GPU: BENCHMARKS.md, "The norms' cast inside the kernel", has the prediction. true with
+    trainer.liger=false or trainer.norm_out_bf16=false is an error."""
     ce_chunk_rows: int = 4096
     """Rows of logits per chunk of the distillation loss (CE + KL, train/loss.py;
     = train.loss.CE_CHUNK_ROWS): its transient memory is about six fp32 rows x vocab tensors."""
@@ -612,6 +620,11 @@ class TrainerConfig:
             raise ConfigError("trainer.norm_out_bf16=true acts on Liger-Kernel's norms, and "
                               "trainer.liger=false turns them off; set trainer.liger=null (or "
                               "true) or trainer.norm_out_bf16=false")
+        if self.fused_norm_cast and (self.liger is False or self.norm_out_bf16 is False):
+            off = "trainer.liger=false" if self.liger is False else "trainer.norm_out_bf16=false"
+            raise ConfigError(f"trainer.fused_norm_cast=true writes the norms' bf16 output, and "
+                              f"{off} turns it off; set that one null or "
+                              f"trainer.fused_norm_cast=false")
         if self.liger and self.compile:
             raise ConfigError("trainer.liger=true and trainer.compile=true: inductor fuses the "
                               "norms and RoPE itself; set trainer.liger=null (or false) or "

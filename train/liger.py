@@ -35,6 +35,8 @@ import types
 
 import torch
 
+from twell.ops.rms_norm import rms_norm_cast
+
 _ROPE_STATE = threading.local()  # depth of liger-enabled attention forwards on this thread
 _STOCK_ROPE = None  # transformers' apply_rotary_pos_emb, kept when the dispatcher goes in
 
@@ -71,10 +73,15 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
     # offset 0, transformers' Llama casting (fp32 math, output in the input's dtype), dY
     # overwritten by dX in backward (Liger's default for Llama), no forced row mode
+    cast = getattr(self, "_twell_cast_out", False) and torch.is_autocast_enabled("cuda") \
+        and hidden_states.dtype == torch.float32  # Liger's output: the input's dtype
+    if cast and getattr(self, "_twell_cast_fused", False):
+        # the cast in the kernel's store, the gradient's widening in its backward's load
+        return rms_norm_cast(hidden_states, self.weight, self.variance_epsilon,
+                             torch.get_autocast_dtype("cuda"))
     y = LigerRMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, 0.0,
                                    "llama", True, None)
-    if getattr(self, "_twell_cast_out", False) and torch.is_autocast_enabled("cuda") \
-            and y.dtype == torch.float32:
+    if cast:
         # one cast that q, k and v (the gate and up projections) share, where each consumer
         # would cast (and keep) its own copy: the same bf16 values, 2 of 3 casts and copies less
         y = y.to(torch.get_autocast_dtype("cuda"))
@@ -131,13 +138,14 @@ def _check_llama(model):
     return base
 
 
-def _patch_norms(model, norm_cls, norm_out_autocast: bool) -> int:
+def _patch_norms(model, norm_cls, norm_out_autocast: bool, fused_norm_cast: bool) -> int:
     """Liger's RMSNorm forward on every ``norm_cls`` module of ``model``; how many."""
     n_norm = 0
     for m in model.modules():
         if type(m) is norm_cls:
             m.forward = types.MethodType(_norm_forward, m)
             m._twell_cast_out = bool(norm_out_autocast)
+            m._twell_cast_fused = bool(fused_norm_cast)
             n_norm += 1
     return n_norm
 
@@ -157,7 +165,8 @@ def _hook_rope(layers) -> int:
     return n_rope
 
 
-def use_liger(model, *, fused_linear_ce: bool = True, norm_out_autocast: bool = False) -> dict:
+def use_liger(model, *, fused_linear_ce: bool = True, norm_out_autocast: bool = False,
+              fused_norm_cast: bool = False) -> dict:
     """Put Liger-Kernel's RMSNorm, RoPE and (``fused_linear_ce``) fused linear cross-entropy
     into a transformers Llama causal LM, on this instance only (module docstring).
 
@@ -168,7 +177,9 @@ def use_liger(model, *, fused_linear_ce: bool = True, norm_out_autocast: bool = 
     of casting the fp32 output each (values
     unchanged; their input gradients are then summed in bf16, one rounding each). Measured at
     2B, micro-batch 16 without recomputation: ``ell`` -9.7 GB peak and +4.4 % tokens/ms
-    (BENCHMARKS.md, "2B profile: outcome").
+    (BENCHMARKS.md, "2B profile: outcome"). ``fused_norm_cast`` (with ``norm_out_autocast``):
+    that bf16 output written by :func:`twell.ops.rms_norm.rms_norm_cast` (the same math as
+    Liger's kernel, the cast in its store) instead of Liger's kernel and a cast after it.
 
     The hooks that select Liger's RoPE are module forward hooks on each decoder layer's
     ``self_attn``, so they also hold in the forward that activation checkpointing replays in
@@ -193,7 +204,7 @@ def use_liger(model, *, fused_linear_ce: bool = True, norm_out_autocast: bool = 
     base = _check_llama(model)
     import liger_kernel.transformers  # noqa: F401  (ImportError names the package)
 
-    n_norm = _patch_norms(model, type(base.norm), norm_out_autocast)
+    n_norm = _patch_norms(model, type(base.norm), norm_out_autocast, fused_norm_cast)
     n_rope = _hook_rope(base.layers)
     if fused_linear_ce:
         model._twell_stock_forward = types.MethodType(type(model).forward, model)

@@ -48,7 +48,8 @@ RESUME_SAFE_KEYS = (
     "trainer.deterministic", "trainer.grad_checkpointing", "trainer.micro_batch",
     "trainer.precision", "trainer.cpu",
     "trainer.checkpoint_ffn", "trainer.recompute_norms", "trainer.recast_attn_weights",
-    "trainer.ce_chunk_rows", "trainer.liger", "trainer.norm_out_bf16", "trainer.memory",
+    "trainer.ce_chunk_rows", "trainer.liger", "trainer.norm_out_bf16", "trainer.fused_norm_cast",
+    "trainer.memory",
     "trainer.fused_ce", "trainer.lean_norms", "trainer.compile_norms",  # removed; older runs
     "trainer.memory_budget_gb",
     "model.name", "ffn.impl", "ffn.host_sync", "optim.fused",

@@ -318,7 +318,8 @@ def prepare_model(model, cfg: TrainConfig, *, device, precision: str, fsdp, prin
     # the fused loss: not with distillation (ours + KL replaces it) nor FSDP (the LM
     # head weight is a sharded DTensor outside its module's forward: untested)
     liger_loss = not cfg.distill and not fsdp
-    use_liger(model, fused_linear_ce=liger_loss, norm_out_autocast=t.norm_out_bf16 is not False)
+    use_liger(model, fused_linear_ce=liger_loss, norm_out_autocast=t.norm_out_bf16 is not False,
+              fused_norm_cast=t.fused_norm_cast)
     # (on the CPU, where a forced trainer.liger=true falls back, transformers' loss)
     return "liger" if liger_loss and device.type == "cuda" else None
 

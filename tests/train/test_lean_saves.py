@@ -24,6 +24,7 @@ from train.recompute import _Kept, set_recompute
 from train.setup import prepare_model
 from train.sparsity import collect_stats, l1_penalty
 from twell.nn import FFNPlan
+from twell.ops.rms_norm import rms_norm_cast
 
 MIXED = ["ell", "ell", "dense", "torch"]  # per layer, the FFN's training path
 B, T, D = 3, 16, 32
@@ -35,19 +36,23 @@ def torch_backend(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def _bf16_norms(model) -> None:
+def _bf16_norms(model, fused: bool = False) -> None:
     """Norms that return the autocast dtype, as Liger's with trainer.norm_out_bf16 on a GPU (one
-    cast that q, k, v share); a stand-in, since Liger's kernels are CUDA-only."""
+    cast that q, k, v share); a stand-in, since Liger's kernels are CUDA-only. ``fused``: the
+    trainer's kernel for trainer.fused_norm_cast (through the Triton interpreter)."""
     for layer in model.model.layers:
         for m in (layer.input_layernorm, layer.post_attention_layernorm):
             def fwd(x, m=m):
+                if fused and torch.is_autocast_enabled("cpu") and x.dtype == torch.float32:
+                    return rms_norm_cast(x, m.weight, m.variance_epsilon,
+                                         torch.get_autocast_dtype("cpu"))
                 y = type(m).forward(m, x)
                 on = torch.is_autocast_enabled("cpu") and y.dtype == torch.float32
                 return y.to(torch.get_autocast_dtype("cpu")) if on else y
             m.forward = fwd
 
 
-def _model(lean: bool, bf16_norms: bool):
+def _model(lean: bool, bf16_norms: bool, fused: bool = False):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, hidden_size=D, intermediate_size=64, num_layers=4,
                       num_heads=2, seq_len=T)
@@ -60,7 +65,7 @@ def _model(lean: bool, bf16_norms: bool):
         with torch.no_grad():  # ~12 active units per token around the ELL capacity (16)
             mlp.gate_proj.weight[24:] = 0
     if bf16_norms:
-        _bf16_norms(model)
+        _bf16_norms(model, fused)
     if lean:
         enable_lean_saves(model, recompute_norms=True, recast_attn_weights=True)
     return model, mlps, plan
@@ -98,9 +103,9 @@ class _Saved:
         return sum(t.untyped_storage().nbytes() for t in self.kept.values())
 
 
-def _step(lean, autocast, bf16_norms=True, monkeypatch=None, nan=False):
+def _step(lean, autocast, bf16_norms=True, monkeypatch=None, nan=False, fused=False):
     """Loss CE + 0.3 L1 and every gradient of one micro-step; the saved bytes when asked."""
-    model, mlps, _ = _model(lean, bf16_norms)
+    model, mlps, _ = _model(lean, bf16_norms, fused)
     if nan:
         with torch.no_grad():
             model.model.embed_tokens.weight[5, 3] = float("nan")
@@ -135,6 +140,26 @@ def test_gradients_bitwise_equal(autocast, bf16_norms, monkeypatch):
     assert g0.keys() == g1.keys() and all(g is not None for g in g0.values())
     for name in g0:
         assert torch.equal(g0[name], g1[name]), name
+
+
+def test_gradients_bitwise_equal_with_the_fused_norm_cast(monkeypatch):
+    """trainer.fused_norm_cast: the norms' kernel writes bf16 itself; recomputing it in backward
+    gives the same bits, and the step matches the Liger-and-cast stand-in within bf16 noise."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the norm kernel's interpreter (and the FFN's)
+    unpacked = []
+    materialize = lean_saves._NormRecipe.materialize
+    monkeypatch.setattr(lean_saves._NormRecipe, "materialize",
+                        lambda r: unpacked.append(1) or materialize(r))
+    loss0, g0, _ = _step(False, True, fused=True)
+    loss1, g1, _ = _step(True, True, fused=True)
+    assert len(unpacked) == 4 * 3 + 3 + 2
+    assert torch.equal(loss0, loss1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
+    loss_c, g_c, _ = _step(False, True)
+    torch.testing.assert_close(loss0, loss_c, rtol=1e-2, atol=1e-2)
+    norm_w = [n for n in g0 if "layernorm" in n]
+    assert norm_w and all(torch.allclose(g0[n], g_c[n], rtol=0.1, atol=0.05) for n in norm_w)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
@@ -263,6 +288,7 @@ def test_setup_resolves_null_per_option(tmp_path, monkeypatch, liger, norm_out_b
     liger_on = liger is True or (liger is None and liger_available())
     assert [c["norm_out_autocast"] for c in calls] == ([norm_out_bf16 is not False]
                                                        if liger_on else [])
+    assert [c["fused_norm_cast"] for c in calls] == ([False] if liger_on else [])
 
 
 def test_the_default_cpu_run_installs_no_hooks(tmp_path):

@@ -88,7 +88,10 @@ def test_the_rope_hooks_count_depth_and_unwind_on_errors():
     assert not any(getattr(m, "_twell_cast_out", True) for m in model.modules()
                    if type(m) is type(model.model.norm))  # the baseline's norms: fp32 out
     use_liger(model, fused_linear_ce=False, norm_out_autocast=True)  # the trainer's
-    assert all(m._twell_cast_out for m in model.modules() if type(m) is type(model.model.norm))
+    norms = [m for m in model.modules() if type(m) is type(model.model.norm)]
+    assert all(m._twell_cast_out and not m._twell_cast_fused for m in norms)
+    use_liger(model, fused_linear_ce=False, norm_out_autocast=True, fused_norm_cast=True)
+    assert all(m._twell_cast_out and m._twell_cast_fused for m in norms)
 
 
 def test_liger_enabled_rules_and_config_conflicts():
@@ -106,12 +109,19 @@ def test_liger_enabled_rules_and_config_conflicts():
     TrainerConfig(liger=None, norm_out_bf16=True)  # auto: acts where Liger is on
     assert TrainerConfig().norm_out_bf16 is None  # default: on wherever Liger's norms are
     TrainerConfig(liger=False)  # ... so turning Liger off alone is no error
+    assert TrainerConfig().fused_norm_cast is False  # Liger's kernel and a cast until timed
+    TrainerConfig(fused_norm_cast=True)  # acts where both resolve on
+    for off in ({"liger": False}, {"norm_out_bf16": False}):
+        key = next(iter(off))
+        with pytest.raises(ConfigError, match=f"fused_norm_cast=true .* trainer.{key}=false"):
+            TrainerConfig(fused_norm_cast=True, **off)
     with pytest.raises(ValueError, match="use_liger needs a Llama causal LM"):
         use_liger(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger-Kernel's kernels need CUDA")
-@pytest.mark.parametrize("cast_out", [False, True], ids=["fp32-norm-out", "bf16-norm-out"])
+@pytest.mark.parametrize("cast_out", [False, True, "fused"],
+                         ids=["fp32-norm-out", "bf16-norm-out", "bf16-fused-norm-cast"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "checkpointed"])
 def test_cuda_loss_and_gradients_match_the_stock_model(recompute, cast_out):
     """bf16 autocast over fp32 weights, as the trainer runs: Liger's RoPE rounds q and k to bf16
@@ -123,7 +133,7 @@ def test_cuda_loss_and_gradients_match_the_stock_model(recompute, cast_out):
     ref_model = build_model(cfg).cuda().train()
     model = build_model(cfg).cuda().train()
     model.load_state_dict(ref_model.state_dict())
-    use_liger(model, norm_out_autocast=cast_out)
+    use_liger(model, norm_out_autocast=bool(cast_out), fused_norm_cast=cast_out == "fused")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = model.model.norm(torch.randn(2, 128, device="cuda"))
     assert y.dtype == (torch.bfloat16 if cast_out else torch.float32)
