@@ -31,7 +31,7 @@ _MAX_BLOCK = 65536  # one row in one block: 64 K fp32 columns at most
 
 
 @triton.jit
-def _fwd_kernel(
+def _rms_norm_cast_fwd_kernel(
     x_ptr,  # (N, D) input, unit column stride
     w_ptr,  # (D,) weight
     y_ptr,  # (N, D) output, contiguous, y's dtype
@@ -57,7 +57,7 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _bwd_kernel(
+def _rms_norm_cast_bwd_kernel(
     dy_ptr,  # (N, D) output gradient, unit column stride, any float dtype
     x_ptr,  # (N, D) forward input
     w_ptr,  # (D,)
@@ -118,8 +118,8 @@ class _RMSNormCast(torch.autograd.Function):
         y = torch.empty((n, d), dtype=out_dtype, device=x.device)
         rstd = torch.empty(n, dtype=torch.float32, device=x.device)
         if n:
-            _fwd_kernel[(n,)](x_ND, weight, y, rstd, d, x_ND.stride(0), eps, BLOCK=block,
-                              LIBDEVICE=x.is_cuda, num_warps=warps)
+            _rms_norm_cast_fwd_kernel[(n,)](x_ND, weight, y, rstd, d, x_ND.stride(0), eps,
+                                            BLOCK=block, LIBDEVICE=x.is_cuda, num_warps=warps)
         ctx.save_for_backward(x_ND, weight, rstd)
         ctx.shape, ctx.launch = x.shape, (block, warps)
         return y.view(x.shape)
@@ -136,8 +136,9 @@ class _RMSNormCast(torch.autograd.Function):
         dx = torch.empty((n, d), dtype=x_ND.dtype, device=x_ND.device)
         dw_part = torch.zeros((p, d), dtype=torch.float32, device=x_ND.device)
         if n:
-            _bwd_kernel[(p,)](dy_ND, x_ND, weight, rstd, dx, dw_part, n, d, dy_ND.stride(0),
-                              x_ND.stride(0), triton.cdiv(n, p), BLOCK=block, num_warps=warps)
+            _rms_norm_cast_bwd_kernel[(p,)](dy_ND, x_ND, weight, rstd, dx, dw_part, n, d,
+                                            dy_ND.stride(0), x_ND.stride(0), triton.cdiv(n, p),
+                                            BLOCK=block, num_warps=warps)
         dw = dw_part.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx.view(ctx.shape), dw, None, None
 
