@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh; skipped when .venv is current) and run the whole test suite on CPU:
-# about 13 min on 2 idle cores (2026-12-04), 51 min under load.
+# about 20 min on 2 cores (2026-12-05, 1390 tests), 51 min under load.
 # Triton kernels run through the interpreter (TRITON_INTERPRET=1) when no GPU is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
