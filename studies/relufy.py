@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from evals.tasks import ALL_TASKS
-from studies.jobs import ROOT, Job, last_train_record, run_finished, run_jobs, train_command
+from studies.jobs import Job, last_train_record, run_finished, run_jobs, train_command
 
 KINDS = ("silu_original", "silu_control", "dense_relu", "sparse")
 TASK_COLUMN = {t: "csqa" if t == "commonsense_qa" else t for t in ALL_TASKS}  # results.csv
@@ -456,14 +456,15 @@ def _tail(path: Path, n: int = 3000) -> str:
 
 def compose_config(overrides: list[str]):
     """The resolved :class:`train.config.TrainConfig` of ``python -m train <overrides>``
-    (Hydra compose over configs/)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    (:func:`train.config.compose`: the trainer's own checks, so an override the rows would
+    refuse, such as an unknown ``+key``, is refused here too).
 
-    import train.main  # noqa: F401  (registers the schema)
+    Raises:
+        train.config.ConfigError: an unknown key, a bad value or Hydra's error, in one line.
+    """
+    from train.config import compose
 
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return OmegaConf.to_object(compose("train", overrides=overrides))
+    return compose(overrides)
 
 
 # Override keys that change how a row runs, not what it trains, validates or scores (a later
@@ -678,10 +679,18 @@ def check_overrides(plan: StudyPlan) -> None:
     Raises:
         ValueError: the config does not compose; one line with Hydra's or the config's reason.
     """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from train.main import hydra_error_line
+
     try:
+        # parsed first: compose keeps only the first line of Hydra's parse error, not its reason
+        OverridesParser.create().parse_overrides(list(plan.overrides))
         compose_config(_base_overrides(plan))
     except Exception as e:  # Hydra's and the config's errors alike: one line
-        why = " ".join(str(e).split())[:300] or type(e).__name__
+        why = (hydra_error_line(e) if isinstance(e, OverrideParseException)
+               else " ".join(str(e).split())[:300] or type(e).__name__)
         raise ValueError(f"the rows' overrides {plan.overrides} do not compose: {why}") from e
 
 

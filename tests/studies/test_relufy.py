@@ -292,8 +292,11 @@ def test_a_later_piece_may_change_how_the_rows_run(tmp_path):
 
 @pytest.mark.parametrize("over,why", [
     (["trainer.compile_scope=bogus"], "trainer.compile_scope='bogus' is unknown"),
-    (["trainer.compile_scope"], "missing EQUAL"),
+    (["trainer.compile_scope"], "override 'trainer.compile_scope' has no '='"),
     (["trainer.no_such_key=1"], "no_such_key"),
+    # an added key the schema lacks: the trainer refuses it, so the study's start does too
+    (["+trainer.compile_scop=layers"], "unknown key trainer.compile_scop; valid keys of trainer"),
+    (["+foo=1"], "unknown top-level key foo"),
 ])
 def test_bad_overrides_stop_the_study_at_its_start_in_one_line(over, why):
     with pytest.raises(ValueError, match=re.escape(why)) as e:
@@ -563,3 +566,17 @@ def test_a_folder_directly_under_the_root_is_refused_even_when_writable(tmp_path
                  ["--out", "outputs/relufy_out/study", "--work", "/tmp/relufy_work"]):
         assert script.main([*argv, "--dry-run"]) == 0, capsys.readouterr().err
         assert capsys.readouterr().out.startswith(f"plan: {len(default_rows())} rows")
+
+
+@pytest.mark.parametrize("over", ["+trainer.compile_scop=layers", "+foo=1"])
+def test_an_unknown_added_key_is_refused_before_anything_is_written(tmp_path, capsys, over):
+    """``+key=value`` of a key the schema lacks: one line and exit code 2, a dry run included,
+    and --out is left unwritten (the next piece would refuse a plan recorded with it)."""
+    script = _relufy_script()
+    out = tmp_path / "out"
+    for dry in (["--dry-run"], []):
+        assert script.main(["--out", str(out), "--work", str(tmp_path / "work"), *dry, over]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: the rows' overrides ['{over}'] do not compose: unknown ")
+        assert err.count("\n") == 1
+    assert not out.exists() and not (tmp_path / "work").exists()
