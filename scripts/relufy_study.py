@@ -172,8 +172,8 @@ def main(argv=None) -> int:
         check_out(a.out)
         check_out(a.work, "--work", DEFAULT_WORK, "work")
         rows = select_rows(default_rows(a.l1), a.rows)
+        check_overrides(plan)  # first: a typo is named, not reported as another plan
         study = Study(a.out, a.work, plan, rows)
-        check_overrides(plan)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

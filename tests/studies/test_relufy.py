@@ -580,3 +580,17 @@ def test_an_unknown_added_key_is_refused_before_anything_is_written(tmp_path, ca
         assert err.startswith(f"error: the rows' overrides ['{over}'] do not compose: unknown ")
         assert err.count("\n") == 1
     assert not out.exists() and not (tmp_path / "work").exists()
+
+
+def test_a_typo_in_an_existing_study_is_named_not_called_another_plan(tmp_path, capsys):
+    """In a study that exists, a misspelt override is refused for what it is (the unknown key),
+    not as a plan change that sends the user to a new --out."""
+    script = _relufy_script()
+    out, work = tmp_path / "out", tmp_path / "work"
+    Study(out, work, StudyPlan(), default_rows()).save()
+    before = (out / "study.json").read_text()
+    assert script.main(["--out", str(out), "--work", str(work), "--dry-run",
+                        "trainer.compile_scop=layers"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key trainer.compile_scop" in err and "another plan" not in err
+    assert (out / "study.json").read_text() == before
