@@ -468,27 +468,61 @@ def compose_config(overrides: list[str]):
 
 
 # Override keys that change how a row runs, not what it trains, validates or scores (a later
-# piece may change them: compilation, the corpus's folder, logging). Narrower than what a resume
-# accepts (train.rundir.RESUME_SAFE_KEYS also lets through eval.*, the validation set's size and
-# the micro-batch, which change the study's columns or numerics).
+# piece may change them: compilation, the corpus's folder, logging, the checkpoint interval,
+# which a resume accepts and --save-every changes freely). Narrower than what a resume accepts
+# (train.rundir.RESUME_SAFE_KEYS also lets through eval.*, the validation set's size and the
+# micro-batch, which change the study's columns or numerics).
 RUN_ONLY_KEYS = ("trainer.compile", "trainer.compile_scope", "trainer.progress",
-                 "ffn.host_sync", "data.num_proc", "data.verify", "data.build_if_missing",
-                 "data.cache_dir", "logging.")
+                 "trainer.save_every", "ffn.host_sync", "data.num_proc", "data.verify",
+                 "data.build_if_missing", "data.cache_dir", "logging", "logging.")
 
 
 def run_only(override: str) -> bool:
-    """Whether a Hydra ``key=value`` override sets one of :data:`RUN_ONLY_KEYS`."""
+    """Whether a Hydra ``key=value`` override (or its bare key) sets one of
+    :data:`RUN_ONLY_KEYS` (the group ``logging`` included)."""
     key = override.split("=", 1)[0].lstrip("+~")
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RUN_ONLY_KEYS)
 
 
-def _result_fields(key: str, value):
-    """A plan field's ``value`` as far as it sets the rows' results: of ``overrides``, the
-    :func:`run_only` ones dropped, so a later piece may change how the rows run; other fields
-    as they are."""
-    if key != "overrides":
-        return value
-    return [o for o in value or [] if not run_only(o)]
+def override_map(overrides: list[str]) -> dict[str, str]:
+    """What Hydra overrides set, as ``key -> value`` (for comparing plans: their order does not
+    matter). The value is Hydra's parse of it, as its ``repr`` (``True`` and ``true`` alike,
+    ``1e-3`` and ``0.001`` alike, ``'1'`` quoted apart from ``1``); ``+key`` and ``++key`` set
+    the key as ``key`` does (the config refuses the one that does not apply), ``~key`` is
+    ``deleted``; of a key given twice the last wins, as in Hydra. An override Hydra cannot
+    parse keeps the ``repr`` of its text after ``=``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser, out = OverridesParser.create(), {}
+    for text in overrides:
+        try:
+            o = parser.parse_overrides([text])[0]
+        except HydraException:
+            key, _, value = text.partition("=")
+            out[key.lstrip("+~")] = repr(value)
+            continue
+        key = o.key_or_group + (f"@{o.package}" if o.package is not None else "")
+        out[key] = "deleted" if o.is_delete() else repr(o.value())
+    return out
+
+
+def plan_changes(old: dict, new: dict, fields) -> list[str]:
+    """How plan ``new`` differs from ``old`` (both as saved in study.json) in ``fields``: one
+    ``field: old -> new`` each, and for ``overrides`` one ``override KEY: old -> new`` per key
+    that differs (:func:`override_map`; ``unset`` where a plan lacks the key), the
+    :func:`run_only` keys left out, so a later piece may change how the rows run."""
+    out = []
+    for k in fields:
+        if k != "overrides":
+            if old.get(k) != new.get(k):
+                out.append(f"{k}: {old.get(k)!r} -> {new.get(k)!r}")
+            continue
+        was, now = ({key: v for key, v in override_map(p.get(k) or []).items()
+                     if not run_only(key)} for p in (old, new))
+        out += [f"override {key}: {was.get(key, 'unset')} -> {now.get(key, 'unset')}"
+                for key in sorted(was.keys() | now.keys()) if was.get(key) != now.get(key)]
+    return out
 
 
 class Study:
@@ -497,8 +531,9 @@ class Study:
 
     Args:
         out, work: the two folders (created as needed).
-        plan: the recipe; a study.json in OUT with another plan is refused (the
-            :func:`run_only` overrides aside, e.g. ``trainer.compile_scope``).
+        plan: the recipe; a study.json in OUT with another plan is refused
+            (:func:`plan_changes`: the overrides as key -> value, in any order, the
+            :func:`run_only` ones aside, e.g. ``trainer.compile_scope``).
         rows: the rows this invocation runs, in order (earlier invocations' rows stay in the
             results).
 
@@ -515,10 +550,7 @@ class Study:
         self.state = _read_json(self.out / "study.json") or {}
         old = self.state.get("plan")
         if old is not None:
-            new = json.loads(json.dumps(asdict(plan)))
-            was = {k: _result_fields(k, old.get(k)) for k in self.PLAN_FIXED}
-            now = {k: _result_fields(k, new[k]) for k in self.PLAN_FIXED}
-            diff = [f"{k}: {was[k]!r} -> {now[k]!r}" for k in self.PLAN_FIXED if was[k] != now[k]]
+            diff = plan_changes(old, json.loads(json.dumps(asdict(plan))), self.PLAN_FIXED)
             if diff:
                 raise ValueError(f"{self.out} holds a study with another plan ({'; '.join(diff)}"
                                  "); pass the same arguments to continue it, or a new --out")
@@ -982,6 +1014,8 @@ __all__ = [
     "evaluate_targets",
     "longer_row_lines",
     "mean_stderr",
+    "override_map",
+    "plan_changes",
     "prepare_source",
     "read_results",
     "report_lines",

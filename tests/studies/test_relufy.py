@@ -277,15 +277,17 @@ def test_a_later_piece_may_change_how_the_rows_run(tmp_path):
     assert c.trainer.compile and c.trainer.compile_scope == "layers"
     s.save()  # the recorded plan now has them; dropping them again is as free
     Study(tmp_path / "out", tmp_path / "work", StudyPlan(), rows)
-    with pytest.raises(ValueError, match=r"another plan \(overrides: \[.*\] -> "
-                                         r"\['sparsity.l1_coeff=0.2'\]\)"):
+    with pytest.raises(ValueError, match=r"another plan \(override sparsity.l1_coeff: unset -> "
+                                         r"0.2\)"):
         Study(tmp_path / "out", tmp_path / "work",
               StudyPlan(overrides=["sparsity.l1_coeff=0.2"]), rows)
     # what a resume accepts but the study's columns depend on (the validation set, the
     # micro-batch's numerics, the scoring) is refused, and only it is named
-    for bad in ("trainer.val_sequences=16", "trainer.micro_batch=8", "eval.limit=5",
-                "trainer.precision=fp32"):
-        with pytest.raises(ValueError, match=rf"-> \['{re.escape(bad)}'\]\)"):
+    for bad, value in (("trainer.val_sequences=16", "16"), ("trainer.micro_batch=8", "8"),
+                       ("eval.limit=5", "5"), ("trainer.precision=fp32", "'fp32'")):
+        key = bad.split("=")[0]
+        with pytest.raises(ValueError, match=rf"\(override {re.escape(key)}: unset -> "
+                                             rf"{re.escape(value)}\)"):
             Study(tmp_path / "out", tmp_path / "work",
                   StudyPlan(overrides=["trainer.compile_scope=layers", bad]), rows)
 
@@ -594,3 +596,24 @@ def test_a_typo_in_an_existing_study_is_named_not_called_another_plan(tmp_path, 
     err = capsys.readouterr().err
     assert "unknown key trainer.compile_scop" in err and "another plan" not in err
     assert (out / "study.json").read_text() == before
+
+
+def test_the_overrides_compare_as_what_they_set(tmp_path):
+    """A study's overrides compare as key -> value as Hydra parses them: another order, True
+    for true, 1e-3 for 0.001 and ++key for key continue the study; the logging group and the
+    checkpoint interval are run-only; a changed value is refused naming only its key."""
+    out, work, rows = tmp_path / "out", tmp_path / "work", default_rows()[:2]
+    first = ["data.decontaminate=true", "optim.weight_decay=0.1", "trainer.save_every=50"]
+    Study(out, work, StudyPlan(overrides=first), rows).save()
+    for same in (["optim.weight_decay=0.1", "data.decontaminate=true"],
+                 ["data.decontaminate=True", "optim.weight_decay=1e-1", "logging=default"],
+                 ["++data.decontaminate=true", "optim.weight_decay=0.10",
+                  "trainer.save_every=400", "logging.wandb_mode=offline"]):
+        Study(out, work, StudyPlan(overrides=same), rows)
+    with pytest.raises(ValueError, match=r"another plan \(override optim.weight_decay: 0.1 -> "
+                                         r"0.2\); pass the same arguments"):
+        Study(out, work, StudyPlan(overrides=["data.decontaminate=true",
+                                              "optim.weight_decay=0.2"]), rows)
+    with pytest.raises(ValueError, match=r"\(override data.decontaminate: True -> unset; "
+                                         r"override optim.grad_clip: unset -> 0.5\)"):
+        Study(out, work, StudyPlan(overrides=["optim.weight_decay=0.1", "optim.grad_clip=0.5"]), rows)
