@@ -434,10 +434,69 @@ def estimate_line(est: dict) -> str:
 # ---------------------------------------------------------------------------------- the study
 
 def _read_json(path: Path) -> dict | None:
+    """A row's small JSON file (summary, score, the source's marker); None when it is missing
+    or unreadable: the row (or the source) is then not done yet and is made again."""
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+
+
+def _damaged(path: Path, why: str) -> ValueError:
+    return ValueError(f"{path}: {why}; restore it (e.g. from the copy the study came back in) "
+                      "or choose a new --out")
+
+
+def _study_shape(state) -> str | None:
+    """What keeps ``state`` (study.json's content) from being a study as :meth:`Study.save`
+    writes it, None if nothing: an object whose ``plan`` is an object with ``overrides`` a
+    list of strings, whose ``rows`` map names to objects with a :class:`RowSpec` ``spec``,
+    whose ``invocations`` are a list and ``source`` an object (each of them optional)."""
+    if not isinstance(state, dict):
+        return f"a JSON {type(state).__name__}, not a study's object"
+    plan, rows = state.get("plan", {}), state.get("rows", {})
+    if not isinstance(plan, dict):
+        return f"its plan is {plan!r}, not an object"
+    over = plan.get("overrides", [])
+    if not isinstance(over, list) or not all(isinstance(o, str) for o in over):
+        return f"its plan's overrides are {over!r}, not a list of strings"
+    if not isinstance(rows, dict):
+        return f"its rows are {rows!r}, not an object"
+    for name, row in rows.items():
+        try:
+            RowSpec(**row["spec"])
+        except (TypeError, KeyError) as e:
+            return f"its row {name!r} has no valid spec ({type(e).__name__}: {e})"
+    if not isinstance(state.get("invocations", []), list):
+        return "its invocations are not a list"
+    if not isinstance(state.get("source") or {}, dict):
+        return "its source is not an object"
+    return None
+
+
+def _read_study(path: Path) -> dict | None:
+    """The content of a study.json; None when there is none (a new study).
+
+    Raises:
+        ValueError: one that exists but cannot be read, is not JSON or not a study's shape
+            (:func:`_study_shape`); one line naming the file and the fix (restore it or choose
+            a new --out), so that a damaged study is not taken for none and overwritten.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _damaged(path, f"cannot be read ({type(e).__name__}: {e})") from None
+    try:
+        state = json.loads(text)
+    except ValueError as e:
+        raise _damaged(path, f"not valid JSON ({e})") from None
+    why = _study_shape(state)
+    if why:
+        raise _damaged(path, why)
+    return state
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -538,7 +597,9 @@ class Study:
             results).
 
     Raises:
-        ValueError: OUT holds a study with another plan (the differing fields are named).
+        ValueError: OUT holds a study with another plan (the differing fields are named), or
+            a study.json that is damaged (not JSON, not a study's shape: one line naming the
+            file and the fix).
     """
 
     PLAN_FIXED = ("tokens", "seq_len", "global_batch", "micro_batch", "lr", "warmup_frac",
@@ -547,7 +608,7 @@ class Study:
 
     def __init__(self, out: Path, work: Path, plan: StudyPlan, rows: list[RowSpec]) -> None:
         self.out, self.work, self.plan, self.rows = Path(out), Path(work), plan, list(rows)
-        self.state = _read_json(self.out / "study.json") or {}
+        self.state = _read_study(self.out / "study.json") or {}
         old = self.state.get("plan")
         if old is not None:
             diff = plan_changes(old, json.loads(json.dumps(asdict(plan))), self.PLAN_FIXED)
@@ -562,14 +623,24 @@ class Study:
     @classmethod
     def open(cls, out: Path, work: Path) -> Study:
         """The study saved in ``out/study.json``: its plan and rows (:func:`study_rows`: a
-        study made with the whole default set gains the default rows added since)."""
-        state = _read_json(Path(out) / "study.json")
+        study made with the whole default set gains the default rows added since).
+
+        Raises:
+            FileNotFoundError: no study.json in ``out``.
+            ValueError: a damaged study.json (one line naming it and the fix).
+        """
+        path = Path(out) / "study.json"
+        state = _read_study(path)
         if state is None:
             raise FileNotFoundError(f"no study.json in {out}; run scripts/relufy_study.py first")
-        p = dict(state["plan"])
-        p["l1_warmup"] = tuple(p["l1_warmup"])
-        rows = study_rows([RowSpec(**v["spec"]) for v in state["rows"].values()])
-        return cls(out, work, StudyPlan(**p), rows)
+        try:
+            p = dict(state["plan"])
+            p["l1_warmup"] = tuple(p["l1_warmup"])
+            plan = StudyPlan(**p)
+        except (KeyError, TypeError) as e:
+            raise _damaged(path, f"its plan is not a study's ({type(e).__name__}: {e})") from None
+        rows = study_rows([RowSpec(**v["spec"]) for v in state.get("rows", {}).values()])
+        return cls(out, work, plan, rows)
 
     # ------------------------------------------------------------------ paths and status
 

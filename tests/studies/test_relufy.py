@@ -617,3 +617,44 @@ def test_the_overrides_compare_as_what_they_set(tmp_path):
     with pytest.raises(ValueError, match=r"\(override data.decontaminate: True -> unset; "
                                          r"override optim.grad_clip: unset -> 0.5\)"):
         Study(out, work, StudyPlan(overrides=["optim.weight_decay=0.1", "optim.grad_clip=0.5"]), rows)
+
+
+@pytest.mark.parametrize("text,why", [
+    ('{"tru', "not valid JSON"),
+    ("[1, 2]", "a JSON list, not a study's object"),
+    ('{"plan": 5}', "its plan is 5, not an object"),
+    ('{"plan": {"overrides": [5]}}', "its plan's overrides are [5], not a list of strings"),
+    ('{"plan": {}, "rows": {"dense_relu": 3}}', "its row 'dense_relu' has no valid spec"),
+])
+def test_a_damaged_study_json_is_one_line_not_a_traceback_nor_no_study(tmp_path, capsys, text,
+                                                                        why):
+    """A study.json that exists but is not JSON or not a study's shape is refused in one line
+    naming the file and the fix, by the script too, and left as it was (a missing one is a
+    new study)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    path = out / "study.json"
+    path.write_text(text)
+    fix = "; restore it (e.g. from the copy the study came back in) or choose a new --out"
+    for make in (lambda: Study(out, work, StudyPlan(), default_rows()[:2]),
+                 lambda: Study.open(out, work)):
+        with pytest.raises(ValueError, match=re.escape(why)) as e:
+            make()
+        assert str(e.value).startswith(f"{path}: ") and str(e.value).endswith(fix)
+        assert "\n" not in str(e.value)
+    assert _relufy_script().main(["--out", str(out), "--work", str(work), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and err.count("\n") == 1
+    assert path.read_text() == text
+    path.unlink()
+    assert Study(out, work, StudyPlan(), default_rows()[:2]).state["rows"]  # none: a new study
+    with pytest.raises(FileNotFoundError, match="no study.json in"):
+        Study.open(out, work)
+
+
+def test_a_study_json_with_a_plan_that_cannot_be_built_is_one_line(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "study.json").write_text('{"plan": {"tokens": 1}, "rows": {}}')
+    with pytest.raises(ValueError, match=r"its plan is not a study's \(KeyError: 'l1_warmup'\)"):
+        Study.open(out, tmp_path / "work")
