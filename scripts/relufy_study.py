@@ -23,8 +23,9 @@ checkpoint). It prints the estimated GPU time of what is left before it starts a
 table, the targets and the new estimate when it ends; OUT/results.csv holds the rows scored so
 far. Extra ``key=value`` arguments are Hydra overrides for every row, composed with the rows'
 config before anything starts (a bad one is refused in one line); the run-only ones
-(studies.relufy.RUN_ONLY_KEYS: trainer.compile_scope, the corpus's folder, ...) may differ from
-the earlier pieces' (the rows still to train get them), a change to any other is refused. An --out
+(studies.relufy.RUN_ONLY_KEYS: trainer.compile_scope, the corpus's folder, logging, ...) may
+differ from the earlier pieces' (the rows still to train get them), a change to any other is
+refused (compared as key -> value: their order and spelling, true or True, do not matter). An --out
 or --work that is the filesystem root, a folder directly under it (``$OUT/relufy`` with
 ``$OUT`` unset), a path through a file or not writable is refused in one line before anything
 runs.
@@ -172,8 +173,8 @@ def main(argv=None) -> int:
         check_out(a.out)
         check_out(a.work, "--work", DEFAULT_WORK, "work")
         rows = select_rows(default_rows(a.l1), a.rows)
+        check_overrides(plan)  # first: a typo is named, not reported as another plan
         study = Study(a.out, a.work, plan, rows)
-        check_overrides(plan)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from evals.tasks import ALL_TASKS
-from studies.jobs import ROOT, Job, last_train_record, run_finished, run_jobs, train_command
+from studies.jobs import Job, last_train_record, run_finished, run_jobs, train_command
 
 KINDS = ("silu_original", "silu_control", "dense_relu", "sparse")
 TASK_COLUMN = {t: "csqa" if t == "commonsense_qa" else t for t in ALL_TASKS}  # results.csv
@@ -434,10 +434,69 @@ def estimate_line(est: dict) -> str:
 # ---------------------------------------------------------------------------------- the study
 
 def _read_json(path: Path) -> dict | None:
+    """A row's small JSON file (summary, score, the source's marker); None when it is missing
+    or unreadable: the row (or the source) is then not done yet and is made again."""
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+
+
+def _damaged(path: Path, why: str) -> ValueError:
+    return ValueError(f"{path}: {why}; restore it (e.g. from the copy the study came back in) "
+                      "or choose a new --out")
+
+
+def _study_shape(state) -> str | None:
+    """What keeps ``state`` (study.json's content) from being a study as :meth:`Study.save`
+    writes it, None if nothing: an object whose ``plan`` is an object with ``overrides`` a
+    list of strings, whose ``rows`` map names to objects with a :class:`RowSpec` ``spec``,
+    whose ``invocations`` are a list and ``source`` an object (each of them optional)."""
+    if not isinstance(state, dict):
+        return f"a JSON {type(state).__name__}, not a study's object"
+    plan, rows = state.get("plan", {}), state.get("rows", {})
+    if not isinstance(plan, dict):
+        return f"its plan is {plan!r}, not an object"
+    over = plan.get("overrides", [])
+    if not isinstance(over, list) or not all(isinstance(o, str) for o in over):
+        return f"its plan's overrides are {over!r}, not a list of strings"
+    if not isinstance(rows, dict):
+        return f"its rows are {rows!r}, not an object"
+    for name, row in rows.items():
+        try:
+            RowSpec(**row["spec"])
+        except (TypeError, KeyError) as e:
+            return f"its row {name!r} has no valid spec ({type(e).__name__}: {e})"
+    if not isinstance(state.get("invocations", []), list):
+        return "its invocations are not a list"
+    if not isinstance(state.get("source") or {}, dict):
+        return "its source is not an object"
+    return None
+
+
+def _read_study(path: Path) -> dict | None:
+    """The content of a study.json; None when there is none (a new study).
+
+    Raises:
+        ValueError: one that exists but cannot be read, is not JSON or not a study's shape
+            (:func:`_study_shape`); one line naming the file and the fix (restore it or choose
+            a new --out), so that a damaged study is not taken for none and overwritten.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _damaged(path, f"cannot be read ({type(e).__name__}: {e})") from None
+    try:
+        state = json.loads(text)
+    except ValueError as e:
+        raise _damaged(path, f"not valid JSON ({e})") from None
+    why = _study_shape(state)
+    if why:
+        raise _damaged(path, why)
+    return state
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -456,38 +515,73 @@ def _tail(path: Path, n: int = 3000) -> str:
 
 def compose_config(overrides: list[str]):
     """The resolved :class:`train.config.TrainConfig` of ``python -m train <overrides>``
-    (Hydra compose over configs/)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    (:func:`train.config.compose`: the trainer's own checks, so an override the rows would
+    refuse, such as an unknown ``+key``, is refused here too).
 
-    import train.main  # noqa: F401  (registers the schema)
+    Raises:
+        train.config.ConfigError: an unknown key, a bad value or Hydra's error, in one line.
+    """
+    from train.config import compose
 
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return OmegaConf.to_object(compose("train", overrides=overrides))
+    return compose(overrides)
 
 
 # Override keys that change how a row runs, not what it trains, validates or scores (a later
-# piece may change them: compilation, the corpus's folder, logging). Narrower than what a resume
-# accepts (train.rundir.RESUME_SAFE_KEYS also lets through eval.*, the validation set's size and
-# the micro-batch, which change the study's columns or numerics).
+# piece may change them: compilation, the corpus's folder, logging, the checkpoint interval,
+# which a resume accepts and --save-every changes freely). Narrower than what a resume accepts
+# (train.rundir.RESUME_SAFE_KEYS also lets through eval.*, the validation set's size and the
+# micro-batch, which change the study's columns or numerics).
 RUN_ONLY_KEYS = ("trainer.compile", "trainer.compile_scope", "trainer.progress",
-                 "ffn.host_sync", "data.num_proc", "data.verify", "data.build_if_missing",
-                 "data.cache_dir", "logging.")
+                 "trainer.save_every", "ffn.host_sync", "data.num_proc", "data.verify",
+                 "data.build_if_missing", "data.cache_dir", "logging", "logging.")
 
 
 def run_only(override: str) -> bool:
-    """Whether a Hydra ``key=value`` override sets one of :data:`RUN_ONLY_KEYS`."""
+    """Whether a Hydra ``key=value`` override (or its bare key) sets one of
+    :data:`RUN_ONLY_KEYS` (the group ``logging`` included)."""
     key = override.split("=", 1)[0].lstrip("+~")
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RUN_ONLY_KEYS)
 
 
-def _result_fields(key: str, value):
-    """A plan field's ``value`` as far as it sets the rows' results: of ``overrides``, the
-    :func:`run_only` ones dropped, so a later piece may change how the rows run; other fields
-    as they are."""
-    if key != "overrides":
-        return value
-    return [o for o in value or [] if not run_only(o)]
+def override_map(overrides: list[str]) -> dict[str, str]:
+    """What Hydra overrides set, as ``key -> value`` (for comparing plans: their order does not
+    matter). The value is Hydra's parse of it, as its ``repr`` (``True`` and ``true`` alike,
+    ``1e-3`` and ``0.001`` alike, ``'1'`` quoted apart from ``1``); ``+key`` and ``++key`` set
+    the key as ``key`` does (the config refuses the one that does not apply), ``~key`` is
+    ``deleted``; of a key given twice the last wins, as in Hydra. An override Hydra cannot
+    parse keeps the ``repr`` of its text after ``=``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser, out = OverridesParser.create(), {}
+    for text in overrides:
+        try:
+            o = parser.parse_overrides([text])[0]
+        except HydraException:
+            key, _, value = text.partition("=")
+            out[key.lstrip("+~")] = repr(value)
+            continue
+        key = o.key_or_group + (f"@{o.package}" if o.package is not None else "")
+        out[key] = "deleted" if o.is_delete() else repr(o.value())
+    return out
+
+
+def plan_changes(old: dict, new: dict, fields) -> list[str]:
+    """How plan ``new`` differs from ``old`` (both as saved in study.json) in ``fields``: one
+    ``field: old -> new`` each, and for ``overrides`` one ``override KEY: old -> new`` per key
+    that differs (:func:`override_map`; ``unset`` where a plan lacks the key), the
+    :func:`run_only` keys left out, so a later piece may change how the rows run."""
+    out = []
+    for k in fields:
+        if k != "overrides":
+            if old.get(k) != new.get(k):
+                out.append(f"{k}: {old.get(k)!r} -> {new.get(k)!r}")
+            continue
+        was, now = ({key: v for key, v in override_map(p.get(k) or []).items()
+                     if not run_only(key)} for p in (old, new))
+        out += [f"override {key}: {was.get(key, 'unset')} -> {now.get(key, 'unset')}"
+                for key in sorted(was.keys() | now.keys()) if was.get(key) != now.get(key)]
+    return out
 
 
 class Study:
@@ -496,13 +590,16 @@ class Study:
 
     Args:
         out, work: the two folders (created as needed).
-        plan: the recipe; a study.json in OUT with another plan is refused (the
-            :func:`run_only` overrides aside, e.g. ``trainer.compile_scope``).
+        plan: the recipe; a study.json in OUT with another plan is refused
+            (:func:`plan_changes`: the overrides as key -> value, in any order, the
+            :func:`run_only` ones aside, e.g. ``trainer.compile_scope``).
         rows: the rows this invocation runs, in order (earlier invocations' rows stay in the
             results).
 
     Raises:
-        ValueError: OUT holds a study with another plan (the differing fields are named).
+        ValueError: OUT holds a study with another plan (the differing fields are named), or
+            a study.json that is damaged (not JSON, not a study's shape: one line naming the
+            file and the fix).
     """
 
     PLAN_FIXED = ("tokens", "seq_len", "global_batch", "micro_batch", "lr", "warmup_frac",
@@ -511,13 +608,10 @@ class Study:
 
     def __init__(self, out: Path, work: Path, plan: StudyPlan, rows: list[RowSpec]) -> None:
         self.out, self.work, self.plan, self.rows = Path(out), Path(work), plan, list(rows)
-        self.state = _read_json(self.out / "study.json") or {}
+        self.state = _read_study(self.out / "study.json") or {}
         old = self.state.get("plan")
         if old is not None:
-            new = json.loads(json.dumps(asdict(plan)))
-            was = {k: _result_fields(k, old.get(k)) for k in self.PLAN_FIXED}
-            now = {k: _result_fields(k, new[k]) for k in self.PLAN_FIXED}
-            diff = [f"{k}: {was[k]!r} -> {now[k]!r}" for k in self.PLAN_FIXED if was[k] != now[k]]
+            diff = plan_changes(old, json.loads(json.dumps(asdict(plan))), self.PLAN_FIXED)
             if diff:
                 raise ValueError(f"{self.out} holds a study with another plan ({'; '.join(diff)}"
                                  "); pass the same arguments to continue it, or a new --out")
@@ -529,14 +623,24 @@ class Study:
     @classmethod
     def open(cls, out: Path, work: Path) -> Study:
         """The study saved in ``out/study.json``: its plan and rows (:func:`study_rows`: a
-        study made with the whole default set gains the default rows added since)."""
-        state = _read_json(Path(out) / "study.json")
+        study made with the whole default set gains the default rows added since).
+
+        Raises:
+            FileNotFoundError: no study.json in ``out``.
+            ValueError: a damaged study.json (one line naming it and the fix).
+        """
+        path = Path(out) / "study.json"
+        state = _read_study(path)
         if state is None:
             raise FileNotFoundError(f"no study.json in {out}; run scripts/relufy_study.py first")
-        p = dict(state["plan"])
-        p["l1_warmup"] = tuple(p["l1_warmup"])
-        rows = study_rows([RowSpec(**v["spec"]) for v in state["rows"].values()])
-        return cls(out, work, StudyPlan(**p), rows)
+        try:
+            p = dict(state["plan"])
+            p["l1_warmup"] = tuple(p["l1_warmup"])
+            plan = StudyPlan(**p)
+        except (KeyError, TypeError) as e:
+            raise _damaged(path, f"its plan is not a study's ({type(e).__name__}: {e})") from None
+        rows = study_rows([RowSpec(**v["spec"]) for v in state.get("rows", {}).values()])
+        return cls(out, work, plan, rows)
 
     # ------------------------------------------------------------------ paths and status
 
@@ -678,10 +782,18 @@ def check_overrides(plan: StudyPlan) -> None:
     Raises:
         ValueError: the config does not compose; one line with Hydra's or the config's reason.
     """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from train.main import hydra_error_line
+
     try:
+        # parsed first: compose keeps only the first line of Hydra's parse error, not its reason
+        OverridesParser.create().parse_overrides(list(plan.overrides))
         compose_config(_base_overrides(plan))
     except Exception as e:  # Hydra's and the config's errors alike: one line
-        why = " ".join(str(e).split())[:300] or type(e).__name__
+        why = (hydra_error_line(e) if isinstance(e, OverrideParseException)
+               else " ".join(str(e).split())[:300] or type(e).__name__)
         raise ValueError(f"the rows' overrides {plan.overrides} do not compose: {why}") from e
 
 
@@ -973,6 +1085,8 @@ __all__ = [
     "evaluate_targets",
     "longer_row_lines",
     "mean_stderr",
+    "override_map",
+    "plan_changes",
     "prepare_source",
     "read_results",
     "report_lines",

@@ -277,23 +277,28 @@ def test_a_later_piece_may_change_how_the_rows_run(tmp_path):
     assert c.trainer.compile and c.trainer.compile_scope == "layers"
     s.save()  # the recorded plan now has them; dropping them again is as free
     Study(tmp_path / "out", tmp_path / "work", StudyPlan(), rows)
-    with pytest.raises(ValueError, match=r"another plan \(overrides: \[.*\] -> "
-                                         r"\['sparsity.l1_coeff=0.2'\]\)"):
+    with pytest.raises(ValueError, match=r"another plan \(override sparsity.l1_coeff: unset -> "
+                                         r"0.2\)"):
         Study(tmp_path / "out", tmp_path / "work",
               StudyPlan(overrides=["sparsity.l1_coeff=0.2"]), rows)
     # what a resume accepts but the study's columns depend on (the validation set, the
     # micro-batch's numerics, the scoring) is refused, and only it is named
-    for bad in ("trainer.val_sequences=16", "trainer.micro_batch=8", "eval.limit=5",
-                "trainer.precision=fp32"):
-        with pytest.raises(ValueError, match=rf"-> \['{re.escape(bad)}'\]\)"):
+    for bad, value in (("trainer.val_sequences=16", "16"), ("trainer.micro_batch=8", "8"),
+                       ("eval.limit=5", "5"), ("trainer.precision=fp32", "'fp32'")):
+        key = bad.split("=")[0]
+        with pytest.raises(ValueError, match=rf"\(override {re.escape(key)}: unset -> "
+                                             rf"{re.escape(value)}\)"):
             Study(tmp_path / "out", tmp_path / "work",
                   StudyPlan(overrides=["trainer.compile_scope=layers", bad]), rows)
 
 
 @pytest.mark.parametrize("over,why", [
     (["trainer.compile_scope=bogus"], "trainer.compile_scope='bogus' is unknown"),
-    (["trainer.compile_scope"], "missing EQUAL"),
+    (["trainer.compile_scope"], "override 'trainer.compile_scope' has no '='"),
     (["trainer.no_such_key=1"], "no_such_key"),
+    # an added key the schema lacks: the trainer refuses it, so the study's start does too
+    (["+trainer.compile_scop=layers"], "unknown key trainer.compile_scop; valid keys of trainer"),
+    (["+foo=1"], "unknown top-level key foo"),
 ])
 def test_bad_overrides_stop_the_study_at_its_start_in_one_line(over, why):
     with pytest.raises(ValueError, match=re.escape(why)) as e:
@@ -563,3 +568,93 @@ def test_a_folder_directly_under_the_root_is_refused_even_when_writable(tmp_path
                  ["--out", "outputs/relufy_out/study", "--work", "/tmp/relufy_work"]):
         assert script.main([*argv, "--dry-run"]) == 0, capsys.readouterr().err
         assert capsys.readouterr().out.startswith(f"plan: {len(default_rows())} rows")
+
+
+@pytest.mark.parametrize("over", ["+trainer.compile_scop=layers", "+foo=1"])
+def test_an_unknown_added_key_is_refused_before_anything_is_written(tmp_path, capsys, over):
+    """``+key=value`` of a key the schema lacks: one line and exit code 2, a dry run included,
+    and --out is left unwritten (the next piece would refuse a plan recorded with it)."""
+    script = _relufy_script()
+    out = tmp_path / "out"
+    for dry in (["--dry-run"], []):
+        assert script.main(["--out", str(out), "--work", str(tmp_path / "work"), *dry, over]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: the rows' overrides ['{over}'] do not compose: unknown ")
+        assert err.count("\n") == 1
+    assert not out.exists() and not (tmp_path / "work").exists()
+
+
+def test_a_typo_in_an_existing_study_is_named_not_called_another_plan(tmp_path, capsys):
+    """In a study that exists, a misspelt override is refused for what it is (the unknown key),
+    not as a plan change that sends the user to a new --out."""
+    script = _relufy_script()
+    out, work = tmp_path / "out", tmp_path / "work"
+    Study(out, work, StudyPlan(), default_rows()).save()
+    before = (out / "study.json").read_text()
+    assert script.main(["--out", str(out), "--work", str(work), "--dry-run",
+                        "trainer.compile_scop=layers"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key trainer.compile_scop" in err and "another plan" not in err
+    assert (out / "study.json").read_text() == before
+
+
+def test_the_overrides_compare_as_what_they_set(tmp_path):
+    """A study's overrides compare as key -> value as Hydra parses them: another order, True
+    for true, 1e-3 for 0.001 and ++key for key continue the study; the logging group and the
+    checkpoint interval are run-only; a changed value is refused naming only its key."""
+    out, work, rows = tmp_path / "out", tmp_path / "work", default_rows()[:2]
+    first = ["data.decontaminate=true", "optim.weight_decay=0.1", "trainer.save_every=50"]
+    Study(out, work, StudyPlan(overrides=first), rows).save()
+    for same in (["optim.weight_decay=0.1", "data.decontaminate=true"],
+                 ["data.decontaminate=True", "optim.weight_decay=1e-1", "logging=default"],
+                 ["++data.decontaminate=true", "optim.weight_decay=0.10",
+                  "trainer.save_every=400", "logging.wandb_mode=offline"]):
+        Study(out, work, StudyPlan(overrides=same), rows)
+    with pytest.raises(ValueError, match=r"another plan \(override optim.weight_decay: 0.1 -> "
+                                         r"0.2\); pass the same arguments"):
+        Study(out, work, StudyPlan(overrides=["data.decontaminate=true",
+                                              "optim.weight_decay=0.2"]), rows)
+    with pytest.raises(ValueError, match=r"\(override data.decontaminate: True -> unset; "
+                                         r"override optim.grad_clip: unset -> 0.5\)"):
+        Study(out, work, StudyPlan(overrides=["optim.weight_decay=0.1", "optim.grad_clip=0.5"]), rows)
+
+
+@pytest.mark.parametrize("text,why", [
+    ('{"tru', "not valid JSON"),
+    ("[1, 2]", "a JSON list, not a study's object"),
+    ('{"plan": 5}', "its plan is 5, not an object"),
+    ('{"plan": {"overrides": [5]}}', "its plan's overrides are [5], not a list of strings"),
+    ('{"plan": {}, "rows": {"dense_relu": 3}}', "its row 'dense_relu' has no valid spec"),
+])
+def test_a_damaged_study_json_is_one_line_not_a_traceback_nor_no_study(tmp_path, capsys, text,
+                                                                        why):
+    """A study.json that exists but is not JSON or not a study's shape is refused in one line
+    naming the file and the fix, by the script too, and left as it was (a missing one is a
+    new study)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    path = out / "study.json"
+    path.write_text(text)
+    fix = "; restore it (e.g. from the copy the study came back in) or choose a new --out"
+    for make in (lambda: Study(out, work, StudyPlan(), default_rows()[:2]),
+                 lambda: Study.open(out, work)):
+        with pytest.raises(ValueError, match=re.escape(why)) as e:
+            make()
+        assert str(e.value).startswith(f"{path}: ") and str(e.value).endswith(fix)
+        assert "\n" not in str(e.value)
+    assert _relufy_script().main(["--out", str(out), "--work", str(work), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: ") and err.count("\n") == 1
+    assert path.read_text() == text
+    path.unlink()
+    assert Study(out, work, StudyPlan(), default_rows()[:2]).state["rows"]  # none: a new study
+    with pytest.raises(FileNotFoundError, match="no study.json in"):
+        Study.open(out, work)
+
+
+def test_a_study_json_with_a_plan_that_cannot_be_built_is_one_line(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "study.json").write_text('{"plan": {"tokens": 1}, "rows": {}}')
+    with pytest.raises(ValueError, match=r"its plan is not a study's \(KeyError: 'l1_warmup'\)"):
+        Study.open(out, tmp_path / "work")
