@@ -466,7 +466,7 @@ class TrainerConfig:
     """With norm_out_bf16 resolved on: each norm's bf16 output is written by the norm's own kernel
     (twell.ops.rms_norm: fp32 in, bf16 out; in backward the bf16 gradient widened as it is
     loaded) instead of Liger's RMSNorm (fp32 out) and a cast after it: the same math as Liger's
-    kernel and cast, 16 bytes an element less per norm and step (24 with recompute_norms), two
+    kernel and cast (row sums rounded in another order: one fp32 ulp), 16 bytes an element less per norm and step (24 with recompute_norms), two
     kernels less. false = Liger's kernel and the cast, as measured so far. Not yet timed on a
     GPU: BENCHMARKS.md, "The norms' cast inside the kernel", has the prediction. true with
     trainer.liger=false or trainer.norm_out_bf16=false is an error."""

@@ -179,7 +179,7 @@ def use_liger(model, *, fused_linear_ce: bool = True, norm_out_autocast: bool = 
     2B, micro-batch 16 without recomputation: ``ell`` -9.7 GB peak and +4.4 % tokens/ms
     (BENCHMARKS.md, "2B profile: outcome"). ``fused_norm_cast`` (with ``norm_out_autocast``):
     that bf16 output written by :func:`twell.ops.rms_norm.rms_norm_cast` (the same math as
-    Liger's kernel, the cast in its store) instead of Liger's kernel and a cast after it.
+    Liger's kernel, its row sums rounded in another order, the cast in its store) instead of Liger's kernel and a cast after it.
 
     The hooks that select Liger's RoPE are module forward hooks on each decoder layer's
     ``self_attn``, so they also hold in the forward that activation checkpointing replays in

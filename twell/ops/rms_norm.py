@@ -11,9 +11,13 @@ the fp32 gradient again. Here the cast is the store's and the gradient's widenin
 backward), two kernels less, and 8 more where ``trainer.recompute_norms`` runs the forward again
 in backward. The math is Liger's ``llama`` casting mode in fp32 (``y = (x * rstd) * w`` rounded
 once to the output dtype; ``dx = rstd * (m - x * rstd^2 * mean(m * x))`` with ``m = dy * w``;
-``dw = sum over rows of dy * x * rstd``), with the same reductions (a row's sum of squares in
-one block; dW as per-program partial rows summed at the end, no atomics: run to run the same
-bits).
+``dw = sum over rows of dy * x * rstd``), the same order of operations and launch (a row's sum
+of squares in one block of Liger's warps; dW as per-SM partial rows summed at the end, no
+atomics: run to run the same bits). Not the same bits as Liger's kernel and a cast: the bf16
+store and load let Triton give each thread 8 columns where Liger's all-fp32 kernel gives 4, so
+the row sums round differently (one H200, D 2048: a few in 10^5 outputs and most dx elements
+one fp32 ulp apart); with an fp32 output and gradient the bits are Liger's. Liger's launch for
+rows of at most 256 columns (several rows a program) is not reproduced.
 
 Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019), as transformers'
 ``LlamaRMSNorm`` computes it; Liger-Kernel's ``LigerRMSNormFunction`` for the launch shape.
@@ -40,7 +44,7 @@ def _rms_norm_cast_fwd_kernel(
     stride_x,
     eps,
     BLOCK: tl.constexpr,
-    LIBDEVICE: tl.constexpr,  # CUDA: libdevice's rsqrt, as Liger's kernel (same bits)
+    LIBDEVICE: tl.constexpr,  # CUDA: libdevice's rsqrt, as Liger's kernel
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -81,7 +85,7 @@ def _rms_norm_cast_bwd_kernel(
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + row)
         m = dy * w
-        # Liger's order of operations, so that the bits match its kernel's
+        # Liger's order of operations
         dx = rstd * m
         dx += rstd * (-(1 / D) * rstd * rstd * tl.sum(m * x, axis=0) * x)
         tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -95,7 +99,7 @@ def _launch(d: int) -> tuple[int, int]:
     if block > _MAX_BLOCK:
         raise ValueError(f"rms_norm_cast: width {d} is over the {_MAX_BLOCK} columns one block "
                          "holds; use Liger's or transformers' RMSNorm for wider rows")
-    return block, 16 if block >= 8192 else 8 if block >= 2048 else 4
+    return block, 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
 def _programs(x: torch.Tensor, n: int) -> int:
@@ -174,7 +178,8 @@ def rms_norm_cast(x: torch.Tensor, weight: torch.Tensor, eps: float,
         raise ValueError(f"rms_norm_cast: float tensors and dtype expected, got x {x.dtype}, "
                          f"weight {weight.dtype}, out_dtype {out_dtype}")
     _launch(d)
-    return _RMSNormCast.apply(x, weight, float(eps), out_dtype)
+    # the kernels read the weight with unit stride
+    return _RMSNormCast.apply(x, weight.contiguous(), float(eps), out_dtype)
 
 
 __all__ = ["rms_norm_cast"]
