@@ -56,6 +56,8 @@ def reference(x, wg, wu, wd, dy, l1_coeff):
 
 def run_ours(x, wg, wu, wd, dy, l1_coeff, dtype, fn=sparse_ffn_train, **kw):
     ins = [t.detach().to(DEV, dtype).clone().requires_grad_() for t in (x, wg, wu, wd)]
+    if kw.get("hot_units") is not None:  # on the inputs' device, as the op requires
+        kw["hot_units"] = kw["hot_units"].to(DEV)
     y, st = fn(*ins, with_stats=True, **kw)
     ((y * dy.to(DEV, y.dtype)).sum() + l1_coeff * st.l1).backward()
     return y.detach(), st, [t.grad for t in ins]
