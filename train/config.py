@@ -462,14 +462,15 @@ class TrainerConfig:
     an error. Measured (one H200, 2B, micro-batch 16, no recomputation): ``ell`` 43.0 -> 44.9
     tokens/ms and peak 92.8 -> 83.1 GB, our dense path 37.0 -> 38.1 and 111.9 -> 102.4 GB
     (BENCHMARKS.md, "2B profile: outcome")."""
-    fused_norm_cast: bool = False
+    fused_norm_cast: bool | None = None
     """With norm_out_bf16 resolved on: each norm's bf16 output is written by the norm's own kernel
     (twell.ops.rms_norm: fp32 in, bf16 out; in backward the bf16 gradient widened as it is
     loaded) instead of Liger's RMSNorm (fp32 out) and a cast after it: the same math as Liger's
     kernel and cast (row sums rounded in another order: one fp32 ulp), 16 bytes an element less per norm and step (24 with recompute_norms), two
-    kernels less. false = Liger's kernel and the cast, as measured so far. Not yet timed on a
-    GPU: BENCHMARKS.md, "The norms' cast inside the kernel", has the prediction. true with
-    trainer.liger=false or trainer.norm_out_bf16=false is an error."""
+    kernels less. null = on wherever norm_out_bf16 resolves on | true (with trainer.liger=false
+    or trainer.norm_out_bf16=false an error) | false (Liger's kernel and the cast). Measured (one
+    H200, 1.5B, micro-batch 16, one profiled step): ``ell`` 57.6 -> 59.9 tokens/ms, our dense
+    path 49.6 -> 51.5 (BENCHMARKS.md, "The norms' cast inside the kernel")."""
     ce_chunk_rows: int = 4096
     """Rows of logits per chunk of the distillation loss (CE + KL, train/loss.py;
     = train.loss.CE_CHUNK_ROWS): its transient memory is about six fp32 rows x vocab tensors."""

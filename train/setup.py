@@ -319,7 +319,7 @@ def prepare_model(model, cfg: TrainConfig, *, device, precision: str, fsdp, prin
     # head weight is a sharded DTensor outside its module's forward: untested)
     liger_loss = not cfg.distill and not fsdp
     use_liger(model, fused_linear_ce=liger_loss, norm_out_autocast=t.norm_out_bf16 is not False,
-              fused_norm_cast=t.fused_norm_cast)
+              fused_norm_cast=t.norm_out_bf16 is not False and t.fused_norm_cast is not False)
     # (on the CPU, where a forced trainer.liger=true falls back, transformers' loss)
     return "liger" if liger_loss and device.type == "cuda" else None
 

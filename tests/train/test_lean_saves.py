@@ -288,7 +288,8 @@ def test_setup_resolves_null_per_option(tmp_path, monkeypatch, liger, norm_out_b
     liger_on = liger is True or (liger is None and liger_available())
     assert [c["norm_out_autocast"] for c in calls] == ([norm_out_bf16 is not False]
                                                        if liger_on else [])
-    assert [c["fused_norm_cast"] for c in calls] == ([False] if liger_on else [])
+    assert [c["fused_norm_cast"] for c in calls] == ([norm_out_bf16 is not False]
+                                                     if liger_on else [])
 
 
 def test_the_default_cpu_run_installs_no_hooks(tmp_path):

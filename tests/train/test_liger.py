@@ -109,7 +109,7 @@ def test_liger_enabled_rules_and_config_conflicts():
     TrainerConfig(liger=None, norm_out_bf16=True)  # auto: acts where Liger is on
     assert TrainerConfig().norm_out_bf16 is None  # default: on wherever Liger's norms are
     TrainerConfig(liger=False)  # ... so turning Liger off alone is no error
-    assert TrainerConfig().fused_norm_cast is False  # Liger's kernel and a cast until timed
+    assert TrainerConfig().fused_norm_cast is None  # on wherever norm_out_bf16 is
     TrainerConfig(fused_norm_cast=True)  # acts where both resolve on
     for off in ({"liger": False}, {"norm_out_bf16": False}):
         key = next(iter(off))
