@@ -466,11 +466,13 @@ class TrainerConfig:
     """With norm_out_bf16 resolved on: each norm's bf16 output is written by the norm's own kernel
     (twell.ops.rms_norm: fp32 in, bf16 out; in backward the bf16 gradient widened as it is
     loaded) instead of Liger's RMSNorm (fp32 out) and a cast after it: the same math as Liger's
-    kernel and cast (row sums rounded in another order: one fp32 ulp), 16 bytes an element less per norm and step (24 with recompute_norms), two
-    kernels less. null = on wherever norm_out_bf16 resolves on | true (with trainer.liger=false
-    or trainer.norm_out_bf16=false an error) | false (Liger's kernel and the cast). Measured (one
-    H200, 1.5B, micro-batch 16, one profiled step): ``ell`` 57.6 -> 59.9 tokens/ms, our dense
-    path 49.6 -> 51.5 (BENCHMARKS.md, "The norms' cast inside the kernel")."""
+    kernel and cast (row sums rounded in another order: rarely one bf16 step in the output, one
+    fp32 ulp in dx), 16 bytes an element less per norm and step (24 with recompute_norms), two
+    kernels less. null = on wherever norm_out_bf16 resolves on | true (an error with
+    trainer.liger=false, trainer.norm_out_bf16=false or trainer.compile=true) | false (Liger's
+    kernel and the cast). Measured (one H200, 1.5B, micro-batch 16, one profiled step): ``ell``
+    57.6 -> 59.9 tokens/ms, our dense path 49.6 -> 51.5 (BENCHMARKS.md, "The norms' cast inside
+    the kernel")."""
     ce_chunk_rows: int = 4096
     """Rows of logits per chunk of the distillation loss (CE + KL, train/loss.py;
     = train.loss.CE_CHUNK_ROWS): its transient memory is about six fp32 rows x vocab tensors."""
@@ -616,7 +618,16 @@ class TrainerConfig:
                     f"(or null: the planner's none) or trainer.{key}=false.")
 
     def _check_fused_ops(self) -> None:
-        """Liger-Kernel's options agree with each other and with compile."""
+        """Liger-Kernel's options: null or booleans, agreeing with each other and with compile."""
+        for key in ("liger", "norm_out_bf16", "fused_norm_cast"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"trainer.{key} must be null, true or false; got {value!r}. "
+                                  f"Set trainer.{key}=null (on where it applies) or false.")
+        if self.fused_norm_cast and self.compile:
+            raise ConfigError("trainer.fused_norm_cast=true acts on Liger-Kernel's norms, which "
+                              "trainer.compile=true turns off (inductor fuses the norms itself); "
+                              "set trainer.fused_norm_cast=null or trainer.compile=false.")
         if self.norm_out_bf16 and self.liger is False:
             raise ConfigError("trainer.norm_out_bf16=true acts on Liger-Kernel's norms, and "
                               "trainer.liger=false turns them off; set trainer.liger=null (or "

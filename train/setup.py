@@ -298,6 +298,9 @@ def prepare_model(model, cfg: TrainConfig, *, device, precision: str, fsdp, prin
     if t.liger and device.type != "cuda":
         print_("trainer.liger=true: Liger-Kernel's kernels run on CUDA only; this "
                f"{device.type} run keeps transformers' norms, RoPE and loss")
+    if t.fused_norm_cast and device.type != "cuda":
+        print_("trainer.fused_norm_cast=true: it acts on Liger-Kernel's norms, which run on CUDA "
+               f"only; this {device.type} run keeps transformers' norms")
     if fsdp and (t.recompute_norms or t.recast_attn_weights):
         # sharded parameters swap in and out around each layer: not tested
         raise ConfigError("trainer.recompute_norms / trainer.recast_attn_weights are not "

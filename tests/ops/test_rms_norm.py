@@ -100,6 +100,17 @@ def test_row_strided_input_and_no_rows():
     assert out.shape == (0, 200) and torch.equal(wg.grad, torch.zeros_like(w))
 
 
+def test_second_derivative_is_refused():
+    """The backward is not itself differentiable: differentiating through it (here through
+    an output gradient that requires grad) raises instead of returning a wrong zero."""
+    x, w, g = _case((3, 32), seed=7)
+    xg, gg = x.clone().requires_grad_(), g.clone().requires_grad_()
+    y = rms_norm_cast(xg, w, EPS, torch.float32)
+    (dx,) = torch.autograd.grad(y, xg, gg, create_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        dx.sum().backward()
+
+
 def test_strided_weight_and_output_gradient():
     """A weight with stride 2 and a column-strided output gradient: read as the values they
     hold (the kernels take unit strides; the op makes them so)."""
@@ -135,6 +146,8 @@ def test_bad_arguments_name_what_to_fix():
     x = torch.zeros(2, 8, device=DEV)
     with pytest.raises(ValueError, match=r"weight must be \(8,\)"):
         rms_norm_cast(x, torch.ones(4, device=DEV), EPS, torch.bfloat16)
+    with pytest.raises(ValueError, match="0-dim tensor"):
+        rms_norm_cast(torch.zeros((), device=DEV), torch.ones(1, device=DEV), EPS, torch.bfloat16)
     with pytest.raises(ValueError, match="float tensors and dtype"):
         rms_norm_cast(x.long(), torch.ones(8, device=DEV), EPS, torch.bfloat16)
     with pytest.raises(ValueError, match="over the 65536 columns"):

@@ -111,6 +111,12 @@ def test_liger_enabled_rules_and_config_conflicts():
     TrainerConfig(liger=False)  # ... so turning Liger off alone is no error
     assert TrainerConfig().fused_norm_cast is None  # on wherever norm_out_bf16 is
     TrainerConfig(fused_norm_cast=True)  # acts where both resolve on
+    with pytest.raises(ConfigError, match="fused_norm_cast=true .* trainer.compile=true"):
+        TrainerConfig(fused_norm_cast=True, compile=True)
+    for key in ("liger", "norm_out_bf16", "fused_norm_cast"):
+        for bad in (0, "false", 2):
+            with pytest.raises(ConfigError, match=f"trainer.{key} must be null, true or false"):
+                TrainerConfig(**{key: bad})
     for off in ({"liger": False}, {"norm_out_bf16": False}):
         key = next(iter(off))
         with pytest.raises(ConfigError, match=f"fused_norm_cast=true .* trainer.{key}=false"):
@@ -163,12 +169,15 @@ def test_liger_true_on_the_cpu_says_it_keeps_transformers_code(tmp_path, capsys)
     from train.trainer import Trainer
 
     cfg = tiny_config(write_tokens(tmp_path / "t.bin", n_tokens=4000),
-                      **{"trainer.max_steps": 1, "trainer.liger": True})
+                      **{"trainer.max_steps": 1, "trainer.liger": True,
+                         "trainer.fused_norm_cast": True})
     t = Trainer(cfg, tmp_path / "run")
     try:
         out = capsys.readouterr().out
         assert ("trainer.liger=true: Liger-Kernel's kernels run on CUDA only; this cpu run keeps "
                 "transformers' norms, RoPE and loss") in out
+        assert ("trainer.fused_norm_cast=true: it acts on Liger-Kernel's norms, which run on "
+                "CUDA only; this cpu run keeps transformers' norms") in out
         model = t.acc.unwrap_model(t.model)
         # on the CPU the patched forwards fall back to the stock ones; the loss is transformers'
         assert t.fused_loss is None and "forward" in vars(model)
