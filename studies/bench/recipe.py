@@ -280,12 +280,13 @@ def check_overrides(sizes: list[str], recipe: Recipe, config: list[str], *,
 
 
 
-PROFILE_PATHS = ("hf", "liger", "compile", "dense", "ell", "auto", "dense-noliger",
+PROFILE_PATHS = ("hf", "liger", "compile", "dense", "ell", "auto", "default", "dense-noliger",
                  "ell-noliger", "auto-noliger")
 """What ``--profile-paths`` may name: the stock-transformers baselines
-(:data:`studies.bench.recipe.BASELINE_PATHS`) and our trainer's FFN paths (``dense`` is dense
+(:data:`studies.bench.recipe.BASELINE_PATHS`), our trainer's FFN paths (``dense`` is dense
 mode), each of ours also as ``<path>-noliger`` (``trainer.liger=false``: our own fused loss and
-lean norms, eager RoPE). Any of them may add ``@key=value:...``: launch shapes of the
+lean norms, eager RoPE), and ``default`` (the ``default`` row's trainer: the experiment's
+config, its planner and a fresh FFN plan; the step shape the profile's). Any of them may add ``@key=value:...``: launch shapes of the
 training kernels for that profile (:func:`twell.ops.launch.kernel_config`, integer values),
 e.g. ``ell@dw_block_d=1024:dw_d_outer=0``; ours may end in ``+hydra.key=value+...``: overrides
 of our trainer's config, e.g. ``ell+ffn.policy.hot_min_density=0.001`` (hot units on

@@ -405,14 +405,17 @@ def default_row(run: SizeRun, b: Budget) -> None:
     mark_default(run, row, b)
 
 
-def build_default_trainer(run: SizeRun, b: Budget):
+def build_default_trainer(run: SizeRun, b: Budget, extra: list[str] = ()):
+    """The ``default`` row's trainer at ``b`` (:func:`studies.bench.recipe.default_overrides`,
+    then ``extra`` overrides: the profile's) on the bench model's weights; its planner runs as
+    it is built."""
     from train.config import compose
     from train.trainer import Trainer
 
     fake = run.s.fake_memory is not None or not hasattr(torch.cuda,
                                                         "get_per_process_memory_fraction")
     over = default_overrides(run.size, run.smoke_tokens, b.planner_gb if fake else None)
-    cfg = compose(over)
+    cfg = compose([*over, *extra])
     model = build_ours(cfg.model, run.bm.weights, run.device, ffn=cfg.ffn)
     run.builds += 1
     return Trainer(cfg, run.work / f"{run.size}_default{run.builds}", datamodule=run.data,

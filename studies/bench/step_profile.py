@@ -284,10 +284,10 @@ def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, wa
                   timed: int = 6) -> dict[str, StepProfile]:
     """Profile one training step of each path of ``paths`` on the bench model of ``run`` (a
     :class:`studies.bench.core.SizeRun`), ``micro`` sequences per step, no recomputation, one
-    micro-batch per optimizer step (learning rate 0: every kernel runs, the weights stay).
+    micro-batch per optimizer step (learning rate 0: every kernel runs, the weights stay);
+    ``default`` is the ``default`` row's trainer (:func:`_profiled_trainer`).
     A path that fails (out of memory) is logged and left out."""
     from studies.bench.recipe import BASELINE_PATHS, split_profile_path
-    from studies.bench.stages import build_our_trainer, use_ffn
     from studies.bench.steps import HFStep, batches_from, build_hf, free_memory, log
     from train.memory import Plan
     from twell.ops.launch import kernel_config
@@ -308,9 +308,7 @@ def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, wa
                 def fn(step=step, batches=batches):
                     step(batches)
             else:
-                tr = build_our_trainer(run, (["trainer.liger=false"] if flag == "noliger"
-                                             else []) + extra)
-                use_ffn(tr, base, run.bm.plan_state)
+                tr = _profiled_trainer(run, base, flag, extra)
                 tr.memory.apply(Plan(micro, "none", 1, None, None, None, "profile"))
                 tr.plan.reset_capacities()
                 tr.model.train()
@@ -333,6 +331,23 @@ def profile_paths(run, micro: int, paths: tuple[str, ...], *, steps: int = 2, wa
             step = tr = fn = None
             free_memory(run.device)
     return out
+
+
+def _profiled_trainer(run, path: str, flag: str, extra: list[str]):
+    """Our trainer for the profile of ``path``: the bench's (``build_our_trainer``) on the FFN
+    path, ``auto`` from the paths the model's own sparsity picks (as its timed row); or
+    ``default``: the experiment's trainer as the ``default`` row builds it (its planner, its
+    fresh FFN plan) on the largest budget, its step shape then replaced by the profile's."""
+    from studies.bench.stages import build_default_trainer, build_our_trainer, use_ffn
+    from train.memory import ProbeRunner, choose_initial_paths
+
+    if path == "default":
+        return build_default_trainer(run, max(run.s.budgets, key=lambda b: b.card_gb), extra)
+    tr = build_our_trainer(run, (["trainer.liger=false"] if flag == "noliger" else []) + extra)
+    use_ffn(tr, path, run.bm.plan_state)
+    if path == "auto":
+        choose_initial_paths(tr, ProbeRunner(tr).ids_BT, force=True)
+    return tr
 
 
 def profile_dims(model_cfg) -> dict:

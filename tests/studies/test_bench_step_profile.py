@@ -189,6 +189,8 @@ def test_split_profile_path():
                               "+trainer.liger=false") == (
         "auto", {"dw_block_d": 128}, ["ffn.policy.hot_min_density=0.001",
                                       "trainer.liger=false"])
+    assert split_profile_path("default+trainer.memory=off") == (
+        "default", {}, ["trainer.memory=off"])
     with pytest.raises(ValueError, match="our trainer's paths only"):
         split_profile_path("liger+trainer.seed=1")
     with pytest.raises(ValueError, match="not a Hydra key=value override"):
@@ -244,3 +246,18 @@ def test_profile_of_events_reads_real_profiler_events():
     cpu = profile_of_events(prof.events(), DIMS, steps=2, step_ms=0.5, kernels_on="cpu")
     assert cpu.kernels == 2.0  # matmul and relu_ per step; mm, views and the rest are inside
     assert {n for _, n, _, _ in cpu.top} == {"aten::matmul", "aten::relu_"}
+
+
+def test_the_default_profile_builds_the_default_rows_trainer_on_the_largest_card(monkeypatch):
+    # the default row's gap to auto is in its trainer (its planner, its fresh FFN plan): the
+    # profile must build that trainer, not ours with the default's FFN
+    from studies.bench import stages, step_profile
+    from studies.bench.search import Budget
+
+    built = []
+    monkeypatch.setattr(stages, "build_default_trainer",
+                        lambda run, b, extra=(): built.append((b.card_gb, list(extra))) or "tr")
+    monkeypatch.setattr(stages, "build_our_trainer", lambda *a, **k: pytest.fail("ours built"))
+    run = SimpleNamespace(s=SimpleNamespace(budgets=[Budget(80.0), Budget(139.0), Budget(40.0)]))
+    assert step_profile._profiled_trainer(run, "default", "", ["trainer.memory=off"]) == "tr"
+    assert built == [(139.0, ["trainer.memory=off"])]
