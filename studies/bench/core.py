@@ -287,7 +287,7 @@ def prepare(s: BenchSettings, size: str, clock: Clock, work: Path,
         "history": bm.history, "budgets": [b.card_gb for b in s.budgets],
         "planner_budgets_gb": [round(b.planner_gb, 2) for b in s.budgets]})
     if "default" in s.paths:
-        over = default_overrides(size, smoke_tokens)
+        over = [*default_overrides(size, smoke_tokens), *s.config]
         impl = compose(over).ffn.impl
         run.meta["default"] = {"overrides": over, "ffn_impl": impl, "ffn": FFN_OF_IMPL[impl]}
     log(f"{size}: held-out L0 {checks['l0']:.1f} ({run.meta['l0_source']}); logits vs plain "

@@ -17,7 +17,9 @@ earlier budget is not timed again. The steps draw held-out sequences (the valida
 The default row is the trainer of ``experiment=paper_*`` as it builds itself under the
 emulated card: its memory planner probes and chooses at the experiment's global batch; the
 choice is then timed at accumulation 1 like every row (the optimizer step's share is then the
-same in all rows; ``notes`` gives the accumulation the user's run has).
+same in all rows; ``notes`` gives the accumulation the user's run has), on the batches of the
+searched rows of the same micro-batch, right after our rows (its gap to ``auto``'s row is then
+the trainers', not the batches' or the run order's), with the user's ``--config`` as ours.
 """
 
 from __future__ import annotations
@@ -71,17 +73,19 @@ OUR_PATHS = ("ell", "dense", "auto")  # the timing order inside our trainer's st
 
 
 def bench_budgets(run: SizeRun) -> None:
-    """The forward (:func:`forward_stage`), then per budget our rows, ``hf``'s and
-    ``default``'s (module docstring). A stage that fails leaves rows naming the error for its
+    """The forward (:func:`forward_stage`), then per budget our rows, ``default``'s and the
+    baselines' (module docstring). A stage that fails leaves rows naming the error for its
     paths and the next stage runs."""
     forward_stage(run)
     for i, b in enumerate(run.s.budgets):
         t0 = run.clock.elapsed()
         first = i == 0
-        stages = [(OUR_PATHS, lambda b=b, first=first: ours_rows(run, b, first))]
+        # default right after ours: its gap to auto's row is then not the card's or the
+        # allocator's state after the baselines' stages
+        stages = [(OUR_PATHS, lambda b=b, first=first: ours_rows(run, b, first)),
+                  (("default",), lambda b=b: default_row(run, b))]
         stages += [((p,), lambda b=b, first=first, p=p: baseline_rows(run, b, first, p))
                    for p in BASELINE_PATHS]
-        stages += [(("default",), lambda b=b: default_row(run, b))]
         for paths, stage in stages:
             paths = [p for p in paths if p in run.s.paths]
             if paths:
@@ -415,7 +419,7 @@ def build_default_trainer(run: SizeRun, b: Budget, extra: list[str] = ()):
     fake = run.s.fake_memory is not None or not hasattr(torch.cuda,
                                                         "get_per_process_memory_fraction")
     over = default_overrides(run.size, run.smoke_tokens, b.planner_gb if fake else None)
-    cfg = compose([*over, *extra])
+    cfg = compose([*over, *run.s.config, *extra])  # the user's --config as ours get it
     model = build_ours(cfg.model, run.bm.weights, run.device, ffn=cfg.ffn)
     run.builds += 1
     return Trainer(cfg, run.work / f"{run.size}_default{run.builds}", datamodule=run.data,
@@ -456,7 +460,9 @@ def time_default(run: SizeRun, tr, plan: Plan, b: Budget) -> dict:
             "check_ok": ok}
     window = m = None
     try:
-        window, m = time_trainer(run, tr, dataclasses.replace(plan, accum=1), seed=1)
+        # the batches the searched row of the same micro-batch trains on (time_our_path)
+        window, m = time_trainer(run, tr, dataclasses.replace(plan, accum=1),
+                                 seed=plan.micro_batch)
     except Exception as e:
         if not is_oom(e):
             raise
