@@ -104,6 +104,24 @@ def test_micro_batch_check_finds_the_overflowed_layers_and_the_step_is_accepted(
     assert out.accepted and plan.capacity.hist[1] == [0.0, 2.0]
 
 
+def test_micro_batch_check_reuses_its_limits_until_they_change():
+    """The limits the micro-batch check compares with are made once while the capacities and
+    rows repeat (a new device tensor a call was a blocking copy, a host sync, on CUDA), and
+    made again when either changes."""
+    plan = FFNPlan(_mlps(2), PlanOptions(host_sync="micro_batch", capacity_rule="adaptive"))
+    plan.begin_step()
+    plan.end_step(_stats([5, 3]))
+    plan.begin_step()
+    heavy = torch.tensor([1.0, 1.0])
+    assert plan.call_overflow(heavy, rows=256) == []
+    lim = plan._vectors["lim"][1]
+    assert plan.call_overflow(heavy, rows=256) == [] and plan._vectors["lim"][1] is lim
+    caps = [float(lp.backup_rows) for lp in plan.layers]
+    assert lim.tolist() == caps
+    assert plan.call_overflow(heavy, rows=2) == [] and plan._vectors["lim"][1].tolist() == [1, 1]
+    assert plan.call_overflow(torch.tensor([2.0, 1.0]), rows=2) == [0]
+
+
 def test_only_ell_layers_are_checked_and_call_sync_measures_per_call():
     plan = FFNPlan(_mlps(2, impl="torch"))
     _step(plan, _stats([5, 5]))

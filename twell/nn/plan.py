@@ -258,6 +258,7 @@ class FFNPlan:
         self._step_caps: list[int | None] = [None] * len(self.mlps)
         self._after_redo = False
         self._call_redo = False  # some micro-batch of this step ran its forward again
+        self._vectors: dict[str, tuple] = {}  # _device_vector's cache
         for m, lp in zip(self.mlps, self.layers):
             m.layer_plan = lp
 
@@ -349,13 +350,11 @@ class FFNPlan:
         Returns:
             the overflowed layers' indices, ascending (a list of ints).
         """
-        caps = [(k, min(c, rows - 1)) for k, c in enumerate(self._step_caps) if c is not None]
-        if not caps:
+        if all(c is None for c in self._step_caps):
             return []
-        ks = torch.tensor([k for k, _ in caps], device=heavy_L.device)
-        lim = torch.tensor([c for _, c in caps], dtype=heavy_L.dtype, device=heavy_L.device)
-        over = ks[heavy_L.index_select(0, ks) > lim]
-        return over.tolist()  # host sync
+        lim = self._device_vector("lim", [math.inf if c is None else float(min(c, rows - 1))
+                                          for c in self._step_caps], heavy_L)
+        return [k for k, o in enumerate((heavy_L > lim).tolist()) if o]  # the one host sync
 
     def overflowed_in_call(self, layers: Sequence[int]) -> None:
         """``layers`` exceeded their no-sync capacity in the current micro-batch (found by
@@ -382,10 +381,26 @@ class FFNPlan:
         if stats.active_LH is None or not any(self._may_split(k) for k in range(len(self))):
             return stats
         a_LH = stats.active_LH
-        thr_L = torch.tensor([m.policy.hot_unit_fraction * stats.tokens for m in self.mlps],
-                             dtype=torch.float64, device=a_LH.device)
+        thr_L = self._device_vector("hot", [m.policy.hot_unit_fraction * stats.tokens
+                                            for m in self.mlps], a_LH, torch.float64)
         over_L = (a_LH.to(torch.float64) > thr_L[:, None]).sum(1).to(torch.float32)
         return dataclasses.replace(stats, hot_over_L=over_L)
+
+    def _device_vector(self, name: str, values: list[float], like: torch.Tensor,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``values`` as a device tensor on ``like``'s device (``like``'s dtype unless given),
+        made again only when the values change (a step's capacities and token count repeat
+        step to step) and then copied from pinned memory without waiting: a plain
+        ``torch.tensor(..., device=cuda)`` is a blocking copy, a host sync every call."""
+        dtype = like.dtype if dtype is None else dtype
+        key = (tuple(values), like.device, dtype)
+        hit = self._vectors.get(name)
+        if hit is None or hit[0] != key:
+            host = torch.tensor(values, dtype=dtype)
+            if like.is_cuda:
+                host = host.pin_memory()  # kept with the copy: not reused while in flight
+            hit = self._vectors[name] = (key, host.to(like.device, non_blocking=True), host)
+        return hit[1]
 
     def _may_split(self, k: int) -> bool:
         """Can layer k run the ``ell`` path with hot units (next step)?"""
