@@ -6,12 +6,23 @@ where a cast to bf16 truncates instead of rounding to nearest even: the bf16 che
 step. On CUDA also: with an fp32 output the same forward bits as Liger's RMSNorm and gradients
 within fp32 rounding of its (the backward's launch is another); with bf16 ones, within one bf16
 step / fp32 rounding of Liger's RMSNorm followed by a cast (the bf16
-accesses change how Triton splits the row between threads, hence the row sums' rounding)."""
+accesses change how Triton splits the row between threads, hence the row sums' rounding).
+
+The fused residual add and norm (``add_rms_norm_cast``) against an fp64 ``residual + delta`` and
+RMSNorm: both outputs, the three gradients with both outputs in the loss or only one, grad_delta
+in delta's dtype, and ``normed`` against ``rms_norm_cast`` of the sum it returns."""
 
 import pytest
 import torch
 
-from twell.ops.rms_norm import BwdLaunch, bwd_launch, rms_norm_cast, rms_norm_cast_backward
+from twell.ops.rms_norm import (
+    BwdLaunch,
+    add_rms_norm_cast,
+    add_rms_norm_cast_backward,
+    bwd_launch,
+    rms_norm_cast,
+    rms_norm_cast_backward,
+)
 
 from .ell_cases import DEV, TRITON
 
@@ -207,3 +218,211 @@ def test_cuda_against_liger(d):
     assert bool(((y.float() - yl.float()).abs() <= step).all())
     torch.testing.assert_close(dx, dxl, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(dw, dwl, rtol=1e-5, atol=1e-5)
+
+
+# ---- add_rms_norm_cast: sum = residual + delta, normed = RMSNorm(sum) --------------------------
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def _add_case(shape, delta_dtype=BF16, seed=10):
+    """residual (fp32), delta (``delta_dtype``), weight, and the gradients a, b of sum and normed."""
+    gen = torch.Generator().manual_seed(seed)
+    r = (torch.randn(*shape, generator=gen) * 3).to(DEV)
+    delta = torch.randn(*shape, generator=gen).to(delta_dtype).to(DEV)
+    w = (torch.rand(shape[-1], generator=gen) + 0.5).to(DEV)
+    a, b = (torch.randn(*shape, generator=gen).to(DEV) for _ in range(2))
+    return r, delta, w, a, b
+
+
+def _add_reference(r, delta, w, a, b):
+    """fp64 (sum, normed, d residual, d delta, d weight) of loss = sum(sum * a) + sum(normed * b);
+    a or b None: that output is not in the loss (d weight None where normed is not)."""
+    r64, d64, w64 = (t.detach().double().requires_grad_() for t in (r, delta, w))
+    s = r64 + d64
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * w64
+    outs = [(o, g.double()) for o, g in ((s, a), (y, b)) if g is not None]
+    torch.autograd.backward([o for o, _ in outs], [g for _, g in outs])
+    return s.detach(), y.detach(), r64.grad, d64.grad, w64.grad
+
+
+def _add_run(r, delta, w, a, b, out_dtype):
+    """(sum, normed, d residual, d delta, d weight) of the fused op from the gradients a (of sum)
+    and b (of normed, in ``out_dtype``); None leaves that output out of the backward."""
+    rg, dg, wg = (t.clone().requires_grad_() for t in (r, delta, w))
+    s, y = add_rms_norm_cast(rg, dg, wg, EPS, out_dtype)
+    outs = [(o, g) for o, g in ((s, a), (y, None if b is None else b.to(out_dtype)))
+            if g is not None]
+    torch.autograd.backward([o for o, _ in outs], [g for _, g in outs])
+    return s, y, rg.grad, dg.grad, wg.grad
+
+
+def _within_bf16_step(got, ref, atol=0.0):
+    """|got - ref| at most one bf16 step of |ref| (the interpreter truncates, CUDA rounds to
+    nearest) plus ``atol``; NaN where ref is NaN."""
+    ref = ref.double()
+    step = (ref.abs() * 2.0 ** -7).clamp_min(2.0 ** -133)
+    ok = (got.double() - ref).abs() <= step + atol
+    return bool((ok | (got.double().isnan() & ref.isnan())).all())
+
+
+@pytest.mark.parametrize("out_dtype,delta_dtype", [(F32, F32), (F32, BF16), (BF16, BF16)],
+                         ids=["f32-f32", "f32out-bf16delta", "bf16-bf16"])
+@pytest.mark.parametrize("shape", [(2, 7, 96), (5, 1000), (1, 1, 1)], ids=["3d-96", "1000", "one"])
+def test_add_forward_matches_fp64(shape, out_dtype, delta_dtype):
+    """sum is PyTorch's residual + delta, the exact sum (held exactly in fp64 at these
+    magnitudes) rounded once to fp32; normed the fp64 norm of it, rounded once to out_dtype.
+    Odd widths leave part of the block masked."""
+    r, delta, w, _, _ = _add_case(shape, delta_dtype)
+    s, y = add_rms_norm_cast(r, delta, w, EPS, out_dtype)
+    rs, ry, _, _, _ = _add_reference(r, delta, w, None, torch.ones_like(r))
+    assert s.dtype == F32 and y.dtype == out_dtype and s.shape == y.shape == r.shape
+    assert s.is_contiguous() and y.is_contiguous()
+    assert torch.equal(s, r + delta) and torch.equal(s, rs.float())
+    if out_dtype == F32:
+        torch.testing.assert_close(y.double(), ry, rtol=2e-6, atol=2e-6)
+    else:
+        assert _within_bf16_step(y, ry.float().to(BF16).float())
+
+
+@pytest.mark.parametrize("out_dtype,delta_dtype", [(F32, F32), (F32, BF16), (BF16, BF16)],
+                         ids=["f32-f32", "f32out-bf16delta", "bf16-bf16"])
+def test_add_normed_is_rms_norm_cast_of_the_sum(out_dtype, delta_dtype):
+    """The fused forward's normed has rms_norm_cast's bits from the sum it returns (the same
+    kernel, fed that sum in registers). On CUDA a bf16 delta under an fp32 output may change
+    how Triton splits the row, hence the row sums' rounding: there fp32 rounding only."""
+    r, delta, w, _, _ = _add_case((3, 5, 200), delta_dtype, seed=11)
+    s, y = add_rms_norm_cast(r, delta, w, EPS, out_dtype)
+    y_unfused = rms_norm_cast(s, w, EPS, out_dtype)
+    if DEV == "cuda" and out_dtype != delta_dtype:
+        torch.testing.assert_close(y, y_unfused, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(y, y_unfused)
+
+
+@pytest.mark.parametrize("used", ["both", "normed", "sum"])
+@pytest.mark.parametrize("out_dtype,delta_dtype", [(BF16, BF16), (F32, F32)],
+                         ids=["bf16", "f32"])
+def test_add_gradients_match_fp64(used, out_dtype, delta_dtype):
+    """The gradients of residual, delta and weight for loss = sum(sum * a) + sum(normed * b),
+    and with only one output in the loss (autograd hands the other's gradient as None): fp32
+    residual gradient, delta's in delta's dtype (one bf16 rounding of the fp32 total), weight's
+    None where normed is not used. 3-D input, a width of 200 (a partial block)."""
+    r, delta, w, a, b = _add_case((3, 5, 200), delta_dtype, seed=12)
+    a, b = (None if used == "normed" else a), (None if used == "sum" else b)
+    _, _, dr, dd, dw = _add_run(r, delta, w, a, b, out_dtype)
+    # the normed gradient reaches the kernel in out_dtype: the reference starts from that value
+    _, _, rdr, rdd, rdw = _add_reference(r, delta, w, a, None if b is None else b.to(out_dtype))
+    assert dr.dtype == F32 and dd.dtype == delta_dtype and dr.shape == dd.shape == r.shape
+    assert dr.data_ptr() != dd.data_ptr()  # two leaves' .grad never share storage
+    torch.testing.assert_close(dr.double(), rdr, rtol=1e-5, atol=1e-5)
+    if delta_dtype == F32:
+        assert torch.equal(dd, dr)
+    else:
+        assert _within_bf16_step(dd, rdd, atol=1e-5)
+    if used == "sum":
+        assert dw is None
+        assert torch.equal(dr, a) and torch.equal(dd, a.to(delta_dtype))  # the add's backward
+    else:
+        assert dw.dtype == F32
+        torch.testing.assert_close(dw.double(), rdw, rtol=1e-5, atol=1e-5)
+
+
+def test_add_gradients_equal_the_unfused_sequence():
+    """Against autograd of ``residual + delta`` then ``rms_norm_cast``: the same residual and
+    weight gradients (one kernel computes the norm's part, the sum's gradient added in fp32 as
+    autograd adds it), delta's one bf16 rounding of that total apart at most."""
+    r, delta, w, a, b = _add_case((4, 9, 160), BF16, seed=13)
+    _, _, dr, dd, dw = _add_run(r, delta, w, a, b, BF16)
+    rg, dg, wg = (t.clone().requires_grad_() for t in (r, delta, w))
+    s = rg + dg
+    y = rms_norm_cast(s, wg, EPS, BF16)
+    torch.autograd.backward([s, y], [a, b.to(BF16)])
+    torch.testing.assert_close(dr, rg.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dw, wg.grad, rtol=1e-6, atol=1e-6)
+    assert _within_bf16_step(dd, rg.grad)
+
+
+@pytest.mark.parametrize("launch", [BwdLaunch(1, 1, 4), BwdLaunch(2, 2, 4), BwdLaunch(4, 3, 2)],
+                         ids=["rows1", "rows2", "rows4"])
+def test_add_backward_launches_agree_with_fp64(launch):
+    """The fused backward at every tile size (11 rows: a partial last tile, programs past the
+    rows), with and without the sum's gradient; a launch's bits the same on a second call."""
+    r, delta, w, a, b = _add_case((11, 96), BF16, seed=14)
+    s = r + delta.float()
+    rstd = torch.rsqrt(s.pow(2).mean(-1) + EPS)
+    b16 = b.to(BF16)
+    for g_sum in (a, None):
+        _, _, rdr, rdd, rdw = _add_reference(r, delta, w, g_sum, b16)
+        g_total, g_delta, dw = add_rms_norm_cast_backward(g_sum, b16, s, w, rstd, BF16, launch)
+        assert g_total.dtype == F32 and g_delta.dtype == BF16
+        torch.testing.assert_close(g_total.double(), rdr, rtol=1e-5, atol=1e-5)
+        assert _within_bf16_step(g_delta, g_total) and _within_bf16_step(g_delta, rdd, 1e-5)
+        torch.testing.assert_close(dw.double(), rdw, rtol=1e-5, atol=1e-5)
+        again = add_rms_norm_cast_backward(g_sum, b16, s, w, rstd, BF16, launch)
+        assert all(torch.equal(u, v) for u, v in zip((g_total, g_delta, dw), again))
+    _, g_delta, _ = add_rms_norm_cast_backward(a, b16, s, w, rstd, None, launch)
+    assert g_delta is None
+
+
+def test_add_strided_inputs_and_no_rows():
+    """Row-strided residual and delta (read in place) and a column-strided sum gradient give
+    the contiguous inputs' results; no rows: empty outputs, zero weight gradient."""
+    r, delta, w, a, b = _add_case((6, 120), BF16, seed=15)
+    r_wide = torch.zeros(6, 150, device=DEV)
+    r_wide[:, :120] = r
+    d_wide = torch.zeros(6, 130, dtype=BF16, device=DEV)
+    d_wide[:, :120] = delta
+    rg, dg = r_wide.requires_grad_(), d_wide.requires_grad_()
+    s, y = add_rms_norm_cast(rg[:, :120], dg[:, :120], w, EPS, BF16)
+    a_wide = torch.zeros(6, 240, device=DEV)
+    a_wide[:, ::2] = a
+    torch.autograd.backward([s, y], [a_wide[:, ::2], b.to(BF16)])
+    want = _add_run(r, delta, w, a, b, BF16)
+    assert torch.equal(s, want[0]) and torch.equal(y, want[1])
+    assert torch.equal(rg.grad[:, :120], want[2]) and torch.equal(dg.grad[:, :120], want[3])
+    empty = torch.zeros(2, 0, 64, device=DEV, requires_grad=True)
+    wg = w[:64].clone().requires_grad_()
+    s, y = add_rms_norm_cast(empty, empty.detach().to(BF16), wg, EPS, BF16)
+    (s.sum() + y.float().sum()).backward()
+    assert s.shape == y.shape == (2, 0, 64) and torch.equal(wg.grad, torch.zeros(64, device=DEV))
+
+
+def test_add_nan_and_inf_propagate_as_in_pytorch():
+    """A NaN in residual or delta makes its row of normed NaN; an inf (here in delta) makes its
+    row's rstd 0: NaN where it was; sum holds them as the add does; the gradients as fp64's."""
+    r, delta, w, a, b = _add_case((4, 64), F32, seed=16)
+    r[1, 5], delta[2, 7], delta[3, 3] = float("nan"), float("inf"), float("nan")
+    s, y, dr, dd, dw = _add_run(r, delta, w, a, b, F32)
+    rs, ry, rdr, rdd, rdw = _add_reference(r, delta, w, a, b)
+    assert bool(y[1].isnan().all()) and bool(y[3].isnan().all()) and bool(y[2, 7].isnan())
+    assert bool(s[2, 7].isinf()) and bool(dr[1].isnan().all())
+    torch.testing.assert_close(s, rs.float(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(y.double(), ry, rtol=2e-6, atol=2e-6, equal_nan=True)
+    torch.testing.assert_close(dr.double(), rdr, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(dd.double(), rdd, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(dw.double(), rdw, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert bool(torch.isfinite(y[0]).all()) and bool(torch.isfinite(dr[0]).all())
+
+
+def test_add_bad_arguments_name_what_to_fix():
+    r, one8 = torch.zeros(2, 8, device=DEV), torch.ones(8, device=DEV)
+    d16 = r.to(BF16)
+    with pytest.raises(ValueError, match=r"delta must have residual's shape \(2, 8\)"):
+        add_rms_norm_cast(r, torch.zeros(2, 4, device=DEV), one8, EPS, BF16)
+    with pytest.raises(ValueError, match=r"weight must be \(8,\)"):
+        add_rms_norm_cast(r, d16, torch.ones(4, device=DEV), EPS, BF16)
+    with pytest.raises(ValueError, match="0-dim tensor"):
+        add_rms_norm_cast(torch.zeros((), device=DEV), torch.zeros((), device=DEV),
+                          torch.ones(1, device=DEV), EPS, BF16)
+    with pytest.raises(ValueError, match="residual must be float32"):
+        add_rms_norm_cast(d16, d16, one8, EPS, BF16)
+    with pytest.raises(ValueError, match="float tensors and dtype"):
+        add_rms_norm_cast(r, r.long(), one8, EPS, BF16)
+    with pytest.raises(ValueError, match="float tensors and dtype"):
+        add_rms_norm_cast(r, d16, one8, EPS, torch.int32)
+    with pytest.raises(ValueError, match="add_rms_norm_cast: width 65537 is over"):
+        add_rms_norm_cast(torch.zeros(1, 65537, device=DEV), torch.zeros(1, 65537, device=DEV),
+                          torch.ones(65537, device=DEV), EPS, BF16)
+    with pytest.raises(ValueError, match="one device expected"):
+        add_rms_norm_cast(r, d16, torch.ones(8, device="meta"), EPS, BF16)

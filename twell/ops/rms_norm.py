@@ -22,8 +22,19 @@ outputs one bf16 step apart, most dx elements one fp32 ulp); with an fp32 output
 bits are Liger's, and dW's partial sums are taken over other runs of rows than Liger's. Liger's
 launch for rows of at most 256 columns (several rows a program) is not reproduced.
 
+The fused residual add (:func:`add_rms_norm_cast`) runs the same two kernels with the add folded
+in: the forward adds the branch output to the residual as it loads them and writes the fp32 sum
+beside the norm's output; the backward adds the sum's own gradient to the norm's input gradient
+before its store and writes that total twice, fp32 for the residual and in the branch's dtype.
+At a decoder layer's residual join this replaces PyTorch's mixed-dtype add, the gradient sum
+autograd makes where the sum has two consumers and the cast back to the branch's dtype: forward
+16 -> 12 bytes an element, backward ~28 -> 16 (BENCHMARKS.md, "A fused residual add and norm").
+
 Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019), as transformers'
-``LlamaRMSNorm`` computes it; Liger-Kernel's ``LigerRMSNormFunction`` for the launch shape.
+``LlamaRMSNorm`` computes it; Liger-Kernel's ``LigerRMSNormFunction`` for the launch shape; the
+add's fusion as vLLM's ``fused_add_rms_norm`` and Liger-Kernel's ``LigerFusedAddRMSNorm`` do it
+(written here, not copied: theirs keep the sum in the inputs' dtype, and Liger-Kernel 0.8.5's
+returns one gradient tensor for both inputs, in that dtype).
 Shape legend: N rows (tokens), D the normalised width.
 """
 
@@ -41,20 +52,28 @@ _MAX_BLOCK = 65536  # one row in one block: 64 K fp32 columns at most
 
 @triton.jit
 def _rms_norm_cast_fwd_kernel(
-    x_ptr,  # (N, D) input, unit column stride
+    x_ptr,  # (N, D) input, unit column stride (HAS_DELTA: the fp32 residual)
+    delta_ptr,  # (N, D) HAS_DELTA: added to x, unit column stride, any float dtype
+    sum_ptr,  # (N, D) HAS_DELTA: x + delta, contiguous, the sum's dtype (fp32)
     w_ptr,  # (D,) weight
     y_ptr,  # (N, D) output, contiguous, y's dtype
     rstd_ptr,  # (N,) fp32: 1 / sqrt(mean(x^2) + eps), kept for backward
     D,
     stride_x,
+    stride_delta,
     eps,
     BLOCK: tl.constexpr,
     LIBDEVICE: tl.constexpr,  # CUDA: libdevice's rsqrt, as Liger's kernel
+    HAS_DELTA: tl.constexpr,  # normalise x + delta (and write it) instead of x
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        # the norm reads the fp32 sum it stores: its output is the unfused norm's of that sum
+        x += tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(sum_ptr + row * D + cols, x.to(sum_ptr.dtype.element_ty), mask=mask)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     mean_square = tl.sum(x * x, axis=0) / D
     if LIBDEVICE:
@@ -73,13 +92,18 @@ def _rms_norm_cast_bwd_kernel(
     rstd_ptr,  # (N,) fp32 from forward
     dx_ptr,  # (N, D) input gradient, contiguous, dx's dtype
     dw_ptr,  # (P, D) fp32 partial weight gradients, one row per program
+    dsum_ptr,  # (N, D) HAS_DSUM: gradient reaching x besides the norm's, unit column stride
+    dx2_ptr,  # (N, D) HAS_DX2: a second copy of dx, contiguous, in its own dtype
     N,
     D,
     stride_dy,
     stride_x,
+    stride_dsum,
     tiles_per_program,
     ROWS: tl.constexpr,  # rows a tile: loads of several rows in flight before the row sums
     BLOCK: tl.constexpr,
+    HAS_DSUM: tl.constexpr,  # dx += dsum (x is a sum also used outside the norm)
+    HAS_DX2: tl.constexpr,  # also store dx to dx2 (the add's other input, another dtype)
 ):
     pid = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, ROWS)
@@ -101,17 +125,24 @@ def _rms_norm_cast_bwd_kernel(
         # Liger's order of operations
         dx = rstd * m
         dx += rstd * (-(1 / D) * rstd * rstd * tl.sum(m * x, axis=1)[:, None] * x)
+        if HAS_DSUM:
+            dx += tl.load(dsum_ptr + r[:, None] * stride_dsum + cols[None, :], mask=mask,
+                          other=0.0).to(tl.float32)
         tl.store(dx_ptr + r[:, None] * D + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
                  mask=mask)
+        if HAS_DX2:
+            tl.store(dx2_ptr + r[:, None] * D + cols[None, :], dx.to(dx2_ptr.dtype.element_ty),
+                     mask=mask)
         dw += dy * (x * rstd)
     tl.store(dw_ptr + pid * D + cols, tl.sum(dw, axis=0), mask=cmask)
 
 
-def _launch(d: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) for width ``d``: the row in one power-of-two block; Liger's warps."""
+def _launch(d: int, op: str = "rms_norm_cast") -> tuple[int, int]:
+    """(BLOCK, num_warps) for width ``d``: the row in one power-of-two block; Liger's warps.
+    ``op`` names the caller in the error."""
     block = triton.next_power_of_2(d)
     if block > _MAX_BLOCK:
-        raise ValueError(f"rms_norm_cast: width {d} is over the {_MAX_BLOCK} columns one block "
+        raise ValueError(f"{op}: width {d} is over the {_MAX_BLOCK} columns one block "
                          "holds; use Liger's or transformers' RMSNorm for wider rows")
     return block, 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
 
@@ -145,6 +176,36 @@ def _programs(x: torch.Tensor, n_tiles: int, per_sm: int) -> int:
     return max(1, min(n_tiles, 4))
 
 
+def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
+    """``t`` as (N, d) rows with unit column stride (the kernels' loads), copied only if not."""
+    t_ND = t.reshape(-1, d)
+    if d > 1 and t_ND.stride(1) != 1:
+        t_ND = t_ND.contiguous()
+    return t_ND
+
+
+def _backward(dy_ND, x_ND, weight, rstd, launch, dx_dtype, dsum_ND=None, dx2_dtype=None):
+    """(dx (N, D) in ``dx_dtype``, its copy in ``dx2_dtype`` or None, dW (D,) fp32): the one
+    backward kernel's launch; ``dsum_ND`` (N, D), if given, is added to dx before the stores."""
+    n, d = x_ND.shape
+    block, _ = _launch(d)
+    launch = launch or bwd_launch(d)
+    n_tiles = triton.cdiv(n, launch.rows) if n else 0
+    p = _programs(x_ND, n_tiles, launch.per_sm)
+    dx = torch.empty((n, d), dtype=dx_dtype, device=x_ND.device)
+    dx2 = None if dx2_dtype is None else torch.empty((n, d), dtype=dx2_dtype, device=x_ND.device)
+    dw_part = torch.zeros((p, d), dtype=torch.float32, device=x_ND.device)
+    if n:
+        # the pointers a False flag leaves unread are dx's: any tensor of the device would do
+        _rms_norm_cast_bwd_kernel[(p,)](
+            dy_ND, x_ND, weight, rstd, dx, dw_part,
+            dx if dsum_ND is None else dsum_ND, dx if dx2 is None else dx2,
+            n, d, dy_ND.stride(0), x_ND.stride(0), 0 if dsum_ND is None else dsum_ND.stride(0),
+            triton.cdiv(n_tiles, p), ROWS=launch.rows, BLOCK=block,
+            HAS_DSUM=dsum_ND is not None, HAS_DX2=dx2 is not None, num_warps=launch.warps)
+    return dx, dx2, dw_part.sum(0)
+
+
 def rms_norm_cast_backward(dy_ND: torch.Tensor, x_ND: torch.Tensor, weight: torch.Tensor,
                            rstd: torch.Tensor, launch: BwdLaunch | None = None,
                            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,34 +213,24 @@ def rms_norm_cast_backward(dy_ND: torch.Tensor, x_ND: torch.Tensor, weight: torc
     ``dy_ND`` (N, D), its forward input ``x_ND`` (N, D; unit column strides) and the forward's
     fp32 ``rstd`` (N,). ``launch``: :func:`bwd_launch`'s unless given (the norm benchmark's
     variants); a launch fixes the dW partial sums' order, so the bits are the same run to run."""
-    n, d = x_ND.shape
-    block, _ = _launch(d)
-    launch = launch or bwd_launch(d)
-    n_tiles = triton.cdiv(n, launch.rows) if n else 0
-    p = _programs(x_ND, n_tiles, launch.per_sm)
-    dx = torch.empty((n, d), dtype=x_ND.dtype, device=x_ND.device)
-    dw_part = torch.zeros((p, d), dtype=torch.float32, device=x_ND.device)
-    if n:
-        _rms_norm_cast_bwd_kernel[(p,)](dy_ND, x_ND, weight, rstd, dx, dw_part, n, d,
-                                        dy_ND.stride(0), x_ND.stride(0), triton.cdiv(n_tiles, p),
-                                        ROWS=launch.rows, BLOCK=block, num_warps=launch.warps)
-    return dx, dw_part.sum(0)
+    dx, _, dw = _backward(dy_ND, x_ND, weight, rstd, launch, x_ND.dtype)
+    return dx, dw
 
 
 class _RMSNormCast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, out_dtype):
         d = x.shape[-1]
-        x_ND = x.reshape(-1, d)
-        if d > 1 and x_ND.stride(1) != 1:
-            x_ND = x_ND.contiguous()
+        x_ND = _rows(x, d)
         n = x_ND.shape[0]
         block, warps = _launch(d)
         y = torch.empty((n, d), dtype=out_dtype, device=x.device)
         rstd = torch.empty(n, dtype=torch.float32, device=x.device)
         if n:
-            _rms_norm_cast_fwd_kernel[(n,)](x_ND, weight, y, rstd, d, x_ND.stride(0), eps,
-                                            BLOCK=block, LIBDEVICE=x.is_cuda, num_warps=warps)
+            # delta and sum are not read without HAS_DELTA: x stands in
+            _rms_norm_cast_fwd_kernel[(n,)](x_ND, x_ND, x_ND, weight, y, rstd, d, x_ND.stride(0),
+                                            0, eps, BLOCK=block, LIBDEVICE=x.is_cuda,
+                                            HAS_DELTA=False, num_warps=warps)
         ctx.save_for_backward(x_ND, weight, rstd)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -188,11 +239,7 @@ class _RMSNormCast(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x_ND, weight, rstd = ctx.saved_tensors
-        d = x_ND.shape[1]
-        dy_ND = dy.reshape(-1, d)
-        if d > 1 and dy_ND.stride(1) != 1:
-            dy_ND = dy_ND.contiguous()
-        dx, dw = rms_norm_cast_backward(dy_ND, x_ND, weight, rstd)
+        dx, dw = rms_norm_cast_backward(_rows(dy, x_ND.shape[1]), x_ND, weight, rstd)
         dw = dw.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx.view(ctx.shape), dw, None, None
 
@@ -236,4 +283,139 @@ def rms_norm_cast(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return _RMSNormCast.apply(x, weight.contiguous(), float(eps), out_dtype)
 
 
-__all__ = ["BwdLaunch", "bwd_launch", "rms_norm_cast", "rms_norm_cast_backward"]
+def add_rms_norm_cast_backward(g_sum_ND: torch.Tensor | None, g_normed_ND: torch.Tensor,
+                               sum_ND: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                               delta_dtype: torch.dtype | None,
+                               launch: BwdLaunch | None = None,
+                               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(grad_residual (N, D) fp32, grad_delta (N, D) in ``delta_dtype``, dW (D,) fp32) of
+    :func:`add_rms_norm_cast`, in one kernel: ``g_total = g_sum + (the norm's input gradient
+    from g_normed)``, stored fp32 and, where ``delta_dtype`` is another dtype, a second time in
+    it. ``g_sum_ND`` (N, D), the gradient of ``sum`` (None: nothing reads ``sum``), and
+    ``g_normed_ND`` (N, D) any float dtype with unit column strides; ``sum_ND`` (N, D) fp32,
+    ``rstd`` (N,) fp32 from the forward. ``delta_dtype`` None: no grad_delta (returned None);
+    fp32: grad_delta is grad_residual, the same tensor, as PyTorch's add gives both inputs one
+    gradient. ``launch`` as in :func:`rms_norm_cast_backward`, dW's bits the same run to run.
+    Bytes an element: read g_normed's size + 4 (sum) + 4 (g_sum), write 4 + delta's size."""
+    cast = delta_dtype if delta_dtype not in (None, sum_ND.dtype) else None
+    g_total, g_delta, dw = _backward(g_normed_ND, sum_ND, weight, rstd, launch, sum_ND.dtype,
+                                     dsum_ND=g_sum_ND, dx2_dtype=cast)
+    if delta_dtype == sum_ND.dtype:
+        g_delta = g_total
+    return g_total, g_delta, dw
+
+
+class _AddRMSNormCast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, residual, delta, weight, eps, out_dtype):
+        # a gradient autograd leaves undefined stays None: no zeros to write and read back
+        ctx.set_materialize_grads(False)
+        d = residual.shape[-1]
+        r_ND, delta_ND = _rows(residual, d), _rows(delta, d)
+        n = r_ND.shape[0]
+        block, warps = _launch(d, "add_rms_norm_cast")
+        s = torch.empty((n, d), dtype=torch.float32, device=residual.device)
+        y = torch.empty((n, d), dtype=out_dtype, device=residual.device)
+        rstd = torch.empty(n, dtype=torch.float32, device=residual.device)
+        if n:
+            _rms_norm_cast_fwd_kernel[(n,)](r_ND, delta_ND, s, weight, y, rstd, d,
+                                            r_ND.stride(0), delta_ND.stride(0), eps,
+                                            BLOCK=block, LIBDEVICE=residual.is_cuda,
+                                            HAS_DELTA=True, num_warps=warps)
+        ctx.save_for_backward(s, weight, rstd)
+        ctx.shape, ctx.delta_dtype = residual.shape, delta.dtype
+        return s.view(residual.shape), y.view(residual.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_sum, g_normed):
+        s, weight, rstd = ctx.saved_tensors
+        need_residual, need_delta, need_weight = ctx.needs_input_grad[:3]
+        delta_dtype = ctx.delta_dtype if need_delta else None
+        if g_normed is None:  # only ``sum`` was used: the add's backward alone
+            if g_sum is None:
+                return None, None, None, None, None
+            g_delta = g_sum.to(delta_dtype) if need_delta else None
+            return g_sum if need_residual else None, g_delta, None, None, None
+        d = s.shape[1]
+        g_sum_ND = None if g_sum is None else _rows(g_sum, d)
+        g_total, g_delta, dw = add_rms_norm_cast_backward(
+            g_sum_ND, _rows(g_normed, d), s, weight, rstd, delta_dtype)
+        g_residual = g_total.view(ctx.shape)
+        # one tensor for both, as PyTorch's add: autograd then gives two leaves' .grad their own
+        # storage, where two views of one buffer would both be taken as .grad
+        if g_delta is g_total:
+            g_delta = g_residual
+        elif g_delta is not None:
+            g_delta = g_delta.view(ctx.shape)
+        return (g_residual if need_residual else None, g_delta,
+                dw.to(weight.dtype) if need_weight else None, None, None)
+
+
+def add_rms_norm_cast(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                      eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sum = residual + delta`` (fp32) and ``normed = rms_norm_cast(sum, weight, eps,
+    out_dtype)`` in one kernel each way: a decoder layer's residual join and the next norm.
+
+    Forward: reads residual (4 bytes an element) and delta (its size), writes sum (4) and normed
+    (out_dtype's size), plus rstd (4 bytes a row). ``normed`` is the same bits as
+    :func:`rms_norm_cast` of ``sum`` with the same output dtype (the same kernel, fed the sum it
+    stores; on CUDA a delta narrower than the output may change how Triton splits the row
+    between threads, hence the row sums' rounding). Saved for backward: sum, weight, rstd (not
+    residual or delta). Backward (:func:`add_rms_norm_cast_backward`): reads normed's gradient
+    (its size), sum (4) and sum's gradient (4), writes residual's gradient (4) and delta's (its
+    size); dW as :func:`rms_norm_cast`'s, run to run the same bits. Where only ``sum`` is used,
+    the backward is the add's (sum's gradient passed on, cast for delta); where only
+    ``normed`` is, sum's gradient is not read.
+
+    Args:
+        residual: (..., D) float32 tensor (the residual stream), on CUDA (or CPU under
+            ``TRITON_INTERPRET=1``); its last dimension contiguous or copied so.
+        delta: the branch output added to it, residual's shape and device, any float dtype
+            (bf16 under autocast); widened to fp32 as it is loaded.
+        weight: (D,) float tensor on residual's device (fp32 master weight).
+        eps: added to the mean square (the norm's ``variance_epsilon``).
+        out_dtype: normed's float dtype (bf16 under autocast).
+
+    Returns:
+        (sum, normed): contiguous (..., D) tensors, sum float32, normed ``out_dtype`` (the fp32
+        result rounded once). Autograd: residual's gradient fp32, delta's in delta's dtype (the
+        one fp32 total, rounded once), weight's in weight's dtype (accumulated in fp32); the
+        gradients of sum and normed may be any float dtype, or absent. ``sum`` is saved for
+        backward: modifying it in place makes backward raise (autograd's version check). NaN and
+        inf propagate as in PyTorch's add and RMSNorm (a NaN in residual or delta makes its
+        row of normed NaN; an inf makes that row's rstd 0: NaN where the inf was, 0 beside it).
+
+    Raises:
+        ValueError: residual 0-dim or not float32; delta of another shape or device; weight
+            not (D,) or on another device; D over 65536; a dtype that is not floating point.
+
+    Source: Zhang & Sennrich (2019) for the norm; the fusion as vLLM's ``fused_add_rms_norm``
+    and Liger-Kernel's ``LigerFusedAddRMSNorm`` (module docstring).
+    """
+    if residual.dim() == 0:
+        raise ValueError("add_rms_norm_cast: residual must have a last dimension to normalise, "
+                         "got a 0-dim tensor")
+    if delta.shape != residual.shape:
+        raise ValueError(f"add_rms_norm_cast: delta must have residual's shape "
+                         f"{tuple(residual.shape)}, got {tuple(delta.shape)}")
+    d = residual.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"add_rms_norm_cast: weight must be ({d},) for residual of shape "
+                         f"{tuple(residual.shape)}, got {tuple(weight.shape)}")
+    if delta.device != residual.device or weight.device != residual.device:
+        raise ValueError(f"add_rms_norm_cast: residual on {residual.device}, delta on "
+                         f"{delta.device}, weight on {weight.device}: one device expected")
+    if residual.dtype != torch.float32:
+        raise ValueError(f"add_rms_norm_cast: residual must be float32 (the residual stream; the "
+                         f"sum is fp32), got {residual.dtype}")
+    if not (delta.is_floating_point() and weight.is_floating_point()
+            and out_dtype.is_floating_point):
+        raise ValueError(f"add_rms_norm_cast: float tensors and dtype expected, got delta "
+                         f"{delta.dtype}, weight {weight.dtype}, out_dtype {out_dtype}")
+    _launch(d, "add_rms_norm_cast")
+    return _AddRMSNormCast.apply(residual, delta, weight.contiguous(), float(eps), out_dtype)
+
+
+__all__ = ["BwdLaunch", "add_rms_norm_cast", "add_rms_norm_cast_backward", "bwd_launch",
+           "rms_norm_cast", "rms_norm_cast_backward"]
