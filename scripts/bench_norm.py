@@ -1,10 +1,12 @@
-"""The trainer's RMSNorm against Liger-Kernel's and a cast, and its backward's launches (one GPU,
-~10 s a shape; ``studies.kernel_bench.norm`` has the rows and the checks).
+"""The trainer's RMSNorm against Liger-Kernel's and a cast, its backward's launches, and the fused
+residual add and norm against the add and the norm apart (one GPU, ~10 s a shape;
+``studies.kernel_bench.norm`` has the rows and the checks).
 
     python scripts/bench_norm.py --shapes 32768x2048,16384x576 --out "$OUT"
 
 Writes ``norm.csv`` (columns ``norm.COLUMNS``) under ``--out`` and prints a table per shape last:
-Liger's forward and backward, ours, the default backward launch and the five fastest others.
+Liger's forward and backward, ours, the default backward launch and the five fastest others,
+then the fused add's forward and backward against the unfused sequence's.
 """
 
 from __future__ import annotations
