@@ -196,9 +196,9 @@ def test_bad_arguments_name_what_to_fix():
 def test_cuda_against_liger(d):
     """The trainer's two ways to a norm output (``trainer.fused_norm_cast``): with an fp32 output
     the same forward bits as Liger's RMSNorm (the same math, order of operations and launch) and
-    both gradients within fp32 rounding (another backward launch sums dW's rows otherwise); with a bf16 output and gradient (what q, k and v hand
-    back) within one bf16 step of Liger's followed by a cast, the gradients within fp32
-    rounding of the row sums."""
+    the gradients within fp32 rounding (dW normwise: another backward launch sums its rows in
+    another order); with a bf16 output and gradient (what q, k and v hand back) within one
+    bf16 step of Liger's followed by a cast, the gradients as with fp32."""
     liger_ops = pytest.importorskip("liger_kernel.ops")
     x, w, g = _case((4096, d), seed=5)
 
@@ -209,15 +209,24 @@ def test_cuda_against_liger(d):
         yl.backward(g.to(out_dtype))
         return yl, xl.grad, wl.grad
 
+    def dw_as_close_as_liger(dw, dwl, g_used):
+        # dW sums 4096 rows in another order than Liger's: single elements where the sum
+        # cancels differ by more than an elementwise bound (2.7e-5 absolute on one H100), so
+        # normwise, and no farther from fp64 than Liger's own
+        rdw = _reference(x, w, g_used)[2]
+        err, err_liger = (float((a.double() - rdw).norm() / rdw.norm()) for a in (dw, dwl))
+        assert err <= 2 * err_liger + 1e-7
+        assert float((dw - dwl).norm() / dwl.norm()) <= 1e-6
+
     (y, dx, dw), (yl, dxl, dwl) = _run(x, w, g, torch.float32), liger(torch.float32)
     assert torch.equal(y, yl)
     torch.testing.assert_close(dx, dxl, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(dw, dwl, rtol=1e-5, atol=1e-5)
+    dw_as_close_as_liger(dw, dwl, g)
     (y, dx, dw), (yl, dxl, dwl) = _run(x, w, g, torch.bfloat16), liger(torch.bfloat16)
     step = (yl.float().abs() * 2.0 ** -7).clamp_min(2.0 ** -133)
     assert bool(((y.float() - yl.float()).abs() <= step).all())
     torch.testing.assert_close(dx, dxl, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(dw, dwl, rtol=1e-5, atol=1e-5)
+    dw_as_close_as_liger(dw, dwl, g.to(torch.bfloat16).float())
 
 
 # ---- add_rms_norm_cast: sum = residual + delta, normed = RMSNorm(sum) --------------------------
