@@ -158,13 +158,14 @@ class BwdLaunch(NamedTuple):
 
 def bwd_launch(d: int) -> BwdLaunch:
     """The backward's launch for width ``d``. Liger's (one program an SM looping over single
-    rows) keeps one row's loads in flight an SM and waits on each row sum: latency-bound, 359 us
-    at 1.5B (micro-batch 16, one H100) where its bytes need ~200. Several programs an SM keep
-    several rows' loads in flight; tiles of several rows do the same inside a program for
-    narrow rows (a 576-wide row is one small load)."""
+    rows) keeps one row's loads in flight an SM and waits on each row sum: latency-bound.
+    Eight programs an SM keep eight rows' loads in flight. Measured on one H100
+    (``scripts/bench_norm.py``, 36 launches; BENCHMARKS.md, 2026-12-05 third session): at
+    32768 x 2048 Liger's launch 369 us, this one 257 us, the best of the 36 252; at 16384 x 576
+    this one is the best (55 us; Liger's 123). Rows wider than 2048 keep the forward's warps
+    (4 warps would give a thread 32 or more columns: not measured)."""
     block, warps = _launch(d)
-    rows = max(1, min(4, 2048 // block))
-    return BwdLaunch(rows=rows, per_sm=4, warps=warps if rows == 1 else 4)
+    return BwdLaunch(rows=1, per_sm=8, warps=4 if block <= 2048 else warps)
 
 
 def _programs(x: torch.Tensor, n_tiles: int, per_sm: int) -> int:
