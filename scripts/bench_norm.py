@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("bench_norm.py needs a CUDA GPU and Liger-Kernel")
     try:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+        shapes = [(int(n), int(d)) for n, d in (s.split("x") for s in a.shapes.split(","))]
     except ValueError:
         sys.exit(f"--shapes: expected NxD pairs like 32768x2048, got {a.shapes!r}")
     rows = [r for n, d in shapes for r in norm_case(n, d)]

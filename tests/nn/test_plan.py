@@ -106,7 +106,7 @@ def test_micro_batch_check_finds_the_overflowed_layers_and_the_step_is_accepted(
 
 def test_micro_batch_check_reuses_its_limits_until_they_change():
     """The limits the micro-batch check compares with are made once while the capacities and
-    rows repeat (a new device tensor a call was a blocking copy, a host sync, on CUDA), and
+    rows repeat (a new device tensor is a blocking copy, a host sync, on CUDA), and
     made again when either changes."""
     plan = FFNPlan(_mlps(2), PlanOptions(host_sync="micro_batch", capacity_rule="adaptive"))
     plan.begin_step()
@@ -120,6 +120,8 @@ def test_micro_batch_check_reuses_its_limits_until_they_change():
     assert lim.tolist() == caps
     assert plan.call_overflow(heavy, rows=2) == [] and plan._vectors["lim"][1].tolist() == [1, 1]
     assert plan.call_overflow(torch.tensor([2.0, 1.0]), rows=2) == [0]
+    with pytest.raises(ValueError, match=r"heavy_L must be \(2,\)"):
+        plan.call_overflow(torch.tensor([9.0]), rows=256)  # would broadcast against 2 limits
 
 
 def test_only_ell_layers_are_checked_and_call_sync_measures_per_call():

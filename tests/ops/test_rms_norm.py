@@ -435,3 +435,28 @@ def test_add_bad_arguments_name_what_to_fix():
                           torch.ones(65537, device=DEV), EPS, BF16)
     with pytest.raises(ValueError, match="one device expected"):
         add_rms_norm_cast(r, d16, torch.ones(8, device="meta"), EPS, BF16)
+
+
+def test_outputs_take_in_place_changes():
+    """The outputs are tensors of their own, not views, so a model may change them in place
+    (autograd refuses in-place ops on a function's view outputs); the gradient then follows the
+    changed output, as PyTorch's own norm's does."""
+    x, w, g = _case((3, 4, 64), seed=11)
+    xg = x.clone().requires_grad_()
+    y = rms_norm_cast(xg, w, EPS, torch.float32)
+    y.mul_(2.0)
+    y.backward(g)
+    _, rdx, _ = _reference(x, w, 2 * g)
+    torch.testing.assert_close(xg.grad.double(), rdx, rtol=1e-5, atol=1e-5)
+    r, d = x.clone().requires_grad_(), torch.randn(3, 4, 64).to(DEV)
+    s, normed = add_rms_norm_cast(r, d, w, EPS, torch.float32)
+    normed.mul_(2.0)
+    assert s.shape == normed.shape == x.shape and not s._is_view() and not normed._is_view()
+
+
+def test_bad_backward_launch_is_refused():
+    x, w, g = _case((4, 64), seed=12)
+    rstd = torch.rsqrt(x.pow(2).mean(-1) + EPS)
+    for bad in (BwdLaunch(3, 1, 4), BwdLaunch(0, 1, 4), BwdLaunch(1, 0, 4), BwdLaunch(1, 1, 6)):
+        with pytest.raises(ValueError, match="powers of two"):
+            rms_norm_cast_backward(g, x, w, rstd, bad)

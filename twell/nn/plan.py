@@ -352,6 +352,9 @@ class FFNPlan:
         """
         if all(c is None for c in self._step_caps):
             return []
+        if tuple(heavy_L.shape) != (len(self.layers),):
+            raise ValueError(f"call_overflow: heavy_L must be ({len(self.layers)},), one count "
+                             f"a layer; got {tuple(heavy_L.shape)}")
         lim = self._device_vector("lim", [math.inf if c is None else float(min(c, rows - 1))
                                           for c in self._step_caps], heavy_L)
         return [k for k, o in enumerate((heavy_L > lim).tolist()) if o]  # the one host sync

@@ -160,7 +160,7 @@ def bwd_launch(d: int) -> BwdLaunch:
     """The backward's launch for width ``d``. Liger's (one program an SM looping over single
     rows) keeps one row's loads in flight an SM and waits on each row sum: latency-bound.
     Eight programs an SM keep eight rows' loads in flight. Measured on one H100
-    (``scripts/bench_norm.py``, 36 launches; BENCHMARKS.md, 2026-12-05 third session): at
+    (``scripts/bench_norm.py``, 36 launches; BENCHMARKS.md, "The norm backward's launch"): at
     32768 x 2048 Liger's launch 369 us, this one 257 us, the best of the 36 252; at 16384 x 576
     this one is the best (55 us; Liger's 123). Rows wider than 2048 keep the forward's warps
     (4 warps would give a thread 32 or more columns: not measured)."""
@@ -191,6 +191,9 @@ def _backward(dy_ND, x_ND, weight, rstd, launch, dx_dtype, dsum_ND=None, dx2_dty
     n, d = x_ND.shape
     block, _ = _launch(d)
     launch = launch or bwd_launch(d)
+    if not all(v >= 1 for v in launch) or any(v & (v - 1) for v in (launch.rows, launch.warps)):
+        raise ValueError(f"BwdLaunch: rows and warps must be powers of two and per_sm >= 1; "
+                         f"got {launch}")
     n_tiles = triton.cdiv(n, launch.rows) if n else 0
     p = _programs(x_ND, n_tiles, launch.per_sm)
     dx = torch.empty((n, d), dtype=dx_dtype, device=x_ND.device)
@@ -225,7 +228,7 @@ class _RMSNormCast(torch.autograd.Function):
         x_ND = _rows(x, d)
         n = x_ND.shape[0]
         block, warps = _launch(d)
-        y = torch.empty((n, d), dtype=out_dtype, device=x.device)
+        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)  # not a view: in-place ok
         rstd = torch.empty(n, dtype=torch.float32, device=x.device)
         if n:
             # delta and sum are not read without HAS_DELTA: x stands in
@@ -234,7 +237,7 @@ class _RMSNormCast(torch.autograd.Function):
                                             HAS_DELTA=False, num_warps=warps)
         ctx.save_for_backward(x_ND, weight, rstd)
         ctx.shape = x.shape
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -315,8 +318,10 @@ class _AddRMSNormCast(torch.autograd.Function):
         r_ND, delta_ND = _rows(residual, d), _rows(delta, d)
         n = r_ND.shape[0]
         block, warps = _launch(d, "add_rms_norm_cast")
-        s = torch.empty((n, d), dtype=torch.float32, device=residual.device)
-        y = torch.empty((n, d), dtype=out_dtype, device=residual.device)
+        # the outputs in residual's shape (contiguous: the kernel's (N, D) rows), not views of
+        # (N, D) tensors: autograd refuses in-place ops on a function's view outputs
+        s = torch.empty(residual.shape, dtype=torch.float32, device=residual.device)
+        y = torch.empty(residual.shape, dtype=out_dtype, device=residual.device)
         rstd = torch.empty(n, dtype=torch.float32, device=residual.device)
         if n:
             _rms_norm_cast_fwd_kernel[(n,)](r_ND, delta_ND, s, weight, y, rstd, d,
@@ -325,12 +330,13 @@ class _AddRMSNormCast(torch.autograd.Function):
                                             HAS_DELTA=True, num_warps=warps)
         ctx.save_for_backward(s, weight, rstd)
         ctx.shape, ctx.delta_dtype = residual.shape, delta.dtype
-        return s.view(residual.shape), y.view(residual.shape)
+        return s, y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_sum, g_normed):
         s, weight, rstd = ctx.saved_tensors
+        s = s.view(-1, s.shape[-1])
         need_residual, need_delta, need_weight = ctx.needs_input_grad[:3]
         delta_dtype = ctx.delta_dtype if need_delta else None
         if g_normed is None:  # only ``sum`` was used: the add's backward alone
@@ -373,7 +379,8 @@ def add_rms_norm_cast(residual: torch.Tensor, delta: torch.Tensor, weight: torch
         residual: (..., D) float32 tensor (the residual stream), on CUDA (or CPU under
             ``TRITON_INTERPRET=1``); its last dimension contiguous or copied so.
         delta: the branch output added to it, residual's shape and device, any float dtype
-            (bf16 under autocast); widened to fp32 as it is loaded.
+            (bf16 under autocast); converted to fp32 as it is loaded (an fp64 delta is
+            narrowed: the sum is fp32).
         weight: (D,) float tensor on residual's device (fp32 master weight).
         eps: added to the mean square (the norm's ``variance_epsilon``).
         out_dtype: normed's float dtype (bf16 under autocast).
