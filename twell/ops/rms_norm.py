@@ -149,7 +149,9 @@ def _launch(d: int, op: str = "rms_norm_cast") -> tuple[int, int]:
 
 class BwdLaunch(NamedTuple):
     """How the backward kernel is launched: ``rows`` a tile, ``per_sm`` programs an SM (each
-    loops over a contiguous run of tiles and writes one partial dW row), ``warps`` a program."""
+    loops over a contiguous run of tiles and writes one partial dW row), ``warps`` a program.
+    Rows and warps must be powers of two, ``per_sm`` >= 1 (else the backward raises
+    ``ValueError``)."""
 
     rows: int
     per_sm: int
@@ -216,7 +218,14 @@ def rms_norm_cast_backward(dy_ND: torch.Tensor, x_ND: torch.Tensor, weight: torc
     """(dx (N, D) in x's dtype, dW (D,) fp32) of :func:`rms_norm_cast` from the output gradient
     ``dy_ND`` (N, D), its forward input ``x_ND`` (N, D; unit column strides) and the forward's
     fp32 ``rstd`` (N,). ``launch``: :func:`bwd_launch`'s unless given (the norm benchmark's
-    variants); a launch fixes the dW partial sums' order, so the bits are the same run to run."""
+    variants); a launch fixes the dW partial sums' order, so the bits are the same run to run.
+    ``weight`` (D,) is read with unit stride. The math: Liger-Kernel's ``llama`` mode backward
+    (module docstring); Zhang & Sennrich (2019). Bytes an element: read dy's size + x's, write
+    dx's.
+
+    Raises:
+        ValueError: D over 65536, or a launch whose rows or warps are not powers of two or
+            whose ``per_sm`` is below 1."""
     dx, _, dw = _backward(dy_ND, x_ND, weight, rstd, launch, x_ND.dtype)
     return dx, dw
 
@@ -300,7 +309,11 @@ def add_rms_norm_cast_backward(g_sum_ND: torch.Tensor | None, g_normed_ND: torch
     ``rstd`` (N,) fp32 from the forward. ``delta_dtype`` None: no grad_delta (returned None);
     fp32: grad_delta is grad_residual, the same tensor, as PyTorch's add gives both inputs one
     gradient. ``launch`` as in :func:`rms_norm_cast_backward`, dW's bits the same run to run.
-    Bytes an element: read g_normed's size + 4 (sum) + 4 (g_sum), write 4 + delta's size."""
+    Bytes an element: read g_normed's size + 4 (sum) + 4 (g_sum), write 4 + delta's size.
+    ``weight`` (D,) is read with unit stride. Source as :func:`add_rms_norm_cast`.
+
+    Raises:
+        ValueError: as :func:`rms_norm_cast_backward` (width, launch)."""
     cast = delta_dtype if delta_dtype not in (None, sum_ND.dtype) else None
     g_total, g_delta, dw = _backward(g_normed_ND, sum_ND, weight, rstd, launch, sum_ND.dtype,
                                      dsum_ND=g_sum_ND, dx2_dtype=cast)
