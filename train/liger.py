@@ -35,7 +35,7 @@ import types
 
 import torch
 
-from twell.ops.rms_norm import rms_norm_cast
+from twell.ops.rms_norm import add_rms_norm_cast, rms_norm_cast
 
 _ROPE_STATE = threading.local()  # depth of liger-enabled attention forwards on this thread
 _STOCK_ROPE = None  # transformers' apply_rotary_pos_emb, kept when the dispatcher goes in
@@ -66,22 +66,47 @@ def liger_enabled(setting: bool | None, *, device_type: str, precision: str,
     return device_type == "cuda" and precision == "bf16" and not compile and liger_available()
 
 
-def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+def fused_cast_dtype(norm, x) -> torch.dtype | None:
+    """The dtype in which ``norm``'s forward writes its output for input ``x`` through
+    :func:`twell.ops.rms_norm.rms_norm_cast` (the autocast dtype: bf16), or None where it runs
+    something else (Liger's kernel, with or without a cast after it; transformers' forward).
+
+    That is: a norm patched by :func:`use_liger` with ``norm_out_autocast`` and
+    ``fused_norm_cast``, an fp32 ``x`` on the norm's kernel device (``_twell_cast_device``:
+    ``"cuda"``; tests set ``"cpu"`` to run the kernel in Triton's interpreter) under that
+    device's autocast. Only there can ``train.residual_join`` hand the norm a residual add."""
+    dev = getattr(norm, "_twell_cast_device", None)
+    if not (getattr(norm, "_twell_cast_out", False) and getattr(norm, "_twell_cast_fused", False)
+            and x.device.type == dev and x.dtype == torch.float32
+            and torch.is_autocast_enabled(dev)):
+        return None
+    return torch.get_autocast_dtype(dev)
+
+
+def _norm_forward(self, hidden_states: torch.Tensor, delta: torch.Tensor | None = None):
+    """The patched norm: ``norm(x)`` -> (..., D) output; ``norm(residual, delta)`` (the residual
+    join of ``train.residual_join``) -> ``(residual + delta, norm of that sum)``, the two in
+    one kernel each way where :func:`fused_cast_dtype` is not None, else an add and the norm."""
+    dtype = fused_cast_dtype(self, hidden_states)
+    if delta is not None:
+        if dtype is not None:
+            return add_rms_norm_cast(hidden_states, delta, self.weight, self.variance_epsilon,
+                                     dtype)
+        hidden_states = hidden_states + delta
+        return hidden_states, _norm_forward(self, hidden_states)
+    if dtype is not None:
+        # the cast in the kernel's store, the gradient's widening in its backward's load
+        return rms_norm_cast(hidden_states, self.weight, self.variance_epsilon, dtype)
     if not hidden_states.is_cuda:  # Liger's kernels are CUDA-only: the stock forward
         return type(self).forward(self, hidden_states)
     from liger_kernel.ops import LigerRMSNormFunction
 
     # offset 0, transformers' Llama casting (fp32 math, output in the input's dtype), dY
     # overwritten by dX in backward (Liger's default for Llama), no forced row mode
-    cast = getattr(self, "_twell_cast_out", False) and torch.is_autocast_enabled("cuda") \
-        and hidden_states.dtype == torch.float32  # Liger's output: the input's dtype
-    if cast and getattr(self, "_twell_cast_fused", False):
-        # the cast in the kernel's store, the gradient's widening in its backward's load
-        return rms_norm_cast(hidden_states, self.weight, self.variance_epsilon,
-                             torch.get_autocast_dtype("cuda"))
     y = LigerRMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, 0.0,
                                    "llama", True, None)
-    if cast:
+    if getattr(self, "_twell_cast_out", False) and torch.is_autocast_enabled("cuda") \
+            and y.dtype == torch.float32:  # Liger's output: the input's dtype
         # one cast that q, k and v (the gate and up projections) share, where each consumer
         # would cast (and keep) its own copy: the same bf16 values, 2 of 3 casts and copies less
         y = y.to(torch.get_autocast_dtype("cuda"))
@@ -146,6 +171,7 @@ def _patch_norms(model, norm_cls, norm_out_autocast: bool, fused_norm_cast: bool
             m.forward = types.MethodType(_norm_forward, m)
             m._twell_cast_out = bool(norm_out_autocast)
             m._twell_cast_fused = bool(fused_norm_cast)
+            m._twell_cast_device = "cuda"  # where Liger's kernels (and so these norms) run
             n_norm += 1
     return n_norm
 
@@ -179,7 +205,10 @@ def use_liger(model, *, fused_linear_ce: bool = True, norm_out_autocast: bool = 
     2B, micro-batch 16 without recomputation: ``ell`` -9.7 GB peak and +4.4 % tokens/ms
     (BENCHMARKS.md, "2B profile: outcome"). ``fused_norm_cast`` (with ``norm_out_autocast``):
     that bf16 output written by :func:`twell.ops.rms_norm.rms_norm_cast` (the same math as
-    Liger's kernel, its row sums rounded in another order, the cast in its store) instead of Liger's kernel and a cast after it.
+    Liger's kernel, its row sums rounded in another order, the cast in its store) instead of
+    Liger's kernel and a cast after it; such a norm also takes a residual add,
+    ``norm(residual, delta) -> (sum, normed)`` in one kernel
+    (:func:`train.residual_join.use_fused_joins` hands it the decoder layers' adds).
 
     The hooks that select Liger's RoPE are module forward hooks on each decoder layer's
     ``self_attn``, so they also hold in the forward that activation checkpointing replays in
@@ -212,4 +241,4 @@ def use_liger(model, *, fused_linear_ce: bool = True, norm_out_autocast: bool = 
     return {"rms_norm": n_norm, "rope": n_rope, "fused_linear_ce": bool(fused_linear_ce)}
 
 
-__all__ = ["liger_available", "liger_enabled", "use_liger"]
+__all__ = ["fused_cast_dtype", "liger_available", "liger_enabled", "use_liger"]
