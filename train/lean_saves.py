@@ -13,7 +13,9 @@ are deterministic functions of others it keeps anyway:
   output's element size: 2 where the norm returns bf16, as Liger's norms do with
   ``trainer.norm_out_bf16``; 4 in fp32 runs). At 2B (D 2048) with Liger: 8,192 B per token and
   layer, ~19 % of the layer's saved state. Cost: one norm forward per norm and layer in backward
-  (q/k/v share one recomputation). Where each consumer casts an fp32 norm output itself
+  (q/k/v share one recomputation). Where a residual add is joined to the norm
+  (``train.residual_join``) the norm returns (sum, normed): the sum is the norm's input, kept
+  by the join for its backward, and the recipe recomputes ``norm(sum)``, the same bits. Where each consumer casts an fp32 norm output itself
   (transformers' reference norm under autocast: CPU bf16 runs, ``trainer.liger=false``) the consumers
   keep their own casts and nothing changes.
 * ``recast_attn_weights``: the bf16 autocast casts of the attention projections' weights (q, k,
@@ -231,7 +233,9 @@ def _stack_forward(stack, *args, **kwargs):
 def _norm_done(norm, args, output) -> None:
     saves = getattr(norm._twell_layer(), "_twell_saves", None)
     if saves is not None and args:
-        saves.register(norm, args[0], output)
+        # a residual join (train.residual_join) returns (sum, normed): normed is norm(sum)
+        x, y = output if isinstance(output, tuple) else (args[0], output)
+        saves.register(norm, x, y)
 
 
 LEAN_SAVES = ("recompute_norms", "recast_attn_weights")  # the trainer.* keys

@@ -217,7 +217,10 @@ def enable_selective_recompute(model, mode: str) -> None:
         layer._twell_var_kw = var_kw
         layer._twell_checkpoint_ffn = mode
         layer._twell_full_forward = types.MethodType(cls_forward, layer)
-        layer.forward = types.MethodType(_selective_forward, layer)
+        # beneath train.residual_join's forward where it is installed: that one must see the
+        # layer's input first (a pending residual add, summed before this forward runs)
+        slot = "_twell_inner_forward" if "_twell_inner_forward" in vars(layer) else "forward"
+        setattr(layer, slot, types.MethodType(_selective_forward, layer))
 
 
 def set_recompute(model, recompute: str) -> None:

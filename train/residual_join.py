@@ -1,0 +1,189 @@
+"""Each residual add of the decoder layers in one kernel with the norm that reads its sum
+(``trainer.fused_norm_cast``: on wherever the norms write bf16 through
+:func:`twell.ops.rms_norm.rms_norm_cast`).
+
+transformers' ``LlamaDecoderLayer.forward`` adds each branch's bf16 output to the fp32 residual
+stream with PyTorch (``residual + hidden_states``: a mixed-dtype elementwise kernel) and the
+next norm reads the sum back; in backward autograd adds the sum's two gradients and casts the
+total to bf16 for the branch. :func:`twell.ops.rms_norm.add_rms_norm_cast` does the add and the
+norm in one kernel each way (forward 16 -> 12 bytes an element, backward ~28 -> 16). Here every
+residual add goes through it with the norm after it:
+
+* inside a layer, the attention's add with ``post_attention_layernorm``;
+* across layers, the FFN's add with the next layer's ``input_layernorm``, and the last layer's
+  with the final ``model.norm``: a joining layer returns its residual stream and its FFN's
+  output unsummed, as a :class:`PendingJoin`, which transformers' layer loop hands on as the
+  next layer's ``hidden_states`` and finally to ``model.norm`` (as vLLM's Llama layers pass
+  ``residual`` on beside ``hidden_states``).
+
+Measured (one H100, ``scripts/bench_norm.py``, 32768 x 2048): the add and the norm apart
+411 us forward + 664 us backward, joined 273 + 460: 343 us less a join and step, two joins a
+layer (BENCHMARKS.md, "The fused op, built"); not yet timed in the whole model.
+
+A layer joins when it is in training mode, is not checkpointed now (``layer.gradient_
+checkpointing`` off: ``trainer.grad_checkpointing=false`` or the memory planner's ``none``), no
+hidden states are being recorded (``output_hidden_states``), and its norms write their output
+through ``rms_norm_cast`` for its fp32 input (:func:`train.liger.fused_cast_dtype`: CUDA bf16
+autocast with Liger's norms and ``fused_norm_cast``). Every other call (evaluation, generation,
+checkpointed layers, the CPU, fp32) first adds a pending pair with PyTorch's add (the stock
+layer's own op: the same sum) and runs the forward the layer had: transformers' (checkpointing)
+forward or ``train.recompute``'s selective one, whose checkpoint then keeps the one fp32 input
+it keeps now (a pair would keep the bf16 branch output too: 2 N D bytes more a layer).
+
+Numerics: the sum is PyTorch's (fp32 + bf16 widened, rounded once); the norm output is
+``rms_norm_cast``'s of that sum (the same kernel, fed the sum it stores; bitwise under the
+interpreter, on CUDA ``tests/ops/test_rms_norm.py``); in backward the residual's gradient is the
+norm's input gradient plus the sum's, added in fp32 in the kernel as autograd adds them, and
+the branch's is that total rounded once to bf16, as autograd's cast rounds it.
+
+``trainer.recompute_norms`` (``train.lean_saves``) keeps working unchanged in substance: the
+joined norm is still called as the module, so its forward hook registers the returned sum as
+the norm's input and the normed output as its output; the recipe recomputes ``norm(sum)``
+(``rms_norm_cast``, the same bits) from the sum that the join saves for its own backward anyway.
+
+Installed on this model's instances only (an instance ``forward`` on each decoder layer, which
+``train.recompute`` installs its selective forward beneath; a forward pre- and post-hook on the
+final norm); no parameter or buffer is added (the state dict is stock Llama's). Not under FSDP:
+its hooks on each layer cast and track tensors of the layer's inputs and outputs, which a pair
+would pass by (untested; ``train.setup`` does not install it there).
+
+Source: the fusion as vLLM's ``fused_add_rms_norm`` and its Llama decoder layers use it
+(``LlamaDecoderLayer.forward(positions, hidden_states, residual)``); written here.
+Shapes: B batch, T tokens, D model width.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from train.liger import fused_cast_dtype
+
+try:  # transformers >= 5: output_hidden_states recorded by hooks on the decoder layers
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # other versions: only the forward's own output_hidden_states is seen
+    _active_collector = None
+
+
+class PendingJoin:
+    """A joining layer's output left unsummed: ``residual + delta`` is the stock layer's
+    output. ``residual`` (B, T, D) fp32, the stream after the attention's add; ``delta`` (B,
+    T, D) the FFN's output (bf16 under autocast). Not a tuple, so that code expecting a tensor
+    fails loudly rather than taking one of the two."""
+
+    __slots__ = ("delta", "residual")
+
+    def __init__(self, residual: torch.Tensor, delta: torch.Tensor) -> None:
+        self.residual, self.delta = residual, delta
+
+    def resolve(self) -> torch.Tensor:
+        """``residual + delta`` (B, T, D) fp32 with PyTorch's add, as the stock layer adds."""
+        return self.residual + self.delta
+
+
+def _recording_hidden_states(kwargs: dict) -> bool:
+    """Whether transformers records the decoder layers' outputs in this forward."""
+    if kwargs.get("output_hidden_states"):
+        return True
+    collected = _active_collector.get() if _active_collector is not None else None
+    return bool(collected) and "hidden_states" in collected
+
+
+def _joins(layer, residual: torch.Tensor, kwargs: dict) -> bool:
+    """Whether ``layer`` runs its joined forward for this input (module docstring)."""
+    if not layer.training or (layer.gradient_checkpointing and torch.is_grad_enabled()):
+        return False
+    if _recording_hidden_states(kwargs):
+        return False
+    return all(fused_cast_dtype(norm, residual) is not None
+               for norm in (layer.input_layernorm, layer.post_attention_layernorm))
+
+
+def _joined_forward(self, hidden_states, *args, **kwargs):
+    """A Llama decoder layer's forward with its residual adds joined to the norms after them
+    (module docstring); otherwise the forward the layer had (``_twell_inner_forward``).
+
+    Args:
+        hidden_states: (B, T, D) fp32, or the previous layer's :class:`PendingJoin`.
+        args, kwargs: as ``LlamaDecoderLayer.forward``'s (``attention_mask``,
+            ``position_embeddings``, ``position_ids``, ``cache``, ``use_cache``, ...); the
+            joined forward passes ``kwargs`` to ``self_attn`` as the stock forward does
+            (positional extras are left to the layer's own forward).
+
+    Returns:
+        ``PendingJoin(residual (B, T, D) fp32, FFN output (B, T, D))`` where the layer joins,
+        else the layer's own output (B, T, D).
+    """
+    pending = hidden_states if isinstance(hidden_states, PendingJoin) else None
+    residual = hidden_states if pending is None else pending.residual
+    if args or not _joins(self, residual, kwargs):
+        if pending is not None:
+            hidden_states = pending.resolve()
+        return self._twell_inner_forward(hidden_states, *args, **kwargs)
+    if pending is None:  # the first layer: the embeddings, nothing to add
+        x = self.input_layernorm(residual)
+    else:
+        residual, x = self.input_layernorm(residual, pending.delta)
+    out = self.self_attn(hidden_states=x, **kwargs)
+    residual, x = self.post_attention_layernorm(residual, out[0] if isinstance(out, tuple)
+                                                else out)
+    return PendingJoin(residual, self.mlp(x))
+
+
+def _final_norm_in(norm, args):
+    """The final norm's forward pre-hook: a pending pair becomes the norm's (residual, delta)
+    where the norm can join it, else its sum."""
+    if not (args and isinstance(args[0], PendingJoin)):
+        return None
+    pending = args[0]
+    if fused_cast_dtype(norm, pending.residual) is not None:
+        return (pending.residual, pending.delta, *args[1:])
+    return (pending.resolve(), *args[1:])
+
+
+def _final_norm_out(norm, args, output):
+    """The final norm's forward hook: of a join's (sum, normed), the normed (B, T, D) that the
+    LM head reads (the sum has no other reader: its gradient stays None)."""
+    return output[1] if isinstance(output, tuple) else None
+
+
+def use_fused_joins(model) -> int:
+    """Join the residual adds of ``model``'s decoder layers to the norms after them (module
+    docstring), on this instance only; a second call changes nothing. Where the norms do not
+    write through ``rms_norm_cast`` (:func:`train.liger.use_liger` with ``fused_norm_cast``)
+    the layers keep running their own forwards.
+
+    Args:
+        model: a Llama-style causal LM (``model.model.layers[i]`` with ``input_layernorm``,
+            ``self_attn``, ``post_attention_layernorm``, ``mlp``; ``model.model.norm``).
+
+    Returns:
+        the number of decoder layers newly set.
+
+    Raises:
+        ValueError: a layer without one of those modules, or no final ``model.model.norm``.
+    """
+    stack = model.model
+    if getattr(stack, "norm", None) is None:
+        raise ValueError(f"use_fused_joins needs a final norm (model.model.norm); "
+                         f"{type(stack).__name__} has none")
+    n = 0
+    for i, layer in enumerate(stack.layers):
+        for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+            if not hasattr(layer, name):
+                raise ValueError(f"decoder layer {i} ({type(layer).__name__}) has no {name}; "
+                                 "use_fused_joins needs a Llama-style decoder layer")
+        if "_twell_inner_forward" in vars(layer):
+            continue
+        layer._twell_inner_forward = layer.forward  # the class's, or train.recompute's
+        layer.forward = types.MethodType(_joined_forward, layer)
+        n += 1
+    if not getattr(stack.norm, "_twell_join_hooks", False):
+        stack.norm.register_forward_pre_hook(_final_norm_in)
+        stack.norm.register_forward_hook(_final_norm_out)
+        stack.norm._twell_join_hooks = True
+    return n
+
+
+__all__ = ["PendingJoin", "use_fused_joins"]
