@@ -472,7 +472,11 @@ class TrainerConfig:
     trainer.liger=false, trainer.norm_out_bf16=false or trainer.compile=true) | false (Liger's
     kernel and the cast). Measured (one H200, 1.5B, micro-batch 16, one profiled step): ``ell``
     57.6 -> 59.9 tokens/ms, our dense path 49.6 -> 51.5 (BENCHMARKS.md, "The norms' cast inside
-    the kernel")."""
+    the kernel"). In CUDA runs without FSDP it also joins each residual add to the norm after
+    it (train/residual_join.py: the attention's add with post_attention_layernorm, the FFN's
+    with the next layer's input_layernorm or the final norm; one kernel each way, the same sum
+    and norm output; layers in training mode without checkpointing only): 343 us less a join
+    and step at 32768 x 2048 on one H100, two joins a layer; not yet timed in the model."""
     ce_chunk_rows: int = 4096
     """Rows of logits per chunk of the distillation loss (CE + KL, train/loss.py;
     = train.loss.CE_CHUNK_ROWS): its transient memory is about six fp32 rows x vocab tensors."""

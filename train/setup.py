@@ -22,6 +22,7 @@ from train.loss import use_distillation
 from train.metrics import flops_per_token
 from train.model import build_model
 from train.recompute import enable_grad_checkpointing
+from train.residual_join import use_fused_joins
 
 
 def lr_factor(step: int, o: OptimConfig, max_steps: int) -> float:
@@ -321,8 +322,13 @@ def prepare_model(model, cfg: TrainConfig, *, device, precision: str, fsdp, prin
     # the fused loss: not with distillation (ours + KL replaces it) nor FSDP (the LM
     # head weight is a sharded DTensor outside its module's forward: untested)
     liger_loss = not cfg.distill and not fsdp
+    fused_cast = t.norm_out_bf16 is not False and t.fused_norm_cast is not False
     use_liger(model, fused_linear_ce=liger_loss, norm_out_autocast=t.norm_out_bf16 is not False,
-              fused_norm_cast=t.norm_out_bf16 is not False and t.fused_norm_cast is not False)
+              fused_norm_cast=fused_cast)
+    if fused_cast and device.type == "cuda" and not fsdp:
+        # and each residual add in one kernel with the norm after it (train/residual_join.py;
+        # not under FSDP, whose per-layer hooks would not see a pending pair: untested)
+        use_fused_joins(model)
     # (on the CPU, where a forced trainer.liger=true falls back, transformers' loss)
     return "liger" if liger_loss and device.type == "cuda" else None
 

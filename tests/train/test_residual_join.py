@@ -1,0 +1,285 @@
+"""The residual adds joined to the norms (train/residual_join.py, ``trainer.fused_norm_cast``):
+the joined model against the same model without the joins (the norms writing through
+``rms_norm_cast`` in both), on the CPU through Triton's interpreter with the norms' kernel
+device set to the CPU.
+
+Under fp16 autocast the loss and every gradient are bitwise the unjoined model's (the
+interpreter rounds fp16 to nearest, as PyTorch's casts do); under bf16 the interpreter truncates
+where PyTorch rounds, so the branches' bf16 gradients (the joined kernel's cast against
+autograd's) differ by one bf16 step: the loss is still bitwise equal, the gradients within bf16
+noise, both models as far from an fp32 stock transformers model. Also: checkpointed layers
+(whole or selective) run their own forward and give the unjoined bits, and join again after the
+planner's switch back to none; ``recompute_norms`` recomputes the joined norms' outputs (same
+bits); NaN propagates; evaluation, generation and recorded hidden states run stock layers; the
+state dict is stock Llama's; the trainer's setup installs the joins only where they apply. On
+CUDA (skipped here) with Liger's norms: the joined model against the unjoined one."""
+
+import types
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from train import lean_saves, liger
+from train import recompute as recompute_mod
+from train.config import ModelConfig
+from train.lean_saves import enable_lean_saves
+from train.model import build_model, llama_config
+from train.recompute import set_recompute
+from train.residual_join import PendingJoin, _joined_forward, use_fused_joins
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2,
+                  seq_len=16)
+L = CFG.num_layers
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+@pytest.fixture
+def joined(monkeypatch):
+    """The norm calls that ran a join (``add_rms_norm_cast``), counted."""
+    calls = []
+    run = liger.add_rms_norm_cast
+    monkeypatch.setattr(liger, "add_rms_norm_cast", lambda *a: calls.append(1) or run(*a))
+    return calls
+
+
+def _model(joins: bool, recompute: str | None = None, lean: bool = False, device: str = "cpu"):
+    """The tiny model as ``train.setup.prepare_model`` sets it up: recomputation, lean saves,
+    the norms writing through ``rms_norm_cast`` (``device``: where they do), then the joins."""
+    torch.manual_seed(0)
+    model = build_model(CFG).to(device).train()
+    if recompute is not None:
+        set_recompute(model, recompute)
+    if lean:
+        enable_lean_saves(model, recompute_norms=True, recast_attn_weights=True)
+    liger._patch_norms(model, type(model.model.norm), True, True)
+    for m in model.modules():
+        if hasattr(m, "_twell_cast_device"):
+            m._twell_cast_device = device
+    if joins:
+        assert use_fused_joins(model) == L
+    return model
+
+
+def _ids(device="cpu"):
+    ids = torch.randint(1, CFG.vocab_size, (2, CFG.seq_len),
+                        generator=torch.Generator().manual_seed(1))
+    ids[0, 3] = 5
+    return ids.to(device)
+
+
+def _step(model, dtype=F16, device="cpu"):
+    """Loss and every parameter's gradient of one micro-step under ``dtype`` autocast (None:
+    none)."""
+    ids = _ids(device)
+    with torch.autocast(device, dtype=dtype or BF16, enabled=dtype is not None):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _assert_equal(a, b):
+    (loss_a, g_a), (loss_b, g_b) = a, b
+    torch.testing.assert_close(loss_a, loss_b, rtol=0, atol=0, equal_nan=True)
+    assert g_a.keys() == g_b.keys() and all(g is not None for g in g_a.values())
+    for name in g_a:
+        torch.testing.assert_close(g_a[name], g_b[name], rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _normwise(g, ref) -> dict[str, float]:
+    return {n: ((g[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref}
+
+
+def test_joined_model_is_bitwise_the_unjoined_one_in_fp16(joined):
+    """Every residual add joined (two a layer: L - 1 across layers, L inside, 1 into the final
+    norm), the loss and every gradient the same bits."""
+    ref = _step(_model(False))
+    assert not joined
+    _assert_equal(_step(_model(True)), ref)
+    assert len(joined) == 2 * L
+
+
+def test_bf16_within_noise_of_the_unjoined_model_and_of_fp32(joined):
+    torch.manual_seed(0)
+    ref32 = _step(build_model(CFG).train(), dtype=None)  # stock transformers, fp32
+    loss0, g0 = _step(_model(False), BF16)
+    loss1, g1 = _step(_model(True), BF16)
+    assert len(joined) == 2 * L
+    assert torch.equal(loss0, loss1)  # the forward: the same bits
+    assert max(_normwise(g1, g0).values()) < 2e-2  # one bf16 step on the branches' gradients
+    torch.testing.assert_close(loss1, ref32[0], rtol=1e-3, atol=0)
+    err0, err1 = max(_normwise(g0, ref32[1]).values()), max(_normwise(g1, ref32[1]).values())
+    assert err1 < 0.08 and err1 < 1.25 * err0, (err0, err1)
+
+
+@pytest.mark.parametrize("recompute", ["full", "attention"])
+def test_checkpointed_layers_run_their_own_forward(recompute, joined, monkeypatch):
+    """Checkpointed layers (transformers' whole-layer checkpoint, or train.recompute's selective
+    one) do not join: the unjoined model's bits. The selective forward goes beneath the join's
+    (installed before or after it), so after the planner's switch to none the layers join."""
+    blocks = []
+    block = recompute_mod._attention_block
+    monkeypatch.setattr(recompute_mod, "_attention_block",
+                        lambda *a: blocks.append(1) or block(*a))
+    model = _model(True, recompute)
+    _assert_equal(_step(model), _step(_model(False, recompute)))
+    assert not joined
+    # the selective forward ran in both models (forward and its replay in backward)
+    assert len(blocks) == (0 if recompute == "full" else 2 * 2 * L)
+    late = _model(True)
+    set_recompute(late, recompute)  # as the memory planner switches after setup
+    for m in (model, late):
+        assert all(vars(layer)["forward"].__func__ is _joined_forward for layer in m.model.layers)
+        set_recompute(m, "none")
+        m.zero_grad(set_to_none=True)
+    ref = _step(_model(False))
+    _assert_equal(_step(model), ref)
+    _assert_equal(_step(late), ref)
+    assert len(joined) == 2 * 2 * L
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+def test_recompute_norms_recomputes_the_joined_norm_outputs(dtype, joined, monkeypatch):
+    """trainer.recompute_norms on joined layers: each norm output (the joined ones too) is
+    recomputed from the sum the join keeps (q/k/v share one: 3 unpacks; the PyTorch FFN's gate
+    and up 2), with the same bits."""
+    unpacked = []
+    materialize = lean_saves._NormRecipe.materialize
+    monkeypatch.setattr(lean_saves._NormRecipe, "materialize",
+                        lambda r: unpacked.append(1) or materialize(r))
+    ref = _step(_model(True), dtype)
+    assert not unpacked
+    _assert_equal(_step(_model(True, lean=True), dtype), ref)
+    assert len(unpacked) == L * (3 + 2)
+    assert len(joined) == 2 * 2 * L
+
+
+@pytest.mark.parametrize("lean", [False, True], ids=["plain", "recompute-norms"])
+def test_nan_reaches_the_loss_and_gradients(lean, joined):
+    def run(joins):
+        model = _model(joins, lean=lean)
+        with torch.no_grad():
+            model.model.embed_tokens.weight[5, 3] = float("nan")
+        return _step(model)
+    ref = run(False)
+    got = run(True)
+    assert len(joined) == 2 * L
+    assert torch.isnan(got[0]) and all(torch.isnan(g).any() for g in got[1].values())
+    _assert_equal(got, ref)
+
+
+def test_evaluation_generation_and_hidden_states_run_stock_layers(joined):
+    """Evaluation and generation (eval mode, a KV cache) and a training forward that records
+    hidden states: no join, the unjoined model's outputs; the layers' hidden states are
+    tensors."""
+    model, ref = _model(True), _model(False)
+    ids = _ids()
+    with torch.no_grad(), torch.autocast("cpu", dtype=F16):
+        want = ref(input_ids=ids, output_hidden_states=True).hidden_states
+        for by_config in (False, True):  # asked in the call, or by the config (hooks only)
+            model.config.output_hidden_states = by_config
+            asked = {} if by_config else {"output_hidden_states": True}
+            got = model(input_ids=ids, **asked).hidden_states
+            assert len(got) == L + 1 and all(torch.equal(h, r) for h, r in zip(got, want))
+        model.config.output_hidden_states = False
+        model.eval()
+        ref.eval()
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+        gen = model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False, use_cache=True)
+        assert torch.equal(gen, ref.generate(ids[:1, :5], max_new_tokens=4, do_sample=False,
+                                             use_cache=True))
+    assert not joined
+
+
+def test_state_dict_is_stock_llama():
+    """No parameter or buffer added: the joined model's state dict is the unjoined one's, and
+    loads strictly into a plain LlamaForCausalLM."""
+    model, ref = _model(True), _model(False)
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    assert sd.keys() == ref_sd.keys() and all(torch.equal(sd[k], ref_sd[k]) for k in sd)
+    assert [n for n, _ in model.named_buffers()] == [n for n, _ in ref.named_buffers()]
+    LlamaForCausalLM(llama_config(CFG)).load_state_dict(sd, strict=True)
+
+
+def test_pending_pairs_are_summed_where_a_layer_does_not_join():
+    """A layer that does not join (here: its norms not fused) adds a pending pair with
+    PyTorch's add before its own forward; so does the final norm."""
+    model = _model(True)
+    layer = model.model.layers[1]
+    x = torch.randn(2, CFG.seq_len, CFG.hidden_size)
+    d = torch.randn(2, CFG.seq_len, CFG.hidden_size).to(BF16)
+    seen = []
+    layer._twell_inner_forward = lambda h, *a, **kw: seen.append(h) or h
+    assert torch.equal(layer(PendingJoin(x, d)), x + d) and torch.equal(seen[0], x + d)
+    norm = model.model.norm
+    with torch.autocast("cpu", dtype=F16):
+        y = norm(PendingJoin(x, d))  # joined: the normed only
+        assert y.dtype == F16 and torch.equal(y, norm(x + d))
+    norm._twell_cast_fused = False  # not joinable: summed, then its forward
+    assert torch.equal(norm(PendingJoin(x, d)), norm(x + d))
+
+
+def test_use_fused_joins_checks_the_model_and_installs_once():
+    model = _model(True)
+    assert use_fused_joins(model) == 0  # a second call changes nothing
+    assert len(model.model.norm._forward_pre_hooks) == 1
+    with pytest.raises(ValueError, match="decoder layer 0 .* has no input_layernorm"):
+        use_fused_joins(types.SimpleNamespace(model=types.SimpleNamespace(
+            norm=torch.nn.Identity(), layers=[torch.nn.Linear(2, 2)])))
+    with pytest.raises(ValueError, match="needs a final norm"):
+        use_fused_joins(types.SimpleNamespace(model=types.SimpleNamespace(layers=[])))
+
+
+@pytest.mark.parametrize("fused_norm_cast, norm_out_bf16, device, fsdp, on", [
+    (None, None, "cuda", False, True),  # the GPU's default run
+    (True, None, "cuda", False, True),
+    (False, None, "cuda", False, False),  # Liger's kernel and a cast: nothing to join
+    (None, False, "cuda", False, False),  # fp32 norm outputs
+    (None, None, "cuda", True, False),  # FSDP: its layer hooks would miss a pair (untested)
+    (True, None, "cpu", False, False),  # trainer.liger=true on the CPU: transformers' code
+])
+def test_setup_installs_joins_where_the_fused_cast_runs(tmp_path, monkeypatch, fused_norm_cast,
+                                                       norm_out_bf16, device, fsdp, on):
+    from tests.train_utils import tiny_config, write_tokens
+    from train import setup
+
+    monkeypatch.setattr(setup, "use_liger", lambda model, **kw: None)  # recorded elsewhere
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=2000)
+    cfg = tiny_config(tok, **{"trainer.liger": True, "trainer.fused_norm_cast": fused_norm_cast,
+                              "trainer.norm_out_bf16": norm_out_bf16})
+    model = build_model(cfg.model)
+    setup.prepare_model(model, cfg, device=torch.device(device), precision="bf16",
+                        fsdp=types.SimpleNamespace(activation_checkpointing=False) if fsdp
+                        else None, print_=lambda line: None)
+    assert {"_twell_inner_forward" in vars(layer) for layer in model.model.layers} == {on}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger-Kernel's norms need CUDA")
+@pytest.mark.parametrize("lean", [False, True], ids=["plain", "recompute-norms"])
+def test_cuda_joined_model_matches_the_unjoined_one(lean, joined):
+    """bf16 autocast with Liger's norms (use_liger, the trainer's settings): the loss the same
+    bits (the join's sum is PyTorch's add, its normed rms_norm_cast's of it), the gradients
+    within fp32 rounding of the unjoined model's (the branches' bf16 gradients rounded to
+    nearest by both); with recompute_norms, bitwise the joined model without it."""
+    pytest.importorskip("liger_kernel")
+
+    def run(joins, lean):
+        torch.manual_seed(0)
+        model = build_model(CFG).cuda().train()
+        if lean:
+            enable_lean_saves(model, recompute_norms=True, recast_attn_weights=True)
+        liger.use_liger(model, norm_out_autocast=True, fused_norm_cast=True)
+        if joins:
+            use_fused_joins(model)
+        return _step(model, BF16, "cuda")
+
+    ref = run(False, False)
+    got = run(True, lean)
+    assert len(joined) == 2 * L
+    assert torch.equal(got[0], ref[0])
+    errs = _normwise(got[1], ref[1])
+    print(f"largest normwise gradient difference: {max(errs.values()):.3g}")
+    assert max(errs.values()) < 1e-4, errs
+    if lean:
+        _assert_equal(got, run(True, False))
