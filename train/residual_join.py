@@ -92,7 +92,8 @@ def _recording_hidden_states(kwargs: dict) -> bool:
 
 def _joins(layer, residual: torch.Tensor, kwargs: dict) -> bool:
     """Whether ``layer`` runs its joined forward for this input (module docstring)."""
-    if not layer.training or (layer.gradient_checkpointing and torch.is_grad_enabled()):
+    if not layer.training or (getattr(layer, "gradient_checkpointing", False)
+                              and torch.is_grad_enabled()):
         return False
     if _recording_hidden_states(kwargs):
         return False
