@@ -206,7 +206,8 @@ class FFNConfig:
     """No-sync dense-backup capacities of the ell path (ffn.host_sync=step or micro_batch):
     window (1.25 x the largest heavy-row count of the last 16 steps + 16) | adaptive (last 128
     steps, a per-layer margin that grows 1.5x after each redo the layer caused and decays back to
-    1.25, multiples of 64). See twell/nn/capacity.py and scripts/capacity_policy_sim.py. Was
+    1.25, widened to the layer's own step-to-step spread and raised ahead of a rising count,
+    multiples of 64). See twell/nn/capacity.py and scripts/capacity_policy_sim.py. Was
     trainer.backup_capacity."""
     dense_fused: bool = False
     """Gated FFNs of ffn.impl=torch train in dense mode (dense_ffn_train: cuBLAS products and one

@@ -1,5 +1,6 @@
 """The no-sync dense-backup capacity rules (``ffn.backup_capacity``): hand-computed values,
-exact state round trip, and the offline simulation's redo rates."""
+exact state round trip, the adaptive rule on a drifting count (no overflow in steady state, a
+real jump still caught), and the offline simulation's redo rates."""
 
 import math
 
@@ -8,7 +9,13 @@ import pytest
 import torch
 
 from twell.nn import FFNPlan, PlanOptions, SparseGatedMLP, StepStats
-from twell.nn.capacity import CAPACITY_RULES, BackupCapacity, cold_margin
+from twell.nn.capacity import (
+    CAPACITY_RULES,
+    BackupCapacity,
+    cold_margin,
+    drift_factor,
+    spread_margin,
+)
 
 
 def test_window_rule_hand_computed():
@@ -52,6 +59,100 @@ def test_adaptive_rule_hand_computed():
         cap = b2.update([10])[0]
     assert cap == 64 * math.ceil((1250 + 16) / 64)  # window full: no cold margin
     assert b2.update([10])[0] == 64  # 1000 left the window: ceil(12.5) + 16 -> 64
+
+
+def test_spread_and_drift_hand_computed():
+    # no spread: 1 (the learned margin and the cold margin decide)
+    assert spread_margin([]) == spread_margin([50.0]) == spread_margin([100.0] * 40) == 1.0
+    # ln(1 + R) of 1 and 1.2: sample sd 0.2 / sqrt(2); two counts: E[max of 2] by Blom's
+    # formula, inv_cdf(1.625 / 2.25) = 0.5894 -> exp((3.5 - 0.5894) 0.1414) = 1.509
+    two = [math.e - 1, math.exp(1.2) - 1]
+    e2 = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1.625 / 2.25)).item()
+    assert spread_margin(two) == pytest.approx(math.exp((3.5 - e2) * 0.2 / 2 ** 0.5), rel=1e-5)
+    assert spread_margin(two) == pytest.approx(1.509, abs=1e-3)
+    assert spread_margin([0.0, 1e6]) == 4.0  # at most MARGIN_MAX
+    assert spread_margin(two, z=0.0) == 1.0  # never below 1
+    # the mean of the last 8 over the 8 before, within [1, 2]; 1 without 16 counts
+    assert drift_factor([10.0] * 8 + [12.0] * 8) == pytest.approx(1.2)
+    assert drift_factor([10.0] * 8 + [8.0] * 8) == 1.0  # falling: the window max holds it
+    assert drift_factor([1.0] * 8 + [9.0] * 8) == 2.0
+    assert drift_factor([10.0] * 15) == drift_factor([0.0] * 8 + [5.0] * 8) == 1.0
+
+
+def test_adaptive_rule_keeps_a_steady_layer_at_its_margin():
+    """A layer whose counts barely vary: the spread headroom stays below the margin, so its
+    capacity is what the margin alone gives (no rows added where nothing swings)."""
+    b = BackupCapacity(1, "adaptive")
+    for i in range(40):
+        cap = b.update([400.0 + (i % 3)])[0]
+    cold = cold_margin(40, 128)
+    assert spread_margin(b.hist[0]) < 1.25 * cold
+    assert cap == 64 * math.ceil((math.ceil(1.25 * cold * 402) + 16) / 64)
+
+
+def _drifting_trace(seed, steps=160, rise=0.04, rise_steps=(40, 100)):
+    """(S, 6) heavy-row maxima of six layers (60 to 1000 rows a call) as a training run's
+    steps give them: flat, then rising ``rise`` a step (L0 drifting up: heavy rows grow faster
+    than L0), then flat again; each step times a content factor shared by the layers
+    (log-normal, sigma 0.15: some batches are heavier in every layer) and a layer's own
+    (sigma 0.05)."""
+    rng = np.random.default_rng(seed)
+    base = np.array([60.0, 120.0, 250.0, 400.0, 700.0, 1000.0])
+    t = np.arange(steps)
+    level = np.exp(rise * np.clip(t - rise_steps[0], 0, rise_steps[1] - rise_steps[0]))
+    shared = rng.lognormal(0.0, 0.15, (steps, 1))
+    return np.round(base * level[:, None] * shared * rng.lognormal(0.0, 0.05, (steps, 6)))
+
+
+def _replay_overflows(trace, host_sync="step", warm=20):
+    """Steps from ``warm`` on (with their layers) that overflowed their no-sync capacity under
+    the adaptive rule, replaying the trainer's protocol (an overflowed step is redone measuring
+    per call, as the trainer does)."""
+    torch.manual_seed(0)
+    plan = FFNPlan([SparseGatedMLP(16, 64, impl="twell") for _ in range(trace.shape[1])],
+                   PlanOptions(host_sync=host_sync, capacity_rule="adaptive"))
+    over = []
+    for s, hv in enumerate(trace.tolist()):
+        plan.begin_step()
+        out = plan.end_step(_plan_stats(hv, 0.0, rows=32768, seqs=16, tokens=32768))
+        if not out.accepted:
+            if s >= warm:
+                over.append((s, out.redo))
+            plan.begin_step()
+            assert plan.end_step(_plan_stats(hv, 0.0, rows=32768, seqs=16,
+                                             tokens=32768)).accepted
+    return over, plan
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_adaptive_rule_follows_a_drifting_count_without_overflow(seed):
+    """Counts rising 4 % a step for 60 steps under batch-to-batch noise: the rule with a fixed
+    1.25 over the window's maximum overflowed 1-4 times in each of these five traces (the
+    maximum lags the rise); the drift look-ahead and the spread headroom hold every step."""
+    over, _ = _replay_overflows(_drifting_trace(seed))
+    assert over == []
+
+
+def test_a_real_jump_still_overflows_and_is_redone_exactly():
+    """Exactness stays: a layer whose heavy rows jump far beyond anything seen (x3) overflows
+    its capacity, under host_sync=step (the step is redone measuring per call) and under
+    micro_batch (the micro-batch check names it); afterwards the same count fits."""
+    trace = _drifting_trace(0)
+    _, plan = _replay_overflows(trace)
+    caps = [lp.backup_rows for lp in plan.layers]
+    jump = [float(v) for v in trace[-1]]
+    jump[2] = 3 * max(trace[:, 2])
+    assert jump[2] > caps[2]
+    plan.begin_step()
+    out = plan.end_step(_plan_stats(jump, 0.0, rows=32768, seqs=16, tokens=32768))
+    assert out.redo == (2,)
+    assert [lp.backup_rows for lp in plan.layers] == [-1] * 6  # the redo measures per call
+    plan.begin_step()
+    assert plan.end_step(_plan_stats(jump, 0.0, rows=32768, seqs=16, tokens=32768)).accepted
+    assert plan.layers[2].backup_rows >= 1.25 * jump[2]  # the same jump fits from now on
+    _, mb = _replay_overflows(trace, host_sync="micro_batch")
+    mb.begin_step()
+    assert mb.call_overflow(torch.tensor(jump), rows=32768) == [2]
 
 
 @pytest.mark.parametrize("rule", CAPACITY_RULES)

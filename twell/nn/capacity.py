@@ -18,13 +18,24 @@ micro-batch, measured in the step's one host sync):
 
 * ``window`` (default): ``ceil(1.25 c max(R of the last 16 steps)) + 16``, 0 when that max is 0
   (:func:`twell.ops.ffn_train.backup_capacity_for`).
-* ``adaptive`` (``trainer=gpu``'s): ``ceil(m c max(R of the last 128 steps)) + 16`` rounded up to
-  a multiple of 64 (so backup GEMM shapes repeat), 0 when that max is 0. The margin ``m`` starts at 1.25; each
-  redo this layer caused multiplies it by 1.5 (at most 4); every accepted step moves it back
-  towards 1.25 by 1 % of the distance (half-life ~70 steps). The long window remembers the rare
-  heavy batches (many short documents: each document start has fully active first tokens),
-  and the margin learns a layer's burst size. Evaluated on synthetic traces by
-  :mod:`studies.capacity_sim` (``scripts/capacity_policy_sim.py``).
+* ``adaptive`` (``trainer=gpu``'s): ``ceil(M top) + 16`` rounded up to a multiple of 64 (so
+  backup GEMM shapes repeat), 0 when ``top`` is 0, where
+
+  - ``top = max(max(R of the last 128 steps), g max(R of the last 8 steps))``: the long window
+    remembers the rare heavy batches (many short documents: each document start has fully
+    active first tokens); ``g`` (:func:`drift_factor`) is how much the last 8 steps' mean rose
+    over the 8 before (1 when it did not, at most 2), so a rising count (L0 drifting up) gets
+    its capacity one window ahead of the rise instead of after an overflow;
+  - ``M = max(m c, s)``: the learned margin ``m`` (starts at 1.25; each redo or forward rerun
+    this layer caused multiplies it by 1.5, at most 4; every accepted step moves it back
+    towards 1.25 by 1 % of the distance, half-life ~70 steps) times ``c`` below, or the
+    spread headroom ``s`` (:func:`spread_margin`): the layer's own step-to-step variation,
+    ``exp((Z - E[max of n normals]) sd)`` with ``sd`` the standard deviation of
+    ``ln(1 + R)`` over its last 32 steps and ``Z`` = 3.5, so that a layer whose counts swing
+    gets the headroom its swings need, a steady one keeps ``m c``.
+
+  Evaluated on synthetic traces by :mod:`studies.capacity_sim`
+  (``scripts/capacity_policy_sim.py``; docs/capacity_sim.md).
 
 ``c`` (:func:`cold_margin`) widens the margin while a layer's history is shorter than its window
 (a fresh run, a resume without history, a layer just moved to the ELL path): 1.75 from one step
@@ -43,6 +54,7 @@ backup: arXiv 2603.23198, "Hybrid (training)"; the rules and their margins are o
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 from twell.ops.ffn_train import backup_capacity_for
 
@@ -54,6 +66,22 @@ MARGIN_MAX = 4.0
 MARGIN_DECAY = 0.01  # per accepted step, fraction of (margin - MARGIN_START) given back
 ROUND_ROWS = 64  # adaptive capacities are multiples of this
 RESTART_STEPS = 8  # steps of history a layer keeps when it moves to the ELL path
+# The adaptive rule's spread headroom (spread_margin): the capacity sits SPREAD_Z standard
+# deviations of ln(1 + R) above their mean, less what the window's maximum already stands above
+# it; 3.5 is an overflow in ~4000 steps of a layer whose counts are log-normal. The spread of
+# the last SPREAD_STEPS steps: the recent one (16 to 128 gave the same redo rates on the
+# synthetic traces). At most SPREAD_MAX: a layer swinging between 0 and a few rows has a huge
+# log spread and a small capacity either way.
+SPREAD_Z = 3.5
+SPREAD_STEPS = 32
+SPREAD_MAX = MARGIN_MAX
+# The adaptive rule's drift look-ahead (drift_factor): the mean of the last DRIFT_STEPS counts
+# over the mean of the DRIFT_STEPS before, at most DRIFT_MAX
+DRIFT_STEPS = 8
+DRIFT_MAX = 2.0
+# E[max of n standard normals] (Blom's approximation), n = 0..128: what the window's maximum
+# already stands above the mean, in standard deviations
+_NORMAL_MAX = [0.0] + [NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) for n in range(1, 129)]
 
 
 def cold_margin(n: int, window: int) -> float:
@@ -65,6 +93,44 @@ def cold_margin(n: int, window: int) -> float:
     factor: BENCHMARKS.md, "No redone steps")."""
     n = max(int(n), 1)
     return max(1.0, 1.0 + 1.0 / math.sqrt(n) - 1.0 / math.sqrt(max(int(window), 1)))
+
+
+def spread_margin(hist: list[float], z: float = SPREAD_Z) -> float:
+    """The adaptive rule's spread headroom (a factor on the window's maximum, >= 1) of a layer
+    whose steps had the heavy-row counts ``hist`` (rows per FFN call, oldest first, at most the
+    rule's window): ``exp((z - E[max of n normals]) sd)``, ``sd`` the sample standard deviation
+    of ``ln(1 + R)`` over the last :data:`SPREAD_STEPS` counts, ``n`` the whole history's
+    length (the maximum the factor multiplies is over it), within ``[1, SPREAD_MAX]``; 1 with
+    fewer than two counts.
+
+    Why: a fixed margin over the window's maximum suits a layer whose counts vary as little as
+    the synthetic traces'; a layer whose counts swing more (batches heavy in several layers at
+    once, a rising L0) overflows it. Its own spread says by how much: the capacity sits ``z``
+    standard deviations above the counts' mean, less what their maximum already stands above
+    it (``E[max]`` of ``n``: a short history, whose maximum is a weak bound, gets more)."""
+    recent = hist[-SPREAD_STEPS:]
+    if len(recent) < 2:
+        return 1.0
+    ref = math.log1p(max(recent[0], 0.0))  # shifted: equal counts give exactly 0
+    dev = [math.log1p(max(v, 0.0)) - ref for v in recent]
+    mean = sum(dev) / len(dev)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in dev) / (len(dev) - 1))
+    e_max = _NORMAL_MAX[min(len(hist), len(_NORMAL_MAX) - 1)]
+    return min(max(math.exp(max(z - e_max, 0.0) * sd), 1.0), SPREAD_MAX)
+
+
+def drift_factor(hist: list[float], steps: int = DRIFT_STEPS) -> float:
+    """How much a layer's heavy-row counts ``hist`` (oldest first) rose: the mean of the last
+    ``steps`` over the mean of the ``steps`` before, within ``[1, DRIFT_MAX]``; 1 with fewer
+    than ``2 steps`` counts or none before. The adaptive rule multiplies the recent maximum by
+    it, so a count that keeps rising (L0 drifting up: heavy rows grow faster than L0) finds its
+    capacity already raised by as much as it rose over the last window."""
+    if len(hist) < 2 * steps:
+        return 1.0
+    recent, before = sum(hist[-steps:]), sum(hist[-2 * steps:-steps])
+    if before <= 0:
+        return 1.0
+    return min(max(recent / before, 1.0), DRIFT_MAX)
 
 
 class BackupCapacity:
@@ -111,7 +177,8 @@ class BackupCapacity:
 
     def capacity(self, i: int, floor: int = 0) -> int:
         """Layer i's capacity from its current history and margin (times :func:`cold_margin` of
-        the history's length), at least ``floor`` rows (0 with no heavy rows and no floor)."""
+        the history's length; the adaptive rule also its spread and drift, see the module
+        docstring), at least ``floor`` rows (0 with no heavy rows and no floor)."""
         h = self.hist[i]
         top = max(h, default=0.0)
         if top <= 0:
@@ -120,8 +187,9 @@ class BackupCapacity:
         if self.rule == "window":
             rows = backup_capacity_for(cold * top)  # ceil(1.25 cold top) + 16
         else:
-            rows = ROUND_ROWS * math.ceil((math.ceil(self.margin[i] * cold * top) + 16)
-                                          / ROUND_ROWS)
+            top = max(top, max(h[-DRIFT_STEPS:]) * drift_factor(h))
+            m = max(self.margin[i] * cold, spread_margin(h))
+            rows = ROUND_ROWS * math.ceil((math.ceil(m * top) + 16) / ROUND_ROWS)
         return max(rows, int(floor))
 
     def rescale(self, ratio: float) -> None:
