@@ -63,9 +63,10 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--accum", type=int, nargs="+", default=[1, 8],
                    help="micro-batches per optimizer step (and per GPU)")
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--csv", default=None, help="write the rows here too")
     a = p.parse_args(argv)
-    rows = [rows_for(scen, accum, rule, a) for scen in SCENARIOS for accum in a.accum
+    rows = [rows_for(scen, accum, rule, a) for scen in a.scenarios for accum in a.accum
             for rule in CAPACITY_RULES]
     cols = list(rows[0])
     print(" | ".join(cols))

@@ -20,7 +20,10 @@ of each sequence fully active, 1-3 redone steps in 15 with the window rule)::
 * ``c``: a content factor shared by all layers, lognormal sigma 0.15 (``steady``: 0.05);
 * ``bursty``: 4 layers see their ``lam`` x 2-4 in 0.5 % of the micro-batches;
 * ``early``: ``bursty`` with the drift 8x faster (over ~60 steps) and the content factor's
-  sigma 0.3.
+  sigma 0.3;
+* ``surge``: ``docs`` where from step 300 every layer's ``lam`` rises 4 % a step for 40
+  steps (L0 drifting up: heavy rows grow faster than L0) and stays there, falling back to
+  start again every 700 steps.
 
 The step's count is the maximum over its micro-batches. :func:`replay` runs the trainer's
 protocol through a real :class:`twell.nn.plan.FFNPlan` (``begin_step`` / ``end_step``; a redone
@@ -41,7 +44,7 @@ from twell.nn import FFNPlan, PlanOptions, StepStats
 from twell.nn.mlp import SparseGatedMLP
 from twell.policy import FFNPolicy
 
-SCENARIOS = ("steady", "docs", "bursty", "early")
+SCENARIOS = ("steady", "docs", "bursty", "early", "surge")
 NUM_LAYERS, SEQ_LEN, SEQUENCES = 28, 2048, 8
 D, H = 2048, 5632  # the 1.5B shape
 MICRO_MS = SEQUENCES * SEQ_LEN / 26.2  # plain transformers' 1.5B micro-step on one H200 (ms)
@@ -77,6 +80,8 @@ def make_trace(scenario: str, steps: int, accum: int, seed: int,
     tau = 60.0 if scenario == "early" else 500.0
     t = np.arange(steps)[:, None, None]
     lam = scale * lam0 * (end + (1 - end) * np.exp(-t / tau))  # (S, 1, L)
+    if scenario == "surge":
+        lam = lam * np.exp(0.04 * np.clip((t - 300) % 700, 0, 40) * (t >= 300))
     shape = (steps, accum, 1)
     mean_docs = 12 * scale
     if scenario == "steady":
