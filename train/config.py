@@ -395,7 +395,8 @@ class TrainerConfig:
     micro-batches of balanced sizes (none above micro_batch) when micro * world does not divide."""
     micro_batch: int | None = 16
     """Sequences per forward/backward on one rank (at most); null = the memory planner picks it
-    (trainer.memory=auto: the fastest that fits among ceil(P / a) for every accumulation count a,
+    (trainer.memory=auto: the fastest that fits, the largest within the probes' noise of it,
+    among ceil(P / a) for every accumulation count a,
     P = global_batch / world size)."""
     precision: str = "auto"
     """auto (bf16 autocast on GPU, fp32 on CPU) | bf16 (autocast, fp32 master weights) | fp32."""

@@ -37,8 +37,11 @@ per-step settings are left as they were (the gradients are set to None after). P
 
 Decision: per recompute mode its largest fitting micro-batch (confirmed by a probe) and the
 largest candidate at most :data:`BELOW_FRACTION` of it (probed: the largest is not always the
-fastest); among those the fastest in measured tokens/ms of forward+backward (the optimizer step costs the same for
-every candidate of one global batch). Values the user set (``trainer.micro_batch``,
+fastest); among those the fastest in measured tokens/ms of forward+backward (the optimizer step
+costs the same for every candidate of one global batch), except that among the candidates
+within the probes' noise of the fastest (:data:`PROBE_NOISE`, or the probes' own spread) and
+of its recomputation the largest micro-batch wins (:func:`choose_within_noise`; the plan's
+``why`` says when it did). Values the user set (``trainer.micro_batch``,
 ``trainer.grad_checkpointing``, ``trainer.checkpoint_ffn``) restrict the candidates and are never
 overridden: with both set the planner only probes them and warns when they do not fit.
 
@@ -104,11 +107,19 @@ REPLAN_GAIN = 0.02
 # the fastest: our dense path at 1.5B on an H200 ran 52.2 tok/ms at micro 24 and 50.6 at 29
 # (BENCHMARKS.md, "Session of 2026-12-04"); 0.85 reaches 24 from 29 and 17 from 20.
 BELOW_FRACTION = 0.85
-# ... and the smaller one wins only when its probe is faster by more than this: a probe is two
-# timed micro-steps (+-1-3 %), and a noise win costs the larger micro-batch's real lead (1.5B on
-# 80 GB, `auto`: 17 probed 0.9 % faster than 20 and timed 3.8 % slower; BENCHMARKS.md, fifth
-# session of 2026-12-04); our dense path's 24 over 29 (+3 %) still wins
-BELOW_GAIN = 0.02
+# The probes' noise (relative, tokens/ms): candidates within it of the fastest are taken as
+# equally fast, and the largest micro-batch among them wins (choose_within_noise). A probe is
+# two timed micro-steps after one warm-up, and two probes' ranking has been wrong by more than
+# their own spread: at 1.5B on 80 GB 17 probed 0.9 % faster than 20 and timed 3.8 % slower; at
+# 2B 13 probed 2.1 % faster than 16 and timed 3.8 % slower (BENCHMARKS.md, 2026-12-04 fifth
+# session, 2026-12-05 third). The larger one runs fewer micro-steps a step, and what a
+# micro-step costs beyond its forward+backward (drawing its batch, the overflow check's host
+# sync) is not in a probe. Our dense path's 24 over 29 (+3.2 %) still wins.
+PROBE_NOISE = 0.03
+# ... widened to a probe's own spread (max - min of its timed micro-steps over their median)
+# when that is larger, up to this: a probe that noisy cannot rank candidates, and a wider
+# window would only pick the largest micro-batch regardless of speed
+PROBE_NOISE_MAX = 0.10
 
 
 @dataclass(frozen=True, order=True)
@@ -129,6 +140,9 @@ class Measurement:
     """Peak GiB allocated during the probe (inf: out of memory; nan: not measurable, CPU)."""
     ms: float
     """Milliseconds per forward+backward of one micro-batch (median; nan if out of memory)."""
+    spread: float = 0.0
+    """The timed micro-steps' spread relative to their median, ``(max - min) / median``
+    (0: one timed micro-step, or not measured): the probe's own noise."""
 
     @property
     def oom(self) -> bool:
@@ -156,7 +170,8 @@ class Plan:
     """Why this candidate: fastest that fits | set by the user | ..."""
     fits: bool = True
     candidates: list[dict] = field(default_factory=list)
-    """Every probe: micro_batch, recompute, peak_gb (None = out of memory), tok_per_ms."""
+    """Every probe: micro_batch, recompute, peak_gb (None = out of memory), tok_per_ms, spread
+    (the probe's timed micro-steps, (max - min) / median)."""
 
 
 def micro_batches(batch_per_rank: int) -> list[int]:
@@ -257,8 +272,8 @@ class MemoryPlanner:
             many tokens (the fused loss's chunk rows; 0 = the smallest divisor).
         below: with ``0 < below < 1``, each mode's largest fitting micro-batch ``L`` is raced
             against the largest candidate ``<= below * L`` (probed; :data:`BELOW_FRACTION`),
-            which wins only when its probe is faster by more than :data:`BELOW_GAIN`; 0 = off
-            (only the largest of each mode).
+            which wins only when its probe is faster by more than the probes' noise
+            (:func:`choose_within_noise`); 0 = off (only the largest of each mode).
 
     Raises:
         ValueError: a user micro-batch outside 1..batch_per_rank, an unknown or empty
@@ -320,6 +335,11 @@ class MemoryPlanner:
         if m is None or m.oom or not m.ms > 0:
             return math.nan
         return c.micro_batch * self.seq_len / m.ms
+
+    def spread(self, c: Candidate) -> float:
+        """The probe of ``c``'s relative spread (:attr:`Measurement.spread`; 0 if unprobed)."""
+        m = self.measured.get(c)
+        return 0.0 if m is None or m.oom else m.spread
 
     # -- the decision ---------------------------------------------------------------------------
     def _largest_fitting(self, r: str) -> Candidate | None:
@@ -404,7 +424,6 @@ class MemoryPlanner:
 
     def _choose(self) -> tuple[Candidate, str, bool]:
         """(candidate, why, fits) before any step-down."""
-        below: list[Candidate] = []
         if self.user_micro is not None:
             options = [Candidate(self.user_micro, r) for r in self.modes]
             for c in options:
@@ -413,15 +432,15 @@ class MemoryPlanner:
                    else "micro_batch and recompute set by the user")
         else:
             options = [c for c in map(self._largest_fitting, self.modes) if c is not None]
-            below = [c for c in map(self._below, options) if c is not None]
-            options += below
+            options += [c for c in map(self._below, options) if c is not None]
             why = "fastest that fits"
         fitting = [c for c in options if self.fits(c)]
-        if fitting:  # fastest (a smaller micro-batch by BELOW_GAIN); a tie: less recomputation
-            best = max(fitting, key=lambda c: (
-                _num(self.tok_per_ms(c)) / (1.0 + BELOW_GAIN if c in below else 1.0),
-                -self.modes.index(c.recompute)))
-            return best, why, True
+        if fitting:
+            i, note = choose_within_noise([(c, self.tok_per_ms(c), self.spread(c))
+                                           for c in fitting])
+            if note:
+                why = f"{why}; {note}" if self.user_micro is not None else note
+            return fitting[i], why, True
         ran = [c for c, m in self.measured.items() if not m.oom]
         if ran:
             best = min(ran, key=lambda c: self.measured[c].peak_gb)
@@ -468,12 +487,65 @@ class MemoryPlanner:
                     None if math.isnan(tok) else tok, self.budget_gb, why, fits,
                     candidates=[{"micro_batch": k.micro_batch, "recompute": k.recompute,
                                  "peak_gb": None if v.oom else _round(v.peak_gb + self.pending_gb),
-                                 "tok_per_ms": _round(self.tok_per_ms(k))}
+                                 "tok_per_ms": _round(self.tok_per_ms(k)),
+                                 "spread": round(self.spread(k), 4)}
                                 for k, v in sorted(self.measured.items())])
 
 
 def _num(x: float) -> float:
     return -math.inf if math.isnan(x) else x
+
+
+def choose_within_noise(options: list[tuple[Candidate, float, float]]) -> tuple[int, str]:
+    """The planner's choice among candidates that fit: the largest micro-batch among those of
+    the fastest's recomputation whose probed speed is within the probes' noise of it.
+
+    Rule (deterministic: it depends only on the numbers given): ``f`` is the fastest option
+    (most tokens/ms; a tie: less recomputation, then the larger micro-batch); its recompute
+    mode is the plan's. An option ``c`` of that mode is within noise when
+    ``tok(c) * (1 + tol) >= tok(f)``, ``tol`` the larger of :data:`PROBE_NOISE` and the two
+    probes' own spreads (:attr:`Measurement.spread`), at most :data:`PROBE_NOISE_MAX`; the
+    largest micro-batch among those wins. Why: two probes within their noise do not tell which
+    is faster, and at one recomputation the larger micro-batch runs fewer micro-steps a step,
+    whose costs beyond forward+backward a probe does not time (:data:`PROBE_NOISE`'s comment
+    has the timed cases), so a smaller one (``below``'s) wins only when faster by more than the
+    noise. Across recomputations the
+    fastest decides, as before: no timed case says which way a tie between modes goes.
+
+    Args:
+        options: ``(candidate, tokens/ms of forward+backward, the probe's relative spread)``;
+            nan tokens/ms (not measured) counts as slowest.
+
+    Returns:
+        ``(index, note)``: the chosen option's index, and ``""`` when it is the fastest, else
+        what the plan's ``why`` says: ``"largest micro-batch within 3% of the fastest that fits
+        (13 x none: 53.5 tok/ms; the probes' noise)"``.
+
+    Raises:
+        ValueError: no options.
+    """
+    if not options:
+        raise ValueError("choose_within_noise: no options")
+
+    def mode(c: Candidate) -> int:
+        return RECOMPUTE_MODES.index(c.recompute)
+
+    f = max(range(len(options)), key=lambda i: (
+        _num(options[i][1]), -mode(options[i][0]), options[i][0].micro_batch))
+    fc, ftok, fspread = options[f]
+    if not ftok > 0:  # nothing measured: the fastest's order (less recomputation) decides
+        return f, ""
+
+    def tol(i: int) -> float:
+        return min(max(PROBE_NOISE, options[i][2], fspread), PROBE_NOISE_MAX)
+
+    near = [i for i, (c, tok, _) in enumerate(options)
+            if c.recompute == fc.recompute and _num(tok) * (1 + tol(i)) >= ftok]
+    i = max(near, key=lambda i: (options[i][0].micro_batch, _num(options[i][1])))
+    if i == f:
+        return f, ""
+    return i, (f"largest micro-batch within {tol(i):.0%} of the fastest that fits "
+               f"({fc.micro_batch} x {fc.recompute}: {ftok:.1f} tok/ms; the probes' noise)")
 
 
 def _round(x: float | None) -> float | None:
@@ -482,7 +554,8 @@ def _round(x: float | None) -> float | None:
 
 def describe(plan: Plan, seq_len: int) -> str:
     """The planner's one log line: the choice, why, then every probe (step peak GiB, tokens/ms
-    of forward+backward; ``*`` the chosen one, ``oom`` ran out of memory)."""
+    of forward+backward, +- half its timed micro-steps' spread in %; ``*`` the chosen one,
+    ``oom`` ran out of memory)."""
     head = (f"memory: micro_batch {plan.micro_batch} x {seq_len}, recompute {plan.recompute}, "
             f"accumulation {plan.accum}")
     if plan.peak_gb is not None:
@@ -497,6 +570,8 @@ def describe(plan: Plan, seq_len: int) -> str:
         val = ("oom" if c["peak_gb"] is None else
                f"{c['peak_gb']:.1f} GB" + (f" {c['tok_per_ms']:.1f} tok/ms"
                                            if c["tok_per_ms"] is not None else ""))
+        if c.get("spread") and c["peak_gb"] is not None:  # the probe's own noise
+            val += f" +-{50 * c['spread']:.1f} %"
         by_mode.setdefault(c["recompute"], []).append(f"{c['micro_batch']}{mark}: {val}")
     if plan.candidates:
         head += " | probes " + "; ".join(f"{r} " + ", ".join(v) for r, v in by_mode.items() if v)
@@ -598,8 +673,9 @@ class ProbeRunner:
         free_memory(tr.device)
         flag = torch.tensor([float(oom)], device=tr.device)
         peak = torch.cuda.max_memory_allocated(tr.device) / 2**30 if cuda else math.nan
-        vals = torch.tensor([peak, statistics.median(times) if times else math.nan],
-                            dtype=torch.float64, device=tr.device)
+        med = statistics.median(times) if times else math.nan
+        spread = (max(times) - min(times)) / med if len(times) > 1 and med > 0 else 0.0
+        vals = torch.tensor([peak, med, spread], dtype=torch.float64, device=tr.device)
         flag, vals = tr.reduce(flag, "max"), tr.reduce(vals, "max")
         if flag.item():  # host sync
             if tr.world_size > 1:
@@ -609,8 +685,8 @@ class ProbeRunner:
                     "planner cannot recover: set trainer.micro_batch and "
                     "trainer.grad_checkpointing.")
             return OOM
-        peak_gb, ms = vals.tolist()
-        return Measurement(peak_gb, ms)
+        peak_gb, ms, spread = vals.tolist()
+        return Measurement(peak_gb, ms, spread)
 
 
 INITIAL_PATH_SEQUENCES = 4  # probe sequences of the measuring forward (8192 tokens at T 2048)

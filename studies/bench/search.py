@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from train.memory import BELOW_FRACTION, Candidate, Measurement, MemoryPlanner, default_budget_gb
+from train.memory import (
+    BELOW_FRACTION,
+    Candidate,
+    Measurement,
+    MemoryPlanner,
+    Plan,
+    choose_within_noise,
+    default_budget_gb,
+)
 from train.recompute import RECOMPUTE_MODES
 
 # A heavier recompute mode is probed only while the lighter modes fit fewer tokens than this:
@@ -161,10 +169,10 @@ def search(probe: SharedProbe, *, ffn: str, budgets: list[Budget], batch_per_ran
 
     Per budget and recompute mode (least recomputation first) a :class:`MemoryPlanner` of that
     mode alone finds its largest fitting micro-batch and races it against the candidate at
-    :data:`train.memory.BELOW_FRACTION` of it, as the default run's planner does; the fastest
-    of those in probe tokens/ms wins, a tie going to less recomputation (the planner's
-    rule). Heavier modes stop once a lighter one fits ``saturation_tokens`` tokens
-    (0: every mode is tried).
+    :data:`train.memory.BELOW_FRACTION` of it, as the default run's planner does; among those
+    the planner's rule chooses (:func:`train.memory.choose_within_noise`: the largest
+    micro-batch within the probes' noise of the fastest in probe tokens/ms). Heavier modes
+    stop once a lighter one fits ``saturation_tokens`` tokens (0: every mode is tried).
 
     Raises:
         ValueError: an unknown recompute mode or an empty ``modes``.
@@ -197,15 +205,18 @@ def _best(ffn: str, b: Budget, fitting: list, per_mode: dict) -> Choice:
         return Choice(ffn, b, None, None, None, None,
                       f"nothing fits {b.planner_gb:.1f} GiB (of a {b.label} GiB card)", per_mode)
 
-    def speed(item):
-        tok = item[0].tok_per_ms
-        return (-math.inf if tok is None or math.isnan(tok) else tok, -item[1])
+    def option(plan: Plan):
+        c = Candidate(plan.micro_batch, plan.recompute)
+        spread = next((k.get("spread", 0.0) for k in plan.candidates
+                       if (k["micro_batch"], k["recompute"]) == (c.micro_batch, c.recompute)), 0.0)
+        return c, math.nan if plan.tok_per_ms is None else plan.tok_per_ms, spread
 
-    plan, _ = max(fitting, key=speed)
+    i, note = choose_within_noise([option(p) for p, _ in fitting])
+    plan = fitting[i][0]
     tried = ", ".join(f"{r} {m if m is not None else 'none fits'}" for r, m in per_mode.items())
+    fits = f"{b.planner_gb:.1f} GiB (per mode: {tried})"
     return Choice(ffn, b, plan.micro_batch, plan.recompute, plan.peak_gb, plan.tok_per_ms,
-                  f"fastest that fits {b.planner_gb:.1f} GiB (per mode: "
-                  f"{tried})", per_mode)
+                  f"{note}; fits {fits}" if note else f"fastest that fits {fits}", per_mode)
 
 
 def faster(a: Choice | None, b: Choice | None) -> Choice | None:
@@ -238,9 +249,10 @@ class FakeMemory:
 
     def probe(self, ffn: str, timed: Callable[[Candidate], Measurement]
               ) -> Callable[[Candidate], Measurement]:
-        """``timed``'s time with this model's peak for ``ffn``."""
+        """``timed``'s time (and spread) with this model's peak for ``ffn``."""
         def run(c: Candidate) -> Measurement:
-            return Measurement(self.peak_gb(ffn, c), timed(c).ms)
+            m = timed(c)
+            return Measurement(self.peak_gb(ffn, c), m.ms, m.spread)
         return run
 
 
