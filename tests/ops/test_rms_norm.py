@@ -424,8 +424,12 @@ def test_add_bad_arguments_name_what_to_fix():
     with pytest.raises(ValueError, match="0-dim tensor"):
         add_rms_norm_cast(torch.zeros((), device=DEV), torch.zeros((), device=DEV),
                           torch.ones(1, device=DEV), EPS, BF16)
-    with pytest.raises(ValueError, match="residual must be float32"):
-        add_rms_norm_cast(d16, d16, one8, EPS, BF16)
+    with pytest.raises(ValueError, match="residual must be float32, or bfloat16"):
+        add_rms_norm_cast(r.double(), r, one8, EPS, BF16)
+    with pytest.raises(ValueError, match="bfloat16 residual has no backward"):
+        add_rms_norm_cast(d16.requires_grad_(), d16, one8, EPS, BF16)
+    with pytest.raises(ValueError, match="float16 residual has no backward"):
+        add_rms_norm_cast(r.half(), r.half(), one8.requires_grad_(), EPS, torch.float16)
     with pytest.raises(ValueError, match="float tensors and dtype"):
         add_rms_norm_cast(r, r.long(), one8, EPS, BF16)
     with pytest.raises(ValueError, match="float tensors and dtype"):
@@ -460,3 +464,76 @@ def test_bad_backward_launch_is_refused():
     for bad in (BwdLaunch(3, 1, 4), BwdLaunch(0, 1, 4), BwdLaunch(1, 0, 4), BwdLaunch(1, 1, 6)):
         with pytest.raises(ValueError, match="powers of two"):
             rms_norm_cast_backward(g, x, w, rstd, bad)
+
+
+# ---- inference: a bf16 / fp16 residual stream, no autograd -----------------------------------
+
+
+def _llama_norm(x, w, eps=EPS):
+    """transformers' ``LlamaRMSNorm.forward``: fp32 math, ``x * rstd`` rounded to x's dtype,
+    then the weight's product in the promoted dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, BF16], ids=["fp16", "bf16"])
+def test_low_precision_stream_without_autograd_is_the_stock_add_and_norm(dtype):
+    """A bf16 model's inference join: sum PyTorch's ``residual + delta`` in the residual's
+    dtype, normed transformers' norm of that sum in that dtype (x * rstd rounded to it before
+    the weight's product) and rms_norm_cast's of it. Where casts round to nearest (fp16; bf16
+    on CUDA) the sum is PyTorch's bits and normed transformers' (bitwise for these rows in the
+    interpreter's fp16; one step off where the row sums' order tips a rounding, rarely); the
+    interpreter truncates to bf16: the sum within one step, normed within two (two roundings)
+    of transformers' norm of that sum."""
+    gen = torch.Generator().manual_seed(16)
+    r, delta = ((torch.randn(5, 7, 160, generator=gen) * 3).to(dtype).to(DEV) for _ in range(2))
+    w = (torch.rand(160, generator=gen) + 0.5).to(dtype).to(DEV)
+    with torch.no_grad():
+        s, y = add_rms_norm_cast(r, delta, w, EPS, dtype)
+        alone = rms_norm_cast(s, w, EPS, dtype)
+    assert s.dtype == y.dtype == alone.dtype == dtype and s.shape == y.shape == r.shape
+    assert torch.equal(y, alone)  # the same kernel, fed the sum it stores
+    want = _llama_norm(s, w).float()
+    if dtype == BF16 and DEV == "cpu":
+        assert _within_bf16_step(s, r.double() + delta.double())
+        assert bool(((y.float() - want).abs() <= want.abs() * 2.0 ** -6).all())
+        return
+    assert torch.equal(s, r + delta)
+    if DEV == "cpu":  # fp16 in the interpreter: these rows' sums round as PyTorch's
+        assert torch.equal(y.float(), want)
+    step = want.abs() * (2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7)
+    assert bool(((y.float() - want).abs() <= step).all())
+    assert ((y.float() != want).float().mean()) < 0.01
+
+
+def test_low_precision_stream_needs_no_grad_only_where_a_gradient_is_asked():
+    """bf16 inputs that do not require grad run with grad mode on (no graph to build); with
+    the same values in fp32 the two outputs round to the bf16 ones' neighbourhood."""
+    gen = torch.Generator().manual_seed(17)
+    r, delta = (torch.randn(3, 64, generator=gen).to(BF16).to(DEV) for _ in range(2))
+    w = torch.ones(64, dtype=BF16, device=DEV)
+    s, y = add_rms_norm_cast(r, delta, w, EPS, BF16)
+    assert not s.requires_grad and not y.requires_grad and s.dtype == BF16
+    s32, y32 = add_rms_norm_cast(r.float(), delta.float(), w.float(), EPS, torch.float32)
+    assert _within_bf16_step(s, s32) and _within_bf16_step(y, y32, atol=2 * 2.0 ** -7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger-Kernel's kernels need CUDA")
+def test_cuda_bf16_stream_against_liger():
+    """Inference's norm (bf16 in, weight and out, where Liger's kernel ran before): Liger's
+    ``llama`` mode rounds x * rstd to bf16 and multiplies by the weight as ours does, with the
+    same launch (one program a row, the same warps): the same bits up to the row sums' order."""
+    pytest.importorskip("liger_kernel")
+    from liger_kernel.ops import LigerRMSNormFunction
+
+    gen = torch.Generator().manual_seed(18)
+    x = (torch.randn(4096, 2048, generator=gen) * 3).to(BF16).cuda()
+    w = (torch.rand(2048, generator=gen) + 0.5).to(BF16).cuda()
+    with torch.no_grad():
+        y = rms_norm_cast(x, w, EPS, BF16)
+        yl = LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False, None)
+    off = (y != yl).float().mean().item()
+    print(f"bf16 outputs apart from Liger's: {off:.2e}")
+    assert y.dtype == yl.dtype == BF16
+    assert _within_bf16_step(y, yl.float()) and off < 1e-3

@@ -10,9 +10,11 @@ the fp32 gradient again. Here the cast is the store's and the gradient's widenin
 16 bytes an element less per norm and step (forward 14 -> 6, backward 18 -> 10 with Liger's
 backward), two kernels less, and 8 more where ``trainer.recompute_norms`` runs the forward again
 in backward. The math is Liger's ``llama`` casting mode in fp32 (``y = (x * rstd) * w`` rounded
-once to the output dtype; ``dx = rstd * (m - x * rstd^2 * mean(m * x))`` with ``m = dy * w``;
-``dw = sum over rows of dy * x * rstd``), the same order of operations and forward launch (a
-row's sum of squares in one block of Liger's warps). The backward's launch is not Liger's
+once to the output dtype for an fp32 ``x``; a bf16 / fp16 ``x * rstd`` is rounded to x's dtype
+before the weight's product, as transformers' ``LlamaRMSNorm`` and Liger's kernel round it;
+``dx = rstd * (m - x * rstd^2 * mean(m * x))`` with ``m = dy * w``; ``dw = sum over rows of
+dy * x * rstd``), the same order of operations and forward launch (a row's sum of squares in one
+block of Liger's warps). The backward's launch is not Liger's
 (:func:`bwd_launch`: several programs an SM, each over a contiguous run of rows, where Liger's
 one program an SM waits on each row's loads and sum); dW is still per-program partial rows
 summed at the end, no atomics: run to run the same bits. Not the same bits as Liger's kernel
@@ -29,6 +31,9 @@ before its store and writes that total twice, fp32 for the residual and in the b
 At a decoder layer's residual join this replaces PyTorch's mixed-dtype add, the gradient sum
 autograd makes where the sum has two consumers and the cast back to the branch's dtype: forward
 16 -> 12 bytes an element, backward ~28 -> 16 (BENCHMARKS.md, "A fused residual add and norm").
+Without autograd the residual may also be bf16 / fp16 (a bf16 model's inference forward): the
+sum is then stored, and normalised, in that dtype, as PyTorch's add rounds it (forward 8 bytes
+an element where the add (6) and Liger's norm (4) move 10).
 
 Source: Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019), as transformers'
 ``LlamaRMSNorm`` computes it; Liger-Kernel's ``LigerRMSNormFunction`` for the launch shape; the
@@ -48,13 +53,15 @@ import triton.language as tl
 from triton.language.extra.libdevice import rsqrt
 
 _MAX_BLOCK = 65536  # one row in one block: 64 K fp32 columns at most
+# the residual's (and so the sum's) dtypes of add_rms_norm_cast: bf16 / fp16 without autograd
+_SUM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
 def _rms_norm_cast_fwd_kernel(
-    x_ptr,  # (N, D) input, unit column stride (HAS_DELTA: the fp32 residual)
+    x_ptr,  # (N, D) input, unit column stride (HAS_DELTA: the residual, the sum's dtype)
     delta_ptr,  # (N, D) HAS_DELTA: added to x, unit column stride, any float dtype
-    sum_ptr,  # (N, D) HAS_DELTA: x + delta, contiguous, the sum's dtype (fp32)
+    sum_ptr,  # (N, D) HAS_DELTA: x + delta, contiguous, x's dtype
     w_ptr,  # (D,) weight
     y_ptr,  # (N, D) output, contiguous, y's dtype
     rstd_ptr,  # (N,) fp32: 1 / sqrt(mean(x^2) + eps), kept for backward
@@ -71,9 +78,12 @@ def _rms_norm_cast_fwd_kernel(
     mask = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        # the norm reads the fp32 sum it stores: its output is the unfused norm's of that sum
+        # the norm reads the sum as it stores it (rounded to a bf16 / fp16 residual's dtype,
+        # as PyTorch's add): its output is the unfused norm's of that sum
         x += tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(sum_ptr + row * D + cols, x.to(sum_ptr.dtype.element_ty), mask=mask)
+        x = x.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * D + cols, x, mask=mask)
+        x = x.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     mean_square = tl.sum(x * x, axis=0) / D
     if LIBDEVICE:
@@ -81,7 +91,10 @@ def _rms_norm_cast_fwd_kernel(
     else:  # the interpreter has no libdevice
         rstd = tl.rsqrt(mean_square + eps)
     tl.store(rstd_ptr + row, rstd)
-    tl.store(y_ptr + row * D + cols, ((x * rstd) * w).to(y_ptr.dtype.element_ty), mask=mask)
+    # x * rstd in the input's dtype before the weight's product, as transformers' LlamaRMSNorm
+    # and Liger's llama mode round it (nothing to round for an fp32 input)
+    x = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + row * D + cols, (x * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -270,10 +283,13 @@ def rms_norm_cast(x: torch.Tensor, weight: torch.Tensor, eps: float,
         out_dtype: the output's float dtype (bf16 under autocast).
 
     Returns:
-        (..., D) contiguous tensor of ``out_dtype``: the fp32 result rounded once. Autograd:
-        dx in x's dtype, dweight in weight's (accumulated in fp32); the output gradient may be
-        any float dtype (widened to fp32 as it is loaded). NaN and inf propagate as in PyTorch's
-        RMSNorm (a NaN makes its row NaN; an inf makes its row's rstd 0: NaN where it was).
+        (..., D) contiguous tensor of ``out_dtype``: the fp32 result rounded once (a bf16 /
+        fp16 x: ``x * rstd`` rounded to x's dtype first, as transformers' ``LlamaRMSNorm``
+        rounds it; with weight and out_dtype of x's dtype, its forward up to the row sum's
+        order). Autograd: dx in x's dtype, dweight in weight's (accumulated in fp32); the
+        output gradient may be any float dtype (widened to fp32 as it is loaded). NaN and inf
+        propagate as in PyTorch's RMSNorm (a NaN makes its row NaN; an inf makes its row's
+        rstd 0: NaN where it was).
 
     Raises:
         ValueError: x 0-dim, x and weight disagree on D or device, D over 65536, or a dtype
@@ -333,7 +349,7 @@ class _AddRMSNormCast(torch.autograd.Function):
         block, warps = _launch(d, "add_rms_norm_cast")
         # the outputs in residual's shape (contiguous: the kernel's (N, D) rows), not views of
         # (N, D) tensors: autograd refuses in-place ops on a function's view outputs
-        s = torch.empty(residual.shape, dtype=torch.float32, device=residual.device)
+        s = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
         y = torch.empty(residual.shape, dtype=out_dtype, device=residual.device)
         rstd = torch.empty(n, dtype=torch.float32, device=residual.device)
         if n:
@@ -374,42 +390,48 @@ class _AddRMSNormCast(torch.autograd.Function):
 
 def add_rms_norm_cast(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                       eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sum = residual + delta`` (fp32) and ``normed = rms_norm_cast(sum, weight, eps,
-    out_dtype)`` in one kernel each way: a decoder layer's residual join and the next norm.
+    """``sum = residual + delta`` (in residual's dtype: fp32 in training) and ``normed =
+    rms_norm_cast(sum, weight, eps, out_dtype)`` in one kernel each way: a decoder layer's
+    residual join and the next norm.
 
-    Forward: reads residual (4 bytes an element) and delta (its size), writes sum (4) and normed
-    (out_dtype's size), plus rstd (4 bytes a row). ``normed`` is the same bits as
-    :func:`rms_norm_cast` of ``sum`` with the same output dtype (the same kernel, fed the sum it
-    stores; on CUDA a delta narrower than the output may change how Triton splits the row
-    between threads, hence the row sums' rounding). Saved for backward: sum, weight, rstd (not
-    residual or delta). Backward (:func:`add_rms_norm_cast_backward`): reads normed's gradient
-    (its size), sum (4) and sum's gradient (4), writes residual's gradient (4) and delta's (its
-    size); dW as :func:`rms_norm_cast`'s, run to run the same bits. Where only ``sum`` is used,
-    the backward is the add's (sum's gradient passed on, cast for delta); where only
-    ``normed`` is, sum's gradient is not read.
+    Forward: reads residual (its size: 4 bytes an element in fp32) and delta (its size), writes
+    sum (residual's size) and normed (out_dtype's size), plus rstd (4 bytes a row). ``normed``
+    is the same bits as :func:`rms_norm_cast` of ``sum`` with the same output dtype (the same
+    kernel, fed the sum it stores; on CUDA a delta narrower than the output may change how
+    Triton splits the row between threads, hence the row sums' rounding). Saved for backward:
+    sum, weight, rstd (not residual or delta). Backward (:func:`add_rms_norm_cast_backward`):
+    reads normed's gradient (its size), sum (4) and sum's gradient (4), writes residual's
+    gradient (4) and delta's (its size); dW as :func:`rms_norm_cast`'s, run to run the same
+    bits. Where only ``sum`` is used, the backward is the add's (sum's gradient passed on, cast
+    for delta); where only ``normed`` is, sum's gradient is not read.
 
     Args:
         residual: (..., D) float32 tensor (the residual stream), on CUDA (or CPU under
-            ``TRITON_INTERPRET=1``); its last dimension contiguous or copied so.
+            ``TRITON_INTERPRET=1``); its last dimension contiguous or copied so. bfloat16 /
+            float16 only where no gradient is needed (none of the inputs requires grad, or
+            grad mode is off: a bf16 model's inference).
         delta: the branch output added to it, residual's shape and device, any float dtype
-            (bf16 under autocast); converted to fp32 as it is loaded (an fp64 delta is
-            narrowed: the sum is fp32).
+            (bf16 under autocast); converted to fp32 as it is loaded, the fp32 sum rounded once
+            to residual's dtype (an fp64 delta is narrowed).
         weight: (D,) float tensor on residual's device (fp32 master weight).
         eps: added to the mean square (the norm's ``variance_epsilon``).
         out_dtype: normed's float dtype (bf16 under autocast).
 
     Returns:
-        (sum, normed): contiguous (..., D) tensors, sum float32, normed ``out_dtype`` (the fp32
-        result rounded once). Autograd: residual's gradient fp32, delta's in delta's dtype (the
-        one fp32 total, rounded once), weight's in weight's dtype (accumulated in fp32); the
-        gradients of sum and normed may be any float dtype, or absent. ``sum`` is saved for
-        backward: modifying it in place makes backward raise (autograd's version check). NaN and
-        inf propagate as in PyTorch's add and RMSNorm (a NaN in residual or delta makes its
-        row of normed NaN; an inf makes that row's rstd 0: NaN where the inf was, 0 beside it).
+        (sum, normed): contiguous (..., D) tensors, sum in residual's dtype (PyTorch's
+        ``residual + delta`` for a delta of that dtype, or fp32 one), normed ``out_dtype``
+        (:func:`rms_norm_cast`'s rounding of that sum). Autograd (fp32 residual): residual's
+        gradient fp32, delta's in delta's dtype (the one fp32 total, rounded once), weight's in
+        weight's dtype (accumulated in fp32); the gradients of sum and normed may be any float
+        dtype, or absent. ``sum`` is saved for backward: modifying it in place makes backward
+        raise (autograd's version check). NaN and inf propagate as in PyTorch's add and RMSNorm
+        (a NaN in residual or delta makes its row of normed NaN; an inf makes that row's rstd
+        0: NaN where the inf was, 0 beside it).
 
     Raises:
-        ValueError: residual 0-dim or not float32; delta of another shape or device; weight
-            not (D,) or on another device; D over 65536; a dtype that is not floating point.
+        ValueError: residual 0-dim, not float32 / bfloat16 / float16, or not float32 where a
+            gradient is needed; delta of another shape or device; weight not (D,) or on another
+            device; D over 65536; a dtype that is not floating point.
 
     Source: Zhang & Sennrich (2019) for the norm; the fusion as vLLM's ``fused_add_rms_norm``
     and Liger-Kernel's ``LigerFusedAddRMSNorm`` (module docstring).
@@ -427,9 +449,16 @@ def add_rms_norm_cast(residual: torch.Tensor, delta: torch.Tensor, weight: torch
     if delta.device != residual.device or weight.device != residual.device:
         raise ValueError(f"add_rms_norm_cast: residual on {residual.device}, delta on "
                          f"{delta.device}, weight on {weight.device}: one device expected")
-    if residual.dtype != torch.float32:
-        raise ValueError(f"add_rms_norm_cast: residual must be float32 (the residual stream; the "
-                         f"sum is fp32), got {residual.dtype}")
+    if residual.dtype not in _SUM_DTYPES:
+        raise ValueError(f"add_rms_norm_cast: residual must be float32, or bfloat16 / float16 "
+                         f"without autograd (the sum is in its dtype), got {residual.dtype}")
+    if residual.dtype != torch.float32 and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (residual, delta, weight)):
+        # the backward kernel's total and its residual gradient are in the sum's dtype: only
+        # fp32 is the gradient autograd would give
+        raise ValueError(f"add_rms_norm_cast: a {residual.dtype} residual has no backward here "
+                         "(its sum is in its dtype); run it under torch.no_grad() or pass the "
+                         "fp32 residual stream")
     if not (delta.is_floating_point() and weight.is_floating_point()
             and out_dtype.is_floating_point):
         raise ValueError(f"add_rms_norm_cast: float tensors and dtype expected, got delta "
