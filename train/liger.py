@@ -39,6 +39,8 @@ from twell.ops.rms_norm import add_rms_norm_cast, rms_norm_cast
 
 _ROPE_STATE = threading.local()  # depth of liger-enabled attention forwards on this thread
 _STOCK_ROPE = None  # transformers' apply_rotary_pos_emb, kept when the dispatcher goes in
+# residual streams and norm weights whose inference norm rms_norm_cast writes (fp64: stock)
+_STREAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def liger_available() -> bool:
@@ -68,19 +70,33 @@ def liger_enabled(setting: bool | None, *, device_type: str, precision: str,
 
 def fused_cast_dtype(norm, x) -> torch.dtype | None:
     """The dtype in which ``norm``'s forward writes its output for input ``x`` through
-    :func:`twell.ops.rms_norm.rms_norm_cast` (the autocast dtype: bf16), or None where it runs
-    something else (Liger's kernel, with or without a cast after it; transformers' forward).
+    :func:`twell.ops.rms_norm.rms_norm_cast`, or None where it runs something else (Liger's
+    kernel, with or without a cast after it; transformers' forward).
 
-    That is: a norm patched by :func:`use_liger` with ``norm_out_autocast`` and
-    ``fused_norm_cast``, an fp32 ``x`` on the norm's kernel device (``_twell_cast_device``:
-    ``"cuda"``; tests set ``"cpu"`` to run the kernel in Triton's interpreter) under that
-    device's autocast. Only there can ``train.residual_join`` hand the norm a residual add."""
+    That is, for a norm patched by :func:`use_liger` with ``norm_out_autocast`` and
+    ``fused_norm_cast`` and ``x`` on the norm's kernel device (``_twell_cast_device``:
+    ``"cuda"``; tests set ``"cpu"`` to run the kernel in Triton's interpreter):
+
+    * training's case, an fp32 ``x`` (the residual stream) under that device's autocast: the
+      autocast dtype (bf16), with or without grad mode;
+    * inference's, grad mode off and ``x`` and the weight fp32 / bf16 / fp16 (a bf16 model's
+      forward, evaluation, generation): the stock norm's output dtype (the two promoted: bf16
+      in a bf16 model), where Liger's kernel ran before (bf16 in and out; the same math and
+      launch: one program a row).
+
+    Only there can ``train.residual_join`` hand the norm a residual add: in inference's case
+    the sum is then in x's dtype (``add_rms_norm_cast`` has no backward for a bf16 sum; grad
+    mode is off)."""
     dev = getattr(norm, "_twell_cast_device", None)
     if not (getattr(norm, "_twell_cast_out", False) and getattr(norm, "_twell_cast_fused", False)
-            and x.device.type == dev and x.dtype == torch.float32
-            and torch.is_autocast_enabled(dev)):
+            and x.device.type == dev):
         return None
-    return torch.get_autocast_dtype(dev)
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    if not torch.is_grad_enabled() and x.dtype in _STREAM_DTYPES \
+            and norm.weight.dtype in _STREAM_DTYPES:
+        return torch.promote_types(x.dtype, norm.weight.dtype)
+    return None
 
 
 def _norm_forward(self, hidden_states: torch.Tensor, delta: torch.Tensor | None = None):

@@ -18,23 +18,30 @@ residual add goes through it with the norm after it:
 
 Measured (one H100, ``scripts/bench_norm.py``, 32768 x 2048): the add and the norm apart
 411 us forward + 664 us backward, joined 273 + 460: 343 us less a join and step, two joins a
-layer (BENCHMARKS.md, "The fused op, built"); not yet timed in the whole model.
+layer (BENCHMARKS.md, "The fused op, built"); not yet timed in the whole model. In a bf16
+model's inference forward a join moves 8 bytes an element where the add (6) and Liger's norm
+(4) move 10 (not yet timed).
 
-A layer joins when it is in training mode, is not checkpointed now (``layer.gradient_
-checkpointing`` off: ``trainer.grad_checkpointing=false`` or the memory planner's ``none``), no
-hidden states are being recorded (``output_hidden_states``), and its norms write their output
-through ``rms_norm_cast`` for its fp32 input (:func:`train.liger.fused_cast_dtype`: CUDA bf16
-autocast with Liger's norms and ``fused_norm_cast``). Every other call (evaluation, generation,
-checkpointed layers, the CPU, fp32) first adds a pending pair with PyTorch's add (the stock
-layer's own op: the same sum) and runs the forward the layer had: transformers' (checkpointing)
-forward or ``train.recompute``'s selective one, whose checkpoint then keeps the one fp32 input
-it keeps now (a pair would keep the bf16 branch output too: 2 N D bytes more a layer).
+A layer joins when it is not checkpointed now (``layer.gradient_checkpointing`` off:
+``trainer.grad_checkpointing=false`` or the memory planner's ``none``; or grad mode off, where
+nothing is checkpointed), no hidden states are being recorded (``output_hidden_states``), and its
+norms write their output through ``rms_norm_cast`` for its input
+(:func:`train.liger.fused_cast_dtype`, on CUDA with Liger's norms and ``fused_norm_cast``):
+training's fp32 stream under bf16 autocast (the fp32 sum, with autograd; evaluation under autocast
+too), or, with grad mode off, a stream of any of fp32 / bf16 / fp16 (inference: a bf16 model's
+forward, generation with a KV cache, which the attention writes as in the stock layer; the sum then
+in the stream's dtype, as PyTorch's add gives it). Every other call (checkpointed layers, recorded
+hidden states, a bf16 stream with grad mode on, the CPU) first adds a pending pair with PyTorch's
+add (the stock layer's own op: the same sum) and runs the forward the layer had: transformers'
+(checkpointing) forward or ``train.recompute``'s selective one, whose checkpoint then keeps the one
+fp32 input it keeps now (a pair would keep the bf16 branch output too: 2 N D bytes more a layer).
 
-Numerics: the sum is PyTorch's (fp32 + bf16 widened, rounded once); the norm output is
-``rms_norm_cast``'s of that sum (the same kernel, fed the sum it stores; bitwise under the
-interpreter, on CUDA ``tests/ops/test_rms_norm.py``); in backward the residual's gradient is the
-norm's input gradient plus the sum's, added in fp32 in the kernel as autograd adds them, and
-the branch's is that total rounded once to bf16, as autograd's cast rounds it.
+Numerics: the sum is PyTorch's (fp32 + bf16 widened, rounded once; in a bf16 model bf16 + bf16
+rounded to bf16); the norm output is ``rms_norm_cast``'s of that sum (the same kernel, fed the sum
+it stores; bitwise under the interpreter, on CUDA ``tests/ops/test_rms_norm.py``); in backward the
+residual's gradient is the norm's input gradient plus the sum's, added in fp32 in the kernel as
+autograd adds them, and the branch's is that total rounded once to bf16, as autograd's cast rounds
+it.
 
 ``trainer.recompute_norms`` (``train.lean_saves``) keeps working unchanged in substance: the
 joined norm is still called as the module, so its forward hook registers the returned sum as
@@ -68,8 +75,9 @@ except ImportError:  # other versions: only the forward's own output_hidden_stat
 
 class PendingJoin:
     """A joining layer's output left unsummed: ``residual + delta`` is the stock layer's
-    output. ``residual`` (B, T, D) fp32, the stream after the attention's add; ``delta`` (B,
-    T, D) the FFN's output (bf16 under autocast). Not a tuple, so that code expecting a tensor
+    output. ``residual`` (B, T, D) the stream after the attention's add (fp32 in training, the
+    model's dtype in a bf16 model's inference); ``delta`` (B, T, D) the FFN's output (bf16
+    under autocast). Not a tuple, so that code expecting a tensor
     fails loudly rather than taking one of the two."""
 
     __slots__ = ("delta", "residual")
@@ -78,7 +86,7 @@ class PendingJoin:
         self.residual, self.delta = residual, delta
 
     def resolve(self) -> torch.Tensor:
-        """``residual + delta`` (B, T, D) fp32 with PyTorch's add, as the stock layer adds."""
+        """``residual + delta`` (B, T, D) with PyTorch's add, as the stock layer adds."""
         return self.residual + self.delta
 
 
@@ -92,8 +100,7 @@ def _recording_hidden_states(kwargs: dict) -> bool:
 
 def _joins(layer, residual: torch.Tensor, kwargs: dict) -> bool:
     """Whether ``layer`` runs its joined forward for this input (module docstring)."""
-    if not layer.training or (getattr(layer, "gradient_checkpointing", False)
-                              and torch.is_grad_enabled()):
+    if getattr(layer, "gradient_checkpointing", False) and torch.is_grad_enabled():
         return False
     if _recording_hidden_states(kwargs):
         return False
@@ -106,15 +113,16 @@ def _joined_forward(self, hidden_states, *args, **kwargs):
     (module docstring); otherwise the forward the layer had (``_twell_inner_forward``).
 
     Args:
-        hidden_states: (B, T, D) fp32, or the previous layer's :class:`PendingJoin`.
+        hidden_states: (B, T, D) fp32 (training) or the model's dtype, or the previous layer's
+            :class:`PendingJoin`.
         args, kwargs: as ``LlamaDecoderLayer.forward``'s (``attention_mask``,
             ``position_embeddings``, ``position_ids``, ``cache``, ``use_cache``, ...); the
             joined forward passes ``kwargs`` to ``self_attn`` as the stock forward does
             (positional extras are left to the layer's own forward).
 
     Returns:
-        ``PendingJoin(residual (B, T, D) fp32, FFN output (B, T, D))`` where the layer joins,
-        else the layer's own output (B, T, D).
+        ``PendingJoin(residual (B, T, D) in hidden_states' dtype, FFN output (B, T, D))`` where
+        the layer joins, else the layer's own output (B, T, D).
     """
     pending = hidden_states if isinstance(hidden_states, PendingJoin) else None
     residual = hidden_states if pending is None else pending.residual
