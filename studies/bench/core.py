@@ -51,6 +51,7 @@ from studies.bench.steps import (
 from studies.sizes import check_sizes
 from train.liger import liger_enabled, use_liger
 from train.memory import Candidate
+from train.residual_join import use_fused_joins
 
 
 @dataclass
@@ -350,7 +351,10 @@ def build_forward(run: SizeRun, impl: str):
     """The decoder stack (no LM head) of the bench model in eval mode for inference impl
     ``impl``: stock transformers for the baselines (``hf``, ``liger``, ``compile``), else our
     model of ``ffn.impl=impl`` without the FFNs' statistics, with Liger-Kernel where our
-    trainer would run it; bf16 when the run is."""
+    trainer would run it and, as its setup (``train.setup.prepare_model``) sets them, the norms
+    through ``rms_norm_cast`` and each residual add joined to the norm after it
+    (``train.residual_join``: in this no-grad bf16 forward the sum is bf16); bf16 when the run
+    is."""
     from twell.hf import ffn_modules
     from twell.nn.plan import FFNPlan
 
@@ -364,7 +368,13 @@ def build_forward(run: SizeRun, impl: str):
         FFNPlan(ffn_modules(model)).set_collect_stats(False)  # no counting pass
         if liger_enabled(None, device_type=dev.type, precision="bf16" if run.bf16 else "fp32",
                          compile=False):
-            use_liger(model, fused_linear_ce=False)  # as our trainer runs (no loss here)
+            t = run.cfg1.trainer
+            fused = t.norm_out_bf16 is not False and t.fused_norm_cast is not False
+            # as our trainer runs (no loss here)
+            use_liger(model, fused_linear_ce=False, norm_out_autocast=t.norm_out_bf16 is not False,
+                      fused_norm_cast=fused)
+            if fused:
+                use_fused_joins(model)
     return model.eval().model
 
 
