@@ -477,8 +477,9 @@ class TrainerConfig:
     the kernel"). In CUDA runs without FSDP it also joins each residual add to the norm after
     it (train/residual_join.py: the attention's add with post_attention_layernorm, the FFN's
     with the next layer's input_layernorm or the final norm; one kernel each way, the same sum
-    and norm output; layers in training mode without checkpointing only): 343 us less a join
-    and step at 32768 x 2048 on one H100, two joins a layer; not yet timed in the model."""
+    and norm output; layers without checkpointing only, also in evaluation and generation, the
+    sum in the stream's dtype there): 343 us less a join and step at 32768 x 2048 on one H100,
+    two joins a layer; not yet timed in the model."""
     ce_chunk_rows: int = 4096
     """Rows of logits per chunk of the distillation loss (CE + KL, train/loss.py;
     = train.loss.CE_CHUNK_ROWS): its transient memory is about six fp32 rows x vocab tensors."""
