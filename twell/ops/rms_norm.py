@@ -388,6 +388,37 @@ class _AddRMSNormCast(torch.autograd.Function):
                 dw.to(weight.dtype) if need_weight else None, None, None)
 
 
+def _check_add_args(residual, delta, weight, out_dtype) -> None:
+    """:func:`add_rms_norm_cast`'s argument checks: all its ValueErrors but the width's."""
+    if residual.dim() == 0:
+        raise ValueError("add_rms_norm_cast: residual must have a last dimension to normalise, "
+                         "got a 0-dim tensor")
+    if delta.shape != residual.shape:
+        raise ValueError(f"add_rms_norm_cast: delta must have residual's shape "
+                         f"{tuple(residual.shape)}, got {tuple(delta.shape)}")
+    d = residual.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"add_rms_norm_cast: weight must be ({d},) for residual of shape "
+                         f"{tuple(residual.shape)}, got {tuple(weight.shape)}")
+    if delta.device != residual.device or weight.device != residual.device:
+        raise ValueError(f"add_rms_norm_cast: residual on {residual.device}, delta on "
+                         f"{delta.device}, weight on {weight.device}: one device expected")
+    if residual.dtype not in _SUM_DTYPES:
+        raise ValueError(f"add_rms_norm_cast: residual must be float32, or bfloat16 / float16 "
+                         f"without autograd (the sum is in its dtype), got {residual.dtype}")
+    if residual.dtype != torch.float32 and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (residual, delta, weight)):
+        # the backward kernel's total and its residual gradient are in the sum's dtype: only
+        # fp32 is the gradient autograd would give
+        raise ValueError(f"add_rms_norm_cast: a {residual.dtype} residual has no backward here "
+                         "(its sum is in its dtype); run it under torch.no_grad() or pass the "
+                         "fp32 residual stream")
+    if not (delta.is_floating_point() and weight.is_floating_point()
+            and out_dtype.is_floating_point):
+        raise ValueError(f"add_rms_norm_cast: float tensors and dtype expected, got delta "
+                         f"{delta.dtype}, weight {weight.dtype}, out_dtype {out_dtype}")
+
+
 def add_rms_norm_cast(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                       eps: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``sum = residual + delta`` (in residual's dtype: fp32 in training) and ``normed =
@@ -436,34 +467,8 @@ def add_rms_norm_cast(residual: torch.Tensor, delta: torch.Tensor, weight: torch
     Source: Zhang & Sennrich (2019) for the norm; the fusion as vLLM's ``fused_add_rms_norm``
     and Liger-Kernel's ``LigerFusedAddRMSNorm`` (module docstring).
     """
-    if residual.dim() == 0:
-        raise ValueError("add_rms_norm_cast: residual must have a last dimension to normalise, "
-                         "got a 0-dim tensor")
-    if delta.shape != residual.shape:
-        raise ValueError(f"add_rms_norm_cast: delta must have residual's shape "
-                         f"{tuple(residual.shape)}, got {tuple(delta.shape)}")
-    d = residual.shape[-1]
-    if weight.shape != (d,):
-        raise ValueError(f"add_rms_norm_cast: weight must be ({d},) for residual of shape "
-                         f"{tuple(residual.shape)}, got {tuple(weight.shape)}")
-    if delta.device != residual.device or weight.device != residual.device:
-        raise ValueError(f"add_rms_norm_cast: residual on {residual.device}, delta on "
-                         f"{delta.device}, weight on {weight.device}: one device expected")
-    if residual.dtype not in _SUM_DTYPES:
-        raise ValueError(f"add_rms_norm_cast: residual must be float32, or bfloat16 / float16 "
-                         f"without autograd (the sum is in its dtype), got {residual.dtype}")
-    if residual.dtype != torch.float32 and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (residual, delta, weight)):
-        # the backward kernel's total and its residual gradient are in the sum's dtype: only
-        # fp32 is the gradient autograd would give
-        raise ValueError(f"add_rms_norm_cast: a {residual.dtype} residual has no backward here "
-                         "(its sum is in its dtype); run it under torch.no_grad() or pass the "
-                         "fp32 residual stream")
-    if not (delta.is_floating_point() and weight.is_floating_point()
-            and out_dtype.is_floating_point):
-        raise ValueError(f"add_rms_norm_cast: float tensors and dtype expected, got delta "
-                         f"{delta.dtype}, weight {weight.dtype}, out_dtype {out_dtype}")
-    _launch(d, "add_rms_norm_cast")
+    _check_add_args(residual, delta, weight, out_dtype)
+    _launch(residual.shape[-1], "add_rms_norm_cast")
     return _AddRMSNormCast.apply(residual, delta, weight.contiguous(), float(eps), out_dtype)
 
 
