@@ -152,8 +152,9 @@ def _final_norm_in(norm, args):
 
 
 def _final_norm_out(norm, args, output):
-    """The final norm's forward hook: of a join's (sum, normed), the normed (B, T, D) that the
-    LM head reads (the sum has no other reader: its gradient stays None)."""
+    """The final norm's forward hook (run before its other forward hooks): of a join's (sum,
+    normed), the normed (B, T, D) that the LM head reads (the sum has no other reader: its
+    gradient stays None). Pre-hooks registered before the joins still see the pending pair."""
     return output[1] if isinstance(output, tuple) else None
 
 
@@ -190,7 +191,8 @@ def use_fused_joins(model) -> int:
         n += 1
     if not getattr(stack.norm, "_twell_join_hooks", False):
         stack.norm.register_forward_pre_hook(_final_norm_in)
-        stack.norm.register_forward_hook(_final_norm_out)
+        # first of the norm's forward hooks: those registered earlier see the normed output too
+        stack.norm.register_forward_hook(_final_norm_out, prepend=True)
         stack.norm._twell_join_hooks = True
     return n
 

@@ -412,3 +412,21 @@ def test_cuda_joined_model_matches_the_unjoined_one(lean, joined):
     assert max(errs.values()) < 1e-4, errs
     if lean:
         _assert_equal(got, run(True, False))
+
+
+def test_forward_hooks_on_the_final_norm_see_its_normed_output(joined):
+    """A forward hook on ``model.norm`` registered before the joins sees the normed (B, T, D)
+    tensor the LM head reads, the unjoined model's bits, not the join's (sum, normed) pair."""
+    def run(joins):
+        seen = []
+        model = _model(False)
+        model.model.norm.register_forward_hook(lambda m, a, out: seen.append(out))
+        if joins:
+            use_fused_joins(model)
+        _step(model)
+        return seen
+
+    got, want = run(True), run(False)
+    assert len(joined) == 2 * L
+    assert len(got) == 1 and isinstance(got[0], torch.Tensor)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
