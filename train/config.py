@@ -479,7 +479,8 @@ class TrainerConfig:
     with the next layer's input_layernorm or the final norm; one kernel each way, the same sum
     and norm output; layers without checkpointing only, also in evaluation and generation, the
     sum in the stream's dtype there): 343 us less a join and step at 32768 x 2048 on one H100,
-    two joins a layer; not yet timed in the model."""
+    two joins a layer; with the norm backward's launch, +3.8 % (dense) / +5.0 % (ell) tokens/ms
+    in the 1.5B bench on one H100 (BENCHMARKS.md, 2026-12-05, fourth)."""
     ce_chunk_rows: int = 4096
     """Rows of logits per chunk of the distillation loss (CE + KL, train/loss.py;
     = train.loss.CE_CHUNK_ROWS): its transient memory is about six fp32 rows x vocab tensors."""
