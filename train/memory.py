@@ -438,8 +438,7 @@ class MemoryPlanner:
         if fitting:
             i, note = choose_within_noise([(c, self.tok_per_ms(c), self.spread(c))
                                            for c in fitting])
-            if note:
-                why = f"{why}; {note}" if self.user_micro is not None else note
+            why = note or why  # a user-set micro-batch leaves one size per mode: no note
             return fitting[i], why, True
         ran = [c for c, m in self.measured.items() if not m.oom]
         if ran:
@@ -510,7 +509,7 @@ def choose_within_noise(options: list[tuple[Candidate, float, float]]) -> tuple[
     whose costs beyond forward+backward a probe does not time (:data:`PROBE_NOISE`'s comment
     has the timed cases), so a smaller one (``below``'s) wins only when faster by more than the
     noise. Across recomputations the
-    fastest decides, as before: no timed case says which way a tie between modes goes.
+    fastest decides: no timed case says which way a tie between modes goes.
 
     Args:
         options: ``(candidate, tokens/ms of forward+backward, the probe's relative spread)``;
