@@ -901,14 +901,14 @@ def test_choose_within_noise_rule():
                         "53.5 tok/ms; the probes' noise)")
     i, note = memory.choose_within_noise([(c(13, "none"), 60.0, 0.0), (c(16, "none"), 52.0, 0.0)])
     assert (i, note) == (0, "")
-    # across recomputations the fastest decides, as before; within its mode the larger
+    # across recomputations the fastest decides; within its mode the larger
     # micro-batch: attention 24 (53.0) is fastest, none 32 (52.5) within noise stays out,
     # attention 29 (51.8, 2.3 % slower) is taken
     opts = [(c(32, "none"), 52.5, 0.0), (c(24, "attention"), 53.0, 0.0)]
     assert memory.choose_within_noise(opts) == (1, "")
     opts.append((c(29, "attention"), 51.8, 0.0))
     assert memory.choose_within_noise(opts)[0] == 2
-    # nothing timed (nan): the first by recomputation, as before
+    # nothing timed (nan): the first by recomputation
     assert memory.choose_within_noise([(c(8, "full"), math.nan, 0.0),
                                        (c(4, "none"), math.nan, 0.0)])[0] == 1
     with pytest.raises(ValueError, match="no options"):
