@@ -52,9 +52,18 @@ the norm's input and the normed output as its output; the recipe recomputes ``no
 
 Installed on this model's instances only (an instance ``forward`` on each decoder layer, which
 ``train.recompute`` installs its selective forward beneath; a forward pre- and post-hook on the
-final norm); no parameter or buffer is added (the state dict is stock Llama's). Not under FSDP:
-its hooks on each layer cast and track tensors of the layer's inputs and outputs, which a pair
-would pass by (untested; ``train.setup`` does not install it there).
+final norm); no parameter or buffer is added (the state dict is stock Llama's). The final norm's
+other hooks see what a stock model gives them: its forward hooks the normed output, its forward
+pre-hooks the summed hidden state (B, T, D), which they may replace. While it has other
+pre-hooks (``module._forward_pre_hooks`` besides the join's), the last FFN's add runs with
+PyTorch's add and the norm unjoined on that sum (the same bits, one join fewer a step): a
+pre-hook runs before the joined kernel would add the sum, so giving it the sum would add it
+twice. Module pre-hooks registered with ``prepend=True`` after the joins and global ones
+(``torch.nn.modules.module.register_module_forward_pre_hook``) run before the join's and still
+see the :class:`PendingJoin`, as do hooks on the decoder layers (a joining layer's output, the
+next one's ``hidden_states``). Not under FSDP: its hooks on each layer cast and track tensors of
+the layer's inputs and outputs, which a pair would pass by (untested; ``train.setup`` does not
+install it there).
 
 Source: the fusion as vLLM's ``fused_add_rms_norm`` and its Llama decoder layers use it
 (``LlamaDecoderLayer.forward(positions, hidden_states, residual)``); written here.
@@ -143,12 +152,17 @@ def _joined_forward(self, hidden_states, *args, **kwargs):
 
 
 def _final_norm_in(norm, args):
-    """The final norm's forward pre-hook: a pending pair becomes the norm's (residual, delta)
-    where the norm can join it, else its sum."""
+    """The final norm's first forward pre-hook: a pending pair becomes the norm's (residual,
+    delta) where the norm can join it and has no other pre-hook, else its sum (B, T, D), the
+    input a stock model passes, which the norm's later pre-hooks see (and may replace) and its
+    own forward reads."""
     if not (args and isinstance(args[0], PendingJoin)):
         return None
     pending = args[0]
-    if fused_cast_dtype(norm, pending.residual) is not None:
+    # any other pre-hook must see the summed hidden state, which the joined kernel would only
+    # produce after them: the sum is added once with PyTorch, the norm then runs unjoined
+    others = any(key != norm._twell_join_pre_hook for key in norm._forward_pre_hooks)
+    if not others and fused_cast_dtype(norm, pending.residual) is not None:
         return (pending.residual, pending.delta, *args[1:])
     return (pending.resolve(), *args[1:])
 
@@ -156,7 +170,7 @@ def _final_norm_in(norm, args):
 def _final_norm_out(norm, args, output):
     """The final norm's forward hook (run before its other forward hooks): of a join's (sum,
     normed), the normed (B, T, D) that the LM head reads (the sum has no other reader: its
-    gradient stays None). Pre-hooks registered before the joins still see the pending pair."""
+    gradient stays None)."""
     return output[1] if isinstance(output, tuple) else None
 
 
@@ -192,7 +206,9 @@ def use_fused_joins(model) -> int:
         layer.forward = types.MethodType(_joined_forward, layer)
         n += 1
     if not getattr(stack.norm, "_twell_join_hooks", False):
-        stack.norm.register_forward_pre_hook(_final_norm_in)
+        # first of the norm's pre-hooks, so that those registered earlier see a tensor too
+        handle = stack.norm.register_forward_pre_hook(_final_norm_in, prepend=True)
+        stack.norm._twell_join_pre_hook = handle.id
         # first of the norm's forward hooks: those registered earlier see the normed output too
         stack.norm.register_forward_hook(_final_norm_out, prepend=True)
         stack.norm._twell_join_hooks = True
