@@ -72,7 +72,9 @@ Shapes: B batch, T tokens, D model width.
 
 from __future__ import annotations
 
+import inspect
 import types
+import warnings
 
 import torch
 
@@ -82,6 +84,12 @@ try:  # transformers >= 5: output_hidden_states recorded by hooks on the decoder
     from transformers.utils.output_capturing import _active_collector
 except ImportError:  # other versions: only the forward's own output_hidden_states is seen
     _active_collector = None
+
+
+# transformers' renames of a decoder layer's KV-cache keyword, (deprecated, accepted), as
+# ``deprecate_kwarg`` on ``LlamaDecoderLayer.forward`` does them: 5.x takes ``cache`` and renames
+# ``past_key_values``; 4.56 - 4.x take ``past_key_values`` and rename ``past_key_value``
+_CACHE_RENAMES = (("past_key_values", "cache"), ("past_key_value", "past_key_values"))
 
 
 class PendingJoin:
@@ -119,6 +127,36 @@ def _joins(layer, residual: torch.Tensor, kwargs: dict) -> bool:
                for norm in (layer.input_layernorm, layer.post_attention_layernorm))
 
 
+def _cache_rename(layer_cls) -> tuple[str, str] | None:
+    """The (deprecated, accepted) KV-cache keywords of ``layer_cls.forward``, or None where its
+    signature (transformers' own, under its decorators) takes neither form."""
+    params = inspect.signature(layer_cls.forward).parameters
+    return next(((old, new) for old, new in _CACHE_RENAMES
+                 if new in params and old not in params), None)
+
+
+def _attention_kwargs(layer, kwargs: dict) -> dict:
+    """``kwargs`` with the deprecated KV-cache keyword renamed as the stock layer's forward
+    renames it before its attention sees it (its FutureWarning; where both are given, the
+    accepted one is kept and the deprecated one dropped): the attention then gets the cache
+    whether or not its own forward renames the keyword too."""
+    rename = layer._twell_cache_rename
+    if rename is None or rename[0] not in kwargs:
+        return kwargs
+    old, new = rename
+    kwargs = dict(kwargs)
+    value = kwargs.pop(old)
+    name = f"{type(layer).__name__}.forward"
+    if new in kwargs:
+        warnings.warn(f"Both `{old}` and `{new}` are set for `{name}`; using `{new}` and "
+                      f"ignoring the deprecated `{old}`.", FutureWarning, stacklevel=2)
+    else:
+        kwargs[new] = value
+        warnings.warn(f"`{old}` is deprecated for `{name}`. Use `{new}` instead.",
+                      FutureWarning, stacklevel=2)
+    return kwargs
+
+
 def _joined_forward(self, hidden_states, *args, **kwargs):
     """A Llama decoder layer's forward with its residual adds joined to the norms after them
     (module docstring); otherwise the forward the layer had (``_twell_inner_forward``).
@@ -128,8 +166,9 @@ def _joined_forward(self, hidden_states, *args, **kwargs):
             :class:`PendingJoin`.
         args, kwargs: as ``LlamaDecoderLayer.forward``'s (``attention_mask``,
             ``position_embeddings``, ``position_ids``, ``cache``, ``use_cache``, ...); the
-            joined forward passes ``kwargs`` to ``self_attn`` as the stock forward does
-            (positional extras are left to the layer's own forward).
+            joined forward passes ``kwargs`` to ``self_attn`` as the stock forward does, a
+            deprecated KV-cache keyword renamed as it renames it (positional extras are left
+            to the layer's own forward).
 
     Returns:
         ``PendingJoin(residual (B, T, D) in hidden_states' dtype, FFN output (B, T, D))`` where
@@ -145,7 +184,7 @@ def _joined_forward(self, hidden_states, *args, **kwargs):
         x = self.input_layernorm(residual)
     else:
         residual, x = self.input_layernorm(residual, pending.delta)
-    out = self.self_attn(hidden_states=x, **kwargs)
+    out = self.self_attn(hidden_states=x, **_attention_kwargs(self, kwargs))
     residual, x = self.post_attention_layernorm(residual, out[0] if isinstance(out, tuple)
                                                 else out)
     return PendingJoin(residual, self.mlp(x))
@@ -203,6 +242,7 @@ def use_fused_joins(model) -> int:
         if "_twell_inner_forward" in vars(layer):
             continue
         layer._twell_inner_forward = layer.forward  # the class's, or train.recompute's
+        layer._twell_cache_rename = _cache_rename(type(layer))
         layer.forward = types.MethodType(_joined_forward, layer)
         n += 1
     if not getattr(stack.norm, "_twell_join_hooks", False):
