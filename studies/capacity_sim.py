@@ -23,7 +23,10 @@ of each sequence fully active, 1-3 redone steps in 15 with the window rule)::
   sigma 0.3;
 * ``surge``: ``docs`` where from step 300 every layer's ``lam`` rises 4 % a step for 40
   steps (L0 drifting up: heavy rows grow faster than L0) and stays there, falling back to
-  start again every 700 steps.
+  start again every 700 steps;
+* ``dips``: ``docs`` where 1 % of the steps are far below the rest in every layer (micro-batches
+  of a few long documents with few heavy tokens: no document start inside them and 0.1x the
+  other heavy tokens); the other steps are ``docs``'s.
 
 The step's count is the maximum over its micro-batches. :func:`replay` runs the trainer's
 protocol through a real :class:`twell.nn.plan.FFNPlan` (``begin_step`` / ``end_step``; a redone
@@ -44,7 +47,7 @@ from twell.nn import FFNPlan, PlanOptions, StepStats
 from twell.nn.mlp import SparseGatedMLP
 from twell.policy import FFNPolicy
 
-SCENARIOS = ("steady", "docs", "bursty", "early", "surge")
+SCENARIOS = ("steady", "docs", "bursty", "early", "surge", "dips")
 NUM_LAYERS, SEQ_LEN, SEQUENCES = 28, 2048, 8
 D, H = 2048, 5632  # the 1.5B shape
 MICRO_MS = SEQUENCES * SEQ_LEN / 26.2  # plain transformers' 1.5B micro-step on one H200 (ms)
@@ -96,6 +99,10 @@ def make_trace(scenario: str, steps: int, accum: int, seed: int,
         mult[:, :, bursty] = np.where(hit, rng.uniform(2, 4, shape), 1.0)
         rate = rate * mult
     heavy = k * (sequences + docs) + rng.poisson(rate)  # (S, A, L)
+    if scenario == "dips":  # its own generator: the other steps stay docs's
+        aside = np.random.default_rng((seed, 1))
+        dip = aside.random((steps, 1, 1)) < 0.01
+        heavy = np.where(dip, k * sequences + aside.poisson(0.1 * rate), heavy)
     return np.minimum(heavy, sequences * SEQ_LEN).max(axis=1).astype(float)
 
 

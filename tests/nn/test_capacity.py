@@ -277,6 +277,17 @@ def test_simulated_redo_rates():
     assert scaled.redo_per_100 <= forgot.redo_per_100
 
 
+def test_dips_trace_is_docs_but_for_one_step_in_100():
+    """The ``dips`` scenario: ``docs``'s trace but for ~1 % of the steps, far below it in every
+    layer (no document start and 0.1x the other heavy tokens)."""
+    from studies.capacity_sim import make_trace
+
+    docs, dips = make_trace("docs", 3000, 1, 0), make_trace("dips", 3000, 1, 0)
+    low = (docs != dips).any(axis=1)
+    assert 0.005 < low.mean() < 0.02
+    assert (dips[low] / docs[low]).mean() < 0.3
+
+
 def test_trainer_checkpoints_the_rule_state(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the op's PyTorch backend: fast
     from tests.train_utils import tiny_config, write_tokens
