@@ -79,6 +79,52 @@ def test_spread_and_drift_hand_computed():
     assert drift_factor([10.0] * 15) == drift_factor([0.0] * 8 + [5.0] * 8) == 1.0
 
 
+def _e_max(n):
+    """E[max of n standard normals] by Blom's formula, from torch's normal quantile."""
+    return torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor((n - 0.375) / (n + 0.25))).item()
+
+
+def test_spread_margin_counts_only_the_spread_above_the_median():
+    """32 counts, ln(1 + R) 16 x 1.0 and 16 x 1.2 (median 1.1): symmetric, so the upper spread
+    is the sample standard deviation, 0.1 sqrt(32 / 31), and the margin the 3.5-sigma one,
+    exp((3.5 - E[max of 32]) sd) = 1.1568. One count of 0 for a 1.0 leaves the median (the
+    16th and 17th sorted are still 1.0 and 1.2) and the deviations above it: the same 1.1568,
+    where the standard deviation (0.219) gave 1.369. One 3.2 for a 1.2 (the median stays 1.1)
+    adds a deviation of 2.1 above it: sqrt(2 (15 x 0.1^2 + 2.1^2) / 31) = 0.5424, 2.176."""
+    e32 = _e_max(32)
+    assert e32 == pytest.approx(2.0667, abs=1e-4)
+    lo, hi = math.exp(1.0) - 1, math.exp(1.2) - 1
+    sym = [lo, hi] * 16
+    sd = 0.1 * math.sqrt(32 / 31)
+    assert sd == pytest.approx(np.log1p(sym).std(ddof=1), rel=1e-12)  # the sample sd
+    assert spread_margin(sym) == pytest.approx(math.exp((3.5 - e32) * sd), rel=1e-5)
+    assert spread_margin(sym) == pytest.approx(1.1568, abs=1e-4)
+    low = [0.0] + sym[1:]  # sym[0] is a 1.0
+    assert spread_margin(low) == pytest.approx(1.1568, abs=1e-4)
+    assert spread_margin(low) == pytest.approx(spread_margin(sym), rel=1e-12)
+    high = sym[:-1] + [math.exp(3.2) - 1]  # sym[-1] is a 1.2
+    up = math.sqrt(2 * (15 * 0.1 ** 2 + 2.1 ** 2) / 31)
+    assert spread_margin(high) == pytest.approx(math.exp((3.5 - e32) * up), rel=1e-5)
+    assert spread_margin(high) == pytest.approx(2.176, abs=1e-3)
+
+
+def test_adaptive_capacity_ignores_a_step_far_below_the_rest():
+    """A layer alternating 50 and 150 heavy rows for 32 steps: ln 51 and ln 151, upper spread
+    (ln 151 - ln 51) / 2 sqrt(32 / 31) = 0.5514, spread headroom exp((3.5 - E[max of 32])
+    0.5514) = 2.2041 over the learned margin's 1.25 x cold 1.088: ceil(2.2041 x 150) + 16 =
+    347 -> 384 rows. A step with no heavy row in place of the first 50 gives the same 384 (the
+    standard deviation would have given a headroom of 3.97: 640 rows)."""
+    head = math.exp((3.5 - _e_max(32)) * (math.log(151) - math.log(51)) / 2 * math.sqrt(32 / 31))
+    assert head == pytest.approx(2.2041, abs=1e-4)
+    assert 64 * math.ceil((math.ceil(head * 150) + 16) / 64) == 384
+    for first in (50.0, 0.0):
+        b = BackupCapacity(1, "adaptive")
+        for r in [first, 150.0] + [50.0, 150.0] * 15:
+            cap = b.update([r])[0]
+        assert drift_factor(b.hist[0]) == 1.0  # the 0 is older than the drift's 16 steps
+        assert cap == 384, first
+
+
 def test_adaptive_rule_keeps_a_steady_layer_at_its_margin():
     """A layer whose counts barely vary: the spread headroom stays below the margin, so its
     capacity is what the margin alone gives (no rows added where nothing swings)."""
@@ -286,6 +332,18 @@ def test_dips_trace_is_docs_but_for_one_step_in_100():
     low = (docs != dips).any(axis=1)
     assert 0.005 < low.mean() < 0.02
     assert (dips[low] / docs[low]).mean() < 0.3
+
+
+def test_simulated_dips_do_not_raise_the_capacities():
+    """On the ``dips`` trace (``docs`` with ~1 % of the steps far below the rest) the adaptive
+    rule's mean capacity is within 1 % of ``docs``'s (1.002x on this seed; the two-sided
+    standard deviation gave 1.046x), for the same redone steps."""
+    from studies.capacity_sim import make_trace, replay
+
+    docs = replay(make_trace("docs", 1200, 1, 0), "adaptive", warm=200)
+    dips = replay(make_trace("dips", 1200, 1, 0), "adaptive", warm=200)
+    assert dips.mean_cap < 1.01 * docs.mean_cap, (docs, dips)
+    assert dips.redo_per_100 <= docs.redo_per_100
 
 
 def test_trainer_checkpoints_the_rule_state(tmp_path, monkeypatch):

@@ -30,9 +30,11 @@ micro-batch, measured in the step's one host sync):
     this layer caused multiplies it by 1.5, at most 4; every accepted step moves it back
     towards 1.25 by 1 % of the distance, half-life ~70 steps) times ``c`` below, or the
     spread headroom ``s`` (:func:`spread_margin`): the layer's own step-to-step variation,
-    ``exp((Z - E[max of n normals]) sd)`` with ``sd`` the standard deviation of
-    ``ln(1 + R)`` over its last 32 steps and ``Z`` = 3.5, so that a layer whose counts swing
-    gets the headroom its swings need, a steady one keeps ``m c``.
+    ``exp((Z - E[max of n normals]) up)`` with ``up`` the upper spread of ``ln(1 + R)`` over
+    its last 32 steps (from the deviations above their median only, scaled to equal the
+    standard deviation on symmetric noise: a step far below the rest does not raise it) and
+    ``Z`` = 3.5, so that a layer whose counts swing up gets the headroom its swings need, a
+    steady one keeps ``m c``.
 
   Evaluated on synthetic traces by :mod:`studies.capacity_sim`
   (``scripts/capacity_policy_sim.py``; docs/capacity_sim.md).
@@ -54,7 +56,7 @@ backup: arXiv 2603.23198, "Hybrid (training)"; the rules and their margins are o
 from __future__ import annotations
 
 import math
-from statistics import NormalDist
+from statistics import NormalDist, median
 
 from twell.ops.ffn_train import backup_capacity_for
 
@@ -66,12 +68,12 @@ MARGIN_MAX = 4.0
 MARGIN_DECAY = 0.01  # per accepted step, fraction of (margin - MARGIN_START) given back
 ROUND_ROWS = 64  # adaptive capacities are multiples of this
 RESTART_STEPS = 8  # steps of history a layer keeps when it moves to the ELL path
-# The adaptive rule's spread headroom (spread_margin): the capacity sits SPREAD_Z standard
-# deviations of ln(1 + R) above their mean, less what the window's maximum already stands above
-# it; 3.5 is an overflow in ~4000 steps of a layer whose counts are log-normal. The spread of
-# the last SPREAD_STEPS steps: the recent one (16 to 128 gave the same redo rates on the
-# synthetic traces). At most SPREAD_MAX: a layer swinging between 0 and a few rows has a huge
-# log spread and a small capacity either way.
+# The adaptive rule's spread headroom (spread_margin): the capacity sits SPREAD_Z upper spreads
+# of ln(1 + R) (the standard deviation of the counts above their median) above their median,
+# less what the window's maximum already stands above it; 3.5 is an overflow in ~4000 steps of a
+# layer whose counts are log-normal. The spread of the last SPREAD_STEPS steps: the recent one
+# (16 to 128 gave the same redo rates on the synthetic traces). At most SPREAD_MAX: a layer
+# swinging between 0 and a few rows has a huge log spread and a small capacity either way.
 SPREAD_Z = 3.5
 SPREAD_STEPS = 32
 SPREAD_MAX = MARGIN_MAX
@@ -98,25 +100,34 @@ def cold_margin(n: int, window: int) -> float:
 def spread_margin(hist: list[float], z: float = SPREAD_Z) -> float:
     """The adaptive rule's spread headroom (a factor on the window's maximum, >= 1) of a layer
     whose steps had the heavy-row counts ``hist`` (rows per FFN call, oldest first, at most the
-    rule's window): ``exp((z - E[max of n normals]) sd)``, ``sd`` the sample standard deviation
-    of ``ln(1 + R)`` over the last :data:`SPREAD_STEPS` counts, ``n`` the whole history's
-    length (the maximum the factor multiplies is over it), within ``[1, SPREAD_MAX]``; 1 with
-    fewer than two counts.
+    rule's window): ``exp((z - E[max of n normals]) up)``, ``n`` the whole history's length (the
+    maximum the factor multiplies is over it), within ``[1, SPREAD_MAX]``; 1 with fewer than
+    two counts. ``up`` is the upper spread of ``x = ln(1 + R)`` over the last
+    :data:`SPREAD_STEPS` counts ``x_1..x_k`` about their median ``med``::
+
+        up = sqrt(2 sum_i max(x_i - med, 0)^2 / (k - 1))
 
     Why: a fixed margin over the window's maximum suits a layer whose counts vary as little as
     the synthetic traces'; a layer whose counts swing more (batches heavy in several layers at
     once, a rising L0) overflows it. Its own spread says by how much: the capacity sits ``z``
-    standard deviations above the counts' mean, less what their maximum already stands above
-    it (``E[max]`` of ``n``: a short history, whose maximum is a weak bound, gets more)."""
-    recent = hist[-SPREAD_STEPS:]
+    spreads above the counts' centre, less what their maximum already stands above it
+    (``E[max]`` of ``n``: a short history, whose maximum is a weak bound, gets more).
+
+    Only the counts above the median count: a capacity guards against high counts, and a count
+    far below the rest (a batch with few heavy rows) would otherwise widen the spread and raise
+    the capacity for :data:`SPREAD_STEPS` steps without guarding against anything. The scale
+    is the standard deviation's on symmetric noise: for a normal ``x`` of standard deviation
+    ``sigma`` the median is the mean and ``E[max(x - med, 0)^2] = sigma^2 / 2`` (half the
+    squared deviations, the upper half), so ``up`` estimates ``sigma`` and ``z`` of them is the
+    same margin as ``z`` standard deviations; a sample symmetric about its median (any two
+    counts, say) gives exactly its sample standard deviation."""
+    recent = [math.log1p(max(v, 0.0)) for v in hist[-SPREAD_STEPS:]]
     if len(recent) < 2:
         return 1.0
-    ref = math.log1p(max(recent[0], 0.0))  # shifted: equal counts give exactly 0
-    dev = [math.log1p(max(v, 0.0)) - ref for v in recent]
-    mean = sum(dev) / len(dev)
-    sd = math.sqrt(sum((x - mean) ** 2 for x in dev) / (len(dev) - 1))
+    med = median(recent)  # equal counts: exactly each, so no spread
+    up = math.sqrt(2 * sum(max(x - med, 0.0) ** 2 for x in recent) / (len(recent) - 1))
     e_max = _NORMAL_MAX[min(len(hist), len(_NORMAL_MAX) - 1)]
-    return min(max(math.exp(max(z - e_max, 0.0) * sd), 1.0), SPREAD_MAX)
+    return min(max(math.exp(max(z - e_max, 0.0) * up), 1.0), SPREAD_MAX)
 
 
 def drift_factor(hist: list[float], steps: int = DRIFT_STEPS) -> float:
