@@ -70,7 +70,7 @@ RECOMPUTE_CHECKPOINT_FFN = {"none": None, "attention": "never", "attention_ell":
 RECOMPUTE_MODES = tuple(RECOMPUTE_CHECKPOINT_FFN)
 # kwargs naming a KV cache in the decoder layers of transformers 4.56 - 5.x; training never uses
 # one (transformers' own checkpointing sets them to None as well)
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def _attention_block(layer, hidden_states, kwargs):
@@ -173,7 +173,7 @@ def _selective_forward(self, hidden_states, *args, **kwargs):
     extra = bound.pop(self._twell_var_kw, {})
     bound.pop("hidden_states")
     attn_kwargs = {**bound, **extra}
-    for k in _CACHE_KWARGS:
+    for k in CACHE_KWARGS:
         if k in attn_kwargs:
             attn_kwargs[k] = None
     if "use_cache" in attn_kwargs:
