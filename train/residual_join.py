@@ -33,10 +33,11 @@ training's fp32 stream under bf16 autocast (the fp32 sum, with autograd; evaluat
 too), or, with grad mode off, a stream of any of fp32 / bf16 / fp16 (inference: a bf16 model's
 forward, generation with a KV cache, which the attention writes as in the stock layer; the sum then
 in the stream's dtype, as PyTorch's add gives it). Every other call (checkpointed layers, recorded
-hidden states, a bf16 stream with grad mode on, the CPU) first adds a pending pair with PyTorch's
-add (the stock layer's own op: the same sum) and runs the forward the layer had: transformers'
-(checkpointing) forward or ``train.recompute``'s selective one, whose checkpoint then keeps the one
-fp32 input it keeps now (a pair would keep the bf16 branch output too: 2 N D bytes more a layer).
+hidden states, a bf16 stream with grad mode on, the CPU, a KV cache under a keyword that
+transformers' own forward does not name) first adds a pending pair with PyTorch's add (the stock
+layer's own op: the same sum) and runs the forward the layer had: transformers' (checkpointing)
+forward or ``train.recompute``'s selective one, whose checkpoint then keeps the one fp32 input it
+keeps now (a pair would keep the bf16 branch output too: 2 N D bytes more a layer).
 
 Numerics: the sum is PyTorch's (fp32 + bf16 widened, rounded once; in a bf16 model bf16 + bf16
 rounded to bf16); the norm output is ``rms_norm_cast``'s of that sum (the same kernel, fed the sum
@@ -74,22 +75,16 @@ from __future__ import annotations
 
 import inspect
 import types
-import warnings
 
 import torch
 
 from train.liger import fused_cast_dtype
+from train.recompute import CACHE_KWARGS
 
 try:  # transformers >= 5: output_hidden_states recorded by hooks on the decoder layers
     from transformers.utils.output_capturing import _active_collector
 except ImportError:  # other versions: only the forward's own output_hidden_states is seen
     _active_collector = None
-
-
-# transformers' renames of a decoder layer's KV-cache keyword, (deprecated, accepted), as
-# ``deprecate_kwarg`` on ``LlamaDecoderLayer.forward`` does them: 5.x takes ``cache`` and renames
-# ``past_key_values``; 4.56 - 4.x take ``past_key_values`` and rename ``past_key_value``
-_CACHE_RENAMES = (("past_key_values", "cache"), ("past_key_value", "past_key_values"))
 
 
 class PendingJoin:
@@ -119,42 +114,17 @@ def _recording_hidden_states(kwargs: dict) -> bool:
 
 def _joins(layer, residual: torch.Tensor, kwargs: dict) -> bool:
     """Whether ``layer`` runs its joined forward for this input (module docstring)."""
+    # a cache keyword the stock forward does not name is one that the installed transformers'
+    # decorators on it may rename (with their warning), or that its body passes on for the
+    # attention to ignore: only that forward itself does with it what the stock layer does
+    if any(k in kwargs and k not in layer._twell_stock_params for k in CACHE_KWARGS):
+        return False
     if getattr(layer, "gradient_checkpointing", False) and torch.is_grad_enabled():
         return False
     if _recording_hidden_states(kwargs):
         return False
     return all(fused_cast_dtype(norm, residual) is not None
                for norm in (layer.input_layernorm, layer.post_attention_layernorm))
-
-
-def _cache_rename(layer_cls) -> tuple[str, str] | None:
-    """The (deprecated, accepted) KV-cache keywords of ``layer_cls.forward``, or None where its
-    signature (transformers' own, under its decorators) takes neither form."""
-    params = inspect.signature(layer_cls.forward).parameters
-    return next(((old, new) for old, new in _CACHE_RENAMES
-                 if new in params and old not in params), None)
-
-
-def _attention_kwargs(layer, kwargs: dict) -> dict:
-    """``kwargs`` with the deprecated KV-cache keyword renamed as the stock layer's forward
-    renames it before its attention sees it (its FutureWarning; where both are given, the
-    accepted one is kept and the deprecated one dropped): the attention then gets the cache
-    whether or not its own forward renames the keyword too."""
-    rename = layer._twell_cache_rename
-    if rename is None or rename[0] not in kwargs:
-        return kwargs
-    old, new = rename
-    kwargs = dict(kwargs)
-    value = kwargs.pop(old)
-    name = f"{type(layer).__name__}.forward"
-    if new in kwargs:
-        warnings.warn(f"Both `{old}` and `{new}` are set for `{name}`; using `{new}` and "
-                      f"ignoring the deprecated `{old}`.", FutureWarning, stacklevel=2)
-    else:
-        kwargs[new] = value
-        warnings.warn(f"`{old}` is deprecated for `{name}`. Use `{new}` instead.",
-                      FutureWarning, stacklevel=2)
-    return kwargs
 
 
 def _joined_forward(self, hidden_states, *args, **kwargs):
@@ -166,9 +136,9 @@ def _joined_forward(self, hidden_states, *args, **kwargs):
             :class:`PendingJoin`.
         args, kwargs: as ``LlamaDecoderLayer.forward``'s (``attention_mask``,
             ``position_embeddings``, ``position_ids``, ``cache``, ``use_cache``, ...); the
-            joined forward passes ``kwargs`` to ``self_attn`` as the stock forward does, a
-            deprecated KV-cache keyword renamed as it renames it (positional extras are left
-            to the layer's own forward).
+            joined forward passes ``kwargs`` to ``self_attn`` as the stock forward does
+            (positional extras, and a KV cache under a keyword it does not name, are left to
+            the layer's own forward).
 
     Returns:
         ``PendingJoin(residual (B, T, D) in hidden_states' dtype, FFN output (B, T, D))`` where
@@ -184,7 +154,7 @@ def _joined_forward(self, hidden_states, *args, **kwargs):
         x = self.input_layernorm(residual)
     else:
         residual, x = self.input_layernorm(residual, pending.delta)
-    out = self.self_attn(hidden_states=x, **_attention_kwargs(self, kwargs))
+    out = self.self_attn(hidden_states=x, **kwargs)
     residual, x = self.post_attention_layernorm(residual, out[0] if isinstance(out, tuple)
                                                 else out)
     return PendingJoin(residual, self.mlp(x))
@@ -242,7 +212,9 @@ def use_fused_joins(model) -> int:
         if "_twell_inner_forward" in vars(layer):
             continue
         layer._twell_inner_forward = layer.forward  # the class's, or train.recompute's
-        layer._twell_cache_rename = _cache_rename(type(layer))
+        # transformers' own forward, under its decorators (which may rename keywords)
+        stock = inspect.unwrap(type(layer).forward)
+        layer._twell_stock_params = frozenset(inspect.signature(stock).parameters)
         layer.forward = types.MethodType(_joined_forward, layer)
         n += 1
     if not getattr(stack.norm, "_twell_join_hooks", False):
