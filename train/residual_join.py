@@ -136,7 +136,8 @@ def _joined_forward(self, hidden_states, *args, **kwargs):
             :class:`PendingJoin`.
         args, kwargs: as ``LlamaDecoderLayer.forward``'s (``attention_mask``,
             ``position_embeddings``, ``position_ids``, ``cache``, ``use_cache``, ...); the
-            joined forward passes ``kwargs`` to ``self_attn`` as the stock forward does
+            joined forward passes ``kwargs`` to ``self_attn`` as the stock forward does, with
+            the stock forward's defaults for the parameters it names and the call omits
             (positional extras, and a KV cache under a keyword it does not name, are left to
             the layer's own forward).
 
@@ -154,7 +155,7 @@ def _joined_forward(self, hidden_states, *args, **kwargs):
         x = self.input_layernorm(residual)
     else:
         residual, x = self.input_layernorm(residual, pending.delta)
-    out = self.self_attn(hidden_states=x, **kwargs)
+    out = self.self_attn(hidden_states=x, **{**self._twell_attn_defaults, **kwargs})
     residual, x = self.post_attention_layernorm(residual, out[0] if isinstance(out, tuple)
                                                 else out)
     return PendingJoin(residual, self.mlp(x))
@@ -212,9 +213,12 @@ def use_fused_joins(model) -> int:
         if "_twell_inner_forward" in vars(layer):
             continue
         layer._twell_inner_forward = layer.forward  # the class's, or train.recompute's
-        # transformers' own forward, under its decorators (which may rename keywords)
-        stock = inspect.unwrap(type(layer).forward)
-        layer._twell_stock_params = frozenset(inspect.signature(stock).parameters)
+        # transformers' own forward, beneath its decorators (which may rename keywords): the
+        # keywords it names, and the defaults its body passes the attention for those not given
+        params = inspect.signature(inspect.unwrap(type(layer).forward)).parameters
+        layer._twell_stock_params = frozenset(params)
+        layer._twell_attn_defaults = {name: p.default for name, p in params.items()
+                                      if p.default is not p.empty}
         layer.forward = types.MethodType(_joined_forward, layer)
         n += 1
     if not getattr(stack.norm, "_twell_join_hooks", False):
