@@ -104,6 +104,47 @@ def test_micro_batch_check_finds_the_overflowed_layers_and_the_step_is_accepted(
     assert out.accepted and plan.capacity.hist[1] == [0.0, 2.0]
 
 
+def _trace_steps(plan):
+    """Steps on hand-made statistics: one accepted, one redone (layer 1 over its floor of 1)
+    and its retry, one with a forward rerun of layer 0 (host_sync=micro_batch's check)."""
+    _step(plan, _stats([5, 0, 200]))
+    _step(plan, _stats([5, 2, 250]))
+    _step(plan, _stats([5, 2, 250]))
+    plan.begin_step()
+    plan.overflowed_in_call([0])
+    plan.end_step(StepStats([99.0, 1.0, 3.0], [0.0] * 3, [0.0] * 3, rows_per_call=256,
+                            tokens=512, sequences_per_call=2))
+
+
+def test_capacity_trace_records_each_attempt_and_rerun_and_changes_nothing():
+    plan = FFNPlan(_mlps(3), PlanOptions(host_sync="micro_batch"))
+    assert plan.capacity_trace is None  # off by default: nothing recorded
+    plan.capacity_trace = trace = []
+    _trace_steps(plan)
+    assert [r["kind"] for r in trace] == ["step", "step", "step", "forward_rerun", "step"]
+    first, redo, retry, rerun, last = trace
+    # the first step measured every layer; then the window rule's [27, 1, measured]
+    assert first == {"kind": "step", "step": 0, "rows_per_call": 256, "sequences_per_call": 0,
+                     "paths": ["ell"] * 3, "heavy_max": [5.0, 0.0, 200.0],
+                     "capacity": [None] * 3, "redo": [], "rerun": []}
+    assert (redo["step"], redo["capacity"], redo["redo"]) == (1, [27, 1, None], [1])
+    assert redo["heavy_max"] == [5.0, 2.0, 250.0]
+    assert (retry["step"], retry["capacity"], retry["redo"]) == (1, [None] * 3, [])  # measured
+    cap0 = math.ceil(1.25 * (1 + 2 ** -0.5 - 0.25) * 5) + 16  # layer 0 from [5, 5]
+    assert rerun == {"kind": "forward_rerun", "step": 2, "layers": [0], "capacity": [cap0]}
+    # the step record keeps the capacity layer 0 began with (the rerun measured it after)
+    assert last["capacity"][0] == cap0 and last["rerun"] == [0] and last["redo"] == []
+    assert (last["heavy_max"], last["sequences_per_call"]) == ([99.0, 1.0, 3.0], 2)
+    # the same steps without the trace: the same decisions and state
+    off = FFNPlan(_mlps(3), PlanOptions(host_sync="micro_batch"))
+    _trace_steps(off)
+    assert off.capacity_trace is None and off.state_dict() == plan.state_dict()
+    assert "capacity_trace" not in plan.state_dict()
+    plan.capacity_trace = None  # stops recording
+    _step(plan, _stats([1, 1, 1]))
+    assert len(trace) == 5
+
+
 def test_micro_batch_check_reuses_its_limits_until_they_change():
     """The limits the micro-batch check compares with are made once while the capacities and
     rows repeat (a new device tensor is a blocking copy, a host sync, on CUDA), and

@@ -229,6 +229,17 @@ class FFNPlan:
             :meth:`set_rows_per_call`'s); None before either.
         sequences_per_call: sequences of one FFN call (the capacity floor's first tokens).
         last_l0: per layer, the last accepted step's L0; last_heavy: its heavy-row fractions.
+        capacity_trace: None (the default: nothing recorded) or a list that the step protocol
+            appends to, from host values it already holds (no host sync; not plan state; set
+            it before a step's :meth:`begin_step`, None to stop). :meth:`end_step` appends one
+            record per attempt: ``kind`` ``"step"``, ``step`` (:attr:`steps` before it: a
+            redone attempt and its retry share it), ``rows_per_call``, ``sequences_per_call``,
+            per layer ``paths`` (the step's), ``heavy_max`` (the host floats it decides from)
+            and ``capacity`` (the no-sync capacity the step began with, None = measured per
+            call), ``redo`` (the layers that made the attempt a redo, empty when accepted) and
+            ``rerun`` (the layers whose forward ran again in it, ascending).
+            :meth:`overflowed_in_call` appends ``kind`` ``"forward_rerun"``, ``step``,
+            ``layers`` and ``capacity`` (each one's capacity that it exceeded).
 
     Raises:
         ValueError: a module's ``impl`` is ``twell`` and it is non-gated.
@@ -259,6 +270,10 @@ class FFNPlan:
         self._after_redo = False
         self._call_redo = False  # some micro-batch of this step ran its forward again
         self._vectors: dict[str, tuple] = {}  # _device_vector's cache
+        self.capacity_trace: list[dict] | None = None
+        # the capacities the step began with: overflowed_in_call clears _step_caps' entries
+        self._began_caps: list[int | None] = [None] * len(self.mlps)
+        self._reruns: list[int] = []  # layers whose forward ran again this attempt
         for m, lp in zip(self.mlps, self.layers):
             m.layer_plan = lp
 
@@ -336,6 +351,8 @@ class FFNPlan:
             self.timers[k].clear()
             lp.timing = self.timers[k] if self._timed(k) else None
         self._call_redo = False
+        if self.capacity_trace is not None:
+            self._began_caps, self._reruns = list(self._step_caps), []
 
     def call_overflow(self, heavy_L: torch.Tensor, rows: int) -> list[int]:
         """The layers whose heavy rows in the micro-batch just run forward exceed this step's
@@ -367,11 +384,20 @@ class FFNPlan:
         redone step. The caller runs the micro-batch's forward again, after dropping the
         overflowed forward's graph."""
         layers = list(layers)
+        if self.capacity_trace is not None:
+            self._trace_rerun(layers)
         for k in layers:
             self.layers[k].backup_rows = -1
             self._step_caps[k] = None
         self.capacity.overflowed(layers)
         self._call_redo = True
+
+    def _trace_rerun(self, layers: list[int]) -> None:
+        """:attr:`capacity_trace`'s record of a forward rerun of ``layers``."""
+        self._reruns += [k for k in layers if k not in self._reruns]
+        self.capacity_trace.append({"kind": "forward_rerun", "step": self.steps,
+                                    "layers": list(layers),
+                                    "capacity": [self._step_caps[k] for k in layers]})
 
     def count_hot_units(self, stats: StepStats) -> StepStats:
         """``stats`` with ``hot_over_L`` (device, (L,)): per layer the units active on more than
@@ -442,6 +468,8 @@ class FFNPlan:
         n_rows = max(stats.rows_per_call, 1)
         over = tuple(k for k, (cap, hv) in enumerate(zip(self._step_caps, heavy_max))
                      if cap is not None and hv > min(cap, n_rows - 1))
+        if self.capacity_trace is not None:
+            self._trace_step(stats, heavy_max, over)
         samples = self._take_samples(discard=bool(over) or self._after_redo or self._call_redo)
         self._after_redo = bool(over)
         if over:
@@ -468,6 +496,14 @@ class FFNPlan:
             lp.backup_rows = -1 if measure else caps[k]
         self._set_hot_units(stats)
         return StepOutcome()
+
+    def _trace_step(self, stats: StepStats, heavy_max: list[float], over: tuple) -> None:
+        """:attr:`capacity_trace`'s record of one :meth:`end_step` attempt."""
+        self.capacity_trace.append({
+            "kind": "step", "step": self.steps, "rows_per_call": int(stats.rows_per_call),
+            "sequences_per_call": int(stats.sequences_per_call), "paths": self.paths,
+            "heavy_max": list(heavy_max), "capacity": list(self._began_caps),
+            "redo": list(over), "rerun": sorted(self._reruns)})
 
     def _floor(self, k: int) -> int:
         """Layer k's capacity floor at the current rows per call (0 while unknown)."""
