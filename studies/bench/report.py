@@ -1,5 +1,5 @@
 """The benchmark's outputs: ``best_configs.csv``, ``probes.csv``, ``sparsity_profile.csv``,
-``bench_meta.json``, the Table-1 markdown (``bench_model.md``) with the ratios issue-style
+``capacity_trace.csv`` (:mod:`studies.bench.capacity_trace`), ``bench_meta.json``, the Table-1 markdown (``bench_model.md``) with the ratios issue-style
 targets are read from, and two plots; and the merge of several runs' outputs (one size per GPU
 call) into one folder.
 
@@ -27,6 +27,7 @@ import csv
 import json
 from pathlib import Path
 
+from studies.bench.capacity_trace import ROW_KEYS, TRACE_COLUMNS
 from studies.bench.recipe import DENSE_PATHS, FFN_OF_IMPL, PATH_OF_FFN, PATHS, SPARSE_PATHS
 
 BEST_COLUMNS = [
@@ -353,15 +354,18 @@ def _bars(ax, rows: list[dict], key: str, tick: str | None, title: str, ylabel: 
 # ---------------------------------------------------------------- files and merging
 
 
-OUTPUT_FILES = ("best_configs.csv", "probes.csv", "sparsity_profile.csv", "bench_meta.json",
-                "bench_model.md", "bench_train.png", "bench_memory.png")
+OUTPUT_FILES = ("best_configs.csv", "probes.csv", "sparsity_profile.csv", "capacity_trace.csv",
+                "bench_meta.json", "bench_model.md", "bench_train.png", "bench_memory.png")
 
 
 def write_outputs(out: Path, rows: list[dict], probes: list[dict], profile: list[dict],
-                  meta: dict, *, equal_micro: int = 8, plot: bool = True) -> str:
-    """Every output file of :data:`OUTPUT_FILES` into ``out`` (made if missing); returns
+                  meta: dict, *, equal_micro: int = 8, plot: bool = True,
+                  trace: list[dict] = ()) -> str:
+    """Every output file of :data:`OUTPUT_FILES` into ``out`` (made if missing; ``trace``:
+    ``capacity_trace.csv``'s rows, :func:`studies.bench.capacity_trace.trace_rows`); returns
     Table 1."""
     out.mkdir(parents=True, exist_ok=True)
+    write_csv(list(trace), out / "capacity_trace.csv", TRACE_COLUMNS)
     # the markdown and plots are made from the CSVs as written (6 significant digits), so that
     # --report on these files rebuilds them exactly
     got = []
@@ -377,8 +381,9 @@ def write_outputs(out: Path, rows: list[dict], probes: list[dict], profile: list
 def merge_runs(dirs: list[Path], out: Path, *, equal_micro: int = 8, plot: bool = True) -> str:
     """``--report DIR...``: merge the outputs of several runs (e.g. 1.5B from one GPU call, 2B
     from another) into ``out``: rows keyed by (size, budget, path), probes by (size, ffn,
-    micro-batch, recompute), profile rows by (size, layer), meta per size; a later folder wins
-    on a repeated key. Returns Table 1.
+    micro-batch, recompute), profile rows by (size, layer), the capacity trace by benchmark
+    row (size, budget, path: all its steps from one folder), meta per size; a later folder
+    wins on a repeated key. Returns Table 1.
 
     Raises:
         FileNotFoundError: a folder without ``best_configs.csv`` (one line naming it).
@@ -386,6 +391,7 @@ def merge_runs(dirs: list[Path], out: Path, *, equal_micro: int = 8, plot: bool 
     rows: dict = {}
     probes: dict = {}
     profile: dict = {}
+    trace: dict = {}  # (size, budget, path) -> that row's trace rows
     meta: dict = {"sizes": {}, "skipped": [], "merged_from": []}
     for d in dirs:
         d = Path(d)
@@ -399,6 +405,7 @@ def merge_runs(dirs: list[Path], out: Path, *, equal_micro: int = 8, plot: bool 
             if (d / name).is_file():
                 for r in read_csv(d / name):
                     into[tuple(r[k] for k in keys)] = r
+        trace.update(_trace_by_row(d / "capacity_trace.csv"))
         if (d / "bench_meta.json").is_file():
             m = json.loads((d / "bench_meta.json").read_text())
             meta["sizes"].update(m.get("sizes") or {})
@@ -406,7 +413,18 @@ def merge_runs(dirs: list[Path], out: Path, *, equal_micro: int = 8, plot: bool 
             # a folder's name only when absolute: no machine's path goes into the committed file
             meta["merged_from"].append(d.name if d.is_absolute() else str(d))
     return write_outputs(out, list(rows.values()), list(probes.values()),
-                         list(profile.values()), meta, equal_micro=equal_micro, plot=plot)
+                         list(profile.values()), meta, equal_micro=equal_micro, plot=plot,
+                         trace=[r for got in trace.values() for r in got])
+
+
+def _trace_by_row(path: Path) -> dict:
+    """A folder's ``capacity_trace.csv`` rows by benchmark row (none without the file: a run
+    from before the trace)."""
+    got: dict = {}
+    if path.is_file():
+        for r in read_csv(path):
+            got.setdefault(tuple(r[k] for k in ROW_KEYS), []).append(r)
+    return got
 
 
 __all__ = ["BEST_COLUMNS", "OUTPUT_FILES", "PROBE_COLUMNS", "PROFILE_COLUMNS", "TARGETS",
