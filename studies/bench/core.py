@@ -219,6 +219,7 @@ class SizeRun:
     default_rows: dict = field(default_factory=dict)  # (ffn, micro, recompute) -> row
     rows: list = field(default_factory=list)
     probes: list = field(default_factory=list)
+    capacity_trace: list = field(default_factory=list)  # capacity_trace.csv's rows
     meta: dict = field(default_factory=dict)
     builds: int = 0
 

@@ -57,7 +57,7 @@ def _run_sizes(s: BenchSettings, work: Path) -> BenchResult:
     """:func:`run_bench` with its trainer run folders in ``work``."""
     clock = Clock(s.deadline_s, reserve_s=2.0 if s.smoke else 10.0)
     smoke_tokens = write_smoke_tokens(work / "smoke_tokens.bin") if s.smoke else None
-    rows, probes, profile = [], [], []
+    rows, probes, profile, trace = [], [], [], []
     meta = {"sizes": {}, "skipped": clock.skipped, "torch": torch.__version__,
             "settings": {k: str(v) for k, v in dataclasses.asdict(s).items()}}
     table, failed = "", []
@@ -91,11 +91,12 @@ def _run_sizes(s: BenchSettings, work: Path) -> BenchResult:
             failed += [f"{size} {_first_line(err)}" for err in run.meta.get("errors", [])]
             rows += run.rows
             probes += run.probes
+            trace += run.capacity_trace
             meta["sizes"][size] = {**run.meta, "stages": dict(clock.stages)}
             free_memory(run.device)
         meta["wall_s"] = round(clock.elapsed(), 1)
         table = write_outputs(s.out, rows, probes, profile, meta, equal_micro=s.equal_micro,
-                              plot=s.plots)
+                              plot=s.plots, trace=trace)
     return BenchResult(table, tuple(failed))
 
 

@@ -29,6 +29,7 @@ import traceback
 
 import torch
 
+from studies.bench.capacity_trace import trace_rows
 from studies.bench.core import (
     SizeRun,
     add_row,
@@ -45,6 +46,7 @@ from studies.bench.recipe import (
     OUR_RECOMPUTE,
     PATH_FFNS,
     PATH_OF_FFN,
+    SPARSE_PATHS,
     default_overrides,
     ours_overrides,
 )
@@ -208,19 +210,38 @@ def loss_check(run: SizeRun, tr, ffn: str) -> bool:
     return bool(abs(loss - c["hf_loss_bf16"]) <= c["loss_tol"] and c["logits_rel_err"] < 1e-4)
 
 
-def time_trainer(run: SizeRun, tr, plan: Plan, seed: int) -> tuple:
+def time_trainer(run: SizeRun, tr, plan: Plan, seed: int,
+                 trace: dict | None = None) -> tuple:
     """``warmup`` + ``steps`` training steps of ``tr`` at ``plan`` (capacities measured again
-    first); (window, the timed steps' metrics)."""
+    first); (window, the timed steps' metrics). ``trace``: the row's ``path`` and ``budget_gb``:
+    the plan's capacity trace of these steps goes into ``run.capacity_trace`` (also what a
+    failed row recorded before it failed)."""
     tr.memory.apply(plan)
     tr.plan.reset_capacities()
     tr.model.train()
     batches = batches_from(run.pool_NT, plan.micro_batch, seed)
-    warm = tr.new_interval()
-    for _ in range(run.s.warmup):
-        tr.train_step(batches, warm)
-    interval = tr.new_interval()
-    window = time_steps(lambda: tr.train_step(batches, interval), 0, run.s.steps, run.device)
+    records = tr.plan.capacity_trace = [] if trace is not None else None
+    timed_from = None
+    try:
+        warm = tr.new_interval()
+        for _ in range(run.s.warmup):
+            tr.train_step(batches, warm)
+        interval = tr.new_interval()
+        timed_from = len(records) if records is not None else None
+        window = time_steps(lambda: tr.train_step(batches, interval), 0, run.s.steps,
+                            run.device)
+    finally:
+        tr.plan.capacity_trace = None
+        if records is not None:
+            run.capacity_trace += trace_rows(records, timed_from, size=run.size,
+                                             rule=tr.plan.options.capacity_rule, **trace)
     return window, tr.log_metrics(interval)
+
+
+def _traced(path: str, ffn: str, b: Budget) -> dict | None:
+    """``time_trainer``'s ``trace`` for a row of ``path`` whose FFN is ``ffn``: the sparse
+    ones' (:data:`studies.bench.recipe.SPARSE_PATHS`: capacities to overflow), else None."""
+    return {"path": path, "budget_gb": b.card_gb} if ffn in SPARSE_PATHS else None
 
 
 def forward_reruns(m: dict) -> str:
@@ -243,7 +264,8 @@ def time_our_path(run: SizeRun, tr, path: str, b: Budget) -> None:
     ok = loss_check(run, tr, choice.ffn)
     window = m = None
     try:
-        window, m = time_trainer(run, tr, _plan_for(choice, b), seed=choice.micro_batch)
+        window, m = time_trainer(run, tr, _plan_for(choice, b), seed=choice.micro_batch,
+                                 trace=_traced(path, choice.ffn, b))
     except Exception as e:
         if not is_oom(e):
             raise
@@ -462,7 +484,7 @@ def time_default(run: SizeRun, tr, plan: Plan, b: Budget) -> dict:
     try:
         # the batches the searched row of the same micro-batch trains on (time_our_path)
         window, m = time_trainer(run, tr, dataclasses.replace(plan, accum=1),
-                                 seed=plan.micro_batch)
+                                 seed=plan.micro_batch, trace=_traced("default", d["ffn"], b))
     except Exception as e:
         if not is_oom(e):
             raise

@@ -485,9 +485,10 @@ def test_smoke_end_to_end(tmp_path):
     probes = read_csv(out / "probes.csv")
     assert {p["ffn"] for p in probes if (p["micro_batch"], p["recompute"]) == (4, "none")} == {
         "hf", "liger", "compile", "torch", "dense", "ell", "auto"}
-    assert sorted(p.name for p in out.iterdir()) == sorted(  # acts elsewhere: 7 files
-        ["best_configs.csv", "probes.csv", "sparsity_profile.csv", "bench_meta.json",
-         "bench_model.md", "bench_train.png", "bench_memory.png"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(  # acts elsewhere: 8 files
+        ["best_configs.csv", "probes.csv", "sparsity_profile.csv", "capacity_trace.csv",
+         "bench_meta.json", "bench_model.md", "bench_train.png", "bench_memory.png"])
+    _check_capacity_trace(out, rows)
     md = (out / "bench_model.md").read_text()
     assert "| smoke | 139 |" in md and "sparse_vs_dense" in md
     meta = json.loads((out / "bench_meta.json").read_text())
@@ -504,7 +505,27 @@ def test_smoke_end_to_end(tmp_path):
     rep = tmp_path / "rep"
     _run_script("--report", str(out), "--out", str(rep), "--equal-micro", "4")
     assert (rep / "best_configs.csv").read_text() == (out / "best_configs.csv").read_text()
+    assert (rep / "capacity_trace.csv").read_text() == (out / "capacity_trace.csv").read_text()
     assert (rep / "bench_model.md").read_text() == md
+
+
+def _check_capacity_trace(out: Path, rows: list[dict]) -> None:
+    """The smoke's capacity trace: every sparse row timed here (not reused) has its warm-up
+    step and 3 timed steps, each with every layer; nothing for the dense rows."""
+    from studies.bench.capacity_trace import read_trace
+
+    trace = read_trace(out / "capacity_trace.csv")
+    timed = {(r["budget_gb"], r["path"]) for r in rows
+             if r["path"] in ("ell", "auto", "default") and r["timed_steps"]
+             and "timed once" not in (r["notes"] or "")}
+    assert timed and {(r["budget_gb"], r["path"]) for r in trace} == timed
+    for budget, path in timed:
+        mine = [r for r in trace if (r["budget_gb"], r["path"]) == (budget, path)]
+        assert [(r["step"], r["layer"], r["timed"]) for r in mine] == [
+            (s, k, s >= 1) for s in range(4) for k in (0, 1)]
+        assert all(r["rows_per_call"] > 0 and r["heavy_max"] >= 0 and r["size"] == "smoke"
+                   for r in mine)
+        assert all(r["capacity"] is None for r in mine if r["step"] == 0)  # measured first
 
 
 @pytest.mark.slow
@@ -725,7 +746,7 @@ def test_auto_is_timed_from_the_paths_its_search_probed(tmp_path, monkeypatch):
                           choices={("auto", b): Choice("auto", b, 2, "none", 1.0, 1.0, "fits")})
     seen = []
 
-    def fake_time(run, tr, plan, seed):
+    def fake_time(run, tr, plan, seed, trace=None):
         seen.append(tr.plan.paths)
         raise RuntimeError("stop")
 
@@ -766,7 +787,7 @@ def test_out_of_memory_while_timing_leaves_nothing_for_the_next_row(tmp_path, mo
     ids = stages.ProbeRunner(tr).ids_BT[:2]
     held, rows = [], []
 
-    def fake_time(run, tr, plan, seed):
+    def fake_time(run, tr, plan, seed, trace=None):
         tr.forward_backward(ids)  # gradients of a finished micro-step
         out = tr.model(input_ids=ids, labels=ids)  # a forward whose backward never runs
         held.append(weakref.ref(out.loss))
