@@ -6,6 +6,7 @@ overflows."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from studies.bench.capacity_trace import (
 from studies.bench.report import merge_runs, write_outputs
 
 ELL2 = ["ell", "ell"]
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "replay_capacity_trace.py"
 
 
 def _step(step, heavy, caps, redo=(), rerun=(), paths=ELL2):
@@ -105,6 +107,21 @@ def test_load_and_replay_find_the_hand_computed_overflows(tmp_path):
         load_trace(csv_path)
     with pytest.raises(ValueError, match="0 benchmark rows match"):
         load_trace(csv_path, size="2b")
+
+
+def test_the_replay_script_prints_a_line_per_row_and_rule(tmp_path, capsys):
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("replay_capacity_trace", SCRIPT)
+    script = module_from_spec(spec)
+    spec.loader.exec_module(script)
+    write_outputs(tmp_path, [], [], [], {}, plot=False,
+                  trace=_rows() + [dict(r, budget_gb=139, rows_per_call=64) for r in _rows()])
+    assert script.main([str(tmp_path / "capacity_trace.csv")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("smoke | 80 | ell | window | 2 | 2 | window | 100.0 | 181.5 | ")
+    assert out[2].startswith("smoke | 80 | ell | window | 2 | 2 | adaptive | ")
+    assert out[3].startswith("smoke | 139 | ell | not replayed: ") and len(out) == 4
 
 
 def test_calls_replay_cannot_model_are_refused(tmp_path):
