@@ -1,8 +1,8 @@
 """Launch shapes of the sparse training kernels (``CONFIG``, ``kernel_config``) and the launchers' checks.
 
 The kernels (``twell/ops/compact.py``, ``sddmm.py``, ``spmm.py``, ``dw.py``, ``elementwise.py``,
-``transpose.py``) read their block sizes and warps from ``CONFIG`` at launch; ``kernel_config``
-changes them for a ``with`` block (benchmarks, tests).
+``transpose.py``, ``add_rows.py``) read their block sizes and warps from ``CONFIG`` at launch;
+``kernel_config`` changes them for a ``with`` block (benchmarks, tests).
 """
 
 from __future__ import annotations
@@ -54,11 +54,16 @@ _DEFAULT_CONFIG = {
     "dense_block_n": 16,
     "dense_block_h": 256,
     "dense_warps": 4,
+    # row scatter-add (add_rows.py, the dense-backup rows into y and dx): columns per program,
+    # warps; not yet timed
+    "add_rows_block_d": 1024,
+    "add_rows_warps": 4,
 }
 CONFIG = dict(_DEFAULT_CONFIG)
 # sizes used directly as tl.arange extents (others are rounded up to a power of 2 by _pow2)
 _POW2_KEYS = ("dense_block_n", "dense_block_h", "sddmm_block_k", "spmm_block_k", "spmm_block_k2",
-              "dw_block_j", "dw_block_d", "transpose_block")  # dw_block_d: also 0 = auto
+              "dw_block_j", "dw_block_d", "transpose_block",
+              "add_rows_block_d")  # dw_block_d: also 0 = auto
 
 
 @contextlib.contextmanager

@@ -7,7 +7,8 @@ backward of dense rows (dense mode, and the ELL op's dense backup).
 The Triton kernels, one op per file: ``compact.py`` (ReLU + ELL compaction), ``sddmm.py`` (u
 forward, dh backward), ``spmm.py`` (y forward, dx backward), ``dw.py`` (weight gradients),
 ``elementwise.py`` (the dense rows' fused passes), ``transpose.py`` (the transposing cast of Wd
-and dWd); launch shapes in ``launch.py``.
+and dWd), ``add_rows.py`` (the dense rows' scatter-add into y, dx and the hot units' weight
+gradients); launch shapes in ``launch.py``.
 
 Shape legend: N tokens (R for dense rows), D model width, H FFN width, K ELL width (slots per
 row), KC ELL capacity (the widest K allowed), J entries of one column in CSC order.
@@ -46,13 +47,13 @@ def triton_backend() -> SimpleNamespace:
     """The Triton backend: the kernel files' launchers under the names the ops call (those of
     ``twell.ops.reference.sparse_train_torch``): ``compact``, ``compact_heavy``, ``sddmm_fwd``,
     ``sddmm_bwd``, ``spmm``, ``dw``, ``transposed``, ``backup_fwd``, ``backup_bwd``,
-    ``dense_fwd``. One object
-    per process (a test may wrap its attributes).
+    ``dense_fwd``, ``add_rows``. One object per process (a test may wrap its attributes).
 
     Raises:
         ImportError: triton is not installed (imported here, not at module load: triton is
         optional off Linux x86_64).
     """
+    from twell.ops.add_rows import add_rows
     from twell.ops.compact import compact, compact_heavy
     from twell.ops.dw import dw
     from twell.ops.elementwise import backup_bwd, backup_fwd, dense_fwd
@@ -62,7 +63,8 @@ def triton_backend() -> SimpleNamespace:
 
     return SimpleNamespace(compact=compact, compact_heavy=compact_heavy, sddmm_fwd=sddmm_fwd,
                            sddmm_bwd=sddmm_bwd, spmm=spmm, dw=dw, transposed=transposed,
-                           backup_fwd=backup_fwd, backup_bwd=backup_bwd, dense_fwd=dense_fwd)
+                           backup_fwd=backup_fwd, backup_bwd=backup_bwd, dense_fwd=dense_fwd,
+                           add_rows=add_rows)
 
 
 def pick_backend(x: torch.Tensor, name: str):

@@ -3,7 +3,7 @@
 Shape legend: N tokens, D model width, H FFN width, K ELL width, KC ELL capacity, R dense-backup
 rows. Same names and arguments as the Triton backend (``twell.ops.train_backend.triton_backend``:
 the launchers of ``compact.py``, ``sddmm.py``, ``spmm.py``, ``dw.py``, ``elementwise.py``,
-``transpose.py``), so the
+``transpose.py``, ``add_rows.py``), so the
 training ops (``twell.ops.ffn_train``, ``twell.ops.ffn_dense_train``) run either; this one runs on
 CPU without Triton and in float64 (the kernels' tests compare both against fp64 autograd).
 Gathers are chunked over rows so a gathered (n, K, D) block stays near ``_CHUNK_ELEMS`` elements.
@@ -179,3 +179,40 @@ def backup_bwd(dh_RH, g_RH, u_RH, l1_scale):
     h = g_RH * u_RH
     dh = dh_RH + (l1_scale * _sign(h)).to(dh_RH.dtype)
     return torch.where(g_RH <= 0, 0, dh * u_RH), dh * g_RH, h
+
+
+def check_add_rows(dst_ND: torch.Tensor, idx_R: torch.Tensor, src_RD: torch.Tensor) -> None:
+    """Raise ValueError naming the argument unless dst (N, D) and src (R, D) are float tensors of
+    one dtype with unit column stride (any row stride) and idx is a 1-D int32 / int64 tensor of
+    R entries, all on one device. Both backends' ``add_rows`` call it (it lives here, where
+    nothing imports triton)."""
+    if dst_ND.dim() != 2 or src_RD.dim() != 2 or idx_R.dim() != 1:
+        raise ValueError(f"add_rows: expected dst (N, D), idx (R,), src (R, D); got shapes "
+                         f"{tuple(dst_ND.shape)}, {tuple(idx_R.shape)}, {tuple(src_RD.shape)}")
+    r, d = src_RD.shape
+    if idx_R.shape[0] != r or dst_ND.shape[1] != d:
+        raise ValueError(f"add_rows: src (R, D) must match idx (R,) and dst (N, D); got src "
+                         f"{tuple(src_RD.shape)}, idx {tuple(idx_R.shape)}, dst "
+                         f"{tuple(dst_ND.shape)}")
+    if src_RD.dtype != dst_ND.dtype or not dst_ND.is_floating_point():
+        raise ValueError(f"add_rows: src must have dst's float dtype (as index_add_); got src "
+                         f"{src_RD.dtype}, dst {dst_ND.dtype}: cast src first")
+    if idx_R.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"add_rows: idx must be int32 or int64; got {idx_R.dtype}")
+    if len({t.device for t in (dst_ND, idx_R, src_RD)}) != 1:
+        raise ValueError(f"add_rows: dst, idx and src must be on one device; got "
+                         f"{dst_ND.device}, {idx_R.device}, {src_RD.device}")
+    for name, t in (("dst", dst_ND), ("src", src_RD)):
+        if d > 1 and t.stride(1) != 1:
+            raise ValueError(f"add_rows: {name}'s columns must be contiguous (stride(1) == 1); "
+                             f"got strides {t.stride()}: pass a contiguous tensor")
+
+
+def add_rows(dst_ND, idx_R, src_RD):
+    """``dst[idx[i]] += src[i]`` for the slots with ``0 <= idx[i] < N`` (others skipped), in
+    place, returns dst (as ``twell.ops.add_rows.add_rows``: same checks; ``index_add_`` here,
+    so a repeated row adds twice). Selecting the used slots reads their count (a host sync on
+    CUDA; this backend syncs in its other passes too)."""
+    check_add_rows(dst_ND, idx_R, src_RD)
+    used = (idx_R >= 0) & (idx_R < dst_ND.shape[0])
+    return dst_ND.index_add_(0, idx_R[used], src_RD[used])
