@@ -365,6 +365,38 @@ def test_nosync_without_heavy_rows_and_with_too_small_a_capacity(backend, dtype,
     assert bad_rows == 2
 
 
+@needs_triton
+def test_nosync_triton_adds_rows_without_index_add(monkeypatch):
+    """On the Triton backend the no-sync call adds its dense-backup rows into y and dx, and the
+    hot units' rows into dWg, dWu and dWd^T, with ``add_rows`` (no atomics; its unused slots,
+    index N, skipped), not ``index_add_``: the only ``index_add_`` left is the hot units' int32
+    counts. Results equal fp64 autograd."""
+    from twell.ops.train_backend import triton_backend
+
+    be = triton_backend()
+    calls, index_adds = [], []
+    add_rows, index_add_ = be.add_rows, torch.Tensor.index_add_
+
+    def record_add_rows(dst, idx, src):
+        calls.append((tuple(dst.shape), int(idx.max())))
+        return add_rows(dst, idx, src)
+
+    def record_index_add_(t, *args, **kw):
+        index_adds.append(t.dtype)
+        return index_add_(t, *args, **kw)
+
+    monkeypatch.setattr(be, "add_rows", record_add_rows)
+    monkeypatch.setattr(torch.Tensor, "index_add_", record_index_add_)
+    n, d, h = 33, 40, 300
+    x, wg, wu, wd, dy = make_inputs(n, d, h, threshold=1.5, seed=21, hot=3)
+    hot = torch.tensor([0, 1, 2, 150])
+    r = n_heavy(x, wg, 20)  # hot units counted too: more than the cold heavy rows
+    check_case(x, wg, wu, wd, dy, l1_coeff=0.5, dtype=torch.float32, rel=2e-5, ell_capacity=20,
+               backend="triton", backup_rows=r + 3, hot_units=hot)
+    assert index_adds == [torch.int32]
+    assert sorted(calls) == sorted([((n, d), n), ((n, d), n)] + [((h, d), 150)] * 3)
+
+
 def test_nosync_traces_with_static_shapes_and_checkpoints():
     x, wg, wu, wd, dy = make_inputs(13, 16, 64, seed=12, threshold=0.5)
     r = n_heavy(x, wg, 16)

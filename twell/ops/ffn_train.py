@@ -49,7 +49,7 @@ Saved for backward: x, the three weights as the caller gave them (under autocast
 masters: no compute-dtype copy of a weight is kept; the backward casts Wg and Wu again, ~2 x 15 us
 at the 1.5B shape, for 46 MB less per layer between the two), the ELL part at its capacity width (col int32, g, u:
 N x KC; slots past a row's length are never read), the row lengths, the indices of the heavy rows
-and their dense g and u, and the CSC order of the ELL entries (perm int32, colptr, and the dW
+(N in the no-sync backup's unused slots) and their dense g and u, and the CSC order of the ELL entries (perm int32, colptr, and the dW
 kernel's longest-column-first order), built in the forward
 while the GPU runs the SDDMM and SpMM so that the backward launches little besides its kernels;
 with hot units also their relu'd gate g_S and up u_S (N x k). No N x H tensor outside the
@@ -306,25 +306,28 @@ def _saved_S(x, fwd_S):
 def _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_eff, wdt, r_cap,
                 n_heavy):
     """The forward with no host synchronisation: the dense backup has ``r_cap`` rows, chosen by
-    the caller from earlier measurements. The heavy rows fill it in row order; its unused rows
-    (index N, clamped to N - 1 for the gathers) get a zero gate, so they add exact zeros to y
-    (and, in backward, to dx and the weight gradients). Heavy rows beyond ``r_cap`` would be
-    wrong (their ELL part is empty): the caller must compare ``FFNStats.heavy_rows`` (or the
-    returned count) with ``r_cap`` before using the step, and redo it in the measuring mode."""
+    the caller from earlier measurements. The heavy rows fill it in row order; its unused slots
+    keep the index N in the returned (saved) ``heavy_idx``, which the row scatters
+    (``be.add_rows``) skip in y and, in backward, dx; clamped to N - 1 for the gathers, they
+    get a zero gate, so they add exact zeros to l1 and the weight gradients. Heavy rows beyond
+    ``r_cap`` would be wrong (their ELL part is empty): the caller must compare
+    ``FFNStats.heavy_rows`` (or the returned count) with ``r_cap`` before using the step, and
+    redo it in the measuring mode."""
     n, h = g_NH.shape
     y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)
     perm, colptr, order = csc_order(col, nnz_eff, kc, h)
     l1 = l1_N.sum(dtype=acc)
     if r_cap > 0:
-        idx = torch.nonzero_static(nnz_N > kc, size=r_cap, fill_value=n).reshape(-1)
-        used = (idx < n)[:, None]
-        heavy_idx = idx.clamp(max=n - 1)
-        g_R = torch.where(used, g_NH[heavy_idx], 0)
+        # distinct heavy rows in row order, then N in the unused slots
+        heavy_idx = torch.nonzero_static(nnz_N > kc, size=r_cap, fill_value=n).reshape(-1)
+        rows = heavy_idx.clamp(max=n - 1)  # for the gathers
+        g_R = torch.where((heavy_idx < n)[:, None], g_NH[rows], 0)
         del g_NH
-        u_R = torch.matmul(x[heavy_idx], wu.t())
+        u_R = torch.matmul(x[rows], wu.t())
         h_R, l1_heavy = be.backup_fwd(g_R, u_R)  # g_R <- relu(g_R) in place
-        # heavy rows have an empty ELL part (y = 0 there), unused rows add h = 0: exact sums
-        y.index_add_(0, heavy_idx, torch.matmul(h_R, wdt))
+        # heavy rows have an empty ELL part (y = 0 there): y + y_R, rounded once; unused slots
+        # skipped (no atomics, no adds onto row N - 1: twell.ops.add_rows)
+        be.add_rows(y, heavy_idx, torch.matmul(h_R, wdt))
         del h_R
         l1 = l1 + l1_heavy
     else:
@@ -352,11 +355,12 @@ def _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx, dwg, dwu, dwdt=No
     dgu = torch.cat((dg_S, du_S), 1)
     dx.addmm_(dgu, torch.cat((wg.index_select(0, hot), wu.index_select(0, hot))))
     dw_gu = torch.matmul(dgu.t(), x)
-    dwg.index_add_(0, hot, dw_gu[:k].to(dwg.dtype))  # dWg, dWu may be in the weights' fp32
-    dwu.index_add_(0, hot, dw_gu[k:].to(dwu.dtype))
+    # the hot units are distinct (check_hot_units): row scatters without atomics
+    be.add_rows(dwg, hot, dw_gu[:k].to(dwg.dtype))  # dWg, dWu may be in the weights' fp32
+    be.add_rows(dwu, hot, dw_gu[k:].to(dwu.dtype))
     if dwdt is not None:
-        dwdt.index_add_(0, hot, torch.matmul(h_S.t(), dy))
-    else:
+        be.add_rows(dwdt, hot, torch.matmul(h_S.t(), dy))
+    else:  # all-dense backward: columns of dWd (D, H)
         dwd.index_add_(1, hot, torch.matmul(dy.t(), h_S))
 
 
@@ -383,8 +387,10 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
         wdt, wd_c = None, wd.to(x.dtype)
     adds = None
     if r > 0:
-        dy_R = dy if all_dense else dy[heavy_idx]
-        x_R = x if all_dense else x[heavy_idx]
+        # the no-sync backup's unused slots hold N (``_fwd_nosync``): clamped for the gathers
+        rows = None if all_dense else heavy_idx.clamp(max=n - 1)
+        dy_R = dy if all_dense else dy[rows]
+        x_R = x if all_dense else x[rows]
         dx_R, dwg_R, dwu_R, dwd_R = dense_rows_bwd(be, dy_R, scale, x_R, wg, wu, wd_c, g_R, u_R,
                                                wd_transposed=not all_dense)
         if all_dense:
@@ -398,8 +404,8 @@ def _bwd_body(dy, dl1, x, wg, wu, wd, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, 
     dg, du = be.sddmm_bwd(dy, wdt, col, gv, u, nnz_eff, scale)
     be.spmm(dx, wg, wu, col, dg, du, nnz_eff)
     be.dw(dwg, dwu, dwdt, adds, x, dy, perm, colptr, dg, du, gv, u, order=order)
-    if r > 0:  # heavy rows: their ELL part is empty (dx = 0 there); unused backup rows add 0
-        dx.index_add_(0, heavy_idx, dx_R.to(dx.dtype))
+    if r > 0:  # heavy rows: their ELL part is empty (dx = 0 there); unused slots skipped
+        be.add_rows(dx, heavy_idx, dx_R.to(dx.dtype))
     _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx, dwg, dwu, dwdt=dwdt)
     # dWd in Wd's dtype and (D, H) layout: one tiled pass (transpose and cast together)
     return dx, dwg, dwu, be.transposed(dwdt, wd.dtype)
