@@ -116,7 +116,8 @@ def check_hot_units(hot_units: torch.Tensor | None, h: int, device: torch.device
     Unit indices must be unique and in [0, H) (as :func:`hot_units_from_counts` returns them).
     On a CPU tensor that is checked here (not under torch.compile); on CUDA it is not (it would
     need a host sync): an out-of-range index raises inside the gathers, a repeated one counts
-    the unit twice.
+    the unit twice in the forward and makes the Triton backward's row scatters of its weight
+    gradients race (``twell.ops.add_rows``: one add lost, not deterministic).
 
     Raises:
         ValueError: not a 1-D integer tensor on ``device``, more than H entries, or (CPU) an
