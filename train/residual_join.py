@@ -26,8 +26,10 @@ model's inference forward a join moves 8 bytes an element where the add (6) and 
 
 A layer joins when it is not checkpointed now (``layer.gradient_checkpointing`` off:
 ``trainer.grad_checkpointing=false`` or the memory planner's ``none``; or grad mode off, where
-nothing is checkpointed), no hidden states are being recorded (``output_hidden_states``), and its
-norms write their output through ``rms_norm_cast`` for its input
+nothing is checkpointed), no hidden states are being recorded (``output_hidden_states`` of the
+decoder stack's call, else of its config, as transformers' decorator on its forward decides: a
+forward pre-hook on the stack notes it for its layers, which the config's flag reaches in no
+transformers version), and its norms write their output through ``rms_norm_cast`` for its input
 (:func:`train.liger.fused_cast_dtype`, on CUDA with Liger's norms and ``fused_norm_cast``):
 training's fp32 stream under bf16 autocast (the fp32 sum, with autograd; evaluation under autocast
 too), or, with grad mode off, a stream of any of fp32 / bf16 / fp16 (inference: a bf16 model's
@@ -53,18 +55,18 @@ the norm's input and the normed output as its output; the recipe recomputes ``no
 
 Installed on this model's instances only (an instance ``forward`` on each decoder layer, which
 ``train.recompute`` installs its selective forward beneath; a forward pre- and post-hook on the
-final norm); no parameter or buffer is added (the state dict is stock Llama's). The final norm's
-other hooks see what a stock model gives them: its forward hooks the normed output, its forward
-pre-hooks the summed hidden state (B, T, D), which they may replace. While it has other
-pre-hooks (``module._forward_pre_hooks`` besides the join's), the last FFN's add runs with
-PyTorch's add and the norm unjoined on that sum (the same bits, one join fewer a step): a
-pre-hook runs before the joined kernel would add the sum, so giving it the sum would add it
-twice. Module pre-hooks registered with ``prepend=True`` after the joins and global ones
-(``torch.nn.modules.module.register_module_forward_pre_hook``) run before the join's and still
-see the :class:`PendingJoin`, as do hooks on the decoder layers (a joining layer's output, the
-next one's ``hidden_states``). Not under FSDP: its hooks on each layer cast and track tensors of
-the layer's inputs and outputs, which a pair would pass by (untested; ``train.setup`` does not
-install it there).
+decoder stack and on the final norm); no parameter or buffer is added (the state dict is stock
+Llama's). The final norm's other hooks see what a stock model gives them: its forward hooks the
+normed output, its forward pre-hooks the summed hidden state (B, T, D), which they may replace.
+While it has other pre-hooks (``module._forward_pre_hooks`` besides the join's), the last FFN's add
+runs with PyTorch's add and the norm unjoined on that sum (the same bits, one join fewer a step): a
+pre-hook runs before the joined kernel would add the sum, so giving it the sum would add it twice.
+Module pre-hooks registered with ``prepend=True`` after the joins and global ones
+(``torch.nn.modules.module.register_module_forward_pre_hook``) run before the join's and still see
+the :class:`PendingJoin`, as do hooks on the decoder layers (a joining layer's output, the next
+one's ``hidden_states``). Not under FSDP: its hooks on each layer cast and track tensors of the
+layer's inputs and outputs, which a pair would pass by (untested; ``train.setup`` does not install
+it there).
 
 Source: the fusion as vLLM's ``fused_add_rms_norm`` and its Llama decoder layers use it
 (``LlamaDecoderLayer.forward(positions, hidden_states, residual)``); written here.
@@ -75,16 +77,21 @@ from __future__ import annotations
 
 import inspect
 import types
+from contextvars import ContextVar
 
 import torch
 
 from train.liger import fused_cast_dtype
 from train.recompute import CACHE_KWARGS
 
-try:  # transformers >= 5: output_hidden_states recorded by hooks on the decoder layers
-    from transformers.utils.output_capturing import _active_collector
-except ImportError:  # other versions: only the forward's own output_hidden_states is seen
-    _active_collector = None
+# whether each decoder stack whose forward runs in this context (thread, asyncio task) records
+# hidden states, the innermost last (a stack's pre-hook appends, its forward hook drops): a
+# context variable, as transformers' own recording state, so that forwards of one model in two
+# threads do not see each other's; the layers read only the innermost entry, so an entry left
+# where a forward raised under torch.compile (which skips always_call hooks) changes no later
+# stack's forward
+_RECORDING: ContextVar[tuple[bool, ...]] = ContextVar("twell_recording_hidden_states",
+                                                      default=())
 
 
 class PendingJoin:
@@ -104,12 +111,38 @@ class PendingJoin:
         return self.residual + self.delta
 
 
+def _hidden_states_asked(stack, kwargs: dict) -> bool:
+    """Whether transformers' decorator on the decoder stack's forward (4.56's
+    ``check_model_inputs``, 5.x's ``capture_outputs``) records its layers' outputs in a call
+    with ``kwargs``: its ``output_hidden_states`` keyword, else the config's (5.25: also layer
+    indices, recorded where not empty)."""
+    asked = dict(kwargs)
+    if isinstance(kwargs.get("kwargs"), dict):  # 4.56 also reads keywords nested there
+        asked.update(kwargs["kwargs"])
+    value = asked.get("output_hidden_states")
+    if value is None:  # transformers records nothing on an explicit None: the config's errs stock
+        value = getattr(stack.config, "output_hidden_states", False)
+    return bool(value)
+
+
+def _stack_pre_hook(stack, args, kwargs) -> None:
+    """The decoder stack's forward pre-hook: notes for its layers whether this call records
+    their outputs, until its forward hook."""
+    _RECORDING.set((*_RECORDING.get(), _hidden_states_asked(stack, kwargs)))
+
+
+def _stack_hook(stack, args, output) -> None:
+    """The decoder stack's forward hook, run also where its forward raised (``always_call``):
+    drops its pre-hook's note."""
+    _RECORDING.set(_RECORDING.get()[:-1])
+
+
 def _recording_hidden_states(kwargs: dict) -> bool:
-    """Whether transformers records the decoder layers' outputs in this forward."""
-    if kwargs.get("output_hidden_states"):
-        return True
-    collected = _active_collector.get() if _active_collector is not None else None
-    return bool(collected) and "hidden_states" in collected
+    """Whether transformers records the decoder layers' outputs in this forward: as the
+    innermost decoder stack running noted (the config's flag never reaches the layers), or as
+    the layer's own ``output_hidden_states`` says (a stack's ``forward`` called past its
+    hooks)."""
+    return any(_RECORDING.get()[-1:]) or bool(kwargs.get("output_hidden_states"))
 
 
 def _joins(layer, residual: torch.Tensor, kwargs: dict) -> bool:
@@ -221,6 +254,11 @@ def use_fused_joins(model) -> int:
                                       if p.default is not p.empty}
         layer.forward = types.MethodType(_joined_forward, layer)
         n += 1
+    if not getattr(stack, "_twell_join_hooks", False):
+        # appended: the keywords the forward gets after the stack's other pre-hooks
+        stack.register_forward_pre_hook(_stack_pre_hook, with_kwargs=True)
+        stack.register_forward_hook(_stack_hook, always_call=True)
+        stack._twell_join_hooks = True
     if not getattr(stack.norm, "_twell_join_hooks", False):
         # first of the norm's pre-hooks, so that those registered earlier see a tensor too
         handle = stack.norm.register_forward_pre_hook(_final_norm_in, prepend=True)

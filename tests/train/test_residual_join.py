@@ -13,17 +13,18 @@ autograd's) differ by one bf16 step: the loss is still bitwise equal, the gradie
 noise, both models as far from an fp32 stock transformers model. Also: checkpointed layers
 (whole or selective) run their own forward and give the unjoined bits, and join again after the
 planner's switch back to none; ``recompute_norms`` recomputes the joined norms' outputs (same
-bits); NaN propagates; recorded hidden states run stock layers; evaluation and generation under
-autocast join (the unjoined model's logits and tokens); the state dict is stock Llama's; hooks
-on the final norm see a stock model's input (the summed hidden state, the last add then unjoined)
-and output; a layer given its KV cache under any of transformers' names for it does what the
-installed transformers' stock layer does (the caches, output and warnings of that version); the
-trainer's setup installs the joins only where they apply. Inference of an fp16 / bf16 model
-(no grad, no autocast): every add joined with the sum in the model's dtype, the hidden states
-and generate()'s tokens those of the model with the same norms unjoined (bitwise in the
-interpreter's fp16) and the stock model's (within its roundings; bf16 as close to fp32 as the
-stock bf16 model), NaN propagating, stock layers with grad mode on. On CUDA with Liger's norms:
-the joined model against the unjoined one."""
+bits); NaN propagates; recorded hidden states (asked in the call or by the config, as transformers
+decides) run stock layers, and a recording forward that raised leaves the next one joining;
+evaluation and generation under autocast join (the unjoined model's logits and tokens); the state
+dict is stock Llama's; hooks on the final norm see a stock model's input (the summed hidden state,
+the last add then unjoined) and output; a layer given its KV cache under any of transformers' names
+for it does what the installed transformers' stock layer does (the caches, output and warnings of
+that version); the trainer's setup installs the joins only where they apply. Inference of an fp16 /
+bf16 model (no grad, no autocast): every add joined with the sum in the model's dtype, the hidden
+states and generate()'s tokens those of the model with the same norms unjoined (bitwise in the
+interpreter's fp16) and the stock model's (within its roundings; bf16 as close to fp32 as the stock
+bf16 model), NaN propagating, stock layers with grad mode on. On CUDA with Liger's norms: the
+joined model against the unjoined one."""
 
 import inspect
 import types
@@ -34,7 +35,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from tests.ops.ell_cases import DEV, TRITON
-from train import lean_saves, liger
+from train import lean_saves, liger, residual_join
 from train import recompute as recompute_mod
 from train.config import ModelConfig
 from train.lean_saves import enable_lean_saves
@@ -218,13 +219,38 @@ def test_recorded_hidden_states_run_stock_layers(joined):
         ref.train(train)
         with torch.set_grad_enabled(train), torch.autocast(DEV, dtype=F16):
             want = ref(input_ids=ids, output_hidden_states=True).hidden_states
-            for by_config in (False, True):  # asked in the call, or by the config (hooks only)
+            for by_config in (False, True):  # asked in the call, or by the config
                 model.config.output_hidden_states = by_config
                 asked = {} if by_config else {"output_hidden_states": True}
                 got = model(input_ids=ids, **asked).hidden_states
                 assert len(got) == L + 1 and all(torch.equal(h, r) for h, r in zip(got, want))
         model.config.output_hidden_states = False
     assert not joined
+
+
+@needs_triton
+def test_hidden_states_recorded_as_the_call_asks(joined):
+    """The decoder stack's call decides, as transformers does: its output_hidden_states=False
+    over the config's True records none, and the layers join; a recording forward that raises
+    leaves none of its recording behind (the next forward joins)."""
+    model, ids = _model(True), _ids()
+
+    def fail(module, args):
+        raise RuntimeError("raised in the forward")
+
+    with torch.autocast(DEV, dtype=F16):
+        model.config.output_hidden_states = True
+        assert model(input_ids=ids, output_hidden_states=False).hidden_states is None
+        assert len(joined) == 2 * L
+        model.config.output_hidden_states = False
+        handle = model.model.norm.register_forward_pre_hook(fail)
+        with pytest.raises(RuntimeError, match="raised in the forward"):
+            model(input_ids=ids, output_hidden_states=True)
+        handle.remove()
+        assert len(joined) == 2 * L  # its layers ran stock
+        assert residual_join._RECORDING.get() == ()  # nothing noted for layers called directly
+        model(input_ids=ids)
+    assert len(joined) == 4 * L
 
 
 @needs_triton
@@ -358,6 +384,7 @@ def test_use_fused_joins_checks_the_model_and_installs_once():
     model = _model(True)
     assert use_fused_joins(model) == 0  # a second call changes nothing
     assert len(model.model.norm._forward_pre_hooks) == 1
+    assert len(model.model._forward_pre_hooks) == len(model.model._forward_hooks) == 1
     with pytest.raises(ValueError, match="decoder layer 0 .* has no input_layernorm"):
         use_fused_joins(types.SimpleNamespace(model=types.SimpleNamespace(
             norm=torch.nn.Identity(), layers=[torch.nn.Linear(2, 2)])))
