@@ -77,6 +77,12 @@ def test_spread_and_drift_hand_computed():
     assert drift_factor([10.0] * 8 + [8.0] * 8) == 1.0  # falling: the window max holds it
     assert drift_factor([1.0] * 8 + [9.0] * 8) == 2.0
     assert drift_factor([10.0] * 15) == drift_factor([0.0] * 8 + [5.0] * 8) == 1.0
+    # one step far off in either window moves a median by nothing: no drift (the mean of the
+    # earlier window with a 0 in it would have given 10 / 8.75 = 1.14)
+    assert drift_factor([10.0] * 7 + [0.0] + [10.0] * 8) == 1.0
+    assert drift_factor([10.0] * 8 + [10.0] * 7 + [40.0]) == 1.0
+    # a rise in most of the recent window is: medians 10 and 13 (the middle pair of 12, 14)
+    assert drift_factor([10.0] * 8 + [12.0] * 4 + [14.0] * 4) == pytest.approx(1.3)
 
 
 def _e_max(n):

@@ -23,7 +23,7 @@ micro-batch, measured in the step's one host sync):
 
   - ``top = max(max(R of the last 128 steps), g max(R of the last 8 steps))``: the long window
     remembers the rare heavy batches (many short documents: each document start has fully
-    active first tokens); ``g`` (:func:`drift_factor`) is how much the last 8 steps' mean rose
+    active first tokens); ``g`` (:func:`drift_factor`) is how much the last 8 steps' median rose
     over the 8 before (1 when it did not, at most 2), so a rising count (L0 drifting up) gets
     its capacity one window ahead of the rise instead of after an overflow;
   - ``M = max(m c, s)``: the learned margin ``m`` (starts at 1.25; each redo or forward rerun
@@ -56,7 +56,7 @@ backup: arXiv 2603.23198, "Hybrid (training)"; the rules and their margins are o
 from __future__ import annotations
 
 import math
-from statistics import NormalDist, median
+from statistics import NormalDist, median, median
 
 from twell.ops.ffn_train import backup_capacity_for
 
@@ -77,8 +77,8 @@ RESTART_STEPS = 8  # steps of history a layer keeps when it moves to the ELL pat
 SPREAD_Z = 3.5
 SPREAD_STEPS = 32
 SPREAD_MAX = MARGIN_MAX
-# The adaptive rule's drift look-ahead (drift_factor): the mean of the last DRIFT_STEPS counts
-# over the mean of the DRIFT_STEPS before, at most DRIFT_MAX
+# The adaptive rule's drift look-ahead (drift_factor): the median of the last DRIFT_STEPS counts
+# over the median of the DRIFT_STEPS before, at most DRIFT_MAX
 DRIFT_STEPS = 8
 DRIFT_MAX = 2.0
 # E[max of n standard normals] (Blom's approximation), n = 0..128: what the window's maximum
@@ -131,14 +131,17 @@ def spread_margin(hist: list[float], z: float = SPREAD_Z) -> float:
 
 
 def drift_factor(hist: list[float], steps: int = DRIFT_STEPS) -> float:
-    """How much a layer's heavy-row counts ``hist`` (oldest first) rose: the mean of the last
-    ``steps`` over the mean of the ``steps`` before, within ``[1, DRIFT_MAX]``; 1 with fewer
-    than ``2 steps`` counts or none before. The adaptive rule multiplies the recent maximum by
-    it, so a count that keeps rising (L0 drifting up: heavy rows grow faster than L0) finds its
-    capacity already raised by as much as it rose over the last window."""
+    """How much a layer's heavy-row counts ``hist`` (oldest first) rose: the median of the last
+    ``steps`` over the median of the ``steps`` before, within ``[1, DRIFT_MAX]``; 1 with fewer
+    than ``2 steps`` counts or a zero median before. The adaptive rule multiplies the recent
+    maximum by it, so a count that keeps rising (L0 drifting up: heavy rows grow faster than L0)
+    finds its capacity already raised by as much as it rose over the last window. Medians, not
+    means: one step far below (or above) the rest in either window is not a drift (a low step
+    among the earlier ones would raise the factor for ``steps`` steps; a spike is what the
+    window's maximum and the spread headroom already cover)."""
     if len(hist) < 2 * steps:
         return 1.0
-    recent, before = sum(hist[-steps:]), sum(hist[-2 * steps:-steps])
+    recent, before = median(hist[-steps:]), median(hist[-2 * steps:-steps])
     if before <= 0:
         return 1.0
     return min(max(recent / before, 1.0), DRIFT_MAX)
