@@ -132,3 +132,17 @@ def test_bad_arguments_name_the_problem(backend):
     with pytest.raises(ValueError, match="src's columns must be contiguous"):
         be.add_rows(dst, idx, torch.ones(8, 2, device=DEV).t())
     assert not dst.any()  # nothing written before a refusal
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_strided_indices(backend, idx_dtype):
+    """idx a strided view (every other entry of a longer tensor, whose other entries would name
+    other rows): each slot reads its own entry."""
+    gen = torch.Generator().manual_seed(6)
+    dst = torch.randn(11, 24, generator=gen).to(DEV)
+    src = torch.randn(5, 24, generator=gen).to(DEV)
+    wide = torch.tensor([7, 0, 2, 1, 11, 3, 9, 4, 5, 6], dtype=idx_dtype, device=DEV)
+    idx = wide[::2]  # 7, 2, 11 (= N: unused), 9, 5
+    assert not idx.is_contiguous()
+    _check(_backend(backend), dst, idx, src)

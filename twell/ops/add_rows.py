@@ -34,6 +34,7 @@ def _add_rows_kernel(
     D,  # row width
     stride_dst,  # row stride of dst
     stride_src,  # row stride of src
+    stride_idx,  # element stride of idx
     BLOCK_D: tl.constexpr,  # columns per program
     F64: tl.constexpr,  # fp64 dst: add in fp64 (else fp32)
 ):
@@ -42,7 +43,7 @@ def _add_rows_kernel(
     index is outside [0, N) read and write nothing. Grid (R, cdiv(D, BLOCK_D)); no atomics: the
     caller's indices are distinct, so each element has one writer."""
     slot = tl.program_id(0)
-    row = tl.load(idx_ptr + slot).to(tl.int64)
+    row = tl.load(idx_ptr + slot.to(tl.int64) * stride_idx).to(tl.int64)
     if (row < 0) | (row >= N):  # unused slot
         return
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -67,8 +68,8 @@ def add_rows(dst_ND: torch.Tensor, idx_R: torch.Tensor, src_RD: torch.Tensor) ->
     Args:
         dst_ND: (N, D) float tensor (fp32, bf16, fp16 or fp64), unit column stride, any row
             stride; updated in place.
-        idx_R: (R,) int32 / int64 destination rows; an entry outside [0, N) marks an unused slot
-            (the no-sync dense backup's fill value N), whose src row is not read.
+        idx_R: (R,) int32 / int64 destination rows, any stride; an entry outside [0, N) marks
+            an unused slot (the no-sync dense backup's fill value N), whose src row is not read.
         src_RD: (R, D) rows of dst's dtype (as ``index_add_``), unit column stride, any row
             stride; NaN and inf reach dst.
 
@@ -87,7 +88,8 @@ def add_rows(dst_ND: torch.Tensor, idx_R: torch.Tensor, src_RD: torch.Tensor) ->
         return dst_ND
     block = pow2(d, 16, CONFIG["add_rows_block_d"])
     _add_rows_kernel[(r, triton.cdiv(d, block))](
-        dst_ND, idx_R, src_RD, n, d, dst_ND.stride(0), src_RD.stride(0), BLOCK_D=block,
+        dst_ND, idx_R, src_RD, n, d, dst_ND.stride(0), src_RD.stride(0), idx_R.stride(0),
+        BLOCK_D=block,
         F64=dst_ND.dtype == torch.float64, num_warps=CONFIG["add_rows_warps"],
     )
     return dst_ND
