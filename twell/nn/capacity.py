@@ -56,7 +56,7 @@ backup: arXiv 2603.23198, "Hybrid (training)"; the rules and their margins are o
 from __future__ import annotations
 
 import math
-from statistics import NormalDist, median, median
+from statistics import NormalDist, median
 
 from twell.ops.ffn_train import backup_capacity_for
 
