@@ -81,9 +81,10 @@ SPREAD_MAX = MARGIN_MAX
 # over the median of the DRIFT_STEPS before, at most DRIFT_MAX
 DRIFT_STEPS = 8
 DRIFT_MAX = 2.0
-# E[max of n standard normals] (Blom's approximation), n = 0..128: what the window's maximum
-# already stands above the mean, in standard deviations
-_NORMAL_MAX = [0.0] + [NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) for n in range(1, 129)]
+# E[max of n standard normals] (Blom's approximation), n = 0..the adaptive window: what the
+# window's maximum already stands above the mean, in standard deviations
+_NORMAL_MAX = [0.0] + [NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+                       for n in range(1, WINDOW_STEPS["adaptive"] + 1)]
 
 
 def cold_margin(n: int, window: int) -> float:
