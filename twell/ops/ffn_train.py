@@ -47,11 +47,12 @@ no 0 * inf). ``tests/ops/test_ffn_train.py`` checks every path against fp64 auto
 
 Saved for backward: x, the three weights as the caller gave them (under autocast the fp32
 masters: no compute-dtype copy of a weight is kept; the backward casts Wg and Wu again, ~2 x 15 us
-at the 1.5B shape, for 46 MB less per layer between the two), the ELL part at its capacity width (col int32, g, u:
-N x KC; slots past a row's length are never read), the row lengths, the indices of the heavy rows
-(N in the no-sync backup's unused slots) and their dense g and u, and the CSC order of the ELL entries (perm int32, colptr, and the dW
-kernel's longest-column-first order), built in the forward
-while the GPU runs the SDDMM and SpMM so that the backward launches little besides its kernels;
+at the 1.5B shape, for 46 MB less per layer between the two), the ELL part at its capacity width
+(col int32, g, u: N x KC; slots past a row's length are never read), the row lengths, the indices
+of the heavy rows (N in the no-sync backup's unused slots) and their dense g and u, and the CSC
+order of the ELL entries (perm int32, colptr, and the dW kernel's longest-column-first order),
+built in the forward while the GPU runs the SDDMM and SpMM so that the backward launches little
+besides its kernels;
 with hot units also their relu'd gate g_S and up u_S (N x k). No N x H tensor outside the
 backup rows, and no copy of Wd: the forward's SpMM reads Wd^T as (H, D) rows in the compute
 dtype and the backward makes them again, each with one tiled pass that transposes and casts
