@@ -79,6 +79,9 @@ def add_rows(dst_ND: torch.Tensor, idx_R: torch.Tensor, src_RD: torch.Tensor) ->
         rounded once: bit for bit ``dst.index_add_(0, idx, src)`` over the used slots.
         Deterministic.
 
+    Source: ours; the rows it adds are the dense backup of arXiv 2603.23198's hybrid training
+    layout and the hot units' slices.
+
     Raises:
         ValueError: a shape, dtype, device or stride mismatch
             (``twell.ops.reference.sparse_train_torch.check_add_rows``).
