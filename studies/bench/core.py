@@ -370,10 +370,10 @@ def build_forward(run: SizeRun, impl: str):
         if liger_enabled(None, device_type=dev.type, precision="bf16" if run.bf16 else "fp32",
                          compile=False):
             t = run.cfg1.trainer
-            fused = t.norm_out_bf16 is not False and t.fused_norm_cast is not False
+            cast = t.norm_out_bf16 is not False
+            fused = cast and t.fused_norm_cast is not False
             # as our trainer runs (no loss here)
-            use_liger(model, fused_linear_ce=False, norm_out_autocast=t.norm_out_bf16 is not False,
-                      fused_norm_cast=fused)
+            use_liger(model, fused_linear_ce=False, norm_out_autocast=cast, fused_norm_cast=fused)
             if fused:
                 use_fused_joins(model)
     return model.eval().model
