@@ -27,6 +27,8 @@ CONSUMER_LAUNCHES = [
     {"nb": 1, "k": 2},                       # many K-batches per row
     {"nb": 2, "k": 4, "prefetch": True},
     {"nb": 4, "k": 8, "prefetch": True, "rows": 3},
+    {"heavy_first": True},                   # rows longest first
+    {"nb": 2, "rows": 3, "heavy_first": True},
 ]
 
 
@@ -69,6 +71,52 @@ def test_consumer_launches_match_fp64_on_crafted_rows(launch):
         assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-4, what=f"y gated={gated} {launch}")
         torch.testing.assert_close(l1.double(), h_ref.abs().sum(1), rtol=1e-5, atol=1e-6)
         assert y[0].abs().max().item() == 0.0 and l1[0].item() == 0.0
+
+
+@pytest.mark.parametrize("launch", [{}, {"nb": 1}, {"nb": 2, "prefetch": True, "rows": 2}],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
+def test_overflowed_tiles_compacted_match_fp64_with_nan_and_inf(launch):
+    """The overflowed-tile path (its active columns compacted from one load of the tile) against
+    fp64: a tile at exactly W = 32 actives (the first count that overflows), counts that are not
+    multiples of NB, an overflowed partial last tile, hot columns zeroed in the pre-activation, a
+    NaN gate (NaN reaches the whole row, as relu(NaN) = NaN in the reference) and a +inf gate
+    (its up product's sign times inf) inside overflowed tiles, and a -inf gate (inactive); the
+    rows taken longest first (``heavy_first``) give the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    m, d, h = 7, 16, 600  # 3 tiles, the last one 88 columns wide
+    pre = -torch.rand(m, h, generator=gen, dtype=torch.float64) - 0.1
+    pre[0, :32] = torch.rand(32, generator=gen, dtype=torch.float64) + 0.05
+    for r, (t0, n) in enumerate([(256, 45), (512, 88), (0, 256), (256, 33)], start=1):
+        cols = t0 + torch.randperm(min(256, h - t0), generator=gen)[:n]
+        pre[r, cols] = torch.rand(n, generator=gen, dtype=torch.float64) + 0.05
+    pre[4, 0:40] = 0.5          # a second overflowed tile in row 4, listed tile 2 between
+    pre[4, 520:523] = 1.5
+    pre[5, 300:340] = 0.75      # row 5: overflowed tile 1 with a NaN in it
+    pre[5, 310] = float("nan")
+    pre[6, 0:50] = 0.25         # row 6: overflowed tile 0 with +inf and -inf in it
+    pre[6, 7] = float("inf")
+    pre[6, 9] = float("-inf")
+    pre[:, 200] = 0.0           # a hot column: zeroed, never active
+    pre = pre.to(torch.bfloat16).float()
+    x = torch.randn(m, d, generator=gen)
+    wu = torch.randn(h, d, generator=gen)
+    wdt = torch.randn(h, d, generator=gen)
+    pre, x, wu, wdt = (t.to(DEV) for t in (pre, x, wu, wdt))
+    tw = pack(pre, 8)
+    assert tw.overflow_tiles().sum(1).tolist() == [1, 1, 1, 1, 2, 1, 1]
+    act = ~(pre <= 0)
+    g = torch.where(act, pre, 0.0).double()  # relu with NaN kept
+    for gated in (True, False):
+        h_ref = torch.where(act, g * (x.double() @ wu.double().T), 0.0) if gated else g
+        y_ref = h_ref @ wdt.double()
+        up = {"x_MD": x, "w_up_HD": wu} if gated else {}
+        y, l1 = twell_ffn_apply(tw, pre, wdt, stats=True, **up, **launch)
+        assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-4, what=f"y gated={gated} {launch}")
+        torch.testing.assert_close(l1.double(), h_ref.abs().sum(1), rtol=1e-5, atol=1e-6,
+                                   equal_nan=True)
+        assert torch.isnan(y[5]).all() and torch.isinf(y[6]).all()
+        y2, l12 = twell_ffn_apply(tw, pre, wdt, stats=True, **up, **launch, heavy_first=True)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in ((y2, y), (l12, l1)))
 
 
 def test_apply_rejects_bad_operands():

@@ -13,9 +13,9 @@ with Wu (H, D) row-major and WdT = Wd^T (H, D) contiguous, so every non-zero
 gathers two contiguous D-rows (4 KiB each at D = 2048, bf16). Accumulation is
 fp32 in registers over the full D of the row; nothing of size M x H is
 written. An overflowed (row, tile) (count > W-1) is computed from the dense
-pre-activation ``dense[r, 256t : 256t+256]`` instead of its slots, NB columns
-at a time, gathering weight rows only where active (masked loads fetch
-nothing), so overflow costs time but never correctness.
+pre-activation ``dense[r, 256t : 256t+256]`` instead of its slots: one load of
+the tile, its active columns compacted in registers, NB per step, so overflow
+costs about what the same entries would cost in slots and never correctness.
 
 Performance: the work is a gather of 2 * nnz weight rows per token; such gathers ran at 9-10 TB/s on
 the H200 when Wu/WdT sit in L2 (BENCHMARKS.md, "TwELL inference FFN"). ``_twell_ffn_kernel`` treats
@@ -47,16 +47,13 @@ def _accumulate(
     wu_ptr, wdt_ptr, stride_wu, stride_wd,
     GATED: tl.constexpr,
 ):
-    """acc += sum_k h_k * WdT[cols_k, d]; h_k = v_k * (x . Wu[cols_k]) (gated) or v_k."""
-    c64 = cols.to(tl.int64)
-    m2 = valid[:, None] & d_mask[None, :]
+    """acc += sum_k h_k * WdT[cols_k, d]; h_k = v_k * (x . Wu[cols_k]) (gated) or v_k. Both row
+    gathers are issued before either is used (``_load_rows``)."""
+    wu, wd = _load_rows(cols, valid, offs_d, d_mask, wu_ptr, wdt_ptr, stride_wu, stride_wd, GATED)
     if GATED:
-        wu = tl.load(wu_ptr + c64[:, None] * stride_wu + offs_d[None, :], mask=m2, other=0.0)
-        u = tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
-        h = tl.where(valid, v * u, 0.0)
+        h = tl.where(valid, v * tl.sum(wu.to(tl.float32) * x[None, :], axis=1), 0.0)
     else:
         h = tl.where(valid, v, 0.0)
-    wd = tl.load(wdt_ptr + c64[:, None] * stride_wd + offs_d[None, :], mask=m2, other=0.0)
     acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
     l1 += tl.sum(tl.abs(h), axis=0)
     return acc, l1
@@ -65,13 +62,27 @@ def _accumulate(
 @triton.jit
 def _overflow_tile(acc, l1, x, t, r64, dense_ptr, stride_dm, H, offs_nb, offs_d, d_mask,
                    wu_ptr, wdt_ptr, stride_wu, stride_wd, GATED: tl.constexpr, NB: tl.constexpr):
-    """An overflowed (row, tile): its 256 columns from the dense pre-activation, NB at a time
-    (weight rows gathered only where active); returns the updated (acc, l1)."""
-    for j in range(0, 256, NB):
-        cols = t * 256 + j + offs_nb
-        in_h = cols < H
-        g = tl.load(dense_ptr + r64 * stride_dm + cols, mask=in_h, other=0.0).to(tl.float32)
-        acc, l1 = _accumulate(acc, l1, x, cols, g, ~(g <= 0) & in_h, offs_d, d_mask, wu_ptr,
+    """An overflowed (row, tile): its 256 pre-activations in one load, the active ones (NaN
+    active) compacted in registers, NB per step in column order; returns the updated (acc, l1).
+
+    Why: stepping NB columns at a time over all 256 took 256 / NB dependent steps per overflowed
+    tile whatever its count, so a first token with every tile overflowed (~700-1700 active units
+    at 1.5B) ran ~1400 steps in one program: a tail that held real layers' forward near dense
+    (BENCHMARKS.md, "The overflowed tiles of the forward consumer"). Now ceil(count / NB)."""
+    offs = tl.arange(0, 256)
+    cols_t = t * 256 + offs
+    in_h = cols_t < H
+    g = tl.load(dense_ptr + r64 * stride_dm + cols_t, mask=in_h, other=0.0).to(tl.float32)
+    act = ~(g <= 0) & in_h
+    a32 = act.to(tl.int32)
+    pos = tl.where(act, tl.cumsum(a32, axis=0) - 1, -1)  # rank among the tile's active columns
+    n_act = tl.sum(a32, axis=0)
+    for j in range(0, n_act, NB):
+        want = j + offs_nb
+        sel = pos[None, :] == want[:, None]  # (NB, 256): at most one column per step lane
+        cols = tl.sum(tl.where(sel, cols_t[None, :], 0), axis=1)
+        v = tl.sum(tl.where(sel, g[None, :], 0.0), axis=1)  # exact: one term (NaN, inf kept)
+        acc, l1 = _accumulate(acc, l1, x, cols, v, want < n_act, offs_d, d_mask, wu_ptr,
                               wdt_ptr, stride_wu, stride_wd, GATED)
     return acc, l1
 
@@ -133,6 +144,7 @@ def _twell_ffn_kernel(
     wdt_ptr,      # (H, D) down weight transposed, unit column stride
     y_ptr,        # (M, D) out
     l1_ptr,       # (M,) fp32 out: sum_c |h_rc| (STATS)
+    order_ptr,    # (M,) int32 row of each program slot (ORDERED)
     M, H, D, n_tile,
     stride_xm, stride_dm, stride_ym, stride_wu, stride_wd,
     W: tl.constexpr,            # words per (row, tile)
@@ -146,6 +158,7 @@ def _twell_ffn_kernel(
     T_PAD: tl.constexpr,        # next power of 2 >= T
     K: tl.constexpr,            # slot words fetched per batch (power of 2, >= NB)
     PREFETCH: tl.constexpr,     # issue the next step's row gathers before this step's math
+    ORDERED: tl.constexpr,      # rows in the order of order_ptr (else 0 .. M-1)
 ):
     """y[r, d-slice] for ROWS rows (grid: (cdiv(M, ROWS), cdiv(D, BLOCK_D))): the row's
     non-zeros as one flat list, NB per step.
@@ -165,8 +178,12 @@ def _twell_ffn_kernel(
     offs_k = tl.arange(0, K)
     offs_t = tl.arange(0, T_PAD)
     for i in tl.static_range(ROWS):
-        r = pid * ROWS + i
-        if r < M:
+        slot = pid * ROWS + i
+        if slot < M:
+            if ORDERED:
+                r = tl.load(order_ptr + slot)
+            else:
+                r = slot
             r64 = r.to(tl.int64)
             row_tw = tw_ptr + r64 * n_tile * W
             cnt = tl.load(row_tw + offs_t * W, mask=offs_t < n_tile, other=0)
@@ -213,9 +230,11 @@ def _twell_ffn_kernel(
                         hv = tl.where(cur_valid, cur_v, 0.0)
                     acc += tl.sum(hv[:, None] * cur_wd.to(tl.float32), axis=0)
                     l1 += tl.sum(tl.abs(hv), axis=0)
-            if n_ovf > 0:  # overflowed tiles: dense pre-activation, NB columns at a time
+            if n_ovf > 0:  # overflowed tiles: dense pre-activation, active columns only
+                ovf32 = ovf.to(tl.int32)
                 for t in range(n_tile):
-                    if tl.load(row_tw + t * W) >= W:
+                    # the flag from the counts already in registers: no dependent load per tile
+                    if tl.sum(tl.where(offs_t == t, ovf32, 0), axis=0) > 0:
                         acc, l1 = _overflow_tile(acc, l1, x, t, r64, dense_ptr, stride_dm, H,
                                                  offs_nb, offs_d, d_mask, wu_ptr, wdt_ptr,
                                                  stride_wu, stride_wd, GATED, NB)
@@ -238,6 +257,7 @@ def twell_ffn_apply(
     num_warps: int | None = None,
     k: int = 32,
     prefetch: bool = False,
+    heavy_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the TwELL consumer: y = (h from TwELL) @ Wd^T, h gated by the up projection.
 
@@ -257,6 +277,12 @@ def twell_ffn_apply(
             otherwise warps = block_d * nb / 1024.
         k, prefetch: words per batch (power of 2 >= nb) and whether the next step's weight
             rows are gathered before this step's math (double-buffered registers).
+        heavy_first: programs take the rows in descending order of their non-zeros (one
+            ``argsort`` of the M row counts, ~10-20 us on a GPU) instead of 0 .. M-1: a row's
+            program walks its whole list, so a first token with hundreds of active units that
+            starts late in the launch runs alone after the rest have finished; longest first,
+            it overlaps them (the longest-processing-time-first order). Each row's
+            arithmetic, hence y and the L1, is the same bits either way.
 
     Returns:
         ``(y_MD, l1_M or None)``.
@@ -308,13 +334,15 @@ def twell_ffn_apply(
         grid = (triton.cdiv(m, rows), triton.cdiv(d, block_d))
         xa = x_MD if gated else y  # placeholders keep the signature fixed
         wa = w_up_HD if gated else w_down_t_HD
-        args = (xa, tw.data, dense_MH, wa, w_down_t_HD, y, l1, m, h, d, t,
+        order = (torch.argsort(tw.counts.sum(1, dtype=torch.int32), descending=True)
+                 .to(torch.int32) if heavy_first else l1)
+        args = (xa, tw.data, dense_MH, wa, w_down_t_HD, y, l1, order, m, h, d, t,
                 xa.stride(0), dense_MH.stride(0), y.stride(0), wa.stride(0), w_down_t_HD.stride(0))
         meta = {"W": w, "GATED": gated, "FP16_VALUES": tw.value_dtype == torch.float16,
                 "STATS": stats, "BLOCK_D": block_d, "NB": nb, "ROWS": rows,
                 "OUT_BF16": out_dtype == torch.bfloat16, "num_warps": num_warps}
         _twell_ffn_kernel[grid](*args, **meta, T_PAD=max(2, triton.next_power_of_2(t)), K=k,
-                                PREFETCH=prefetch)
+                                PREFETCH=prefetch, ORDERED=heavy_first)
     return y, (l1 if stats else None)
 
 
