@@ -74,6 +74,11 @@ class FFNPolicy:
     infer_long_min_nnz: int = 256
     """Inference TwELL: a row joins the dense backup of ``infer_long_rows`` only with more
     non-zeros than this (shorter rows stay on the consumer even among the top-k)."""
+    infer_heavy_first: bool = False
+    """Inference TwELL: the consumer takes a call's rows in descending order of their non-zeros
+    (``twell_ffn_apply``'s ``heavy_first``: one ``argsort`` of the row counts) so that the
+    densest tokens start first instead of running alone at the end; the same bits. Off until
+    timed on real layers (BENCHMARKS.md, "The overflowed tiles of the forward consumer")."""
     train_density_threshold: float = 0.10
     """Training ``auto``: the ELL kernels up to this density (L0 / H), else dense mode; 10 % is
     the densest case measured (i.i.d. 10 %: dense mode 0.99x vs the ELL op's fallback 0.90x,
@@ -186,7 +191,7 @@ class FFNPolicy:
             f = getattr(self, name)
             if not (isinstance(f, (int, float)) and math.isfinite(f) and f > 1.0):
                 raise PolicyValueError(name, "must be a finite number > 1", f, "<a number > 1>")
-        for name in ("infer_measure", "train_measure"):
+        for name in ("infer_measure", "train_measure", "infer_heavy_first"):
             if not isinstance(getattr(self, name), bool):
                 raise PolicyValueError(name, "must be true or false", getattr(self, name),
                                        "<true or false>")

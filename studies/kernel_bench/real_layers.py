@@ -30,6 +30,9 @@ Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``de
     dense         fwd: cuBLAS bf16, the baseline (:data:`BASELINE`)
     twell         fwd: TwELL (``sparse_ffn``)
     twell_hot     fwd: TwELL with the hot set
+    twell_heavy_first
+                  fwd: ``twell`` with the consumer taking rows longest first
+                  (``FFNPolicy.infer_heavy_first``)
     twell_long    fwd: TwELL with the :data:`LONG_ROWS` longest rows (above
                   ``FFNPolicy.infer_long_min_nnz`` non-zeros) through a dense backup
                   (``FFNPolicy.infer_long_rows``)
@@ -90,7 +93,7 @@ COLUMNS = ["size", "layer", "density", "l0_mean", "l0_max", "heavy_rows", "op", 
            "speedup_vs_dense", "rel_err", "spread_pct"]
 ROUNDS = 3  # interleaved timing rounds per case (the script's --rounds default)
 KINDS = ("fwd", "train")
-OPS = {"fwd": ("dense", "twell", "twell_hot", "twell_long", "auto", "paper"),
+OPS = {"fwd": ("dense", "twell", "twell_heavy_first", "twell_hot", "twell_long", "auto", "paper"),
        "train": ("torch", "ell", "ell_nosync", "ell_graph", "ell_hot", "auto",
                  "paper")}
 CUDA_ONLY = {("ell_graph", "train"): "CUDA graphs need a CUDA device"}  # op -> why it is skipped
@@ -215,10 +218,12 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
             return lambda: [_dense_fwd(x, wg, wu, wd)]
         st = TwELLState()
         mode = "auto" if op == "auto" else "twell"
-        hot = None if op in ("twell", "twell_long") or (
+        hot = None if op in ("twell", "twell_heavy_first", "twell_long") or (
             op == "auto" and not _split_pays(case, policy)) else case.hot
         if op == "twell_long":
             policy = dataclasses.replace(policy, infer_long_rows=LONG_ROWS)
+        if op == "twell_heavy_first":
+            policy = dataclasses.replace(policy, infer_heavy_first=True)
 
         @torch.no_grad()
         def fwd():

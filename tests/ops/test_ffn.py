@@ -620,3 +620,36 @@ def test_long_rows_bf16_within_bf16_error_of_fp64():
     scale = y_ref.abs().max()
     assert ((y.double().cpu() - y_ref).abs().max() / scale) < 2e-2
     assert torch.equal(y[~long.to(y.device)], y0[~long.to(y.device)])
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_heavy_first_policy_same_bits_and_orders_the_consumer(gated, monkeypatch):
+    """policy.infer_heavy_first reaches the consumer as ``heavy_first`` (a state's own
+    consumer_kwargs still win) and changes no bit of y or of the statistics on heavy-tailed rows
+    with overflowed tiles; a non-bool value is refused naming the field."""
+    import twell.ops.twell_ffn as consumer_mod
+
+    seen = []
+    apply = consumer_mod.twell_ffn_apply
+    monkeypatch.setattr(consumer_mod, "twell_ffn_apply",
+                        lambda *a, **kw: (seen.append(kw.get("heavy_first")), apply(*a, **kw))[1])
+    x, wg, wu, wd = make_ffn(16, 32, 600, torch.float32, 0.08, seed=3, heavy=True,
+                             gated=gated)
+    wg = wg if gated else None
+    outs = []
+    for pol, kw in ((FFNPolicy(), {}), (FFNPolicy(infer_heavy_first=True), {}),
+                    (FFNPolicy(infer_heavy_first=True), {"heavy_first": False})):
+        st = TwELLState()
+        st.consumer_kwargs = kw
+        outs.append(sparse_ffn(x, wg, wu, wd, state=st, policy=pol))
+        n_ovf = int(st.last_info.overflow_tiles)
+    if DEV == "cuda" or triton.knobs.runtime.interpret:
+        assert seen == [False, True, False]
+    assert n_ovf > 0  # the case has overflowed tiles
+    (y0, s0), (y1, s1), _ = outs
+    assert torch.equal(y0, y1) and torch.equal(s0.l1, s1.l1)
+    assert torch.equal(s0.active_counts, s1.active_counts) and s0.nnz_max == s1.nnz_max
+    y_ref, _, _ = ffn_reference_fp64(x, wg, wu, wd, factor=8, value_dtype=torch.bfloat16)
+    assert_close_verbose(y1, y_ref, rtol=1e-4, atol=1e-5, what=f"heavy_first gated={gated}")
+    with pytest.raises(ValueError, match="infer_heavy_first"):
+        FFNPolicy(infer_heavy_first=1)

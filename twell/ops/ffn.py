@@ -377,9 +377,11 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state, ho
         k_long = 0 if policy is None else min(policy.infer_long_rows, n)
         if k_long > 0:
             top, is_long, saved = _hide_long_rows(tw, nnz_row, k_long, policy.infer_long_min_nnz)
+        launch = {"heavy_first": policy is not None and policy.infer_heavy_first,
+                  **state.consumer_kwargs}
         y, l1_rows = twell_ffn_apply(
             tw, dense, wdt, x_MD=x_ND if gated else None, w_up_HD=w_up_HD if gated else None,
-            stats=with_stats, out_dtype=x_ND.dtype, **state.consumer_kwargs,
+            stats=with_stats, out_dtype=x_ND.dtype, **launch,
         )
         if k_long > 0:
             tw.counts.index_copy_(0, top, saved)  # the true counts again, for the statistics
