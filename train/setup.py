@@ -15,7 +15,7 @@ import torch
 
 from train import checkpoint as ckpt_io
 from train import determinism, parallel
-from train.config import ConfigError, OptimConfig, TrainConfig
+from train.config import ConfigError, OptimConfig, TrainConfig, TrainerConfig
 from train.lean_saves import LEAN_SAVES, enable_lean_saves, lean_saves_enabled
 from train.liger import liger_enabled, use_liger
 from train.loss import use_distillation
@@ -322,15 +322,30 @@ def prepare_model(model, cfg: TrainConfig, *, device, precision: str, fsdp, prin
     # the fused loss: not with distillation (ours + KL replaces it) nor FSDP (the LM
     # head weight is a sharded DTensor outside its module's forward: untested)
     liger_loss = not cfg.distill and not fsdp
-    fused_cast = t.norm_out_bf16 is not False and t.fused_norm_cast is not False
-    use_liger(model, fused_linear_ce=liger_loss, norm_out_autocast=t.norm_out_bf16 is not False,
-              fused_norm_cast=fused_cast)
-    if fused_cast and device.type == "cuda" and not fsdp:
-        # and each residual add in one kernel with the norm after it (train/residual_join.py;
-        # not under FSDP, whose per-layer hooks would not see a pending pair: untested)
-        use_fused_joins(model)
+    use_fused_ops(model, t, device_type=device.type, fused_linear_ce=liger_loss,
+                  fsdp=bool(fsdp))
     # (on the CPU, where a forced trainer.liger=true falls back, transformers' loss)
     return "liger" if liger_loss and device.type == "cuda" else None
+
+
+def use_fused_ops(model, t: TrainerConfig, *, device_type: str, fused_linear_ce: bool,
+                  fsdp: bool = False) -> None:
+    """Liger-Kernel's norms, RoPE and (``fused_linear_ce``) fused loss on ``model``, with the
+    norms' bf16 output (``t.norm_out_bf16``) written by their own kernel (``t.fused_norm_cast``),
+    and, where that kernel runs (``device_type`` cuda) and not under FSDP, each residual add
+    joined to the norm after it (:mod:`train.residual_join`).
+
+    What a run with Liger on installs: :func:`prepare_model` calls it once the caller has
+    decided that (:func:`train.liger.liger_enabled`), and so does the whole-model benchmark's
+    forward (``studies.bench.core.build_forward``), so that it times the model training runs.
+    ``t`` is read for ``norm_out_bf16`` and ``fused_norm_cast`` only (null: on).
+    """
+    fused_cast = t.norm_out_bf16 is not False and t.fused_norm_cast is not False
+    use_liger(model, fused_linear_ce=fused_linear_ce,
+              norm_out_autocast=t.norm_out_bf16 is not False, fused_norm_cast=fused_cast)
+    if fused_cast and device_type == "cuda" and not fsdp:
+        # not under FSDP, whose per-layer hooks would not see a pending pair: untested
+        use_fused_joins(model)
 
 
 def attach_teacher(model, cfg: TrainConfig, init_src, resume_from, *, device, precision: str,

@@ -49,9 +49,9 @@ from studies.bench.steps import (
     time_steps,
 )
 from studies.sizes import check_sizes
-from train.liger import liger_enabled, use_liger
+from train.liger import liger_enabled
 from train.memory import Candidate
-from train.residual_join import use_fused_joins
+from train.setup import use_fused_ops
 
 
 @dataclass
@@ -352,8 +352,8 @@ def build_forward(run: SizeRun, impl: str):
     """The decoder stack (no LM head) of the bench model in eval mode for inference impl
     ``impl``: stock transformers for the baselines (``hf``, ``liger``, ``compile``), else our
     model of ``ffn.impl=impl`` without the FFNs' statistics, with Liger-Kernel where our
-    trainer would run it and, as its setup (``train.setup.prepare_model``) sets them, the norms
-    through ``rms_norm_cast`` and each residual add joined to the norm after it
+    trainer would run it and then what its setup installs (:func:`train.setup.use_fused_ops`):
+    the norms through ``rms_norm_cast`` and each residual add joined to the norm after it
     (``train.residual_join``: in this no-grad bf16 forward the sum is bf16); bf16 when the run
     is."""
     from twell.hf import ffn_modules
@@ -369,13 +369,8 @@ def build_forward(run: SizeRun, impl: str):
         FFNPlan(ffn_modules(model)).set_collect_stats(False)  # no counting pass
         if liger_enabled(None, device_type=dev.type, precision="bf16" if run.bf16 else "fp32",
                          compile=False):
-            t = run.cfg1.trainer
-            cast = t.norm_out_bf16 is not False
-            fused = cast and t.fused_norm_cast is not False
-            # as our trainer runs (no loss here)
-            use_liger(model, fused_linear_ce=False, norm_out_autocast=cast, fused_norm_cast=fused)
-            if fused:
-                use_fused_joins(model)
+            # what our trainer installs (no loss here)
+            use_fused_ops(model, run.cfg1.trainer, device_type=dev.type, fused_linear_ce=False)
     return model.eval().model
 
 
