@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from studies.bench.capacity_trace import load_trace, read_trace, replay_trace, row_keys
+from studies.bench.capacity_trace import read_trace, replay_trace, row_keys, trace_from_rows
 from twell.nn.capacity import CAPACITY_RULES
 
 
@@ -34,10 +34,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     print("size | budget_gb | path | ran | timed_steps | overflows | rule | redo_per_100 | "
           "mean_cap | spare_rows")
-    for size, budget, path in row_keys(read_trace(a.csv)):
+    rows = read_trace(a.csv)
+    for size, budget, path in row_keys(rows):
         try:
-            got = load_trace(a.csv, size=size, budget_gb=budget, path=path,
-                             ell_layers_only=a.ell_layers_only)
+            got = trace_from_rows(rows, size=size, budget_gb=budget, path=path,
+                                  ell_layers_only=a.ell_layers_only, source=a.csv)
         except ValueError as e:
             print(f"{size} | {budget:g} | {path} | not replayed: {e}")
             continue

@@ -124,13 +124,32 @@ def row_keys(rows: Sequence[dict]) -> list[tuple]:
 
 def load_trace(csv_path: Path, *, size: str | None = None, budget_gb: float | None = None,
                path: str | None = None, ell_layers_only: bool = False) -> TraceReplay:
-    """One benchmark row's steps of ``capacity_trace.csv`` as :class:`TraceReplay`.
+    """One benchmark row's steps of ``capacity_trace.csv`` as :class:`TraceReplay`:
+    :func:`trace_from_rows` of the file's :func:`read_trace` (a caller replaying several rows
+    reads the file once and calls that).
 
     Args:
         csv_path: the file.
+        size, budget_gb, path, ell_layers_only: as :func:`trace_from_rows`.
+
+    Raises:
+        ValueError: as :func:`trace_from_rows` (the messages name ``csv_path``).
+    """
+    return trace_from_rows(read_trace(csv_path), size=size, budget_gb=budget_gb, path=path,
+                           ell_layers_only=ell_layers_only, source=csv_path)
+
+
+def trace_from_rows(csv_rows: Sequence[dict], *, size: str | None = None,
+                    budget_gb: float | None = None, path: str | None = None,
+                    ell_layers_only: bool = False, source: Path | str = "<rows>") -> TraceReplay:
+    """One benchmark row's steps of ``capacity_trace.csv``'s rows as :class:`TraceReplay`.
+
+    Args:
+        csv_rows: the CSV's rows as :func:`read_trace` returns them.
         size, budget_gb, path: which row (None: any; what is left must be one row).
         ell_layers_only: keep only the layers that ran on ``ell`` in some step (``auto`` rows:
             the others had no capacity to overflow); else every layer, replayed as on ``ell``.
+        source: where the rows came from, for the error messages (the CSV's path).
 
     Raises:
         ValueError: no row or several rows match (they are named); calls of a size ``replay``
@@ -139,16 +158,15 @@ def load_trace(csv_path: Path, *, size: str | None = None, budget_gb: float | No
     """
     want = {"size": size, "budget_gb": None if budget_gb is None else float(budget_gb),
             "path": path}
-    rows = [r for r in read_trace(csv_path)
-            if all(v is None or r[k] == v for k, v in want.items())]
+    rows = [r for r in csv_rows if all(v is None or r[k] == v for k, v in want.items())]
     keys = row_keys(rows)
     if len(keys) != 1:
-        raise ValueError(f"{csv_path}: {len(keys)} benchmark rows match size={size} "
+        raise ValueError(f"{source}: {len(keys)} benchmark rows match size={size} "
                          f"budget_gb={budget_gb} path={path}: {keys}; name one")
     calls = {(r["rows_per_call"], r["sequences_per_call"]) for r in rows}
     rows_per_call, seqs = next(iter(calls))
     if len(calls) != 1 or rows_per_call != seqs * SEQ_LEN:
-        raise ValueError(f"{csv_path} {keys[0]}: replay() models calls of sequences x {SEQ_LEN} "
+        raise ValueError(f"{source} {keys[0]}: replay() models calls of sequences x {SEQ_LEN} "
                          f"rows; this row's calls (rows, sequences): {sorted(calls)}")
     layers = sorted({r["layer"] for r in rows
                      if not ell_layers_only or r["layer_path"] == "ell"})
@@ -159,7 +177,7 @@ def load_trace(csv_path: Path, *, size: str | None = None, budget_gb: float | No
         if r["layer"] in col:
             trace[r["step"] - steps[0], col[r["layer"]]] = r["heavy_max"]
     if np.isnan(trace).any():
-        raise ValueError(f"{csv_path} {keys[0]}: some step misses some layer's heavy_max")
+        raise ValueError(f"{source} {keys[0]}: some step misses some layer's heavy_max")
     warm = len({r["step"] for r in rows if not r["timed"]})
     over = sum(r["overflow"] and r["timed"] and r["layer"] in col for r in rows)
     return TraceReplay(trace, seqs, rows[0]["rule"], warm, tuple(layers), over)
@@ -178,4 +196,4 @@ def replay_trace(loaded: TraceReplay, rule: str | None = None, *, warm: int | No
 
 
 __all__ = ["ROW_KEYS", "TRACE_COLUMNS", "TraceReplay", "load_trace", "read_trace",
-           "replay_trace", "row_keys", "trace_rows"]
+           "replay_trace", "row_keys", "trace_from_rows", "trace_rows"]

@@ -16,6 +16,7 @@ from studies.bench.capacity_trace import (
     load_trace,
     read_trace,
     replay_trace,
+    trace_from_rows,
     trace_rows,
 )
 from studies.bench.report import merge_runs, write_outputs
@@ -105,6 +106,13 @@ def test_load_and_replay_find_the_hand_computed_overflows(tmp_path):
     assert replay_trace(auto).redo_per_100 == 50.0
     with pytest.raises(ValueError, match="2 benchmark rows match"):
         load_trace(csv_path)
+    # the rows read once give what the file does
+    again = trace_from_rows(read_trace(csv_path), path="auto", ell_layers_only=True)
+    np.testing.assert_array_equal(again.trace, auto.trace)
+    assert (again.sequences, again.rule, again.warm, again.layers, again.overflows) == (
+        auto.sequences, auto.rule, auto.warm, auto.layers, auto.overflows)
+    with pytest.raises(ValueError, match=r"^trace\.csv: 2 benchmark rows match"):
+        trace_from_rows(read_trace(csv_path), source="trace.csv")
     with pytest.raises(ValueError, match="0 benchmark rows match"):
         load_trace(csv_path, size="2b")
 
@@ -117,7 +125,10 @@ def test_the_replay_script_prints_a_line_per_row_and_rule(tmp_path, capsys):
     spec.loader.exec_module(script)
     write_outputs(tmp_path, [], [], [], {}, plot=False,
                   trace=_rows() + [dict(r, budget_gb=139, rows_per_call=64) for r in _rows()])
+    reads = []
+    script.read_trace = lambda path: reads.append(path) or read_trace(path)
     assert script.main([str(tmp_path / "capacity_trace.csv")]) == 0
+    assert len(reads) == 1  # the CSV read once for all its rows
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("smoke | 80 | ell | window | 2 | 2 | window | 100.0 | 181.5 | ")
     assert out[2].startswith("smoke | 80 | ell | window | 2 | 2 | adaptive | ")
