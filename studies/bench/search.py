@@ -193,7 +193,7 @@ def search(probe: SharedProbe, *, ffn: str, budgets: list[Budget], batch_per_ran
             per_mode[r] = plan.micro_batch if plan.fits else None
             if not plan.fits:
                 continue
-            fitting.append((plan, order.index(r)))
+            fitting.append((plan, planner))
             if saturation_tokens and plan.micro_batch * seq_len >= saturation_tokens:
                 break
         out[b] = _best(ffn, b, fitting, per_mode)
@@ -201,17 +201,18 @@ def search(probe: SharedProbe, *, ffn: str, budgets: list[Budget], batch_per_ran
 
 
 def _best(ffn: str, b: Budget, fitting: list, per_mode: dict) -> Choice:
+    """``b``'s choice among ``fitting``: ``(plan, the MemoryPlanner that made it)`` of each
+    recompute mode that fits, each with its probe's tokens/ms and spread as that planner holds
+    them (:meth:`train.memory.MemoryPlanner.spread`)."""
     if not fitting:
         return Choice(ffn, b, None, None, None, None,
                       f"nothing fits {b.planner_gb:.1f} GiB (of a {b.label} GiB card)", per_mode)
 
-    def option(plan: Plan):
+    def option(plan: Plan, planner: MemoryPlanner):
         c = Candidate(plan.micro_batch, plan.recompute)
-        spread = next((k.get("spread", 0.0) for k in plan.candidates
-                       if (k["micro_batch"], k["recompute"]) == (c.micro_batch, c.recompute)), 0.0)
-        return c, math.nan if plan.tok_per_ms is None else plan.tok_per_ms, spread
+        return c, math.nan if plan.tok_per_ms is None else plan.tok_per_ms, planner.spread(c)
 
-    i, note = choose_within_noise([option(p) for p, _ in fitting])
+    i, note = choose_within_noise([option(*f) for f in fitting])
     plan = fitting[i][0]
     tried = ", ".join(f"{r} {m if m is not None else 'none fits'}" for r, m in per_mode.items())
     fits = f"{b.planner_gb:.1f} GiB (per mode: {tried})"
