@@ -131,6 +131,8 @@ def test_bad_arguments_name_the_problem(backend):
         be.add_rows(dst, idx.float(), src)
     with pytest.raises(ValueError, match="src's columns must be contiguous"):
         be.add_rows(dst, idx, torch.ones(8, 2, device=DEV).t())
+    with pytest.raises(ValueError, match=r"dst must be a float tensor .*got torch\.int64"):
+        be.add_rows(dst.long(), idx, src.long())
     assert not dst.any()  # nothing written before a refusal
 
 

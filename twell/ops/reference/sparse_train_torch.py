@@ -194,7 +194,10 @@ def check_add_rows(dst_ND: torch.Tensor, idx_R: torch.Tensor, src_RD: torch.Tens
         raise ValueError(f"add_rows: src (R, D) must match idx (R,) and dst (N, D); got src "
                          f"{tuple(src_RD.shape)}, idx {tuple(idx_R.shape)}, dst "
                          f"{tuple(dst_ND.shape)}")
-    if src_RD.dtype != dst_ND.dtype or not dst_ND.is_floating_point():
+    if not dst_ND.is_floating_point():
+        raise ValueError(f"add_rows: dst must be a float tensor (fp32, bf16, fp16 or fp64); got "
+                         f"{dst_ND.dtype}: pass a float dst")
+    if src_RD.dtype != dst_ND.dtype:
         raise ValueError(f"add_rows: src must have dst's float dtype (as index_add_); got src "
                          f"{src_RD.dtype}, dst {dst_ND.dtype}: cast src first")
     if idx_R.dtype not in (torch.int32, torch.int64):
