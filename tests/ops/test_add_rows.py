@@ -137,6 +137,26 @@ def test_bad_arguments_name_the_problem(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_dst_sharing_memory_with_src_or_idx_is_refused(backend):
+    """A dst whose bytes src or idx also occupy (the kernel would read rows it writes) is
+    refused before anything is written; adjacent row blocks of one tensor are not."""
+    be = _backend(backend)
+    buf = torch.arange(48, dtype=torch.float32, device=DEV).reshape(6, 8)
+    before = buf.clone()
+    idx = torch.tensor([0, 2], device=DEV)
+    with pytest.raises(ValueError, match=r"dst shares memory with src .*src\.clone\(\)"):
+        be.add_rows(buf[:4], idx, buf[3:5])  # row 3 is dst's and src's
+    with pytest.raises(ValueError, match="dst shares memory with src"):
+        be.add_rows(buf[:, :4], idx, buf[2:4, 2:6])  # columns 2, 3 of rows 2, 3
+    dst = torch.zeros(4, 8, device=DEV)
+    with pytest.raises(ValueError, match=r"dst shares memory with idx .*idx\.clone\(\)"):
+        be.add_rows(dst, dst.view(torch.int32)[0, :2], torch.ones(2, 8, device=DEV))
+    assert torch.equal(buf, before) and not dst.any()
+    _check(be, buf[:4], idx, buf[4:6])  # next to each other, not overlapping: added
+    be.add_rows(dst, idx[:0], dst[:0])  # R = 0: an empty view of dst reads nothing
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 def test_strided_indices(backend, idx_dtype):
     """idx a strided view (every other entry of a longer tensor, whose other entries would name

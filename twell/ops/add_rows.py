@@ -83,8 +83,8 @@ def add_rows(dst_ND: torch.Tensor, idx_R: torch.Tensor, src_RD: torch.Tensor) ->
     layout and the hot units' slices.
 
     Raises:
-        ValueError: a shape, dtype, device or stride mismatch
-            (``twell.ops.reference.sparse_train_torch.check_add_rows``).
+        ValueError: a shape, dtype, device or stride mismatch, or a dst that shares memory
+            with src or idx (``twell.ops.reference.sparse_train_torch.check_add_rows``).
     """
     check_add_rows(dst_ND, idx_R, src_RD)
     (n, d), r = dst_ND.shape, idx_R.shape[0]

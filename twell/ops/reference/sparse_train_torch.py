@@ -181,11 +181,29 @@ def backup_bwd(dh_RH, g_RH, u_RH, l1_scale):
     return torch.where(g_RH <= 0, 0, dh * u_RH), dh * g_RH, h
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` byte addresses of a non-empty ``t``'s elements (strides >= 0)."""
+    first = t.data_ptr()
+    last = first + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) * t.element_size()
+    return first, last + t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a``'s and ``b``'s byte spans (on one device) intersect: addresses only, no
+    host sync. Conservative: two interleaved views of one tensor (its even and odd columns, say)
+    count as overlapping."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
 def check_add_rows(dst_ND: torch.Tensor, idx_R: torch.Tensor, src_RD: torch.Tensor) -> None:
     """Raise ValueError naming the argument unless dst (N, D) and src (R, D) are float tensors of
     one dtype with unit column stride (any row stride) and idx is a 1-D int32 / int64 tensor of
-    R entries, all on one device. Both backends' ``add_rows`` call it (it lives here, where
-    nothing imports triton)."""
+    R entries, all on one device, and dst shares no memory with src or idx (the kernel would
+    read what it writes; judged by byte spans, so interleaved views of one tensor are refused
+    too). Both backends' ``add_rows`` call it (it lives here, where nothing imports triton)."""
     if dst_ND.dim() != 2 or src_RD.dim() != 2 or idx_R.dim() != 1:
         raise ValueError(f"add_rows: expected dst (N, D), idx (R,), src (R, D); got shapes "
                          f"{tuple(dst_ND.shape)}, {tuple(idx_R.shape)}, {tuple(src_RD.shape)}")
@@ -209,6 +227,10 @@ def check_add_rows(dst_ND: torch.Tensor, idx_R: torch.Tensor, src_RD: torch.Tens
         if d > 1 and t.stride(1) != 1:
             raise ValueError(f"add_rows: {name}'s columns must be contiguous (stride(1) == 1); "
                              f"got strides {t.stride()}: pass a contiguous tensor")
+    for name, t in (("src", src_RD), ("idx", idx_R)):
+        if _overlap(dst_ND, t):
+            raise ValueError(f"add_rows: dst shares memory with {name} (the kernel would read "
+                             f"what it writes); pass a separate dst or {name}.clone()")
 
 
 def add_rows(dst_ND, idx_R, src_RD):
