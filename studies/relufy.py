@@ -70,8 +70,9 @@ ROW_START_S = 45.0
 # scoring (~1 min) may fall to the next piece
 MIN_START_S = 290.0
 SCORE_S = 45.0
-# a fresh machine: the GGUF's conversion (34 s) and the first, cold compilation (the study's
-# first row on the H200, 2026-12-04: ~85 s from its start to step 10)
+# a fresh machine: the GGUF's conversion (34 s) and the first, cold compilation (~85 s from
+# a row's start to step 10 on an H200: BENCHMARKS.md, "Calls 4-6: the ReLUfication study's
+# first piece")
 PIECE_START_S = 120.0
 
 

@@ -480,7 +480,7 @@ class TrainerConfig:
     and norm output; layers without checkpointing only, also in evaluation and generation, the
     sum in the stream's dtype there): 343 us less a join and step at 32768 x 2048 on one H100,
     two joins a layer; with the norm backward's launch, +3.8 % (dense) / +5.0 % (ell) tokens/ms
-    in the 1.5B bench on one H100 (BENCHMARKS.md, 2026-12-05, fourth)."""
+    in the 1.5B bench on one H100 (BENCHMARKS.md, "the 1.5B bench at 80 GB with the joins")."""
     ce_chunk_rows: int = 4096
     """Rows of logits per chunk of the distillation loss (CE + KL, train/loss.py;
     = train.loss.CE_CHUNK_ROWS): its transient memory is about six fp32 rows x vocab tensors."""
@@ -808,7 +808,8 @@ RENAMED_KEYS = {
     "trainer.val_batches": "trainer.val_sequences (it counts held-out sequences over all ranks, "
                            "not micro-batches per rank)",
 }
-# the FFN's knobs, gathered in the ffn group on 2026-12-03 (old key -> new key)
+# the FFN's knobs' keys from before they became one group, ffn (old key -> new key): the CLI
+# names the new key, and upgrade_saved moves them in configs saved before the move
 FFN_RENAMES = {
     "model.ffn_impl": "ffn.impl",
     "model.ffn_host_sync": "ffn.host_sync",

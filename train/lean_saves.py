@@ -261,7 +261,7 @@ def lean_saves_enabled(setting: bool | None, *, key: str, device_type: str, prec
 
     Checkpointed layers skip both by themselves (``_layer_enter``). Measured with both on: 2B
     on an emulated 80 GB card, the bench's micro-batch 12 -> 16, `ell` +2.5 % tokens/ms; -0.8 %
-    on 139 GB (BENCHMARKS.md, sixth session of 2026-12-04).
+    on 139 GB (BENCHMARKS.md, "the leak probe and the 2B bench with the flags again").
 
     Raises:
         ValueError: ``key`` not in :data:`LEAN_SAVES`.

@@ -105,16 +105,16 @@ REPLAN_GAIN = 0.02
 # Below the largest: with ``below`` on, each mode's largest fitting micro-batch L is raced against
 # the largest candidate <= BELOW_FRACTION * L (one more probe a mode). The largest is not always
 # the fastest: our dense path at 1.5B on an H200 ran 52.2 tok/ms at micro 24 and 50.6 at 29
-# (BENCHMARKS.md, "Session of 2026-12-04"); 0.85 reaches 24 from 29 and 17 from 20.
+# (BENCHMARKS.md, "the search over `ceil(512 / a)`"); 0.85 reaches 24 from 29 and 17 from 20.
 BELOW_FRACTION = 0.85
 # The probes' noise (relative, tokens/ms): candidates within it of the fastest are taken as
 # equally fast, and the largest micro-batch among them wins (choose_within_noise). A probe is
 # two timed micro-steps after one warm-up, and two probes' ranking has been wrong by more than
 # their own spread: at 1.5B on 80 GB 17 probed 0.9 % faster than 20 and timed 3.8 % slower; at
-# 2B 13 probed 2.1 % faster than 16 and timed 3.8 % slower (BENCHMARKS.md, 2026-12-04 fifth
-# session, 2026-12-05 third). The larger one runs fewer micro-steps a step, and what a
-# micro-step costs beyond its forward+backward (drawing its batch, the overflow check's host
-# sync) is not in a probe. Our dense path's 24 over 29 (+3.2 %) still wins.
+# 2B 13 probed 2.1 % faster than 16 and timed 3.8 % slower (BENCHMARKS.md, the entries "The
+# planner's race" and "The planner's tie-break"). The larger one runs fewer micro-steps a step,
+# and what a micro-step costs beyond its forward+backward (drawing its batch, the overflow
+# check's host sync) is not in a probe. Our dense path's 24 over 29 (+3.2 %) still wins.
 PROBE_NOISE = 0.03
 # ... widened to a probe's own spread (max - min of its timed micro-steps over their median)
 # when that is larger, up to this: a probe that noisy cannot rank candidates, and a wider

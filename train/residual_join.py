@@ -19,10 +19,9 @@ residual add goes through it with the norm after it:
 Measured (one H100, ``scripts/bench_norm.py``, 32768 x 2048): the add and the norm apart
 411 us forward + 664 us backward, joined 273 + 460: 343 us less a join and step, two joins a
 layer (BENCHMARKS.md, "The fused op, built"); in the 1.5B bench on one H100, with the norm
-backward's launch, our dense path +3.8 % and ``ell`` +5.0 % (BENCHMARKS.md, the fourth session of
-2026-12-05). In a bf16
-model's inference forward a join moves 8 bytes an element where the add (6) and Liger's norm
-(4) move 10 (not yet timed).
+backward's launch, our dense path +3.8 % and ``ell`` +5.0 % (BENCHMARKS.md, "the 1.5B bench at
+80 GB with the joins"). In a bf16 model's inference forward a join moves 8 bytes an element
+where the add (6) and Liger's norm (4) move 10 (not yet timed).
 
 A layer joins when it is not checkpointed now (``layer.gradient_checkpointing`` off:
 ``trainer.grad_checkpointing=false`` or the memory planner's ``none``; or grad mode off, where

@@ -33,7 +33,7 @@ models of held-out L0 24.3 and 29.7: 1.30x and 1.22x; BENCHMARKS.md), and 200 st
 it. Steering the coefficient to hold a training L0 (``Recipe.target_l0``,
 ``sparsity.schedule=target_l0``) is an option, not the default: at 1.5B it drove the L0 below
 the target while the learning rate was high, lowered the coefficient, and ended above it (held-out
-49.4 against 36.8 at a fixed 3e-4; BENCHMARKS.md, "Session of 2026-12-04 (2)").
+49.4 against 36.8 at a fixed 3e-4; BENCHMARKS.md, "stage 1 steered to hold training L0 29").
 ``trainer.deterministic=true`` (bitwise the same model on a rerun; ~11 % slower steps at 1.5B,
 ``scripts/check_determinism.py``; without it one command made models of held-out L0 27-36). Its FFNs
 train in dense mode (``ffn.impl=torch``, ``ffn.dense_fused=true``: cuBLAS and one

@@ -4,8 +4,8 @@ Why: the sparse training op adds its dense-backup rows into y and dx, and the ho
 gradients into dWg, dWu and dWd^T, at distinct rows. PyTorch's CUDA ``index_add_`` makes one
 atomic add per element, and the no-sync backup's unused slots, all clamped to row N - 1, piled
 hundreds of rows of them onto that one row: 133 us a call, 64 calls a step (1.5B model,
-micro-batch 16 x 2048, an H100 80 GB step profile: BENCHMARKS.md, "Session of 2026-12-05,
-fifth"). With distinct rows each element has one writer, so
+micro-batch 16 x 2048, an H100 80 GB step profile: BENCHMARKS.md, the ``add_rows`` entry of
+"Built after the calls"). With distinct rows each element has one writer, so
 a plain load, add and store is exact and deterministic, and an unused slot (index N) is skipped.
 Predicted bytes at R = 2048 used slots of 2560, D = 2048, bf16: 24 MiB (the used slots' src and
 dst rows read, dst rows written) against ~26 MiB for ``index_add_`` (all 2560 src rows) plus its
