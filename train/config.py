@@ -267,6 +267,11 @@ class OptimConfig:
     def __post_init__(self) -> None:
         for key in ("lr", "min_lr_ratio", "eps", "weight_decay", "grad_clip"):
             _check_finite_nonneg(f"optim.{key}", getattr(self, key))
+        if self.eps == 0:  # AdamW's step m / (sqrt(v) + eps) is 0 / 0 where a gradient is 0
+            raise ConfigError(
+                "optim.eps=0.0 makes AdamW divide by sqrt(v) + eps = 0 for a weight whose "
+                "gradients are all 0 so far (an untied embedding row of a token not yet seen): "
+                "it becomes NaN and the run stops as diverged; set optim.eps > 0 (default 1e-8).")
         if self.min_lr_ratio > 1:  # the "decay" would climb above the peak (to 2x lr at 2)
             raise ConfigError(
                 f"optim.min_lr_ratio={self.min_lr_ratio} is above 1: the cosine would climb from "

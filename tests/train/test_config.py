@@ -40,6 +40,7 @@ def _one_line(err) -> str:
     (lambda: OptimConfig(weight_decay=-0.1), "optim.weight_decay"),
     (lambda: OptimConfig(grad_clip=float("inf")), "optim.grad_clip"),
     (lambda: OptimConfig(betas=[0.9, 1.5]), "optim.betas"),
+    (lambda: OptimConfig(eps=0.0), "optim.eps"),  # 0 / 0 for a weight whose gradient is 0
     (lambda: SparsityConfig(reinit_lambda=2.0), "sparsity.reinit_lambda"),
     (lambda: EvalConfig(tasks=["nope"]), "eval.tasks"),  # refused before training, not after
     (lambda: EvalConfig(tasks=["piqa", "piqa"]), "eval.tasks"),
