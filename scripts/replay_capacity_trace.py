@@ -26,21 +26,32 @@ from twell.nn.capacity import CAPACITY_RULES
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print the replay of every row of the CSV under each capacity rule; 0."""
+    """Print the replay of every row of the CSV under each capacity rule; 0 (2: the file
+    could not be read, one line on stderr)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("csv", type=Path)
     p.add_argument("--ell-layers-only", action="store_true",
                    help="replay only the layers that ran on ell in some step (auto rows)")
     a = p.parse_args(argv)
+    try:
+        rows = read_trace(a.csv)
+        keys = row_keys(rows)
+    except (OSError, ValueError) as e:
+        print(f"replay_capacity_trace: {e}", file=sys.stderr)
+        return 2
     print("size | budget_gb | path | ran | timed_steps | overflows | rule | redo_per_100 | "
           "mean_cap | spare_rows")
-    rows = read_trace(a.csv)
-    for size, budget, path in row_keys(rows):
+    if not keys:
+        print(f"(no sparse benchmark row in {a.csv})")
+    for size, budget, path in keys:
         try:
             got = trace_from_rows(rows, size=size, budget_gb=budget, path=path,
                                   ell_layers_only=a.ell_layers_only, source=a.csv)
         except ValueError as e:
             print(f"{size} | {budget:g} | {path} | not replayed: {e}")
+            continue
+        if got.warm >= len(got.trace):
+            print(f"{size} | {budget:g} | {path} | not replayed: no timed step")
             continue
         for rule in CAPACITY_RULES:
             r = replay_trace(got, rule)

@@ -105,13 +105,30 @@ class TraceReplay:
 
 
 def read_trace(csv_path: Path) -> list[dict]:
-    """``capacity_trace.csv``'s rows with their cells typed (ints, floats, bools, None)."""
+    """``capacity_trace.csv``'s rows with their cells typed (ints, floats, bools, None).
+
+    Raises:
+        ValueError: a header without :data:`TRACE_COLUMNS`, or a cell that is not of its
+            column's type (the file, line and column named).
+    """
     conv = {"budget_gb": float, "step": int, "layer": int, "rows_per_call": int,
             "sequences_per_call": int, "heavy_max": float, "capacity": int}
     out = []
     with Path(csv_path).open(newline="") as f:
-        for r in csv.DictReader(f):
-            row = {k: (None if v == "" else conv[k](v) if k in conv else v) for k, v in r.items()}
+        reader = csv.DictReader(f)
+        missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{csv_path}: not a capacity_trace.csv: "
+                             + ("an empty file" if reader.fieldnames is None
+                                else f"no column {', '.join(missing)}"))
+        for r in reader:
+            row = {}
+            for k, v in r.items():
+                try:
+                    row[k] = None if v in ("", None) else conv[k](v) if k in conv else v
+                except ValueError:
+                    raise ValueError(f"{csv_path} line {reader.line_num}: column {k} holds "
+                                     f"{v!r}, not a {conv[k].__name__}") from None
             row["timed"], row["overflow"] = r["timed"] == "True", r["overflow"] == "True"
             out.append(row)
     return out
@@ -154,7 +171,8 @@ def trace_from_rows(csv_rows: Sequence[dict], *, size: str | None = None,
     Raises:
         ValueError: no row or several rows match (they are named); calls of a size ``replay``
             cannot model (rows per call not ``sequences x`` :data:`studies.capacity_sim.SEQ_LEN`,
-            or changing within the row); a step missing some layer.
+            or changing within the row); a step missing (the steps count from the first without
+            a gap) or missing some layer, a layer twice in a step; no layer to replay.
     """
     want = {"size": size, "budget_gb": None if budget_gb is None else float(budget_gb),
             "path": path}
@@ -170,12 +188,23 @@ def trace_from_rows(csv_rows: Sequence[dict], *, size: str | None = None,
                          f"rows; this row's calls (rows, sequences): {sorted(calls)}")
     layers = sorted({r["layer"] for r in rows
                      if not ell_layers_only or r["layer_path"] == "ell"})
+    if not layers:
+        raise ValueError(f"{source} {keys[0]}: no layer ran on ell (nothing to replay with "
+                         "ell_layers_only)")
     steps = sorted({r["step"] for r in rows})
+    gaps = sorted(set(range(steps[0], steps[-1] + 1)) - set(steps))
+    if gaps:
+        raise ValueError(f"{source} {keys[0]}: steps {gaps[:10]} are missing (the trace's "
+                         f"steps run from {steps[0]} to {steps[-1]})")
     col = {k: j for j, k in enumerate(layers)}
     trace = np.full((len(steps), len(layers)), np.nan)
     for r in rows:
         if r["layer"] in col:
-            trace[r["step"] - steps[0], col[r["layer"]]] = r["heavy_max"]
+            at = (r["step"] - steps[0], col[r["layer"]])
+            if not np.isnan(trace[at]):
+                raise ValueError(f"{source} {keys[0]}: step {r['step']} holds layer "
+                                 f"{r['layer']} twice")
+            trace[at] = r["heavy_max"]
     if np.isnan(trace).any():
         raise ValueError(f"{source} {keys[0]}: some step misses some layer's heavy_max")
     warm = len({r["step"] for r in rows if not r["timed"]})

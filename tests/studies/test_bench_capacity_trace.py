@@ -154,3 +154,61 @@ def test_report_merges_the_trace_by_benchmark_row(tmp_path):
     # b's 80 GB row replaces a's whole (its 2 steps, not a mix), a's 139 GB row stays
     assert [(r["budget_gb"], r["step"]) for r in got] == (
         [(80.0, s) for s in (0, 0, 1, 1)] + [(139.0, s) for s in (0, 0, 1, 1, 2, 2)])
+
+
+def _script():
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    spec = spec_from_file_location("replay_capacity_trace", SCRIPT)
+    script = module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_malformed_traces_are_refused_naming_the_problem(tmp_path):
+    csv_path = tmp_path / "capacity_trace.csv"
+    # a whole step missing (the file cut or filtered by hand): named, not an IndexError
+    write_outputs(tmp_path, [], [], [], {}, plot=False,
+                  trace=[r for r in _rows() if r["step"] != 1])
+    with pytest.raises(ValueError, match=r"steps \[1\] are missing"):
+        load_trace(csv_path)
+    # a layer recorded twice in a step: not one value silently overwriting the other
+    write_outputs(tmp_path, [], [], [], {}, plot=False, trace=_rows() + _rows()[-1:])
+    with pytest.raises(ValueError, match="step 2 holds layer 1 twice"):
+        load_trace(csv_path)
+    # no layer ran on ell: nothing to replay, not a replay of zero layers
+    dense = [dict(r, layer_path="dense") for r in _rows()]
+    write_outputs(tmp_path, [], [], [], {}, plot=False, trace=dense)
+    with pytest.raises(ValueError, match="no layer ran on ell"):
+        load_trace(csv_path, ell_layers_only=True)
+    # a cell of another type and a file of other columns: the file, line and column named
+    lines = csv_path.read_text().splitlines()
+    csv_path.write_text("\n".join([lines[0], lines[1].replace(",100,", ",abc,")]) + "\n")
+    with pytest.raises(ValueError, match="line 2: column heavy_max holds 'abc'"):
+        read_trace(csv_path)
+    csv_path.write_text("size,path\nsmoke,ell\n")
+    with pytest.raises(ValueError, match="no column budget_gb"):
+        read_trace(csv_path)
+    csv_path.write_text("")
+    with pytest.raises(ValueError, match="an empty file"):
+        read_trace(csv_path)
+
+
+def test_the_replay_script_fails_in_one_line_and_skips_untimed_rows(tmp_path, capsys):
+    script = _script()
+    assert script.main([str(tmp_path / "missing.csv")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No such file" in err[0]
+    (tmp_path / "bad.csv").write_text("size,path\nsmoke,ell\n")
+    assert script.main([str(tmp_path / "bad.csv")]) == 2
+    assert "not a capacity_trace.csv" in capsys.readouterr().err
+    # a row of warm-up steps only: not replayed (not "1 timed step, 0 redos")
+    write_outputs(tmp_path, [], [], [], {}, plot=False,
+                  trace=trace_rows(_records(), None, size="smoke", budget_gb=80, path="ell",
+                                   rule="window"))
+    assert script.main([str(tmp_path / "capacity_trace.csv")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ["smoke | 80 | ell | not replayed: no timed step"]
+    write_outputs(tmp_path, [], [], [], {}, plot=False)  # no sparse row: the header only
+    assert script.main([str(tmp_path / "capacity_trace.csv")]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("(no sparse benchmark row in ")
