@@ -173,6 +173,10 @@ class Trainer:
                 self._write({"step": 0, **self.init_info}, "init")
         self.memory = memory.plan_memory(self)  # trainer.memory=auto: micro-batch, recomputation
         self.memory.report(self._print, self._write)
+        if cfg.trainer.memory == "off" and cfg.trainer.memory_budget_gb is not None:
+            self._warn(f"warning: trainer.memory_budget_gb={cfg.trainer.memory_budget_gb:g} does "
+                       "nothing with trainer.memory=off (the micro-batch and recomputation as "
+                       "set); set trainer.memory=auto to plan within it, or drop it")
         self.runlog.start()  # the lines printed so far, then each one
         self.acc.wait_for_everyone()
         self.metrics.start_wandb(cfg.logging, self.run_dir, self.config_dict, self._print)

@@ -370,6 +370,24 @@ def test_without_cuda_nothing_is_measured(tokens, tmp_path):
         tr.close()
 
 
+def test_a_budget_with_the_planner_off_is_warned_about(tokens, tmp_path, capsys):
+    """trainer.memory_budget_gb under trainer.memory=off changes nothing: one warning line
+    (stderr and train.log) names both keys and the fix; without a budget, no line."""
+    for budget, warned in ((4.0, True), (None, False)):
+        run = tmp_path / f"off_{budget}"
+        tr = Trainer(tiny_config(tokens, **{"trainer.memory_budget_gb": budget}), run)
+        try:
+            assert tr.memory.plan is None and tr.data.micro_batch == 4  # as set
+        finally:
+            tr.close()
+        err = capsys.readouterr().err
+        line = ("warning: trainer.memory_budget_gb=4 does nothing with trainer.memory=off (the "
+                "micro-batch and recomputation as set); set trainer.memory=auto to plan within "
+                "it, or drop it")
+        assert (line in err) is warned
+        assert (line in (run / "train.log").read_text()) is warned
+
+
 def _inject_oom(monkeypatch, at_step: int, where: str = "micro_steps"):
     """Raise torch.cuda.OutOfMemoryError once, in the first attempt of step ``at_step``."""
     state = {"raised": 0}
