@@ -278,11 +278,11 @@ def twell_ffn_apply(
         k, prefetch: words per batch (power of 2 >= nb) and whether the next step's weight
             rows are gathered before this step's math (double-buffered registers).
         heavy_first: programs take the rows in descending order of their non-zeros (one
-            ``argsort`` of the M row counts, ~10-20 us on a GPU) instead of 0 .. M-1: a row's
-            program walks its whole list, so a first token with hundreds of active units that
-            starts late in the launch runs alone after the rest have finished; longest first,
-            it overlaps them (the longest-processing-time-first order). Each row's
-            arithmetic, hence y and the L1, is the same bits either way.
+            ``argsort`` of the M row counts: ~10-20 us estimated, not yet timed) instead of
+            0 .. M-1: a row's program walks its whole list, so a first token with hundreds of
+            active units that starts late in the launch runs alone after the rest have
+            finished; longest first, it overlaps them (the longest-processing-time-first
+            order). Each row's arithmetic, hence y and the L1, is the same bits either way.
 
     Returns:
         ``(y_MD, l1_M or None)``.
