@@ -104,12 +104,19 @@ class TwELL:
         factor: compression factor (8, 4 or 2); ``W = 256 // factor``.
         value_dtype: ``torch.bfloat16`` or ``torch.float16``, the type of the
             16-bit values in the high halves of the slot words.
+        row_nnz: (M,) int32, each row's exact count (the sum of its count words), as the
+            producer wrote it in its pass (``twell.ops.twell_pack.pack_dense``); None: summed
+            from the count words when asked. Describes ``data`` as packed: a caller that
+            changes the count words in place must not rely on it meanwhile.
+        row_overflow: (M,) int32, each row's overflowed tiles (count > capacity), likewise.
     """
 
     data: torch.Tensor
     n_cols: int
     factor: int = 8
     value_dtype: torch.dtype = torch.bfloat16
+    row_nnz: torch.Tensor | None = None
+    row_overflow: torch.Tensor | None = None
 
     @property
     def n_rows(self) -> int:
@@ -131,10 +138,22 @@ class TwELL:
 
     def overflow_rows(self) -> torch.Tensor:
         """(M,) bool: rows with at least one overflowed tile."""
+        if self.row_overflow is not None:
+            return self.row_overflow > 0
         return self.overflow_tiles().any(dim=1)
 
+    def n_overflow_tiles(self) -> torch.Tensor:
+        """Scalar int64 tensor: the overflowed (row, tile) pairs."""
+        if self.row_overflow is not None:
+            return self.row_overflow.sum()
+        return self.overflow_tiles().sum()
+
     def nnz_per_row(self) -> torch.Tensor:
-        """(M,) int32: exact active columns per row (overflow included)."""
+        """(M,) int32: exact active columns per row (overflow included); the producer's
+        ``row_nnz`` when it wrote one (no pass over the M x T count words, which are strided
+        by W words)."""
+        if self.row_nnz is not None:
+            return self.row_nnz
         return self.counts.sum(dim=1, dtype=torch.int32)
 
     def slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

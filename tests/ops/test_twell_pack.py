@@ -1,7 +1,7 @@
 """The TwELL producer kernel (``twell.ops.twell_pack.pack_dense``) alone, against the PyTorch
 reference pack (``twell.format.pack``), bit for bit: counts, columns and values of every valid
-slot, the per-column active counts and the overflowed rows, on crafted tiles (empty, full, at
-capacity, one above, NaN with either sign, -0.0) at several launch shapes.
+slot, the per-column active counts, the per-row counts and overflowed tiles, on crafted tiles
+(empty, full, at capacity, one above, NaN with either sign, -0.0) at several launch shapes.
 
 On a machine without CUDA the Triton kernel runs in the interpreter (TRITON_INTERPRET=1, set by
 tests/conftest.py before triton is imported if the caller did not).
@@ -62,3 +62,11 @@ def test_pack_dense_matches_reference_pack(factor, dtype, launch):
     assert torch.equal(colcnt.cpu(), (~(a.cpu() <= 0)).sum(0, dtype=torch.int32))
     info = validate(tw)
     assert info["overflow_rows"] == int((ref.counts > cap).any(1).sum()) >= 4
+    # the per-row sums written in the same pass: each row's exact count and overflowed tiles
+    act = ~(a.cpu() <= 0)
+    assert tw.row_nnz.dtype == torch.int32 and tw.row_overflow.dtype == torch.int32
+    assert torch.equal(tw.row_nnz.cpu(), act.sum(1, dtype=torch.int32))
+    assert torch.equal(tw.row_overflow.cpu(), (ref.counts > cap).sum(1, dtype=torch.int32))
+    assert torch.equal(tw.nnz_per_row(), tw.row_nnz) and int(tw.n_overflow_tiles()) == int(
+        (ref.counts > cap).sum())
+    assert torch.equal(tw.overflow_rows().cpu(), ref.overflow_rows())

@@ -373,10 +373,12 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state, ho
             dense.index_fill_(1, hot, 0)
         tw, colcnt = pack_dense(dense, state.factor, stats=with_stats, **state.pack_kwargs)
         wdt = state.down_t(w_down_DH, wdt_dtype)
-        nnz_row = tw.counts.sum(1, dtype=torch.int32)
+        nnz_row = tw.nnz_per_row()  # the packer's (before _hide_long_rows changes the counts)
         k_long = 0 if policy is None else min(policy.infer_long_rows, n)
         if k_long > 0:
             top, is_long, saved = _hide_long_rows(tw, nnz_row, k_long, policy.infer_long_min_nnz)
+            packed_rows = tw.row_nnz, tw.row_overflow
+            tw.row_nnz, tw.row_overflow = None, None  # the consumer sees the hidden counts
         launch = {"heavy_first": policy is not None and policy.infer_heavy_first,
                   **state.consumer_kwargs}
         y, l1_rows = twell_ffn_apply(
@@ -385,19 +387,18 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state, ho
         )
         if k_long > 0:
             tw.counts.index_copy_(0, top, saved)  # the true counts again, for the statistics
+            tw.row_nnz, tw.row_overflow = packed_rows
             _long_backup(y, l1_rows, x_ND, dense, w_up_HD if gated else None, wdt, top, is_long)
             n_long = is_long.sum()
         if g_S is not None:
             nnz_row = _hot_slice(y, l1_rows, colcnt, nnz_row, x_ND, w_up_HD if gated else None,
                                  wdt, hot, g_S)
         path = "twell"
-    counts = tw.counts
     nnz_sum = nnz_row.sum().float()
     dens = nnz_sum / float(n * h)
-    ovf = counts > tw.capacity
     state.record_density(dens)
-    state.last_info = FFNInfo(path, density=dens, overflow_rows=ovf.any(1).sum(),
-                              overflow_tiles=ovf.sum(), long_rows=n_long)
+    state.last_info = FFNInfo(path, density=dens, overflow_rows=tw.overflow_rows().sum(),
+                              overflow_tiles=tw.n_overflow_tiles(), long_rows=n_long)
     stats = None
     if with_stats:
         stats = FFNStats(l1=l1_rows.mean(), nnz_sum=nnz_sum, nnz_max=nnz_row.max().float(),

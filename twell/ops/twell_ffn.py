@@ -334,8 +334,8 @@ def twell_ffn_apply(
         grid = (triton.cdiv(m, rows), triton.cdiv(d, block_d))
         xa = x_MD if gated else y  # placeholders keep the signature fixed
         wa = w_up_HD if gated else w_down_t_HD
-        order = (torch.argsort(tw.counts.sum(1, dtype=torch.int32), descending=True)
-                 .to(torch.int32) if heavy_first else l1)
+        order = (torch.argsort(tw.nnz_per_row(), descending=True).to(torch.int32)
+                 if heavy_first else l1)
         args = (xa, tw.data, dense_MH, wa, w_down_t_HD, y, l1, order, m, h, d, t,
                 xa.stride(0), dense_MH.stride(0), y.stride(0), wa.stride(0), w_down_t_HD.stride(0))
         meta = {"W": w, "GATED": gated, "FP16_VALUES": tw.value_dtype == torch.float16,

@@ -56,6 +56,8 @@ def _pack_dense_kernel(
     g_ptr,        # (M, H) dense pre-activation, unit column stride
     tw_ptr,       # (M, T, W) int32 out
     colcnt_ptr,   # (H,) int32 out (STATS)
+    rownnz_ptr,   # (M,) int32 out: the row's exact count
+    rowovf_ptr,   # (M,) int32 out: the row's overflowed tiles (count >= W)
     M, H, n_tile,
     stride_gm,    # row stride of g
     W: tl.constexpr,            # words per (row, tile)
@@ -81,6 +83,8 @@ def _pack_dense_kernel(
     g1 = tl.load(gp + offs[None, :], mask=row_mask[:, None] & (offs < H)[None, :], other=0.0)
     c2 = offs + 256
     g2 = tl.load(gp + c2[None, :], mask=row_mask[:, None] & (c2 < H)[None, :], other=0.0)
+    nnz = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    n_ovf = tl.zeros((BLOCK_M,), dtype=tl.int32)
     for t in range(n_tile):
         cols = t * 256 + offs
         g = g1
@@ -91,8 +95,13 @@ def _pack_dense_kernel(
         per_row = tl.sum(active.to(tl.int32), axis=1)
         wbase = tw_ptr + (rows.to(tl.int64) * n_tile + t) * W
         tl.store(wbase, per_row, mask=row_mask)  # count words: exact, also past capacity
+        nnz += per_row
+        n_ovf += (per_row >= W).to(tl.int32)
         if tl.sum(per_row, axis=0) > 0:
             _pack_words(g, active, cols, wbase, colcnt_ptr, H, W, VALUE_MODE, STATS)
+    # the per-row sums the FFN's statistics read (else a pass over the strided count words)
+    tl.store(rownnz_ptr + rows, nnz, mask=row_mask)
+    tl.store(rowovf_ptr + rows, n_ovf, mask=row_mask)
 
 
 def _check_dense(name: str, t: torch.Tensor) -> None:
@@ -123,7 +132,8 @@ def pack_dense(
     Returns:
         ``(TwELL, active_counts (H,) int32 or None)``; values in
         ``value_dtype_for(g.dtype)`` (a bf16/fp16 gate keeps its bits exactly,
-        fp32 is rounded to bf16, nearest-even).
+        fp32 is rounded to bf16, nearest-even); the TwELL carries each row's exact count and
+        overflowed tiles (``row_nnz``, ``row_overflow``) from the same pass.
 
     Raises:
         ValueError: bad rank/dtype, H >= 65536, bad factor or block_m.
@@ -140,13 +150,14 @@ def pack_dense(
         raise ValueError(f"pack_dense block_m must be a power of 2; got {block_m}")
     tw = torch.empty(m, t, w, dtype=torch.int32, device=g_MH.device)
     colcnt = torch.zeros(h if stats else 1, dtype=torch.int32, device=g_MH.device)
+    rows = torch.empty(2, m, dtype=torch.int32, device=g_MH.device)  # row_nnz, row_overflow
     if m > 0:
         _pack_dense_kernel[(triton.cdiv(m, block_m),)](
-            g_MH, tw, colcnt, m, h, t, g_MH.stride(0),
+            g_MH, tw, colcnt, rows[0], rows[1], m, h, t, g_MH.stride(0),
             W=w, VALUE_MODE=1 if g_MH.dtype == torch.float32 else 0, STATS=stats,
             BLOCK_M=block_m, num_warps=num_warps,
         )
-    return TwELL(tw, h, factor, vdt), (colcnt if stats else None)
+    return TwELL(tw, h, factor, vdt, rows[0], rows[1]), (colcnt if stats else None)
 
 
 __all__ = ["TILE", "f32_to_bf16_bits", "pack_dense"]
