@@ -134,3 +134,19 @@ def test_apply_rejects_bad_operands():
         twell_ffn_apply(tw, dense, wdt, nb=4, k=2)
     with pytest.raises(ValueError, match="block_m"):
         pack_dense(dense, block_m=3)
+
+
+def test_heavy_first_refuses_row_counts_of_another_length():
+    """``heavy_first`` orders the programs by ``tw.nnz_per_row()``: the producer's ``row_nnz``
+    when set. One of another length than the M rows of ``data`` (a TwELL rebuilt with
+    ``dataclasses.replace(tw, data=...)`` keeps the old one) would send programs to rows past M
+    (out-of-bounds writes of y) or leave rows of y unwritten: refused, naming the field."""
+    gen = torch.Generator().manual_seed(2)
+    pre = torch.randn(2, 300, generator=gen).to(DEV)
+    wdt = torch.randn(300, 8, generator=gen).to(DEV)
+    tw, _ = pack_dense(pre)
+    for bad in (torch.tensor([5, 9, 0], dtype=torch.int32, device=DEV),  # argsort: 1, 0, 2
+                torch.tensor([5], dtype=torch.int32, device=DEV)):
+        tw.row_nnz = bad
+        with pytest.raises(ValueError, match="row_nnz"):
+            twell_ffn_apply(tw, pre, wdt, heavy_first=True)

@@ -289,7 +289,7 @@ def twell_ffn_apply(
 
     Raises:
         ValueError: inconsistent shapes/dtypes/devices, unsupported D split,
-            bad nb / k.
+            bad nb / k, or (heavy_first) a ``tw.row_nnz`` that is not (M,).
     """
     if nb < 1 or nb & (nb - 1) or k < nb or k & (k - 1):
         raise ValueError(f"nb and k must be powers of 2 with k >= nb; got nb={nb}, k={k}")
@@ -316,6 +316,13 @@ def twell_ffn_apply(
     devs = {tw.data.device, dense_MH.device, w_down_t_HD.device}
     if gated:
         devs |= {x_MD.device, w_up_HD.device}
+    if heavy_first:
+        nnz_rows = tw.nnz_per_row()  # the producer's row_nnz when set
+        if nnz_rows.shape != (m,):  # else programs past row M, or rows never written
+            raise ValueError(f"heavy_first orders the rows by tw.row_nnz, which must be ({m},) "
+                             f"like tw.data's rows; got {tuple(nnz_rows.shape)}: set "
+                             "tw.row_nnz = None when data changes rows")
+        devs.add(nnz_rows.device)
     if len(devs) != 1:
         raise ValueError(f"all operands must be on one device; got {devs}")
     full_d = triton.next_power_of_2(d)
@@ -334,7 +341,7 @@ def twell_ffn_apply(
         grid = (triton.cdiv(m, rows), triton.cdiv(d, block_d))
         xa = x_MD if gated else y  # placeholders keep the signature fixed
         wa = w_up_HD if gated else w_down_t_HD
-        order = (torch.argsort(tw.nnz_per_row(), descending=True).to(torch.int32)
+        order = (torch.argsort(nnz_rows, descending=True).to(torch.int32)
                  if heavy_first else l1)
         args = (xa, tw.data, dense_MH, wa, w_down_t_HD, y, l1, order, m, h, d, t,
                 xa.stride(0), dense_MH.stride(0), y.stride(0), wa.stride(0), w_down_t_HD.stride(0))
