@@ -260,7 +260,8 @@ def validate(tw: TwELL) -> dict:
 
     Checks: dtype int32, shape (M, ceil(H/256), 256/factor), contiguous;
     counts within [0, tile width]; every usable slot's column inside its
-    tile, strictly ascending, value active (``not (v <= 0)``).
+    tile, strictly ascending, value active (``not (v <= 0)``); ``row_nnz`` and
+    ``row_overflow``, when set, (M,) int32 equal to the count words' per-row sums.
 
     Returns:
         ``{"rows": M, "nnz": total count, "overflow_tiles": n, "overflow_rows": n}``.
@@ -307,6 +308,18 @@ def validate(tw: TwELL) -> dict:
                 f"value {float(vals[r, tt, s])}"
             )
     ovf = tw.overflow_tiles()
+    for name, rows, want in (("row_nnz", tw.row_nnz, cnt.sum(1, dtype=torch.int32)),
+                             ("row_overflow", tw.row_overflow, ovf.sum(1, dtype=torch.int32))):
+        if rows is None:
+            continue
+        if rows.dtype != torch.int32 or rows.shape != want.shape:
+            raise TwELLFormatError(f"{name} must be ({d.shape[0]},) int32 like the rows of data; "
+                                   f"got {tuple(rows.shape)} {rows.dtype}")
+        wrong = rows.to(want.device) != want
+        if bool(wrong.any()):
+            r = int(wrong.nonzero()[0, 0])
+            raise TwELLFormatError(f"{name}[{r}] = {int(rows[r])} but the count words give "
+                                   f"{int(want[r])} (counts changed after packing?)")
     return {
         "rows": d.shape[0],
         "nnz": int(cnt.sum()),

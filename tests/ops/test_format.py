@@ -129,3 +129,23 @@ def test_empty_rows():
     assert tw.data.shape == (0, 2, 32)
     assert validate(tw)["nnz"] == 0
     assert unpack(tw).shape == (0, 300)
+
+
+def test_validator_checks_the_row_sums():
+    """``row_nnz`` / ``row_overflow`` (the producer's per-row sums, which ``nnz_per_row``,
+    ``overflow_rows`` and ``n_overflow_tiles`` return when set) must describe the count words:
+    a TwELL whose counts changed after packing, or rebuilt on other rows, is refused."""
+    a = torch.zeros(3, 300)
+    a[0, :40] = 1.0   # tile 0 overflowed
+    a[1, 260:263] = 2.0
+    good = pack(a)
+    cnt = good.counts.sum(1, dtype=torch.int32)
+    ovf = good.overflow_tiles().sum(1, dtype=torch.int32)
+    assert validate(TwELL(good.data, 300, row_nnz=cnt, row_overflow=ovf))["nnz"] == 43
+    for kw, what in (({"row_nnz": cnt + 1}, "row_nnz"),
+                     ({"row_nnz": cnt[:2]}, "row_nnz"),
+                     ({"row_nnz": cnt.long()}, "row_nnz"),
+                     ({"row_overflow": ovf * 0}, "row_overflow"),
+                     ({"row_overflow": ovf[None]}, "row_overflow")):
+        with pytest.raises(TwELLFormatError, match=what):
+            validate(TwELL(good.data, 300, **kw))
