@@ -150,3 +150,30 @@ def test_heavy_first_refuses_row_counts_of_another_length():
         tw.row_nnz = bad
         with pytest.raises(ValueError, match="row_nnz"):
             twell_ffn_apply(tw, pre, wdt, heavy_first=True)
+
+
+@pytest.mark.parametrize("d,launch", [(40, {}), (40, {"nb": 8}), (100, {"nb": 4, "num_warps": 8})],
+                         ids=["d40-default", "d40-nb8", "d100-nb4-w8"])
+def test_overflowed_tile_l1_sums_absolute_values(d, launch):
+    """The gated L1 of overflowed tiles is sum |h|, not sum h: rows whose h has both signs, in
+    overflowed tiles only. On an H100 (Triton 3.6) these shapes returned the signed sum from the
+    compacted overflow path (y right, L1 wrong) before ``_accumulate`` summed |v| |u|; the
+    interpreter never showed it, so this runs there only as a guard."""
+    gen = torch.Generator().manual_seed(0)
+    m, h = 2, 520
+    pre = -torch.rand(m, h, generator=gen)
+    pre[0, :300] = torch.rand(300, generator=gen) + 0.1   # tile 0 full, tile 1 at 44 > 31
+    pre[1, ::2] = torch.rand(260, generator=gen)           # tiles 0, 1 overflowed (128 each)
+    pre = pre.to(torch.bfloat16).float()
+    x = torch.randn(m, d, generator=gen)
+    wu = torch.randn(h, d, generator=gen)
+    wdt = torch.randn(h, d, generator=gen)
+    act = ~(pre <= 0)
+    h_ref = torch.where(act, pre.double() * (x.double() @ wu.double().T), 0.0)
+    assert (h_ref < 0).any(1).all() and (h_ref > 0).any(1).all()
+    pre, x, wu, wdt = (t.to(DEV) for t in (pre, x, wu, wdt))
+    tw, _ = pack_dense(pre)
+    assert tw.row_overflow.tolist() == [2, 2]
+    y, l1 = twell_ffn_apply(tw, pre, wdt, x_MD=x, w_up_HD=wu, stats=True, **launch)
+    torch.testing.assert_close(l1.double().cpu(), h_ref.abs().sum(1), rtol=1e-5, atol=1e-4)
+    assert_close_verbose(y, h_ref @ wdt.double().cpu(), rtol=1e-5, atol=1e-3, what=f"y {launch}")

@@ -48,14 +48,20 @@ def _accumulate(
     GATED: tl.constexpr,
 ):
     """acc += sum_k h_k * WdT[cols_k, d]; h_k = v_k * (x . Wu[cols_k]) (gated) or v_k. Both row
-    gathers are issued before either is used (``_load_rows``)."""
+    gathers are issued before either is used (``_load_rows``).
+
+    The L1 term is summed as |v_k| |u_k| (the same bits as |h_k|; 0 where not valid), not as
+    |h_k|: on an H100 (Triton 3.6) the compiled ``tl.sum(tl.abs(h))`` of the overflowed-tile path
+    summed h itself for some shapes (gated, D 40 on nb 4 / 4 warps, D 100 on 8 warps), so a row's
+    L1 came out as its signed sum while y was right; ``tests/ops/test_ffn.py`` on CUDA showed it."""
     wu, wd = _load_rows(cols, valid, offs_d, d_mask, wu_ptr, wdt_ptr, stride_wu, stride_wd, GATED)
     if GATED:
-        h = tl.where(valid, v * tl.sum(wu.to(tl.float32) * x[None, :], axis=1), 0.0)
+        u = tl.where(valid, tl.sum(wu.to(tl.float32) * x[None, :], axis=1), 0.0)
     else:
-        h = tl.where(valid, v, 0.0)
+        u = tl.where(valid, 1.0, 0.0)
+    h = tl.where(valid, v * u, 0.0)
     acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
-    l1 += tl.sum(tl.abs(h), axis=0)
+    l1 += tl.sum(tl.abs(v) * tl.abs(u), axis=0)
     return acc, l1
 
 
