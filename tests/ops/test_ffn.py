@@ -558,8 +558,10 @@ def test_long_rows_dense_backup_matches_fp64(gated, k, min_nnz, hot, monkeypatch
     pol = FFNPolicy(infer_long_rows=k, infer_long_min_nnz=min_nnz)
     y, stats = sparse_ffn(x, wg, wu, wd, state=st, policy=pol,
                           hot_units=hot_set.to(DEV) if hot else None)
-    y_tw, h_tw, act, n_ovf = ffn_reference_hot_fp64(x, wg, wu, wd, hot_set)
-    y_ex, h_ex, _ = ffn_reference_fp64(x, wg, wu, wd)
+    host = [None if t is None else t.cpu() for t in (x, wg, wu, wd)]  # the references on the CPU
+    y_tw, h_tw, act, n_ovf = ffn_reference_hot_fp64(*host, hot_set)
+    y_ex, h_ex, _ = ffn_reference_fp64(*host)
+    y = y.cpu()
     nnz = act.sum(1)
     s = nnz.sort(descending=True).values
     assert k >= n or s[k - 1] != s[k] or s[k - 1] <= min_nnz  # no tie decides the long rows
@@ -614,7 +616,7 @@ def test_long_rows_bf16_within_bf16_error_of_fp64():
     y, _ = sparse_ffn(x, wg, wu, wd, state=st,
                       policy=FFNPolicy(infer_long_rows=3, infer_long_min_nnz=100))
     y0, _ = sparse_ffn(x, wg, wu, wd)
-    y_ref, _, act = ffn_reference_fp64(x, wg, wu, wd)
+    y_ref, _, act = ffn_reference_fp64(*(t.cpu() for t in (x, wg, wu, wd)))  # on the CPU
     long = act.sum(1) > 100
     assert int(st.last_info.long_rows) == int(long.sum()) > 0
     scale = y_ref.abs().max()
