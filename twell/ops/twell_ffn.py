@@ -14,8 +14,9 @@ gathers two contiguous D-rows (4 KiB each at D = 2048, bf16). Accumulation is
 fp32 in registers over the full D of the row; nothing of size M x H is
 written. An overflowed (row, tile) (count > W-1) is computed from the dense
 pre-activation ``dense[r, 256t : 256t+256]`` instead of its slots: one load of
-the tile, its active columns compacted in registers, NB per step, so overflow
-costs about what the same entries would cost in slots and never correctness.
+the tile, its active columns compacted in registers, NB per step (ceil(count /
+NB) steps, as its entries would take in slots; not yet timed), so overflow
+costs steps but never correctness.
 
 Performance: the work is a gather of 2 * nnz weight rows per token; such gathers ran at 9-10 TB/s on
 the H200 when Wu/WdT sit in L2 (BENCHMARKS.md, "TwELL inference FFN"). ``_twell_ffn_kernel`` treats
