@@ -14,7 +14,8 @@ and timed for ``steps`` steps. Modules: ``recipe`` (paths and overrides), ``sour
 model), ``steps`` (builds, the plain-transformers step, timing), ``search`` (budgets, the
 search), ``core`` / ``stages`` / ``run`` (the run, stage by stage), ``report`` (CSV, Table 1,
 ratios, plots, merging), ``capacity_trace`` (the sparse rows' heavy rows and capacities per step
-and layer, and their replay through ``studies.capacity_sim``). ``scripts/bench_model.py`` is the command line.
+and layer, and their replay through ``studies.capacity_sim``). ``scripts/bench_model.py`` is the
+command line.
 """
 
 from studies.bench.core import BenchSettings

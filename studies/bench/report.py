@@ -1,7 +1,7 @@
 """The benchmark's outputs: ``best_configs.csv``, ``probes.csv``, ``sparsity_profile.csv``,
-``capacity_trace.csv`` (:mod:`studies.bench.capacity_trace`), ``bench_meta.json``, the Table-1 markdown (``bench_model.md``) with the ratios issue-style
-targets are read from, and two plots; and the merge of several runs' outputs (one size per GPU
-call) into one folder.
+``capacity_trace.csv`` (:mod:`studies.bench.capacity_trace`), ``bench_meta.json``, the Table-1
+markdown (``bench_model.md``) with the ratios issue-style targets are read from, and two plots;
+and the merge of several runs' outputs (one size per GPU call) into one folder.
 
 Ratios (all from ``best_configs.csv`` and ``probes.csv``; speeds are wall-clock tokens/ms unless
 named otherwise; "best dense" is the fastest of ``hf``, ``liger``, ``compile`` and ``dense``):
