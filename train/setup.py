@@ -338,7 +338,13 @@ def use_fused_ops(model, t: TrainerConfig, *, device_type: str, fused_linear_ce:
     What a run with Liger on installs: :func:`prepare_model` calls it once the caller has
     decided that (:func:`train.liger.liger_enabled`), and so does the whole-model benchmark's
     forward (``studies.bench.core.build_forward``), so that it times the model training runs.
-    ``t`` is read for ``norm_out_bf16`` and ``fused_norm_cast`` only (null: on).
+    ``t`` is read for ``norm_out_bf16`` and ``fused_norm_cast`` only (null: on). The model is
+    changed in place (a Llama-style causal LM: ``model.model.layers``, ``model.model.norm``);
+    its state dict stays stock.
+
+    Raises:
+        ValueError: a decoder layer without the Llama modules, or no final norm, where the joins
+            are installed (:func:`train.residual_join.use_fused_joins`).
     """
     fused_cast = t.norm_out_bf16 is not False and t.fused_norm_cast is not False
     use_liger(model, fused_linear_ce=fused_linear_ce,
