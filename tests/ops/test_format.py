@@ -107,12 +107,33 @@ def test_validator_catches_corruption():
         validate(corrupt(lambda d: d[0, 0, 1].fill_((0x3F80 << 16) | 260)))
     with pytest.raises(TwELLFormatError, match="ascending"):
         validate(corrupt(lambda d: d[0, 0, 2].copy_(d[0, 0, 1])))
-    with pytest.raises(TwELLFormatError, match="negative"):
+    with pytest.raises(TwELLFormatError, match="must be > 0"):
         validate(corrupt(lambda d: d[0, 0, 1].fill_(((0xBF80 << 16) | 0) - (1 << 32))))
     with pytest.raises(TwELLFormatError, match="int32"):
         validate(TwELL(good.data.long(), good.n_cols))
     with pytest.raises(TwELLFormatError, match=r"\(M, 2, 32\)"):
         validate(TwELL(good.data[:, :, :16].contiguous(), good.n_cols))
+
+
+@pytest.mark.parametrize("value_dtype", [torch.bfloat16, torch.float16])
+def test_validator_refuses_stored_zeros_keeps_nan(value_dtype):
+    """A stored value must be active, ``not (v <= 0)``: +0 (bits 0x0000) and -0 (0x8000, which
+    ``v < 0`` misses) are refused in either value dtype; a stored NaN (0x7E00 / 0xFFC0) is not."""
+    a = torch.zeros(2, 300)
+    a[0, [3, 9]] = 1.0
+    good = pack(a, value_dtype=value_dtype)
+    validate(good)
+
+    def with_bits(bits):
+        d = good.data.clone()
+        d[0, 0, 1] = ((bits << 16) | 3) - ((bits >> 15) << 32)  # slot 1 keeps column 3
+        return TwELL(d, good.n_cols, good.factor, value_dtype)
+
+    for bits in (0x0000, 0x8000):
+        with pytest.raises(TwELLFormatError, match=r"must be > 0 .*slot 1\): column 3"):
+            validate(with_bits(bits))
+    nan = 0x7E00 if value_dtype == torch.float16 else 0xFFC0
+    assert validate(with_bits(nan))["nnz"] == 2
 
 
 def test_bad_arguments_raise():
