@@ -259,6 +259,10 @@ def unpack(tw: TwELL, dense_MH: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def validate(tw: TwELL) -> dict:
     """Check a TwELL buffer against the specification.
 
@@ -271,12 +275,23 @@ def validate(tw: TwELL) -> dict:
         ``{"rows": M, "nnz": total count, "overflow_tiles": n, "overflow_rows": n}``.
 
     Raises:
-        TwELLFormatError: naming the first offending (row, tile, slot).
+        TwELLFormatError: one line naming the offending field (``data`` not an int32 tensor,
+            ``n_cols`` not an int in [1, 65535], ``factor`` not an int in ``FACTORS``, bad
+            ``value_dtype``, ``row_nnz`` / ``row_overflow``) or the first offending
+            (row, tile, slot).
     """
     d = tw.data
+    if not isinstance(d, torch.Tensor):
+        raise TwELLFormatError(f"TwELL data must be an int32 torch.Tensor (M, T, W); got a "
+                               f"{type(d).__name__}")
     if d.dtype != torch.int32:
         raise TwELLFormatError(f"TwELL data must be int32; got {d.dtype}")
-    check_width(tw.n_cols)
+    if not _is_int(tw.n_cols) or not 0 < tw.n_cols < MAX_COLUMNS:
+        raise TwELLFormatError(f"TwELL n_cols must be an int in [1, {MAX_COLUMNS - 1}]; got "
+                               f"{tw.n_cols!r} ({type(tw.n_cols).__name__})")
+    if not _is_int(tw.factor) or tw.factor not in FACTORS:
+        raise TwELLFormatError(f"TwELL factor must be an int in {FACTORS}; got {tw.factor!r} "
+                               f"({type(tw.factor).__name__})")
     w = words_per_tile(tw.factor)
     t = n_tiles(tw.n_cols)
     if d.dim() != 3 or d.shape[1] != t or d.shape[2] != w:
@@ -317,6 +332,9 @@ def validate(tw: TwELL) -> dict:
                              ("row_overflow", tw.row_overflow, ovf.sum(1, dtype=torch.int32))):
         if rows is None:
             continue
+        if not isinstance(rows, torch.Tensor):
+            raise TwELLFormatError(f"{name} must be None or a ({d.shape[0]},) int32 tensor; got "
+                                   f"a {type(rows).__name__}")
         if rows.dtype != torch.int32 or rows.shape != want.shape:
             raise TwELLFormatError(f"{name} must be ({d.shape[0]},) int32 like the rows of data; "
                                    f"got {tuple(rows.shape)} {rows.dtype}")

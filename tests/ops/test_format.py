@@ -136,6 +136,22 @@ def test_validator_refuses_stored_zeros_keeps_nan(value_dtype):
     assert validate(with_bits(nan))["nnz"] == 2
 
 
+def test_validator_names_bad_fields():
+    """Fields of the wrong type or out of range are TwELLFormatError naming the field (they
+    were a ValueError, a TypeError from torch.full and an AttributeError)."""
+    good = pack(torch.ones(2, 300))
+    for kw, what in (({"factor": 16}, "factor"),
+                     ({"factor": 8.0}, "factor"),
+                     ({"n_cols": 300.0}, "n_cols"),
+                     ({"n_cols": 65536}, "n_cols"),
+                     ({"data": [[1]]}, "data"),
+                     ({"row_nnz": [600, 600]}, "row_nnz")):
+        fields = {"data": good.data, "n_cols": 300, **kw}
+        with pytest.raises(TwELLFormatError, match=f"^TwELL {what} must|^{what} must") as e:
+            validate(TwELL(**fields))
+        assert "\n" not in str(e.value)
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="65535"):
         pack(torch.ones(1, 65536))
