@@ -234,11 +234,21 @@ def unpack(tw: TwELL, dense_MH: torch.Tensor | None = None) -> torch.Tensor:
     slots; they are copied from ``dense_MH`` (the dense source, where
     active entries keep their value and the rest become 0), else this raises.
 
+    Args:
+        tw: the TwELL buffer (M rows, H = ``tw.n_cols``).
+        dense_MH: None, or the (M, H) float dense source on ``tw``'s device.
+
     Raises:
-        TwELLFormatError: overflowed tiles and no ``dense_MH``.
+        TwELLFormatError: overflowed tiles and no ``dense_MH``; ``dense_MH`` not an (M, H)
+            tensor (checked first).
     """
     m, t, _ = tw.data.shape
     h = tw.n_cols
+    if dense_MH is not None and (not isinstance(dense_MH, torch.Tensor)
+                                 or tuple(dense_MH.shape) != (m, h)):
+        got = tuple(dense_MH.shape) if isinstance(dense_MH, torch.Tensor) else type(dense_MH).__name__
+        raise TwELLFormatError(f"unpack: dense_MH must be ({m}, {h}), the TwELL's rows and n_cols; "
+                               f"got {got}")
     valid, cols, vals, _ = tw.slots()
     out = torch.zeros(m, t * TILE + 1, dtype=tw.value_dtype, device=tw.data.device)
     rows = torch.arange(m, device=tw.data.device).view(m, 1, 1).expand_as(cols)

@@ -152,6 +152,18 @@ def test_validator_names_bad_fields():
         assert "\n" not in str(e.value)
 
 
+def test_unpack_checks_dense_shape_first():
+    """A ``dense_MH`` that is not (M, H) is refused up front, naming it: not a broadcast
+    RuntimeError, and not silently broadcast from one row."""
+    a = torch.zeros(3, 300)
+    a[:, :40] = 1.0  # every row's tile 0 overflowed
+    tw = pack(a)
+    for bad in (a[:, :299], a[:2], a[:1], a.t()):
+        with pytest.raises(TwELLFormatError, match=r"dense_MH must be \(3, 300\)"):
+            unpack(tw, dense_MH=bad)
+    assert torch.equal(unpack(tw, dense_MH=a), a.to(torch.bfloat16))
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="65535"):
         pack(torch.ones(1, 65536))
