@@ -6,6 +6,7 @@ count, at several rows / warps per program, with rows above capacity and an all-
 On CPU the kernels run through ``TRITON_INTERPRET=1`` (tests/conftest.py).
 """
 
+import pytest
 import torch
 
 from twell.ops.launch import kernel_config
@@ -47,3 +48,18 @@ def test_compact_heavy_bookkeeping_matches_torch():
             out = tk.compact_heavy(g, 16)
         for name, a, b in zip(("nnz", "counts", "nnz_eff", "n_heavy"), out[2:], ref[2:]):
             assert torch.equal(a.cpu(), b.cpu()), (block_n, name)
+
+
+@needs_triton
+def test_compact_refuses_bad_capacity_and_dtype():
+    """kc must be an int >= 1 (kc=0 returned (N, 0) outputs, kc=-3 a bare RuntimeError) and g
+    fp16 / bf16 / fp32 (int32 was accepted): each a one-line ValueError naming the argument."""
+    tk = triton_backend()
+    g = torch.randn(4, 40, device=DEV)
+    for fn in (tk.compact, tk.compact_heavy):
+        for kc in (0, -3, 2.0, True):
+            with pytest.raises(ValueError, match=r"^kc: .*int >= 1; got"):
+                fn(g, kc)
+        with pytest.raises(ValueError, match=r"^g_NH: dtype .*got torch.int32"):
+            fn(g.to(torch.int32), 4)
+        assert fn(g.half(), 4)[1].shape == (4, 4)

@@ -90,7 +90,16 @@ def _compact_kernel(
                       sem="relaxed")
 
 
+_G_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def _compact(g_NH: torch.Tensor, kc: int, heavy: bool):
+    if not isinstance(kc, int) or isinstance(kc, bool) or kc < 1:
+        raise ValueError(f"kc: the ELL capacity must be an int >= 1; got {kc!r}")
+    if g_NH.dim() != 2:
+        raise ValueError(f"g_NH: expected a 2-D (N, H) tensor, got shape {tuple(g_NH.shape)}")
+    if g_NH.dtype not in _G_DTYPES:
+        raise ValueError(f"g_NH: dtype must be float16, bfloat16 or float32; got {g_NH.dtype}")
     n, h = g_NH.shape
     check_operand("g_NH", g_NH, (n, h))
     dev = g_NH.device
@@ -124,7 +133,7 @@ def compact(g_NH: torch.Tensor, kc: int):
         Slots past a row's count are undefined.
 
     Raises:
-        ValueError: g_NH not 2-D contiguous.
+        ValueError: g_NH not 2-D contiguous fp16 / bf16 / fp32, or kc not an int >= 1.
     """
     return _compact(g_NH, kc, heavy=False)[:4]
 
@@ -142,6 +151,6 @@ def compact_heavy(g_NH: torch.Tensor, kc: int):
         number of such rows). Source: the hybrid layout (arXiv 2603.23198, "Hybrid (training)").
 
     Raises:
-        ValueError: g_NH not 2-D contiguous.
+        ValueError: g_NH not 2-D contiguous fp16 / bf16 / fp32, or kc not an int >= 1.
     """
     return _compact(g_NH, kc, heavy=True)
