@@ -94,3 +94,16 @@ def test_refuses_strided_columns():
         transposed(_src(8, 6, torch.float32).t(), torch.float32)
     with pytest.raises(ValueError, match="2-D"):
         transposed(torch.zeros(3, device=DEV), torch.float32)
+
+
+def test_refuses_non_float_dtypes():
+    """The output dtype and the source must be floating point (``transposed(x, torch.int32)``
+    was accepted and cast): one-line ValueErrors naming the argument."""
+    from twell.ops.transpose import transposed
+
+    src = _src(8, 6, torch.float32)
+    for dtype in (torch.int32, torch.bool, "bfloat16"):
+        with pytest.raises(ValueError, match=r"^dtype: .*float torch.dtype; got"):
+            transposed(src, dtype)
+    with pytest.raises(ValueError, match=r"^src_RC: expected a float tensor, got torch.int64"):
+        transposed(torch.zeros(8, 6, dtype=torch.int64, device=DEV), torch.float32)

@@ -64,10 +64,15 @@ def transposed(src_RC: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         as PyTorch's does; NaN and inf pass through).
 
     Raises:
-        ValueError: src not 2-D, or its columns not contiguous (stride(1) != 1 with C > 1).
+        ValueError: src not 2-D or not floating point, its columns not contiguous (stride(1) != 1
+            with C > 1), or ``dtype`` not a float dtype.
     """
     if src_RC.dim() != 2:
         raise ValueError(f"src_RC: expected a 2-D tensor, got shape {tuple(src_RC.shape)}")
+    if not src_RC.is_floating_point():
+        raise ValueError(f"src_RC: expected a float tensor, got {src_RC.dtype}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype: the output's dtype must be a float torch.dtype; got {dtype!r}")
     r, c = src_RC.shape
     if c > 1 and src_RC.stride(1) != 1:
         raise ValueError(f"src_RC: columns must be contiguous (stride(1) == 1), got strides "
