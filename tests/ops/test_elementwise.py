@@ -14,7 +14,7 @@ import torch
 
 from twell.ops import ffn_dense_train
 
-from .train_cases import check_case, make_inputs, needs_triton
+from .train_cases import DEV, check_case, make_inputs, needs_triton
 
 
 @needs_triton
@@ -30,3 +30,18 @@ def test_dense_mode_triton_fp32(block, n, d, h):
     with kernel_config(dense_block_n=block[0], dense_block_h=block[1]):
         check_case(x, wg, wu, wd, dy, l1_coeff=0.5, dtype=torch.float32, rel=2e-5,
                    fn=ffn_dense_train.dense_ffn_train, backend="triton")
+
+
+@needs_triton
+def test_dense_fwd_refuses_mixed_dtypes():
+    """g and u of one dtype (an fp32 g with a bf16 u was accepted): a one-line ValueError
+    naming u_NH and both dtypes."""
+    from twell.ops.elementwise import dense_fwd
+
+    g = torch.randn(5, 40, device=DEV)
+    with pytest.raises(ValueError, match=r"^u_NH: expected dtype torch.float32, got torch.bfloat16"):
+        dense_fwd(g, g.bfloat16())
+    with pytest.raises(ValueError, match=r"^g_NH: expected a 2-D"):
+        dense_fwd(g[0], g[0])
+    h, *_ = dense_fwd(g, g)
+    torch.testing.assert_close(h, g.clamp(min=0) * g)

@@ -130,11 +130,13 @@ def dense_fwd(g_NH: torch.Tensor, u_NH: torch.Tensor, stats: bool = True):
         active tokens per unit). Source: the FFN and L1 term of arXiv 2603.23198.
 
     Raises:
-        ValueError: g_NH / u_NH not of one (N, H) shape or not contiguous.
+        ValueError: g_NH / u_NH not of one (N, H) shape and dtype, or not contiguous.
     """
+    if g_NH.dim() != 2:
+        raise ValueError(f"g_NH: expected a 2-D (N, H) tensor, got shape {tuple(g_NH.shape)}")
     n, h = g_NH.shape
     check_operand("g_NH", g_NH, (n, h))
-    check_operand("u_NH", u_NH, (n, h))
+    check_operand("u_NH", u_NH, (n, h), g_NH.dtype)
     dev = g_NH.device
     out = torch.empty_like(g_NH)
     if n == 0 or h == 0:
