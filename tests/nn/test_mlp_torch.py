@@ -34,6 +34,30 @@ def test_rejects_unknown_impl():
         SparseGatedMLP(8, 16, impl="cuda")
 
 
+def test_rejects_bad_sizes():
+    import pytest
+
+    for args, name in (((8.0, 16), "hidden_size"), ((8, "16"), "intermediate_size"),
+                       ((True, 16), "hidden_size"), ((8, 0), "intermediate_size")):
+        with pytest.raises(ValueError, match=rf"^SparseGatedMLP: {name} must be an int >= 1; got"):
+            SparseGatedMLP(*args)
+
+
+def test_names_x_when_its_last_dim_is_wrong():
+    """An x whose last dimension is not hidden_size is refused naming x and hidden_size, on
+    every impl and with or without gradients (the ``twell`` training path blamed the weights)."""
+    import pytest
+
+    for impl in ("torch", "twell"):
+        mlp = SparseGatedMLP(8, 16, impl=impl)
+        for x in (torch.randn(16, 9), torch.randn(2, 3, 9), torch.tensor(1.0)):
+            for grad in (True, False):
+                with torch.set_grad_enabled(grad), pytest.raises(
+                        ValueError, match=r"^SparseGatedMLP: x's last dimension must be "
+                                          r"hidden_size = 8; got x of shape"):
+                    mlp(x)
+
+
 def test_convert_llama_keeps_logits_and_keys():
     from transformers import LlamaForCausalLM
 

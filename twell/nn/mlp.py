@@ -62,7 +62,8 @@ class SparseGatedMLP(nn.Module):
     needs a gradient); without, the inference path of ``impl``.
 
     Raises:
-        ValueError: unknown ``impl`` or non-positive sizes.
+        ValueError: unknown ``impl``, sizes not ints >= 1; in forward, x's last dimension not
+            ``hidden_size``.
     """
 
     def __init__(
@@ -70,11 +71,9 @@ class SparseGatedMLP(nn.Module):
         policy: FFNPolicy | None = None,
     ) -> None:
         super().__init__()
-        if hidden_size <= 0 or intermediate_size <= 0:
-            raise ValueError(
-                f"hidden_size and intermediate_size must be positive; got {hidden_size}, "
-                f"{intermediate_size}"
-            )
+        for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"SparseGatedMLP: {name} must be an int >= 1; got {v!r}")
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.gated = gated
@@ -110,6 +109,9 @@ class SparseGatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"SparseGatedMLP: x's last dimension must be hidden_size = "
+                             f"{self.hidden_size}; got x of shape {tuple(x.shape)}")
         lead = x.shape[:-1]
         x_ND = x.reshape(-1, x.shape[-1])
         ws = (self.gate_proj.weight if self.gated else None, self.up_proj.weight,
