@@ -38,6 +38,7 @@ from pathlib import Path
 from torch import nn
 
 from twell.nn import SparseGatedMLP, convert_mlps
+from twell.nn.plan import FFN_IMPLS
 
 GATED_KEY = "twell_gated"  # extra LlamaConfig attribute saved in config.json
 _STEP_RE = re.compile(r"^step(\d+)$")
@@ -412,8 +413,10 @@ def load_model(checkpoint_dir: str | Path, ffn_impl: str = "torch", **from_pretr
             failing its ``metadata.json`` (:func:`check_recorded`), weights that do not match
             the config (missing, unexpected, other shapes, not floating point, NaN / inf:
             named; nothing is invented), or a folder asking for custom code.
-        ValueError: unknown ``ffn_impl``.
+        ValueError: unknown ``ffn_impl`` (checked before anything is read).
     """
+    if ffn_impl not in FFN_IMPLS:
+        raise ValueError(f"load_model: ffn impl must be one of {FFN_IMPLS}; got {ffn_impl!r}")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     d = Path(checkpoint_dir)

@@ -78,6 +78,20 @@ def test_load_model_errors(tmp_path):
         load_model(tmp_path, ffn_impl="cuda")
 
 
+def test_load_model_checks_ffn_impl_before_reading(tmp_path, monkeypatch):
+    """An unknown ffn_impl is refused before the folder is read or the weights load (it was
+    refused only after from_pretrained): no config.json needed, from_pretrained never called."""
+    import twell.hf
+
+    with pytest.raises(ValueError, match="ffn impl must be one of"):
+        load_model(tmp_path / "absent", ffn_impl="bad")
+    build_model(ModelConfig(**CFG)).save_pretrained(tmp_path)
+    monkeypatch.setattr(twell.hf, "from_pretrained_strict",
+                        lambda *a, **k: pytest.fail("weights loaded before ffn_impl was checked"))
+    with pytest.raises(ValueError, match="ffn impl must be one of"):
+        load_model(tmp_path, ffn_impl="bad")
+
+
 def test_import_twell_imports_neither_train_nor_evals():
     code = ("import sys, twell, twell.nn, twell.stats; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('train', 'evals')]; "
