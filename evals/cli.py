@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return _run(args)
-    except (FileNotFoundError, ValueError, OSError) as e:  # bad path, task or checkpoint
+    except (FileNotFoundError, ValueError, OSError) as e:  # bad path, task, data or checkpoint
         # one line whatever the message holds (a library's multi-line error, a path with a
         # newline), as twell-train prints its errors
         print(f"twell-eval: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: EvalArgs) -> int:
     import torch
 
+    from evals.data import ensure_task_data
     from evals.harness import evaluate, resolve_tasks
     from evals.models import (
         convert_ffns,
@@ -259,7 +260,8 @@ def _run(args: EvalArgs) -> int:
         smollm2_gguf_path,
     )
 
-    resolve_tasks(args.tasks)  # fail before loading a model
+    for task in resolve_tasks(args.tasks):  # fail before loading a model
+        ensure_task_data(task)  # extracted, and checked against its published SHA256
     if not args.progress:
         from transformers.utils import logging as hf_logging
 

