@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -54,9 +55,10 @@ class EvalArgs:
     tokenizer: str | None = None
     """tokenizer folder if not saved with the checkpoint."""
     out: str = "eval_results"
-    """output folder."""
+    """output folder (created if missing; must be writable: checked before the model loads)."""
     name: str | None = None
-    """file stem of the outputs (default: ``<run>-step<N>``, or the model file's name)."""
+    """file stem of the outputs, a plain file name (default: ``<run>-step<N>``, or the model
+    file's name)."""
     overwrite: bool = False
     """replace ``<out>/<name>.json`` if it exists (default: write ``<name>-2.json``, ...)."""
     threads: int | None = None
@@ -84,8 +86,9 @@ def parse_args(argv: list[str]) -> EvalArgs:
     """Parse ``key=value`` arguments into :class:`EvalArgs`.
 
     Raises:
-        SystemExit: unknown key, malformed argument, bad value (:func:`check_values`), or not
-            exactly one of ``checkpoint``/``gguf`` (the message says which).
+        SystemExit: unknown key, malformed argument, bad value (:func:`check_values`), an
+            output location that cannot be written (:func:`check_output`), or not exactly one
+            of ``checkpoint``/``gguf`` (the message says which).
     """
     known = {f.name: f for f in fields(EvalArgs)}
     kw = {}
@@ -108,7 +111,38 @@ def parse_args(argv: list[str]) -> EvalArgs:
     if (args.checkpoint is None) == (args.gguf is None):
         raise SystemExit(f"twell-eval: give exactly one of checkpoint=... or gguf=...\n{USAGE}")
     check_values(args)
+    check_output(args)
     return args
+
+
+def check_output(args: EvalArgs) -> None:
+    """Refuse, before any model is loaded, an output location the results could not be written
+    to: a ``name`` that is not a plain file name (empty, ``.``, ``..``, or holding a path
+    separator), an ``out`` that is a file or lies below one, or an ``out`` (or, if it does not
+    exist yet, its nearest existing parent, where it will be created) that is not writable.
+
+    Raises:
+        SystemExit: one line naming ``name=`` or ``out=``, its value and the fix.
+    """
+    name = args.name
+    if name is not None and (name in ("", ".", "..") or any(c in name for c in "/\\\0")):
+        raise SystemExit(f"twell-eval: name={name!r}: must be a plain file name, without '/' "
+                         "or '\\' and not '.' or '..' (the results are <out>/<name>.json and "
+                         ".md); choose the folder with out=")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"twell-eval: out={args.out}: is a file, not a folder; give a folder "
+                         "(created if missing) for <name>.json and .md")
+    first = out.absolute()
+    while not first.exists():  # the nearest existing folder: where out would be created
+        first = first.parent
+    if not first.is_dir():
+        raise SystemExit(f"twell-eval: out={args.out}: {first} is a file, so the folder cannot "
+                         "be created there; give a folder path")
+    if not os.access(first, os.W_OK | os.X_OK):
+        what = "is not writable" if first == out.absolute() else (
+            f"cannot be created: {first} is not writable")
+        raise SystemExit(f"twell-eval: out={args.out}: {what}; give a folder you can write to")
 
 
 # the keys whose value must be a whole number >= 1 (None allowed where the key's default is

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -418,3 +419,45 @@ def test_a_checkpoint_without_a_tokenizer_says_so_and_tokenizer_fixes_it(checkpo
         f"twell-eval: FileNotFoundError: checkpoint={d} holds no tokenizer"), err
     assert "pass tokenizer=<folder" in err[0] and "data=tokens" in err[0]
     assert main([f"checkpoint={d}", f"tokenizer={checkpoint}", *common]) == 0
+
+
+def _no_model_load(monkeypatch):
+    import evals.models
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(evals.models, "load_checkpoint", no_load)
+    monkeypatch.setattr(evals.models, "load_gguf", no_load)
+
+
+def test_an_output_location_that_cannot_be_written_is_refused_first(tmp_path, capsys,
+                                                                   monkeypatch):
+    """out= an existing file, below a file, or not writable, and name= with a path in it were
+    found only after every task was scored: one line naming the key, exit code 2, before the
+    model loads (the checkpoint path does not even exist) and with nothing written."""
+    import os
+
+    _no_model_load(monkeypatch)
+    f = tmp_path / "results.json"
+    f.write_text("{}")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: Path(p) != locked and real_access(p, m))
+    missing = f"checkpoint={tmp_path / 'nope'}"
+    cases = ((f"out={f}", f"twell-eval: out={f}: is a file, not a folder; give a folder"),
+             (f"out={f}/sub", f"twell-eval: out={f}/sub: {f} is a file, so the folder cannot"),
+             (f"out={locked}", f"twell-eval: out={locked}: is not writable; give a folder you"),
+             (f"out={locked}/a/b", f"twell-eval: out={locked}/a/b: cannot be created: {locked}"),
+             ("name=../../etc/x", "twell-eval: name='../../etc/x': must be a plain file name"),
+             ("name=a\\b", "twell-eval: name='a\\\\b': must be a plain file name"),
+             ("name=..", "twell-eval: name='..': must be a plain file name"),
+             ("name=", "twell-eval: name='': must be a plain file name"))
+    for arg, want in cases:
+        assert main([missing, arg, "progress=false"]) == 2, arg
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(want), (arg, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["locked", "results.json"]
+    assert list(locked.iterdir()) == []
+    parse_args([missing, f"out={tmp_path}/new/deeper", "name=run-1.step10"])  # created later
