@@ -156,7 +156,9 @@ def check_values(args: EvalArgs) -> None:
     """Refuse values that can only fail later, before any model is loaded: a ``limit``,
     ``batch_size`` or ``threads`` below 1, an unknown ``ffn_impl`` or ``dtype``, a
     ``prefix_token`` that is neither ``none``, ``auto`` nor a token id (one out of the
-    vocabulary is refused once the tokenizer is loaded: :func:`evals.scoring.resolve_prefix_token`).
+    vocabulary is refused once the tokenizer is loaded: :func:`evals.scoring.resolve_prefix_token`),
+    a ``device`` that is not ``cpu``, ``cuda`` or ``cuda:N`` (``gpu``, ``meta``; whether the
+    machine has that GPU is checked before the model loads, in :func:`main`).
 
     Raises:
         SystemExit: one line naming the key, its value and what it takes.
@@ -178,6 +180,23 @@ def check_values(args: EvalArgs) -> None:
         resolve_prefix_token(None, args.prefix_token)  # its form; the id's range needs the vocab
     except ValueError as e:
         raise SystemExit(f"twell-eval: {e}") from None
+    if args.device is not None and device_type(args.device) not in DEVICE_TYPES:
+        raise SystemExit(f"twell-eval: device={args.device!r}: must be cpu, cuda or cuda:N (N a "
+                         "GPU index, e.g. cuda:1); leave it unset for cuda if available, else cpu")
+
+
+DEVICE_TYPES = ("cpu", "cuda")  # the devices twell-eval scores on (not meta: it holds no data)
+
+
+def device_type(device: str) -> str | None:
+    """The type of a ``device=`` string as ``torch.device`` parses it (``cuda:1`` -> ``cuda``),
+    or None if torch does not accept it (``gpu``, ``cuda:x``)."""
+    import torch
+
+    try:
+        return torch.device(device).type
+    except (RuntimeError, ValueError, TypeError):
+        return None
 
 
 def prefix_text(prefix: dict) -> str:
@@ -304,8 +323,12 @@ def _run(args: EvalArgs) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device}: no CUDA device here; use device=cpu (or leave it unset)")
+    if dev.type == "cuda" and (dev.index or 0) >= (n := torch.cuda.device_count()):
+        raise ValueError(f"device={device}: this machine has {n} CUDA device(s); use "
+                         f"cuda:0 to cuda:{n - 1}, or cpu")
     t0 = time.time()
     if args.checkpoint:
         src = resolve_checkpoint(args.checkpoint)

@@ -461,3 +461,24 @@ def test_an_output_location_that_cannot_be_written_is_refused_first(tmp_path, ca
     assert sorted(p.name for p in tmp_path.iterdir()) == ["locked", "results.json"]
     assert list(locked.iterdir()) == []
     parse_args([missing, f"out={tmp_path}/new/deeper", "name=run-1.step10"])  # created later
+
+
+def test_a_device_torch_cannot_score_on_is_refused_first(tmp_path, capsys, monkeypatch):
+    """device=gpu or device=meta loaded the model, then printed a torch traceback: one line
+    naming device= and its valid forms, exit code 2, before the model loads."""
+    _no_model_load(monkeypatch)
+    missing = f"checkpoint={tmp_path / 'nope'}"
+    for dev in ("gpu", "meta", "cuda:x", "cuda:-1", "mps", "xpu", ""):
+        assert main([missing, f"device={dev}", "progress=false"]) == 2, dev
+        err = capsys.readouterr().err.strip().splitlines()
+        want = (f"twell-eval: device={dev!r}: must be cpu, cuda or cuda:N (N a GPU index, "
+                "e.g. cuda:1); leave it unset for cuda if available, else cpu")
+        assert err == [want], dev
+    for dev in ("cpu", "cpu:0", "cuda", "cuda:1"):
+        assert parse_args([missing, f"device={dev}"]).device == dev
+    if not torch.cuda.is_available():  # a GPU this machine lacks: named before the model loads
+        assert main([missing, "device=cuda:1", "tasks=arc_easy", "progress=false"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        want = ("twell-eval: ValueError: device=cuda:1: no CUDA device here; use device=cpu "
+                "(or leave it unset)")
+        assert err == [want]
