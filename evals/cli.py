@@ -311,6 +311,7 @@ def _run(args: EvalArgs) -> int:
     from evals.harness import evaluate, resolve_tasks
     from evals.models import (
         convert_ffns,
+        has_metadata,
         load_checkpoint,
         load_gguf,
         resolve_checkpoint,
@@ -338,6 +339,10 @@ def _run(args: EvalArgs) -> int:
         src = resolve_checkpoint(args.checkpoint)
         if src != Path(args.checkpoint).expanduser():
             print(f"checkpoint={args.checkpoint}: evaluating {src}")
+        if not has_metadata(src):
+            print(f"note: {src} has no metadata.json, so its files were not checked against "
+                  "recorded sizes and SHA-256 (a save_pretrained folder, not a twell-train "
+                  "checkpoint); scoring it as it is")
         model, tok = load_checkpoint(src, ffn_impl=args.ffn_impl, dtype=args.dtype,
                                      tokenizer=args.tokenizer)
     else:

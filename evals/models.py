@@ -141,11 +141,20 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     )
 
 
+def has_metadata(d: Path) -> bool:
+    """Whether checkpoint folder ``d`` has a ``metadata.json`` (a twell checkpoint), which
+    :func:`resolve_checkpoint` checks it against; a folder without one (written by
+    ``save_pretrained`` alone) is loaded unchecked."""
+    from twell.hf import METADATA
+
+    return (d / METADATA).exists() or (d / METADATA).is_symlink()  # as twell.hf.check_recorded
+
+
 def _checked_folder(d: Path) -> Path:
     """``d``, after checking it against its ``metadata.json`` if it has one."""
-    from twell.hf import METADATA, CheckpointError
+    from twell.hf import CheckpointError
 
-    if (d / METADATA).exists() or (d / METADATA).is_symlink():  # as twell.hf.check_recorded
+    if has_metadata(d):
         problems = _verify(d)
         if problems:
             raise CheckpointError(

@@ -553,3 +553,19 @@ def test_task_names_empty_or_in_another_case(checkpoint, tmp_path, capsys, monke
                  f"out={tmp_path / 'out'}", "name=cased", "progress=false"]) == 0
     assert list(json.loads((tmp_path / "out" / "cased.json").read_text())["tasks"]) == [
         "arc_easy", "piqa"]
+
+
+def test_a_checkpoint_without_metadata_is_scored_with_a_note(checkpoint, tmp_path, capsys):
+    """A save_pretrained folder has no metadata.json to check it against: it is scored, and one
+    line on stdout says its integrity was not checked; a twell checkpoint gets no such line."""
+    note = (f"note: {checkpoint} has no metadata.json, so its files were not checked against "
+            "recorded sizes and SHA-256 (a save_pretrained folder, not a twell-train "
+            "checkpoint); scoring it as it is")
+    common = ["tasks=arc_easy", "limit=1", "device=cpu", f"out={tmp_path / 'out'}",
+              "progress=false"]
+    assert main([f"checkpoint={checkpoint}", *common]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out.count(note) == 1 and out[0] == note
+    run = _fake_run(tmp_path / "runs", "r", checkpoint, [10])  # a metadata.json it passes
+    assert main([f"checkpoint={run / 'checkpoints' / 'step10'}", *common]) == 0
+    assert "no metadata.json" not in capsys.readouterr().out
