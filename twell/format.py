@@ -23,10 +23,10 @@ Specification, version 1 (``FORMAT_VERSION``)
   order. ``value_bits16`` is the 16-bit float pattern of the value in the
   buffer's ``value_dtype``.
 * Words past ``min(count, W - 1)`` are unspecified (the reference writes 0).
-* A stored value is itself active: ``validate`` refuses ``v <= 0`` (-0, bits 0x8000,
-  included). Known gap: an active value at most half the smallest subnormal of
+* A stored value is itself active: ``validate`` refuses negative values and -0 (bits
+  0x8000). It accepts +0: an active value at most half the smallest subnormal of
   ``value_dtype`` (2^-134 as bf16, 2^-25 as fp16) rounds to +0, and ``pack`` and
-  ``twell.ops.twell_pack.pack_dense`` (fp32 input) store that +0, which ``validate`` refuses.
+  ``twell.ops.twell_pack.pack_dense`` (fp32 input) store it as such (its column still counts).
 * "Active" means ``not (a <= 0)``: positive values **and NaN** are active, as
   ``relu(NaN) = NaN`` in PyTorch; ``+inf`` is active, ``-inf``, 0 and ``-0`` are not.
 * Overflow is never silent: a consumer must not use the slots of an
@@ -278,7 +278,7 @@ def validate(tw: TwELL) -> dict:
 
     Checks: dtype int32, shape (M, ceil(H/256), 256/factor), contiguous;
     counts within [0, tile width]; every usable slot's column inside its
-    tile, strictly ascending, value active (``not (v <= 0)``); ``row_nnz`` and
+    tile, strictly ascending, value not negative or -0 (+0: a rounded tiny value); ``row_nnz`` and
     ``row_overflow``, when set, (M,) int32 equal to the count words' per-row sums.
 
     Returns:
@@ -326,10 +326,12 @@ def validate(tw: TwELL) -> dict:
     out_of_tile = valid & ((cols < lo) | (cols >= (lo + width.view(1, t, 1))))
     prev = torch.cat([torch.full_like(cols[:, :, :1], -1), cols[:, :, :-1]], dim=2)
     not_ascending = valid & (cols <= prev)
-    inactive = valid & (vals.float() <= 0)  # -0 (bits 0x8000) too; NaN stays (active)
+    # negative or -0 (bits 0x8000): never stored; +0 is a tiny active value rounded (above)
+    v32 = vals.float()
+    inactive = valid & ((v32 < 0) | ((v32 == 0) & torch.signbit(v32)))
     for name, m in (("column outside its tile", out_of_tile),
                     ("columns not strictly ascending", not_ascending),
-                    ("stored value must be > 0 or NaN (an inactive unit must not be stored)",
+                    ("stored value must be >= +0 or NaN (an inactive unit must not be stored)",
                      inactive)):
         if bool(m.any()):
             r, tt, s = (int(v) for v in m.nonzero()[0])
