@@ -46,19 +46,20 @@ from train.interrupt import SetupInterrupted, signal_name, stops_before_training
 register_configs()
 
 
-def run(cfg: DictConfig, run_dir: str | None = None, started=None) -> dict:
+def run(cfg: DictConfig, run_dir: str | None = None, started=None,
+        job: list[str] | None = None) -> dict:
     """Train one run from a composed config; returns the summary dict. ``started(trainer)`` is
     called once the trainer is set up: the run dir is then this run's (locked, and new or
     holding this run), so the caller may write into it. A run dir whose run already finished
     with this config is left as it is: one line, and its ``summary.json`` is returned
-    (:func:`train.rundir.finished_run`).
+    (:func:`train.rundir.finished_run`; ``job``: a ``-m`` sweep job's overrides, for its line).
 
     Raises:
         train.interrupt.SetupInterrupted: SIGINT / SIGTERM before the trainer was set up
             (nothing trained; a stop while it trains is exit code 130 / 143 with its line).
     """
     with stops_before_training():  # until the first step: one line (_main), nothing trained
-        trainer, finished = _set_up(cfg, run_dir)
+        trainer, finished = _set_up(cfg, run_dir, job)
     if trainer is None:
         return finished
     with _deterministic_errors(trainer.cfg.trainer.deterministic):
@@ -81,7 +82,7 @@ def run(cfg: DictConfig, run_dir: str | None = None, started=None) -> dict:
     return summary
 
 
-def _set_up(cfg: DictConfig, run_dir: str | None):
+def _set_up(cfg: DictConfig, run_dir: str | None, job: list[str] | None = None):
     """:func:`run`'s set-up: ``(trainer, None)``, or ``(None, summary)`` for the command of a
     run that already finished (its line printed)."""
     if os.environ.get("RANK", "0") == "0":  # a first line before the slow imports
@@ -102,7 +103,7 @@ def _set_up(cfg: DictConfig, run_dir: str | None):
     check_launch(tcfg.trainer.cpu)  # a multi-process launch the accelerator would not join
     from train.rundir import finished_run
 
-    finished = finished_run(run_dir, tcfg)  # the command of a finished run, run again
+    finished = finished_run(run_dir, tcfg, job)  # the command of a finished run, run again
     if finished is not None:
         if os.environ.get("RANK", "0") == "0":
             print(finished[0], flush=True)
@@ -166,7 +167,8 @@ def _main(cfg: DictConfig) -> float | None:
             _SWEEP["jobs"].append(list(hc.overrides.task))
     try:
         summary = run(cfg, str(run_dir),
-                      started=lambda trainer: _record_start(trainer, run_dir, cfg, hc, sweep))
+                      started=lambda trainer: _record_start(trainer, run_dir, cfg, hc, sweep),
+                      job=list(hc.overrides.task) if sweep else None)
     except SetupInterrupted as e:  # Ctrl-C / SIGTERM before the first step: a sweep stops too
         sys.exit(_stopped_before_training(e, run_dir))
     except Exception as e:  # reported below; only a sweep goes on

@@ -56,6 +56,24 @@ def override_arg(key: str, value) -> str:
     return arg if _PLAIN.fullmatch(str(value)) else shell_quote(arg)
 
 
+def job_alone_command(job_dir, overrides: list[str], *extra: str) -> str:
+    """``twell-train hydra.run.dir=<job_dir> <overrides> <extra>``: one job of a ``-m`` sweep
+    run alone in its own folder, the way to train it on or rerun it with another value (a
+    ``-m`` command with other values into the sweep's folder is refused as another sweep:
+    :func:`other_sweep_in`). ``overrides`` are the job's (Hydra's override strings, as its
+    ``.hydra/overrides.yaml`` records them), less ``hydra.*`` ones and the keys ``extra`` sets;
+    each of ``extra`` is one ready argument (``key=value``, quoted as needed)."""
+    from train.checkpoint import shell_quote
+
+    def key(o: str) -> str:
+        return o.split("=", 1)[0].lstrip("+~")
+
+    replaced = {key(e) for e in extra}
+    kept = [shell_quote(o) for o in map(str, overrides)
+            if not key(o).startswith("hydra.") and key(o) not in replaced]
+    return " ".join(["twell-train", override_arg("hydra.run.dir", job_dir), *kept, *extra])
+
+
 def timestamp_root(pattern: str) -> tuple[Path, int] | None:
     """For a run-dir pattern whose last ``depth`` parts are timestamps (``runs/${now:%Y-%m-%d}/
     ${now:%H-%M-%S}``): ``(Path("runs"), 2)``; None for any other pattern."""
@@ -187,23 +205,68 @@ def find_unfinished_sweep(config: dict, overrides: list[str], root: Path,
     return Path(max(found)[1]) if found else None
 
 
-def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
-    """The overrides of each job Hydra's basic sweeper makes of a ``-m`` command's overrides,
-    without ``hydra.*`` and the resume-safe keys (None when it cannot tell)."""
+def _sweep_jobs_all(overrides: list[str]) -> list[list[str]] | None:
+    """Every override of each job Hydra's basic sweeper makes of a ``-m`` command's overrides
+    (None when it cannot tell)."""
     try:
         from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
         parsed = OverridesParser.create().parse_overrides(list(overrides))
-        jobs = BasicSweeper.split_arguments(parsed, None)[0]
+        return [list(job) for job in BasicSweeper.split_arguments(parsed, None)[0]]
     except Exception:  # noqa: BLE001  (another sweep syntax: no check)
         return None
 
+
+def _key(o: str) -> str:
+    return o.split("=", 1)[0].lstrip("+~")
+
+
+def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
+    """The overrides of each job Hydra's basic sweeper makes of a ``-m`` command's overrides,
+    without ``hydra.*`` and the resume-safe keys (None when it cannot tell)."""
+    jobs = _sweep_jobs_all(overrides)
+    if jobs is None:
+        return None
+
     def kept(o: str) -> bool:
-        key = o.split("=", 1)[0].lstrip("+~")
-        return not key.startswith("hydra.") and not _matches(key, RESUME_SAFE_KEYS)
+        return not _key(o).startswith("hydra.") and not _matches(_key(o), RESUME_SAFE_KEYS)
 
     return [[o for o in job if kept(o)] for job in jobs]
+
+
+def train_on_commands(sweep_dir: Path, config: dict, overrides: list[str]) -> str | None:
+    """When a ``-m`` command that :func:`other_sweep_in` refuses differs from the sweep in
+    ``sweep_dir`` only in the optimizer or its schedule (``train.rundir.RESUME_OPTIM_KEYS``:
+    ``trainer.max_steps=<more>`` to train its jobs longer) and each of its jobs' folders holds
+    a checkpoint: the commands, joined by ``; `` (one shell line), that train each job on alone
+    in its folder with these values (:func:`job_alone_command`); else None."""
+    from train.rundir import RESUME_OPTIM_KEYS
+    from twell.hf import list_checkpoints
+
+    saved = _load(sweep_dir / "multirun.yaml")
+    if saved is None:
+        return None
+    mine, theirs = recipe(config), recipe(saved)
+    if any(not _matches(k, RESUME_OPTIM_KEYS) for k in set(mine) | set(theirs)
+           if mine.get(k) != theirs.get(k)):
+        return None
+    old = sweep_job_overrides(saved.get("hydra", {}).get("overrides", {}).get("task") or [])
+    new, jobs = sweep_job_overrides(overrides), _sweep_jobs_all(overrides)
+    if old is None or new is None or jobs is None or len(new) > len(old):
+        return None
+
+    def recipe_of(job: list[str]) -> list[str]:
+        return sorted(o for o in job if not _matches(_key(o), RESUME_OPTIM_KEYS))
+
+    if any(recipe_of(a) != recipe_of(b) for a, b in zip(old, new)):
+        return None  # another job: another sweep
+    dirs = [sweep_dir / str(i) for i in range(len(jobs))]
+    if not all(list_checkpoints(d) for d in dirs):
+        return None
+    return "; ".join(job_alone_command(d, job, override_arg("trainer.resume", d),
+                                       "trainer.resume_allow_changes=true")
+                     for d, job in zip(dirs, jobs))
 
 
 def other_sweep_in(sweep_dir: Path, config: dict, overrides: list[str]) -> str | None:
@@ -284,9 +347,13 @@ class RequeueCallback(Callback):
             d = Path(str(config.hydra.sweep.dir))
             why = other_sweep_in(d, _task_config(config), list(config.hydra.overrides.task))
             if why is not None:
+                on = train_on_commands(d, _task_config(config), list(config.hydra.overrides.task))
                 print(f"ConfigError: hydra.sweep.dir={d} holds another sweep ({why}); its jobs' "
                       "folders would be refused one by one and its multirun.yaml overwritten: "
-                      "give this sweep its own hydra.sweep.dir.", file=sys.stderr)
+                      "give this sweep its own hydra.sweep.dir" + (
+                          "." if on is None else
+                          "; or, to train that sweep's jobs on with these values, run each "
+                          f"alone in its folder: {on}"), file=sys.stderr)
                 sys.exit(2)
             return
         if str(config.trainer.resume) != "auto":

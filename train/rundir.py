@@ -219,7 +219,8 @@ def find_resume_checkpoint(run_dir: str | Path, resume: str, warn=None) -> Path 
     return path
 
 
-def finished_run(run_dir: str | Path, cfg) -> tuple[str, dict] | None:
+def finished_run(run_dir: str | Path, cfg, job: list[str] | None = None
+                 ) -> tuple[str, dict] | None:
     """``(line, summary)`` when the command that made ``run_dir`` is run again after its run
     finished (``twell-train`` then stops before loading data or model), else None: the run
     dir's ``summary.json`` and newest checkpoint are at ``trainer.max_steps``, the
@@ -229,7 +230,10 @@ def finished_run(run_dir: str | Path, cfg) -> tuple[str, dict] | None:
     final eval is due (``train.loop.final_eval_due``: a rerun with evals turned on runs them).
     A run stopped in its final evals has no ``summary.json``: its resume runs them. The line
     says how to train the run longer (docs/training.md, Resuming). Raises nothing: a file it
-    cannot read leaves the decision to the resume, which names the problem."""
+    cannot read leaves the decision to the resume, which names the problem. ``job``: the
+    overrides of a ``-m`` sweep's job (None: a single run), whose line names the command that
+    trains that job on alone in its folder (``train.requeue.job_alone_command``): the same
+    ``-m`` command with more steps is refused as another sweep."""
     import json
 
     from train.checkpointer import config_diff, config_to_dict
@@ -260,11 +264,20 @@ def finished_run(run_dir: str | Path, cfg) -> tuple[str, dict] | None:
         return None
     if cfg.eval.enabled and final_eval_due(cfg.eval, steps, summary.get("eval")):
         return None
+    done = (f"run dir {run_dir} already reached trainer.max_steps={steps} (checkpoint "
+            f"{own[-1].name}, summary.json): nothing to train.")
+    if job is not None:
+        from train.requeue import job_alone_command, override_arg
+
+        cmd = job_alone_command(run_dir, job, override_arg("trainer.resume", run_dir),
+                                "trainer.max_steps=<more steps>",
+                                "trainer.resume_allow_changes=true")
+        return (f"{done} To train this sweep job longer, run it alone in its folder (a -m sweep "
+                "with more steps into the same hydra.sweep.dir is refused as another sweep; "
+                f"each job's line names its own command): {cmd}"), summary
     q = ckpt_io.shell_quote(run_dir)
-    return (f"run dir {run_dir} already reached trainer.max_steps={steps} (checkpoint "
-            f"{own[-1].name}, summary.json): nothing to train. To train it longer, run the same "
-            f"command with trainer.resume={q} trainer.max_steps=<more steps> "
-            "trainer.resume_allow_changes=true."), summary
+    return (f"{done} To train it longer, run the same command with trainer.resume={q} "
+            "trainer.max_steps=<more steps> trainer.resume_allow_changes=true."), summary
 
 
 class RunDirLock:

@@ -217,6 +217,39 @@ def test_a_sweep_that_extends_a_sweep_dir_is_let_in_and_another_is_not(tmp_path)
         "its config differs in trainer.max_steps")
 
 
+def test_only_a_refused_sweep_of_more_steps_is_told_to_train_the_jobs_on(tmp_path):
+    """The refusal names commands training the sweep's jobs on only when the -m command
+    differs from it in the optimizer or its schedule alone and every job has a checkpoint; the
+    guard itself refuses every such command still (other_sweep_in)."""
+    from omegaconf import OmegaConf
+
+    from train.requeue import other_sweep_in, train_on_commands
+
+    mine = {"sparsity": {"l1_coeff": 0.5}, "trainer": {"max_steps": 6}}
+    d = tmp_path / "sweep"
+    d.mkdir()
+    (d / "multirun.yaml").write_text(OmegaConf.to_yaml(
+        {**mine, "hydra": {"overrides": {"task": ["sparsity.l1_coeff=0.5,0.25",
+                                                  "trainer.max_steps=6"]}}}))
+    more = {**mine, "trainer": {"max_steps": 9}}
+    over = ["sparsity.l1_coeff=0.5,0.25", "trainer.max_steps=9"]
+    assert other_sweep_in(d, more, over) == "its config differs in trainer.max_steps"
+    for i in (0, 1):
+        (d / str(i) / "checkpoints" / "step6").mkdir(parents=True)
+    assert train_on_commands(d, more, over) is None  # no checkpoint yet
+    for i in (0, 1):
+        (d / str(i) / "checkpoints" / "step6" / "metadata.json").write_text("{}")
+    assert train_on_commands(d, more, over) == "; ".join(
+        f"twell-train hydra.run.dir={d / str(i)} sparsity.l1_coeff={l1} trainer.max_steps=9 "
+        f"trainer.resume={d / str(i)} trainer.resume_allow_changes=true"
+        for i, l1 in ((0, "0.5"), (1, "0.25")))
+    assert train_on_commands(d, more, ["sparsity.l1_coeff=0.5,0.1", "trainer.max_steps=9"]) \
+        is None  # another job 1
+    assert train_on_commands(d, {**more, "sparsity": {"l1_coeff": 0.1}}, over) is None
+    assert train_on_commands(d, more, ["sparsity.l1_coeff=0.5,0.25,0.1", "trainer.max_steps=9"]) \
+        is None  # a third job, not in the sweep
+
+
 def test_the_unfinished_sweep_of_this_command_is_found(tmp_path):
     from omegaconf import OmegaConf
 
@@ -281,6 +314,54 @@ def test_a_requeued_sweep_continues_in_its_own_sweep_dir(tokens, tmp_path):
     assert f"training steps {step + 1}-{steps} of {steps}" in r.stdout  # job 1's rest only
     assert r.stdout.count("training steps") == 1
     assert json.loads((sweep / "1" / "summary.json").read_text())["step"] == steps
+
+
+def _follow(line: str, cwd: Path = ROOT):
+    """Run the shell command ``line`` as a user pastes it, ``twell-train`` being this checkout's
+    ``python -m train``."""
+    return subprocess.run(["bash", "-c", 'twell-train() { "$PY" -m train "$@"; }; ' + line],
+                          cwd=cwd, env={**ENV, "PY": sys.executable}, capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def _steps(job: Path) -> int:
+    return json.loads((job / "summary.json").read_text())["step"]
+
+
+def test_a_finished_sweeps_jobs_are_trained_on_by_the_commands_it_names(tokens, tmp_path):
+    """A finished sweep run again: each job's line names the command that trains that job on
+    alone in its folder (the same -m command with more steps is refused as another sweep); the
+    refusal of that -m command names one line training every job on. Both, pasted, work."""
+    sweep = tmp_path / "sweep"
+    cmd = ["-m", f"hydra.sweep.dir={sweep}", "sparsity.l1_coeff=0.5,0.25"]
+    assert _train(tokens, *cmd).returncode == 0
+    r = _train(tokens, *cmd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if "already reached" in ln]
+    job = ["data=tokens", f"'data.paths=[{tokens}]'",  # as Hydra records the job's overrides
+           *(o.replace("=false", "=False").replace("=true", "=True") for o in SMALL)]
+    assert lines == [
+        (f"run dir {sweep / str(i)} already reached trainer.max_steps=1 (checkpoint step1, "
+         "summary.json): nothing to train. To train this sweep job longer, run it alone in its "
+         "folder (a -m sweep with more steps into the same hydra.sweep.dir is refused as another "
+         "sweep; each job's line names its own command): twell-train "
+         f"hydra.run.dir={sweep / str(i)} {' '.join(o for o in job if 'max_steps' not in o)} "
+         f"sparsity.l1_coeff={l1} trainer.resume={sweep / str(i)} "
+         "trainer.max_steps=<more steps> trainer.resume_allow_changes=true")
+        for i, l1 in ((0, "0.5"), (1, "0.25"))]
+    r = _train(tokens, *cmd, "trainer.max_steps=2")
+    assert r.returncode == 2, r.stderr[-3000:]
+    (refusal,) = _stderr_lines(r)
+    head, on = refusal.split("; or, to train that sweep's jobs on with these values, run each "
+                             "alone in its folder: ")
+    assert head.startswith(f"ConfigError: hydra.sweep.dir={sweep} holds another sweep (its "
+                           "config differs in trainer.max_steps)")
+    r = _follow(on)
+    assert r.returncode == 0 and r.stdout.count("training steps 2-2 of 2") == 2, r.stderr[-3000:]
+    assert [_steps(sweep / str(i)) for i in (0, 1)] == [2, 2]
+    r = _follow(lines[1].split("own command): ")[1].replace("<more steps>", "3"))
+    assert r.returncode == 0 and "training steps 3-3 of 3" in r.stdout, r.stderr[-3000:]
+    assert [_steps(sweep / str(i)) for i in (0, 1)] == [2, 3]
 
 
 @pytest.mark.parametrize("value", ["/runs/2026-12-01/10-00-00", "/a b/c,d", "/it's/x=y",
