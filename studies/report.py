@@ -331,10 +331,15 @@ def incomplete_reason(d: Path, last: int, max_steps) -> str:
     err = d / ERROR_FILE
     reason = _first_chars(err) if err.is_file() else ""
     at = f"last logged step {last} of {max_steps}"
+    fix = "Fix that and run it again, or leave it out (--skip-incomplete)"
+    alone = _job_alone(d) if reason and not reason.startswith("NonFiniteLossError") else None
+    if alone is not None:  # a -m sweep's job: the sweep's command with another value is refused
+        fix = ("Fix that and run this sweep job alone in its folder, any value fixed in this "
+               "command (the -m command with another value is refused as another sweep), or "
+               f"leave it out (--skip-incomplete): {alone}")
     if reason and not (d / "config.yaml").is_file():
         job = _overrides_text(d)
-        return (f"{d}: failed before training{f' ({job})' if job else ''}: {reason}. Fix that "
-                "and run it again, or leave it out (--skip-incomplete)")
+        return f"{d}: failed before training{f' ({job})' if job else ''}: {reason}. {fix}"
     if reason.startswith("NonFiniteLossError"):
         facts = _error_facts(d)
         if facts is not None and isinstance(facts.get("step"), int):
@@ -345,8 +350,7 @@ def incomplete_reason(d: Path, last: int, max_steps) -> str:
         return (f"{d}: diverged run ({at}): {reason}. Rerunning the same command diverges "
                 f"again{_diverged_advice(d, reason)}, or leave it out (--skip-incomplete)")
     if reason:
-        return (f"{d}: failed run ({at}): {reason}. Fix that and run it again, or leave it out "
-                "(--skip-incomplete)")
+        return f"{d}: failed run ({at}): {reason}. {fix}"
     return (f"{d}: incomplete run: no summary.json ({at}); it crashed, was killed or is still "
             f"running: rerun the same command with {_run_dir_arg(d)} to resume it, or leave it "
             "out (--skip-incomplete)")
@@ -402,6 +406,35 @@ def _run_dir_arg(d: Path) -> str:
     if d.name.isdigit() and (d.parent / "multirun.yaml").is_file():
         return override_arg("hydra.sweep.dir", d.parent.resolve())
     return override_arg("hydra.run.dir", d)
+
+
+def _job_alone(d: Path) -> str | None:
+    """The command that runs failed ``-m`` sweep job ``d`` again alone in its folder, with its
+    recorded overrides (``.hydra/overrides.yaml``; ``train.requeue.job_alone_command``); None
+    for a run that is no sweep's job (:func:`_run_dir_arg`'s test) or has no overrides recorded.
+    A job with a checkpoint resumes it (``trainer.resume=<d>``: ``auto`` refuses a changed
+    value); one that started but saved none is removed first (a run dir holding another
+    config and no checkpoint is refused); one that failed before it started runs as it is."""
+    from omegaconf import OmegaConf
+
+    if not (d.name.isdigit() and (d.parent / "multirun.yaml").is_file()):
+        return None
+    f = d / ".hydra" / "overrides.yaml"
+    try:
+        overrides = OmegaConf.to_container(OmegaConf.load(f)) if f.is_file() else None
+    except Exception:  # noqa: BLE001  (a damaged file: no command to give)
+        return None
+    if not isinstance(overrides, list):
+        return None
+    from train.checkpoint import shell_quote  # (imports torch: not at import time)
+    from train.requeue import job_alone_command, override_arg
+    from twell.hf import list_checkpoints
+
+    if list_checkpoints(d):
+        return job_alone_command(d, overrides, override_arg("trainer.resume", d),
+                                 "trainer.resume_allow_changes=true")
+    cmd = job_alone_command(d, overrides)
+    return f"rm -r {shell_quote(d)} && {cmd}" if (d / "config.yaml").is_file() else cmd
 
 
 def _first_chars(path: Path, n: int = 2000) -> str:

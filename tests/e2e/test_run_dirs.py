@@ -364,6 +364,27 @@ def test_a_finished_sweeps_jobs_are_trained_on_by_the_commands_it_names(tokens, 
     assert [_steps(sweep / str(i)) for i in (0, 1)] == [2, 3]
 
 
+def test_a_failed_sweep_job_runs_again_by_the_command_the_report_names(tokens, tmp_path):
+    """A sweep job that failed on a bad value: the same -m command with the value fixed is
+    refused as another sweep; the report names the command that runs that job alone in its
+    folder, and, with the value fixed in it, that command trains the job there."""
+    from studies.report import IncompleteRunError, load_run
+
+    sweep = tmp_path / "sweep"
+    r = _train(tokens, "-m", f"hydra.sweep.dir={sweep}", "sparsity.l1_coeff=0.5,-1")
+    assert r.returncode == 2 and (sweep / "1" / "error.txt").is_file(), r.stderr[-3000:]
+    r = _train(tokens, "-m", f"hydra.sweep.dir={sweep}", "sparsity.l1_coeff=0.5,0.25")
+    assert r.returncode == 2 and "holds another sweep" in r.stderr, r.stderr[-3000:]
+    why = str(pytest.raises(IncompleteRunError, load_run, sweep / "1").value)
+    alone = why.split("(--skip-incomplete): ", 1)[1]
+    assert alone.startswith(f"twell-train hydra.run.dir={sweep / '1'} data=tokens ")
+    assert alone.endswith(" sparsity.l1_coeff=-1")
+    r = _follow(alone.replace("sparsity.l1_coeff=-1", "sparsity.l1_coeff=0.25"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _steps(sweep / "1") == 1 and not (sweep / "1" / "error.txt").exists()
+    assert load_run(sweep / "1").config["sparsity"]["l1_coeff"] == 0.25
+
+
 @pytest.mark.parametrize("value", ["/runs/2026-12-01/10-00-00", "/a b/c,d", "/it's/x=y",
                                    "/x/${now:%H}"])
 def test_override_arg_reads_back_as_the_value(value):

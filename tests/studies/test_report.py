@@ -562,6 +562,48 @@ def test_a_sweep_job_that_failed_before_training_is_listed_with_its_reason(runs,
     assert "DataError: xxx" in str(err.value) and len(str(err.value)) < 2300
 
 
+def test_a_failed_sweep_job_is_told_to_run_alone_in_its_folder(runs, tmp_path):
+    """A -m sweep's failed job (its folder a number beside multirun.yaml): the sweep's command
+    with another value is refused as another sweep, so the advice names the command that runs
+    the job alone in its folder with its recorded overrides (quoted for the shell): as it is
+    when it failed before training, resuming its checkpoint (trainer.resume: auto refuses a
+    changed value) when it has one, with its folder removed first when it started but saved
+    none (a folder holding another config and no checkpoint is refused)."""
+    sweep = tmp_path / "my sweep"
+    before, resumed, emptied = sweep / "1", sweep / "2", sweep / "3"
+    before.mkdir(parents=True)
+    shutil.copytree(runs / "dense", resumed)
+    shutil.copytree(runs / "dense", emptied)
+    shutil.rmtree(emptied / "checkpoints")
+    (sweep / "multirun.yaml").write_text("{}")
+    for job, l1 in ((before, "-1"), (resumed, "0.25"), (emptied, "0.5")):
+        (job / "summary.json").unlink(missing_ok=True)
+        (job / ".hydra").mkdir()
+        (job / ".hydra" / "overrides.yaml").write_text(
+            f'["hydra.job.chdir=false", "data.paths=[/a b]", "sparsity.l1_coeff={l1}"]')
+        (job / "error.txt").write_text("DataError: corpus shard x.bin is corrupted\n")
+    why = {job: str(pytest.raises(IncompleteRunError, load_run, job).value)
+           for job in (before, resumed, emptied)}
+    fix = ("DataError: corpus shard x.bin is corrupted. Fix that and run this sweep job alone "
+           "in its folder, any value fixed in this command (the -m command with another value "
+           "is refused as another sweep), or leave it out (--skip-incomplete): ")
+    from train.requeue import override_arg as arg  # quoted for the shell, then for Hydra
+
+    assert why[before] == (
+        f"{before}: failed before training (data.paths=[/a b] sparsity.l1_coeff=-1): {fix}"
+        f"twell-train {arg('hydra.run.dir', before)} 'data.paths=[/a b]' sparsity.l1_coeff=-1")
+    assert why[resumed] == (
+        f"{resumed}: failed run (last logged step 6 of 6): {fix}twell-train "
+        f"{arg('hydra.run.dir', resumed)} 'data.paths=[/a b]' sparsity.l1_coeff=0.25 "
+        f"{arg('trainer.resume', resumed)} trainer.resume_allow_changes=true")
+    assert why[emptied] == (
+        f"{emptied}: failed run (last logged step 6 of 6): {fix}rm -r '{emptied}' && "
+        f"twell-train {arg('hydra.run.dir', emptied)} 'data.paths=[/a b]' sparsity.l1_coeff=0.5")
+    (sweep / "multirun.yaml").unlink()  # no sweep's job: the plain advice
+    assert str(pytest.raises(IncompleteRunError, load_run, resumed).value).endswith(
+        "corrupted. Fix that and run it again, or leave it out (--skip-incomplete)")
+
+
 def test_l0_is_plotted_against_l1(runs, tmp_path, monkeypatch):
     """The L1 sweep's question: final L0 (mean over layers and the most active layer) at each
     L1, the plain runs only (dense = L1 0 and L1 0.5; not the re-init variant)."""
