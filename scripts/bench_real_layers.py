@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from studies.kernel_bench.cases import first_token_case
 from studies.kernel_bench.real_layers import (
     ROUNDS,
     cpu_timer,
@@ -63,6 +64,10 @@ def parse_args(argv=None):
     ap.add_argument("--iid", default=None,
                     help="i.i.d. densities (fractions, comma-separated; '' = none; default "
                          "0.003,0.01,0.03,0.1, --smoke 0.05)")
+    ap.add_argument("--first-tokens", type=float, default=None, metavar="DENSITY",
+                    help="also each --iid density with a first token of this density in every "
+                         "2048 rows (studies.kernel_bench.cases.first_token_case: the recorded "
+                         "layers' dense first tokens without a model)")
     ap.add_argument("--shape", default="16384,2048,5632", help="M,D,H of the i.i.d. cases")
     ap.add_argument("--kinds", default="fwd,train", help="fwd and / or train")
     ap.add_argument("--paper-src", type=Path, default=None,
@@ -124,6 +129,10 @@ def main(argv=None) -> int:
     cases = [("real_layers", lambda p=p: recorded_case(p, device=dev)) for p in layers]
     cases += [("iid", lambda v=float(v): iid_case(m, d, h, v, device=dev))
               for v in a.iid.split(",") if v]
+    if a.first_tokens is not None:
+        cases += [("iid", lambda v=float(v): first_token_case(
+            m, d, h, v, first_density=a.first_tokens, seq_len=min(2048, m), device=dev))
+            for v in a.iid.split(",") if v]
     rows, status = run_cases(cases, policy, paper, timer, header, out=a.out, kinds=a.kinds,
                              rounds=a.rounds, profile=a.profile)
     print(f"# wrote {a.out}/real_layers.csv, {a.out}/iid.csv"

@@ -86,6 +86,35 @@ def heavy_case(n: int, d: int, h: int, density: float, *, seed: int = 0,
                 *_threshold_case(n, d, h, density, heavy=True, seed=seed, device=device))
 
 
+def first_token_case(n: int, d: int, h: int, density: float, *, first_density: float = 0.15,
+                     seq_len: int = 2048, seed: int = 0,
+                     device: str | torch.device = "cuda") -> Case:
+    """:func:`iid_case`'s rows with a dense first token in every sequence of ``seq_len`` rows,
+    the pattern of the recorded layers (a document's first token fires 600-3000 of 5632 units
+    at 1.5B: ``sparsity_profile.csv``'s ``l0_max``) without a trained model: row ``r`` with
+    ``r % seq_len == 0`` has its x[r, 1:] scaled by ``s`` so that it fires each unit with
+    probability ``first_density`` (``s = Phi^-1(1 - density) / Phi^-1(1 - first_density)``:
+    the gate's sum over features 1.. is ~N(0, sigma^2) and the threshold sits at
+    ``Phi^-1(1 - density) sigma``). At H 5632 and ``first_density`` 0.15 a first token has ~845
+    active units, ~33 a 256-unit tile: nearly every tile of the row holds more than the 31 a
+    TwELL tile keeps (overflowed).
+
+    Raises:
+        ValueError: ``first_density`` not in (density, 1) or ``seq_len`` < 1."""
+    if not density < first_density < 1:
+        raise ValueError(f"first_density must be in (density={density:g}, 1); got "
+                         f"{first_density!r}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1; got {seq_len!r}")
+    x, wg, wu, wd, dy = _threshold_case(n, d, h, density, heavy=False, seed=seed, device=device)
+    nrm = torch.distributions.Normal(0.0, 1.0)
+    s = float(nrm.icdf(torch.tensor(1.0 - density)) / nrm.icdf(torch.tensor(1.0 - first_density)))
+    x = x.float()
+    x[::seq_len, 1:] *= s
+    return Case("first", f"{100 * density:g}%/{100 * first_density:g}%",
+                x.bfloat16().contiguous(), wg, wu, wd, dy)
+
+
 def recorded_case(path, *, seed: int = 0, device: str | torch.device = "cuda") -> Case:
     """A recorded layer (``twell.nn.record.load_ffn_layer``) with a seeded random dy.
 

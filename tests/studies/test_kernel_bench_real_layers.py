@@ -39,6 +39,23 @@ def test_iid_case_reaches_its_density():
     assert abs(dens - 0.05) < 0.01
 
 
+def test_first_token_case_has_dense_first_tokens_and_iid_rest():
+    """Every seq_len-th row fires ~first_density of the units; the other rows keep the i.i.d.
+    density (binomial: 4 x 2048 first-row draws, sd 0.004; 4092 x 2048 others, sd 0.0002)."""
+    from studies.kernel_bench.cases import first_token_case
+
+    c = first_token_case(4096, 64, 2048, 0.01, first_density=0.15, seq_len=1024, seed=2,
+                         device="cpu")
+    assert c.x.dtype == torch.bfloat16 and (c.size, c.layer) == ("first", "1%/15%")
+    act = ((c.x.float() @ c.wg.float().t()) > 0).float()
+    first = torch.zeros(4096, dtype=torch.bool)
+    first[::1024] = True
+    assert abs(act[first].mean().item() - 0.15) < 0.03
+    assert abs(act[~first].mean().item() - 0.01) < 0.002
+    with pytest.raises(ValueError, match="first_density"):
+        first_token_case(64, 8, 32, 0.1, first_density=0.05, device="cpu")
+
+
 def test_heavy_case_reaches_its_density_with_heavier_rows():
     kw = {"seed": 3, "device": "cpu"}
     iid, heavy = bench.iid_case(512, 32, 300, 0.05, **kw), bench.heavy_case(512, 32, 300, 0.05, **kw)
