@@ -53,8 +53,7 @@ class EvalArgs:
     """token put before every context: none (lm-eval's default) | auto (BOS, else EOS) | an id
     (twell models: 0 = <|endoftext|>, the document separator they were trained with)."""
     tokenizer: str | None = None
-    """tokenizer folder if not saved with the checkpoint (checkpoint= only: a GGUF file holds
-    its own); checked before the model loads."""
+    """tokenizer folder if not saved with the checkpoint."""
     out: str = "eval_results"
     """output folder (created if missing; must be writable: checked before the model loads)."""
     name: str | None = None
@@ -111,9 +110,6 @@ def parse_args(argv: list[str]) -> EvalArgs:
     args = EvalArgs(**kw)
     if (args.checkpoint is None) == (args.gguf is None):
         raise SystemExit(f"twell-eval: give exactly one of checkpoint=... or gguf=...\n{USAGE}")
-    if args.gguf is not None and args.tokenizer is not None:
-        raise SystemExit(f"twell-eval: tokenizer={args.tokenizer}: only for checkpoint=; a GGUF "
-                         "file is scored with the tokenizer it holds (remove tokenizer=)")
     check_values(args)
     check_output(args)
     return args

@@ -195,9 +195,8 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
             :func:`twell.hf.load_model` (stock LlamaMLP has no non-gated form, so
             ``"none"`` is refused for it).
         dtype: load dtype (default: as saved).
-        tokenizer: a local tokenizer folder (no hub name: none is contacted), checked before
-            the model loads (:func:`check_tokenizer_folder`); default the checkpoint folder,
-            which must then hold one (:func:`check_has_tokenizer`).
+        tokenizer: tokenizer folder/name (default: the checkpoint folder, which must hold
+            one: :func:`check_has_tokenizer`, checked before the model loads).
 
     Raises:
         ValueError: unknown ``ffn_impl``, a sparse impl on a non-ReLU model, ``"none"`` on a
@@ -206,8 +205,7 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
             one failing its metadata.json), weights missing from or unexpected in the checkpoint,
             not floating point or holding NaN / inf (named), or a folder asking for custom code.
         FileNotFoundError: see :func:`resolve_checkpoint`; no tokenizer in the checkpoint
-            folder and no ``tokenizer``; a ``tokenizer`` that is not a folder holding one
-            (:func:`check_tokenizer_folder`).
+            folder and no ``tokenizer``.
     """
     from transformers import AutoModelForCausalLM
 
@@ -217,11 +215,7 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
         raise ValueError(f"ffn_impl must be one of {FFN_IMPLS}; got {ffn_impl!r}")
     d = resolve_checkpoint(path)
     non_gated = _is_twell_non_gated(d)  # a damaged config.json is named first
-    if tokenizer:
-        tok_dir = check_tokenizer_folder(tokenizer)  # before the model loads
-        refuse_remote_code(tok_dir)
-    else:
-        tok_dir = d
+    if not tokenizer:
         refuse_remote_code(d)  # as the loaders below do: custom code is named first
         check_has_tokenizer(d)  # before the model loads
     td = _torch_dtype(dtype)
@@ -236,50 +230,12 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
         kw = {} if td is None else {"dtype": td}
         model = from_pretrained_strict(AutoModelForCausalLM, d, **kw)
         convert_ffns(model, ffn_impl)
-    tok = auto_tokenizer(tok_dir)
+    tok = auto_tokenizer(tokenizer if tokenizer else d)
     return model.eval(), tok
 
 
-# the files a saved transformers tokenizer (save_pretrained) reads its vocabulary from, one of
-# which AutoTokenizer needs: tokenizer.json (fast), tokenizer.model (sentencepiece), vocab.json
-# (+ merges.txt, BPE) or vocab.txt (WordPiece); tokenizer_config.json alone builds none
-# ("Couldn't instantiate the backend tokenizer")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-def _has_tokenizer(d: Path) -> bool:
-    return any((d / n).is_file() for n in TOKENIZER_FILES)
-
-
-def check_tokenizer_folder(tokenizer: str | os.PathLike) -> Path:
-    """The folder a ``tokenizer=`` argument names, checked before any model loads: it must
-    exist and hold a saved tokenizer (one of :data:`TOKENIZER_FILES`). transformers would read a
-    missing path as a hub name ("Repo id must be in the form ...") and a folder without these
-    files fails with "Couldn't instantiate the backend tokenizer".
-
-    Raises:
-        FileNotFoundError: one line naming ``tokenizer=``, what is wrong and the fix (the
-            subfolder holding a tokenizer, when exactly one does).
-    """
-    p = Path(tokenizer).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"tokenizer={tokenizer}: no such folder; give a local folder a "
-                                "tokenizer was saved to (save_pretrained; no hub is contacted)")
-    if not p.is_dir():
-        raise FileNotFoundError(f"tokenizer={tokenizer}: is a file, not a folder; give the folder "
-                                f"that holds it (tokenizer={p.parent})")
-    if _has_tokenizer(p):
-        return p
-    subs = sorted(q for q in p.iterdir() if q.is_dir() and _has_tokenizer(q))
-    if len(subs) == 1:
-        fix = f"its subfolder {subs[0].name} holds one: pass tokenizer={subs[0]}"
-    elif subs:
-        fix = (f"its subfolders {', '.join(q.name for q in subs[:5])} hold one: pass "
-               f"tokenizer=<one of them>")
-    else:
-        fix = "give the folder a tokenizer was saved to (save_pretrained)"
-    raise FileNotFoundError(f"tokenizer={tokenizer} holds no tokenizer (none of "
-                            f"{', '.join(TOKENIZER_FILES)}); {fix}")
+# files of a saved transformers tokenizer (save_pretrained), any one of which AutoTokenizer reads
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def check_has_tokenizer(d: Path) -> None:
@@ -290,7 +246,7 @@ def check_has_tokenizer(d: Path) -> None:
     Raises:
         FileNotFoundError: one line naming the folder and the ``tokenizer=`` key.
     """
-    if not _has_tokenizer(d):
+    if not any((d / n).is_file() for n in TOKENIZER_FILES):
         raise FileNotFoundError(
             f"checkpoint={d} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}; a run "
             "trained with data=tokens saves none): pass tokenizer=<folder of the tokenizer its "

@@ -484,48 +484,6 @@ def test_a_device_torch_cannot_score_on_is_refused_first(tmp_path, capsys, monke
         assert err == [want]
 
 
-def test_a_tokenizer_folder_is_checked_before_the_model_loads(checkpoint, tmp_path, capsys,
-                                                              monkeypatch):
-    """tokenizer=<missing path> gave transformers' hub error ("Repo id must be in the form") and
-    a folder without tokenizer files its "Couldn't instantiate the backend tokenizer", both
-    after the model loaded: one line naming tokenizer= and the fix (the subfolder that holds
-    one), exit code 2, no model loaded; that subfolder then scores."""
-    import shutil
-
-    import twell.hf
-
-    def no_load(*a, **k):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(twell.hf, "from_pretrained_strict", no_load)
-    parent, empty = tmp_path / "tokenizers", tmp_path / "empty"
-    empty.mkdir()
-    shutil.copytree(checkpoint, parent / "smol", ignore=shutil.ignore_patterns("*.safetensors"))
-    (parent / "tokenizer_config.json").write_text("{}")  # a config alone builds no tokenizer
-    names = "none of tokenizer.json, tokenizer.model, vocab.json, vocab.txt"
-    cfg = parent / "tokenizer_config.json"
-    cases = {
-        tmp_path / "nope": (f"tokenizer={tmp_path / 'nope'}: no such folder; give a local folder "
-                            "a tokenizer was saved to (save_pretrained; no hub is contacted)"),
-        parent: (f"tokenizer={parent} holds no tokenizer ({names}); its subfolder smol holds "
-                 f"one: pass tokenizer={parent / 'smol'}"),
-        empty: (f"tokenizer={empty} holds no tokenizer ({names}); give the folder a tokenizer "
-                "was saved to (save_pretrained)"),
-        cfg: (f"tokenizer={cfg}: is a file, not a folder; give the folder that holds it "
-              f"(tokenizer={parent})"),
-    }
-    common = [f"checkpoint={checkpoint}", "tasks=arc_easy", "limit=1", "device=cpu",
-              f"out={tmp_path / 'out'}", "progress=false"]
-    for tok, want in cases.items():
-        assert main([*common, f"tokenizer={tok}"]) == 2, tok
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"twell-eval: FileNotFoundError: {want}"], tok
-    with pytest.raises(SystemExit, match="tokenizer=x: only for checkpoint="):
-        parse_args(["gguf=smollm2", "tokenizer=x"])
-    monkeypatch.undo()
-    assert main([*common, f"tokenizer={parent / 'smol'}"]) == 0
-
-
 def test_task_names_empty_or_in_another_case(checkpoint, tmp_path, capsys, monkeypatch):
     """tasks=arc_easy,,piqa was run as arc_easy,piqa and tasks= said "unknown []": one line
     saying which name is empty and listing the valid ones; names are matched in any case and
