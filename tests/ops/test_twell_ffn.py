@@ -176,4 +176,4 @@ def test_overflowed_tile_l1_sums_absolute_values(d, launch):
     assert tw.row_overflow.tolist() == [2, 2]
     y, l1 = twell_ffn_apply(tw, pre, wdt, x_MD=x, w_up_HD=wu, stats=True, **launch)
     torch.testing.assert_close(l1.double().cpu(), h_ref.abs().sum(1), rtol=1e-5, atol=1e-4)
-    assert_close_verbose(y, h_ref @ wdt.double().cpu(), rtol=1e-5, atol=1e-3, what=f"y {launch}")
+    assert_close_verbose(y.double().cpu(), h_ref @ wdt.double().cpu(), rtol=1e-5, atol=1e-3, what=f"y {launch}")
