@@ -90,6 +90,10 @@ def parse_args(argv=None):
         ap.error(f"--kinds: fwd and / or train; got {a.kinds}")
     if a.iid is None:
         a.iid = "0.05" if a.smoke else "0.003,0.01,0.03,0.1"
+    if a.first_tokens is not None and not max(
+            [float(v) for v in a.iid.split(",") if v] or [0.0]) < a.first_tokens < 1:
+        ap.error(f"--first-tokens {a.first_tokens}: must be above every --iid density and "
+                 "below 1 (e.g. 0.15)")
     if a.out is None:
         a.out = Path(tempfile.mkdtemp(prefix="kernel_bench_")) if a.smoke else \
             Path("outputs/kernel_bench")

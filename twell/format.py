@@ -331,7 +331,7 @@ def validate(tw: TwELL) -> dict:
     inactive = valid & ((v32 < 0) | ((v32 == 0) & torch.signbit(v32)))
     for name, m in (("column outside its tile", out_of_tile),
                     ("columns not strictly ascending", not_ascending),
-                    ("stored value must be >= +0 or NaN (an inactive unit must not be stored)",
+                    ("stored value is negative or -0 (bits 0x8000): an inactive unit must not be stored",
                      inactive)):
         if bool(m.any()):
             r, tt, s = (int(v) for v in m.nonzero()[0])
