@@ -65,12 +65,9 @@ def job_alone_command(job_dir, overrides: list[str], *extra: str) -> str:
     each of ``extra`` is one ready argument (``key=value``, quoted as needed)."""
     from train.checkpoint import shell_quote
 
-    def key(o: str) -> str:
-        return o.split("=", 1)[0].lstrip("+~")
-
-    replaced = {key(e) for e in extra}
+    replaced = {_key(e) for e in extra}
     kept = [shell_quote(o) for o in map(str, overrides)
-            if not key(o).startswith("hydra.") and key(o) not in replaced]
+            if not _key(o).startswith("hydra.") and _key(o) not in replaced]
     return " ".join(["twell-train", override_arg("hydra.run.dir", job_dir), *kept, *extra])
 
 
