@@ -177,3 +177,122 @@ def test_overflowed_tile_l1_sums_absolute_values(d, launch):
     y, l1 = twell_ffn_apply(tw, pre, wdt, x_MD=x, w_up_HD=wu, stats=True, **launch)
     torch.testing.assert_close(l1.double().cpu(), h_ref.abs().sum(1), rtol=1e-5, atol=1e-4)
     assert_close_verbose(y.double().cpu(), h_ref @ wdt.double().cpu(), rtol=1e-5, atol=1e-3, what=f"y {launch}")
+
+
+def _split_case(vdt):
+    """M 37 rows (not a multiple of rows=3), D 32, H 600 (tiles of 256, 256, 88), values exact
+    in ``vdt``: row 0 a dense first token (~25 %: tiles 0 and 1 overflowed, tile 2 listed),
+    row 17 an overflowed tile 1 holding a NaN, row 30 80 listed non-zeros and no overflowed
+    tile (among the top 4), row 36 (alone in its program) one tile at 33 actives holding +inf;
+    the other rows ~3 % i.i.d. (~18 non-zeros, no overflow)."""
+    gen = torch.Generator().manual_seed(7)
+    m, d, h = 37, 32, 600
+    pre = -torch.rand(m, h, generator=gen, dtype=torch.float64) - 0.1
+    pre = torch.where(torch.rand(m, h, generator=gen) < 0.03, -pre, pre)
+    pre[0] = torch.where(torch.rand(h, generator=gen) < 0.25, pre[0].abs(), -pre[0].abs())
+    pre[17, 256:296] = 0.5
+    pre[17, 270] = float("nan")
+    pre[30] = -1.0
+    pre[30, :30] = 0.25
+    pre[30, 256:286] = 0.75
+    pre[30, 512:532] = 1.25
+    pre[36] = -1.0
+    pre[36, 100:133] = 0.125
+    pre[36, 101] = float("inf")
+    pre[36, 300:305] = 2.0
+    pre = pre.to(vdt).float()
+    x = torch.randn(m, d, generator=gen)
+    wu = torch.randn(h, d, generator=gen)
+    wdt = torch.randn(h, d, generator=gen)
+    pre, x, wu, wdt = (t.to(DEV) for t in (pre, x, wu, wdt))
+    tw = pack(pre, 8, value_dtype=vdt)
+    assert tw.overflow_tiles().sum(1)[[0, 17, 30, 36]].tolist() == [2, 1, 0, 1]
+    assert torch.topk(tw.nnz_per_row(), 4).indices.sort().values.tolist() == [0, 17, 30, 36]
+    return tw, pre, x, wu, wdt
+
+
+def _same_bits(a, b):
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("vdt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_split_long_matches_fp64_and_the_unsplit_rows(gated, vdt):
+    """``split_long``: the 4 longest rows' overflowed tiles over extra programs, partials summed
+    by the fix-up kernel. y and the L1 against fp64; NaN and inf in a split tile reach the row;
+    every row whose sum is not reassociated (the rows not split, and row 30: split but without
+    an overflowed tile) has the unsplit launch's bits, the others are within fp32 rounding of
+    it; with and without stats, 2 and 4 parts (4 > T: a part with no tile), rows 3, with
+    heavy_first (gated) or a D split (non-gated)."""
+    tw, pre, x, wu, wdt = _split_case(vdt)
+    act = ~(pre <= 0)
+    g = torch.where(act, pre, 0.0).double()
+    up = {"x_MD": x, "w_up_HD": wu} if gated else {}
+    h_ref = torch.where(act, g * (x.double() @ wu.double().T), 0.0) if gated else g
+    y_ref = h_ref @ wdt.double()
+    y0, l0 = twell_ffn_apply(tw, pre, wdt, stats=True, rows=3, **up)
+    y1, l1 = twell_ffn_apply(tw, pre, wdt, stats=True, rows=3, split_long=4, split_parts=2, **up)
+    more = {"heavy_first": True} if gated else {"block_d": 16}
+    y2, none = twell_ffn_apply(tw, pre, wdt, split_long=4, split_parts=4, **more, **up)
+    assert none is None
+    plain = torch.ones(37, dtype=torch.bool, device=pre.device)
+    plain[[0, 17, 36]] = False  # the split rows with overflowed tiles
+    for y in (y1, y2):
+        assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-4, what=f"y gated={gated} {vdt}")
+        assert torch.isnan(y[17]).all() and torch.isinf(y[36]).all()
+        assert _same_bits(y[plain], y0[plain])
+        torch.testing.assert_close(y[[0, 36]], y0[[0, 36]], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(l1.double(), h_ref.abs().sum(1), rtol=1e-5, atol=1e-6,
+                               equal_nan=True)
+    assert _same_bits(l1[plain], l0[plain]) and torch.isnan(l1[17]) and torch.isinf(l1[36])
+
+
+def test_split_long_more_slots_than_rows_bf16_out():
+    """M 3 < L 8: every row is a long row (min(L, M) slots, M x S extra programs); a bf16 y
+    through the fix-up kernel's rounding, gated and non-gated, against the unsplit launch (the
+    same bf16 value or one ulp apart: the fp32 sums differ in their last bits) and fp64."""
+    gen = torch.Generator().manual_seed(3)
+    m, d, h = 3, 16, 520
+    pre = -torch.rand(m, h, generator=gen) - 0.1
+    pre[0, :300] = torch.rand(300, generator=gen) + 0.1   # tiles 0 and 1 overflowed
+    pre[1, ::2] = torch.rand(260, generator=gen)           # tiles 0 and 1 overflowed
+    pre[2, 5:9] = 1.0                                      # no overflowed tile
+    pre = pre.to(torch.bfloat16).float()
+    x = torch.randn(m, d, generator=gen)
+    wu = torch.randn(h, d, generator=gen)
+    wdt = torch.randn(h, d, generator=gen)
+    pre, x, wu, wdt = (t.to(DEV) for t in (pre, x, wu, wdt))
+    tw, _ = pack_dense(pre)
+    act = ~(pre <= 0)
+    for gated in (True, False):
+        up = {"x_MD": x, "w_up_HD": wu} if gated else {}
+        h_ref = torch.where(act, pre.double() * (x.double() @ wu.double().T), 0.0) if gated \
+            else torch.relu(pre.double())
+        kw = {"stats": True, "out_dtype": torch.bfloat16, **up}
+        y0, l0 = twell_ffn_apply(tw, pre, wdt, **kw)
+        y1, l1 = twell_ffn_apply(tw, pre, wdt, split_long=8, split_parts=3, **kw)
+        assert y1.dtype == torch.bfloat16
+        assert_close_verbose(y1, h_ref @ wdt.double(), rtol=1e-2, atol=1e-2, what=f"gated={gated}")
+        torch.testing.assert_close(l1.double(), h_ref.abs().sum(1), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(y1, y0, rtol=2 ** -7, atol=1e-3)
+        assert _same_bits(y1[2], y0[2]) and _same_bits(l1[2], l0[2])
+
+
+def test_split_long_zero_is_the_unsplit_launch_and_refusals():
+    """split_long=0 (the default) is the unsplit launch whatever split_parts; bad values and a
+    ``row_nnz`` of another length are refused naming the argument."""
+    gen = torch.Generator().manual_seed(4)
+    pre = torch.randn(5, 300, generator=gen).to(DEV)
+    wdt = torch.randn(300, 8, generator=gen).to(DEV)
+    tw, _ = pack_dense(pre)
+    y0, l0 = twell_ffn_apply(tw, pre, wdt, stats=True)
+    y1, l1 = twell_ffn_apply(tw, pre, wdt, stats=True, split_long=0, split_parts=3)
+    assert _same_bits(y0, y1) and _same_bits(l0, l1)
+    for bad in ({"split_long": -1}, {"split_long": True}, {"split_parts": 0},
+                {"split_long": 2, "split_parts": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(k for k in bad if k != "split_long"),
+                                                  "split_long")):
+            twell_ffn_apply(tw, pre, wdt, **bad)
+    tw.row_nnz = torch.tensor([5, 9], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="split_long picks the rows by tw.row_nnz"):
+        twell_ffn_apply(tw, pre, wdt, split_long=2)
