@@ -655,3 +655,41 @@ def test_heavy_first_policy_same_bits_and_orders_the_consumer(gated, monkeypatch
     assert_close_verbose(y1, y_ref, rtol=1e-4, atol=1e-5, what=f"heavy_first gated={gated}")
     with pytest.raises(ValueError, match="infer_heavy_first"):
         FFNPolicy(infer_heavy_first=1)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_split_long_policy_reaches_the_consumer(gated, monkeypatch):
+    """policy.infer_split_long / infer_split_parts reach the consumer as ``split_long`` /
+    ``split_parts`` (a state's own consumer_kwargs still win); the split call's y and L1 stay
+    within fp32 reassociation of the unsplit call on heavy-tailed rows with overflowed tiles,
+    the same bits on rows without one; bad values are refused naming the field."""
+    import twell.ops.twell_ffn as consumer_mod
+
+    seen = []
+    apply = consumer_mod.twell_ffn_apply
+    monkeypatch.setattr(consumer_mod, "twell_ffn_apply", lambda *a, **kw: (
+        seen.append((kw.get("split_long"), kw.get("split_parts"))), apply(*a, **kw))[1])
+    x, wg, wu, wd = make_ffn(10, 32, 600, torch.float32, 0.08, seed=3, heavy=True,
+                             gated=gated)
+    wg = wg if gated else None
+    split = FFNPolicy(infer_split_long=4, infer_split_parts=3)
+    outs = []
+    for pol, kw in ((FFNPolicy(), {}), (split, {}), (split, {"split_long": 0})):
+        st = TwELLState()
+        st.consumer_kwargs = kw
+        outs.append(sparse_ffn(x, wg, wu, wd, state=st, policy=pol))
+        n_ovf = int(st.last_info.overflow_tiles)
+    if DEV == "cuda" or triton.knobs.runtime.interpret:
+        assert seen == [(0, 8), (4, 3), (0, 3)]
+    assert n_ovf > 0  # the case has overflowed tiles
+    (y0, s0), (y1, s1), (y2, s2) = outs
+    assert torch.equal(y0, y2) and torch.equal(s0.l1, s2.l1)
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s1.l1, s0.l1, rtol=1e-5, atol=1e-6)
+    assert torch.equal(s0.active_counts, s1.active_counts) and s0.nnz_max == s1.nnz_max
+    y_ref, _, _ = ffn_reference_fp64(x, wg, wu, wd, factor=8, value_dtype=torch.bfloat16)
+    assert_close_verbose(y1, y_ref, rtol=1e-4, atol=1e-5, what=f"split_long gated={gated}")
+    with pytest.raises(ValueError, match="infer_split_long"):
+        FFNPolicy(infer_split_long=-1)
+    with pytest.raises(ValueError, match="infer_split_parts"):
+        FFNPolicy(infer_split_parts=0)
