@@ -215,13 +215,23 @@ def _same_bits(a, b):
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
+def _assert_unchanged(a, b):
+    """The interpreter runs one arithmetic whatever the launch: the same bits. A GPU compiles
+    each launch variant (SPLIT, a D split) on its own, and contraction into FMAs may differ in
+    the last fp32 bit (the H200 run of 2026-12-06): within fp32 rounding there."""
+    if a.is_cuda:
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6, equal_nan=True)
+    else:
+        assert _same_bits(a, b)
+
+
 @pytest.mark.parametrize("vdt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 def test_split_long_matches_fp64_and_the_unsplit_rows(gated, vdt):
     """``split_long``: the 4 longest rows' overflowed tiles over extra programs, partials summed
     by the fix-up kernel. y and the L1 against fp64; NaN and inf in a split tile reach the row;
     every row whose sum is not reassociated (the rows not split, and row 30: split but without
-    an overflowed tile) has the unsplit launch's bits, the others are within fp32 rounding of
+    an overflowed tile) has the unsplit launch's bits (within fp32 rounding on a GPU), the others are within fp32 rounding of
     it; with and without stats, 2 and 4 parts (4 > T: a part with no tile), rows 3, with
     heavy_first (gated) or a D split (non-gated)."""
     tw, pre, x, wu, wdt = _split_case(vdt)
@@ -240,11 +250,12 @@ def test_split_long_matches_fp64_and_the_unsplit_rows(gated, vdt):
     for y in (y1, y2):
         assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-4, what=f"y gated={gated} {vdt}")
         assert torch.isnan(y[17]).all() and torch.isinf(y[36]).all()
-        assert _same_bits(y[plain], y0[plain])
+        _assert_unchanged(y[plain], y0[plain])
         torch.testing.assert_close(y[[0, 36]], y0[[0, 36]], rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(l1.double(), h_ref.abs().sum(1), rtol=1e-5, atol=1e-6,
                                equal_nan=True)
-    assert _same_bits(l1[plain], l0[plain]) and torch.isnan(l1[17]) and torch.isinf(l1[36])
+    _assert_unchanged(l1[plain], l0[plain])
+    assert torch.isnan(l1[17]) and torch.isinf(l1[36])
 
 
 def test_split_long_more_slots_than_rows_bf16_out():

@@ -31,8 +31,8 @@ at the launch's end: on an H100 (M 16384, D 2048, H 5632, i.i.d. 0.3 %) eight su
 +0.33 ms on 1.154 ms (+28 %), and taking rows longest first (``heavy_first``) hid only 0.126 ms
 while costing 6.7 % on i.i.d. rows (BENCHMARKS.md, "Session of 2026-12-05, seventh"). With
 ``split_long = L`` the L rows with the most non-zeros (one ``topk``, no host sync) hand their
-overflowed tiles to L x S extra programs placed first in the grid (program (j, p) takes tiles
-t % S == p of long row j); the row's own program keeps its listed slots. Each writes an fp32
+overflowed tiles to L x S programs of their own launch, before the main one (program (j, p)
+takes tiles t % S == p of long row j); the row's own program keeps its listed slots. Each writes an fp32
 partial row to a scratch buffer, and ``_split_fixup_kernel`` sums the S + 1 partials in a fixed
 order (deterministic, no atomics) into y and the L1.
 """
@@ -164,14 +164,23 @@ def _store_part(acc, l1, scr_ptr, scr_l1_ptr, q, D, offs_d, d_mask, pid_d, STATS
 
 
 @triton.jit
-def _split_part(pid, pid_d, long_ptr, tw_ptr, x_ptr, dense_ptr, wu_ptr, wdt_ptr, scr_ptr,
-                scr_l1_ptr, H, D, n_tile, stride_xm, stride_dm, stride_wu, stride_wd, offs_d,
-                d_mask, offs_nb, offs_t, W: tl.constexpr, GATED: tl.constexpr,
-                STATS: tl.constexpr, NB: tl.constexpr, S_PARTS: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    """Extra program ``pid`` = j S + p of ``split_long``: the overflowed tiles t of long row
+def _split_part_kernel(
+    long_ptr, tw_ptr, x_ptr, dense_ptr, wu_ptr, wdt_ptr, scr_ptr, scr_l1_ptr, H, D, n_tile,
+    stride_xm, stride_dm, stride_wu, stride_wd, W: tl.constexpr, GATED: tl.constexpr,
+    STATS: tl.constexpr, NB: tl.constexpr, S_PARTS: tl.constexpr, BLOCK_D: tl.constexpr,
+    T_PAD: tl.constexpr,
+):
+    """Program (j S + p, d-slice) of ``split_long``: the overflowed tiles t of long row
     ``long[j]`` with t % S == p, into scratch row j (S + 1) + 1 + p (written even when it has
-    no such tile, so the scratch needs no zero fill)."""
+    no such tile, so the scratch needs no zero fill). Its own launch, before the main one: in
+    the main kernel (the first version) its registers raised the whole kernel's and cost the
+    row loop 11-17 % on every input (H200, BENCHMARKS.md "Session of 2026-12-06")."""
+    pid = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    offs_nb = tl.arange(0, NB)
+    offs_t = tl.arange(0, T_PAD)
     j = pid // S_PARTS
     p = pid - j * S_PARTS
     r = tl.load(long_ptr + j)
@@ -251,7 +260,7 @@ def _twell_ffn_kernel(
     K: tl.constexpr,            # slot words fetched per batch (power of 2, >= NB)
     PREFETCH: tl.constexpr,     # issue the next step's row gathers before this step's math
     ORDERED: tl.constexpr,      # rows in the order of order_ptr (else 0 .. M-1)
-    SPLIT: tl.constexpr,        # split_long: L x S_PARTS extra programs first (else none)
+    SPLIT: tl.constexpr,        # split_long: long rows write partials (their tiles: _split_part_kernel)
     S_PARTS: tl.constexpr,      # S, extra programs per long row (SPLIT)
     L_PAD: tl.constexpr,        # next power of 2 >= L (SPLIT)
 ):
@@ -265,9 +274,8 @@ def _twell_ffn_kernel(
     gathers but that one word load per K non-zeros). Overflowed tiles are
     left out of the list (count 0) and done afterwards from the dense gate.
 
-    SPLIT: programs pid < L S are ``_split_part``'s (a long row's overflowed tiles), the rest
-    take rows as above from pid - L S (the extra programs see only negative slots); a long row's
-    own program skips its overflowed tiles and writes its partial to the scratch, not to y.
+    SPLIT: a long row's own program skips its overflowed tiles (``_split_part_kernel``, launched
+    before, computes them) and writes its partial to the scratch, not to y.
     """
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -277,22 +285,12 @@ def _twell_ffn_kernel(
     offs_k = tl.arange(0, K)
     offs_t = tl.arange(0, T_PAD)
     if SPLIT:
-        n_extra = n_long * S_PARTS
-        if pid < n_extra:
-            _split_part(pid, pid_d, long_ptr, tw_ptr, x_ptr, dense_ptr, wu_ptr, wdt_ptr, scr_ptr,
-                        scr_l1_ptr, H, D, n_tile, stride_xm, stride_dm, stride_wu, stride_wd,
-                        offs_d, d_mask, offs_nb, offs_t, W, GATED, STATS, NB, S_PARTS, BLOCK_D)
-        pid = pid - n_extra
         offs_l = tl.arange(0, L_PAD)
         # L is small (tens): one vector of the long rows, compared with each row below
         long_rows = tl.load(long_ptr + offs_l, mask=offs_l < n_long, other=-1)
     for i in tl.static_range(ROWS):
         slot = pid * ROWS + i
-        if SPLIT:
-            in_range = (slot >= 0) & (slot < M)
-        else:
-            in_range = slot < M
-        if in_range:
+        if slot < M:
             if ORDERED:
                 r = tl.load(order_ptr + slot)
             else:
@@ -414,7 +412,7 @@ def twell_ffn_apply(
         split_long: L, the number of long-row slots (0: off, the unsplit launch). The
             min(L, M) rows with the most non-zeros (``torch.topk`` of ``tw.nnz_per_row()``: no
             host sync) have their overflowed tiles computed by min(L, M) x ``split_parts``
-            extra programs placed first in the grid instead of by the row's own program, which
+            programs of a launch before the main one instead of by the row's own program, which
             keeps the row's listed slots: a first token with nearly every tile overflowed was
             one program of ~230 dependent steps running alone at the launch's end (+0.33 ms,
             +28 % on an H100 with eight such rows in M 16384; module notes). The partial rows
@@ -489,9 +487,7 @@ def twell_ffn_apply(
     y = torch.empty(m, d, dtype=out_dtype, device=w_down_t_HD.device)
     l1 = torch.empty(m if stats else 1, dtype=torch.float32, device=y.device)
     if m > 0:
-        # split_long's extra programs first, so that the long rows' tiles start at the launch's
-        # beginning instead of running alone at its end
-        grid = (n_long * split_parts + triton.cdiv(m, rows), triton.cdiv(d, block_d))
+        grid = (triton.cdiv(m, rows), triton.cdiv(d, block_d))
         xa = x_MD if gated else y  # placeholders keep the signature fixed
         wa = w_up_HD if gated else w_down_t_HD
         order = (torch.argsort(nnz_rows, descending=True).to(torch.int32)
@@ -509,7 +505,16 @@ def twell_ffn_apply(
         meta = {"W": w, "GATED": gated, "FP16_VALUES": tw.value_dtype == torch.float16,
                 "STATS": stats, "BLOCK_D": block_d, "NB": nb, "ROWS": rows,
                 "OUT_BF16": out_dtype == torch.bfloat16, "num_warps": num_warps}
-        _twell_ffn_kernel[grid](*args, **meta, T_PAD=max(2, triton.next_power_of_2(t)), K=k,
+        t_pad = max(2, triton.next_power_of_2(t))
+        if n_long > 0:
+            # the long rows' overflowed tiles first, L x S short programs, so they never run
+            # alone at the main launch's end
+            _split_part_kernel[(n_long * split_parts, triton.cdiv(d, block_d))](
+                long_rows, tw.data, xa, dense_MH, wa, w_down_t_HD, scr, scr_l1, h, d, t,
+                xa.stride(0), dense_MH.stride(0), wa.stride(0), w_down_t_HD.stride(0), W=w,
+                GATED=gated, STATS=stats, NB=nb, S_PARTS=split_parts, BLOCK_D=block_d,
+                T_PAD=t_pad, num_warps=num_warps)
+        _twell_ffn_kernel[grid](*args, **meta, T_PAD=t_pad, K=k,
                                 PREFETCH=prefetch, ORDERED=heavy_first, SPLIT=n_long > 0,
                                 # fixed when off: one compiled variant whatever split_parts
                                 S_PARTS=split_parts if n_long > 0 else 1,
