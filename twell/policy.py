@@ -82,12 +82,12 @@ class FFNPolicy:
     infer_split_long: int = 0
     """Inference TwELL: the consumer's ``split_long``: the overflowed tiles of a call's this many
     rows with the most non-zeros (a fixed ``topk``, no host sync) are spread over
-    ``infer_split_parts`` extra programs each, started first, their partial rows summed in fp32
-    by a fix-up kernel. A first token with nearly every tile overflowed is otherwise one program
+    ``infer_split_parts`` programs each, in a launch before the main one, their partial rows
+    summed in fp32 by a fix-up kernel. A first token with nearly every tile overflowed is otherwise one program
     of ~230 dependent steps at the launch's end: eight of them cost +0.33 ms (+28 %) on an
     H100 at M 16384, D 2048, H 5632, 0.3 % (BENCHMARKS.md, "Session of 2026-12-05, seventh").
     0 = off (the default until timed on a GPU: ``scripts/bench_real_layers.py``, op
-    ``twell_split``)."""
+    ``twell_split``; a first version in the main kernel's grid cost 15 % on i.i.d. rows)."""
     infer_split_parts: int = 8
     """Inference TwELL: extra programs per long row of ``infer_split_long`` (program p takes the
     row's overflowed tiles t with t % parts == p); 8 spreads a 22-tile first token (H 5632) to
