@@ -223,9 +223,11 @@ def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
     """The overrides of each job Hydra's basic sweeper makes of a ``-m`` command's overrides,
     without ``hydra.*`` and the resume-safe keys (None when it cannot tell)."""
     jobs = _sweep_jobs_all(overrides)
-    if jobs is None:
-        return None
+    return None if jobs is None else _recipe_overrides(jobs)
 
+
+def _recipe_overrides(jobs: list[list[str]]) -> list[list[str]]:
+    """Each job's overrides without ``hydra.*`` and the resume-safe keys."""
     def kept(o: str) -> bool:
         return not _key(o).startswith("hydra.") and not _matches(_key(o), RESUME_SAFE_KEYS)
 
@@ -249,7 +251,10 @@ def train_on_commands(sweep_dir: Path, config: dict, overrides: list[str]) -> st
            if mine.get(k) != theirs.get(k)):
         return None
     old = sweep_job_overrides(saved.get("hydra", {}).get("overrides", {}).get("task") or [])
-    new, jobs = sweep_job_overrides(overrides), _sweep_jobs_all(overrides)
+    # one split: the jobs checked against the sweep's are the jobs the commands name (two
+    # splits of a shuffle() sweep come out in two orders)
+    jobs = _sweep_jobs_all(overrides)
+    new = None if jobs is None else _recipe_overrides(jobs)
     if old is None or new is None or jobs is None or len(new) > len(old):
         return None
 

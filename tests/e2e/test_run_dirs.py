@@ -250,6 +250,42 @@ def test_only_a_refused_sweep_of_more_steps_is_told_to_train_the_jobs_on(tmp_pat
         is None  # a third job, not in the sweep
 
 
+def test_train_on_commands_name_the_jobs_they_checked(tmp_path, monkeypatch):
+    """train_on_commands split the command's sweep twice: once for the jobs it checked against
+    the saved sweep's, again for the jobs its commands name. Two splits of a shuffle() sweep
+    come out in two orders, so a check that passed could name each folder with another
+    folder's value. Hydra's shuffle is replaced by one whose third call reverses (as a random
+    shuffle may): one split of each override list leaves it two calls, in one order."""
+    import hydra.core.override_parser.types as hydra_types
+    from omegaconf import OmegaConf
+
+    from train.requeue import train_on_commands
+
+    calls = []
+
+    def shuffle(lst):
+        calls.append(list(lst))
+        if len(calls) >= 3:
+            lst.reverse()
+
+    monkeypatch.setattr(hydra_types, "shuffle", shuffle)
+    mine = {"sparsity": {"l1_coeff": 0.5}, "trainer": {"max_steps": 6}}
+    d = tmp_path / "sweep"
+    for i in (0, 1):
+        (d / str(i) / "checkpoints" / "step6").mkdir(parents=True)
+        (d / str(i) / "checkpoints" / "step6" / "metadata.json").write_text("{}")
+    (d / "multirun.yaml").write_text(OmegaConf.to_yaml(
+        {**mine, "hydra": {"overrides": {"task": ["sparsity.l1_coeff=shuffle(0.5,0.25)",
+                                                  "trainer.max_steps=6"]}}}))
+    on = train_on_commands(d, {**mine, "trainer": {"max_steps": 9}},
+                           ["sparsity.l1_coeff=shuffle(0.5,0.25)", "trainer.max_steps=9"])
+    assert on == "; ".join(
+        f"twell-train hydra.run.dir={d / str(i)} sparsity.l1_coeff={l1} trainer.max_steps=9 "
+        f"trainer.resume={d / str(i)} trainer.resume_allow_changes=true"
+        for i, l1 in ((0, "0.5"), (1, "0.25")))
+    assert calls == [[0.5, 0.25], [0.5, 0.25]]  # the saved sweep's, the command's
+
+
 def test_the_unfinished_sweep_of_this_command_is_found(tmp_path):
     from omegaconf import OmegaConf
 
