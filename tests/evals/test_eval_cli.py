@@ -484,6 +484,51 @@ def test_a_device_torch_cannot_score_on_is_refused_first(tmp_path, capsys, monke
         assert err == [want]
 
 
+def test_a_gpu_index_the_machine_lacks_is_refused_before_the_model_loads(checkpoint, tmp_path,
+                                                                        capsys, monkeypatch):
+    """device=cuda:N is checked against the CUDA devices torch sees, here faked (2 devices, then
+    none) so that the check runs on a CPU machine too: an index past the last device, or cuda
+    with none, is one line naming device= and what to give instead, exit code 2, before the
+    model loads; an index the machine has goes on to load the model (stopped there)."""
+    import evals.data
+    import evals.models
+
+    class Loading(Exception):
+        pass
+
+    loads = []
+
+    def load(*a, **k):
+        loads.append(k)
+        raise Loading
+
+    monkeypatch.setattr(evals.models, "load_checkpoint", load)
+    monkeypatch.setattr(evals.data, "ensure_task_data", lambda task, cache=None: None)
+    common = [f"checkpoint={checkpoint}", "tasks=arc_easy", f"out={tmp_path / 'out'}",
+              "progress=false"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for dev in ("cuda:3", "cuda:2"):
+        assert main([*common, f"device={dev}"]) == 2, dev
+        err = capsys.readouterr().err.strip().splitlines()
+        want = (f"twell-eval: ValueError: device={dev}: this machine has 2 CUDA device(s); "
+                "use cuda:0 to cuda:1, or cpu")
+        assert err == [want], dev
+    assert loads == []
+    for dev in ("cuda:1", "cuda"):
+        with pytest.raises(Loading):
+            main([*common, f"device={dev}"])
+    assert len(loads) == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert main([*common, "device=cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    want = ("twell-eval: ValueError: device=cuda: no CUDA device here; use device=cpu (or "
+            "leave it unset)")
+    assert err == [want]
+    assert len(loads) == 2 and not (tmp_path / "out").exists()
+
+
 def test_task_names_empty_or_in_another_case(checkpoint, tmp_path, capsys, monkeypatch):
     """tasks=arc_easy,,piqa was run as arc_easy,piqa and tasks= said "unknown []": one line
     saying which name is empty and listing the valid ones; names are matched in any case and
