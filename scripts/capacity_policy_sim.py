@@ -7,7 +7,8 @@ driver over :mod:`studies.capacity_sim` (the traces and the replay through ``FFN
 
 Per scenario, micro-batches per step and rule it prints the steady state (after ``--warm``
 steps: redone steps per 100, mean capacity, spare rows, cost in % of the steps), fresh starts
-(``--fresh`` steps from an empty history, as a benchmark's first steps: redone steps per 10) and
+(``--fresh`` steps from an empty history, as a benchmark's first steps: redone steps per 10,
+mean capacity and cost in % of the steps) and
 a micro-batch change from 8 to 16 sequences (redone steps per 100 over the 100 steps after it,
 and layer-steps measured per call, with the histories scaled or forgotten).
 """
@@ -30,7 +31,7 @@ def rows_for(scen: str, accum: int, rule: str, a) -> dict:
     fresh = []
     for seed in range(a.seeds):
         trace = make_trace(scen, a.steps, accum, seed)
-        fresh += [replay(trace[s:s + a.fresh], rule, warm=0).redo_per_100
+        fresh += [replay(trace[s:s + a.fresh], rule, warm=0)
                   for s in range(a.warm, a.steps - a.fresh + 1, a.fresh)]
     at = a.steps // 2
     change = {True: [], False: []}
@@ -47,7 +48,9 @@ def rows_for(scen: str, accum: int, rule: str, a) -> dict:
         "mean_cap_rows": round(float(np.mean([r.mean_cap for r in steady])), 1),
         "spare_rows": round(float(np.mean([r.spare_rows for r in steady])), 1),
         "cost_pct_of_step": round(float(np.mean([r.cost_pct for r in steady])), 3),
-        "fresh_redo_per_10": round(float(np.mean(fresh)) / 10, 3),
+        "fresh_redo_per_10": round(float(np.mean([r.redo_per_100 for r in fresh])) / 10, 3),
+        "fresh_mean_cap_rows": round(float(np.mean([r.mean_cap for r in fresh])), 1),
+        "fresh_cost_pct": round(float(np.mean([r.cost_pct for r in fresh])), 3),
         "change_redo_per_100_scaled": round(float(np.mean([r.redo_per_100 for r in change[True]])), 3),
         "change_redo_per_100_forgot": round(float(np.mean([r.redo_per_100 for r in change[False]])), 3),
         "change_measured_forgot": round(float(np.mean([r.measured_layer_steps

@@ -27,6 +27,16 @@ of each sequence fully active, 1-3 redone steps in 15 with the window rule)::
 * ``dips``: ``docs`` where 1 % of the steps are far below the rest in every layer (micro-batches
   of a few long documents with few heavy tokens: no document start inside them and 0.1x the
   other heavy tokens); the other steps are ``docs``'s.
+* ``heavytail``: ``docs`` with ``heavy = k_l D + Poisson(lam_l(t) c)`` and ``D`` Poisson of a
+  log-normal mean (sigma 1, mean 1.5 B, shared by the layers): the dense first tokens are those
+  of document starts only (a block cut inside a document starts none), and a micro-batch of
+  many short documents now and then adds rows to every layer at once (99th / 99.9th percentile
+  of ``D`` at B = 16: 151 / 324; the negative binomial's 93 / 133). Its light layers swing as
+  the 2B benchmark's did in their first 13 steps (/work/traces/s22_2b_capacity_trace.csv, 38
+  layers, B = 16): a count over the largest of the 5-12 steps before it is 2.33x at its 99th
+  percentile (2B: 2.43x; ``docs``: 1.51x), above 2x in 1.4 % of the layer-steps (2B: 2.3 %;
+  ``docs``: 0.15 %); a layer's spread of ln(1 + R) over 13 steps 0.77 at the 90th percentile
+  of the layers (2B: 1.15; ``docs``: 0.41).
 
 The step's count is the maximum over its micro-batches. :func:`replay` runs the trainer's
 protocol through a real :class:`twell.nn.plan.FFNPlan` (``begin_step`` / ``end_step``; a redone
@@ -47,7 +57,7 @@ from twell.nn import FFNPlan, PlanOptions, StepStats
 from twell.nn.mlp import SparseGatedMLP
 from twell.policy import FFNPolicy
 
-SCENARIOS = ("steady", "docs", "bursty", "early", "surge", "dips")
+SCENARIOS = ("steady", "docs", "bursty", "early", "surge", "dips", "heavytail")
 NUM_LAYERS, SEQ_LEN, SEQUENCES = 28, 2048, 8
 D, H = 2048, 5632  # the 1.5B shape
 MICRO_MS = SEQUENCES * SEQ_LEN / 26.2  # plain transformers' 1.5B micro-step on one H200 (ms)
@@ -91,6 +101,9 @@ def make_trace(scenario: str, steps: int, accum: int, seed: int,
         docs = rng.poisson(mean_docs, shape)
     else:  # negative binomial, mean 12 per 8 sequences, shape 1.5
         docs = rng.negative_binomial(1.5, 1.5 / (1.5 + mean_docs), shape)
+    if scenario == "heavytail":  # its own generator: the other draws stay docs's
+        aside = np.random.default_rng((seed, 2))
+        docs = aside.poisson(mean_docs * aside.lognormal(-0.5, 1.0, shape))
     c = rng.lognormal(0.0, sigma, shape)
     rate = lam * c
     if scenario in ("bursty", "early"):
@@ -98,7 +111,8 @@ def make_trace(scenario: str, steps: int, accum: int, seed: int,
         mult = np.ones((steps, accum, L))
         mult[:, :, bursty] = np.where(hit, rng.uniform(2, 4, shape), 1.0)
         rate = rate * mult
-    heavy = k * (sequences + docs) + rng.poisson(rate)  # (S, A, L)
+    starts = docs if scenario == "heavytail" else sequences + docs
+    heavy = k * starts + rng.poisson(rate)  # (S, A, L)
     if scenario == "dips":  # its own generator: the other steps stay docs's
         aside = np.random.default_rng((seed, 1))
         dip = aside.random((steps, 1, 1)) < 0.01
