@@ -12,6 +12,7 @@ from twell.nn import FFNPlan, PlanOptions, SparseGatedMLP, StepStats
 from twell.nn.capacity import (
     CAPACITY_RULES,
     BackupCapacity,
+    cold_headroom,
     cold_margin,
     drift_factor,
     spread_margin,
@@ -211,8 +212,10 @@ def test_a_real_jump_still_overflows_and_is_redone_exactly():
 def test_floor_holds_every_capacity(rule):
     b = BackupCapacity(3, rule)
     assert b.capacity(0, floor=72) == 72  # no history: the floor
-    assert b.update([0, 5, 2000], floor=[72, 72, 9]) == [
-        72, 72, b.capacity(2)]  # above the floor the rule's value stays
+    # above the floor the rule's value stays; the adaptive rule's cold headroom adds 2 floors
+    # to a count (5 + 144 + 16 -> 192), not to no count
+    low = 72 if rule == "window" else 192
+    assert b.update([0, 5, 2000], floor=[72, 72, 9]) == [72, low, b.capacity(2, 9)]
     assert b.capacity(2) > 2000 and b.update([0, 0, 0], floor=0)[0] == 0
 
 
@@ -374,3 +377,82 @@ def test_trainer_checkpoints_the_rule_state(tmp_path, monkeypatch):
         assert r.step == 2 and r.plan.capacity.state_dict() == saved
     finally:
         r.close()
+
+
+# The 2B whole-model benchmark's layers 4-9, row `ell` (38 layers, 16 x 2048 tokens a call, from
+# an empty history; /work/traces/s22_2b_capacity_trace.csv): heavy rows of each step's call.
+# Step 5 (a micro-batch of many short documents) overflowed all six under the adaptive rule
+# without the cold headroom, and the step's forward ran again.
+TRACE_2B_L4_9 = [
+    [44, 75, 86, 19, 65, 209, 32, 27, 166, 52, 4, 31, 15],
+    [58, 88, 85, 19, 77, 252, 39, 30, 209, 64, 2, 50, 8],
+    [107, 137, 132, 57, 131, 417, 56, 43, 367, 111, 2, 87, 17],
+    [90, 126, 130, 52, 122, 375, 48, 35, 344, 97, 0, 64, 12],
+    [71, 116, 97, 36, 89, 269, 38, 36, 268, 77, 1, 56, 14],
+    [86, 116, 127, 49, 123, 300, 41, 40, 342, 80, 5, 75, 12],
+]
+
+
+def test_cold_headroom_hand_computed():
+    assert cold_headroom(5, 128, 144) == 288.0  # 2 floors while the window fills
+    assert cold_headroom(127, 128, 144) == 288.0 and cold_headroom(128, 128, 144) == 0.0
+    assert cold_headroom(1, 128, 0) == 0.0  # no floor (no plan): none
+
+
+def test_a_heavy_tailed_early_history_keeps_room_for_the_next_count():
+    """The 2B benchmark's layer 6 counted 107, 137, 132, 57, 131, then 417. From those five
+    steps the margin alone gives ceil(1.25 x cold(5) x 137) + 16 = 249 -> 256 rows (cold(5) =
+    1 + 1/sqrt 5 - 1/sqrt 128 = 1.359; 320 a step earlier): below 417, the forward rerun. The
+    cold headroom keeps 2 floors (2 x (32768 / 256 + 16) = 288 rows) above the largest count:
+    ceil(137 + 288) + 16 = 441 -> 448 rows, and no later step of the six layers overflows."""
+    floor = math.ceil(32768 / 256) + 16
+    cold5 = 1 + 5 ** -0.5 - 128 ** -0.5
+    assert 64 * math.ceil((math.ceil(1.25 * cold5 * 137) + 16) / 64) == 256  # the margin's
+    b = BackupCapacity(1, "adaptive")
+    for r in TRACE_2B_L4_9[2][:5]:
+        cap = b.update([r], floor=floor)[0]
+    assert spread_margin(b.hist[0]) < 1.25 * cold5  # the upper spread does not see the tail
+    assert cap == 448 >= TRACE_2B_L4_9[2][5] == 417
+    # the whole six layers through the plan (floors from the default policy): no overflow
+    over, _ = _replay_overflows(np.array(TRACE_2B_L4_9, dtype=float).T, warm=1)
+    assert over == []
+
+
+def test_heavytail_trace_is_docs_but_for_the_document_starts():
+    """The ``heavytail`` scenario: ``docs``'s layers and other heavy tokens, with the dense first
+    tokens of document starts only, their count per micro-batch heavy-tailed: a count more
+    than twice the largest of the 5-12 steps before it is ~10x as frequent as in ``docs``
+    (1.4 % of the layer-steps at 16 sequences; the 2B benchmark's first 13 steps: 2.3 %)."""
+    from studies.capacity_sim import make_trace
+
+    def jumps(tr):
+        return np.concatenate([w[m] / np.maximum(w[:m].max(0), 1)
+                               for w in (tr[s:s + 13] for s in range(0, len(tr) - 12, 13))
+                               for m in range(5, 13)])
+
+    docs, heavy = make_trace("docs", 1500, 1, 0, 16), make_trace("heavytail", 1500, 1, 0, 16)
+    assert docs.shape == heavy.shape and (docs != heavy).mean() > 0.9
+    assert (jumps(heavy) > 2).mean() > 5 * (jumps(docs) > 2).mean()
+
+
+def test_simulated_cold_headroom_cuts_fresh_start_redos(monkeypatch):
+    """20-step fresh starts (empty histories) on the ``heavytail`` trace: the adaptive rule's
+    cold headroom redoes 0.11 steps per 10 where the rule without it redid 0.27, for 2.7 % more
+    capacity (this seed); after 200 steps (the window full) the same redone steps at nearly
+    the same capacity (the margins differ: fewer overflows in the first steps raised them)."""
+    from studies.capacity_sim import make_trace, replay
+    from twell.nn import capacity
+
+    trace = make_trace("heavytail", 1200, 1, 0)
+    got = {}
+    for h in (0.0, capacity.COLD_HEADROOM):
+        monkeypatch.setattr(capacity, "COLD_HEADROOM", h)
+        fresh = [replay(trace[s:s + 20], "adaptive", warm=0) for s in range(200, 1200, 20)]
+        got[h] = (np.mean([r.redo_per_100 for r in fresh]),
+                  np.mean([r.mean_cap for r in fresh]),
+                  replay(trace[:400], "adaptive", warm=200))
+    (old_redo, old_cap, old_steady), (new_redo, new_cap, new_steady) = got.values()
+    assert new_redo < 0.6 * old_redo, got
+    assert old_cap < new_cap < 1.05 * old_cap, got
+    assert new_steady.redo_per_100 <= old_steady.redo_per_100
+    assert new_steady.mean_cap == pytest.approx(old_steady.mean_cap, rel=0.01)

@@ -36,6 +36,11 @@ micro-batch, measured in the step's one host sync):
     ``Z`` = 3.5, so that a layer whose counts swing up gets the headroom its swings need, a
     steady one keeps ``m c``.
 
+  While the layer's history is shorter than the window the capacity is also at least
+  ``top + h floor`` (before the ``+ 16`` and the rounding), :func:`cold_headroom`: ``h`` = 2
+  floors of rows above the largest count seen, for a micro-batch of many short documents
+  (heavy in absolute rows, in every layer at once) that the first steps have not shown yet.
+
   Evaluated on synthetic traces by :mod:`studies.capacity_sim`
   (``scripts/capacity_policy_sim.py``; docs/capacity_sim.md).
 
@@ -81,6 +86,9 @@ SPREAD_MAX = MARGIN_MAX
 # over the median of the DRIFT_STEPS before, at most DRIFT_MAX
 DRIFT_STEPS = 8
 DRIFT_MAX = 2.0
+# The adaptive rule's cold headroom (cold_headroom): while a layer's history is shorter than the
+# window its capacity is at least its largest count plus COLD_HEADROOM floors of rows
+COLD_HEADROOM = 2.0
 # E[max of n standard normals] (Blom's approximation), n = 0..the adaptive window: what the
 # window's maximum already stands above the mean, in standard deviations
 _NORMAL_MAX = [0.0] + [NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
@@ -96,6 +104,38 @@ def cold_margin(n: int, window: int) -> float:
     factor: BENCHMARKS.md, "No redone steps")."""
     n = max(int(n), 1)
     return max(1.0, 1.0 + 1.0 / math.sqrt(n) - 1.0 / math.sqrt(max(int(window), 1)))
+
+
+def cold_headroom(n: int, window: int, floor: int) -> float:
+    """Rows the adaptive rule keeps above a layer's largest count (times its drift) while its
+    history of ``n`` steps is shorter than ``window``: :data:`COLD_HEADROOM` x ``floor`` (the
+    plan's floor, ``backup_floor_fraction`` of a call's rows plus one row per sequence; 2 x
+    (128 + 16) = 288 rows at 16 x 2048 tokens), 0 with the window full or no floor.
+
+    Why: the heavy tail of a light layer's counts is in absolute rows. Its heavy rows are
+    mostly the dense first tokens of the documents in the call, so a micro-batch of many short
+    documents adds rows to every such layer at once, however few it had before; a margin
+    proportional to the layer's count gives it few rows. The 2B benchmark (38 layers, 16 x 2048
+    tokens a call, each row from an empty history; /work/traces/s22_2b_capacity_trace.csv):
+    layer 6 counted 107, 137, 132, 57, 131, then 417 (their spread above their median ~0:
+    the spread headroom saw no tail); the margin alone gave
+    ``1.25 x 1.36 x 137 + 16`` -> 256 rows (320 a step earlier, the cold margin falling with
+    ``n``) and the step's forward ran again for layers 4-9 (280 rows over layer 6's max; 123-245
+    over the others'). With 2 floors: 448 rows. The layers of thousands of rows already have
+    more from the margin (``0.25 top > 288`` from 1152 rows) and get nothing: the 2B replay's
+    mean capacity +0.4 % (3469 -> 3484 rows; 0 forward reruns where there was 1), the 1.5B
+    one's +0.1 %. Why 2 floors: 1 left layer 6 at 320; on the synthetic traces' 20-step fresh
+    starts (docs/capacity_sim.md, "The cold headroom") 2 cut the redos by 5-84 % (0.075 ->
+    0.012 per 10 on ``docs``, 0.239 -> 0.096 on ``heavytail`` at accumulation 1) for 1-4 % more
+    capacity (8-10 % on ``steady``, where nothing overflows); 3 cut a few more for 1-8 %
+    more capacity again. Why while the window fills (the cold margin's steps):
+    the chance that the next count is the largest yet is ``1 / (n + 1)`` whatever the counts'
+    law; once the layer's steps have held such a micro-batch its maximum covers the next. The
+    steady state (window full) is unchanged.
+    """
+    if n >= window or floor <= 0:
+        return 0.0
+    return COLD_HEADROOM * floor
 
 
 def spread_margin(hist: list[float], z: float = SPREAD_Z) -> float:
@@ -192,8 +232,9 @@ class BackupCapacity:
 
     def capacity(self, i: int, floor: int = 0) -> int:
         """Layer i's capacity from its current history and margin (times :func:`cold_margin` of
-        the history's length; the adaptive rule also its spread and drift, see the module
-        docstring), at least ``floor`` rows (0 with no heavy rows and no floor)."""
+        the history's length; the adaptive rule also its spread, drift and
+        :func:`cold_headroom`, see the module docstring), at least ``floor`` rows (0 with no
+        heavy rows and no floor)."""
         h = self.hist[i]
         top = max(h, default=0.0)
         if top <= 0:
@@ -204,7 +245,8 @@ class BackupCapacity:
         else:
             top = max(top, max(h[-DRIFT_STEPS:]) * drift_factor(h))
             m = max(self.margin[i] * cold, spread_margin(h))
-            rows = ROUND_ROWS * math.ceil((math.ceil(m * top) + 16) / ROUND_ROWS)
+            need = max(m * top, top + cold_headroom(len(h), self.window, int(floor)))
+            rows = ROUND_ROWS * math.ceil((math.ceil(need) + 16) / ROUND_ROWS)
         return max(rows, int(floor))
 
     def rescale(self, ratio: float) -> None:
