@@ -6,8 +6,8 @@ heavy-row counts; the step's one host sync checks them, and a step in which some
 heavy rows than its capacity is redone measuring per call (:meth:`twell.nn.plan.FFNPlan.end_step`
 decides, the trainer redoes it). A redo costs a whole step; a backup row costs 16 D H FLOPs per
 micro-step (forward ``u_R = x_R Wu^T`` and ``h_R Wd^T``, backward ``dy_R Wd``, ``dx_R`` through
-both weights and the three weight gradients: 4 + 12 D H; ~24 us for 64 rows at the 1.5B shape
-at 300 TFLOP/s, ~0.7 ms a micro-step over 28 layers), so capacities should be generous.
+both weights and the three weight gradients: 4 + 12 D H; ~39 us for 64 rows at the 1.5B shape
+at 300 TFLOP/s, ~1.1 ms a micro-step over 28 layers), so capacities should be generous.
 
 Every capacity is at least the plan's floor (``FFNPolicy.backup_floor_fraction`` of a call's
 rows plus one row per sequence: :meth:`BackupCapacity.capacity`'s ``floor``), so a layer whose
