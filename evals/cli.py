@@ -53,7 +53,8 @@ class EvalArgs:
     """token put before every context: none (lm-eval's default) | auto (BOS, else EOS) | an id
     (twell models: 0 = <|endoftext|>, the document separator they were trained with)."""
     tokenizer: str | None = None
-    """tokenizer folder if not saved with the checkpoint."""
+    """tokenizer folder if not saved with the checkpoint (checked before the model loads: it
+    must exist and hold a saved tokenizer; a hub id is left to transformers)."""
     out: str = "eval_results"
     """output folder (created if missing; must be writable: checked before the model loads)."""
     name: str | None = None
@@ -87,8 +88,9 @@ def parse_args(argv: list[str]) -> EvalArgs:
 
     Raises:
         SystemExit: unknown key, malformed argument, bad value (:func:`check_values`), an
-            output location that cannot be written (:func:`check_output`), or not exactly one
-            of ``checkpoint``/``gguf`` (the message says which).
+            output location that cannot be written (:func:`check_output`), a ``tokenizer``
+            that is no tokenizer folder (:func:`check_tokenizer`), or not exactly one of
+            ``checkpoint``/``gguf`` (the message says which).
     """
     known = {f.name: f for f in fields(EvalArgs)}
     kw = {}
@@ -112,7 +114,26 @@ def parse_args(argv: list[str]) -> EvalArgs:
         raise SystemExit(f"twell-eval: give exactly one of checkpoint=... or gguf=...\n{USAGE}")
     check_values(args)
     check_output(args)
+    check_tokenizer(args)
     return args
+
+
+def check_tokenizer(args: EvalArgs) -> None:
+    """Refuse, before any model is loaded, a ``tokenizer=`` that names no tokenizer folder (a
+    missing path, a file, a folder holding none: :func:`twell.hf.check_tokenizer_source`);
+    ``args.tokenizer`` becomes the folder, ``~`` expanded.
+
+    Raises:
+        SystemExit: one line naming ``tokenizer=``, its value and the fix.
+    """
+    if args.tokenizer is None or args.checkpoint is None:  # a GGUF holds its own tokenizer
+        return
+    from twell.hf import check_tokenizer_source
+
+    try:
+        args.tokenizer = check_tokenizer_source(args.tokenizer, "tokenizer")
+    except ValueError as e:
+        raise SystemExit(f"twell-eval: {e}") from None
 
 
 def check_output(args: EvalArgs) -> None:

@@ -234,8 +234,6 @@ def load_checkpoint(path: str | os.PathLike, ffn_impl: str = "torch",
     return model.eval(), tok
 
 
-# files of a saved transformers tokenizer (save_pretrained), any one of which AutoTokenizer reads
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def check_has_tokenizer(d: Path) -> None:
@@ -246,7 +244,9 @@ def check_has_tokenizer(d: Path) -> None:
     Raises:
         FileNotFoundError: one line naming the folder and the ``tokenizer=`` key.
     """
-    if not any((d / n).is_file() for n in TOKENIZER_FILES):
+    from twell.hf import TOKENIZER_FILES, has_tokenizer
+
+    if not has_tokenizer(d):
         raise FileNotFoundError(
             f"checkpoint={d} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}; a run "
             "trained with data=tokens saves none): pass tokenizer=<folder of the tokenizer its "

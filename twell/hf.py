@@ -152,6 +152,50 @@ def auto_tokenizer(path: str | Path, **kw):
     return AutoTokenizer.from_pretrained(str(path), **kw, trust_remote_code=False)
 
 
+# files of a saved transformers tokenizer (save_pretrained), any one of which AutoTokenizer reads
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+def has_tokenizer(d: str | Path) -> bool:
+    """Whether folder ``d`` holds a saved tokenizer (one of :data:`TOKENIZER_FILES`)."""
+    return any((Path(d) / n).is_file() for n in TOKENIZER_FILES)
+
+
+def check_tokenizer_source(value: str | Path, key: str) -> str:
+    """The tokenizer a config field ``key`` names (``tokenizer=`` of twell-eval,
+    ``data.tokenizer`` of twell-train), checked before any model or data loads: a local folder
+    must exist and hold a saved tokenizer (:data:`TOKENIZER_FILES`); ``~`` is expanded. A value
+    that is no folder here and has a hub id's form (``name``, ``namespace/name``) is left to
+    transformers, which reads it as one. transformers reads a missing path as a hub id too,
+    and failed with "Repo id must be in the form ..." after the model had loaded.
+
+    Returns:
+        The folder (``~`` expanded), or ``value`` as given when it is a hub id.
+
+    Raises:
+        ValueError: one line naming ``key=value``, what is wrong and the fix.
+    """
+    value = str(value)
+    p = Path(value).expanduser()
+    fix = "give the folder a tokenizer was saved to (save_pretrained: tokenizer.json, ...)"
+    if p.is_dir():
+        if not has_tokenizer(p):
+            raise ValueError(f"{key}={value}: {p} holds no tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)}); {fix}")
+        return str(p)
+    if p.exists():
+        where = f"the folder that holds it ({key}={p.parent})" if has_tokenizer(p.parent) else (
+            "the folder a tokenizer was saved to")
+        raise ValueError(f"{key}={value}: is a file, not a folder; give {where}")
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(value)  # transformers' own test of a hub id
+    except HFValidationError:
+        raise ValueError(f"{key}={value}: no such folder; {fix}") from None
+    return value
+
+
 def safetensors_files(d: str | Path) -> list[Path]:
     """The weight files of a checkpoint folder: those ``model.safetensors.index.json`` maps, or
     ``model.safetensors``; every one a plain file name inside ``d``.

@@ -79,10 +79,12 @@ def _flip_byte(f: Path) -> None:
 
 
 def _no_tokenizer(monkeypatch):
-    """The tokens-source runs save no tokenizer; twell-eval's model loading is what is tested."""
+    """The tokens-source runs save no tokenizer; twell-eval's model loading is what is tested
+    (its loader, and its check that ``tokenizer=`` names a tokenizer folder, stubbed)."""
     import evals.models
 
     monkeypatch.setattr("twell.hf.auto_tokenizer", lambda *a, **k: None)
+    monkeypatch.setattr("twell.hf.check_tokenizer_source", lambda value, key: str(value))
     return evals.models
 
 

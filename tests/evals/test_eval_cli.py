@@ -572,3 +572,38 @@ def test_a_checkpoint_without_metadata_is_scored_with_a_note(checkpoint, tmp_pat
     run = _fake_run(tmp_path / "runs", "r", checkpoint, [10])  # a metadata.json it passes
     assert main([f"checkpoint={run / 'checkpoints' / 'step10'}", *common]) == 0
     assert "no metadata.json" not in capsys.readouterr().out
+
+
+def test_a_tokenizer_that_names_no_tokenizer_folder_is_refused_first(checkpoint, tmp_path,
+                                                                     capsys, monkeypatch):
+    """tokenizer=<missing path> gave transformers' hub error ("Repo id must be in the form")
+    after the model had loaded: a missing path, a file and a folder holding no tokenizer are
+    one line naming tokenizer= and the fix, exit code 2, before any model loads; ~ is expanded,
+    and the folder then scores."""
+    import shutil
+
+    home = tmp_path / "home"
+    shutil.copytree(checkpoint, home / "tok")
+    monkeypatch.setenv("HOME", str(home))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    config = checkpoint / "config.json"
+    files = "tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json"
+    fix = "give the folder a tokenizer was saved to (save_pretrained: tokenizer.json, ...)"
+    common = [f"checkpoint={checkpoint}", "tasks=arc_easy", "limit=1", "device=cpu",
+              f"out={tmp_path / 'out'}", "progress=false"]
+    with monkeypatch.context() as m:
+        _no_model_load(m)
+        is_file = (f"tokenizer={config}: is a file, not a folder; give the folder that holds "
+                   f"it (tokenizer={checkpoint})")
+        holds_none = f"tokenizer={empty}: {empty} holds no tokenizer (none of {files}); {fix}"
+        for tok, want in (("/missing/folder", f"tokenizer=/missing/folder: no such folder; {fix}"),
+                          ("~/nope", f"tokenizer=~/nope: no such folder; {fix}"),
+                          (str(config), is_file), (str(empty), holds_none)):
+            assert main([*common, f"tokenizer={tok}"]) == 2, tok
+            assert capsys.readouterr().err.strip().splitlines() == [f"twell-eval: {want}"]
+    assert not (tmp_path / "out").exists()
+    assert main([*common, "tokenizer=~/tok", "name=home"]) == 0
+    res = json.loads((tmp_path / "out" / "home.json").read_text())
+    assert res["protocol"]["cli_args"]["tokenizer"] == str(home / "tok")
+    assert res["tasks"]["arc_easy"]["n"] == 1

