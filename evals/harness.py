@@ -37,42 +37,16 @@ from evals.scoring import (
     resolve_prefix_token,
     score_requests,
 )
-from evals.tasks import ALL_TASKS, TARGET_DELIMITER, TASKS, Item, MalformedItem
+from evals.tasks import (  # noqa: F401  (resolve_tasks: evals.harness.resolve_tasks)
+    ALL_TASKS,
+    TARGET_DELIMITER,
+    TASKS,
+    Item,
+    MalformedItem,
+    resolve_tasks,
+)
 
 MAX_SKIPPED_LISTED = 20
-
-
-def resolve_tasks(tasks: str | Sequence[str]) -> list[str]:
-    """``"all"``, ``"a,b"`` or a list of names -> the list of task names.
-
-    Names are matched case-insensitively and returned as :data:`evals.tasks.ALL_TASKS` spells
-    them (``ARC_Easy`` -> ``arc_easy``); spaces around a name are ignored.
-
-    Raises:
-        ValueError: no name at all (``tasks=``), an empty name (``a,,b``), an unknown or a
-            repeated name; one line that lists the valid names.
-    """
-    valid = f"use all or a comma list of {','.join(ALL_TASKS)}"
-    if isinstance(tasks, str):
-        if tasks.strip().lower() == "all":
-            return list(ALL_TASKS)
-        given = tasks.split(",") if tasks.strip() else []
-    else:
-        given = [str(t) for t in tasks]
-    if not given:
-        raise ValueError(f"tasks= is empty; {valid}")
-    names = [t.strip() for t in given]
-    if "" in names:
-        raise ValueError(f"tasks={','.join(given)!r}: name {names.index('') + 1} is empty (two "
-                         f"commas in a row, or one at an end); {valid}")
-    canonical = {t.lower(): t for t in ALL_TASKS}
-    unknown = [t for t in names if t.lower() not in canonical]
-    if unknown:
-        raise ValueError(f"tasks: unknown {unknown}; {valid}")
-    names = [canonical[t.lower()] for t in names]
-    if len(set(names)) != len(names):
-        raise ValueError(f"tasks: duplicates in {names}; name each task once")
-    return names
 
 
 def build_items(task: str, rows: list[dict], tokenizer=None, prefix_id: int | None = None):

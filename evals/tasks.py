@@ -41,7 +41,7 @@ builder and are skipped and counted by :func:`evals.evaluate`, never guessed at.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 TARGET_DELIMITER = " "
@@ -284,3 +284,48 @@ TASKS: dict[str, TaskSpec] = {
 }
 ALL_TASKS: tuple[str, ...] = tuple(TASKS)  # the paper's seven, in its order
 TASK_SHORT: dict[str, str] = {t.name: t.short for t in TASKS.values()}
+
+
+def resolve_tasks(tasks: str | Sequence[str], key: str = "tasks",
+                  usage: str = "all or a comma list of") -> list[str]:
+    """``"all"``, ``"a,b"`` or a list of names (``["all"]`` too) -> the list of task names: the
+    one reader of task names (``twell-eval tasks=``, ``evals.evaluate``, twell-train's
+    ``eval.tasks``).
+
+    Names are matched case-insensitively and returned as :data:`ALL_TASKS` spells them
+    (``ARC_Easy`` -> ``arc_easy``); spaces around a name are ignored.
+
+    Args:
+        tasks: the names.
+        key: the field the messages name (``eval.tasks`` in twell-train).
+        usage: how the messages say to write the field, before the valid names.
+
+    Raises:
+        ValueError: no name at all (``tasks=``), an empty name (``a,,b``), an unknown or a
+            repeated name; one line that lists the valid names.
+    """
+    valid = f"use {usage} {','.join(ALL_TASKS)}"
+    if isinstance(tasks, str):
+        if tasks.strip().lower() == "all":
+            return list(ALL_TASKS)
+        given = tasks.split(",") if tasks.strip() else []
+        where = " (two commas in a row, or one at an end)"
+    else:
+        given = [str(t) for t in tasks]
+        if len(given) == 1 and given[0].strip().lower() == "all":
+            return list(ALL_TASKS)
+        where = ""
+    if not given:
+        raise ValueError(f"{key}= is empty; {valid}")
+    names = [t.strip() for t in given]
+    if "" in names:
+        shown = repr(",".join(given)) if isinstance(tasks, str) else given
+        raise ValueError(f"{key}={shown}: name {names.index('') + 1} is empty{where}; {valid}")
+    canonical = {t.lower(): t for t in ALL_TASKS}
+    unknown = [t for t in names if t.lower() not in canonical]
+    if unknown:
+        raise ValueError(f"{key}: unknown {unknown}; {valid}")
+    names = [canonical[t.lower()] for t in names]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{key}: duplicates in {names}; name each task once")
+    return names

@@ -695,7 +695,8 @@ class EvalConfig:
     """Run the evals before the first step (e.g. a pretrained model right after model.init_from /
     hidden_act_from); skipped on resume."""
     tasks: list[str] = field(default_factory=lambda: ["all"])
-    """Task names, or ["all"] for the seven paper tasks."""
+    """Task names (in any case, kept as the task table spells them), or ["all"] for the seven
+    paper tasks."""
     limit: int | None = None
     """Examples per task (null = all)."""
     batch_size: int = 16
@@ -708,15 +709,14 @@ class EvalConfig:
             raise ConfigError(f"eval.limit must be >= 1 or null; got {self.limit}.")
         _check_positive_int("eval.batch_size", self.batch_size)
         if list(self.tasks) != ["all"]:  # checked now, not after training (a user-test finding)
-            from evals.tasks import ALL_TASKS  # task table only: no model or data code
+            from evals.tasks import resolve_tasks  # task table only: no model or data code
 
-            names = [str(t) for t in self.tasks]
-            unknown = [t for t in names if t not in ALL_TASKS]
-            if unknown or not names or len(set(names)) != len(names):
-                raise ConfigError(
-                    f"eval.tasks={names}: unknown {unknown} or empty/duplicated; use [all] or "
-                    f"distinct names from {list(ALL_TASKS)}."
-                )
+            given = [str(t) for t in self.tasks]
+            try:  # twell-eval's reader: names in any case
+                names = resolve_tasks(given, key="eval.tasks", usage="[all] or a list of")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            self.tasks = ["all"] if [t.strip().lower() for t in given] == ["all"] else names
 
     @property
     def enabled(self) -> bool:

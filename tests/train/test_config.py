@@ -549,3 +549,27 @@ def test_data_tokenizer_is_checked_when_the_config_is_resolved(tmp_path, monkeyp
     assert compose_train(files).data.tokenizer == "smollm2"
     assert compose_train(["data=tokens", "data.paths=[x.bin]", "data.tokenizer=/missing"]
                          ).data.tokenizer == "/missing"
+
+
+def test_eval_tasks_match_in_any_case_as_twell_eval_matches_them():
+    """eval.tasks=[PIQA] was refused as unknown while twell-eval tasks=PIQA scored piqa: both
+    read names with evals.tasks.resolve_tasks, in any case, kept as the task table spells
+    them; the refusals are one line naming eval.tasks and the valid names."""
+    import evals.harness
+    import evals.tasks
+    from train.config import compose as compose_train
+
+    assert EvalConfig(tasks=["PIQA", " Arc_Easy"]).tasks == ["piqa", "arc_easy"]
+    assert EvalConfig(tasks=["ALL"]).tasks == ["all"]
+    assert compose_train(["eval.tasks=[WinoGrande,HellaSwag]"]).eval.tasks == [
+        "winogrande", "hellaswag"]
+    valid = ("use [all] or a list of hellaswag,commonsense_qa,piqa,winogrande,arc_easy,"
+             "arc_challenge,openbookqa")
+    for tasks, want in ((["nope"], f"eval.tasks: unknown ['nope']; {valid}"),
+                        (["piqa", "PIQA"], "eval.tasks: duplicates in ['piqa', 'piqa']; "
+                                           + "name each task once"),
+                        ([], f"eval.tasks= is empty; {valid}")):
+        with pytest.raises(ConfigError) as err:
+            EvalConfig(tasks=tasks)
+        assert _one_line(err) == want
+    assert evals.harness.resolve_tasks is evals.tasks.resolve_tasks  # one reader, not a copy
