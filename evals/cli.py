@@ -83,8 +83,13 @@ def _convert(f: dataclasses.Field, raw: str):
     return raw
 
 
+# the keys that name a file or folder: a leading ~ is the home folder, as in a shell
+PATH_KEYS = ("checkpoint", "gguf", "tokenizer", "out")
+
+
 def parse_args(argv: list[str]) -> EvalArgs:
-    """Parse ``key=value`` arguments into :class:`EvalArgs`.
+    """Parse ``key=value`` arguments into :class:`EvalArgs` (``~`` expanded in
+    :data:`PATH_KEYS`).
 
     Raises:
         SystemExit: unknown key, malformed argument, bad value (:func:`check_values`), an
@@ -109,7 +114,8 @@ def parse_args(argv: list[str]) -> EvalArgs:
             kw[key] = _convert(known[key], raw)
         except ValueError as e:
             raise SystemExit(f"twell-eval: {key}={raw!r}: {e}") from None
-    args = EvalArgs(**kw)
+    args = EvalArgs(**{k: os.path.expanduser(v) if k in PATH_KEYS and v else v
+                       for k, v in kw.items()})
     if (args.checkpoint is None) == (args.gguf is None):
         raise SystemExit(f"twell-eval: give exactly one of checkpoint=... or gguf=...\n{USAGE}")
     check_values(args)

@@ -598,7 +598,7 @@ def test_a_tokenizer_that_names_no_tokenizer_folder_is_refused_first(checkpoint,
                    f"it (tokenizer={checkpoint})")
         holds_none = f"tokenizer={empty}: {empty} holds no tokenizer (none of {files}); {fix}"
         for tok, want in (("/missing/folder", f"tokenizer=/missing/folder: no such folder; {fix}"),
-                          ("~/nope", f"tokenizer=~/nope: no such folder; {fix}"),
+                          ("~/nope", f"tokenizer={home / 'nope'}: no such folder; {fix}"),
                           (str(config), is_file), (str(empty), holds_none)):
             assert main([*common, f"tokenizer={tok}"]) == 2, tok
             assert capsys.readouterr().err.strip().splitlines() == [f"twell-eval: {want}"]
@@ -607,3 +607,26 @@ def test_a_tokenizer_that_names_no_tokenizer_folder_is_refused_first(checkpoint,
     res = json.loads((tmp_path / "out" / "home.json").read_text())
     assert res["protocol"]["cli_args"]["tokenizer"] == str(home / "tok")
     assert res["tasks"]["arc_easy"]["n"] == 1
+
+
+def test_paths_starting_with_a_tilde_are_the_home_folders(checkpoint, tmp_path, capsys,
+                                                          monkeypatch):
+    """out=~/x made a folder named ~ in the working folder (and tokenizer=~/x was read as a
+    hub id): every path key (checkpoint, tokenizer, out) has ~ expanded as it is read."""
+    import shutil
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    shutil.copytree(checkpoint, home / "ckpt")
+    shutil.copytree(checkpoint, home / "tok")
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    args = ["checkpoint=~/ckpt", "tokenizer=~/tok", "out=~/res", "name=r", "tasks=arc_easy",
+            "limit=1", "device=cpu", "progress=false"]
+    a = parse_args(args)
+    assert (a.checkpoint, a.tokenizer, a.out) == (str(home / "ckpt"), str(home / "tok"),
+                                                  str(home / "res"))
+    assert main(args) == 0
+    assert capsys.readouterr().out.strip().endswith(f"wrote {home / 'res' / 'r'}.json and .md")
+    assert json.loads((home / "res" / "r.json").read_text())["tasks"]["arc_easy"]["n"] == 1
+    assert list(work.iterdir()) == []  # no folder named ~
