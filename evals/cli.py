@@ -56,7 +56,8 @@ class EvalArgs:
     """tokenizer folder if not saved with the checkpoint (checked before the model loads: it
     must exist and hold a saved tokenizer; a hub id is left to transformers)."""
     out: str = "eval_results"
-    """output folder (created if missing; must be writable: checked before the model loads)."""
+    """output folder (created if missing; must be writable and not empty: checked before the
+    model loads; ``out=.`` for the working folder)."""
     name: str | None = None
     """file stem of the outputs, a plain file name (default: ``<run>-step<N>``, or the model
     file's name)."""
@@ -144,13 +145,17 @@ def check_tokenizer(args: EvalArgs) -> None:
 
 def check_output(args: EvalArgs) -> None:
     """Refuse, before any model is loaded, an output location the results could not be written
-    to: a ``name`` that is not a plain file name (empty, ``.``, ``..``, or holding a path
+    to: an empty ``out`` (it would be the working folder), a ``name`` that is not a plain file name (empty, ``.``, ``..``, or holding a path
     separator), an ``out`` that is a file or lies below one, or an ``out`` (or, if it does not
     exist yet, its nearest existing parent, where it will be created) that is not writable.
 
     Raises:
         SystemExit: one line naming ``name=`` or ``out=``, its value and the fix.
     """
+    if not args.out.strip():  # Path("") is ".": the results would land in the working folder
+        raise SystemExit(f"twell-eval: out={args.out!r} is empty: give the folder for "
+                         "<name>.json and .md (created if missing; out=. for the working "
+                         "folder, out=eval_results the default)")
     name = args.name
     if name is not None and (name in ("", ".", "..") or any(c in name for c in "/\\\0")):
         raise SystemExit(f"twell-eval: name={name!r}: must be a plain file name, without '/' "

@@ -630,3 +630,17 @@ def test_paths_starting_with_a_tilde_are_the_home_folders(checkpoint, tmp_path, 
     assert capsys.readouterr().out.strip().endswith(f"wrote {home / 'res' / 'r'}.json and .md")
     assert json.loads((home / "res" / "r.json").read_text())["tasks"]["arc_easy"]["n"] == 1
     assert list(work.iterdir()) == []  # no folder named ~
+
+
+def test_an_empty_out_is_refused_not_read_as_the_working_folder(tmp_path, capsys, monkeypatch):
+    """out= (empty) wrote the results into the working folder: one line naming out= and the
+    fix, exit code 2, before the model loads, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    _no_model_load(monkeypatch)
+    fix = ("give the folder for <name>.json and .md (created if missing; out=. for the "
+           "working folder, out=eval_results the default)")
+    for out in ("out=", "out= "):
+        assert main([f"checkpoint={tmp_path}", out, "tasks=arc_easy", "progress=false"]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"twell-eval: out={out[4:]!r} is empty: {fix}"]
+    assert list(tmp_path.iterdir()) == []
