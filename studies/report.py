@@ -413,8 +413,9 @@ def _job_alone(d: Path) -> str | None:
     recorded overrides (``.hydra/overrides.yaml``; ``train.requeue.job_alone_command``); None
     for a run that is no sweep's job (:func:`_run_dir_arg`'s test) or has no overrides recorded.
     A job with a checkpoint resumes it (``trainer.resume=<d>``: ``auto`` refuses a changed
-    value); one that started but saved none is removed first (a run dir holding another
-    config and no checkpoint is refused); one that failed before it started runs as it is."""
+    value); one that started but saved none has its files set aside first, its log kept
+    (``train.rundir.set_aside_command``: a run dir holding another config and no checkpoint
+    is refused); one that failed before it started runs as it is."""
     from omegaconf import OmegaConf
 
     if not (d.name.isdigit() and (d.parent / "multirun.yaml").is_file()):
@@ -426,15 +427,15 @@ def _job_alone(d: Path) -> str | None:
         return None
     if not isinstance(overrides, list):
         return None
-    from train.checkpoint import shell_quote  # (imports torch: not at import time)
-    from train.requeue import job_alone_command, override_arg
+    from train.requeue import job_alone_command, override_arg  # (torch: not at import time)
+    from train.rundir import set_aside_command
     from twell.hf import list_checkpoints
 
     if list_checkpoints(d):
         return job_alone_command(d, overrides, override_arg("trainer.resume", d),
                                  "trainer.resume_allow_changes=true")
     cmd = job_alone_command(d, overrides)
-    return f"rm -r {shell_quote(d)} && {cmd}" if (d / "config.yaml").is_file() else cmd
+    return f"{set_aside_command(d)} && {cmd}" if (d / "config.yaml").is_file() else cmd
 
 
 def _first_chars(path: Path, n: int = 2000) -> str:

@@ -259,7 +259,9 @@ class Checkpointer:
             if diff:
                 raise ConfigError(
                     f"{self.run_dir} holds a different run's config ({'; '.join(diff[:3])}) and "
-                    "no checkpoint to resume; use a new hydra.run.dir or delete that directory.")
+                    "no checkpoint to resume; use a new hydra.run.dir, or set that run's files "
+                    "aside (its log stays) and run again: "
+                    f"{rundir.set_aside_command(self.run_dir)}")
         if self.cfg.trainer.resume == "never":
             rundir.check_new_line(self.run_dir)
 

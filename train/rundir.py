@@ -434,6 +434,29 @@ def undo_failed_setup(run_dir: Path, lock: RunDirLock | None, *, made_dir: bool,
         run_dir.rmdir()
 
 
+# the files of a run that a new run in its folder refuses (config.yaml: another config), writes
+# over (metrics.jsonl, summary.json), drops (error.txt, error.json: a rerun starts clean) or
+# continues (wandb_id.txt: the wandb run); train.log is appended to and stays as it is
+SET_ASIDE = ("config.yaml", "metrics.jsonl", "summary.json", "error.txt", "error.json",
+             "wandb_id.txt")
+
+
+def set_aside_command(run_dir: str | Path) -> str:
+    """The shell command that renames the files of :data:`SET_ASIDE` present in ``run_dir`` to
+    ``<name>.old`` (``.old2``, ... when one is taken), so that a new run can start there and
+    nothing is lost: the log, ``.hydra/``, ``wandb/`` and the set-aside files stay, and no
+    report reads the renamed files as a run (e.g. ``(cd runs/x && mv config.yaml
+    config.yaml.old && mv metrics.jsonl metrics.jsonl.old)``)."""
+    d = Path(run_dir)
+    present = [n for n in SET_ASIDE if (d / n).exists()]
+    k = 1
+    while any((d / f"{n}.old{k if k > 1 else ''}").exists() for n in present):
+        k += 1
+    suffix = f".old{k if k > 1 else ''}"
+    moves = " && ".join(f"mv {n} {n}{suffix}" for n in present)
+    return f"(cd {ckpt_io.shell_quote(d)} && {moves})"
+
+
 def start_fresh(run_dir: Path, config_yaml: str) -> None:
     """A fresh run's files (the main process): ``config.yaml`` (the resolved config as YAML
     text) and an empty ``metrics.jsonl``, each written atomically."""

@@ -421,6 +421,39 @@ def test_a_failed_sweep_job_runs_again_by_the_command_the_report_names(tokens, t
     assert load_run(sweep / "1").config["sparsity"]["l1_coeff"] == 0.25
 
 
+def test_a_run_dir_without_a_checkpoint_is_reused_by_setting_its_files_aside(tokens, tmp_path):
+    """A run that diverged before its first save holds another config and no checkpoint: a run
+    with a lower lr is refused there, and the refusal's advice (it was "delete that
+    directory", which deleted the log too), pasted into bash, renames only the files the new
+    run would refuse, write over or drop; the new run then trains there, the old files and the
+    old log lines kept."""
+    run = tmp_path / "my run"
+    r = _train(tokens, f"hydra.run.dir={run}", "trainer.max_steps=2", "optim.lr=1e30")
+    assert r.returncode == 2 and "NonFiniteLossError" in r.stderr, r.stderr[-3000:]
+    assert not (run / "checkpoints").exists()
+    before = {n: (run / n).read_bytes() for n in ("config.yaml", "metrics.jsonl", "error.txt",
+                                                  "error.json", "train.log")}
+    r = _train(tokens, f"hydra.run.dir={run}", "trainer.max_steps=2", "optim.lr=5e-4")
+    assert r.returncode == 2, r.stderr[-3000:]
+    (line,) = _stderr_lines(r)
+    head, advice = line.split(" and run again: ")
+    assert head.startswith(f"ConfigError: {run} holds a different run's config (optim.lr: ")
+    assert head.endswith("and no checkpoint to resume; use a new hydra.run.dir, or set that "
+                         "run's files aside (its log stays)")
+    assert advice == (f"(cd '{run}' && mv config.yaml config.yaml.old && mv metrics.jsonl "
+                      "metrics.jsonl.old && mv error.txt error.txt.old && mv error.json "
+                      "error.json.old)")
+    assert {n: (run / n).read_bytes() for n in before} == before  # the refusal wrote nothing
+    assert _follow(advice).returncode == 0
+    r = _train(tokens, f"hydra.run.dir={run}", "trainer.max_steps=2", "optim.lr=5e-4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _steps(run) == 2 and (run / "checkpoints" / "step2").is_dir()
+    for n in ("config.yaml", "metrics.jsonl", "error.txt", "error.json"):
+        assert (run / f"{n}.old").read_bytes() == before[n], n
+    assert not (run / "error.txt").exists()
+    assert (run / "train.log").read_bytes().startswith(before["train.log"])
+
+
 @pytest.mark.parametrize("value", ["/runs/2026-12-01/10-00-00", "/a b/c,d", "/it's/x=y",
                                    "/x/${now:%H}"])
 def test_override_arg_reads_back_as_the_value(value):

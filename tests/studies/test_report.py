@@ -567,8 +567,9 @@ def test_a_failed_sweep_job_is_told_to_run_alone_in_its_folder(runs, tmp_path):
     with another value is refused as another sweep, so the advice names the command that runs
     the job alone in its folder with its recorded overrides (quoted for the shell): as it is
     when it failed before training, resuming its checkpoint (trainer.resume: auto refuses a
-    changed value) when it has one, with its folder removed first when it started but saved
-    none (a folder holding another config and no checkpoint is refused)."""
+    changed value) when it has one, with its files set aside first (renamed, its log kept: the
+    advice was rm -r, which deleted the log too) when it started but saved none (a folder
+    holding another config and no checkpoint is refused)."""
     sweep = tmp_path / "my sweep"
     before, resumed, emptied = sweep / "1", sweep / "2", sweep / "3"
     before.mkdir(parents=True)
@@ -596,9 +597,17 @@ def test_a_failed_sweep_job_is_told_to_run_alone_in_its_folder(runs, tmp_path):
         f"{resumed}: failed run (last logged step 6 of 6): {fix}twell-train "
         f"{arg('hydra.run.dir', resumed)} 'data.paths=[/a b]' sparsity.l1_coeff=0.25 "
         f"{arg('trainer.resume', resumed)} trainer.resume_allow_changes=true")
+    assert sorted(p.name for p in emptied.iterdir()) == [
+        ".hydra", ".lock", "config.yaml", "error.txt", "metrics.jsonl", "train.log"]
     assert why[emptied] == (
-        f"{emptied}: failed run (last logged step 6 of 6): {fix}rm -r '{emptied}' && "
-        f"twell-train {arg('hydra.run.dir', emptied)} 'data.paths=[/a b]' sparsity.l1_coeff=0.5")
+        f"{emptied}: failed run (last logged step 6 of 6): {fix}(cd '{emptied}' && mv "
+        "config.yaml config.yaml.old && mv metrics.jsonl metrics.jsonl.old && mv error.txt "
+        f"error.txt.old) && twell-train {arg('hydra.run.dir', emptied)} 'data.paths=[/a b]' "
+        "sparsity.l1_coeff=0.5")
+    (emptied / "config.yaml.old").write_text("an earlier attempt's")  # taken: the next name
+    assert f"(cd '{emptied}' && mv config.yaml config.yaml.old2 && mv metrics.jsonl " \
+        "metrics.jsonl.old2 && mv error.txt error.txt.old2) && twell-train " in str(
+            pytest.raises(IncompleteRunError, load_run, emptied).value)
     (sweep / "multirun.yaml").unlink()  # no sweep's job: the plain advice
     assert str(pytest.raises(IncompleteRunError, load_run, resumed).value).endswith(
         "corrupted. Fix that and run it again, or leave it out (--skip-incomplete)")
