@@ -347,8 +347,10 @@ def incomplete_reason(d: Path, last: int, max_steps) -> str:
             # hold it relative to the run dir (the advice names it where the run is now)
             at = f"at step {facts['step']}; {at}"
             reason = re.sub(r"[;,]?\s*last good checkpoint: .*$", "", reason)
+        alone = _diverged_alone(d, reason)  # a -m sweep's job: the -m command is refused
         return (f"{d}: diverged run ({at}): {reason}. Rerunning the same command diverges "
-                f"again{_diverged_advice(d, reason)}, or leave it out (--skip-incomplete)")
+                f"again{_diverged_advice(d, reason, sweep_job=alone is not None)}, or leave it "
+                f"out (--skip-incomplete){'' if alone is None else f'. {alone}'}")
     if reason:
         return f"{d}: failed run ({at}): {reason}. {fix}"
     return (f"{d}: incomplete run: no summary.json ({at}); it crashed, was killed or is still "
@@ -356,29 +358,76 @@ def incomplete_reason(d: Path, last: int, max_steps) -> str:
             "out (--skip-incomplete)")
 
 
-def _diverged_advice(d: Path, reason: str) -> str:
-    """What to do about diverged run ``d``, by its last good checkpoint: none (it diverged
-    before its first save): start again with a lower ``optim.lr``; a checkpoint: resume that
-    one with a lower ``optim.lr``; not known: either. The checkpoint is the field twell-train
-    wrote to ``error.json`` (relative to ``d``, so a moved run dir still names it); a run
-    written before that file (or with it damaged): the ``last good checkpoint: ...`` that its
-    error line ``reason`` names."""
-    from train.checkpoint import shell_quote  # (imports torch: not at import time)
+def _last_good(d: Path, reason: str) -> tuple[str, str | None]:
+    """Diverged run ``d``'s last good checkpoint: ``("none", None)`` (it diverged before its
+    first save), ``("path", <the path>)`` or ``("unknown", None)``. The checkpoint is the field
+    twell-train wrote to ``error.json`` (relative to ``d``, so a moved run dir still names
+    it); a run written before that file (or with it damaged): the ``last good checkpoint:
+    ...`` that its error line ``reason`` names (shell-quoted there)."""
+    import shlex
 
     facts = _error_facts(d)
     if facts is not None:
         path = facts["last_good_checkpoint"]
-        ckpt = "none" if path is None else shell_quote(d / path)
-    else:
-        found = re.search(r"last good checkpoint: ('[^']*'|\S+)", reason)
-        ckpt = found.group(1).rstrip(".,;") if found else None
+        return ("none", None) if path is None else ("path", str(d / path))
+    found = re.search(r"last good checkpoint: ('[^']*'|\S+)", reason)
+    if not found:
+        return "unknown", None
+    text = found.group(1).rstrip(".,;")
+    if text == "none":
+        return "none", None
+    try:
+        return "path", shlex.split(text)[0]
+    except (ValueError, IndexError):  # not shell text after all: the path as written
+        return "path", text
+
+
+def _diverged_advice(d: Path, reason: str, sweep_job: bool = False) -> str:
+    """What to do about diverged run ``d``, by its last good checkpoint (:func:`_last_good`):
+    none: start again with a lower ``optim.lr``; a checkpoint: resume that one with a lower
+    ``optim.lr``; not known: either. A ``-m`` sweep's job (``sweep_job``) is told what to do
+    in words: :func:`_diverged_alone` gives its command (the sweep's ``-m`` command with
+    another lr is refused as another sweep)."""
+    from train.checkpoint import shell_quote  # (imports torch: not at import time)
+
+    kind, path = _last_good(d, reason)
+    if sweep_job:
+        if kind == "none":
+            return (", and it has no good checkpoint to resume: start it again with a lower "
+                    "optim.lr or longer optim.warmup_steps")
+        named = f"its last good checkpoint, {shell_quote(path)}," if path else (
+            "its last good checkpoint")
+        return (f": resume {named} with a lower optim.lr or start a new sweep (a new "
+                "hydra.sweep.dir) with a lower optim.lr or longer optim.warmup_steps")
+    ckpt = shell_quote(path) if path else None
     fresh = ("start a new run (a new hydra.run.dir) with a lower optim.lr or longer "
              "optim.warmup_steps")
-    if ckpt == "none":
+    if kind == "none":
         return f", and it has no good checkpoint to resume: {fresh}"
     named = f"its last good checkpoint, {ckpt}," if ckpt else "its last good checkpoint"
     return (f": resume {named} with a lower optim.lr (trainer.resume={ckpt or '<checkpoint>'} "
             f"trainer.resume_allow_changes=true optim.lr=...) or {fresh}")
+
+
+def _diverged_alone(d: Path, reason: str) -> str | None:
+    """For diverged ``-m`` sweep job ``d``: the sentence giving the command that runs it alone
+    in its folder with a lower ``optim.lr`` (its recorded overrides: :func:`_job_overrides`),
+    resuming its last good checkpoint (:func:`_last_good`), or, with none, started again (its
+    files set aside: :func:`_fresh_alone`); None for a run that is no sweep's job."""
+    overrides = _job_overrides(d)
+    if overrides is None:
+        return None
+    from train.requeue import job_alone_command, override_arg  # (torch: not at import time)
+
+    lower = "optim.lr=<lower lr>"
+    why = "the -m command with another value is refused as another sweep"
+    kind, path = _last_good(d, reason)
+    if kind == "none":
+        return (f"This sweep job started again alone in its folder with a lower optim.lr "
+                f"({why}): {_fresh_alone(d, overrides, lower)}")
+    resume = override_arg("trainer.resume", path) if path else "trainer.resume=<checkpoint>"
+    cmd = job_alone_command(d, overrides, resume, "trainer.resume_allow_changes=true", lower)
+    return f"This sweep job resumed alone in its folder with a lower optim.lr ({why}): {cmd}"
 
 
 def _error_facts(d: Path) -> dict | None:
@@ -408,14 +457,9 @@ def _run_dir_arg(d: Path) -> str:
     return override_arg("hydra.run.dir", d)
 
 
-def _job_alone(d: Path) -> str | None:
-    """The command that runs failed ``-m`` sweep job ``d`` again alone in its folder, with its
-    recorded overrides (``.hydra/overrides.yaml``; ``train.requeue.job_alone_command``); None
-    for a run that is no sweep's job (:func:`_run_dir_arg`'s test) or has no overrides recorded.
-    A job with a checkpoint resumes it (``trainer.resume=<d>``: ``auto`` refuses a changed
-    value); one that started but saved none has its files set aside first, its log kept
-    (``train.rundir.set_aside_command``: a run dir holding another config and no checkpoint
-    is refused); one that failed before it started runs as it is."""
+def _job_overrides(d: Path) -> list | None:
+    """The recorded overrides (``.hydra/overrides.yaml``) of ``-m`` sweep job ``d``; None for a
+    run that is no sweep's job (:func:`_run_dir_arg`'s test) or has none recorded."""
     from omegaconf import OmegaConf
 
     if not (d.name.isdigit() and (d.parent / "multirun.yaml").is_file()):
@@ -425,17 +469,37 @@ def _job_alone(d: Path) -> str | None:
         overrides = OmegaConf.to_container(OmegaConf.load(f)) if f.is_file() else None
     except Exception:  # noqa: BLE001  (a damaged file: no command to give)
         return None
-    if not isinstance(overrides, list):
+    return overrides if isinstance(overrides, list) else None
+
+
+def _fresh_alone(d: Path, overrides: list, *extra: str) -> str:
+    """The command that starts sweep job ``d`` again alone in its folder (with ``extra``
+    arguments): its files set aside first when it started (``train.rundir.set_aside_command``,
+    its log kept: a run dir holding another config and no checkpoint is refused)."""
+    from train.requeue import job_alone_command  # (torch: not at import time)
+    from train.rundir import set_aside_command
+
+    cmd = job_alone_command(d, overrides, *extra)
+    return f"{set_aside_command(d)} && {cmd}" if (d / "config.yaml").is_file() else cmd
+
+
+def _job_alone(d: Path) -> str | None:
+    """The command that runs failed ``-m`` sweep job ``d`` again alone in its folder, with its
+    recorded overrides (:func:`_job_overrides`; ``train.requeue.job_alone_command``); None for
+    a run that is no sweep's job or has no overrides recorded. A job with a checkpoint
+    resumes it (``trainer.resume=<d>``: ``auto`` refuses a changed value); one that started
+    but saved none has its files set aside first (:func:`_fresh_alone`); one that failed
+    before it started runs as it is."""
+    overrides = _job_overrides(d)
+    if overrides is None:
         return None
     from train.requeue import job_alone_command, override_arg  # (torch: not at import time)
-    from train.rundir import set_aside_command
     from twell.hf import list_checkpoints
 
     if list_checkpoints(d):
         return job_alone_command(d, overrides, override_arg("trainer.resume", d),
                                  "trainer.resume_allow_changes=true")
-    cmd = job_alone_command(d, overrides)
-    return f"{set_aside_command(d)} && {cmd}" if (d / "config.yaml").is_file() else cmd
+    return _fresh_alone(d, overrides)
 
 
 def _first_chars(path: Path, n: int = 2000) -> str:

@@ -421,6 +421,49 @@ def test_a_failed_sweep_job_runs_again_by_the_command_the_report_names(tokens, t
     assert load_run(sweep / "1").config["sparsity"]["l1_coeff"] == 0.25
 
 
+def test_a_diverged_sweep_job_trains_on_by_the_command_the_report_names(tokens, tmp_path):
+    """Two sweep jobs diverge at step 2 (their L1 coefficient, 0 at step 1, is 1e300 from
+    step 2 on), one after saving step 1, one before any save: the sweep's -m command with
+    another value is refused as another sweep; the report names for each the command that runs
+    it alone in its folder with a lower optim.lr, and, pasted with the values filled in (the
+    L1 fixed too), it resumes step 1 or starts the job again (its files set aside, the old
+    ones kept) and trains it to the end."""
+    from studies.report import IncompleteRunError, load_run
+
+    sweep = tmp_path / "sweep"
+    l1 = ["sparsity.schedule=linear_warmup", "sparsity.warmup_end=1", "sparsity.l1_coeff=1e300"]
+    cmd = ["-m", f"hydra.sweep.dir={sweep}", "trainer.max_steps=3", *l1]
+    r = _train(tokens, *cmd, "trainer.save_every=1,100")
+    assert r.returncode == 2 and "sweep: 2 of 2 jobs failed:" in r.stderr, r.stderr[-3000:]
+    for job in ("0", "1"):
+        assert (sweep / job / "error.txt").read_text().startswith(
+            "NonFiniteLossError: non-finite loss or gradient at step 2 ")
+    assert [p.name for p in (sweep / "0" / "checkpoints").iterdir()] == ["step1"]
+    assert not (sweep / "1" / "checkpoints").exists()
+    r = _train(tokens, *cmd, "trainer.save_every=1,100", "optim.lr=1e-4")
+    assert r.returncode == 2 and "holds another sweep" in r.stderr, r.stderr[-3000:]
+    step1 = sweep / "0" / "checkpoints" / "step1"
+    aside = (f"(cd {sweep / '1'} && mv config.yaml config.yaml.old && mv metrics.jsonl "
+             "metrics.jsonl.old && mv error.txt error.txt.old && mv error.json error.json.old) "
+             "&& ")
+    resume = f"trainer.resume={step1} trainer.resume_allow_changes=true"
+    for job, head, tail, done in (
+            ("0", "", f"trainer.save_every=1 {resume} optim.lr=<lower lr>",
+             f"resumed from {step1} at step 1"),
+            ("1", aside, "trainer.save_every=100 optim.lr=<lower lr>", "training steps 1-3 of 3")):
+        why = str(pytest.raises(IncompleteRunError, load_run, sweep / job).value)
+        alone = why.split("lower optim.lr (the -m command with another value is refused as "
+                          "another sweep): ", 1)[1]
+        assert alone.startswith(f"{head}twell-train hydra.run.dir={sweep / job} data=tokens ")
+        assert alone.endswith(f" sparsity.l1_coeff=1e+300 {tail}"), alone  # as Hydra records it
+        r = _follow(alone.replace("<lower lr>", "1e-4").replace("l1_coeff=1e+300", "l1_coeff=0"))
+        assert r.returncode == 0 and done in r.stdout, r.stderr[-3000:]
+        assert _steps(sweep / job) == 3 and not (sweep / job / "error.txt").exists()
+        cfg = load_run(sweep / job).config
+        assert (cfg["optim"]["lr"], cfg["sparsity"]["l1_coeff"]) == (1e-4, 0)
+    assert (sweep / "1" / "error.txt.old").read_text().startswith("NonFiniteLossError: ")
+
+
 def test_a_run_dir_without_a_checkpoint_is_reused_by_setting_its_files_aside(tokens, tmp_path):
     """A run that diverged before its first save holds another config and no checkpoint: a run
     with a lower lr is refused there, and the refusal's advice (it was "delete that

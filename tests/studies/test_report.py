@@ -613,6 +613,54 @@ def test_a_failed_sweep_job_is_told_to_run_alone_in_its_folder(runs, tmp_path):
         "corrupted. Fix that and run it again, or leave it out (--skip-incomplete)")
 
 
+def test_a_diverged_sweep_job_is_told_to_resume_alone_in_its_folder(runs, tmp_path):
+    """A -m sweep's diverged job: the advice's trainer.resume=... optim.lr=..., added to the
+    sweep's -m command, is refused as another sweep; it names the command that runs the job
+    alone in its folder with its recorded overrides (optim.lr replaced): resuming its last good
+    checkpoint, or, with none, started again, its files set aside first. A run that is no
+    sweep's job keeps the plain advice."""
+    from train.requeue import override_arg as arg  # quoted for the shell, then for Hydra
+
+    sweep = tmp_path / "my sweep"
+    job = sweep / "1"
+    shutil.copytree(runs / "l1", job)
+    (sweep / "multirun.yaml").write_text("{}")
+    (job / "summary.json").unlink()
+    (job / ".hydra").mkdir()
+    (job / ".hydra" / "overrides.yaml").write_text(
+        '["hydra.job.chdir=false", "data.paths=[/a b]", "optim.lr=1e30"]')
+    (job / "error.txt").write_text(
+        "NonFiniteLossError: non-finite loss or gradient at step 4 (loss nan, grad norm nan); "
+        "the step was not applied; last good checkpoint: /gone/1/checkpoints/step2\n")
+    facts = {"error": "NonFiniteLossError", "step": 4, "reason": "non-finite loss or gradient",
+             "last_good_checkpoint": "checkpoints/step2"}
+    (job / "error.json").write_text(json.dumps(facts))
+    step2 = job / "checkpoints" / "step2"
+    head = (f"{job}: diverged run (at step 4; last logged step 6 of 6): NonFiniteLossError: "
+            "non-finite loss or gradient at step 4 (loss nan, grad norm nan); the step was not "
+            "applied. Rerunning the same command diverges again")
+    why = "the -m command with another value is refused as another sweep"
+    alone = f"twell-train {arg('hydra.run.dir', job)} 'data.paths=[/a b]'"
+    assert str(pytest.raises(IncompleteRunError, load_run, job).value) == (
+        f"{head}: resume its last good checkpoint, '{step2}', with a lower optim.lr or start a "
+        "new sweep (a new hydra.sweep.dir) with a lower optim.lr or longer optim.warmup_steps, "
+        "or leave it out (--skip-incomplete). This sweep job resumed alone in its folder with "
+        f"a lower optim.lr ({why}): {alone} {arg('trainer.resume', step2)} "
+        "trainer.resume_allow_changes=true optim.lr=<lower lr>")
+    shutil.rmtree(job / "checkpoints")  # it diverged before its first save
+    (job / "error.json").write_text(json.dumps({**facts, "last_good_checkpoint": None}))
+    assert str(pytest.raises(IncompleteRunError, load_run, job).value) == (
+        f"{head}, and it has no good checkpoint to resume: start it again with a lower "
+        "optim.lr or longer optim.warmup_steps, or leave it out (--skip-incomplete). This sweep "
+        f"job started again alone in its folder with a lower optim.lr ({why}): (cd '{job}' && "
+        "mv config.yaml config.yaml.old && mv metrics.jsonl metrics.jsonl.old && mv error.txt "
+        f"error.txt.old && mv error.json error.json.old) && {alone} optim.lr=<lower lr>")
+    (sweep / "multirun.yaml").unlink()  # no sweep's job: the plain advice
+    assert str(pytest.raises(IncompleteRunError, load_run, job).value).endswith(
+        "and it has no good checkpoint to resume: start a new run (a new hydra.run.dir) with a "
+        "lower optim.lr or longer optim.warmup_steps, or leave it out (--skip-incomplete)")
+
+
 def test_l0_is_plotted_against_l1(runs, tmp_path, monkeypatch):
     """The L1 sweep's question: final L0 (mean over layers and the most active layer) at each
     L1, the plain runs only (dense = L1 0 and L1 0.5; not the re-init variant)."""
