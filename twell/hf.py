@@ -164,12 +164,13 @@ def check_tokenizer_source(value: str | Path, key: str) -> str:
     """The tokenizer a config field ``key`` names (``tokenizer=`` of twell-eval,
     ``data.tokenizer`` of twell-train), checked before any model or data loads: a local folder
     must exist and hold a saved tokenizer (:data:`TOKENIZER_FILES`); ``~`` is expanded. A value
-    that is no folder here and has a hub id's form (``name``, ``namespace/name``) is left to
-    transformers, which reads it as one. transformers reads a missing path as a hub id too,
-    and failed with "Repo id must be in the form ..." after the model had loaded.
+    that is no folder here is refused, a hub id's form (``name``, ``namespace/name``) too:
+    nothing is fetched from a hub at run time, and transformers read a missing folder as a
+    hub id, failing after the model had loaded ("Repo id must be in the form ...") or, for a
+    relative name like ``tok``, after ~50 s of retries without a network.
 
     Returns:
-        The folder (``~`` expanded), or ``value`` as given when it is a hub id.
+        The folder, ``~`` expanded.
 
     Raises:
         ValueError: one line naming ``key=value``, what is wrong and the fix.
@@ -186,14 +187,7 @@ def check_tokenizer_source(value: str | Path, key: str) -> str:
         where = f"the folder that holds it ({key}={p.parent})" if has_tokenizer(p.parent) else (
             "the folder a tokenizer was saved to")
         raise ValueError(f"{key}={value}: is a file, not a folder; give {where}")
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(value)  # transformers' own test of a hub id
-    except HFValidationError:
-        raise ValueError(f"{key}={value}: no such folder; {fix}") from None
-    return value
+    raise ValueError(f"{key}={value}: no such folder (nothing is read from a hub); {fix}")
 
 
 def safetensors_files(d: str | Path) -> list[Path]:

@@ -83,11 +83,16 @@ def _trainer_error(cfg, run_dir) -> str:
 
 def _eval_error(capsys, *args) -> str:
     """twell-eval's one error line. These folders hold no tokenizer (refused before the model
-    loads): ``tokenizer=`` names one (any folder; the model's error comes first)."""
+    loads): ``tokenizer=`` names a folder that passes the up-front check (a ``tokenizer.json``
+    it never reads: the model's error comes first)."""
+    import tempfile
+
     from evals.cli import main
 
-    rc = main([*args, "tasks=arc_easy", "limit=2", "device=cpu", "progress=false",
-               "tokenizer=unused"])
+    with tempfile.TemporaryDirectory() as tok:
+        (Path(tok) / "tokenizer.json").write_text("{}")
+        rc = main([*args, "tasks=arc_easy", "limit=2", "device=cpu", "progress=false",
+                   f"tokenizer={tok}"])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and len(err) == 1, err
     return err[0]

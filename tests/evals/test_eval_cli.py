@@ -597,8 +597,10 @@ def test_a_tokenizer_that_names_no_tokenizer_folder_is_refused_first(checkpoint,
         is_file = (f"tokenizer={config}: is a file, not a folder; give the folder that holds "
                    f"it (tokenizer={checkpoint})")
         holds_none = f"tokenizer={empty}: {empty} holds no tokenizer (none of {files}); {fix}"
-        for tok, want in (("/missing/folder", f"tokenizer=/missing/folder: no such folder; {fix}"),
-                          ("~/nope", f"tokenizer={home / 'nope'}: no such folder; {fix}"),
+        gone = "no such folder (nothing is read from a hub)"
+        for tok, want in (("/missing/folder", f"tokenizer=/missing/folder: {gone}; {fix}"),
+                          ("~/nope", f"tokenizer={home / 'nope'}: {gone}; {fix}"),
+                          ("org/name", f"tokenizer=org/name: {gone}; {fix}"),
                           (str(config), is_file), (str(empty), holds_none)):
             assert main([*common, f"tokenizer={tok}"]) == 2, tok
             assert capsys.readouterr().err.strip().splitlines() == [f"twell-eval: {want}"]

@@ -521,8 +521,9 @@ def test_data_tokenizer_is_checked_when_the_config_is_resolved(tmp_path, monkeyp
     """data.tokenizer=<missing path> was read by transformers as a hub id: a traceback ending in
     "Repo id must be in the form ..." once the data began to build. A missing path, a file and
     a folder holding no tokenizer are one line naming data.tokenizer and the fix; ~ is
-    expanded (in a quoted value: Hydra's grammar takes no bare ~); a hub id, smollm2 and any
-    value of the tokens source (which reads none) pass."""
+    expanded (in a quoted value: Hydra's grammar takes no bare ~); a hub id is refused too
+    (nothing comes from a hub); smollm2 and any value of the tokens source (which reads none)
+    pass."""
     from train.config import compose as compose_train
 
     tok = tmp_path / "home" / "tok"
@@ -537,15 +538,17 @@ def test_data_tokenizer_is_checked_when_the_config_is_resolved(tmp_path, monkeyp
                f"folder that holds it (data.tokenizer={tok})")
     holds_none = (f"data.tokenizer={empty}: {empty} holds no tokenizer (none of tokenizer.json, "
                   f"tokenizer_config.json, tokenizer.model, vocab.json); {fix}")
-    for value, want in (("/missing/folder", f"data.tokenizer=/missing/folder: no such folder; {fix}"),
-                        ('"~/nope"', f"data.tokenizer=~/nope: no such folder; {fix}"),
+    gone = "no such folder (nothing is read from a hub)"
+    for value, want in (("/missing/folder", f"data.tokenizer=/missing/folder: {gone}; {fix}"),
+                        ('"~/nope"', f"data.tokenizer=~/nope: {gone}; {fix}"),
+                        ("HuggingFaceTB/SmolLM2-135M",
+                         f"data.tokenizer=HuggingFaceTB/SmolLM2-135M: {gone}; {fix}"),
+                        ("tok", f"data.tokenizer=tok: {gone}; {fix}"),
                         (str(tok / "tokenizer.json"), is_file), (str(empty), holds_none)):
         with pytest.raises(ConfigError) as err:
             compose_train([*files, f"data.tokenizer={value}"])
         assert _one_line(err) == want
     assert compose_train([*files, 'data.tokenizer="~/tok"']).data.tokenizer == str(tok)
-    assert compose_train([*files, "data.tokenizer=HuggingFaceTB/SmolLM2-135M"]).data.tokenizer \
-        == "HuggingFaceTB/SmolLM2-135M"
     assert compose_train(files).data.tokenizer == "smollm2"
     assert compose_train(["data=tokens", "data.paths=[x.bin]", "data.tokenizer=/missing"]
                          ).data.tokenizer == "/missing"
