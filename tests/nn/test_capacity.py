@@ -380,7 +380,8 @@ def test_trainer_checkpoints_the_rule_state(tmp_path, monkeypatch):
 
 
 # The 2B whole-model benchmark's layers 4-9, row `ell` (38 layers, 16 x 2048 tokens a call, from
-# an empty history; /work/traces/s22_2b_capacity_trace.csv): heavy rows of each step's call.
+# an empty history; docs/model_bench/runs_s22.tar.xz, s22/bench_2b_80/capacity_trace.csv):
+# heavy rows of each step's call.
 # Step 5 (a micro-batch of many short documents) overflowed all six under the adaptive rule
 # without the cold headroom, and the step's forward ran again.
 TRACE_2B_L4_9 = [

@@ -116,7 +116,8 @@ def cold_headroom(n: int, window: int, floor: int) -> float:
     mostly the dense first tokens of the documents in the call, so a micro-batch of many short
     documents adds rows to every such layer at once, however few it had before; a margin
     proportional to the layer's count gives it few rows. The 2B benchmark (38 layers, 16 x 2048
-    tokens a call, each row from an empty history; /work/traces/s22_2b_capacity_trace.csv):
+    tokens a call, each row from an empty history; ``docs/model_bench/runs_s22.tar.xz``,
+    ``s22/bench_2b_80/capacity_trace.csv``):
     layer 6 counted 107, 137, 132, 57, 131, then 417 (their spread above their median ~0:
     the spread headroom saw no tail); the margin alone gave
     ``1.25 x 1.36 x 137 + 16`` -> 256 rows (320 a step earlier, the cold margin falling with
