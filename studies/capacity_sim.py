@@ -34,9 +34,10 @@ of each sequence fully active, 1-3 redone steps in 15 with the window rule)::
   of ``D`` at B = 16: 151 / 324; the negative binomial's 93 / 133). Its light layers swing as
   the 2B benchmark's did in their first 13 steps (``docs/model_bench/runs_s22.tar.xz``,
   ``s22/bench_2b_80/capacity_trace.csv``, 38 layers, B = 16): a count over the largest of the
-  5-12 steps before it is 2.33x at its 99th percentile (2B: 2.43x; ``docs``: 1.51x), above 2x in 1.4 % of the layer-steps (2B: 2.3 %;
-  ``docs``: 0.15 %); a layer's spread of ln(1 + R) over 13 steps 0.77 at the 90th percentile
-  of the layers (2B: 1.15; ``docs``: 0.41).
+  5-12 steps before it is 2.33x at its 99th percentile (2B: 2.43x; ``docs``: 1.51x), above
+  2x in 1.4 % of the layer-steps (2B: 2.3 %; ``docs``: 0.15 %); a layer's spread of
+  ln(1 + R) over 13 steps 0.77 at the 90th percentile of the layers (2B: 1.15; ``docs``:
+  0.41).
 
 The step's count is the maximum over its micro-batches. :func:`replay` runs the trainer's
 protocol through a real :class:`twell.nn.plan.FFNPlan` (``begin_step`` / ``end_step``; a redone
