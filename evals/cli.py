@@ -54,7 +54,7 @@ class EvalArgs:
     (twell models: 0 = <|endoftext|>, the document separator they were trained with)."""
     tokenizer: str | None = None
     """tokenizer folder if not saved with the checkpoint (checked before the model loads: it
-    must exist and hold a saved tokenizer; a hub id is left to transformers)."""
+    must exist and hold a saved tokenizer; nothing is read from a hub)."""
     out: str = "eval_results"
     """output folder (created if missing; must be writable and not empty: checked before the
     model loads; ``out=.`` for the working folder)."""
@@ -115,6 +115,10 @@ def parse_args(argv: list[str]) -> EvalArgs:
             kw[key] = _convert(known[key], raw)
         except ValueError as e:
             raise SystemExit(f"twell-eval: {key}={raw!r}: {e}") from None
+    for key in ("checkpoint", "gguf", "tokenizer"):  # empty: an unset shell variable, most often
+        if key in kw and kw[key] is not None and not kw[key].strip():
+            raise SystemExit(f"twell-eval: {key}= is empty; give a folder (or file, gguf=) "
+                             f"or leave the key out")
     args = EvalArgs(**{k: os.path.expanduser(v) if k in PATH_KEYS and v else v
                        for k, v in kw.items()})
     if (args.checkpoint is None) == (args.gguf is None):

@@ -451,7 +451,8 @@ def hydra_error_line(e: BaseException) -> str:
     if isinstance(e, OverrideParseException):
         why = " ".join(str(e.message).splitlines()[0].split())
         return (f"cannot parse the override {e.override!r}: {why}; quote a value holding "
-                "special characters, e.g. key='a,b' (Hydra's override grammar).")
+                "special characters, and the whole override for the shell, e.g. \"key='a,b'\" "
+                "(Hydra's override grammar).")
     lines = [ln.strip() for ln in str(e).splitlines()]
     cause = e.__cause__
     if isinstance(cause, OmegaConfBaseException) and str(cause) not in str(e):

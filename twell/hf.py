@@ -153,7 +153,9 @@ def auto_tokenizer(path: str | Path, **kw):
 
 
 # files of a saved transformers tokenizer (save_pretrained), any one of which AutoTokenizer reads
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# the files that hold a vocabulary: a folder with only tokenizer_config.json passed an earlier
+# form of this test and failed later ("Couldn't instantiate the backend tokenizer")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 def has_tokenizer(d: str | Path) -> bool:
     """Whether folder ``d`` holds a saved tokenizer (one of :data:`TOKENIZER_FILES`)."""

@@ -588,7 +588,7 @@ def test_a_tokenizer_that_names_no_tokenizer_folder_is_refused_first(checkpoint,
     empty = tmp_path / "empty"
     empty.mkdir()
     config = checkpoint / "config.json"
-    files = "tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json"
+    files = "tokenizer.json, tokenizer.model, vocab.json"
     fix = "give the folder a tokenizer was saved to (save_pretrained: tokenizer.json, ...)"
     common = [f"checkpoint={checkpoint}", "tasks=arc_easy", "limit=1", "device=cpu",
               f"out={tmp_path / 'out'}", "progress=false"]
@@ -645,4 +645,19 @@ def test_an_empty_out_is_refused_not_read_as_the_working_folder(tmp_path, capsys
         assert main([f"checkpoint={tmp_path}", out, "tasks=arc_easy", "progress=false"]) == 2
         assert capsys.readouterr().err.strip().splitlines() == [
             f"twell-eval: out={out[4:]!r} is empty: {fix}"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_model_or_tokenizer_key_is_refused(tmp_path, capsys, monkeypatch):
+    """checkpoint= (an unset $CKPT) crashed with a TypeError traceback, and tokenizer= read the
+    working folder: an empty checkpoint=, gguf= or tokenizer= is one line naming the key, exit
+    code 2, before any model loads, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    _no_model_load(monkeypatch)
+    common = ["tasks=arc_easy", "progress=false", f"out={tmp_path / 'out'}"]
+    for args, key in ((["checkpoint="], "checkpoint"), (["gguf= "], "gguf"),
+                      ([f"checkpoint={tmp_path}", "tokenizer="], "tokenizer")):
+        assert main([*args, *common]) == 2, args
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"twell-eval: {key}= is empty; give a folder (or file, gguf=) or leave the key out"]
     assert list(tmp_path.iterdir()) == []

