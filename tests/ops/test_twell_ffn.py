@@ -7,6 +7,7 @@ On a machine without CUDA the Triton kernels run in the interpreter (TRITON_INTE
 tests/conftest.py before triton is imported if the caller did not).
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -299,7 +300,12 @@ def test_split_long_zero_is_the_unsplit_launch_and_refusals():
     y0, l0 = twell_ffn_apply(tw, pre, wdt, stats=True)
     y1, l1 = twell_ffn_apply(tw, pre, wdt, stats=True, split_long=0, split_parts=3)
     assert _same_bits(y0, y1) and _same_bits(l0, l1)
+    # a NumPy integer is an integer (it was refused as "got np.int64(0)")
+    y2, l2 = twell_ffn_apply(tw, pre, wdt, stats=True, split_long=np.int64(0),
+                             split_parts=np.int32(3))
+    assert _same_bits(y0, y2) and _same_bits(l0, l2)
     for bad in ({"split_long": -1}, {"split_long": True}, {"split_parts": 0},
+                {"split_long": np.bool_(True)},
                 {"split_long": 2, "split_parts": 1.5}):
         with pytest.raises(ValueError, match=next(iter(k for k in bad if k != "split_long"),
                                                   "split_long")):

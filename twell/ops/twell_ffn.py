@@ -39,6 +39,9 @@ order (deterministic, no atomics) into y and the L1.
 
 from __future__ import annotations
 
+import numbers
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -437,8 +440,10 @@ def twell_ffn_apply(
     if nb < 1 or nb & (nb - 1) or k < nb or k & (k - 1):
         raise ValueError(f"nb and k must be powers of 2 with k >= nb; got nb={nb}, k={k}")
     for name, v, lo in (("split_long", split_long, 0), ("split_parts", split_parts, 1)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        # numbers.Integral: a NumPy integer is one too (bool is refused: a flag passed by slip)
+        if not isinstance(v, numbers.Integral) or isinstance(v, (bool, np.bool_)) or v < lo:
             raise ValueError(f"{name} must be an integer >= {lo}; got {v!r}")
+    split_long, split_parts = int(split_long), int(split_parts)
     m, t, w = tw.data.shape
     h = tw.n_cols
     gated = x_MD is not None
