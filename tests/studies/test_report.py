@@ -97,6 +97,19 @@ def _edit_json(path: Path, **changes) -> None:
     path.write_text(json.dumps(d))
 
 
+
+def _write_diverged(run, loss: str, old_dir: str) -> dict:
+    """The error.txt and error.json of a run that diverged at step 4 after saving step 2 (the
+    text naming the checkpoint under ``old_dir``, where the run was written); returns the
+    error.json facts."""
+    (run / "error.txt").write_text(
+        f"NonFiniteLossError: non-finite loss or gradient at step 4 (loss {loss}, grad norm "
+        f"nan); the step was not applied; last good checkpoint: {old_dir}/checkpoints/step2\n")
+    facts = {"error": "NonFiniteLossError", "step": 4, "reason": "non-finite loss or gradient",
+             "last_good_checkpoint": "checkpoints/step2"}
+    (run / "error.json").write_text(json.dumps(facts))
+    return facts
+
 def test_table_values_equal_the_files(runs):
     rep = build_report([str(runs)])
     assert [r["run"] for r in rep.rows] and {r["run"] for r in rep.rows} == {
@@ -415,12 +428,7 @@ def test_diverged_runs_last_good_checkpoint_is_read_from_error_json(runs, tmp_pa
     before it), leaves the line's text to name it."""
     moved = _copy(runs, "l1", tmp_path, "moved")
     (moved / "summary.json").unlink()
-    (moved / "error.txt").write_text(
-        "NonFiniteLossError: non-finite loss or gradient at step 4 (loss 4.159, grad norm nan); "
-        "the step was not applied; last good checkpoint: /gone/run/checkpoints/step2\n")
-    facts = {"error": "NonFiniteLossError", "step": 4, "reason": "non-finite loss or gradient",
-             "last_good_checkpoint": "checkpoints/step2"}
-    (moved / "error.json").write_text(json.dumps(facts))
+    facts = _write_diverged(moved, "4.159", "/gone/run")
     step2 = moved / "checkpoints" / "step2"
     why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
     assert (f"diverges again: resume its last good checkpoint, {step2}, with a lower optim.lr "
@@ -629,12 +637,7 @@ def test_a_diverged_sweep_job_is_told_to_resume_alone_in_its_folder(runs, tmp_pa
     (job / ".hydra").mkdir()
     (job / ".hydra" / "overrides.yaml").write_text(
         '["hydra.job.chdir=false", "data.paths=[/a b]", "optim.lr=1e30"]')
-    (job / "error.txt").write_text(
-        "NonFiniteLossError: non-finite loss or gradient at step 4 (loss nan, grad norm nan); "
-        "the step was not applied; last good checkpoint: /gone/1/checkpoints/step2\n")
-    facts = {"error": "NonFiniteLossError", "step": 4, "reason": "non-finite loss or gradient",
-             "last_good_checkpoint": "checkpoints/step2"}
-    (job / "error.json").write_text(json.dumps(facts))
+    facts = _write_diverged(job, "nan", "/gone/1")
     step2 = job / "checkpoints" / "step2"
     head = (f"{job}: diverged run (at step 4; last logged step 6 of 6): NonFiniteLossError: "
             "non-finite loss or gradient at step 4 (loss nan, grad norm nan); the step was not "

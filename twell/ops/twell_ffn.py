@@ -176,8 +176,9 @@ def _split_part_kernel(
     """Program (j S + p, d-slice) of ``split_long``: the overflowed tiles t of long row
     ``long[j]`` with t % S == p, into scratch row j (S + 1) + 1 + p (written even when it has
     no such tile, so the scratch needs no zero fill). Its own launch, before the main one: in
-    the main kernel (the first version) its registers raised the whole kernel's and cost the
-    row loop 11-17 % on every input (H200, BENCHMARKS.md "Session of 2026-12-06")."""
+    the main kernel (the first version) it cost the row loop 10-17 % on every input, most
+    likely by raising the whole kernel's registers (H200, BENCHMARKS.md "Session of
+    2026-12-06")."""
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
