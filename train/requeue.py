@@ -216,7 +216,10 @@ def _sweep_jobs_all(overrides: list[str]) -> list[list[str]] | None:
 
 
 def _key(o: str) -> str:
-    return o.split("=", 1)[0].lstrip("+~")
+    """The key an override sets: a Hydra override as recorded (``+a.b=1``, ``++a.b=1``,
+    ``~a.b`` -> ``a.b``) or one ready for the shell (``'a.b=/x y'``, ``"a.b=1"``,
+    ``$'a.b=...'``, ``'+a.b=1'``: quotes stripped; no key holds a quote or ``$``)."""
+    return re.sub(r"[$'\"]", "", o.split("=", 1)[0]).lstrip("+~")
 
 
 def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
