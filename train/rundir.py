@@ -441,19 +441,23 @@ SET_ASIDE = ("config.yaml", "metrics.jsonl", "summary.json", "error.txt", "error
              "wandb_id.txt")
 
 
-def set_aside_command(run_dir: str | Path) -> str:
-    """The shell command that renames the files of :data:`SET_ASIDE` present in ``run_dir`` to
-    ``<name>.old`` (``.old2``, ... when one is taken), so that a new run can start there and
-    nothing is lost: the log, ``.hydra/``, ``wandb/`` and the set-aside files stay, and no
-    report reads the renamed files as a run (e.g. ``(cd runs/x && mv config.yaml
-    config.yaml.old && mv metrics.jsonl metrics.jsonl.old)``)."""
+def set_aside_command(run_dir: str | Path, names: tuple[str, ...] = SET_ASIDE) -> str:
+    """The shell command that renames the entries ``names`` (paths relative to ``run_dir``;
+    default the files of :data:`SET_ASIDE`) present in ``run_dir`` to ``<name>.old``
+    (``.old2``, ... when one is taken), so that a new run can start there and nothing is lost:
+    the log, ``.hydra/``, ``wandb/`` and the set-aside files stay, and no report reads the
+    renamed files as a run (e.g. ``(cd runs/x && mv config.yaml config.yaml.old && mv
+    metrics.jsonl metrics.jsonl.old)``). A checkpoint folder among ``names``
+    (``checkpoints/step5``) renamed so is no checkpoint to resume, rotate or refuse a resume by
+    (its name is no longer ``step{N}``): an older checkpoint can then be resumed there."""
     d = Path(run_dir)
-    present = [n for n in SET_ASIDE if (d / n).exists()]
+    present = [n for n in names if (d / n).exists()]
     k = 1
     while any((d / f"{n}.old{k if k > 1 else ''}").exists() for n in present):
         k += 1
     suffix = f".old{k if k > 1 else ''}"
-    moves = " && ".join(f"mv {n} {n}{suffix}" for n in present)
+    q = ckpt_io.shell_quote
+    moves = " && ".join(f"mv {q(n)} {q(n + suffix)}" for n in present)
     return f"(cd {ckpt_io.shell_quote(d)} && {moves})"
 
 
