@@ -32,8 +32,9 @@ table (arXiv 2603.23198, "Results": non-zeros per token fall with model size at 
 
 Errors name the run directory: :class:`IncompleteRunError` (no or a damaged summary.json: with
 the hint its cause calls for, from ``error.txt``: diverged (its last good checkpoint from
-``error.json``), failed, failed before training (a sweep job's folder holding only its reason),
-or crashed / killed / still running), :class:`MismatchError` (runs compared on different data,
+``error.json``, or an earlier one when that was saved just before the divergence), failed,
+failed before training (a sweep job's folder holding only its reason), or crashed / killed /
+still running), :class:`MismatchError` (runs compared on different data,
 tokens seen or seq_len).
 
 Shape legend: L layers, T sequence positions, H FFN width, B sequences, D model width.
@@ -382,28 +383,79 @@ def _last_good(d: Path, reason: str) -> tuple[str, str | None]:
         return "path", text
 
 
-def _diverged_advice(d: Path, reason: str, sweep_job: bool = False) -> str:
-    """What to do about diverged run ``d``, by its last good checkpoint (:func:`_last_good`):
-    none: start again with a lower ``optim.lr``; a checkpoint: resume that one with a lower
-    ``optim.lr``; not known: either. A ``-m`` sweep's job (``sweep_job``) is told what to do
-    in words: :func:`_diverged_alone` gives its command (the sweep's ``-m`` command with
-    another lr is refused as another sweep)."""
+# A diverged run's checkpoint saved fewer steps than this before the diverged step is not named
+# for a resume: step N's forward ran on step N-1's weights, and the weights of the steps just
+# before a divergence may already be ruined, so that resume with a lower lr can diverge again
+# (or go on from a ruined loss)
+DIVERGED_MARGIN = 5
+
+
+def _failed_step(d: Path, reason: str) -> int | None:
+    """The step at which diverged run ``d`` stopped: ``error.json``'s, else the ``at step N`` /
+    ``after step N`` of its error line ``reason``; None when neither names one."""
+    facts = _error_facts(d)
+    if facts is not None and isinstance(facts.get("step"), int):
+        return facts["step"]
+    found = re.search(r"\b(?:at|after) step (\d+)\b", reason)
+    return int(found.group(1)) if found else None
+
+
+def _resume_point(d: Path, reason: str) -> tuple[str, str | None, str | None]:
+    """Which checkpoint the advice for diverged run ``d`` resumes: ``(kind, path, close)``,
+    ``kind`` and ``path`` as :func:`_last_good` gives them, except that a last good checkpoint
+    saved fewer than :data:`DIVERGED_MARGIN` steps before the failed step is replaced by the
+    newest checkpoint kept in its run dir at least that many steps before (``"path"``), or by none
+    (``"none"``); ``close`` then names the replaced one and why (None otherwise)."""
     from train.checkpoint import shell_quote  # (imports torch: not at import time)
+    from twell.hf import folder_step, list_checkpoints
 
     kind, path = _last_good(d, reason)
+    failed = _failed_step(d, reason)
+    saved = folder_step(path) if kind == "path" else None
+    if saved is None or failed is None or failed - saved >= DIVERGED_MARGIN:
+        return kind, path, None
+    gap = failed - saved
+    close = (f"its last good checkpoint, {shell_quote(path)}, saved {gap} step"
+             f"{'' if gap == 1 else 's'} before the divergence at step {failed} (step {failed}'s "
+             f"forward ran on step {failed - 1}'s weights, and the weights of the steps just "
+             "before a divergence may already be ruined)")
+    folder = Path(path).parent
+    run = folder.parent if folder.name == "checkpoints" and folder.is_dir() else d
+    older = [c for c in list_checkpoints(run) if folder_step(c) <= failed - DIVERGED_MARGIN]
+    return ("path", str(older[-1]), close) if older else ("none", None, close)
+
+
+def _diverged_advice(d: Path, reason: str, sweep_job: bool = False) -> str:
+    """What to do about diverged run ``d``, by the checkpoint to resume (:func:`_resume_point`):
+    none: start again with a lower ``optim.lr``; a checkpoint: resume that one with a lower
+    ``optim.lr`` (an earlier one than the last good, too close to the divergence: in a new
+    run dir, where the newer checkpoints refuse no branch); not known: either. A ``-m``
+    sweep's job (``sweep_job``) is told what to do in words: :func:`_diverged_alone` gives its
+    command (the sweep's ``-m`` command with another lr is refused as another sweep)."""
+    from train.checkpoint import shell_quote  # (imports torch: not at import time)
+
+    kind, path, close = _resume_point(d, reason)
+    ckpt = shell_quote(path) if path else None
+    too_close = "" if close is None else f", and so may resuming {close}"
     if sweep_job:
         if kind == "none":
-            return (", and it has no good checkpoint to resume: start it again with a lower "
-                    "optim.lr or longer optim.warmup_steps")
-        named = f"its last good checkpoint, {shell_quote(path)}," if path else (
-            "its last good checkpoint")
-        return (f": resume {named} with a lower optim.lr or start a new sweep (a new "
+            return (f"{too_close}, with no earlier checkpoint kept: " if close else
+                    ", and it has no good checkpoint to resume: ") + (
+                "start it again with a lower optim.lr or longer optim.warmup_steps")
+        named = (f"an earlier checkpoint, {ckpt}," if close else
+                 f"its last good checkpoint, {ckpt}," if ckpt else "its last good checkpoint")
+        return (f"{too_close}: resume {named} with a lower optim.lr or start a new sweep (a new "
                 "hydra.sweep.dir) with a lower optim.lr or longer optim.warmup_steps")
-    ckpt = shell_quote(path) if path else None
     fresh = ("start a new run (a new hydra.run.dir) with a lower optim.lr or longer "
              "optim.warmup_steps")
     if kind == "none":
+        if close:
+            return f"{too_close}, with no earlier checkpoint kept: {fresh}"
         return f", and it has no good checkpoint to resume: {fresh}"
+    if close:
+        return (f"{too_close}: resume an earlier checkpoint, {ckpt}, with a lower optim.lr in a "
+                f"new hydra.run.dir (trainer.resume={ckpt} trainer.resume_allow_changes=true "
+                f"optim.lr=... hydra.run.dir=<new dir>) or {fresh}")
     named = f"its last good checkpoint, {ckpt}," if ckpt else "its last good checkpoint"
     return (f": resume {named} with a lower optim.lr (trainer.resume={ckpt or '<checkpoint>'} "
             f"trainer.resume_allow_changes=true optim.lr=...) or {fresh}")
@@ -412,22 +464,38 @@ def _diverged_advice(d: Path, reason: str, sweep_job: bool = False) -> str:
 def _diverged_alone(d: Path, reason: str) -> str | None:
     """For diverged ``-m`` sweep job ``d``: the sentence giving the command that runs it alone
     in its folder with a lower ``optim.lr`` (its recorded overrides: :func:`_job_overrides`),
-    resuming its last good checkpoint (:func:`_last_good`), or, with none, started again (its
-    files set aside: :func:`_fresh_alone`); None for a run that is no sweep's job."""
+    resuming the checkpoint :func:`_resume_point` names (its folder's newer checkpoints set
+    aside: a resume must continue the folder's newest), or, with none, started again (its
+    files and checkpoints set aside: :func:`_fresh_alone`); None for a run that is no sweep's
+    job."""
     overrides = _job_overrides(d)
     if overrides is None:
         return None
-    from train.requeue import job_alone_command, override_arg  # (torch: not at import time)
+    from train.checkpoint import shell_quote  # (torch: not at import time)
+    from train.requeue import job_alone_command, override_arg
+    from train.rundir import set_aside_command
+    from twell.hf import folder_step, list_checkpoints
 
     lower = "optim.lr=<lower lr>"
     why = "the -m command with another value is refused as another sweep"
-    kind, path = _last_good(d, reason)
+    kind, path, close = _resume_point(d, reason)
+    own = list_checkpoints(d)
     if kind == "none":
-        return (f"This sweep job started again alone in its folder with a lower optim.lr "
+        aside = " (its checkpoints set aside too)" if own else ""
+        return (f"This sweep job started again alone in its folder{aside} with a lower optim.lr "
                 f"({why}): {_fresh_alone(d, overrides, lower)}")
     resume = override_arg("trainer.resume", path) if path else "trainer.resume=<checkpoint>"
     cmd = job_alone_command(d, overrides, resume, "trainer.resume_allow_changes=true", lower)
-    return f"This sweep job resumed alone in its folder with a lower optim.lr ({why}): {cmd}"
+    if close is None:
+        return f"This sweep job resumed alone in its folder with a lower optim.lr ({why}): {cmd}"
+    here = Path(path).parent.parent.resolve() == d.resolve()
+    newer = tuple(f"checkpoints/{c.name}" for c in own
+                  if not here or folder_step(c) > folder_step(path))
+    if newer:
+        cmd = f"{set_aside_command(d, newer)} && {cmd}"
+    return (f"This sweep job resumed alone in its folder from {shell_quote(path)}"
+            f"{' (its newer checkpoints set aside)' if newer else ''} with a lower optim.lr "
+            f"({why}): {cmd}")
 
 
 def _error_facts(d: Path) -> dict | None:
@@ -475,12 +543,17 @@ def _job_overrides(d: Path) -> list | None:
 def _fresh_alone(d: Path, overrides: list, *extra: str) -> str:
     """The command that starts sweep job ``d`` again alone in its folder (with ``extra``
     arguments): its files set aside first when it started (``train.rundir.set_aside_command``,
-    its log kept: a run dir holding another config and no checkpoint is refused)."""
+    its log kept: a run dir holding another config and no checkpoint is refused), and its
+    checkpoints too when it saved any (``trainer.resume=auto`` would continue the newest)."""
     from train.requeue import job_alone_command  # (torch: not at import time)
-    from train.rundir import set_aside_command
+    from train.rundir import SET_ASIDE, set_aside_command
+    from twell.hf import list_checkpoints
 
     cmd = job_alone_command(d, overrides, *extra)
-    return f"{set_aside_command(d)} && {cmd}" if (d / "config.yaml").is_file() else cmd
+    names = SET_ASIDE + tuple(f"checkpoints/{c.name}" for c in list_checkpoints(d))
+    if (d / "config.yaml").is_file() or len(names) > len(SET_ASIDE):
+        return f"{set_aside_command(d, names)} && {cmd}"
+    return cmd
 
 
 def _job_alone(d: Path) -> str | None:

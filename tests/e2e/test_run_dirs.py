@@ -426,8 +426,8 @@ def test_a_diverged_sweep_job_trains_on_by_the_command_the_report_names(tokens, 
     step 2 on), one after saving step 1, one before any save: the sweep's -m command with
     another value is refused as another sweep; the report names for each the command that runs
     it alone in its folder with a lower optim.lr, and, pasted with the values filled in (the
-    L1 fixed too), it resumes step 1 or starts the job again (its files set aside, the old
-    ones kept) and trains it to the end."""
+    L1 fixed too), it starts the job again (its files set aside, and step 1, whose weights
+    step 2 diverged on, too; the old ones kept) and trains it to the end."""
     from studies.report import IncompleteRunError, load_run
 
     sweep = tmp_path / "sweep"
@@ -442,26 +442,69 @@ def test_a_diverged_sweep_job_trains_on_by_the_command_the_report_names(tokens, 
     assert not (sweep / "1" / "checkpoints").exists()
     r = _train(tokens, *cmd, "trainer.save_every=1,100", "optim.lr=1e-4")
     assert r.returncode == 2 and "holds another sweep" in r.stderr, r.stderr[-3000:]
-    step1 = sweep / "0" / "checkpoints" / "step1"
-    aside = (f"(cd {sweep / '1'} && mv config.yaml config.yaml.old && mv metrics.jsonl "
-             "metrics.jsonl.old && mv error.txt error.txt.old && mv error.json error.json.old) "
-             "&& ")
-    resume = f"trainer.resume={step1} trainer.resume_allow_changes=true"
-    for job, head, tail, done in (
-            ("0", "", f"trainer.save_every=1 {resume} optim.lr=<lower lr>",
-             f"resumed from {step1} at step 1"),
-            ("1", aside, "trainer.save_every=100 optim.lr=<lower lr>", "training steps 1-3 of 3")):
+    def aside(job: str, more: str = "") -> str:
+        return (f"(cd {sweep / job} && mv config.yaml config.yaml.old && mv metrics.jsonl "
+                "metrics.jsonl.old && mv error.txt error.txt.old && mv error.json "
+                f"error.json.old{more}) && ")
+
+    for job, head, tail in (
+            ("0", aside("0", " && mv checkpoints/step1 checkpoints/step1.old"),
+             "trainer.save_every=1 optim.lr=<lower lr>"),
+            ("1", aside("1"), "trainer.save_every=100 optim.lr=<lower lr>")):
         why = str(pytest.raises(IncompleteRunError, load_run, sweep / job).value)
         alone = why.split("lower optim.lr (the -m command with another value is refused as "
                           "another sweep): ", 1)[1]
         assert alone.startswith(f"{head}twell-train hydra.run.dir={sweep / job} data=tokens ")
         assert alone.endswith(f" sparsity.l1_coeff=1e+300 {tail}"), alone  # as Hydra records it
         r = _follow(alone.replace("<lower lr>", "1e-4").replace("l1_coeff=1e+300", "l1_coeff=0"))
-        assert r.returncode == 0 and done in r.stdout, r.stderr[-3000:]
+        assert r.returncode == 0 and "training steps 1-3 of 3" in r.stdout, r.stderr[-3000:]
         assert _steps(sweep / job) == 3 and not (sweep / job / "error.txt").exists()
         cfg = load_run(sweep / job).config
         assert (cfg["optim"]["lr"], cfg["sparsity"]["l1_coeff"]) == (1e-4, 0)
-    assert (sweep / "1" / "error.txt.old").read_text().startswith("NonFiniteLossError: ")
+        assert (sweep / job / "error.txt.old").read_text().startswith("NonFiniteLossError: ")
+    assert (sweep / "0" / "checkpoints" / "step1.old" / "metadata.json").is_file()
+
+
+def test_a_diverged_sweep_job_resumes_an_earlier_checkpoint_it_kept(tokens, tmp_path):
+    """A sweep job diverges at step 7 (its L1 coefficient, 0 through step 6, is 1e300 from
+    step 7 on) having kept steps 1-6: those fewer than 5 steps before the divergence are not
+    resumed, so the report names step 2, and its command, pasted with the values filled in
+    (the L1 fixed too), sets steps 3-6 aside (a resume of an older checkpoint than the
+    folder's newest is refused) and resumes step 2 in the job's folder to the end."""
+    from studies.report import IncompleteRunError, load_run
+    from twell.hf import list_checkpoints
+
+    sweep = tmp_path / "sweep"
+    job = sweep / "0"
+    r = _train(tokens, "-m", f"hydra.sweep.dir={sweep}", "trainer.max_steps=8",
+               "trainer.save_every=1", "trainer.keep_last=10", "sparsity.schedule=linear_warmup",
+               "sparsity.warmup_start=5", "sparsity.warmup_end=6", "sparsity.l1_coeff=1e300")
+    assert r.returncode == 2 and "sweep: 1 of 1 jobs failed:" in r.stderr, r.stderr[-3000:]
+    assert (job / "error.txt").read_text().startswith(
+        "NonFiniteLossError: non-finite loss or gradient at step 7 ")
+    assert [c.name for c in list_checkpoints(job)] == [f"step{i}" for i in range(1, 7)]
+    step2, step6 = job / "checkpoints" / "step2", job / "checkpoints" / "step6"
+    why = str(pytest.raises(IncompleteRunError, load_run, job).value)
+    assert (f"diverges again, and so may resuming its last good checkpoint, {step6}, saved 1 "
+            f"step before the divergence at step 7 (step 7's forward ran on step 6's weights, "
+            "and the weights of the steps just before a divergence may already be ruined): "
+            f"resume an earlier checkpoint, {step2}, with a lower optim.lr or start a new "
+            "sweep") in why
+    alone = why.split("lower optim.lr (the -m command with another value is refused as "
+                      "another sweep): ", 1)[1]
+    moves = " && ".join(f"mv checkpoints/step{i} checkpoints/step{i}.old" for i in range(3, 7))
+    assert alone.startswith(f"(cd {job} && {moves}) && twell-train hydra.run.dir={job} "
+                            "data=tokens ")
+    assert alone.endswith(f" sparsity.l1_coeff=1e+300 trainer.resume={step2} "
+                          "trainer.resume_allow_changes=true optim.lr=<lower lr>"), alone
+    r = _follow(alone.replace("<lower lr>", "1e-4").replace("l1_coeff=1e+300", "l1_coeff=0"))
+    assert r.returncode == 0 and f"resumed from {step2} at step 2" in r.stdout, r.stderr[-3000:]
+    assert "training steps 3-8 of 8" in r.stdout
+    assert _steps(job) == 8 and not (job / "error.txt").exists()
+    cfg = load_run(job).config
+    assert (cfg["optim"]["lr"], cfg["sparsity"]["l1_coeff"]) == (1e-4, 0)
+    assert all((job / "checkpoints" / f"step{i}.old" / "metadata.json").is_file()
+               for i in range(3, 7))
 
 
 def test_a_run_dir_without_a_checkpoint_is_reused_by_setting_its_files_aside(tokens, tmp_path):

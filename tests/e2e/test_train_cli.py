@@ -238,14 +238,16 @@ def test_sweep_runs_every_job_and_lists_the_failed_ones(tmp_path):
 def test_a_diverged_runs_facts_lead_the_report_to_its_checkpoint(tmp_path):
     """A run that diverges at step 2 after saving step 1 writes its facts to error.json (the
     checkpoint relative to the run dir); twell-report names that checkpoint under the run dir
-    after the dir was moved."""
+    after the dir was moved, and not for a resume: step 1's weights (after an update at lr
+    1e30) are what step 2 diverged on, so resuming them with a lower lr diverges again at step
+    2; with no earlier checkpoint the advice is a new run."""
     import shutil
 
     from studies.report import IncompleteRunError, load_run
 
-    r = _train_cli("data=tokens", f"data.paths=[{_tokens(tmp_path)}]", *SMALL,
-                   "trainer.max_steps=3", "trainer.save_every=1", "optim.lr=1e30",
-                   f"hydra.run.dir={tmp_path / 'run'}")
+    base = ["data=tokens", f"data.paths=[{_tokens(tmp_path)}]", *SMALL, "trainer.max_steps=3",
+            "trainer.save_every=1"]
+    r = _train_cli(*base, "optim.lr=1e30", f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 2 and "NonFiniteLossError: " in r.stderr, r.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "error.json").read_text()) == {
         "error": "NonFiniteLossError", "step": 2, "reason": "non-finite loss or gradient",
@@ -255,8 +257,19 @@ def test_a_diverged_runs_facts_lead_the_report_to_its_checkpoint(tmp_path):
     (moved / ".lock").unlink(missing_ok=True)
     step1 = moved / "checkpoints" / "step1"
     why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
-    assert f"resume its last good checkpoint, {step1}, with a lower optim.lr" in why
+    assert why.endswith(
+        f"diverges again, and so may resuming its last good checkpoint, {step1}, saved 1 step "
+        "before the divergence at step 2 (step 2's forward ran on step 1's weights, and the "
+        "weights of the steps just before a divergence may already be ruined), with no earlier "
+        "checkpoint kept: start a new run (a new hydra.run.dir) with a lower optim.lr or longer "
+        "optim.warmup_steps, or leave it out (--skip-incomplete)")
     assert str(tmp_path / "run") not in why.split("diverges again")[1]
+    # the advice it replaces: resume step 1 with a lower lr, which diverges again at step 2
+    r = _train_cli(*base, f"trainer.resume={step1}", "trainer.resume_allow_changes=true",
+                   "optim.lr=1e-4", f"hydra.run.dir={tmp_path / 'resumed'}")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert (tmp_path / "resumed" / "error.txt").read_text().startswith(
+        "NonFiniteLossError: non-finite loss or gradient at step 2 ")
 
 
 def test_a_short_runs_warmup_is_a_note_unless_set_on_the_command_line(tmp_path):

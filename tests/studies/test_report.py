@@ -98,15 +98,16 @@ def _edit_json(path: Path, **changes) -> None:
 
 
 
-def _write_diverged(run, loss: str, old_dir: str) -> dict:
-    """The error.txt and error.json of a run that diverged at step 4 after saving step 2 (the
-    text naming the checkpoint under ``old_dir``, where the run was written); returns the
-    error.json facts."""
+def _write_diverged(run, loss: str, old_dir: str, step: int = 6, saved: int = 1) -> dict:
+    """The error.txt and error.json of a run that diverged at ``step`` after saving ``saved``
+    (by default 5 steps before: far enough to be named for a resume; the text naming the
+    checkpoint under ``old_dir``, where the run was written); returns the error.json facts."""
     (run / "error.txt").write_text(
-        f"NonFiniteLossError: non-finite loss or gradient at step 4 (loss {loss}, grad norm "
-        f"nan); the step was not applied; last good checkpoint: {old_dir}/checkpoints/step2\n")
-    facts = {"error": "NonFiniteLossError", "step": 4, "reason": "non-finite loss or gradient",
-             "last_good_checkpoint": "checkpoints/step2"}
+        f"NonFiniteLossError: non-finite loss or gradient at step {step} (loss {loss}, grad "
+        f"norm nan); the step was not applied; last good checkpoint: "
+        f"{old_dir}/checkpoints/step{saved}\n")
+    facts = {"error": "NonFiniteLossError", "step": step, "reason": "non-finite loss or gradient",
+             "last_good_checkpoint": f"checkpoints/step{saved}"}
     (run / "error.json").write_text(json.dumps(facts))
     return facts
 
@@ -395,15 +396,15 @@ def test_failed_runs_get_the_hint_their_cause_calls_for(runs, tmp_path):
     assert "rerun the same command" not in why["diverged"]  # it would diverge again
     # the error names the last good checkpoint: the advice resumes that one, or, with none
     # (diverged before its first save), starts again
-    step2 = diverged / "checkpoints" / "step2"
-    for ckpt in (step2, "none"):
+    step1 = diverged / "checkpoints" / "step1"  # 5 steps before the divergence: named
+    for ckpt in (step1, "none"):
         (diverged / "error.txt").write_text(
-            "NonFiniteLossError: non-finite loss or gradient at step 4 (loss 4.159, grad norm "
+            "NonFiniteLossError: non-finite loss or gradient at step 6 (loss 4.159, grad norm "
             f"nan); the step was not applied; last good checkpoint: {ckpt}\n")
         why[str(ckpt)] = str(pytest.raises(IncompleteRunError, load_run, diverged).value)
-    assert why[str(step2)].endswith(
-        f"diverges again: resume its last good checkpoint, {step2}, with a lower optim.lr "
-        f"(trainer.resume={step2} trainer.resume_allow_changes=true optim.lr=...) or start a "
+    assert why[str(step1)].endswith(
+        f"diverges again: resume its last good checkpoint, {step1}, with a lower optim.lr "
+        f"(trainer.resume={step1} trainer.resume_allow_changes=true optim.lr=...) or start a "
         "new run (a new hydra.run.dir) with a lower optim.lr or longer optim.warmup_steps, or "
         "leave it out (--skip-incomplete)")
     assert why["none"].endswith(
@@ -429,12 +430,12 @@ def test_diverged_runs_last_good_checkpoint_is_read_from_error_json(runs, tmp_pa
     moved = _copy(runs, "l1", tmp_path, "moved")
     (moved / "summary.json").unlink()
     facts = _write_diverged(moved, "4.159", "/gone/run")
-    step2 = moved / "checkpoints" / "step2"
+    step1 = moved / "checkpoints" / "step1"
     why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
-    assert (f"diverges again: resume its last good checkpoint, {step2}, with a lower optim.lr "
-            f"(trainer.resume={step2} trainer.resume_allow_changes=true") in why
+    assert (f"diverges again: resume its last good checkpoint, {step1}, with a lower optim.lr "
+            f"(trainer.resume={step1} trainer.resume_allow_changes=true") in why
     assert "/gone/run" not in why
-    assert why.startswith(f"{moved}: diverged run (at step 4; last logged step ")
+    assert why.startswith(f"{moved}: diverged run (at step 6; last logged step ")
     assert "(loss 4.159, grad norm nan); the step was not applied. Rerunning" in why
     (moved / "error.json").write_text(json.dumps({**facts, "last_good_checkpoint": None}))
     why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
@@ -442,8 +443,8 @@ def test_diverged_runs_last_good_checkpoint_is_read_from_error_json(runs, tmp_pa
     for damaged in ("{not json", json.dumps({"step": 4}), json.dumps([1])):
         (moved / "error.json").write_text(damaged)
         why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
-        assert ("resume its last good checkpoint, /gone/run/checkpoints/step2, with a lower "
-                "optim.lr (trainer.resume=/gone/run/checkpoints/step2 ") in why
+        assert ("resume its last good checkpoint, /gone/run/checkpoints/step1, with a lower "
+                "optim.lr (trainer.resume=/gone/run/checkpoints/step1 ") in why
 
 
 def test_damaged_summary_or_config_is_named(runs, tmp_path, capsys):
@@ -638,17 +639,17 @@ def test_a_diverged_sweep_job_is_told_to_resume_alone_in_its_folder(runs, tmp_pa
     (job / ".hydra" / "overrides.yaml").write_text(
         '["hydra.job.chdir=false", "data.paths=[/a b]", "optim.lr=1e30"]')
     facts = _write_diverged(job, "nan", "/gone/1")
-    step2 = job / "checkpoints" / "step2"
-    head = (f"{job}: diverged run (at step 4; last logged step 6 of 6): NonFiniteLossError: "
-            "non-finite loss or gradient at step 4 (loss nan, grad norm nan); the step was not "
+    step1 = job / "checkpoints" / "step1"
+    head = (f"{job}: diverged run (at step 6; last logged step 6 of 6): NonFiniteLossError: "
+            "non-finite loss or gradient at step 6 (loss nan, grad norm nan); the step was not "
             "applied. Rerunning the same command diverges again")
     why = "the -m command with another value is refused as another sweep"
     alone = f"twell-train {arg('hydra.run.dir', job)} 'data.paths=[/a b]'"
     assert str(pytest.raises(IncompleteRunError, load_run, job).value) == (
-        f"{head}: resume its last good checkpoint, '{step2}', with a lower optim.lr or start a "
+        f"{head}: resume its last good checkpoint, '{step1}', with a lower optim.lr or start a "
         "new sweep (a new hydra.sweep.dir) with a lower optim.lr or longer optim.warmup_steps, "
         "or leave it out (--skip-incomplete). This sweep job resumed alone in its folder with "
-        f"a lower optim.lr ({why}): {alone} {arg('trainer.resume', step2)} "
+        f"a lower optim.lr ({why}): {alone} {arg('trainer.resume', step1)} "
         "trainer.resume_allow_changes=true optim.lr=<lower lr>")
     shutil.rmtree(job / "checkpoints")  # it diverged before its first save
     (job / "error.json").write_text(json.dumps({**facts, "last_good_checkpoint": None}))
@@ -662,6 +663,67 @@ def test_a_diverged_sweep_job_is_told_to_resume_alone_in_its_folder(runs, tmp_pa
     assert str(pytest.raises(IncompleteRunError, load_run, job).value).endswith(
         "and it has no good checkpoint to resume: start a new run (a new hydra.run.dir) with a "
         "lower optim.lr or longer optim.warmup_steps, or leave it out (--skip-incomplete)")
+
+
+def test_a_checkpoint_just_before_the_divergence_is_not_named_for_a_resume(runs, tmp_path):
+    """A run that diverged at step 6 after saving step 5: step 6's forward ran on step 5's
+    weights, so resuming step 5 with a lower lr can diverge again (the advice looped). The
+    advice names the newest checkpoint kept at least 5 steps before (step 1; not step 3), in a
+    new run dir, or, a sweep's job, alone in its folder with the newer ones set aside; with
+    none that far back, a start again (a job's checkpoints set aside too, as auto would resume
+    them); and says why in one clause."""
+    from train.requeue import override_arg as arg
+
+    sweep = tmp_path / "my sweep"
+    job = sweep / "1"
+    shutil.copytree(runs / "l1", job)
+    (job / "summary.json").unlink()
+    shutil.rmtree(job / "checkpoints")
+    ckpts = {n: job / "checkpoints" / f"step{n}" for n in (1, 3, 5)}
+    for c in ckpts.values():
+        c.mkdir(parents=True)
+        (c / "metadata.json").write_text("{}")
+    _write_diverged(job, "nan", "/gone/1", step=6, saved=5)
+    head = (f"{job}: diverged run (at step 6; last logged step 6 of 6): NonFiniteLossError: "
+            "non-finite loss or gradient at step 6 (loss nan, grad norm nan); the step was not "
+            "applied. Rerunning the same command diverges again, and so may resuming its last "
+            f"good checkpoint, '{ckpts[5]}', saved 1 step before the divergence at step 6 (step "
+            "6's forward ran on step 5's weights, and the weights of the steps just before a "
+            "divergence may already be ruined)")
+    fresh = ("start a new run (a new hydra.run.dir) with a lower optim.lr or longer "
+             "optim.warmup_steps, or leave it out (--skip-incomplete)")
+    assert str(pytest.raises(IncompleteRunError, load_run, job).value) == (
+        f"{head}: resume an earlier checkpoint, '{ckpts[1]}', with a lower optim.lr in a new "
+        f"hydra.run.dir (trainer.resume='{ckpts[1]}' trainer.resume_allow_changes=true "
+        f"optim.lr=... hydra.run.dir=<new dir>) or {fresh}")
+    shutil.rmtree(ckpts[1])  # step 3 is 3 steps before: too close as well
+    assert str(pytest.raises(IncompleteRunError, load_run, job).value) == (
+        f"{head}, with no earlier checkpoint kept: {fresh}")
+
+    # a -m sweep's job: the command runs it alone in its folder
+    (sweep / "multirun.yaml").write_text("{}")
+    (job / ".hydra").mkdir()
+    (job / ".hydra" / "overrides.yaml").write_text('["hydra.job.chdir=false", "optim.lr=1e30"]')
+    why = "the -m command with another value is refused as another sweep"
+    alone = f"twell-train {arg('hydra.run.dir', job)}"
+    assert str(pytest.raises(IncompleteRunError, load_run, job).value) == (
+        f"{head}, with no earlier checkpoint kept: start it again with a lower optim.lr or "
+        "longer optim.warmup_steps, or leave it out (--skip-incomplete). This sweep job "
+        f"started again alone in its folder (its checkpoints set aside too) with a lower "
+        f"optim.lr ({why}): (cd '{job}' && mv config.yaml config.yaml.old && mv metrics.jsonl "
+        "metrics.jsonl.old && mv error.txt error.txt.old && mv error.json error.json.old && mv "
+        "checkpoints/step3 checkpoints/step3.old && mv checkpoints/step5 checkpoints/step5.old) "
+        f"&& {alone} optim.lr=<lower lr>")
+    ckpts[1].mkdir()
+    (ckpts[1] / "metadata.json").write_text("{}")
+    assert str(pytest.raises(IncompleteRunError, load_run, job).value) == (
+        f"{head}: resume an earlier checkpoint, '{ckpts[1]}', with a lower optim.lr or start a "
+        "new sweep (a new hydra.sweep.dir) with a lower optim.lr or longer optim.warmup_steps, "
+        "or leave it out (--skip-incomplete). This sweep job resumed alone in its folder from "
+        f"'{ckpts[1]}' (its newer checkpoints set aside) with a lower optim.lr ({why}): (cd "
+        f"'{job}' && mv checkpoints/step3 checkpoints/step3.old && mv checkpoints/step5 "
+        f"checkpoints/step5.old) && {alone} {arg('trainer.resume', ckpts[1])} "
+        "trainer.resume_allow_changes=true optim.lr=<lower lr>")
 
 
 def test_l0_is_plotted_against_l1(runs, tmp_path, monkeypatch):
