@@ -244,8 +244,11 @@ class Checkpointer:
         if found is not None:
             # a config saved before the ffn group existed reads as one saved after (upgrade_saved)
             saved = upgrade_saved(ckpt_io.load_yaml(found / "train_config.yaml"))
+            # the shape: model.* but its name, and ffn.policy.* but the inference knobs
+            # (rundir.RESUME_SAFE_POLICY_KEYS)
             diff = [d for d in config_diff(saved, config_dict)
-                    if d.startswith(("model.", "ffn.policy.")) and not d.startswith("model.name")]
+                    if d.startswith(("model.", "ffn.policy."))
+                    and not rundir.resume_safe(d.split(":", 1)[0])]
             if diff:
                 other = ("another trainer.resume" if explicit  # the run dir is not the cause
                          else "a new hydra.run.dir")

@@ -56,6 +56,22 @@ RESUME_SAFE_KEYS = (
     "data.num_proc", "data.verify", "data.build_if_missing", "data.cache_dir",
     "logging.", "eval.",
 )
+# The ffn.policy fields (twell.policy.FFNPolicy) a resume may change; the one list. Each only
+# picks the inference path (TwELL or dense) or the inference consumer's schedule: the no-grad
+# forwards alone read them (validation, evals; the training ops, twell/ops/ffn_train.py and
+# ffn_dense_train.py, read none), the paths they choose between compute the same FFN up to
+# rounding, and no state saved in a checkpoint depends on them. Every other ffn.policy field
+# stays part of the checkpoint's shape (Checkpointer.check_resume_config), to be conservative:
+# the ELL capacity, all-dense fraction, hot-unit and backup-floor fields decide the FFN plan
+# state saved with each checkpoint (capacities, hot units), and the training path's thresholds
+# and measured choice made its saved paths and timings.
+RESUME_SAFE_POLICY_KEYS = tuple(f"ffn.policy.{name}" for name in (
+    "infer_density_threshold", "infer_min_rows", "infer_min_flops", "infer_measure",
+    "infer_timed_calls", "infer_twell_margin", "infer_remeasure_factor",  # inference path
+    "infer_long_rows", "infer_long_min_nnz", "infer_heavy_first", "infer_split_long",
+    "infer_split_parts",  # the inference consumer's schedule
+))
+RESUME_SAFE_KEYS += RESUME_SAFE_POLICY_KEYS
 # Keys of the optimizer and its schedule (trainer.max_steps is the cosine's length): a resume
 # changes them only with trainer.resume_allow_changes=true (applied exactly, Trainer.resume).
 RESUME_OPTIM_KEYS = ("optim.lr", "optim.min_lr_ratio", "optim.betas", "optim.eps",

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from tests.train_utils import tiny_config, train_run, write_tokens
+import dataclasses
+
+import pytest
+import torch
+
+from tests.train_utils import one_line, tiny_config, train_run, write_tokens
 from train import checkpoint as ckpt_io
 from train.checkpointer import Checkpointed
+from train.config import ConfigError
+from train.rundir import RESUME_SAFE_POLICY_KEYS
 from train.trainer import Trainer
+from twell.policy import FFNPolicy
 
 MEMBERS = set(Checkpointed.__annotations__) | {"state_dict", "load_state_dict"}
 
@@ -49,3 +57,53 @@ def test_checkpointer_resumes_and_saves_through_checkpointed_members_only(tmp_pa
         assert ckpt_io.lineage_id(saved) == b.lineage["id"] != ckpt_io.lineage_id(step2)
     finally:
         b.close()
+
+
+def test_a_resume_may_change_ffn_policys_inference_knobs_but_not_the_others(tmp_path):
+    """ffn.policy's inference-only knobs (the inference path and the consumer's schedule) may
+    change on resume, with trainer.resume=auto too; the others stay part of the checkpoint's
+    shape (train.rundir.RESUME_SAFE_POLICY_KEYS)."""
+    fields = {f.name for f in dataclasses.fields(FFNPolicy)}
+    names = [k.removeprefix("ffn.policy.") for k in RESUME_SAFE_POLICY_KEYS]
+    assert set(names) <= fields  # a misspelt name would refuse its knob without a word
+    assert "infer_split_long" in names and "ell_capacity" not in names
+
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
+    run = tmp_path / "run"
+    a = train_run(tiny_config(tok, **{"trainer.max_steps": 1}), run)
+    step1 = run / "checkpoints" / "step1"
+    assert a.last_ckpt == step1
+    want = {k: v.detach().clone() for k, v in a.model.state_dict().items()}
+
+    def config(**policy):
+        return tiny_config(tok, **{"trainer.max_steps": 1, "ffn.policy": FFNPolicy(**policy)})
+
+    speed = {"infer_split_long": 4, "infer_split_parts": 2, "infer_heavy_first": True,
+             "infer_long_rows": 8, "infer_min_rows": 16}
+    t = Trainer(config(**speed), run)  # trainer.resume=auto
+    try:
+        assert t.step == 1 and t.last_ckpt == step1
+        got = t.model.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+        assert len(t.plan.mlps) == 2
+        for m in t.plan.mlps:  # the new values are the ones the layers run with
+            assert (m.policy.infer_split_long, m.policy.infer_split_parts,
+                    m.policy.infer_heavy_first, m.policy.infer_long_rows,
+                    m.policy.infer_min_rows) == (4, 2, True, 8, 16)
+    finally:
+        t.close()
+
+    # the ELL capacity and the training path's thresholds are the checkpoint's: refused, and
+    # only they are named (not the inference knob changed with them)
+    with pytest.raises(ConfigError) as err:
+        Trainer(config(ell_capacity=16, infer_split_long=4), run)
+    assert one_line(err) == (f"checkpoint {step1} has another model shape "
+                             "(ffn.policy.ell_capacity: 0 -> 16); use the same model config or "
+                             "a new hydra.run.dir.")
+    with pytest.raises(ConfigError) as err:
+        Trainer(tiny_config(tok, **{"trainer.max_steps": 1, "trainer.resume": str(step1),
+                                    "ffn.policy": FFNPolicy(train_density_threshold=0.05)}),
+                tmp_path / "other")
+    assert one_line(err) == (f"checkpoint {step1} has another model shape "
+                             "(ffn.policy.train_density_threshold: 0.1 -> 0.05); use the same "
+                             "model config or another trainer.resume.")
