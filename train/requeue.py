@@ -320,9 +320,9 @@ except ImportError:  # Hydra is only needed by the CLI
 
 
 class RequeueCallback(Callback):
-    """Hydra callback (``hydra.callbacks`` in configs/train.yaml, first): before Hydra makes
-    the timestamped run dir (``-m``: sweep dir), put this config's unfinished run (sweep) in its
-    place (module docstring). A named sweep dir that holds another sweep (:func:`other_sweep_in`)
+    """Hydra callback (``hydra.callbacks`` in configs/train.yaml, after the ``~`` expansion of
+    ``train.rundir.HomeDirCallback``): before Hydra makes the timestamped run dir (``-m``: sweep
+    dir), put this config's unfinished run (sweep) in its place (module docstring). A named sweep dir that holds another sweep (:func:`other_sweep_in`)
     stops the sweep before anything is written (one line, exit code 2)."""
 
     def on_run_start(self, config, **kwargs) -> None:

@@ -1,5 +1,6 @@
 """Run-directory rules: one process per run dir (a lock), what ``trainer.resume`` accepts, which
-config changes a resume allows, and the clean-up of a run that failed before it trained.
+config changes a resume allows, the clean-up of a run that failed before it trained, and a run
+dir starting with ``~`` (the home folder: :class:`HomeDirCallback`).
 
 Resume rules (docs/training.md, "Resuming"):
 
@@ -416,6 +417,65 @@ try:
     from hydra.experimental.callback import Callback
 except ImportError:  # Hydra is only needed by the CLI
     Callback = object
+
+
+def expand_home(config, key: str) -> str | None:
+    """Replace a leading ``~`` or ``~user`` of the run-dir ``key`` (``hydra.run.dir`` or
+    ``hydra.sweep.dir``) of Hydra's ``config`` by that home folder (``os.path.expanduser``; the
+    rest of the value, ``${now:...}`` interpolations included, kept), as a shell would: Hydra
+    itself makes a folder named ``~`` in the working directory. Returns the new value; None
+    when the value starts with no ``~``.
+
+    Raises:
+        ConfigError: a ``~user`` that names no home folder (one line with the fix).
+    """
+    from omegaconf import OmegaConf, open_dict, read_write
+
+    group, name = key.rsplit(".", 1)
+    node = OmegaConf.select(config, group)
+    value = str(OmegaConf.to_container(node, resolve=False)[name])
+    if not value.startswith("~"):
+        value = str(OmegaConf.select(config, key))  # an interpolation that gives a ~ path
+        if not value.startswith("~"):
+            return None
+    home = os.path.expanduser(value)
+    if home.startswith("~"):
+        user = value.split("/", 1)[0]
+        raise ConfigError(f"{key}={value!r}: {user} is no home folder here (no such user); give "
+                          "an absolute path or one under ~/.")
+    with read_write(node), open_dict(node):
+        node[name] = home
+    return home
+
+
+class HomeDirCallback(Callback):
+    """Hydra callback (``hydra.callbacks`` in configs/train.yaml, first): before Hydra makes the
+    run dir (``-m``: the sweep dir), a ``~`` at its start becomes the home folder
+    (:func:`expand_home`); one that names none stops the run in one line (exit code 2)."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        self._expand(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        home = self._expand(config, "hydra.sweep.dir")
+        if home is not None:  # each job's config is composed again from the hydra overrides
+            from omegaconf import open_dict, read_write
+
+            from train.requeue import hydra_override
+
+            overrides = config.hydra.overrides
+            with read_write(overrides), open_dict(overrides):
+                overrides.hydra.append(hydra_override("hydra.sweep.dir", home))
+
+    @staticmethod
+    def _expand(config, key: str) -> str | None:
+        import sys
+
+        try:
+            return expand_home(config, key)
+        except ConfigError as e:
+            print(f"ConfigError: {e}", file=sys.stderr)
+            sys.exit(2)
 
 
 class RunDirCallback(Callback):

@@ -571,3 +571,36 @@ def test_a_refused_trainer_leaves_no_lock_file_behind(tokens, tmp_path):
     with pytest.raises(ConfigError, match="holds a run with another config"):
         Trainer(tiny_config(tokens, **{"trainer.max_steps": 1, "sparsity.l1_coeff": 0.5}), run)
     assert _snapshot(run) == before and not (run / ".lock").exists()
+
+
+def test_a_run_or_sweep_dir_under_tilde_is_made_in_the_home_folder(tokens, tmp_path):
+    """``hydra.run.dir='~/x'`` (``hydra.sweep.dir`` of ``-m`` too) is the home folder's ``x``, as
+    in a shell: Hydra made a folder named ``~`` in the working directory. A ``~user`` that is no
+    home folder is one line (exit 2), nothing made."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    env = {**ENV, "HOME": str(home)}
+    r = _train(tokens, "hydra.run.dir='~/x'", cwd=cwd, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (home / "x" / "checkpoints" / "step1").is_dir() and _steps(home / "x") == 1
+    assert f"summary:    {home / 'x' / 'summary.json'}" in r.stdout
+    assert list(cwd.iterdir()) == []
+    # the same command again: the same run, finished (it is found in the home folder)
+    r = _train(tokens, "hydra.run.dir='~/x'", cwd=cwd, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"run dir {home / 'x'} already reached trainer.max_steps=1" in r.stdout, r.stdout
+
+    r = _train(tokens, "-m", "hydra.sweep.dir='~/s'", "sparsity.l1_coeff=0.5,0.25", cwd=cwd,
+               env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for job in ("0", "1"):
+        assert _steps(home / "s" / job) == 1
+    assert list(cwd.iterdir()) == []
+
+    r = _train(tokens, "hydra.run.dir='~no_such_user_of_twell/x'", cwd=cwd, env=env)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert _stderr_lines(r) == [
+        ("ConfigError: hydra.run.dir='~no_such_user_of_twell/x': ~no_such_user_of_twell is no "
+         "home folder here (no such user); give an absolute path or one under ~/.")]
+    assert list(cwd.iterdir()) == [] and sorted(p.name for p in home.iterdir()) == ["s", "x"]
