@@ -122,6 +122,25 @@ def row_label(r: dict) -> str:
     return f"{row['layers']} L" if row.get("series") == "depth" else size_label(row["size"])
 
 
+def series_key(row: dict) -> tuple:
+    """The series a result's row belongs to: (L1, re-init, steps). Rows are compared across
+    depths (or sizes) only within one series, on equal tokens: a depth trained for more steps
+    than the others is a series of its own."""
+    return (row["l1_coeff"], bool(row["reinit"]), row.get("steps"))
+
+
+def several_steps(results: list[dict]) -> bool:
+    """Whether the (non-probe) rows of ``results`` trained for more than one step count: then
+    every series is named with its steps (:func:`series_text`)."""
+    return len({r["row"].get("steps") for r in results if not r["row"].get("probe")}) > 1
+
+
+def series_text(l1: float, steps: int | None, named: bool) -> str:
+    """A series' label: ``L1 6.6e-4``, or ``L1 6.6e-4, 1500 steps`` when ``named`` (the results
+    hold several step counts: :func:`several_steps`)."""
+    return f"L1 {l1_text(l1)}" + (f", {steps} steps" if named else "")
+
+
 def l1_text(v: float) -> str:
     """Short text of an L1 coefficient for names and labels: 3e-4, 1.5e-4, 0.01, 0."""
     if v == 0:
@@ -1166,6 +1185,9 @@ __all__ = [
     "row_steps",
     "run_row",
     "run_study",
+    "series_key",
+    "series_text",
     "settle_check",
+    "several_steps",
     "write_json_atomic",
 ]

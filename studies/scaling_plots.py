@@ -3,8 +3,10 @@
 Each ``plot_*(results, path)`` takes the result dicts of :func:`studies.scaling.run_study` (one
 series: the paper sizes or the depth series; :func:`studies.scaling_report.normalise`-d and sorted
 by :func:`studies.scaling_report.sort_key`) and writes one PNG, or returns a reason (str) why it
-has nothing to draw. Rows at the same L1 strength share a panel; lines are sizes (paper series)
-or depths (depth series). :func:`write_plots` draws the paper-size rows under :data:`PLOT_FUNCS`'
+has nothing to draw. Rows of one series, the same L1 strength and number of steps
+(:func:`studies.scaling.series_key`; rows of different steps saw different tokens), share a panel
+or a line; lines are sizes (paper series) or depths (depth series); where the results hold
+several step counts every title and legend names the steps. :func:`write_plots` draws the paper-size rows under :data:`PLOT_FUNCS`'
 names and the depth series (probe rows left out) under :data:`DEPTH_PLOT_FUNCS`' names.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from studies.scaling import l1_text, row_label
+from studies.scaling import row_label, series_text, several_steps
 from studies.sizes import PAPER_POINTS  # size -> (layers, the paper's L0 at L1 2e-5)
 
 TOP_TOKENS = 15
@@ -28,15 +30,29 @@ def _plt():
 
 
 def _by_l1(results: list[dict], reinit: bool | None = False,
-           dense: bool = True) -> dict[float, list[dict]]:
-    """Rows by L1 strength (strongest first; without L1 = 0 unless ``dense``), each by depth."""
-    by: dict[float, list[dict]] = {}
+           dense: bool = True) -> dict[tuple[float, int | None], list[dict]]:
+    """Rows by series, (L1 strength, steps): the strongest first, then the fewest steps; without
+    L1 = 0 unless ``dense``; re-init rows only (True), none (False) or with their plain twins
+    (None); each series sorted by depth."""
+    by: dict[tuple[float, int | None], list[dict]] = {}
     for r in results:
         if (reinit is None or bool(r["row"]["reinit"]) == reinit) and (
                 dense or r["row"]["l1_coeff"] > 0):
-            by.setdefault(r["row"]["l1_coeff"], []).append(r)
-    return {k: sorted(v, key=lambda r: r["row"]["layers"]) for k, v in
-            sorted(by.items(), reverse=True)}
+            by.setdefault((r["row"]["l1_coeff"], r["row"].get("steps")), []).append(r)
+    return {k: sorted(v, key=lambda r: (r["row"]["layers"], bool(r["row"]["reinit"])))
+            for k, v in sorted(by.items(), key=lambda kv: (-kv[0][0], kv[0][1] or 0))}
+
+
+def _colors(results: list[dict]) -> dict[int, str]:
+    """A colour per depth (or size), the same in every panel: ``C0``, ``C1``, ... shallowest
+    first."""
+    return {n: f"C{i}" for i, n in enumerate(sorted({r["row"]["layers"] for r in results}))}
+
+
+def _title(key: tuple[float, int | None], results: list[dict]) -> str:
+    """A series' name in a title or legend: ``L1 6.6e-4`` (``, 1500 steps`` when the results
+    hold several step counts)."""
+    return series_text(key[0], key[1], several_steps(results))
 
 
 def _depth(results: list[dict]) -> bool:
@@ -70,24 +86,24 @@ def _save(plt, fig, path: Path) -> Path:
 
 
 def plot_l0_vs_size(results: list[dict], path: Path):
-    """Held-out mean L0 against the number of layers, a line per L1 strength (re-init rows as
-    open markers), with the paper's 39 / 29 / 24 at L1 2e-5 for reference."""
+    """Held-out mean L0 against the number of layers, a line per series (L1 strength and steps;
+    re-init rows as open markers), with the paper's 39 / 29 / 24 at L1 2e-5 for reference."""
     by = _by_l1(results)
     if not by:
         return "no plain L1 rows"
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
     color = {}
-    for l1, rs in by.items():
+    for key, rs in by.items():
         (line,) = ax.plot([r["row"]["layers"] for r in rs], [r["profile"]["l0_mean"] for r in rs],
-                          "o-", label=f"L1 {l1_text(l1)}")
-        color[l1] = line.get_color()
+                          "o-", label=_title(key, results))
+        color[key] = line.get_color()
     for r in results:
         if r["row"]["reinit"]:
-            l1 = r["row"]["l1_coeff"]
+            key = (r["row"]["l1_coeff"], r["row"].get("steps"))
             ax.plot(r["row"]["layers"], r["profile"]["l0_mean"], "s", mfc="none", ms=9,
-                    color=color.get(l1, "gray"),
-                    label=f"{row_label(r)} re-init, L1 {l1_text(l1)}")
+                    color=color.get(key, "gray"),
+                    label=f"{row_label(r)} re-init, {_title(key, results)}")
     px, py = zip(*PAPER_POINTS.values())
     ax.plot(px, py, "k--", marker="x", label="paper (L1 2e-5, 10-40 B tokens)")
     layers = sorted({r["row"]["layers"] for r in results})
@@ -103,39 +119,45 @@ def plot_l0_vs_size(results: list[dict], path: Path):
 
 
 def plot_l0_per_layer(results: list[dict], path: Path):
-    """Held-out L0 of every layer (1-based), a panel per L1 strength, a line per size."""
+    """Held-out L0 of every layer (1-based), a panel per series (L1 strength and steps), a line
+    per size (depth), each in its colour in every panel."""
     by = _by_l1(results)
     if not by:
         return "no plain L1 rows"
     plt, fig, axes = _panels(len(by))
-    for ax, (l1, rs) in zip(axes, by.items()):
+    color = _colors(results)
+    for ax, (key, rs) in zip(axes, by.items()):
         for r in rs:
             l0 = [float("nan") if v is None else v for v in r["profile"]["l0_L"]]
-            ax.plot(range(1, len(l0) + 1), l0, ".-", label=row_label(r))
+            ax.plot(range(1, len(l0) + 1), l0, ".-", label=row_label(r),
+                    color=color[r["row"]["layers"]])
         _log_axis(ax, [v for r in rs for v in r["profile"]["l0_L"]])
         ax.set_xlabel("layer")
         ax.set_ylabel("L0 (held out)")
-        ax.set_title(f"L0 per layer, L1 {l1_text(l1)}")
+        ax.set_title(f"L0 per layer, {_title(key, results)}")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     return _save(plt, fig, path)
 
 
 def plot_l0_by_position(results: list[dict], path: Path):
-    """L0 averaged over layers at each position (1 = the first token), log-log."""
+    """L0 averaged over layers at each position (1 = the first token), log-log; a panel per
+    series (L1 strength and steps)."""
     by = _by_l1(results)
     if not by:
         return "no plain L1 rows"
     plt, fig, axes = _panels(len(by))
-    for ax, (l1, rs) in zip(axes, by.items()):
+    color = _colors(results)
+    for ax, (key, rs) in zip(axes, by.items()):
         for r in rs:
             y = [float("nan") if v is None else v for v in r["profile"]["l0_T"]]
-            ax.plot(range(1, len(y) + 1), y, lw=1, label=row_label(r))
+            ax.plot(range(1, len(y) + 1), y, lw=1, label=row_label(r),
+                    color=color[r["row"]["layers"]])
         _log_axis(ax, [1, max(len(r["profile"]["l0_T"]) for r in rs)], "x")
         _log_axis(ax, [v for r in rs for v in r["profile"]["l0_T"]])
         ax.set_xlabel("position in the sequence (1 = first token)")
         ax.set_ylabel("L0, mean over layers")
-        ax.set_title(f"L0 by position, L1 {l1_text(l1)}")
+        ax.set_title(f"L0 by position, {_title(key, results)}")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     return _save(plt, fig, path)
@@ -143,19 +165,21 @@ def plot_l0_by_position(results: list[dict], path: Path):
 
 def plot_max_vs_mean(results: list[dict], path: Path):
     """Per layer: the most active token's count against the layer's mean L0 (log-log), with the
-    lines max = mean and max = 10 x mean."""
+    lines max = mean and max = 10 x mean; a panel per series (L1 strength and steps)."""
     by = _by_l1(results)
     if not by:
         return "no plain L1 rows"
     plt, fig, axes = _panels(len(by))
-    for ax, (l1, rs) in zip(axes, by.items()):
+    color = _colors(results)
+    for ax, (key, rs) in zip(axes, by.items()):
         lo, hi = float("inf"), 0.0
         for r in rs:
             pairs = [(m, x) for m, x in zip(r["profile"]["l0_L"], r["profile"]["nnz_max_L"])
                      if m is not None and m > 0]
             if not pairs:
                 continue
-            ax.plot(*zip(*pairs), "o", ms=4, alpha=0.8, label=row_label(r))
+            ax.plot(*zip(*pairs), "o", ms=4, alpha=0.8, label=row_label(r),
+                    color=color[r["row"]["layers"]])
             lo, hi = min(lo, min(p[0] for p in pairs)), max(hi, max(p[1] for p in pairs))
         if hi > 0:
             xs = [lo, hi]
@@ -165,7 +189,7 @@ def plot_max_vs_mean(results: list[dict], path: Path):
         _log_axis(ax, [lo, 10 * hi])
         ax.set_xlabel("layer mean L0")
         ax.set_ylabel("max active units of one token")
-        ax.set_title(f"per-token max vs mean, L1 {l1_text(l1)}")
+        ax.set_title(f"per-token max vs mean, {_title(key, results)}")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     return _save(plt, fig, path)
@@ -188,16 +212,16 @@ def token_extremes(r: dict, n: int = TOP_TOKENS) -> tuple[list[int], list[int]]:
 
 
 def plot_tokens(results: list[dict], path: Path):
-    """The least and the most active tokens (frequency-filtered) of the largest size at each L1
-    strength: their L0 averaged over layers and occurrences."""
+    """The least and the most active tokens (frequency-filtered) of the largest size of each
+    sparse series (L1 strength and steps): their L0 averaged over layers and occurrences."""
     by = _by_l1(results, dense=False)
-    picked = [(l1, rs[-1]) for l1, rs in by.items() if rs[-1]["profile"]["tokens"]["ids"]]
+    picked = [(key, rs[-1]) for key, rs in by.items() if rs[-1]["profile"]["tokens"]["ids"]]
     if not picked:
         return "no row with a token table"
     plt = _plt()
     fig, axes = plt.subplots(len(picked), 2, figsize=(10, 0.28 * TOP_TOKENS * len(picked) + 1.2),
                              squeeze=False)
-    for (l1, r), (ax_lo, ax_hi) in zip(picked, axes):
+    for (key, r), (ax_lo, ax_hi) in zip(picked, axes):
         tok = r["profile"]["tokens"]
         lo, hi = token_extremes(r)
         for ax, idx, what in ((ax_lo, lo, "least"), (ax_hi, hi, "most")):
@@ -205,31 +229,34 @@ def plot_tokens(results: list[dict], path: Path):
             ax.set_yticks(range(len(idx)), [token_label(tok, i) for i in idx], fontsize=7)
             ax.invert_yaxis()
             ax.set_xlabel("L0, mean over layers and occurrences")
-            ax.set_title(f"{what} active tokens, {row_label(r)} L1 {l1_text(l1)}",
+            ax.set_title(f"{what} active tokens, {row_label(r)} {_title(key, results)}",
                          fontsize=9)
     return _save(plt, fig, path)
 
 
 def plot_dead_over_training(results: list[dict], path: Path):
     """Dead units (% of all units, per dead-neuron window of training) against tokens, with and
-    without re-initialisation; a panel per L1 strength."""
+    without re-initialisation; a panel per series (L1 strength and steps)."""
     by = _by_l1(results, reinit=None)
-    by = {l1: [r for r in rs if any(v is not None for v in r["curves"]["dead_frac"])]
-          for l1, rs in by.items()}
-    by = {l1: rs for l1, rs in by.items() if rs}
+    by = {key: [r for r in rs if any(v is not None for v in r["curves"]["dead_frac"])]
+          for key, rs in by.items()}
+    by = {key: rs for key, rs in by.items() if rs}
     if not by:
         return "no dead-unit curve (no dead-neuron window closed in any run)"
     plt, fig, axes = _panels(len(by))
-    for ax, (l1, rs) in zip(axes, by.items()):
+    color = _colors(results)
+    for ax, (key, rs) in zip(axes, by.items()):
         for r in rs:
             c = r["curves"]
             pts = [(t / 1e6, 100 * d) for t, d in zip(c["tokens"], c["dead_frac"]) if d is not None]
             style = "--" if r["row"]["reinit"] else "-"
             name = row_label(r) + (" re-init" if r["row"]["reinit"] else "")
-            ax.step(*zip(*pts), style, where="post", marker=".", label=name)
+            # a depth in its colour in every panel; a re-init row in the next one after them
+            col = f"C{len(color)}" if r["row"]["reinit"] else color[r["row"]["layers"]]
+            ax.step(*zip(*pts), style, where="post", marker=".", label=name, color=col)
         ax.set_xlabel("training tokens (M)")
         ax.set_ylabel("dead units (%), last window")
-        ax.set_title(f"dead units, L1 {l1_text(l1)}")
+        ax.set_title(f"dead units, {_title(key, results)}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _save(plt, fig, path)
@@ -237,16 +264,20 @@ def plot_dead_over_training(results: list[dict], path: Path):
 
 def plot_vs_dense(results: list[dict], path: Path):
     """Against the dense controls, per depth: the validation loss (left) and the seven-task
-    mean with its standard error (right), a line per L1 strength (L1 = 0 is the dense control)."""
+    mean with its standard error (right), a line per series (L1 strength and steps; L1 = 0 is
+    the dense control, a longer step count dashed)."""
     by = _by_l1(results)
     have_eval = any(r.get("evals") for rs in by.values() for r in rs)
-    if 0.0 not in by or len(by) < 2:
+    if not any(k[0] == 0 for k in by) or len(by) < 2:
         return "no dense control (L1 = 0) beside a sparse row"
+    dashes = {st: ("-", "--", ":", "-.")[i % 4]
+              for i, st in enumerate(sorted({k[1] or 0 for k in by}))}
     plt, fig, (ax_v, ax_e) = _panels(2)
-    for l1, rs in sorted(by.items()):
+    for key, rs in sorted(by.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
+        l1 = key[0]
         xs = [r["row"]["layers"] for r in rs]
-        style = "k-" if l1 == 0 else "-"
-        label = "dense (L1 0)" if l1 == 0 else f"L1 {l1_text(l1)}"
+        style = ("k" if l1 == 0 else "") + dashes[key[1] or 0]
+        label = (f"dense ({_title(key, results)})" if l1 == 0 else _title(key, results))
         ax_v.plot(xs, [r["summary"].get("val_loss") for r in rs], style, marker="o", label=label)
         ev = [(r["row"]["layers"], 100 * r["evals"]["mean"],
                100 * (r["evals"].get("mean_stderr") or 0)) for r in rs if r.get("evals")]

@@ -15,9 +15,12 @@ gets one generated sentence comparing its numbers with the paper's figure and a 
 lead's judgement (between ``<!-- judgement:NAME -->`` and ``<!-- /judgement -->``), which a later
 rewrite keeps.
 
-A sparse depth-series row is compared with its *dense control*: the row of the same model, steps
-and tokens at L1 = 0 (:func:`dense_control`); the seven-task difference is paired item by item
-(:func:`paired_diff`).
+Rows are compared within a *series*: one L1, re-init and step count
+(:func:`studies.scaling.series_key`). Rows of different step counts saw different tokens, so a
+depth trained longer than the others is a series of its own, named with its steps wherever the
+results hold several counts (targets, sentences, tables, plots). A sparse depth-series row is
+compared with its *dense control*: the row of the same model, steps and tokens at L1 = 0
+(:func:`dense_control`); the seven-task difference is paired item by item (:func:`paired_diff`).
 
 What the paper reports (arXiv 2603.23198, "Results" and "The L1 regularizer"; L1 2e-5 after
 10-40 B tokens): 39 / 29 / 24 non-zeros per token at 0.5B / 1.5B / 2B (-38 % from 0.5B to 2B);
@@ -46,7 +49,9 @@ from studies.scaling import (
     StudySettings,
     l1_text,
     row_label,
+    series_text,
     settle_check,
+    several_steps,
 )
 from studies.sizes import (  # the sizes' one table (configs/model/<size>.yaml)
     DEPTH_LABELS,
@@ -286,14 +291,35 @@ def check_targets(rows: list[dict]) -> list[dict]:
             + check_depth_targets([r for r in rows if r.get("series") == "depth"]))
 
 
+def _by_steps(rows: list[dict]) -> dict[int | None, list[dict]]:
+    """CSV rows by their step count, fewest first (rows of an older CSV without one: None)."""
+    by: dict[int | None, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r.get("steps"), []).append(r)
+    return dict(sorted(by.items(), key=lambda kv: kv[0] or 0))
+
+
 def check_paper_targets(rows: list[dict]) -> list[dict]:
-    """The paper-size rows' targets (3.3 M tokens; not settled, reported as they are).
+    """The paper-size rows' targets (3.3 M tokens; not settled, reported as they are; rows of
+    each step count judged apart, the count named when there are several).
 
     * L0 falls with size at each L1 (every step from a size to the next larger one lower).
     * The smallest -> largest drop in % beside the paper's -38 % (0.5B -> 2B).
     * Re-init, per size and L1 with both rows: dead % at the end at most half, L0 within 10 %,
       val loss at most +0.01; else "not reproduced".
     """
+    out = []
+    by_steps = _by_steps(rows)
+    for steps, rs_all in by_steps.items():
+        tag = f" ({steps} steps)" if len(by_steps) > 1 else ""
+        out += _size_trend_targets(rs_all, tag)
+    out += _reinit_targets(rows)
+    return out
+
+
+def _size_trend_targets(rows: list[dict], tag: str) -> list[dict]:
+    """The paper-size rows of one step count: per L1, "L0 falls with size" and the smallest ->
+    largest drop."""
     out = []
     for l1, rs in _plain_by_l1(rows).items():
         chain = " > ".join(f"{size_label(r['size'])} {_f(r['l0_mean'])}" for r in rs)
@@ -307,17 +333,16 @@ def check_paper_targets(rows: list[dict]) -> list[dict]:
             verdict = "met" if not ups else f"not met ({', '.join(ups)} does not fall)"
             if missing and not ups:
                 verdict += f" for the sizes run (missing {', '.join(missing)})"
-        out.append({"target": f"L0 falls with size, L1 {l1_text(l1)}", "measured": chain,
+        out.append({"target": f"L0 falls with size, L1 {l1_text(l1)}{tag}", "measured": chain,
                     "paper": paper_text(), "verdict": verdict})
         if len(rs) >= 2 and vals[0] and vals[-1] is not None:
             drop = 100 * (vals[-1] - vals[0]) / vals[0]
             out.append({
                 "target": f"{size_label(rs[0]['size'])} -> {size_label(rs[-1]['size'])} drop, "
-                          f"L1 {l1_text(l1)}",
+                          f"L1 {l1_text(l1)}{tag}",
                 "measured": f"{_f(vals[0])} -> {_f(vals[-1])} ({drop:+.0f} %)",
                 "paper": f"{_PAPER_ENDS} ({PAPER_DROP_PCT:+.0f} %, {_PAPER_END_SIZES})",
                 "verdict": f"{drop - PAPER_DROP_PCT:+.0f} points from the paper's"})
-    out += _reinit_targets(rows)
     return out
 
 
@@ -332,27 +357,27 @@ def check_depth_targets(rows: list[dict]) -> list[dict]:
     * every row settled (:func:`studies.scaling.settle_check`);
     * at each nonzero L1: L0 falls with depth (each depth lower than the next shallower one),
       and the shallowest -> deepest change beside the paper's -38 % (8 -> 38 layers); judged only
-      when every row compared has settled ("not judged" names the others; the measured trend is
-      shown either way);
-    * at the weakest nonzero L1: at every depth the validation loss at most 2 % above the dense
-      control's and the seven-task mean at most 1 point below it (one-sided); at the stronger
-      ones the same numbers, "reported";
+      when every row compared has settled ("not judged" names the others, and where one of them
+      settled when trained longer, at how many steps and what L0; the measured trend is shown
+      either way); a step count with one depth names the depths run only at other counts;
+    * at the weakest nonzero L1 of the series (all step counts): at every depth the validation
+      loss at most 2 % above the dense control's (same steps) and the seven-task mean at most
+      1 point below it (one-sided); at the stronger ones the same numbers, "reported";
     * re-init pairs as at the paper's sizes.
     """
     rows = [r for r in rows if not r.get("probe")]
     out = []
-    by_steps: dict[int, list[dict]] = {}
-    for r in rows:
-        by_steps.setdefault(r["steps"], []).append(r)
-    for steps, rs_all in sorted(by_steps.items()):
+    by_steps = _by_steps(rows)
+    weakest = min((r["l1_coeff"] for r in rows if r["l1_coeff"] > 0), default=None)
+    for steps, rs_all in by_steps.items():
         tag = f" ({steps} steps)" if len(by_steps) > 1 else ""
         out.append(_settled_target(rs_all, tag))
         plain = _plain_by_l1(rs_all)
         nonzero = sorted(v for v in plain if v > 0)
         for l1 in sorted(nonzero, reverse=True):
-            out += _depth_trend_targets(plain[l1], l1, tag)
-        for i, l1 in enumerate(nonzero):
-            out.append(_accuracy_target(plain[l1], l1, weak=i == 0, tag=tag))
+            out += _depth_trend_targets(plain[l1], l1, tag, rows)
+        for l1 in nonzero:
+            out.append(_accuracy_target(plain[l1], l1, weak=l1 == weakest, tag=tag))
     out += _reinit_targets(rows)
     return out
 
@@ -370,15 +395,56 @@ def _settled_target(rs_all: list[dict], tag: str) -> dict:
         "verdict": "met" if not unsettled else "not met"}
 
 
-def _depth_trend_targets(rs: list[dict], l1: float, tag: str) -> list[dict]:
-    """At one nonzero L1, the targets "L0 falls with depth" and the shallowest -> deepest change
-    beside the paper's, both "not judged" while a row compared has not settled."""
+def _longer_settled(r: dict, rows: list[dict]) -> dict | None:
+    """The row of ``r``'s model, depth, L1 and re-init trained for more steps than ``r`` that
+    settled (the fewest such steps), or None."""
+    twins = [x for x in rows if x["size"] == r["size"] and x["layers"] == r["layers"]
+             and x["l1_coeff"] == r["l1_coeff"] and bool(x["reinit"]) == bool(r["reinit"])
+             and not x.get("probe") and (x["steps"] or 0) > (r["steps"] or 0)
+             and x["settled"] is True]
+    return min(twins, key=lambda x: x["steps"], default=None)
+
+
+def _settled_later(late_rows: list[dict], rows: list[dict]) -> str:
+    """``; 38 L at 1500 steps settled at 19.1, -21 % from its 1000-step 24.1: the 1000-step
+    series had not settled`` for each of ``late_rows`` (unsettled) with a longer settled twin
+    in ``rows``; "" when none has one."""
+    out = ""
+    for r in late_rows:
+        t = _longer_settled(r, rows)
+        if t is None or t["l0_mean"] is None or not r["l0_mean"]:
+            continue
+        pct = 100 * (t["l0_mean"] / r["l0_mean"] - 1)
+        out += (f"; {_layers(t)} at {t['steps']} steps settled at {_f(t['l0_mean'])}, "
+                f"{pct:+.0f} % from its {r['steps']}-step {_f(r['l0_mean'])}: the "
+                f"{r['steps']}-step series had not settled")
+    return out
+
+
+def _not_run_here(rs: list[dict], rows: list[dict]) -> str:
+    """``8, 18, 28 L``: the depths of ``rows`` (every step count) that ``rs`` (one step count)
+    lacks; "" when none."""
+    have = {r["layers"] for r in rs}
+    other = sorted({r["layers"] for r in rows if not r.get("probe")} - have)
+    return f"{', '.join(map(str, other))} L" if other else ""
+
+
+def _depth_trend_targets(rs: list[dict], l1: float, tag: str,
+                         rows: list[dict] = ()) -> list[dict]:
+    """At one nonzero L1 and step count, the targets "L0 falls with depth" and the shallowest ->
+    deepest change beside the paper's, both "not judged" while a row compared has not settled
+    (``rows``: the series at every step count, for a longer settled twin of such a row and for
+    the depths not run at this count)."""
     out = []
     chain = " > ".join(f"{_layers(r)} {_f(r['l0_mean'])}" for r in rs)
     vals = [r["l0_mean"] for r in rs]
-    late = [_layers(r) for r in rs if r["settled"] is not True]
+    late_rows = [r for r in rs if r["settled"] is not True]
+    late = [_layers(r) for r in late_rows]
     if len(rs) < 2 or any(v is None for v in vals):
         verdict = "not enough depths"
+        missing = _not_run_here(rs, rows)
+        if missing and rs:
+            verdict += f" ({missing} not yet run at {rs[0]['steps']} steps)"
     else:
         ups = [f"{_layers(a)} -> {_layers(b)}" for a, b in pairwise(rs)
                if not b["l0_mean"] < a["l0_mean"]]
@@ -387,7 +453,8 @@ def _depth_trend_targets(rs: list[dict], l1: float, tag: str) -> list[dict]:
         if missing and not ups:
             verdict += f" for the depths run (missing {', '.join(missing)} L)"
         if late:
-            verdict = f"not judged: {', '.join(late)} not settled (as measured: {verdict})"
+            verdict = (f"not judged: {', '.join(late)} not settled (as measured: {verdict})"
+                       + _settled_later(late_rows, rows))
     out.append({"target": f"L0 falls with depth, L1 {l1_text(l1)}{tag}",
                 "measured": chain, "paper": paper_text(layers=True),
                 "verdict": verdict})
@@ -411,7 +478,7 @@ def _accuracy_target(rs: list[dict], l1: float, weak: bool, tag: str) -> dict:
         vd, em, ed = r["val_loss_dense"], r["eval_mean"], r["eval_mean_dense"]
         if vd is None or r["val_loss"] is None or em is None or ed is None:
             missing.append(_layers(r))
-            parts.append(f"{_layers(r)}: no dense control" if vd is None else
+            parts.append(f"{_layers(r)}: no dense control{_at_steps(r, tag)}" if vd is None else
                          f"{_layers(r)}: val {100 * (r['val_loss'] / vd - 1):+.1f} %, no evals")
             continue
         dv = r["val_loss"] / vd - 1
@@ -439,6 +506,11 @@ def _accuracy_target(rs: list[dict], l1: float, weak: bool, tag: str) -> dict:
             "measured": "; ".join(parts) or "no rows",
             "paper": "mean accuracy dense -> sparse within 0.3 points at every size",
             "verdict": verdict}
+
+
+def _at_steps(r: dict, tag: str) -> str:
+    """`` at 1500 steps`` when the targets are split by step count (``tag`` not empty)."""
+    return f" at {r['steps']} steps" if tag else ""
 
 
 def _reinit_targets(rows: list[dict]) -> list[dict]:
@@ -516,18 +588,20 @@ def _f(v, fmt: str = ".1f") -> str:
 # ---------------------------------------------------------------- one sentence per plot
 
 
-def _plain(results: list[dict]) -> dict[float, list[dict]]:
-    """Plain (not re-init, not probe) rows by L1, strongest first, each sorted by depth."""
-    by: dict[float, list[dict]] = {}
+def _plain(results: list[dict]) -> dict[tuple[float, int | None], list[dict]]:
+    """Plain (not re-init, not probe) rows by series, (L1, steps) (:func:`series_key`): the
+    strongest L1 first, then the fewest steps; each series sorted by depth (or size). Rows of
+    different step counts saw different tokens: they are never one series."""
+    by: dict[tuple[float, int | None], list[dict]] = {}
     for r in sorted(results, key=sort_key):
         if not r["row"]["reinit"] and not r["row"].get("probe"):
-            by.setdefault(r["row"]["l1_coeff"], []).append(r)
-    return by
+            by.setdefault((r["row"]["l1_coeff"], r["row"].get("steps")), []).append(r)
+    return dict(sorted(by.items(), key=lambda kv: (-kv[0][0], kv[0][1] or 0)))
 
 
-def _sparse(results: list[dict]) -> dict[float, list[dict]]:
+def _sparse(results: list[dict]) -> dict[tuple[float, int | None], list[dict]]:
     """:func:`_plain` without L1 = 0 (the dense controls: no L0 comparison to make there)."""
-    return {k: v for k, v in _plain(results).items() if k > 0}
+    return {k: v for k, v in _plain(results).items() if k[0] > 0}
 
 
 def _reference_row(rs: list[dict]) -> dict:
@@ -535,8 +609,25 @@ def _reference_row(rs: list[dict]) -> dict:
     return next((r for r in rs if r["row"]["layers"] == 28), rs[-1])
 
 
-def _name(r: dict) -> str:
-    return f"{row_label(r)} at L1 {l1_text(r['row']['l1_coeff'])}"
+def _name(r: dict, named_steps: bool = False) -> str:
+    """``38 L at L1 6.6e-4``, with ``, 1500 steps`` when ``named_steps`` (results of several
+    step counts)."""
+    row = r["row"]
+    return f"{row_label(r)} at {series_text(row['l1_coeff'], row.get('steps'), named_steps)}"
+
+
+def _missing_text(rs: list[dict], results: list[dict]) -> str:
+    """``8/18/28 L`` (``0.5B/1B``): the depths (sizes) of the plain rows of ``results`` that the
+    series ``rs`` lacks; "" when none."""
+    have = {r["row"]["layers"] for r in rs}
+    other = {r["row"]["layers"]: r for r in results
+             if not r["row"].get("probe") and r["row"]["layers"] not in have}
+    if not other:
+        return ""
+    rows = [other[k] for k in sorted(other)]
+    if _is_depth(results):
+        return "/".join(str(r["row"]["layers"]) for r in rows) + " L"
+    return "/".join(row_label(r) for r in rows)
 
 
 def _is_depth(results: list[dict]) -> bool:
@@ -569,7 +660,8 @@ def loglog_slope(y: list, start: int = 1) -> float | None:
 def sentence_l0_vs_size(results: list[dict]) -> str:
     """Mean L0 against size (paper series) or depth (depth series), per L1."""
     parts = []
-    for l1, rs in _plain(results).items():
+    named = several_steps(results)
+    for (l1, steps), rs in _plain(results).items():
         vals = ", ".join(f"{row_label(r)} {_f(r['profile']['l0_mean'])}" for r in rs)
         a, b = rs[0]["profile"]["l0_mean"], rs[-1]["profile"]["l0_mean"]
         trend = ""
@@ -578,7 +670,10 @@ def sentence_l0_vs_size(results: list[dict]) -> str:
             mono = all(y is not None and x is not None and y < x for x, y in pairwise(ls))
             trend = (f" ({row_label(rs[0])} -> {row_label(rs[-1])} {100 * (b - a) / a:+.0f} %, "
                      f"{'falling at every step' if mono else 'not monotone'})")
-        parts.append(f"at L1 {l1_text(l1)}: {vals}{trend}")
+        elif len(rs) == 1 and (missing := _missing_text(rs, results)):
+            trend = (f" (one {'depth' if _is_depth(results) else 'size'}; {missing} not yet run"
+                     + (f" at {steps} steps)" if named else ")"))
+        parts.append(f"at {series_text(l1, steps, named)}: {vals}{trend}")
     tokens = {float(f"{r['summary']['tokens_seen'] / 1e6:.3g}") for r in results}
     labels = " / ".join(size_label(s) for s in PAPER_L0)
     where = (" / ".join(str(n) for n, _ in PAPER_POINTS.values()) + f" layers ({labels})"
@@ -591,14 +686,16 @@ def sentence_l0_vs_size(results: list[dict]) -> str:
 
 def sentence_l0_per_layer(results: list[dict]) -> str:
     parts = []
+    named = several_steps(results)
     for rs in _sparse(results).values():
         r = _reference_row(rs)
         l0 = r["profile"]["l0_L"]
         pk = peak_layers(l0)
         if not pk:
-            parts.append(f"{_name(r)} ({len(l0)} layers): no peak (flat at {_f(l0[0])})")
+            parts.append(f"{_name(r, named)} ({len(l0)} layers): no peak (flat at {_f(l0[0])})")
             continue
-        txt = f"{_name(r)} ({len(l0)} layers): highest at layer {pk[0] + 1} (L0 {_f(l0[pk[0]])})"
+        txt = (f"{_name(r, named)} ({len(l0)} layers): highest at layer {pk[0] + 1} "
+               f"(L0 {_f(l0[pk[0]])})")
         if len(pk) > 1:
             txt += f", next peak at layer {pk[1] + 1} ({_f(l0[pk[1]])})"
         txt += f"; first layer {_f(l0[0])}, last {_f(l0[-1])}"
@@ -609,6 +706,7 @@ def sentence_l0_per_layer(results: list[dict]) -> str:
 
 def sentence_l0_by_position(results: list[dict]) -> str:
     parts = []
+    named = several_steps(results)
     for rs in _sparse(results).values():
         r = _reference_row(rs)
         y = r["profile"]["l0_T"]
@@ -616,8 +714,8 @@ def sentence_l0_by_position(results: list[dict]) -> str:
         late = sum(half) / len(half) if half else None
         slope = loglog_slope(y)
         ratio = f" ({y[0] / late:.1f}x)" if late and y[0] is not None else ""
-        parts.append(f"{_name(r)}: first token {_f(y[0])} active units against {_f(late)} over "
-                     f"the second half of the sequence{ratio}, log-log slope "
+        parts.append(f"{_name(r, named)}: first token {_f(y[0])} active units against "
+                     f"{_f(late)} over the second half of the sequence{ratio}, log-log slope "
                      f"{_f(slope, '.2f')} from position 2 on")
     return ("; ".join(parts) + ". The paper: the first tokens of a sequence are far more active "
             "than later ones.")
@@ -625,6 +723,7 @@ def sentence_l0_by_position(results: list[dict]) -> str:
 
 def sentence_max_vs_mean(results: list[dict]) -> str:
     parts = []
+    named = several_steps(results)
     for rs in _sparse(results).values():
         r = _reference_row(rs)
         ratios = [(x / m, i) for i, (m, x) in enumerate(zip(r["profile"]["l0_L"],
@@ -635,9 +734,9 @@ def sentence_max_vs_mean(results: list[dict]) -> str:
         ten = sum(q >= 10 for q, _ in ratios)
         med = sorted(q for q, _ in ratios)[len(ratios) // 2]
         top = max(ratios)
-        parts.append(f"{_name(r)}: the most active token holds >= 10x its layer's mean in {ten} "
-                     f"of {len(ratios)} layers (median {med:.1f}x, largest {top[0]:.1f}x at "
-                     f"layer {top[1] + 1})")
+        parts.append(f"{_name(r, named)}: the most active token holds >= 10x its layer's mean "
+                     f"in {ten} of {len(ratios)} layers (median {med:.1f}x, largest "
+                     f"{top[0]:.1f}x at layer {top[1] + 1})")
     return "; ".join(parts) + ". The paper: often more than 10x the mean within a layer."
 
 
@@ -645,6 +744,7 @@ def sentence_tokens(results: list[dict]) -> str:
     from studies.scaling_plots import token_extremes, token_label
 
     parts = []
+    named = several_steps(results)
     for rs in _sparse(results).values():
         r = rs[-1]
         tok = r["profile"]["tokens"]
@@ -653,7 +753,7 @@ def sentence_tokens(results: list[dict]) -> str:
         lo, hi = token_extremes(r, 5)
         need = max(1, math.ceil(tok["min_frequency"] * r["profile"]["n_tokens"]))
         parts.append(
-            f"{_name(r)} ({len(tok['ids'])} tokens seen >= {need} times in "
+            f"{_name(r, named)} ({len(tok['ids'])} tokens seen >= {need} times in "
             f"{r['profile']['n_tokens']:,}): least active "
             + ", ".join(f"{token_label(tok, i)} {tok['l0'][i]:.1f}" for i in lo)
             + "; most active " + ", ".join(f"{token_label(tok, i)} {tok['l0'][i]:.1f}" for i in hi))
@@ -663,6 +763,7 @@ def sentence_tokens(results: list[dict]) -> str:
 
 def sentence_dead_over_training(results: list[dict]) -> str:
     parts = []
+    named = several_steps(results)
     plain = {twin_key(r["row"]) + (r["row"]["l1_coeff"],): r for r in results
              if not r["row"]["reinit"]}
     for r in sorted(results, key=sort_key):
@@ -673,9 +774,9 @@ def sentence_dead_over_training(results: list[dict]) -> str:
         d0, d1 = base["summary"].get("dead_pct"), r["summary"].get("dead_pct")
         curve = [100 * d for d in base["curves"]["dead_frac"] if d is not None]
         span = f" (between {min(curve):.0f} and {max(curve):.0f} % over training)" if curve else ""
-        parts.append(f"{_name(r)}: dead units in the last window {_f(d0)} % without re-init"
+        parts.append(f"{_name(r, named)}: dead units in the last window {_f(d0)} % without re-init"
                      f"{span}, {_f(d1)} % with it")
-    ends = [f"{row_label(r)} L1 {l1_text(r['row']['l1_coeff'])} "
+    ends = [f"{row_label(r)} {series_text(r['row']['l1_coeff'], r['row'].get('steps'), named)} "
             f"{_f(r['summary'].get('dead_pct'))} %" for r in sorted(results, key=sort_key)
             if not r["row"]["reinit"] and not r["row"].get("probe")]
     if not parts:
@@ -687,19 +788,21 @@ def sentence_dead_over_training(results: list[dict]) -> str:
 def sentence_vs_dense(results: list[dict]) -> str:
     """Validation loss and the seven-task mean of each sparse row against its dense control."""
     parts = []
-    for l1, rs in _sparse(results).items():
+    named = several_steps(results)
+    for (l1, steps), rs in _sparse(results).items():
         bits = []
         for r in rs:
             c = csv_row(r, results)
             if c["val_loss_dense"] is None or c["val_loss"] is None:
-                bits.append(f"{row_label(r)} no dense control")
+                bits.append(f"{row_label(r)} no "
+                            + (f"{steps}-step dense control" if named else "dense control"))
                 continue
             ev = ("" if c["eval_diff"] is None else
                   f", seven-task {c['eval_diff']:+.1f}"
                   + ("" if c["eval_diff_stderr"] is None else f" +- {c['eval_diff_stderr']:.1f}")
                   + " pts")
             bits.append(f"{row_label(r)} val {100 * (c['val_loss'] / c['val_loss_dense'] - 1):+.1f} %{ev}")
-        parts.append(f"at L1 {l1_text(l1)}: " + ", ".join(bits))
+        parts.append(f"at {series_text(l1, steps, named)}: " + ", ".join(bits))
     return ("Sparse against dense " + "; ".join(parts) + ". The paper: mean accuracy within 0.3 "
             "points of the dense model at every size (40.4 -> 40.4 at 0.5B, 49.1 -> 48.8 at 2B), "
             "final CE 2.255 -> 2.297 at 1.5B (+1.9 %).")
@@ -1079,10 +1182,12 @@ def probe_text(probe: list[dict], targets=PAPER_L0_RANGE) -> str:
 
 
 def tokens_table(results: list[dict], n: int = 10) -> str:
-    """Markdown: the ``n`` least and most active tokens of the largest model at each L1."""
+    """Markdown: the ``n`` least and most active tokens of the largest model of each sparse
+    series (L1 and steps: the steps named when the results hold several counts)."""
     from studies.scaling_plots import token_extremes, token_label
 
     blocks = []
+    named = several_steps(results)
     for rs in _sparse(results).values():
         r = rs[-1]
         tok = r["profile"]["tokens"]
@@ -1092,7 +1197,7 @@ def tokens_table(results: list[dict], n: int = 10) -> str:
         rows = [[f"`{token_label(tok, a)}`", _f(tok["l0"][a]),
                  tok["count"][a], f"`{token_label(tok, b)}`", _f(tok["l0"][b]), tok["count"][b]]
                 for a, b in zip(lo, hi)]
-        blocks.append(f"{_name(r)}:\n\n" + _md_table(
+        blocks.append(f"{_name(r, named)}:\n\n" + _md_table(
             ["least active", "L0", "count", "most active", "L0", "count"], rows))
     return "\n\n".join(blocks)
 

@@ -304,6 +304,23 @@ def test_csv_rows_and_targets(tmp_path):
         "not reproduced (dead % 0.75x, not halved)"
 
 
+def test_paper_targets_judge_each_step_count_apart():
+    """Rows of different step counts saw different tokens: a size trained longer is judged in
+    its own series, not as a further size of the shorter one."""
+    def row(size, layers, l0, steps):
+        return {"size": size, "layers": layers, "l1_coeff": 3e-4, "l0_mean": l0, "steps": steps,
+                "reinit": False, "dead_pct": 10.0, "val_loss": 3.5}
+
+    rows = [row("0p5b", 8, 40.0, 200), row("2b", 38, 30.0, 200), row("2b", 38, 20.0, 400)]
+    t = {x["target"]: x for x in check_targets(rows)}
+    assert t["L0 falls with size, L1 3e-4 (200 steps)"]["measured"] == "0.5B 40.0 > 2B 30.0"
+    assert t["0.5B -> 2B drop, L1 3e-4 (200 steps)"]["measured"] == "40.0 -> 30.0 (-25 %)"
+    assert (t["L0 falls with size, L1 3e-4 (400 steps)"]["measured"],
+            t["L0 falls with size, L1 3e-4 (400 steps)"]["verdict"]) == ("2B 20.0",
+                                                                        "not enough sizes")
+    assert len(t) == 3
+
+
 def test_reinit_target_each_condition():
     def rows(d1, l0b, vb, d0=10.0):
         base = {"size": "1p5b", "layers": 28, "l1_coeff": 3e-4, "l0_mean": 30.0,

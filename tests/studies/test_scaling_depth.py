@@ -404,6 +404,98 @@ def test_report_with_the_depth_series(tmp_path):
     assert text.count("<!-- judgement:depth_") == 7
 
 
+def _with_longer_row(tmp_path) -> list[dict]:
+    """:func:`_series` (probe rows left out) and 38 L at S trained 1500 steps, settled at L0
+    9.0 (its 1000-step row is unsettled at 12.0), val loss 2.6, no evals, no 1500-step dense."""
+    d = _series(tmp_path)
+    long = _dres(38, S, 9.0, val=2.6, dead=50.0, steps=1500)
+    (d / f"{long['row']['name']}.json").write_text(json.dumps(long))
+    return [r for r in load_results([d]).values() if not r["row"]["probe"]]
+
+
+def test_rows_of_different_steps_are_separate_series(tmp_path):
+    """A depth trained longer than the others is a series of its own in every sentence, target
+    and table, named with its steps: never compared with the other depths' 1000 steps (other
+    tokens), never listed twice in the 1000-step series."""
+    from studies.scaling_report import (
+        sentence_dead_over_training,
+        sentence_l0_per_layer,
+        sentence_l0_vs_size,
+        sentence_vs_dense,
+        tokens_table,
+    )
+
+    results = _with_longer_row(tmp_path)
+    l0 = sentence_l0_vs_size(results)
+    assert ("at L1 1e-3, 1000 steps: 8 L 10.0, 38 L 12.0 (8 L -> 38 L +20 %, not monotone); "
+            "at L1 1e-3, 1500 steps: 38 L 9.0 (one depth; 8 L not yet run at 1500 steps); "
+            "at L1 3e-4, 1000 steps: 8 L 40.0, 38 L 25.0 (8 L -> 38 L -38 %, falling at every "
+            "step); at L1 0, 1000 steps: 8 L 500.0, 38 L 400.0") in l0
+    assert "here 32.8 / 49.2 M tokens per run" in l0
+    dense = sentence_vs_dense(results)
+    assert "38 L val +8.0 %, seven-task +0.0 +- 0.0 pts; at L1 1e-3, 1500 steps: 38 L no " \
+           "1500-step dense control; at L1 3e-4, 1000 steps: 8 L val +1.0 %" in dense
+    per_layer = sentence_l0_per_layer(results)  # each series' own row, named with its steps
+    assert "38 L at L1 1e-3, 1000 steps (38 layers): no peak (flat at 12.0)" in per_layer
+    assert "38 L at L1 1e-3, 1500 steps (38 layers): no peak (flat at 9.0)" in per_layer
+    tables = tokens_table(results)
+    assert [line for line in tables.splitlines() if line.endswith(":")] == [
+        "38 L at L1 1e-3, 1000 steps:", "38 L at L1 1e-3, 1500 steps:",
+        "38 L at L1 3e-4, 1000 steps:"]
+    assert sentence_dead_over_training(results).startswith(
+        "38 L at L1 1e-3, 1000 steps: dead units in the last window 60.0 % without re-init "
+        "(between 60 and 60 % over training), 20.0 % with it.")
+
+    rows = [csv_row(r, results) for r in results]
+    t = {x["target"]: x for x in check_depth_targets(rows)}
+    assert t["L0 falls with depth, L1 1e-3 (1000 steps)"]["verdict"] == (
+        "not judged: 38 L not settled (as measured: not met (8 L -> 38 L does not fall)); "
+        "38 L at 1500 steps settled at 9.0, -25 % from its 1000-step 12.0: the 1000-step "
+        "series had not settled")
+    assert t["L0 falls with depth, L1 1e-3 (1500 steps)"]["verdict"] == \
+        "not enough depths (8 L not yet run at 1500 steps)"
+    # 1e-3 is the series' stronger L1 at every step count: reported, its control named
+    acc = t["stronger L1 1e-3 against dense: val loss within 2 %, seven-task mean within 1 point "
+            "(1500 steps)"]
+    assert (acc["measured"], acc["verdict"]) == (
+        "38 L: no dense control at 1500 steps", "reported")
+    assert not any(k.startswith("weaker") and k.endswith("(1500 steps)") for k in t)
+
+
+def test_plots_draw_each_steps_series_apart(tmp_path, monkeypatch):
+    """The plots: a curve (or panel) per series of L1 and steps, its legend (title) naming the
+    steps; the 1500-step 38 L row is a point of its own, not the 1000-step curve's fifth."""
+    import matplotlib.pyplot as plt
+
+    import studies.scaling_plots as sp
+
+    results = _with_longer_row(tmp_path)
+    figs = []
+    monkeypatch.setattr(sp, "_save", lambda plt_, fig, path: figs.append(fig) or path)
+
+    def lines(ax):
+        return {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata()))
+                for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+
+    sp.plot_l0_vs_size(results, tmp_path / "a.png")
+    got = lines(figs[-1].axes[0])
+    assert got["L1 1e-3, 1000 steps"] == ([8, 38], [10.0, 12.0])
+    assert got["L1 1e-3, 1500 steps"] == ([38], [9.0])
+    assert got["L1 0, 1000 steps"] == ([8, 38], [500.0, 400.0])
+    sp.plot_l0_per_layer(results, tmp_path / "b.png")
+    assert [ax.get_title() for ax in figs[-1].axes] == [
+        "L0 per layer, L1 1e-3, 1000 steps", "L0 per layer, L1 1e-3, 1500 steps",
+        "L0 per layer, L1 3e-4, 1000 steps", "L0 per layer, L1 0, 1000 steps"]
+    assert list(lines(figs[-1].axes[1])) == ["38 L"]
+    sp.plot_vs_dense(results, tmp_path / "c.png")
+    got = lines(figs[-1].axes[0])
+    assert got["dense (L1 0, 1000 steps)"] == ([8, 38], [3.0, 2.5])
+    assert got["L1 1e-3, 1000 steps"] == ([8, 38], [3.2, 2.7])
+    assert got["L1 1e-3, 1500 steps"] == ([38], [2.6])
+    for f in figs:
+        plt.close(f)
+
+
 # ---------------------------------------------------------------- the L1 gradient under bf16
 
 
