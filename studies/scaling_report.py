@@ -1375,10 +1375,40 @@ python scripts/scaling_study.py --report <fetched dir 1> <fetched dir 2> ... --d
 ```"""
 
 
-def write_report(folders: list[Path], doc: Path, command: str = "scripts/scaling_study.py "
-                 "--report", log=print) -> dict:
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FETCHED = "<fetched>/depth_out/out"  # a device call's tarball, extracted (docs/scaling.md, Plan)
+
+
+def report_command(folders: list[Path], doc: Path, root: Path = REPO_ROOT) -> str:
+    """The command the doc names as its generator, without this machine's paths (the page is
+    tracked: tests/e2e/test_repo_paths.py): a folder inside the repository by its
+    repository-relative path, any other by the placeholder :data:`FETCHED` (``<fetched 1>/...``,
+    ``<fetched 2>/...`` when there are several); ``doc`` by its repository-relative path, else
+    ``<doc folder>/<its name>``."""
+    def inside(p) -> str | None:
+        try:
+            return Path(p).resolve().relative_to(Path(root).resolve()).as_posix()
+        except ValueError:
+            return None
+
+    n_out = sum(inside(f) is None for f in folders)
+    shown, i = [], 0
+    for f in folders:
+        rel = inside(f)
+        if rel is None:
+            i += 1
+            rel = FETCHED if n_out == 1 else FETCHED.replace("<fetched>", f"<fetched {i}>")
+        shown.append(rel)
+    d = inside(doc) or f"<doc folder>/{Path(doc).name}"
+    return f"python scripts/scaling_study.py --report {' '.join(shown)} --doc {d}"
+
+
+def write_report(folders: list[Path], doc: Path, command: str | None = None,
+                 log=print) -> dict:
     """Merge ``folders`` (after the doc folder's ``results/``) into ``<doc folder>/results/``,
-    write ``runs.csv`` and the plots there, rewrite ``doc`` above its kept part.
+    write ``runs.csv`` and the plots there, rewrite ``doc`` above its kept part (``command``:
+    the command the page names as its generator; by default :func:`report_command`'s, with no
+    machine path in it).
 
     Returns {results, csv, plots, doc, targets}.
 
@@ -1389,6 +1419,7 @@ def write_report(folders: list[Path], doc: Path, command: str = "scripts/scaling
     from studies.scaling_plots import write_plots
 
     doc = Path(doc)
+    command = command if command is not None else report_command(folders, doc)
     out_dir = doc.parent / doc.stem
     res_dir = out_dir / "results"
     judgements, kept = ({}, None)
@@ -1464,6 +1495,7 @@ __all__ = [
     "parse_doc",
     "peak_layers",
     "read_csv",
+    "report_command",
     "row_label",
     "size_label",
     "sort_key",
