@@ -13,7 +13,6 @@ Every case (each recorded layer, then i.i.d. rows at ``--iid`` densities of shap
 is checked first (every op against fp32; an op of ours off by more than 3x the dense bf16
 path's error stops the run with exit code 1), then timed with ``triton.testing.do_bench``
 medians: forward (dense cuBLAS, ``twell``, ``twell_heavy_first``: rows longest first,
-``twell_split``: the overflowed tiles of the 32 longest rows spread over 8 programs each,
 ``twell_hot``: hot units from the layer's own counts, ``twell_long``: the 128 longest rows through
 a dense backup)
 and training (forward + backward with the L1 term: ``torch``, ``ell``, ``ell_nosync``,

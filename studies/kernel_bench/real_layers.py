@@ -33,9 +33,6 @@ Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``de
     twell_heavy_first
                   fwd: ``twell`` with the consumer taking rows longest first
                   (``FFNPolicy.infer_heavy_first``)
-    twell_split   fwd: ``twell`` with the overflowed tiles of the :data:`SPLIT_LONG` longest
-                  rows spread over :data:`SPLIT_PARTS` extra programs each, partial rows summed
-                  by a fix-up kernel (``FFNPolicy.infer_split_long`` / ``infer_split_parts``)
     twell_long    fwd: TwELL with the :data:`LONG_ROWS` longest rows (above
                   ``FFNPolicy.infer_long_min_nnz`` non-zeros) through a dense backup
                   (``FFNPolicy.infer_long_rows``)
@@ -96,8 +93,7 @@ COLUMNS = ["size", "layer", "density", "l0_mean", "l0_max", "heavy_rows", "op", 
            "speedup_vs_dense", "rel_err", "spread_pct"]
 ROUNDS = 3  # interleaved timing rounds per case (the script's --rounds default)
 KINDS = ("fwd", "train")
-OPS = {"fwd": ("dense", "twell", "twell_heavy_first", "twell_split", "twell_hot", "twell_long",
-               "auto", "paper"),
+OPS = {"fwd": ("dense", "twell", "twell_heavy_first", "twell_hot", "twell_long", "auto", "paper"),
        "train": ("torch", "ell", "ell_nosync", "ell_graph", "ell_hot", "auto",
                  "paper")}
 CUDA_ONLY = {("ell_graph", "train"): "CUDA graphs need a CUDA device"}  # op -> why it is skipped
@@ -108,11 +104,6 @@ TWINS = {("ell_graph", "train"): ("ell_nosync", "train")}
 # twell_long's rows per call: 1/128 of the 16384-row calls (~6 GFLOP of dense backup at the
 # 1.5B shape) against the densest tokens of a trained model (BENCHMARKS.md, "Next")
 LONG_ROWS = 128
-# twell_split's long-row slots and programs per slot: 32 slots hold the 8 first tokens of a
-# 16384-row call at seq_len 2048 (the case that cost +28 %: BENCHMARKS.md, "Session of
-# 2026-12-05, seventh") with room for recorded layers' other dense tokens; 8 parts take ~3 of a
-# first token's 22 overflowed tiles each at H 5632
-SPLIT_LONG, SPLIT_PARTS = 32, 8
 BASELINE = {"fwd": "dense", "train": "torch"}  # the op each kind's speedup is measured against
 
 
@@ -227,15 +218,12 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
             return lambda: [_dense_fwd(x, wg, wu, wd)]
         st = TwELLState()
         mode = "auto" if op == "auto" else "twell"
-        hot = None if op in ("twell", "twell_heavy_first", "twell_split", "twell_long") or (
+        hot = None if op in ("twell", "twell_heavy_first", "twell_long") or (
             op == "auto" and not _split_pays(case, policy)) else case.hot
         if op == "twell_long":
             policy = dataclasses.replace(policy, infer_long_rows=LONG_ROWS)
         if op == "twell_heavy_first":
             policy = dataclasses.replace(policy, infer_heavy_first=True)
-        if op == "twell_split":
-            policy = dataclasses.replace(policy, infer_split_long=SPLIT_LONG,
-                                         infer_split_parts=SPLIT_PARTS)
 
         @torch.no_grad()
         def fwd():
