@@ -824,13 +824,25 @@ FFN_RENAMES = {
 }
 RENAMED_KEYS.update({old: f"{new} (the FFN's settings are one group, ffn)"
                      for old, new in FFN_RENAMES.items()})
+# keys that were removed (key -> why, and what to do): upgrade_saved drops them from a config
+# saved before the removal, so that run compares, resumes and loads as one saved after it (each
+# was a speed-only knob, off by default, that no saved state depends on); the CLI's unknown-key
+# message says why the key is gone
+_SPLIT_GONE = ("the split_long forward consumer was deleted after measuring: dominated by "
+               "ffn.policy.infer_heavy_first (BENCHMARKS.md, second session of 2026-12-06); "
+               "drop the key")
+REMOVED_KEYS = {
+    "ffn.policy.infer_split_long": _SPLIT_GONE,
+    "ffn.policy.infer_split_parts": _SPLIT_GONE,
+}
 
 
 def upgrade_saved(d: dict) -> dict:
     """A saved config dict (a run's ``.hydra/config.yaml`` or a checkpoint's
-    ``train_config.yaml``) with the keys of :data:`FFN_RENAMES` moved to their new places, so a
-    run saved before the rename compares and resumes as one saved after it; a copy (``d``
-    unchanged; a key already at its new place wins)."""
+    ``train_config.yaml``) with the keys of :data:`FFN_RENAMES` moved to their new places and
+    those of :data:`REMOVED_KEYS` dropped, so a run saved before the rename or the removal
+    compares and resumes as one saved after it; a copy (``d`` unchanged; a key already at its
+    new place wins)."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
     for old, new in FFN_RENAMES.items():
         group, key = old.split(".")
@@ -838,6 +850,16 @@ def upgrade_saved(d: dict) -> dict:
             value = out[group].pop(key)
             ffn = out.setdefault("ffn", {})
             ffn.setdefault(new.split(".")[1], value)
+    for gone in REMOVED_KEYS:  # after the renames: model.ffn_policy.* is ffn.policy.* by now
+        *groups, key = gone.split(".")
+        node = out
+        for g in groups:
+            if not isinstance(node.get(g), dict):
+                break
+            node[g] = dict(node[g])  # a copy of each level changed: d stays as it was
+            node = node[g]
+        else:
+            node.pop(key, None)
     return out
 
 
@@ -886,6 +908,8 @@ def unknown_key_message(group: str | None, key: str, known, tail: str = "") -> s
     import difflib
 
     full = f"{group}.{key}" if group else key
+    if full in REMOVED_KEYS:
+        return f"{full} was removed: {REMOVED_KEYS[full]}."
     if full in RENAMED_KEYS:
         new, _, why = RENAMED_KEYS[full].partition(" (")  # the new key, then why it moved
         sub = f".{tail}" if tail else ""

@@ -476,7 +476,7 @@ def _renamed_hint(line: str) -> str:
     import difflib
     import re
 
-    from train.config import RENAMED_KEYS, dotted_keys, schema_tree
+    from train.config import REMOVED_KEYS, RENAMED_KEYS, dotted_keys, schema_tree
 
     m = re.search(r"Key '(\w+)' not in '(\w+)'", line)
     paths = {cls.__name__: prefix for prefix, cls in schema_tree().items()}
@@ -484,6 +484,8 @@ def _renamed_hint(line: str) -> str:
         return line
     prefix, key = paths[m.group(2)], m.group(1)
     old = f"{prefix}.{key}" if prefix else key
+    if old in REMOVED_KEYS:
+        return f"{line}; {old} was removed: {REMOVED_KEYS[old]}."
     if old in RENAMED_KEYS:
         return f"{line}; {old} was renamed {RENAMED_KEYS[old]}: use the new key."
     known = {f.name for f in dataclasses.fields(schema_tree()[prefix])}

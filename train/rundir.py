@@ -65,12 +65,12 @@ RESUME_SAFE_KEYS = (
 # stays part of the checkpoint's shape (Checkpointer.check_resume_config), to be conservative:
 # the ELL capacity, all-dense fraction, hot-unit and backup-floor fields decide the FFN plan
 # state saved with each checkpoint (capacities, hot units), and the training path's thresholds
-# and measured choice made its saved paths and timings.
+# and measured choice made its saved paths and timings. Removed fields (infer_split_long,
+# infer_split_parts) are not listed: train.config.upgrade_saved drops them from saved configs.
 RESUME_SAFE_POLICY_KEYS = tuple(f"ffn.policy.{name}" for name in (
     "infer_density_threshold", "infer_min_rows", "infer_min_flops", "infer_measure",
     "infer_timed_calls", "infer_twell_margin", "infer_remeasure_factor",  # inference path
-    "infer_long_rows", "infer_long_min_nnz", "infer_heavy_first", "infer_split_long",
-    "infer_split_parts",  # the inference consumer's schedule
+    "infer_long_rows", "infer_long_min_nnz", "infer_heavy_first",  # the consumer's schedule
 ))
 RESUME_SAFE_KEYS += RESUME_SAFE_POLICY_KEYS
 # Keys of the optimizer and its schedule (trainer.max_steps is the cosine's length): a resume

@@ -79,19 +79,6 @@ class FFNPolicy:
     (``twell_ffn_apply``'s ``heavy_first``: one ``argsort`` of the row counts) so that the
     densest tokens start first instead of running alone at the end; the same bits. Off until
     timed on real layers (BENCHMARKS.md, "The overflowed tiles of the forward consumer")."""
-    infer_split_long: int = 0
-    """Inference TwELL: the consumer's ``split_long``: the overflowed tiles of a call's this many
-    rows with the most non-zeros (a fixed ``topk``, no host sync) are spread over
-    ``infer_split_parts`` programs each, in a launch before the main one, their partial rows
-    summed in fp32 by a fix-up kernel. A first token with nearly every tile overflowed is otherwise one program
-    of ~230 dependent steps at the launch's end: eight of them cost +0.33 ms (+28 %) on an
-    H100 at M 16384, D 2048, H 5632, 0.3 % (BENCHMARKS.md, "Session of 2026-12-05, seventh").
-    0 = off (the default until timed on a GPU: ``scripts/bench_real_layers.py``, op
-    ``twell_split``; a first version in the main kernel's grid cost 15 % on i.i.d. rows)."""
-    infer_split_parts: int = 8
-    """Inference TwELL: extra programs per long row of ``infer_split_long`` (program p takes the
-    row's overflowed tiles t with t % parts == p); 8 spreads a 22-tile first token (H 5632) to
-    ~3 tiles a program. Not yet timed."""
     train_density_threshold: float = 0.10
     """Training ``auto``: the ELL kernels up to this density (L0 / H), else dense mode; 10 % is
     the densest case measured (i.i.d. 10 %: dense mode 0.99x vs the ELL op's fallback 0.90x,
@@ -191,13 +178,12 @@ class FFNPolicy:
             raise PolicyValueError("infer_min_flops", "must be a finite number >= 0",
                                    self.infer_min_flops, "<a number >= 0>")
         for name in ("infer_min_rows", "ell_capacity", "max_hot_units", "infer_long_rows",
-                     "infer_long_min_nnz", "infer_split_long"):
+                     "infer_long_min_nnz"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise PolicyValueError(name, "must be an integer >= 0", v, "<int >= 0>" + (
                     " (0 = the default width)" if name == "ell_capacity" else ""))
-        for name in ("infer_timed_calls", "train_timed_calls", "train_explore_every",
-                     "infer_split_parts"):
+        for name in ("infer_timed_calls", "train_timed_calls", "train_explore_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PolicyValueError(name, "must be an integer >= 1", v, "<int >= 1>")

@@ -66,7 +66,7 @@ def test_a_resume_may_change_ffn_policys_inference_knobs_but_not_the_others(tmp_
     fields = {f.name for f in dataclasses.fields(FFNPolicy)}
     names = [k.removeprefix("ffn.policy.") for k in RESUME_SAFE_POLICY_KEYS]
     assert set(names) <= fields  # a misspelt name would refuse its knob without a word
-    assert "infer_split_long" in names and "ell_capacity" not in names
+    assert "infer_heavy_first" in names and "ell_capacity" not in names
 
     tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
     run = tmp_path / "run"
@@ -78,7 +78,7 @@ def test_a_resume_may_change_ffn_policys_inference_knobs_but_not_the_others(tmp_
     def config(**policy):
         return tiny_config(tok, **{"trainer.max_steps": 1, "ffn.policy": FFNPolicy(**policy)})
 
-    speed = {"infer_split_long": 4, "infer_split_parts": 2, "infer_heavy_first": True,
+    speed = {"infer_long_min_nnz": 64, "infer_timed_calls": 2, "infer_heavy_first": True,
              "infer_long_rows": 8, "infer_min_rows": 16}
     t = Trainer(config(**speed), run)  # trainer.resume=auto
     try:
@@ -87,16 +87,16 @@ def test_a_resume_may_change_ffn_policys_inference_knobs_but_not_the_others(tmp_
         assert all(torch.equal(got[k], v) for k, v in want.items())
         assert len(t.plan.mlps) == 2
         for m in t.plan.mlps:  # the new values are the ones the layers run with
-            assert (m.policy.infer_split_long, m.policy.infer_split_parts,
+            assert (m.policy.infer_long_min_nnz, m.policy.infer_timed_calls,
                     m.policy.infer_heavy_first, m.policy.infer_long_rows,
-                    m.policy.infer_min_rows) == (4, 2, True, 8, 16)
+                    m.policy.infer_min_rows) == (64, 2, True, 8, 16)
     finally:
         t.close()
 
     # the ELL capacity and the training path's thresholds are the checkpoint's: refused, and
     # only they are named (not the inference knob changed with them)
     with pytest.raises(ConfigError) as err:
-        Trainer(config(ell_capacity=16, infer_split_long=4), run)
+        Trainer(config(ell_capacity=16, infer_long_rows=4), run)
     assert one_line(err) == (f"checkpoint {step1} has another model shape "
                              "(ffn.policy.ell_capacity: 0 -> 16); use the same model config or "
                              "a new hydra.run.dir.")
@@ -107,3 +107,35 @@ def test_a_resume_may_change_ffn_policys_inference_knobs_but_not_the_others(tmp_
     assert one_line(err) == (f"checkpoint {step1} has another model shape "
                              "(ffn.policy.train_density_threshold: 0.1 -> 0.05); use the same "
                              "model config or another trainer.resume.")
+
+
+def test_a_run_saved_with_the_removed_split_keys_resumes(tmp_path, monkeypatch):
+    """A run saved before the split_long consumer was deleted has ffn.policy.infer_split_long /
+    infer_split_parts in its config.yaml and its checkpoints' train_config.yaml: it resumes
+    (trainer.resume=auto, and an explicit path from another run dir) as if they were not there
+    (train.config.upgrade_saved drops them), instead of "another model shape"."""
+    import train.trainer as trainer_mod
+    from train.checkpointer import config_to_dict
+
+    def yesterdays(cfg):  # the config dict yesterday's code saved: the two keys set
+        d = config_to_dict(cfg)
+        d["ffn"]["policy"].update(infer_split_long=32, infer_split_parts=8)
+        return d
+
+    tok = write_tokens(tmp_path / "t.bin", n_tokens=8_000)
+    run = tmp_path / "run"
+    with monkeypatch.context() as mp:
+        mp.setattr(trainer_mod, "config_to_dict", yesterdays)
+        train_run(tiny_config(tok, **{"trainer.max_steps": 1}), run)
+    step1 = run / "checkpoints" / "step1"
+    for saved in (run / "config.yaml", step1 / "train_config.yaml"):
+        assert ckpt_io.load_yaml(saved)["ffn"]["policy"]["infer_split_long"] == 32
+    assert ckpt_io.verify(step1) == []
+
+    for resume, run_dir in (("auto", run), (str(step1), tmp_path / "other")):
+        t = Trainer(tiny_config(tok, **{"trainer.max_steps": 1, "trainer.resume": resume}),
+                    run_dir)
+        try:
+            assert t.step == 1 and t.last_ckpt == step1
+        finally:
+            t.close()

@@ -376,6 +376,44 @@ def test_a_saved_config_with_the_old_ffn_keys_reads_as_the_new_group():
     assert "ffn_impl" in old["model"]  # the saved dict itself is left as it was
 
 
+def test_a_saved_config_with_the_removed_split_keys_reads_without_them():
+    """upgrade_saved drops ffn.policy.infer_split_long / infer_split_parts (the split_long
+    consumer, deleted): a config saved with them compares equal to one saved after, at their
+    place in the ffn group and in one saved before it (model.ffn_policy); the saved dict is left
+    as it was. On the command line the keys are one line saying they were removed."""
+    from train.checkpointer import config_diff, config_to_dict
+    from train.config import REMOVED_KEYS, upgrade_saved
+    from train.config import compose as train_compose
+
+    assert set(REMOVED_KEYS) == {"ffn.policy.infer_split_long", "ffn.policy.infer_split_parts"}
+    new = config_to_dict(train_compose([]))
+    old = {k: dict(v) if isinstance(v, dict) else v for k, v in new.items()}
+    old["ffn"]["policy"] = {**new["ffn"]["policy"], "infer_split_long": 32,
+                            "infer_split_parts": 8}
+    assert config_diff(old, new)  # as saved: the keys differ
+    assert config_diff(upgrade_saved(old), new) == []
+    assert old["ffn"]["policy"]["infer_split_long"] == 32  # the saved dict as it was
+    older = {k: dict(v) if isinstance(v, dict) else v for k, v in old.items()}
+    older["model"]["ffn_policy"] = older.pop("ffn")["policy"]
+    older["ffn"] = {k: v for k, v in new["ffn"].items() if k != "policy"}
+    assert config_diff(upgrade_saved(older), new) == []
+    for override in ("ffn.policy.infer_split_long=32", "+ffn.policy.infer_split_parts=4"):
+        key = override.lstrip("+").split("=")[0]
+        with pytest.raises(ConfigError) as err:
+            train_compose([override])
+        assert _one_line(err).startswith(f"{key} was removed: the split_long forward consumer "
+                                         "was deleted after measuring"), _one_line(err)
+        assert _one_line(err).endswith("drop the key."), _one_line(err)
+    from hydra.errors import ConfigCompositionException
+
+    from train.main import hydra_error_line
+
+    line = hydra_error_line(ConfigCompositionException(  # in a YAML file
+        "Key 'infer_split_long' not in 'FFNPolicy'"))
+    assert line.startswith("Key 'infer_split_long' not in 'FFNPolicy'; ffn.policy.infer_split_long "
+                           "was removed: the split_long"), line
+
+
 def test_ffn_policy_is_configuration_that_round_trips():
     """ffn.policy (twell.policy.FFNPolicy) composes from overrides, is validated, reaches
     every FFN of the built model, and survives the resolved config (config.yaml, checkpoints and

@@ -380,8 +380,6 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state, ho
             packed_rows = tw.row_nnz, tw.row_overflow
             tw.row_nnz, tw.row_overflow = None, None  # the consumer sees the hidden counts
         launch = {"heavy_first": policy is not None and policy.infer_heavy_first,
-                  **({} if policy is None else {"split_long": policy.infer_split_long,
-                                                "split_parts": policy.infer_split_parts}),
                   **state.consumer_kwargs}
         y, l1_rows = twell_ffn_apply(
             tw, dense, wdt, x_MD=x_ND if gated else None, w_up_HD=w_up_HD if gated else None,
