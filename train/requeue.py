@@ -96,8 +96,10 @@ def _flat(d, prefix: str = "") -> dict:
 
 def recipe(config: dict) -> dict:
     """What makes two composed configs the same run: every key but ``hydra.*`` and the keys a
-    resume may change (``RESUME_SAFE_KEYS``), flattened."""
-    return {k: v for k, v in _flat(config).items()
+    resume may change (``RESUME_SAFE_KEYS``), flattened; a saved one read as one saved now
+    (``upgrade_saved``: renamed keys at their new places, removed ones dropped), so a sweep's
+    ``multirun.yaml`` from before a rename or removal is still its sweep."""
+    return {k: v for k, v in _flat(upgrade_saved(config)).items()
             if not k.startswith("hydra.") and not _matches(k, RESUME_SAFE_KEYS)}
 
 

@@ -25,3 +25,41 @@ def test_a_quoted_resume_replaces_the_jobs_recorded_one(tmp_path):
                                   "+optim.lr=1e30", "data=tokens"], resume, "'++optim.lr=1e-4'")
     assert cmd == (f"twell-train {override_arg('hydra.run.dir', job)} data=tokens {resume} "
                    "'++optim.lr=1e-4'")
+
+
+def _sweep_record(sweep, config: dict, task: list[str]) -> None:
+    """A sweep folder as twell-train leaves it: ``multirun.yaml`` (the composed config and the
+    command's overrides) and job 0 with a checkpoint and no summary (unfinished)."""
+    from omegaconf import OmegaConf
+
+    sweep.mkdir(parents=True)
+    OmegaConf.save({**config, "hydra": {"overrides": {"task": task}}}, sweep / "multirun.yaml")
+    (sweep / "0" / "checkpoints" / "step2").mkdir(parents=True)
+    (sweep / "0" / "checkpoints" / "step2" / "metadata.json").write_text("{}")
+
+
+def test_a_sweep_saved_with_removed_keys_is_the_same_sweep(tmp_path):
+    """A sweep recorded before ffn.policy.infer_split_long / infer_split_parts were removed
+    holds them in its multirun.yaml (every composed config had them): the same -m command
+    after the removal is that sweep (not "another sweep" refused in its named folder), and a
+    timestamped one finds it unfinished, as a single run's .hydra/config.yaml is read."""
+    from train.requeue import find_unfinished_sweep, other_sweep_in, train_on_commands
+
+    now = {"ffn": {"impl": "torch", "policy": {"infer_min_rows": 8192}},
+           "optim": {"lr": 5e-4}, "sparsity": {"l1_coeff": 0.0}}
+    old = {**now, "ffn": {"impl": "torch", "policy": {
+        "infer_min_rows": 8192, "infer_split_long": 0, "infer_split_parts": 8}}}
+    task = ["sparsity.l1_coeff=0.5,0.25"]
+    sweep = tmp_path / "multirun" / "2026-12-05" / "10-00-00"
+    _sweep_record(sweep, old, task)
+    assert other_sweep_in(sweep, now, task) is None
+    assert find_unfinished_sweep(now, task, tmp_path / "multirun", 2) == sweep
+    # the same with more steps: the commands that train its jobs on, not a refusal
+    (sweep / "1" / "checkpoints" / "step2").mkdir(parents=True)
+    (sweep / "1" / "checkpoints" / "step2" / "metadata.json").write_text("{}")
+    longer = {**now, "trainer": {"max_steps": 80}}
+    assert other_sweep_in(sweep, longer, task) == "its config differs in trainer.max_steps"
+    assert train_on_commands(sweep, longer, task).count("twell-train ") == 2
+    # another value of a kept key is still another sweep
+    assert other_sweep_in(sweep, {**now, "model": {"num_layers": 3}}, task) == (
+        "its config differs in model.num_layers")
