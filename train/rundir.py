@@ -522,10 +522,18 @@ def set_aside_command(run_dir: str | Path, names: tuple[str, ...] = SET_ASIDE) -
     default the files of :data:`SET_ASIDE`) present in ``run_dir`` to ``<name>.old``
     (``.old2``, ... when one is taken), so that a new run can start there and nothing is lost:
     the log, ``.hydra/``, ``wandb/`` and the set-aside files stay, and no report reads the
-    renamed files as a run (e.g. ``(cd runs/x && mv config.yaml config.yaml.old && mv
-    metrics.jsonl metrics.jsonl.old)``). A checkpoint folder among ``names``
-    (``checkpoints/step5``) renamed so is no checkpoint to resume, rotate or refuse a resume by
-    (its name is no longer ``step{N}``): an older checkpoint can then be resumed there."""
+    renamed files as a run (e.g. ``(cd runs/x && for f in config.yaml.old metrics.jsonl.old;
+    do ...; done && mv config.yaml config.yaml.old && mv metrics.jsonl metrics.jsonl.old)``).
+    A checkpoint folder among ``names`` (``checkpoints/step5``) renamed so is no checkpoint to
+    resume, rotate or refuse a resume by (its name is no longer ``step{N}``): an older
+    checkpoint can then be resumed there.
+
+    The new names are free when the command is made; one taken when it runs (the command run
+    a second time, from the shell's history, after the run it preceded wrote its own files)
+    stops it before anything moves, in one line on stderr with a non-zero status (so a
+    following ``&& twell-train ...`` does not run): ``mv`` would write a file over its
+    set-aside copy (the earlier run's record lost) and move a folder into its ``.old``
+    folder."""
     d = Path(run_dir)
     present = [n for n in names if (d / n).exists()]
     k = 1
@@ -533,8 +541,11 @@ def set_aside_command(run_dir: str | Path, names: tuple[str, ...] = SET_ASIDE) -
         k += 1
     suffix = f".old{k if k > 1 else ''}"
     q = ckpt_io.shell_quote
+    targets = " ".join(q(n + suffix) for n in present)
+    guard = (f"for f in {targets}; do [ ! -e \"$f\" ] || {{ echo \"$f exists (set aside "
+             "before?): nothing moved\" >&2; exit 1; }; done")
     moves = " && ".join(f"mv {q(n)} {q(n + suffix)}" for n in present)
-    return f"(cd {ckpt_io.shell_quote(d)} && {moves})"
+    return f"(cd {ckpt_io.shell_quote(d)} && {guard} && {moves})"
 
 
 def start_fresh(run_dir: Path, config_yaml: str) -> None:

@@ -27,6 +27,13 @@ def tokens(tmp_path_factory):
     return write_tokens(tmp_path_factory.mktemp("tok") / "tok.bin", n_tokens=4000)
 
 
+def _guard(*targets: str) -> str:
+    """The start of a set-aside command (train.rundir.set_aside_command): it stops, moving
+    nothing, when a new name is taken (the command run twice)."""
+    return (f"for f in {' '.join(targets)}; do [ ! -e \"$f\" ] || {{ echo \"$f exists (set "
+            "aside before?): nothing moved\" >&2; exit 1; }; done && ")
+
+
 def _train(tokens: Path, *args: str, cwd: Path = ROOT, env: dict | None = None):
     flags = [a for a in args if a.startswith("-")]  # -m before the overrides (argparse)
     over = [a for a in args if not a.startswith("-")]
@@ -442,13 +449,15 @@ def test_a_diverged_sweep_job_trains_on_by_the_command_the_report_names(tokens, 
     assert not (sweep / "1" / "checkpoints").exists()
     r = _train(tokens, *cmd, "trainer.save_every=1,100", "optim.lr=1e-4")
     assert r.returncode == 2 and "holds another sweep" in r.stderr, r.stderr[-3000:]
-    def aside(job: str, more: str = "") -> str:
-        return (f"(cd {sweep / job} && mv config.yaml config.yaml.old && mv metrics.jsonl "
-                "metrics.jsonl.old && mv error.txt error.txt.old && mv error.json "
-                f"error.json.old{more}) && ")
+    def aside(job: str, more: str = "", *taken: str) -> str:
+        return (f"(cd {sweep / job} && " + _guard(
+            "config.yaml.old", "metrics.jsonl.old", "error.txt.old", "error.json.old", *taken)
+            + "mv config.yaml config.yaml.old && mv metrics.jsonl metrics.jsonl.old && mv "
+            f"error.txt error.txt.old && mv error.json error.json.old{more}) && ")
 
     for job, head, tail in (
-            ("0", aside("0", " && mv checkpoints/step1 checkpoints/step1.old"),
+            ("0", aside("0", " && mv checkpoints/step1 checkpoints/step1.old",
+                        "checkpoints/step1.old"),
              "trainer.save_every=1 optim.lr=<lower lr>"),
             ("1", aside("1"), "trainer.save_every=100 optim.lr=<lower lr>")):
         why = str(pytest.raises(IncompleteRunError, load_run, sweep / job).value)
@@ -493,8 +502,9 @@ def test_a_diverged_sweep_job_resumes_an_earlier_checkpoint_it_kept(tokens, tmp_
     alone = why.split("lower optim.lr (the -m command with another value is refused as "
                       "another sweep): ", 1)[1]
     moves = " && ".join(f"mv checkpoints/step{i} checkpoints/step{i}.old" for i in range(3, 7))
-    assert alone.startswith(f"(cd {job} && {moves}) && twell-train hydra.run.dir={job} "
-                            "data=tokens ")
+    taken = _guard(*(f"checkpoints/step{i}.old" for i in range(3, 7)))
+    assert alone.startswith(f"(cd {job} && {taken}{moves}) && twell-train "
+                            f"hydra.run.dir={job} data=tokens ")
     assert alone.endswith(f" sparsity.l1_coeff=1e+300 trainer.resume={step2} "
                           "trainer.resume_allow_changes=true optim.lr=<lower lr>"), alone
     r = _follow(alone.replace("<lower lr>", "1e-4").replace("l1_coeff=1e+300", "l1_coeff=0"))
@@ -505,6 +515,13 @@ def test_a_diverged_sweep_job_resumes_an_earlier_checkpoint_it_kept(tokens, tmp_
     assert (cfg["optim"]["lr"], cfg["sparsity"]["l1_coeff"]) == (1e-4, 0)
     assert all((job / "checkpoints" / f"step{i}.old" / "metadata.json").is_file()
                for i in range(3, 7))
+    # the same line again (from the shell's history): it stops before it moves anything, the
+    # resumed line's step3 not moved into step3.old, nothing trained
+    before = _snapshot(job)
+    r = _follow(alone.replace("<lower lr>", "1e-4").replace("l1_coeff=1e+300", "l1_coeff=0"))
+    assert r.returncode != 0 and "training steps" not in r.stdout
+    assert r.stderr.strip() == "checkpoints/step3.old exists (set aside before?): nothing moved"
+    assert _snapshot(job) == before and not (job / "checkpoints" / "step3.old" / "step3").exists()
 
 
 def test_a_run_dir_without_a_checkpoint_is_reused_by_setting_its_files_aside(tokens, tmp_path):
@@ -526,9 +543,10 @@ def test_a_run_dir_without_a_checkpoint_is_reused_by_setting_its_files_aside(tok
     assert head.startswith(f"ConfigError: {run} holds a different run's config (optim.lr: ")
     assert head.endswith("and no checkpoint to resume; use a new hydra.run.dir, or set that "
                          "run's files aside (its log stays)")
-    assert advice == (f"(cd '{run}' && mv config.yaml config.yaml.old && mv metrics.jsonl "
-                      "metrics.jsonl.old && mv error.txt error.txt.old && mv error.json "
-                      "error.json.old)")
+    assert advice == (f"(cd '{run}' && " + _guard(
+        "config.yaml.old", "metrics.jsonl.old", "error.txt.old", "error.json.old")
+        + "mv config.yaml config.yaml.old && mv metrics.jsonl metrics.jsonl.old && mv "
+        "error.txt error.txt.old && mv error.json error.json.old)")
     assert {n: (run / n).read_bytes() for n in before} == before  # the refusal wrote nothing
     assert _follow(advice).returncode == 0
     r = _train(tokens, f"hydra.run.dir={run}", "trainer.max_steps=2", "optim.lr=5e-4")

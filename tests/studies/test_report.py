@@ -42,6 +42,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SCORES = {t: 0.25 + 0.01 * i for i, t in enumerate(TASKS)}  # the stub's primary scores
 
 
+def _guard(*targets: str) -> str:
+    """The start of a set-aside command (train.rundir.set_aside_command): it stops, moving
+    nothing, when a new name is taken (the command run twice)."""
+    return (f"for f in {' '.join(targets)}; do [ ! -e \"$f\" ] || {{ echo \"$f exists (set "
+            "aside before?): nothing moved\" >&2; exit 1; }; done && ")
+
+
 def _fake_evaluate(model, tokenizer, tasks="all", limit=None, batch_size=16, device=None, **kw):
     out = {t: {"acc": s, "acc_norm": s, "primary": s, "n": limit} for t, s in SCORES.items()}
     return {"tasks": out, "mean": sum(SCORES.values()) / len(SCORES), "protocol": {}}
@@ -609,13 +616,16 @@ def test_a_failed_sweep_job_is_told_to_run_alone_in_its_folder(runs, tmp_path):
     assert sorted(p.name for p in emptied.iterdir()) == [
         ".hydra", ".lock", "config.yaml", "error.txt", "metrics.jsonl", "train.log"]
     assert why[emptied] == (
-        f"{emptied}: failed run (last logged step 6 of 6): {fix}(cd '{emptied}' && mv "
+        f"{emptied}: failed run (last logged step 6 of 6): {fix}(cd '{emptied}' && "
+        + _guard("config.yaml.old", "metrics.jsonl.old", "error.txt.old") + "mv "
         "config.yaml config.yaml.old && mv metrics.jsonl metrics.jsonl.old && mv error.txt "
         f"error.txt.old) && twell-train {arg('hydra.run.dir', emptied)} 'data.paths=[/a b]' "
         "sparsity.l1_coeff=0.5")
     (emptied / "config.yaml.old").write_text("an earlier attempt's")  # taken: the next name
-    assert f"(cd '{emptied}' && mv config.yaml config.yaml.old2 && mv metrics.jsonl " \
-        "metrics.jsonl.old2 && mv error.txt error.txt.old2) && twell-train " in str(
+    assert f"(cd '{emptied}' && " + _guard(
+        "config.yaml.old2", "metrics.jsonl.old2", "error.txt.old2") + "mv config.yaml " \
+        "config.yaml.old2 && mv metrics.jsonl metrics.jsonl.old2 && mv error.txt " \
+        "error.txt.old2) && twell-train " in str(
             pytest.raises(IncompleteRunError, load_run, emptied).value)
     (sweep / "multirun.yaml").unlink()  # no sweep's job: the plain advice
     assert str(pytest.raises(IncompleteRunError, load_run, resumed).value).endswith(
@@ -657,7 +667,8 @@ def test_a_diverged_sweep_job_is_told_to_resume_alone_in_its_folder(runs, tmp_pa
         f"{head}, and it has no good checkpoint to resume: start it again with a lower "
         "optim.lr or longer optim.warmup_steps, or leave it out (--skip-incomplete). This sweep "
         f"job started again alone in its folder with a lower optim.lr ({why}): (cd '{job}' && "
-        "mv config.yaml config.yaml.old && mv metrics.jsonl metrics.jsonl.old && mv error.txt "
+        + _guard("config.yaml.old", "metrics.jsonl.old", "error.txt.old", "error.json.old")
+        + "mv config.yaml config.yaml.old && mv metrics.jsonl metrics.jsonl.old && mv error.txt "
         f"error.txt.old && mv error.json error.json.old) && {alone} optim.lr=<lower lr>")
     (sweep / "multirun.yaml").unlink()  # no sweep's job: the plain advice
     assert str(pytest.raises(IncompleteRunError, load_run, job).value).endswith(
@@ -710,7 +721,10 @@ def test_a_checkpoint_just_before_the_divergence_is_not_named_for_a_resume(runs,
         f"{head}, with no earlier checkpoint kept: start it again with a lower optim.lr or "
         "longer optim.warmup_steps, or leave it out (--skip-incomplete). This sweep job "
         f"started again alone in its folder (its checkpoints set aside too) with a lower "
-        f"optim.lr ({why}): (cd '{job}' && mv config.yaml config.yaml.old && mv metrics.jsonl "
+        f"optim.lr ({why}): (cd '{job}' && " + _guard(
+            "config.yaml.old", "metrics.jsonl.old", "error.txt.old", "error.json.old",
+            "checkpoints/step3.old", "checkpoints/step5.old")
+        + "mv config.yaml config.yaml.old && mv metrics.jsonl "
         "metrics.jsonl.old && mv error.txt error.txt.old && mv error.json error.json.old && mv "
         "checkpoints/step3 checkpoints/step3.old && mv checkpoints/step5 checkpoints/step5.old) "
         f"&& {alone} optim.lr=<lower lr>")
@@ -721,7 +735,8 @@ def test_a_checkpoint_just_before_the_divergence_is_not_named_for_a_resume(runs,
         "new sweep (a new hydra.sweep.dir) with a lower optim.lr or longer optim.warmup_steps, "
         "or leave it out (--skip-incomplete). This sweep job resumed alone in its folder from "
         f"'{ckpts[1]}' (its newer checkpoints set aside) with a lower optim.lr ({why}): (cd "
-        f"'{job}' && mv checkpoints/step3 checkpoints/step3.old && mv checkpoints/step5 "
+        f"'{job}' && " + _guard("checkpoints/step3.old", "checkpoints/step5.old")
+        + "mv checkpoints/step3 checkpoints/step3.old && mv checkpoints/step5 "
         f"checkpoints/step5.old) && {alone} {arg('trainer.resume', ckpts[1])} "
         "trainer.resume_allow_changes=true optim.lr=<lower lr>")
 
