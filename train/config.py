@@ -913,6 +913,8 @@ def unknown_key_message(group: str | None, key: str, known, tail: str = "") -> s
     if full in RENAMED_KEYS:
         new, _, why = RENAMED_KEYS[full].partition(" (")  # the new key, then why it moved
         sub = f".{tail}" if tail else ""
+        if f"{new}{sub}" in REMOVED_KEYS:  # renamed, then removed: not a new key to use
+            return f"{full}{sub} was removed ({new}{sub}): {REMOVED_KEYS[new + sub]}."
         return (f"{full}{sub} was renamed {new}{sub}{' (' + why if why else ''}; use the new "
                 "key.")
     # a top-level key may be a dotted key with '_' for '.' (ffn_impl: ffn.impl)

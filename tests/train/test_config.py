@@ -414,6 +414,27 @@ def test_a_saved_config_with_the_removed_split_keys_reads_without_them():
                            "was removed: the split_long"), line
 
 
+def test_a_removed_key_under_its_old_group_name_is_named_removed():
+    """model.ffn_policy.infer_split_long (the key before the ffn group, then removed): one line
+    saying it was removed, not "renamed ffn.policy.infer_split_long; use the new key", which
+    the user follows into a second error."""
+    from train.config import compose as train_compose
+
+    for override in ("model.ffn_policy.infer_split_long=32",
+                     "+model.ffn_policy.infer_split_parts=4"):
+        with pytest.raises(ConfigError) as err:
+            train_compose([override])
+        key = override.lstrip("+").split("=")[0]
+        assert _one_line(err).startswith(
+            f"{key} was removed (ffn.policy.{key.rsplit('.', 1)[1]}): the split_long forward "
+            "consumer was deleted after measuring"), _one_line(err)
+        assert _one_line(err).endswith("drop the key."), _one_line(err)
+    with pytest.raises(ConfigError) as err:  # a renamed key that still exists: its new name
+        train_compose(["model.ffn_policy.infer_min_rows=4096"])
+    assert _one_line(err).startswith("model.ffn_policy.infer_min_rows was renamed "
+                                     "ffn.policy.infer_min_rows"), _one_line(err)
+
+
 def test_ffn_policy_is_configuration_that_round_trips():
     """ffn.policy (twell.policy.FFNPolicy) composes from overrides, is validated, reaches
     every FFN of the built model, and survives the resolved config (config.yaml, checkpoints and
