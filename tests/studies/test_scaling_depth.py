@@ -413,6 +413,26 @@ def _with_longer_row(tmp_path) -> list[dict]:
     return [r for r in load_results([d]).values() if not r["row"]["probe"]]
 
 
+def test_the_runs_table_names_the_card_of_rows_on_another_one(tmp_path):
+    """Rows that ran on another card than the others (the 1500-step rows of 2026-12-06: an
+    H100 among H200 rows) are named under the runs table, whose tok/ms, MFU and device
+    seconds compare only within a card; the page's opening names no one card."""
+    d = _series(tmp_path)
+    doc = tmp_path / "docs" / "scaling.md"
+    doc.parent.mkdir()
+    doc.write_text(f"# old\n{KEEP_MARKER}\n")
+    write_report([d], doc, log=lambda m: None)
+    text = doc.read_text()
+    assert "Cards: every run on NVIDIA H200." in text
+    assert "on one H200" not in text.split("## Depth series")[0]
+    long = _dres(38, S, 9.0, val=2.6, steps=1500)
+    long["device"] = "NVIDIA H100 80GB HBM3"
+    (d / f"{long['row']['name']}.json").write_text(json.dumps(long))
+    write_report([d], doc, log=lambda m: None)
+    assert (f"Cards: NVIDIA H200, but {long['row']['name']} on NVIDIA H100 80GB HBM3: tok/ms, "
+            "MFU and device s compare only between rows of one card.") in doc.read_text()
+
+
 def test_rows_of_different_steps_are_separate_series(tmp_path):
     """A depth trained longer than the others is a series of its own in every sentence, target
     and table, named with its steps: never compared with the other depths' 1000 steps (other
