@@ -31,7 +31,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf, open_dict, read_write
 
-from train.config import upgrade_saved
+from train.config import REMOVED_KEYS, upgrade_override, upgrade_saved
 from train.rundir import LOCK_FILE, RESUME_SAFE_KEYS, _matches
 
 TIMESTAMP = "${now:"
@@ -61,13 +61,16 @@ def job_alone_command(job_dir, overrides: list[str], *extra: str) -> str:
     run alone in its own folder, the way to train it on or rerun it with another value (a
     ``-m`` command with other values into the sweep's folder is refused as another sweep:
     :func:`other_sweep_in`). ``overrides`` are the job's (Hydra's override strings, as its
-    ``.hydra/overrides.yaml`` records them), less ``hydra.*`` ones and the keys ``extra`` sets;
-    each of ``extra`` is one ready argument (``key=value``, quoted as needed)."""
+    ``.hydra/overrides.yaml`` records them), less ``hydra.*`` ones and the keys ``extra`` sets,
+    each as the CLI takes it now: a renamed key at its new place (``train.config.upgrade_override``)
+    and a removed one left out (``train.config.REMOVED_KEYS``: the CLI refuses it); each of
+    ``extra`` is one ready argument (``key=value``, quoted as needed)."""
     from train.checkpoint import shell_quote
 
     replaced = {_key(e) for e in extra}
-    kept = [shell_quote(o) for o in map(str, overrides)
-            if not _key(o).startswith("hydra.") and _key(o) not in replaced]
+    kept = [shell_quote(o) for o in (upgrade_override(str(o)) for o in overrides)
+            if not _key(o).startswith("hydra.") and _key(o) not in replaced
+            and _key(o) not in REMOVED_KEYS]
     return " ".join(["twell-train", override_arg("hydra.run.dir", job_dir), *kept, *extra])
 
 

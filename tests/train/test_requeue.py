@@ -27,6 +27,28 @@ def test_a_quoted_resume_replaces_the_jobs_recorded_one(tmp_path):
                    "'++optim.lr=1e-4'")
 
 
+
+def test_a_jobs_removed_or_renamed_keys_are_written_as_the_cli_takes_them(tmp_path):
+    """A job recorded before a key was removed or renamed (train.config's tables): its command
+    alone leaves the removed key out (the CLI refuses it: "was removed"), a renamed-then-
+    removed one too, and writes a renamed key at its new place, so the printed command runs."""
+    from train.config import REMOVED_KEYS, RENAMED_KEYS, unknown_key_message
+
+    job = tmp_path / "sweep" / "0"
+    recorded = ["ffn.policy.infer_split_long=0", "+model.ffn_policy.infer_split_parts=8",
+                "model.ffn_impl=torch", "+model.ffn_policy.ell_capacity=64",
+                "~trainer.dense_ffn_fused", "sparsity.l1_coeff=0.5"]
+    cmd = job_alone_command(job, recorded, "trainer.resume_allow_changes=true")
+    assert cmd == (f"twell-train hydra.run.dir={job} ffn.impl=torch "
+                   "+ffn.policy.ell_capacity=64 '~ffn.dense_fused' sparsity.l1_coeff=0.5 "
+                   "trainer.resume_allow_changes=true")
+    assert "infer_split" not in cmd and "model.ffn" not in cmd  # the CLI would refuse them
+    assert "ffn.policy.infer_split_long" in REMOVED_KEYS and "model.ffn_impl" in RENAMED_KEYS
+    assert "was removed" in unknown_key_message("ffn.policy", "infer_split_long", ())
+    # a key the extra arguments set replaces the recorded one under its old name too
+    assert job_alone_command(job, ["model.ffn_impl=torch"], "ffn.impl=twell") == (
+        f"twell-train hydra.run.dir={job} ffn.impl=twell")
+
 def _sweep_record(sweep, config: dict, task: list[str]) -> None:
     """A sweep folder as twell-train leaves it: ``multirun.yaml`` (the composed config and the
     command's overrides) and job 0 with a checkpoint and no summary (unfinished)."""
