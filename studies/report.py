@@ -425,14 +425,45 @@ def _resume_point(d: Path, reason: str) -> tuple[str, str | None, str | None]:
     return ("path", str(older[-1]), close) if older else ("none", None, close)
 
 
+def _lower_lr(d: Path) -> tuple[str | None, str]:
+    """The lower ``optim.lr`` that the advice for diverged run ``d`` names: ``(argument,
+    words)``, the argument half the run's lr as its ``config.yaml`` records it (``optim.lr=0.0005``
+    for 0.001: Hydra reads it as a float) and the words saying so; ``(None, words)`` when that
+    file names no positive, finite lr, the words then saying what to set instead."""
+    try:
+        lr = _read_config(d).get("optim", {}).get("lr")
+    except (ReportError, AttributeError):  # no or a damaged config.yaml, or no optim group
+        lr = None
+    if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < math.inf:
+        return None, "optim.lr set below the run's"
+    half = f"{lr / 2:g}"
+    if not re.search(r"[.eE]", half):  # 5, not a float to Hydra: 5.0
+        half += ".0"
+    return f"optim.lr={half}", f"any lr below the run's {lr:g} works; half of it here"
+
+
+def _new_run_dir(d: Path, lr_arg: str | None) -> Path:
+    """A folder beside run ``d`` for a resume with a lower lr: ``<d>_lr<value>`` (``<d>_lower_lr``
+    without one), numbered ``_2``, ``_3``, ... when that name is taken."""
+    base = f"{d.name}_lr{lr_arg.partition('=')[2]}" if lr_arg else f"{d.name}_lower_lr"
+    new, n = d.parent / base, 1
+    while new.exists():
+        n += 1
+        new = d.parent / f"{base}_{n}"
+    return new
+
+
 def _diverged_advice(d: Path, reason: str, sweep_job: bool = False) -> str:
     """What to do about diverged run ``d``, by the checkpoint to resume (:func:`_resume_point`):
     none: start again with a lower ``optim.lr``; a checkpoint: resume that one with a lower
     ``optim.lr`` (an earlier one than the last good, too close to the divergence: in a new
-    run dir, where the newer checkpoints refuse no branch); not known: either. A ``-m``
-    sweep's job (``sweep_job``) is told what to do in words: :func:`_diverged_alone` gives its
-    command (the sweep's ``-m`` command with another lr is refused as another sweep)."""
+    run dir beside ``d``, :func:`_new_run_dir`, where the newer checkpoints refuse no branch);
+    not known: either, the checkpoint to resume named in words. The arguments it gives paste
+    as they are: the lower lr is half the run's (:func:`_lower_lr`). A ``-m`` sweep's job
+    (``sweep_job``) is told what to do in words: :func:`_diverged_alone` gives its command
+    (the sweep's ``-m`` command with another lr is refused as another sweep)."""
     from train.checkpoint import shell_quote  # (imports torch: not at import time)
+    from train.requeue import override_arg
 
     kind, path, close = _resume_point(d, reason)
     ckpt = shell_quote(path) if path else None
@@ -452,22 +483,30 @@ def _diverged_advice(d: Path, reason: str, sweep_job: bool = False) -> str:
         if close:
             return f"{too_close}, with no earlier checkpoint kept: {fresh}"
         return f", and it has no good checkpoint to resume: {fresh}"
+    lr_arg, lr_words = _lower_lr(d)
+    lr = f" {lr_arg}" if lr_arg else f" and {lr_words}"  # the argument, else what to set
+    lr_words = f"{lr_words}: " if lr_arg else ""
     if close:
+        new = override_arg("hydra.run.dir", _new_run_dir(d, lr_arg))
         return (f"{too_close}: resume an earlier checkpoint, {ckpt}, with a lower optim.lr in a "
-                f"new hydra.run.dir (trainer.resume={ckpt} trainer.resume_allow_changes=true "
-                f"optim.lr=... hydra.run.dir=<new dir>) or {fresh}")
-    named = f"its last good checkpoint, {ckpt}," if ckpt else "its last good checkpoint"
-    return (f": resume {named} with a lower optim.lr (trainer.resume={ckpt or '<checkpoint>'} "
-            f"trainer.resume_allow_changes=true optim.lr=...) or {fresh}")
+                f"new hydra.run.dir ({lr_words}trainer.resume={ckpt} "
+                f"trainer.resume_allow_changes=true {new}{lr}) or {fresh}")
+    if ckpt is None:
+        return (f": resume its last good checkpoint with a lower optim.lr ({lr_words}trainer."
+                "resume set to its step folder under checkpoints/, trainer.resume_allow_changes="
+                f"true{lr}) or {fresh}")
+    return (f": resume its last good checkpoint, {ckpt}, with a lower optim.lr ({lr_words}"
+            f"trainer.resume={ckpt} trainer.resume_allow_changes=true{lr}) or {fresh}")
 
 
 def _diverged_alone(d: Path, reason: str) -> str | None:
     """For diverged ``-m`` sweep job ``d``: the sentence giving the command that runs it alone
-    in its folder with a lower ``optim.lr`` (its recorded overrides: :func:`_job_overrides`),
-    resuming the checkpoint :func:`_resume_point` names (its folder's newer checkpoints set
-    aside: a resume must continue the folder's newest), or, with none, started again (its
-    files and checkpoints set aside: :func:`_fresh_alone`); None for a run that is no sweep's
-    job."""
+    in its folder with a lower ``optim.lr`` (half the run's: :func:`_lower_lr`; its recorded
+    overrides: :func:`_job_overrides`), resuming the checkpoint :func:`_resume_point` names
+    (its folder's newer checkpoints set aside: a resume must continue the folder's newest), or,
+    with none, started again (its files and checkpoints set aside: :func:`_fresh_alone`); None
+    for a run that is no sweep's job. The command pastes as it is; what it cannot name (the
+    lr of a run whose config names none, a checkpoint not known) the sentence says in words."""
     overrides = _job_overrides(d)
     if overrides is None:
         return None
@@ -476,18 +515,29 @@ def _diverged_alone(d: Path, reason: str) -> str | None:
     from train.rundir import set_aside_command
     from twell.hf import folder_step, list_checkpoints
 
-    lower = "optim.lr=<lower lr>"
+    lr_arg, lr_words = _lower_lr(d)
     why = "the -m command with another value is refused as another sweep"
+    why = f"{lr_words}; {why}" if lr_arg else why
     kind, path, close = _resume_point(d, reason)
+    # what the command leaves to the user, said in words (key: words); the job's recorded
+    # values of those keys are left out of it too
+    left = {} if lr_arg else {"optim.lr": lr_words}
+    if kind != "none" and path is None:
+        left = {"trainer.resume": "trainer.resume set to its last good checkpoint's step folder "
+                                  "under checkpoints/", **left}
+    overrides = [o for o in overrides if str(o).lstrip("+~").split("=", 1)[0] not in left]
+    added = f", by this command with {' and '.join(left.values())} added" if left else ""
+    lower = (lr_arg,) if lr_arg else ()
     own = list_checkpoints(d)
     if kind == "none":
         aside = " (its checkpoints set aside too)" if own else ""
         return (f"This sweep job started again alone in its folder{aside} with a lower optim.lr "
-                f"({why}): {_fresh_alone(d, overrides, lower)}")
-    resume = override_arg("trainer.resume", path) if path else "trainer.resume=<checkpoint>"
-    cmd = job_alone_command(d, overrides, resume, "trainer.resume_allow_changes=true", lower)
+                f"({why}){added}: {_fresh_alone(d, overrides, *lower)}")
+    resume = (override_arg("trainer.resume", path),) if path else ()
+    cmd = job_alone_command(d, overrides, *resume, "trainer.resume_allow_changes=true", *lower)
     if close is None:
-        return f"This sweep job resumed alone in its folder with a lower optim.lr ({why}): {cmd}"
+        return (f"This sweep job resumed alone in its folder with a lower optim.lr ({why})"
+                f"{added}: {cmd}")
     here = Path(path).parent.parent.resolve() == d.resolve()
     newer = tuple(f"checkpoints/{c.name}" for c in own
                   if not here or folder_step(c) > folder_step(path))
@@ -495,7 +545,7 @@ def _diverged_alone(d: Path, reason: str) -> str | None:
         cmd = f"{set_aside_command(d, newer)} && {cmd}"
     return (f"This sweep job resumed alone in its folder from {shell_quote(path)}"
             f"{' (its newer checkpoints set aside)' if newer else ''} with a lower optim.lr "
-            f"({why}): {cmd}")
+            f"({why}){added}: {cmd}")
 
 
 def _error_facts(d: Path) -> dict | None:

@@ -432,8 +432,8 @@ def test_a_diverged_sweep_job_trains_on_by_the_command_the_report_names(tokens, 
     """Two sweep jobs diverge at step 2 (their L1 coefficient, 0 at step 1, is 1e300 from
     step 2 on), one after saving step 1, one before any save: the sweep's -m command with
     another value is refused as another sweep; the report names for each the command that runs
-    it alone in its folder with a lower optim.lr, and, pasted with the values filled in (the
-    L1 fixed too), it starts the job again (its files set aside, and step 1, whose weights
+    it alone in its folder with half the run's optim.lr (optim=tiny's 5e-4), and, pasted as
+    printed (but for the L1, fixed), it starts the job again (its files set aside, and step 1, whose weights
     step 2 diverged on, too; the old ones kept) and trains it to the end."""
     from studies.report import IncompleteRunError, load_run
 
@@ -458,18 +458,19 @@ def test_a_diverged_sweep_job_trains_on_by_the_command_the_report_names(tokens, 
     for job, head, tail in (
             ("0", aside("0", " && mv checkpoints/step1 checkpoints/step1.old",
                         "checkpoints/step1.old"),
-             "trainer.save_every=1 optim.lr=<lower lr>"),
-            ("1", aside("1"), "trainer.save_every=100 optim.lr=<lower lr>")):
+             "trainer.save_every=1 optim.lr=0.00025"),
+            ("1", aside("1"), "trainer.save_every=100 optim.lr=0.00025")):
         why = str(pytest.raises(IncompleteRunError, load_run, sweep / job).value)
-        alone = why.split("lower optim.lr (the -m command with another value is refused as "
-                          "another sweep): ", 1)[1]
+        alone = why.split("lower optim.lr (any lr below the run's 0.0005 works; half of it here; "
+                          "the -m command with another value is refused as another sweep): ",
+                          1)[1]
         assert alone.startswith(f"{head}twell-train hydra.run.dir={sweep / job} data=tokens ")
         assert alone.endswith(f" sparsity.l1_coeff=1e+300 {tail}"), alone  # as Hydra records it
-        r = _follow(alone.replace("<lower lr>", "1e-4").replace("l1_coeff=1e+300", "l1_coeff=0"))
+        r = _follow(alone.replace("l1_coeff=1e+300", "l1_coeff=0"))
         assert r.returncode == 0 and "training steps 1-3 of 3" in r.stdout, r.stderr[-3000:]
         assert _steps(sweep / job) == 3 and not (sweep / job / "error.txt").exists()
         cfg = load_run(sweep / job).config
-        assert (cfg["optim"]["lr"], cfg["sparsity"]["l1_coeff"]) == (1e-4, 0)
+        assert (cfg["optim"]["lr"], cfg["sparsity"]["l1_coeff"]) == (2.5e-4, 0)
         assert (sweep / job / "error.txt.old").read_text().startswith("NonFiniteLossError: ")
     assert (sweep / "0" / "checkpoints" / "step1.old" / "metadata.json").is_file()
 
@@ -477,8 +478,8 @@ def test_a_diverged_sweep_job_trains_on_by_the_command_the_report_names(tokens, 
 def test_a_diverged_sweep_job_resumes_an_earlier_checkpoint_it_kept(tokens, tmp_path):
     """A sweep job diverges at step 7 (its L1 coefficient, 0 through step 6, is 1e300 from
     step 7 on) having kept steps 1-6: those fewer than 5 steps before the divergence are not
-    resumed, so the report names step 2, and its command, pasted with the values filled in
-    (the L1 fixed too), sets steps 3-6 aside (a resume of an older checkpoint than the
+    resumed, so the report names step 2, and its command (half the run's optim.lr), pasted as
+    printed (but for the L1, fixed), sets steps 3-6 aside (a resume of an older checkpoint than the
     folder's newest is refused) and resumes step 2 in the job's folder to the end."""
     from studies.report import IncompleteRunError, load_run
     from twell.hf import list_checkpoints
@@ -499,26 +500,26 @@ def test_a_diverged_sweep_job_resumes_an_earlier_checkpoint_it_kept(tokens, tmp_
             "and the weights of the steps just before a divergence may already be ruined): "
             f"resume an earlier checkpoint, {step2}, with a lower optim.lr or start a new "
             "sweep") in why
-    alone = why.split("lower optim.lr (the -m command with another value is refused as "
-                      "another sweep): ", 1)[1]
+    alone = why.split("lower optim.lr (any lr below the run's 0.0005 works; half of it here; "
+                      "the -m command with another value is refused as another sweep): ", 1)[1]
     moves = " && ".join(f"mv checkpoints/step{i} checkpoints/step{i}.old" for i in range(3, 7))
     taken = _guard(*(f"checkpoints/step{i}.old" for i in range(3, 7)))
     assert alone.startswith(f"(cd {job} && {taken}{moves}) && twell-train "
                             f"hydra.run.dir={job} data=tokens ")
     assert alone.endswith(f" sparsity.l1_coeff=1e+300 trainer.resume={step2} "
-                          "trainer.resume_allow_changes=true optim.lr=<lower lr>"), alone
-    r = _follow(alone.replace("<lower lr>", "1e-4").replace("l1_coeff=1e+300", "l1_coeff=0"))
+                          "trainer.resume_allow_changes=true optim.lr=0.00025"), alone
+    r = _follow(alone.replace("l1_coeff=1e+300", "l1_coeff=0"))
     assert r.returncode == 0 and f"resumed from {step2} at step 2" in r.stdout, r.stderr[-3000:]
     assert "training steps 3-8 of 8" in r.stdout
     assert _steps(job) == 8 and not (job / "error.txt").exists()
     cfg = load_run(job).config
-    assert (cfg["optim"]["lr"], cfg["sparsity"]["l1_coeff"]) == (1e-4, 0)
+    assert (cfg["optim"]["lr"], cfg["sparsity"]["l1_coeff"]) == (2.5e-4, 0)
     assert all((job / "checkpoints" / f"step{i}.old" / "metadata.json").is_file()
                for i in range(3, 7))
     # the same line again (from the shell's history): it stops before it moves anything, the
     # resumed line's step3 not moved into step3.old, nothing trained
     before = _snapshot(job)
-    r = _follow(alone.replace("<lower lr>", "1e-4").replace("l1_coeff=1e+300", "l1_coeff=0"))
+    r = _follow(alone.replace("l1_coeff=1e+300", "l1_coeff=0"))
     assert r.returncode != 0 and "training steps" not in r.stdout
     assert r.stderr.strip() == "checkpoints/step3.old exists (set aside before?): nothing moved"
     assert _snapshot(job) == before and not (job / "checkpoints" / "step3.old" / "step3").exists()

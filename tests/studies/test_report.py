@@ -118,6 +118,36 @@ def _write_diverged(run, loss: str, old_dir: str, step: int = 6, saved: int = 1)
     (run / "error.json").write_text(json.dumps(facts))
     return facts
 
+
+def _set_lr(run: Path, lr) -> None:
+    """Record ``lr`` as the run's optim.lr in its config.yaml (None: no optim.lr at all)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"))
+    if lr is None:
+        del cfg["optim"]["lr"]
+    else:
+        cfg["optim"]["lr"] = lr
+    OmegaConf.save(cfg, run / "config.yaml")
+
+
+def _assert_pastes(cmd: str) -> None:
+    """``cmd``, the arguments of an advice or a ``twell-train ...`` command, pastes into bash
+    as it is: no ``<`` or ``>`` outside quotes (a redirect), and each argument but the program
+    one Hydra reads (a placeholder such as ``optim.lr=...`` is no valid value)."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    lex = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    words = list(lex)
+    assert not [w for w in words if set(w) & set("<>")
+                and set(w) <= set(lex.punctuation_chars)], cmd  # an unquoted redirect
+    args = [w for w in shlex.split(cmd) if w != "twell-train"]
+    assert args and all(a.partition("=")[2] not in ("", "...") for a in args), cmd
+    OverridesParser.create().parse_overrides(args)  # raises on what Hydra cannot read
+
 def test_table_values_equal_the_files(runs):
     rep = build_report([str(runs)])
     assert [r["run"] for r in rep.rows] and {r["run"] for r in rep.rows} == {
@@ -401,9 +431,10 @@ def test_failed_runs_get_the_hint_their_cause_calls_for(runs, tmp_path):
                                       "NonFiniteLossError: non-finite loss")
     assert "diverges again" in why["diverged"] and "optim.lr" in why["diverged"]
     assert "rerun the same command" not in why["diverged"]  # it would diverge again
-    # the error names the last good checkpoint: the advice resumes that one, or, with none
-    # (diverged before its first save), starts again
+    # the error names the last good checkpoint: the advice resumes that one, with half the
+    # run's lr, or, with none (diverged before its first save), starts again
     step1 = diverged / "checkpoints" / "step1"  # 5 steps before the divergence: named
+    _set_lr(diverged, 0.001)
     for ckpt in (step1, "none"):
         (diverged / "error.txt").write_text(
             "NonFiniteLossError: non-finite loss or gradient at step 6 (loss 4.159, grad norm "
@@ -411,9 +442,11 @@ def test_failed_runs_get_the_hint_their_cause_calls_for(runs, tmp_path):
         why[str(ckpt)] = str(pytest.raises(IncompleteRunError, load_run, diverged).value)
     assert why[str(step1)].endswith(
         f"diverges again: resume its last good checkpoint, {step1}, with a lower optim.lr "
-        f"(trainer.resume={step1} trainer.resume_allow_changes=true optim.lr=...) or start a "
+        "(any lr below the run's 0.001 works; half of it here: "
+        f"trainer.resume={step1} trainer.resume_allow_changes=true optim.lr=0.0005) or start a "
         "new run (a new hydra.run.dir) with a lower optim.lr or longer optim.warmup_steps, or "
         "leave it out (--skip-incomplete)")
+    _assert_pastes(why[str(step1)].split("half of it here: ")[1].split(")")[0])
     assert why["none"].endswith(
         "last good checkpoint: none. Rerunning the same command diverges again, and it has no "
         "good checkpoint to resume: start a new run (a new hydra.run.dir) with a lower "
@@ -440,7 +473,8 @@ def test_diverged_runs_last_good_checkpoint_is_read_from_error_json(runs, tmp_pa
     step1 = moved / "checkpoints" / "step1"
     why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
     assert (f"diverges again: resume its last good checkpoint, {step1}, with a lower optim.lr "
-            f"(trainer.resume={step1} trainer.resume_allow_changes=true") in why
+            "(any lr below the run's 0.003 works; half of it here: "
+            f"trainer.resume={step1} trainer.resume_allow_changes=true optim.lr=0.0015)") in why
     assert "/gone/run" not in why
     assert why.startswith(f"{moved}: diverged run (at step 6; last logged step ")
     assert "(loss 4.159, grad norm nan); the step was not applied. Rerunning" in why
@@ -451,7 +485,8 @@ def test_diverged_runs_last_good_checkpoint_is_read_from_error_json(runs, tmp_pa
         (moved / "error.json").write_text(damaged)
         why = str(pytest.raises(IncompleteRunError, load_run, moved).value)
         assert ("resume its last good checkpoint, /gone/run/checkpoints/step1, with a lower "
-                "optim.lr (trainer.resume=/gone/run/checkpoints/step1 ") in why
+                "optim.lr (any lr below the run's 0.003 works; half of it here: "
+                "trainer.resume=/gone/run/checkpoints/step1 ") in why
 
 
 def test_damaged_summary_or_config_is_named(runs, tmp_path, capsys):
@@ -654,26 +689,90 @@ def test_a_diverged_sweep_job_is_told_to_resume_alone_in_its_folder(runs, tmp_pa
             "non-finite loss or gradient at step 6 (loss nan, grad norm nan); the step was not "
             "applied. Rerunning the same command diverges again")
     why = "the -m command with another value is refused as another sweep"
+    half = "any lr below the run's 0.003 works; half of it here"  # its config's, not 1e30
     alone = f"twell-train {arg('hydra.run.dir', job)} 'data.paths=[/a b]'"
     assert str(pytest.raises(IncompleteRunError, load_run, job).value) == (
         f"{head}: resume its last good checkpoint, '{step1}', with a lower optim.lr or start a "
         "new sweep (a new hydra.sweep.dir) with a lower optim.lr or longer optim.warmup_steps, "
         "or leave it out (--skip-incomplete). This sweep job resumed alone in its folder with "
-        f"a lower optim.lr ({why}): {alone} {arg('trainer.resume', step1)} "
-        "trainer.resume_allow_changes=true optim.lr=<lower lr>")
+        f"a lower optim.lr ({half}; {why}): {alone} {arg('trainer.resume', step1)} "
+        "trainer.resume_allow_changes=true optim.lr=0.0015")
     shutil.rmtree(job / "checkpoints")  # it diverged before its first save
     (job / "error.json").write_text(json.dumps({**facts, "last_good_checkpoint": None}))
     assert str(pytest.raises(IncompleteRunError, load_run, job).value) == (
         f"{head}, and it has no good checkpoint to resume: start it again with a lower "
         "optim.lr or longer optim.warmup_steps, or leave it out (--skip-incomplete). This sweep "
-        f"job started again alone in its folder with a lower optim.lr ({why}): (cd '{job}' && "
+        f"job started again alone in its folder with a lower optim.lr ({half}; {why}): (cd "
+        f"'{job}' && "
         + _guard("config.yaml.old", "metrics.jsonl.old", "error.txt.old", "error.json.old")
         + "mv config.yaml config.yaml.old && mv metrics.jsonl metrics.jsonl.old && mv error.txt "
-        f"error.txt.old && mv error.json error.json.old) && {alone} optim.lr=<lower lr>")
+        f"error.txt.old && mv error.json error.json.old) && {alone} optim.lr=0.0015")
     (sweep / "multirun.yaml").unlink()  # no sweep's job: the plain advice
     assert str(pytest.raises(IncompleteRunError, load_run, job).value).endswith(
         "and it has no good checkpoint to resume: start a new run (a new hydra.run.dir) with a "
         "lower optim.lr or longer optim.warmup_steps, or leave it out (--skip-incomplete)")
+
+
+def test_the_diverged_advice_pastes_as_printed(runs, tmp_path):
+    """Every command of a diverged run's advice pastes into bash as it is, each value filled
+    in: no placeholder (``optim.lr=<lower lr>`` is a redirect to bash, ``optim.lr=...`` a bad
+    value to Hydra). The lr is half the run's (0.001: 0.0005; 10: 5.0, a float to Hydra); a
+    run whose config names no lr, or whose checkpoint is not known, is told in words what to
+    add, its command still whole (the job's recorded optim.lr left out of it)."""
+    from train.requeue import override_arg as arg
+
+    sweep = tmp_path / "my sweep"
+    job = sweep / "1"
+    shutil.copytree(runs / "l1", job)
+    (job / "summary.json").unlink()
+    (sweep / "multirun.yaml").write_text("{}")
+    (job / ".hydra").mkdir()
+    (job / ".hydra" / "overrides.yaml").write_text('["hydra.job.chdir=false", "optim.lr=1e30"]')
+    _write_diverged(job, "nan", "/gone/1")
+    step1 = job / "checkpoints" / "step1"
+    why = "the -m command with another value is refused as another sweep"
+    alone = f"twell-train {arg('hydra.run.dir', job)}"
+
+    def advice() -> str:
+        return str(pytest.raises(IncompleteRunError, load_run, job).value)
+
+    def command(text: str) -> str:
+        cmd = text[text.index("twell-train "):]
+        _assert_pastes(cmd)
+        return cmd
+
+    _set_lr(job, 0.001)
+    assert command(advice()) == (f"{alone} {arg('trainer.resume', step1)} "
+                                 "trainer.resume_allow_changes=true optim.lr=0.0005")
+    _set_lr(job, 10)
+    assert command(advice()).endswith(" optim.lr=5.0")
+    _set_lr(job, None)  # no lr to halve: said in words, the recorded 1e30 left out
+    text = advice()
+    assert text.endswith(f"with a lower optim.lr ({why}), by this command with optim.lr set "
+                         f"below the run's added: {alone} {arg('trainer.resume', step1)} "
+                         "trainer.resume_allow_changes=true")
+    command(text)
+    # a checkpoint not known (a run written before error.json, its line naming none): in words
+    _set_lr(job, 0.001)
+    (job / "error.json").unlink()
+    (job / "error.txt").write_text("NonFiniteLossError: non-finite loss or gradient at step 6 "
+                                   "(loss nan, grad norm nan); the step was not applied\n")
+    text = advice()
+    assert text.endswith(
+        f"with a lower optim.lr (any lr below the run's 0.001 works; half of it here; {why}), by "
+        "this command with trainer.resume set to its last good checkpoint's step folder under "
+        f"checkpoints/ added: {alone} trainer.resume_allow_changes=true optim.lr=0.0005")
+    command(text)
+    (sweep / "multirun.yaml").unlink()  # no sweep's job: the arguments to add, in words too
+    assert ": resume its last good checkpoint with a lower optim.lr (any lr below the run's "\
+        "0.001 works; half of it here: trainer.resume set to its step folder under "\
+        "checkpoints/, trainer.resume_allow_changes=true optim.lr=0.0005) or start" in advice()
+    _set_lr(job, None)
+    _write_diverged(job, "nan", "/gone/1")
+    text = advice()
+    assert (f"with a lower optim.lr (trainer.resume='{step1}' trainer.resume_allow_changes=true "
+            "and optim.lr set below the run's) or start a new run") in text
+    assert "<" not in text and ">" not in text and "..." not in text
 
 
 def test_a_checkpoint_just_before_the_divergence_is_not_named_for_a_resume(runs, tmp_path):
@@ -703,10 +802,19 @@ def test_a_checkpoint_just_before_the_divergence_is_not_named_for_a_resume(runs,
             "divergence may already be ruined)")
     fresh = ("start a new run (a new hydra.run.dir) with a lower optim.lr or longer "
              "optim.warmup_steps, or leave it out (--skip-incomplete)")
-    assert str(pytest.raises(IncompleteRunError, load_run, job).value) == (
-        f"{head}: resume an earlier checkpoint, '{ckpts[1]}', with a lower optim.lr in a new "
-        f"hydra.run.dir (trainer.resume='{ckpts[1]}' trainer.resume_allow_changes=true "
-        f"optim.lr=... hydra.run.dir=<new dir>) or {fresh}")
+    half = "any lr below the run's 0.003 works; half of it here"
+    new = sweep / "1_lr0.0015"  # a folder beside the run's, named by the lr
+    earlier = (f"{head}: resume an earlier checkpoint, '{ckpts[1]}', with a lower optim.lr in a "
+               f"new hydra.run.dir ({half}: trainer.resume='{ckpts[1]}' "
+               f"trainer.resume_allow_changes=true {arg('hydra.run.dir', new)} optim.lr=0.0015) "
+               f"or {fresh}")
+    why = str(pytest.raises(IncompleteRunError, load_run, job).value)
+    assert why == earlier
+    _assert_pastes(why.split("half of it here: ")[1].split(") or ")[0])
+    new.mkdir()  # taken (that advice followed before): the next name
+    assert str(pytest.raises(IncompleteRunError, load_run, job).value) == earlier.replace(
+        arg("hydra.run.dir", new), arg("hydra.run.dir", sweep / "1_lr0.0015_2"))
+    new.rmdir()
     shutil.rmtree(ckpts[1])  # step 3 is 3 steps before: too close as well
     assert str(pytest.raises(IncompleteRunError, load_run, job).value) == (
         f"{head}, with no earlier checkpoint kept: {fresh}")
@@ -721,24 +829,24 @@ def test_a_checkpoint_just_before_the_divergence_is_not_named_for_a_resume(runs,
         f"{head}, with no earlier checkpoint kept: start it again with a lower optim.lr or "
         "longer optim.warmup_steps, or leave it out (--skip-incomplete). This sweep job "
         f"started again alone in its folder (its checkpoints set aside too) with a lower "
-        f"optim.lr ({why}): (cd '{job}' && " + _guard(
+        f"optim.lr ({half}; {why}): (cd '{job}' && " + _guard(
             "config.yaml.old", "metrics.jsonl.old", "error.txt.old", "error.json.old",
             "checkpoints/step3.old", "checkpoints/step5.old")
         + "mv config.yaml config.yaml.old && mv metrics.jsonl "
         "metrics.jsonl.old && mv error.txt error.txt.old && mv error.json error.json.old && mv "
         "checkpoints/step3 checkpoints/step3.old && mv checkpoints/step5 checkpoints/step5.old) "
-        f"&& {alone} optim.lr=<lower lr>")
+        f"&& {alone} optim.lr=0.0015")
     ckpts[1].mkdir()
     (ckpts[1] / "metadata.json").write_text("{}")
     assert str(pytest.raises(IncompleteRunError, load_run, job).value) == (
         f"{head}: resume an earlier checkpoint, '{ckpts[1]}', with a lower optim.lr or start a "
         "new sweep (a new hydra.sweep.dir) with a lower optim.lr or longer optim.warmup_steps, "
         "or leave it out (--skip-incomplete). This sweep job resumed alone in its folder from "
-        f"'{ckpts[1]}' (its newer checkpoints set aside) with a lower optim.lr ({why}): (cd "
-        f"'{job}' && " + _guard("checkpoints/step3.old", "checkpoints/step5.old")
+        f"'{ckpts[1]}' (its newer checkpoints set aside) with a lower optim.lr ({half}; {why}): "
+        f"(cd '{job}' && " + _guard("checkpoints/step3.old", "checkpoints/step5.old")
         + "mv checkpoints/step3 checkpoints/step3.old && mv checkpoints/step5 "
         f"checkpoints/step5.old) && {alone} {arg('trainer.resume', ckpts[1])} "
-        "trainer.resume_allow_changes=true optim.lr=<lower lr>")
+        "trainer.resume_allow_changes=true optim.lr=0.0015")
 
 
 def test_l0_is_plotted_against_l1(runs, tmp_path, monkeypatch):
