@@ -194,8 +194,8 @@ def check_same_source(src: PretrainedSource, recorded: dict | None, run_dir, war
         f"model.init_from={src.spec!r} is not the source this run started from, whose weights are "
         f"its distillation teacher ({name}: SHA-256 {(now.get(name) or 'no such file')[:16]}..., "
         f"recorded {was}...): it was replaced. Put the original back at {src.path}, or give its "
-        f"new place with trainer.resume={run_dir} model.init_from=<path>, or start a new run "
-        "(a new hydra.run.dir).")
+        f"new place with trainer.resume={run_dir} and model.init_from set to it, or start a new "
+        "run (a new hydra.run.dir).")
 
 
 def _rope_theta(config) -> float:

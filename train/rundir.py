@@ -283,18 +283,19 @@ def finished_run(run_dir: str | Path, cfg, job: list[str] | None = None
         return None
     done = (f"run dir {run_dir} already reached trainer.max_steps={steps} (checkpoint "
             f"{own[-1].name}, summary.json): nothing to train.")
+    more = "twice its steps here; any larger trainer.max_steps works"  # a value that pastes
     if job is not None:
         from train.requeue import job_alone_command, override_arg
 
         cmd = job_alone_command(run_dir, job, override_arg("trainer.resume", run_dir),
-                                "trainer.max_steps=<more steps>",
+                                f"trainer.max_steps={2 * steps}",
                                 "trainer.resume_allow_changes=true")
         return (f"{done} To train this sweep job longer, run it alone in its folder (a -m sweep "
                 "with more steps into the same hydra.sweep.dir is refused as another sweep; "
-                f"each job's line names its own command): {cmd}"), summary
+                f"each job's line names its own command; {more}): {cmd}"), summary
     q = ckpt_io.shell_quote(run_dir)
     return (f"{done} To train it longer, run the same command with trainer.resume={q} "
-            "trainer.max_steps=<more steps> trainer.resume_allow_changes=true."), summary
+            f"trainer.max_steps={2 * steps} trainer.resume_allow_changes=true ({more})."), summary
 
 
 class RunDirLock:

@@ -387,10 +387,11 @@ def test_a_finished_sweeps_jobs_are_trained_on_by_the_commands_it_names(tokens, 
         (f"run dir {sweep / str(i)} already reached trainer.max_steps=1 (checkpoint step1, "
          "summary.json): nothing to train. To train this sweep job longer, run it alone in its "
          "folder (a -m sweep with more steps into the same hydra.sweep.dir is refused as another "
-         "sweep; each job's line names its own command): twell-train "
+         "sweep; each job's line names its own command; twice its steps here; any larger "
+         "trainer.max_steps works): twell-train "
          f"hydra.run.dir={sweep / str(i)} {' '.join(o for o in job if 'max_steps' not in o)} "
          f"sparsity.l1_coeff={l1} trainer.resume={sweep / str(i)} "
-         "trainer.max_steps=<more steps> trainer.resume_allow_changes=true")
+         "trainer.max_steps=2 trainer.resume_allow_changes=true")
         for i, l1 in ((0, "0.5"), (1, "0.25"))]
     r = _train(tokens, *cmd, "trainer.max_steps=2")
     assert r.returncode == 2, r.stderr[-3000:]
@@ -402,7 +403,8 @@ def test_a_finished_sweeps_jobs_are_trained_on_by_the_commands_it_names(tokens, 
     r = _follow(on)
     assert r.returncode == 0 and r.stdout.count("training steps 2-2 of 2") == 2, r.stderr[-3000:]
     assert [_steps(sweep / str(i)) for i in (0, 1)] == [2, 2]
-    r = _follow(lines[1].split("own command): ")[1].replace("<more steps>", "3"))
+    # the printed command as it is (max_steps 2, reached above) but for a larger value
+    r = _follow(lines[1].split("max_steps works): ")[1].replace("max_steps=2", "max_steps=3"))
     assert r.returncode == 0 and "training steps 3-3 of 3" in r.stdout, r.stderr[-3000:]
     assert [_steps(sweep / str(i)) for i in (0, 1)] == [2, 3]
 

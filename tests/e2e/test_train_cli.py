@@ -424,7 +424,8 @@ def test_the_command_of_a_finished_run_run_again_says_so_before_loading_anything
     assert r.stdout.splitlines()[1:] == [
         (f"run dir {run} already reached trainer.max_steps=1 (checkpoint step1, summary.json): "
         f"nothing to train. To train it longer, run the same command with trainer.resume={run} "
-        "trainer.max_steps=<more steps> trainer.resume_allow_changes=true.")], r.stdout
+        "trainer.max_steps=2 trainer.resume_allow_changes=true (twice its steps here; any larger "
+        "trainer.max_steps works).")], r.stdout
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
     more = ["trainer.max_steps=2", f"trainer.resume={run}", "trainer.resume_allow_changes=true"]
     r = _train_cli(*base, *more)
