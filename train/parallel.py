@@ -32,6 +32,7 @@ optimizer's ``state_dict()`` with integer parameter ids), so one checkpoint form
 
 from __future__ import annotations
 
+import gc
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -307,4 +308,8 @@ def end_process_group() -> None:
     finished two-rank run in CI. After a failure it stays (a rank still in a collective would
     hang the destroy; torchtitan does the same)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # A finished Trainer sits in reference cycles (gc frees it, refcounts do not), so its
+        # DDP module and reducer, which hold the group, would otherwise be freed by a later
+        # collection or the interpreter's shutdown, after the group is gone: freed here first.
+        gc.collect()
         torch.distributed.destroy_process_group()
