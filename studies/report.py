@@ -486,17 +486,18 @@ def _diverged_advice(d: Path, reason: str, sweep_job: bool = False) -> str:
     lr_arg, lr_words = _lower_lr(d)
     lr = f" {lr_arg}" if lr_arg else f" and {lr_words}"  # the argument, else what to set
     lr_words = f"{lr_words}: " if lr_arg else ""
+    resume = override_arg("trainer.resume", path) if path else None  # Hydra reads it back
     if close:
         new = override_arg("hydra.run.dir", _new_run_dir(d, lr_arg))
         return (f"{too_close}: resume an earlier checkpoint, {ckpt}, with a lower optim.lr in a "
-                f"new hydra.run.dir ({lr_words}trainer.resume={ckpt} "
+                f"new hydra.run.dir ({lr_words}{resume} "
                 f"trainer.resume_allow_changes=true {new}{lr}) or {fresh}")
     if ckpt is None:
         return (f": resume its last good checkpoint with a lower optim.lr ({lr_words}trainer."
                 "resume set to its step folder under checkpoints/, trainer.resume_allow_changes="
                 f"true{lr}) or {fresh}")
     return (f": resume its last good checkpoint, {ckpt}, with a lower optim.lr ({lr_words}"
-            f"trainer.resume={ckpt} trainer.resume_allow_changes=true{lr}) or {fresh}")
+            f"{resume} trainer.resume_allow_changes=true{lr}) or {fresh}")
 
 
 def _diverged_alone(d: Path, reason: str) -> str | None:

@@ -190,12 +190,14 @@ def check_same_source(src: PretrainedSource, recorded: dict | None, run_dir, war
         return
     name = next(n for n in sorted(set(now) | set(recorded)) if now.get(n) != recorded.get(n))
     was = (recorded.get(name) or "no such file")[:16]
+    from train.requeue import override_arg  # a run dir Hydra reads back ('=', ',', spaces)
+
     raise ConfigError(
         f"model.init_from={src.spec!r} is not the source this run started from, whose weights are "
         f"its distillation teacher ({name}: SHA-256 {(now.get(name) or 'no such file')[:16]}..., "
         f"recorded {was}...): it was replaced. Put the original back at {src.path}, or give its "
-        f"new place with trainer.resume={run_dir} and model.init_from set to it, or start a new "
-        "run (a new hydra.run.dir).")
+        f"new place with {override_arg('trainer.resume', run_dir)} and model.init_from set to "
+        "it, or start a new run (a new hydra.run.dir).")
 
 
 def _rope_theta(config) -> float:

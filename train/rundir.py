@@ -293,8 +293,10 @@ def finished_run(run_dir: str | Path, cfg, job: list[str] | None = None
         return (f"{done} To train this sweep job longer, run it alone in its folder (a -m sweep "
                 "with more steps into the same hydra.sweep.dir is refused as another sweep; "
                 f"each job's line names its own command; {more}): {cmd}"), summary
-    q = ckpt_io.shell_quote(run_dir)
-    return (f"{done} To train it longer, run the same command with trainer.resume={q} "
+    from train.requeue import override_arg  # a value Hydra reads back: '=' or ',' in the path
+
+    q = override_arg("trainer.resume", run_dir)
+    return (f"{done} To train it longer, run the same command with {q} "
             f"trainer.max_steps={2 * steps} trainer.resume_allow_changes=true ({more})."), summary
 
 

@@ -770,9 +770,27 @@ def test_the_diverged_advice_pastes_as_printed(runs, tmp_path):
     _set_lr(job, None)
     _write_diverged(job, "nan", "/gone/1")
     text = advice()
-    assert (f"with a lower optim.lr (trainer.resume='{step1}' trainer.resume_allow_changes=true "
-            "and optim.lr set below the run's) or start a new run") in text
+    assert (f"with a lower optim.lr ({arg('trainer.resume', step1)} "
+            "trainer.resume_allow_changes=true and optim.lr set below the run's) or start a new "
+            "run") in text
     assert "<" not in text and ">" not in text and "..." not in text
+
+
+def test_the_resume_argument_reads_back_from_a_folder_hydra_would_misread(runs, tmp_path):
+    """A run dir named the way Hydra's override_dirname names them (``lr=0.001,wd=0.1``): the
+    advice's trainer.resume argument is quoted for Hydra too (unquoted, its ``=`` is a parse
+    error and its ``,`` a sweep)."""
+    from train.requeue import override_arg as arg
+
+    run = tmp_path / "lr=0.001,wd=0.1"
+    shutil.copytree(runs / "l1", run)
+    (run / "summary.json").unlink()
+    _write_diverged(run, "nan", "/gone/1")
+    _set_lr(run, 0.001)
+    why = str(pytest.raises(IncompleteRunError, load_run, run).value)
+    args = why.split("half of it here: ")[1].split(") or ")[0]
+    assert args.startswith(arg("trainer.resume", run / "checkpoints" / "step1") + " "), args
+    _assert_pastes(args)
 
 
 def test_a_checkpoint_just_before_the_divergence_is_not_named_for_a_resume(runs, tmp_path):
@@ -805,7 +823,7 @@ def test_a_checkpoint_just_before_the_divergence_is_not_named_for_a_resume(runs,
     half = "any lr below the run's 0.003 works; half of it here"
     new = sweep / "1_lr0.0015"  # a folder beside the run's, named by the lr
     earlier = (f"{head}: resume an earlier checkpoint, '{ckpts[1]}', with a lower optim.lr in a "
-               f"new hydra.run.dir ({half}: trainer.resume='{ckpts[1]}' "
+               f"new hydra.run.dir ({half}: {arg('trainer.resume', ckpts[1])} "
                f"trainer.resume_allow_changes=true {arg('hydra.run.dir', new)} optim.lr=0.0015) "
                f"or {fresh}")
     why = str(pytest.raises(IncompleteRunError, load_run, job).value)
