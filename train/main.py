@@ -396,6 +396,10 @@ def cli() -> None:
         _main()
     except SystemExit as e:
         if e.code in (0, None, 130, 143):  # finished, or stopped at a step by SIGINT / SIGTERM
+            # the exception's frames (and its KeyboardInterrupt's) hold the stopped trainer:
+            # dropped, so that end_process_group frees it before the group (SystemExit prints
+            # no traceback)
+            e.__traceback__ = e.__context__ = None
             end_process_group()
         raise
     except Exception as e:
