@@ -62,8 +62,10 @@ def job_alone_command(job_dir, overrides: list[str], *extra: str) -> str:
     ``-m`` command with other values into the sweep's folder is refused as another sweep:
     :func:`other_sweep_in`). ``overrides`` are the job's (Hydra's override strings, as its
     ``.hydra/overrides.yaml`` records them), less ``hydra.*`` ones and the keys ``extra`` sets,
-    each as the CLI takes it now: a renamed key at its new place (``train.config.upgrade_override``)
-    and a removed one left out (``train.config.REMOVED_KEYS``: the CLI refuses it); each of
+    each as the CLI takes it now: a moved FFN key at its new place
+    (``train.config.upgrade_override``; ``trainer.val_batches``, whose meaning changed, is kept
+    and the CLI names its replacement) and a removed one left out
+    (``train.config.REMOVED_KEYS``: the CLI refuses it); each of
     ``extra`` is one ready argument (``key=value``, quoted as needed)."""
     from train.checkpoint import shell_quote
 
