@@ -9,8 +9,7 @@ import weakref
 
 import pytest
 
-import train.main as main
-import train.parallel as parallel
+from train import main, parallel
 
 
 class _Trainer:
