@@ -1,5 +1,5 @@
 """The bench's deadline drops the ``default`` row before a dense baseline (studies/bench/stages.py,
-``baselines_left_s``): every ratio is taken against the best dense row."""
+``baseline_costs_s``): every ratio is taken against the best dense row."""
 
 from types import SimpleNamespace
 
@@ -35,12 +35,12 @@ def _choice(ffn, b, micro, tok_per_ms):
     return Choice(ffn, b, micro, "none", 50.0, tok_per_ms, "test")
 
 
-def test_first_budget_reserves_build_search_and_timing_per_baseline():
+def test_first_budget_counts_build_search_and_timing_per_baseline():
     dense = _choice("dense", B139, 8, 40.96)  # a step: 1.2 * 8 * 2048 / 40960 = 0.48 s
     run = _run(("liger", "compile", "dense", "ell", "default"), [B139, B80],
                {("dense", B139): dense})
     # per baseline: build 6 + search 30 + 13 steps x 0.48 s + 3 = 45.24 s, two baselines
-    assert stages.baselines_left_s(run, B139) == pytest.approx(2 * (6 + 30 + 13 * 0.48 + 3))
+    assert stages.baseline_costs_s(run, B139) == pytest.approx([6 + 30 + 13 * 0.48 + 3] * 2)
 
 
 def test_a_later_budget_counts_only_what_it_must_time():
@@ -51,27 +51,61 @@ def test_a_later_budget_counts_only_what_it_must_time():
                 ("hf", B80): Choice("hf", B80, None, None, None, None, "nothing fits")},
                {("compile", *timed.key): {"path": "compile"}})
     # liger: build 6 + 13 x 0.6 + 3; compile reused (timed at 139 GB); hf does not fit
-    assert stages.baselines_left_s(run, B80) == pytest.approx(6 + 13 * 0.6 + 3)
+    assert stages.baseline_costs_s(run, B80) == pytest.approx([6 + 13 * 0.6 + 3])
 
 
 def test_none_without_baselines_or_on_the_cpu():
-    assert stages.baselines_left_s(_run(("ell", "default"), [B80]), B80) == 0.0
+    assert stages.baseline_costs_s(_run(("ell", "default"), [B80]), B80) == []
     run = _run(("liger", "default"), [B80])
     run.device = torch.device("cpu")
-    assert stages.baselines_left_s(run, B80) == 0.0
+    assert stages.baseline_costs_s(run, B80) == []
 
 
-def test_default_row_is_skipped_when_only_the_baselines_fit(monkeypatch):
-    """The clock fits the baselines' estimate but not the default row's on top of it."""
+class _Clock:
+    """Clock of ``left_s`` seconds and a 10 s reserve: fits() as studies.bench.steps.Clock."""
+
+    reserve_s = 10.0
+
+    def __init__(self, left_s):
+        self.left_s, self.asked = left_s, []
+
+    def left(self):
+        return self.left_s
+
+    def fits(self, est, what):
+        self.asked.append((round(est, 6), what))
+        return est <= self.left_s - self.reserve_s
+
+
+KEEP = 6 + 30 + 13 * 0.48 + 3  # liger's build, search, timing: 45.24 s
+OWN = 6 + 30 * 1.0 + 13 * 0.48 + 3  # the default row's build, plan, timing: 45.24 s
+
+
+@pytest.mark.parametrize("left_s, want", [
+    (KEEP + OWN + 10.0, None),  # both fit: the default row runs (here: stops at the build)
+    (KEEP + 10.0, "skipped (deadline: the dense baselines first)"),  # only liger fits
+    (KEEP + 5.0, "skipped (deadline)"),  # neither fits: skipped on its own cost
+])
+def test_default_row_gives_way_to_a_baseline_that_fits(monkeypatch, left_s, want):
     dense = _choice("dense", B80, 8, 40.96)
     run = _run(("liger", "dense", "default"), [B80], {("dense", B80): dense})
-    run.size, run.meta, rows = "2b", {"default": {"ffn": "auto"}}, []
-    asked = []
-    run.clock = SimpleNamespace(fits=lambda est, what: asked.append(est) or est <= 50.0)
+    run.size, run.meta, run.clock, rows = "2b", {"default": {"ffn": "auto"}}, _Clock(left_s), []
     monkeypatch.setattr(stages, "add_row", lambda r, row: rows.append(row))
     monkeypatch.setattr(stages, "skipped_row", lambda r, path, b, why, **kw: (path, why))
+
+    class Built(Exception):
+        pass
+
+    def build(*a, **k):
+        raise Built
+
+    monkeypatch.setattr(stages, "emulated", build)
+    if want is None:
+        with pytest.raises(Built):
+            stages.default_row(run, B80)
+        assert rows == [] and run.clock.asked == [(pytest.approx(OWN), "2b default at 80 GB")]
+        return
     stages.default_row(run, B80)
-    keep = 6 + 30 + 13 * 0.48 + 3  # liger's build, search, timing
-    own = 6 + 30 * 1.0 + 13 * 0.48 + 3  # the default row's build, plan, timing
-    assert asked == [pytest.approx(own + keep)]
-    assert rows == [("default", "skipped (deadline: the dense baselines first)")]
+    assert rows == [("default", want)]
+    asked = run.clock.asked[-1][0]
+    assert asked == pytest.approx(OWN + KEEP if "baselines" in want else OWN)
