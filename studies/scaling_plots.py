@@ -49,6 +49,16 @@ def _colors(results: list[dict]) -> dict[int, str]:
     return {n: f"C{i}" for i, n in enumerate(sorted({r["row"]["layers"] for r in results}))}
 
 
+def _series_styles(keys) -> dict[tuple, tuple[str, str]]:
+    """One look per series (``(L1, steps)`` keys of :func:`_by_l1`), the same in every plot:
+    ``(colour, line style)``, the colour by L1 strength (black for L1 0, the dense control;
+    ``C0``, ``C1``, ... from the weakest), the line style by step count (solid for the fewest)."""
+    l1s = sorted({k[0] for k in keys if k[0] != 0})
+    steps = sorted({k[1] or 0 for k in keys})
+    return {k: ("k" if k[0] == 0 else f"C{l1s.index(k[0])}",
+                ("-", "--", ":", "-.")[steps.index(k[1] or 0) % 4]) for k in keys}
+
+
 def _title(key: tuple[float, int | None], results: list[dict]) -> str:
     """A series' name in a title or legend: ``L1 6.6e-4`` (``, 1500 steps`` when the results
     hold several step counts)."""
@@ -86,18 +96,19 @@ def _save(plt, fig, path: Path) -> Path:
 
 
 def plot_l0_vs_size(results: list[dict], path: Path):
-    """Held-out mean L0 against the number of layers, a line per series (L1 strength and steps;
-    re-init rows as open markers), with the paper's 39 / 29 / 24 at L1 2e-5 for reference."""
+    """Held-out mean L0 against the number of layers, a line per series (L1 strength and steps,
+    in :func:`_series_styles`' look; re-init rows as open markers), with the paper's 39 / 29 /
+    24 at L1 2e-5 for reference."""
     by = _by_l1(results)
     if not by:
         return "no plain L1 rows"
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
-    color = {}
+    look = _series_styles(by)
+    color = {key: c for key, (c, _) in look.items()}
     for key, rs in by.items():
-        (line,) = ax.plot([r["row"]["layers"] for r in rs], [r["profile"]["l0_mean"] for r in rs],
-                          "o-", label=_title(key, results))
-        color[key] = line.get_color()
+        ax.plot([r["row"]["layers"] for r in rs], [r["profile"]["l0_mean"] for r in rs],
+                look[key][1], marker="o", color=look[key][0], label=_title(key, results))
     for r in results:
         if r["row"]["reinit"]:
             key = (r["row"]["l1_coeff"], r["row"].get("steps"))
@@ -105,7 +116,7 @@ def plot_l0_vs_size(results: list[dict], path: Path):
                     color=color.get(key, "gray"),
                     label=f"{row_label(r)} re-init, {_title(key, results)}")
     px, py = zip(*PAPER_POINTS.values())
-    ax.plot(px, py, "k--", marker="x", label="paper (L1 2e-5, 10-40 B tokens)")
+    ax.plot(px, py, ":", color="0.5", marker="x", label="paper (L1 2e-5, 10-40 B tokens)")
     layers = sorted({r["row"]["layers"] for r in results})
     depth = _depth(results)
     ax.set_xticks(layers, [f"{n} layers" if depth else row_label(next(
@@ -264,25 +275,26 @@ def plot_dead_over_training(results: list[dict], path: Path):
 
 def plot_vs_dense(results: list[dict], path: Path):
     """Against the dense controls, per depth: the validation loss (left) and the seven-task
-    mean with its standard error (right), a line per series (L1 strength and steps; L1 = 0 is
-    the dense control, a longer step count dashed)."""
+    mean with its standard error (right), a line per series (L1 strength and steps, in
+    :func:`_series_styles`' look: L1 = 0, the dense control, black; a longer step count
+    dashed)."""
     by = _by_l1(results)
     have_eval = any(r.get("evals") for rs in by.values() for r in rs)
     if not any(k[0] == 0 for k in by) or len(by) < 2:
         return "no dense control (L1 = 0) beside a sparse row"
-    dashes = {st: ("-", "--", ":", "-.")[i % 4]
-              for i, st in enumerate(sorted({k[1] or 0 for k in by}))}
+    look = _series_styles(by)
     plt, fig, (ax_v, ax_e) = _panels(2)
     for key, rs in sorted(by.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
         l1 = key[0]
         xs = [r["row"]["layers"] for r in rs]
-        style = ("k" if l1 == 0 else "") + dashes[key[1] or 0]
+        color, style = look[key]
         label = (f"dense ({_title(key, results)})" if l1 == 0 else _title(key, results))
-        ax_v.plot(xs, [r["summary"].get("val_loss") for r in rs], style, marker="o", label=label)
+        ax_v.plot(xs, [r["summary"].get("val_loss") for r in rs], style, marker="o", color=color,
+                  label=label)
         ev = [(r["row"]["layers"], 100 * r["evals"]["mean"],
                100 * (r["evals"].get("mean_stderr") or 0)) for r in rs if r.get("evals")]
         if ev:
-            ax_e.errorbar(*zip(*ev), fmt=style, marker="o", capsize=3, label=label)
+            ax_e.errorbar(*zip(*ev), fmt=style, marker="o", color=color, capsize=3, label=label)
     for ax, what in ((ax_v, "validation loss (held out)"),
                      (ax_e, "seven-task mean accuracy (%), +- 1 s.e.")):
         ax.set_xticks(sorted({r["row"]["layers"] for rs in by.values() for r in rs}))

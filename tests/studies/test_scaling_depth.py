@@ -512,6 +512,15 @@ def test_plots_draw_each_steps_series_apart(tmp_path, monkeypatch):
     assert got["dense (L1 0, 1000 steps)"] == ([8, 38], [3.0, 2.5])
     assert got["L1 1e-3, 1000 steps"] == ([8, 38], [3.2, 2.7])
     assert got["L1 1e-3, 1500 steps"] == ([38], [2.6])
+    # one look per series in both plots: colour by L1 (black: dense; C0 the weakest, 3e-4),
+    # solid for 1000 steps, dashed for 1500
+    looks = [{ln.get_label().removeprefix("dense (").removesuffix(")"):
+              (ln.get_color(), ln.get_linestyle()) for ln in f.axes[0].get_lines()
+              if ln.get_label().startswith(("L1", "dense"))} for f in (figs[0], figs[-1])]
+    assert looks[0]["L1 1e-3, 1000 steps"] == looks[1]["L1 1e-3, 1000 steps"] == ("C1", "-")
+    assert looks[0]["L1 1e-3, 1500 steps"] == looks[1]["L1 1e-3, 1500 steps"] == ("C1", "--")
+    assert looks[0]["L1 0, 1000 steps"] == looks[1]["L1 0, 1000 steps"] == ("k", "-")
+    assert looks[0]["L1 3e-4, 1000 steps"] == ("C0", "-")
     for f in figs:
         plt.close(f)
 
