@@ -512,7 +512,7 @@ def _diverged_alone(d: Path, reason: str) -> str | None:
     if overrides is None:
         return None
     from train.checkpoint import shell_quote  # (torch: not at import time)
-    from train.requeue import job_alone_command, override_arg
+    from train.requeue import job_alone_command, override_arg, override_key
     from train.rundir import set_aside_command
     from twell.hf import folder_step, list_checkpoints
 
@@ -526,7 +526,7 @@ def _diverged_alone(d: Path, reason: str) -> str | None:
     if kind != "none" and path is None:
         left = {"trainer.resume": "trainer.resume set to its last good checkpoint's step folder "
                                   "under checkpoints/", **left}
-    overrides = [o for o in overrides if str(o).lstrip("+~").split("=", 1)[0] not in left]
+    overrides = [o for o in overrides if override_key(str(o)) not in left]
     added = f", by this command with {' and '.join(left.values())} added" if left else ""
     lower = (lr_arg,) if lr_arg else ()
     own = list_checkpoints(d)

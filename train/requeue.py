@@ -69,10 +69,10 @@ def job_alone_command(job_dir, overrides: list[str], *extra: str) -> str:
     ``extra`` is one ready argument (``key=value``, quoted as needed)."""
     from train.checkpoint import shell_quote
 
-    replaced = {_key(e) for e in extra}
+    replaced = {override_key(e) for e in extra}
     kept = [shell_quote(o) for o in (upgrade_override(str(o)) for o in overrides)
-            if not _key(o).startswith("hydra.") and _key(o) not in replaced
-            and _key(o) not in REMOVED_KEYS]
+            if not override_key(o).startswith("hydra.") and override_key(o) not in replaced
+            and override_key(o) not in REMOVED_KEYS]
     return " ".join(["twell-train", override_arg("hydra.run.dir", job_dir), *kept, *extra])
 
 
@@ -222,7 +222,7 @@ def _sweep_jobs_all(overrides: list[str]) -> list[list[str]] | None:
         return None
 
 
-def _key(o: str) -> str:
+def override_key(o: str) -> str:
     """The key an override sets: a Hydra override as recorded (``+a.b=1``, ``++a.b=1``,
     ``~a.b`` -> ``a.b``) or one ready for the shell (``'a.b=/x y'``, ``"a.b=1"``,
     ``$'a.b=...'``, ``'+a.b=1'``: quotes stripped; no key holds a quote or ``$``)."""
@@ -239,7 +239,7 @@ def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
 def _recipe_overrides(jobs: list[list[str]]) -> list[list[str]]:
     """Each job's overrides without ``hydra.*`` and the resume-safe keys."""
     def kept(o: str) -> bool:
-        return not _key(o).startswith("hydra.") and not _matches(_key(o), RESUME_SAFE_KEYS)
+        return not override_key(o).startswith("hydra.") and not _matches(override_key(o), RESUME_SAFE_KEYS)
 
     return [[o for o in job if kept(o)] for job in jobs]
 
@@ -269,7 +269,7 @@ def train_on_commands(sweep_dir: Path, config: dict, overrides: list[str]) -> st
         return None
 
     def recipe_of(job: list[str]) -> list[str]:
-        return sorted(o for o in job if not _matches(_key(o), RESUME_OPTIM_KEYS))
+        return sorted(o for o in job if not _matches(override_key(o), RESUME_OPTIM_KEYS))
 
     if any(recipe_of(a) != recipe_of(b) for a, b in zip(old, new)):
         return None  # another job: another sweep

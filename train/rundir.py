@@ -284,18 +284,16 @@ def finished_run(run_dir: str | Path, cfg, job: list[str] | None = None
     done = (f"run dir {run_dir} already reached trainer.max_steps={steps} (checkpoint "
             f"{own[-1].name}, summary.json): nothing to train.")
     more = "twice its steps here; any larger trainer.max_steps works"  # a value that pastes
-    if job is not None:
-        from train.requeue import job_alone_command, override_arg
+    from train.requeue import job_alone_command, override_arg  # (it imports this module)
 
+    if job is not None:
         cmd = job_alone_command(run_dir, job, override_arg("trainer.resume", run_dir),
                                 f"trainer.max_steps={2 * steps}",
                                 "trainer.resume_allow_changes=true")
         return (f"{done} To train this sweep job longer, run it alone in its folder (a -m sweep "
                 "with more steps into the same hydra.sweep.dir is refused as another sweep; "
                 f"each job's line names its own command; {more}): {cmd}"), summary
-    from train.requeue import override_arg  # a value Hydra reads back: '=' or ',' in the path
-
-    q = override_arg("trainer.resume", run_dir)
+    q = override_arg("trainer.resume", run_dir)  # Hydra reads it back: '=' or ',' in the path
     return (f"{done} To train it longer, run the same command with {q} "
             f"trainer.max_steps={2 * steps} trainer.resume_allow_changes=true ({more})."), summary
 

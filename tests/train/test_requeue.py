@@ -2,7 +2,7 @@
 
 import pytest
 
-from train.requeue import _key, job_alone_command, override_arg
+from train.requeue import job_alone_command, override_arg, override_key
 
 
 @pytest.mark.parametrize("override", [
@@ -11,7 +11,7 @@ from train.requeue import _key, job_alone_command, override_arg
     "'+trainer.resume=/x y'", "'++trainer.resume=/x y'", "~trainer.resume", "'~trainer.resume'",
     "trainer.resume='/a=b'"])
 def test_a_quoted_or_prefixed_override_has_its_plain_key(override):
-    assert _key(override) == "trainer.resume"
+    assert override_key(override) == "trainer.resume"
 
 
 def test_a_quoted_resume_replaces_the_jobs_recorded_one(tmp_path):
