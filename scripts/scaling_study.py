@@ -289,13 +289,17 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     if a.prepare_evals:
         return prepare_evals()
-    if a.suggest_l1 is not None:
-        return _print_suggestion(a.suggest_l1, a.probe_targets)
-    if a.report is not None:
-        from studies.scaling_report import write_report
+    if a.suggest_l1 is not None or a.report is not None:
+        from studies.scaling_report import ReportError, write_report
 
-        # the page names its generator with placeholders, not this machine's paths
-        res = write_report(a.report, a.doc)
+        try:
+            if a.suggest_l1 is not None:
+                return _print_suggestion(a.suggest_l1, a.probe_targets)
+            # the page names its generator with placeholders, not this machine's paths
+            res = write_report(a.report, a.doc)
+        except ReportError as e:  # a missing folder, a damaged result: one line, no traceback
+            print(f"scaling_study: {e}", file=sys.stderr)
+            return 2
         for t in res["targets"]:
             print(f"{t['target']}: {t['measured']} -> {t['verdict']}")
         print(f"wrote {res['doc']}, {res['csv']}, results in {res['results']}")

@@ -140,6 +140,7 @@ def load_results(folders: list[Path], log=print, raw: bool = False) -> dict[str,
             if not isinstance(r, dict) or r.get("format") not in READ_FORMATS or "row" not in r:
                 raise ReportError(f"{p}: not a scaling-study result (formats {READ_FORMATS}); "
                                   "pass folders of scripts/scaling_study.py --out files")
+            _check_fields(p, r)
             name = r["row"]["name"]
             if name in results and results[name] != r:
                 log(f"{name}: {p} replaces the result of an earlier folder")
@@ -147,6 +148,36 @@ def load_results(folders: list[Path], log=print, raw: bool = False) -> dict[str,
     if not results:
         raise ReportError(f"no result files (*.json) in {[str(f) for f in folders]}")
     return results if raw else {k: normalise(v) for k, v in results.items()}
+
+
+# what every result must hold for the CSV and the tables: dotted path, type (a present None
+# passes where the CSV leaves the cell blank: a non-finite or unmeasured value)
+REQUIRED_FIELDS = (("row.name", str), ("row.size", str), ("row.layers", int),
+                   ("row.l1_coeff", (int, float)), ("row.reinit", bool),
+                   ("summary.tokens_seen", (int, float)), ("profile.l0_mean", (int, float, None)),
+                   ("profile.l0_L", list), ("profile.l0_T", list))
+_MISSING = object()
+
+
+def _check_fields(path: Path, r: dict) -> None:
+    """Raise :class:`ReportError` naming ``path`` and the first field of
+    :data:`REQUIRED_FIELDS` that ``r`` lacks or holds in another type, then any other field the
+    CSV row needs (a damaged file must fail here, before the report writes anything)."""
+    fix = "the file is damaged: fetch it again from its call's archive, or remove it"
+    for dotted, typ in REQUIRED_FIELDS:
+        v = r
+        for k in dotted.split("."):
+            v = v.get(k, _MISSING) if isinstance(v, dict) else _MISSING
+        types = tuple(t for t in (typ if isinstance(typ, tuple) else (typ,)) if t is not None)
+        none_ok = isinstance(typ, tuple) and None in typ
+        if v is _MISSING or (v is None and not none_ok) or (
+                v is not None and (not isinstance(v, types) or (list in types and not v))):
+            want = " or ".join(t.__name__ for t in types) + (" or null" if none_ok else "")
+            raise ReportError(f"{path}: field {dotted!r} is missing or not a {want}; {fix}")
+    try:
+        csv_row(normalise(r))
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise ReportError(f"{path}: cannot be read ({type(e).__name__}: {e}); {fix}") from None
 
 
 def sort_key(r: dict):
@@ -1438,7 +1469,8 @@ def write_report(folders: list[Path], doc: Path, command: str | None = None,
     command = command if command is not None else report_command(folders, doc)
     out_dir = doc.parent / doc.stem
     res_dir = out_dir / "results"
-    judgements, kept = ({}, None)
+    judgements, kept = ({}, KEEP_MARKER + "\n")  # a new page: the marker at its end, so a
+    # later report rewrites it (nothing kept below it yet)
     if doc.is_file():
         judgements, kept = parse_doc(doc.read_text())
         if kept is None:
@@ -1446,6 +1478,11 @@ def write_report(folders: list[Path], doc: Path, command: str | None = None,
                               f"keep (or at the end to keep nothing): {KEEP_MARKER}")
     merged = load_results(([res_dir] if res_dir.is_dir() else []) + list(folders), log=log,
                           raw=True)
+    smoke = sorted(n for n, r in merged.items() if r.get("settings", {}).get("smoke"))
+    if smoke and len(smoke) < len(merged):
+        raise ReportError(f"smoke results ({', '.join(smoke)}) would be merged with the study's "
+                          f"into {res_dir}: report them into a doc of their own (--doc "
+                          "/tmp/smoke/scaling.md)")
     res_dir.mkdir(parents=True, exist_ok=True)
     for name, r in merged.items():
         write_json_atomic(res_dir / f"{name}.json", r)

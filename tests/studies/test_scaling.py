@@ -424,6 +424,40 @@ def test_report_left_out_plots_and_errors(tmp_path):
         load_results([empty])
 
 
+def test_report_refuses_damaged_or_smoke_results_before_writing(tmp_path):
+    """A result missing a field the CSV needs fails naming the file and the field, before the
+    report overwrites the doc folder's good copy of the same row; the command line says it in
+    one line (no traceback); smoke results are not merged into a study's results."""
+    doc = tmp_path / "docs" / "scaling.md"
+    good = tmp_path / "good"
+    good.mkdir()
+    r = _result("0p5b", 8, 3e-4, [10.0] * 8)
+    (good / "a.json").write_text(json.dumps(r))
+    write_report([good], doc, log=lambda m: None)
+    kept = (doc.parent / "scaling" / "results" / f"{r['row']['name']}.json").read_text()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    damaged = json.loads(json.dumps(r))
+    del damaged["profile"]["l0_mean"]
+    (bad / "a.json").write_text(json.dumps(damaged))
+    with pytest.raises(ReportError, match="a.json: field 'profile.l0_mean' is missing"):
+        write_report([bad], doc, log=lambda m: None)
+    assert (doc.parent / "scaling" / "results" / f"{r['row']['name']}.json").read_text() == kept
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "scaling_study.py"), "--report",
+                          str(bad), "--doc", str(doc)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == [res.stderr.strip()]
+    assert "field 'profile.l0_mean'" in res.stderr
+    smoke = tmp_path / "smoke"
+    smoke.mkdir()
+    s = _result("2b", 38, 3e-4, [10.0] * 38)
+    s["settings"] = {**s.get("settings", {}), "smoke": True}
+    (smoke / "s.json").write_text(json.dumps(s))
+    with pytest.raises(ReportError, match="smoke results"):
+        write_report([smoke], doc, log=lambda m: None)
+
+
 def test_csv_handles_nonfinite_and_missing():
     r = _result("0p5b", 8, 3e-4, [10.0] * 8, val=float("nan"))
     r["summary"]["dead_pct"] = None
