@@ -125,7 +125,7 @@ def plot_l0_vs_size(results: list[dict], path: Path):
     ax.set_ylabel("mean L0 (active units per token, held out)")
     ax.set_title("L0 falls with depth?" if depth else "L0 falls with size?")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, handlelength=4)  # long enough to show -- vs -
     return _save(plt, fig, path)
 
 
@@ -301,7 +301,7 @@ def plot_vs_dense(results: list[dict], path: Path):
         ax.set_xlabel("layers")
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, handlelength=4)  # long enough to show -- vs -
     ax_v.set_title("validation loss against dense")
     ax_e.set_title("seven tasks against dense" if have_eval else "no evals in these results")
     return _save(plt, fig, path)
