@@ -30,8 +30,10 @@ from studies.scaling_report import (
     PAPER_DROP_PCT,
     PLOTS,
     ReportError,
+    _settled_target,
     check_targets,
     csv_row,
+    floor_only,
     load_results,
     loglog_slope,
     peak_layers,
@@ -288,8 +290,8 @@ def test_csv_rows_and_targets(tmp_path):
                    "l0_first_token": round(3 * max(hump), 2), "dead_pct": 10.0, "val_loss": 3.5,
                    "val_loss_dense": None, "eval_mean": None, "eval_mean_dense": None,
                    "eval_stderr": None, "eval_diff": None, "eval_diff_stderr": None,
-                   "settle_change_pct": None, "series": "paper", "probe": False,
-                   "run": "1p5b_l1_3e-4", "device_s": 110.0}
+                   "settle_change_pct": None, "settle_floor_only": None, "series": "paper",
+                   "probe": False, "run": "1p5b_l1_3e-4", "device_s": 110.0}
     rows = [csv_row(r) for r in results.values()]
     t = {x["target"]: x for x in check_targets(rows)}
     assert t["L0 falls with size, L1 3e-4"]["verdict"] == "met"
@@ -502,3 +504,20 @@ def test_an_unknown_size_is_named_with_the_known_ones(tmp_path):
     assert str(e.value) == ("--sizes '7b': no configs/model/7b.yaml; the sizes: 0p25b, 3b, "
                             "depth_w512, tiny")
     assert sizes.model_configs()[:4] == ["0p5b", "1b", "1p5b", "2b"]  # the repository's
+
+
+def test_floor_only_names_rows_the_five_percent_rule_alone_would_not_settle():
+    # hand-computed: layer 1 moves 2.18 -> 2.32 units (6.4 %, < 0.5 units): settled by the
+    # floor only; a 4.9 % move and a 0 -> 0.3 unit move (no relative change defined) do not count
+    floor = {"settled": True, "start": [30.0, 2.18], "end": [30.5, 2.32]}
+    plain = {"settled": True, "start": [30.0, 0.0], "end": [31.47, 0.3]}
+    assert floor_only(floor) is True
+    assert floor_only(plain) is False
+    assert floor_only({"settled": False, "start": [1.0], "end": [2.0]}) is None
+    assert floor_only({"settled": True, "change_pct": 1.0}) is None  # no per-layer ends kept
+    rows = [{"run": r, "settled": True, "settle_floor_only": f, "settle_change_pct": c}
+            for r, f, c in (("a", False, 1.0), ("b", True, 6.4))]
+    t = _settled_target(rows, "")
+    assert t["verdict"] == "met with the 0.5-unit floor; by per-layer < 5 % alone: not met"
+    assert t["measured"].endswith("b (6.4 %)")
+    assert _settled_target(rows[:1], "")["verdict"] == "met"

@@ -470,8 +470,8 @@ def test_rows_of_different_steps_are_separate_series(tmp_path):
     t = {x["target"]: x for x in check_depth_targets(rows)}
     assert t["L0 falls with depth, L1 1e-3 (1000 steps)"]["verdict"] == (
         "not judged: 38 L not settled (as measured: not met (8 L -> 38 L does not fall)); "
-        "38 L at 1500 steps settled at 9.0, -25 % from its 1000-step 12.0: the 1000-step "
-        "series had not settled")
+        "38 L at 1500 steps settled at 9.0, -25 % from its 1000-step 12.0, which had not "
+        "settled")
     assert t["L0 falls with depth, L1 1e-3 (1500 steps)"]["verdict"] == \
         "not enough depths (8 L not yet run at 1500 steps)"
     # 1e-3 is the series' stronger L1 at every step count: reported, its control named
