@@ -15,27 +15,17 @@ from twell.ops.ffn_train_auto import CANDIDATES, AutoFFNTrain, CapacityOverflow
 from twell.ops.hot_units import hot_units_from_counts
 from twell.policy import FFNPolicy
 
-from .train_cases import FakeGraphs, assert_close, make_inputs, needs_triton, reference
+from .train_cases import (
+    FakeClock,
+    FakeGraphs,
+    assert_close,
+    make_inputs,
+    needs_triton,
+    reference,
+)
 
 POLICY = FFNPolicy(ell_capacity=20)
 L1 = 0.5
-
-
-class FakeClock:
-    """``ms[name]`` for every timed call of ``name``; records what was timed, in order."""
-
-    def __init__(self, ms):
-        self.ms, self.started = dict(ms), []
-
-    def start(self, name):
-        self.started.append(name)
-        return name
-
-    def stop(self, token):
-        return token
-
-    def poll(self, handle):
-        return self.ms[handle]
 
 
 def n_heavy(x, wg, cap=20):
@@ -94,6 +84,7 @@ def test_picks_the_fastest_by_the_clock_and_drops_each_first_call(fastest):
     assert op.calls == {"dense": 4, "ell_nosync": 5, "ell_hot": 5, "ell_graph": 4} and n == 18
     assert sorted(clock.started) == sorted(c for c in CANDIDATES for _ in range(3))
     assert graphs.captures == 1
+    assert (op.inputs() is not None) == (fastest == "ell_graph")  # a graph not chosen: released
     timed = len(clock.started)
     for _ in range(2):
         check_outputs(op(x, dy), x, wg, wu, wd, dy)

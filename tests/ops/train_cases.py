@@ -1,7 +1,8 @@
 """Inputs, the fp64 reference and the comparisons shared by the training ops' tests
 (``test_ffn_train.py``, ``test_ffn_dense_train.py``, ``test_hot_units.py``, ``test_compact.py``,
-``test_elementwise.py``), and a CPU stand-in for CUDA graphs (``test_ffn_train_graph.py``,
-tests/studies/test_kernel_bench_real_layers.py).
+``test_elementwise.py``), and CPU stand-ins for CUDA graphs (``test_ffn_train_graph.py``,
+tests/studies/test_kernel_bench_real_layers.py) and for the CUDA-event clock of the measured
+training auto (``test_ffn_train_auto.py``).
 
 Reference: ``twell.ops.reference.gated_ffn_torch`` in float64 with PyTorch autograd; loss
 ``sum(y * dy) + c * l1``. Shape legend: N tokens, D model width, H FFN width.
@@ -146,3 +147,21 @@ class FakeGraphs:
                 for o, n in zip(out, new):
                     o.copy_(n)
         return replay, out
+
+
+class FakeClock:
+    """A stand-in for ``twell.ops.ffn_train_auto.SyncedEventTimer``: ``ms[name]`` for every
+    timed call of candidate ``name``, landed at once; records what was timed, in order."""
+
+    def __init__(self, ms):
+        self.ms, self.started = dict(ms), []
+
+    def start(self, name):
+        self.started.append(name)
+        return name
+
+    def stop(self, token):
+        return token
+
+    def poll(self, handle):
+        return self.ms[handle]

@@ -30,7 +30,7 @@ are timed only once it is in its steady form: after its first call (dropped: Tri
 cuBLAS initialises), and for the no-sync ones after their measuring call (``backup_rows=-1``,
 exact, one host sync, which sets the capacity). Once every candidate has ``trials`` timings the
 one with the smallest median is ``choice`` (ties in the order above), and every later call runs
-it. On CUDA the default clock (:class:`SyncedEventTimer`) waits for the stream before each timed
+it (a graph not chosen is released with its memory pool). On CUDA the default clock (:class:`SyncedEventTimer`) waits for the stream before each timed
 call, so a call is not timed behind the previous call's GPU work (which would hide a host-bound
 op's launch gaps), and the exploration's last call waits for its events. Every call of the
 exploration returns that call's exact results (its guard is read, below).
@@ -489,6 +489,8 @@ class AutoFFNTrain:
         if all(len(self.timings[c]) >= self.trials for c in self.candidates):
             med = self._medians_at_choice = self.medians()
             self.choice = min(self.candidates, key=lambda c: (med[c], CANDIDATES.index(c)))
+            if self.choice != "ell_graph":
+                self._graph = None  # its private memory pool holds a call's intermediates
 
 
 __all__ = ["CANDIDATES", "FFN_OUTPUTS", "AutoFFNTrain", "CapacityOverflow", "SyncedEventTimer"]
