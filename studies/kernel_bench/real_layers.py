@@ -48,7 +48,13 @@ Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``de
     ell_hot       train: no-sync ELL with the hot set
     auto          fwd: ``mode="auto"`` (measured on CUDA), with the hot set where the layer's
                   density is at least ``FFNPolicy.hot_min_density`` (the plan's rule); train:
-                  what ``FFNPolicy.train_path`` picks (``dense``: dense mode, else
+                  ``twell.ops.ffn_train_auto.AutoFFNTrain`` (the measured op-level auto): on
+                  CUDA it times ``dense``, ``ell_nosync``, ``ell_hot`` and ``ell_graph`` (its
+                  own capture) on the case and runs the fastest; its exploration runs in
+                  :func:`build_ops` (outside the check and the timing), its choice and medians
+                  are printed, its capacity guard read like ``ell_graph``'s and, when it chose
+                  the graph, it is checked against ``ell_nosync`` too (:func:`twin_of`); on the
+                  CPU (no clock) ``FFNPolicy.train_path`` picks (``dense``: dense mode, else
                   ``ell_hot`` or, below ``hot_min_density``, ``ell_nosync``)
     paper         the paper's CUDA extension (``PaperOps``) when it is importable
 
@@ -81,8 +87,8 @@ from studies.kernel_bench.common import (
 )
 from twell.nn.record import active_counts_of
 from twell.ops.ffn import TwELLState, sparse_ffn
-from twell.ops.ffn_dense_train import dense_ffn_train
 from twell.ops.ffn_train import backup_capacity_for, sparse_ffn_train
+from twell.ops.ffn_train_auto import AutoFFNTrain
 from twell.ops.ffn_train_graph import CapacityOverflow
 from twell.ops.hot_units import hot_unit_count, hot_units_from_counts
 from twell.ops.reference import gated_ffn_torch
@@ -184,6 +190,38 @@ def _graph_closure(case: Case, policy: FFNPolicy) -> Callable[[], list[torch.Ten
     return run
 
 
+def _auto_closure(case: Case, policy: FFNPolicy) -> Callable[[], list[torch.Tensor]]:
+    """``auto`` train: :class:`twell.ops.ffn_train_auto.AutoFFNTrain` on the case's weights (in
+    place), hot set and L1 coefficient. Returns [y, dx, dWg, dWu, dWd] of one call, the L1 term
+    in ``run.stats["l1"]``; ``run.explore()`` calls it until it has chosen (:func:`build_ops`,
+    before the check and the timing, so the timing sees its steady state); ``run.check()``
+    reads its capacity guard (one host sync; raises ``CapacityOverflow``): it does not sync per
+    call (``check_each_call=False``), as ``ell_graph`` does not. While it holds a graph a call
+    passes the graph's own input buffers (they hold the case's x and dy, copied at the
+    capture), so it copies nothing per call, as ``ell_graph``'s replays do not."""
+    auto = AutoFFNTrain(case.wg, case.wu, case.wd, hot_units=case.hot,
+                        l1_coeff=L1_COEFF_PER_TOKEN * case.x.shape[0], policy=policy,
+                        check_each_call=False)
+
+    def run():
+        out = auto(*(auto.inputs() or (case.x, case.dy)))
+        run.stats["l1"] = out[5]
+        return list(out[:5])
+
+    def explore():
+        while auto.choice is None:
+            run()
+    run.stats, run.check, run.explore, run.auto = {}, auto.check, explore, auto
+    return run
+
+
+def twin_of(op: str, kind: str, fn) -> tuple[str, str] | None:
+    """The eager op that ``op`` must equal (:data:`TWINS`), or for ``auto`` train the twin of
+    the candidate it chose (``ell_graph``: ``ell_nosync``); None without one."""
+    auto = getattr(fn, "auto", None)
+    return TWINS.get((op, kind)) or (None if auto is None else TWINS.get((auto.choice, kind)))
+
+
 def skip_reason(op: str, kind: str, case: Case) -> str | None:
     """Why ``op`` does not run on ``case``'s device (:data:`CUDA_ONLY` off CUDA), else None."""
     why = CUDA_ONLY.get((op, kind))
@@ -200,8 +238,8 @@ def references(case: Case) -> dict:
 
 
 def _split_pays(case: Case, policy: FFNPolicy) -> bool:
-    """Does ``auto`` take the hot set on this case (the plan's rule: the layer's density at
-    least ``policy.hot_min_density``)?"""
+    """Does the forward ``auto`` take the hot set on this case (the plan's rule: the layer's
+    density at least ``policy.hot_min_density``)?"""
     return case.stats["density"] >= policy.hot_min_density
 
 
@@ -234,10 +272,7 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
     if op == "torch":
         return _train_closure(lambda *a: gated_ffn_torch(*a, with_stats=False), case, False)
     if op == "auto":
-        path = policy.train_path(case.stats["density"], case.cold_heavy / case.x.shape[0])
-        if path == "dense":
-            return _train_closure(lambda *a: dense_ffn_train(*a, with_stats=True), case, True)
-        op = "ell_hot" if _split_pays(case, policy) else "ell_nosync"
+        return _auto_closure(case, policy)
     n = case.x.shape[0]
     if (op in ("ell_nosync", "ell_graph") and case.stats["heavy_rows"] >= n) or (
             op == "ell_hot" and case.cold_heavy >= n):
@@ -292,7 +327,7 @@ def check_case(case: Case, ops: dict, refs: dict) -> dict:
         if not ok and op not in ("paper", BASELINE[kind]):
             bad.append(f"{op} {kind}: errors {', '.join(f'{v:.2e}' for v in e)} vs dense bf16 "
                        f"{', '.join(f'{v:.2e}' for v in base[kind])}")
-        if (twin := TWINS.get((op, kind))) in ops:
+        if (twin := twin_of(op, kind, fn)) in ops:
             d = _twin_diffs(out, fn, ops[twin])
             print(f"  {op} {kind} vs {twin[0]}: relative differences (y, dx, dWg, dWu, dWd, l1) "
                   f"{', '.join(f'{v:.1e}' for v in d)}", flush=True)
@@ -349,7 +384,8 @@ def build_ops(case: Case, policy: FFNPolicy, paper=None, kinds=KINDS) -> dict:
     """``(op, kind) -> closure`` of every op of ``kinds`` that applies to ``case`` (prepared:
     :func:`prepare`), dense fwd always (the check's yardstick). A :data:`CUDA_ONLY` op off
     CUDA is skipped and an :data:`OPTIONAL` op whose first call raises (outside any timing:
-    the paper's build, ``ell_graph``'s capture) is left out, each with its reason printed.
+    the paper's build, ``ell_graph``'s capture) is left out, each with its reason printed; an
+    op that explores (``auto`` train: ``fn.explore``) explores here, to its choice.
 
     Raises:
         CheckFailed: an optional op's first call overflowed its capacity (:func:`read_guard`).
@@ -372,6 +408,9 @@ def build_ops(case: Case, policy: FFNPolicy, paper=None, kinds=KINDS) -> dict:
             print(f"  {key[0]} {key[1]}: left out ({type(e).__name__}: {str(e)[:160]})",
                   flush=True)
             del ops[key]
+    for fn in ops.values():
+        if hasattr(fn, "explore"):
+            fn.explore()
     return ops
 
 
@@ -397,6 +436,8 @@ def run_case(case: Case, policy: FFNPolicy, timer, paper=None, kinds=KINDS, *,
     ms = time_rounds(ops, timer, rounds)
     if ("auto", "fwd") in ops:  # what the measured auto chose (printed; the CSV keeps "auto")
         print(f"  auto fwd: {ops[('auto', 'fwd')].state.auto.choices()}", flush=True)
+    if ("auto", "train") in ops:  # its choice and the candidates' medians over its timed calls
+        print(f"  auto train: {ops[('auto', 'train')].auto.summary()}", flush=True)
     if profiles is not None:
         from studies.kernel_bench.kernel_profile import profile_ops
 
@@ -581,4 +622,4 @@ __all__ = ["BASELINE", "COLUMNS", "CUDA_ONLY", "KINDS", "OPS", "OPTIONAL", "ROUN
            "CheckFailed", "PaperOps", "build_ops", "check_case", "cpu_timer", "gpu_timer",
            "heavy_case", "iid_case", "load_paper_ops", "make_op", "prepare", "profile_title",
            "read_guard", "recorded_case", "references", "rel_err", "round_stats", "run_case",
-           "run_cases", "skip_reason", "summary_table", "time_rounds", "write_csv"]
+           "run_cases", "skip_reason", "summary_table", "time_rounds", "twin_of", "write_csv"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from studies.kernel_bench import real_layers as bench
-from tests.ops.train_cases import FakeGraphs
+from tests.ops.train_cases import FakeClock, FakeGraphs
 from twell.nn.record import save_ffn_layer
 from twell.policy import FFNPolicy
 from twell.stats import default_ell_capacity
@@ -236,6 +236,39 @@ def test_ell_graph_overflow_fails_the_check_and_a_failed_capture_is_left_out(
             "is capturing)") in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("fastest", ["ell_graph", "ell_hot"])
+def test_auto_train_explores_before_the_check_and_runs_its_choice(fake_graphs, monkeypatch,
+                                                                  capsys, fastest):
+    """``auto`` train is the measured AutoFFNTrain (here with a set time per candidate and the
+    graph stand-in): it explores in build_ops, then every call runs its choice (nothing more
+    timed, no capture); checked against fp32, and against ell_nosync when it chose the graph,
+    whose own input buffers its calls pass; its choice and medians printed."""
+    import functools
+
+    from twell.ops.ffn_train_auto import AutoFFNTrain
+
+    ms = {"dense": 4.0, "ell_nosync": 3.0, "ell_hot": 2.5, "ell_graph": 2.0} | {fastest: 1.0}
+    clock = FakeClock(ms)
+    graphs = FakeGraphs()
+    monkeypatch.setattr(bench, "AutoFFNTrain",
+                        functools.partial(AutoFFNTrain, clock=clock, graphs=graphs))
+    c = _graph_case()
+    rows = {(r["op"], r["kind"]): r
+            for r in bench.run_case(c, FFNPolicy(), lambda fn: 1.0, kinds=("train",))}
+    assert rows["auto", "train"]["within_bound"]
+    assert len(clock.started) == 12 and graphs.captures == 1  # 3 timed calls each, 1 capture
+    out = capsys.readouterr().out
+    assert (f"  auto train: {fastest} (median ms: dense 4.000, ell_nosync 3.000, ell_hot "
+            f"{ms['ell_hot']:.3f}, ell_graph {ms['ell_graph']:.3f})\n") in out
+    assert ("auto train vs ell_nosync" in out) == (fastest == "ell_graph")
+    ops = bench.build_ops(c, FFNPolicy(), kinds=("train",))
+    auto = ops["auto", "train"].auto
+    assert bench.twin_of("auto", "train", ops["auto", "train"]) == (
+        ("ell_nosync", "train") if fastest == "ell_graph" else None)
+    assert (auto.inputs() is not None) == (fastest == "ell_graph")
+    bench.read_guard(ops["auto", "train"], "auto train")
+
+
 def test_recorded_case_reads_labels_and_tensors(tmp_path):
     c = bench.iid_case(32, 16, 64, 0.1, seed=4, device="cpu")
     path = save_ffn_layer(tmp_path / "a.safetensors", c.x, c.wg, c.wu, c.wd,
@@ -291,6 +324,8 @@ def test_script_smoke_run_writes_both_csvs(smoke_run):
         assert all(float(row["spread_pct"]) >= 0 for row in rows)
         assert {(row["op"], row["kind"]) for row in rows} >= {("dense", "fwd"), ("torch", "train"),
                                                              ("ell_hot", "train")}
+    # no clock on the CPU: the train auto's choice is the density rule's, printed
+    assert stdout.count("  auto train: ") == 2 and "density rule (no clock)" in stdout
     assert "3 timing rounds" in stdout.splitlines()[0]
     last = stdout.strip().splitlines()[-1].split()
     assert last[0] == "iid" and last[6] == "train" and "±" in last[7]  # the table is printed last
