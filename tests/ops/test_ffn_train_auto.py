@@ -103,6 +103,10 @@ def test_weights_are_read_in_place():
     wd.mul_(0.5)
     wu.add_(0.01)
     check_outputs(op(x, dy), x, wg, wu, wd, dy)
+    op = AutoFFNTrain(wg, wu, wd, l1_coeff=L1, policy=POLICY)  # no clock: the rule's eager op
+    with torch.no_grad():  # the gradients are outputs: computed all the same
+        out = [t.clone() for t in op(x, dy)]
+    check_outputs(out, x, wg, wu, wd, dy)
 
 
 def test_graph_overflow_is_redone_exactly_and_captured_again():

@@ -196,11 +196,12 @@ class AutoFFNTrain:
             TypeError: x or dy not a tensor.
         """
         self._check_inputs(x_ND, dy_ND)
-        if self.choice is not None:
-            return self._steady(self.choice, x_ND, dy_ND, read=self.check_each_call)
-        if self._clock is None:
-            return self._rule_call(x_ND, dy_ND)
-        return self._explore_call(x_ND, dy_ND)
+        with torch.enable_grad():  # the gradients are the op's outputs, under no_grad too
+            if self.choice is not None:
+                return self._steady(self.choice, x_ND, dy_ND, read=self.check_each_call)
+            if self._clock is None:
+                return self._rule_call(x_ND, dy_ND)
+            return self._explore_call(x_ND, dy_ND)
 
     def explore(self, x_ND: torch.Tensor, dy_ND: torch.Tensor, max_calls: int = 1000) -> str:
         """Call the op on ``(x, dy)`` until it has a choice; returns it (the results of those
