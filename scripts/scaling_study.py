@@ -221,6 +221,9 @@ def settings(a) -> StudySettings:
         v = getattr(a, k)
         if v is not None and v < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {v}")
+    if not a.max_wall > 0:  # NaN too: no row would ever be packed into a call
+        raise ValueError(f"--max-wall must be a positive number of seconds (e.g. 540); got "
+                         f"{a.max_wall}")
     if a.depth_series:
         steps = a.steps if a.steps is not None else (SMOKE_DEPTH_STEPS if a.smoke else DEPTH_STEPS)
         if a.smoke:  # sequences of 256 tokens: the seven tasks' first items fit (PIQA: 36)

@@ -565,6 +565,8 @@ def test_cli_plan_and_errors(tmp_path):
                       (["--depth-series", "--l1", "0,3e-4", "--reinit-rows", "38", "--dry-run"],
                        "is not LAYERS:L1"),
                       (["--depth-series", "--l1", "3e-4", "--steps", "0", "--dry-run"], "--steps"),
+                      (["--depth-series", "--l1", "3e-4", "--max-wall", "-1", "--dry-run"],
+                       "--max-wall must be a positive"),
                       (["--depth-series", "--l1", "3e-4", "--dry-run", "data=tokens"],
                        "--eval-tokenizer smollm2")]:
         r = _cli(*args)
