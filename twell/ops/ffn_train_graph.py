@@ -172,7 +172,8 @@ def graphed_ffn_train(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: torc
                       graphs=None) -> GraphedStep:
     """One forward + backward of the no-sync ``sparse_ffn_train`` (loss ``sum(y dy) + dl1 l1``)
     captured in a CUDA graph: a call returns :data:`FFN_OUTPUTS` (y (N, D), dx (N, D), dWg,
-    dWu (H, D), dWd (D, H), l1 and heavy_rows fp32 scalars), static tensors in the op's dtypes.
+    dWu (H, D), dWd (D, H), l1 (fp32; fp64 for fp64 inputs) and heavy_rows
+    (fp32) scalars), static tensors in the op's dtypes.
 
     Args:
         x_ND, dy_ND: (N, D) input and upstream gradient, copied into the static inputs ``x``
@@ -180,7 +181,8 @@ def graphed_ffn_train(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: torc
         w_gate_HD, w_up_HD, w_down_DH: (H, D), (H, D), (D, H) weights, read in place.
         backup_rows: the dense backup's capacity (>= 0; rows: ``min(backup_rows, N - 1)``), e.g.
             ``backup_capacity_for`` of a measured ``stats.heavy_rows``.
-        l1_coeff: dL/dl1, the static input ``dl1`` (fp32 scalar).
+        l1_coeff: dL/dl1, the static input ``dl1`` (a scalar in l1's dtype: fp32, fp64 for
+            fp64 inputs).
         policy: the op's policy (ELL capacity); warmup, graphs: :class:`GraphedStep`'s.
 
     Raises:
@@ -202,7 +204,10 @@ def graphed_ffn_train(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: torc
     # the weights' own storage (detach shares it): an in-place update reaches the next replay
     ws = [w.detach().requires_grad_() for w in (w_gate_HD, w_up_HD, w_down_DH)]
     dy = dy_ND.detach().clone()
-    dl1 = torch.full((), float(l1_coeff), dtype=torch.float32, device=x.device)
+    # in the L1 term's dtype (fp32, fp64 for fp64 inputs): an fp32 buffer would round the
+    # coefficient of an fp64 call (0.3 -> 0.30000001), unlike the eager op
+    dl1 = torch.full((), float(l1_coeff), dtype=torch.promote_types(x.dtype, torch.float32),
+                     device=x.device)
     cap = _backup_capacity(backup_rows, n)
 
     def step():
