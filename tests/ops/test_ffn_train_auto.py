@@ -248,3 +248,27 @@ def test_bad_inputs_raise_one_line_errors():
         AutoFFNTrain(wg, wu, wd, trials=0)
     with pytest.raises(ValueError, match="weights must be"):
         AutoFFNTrain(wg, wu[:, :3], wd)
+
+
+def test_bad_arguments_name_the_field():
+    """Constructor arguments are checked up front (one line naming the field), not swallowed
+    later (a warmup of 0 used to surface as a dropped graph, "capture failed")."""
+    x, wg, wu, wd, dy = inputs()
+    cases = [({"w_up_HD": None}, TypeError, "w_up_HD must be a tensor; got NoneType"),
+             ({"w_gate_HD": "w"}, TypeError, "w_gate_HD must be a tensor; got str"),
+             ({"w_down_DH": wd.int()}, ValueError, "w_down_DH must be floating point"),
+             ({"l1_coeff": None}, ValueError, "l1_coeff must be a finite number"),
+             ({"l1_coeff": float("nan")}, ValueError, "l1_coeff must be a finite number"),
+             ({"warmup": 0}, ValueError, "warmup must be an integer >= 1"),
+             ({"policy": "fast"}, TypeError, "policy must be an FFNPolicy; got str"),
+             ({"trials": -2}, ValueError, "trials must be an integer >= 1; got -2")]
+    for kw, exc, msg in cases:
+        ws = {"w_gate_HD": wg, "w_up_HD": wu, "w_down_DH": wd}
+        ws.update({k: kw.pop(k) for k in list(kw) if k in ws})
+        with pytest.raises(exc, match=msg) as e:
+            AutoFFNTrain(ws["w_gate_HD"], ws["w_up_HD"], ws["w_down_DH"], **kw)
+        assert "\n" not in str(e.value)
+    op = AutoFFNTrain(wg, wu, wd, policy=POLICY, l1_coeff=L1)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        op(x, dy)
+    check_outputs(op(x, dy), x, wg, wu, wd, dy)

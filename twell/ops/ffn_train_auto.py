@@ -70,6 +70,8 @@ overflow like any other heavy row.
 
 from __future__ import annotations
 
+import math
+import numbers
 import statistics
 
 import torch
@@ -140,8 +142,12 @@ class AutoFFNTrain:
         calls: candidate -> calls run as it (measuring and warm-up calls included).
 
     Raises:
-        ValueError: bad weights, hot units or ``trials`` (here); bad inputs, or inputs of
-            another shape, dtype or device than the first call's (at a call).
+        ValueError: bad weights, hot units, ``trials``, ``l1_coeff`` (not a finite number) or
+            ``warmup`` (here); bad inputs, or inputs of another shape, dtype or device than the
+            first call's (at a call).
+        TypeError: a weight not a tensor or ``policy`` not an FFNPolicy (here); x or dy not a
+            tensor (at a call).
+        RuntimeError: a call under ``torch.inference_mode`` (the op's outputs are gradients).
     """
 
     def __init__(self, w_gate_HD: torch.Tensor, w_up_HD: torch.Tensor, w_down_DH: torch.Tensor,
@@ -150,11 +156,25 @@ class AutoFFNTrain:
                  check_each_call: bool = True, graph: bool = True, graphs=None,
                  warmup: int = 2) -> None:
         self.policy = policy if policy is not None else FFNPolicy()
+        if not isinstance(self.policy, FFNPolicy):
+            raise TypeError(f"AutoFFNTrain: policy must be an FFNPolicy; got "
+                            f"{type(self.policy).__name__}")
         trials = self.policy.train_timed_calls if trials is None else trials
         if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
             raise ValueError(f"AutoFFNTrain: trials must be an integer >= 1; got {trials!r}")
         if w_gate_HD is None:
             raise ValueError("AutoFFNTrain: needs w_gate_HD (the gated FFN)")
+        for name, w in (("w_gate_HD", w_gate_HD), ("w_up_HD", w_up_HD), ("w_down_DH", w_down_DH)):
+            if not isinstance(w, torch.Tensor):
+                raise TypeError(f"AutoFFNTrain: {name} must be a tensor; got {type(w).__name__}")
+            if not w.is_floating_point():
+                raise ValueError(f"AutoFFNTrain: {name} must be floating point; got {w.dtype}")
+        if (not isinstance(l1_coeff, numbers.Real) or isinstance(l1_coeff, bool)
+                or not math.isfinite(l1_coeff)):
+            raise ValueError(f"AutoFFNTrain: l1_coeff must be a finite number; got {l1_coeff!r}")
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
+            raise ValueError(f"AutoFFNTrain: warmup must be an integer >= 1 (the graph's eager "
+                             f"calls before its capture); got {warmup!r}")
         probe = w_gate_HD.new_empty((0, w_gate_HD.shape[-1]))  # the weights' checks, no x yet
         check_train_args(probe, w_gate_HD, w_up_HD, w_down_DH, "auto", "AutoFFNTrain")
         hot = check_hot_units(hot_units, w_gate_HD.shape[0], w_gate_HD.device, "AutoFFNTrain")
@@ -194,7 +214,12 @@ class AutoFFNTrain:
             ValueError: x not (N, D) floating on the weights' device, N = 0, dy not x's shape,
                 device and dtype, or a shape / dtype / device other than the first call's.
             TypeError: x or dy not a tensor.
+            RuntimeError: under ``torch.inference_mode``.
         """
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError("AutoFFNTrain: called under torch.inference_mode, where no "
+                               "gradient can be computed (its outputs are gradients); use "
+                               "torch.no_grad or neither")
         self._check_inputs(x_ND, dy_ND)
         with torch.enable_grad():  # the gradients are the op's outputs, under no_grad too
             if self.choice is not None:
@@ -278,7 +303,7 @@ class AutoFFNTrain:
             n0, t0, d0 = self._sig[:3]
             raise ValueError(f"AutoFFNTrain: x is {tuple(x.shape)} {x.dtype} on {x.device} "
                              f"(dy {tuple(dy.shape)} {dy.dtype}); its first call was "
-                             f"{tuple(n0)} {t0} on {d0} (dy {self._sig[4]}): its timings, "
+                             f"{tuple(n0)} {t0} on {d0} (dy {tuple(self._sig[3])} {self._sig[4]}): its timings, "
                              "capacities and graph are for that shape; use one AutoFFNTrain "
                              "per shape")
         check_train_args(x, *self._ws, "auto", "AutoFFNTrain")
