@@ -37,7 +37,7 @@ exploration returns that call's exact results (its guard is read, below).
 
 No clock (a CPU tensor without ``clock``, or ``policy.train_measure`` off): nothing is timed; the
 first call is a measuring call (with the hot set when given) whose density (L0 / H) and
-heavy-row fraction pick the path by :meth:`twell.policy.FFNPolicy.train_path`: ``dense``, else
+heavy-row fraction (of that call: the cold units' with a hot set) pick the path by :meth:`twell.policy.FFNPolicy.train_path`: ``dense``, else
 ``ell_hot`` when hot units are given and the density is at least ``policy.hot_min_density``,
 else ``ell_nosync`` (the recorded-layer benchmark's former rule).
 
@@ -111,10 +111,11 @@ class AutoFFNTrain:
     candidates, the exploration, the capacity guard).
 
     A call ``op(x, dy)`` returns :data:`FFN_OUTPUTS`: y (N, D) in the compute dtype, the gradients
-    of ``sum(y * dy) + l1_coeff * l1`` with respect to x (N, D), Wg, Wu (H, D) and Wd (D, H) (in
-    the weights' dtypes), the L1 term l1 (mean over tokens of sum_j |h_nj|; fp32 scalar, fp64
-    for fp64 inputs) and heavy_rows (tokens with more active units than the ELL capacity; with
-    hot units, active cold units; fp32 scalar). Nothing accumulates into ``.grad``. The outputs
+    of ``sum(y * dy) + l1_coeff * l1`` with respect to x (N, D; in the compute dtype), Wg, Wu
+    (H, D) and Wd (D, H) (in the weights' dtypes), the L1 term l1 (mean over tokens of
+    sum_j |h_nj|; fp32 scalar, fp64 for fp64 inputs) and heavy_rows (tokens with more active
+    units than the ELL capacity, as the candidate that ran counts them: ``ell_hot`` counts the
+    cold units only; fp32 scalar). Nothing accumulates into ``.grad``. The outputs
     may be the graph's static tensors, overwritten by the next call: clone what must outlive it.
 
     Args:
