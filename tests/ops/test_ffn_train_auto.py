@@ -11,12 +11,12 @@ width.
 import pytest
 import torch
 
+from tests.train_utils import FakeClock
 from twell.ops.ffn_train_auto import CANDIDATES, AutoFFNTrain, CapacityOverflow
 from twell.ops.hot_units import hot_units_from_counts
 from twell.policy import FFNPolicy
 
 from .train_cases import (
-    FakeClock,
     FakeGraphs,
     assert_close,
     make_inputs,
@@ -82,13 +82,13 @@ def test_picks_the_fastest_by_the_clock_and_drops_each_first_call(fastest):
     # dense: 1 dropped + 3; ell_nosync / ell_hot: measuring + 1 dropped + 3; ell_graph: its
     # capture (capacity from ell_nosync's measuring call) + 3
     assert op.calls == {"dense": 4, "ell_nosync": 5, "ell_hot": 5, "ell_graph": 4} and n == 18
-    assert sorted(clock.started) == sorted(c for c in CANDIDATES for _ in range(3))
+    assert sorted(clock.keys) == sorted(c for c in CANDIDATES for _ in range(3))
     assert graphs.captures == 1
     assert (op.inputs() is not None) == (fastest == "ell_graph")  # a graph not chosen: released
-    timed = len(clock.started)
+    timed = len(clock.keys)
     for _ in range(2):
         check_outputs(op(x, dy), x, wg, wu, wd, dy)
-    assert len(clock.started) == timed  # nothing timed after the choice
+    assert len(clock.keys) == timed  # nothing timed after the choice
     assert op.calls[fastest] == (5 if fastest in ("ell_nosync", "ell_hot") else 4)  # not counted
     assert op.summary().startswith(f"{fastest} (median ms: dense {ms['dense']:.3f}, ell_nosync")
 
@@ -221,7 +221,7 @@ def test_rule_choices(policy, hot, want):
     op = AutoFFNTrain(wg, wu, wd, hot_units=torch.arange(4) if hot else None, l1_coeff=L1,
                       policy=policy, clock=clock if not policy.train_measure else None)
     check_outputs(op(x, dy), x, wg, wu, wd, dy)
-    assert op.choice == want and clock.started == []
+    assert op.choice == want and clock.keys == []
     check_outputs(op(x, dy), x, wg, wu, wd, dy)
 
 

@@ -148,20 +148,3 @@ class FakeGraphs:
                     o.copy_(n)
         return replay, out
 
-
-class FakeClock:
-    """A stand-in for ``twell.ops.ffn_train_auto.SyncedEventTimer``: ``ms[name]`` for every
-    timed call of candidate ``name``, landed at once; records what was timed, in order."""
-
-    def __init__(self, ms):
-        self.ms, self.started = dict(ms), []
-
-    def start(self, name):
-        self.started.append(name)
-        return name
-
-    def stop(self, token):
-        return token
-
-    def poll(self, handle):
-        return self.ms[handle]

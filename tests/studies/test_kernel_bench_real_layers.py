@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from studies.kernel_bench import real_layers as bench
-from tests.ops.train_cases import FakeClock, FakeGraphs
+from tests.ops.train_cases import FakeGraphs
+from tests.train_utils import FakeClock
 from twell.nn.record import save_ffn_layer
 from twell.policy import FFNPolicy
 from twell.stats import default_ell_capacity
@@ -256,7 +257,7 @@ def test_auto_train_explores_before_the_check_and_runs_its_choice(fake_graphs, m
     rows = {(r["op"], r["kind"]): r
             for r in bench.run_case(c, FFNPolicy(), lambda fn: 1.0, kinds=("train",))}
     assert rows["auto", "train"]["within_bound"]
-    assert len(clock.started) == 12 and graphs.captures == 1  # 3 timed calls each, 1 capture
+    assert len(clock.keys) == 12 and graphs.captures == 1  # 3 timed calls each, 1 capture
     out = capsys.readouterr().out
     assert (f"  auto train: {fastest} (median ms: dense 4.000, ell_nosync 3.000, ell_hot "
             f"{ms['ell_hot']:.3f}, ell_graph {ms['ell_graph']:.3f})\n") in out
