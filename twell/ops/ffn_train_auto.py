@@ -3,6 +3,10 @@ in a loop: time each variant on the caller's own calls, then run the fastest.
 
 Shape legend: N tokens, D model width, H FFN width, k hot units.
 
+Source: the candidates compute the gated ReLU FFN and L1 term of arXiv 2603.23198 ("The L1
+regularizer"; the hybrid ELL + dense-backup training of "Hybrid (training)"); the measured choice
+among them is ours.
+
 Why measured: which variant is fastest depends on the card, the layer's shape and activations
 and on how busy the host is, and no density rule orders them. In the recorded-layer benchmark
 (BENCHMARKS.md, "Outcome: the training ops on the 2B layers", H100) the ungraphed ELL ops are
@@ -92,7 +96,8 @@ UNCHECKED_FOLD = 64  # heavy-row counts kept per candidate between checks before
 class SyncedEventTimer(CudaEventTimer):
     """:class:`twell.ops.auto.CudaEventTimer` that waits for the current stream before a timed
     call starts (the call's time is then its own, not hidden behind queued work) and can wait
-    for a timed call's end (:meth:`wait`). The clock interface of :class:`AutoFFNTrain`."""
+    for a timed call's end (:meth:`wait`). The clock interface of :class:`AutoFFNTrain`; times
+    in milliseconds (CUDA events). CUDA only (``torch.cuda`` raises without a device)."""
 
     def start(self, path: str):
         """Wait for the current stream, then record a start event."""
