@@ -407,8 +407,7 @@ def baseline_costs_s(run: SizeRun, b: Budget) -> list[float]:
     timed in the same configuration, one that does not fit, or on the CPU).
     :func:`default_row`, which runs before them, skips itself when it and these would not all
     fit the deadline but a baseline alone would: every ratio is taken against the best dense
-    row, so a deadline drops the ``default`` row (a check of the planner) before a baseline
-    (2026-12-06: ``--deadline 310`` dropped ``liger`` at 2B)."""
+    row, so a deadline drops the ``default`` row (a check of the planner) before a baseline."""
     if run.device.type != "cuda":
         return []
     scale = run.n_params / 1.5e9
