@@ -208,14 +208,8 @@ def _auto_closure(case: Case, policy: FFNPolicy) -> Callable[[], list[torch.Tens
         run.stats["l1"] = out[5]
         return list(out[:5])
 
-    def explore(max_calls: int = 1000):  # AutoFFNTrain.explore's bound, through run's inputs
-        for _ in range(max_calls):
-            if auto.choice is not None:
-                return
-            run()
-        if auto.choice is None:
-            raise RuntimeError(f"auto train: no choice after {max_calls} calls (timings "
-                               f"landed: { {k: len(v) for k, v in auto.timings.items()} })")
+    def explore(max_calls: int = 1000):
+        auto.explore(case.x, case.dy, max_calls)
     run.stats, run.check, run.explore, run.auto = {}, auto.check, explore, auto
     return run
 

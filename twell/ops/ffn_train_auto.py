@@ -236,7 +236,9 @@ class AutoFFNTrain:
 
     def explore(self, x_ND: torch.Tensor, dy_ND: torch.Tensor, max_calls: int = 1000) -> str:
         """Call the op on ``(x, dy)`` until it has a choice; returns it (the results of those
-        calls are dropped).
+        calls are dropped). While ``ell_graph`` is captured each call passes the graph's own
+        input buffers (:meth:`inputs`, which hold this x and dy), so it copies nothing, as the
+        steady calls of a caller that fills those buffers do not.
 
         Raises:
             RuntimeError: no choice after ``max_calls`` calls (a clock whose times never land).
@@ -244,7 +246,7 @@ class AutoFFNTrain:
         for _ in range(max_calls):
             if self.choice is not None:
                 return self.choice
-            self(x_ND, dy_ND)
+            self(*(self.inputs() or (x_ND, dy_ND)))
         if self.choice is None:
             raise RuntimeError(f"AutoFFNTrain: no choice after {max_calls} calls (timings "
                                f"landed: { {k: len(v) for k, v in self.timings.items()} })")
@@ -411,25 +413,26 @@ class AutoFFNTrain:
         if name == "dense":
             return self._eager(dense_ffn_train, x, dy, with_stats=True,
                                ell_capacity=self.policy.ell_capacity), True
-        if not self._ready(name) and (name != "ell_graph" or "ell_graph" in self._remeasure
-                                      or "ell_graph" not in self._caps):
-            return self._measure(name, x, dy), False
         if name != "ell_graph":
+            if not self._ready(name):
+                return self._measure(name, x, dy), False
             return self._nosync(name, x, dy, self._caps[name]), True
-        if self._graph is None:
-            try:
-                self._graph = graphed_ffn_train(
-                    x, *self._ws, dy, backup_rows=self._caps["ell_graph"],
-                    l1_coeff=self.l1_coeff, policy=self.policy, warmup=self._warmup,
-                    graphs=self._graphs)
-            except CapacityOverflow:  # these inputs have more heavy rows: measure again
-                return self._measure("ell_graph", x, dy), False
-            except Exception as e:  # noqa: BLE001 (a capture that fails drops the candidate)
-                self._drop("ell_graph", f"capture failed: {type(e).__name__}: {str(e)[:160]}")
-                return self._measure("ell_nosync", x, dy), False
-            # exact: the build's warm-up calls passed the guard on these inputs
-            return self._graph(x=x, dy=dy), False
-        return self._graph(x=x, dy=dy), True
+        if self._graph is not None:
+            return self._graph(x=x, dy=dy), True
+        if "ell_graph" in self._remeasure or "ell_graph" not in self._caps:
+            return self._measure("ell_graph", x, dy), False
+        try:
+            self._graph = graphed_ffn_train(
+                x, *self._ws, dy, backup_rows=self._caps["ell_graph"],
+                l1_coeff=self.l1_coeff, policy=self.policy, warmup=self._warmup,
+                graphs=self._graphs)
+        except CapacityOverflow:  # these inputs have more heavy rows: measure again
+            return self._measure("ell_graph", x, dy), False
+        except Exception as e:  # noqa: BLE001 (a capture that fails drops the candidate)
+            self._drop("ell_graph", f"capture failed: {type(e).__name__}: {str(e)[:160]}")
+            return self._measure("ell_nosync", x, dy), False
+        # exact, not steady: the build's warm-up calls passed the guard on these inputs
+        return self._graph(x=x, dy=dy), False
 
     def _overflowed(self, name, out, n) -> bool:
         """Read ``name``'s guard for the call that returned ``out`` (one host sync)."""
