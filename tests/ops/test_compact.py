@@ -51,6 +51,24 @@ def test_compact_heavy_bookkeeping_matches_torch():
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_compact_activity_by_value_in_every_dtype(dtype):
+    """Active = not (g <= 0), by value in every dtype: hand-counted rows of negatives, -0.0, +0.0,
+    tiny positives and NaN. Triton's interpreter compares bf16 by its bits (every negative and
+    -0.0 active); the kernel compares in fp32, so the CPU tests see the GPU's counts."""
+    nan = float("nan")
+    rows = [[-1.0, -0.0, 0.0, 2.0, -3.5, 1e-3, nan, -1e-3],  # active: 2.0, 1e-3, NaN
+            [-0.0] * 8,  # none
+            [0.5, -0.5, 0.25, -0.25, 0.0, 4.0, -4.0, 8.0]]  # 0.5, 0.25, 4.0, 8.0
+    g = torch.tensor(rows, dtype=dtype, device=DEV)
+    col, val, nnz, cnt = triton_backend().compact(g, 8)
+    assert nnz.tolist() == [3, 0, 4]
+    assert cnt.tolist() == [1, 0, 1, 1, 0, 2, 1, 1]
+    assert col[0, :3].tolist() == [3, 5, 6] and col[2, :4].tolist() == [0, 2, 5, 7]
+    assert torch.equal(val[2, :4].float().cpu(), torch.tensor([0.5, 0.25, 4.0, 8.0]))
+
+
+@needs_triton
 def test_compact_refuses_bad_capacity_and_dtype():
     """kc must be an int >= 1 (kc=0 returned (N, 0) outputs, kc=-3 a bare RuntimeError) and g
     fp16 / bf16 / fp32 (int32 was accepted): each a one-line ValueError naming the argument."""
