@@ -211,6 +211,8 @@ def _with_hot_stats(out, hot, add):
 
 def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backend: str,
               backup_rows: int = -1, hot=None):
+    """``twell::ffn_train_fwd`` (its docstring lists the outputs): gate GEMM and compaction,
+    then the no-sync mode (``_fwd_nosync``) or the measuring mode (one host sync reads R)."""
     be = pick_backend(x, backend)
     # Wg, Wu in the compute dtype for this call only (module docstring, "Saved for backward")
     wg, wu = wg.to(x.dtype), wu.to(x.dtype)
@@ -231,27 +233,8 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         out = _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_eff,
                           wdt, _backup_capacity(backup_rows, n), n_heavy_out)
         return _with_hot_stats(out, hot, _hot_out(out[0], wdt, hot, fwd_S)) + _saved_S(x, fwd_S)
-    # The one host sync of the call reads R, the number of heavy rows (it sizes the backup). On
-    # CUDA it waits on an event recorded right after the compaction, not on the whole stream,
-    # with the SDDMM, SpMM and CSC sort (which need no host value) queued before it, so the GPU
-    # stays busy while the host reads R (a sync before them left ~0.2 ms idle on the H200).
-    early = x.is_cuda
-    csc = None
-    if early:
-        r_host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-        r_host.copy_(n_heavy, non_blocking=True)
-        r_ready = torch.cuda.Event()
-        r_ready.record()
-        y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)  # discarded if all rows go dense
-        # the CSC order too, before the wait: the host has almost nothing left to launch after
-        # it (1.86x vs 1.62x queued after the wait, 0.3 %, H200)
-        csc = csc_order(col, nnz_eff, kc, h)
-        fwd_S = _hot_fwd(be, x, wu, g_S, hot)  # and the hot slice's GEMM
-        r_ready.synchronize()
-        r = int(r_host[0])
-    else:
-        fwd_S = _hot_fwd(be, x, wu, g_S, hot)
-        r = int(n_heavy[0])
+    r, y, u, l1_N, csc, fwd_S = _sync_heavy_count(be, x, wu, wdt, g_S, hot, col, gv, nnz_eff,
+                                                  n_heavy, kc, h)
     all_dense = r > dense_row_fraction * n
     if all_dense:
         r = n
@@ -261,11 +244,9 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         # keep the op's outputs deterministic (opcheck's eager-vs-AOT comparison)
         l1_light = torch.zeros((), dtype=acc, device=x.device)
         if csc is None:  # never read either (the backward returns before the dW kernel)
-            csc = (torch.zeros((n * kc,), dtype=torch.int32, device=x.device),
-                   torch.zeros((h + 1,), dtype=torch.int64, device=x.device),
-                   torch.arange(h, device=x.device))
+            csc = _placeholder_csc(n, kc, h, x.device)
     else:
-        if not early:
+        if y is None:  # not queued before the sync (off CUDA)
             y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)
         if csc is None:
             csc = csc_order(col, nnz_eff, kc, h)
@@ -274,15 +255,13 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         l1_light = l1_N.sum(dtype=acc)
     perm, colptr, order = csc
     if r > 0:
+        # gathered here, not in a callee: only this frame's del frees g_NH before the GEMMs
         if all_dense:
             g_R, x_R = g_NH, x
         else:
             g_R, x_R = g_NH[heavy_idx], x[heavy_idx]
         del g_NH
-        u_R = torch.matmul(x_R, wu.t())
-        h_R, l1_heavy = be.backup_fwd(g_R, u_R)  # g_R <- relu(g_R) in place
-        y_R = torch.matmul(h_R, wdt)
-        del h_R
+        u_R, y_R, l1_heavy = _dense_backup_fwd(be, x_R, g_R, wu, wdt)
         if all_dense:
             y = y_R
         else:
@@ -295,6 +274,55 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     out = (y, l1, nnz_N, counts_H, n_heavy_out, nnz_eff, col, gv, u, heavy_idx, g_R, u_R, perm,
            colptr, order)
     return _with_hot_stats(out, hot, _hot_out(y, wdt, hot, fwd_S)) + _saved_S(x, fwd_S)
+
+
+def _sync_heavy_count(be, x, wu, wdt, g_S, hot, col, gv, nnz_eff, n_heavy, kc: int, h: int):
+    """The measuring mode's one host sync: reads R, the number of heavy rows (device (1,)
+    int32 ``n_heavy``), which sizes the dense backup.
+
+    Returns:
+        (R (int), y (N, D), u (N, KC), l1_N (N,), the CSC order ``(perm, colptr, order)``, the
+        hot units' forward (``_hot_fwd``)). On CUDA y, u and l1_N are the light rows' SDDMM and
+        SpMM (``_ell_fwd``) and the CSC order ``csc_order``'s, all queued before the wait;
+        elsewhere those four are None (the caller computes them once R is known).
+    """
+    # On CUDA the sync waits on an event recorded right after the compaction, not on the
+    # whole stream, with the SDDMM, SpMM and CSC sort (which need no host value) queued before
+    # it, so the GPU stays busy while the host reads R (a sync before them left ~0.2 ms idle on
+    # the H200).
+    if not x.is_cuda:
+        fwd_S = _hot_fwd(be, x, wu, g_S, hot)
+        return int(n_heavy[0]), None, None, None, None, fwd_S
+    r_host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+    r_host.copy_(n_heavy, non_blocking=True)
+    r_ready = torch.cuda.Event()
+    r_ready.record()
+    y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)  # discarded if all rows go dense
+    # the CSC order too, before the wait: the host has almost nothing left to launch after
+    # it (1.86x vs 1.62x queued after the wait, 0.3 %, H200)
+    csc = csc_order(col, nnz_eff, kc, h)
+    fwd_S = _hot_fwd(be, x, wu, g_S, hot)  # and the hot slice's GEMM
+    r_ready.synchronize()
+    return int(r_host[0]), y, u, l1_N, csc, fwd_S
+
+
+def _placeholder_csc(n: int, kc: int, h: int, device: torch.device):
+    """A stand-in of ``csc_order``'s shapes and dtypes (perm (N*KC,) int32 zeros, colptr (H+1,)
+    int64 zeros, order (H,) int64 0..H-1) for the all-dense forward off CUDA, where the CSC
+    order is not built before the sync."""
+    return (torch.zeros((n * kc,), dtype=torch.int32, device=device),
+            torch.zeros((h + 1,), dtype=torch.int64, device=device),
+            torch.arange(h, device=device))
+
+
+def _dense_backup_fwd(be, x_R, g_R, wu, wdt):
+    """The dense backup's forward over its R rows: u_R = x_R Wu^T and y_R = h_R Wd^T (dense
+    GEMMs, ``wdt`` the (H, D) rows), h_R = relu(g_R) u_R (``be.backup_fwd``, which relus g_R
+    (R, H) in place: saved so). Returns u_R (R, H), y_R (R, D) and sum |h_R| (a scalar,
+    accumulated in fp32 or wider)."""
+    u_R = torch.matmul(x_R, wu.t())
+    h_R, l1_heavy = be.backup_fwd(g_R, u_R)  # g_R <- relu(g_R) in place
+    return u_R, torch.matmul(h_R, wdt), l1_heavy
 
 
 def _saved_S(x, fwd_S):
