@@ -610,6 +610,37 @@ def sparse_ffn_train(
         ValueError: a shape, dtype, device or option mismatch (the message names it).
     """
     check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend, "sparse_ffn_train")
+    ell_capacity, dense_row_fraction = _train_options(policy, ell_capacity, dense_row_fraction,
+                                                      backup_rows, with_stats)
+    hot = check_hot_units(hot_units, w_gate_HD.shape[0], x_ND.device, "sparse_ffn_train")
+    # The weights are passed as they are (the fp32 masters under autocast): the forward and the
+    # backward each make their compute-dtype copies, so the saved state holds none (Wd: 0.88 GB
+    # less at 2B, micro-batch 8; Wg and Wu twice that; BENCHMARKS.md)
+    x, wg, wu, wd = cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, cast_weights=False)
+    n = x.shape[0]
+    _check_int32_slots(n, ell_capacity or default_ell_capacity(wg.shape[0]))
+    if n == 0:
+        from twell.ops.reference import gated_ffn_torch
+
+        return gated_ffn_torch(x, wg.to(x.dtype), wu.to(x.dtype), wd.to(x.dtype),
+                               with_stats=with_stats, ell_capacity=ell_capacity)
+    args = (x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend,
+            int(backup_rows))
+    out = _ffn_train_fwd(*args) if hot is None else _ffn_train_fwd(*args, hot)
+    return out[0], (_train_stats(out) if with_stats else None)
+
+
+def _train_options(policy: FFNPolicy | None, ell_capacity: int | None,
+                   dense_row_fraction: float | None, backup_rows: int,
+                   with_stats: bool) -> tuple[int, float]:
+    """``sparse_ffn_train``'s ELL capacity KC (0 = the default for H) and dense-row fraction:
+    the arguments, or the policy's where None (``FFNPolicy()``'s without a policy), checked
+    together with ``backup_rows``.
+
+    Raises:
+        ValueError: backup_rows < -1, backup_rows >= 0 with ``with_stats=False``, ell_capacity
+            < 0 or dense_row_fraction outside [0, 1].
+    """
     policy = policy if policy is not None else FFNPolicy()
     ell_capacity = policy.ell_capacity if ell_capacity is None else ell_capacity
     if dense_row_fraction is None:
@@ -625,25 +656,15 @@ def sparse_ffn_train(
             f"ell_capacity must be >= 0 (0 = default) and dense_row_fraction in [0, 1]; got "
             f"{ell_capacity}, {dense_row_fraction}"
         )
-    hot = check_hot_units(hot_units, w_gate_HD.shape[0], x_ND.device, "sparse_ffn_train")
-    # The weights are passed as they are (the fp32 masters under autocast): the forward and the
-    # backward each make their compute-dtype copies, so the saved state holds none (Wd: 0.88 GB
-    # less at 2B, micro-batch 8; Wg and Wu twice that; BENCHMARKS.md)
-    x, wg, wu, wd = cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, cast_weights=False)
-    n = x.shape[0]
-    kc = ell_capacity or default_ell_capacity(wg.shape[0])
-    if n * kc >= 2**31:  # the CSC order's flat slot indices are int32
+    return ell_capacity, dense_row_fraction
+
+
+def _check_int32_slots(n: int, kc: int) -> None:
+    """Raise ValueError unless N * KC < 2^31: the CSC order's flat ELL slot indices
+    (``csc_order``'s perm) are int32."""
+    if n * kc >= 2**31:
         raise ValueError(f"sparse_ffn_train: N x ELL capacity = {n} x {kc} must be below 2^31 "
                          "(int32 slot indices); pass fewer rows per call or a smaller ell_capacity")
-    if n == 0:
-        from twell.ops.reference import gated_ffn_torch
-
-        return gated_ffn_torch(x, wg.to(x.dtype), wu.to(x.dtype), wd.to(x.dtype),
-                               with_stats=with_stats, ell_capacity=ell_capacity)
-    args = (x, wg, wu, wd, int(ell_capacity), float(dense_row_fraction), backend,
-            int(backup_rows))
-    out = _ffn_train_fwd(*args) if hot is None else _ffn_train_fwd(*args, hot)
-    return out[0], (_train_stats(out) if with_stats else None)
 
 
 def _train_stats(out) -> FFNStats:
