@@ -365,6 +365,35 @@ def test_nosync_without_heavy_rows_and_with_too_small_a_capacity(backend, dtype,
     assert bad_rows == 2
 
 
+@pytest.mark.parametrize("backup_rows", [0, 20])
+def test_nosync_gate_is_freed_before_the_ell_forward(monkeypatch, backup_rows):
+    """In the no-sync mode the (N, H) gate pre-activation is no longer alive when the ELL
+    forward (SDDMM + SpMM) runs: it would add N x H to the layer's peak beside u and y. Counted
+    by the live tensors of shape (N, H) (N = 37, H = 300 match no other tensor of the call)."""
+    import gc
+
+    x, wg, wu, wd, _ = make_inputs(37, 24, 300, threshold=1.5, seed=21)
+    live = []
+    ell_fwd = ffn_train._ell_fwd
+
+    def is_gate(o):
+        try:
+            return isinstance(o, torch.Tensor) and tuple(o.shape) == (37, 300)
+        except Exception:  # noqa: BLE001 (other tests' fake tensors with unbacked sizes)
+            return False
+
+    def counting(*args):
+        gc.collect()
+        live.append(sum(1 for o in gc.get_objects() if is_gate(o)))
+        return ell_fwd(*args)
+
+    monkeypatch.setattr(ffn_train, "_ell_fwd", counting)
+    _, st = sparse_ffn_train(x.float(), wg.float(), wu.float(), wd.float(), ell_capacity=20,
+                             backend="torch", backup_rows=backup_rows)
+    assert live == [0]
+    assert st.heavy_rows.item() == 15  # heavy rows: with 20 the backup gathered them all
+
+
 @needs_triton
 def test_nosync_triton_adds_rows_without_index_add(monkeypatch):
     """On the Triton backend the no-sync call adds its dense-backup rows into y and dx, and the

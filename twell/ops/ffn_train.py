@@ -230,8 +230,12 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     n_heavy_out = n_heavy.clone()  # an output: must not alias counts_H (one buffer in Triton)
     if backup_rows >= 0:
         fwd_S = _hot_fwd(be, x, wu, g_S, hot)
-        out = _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_eff,
-                          wdt, _backup_capacity(backup_rows, n), n_heavy_out)
+        # the backup's gates gathered before the ELL forward, and g_NH dropped in this frame
+        # (a callee's del would not free it): the N x H gate is not alive beside u and y
+        backup = _gather_backup(g_NH, nnz_N, kc, _backup_capacity(backup_rows, n))
+        del g_NH
+        out = _fwd_nosync(be, x, wu, kc, acc, col, gv, nnz_N, counts_H, nnz_eff, wdt, backup,
+                          n_heavy_out)
         return _with_hot_stats(out, hot, _hot_out(out[0], wdt, hot, fwd_S)) + _saved_S(x, fwd_S)
     r, y, u, l1_N, csc, fwd_S = _sync_heavy_count(be, x, wu, wdt, g_S, hot, col, gv, nnz_eff,
                                                   n_heavy, kc, h)
@@ -332,26 +336,31 @@ def _saved_S(x, fwd_S):
     return fwd_S[0], fwd_S[1]
 
 
-def _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_eff, wdt, r_cap,
-                n_heavy):
-    """The forward with no host synchronisation: the dense backup has ``r_cap`` rows, chosen by
-    the caller from earlier measurements. The heavy rows fill it in row order; its unused slots
-    keep the index N in the returned (saved) ``heavy_idx``, which the row scatters
-    (``be.add_rows``) skip in y and, in backward, dx; clamped to N - 1 for the gathers, they
-    get a zero gate, so they add exact zeros to l1 and the weight gradients. Heavy rows beyond
-    ``r_cap`` would be wrong (their ELL part is empty): the caller must compare
-    ``FFNStats.heavy_rows`` (or the returned count) with ``r_cap`` before using the step, and
-    redo it in the measuring mode."""
+def _gather_backup(g_NH, nnz_N, kc: int, r_cap: int):
+    """The no-sync dense backup's rows: (heavy_idx (r_cap,) int64, rows, g_R (r_cap, H)). The
+    heavy rows fill it in row order; its unused slots keep the index N in ``heavy_idx`` (saved),
+    which the row scatters (``be.add_rows``) skip in y and, in backward, dx; ``rows`` is
+    ``heavy_idx`` clamped to N - 1 for the gathers, where those slots get a zero gate, so they
+    add exact zeros to l1 and the weight gradients. r_cap = 0: no backup (rows None)."""
     n, h = g_NH.shape
+    if r_cap == 0:
+        return torch.empty((0,), dtype=torch.int64, device=g_NH.device), None, g_NH.new_empty((0, h))
+    heavy_idx = torch.nonzero_static(nnz_N > kc, size=r_cap, fill_value=n).reshape(-1)
+    rows = heavy_idx.clamp(max=n - 1)
+    return heavy_idx, rows, torch.where((heavy_idx < n)[:, None], g_NH[rows], 0)
+
+
+def _fwd_nosync(be, x, wu, kc, acc, col, gv, nnz_N, counts_H, nnz_eff, wdt, backup, n_heavy):
+    """The forward with no host synchronisation: the dense backup (``_gather_backup``) has the
+    capacity the caller chose from earlier measurements. Heavy rows beyond it would be wrong
+    (their ELL part is empty): the caller must compare ``FFNStats.heavy_rows`` (or the returned
+    count) with the capacity before using the step, and redo it in the measuring mode."""
+    heavy_idx, rows, g_R = backup
+    n, h = x.shape[0], g_R.shape[1]
     y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)
     perm, colptr, order = csc_order(col, nnz_eff, kc, h)
     l1 = l1_N.sum(dtype=acc)
-    if r_cap > 0:
-        # distinct heavy rows in row order, then N in the unused slots
-        heavy_idx = torch.nonzero_static(nnz_N > kc, size=r_cap, fill_value=n).reshape(-1)
-        rows = heavy_idx.clamp(max=n - 1)  # for the gathers
-        g_R = torch.where((heavy_idx < n)[:, None], g_NH[rows], 0)
-        del g_NH
+    if rows is not None:
         u_R = torch.matmul(x[rows], wu.t())
         h_R, l1_heavy = be.backup_fwd(g_R, u_R)  # g_R <- relu(g_R) in place
         # heavy rows have an empty ELL part (y = 0 there): y + y_R, rounded once; unused slots
@@ -360,9 +369,7 @@ def _fwd_nosync(be, x, wg, wu, wd, kc, acc, g_NH, col, gv, nnz_N, counts_H, nnz_
         del h_R
         l1 = l1 + l1_heavy
     else:
-        del g_NH
-        heavy_idx = torch.empty((0,), dtype=torch.int64, device=x.device)
-        g_R, u_R = x.new_empty((0, h)), x.new_empty((0, h))
+        u_R = x.new_empty((0, h))
     return (y, l1 / max(n, 1), nnz_N, counts_H, n_heavy, nnz_eff, col, gv, u, heavy_idx, g_R,
             u_R, perm, colptr, order)
 
