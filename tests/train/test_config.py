@@ -488,6 +488,43 @@ def test_compose_is_the_clis_composition():
         _one_line(e)
 
 
+def test_compose_names_what_is_wrong_with_a_hydra_override_and_the_fix():
+    """Hydra's own errors come out as the CLI's line (train.main.hydra_error_line): the value
+    and its key, a group's options; not the bare "Error merging override" first line."""
+    from train.config import compose as train_compose
+
+    for over, want in [
+            ("trainer.max_steps=x",
+             ("trainer.max_steps=x: Value 'x' of type 'str' could not be converted to Integer; "
+              "give trainer.max_steps a value of its type (twell-train --help shows each key's "
+              "value).")),
+            ("trainer.compile_scope",
+             "override 'trainer.compile_scope' has no '=': write trainer.compile_scope=<value>."),
+            ("model=nosuch",
+             ("model=nosuch: no such option of the config group model; its options: 0p5b, 1b, "
+              "1p5b, 2b, depth_w512, pretrained, small_l12, small_l2, small_l4, small_l8, "
+              "tiny."))]:
+        with pytest.raises(ConfigError) as e:
+            train_compose([over])
+        assert str(e.value) == want
+
+
+def test_composer_composes_many_configs_as_compose_does():
+    """train.config.composer: one Hydra context for many override lists; each config equals
+    compose's, and an error of one list leaves the next to compose."""
+    from train.config import compose as train_compose
+    from train.config import composer
+
+    lists = [["model=small_l4", "trainer.max_steps=20"], ["sparsity.l1_coeff=0.5"]]
+    with composer() as c:
+        got = [c(lists[0])]
+        with pytest.raises(ConfigError, match="unknown key trainer.speed"):
+            c(["+trainer.speed=3"])
+        got.append(c(lists[1]))
+    assert got == [train_compose(o) for o in lists]
+    assert (got[0].trainer.max_steps, got[1].sparsity.l1_coeff) == (20, 0.5)
+
+
 def test_min_lr_ratio_above_one_is_refused_and_one_is_a_flat_end():
     """optim.min_lr_ratio is the cosine's end as a fraction of the peak: 2 would make the
     "decay" climb to twice optim.lr (refused in one line); 1 keeps the peak (hand value)."""
