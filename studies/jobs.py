@@ -13,6 +13,10 @@ directory holds a checkpoint continues from it when started again (``trainer.res
 study runs in pieces of any length: call the script again and the stopped rows go on, the done
 ones are skipped by the caller (:func:`run_finished`).
 
+Before a study starts its jobs, :func:`check_train_overrides` composes each row's training config
+with the command line's overrides, so a bad override is one line at the start (a dry run too),
+not a failed job per row on the device.
+
 Jobs start in list order, at most ``parallel`` at a time (several small runs can share one GPU).
 While they run, a line per ``progress_every`` seconds shows each job's last logged step, CE, L0
 and tokens/s (read from its ``metrics.jsonl``).
@@ -88,6 +92,81 @@ def train_command(overrides: list[str], run_dir: Path, *, python: str | None = N
         if o.split("=", 1)[0].lstrip("+~") == "hydra.run.dir":
             raise ValueError(f"override {o!r}: hydra.run.dir is the job's run_dir; remove it")
     return [python or sys.executable, "-m", "train", *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def check_train_overrides(rows: dict[str, list[str]], extra: list[str] = ()) -> None:
+    """Compose each row's training config (``rows``: name -> the row's own overrides, then
+    ``extra``, the overrides every row gets from the command line) as ``python -m train``
+    composes it (:func:`train.config.composer`), so that an override the trainer would refuse
+    stops a study at its start, a dry run included, instead of every row on the device.
+
+    ``extra`` is checked alone first (parse and key: a typo is named whichever row comes
+    first); then every distinct row's config, where a value one row's config refuses (a shape,
+    a schedule) is blamed on the override whose removal lets the row compose.
+
+    Raises:
+        ValueError: one line naming the override of ``extra`` that is refused and why (the
+            config's or Hydra's reason, which names the key and the fix); or the row whose own
+            overrides do not compose (a study flag's value); or, when no single override is
+            to blame, all of ``extra`` with the row's reason.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from train.config import ConfigError, check_overrides, composer
+    from train.main import hydra_error_line
+
+    extra = list(extra)
+    for o in extra:
+        try:
+            OverridesParser.create().parse_overrides([o])
+            check_overrides([o])
+        except OverrideParseException as e:
+            raise ValueError(_refused(o, hydra_error_line(e), "the training config")) from None
+        except ConfigError as e:
+            raise ValueError(_refused(o, str(e), "the training config")) from None
+    seen = set()
+    with composer() as compose_one:
+        for name, own in rows.items():
+            if tuple(own) in seen:  # the same config: composed once
+                continue
+            seen.add(tuple(own))
+            why = _compose_error(compose_one, [*own, *extra])
+            if why is not None:
+                raise ValueError(_blame(compose_one, name, list(own), extra, why))
+
+
+def _compose_error(compose_one, overrides: list[str]) -> str | None:
+    """Why ``overrides`` do not compose (the one-line :class:`train.config.ConfigError`), or
+    None when they do."""
+    from train.config import ConfigError
+
+    try:
+        compose_one(overrides)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _refused(override: str, why: str, where: str) -> str:
+    """One line: ``override`` is refused by ``where``, because ``why`` (as it is when ``why``
+    names the override itself: Hydra's parse errors)."""
+    return why if repr(override) in why else f"override {override!r} is refused by {where}: {why}"
+
+
+def _blame(compose_one, name: str, own: list[str], extra: list[str], why: str) -> str:
+    """The line of row ``name`` whose config (``own`` + ``extra``) failed with ``why``: its own
+    overrides alone, or the one override of ``extra`` without which it composes, or all of
+    ``extra`` (the overrides refused only together)."""
+    alone = _compose_error(compose_one, own)
+    if alone is not None:  # nothing of extra's doing: the study's own flags make the row
+        return f"row {name}'s own overrides do not compose (a value of the study's flags?): {alone}"
+    where = f"row {name}'s training config"
+    culprits = [o for i, o in enumerate(extra)
+                if _compose_error(compose_one, [*own, *extra[:i], *extra[i + 1:]]) is None]
+    if len(culprits) == 1:
+        return _refused(culprits[0], why, where)
+    return f"the overrides {' '.join(extra)} are refused together by {where}: {why}"
 
 
 def job_env(n_parallel: int, extra: dict[str, str | None] | None = None) -> dict[str, str]:
@@ -233,6 +312,7 @@ def run_jobs(jobs: list[Job], *, parallel: int = 1, deadline: float | None = Non
 __all__ = [
     "ROOT",
     "Job",
+    "check_train_overrides",
     "job_env",
     "last_train_record",
     "run_finished",

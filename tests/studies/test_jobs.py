@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from studies.jobs import Job, job_env, last_train_record, run_finished, run_jobs, train_command
+from studies.jobs import (
+    Job,
+    check_train_overrides,
+    job_env,
+    last_train_record,
+    run_finished,
+    run_jobs,
+    train_command,
+)
 
 
 def _py(code: str) -> list[str]:
@@ -113,3 +121,86 @@ def test_progress_reads_metrics_and_summary(tmp_path):
     assert run_finished(run) and run_finished(run, 40) and not run_finished(run, 80)
     (run / "summary.json").write_text("{")  # truncated: not finished
     assert not run_finished(run)
+
+
+# two rows of the tiny model: a sparse one and a dense one (sparsity.l1_coeff=0)
+ROWS = {"sparse": ["model=tiny", "sparsity.l1_coeff=1e-3"],
+        "dense": ["model=tiny", "sparsity.l1_coeff=0"]}
+TRAINER_KEYS = ("autocast_cache, ce_chunk_rows, checkpoint_ffn, compile, compile_scope, cpu, "
+                "deterministic, fused_norm_cast, global_batch, grad_checkpointing, keep_last, "
+                "liger, log_every, max_steps, memory, memory_budget_gb, micro_batch, "
+                "norm_out_bf16, num_threads, peak_tflops, precision, progress, "
+                "recast_attn_weights, recompute_norms, resume, resume_allow_changes, save_every, "
+                "seed, val_every, val_sequences")
+
+
+def _refusal(rows, extra) -> str:
+    with pytest.raises(ValueError) as e:
+        check_train_overrides(rows, extra)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_good_overrides_compose_with_every_row():
+    check_train_overrides(ROWS, ["trainer.compile_scope=layers", "data.build_if_missing=false"])
+    check_train_overrides(ROWS)  # the rows alone
+    check_train_overrides({}, ["trainer.compile_scope=layers"])  # no row: the keys still checked
+
+
+def test_a_bad_key_is_named_with_the_fix_before_any_row_is_composed():
+    assert _refusal(ROWS, ["trainer.compile_scope=layers", "trainer.foo=1"]) == (
+        "override 'trainer.foo=1' is refused by the training config: unknown key trainer.foo; "
+        f"valid keys of trainer: {TRAINER_KEYS}; remove it or fix its spelling.")
+    assert _refusal(ROWS, ["+trainer.max_step=5"]).endswith(
+        "did you mean trainer.max_steps?")
+    assert _refusal(ROWS, ["trainer.val_batches=4"]) == (
+        "override 'trainer.val_batches=4' is refused by the training config: "
+        "trainer.val_batches was renamed trainer.val_sequences (it counts held-out sequences "
+        "over all ranks, not micro-batches per rank); use the new key.")
+    # Hydra's parse errors name the override themselves: said once
+    assert _refusal(ROWS, ["trainer.compile_scope"]) == (
+        "override 'trainer.compile_scope' has no '=': write trainer.compile_scope=<value>.")
+    # no row needed for a key error: the rows are not what is wrong
+    assert _refusal({}, ["+foo=1"]) == ("override '+foo=1' is refused by the training config: "
+                                        "unknown top-level key foo; remove it or fix its "
+                                        "spelling.")
+
+
+def test_a_bad_value_names_the_override_and_the_first_row_that_refuses_it():
+    assert _refusal(ROWS, ["data.build_if_missing=false", "trainer.compile_scope=blocks"]) == (
+        "override 'trainer.compile_scope=blocks' is refused by row sparse's training config: "
+        "trainer.compile_scope='blocks' is unknown; use one of model, layers.")
+    assert _refusal(ROWS, ["model=nosuch"]) == (
+        "override 'model=nosuch' is refused by row sparse's training config: model=nosuch: no "
+        "such option of the config group model; its options: 0p5b, 1b, 1p5b, 2b, depth_w512, "
+        "pretrained, small_l12, small_l2, small_l4, small_l8, tiny.")
+
+
+def test_a_value_only_some_rows_refuse_is_found_in_that_row():
+    """Steering the coefficient (target_l0) needs l1_coeff > 0: the sparse row composes, the
+    dense one does not; no single override is to blame (each needs the other), so both are
+    named with the row's reason; one that alone breaks the row is named alone."""
+    steer = ["sparsity.schedule=target_l0", "sparsity.target_l0=20"]
+    check_train_overrides({"sparse": ROWS["sparse"]}, steer)
+    assert _refusal(ROWS, ["trainer.compile_scope=layers", *steer]) == (
+        "the overrides trainer.compile_scope=layers sparsity.schedule=target_l0 "
+        "sparsity.target_l0=20 are refused together by row dense's training config: "
+        "sparsity.schedule=target_l0 steers the L1 coefficient from sparsity.l1_coeff, which "
+        "is 0; set it > 0, e.g. 3e-4.")
+    # the tiny model has 4 heads of 32 dimensions (hidden 128): 3 heads do not divide it
+    rows = {**ROWS, "wide": ["model=tiny", "model.hidden_size=96", "model.intermediate_size=64"]}
+    assert _refusal(rows, ["trainer.compile_scope=layers", "model.num_heads=3"]) == (
+        "override 'model.num_heads=3' is refused by row sparse's training config: "
+        "model.hidden_size=128 is not divisible by model.num_heads=3; pick num_heads dividing "
+        "hidden_size (head dim = hidden/heads).")
+    assert _refusal({"wide": rows["wide"], "sparse": ROWS["sparse"]},
+                    ["model.num_heads=3"]).startswith(
+        "override 'model.num_heads=3' is refused by row sparse's training config")
+
+
+def test_a_row_whose_own_overrides_do_not_compose_is_named_as_the_row():
+    rows = {"sparse": ROWS["sparse"], "bad": ["model=tiny", "ffn.impl=cuda"]}
+    assert _refusal(rows, ["trainer.compile_scope=layers"]) == (
+        "row bad's own overrides do not compose (a value of the study's flags?): "
+        "ffn.impl='cuda' is unknown; use one of torch, twell, auto.")
+    assert _refusal(rows, []) == _refusal(rows, ["trainer.compile_scope=layers"])
