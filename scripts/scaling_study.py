@@ -34,7 +34,8 @@ dense controls), ``--steps`` steps of 16 x 2048 tokens, the seven tasks scored o
 die once results show it. Each row trains from scratch on the same tokens, is profiled on
 held-out blocks and leaves ``<out>/<row>.json``; the most informative rows come first
 (:func:`studies.scaling.plan_rows`, :func:`studies.scaling.plan_depth_rows`). Extra ``key=value``
-arguments are Hydra overrides for every row. Exit code 0 when every row is done or skipped,
+arguments are Hydra overrides for every row, composed with each row's config before any row
+starts, a dry run included (a bad one is refused in one line). Exit code 0 when every row is done or skipped,
 1 otherwise, 2 for bad arguments.
 """
 
@@ -57,6 +58,7 @@ from studies.scaling import (
     PAPER_L0_RANGE,
     PAPER_SIZES,
     StudySettings,
+    check_row_configs,
     measured_tflops,
     pack_calls,
     plan_depth_rows,
@@ -307,21 +309,24 @@ def main(argv=None) -> int:
             print(f"{t['target']}: {t['measured']} -> {t['verdict']}")
         print(f"wrote {res['doc']}, {res['csv']}, results in {res['results']}")
         return 0
+    folders = [d for d in (a.out, *a.skip_results) if d is not None]
+    skip = result_names(folders)
     try:
         s = settings(a)
         check_eval_tokenizer(a, s)
         rows = plan(a, s)
+        # every row's config as its training run composes it: a bad override stops here, in
+        # one line, not each row on the device (a dry run included)
+        check_row_configs(rows, s, skip)
     except ValueError as e:
         print(f"scaling_study: {e}", file=sys.stderr)
         return 2
-    folders = [d for d in (a.out, *a.skip_results) if d is not None]
     if a.depth_series and a.tflops is None and not a.cpu:
         got = measured_tflops(folders)
         if got is not None:  # the slowest rate measured so far: the estimate's
             s.effective_tflops = got[0]
             print(f"estimates at {got[0]:.0f} TFLOP/s, the slowest training rate of the {got[1]} "
                   f"depth-series results in {' '.join(map(str, folders))} (--tflops sets it)")
-    skip = result_names(folders)
     print(plan_text(rows, s, skip, free_gb=free_gb(a.runs_dir)), flush=True)
     if a.dry_run:
         todo = [r for r in rows if r.name not in skip]

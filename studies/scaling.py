@@ -66,11 +66,11 @@ import os
 import shutil
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from evals.tasks import TASKS
-from studies.jobs import ROOT, Job, run_finished, run_jobs, train_command
+from studies.jobs import ROOT, Job, check_train_overrides, run_finished, run_jobs, train_command
 from studies.sizes import (  # the sizes' one table (configs/model/<size>.yaml)
     PAPER_DEPTHS,
     PAPER_L0_RANGE,
@@ -460,6 +460,20 @@ def row_overrides(row: StudyRow, s: StudySettings) -> list[str]:
         "trainer.progress=false", "trainer.resume=auto", "eval=disabled",
         "logging.wandb_mode=disabled", *s.overrides,
     ]
+
+
+def check_row_configs(rows: list[StudyRow], s: StudySettings, skip: set[str] = frozenset()
+                      ) -> None:
+    """Compose the training config of every row to run (not in ``skip``) with the command
+    line's overrides (``s.overrides``) as its ``python -m train`` would
+    (:func:`studies.jobs.check_train_overrides`), before any row starts.
+
+    Raises:
+        ValueError: one line naming the override (or the row) the config refuses and why.
+    """
+    own = replace(s, overrides=[])  # the row's own overrides, the user's kept apart to blame
+    check_train_overrides({r.name: row_overrides(r, own) for r in rows if r.name not in skip},
+                          s.overrides)
 
 
 def model_shape(size: str, layers: int | None = None):
@@ -1157,6 +1171,7 @@ __all__ = [
     "RowOutcome",
     "StudyRow",
     "StudySettings",
+    "check_row_configs",
     "checkpoint_gb",
     "estimate_seconds",
     "eval_seconds",
