@@ -1075,8 +1075,8 @@ def _reject_unknown_in(name: str, node, schema) -> None:
 def compose(overrides: Sequence[str] = ()) -> TrainConfig:
     """The validated :class:`TrainConfig` of ``configs/train.yaml`` with ``overrides`` (Hydra
     override strings, e.g. ``["model=small_l4", "trainer.max_steps=20"]``), composed as
-    ``twell-train`` composes it (Hydra's compose API; ``hydra.*`` overrides are dropped: they set
-    Hydra's run dir and behaviour, not the config). Not inside a running Hydra app (Hydra is
+    ``twell-train`` composes it (Hydra's compose API; ``hydra.*`` and ``hydra/*`` overrides are
+    dropped: they set Hydra's run dir and behaviour, not the config). Not inside a running Hydra app (Hydra is
     initialised once per process). Many configs: :func:`composer`.
 
     Raises:
@@ -1110,10 +1110,13 @@ def _compose_initialised(overrides: Sequence[str]) -> TrainConfig:
     from hydra import compose as hydra_compose
     from omegaconf import OmegaConf
 
-    over = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith("hydra.")]
+    over = [o for o in overrides
+            if not o.split("=", 1)[0].lstrip("+~").startswith(("hydra.", "hydra/"))]
     check_overrides(over)
     try:
-        cfg = hydra_compose(config_name="train", overrides=over)
+        # Hydra's own help page, not twell's: the config is the same, and merging twell's
+        # template (an interpolation per key) is about a third of each composition
+        cfg = hydra_compose(config_name="train", overrides=[*over, "hydra/help=default"])
     except Exception as e:  # noqa: BLE001  (Hydra's own errors: bad group, parse error)
         from train.main import hydra_error_line  # (it imports this module)
 

@@ -472,10 +472,11 @@ def test_ffn_policy_is_configuration_that_round_trips():
 
 def test_compose_is_the_clis_composition():
     """train.config.compose: the validated TrainConfig of configs/train.yaml and overrides
-    (hydra.* dropped); unknown keys and bad values are one-line ConfigErrors."""
+    (hydra.* and hydra/* dropped); unknown keys and bad values are one-line ConfigErrors."""
     from train.config import compose as train_compose
 
-    cfg = train_compose(["model=small_l4", "trainer.max_steps=20", "hydra.run.dir=/nowhere"])
+    cfg = train_compose(["model=small_l4", "trainer.max_steps=20", "hydra.run.dir=/nowhere",
+                         "hydra/help=twell"])
     assert isinstance(cfg, TrainConfig)
     assert (cfg.model.name, cfg.model.num_layers, cfg.trainer.max_steps) == ("small_l4", 4, 20)
     assert cfg == OmegaConf.to_object(_compose(["model=small_l4", "trainer.max_steps=20"]))
