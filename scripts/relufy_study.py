@@ -21,8 +21,8 @@ machine), trains the others one (--parallel) at a time in the order of --rows an
 beside the next row's training, and stops at --max-wall (running rows get SIGTERM and
 checkpoint). It prints the estimated GPU time of what is left before it starts and a status
 table, the targets and the new estimate when it ends; OUT/results.csv holds the rows scored so
-far. Extra ``key=value`` arguments are Hydra overrides for every row, composed with the rows'
-config before anything starts (a bad one is refused in one line); the run-only ones
+far. Extra ``key=value`` arguments are Hydra overrides for every row, composed with each row's
+config before anything starts (a bad one is refused in one line, naming it); the run-only ones
 (studies.relufy.RUN_ONLY_KEYS: trainer.compile_scope, the corpus's folder, logging, ...) may
 differ from the earlier pieces' (the rows still to train get them), a change to any other is
 refused (compared as key -> value: their order and spelling, true or True, do not matter). An --out
@@ -55,6 +55,7 @@ from studies.relufy import (
     report_lines,
     run_study,
     select_rows,
+    source_dir,
 )
 from train.rundir import write_problem
 
@@ -173,7 +174,8 @@ def main(argv=None) -> int:
         check_out(a.out)
         check_out(a.work, "--work", DEFAULT_WORK, "work")
         rows = select_rows(default_rows(a.l1), a.rows)
-        check_overrides(plan)  # first: a typo is named, not reported as another plan
+        # first: a typo is named, not reported as another plan; every row's config composed
+        check_overrides(plan, rows, source_dir(a.work))
         study = Study(a.out, a.work, plan, rows)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

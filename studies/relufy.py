@@ -38,11 +38,18 @@ import math
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from evals.tasks import ALL_TASKS
-from studies.jobs import Job, last_train_record, run_finished, run_jobs, train_command
+from studies.jobs import (
+    Job,
+    check_train_overrides,
+    last_train_record,
+    run_finished,
+    run_jobs,
+    train_command,
+)
 
 KINDS = ("silu_original", "silu_control", "dense_relu", "sparse")
 TASK_COLUMN = {t: "csqa" if t == "commonsense_qa" else t for t in ALL_TASKS}  # results.csv
@@ -585,6 +592,11 @@ def plan_changes(old: dict, new: dict, fields) -> list[str]:
     return out
 
 
+def source_dir(work: Path) -> Path:
+    """The converted source under the work folder ``work``: every row starts from it."""
+    return Path(work) / "source_hf"
+
+
 class Study:
     """A study's folders and state: OUT (``study.json``, ``results.csv``, ``rows/<row>/``) and
     WORK (``source_hf/``, ``runs/<row>/``, ``logs/``); see the module docstring.
@@ -647,7 +659,7 @@ class Study:
 
     @property
     def source_dir(self) -> Path:
-        return self.work / "source_hf"
+        return source_dir(self.work)
 
     def row_out(self, name: str) -> Path:
         return self.out / "rows" / name
@@ -775,27 +787,23 @@ def _base_overrides(plan: StudyPlan) -> list[str]:
     return over + list(plan.overrides)
 
 
-def check_overrides(plan: StudyPlan) -> None:
-    """Compose the rows' shared config with ``plan.overrides`` now, so that a bad override (an
-    unknown key, a value the config refuses) stops the study at its start, a dry run included,
-    not each row on the device.
+def check_overrides(plan: StudyPlan, rows: list[RowSpec] | None = None,
+                    source: Path = Path("source_hf")) -> None:
+    """Compose every trained row's config (:meth:`StudyPlan.train_overrides` from ``source``,
+    the converted source folder: only its path is composed, nothing is read) and the shared
+    view that prepares the source and scores ``silu_original`` with ``plan.overrides`` now
+    (:func:`studies.jobs.check_train_overrides`), so that a bad override (an unknown key, a
+    value some row's config refuses) stops the study at its start, a dry run included, not
+    each row on the device. ``rows``: the rows of this invocation (default: all).
 
     Raises:
-        ValueError: the config does not compose; one line with Hydra's or the config's reason.
+        ValueError: one line naming the override (or the row) the config refuses and why.
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
-    from train.main import hydra_error_line
-
-    try:
-        # parsed first: compose keeps only the first line of Hydra's parse error, not its reason
-        OverridesParser.create().parse_overrides(list(plan.overrides))
-        compose_config(_base_overrides(plan))
-    except Exception as e:  # Hydra's and the config's errors alike: one line
-        why = (hydra_error_line(e) if isinstance(e, OverrideParseException)
-               else " ".join(str(e).split())[:300] or type(e).__name__)
-        raise ValueError(f"the rows' overrides {plan.overrides} do not compose: {why}") from e
+    rows = default_rows() if rows is None else rows
+    own = replace(plan, overrides=[])  # the rows' own overrides: the user's kept apart to blame
+    configs = {r.name: own.train_overrides(r, source) for r in rows if r.trains}
+    configs["silu_original"] = _base_overrides(own)
+    check_train_overrides(configs, plan.overrides)
 
 
 def prepare_source(study: Study, spec: str, sha256: str | None = None, log=print) -> dict:
@@ -1096,6 +1104,7 @@ __all__ = [
     "score_model",
     "score_rows",
     "select_rows",
+    "source_dir",
     "sparse_row",
     "study_rows",
     "validation_loss",

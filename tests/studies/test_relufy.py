@@ -303,8 +303,22 @@ def test_a_later_piece_may_change_how_the_rows_run(tmp_path):
 def test_bad_overrides_stop_the_study_at_its_start_in_one_line(over, why):
     with pytest.raises(ValueError, match=re.escape(why)) as e:
         check_overrides(StudyPlan(overrides=over))
-    assert "\n" not in str(e.value) and str(e.value).startswith("the rows' overrides")
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"override {over[0]!r}")
     check_overrides(StudyPlan(overrides=["trainer.compile_scope=layers"]))  # a good one passes
+
+
+def test_an_override_one_row_refuses_stops_the_study_unless_that_row_is_left_out():
+    """Every trained row's config is composed, not only the shared data view: ffn.impl=twell
+    composes there and for the ReLU rows, but the SiLU control trains the dense PyTorch FFN
+    only, so the study stops at its start naming that row; without it the rows compose."""
+    plan = StudyPlan(overrides=["trainer.compile_scope=layers", "ffn.impl=twell"])
+    with pytest.raises(ValueError) as e:
+        check_overrides(plan)
+    assert str(e.value) == (
+        "override 'ffn.impl=twell' is refused by row silu_control's training config: "
+        "model.hidden_act=silu runs the dense PyTorch FFN only (the sparse kernels compute "
+        "relu); got ffn.impl=twell: set ffn.impl=torch.")
+    check_overrides(plan, select_rows(default_rows(), "dense_relu,l1_0.1"))
 
 
 def _old_study(out: Path) -> None:
@@ -579,7 +593,8 @@ def test_an_unknown_added_key_is_refused_before_anything_is_written(tmp_path, ca
     for dry in (["--dry-run"], []):
         assert script.main(["--out", str(out), "--work", str(tmp_path / "work"), *dry, over]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"error: the rows' overrides ['{over}'] do not compose: unknown ")
+        assert err.startswith(f"error: override '{over}' is refused by the training config: "
+                              "unknown ")
         assert err.count("\n") == 1
     assert not out.exists() and not (tmp_path / "work").exists()
 
