@@ -812,7 +812,8 @@ def check_target_fits_model(s: SparsityConfig, m: ModelConfig) -> None:
 # keys that were renamed: the CLI's unknown-key message gives the new name and why
 RENAMED_KEYS = {
     "trainer.val_batches": "trainer.val_sequences (it counts held-out sequences over all ranks, "
-                           "not micro-batches per rank)",
+                           "not micro-batches per rank: trainer.val_batches=N is "
+                           "trainer.val_sequences=N x trainer.micro_batch x ranks)",
 }
 # the FFN's knobs' keys from before they became one group, ffn (old key -> new key): the CLI
 # names the new key, and upgrade_saved moves them in configs saved before the move

@@ -62,18 +62,61 @@ def job_alone_command(job_dir, overrides: list[str], *extra: str) -> str:
     ``-m`` command with other values into the sweep's folder is refused as another sweep:
     :func:`other_sweep_in`). ``overrides`` are the job's (Hydra's override strings, as its
     ``.hydra/overrides.yaml`` records them), less ``hydra.*`` ones and the keys ``extra`` sets,
-    each as the CLI takes it now: a moved FFN key at its new place
-    (``train.config.upgrade_override``; ``trainer.val_batches``, whose meaning changed, is kept
-    and the CLI names its replacement) and a removed one left out
-    (``train.config.REMOVED_KEYS``: the CLI refuses it); each of
+    each as the CLI takes it now (:func:`upgrade_job_override`: a moved FFN key at its new
+    place, ``trainer.val_batches`` as the ``trainer.val_sequences`` it validated on) and a
+    removed one left out (``train.config.REMOVED_KEYS``: the CLI refuses it); each of
     ``extra`` is one ready argument (``key=value``, quoted as needed)."""
     from train.checkpoint import shell_quote
 
     replaced = {override_key(e) for e in extra}
-    kept = [shell_quote(o) for o in (upgrade_override(str(o)) for o in overrides)
+    kept = [shell_quote(o) for o in (upgrade_job_override(str(o), job_dir) for o in overrides)
             if not override_key(o).startswith("hydra.") and override_key(o) not in replaced
             and override_key(o) not in REMOVED_KEYS]
     return " ".join(["twell-train", override_arg("hydra.run.dir", job_dir), *kept, *extra])
+
+
+def upgrade_job_override(override: str, job_dir) -> str:
+    """A recorded override of the job in ``job_dir`` as the CLI takes it now: a moved FFN key at
+    its new place (``train.config.upgrade_override``), and ``trainer.val_batches=N`` (N
+    micro-batches per rank, from before the key was renamed) as ``trainer.val_sequences=`` the
+    sequences those were (:func:`val_sequences_of`), so the job validates on the same held-out
+    sequences as before; kept as recorded when the job's micro-batch is not known (the CLI
+    then refuses it in one line naming the conversion)."""
+    override = upgrade_override(override)
+    key, eq, value = override.partition("=")
+    if not eq or key.lstrip("+") != "trainer.val_batches":
+        return override
+    try:
+        batches = int(value)
+    except ValueError:  # an interpolation or a sweep: not a count to convert
+        return override
+    n = val_sequences_of(job_dir, batches)
+    # no '+': the key exists in the schema now, and '+' would add it twice
+    return override if n is None else f"trainer.val_sequences={n}"
+
+
+def val_sequences_of(job_dir, val_batches: int) -> int | None:
+    """The held-out sequences that ``trainer.val_batches=<val_batches>`` (micro-batches per
+    rank) validated on in the run in ``job_dir``: ``val_batches x trainer.micro_batch x ranks``,
+    the micro-batch from its ``.hydra/config.yaml`` (as composed), the ranks from its newest
+    checkpoint's ``metadata.json`` (none: 1, the process a printed ``twell-train`` command
+    runs). None when the micro-batch is not a number there (no file, a damaged one)."""
+    from twell.hf import list_checkpoints, read_metadata
+
+    trainer = (_load(Path(job_dir) / ".hydra" / "config.yaml") or {}).get("trainer")
+    micro = trainer.get("micro_batch") if isinstance(trainer, dict) else None
+    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+        return None
+    ranks = 1
+    found = list_checkpoints(job_dir)
+    if found:
+        try:
+            world = read_metadata(found[-1]).get("world_size")
+        except (OSError, ValueError):  # a damaged newest checkpoint: its resume says so
+            world = None
+        if isinstance(world, int) and not isinstance(world, bool) and world >= 1:
+            ranks = world
+    return val_batches * micro * ranks
 
 
 def timestamp_root(pattern: str) -> tuple[Path, int] | None:

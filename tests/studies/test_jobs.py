@@ -156,7 +156,8 @@ def test_a_bad_key_is_named_with_the_fix_before_any_row_is_composed():
     assert _refusal(ROWS, ["trainer.val_batches=4"]) == (
         "override 'trainer.val_batches=4' is refused by the training config: "
         "trainer.val_batches was renamed trainer.val_sequences (it counts held-out sequences "
-        "over all ranks, not micro-batches per rank); use the new key.")
+        "over all ranks, not micro-batches per rank: trainer.val_batches=N is "
+        "trainer.val_sequences=N x trainer.micro_batch x ranks); use the new key.")
     # Hydra's parse errors name the override themselves: said once
     assert _refusal(ROWS, ["trainer.compile_scope"]) == (
         "override 'trainer.compile_scope' has no '=': write trainer.compile_scope=<value>.")

@@ -85,3 +85,66 @@ def test_a_sweep_saved_with_removed_keys_is_the_same_sweep(tmp_path):
     # another value of a kept key is still another sweep
     assert other_sweep_in(sweep, {**now, "model": {"num_layers": 3}}, task) == (
         "its config differs in model.num_layers")
+
+
+def _recorded_job(job, micro_batch=4, world_size=None):
+    """A sweep job's folder as an old twell-train left it: Hydra's composed config (its
+    micro-batch) and, with ``world_size``, a checkpoint written by that many ranks."""
+    import json
+
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "config.yaml").write_text(
+        f"trainer:\n  micro_batch: {micro_batch}\n  val_batches: 3\n")
+    if world_size is not None:
+        (job / "checkpoints" / "step2").mkdir(parents=True)
+        (job / "checkpoints" / "step2" / "metadata.json").write_text(
+            json.dumps({"format_version": 1, "step": 2, "world_size": world_size}))
+
+
+def test_a_jobs_val_batches_becomes_the_val_sequences_it_validated_on(tmp_path):
+    """trainer.val_batches=N counted micro-batches per rank; the CLI refuses it (renamed
+    trainer.val_sequences, sequences over all ranks). A job recorded with it gets, in its
+    command alone, the sequences it validated on: N x its micro-batch x its checkpoint's ranks
+    (no checkpoint: 1 rank, what the printed twell-train runs), so the command runs."""
+    from train.config import ConfigError, check_overrides
+
+    two_ranks, no_ckpt, unknown = tmp_path / "sweep" / "0", tmp_path / "sweep" / "1", \
+        tmp_path / "sweep" / "2"
+    _recorded_job(two_ranks, micro_batch=4, world_size=2)
+    _recorded_job(no_ckpt, micro_batch=4)
+    recorded = ["trainer.val_batches=3", "sparsity.l1_coeff=0.5"]
+    cmd = job_alone_command(two_ranks, recorded, "trainer.resume_allow_changes=true")
+    assert cmd == (f"twell-train hydra.run.dir={two_ranks} trainer.val_sequences=24 "
+                   "sparsity.l1_coeff=0.5 trainer.resume_allow_changes=true")  # 3 x 4 x 2
+    check_overrides(cmd.split()[1:])  # the CLI's check takes every argument
+    assert job_alone_command(no_ckpt, ["++trainer.val_batches=3"]) == (
+        f"twell-train hydra.run.dir={no_ckpt} trainer.val_sequences=12")  # 3 x 4 x 1
+    # a value set by the command replaces the recorded one under its old name too
+    assert job_alone_command(two_ranks, recorded, "trainer.val_sequences=64") == (
+        f"twell-train hydra.run.dir={two_ranks} sparsity.l1_coeff=0.5 trainer.val_sequences=64")
+    # no record of the micro-batch: kept as recorded, and the CLI's line names the conversion
+    unknown.mkdir(parents=True)
+    assert job_alone_command(unknown, recorded) == (
+        f"twell-train hydra.run.dir={unknown} trainer.val_batches=3 sparsity.l1_coeff=0.5")
+    with pytest.raises(ConfigError) as e:
+        check_overrides(["trainer.val_batches=3"])
+    assert str(e.value) == (
+        "trainer.val_batches was renamed trainer.val_sequences (it counts held-out sequences "
+        "over all ranks, not micro-batches per rank: trainer.val_batches=N is "
+        "trainer.val_sequences=N x trainer.micro_batch x ranks); use the new key.")
+
+
+def test_val_sequences_of_reads_the_jobs_micro_batch_and_ranks(tmp_path):
+    from train.requeue import upgrade_job_override, val_sequences_of
+
+    job = tmp_path / "0"
+    _recorded_job(job, micro_batch=8, world_size=4)
+    assert val_sequences_of(job, 2) == 64  # 2 x 8 x 4
+    assert upgrade_job_override("trainer.val_batches=2", job) == "trainer.val_sequences=64"
+    assert upgrade_job_override("model.ffn_impl=torch", job) == "ffn.impl=torch"  # as before
+    assert upgrade_job_override("trainer.val_batches=${x}", job) == "trainer.val_batches=${x}"
+    (job / "checkpoints" / "step2" / "metadata.json").write_text("not json")  # damaged: 1 rank
+    assert val_sequences_of(job, 2) == 16
+    (job / ".hydra" / "config.yaml").write_text("trainer:\n  micro_batch: null\n")
+    assert val_sequences_of(job, 2) is None  # the planner's pick: not recorded there
+    assert upgrade_job_override("trainer.val_batches=2", job) == "trainer.val_batches=2"
