@@ -667,6 +667,31 @@ def test_a_failed_sweep_job_is_told_to_run_alone_in_its_folder(runs, tmp_path):
         "corrupted. Fix that and run it again, or leave it out (--skip-incomplete)")
 
 
+def test_a_failed_sweep_job_recorded_with_val_batches_gets_a_command_the_cli_takes(runs,
+                                                                                    tmp_path):
+    """A job recorded before trainer.val_batches became trainer.val_sequences: its command
+    alone validates on the sequences it did (2 micro-batches x its micro-batch 4 x 1 rank =
+    8), not the old key the CLI refuses."""
+    from train.config import check_overrides
+    from train.requeue import override_arg as arg
+
+    job = tmp_path / "sweep" / "0"
+    shutil.copytree(runs / "dense", job)
+    (job.parent / "multirun.yaml").write_text("{}")
+    (job / "summary.json").unlink()
+    (job / ".hydra").mkdir()
+    shutil.copy(job / "config.yaml", job / ".hydra" / "config.yaml")  # Hydra's record of it
+    (job / ".hydra" / "overrides.yaml").write_text(
+        '["trainer.val_batches=2", "sparsity.l1_coeff=0.25"]')
+    (job / "error.txt").write_text("DataError: corpus shard x.bin is corrupted\n")
+    why = str(pytest.raises(IncompleteRunError, load_run, job).value)
+    cmd = (f"twell-train {arg('hydra.run.dir', job)} trainer.val_sequences=8 "
+           f"sparsity.l1_coeff=0.25 {arg('trainer.resume', job)} "
+           "trainer.resume_allow_changes=true")
+    assert why.endswith(f"(--skip-incomplete): {cmd}"), why
+    check_overrides(cmd.split()[1:])  # the CLI takes each argument
+
+
 def test_a_diverged_sweep_job_is_told_to_resume_alone_in_its_folder(runs, tmp_path):
     """A -m sweep's diverged job: the advice's trainer.resume=... optim.lr=..., added to the
     sweep's -m command, is refused as another sweep; it names the command that runs the job
