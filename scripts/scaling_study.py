@@ -35,8 +35,8 @@ die once results show it. Each row trains from scratch on the same tokens, is pr
 held-out blocks and leaves ``<out>/<row>.json``; the most informative rows come first
 (:func:`studies.scaling.plan_rows`, :func:`studies.scaling.plan_depth_rows`). Extra ``key=value``
 arguments are Hydra overrides for every row, composed with each row's config before any row
-starts, a dry run included (a bad one is refused in one line). Exit code 0 when every row is done or skipped,
-1 otherwise, 2 for bad arguments.
+starts, a dry run included (a bad one is refused in one line naming it). Exit code 0 when every
+row is done or skipped, 1 otherwise, 2 for bad arguments.
 """
 
 from __future__ import annotations

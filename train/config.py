@@ -1077,8 +1077,8 @@ def compose(overrides: Sequence[str] = ()) -> TrainConfig:
     """The validated :class:`TrainConfig` of ``configs/train.yaml`` with ``overrides`` (Hydra
     override strings, e.g. ``["model=small_l4", "trainer.max_steps=20"]``), composed as
     ``twell-train`` composes it (Hydra's compose API; ``hydra.*`` and ``hydra/*`` overrides are
-    dropped: they set Hydra's run dir and behaviour, not the config). Not inside a running Hydra app (Hydra is
-    initialised once per process). Many configs: :func:`composer`.
+    dropped: they set Hydra's run dir and behaviour, not the config). Not inside a running Hydra
+    app (Hydra is initialised once per process). Many configs: :func:`composer`.
 
     Raises:
         ConfigError: an unknown key (one line: the valid keys of its group and the closest
