@@ -124,6 +124,23 @@ def test_graph_overflow_is_redone_exactly_and_captured_again():
     op.check()
 
 
+def test_explore_after_a_capture_explores_its_own_inputs():
+    """A graph captured by earlier calls holds their x and dy: explore(more, dy) explores on
+    ``more`` (its capacities cover more's heavy rows), not on the buffers' stale inputs."""
+    x, wg, wu, wd, dy = inputs()
+    op, _, graphs = build({"dense": 3.0, "ell_nosync": 2.0, "ell_graph": 1.0}, (wg, wu, wd))
+    for _ in range(3):  # dense, ell_nosync's measuring call, ell_graph's capture on x
+        op(x, dy)
+    assert graphs.captures == 1 and op.choice is None
+    with pytest.raises(ValueError, match="its first call was"):  # not copied by broadcast
+        op.explore(x[:1], dy[:1])
+    more = more_heavy(x, wg, op._caps["ell_graph"])
+    assert op.explore(more, dy) == "ell_graph"
+    assert min(op._caps.values()) >= n_heavy(more, wg)
+    assert torch.equal(op.inputs()[0], more)
+    check_outputs(op(*op.inputs()), more, wg, wu, wd, dy)
+
+
 def test_nosync_overflow_is_redone_exactly():
     x, wg, wu, wd, dy = inputs()
     op, _, _ = build({"dense": 3.0, "ell_nosync": 1.0, "ell_graph": 2.0}, (wg, wu, wd))

@@ -237,16 +237,25 @@ class AutoFFNTrain:
     def explore(self, x_ND: torch.Tensor, dy_ND: torch.Tensor, max_calls: int = 1000) -> str:
         """Call the op on ``(x, dy)`` until it has a choice; returns it (the results of those
         calls are dropped). While ``ell_graph`` is captured each call passes the graph's own
-        input buffers (:meth:`inputs`, which hold this x and dy), so it copies nothing, as the
+        input buffers (:meth:`inputs`), filled with this x and dy once per set of buffers (a
+        graph captured by earlier calls holds their inputs), so the calls copy nothing, as the
         steady calls of a caller that fills those buffers do not.
 
         Raises:
             RuntimeError: no choice after ``max_calls`` calls (a clock whose times never land).
         """
+        filled = None  # the graph's x buffer once it holds x_ND
         for _ in range(max_calls):
             if self.choice is not None:
                 return self.choice
-            self(*(self.inputs() or (x_ND, dy_ND)))
+            ins = self.inputs()
+            if ins is not None and ins[0] is not filled:
+                self._check_inputs(x_ND, dy_ND)  # another shape: its error, not copy_'s
+                with torch.no_grad():  # the buffers may be leaves that require grad
+                    ins[0].copy_(x_ND)
+                    ins[1].copy_(dy_ND)
+                filled = ins[0]
+            self(*(ins or (x_ND, dy_ND)))
         if self.choice is None:
             raise RuntimeError(f"AutoFFNTrain: no choice after {max_calls} calls (timings "
                                f"landed: { {k: len(v) for k, v in self.timings.items()} })")
