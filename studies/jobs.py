@@ -113,8 +113,7 @@ def check_train_overrides(rows: dict[str, list[str]], extra: list[str] = ()) -> 
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    from train.config import ConfigError, check_overrides, composer
-    from train.main import hydra_error_line
+    from train.config import ConfigError, check_overrides, composer, hydra_error_line
 
     extra = list(extra)
     for o in extra:

@@ -22,7 +22,6 @@ failed jobs (exit code 2).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from contextlib import contextmanager
@@ -37,6 +36,7 @@ from train.config import (
     TrainConfig,
     check_overrides,
     config_error,
+    hydra_error_line,
     register_configs,
     reject_unknown_keys,
 )
@@ -427,76 +427,6 @@ def _is_hydra_error(e: BaseException) -> bool:
     from omegaconf.errors import OmegaConfBaseException
 
     return isinstance(e, HydraException | OmegaConfBaseException)
-
-
-# lines of Hydra's messages that say nothing about the mistake
-_HYDRA_NOISE = ("Set the environment variable HYDRA_FULL_ERROR", "Config search path",
-                "provider=", "full_key:", "reference_type=", "object_type=", "See https://")
-
-
-def hydra_error_line(e: BaseException) -> str:
-    """Hydra's (or OmegaConf's) error while composing the config, as one line naming the
-    override and the fix: an unknown option of a config group (with its options), an override
-    without ``=`` (``trainer.steps``), one Hydra cannot parse otherwise, a value of the wrong type (with its key); anything else with its lines
-    joined and Hydra's boilerplate (search path, HYDRA_FULL_ERROR hint) left out."""
-    import re
-
-    from hydra.errors import MissingConfigException, OverrideParseException
-    from omegaconf.errors import OmegaConfBaseException, ValidationError
-
-    if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file:
-        group, _, option = str(e.missing_cfg_file).rpartition("/")
-        if group:
-            return (f"{group}={option}: no such option of the config group {group}; its "
-                    f"options: {', '.join(e.options)}.")
-    if isinstance(e, OverrideParseException) and re.fullmatch(r"\+{0,2}[\w.\-/@]+",
-                                                            str(e.override or "")):
-        return f"override {e.override!r} has no '=': write {e.override}=<value>."
-    if isinstance(e, OverrideParseException):
-        why = " ".join(str(e.message).splitlines()[0].split())
-        return (f"cannot parse the override {e.override!r}: {why}; quote a value holding "
-                "special characters, and the whole override for the shell, e.g. \"key='a,b'\" "
-                "(Hydra's override grammar).")
-    lines = [ln.strip() for ln in str(e).splitlines()]
-    cause = e.__cause__
-    if isinstance(cause, OmegaConfBaseException) and str(cause) not in str(e):
-        lines += [ln.strip() for ln in str(cause).splitlines()]
-    lines = [ln for ln in lines if ln and not ln.startswith(_HYDRA_NOISE)]
-    m = re.fullmatch(r"Error merging override (.+)", lines[0]) if lines else None
-    if m and len(lines) > 1:  # "Error merging override k=v" + OmegaConf's reason
-        line = f"{m.group(1)}: {lines[1].rstrip('.')}"
-        key = getattr(cause, "full_key", None)
-        if isinstance(cause, ValidationError) and key:
-            line += (f"; give {key} a value of its type (twell-train --help shows each key's "
-                     "value).")
-        return line
-    return _renamed_hint(" ".join(" ".join(lines).split())) or type(e).__name__
-
-
-def _renamed_hint(line: str) -> str:
-    """``line`` with a hint appended when it is OmegaConf's "Key 'k' not in 'XConfig'" (a key of
-    a YAML file, e.g. an experiment's, that the schema lacks): the new name of a renamed key (a
-    file written before the rename), else the closest known key (did you mean ...?)."""
-    import difflib
-    import re
-
-    from train.config import REMOVED_KEYS, RENAMED_KEYS, dotted_keys, schema_tree
-
-    m = re.search(r"Key '(\w+)' not in '(\w+)'", line)
-    paths = {cls.__name__: prefix for prefix, cls in schema_tree().items()}
-    if not m or m.group(2) not in paths:
-        return line
-    prefix, key = paths[m.group(2)], m.group(1)
-    old = f"{prefix}.{key}" if prefix else key
-    if old in REMOVED_KEYS:
-        return f"{line}; {old} was removed: {REMOVED_KEYS[old]}."
-    if old in RENAMED_KEYS:
-        return f"{line}; {old} was renamed {RENAMED_KEYS[old]}: use the new key."
-    known = {f.name for f in dataclasses.fields(schema_tree()[prefix])}
-    near = difflib.get_close_matches(key, sorted(known) + ([] if prefix else dotted_keys()), n=1)
-    if near:
-        return f"{line}; did you mean {prefix + '.' if prefix else ''}{near[0]}?"
-    return line
 
 
 def sweep_failures(jobs: list[list[str]], failed: list[tuple[int, str, str]]) -> str:

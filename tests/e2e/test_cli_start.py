@@ -169,7 +169,7 @@ def test_help_lists_only_usable_config_groups():
 def test_hydra_error_line_of_an_unexpected_message_drops_the_boilerplate():
     from hydra.errors import ConfigCompositionException
 
-    from train.main import hydra_error_line
+    from train.config import hydra_error_line
 
     e = ConfigCompositionException("Could not override 'x'.\nNo match in the defaults list.\n\n"
                                    "Set the environment variable HYDRA_FULL_ERROR=1 for a "
@@ -182,7 +182,7 @@ def test_hydra_error_line_of_a_renamed_key_in_a_yaml_file_names_the_new_key():
     line gets the new key."""
     from hydra.errors import ConfigCompositionException
 
-    from train.main import hydra_error_line
+    from train.config import hydra_error_line
 
     e = ConfigCompositionException("In 'experiment/old': ConfigKeyError raised while composing "
                                    "config:\nKey 'dense_ffn_fused' not in 'TrainerConfig'")
@@ -207,7 +207,7 @@ def test_hydra_error_line_of_a_misspelt_key_in_a_yaml_file_names_the_closest_key
     the command line's check gives it."""
     from hydra.errors import ConfigCompositionException
 
-    from train.main import hydra_error_line
+    from train.config import hydra_error_line
 
     line = (f"In 'experiment/x': ConfigKeyError raised while composing config: Key '{key}' not "
             f"in '{schema}'")

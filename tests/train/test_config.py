@@ -406,7 +406,7 @@ def test_a_saved_config_with_the_removed_split_keys_reads_without_them():
         assert _one_line(err).endswith("drop the key."), _one_line(err)
     from hydra.errors import ConfigCompositionException
 
-    from train.main import hydra_error_line
+    from train.config import hydra_error_line
 
     line = hydra_error_line(ConfigCompositionException(  # in a YAML file
         "Key 'infer_split_long' not in 'FFNPolicy'"))
@@ -490,7 +490,7 @@ def test_compose_is_the_clis_composition():
 
 
 def test_compose_names_what_is_wrong_with_a_hydra_override_and_the_fix():
-    """Hydra's own errors come out as the CLI's line (train.main.hydra_error_line): the value
+    """Hydra's own errors come out as the CLI's line (train.config.hydra_error_line): the value
     and its key, a group's options; not the bare "Error merging override" first line."""
     from train.config import compose as train_compose
 
