@@ -361,12 +361,11 @@ def _fwd_nosync(be, x, wu, kc, acc, col, gv, nnz_N, counts_H, nnz_eff, wdt, back
     perm, colptr, order = csc_order(col, nnz_eff, kc, h)
     l1 = l1_N.sum(dtype=acc)
     if rows is not None:
-        u_R = torch.matmul(x[rows], wu.t())
-        h_R, l1_heavy = be.backup_fwd(g_R, u_R)  # g_R <- relu(g_R) in place
+        u_R, y_R, l1_heavy = _dense_backup_fwd(be, x[rows], g_R, wu, wdt)
         # heavy rows have an empty ELL part (y = 0 there): y + y_R, rounded once; unused slots
         # skipped (no atomics, no adds onto row N - 1: twell.ops.add_rows)
-        be.add_rows(y, heavy_idx, torch.matmul(h_R, wdt))
-        del h_R
+        be.add_rows(y, heavy_idx, y_R)
+        del y_R
         l1 = l1 + l1_heavy
     else:
         u_R = x.new_empty((0, h))
