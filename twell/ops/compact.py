@@ -80,7 +80,7 @@ def _compact_kernel(
         g2 = tl.load(gp + c2[None, :], mask=mrow[:, None] & (c2 < H)[None, :], other=0.0)
         # NaN counts as active: a NaN row is heavy and reaches the backup. Compared in fp32, as
         # the other kernels do: Triton's interpreter compares bf16 by its bits (every negative
-        # gate active), so the CPU tests of the bf16 path ran only the dense backup
+        # gate would count active), and the CPU tests must see the GPU's counts
         act = ~(g.to(tl.float32) <= 0)
         if tl.sum(tl.sum(act.to(tl.int32), axis=1), axis=0) > 0:  # skip all-zero blocks
             base = _compact_block(g, act, base, rows64, cols, col_ptr, val_ptr, counts_ptr,
