@@ -47,9 +47,17 @@ class ConfigError(ValueError):
 def config_error(e: ValueError) -> ConfigError:
     """A check's ValueError, raised while the composed config becomes a :class:`TrainConfig`, as
     one :class:`ConfigError` line naming the config key: :class:`FFNPolicy`'s own check names
-    its field ``FFNPolicy.<field>``, which is ``ffn.policy.<field>`` here."""
+    its field ``FFNPolicy.<field>``, which is ``ffn.policy.<field>`` here; an interpolation
+    (``${...}``) that does not resolve is named by its key."""
+    from omegaconf.errors import InterpolationResolutionError
+
     if isinstance(e, PolicyValueError):
         return ConfigError(e.named("ffn.policy."))
+    if isinstance(e, InterpolationResolutionError):  # OmegaConf's lines name the key at the end
+        key = getattr(e, "full_key", None) or "a value"
+        why = str(e).splitlines()[0].rstrip(".")
+        return ConfigError(f"{key}: {why}; give it a plain value or an interpolation of an "
+                           "existing key (${group.key}).")
     return ConfigError(str(e))
 
 
@@ -1067,7 +1075,11 @@ def _reject_unknown_in(name: str, node, schema) -> None:
     unknown = sorted(set(node.keys()) - known)
     if unknown:
         raise ConfigError(unknown_key_message(name, unknown[0], known))
+    from omegaconf import OmegaConf
+
     for key in node:
+        if OmegaConf.is_interpolation(node, key):  # resolved (and its error raised) by to_object
+            continue
         child, sub = node.get(key), getattr(schema, key)
         if dataclasses.is_dataclass(sub) and hasattr(child, "keys"):
             _reject_unknown_in(f"{name}.{key}", child, sub)

@@ -510,6 +510,29 @@ def test_compose_names_what_is_wrong_with_a_hydra_override_and_the_fix():
         assert str(e.value) == want
 
 
+def test_an_interpolation_that_does_not_resolve_is_one_line_naming_its_key():
+    """An override's ``${...}`` that names no key (or no environment variable) is a one-line
+    ConfigError naming the key it was given to, not OmegaConf's traceback (the unknown-key scan
+    read the value, and so resolved it, before the checks); one that resolves is its value."""
+    from train.config import compose as train_compose
+
+    assert train_compose(["trainer.seed=${trainer.max_steps}"]).trainer.seed == \
+        train_compose([]).trainer.max_steps
+    for over, want in [
+            ("trainer.seed=${nosuch}",
+             ("trainer.seed: Interpolation key 'nosuch' not found; give it a plain value or an "
+             "interpolation of an existing key (${group.key}).")),
+            ("ffn.policy.infer_min_rows=${nosuch.key}",
+             ("ffn.policy.infer_min_rows: Interpolation key 'nosuch.key' not found; give it a "
+             "plain value or an interpolation of an existing key (${group.key})."))]:
+        with pytest.raises(ConfigError) as e:
+            train_compose([over])
+        assert str(e.value) == want
+    with pytest.raises(ConfigError, match=r"^trainer.seed: .*TWELL_NO_SUCH_VARIABLE") as e:
+        train_compose(["trainer.seed=${oc.env:TWELL_NO_SUCH_VARIABLE}"])
+    _one_line(e)
+
+
 def test_composer_composes_many_configs_as_compose_does():
     """train.config.composer: one Hydra context for many override lists; each config equals
     compose's, and an error of one list leaves the next to compose."""
