@@ -95,6 +95,15 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+def _label(ax, xlabel: str, ylabel: str, title: str, which: str = "both") -> None:
+    """A series panel's labels, grid and legend (the same look in every per-series plot)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which=which)
+    ax.legend(fontsize=7)
+
+
 def plot_l0_vs_size(results: list[dict], path: Path):
     """Held-out mean L0 against the number of layers, a line per series (L1 strength and steps,
     in :func:`_series_styles`' look; re-init rows as open markers), with the paper's 39 / 29 /
@@ -143,11 +152,7 @@ def plot_l0_per_layer(results: list[dict], path: Path):
             ax.plot(range(1, len(l0) + 1), l0, ".-", label=row_label(r),
                     color=color[r["row"]["layers"]])
         _log_axis(ax, [v for r in rs for v in r["profile"]["l0_L"]])
-        ax.set_xlabel("layer")
-        ax.set_ylabel("L0 (held out)")
-        ax.set_title(f"L0 per layer, {_title(key, results)}")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        _label(ax, "layer", "L0 (held out)", f"L0 per layer, {_title(key, results)}")
     return _save(plt, fig, path)
 
 
@@ -166,11 +171,8 @@ def plot_l0_by_position(results: list[dict], path: Path):
                     color=color[r["row"]["layers"]])
         _log_axis(ax, [1, max(len(r["profile"]["l0_T"]) for r in rs)], "x")
         _log_axis(ax, [v for r in rs for v in r["profile"]["l0_T"]])
-        ax.set_xlabel("position in the sequence (1 = first token)")
-        ax.set_ylabel("L0, mean over layers")
-        ax.set_title(f"L0 by position, {_title(key, results)}")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        _label(ax, "position in the sequence (1 = first token)", "L0, mean over layers",
+               f"L0 by position, {_title(key, results)}")
     return _save(plt, fig, path)
 
 
@@ -198,11 +200,8 @@ def plot_max_vs_mean(results: list[dict], path: Path):
             ax.plot(xs, [10 * x for x in xs], "k--", lw=1, label="max = 10 x mean")
         _log_axis(ax, [lo, hi], "x")
         _log_axis(ax, [lo, 10 * hi])
-        ax.set_xlabel("layer mean L0")
-        ax.set_ylabel("max active units of one token")
-        ax.set_title(f"per-token max vs mean, {_title(key, results)}")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        _label(ax, "layer mean L0", "max active units of one token",
+               f"per-token max vs mean, {_title(key, results)}")
     return _save(plt, fig, path)
 
 
@@ -265,11 +264,8 @@ def plot_dead_over_training(results: list[dict], path: Path):
             # a depth in its colour in every panel; a re-init row in the next one after them
             col = f"C{len(color)}" if r["row"]["reinit"] else color[r["row"]["layers"]]
             ax.step(*zip(*pts), style, where="post", marker=".", label=name, color=col)
-        ax.set_xlabel("training tokens (M)")
-        ax.set_ylabel("dead units (%), last window")
-        ax.set_title(f"dead units, {_title(key, results)}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _label(ax, "training tokens (M)", "dead units (%), last window",
+               f"dead units, {_title(key, results)}", which="major")
     return _save(plt, fig, path)
 
 
