@@ -1076,13 +1076,21 @@ def _reject_unknown_in(name: str, node, schema) -> None:
     if unknown:
         raise ConfigError(unknown_key_message(name, unknown[0], known))
     from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
 
     for key in node:
-        if OmegaConf.is_interpolation(node, key):  # resolved (and its error raised) by to_object
+        sub = getattr(schema, key)
+        if not dataclasses.is_dataclass(sub):  # a plain value: not read, so not resolved here
             continue
-        child, sub = node.get(key), getattr(schema, key)
-        if dataclasses.is_dataclass(sub) and hasattr(child, "keys"):
-            _reject_unknown_in(f"{name}.{key}", child, sub)
+        try:  # a ${...} into a group (ffn.policy=${trainer}) is scanned as what it resolves to
+            child = node.get(key)
+        except InterpolationResolutionError:  # to_object raises it, named by config_error
+            continue
+        if not hasattr(child, "keys"):  # OmegaConf does not check a ${...}'s type: 42 is no policy
+            raise ConfigError(f"{name}.{key}: {OmegaConf.to_container(node)[key]} is {child!r}, not "
+                              f"the keys of {type(sub).__name__}; set its keys one by one "
+                              f"({name}.{key}.<key>=value).")
+        _reject_unknown_in(f"{name}.{key}", child, sub)
 
 
 # lines of Hydra's messages that say nothing about the mistake

@@ -533,6 +533,23 @@ def test_an_interpolation_that_does_not_resolve_is_one_line_naming_its_key():
     _one_line(e)
 
 
+def test_an_interpolation_into_a_group_is_scanned_for_unknown_keys():
+    """``ffn.policy=${trainer}`` resolves to the trainer's keys: the unknown-key scan reads
+    what it resolves to (not skipped as a ``${...}``), and one that is no group of keys
+    (``${trainer.seed}``: OmegaConf does not check its type) is one line too."""
+    from train.config import compose as train_compose
+
+    with pytest.raises(ConfigError, match=r"^unknown key ffn\.policy\.autocast_cache; ") as e:
+        train_compose(["ffn.policy=${trainer}"])
+    _one_line(e)
+    with pytest.raises(ConfigError) as e:
+        train_compose(["ffn.policy=${trainer.seed}"])
+    assert str(e.value) == ("ffn.policy: ${trainer.seed} is 42, not the keys of FFNPolicy; "
+                            "set its keys one by one (ffn.policy.<key>=value).")
+    with pytest.raises(ConfigError, match=r"^ffn\.policy: Interpolation key 'nosuch' not found"):
+        train_compose(["ffn.policy=${nosuch}"])
+
+
 def test_composer_composes_many_configs_as_compose_does():
     """train.config.composer: one Hydra context for many override lists; each config equals
     compose's, and an error of one list leaves the next to compose."""
