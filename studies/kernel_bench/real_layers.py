@@ -38,14 +38,16 @@ Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``de
                   (``FFNPolicy.infer_long_rows``)
     torch         train: PyTorch autograd of y alone, no L1 term (cuBLAS bf16), the baseline
     ell           train: the ELL op measuring its dense backup per call
-    ell_nosync    train: the ELL op, no host sync, backup at the measured capacity
+    ell_nosync    train: the ELL op, no host sync, backup at the measured capacity; fwd: its
+                  forward alone (``twell.ops.ffn_train.ell_ffn_forward``: no CSC order, nothing
+                  saved), the same capacity
     ell_graph     train: ``ell_nosync`` captured in one CUDA graph, forward and backward
                   (``twell.ops.ffn_train_graph``): one launch a call instead of ~96; captured at
                   its first call (outside the timing), checked against fp32 and against
                   ``ell_nosync`` (:data:`TWINS`), its capacity guard read after the timing
                   (an overflow stops the run as a failed check); CUDA only (skipped with the
                   reason on the CPU); left out with the reason when the capture fails
-    ell_hot       train: no-sync ELL with the hot set
+    ell_hot       train: no-sync ELL with the hot set; fwd: its forward alone, the same capacity
     auto          fwd: ``mode="auto"`` (measured on CUDA), with the hot set where the layer's
                   density is at least ``FFNPolicy.hot_min_density`` (the plan's rule); train:
                   ``twell.ops.ffn_train_auto.AutoFFNTrain`` (the measured op-level auto): on
@@ -87,7 +89,7 @@ from studies.kernel_bench.common import (
 )
 from twell.nn.record import active_counts_of
 from twell.ops.ffn import TwELLState, sparse_ffn
-from twell.ops.ffn_train import backup_capacity_for, sparse_ffn_train
+from twell.ops.ffn_train import backup_capacity_for, ell_ffn_forward, sparse_ffn_train
 from twell.ops.ffn_train_auto import AutoFFNTrain
 from twell.ops.ffn_train_graph import CapacityOverflow
 from twell.ops.hot_units import hot_unit_count, hot_units_from_counts
@@ -99,7 +101,8 @@ COLUMNS = ["size", "layer", "density", "l0_mean", "l0_max", "heavy_rows", "op", 
            "speedup_vs_dense", "rel_err", "spread_pct"]
 ROUNDS = 3  # interleaved timing rounds per case (the script's --rounds default)
 KINDS = ("fwd", "train")
-OPS = {"fwd": ("dense", "twell", "twell_heavy_first", "twell_hot", "twell_long", "auto", "paper"),
+OPS = {"fwd": ("dense", "twell", "twell_heavy_first", "twell_hot", "twell_long", "ell_nosync",
+               "ell_hot", "auto", "paper"),
        "train": ("torch", "ell", "ell_nosync", "ell_graph", "ell_hot", "auto",
                  "paper")}
 CUDA_ONLY = {("ell_graph", "train"): "CUDA graphs need a CUDA device"}  # op -> why it is skipped
@@ -253,6 +256,8 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
     if kind == "fwd":
         if op == "dense":
             return lambda: [_dense_fwd(x, wg, wu, wd)]
+        if op in ("ell_nosync", "ell_hot"):
+            return _ell_fwd_closure(op, case, policy)
         st = TwELLState()
         mode = "auto" if op == "auto" else "twell"
         hot = None if op in ("twell", "twell_heavy_first", "twell_long") or (
@@ -281,6 +286,18 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
     kw = {"ell": {}, "ell_nosync": {"backup_rows": case.caps.get("cold", -1)},
           "ell_hot": {"backup_rows": case.caps.get("hot", -1), "hot_units": case.hot}}[op]
     return _train_closure(lambda *a: sparse_ffn_train(*a, policy=policy, **kw), case, True)
+
+
+def _ell_fwd_closure(op: str, case: Case, policy: FFNPolicy):
+    """``ell_nosync`` / ``ell_hot``'s forward alone (``ell_ffn_forward``) at the training op's
+    no-sync capacity; None when every row is heavy (the no-sync rule, as for training)."""
+    hot = case.hot if op == "ell_hot" else None
+    heavy = case.cold_heavy if hot is not None else case.stats["heavy_rows"]
+    if heavy >= case.x.shape[0]:
+        return None
+    kw = {"backup_rows": case.caps.get("hot" if hot is not None else "cold", -1),
+          "hot_units": hot, "policy": policy}
+    return lambda: [ell_ffn_forward(case.x, case.wg, case.wu, case.wd, **kw)[0]]
 
 
 def read_guard(fn, where: str) -> None:

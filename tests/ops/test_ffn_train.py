@@ -824,3 +824,87 @@ def test_hot_units_trace_compile_and_checkpoint():
     check_compiled_and_checkpointed(f, x, wg, wu, wd, dy)
     args = tuple(t.float() for t in (x, wg, wu, wd)) + (8, 1.0, "torch", -1, hot)
     torch.library.opcheck(ffn_train._ffn_train_fwd, args)
+
+
+# --- the layout's forward alone (ell_ffn_forward) -------------------------------------------
+
+FORWARD_MODES = [  # (mode, options beyond the capacity): measure, all-dense fallback, no-sync
+    ("measure", {"dense_row_fraction": 1.0}), ("all_dense", {"dense_row_fraction": 0.0}),
+    ("nosync", {"dense_row_fraction": 1.0})]
+
+
+@pytest.mark.parametrize("kind", ["none", "few", "heavy"])
+@pytest.mark.parametrize("mode,opts", FORWARD_MODES, ids=[m for m, _ in FORWARD_MODES])
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+def test_ell_forward_is_the_training_ops_forward(backend, dtype, rel, mode, opts, kind):
+    """``ell_ffn_forward``'s y equals ``sparse_ffn_train``'s y bitwise on the same backend (the
+    same kernels in the same order, without the CSC order and the saved state) and fp64 dense
+    PyTorch within the backend's bound; its heavy-row count is the cold tokens above the
+    capacity, counted here in fp64. Cases hold light rows, heavy rows, an all-zero and a fully
+    active token, and hot sets (none, a few units, units of the heavy rows)."""
+    n, d, h, cap = 40, 24, 300, 12
+    x, wg, wu, wd, dy = make_case(n, d, h, seed=71, zero_rows=(0,), dense_rows=(n - 1,))
+    hot = hot_set(kind, x, wg, cap)
+    hot = None if hot is None else hot.to(DEV)
+    want_heavy = cold_heavy(x, wg, None if hot is None else hot.cpu(), cap)
+    assert 0 < want_heavy < n - 1
+    kw = {"ell_capacity": cap, "backend": backend, "hot_units": hot, **opts}
+    if mode == "nosync":
+        kw["backup_rows"] = want_heavy + 2
+    ins = [t.to(DEV, dtype) for t in (x, wg, wu, wd)]
+    y, heavy = ffn_train.ell_ffn_forward(*ins, **kw)
+    y_train, st = sparse_ffn_train(*ins, **kw)
+    assert torch.equal(y, y_train)
+    assert heavy.shape == (1,) and heavy.dtype == torch.int32
+    assert int(heavy[0]) == int(st.heavy_rows.item()) == want_heavy
+    y_ref, _, _ = reference(x, wg, wu, wd, dy, 0.0)
+    assert_close("y", y, y_ref, rel)
+
+
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+def test_ell_forward_nosync_capacity_too_small_is_reported_and_wrong_only_there(backend, dtype,
+                                                                                rel):
+    """A no-sync capacity below the heavy rows: the count says so (the caller's redo rule) and
+    only the heavy rows beyond the backup differ from the reference; a measuring call is exact."""
+    x, wg, wu, wd, dy = make_case(40, 24, 300, seed=72, zero_rows=(0,), dense_rows=(39,))
+    cap = 12
+    heavy_rows = active(x, wg).sum(1) > cap
+    r = int(heavy_rows.sum())
+    assert r >= 3
+    ins = [t.to(DEV, dtype) for t in (x, wg, wu, wd)]
+    y, heavy = ffn_train.ell_ffn_forward(*ins, ell_capacity=cap, backend=backend,
+                                         backup_rows=1, dense_row_fraction=1.0)
+    assert int(heavy[0]) == r > 1
+    y_ref, _, _ = reference(x, wg, wu, wd, dy, 0.0)
+    wrong = (y.double().cpu() - y_ref).abs().amax(1) > 1e-3 * y_ref.abs().max()
+    assert wrong.any() and not wrong[~heavy_rows].any()
+    y_exact, _ = ffn_train.ell_ffn_forward(*ins, ell_capacity=cap, backend=backend,
+                                           dense_row_fraction=1.0)
+    assert_close("y (measuring)", y_exact, y_ref, rel)
+
+
+@pytest.mark.parametrize("value", NONFINITE, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+def test_ell_forward_nonfinite_row_reaches_only_its_output(backend, dtype, rel, value):
+    """A NaN / inf in x[r]: y[r] is non-finite, as in fp64 dense PyTorch, and every other row
+    matches the reference (the row is heavy and takes the dense backup)."""
+    x, wg, wu, wd, dy = _nonfinite_case(value)
+    y_r, _, _ = _reference_with_nonfinite(x, wg, wu, wd, dy, 0.0)
+    ins = [t.to(DEV, dtype) for t in (x, wg, wu, wd)]
+    y, _ = ffn_train.ell_ffn_forward(*ins, backend=backend)
+    ok = [i for i in range(9) if i != 3]
+    assert torch.equal(torch.isfinite(y.cpu()), torch.isfinite(y_r))
+    assert not torch.isfinite(y[3]).any()
+    assert_close("y (finite rows)", y[ok], y_r[ok], rel)
+
+
+def test_ell_forward_empty_input_and_bad_arguments():
+    """N = 0 gives an empty (0, D) y and a zero count; a wrong shape or option is a ValueError
+    naming ``ell_ffn_forward`` or the option."""
+    x, wg, wu, wd, _ = make_inputs(4, 16, 64, seed=73)
+    y, heavy = ffn_train.ell_ffn_forward(x[:0], wg, wu, wd, backend="torch")
+    assert y.shape == (0, 16) and int(heavy[0]) == 0
+    with pytest.raises(ValueError, match="ell_ffn_forward"):
+        ffn_train.ell_ffn_forward(x, wg[:, :8], wu, wd, backend="torch")
+    with pytest.raises(ValueError, match="backup_rows"):
+        ffn_train.ell_ffn_forward(x, wg, wu, wd, backend="torch", backup_rows=-2)

@@ -149,7 +149,7 @@ def test_run_case_rows_are_medians_over_rounds(monkeypatch):
         count[key] = count.get(key, 0) + 1
         return ms.get(key, [5.0, 5.0, 5.0])[count[key] - 1]
     rows = {(r["op"], r["kind"]): r for r in bench.run_case(c, FFNPolicy(), timer, rounds=3)}
-    assert set(count.values()) == {3} and len(count) == len(rows) == 11  # 6 fwd, 5 train ops on the CPU
+    assert set(count.values()) == {3} and len(count) == len(rows) == 13  # 8 fwd, 5 train ops on the CPU
     assert rows["dense", "fwd"]["ms"] == 2.0 and rows["dense", "fwd"]["spread_pct"] == 20.0
     tw = rows["twell", "fwd"]
     assert (tw["ms"], tw["speedup_vs_dense"], tw["spread_pct"]) == (1.0, 2.0, 100.0)

@@ -636,6 +636,86 @@ def sparse_ffn_train(
     return out[0], (_train_stats(out) if with_stats else None)
 
 
+@torch.no_grad()
+def ell_ffn_forward(
+    x_ND: torch.Tensor,
+    w_gate_HD: torch.Tensor,
+    w_up_HD: torch.Tensor,
+    w_down_DH: torch.Tensor,
+    *,
+    ell_capacity: int | None = None,
+    dense_row_fraction: float | None = None,
+    backend: str = "auto",
+    backup_rows: int = -1,
+    policy: FFNPolicy | None = None,
+    hot_units: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of :func:`sparse_ffn_train`'s hybrid layout alone, for inference: the same
+    gate GEMM, hot-unit slice, compaction, SDDMM + SpMM of the light rows and dense backup of
+    the heavy rows, so ``y`` is bitwise the training op's, but no autograd, no CSC order (the
+    weight gradient's radix sort) and nothing kept for a backward. A candidate for the
+    inference forward on layers where TwELL's per-tile overflow is slow (many heavy rows, hot
+    units: the densest recorded layers, BENCHMARKS.md "Sixth session of 2026-12-06"); the
+    model's ``auto`` does not use it until a GPU bench shows it faster there.
+
+    Source: arXiv 2603.23198, the hybrid ELL + dense-backup layout (its forward half).
+
+    Args:
+        x_ND, w_gate_HD, w_up_HD, w_down_DH: as :func:`sparse_ffn_train` ((N, D), (H, D),
+            (H, D), (D, H); float; autocast casts them the same way).
+        ell_capacity, dense_row_fraction, backend, policy, hot_units: as
+            :func:`sparse_ffn_train`.
+        backup_rows: -1: one host synchronisation reads the heavy-row count and sizes the
+            dense backup (exact on every input; above ``dense_row_fraction`` every row goes
+            dense). ``>= 0``: no synchronisation, a backup of ``min(backup_rows, N - 1)`` rows;
+            exact only when the returned count is within it (the caller checks and redoes the
+            call with -1 otherwise).
+
+    Returns:
+        (y (N, D) in the compute dtype, heavy rows (1,) int32 on x's device: tokens with more
+        than KC active cold units, what a no-sync capacity must hold).
+
+    Raises:
+        ValueError: a shape, dtype, device or option mismatch (the message names it).
+    """
+    check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend, "ell_ffn_forward")
+    kc, dense_row_fraction = _train_options(policy, ell_capacity, dense_row_fraction,
+                                            backup_rows, True)
+    h = w_gate_HD.shape[0]
+    hot = check_hot_units(hot_units, h, x_ND.device, "ell_ffn_forward")
+    x, wg, wu, wd = cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, cast_weights=False)
+    n = x.shape[0]
+    if n == 0:
+        return (x.new_zeros((0, wd.shape[0])),
+                torch.zeros((1,), dtype=torch.int32, device=x.device))
+    be = pick_backend(x, backend)
+    wg, wu = wg.to(x.dtype), wu.to(x.dtype)
+    kc = kc or default_ell_capacity(h)
+    g_NH = torch.matmul(x, wg.t())
+    wdt = _down_rows(be, wd, x.dtype)
+    g_S = _hot_split(g_NH, hot)
+    col, gv, nnz_N, _, nnz_eff, n_heavy = be.compact_heavy(g_NH, kc)
+    n_heavy = n_heavy.clone()  # not an alias of the compaction's counts buffer
+    fwd_S = _hot_fwd(be, x, wu, g_S, hot)
+    if backup_rows >= 0:
+        heavy_idx, rows, g_R = _gather_backup(g_NH, nnz_N, kc, _backup_capacity(backup_rows, n))
+        del g_NH
+        y = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)[0]
+        if rows is not None:
+            be.add_rows(y, heavy_idx, _dense_backup_fwd(be, x[rows], g_R, wu, wdt)[1])
+    else:
+        y = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)[0]  # queued before the sync
+        r = int(n_heavy[0])
+        if r > dense_row_fraction * n:  # every row through the backup (its y replaces the ELL's)
+            y = _dense_backup_fwd(be, x, g_NH, wu, wdt)[1]
+        elif r > 0:  # heavy rows have an empty ELL part (y = 0 there)
+            heavy_idx = _heavy_indices(nnz_N > kc, r)
+            y.index_copy_(0, heavy_idx,
+                          _dense_backup_fwd(be, x[heavy_idx], g_NH[heavy_idx], wu, wdt)[1])
+    _hot_out(y, wdt, hot, fwd_S)
+    return y, n_heavy
+
+
 def _train_options(policy: FFNPolicy | None, ell_capacity: int | None,
                    dense_row_fraction: float | None, backup_rows: int,
                    with_stats: bool) -> tuple[int, float]:
