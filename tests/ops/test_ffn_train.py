@@ -908,3 +908,26 @@ def test_ell_forward_empty_input_and_bad_arguments():
         ffn_train.ell_ffn_forward(x, wg[:, :8], wu, wd, backend="torch")
     with pytest.raises(ValueError, match="backup_rows"):
         ffn_train.ell_ffn_forward(x, wg, wu, wd, backend="torch", backup_rows=-2)
+
+
+@pytest.mark.parametrize("mode,opts", FORWARD_MODES, ids=[m for m, _ in FORWARD_MODES])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_ell_forward_under_bf16_autocast_is_the_training_ops_forward(backend, mode, opts):
+    """Under bf16 autocast with fp32 weights y is still bitwise the training op's: the op turns
+    autocast off past the cast, as ``twell::ffn_train_fwd`` does (else the PyTorch backend's
+    fp32-accumulating gathers and sums would run in bf16)."""
+    n, d, h, cap = 40, 24, 300, 12
+    x, wg, wu, wd, _ = make_case(n, d, h, seed=74, zero_rows=(0,), dense_rows=(n - 1,))
+    want_heavy = cold_heavy(x, wg, None, cap)
+    assert 0 < want_heavy < n - 1
+    kw = {"ell_capacity": cap, "backend": backend, **opts}
+    if mode == "nosync":
+        kw["backup_rows"] = want_heavy + 2
+    ins = [t.to(DEV, torch.float32) for t in (x, wg, wu, wd)]
+    for kwh in (kw, {**kw, "ell_capacity": h}):  # heavy rows, and every row in the ELL part
+        with torch.autocast(ins[0].device.type, dtype=torch.bfloat16):
+            y, heavy = ffn_train.ell_ffn_forward(*ins, **kwh)
+            y_train, st = sparse_ffn_train(*ins, **kwh)
+        assert y.dtype == y_train.dtype == torch.bfloat16
+        assert torch.equal(y, y_train)
+        assert int(heavy[0]) == int(st.heavy_rows.item())

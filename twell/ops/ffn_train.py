@@ -688,6 +688,17 @@ def ell_ffn_forward(
     if n == 0:
         return (x.new_zeros((0, wd.shape[0])),
                 torch.zeros((1,), dtype=torch.int32, device=x.device))
+    # autocast off past the cast, as in twell::ffn_train_fwd: the PyTorch backend's fp32
+    # accumulating einsums would otherwise run in bf16 (y no longer the training op's)
+    with torch.autocast(x.device.type, enabled=False):
+        return _ell_forward_body(x, wg, wu, wd, kc, dense_row_fraction, backend, backup_rows,
+                                 hot)
+
+
+def _ell_forward_body(x, wg, wu, wd, kc: int, dense_row_fraction: float, backend: str,
+                      backup_rows: int, hot):
+    """:func:`ell_ffn_forward` on the cast inputs (N > 0), autocast off."""
+    n, h = x.shape[0], wg.shape[0]
     be = pick_backend(x, backend)
     wg, wu = wg.to(x.dtype), wu.to(x.dtype)
     kc = kc or default_ell_capacity(h)
