@@ -931,3 +931,12 @@ def test_ell_forward_under_bf16_autocast_is_the_training_ops_forward(backend, mo
         assert y.dtype == y_train.dtype == torch.bfloat16
         assert torch.equal(y, y_train)
         assert int(heavy[0]) == int(st.heavy_rows.item())
+
+
+@pytest.mark.parametrize("opts", [{"backup_rows": -2}, {"ell_capacity": -1},
+                                  {"dense_row_fraction": 1.5}])
+def test_ell_forward_option_errors_name_ell_ffn_forward(opts):
+    """A bad option's ValueError names ``ell_ffn_forward``, not the training op."""
+    x, wg, wu, wd, _ = make_inputs(4, 16, 64, seed=73)
+    with pytest.raises(ValueError, match="^ell_ffn_forward: "):
+        ffn_train.ell_ffn_forward(x, wg, wu, wd, backend="torch", **opts)

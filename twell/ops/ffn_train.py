@@ -680,7 +680,7 @@ def ell_ffn_forward(
     """
     check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend, "ell_ffn_forward")
     kc, dense_row_fraction = _train_options(policy, ell_capacity, dense_row_fraction,
-                                            backup_rows, True)
+                                            backup_rows, True, "ell_ffn_forward")
     h = w_gate_HD.shape[0]
     hot = check_hot_units(hot_units, h, x_ND.device, "ell_ffn_forward")
     x, wg, wu, wd = cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, cast_weights=False)
@@ -729,10 +729,10 @@ def _ell_forward_body(x, wg, wu, wd, kc: int, dense_row_fraction: float, backend
 
 def _train_options(policy: FFNPolicy | None, ell_capacity: int | None,
                    dense_row_fraction: float | None, backup_rows: int,
-                   with_stats: bool) -> tuple[int, float]:
+                   with_stats: bool, fn: str = "sparse_ffn_train") -> tuple[int, float]:
     """``sparse_ffn_train``'s ELL capacity KC (0 = the default for H) and dense-row fraction:
     the arguments, or the policy's where None (``FFNPolicy()``'s without a policy), checked
-    together with ``backup_rows``.
+    together with ``backup_rows``; ``fn`` names the caller in the messages.
 
     Raises:
         ValueError: backup_rows < -1, backup_rows >= 0 with ``with_stats=False``, ell_capacity
@@ -743,15 +743,15 @@ def _train_options(policy: FFNPolicy | None, ell_capacity: int | None,
     if dense_row_fraction is None:
         dense_row_fraction = policy.dense_row_fraction
     if backup_rows < -1:
-        raise ValueError(f"sparse_ffn_train: backup_rows must be -1 (measure per call) or a "
+        raise ValueError(f"{fn}: backup_rows must be -1 (measure per call) or a "
                          f"capacity >= 0; got {backup_rows}")
     if backup_rows >= 0 and not with_stats:
-        raise ValueError("sparse_ffn_train: backup_rows >= 0 needs with_stats=True (the caller "
+        raise ValueError(f"{fn}: backup_rows >= 0 needs with_stats=True (the caller "
                          "checks stats.heavy_rows against the capacity)")
     if ell_capacity < 0 or not 0.0 <= dense_row_fraction <= 1.0:
         raise ValueError(
-            f"ell_capacity must be >= 0 (0 = default) and dense_row_fraction in [0, 1]; got "
-            f"{ell_capacity}, {dense_row_fraction}"
+            f"{fn}: ell_capacity must be >= 0 (0 = default) and dense_row_fraction in [0, 1]; "
+            f"got {ell_capacity}, {dense_row_fraction}"
         )
     return ell_capacity, dense_row_fraction
 
