@@ -210,9 +210,11 @@ def _with_hot_stats(out, hot, add):
 
 
 def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backend: str,
-              backup_rows: int = -1, hot=None):
+              backup_rows: int = -1, hot=None, with_csc: bool = True):
     """``twell::ffn_train_fwd`` (its docstring lists the outputs): gate GEMM and compaction,
-    then the no-sync mode (``_fwd_nosync``) or the measuring mode (one host sync reads R)."""
+    then the no-sync mode (``_fwd_nosync``) or the measuring mode (one host sync reads R).
+    ``with_csc=False`` (:func:`ell_ffn_forward`, no backward to follow) skips the CSC order:
+    perm, colptr and order come out None."""
     be = pick_backend(x, backend)
     # Wg, Wu in the compute dtype for this call only (module docstring, "Saved for backward")
     wg, wu = wg.to(x.dtype), wu.to(x.dtype)
@@ -235,10 +237,10 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         backup = _gather_backup(g_NH, nnz_N, kc, _backup_capacity(backup_rows, n))
         del g_NH
         out = _fwd_nosync(be, x, wu, kc, acc, col, gv, nnz_N, counts_H, nnz_eff, wdt, backup,
-                          n_heavy_out)
+                          n_heavy_out, with_csc)
         return _with_hot_stats(out, hot, _hot_out(out[0], wdt, hot, fwd_S)) + _saved_S(x, fwd_S)
     r, y, u, l1_N, csc, fwd_S = _sync_heavy_count(be, x, wu, wdt, g_S, hot, col, gv, nnz_eff,
-                                                  n_heavy, kc, h)
+                                                  n_heavy, kc, h, with_csc)
     all_dense = r > dense_row_fraction * n
     if all_dense:
         r = n
@@ -247,17 +249,17 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         u = gv.new_zeros(gv.shape)  # never read (every row is on the dense backup); zeros
         # keep the op's outputs deterministic (opcheck's eager-vs-AOT comparison)
         l1_light = torch.zeros((), dtype=acc, device=x.device)
-        if csc is None:  # never read either (the backward returns before the dW kernel)
+        if csc is None and with_csc:  # never read either (the backward returns before dW)
             csc = _placeholder_csc(n, kc, h, x.device)
     else:
         if y is None:  # not queued before the sync (off CUDA)
             y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)
-        if csc is None:
+        if csc is None and with_csc:
             csc = csc_order(col, nnz_eff, kc, h)
         heavy_idx = (_heavy_indices(nnz_N > kc, r) if r > 0
                      else torch.empty((0,), dtype=torch.int64, device=x.device))
         l1_light = l1_N.sum(dtype=acc)
-    perm, colptr, order = csc
+    perm, colptr, order = csc if with_csc else (None, None, None)
     if r > 0:
         # gathered here, not in a callee: only this frame's del frees g_NH before the GEMMs
         if all_dense:
@@ -280,15 +282,17 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     return _with_hot_stats(out, hot, _hot_out(y, wdt, hot, fwd_S)) + _saved_S(x, fwd_S)
 
 
-def _sync_heavy_count(be, x, wu, wdt, g_S, hot, col, gv, nnz_eff, n_heavy, kc: int, h: int):
+def _sync_heavy_count(be, x, wu, wdt, g_S, hot, col, gv, nnz_eff, n_heavy, kc: int, h: int,
+                      with_csc: bool = True):
     """The measuring mode's one host sync: reads R, the number of heavy rows (device (1,)
     int32 ``n_heavy``), which sizes the dense backup.
 
     Returns:
         (R (int), y (N, D), u (N, KC), l1_N (N,), the CSC order ``(perm, colptr, order)``, the
         hot units' forward (``_hot_fwd``)). On CUDA y, u and l1_N are the light rows' SDDMM and
-        SpMM (``_ell_fwd``) and the CSC order ``csc_order``'s, all queued before the wait;
-        elsewhere those four are None (the caller computes them once R is known).
+        SpMM (``_ell_fwd``) and the CSC order ``csc_order``'s (None without ``with_csc``), all
+        queued before the wait; elsewhere those four are None (the caller computes them once R
+        is known).
     """
     # On CUDA the sync waits on an event recorded right after the compaction, not on the
     # whole stream, with the SDDMM, SpMM and CSC sort (which need no host value) queued before
@@ -304,7 +308,7 @@ def _sync_heavy_count(be, x, wu, wdt, g_S, hot, col, gv, nnz_eff, n_heavy, kc: i
     y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)  # discarded if all rows go dense
     # the CSC order too, before the wait: the host has almost nothing left to launch after
     # it (1.86x vs 1.62x queued after the wait, 0.3 %, H200)
-    csc = csc_order(col, nnz_eff, kc, h)
+    csc = csc_order(col, nnz_eff, kc, h) if with_csc else None
     fwd_S = _hot_fwd(be, x, wu, g_S, hot)  # and the hot slice's GEMM
     r_ready.synchronize()
     return int(r_host[0]), y, u, l1_N, csc, fwd_S
@@ -350,7 +354,8 @@ def _gather_backup(g_NH, nnz_N, kc: int, r_cap: int):
     return heavy_idx, rows, torch.where((heavy_idx < n)[:, None], g_NH[rows], 0)
 
 
-def _fwd_nosync(be, x, wu, kc, acc, col, gv, nnz_N, counts_H, nnz_eff, wdt, backup, n_heavy):
+def _fwd_nosync(be, x, wu, kc, acc, col, gv, nnz_N, counts_H, nnz_eff, wdt, backup, n_heavy,
+                with_csc: bool = True):
     """The forward with no host synchronisation: the dense backup (``_gather_backup``) has the
     capacity the caller chose from earlier measurements. Heavy rows beyond it would be wrong
     (their ELL part is empty): the caller must compare ``FFNStats.heavy_rows`` (or the returned
@@ -358,7 +363,8 @@ def _fwd_nosync(be, x, wu, kc, acc, col, gv, nnz_N, counts_H, nnz_eff, wdt, back
     heavy_idx, rows, g_R = backup
     n, h = x.shape[0], g_R.shape[1]
     y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)
-    perm, colptr, order = csc_order(col, nnz_eff, kc, h)
+    perm, colptr, order = (csc_order(col, nnz_eff, kc, h) if with_csc
+                           else (None, None, None))
     l1 = l1_N.sum(dtype=acc)
     if rows is not None:
         u_R, y_R, l1_heavy = _dense_backup_fwd(be, x[rows], g_R, wu, wdt)
@@ -691,40 +697,9 @@ def ell_ffn_forward(
     # autocast off past the cast, as in twell::ffn_train_fwd: the PyTorch backend's fp32
     # accumulating einsums would otherwise run in bf16 (y no longer the training op's)
     with torch.autocast(x.device.type, enabled=False):
-        return _ell_forward_body(x, wg, wu, wd, kc, dense_row_fraction, backend, backup_rows,
-                                 hot)
-
-
-def _ell_forward_body(x, wg, wu, wd, kc: int, dense_row_fraction: float, backend: str,
-                      backup_rows: int, hot):
-    """:func:`ell_ffn_forward` on the cast inputs (N > 0), autocast off."""
-    n, h = x.shape[0], wg.shape[0]
-    be = pick_backend(x, backend)
-    wg, wu = wg.to(x.dtype), wu.to(x.dtype)
-    kc = kc or default_ell_capacity(h)
-    g_NH = torch.matmul(x, wg.t())
-    wdt = _down_rows(be, wd, x.dtype)
-    g_S = _hot_split(g_NH, hot)
-    col, gv, nnz_N, _, nnz_eff, n_heavy = be.compact_heavy(g_NH, kc)
-    n_heavy = n_heavy.clone()  # not an alias of the compaction's counts buffer
-    fwd_S = _hot_fwd(be, x, wu, g_S, hot)
-    if backup_rows >= 0:
-        heavy_idx, rows, g_R = _gather_backup(g_NH, nnz_N, kc, _backup_capacity(backup_rows, n))
-        del g_NH
-        y = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)[0]
-        if rows is not None:
-            be.add_rows(y, heavy_idx, _dense_backup_fwd(be, x[rows], g_R, wu, wdt)[1])
-    else:
-        y = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)[0]  # queued before the sync
-        r = int(n_heavy[0])
-        if r > dense_row_fraction * n:  # every row through the backup (its y replaces the ELL's)
-            y = _dense_backup_fwd(be, x, g_NH, wu, wdt)[1]
-        elif r > 0:  # heavy rows have an empty ELL part (y = 0 there)
-            heavy_idx = _heavy_indices(nnz_N > kc, r)
-            y.index_copy_(0, heavy_idx,
-                          _dense_backup_fwd(be, x[heavy_idx], g_NH[heavy_idx], wu, wdt)[1])
-    _hot_out(y, wdt, hot, fwd_S)
-    return y, n_heavy
+        out = _fwd_body(x, wg, wu, wd, int(kc), float(dense_row_fraction), backend,
+                        int(backup_rows), hot, with_csc=False)
+    return out[0], out[4]
 
 
 def _train_options(policy: FFNPolicy | None, ell_capacity: int | None,
