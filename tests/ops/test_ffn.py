@@ -655,3 +655,31 @@ def test_heavy_first_policy_same_bits_and_orders_the_consumer(gated, monkeypatch
     assert_close_verbose(y1, y_ref, rtol=1e-4, atol=1e-5, what=f"heavy_first gated={gated}")
     with pytest.raises(ValueError, match="infer_heavy_first"):
         FFNPolicy(infer_heavy_first=1)
+
+
+@pytest.mark.parametrize("long_rows", [0, 3])
+def test_info_read_on_demand_equals_counts(long_rows):
+    """The TwELL path leaves FFNInfo's reductions unread until a field is read; each then equals
+    the count computed here in fp64 from the gate pre-activations (density = active / (N H),
+    overflow rows / tiles against the TwELL capacity), and the state's density for the next call
+    is the same number through the host-side division."""
+    n, d, h = 70, 32, 256
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.2, seed=5, heavy=True)
+    pol = FFNPolicy(infer_long_rows=long_rows, infer_long_min_nnz=0)
+    st = TwELLState(factor=8)
+    with torch.no_grad():
+        sparse_ffn(x, wg, wu, wd, mode="twell", state=st, policy=pol)
+    info = st.last_info
+    assert "overflow_tiles=<not read>" in repr(info) and "density=<not read>" in repr(info)
+    act = (x.double() @ wg.double().T) > 0  # no NaN here: active = g > 0
+    cap = words_per_tile(8) - 1
+    per_tile = act.view(n, h // TILE, TILE).sum(2)
+    assert float(info.density) == pytest.approx(act.sum().item() / (n * h), rel=1e-6)
+    assert int(info.overflow_tiles) == int((per_tile > cap).sum()) > 0
+    assert int(info.overflow_rows) == int((per_tile > cap).any(1).sum())
+    assert (info.long_rows is None) == (long_rows == 0)
+    if long_rows:
+        assert int(info.long_rows) == long_rows  # min_nnz 0: the top-k rows are all long
+    assert "overflow_tiles=tensor" in repr(info)
+    if DEV == "cpu":
+        assert st.poll_density() == pytest.approx(act.sum().item() / (n * h), rel=1e-6)

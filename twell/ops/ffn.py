@@ -53,8 +53,6 @@ computed densely inside the consumer (never dropped or double-counted);
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -65,9 +63,13 @@ from twell.policy import FFNPolicy
 from twell.stats import FFNStats, stats_from_counts
 
 
-@dataclass
 class FFNInfo:
     """What one ``sparse_ffn`` call did (device tensors: reading them syncs).
+
+    The TwELL path hands the counts over as zero-argument callables and each is reduced on its
+    first read (then kept): the call itself launches none of the diagnostics' reductions, which
+    cost ~10-25 us of GPU time a call (``BENCHMARKS.md``, seventh session of 2026-12-06) that
+    only a bench or a test reads.
 
     Attributes:
         path: "twell" (Triton kernels), "twell-torch" (PyTorch reference of
@@ -79,13 +81,35 @@ class FFNInfo:
             the TwELL counts, long rows included, though those run in the dense backup).
         long_rows: scalar int tensor, rows computed by the dense backup of the longest rows
             (``policy.infer_long_rows``; None when off or on other paths).
+
+    Each argument of the constructor after ``path`` is a tensor, None, or a zero-argument
+    callable returning the tensor.
     """
 
-    path: str
-    density: torch.Tensor | None = None
-    overflow_rows: torch.Tensor | None = None
-    overflow_tiles: torch.Tensor | None = None
-    long_rows: torch.Tensor | None = None
+    _FIELDS = ("density", "overflow_rows", "overflow_tiles", "long_rows")
+    __slots__ = ("_values", "path")
+
+    def __init__(self, path: str, density=None, overflow_rows=None, overflow_tiles=None,
+                 long_rows=None) -> None:
+        self.path = path
+        self._values = dict(zip(self._FIELDS, (density, overflow_rows, overflow_tiles,
+                                               long_rows)))
+
+    def _get(self, name: str) -> torch.Tensor | None:
+        v = self._values[name]
+        if callable(v):
+            v = self._values[name] = v()
+        return v
+
+    density = property(lambda self: self._get("density"))
+    overflow_rows = property(lambda self: self._get("overflow_rows"))
+    overflow_tiles = property(lambda self: self._get("overflow_tiles"))
+    long_rows = property(lambda self: self._get("long_rows"))
+
+    def __repr__(self) -> str:
+        shown = ("<not read>" if callable(v) else repr(v) for v in self._values.values())
+        return f"FFNInfo(path={self.path!r}, " + ", ".join(
+            f"{k}={v}" for k, v in zip(self._FIELDS, shown)) + ")"
 
 
 DENSE_RECHECK_EVERY = 16  # "auto" on the dense path re-measures the density every this many calls
@@ -121,6 +145,7 @@ class TwELLState:
         self._wdt_key: tuple | None = None
         self._dens_host: torch.Tensor | None = None
         self._dens_event = None
+        self._dens_scale = 1.0
 
     def down_t(self, w_down_DH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(H, D) contiguous copy of ``w_down_DH.T`` in ``dtype``, cached until the weight changes.
@@ -147,21 +172,24 @@ class TwELLState:
         version stays 0, and a reused allocation can repeat the pointer (train/parallel.py)."""
         self._wdt = self._wdt_key = None
 
-    def record_density(self, dens: torch.Tensor) -> None:
-        """Store this call's density for the next call's dispatch without a host sync."""
+    def record_density(self, dens: torch.Tensor, scale: float = 1.0) -> None:
+        """Store this call's density, ``float(dens) * scale`` (scalar tensor; ``scale`` lets a
+        caller hand over a count and leave the division to the host), for the next call's
+        dispatch without a host sync."""
         if dens.is_cuda:
             if self._dens_host is None:
                 self._dens_host = torch.empty((), dtype=torch.float32, pin_memory=True)
             self._dens_host.copy_(dens.detach(), non_blocking=True)
+            self._dens_scale = scale
             self._dens_event = torch.cuda.Event()
             self._dens_event.record()
         else:
-            self.density = float(dens)
+            self.density = float(dens) * scale
 
     def poll_density(self) -> float | None:
         """The latest density whose copy has landed (never blocks)."""
         if self._dens_event is not None and self._dens_event.query():
-            self.density = float(self._dens_host)
+            self.density = float(self._dens_host) * self._dens_scale
             self._dens_event = None
         return self.density
 
@@ -389,16 +417,20 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state, ho
             tw.counts.index_copy_(0, top, saved)  # the true counts again, for the statistics
             tw.row_nnz, tw.row_overflow = packed_rows
             _long_backup(y, l1_rows, x_ND, dense, w_up_HD if gated else None, wdt, top, is_long)
-            n_long = is_long.sum()
+            n_long = is_long
         if g_S is not None:
             nnz_row = _hot_slice(y, l1_rows, colcnt, nnz_row, x_ND, w_up_HD if gated else None,
                                  wdt, hot, g_S)
         path = "twell"
-    nnz_sum = nnz_row.sum().float()
-    dens = nnz_sum / float(n * h)
-    state.record_density(dens)
-    state.last_info = FFNInfo(path, density=dens, overflow_rows=tw.overflow_rows().sum(),
-                              overflow_tiles=tw.n_overflow_tiles(), long_rows=n_long)
+    nnz_sum = nnz_row.sum(dtype=torch.float32)  # one reduction; the density's division is the host's
+    state.record_density(nnz_sum, scale=1.0 / float(n * h))
+    ovf = tw.row_overflow  # (N,) int32: the closures keep it, not the TwELL buffer
+    state.last_info = FFNInfo(
+        path, density=lambda: nnz_sum / float(n * h),
+        overflow_rows=((lambda: (ovf > 0).sum()) if ovf is not None
+                       else tw.overflow_rows().sum()),
+        overflow_tiles=(lambda: ovf.sum()) if ovf is not None else tw.n_overflow_tiles(),
+        long_rows=None if n_long is None else n_long.sum)
     stats = None
     if with_stats:
         stats = FFNStats(l1=l1_rows.mean(), nnz_sum=nnz_sum, nnz_max=nnz_row.max().float(),
