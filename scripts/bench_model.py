@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The whole-model benchmark: the fastest way to train a framework-made sparse model on a card,
-per path (plain transformers, our dense path, ELL, auto, and what ``experiment=paper_*`` picks by
-itself), per memory budget. A thin driver over ``studies.bench`` (what each stage does: its module
+per path (plain transformers, transformers + Liger-Kernel, torch.compile, our dense path, ELL,
+auto, and what ``experiment=paper_*`` picks by itself), per memory budget. A thin driver over ``studies.bench`` (what each stage does: its module
 docstrings; the commands for a bare GPU machine: docs/model_bench/README.md).
 
     # one H200: bench the 1.5B model the scaling study left in this call (~5.5 min)
@@ -237,8 +237,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     try:
         if a.report is not None:
-            print(merge_runs(a.report, a.out, **({"equal_micro": a.equal_micro}
-                                                 if a.equal_micro else {})))
+            print(merge_runs(a.report, a.out, plot=a.plots,
+                             **({"equal_micro": a.equal_micro} if a.equal_micro else {})))
             return 0
         s = settings(a)
         check_overrides(s.sizes, s.recipe, s.config, search_batch=s.search_batch, smoke=s.smoke,
@@ -247,6 +247,10 @@ def main(argv=None) -> int:
             raise ValueError(f"--sizes {','.join(s.sizes)} needs a CUDA GPU and there is none "
                              "here; pass --smoke for the tiny CPU run (--report merges outputs "
                              "on the CPU)")
+        if not s.smoke:
+            from studies.bench.search import check_budgets_fit
+
+            check_budgets_fit(s.budgets, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30)
     except (ValueError, FileNotFoundError) as e:  # one line, exit code 2 (bad input)
         print(f"bench_model: {e}", file=sys.stderr)
         if a.out_is_temp:  # the smoke's output folder, still empty

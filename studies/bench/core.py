@@ -141,8 +141,10 @@ class BenchSettings:
 
     def __post_init__(self) -> None:
         bad = [p for p in self.paths if p not in PATHS]
-        if bad or not self.paths:
-            raise ValueError(f"paths: unknown {bad}; use some of {', '.join(PATHS)}")
+        if not self.paths:
+            raise ValueError(f"--paths: give at least one of {', '.join(PATHS)}")
+        if bad:
+            raise ValueError(f"--paths: unknown {bad}; use some of {', '.join(PATHS)}")
         for p in self.profile_paths:
             split_profile_path(p)  # ValueError naming an unknown path or a bad override
         if not self.sizes:

@@ -92,6 +92,21 @@ def parse_budgets(text: str) -> list[Budget]:
     return out
 
 
+def check_budgets_fit(budgets: list[Budget], device_gb: float) -> None:
+    """Refuse a budget above the GPU's memory: the run would time the whole GPU and label the
+    rows with the larger card (an H100's rows once came out labelled 139 GB). A budget up to
+    2 % above ``device_gb`` is that card (an 80 GB H100 reports 79.2 GiB).
+
+    Raises:
+        ValueError: one line naming ``--budgets``, the budget and the GPU's GiB.
+    """
+    over = [b.label for b in budgets if b.card_gb > 1.02 * device_gb]
+    if over:
+        raise ValueError(f"--budgets {','.join(over)}: this GPU has {device_gb:.1f} GiB; a budget "
+                         "emulates a card no larger than the GPU (e.g. --budgets 80 on an 80 GB "
+                         "card)")
+
+
 @contextmanager
 def emulated(budget: Budget, device) -> Iterator[None]:
     """Within the block, the CUDA ``device`` allocates at most ``budget.card_gb`` GiB (an
@@ -257,5 +272,15 @@ class FakeMemory:
         return run
 
 
-__all__ = ["SATURATION_TOKENS", "Budget", "Choice", "FakeMemory", "SharedProbe", "emulated",
-           "faster", "parse_budgets", "search"]
+__all__ = [
+    "SATURATION_TOKENS",
+    "Budget",
+    "Choice",
+    "FakeMemory",
+    "SharedProbe",
+    "check_budgets_fit",
+    "emulated",
+    "faster",
+    "parse_budgets",
+    "search",
+]

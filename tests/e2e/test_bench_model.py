@@ -34,7 +34,14 @@ from studies.bench.recipe import (
     stage1_overrides,
 )
 from studies.bench.report import read_csv, table1, write_outputs
-from studies.bench.search import Choice, FakeMemory, SharedProbe, faster, search
+from studies.bench.search import (
+    Choice,
+    FakeMemory,
+    SharedProbe,
+    check_budgets_fit,
+    faster,
+    search,
+)
 from studies.bench.source import check_shape
 from studies.bench.steps import Window, batches_from, quantile, time_steps
 from train.config import ConfigError, compose
@@ -78,6 +85,12 @@ def test_budgets():
     for bad in ("", "x", "0", "-1", "nan"):
         with pytest.raises(ValueError, match="--budgets"):
             parse_budgets(bad)
+    check_budgets_fit([Budget(80), Budget(139)], 139.8)  # the H200: both fit
+    check_budgets_fit([Budget(80)], 79.2)  # an 80 GB H100 reports 79.2 GiB: that card
+    with pytest.raises(ValueError) as e:
+        check_budgets_fit([Budget(80), Budget(139)], 79.2)
+    assert str(e.value) == ("--budgets 139: this GPU has 79.2 GiB; a budget emulates a card no "
+                            "larger than the GPU (e.g. --budgets 80 on an 80 GB card)")
 
 
 C_MS = {"none": 1.0, "attention": 1.1, "full": 1.3}  # ms per (micro + 2) sequences
@@ -301,8 +314,10 @@ def test_stage1_l1_per_size_and_steering_on_request():
 
 
 def test_settings_and_checkpoint_shape_errors(tmp_path):
-    with pytest.raises(ValueError, match="paths: unknown"):
+    with pytest.raises(ValueError, match=r"^--paths: unknown \['fast'\]; use some of hf, "):
         BenchSettings(paths=("hf", "fast"))
+    with pytest.raises(ValueError, match="^--paths: give at least one of hf, "):
+        BenchSettings(paths=())
     with pytest.raises(ValueError, match="one --sizes"):
         BenchSettings(sizes=["1p5b", "2b"], model_from=tmp_path)
     with pytest.raises(ValueError, match="no paper experiment"):
