@@ -940,3 +940,90 @@ def test_ell_forward_option_errors_name_ell_ffn_forward(opts):
     x, wg, wu, wd, _ = make_inputs(4, 16, 64, seed=73)
     with pytest.raises(ValueError, match="^ell_ffn_forward: "):
         ffn_train.ell_ffn_forward(x, wg, wu, wd, backend="torch", **opts)
+
+
+@pytest.mark.parametrize("kind", ["none", "few"])
+@pytest.mark.parametrize("mode,opts", FORWARD_MODES, ids=[m for m, _ in FORWARD_MODES])
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+def test_ell_forward_precomputed_down_t_is_bitwise_the_same(backend, dtype, rel, mode, opts,
+                                                            kind):
+    """``w_down_t_HD`` (the caller's (H, D) Wd^T, e.g. ``TwELLState.down_t``'s cached copy)
+    gives y bitwise equal to the op's own transposing cast, in every mode, with and without
+    hot units (their slice reads the same rows)."""
+    n, d, h, cap = 40, 24, 300, 12
+    x, wg, wu, wd, dy = make_case(n, d, h, seed=75, zero_rows=(0,), dense_rows=(n - 1,))
+    hot = hot_set(kind, x, wg, cap)
+    kw = {"ell_capacity": cap, "backend": backend,
+          "hot_units": None if hot is None else hot.to(DEV), **opts}
+    if mode == "nosync":
+        kw["backup_rows"] = cold_heavy(x, wg, hot, cap) + 2
+    ins = [t.to(DEV, dtype) for t in (x, wg, wu, wd)]
+    y, heavy = ffn_train.ell_ffn_forward(*ins, **kw)
+    y_t, heavy_t = ffn_train.ell_ffn_forward(*ins, w_down_t_HD=ins[3].T.contiguous(), **kw)
+    assert torch.equal(y_t, y) and torch.equal(heavy_t, heavy)
+    y_ref, _, _ = reference(x, wg, wu, wd, dy, 0.0)
+    assert_close("y", y_t, y_ref, rel)
+
+
+def test_ell_forward_precomputed_down_t_under_autocast_and_bad_ones():
+    """Under bf16 autocast the precomputed Wd^T is in the compute dtype (bf16) and y is bitwise
+    the op's own; one of another shape, dtype, device or layout is a ValueError naming
+    ``w_down_t_HD``."""
+    x, wg, wu, wd, _ = make_inputs(9, 16, 64, seed=76)
+    ins = [t.float() for t in (x, wg, wu, wd)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = ffn_train.ell_ffn_forward(*ins, backend="torch")
+        y_t, _ = ffn_train.ell_ffn_forward(*ins, backend="torch",
+                                           w_down_t_HD=ins[3].T.to(torch.bfloat16).contiguous())
+        with pytest.raises(ValueError, match="w_down_t_HD .*bfloat16"):  # fp32: not the compute
+            ffn_train.ell_ffn_forward(*ins, backend="torch", w_down_t_HD=ins[3].T.contiguous())
+    assert y.dtype == torch.bfloat16 and torch.equal(y_t, y)
+    wdt = ins[3].T.contiguous()
+    for bad in (ins[3], wdt[:, :8], ins[3].T, wdt.double()):  # (D, H), narrow, strided, fp64
+        with pytest.raises(ValueError, match="^ell_ffn_forward: w_down_t_HD must be"):
+            ffn_train.ell_ffn_forward(*ins, backend="torch", w_down_t_HD=bad)
+
+
+@pytest.mark.parametrize("kind", ["none", "heavy"])
+@pytest.mark.parametrize("mode,opts", FORWARD_MODES, ids=[m for m, _ in FORWARD_MODES])
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+def test_ell_forward_stats_are_the_training_ops(backend, dtype, rel, mode, opts, kind):
+    """``with_stats=True`` returns ``(y, heavy, stats)`` whose stats equal
+    ``sparse_ffn_train``'s on the same input, forward only (l1, nnz_sum, nnz_max,
+    active_counts, n_tokens, heavy_rows: the same kernels' outputs, bitwise), and the counts
+    the fp64 ones; without it the op still returns ``(y, heavy)``."""
+    n, d, h, cap = 40, 24, 300, 12
+    x, wg, wu, wd, _ = make_case(n, d, h, seed=77, zero_rows=(0,), dense_rows=(n - 1,))
+    hot = hot_set(kind, x, wg, cap)
+    kw = {"ell_capacity": cap, "backend": backend,
+          "hot_units": None if hot is None else hot.to(DEV), **opts}
+    if mode == "nosync":
+        kw["backup_rows"] = cold_heavy(x, wg, hot, cap) + 2
+    ins = [t.to(DEV, dtype) for t in (x, wg, wu, wd)]
+    y, heavy, st = ffn_train.ell_ffn_forward(*ins, with_stats=True, **kw)
+    with torch.no_grad():
+        y_train, st_train = sparse_ffn_train(*ins, **kw)
+    assert len(ffn_train.ell_ffn_forward(*ins, **kw)) == 2
+    assert torch.equal(y, y_train)
+    assert st.n_tokens == st_train.n_tokens == n
+    for name in ("l1", "nnz_sum", "nnz_max", "active_counts", "heavy_rows"):
+        a, b = getattr(st, name), getattr(st_train, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    act = active(x, wg)
+    assert st.nnz_sum.item() == act.sum().item() and st.nnz_max.item() == act.sum(1).max().item()
+    assert torch.equal(st.active_counts.cpu(), act.sum(0).int())
+    assert int(st.heavy_rows.item()) == int(heavy[0]) == cold_heavy(x, wg, hot, cap)
+    u = x @ wu.T
+    l1_ref = ((x @ wg.T).clamp(min=0) * u).abs().sum(1).mean()
+    assert_close("l1", st.l1, l1_ref, rel)
+
+
+def test_ell_forward_stats_of_an_empty_input():
+    """N = 0 with ``with_stats``: zero l1 and counts, H zero unit counts, no token."""
+    x, wg, wu, wd, _ = make_inputs(4, 16, 64, seed=78)
+    y, heavy, st = ffn_train.ell_ffn_forward(x[:0], wg, wu, wd, backend="torch",
+                                             with_stats=True)
+    assert y.shape == (0, 16) and int(heavy[0]) == 0 and st.n_tokens == 0
+    assert float(st.l1) == float(st.nnz_sum) == float(st.nnz_max) == float(st.heavy_rows) == 0
+    assert st.active_counts.shape == (64,) and st.active_counts.dtype == torch.int32
+    assert not st.active_counts.any()

@@ -210,11 +210,13 @@ def _with_hot_stats(out, hot, add):
 
 
 def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backend: str,
-              backup_rows: int = -1, hot=None, with_csc: bool = True):
+              backup_rows: int = -1, hot=None, with_csc: bool = True, wdt=None):
     """``twell::ffn_train_fwd`` (its docstring lists the outputs): gate GEMM and compaction,
     then the no-sync mode (``_fwd_nosync``) or the measuring mode (one host sync reads R).
     ``with_csc=False`` (:func:`ell_ffn_forward`, no backward to follow) skips the CSC order:
-    perm, colptr and order come out None."""
+    perm, colptr and order come out None. ``wdt``: Wd^T as (H, D) contiguous rows in x's dtype
+    made by the caller (:func:`ell_ffn_forward`'s ``w_down_t_HD``, a cached copy), else made
+    here from ``wd``."""
     be = pick_backend(x, backend)
     # Wg, Wu in the compute dtype for this call only (module docstring, "Saved for backward")
     wg, wu = wg.to(x.dtype), wu.to(x.dtype)
@@ -223,7 +225,8 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     kc = ell_capacity if ell_capacity > 0 else default_ell_capacity(h)
     acc = torch.promote_types(x.dtype, torch.float32)
     g_NH = torch.matmul(x, wg.t())  # (N, H) pre-activation; freed before the sparse part
-    wdt = _down_rows(be, wd, x.dtype)  # (H, D) rows for the SpMM (the backward makes its own)
+    if wdt is None:  # (H, D) rows for the SpMM (the backward makes its own)
+        wdt = _down_rows(be, wd, x.dtype)
     g_S = _hot_split(g_NH, hot)  # hot units: a dense slice; g_NH keeps the cold ones
     # ELL buffers at the full capacity KC; nnz_eff = nnz_N, or 0 for a heavy row (> KC
     # non-zeros: dense backup); n_heavy = the number of heavy rows (device, (1,)); counted on
@@ -655,14 +658,15 @@ def ell_ffn_forward(
     backup_rows: int = -1,
     policy: FFNPolicy | None = None,
     hot_units: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    w_down_t_HD: torch.Tensor | None = None,
+    with_stats: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, FFNStats]:
     """The forward of :func:`sparse_ffn_train`'s hybrid layout alone, for inference: the same
     gate GEMM, hot-unit slice, compaction, SDDMM + SpMM of the light rows and dense backup of
     the heavy rows, so ``y`` is bitwise the training op's, but no autograd, no CSC order (the
-    weight gradient's radix sort) and nothing kept for a backward. A candidate for the
-    inference forward on layers where TwELL's per-tile overflow is slow (many heavy rows, hot
-    units: the densest recorded layers, BENCHMARKS.md "Sixth session of 2026-12-06"); the
-    model's ``auto`` does not use it until a GPU bench shows it faster there.
+    weight gradient's radix sort) and nothing kept for a backward. Inference ``auto``
+    (``twell.ops.ffn.sparse_ffn``) times it as its ``"ell"`` candidate beside TwELL and dense
+    (``twell.ops.auto``), in the measuring mode and without hot units.
 
     Source: arXiv 2603.23198, the hybrid ELL + dense-backup layout (its forward half).
 
@@ -676,13 +680,22 @@ def ell_ffn_forward(
             dense). ``>= 0``: no synchronisation, a backup of ``min(backup_rows, N - 1)`` rows;
             exact only when the returned count is within it (the caller checks and redoes the
             call with -1 otherwise).
+        w_down_t_HD: optional (H, D) contiguous ``w_down_DH.T`` in the compute dtype (x's, or
+            autocast's) on x's device, e.g. ``TwELLState.down_t``'s cached copy: the forward
+            then skips its own transposing cast of Wd (one tiled pass, ~11 us a call at D 2048,
+            H 5632 on the H200). The same values, so y is bitwise the same.
+        with_stats: also return the call's :class:`FFNStats`, those :func:`sparse_ffn_train`
+            returns on the same input (l1 = mean over rows of sum |h|, nnz_sum, nnz_max,
+            active_counts (H,) int32, n_tokens, heavy_rows), all detached.
 
     Returns:
-        (y (N, D) in the compute dtype, heavy rows (1,) int32 on x's device: tokens with more
-        than KC active cold units, what a no-sync capacity must hold).
+        ``(y, heavy)``, or ``(y, heavy, stats)`` with ``with_stats``: y (N, D) in the compute
+        dtype; heavy (1,) int32 on x's device, tokens with more than KC active cold units
+        (what a no-sync capacity must hold).
 
     Raises:
-        ValueError: a shape, dtype, device or option mismatch (the message names it).
+        ValueError: a shape, dtype, device or option mismatch (the message names it), and a
+            ``w_down_t_HD`` of another shape, dtype, device or not contiguous.
     """
     check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, backend, "ell_ffn_forward")
     kc, dense_row_fraction = _train_options(policy, ell_capacity, dense_row_fraction,
@@ -690,16 +703,41 @@ def ell_ffn_forward(
     h = w_gate_HD.shape[0]
     hot = check_hot_units(hot_units, h, x_ND.device, "ell_ffn_forward")
     x, wg, wu, wd = cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, cast_weights=False)
+    _check_down_t(w_down_t_HD, h, wd.shape[0], x)
     n = x.shape[0]
     if n == 0:
-        return (x.new_zeros((0, wd.shape[0])),
-                torch.zeros((1,), dtype=torch.int32, device=x.device))
+        y = x.new_zeros((0, wd.shape[0]))
+        heavy = torch.zeros((1,), dtype=torch.int32, device=x.device)
+        if not with_stats:
+            return y, heavy
+        acc = torch.promote_types(x.dtype, torch.float32)
+        out = (y, torch.zeros((), dtype=acc, device=x.device),
+               torch.zeros((0,), dtype=torch.int32, device=x.device),
+               torch.zeros((h,), dtype=torch.int32, device=x.device), heavy)
+        return y, heavy, _train_stats(out)
     # autocast off past the cast, as in twell::ffn_train_fwd: the PyTorch backend's fp32
     # accumulating einsums would otherwise run in bf16 (y no longer the training op's)
     with torch.autocast(x.device.type, enabled=False):
         out = _fwd_body(x, wg, wu, wd, int(kc), float(dense_row_fraction), backend,
-                        int(backup_rows), hot, with_csc=False)
-    return out[0], out[4]
+                        int(backup_rows), hot, with_csc=False, wdt=w_down_t_HD)
+    if not with_stats:
+        return out[0], out[4]
+    return out[0], out[4], _train_stats(out)
+
+
+def _check_down_t(w_down_t_HD: torch.Tensor | None, h: int, d: int, x: torch.Tensor) -> None:
+    """Raise ValueError unless ``w_down_t_HD`` is None or an (H, D) contiguous tensor in x's
+    dtype on x's device (:func:`ell_ffn_forward`'s precomputed Wd^T)."""
+    if w_down_t_HD is None:
+        return
+    t = w_down_t_HD
+    if (tuple(t.shape) != (h, d) or t.dtype != x.dtype or t.device != x.device
+            or not t.is_contiguous()):
+        raise ValueError(
+            f"ell_ffn_forward: w_down_t_HD must be w_down_DH.T as a contiguous (H={h}, D={d}) "
+            f"tensor of the compute dtype {x.dtype} on {x.device}; got {tuple(t.shape)} "
+            f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}. "
+            "Pass w_down_DH.T.to(dtype).contiguous() or None")
 
 
 def _train_options(policy: FFNPolicy | None, ell_capacity: int | None,
