@@ -58,11 +58,12 @@ RESUME_SAFE_KEYS = (
     "logging.", "eval.",
 )
 # The ffn.policy fields (twell.policy.FFNPolicy) a resume may change; the one list. Each only
-# picks the inference path (TwELL or dense) or the inference consumer's schedule: the no-grad
-# forwards alone read them (validation, evals; the training ops, twell/ops/ffn_train.py and
-# ffn_dense_train.py, read none), the paths they choose between compute the same FFN up to
-# rounding, and no state saved in a checkpoint depends on them. Every other ffn.policy field
-# stays part of the checkpoint's shape (Checkpointer.check_resume_config), to be conservative:
+# picks the inference path (TwELL, the hybrid ELL forward or dense) or the inference consumer's
+# schedule: the no-grad forwards alone read them (validation, evals; the training ops,
+# twell/ops/ffn_train.py and ffn_dense_train.py, read none), the paths they choose between
+# compute the same FFN up to rounding, and no state saved in a checkpoint depends on them.
+# Every other ffn.policy field stays part of the checkpoint's shape
+# (Checkpointer.check_resume_config), to be conservative:
 # the ELL capacity, all-dense fraction, hot-unit and backup-floor fields decide the FFN plan
 # state saved with each checkpoint (capacities, hot units), and the training path's thresholds
 # and measured choice made its saved paths and timings. Removed fields (infer_split_long,
@@ -70,6 +71,7 @@ RESUME_SAFE_KEYS = (
 RESUME_SAFE_POLICY_KEYS = tuple(f"ffn.policy.{name}" for name in (
     "infer_density_threshold", "infer_min_rows", "infer_min_flops", "infer_measure",
     "infer_timed_calls", "infer_twell_margin", "infer_remeasure_factor",  # inference path
+    "infer_ell",
     "infer_long_rows", "infer_long_min_nnz", "infer_heavy_first",  # the consumer's schedule
 ))
 RESUME_SAFE_KEYS += RESUME_SAFE_POLICY_KEYS

@@ -149,16 +149,25 @@ class FFNPolicy:
     schedule) when its L0 has fallen by more than this factor since ``ell`` was last timed
     (the ELL op's time falls with L0; dense mode's does not depend on the activations)."""
     infer_measure: bool = True
-    """Inference ``auto`` on CUDA: time TwELL and dense on the layer's first calls of each
-    row-count bucket (CUDA events, read without blocking) and take the faster; False (and CPU
-    tensors) = the density rule above."""
+    """Inference ``auto`` on CUDA: time the candidate paths (TwELL, the hybrid ELL forward when
+    ``infer_ell``, dense) on the layer's first calls of each row-count bucket (CUDA events, read
+    without blocking) and take the fastest (``twell.ops.auto``); False (and CPU tensors) = the
+    density rule above, which picks TwELL or dense."""
+    infer_ell: bool = True
+    """Inference ``auto``, measured: also time the training layout's hybrid ELL forward
+    (``twell.ops.ffn_train.ell_ffn_forward``, gated FFNs) as a third candidate. It synchronises
+    the host once per call (the heavy-row count sizes its dense backup), so set False where the
+    forward is captured in a CUDA graph or must not block. On the recorded layers of a 2B model
+    it ran 1.11x of dense where TwELL ran 0.34x (3 % density), 2.02x vs 1.93x at 0.06 % (one
+    H200, M 16384; BENCHMARKS.md, "Seventh session of 2026-12-06")."""
     infer_timed_calls: int = 3
     """Inference ``auto``, measured: timed calls per path and row-count bucket, after one untimed
     warm-up call each (its time includes Triton's compilation); the decision compares medians."""
     infer_twell_margin: float = 0.02
-    """Inference ``auto``, measured: TwELL is taken only when its median is below
-    ``(1 - margin)`` x dense's, so a tie goes to dense (the target floor for ``auto`` is 0.98x
-    of dense; a smaller win is within the noise of three timed calls)."""
+    """Inference ``auto``, measured: a sparse path (TwELL or the hybrid ELL forward, whichever
+    has the lower median) is taken only when its median is below ``(1 - margin)`` x dense's, so
+    a tie goes to dense (the target floor for ``auto`` is 0.98x of dense; a smaller win is within
+    the noise of three timed calls). The name is older than the ELL candidate."""
     infer_remeasure_factor: float = 1.5
     """Inference ``auto``, measured: a bucket's choice is timed again when the layer's measured
     density has moved by more than this factor since the choice (TwELL's time grows with the
@@ -191,7 +200,7 @@ class FFNPolicy:
             f = getattr(self, name)
             if not (isinstance(f, (int, float)) and math.isfinite(f) and f > 1.0):
                 raise PolicyValueError(name, "must be a finite number > 1", f, "<a number > 1>")
-        for name in ("infer_measure", "train_measure", "infer_heavy_first"):
+        for name in ("infer_measure", "train_measure", "infer_heavy_first", "infer_ell"):
             if not isinstance(getattr(self, name), bool):
                 raise PolicyValueError(name, "must be true or false", getattr(self, name),
                                        "<true or false>")
