@@ -1,6 +1,7 @@
 """Inputs and the comparison shared by the inference kernels' tests (``test_twell_ffn.py``,
 ``test_ffn.py``, ``test_auto.py``): FFN weights whose ReLU density is set by a constant input
-feature (``make_ffn``), and an ``assert_close`` that reports where the largest error is."""
+feature (``make_ffn``), an ``assert_close`` that reports where the largest error is, and a timer
+with set times per path for ``auto``'s measured choice (``FakeTimer``)."""
 
 import torch
 
@@ -52,3 +53,24 @@ def make_ffn(n, d, h, dtype, density, *, seed=0, heavy=False, grid=False, gated=
     if not gated:
         wu[:, 0] = wg[:, 0]
     return [t.to(dtype).to(DEV) for t in (x, wg, wu, wd)]
+
+
+class FakeTimer:
+    """The timer interface of twell.ops.auto.MeasuredChoice with set times per path: a timed
+    call of path p "takes" ms[p]; with ``hold`` the times have not landed yet (poll -> None).
+    ``timed`` lists the paths of the timed calls, in order."""
+
+    def __init__(self, ms):
+        self.ms = dict(ms)
+        self.hold = False
+        self.timed = []
+
+    def start(self, path):
+        self.timed.append(path)
+        return path
+
+    def stop(self, token):
+        return [token, self.ms[token]]  # the time is fixed when the call is timed
+
+    def poll(self, handle):
+        return None if self.hold else handle[1]

@@ -683,3 +683,99 @@ def test_info_read_on_demand_equals_counts(long_rows):
     assert "overflow_tiles=tensor" in repr(info)
     if DEV == "cpu":
         assert st.poll_density() == pytest.approx(act.sum().item() / (n * h), rel=1e-6)
+
+
+# ---------------------------------------------------------------- auto's ELL path ("ell")
+
+
+def _ell_state(x, wg, wu, wd, pol):
+    """A state whose measured choice for x's row-count bucket is the hybrid ELL forward: the
+    fake timer makes it the fastest, the measuring calls (each candidate's warm-up and one timed
+    call) run first. Returns the state."""
+    from .infer_cases import FakeTimer
+
+    st = TwELLState(timer=FakeTimer({"twell": 3.0, "ell": 1.0, "dense": 2.0}))
+    with torch.no_grad():
+        for _ in range(6):
+            sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol, with_stats=False)
+    assert st.auto.choices()[5][0] == "ell"
+    return st
+
+
+# auto measured from the first call, one timed call a path, a small ELL capacity (rows above it
+# take the dense backup), never the all-dense fallback, and no re-timing on the NaN row's density
+ELL_POLICY = {"infer_min_rows": 0, "infer_min_flops": 0, "infer_timed_calls": 1,
+              "ell_capacity": 40, "dense_row_fraction": 1.0, "infer_remeasure_factor": 1e6}
+
+
+def test_auto_ell_path_matches_fp64_with_heavy_and_nan_rows():
+    """``mode="auto"`` on the ELL forward (chosen by measurement): y against fp64 on inputs
+    whose every third row is over the ELL capacity (dense backup) and, in a second call, a NaN
+    row (NaN reaches that row of y only); the stats equal the fp64 counts (nnz_sum, nnz_max,
+    active_counts exact, l1 close); FFNInfo says "ell", density = active / (N H) and
+    overflow_rows = the heavy rows; the next call's density is the same number; the hot units
+    are TwELL's and this path ignores them (the same bits); y in x's dtype, and in autocast's
+    under autocast."""
+    n, d, h = 19, 40, 300
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=23, heavy=True)
+    pol = FFNPolicy(**ELL_POLICY)
+    st = _ell_state(x, wg, wu, wd, pol)
+    x_nan = x.clone()
+    x_nan[4, 3] = float("nan")
+    for xi in (x, x_nan):
+        with torch.no_grad():
+            y, stats = sparse_ffn(xi, wg, wu, wd, mode="auto", state=st, policy=pol)
+        info = st.last_info
+        assert info.path == "ell" and y.dtype == xi.dtype
+        host = [t.cpu() for t in (xi, wg, wu, wd)]
+        y_ref, h_ref, act = ffn_reference_fp64(*host)  # exact math: the ELL layout rounds none
+        nnz = act.sum(1)
+        heavy = int((nnz > 40).sum())
+        assert 0 < heavy < n // 2  # light rows in the ELL part, heavy ones in the backup
+        assert int(info.overflow_rows) == heavy
+        assert float(info.density) == pytest.approx(act.sum().item() / (n * h), rel=1e-6)
+        assert stats.n_tokens == n and stats.heavy_rows is None
+        assert stats.nnz_sum.item() == act.sum().item()
+        assert stats.nnz_max.item() == nnz.max().item()
+        assert torch.equal(stats.active_counts.cpu(), act.sum(0).int())
+        if xi is x:
+            assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-5, what="y ell")
+            torch.testing.assert_close(stats.l1.double().cpu(), h_ref.abs().sum(1).mean(),
+                                       rtol=1e-5, atol=0)
+            if DEV == "cpu":  # CUDA: the copy lands asynchronously
+                assert st.poll_density() == pytest.approx(act.sum().item() / (n * h), rel=1e-6)
+        else:
+            assert torch.isnan(y[4]).all() and nnz[4] == h
+            ok = [i for i in range(n) if i != 4]
+            assert_close_verbose(y[ok], y_ref[ok], rtol=1e-5, atol=1e-5, what="y ell, NaN row")
+            assert torch.isnan(stats.l1)  # |NaN| in the row's sum
+    with torch.no_grad():
+        y0, s0 = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
+        y_hot, s_hot = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol,
+                                  hot_units=torch.arange(5, device=DEV))
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            y_bf, _ = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
+    assert st.last_info.path == "ell" and torch.equal(y_hot, y0)
+    assert torch.equal(s_hot.l1, s0.l1) and torch.equal(s_hot.active_counts, s0.active_counts)
+    y_ref, _, _ = ffn_reference_fp64(*(t.cpu() for t in (x, wg, wu, wd)))
+    assert y_bf.dtype == torch.bfloat16
+    assert ((y_bf.double().cpu() - y_ref).abs().max() / y_ref.abs().max()) < 2e-2
+
+
+def test_auto_ell_path_reads_the_states_cached_down_t(monkeypatch):
+    """The ELL path hands ``TwELLState.down_t``'s cached (H, D) copy to ``ell_ffn_forward`` (no
+    transposing cast a call), the same tensor on every call while Wd is unchanged."""
+    import twell.ops.ffn_train as ffn_train_mod
+
+    seen = []
+    fwd = ffn_train_mod.ell_ffn_forward
+    monkeypatch.setattr(ffn_train_mod, "ell_ffn_forward",
+                        lambda *a, **kw: (seen.append(kw["w_down_t_HD"]), fwd(*a, **kw))[1])
+    x, wg, wu, wd = make_ffn(19, 40, 300, torch.float32, 0.05, seed=23, heavy=True)
+    pol = FFNPolicy(**ELL_POLICY)
+    st = _ell_state(x, wg, wu, wd, pol)
+    with torch.no_grad():
+        sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol, with_stats=False)
+    assert len(seen) == 3  # the warm-up, the timed and the chosen call
+    assert all(t is seen[0] for t in seen) and seen[0] is st.down_t(wd, wd.dtype)
+    assert torch.equal(seen[0], wd.T)

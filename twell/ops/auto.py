@@ -1,18 +1,34 @@
-"""Measured path choice of the inference ``auto`` mode: time TwELL and dense, take the faster.
+"""Measured path choice of the inference ``auto`` mode: time TwELL, the hybrid ELL forward and
+dense, take the fastest.
+
+The candidates (:data:`PATHS`, a call may restrict them: :func:`candidates`):
+
+* ``"twell"``: cuBLAS gate GEMM + Triton pack + the TwELL consumer (``twell.ops.ffn``).
+* ``"ell"``: the training op's hybrid ELL layout, forward alone
+  (``twell.ops.ffn_train.ell_ffn_forward``: gate GEMM, compaction, SDDMM + SpMM of the light
+  rows, dense backup of the heavy rows; arXiv 2603.23198, hybrid ELL layout). Gated FFNs only,
+  and only with ``policy.infer_ell``: it synchronises the host once per call (the heavy-row
+  count sizes its dense backup). It was faster than TwELL on most recorded layers of a 2B
+  model (one H200, M 16384; BENCHMARKS.md, "Seventh session of 2026-12-06"), markedly on the
+  densest (3 %: 1.11x of dense where TwELL ran 0.34x).
+* ``"dense"``: cuBLAS.
 
 Per layer (one :class:`MeasuredChoice` in each ``twell.ops.ffn.TwELLState``) and per row-count
 bucket (token rows in ``[2^(b-1), 2^b)``), the layer's first real calls alternate between the
-two paths: one untimed warm-up call each (its time includes Triton's compilation), then
+candidates: one untimed warm-up call each (its time includes Triton's compilation), then
 ``policy.infer_timed_calls`` timed calls each. Times are read without blocking (CUDA events
-polled on later calls), so measuring adds no host synchronisation; until every timed call has
-landed, the density rule (:meth:`twell.policy.FFNPolicy.infer_dense`) picks. The bucket then
-keeps the path with the lower median, TwELL only when it is faster than dense by more than
-``policy.infer_twell_margin`` (so it is never slower than dense beyond the timing noise), and
-is timed again when the layer's measured density moves by more than
-``policy.infer_remeasure_factor`` from the density at the choice.
+polled on later calls), so measuring adds no host synchronisation of its own; until every timed
+call has landed, the density rule (:meth:`twell.policy.FFNPolicy.infer_dense`) picks TwELL or
+dense (never ``ell``: it is only ever chosen by measurement). The bucket then keeps the sparse
+candidate (TwELL or ELL) with the lower median if it is faster than dense's median by more than
+``policy.infer_twell_margin`` (so ``auto`` is never slower than dense beyond the timing noise),
+else dense; a tie between the sparse two goes to TwELL (no host sync). The bucket is timed
+again when the layer's measured density moves by more than ``policy.infer_remeasure_factor``
+from the density at the choice, and decided again when a call's candidates differ from those
+it was decided among (a policy change: the times of the candidates still offered are kept).
 
-Both paths are exact, so the calls that measure return correct results; the cost of measuring
-is the slower path's time on a few calls per layer and bucket.
+Every path is exact, so the calls that measure return correct results; the cost of measuring
+is the slower paths' time on a few calls per layer and bucket.
 """
 
 from __future__ import annotations
@@ -24,7 +40,14 @@ import torch
 
 from twell.policy import FFNPolicy
 
-PATHS = ("twell", "dense")
+PATHS = ("twell", "ell", "dense")
+SPARSE_PATHS = ("twell", "ell")  # in tie order: TwELL first (it never blocks the host)
+
+
+def candidates(gated: bool, policy: FFNPolicy) -> tuple[str, ...]:
+    """The paths a call may time and choose: ``"ell"`` only for a gated FFN (the hybrid ELL op
+    has no non-gated form) with ``policy.infer_ell`` on; ``"twell"`` and ``"dense"`` always."""
+    return PATHS if gated and policy.infer_ell else ("twell", "dense")
 
 
 class CudaEventTimer:
@@ -58,7 +81,9 @@ class BucketTimes:
         issued: path -> timed calls started (landed or not).
         warm: paths whose untimed warm-up call ran.
         pending: (path, timer handle) of timed calls not landed yet.
-        choice: "twell" / "dense" once decided, else None.
+        candidates: the paths of the latest call (:func:`candidates`), those the choice is
+            made among.
+        choice: "twell" / "ell" / "dense" once decided, else None.
         density: the layer's measured density when the choice was made (None: not known yet).
         seen_density: the latest density passed in (becomes ``density`` at the choice).
     """
@@ -67,6 +92,7 @@ class BucketTimes:
     issued: dict = field(default_factory=lambda: {p: 0 for p in PATHS})
     warm: set = field(default_factory=set)
     pending: list = field(default_factory=list)
+    candidates: tuple = PATHS
     choice: str | None = None
     density: float | None = None
     seen_density: float | None = None
@@ -97,9 +123,18 @@ def drifted(before: float | None, now: float | None, factor: float) -> bool:
     return hi > factor * lo
 
 
+def choose(med: dict, paths: tuple, margin: float) -> str:
+    """The decision of a bucket from its medians (path -> ms, every one of ``paths`` present):
+    the sparse path of ``paths`` with the lowest median (a tie to TwELL) when it is below
+    ``(1 - margin)`` x dense's median, else ``"dense"``."""
+    sparse = [p for p in SPARSE_PATHS if p in paths]
+    best = min(sparse, key=lambda p: med[p])  # min keeps the first of equal medians: TwELL
+    return best if med[best] < (1.0 - margin) * med["dense"] else "dense"
+
+
 class MeasuredChoice:
-    """Per-layer measured choice between TwELL and dense for inference ``auto`` (see the module
-    docstring). One per ``TwELLState``; never global.
+    """Per-layer measured choice among TwELL, the hybrid ELL forward and dense for inference
+    ``auto`` (see the module docstring). One per ``TwELLState``; never global.
 
     Args:
         timer: an object with ``start(path) -> token``, ``stop(token) -> handle`` and
@@ -121,18 +156,30 @@ class MeasuredChoice:
             return self._cuda_timer
         return None
 
-    def begin(self, x: torch.Tensor, n_rows: int, density: float | None,
-              policy: FFNPolicy) -> tuple[str | None, object | None]:
+    def begin(self, x: torch.Tensor, n_rows: int, density: float | None, policy: FFNPolicy,
+              paths: tuple[str, ...] = PATHS) -> tuple[str | None, object | None]:
         """The path of one call: ``(path, token)``. path None = measuring cannot decide this
         call (no timer, ``policy.infer_measure`` off, or timed calls still in flight): use the
         density rule. token not None = this call is timed: pass it to :meth:`end` after the
-        path has been queued."""
+        path has been queued. ``paths``: this call's candidates (:func:`candidates`; a subset
+        of :data:`PATHS` holding ``"twell"`` and ``"dense"``).
+
+        Raises:
+            ValueError: ``paths`` is not such a subset.
+        """
+        if not ({"twell", "dense"} <= set(paths) <= set(PATHS)):
+            raise ValueError(f"MeasuredChoice.begin: paths must be a subset of {PATHS} holding "
+                             f"'twell' and 'dense'; got {paths!r}")
         timer = self._timer_for(x)
         if timer is None or not policy.infer_measure:
             return None, None
         b = self.buckets.setdefault(row_bucket(n_rows), BucketTimes())
         if density is not None:
             b.seen_density = density
+        paths = tuple(p for p in PATHS if p in paths)  # PATHS' order: the alternation's
+        if paths != b.candidates:  # another candidate set: decide again among these
+            b.candidates = paths
+            b.choice = None
         self._land(b, timer, policy)
         if b.choice is not None:
             if b.density is None:
@@ -140,7 +187,7 @@ class MeasuredChoice:
             if not drifted(b.density, density, policy.infer_remeasure_factor):
                 return b.choice, None
             b.restart()
-        path = min(PATHS, key=lambda p: b.issued[p])  # alternate; a tie goes to TwELL first
+        path = min(paths, key=lambda p: b.issued[p])  # alternate; a tie goes to PATHS' order
         if path not in b.warm:
             b.warm.add(path)
             return path, None
@@ -168,10 +215,8 @@ class MeasuredChoice:
                 b.samples[path].append(float(ms))
         b.pending = still
         need = policy.infer_timed_calls
-        if b.choice is None and all(len(b.samples[p]) >= need for p in PATHS):
-            med = b.medians()
-            fast = med["twell"] < (1.0 - policy.infer_twell_margin) * med["dense"]
-            b.choice = "twell" if fast else "dense"
+        if b.choice is None and all(len(b.samples[p]) >= need for p in b.candidates):
+            b.choice = choose(b.medians(), b.candidates, policy.infer_twell_margin)
             b.density = b.seen_density
 
     def choices(self) -> dict:
@@ -179,4 +224,5 @@ class MeasuredChoice:
         return {k: (b.choice, b.medians()) for k, b in sorted(self.buckets.items())}
 
 
-__all__ = ["BucketTimes", "CudaEventTimer", "MeasuredChoice", "drifted", "row_bucket"]
+__all__ = ["PATHS", "SPARSE_PATHS", "BucketTimes", "CudaEventTimer", "MeasuredChoice",
+           "candidates", "choose", "drifted", "row_bucket"]

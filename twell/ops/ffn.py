@@ -18,15 +18,22 @@ Paths, chosen per call:
 * training is not done here: ``twell.ops.ffn_train.sparse_ffn_train`` is the training op
   (the hybrid ELL path; ``twell.nn.SparseGatedMLP`` calls it on its ``ell`` training path), and
   ``sparse_ffn`` refuses inputs that need a gradient.
+* ``"ell"`` (``mode="auto"`` only, gated FFNs, ``policy.infer_ell``): the training op's hybrid
+  ELL layout, forward alone (``twell.ops.ffn_train.ell_ffn_forward``: gate GEMM, compaction,
+  SDDMM + SpMM of the light rows, dense backup of the heavy rows; arXiv 2603.23198) in its
+  measuring mode: one host synchronisation per call reads the heavy-row count, which sizes the
+  dense backup (exact on every input). It reads the state's cached ``Wd^T`` and takes no hot
+  units (the hot set is TwELL's). ``FFNInfo.overflow_rows`` counts its heavy rows.
 * ``mode="auto"``: dense cuBLAS for calls with fewer than ``policy.infer_min_rows`` token
   rows or fewer dense FLOPs than ``policy.infer_min_flops`` (:class:`twell.policy.FFNPolicy`).
-  Otherwise, on CUDA, the faster of TwELL and dense as timed on the layer's first calls of
-  each row-count bucket (``twell.ops.auto.MeasuredChoice``: CUDA events read without blocking,
-  re-timed when the density moves; ``policy.infer_measure``). The fallback, on CPU and while
+  Otherwise, on CUDA, the fastest of TwELL, the ELL forward and dense as timed on the layer's
+  first calls of each row-count bucket (``twell.ops.auto.MeasuredChoice``: CUDA events read
+  without blocking, re-timed when the density moves; ``policy.infer_measure``); a sparse path
+  only when it beats dense by ``policy.infer_twell_margin``. The fallback, on CPU and while
   the timed calls are in flight: dense when the layer's last measured density is above
-  ``policy.infer_density_threshold``, else TwELL. The density comes from the previous call
-  through a pinned host copy and a CUDA event (no host sync on the calling path); the first
-  call goes TwELL.
+  ``policy.infer_density_threshold``, else TwELL (the ELL forward is only ever chosen by
+  measurement). The density comes from the previous call through a pinned host copy and a
+  CUDA event (no host sync on the calling path); the first call goes TwELL.
 
 Hot units (``hot_units``, a set S of hidden units; ``twell.ops.hot_units``): computed through
 a dense slice, ``y += relu(g_S) (x Wu[S]^T) Wd[:, S]^T``, with g_S taken from the gate GEMM's
@@ -57,7 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from twell.format import check_width, words_per_tile
-from twell.ops.auto import MeasuredChoice
+from twell.ops.auto import MeasuredChoice, candidates
 from twell.ops.hot_units import check_hot_units
 from twell.policy import FFNPolicy
 from twell.stats import FFNStats, stats_from_counts
@@ -73,10 +80,13 @@ class FFNInfo:
 
     Attributes:
         path: "twell" (Triton kernels), "twell-torch" (PyTorch reference of
-            the format), "dense" (cuBLAS) or "train" (training kernels).
+            the format), "ell" (the hybrid ELL forward, ``ell_ffn_forward``), "dense" (cuBLAS)
+            or "train" (training kernels).
         density: scalar fp32 tensor, active units / (N * H) (None if unknown).
         overflow_rows: scalar int tensor, rows with at least one tile over
-            capacity, computed densely for those tiles (None on dense paths).
+            capacity, computed densely for those tiles (None on dense paths); on the "ell"
+            path the heavy rows (more active units than the ELL capacity), computed whole by
+            its dense backup.
         overflow_tiles: scalar int tensor, (row, tile) pairs over capacity (both counted from
             the TwELL counts, long rows included, though those run in the dense backup).
         long_rows: scalar int tensor, rows computed by the dense backup of the longest rows
@@ -300,19 +310,22 @@ def sparse_ffn(
         with_stats: also return :class:`FFNStats` (l1 = mean over rows of
             sum |h|; nnz and per-column active counts from the TwELL counts).
             Inference stats carry no gradient. NaN gates count as active here.
-        mode: "twell" (always TwELL) or "auto" (dense above the density
-            threshold, see module docstring).
+        mode: "twell" (always TwELL) or "auto" (the fastest of TwELL, the hybrid ELL
+            forward and dense as timed on CUDA, else dense above the density threshold; see
+            the module docstring).
         state: per-layer :class:`TwELLState` (cached ``Wd^T``, density for
             "auto", ``last_info``); a throwaway one when None.
         policy: :class:`twell.policy.FFNPolicy` (``auto``'s thresholds and measurement); the
             defaults when None.
         hot_units: (k,) int64 tensor on x's device, unique hidden units computed through a
             dense slice (TwELL holds the rest; see the module docstring); None or empty = none
-            (``twell.ops.hot_units.hot_units_from_counts`` picks them).
+            (``twell.ops.hot_units.hot_units_from_counts`` picks them). The TwELL path's: the
+            "ell" path ignores them.
 
     Returns:
-        ``(y_ND, stats or None)``; y in x's (or autocast) dtype. The call's
-        :class:`FFNInfo` is ``state.last_info``.
+        ``(y_ND, stats or None)``; y in x's (or autocast) dtype on every path. The call's
+        :class:`FFNInfo` is ``state.last_info``. The "ell" path's stats are the TwELL
+        path's (``heavy_rows`` None on both; its heavy rows are ``FFNInfo.overflow_rows``).
 
     Raises:
         ValueError: bad shapes, dtypes, devices, mode, or H >= 65536.
@@ -346,21 +359,25 @@ def sparse_ffn(
 
     hot = check_hot_units(hot_units, h, x_ND.device, "sparse_ffn")
     with torch.autocast(x_ND.device.type, enabled=False):
-        token = None
+        path, token = "twell", None
         if mode == "auto":
             n = x_ND.shape[0]
             flops = (6 if w_gate_HD is not None else 4) * x_ND.numel() * h  # dense FFN
             density = state.poll_density()
             small = n < policy.infer_min_rows or flops < policy.infer_min_flops
-            path, token = (None, None) if small else state.auto.begin(x_ND, n, density, policy)
+            paths = candidates(w_gate_HD is not None, policy)
+            path, token = ((None, None) if small
+                           else state.auto.begin(x_ND, n, density, policy, paths))
             if path is None:  # the size and density rules (CPU; measurement not decided)
                 path = "dense" if policy.infer_dense(density, n, flops) else "twell"
-            if path == "dense":
-                y, stats = _auto_dense(x_ND, w_gate_HD, w_up_HD, w_down_DH_c, with_stats, state)
-                state.auto.end(token, policy)
-                return y, stats
-        out = _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c.dtype, with_stats, state,
-                     hot, policy)
+        if path == "dense":
+            out = _auto_dense(x_ND, w_gate_HD, w_up_HD, w_down_DH_c, with_stats, state)
+        elif path == "ell":
+            out = _ell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c, with_stats, state,
+                       policy)
+        else:
+            out = _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c.dtype, with_stats,
+                         state, hot, policy)
         state.auto.end(token, policy)
         return out
 
@@ -374,6 +391,33 @@ def _auto_dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, state):
     if d is not None:
         state.record_density(d)
     state.last_info = FFNInfo("dense", density=d)
+    return y, stats
+
+
+def _ell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c, with_stats, state, policy):
+    """``auto``'s ``"ell"`` path: the hybrid ELL forward (``twell.ops.ffn_train.ell_ffn_forward``)
+    in its measuring mode (one host sync reads the heavy-row count; exact on every input) with
+    the policy's ELL capacity and all-dense fraction, reading the state's cached ``Wd^T``. No hot
+    units: the hot set a caller passes is TwELL's (it takes those units out of TwELL's tiles),
+    and this path ignores it (y is the same FFN either way). The density is recorded for the next
+    call as on the TwELL path; ``FFNInfo.overflow_rows`` is the heavy-row count (tokens above the
+    ELL capacity, computed by the dense backup). ``w_down_DH_c``: Wd in the compute dtype (the
+    autocast cast), for the op's checks."""
+    from twell.ops.ffn_train import ell_ffn_forward
+
+    n, h = x_ND.shape[0], w_up_HD.shape[0]
+    wdt = state.down_t(w_down_DH, w_down_DH_c.dtype)
+    # with_stats always: the op computes l1, the row and unit counts anyway and the density
+    # needs the row counts' sum; nnz_max and the heavy count's cast are two small reductions
+    y, heavy, stats = ell_ffn_forward(x_ND, w_gate_HD, w_up_HD, w_down_DH_c, policy=policy,
+                                      backup_rows=-1, w_down_t_HD=wdt, with_stats=True)
+    nnz_sum = stats.nnz_sum  # one reduction; the density's division is the host's
+    state.record_density(nnz_sum, scale=1.0 / float(n * h))
+    state.last_info = FFNInfo("ell", density=lambda: nnz_sum / float(n * h),
+                              overflow_rows=lambda: heavy.reshape(()))
+    if not with_stats:
+        return y, None
+    stats.heavy_rows = None  # as on the TwELL path (its count is FFNInfo.overflow_rows)
     return y, stats
 
 
