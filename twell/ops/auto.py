@@ -8,9 +8,10 @@ The candidates (:data:`PATHS`, a call may restrict them: :func:`candidates`):
   (``twell.ops.ffn_train.ell_ffn_forward``: gate GEMM, compaction, SDDMM + SpMM of the light
   rows, dense backup of the heavy rows; arXiv 2603.23198, hybrid ELL layout). Gated FFNs only,
   and only with ``policy.infer_ell``: it synchronises the host once per call (the heavy-row
-  count sizes its dense backup). It was faster than TwELL on most recorded layers of a 2B
-  model (one H200, M 16384; BENCHMARKS.md, "Seventh session of 2026-12-06"), markedly on the
-  densest (3 %: 1.11x of dense where TwELL ran 0.34x).
+  count sizes its dense backup). Its no-sync forward beat TwELL on two of three recorded
+  layers of a 2B model and on i.i.d. rows at 0.3-3 % (one H200, M 16384; BENCHMARKS.md,
+  "Seventh session of 2026-12-06"), markedly on the densest layer (3 %: 1.11x of dense where
+  TwELL ran 0.34x), and lost 1.76x to 1.79x at 0.24 %.
 * ``"dense"``: cuBLAS.
 
 Per layer (one :class:`MeasuredChoice` in each ``twell.ops.ffn.TwELLState``) and per row-count
