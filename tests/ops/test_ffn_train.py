@@ -942,6 +942,23 @@ def test_ell_forward_option_errors_name_ell_ffn_forward(opts):
         ffn_train.ell_ffn_forward(x, wg, wu, wd, backend="torch", **opts)
 
 
+FWD_CAP = 12  # _forward_case's ELL capacity
+
+
+def _forward_case(backend, dtype, mode, opts, kind, seed):
+    """A 40 x 24 x 300 case at ELL capacity 12 (an all-zero row, a dense row), its hot set of
+    ``kind``, the op's keywords for ``mode`` (no-sync: a backup two rows above the cold heavy
+    count) and the inputs on DEV in ``dtype``: (x, wg, wu, wd, dy, hot, ins, kw)."""
+    n, d, h, cap = 40, 24, 300, FWD_CAP
+    x, wg, wu, wd, dy = make_case(n, d, h, seed=seed, zero_rows=(0,), dense_rows=(n - 1,))
+    hot = hot_set(kind, x, wg, cap)
+    kw = {"ell_capacity": cap, "backend": backend,
+          "hot_units": None if hot is None else hot.to(DEV), **opts}
+    if mode == "nosync":
+        kw["backup_rows"] = cold_heavy(x, wg, hot, cap) + 2
+    return x, wg, wu, wd, dy, hot, [t.to(DEV, dtype) for t in (x, wg, wu, wd)], kw
+
+
 @pytest.mark.parametrize("kind", ["none", "few"])
 @pytest.mark.parametrize("mode,opts", FORWARD_MODES, ids=[m for m, _ in FORWARD_MODES])
 @pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
@@ -950,14 +967,7 @@ def test_ell_forward_precomputed_down_t_is_bitwise_the_same(backend, dtype, rel,
     """``w_down_t_HD`` (the caller's (H, D) Wd^T, e.g. ``TwELLState.down_t``'s cached copy)
     gives y bitwise equal to the op's own transposing cast, in every mode, with and without
     hot units (their slice reads the same rows)."""
-    n, d, h, cap = 40, 24, 300, 12
-    x, wg, wu, wd, dy = make_case(n, d, h, seed=75, zero_rows=(0,), dense_rows=(n - 1,))
-    hot = hot_set(kind, x, wg, cap)
-    kw = {"ell_capacity": cap, "backend": backend,
-          "hot_units": None if hot is None else hot.to(DEV), **opts}
-    if mode == "nosync":
-        kw["backup_rows"] = cold_heavy(x, wg, hot, cap) + 2
-    ins = [t.to(DEV, dtype) for t in (x, wg, wu, wd)]
+    x, wg, wu, wd, dy, _, ins, kw = _forward_case(backend, dtype, mode, opts, kind, seed=75)
     y, heavy = ffn_train.ell_ffn_forward(*ins, **kw)
     y_t, heavy_t = ffn_train.ell_ffn_forward(*ins, w_down_t_HD=ins[3].T.contiguous(), **kw)
     assert torch.equal(y_t, y) and torch.equal(heavy_t, heavy)
@@ -992,14 +1002,8 @@ def test_ell_forward_stats_are_the_training_ops(backend, dtype, rel, mode, opts,
     ``sparse_ffn_train``'s on the same input, forward only (l1, nnz_sum, nnz_max,
     active_counts, n_tokens, heavy_rows: the same kernels' outputs, bitwise), and the counts
     the fp64 ones; without it the op still returns ``(y, heavy)``."""
-    n, d, h, cap = 40, 24, 300, 12
-    x, wg, wu, wd, _ = make_case(n, d, h, seed=77, zero_rows=(0,), dense_rows=(n - 1,))
-    hot = hot_set(kind, x, wg, cap)
-    kw = {"ell_capacity": cap, "backend": backend,
-          "hot_units": None if hot is None else hot.to(DEV), **opts}
-    if mode == "nosync":
-        kw["backup_rows"] = cold_heavy(x, wg, hot, cap) + 2
-    ins = [t.to(DEV, dtype) for t in (x, wg, wu, wd)]
+    x, wg, wu, _, _, hot, ins, kw = _forward_case(backend, dtype, mode, opts, kind, seed=77)
+    n, cap = x.shape[0], FWD_CAP
     y, heavy, st = ffn_train.ell_ffn_forward(*ins, with_stats=True, **kw)
     with torch.no_grad():
         y_train, st_train = sparse_ffn_train(*ins, **kw)
