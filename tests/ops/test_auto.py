@@ -175,6 +175,26 @@ def test_measured_choice_decides_again_when_the_candidates_change():
             mc.begin(x, 8, 0.05, pol, bad)
 
 
+def test_measured_choice_candidate_change_does_not_hide_a_density_move():
+    """A call whose candidates differ (infer_ell turned off) and whose density has moved by more
+    than infer_remeasure_factor since the choice times the paths again: the kept times are of
+    the old density (deciding from them would also reset the drift's reference and keep the
+    stale choice)."""
+    timer = FakeTimer({"twell": 1.0, "ell": 2.0, "dense": 3.0})
+    mc = MeasuredChoice(timer=timer)
+    pol = FFNPolicy(**MEASURED)
+    x = torch.zeros(1)
+    for _ in range(12):
+        path, token = mc.begin(x, 8, 0.01, pol, PATHS)
+        mc.end(token, pol)
+    assert mc.choices()[4][0] == "twell" and len(timer.timed) == 9
+    two = candidates(True, FFNPolicy(infer_ell=False))
+    path, token = mc.begin(x, 8, 0.05, pol, two)  # 5x the density at the choice
+    assert path == "twell" and token is not None  # timed again, not the stale choice
+    mc.end(token, pol)
+    assert mc.choices()[4] == (None, {"twell": 1.0})
+
+
 def test_measured_choice_helpers():
     from twell.ops.auto import drifted, row_bucket
 

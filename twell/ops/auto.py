@@ -26,7 +26,8 @@ candidate (TwELL or ELL) with the lower median if it is faster than dense's medi
 else dense; a tie between the sparse two goes to TwELL (no host sync). The bucket is timed
 again when the layer's measured density moves by more than ``policy.infer_remeasure_factor``
 from the density at the choice, and decided again when a call's candidates differ from those
-it was decided among (a policy change: the times of the candidates still offered are kept).
+it was decided among (a policy change: the times of the candidates still offered are kept,
+unless the density has moved as above since the choice: then every candidate is timed again).
 
 Every path is exact, so the calls that measure return correct results; the cost of measuring
 is the slower paths' time on a few calls per layer and bucket.
@@ -180,6 +181,9 @@ class MeasuredChoice:
         paths = tuple(p for p in PATHS if p in paths)  # PATHS' order: the alternation's
         if paths != b.candidates:  # another candidate set: decide again among these
             b.candidates = paths
+            if b.choice is not None and drifted(b.density, density,
+                                                policy.infer_remeasure_factor):
+                b.restart()  # the kept times are of another density: time them all again
             b.choice = None
         self._land(b, timer, policy)
         if b.choice is not None:
