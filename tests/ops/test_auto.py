@@ -195,6 +195,52 @@ def test_measured_choice_candidate_change_does_not_hide_a_density_move():
     assert mc.choices()[4] == (None, {"twell": 1.0})
 
 
+def test_measured_choice_timed_call_that_raised_is_issued_again():
+    """A timed call whose path raised (no end) is cancelled: the bucket issues it again and
+    still decides, instead of waiting for a time that never comes."""
+    timer = FakeTimer({"twell": 1.0, "ell": 2.0, "dense": 3.0})
+    mc = MeasuredChoice(timer=timer)
+    pol = FFNPolicy(**MEASURED, infer_timed_calls=1)
+    x = torch.zeros(1)
+    raised = False
+    for _ in range(8):
+        path, token = mc.begin(x, 8, 0.01, pol, PATHS)
+        if path == "ell" and token is not None and not raised:
+            raised = True
+            mc.cancel(token)
+            continue
+        mc.end(token, pol)
+    assert raised and mc.choices()[4][0] == "twell"
+    mc.cancel(None)  # no-op
+
+
+def test_sparse_ffn_cancels_a_timed_call_that_raised(monkeypatch):
+    """sparse_ffn cancels the timed call of a path that raised, so the bucket still decides."""
+    import twell.ops.ffn as ffn_mod
+
+    x, wg, wu, wd = make_ffn(8, 32, 300, torch.float32, 0.05, seed=13)
+    timer = FakeTimer({"twell": 2.0, "ell": 1.0, "dense": 3.0})
+    st = TwELLState(timer=timer)
+    pol = FFNPolicy(**MEASURED, infer_timed_calls=1)
+    real, calls = ffn_mod._ell, []
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:  # the timed call (the first is the warm-up)
+            raise RuntimeError("out of memory")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ffn_mod, "_ell", flaky)
+    raised = 0
+    with torch.no_grad():
+        for _ in range(8):
+            try:
+                sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol, with_stats=False)
+            except RuntimeError:
+                raised += 1
+    assert raised == 1 and st.auto.choices()[4][0] == "ell"
+
+
 def test_measured_choice_helpers():
     from twell.ops.auto import drifted, row_bucket
 

@@ -201,6 +201,14 @@ class MeasuredChoice:
         b.issued[path] += 1
         return path, (b, path, timer.start(path))
 
+    def cancel(self, token) -> None:
+        """Forget the timed call opened by :meth:`begin` whose path raised before :meth:`end`
+        (no-op for a None token): it is issued again, so the bucket can still decide."""
+        if token is None:
+            return
+        b, path, _ = token
+        b.issued[path] = max(b.issued[path] - 1, 0)
+
     def end(self, token, policy: FFNPolicy) -> None:
         """Close the timed call opened by :meth:`begin` (no-op for a None token)."""
         if token is None:

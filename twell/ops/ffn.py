@@ -370,14 +370,18 @@ def sparse_ffn(
                            else state.auto.begin(x_ND, n, density, policy, paths))
             if path is None:  # the size and density rules (CPU; measurement not decided)
                 path = "dense" if policy.infer_dense(density, n, flops) else "twell"
-        if path == "dense":
-            out = _auto_dense(x_ND, w_gate_HD, w_up_HD, w_down_DH_c, with_stats, state)
-        elif path == "ell":
-            out = _ell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c, with_stats, state,
-                       policy)
-        else:
-            out = _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c.dtype, with_stats,
-                         state, hot, policy)
+        try:
+            if path == "dense":
+                out = _auto_dense(x_ND, w_gate_HD, w_up_HD, w_down_DH_c, with_stats, state)
+            elif path == "ell":
+                out = _ell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c, with_stats, state,
+                           policy)
+            else:
+                out = _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c.dtype,
+                             with_stats, state, hot, policy)
+        except BaseException:  # e.g. out of memory: the timed call is issued again later
+            state.auto.cancel(token)
+            raise
         state.auto.end(token, policy)
         return out
 
