@@ -34,9 +34,10 @@ class SparseGatedMLP(nn.Module):
         gated: gated FFN (``relu(gate) * up``) if True, else ``relu(up)``
             (the non-gated variant has no ``gate_proj``).
         impl: ``"torch"`` (dense PyTorch), ``"twell"`` (TwELL / ELL Triton kernels) or
-            ``"auto"`` (inference: per call, TwELL when the layer's measured density makes it
-            faster, else dense; training: per layer and optimizer step, the ELL kernels or dense
-            mode as the model's :class:`twell.nn.plan.FFNPlan` chose). How each maps to a
+            ``"auto"`` (inference: per call, the fastest of TwELL, the hybrid ELL forward and
+            dense as measured, see :func:`twell.ops.ffn.sparse_ffn`; training: per layer and
+            optimizer step, the ELL kernels or dense mode as the model's
+            :class:`twell.nn.plan.FFNPlan` chose). How each maps to a
             training path: :mod:`twell.nn.plan`. The one copy: a plan reads it (build the plan
             after setting it). Also an attribute.
         policy: this layer's :class:`twell.policy.FFNPolicy` (``auto``'s thresholds, the
