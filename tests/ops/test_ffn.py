@@ -779,3 +779,41 @@ def test_auto_ell_path_reads_the_states_cached_down_t(monkeypatch):
     assert len(seen) == 3  # the warm-up, the timed and the chosen call
     assert all(t is seen[0] for t in seen) and seen[0] is st.down_t(wd, wd.dtype)
     assert torch.equal(seen[0], wd.T)
+
+
+@pytest.mark.parametrize("case", ["n1_all_active", "all_zero", "fp16_all_dense", "bf16_strided"])
+def test_auto_ell_path_awkward_inputs_match_fp64_and_twell(case):
+    """The ELL path (chosen by measurement) on awkward inputs: one row with every unit active
+    at ELL capacity 1, no active unit anywhere, fp16 with the all-dense fallback (fraction 0),
+    bf16 with a non-contiguous x. y against fp64 and in TwELL's dtype; the stats' counts equal
+    the TwELL path's, with_stats=False returns None."""
+    n = 1 if case == "n1_all_active" else 7
+    dt = {"fp16_all_dense": torch.float16, "bf16_strided": torch.bfloat16}.get(case, torch.float32)
+    x, wg, wu, wd = make_ffn(n, 40, 300, dt, 0.05, seed=3, heavy=True)
+    if case == "n1_all_active":
+        wg[:, 0] = 100.0
+    elif case == "all_zero":
+        wg[:, 0] = -100.0
+    elif case == "bf16_strided":
+        x = torch.stack([x, x], 2)[..., 0]  # same values, strides (80, 2)
+        assert not x.is_contiguous()
+    pol = FFNPolicy(**{**ELL_POLICY, "ell_capacity": 1 if case == "n1_all_active" else 40,
+                       "dense_row_fraction": 0.0 if case == "fp16_all_dense" else 1.0})
+    from .infer_cases import FakeTimer
+
+    st = TwELLState(timer=FakeTimer({"twell": 3.0, "ell": 1.0, "dense": 2.0}))
+    with torch.no_grad():
+        for _ in range(6):
+            assert sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol,
+                              with_stats=False)[1] is None
+        y, s = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)
+        y_tw, s_tw = sparse_ffn(x, wg, wu, wd, mode="twell", state=TwELLState(), policy=pol)
+    assert st.last_info.path == "ell" and y.dtype == y_tw.dtype == dt
+    y_ref, _, act = ffn_reference_fp64(*(t.cpu() for t in (x, wg, wu, wd)))
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dt]
+    assert_close_verbose(y, y_ref, rtol=tol, atol=tol * max(y_ref.abs().max().item(), 1e-3),
+                         what=f"y ell {case}")
+    assert float(st.last_info.density) == pytest.approx(act.sum().item() / act.numel(), abs=1e-7)
+    for f in ("nnz_sum", "nnz_max", "active_counts"):
+        assert torch.equal(getattr(s, f), getattr(s_tw, f)), f
+    assert s.n_tokens == s_tw.n_tokens == n and s.heavy_rows is None
