@@ -165,8 +165,9 @@ class FFNPolicy:
     """Inference ``auto``, measured: timed calls per path and row-count bucket, after one untimed
     warm-up call each (its time includes Triton's compilation); the decision compares medians."""
     infer_twell_margin: float = 0.02
-    """Inference ``auto``, measured: a sparse path (TwELL or the hybrid ELL forward, whichever
-    has the lower median) is taken only when its median is below ``(1 - margin)`` x dense's, so
+    """Inference ``auto``, measured: a sparse path (TwELL, or the hybrid ELL forward when its
+    median is below ``(1 - margin)`` x TwELL's: it synchronises the host) is taken only when its
+    median is below ``(1 - margin)`` x dense's, so
     a tie goes to dense (the target floor for ``auto`` is 0.98x of dense; a smaller win is within
     the noise of three timed calls). The name is older than the ELL candidate."""
     infer_remeasure_factor: float = 1.5

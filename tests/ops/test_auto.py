@@ -254,6 +254,11 @@ def test_measured_choice_helpers():
     med = {"twell": 1.0, "ell": 0.5, "dense": 1.0}
     assert choose(med, ("twell", "dense"), 0.02) == "dense"  # ELL's time ignored off the set
     assert choose(med, PATHS, 0.02) == "ell"
+    # ELL must beat TwELL by the margin too (it syncs the host): 1.5 % faster is not enough
+    near = {"twell": 0.80, "ell": 0.788, "dense": 1.0}
+    assert choose(near, PATHS, 0.02) == "twell"
+    assert choose({**near, "ell": 0.78}, PATHS, 0.02) == "ell"  # 2.5 % faster
+    assert choose({"twell": 0.99, "ell": 0.975, "dense": 1.0}, PATHS, 0.02) == "dense"
     with pytest.raises(ValueError, match="infer_remeasure_factor"):
         FFNPolicy(infer_remeasure_factor=1.0)
     with pytest.raises(ValueError, match="infer_timed_calls"):

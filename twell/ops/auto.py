@@ -21,9 +21,10 @@ candidates: one untimed warm-up call each (its time includes Triton's compilatio
 polled on later calls), so measuring adds no host synchronisation of its own; until every timed
 call has landed, the density rule (:meth:`twell.policy.FFNPolicy.infer_dense`) picks TwELL or
 dense (never ``ell``: it is only ever chosen by measurement). The bucket then keeps the sparse
-candidate (TwELL or ELL) with the lower median if it is faster than dense's median by more than
-``policy.infer_twell_margin`` (so ``auto`` is never slower than dense beyond the timing noise),
-else dense; a tie between the sparse two goes to TwELL (no host sync). The bucket is timed
+candidate, TwELL, or ELL when its median is below TwELL's by more than
+``policy.infer_twell_margin`` (ELL synchronises the host once a call, a cost to the layers after
+it that its own time does not show), if it is faster than dense's median by more than that
+margin (so ``auto`` is never slower than dense beyond the timing noise), else dense. The bucket is timed
 again when the layer's measured density moves by more than ``policy.infer_remeasure_factor``
 from the density at the choice, and decided again when a call's candidates differ from those
 it was decided among (a policy change: the times of the candidates still offered are kept,
@@ -43,7 +44,7 @@ import torch
 from twell.policy import FFNPolicy
 
 PATHS = ("twell", "ell", "dense")
-SPARSE_PATHS = ("twell", "ell")  # in tie order: TwELL first (it never blocks the host)
+SPARSE_PATHS = ("twell", "ell")  # TwELL first: ELL must beat it by the margin (it syncs)
 
 
 def candidates(gated: bool, policy: FFNPolicy) -> tuple[str, ...]:
@@ -127,10 +128,14 @@ def drifted(before: float | None, now: float | None, factor: float) -> bool:
 
 def choose(med: dict, paths: tuple, margin: float) -> str:
     """The decision of a bucket from its medians (path -> ms, every one of ``paths`` present):
-    the sparse path of ``paths`` with the lowest median (a tie to TwELL) when it is below
-    ``(1 - margin)`` x dense's median, else ``"dense"``."""
+    the sparse path (TwELL, or the ELL forward only when its median is below ``(1 - margin)`` x
+    TwELL's: it synchronises the host once a call, and its CUDA-event time does not count what
+    the emptied queue costs the layers after it) when it is below ``(1 - margin)`` x dense's
+    median, else ``"dense"``."""
     sparse = [p for p in SPARSE_PATHS if p in paths]
-    best = min(sparse, key=lambda p: med[p])  # min keeps the first of equal medians: TwELL
+    best = sparse[0]
+    if len(sparse) > 1 and med["ell"] < (1.0 - margin) * med["twell"]:
+        best = "ell"
     return best if med[best] < (1.0 - margin) * med["dense"] else "dense"
 
 

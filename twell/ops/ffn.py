@@ -325,7 +325,10 @@ def sparse_ffn(
     Returns:
         ``(y_ND, stats or None)``; y in x's (or autocast) dtype on every path. The call's
         :class:`FFNInfo` is ``state.last_info``. The "ell" path's stats are the TwELL
-        path's (``heavy_rows`` None on both; its heavy rows are ``FFNInfo.overflow_rows``).
+        path's (``heavy_rows`` None on both; its heavy rows are ``FFNInfo.overflow_rows``) on
+        finite inputs. With non-finite values the two differ: an inf / NaN in Wu or Wd at an
+        inactive unit reaches the "ell" path's heavy rows (0 x inf in its dense backup, as in
+        dense PyTorch) but not TwELL's y, and an inf in x makes its l1 NaN where TwELL's is inf.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, mode, or H >= 65536.
@@ -403,7 +406,8 @@ def _ell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c, with_stats, state, po
     in its measuring mode (one host sync reads the heavy-row count; exact on every input) with
     the policy's ELL capacity and all-dense fraction, reading the state's cached ``Wd^T``. No hot
     units: the hot set a caller passes is TwELL's (it takes those units out of TwELL's tiles),
-    and this path ignores it (y is the same FFN either way). The density is recorded for the next
+    and this path ignores it (y is the same FFN either way on finite weights; see
+    ``sparse_ffn``'s Returns for non-finite ones). The density is recorded for the next
     call as on the TwELL path; ``FFNInfo.overflow_rows`` is the heavy-row count (tokens above the
     ELL capacity, computed by the dense backup). ``w_down_DH_c``: Wd in the compute dtype (the
     autocast cast), for the op's checks."""
