@@ -705,16 +705,13 @@ def ell_ffn_forward(
     x, wg, wu, wd = cast_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, cast_weights=False)
     _check_down_t(w_down_t_HD, h, wd.shape[0], x)
     n = x.shape[0]
-    if n == 0:
-        y = x.new_zeros((0, wd.shape[0]))
+    if n == 0:  # as sparse_ffn_train's empty call: the dense reference's y and statistics
+        from twell.ops.reference import gated_ffn_torch
+
+        y, st = gated_ffn_torch(x, wg.to(x.dtype), wu.to(x.dtype), wd.to(x.dtype),
+                                with_stats=with_stats, ell_capacity=kc)
         heavy = torch.zeros((1,), dtype=torch.int32, device=x.device)
-        if not with_stats:
-            return y, heavy
-        acc = torch.promote_types(x.dtype, torch.float32)
-        out = (y, torch.zeros((), dtype=acc, device=x.device),
-               torch.zeros((0,), dtype=torch.int32, device=x.device),
-               torch.zeros((h,), dtype=torch.int32, device=x.device), heavy)
-        return y, heavy, _train_stats(out)
+        return (y, heavy) if not with_stats else (y, heavy, st)
     # autocast off past the cast, as in twell::ffn_train_fwd: the PyTorch backend's fp32
     # accumulating einsums would otherwise run in bf16 (y no longer the training op's)
     with torch.autocast(x.device.type, enabled=False):
