@@ -75,8 +75,9 @@ class FFNInfo:
 
     The TwELL path hands the counts over as zero-argument callables and each is reduced on its
     first read (then kept): the call itself launches none of the diagnostics' reductions, which
-    cost ~10-25 us of GPU time a call (``BENCHMARKS.md``, seventh session of 2026-12-06) that
-    only a bench or a test reads.
+    only a bench or a test reads (with them the TwELL forward ran 18 kernels a call, ~55 us of
+    them small; without, 8 and ~11 us: H200 profiles, ``BENCHMARKS.md``, seventh session of
+    2026-12-06).
 
     Attributes:
         path: "twell" (Triton kernels), "twell-torch" (PyTorch reference of
