@@ -433,7 +433,7 @@ def _ell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c, with_stats, state, po
 def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state, hot=None,
            policy=None):
     gated = w_gate_HD is not None
-    n_long = None
+    long_mask = None
     n, h = x_ND.shape[0], w_up_HD.shape[0]
     if not _triton_ok(x_ND):
         from twell.ops.reference import twell_ffn_torch
@@ -470,7 +470,7 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state, ho
             tw.counts.index_copy_(0, top, saved)  # the true counts again, for the statistics
             tw.row_nnz, tw.row_overflow = packed_rows
             _long_backup(y, l1_rows, x_ND, dense, w_up_HD if gated else None, wdt, top, is_long)
-            n_long = is_long
+            long_mask = is_long  # (k,) bool: FFNInfo.long_rows counts it when read
         if g_S is not None:
             nnz_row = _hot_slice(y, l1_rows, colcnt, nnz_row, x_ND, w_up_HD if gated else None,
                                  wdt, hot, g_S)
@@ -483,7 +483,7 @@ def _twell(x_ND, w_gate_HD, w_up_HD, w_down_DH, wdt_dtype, with_stats, state, ho
         overflow_rows=((lambda: (ovf > 0).sum()) if ovf is not None
                        else tw.overflow_rows().sum()),
         overflow_tiles=(lambda: ovf.sum()) if ovf is not None else tw.n_overflow_tiles(),
-        long_rows=None if n_long is None else n_long.sum)
+        long_rows=None if long_mask is None else long_mask.sum)
     stats = None
     if with_stats:
         stats = FFNStats(l1=l1_rows.mean(), nnz_sum=nnz_sum, nnz_max=nnz_row.max().float(),
