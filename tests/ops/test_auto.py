@@ -167,8 +167,10 @@ def test_measured_choice_decides_again_when_the_candidates_change():
     assert seen == THREE and mc.choices()[4][0] == "ell"
     assert mc.begin(x, 8, 0.05, pol, candidates(True, FFNPolicy(infer_ell=False))) == (
         "twell", None)
+    assert mc.choices()[4] == ("twell", {"twell": 2.0, "dense": 3.0})  # ELL's time not shown
     assert mc.begin(x, 8, 0.05, pol, candidates(False, pol)) == ("twell", None)
     assert mc.begin(x, 8, 0.05, pol, candidates(True, pol)) == ("ell", None)
+    assert mc.choices()[4] == ("ell", {"twell": 2.0, "ell": 1.0, "dense": 3.0})
     assert len(timer.timed) == 9
     for bad in (("ell", "dense"), ("twell",), ("twell", "dense", "cusparse")):
         with pytest.raises(ValueError, match="MeasuredChoice.begin: paths"):

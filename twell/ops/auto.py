@@ -238,8 +238,11 @@ class MeasuredChoice:
             b.density = b.seen_density
 
     def choices(self) -> dict:
-        """bucket -> (choice or None, {path: median ms}): what was measured (for reports)."""
-        return {k: (b.choice, b.medians()) for k, b in sorted(self.buckets.items())}
+        """bucket -> (choice or None, {path: median ms}): what was measured among the bucket's
+        current candidates (for reports; times kept for a path no longer offered are left out,
+        since the choice was not made among them)."""
+        return {k: (b.choice, {p: m for p, m in b.medians().items() if p in b.candidates})
+                for k, b in sorted(self.buckets.items())}
 
 
 __all__ = ["PATHS", "SPARSE_PATHS", "BucketTimes", "CudaEventTimer", "MeasuredChoice",
