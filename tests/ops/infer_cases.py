@@ -9,8 +9,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def assert_close_verbose(out, ref, rtol, atol, what=""):
-    """assert_close that also reports where the largest error is and the error scale."""
-    out, ref = out.double(), ref.double()
+    """assert_close that also reports where the largest error is and the error scale; ``ref``
+    (an fp64 reference, often computed on the CPU) is compared on ``out``'s device."""
+    out, ref = out.double(), ref.double().to(out.device)
     err = (out - ref).abs()
     finite = torch.isfinite(ref)
     if finite.any():
