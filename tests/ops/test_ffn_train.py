@@ -862,25 +862,49 @@ def test_ell_forward_is_the_training_ops_forward(backend, dtype, rel, mode, opts
 
 
 @pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
-def test_ell_forward_nosync_capacity_too_small_is_reported_and_wrong_only_there(backend, dtype,
-                                                                                rel):
-    """A no-sync capacity below the heavy rows: the count says so (the caller's redo rule) and
-    only the heavy rows beyond the backup differ from the reference; a measuring call is exact."""
+def test_ell_forward_nosync_capacity_too_small_is_exact_and_reported(backend, dtype, rel):
+    """A no-sync capacity below the heavy rows, no hot units: the heavy rows past the backup
+    go to the overflow kernel, so y and l1 match fp64 dense PyTorch as a measuring call's do,
+    and the count still says how many rows were heavy (what the next capacity must hold).
+    The overflow kernel's own cases: ``test_overflow_rows.py``."""
     x, wg, wu, wd, dy = make_case(40, 24, 300, seed=72, zero_rows=(0,), dense_rows=(39,))
     cap = 12
     heavy_rows = active(x, wg).sum(1) > cap
     r = int(heavy_rows.sum())
     assert r >= 3
     ins = [t.to(DEV, dtype) for t in (x, wg, wu, wd)]
+    y_ref, st_ref, _ = reference(x, wg, wu, wd, dy, 0.0)
+    for c in (0, 1, r - 1):
+        y, heavy, st = ffn_train.ell_ffn_forward(*ins, ell_capacity=cap, backend=backend,
+                                                 backup_rows=c, dense_row_fraction=1.0,
+                                                 with_stats=True)
+        assert int(heavy[0]) == r > 1
+        assert_close(f"y (capacity {c})", y, y_ref, rel)
+        assert_close(f"l1 (capacity {c})", st.l1, st_ref.l1, rel)
+    y_exact, _ = ffn_train.ell_ffn_forward(*ins, ell_capacity=cap, backend=backend,
+                                           dense_row_fraction=1.0)
+    assert_close("y (measuring)", y_exact, y_ref, rel)
+
+
+@pytest.mark.parametrize("backend,dtype,rel", BACKEND_DTYPES)
+def test_ell_forward_nosync_with_hot_units_keeps_the_capacity_contract(backend, dtype, rel):
+    """With hot units the forward-only no-sync mode runs no overflow kernel (it would count
+    the hot slice twice): heavy rows beyond the backup are wrong, only they, and the count
+    says so (the caller's redo rule, as in training)."""
+    x, wg, wu, wd, dy = make_case(40, 24, 300, seed=72, zero_rows=(0,), dense_rows=(39,))
+    cap = 12
+    hot = torch.tensor([0, 1, 2])  # the always-active units: every row keeps them
+    heavy_rows = active(x, wg)[:, 3:].sum(1) > cap
+    r = int(heavy_rows.sum())
+    assert r >= 3
+    ins = [t.to(DEV, dtype) for t in (x, wg, wu, wd)]
     y, heavy = ffn_train.ell_ffn_forward(*ins, ell_capacity=cap, backend=backend,
-                                         backup_rows=1, dense_row_fraction=1.0)
+                                         backup_rows=1, dense_row_fraction=1.0,
+                                         hot_units=hot.to(DEV))
     assert int(heavy[0]) == r > 1
     y_ref, _, _ = reference(x, wg, wu, wd, dy, 0.0)
     wrong = (y.double().cpu() - y_ref).abs().amax(1) > 1e-3 * y_ref.abs().max()
     assert wrong.any() and not wrong[~heavy_rows].any()
-    y_exact, _ = ffn_train.ell_ffn_forward(*ins, ell_capacity=cap, backend=backend,
-                                           dense_row_fraction=1.0)
-    assert_close("y (measuring)", y_exact, y_ref, rel)
 
 
 @pytest.mark.parametrize("value", NONFINITE, ids=["nan", "inf", "-inf"])

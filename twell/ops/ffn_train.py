@@ -35,9 +35,12 @@ Rows with more than KC non-zeros (the ELL capacity) go whole to the dense backup
 default, measuring mode nothing is dropped at any density: when more than
 ``dense_row_fraction`` of the rows are heavy, every row goes to the dense backup (the call is
 then the dense FFN plus one compaction pass). In the no-sync mode (``backup_rows >= 0``) the
-backup has the caller's capacity and no all-dense fallback; heavy rows beyond it would be wrong,
-so the caller checks ``FFNStats.heavy_rows`` against the capacity before using the results and
-redoes the call measuring (the trainer does, once per optimizer step, ``ffn.host_sync``).
+backup has the caller's capacity and no all-dense fallback. In training heavy rows beyond it
+would be wrong, so the caller checks ``FFNStats.heavy_rows`` against the capacity before using
+the results and redoes the call measuring (the trainer does, once per optimizer step,
+``ffn.host_sync``). The forward alone (:func:`ell_ffn_forward`, no hot units) is exact there:
+the heavy rows beyond the capacity go to the overflow kernel (``twell.ops.overflow_rows``, ours),
+which reads their count on the device and computes them densely.
 
 NaN / inf: a NaN gate counts as active (``not (g <= 0)``, as on the inference path), so a row
 with a NaN input has every unit active, is heavy and goes to the dense backup, where the NaN
@@ -235,12 +238,23 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     n_heavy_out = n_heavy.clone()  # an output: must not alias counts_H (one buffer in Triton)
     if backup_rows >= 0:
         fwd_S = _hot_fwd(be, x, wu, g_S, hot)
+        r_cap = _backup_capacity(backup_rows, n)
+        # forward only, no hot units: every heavy row in row order (N-padded), with no host
+        # sync; the backup takes the first r_cap, the overflow kernel the rest (``_overflow``).
+        # With hot units the overflow kernel would count the hot slice twice (it recomputes
+        # the whole gate): the old contract stays there (heavy rows beyond r_cap are wrong).
+        # Training (with_csc) keeps its own guard (``ffn.host_sync``) and saved tensors.
+        order_N = (torch.nonzero_static(nnz_N > kc, size=n, fill_value=n).reshape(-1)
+                   if not with_csc and hot is None else None)
         # the backup's gates gathered before the ELL forward, and g_NH dropped in this frame
         # (a callee's del would not free it): the N x H gate is not alive beside u and y
-        backup = _gather_backup(g_NH, nnz_N, kc, _backup_capacity(backup_rows, n))
+        backup = _gather_backup(g_NH, nnz_N, kc, r_cap,
+                                None if order_N is None else order_N[:r_cap])
         del g_NH
         out = _fwd_nosync(be, x, wu, kc, acc, col, gv, nnz_N, counts_H, nnz_eff, wdt, backup,
                           n_heavy_out, with_csc)
+        if order_N is not None:
+            out = _overflow(be, out, x, wg, wu, wdt, order_N[r_cap:], n_heavy, r_cap)
         return _with_hot_stats(out, hot, _hot_out(out[0], wdt, hot, fwd_S)) + _saved_S(x, fwd_S)
     r, y, u, l1_N, csc, fwd_S = _sync_heavy_count(be, x, wu, wdt, g_S, hot, col, gv, nnz_eff,
                                                   n_heavy, kc, h, with_csc)
@@ -343,16 +357,19 @@ def _saved_S(x, fwd_S):
     return fwd_S[0], fwd_S[1]
 
 
-def _gather_backup(g_NH, nnz_N, kc: int, r_cap: int):
+def _gather_backup(g_NH, nnz_N, kc: int, r_cap: int, heavy_idx=None):
     """The no-sync dense backup's rows: (heavy_idx (r_cap,) int64, rows, g_R (r_cap, H)). The
     heavy rows fill it in row order; its unused slots keep the index N in ``heavy_idx`` (saved),
     which the row scatters (``be.add_rows``) skip in y and, in backward, dx; ``rows`` is
     ``heavy_idx`` clamped to N - 1 for the gathers, where those slots get a zero gate, so they
-    add exact zeros to l1 and the weight gradients. r_cap = 0: no backup (rows None)."""
+    add exact zeros to l1 and the weight gradients. r_cap = 0: no backup (rows None).
+    ``heavy_idx``: those indices when the caller has them (the first r_cap of its N-padded
+    row-order list of heavy rows), else found here."""
     n, h = g_NH.shape
     if r_cap == 0:
         return torch.empty((0,), dtype=torch.int64, device=g_NH.device), None, g_NH.new_empty((0, h))
-    heavy_idx = torch.nonzero_static(nnz_N > kc, size=r_cap, fill_value=n).reshape(-1)
+    if heavy_idx is None:
+        heavy_idx = torch.nonzero_static(nnz_N > kc, size=r_cap, fill_value=n).reshape(-1)
     rows = heavy_idx.clamp(max=n - 1)
     return heavy_idx, rows, torch.where((heavy_idx < n)[:, None], g_NH[rows], 0)
 
@@ -360,9 +377,10 @@ def _gather_backup(g_NH, nnz_N, kc: int, r_cap: int):
 def _fwd_nosync(be, x, wu, kc, acc, col, gv, nnz_N, counts_H, nnz_eff, wdt, backup, n_heavy,
                 with_csc: bool = True):
     """The forward with no host synchronisation: the dense backup (``_gather_backup``) has the
-    capacity the caller chose from earlier measurements. Heavy rows beyond it would be wrong
-    (their ELL part is empty): the caller must compare ``FFNStats.heavy_rows`` (or the returned
-    count) with the capacity before using the step, and redo it in the measuring mode."""
+    capacity the caller chose from earlier measurements. Heavy rows beyond it are zero here
+    (their ELL part is empty): training compares ``FFNStats.heavy_rows`` (or the returned
+    count) with the capacity before using the step and redoes it in the measuring mode; the
+    forward alone computes them afterwards (``_overflow``)."""
     heavy_idx, rows, g_R = backup
     n, h = x.shape[0], g_R.shape[1]
     y, u, l1_N = _ell_fwd(be, x, wu, wdt, col, gv, nnz_eff)
@@ -380,6 +398,20 @@ def _fwd_nosync(be, x, wu, kc, acc, col, gv, nnz_N, counts_H, nnz_eff, wdt, back
         u_R = x.new_empty((0, h))
     return (y, l1 / max(n, 1), nnz_N, counts_H, n_heavy, nnz_eff, col, gv, u, heavy_idx, g_R,
             u_R, perm, colptr, order)
+
+
+def _overflow(be, out, x, wg, wu, wdt, over_idx, n_heavy, r_cap: int):
+    """The forward-only no-sync mode's overflow rows: the heavy rows past the backup's r_cap
+    (``over_idx``: the rest of the N-padded row-order list of heavy rows; the device count
+    ``n_heavy`` says how many are used, read by the kernel, not the host) computed densely and
+    stored into y (``be.overflow_rows``), their sum |h| added to l1. ``out``: ``_fwd_nosync``'s
+    outputs (y and l1 replaced). With no overflow the kernel's programs read the count and exit,
+    and l1 gains an exact 0."""
+    y, l1 = out[0], out[1]
+    n = max(x.shape[0], 1)
+    l1_over = be.overflow_rows(y, x, wg.contiguous(), wu.contiguous(), wdt, over_idx, n_heavy,
+                               r_cap)
+    return (y, l1 + l1_over.sum(dtype=l1.dtype) / n, *out[2:])
 
 
 def _hot_bwd(be, dy, scale, x, wg, wu, wdt, hot, g_S, u_S, dx, dwg, dwu, dwdt=None, dwd=None):
@@ -663,12 +695,14 @@ def ell_ffn_forward(
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, FFNStats]:
     """The forward of :func:`sparse_ffn_train`'s hybrid layout alone, for inference: the same
     gate GEMM, hot-unit slice, compaction, SDDMM + SpMM of the light rows and dense backup of
-    the heavy rows, so ``y`` is bitwise the training op's, but no autograd, no CSC order (the
-    weight gradient's radix sort) and nothing kept for a backward. Inference ``auto``
-    (``twell.ops.ffn.sparse_ffn``) times it as its ``"ell"`` candidate beside TwELL and dense
-    (``twell.ops.auto``), in the measuring mode and without hot units.
+    the heavy rows, so ``y`` is bitwise the training op's (except the no-sync mode's overflow
+    rows, below), but no autograd, no CSC order (the weight gradient's radix sort) and nothing
+    kept for a backward. Inference ``auto`` (``twell.ops.ffn.sparse_ffn``) times it as its
+    ``"ell"`` candidate beside TwELL and dense (``twell.ops.auto``), without hot units: a
+    bucket's first call measures, later ones use the no-sync mode (``twell.ops.ffn._ell``).
 
-    Source: arXiv 2603.23198, the hybrid ELL + dense-backup layout (its forward half).
+    Source: arXiv 2603.23198, the hybrid ELL + dense-backup layout (its forward half); the
+    overflow kernel (``twell.ops.overflow_rows``) is ours.
 
     Args:
         x_ND, w_gate_HD, w_up_HD, w_down_DH: as :func:`sparse_ffn_train` ((N, D), (H, D),
@@ -677,9 +711,15 @@ def ell_ffn_forward(
             :func:`sparse_ffn_train`.
         backup_rows: -1: one host synchronisation reads the heavy-row count and sizes the
             dense backup (exact on every input; above ``dense_row_fraction`` every row goes
-            dense). ``>= 0``: no synchronisation, a backup of ``min(backup_rows, N - 1)`` rows;
-            exact only when the returned count is within it (the caller checks and redoes the
-            call with -1 otherwise).
+            dense). ``>= 0``: no synchronisation, a backup of ``min(backup_rows, N - 1)`` rows
+            (no all-dense fallback); without hot units exact on every input: heavy rows beyond
+            the backup (rank >= its capacity in row order) are computed by the overflow kernel,
+            whose row count is read on the device (with none, one launch whose programs exit).
+            Those rows are within bf16 / fp16 rounding of the backup's cuBLAS result (another
+            summation order), not bitwise the training op's; every other row is. With hot
+            units no overflow kernel runs (it would count the hot slice twice): rows beyond
+            the backup are wrong, and the caller checks the returned count against the
+            capacity and redoes the call with -1, as in training.
         w_down_t_HD: optional (H, D) contiguous ``w_down_DH.T`` in the compute dtype (x's, or
             autocast's) on x's device, e.g. ``TwELLState.down_t``'s cached copy: the forward
             then skips its own transposing cast of Wd (one tiled pass, ~11 us a call at D 2048,

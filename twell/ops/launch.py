@@ -1,7 +1,7 @@
 """Launch shapes of the sparse training kernels (``CONFIG``, ``kernel_config``) and the launchers' checks.
 
 The kernels (``twell/ops/compact.py``, ``sddmm.py``, ``spmm.py``, ``dw.py``, ``elementwise.py``,
-``transpose.py``, ``add_rows.py``) read their block sizes and warps from ``CONFIG`` at launch;
+``transpose.py``, ``add_rows.py``, ``overflow_rows.py``) read their block sizes and warps from ``CONFIG`` at launch;
 ``kernel_config`` changes them for a ``with`` block (benchmarks, tests).
 """
 
@@ -58,12 +58,21 @@ _DEFAULT_CONFIG = {
     # warps; not yet timed
     "add_rows_block_d": 1024,
     "add_rows_warps": 4,
+    # no-sync backup's overflow rows (overflow_rows.py): rows per tile, output columns per
+    # tile, hidden units and model-width chunk per step, warps; a rare path, not timed (it
+    # only has to cost nothing when no row overflows: one launch whose programs exit)
+    "overflow_block_m": 16,
+    "overflow_block_d": 128,
+    "overflow_block_h": 64,
+    "overflow_block_k": 64,
+    "overflow_warps": 4,
 }
 CONFIG = dict(_DEFAULT_CONFIG)
 # sizes used directly as tl.arange extents (others are rounded up to a power of 2 by _pow2)
 _POW2_KEYS = ("dense_block_n", "dense_block_h", "sddmm_block_k", "spmm_block_k", "spmm_block_k2",
               "dw_block_j", "dw_block_d", "transpose_block",
-              "add_rows_block_d")  # dw_block_d: also 0 = auto
+              "add_rows_block_d", "overflow_block_m", "overflow_block_d", "overflow_block_h",
+              "overflow_block_k")  # dw_block_d: also 0 = auto
 
 
 @contextlib.contextmanager

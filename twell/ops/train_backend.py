@@ -8,7 +8,8 @@ The Triton kernels, one op per file: ``compact.py`` (ReLU + ELL compaction), ``s
 forward, dh backward), ``spmm.py`` (y forward, dx backward), ``dw.py`` (weight gradients),
 ``elementwise.py`` (the dense rows' fused passes), ``transpose.py`` (the transposing cast of Wd
 and dWd), ``add_rows.py`` (the dense rows' scatter-add into y, dx and the hot units' weight
-gradients); launch shapes in ``launch.py``.
+gradients), ``overflow_rows.py`` (the forward-only no-sync backup's overflow rows); launch
+shapes in ``launch.py``.
 
 Shape legend: N tokens (R for dense rows), D model width, H FFN width, K ELL width (slots per
 row), KC ELL capacity (the widest K allowed), J entries of one column in CSC order.
@@ -47,7 +48,8 @@ def triton_backend() -> SimpleNamespace:
     """The Triton backend: the kernel files' launchers under the names the ops call (those of
     ``twell.ops.reference.sparse_train_torch``): ``compact``, ``compact_heavy``, ``sddmm_fwd``,
     ``sddmm_bwd``, ``spmm``, ``dw``, ``transposed``, ``backup_fwd``, ``backup_bwd``,
-    ``dense_fwd``, ``add_rows``. One object per process (a test may wrap its attributes).
+    ``dense_fwd``, ``add_rows``, ``overflow_rows``. One object per process (a test may wrap its
+    attributes).
 
     Raises:
         ImportError: triton is not installed (imported here, not at module load: triton is
@@ -57,6 +59,7 @@ def triton_backend() -> SimpleNamespace:
     from twell.ops.compact import compact, compact_heavy
     from twell.ops.dw import dw
     from twell.ops.elementwise import backup_bwd, backup_fwd, dense_fwd
+    from twell.ops.overflow_rows import overflow_rows
     from twell.ops.sddmm import sddmm_bwd, sddmm_fwd
     from twell.ops.spmm import spmm
     from twell.ops.transpose import transposed
@@ -64,7 +67,7 @@ def triton_backend() -> SimpleNamespace:
     return SimpleNamespace(compact=compact, compact_heavy=compact_heavy, sddmm_fwd=sddmm_fwd,
                            sddmm_bwd=sddmm_bwd, spmm=spmm, dw=dw, transposed=transposed,
                            backup_fwd=backup_fwd, backup_bwd=backup_bwd, dense_fwd=dense_fwd,
-                           add_rows=add_rows)
+                           add_rows=add_rows, overflow_rows=overflow_rows)
 
 
 def pick_backend(x: torch.Tensor, name: str):

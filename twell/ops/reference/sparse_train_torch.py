@@ -241,3 +241,26 @@ def add_rows(dst_ND, idx_R, src_RD):
     check_add_rows(dst_ND, idx_R, src_RD)
     used = (idx_R >= 0) & (idx_R < dst_ND.shape[0])
     return dst_ND.index_add_(0, idx_R[used], src_RD[used])
+
+
+def overflow_rows(y_ND, x_ND, w_gate_HD, w_up_HD, w_down_t_HD, idx_M, n_heavy, skip):
+    """The no-sync backup's overflow rows (as ``twell.ops.overflow_rows.overflow_rows``): the
+    dense FFN stored into ``y[idx_M[i]]`` for ``i < n_heavy - skip`` with ``idx_M[i]`` in
+    [0, N); returns the (M,) per-slot ``sum |h|`` in fp32 (fp64 for fp64). Dense math on the
+    gathered rows, g, u and h rounded to x's dtype as the dense backup's. Selecting the used
+    slots reads their count (a host sync on CUDA; this backend syncs elsewhere too)."""
+    n, m = x_ND.shape[0], idx_M.shape[0]
+    acc = torch.promote_types(x_ND.dtype, torch.float32)
+    l1 = torch.zeros((m,), dtype=acc, device=x_ND.device)
+    used = int(n_heavy.reshape(-1)[0]) - int(skip)
+    used = max(0, min(used, m))
+    slots = torch.arange(used, device=x_ND.device)
+    slots = slots[(idx_M[:used] >= 0) & (idx_M[:used] < n)]
+    if slots.numel() == 0:
+        return l1
+    rows = idx_M[slots]
+    x_R = x_ND[rows]
+    h_R = torch.relu(torch.matmul(x_R, w_gate_HD.t())) * torch.matmul(x_R, w_up_HD.t())
+    y_ND[rows] = torch.matmul(h_R, w_down_t_HD)
+    l1[slots] = h_R.abs().sum(1, dtype=acc)
+    return l1

@@ -1,0 +1,190 @@
+"""The no-sync dense backup's overflow rows (``twell.ops.overflow_rows``: heavy rows beyond the
+backup's capacity, computed densely with their count read on the device) against fp64 dense
+PyTorch: the kernel alone (Triton through the interpreter on CPU, and its PyTorch twin in fp64)
+and inside ``twell.ops.ffn_train.ell_ffn_forward``'s no-sync mode, which is exact on every
+input with it. Shape legend: N tokens, D model width, H FFN width, M overflow slots.
+"""
+
+import pytest
+import torch
+
+from twell.ops import ffn_train
+from twell.ops.reference import sparse_train_torch
+
+from .train_cases import DEV, assert_close, make_inputs, needs_triton, reference
+
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
+# (backend, dtype): the Triton kernel in each 16/32-bit dtype, the PyTorch twin in fp64
+KERNEL_CASES = [pytest.param("triton", dt, marks=needs_triton, id=f"triton-{str(dt)[6:]}")
+                for dt in (torch.float32, torch.float16, torch.bfloat16)] + [
+    pytest.param("torch", torch.float64, id="torch-float64")]
+
+
+def _kernel(backend):
+    if backend == "torch":
+        return sparse_train_torch.overflow_rows
+    from twell.ops.overflow_rows import overflow_rows
+    return overflow_rows
+
+
+def _dense_fp64(x, wg, wu, wdt):
+    """(y (N, D), per-row sum |h| (N,)) of the gated FFN in fp64 from the op's inputs."""
+    x, wg, wu, wdt = (t.detach().double().cpu() for t in (x, wg, wu, wdt))
+    h = torch.relu(x @ wg.T) * (x @ wu.T)
+    return h @ wdt, h.abs().sum(1)
+
+
+def _inputs(n, d, h, dtype, seed):
+    x, wg, wu, wd, _ = make_inputs(n, d, h, seed=seed)
+    return [t.to(DEV, dtype) for t in (x, wg, wu)] + [wd.T.contiguous().to(DEV, dtype)]
+
+
+# (name, N, D, H, heavy rows, backup capacity, non-finite rows {row: value})
+KERNEL_SHAPES = [
+    ("cap0", 24, 32, 48, [1, 5, 6, 17, 23], 0, {}),
+    ("between", 40, 40, 300, [0, 3, 9, 10, 22, 31, 39], 3, {}),
+    ("cap_holds_all", 24, 32, 48, [2, 7], 2, {}),
+    ("cap_above", 24, 32, 48, [2, 7], 5, {}),
+    ("every_row", 33, 64, 100, list(range(33)), 4, {}),
+    ("nonfinite", 32, 32, 64, [1, 4, 8, 9, 20, 30], 2, {9: float("nan"), 20: float("inf"),
+                                                        30: float("-inf")}),
+]
+
+
+@pytest.mark.parametrize("name,n,d,h,heavy,cap,bad", KERNEL_SHAPES,
+                         ids=[c[0] for c in KERNEL_SHAPES])
+@pytest.mark.parametrize("backend,dtype", KERNEL_CASES)
+def test_kernel_stores_the_overflow_rows_only(backend, dtype, name, n, d, h, heavy, cap, bad):
+    """The slots past ``cap`` of the N-padded row-order heavy list get the dense FFN row
+    (stored over what y held: a sentinel here), every other row of y is untouched, and the
+    per-slot L1 terms are those rows' sum |h| (0 on unused slots), all within the dtype's bound
+    of fp64; a NaN / inf input row gives a non-finite output row where fp64 does."""
+    x, wg, wu, wdt = _inputs(n, d, h, dtype, seed=n + d + h)
+    for r, v in bad.items():
+        x[r, 3] = v
+    heavy_N = torch.zeros(n, dtype=torch.bool, device=DEV)
+    heavy_N[heavy] = True
+    order = torch.nonzero_static(heavy_N, size=n, fill_value=n).reshape(-1)
+    count = heavy_N.sum(dtype=torch.int32)[None]
+    y = torch.full((n, d), 7.0, dtype=dtype, device=DEV)
+    l1 = _kernel(backend)(y, x, wg, wu, wdt, order[cap:].contiguous(), count, cap)
+    over = heavy[cap:]
+    y_ref, l1_ref = _dense_fp64(x, wg, wu, wdt)
+    keep = [i for i in range(n) if i not in over]
+    assert (y[keep].cpu() == 7.0).all()
+    assert l1.shape == (n - cap,) and l1.dtype == torch.promote_types(dtype, torch.float32)
+    assert not l1[len(over):].any()
+    if not over:
+        return
+    got, want = y[over].cpu(), y_ref[over]
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = [i for i, r in enumerate(over) if r not in bad]
+    assert_close("y", got[fin], want[fin], TOL[dtype])
+    assert_close("l1", l1[:len(over)][fin], l1_ref[over][fin], TOL[dtype])
+    for i, r in enumerate(over):
+        if r in bad:
+            assert not torch.isfinite(l1[i])
+
+
+@needs_triton
+def test_kernel_with_no_overflow_writes_nothing_and_checks_arguments():
+    """A count within the capacity (or an empty slot list): y and l1 untouched, zeros; bad
+    shapes, dtypes or layouts are ValueErrors naming the argument."""
+    from twell.ops.overflow_rows import overflow_rows
+
+    x, wg, wu, wdt = _inputs(16, 32, 48, torch.float32, seed=3)
+    y = torch.full((16, 32), 7.0, device=DEV)
+    idx = torch.arange(16, device=DEV)
+    for count, skip in ((0, 0), (4, 4), (3, 5)):
+        cnt = torch.tensor([count], dtype=torch.int32, device=DEV)
+        l1 = overflow_rows(y, x, wg, wu, wdt, idx[skip:], cnt, skip)
+        assert (y == 7.0).all() and not l1.any()
+    cnt = torch.tensor([16], dtype=torch.int32, device=DEV)
+    assert overflow_rows(y, x, wg, wu, wdt, idx[:0], cnt, 16).shape == (0,)
+    with pytest.raises(ValueError, match="w_gate_HD"):
+        overflow_rows(y, x, wg[:, :8], wu, wdt, idx, cnt, 0)
+    with pytest.raises(ValueError, match="y_ND"):
+        overflow_rows(y.half(), x, wg, wu, wdt, idx, cnt, 0)
+    with pytest.raises(ValueError, match="idx_M"):
+        overflow_rows(y, x, wg, wu, wdt, idx.int(), cnt, 0)
+    with pytest.raises(ValueError, match="n_heavy"):
+        overflow_rows(y, x, wg, wu, wdt, idx, cnt.long(), 0)
+
+
+# --- inside ell_ffn_forward's no-sync mode ----------------------------------------------
+
+OP_CASES = [pytest.param("triton", dt, marks=needs_triton, id=f"triton-{str(dt)[6:]}")
+            for dt in (torch.float32, torch.float16, torch.bfloat16)] + [
+    pytest.param("torch", torch.float64, id="torch-float64")]
+CAP = 12  # ELL capacity of the op cases
+
+
+def _op_case(n, seed, dtype, dense_rows=(), threshold=1.5):
+    """An N x 24 x 300 case (its heavy rows: more than CAP active units) on DEV in ``dtype``:
+    (fp64 x, wg, wu, wd, dy, the inputs, the heavy row indices)."""
+    x, wg, wu, wd, dy = make_inputs(n, 24, 300, seed=seed, threshold=threshold)
+    x[:, 1] = 0.0
+    wg[:, 1] = 50.0
+    for r in dense_rows:
+        x[r, 1] = 1.0
+    ins = [t.to(DEV, dtype) for t in (x, wg, wu, wd)]
+    act = ~((x @ wg.T) <= 0)
+    heavy = torch.nonzero(act.sum(1) > CAP).reshape(-1).tolist()
+    return x, wg, wu, wd, dy, ins, heavy
+
+
+def _forward(ins, backend, backup_rows):
+    return ffn_train.ell_ffn_forward(*ins, ell_capacity=CAP, dense_row_fraction=1.0,
+                                     backend=backend, backup_rows=backup_rows, with_stats=True)
+
+
+@pytest.mark.parametrize("backend,dtype", OP_CASES)
+def test_nosync_forward_is_exact_at_every_capacity(backend, dtype):
+    """Backup capacities 0, one heavy row, all but one, exactly the heavy count and above: y and
+    l1 match fp64 dense PyTorch within the dtype's bound and the heavy count is the true one;
+    at a capacity that holds every heavy row the overflow kernel does nothing, so y and l1 are
+    bitwise the measuring mode's."""
+    x, wg, wu, wd, dy, ins, heavy = _op_case(32, 81, dtype, dense_rows=(5, 30))
+    r = len(heavy)
+    assert 3 <= r < 32
+    y_ref, st_ref, _ = reference(x, wg, wu, wd, dy, 0.0)
+    y_m, _, st_m = _forward(ins, backend, -1)
+    for c in (0, 1, r - 1, r, r + 4):
+        y, cnt, st = _forward(ins, backend, c)
+        assert int(cnt[0]) == r
+        assert_close(f"y (capacity {c})", y, y_ref, TOL[dtype])
+        assert_close(f"l1 (capacity {c})", st.l1, st_ref.l1, TOL[dtype])
+        if c >= r:
+            assert torch.equal(y, y_m) and torch.equal(st.l1, st_m.l1)
+
+
+@pytest.mark.parametrize("backend,dtype", OP_CASES)
+def test_nosync_forward_every_row_heavy_and_nonfinite_rows(backend, dtype):
+    """Every row heavy (no all-dense fallback in the no-sync mode: the backup's N - 1 rows at
+    most, the rest overflow), and NaN / inf input rows past the capacity: y is non-finite
+    exactly where fp64 dense PyTorch's is and matches it elsewhere."""
+    n = 24
+    x, wg, wu, wd, dy, ins, heavy = _op_case(n, 82, dtype, dense_rows=range(n))
+    assert heavy == list(range(n))
+    y_ref, st_ref, _ = reference(x, wg, wu, wd, dy, 0.0)
+    for c in (0, 5, n):
+        y, cnt, st = _forward(ins, backend, c)
+        assert int(cnt[0]) == n
+        assert_close(f"y (capacity {c})", y, y_ref, TOL[dtype])
+        assert_close(f"l1 (capacity {c})", st.l1, st_ref.l1, TOL[dtype])
+    x, wg, wu, wd, dy, _, heavy = _op_case(n, 83, dtype, dense_rows=(2, 4))
+    bad = {10: float("nan"), 15: float("inf"), 20: float("-inf")}
+    for r, v in bad.items():
+        x[r, 3] = v
+    ins = [t.to(DEV, dtype) for t in (x, wg, wu, wd)]
+    y_ref, _, _ = reference(x, wg, wu, wd, dy, 0.0)
+    y, cnt, st = _forward(ins, backend, 1)
+    heavy_now = int(cnt[0])
+    assert heavy_now >= 5  # rows 2, 4 and the non-finite ones (their gates are active)
+    got = y.double().cpu()
+    assert torch.equal(torch.isnan(got), torch.isnan(y_ref))
+    assert torch.equal(torch.isinf(got), torch.isinf(y_ref))
+    ok = [i for i in range(n) if i not in bad]
+    assert_close("y (finite rows)", y[ok], y_ref[ok], TOL[dtype])
+    assert not torch.isfinite(st.l1)
