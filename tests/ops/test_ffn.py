@@ -781,6 +781,45 @@ def test_auto_ell_path_reads_the_states_cached_down_t(monkeypatch):
     assert torch.equal(seen[0], wd.T)
 
 
+def test_auto_ell_path_measures_once_then_runs_no_sync_and_stays_exact(monkeypatch):
+    """The ELL path's first call of a row-count bucket (the untimed warm-up) measures
+    (``backup_rows=-1``); later calls run the no-sync mode with ``backup_capacity_for`` of the
+    recorded heavy count. An input with more heavy rows than that capacity is still exact
+    against fp64 (its overflow rows take the overflow kernel), FFNInfo.overflow_rows is its
+    true heavy count, and the next call's capacity covers it. Another bucket measures again."""
+    import twell.ops.ffn_train as ffn_train_mod
+
+    seen = []
+    fwd = ffn_train_mod.ell_ffn_forward
+    monkeypatch.setattr(ffn_train_mod, "ell_ffn_forward",
+                        lambda *a, **kw: (seen.append(kw["backup_rows"]), fwd(*a, **kw))[1])
+    n, d, h, kc = 24, 40, 300, 40  # row-count bucket 5, as _ell_state's
+    x, wg, wu, wd = make_ffn(n, d, h, torch.float32, 0.05, seed=29)
+    x[[3, 17], 0] = 0.0  # no threshold: about half the units fire (heavy)
+    pol = FFNPolicy(**ELL_POLICY)
+    host = [t.cpu() for t in (wg, wu, wd)]
+    heavy0 = int((ffn_reference_fp64(x.cpu(), *host)[2].sum(1) > kc).sum())
+    assert heavy0 == 2
+    st = _ell_state(x, wg, wu, wd, pol)
+    cap = ffn_train_mod.backup_capacity_for(heavy0)
+    assert seen[0] == -1 and seen[1:] == [cap] * (len(seen) - 1) and len(seen) >= 2
+    x2 = x.clone()
+    x2[:22, 0] = 0.0  # 22 heavy rows, above the capacity (19)
+    with torch.no_grad():
+        y, _ = sparse_ffn(x2, wg, wu, wd, mode="auto", state=st, policy=pol)
+    assert st.last_info.path == "ell" and seen[-1] == cap
+    y_ref, _, act = ffn_reference_fp64(x2.cpu(), *host)
+    heavy2 = int((act.sum(1) > kc).sum())
+    assert heavy2 > cap and int(st.last_info.overflow_rows) == heavy2
+    assert_close_verbose(y, y_ref, rtol=1e-5, atol=1e-5, what="y ell, overflow rows")
+    with torch.no_grad():
+        sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol, with_stats=False)
+        assert seen[-1] == ffn_train_mod.backup_capacity_for(heavy2)
+        for _ in range(3):  # bucket 4: twell's, ELL's and dense's warm-up calls
+            sparse_ffn(x[:12], wg, wu, wd, mode="auto", state=st, policy=pol, with_stats=False)
+    assert seen[-1] == -1  # the new bucket's ELL warm-up measures
+
+
 @pytest.mark.parametrize("case", ["n1_all_active", "all_zero", "fp16_all_dense", "bf16_strided"])
 def test_auto_ell_path_awkward_inputs_match_fp64_and_twell(case):
     """The ELL path (chosen by measurement) on awkward inputs: one row with every unit active

@@ -20,10 +20,12 @@ Paths, chosen per call:
   ``sparse_ffn`` refuses inputs that need a gradient.
 * ``"ell"`` (``mode="auto"`` only, gated FFNs, ``policy.infer_ell``): the training op's hybrid
   ELL layout, forward alone (``twell.ops.ffn_train.ell_ffn_forward``: gate GEMM, compaction,
-  SDDMM + SpMM of the light rows, dense backup of the heavy rows; arXiv 2603.23198) in its
-  measuring mode: one host synchronisation per call reads the heavy-row count, which sizes the
-  dense backup (exact on every input). It reads the state's cached ``Wd^T`` and takes no hot
-  units (the hot set is TwELL's). ``FFNInfo.overflow_rows`` counts its heavy rows.
+  SDDMM + SpMM of the light rows, dense backup of the heavy rows; arXiv 2603.23198): a
+  row-count bucket's first call measures (one host synchronisation reads the heavy-row count,
+  which sizes the dense backup), later calls use the no-sync mode with a capacity from the
+  recorded counts, whose overflow rows a Triton kernel computes (exact on every input). It
+  reads the state's cached ``Wd^T`` and takes no hot units (the hot set is TwELL's).
+  ``FFNInfo.overflow_rows`` counts its heavy rows.
 * ``mode="auto"``: dense cuBLAS for calls with fewer than ``policy.infer_min_rows`` token
   rows or fewer dense FLOPs than ``policy.infer_min_flops`` (:class:`twell.policy.FFNPolicy`).
   Otherwise, on CUDA, the fastest of TwELL, the ELL forward and dense as timed on the layer's
@@ -64,7 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from twell.format import check_width, words_per_tile
-from twell.ops.auto import MeasuredChoice, candidates
+from twell.ops.auto import MeasuredChoice, candidates, row_bucket
 from twell.ops.hot_units import check_hot_units
 from twell.policy import FFNPolicy
 from twell.stats import FFNStats, stats_from_counts
@@ -157,6 +159,9 @@ class TwELLState:
         self._dens_host: torch.Tensor | None = None
         self._dens_event = None
         self._dens_scale = 1.0
+        # the "ell" path's heavy-row counts per row-count bucket: [largest landed count or
+        # None, pinned host buffer, event of its copy in flight or None] (_ell_backup_rows)
+        self._ell_heavy: dict[int, list] = {}
 
     def down_t(self, w_down_DH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(H, D) contiguous copy of ``w_down_DH.T`` in ``dtype``, cached until the weight changes.
@@ -196,6 +201,43 @@ class TwELLState:
             self._dens_event.record()
         else:
             self.density = float(dens) * scale
+
+    def _ell_backup_rows(self, n: int, dense_row_fraction: float) -> int:
+        """The "ell" path's ``backup_rows`` for a call of N rows: -1 (measure: one host sync)
+        until a heavy-row count of N's row-count bucket has landed on the host, then the
+        no-sync capacity ``backup_capacity_for(largest landed count)`` (heavy rows beyond it go
+        to the overflow kernel: exact, no sync). Also -1 while that count is above
+        ``dense_row_fraction * N``: only the measuring mode has the all-dense fallback.
+        Never blocks."""
+        from twell.ops.ffn_train import backup_capacity_for
+
+        rec = self._ell_heavy.get(row_bucket(n))
+        if rec is None:
+            return -1
+        if rec[2] is not None and rec[2].query():  # the last copy has landed
+            rec[0] = max(rec[0] or 0, int(rec[1][0]))
+            rec[2] = None
+        if rec[0] is None or rec[0] > dense_row_fraction * n:
+            return -1
+        return backup_capacity_for(rec[0])
+
+    def _record_ell_heavy(self, n: int, heavy: torch.Tensor) -> None:
+        """Keep the "ell" path's heavy-row count ((1,) int32, the op's) for N's bucket with no
+        host sync: on CUDA a non-blocking copy into a pinned buffer, read by
+        :meth:`_ell_backup_rows` once its event has landed (one copy in flight a bucket: a
+        call whose predecessor's copy is still in flight records nothing); elsewhere at once.
+        The bucket keeps the largest count it has read, so its capacity only grows."""
+        rec = self._ell_heavy.setdefault(row_bucket(n), [None, None, None])
+        if not heavy.is_cuda:
+            rec[0] = max(rec[0] or 0, int(heavy.reshape(-1)[0]))
+            return
+        if rec[2] is not None:
+            return
+        if rec[1] is None:
+            rec[1] = torch.empty((1,), dtype=torch.int32, pin_memory=True)
+        rec[1].copy_(heavy.detach().reshape(1), non_blocking=True)
+        rec[2] = torch.cuda.Event()
+        rec[2].record()
 
     def poll_density(self) -> float | None:
         """The latest density whose copy has landed (never blocks)."""
@@ -404,8 +446,13 @@ def _auto_dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, state):
 
 def _ell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c, with_stats, state, policy):
     """``auto``'s ``"ell"`` path: the hybrid ELL forward (``twell.ops.ffn_train.ell_ffn_forward``)
-    in its measuring mode (one host sync reads the heavy-row count; exact on every input) with
-    the policy's ELL capacity and all-dense fraction, reading the state's cached ``Wd^T``. No hot
+    with the policy's ELL capacity and all-dense fraction, reading the state's cached ``Wd^T``.
+    A row-count bucket's first call (``MeasuredChoice``'s untimed warm-up) runs the measuring
+    mode (one host sync reads the heavy-row count R); once a count has landed on the host
+    (read without blocking: ``TwELLState._ell_backup_rows``), later calls run the no-sync mode
+    with ``backup_capacity_for(largest R recorded)`` rows, exact on every input (heavy rows past
+    the capacity go to the overflow kernel). Every call's R is recorded, so the capacity follows
+    the largest count seen (it never shrinks). Exact in both modes. No hot
     units: the hot set a caller passes is TwELL's (it takes those units out of TwELL's tiles),
     and this path ignores it (y is the same FFN either way on finite weights; see
     ``sparse_ffn``'s Returns for non-finite ones). The density is recorded for the next
@@ -418,8 +465,10 @@ def _ell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c, with_stats, state, po
     wdt = state.down_t(w_down_DH, w_down_DH_c.dtype)
     # with_stats always: the op computes l1, the row and unit counts anyway and the density
     # needs the row counts' sum; nnz_max and the heavy count's cast are two small reductions
+    backup_rows = state._ell_backup_rows(n, policy.dense_row_fraction)
     y, heavy, stats = ell_ffn_forward(x_ND, w_gate_HD, w_up_HD, w_down_DH_c, policy=policy,
-                                      backup_rows=-1, w_down_t_HD=wdt, with_stats=True)
+                                      backup_rows=backup_rows, w_down_t_HD=wdt, with_stats=True)
+    state._record_ell_heavy(n, heavy)
     nnz_sum = stats.nnz_sum  # one reduction; the density's division is the host's
     state.record_density(nnz_sum, scale=1.0 / float(n * h))
     state.last_info = FFNInfo("ell", density=lambda: nnz_sum / float(n * h),
