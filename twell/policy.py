@@ -155,12 +155,15 @@ class FFNPolicy:
     density rule above, which picks TwELL or dense."""
     infer_ell: bool = True
     """Inference ``auto``, measured: also time the training layout's hybrid ELL forward
-    (``twell.ops.ffn_train.ell_ffn_forward``, gated FFNs) as a third candidate. It synchronises
-    the host once per call (the heavy-row count sizes its dense backup), so set False where the
-    forward is captured in a CUDA graph or must not block. On the recorded layers of a 2B model
-    its no-sync form (``backup_rows >= 0``, not the measuring mode ``auto`` runs and times) ran
-    1.11x of dense where TwELL ran 0.34x (3 % density), 2.02x vs 1.93x at 0.06 % (one H200,
-    M 16384; BENCHMARKS.md, "Seventh session of 2026-12-06")."""
+    (``twell.ops.ffn_train.ell_ffn_forward``, gated FFNs) as a third candidate. A row-count
+    bucket's first ELL call synchronises the host (the measuring mode: the heavy-row count
+    sizes its dense backup); later calls run its no-sync form (``backup_rows >= 0``, exact: heavy
+    rows past the capacity take the overflow kernel) while the bucket's recorded count allows
+    (``twell.ops.ffn._ell``), so set False where the forward is captured in a CUDA graph or must
+    never block. On the recorded layers of a 2B model the no-sync form ran 1.11x of dense where
+    TwELL ran 0.34x (3 % density), 2.02x vs 1.93x at 0.06 % (one H200, M 16384; BENCHMARKS.md,
+    "Seventh session of 2026-12-06"; measured before the overflow kernel, which adds a few small
+    launches a call, not yet timed)."""
     infer_timed_calls: int = 3
     """Inference ``auto``, measured: timed calls per path and row-count bucket, after one untimed
     warm-up call each (its time includes Triton's compilation); the decision compares medians."""

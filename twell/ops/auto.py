@@ -7,8 +7,9 @@ The candidates (:data:`PATHS`, a call may restrict them: :func:`candidates`):
 * ``"ell"``: the training op's hybrid ELL layout, forward alone
   (``twell.ops.ffn_train.ell_ffn_forward``: gate GEMM, compaction, SDDMM + SpMM of the light
   rows, dense backup of the heavy rows; arXiv 2603.23198, hybrid ELL layout). Gated FFNs only,
-  and only with ``policy.infer_ell``: it synchronises the host once per call (the heavy-row
-  count sizes its dense backup). Its no-sync forward beat TwELL on two of three recorded
+  and only with ``policy.infer_ell``: its first call of a bucket synchronises the host (the
+  heavy-row count sizes its dense backup), later ones run the op's exact no-sync mode with a
+  capacity from the recorded counts (``twell.ops.ffn._ell``). Its no-sync forward beat TwELL on two of three recorded
   layers of a 2B model and on i.i.d. rows at 0.3-3 % (one H200, M 16384; BENCHMARKS.md,
   "Seventh session of 2026-12-06"), markedly on the densest layer (3 %: 1.11x of dense where
   TwELL ran 0.34x), and lost 1.76x to 1.79x at 0.24 %.

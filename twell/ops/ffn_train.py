@@ -726,7 +726,8 @@ def ell_ffn_forward(
             H 5632 on the H200). The same values, so y is bitwise the same.
         with_stats: also return the call's :class:`FFNStats`, those :func:`sparse_ffn_train`
             returns on the same input (l1 = mean over rows of sum |h|, nnz_sum, nnz_max,
-            active_counts (H,) int32, n_tokens, heavy_rows), all detached.
+            active_counts (H,) int32, n_tokens, heavy_rows), all detached; with overflow rows
+            (no-sync mode) their l1 terms are the overflow kernel's, in fp32.
 
     Returns:
         ``(y, heavy)``, or ``(y, heavy, stats)`` with ``with_stats``: y (N, D) in the compute
