@@ -245,7 +245,7 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         # the whole gate): the old contract stays there (heavy rows beyond r_cap are wrong).
         # Training (with_csc) keeps its own guard (``ffn.host_sync``) and saved tensors.
         order_N = (torch.nonzero_static(nnz_N > kc, size=n, fill_value=n).reshape(-1)
-                   if not with_csc and hot is None else None)
+                   if not with_csc and (hot is None or hot.numel() == 0) else None)
         # the backup's gates gathered before the ELL forward, and g_NH dropped in this frame
         # (a callee's del would not free it): the N x H gate is not alive beside u and y
         backup = _gather_backup(g_NH, nnz_N, kc, r_cap,
