@@ -188,3 +188,29 @@ def test_nosync_forward_every_row_heavy_and_nonfinite_rows(backend, dtype):
     ok = [i for i in range(n) if i not in bad]
     assert_close("y (finite rows)", y[ok], y_ref[ok], TOL[dtype])
     assert not torch.isfinite(st.l1)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_kernel_with_small_blocks_covers_every_d_block_k_chunk_and_work_item(dtype):
+    """16-wide blocks at D 40, H 50: three D blocks (the l1 written once, by block 0), three
+    model-width chunks of the gate / up dots, four H chunks (the last masked) and more
+    (row tile, D block) items than programs (the grid-stride loop); the default blocks cover
+    the test shapes above in one item each. Rows past the count, and the index N, untouched."""
+    from twell.ops.launch import kernel_config
+    from twell.ops.overflow_rows import overflow_rows
+
+    n, d, h = 64, 40, 50
+    x, wg, wu, wdt = _inputs(n, d, h, dtype, seed=11)
+    idx = torch.cat((torch.arange(1, n, 2), torch.full((3,), n))).to(DEV)  # 32 rows, 3 unused
+    count = torch.tensor([40], dtype=torch.int32, device=DEV)  # 8 in the backup: 32 used
+    y = torch.full((n, d), 7.0, dtype=dtype, device=DEV)
+    with kernel_config(overflow_block_m=16, overflow_block_d=16, overflow_block_h=16,
+                       overflow_block_k=16):
+        l1 = overflow_rows(y, x, wg, wu, wdt, idx, count, 8)
+    over = list(range(1, n, 2))
+    y_ref, l1_ref = _dense_fp64(x, wg, wu, wdt)
+    assert (y[0::2].cpu() == 7.0).all()
+    assert_close("y", y[over].cpu(), y_ref[over], TOL[dtype])
+    assert_close("l1", l1[:32], l1_ref[over], TOL[dtype])
+    assert not l1[32:].any()
