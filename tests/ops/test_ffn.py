@@ -820,6 +820,30 @@ def test_auto_ell_path_measures_once_then_runs_no_sync_and_stays_exact(monkeypat
     assert seen[-1] == -1  # the new bucket's ELL warm-up measures
 
 
+def test_ell_backup_rows_follow_the_largest_count_and_the_dense_row_fraction():
+    """``TwELLState._ell_backup_rows``: -1 (measure) until a count of N's row-count bucket is
+    recorded, then ``backup_capacity_for`` of the largest recorded count (a smaller later count
+    does not shrink it), and -1 again for a call of the bucket whose N puts that count above
+    ``dense_row_fraction * N`` (only the measuring mode has the all-dense fallback)."""
+    from twell.ops.ffn_train import backup_capacity_for
+
+    def count(r):
+        return torch.tensor([r], dtype=torch.int32)
+
+    st = TwELLState()
+    assert st._ell_backup_rows(24, 0.5) == -1  # bucket 5 (16..31 rows): nothing recorded
+    st._record_ell_heavy(24, count(12))
+    assert st._ell_backup_rows(24, 0.5) == backup_capacity_for(12)  # 12 <= 0.5 x 24
+    assert st._ell_backup_rows(20, 0.5) == -1  # same bucket: 12 > 0.5 x 20
+    assert st._ell_backup_rows(20, 1.0) == backup_capacity_for(12)
+    st._record_ell_heavy(30, count(3))  # the largest count stays
+    assert st._ell_backup_rows(31, 0.5) == backup_capacity_for(12)
+    st._record_ell_heavy(31, count(16))
+    assert st._ell_backup_rows(31, 0.5) == -1  # 16 > 15.5
+    assert st._ell_backup_rows(31, 0.6) == backup_capacity_for(16)
+    assert st._ell_backup_rows(12, 1.0) == -1  # bucket 4: its own record, none yet
+
+
 @pytest.mark.parametrize("case", ["n1_all_active", "all_zero", "fp16_all_dense", "bf16_strided"])
 def test_auto_ell_path_awkward_inputs_match_fp64_and_twell(case):
     """The ELL path (chosen by measurement) on awkward inputs: one row with every unit active
