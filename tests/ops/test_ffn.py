@@ -820,11 +820,12 @@ def test_auto_ell_path_measures_once_then_runs_no_sync_and_stays_exact(monkeypat
     assert seen[-1] == -1  # the new bucket's ELL warm-up measures
 
 
-def test_ell_backup_rows_follow_the_largest_count_and_the_dense_row_fraction():
+def test_ell_backup_rows_follow_the_latest_count_and_the_dense_row_fraction():
     """``TwELLState._ell_backup_rows``: -1 (measure) until a count of N's row-count bucket is
-    recorded, then ``backup_capacity_for`` of the largest recorded count (a smaller later count
-    does not shrink it), and -1 again for a call of the bucket whose N puts that count above
-    ``dense_row_fraction * N`` (only the measuring mode has the all-dense fallback)."""
+    recorded, then ``backup_capacity_for`` of the latest recorded count (up after a larger
+    count, down after a smaller one: a burst does not pin the bucket), and -1 for a call of the
+    bucket whose N puts that count above ``dense_row_fraction * N`` (only the measuring mode has
+    the all-dense fallback), until a later count is below it again."""
     from twell.ops.ffn_train import backup_capacity_for
 
     def count(r):
@@ -833,14 +834,16 @@ def test_ell_backup_rows_follow_the_largest_count_and_the_dense_row_fraction():
     st = TwELLState()
     assert st._ell_backup_rows(24, 0.5) == -1  # bucket 5 (16..31 rows): nothing recorded
     st._record_ell_heavy(24, count(12))
-    assert st._ell_backup_rows(24, 0.5) == backup_capacity_for(12)  # 12 <= 0.5 x 24
+    assert st._ell_backup_rows(24, 0.5) == backup_capacity_for(12) == 31  # 12 <= 0.5 x 24
     assert st._ell_backup_rows(20, 0.5) == -1  # same bucket: 12 > 0.5 x 20
     assert st._ell_backup_rows(20, 1.0) == backup_capacity_for(12)
-    st._record_ell_heavy(30, count(3))  # the largest count stays
-    assert st._ell_backup_rows(31, 0.5) == backup_capacity_for(12)
-    st._record_ell_heavy(31, count(16))
-    assert st._ell_backup_rows(31, 0.5) == -1  # 16 > 15.5
+    st._record_ell_heavy(30, count(3))  # the latest count decides: the capacity falls
+    assert st._ell_backup_rows(31, 0.5) == backup_capacity_for(3) == 20
+    st._record_ell_heavy(31, count(16))  # a burst: 16 > 0.5 x 31, measure
+    assert st._ell_backup_rows(31, 0.5) == -1
     assert st._ell_backup_rows(31, 0.6) == backup_capacity_for(16)
+    st._record_ell_heavy(31, count(2))  # sparse again: back to the no-sync mode
+    assert st._ell_backup_rows(31, 0.5) == backup_capacity_for(2) == 19
     assert st._ell_backup_rows(12, 1.0) == -1  # bucket 4: its own record, none yet
 
 

@@ -205,17 +205,20 @@ class TwELLState:
     def _ell_backup_rows(self, n: int, dense_row_fraction: float) -> int:
         """The "ell" path's ``backup_rows`` for a call of N rows: -1 (measure: one host sync)
         until a heavy-row count of N's row-count bucket has landed on the host, then the
-        no-sync capacity ``backup_capacity_for(largest landed count)`` (heavy rows beyond it go
+        no-sync capacity ``backup_capacity_for(latest landed count)`` (heavy rows beyond it go
         to the overflow kernel: exact, no sync). Also -1 while that count is above
-        ``dense_row_fraction * N``: only the measuring mode has the all-dense fallback.
-        Never blocks."""
+        ``dense_row_fraction * N``: only the measuring mode has the all-dense fallback. The
+        latest count, not the largest: one burst of heavy rows must not pin the bucket to the
+        measuring mode's sync, or to a backup of that burst's size (the backup's GEMMs run at
+        the capacity), for good; a call above the capacity is exact anyway and raises the
+        next calls' capacity. Never blocks."""
         from twell.ops.ffn_train import backup_capacity_for
 
         rec = self._ell_heavy.get(row_bucket(n))
         if rec is None:
             return -1
         if rec[2] is not None and rec[2].query():  # the last copy has landed
-            rec[0] = max(rec[0] or 0, int(rec[1][0]))
+            rec[0] = int(rec[1][0])
             rec[2] = None
         if rec[0] is None or rec[0] > dense_row_fraction * n:
             return -1
@@ -226,10 +229,10 @@ class TwELLState:
         host sync: on CUDA a non-blocking copy into a pinned buffer, read by
         :meth:`_ell_backup_rows` once its event has landed (one copy in flight a bucket: a
         call whose predecessor's copy is still in flight records nothing); elsewhere at once.
-        The bucket keeps the largest count it has read, so its capacity only grows."""
+        The bucket keeps the latest count it has read (:meth:`_ell_backup_rows` says why)."""
         rec = self._ell_heavy.setdefault(row_bucket(n), [None, None, None])
         if not heavy.is_cuda:
-            rec[0] = max(rec[0] or 0, int(heavy.reshape(-1)[0]))
+            rec[0] = int(heavy.reshape(-1)[0])
             return
         if rec[2] is not None:
             return
@@ -450,14 +453,16 @@ def _ell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c, with_stats, state, po
     A row-count bucket's first call (``MeasuredChoice``'s untimed warm-up) runs the measuring
     mode (one host sync reads the heavy-row count R); once a count has landed on the host
     (read without blocking: ``TwELLState._ell_backup_rows``), later calls run the no-sync mode
-    with ``backup_capacity_for(largest R recorded)`` rows, exact on every input (heavy rows past
-    the capacity go to the overflow kernel). Every call's R is recorded, so the capacity follows
-    the largest count seen (it never shrinks). Exact in both modes. No hot
+    with ``backup_capacity_for(latest R landed)`` rows, exact on every input (heavy rows past
+    the capacity go to the overflow kernel). Calls record their R without blocking (one copy in
+    flight a bucket: ``TwELLState._record_ell_heavy``), so the capacity follows the layer's
+    recent counts. Exact in both modes. No hot
     units: the hot set a caller passes is TwELL's (it takes those units out of TwELL's tiles),
     and this path ignores it (y is the same FFN either way on finite weights; see
     ``sparse_ffn``'s Returns for non-finite ones). The density is recorded for the next
     call as on the TwELL path; ``FFNInfo.overflow_rows`` is the heavy-row count (tokens above the
-    ELL capacity, computed by the dense backup). ``w_down_DH_c``: Wd in the compute dtype (the
+    ELL capacity, computed by the dense backup and, past its capacity, the overflow kernel).
+    ``w_down_DH_c``: Wd in the compute dtype (the
     autocast cast), for the op's checks."""
     from twell.ops.ffn_train import ell_ffn_forward
 

@@ -168,7 +168,9 @@ def overflow_rows(y_ND: torch.Tensor, x_ND: torch.Tensor, w_gate_HD: torch.Tenso
     l1 = torch.zeros((m,), dtype=torch.float32, device=x_ND.device)
     if m == 0 or n == 0 or d == 0 or h == 0:
         return l1
-    bm, bh, bk = CONFIG["overflow_block_m"], CONFIG["overflow_block_h"], CONFIG["overflow_block_k"]
+    # tl.dot takes no dimension below 16 on a GPU: a smaller configured block is raised to 16
+    bm = pow2(CONFIG["overflow_block_m"], 16, 256)
+    bh, bk = CONFIG["overflow_block_h"], CONFIG["overflow_block_k"]
     bd = pow2(d, 16, CONFIG["overflow_block_d"])
     bh, bk = pow2(h, 16, bh), pow2(d, 16, bk)
     work = triton.cdiv(m, bm) * triton.cdiv(d, bd)
