@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from twell.ops.launch import CONFIG, pow2
+from twell.ops.launch import CONFIG, check_operand, pow2
 
 
 @triton.jit
@@ -148,10 +148,7 @@ def overflow_rows(y_ND: torch.Tensor, x_ND: torch.Tensor, w_gate_HD: torch.Tenso
     m = idx_M.shape[0]
     for name, t, shape in (("y_ND", y_ND, (n, d)), ("w_gate_HD", w_gate_HD, (h, d)),
                            ("w_up_HD", w_up_HD, (h, d)), ("w_down_t_HD", w_down_t_HD, (h, d))):
-        if tuple(t.shape) != shape or t.dtype != x_ND.dtype or not t.is_contiguous():
-            raise ValueError(f"overflow_rows: {name} must be a contiguous {shape} tensor of x's "
-                             f"dtype {x_ND.dtype}; got {tuple(t.shape)} {t.dtype}"
-                             f"{'' if t.is_contiguous() else ', not contiguous'}")
+        check_operand(f"overflow_rows: {name}", t, shape, x_ND.dtype)
     if not x_ND.is_contiguous() or x_ND.dtype not in (torch.float32, torch.bfloat16,
                                                       torch.float16):
         raise ValueError(f"overflow_rows: x_ND must be contiguous fp32 / bf16 / fp16; got "
