@@ -883,3 +883,31 @@ def test_auto_ell_path_awkward_inputs_match_fp64_and_twell(case):
     for f in ("nnz_sum", "nnz_max", "active_counts"):
         assert torch.equal(getattr(s, f), getattr(s_tw, f)), f
     assert s.n_tokens == s_tw.n_tokens == n and s.heavy_rows is None
+
+
+def test_host_scalar_reads_without_a_sync_one_copy_in_flight():
+    """``HostScalar``: a CPU tensor lands at once (times its scale, NaN kept); on CUDA a value
+    lands only once its copy has (never blocking), and a ``put`` while the previous copy is
+    in flight is dropped, so a GPU running behind the host still lands its first value."""
+    from twell.ops.ffn import HostScalar
+
+    hs = HostScalar()
+    assert hs.get() is None
+    hs.put(torch.tensor(6, dtype=torch.int64), scale=0.5)
+    assert hs.get() == 3.0
+    hs.put(torch.tensor([float("nan")]))
+    assert math.isnan(hs.get())
+    if not torch.cuda.is_available():
+        return
+    hs = HostScalar()
+    a = torch.tensor([7], dtype=torch.int32, device="cuda")
+    b = torch.tensor([9], dtype=torch.int32, device="cuda")
+    torch.cuda._sleep(200_000_000)  # keep the stream busy so the copy is still in flight
+    hs.put(a)
+    hs.put(b)  # dropped: a's copy has not landed
+    assert hs.get() is None
+    torch.cuda.synchronize()
+    assert hs.get() == 7.0
+    hs.put(b)
+    torch.cuda.synchronize()
+    assert hs.get() == 9.0

@@ -156,12 +156,9 @@ class TwELLState:
         self.pack_kwargs: dict = {}
         self._wdt: torch.Tensor | None = None
         self._wdt_key: tuple | None = None
-        self._dens_host: torch.Tensor | None = None
-        self._dens_event = None
-        self._dens_scale = 1.0
-        # the "ell" path's heavy-row counts per row-count bucket: [largest landed count or
-        # None, pinned host buffer, event of its copy in flight or None] (_ell_backup_rows)
-        self._ell_heavy: dict[int, list] = {}
+        self._density = HostScalar()
+        # the "ell" path's latest heavy-row count per row-count bucket (_ell_backup_rows)
+        self._ell_heavy: dict[int, HostScalar] = {}
 
     def down_t(self, w_down_DH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(H, D) contiguous copy of ``w_down_DH.T`` in ``dtype``, cached until the weight changes.
@@ -190,17 +187,18 @@ class TwELLState:
 
     def record_density(self, dens: torch.Tensor, scale: float = 1.0) -> None:
         """Store this call's density, ``float(dens) * scale`` (scalar tensor; ``scale`` lets a
-        caller hand over a count and leave the division to the host), for the next call's
-        dispatch without a host sync."""
-        if dens.is_cuda:
-            if self._dens_host is None:
-                self._dens_host = torch.empty((), dtype=torch.float32, pin_memory=True)
-            self._dens_host.copy_(dens.detach(), non_blocking=True)
-            self._dens_scale = scale
-            self._dens_event = torch.cuda.Event()
-            self._dens_event.record()
-        else:
-            self.density = float(dens) * scale
+        caller hand over a count and leave the division to the host), for a later call's
+        dispatch without a host sync (:meth:`poll_density` reads it once it has landed)."""
+        self._density.put(dens, scale)
+        if not dens.is_cuda:  # landed at once
+            self.density = self._density.get()
+
+    def poll_density(self) -> float | None:
+        """The latest density whose copy has landed (never blocks)."""
+        landed = self._density.get()
+        if landed is not None:
+            self.density = landed
+        return self.density
 
     def _ell_backup_rows(self, n: int, dense_row_fraction: float) -> int:
         """The "ell" path's ``backup_rows`` for a call of N rows: -1 (measure: one host sync)
@@ -215,39 +213,56 @@ class TwELLState:
         from twell.ops.ffn_train import backup_capacity_for
 
         rec = self._ell_heavy.get(row_bucket(n))
-        if rec is None:
+        heavy = None if rec is None else rec.get()
+        if heavy is None or heavy > dense_row_fraction * n:
             return -1
-        if rec[2] is not None and rec[2].query():  # the last copy has landed
-            rec[0] = int(rec[1][0])
-            rec[2] = None
-        if rec[0] is None or rec[0] > dense_row_fraction * n:
-            return -1
-        return backup_capacity_for(rec[0])
+        return backup_capacity_for(int(heavy))
 
     def _record_ell_heavy(self, n: int, heavy: torch.Tensor) -> None:
         """Keep the "ell" path's heavy-row count ((1,) int32, the op's) for N's bucket with no
-        host sync: on CUDA a non-blocking copy into a pinned buffer, read by
-        :meth:`_ell_backup_rows` once its event has landed (one copy in flight a bucket: a
-        call whose predecessor's copy is still in flight records nothing); elsewhere at once.
-        The bucket keeps the latest count it has read (:meth:`_ell_backup_rows` says why)."""
-        rec = self._ell_heavy.setdefault(row_bucket(n), [None, None, None])
-        if not heavy.is_cuda:
-            rec[0] = int(heavy.reshape(-1)[0])
-            return
-        if rec[2] is not None:
-            return
-        if rec[1] is None:
-            rec[1] = torch.empty((1,), dtype=torch.int32, pin_memory=True)
-        rec[1].copy_(heavy.detach().reshape(1), non_blocking=True)
-        rec[2] = torch.cuda.Event()
-        rec[2].record()
+        host sync (:class:`HostScalar`), read by :meth:`_ell_backup_rows`."""
+        self._ell_heavy.setdefault(row_bucket(n), HostScalar()).put(heavy)
 
-    def poll_density(self) -> float | None:
-        """The latest density whose copy has landed (never blocks)."""
-        if self._dens_event is not None and self._dens_event.query():
-            self.density = float(self._dens_host) * self._dens_scale
-            self._dens_event = None
-        return self.density
+
+class HostScalar:
+    """A device scalar's latest value on the host without a host sync.
+
+    :meth:`put` starts a non-blocking copy of a one-element tensor into a pinned host buffer
+    and records an event; :meth:`get` returns the latest value whose copy has landed (None
+    before the first), never blocking. One copy is in flight at a time: a :meth:`put` while
+    the previous copy is still in flight does nothing, so back-to-back calls that keep the
+    GPU a few calls behind the host still see a value land (re-recording each call would
+    move the event forward for ever). A CPU tensor is read at once.
+    """
+
+    def __init__(self) -> None:
+        self._value: float | None = None
+        self._host: torch.Tensor | None = None
+        self._event = None
+        self._scale = 1.0
+
+    def put(self, t: torch.Tensor, scale: float = 1.0) -> None:
+        """Copy one-element ``t`` (any dtype) times ``scale`` to the host, without a sync."""
+        if not t.is_cuda:
+            self._value = float(t.reshape(-1)[0]) * scale
+            return
+        if self._event is not None:
+            if not self._event.query():
+                return
+            self.get()
+        if self._host is None or self._host.dtype != t.dtype:
+            self._host = torch.empty((1,), dtype=t.dtype, pin_memory=True)
+        self._host.copy_(t.detach().reshape(1), non_blocking=True)
+        self._scale = scale
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def get(self) -> float | None:
+        """The latest landed value, or None if none has landed yet (never blocks)."""
+        if self._event is not None and self._event.query():
+            self._value = float(self._host[0]) * self._scale
+            self._event = None
+        return self._value
 
 
 def _triton_ok(t: torch.Tensor) -> bool:
