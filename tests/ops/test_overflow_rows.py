@@ -2,7 +2,8 @@
 backup's capacity, computed densely with their count read on the device) against fp64 dense
 PyTorch: the kernel alone (Triton through the interpreter on CPU, and its PyTorch twin in fp64)
 and inside ``twell.ops.ffn_train.ell_ffn_forward``'s no-sync mode, which is exact on every
-input with it. Shape legend: N tokens, D model width, H FFN width, M overflow slots.
+input with it. Shape legend: N tokens, D model width, H FFN width, M overflow slots, k hot
+units.
 """
 
 import pytest
@@ -111,6 +112,89 @@ def test_kernel_with_no_overflow_writes_nothing_and_checks_arguments():
     with pytest.raises(ValueError, match="n_heavy"):
         overflow_rows(y, x, wg, wu, wdt, idx, cnt.long(), 0)
 
+
+
+def _dense_fp64_cold(x, wg, wu, wdt, hot):
+    """:func:`_dense_fp64` with the gate zeroed at the hot units ``hot`` (as the dense backup's
+    gate, ``ffn_train._hot_split``): the rows' cold part, computed independently in fp64."""
+    x, wg, wu, wdt = (t.detach().double().cpu() for t in (x, wg, wu, wdt))
+    g = x @ wg.T
+    g[:, hot.cpu()] = 0.0
+    h = torch.relu(g) * (x @ wu.T)
+    return h @ wdt, h.abs().sum(1)
+
+
+# (name, hot units, non-finite gate weights {hot unit: value}, 16-wide blocks)
+HOT_KERNEL_CASES = [
+    ("few", [0, 5, 17, 47], {}, False),
+    ("nan_gate", [3, 20, 47], {20: float("nan"), 47: float("inf")}, False),
+    ("nan_gate_small_blocks", [0, 16, 31, 40], {16: float("nan"), 40: float("-inf")}, True),
+    ("all", list(range(48)), {}, False),
+    ("empty", [], {}, False),
+]
+
+
+@pytest.mark.parametrize("name,hot,bad,small", HOT_KERNEL_CASES,
+                         ids=[c[0] for c in HOT_KERNEL_CASES])
+@pytest.mark.parametrize("backend,dtype", KERNEL_CASES)
+def test_kernel_with_hot_units_computes_the_rows_cold_part(backend, dtype, name, hot, bad, small):
+    """``hot_k`` = S: the overflow rows get the FFN with the gate zeroed at S (the cold part; the
+    op adds the hot slice) and their L1 terms the cold units' sum |h|, against an fp64 reference
+    that zeroes those gate columns; a NaN / inf in a hot unit's gate weights (so in its gate on
+    every row) does not reach y or l1. 16-wide blocks: the mask read over several H chunks, the
+    last one masked. Other rows untouched."""
+    from twell.ops.launch import kernel_config
+
+    n, d, h, cap = 24, 32, 48, 2
+    x, wg, wu, wdt = _inputs(n, d, h, dtype, seed=5)
+    for j, v in bad.items():
+        wg[j, :] = v
+    hot_k = torch.tensor(hot, dtype=torch.int64, device=DEV)
+    heavy = [1, 4, 5, 11, 17, 23]
+    heavy_N = torch.zeros(n, dtype=torch.bool, device=DEV)
+    heavy_N[heavy] = True
+    order = torch.nonzero_static(heavy_N, size=n, fill_value=n).reshape(-1)
+    count = heavy_N.sum(dtype=torch.int32)[None]
+    y = torch.full((n, d), 7.0, dtype=dtype, device=DEV)
+    blocks = {f"overflow_block_{k}": 16 for k in "mdhk"} if small else {}
+    with kernel_config(**blocks):
+        l1 = _kernel(backend)(y, x, wg, wu, wdt, order[cap:].contiguous(), count, cap, hot_k)
+    over = heavy[cap:]
+    y_ref, l1_ref = _dense_fp64_cold(x, wg, wu, wdt, hot_k)
+    assert torch.isfinite(y_ref).all()
+    keep = [i for i in range(n) if i not in over]
+    assert (y[keep].cpu() == 7.0).all()
+    assert torch.isfinite(y).all() and torch.isfinite(l1).all()
+    assert not l1[len(over):].any()
+    if len(hot) == h:  # every unit hot: the cold part is exactly zero
+        assert not y[over].any() and not l1.any()
+        return
+    assert_close("y", y[over].cpu(), y_ref[over], TOL[dtype])
+    assert_close("l1", l1[:len(over)], l1_ref[over], TOL[dtype])
+    if not hot:
+        y_all, _ = _dense_fp64(x, wg, wu, wdt)
+        assert_close("y (no hot unit)", y[over].cpu(), y_all[over], TOL[dtype])
+    elif not bad:  # the hot units carry weight here: the rows do not hold the whole FFN
+        y_all, _ = _dense_fp64(x, wg, wu, wdt)
+        assert (y[over].cpu().double() - y_all[over]).abs().max() > 0.1 * y_all[over].abs().max()
+
+
+@needs_triton
+def test_kernel_hot_k_is_checked():
+    """A ``hot_k`` of another dtype, rank, length (> H), layout or device is a ValueError naming
+    ``hot_k``."""
+    from twell.ops.overflow_rows import overflow_rows
+
+    x, wg, wu, wdt = _inputs(16, 32, 48, torch.float32, seed=3)
+    y = torch.zeros((16, 32), device=DEV)
+    idx = torch.arange(16, device=DEV)
+    cnt = torch.tensor([4], dtype=torch.int32, device=DEV)
+    hot = torch.tensor([0, 5], device=DEV)
+    for bad, what in ((hot.int(), "int64"), (hot[None], "int64"), (torch.arange(49, device=DEV),
+                      "H = 48"), (torch.arange(8, device=DEV)[::2], "contiguous"),
+                      (hot.to("meta"), "device")):
+        with pytest.raises(ValueError, match=f"^overflow_rows: hot_k must .*{what}"):
+            overflow_rows(y, x, wg, wu, wdt, idx, cnt, 0, bad)
 
 # --- inside ell_ffn_forward's no-sync mode ----------------------------------------------
 

@@ -243,12 +243,15 @@ def add_rows(dst_ND, idx_R, src_RD):
     return dst_ND.index_add_(0, idx_R[used], src_RD[used])
 
 
-def overflow_rows(y_ND, x_ND, w_gate_HD, w_up_HD, w_down_t_HD, idx_M, n_heavy, skip):
+def overflow_rows(y_ND, x_ND, w_gate_HD, w_up_HD, w_down_t_HD, idx_M, n_heavy, skip,
+                  hot_k=None):
     """The no-sync backup's overflow rows (as ``twell.ops.overflow_rows.overflow_rows``): the
     dense FFN stored into ``y[idx_M[i]]`` for ``i < n_heavy - skip`` with ``idx_M[i]`` in
     [0, N); returns the (M,) per-slot ``sum |h|`` in fp32 (fp64 for fp64). Dense math on the
-    gathered rows, g, u and h rounded to x's dtype as the dense backup's. Selecting the used
-    slots reads their count (a host sync on CUDA; this backend syncs elsewhere too)."""
+    gathered rows, g, u and h rounded to x's dtype as the dense backup's; with hot units
+    ``hot_k`` ((k,) int64) the gate is zero-filled at them, as the backup's (h = relu(0) u
+    there: the rows' cold part, the op adds the hot slice). Selecting the used slots reads their
+    count (a host sync on CUDA; this backend syncs elsewhere too)."""
     n, m = x_ND.shape[0], idx_M.shape[0]
     acc = torch.promote_types(x_ND.dtype, torch.float32)
     l1 = torch.zeros((m,), dtype=acc, device=x_ND.device)
@@ -260,7 +263,10 @@ def overflow_rows(y_ND, x_ND, w_gate_HD, w_up_HD, w_down_t_HD, idx_M, n_heavy, s
         return l1
     rows = idx_M[slots]
     x_R = x_ND[rows]
-    h_R = torch.relu(torch.matmul(x_R, w_gate_HD.t())) * torch.matmul(x_R, w_up_HD.t())
+    g_R = torch.matmul(x_R, w_gate_HD.t())
+    if hot_k is not None and hot_k.numel():
+        g_R.index_fill_(1, hot_k, 0)
+    h_R = torch.relu(g_R) * torch.matmul(x_R, w_up_HD.t())
     y_ND[rows] = torch.matmul(h_R, w_down_t_HD)
     l1[slots] = h_R.abs().sum(1, dtype=acc)
     return l1
