@@ -2,8 +2,8 @@
 backup's capacity, computed densely with their count read on the device) against fp64 dense
 PyTorch: the kernel alone (Triton through the interpreter on CPU, and its PyTorch twin in fp64)
 and inside ``twell.ops.ffn_train.ell_ffn_forward``'s no-sync mode, which is exact on every
-input with it. Shape legend: N tokens, D model width, H FFN width, M overflow slots, k hot
-units.
+input with it, hot units included (the kernel zeroes their gate: ``hot_k``). Shape legend: N
+tokens, D model width, H FFN width, M overflow slots, k hot units.
 """
 
 import pytest
@@ -111,7 +111,6 @@ def test_kernel_with_no_overflow_writes_nothing_and_checks_arguments():
         overflow_rows(y, x, wg, wu, wdt, idx.int(), cnt, 0)
     with pytest.raises(ValueError, match="n_heavy"):
         overflow_rows(y, x, wg, wu, wdt, idx, cnt.long(), 0)
-
 
 
 def _dense_fp64_cold(x, wg, wu, wdt, hot):
@@ -273,6 +272,44 @@ def test_nosync_forward_every_row_heavy_and_nonfinite_rows(backend, dtype):
     assert_close("y (finite rows)", y[ok], y_ref[ok], TOL[dtype])
     assert not torch.isfinite(st.l1)
 
+
+HOT_OP_CASES = [c for c in OP_CASES if c.values[1] != torch.float16]  # fp32, bf16; fp64 twin
+
+
+@pytest.mark.parametrize("backend,dtype", HOT_OP_CASES)
+def test_nosync_forward_with_hot_units_is_exact_past_the_capacity(backend, dtype):
+    """Hot units S (always active, so in every heavy row, and a unit of the dense rows) and
+    backup capacities below the cold heavy count: the rows past the backup take the overflow
+    kernel with the gate zeroed at S and the hot slice added once, so y and l1 match fp64
+    dense PyTorch within the dtype's bound on every row, and the counts (nnz_sum, nnz_max,
+    active_counts, heavy_rows) equal the measuring call's and fp64's on the rounded inputs."""
+    x, wg, wu, wd, dy, ins, _ = _op_case(32, 84, dtype, dense_rows=(5, 17, 30))
+    wg[:4, 0] = 5.0  # units 0..3 active in every token (x[:, 0] = 1)
+    ins[1] = wg.to(DEV, dtype)
+    hot = torch.tensor([0, 1, 2, 3, 150])
+    xr, wgr = (t.double().cpu() for t in ins[:2])
+    act = ~((xr @ wgr.T) <= 0)
+    assert act[:, :4].all() and act[[5, 17, 30], 150].all()
+    cold = act.clone()
+    cold[:, hot] = False
+    heavy = torch.nonzero(cold.sum(1) > CAP).reshape(-1).tolist()
+    r = len(heavy)
+    assert 4 <= r < 32 and r < int((act.sum(1) > CAP).sum())  # S shrinks the heavy rows
+    y_ref, st_ref, _ = reference(x, wg, wu, wd, dy, 0.0)
+    kw = {"ell_capacity": CAP, "dense_row_fraction": 1.0, "backend": backend,
+          "hot_units": hot.to(DEV), "with_stats": True}
+    _, cnt_m, st_m = ffn_train.ell_ffn_forward(*ins, backup_rows=-1, **kw)
+    for c in (0, 2, r - 1):
+        y, cnt, st = ffn_train.ell_ffn_forward(*ins, backup_rows=c, **kw)
+        assert int(cnt[0]) == int(cnt_m[0]) == r
+        assert_close(f"y (capacity {c})", y, y_ref, TOL[dtype])
+        assert_close(f"y, heavy rows (capacity {c})", y[heavy], y_ref[heavy], TOL[dtype])
+        assert_close(f"l1 (capacity {c})", st.l1, st_ref.l1, TOL[dtype])
+        assert st.nnz_sum.item() == st_m.nnz_sum.item() == act.sum().item()
+        assert st.nnz_max.item() == st_m.nnz_max.item() == act.sum(1).max().item()
+        assert torch.equal(st.active_counts, st_m.active_counts)
+        assert torch.equal(st.active_counts.cpu(), act.sum(0).int())
+        assert st.heavy_rows.item() == r
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

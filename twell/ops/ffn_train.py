@@ -38,9 +38,11 @@ then the dense FFN plus one compaction pass). In the no-sync mode (``backup_rows
 backup has the caller's capacity and no all-dense fallback. In training heavy rows beyond it
 would be wrong, so the caller checks ``FFNStats.heavy_rows`` against the capacity before using
 the results and redoes the call measuring (the trainer does, once per optimizer step,
-``ffn.host_sync``). The forward alone (:func:`ell_ffn_forward`, no hot units) is exact there:
-the heavy rows beyond the capacity go to the overflow kernel (``twell.ops.overflow_rows``, ours),
-which reads their count on the device and computes them densely.
+``ffn.host_sync``). The forward alone (:func:`ell_ffn_forward`) is exact there, with or
+without hot units: the heavy rows beyond the capacity go to the overflow kernel
+(``twell.ops.overflow_rows``, ours), which reads their count on the device and computes them
+densely (with hot units their cold part: the gate zeroed at S, as the backup's; the hot slice is
+added to every row afterwards).
 
 NaN / inf: a NaN gate counts as active (``not (g <= 0)``, as on the inference path), so a row
 with a NaN input has every unit active, is heavy and goes to the dense backup, where the NaN
@@ -239,13 +241,12 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
     if backup_rows >= 0:
         fwd_S = _hot_fwd(be, x, wu, g_S, hot)
         r_cap = _backup_capacity(backup_rows, n)
-        # forward only, no hot units: every heavy row in row order (N-padded), with no host
-        # sync; the backup takes the first r_cap, the overflow kernel the rest (``_overflow``).
-        # With hot units the overflow kernel would count the hot slice twice (it recomputes
-        # the whole gate): the old contract stays there (heavy rows beyond r_cap are wrong).
+        # forward only: every heavy row in row order (N-padded), with no host sync; the backup
+        # takes the first r_cap, the overflow kernel the rest (``_overflow``; with hot units
+        # their gate is zero there, as in the backup, and the hot slice is added below).
         # Training (with_csc) keeps its own guard (``ffn.host_sync``) and saved tensors.
         order_N = (torch.nonzero_static(nnz_N > kc, size=n, fill_value=n).reshape(-1)
-                   if not with_csc and (hot is None or hot.numel() == 0) else None)
+                   if not with_csc else None)
         # the backup's gates gathered before the ELL forward, and g_NH dropped in this frame
         # (a callee's del would not free it): the N x H gate is not alive beside u and y
         backup = _gather_backup(g_NH, nnz_N, kc, r_cap,
@@ -254,7 +255,7 @@ def _fwd_body(x, wg, wu, wd, ell_capacity: int, dense_row_fraction: float, backe
         out = _fwd_nosync(be, x, wu, kc, acc, col, gv, nnz_N, counts_H, nnz_eff, wdt, backup,
                           n_heavy_out, with_csc)
         if order_N is not None:
-            out = _overflow(be, out, x, wg, wu, wdt, order_N[r_cap:], n_heavy, r_cap)
+            out = _overflow(be, out, x, wg, wu, wdt, order_N[r_cap:], n_heavy, r_cap, hot)
         return _with_hot_stats(out, hot, _hot_out(out[0], wdt, hot, fwd_S)) + _saved_S(x, fwd_S)
     r, y, u, l1_N, csc, fwd_S = _sync_heavy_count(be, x, wu, wdt, g_S, hot, col, gv, nnz_eff,
                                                   n_heavy, kc, h, with_csc)
@@ -400,17 +401,19 @@ def _fwd_nosync(be, x, wu, kc, acc, col, gv, nnz_N, counts_H, nnz_eff, wdt, back
             u_R, perm, colptr, order)
 
 
-def _overflow(be, out, x, wg, wu, wdt, over_idx, n_heavy, r_cap: int):
+def _overflow(be, out, x, wg, wu, wdt, over_idx, n_heavy, r_cap: int, hot=None):
     """The forward-only no-sync mode's overflow rows: the heavy rows past the backup's r_cap
     (``over_idx``: the rest of the N-padded row-order list of heavy rows; the device count
     ``n_heavy`` says how many are used, read by the kernel, not the host) computed densely and
     stored into y (``be.overflow_rows``), their sum |h| added to l1. ``out``: ``_fwd_nosync``'s
     outputs (y and l1 replaced). With no overflow the kernel's programs read the count and exit,
-    and l1 gains an exact 0."""
+    and l1 gains an exact 0. ``hot``: the hot units ((k,) int64) or None; the kernel zeroes the
+    gate there, as the backup's, so these rows hold the cold part and the hot slice
+    (``_hot_out``, after this) is counted once, in y and in l1 (``_with_hot_stats``)."""
     y, l1 = out[0], out[1]
     n = max(x.shape[0], 1)
     l1_over = be.overflow_rows(y, x, wg.contiguous(), wu.contiguous(), wdt, over_idx, n_heavy,
-                               r_cap)
+                               r_cap, hot)
     return (y, l1 + l1_over.sum(dtype=l1.dtype) / n, *out[2:])
 
 
@@ -712,14 +715,15 @@ def ell_ffn_forward(
         backup_rows: -1: one host synchronisation reads the heavy-row count and sizes the
             dense backup (exact on every input; above ``dense_row_fraction`` every row goes
             dense). ``>= 0``: no synchronisation, a backup of ``min(backup_rows, N - 1)`` rows
-            (no all-dense fallback); without hot units exact on every input: heavy rows beyond
-            the backup (rank >= its capacity in row order) are computed by the overflow kernel,
-            whose row count is read on the device (with none, one launch whose programs exit).
+            (no all-dense fallback); exact on every input, with or without hot units: heavy
+            rows beyond the backup (rank >= its capacity in row order) are computed by the
+            overflow kernel, whose row count is read on the device (with none, one launch
+            whose programs exit; with hot units also an (H,) mask of the cold units, built
+            each call). With hot units the kernel computes those rows' cold part (the gate
+            zeroed at S, as the backup's) and the hot slice is added to them as to every row.
             Those rows are within bf16 / fp16 rounding of the backup's cuBLAS result (another
-            summation order), not bitwise the training op's; every other row is. With hot
-            units no overflow kernel runs (it would count the hot slice twice): rows beyond
-            the backup are wrong, and the caller checks the returned count against the
-            capacity and redoes the call with -1, as in training.
+            summation order), not bitwise the training op's; every other row is. The returned
+            count still says how many rows were heavy (what the next capacity must hold).
         w_down_t_HD: optional (H, D) contiguous ``w_down_DH.T`` in the compute dtype (x's, or
             autocast's) on x's device, e.g. ``TwELLState.down_t``'s cached copy: the forward
             then skips its own transposing cast of Wd (one tiled pass, ~11 us a call at D 2048,
