@@ -226,8 +226,10 @@ def _forward(ins, backend, backup_rows):
 def test_nosync_forward_is_exact_at_every_capacity(backend, dtype):
     """Backup capacities 0, one heavy row, all but one, exactly the heavy count and above: y and
     l1 match fp64 dense PyTorch within the dtype's bound and the heavy count is the true one;
-    at a capacity that holds every heavy row the overflow kernel does nothing, so y and l1 are
-    bitwise the measuring mode's."""
+    at the capacity equal to the heavy count the overflow kernel does nothing and the backup has
+    the measuring mode's rows, so y and l1 are bitwise the measuring mode's. (Not above it: the
+    backup's GEMM then has padded rows, and a CPU BLAS may block a taller GEMM differently, so
+    its fp64 rows can move by ~1e-14.)"""
     x, wg, wu, wd, dy, ins, heavy = _op_case(32, 81, dtype, dense_rows=(5, 30))
     r = len(heavy)
     assert 3 <= r < 32
@@ -238,7 +240,7 @@ def test_nosync_forward_is_exact_at_every_capacity(backend, dtype):
         assert int(cnt[0]) == r
         assert_close(f"y (capacity {c})", y, y_ref, TOL[dtype])
         assert_close(f"l1 (capacity {c})", st.l1, st_ref.l1, TOL[dtype])
-        if c >= r:
+        if c == r:
             assert torch.equal(y, y_m) and torch.equal(st.l1, st_m.l1)
 
 
