@@ -170,8 +170,8 @@ def stack_times(x, wg, wu, wd, dy, layers, rep):
 # this row's time). Every config is spelled out.
 
 
-def _cp(n, w):
-    return (f"n{n} w{w}", {"compact_block_n": n, "compact_warps": w})
+def _cp(n, w, h=256):
+    return (f"n{n} w{w} h{h}", {"compact_block_n": n, "compact_warps": w, "compact_block_h": h})
 
 
 def _sd(k, d, w):
@@ -189,7 +189,8 @@ def _sp(key, k, w):
 
 
 PART_SHAPES = {
-    "compact": [_cp(1, 1), _cp(2, 1), _cp(4, 1), _cp(8, 1), _cp(2, 2)],
+    "compact": [_cp(1, 1), _cp(1, 1, 512), _cp(1, 1, 1024), _cp(2, 1), _cp(2, 2, 512),
+                _cp(4, 1), _cp(8, 1)],
     "sddmm_u": [_sd(8, 256, 1), _sd(8, 256, 4), _sd(16, 256, 4), _sd(8, 256, 2), _sd(4, 256, 1),
                 _sd(4, 512, 2), _sd(8, 512, 2), _sd(16, 256, 2)],
     "spmm_y": [_sp("spmm_block_k", 4, 4), _sp("spmm_block_k", 2, 4), _sp("spmm_block_k", 4, 2),

@@ -18,18 +18,21 @@ from .train_cases import DEV, make_inputs, needs_triton
 
 @needs_triton
 def test_compact_counts_match_torch():
-    """The compaction kernel at several rows / warps per program equals the PyTorch compaction
-    exactly, including rows above capacity, an all-zero row and H not a multiple of the column
-    block."""
+    """The compaction kernel at several rows / warps / columns per program equals the PyTorch
+    compaction exactly, including rows above capacity, an all-zero row and H not a multiple of
+    the column block (300 columns: 2 steps of 256, 10 of 32, 1 of 512, whose prefetched second
+    step is wholly out of range)."""
     tk = triton_backend()
     x, wg, _, _, _ = make_inputs(37, 24, 300, threshold=1.2, seed=23, zero_rows=(3,))
     g = (x @ wg.T).float().to(DEV)
     col_r, val_r, nnz_r, cnt_r = sparse_train_torch.compact(g, 16)
     assert (nnz_r > 16).any() and (nnz_r == 0).any()
-    for block_n, warps in ((1, 1), (4, 1), (4, 4), (8, 2), (4, 2)):
-        with kernel_config(compact_block_n=block_n, compact_warps=warps):
+    for block_n, warps, block_h in ((1, 1, 256), (4, 1, 256), (4, 4, 256), (8, 2, 256),
+                                    (4, 2, 256), (1, 1, 32), (2, 2, 512)):
+        with kernel_config(compact_block_n=block_n, compact_warps=warps,
+                           compact_block_h=block_h):
             col, val, nnz, cnt = tk.compact(g, 16)
-        assert torch.equal(nnz, nnz_r) and torch.equal(cnt, cnt_r), (block_n, warps)
+        assert torch.equal(nnz, nnz_r) and torch.equal(cnt, cnt_r), (block_n, warps, block_h)
         valid = sparse_train_torch.valid_slots(torch.clamp(nnz_r, max=16), 16)
         assert torch.equal(col[valid], col_r[valid]) and torch.equal(val[valid], val_r[valid])
 

@@ -45,7 +45,7 @@ def _compact_kernel(
     stride_g,  # row stride of g (elements)
     KC,  # ELL capacity (slots per row)
     BLOCK_N: tl.constexpr,  # rows per program (default 1, on one warp)
-    BLOCK_H: tl.constexpr,  # columns per step (power of two, 256 for bf16 rows)
+    BLOCK_H: tl.constexpr,  # columns per step (power of two; CONFIG compact_block_h)
     nnz_eff_ptr=None,  # (N,) int32 out (HEAVY): nnz, or 0 for a row above KC (dense-backup row)
     heavy_ptr=None,  # (1,) int32 in/out (HEAVY), zeroed by the launcher: rows above KC
     HEAVY: tl.constexpr = False,  # also write nnz_eff and count the heavy rows
@@ -116,7 +116,7 @@ def _compact(g_NH: torch.Tensor, kc: int, heavy: bool):
         block_n = pow2(CONFIG["compact_block_n"], 1, 16)
         _compact_kernel[(triton.cdiv(n, block_n),)](
             g_NH, col, val, nnz, counts, n, h, g_NH.stride(0), kc,
-            BLOCK_N=block_n, BLOCK_H=pow2(h, 16, 256),
+            BLOCK_N=block_n, BLOCK_H=pow2(h, 16, CONFIG["compact_block_h"]),
             nnz_eff_ptr=nnz_eff, heavy_ptr=n_heavy, HEAVY=heavy,
             num_warps=min(CONFIG["compact_warps"], block_n),
         )

@@ -21,6 +21,10 @@ _DEFAULT_CONFIG = {
     # compaction rows per program and warps: 1 row on 1 warp 0.22 ms vs 2 rows on 2 warps 0.67
     "compact_block_n": 1,
     "compact_warps": 1,  # at most compact_block_n
+    # compaction columns per step (two steps' loads in flight a warp): 256 at bf16 is 16 bytes a
+    # thread; wider steps put more bytes in flight per warp (1-warp programs: 32 a Hopper SM)
+    # at the cost of a wider scan where a step has an active entry; not yet timed against 256
+    "compact_block_h": 256,
     # SDDMM slots per step, model-width chunk, warps: k8 d256 w1 0.172 ms vs k8 w4 0.222
     "sddmm_block_k": 8,
     "sddmm_block_d": 256,
@@ -69,8 +73,8 @@ _DEFAULT_CONFIG = {
 }
 CONFIG = dict(_DEFAULT_CONFIG)
 # sizes used directly as tl.arange extents (others are rounded up to a power of 2 by _pow2)
-_POW2_KEYS = ("dense_block_n", "dense_block_h", "sddmm_block_k", "spmm_block_k", "spmm_block_k2",
-              "dw_block_j", "dw_block_d", "transpose_block",
+_POW2_KEYS = ("compact_block_h", "dense_block_n", "dense_block_h", "sddmm_block_k",
+              "spmm_block_k", "spmm_block_k2", "dw_block_j", "dw_block_d", "transpose_block",
               "add_rows_block_d", "overflow_block_m", "overflow_block_d", "overflow_block_h",
               "overflow_block_k")  # dw_block_d: also 0 = auto
 
