@@ -24,8 +24,9 @@ from .infer_cases import FakeTimer, make_ffn
 
 MEASURED = {"infer_min_rows": 0, "infer_min_flops": 0, "infer_density_threshold": 0.5}
 # the calls of a bucket's measurement over the three candidates: each path's untimed warm-up
-# call then its first timed call, in PATHS' order, then the other timed calls alternating
-THREE = ["twell", "twell", "ell", "ell", "dense", "dense"] + ["twell", "ell", "dense"] * 2
+# calls (two for the ELL forward: WARMUP_CALLS) then its first timed call, in PATHS' order,
+# then the other timed calls alternating
+THREE = ["twell", "twell", "ell", "ell", "ell", "dense", "dense"] + ["twell", "ell", "dense"] * 2
 TWO = ["twell", "twell", "dense", "dense", "twell", "dense", "twell", "dense"]
 
 
@@ -55,14 +56,14 @@ def _measured_calls(st, pol, k, x, wg, wu, wd):
     ({"twell": 1.5, "ell": 0.99, "dense": 1.0}, "dense"),  # ELL's win within the 2 % margin
 ])
 def test_measured_auto_takes_the_fastest_of_three(ms, choice):
-    """Gated FFN, infer_ell on (the default): a warm-up call (untimed) and 3 timed calls per
-    candidate, alternating; then the sparse path with the lower median if it beats dense's by
+    """Gated FFN, infer_ell on (the default): warm-up calls (untimed; two for the ELL forward)
+    and 3 timed calls per candidate, alternating; then the sparse path with the lower median if it beats dense's by
     the margin, else dense; once chosen, nothing more is timed."""
     x, wg, wu, wd = make_ffn(8, 32, 300, torch.float32, 0.05, seed=13)
     timer = FakeTimer(ms)
     st = TwELLState(timer=timer)
     pol = FFNPolicy(**MEASURED)
-    assert _measured_calls(st, pol, 12, x, wg, wu, wd) == THREE
+    assert _measured_calls(st, pol, len(THREE), x, wg, wu, wd) == THREE
     assert timer.timed == list(PATHS) * 3
     assert st.auto.choices() == {4: (choice, ms)}
     assert _measured_calls(st, pol, 3, x, wg, wu, wd) == [choice] * 3
@@ -98,14 +99,14 @@ def test_measured_auto_waits_for_times_then_decides_and_keeps_buckets_apart():
     timer.hold = True
     st = TwELLState(timer=timer)
     pol = FFNPolicy(**MEASURED)
-    paths = _measured_calls(st, pol, 14, x, wg, wu, wd)
-    assert paths[:12] == THREE and len(timer.timed) == 9
-    assert paths[12:] == ["twell"] * 2  # density 5 % < 50 %: the rule says TwELL
+    paths = _measured_calls(st, pol, 15, x, wg, wu, wd)
+    assert paths[:13] == THREE and len(timer.timed) == 9
+    assert paths[13:] == ["twell"] * 2  # density 5 % < 50 %: the rule says TwELL
     assert st.auto.choices()[4][0] is None
     timer.hold = False
     assert _measured_calls(st, pol, 2, x, wg, wu, wd) == ["dense", "dense"]
     x2 = torch.cat([x, x])  # 16 rows: bucket 5, measured again from its warm-up calls
-    _measured_calls(st, pol, 12, x2, wg, wu, wd)
+    _measured_calls(st, pol, 13, x2, wg, wu, wd)
     assert len(timer.timed) == 18 and st.auto.choices()[5][0] == "dense"
 
 
@@ -120,7 +121,7 @@ def test_measured_auto_remeasures_when_the_density_moves():
     timer = FakeTimer({"twell": 1.0, "ell": 1.5, "dense": 2.0})
     st = TwELLState(timer=timer)
     pol = FFNPolicy(**MEASURED)
-    _measured_calls(st, pol, 12, xs, wg, wu, wd)
+    _measured_calls(st, pol, 13, xs, wg, wu, wd)
     assert st.auto.choices()[4][0] == "twell"
     d0 = st.density
     timer.ms = {"twell": 4.0, "ell": 1.0, "dense": 2.0}
@@ -160,7 +161,7 @@ def test_measured_choice_decides_again_when_the_candidates_change():
     pol = FFNPolicy(**MEASURED)
     x = torch.zeros(1)
     seen = []
-    for _ in range(12):
+    for _ in range(len(THREE)):
         path, token = mc.begin(x, 8, 0.05, pol, PATHS)
         seen.append(path)
         mc.end(token, pol)
@@ -186,7 +187,7 @@ def test_measured_choice_candidate_change_does_not_hide_a_density_move():
     mc = MeasuredChoice(timer=timer)
     pol = FFNPolicy(**MEASURED)
     x = torch.zeros(1)
-    for _ in range(12):
+    for _ in range(len(THREE)):
         path, token = mc.begin(x, 8, 0.01, pol, PATHS)
         mc.end(token, pol)
     assert mc.choices()[4][0] == "twell" and len(timer.timed) == 9

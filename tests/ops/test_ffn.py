@@ -690,13 +690,15 @@ def test_info_read_on_demand_equals_counts(long_rows):
 
 def _ell_state(x, wg, wu, wd, pol):
     """A state whose measured choice for x's row-count bucket is the hybrid ELL forward: the
-    fake timer makes it the fastest, the measuring calls (each candidate's warm-up and one timed
-    call) run first. Returns the state."""
+    fake timer makes it the fastest, the measuring calls (each candidate's warm-up calls and one
+    timed call) run first. Returns the state."""
+    from twell.ops.auto import WARMUP_CALLS
+
     from .infer_cases import FakeTimer
 
     st = TwELLState(timer=FakeTimer({"twell": 3.0, "ell": 1.0, "dense": 2.0}))
     with torch.no_grad():
-        for _ in range(6):
+        for _ in range(sum(WARMUP_CALLS.values()) + 3):
             sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol, with_stats=False)
     assert st.auto.choices()[5][0] == "ell"
     return st
@@ -776,7 +778,7 @@ def test_auto_ell_path_reads_the_states_cached_down_t(monkeypatch):
     st = _ell_state(x, wg, wu, wd, pol)
     with torch.no_grad():
         sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol, with_stats=False)
-    assert len(seen) == 3  # the warm-up, the timed and the chosen call
+    assert len(seen) == 4  # the two warm-up calls, the timed and the chosen call
     assert all(t is seen[0] for t in seen) and seen[0] is st.down_t(wd, wd.dtype)
     assert torch.equal(seen[0], wd.T)
 
@@ -865,11 +867,13 @@ def test_auto_ell_path_awkward_inputs_match_fp64_and_twell(case):
         assert not x.is_contiguous()
     pol = FFNPolicy(**{**ELL_POLICY, "ell_capacity": 1 if case == "n1_all_active" else 40,
                        "dense_row_fraction": 0.0 if case == "fp16_all_dense" else 1.0})
+    from twell.ops.auto import WARMUP_CALLS
+
     from .infer_cases import FakeTimer
 
     st = TwELLState(timer=FakeTimer({"twell": 3.0, "ell": 1.0, "dense": 2.0}))
     with torch.no_grad():
-        for _ in range(6):
+        for _ in range(sum(WARMUP_CALLS.values()) + 3):  # one timed call a path
             assert sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol,
                               with_stats=False)[1] is None
         y, s = sparse_ffn(x, wg, wu, wd, mode="auto", state=st, policy=pol)

@@ -17,14 +17,16 @@ The candidates (:data:`PATHS`, a call may restrict them: :func:`candidates`):
 
 Per layer (one :class:`MeasuredChoice` in each ``twell.ops.ffn.TwELLState``) and per row-count
 bucket (token rows in ``[2^(b-1), 2^b)``), the layer's first real calls alternate between the
-candidates: one untimed warm-up call each (its time includes Triton's compilation), then
-``policy.infer_timed_calls`` timed calls each. Times are read without blocking (CUDA events
+candidates: untimed warm-up calls (:data:`WARMUP_CALLS`: one each, two for ``"ell"``, whose
+first call measures its heavy-row count and whose second is the first of its no-sync mode; their
+times include Triton's compilation and that mode switch), then ``policy.infer_timed_calls``
+timed calls each. Times are read without blocking (CUDA events
 polled on later calls), so measuring adds no host synchronisation of its own; until every timed
 call has landed, the density rule (:meth:`twell.policy.FFNPolicy.infer_dense`) picks TwELL or
 dense (never ``ell``: it is only ever chosen by measurement). The bucket then keeps the sparse
 candidate, TwELL, or ELL when its median is below TwELL's by more than
-``policy.infer_twell_margin`` (ELL synchronises the host once a call, a cost to the layers after
-it that its own time does not show), if it is faster than dense's median by more than that
+``policy.infer_twell_margin`` (ELL issues ~4x TwELL's launches, host time that its CUDA-event
+time does not show once the GPU runs ahead of the host), if it is faster than dense's median by more than that
 margin (so ``auto`` is never slower than dense beyond the timing noise), else dense. The bucket is timed
 again when the layer's measured density moves by more than ``policy.infer_remeasure_factor``
 from the density at the choice, and decided again when a call's candidates differ from those
@@ -45,7 +47,11 @@ import torch
 from twell.policy import FFNPolicy
 
 PATHS = ("twell", "ell", "dense")
-SPARSE_PATHS = ("twell", "ell")  # TwELL first: ELL must beat it by the margin (it syncs)
+SPARSE_PATHS = ("twell", "ell")  # TwELL first: ELL must beat it by the margin (more launches)
+# untimed calls a path gets before its timed ones: the ELL forward's first call measures (one host
+# sync; the count lands at once) and its second is the first no-sync call, so no timed call holds
+# that sync or a compilation (on an H200 a 1.5B model's layers timed it at 2.1 ms against ~1.0)
+WARMUP_CALLS = {"twell": 1, "ell": 2, "dense": 1}
 
 
 def candidates(gated: bool, policy: FFNPolicy) -> tuple[str, ...]:
@@ -83,7 +89,7 @@ class BucketTimes:
     Attributes:
         samples: path -> landed timed calls (ms).
         issued: path -> timed calls started (landed or not).
-        warm: paths whose untimed warm-up call ran.
+        warm: path -> untimed warm-up calls run (:data:`WARMUP_CALLS` each).
         pending: (path, timer handle) of timed calls not landed yet.
         candidates: the paths of the latest call (:func:`candidates`), those the choice is
             made among.
@@ -94,7 +100,7 @@ class BucketTimes:
 
     samples: dict = field(default_factory=lambda: {p: [] for p in PATHS})
     issued: dict = field(default_factory=lambda: {p: 0 for p in PATHS})
-    warm: set = field(default_factory=set)
+    warm: dict = field(default_factory=lambda: {p: 0 for p in PATHS})
     pending: list = field(default_factory=list)
     candidates: tuple = PATHS
     choice: str | None = None
@@ -130,8 +136,8 @@ def drifted(before: float | None, now: float | None, factor: float) -> bool:
 def choose(med: dict, paths: tuple, margin: float) -> str:
     """The decision of a bucket from its medians (path -> ms, every one of ``paths`` present):
     the sparse path (TwELL, or the ELL forward only when its median is below ``(1 - margin)`` x
-    TwELL's: it synchronises the host once a call, and its CUDA-event time does not count what
-    the emptied queue costs the layers after it) when it is below ``(1 - margin)`` x dense's
+    TwELL's: it issues ~4x TwELL's launches, host time that its CUDA-event time does not count
+    once the GPU runs ahead of the host) when it is below ``(1 - margin)`` x dense's
     median, else ``"dense"``."""
     sparse = [p for p in SPARSE_PATHS if p in paths]
     best = sparse[0]
@@ -199,8 +205,8 @@ class MeasuredChoice:
                 return b.choice, None
             b.restart()
         path = min(paths, key=lambda p: b.issued[p])  # alternate; a tie goes to PATHS' order
-        if path not in b.warm:
-            b.warm.add(path)
+        if b.warm[path] < WARMUP_CALLS[path]:
+            b.warm[path] += 1
             return path, None
         if b.issued[path] >= policy.infer_timed_calls:
             return None, None  # every timed call issued; waiting for them to land
@@ -246,5 +252,5 @@ class MeasuredChoice:
                 for k, b in sorted(self.buckets.items())}
 
 
-__all__ = ["PATHS", "SPARSE_PATHS", "BucketTimes", "CudaEventTimer", "MeasuredChoice",
+__all__ = ["PATHS", "SPARSE_PATHS", "WARMUP_CALLS", "BucketTimes", "CudaEventTimer", "MeasuredChoice",
            "candidates", "choose", "drifted", "row_bucket"]

@@ -218,10 +218,14 @@ class TwELLState:
             return -1
         return backup_capacity_for(int(heavy))
 
-    def _record_ell_heavy(self, n: int, heavy: torch.Tensor) -> None:
+    def _record_ell_heavy(self, n: int, heavy: torch.Tensor, landed: bool = False) -> None:
         """Keep the "ell" path's heavy-row count ((1,) int32, the op's) for N's bucket with no
-        host sync (:class:`HostScalar`), read by :meth:`_ell_backup_rows`."""
-        self._ell_heavy.setdefault(row_bucket(n), HostScalar()).put(heavy)
+        host sync (:class:`HostScalar`), read by :meth:`_ell_backup_rows`. ``landed``: a
+        measuring call (it has synchronised once already); while the bucket has no count yet,
+        the count is read now (a second sync, once a bucket), so the next call runs the no-sync
+        mode (``MeasuredChoice``'s second ELL warm-up: its timed calls are all no-sync)."""
+        rec = self._ell_heavy.setdefault(row_bucket(n), HostScalar())
+        rec.put(heavy.cpu() if landed and rec.get() is None else heavy)
 
 
 class HostScalar:
@@ -465,9 +469,10 @@ def _auto_dense(x_ND, w_gate_HD, w_up_HD, w_down_DH, with_stats, state):
 def _ell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c, with_stats, state, policy):
     """``auto``'s ``"ell"`` path: the hybrid ELL forward (``twell.ops.ffn_train.ell_ffn_forward``)
     with the policy's ELL capacity and all-dense fraction, reading the state's cached ``Wd^T``.
-    A row-count bucket's first call (``MeasuredChoice``'s untimed warm-up) runs the measuring
-    mode (one host sync reads the heavy-row count R); once a count has landed on the host
-    (read without blocking: ``TwELLState._ell_backup_rows``), later calls run the no-sync mode
+    A row-count bucket's first call (``MeasuredChoice``'s first untimed warm-up) runs the
+    measuring mode (one host sync reads the heavy-row count R, and a second lands it at once);
+    once a count has landed on the host (read without blocking:
+    ``TwELLState._ell_backup_rows``), later calls run the no-sync mode
     with ``backup_capacity_for(latest R landed)`` rows, exact on every input (heavy rows past
     the capacity go to the overflow kernel). Calls record their R without blocking (one copy in
     flight a bucket: ``TwELLState._record_ell_heavy``), so the capacity follows the layer's
@@ -488,7 +493,7 @@ def _ell(x_ND, w_gate_HD, w_up_HD, w_down_DH, w_down_DH_c, with_stats, state, po
     backup_rows = state._ell_backup_rows(n, policy.dense_row_fraction)
     y, heavy, stats = ell_ffn_forward(x_ND, w_gate_HD, w_up_HD, w_down_DH_c, policy=policy,
                                       backup_rows=backup_rows, w_down_t_HD=wdt, with_stats=True)
-    state._record_ell_heavy(n, heavy)
+    state._record_ell_heavy(n, heavy, landed=backup_rows < 0)
     nnz_sum = stats.nnz_sum  # one reduction; the density's division is the host's
     state.record_density(nnz_sum, scale=1.0 / float(n * h))
     state.last_info = FFNInfo("ell", density=lambda: nnz_sum / float(n * h),

@@ -42,7 +42,9 @@ def _dot(a, b, acc, F32: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
+# M and SKIP follow the backup's capacity, which follows the layer's heavy-row counts: not
+# specialised (divisibility, == 1), so a new capacity never compiles the kernel again
+@triton.jit(do_not_specialize=["M", "SKIP"])
 def _overflow_rows_kernel(
     y_ptr,  # (N, D) out, contiguous: the overflow rows are stored (not added)
     x_ptr,  # (N, D) contiguous
