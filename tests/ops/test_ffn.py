@@ -915,3 +915,40 @@ def test_host_scalar_reads_without_a_sync_one_copy_in_flight():
     hs.put(b)
     torch.cuda.synchronize()
     assert hs.get() == 9.0
+
+
+def test_host_scalar_cpu_put_is_not_overwritten_by_an_older_copy(monkeypatch):
+    """A CPU ``put`` after a CUDA copy still in flight is the latest value: the older copy,
+    landing later, must not replace it (a state used on CUDA, then on CPU). CUDA is faked: an
+    event that lands when told, a pageable buffer."""
+    from twell.ops.ffn import HostScalar
+
+    events = []
+
+    class Event:
+        def __init__(self):
+            self.done = False
+
+        def record(self):
+            events.append(self)
+
+        def query(self):
+            return self.done
+
+    class CudaLike:  # a one-element "CUDA" tensor
+        is_cuda = True
+        dtype = torch.int32
+
+        def detach(self):
+            return torch.tensor([9], dtype=torch.int32)
+
+    empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    hs = HostScalar()
+    hs.put(CudaLike())
+    assert hs.get() is None  # in flight
+    hs.put(torch.tensor(3))
+    assert hs.get() == 3.0
+    events[0].done = True  # the older copy lands
+    assert hs.get() == 3.0

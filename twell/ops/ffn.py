@@ -249,6 +249,7 @@ class HostScalar:
         """Copy one-element ``t`` (any dtype) times ``scale`` to the host, without a sync."""
         if not t.is_cuda:
             self._value = float(t.reshape(-1)[0]) * scale
+            self._event = None  # an older copy in flight must not replace it when it lands
             return
         if self._event is not None:
             if not self._event.query():
