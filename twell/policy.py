@@ -165,12 +165,14 @@ class FFNPolicy:
     "Seventh session of 2026-12-06"; measured before the overflow kernel, which adds a few small
     launches a call, not yet timed)."""
     infer_timed_calls: int = 3
-    """Inference ``auto``, measured: timed calls per path and row-count bucket, after one untimed
-    warm-up call each (its time includes Triton's compilation); the decision compares medians."""
+    """Inference ``auto``, measured: timed calls per path and row-count bucket, after untimed
+    warm-up calls (``twell.ops.auto.WARMUP_CALLS``: one each, two for the ELL forward; their
+    times include Triton's compilation); the decision compares medians."""
     infer_twell_margin: float = 0.02
     """Inference ``auto``, measured: a sparse path (TwELL, or the hybrid ELL forward when its
-    median is below ``(1 - margin)`` x TwELL's: it synchronises the host) is taken only when its
-    median is below ``(1 - margin)`` x dense's, so
+    median is below ``(1 - margin)`` x TwELL's: it issues more launches, host time its
+    CUDA-event time does not show) is taken only when its median is below ``(1 - margin)`` x
+    dense's, so
     a tie goes to dense (the target floor for ``auto`` is 0.98x of dense; a smaller win is within
     the noise of three timed calls). The name is older than the ELL candidate."""
     infer_remeasure_factor: float = 1.5

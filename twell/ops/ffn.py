@@ -223,7 +223,9 @@ class TwELLState:
         host sync (:class:`HostScalar`), read by :meth:`_ell_backup_rows`. ``landed``: a
         measuring call (it has synchronised once already); while the bucket has no count yet,
         the count is read now (a second sync, once a bucket), so the next call runs the no-sync
-        mode (``MeasuredChoice``'s second ELL warm-up: its timed calls are all no-sync)."""
+        mode (``MeasuredChoice``'s second ELL warm-up). Timed calls can still measure: in the
+        all-dense regime (R above ``dense_row_fraction``), and after a re-timing (``restart``
+        keeps the warm-ups done) while the bucket's count is an older density's."""
         rec = self._ell_heavy.setdefault(row_bucket(n), HostScalar())
         rec.put(heavy.cpu() if landed and rec.get() is None else heavy)
 
