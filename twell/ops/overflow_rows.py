@@ -153,8 +153,9 @@ def overflow_rows(y_ND: torch.Tensor, x_ND: torch.Tensor, w_gate_HD: torch.Tenso
             zero-filled columns, so h = relu(0) u = 0 (a NaN / inf gate of a hot unit does not
             reach the row; a non-finite u there does, 0 * u, as in the backup). None or empty:
             no hot units. Builds an (H,) uint8 cold mask (two small launches) for the kernel.
-            Indices are not range-checked here (no host sync): one outside [0, H) raises in
-            the mask's ``index_fill_``.
+            Indices are not range-checked here (no host sync): one at or above H raises in
+            the mask's ``index_fill_``, and a negative one in [-H, 0) wraps (unit H + i), as
+            ``index_fill_`` takes it (the op's ``check_hot_units`` refuses both on CPU).
 
     Returns:
         (M,) fp32 ``sum_j |h[r, j]|`` per slot (0 on unused ones): the rows' L1 terms (the
