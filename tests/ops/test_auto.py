@@ -112,8 +112,9 @@ def test_measured_auto_waits_for_times_then_decides_and_keeps_buckets_apart():
 
 def test_measured_auto_remeasures_when_the_density_moves():
     """Chosen TwELL at ~5 %; the inputs become ~4x denser: the first TwELL call measures the
-    new density, the next calls time the three paths again and (now the ELL forward is the
-    fastest) go ELL, whose calls record the density as TwELL's do: back on the sparse inputs,
+    new density, the next calls time the three paths again (the ELL path after one more untimed
+    call: its heavy-row count is of the old density) and (now the ELL forward is the fastest)
+    go ELL, whose calls record the density as TwELL's do: back on the sparse inputs,
     the ELL call's density starts a new measurement."""
     xs, wg, wu, wd = make_ffn(8, 32, 300, torch.float32, 0.05, seed=13)
     xd = xs.clone()
@@ -128,7 +129,9 @@ def test_measured_auto_remeasures_when_the_density_moves():
     assert _measured_calls(st, pol, 1, xd, wg, wu, wd) == ["twell"]  # chosen; measures density
     d1 = st.density
     assert d1 > 1.5 * d0
-    assert _measured_calls(st, pol, 9, xd, wg, wu, wd) == ["twell", "ell", "dense"] * 3
+    # timed again; the ELL path first gets one untimed call (its count is of the old density)
+    assert _measured_calls(st, pol, 10, xd, wg, wu, wd) == (["twell", "ell", "ell", "dense"]
+                                                           + ["twell", "ell", "dense"] * 2)
     assert len(timer.timed) == 18 and st.auto.choices()[4][0] == "ell"
     assert _measured_calls(st, pol, 1, xd, wg, wu, wd) == ["ell"]
     assert st.density == pytest.approx(d1, rel=1e-6)  # the ELL call's own density, the same

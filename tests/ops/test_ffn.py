@@ -929,7 +929,7 @@ def test_host_scalar_cpu_put_is_not_overwritten_by_an_older_copy(monkeypatch):
         def __init__(self):
             self.done = False
 
-        def record(self):
+        def record(self, stream=None):
             events.append(self)
 
         def query(self):
@@ -938,12 +938,14 @@ def test_host_scalar_cpu_put_is_not_overwritten_by_an_older_copy(monkeypatch):
     class CudaLike:  # a one-element "CUDA" tensor
         is_cuda = True
         dtype = torch.int32
+        device = "cuda:0"
 
         def detach(self):
             return torch.tensor([9], dtype=torch.int32)
 
     empty = torch.empty
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
     hs = HostScalar()
     hs.put(CudaLike())

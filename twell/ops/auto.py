@@ -112,7 +112,10 @@ class BucketTimes:
         return {p: statistics.median(v) for p, v in self.samples.items() if v}
 
     def restart(self) -> None:
-        """Forget the times and the choice (the warm-up calls stay done)."""
+        """Forget the times and the choice. The warm-up calls stay done, but for one ELL call:
+        the ELL path's count (its backup's capacity) is of the old density, so its next call
+        may measure (a host sync); that call is untimed and lands the new count."""
+        self.warm["ell"] = min(self.warm["ell"], WARMUP_CALLS["ell"] - 1)
         self.samples = {p: [] for p in PATHS}
         self.issued = {p: 0 for p in PATHS}
         self.pending = []

@@ -221,13 +221,14 @@ class TwELLState:
     def _record_ell_heavy(self, n: int, heavy: torch.Tensor, landed: bool = False) -> None:
         """Keep the "ell" path's heavy-row count ((1,) int32, the op's) for N's bucket with no
         host sync (:class:`HostScalar`), read by :meth:`_ell_backup_rows`. ``landed``: a
-        measuring call (it has synchronised once already); while the bucket has no count yet,
-        the count is read now (a second sync, once a bucket), so the next call runs the no-sync
-        mode (``MeasuredChoice``'s second ELL warm-up). Timed calls can still measure: in the
-        all-dense regime (R above ``dense_row_fraction``), and after a re-timing (``restart``
-        keeps the warm-ups done) while the bucket's count is an older density's."""
+        measuring call (it has synchronised once already): the count is read now (a second
+        sync), so the next call runs the no-sync mode at this count's capacity
+        (``MeasuredChoice``'s second ELL warm-up; after a re-timing, ``BucketTimes.restart``'s
+        untimed ELL call). Measuring calls are a bucket's first, a re-timing's first ELL call
+        when the old count is above ``dense_row_fraction``, and the all-dense regime (R above
+        it), where ``auto`` picks dense anyway."""
         rec = self._ell_heavy.setdefault(row_bucket(n), HostScalar())
-        rec.put(heavy.cpu() if landed and rec.get() is None else heavy)
+        rec.put(heavy.cpu() if landed else heavy)
 
 
 class HostScalar:
@@ -262,7 +263,8 @@ class HostScalar:
         self._host.copy_(t.detach().reshape(1), non_blocking=True)
         self._scale = scale
         self._event = torch.cuda.Event()
-        self._event.record()
+        # on the stream the copy went to: t's device's, which need not be the current device
+        self._event.record(torch.cuda.current_stream(t.device))
 
     def get(self) -> float | None:
         """The latest landed value, or None if none has landed yet (never blocks)."""
