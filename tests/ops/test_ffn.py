@@ -901,6 +901,9 @@ def test_host_scalar_reads_without_a_sync_one_copy_in_flight():
     assert hs.get() == 3.0
     hs.put(torch.tensor([float("nan")]))
     assert math.isnan(hs.get())
+    with pytest.raises(ValueError, match="HostScalar.put: expected a one-element tensor"):
+        hs.put(torch.zeros(2))
+    assert math.isnan(hs.get())  # the refused put changed nothing
     if not torch.cuda.is_available():
         return
     hs = HostScalar()
@@ -939,6 +942,9 @@ def test_host_scalar_cpu_put_is_not_overwritten_by_an_older_copy(monkeypatch):
         is_cuda = True
         dtype = torch.int32
         device = "cuda:0"
+
+        def numel(self):
+            return 1
 
         def detach(self):
             return torch.tensor([9], dtype=torch.int32)

@@ -134,7 +134,8 @@ class TwELLState:
 
     Attributes:
         factor: TwELL compression factor (8, 4 or 2).
-        density: last measured density (Python float) or None.
+        density: the latest measured density whose copy has landed (Python float; read without
+            blocking), or None.
         dense_calls: calls that "auto" sent to the dense path (the density is measured on every
             ``DENSE_RECHECK_EVERY``-th of them, and on every TwELL call).
         last_info: :class:`FFNInfo` of the last call.
@@ -149,7 +150,6 @@ class TwELLState:
         words_per_tile(factor)
         self.factor = factor
         self.auto = MeasuredChoice(timer)
-        self.density: float | None = None
         self.dense_calls = 0
         self.last_info: FFNInfo | None = None
         self.consumer_kwargs: dict = {}
@@ -190,14 +190,14 @@ class TwELLState:
         caller hand over a count and leave the division to the host), for a later call's
         dispatch without a host sync (:meth:`poll_density` reads it once it has landed)."""
         self._density.put(dens, scale)
-        if not dens.is_cuda:  # landed at once
-            self.density = self._density.get()
+
+    @property
+    def density(self) -> float | None:
+        """The latest density whose copy has landed (never blocks)."""
+        return self._density.get()
 
     def poll_density(self) -> float | None:
-        """The latest density whose copy has landed (never blocks)."""
-        landed = self._density.get()
-        if landed is not None:
-            self.density = landed
+        """The latest density whose copy has landed (never blocks): :attr:`density`."""
         return self.density
 
     def _ell_backup_rows(self, n: int, dense_row_fraction: float) -> int:
@@ -239,7 +239,8 @@ class HostScalar:
     before the first), never blocking. One copy is in flight at a time: a :meth:`put` while
     the previous copy is still in flight does nothing, so back-to-back calls that keep the
     GPU a few calls behind the host still see a value land (re-recording each call would
-    move the event forward for ever). A CPU tensor is read at once.
+    move the event forward for ever). A CPU tensor is read at once. Source: ours (the no-sync
+    dispatch of ``sparse_ffn``'s ``auto``).
     """
 
     def __init__(self) -> None:
@@ -249,7 +250,15 @@ class HostScalar:
         self._scale = 1.0
 
     def put(self, t: torch.Tensor, scale: float = 1.0) -> None:
-        """Copy one-element ``t`` (any dtype) times ``scale`` to the host, without a sync."""
+        """Copy one-element ``t`` (any dtype, any shape of one element) times ``scale`` to the
+        host, without a sync; NaN / inf kept.
+
+        Raises:
+            ValueError: ``t`` has not exactly one element.
+        """
+        if t.numel() != 1:
+            raise ValueError(f"HostScalar.put: expected a one-element tensor; got shape "
+                             f"{tuple(t.shape)}")
         if not t.is_cuda:
             self._value = float(t.reshape(-1)[0]) * scale
             self._event = None  # an older copy in flight must not replace it when it lands
