@@ -25,8 +25,8 @@ polled on later calls), so measuring adds no host synchronisation of its own; un
 call has landed, the density rule (:meth:`twell.policy.FFNPolicy.infer_dense`) picks TwELL or
 dense (never ``ell``: it is only ever chosen by measurement). The bucket then keeps the sparse
 candidate, TwELL, or ELL when its median is below TwELL's by more than
-``policy.infer_twell_margin`` (ELL issues ~4x TwELL's launches, host time that its CUDA-event
-time does not show once the GPU runs ahead of the host), if it is faster than dense's median by more than that
+``policy.infer_twell_margin`` (ELL's host issues ~0.85-0.96 ms of launches a call on an H200,
+about its GPU time: host time that its CUDA-event time does not show), if it is faster than dense's median by more than that
 margin (so ``auto`` is never slower than dense beyond the timing noise), else dense. The bucket is timed
 again when the layer's measured density moves by more than ``policy.infer_remeasure_factor``
 from the density at the choice, and decided again when a call's candidates differ from those
@@ -47,10 +47,10 @@ import torch
 from twell.policy import FFNPolicy
 
 PATHS = ("twell", "ell", "dense")
-SPARSE_PATHS = ("twell", "ell")  # TwELL first: ELL must beat it by the margin (more launches)
+SPARSE_PATHS = ("twell", "ell")  # TwELL first: ELL must beat it by the margin (host-bound risk)
 # untimed calls a path gets before its timed ones: the ELL forward's first call measures (one host
 # sync; the count lands at once) and its second is the first no-sync call, so no timed call holds
-# that sync or a compilation (on an H200 a 1.5B model's layers timed it at 2.1 ms against ~1.0)
+# that sync or a compilation (with one warm-up, `auto` timed it at 2.1 ms where the op ran ~1.0)
 WARMUP_CALLS = {"twell": 1, "ell": 2, "dense": 1}
 
 
@@ -139,8 +139,8 @@ def drifted(before: float | None, now: float | None, factor: float) -> bool:
 def choose(med: dict, paths: tuple, margin: float) -> str:
     """The decision of a bucket from its medians (path -> ms, every one of ``paths`` present):
     the sparse path (TwELL, or the ELL forward only when its median is below ``(1 - margin)`` x
-    TwELL's: it issues ~4x TwELL's launches, host time that its CUDA-event time does not count
-    once the GPU runs ahead of the host) when it is below ``(1 - margin)`` x dense's
+    TwELL's: its host launches take about its GPU time, which its CUDA-event time does not
+    count) when it is below ``(1 - margin)`` x dense's
     median, else ``"dense"``."""
     sparse = [p for p in SPARSE_PATHS if p in paths]
     best = sparse[0]
