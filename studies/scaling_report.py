@@ -569,8 +569,14 @@ def _at_steps(r: dict, tag: str) -> str:
 
 
 def _reinit_targets(rows: list[dict]) -> list[dict]:
+    """Re-init against its plain twin (same :func:`twin_key` and L1); the target's name gains
+    the step count when the rows span several. Where either row was checked and not settled
+    (``settled`` False; the paper-size rows are not checked), the verdict is "not judged", with
+    the verdict as measured beside it (the rule: a row's L0 is compared only once settled)."""
     out = []
     plain = {twin_key(r) + (r["l1_coeff"],): r for r in rows if not r["reinit"]}
+    several = len({r.get("steps") for r in rows if r["reinit"]}
+                  | {r.get("steps") for r in rows if not r["reinit"]}) > 1
     for r in rows:
         base = plain.get(twin_key(r) + (r["l1_coeff"],)) if r["reinit"] else None
         if base is None:
@@ -591,9 +597,15 @@ def _reinit_targets(rows: list[dict]) -> list[dict]:
             if not vb - va <= REINIT_VAL_TOL + eps:
                 fails.append(f"val loss {vb - va:+.3f}")
             verdict = "met" if not fails else "not reproduced (" + "; ".join(fails) + ")"
+            late = [f"{name} not settled ({_f(x.get('settle_change_pct'))} %)"
+                    for name, x in (("re-init row", r), ("plain row", base))
+                    if x.get("settled") is False]
+            if late:
+                verdict = f"not judged: {', '.join(late)} (as measured: {verdict})"
         where = _layers(r) if r.get("series") == "depth" else size_label(r["size"])
+        tag = f" ({r['steps']} steps)" if several and r.get("steps") else ""
         out.append({
-            "target": f"re-init at {where}, L1 {l1_text(r['l1_coeff'])}",
+            "target": f"re-init at {where}, L1 {l1_text(r['l1_coeff'])}{tag}",
             "measured": f"dead {_f(d0)} -> {_f(d1)} %, L0 {_f(l0a)} -> {_f(l0b)}, val loss "
                         f"{_f(va, '.4f')} -> {_f(vb, '.4f')}",
             "paper": "> 30 % dead at 2e-5; the fix keeps ~29 non-zeros, accuracy 46.2 -> 46.6",

@@ -363,8 +363,17 @@ def test_dense_controls_csv_and_targets(tmp_path):
     assert "38 L: val +2.0 %, seven-task +0.0 +- 0.0 pts (50.0 vs 50.0)" in weak["measured"]
     assert t["stronger L1 1e-3 against dense: val loss within 2 %, seven-task mean within 1 "
              "point"]["verdict"] == "reported"
-    re = t["re-init at 38 L, L1 1e-3"]
-    assert re["verdict"] == "met"  # 60 -> 20 % dead, L0 +4 %, val +0.005
+    re = t["re-init at 38 L, L1 1e-3"]  # 60 -> 20 % dead, L0 +4 %, val +0.005; both unsettled
+    assert re["verdict"] == ("not judged: re-init row not settled (50.0 %), plain row not "
+                             "settled (50.0 %) (as measured: met)")
+    settled = [dict(r, settled=True) if "l38_s1000_l1_1e-3" in r["run"] else r for r in rows]
+    assert {x["target"]: x for x in check_depth_targets(settled)}[re["target"]]["verdict"] == "met"
+    # the same pair at two step counts: one target each, named by its count
+    longer = [dict(r, steps=1500, run=r["run"].replace("s1000", "s1500"), settled=True)
+              for r in rows if "l38_s1000_l1_1e-3" in r["run"]]
+    names = [x["target"] for x in check_depth_targets(rows + longer)
+             if x["target"].startswith("re-init")]
+    assert names == ["re-init at 38 L, L1 1e-3 (1000 steps)", "re-init at 38 L, L1 1e-3 (1500 steps)"]
     # past a limit: 38 L at W 2.1 % worse -> not met
     rows2 = [dict(r) for r in rows]
     for r in rows2:
