@@ -569,14 +569,15 @@ def _at_steps(r: dict, tag: str) -> str:
 
 
 def _reinit_targets(rows: list[dict]) -> list[dict]:
-    """Re-init against its plain twin (same :func:`twin_key` and L1); the target's name gains
-    the step count when the rows span several. Where either row was checked and not settled
-    (``settled`` False; the paper-size rows are not checked), the verdict is "not judged", with
-    the verdict as measured beside it (the rule: a row's L0 is compared only once settled)."""
+    """Re-init against its plain twin (same :func:`twin_key` and L1): dead % at most half, L0
+    within 10 %, val loss at most +0.01; the target's name gains the step count when the rows
+    span several. In the depth series a row's L0 is compared only once it settled: where either
+    row has ``settled`` False, the L0 condition is "not judged" (its change as measured beside
+    it) and the other two are judged as usual. The paper-size rows are reported as they are
+    (3.3 M tokens: none settles), so every condition is judged there."""
     out = []
     plain = {twin_key(r) + (r["l1_coeff"],): r for r in rows if not r["reinit"]}
-    several = len({r.get("steps") for r in rows if r["reinit"]}
-                  | {r.get("steps") for r in rows if not r["reinit"]}) > 1
+    several = len({r.get("steps") for r in rows}) > 1
     for r in rows:
         base = plain.get(twin_key(r) + (r["l1_coeff"],)) if r["reinit"] else None
         if base is None:
@@ -592,16 +593,20 @@ def _reinit_targets(rows: list[dict]) -> list[dict]:
             eps = 1e-9  # the limits themselves pass (33 / 30 - 1 is not exactly 0.1 in floats)
             if not d1 <= REINIT_DEAD_RATIO * d0 + eps:
                 fails.append(f"dead % {d1 / d0:.2f}x, not halved")
-            if not abs(l0b / l0a - 1) <= REINIT_L0_TOL + eps:
-                fails.append(f"L0 {100 * (l0b / l0a - 1):+.0f} %")
+            late = [] if r.get("series") != "depth" else [
+                f"{name} not settled" + (f" ({_f(x['settle_change_pct'])} %)"
+                                         if x.get("settle_change_pct") is not None else "")
+                for name, x in (("re-init row", r), ("plain row", base))
+                if x.get("settled") is False]
+            l0_change = f"L0 {100 * (l0b / l0a - 1):+.0f} %"
+            if not late and not abs(l0b / l0a - 1) <= REINIT_L0_TOL + eps:
+                fails.append(l0_change)
             if not vb - va <= REINIT_VAL_TOL + eps:
                 fails.append(f"val loss {vb - va:+.3f}")
             verdict = "met" if not fails else "not reproduced (" + "; ".join(fails) + ")"
-            late = [f"{name} not settled ({_f(x.get('settle_change_pct'))} %)"
-                    for name, x in (("re-init row", r), ("plain row", base))
-                    if x.get("settled") is False]
             if late:
-                verdict = f"not judged: {', '.join(late)} (as measured: {verdict})"
+                verdict = (f"L0 not judged: {', '.join(late)} ({l0_change} as measured); "
+                           + ("dead % and val loss met" if not fails else verdict))
         where = _layers(r) if r.get("series") == "depth" else size_label(r["size"])
         tag = f" ({r['steps']} steps)" if several and r.get("steps") else ""
         out.append({

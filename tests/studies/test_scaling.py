@@ -339,6 +339,10 @@ def test_reinit_target_each_condition():
     assert verdict(1.0, 30.0, 3.52) == "not reproduced (val loss +0.020)"
     assert verdict(0.0, 30.0, 3.5, d0=0.0) == "cannot judge: no dead units without re-init"
     assert verdict(None, 30.0, 3.5) == "incomplete numbers"
+    # paper-size rows (3.3 M tokens) are reported as they are: an unsettled pair is judged
+    unsettled = [dict(r, settled=False, settle_change_pct=68.9) for r in rows(1.0, 33.3, 3.5)]
+    assert next(t for t in check_targets(unsettled) if t["target"].startswith("re-init"))[
+        "verdict"] == "not reproduced (L0 +11 %)"
 
 
 def test_peaks_slope_and_sentences(tmp_path):

@@ -364,8 +364,14 @@ def test_dense_controls_csv_and_targets(tmp_path):
     assert t["stronger L1 1e-3 against dense: val loss within 2 %, seven-task mean within 1 "
              "point"]["verdict"] == "reported"
     re = t["re-init at 38 L, L1 1e-3"]  # 60 -> 20 % dead, L0 +4 %, val +0.005; both unsettled
-    assert re["verdict"] == ("not judged: re-init row not settled (50.0 %), plain row not "
-                             "settled (50.0 %) (as measured: met)")
+    assert re["verdict"] == ("L0 not judged: re-init row not settled (50.0 %), plain row not "
+                             "settled (50.0 %) (L0 +4 % as measured); dead % and val loss met")
+    # unsettled, the other two conditions are still judged; without a move, no brackets
+    worse = [dict(r, val_loss=r["val_loss"] + 0.02, settle_change_pct=None)
+             if r["run"].endswith("_reinit") else r for r in rows]
+    assert {x["target"]: x for x in check_depth_targets(worse)}[re["target"]]["verdict"] == (
+        "L0 not judged: re-init row not settled, plain row not settled (50.0 %) (L0 +4 % as "
+        "measured); not reproduced (val loss +0.025)")
     settled = [dict(r, settled=True) if "l38_s1000_l1_1e-3" in r["run"] else r for r in rows]
     assert {x["target"]: x for x in check_depth_targets(settled)}[re["target"]]["verdict"] == "met"
     # the same pair at two step counts: one target each, named by its count
