@@ -13,11 +13,12 @@ legend: N tokens, D model width, H FFN width.
 import pytest
 import torch
 
-from twell.ops.ffn_train import sparse_ffn_train
+from twell.ops.ffn_train import ell_ffn_forward, sparse_ffn_train
 from twell.ops.ffn_train_graph import (
     FFN_OUTPUTS,
     CapacityOverflow,
     GraphedStep,
+    graphed_ell_forward,
     graphed_ffn_train,
 )
 from twell.policy import FFNPolicy
@@ -150,6 +151,69 @@ def test_graphed_ffn_train_refuses_the_measuring_mode_and_bad_shapes():
     with pytest.raises(ValueError, match="graphed_ffn_train: weights must be"):
         graphed_ffn_train(x, wg[:, :8], wu, wd, dy, backup_rows=0, graphs=fake)
     assert fake.warm == 0
+
+
+def _fp64_forward(x, wg, wu, wd):
+    return (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd.T
+
+
+def test_graphed_ell_forward_equals_the_eager_forward_with_a_fake_graph():
+    """The forward builder's step is ell_ffn_forward's no-sync call (y bitwise, the heavy-row
+    count), on the capture's x and on a new x; below the heavy rows the overflow path inside
+    the step keeps y exact (against fp64 by hand), so there is no guard to trip."""
+    x, wg, wu, wd, _ = make_inputs(33, 40, 300, threshold=1.5, seed=21)
+    r = n_heavy(x, wg, 20)
+    assert 0 < r < 33
+    for cap in (r + 4, r - 2, 0):  # room to spare, overflow rows, every heavy row overflowing
+        fake = FakeGraphs()
+        g = graphed_ell_forward(x, wg, wu, wd, backup_rows=cap, policy=POLICY, graphs=fake)
+        assert (fake.warm, fake.captures, len(g.outputs)) == (2, 1, 2)
+        x2 = make_inputs(33, 40, 300, threshold=1.6, seed=5)[0]
+        for xi in (x, x2):
+            y, heavy = g(x=xi)
+            want_y, want_heavy = ell_ffn_forward(xi, wg, wu, wd, backup_rows=cap, policy=POLICY)
+            assert torch.equal(y, want_y) and heavy.item() == want_heavy.item() == n_heavy(
+                xi, wg, 20)
+            torch.testing.assert_close(y, _fp64_forward(xi, wg, wu, wd), rtol=1e-12, atol=1e-12)
+        g.check()  # never set: the forward has no capacity guard
+        assert not y.requires_grad
+
+
+def test_graphed_ell_forward_refuses_the_measuring_mode_and_bad_shapes():
+    x, wg, wu, wd, _ = make_inputs(8, 16, 64)
+    fake = FakeGraphs()
+    with pytest.raises(ValueError, match="graphed_ell_forward: backup_rows must be a capacity"):
+        graphed_ell_forward(x, wg, wu, wd, backup_rows=-1, graphs=fake)
+    with pytest.raises(ValueError, match="graphed_ell_forward: N >= 1"):
+        graphed_ell_forward(x[:0], wg, wu, wd, backup_rows=0, graphs=fake)
+    with pytest.raises(ValueError, match="graphed_ell_forward: weights must be"):
+        graphed_ell_forward(x, wg[:, :8], wu, wd, backup_rows=0, graphs=fake)
+    g = graphed_ell_forward(x, wg, wu, wd, backup_rows=0, graphs=fake)
+    with pytest.raises(ValueError, match="input 'x' is \\(8, 15\\) torch.float64, captured as"):
+        g(x=x[:, :15])
+
+
+@cuda
+def test_cuda_graph_forward_equals_the_eager_forward_on_a_small_layer():
+    """The real capture of the forward (Triton kernels, bf16) against the eager no-sync
+    forward on a layer with heavy rows, at a capacity that holds them and at one that leaves
+    rows to the overflow kernel: y within bf16 noise (cuBLAS may pick another algorithm in the
+    graph), the heavy-row count exactly, on the capture's x and on new inputs."""
+    from studies.kernel_bench.common import rel_err
+
+    x, wg, wu, wd, _ = [t.cuda().bfloat16() for t in make_inputs(512, 128, 1024, threshold=2.0,
+                                                                 seed=3)]
+    policy = FFNPolicy(ell_capacity=32)
+    r = int(ell_ffn_forward(x, wg, wu, wd, policy=policy)[1].item())  # measured
+    assert 2 < r < 512
+    for cap in (r + 8, r // 2):
+        g = graphed_ell_forward(x, wg, wu, wd, backup_rows=cap, policy=policy)
+        for xi in (x, x.flip(0), x * 1.5):
+            y, heavy = (t.clone() for t in g(x=xi))
+            want_y, want_heavy = ell_ffn_forward(xi, wg, wu, wd, backup_rows=cap, policy=policy)
+            assert rel_err(y, want_y) < 5e-3 and heavy.item() == want_heavy.item()
+            ref = _fp64_forward(*(t.double() for t in (xi, wg, wu, wd)))
+            assert rel_err(y, ref) < 2e-2
 
 
 @cuda

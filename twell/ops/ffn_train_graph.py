@@ -1,6 +1,7 @@
 """The no-sync ELL training op (``sparse_ffn_train`` with ``backup_rows >= 0``) captured in one
 CUDA graph, forward and backward together: a call is one graph launch instead of ~96 kernel
-launches and the Python and dispatcher work that queues them.
+launches and the Python and dispatcher work that queues them. :func:`graphed_ell_forward` does
+the same for the forward alone (``ell_ffn_forward``'s no-sync mode, inference).
 
 Why: ``scripts/bench_real_layers.py --profile`` (one H200, N 16384, D 2048, H 5632) showed the
 op host-bound: ``ell_nosync`` 4.98 ms wall a call against 2.55 ms of GPU busy time (49 % idle,
@@ -41,6 +42,11 @@ handled here:
    replay, a new weight tensor does not.
 
 No RNG is used; no hot units (``ell_hot``) here.
+
+The forward alone (:func:`graphed_ell_forward`) differs in one point: heavy rows past the
+backup's capacity are computed by the overflow kernel inside the graph (``twell.ops.
+overflow_rows``, whose row count is read on the device), so every call is exact whatever its
+heavy rows, and there is no guard to read.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from collections.abc import Callable
 
 import torch
 
-from twell.ops.ffn_train import _backup_capacity, sparse_ffn_train
+from twell.ops.ffn_train import _backup_capacity, ell_ffn_forward, sparse_ffn_train
 from twell.ops.train_backend import check_train_args
 from twell.policy import FFNPolicy
 
@@ -222,4 +228,52 @@ def graphed_ffn_train(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: torc
                        graphs=graphs)
 
 
-__all__ = ["FFN_OUTPUTS", "CapacityOverflow", "CudaGraphs", "GraphedStep", "graphed_ffn_train"]
+def graphed_ell_forward(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: torch.Tensor,
+                        w_down_DH: torch.Tensor, *, backup_rows: int,
+                        policy: FFNPolicy | None = None, w_down_t_HD: torch.Tensor | None = None,
+                        warmup: int = 2, graphs=None) -> GraphedStep:
+    """One call of :func:`twell.ops.ffn_train.ell_ffn_forward`'s no-sync mode (no autograd)
+    captured in a CUDA graph: a call returns ``(y, heavy)``, static tensors (y (N, D) in the
+    compute dtype, heavy (1,) int32: the call's heavy-row count, what the next capture's
+    capacity must hold to keep the overflow kernel idle), overwritten by the next call.
+
+    Why: the eager forward is host-bound where its GPU work is small (BENCHMARKS.md, third
+    session of 2026-12-07: ``ell_nosync`` forward 1.5-1.6 ms a call on recorded layers against
+    ~1.0 of kernels); a replay leaves the kernels' time. Exact on every input: heavy rows past
+    the capacity go through the overflow kernel inside the graph (module docstring).
+
+    Args:
+        x_ND: (N, D) input, copied into the static input ``x`` (a call may pass a new one:
+            ``g(x=...)``).
+        w_gate_HD, w_up_HD, w_down_DH: (H, D), (H, D), (D, H) weights, read in place.
+        backup_rows: the dense backup's capacity (>= 0; rows ``min(backup_rows, N - 1)``), e.g.
+            ``backup_capacity_for`` of a measuring call's heavy rows.
+        policy: the op's policy (ELL capacity). w_down_t_HD: as ``ell_ffn_forward``'s (a cached
+            Wd^T, read in place). warmup, graphs: :class:`GraphedStep`'s.
+
+    Raises:
+        ValueError: ``backup_rows`` < 0 (the measuring mode syncs), N = 0, or what
+            ``ell_ffn_forward`` refuses.
+        RuntimeError: not CUDA (default backend).
+    """
+    check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, "auto", "graphed_ell_forward")
+    if backup_rows < 0:
+        raise ValueError("graphed_ell_forward: backup_rows must be a capacity >= 0; -1 measures "
+                         "the heavy rows with a host sync, which a graph cannot hold (pass "
+                         "backup_capacity_for(heavy) of a measuring call)")
+    if x_ND.shape[0] == 0:
+        raise ValueError("graphed_ell_forward: N >= 1 (an empty input has nothing to capture)")
+    x = x_ND.detach().clone()
+    ws = [w.detach() for w in (w_gate_HD, w_up_HD, w_down_DH)]
+
+    def step():
+        with torch.no_grad():
+            y, heavy = ell_ffn_forward(x, *ws, backup_rows=backup_rows, policy=policy,
+                                       w_down_t_HD=w_down_t_HD)
+        return (y, heavy), None
+
+    return GraphedStep(step, {"x": x}, warmup=warmup, graphs=graphs)
+
+
+__all__ = ["FFN_OUTPUTS", "CapacityOverflow", "CudaGraphs", "GraphedStep", "graphed_ell_forward",
+           "graphed_ffn_train"]
