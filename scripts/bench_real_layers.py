@@ -14,7 +14,8 @@ is checked first (every op against fp32; an op of ours off by more than 3x the d
 path's error stops the run with exit code 1), then timed with ``triton.testing.do_bench``
 medians: forward (dense cuBLAS, ``twell``, ``twell_heavy_first``: rows longest first,
 ``twell_hot``: hot units from the layer's own counts, ``twell_long``: the 128 longest rows through
-a dense backup)
+a dense backup, ``ell_nosync`` / ``ell_hot``: the training layout's forward alone, ``ell_graph``:
+``ell_nosync``'s forward in one CUDA graph, CUDA only)
 and training (forward + backward with the L1 term: ``torch``, ``ell``, ``ell_nosync``,
 ``ell_graph`` (``ell_nosync`` in one CUDA graph; CUDA only, skipped with the reason on the
 CPU), ``ell_hot``), ``auto`` (training: ``twell.ops.ffn_train_auto.AutoFFNTrain``, which

@@ -46,7 +46,10 @@ Ops (``OPS``), kind ``fwd`` (inference, no grad; the inference paths' names ``de
                   its first call (outside the timing), checked against fp32 and against
                   ``ell_nosync`` (:data:`TWINS`), its capacity guard read after the timing
                   (an overflow stops the run as a failed check); CUDA only (skipped with the
-                  reason on the CPU); left out with the reason when the capture fails
+                  reason on the CPU); left out with the reason when the capture fails;
+                  fwd: ``ell_nosync``'s forward in one CUDA graph
+                  (``ffn_train_graph.graphed_ell_forward``: exact, no guard), checked against
+                  fp32 and ``ell_nosync`` fwd: what that forward costs without its launches
     ell_hot       train: no-sync ELL with the hot set; fwd: its forward alone, the same capacity
     auto          fwd: ``mode="auto"`` (measured on CUDA), with the hot set where the layer's
                   density is at least ``FFNPolicy.hot_min_density`` (the plan's rule); train:
@@ -102,14 +105,16 @@ COLUMNS = ["size", "layer", "density", "l0_mean", "l0_max", "heavy_rows", "op", 
 ROUNDS = 3  # interleaved timing rounds per case (the script's --rounds default)
 KINDS = ("fwd", "train")
 OPS = {"fwd": ("dense", "twell", "twell_heavy_first", "twell_hot", "twell_long", "ell_nosync",
-               "ell_hot", "auto", "paper"),
+               "ell_graph", "ell_hot", "auto", "paper"),
        "train": ("torch", "ell", "ell_nosync", "ell_graph", "ell_hot", "auto",
                  "paper")}
-CUDA_ONLY = {("ell_graph", "train"): "CUDA graphs need a CUDA device"}  # op -> why it is skipped
+CUDA_ONLY = {(op, kind): "CUDA graphs need a CUDA device"  # op -> why it is skipped
+             for op, kind in (("ell_graph", "fwd"), ("ell_graph", "train"))}
 # ops whose first call (the paper's build, ell_graph's capture) may fail: left out with the reason
 OPTIONAL = ("paper", "ell_graph")
 # op -> the eager op it must equal: also checked against it (outputs, gradients and the L1 term)
-TWINS = {("ell_graph", "train"): ("ell_nosync", "train")}
+TWINS = {("ell_graph", "fwd"): ("ell_nosync", "fwd"),
+         ("ell_graph", "train"): ("ell_nosync", "train")}
 # twell_long's rows per call: 1/128 of the 16384-row calls (~6 GFLOP of dense backup at the
 # 1.5B shape) against the densest tokens of a trained model (BENCHMARKS.md, "Next")
 LONG_ROWS = 128
@@ -193,6 +198,27 @@ def _graph_closure(case: Case, policy: FFNPolicy) -> Callable[[], list[torch.Ten
     return run
 
 
+def _fwd_graph_closure(case: Case, policy: FFNPolicy):
+    """``ell_graph`` fwd: ``ell_nosync``'s forward (same capacity, no hot units) captured in a
+    CUDA graph (``twell.ops.ffn_train_graph.graphed_ell_forward``) at the first call, which
+    :func:`build_ops` makes before the check and the timing; then a call is one replay on the
+    capture's copy of x. Returns the static [y]. None when every row is heavy (the no-sync
+    rule, as for ``ell_nosync``)."""
+    from twell.ops import ffn_train_graph
+
+    if case.stats["heavy_rows"] >= case.x.shape[0]:
+        return None
+    held = {}
+
+    def run():
+        g = held.get("g")
+        if g is None:
+            g = held["g"] = ffn_train_graph.graphed_ell_forward(
+                case.x, case.wg, case.wu, case.wd, backup_rows=case.caps["cold"], policy=policy)
+        return [g()[0]]
+    return run
+
+
 def _auto_closure(case: Case, policy: FFNPolicy) -> Callable[[], list[torch.Tensor]]:
     """``auto`` train: :class:`twell.ops.ffn_train_auto.AutoFFNTrain` on the case's weights (in
     place), hot set and L1 coefficient. Returns [y, dx, dWg, dWu, dWd] of one call, the L1 term
@@ -258,6 +284,8 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
             return lambda: [_dense_fwd(x, wg, wu, wd)]
         if op in ("ell_nosync", "ell_hot"):
             return _ell_fwd_closure(op, case, policy)
+        if op == "ell_graph":
+            return _fwd_graph_closure(case, policy)
         st = TwELLState()
         mode = "auto" if op == "auto" else "twell"
         hot = None if op in ("twell", "twell_heavy_first", "twell_long") or (
@@ -318,7 +346,8 @@ def _twin_diffs(out: list, fn, twin_fn) -> list[float]:
     eager twin (:data:`TWINS`), then of their L1 terms (``stats["l1"]``)."""
     twin_out = twin_fn()
     d = [rel_err(a, b) for a, b in zip(out, twin_out)]
-    return d + [rel_err(fn.stats["l1"], twin_fn.stats["l1"])]
+    stats = getattr(fn, "stats", None)  # the forward has no L1 term
+    return d + ([rel_err(stats["l1"], twin_fn.stats["l1"])] if stats else [])
 
 
 def check_case(case: Case, ops: dict, refs: dict) -> dict:
@@ -345,7 +374,8 @@ def check_case(case: Case, ops: dict, refs: dict) -> dict:
                        f"{', '.join(f'{v:.2e}' for v in base[kind])}")
         if (twin := twin_of(op, kind, fn)) in ops:
             d = _twin_diffs(out, fn, ops[twin])
-            print(f"  {op} {kind} vs {twin[0]}: relative differences (y, dx, dWg, dWu, dWd, l1) "
+            names = "y, dx, dWg, dWu, dWd, l1" if kind == "train" else "y"
+            print(f"  {op} {kind} vs {twin[0]}: relative differences ({names}) "
                   f"{', '.join(f'{v:.1e}' for v in d)}", flush=True)
             if not all(di <= 3 * bi + 5e-3 for di, bi in zip(d, [*base[kind], 0.0])):
                 ok = False

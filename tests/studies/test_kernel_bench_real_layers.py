@@ -182,8 +182,9 @@ def fake_graphs(monkeypatch):
 
     monkeypatch.setattr(bench, "CUDA_ONLY", {})
     fake = FakeGraphs()
-    monkeypatch.setattr(ffn_train_graph, "graphed_ffn_train",
-                        functools.partial(ffn_train_graph.graphed_ffn_train, graphs=fake))
+    for name in ("graphed_ffn_train", "graphed_ell_forward"):
+        monkeypatch.setattr(ffn_train_graph, name,
+                            functools.partial(getattr(ffn_train_graph, name), graphs=fake))
     return fake
 
 
@@ -205,6 +206,25 @@ def test_ell_graph_is_captured_once_and_checked_against_ell_nosync(fake_graphs, 
     line = next(x for x in capsys.readouterr().out.splitlines() if "vs ell_nosync" in x)
     assert line == ("  ell_graph train vs ell_nosync: relative differences (y, dx, dWg, dWu, "
                     "dWd, l1) " + ", ".join(["0.0e+00"] * 6))
+
+
+def test_ell_graph_forward_is_captured_once_and_checked_against_ell_nosync(fake_graphs, capsys):
+    """The forward's graph: captured at its first call, within the bound against fp32 and equal
+    to ell_nosync's forward (y only: the forward has no L1 term to compare); with every heavy
+    row past a zero capacity too (the overflow path inside the graph: no guard)."""
+    c = _graph_case()
+    ops = bench.build_ops(c, FFNPolicy(), kinds=("fwd",))
+    assert ("ell_graph", "fwd") in ops and fake_graphs.captures == 1
+    errs = bench.check_case(c, ops, bench.references(c))
+    assert errs[("ell_graph", "fwd")] == errs[("ell_nosync", "fwd")]
+    assert errs[("ell_graph", "fwd")][1] is True
+    line = next(x for x in capsys.readouterr().out.splitlines() if "vs ell_nosync" in x)
+    assert line == "  ell_graph fwd vs ell_nosync: relative differences (y) 0.0e+00"
+    c.caps["cold"] = 0
+    ops = bench.build_ops(c, FFNPolicy(), kinds=("fwd",))
+    errs = bench.check_case(c, ops, bench.references(c))
+    assert errs[("ell_graph", "fwd")] == errs[("ell_nosync", "fwd")] and errs[
+        ("ell_graph", "fwd")][1] is True
 
 
 def test_ell_graph_overflow_fails_the_check_and_a_failed_capture_is_left_out(
