@@ -164,19 +164,24 @@ def test_graphed_ell_forward_equals_the_eager_forward_with_a_fake_graph():
     x, wg, wu, wd, _ = make_inputs(33, 40, 300, threshold=1.5, seed=21)
     r = n_heavy(x, wg, 20)
     assert 0 < r < 33
+    # inputs that require grad: the graph's forward keeps no autograd graph all the same
+    ins = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
     for cap in (r + 4, r - 2, 0):  # room to spare, overflow rows, every heavy row overflowing
         fake = FakeGraphs()
-        g = graphed_ell_forward(x, wg, wu, wd, backup_rows=cap, policy=POLICY, graphs=fake)
+        g = graphed_ell_forward(*ins, backup_rows=cap, policy=POLICY, graphs=fake)
         assert (fake.warm, fake.captures, len(g.outputs)) == (2, 1, 2)
         x2 = make_inputs(33, 40, 300, threshold=1.6, seed=5)[0]
-        for xi in (x, x2):
+        for xi in (x, x2, x.T.contiguous().T):  # the last: column-major, copied into the buffer
             y, heavy = g(x=xi)
-            want_y, want_heavy = ell_ffn_forward(xi, wg, wu, wd, backup_rows=cap, policy=POLICY)
+            assert not y.requires_grad and y.grad_fn is None
+            with torch.no_grad():
+                want_y, want_heavy = ell_ffn_forward(xi, wg, wu, wd, backup_rows=cap,
+                                                     policy=POLICY)
             assert torch.equal(y, want_y) and heavy.item() == want_heavy.item() == n_heavy(
                 xi, wg, 20)
             torch.testing.assert_close(y, _fp64_forward(xi, wg, wu, wd), rtol=1e-12, atol=1e-12)
+        assert g.inputs["x"].is_contiguous()
         g.check()  # never set: the forward has no capacity guard
-        assert not y.requires_grad
 
 
 def test_graphed_ell_forward_refuses_the_measuring_mode_and_bad_shapes():
@@ -206,14 +211,22 @@ def test_cuda_graph_forward_equals_the_eager_forward_on_a_small_layer():
     policy = FFNPolicy(ell_capacity=32)
     r = int(ell_ffn_forward(x, wg, wu, wd, policy=policy)[1].item())  # measured
     assert 2 < r < 512
-    for cap in (r + 8, r // 2):
+    more, fewer = x.clone(), x.clone()
+    more[:, 1:] *= 1.1  # wider pre-activations against the fixed threshold: more heavy rows
+    fewer[:, 1:] *= 0.8
+    for cap in (r + 8, r // 2):  # no overflow at the capture, then some; overflow throughout
         g = graphed_ell_forward(x, wg, wu, wd, backup_rows=cap, policy=policy)
-        for xi in (x, x.flip(0), x * 1.5):
+        seen = set()
+        for xi in (x, x.flip(0), more, fewer):
             y, heavy = (t.clone() for t in g(x=xi))
             want_y, want_heavy = ell_ffn_forward(xi, wg, wu, wd, backup_rows=cap, policy=policy)
             assert rel_err(y, want_y) < 5e-3 and heavy.item() == want_heavy.item()
             ref = _fp64_forward(*(t.double() for t in (xi, wg, wu, wd)))
             assert rel_err(y, ref) < 2e-2
+            seen.add(heavy.item())
+        assert len(seen) == 3  # the count moves between replays (not frozen at the capture)
+    with pytest.raises(ValueError, match="PyTorch backend, which reads counts on the host"):
+        graphed_ell_forward(*(t.double() for t in (x, wg, wu, wd)), backup_rows=r)
 
 
 @cuda

@@ -56,7 +56,7 @@ from collections.abc import Callable
 import torch
 
 from twell.ops.ffn_train import _backup_capacity, ell_ffn_forward, sparse_ffn_train
-from twell.ops.train_backend import check_train_args
+from twell.ops.train_backend import check_train_args, pick_backend, torch_backend
 from twell.policy import FFNPolicy
 
 # what a graphed FFN call returns, in this order: y, the gradients of sum(y dy) + dl1 * l1 wrt
@@ -172,6 +172,16 @@ class GraphedStep:
             raise CapacityOverflow(self._msg)
 
 
+def _check_capturable(x: torch.Tensor, graphs, name: str) -> None:
+    """Refuse, before any warm-up, an input that a real capture cannot hold: the PyTorch
+    backend (fp64, or no Triton) reads counts on the host (``nonzero``, ``.item()``). A stand-in
+    ``graphs`` (tests) runs any backend."""
+    if graphs is None and x.is_cuda and pick_backend(x, "auto") is torch_backend:
+        raise ValueError(f"{name}: {x.device.type} {x.dtype} runs on the PyTorch backend, which "
+                         "reads counts on the host: a CUDA graph cannot hold it (use bf16 / fp16 "
+                         "/ fp32 CUDA inputs with Triton installed, or the eager op)")
+
+
 def graphed_ffn_train(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: torch.Tensor,
                       w_down_DH: torch.Tensor, dy_ND: torch.Tensor, *, backup_rows: int,
                       l1_coeff: float = 0.0, policy: FFNPolicy | None = None, warmup: int = 2,
@@ -192,7 +202,8 @@ def graphed_ffn_train(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: torc
         policy: the op's policy (ELL capacity); warmup, graphs: :class:`GraphedStep`'s.
 
     Raises:
-        ValueError: ``backup_rows`` < 0 (the measuring mode syncs), N = 0, dy not (N, D), or
+        ValueError: ``backup_rows`` < 0 (the measuring mode syncs), N = 0, dy not (N, D), an
+            input on the PyTorch backend (fp64 CUDA, or Triton missing; default graphs), or
             what ``sparse_ffn_train`` refuses.
         RuntimeError: not CUDA (default backend). CapacityOverflow: a warm-up call had more
             heavy rows than the capacity.
@@ -202,6 +213,7 @@ def graphed_ffn_train(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: torc
         raise ValueError("graphed_ffn_train: backup_rows must be a capacity >= 0; -1 measures "
                          "the heavy rows with a host sync, which a graph cannot hold (pass "
                          "backup_capacity_for(stats.heavy_rows) of a measuring call)")
+    _check_capturable(x_ND, graphs, "graphed_ffn_train")
     n = x_ND.shape[0]
     if n == 0 or dy_ND.shape != x_ND.shape:
         raise ValueError(f"graphed_ffn_train: N >= 1 and dy of x's shape {tuple(x_ND.shape)}; "
@@ -237,10 +249,11 @@ def graphed_ell_forward(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: to
     compute dtype, heavy (1,) int32: the call's heavy-row count, what the next capture's
     capacity must hold to keep the overflow kernel idle), overwritten by the next call.
 
-    Why: the eager forward is host-bound where its GPU work is small (BENCHMARKS.md, third
-    session of 2026-12-07: ``ell_nosync`` forward 1.5-1.6 ms a call on recorded layers against
-    ~1.0 of kernels); a replay leaves the kernels' time. Exact on every input: heavy rows past
-    the capacity go through the overflow kernel inside the graph (module docstring).
+    Why: the eager forward may be host-bound where its GPU work is small (BENCHMARKS.md, second
+    session of 2026-12-07: ``ell_nosync`` forward 1.5-1.6 ms a call on recorded layers, 1.05 on
+    i.i.d. rows, whose host launches took 0.85-0.96 ms); a replay leaves the kernels' time.
+    Exact on every input: heavy rows past the capacity go through the overflow kernel inside
+    the graph (module docstring).
 
     Args:
         x_ND: (N, D) input, copied into the static input ``x`` (a call may pass a new one:
@@ -252,8 +265,9 @@ def graphed_ell_forward(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: to
             Wd^T, read in place). warmup, graphs: :class:`GraphedStep`'s.
 
     Raises:
-        ValueError: ``backup_rows`` < 0 (the measuring mode syncs), N = 0, or what
-            ``ell_ffn_forward`` refuses.
+        ValueError: ``backup_rows`` < 0 (the measuring mode syncs), N = 0, an input on the
+            PyTorch backend (fp64 CUDA, or Triton missing: it reads counts on the host; with the
+            default graphs), or what ``ell_ffn_forward`` refuses.
         RuntimeError: not CUDA (default backend).
     """
     check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, "auto", "graphed_ell_forward")
@@ -263,7 +277,9 @@ def graphed_ell_forward(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: to
                          "backup_capacity_for(heavy) of a measuring call)")
     if x_ND.shape[0] == 0:
         raise ValueError("graphed_ell_forward: N >= 1 (an empty input has nothing to capture)")
-    x = x_ND.detach().clone()
+    _check_capturable(x_ND, graphs, "graphed_ell_forward")
+    # row-major whatever x_ND's strides: a strided buffer would cost a copy inside every replay
+    x = x_ND.detach().clone(memory_format=torch.contiguous_format)
     ws = [w.detach() for w in (w_gate_HD, w_up_HD, w_down_DH)]
 
     def step():
