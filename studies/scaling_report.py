@@ -88,6 +88,8 @@ JUDGEMENT_TODO = "_to be written after the GPU run: how this plot compares with 
 READ_FORMATS = (1, RESULT_FORMAT)
 # re-init target (the study's): dead % at least halved, L0 within 10 %, val loss at most +0.01
 REINIT_DEAD_RATIO, REINIT_L0_TOL, REINIT_VAL_TOL = 0.5, 0.10, 0.01
+# the issue's "at least two L1 strengths that put the deepest model's L0 in the paper's range"
+RANGE_STRENGTHS = 2
 # accuracy target at the weaker L1: validation loss at most 2 % above the dense control's and
 # the seven-task mean at most 1 point below it (one-sided: better than dense passes)
 VAL_LOSS_TOL, EVAL_TOL_POINTS = 0.02, 1.0
@@ -408,6 +410,8 @@ def check_depth_targets(rows: list[dict]) -> list[dict]:
     * at the weakest nonzero L1 of the series (all step counts): at every depth the validation
       loss at most 2 % above the dense control's (same steps) and the seven-task mean at most
       1 point below it (one-sided); at the stronger ones the same numbers, "reported";
+    * at least :data:`RANGE_STRENGTHS` nonzero L1 values put the deepest model's settled L0 in
+      the paper's range (:data:`studies.sizes.PAPER_L0_RANGE`, 24-39);
     * re-init pairs as at the paper's sizes.
     """
     rows = [r for r in rows if not r.get("probe")]
@@ -419,12 +423,38 @@ def check_depth_targets(rows: list[dict]) -> list[dict]:
         out.append(_settled_target(rs_all, tag))
         plain = _plain_by_l1(rs_all)
         nonzero = sorted(v for v in plain if v > 0)
+        out.append(_range_target(plain, tag))
         for l1 in sorted(nonzero, reverse=True):
             out += _depth_trend_targets(plain[l1], l1, tag, rows)
         for l1 in nonzero:
             out.append(_accuracy_target(plain[l1], l1, weak=l1 == weakest, tag=tag))
     out += _reinit_targets(rows)
     return out
+
+
+def _range_target(plain: dict[float, list[dict]], tag: str) -> dict:
+    """The issue's "at least two L1 strengths that put the deepest model's L0 in the paper's
+    range" over one step count (``plain``: :func:`_plain_by_l1`'s rows): per nonzero L1 the
+    deepest depth run at any L1 and its held-out L0; a row counts once settled and within the
+    range (the ends included)."""
+    deepest = max((r["layers"] for rs in plain.values() for r in rs), default=None)
+    lo, hi = sorted(PAPER_L0_RANGE)
+    got, parts = 0, []
+    for l1 in sorted((v for v in plain if v > 0), reverse=True):
+        r = next((x for x in plain[l1] if x["layers"] == deepest), None)
+        if r is None or r["l0_mean"] is None:
+            parts.append(f"{l1_text(l1)}: not run at {deepest} L")
+            continue
+        inside = lo <= r["l0_mean"] <= hi
+        settled = r["settled"] is True
+        got += inside and settled
+        parts.append(f"{l1_text(l1)}: {_f(r['l0_mean'])}" + ("" if settled else " (not settled)"))
+    verdict = (f"met ({got} of {len(parts)})" if got >= RANGE_STRENGTHS
+               else f"not met ({got} of {len(parts)} in the range, settled)")
+    return {"target": f"L1 strengths putting {deepest} L in the paper's L0 range{tag}",
+            "measured": "; ".join(parts) if parts else "no sparse rows",
+            "paper": f"L0 {lo:g}-{hi:g} (2B to 0.5B, L1 2e-5)",
+            "verdict": verdict}
 
 
 def _settled_target(rs_all: list[dict], tag: str) -> dict:

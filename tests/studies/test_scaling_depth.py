@@ -363,6 +363,19 @@ def test_dense_controls_csv_and_targets(tmp_path):
     assert "38 L: val +2.0 %, seven-task +0.0 +- 0.0 pts (50.0 vs 50.0)" in weak["measured"]
     assert t["stronger L1 1e-3 against dense: val loss within 2 %, seven-task mean within 1 "
              "point"]["verdict"] == "reported"
+    # the deepest model's L0 in the paper's range (24-39): 3e-4's 25.0 counts, 1e-3's row
+    # does not (unsettled), and a settled L0 outside the range does not either
+    rng = t["L1 strengths putting 38 L in the paper's L0 range"]
+    assert rng["verdict"] == "not met (1 of 2 in the range, settled)"
+    assert rng["measured"] == "1e-3: 12.0 (not settled); 3e-4: 25.0"
+    both = [dict(r, settled=True, l0_mean=30.0 if r["l1_coeff"] == 1e-3 else r["l0_mean"])
+            for r in rows]
+    assert {x["target"]: x for x in check_depth_targets(both)}[rng["target"]]["verdict"] == (
+        "met (2 of 2)")
+    edge = [dict(r, settled=True, l0_mean=39.0 if r["l1_coeff"] == 1e-3 else 23.9)
+            for r in rows]  # the range's ends are in it; just below is not
+    assert {x["target"]: x for x in check_depth_targets(edge)}[rng["target"]]["verdict"] == (
+        "not met (1 of 2 in the range, settled)")
     re = t["re-init at 38 L, L1 1e-3"]  # 60 -> 20 % dead, L0 +4 %, val +0.005; both unsettled
     assert re["verdict"] == ("L0 not judged: re-init row not settled (50.0 %), plain row not "
                              "settled (50.0 %) (L0 +4 % as measured); dead % and val loss met")
