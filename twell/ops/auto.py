@@ -26,9 +26,9 @@ call has landed, the density rule (:meth:`twell.policy.FFNPolicy.infer_dense`) p
 dense (never ``ell``: it is only ever chosen by measurement). The bucket then keeps the sparse
 candidate, TwELL, or ELL when its median is below TwELL's by more than
 ``policy.infer_twell_margin`` (ELL's host issues ~0.85-0.96 ms of launches a call on an H200,
-about its GPU time: host time that its CUDA-event time does not show), if it is faster than dense's median by more than that
-margin (so ``auto`` is never slower than dense beyond the timing noise), else dense. The bucket is timed
-again when the layer's measured density moves by more than ``policy.infer_remeasure_factor``
+about its GPU time: host time that its CUDA-event time does not show), if it is faster than
+dense's median by more than that margin (so ``auto`` is never slower than dense beyond the
+timing noise), else dense. The bucket is timed again when the layer's measured density moves by more than ``policy.infer_remeasure_factor``
 from the density at the choice, and decided again when a call's candidates differ from those
 it was decided among (a policy change: the times of the candidates still offered are kept,
 unless the density has moved as above since the choice: then every candidate is timed again).
@@ -255,5 +255,5 @@ class MeasuredChoice:
                 for k, b in sorted(self.buckets.items())}
 
 
-__all__ = ["PATHS", "SPARSE_PATHS", "WARMUP_CALLS", "BucketTimes", "CudaEventTimer", "MeasuredChoice",
-           "candidates", "choose", "drifted", "row_bucket"]
+__all__ = ["PATHS", "SPARSE_PATHS", "WARMUP_CALLS", "BucketTimes", "CudaEventTimer",
+           "MeasuredChoice", "candidates", "choose", "drifted", "row_bucket"]

@@ -22,10 +22,9 @@ _DEFAULT_CONFIG = {
     "compact_block_n": 1,
     "compact_warps": 1,  # at most compact_block_n
     # compaction columns per step (two steps' loads in flight a warp): 256 at bf16 is 16 bytes a
-    # thread. H200, N 16384, H 5632 bf16 (BENCHMARKS.md, "Second session of 2026-12-07"): 512
-    # and 1024 slower on every case; 128 0.111 vs 0.141 ms (i.i.d. 0.3 %), 0.182 vs 0.207 (1 %),
-    # 0.122 vs 0.119 (heavy-tailed); kept at 256 until timed on recorded layers. Values below 16
-    # run as 16 (the kernel's smallest step)
+    # thread. Swept 64-1024 on the H200 (BENCHMARKS.md, "Second session of 2026-12-07"): wider
+    # steps are slower; 128 wins on i.i.d. rows, not on heavy-tailed ones, so 256 stays until
+    # timed on recorded layers. Values below 16 run as 16 (the kernel's smallest step)
     "compact_block_h": 256,
     # SDDMM slots per step, model-width chunk, warps: k8 d256 w1 0.172 ms vs k8 w4 0.222
     "sddmm_block_k": 8,
