@@ -392,7 +392,8 @@ def test_dense_controls_csv_and_targets(tmp_path):
               for r in rows if "l38_s1000_l1_1e-3" in r["run"]]
     names = [x["target"] for x in check_depth_targets(rows + longer)
              if x["target"].startswith("re-init")]
-    assert names == ["re-init at 38 L, L1 1e-3 (1000 steps)", "re-init at 38 L, L1 1e-3 (1500 steps)"]
+    assert names == ["re-init at 38 L, L1 1e-3 (1000 steps)",
+                     "re-init at 38 L, L1 1e-3 (1500 steps)"]
     # past a limit: 38 L at W 2.1 % worse -> not met
     rows2 = [dict(r) for r in rows]
     for r in rows2:

@@ -253,7 +253,8 @@ def graphed_ell_forward(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: to
     session of 2026-12-07: ``ell_nosync`` forward 1.5-1.6 ms a call on recorded layers, 1.05 on
     i.i.d. rows, whose host launches took 0.85-0.96 ms); a replay leaves the kernels' time.
     Exact on every input: heavy rows past the capacity go through the overflow kernel inside
-    the graph (module docstring).
+    the graph (module docstring). Source: the hybrid ELL + dense-backup layout's forward (arXiv
+    2603.23198); the graph capture and the overflow kernel are ours.
 
     Args:
         x_ND: (N, D) input, copied into the static input ``x`` (a call may pass a new one:
