@@ -585,7 +585,9 @@ def _accuracy_target(rs: list[dict], l1: float, weak: bool, tag: str) -> dict:
     elif missing:
         verdict = f"incomplete (no dense control or evals at {', '.join(missing)})"
     else:
-        verdict = "met"
+        # "at every depth": a depth not run at this L1 and step count is named, as in the trend
+        absent = [str(d) for d in PAPER_DEPTHS if d not in {r["layers"] for r in rs}]
+        verdict = "met" + (f" for the depths run (missing {', '.join(absent)} L)" if absent else "")
     return {"target": (f"{'weaker' if weak else 'stronger'} L1 {l1_text(l1)} against dense: "
                        f"val loss within 2 %, seven-task mean within 1 point{tag}"),
             "measured": "; ".join(parts) or "no rows",
