@@ -112,7 +112,7 @@ def plot_l0_vs_size(results: list[dict], path: Path):
     if not by:
         return "no plain L1 rows"
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4))
     look = _series_styles(by)
     color = {key: c for key, (c, _) in look.items()}
     for key, rs in by.items():
@@ -134,7 +134,8 @@ def plot_l0_vs_size(results: list[dict], path: Path):
     ax.set_ylabel("mean L0 (active units per token, held out)")
     ax.set_title("L0 falls with depth?" if depth else "L0 falls with size?")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, handlelength=4)  # long enough to show -- vs -
+    # beside the axes: with several series a legend inside covers their points
+    ax.legend(fontsize=7, handlelength=4, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(plt, fig, path)
 
 
@@ -279,7 +280,7 @@ def plot_vs_dense(results: list[dict], path: Path):
     if not any(k[0] == 0 for k in by) or len(by) < 2:
         return "no dense control (L1 = 0) beside a sparse row"
     look = _series_styles(by)
-    plt, fig, (ax_v, ax_e) = _panels(2)
+    plt, fig, (ax_v, ax_e) = _panels(2, width=6.0)
     for key, rs in sorted(by.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
         l1 = key[0]
         xs = [r["row"]["layers"] for r in rs]
@@ -297,7 +298,8 @@ def plot_vs_dense(results: list[dict], path: Path):
         ax.set_xlabel("layers")
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, handlelength=4)  # long enough to show -- vs -
+    # one legend for both panels (the same series), beside them so that it covers no point
+    ax_e.legend(fontsize=7, handlelength=4, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax_v.set_title("validation loss against dense")
     ax_e.set_title("seven tasks against dense" if have_eval else "no evals in these results")
     return _save(plt, fig, path)
