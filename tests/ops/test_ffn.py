@@ -228,7 +228,7 @@ def test_auto_dense_path_rechecks_density_periodically():
         sparse_ffn(*ins, mode="auto", state=st, with_stats=False, policy=pol)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        st.poll_density()
+        _ = st.density  # reading it takes in a copy that has landed
         return st.last_info.path
 
     assert call(x, wg, wu, wd) == "twell" and st.density > 0.1  # measures 30 %
@@ -682,7 +682,7 @@ def test_info_read_on_demand_equals_counts(long_rows):
         assert int(info.long_rows) == long_rows  # min_nnz 0: the top-k rows are all long
     assert "overflow_tiles=tensor" in repr(info)
     if DEV == "cpu":
-        assert st.poll_density() == pytest.approx(act.sum().item() / (n * h), rel=1e-6)
+        assert st.density == pytest.approx(act.sum().item() / (n * h), rel=1e-6)
 
 
 # ---------------------------------------------------------------- auto's ELL path ("ell")
@@ -745,7 +745,7 @@ def test_auto_ell_path_matches_fp64_with_heavy_and_nan_rows():
             torch.testing.assert_close(stats.l1.double().cpu(), h_ref.abs().sum(1).mean(),
                                        rtol=1e-5, atol=0)
             if DEV == "cpu":  # CUDA: the copy lands asynchronously
-                assert st.poll_density() == pytest.approx(act.sum().item() / (n * h), rel=1e-6)
+                assert st.density == pytest.approx(act.sum().item() / (n * h), rel=1e-6)
         else:
             assert torch.isnan(y[4]).all() and nnz[4] == h
             ok = [i for i in range(n) if i != 4]

@@ -188,17 +188,13 @@ class TwELLState:
     def record_density(self, dens: torch.Tensor, scale: float = 1.0) -> None:
         """Store this call's density, ``float(dens) * scale`` (scalar tensor; ``scale`` lets a
         caller hand over a count and leave the division to the host), for a later call's
-        dispatch without a host sync (:meth:`poll_density` reads it once it has landed)."""
+        dispatch without a host sync (:attr:`density` reads it once it has landed)."""
         self._density.put(dens, scale)
 
     @property
     def density(self) -> float | None:
         """The latest density whose copy has landed (never blocks)."""
         return self._density.get()
-
-    def poll_density(self) -> float | None:
-        """The latest density whose copy has landed (never blocks): :attr:`density`."""
-        return self.density
 
     def _ell_backup_rows(self, n: int, dense_row_fraction: float) -> int:
         """The "ell" path's ``backup_rows`` for a call of N rows: -1 (measure: one host sync)
@@ -445,7 +441,7 @@ def sparse_ffn(
         if mode == "auto":
             n = x_ND.shape[0]
             flops = (6 if w_gate_HD is not None else 4) * x_ND.numel() * h  # dense FFN
-            density = state.poll_density()
+            density = state.density
             small = n < policy.infer_min_rows or flops < policy.infer_min_flops
             paths = candidates(w_gate_HD is not None, policy)
             path, token = ((None, None) if small
