@@ -209,10 +209,7 @@ def graphed_ffn_train(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: torc
             heavy rows than the capacity.
     """
     check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, "auto", "graphed_ffn_train")
-    if backup_rows < 0:
-        raise ValueError("graphed_ffn_train: backup_rows must be a capacity >= 0; -1 measures "
-                         "the heavy rows with a host sync, which a graph cannot hold (pass "
-                         "backup_capacity_for(stats.heavy_rows) of a measuring call)")
+    _check_capacity(backup_rows, "graphed_ffn_train", "stats.heavy_rows")
     _check_capturable(x_ND, graphs, "graphed_ffn_train")
     n = x_ND.shape[0]
     if n == 0 or dy_ND.shape != x_ND.shape:
@@ -238,6 +235,14 @@ def graphed_ffn_train(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: torc
            "backup_rows=-1 and capture again with backup_capacity_for(its heavy_rows)")
     return GraphedStep(step, {"x": x, "dy": dy, "dl1": dl1}, warmup=warmup, overflow_msg=msg,
                        graphs=graphs)
+
+
+def _check_capacity(backup_rows: int, who: str, measured: str) -> None:
+    """Refuse the measuring mode (``backup_rows`` < 0) in a graph builder: it syncs."""
+    if backup_rows < 0:
+        raise ValueError(f"{who}: backup_rows must be a capacity >= 0; -1 measures the heavy "
+                         "rows with a host sync, which a graph cannot hold (pass "
+                         f"backup_capacity_for({measured}) of a measuring call)")
 
 
 def graphed_ell_forward(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: torch.Tensor,
@@ -272,10 +277,7 @@ def graphed_ell_forward(x_ND: torch.Tensor, w_gate_HD: torch.Tensor, w_up_HD: to
         RuntimeError: not CUDA (default backend).
     """
     check_train_args(x_ND, w_gate_HD, w_up_HD, w_down_DH, "auto", "graphed_ell_forward")
-    if backup_rows < 0:
-        raise ValueError("graphed_ell_forward: backup_rows must be a capacity >= 0; -1 measures "
-                         "the heavy rows with a host sync, which a graph cannot hold (pass "
-                         "backup_capacity_for(heavy) of a measuring call)")
+    _check_capacity(backup_rows, "graphed_ell_forward", "heavy")
     if x_ND.shape[0] == 0:
         raise ValueError("graphed_ell_forward: N >= 1 (an empty input has nothing to capture)")
     _check_capturable(x_ND, graphs, "graphed_ell_forward")
