@@ -202,12 +202,9 @@ def _fwd_graph_closure(case: Case, policy: FFNPolicy):
     """``ell_graph`` fwd: ``ell_nosync``'s forward (same capacity, no hot units) captured in a
     CUDA graph (``twell.ops.ffn_train_graph.graphed_ell_forward``) at the first call, which
     :func:`build_ops` makes before the check and the timing; then a call is one replay on the
-    capture's copy of x. Returns the static [y]. None when every row is heavy (the no-sync
-    rule, as for ``ell_nosync``)."""
+    capture's copy of x. Returns the static [y]."""
     from twell.ops import ffn_train_graph
 
-    if case.stats["heavy_rows"] >= case.x.shape[0]:
-        return None
     held = {}
 
     def run():
@@ -279,6 +276,8 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
     if op == "paper":
         return None if paper is None else (paper.fwd_closure(case) if kind == "fwd"
                                            else paper.train_closure(case))
+    if _every_row_heavy(op, case):
+        return None
     if kind == "fwd":
         if op == "dense":
             return lambda: [_dense_fwd(x, wg, wu, wd)]
@@ -305,10 +304,6 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
         return _train_closure(lambda *a: gated_ffn_torch(*a, with_stats=False), case, False)
     if op == "auto":
         return _auto_closure(case, policy)
-    n = case.x.shape[0]
-    if (op in ("ell_nosync", "ell_graph") and case.stats["heavy_rows"] >= n) or (
-            op == "ell_hot" and case.cold_heavy >= n):
-        return None  # every row heavy: a no-sync backup holds at most N - 1 (the op's rule)
     if op == "ell_graph":
         return None if skip_reason(op, kind, case) else _graph_closure(case, policy)
     kw = {"ell": {}, "ell_nosync": {"backup_rows": case.caps.get("cold", -1)},
@@ -316,13 +311,20 @@ def make_op(op: str, kind: str, case: Case, policy: FFNPolicy, paper=None):
     return _train_closure(lambda *a: sparse_ffn_train(*a, policy=policy, **kw), case, True)
 
 
+def _every_row_heavy(op: str, case: Case) -> bool:
+    """Is ``op`` a no-sync op (``ell_nosync``, ``ell_graph``; ``ell_hot`` by its cold rows) on a
+    case whose every row is heavy? Its backup holds at most N - 1 rows (the op's rule), so it
+    does not run, forward or training."""
+    n = case.x.shape[0]
+    if op in ("ell_nosync", "ell_graph"):
+        return case.stats["heavy_rows"] >= n
+    return op == "ell_hot" and case.cold_heavy >= n
+
+
 def _ell_fwd_closure(op: str, case: Case, policy: FFNPolicy):
     """``ell_nosync`` / ``ell_hot``'s forward alone (``ell_ffn_forward``) at the training op's
-    no-sync capacity; None when every row is heavy (the no-sync rule, as for training)."""
+    no-sync capacity."""
     hot = case.hot if op == "ell_hot" else None
-    heavy = case.cold_heavy if hot is not None else case.stats["heavy_rows"]
-    if heavy >= case.x.shape[0]:
-        return None
     kw = {"backup_rows": case.caps.get("hot" if hot is not None else "cold", -1),
           "hot_units": hot, "policy": policy}
     return lambda: [ell_ffn_forward(case.x, case.wg, case.wu, case.wd, **kw)[0]]

@@ -227,6 +227,27 @@ def test_ell_graph_forward_is_captured_once_and_checked_against_ell_nosync(fake_
         ("ell_graph", "fwd")][1] is True
 
 
+def test_no_sync_ops_are_left_out_where_every_row_is_heavy(fake_graphs):
+    """The no-sync backup holds at most N - 1 rows: on a case whose every row is heavy the
+    no-sync ops (ell_nosync, ell_graph; ell_hot by its cold rows) are left out, forward and
+    training alike, while the dense ops and those that measure (twell, ell) still run."""
+    nosync = ("ell_nosync", "ell_graph", "ell_hot")
+    c = _graph_case()  # a few heavy rows: every op applies
+    for kind in ("fwd", "train"):
+        assert all(bench.make_op(op, kind, c, FFNPolicy()) is not None for op in nosync)
+    c = bench.prepare(bench.iid_case(16, 32, 300, 0.9, seed=1, device="cpu"), FFNPolicy())
+    # every row heavy; at 90 % every unit is hot, so ell_hot's cold rows have none heavy
+    assert c.stats["heavy_rows"] == 16 and c.cold_heavy == 0
+    for kind in ("fwd", "train"):
+        assert [bench.make_op(op, kind, c, FFNPolicy()) is None for op in nosync] == [
+            True, True, False]
+    c.cold_heavy = 16  # ell_hot's rule: by its cold rows
+    for kind in ("fwd", "train"):
+        assert bench.make_op("ell_hot", kind, c, FFNPolicy()) is None
+    assert all(bench.make_op(op, "fwd", c, FFNPolicy()) is not None for op in ("dense", "twell"))
+    assert all(bench.make_op(op, "train", c, FFNPolicy()) is not None for op in ("torch", "ell"))
+
+
 def test_ell_graph_overflow_fails_the_check_and_a_failed_capture_is_left_out(
         fake_graphs, monkeypatch, capsys):
     """A capacity below the case's heavy rows stops the run (CheckFailed), at the capture or
