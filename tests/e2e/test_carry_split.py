@@ -112,6 +112,34 @@ def test_a_new_split_is_not_mixed_with_an_older_one(tmp_path):
     assert (tmp_path / "twc" / REL).read_bytes() == new
 
 
+def _git_checkout(tmp_path: Path, tracked_mib: int) -> Path:
+    """A checkout whose git index holds ``tracked_mib`` MiB (what every device call carries)."""
+    repo = _checkout(tmp_path, f"git{tracked_mib}")
+    (repo / "big.bin").write_bytes(b"\0" * (tracked_mib * 2**20))
+    _run(["git", "init", "-q"], repo, {})
+    _run(["git", "add", "big.bin", "scripts"], repo, {})
+    return repo
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git absent")
+def test_the_default_part_size_leaves_room_for_the_working_tree(tmp_path):
+    """48 MiB parts by default, less where the tracked files leave less of a call's 64 MiB,
+    2 MiB spare (20 MiB tracked, rounded up: 62 - 21 = 41); a tree leaving none is refused in
+    one line."""
+    cache = tmp_path / "cache"
+    (cache / REL).parent.mkdir(parents=True)
+    (cache / REL).write_bytes(b"x" * 100)
+    for tracked, part in ((0, 48), (20, 41)):
+        out = _run(["bash", "scripts/build_carry.sh", "gguf"], _git_checkout(tmp_path, tracked),
+                   {"TWELL_CACHE": str(cache)}).stdout
+        assert f"in 1 parts of at most {part} MiB" in out
+    full = _git_checkout(tmp_path, 61)
+    r = _run(["bash", "scripts/build_carry.sh", "gguf"], full, {"TWELL_CACHE": str(cache)},
+             check=False)
+    assert r.returncode == 1 and "leaves no room" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not list(full.glob(".devcarry*"))
+
+
 @pytest.mark.parametrize("size", ["48M", "1.5", "0", "-1"])
 def test_a_bad_part_size_is_one_line_and_builds_nothing(tmp_path, size):
     cache = tmp_path / "cache"
