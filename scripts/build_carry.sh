@@ -34,7 +34,7 @@ case "$PART" in all|wheels|cache|gguf) ;; *) echo "usage: $0 [all|wheels|cache|g
 
 tree_bytes() {  # the working tree the device tool copies (tracked files)
   if git rev-parse --git-dir >/dev/null 2>&1; then
-    git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1
+    git ls-files -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1
   else echo 0; fi
 }
 
@@ -45,29 +45,43 @@ if [ "$PART" = gguf ]; then
   [ -f "$SRC" ] || { echo "build_carry: no $SRC; run 'twell-data build' (it extracts the GGUF)" >&2; exit 1; }
   tree=$(tree_bytes)
   # default: 48 MiB, or less where the working tree (which every call carries too) leaves less
-  # of the 64, with 2 MiB to spare for the files a session adds before its calls (at 17.9 MiB
-  # of tracked files, 44: three parts of the 98 MB file instead of two)
+  # of the 64, with 2 MiB to spare for the files a session adds before its calls (at 17.2 MiB
+  # of tracked files, rounded up to 18: 44, so three parts of the 98 MB file instead of two)
   tree_mib=$(( (tree + 1048575) / 1048576 ))
   fit=$(( 62 - tree_mib ))
   [ -n "${GGUF_PART_MIB:-}" ] || [ "$fit" -ge 1 ] || {
     echo "build_carry: the working tree ($tree_mib MiB of tracked files) leaves no room for a part in a call's 64 MiB; move large tracked files out" >&2; exit 1; }
   part_mib=${GGUF_PART_MIB:-$(( fit < 48 ? fit : 48 ))}
-  [[ $part_mib =~ ^[1-9][0-9]*$ ]] || {
-    echo "build_carry: GGUF_PART_MIB must be a positive whole number of MiB; got '$part_mib'" >&2; exit 2; }
-  [ $(( tree / 1048576 + part_mib )) -le 64 ] || {
-    echo "build_carry: a part of ${part_mib} MiB and the working tree are over 64 MiB; lower GGUF_PART_MIB" >&2; exit 1; }
-  rm -rf .devcarry_part* .devcarry_split.tmp && mkdir .devcarry_split.tmp
-  split -b "${part_mib}M" -d -a 2 "$SRC" .devcarry_split.tmp/part.
+  [[ $part_mib =~ ^[1-9][0-9]{0,3}$ ]] || {
+    echo "build_carry: GGUF_PART_MIB must be a whole number of MiB from 1 to 9999; got '$part_mib'" >&2; exit 2; }
+  [ $(( tree_mib + part_mib )) -le 64 ] || {
+    echo "build_carry: a part of ${part_mib} MiB and the working tree (${tree_mib} MiB, rounded up) are over a call's 64 MiB; unset GGUF_PART_MIB (the default fits the tree) or lower it" >&2; exit 1; }
+  # split first, then replace the old parts: a failed split leaves them as they were
+  rm -rf .devcarry_split.tmp && mkdir .devcarry_split.tmp
+  split -b "${part_mib}M" -d -a 2 "$SRC" .devcarry_split.tmp/part. || {
+    rm -rf .devcarry_split.tmp; echo "build_carry: split of $SRC failed; the old parts are kept" >&2; exit 1; }
+  rm -rf .devcarry_part*
   n=$(ls .devcarry_split.tmp | wc -l)
   sha=$(sha256sum "$SRC" | cut -d' ' -f1)
   i=0
   for f in .devcarry_split.tmp/part.*; do
     i=$((i + 1)); d=.devcarry_part$i
     mkdir "$d" && mv "$f" "$d/"
-    printf 'name %s\nsha256 %s\nparts %s\n' "$REL" "$sha" "$n" > "$d/manifest"
+    # split: the part size, so that a stash never mixes parts of two splits of one file
+    printf 'name %s\nsha256 %s\nparts %s\nsplit %s\n' "$REL" "$sha" "$n" "$part_mib" > "$d/manifest"
   done
   rmdir .devcarry_split.tmp
   echo "gguf: $SRC in $n parts of at most ${part_mib} MiB: .devcarry_part1 .. .devcarry_part$n (sha256 $sha)"
+  # can the last part travel with a call that carries .devcarry (stashed by gpu_env.sh)?
+  last=$(du -cb ".devcarry_part$n" | tail -1 | cut -f1)
+  if [ -d "$OUT" ]; then
+    with=$(( (tree + last + $(du -cb "$OUT" | tail -1 | cut -f1) + 1048575) / 1048576 ))
+    if [ "$with" -le 64 ]; then
+      echo "gguf: the last part ($(( (last + 1048575) / 1048576 )) MiB) fits beside $OUT and the tree: ${with} MiB of 64; carry it with the first piece"
+    else
+      echo "gguf: the last part ($(( (last + 1048575) / 1048576 )) MiB) does not fit beside $OUT and the tree (${with} MiB of 64); stash it in a call of its own"
+    fi
+  fi
   exit 0
 fi
 [ -x "$PY" ] || { echo "build_carry: no .venv; run bash scripts/setup.sh first" >&2; exit 1; }

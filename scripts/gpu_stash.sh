@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root: keep the file parts this call carries
 # (.devcarry_part*/, made here by `bash scripts/build_carry.sh gguf`) in $TWELL_STASH
-# (/tmp/twell_stash), one folder per split (its SHA256), and once every part of the manifest is
+# (/tmp/twell_stash), one folder per split (the file's SHA256, the part count and size), and once every part of the manifest is
 # there, assemble the file under $TWELL_CACHE (/tmp/twc, where scripts/gpu_env.sh unpacks the
 # cache) and check its SHA256. A file too large for one call's 64 MiB travels in parts over
 # calls made back to back (the machine keeps /tmp only while warm: 30 s after a call).
@@ -13,12 +13,13 @@ STASH=${TWELL_STASH:-/tmp/twell_stash}
 CACHE=${TWELL_CACHE:-/tmp/twc}
 
 field() { awk -v k="$1" '$1 == k {print $2}' "$2"; }
-check_manifest() {  # name, sha256 and parts present and sane
-  local m=$1 name sha parts
+check_manifest() {  # name, sha256, parts and split present and sane
+  local m=$1 name sha parts split
   name=$(field name "$m"); sha=$(field sha256 "$m"); parts=$(field parts "$m")
+  split=$(field split "$m")
   if [ -z "$name" ] || [[ ! $sha =~ ^[0-9a-f]{64}$ ]] || [[ ! $parts =~ ^[1-9][0-9]*$ ]] ||
-     [[ $name == /* || $name == *..* ]]; then
-    echo "gpu_stash: $m is not a manifest of build_carry.sh gguf (name, sha256, parts); rebuild the parts" >&2
+     [[ ! $split =~ ^[1-9][0-9]*$ ]] || [[ $name == /* || $name == *..* ]]; then
+    echo "gpu_stash: $m is not a manifest of build_carry.sh gguf (name, sha256, parts, split); rebuild the parts" >&2
     exit 1
   fi
 }
@@ -27,7 +28,8 @@ mkdir -p "$STASH"
 for d in .devcarry_part*/; do
   [ -d "$d" ] || continue
   check_manifest "${d}manifest"
-  s="$STASH/$(field sha256 "${d}manifest")"
+  # one folder per split: the same file split at another size is another folder, never mixed
+  s="$STASH/$(field sha256 "${d}manifest")-$(field parts "${d}manifest")x$(field split "${d}manifest")"
   for o in "$STASH"/*/; do  # an older split of the same file is dropped: the newest wins
     [ "${o%/}" != "$s" ] && [ -f "${o}manifest" ] &&
       [ "$(field name "${o}manifest")" = "$(field name "${d}manifest")" ] && rm -rf "$o"

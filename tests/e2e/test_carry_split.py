@@ -29,8 +29,9 @@ def _checkout(tmp_path: Path, name: str) -> Path:
 
 
 def _run(cmd, cwd, env, check=True):
-    return subprocess.run(cmd, cwd=cwd, env={**os.environ, **env}, capture_output=True,
-                          text=True, check=check)
+    base = {k: v for k, v in os.environ.items() if k != "GGUF_PART_MIB"}  # the test's own only
+    return subprocess.run(cmd, cwd=cwd, env={**base, **env}, capture_output=True, text=True,
+                          check=check)
 
 
 def test_gguf_travels_in_parts_and_is_assembled_checked(tmp_path):
@@ -138,9 +139,66 @@ def test_the_default_part_size_leaves_room_for_the_working_tree(tmp_path):
              check=False)
     assert r.returncode == 1 and "leaves no room" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not list(full.glob(".devcarry*"))
+    # a size asked for is held to the same 64 MiB, the tree rounded up: 17 MiB + the scripts
+    # (18 rounded up) + 47 is over, + 46 fits
+    repo = _git_checkout(tmp_path, 17)
+    r = _run(["bash", "scripts/build_carry.sh", "gguf"], repo,
+             {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "47"}, check=False)
+    assert r.returncode == 1 and "over a call's 64 MiB" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not list(repo.glob(".devcarry*"))
+    out = _run(["bash", "scripts/build_carry.sh", "gguf"], repo,
+               {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "46"}).stdout
+    assert "in 1 parts of at most 46 MiB" in out
 
 
-@pytest.mark.parametrize("size", ["48M", "1.5", "0", "-1"])
+def test_the_same_file_split_again_at_another_size_is_not_mixed(tmp_path):
+    """Part 1 of a 1 MiB split stashed, then the same file split at 2 MiB (the default size
+    follows the tree): the new parts assemble the file; the old part is not taken for one."""
+    cache = tmp_path / "cache"
+    (cache / REL).parent.mkdir(parents=True)
+    data = os.urandom(3 * 2**20 + 5)
+    (cache / REL).write_bytes(data)
+    here = _checkout(tmp_path, "here")
+    env = {"TWELL_STASH": str(tmp_path / "stash"), "TWELL_CACHE": str(tmp_path / "twc")}
+    _run(["bash", "scripts/build_carry.sh", "gguf"], here,
+         {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "1"})
+    old = _checkout(tmp_path, "old1")
+    shutil.copytree(here / ".devcarry_part1", old / ".devcarry_part1")
+    assert "1 of 4 parts" in _run(["bash", "scripts/gpu_stash.sh"], old, env).stdout
+    _run(["bash", "scripts/build_carry.sh", "gguf"], here,
+         {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "2"})
+    for i in (1, 2):  # one call per part of the new split
+        call = _checkout(tmp_path, f"new{i}")
+        shutil.copytree(here / f".devcarry_part{i}", call / f".devcarry_part{i}")
+        out = _run(["bash", "scripts/gpu_stash.sh"], call, env).stdout
+        if i == 1:
+            assert "1 of 2 parts" in out
+    assert "assembled from 2 parts (sha256 ok)" in out
+    assert (tmp_path / "twc" / REL).read_bytes() == data
+
+
+def test_a_failed_split_keeps_the_old_parts(tmp_path):
+    """split failing (here a stand-in that exits 1) leaves the earlier parts as they were."""
+    cache = tmp_path / "cache"
+    (cache / REL).parent.mkdir(parents=True)
+    (cache / REL).write_bytes(os.urandom(3 * 2**19))
+    here = _checkout(tmp_path, "here")
+    _run(["bash", "scripts/build_carry.sh", "gguf"], here,
+         {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "1"})
+    before = {p: p.read_bytes() for p in here.glob(".devcarry_part*/*")}
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "split").write_text("#!/bin/sh\nexit 1\n")
+    (fake / "split").chmod(0o755)
+    r = _run(["bash", "scripts/build_carry.sh", "gguf"], here,
+             {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "2",
+              "PATH": f"{fake}:{os.environ['PATH']}"}, check=False)
+    assert r.returncode == 1 and "the old parts are kept" in r.stderr
+    assert {p: p.read_bytes() for p in here.glob(".devcarry_part*/*")} == before
+    assert not (here / ".devcarry_split.tmp").exists()
+
+
+@pytest.mark.parametrize("size", ["48M", "1.5", "0", "-1", "10000", "9223372036854775800"])
 def test_a_bad_part_size_is_one_line_and_builds_nothing(tmp_path, size):
     cache = tmp_path / "cache"
     (cache / REL).parent.mkdir(parents=True)
@@ -148,14 +206,15 @@ def test_a_bad_part_size_is_one_line_and_builds_nothing(tmp_path, size):
     here = _checkout(tmp_path, "here")
     r = _run(["bash", "scripts/build_carry.sh", "gguf"], here,
              {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": size}, check=False)
-    assert r.returncode == 2 and "GGUF_PART_MIB must be a positive whole number" in r.stderr
+    assert r.returncode == 2 and "GGUF_PART_MIB must be a whole number of MiB from 1" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not list(here.glob(".devcarry*"))
 
 
-@pytest.mark.parametrize("manifest", ["sha256 " + "a" * 64 + "\nparts 2\n",  # no name
-                                      f"name {REL}\nsha256 {'a' * 64}\n",  # no parts
-                                      f"name ../../etc/x\nsha256 {'a' * 64}\nparts 1\n"])
+@pytest.mark.parametrize("manifest", ["sha256 " + "a" * 64 + "\nparts 2\nsplit 1\n",  # no name
+                                      f"name {REL}\nsha256 {'a' * 64}\nsplit 1\n",  # no parts
+                                      f"name {REL}\nsha256 {'a' * 64}\nparts 1\n",  # no split
+                                      f"name ../../etc/x\nsha256 {'a' * 64}\nparts 1\nsplit 1\n"])
 def test_a_bad_manifest_is_refused(tmp_path, manifest):
     here = _checkout(tmp_path, "here")
     (here / ".devcarry_part1").mkdir()
