@@ -34,12 +34,17 @@ def _run(cmd, cwd, env, check=True):
                           check=check)
 
 
-def test_gguf_travels_in_parts_and_is_assembled_checked(tmp_path):
+def _cache(tmp_path: Path, data: bytes) -> Path:
+    """A $TWELL_CACHE holding ``data`` as the GGUF."""
     cache = tmp_path / "cache"
-    src = cache / REL
-    src.parent.mkdir(parents=True)
+    (cache / REL).parent.mkdir(parents=True, exist_ok=True)
+    (cache / REL).write_bytes(data)
+    return cache
+
+
+def test_gguf_travels_in_parts_and_is_assembled_checked(tmp_path):
     data = os.urandom(5 * 2**19)  # 2.5 MiB: parts of 1, 1 and 0.5 MiB
-    src.write_bytes(data)
+    cache = _cache(tmp_path, data)
     here = _checkout(tmp_path, "here")
     out = _run(["bash", "scripts/build_carry.sh", "gguf"], here,
                {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "1"}).stdout
@@ -63,9 +68,7 @@ def test_gguf_travels_in_parts_and_is_assembled_checked(tmp_path):
 
 
 def test_a_corrupt_part_is_refused_and_nothing_is_left(tmp_path):
-    cache = tmp_path / "cache"
-    (cache / REL).parent.mkdir(parents=True)
-    (cache / REL).write_bytes(os.urandom(3 * 2**19))
+    cache = _cache(tmp_path, os.urandom(3 * 2**19))
     here = _checkout(tmp_path, "here")
     _run(["bash", "scripts/build_carry.sh", "gguf"], here,
          {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "1"})
@@ -91,11 +94,9 @@ def test_no_gguf_in_the_cache_is_one_line_naming_the_fix(tmp_path):
 def test_a_new_split_is_not_mixed_with_an_older_one(tmp_path):
     """Parts of an earlier split (3 parts of 1 MiB) still in the stash do not join the parts of
     a new split of another file (2 parts of 2 MiB): each split keeps its own folder."""
-    cache = tmp_path / "cache"
-    (cache / REL).parent.mkdir(parents=True)
+    cache = _cache(tmp_path, os.urandom(5 * 2**19))
     here = _checkout(tmp_path, "here")
     env = {"TWELL_STASH": str(tmp_path / "stash"), "TWELL_CACHE": str(tmp_path / "twc")}
-    (cache / REL).write_bytes(os.urandom(5 * 2**19))
     _run(["bash", "scripts/build_carry.sh", "gguf"], here,
          {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "1"})
     _run(["bash", "scripts/gpu_stash.sh"], here, env)  # all 3 old parts: assembled
@@ -127,9 +128,7 @@ def test_the_default_part_size_leaves_room_for_the_working_tree(tmp_path):
     """48 MiB parts by default, less where the tracked files leave less of a call's 64 MiB,
     2 MiB spare (20 MiB tracked, rounded up: 62 - 21 = 41); a tree leaving none is refused in
     one line."""
-    cache = tmp_path / "cache"
-    (cache / REL).parent.mkdir(parents=True)
-    (cache / REL).write_bytes(b"x" * 100)
+    cache = _cache(tmp_path, b"x" * 100)
     for tracked, part in ((0, 48), (20, 41)):
         out = _run(["bash", "scripts/build_carry.sh", "gguf"], _git_checkout(tmp_path, tracked),
                    {"TWELL_CACHE": str(cache)}).stdout
@@ -154,10 +153,8 @@ def test_the_default_part_size_leaves_room_for_the_working_tree(tmp_path):
 def test_the_same_file_split_again_at_another_size_is_not_mixed(tmp_path):
     """Part 1 of a 1 MiB split stashed, then the same file split at 2 MiB (the default size
     follows the tree): the new parts assemble the file; the old part is not taken for one."""
-    cache = tmp_path / "cache"
-    (cache / REL).parent.mkdir(parents=True)
     data = os.urandom(3 * 2**20 + 5)
-    (cache / REL).write_bytes(data)
+    cache = _cache(tmp_path, data)
     here = _checkout(tmp_path, "here")
     env = {"TWELL_STASH": str(tmp_path / "stash"), "TWELL_CACHE": str(tmp_path / "twc")}
     _run(["bash", "scripts/build_carry.sh", "gguf"], here,
@@ -179,9 +176,7 @@ def test_the_same_file_split_again_at_another_size_is_not_mixed(tmp_path):
 
 def test_a_failed_split_keeps_the_old_parts(tmp_path):
     """split failing (here a stand-in that exits 1) leaves the earlier parts as they were."""
-    cache = tmp_path / "cache"
-    (cache / REL).parent.mkdir(parents=True)
-    (cache / REL).write_bytes(os.urandom(3 * 2**19))
+    cache = _cache(tmp_path, os.urandom(3 * 2**19))
     here = _checkout(tmp_path, "here")
     _run(["bash", "scripts/build_carry.sh", "gguf"], here,
          {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "1"})
@@ -200,9 +195,7 @@ def test_a_failed_split_keeps_the_old_parts(tmp_path):
 
 @pytest.mark.parametrize("size", ["48M", "1.5", "0", "-1", "10000", "9223372036854775800"])
 def test_a_bad_part_size_is_one_line_and_builds_nothing(tmp_path, size):
-    cache = tmp_path / "cache"
-    (cache / REL).parent.mkdir(parents=True)
-    (cache / REL).write_bytes(b"x" * 100)
+    cache = _cache(tmp_path, b"x" * 100)
     here = _checkout(tmp_path, "here")
     r = _run(["bash", "scripts/build_carry.sh", "gguf"], here,
              {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": size}, check=False)
