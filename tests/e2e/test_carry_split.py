@@ -83,17 +83,19 @@ def test_a_corrupt_part_is_refused_and_nothing_is_left(tmp_path):
     assert not (tmp_path / "twc" / (REL + ".tmp")).exists()
 
 
-def test_no_gguf_in_the_cache_is_one_line_naming_the_fix(tmp_path):
+@pytest.mark.parametrize("empty_file", [False, True])
+def test_no_gguf_in_the_cache_is_one_line_naming_the_fix(tmp_path, empty_file):
     here = _checkout(tmp_path, "here")
-    r = _run(["bash", "scripts/build_carry.sh", "gguf"], here,
-             {"TWELL_CACHE": str(tmp_path / "empty")}, check=False)
+    cache = _cache(tmp_path, b"") if empty_file else tmp_path / "empty"
+    r = _run(["bash", "scripts/build_carry.sh", "gguf"], here, {"TWELL_CACHE": str(cache)},
+             check=False)
     assert r.returncode == 1 and "twell-data build" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_a_new_split_is_not_mixed_with_an_older_one(tmp_path):
     """Parts of an earlier split (3 parts of 1 MiB) still in the stash do not join the parts of
-    a new split of another file (2 parts of 2 MiB): each split keeps its own folder."""
+    a new split of another file (2 parts of 2 MiB): the older split's folder is dropped."""
     cache = _cache(tmp_path, os.urandom(5 * 2**19))
     here = _checkout(tmp_path, "here")
     env = {"TWELL_STASH": str(tmp_path / "stash"), "TWELL_CACHE": str(tmp_path / "twc")}
@@ -151,16 +153,18 @@ def test_the_default_part_size_leaves_room_for_the_working_tree(tmp_path):
 
 
 def test_the_same_file_split_again_at_another_size_is_not_mixed(tmp_path):
-    """Part 1 of a 1 MiB split stashed, then the same file split at 2 MiB (the default size
-    follows the tree): the new parts assemble the file; the old part is not taken for one."""
+    """Part 2 of a 1 MiB split stashed, then the same file split at 2 MiB (as when the default
+    size follows a grown tree): the new part 1 is not paired with the old part 2 (both named
+    part.01 / part.00 of one file: keyed by the file alone they would assemble a wrong file);
+    the new parts assemble the file."""
     data = os.urandom(3 * 2**20 + 5)
     cache = _cache(tmp_path, data)
     here = _checkout(tmp_path, "here")
     env = {"TWELL_STASH": str(tmp_path / "stash"), "TWELL_CACHE": str(tmp_path / "twc")}
     _run(["bash", "scripts/build_carry.sh", "gguf"], here,
          {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "1"})
-    old = _checkout(tmp_path, "old1")
-    shutil.copytree(here / ".devcarry_part1", old / ".devcarry_part1")
+    old = _checkout(tmp_path, "old2")
+    shutil.copytree(here / ".devcarry_part2", old / ".devcarry_part2")
     assert "1 of 4 parts" in _run(["bash", "scripts/gpu_stash.sh"], old, env).stdout
     _run(["bash", "scripts/build_carry.sh", "gguf"], here,
          {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "2"})
@@ -169,9 +173,48 @@ def test_the_same_file_split_again_at_another_size_is_not_mixed(tmp_path):
         shutil.copytree(here / f".devcarry_part{i}", call / f".devcarry_part{i}")
         out = _run(["bash", "scripts/gpu_stash.sh"], call, env).stdout
         if i == 1:
-            assert "1 of 2 parts" in out
+            assert "dropped another split" in out and "1 of 2 parts" in out
     assert "assembled from 2 parts (sha256 ok)" in out
     assert (tmp_path / "twc" / REL).read_bytes() == data
+
+
+def test_a_stash_of_an_older_script_is_dropped_not_fatal(tmp_path):
+    """A stash folder whose manifest has no split (an older gpu_stash.sh's, on a warm machine)
+    is dropped with one line; the call goes on (exit 0) and the assembled file stays."""
+    data = os.urandom(2**19)
+    cache = _cache(tmp_path, data)
+    here = _checkout(tmp_path, "here")
+    env = {"TWELL_STASH": str(tmp_path / "stash"), "TWELL_CACHE": str(tmp_path / "twc")}
+    _run(["bash", "scripts/build_carry.sh", "gguf"], here,
+         {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "1"})
+    assert "assembled from 1 parts" in _run(["bash", "scripts/gpu_stash.sh"], here, env).stdout
+    stale = tmp_path / "stash" / hashlib.sha256(data).hexdigest()
+    stale.mkdir()
+    (stale / "manifest").write_text(f"name {REL}\nsha256 {hashlib.sha256(data).hexdigest()}\n"
+                                    "parts 1\n")
+    bare = _checkout(tmp_path, "bare")  # a later call carrying no part
+    out = _run(["bash", "scripts/gpu_stash.sh"], bare, env).stdout
+    assert f"dropped {stale}/" in out and "in place" in out and not stale.exists()
+    assert (tmp_path / "twc" / REL).read_bytes() == data
+
+
+@pytest.mark.parametrize("devcarry_mib, verdict", [(None, "no .devcarry yet"), (30, "fits beside"),
+                                                   (62, "does not fit beside")])
+def test_the_last_part_is_said_to_fit_beside_devcarry_or_not(tmp_path, devcarry_mib, verdict):
+    """2.5 MiB in 1 MiB parts, no git (the tree counts 0): the last part (0.5 MiB, shown as 1)
+    beside a .devcarry of 30 MiB fits the 62 (64 less 2 spare), of 62 MiB it does not."""
+    cache = _cache(tmp_path, os.urandom(5 * 2**19))
+    here = _checkout(tmp_path, "here")
+    if devcarry_mib is not None:
+        (here / ".devcarry").mkdir()
+        with open(here / ".devcarry" / "cache.tar.xz", "wb") as f:
+            f.truncate(devcarry_mib * 2**20)  # du -b counts the apparent size
+    out = _run(["bash", "scripts/build_carry.sh", "gguf"], here,
+               {"TWELL_CACHE": str(cache), "GGUF_PART_MIB": "1"}).stdout
+    line = out.strip().splitlines()[-1]
+    assert verdict in line
+    if devcarry_mib is not None:
+        assert line.startswith("gguf: the last part (1 MiB)")
 
 
 def test_a_failed_split_keeps_the_old_parts(tmp_path):
