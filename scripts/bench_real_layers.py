@@ -20,8 +20,9 @@ and training (forward + backward with the L1 term: ``torch``, ``ell``, ``ell_nos
 ``ell_graph`` (``ell_nosync`` in one CUDA graph; CUDA only, skipped with the reason on the
 CPU), ``ell_hot``), ``auto`` (training: ``twell.ops.ffn_train_auto.AutoFFNTrain``, which
 times those variants on the case before the check and runs the fastest; its choice and medians
-printed) and ``paper`` (ops and method: ``studies.kernel_bench.real_layers``). The timing runs in ``--rounds`` interleaved rounds (every
-op once per round, the op order rotated each round): an op's ``ms`` is the median over rounds,
+printed) and ``paper`` (ops and method: ``studies.kernel_bench.real_layers``). The timing runs
+in ``--rounds`` interleaved rounds (every op once per round, the op order rotated each round):
+an op's ``ms`` is the median over rounds,
 ``spread_pct`` (max - min) / median over rounds in %. Writes ``real_layers.csv`` and ``iid.csv``
 (columns ``real_layers.COLUMNS``, ``spread_pct`` last) under ``--out`` (default
 outputs/kernel_bench) after every case and prints a short table last (each ratio with its op's

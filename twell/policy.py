@@ -172,8 +172,8 @@ class FFNPolicy:
     """Inference ``auto``, measured: a sparse path (TwELL, or the hybrid ELL forward when its
     median is below ``(1 - margin)`` x TwELL's: its host launches take about its GPU time,
     which its CUDA-event time does not show) is taken only when its median is below
-    ``(1 - margin)`` x dense's, so a tie goes to dense (the target floor for ``auto`` is 0.98x of dense; a smaller win is within
-    the noise of three timed calls). The name is older than the ELL candidate."""
+    ``(1 - margin)`` x dense's, so a tie goes to dense (the target floor for ``auto`` is 0.98x
+    of dense; a smaller win is within the noise of three timed calls). The name is older than the ELL candidate."""
     infer_remeasure_factor: float = 1.5
     """Inference ``auto``, measured: a bucket's choice is timed again when the layer's measured
     density has moved by more than this factor since the choice (TwELL's time grows with the

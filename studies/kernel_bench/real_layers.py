@@ -9,8 +9,8 @@ Cases (``studies.kernel_bench.cases``): recorded layers (``twell.nn.record`` fil
 1. statistics (density, L0 mean / max, heavy rows above the ELL capacity), the hot set from the
    case's own per-unit counts (``twell.ops.hot_units``), the no-sync backup capacities from a
    measuring call (``backup_capacity_for``, with and without the hot set);
-2. a CHECK of every op against fp32 (``twell.ops.reference`` through ``common``; relative Frobenius error of y, and of dx, dWg, dWu, dWd
-   for training, whose loss is ``sum(y dy) + c l1``, c = 0.2 N); an op of ours more than 3x
+2. a CHECK of every op against fp32 (``twell.ops.reference`` through ``common``; relative
+   Frobenius error of y, and of dx, dWg, dWu, dWd for training, whose loss is ``sum(y dy) + c l1``, c = 0.2 N); an op of ours more than 3x
    the dense bf16 path's error (+ 5e-3) stops the benchmark (:class:`CheckFailed`); the
    paper's op is reported, not stopped on (its known overflow drops); an op with an eager twin
    (:data:`TWINS`: ``ell_graph`` and ``ell_nosync``) is also held to that bound against the
@@ -502,7 +502,8 @@ def run_case(case: Case, policy: FFNPolicy, timer, paper=None, kinds=KINDS, *,
         rows.append({"size": case.size, "layer": case.layer, **case.stats, "op": op,
                      "kind": kind, "ms": round(t, 4),
                      "speedup_vs_dense": round(base / t, 3),
-                     "rel_err": float(f"{err:.3e}"), "spread_pct": "" if spread is None else round(spread, 1),
+                     "rel_err": float(f"{err:.3e}"),
+                     "spread_pct": "" if spread is None else round(spread, 1),
                      "within_bound": ok})
     return rows
 

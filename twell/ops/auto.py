@@ -9,9 +9,9 @@ The candidates (:data:`PATHS`, a call may restrict them: :func:`candidates`):
   rows, dense backup of the heavy rows; arXiv 2603.23198, hybrid ELL layout). Gated FFNs only,
   and only with ``policy.infer_ell``: its first call of a bucket synchronises the host (the
   heavy-row count sizes its dense backup), later ones run the op's exact no-sync mode with a
-  capacity from the recorded counts (``twell.ops.ffn._ell``). Its no-sync forward beat TwELL on two of three recorded
-  layers of a 2B model and on i.i.d. rows at 0.3-3 % (one H200, M 16384; BENCHMARKS.md,
-  "Seventh session of 2026-12-06"), markedly on the densest layer (3 %: 1.11x of dense where
+  capacity from the recorded counts (``twell.ops.ffn._ell``). Its no-sync forward beat TwELL
+  on two of three recorded layers of a 2B model and on i.i.d. rows at 0.3-3 % (one H200,
+  M 16384; BENCHMARKS.md, "Seventh session of 2026-12-06"), markedly on the densest layer (3 %: 1.11x of dense where
   TwELL ran 0.34x), and lost 1.76x to 1.79x at 0.24 %.
 * ``"dense"``: cuBLAS.
 
@@ -28,8 +28,8 @@ candidate, TwELL, or ELL when its median is below TwELL's by more than
 ``policy.infer_twell_margin`` (ELL's host issues ~0.85-0.96 ms of launches a call on an H200,
 about its GPU time: host time that its CUDA-event time does not show), if it is faster than
 dense's median by more than that margin (so ``auto`` is never slower than dense beyond the
-timing noise), else dense. The bucket is timed again when the layer's measured density moves by more than ``policy.infer_remeasure_factor``
-from the density at the choice, and decided again when a call's candidates differ from those
+timing noise), else dense. The bucket is timed again when the layer's measured density moves
+by more than ``policy.infer_remeasure_factor`` from the density at the choice, and decided again when a call's candidates differ from those
 it was decided among (a policy change: the times of the candidates still offered are kept,
 unless the density has moved as above since the choice: then every candidate is timed again).
 
