@@ -530,10 +530,8 @@ def _depth_trend_targets(rs: list[dict], l1: float, tag: str,
     else:
         ups = [f"{_layers(a)} -> {_layers(b)}" for a, b in pairwise(rs)
                if not b["l0_mean"] < a["l0_mean"]]
-        verdict = "met" if not ups else f"not met ({', '.join(ups)} does not fall)"
-        missing = [str(d) for d in PAPER_DEPTHS if d not in {r["layers"] for r in rs}]
-        if missing and not ups:
-            verdict += f" for the depths run (missing {', '.join(missing)} L)"
+        verdict = ("met" + _depths_run_text(rs) if not ups
+                   else f"not met ({', '.join(ups)} does not fall)")
         if late:
             verdict = (f"not judged: {', '.join(late)} not settled (as measured: {verdict})"
                        + _settled_later(late_rows, rows))
@@ -585,14 +583,19 @@ def _accuracy_target(rs: list[dict], l1: float, weak: bool, tag: str) -> dict:
     elif missing:
         verdict = f"incomplete (no dense control or evals at {', '.join(missing)})"
     else:
-        # "at every depth": a depth not run at this L1 and step count is named, as in the trend
-        absent = [str(d) for d in PAPER_DEPTHS if d not in {r["layers"] for r in rs}]
-        verdict = "met" + (f" for the depths run (missing {', '.join(absent)} L)" if absent else "")
+        verdict = "met" + _depths_run_text(rs)  # "at every depth": name those not run
     return {"target": (f"{'weaker' if weak else 'stronger'} L1 {l1_text(l1)} against dense: "
                        f"val loss within 2 %, seven-task mean within 1 point{tag}"),
             "measured": "; ".join(parts) or "no rows",
             "paper": "mean accuracy dense -> sparse within 0.3 points at every size",
             "verdict": verdict}
+
+
+def _depths_run_text(rs: list[dict]) -> str:
+    """`` for the depths run (missing 18, 28 L)``: the paper's depths that ``rs`` (one L1 and
+    step count) lacks, for a verdict met only on the others; "" when none."""
+    missing = [str(d) for d in PAPER_DEPTHS if d not in {r["layers"] for r in rs}]
+    return f" for the depths run (missing {', '.join(missing)} L)" if missing else ""
 
 
 def _at_steps(r: dict, tag: str) -> str:

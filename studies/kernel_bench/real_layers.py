@@ -10,8 +10,9 @@ Cases (``studies.kernel_bench.cases``): recorded layers (``twell.nn.record`` fil
    case's own per-unit counts (``twell.ops.hot_units``), the no-sync backup capacities from a
    measuring call (``backup_capacity_for``, with and without the hot set);
 2. a CHECK of every op against fp32 (``twell.ops.reference`` through ``common``; relative
-   Frobenius error of y, and of dx, dWg, dWu, dWd for training, whose loss is ``sum(y dy) + c l1``, c = 0.2 N); an op of ours more than 3x
-   the dense bf16 path's error (+ 5e-3) stops the benchmark (:class:`CheckFailed`); the
+   Frobenius error of y, and of dx, dWg, dWu, dWd for training, whose loss is
+   ``sum(y dy) + c l1``, c = 0.2 N); an op of ours more than 3x the dense bf16 path's error
+   (+ 5e-3) stops the benchmark (:class:`CheckFailed`); the
    paper's op is reported, not stopped on (its known overflow drops); an op with an eager twin
    (:data:`TWINS`: ``ell_graph`` and ``ell_nosync``) is also held to that bound against the
    twin's outputs and L1 term, and an op's capacity guard (``ell_graph``'s) is read after its
