@@ -47,8 +47,8 @@ if [ "$PART" = gguf ]; then
   [ -s "$SRC" ] || { echo "build_carry: no $SRC (or it is empty); run 'twell-data build' (it extracts the GGUF)" >&2; exit 1; }
   tree=$(tree_bytes)
   # default: 48 MiB, or less where the working tree (which every call carries too) leaves less
-  # of the 64, with 2 MiB to spare for the files a session adds before its calls (at 17.2 MiB
-  # of tracked files, rounded up to 18: 44, so three parts of the 98 MB file instead of two)
+  # of the 64, with 2 MiB to spare for the files a session adds before its calls (e.g. 18 MiB
+  # of tracked files, rounded up, give 44: three parts of the 98 MB file instead of two)
   tree_mib=$(( (tree + 1048575) / 1048576 ))
   fit=$(( 62 - tree_mib ))
   [ -n "${GGUF_PART_MIB:-}" ] || [ "$fit" -ge 1 ] || {
@@ -62,7 +62,7 @@ if [ "$PART" = gguf ]; then
   trap 'rm -rf .devcarry_split.tmp' EXIT
   rm -rf .devcarry_split.tmp && mkdir .devcarry_split.tmp
   split -b "${part_mib}M" -d -a 2 "$SRC" .devcarry_split.tmp/part. || {
-    rm -rf .devcarry_split.tmp; echo "build_carry: split of $SRC failed; the old parts are kept" >&2; exit 1; }
+    echo "build_carry: split of $SRC failed; the old parts are kept" >&2; exit 1; }  # trap: tmp
   rm -rf .devcarry_part*
   n=$(ls .devcarry_split.tmp | wc -l)
   sha=$(sha256sum "$SRC" | cut -d' ' -f1)
@@ -73,7 +73,6 @@ if [ "$PART" = gguf ]; then
     # split: the part size, so that a stash never mixes parts of two splits of one file
     printf 'name %s\nsha256 %s\nparts %s\nsplit %s\n' "$REL" "$sha" "$n" "$part_mib" > "$d/manifest"
   done
-  rmdir .devcarry_split.tmp
   echo "gguf: $SRC in $n parts of at most ${part_mib} MiB: .devcarry_part1 .. .devcarry_part$n (sha256 $sha)"
   # can the last part travel with a call that carries .devcarry (stashed by gpu_env.sh)? With
   # the same 2 MiB spare as the default part size
