@@ -525,3 +525,18 @@ def test_floor_only_names_rows_the_five_percent_rule_alone_would_not_settle():
     assert t["verdict"] == "met with the 0.5-unit floor; by per-layer < 5 % alone: not met"
     assert t["measured"].endswith("b (6.4 %)")
     assert _settled_target(rows[:1], "")["verdict"] == "met"
+
+
+def test_an_unsettled_reinit_row_alone_is_named_apart_from_the_plain_rows():
+    plain = {"run": "a", "settled": True, "settle_floor_only": False, "settle_change_pct": 1.0}
+    floor = {"run": "b", "settled": True, "settle_floor_only": True, "settle_change_pct": 6.4}
+    late = {"run": "c", "settled": False, "settle_change_pct": 27.3}
+    re = dict(late, run="c_reinit", reinit=True)
+    t = _settled_target([plain, re], "")
+    assert t["verdict"] == ("met for the plain rows; not for the re-init row (re-initialised "
+                            "after every step; its L0 not judged)")
+    assert t["measured"] == "1 of 2 settled; not: c_reinit (27.3 %)"
+    assert _settled_target([plain, floor, re, dict(re, run="d")], "")["verdict"].startswith(
+        "met for the plain rows (with the 0.5-unit floor); not for the re-init rows (")
+    # an unsettled plain row beside it: not met, whatever the re-init row
+    assert _settled_target([plain, late, re], "")["verdict"] == "not met"
