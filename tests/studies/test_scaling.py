@@ -534,9 +534,16 @@ def test_an_unsettled_reinit_row_alone_is_named_apart_from_the_plain_rows():
     re = dict(late, run="c_reinit", reinit=True)
     t = _settled_target([plain, re], "")
     assert t["verdict"] == ("met for the plain rows; not for the re-init row (re-initialised "
-                            "after every step; its L0 not judged)")
+                            "after every dead window; its L0 not judged)")
     assert t["measured"] == "1 of 2 settled; not: c_reinit (27.3 %)"
     assert _settled_target([plain, floor, re, dict(re, run="d")], "")["verdict"].startswith(
         "met for the plain rows (with the 0.5-unit floor); not for the re-init rows (")
+    # the floor named only when a plain row needed it, not a re-init row
+    assert _settled_target([plain, dict(floor, reinit=True), re], "")["verdict"].startswith(
+        "met for the plain rows; not for the re-init row (")
     # an unsettled plain row beside it: not met, whatever the re-init row
     assert _settled_target([plain, late, re], "")["verdict"] == "not met"
+    # no settle check (None): its L0 is judged by the re-init target, so no "not judged" here
+    assert _settled_target([plain, dict(re, settled=None)], "")["verdict"] == "not met"
+    # no plain row at all: nothing to call met
+    assert _settled_target([re], "")["verdict"] == "not met"
