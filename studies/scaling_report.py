@@ -464,8 +464,9 @@ def _settled_target(rs_all: list[dict], tag: str) -> dict:
     re-initialised after every dead window (1 M tokens, arXiv 2603.23198's step), so revived
     units keep moving its L0 until training ends and it may never settle; its L0 is then not
     judged (:func:`_reinit_targets`), which is what the issue's "settled before its L0 is
-    compared" asks. Such rows alone, beside at least one plain row, all settled, give "met for
-    the plain rows", not "met"; the floor is named there only when a plain row needed it."""
+    compared" asks. When the unsettled rows are all such re-init rows and the step count has a
+    plain row, the verdict is "met for the plain rows", not "met"; the 0.5-unit floor is named
+    there only when a plain row needed it."""
     unsettled = [r for r in rs_all if r["settled"] is not True]
     floor = [r for r in rs_all if r["settled"] is True and r.get("settle_floor_only")]
     verdict = "met" if not unsettled else "not met"
