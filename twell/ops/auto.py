@@ -11,8 +11,8 @@ The candidates (:data:`PATHS`, a call may restrict them: :func:`candidates`):
   heavy-row count sizes its dense backup), later ones run the op's exact no-sync mode with a
   capacity from the recorded counts (``twell.ops.ffn._ell``). Its no-sync forward beat TwELL
   on two of three recorded layers of a 2B model and on i.i.d. rows at 0.3-3 % (one H200,
-  M 16384; BENCHMARKS.md, "Seventh session of 2026-12-06"), markedly on the densest layer (3 %: 1.11x of dense where
-  TwELL ran 0.34x), and lost 1.76x to 1.79x at 0.24 %.
+  M 16384; BENCHMARKS.md, "Seventh session of 2026-12-06"), markedly on the densest layer
+  (3 %: 1.11x of dense where TwELL ran 0.34x), and lost 1.76x to 1.79x at 0.24 %.
 * ``"dense"``: cuBLAS.
 
 Per layer (one :class:`MeasuredChoice` in each ``twell.ops.ffn.TwELLState``) and per row-count
@@ -20,8 +20,8 @@ bucket (token rows in ``[2^(b-1), 2^b)``), the layer's first real calls alternat
 candidates: untimed warm-up calls (:data:`WARMUP_CALLS`: one each, two for ``"ell"``, whose
 first call measures its heavy-row count and whose second is the first of its no-sync mode; their
 times include Triton's compilation and that mode switch), then ``policy.infer_timed_calls``
-timed calls each. Times are read without blocking (CUDA events
-polled on later calls), so measuring adds no host synchronisation of its own; until every timed
+timed calls each. Times are read without blocking (CUDA events polled on later calls), so
+measuring adds no host synchronisation of its own; until every timed
 call has landed, the density rule (:meth:`twell.policy.FFNPolicy.infer_dense`) picks TwELL or
 dense (never ``ell``: it is only ever chosen by measurement). The bucket then keeps the sparse
 candidate, TwELL, or ELL when its median is below TwELL's by more than
@@ -29,9 +29,10 @@ candidate, TwELL, or ELL when its median is below TwELL's by more than
 about its GPU time: host time that its CUDA-event time does not show), if it is faster than
 dense's median by more than that margin (so ``auto`` is never slower than dense beyond the
 timing noise), else dense. The bucket is timed again when the layer's measured density moves
-by more than ``policy.infer_remeasure_factor`` from the density at the choice, and decided again when a call's candidates differ from those
-it was decided among (a policy change: the times of the candidates still offered are kept,
-unless the density has moved as above since the choice: then every candidate is timed again).
+by more than ``policy.infer_remeasure_factor`` from the density at the choice, and decided
+again when a call's candidates differ from those it was decided among (a policy change: the
+times of the candidates still offered are kept, unless the density has moved as above since
+the choice: then every candidate is timed again).
 
 Every path is exact, so the calls that measure return correct results; the cost of measuring
 is the slower paths' time on a few calls per layer and bucket.
