@@ -173,7 +173,8 @@ class FFNPolicy:
     median is below ``(1 - margin)`` x TwELL's: its host launches take about its GPU time,
     which its CUDA-event time does not show) is taken only when its median is below
     ``(1 - margin)`` x dense's, so a tie goes to dense (the target floor for ``auto`` is 0.98x
-    of dense; a smaller win is within the noise of three timed calls). The name is older than the ELL candidate."""
+    of dense; a smaller win is within the noise of three timed calls). The name is older than
+    the ELL candidate."""
     infer_remeasure_factor: float = 1.5
     """Inference ``auto``, measured: a bucket's choice is timed again when the layer's measured
     density has moved by more than this factor since the choice (TwELL's time grows with the
@@ -188,8 +189,8 @@ class FFNPolicy:
             if not (isinstance(v, (int, float)) and 0.0 <= v <= 1.0):
                 raise PolicyValueError(name, "must be a fraction in [0, 1]", v,
                                        "<a fraction in [0, 1]>")
-        if not (isinstance(self.infer_min_flops, (int, float)) and math.isfinite(self.infer_min_flops)
-                and self.infer_min_flops >= 0):
+        mf = self.infer_min_flops
+        if not (isinstance(mf, (int, float)) and math.isfinite(mf) and mf >= 0):
             raise PolicyValueError("infer_min_flops", "must be a finite number >= 0",
                                    self.infer_min_flops, "<a number >= 0>")
         for name in ("infer_min_rows", "ell_capacity", "max_hot_units", "infer_long_rows",
@@ -232,8 +233,8 @@ class FFNPolicy:
             try:
                 kw[f.name] = typ(env[var])
             except ValueError:
-                raise ValueError(f"{var}={env[var]!r} is not a{'n integer' if typ is int else ' number'}"
-                                 f" (FFNPolicy.{f.name})") from None
+                kind = "an integer" if typ is int else "a number"
+                raise ValueError(f"{var}={env[var]!r} is not {kind} (FFNPolicy.{f.name})") from None
         return dataclasses.replace(base, **kw)
 
     def train_path(self, density: float, heavy_fraction: float = 0.0) -> str:

@@ -37,8 +37,16 @@ def test_from_env_applies_only_the_named_overrides_when_called():
     assert p.ell_capacity == 32 and p.infer_min_flops == base.infer_min_flops
     assert base.infer_min_rows == 8192  # the base is not modified
     assert FFNPolicy.from_env(environ={}) == FFNPolicy()
-    with pytest.raises(ValueError, match="TWELL_AUTO_MIN_ROWS"):
+    with pytest.raises(ValueError, match=r"^TWELL_AUTO_MIN_ROWS='many' is not an integer "
+                                         r"\(FFNPolicy.infer_min_rows\)$"):
         FFNPolicy.from_env(environ={"TWELL_AUTO_MIN_ROWS": "many"})
+    with pytest.raises(ValueError, match=r"^TWELL_AUTO_DENSITY='x' is not a number "
+                                         r"\(FFNPolicy.infer_density_threshold\)$"):
+        FFNPolicy.from_env(environ={"TWELL_AUTO_DENSITY": "x"})
+    for bad in (-1.0, float("inf"), float("nan"), "8"):
+        with pytest.raises(ValueError, match="FFNPolicy.infer_min_flops must be a finite"):
+            FFNPolicy(infer_min_flops=bad)
+    assert FFNPolicy(infer_min_flops=0).infer_min_flops == 0
     with pytest.raises(ValueError, match="FFNPolicy.train_density_threshold"):
         FFNPolicy.from_env(environ={"TWELL_TRAIN_AUTO_DENSITY": "2"})
     assert set(ENV_OVERRIDES.values()) == {"TWELL_AUTO_DENSITY", "TWELL_AUTO_MIN_ROWS",
