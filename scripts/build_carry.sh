@@ -77,7 +77,7 @@ if [ "$PART" = gguf ]; then
   # can the last part travel with a call that carries .devcarry (stashed by gpu_env.sh)? With
   # the same 2 MiB spare as the default part size
   last=$(du -cb ".devcarry_part$n" | tail -1 | cut -f1)
-  last_mib=$(( ($(stat -c %s ".devcarry_part$n"/part.*) + 1048575) / 1048576 ))
+  last_mib=$(( (last + 1048575) / 1048576 ))  # the folder, manifest included: what travels
   if [ -d "$OUT" ]; then
     with=$(( (tree + last + $(du -cb "$OUT" | tail -1 | cut -f1) + 1048575) / 1048576 ))
     if [ "$with" -le 62 ]; then
