@@ -130,6 +130,8 @@ if [ "$PART" != wheels ]; then
   tar -cf - -C "$CACHE" "${dirs[@]}" | xz -6 -T0 > "$OUT/cache.tar.xz.tmp"
   mv "$OUT/cache.tar.xz.tmp" "$OUT/cache.tar.xz"
   echo "cache: ${dirs[*]} from $CACHE"
+  # the depth and relufy calls score the seven tasks on the device and stop at once without them
+  [ -d "$CACHE/evals" ] || echo "cache: no eval sets carried (the depth-series and relufy calls need them): python scripts/scaling_study.py --prepare-evals, then bash scripts/build_carry.sh cache"
 fi
 
 tree=$(tree_bytes)
