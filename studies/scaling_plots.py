@@ -82,10 +82,17 @@ def _log_axis(ax, values, axis: str = "y") -> None:
     a.set_minor_formatter(fmt if pos and max(pos) < 10 * min(pos) else NullFormatter())
 
 
-def _panels(n: int, width: float = 5.0, height: float = 3.8):
+def _panels(n: int, width: float = 5.0, height: float = 3.8, cols: int = 4):
+    """``n`` panels in rows of at most ``cols`` (eight in one row are unreadable at page
+    width); the grid's unused cells hidden."""
     plt = _plt()
-    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
-    return plt, fig, list(axes[0])
+    c = min(n, cols)
+    rows = -(-n // c)
+    fig, axes = plt.subplots(rows, c, figsize=(width * c, height * rows), squeeze=False)
+    flat = [a for row in axes for a in row]
+    for a in flat[n:]:
+        a.set_visible(False)
+    return plt, fig, flat[:n]
 
 
 def _save(plt, fig, path: Path) -> Path:
