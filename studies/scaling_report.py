@@ -602,7 +602,7 @@ def _accuracy_target(rs: list[dict], l1: float, weak: bool, tag: str) -> dict:
     else:
         verdict = "met" + _depths_run_text(rs)  # "at every depth": name those not run
     return {"target": (f"{'weaker' if weak else 'stronger'} L1 {l1_text(l1)} against dense: "
-                       f"val loss within 2 %, seven-task mean within 1 point{tag}"),
+                       f"val loss at most 2 % above, seven-task mean at most 1 point below{tag}"),
             "measured": "; ".join(parts) or "no rows",
             "paper": "mean accuracy dense -> sparse within 0.3 points at every size",
             "verdict": verdict}
@@ -656,8 +656,10 @@ def _reinit_targets(rows: list[dict]) -> list[dict]:
             if not vb - va <= REINIT_VAL_TOL + eps:
                 fails.append(f"val loss {vb - va:+.3f}")
             verdict = "met" if not fails else "not reproduced (" + "; ".join(fails) + ")"
-            if late:
-                verdict = (f"L0 not judged: {', '.join(late)} ({l0_change} as measured); "
+            if late:  # the measured L0 still named against its bound, so a miss reads as one
+                side = "within" if abs(l0b / l0a - 1) <= REINIT_L0_TOL + eps else "over"
+                bound = f"{side} the {100 * REINIT_L0_TOL:.0f} % bound"
+                verdict = (f"L0 not judged: {', '.join(late)} ({l0_change} as measured, {bound}); "
                            + ("dead % and val loss met" if not fails else verdict))
         where = _layers(r) if r.get("series") == "depth" else size_label(r["size"])
         tag = f" ({r['steps']} steps)" if several and r.get("steps") else ""
@@ -1418,6 +1420,40 @@ def cards_text(results: list[dict]) -> str:
             "of one card.")
 
 
+def as_run_text(series: list[dict]) -> str:
+    """What the depth series ran, per step count: tokens a row, epochs of the corpus, the L1
+    strengths with their depths, the re-init rows; then which step count the targets' answer
+    is (the longest, whose rows saw the most tokens). ``series``: the non-probe result dicts."""
+    by: dict[int, list[dict]] = {}
+    for r in series:
+        by.setdefault(r["row"].get("steps") or 0, []).append(r)
+    parts = []
+    for steps in sorted(by):
+        rs = by[steps]
+        tokens = max(r["summary"]["tokens_seen"] for r in rs)
+        l1s: dict[float, set] = {}
+        for r in rs:
+            if not r["row"]["reinit"]:
+                l1s.setdefault(r["row"]["l1_coeff"], set()).add(r["row"]["layers"])
+        strengths = "; ".join(
+            f"L1 {l1_text(l1) if l1 else '0 (dense)'} at {'/'.join(map(str, sorted(d)))} L"
+            for l1, d in sorted(l1s.items(), key=lambda kv: -kv[0]))
+        reinit = [r for r in rs if r["row"]["reinit"]]
+        re_text = "".join(f"; re-init at {_layers(r['row'])}, L1 {l1_text(r['row']['l1_coeff'])}"
+                          for r in reinit)
+        parts.append(f"{steps} steps ({len(rs)} rows, {tokens:,} tokens a row, "
+                     f"{tokens / CORPUS_TRAIN_TOKENS:.2f} epochs of the corpus): {strengths}"
+                     f"{re_text}")
+    longest = max(by)
+    text = ("**As run.** " + ". ".join(parts) + ". The plan's stand-in strengths gave way to "
+            "measured ones (the probe above; the L0-against-depth Lead for those chosen later).")
+    if len(by) > 1:
+        text += (f" The targets are judged per step count; the {longest}-step series, whose "
+                 "rows saw the most tokens, is the study's answer, and the shorter series' "
+                 "verdicts stand as what fewer tokens give.")
+    return text
+
+
 def _depth_results_md(series: list[dict], probe: list[dict], targets: list[dict], plots: dict,
                       judgements: dict) -> list[str]:
     """The depth series' results: the L1 probe, the targets, the runs table and the plots."""
@@ -1430,6 +1466,7 @@ def _depth_results_md(series: list[dict], probe: list[dict], targets: list[dict]
     if series:
         dt = [t for t in targets if t.get("series") == "depth"]
         out += [
+            "#### As run", "", as_run_text(series), "",
             "#### Targets", "",
             _targets_table(dt), "",
             "#### Runs", "", depth_runs_table(series), "",

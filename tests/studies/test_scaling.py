@@ -31,6 +31,7 @@ from studies.scaling_report import (
     PLOTS,
     ReportError,
     _settled_target,
+    as_run_text,
     check_targets,
     csv_row,
     floor_only,
@@ -547,3 +548,26 @@ def test_an_unsettled_reinit_row_alone_is_named_apart_from_the_plain_rows():
     assert _settled_target([plain, dict(re, settled=None)], "")["verdict"] == "not met"
     # no plain row at all: nothing to call met
     assert _settled_target([re], "")["verdict"] == "not met"
+
+
+def test_as_run_names_each_step_count_its_tokens_epochs_and_strengths():
+    def run(layers, l1, steps, reinit=False):
+        r = _result(f"depth_l{layers}", layers, l1, [10.0] * layers, reinit=reinit)
+        r["row"]["steps"] = steps
+        r["summary"]["tokens_seen"] = steps * 16 * 2048
+        return r
+
+    one = [run(8, 1e-3, 1000), run(38, 1e-3, 1000), run(8, 0.0, 1000)]
+    # 1000 x 16 x 2048 = 32,768,000 tokens; / 18,650,289 training tokens = 1.757 epochs
+    assert as_run_text(one) == (
+        "**As run.** 1000 steps (3 rows, 32,768,000 tokens a row, 1.76 epochs of the corpus): "
+        "L1 1e-3 at 8/38 L; L1 0 (dense) at 8 L. The plan's stand-in strengths gave way to "
+        "measured ones (the probe above; the L0-against-depth Lead for those chosen later).")
+    two = one + [run(18, 3e-4, 1500), run(38, 1e-3, 1500, reinit=True)]
+    text = as_run_text(two)
+    # 1500 x 16 x 2048 = 49,152,000 tokens = 2.635 epochs; the re-init row is named apart
+    assert ("1500 steps (2 rows, 49,152,000 tokens a row, 2.64 epochs of the corpus): L1 3e-4 "
+            "at 18 L; re-init at 38 L, L1 1e-3.") in text
+    assert text.endswith("the 1500-step series, whose rows saw the most tokens, is the study's "
+                         "answer, and the shorter series' verdicts stand as what fewer tokens "
+                         "give.")
