@@ -381,8 +381,8 @@ def test_dense_controls_csv_and_targets(tmp_path):
         "not met (1 of 2 in the range, settled)")
     re = t["re-init at 38 L, L1 1e-3"]  # 60 -> 20 % dead, L0 +4 %, val +0.005; both unsettled
     assert re["verdict"] == ("L0 not judged: re-init row not settled (50.0 %), plain row not "
-                             "settled (50.0 %) (L0 +4 % as measured, within the 10 % bound); dead % and val "
-                             "loss met")
+                             "settled (50.0 %) (L0 +4 % as measured, within the 10 % bound); "
+                             "dead % and val loss met")
     # unsettled, the other two conditions are still judged; without a move, no brackets
     worse = [dict(r, val_loss=r["val_loss"] + 0.02, settle_change_pct=None)
              if r["run"].endswith("_reinit") else r for r in rows]
