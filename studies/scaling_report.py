@@ -1423,34 +1423,35 @@ def cards_text(results: list[dict]) -> str:
 def as_run_text(series: list[dict]) -> str:
     """What the depth series ran, per step count: tokens a row, epochs of the corpus, the L1
     strengths with their depths, the re-init rows; then which step count the targets' answer
-    is (the longest, whose rows saw the most tokens). ``series``: the non-probe result dicts."""
-    by: dict[int, list[dict]] = {}
-    for r in series:
-        by.setdefault(r["row"].get("steps") or 0, []).append(r)
+    is (the longest, whose rows saw the most tokens): the issue's "the offline corpus repeated
+    for a few epochs is fine and stated".
+
+    Args:
+        series: the depth series' result dicts (no probe rows), at least one.
+
+    Raises:
+        ValueError: ``series`` is empty.
+    """
+    if not series:
+        raise ValueError("as_run_text: no depth-series results; pass at least one")
+    by = _by_steps([csv_row(r) for r in series])
     parts = []
-    for steps in sorted(by):
-        rs = by[steps]
-        tokens = max(r["summary"]["tokens_seen"] for r in rs)
-        l1s: dict[float, set] = {}
-        for r in rs:
-            if not r["row"]["reinit"]:
-                l1s.setdefault(r["row"]["l1_coeff"], set()).add(r["row"]["layers"])
+    for steps, rs in by.items():
+        tokens = round(1e6 * max(r["tokens_m"] for r in rs))
         strengths = "; ".join(
-            f"L1 {l1_text(l1) if l1 else '0 (dense)'} at {'/'.join(map(str, sorted(d)))} L"
-            for l1, d in sorted(l1s.items(), key=lambda kv: -kv[0]))
-        reinit = [r for r in rs if r["row"]["reinit"]]
-        re_text = "".join(f"; re-init at {_layers(r['row'])}, L1 {l1_text(r['row']['l1_coeff'])}"
-                          for r in reinit)
-        parts.append(f"{steps} steps ({len(rs)} rows, {tokens:,} tokens a row, "
+            f"L1 {l1_text(l1) if l1 else '0 (dense)'} at {'/'.join(str(r['layers']) for r in rr)} L"
+            for l1, rr in _plain_by_l1(rs).items())
+        re_text = "".join(f"; re-init at {_layers(r)}, L1 {l1_text(r['l1_coeff'])}"
+                          for r in rs if r["reinit"])
+        parts.append(f"{steps or 'unknown'} steps ({len(rs)} rows, {tokens:,} tokens a row, "
                      f"{tokens / CORPUS_TRAIN_TOKENS:.2f} epochs of the corpus): {strengths}"
                      f"{re_text}")
-    longest = max(by)
     text = ("**As run.** " + ". ".join(parts) + ". The plan's stand-in strengths gave way to "
             "measured ones (the probe above; the L0-against-depth Lead for those chosen later).")
     if len(by) > 1:
-        text += (f" The targets are judged per step count; the {longest}-step series, whose "
-                 "rows saw the most tokens, is the study's answer, and the shorter series' "
-                 "verdicts stand as what fewer tokens give.")
+        text += (f" The targets are judged per step count; the {max(s or 0 for s in by)}-step "
+                 "series, whose rows saw the most tokens, is the study's answer, and the shorter "
+                 "series' verdicts stand as what fewer tokens give.")
     return text
 
 

@@ -571,3 +571,19 @@ def test_as_run_names_each_step_count_its_tokens_epochs_and_strengths():
     assert text.endswith("the 1500-step series, whose rows saw the most tokens, is the study's "
                          "answer, and the shorter series' verdicts stand as what fewer tokens "
                          "give.")
+    with pytest.raises(ValueError, match="no depth-series results"):
+        as_run_text([])
+
+
+def test_panels_wrap_into_rows_of_four_and_hide_the_spare_cells():
+    from studies.scaling_plots import _panels
+
+    plt, fig, axes = _panels(6)
+    grid = fig.axes  # every cell of the 2 x 4 grid, in row order
+    assert len(axes) == 6 and axes == grid[:6] and len(grid) == 8
+    assert [a.get_visible() for a in grid] == [True] * 6 + [False] * 2
+    assert list(fig.get_size_inches()) == [20.0, 7.6]  # 4 x 5.0 wide, 2 x 3.8 high
+    plt.close(fig)
+    plt, fig, axes = _panels(2, width=6.0)
+    assert len(fig.axes) == 2 and list(fig.get_size_inches()) == [12.0, 3.8]
+    plt.close(fig)
