@@ -8,6 +8,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -260,3 +261,23 @@ def test_a_bad_manifest_is_refused(tmp_path, manifest):
     r = _run(["bash", "scripts/gpu_stash.sh"], here, env, check=False)
     assert r.returncode == 1 and "is not a manifest of build_carry.sh gguf" in r.stderr
     assert not (tmp_path / "twc").exists()
+
+
+@pytest.mark.skipif(shutil.which("xz") is None, reason="xz absent")
+def test_a_cache_without_eval_sets_says_how_to_add_them(tmp_path):
+    """``build_carry.sh cache`` packs the corpus and tokenizer; without ``evals/`` (which the
+    depth-series and relufy calls score with) it names the two commands that add them."""
+    repo = _checkout(tmp_path, "repo")
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    (repo / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    cache = tmp_path / "cache"
+    (cache / "corpus" / "mix").mkdir(parents=True)
+    (cache / "corpus" / "mix" / "manifest.json").write_text("{}")
+    (cache / "tokenizer").mkdir()
+    out = _run(["bash", "scripts/build_carry.sh", "cache"], repo, {"TWELL_CACHE": str(cache)}).stdout
+    assert "cache: corpus tokenizer from" in out
+    assert ("no eval sets carried" in out and "scaling_study.py --prepare-evals" in out
+            and "build_carry.sh cache" in out)
+    (cache / "evals").mkdir()
+    out = _run(["bash", "scripts/build_carry.sh", "cache"], repo, {"TWELL_CACHE": str(cache)}).stdout
+    assert "cache: corpus tokenizer evals from" in out and "no eval sets" not in out
