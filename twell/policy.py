@@ -191,8 +191,8 @@ class FFNPolicy:
                                        "<a fraction in [0, 1]>")
         mf = self.infer_min_flops
         if not (isinstance(mf, (int, float)) and math.isfinite(mf) and mf >= 0):
-            raise PolicyValueError("infer_min_flops", "must be a finite number >= 0",
-                                   self.infer_min_flops, "<a number >= 0>")
+            raise PolicyValueError("infer_min_flops", "must be a finite number >= 0", mf,
+                                   "<a number >= 0>")
         for name in ("infer_min_rows", "ell_capacity", "max_hot_units", "infer_long_rows",
                      "infer_long_min_nnz"):
             v = getattr(self, name)
