@@ -651,14 +651,14 @@ def _reinit_targets(rows: list[dict]) -> list[dict]:
                 for name, x in (("re-init row", r), ("plain row", base))
                 if x.get("settled") is False]
             l0_change = f"L0 {100 * (l0b / l0a - 1):+.0f} %"
-            if not late and not abs(l0b / l0a - 1) <= REINIT_L0_TOL + eps:
+            l0_ok = abs(l0b / l0a - 1) <= REINIT_L0_TOL + eps
+            if not late and not l0_ok:
                 fails.append(l0_change)
             if not vb - va <= REINIT_VAL_TOL + eps:
                 fails.append(f"val loss {vb - va:+.3f}")
             verdict = "met" if not fails else "not reproduced (" + "; ".join(fails) + ")"
             if late:  # the measured L0 still named against its bound, so a miss reads as one
-                side = "within" if abs(l0b / l0a - 1) <= REINIT_L0_TOL + eps else "over"
-                bound = f"{side} the {100 * REINIT_L0_TOL:.0f} % bound"
+                bound = f"{'within' if l0_ok else 'over'} the {100 * REINIT_L0_TOL:.0f} % bound"
                 verdict = (f"L0 not judged: {', '.join(late)} ({l0_change} as measured, {bound}); "
                            + ("dead % and val loss met" if not fails else verdict))
         where = _layers(r) if r.get("series") == "depth" else size_label(r["size"])
